@@ -1,0 +1,52 @@
+# kvlm: the two commands of the README's quick start, plus their building blocks.
+#   make demo   install what is missing, build, generate with the bundled model
+#   make test   install, build (CUDA sources too when nvcc exists), run every CPU test
+#               under AddressSanitizer + UBSan, and a short fuzzing run of the safetensors parser
+
+BUILD       ?= build
+ASAN_BUILD  ?= build-asan
+FUZZ_BUILD  ?= build-fuzz
+JOBS        ?= $(shell nproc)
+FUZZ_SECONDS ?= 30
+CMAKE_FLAGS ?=
+
+.PHONY: all deps build demo test test-release test-asan fuzz clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps
+
+build: deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake --build $(BUILD) -j $(JOBS)
+
+demo: build
+	@echo
+	@echo "== kvlm inspect: the per-layer KV plan of the bundled model with an FP8 cache"
+	./$(BUILD)/kvlm inspect --kv-cache-dtype fp8_per_token_head
+	@echo
+	@echo "== kvlm generate: greedy continuation of a prompt (token ids; the bundled model has no tokenizer)"
+	./$(BUILD)/kvlm generate --prompt-ids 1,403,407,261,378,324,434,412,281,266,397,261 --max-tokens 32 --temperature 0 --kv-cache-dtype fp8_per_token_head
+
+# Release build (compiles the CUDA sources when nvcc is present) + its tests, then the
+# sanitizer build's tests, then the fuzzer.
+test: build test-release test-asan fuzz
+
+test-release: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-asan: deps
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVLM_SANITIZE=ON -DKVLM_CUDA=OFF $(CMAKE_FLAGS)
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest --output-on-failure -j $(JOBS)
+
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVLM_FUZZ=ON \
+	  -DKVLM_CUDA=OFF -DKVLM_TESTS=OFF $(CMAKE_FLAGS)
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors
+	bash fuzz/run.sh $(FUZZ_BUILD)/fuzz/fuzz_safetensors $(FUZZ_SECONDS)
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

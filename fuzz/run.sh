@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs the safetensors fuzzer for a few seconds from a seed corpus of valid and damaged files.
+# usage: fuzz/run.sh path/to/fuzz_safetensors SECONDS
+set -euo pipefail
+bin=$1
+seconds=${2:-30}
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/corpus"
+cp "$here"/seeds/* "$work/corpus/"
+# Real checkpoints' headers make good seeds too (first 4 KiB of each).
+for f in "$here"/../tests/golden/models/*/*.safetensors; do
+  head -c 4096 "$f" > "$work/corpus/$(basename "$(dirname "$f")")-$(basename "$f")"
+done
+"$bin" -max_total_time="$seconds" -max_len=4096 -timeout=5 -print_final_stats=1 "$work/corpus" 2>&1 | tail -n 12
+echo "fuzz: ${seconds}s of fuzz_safetensors without a crash"

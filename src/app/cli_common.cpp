@@ -1,0 +1,81 @@
+#include "app/cli_common.h"
+
+#include <unistd.h>
+
+#include <charconv>
+
+#include "core/error.h"
+
+#ifndef KVLM_SOURCE_DIR
+#define KVLM_SOURCE_DIR ""
+#endif
+
+namespace kvlm::app {
+
+void ModelFlags::add_to(CLI::App& cmd) {
+  cmd.add_option("--model,-m", model, "Hugging Face model directory (default: the bundled stories260K model)");
+  cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
+                 "KV cache precision: auto, float16, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, "
+                 "fp8_per_token_head, int8_per_token_head")
+      ->capture_default_str();
+  cmd.add_option("--kv-cache-dtype-skip-layers", skip_layers,
+                 "layers that keep the model dtype: indices and/or 'sliding_window', e.g. 0,27,sliding_window");
+  cmd.add_option("--attention-backend", attention_backend, "force an attention backend by name (see `kvlm inspect`)");
+  cmd.add_option("--device", device, "auto, cpu or cuda (auto: the GPU when one is usable)")->capture_default_str();
+  cmd.add_option("--dtype", dtype,
+                 "model dtype: auto (the checkpoint's), float32, bfloat16, float16; an auto KV cache follows it "
+                 "(the CPU backend computes in float32 either way)")
+      ->capture_default_str();
+  cmd.add_option("--block-size", block_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
+}
+
+std::filesystem::path default_model_dir() {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::vector<fs::path> candidates;
+  if (const char* env = std::getenv("KVLM_DEFAULT_MODEL"); env && *env) candidates.emplace_back(env);
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n > 0) {
+    const fs::path exe_dir = fs::path(std::string(buf, size_t(n))).parent_path();
+    candidates.push_back(exe_dir / "../models/stories260K");
+    candidates.push_back(exe_dir / "../share/kvlm/models/stories260K");
+  }
+  if (*KVLM_SOURCE_DIR) candidates.push_back(fs::path(KVLM_SOURCE_DIR) / "models/stories260K");
+  for (const auto& c : candidates)
+    if (fs::exists(c / "config.json", ec)) return fs::weakly_canonical(c, ec);
+  throw Error("no --model given and the bundled model (models/stories260K) was not found; pass --model DIR");
+}
+
+std::filesystem::path ModelFlags::model_dir() const { return model.empty() ? default_model_dir() : std::filesystem::path(model); }
+
+CacheConfig ModelFlags::cache_config() const {
+  CacheConfig c;
+  c.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+  c.skip_layers = parse_skip_layers(skip_layers);
+  validate_block_size(block_size);
+  c.block_size = block_size;
+  if (!attention_backend.empty()) c.attention_backend = attention_backend;
+  return c;
+}
+
+std::vector<TokenId> parse_token_ids(std::string_view text) {
+  std::vector<TokenId> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    while (i < text.size() && (text[i] == ',' || text[i] == ' ' || text[i] == '[' || text[i] == ']')) ++i;
+    size_t j = i;
+    while (j < text.size() && text[j] != ',' && text[j] != ' ' && text[j] != ']') ++j;
+    if (j == i) break;
+    const std::string_view tok = text.substr(i, j - i);
+    long long v = -1;
+    auto [p, ec] = std::from_chars(tok.data(), tok.data() + tok.size(), v);
+    if (ec != std::errc() || p != tok.data() + tok.size() || v < 0 || v > INT32_MAX)
+      throw Error("invalid token id '" + std::string(tok) + "' in --prompt-ids; expected non-negative integers like 1,2,3");
+    out.push_back(TokenId(v));
+    i = j;
+  }
+  return out;
+}
+
+}  // namespace kvlm::app

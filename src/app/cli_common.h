@@ -1,0 +1,35 @@
+// Options and helpers shared by the `kvlm` subcommands.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "config/cache_config.h"
+#include "engine/engine.h"
+
+namespace kvlm::app {
+
+// Flags that pick the model and shape its KV cache, as vLLM names them.
+struct ModelFlags {
+  std::string model;  // empty: the bundled default model
+  std::string kv_cache_dtype = "auto";
+  std::string skip_layers;
+  std::string attention_backend;
+  std::string device = "auto";
+  std::string dtype = "auto";
+  int block_size = 16;
+
+  void add_to(CLI::App& cmd);
+  std::filesystem::path model_dir() const;   // resolves the bundled default
+  CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
+};
+
+// The bundled default model directory (models/stories260K next to the sources or binary).
+std::filesystem::path default_model_dir();
+
+// Parses "1,2,3" / "1 2 3" into token ids; throws kvlm::Error on anything else.
+std::vector<TokenId> parse_token_ids(std::string_view text);
+
+}  // namespace kvlm::app

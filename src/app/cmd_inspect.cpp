@@ -1,0 +1,136 @@
+// kvlm inspect: print the resolved per-layer KV plan without loading weights.
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "app/commands.h"
+#include "attention/registry.h"
+#include "core/error.h"
+#include "engine/engine.h"
+
+namespace kvlm::app {
+
+CLI::App* add_inspect(CLI::App& app, InspectFlags& f) {
+  auto* cmd = app.add_subcommand("inspect", "Show the per-layer KV-cache plan a model would run with");
+  f.model.add_to(*cmd);
+  cmd->add_flag("--json", f.json, "print the plan as JSON");
+  return cmd;
+}
+
+namespace {
+
+std::string kind_str(const KVLayerSpec& l) {
+  std::string s(attention_kind_name(l.attn.kind));
+  if (l.attn.kind == AttentionKind::Sliding) s += "(" + std::to_string(l.attn.window) + ")";
+  return s;
+}
+
+std::string scale_str(const KVLayerSpec& l) {
+  if (l.scale_source == ScaleSource::CheckpointTensor) {
+    // Show the k tensor's name; the v tensor follows the same pattern.
+    std::string s = l.k_scale_name;
+    if (l.k_scale.size() > 1) s += " [" + std::to_string(l.k_scale.size()) + " heads]";
+    return s;
+  }
+  return std::string(scale_source_name(l.scale_source));
+}
+
+}  // namespace
+
+int run_inspect(const InspectFlags& f) {
+  const auto dir = f.model.model_dir();
+  const CacheConfig cache = f.model.cache_config();
+  const Device device = resolve_device(parse_device(f.model.device));
+  const Checkpoint ckpt = Checkpoint::open(dir);
+  const ModelPlan mp = plan_model(dir, ckpt, cache, SelectionContext{.device = device, .forced = cache.attention_backend},
+                                  parse_model_dtype(f.model.dtype));
+  const KVPlan& plan = mp.plan;
+  const ModelConfig& cfg = mp.config;
+  // The same model with an unquantized cache in the model dtype, for the capacity ratio.
+  size_t baseline = 0;
+  for (const auto& l : plan.layers) baseline += 2 * size_t(l.attn.num_kv_heads) * size_t(l.attn.head_dim) * dtype_size(mp.dtype);
+
+  if (f.json) {
+    nlohmann::json j;
+    j["model"] = dir.string();
+    j["architecture"] = std::string(arch_name(cfg.arch));
+    j["model_dtype"] = std::string(dtype_name(mp.dtype));
+    j["device"] = std::string(device_name(device));
+    j["kv_cache_dtype"] = std::string(kv_cache_dtype_name(plan.requested));
+    j["resolved"] = {{"storage", std::string(dtype_name(plan.resolution.storage.storage))},
+                     {"quant_mode", std::string(kv_quant_mode_name(plan.resolution.storage.mode))},
+                     {"source", std::string(dtype_source_name(plan.resolution.source))},
+                     {"note", plan.resolution.note}};
+    if (cfg.kv_scheme) j["checkpoint_kv_scheme"] = cfg.kv_scheme->origin;
+    nlohmann::json layers = nlohmann::json::array();
+    for (const auto& l : plan.layers) {
+      nlohmann::json e{{"model", l.attn.model},
+                       {"layer", l.attn.layer},
+                       {"attention", std::string(attention_kind_name(l.attn.kind))},
+                       {"kv_dtype", std::string(dtype_name(l.storage))},
+                       {"quant_mode", std::string(kv_quant_mode_name(l.quant))},
+                       {"dtype_source", std::string(dtype_source_name(l.dtype_source))},
+                       {"scale_source", std::string(scale_source_name(l.scale_source))},
+                       {"backend", l.backend},
+                       {"num_kv_heads", l.attn.num_kv_heads},
+                       {"head_dim", l.attn.head_dim},
+                       {"bytes_per_token", l.bytes_per_token()}};
+      if (l.attn.kind == AttentionKind::Sliding) e["window"] = l.attn.window;
+      if (l.scale_source == ScaleSource::CheckpointTensor) {
+        e["k_scale_tensor"] = l.k_scale_name;
+        e["v_scale_tensor"] = l.v_scale_name;
+      }
+      if (l.quant == KVQuantMode::Fp8PerTensor) {
+        e["k_scale"] = l.k_scale;
+        e["v_scale"] = l.v_scale;
+      }
+      layers.push_back(e);
+    }
+    j["layers"] = layers;
+    j["kv_bytes_per_token"] = plan.bytes_per_token();
+    j["model_dtype_kv_bytes_per_token"] = baseline;
+    j["warnings"] = plan.warnings;
+    nlohmann::json backends = nlohmann::json::array();
+    for (const auto& b : builtin_backend_caps())
+      backends.push_back({{"name", b.name}, {"device", std::string(device_name(b.device))}, {"priority", b.priority},
+                          {"description", b.description}});
+    j["backends"] = backends;
+    std::cout << j.dump(2) << std::endl;
+    return 0;
+  }
+
+  std::cout << "model      " << dir.string() << "\n"
+            << "           " << arch_name(cfg.arch) << ", " << cfg.num_layers << " layers, " << cfg.num_heads << " q heads / "
+            << cfg.num_kv_heads << " kv heads, head_dim " << cfg.head_dim << ", model dtype " << dtype_name(mp.dtype) << "\n";
+  if (cfg.kv_scheme) std::cout << "checkpoint declares " << cfg.kv_scheme->origin << "\n";
+  std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtype_name(plan.requested) << " -> "
+            << dtype_name(plan.resolution.storage.storage) << " / " << kv_quant_mode_name(plan.resolution.storage.mode) << " ("
+            << dtype_source_name(plan.resolution.source) << (plan.resolution.note.empty() ? "" : "; " + plan.resolution.note)
+            << ")\n\n";
+  std::vector<std::vector<std::string>> rows{
+      {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "backend", "bytes/token"}};
+  for (const auto& l : plan.layers)
+    rows.push_back({(l.attn.model == "target" ? "" : l.attn.model + ":") + std::to_string(l.attn.layer), kind_str(l),
+                    std::string(dtype_name(l.storage)), std::string(kv_quant_mode_name(l.quant)),
+                    std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.backend,
+                    std::to_string(l.bytes_per_token())});
+  std::vector<size_t> width(rows[0].size(), 0);
+  for (const auto& r : rows)
+    for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
+  for (const auto& r : rows) {
+    for (size_t c = 0; c < r.size(); ++c) {
+      const bool numeric = c == 0 || c + 1 == r.size();
+      std::cout << (numeric ? std::right : std::left) << std::setw(int(width[c])) << r[c] << (c + 1 < r.size() ? "  " : "\n");
+    }
+  }
+  std::ostringstream ratio;
+  ratio << std::fixed << std::setprecision(2) << double(baseline) / double(plan.bytes_per_token());
+  std::cout << "\ntotal KV bytes per token: " << plan.bytes_per_token() << " (" << dtype_name(mp.dtype) << " cache: " << baseline
+            << ", " << ratio.str() << "x the tokens in the same memory)\n";
+  for (const auto& w : plan.warnings) std::cout << "warning: " << w << "\n";
+  return 0;
+}
+
+}  // namespace kvlm::app

@@ -1,0 +1,46 @@
+// kvlm: the command-line entry point.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
+
+#include "app/commands.h"
+#include "core/error.h"
+#include "core/log.h"
+
+#ifndef KVLM_VERSION
+#define KVLM_VERSION "0.1.0"
+#endif
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvlm: LLM inference with a KV cache in any precision, chosen per layer"};
+  app.set_version_flag("--version", KVLM_VERSION);
+  app.require_subcommand(1);
+  bool verbose = false, quiet = false;
+  app.add_flag("-v,--verbose", verbose, "more diagnostics on stderr");
+  app.add_flag("-q,--quiet", quiet, "no warnings on stderr");
+  kvlm::app::GenerateFlags gen;
+  kvlm::app::InspectFlags insp;
+  auto* gen_cmd = kvlm::app::add_generate(app, gen);
+  auto* insp_cmd = kvlm::app::add_inspect(app, insp);
+  for (auto* cmd : {gen_cmd, insp_cmd}) cmd->fallthrough();  // -q / -v may follow the subcommand
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help / --version exit 0; usage errors exit 2
+  }
+  kvlm::log::set_level(quiet ? kvlm::log::Level::Quiet : verbose ? kvlm::log::Level::Info : kvlm::log::Level::Warn);
+  try {
+    if (gen_cmd->parsed()) return kvlm::app::run_generate(gen);
+    if (insp_cmd->parsed()) return kvlm::app::run_inspect(insp);
+  } catch (const kvlm::Error& e) {
+    std::fprintf(stderr, "kvlm: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "kvlm: error: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvlm: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

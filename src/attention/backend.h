@@ -1,0 +1,69 @@
+// The attention backend interface and its capability declaration.
+//
+// A backend states what it truly handles as data — a whitelist (seed 004) — and the
+// selector (selector.h) picks one per layer from those declarations alone. A backend is
+// only ever handed layers whose spec passed its capability check.
+#pragma once
+
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config/kv_plan.h"
+#include "core/index_types.h"
+#include "kv/kv_cache.h"
+
+namespace kvlm {
+
+enum class Device : uint8_t { Cpu, Cuda };
+std::string_view device_name(Device d);
+
+struct BackendCapabilities {
+  std::string name;
+  Device device = Device::Cpu;
+  // Whitelists: a layer fits only if its (storage, quant mode) pair is listed here.
+  std::vector<KVStorage> kv_formats;
+  std::vector<int> head_sizes;          // empty: any even head size up to max_head_size
+  int max_head_size = 1024;
+  bool causal = true;
+  bool sliding_window = false;
+  bool non_causal = false;
+  int min_compute_capability = 0;       // e.g. 90 for sm_90; 0 = no requirement (CPU)
+  int priority = 0;                     // higher wins among backends that fit
+  std::string description;
+};
+
+// One sequence of a flattened batch. Its new tokens were already stored in the cache, so
+// query row i (0 <= i < q_len) sits at position kv_len - q_len + i.
+struct AttnSeq {
+  int32_t q_begin = 0;  // first row in the query / output buffers
+  int32_t q_len = 0;
+  int32_t kv_len = 0;   // tokens cached for this sequence, including the new ones
+  std::span<const BlockId> block_table;  // [ceil(kv_len / block_size)] page ids
+};
+
+struct AttentionCall {
+  std::span<const float> q;    // [num_tokens][num_q_heads][head_dim], RoPE applied
+  std::span<float> out;        // [num_tokens][num_q_heads][head_dim]
+  std::span<const AttnSeq> seqs;
+  float softmax_scale = 1.0f;  // usually head_dim^-0.5
+};
+
+struct KVWrite {
+  std::span<const float> k;      // [num_tokens][num_kv_heads][head_dim], RoPE applied
+  std::span<const float> v;      // [num_tokens][num_kv_heads][head_dim]
+  std::span<const SlotId> slots; // [num_tokens]: block_id * block_size + offset
+};
+
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  virtual const BackendCapabilities& caps() const = 0;
+  // Quantize (per the layer's spec) and scatter K/V rows into the layer's pages.
+  virtual void store_kv(LayerKVCache& cache, const KVWrite& w) const = 0;
+  // Attention of the queries over the paged cache, with the mask of the layer's kind:
+  // full (causal), sliding (causal, window) or non-causal (every cached token).
+  virtual void attend(const LayerKVCache& cache, const AttentionCall& call) const = 0;
+};
+
+}  // namespace kvlm

@@ -1,0 +1,178 @@
+#include "attention/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention/kv_format.h"
+#include "core/error.h"
+
+namespace kvlm {
+
+const BackendCapabilities& CpuAttentionBackend::capabilities() {
+  static const BackendCapabilities caps{
+      .name = "cpu",
+      .device = Device::Cpu,
+      .kv_formats = {{DType::F32, KVQuantMode::None},
+                     {DType::F16, KVQuantMode::None},
+                     {DType::BF16, KVQuantMode::None},
+                     {DType::F8E4M3, KVQuantMode::Fp8PerTensor},
+                     {DType::F8E5M2, KVQuantMode::Fp8PerTensor},
+                     {DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
+                     {DType::I8, KVQuantMode::Int8PerTokenHead}},
+      .head_sizes = {},
+      .max_head_size = 1024,
+      .causal = true,
+      .sliding_window = true,
+      .non_causal = true,
+      .min_compute_capability = 0,
+      .priority = 10,
+      .description = "reference backend: every KV format, every mask, fp32 accumulation",
+  };
+  return caps;
+}
+
+void CpuAttentionBackend::store_kv(LayerKVCache& c, const KVWrite& w) const {
+  const KVLayerSpec& s = *c.spec;
+  const int kvh = s.attn.num_kv_heads, d = s.attn.head_dim;
+  const size_t n = w.slots.size();
+  KVLM_CHECK(w.k.size() == n * size_t(kvh * d) && w.v.size() == w.k.size(), "K/V rows do not match the slot count");
+  const size_t esz = dtype_size(s.storage);
+  kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    for (size_t i = 0; i < n; ++i) {
+      const SlotId slot = w.slots[i];
+      KVLM_CHECK(slot >= 0 && slot < SlotId(c.num_blocks) * c.block_size, "slot out of range");
+      const int64_t block = slot / c.block_size;
+      const int off = int(slot % c.block_size);
+      for (int g = 0; g < kvh; ++g) {
+        const size_t src = (i * size_t(kvh) + size_t(g)) * size_t(d);
+        const size_t dst = c.row(block, g, off) * esz;
+        const float ks = Fmt::encode_row(w.k.subspan(src, size_t(d)), c.k.data() + dst, s.k_scale_for(g));
+        const float vs = Fmt::encode_row(w.v.subspan(src, size_t(d)), c.v.data() + dst, s.v_scale_for(g));
+        if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
+          c.k_scale[c.scale_index(block, g, off)] = ks;
+          c.v_scale[c.scale_index(block, g, off)] = vs;
+        }
+      }
+    }
+  });
+}
+
+namespace {
+
+constexpr int kQueryTile = 16;  // queries sharing one decoded page
+
+struct Span {
+  int lo, hi;  // visible key positions [lo, hi)
+};
+
+Span visible(const KVLayerSpec& s, int pos, int kv_len) {
+  switch (s.attn.kind) {
+    case AttentionKind::Full: return {0, pos + 1};
+    case AttentionKind::Sliding: return {std::max(0, pos - s.attn.window + 1), pos + 1};
+    case AttentionKind::NonCausal: return {0, kv_len};
+  }
+  return {0, 0};
+}
+
+}  // namespace
+
+void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& call) const {
+  const KVLayerSpec& s = *c.spec;
+  const int nh = s.attn.num_q_heads, kvh = s.attn.num_kv_heads, d = s.attn.head_dim, bs = c.block_size;
+  const int group = nh / kvh;
+  const size_t esz = dtype_size(s.storage);
+  KVLM_CHECK(call.q.size() == call.out.size(), "query and output sizes differ");
+  for (const AttnSeq& seq : call.seqs) {
+    KVLM_CHECK(seq.q_len >= 0 && seq.q_len <= seq.kv_len, "more queries than cached tokens");
+    KVLM_CHECK(size_t(seq.q_begin + seq.q_len) * size_t(nh * d) <= call.q.size(), "query rows out of range");
+    KVLM_CHECK(seq.block_table.size() * size_t(bs) >= size_t(seq.kv_len), "block table shorter than the context");
+    for (BlockId b : seq.block_table) KVLM_CHECK(b >= 0 && b < c.num_blocks, "block id out of range");
+  }
+  kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    for (const AttnSeq& seq : call.seqs) {
+      const int first_pos = seq.kv_len - seq.q_len;
+      const int tiles = (seq.q_len + kQueryTile - 1) / kQueryTile;
+#pragma omp parallel for collapse(2) schedule(dynamic)
+      for (int g = 0; g < kvh; ++g) {
+        for (int tile = 0; tile < tiles; ++tile) {
+          const int t0 = tile * kQueryTile, t1 = std::min(seq.q_len, t0 + kQueryTile);
+          const int rows = (t1 - t0) * group;
+          // Online-softmax state per (query, head of the group): running max, sum, output.
+          std::vector<float> m(size_t(rows), -std::numeric_limits<float>::infinity()), l(size_t(rows), 0.0f);
+          std::vector<float> acc(size_t(rows) * size_t(d), 0.0f);
+          std::vector<float> kpage(size_t(bs) * size_t(d)), vpage(size_t(bs) * size_t(d));
+          std::vector<float> score(static_cast<size_t>(bs));
+          int lo = std::numeric_limits<int>::max(), hi = 0;
+          for (int t = t0; t < t1; ++t) {
+            const Span sp = visible(s, first_pos + t, seq.kv_len);
+            lo = std::min(lo, sp.lo);
+            hi = std::max(hi, sp.hi);
+          }
+          for (int bi = lo / bs; bi * bs < hi; ++bi) {
+            const BlockId page = seq.block_table[size_t(bi)];
+            const int j0 = std::max(lo, bi * bs), j1 = std::min(hi, (bi + 1) * bs);
+            for (int j = j0; j < j1; ++j) {
+              const int off = j - bi * bs;
+              const size_t at = c.row(page, g, off) * esz;
+              float ks = 1.0f, vs = 1.0f;
+              if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTensor) {
+                ks = s.k_scale_for(g);
+                vs = s.v_scale_for(g);
+              } else if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
+                ks = c.k_scale[c.scale_index(page, g, off)];
+                vs = c.v_scale[c.scale_index(page, g, off)];
+              }
+              Fmt::decode_row(c.k.data() + at, ks, {kpage.data() + size_t(off) * size_t(d), size_t(d)});
+              Fmt::decode_row(c.v.data() + at, vs, {vpage.data() + size_t(off) * size_t(d), size_t(d)});
+            }
+            for (int t = t0; t < t1; ++t) {
+              const Span sp = visible(s, first_pos + t, seq.kv_len);
+              const int a = std::max(j0, sp.lo), b = std::min(j1, sp.hi);
+              if (a >= b) continue;
+              for (int hg = 0; hg < group; ++hg) {
+                const int h = g * group + hg;
+                const float* q = call.q.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
+                const size_t r = size_t(t - t0) * size_t(group) + size_t(hg);
+                float pmax = -std::numeric_limits<float>::infinity();
+                for (int j = a; j < b; ++j) {
+                  const float* k = kpage.data() + size_t(j - bi * bs) * size_t(d);
+                  float dot = 0.0f;
+                  for (int x = 0; x < d; ++x) dot += q[x] * k[x];
+                  score[size_t(j - a)] = dot * call.softmax_scale;
+                  pmax = std::max(pmax, score[size_t(j - a)]);
+                }
+                const float new_m = std::max(m[r], pmax);
+                const float correction = std::exp(m[r] - new_m);  // exp(-inf) = 0 on the first page
+                float* o = acc.data() + r * size_t(d);
+                for (int x = 0; x < d; ++x) o[x] *= correction;
+                l[r] *= correction;
+                for (int j = a; j < b; ++j) {
+                  const float p = std::exp(score[size_t(j - a)] - new_m);
+                  l[r] += p;
+                  const float* v = vpage.data() + size_t(j - bi * bs) * size_t(d);
+                  for (int x = 0; x < d; ++x) o[x] += p * v[x];
+                }
+                m[r] = new_m;
+              }
+            }
+          }
+          for (int t = t0; t < t1; ++t) {
+            for (int hg = 0; hg < group; ++hg) {
+              const int h = g * group + hg;
+              const size_t r = size_t(t - t0) * size_t(group) + size_t(hg);
+              float* out = call.out.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
+              const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+              for (int x = 0; x < d; ++x) out[x] = acc[r * size_t(d) + size_t(x)] * inv;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace kvlm

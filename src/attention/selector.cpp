@@ -1,0 +1,83 @@
+#include "attention/selector.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace kvlm {
+
+std::string_view device_name(Device d) { return d == Device::Cpu ? "cpu" : "cuda"; }
+
+std::string describe_layer(const KVLayerSpec& l) {
+  std::string kind(attention_kind_name(l.attn.kind));
+  if (l.attn.kind == AttentionKind::Sliding) kind += "(" + std::to_string(l.attn.window) + ")";
+  return (l.attn.model == "target" ? "" : l.attn.model + " ") + "layer " + std::to_string(l.attn.layer) + " (" + kind +
+         ", KV " + std::string(dtype_name(l.storage)) + "/" + std::string(kv_quant_mode_name(l.quant)) + ", head_dim " +
+         std::to_string(l.attn.head_dim) + ")";
+}
+
+std::optional<std::string> rejection_reason(const BackendCapabilities& c, const KVLayerSpec& l, const SelectionContext& ctx) {
+  if (c.device != ctx.device)
+    return "runs on " + std::string(device_name(c.device)) + ", not " + std::string(device_name(ctx.device));
+  if (c.min_compute_capability > 0 && ctx.compute_capability < c.min_compute_capability)
+    return "needs compute capability " + std::to_string(c.min_compute_capability) + ", device has " +
+           std::to_string(ctx.compute_capability);
+  const KVStorage fmt{l.storage, l.quant};
+  if (std::ranges::find(c.kv_formats, fmt) == c.kv_formats.end())
+    return "does not handle KV " + std::string(dtype_name(l.storage)) + " with quant mode " +
+           std::string(kv_quant_mode_name(l.quant));
+  const int hd = l.attn.head_dim;
+  if (c.head_sizes.empty() ? (hd % 2 != 0 || hd > c.max_head_size)
+                           : std::ranges::find(c.head_sizes, hd) == c.head_sizes.end()) {
+    std::string sizes;
+    for (int s : c.head_sizes) sizes += (sizes.empty() ? "" : ", ") + std::to_string(s);
+    return "does not support head_dim " + std::to_string(hd) +
+           (c.head_sizes.empty() ? " (even sizes up to " + std::to_string(c.max_head_size) + ")" : " (supports " + sizes + ")");
+  }
+  switch (l.attn.kind) {
+    case AttentionKind::Full:
+      if (!c.causal) return std::string("does not support causal attention");
+      break;
+    case AttentionKind::Sliding:
+      if (!c.sliding_window) return std::string("does not support sliding-window attention");
+      break;
+    case AttentionKind::NonCausal:
+      if (!c.non_causal) return std::string("does not support non-causal attention");
+      break;
+  }
+  return std::nullopt;
+}
+
+const BackendCapabilities& select_backend(const KVLayerSpec& l, std::span<const BackendCapabilities> backends,
+                                          const SelectionContext& ctx) {
+  if (ctx.forced) {
+    auto it = std::ranges::find_if(backends, [&](const auto& b) { return b.name == *ctx.forced; });
+    if (it == backends.end()) {
+      std::string names;
+      for (const auto& b : backends) names += (names.empty() ? "" : ", ") + b.name;
+      throw Error("unknown --attention-backend '" + *ctx.forced + "'; available backends: " + names);
+    }
+    if (auto why = rejection_reason(*it, l, ctx))
+      throw Error("--attention-backend " + it->name + " cannot run " + describe_layer(l) + ": it " + *why);
+    return *it;
+  }
+  const BackendCapabilities* best = nullptr;
+  std::string reasons;
+  for (const auto& b : backends) {
+    if (auto why = rejection_reason(b, l, ctx)) {
+      reasons += "\n  " + b.name + ": " + *why;
+    } else if (!best || b.priority > best->priority) {
+      best = &b;
+    }
+  }
+  if (!best)
+    throw Error("no attention backend can run " + describe_layer(l) + " on " + std::string(device_name(ctx.device)) +
+                ". Reasons:" + reasons);
+  return *best;
+}
+
+void assign_backends(KVPlan& plan, std::span<const BackendCapabilities> backends, const SelectionContext& ctx) {
+  for (auto& l : plan.layers) l.backend = select_backend(l, backends, ctx).name;
+}
+
+}  // namespace kvlm

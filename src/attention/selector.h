@@ -1,0 +1,34 @@
+// Attention backend selection: a pure function of a layer's spec, the backends'
+// capability declarations and the runtime context (device, compute capability, a forced
+// backend name). Every rejection carries its reason, and a failed selection lists them all.
+#pragma once
+
+#include <optional>
+#include <span>
+#include <string>
+
+#include "attention/backend.h"
+
+namespace kvlm {
+
+struct SelectionContext {
+  Device device = Device::Cpu;
+  int compute_capability = 0;             // of the GPU in use; 0 on the CPU
+  std::optional<std::string> forced;      // --attention-backend NAME
+};
+
+// nullopt when `caps` covers the layer in this context, else the reason it does not.
+std::optional<std::string> rejection_reason(const BackendCapabilities& caps, const KVLayerSpec& layer,
+                                            const SelectionContext& ctx);
+
+// The highest-priority backend that fits (or the forced one, if it fits). Throws
+// kvlm::Error listing every backend with its reason when none does.
+const BackendCapabilities& select_backend(const KVLayerSpec& layer, std::span<const BackendCapabilities> backends,
+                                          const SelectionContext& ctx);
+
+// Runs select_backend on every layer of the plan and records the choice in the spec.
+void assign_backends(KVPlan& plan, std::span<const BackendCapabilities> backends, const SelectionContext& ctx);
+
+std::string describe_layer(const KVLayerSpec& layer);  // "layer 3 (sliding(8), fp8_e4m3/fp8_per_tensor, 4x128)"
+
+}  // namespace kvlm

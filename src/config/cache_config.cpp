@@ -1,0 +1,38 @@
+#include "config/cache_config.h"
+
+#include <charconv>
+
+#include "core/error.h"
+
+namespace kvlm {
+
+SkipLayers parse_skip_layers(std::string_view text) {
+  SkipLayers out;
+  size_t i = 0;
+  while (i < text.size()) {
+    while (i < text.size() && (text[i] == ',' || text[i] == ' ')) ++i;
+    size_t j = i;
+    while (j < text.size() && text[j] != ',' && text[j] != ' ') ++j;
+    if (j == i) break;
+    const std::string_view tok = text.substr(i, j - i);
+    i = j;
+    if (tok == "sliding_window") {
+      out.sliding_window = true;
+      continue;
+    }
+    int v = -1;
+    auto [p, ec] = std::from_chars(tok.data(), tok.data() + tok.size(), v);
+    if (ec != std::errc() || p != tok.data() + tok.size() || v < 0)
+      throw Error("invalid --kv-cache-dtype-skip-layers entry '" + std::string(tok) +
+                  "'; expected layer indices (0, 1, ...) and/or 'sliding_window', separated by commas");
+    out.indices.push_back(v);
+  }
+  return out;
+}
+
+void validate_block_size(int b) {
+  if (b < 1 || b > 256 || (b & (b - 1)) != 0)
+    throw Error("invalid --block-size " + std::to_string(b) + "; use a power of two between 1 and 256 (16 is the usual choice)");
+}
+
+}  // namespace kvlm

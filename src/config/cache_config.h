@@ -1,0 +1,34 @@
+// CacheConfig: the user's KV-cache options, parsed and validated from CLI text once.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace kvlm {
+
+// --kv-cache-dtype-skip-layers: layer indices and/or the attention type `sliding_window`.
+struct SkipLayers {
+  std::vector<int> indices;
+  bool sliding_window = false;
+  bool empty() const { return indices.empty() && !sliding_window; }
+};
+
+// Parses "0,5,sliding_window" (commas and/or spaces). Throws kvlm::Error on anything else.
+// Indices are range-checked later against the model (build_kv_plan).
+SkipLayers parse_skip_layers(std::string_view text);
+
+struct CacheConfig {
+  KVCacheDType kv_cache_dtype = KVCacheDType::Auto;
+  SkipLayers skip_layers;
+  int block_size = 16;                       // tokens per KV page
+  std::optional<std::string> attention_backend;  // --attention-backend: force one by name
+};
+
+// Throws kvlm::Error unless block_size is a power of two in [1, 256].
+void validate_block_size(int block_size);
+
+}  // namespace kvlm

@@ -1,0 +1,146 @@
+#include "config/kv_plan.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace kvlm {
+
+std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std::string& model_name) {
+  std::vector<AttentionLayerDesc> out;
+  out.reserve(m.layers.size());
+  for (int i = 0; i < m.num_layers; ++i) {
+    const auto& l = m.layers[size_t(i)];
+    out.push_back({.model = model_name,
+                   .layer = i,
+                   .kind = l.kind,
+                   .window = l.window,
+                   .num_q_heads = m.num_heads,
+                   .num_kv_heads = m.num_kv_heads,
+                   .head_dim = m.head_dim});
+  }
+  return out;
+}
+
+std::string_view dtype_source_name(DTypeSource s) {
+  switch (s) {
+    case DTypeSource::Explicit: return "explicit";
+    case DTypeSource::CheckpointScheme: return "checkpoint scheme";
+    case DTypeSource::ModelDType: return "model dtype";
+    case DTypeSource::SkipRule: return "skip rule";
+  }
+  return "?";
+}
+
+std::string_view scale_source_name(ScaleSource s) {
+  switch (s) {
+    case ScaleSource::None: return "none";
+    case ScaleSource::CheckpointTensor: return "checkpoint";
+    case ScaleSource::Default: return "default 1.0";
+    case ScaleSource::PerTokenHeadDynamic: return "per-token-head dynamic";
+  }
+  return "?";
+}
+
+KVDTypeResolution resolve_kv_dtype(KVCacheDType requested, const std::optional<CheckpointKVScheme>& scheme,
+                                   DType model_dtype) {
+  if (requested != KVCacheDType::Auto) {
+    KVDTypeResolution r{*kv_storage_of(requested), DTypeSource::Explicit, ""};
+    if (scheme) r.note = "explicit --kv-cache-dtype overrides the checkpoint's " + scheme->origin;
+    return r;
+  }
+  if (scheme) {
+    if (!scheme->storage)
+      throw Error(scheme->unsupported_reason +
+                  "; pass an explicit --kv-cache-dtype (for example bfloat16 or fp8_per_token_head) to override it");
+    return {*scheme->storage, DTypeSource::CheckpointScheme, "from the checkpoint's " + scheme->origin};
+  }
+  KVLM_CHECK(model_dtype == DType::F32 || model_dtype == DType::F16 || model_dtype == DType::BF16,
+             "model dtype must be a float type");
+  return {KVStorage{model_dtype, KVQuantMode::None}, DTypeSource::ModelDType, ""};
+}
+
+size_t KVLayerSpec::bytes_per_token() const {
+  const size_t elems = size_t(attn.num_kv_heads) * size_t(attn.head_dim);
+  size_t bytes = 2 * elems * dtype_size(storage);
+  if (is_per_token_head(quant)) bytes += 2 * size_t(attn.num_kv_heads) * sizeof(float);
+  return bytes;
+}
+
+size_t KVPlan::bytes_per_token() const {
+  size_t total = 0;
+  for (const auto& l : layers) total += l.bytes_per_token();
+  return total;
+}
+
+namespace {
+
+void check_scales(const std::vector<float>& s, const std::string& name, const AttentionLayerDesc& a) {
+  if (s.size() != 1 && s.size() != size_t(a.num_kv_heads))
+    throw Error("checkpoint scale tensor '" + name + "' has " + std::to_string(s.size()) + " values; expected 1 or " +
+                std::to_string(a.num_kv_heads) + " (one per KV head)");
+  for (float x : s)
+    if (!std::isfinite(x) || x <= 0)
+      throw Error("checkpoint scale tensor '" + name + "' holds " + std::to_string(x) + "; KV scales must be positive and finite");
+}
+
+}  // namespace
+
+KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,
+                     const std::optional<CheckpointKVScheme>& scheme, const ScaleLookup& scales) {
+  KVPlan plan;
+  plan.requested = cache.kv_cache_dtype;
+  plan.resolution = resolve_kv_dtype(cache.kv_cache_dtype, scheme, model_dtype);
+
+  int target_layers = 0;
+  for (const auto& l : layers)
+    if (l.model == "target") target_layers = std::max(target_layers, l.layer + 1);
+  for (int idx : cache.skip_layers.indices)
+    if (idx >= target_layers)
+      throw Error("--kv-cache-dtype-skip-layers names layer " + std::to_string(idx) + " but the model has " +
+                  std::to_string(target_layers) + " layers (0.." + std::to_string(target_layers - 1) + ")");
+
+  int defaulted = 0;
+  for (const auto& a : layers) {
+    KVLayerSpec s;
+    s.attn = a;
+    s.storage = plan.resolution.storage.storage;
+    s.quant = plan.resolution.storage.mode;
+    s.dtype_source = plan.resolution.source;
+    const bool skip_index = a.model == "target" && std::ranges::find(cache.skip_layers.indices, a.layer) !=
+                                                       cache.skip_layers.indices.end();
+    const bool skip_sliding = cache.skip_layers.sliding_window && a.kind == AttentionKind::Sliding;
+    if ((skip_index || skip_sliding) && s.quant != KVQuantMode::None) {
+      s.storage = model_dtype;
+      s.quant = KVQuantMode::None;
+      s.dtype_source = DTypeSource::SkipRule;
+    }
+    if (s.quant == KVQuantMode::Fp8PerTensor) {
+      std::optional<CheckpointScales> found = scales ? scales(a) : std::nullopt;
+      if (found) {
+        check_scales(found->k, found->k_name, a);
+        check_scales(found->v, found->v_name, a);
+        s.k_scale = found->k;
+        s.v_scale = found->v;
+        s.k_scale_name = found->k_name;
+        s.v_scale_name = found->v_name;
+        s.scale_source = ScaleSource::CheckpointTensor;
+      } else {
+        s.scale_source = ScaleSource::Default;
+        ++defaulted;
+      }
+    } else if (is_per_token_head(s.quant)) {
+      s.scale_source = ScaleSource::PerTokenHeadDynamic;
+    }
+    plan.layers.push_back(std::move(s));
+  }
+  if (defaulted > 0)
+    plan.warnings.push_back(std::to_string(defaulted) + " of " + std::to_string(layers.size()) +
+                            " layers store FP8 per-tensor KV without checkpoint scales; using scale 1.0, which can "
+                            "cost accuracy. Calibrated scales (k_scale/v_scale tensors) or "
+                            "--kv-cache-dtype fp8_per_token_head avoid this.");
+  return plan;
+}
+
+}  // namespace kvlm

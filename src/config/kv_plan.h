@@ -1,0 +1,90 @@
+// The KV plan: the one place where every attention layer — of the target model or of a
+// draft model — gets its KV-cache spec. Nothing else builds a default (seed 000); every
+// consumer (storage, KV-store op, attention backend, capacity planner, `kvlm inspect`)
+// reads the layer's KVLayerSpec, never the global option (seed 001).
+//
+// build_kv_plan is a pure function of (cache options, the attention layers, the model
+// dtype, the checkpoint's declared KV scheme, the checkpoint's scale tensors).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config/cache_config.h"
+#include "config/model_config.h"
+#include "core/dtype.h"
+
+namespace kvlm {
+
+// One attention layer as the model describes it, before any cache decision.
+struct AttentionLayerDesc {
+  std::string model = "target";  // "target" or the name of a draft model
+  int layer = 0;                 // index within its model
+  AttentionKind kind = AttentionKind::Full;
+  int window = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+};
+
+std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std::string& model_name = "target");
+
+enum class DTypeSource : uint8_t { Explicit, CheckpointScheme, ModelDType, SkipRule };
+std::string_view dtype_source_name(DTypeSource s);
+
+enum class ScaleSource : uint8_t { None, CheckpointTensor, Default, PerTokenHeadDynamic };
+std::string_view scale_source_name(ScaleSource s);
+
+// Result of the global precedence rule, before per-layer skip rules.
+struct KVDTypeResolution {
+  KVStorage storage;
+  DTypeSource source;
+  std::string note;  // e.g. "overrides checkpoint compressed-tensors kv_cache_scheme"
+};
+
+// explicit user dtype > checkpoint quantization_config KV scheme > model dtype (seed 002).
+// Throws kvlm::Error when `auto` meets a checkpoint scheme kvlm cannot hold.
+KVDTypeResolution resolve_kv_dtype(KVCacheDType requested, const std::optional<CheckpointKVScheme>& scheme,
+                                   DType model_dtype);
+
+// Per-tensor scales found in a checkpoint for one layer. Vectors hold 1 value (per layer)
+// or num_kv_heads values (per kv head).
+struct CheckpointScales {
+  std::vector<float> k, v;
+  std::string k_name, v_name;  // tensor names, for inspect
+};
+using ScaleLookup = std::function<std::optional<CheckpointScales>(const AttentionLayerDesc&)>;
+
+struct KVLayerSpec {
+  AttentionLayerDesc attn;
+  DType storage = DType::BF16;
+  KVQuantMode quant = KVQuantMode::None;
+  DTypeSource dtype_source = DTypeSource::ModelDType;
+  ScaleSource scale_source = ScaleSource::None;
+  std::vector<float> k_scale{1.0f}, v_scale{1.0f};  // Fp8PerTensor only: 1 or num_kv_heads
+  std::string k_scale_name, v_scale_name;
+  std::string backend;  // filled by the attention backend selector
+
+  // Bytes one token occupies in this layer: K and V codes, plus per-(token, head) fp32
+  // scales for the per-token-head modes.
+  size_t bytes_per_token() const;
+  float k_scale_for(int kv_head) const { return k_scale.size() == 1 ? k_scale[0] : k_scale[size_t(kv_head)]; }
+  float v_scale_for(int kv_head) const { return v_scale.size() == 1 ? v_scale[0] : v_scale[size_t(kv_head)]; }
+};
+
+struct KVPlan {
+  KVCacheDType requested = KVCacheDType::Auto;
+  KVDTypeResolution resolution;
+  std::vector<KVLayerSpec> layers;
+  std::vector<std::string> warnings;  // for the caller to print (the function stays pure)
+
+  size_t bytes_per_token() const;
+};
+
+KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,
+                     const std::optional<CheckpointKVScheme>& scheme, const ScaleLookup& scales);
+
+}  // namespace kvlm

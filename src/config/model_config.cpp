@@ -1,0 +1,316 @@
+#include "config/model_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "config/json_get.h"
+#include "core/error.h"
+
+namespace kvlm {
+
+using nlohmann::json;
+namespace jg = json_get;
+
+std::string_view arch_name(Arch a) {
+  switch (a) {
+    case Arch::Llama: return "LlamaForCausalLM";
+    case Arch::Qwen2: return "Qwen2ForCausalLM";
+    case Arch::Qwen3: return "Qwen3ForCausalLM";
+    case Arch::Mistral: return "MistralForCausalLM";
+  }
+  return "?";
+}
+
+std::string_view rope_type_name(RopeType t) {
+  switch (t) {
+    case RopeType::Default: return "default";
+    case RopeType::Linear: return "linear";
+    case RopeType::Llama3: return "llama3";
+  }
+  return "?";
+}
+
+std::string_view attention_kind_name(AttentionKind k) {
+  switch (k) {
+    case AttentionKind::Full: return "full";
+    case AttentionKind::Sliding: return "sliding";
+    case AttentionKind::NonCausal: return "non-causal";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr std::string_view kWhere = "config.json";
+
+Arch parse_arch(const json& cfg) {
+  const auto* archs = jg::find(cfg, "architectures");
+  std::string name;
+  if (archs && archs->is_array() && !archs->empty() && (*archs)[0].is_string()) {
+    name = (*archs)[0].get<std::string>();
+  } else if (auto mt = jg::opt_string(cfg, "model_type", kWhere)) {
+    // Some configs carry only model_type.
+    if (*mt == "llama") return Arch::Llama;
+    if (*mt == "qwen2") return Arch::Qwen2;
+    if (*mt == "qwen3") return Arch::Qwen3;
+    if (*mt == "mistral") return Arch::Mistral;
+    name = "model_type " + *mt;
+  } else {
+    throw Error("config.json: no 'architectures' list and no 'model_type'; is this a Hugging Face model directory?");
+  }
+  for (Arch a : {Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Mistral})
+    if (arch_name(a) == name) return a;
+  throw Error("config.json: unsupported architecture '" + name +
+              "'; kvlm supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM");
+}
+
+RopeConfig parse_rope(const json& cfg) {
+  RopeConfig r;
+  // transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; the Hub's configs
+  // carry rope_theta plus an optional rope_scaling object.
+  const json* params = jg::find(cfg, "rope_parameters");
+  const json* scaling = jg::find(cfg, "rope_scaling");
+  if (params && !params->is_object()) throw Error("config.json: 'rope_parameters' must be an object");
+  if (scaling && !scaling->is_object()) throw Error("config.json: 'rope_scaling' must be an object or null");
+  const json* s = params ? params : scaling;
+  if (auto t = jg::opt_number(cfg, "rope_theta", kWhere)) r.theta = *t;
+  if (params)
+    if (auto t = jg::opt_number(*params, "rope_theta", "config.json rope_parameters")) r.theta = *t;
+  if (!(r.theta > 0)) throw Error("config.json: rope_theta must be positive");
+  if (!s) return r;
+  const std::string where = params ? "config.json rope_parameters" : "config.json rope_scaling";
+  std::string type = jg::opt_string(*s, "rope_type", where).value_or("");
+  if (type.empty()) type = jg::opt_string(*s, "type", where).value_or("default");
+  if (type == "default") return r;
+  auto factor = jg::opt_number(*s, "factor", where);
+  if (type == "linear") {
+    r.type = RopeType::Linear;
+    if (!factor || *factor <= 0) throw Error(where + ": linear rope scaling needs a positive 'factor'");
+    r.factor = *factor;
+    return r;
+  }
+  if (type == "llama3") {
+    r.type = RopeType::Llama3;
+    if (!factor || *factor <= 0) throw Error(where + ": llama3 rope scaling needs a positive 'factor'");
+    r.factor = *factor;
+    r.low_freq_factor = jg::opt_number(*s, "low_freq_factor", where).value_or(1.0);
+    r.high_freq_factor = jg::opt_number(*s, "high_freq_factor", where).value_or(4.0);
+    r.original_max_position = int(jg::opt_int(*s, "original_max_position_embeddings", where).value_or(8192));
+    if (r.high_freq_factor <= r.low_freq_factor)
+      throw Error(where + ": llama3 rope scaling needs high_freq_factor > low_freq_factor");
+    if (r.original_max_position <= 0) throw Error(where + ": original_max_position_embeddings must be positive");
+    return r;
+  }
+  throw Error(where + ": rope type '" + type + "' is not supported; kvlm supports default, linear, llama3");
+}
+
+std::optional<CheckpointKVScheme> parse_kv_scheme(const json& cfg) {
+  const json* qc = jg::find(cfg, "quantization_config");
+  if (!qc) return std::nullopt;
+  if (!qc->is_object()) throw Error("config.json: 'quantization_config' must be an object");
+  const std::string where = "config.json quantization_config";
+  const std::string method = jg::opt_string(*qc, "quant_method", where).value_or("");
+  if (method == "compressed-tensors") {
+    const json* kvs = jg::find(*qc, "kv_cache_scheme");
+    if (!kvs) return std::nullopt;
+    if (!kvs->is_object()) throw Error(where + ": 'kv_cache_scheme' must be an object or null");
+    CheckpointKVScheme s;
+    s.origin = "compressed-tensors kv_cache_scheme";
+    const auto bits = jg::opt_int(*kvs, "num_bits", where + ".kv_cache_scheme").value_or(8);
+    const auto type = jg::opt_string(*kvs, "type", where + ".kv_cache_scheme").value_or("float");
+    const auto strategy = jg::opt_string(*kvs, "strategy", where + ".kv_cache_scheme").value_or("tensor");
+    const bool dynamic = jg::opt_bool(*kvs, "dynamic", where + ".kv_cache_scheme").value_or(false);
+    if (bits == 8 && type == "float" && !dynamic && (strategy == "tensor" || strategy == "attn_head")) {
+      s.storage = KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor};
+      s.per_head_scales = strategy == "attn_head";
+    } else {
+      s.unsupported_reason = "the checkpoint declares a KV cache scheme kvlm cannot hold (" + s.origin +
+                             " num_bits=" + std::to_string(bits) + " type=" + type + " strategy=" + strategy +
+                             (dynamic ? " dynamic" : "") + ")";
+    }
+    return s;
+  }
+  if (method == "modelopt") {
+    // ModelOpt writes the algorithm at the top level of quantization_config, or nested
+    // under "quantization" (hf_quant_config.json layout).
+    const json* src = qc;
+    if (const json* nested = jg::find(*qc, "quantization"); nested && nested->is_object()) src = nested;
+    auto algo = jg::opt_string(*src, "kv_cache_quant_algo", where);
+    if (!algo) return std::nullopt;
+    CheckpointKVScheme s;
+    s.origin = "modelopt kv_cache_quant_algo";
+    if (*algo == "FP8") {
+      s.storage = KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor};
+    } else {
+      s.unsupported_reason = "the checkpoint declares kv_cache_quant_algo '" + *algo + "', which kvlm cannot hold";
+    }
+    return s;
+  }
+  return std::nullopt;
+}
+
+std::vector<TokenId> token_list(const json& obj, std::string_view key, std::string_view where) {
+  std::vector<TokenId> out;
+  const json* v = jg::find(obj, key);
+  if (!v) return out;
+  auto one = [&](const json& x) {
+    if (!x.is_number_integer() || x.get<long long>() < 0)
+      throw Error(std::string(where) + ": '" + std::string(key) + "' must be a token id or a list of token ids");
+    out.push_back(TokenId(x.get<long long>()));
+  };
+  if (v->is_array())
+    for (const auto& x : *v) one(x);
+  else
+    one(*v);
+  return out;
+}
+
+int positive(const json& cfg, std::string_view key) {
+  const long long v = jg::req_int(cfg, key, kWhere);
+  if (v <= 0 || v > (1 << 30)) throw Error("config.json: '" + std::string(key) + "' must be a positive integer, got " + std::to_string(v));
+  return int(v);
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(const json& cfg, const json* gen) {
+  if (!cfg.is_object()) throw Error("config.json: the top level must be a JSON object");
+  ModelConfig m;
+  m.arch = parse_arch(cfg);
+  m.hidden_size = positive(cfg, "hidden_size");
+  m.intermediate_size = positive(cfg, "intermediate_size");
+  m.num_layers = positive(cfg, "num_hidden_layers");
+  m.num_heads = positive(cfg, "num_attention_heads");
+  m.num_kv_heads = jg::find(cfg, "num_key_value_heads") ? positive(cfg, "num_key_value_heads") : m.num_heads;
+  m.vocab_size = positive(cfg, "vocab_size");
+  if (jg::find(cfg, "head_dim")) {
+    m.head_dim = positive(cfg, "head_dim");
+  } else {
+    if (m.hidden_size % m.num_heads != 0)
+      throw Error("config.json: hidden_size " + std::to_string(m.hidden_size) + " is not divisible by num_attention_heads " +
+                  std::to_string(m.num_heads) + " and no head_dim is given");
+    m.head_dim = m.hidden_size / m.num_heads;
+  }
+  if (m.num_heads % m.num_kv_heads != 0)
+    throw Error("config.json: num_attention_heads " + std::to_string(m.num_heads) + " is not a multiple of num_key_value_heads " +
+                std::to_string(m.num_kv_heads));
+  if (m.head_dim % 2 != 0) throw Error("config.json: head_dim must be even for rotary embeddings, got " + std::to_string(m.head_dim));
+  m.max_position_embeddings = jg::find(cfg, "max_position_embeddings") ? positive(cfg, "max_position_embeddings") : 2048;
+  m.rms_norm_eps = jg::opt_number(cfg, "rms_norm_eps", kWhere).value_or(1e-6);
+  if (!(m.rms_norm_eps >= 0)) throw Error("config.json: rms_norm_eps must be non-negative");
+  if (auto act = jg::opt_string(cfg, "hidden_act", kWhere); act && *act != "silu")
+    throw Error("config.json: hidden_act '" + *act + "' is not supported; kvlm supports silu");
+  m.rope = parse_rope(cfg);
+  m.tie_word_embeddings = jg::opt_bool(cfg, "tie_word_embeddings", kWhere).value_or(false);
+  const bool attention_bias = jg::opt_bool(cfg, "attention_bias", kWhere).value_or(false);
+  switch (m.arch) {
+    case Arch::Qwen2:
+      m.qkv_bias = true;  // Qwen2 always has q/k/v biases and no o_proj bias.
+      break;
+    case Arch::Qwen3:
+      m.qk_norm = true;
+      m.qkv_bias = m.o_bias = attention_bias;
+      break;
+    case Arch::Llama:
+    case Arch::Mistral:
+      m.qkv_bias = m.o_bias = attention_bias;
+      m.mlp_bias = jg::opt_bool(cfg, "mlp_bias", kWhere).value_or(false);
+      break;
+  }
+  std::optional<std::string> dt = jg::opt_string(cfg, "torch_dtype", kWhere);
+  if (!dt) dt = jg::opt_string(cfg, "dtype", kWhere);
+  if (dt) {
+    m.declared_dtype = dtype_from_torch_name(*dt);
+    if (!m.declared_dtype) throw Error("config.json: torch_dtype '" + *dt + "' is not supported; kvlm loads bfloat16, float16 and float32");
+  }
+
+  // Per-layer attention. Mirrors transformers: sliding_window is dropped unless
+  // use_sliding_window (Qwen2/Qwen3); layer_types, when absent, marks layers at or after
+  // max_window_layers as sliding (Qwen2/Qwen3) or every layer (Mistral).
+  int window = 0;  // 0: no sliding window
+  if (auto w = jg::opt_int(cfg, "sliding_window", kWhere)) {
+    if (*w <= 0) throw Error("config.json: sliding_window must be positive or null");
+    window = int(std::min<long long>(*w, 1 << 30));
+  }
+  const bool qwen = m.arch == Arch::Qwen2 || m.arch == Arch::Qwen3;
+  if (qwen && !jg::opt_bool(cfg, "use_sliding_window", kWhere).value_or(false)) window = 0;
+  if (m.arch == Arch::Llama) window = 0;
+  m.layers.assign(size_t(m.num_layers), LayerAttention{});
+  if (const json* lt = jg::find(cfg, "layer_types")) {
+    if (!lt->is_array() || lt->size() != size_t(m.num_layers))
+      throw Error("config.json: 'layer_types' must be a list with one entry per layer (" + std::to_string(m.num_layers) + ")");
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& t = (*lt)[i];
+      if (!t.is_string()) throw Error("config.json: layer_types[" + std::to_string(i) + "] must be a string");
+      const std::string s = t.get<std::string>();
+      if (s == "sliding_attention") {
+        if (window > 0) m.layers[i] = {AttentionKind::Sliding, window};
+      } else if (s != "full_attention") {
+        throw Error("config.json: layer_types[" + std::to_string(i) + "] is '" + s +
+                    "'; kvlm supports full_attention and sliding_attention");
+      }
+    }
+  } else if (window > 0) {
+    const long long first_sliding = qwen ? jg::opt_int(cfg, "max_window_layers", kWhere).value_or(m.num_layers) : 0;
+    for (int i = 0; i < m.num_layers; ++i)
+      if (i >= first_sliding) m.layers[size_t(i)] = {AttentionKind::Sliding, window};
+  }
+
+  const auto bos = token_list(cfg, "bos_token_id", kWhere);
+  if (!bos.empty()) m.bos_token_id = bos.front();
+  m.eos_token_ids = token_list(cfg, "eos_token_id", kWhere);
+  if (gen) {
+    auto g = token_list(*gen, "eos_token_id", "generation_config.json");
+    if (!g.empty()) m.eos_token_ids = std::move(g);
+    auto gb = token_list(*gen, "bos_token_id", "generation_config.json");
+    if (!gb.empty()) m.bos_token_id = gb.front();
+    constexpr std::string_view kGen = "generation_config.json";
+    // Sampling defaults only apply when the checkpoint asks for sampling (do_sample true).
+    if (jg::opt_bool(*gen, "do_sample", kGen).value_or(false)) {
+      if (auto t = jg::opt_number(*gen, "temperature", kGen)) m.default_temperature = float(*t);
+      if (auto t = jg::opt_number(*gen, "top_p", kGen)) m.default_top_p = float(*t);
+      if (auto t = jg::opt_int(*gen, "top_k", kGen)) m.default_top_k = int(*t);
+    }
+  }
+  for (TokenId t : m.eos_token_ids)
+    if (t >= m.vocab_size) throw Error("config.json: eos_token_id " + std::to_string(t) + " is outside the vocabulary");
+  m.kv_scheme = parse_kv_scheme(cfg);
+  return m;
+}
+
+json read_json_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("cannot open " + path.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  try {
+    return json::parse(ss.str());
+  } catch (const json::parse_error& e) {
+    throw Error(path.string() + " is not valid JSON: " + e.what());
+  }
+}
+
+void check_model_dir(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error("model directory '" + dir.string() + "' does not exist or is not a directory");
+  if (!std::filesystem::exists(dir / "config.json", ec))
+    throw Error("'" + dir.string() + "' has no config.json; point --model at a Hugging Face model directory");
+}
+
+ModelConfig load_model_config(const std::filesystem::path& dir) {
+  check_model_dir(dir);
+  std::error_code ec;
+  const auto cfg_path = dir / "config.json";
+  const json cfg = read_json_file(cfg_path);
+  const auto gen_path = dir / "generation_config.json";
+  if (std::filesystem::exists(gen_path, ec)) {
+    const json gen = read_json_file(gen_path);
+    return parse_model_config(cfg, &gen);
+  }
+  return parse_model_config(cfg, nullptr);
+}
+
+}  // namespace kvlm

@@ -1,0 +1,89 @@
+// ModelConfig: what kvlm needs from a Hugging Face config.json (+ generation_config.json),
+// validated once at load time. Accepts both the Hub's legacy fields (`torch_dtype`,
+// `rope_theta`, `rope_scaling`) and transformers-5 fields (`dtype`, `rope_parameters`).
+#pragma once
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/dtype.h"
+#include "core/index_types.h"
+
+namespace kvlm {
+
+enum class Arch { Llama, Qwen2, Qwen3, Mistral };
+std::string_view arch_name(Arch a);  // the HF class name, e.g. "Qwen3ForCausalLM"
+
+enum class RopeType { Default, Linear, Llama3 };
+std::string_view rope_type_name(RopeType t);
+
+struct RopeConfig {
+  RopeType type = RopeType::Default;
+  double theta = 10000.0;
+  double factor = 1.0;             // linear, llama3
+  double low_freq_factor = 1.0;    // llama3
+  double high_freq_factor = 4.0;   // llama3
+  int original_max_position = 8192;  // llama3
+};
+
+enum class AttentionKind : uint8_t { Full, Sliding, NonCausal };
+std::string_view attention_kind_name(AttentionKind k);
+
+struct LayerAttention {
+  AttentionKind kind = AttentionKind::Full;
+  int window = 0;  // Sliding: a query at position p sees keys at positions > p - window
+};
+
+// The KV-cache scheme a checkpoint declares in config.json's quantization_config.
+struct CheckpointKVScheme {
+  std::string origin;                 // e.g. "compressed-tensors kv_cache_scheme"
+  std::optional<KVStorage> storage;   // nullopt: declared but not something kvlm can hold
+  bool per_head_scales = false;       // compressed-tensors strategy "attn_head"
+  std::string unsupported_reason;     // set when storage is nullopt
+};
+
+struct ModelConfig {
+  Arch arch = Arch::Llama;
+  int hidden_size = 0;
+  int intermediate_size = 0;
+  int num_layers = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int vocab_size = 0;
+  int max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  RopeConfig rope;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;   // Qwen2 always; Llama/Mistral/Qwen3 with attention_bias
+  bool o_bias = false;     // attention_bias on Llama/Mistral/Qwen3
+  bool mlp_bias = false;   // Llama mlp_bias
+  bool qk_norm = false;    // Qwen3: RMSNorm over head_dim on q and k before RoPE
+  std::optional<DType> declared_dtype;  // torch_dtype / dtype, when present
+  std::vector<LayerAttention> layers;   // one per decoder layer
+  std::optional<TokenId> bos_token_id;
+  std::vector<TokenId> eos_token_ids;   // generation_config.json wins over config.json
+  std::optional<CheckpointKVScheme> kv_scheme;
+  // Sampling defaults from generation_config.json, used when the user gives no flag.
+  std::optional<float> default_temperature, default_top_p;
+  std::optional<int> default_top_k;
+};
+
+// Parses a config.json document. `generation_config` may be null. Throws kvlm::Error naming
+// the field for anything missing, mistyped, inconsistent or unsupported.
+ModelConfig parse_model_config(const nlohmann::json& config, const nlohmann::json* generation_config);
+
+// Throws a clear error unless `dir` is a directory holding config.json.
+void check_model_dir(const std::filesystem::path& dir);
+
+// Reads DIR/config.json and, if present, DIR/generation_config.json.
+ModelConfig load_model_config(const std::filesystem::path& dir);
+
+// Reads and parses a JSON file, with errors that name the file.
+nlohmann::json read_json_file(const std::filesystem::path& path);
+
+}  // namespace kvlm

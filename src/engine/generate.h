@@ -1,0 +1,46 @@
+// Single-request generation: prefill (optionally chunked), then decode token by token with
+// the sampler, stopping at EOS (unless ignored) or max_tokens.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/sampler.h"
+
+namespace kvlm {
+
+struct GenerateRequest {
+  std::vector<TokenId> prompt;
+  SamplingParams sampling;
+  uint64_t seed = 0;
+  int max_tokens = 16;
+  bool ignore_eos = false;
+  int logprobs = 0;          // top-K log-probabilities per generated token (0 = none)
+  int prefill_chunk = 512;   // tokens per prefill step
+};
+
+struct TokenLogprobs {
+  TokenId token = 0;
+  float logprob = 0;
+  std::vector<std::pair<TokenId, float>> top;
+};
+
+struct GenerateResult {
+  std::vector<TokenId> prompt;
+  std::vector<TokenId> tokens;
+  std::vector<TokenLogprobs> logprobs;  // one per generated token when requested
+  std::string finish_reason;            // "length" or "stop"
+  double prefill_seconds = 0, decode_seconds = 0;
+  size_t kv_bytes = 0;                  // bytes of the KV pool this request used
+};
+
+// Validates the request (token ids, lengths, sampling values) with clear errors.
+void validate_request(const Engine& engine, const GenerateRequest& req);
+
+GenerateResult generate(Engine& engine, const GenerateRequest& req,
+                        const std::function<void(TokenId)>& on_token = {});
+
+}  // namespace kvlm

@@ -1,0 +1,123 @@
+#include "io/checkpoint.h"
+
+#include <nlohmann/json.hpp>
+
+#include "config/model_config.h"
+#include "core/error.h"
+
+namespace kvlm {
+
+using nlohmann::json;
+
+std::string shape_str(std::span<const int64_t> shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
+  Checkpoint c;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error("model directory '" + dir.string() + "' does not exist or is not a directory");
+  const auto single = dir / "model.safetensors";
+  const auto index = dir / "model.safetensors.index.json";
+  if (std::filesystem::exists(index, ec)) {
+    const json j = read_json_file(index);
+    const json* wm = j.is_object() && j.contains("weight_map") ? &j["weight_map"] : nullptr;
+    if (!wm || !wm->is_object() || wm->empty())
+      throw Error(index.string() + ": expected a non-empty 'weight_map' object");
+    std::map<std::string, const SafetensorsFile*> opened;
+    for (auto it = wm->begin(); it != wm->end(); ++it) {
+      if (!it.value().is_string()) throw Error(index.string() + ": weight_map entry '" + it.key() + "' is not a file name");
+      const std::string file = it.value().get<std::string>();
+      const std::filesystem::path rel(file);
+      if (file.empty() || rel.is_absolute() || file.find("..") != std::string::npos)
+        throw Error(index.string() + ": weight_map entry '" + it.key() + "' points outside the model directory: '" + file + "'");
+      auto [pos, fresh] = opened.try_emplace(file, nullptr);
+      if (fresh) {
+        if (!std::filesystem::exists(dir / rel, ec))
+          throw Error(index.string() + " lists shard '" + file + "' (for tensor '" + it.key() + "'), which is missing");
+        c.files_.push_back(std::make_unique<SafetensorsFile>(dir / rel));
+        pos->second = c.files_.back().get();
+      }
+      const TensorInfo* t = pos->second->find(it.key());
+      if (!t) throw Error(index.string() + " says tensor '" + it.key() + "' is in '" + file + "', but that shard does not hold it");
+      c.tensors_.emplace(it.key(), std::make_pair(pos->second, t));
+    }
+  } else if (std::filesystem::exists(single, ec)) {
+    c.files_.push_back(std::make_unique<SafetensorsFile>(single));
+    for (const auto& t : c.files_.back()->header().tensors) c.tensors_.emplace(t.name, std::make_pair(c.files_.back().get(), &t));
+  } else {
+    throw Error("'" + dir.string() + "' has neither model.safetensors nor model.safetensors.index.json; kvlm loads safetensors checkpoints");
+  }
+  return c;
+}
+
+const TensorInfo* Checkpoint::find(std::string_view name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : it->second.second;
+}
+
+TensorView Checkpoint::view(std::string_view name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) throw Error("the checkpoint is missing tensor '" + std::string(name) + "'");
+  return it->second.first->view(*it->second.second);
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : tensors_) out.push_back(k);
+  return out;
+}
+
+std::optional<DType> Checkpoint::dtype_of(std::string_view name) const {
+  const TensorInfo* t = find(name);
+  return t ? std::optional<DType>(t->dtype) : std::nullopt;
+}
+
+std::vector<float> Checkpoint::load_f32(std::string_view name, std::span<const int64_t> expected_shape) const {
+  const TensorView v = view(name);
+  const TensorInfo& t = *v.info;
+  if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16)
+    throw Error("tensor '" + t.name + "' has dtype " + std::string(dtype_name(t.dtype)) +
+                "; kvlm loads bfloat16, float16 and float32 weights (quantized weights are not supported)");
+  if (!std::ranges::equal(t.shape, expected_shape))
+    throw Error("tensor '" + t.name + "' has shape " + shape_str(t.shape) + " but config.json implies " + shape_str(expected_shape));
+  std::vector<float> out(size_t(t.numel()));
+  convert_to_f32(t.dtype, v.bytes, out);
+  return out;
+}
+
+namespace {
+
+std::optional<std::vector<float>> load_scale(const Checkpoint& c, const std::string& name) {
+  const TensorInfo* t = c.find(name);
+  if (!t) return std::nullopt;
+  if (t->shape.size() > 1) throw Error("scale tensor '" + name + "' has shape " + shape_str(t->shape) + "; expected a scalar or a vector");
+  const std::vector<int64_t> shape = t->shape;
+  return c.load_f32(name, shape);
+}
+
+}  // namespace
+
+std::optional<CheckpointScales> find_kv_scales(const Checkpoint& c, const AttentionLayerDesc& layer) {
+  const std::string p = "model.layers." + std::to_string(layer.layer) + ".self_attn.";
+  const std::pair<std::string, std::string> pairs[] = {
+      {p + "k_scale", p + "v_scale"},
+      {p + "attn.k_scale", p + "attn.v_scale"},
+      {p + "k_proj.k_scale", p + "v_proj.v_scale"},
+      {p + "k_proj.output_scale", p + "v_proj.output_scale"},
+  };
+  for (const auto& [kn, vn] : pairs) {
+    auto k = load_scale(c, kn);
+    auto v = load_scale(c, vn);
+    if (k && v) return CheckpointScales{*k, *v, kn, vn};
+    if (k || v)
+      throw Error("the checkpoint has '" + (k ? kn : vn) + "' but not its partner '" + (k ? vn : kn) + "'");
+  }
+  if (auto kv = load_scale(c, p + "kv_scale")) return CheckpointScales{*kv, *kv, p + "kv_scale", p + "kv_scale"};
+  return std::nullopt;
+}
+
+}  // namespace kvlm

@@ -1,0 +1,45 @@
+// A Hugging Face checkpoint: model.safetensors, or shards listed by
+// model.safetensors.index.json, all mmapped. Tensors are looked up by name; loading checks
+// dtype and shape and names the tensor in every error.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config/kv_plan.h"
+#include "io/safetensors.h"
+
+namespace kvlm {
+
+class Checkpoint {
+ public:
+  static Checkpoint open(const std::filesystem::path& dir);
+
+  const TensorInfo* find(std::string_view name) const;
+  TensorView view(std::string_view name) const;  // throws when missing
+  std::vector<std::string> names() const;
+  size_t num_files() const { return files_.size(); }
+  // dtype of the first floating-point weight (embed_tokens), when config.json has none.
+  std::optional<DType> dtype_of(std::string_view name) const;
+
+  // Loads a floating-point tensor (F32/F16/BF16) as fp32 after checking its shape.
+  std::vector<float> load_f32(std::string_view name, std::span<const int64_t> expected_shape) const;
+
+ private:
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>, std::less<>> tensors_;
+};
+
+// Per-tensor KV scales for one layer, under the names checkpoints use (REFERENCE.md):
+// self_attn.{k,v}_scale, self_attn.attn.{k,v}_scale, ModelOpt self_attn.{k,v}_proj.{k,v}_scale,
+// compressed-tensors self_attn.{k,v}_proj.output_scale, legacy self_attn.kv_scale (both).
+std::optional<CheckpointScales> find_kv_scales(const Checkpoint& ckpt, const AttentionLayerDesc& layer);
+
+std::string shape_str(std::span<const int64_t> shape);
+
+}  // namespace kvlm

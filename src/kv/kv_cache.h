@@ -1,0 +1,51 @@
+// Paged KV storage, one pool per attention layer, each sized exactly for that layer's spec
+// (no padding to a common page size: a bf16 layer and an fp8 layer differ by 2x in bytes).
+//
+// Layout per layer (HND per block):
+//   k, v     : [num_blocks][num_kv_heads][block_size][head_dim] elements of spec.storage
+//   k_scale, v_scale (per-token-head modes only): [num_blocks][num_kv_heads][block_size] fp32
+// A token's slot is block_id * block_size + offset; the same block id is used in every layer.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "config/kv_plan.h"
+
+namespace kvlm {
+
+struct LayerKVCache {
+  const KVLayerSpec* spec = nullptr;
+  int num_blocks = 0;
+  int block_size = 0;
+  std::vector<uint8_t> k, v;
+  std::vector<float> k_scale, v_scale;
+
+  size_t bytes() const { return k.size() + v.size() + 4 * (k_scale.size() + v_scale.size()); }
+  // Element offset of (block, head, offset-in-block, 0).
+  size_t row(int64_t block, int head, int offset) const {
+    return ((size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset)) *
+           size_t(spec->attn.head_dim);
+  }
+  size_t scale_index(int64_t block, int head, int offset) const {
+    return (size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset);
+  }
+};
+
+class KVCache {
+ public:
+  // The plan must outlive the cache (layers point at its specs).
+  KVCache(const KVPlan& plan, int num_blocks, int block_size);
+  LayerKVCache& layer(size_t i) { return layers_[i]; }
+  const LayerKVCache& layer(size_t i) const { return layers_[i]; }
+  size_t num_layers() const { return layers_.size(); }
+  int num_blocks() const { return num_blocks_; }
+  int block_size() const { return block_size_; }
+  size_t bytes() const;
+
+ private:
+  int num_blocks_, block_size_;
+  std::vector<LayerKVCache> layers_;
+};
+
+}  // namespace kvlm

@@ -1,0 +1,14 @@
+// Rotary-embedding frequencies for every supported rope type, computed as Hugging Face
+// transformers computes them (default, linear, llama3).
+#pragma once
+
+#include <vector>
+
+#include "config/model_config.h"
+
+namespace kvlm {
+
+// inv_freq[i] for i < head_dim / 2.
+std::vector<float> rope_inv_freq(const RopeConfig& rope, int head_dim);
+
+}  // namespace kvlm

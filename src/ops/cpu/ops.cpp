@@ -1,0 +1,69 @@
+#include "ops/cpu/ops.h"
+
+#include <cblas.h>
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace kvlm::ops::cpu {
+
+void linear(std::span<const float> x, int m, int k, std::span<const float> w, int n, std::span<const float> bias,
+            std::span<float> y) {
+  KVLM_CHECK(x.size() == size_t(m) * size_t(k) && w.size() == size_t(n) * size_t(k) && y.size() == size_t(m) * size_t(n),
+             "linear: shape mismatch");
+  if (m == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f, y.data(), n);
+  if (!bias.empty()) {
+    KVLM_CHECK(bias.size() == size_t(n), "linear: bias size mismatch");
+    for (int r = 0; r < m; ++r)
+      for (int c = 0; c < n; ++c) y[size_t(r) * size_t(n) + size_t(c)] += bias[size_t(c)];
+  }
+}
+
+void rmsnorm(std::span<const float> x, int rows, int dim, std::span<const float> w, float eps, std::span<float> out) {
+  KVLM_CHECK(x.size() == size_t(rows) * size_t(dim) && out.size() == x.size() && w.size() == size_t(dim), "rmsnorm: shape mismatch");
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x.data() + size_t(r) * size_t(dim);
+    float* orow = out.data() + size_t(r) * size_t(dim);
+    double ss = 0.0;
+    for (int i = 0; i < dim; ++i) ss += double(xr[i]) * double(xr[i]);
+    const float inv = 1.0f / std::sqrt(float(ss / dim) + eps);
+    for (int i = 0; i < dim; ++i) orow[i] = w[size_t(i)] * (xr[i] * inv);
+  }
+}
+
+void silu_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out) {
+  KVLM_CHECK(gate.size() == up.size() && out.size() == up.size(), "silu_mul: shape mismatch");
+  for (size_t i = 0; i < out.size(); ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void rope(std::span<float> x, int tokens, int heads, int head_dim, std::span<const Position> positions,
+          std::span<const float> inv_freq) {
+  const int half = head_dim / 2;
+  KVLM_CHECK(x.size() == size_t(tokens) * size_t(heads) * size_t(head_dim) && positions.size() == size_t(tokens) &&
+                 inv_freq.size() == size_t(half),
+             "rope: shape mismatch");
+  for (int t = 0; t < tokens; ++t) {
+    for (int i = 0; i < half; ++i) {
+      const float angle = float(positions[size_t(t)]) * inv_freq[size_t(i)];
+      const float c = std::cos(angle), s = std::sin(angle);
+      for (int h = 0; h < heads; ++h) {
+        float* row = x.data() + (size_t(t) * size_t(heads) + size_t(h)) * size_t(head_dim);
+        const float a = row[i], b = row[i + half];
+        row[i] = a * c - b * s;
+        row[i + half] = b * c + a * s;
+      }
+    }
+  }
+}
+
+void add_inplace(std::span<float> y, std::span<const float> x) {
+  KVLM_CHECK(y.size() == x.size(), "add: shape mismatch");
+  for (size_t i = 0; i < y.size(); ++i) y[i] += x[i];
+}
+
+}  // namespace kvlm::ops::cpu

@@ -1,0 +1,30 @@
+// Reference CPU ops: fp32 in, fp32 out, fp32 accumulation. Buffers are row-major; the
+// shape of every argument is in its comment.
+#pragma once
+
+#include <span>
+
+#include "core/index_types.h"
+
+namespace kvlm::ops::cpu {
+
+// y[m][n] = x[m][k] . w[n][k]^T (+ bias[n] when non-empty). w is a PyTorch Linear weight.
+void linear(std::span<const float> x, int m, int k, std::span<const float> w, int n, std::span<const float> bias,
+            std::span<float> y);
+
+// out[r][:] = x[r][:] / sqrt(mean(x[r]^2) + eps) * w[:], for `rows` rows of `dim`. In place allowed.
+void rmsnorm(std::span<const float> x, int rows, int dim, std::span<const float> w, float eps, std::span<float> out);
+
+// out[i] = silu(gate[i]) * up[i]. In place allowed (out may alias gate).
+void silu_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out);
+
+// Rotary embedding, rotate-half convention (Hugging Face): x[t][h][0:d/2] and x[t][h][d/2:d]
+// are the two halves of each rotated pair. x: [tokens][heads][head_dim], in place.
+// inv_freq: [head_dim / 2]; angle = positions[t] * inv_freq[i] in fp32.
+void rope(std::span<float> x, int tokens, int heads, int head_dim, std::span<const Position> positions,
+          std::span<const float> inv_freq);
+
+// y[i] += x[i]
+void add_inplace(std::span<float> y, std::span<const float> x);
+
+}  // namespace kvlm::ops::cpu

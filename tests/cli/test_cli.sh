@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# End-to-end tests of the kvlm binary as a user runs it: output shapes, determinism, and a
+# clear error (exit code 1 or 2, a message, no signal) for every kind of bad input.
+# usage: KVLM=path/to/kvlm bash tests/cli/test_cli.sh
+set -uo pipefail
+KVLM=${KVLM:?set KVLM to the kvlm binary}
+here=$(cd "$(dirname "$0")" && pwd)
+golden="$here/../golden/models"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failed=0
+
+ok() { passed=$((passed + 1)); }
+bad() { failed=$((failed + 1)); echo "FAIL: $*"; }
+
+# expect_error CODE NEEDLE -- ARGS...: exit code CODE and NEEDLE on stderr.
+expect_error() {
+  local code=$1 needle=$2
+  shift 3
+  "$KVLM" "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  if [ "$rc" -ne "$code" ]; then bad "kvlm $* exited $rc, expected $code; stderr: $(cat "$tmp/err")"; return; fi
+  if ! grep -qF -- "$needle" "$tmp/err"; then bad "kvlm $*: stderr lacks '$needle': $(cat "$tmp/err")"; return; fi
+  ok
+}
+
+json_get() { python3 -c "import json,sys; d=json.load(open('$1')); print($2)"; }
+
+# --- help and version ---------------------------------------------------------------------
+"$KVLM" --help >"$tmp/out" 2>&1 && grep -q generate "$tmp/out" && grep -q inspect "$tmp/out" && ok || bad "--help"
+"$KVLM" generate --help >"$tmp/out" 2>&1 && grep -q -- "--kv-cache-dtype" "$tmp/out" && ok || bad "generate --help"
+"$KVLM" --version >/dev/null 2>&1 && ok || bad "--version"
+
+# --- generate: JSON shape, greedy determinism, seeds, logprobs ----------------------------
+ids=1,403,407,261,378,324,434,412,281,266,397,261
+if "$KVLM" generate --prompt-ids $ids --max-tokens 16 --temperature 0 --ignore-eos --kv-cache-dtype fp8 --json \
+  --logprobs 3 >"$tmp/a.json" 2>"$tmp/err"; then
+  [ "$(json_get "$tmp/a.json" "len(d['token_ids'])")" = 16 ] && ok || bad "16 tokens expected"
+  [ "$(json_get "$tmp/a.json" "d['prompt_token_ids'][:3]")" = "[1, 403, 407]" ] && ok || bad "prompt_token_ids"
+  [ "$(json_get "$tmp/a.json" "len(d['logprobs'])")" = 16 ] && ok || bad "one logprobs entry per token"
+  [ "$(json_get "$tmp/a.json" "all(len(e['top_logprobs'])==3 and e['top_logprobs'][0]['logprob']>=e['top_logprobs'][1]['logprob'] for e in d['logprobs'])")" = True ] && ok || bad "top-3 logprobs sorted"
+  [ "$(json_get "$tmp/a.json" "all(e['token_id']==e['top_logprobs'][0]['token_id'] for e in d['logprobs'])")" = True ] && ok || bad "greedy token is the top-1"
+  grep -q "store FP8 per-tensor KV without checkpoint scales" "$tmp/err" && ok || bad "missing-scale warning"
+  [ "$(grep -c "without checkpoint scales" "$tmp/err")" = 1 ] && ok || bad "the missing-scale warning is printed once"
+else
+  bad "generate --json failed: $(cat "$tmp/err")"
+fi
+"$KVLM" generate --prompt-ids $ids --max-tokens 16 --temperature 0 --ignore-eos --kv-cache-dtype fp8 --json -q >"$tmp/b.json"
+[ "$(json_get "$tmp/a.json" "d['token_ids']")" = "$(json_get "$tmp/b.json" "d['token_ids']")" ] && ok || bad "greedy is deterministic"
+"$KVLM" generate --prompt-ids $ids --max-tokens 24 --temperature 1.0 --top-p 0.9 --seed 7 --json >"$tmp/s1.json"
+"$KVLM" generate --prompt-ids $ids --max-tokens 24 --temperature 1.0 --top-p 0.9 --seed 7 --json >"$tmp/s2.json"
+"$KVLM" generate --prompt-ids $ids --max-tokens 24 --temperature 1.0 --top-p 0.9 --seed 8 --json >"$tmp/s3.json"
+[ "$(json_get "$tmp/s1.json" "d['token_ids']")" = "$(json_get "$tmp/s2.json" "d['token_ids']")" ] && ok || bad "same seed, same tokens"
+[ "$(json_get "$tmp/s1.json" "d['token_ids']")" != "$(json_get "$tmp/s3.json" "d['token_ids']")" ] && ok || bad "another seed, other tokens"
+"$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && grep -q "^generated" "$tmp/out" && ok || bad "readable summary"
+for dt in auto float16 bfloat16 fp8 fp8_e4m3 fp8_e5m2 fp8_per_token_head int8_per_token_head; do
+  "$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 --kv-cache-dtype $dt --json -q >/dev/null && ok || bad "generate --kv-cache-dtype $dt"
+done
+# Every golden architecture runs from the CLI, including sharded and sliding-window models.
+for m in "$golden"/*/; do
+  "$KVLM" generate --model "$m" --prompt-ids 1,5,9,13 --max-tokens 8 --temperature 0 --ignore-eos --json -q >/dev/null \
+    && ok || bad "generate --model $m"
+done
+
+# --- inspect -----------------------------------------------------------------------------
+"$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window >"$tmp/out" 2>&1 \
+  && grep -q "sliding(8)  bfloat16" "$tmp/out" && grep -q "full        fp8_e4m3" "$tmp/out" && grep -q "total KV bytes per token: 768" "$tmp/out" \
+  && ok || bad "inspect mixed table: $(cat "$tmp/out")"
+"$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype int8_per_token_head --json >"$tmp/i.json" \
+  && [ "$(json_get "$tmp/i.json" "[l['scale_source'] for l in d['layers']][0]")" = "per-token-head dynamic" ] \
+  && [ "$(json_get "$tmp/i.json" "d['kv_bytes_per_token']")" = 576 ] && ok || bad "inspect --json"
+
+# --- bad input: clear errors, never a crash ----------------------------------------------
+expect_error 1 "valid values are: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2, fp8_per_token_head, int8_per_token_head" -- \
+  generate --prompt-ids 1,2 --kv-cache-dtype fp8_e6m1
+expect_error 1 "layer 9 but the model has 5 layers" -- inspect --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 9
+expect_error 1 "invalid --kv-cache-dtype-skip-layers entry 'full'" -- inspect --kv-cache-dtype-skip-layers full
+expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
+expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
+expect_error 1 "invalid --dtype 'int8'" -- generate --prompt-ids 1 --dtype int8
+expect_error 1 "invalid --block-size 12" -- generate --prompt-ids 1 --block-size 12
+expect_error 1 "outside the model's vocabulary (0..511)" -- generate --prompt-ids 1,99999
+expect_error 1 "invalid token id 'x'" -- generate --prompt-ids 1,x
+expect_error 1 "exceeds the model's context length of 512" -- generate --prompt-ids 1,2,3 --max-tokens 600
+expect_error 1 "--max-tokens must be at least 1" -- generate --prompt-ids 1 --max-tokens 0
+expect_error 1 "--temperature must be" -- generate --prompt-ids 1 --temperature -1
+expect_error 1 "--top-p must be in (0, 1]" -- generate --prompt-ids 1 --top-p 0
+expect_error 1 "the prompt is empty" -- generate --prompt-ids ""
+expect_error 2 "prompt-ids is required" -- generate
+expect_error 1 "does not exist" -- generate --model "$tmp/nope" --prompt-ids 1
+
+m="$tmp/model"
+cp -r "$golden/qwen3-mixed" "$m"
+head -c 1000 "$golden/qwen3-mixed/model.safetensors" >"$m/model.safetensors"
+expect_error 1 "not a valid safetensors file" -- generate --model "$m" --prompt-ids 1
+python3 - "$m/model.safetensors" <<'PY'
+import struct, sys
+open(sys.argv[1], "wb").write(struct.pack("<Q", 20) + b'{"a": broken json!!}')
+PY
+expect_error 1 "header is not valid JSON" -- generate --model "$m" --prompt-ids 1
+cp "$golden/qwen3-mixed/model.safetensors" "$m/model.safetensors"
+python3 - "$m/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c["intermediate_size"] = 99; json.dump(c, open(sys.argv[1], "w"))
+PY
+expect_error 1 "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [128, 64] but config.json implies [99, 64]" -- \
+  generate --model "$m" --prompt-ids 1
+python3 - "$m/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c["intermediate_size"] = 128; c["architectures"] = ["FalconForCausalLM"]; json.dump(c, open(sys.argv[1], "w"))
+PY
+expect_error 1 "unsupported architecture 'FalconForCausalLM'" -- generate --model "$m" --prompt-ids 1
+echo '{"hidden_size": ' >"$m/config.json"
+expect_error 1 "config.json is not valid JSON" -- inspect --model "$m"
+cp "$golden/llama-gqa/config.json" "$m/config.json"
+rm -f "$m/model.safetensors"
+cp "$golden/llama-gqa/"*.safetensors "$golden/llama-gqa/model.safetensors.index.json" "$m/"
+rm "$m/model-00002-of-00002.safetensors"
+expect_error 1 "lists shard 'model-00002-of-00002.safetensors'" -- generate --model "$m" --prompt-ids 1
+cp "$golden/llama-gqa/model-00002-of-00002.safetensors" "$m/"
+python3 - "$m/model.safetensors.index.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); del c["weight_map"]["model.norm.weight"]; json.dump(c, open(sys.argv[1], "w"))
+PY
+expect_error 1 "missing tensor 'model.norm.weight'" -- generate --model "$m" --prompt-ids 1
+
+# A checkpoint that declares an FP8 KV scheme with calibrated scales (compressed-tensors):
+# auto picks it up, an explicit bfloat16 overrides it (seed 002).
+python3 - "$golden/llama-gqa" "$m" <<'PY'
+import json, struct, sys
+src, dst = sys.argv[1], sys.argv[2]
+c = json.load(open(f"{src}/config.json"))
+c["quantization_config"] = {"quant_method": "compressed-tensors",
+                            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}
+json.dump(c, open(f"{dst}/config.json", "w"))
+tensors = {}
+for i in range(c["num_hidden_layers"]):
+    for kv, v in (("k", 0.02), ("v", 0.01)):
+        tensors[f"model.layers.{i}.self_attn.{kv}_proj.output_scale"] = v
+header, data = {}, b""
+for name, v in tensors.items():
+    header[name] = {"dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4]}
+    data += struct.pack("<f", v)
+h = json.dumps(header).encode()
+h += b" " * (-len(h) % 8)
+open(f"{dst}/scales.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + data)
+idx = json.load(open(f"{dst}/model.safetensors.index.json"))
+idx["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors"
+for name in tensors: idx["weight_map"][name] = "scales.safetensors"
+json.dump(idx, open(f"{dst}/model.safetensors.index.json", "w"))
+PY
+"$KVLM" inspect --model "$m" --json >"$tmp/ct.json" 2>"$tmp/err" \
+  && [ "$(json_get "$tmp/ct.json" "(d['resolved']['source'], d['layers'][0]['kv_dtype'], d['layers'][0]['scale_source'], d['layers'][0]['k_scale_tensor'])")" = \
+       "('checkpoint scheme', 'fp8_e4m3', 'checkpoint', 'model.layers.0.self_attn.k_proj.output_scale')" ] \
+  && ok || bad "compressed-tensors scheme + scales: $(cat "$tmp/err")"
+"$KVLM" inspect --model "$m" --kv-cache-dtype bfloat16 --json >"$tmp/ct2.json" \
+  && [ "$(json_get "$tmp/ct2.json" "(d['resolved']['source'], d['layers'][0]['kv_dtype'])")" = "('explicit', 'bfloat16')" ] \
+  && ok || bad "explicit bfloat16 beats the checkpoint's fp8 scheme"
+"$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --json >/dev/null 2>"$tmp/err" \
+  && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate with checkpoint scales"
+
+echo "cli: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

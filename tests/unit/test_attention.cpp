@@ -1,0 +1,253 @@
+// The CPU attention backend against two references, for every KV format, every mask kind,
+// several head sizes and GQA ratios, on a ragged batch whose block tables have holes:
+//  1. exact: softmax attention in double over the rows as stored (decoded one by one),
+//     which isolates the paging, masking and online-softmax logic (tolerance 2e-5);
+//  2. quantization: the same attention over the original fp32 K/V, with a per-format bound
+//     on the relative rms error (justified next to bound() below).
+// Outputs are poisoned with NaN before each run, so an unwritten row fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "attention/cpu_backend.h"
+#include "attention/kv_format.h"
+#include "config/kv_plan.h"
+
+using namespace kvlm;
+
+namespace {
+
+struct SeqShape {
+  int kv_len, q_len;
+};
+
+struct Case {
+  KVCacheDType dtype;
+  AttentionKind kind;
+  int window;
+  int head_dim;
+  int q_heads, kv_heads;
+  int block_size;
+};
+
+// Bound on rms(out - ref) / rms(ref) against attention over the unquantized K/V.
+// Rounding to a float format with p significand bits has relative rms error about
+// 2^-p / sqrt(3); K and V errors both reach the output (K through the softmax weights),
+// so the bound is 4x that: float16 (p=11) 1.1e-3, bfloat16 (p=8) 9e-3, e4m3 (p=4) 0.144,
+// e5m2 (p=3) 0.29; per-token-head e4m3 rescales each row to [-448, 448] first: same p.
+// int8 per token-head: step absmax/127 with rms error step/sqrt(12); rows holding an x8
+// outlier channel have absmax ~25x their rms, giving ~0.02 -> bound 0.06.
+// Measured (printed by the test): 5e-4, 5.5e-3, 0.079, 0.128, 0.040, 0.028.
+double bound(KVCacheDType d) {
+  switch (d) {
+    case KVCacheDType::Float16: return 1.1e-3;
+    case KVCacheDType::BFloat16: return 9e-3;
+    case KVCacheDType::Fp8:
+    case KVCacheDType::Fp8E4M3: return 0.144;
+    case KVCacheDType::Fp8E5M2: return 0.29;
+    case KVCacheDType::Fp8PerTokenHead: return 0.144;
+    case KVCacheDType::Int8PerTokenHead: return 0.06;
+    case KVCacheDType::Auto: return 2e-6;  // fp32 storage: only summation order differs
+  }
+  return 0;
+}
+
+std::pair<int, int> visible(const Case& c, int pos, int kv_len) {
+  switch (c.kind) {
+    case AttentionKind::Full: return {0, pos + 1};
+    case AttentionKind::Sliding: return {std::max(0, pos - c.window + 1), pos + 1};
+    case AttentionKind::NonCausal: return {0, kv_len};
+  }
+  return {0, 0};
+}
+
+// Attention in double for one (token, head): rows k/v are [kv_len][d] fp32.
+void ref_attend(const Case& c, const float* q, const std::vector<float>& k, const std::vector<float>& v, int pos, int kv_len,
+                int d, float scale, double* out) {
+  auto [lo, hi] = visible(c, pos, kv_len);
+  std::vector<double> s(size_t(hi - lo));
+  double m = -1e300;
+  for (int j = lo; j < hi; ++j) {
+    double dot = 0;
+    for (int x = 0; x < d; ++x) dot += double(q[x]) * k[size_t(j) * size_t(d) + size_t(x)];
+    s[size_t(j - lo)] = dot * scale;
+    m = std::max(m, s[size_t(j - lo)]);
+  }
+  double sum = 0;
+  for (auto& e : s) sum += (e = std::exp(e - m));
+  for (int x = 0; x < d; ++x) {
+    double acc = 0;
+    for (int j = lo; j < hi; ++j) acc += s[size_t(j - lo)] * v[size_t(j) * size_t(d) + size_t(x)];
+    out[x] = acc / sum;
+  }
+}
+
+struct Result {
+  double exact_err = 0;  // max |out - exact reference|
+  double quant_err = 0;  // rms(out - unquantized reference) / rms(unquantized reference)
+};
+
+Result run_case(const Case& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const std::vector<SeqShape> shapes{{37, 5}, {1, 1}, {70, 70}, {18, 3}};
+  const int d = c.head_dim, kvh = c.kv_heads, nh = c.q_heads, bs = c.block_size;
+
+  CacheConfig cc;
+  cc.kv_cache_dtype = c.dtype;
+  const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
+  KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::F32, std::nullopt, {});
+  if (plan.layers[0].quant == KVQuantMode::Fp8PerTensor) {
+    plan.layers[0].k_scale = {0.5f};  // a non-trivial static scale
+    plan.layers[0].v_scale = {0.25f};
+  }
+  // Pages: shuffled pool twice the size needed, so tables are scattered with holes.
+  int pages_needed = 0;
+  for (auto s : shapes) pages_needed += (s.kv_len + bs - 1) / bs;
+  KVCache cache(plan, 2 * pages_needed + 3, bs);
+  std::vector<BlockId> pool(size_t(cache.num_blocks()));
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), rng);
+
+  const CpuAttentionBackend be;
+  std::vector<std::vector<BlockId>> tables;
+  std::vector<std::vector<float>> k_orig, v_orig;
+  size_t next_page = 0;
+  int total_q = 0;
+  for (auto s : shapes) {
+    std::vector<BlockId> t;
+    for (int i = 0; i < (s.kv_len + bs - 1) / bs; ++i) {
+      t.push_back(pool[next_page]);
+      next_page += 2;  // leave a hole
+    }
+    tables.push_back(t);
+    std::vector<float> k(size_t(s.kv_len) * size_t(kvh) * size_t(d)), v(k.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      const bool outlier = (i % size_t(d)) % 50 == 7;  // a few large K channels, as in real LLMs
+      k[i] = nd(rng) * (outlier ? 8.0f : 1.0f);
+      v[i] = nd(rng);
+    }
+    std::vector<SlotId> slots(static_cast<size_t>(s.kv_len));
+    for (int p = 0; p < s.kv_len; ++p) slots[size_t(p)] = SlotId(t[size_t(p / bs)]) * bs + p % bs;
+    be.store_kv(cache.layer(0), KVWrite{.k = k, .v = v, .slots = slots});
+    k_orig.push_back(std::move(k));
+    v_orig.push_back(std::move(v));
+    total_q += s.q_len;
+  }
+  std::vector<float> q(size_t(total_q) * size_t(nh) * size_t(d));
+  for (auto& x : q) x = nd(rng);
+  std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
+  std::vector<AttnSeq> seqs;
+  int row = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    seqs.push_back({.q_begin = row, .q_len = shapes[i].q_len, .kv_len = shapes[i].kv_len, .block_table = tables[i]});
+    row += shapes[i].q_len;
+  }
+  const float scale = 1.0f / std::sqrt(float(d));
+  be.attend(cache.layer(0), AttentionCall{.q = q, .out = out, .seqs = seqs, .softmax_scale = scale});
+
+  Result r;
+  double err2 = 0, ref2 = 0;
+  const LayerKVCache& L = cache.layer(0);
+  const KVLayerSpec& spec = plan.layers[0];
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    const auto s = shapes[si];
+    for (int g = 0; g < kvh; ++g) {
+      // Rows as stored, decoded one at a time through the format codec.
+      std::vector<float> ks(size_t(s.kv_len) * size_t(d)), vs(ks.size()), ko(ks.size()), vo(ks.size());
+      kvfmt::dispatch_kv(spec.storage, spec.quant, [&](auto fmt) {
+        using Fmt = decltype(fmt);
+        for (int p = 0; p < s.kv_len; ++p) {
+          const int64_t blk = tables[si][size_t(p / bs)];
+          const int off = p % bs;
+          const size_t at = L.row(blk, g, off) * dtype_size(spec.storage);
+          float ksc = spec.k_scale_for(g), vsc = spec.v_scale_for(g);
+          if (is_per_token_head(spec.quant)) {
+            ksc = L.k_scale[L.scale_index(blk, g, off)];
+            vsc = L.v_scale[L.scale_index(blk, g, off)];
+          }
+          Fmt::decode_row(L.k.data() + at, ksc, {ks.data() + size_t(p) * size_t(d), size_t(d)});
+          Fmt::decode_row(L.v.data() + at, vsc, {vs.data() + size_t(p) * size_t(d), size_t(d)});
+          for (int x = 0; x < d; ++x) {
+            ko[size_t(p) * size_t(d) + size_t(x)] = k_orig[si][(size_t(p) * size_t(kvh) + size_t(g)) * size_t(d) + size_t(x)];
+            vo[size_t(p) * size_t(d) + size_t(x)] = v_orig[si][(size_t(p) * size_t(kvh) + size_t(g)) * size_t(d) + size_t(x)];
+          }
+        }
+      });
+      for (int t = 0; t < s.q_len; ++t) {
+        const int pos = s.kv_len - s.q_len + t;
+        for (int hg = 0; hg < nh / kvh; ++hg) {
+          const int h = g * (nh / kvh) + hg;
+          const size_t at = (size_t(seqs[si].q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
+          std::vector<double> e(static_cast<size_t>(d)), o(static_cast<size_t>(d));
+          ref_attend(c, q.data() + at, ks, vs, pos, s.kv_len, d, scale, e.data());
+          ref_attend(c, q.data() + at, ko, vo, pos, s.kv_len, d, scale, o.data());
+          for (int x = 0; x < d; ++x) {
+            const double got = out[at + size_t(x)];
+            if (std::isnan(got)) return {1e9, 1e9};
+            r.exact_err = std::max(r.exact_err, std::fabs(got - e[size_t(x)]));
+            err2 += (got - o[size_t(x)]) * (got - o[size_t(x)]);
+            ref2 += o[size_t(x)] * o[size_t(x)];
+          }
+        }
+      }
+    }
+  }
+  r.quant_err = std::sqrt(err2 / ref2);
+  return r;
+}
+
+}  // namespace
+
+class AttentionAllFormats : public ::testing::TestWithParam<KVCacheDType> {};
+
+TEST_P(AttentionAllFormats, MatchesReferences) {
+  const KVCacheDType dt = GetParam();
+  const Case shapes[] = {
+      {dt, AttentionKind::Full, 0, 64, 8, 2, 16},
+      {dt, AttentionKind::Full, 0, 128, 4, 4, 16},
+      {dt, AttentionKind::Sliding, 8, 64, 8, 2, 16},
+      {dt, AttentionKind::Sliding, 20, 32, 6, 3, 8},
+      {dt, AttentionKind::NonCausal, 0, 64, 8, 2, 16},
+      {dt, AttentionKind::NonCausal, 0, 256, 4, 1, 16},
+      {dt, AttentionKind::Full, 0, 8, 8, 4, 1},  // stories260K-like head, block size 1
+  };
+  uint32_t seed = 1;
+  for (const Case& c : shapes) {
+    const Result r = run_case(c, seed++);
+    std::printf("[attention] %-20s %-10s hd=%-3d heads=%d/%d bs=%-2d exact=%.2e vs-unquantized=%.3e (bound %.1e)\n",
+                std::string(kv_cache_dtype_name(dt)).c_str(), std::string(attention_kind_name(c.kind)).c_str(), c.head_dim,
+                c.q_heads, c.kv_heads, c.block_size, r.exact_err, r.quant_err, bound(dt));
+    EXPECT_LT(r.exact_err, 2e-5) << attention_kind_name(c.kind) << " hd " << c.head_dim;
+    EXPECT_LT(r.quant_err, bound(dt)) << attention_kind_name(c.kind) << " hd " << c.head_dim;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KV, AttentionAllFormats,
+                         ::testing::Values(KVCacheDType::Auto, KVCacheDType::Float16, KVCacheDType::BFloat16, KVCacheDType::Fp8,
+                                           KVCacheDType::Fp8E5M2, KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead),
+                         [](const auto& info) { return std::string(kv_cache_dtype_name(info.param)); });
+
+// Guard rails: a block table that is too short or names a page outside the pool is a bug
+// in the caller, reported as an error instead of reading out of bounds.
+TEST(Attention, RejectsBadBlockTables) {
+  CacheConfig cc;
+  const AttentionLayerDesc desc{.num_q_heads = 2, .num_kv_heads = 1, .head_dim = 8};
+  const KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::F32, std::nullopt, {});
+  KVCache cache(plan, 4, 4);
+  const CpuAttentionBackend be;
+  std::vector<float> q(16), out(16);
+  const std::vector<BlockId> short_table{0};
+  const AttnSeq s1{.q_begin = 0, .q_len = 1, .kv_len = 8, .block_table = short_table};
+  EXPECT_THROW(be.attend(cache.layer(0), {.q = q, .out = out, .seqs = {&s1, 1}}), Error);
+  const std::vector<BlockId> bad{0, 9};
+  const AttnSeq s2{.q_begin = 0, .q_len = 1, .kv_len = 8, .block_table = bad};
+  EXPECT_THROW(be.attend(cache.layer(0), {.q = q, .out = out, .seqs = {&s2, 1}}), Error);
+  const std::vector<float> kv(8);
+  const std::vector<SlotId> slot{16};
+  EXPECT_THROW(be.store_kv(cache.layer(0), {.k = kv, .v = kv, .slots = slot}), Error);
+}

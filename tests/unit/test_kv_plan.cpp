@@ -1,0 +1,174 @@
+// The KV plan: precedence (explicit > checkpoint scheme > model dtype), skip rules, scale
+// sources, exact bytes per token, and one plan for target and draft layers alike.
+#include <gtest/gtest.h>
+
+#include "config/kv_plan.h"
+#include "core/error.h"
+
+using namespace kvlm;
+
+namespace {
+
+std::vector<AttentionLayerDesc> mixed_layers() {
+  // Qwen3-like: 4 layers alternating sliding(8) / full, 2 kv heads of 32.
+  std::vector<AttentionLayerDesc> v;
+  for (int i = 0; i < 4; ++i)
+    v.push_back({.layer = i, .kind = i % 2 == 0 ? AttentionKind::Sliding : AttentionKind::Full, .window = i % 2 == 0 ? 8 : 0,
+                 .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 32});
+  return v;
+}
+
+CheckpointKVScheme fp8_scheme() {
+  return {.origin = "compressed-tensors kv_cache_scheme", .storage = KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor}};
+}
+
+CacheConfig with(KVCacheDType d, std::string_view skip = "") {
+  CacheConfig c;
+  c.kv_cache_dtype = d;
+  c.skip_layers = parse_skip_layers(skip);
+  return c;
+}
+
+}  // namespace
+
+// Table: requested x checkpoint scheme x model dtype -> storage and source.
+TEST(ResolveKVDType, Precedence) {
+  struct Row {
+    KVCacheDType req;
+    bool scheme;
+    DType model;
+    KVStorage want;
+    DTypeSource src;
+  };
+  const KVStorage fp8{DType::F8E4M3, KVQuantMode::Fp8PerTensor};
+  const Row rows[] = {
+      {KVCacheDType::Auto, false, DType::BF16, {DType::BF16, KVQuantMode::None}, DTypeSource::ModelDType},
+      {KVCacheDType::Auto, false, DType::F16, {DType::F16, KVQuantMode::None}, DTypeSource::ModelDType},
+      {KVCacheDType::Auto, false, DType::F32, {DType::F32, KVQuantMode::None}, DTypeSource::ModelDType},
+      {KVCacheDType::Auto, true, DType::BF16, fp8, DTypeSource::CheckpointScheme},
+      // seed 002: an explicit bfloat16 beats a checkpoint that declares fp8.
+      {KVCacheDType::BFloat16, true, DType::BF16, {DType::BF16, KVQuantMode::None}, DTypeSource::Explicit},
+      {KVCacheDType::Float16, true, DType::BF16, {DType::F16, KVQuantMode::None}, DTypeSource::Explicit},
+      {KVCacheDType::Fp8E5M2, true, DType::BF16, {DType::F8E5M2, KVQuantMode::Fp8PerTensor}, DTypeSource::Explicit},
+      {KVCacheDType::Int8PerTokenHead, true, DType::BF16, {DType::I8, KVQuantMode::Int8PerTokenHead}, DTypeSource::Explicit},
+      {KVCacheDType::Fp8, false, DType::F32, fp8, DTypeSource::Explicit},
+  };
+  for (const Row& r : rows) {
+    const auto res = resolve_kv_dtype(r.req, r.scheme ? std::optional(fp8_scheme()) : std::nullopt, r.model);
+    EXPECT_EQ(res.storage, r.want) << kv_cache_dtype_name(r.req);
+    EXPECT_EQ(res.source, r.src) << kv_cache_dtype_name(r.req);
+    if (r.scheme && r.src == DTypeSource::Explicit) EXPECT_NE(res.note.find("overrides"), std::string::npos);
+  }
+}
+
+TEST(ResolveKVDType, UnsupportedSchemeNeedsExplicitChoice) {
+  CheckpointKVScheme s{.origin = "modelopt kv_cache_quant_algo", .unsupported_reason = "declares NVFP4"};
+  try {
+    resolve_kv_dtype(KVCacheDType::Auto, s, DType::BF16);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--kv-cache-dtype"), std::string::npos);
+  }
+  EXPECT_EQ(resolve_kv_dtype(KVCacheDType::BFloat16, s, DType::BF16).storage.storage, DType::BF16);
+}
+
+TEST(KVPlan, SkipSlidingWindowLayers) {
+  const auto layers = mixed_layers();
+  const KVPlan p = build_kv_plan(with(KVCacheDType::Fp8, "sliding_window"), layers, DType::BF16, std::nullopt, {});
+  ASSERT_EQ(p.layers.size(), 4u);
+  for (const auto& l : p.layers) {
+    if (l.attn.kind == AttentionKind::Sliding) {
+      EXPECT_EQ(l.storage, DType::BF16);
+      EXPECT_EQ(l.quant, KVQuantMode::None);
+      EXPECT_EQ(l.dtype_source, DTypeSource::SkipRule);
+      EXPECT_EQ(l.scale_source, ScaleSource::None);
+      EXPECT_EQ(l.bytes_per_token(), 2u * 2 * 32 * 2);
+    } else {
+      EXPECT_EQ(l.storage, DType::F8E4M3);
+      EXPECT_EQ(l.quant, KVQuantMode::Fp8PerTensor);
+      EXPECT_EQ(l.dtype_source, DTypeSource::Explicit);
+      EXPECT_EQ(l.scale_source, ScaleSource::Default);
+      EXPECT_EQ(l.bytes_per_token(), 2u * 2 * 32 * 1);
+    }
+  }
+  EXPECT_EQ(p.bytes_per_token(), 2u * 256 + 2u * 128);
+  ASSERT_EQ(p.warnings.size(), 1u);  // one warning for all defaulted layers, not one per layer
+  EXPECT_NE(p.warnings[0].find("2 of 4 layers"), std::string::npos);
+}
+
+TEST(KVPlan, SkipIndicesAndRangeCheck) {
+  const auto layers = mixed_layers();
+  const KVPlan p = build_kv_plan(with(KVCacheDType::Int8PerTokenHead, "0,3"), layers, DType::F16, std::nullopt, {});
+  EXPECT_EQ(p.layers[0].storage, DType::F16);
+  EXPECT_EQ(p.layers[1].storage, DType::I8);
+  EXPECT_EQ(p.layers[1].scale_source, ScaleSource::PerTokenHeadDynamic);
+  // int8 codes + one fp32 scale per (token, head) for K and for V.
+  EXPECT_EQ(p.layers[1].bytes_per_token(), 2u * 2 * 32 + 2u * 2 * 4);
+  EXPECT_EQ(p.layers[3].storage, DType::F16);
+  try {
+    build_kv_plan(with(KVCacheDType::Fp8, "4"), layers, DType::BF16, std::nullopt, {});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 4 but the model has 4 layers"), std::string::npos);
+  }
+  // Skip rules do not touch an unquantized plan.
+  const KVPlan q = build_kv_plan(with(KVCacheDType::Float16, "0,sliding_window"), layers, DType::BF16, std::nullopt, {});
+  for (const auto& l : q.layers) EXPECT_EQ(l.dtype_source, DTypeSource::Explicit);
+}
+
+TEST(KVPlan, ParseSkipLayers) {
+  auto s = parse_skip_layers("0, 5,sliding_window");
+  EXPECT_EQ(s.indices, (std::vector<int>{0, 5}));
+  EXPECT_TRUE(s.sliding_window);
+  EXPECT_TRUE(parse_skip_layers("").empty());
+  for (const char* bad : {"-1", "x", "1.5", "sliding", "full_attention", "3a"}) EXPECT_THROW(parse_skip_layers(bad), Error) << bad;
+}
+
+TEST(KVPlan, CheckpointScalesAndSchemeFromCheckpoint) {
+  const auto layers = mixed_layers();
+  const ScaleLookup scales = [](const AttentionLayerDesc& l) -> std::optional<CheckpointScales> {
+    if (l.layer == 2) return std::nullopt;
+    if (l.layer == 3) return CheckpointScales{{0.5f, 0.25f}, {2.0f, 4.0f}, "k3", "v3"};  // per kv head
+    return CheckpointScales{{0.125f}, {0.0625f}, "model.layers.N.self_attn.k_scale", "model.layers.N.self_attn.v_scale"};
+  };
+  const KVPlan p = build_kv_plan(with(KVCacheDType::Auto), layers, DType::BF16, fp8_scheme(), scales);
+  EXPECT_EQ(p.resolution.source, DTypeSource::CheckpointScheme);
+  EXPECT_EQ(p.layers[0].scale_source, ScaleSource::CheckpointTensor);
+  EXPECT_FLOAT_EQ(p.layers[0].k_scale_for(1), 0.125f);
+  EXPECT_EQ(p.layers[2].scale_source, ScaleSource::Default);
+  EXPECT_FLOAT_EQ(p.layers[2].k_scale_for(0), 1.0f);
+  EXPECT_FLOAT_EQ(p.layers[3].k_scale_for(1), 0.25f);
+  EXPECT_FLOAT_EQ(p.layers[3].v_scale_for(0), 2.0f);
+  EXPECT_EQ(p.warnings.size(), 1u);
+  // The same checkpoint with an explicit bfloat16: no scales used, nothing quantized.
+  const KVPlan b = build_kv_plan(with(KVCacheDType::BFloat16), layers, DType::BF16, fp8_scheme(), scales);
+  for (const auto& l : b.layers) {
+    EXPECT_EQ(l.storage, DType::BF16);
+    EXPECT_EQ(l.scale_source, ScaleSource::None);
+  }
+  // Malformed scales are rejected with the tensor's name.
+  const ScaleLookup bad = [](const AttentionLayerDesc&) -> std::optional<CheckpointScales> {
+    return CheckpointScales{{0.0f}, {1.0f}, "bad.k_scale", "bad.v_scale"};
+  };
+  EXPECT_THROW(build_kv_plan(with(KVCacheDType::Fp8), layers, DType::BF16, std::nullopt, bad), Error);
+  const ScaleLookup wrong_count = [](const AttentionLayerDesc&) -> std::optional<CheckpointScales> {
+    return CheckpointScales{{1.0f, 1.0f, 1.0f}, {1.0f}, "k", "v"};
+  };
+  EXPECT_THROW(build_kv_plan(with(KVCacheDType::Fp8), layers, DType::BF16, std::nullopt, wrong_count), Error);
+}
+
+// seed 000: a draft model's non-causal layers get their spec from the same function, with
+// the same cache options, and a quantized mode stays quantized.
+TEST(KVPlan, DraftLayersShareThePlan) {
+  auto layers = mixed_layers();
+  for (int i = 0; i < 2; ++i)
+    layers.push_back({.model = "dflash", .layer = i, .kind = AttentionKind::NonCausal, .num_q_heads = 4, .num_kv_heads = 2,
+                      .head_dim = 32});
+  const KVPlan p = build_kv_plan(with(KVCacheDType::Fp8PerTokenHead, "0"), layers, DType::BF16, std::nullopt, {});
+  ASSERT_EQ(p.layers.size(), 6u);
+  EXPECT_EQ(p.layers[0].storage, DType::BF16);  // target layer 0 skipped
+  EXPECT_EQ(p.layers[4].attn.model, "dflash");
+  EXPECT_EQ(p.layers[4].storage, DType::F8E4M3);  // draft layer 0 is not the target's layer 0
+  EXPECT_EQ(p.layers[4].quant, KVQuantMode::Fp8PerTokenHead);
+  EXPECT_EQ(p.layers[5].attn.kind, AttentionKind::NonCausal);
+}

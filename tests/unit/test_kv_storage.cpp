@@ -1,0 +1,104 @@
+// Paged KV storage: exact per-layer sizes, quantize-on-write per format, block allocator.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "attention/cpu_backend.h"
+#include "attention/kv_format.h"
+#include "core/numeric.h"
+#include "kv/block_allocator.h"
+#include "kv/kv_cache.h"
+
+using namespace kvlm;
+
+TEST(KVCache, EachLayerSizedForItsOwnSpec) {
+  // 3 layers: bf16 (skipped), fp8 per-tensor, int8 per-token-head; 2 kv heads of 64.
+  std::vector<AttentionLayerDesc> layers;
+  for (int i = 0; i < 3; ++i) layers.push_back({.layer = i, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64});
+  CacheConfig c;
+  c.kv_cache_dtype = KVCacheDType::Fp8;
+  c.skip_layers = parse_skip_layers("0");
+  KVPlan plan = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
+  plan.layers[2].storage = DType::I8;  // a mixed plan, as a future per-layer policy could build
+  plan.layers[2].quant = KVQuantMode::Int8PerTokenHead;
+  KVCache cache(plan, 10, 16);
+  EXPECT_EQ(cache.layer(0).bytes(), 10u * 16 * 2 * 2 * 64 * 2);
+  EXPECT_EQ(cache.layer(1).bytes(), 10u * 16 * 2 * 2 * 64 * 1);
+  EXPECT_EQ(cache.layer(2).bytes(), 10u * 16 * (2 * 2 * 64 * 1 + 2 * 2 * 4));
+  EXPECT_TRUE(cache.layer(1).k_scale.empty());
+  EXPECT_EQ(cache.bytes(), 10u * 16 * plan.bytes_per_token());
+}
+
+TEST(KVCache, StoreQuantizesPerFormat) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Float16, KVCacheDType::Fp8E4M3, KVCacheDType::Fp8E5M2,
+                          KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead}) {
+    CacheConfig c;
+    c.kv_cache_dtype = dt;
+    const AttentionLayerDesc desc{.num_q_heads = 2, .num_kv_heads = 2, .head_dim = 16};
+    KVPlan plan = build_kv_plan(c, {&desc, 1}, DType::BF16, std::nullopt, {});
+    if (plan.layers[0].quant == KVQuantMode::Fp8PerTensor) plan.layers[0].k_scale = {0.5f, 0.25f};  // per kv head
+    KVCache cache(plan, 4, 8);
+    std::vector<float> k(3 * 2 * 16), v(k.size());
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    const std::vector<SlotId> slots{5, 17, 30};  // blocks 0, 2, 3
+    CpuAttentionBackend().store_kv(cache.layer(0), {.k = k, .v = v, .slots = slots});
+    const LayerKVCache& L = cache.layer(0);
+    const KVLayerSpec& s = plan.layers[0];
+    for (size_t i = 0; i < slots.size(); ++i) {
+      for (int g = 0; g < 2; ++g) {
+        const int64_t blk = slots[i] / 8;
+        const int off = int(slots[i] % 8);
+        const float* src = k.data() + (i * 2 + size_t(g)) * 16;
+        float amax = 0;
+        for (int x = 0; x < 16; ++x) amax = std::max(amax, std::fabs(src[x]));
+        std::vector<float> row(16);
+        float scale = s.k_scale_for(g);
+        if (is_per_token_head(s.quant)) {
+          scale = L.k_scale[L.scale_index(blk, g, off)];
+          const float qmax = s.quant == KVQuantMode::Int8PerTokenHead ? 127.0f : 448.0f;
+          EXPECT_FLOAT_EQ(scale, amax / qmax);  // absmax / qmax, stored fp32
+        }
+        kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
+          decltype(fmt)::decode_row(L.k.data() + L.row(blk, g, off) * dtype_size(s.storage), scale, row);
+        });
+        for (int x = 0; x < 16; ++x) {
+          const float e = std::fabs(row[size_t(x)] - src[x]);
+          switch (s.quant) {
+            case KVQuantMode::None:
+              EXPECT_LE(e, std::fabs(src[x]) * (s.storage == DType::BF16 ? 1.0f / 256 : 1.0f / 2048)) << dtype_name(s.storage);
+              break;
+            case KVQuantMode::Fp8PerTensor:  // relative half-ulp, or half the subnormal step
+              EXPECT_LE(e, std::max(std::fabs(src[x]) * (s.storage == DType::F8E4M3 ? 1.0f / 16 : 1.0f / 8),
+                                    scale * (s.storage == DType::F8E4M3 ? std::ldexp(1.0f, -10) : std::ldexp(1.0f, -17))));
+              break;
+            case KVQuantMode::Fp8PerTokenHead:
+              EXPECT_LE(e, std::max(std::fabs(src[x]) / 16, scale * std::ldexp(1.0f, -10)));
+              break;
+            case KVQuantMode::Int8PerTokenHead:
+              EXPECT_LE(e, scale * 0.5f + 1e-6f);
+              break;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(BlockAllocator, AllocatesEveryBlockOnceAndReuses) {
+  BlockAllocator a(4);
+  std::vector<BlockId> got;
+  while (auto b = a.allocate()) got.push_back(*b);
+  EXPECT_EQ(got.size(), 4u);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<BlockId>{0, 1, 2, 3}));
+  EXPECT_EQ(a.num_free(), 0);
+  a.free(2);
+  EXPECT_EQ(a.allocate(), BlockId(2));
+  EXPECT_THROW(a.free(7), Error);
+  a.free(1);
+  EXPECT_THROW(a.free(1), Error);
+}

@@ -1,0 +1,198 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "config/model_config.h"
+#include "core/error.h"
+
+using namespace kvlm;
+using nlohmann::json;
+
+namespace {
+
+json llama() {
+  return json{{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 64}, {"intermediate_size", 128},
+              {"num_hidden_layers", 4}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+              {"vocab_size", 100}, {"max_position_embeddings", 256}, {"rms_norm_eps", 1e-5},
+              {"torch_dtype", "bfloat16"}, {"eos_token_id", 2}, {"bos_token_id", 1}};
+}
+
+std::string error_of(const json& j) {
+  try {
+    parse_model_config(j, nullptr);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(ModelConfig, Llama) {
+  const ModelConfig m = parse_model_config(llama(), nullptr);
+  EXPECT_EQ(m.arch, Arch::Llama);
+  EXPECT_EQ(m.head_dim, 16);
+  EXPECT_EQ(m.num_kv_heads, 2);
+  EXPECT_EQ(m.declared_dtype, DType::BF16);
+  EXPECT_EQ(m.rope.type, RopeType::Default);
+  EXPECT_DOUBLE_EQ(m.rope.theta, 10000.0);
+  EXPECT_FALSE(m.qkv_bias);
+  EXPECT_FALSE(m.qk_norm);
+  ASSERT_EQ(m.layers.size(), 4u);
+  for (const auto& l : m.layers) EXPECT_EQ(l.kind, AttentionKind::Full);
+  EXPECT_EQ(m.eos_token_ids, std::vector<TokenId>{2});
+}
+
+TEST(ModelConfig, HeadDimAndMqaAndBias) {
+  json j = llama();
+  j["head_dim"] = 32;
+  j["num_key_value_heads"] = 1;
+  j["attention_bias"] = true;
+  j["tie_word_embeddings"] = true;
+  const ModelConfig m = parse_model_config(j, nullptr);
+  EXPECT_EQ(m.head_dim, 32);
+  EXPECT_EQ(m.num_kv_heads, 1);
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_TRUE(m.o_bias);
+  EXPECT_TRUE(m.tie_word_embeddings);
+}
+
+TEST(ModelConfig, RopeLegacyAndTransformers5Forms) {
+  json j = llama();
+  j["rope_theta"] = 500000.0;
+  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
+  ModelConfig m = parse_model_config(j, nullptr);
+  EXPECT_EQ(m.rope.type, RopeType::Llama3);
+  EXPECT_DOUBLE_EQ(m.rope.theta, 500000.0);
+  EXPECT_DOUBLE_EQ(m.rope.factor, 8.0);
+  EXPECT_EQ(m.rope.original_max_position, 8192);
+
+  json k = llama();
+  k["rope_parameters"] = {{"rope_type", "linear"}, {"rope_theta", 1000.0}, {"factor", 4.0}};
+  m = parse_model_config(k, nullptr);
+  EXPECT_EQ(m.rope.type, RopeType::Linear);
+  EXPECT_DOUBLE_EQ(m.rope.theta, 1000.0);
+  EXPECT_DOUBLE_EQ(m.rope.factor, 4.0);
+
+  json legacy_type = llama();
+  legacy_type["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  EXPECT_EQ(parse_model_config(legacy_type, nullptr).rope.type, RopeType::Linear);
+
+  json yarn = llama();
+  yarn["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  EXPECT_NE(error_of(yarn).find("'yarn' is not supported"), std::string::npos);
+}
+
+TEST(ModelConfig, Qwen2SlidingFollowsMaxWindowLayers) {
+  json j = llama();
+  j["architectures"] = {"Qwen2ForCausalLM"};
+  j["use_sliding_window"] = true;
+  j["sliding_window"] = 8;
+  j["max_window_layers"] = 2;
+  ModelConfig m = parse_model_config(j, nullptr);
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_FALSE(m.o_bias);
+  EXPECT_EQ(m.layers[0].kind, AttentionKind::Full);
+  EXPECT_EQ(m.layers[1].kind, AttentionKind::Full);
+  EXPECT_EQ(m.layers[2].kind, AttentionKind::Sliding);
+  EXPECT_EQ(m.layers[3].window, 8);
+  // Real Qwen2.5 configs: sliding_window set but use_sliding_window false -> all full.
+  j["use_sliding_window"] = false;
+  m = parse_model_config(j, nullptr);
+  for (const auto& l : m.layers) EXPECT_EQ(l.kind, AttentionKind::Full);
+}
+
+TEST(ModelConfig, Qwen3LayerTypes) {
+  json j = llama();
+  j["architectures"] = {"Qwen3ForCausalLM"};
+  j["head_dim"] = 32;
+  j["use_sliding_window"] = true;
+  j["sliding_window"] = 16;
+  j["layer_types"] = {"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
+  const ModelConfig m = parse_model_config(j, nullptr);
+  EXPECT_TRUE(m.qk_norm);
+  EXPECT_EQ(m.layers[0].kind, AttentionKind::Sliding);
+  EXPECT_EQ(m.layers[0].window, 16);
+  EXPECT_EQ(m.layers[1].kind, AttentionKind::Full);
+  j["layer_types"] = {"sliding_attention", "full_attention"};
+  EXPECT_NE(error_of(j).find("one entry per layer"), std::string::npos);
+  j["layer_types"] = {"sliding_attention", "chunked_attention", "full_attention", "full_attention"};
+  EXPECT_NE(error_of(j).find("chunked_attention"), std::string::npos);
+}
+
+TEST(ModelConfig, MistralSlidingEveryLayer) {
+  json j = llama();
+  j["architectures"] = {"MistralForCausalLM"};
+  j["sliding_window"] = 4096;
+  const ModelConfig m = parse_model_config(j, nullptr);
+  for (const auto& l : m.layers) {
+    EXPECT_EQ(l.kind, AttentionKind::Sliding);
+    EXPECT_EQ(l.window, 4096);
+  }
+  json k = llama();
+  k["sliding_window"] = 16;  // Llama has no sliding window: ignored as transformers does
+  for (const auto& l : parse_model_config(k, nullptr).layers) EXPECT_EQ(l.kind, AttentionKind::Full);
+}
+
+TEST(ModelConfig, ClearErrors) {
+  json j = llama();
+  j["architectures"] = {"GPT2LMHeadModel"};
+  EXPECT_NE(error_of(j).find("unsupported architecture 'GPT2LMHeadModel'"), std::string::npos);
+  j = llama();
+  j.erase("hidden_size");
+  EXPECT_NE(error_of(j).find("'hidden_size' is missing"), std::string::npos);
+  j = llama();
+  j["num_attention_heads"] = "four";
+  EXPECT_NE(error_of(j).find("'num_attention_heads' must be an integer"), std::string::npos);
+  j = llama();
+  j["num_key_value_heads"] = 3;
+  EXPECT_NE(error_of(j).find("not a multiple"), std::string::npos);
+  j = llama();
+  j["hidden_size"] = -64;
+  EXPECT_NE(error_of(j).find("positive"), std::string::npos);
+  j = llama();
+  j["hidden_act"] = "gelu";
+  EXPECT_NE(error_of(j).find("gelu"), std::string::npos);
+  j = llama();
+  j["torch_dtype"] = "int4";
+  EXPECT_NE(error_of(j).find("int4"), std::string::npos);
+  EXPECT_NE(error_of(json::array()).find("JSON object"), std::string::npos);
+  j = llama();
+  j["eos_token_id"] = 1000;
+  EXPECT_NE(error_of(j).find("outside the vocabulary"), std::string::npos);
+}
+
+TEST(ModelConfig, KVSchemes) {
+  json j = llama();
+  j["quantization_config"] = {{"quant_method", "compressed-tensors"},
+                              {"kv_cache_scheme", {{"num_bits", 8}, {"type", "float"}, {"strategy", "tensor"}, {"dynamic", false}}}};
+  ModelConfig m = parse_model_config(j, nullptr);
+  ASSERT_TRUE(m.kv_scheme.has_value());
+  EXPECT_EQ(m.kv_scheme->storage, (KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor}));
+  EXPECT_FALSE(m.kv_scheme->per_head_scales);
+
+  j["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head";
+  EXPECT_TRUE(parse_model_config(j, nullptr).kv_scheme->per_head_scales);
+
+  j["quantization_config"]["kv_cache_scheme"]["type"] = "int";
+  m = parse_model_config(j, nullptr);
+  EXPECT_FALSE(m.kv_scheme->storage.has_value());
+  EXPECT_NE(m.kv_scheme->unsupported_reason.find("type=int"), std::string::npos);
+
+  j["quantization_config"] = {{"quant_method", "modelopt"}, {"kv_cache_quant_algo", "FP8"}};
+  EXPECT_EQ(parse_model_config(j, nullptr).kv_scheme->storage, (KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor}));
+  j["quantization_config"] = {{"quant_method", "modelopt"}, {"quantization", {{"kv_cache_quant_algo", "NVFP4"}}}};
+  EXPECT_FALSE(parse_model_config(j, nullptr).kv_scheme->storage.has_value());
+  j["quantization_config"] = {{"quant_method", "compressed-tensors"}, {"kv_cache_scheme", nullptr}};
+  EXPECT_FALSE(parse_model_config(j, nullptr).kv_scheme.has_value());
+}
+
+TEST(ModelConfig, GenerationConfigWins) {
+  json gen{{"eos_token_id", {2, 7}}, {"do_sample", true}, {"temperature", 0.6}, {"top_p", 0.9}, {"top_k", 20}};
+  const ModelConfig m = parse_model_config(llama(), &gen);
+  EXPECT_EQ(m.eos_token_ids, (std::vector<TokenId>{2, 7}));
+  EXPECT_FLOAT_EQ(*m.default_temperature, 0.6f);
+  EXPECT_FLOAT_EQ(*m.default_top_p, 0.9f);
+  EXPECT_EQ(*m.default_top_k, 20);
+}
