@@ -96,7 +96,10 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
     for (const AttnSeq& seq : call.seqs) {
       const int first_pos = seq.kv_len - seq.q_len;
       const int tiles = (seq.q_len + kQueryTile - 1) / kQueryTile;
-#pragma omp parallel for collapse(2) schedule(dynamic)
+      // Threads only pay off for real work: waking a team costs more than attention over a
+      // short context (and its spinning workers then steal cycles from the BLAS threads).
+      const bool parallel = int64_t(seq.q_len) * seq.kv_len * nh * d > (int64_t(1) << 22);
+#pragma omp parallel for collapse(2) schedule(dynamic) if (parallel)
       for (int g = 0; g < kvh; ++g) {
         for (int tile = 0; tile < tiles; ++tile) {
           const int t0 = tile * kQueryTile, t1 = std::min(seq.q_len, t0 + kQueryTile);

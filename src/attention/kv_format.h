@@ -32,30 +32,21 @@ struct F32 {
   }
   static void encode(uint8_t* p, size_t i, float x) { std::memcpy(p + 4 * i, &x, 4); }
 };
-struct F16 {
-  static constexpr DType kStorage = DType::F16;
+template <DType S, float (*Dec)(uint16_t), uint16_t (*Enc)(float)>
+struct Half {
+  static constexpr DType kStorage = S;
   static float decode(const uint8_t* p, size_t i) {
     uint16_t h;
     std::memcpy(&h, p + 2 * i, 2);
-    return num::f16_to_f32(h);
+    return Dec(h);
   }
   static void encode(uint8_t* p, size_t i, float x) {
-    const uint16_t h = num::f32_to_f16(x);
+    const uint16_t h = Enc(x);
     std::memcpy(p + 2 * i, &h, 2);
   }
 };
-struct BF16 {
-  static constexpr DType kStorage = DType::BF16;
-  static float decode(const uint8_t* p, size_t i) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
-    return num::bf16_to_f32(h);
-  }
-  static void encode(uint8_t* p, size_t i, float x) {
-    const uint16_t h = num::f32_to_bf16(x);
-    std::memcpy(p + 2 * i, &h, 2);
-  }
-};
+using F16 = Half<DType::F16, num::f16_to_f32, num::f32_to_f16>;
+using BF16 = Half<DType::BF16, num::bf16_to_f32, num::f32_to_bf16>;
 struct E4M3 {
   static constexpr DType kStorage = DType::F8E4M3;
   static constexpr float kMax = num::kE4M3Max;

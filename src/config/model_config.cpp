@@ -167,9 +167,14 @@ std::vector<TokenId> token_list(const json& obj, std::string_view key, std::stri
   return out;
 }
 
-int positive(const json& cfg, std::string_view key) {
+// A positive integer field, capped at `max` so that a corrupt config cannot make kvlm try
+// to allocate absurd amounts before any tensor is checked.
+int positive(const json& cfg, std::string_view key, long long max = 1 << 30) {
   const long long v = jg::req_int(cfg, key, kWhere);
-  if (v <= 0 || v > (1 << 30)) throw Error("config.json: '" + std::string(key) + "' must be a positive integer, got " + std::to_string(v));
+  if (v <= 0) throw Error("config.json: '" + std::string(key) + "' must be a positive integer, got " + std::to_string(v));
+  if (v > max)
+    throw Error("config.json: '" + std::string(key) + "' is " + std::to_string(v) + ", above the largest value kvlm accepts (" +
+                std::to_string(max) + "); is the file corrupt?");
   return int(v);
 }
 
@@ -179,14 +184,14 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
   if (!cfg.is_object()) throw Error("config.json: the top level must be a JSON object");
   ModelConfig m;
   m.arch = parse_arch(cfg);
-  m.hidden_size = positive(cfg, "hidden_size");
-  m.intermediate_size = positive(cfg, "intermediate_size");
-  m.num_layers = positive(cfg, "num_hidden_layers");
-  m.num_heads = positive(cfg, "num_attention_heads");
-  m.num_kv_heads = jg::find(cfg, "num_key_value_heads") ? positive(cfg, "num_key_value_heads") : m.num_heads;
-  m.vocab_size = positive(cfg, "vocab_size");
+  m.hidden_size = positive(cfg, "hidden_size", 1 << 17);
+  m.intermediate_size = positive(cfg, "intermediate_size", 1 << 20);
+  m.num_layers = positive(cfg, "num_hidden_layers", 1024);
+  m.num_heads = positive(cfg, "num_attention_heads", 1024);
+  m.num_kv_heads = jg::find(cfg, "num_key_value_heads") ? positive(cfg, "num_key_value_heads", 1024) : m.num_heads;
+  m.vocab_size = positive(cfg, "vocab_size", 1 << 24);
   if (jg::find(cfg, "head_dim")) {
-    m.head_dim = positive(cfg, "head_dim");
+    m.head_dim = positive(cfg, "head_dim", 1024);
   } else {
     if (m.hidden_size % m.num_heads != 0)
       throw Error("config.json: hidden_size " + std::to_string(m.hidden_size) + " is not divisible by num_attention_heads " +

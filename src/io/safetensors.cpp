@@ -186,19 +186,15 @@ void convert_to_f32(DType src, std::span<const uint8_t> bytes, std::span<float> 
       std::memcpy(out.data(), bytes.data(), n * 4);
       return;
     case DType::BF16:
+    case DType::F16: {
+      const auto widen = src == DType::BF16 ? num::bf16_to_f32 : num::f16_to_f32;
       for (size_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, bytes.data() + 2 * i, 2);
-        out[i] = num::bf16_to_f32(h);
+        out[i] = widen(h);
       }
       return;
-    case DType::F16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, bytes.data() + 2 * i, 2);
-        out[i] = num::f16_to_f32(h);
-      }
-      return;
+    }
     default:
       throw Error("cannot convert " + std::string(dtype_name(src)) + " tensors to float32");
   }

@@ -152,6 +152,9 @@ TEST(ModelConfig, ClearErrors) {
   j["hidden_size"] = -64;
   EXPECT_NE(error_of(j).find("positive"), std::string::npos);
   j = llama();
+  j["num_hidden_layers"] = 1000000000;
+  EXPECT_NE(error_of(j).find("is the file corrupt?"), std::string::npos);
+  j = llama();
   j["hidden_act"] = "gelu";
   EXPECT_NE(error_of(j).find("gelu"), std::string::npos);
   j = llama();
