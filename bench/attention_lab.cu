@@ -1,0 +1,400 @@
+// The attention kernel lab: for each KV mode and decode shape (Llama-3-8B attention: 32 q
+// heads, 8 kv heads, head 128, block size 16, shuffled pages), first validates the kernel
+// against a simple reference kernel (software decoding through core/numeric.h, two-pass
+// softmax), then times it with CUDA events (warm-up, median of repeats), rotating through
+// copies of the cache whose total exceeds 2x the L2 (so every timed call reads HBM), and
+// prints one markdown row: µs, achieved GB/s of the bytes that must move (K+V codes, scales,
+// q, out), % of the device-to-device copy bandwidth measured in the same run, and speedup
+// over bf16 of the same shape.
+//
+//   attention_lab [--quick] [--prefill]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/numeric.h"
+#include "ops/cuda/attention_ops.h"
+
+using namespace kvlm;
+
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+namespace {
+
+constexpr int kQHeads = 32, kKVHeads = 8, kHead = 128;
+int kBlock = 16;  // --block N
+constexpr double kL2 = 60e6;
+
+struct Mode {
+  const char* name;
+  DType storage;
+  KVQuantMode quant;
+};
+const Mode kModes[] = {
+    {"bf16", DType::BF16, KVQuantMode::None},
+    {"fp16", DType::F16, KVQuantMode::None},
+    {"fp8_e4m3", DType::F8E4M3, KVQuantMode::Fp8PerTensor},
+    {"fp8_e5m2", DType::F8E5M2, KVQuantMode::Fp8PerTensor},
+    {"fp8_per_token_head", DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
+    {"int8_per_token_head", DType::I8, KVQuantMode::Int8PerTokenHead},
+};
+size_t esize(DType t) { return (t == DType::BF16 || t == DType::F16) ? 2 : 1; }
+__host__ __device__ inline bool per_token(KVQuantMode q) { return q == KVQuantMode::Fp8PerTokenHead || q == KVQuantMode::Int8PerTokenHead; }
+
+__device__ __host__ inline uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+
+// Random finite codes: 2-byte formats get values in [-1, 1); fp8 bytes lose bit 6 (the top
+// exponent bit), which excludes NaN/inf in both e4m3 and e5m2; int8 takes any byte.
+__global__ void fill_codes(uint8_t* p, size_t n_elems, int esz, int fmt, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_elems; i += size_t(gridDim.x) * blockDim.x) {
+    const uint32_t h = hash32(i * 0x9E3779B97F4A7C15ULL + seed);
+    if (esz == 2) {
+      const float x = float(int32_t(h)) * (1.0f / 2147483648.0f);
+      const uint16_t c = fmt == 0 ? kvlm::num::f32_to_bf16(x) : kvlm::num::f32_to_f16(x);
+      reinterpret_cast<uint16_t*>(p)[i] = c;
+    } else {
+      p[i] = uint8_t(fmt == 2 ? h : (h & 0xBFu));
+    }
+  }
+}
+__global__ void fill_scales(float* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = 0.005f + float(hash32(i + seed) % 1000) * 1e-5f;
+}
+
+__device__ float decode_sw(const uint8_t* base, size_t i, DType st) {
+  switch (st) {
+    case DType::BF16: return kvlm::num::bf16_to_f32(reinterpret_cast<const uint16_t*>(base)[i]);
+    case DType::F16: return kvlm::num::f16_to_f32(reinterpret_cast<const uint16_t*>(base)[i]);
+    case DType::F8E4M3: return kvlm::num::e4m3_to_f32(base[i]);
+    case DType::F8E5M2: return kvlm::num::e5m2_to_f32(base[i]);
+    default: return float(int8_t(base[i]));
+  }
+}
+
+// Simple reference: one CTA per (sequence, q head), last-token decode over all C keys,
+// scores in a global scratch, two-pass softmax, fp32 throughout.
+__global__ void reference_decode(cuda::PagedAttentionParams p, int C, float* scratch, float* out) {
+  const int seq = blockIdx.x, h = blockIdx.y, g = h / (p.num_q_heads / p.num_kv_heads);
+  const uint8_t* K = static_cast<const uint8_t*>(p.k_cache);
+  const uint8_t* V = static_cast<const uint8_t*>(p.v_cache);
+  const size_t es = (p.storage == DType::BF16 || p.storage == DType::F16) ? 2 : 1;
+  float ks = 1, vs = 1;
+  if (p.quant == KVQuantMode::Fp8PerTensor) {
+    ks = p.k_tensor_scale[0];
+    vs = p.v_tensor_scale[0];
+  }
+  float* sc = scratch + (size_t(seq) * p.num_q_heads + h) * C;
+  const uint16_t* q = p.q + (size_t(seq) * p.num_q_heads + h) * kHead;
+  for (int j = threadIdx.x; j < C; j += blockDim.x) {
+    const BlockId page = p.block_tables[size_t(seq) * p.max_blocks_per_seq + j / p.block_size];
+    const size_t sidx = (size_t(page) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
+    float s = 0;
+    for (int d = 0; d < kHead; ++d) s += kvlm::num::bf16_to_f32(q[d]) * decode_sw(K, sidx * kHead + d, p.storage);
+    const float kk = per_token(p.quant) ? p.k_token_scale[sidx] : ks;
+    sc[j] = s * kk * p.softmax_scale;
+  }
+  __syncthreads();
+  __shared__ float red[256];
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < C; j += blockDim.x) m = fmaxf(m, sc[j]);
+  red[threadIdx.x] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < blockDim.x; ++i) m = fmaxf(m, red[i]);
+    red[0] = m;
+  }
+  __syncthreads();
+  m = red[0];
+  __syncthreads();
+  float l = 0;
+  for (int j = threadIdx.x; j < C; j += blockDim.x) l += (sc[j] = expf(sc[j] - m));
+  red[threadIdx.x] = l;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < blockDim.x; ++i) l += red[i];
+    red[0] = l;
+  }
+  __syncthreads();
+  l = red[0];
+  for (int d = threadIdx.x; d < kHead; d += blockDim.x) {
+    float o = 0;
+    for (int j = 0; j < C; ++j) {
+      const BlockId page = p.block_tables[size_t(seq) * p.max_blocks_per_seq + j / p.block_size];
+      const size_t sidx = (size_t(page) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
+      const float vv = per_token(p.quant) ? p.v_token_scale[sidx] : vs;
+      o += sc[j] * decode_sw(V, sidx * kHead + d, p.storage) * vv;
+    }
+    out[(size_t(seq) * p.num_q_heads + h) * kHead + d] = o / l;
+  }
+}
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double copy_bandwidth(void* a, void* b, size_t bytes) {
+  std::vector<float> t;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 13; ++i) {
+    CK(cudaEventRecord(e0));
+    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 3) t.push_back(ms);
+  }
+  return 2.0 * double(bytes) / (median(t) * 1e-3);  // read + write
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false, prefill = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--prefill")) prefill = true;
+    if (!std::strcmp(argv[i], "--block") && i + 1 < argc) kBlock = std::atoi(argv[++i]);
+  }
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  size_t free_b = 0, total_b = 0;
+  CK(cudaMemGetInfo(&free_b, &total_b));
+  // One arena for K+V codes (largest shape, bf16) and one for scales, reused by every row.
+  const std::vector<int> batches = quick ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64, 256};
+  const std::vector<int> contexts = quick ? std::vector<int>{1024, 4096} : std::vector<int>{1024, 4096, 16384, 32768};
+  const size_t arena_bytes = std::min<size_t>(size_t(42) << 30, free_b - (size_t(8) << 30));
+  uint8_t* arena = nullptr;
+  CK(cudaMalloc(&arena, arena_bytes));
+  const size_t copy_bytes = size_t(1) << 30;
+  const double copy_bw = copy_bandwidth(arena, arena + copy_bytes, copy_bytes);
+  std::printf("# attention_lab on %s (%d SMs, L2 %.0f MB), copy bandwidth %.0f GB/s (D2D memcpy, read+write), block size %d\n\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9, kBlock);
+  std::printf("| mode | batch | context | splits | valid (max err) | µs | floor µs | GB/s | %% of copy | vs bf16 |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  std::fflush(stdout);
+
+  float* scales = nullptr;  // per-token-head scales: K then V
+  const size_t max_tokens = size_t(batches.back()) * contexts.back();
+  const size_t scale_elems = max_tokens * kKVHeads * 4 + (size_t(1) << 24);
+  CK(cudaMalloc(&scales, 2 * scale_elems * sizeof(float)));
+  float* tensor_scales = nullptr;
+  CK(cudaMalloc(&tensor_scales, 2 * sizeof(float)));
+  const float ts_host[2] = {0.5f, 0.25f};
+  CK(cudaMemcpy(tensor_scales, ts_host, sizeof ts_host, cudaMemcpyHostToDevice));
+  const size_t ws_bytes = size_t(512) << 20;
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, ws_bytes));
+
+  std::vector<std::vector<double>> bf16_us(batches.size(), std::vector<double>(contexts.size(), 0));
+  cudaEvent_t e0[32], e1[32];
+  for (int i = 0; i < 32; ++i) {
+    CK(cudaEventCreate(&e0[i]));
+    CK(cudaEventCreate(&e1[i]));
+  }
+  for (const Mode& mode : kModes) {
+    for (size_t bi = 0; bi < batches.size(); ++bi) {
+      for (size_t ci = 0; ci < contexts.size(); ++ci) {
+        const int B = batches[bi], C = contexts[ci];
+        const size_t tokens = size_t(B) * C;
+        const size_t kv_bytes = tokens * kKVHeads * kHead * esize(mode.storage);  // K (same for V)
+        const size_t scale_bytes = per_token(mode.quant) ? tokens * kKVHeads * 4 : 0;
+        const size_t per_copy = 2 * (kv_bytes + scale_bytes);
+        if (2 * kv_bytes > arena_bytes) {
+          std::printf("| %s | %d | %d | - | skipped: %.1f GB of K+V exceeds the arena | | | | | |\n", mode.name, B, C,
+                      2 * kv_bytes / 1e9);
+          continue;
+        }
+        const int copies =
+            int(std::clamp<size_t>(size_t(std::ceil(2.2 * kL2 / double(per_copy))), 1, std::min<size_t>(32, arena_bytes / (2 * kv_bytes))));
+        const int nb = C / kBlock;
+        const int num_blocks = copies * B * nb;
+        uint8_t* K = arena;
+        uint8_t* V = arena + size_t(num_blocks) * kBlock * kKVHeads * kHead * esize(mode.storage);
+        const size_t elems = size_t(num_blocks) * kBlock * kKVHeads * kHead;
+        const int fmt = mode.storage == DType::BF16 ? 0 : mode.storage == DType::F16 ? 1 : mode.storage == DType::I8 ? 2 : 3;
+        fill_codes<<<4096, 256>>>(K, elems, int(esize(mode.storage)), fmt, 1);
+        fill_codes<<<4096, 256>>>(V, elems, int(esize(mode.storage)), fmt, 2);
+        const size_t ntok_all = size_t(num_blocks) * kBlock * kKVHeads;
+        if (per_token(mode.quant)) {
+          fill_scales<<<1024, 256>>>(scales, ntok_all, 3);
+          fill_scales<<<1024, 256>>>(scales + scale_elems, ntok_all, 4);
+        }
+        CK(cudaGetLastError());
+        // Shuffled block tables: copy c owns pages [c*B*nb, (c+1)*B*nb) in a random order.
+        std::vector<BlockId> tables(static_cast<size_t>(num_blocks));
+        for (int c = 0; c < copies; ++c) {
+          std::vector<BlockId> perm(size_t(B) * nb);
+          for (size_t i = 0; i < perm.size(); ++i) perm[i] = BlockId(size_t(c) * perm.size() + i);
+          for (size_t i = perm.size(); i > 1; --i) std::swap(perm[i - 1], perm[hash32(i + 77 * c) % i]);
+          std::copy(perm.begin(), perm.end(), tables.begin() + ptrdiff_t(size_t(c) * perm.size()));
+        }
+        BlockId* dtables;
+        CK(cudaMalloc(&dtables, tables.size() * sizeof(BlockId)));
+        CK(cudaMemcpy(dtables, tables.data(), tables.size() * sizeof(BlockId), cudaMemcpyHostToDevice));
+        std::vector<int32_t> cuq(size_t(B) + 1, 0);
+        std::vector<int32_t> kvl(size_t(B), C);
+        for (int i = 0; i <= B; ++i) cuq[size_t(i)] = i;
+        int32_t *dcu, *dkvl;
+        CK(cudaMalloc(&dcu, cuq.size() * 4));
+        CK(cudaMalloc(&dkvl, kvl.size() * 4));
+        CK(cudaMemcpy(dcu, cuq.data(), cuq.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dkvl, kvl.data(), kvl.size() * 4, cudaMemcpyHostToDevice));
+        const size_t qn = size_t(B) * kQHeads * kHead;
+        uint16_t *dq, *dout;
+        CK(cudaMalloc(&dq, qn * 2 * copies));
+        CK(cudaMalloc(&dout, qn * 2 * copies));
+        {
+          std::vector<uint16_t> hq(qn * copies);
+          for (size_t i = 0; i < hq.size(); ++i) hq[i] = num::f32_to_bf16(float(int32_t(hash32(i + 999))) / 2147483648.0f * 2.0f);
+          CK(cudaMemcpy(dq, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice));
+        }
+        auto params = [&](int c) {
+          return cuda::PagedAttentionParams{
+              .storage = mode.storage, .quant = mode.quant, .num_seqs = B, .num_tokens = B, .num_q_heads = kQHeads,
+              .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock, .max_blocks_per_seq = nb, .max_q_len = 1,
+              .max_kv_len = C, .mask = AttentionKind::Full, .softmax_scale = 1.0f / std::sqrt(float(kHead)),
+              .q = dq + qn * c, .out = dout + qn * c, .k_cache = K, .v_cache = V, .k_token_scale = scales,
+              .v_token_scale = scales + scale_elems, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
+              .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dtables + size_t(c) * B * nb,
+              .workspace = ws, .workspace_bytes = ws_bytes};
+        };
+        const auto p0 = params(0);
+        const int splits = cuda::paged_attention_num_splits(p0);
+        // Validation on copy 0, the first min(B, 2) sequences.
+        const int vb = std::min(B, 2);
+        float *scratch, *rout;
+        CK(cudaMalloc(&scratch, size_t(vb) * kQHeads * C * 4));
+        CK(cudaMalloc(&rout, size_t(vb) * kQHeads * kHead * 4));
+        cuda::paged_attention(p0, nullptr);
+        reference_decode<<<dim3(unsigned(vb), kQHeads), 256>>>(p0, C, scratch, rout);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> got(size_t(vb) * kQHeads * kHead);
+        std::vector<float> want(got.size());
+        CK(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(want.data(), rout, want.size() * 4, cudaMemcpyDeviceToHost));
+        double max_err = 0;
+        bool ok = true;
+        for (size_t i = 0; i < got.size(); ++i) {
+          const double g = num::bf16_to_f32(got[i]), w = want[i];
+          const double e = std::isnan(g) ? 1e9 : std::fabs(g - w);
+          max_err = std::max(max_err, e);
+          ok = ok && e <= std::ldexp(std::fabs(w), -8) + 1e-4;
+        }
+        cudaFree(scratch);
+        cudaFree(rout);
+        // Timing: 5 warm-up calls, then 25 timed calls, each on the next copy.
+        const int warm = 5, reps = 25;
+        std::vector<float> t;
+        for (int i = 0; i < warm + reps; ++i) {
+          const auto p = params(i % copies);
+          const int slot = i % 32;
+          if (i >= warm) CK(cudaEventRecord(e0[slot]));
+          cuda::paged_attention(p, nullptr);
+          if (i >= warm) {
+            CK(cudaEventRecord(e1[slot]));
+            CK(cudaEventSynchronize(e1[slot]));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0[slot], e1[slot]));
+            t.push_back(ms);
+          }
+        }
+        const double us = median(t) * 1e3;
+        const double bytes = double(2 * kv_bytes + 2 * scale_bytes + 2 * qn * 2);
+        const double gbs = bytes / (us * 1e-6) / 1e9;
+        if (mode.storage == DType::BF16) bf16_us[bi][ci] = us;
+        const double floor_us = bytes / copy_bw * 1e6;
+        char vs[32] = "-";
+        if (bf16_us[bi][ci] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_us[bi][ci] / us);
+        std::printf("| %s | %d | %d | %d | %s (%.1e) | %.1f | %.1f | %.0f | %.0f%% | %s |\n", mode.name, B, C, splits,
+                    ok ? "ok" : "FAIL", max_err, us, floor_us, gbs, 100.0 * gbs * 1e9 / copy_bw, vs);
+        std::fflush(stdout);
+        cudaFree(dtables);
+        cudaFree(dcu);
+        cudaFree(dkvl);
+        cudaFree(dq);
+        cudaFree(dout);
+      }
+    }
+  }
+  if (prefill) {
+    // Prefill: one sequence, causal, q_len = kv_len = 4096, bf16 vs fp8 (per-row path).
+    std::printf("\n| prefill mode | q_len=kv_len | µs | TFLOP/s (causal, 4*L^2/2*H*D) |\n|---|---|---|---|\n");
+    const int Lq = 4096, nb = Lq / kBlock;
+    for (const Mode& mode : {kModes[0], kModes[2]}) {
+      const size_t elems = size_t(nb) * kBlock * kKVHeads * kHead;
+      uint8_t* K = arena;
+      uint8_t* V = arena + elems * esize(mode.storage);
+      fill_codes<<<4096, 256>>>(K, elems, int(esize(mode.storage)), mode.storage == DType::BF16 ? 0 : 3, 5);
+      fill_codes<<<4096, 256>>>(V, elems, int(esize(mode.storage)), mode.storage == DType::BF16 ? 0 : 3, 6);
+      std::vector<BlockId> tab(static_cast<size_t>(nb));
+      for (int i = 0; i < nb; ++i) tab[size_t(i)] = i;
+      BlockId* dt;
+      int32_t *dcu, *dkvl;
+      uint16_t *dq, *dout;
+      CK(cudaMalloc(&dt, nb * 4));
+      CK(cudaMemcpy(dt, tab.data(), nb * 4, cudaMemcpyHostToDevice));
+      const int32_t cuq2[2] = {0, Lq}, kl = Lq;
+      CK(cudaMalloc(&dcu, 8));
+      CK(cudaMalloc(&dkvl, 4));
+      CK(cudaMemcpy(dcu, cuq2, 8, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(dkvl, &kl, 4, cudaMemcpyHostToDevice));
+      const size_t qn = size_t(Lq) * kQHeads * kHead;
+      CK(cudaMalloc(&dq, qn * 2));
+      CK(cudaMalloc(&dout, qn * 2));
+      CK(cudaMemset(dq, 0x3c, qn * 2));
+      cuda::PagedAttentionParams p{.storage = mode.storage, .quant = mode.quant, .num_seqs = 1, .num_tokens = Lq,
+                                   .num_q_heads = kQHeads, .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock,
+                                   .max_blocks_per_seq = nb, .max_q_len = Lq, .max_kv_len = Lq, .mask = AttentionKind::Full,
+                                   .softmax_scale = 1.0f / std::sqrt(float(kHead)), .q = dq, .out = dout, .k_cache = K,
+                                   .v_cache = V, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
+                                   .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dt,
+                                   .workspace = ws, .workspace_bytes = ws_bytes};
+      std::vector<float> t;
+      for (int i = 0; i < 6; ++i) {
+        CK(cudaEventRecord(e0[0]));
+        cuda::paged_attention(p, nullptr);
+        CK(cudaEventRecord(e1[0]));
+        CK(cudaEventSynchronize(e1[0]));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0[0], e1[0]));
+        if (i) t.push_back(ms);
+      }
+      const double us = median(t) * 1e3;
+      const double flops = 4.0 * double(Lq) * Lq / 2 * kQHeads * kHead;
+      std::printf("| %s | %d | %.0f | %.1f |\n", mode.name, Lq, us, flops / (us * 1e-6) / 1e12);
+      cudaFree(dt);
+      cudaFree(dcu);
+      cudaFree(dkvl);
+      cudaFree(dq);
+      cudaFree(dout);
+    }
+  }
+  CK(cudaDeviceSynchronize());
+  return 0;
+}

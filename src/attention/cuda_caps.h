@@ -1,0 +1,12 @@
+// What the CUDA attention kernels (src/ops/cuda) handle, as a BackendCapabilities
+// declaration. No CUDA header: the selector and `kvlm inspect` can read it anywhere.
+// Compiled in CUDA builds only; not registered yet (the GPU model runner will do that).
+#pragma once
+
+#include "attention/backend.h"
+
+namespace kvlm {
+
+const BackendCapabilities& cuda_attention_capabilities();
+
+}  // namespace kvlm

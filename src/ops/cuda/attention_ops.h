@@ -1,0 +1,96 @@
+// CUDA attention over the paged KV cache, host-callable, with no CUDA header (a stream is
+// passed as `void*`, a cudaStream_t; nullptr = the legacy default stream).
+//
+// Every pointer below is a device pointer, 16-byte aligned (cudaMalloc gives 256). Page layout is the CPU backend's (kv/kv_cache.h):
+//   K, V pages   [num_blocks][num_kv_heads][block_size][head_dim] of the layer's storage type
+//   token scales [num_blocks][num_kv_heads][block_size] fp32 (per-token-head modes only)
+// A token's slot is block_id * block_size + offset. Quantization follows attention/kv_format.h
+// bit for bit (code = convert(x / scale); per-token-head scale = max(absmax / qmax, 1e-6)).
+//
+// Supported (storage, quant mode) pairs — anything else throws kvlm::Error naming this set:
+//   bfloat16 / float16 with none; fp8_e4m3 / fp8_e5m2 with fp8_per_tensor;
+//   fp8_e4m3 with fp8_per_token_head; int8 with int8_per_token_head.
+// Head sizes: 64 and 128 (tensor-core kernel, also the CUDA-core one) and 256 (CUDA-core
+// kernel); others throw kvlm::Error naming the set. kv_store accepts any head size.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "config/model_config.h"  // AttentionKind
+#include "core/dtype.h"
+#include "core/index_types.h"
+
+namespace kvlm::cuda {
+
+// Quantize-and-scatter: rows of new K/V into the pages at their slots.
+struct KVStoreParams {
+  DType storage = DType::BF16;
+  KVQuantMode quant = KVQuantMode::None;
+  int num_tokens = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  int num_blocks = 0;
+  const uint16_t* k = nullptr;      // bf16 [num_tokens][num_kv_heads][head_dim], RoPE applied
+  const uint16_t* v = nullptr;      // bf16 [num_tokens][num_kv_heads][head_dim]
+  const SlotId* slots = nullptr;    // [num_tokens]; a negative slot (padding) is skipped, and
+                                    // so is one past the pool (a caller bug: never written)
+  void* k_cache = nullptr;          // [num_blocks][num_kv_heads][block_size][head_dim] storage
+  void* v_cache = nullptr;          // same
+  float* k_token_scale = nullptr;   // [num_blocks][num_kv_heads][block_size]; per-token-head only
+  float* v_token_scale = nullptr;   // same
+  const float* k_tensor_scale = nullptr;  // [num_tensor_scales]; fp8_per_tensor only
+  const float* v_tensor_scale = nullptr;  // [num_tensor_scales]
+  int num_tensor_scales = 1;              // 1 (per layer) or num_kv_heads (per kv head)
+};
+void kv_store(const KVStoreParams& p, void* stream);
+
+// Paged attention over a flattened ragged batch. Sequence s owns query rows
+// [cu_q_lens[s], cu_q_lens[s+1]); its new tokens are already stored, so its query row i sits
+// at position kv_len - q_len + i. Masks: Full = causal (keys <= pos), Sliding = causal and
+// key > pos - window, NonCausal = all kv_len keys.
+struct PagedAttentionParams {
+  DType storage = DType::BF16;
+  KVQuantMode quant = KVQuantMode::None;
+  int num_seqs = 0;
+  int num_tokens = 0;          // total query rows (= cu_q_lens[num_seqs])
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;  // row stride of block_tables
+  int max_q_len = 0;           // host-known bound: 1 selects the decode path
+  int max_kv_len = 0;          // host-known bound, sizes the split-KV grid
+  AttentionKind mask = AttentionKind::Full;
+  int window = 0;              // Sliding only
+  float softmax_scale = 1.0f;  // usually head_dim^-0.5
+  const uint16_t* q = nullptr;          // bf16 [num_tokens][num_q_heads][head_dim], RoPE applied
+  uint16_t* out = nullptr;              // bf16 [num_tokens][num_q_heads][head_dim]
+  const void* k_cache = nullptr;        // [num_blocks][num_kv_heads][block_size][head_dim] storage
+  const void* v_cache = nullptr;        // same
+  const float* k_token_scale = nullptr; // [num_blocks][num_kv_heads][block_size]; per-token-head only
+  const float* v_token_scale = nullptr; // same
+  const float* k_tensor_scale = nullptr;  // [num_tensor_scales]; fp8_per_tensor only
+  const float* v_tensor_scale = nullptr;  // [num_tensor_scales]
+  int num_tensor_scales = 1;              // 1 or num_kv_heads
+  const int32_t* cu_q_lens = nullptr;     // [num_seqs + 1] prefix sums of query lengths
+  const int32_t* kv_lens = nullptr;       // [num_seqs] cached tokens incl. the new ones
+  const BlockId* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq], padded
+  void* workspace = nullptr;              // split-KV partials, paged_attention_workspace_bytes()
+  size_t workspace_bytes = 0;
+  int max_splits = 0;  // 0 = choose from the device's SM count; > 0 caps (tests force splits)
+  // 0 = automatic: tensor-core kernel when head_dim is 64/128, block_size % 16 == 0 and the
+  // GQA group is <= 16, else the CUDA-core kernel. 1 = CUDA-core kernel, 2 = tensor-core
+  // kernel (kvlm::Error if the shape does not fit). For tests and the lab.
+  int kernel = 0;
+};
+// Bytes of workspace `paged_attention(p)` needs (0 when no split is used). Depends on
+// num_tokens, num_q_heads, head_dim, max_kv_len, max_splits and the current device.
+size_t paged_attention_workspace_bytes(const PagedAttentionParams& p);
+void paged_attention(const PagedAttentionParams& p, void* stream);
+
+// The number of KV splits paged_attention will use for `p` (exposed for the lab and tests).
+int paged_attention_num_splits(const PagedAttentionParams& p);
+
+}  // namespace kvlm::cuda

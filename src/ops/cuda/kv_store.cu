@@ -1,0 +1,80 @@
+// kv_store: quantize new K/V rows (bf16) and scatter them into the paged cache by slot,
+// byte-identical to CpuAttentionBackend::store_kv on the same values (the test checks it).
+//
+// One warp per (token, kv head) row: the row's absmax is a warp reduction, then each lane
+// encodes head_dim / 32 elements. Divisions are IEEE round-to-nearest (__fdiv_rn) — exactly
+// the CPU's `x / scale` — never the approximate reciprocal, or fp8/int8 codes could differ.
+#include "ops/cuda/attention_ops.h"
+#include "ops/cuda/kv_codec.cuh"
+
+namespace kvlm::cuda {
+namespace {
+
+constexpr int kStoreWarps = 4;
+
+template <class Fmt>
+__device__ __forceinline__ void store_row(const uint16_t* src, typename Fmt::Code* dst, float* token_scale, float tensor_scale,
+                                          int d, int lane) {
+  float scale = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTokenHead) {
+    float amax = 0.0f;
+    for (int i = lane; i < d; i += 32) amax = fmaxf(amax, fabsf(__uint_as_float(uint32_t(src[i]) << 16)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    scale = fmaxf(__fdiv_rn(amax, Fmt::kMax), 1e-6f);  // kvfmt: max(absmax / qmax, kMinScale)
+    if (lane == 0) *token_scale = scale;
+  } else if constexpr (Fmt::kScale == Scale::PerTensor) {
+    scale = tensor_scale;
+  }
+  for (int i = lane; i < d; i += 32) {
+    const float x = __uint_as_float(uint32_t(src[i]) << 16);
+    dst[i] = Fmt::encode(Fmt::kScale == Scale::None ? x : __fdiv_rn(x, scale));
+  }
+}
+
+template <class Fmt>
+__global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStoreParams p) {
+  const int64_t row = int64_t(blockIdx.x) * kStoreWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= int64_t(p.num_tokens) * p.num_kv_heads) return;
+  const int64_t tok = row / p.num_kv_heads;
+  const int g = int(row % p.num_kv_heads);
+  const SlotId slot = p.slots[tok];
+  if (slot < 0) return;  // padding token
+  const int64_t block = slot / p.block_size;
+  if (block >= p.num_blocks) return;  // a caller bug; never write outside the pool
+  const int off = int(slot % p.block_size);
+  const size_t srow = size_t(row) * size_t(p.head_dim);
+  const size_t sidx = (size_t(block) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) + size_t(off);
+  const size_t drow = sidx * size_t(p.head_dim);
+  using Code = typename Fmt::Code;
+  float ks = 1.0f, vs = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTensor) {
+    ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+    vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+  }
+  store_row<Fmt>(p.k + srow, static_cast<Code*>(p.k_cache) + drow, p.k_token_scale + sidx, ks, p.head_dim, lane);
+  store_row<Fmt>(p.v + srow, static_cast<Code*>(p.v_cache) + drow, p.v_token_scale + sidx, vs, p.head_dim, lane);
+}
+
+}  // namespace
+
+void kv_store(const KVStoreParams& p, void* stream) {
+  if (p.num_tokens <= 0) return;
+  if (p.head_dim <= 0 || p.num_kv_heads <= 0 || p.block_size <= 0)
+    throw Error("kv_store: head_dim, num_kv_heads and block_size must be positive");
+  dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    if (Fmt::kScale == Scale::PerTensor && (!p.k_tensor_scale || !p.v_tensor_scale ||
+                                            (p.num_tensor_scales != 1 && p.num_tensor_scales != p.num_kv_heads)))
+      throw Error("kv_store: fp8_per_tensor needs 1 or num_kv_heads K and V scales");
+    if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
+      throw Error("kv_store: per-token-head modes need the scale pages");
+    const int64_t rows = int64_t(p.num_tokens) * p.num_kv_heads;
+    const unsigned grid = unsigned((rows + kStoreWarps - 1) / kStoreWarps);
+    kv_store_kernel<Fmt><<<grid, kStoreWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(p);
+    cuda_check(cudaGetLastError(), "kv_store launch");
+  });
+}
+
+}  // namespace kvlm::cuda

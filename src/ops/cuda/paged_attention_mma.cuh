@@ -1,0 +1,489 @@
+// Tensor-core paged attention (mma.sync m16n8k16, fp32 accumulation), included by
+// paged_attention.cu. Why tensor cores for a memory-bound decode: with CUDA cores the
+// 2 * group * head_dim FMAs per key, plus the cross-lane dot-product reductions, cost more
+// issue slots than an FP8 page takes to stream, so FP8 ran no faster than BF16 (measured:
+// docs/results/kernel-lab.md). An mma does the whole group's dot products for 8 keys in one
+// instruction and needs no shuffles.
+//
+// The 16 rows of the mma's M dimension are (query row, head of the GQA group) pairs:
+// m = r * group + h, r < rows_per_cta = 16 / group. Decode uses one row (GQA 4: 12 of 16 M
+// rows idle — acceptable for bf16, which streams at copy bandwidth; part of what bounds FP8
+// at short contexts, see docs/results/kernel-lab.md); multi-token rows of one sequence
+// share each K/V load between 16 / group query rows.
+//
+// Operand layouts come from the mma fragment definitions (PTX ISA, m16n8k16): thread
+// (g = lane / 4, t = lane % 4) holds B[k = 2t, 2t+1, 2t+8, 2t+9][n = g] and A rows g, g+8.
+//  - Q·K^T: B = K^T, n = key. A dot product is invariant under any permutation of head_dim
+//    applied to both q and k, so each thread loads a contiguous-in-16-B slice of its key's
+//    row (coalesced: 4 threads cover 64 B of a row per instruction) and Q is loaded with the
+//    same permutation. No shared memory, no ldmatrix.
+//  - P·V: B = V, k = key, n = output dim. The output dims may be permuted freely (undone
+//    when storing), so thread (g, t) loads the contiguous dims [g*HD/8, (g+1)*HD/8) of the 4
+//    keys its P fragment covers (2t, 2t+1, 2t+8, 2t+9); 8 threads cover a whole row.
+//  - P stays in registers: the S accumulator layout is the A layout of the next mma (FA2).
+//    For 16-bit caches P is split into hi + lo halves (two mmas) so the weights keep ~16
+//    bits: a single bf16 P would add ~2^-9 relative error per weight (see kSplitP).
+#pragma once
+
+namespace kvlm::cuda::mma {
+
+template <bool kBF16>
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (kBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> one register of two 16-bit values of the mma type (low half = first).
+template <bool kBF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (kBF16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    memcpy(&r, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    memcpy(&r, &v, 4);
+  }
+  return r;
+}
+template <bool kBF16>
+__device__ __forceinline__ float2 unpack2(uint32_t r) {
+  if constexpr (kBF16) {
+    return make_float2(__uint_as_float(r << 16), __uint_as_float(r & 0xffff0000u));
+  } else {
+    __half2 h;
+    memcpy(&h, &r, 4);
+    return __half22float2(h);
+  }
+}
+
+// Per format: the mma input type and 4 codes (one 32-bit word) -> 2 registers of 2 x 16-bit.
+// 2-byte formats are already mma operands (no conversion instruction at all); FP8/INT8
+// expand exactly into f16 (every e4m3, e5m2 and int8 value is an f16).
+template <class Fmt>
+struct MmaCodec;
+template <>
+struct MmaCodec<FmtBF16> {
+  static constexpr bool kBF16 = true;
+};
+template <>
+struct MmaCodec<FmtF16> {
+  static constexpr bool kBF16 = false;
+};
+template <Scale S>
+struct MmaCodec<FmtE4M3<S>> {
+  static constexpr bool kBF16 = false;
+  static __device__ __forceinline__ void expand(uint32_t w, uint32_t& a, uint32_t& b) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w >> 16), __NV_E4M3);
+    memcpy(&a, &lo, 4);
+    memcpy(&b, &hi, 4);
+  }
+};
+template <>
+struct MmaCodec<FmtE5M2> {
+  static constexpr bool kBF16 = false;
+  // e5m2 is the high byte of an f16: one byte permute per pair.
+  static __device__ __forceinline__ void expand(uint32_t w, uint32_t& a, uint32_t& b) {
+    a = __byte_perm(w, 0u, 0x1404);
+    b = __byte_perm(w, 0u, 0x3424);
+  }
+};
+template <>
+struct MmaCodec<FmtI8> {
+  static constexpr bool kBF16 = false;
+  // int8 x -> f16 1024 + (x + 128) by placing the biased byte under exponent 0x64, then one
+  // subtraction of 1152 per pair (exact): 3 instructions per 2 values, no I2F.
+  static __device__ __forceinline__ void expand(uint32_t w, uint32_t& a, uint32_t& b) {
+    const uint32_t u = w ^ 0x80808080u;
+    const uint32_t ra = __byte_perm(u, 0x64646464u, 0x4140), rb = __byte_perm(u, 0x64646464u, 0x4342);
+    const __half2 bias = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
+    __half2 ha, hb;
+    memcpy(&ha, &ra, 4);
+    memcpy(&hb, &rb, 4);
+    ha = __hsub2(ha, bias);
+    hb = __hsub2(hb, bias);
+    memcpy(&a, &ha, 4);
+    memcpy(&b, &hb, 4);
+  }
+};
+
+// `n` raw bytes (n % 16 == 0) loaded as uint4 -> n / esz values as 16-bit pairs.
+template <class Fmt, int NBYTES>
+__device__ __forceinline__ void to_pairs(const uint4* raw, uint32_t* pairs) {
+  constexpr int kWords = NBYTES / 4;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
+  if constexpr (sizeof(typename Fmt::Code) == 2) {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) pairs[i] = w[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) MmaCodec<Fmt>::expand(w[i], pairs[2 * i], pairs[2 * i + 1]);
+  }
+}
+
+constexpr int kMmaWarps = 4;
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+
+// Ring depth per warp.
+template <class Fmt, int HD>
+constexpr int mma_stages() {
+  constexpr int tile = 32 * HD * int(sizeof(typename Fmt::Code));
+  // 1-byte codes: 4 stages (64 KB per CTA), so 3 CTAs fit per SM for more warps to overlap
+  // the per-tile math; 16-bit head 128: 3 x 8 KB (96 KB per CTA, 2 CTAs per SM).
+  return tile >= 8192 ? 3 : 4;
+}
+template <class Fmt, int HD>
+constexpr size_t mma_smem_bytes() {
+  constexpr size_t tile = 32 * HD * sizeof(typename Fmt::Code) + (Fmt::kScale == Scale::PerTokenHead ? 128 : 0);
+  constexpr size_t ring = kMmaWarps * mma_stages<Fmt, HD>() * tile;
+  constexpr size_t merge = sizeof(float) * kMmaWarps * 16 * (HD + 2);
+  return ring > merge ? ring : merge;
+}
+
+template <class Fmt, int HD>
+__global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs a) {
+  constexpr bool kBF = MmaCodec<Fmt>::kBF16;
+  constexpr int ESZ = sizeof(typename Fmt::Code);
+  constexpr int VB = 16 / ESZ;             // elements per 16-byte load
+  constexpr int KBYTES = HD * ESZ / 4;     // bytes of one K row held by a thread
+  constexpr int KLOADS = KBYTES / 16;      // 16-byte loads per K row per thread
+  constexpr int VBYTES = HD * ESZ / 8;     // bytes of one V row held by a thread
+  constexpr int KPAIRS = HD / 8;           // 16-bit pairs per K row per thread
+  constexpr int VPAIRS = HD / 16;          // pairs per V row per thread
+  constexpr int KCH = HD / 16;             // k-chunks of Q.K^T
+  constexpr int NT = HD / 8;               // n-tiles of P.V
+  // P precision: 16-bit caches get P as hi + lo halves (~16 bits, two mmas); 1-byte caches
+  // get one f16 P (11 bits, relative error 2^-12 per weight): their codes carry 2^-4 (fp8)
+  // to 2^-8 (int8) relative error already, and the saved mma is ~1/3 of the tile's tensor
+  // work, which is what bounds the FP8 decode (docs/results/kernel-lab.md).
+  constexpr bool kSplitP = ESZ == 2;
+  static_assert(KBYTES % 16 == 0 && (VBYTES == 8 || VBYTES % 16 == 0), "unsupported head size for the mma path");
+
+  const PagedAttentionParams& p = a.p;
+  const int G = a.group;
+  const int qr = a.rows_per_cta;
+  const int seq = blockIdx.x / a.row_groups;
+  const int r0 = (blockIdx.x % a.row_groups) * qr;  // first query row (within the sequence)
+  const int kvh = blockIdx.y;
+  const int split = blockIdx.z;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;
+
+  const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
+  if (r0 >= q_len) return;  // CTA-uniform: this sequence has fewer rows
+  const int nrows = min(qr, q_len - r0);
+  const int kv_len = p.kv_lens[seq];
+
+  // Union of the CTA's rows' visible ranges, split across blockIdx.z in 16-key multiples.
+  int lo_all = INT_MAX, hi_all = 0;
+  for (int r = 0; r < nrows; ++r) {
+    int lo, hi;
+    visible_range(p, kv_len - q_len + r0 + r, kv_len, lo, hi);
+    lo_all = min(lo_all, lo);
+    hi_all = max(hi_all, hi);
+  }
+  const int n = max(0, hi_all - lo_all);
+  const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
+  const int t0 = lo_all + split * per_split, t1 = min(hi_all, t0 + per_split);
+
+  // This thread's two M rows (g, g + 8): query row, head, visible range within [t0, t1).
+  int mlo[2], mhi[2], mrow[2], mhead[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int m = g + 8 * i;
+    mrow[i] = m / G;
+    mhead[i] = m % G;
+    mlo[i] = 0;
+    mhi[i] = 0;
+    if (mrow[i] < nrows) {
+      visible_range(p, kv_len - q_len + r0 + mrow[i], kv_len, mlo[i], mhi[i]);
+      mlo[i] = max(mlo[i], t0);
+      mhi[i] = min(mhi[i], t1);
+    }
+  }
+
+  const int mrows = nrows * G;  // (query row, head) pairs in use, <= 16
+
+  // Q A-fragments, permuted like the K slices (element x of this thread's list sits at
+  // physical dim (x / VB) * 4 * VB + t * VB + x % VB).
+  uint32_t qa[KCH][4];
+  {
+    uint32_t qp[2][KPAIRS];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const bool ok = mrow[i] < nrows;
+      const uint16_t* qrow = p.q + (size_t(q_begin + r0 + (ok ? mrow[i] : 0)) * p.num_q_heads + kvh * G + mhead[i]) * HD;
+#pragma unroll
+      for (int c = 0; c < KBYTES / 16; ++c) {
+#pragma unroll
+        for (int h = 0; h < VB / 8; ++h) {  // VB bf16 query values = VB / 8 16-byte loads
+          const uint4 raw = ok ? __ldg(reinterpret_cast<const uint4*>(qrow + c * 4 * VB + t * VB) + h) : make_uint4(0, 0, 0, 0);
+          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int pi = c * (VB / 2) + h * 4 + j;
+            if constexpr (kBF) qp[i][pi] = w[j];
+            else qp[i][pi] = pack2<false>(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xffff0000u));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < KCH; ++c) {
+      qa[c][0] = qp[0][2 * c];
+      qa[c][1] = qp[1][2 * c];
+      qa[c][2] = qp[0][2 * c + 1];
+      qa[c][3] = qp[1][2 * c + 1];
+    }
+  }
+
+  // Score scale: softmax_scale * log2(e) (exp2 softmax) * per-tensor K scale (free dequant).
+  float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
+  // Per-token-head V scales ride on P (p * v_scale), carried in f16 times 2^8 so that rows
+  // with V absmax in ~[1e-4, 1e5] stay in f16's normal range; undone at the end.
+  constexpr float kPScale = Fmt::kScale == Scale::PerTokenHead ? 256.0f : 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTensor) {
+    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
+    sscale *= p.k_tensor_scale[si];
+    vscale = p.v_tensor_scale[si];
+  }
+
+  float o[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+  const char* kbase = static_cast<const char*>(p.k_cache);
+  const char* vbase = static_cast<const char*>(p.v_cache);
+  const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
+  const int bs = p.block_size;
+
+  // 16-key tiles aligned to 16 absolute positions: with block_size % 16 == 0 a tile never
+  // straddles pages, so one block-table lookup serves 16 keys, and the tile's K (and V) rows
+  // of this kv head are one contiguous 16 * RB-byte run of the page.
+  //
+  // Each warp streams its own tiles (warp, warp + 4, ...) through a STAGES-deep cp.async ring
+  // in shared memory: STAGES - 1 tiles are always in flight per warp, which is what keeps
+  // enough bytes outstanding for HBM (one tile in registers per warp reached only ~75% of
+  // copy bandwidth at 64 x 4k). Warps never wait for each other (__syncwarp only).
+  // Keys outside [t0, t1) are zero-filled (cp.async src-size 0), never read: stale rows of a
+  // page may hold NaNs, and 0 * NaN in P.V would poison the output.
+  constexpr int RB = HD * ESZ;
+  constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
+  constexpr int TILE = 32 * RB + (kPTH ? 128 : 0);
+  constexpr int STAGES = mma_stages<Fmt, HD>();
+  extern __shared__ uint4 smem_u4[];
+  char* const smem = reinterpret_cast<char*>(smem_u4);
+  char* const ring = smem + warp * STAGES * TILE;
+  const int first = (t0 & ~15) + warp * 16;
+  const int my_tiles = first < t1 ? (t1 - first + kMmaWarps * 16 - 1) / (kMmaWarps * 16) : 0;
+  auto issue = [&](int i) {
+    if (i < my_tiles) {
+      const int base = first + i * kMmaWarps * 16;
+      const BlockId page = table[base / bs];
+      const size_t tile_row = (size_t(page) * p.num_kv_heads + kvh) * bs + (base % bs);
+      char* dst = ring + (i % STAGES) * TILE;
+#pragma unroll
+      for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
+        const int tok = base + (c * 16) / RB;
+        const int n = tok >= t0 && tok < t1 ? 16 : 0;
+        cp_async16(dst + c * 16, kbase + tile_row * RB + c * 16, n);
+        cp_async16(dst + 16 * RB + c * 16, vbase + tile_row * RB + c * 16, n);
+      }
+      if constexpr (kPTH) {
+        if (lane < 8) {  // 16 K scales then 16 V scales, 64 B each
+          const float* src = (lane < 4 ? p.k_token_scale : p.v_token_scale) + tile_row + (lane % 4) * 4;
+          cp_async16(dst + 32 * RB + lane * 16, src, 16);
+        }
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+
+  for (int i = 0; i < my_tiles; ++i) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+    __syncwarp();
+    issue(i + STAGES - 1);  // refills the slot computed in iteration i - 1
+    const int base = first + i * kMmaWarps * 16;
+    const char* tile = ring + (i % STAGES) * TILE;
+    uint4 kraw[2][KLOADS];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < KLOADS; ++c)
+        kraw[j][c] = *reinterpret_cast<const uint4*>(tile + (g + 8 * j) * RB + c * 64 + t * 16);
+    constexpr int kVr = VBYTES >= 16 ? VBYTES / 16 : 1;
+    uint4 vraw[4][kVr];
+    float ksc[4], vsc[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int off = 2 * t + (j & 1) + 8 * (j >> 1);  // keys 2t, 2t+1, 2t+8, 2t+9
+      const char* vrow = tile + 16 * RB + off * RB + g * VBYTES;
+      if constexpr (VBYTES >= 16) {
+#pragma unroll
+        for (int c = 0; c < kVr; ++c) vraw[j][c] = reinterpret_cast<const uint4*>(vrow)[c];
+      } else {
+        const uint2 x = *reinterpret_cast<const uint2*>(vrow);
+        vraw[j][0] = make_uint4(x.x, x.y, 0u, 0u);
+      }
+      ksc[j] = vsc[j] = 1.0f;
+      if constexpr (kPTH) {
+        const int tok = base + off;
+        const bool ok = tok >= t0 && tok < t1;  // stale scales of skipped keys may be NaN
+        ksc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB)[off] : 0.0f;
+        vsc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB + 64)[off] : 0.0f;
+      }
+    }
+
+    // S = Q K^T for the two 8-key halves of the tile.
+    float s[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t kp[KPAIRS];
+      to_pairs<Fmt, KBYTES>(kraw[j], kp);
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < KCH; ++c) mma16816<kBF>(s[j], qa[c], kp[2 * c], kp[2 * c + 1]);
+    }
+    // Online softmax. s[j][e]: row g (e < 2) or g + 8 (e >= 2), key base + 8j + 2t + (e & 1).
+    float pr[2][4] = {};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      // M rows g + 8 exist only when the CTA has > 8 (row, head) pairs (not in GQA <= 8
+      // decode): a CTA-uniform branch skips their softmax and rescaling.
+      if (i == 1 && mrows <= 8) continue;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kj = 2 * j + e;  // index into ksc/vsc: key 2t + e + 8j
+          const int tok = base + 8 * j + 2 * t + e;
+          float& x = s[j][2 * i + e];
+          x = (tok >= mlo[i] && tok < mhi[i]) ? x * sscale * ksc[kj] : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a row
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[i], mx);
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
+      const float corr = exp2f(m_run[i] - m_use);
+      m_run[i] = m_new;
+      l_run[i] *= corr;
+      // Rescale only when some row's max moved (rare after the first tiles): the NT * 2
+      // multiplies are a large share of the per-tile instructions for 1-byte codes.
+      if (__any_sync(0xffffffffu, corr != 1.0f)) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          o[nt][2 * i] *= corr;
+          o[nt][2 * i + 1] *= corr;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(s[j][2 * i + e] - m_use);
+          l_run[i] += pe;
+          pr[j][2 * i + e] = pe * (vsc[2 * j + e] * kPScale);
+        }
+    }
+    // P as A fragments (hi and lo parts): reg0 row g keys 2t.., reg1 row g+8, reg2 row g keys
+    // 2t+8.., reg3 row g+8 keys 2t+8.. — exactly the S accumulator layout.
+    uint32_t ph[4], pl[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t hi = pack2<kBF>(pr[j][2 * i], pr[j][2 * i + 1]);
+        const float2 hf = unpack2<kBF>(hi);
+        ph[2 * j + i] = hi;
+        pl[2 * j + i] = kSplitP ? pack2<kBF>(pr[j][2 * i] - hf.x, pr[j][2 * i + 1] - hf.y) : 0u;
+      }
+    // O += P V. V rows of keys 2t, 2t+1, 2t+8, 2t+9 as 16-bit pairs over this thread's dims.
+    uint32_t vp[4][VPAIRS];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) to_pairs<Fmt, VBYTES>(vraw[j], vp[j]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t sel = (nt & 1) ? 0x7632u : 0x5410u;  // high or low halves of two words
+      const uint32_t b0 = __byte_perm(vp[0][nt / 2], vp[1][nt / 2], sel);
+      const uint32_t b1 = __byte_perm(vp[2][nt / 2], vp[3][nt / 2], sel);
+      mma16816<kBF>(o[nt], ph, b0, b1);
+      if constexpr (kSplitP) mma16816<kBF>(o[nt], pl, b0, b1);
+    }
+    __syncwarp();  // every lane is done with this slot before it is refilled
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+
+  // Row sums: each thread summed its keys; add the 4 threads of the row.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+  }
+  // Merge the warps through shared memory: o[nt][2i + e] is M row g + 8i, output dim
+  // (2t + e) * (HD / 8) + nt (the permutation chosen for V).
+  // The merge buffers reuse the ring: wait until every warp has left its loop.
+  __syncthreads();
+  auto sm_o = reinterpret_cast<float(*)[16][HD]>(smem);
+  auto sm_ml = reinterpret_cast<float(*)[16][2]>(smem + sizeof(float) * kMmaWarps * 16 * HD);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) sm_o[warp][g + 8 * i][(2 * t + e) * (HD / 8) + nt] = o[nt][2 * i + e];
+    if (t == 0) {
+      sm_ml[warp][g + 8 * i][0] = m_run[i];
+      sm_ml[warp][g + 8 * i][1] = l_run[i];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < mrows * HD; idx += kMmaWarps * 32) {
+    const int m = idx / HD, d = idx % HD;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) mm = fmaxf(mm, sm_ml[w][m][0]);
+    float L = 0.0f, O = 0.0f;
+    if (mm != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) {
+        const float c = exp2f(sm_ml[w][m][0] - mm);
+        L += sm_ml[w][m][1] * c;
+        O += sm_o[w][m][d] * c;
+      }
+    }
+    const int row = q_begin + r0 + m / G, h = kvh * G + m % G;
+    O *= 1.0f / kPScale;
+    if (a.num_splits == 1) {
+      const float r = L > 0.0f ? O * vscale / L : 0.0f;
+      p.out[(size_t(row) * p.num_q_heads + h) * HD + d] = __bfloat16_as_ushort(__float2bfloat16_rn(r));
+    } else {
+      const size_t pi = (size_t(row) * p.num_q_heads + h) * a.num_splits + split;
+      a.part_o[pi * HD + d] = O * vscale;
+      if (d == 0) {
+        a.part_ml[2 * pi] = mm;
+        a.part_ml[2 * pi + 1] = L;
+      }
+    }
+  }
+}
+
+}  // namespace kvlm::cuda::mma

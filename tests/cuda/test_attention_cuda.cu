@@ -1,0 +1,335 @@
+// The CUDA attention kernels (src/ops/cuda) against CpuAttentionBackend, the reference.
+//
+// For every KV format the CUDA kernels support, head sizes 64/128/256, causal / sliding /
+// non-causal masks and GQA ratios 1/4/8:
+//  1. kv_store on the GPU must write pages (codes and per-token-head scales) byte-identical
+//     to CpuAttentionBackend::store_kv on the same bf16-representable inputs. Both sides
+//     compute x / scale with IEEE division and round with the same rule (fp8: saturating
+//     RNE, hardware cvt on the GPU = core/numeric.h on the CPU, proven on all 2^32 inputs;
+//     int8: rint half-to-even; fp16: RNE), so no tie can differ: equality is required.
+//  2. paged_attention on those pages must match the CPU backend's attend (fp32 queries with
+//     the same bf16-representable values) on ragged batches: a decode batch (split-KV path
+//     with its reduction) and a batch mixing decode rows with multi-token rows, run once with
+//     automatic splits and once unsplit. Block tables are shuffled with holes and padded
+//     with -1, so a read past a sequence's pages faults (and compute-sanitizer reports it).
+//     Outputs are poisoned with NaN first.
+// Tolerance (same for every format, since both backends read the same stored codes): the
+// GPU output is rounded to bf16 (relative error <= 2^-9) and the fp32 sums run in another
+// order (scale folded into q, exp2 instead of exp, split merging: relative ~1e-6), so
+// |gpu - cpu| <= 2^-8 * |cpu| + 1e-4 leaves 2x margin over the bf16 rounding alone. For
+// 1-byte caches the tensor-core kernel carries the softmax weights in f16 (one mma instead
+// of two): the absolute floor becomes 2^-11 * max|V| (see run_batch).
+//
+// Both kernels run: the tensor-core one (automatic for head 64/128, block size % 16 == 0)
+// and the CUDA-core one (head 256, other block sizes, and forced here for 64/128 too).
+// KVLM_CUDA_TEST_REDUCED=1 (used under compute-sanitizer) runs two cases per format.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "attention/cpu_backend.h"
+#include "attention/cuda_caps.h"
+#include "config/kv_plan.h"
+#include "core/error.h"
+#include "core/numeric.h"
+#include "ops/cuda/attention_ops.h"
+
+using namespace kvlm;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+bool reduced() {
+  const char* e = std::getenv("KVLM_CUDA_TEST_REDUCED");
+  return e && *e && *e != '0';
+}
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t count) : n(count) {
+    if (count) EXPECT_EQ(cudaMalloc(&p, count * sizeof(T)), cudaSuccess);
+  }
+  Dev(const std::vector<T>& h) : Dev(h.size()) { upload(h); }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  void upload(const std::vector<T>& h) {
+    if (n) EXPECT_EQ(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    if (n) EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+float bf16_round(float x) { return num::bf16_to_f32(num::f32_to_bf16(x)); }
+
+struct Case {
+  KVCacheDType dtype;
+  AttentionKind kind;
+  int window;
+  int head_dim;
+  int q_heads, kv_heads;
+  int block_size;
+};
+
+struct Stats {
+  double max_abs = 0, max_rel = 0;  // rel = |err| / (|ref| + 1e-3)
+  size_t bad = 0, checked = 0;
+  size_t page_mismatch = 0;
+};
+
+struct SeqShape {
+  int kv_len, q_len;
+};
+
+// One batch: store all tokens on both backends, compare pages, attend on both, compare.
+void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed, int max_splits, int kernel, Stats& st) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int d = c.head_dim, kvh = c.kv_heads, nh = c.q_heads, bs = c.block_size;
+
+  CacheConfig cc;
+  cc.kv_cache_dtype = c.dtype;
+  const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
+  KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::BF16, std::nullopt, {});
+  KVLayerSpec& spec = plan.layers[0];
+  if (spec.quant == KVQuantMode::Fp8PerTensor) {
+    if (spec.storage == DType::F8E4M3) {  // per-kv-head scales (compressed-tensors attn_head)
+      spec.k_scale.clear();
+      spec.v_scale.clear();
+      for (int g = 0; g < kvh; ++g) {
+        spec.k_scale.push_back(0.5f + 0.25f * float(g));
+        spec.v_scale.push_back(0.125f * float(g + 1));
+      }
+    } else {  // one scale per layer, K and V different
+      spec.k_scale = {2.0f};
+      spec.v_scale = {0.25f};
+    }
+  }
+  int pages_needed = 0, max_blocks = 0, max_q = 0, max_kv = 0, total_q = 0, total_kv = 0;
+  for (auto s : shapes) {
+    const int nb = (s.kv_len + bs - 1) / bs;
+    pages_needed += nb;
+    max_blocks = std::max(max_blocks, nb);
+    max_q = std::max(max_q, s.q_len);
+    max_kv = std::max(max_kv, s.kv_len);
+    total_q += s.q_len;
+    total_kv += s.kv_len;
+  }
+  KVCache cache(plan, 2 * pages_needed + 3, bs);
+  LayerKVCache& L = cache.layer(0);
+  std::vector<BlockId> pool(size_t(cache.num_blocks()));
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), rng);
+
+  // Block tables (padded with -1), slots, K/V rows (bf16-representable, with outlier channels).
+  std::vector<BlockId> tables(shapes.size() * size_t(max_blocks), -1);
+  std::vector<SlotId> slots;
+  std::vector<float> kf, vf;
+  size_t next_page = 0;
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    const int nb = (shapes[si].kv_len + bs - 1) / bs;
+    for (int b = 0; b < nb; ++b) {
+      tables[si * size_t(max_blocks) + size_t(b)] = pool[next_page];
+      next_page += 2;  // a hole
+    }
+    for (int pos = 0; pos < shapes[si].kv_len; ++pos) {
+      slots.push_back(SlotId(tables[si * size_t(max_blocks) + size_t(pos / bs)]) * bs + pos % bs);
+      for (int i = 0; i < kvh * d; ++i) {
+        const bool outlier = (i % d) % 50 == 7;
+        kf.push_back(bf16_round(nd(rng) * (outlier ? 8.0f : 1.0f)));
+        vf.push_back(bf16_round(nd(rng)));
+      }
+    }
+  }
+  const CpuAttentionBackend cpu;
+  cpu.store_kv(L, KVWrite{.k = kf, .v = vf, .slots = slots});
+
+  // GPU: the same rows as bf16, stored by kv_store into zeroed pages.
+  std::vector<uint16_t> kb(kf.size()), vb(vf.size());
+  for (size_t i = 0; i < kf.size(); ++i) {
+    kb[i] = num::f32_to_bf16(kf[i]);
+    vb[i] = num::f32_to_bf16(vf[i]);
+  }
+  Dev<uint16_t> dk(kb), dv(vb);
+  Dev<SlotId> dslots(slots);
+  Dev<uint8_t> dkc(L.k.size()), dvc(L.v.size());
+  cudaMemset(dkc.p, 0, dkc.n);
+  cudaMemset(dvc.p, 0, dvc.n);
+  Dev<float> dks(L.k_scale.size()), dvs(L.v_scale.size());
+  if (dks.n) {
+    cudaMemset(dks.p, 0, dks.n * 4);
+    cudaMemset(dvs.p, 0, dvs.n * 4);
+  }
+  Dev<float> dkts(spec.k_scale), dvts(spec.v_scale);
+  cuda::kv_store({.storage = spec.storage, .quant = spec.quant, .num_tokens = total_kv, .num_kv_heads = kvh, .head_dim = d,
+                  .block_size = bs, .num_blocks = cache.num_blocks(), .k = dk.p, .v = dv.p, .slots = dslots.p,
+                  .k_cache = dkc.p, .v_cache = dvc.p, .k_token_scale = dks.p, .v_token_scale = dvs.p,
+                  .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size())},
+                 nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  {
+    const auto gk = dkc.download(), gv = dvc.download();
+    for (size_t i = 0; i < gk.size(); ++i) st.page_mismatch += (gk[i] != L.k[i]) + (gv[i] != L.v[i]);
+    if (dks.n) {
+      const auto gks = dks.download(), gvs = dvs.download();
+      for (size_t i = 0; i < gks.size(); ++i)
+        st.page_mismatch += (std::memcmp(&gks[i], &L.k_scale[i], 4) != 0) + (std::memcmp(&gvs[i], &L.v_scale[i], 4) != 0);
+    }
+  }
+
+  // Queries and the CPU reference.
+  std::vector<float> qf(size_t(total_q) * size_t(nh) * size_t(d));
+  for (auto& x : qf) x = bf16_round(nd(rng));
+  std::vector<float> ref(qf.size(), std::numeric_limits<float>::quiet_NaN());
+  std::vector<AttnSeq> seqs;
+  std::vector<int32_t> cu{0}, kv_lens;
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    seqs.push_back({.q_begin = cu.back(), .q_len = shapes[si].q_len, .kv_len = shapes[si].kv_len,
+                    .block_table = std::span<const BlockId>(tables.data() + si * size_t(max_blocks),
+                                                            size_t((shapes[si].kv_len + bs - 1) / bs))});
+    cu.push_back(cu.back() + shapes[si].q_len);
+    kv_lens.push_back(shapes[si].kv_len);
+  }
+  const float scale = 1.0f / std::sqrt(float(d));
+  cpu.attend(L, AttentionCall{.q = qf, .out = ref, .seqs = seqs, .softmax_scale = scale});
+
+  std::vector<uint16_t> qb(qf.size());
+  for (size_t i = 0; i < qf.size(); ++i) qb[i] = num::f32_to_bf16(qf[i]);
+  Dev<uint16_t> dq(qb), dout(qb.size());
+  cudaMemset(dout.p, 0xff, dout.n * 2);  // 0xffff: a bf16 NaN in every output element
+  Dev<int32_t> dcu(cu), dkvl(kv_lens);
+  Dev<BlockId> dtab(tables);
+  cuda::PagedAttentionParams p{.storage = spec.storage, .quant = spec.quant, .num_seqs = int(shapes.size()),
+                               .num_tokens = total_q, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d,
+                               .block_size = bs, .max_blocks_per_seq = max_blocks, .max_q_len = max_q,
+                               .max_kv_len = max_kv, .mask = c.kind, .window = c.window, .softmax_scale = scale,
+                               .q = dq.p, .out = dout.p, .k_cache = dkc.p, .v_cache = dvc.p,
+                               .k_token_scale = dks.p, .v_token_scale = dvs.p, .k_tensor_scale = dkts.p,
+                               .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size()),
+                               .cu_q_lens = dcu.p, .kv_lens = dkvl.p, .block_tables = dtab.p, .max_splits = max_splits,
+                               .kernel = kernel};
+  const size_t ws_bytes = cuda::paged_attention_workspace_bytes(p);
+  Dev<uint8_t> ws(ws_bytes);
+  p.workspace = ws.p;
+  p.workspace_bytes = ws_bytes;
+  cuda::paged_attention(p, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = dout.download();
+  // 1-byte caches: the tensor-core kernel rounds each softmax weight to f16 (relative error
+  // <= 2^-12, see kSplitP in paged_attention_mma.cuh), an absolute error of at most
+  // 2^-12 * max|V| on an output; the floor is 2^-11 * max|V| (dequantized, this batch).
+  double abs_floor = 1e-4;
+  if (dtype_size(spec.storage) == 1) {
+    float vmax = 0;
+    for (float x : vf) vmax = std::max(vmax, std::fabs(x));
+    abs_floor = std::max(abs_floor, std::ldexp(double(vmax), -11));
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = num::bf16_to_f32(got[i]), r = ref[i];
+    const double err = std::isnan(g) ? 1e9 : std::fabs(g - r);
+    st.max_abs = std::max(st.max_abs, err);
+    st.max_rel = std::max(st.max_rel, err / (std::fabs(r) + 1e-3));
+    st.bad += err > std::ldexp(std::fabs(r), -8) + abs_floor;
+    ++st.checked;
+  }
+}
+
+const KVCacheDType kFormats[] = {KVCacheDType::BFloat16,        KVCacheDType::Float16,
+                                 KVCacheDType::Fp8E4M3,         KVCacheDType::Fp8E5M2,
+                                 KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead};
+
+}  // namespace
+
+class CudaAttention : public ::testing::TestWithParam<KVCacheDType> {};
+
+TEST_P(CudaAttention, MatchesCpuBackend) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const KVCacheDType dt = GetParam();
+  const std::vector<SeqShape> decode{{1, 1}, {37, 1}, {300, 1}, {1000, 1}, {129, 1}};
+  const std::vector<SeqShape> mixed{{37, 5}, {1, 1}, {70, 70}, {200, 1}, {18, 3}, {150, 33}};
+  const AttentionKind kinds[] = {AttentionKind::Full, AttentionKind::Sliding, AttentionKind::NonCausal};
+  Stats total;
+  uint32_t seed = 100;
+  int cases = 0;
+  for (int hd : {64, 128, 256}) {
+    for (AttentionKind kind : kinds) {
+      for (int gqa : {1, 4, 8}) {
+        if (reduced() && !(hd == 128 && gqa == 4 && kind != AttentionKind::NonCausal)) continue;
+        const int kvh = gqa == 8 ? 1 : 2;
+        const Case c{dt, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, hd == 128 ? 32 : 16};
+        Stats st;
+        // kernel 0 = automatic (tensor cores for head 64/128), 1 = the CUDA-core kernel.
+        run_batch(c, decode, seed++, 0, 0, st);
+        run_batch(c, mixed, seed++, 0, 0, st);
+        run_batch(c, decode, seed++, 0, 1, st);
+        if (!reduced()) {
+          run_batch(c, mixed, seed++, 1, 0, st);
+          run_batch(c, mixed, seed++, 0, 1, st);
+        }
+        ++cases;
+        EXPECT_EQ(st.page_mismatch, 0u) << "kv_store pages differ: hd " << hd << " " << attention_kind_name(kind) << " gqa " << gqa;
+        EXPECT_EQ(st.bad, 0u) << "outputs out of tolerance: hd " << hd << " " << attention_kind_name(kind) << " gqa " << gqa
+                              << " max abs err " << st.max_abs;
+        total.max_abs = std::max(total.max_abs, st.max_abs);
+        total.max_rel = std::max(total.max_rel, st.max_rel);
+        total.checked += st.checked;
+        total.bad += st.bad;
+        total.page_mismatch += st.page_mismatch;
+      }
+    }
+  }
+  std::printf("[cuda-attention] %-20s cases=%d outputs=%zu max_abs_err=%.3e max_rel_err=%.3e out_of_tol=%zu page_byte_mismatches=%zu\n",
+              std::string(kv_cache_dtype_name(dt)).c_str(), cases, total.checked, total.max_abs, total.max_rel, total.bad,
+              total.page_mismatch);
+}
+
+INSTANTIATE_TEST_SUITE_P(KV, CudaAttention, ::testing::ValuesIn(kFormats),
+                         [](const auto& info) { return std::string(kv_cache_dtype_name(info.param)); });
+
+// Unsupported formats and head sizes are clear errors, before anything is launched.
+TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {
+  cuda::PagedAttentionParams p{.storage = DType::F32, .quant = KVQuantMode::None, .num_seqs = 1, .num_tokens = 1,
+                               .num_q_heads = 1, .num_kv_heads = 1, .head_dim = 128, .block_size = 16,
+                               .max_blocks_per_seq = 1, .max_q_len = 1, .max_kv_len = 1};
+  try {
+    cuda::paged_attention(p, nullptr);
+    FAIL() << "float32 pages accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("supported: bfloat16/float16"), std::string::npos) << e.what();
+  }
+  p.storage = DType::BF16;
+  p.head_dim = 96;
+  EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+  cuda::KVStoreParams s{.storage = DType::F8E5M2, .quant = KVQuantMode::Fp8PerTokenHead, .num_tokens = 1, .num_kv_heads = 1,
+                        .head_dim = 64, .block_size = 16, .num_blocks = 1};
+  EXPECT_THROW(cuda::kv_store(s, nullptr), Error);
+}
+
+TEST(CudaAttentionCaps, DeclaresWhatIsTested) {
+  const BackendCapabilities& c = cuda_attention_capabilities();
+  EXPECT_EQ(c.device, Device::Cuda);
+  EXPECT_EQ(c.kv_formats.size(), 6u);
+  EXPECT_EQ(c.head_sizes, (std::vector<int>{64, 128, 256}));
+  EXPECT_TRUE(c.causal && c.sliding_window && c.non_causal);
+  EXPECT_EQ(c.min_compute_capability, 90);
+  EXPECT_GT(c.priority, CpuAttentionBackend::capabilities().priority);
+}
