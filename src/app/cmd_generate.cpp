@@ -1,4 +1,5 @@
-// kvlm generate: run one prompt (token ids) through the model and print the continuation.
+// kvlm generate: one prompt (text, a chat message, or token ids) through the model; text
+// streams to stdout as it is generated, a one-line summary goes to stderr.
 #include <cstdio>
 #include <iostream>
 #include <random>
@@ -7,24 +8,65 @@
 
 #include "app/commands.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "engine/generate.h"
+#include "engine/stop.h"
+#include "engine/text_processor.h"
 
 namespace kvlm::app {
 
+void SamplingFlags::add_to(CLI::App& cmd) {
+  cmd.add_option("--max-tokens", max_tokens, "tokens to generate at most")->capture_default_str();
+  cmd.add_option("--temperature", temperature, "sampling temperature, 0 = greedy (default: the model's generation_config, else 1.0)");
+  cmd.add_option("--top-k", top_k, "keep the k most likely tokens (0 or -1: off)");
+  cmd.add_option("--top-p", top_p, "nucleus sampling mass in (0, 1] (1: off)");
+  cmd.add_option("--min-p", min_p, "drop tokens less likely than min-p x the most likely one (0: off)");
+  cmd.add_option("--repetition-penalty", repetition_penalty, "penalize tokens already in the prompt or output (1: off)");
+  cmd.add_option("--presence-penalty", presence_penalty, "penalize tokens already generated, once (0: off)");
+  cmd.add_option("--frequency-penalty", frequency_penalty, "penalize tokens by how often they were generated (0: off)");
+  cmd.add_option("--seed", seed, "random seed; the same seed gives the same output (default: random, reported)");
+  cmd.add_option("--stop", stop, "stop when this text is generated (repeatable); it is not printed");
+  cmd.add_flag("--ignore-eos", ignore_eos, "keep generating past end-of-sequence tokens");
+}
+
 CLI::App* add_generate(CLI::App& app, GenerateFlags& f) {
-  auto* cmd = app.add_subcommand("generate", "Generate a continuation of a prompt given as token ids");
+  auto* cmd = app.add_subcommand("generate", "Generate a continuation of a prompt (text or token ids)");
   f.model.add_to(*cmd);
-  cmd->add_option("--prompt-ids", f.prompt_ids, "prompt token ids, e.g. 1,403,407")->required();
-  cmd->add_option("--max-tokens", f.max_tokens, "tokens to generate at most")->capture_default_str();
-  cmd->add_option("--temperature", f.temperature, "sampling temperature, 0 = greedy (default: the model's generation_config, else 1.0)");
-  cmd->add_option("--top-k", f.top_k, "keep the k most likely tokens (0 or -1: off)");
-  cmd->add_option("--top-p", f.top_p, "nucleus sampling mass in (0, 1] (1: off)");
-  cmd->add_option("--seed", f.seed, "random seed; the same seed gives the same output (default: random, reported)");
-  cmd->add_flag("--ignore-eos", f.ignore_eos, "keep generating past end-of-sequence tokens");
+  auto* text = cmd->add_option("--prompt,-p", f.prompt, "prompt text (needs the model's tokenizer.json)");
+  auto* ids = cmd->add_option("--prompt-ids", f.prompt_ids, "prompt token ids, e.g. 1,403,407");
+  text->excludes(ids);
+  cmd->add_flag("--chat", f.chat, "apply the model's chat template to --prompt as one user message");
+  f.sampling.add_to(*cmd);
   cmd->add_option("--logprobs", f.logprobs, "report the top-K log-probabilities of each generated token");
   cmd->add_option("--prefill-chunk", f.prefill_chunk, "prompt tokens per forward step")->capture_default_str();
-  cmd->add_flag("--json", f.json, "print one JSON object instead of a summary");
+  cmd->add_flag("--json", f.json, "print one JSON object instead of streaming text");
   return cmd;
+}
+
+GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg) {
+  GenerateRequest req;
+  req.max_tokens = s.max_tokens;
+  req.ignore_eos = s.ignore_eos;
+  req.seed = s.seed ? *s.seed : std::random_device{}() * 0x9e3779b97f4a7c15ull;
+  req.sampling.temperature = s.temperature.value_or(cfg.default_temperature.value_or(1.0f));
+  req.sampling.top_k = s.top_k.value_or(cfg.default_top_k.value_or(0));
+  req.sampling.top_p = s.top_p.value_or(cfg.default_top_p.value_or(1.0f));
+  req.sampling.min_p = s.min_p.value_or(0.0f);
+  req.sampling.repetition_penalty = s.repetition_penalty.value_or(1.0f);
+  req.sampling.presence_penalty = s.presence_penalty.value_or(0.0f);
+  req.sampling.frequency_penalty = s.frequency_penalty.value_or(0.0f);
+  return req;
+}
+
+void print_summary(const GenerateResult& r, const Engine& e) {
+  if (log::level() < log::Level::Warn) return;
+  const double prefill_tps = r.prefill_seconds > 0 ? double(r.prompt.size()) / r.prefill_seconds : 0.0;
+  const double decode_tps = r.decode_seconds > 0 && r.tokens.size() > 1 ? double(r.tokens.size() - 1) / r.decode_seconds : 0.0;
+  const KVStorage& kv = e.plan().resolution.storage;
+  std::fprintf(stderr, "kvlm: %zu prompt tokens, %zu generated (%s), prefill %.1f tok/s, decode %.1f tok/s, KV %s%s (%zu B/token)\n",
+               r.prompt.size(), r.tokens.size(), r.finish_reason.c_str(), prefill_tps, decode_tps,
+               std::string(dtype_name(kv.storage)).c_str(),
+               kv.mode == KVQuantMode::None ? "" : (" " + std::string(kv_quant_mode_name(kv.mode))).c_str(), e.plan().bytes_per_token());
 }
 
 namespace {
@@ -40,28 +82,54 @@ std::string ids_str(const std::vector<TokenId>& ids) {
 }  // namespace
 
 int run_generate(const GenerateFlags& f) {
+  if (f.prompt.empty() && f.prompt_ids.empty()) throw Error("give a prompt: --prompt TEXT or --prompt-ids 1,2,3");
+  if (f.chat && f.prompt.empty()) throw Error("--chat needs --prompt TEXT");
   EngineOptions opts;
   opts.model_dir = f.model.model_dir();
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
   opts.dtype = parse_model_dtype(f.model.dtype);
-  GenerateRequest req;
-  req.prompt = parse_token_ids(f.prompt_ids);
-  req.max_tokens = f.max_tokens;
-  req.ignore_eos = f.ignore_eos;
-  req.logprobs = f.logprobs;
-  req.prefill_chunk = f.prefill_chunk;
-  req.seed = f.seed ? *f.seed : std::random_device{}() * 0x9e3779b97f4a7c15ull;
+  // Text needs the tokenizer; load it first so a missing one fails before the weights load.
+  std::optional<TextProcessor> text;
+  if (!f.prompt.empty() || TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
 
   auto engine = Engine::load(opts);
   const ModelConfig& cfg = engine->config();
-  req.sampling.temperature = f.temperature.value_or(cfg.default_temperature.value_or(1.0f));
-  req.sampling.top_k = f.top_k.value_or(cfg.default_top_k.value_or(0));
-  req.sampling.top_p = f.top_p.value_or(cfg.default_top_p.value_or(1.0f));
-  const GenerateResult r = generate(*engine, req);
+  GenerateRequest req = make_request(f.sampling, cfg);
+  req.logprobs = f.logprobs;
+  req.prefill_chunk = f.prefill_chunk;
+  if (!f.prompt_ids.empty()) {
+    req.prompt = parse_token_ids(f.prompt_ids);
+  } else if (f.chat) {
+    req.prompt = text->encode_chat(nlohmann::ordered_json::array({{{"role", "user"}, {"content", f.prompt}}}), true);
+  } else {
+    req.prompt = text->encode_prompt(f.prompt);
+  }
+  if (text)
+    if (auto eos = text->eos_id()) req.extra_eos.push_back(*eos);
+  if (!f.sampling.stop.empty() && !text) throw Error("--stop needs the model's tokenizer.json (it matches text)");
 
-  const double prefill_tps = r.prefill_seconds > 0 ? double(r.prompt.size()) / r.prefill_seconds : 0.0;
-  const double decode_tps = r.decode_seconds > 0 && r.tokens.size() > 1 ? double(r.tokens.size() - 1) / r.decode_seconds : 0.0;
+  // Streaming: decode incrementally, hold back what could be the start of a stop string.
+  std::string out_text;
+  std::optional<IncrementalDecoder> dec;
+  StopMatcher stops(f.sampling.stop);
+  const bool stream = text && !f.json;
+  if (text) dec.emplace(text->tokenizer(), true);
+  auto emit = [&](const std::string& s) {
+    out_text += s;
+    if (stream && !s.empty()) {
+      std::fwrite(s.data(), 1, s.size(), stdout);
+      std::fflush(stdout);
+    }
+  };
+  const GenerateResult r = generate(*engine, req, [&](TokenId id) {
+    if (!dec) return true;
+    emit(stops.feed(dec->push(id)));
+    return !stops.stopped();
+  });
+  if (dec && !stops.stopped()) emit(stops.feed(dec->flush()) + stops.flush());
+  if (stream) std::fputs("\n", stdout);
+
   if (f.json) {
     nlohmann::json j;
     j["model"] = opts.model_dir.string();
@@ -69,9 +137,13 @@ int run_generate(const GenerateFlags& f) {
     j["kv_cache_dtype"] = std::string(kv_cache_dtype_name(opts.cache.kv_cache_dtype));
     j["prompt_token_ids"] = r.prompt;
     j["token_ids"] = r.tokens;
+    if (text) j["text"] = out_text;
     j["finish_reason"] = r.finish_reason;
+    if (stops.stopped()) j["stop_reason"] = stops.matched();
     j["seed"] = req.seed;
-    j["sampling"] = {{"temperature", req.sampling.temperature}, {"top_k", req.sampling.top_k}, {"top_p", req.sampling.top_p}};
+    j["sampling"] = {{"temperature", req.sampling.temperature}, {"top_k", req.sampling.top_k}, {"top_p", req.sampling.top_p},
+                     {"min_p", req.sampling.min_p}, {"repetition_penalty", req.sampling.repetition_penalty},
+                     {"presence_penalty", req.sampling.presence_penalty}, {"frequency_penalty", req.sampling.frequency_penalty}};
     if (req.logprobs > 0) {
       nlohmann::json lps = nlohmann::json::array();
       for (const auto& lp : r.logprobs) {
@@ -83,35 +155,27 @@ int run_generate(const GenerateFlags& f) {
       }
       j["logprobs"] = lps;
     }
+    const double prefill_tps = r.prefill_seconds > 0 ? double(r.prompt.size()) / r.prefill_seconds : 0.0;
+    const double decode_tps = r.decode_seconds > 0 && r.tokens.size() > 1 ? double(r.tokens.size() - 1) / r.decode_seconds : 0.0;
     j["usage"] = {{"prompt_tokens", r.prompt.size()}, {"completion_tokens", r.tokens.size()}};
     j["kv_cache"] = {{"bytes_per_token", engine->plan().bytes_per_token()}, {"pool_bytes", r.kv_bytes}};
     j["timing"] = {{"prefill_seconds", r.prefill_seconds},
                    {"decode_seconds", r.decode_seconds},
                    {"prefill_tokens_per_second", prefill_tps},
                    {"decode_tokens_per_second", decode_tps}};
-    std::cout << j.dump() << std::endl;
-    return 0;
-  }
-  std::cout << "model       " << opts.model_dir.string() << " (" << arch_name(cfg.arch) << ", " << cfg.num_layers << " layers, "
-            << engine->model().num_parameters() << " parameters)\n"
-            << "kv cache    " << kv_cache_dtype_name(opts.cache.kv_cache_dtype) << " -> "
-            << dtype_name(engine->plan().resolution.storage.storage) << " ("
-            << dtype_source_name(engine->plan().resolution.source) << "), " << engine->plan().bytes_per_token()
-            << " bytes/token\n"
-            << "prompt      " << ids_str(r.prompt) << "  (" << r.prompt.size() << " tokens)\n"
-            << "generated   " << ids_str(r.tokens) << "  (" << r.tokens.size() << " tokens, finish: " << r.finish_reason
-            << ")\n";
-  if (req.logprobs > 0) {
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+  } else if (!text) {
+    std::cout << "prompt      " << ids_str(r.prompt) << "  (" << r.prompt.size() << " tokens)\n"
+              << "generated   " << ids_str(r.tokens) << "  (" << r.tokens.size() << " tokens, finish: " << r.finish_reason
+              << ")\n";
     for (size_t i = 0; i < r.logprobs.size(); ++i) {
       std::cout << "  [" << i << "] " << r.logprobs[i].token << " (" << r.logprobs[i].logprob << ")  top:";
       for (const auto& [t, v] : r.logprobs[i].top) std::cout << " " << t << ":" << v;
       std::cout << "\n";
     }
+    std::cout << std::flush;
   }
-  char line[160];
-  std::snprintf(line, sizeof line, "speed       prefill %.1f tok/s, decode %.1f tok/s (seed %llu)\n", prefill_tps, decode_tps,
-                (unsigned long long)req.seed);
-  std::cout << line;
+  print_summary(r, *engine);
   return 0;
 }
 

@@ -10,21 +10,54 @@
 
 namespace kvlm::app {
 
+// Sampling and stopping flags shared by generate and chat.
+struct SamplingFlags {
+  int max_tokens = 256;
+  std::optional<float> temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty;
+  std::optional<int> top_k;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+  void add_to(CLI::App& cmd);
+};
+
 struct GenerateFlags {
   ModelFlags model;
-  std::string prompt_ids;
-  int max_tokens = 16;
-  std::optional<float> temperature;
-  std::optional<int> top_k;
-  std::optional<float> top_p;
-  std::optional<uint64_t> seed;
-  bool ignore_eos = false;
+  SamplingFlags sampling;
+  std::string prompt;      // text
+  std::string prompt_ids;  // or token ids
+  bool chat = false;
   int logprobs = 0;
   int prefill_chunk = 512;
   bool json = false;
 };
 CLI::App* add_generate(CLI::App& app, GenerateFlags& f);
 int run_generate(const GenerateFlags& f);
+
+struct ChatFlags {
+  ModelFlags model;
+  SamplingFlags sampling;
+  std::string system;
+};
+CLI::App* add_chat(CLI::App& app, ChatFlags& f);
+int run_chat(const ChatFlags& f);
+
+struct TokenizeFlags {
+  std::string tokenizer, text, file, ids;
+  bool add_special_tokens = false, skip_special_tokens = false, json = false;
+};
+CLI::App* add_tokenize(CLI::App& app, TokenizeFlags& f);
+int run_tokenize(const TokenizeFlags& f);
+CLI::App* add_detokenize(CLI::App& app, TokenizeFlags& f);
+int run_detokenize(const TokenizeFlags& f);
+
+struct TemplateFlags {
+  std::string template_file, tokenizer, messages;
+  bool add_generation_prompt = false;
+  std::vector<std::string> set;
+};
+CLI::App* add_render_template(CLI::App& app, TemplateFlags& f);
+int run_render_template(const TemplateFlags& f);
 
 struct InspectFlags {
   ModelFlags model;

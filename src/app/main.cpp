@@ -19,10 +19,18 @@ int main(int argc, char** argv) {
   app.add_flag("-v,--verbose", verbose, "more diagnostics on stderr");
   app.add_flag("-q,--quiet", quiet, "no warnings on stderr");
   kvlm::app::GenerateFlags gen;
+  kvlm::app::ChatFlags chat;
   kvlm::app::InspectFlags insp;
+  kvlm::app::TokenizeFlags tok, detok;
+  kvlm::app::TemplateFlags tpl;
   auto* gen_cmd = kvlm::app::add_generate(app, gen);
+  auto* chat_cmd = kvlm::app::add_chat(app, chat);
   auto* insp_cmd = kvlm::app::add_inspect(app, insp);
-  for (auto* cmd : {gen_cmd, insp_cmd}) cmd->fallthrough();  // -q / -v may follow the subcommand
+  auto* tok_cmd = kvlm::app::add_tokenize(app, tok);
+  auto* detok_cmd = kvlm::app::add_detokenize(app, detok);
+  auto* tpl_cmd = kvlm::app::add_render_template(app, tpl);
+  for (auto* cmd : {gen_cmd, chat_cmd, insp_cmd, tok_cmd, detok_cmd, tpl_cmd})
+    cmd->fallthrough();  // -q / -v may follow the subcommand
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,7 +39,11 @@ int main(int argc, char** argv) {
   kvlm::log::set_level(quiet ? kvlm::log::Level::Quiet : verbose ? kvlm::log::Level::Info : kvlm::log::Level::Warn);
   try {
     if (gen_cmd->parsed()) return kvlm::app::run_generate(gen);
+    if (chat_cmd->parsed()) return kvlm::app::run_chat(chat);
     if (insp_cmd->parsed()) return kvlm::app::run_inspect(insp);
+    if (tok_cmd->parsed()) return kvlm::app::run_tokenize(tok);
+    if (detok_cmd->parsed()) return kvlm::app::run_detokenize(detok);
+    if (tpl_cmd->parsed()) return kvlm::app::run_render_template(tpl);
   } catch (const kvlm::Error& e) {
     std::fprintf(stderr, "kvlm: error: %s\n", e.what());
     return 1;

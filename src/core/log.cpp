@@ -1,5 +1,7 @@
 #include "core/log.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -34,6 +36,24 @@ void warn_once(std::string_view key, std::string_view msg) {
     if (!g_seen.emplace(key).second) return;
   }
   warn(msg);
+}
+
+Progress::Progress(std::string label, size_t total)
+    : label_(std::move(label)), total_(total), active_(total > 0 && g_level >= Level::Warn && ::isatty(2)) {}
+
+void Progress::update(size_t done) {
+  if (!active_) return;
+  const size_t percent = done >= total_ ? 100 : done * 100 / total_;
+  if (percent == last_percent_) return;
+  last_percent_ = percent;
+  std::lock_guard lock(g_mu);
+  std::fprintf(stderr, "\rkvlm: %s %.2f / %.2f GB (%zu%%)%s", label_.c_str(), double(done) / 1e9, double(total_) / 1e9, percent,
+               percent == 100 ? "\n" : "");
+  std::fflush(stderr);
+}
+
+Progress::~Progress() {
+  if (active_ && last_percent_ != 100 && last_percent_ != size_t(-1)) std::fputs("\n", stderr);
 }
 
 }  // namespace kvlm::log

@@ -15,4 +15,18 @@ void info(std::string_view msg);
 void warn(std::string_view msg);
 void warn_once(std::string_view key, std::string_view msg);
 
+// A one-line progress display on stderr ("label 1.2 / 15.3 GB (8%)"), redrawn in place,
+// only when stderr is a terminal and warnings are on. done == total ends the line.
+class Progress {
+ public:
+  Progress(std::string label, size_t total);
+  void update(size_t done);
+  ~Progress();
+
+ private:
+  std::string label_;
+  size_t total_, last_percent_ = size_t(-1);
+  bool active_;
+};
+
 }  // namespace kvlm::log

@@ -27,7 +27,7 @@ void validate_request(const Engine& engine, const GenerateRequest& req) {
   validate_sampling(req.sampling);
 }
 
-GenerateResult generate(Engine& engine, const GenerateRequest& req, const std::function<void(TokenId)>& on_token) {
+GenerateResult generate(Engine& engine, const GenerateRequest& req, const TokenCallback& on_token) {
   validate_request(engine, req);
   using clock = std::chrono::steady_clock;
   GenerateResult res;
@@ -36,7 +36,8 @@ GenerateResult generate(Engine& engine, const GenerateRequest& req, const std::f
   SequenceRunner seq(engine, capacity);
   res.kv_bytes = seq.kv_bytes();
   Sampler sampler(req.seed);
-  const auto& eos = engine.config().eos_token_ids;
+  std::vector<TokenId> eos = engine.config().eos_token_ids;
+  eos.insert(eos.end(), req.extra_eos.begin(), req.extra_eos.end());
 
   auto t0 = clock::now();
   std::vector<float> logits;
@@ -48,10 +49,17 @@ GenerateResult generate(Engine& engine, const GenerateRequest& req, const std::f
   res.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   res.finish_reason = "length";
   for (int step = 0; step < req.max_tokens; ++step) {
-    const TokenId next = sampler.sample(logits, req.sampling);
+    if (req.cancel && req.cancel->load()) {
+      res.finish_reason = "abort";
+      break;
+    }
+    const TokenId next = sampler.sample(logits, req.sampling, req.prompt, res.tokens);
     res.tokens.push_back(next);
     if (req.logprobs > 0) res.logprobs.push_back({next, logprob_of(logits, next), top_logprobs(logits, req.logprobs)});
-    if (on_token) on_token(next);
+    if (on_token && !on_token(next)) {
+      res.finish_reason = "stop";
+      break;
+    }
     if (!req.ignore_eos && std::ranges::find(eos, next) != eos.end()) {
       res.finish_reason = "stop";
       break;

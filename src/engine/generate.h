@@ -2,6 +2,7 @@
 // the sampler, stopping at EOS (unless ignored) or max_tokens.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <optional>
 #include <string>
@@ -20,6 +21,8 @@ struct GenerateRequest {
   bool ignore_eos = false;
   int logprobs = 0;          // top-K log-probabilities per generated token (0 = none)
   int prefill_chunk = 512;   // tokens per prefill step
+  std::vector<TokenId> extra_eos;         // stop tokens beyond the model's EOS ids
+  const std::atomic<bool>* cancel = nullptr;  // set from another thread (Ctrl-C) to stop
 };
 
 struct TokenLogprobs {
@@ -32,7 +35,7 @@ struct GenerateResult {
   std::vector<TokenId> prompt;
   std::vector<TokenId> tokens;
   std::vector<TokenLogprobs> logprobs;  // one per generated token when requested
-  std::string finish_reason;            // "length" or "stop"
+  std::string finish_reason;            // "length", "stop" (EOS or the callback) or "abort"
   double prefill_seconds = 0, decode_seconds = 0;
   size_t kv_bytes = 0;                  // bytes of the KV pool this request used
 };
@@ -40,7 +43,10 @@ struct GenerateResult {
 // Validates the request (token ids, lengths, sampling values) with clear errors.
 void validate_request(const Engine& engine, const GenerateRequest& req);
 
-GenerateResult generate(Engine& engine, const GenerateRequest& req,
-                        const std::function<void(TokenId)>& on_token = {});
+// Called after each generated token (EOS tokens included); returning false stops the
+// generation with finish_reason "stop" (a stop string was reached, say).
+using TokenCallback = std::function<bool(TokenId)>;
+
+GenerateResult generate(Engine& engine, const GenerateRequest& req, const TokenCallback& on_token = {});
 
 }  // namespace kvlm

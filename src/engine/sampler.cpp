@@ -13,6 +13,33 @@ void validate_sampling(const SamplingParams& p) {
     throw Error("--temperature must be a finite number >= 0 (0 = greedy), got " + std::to_string(p.temperature));
   if (p.top_k < -1) throw Error("--top-k must be >= 1, or 0 / -1 to disable it, got " + std::to_string(p.top_k));
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) throw Error("--top-p must be in (0, 1], got " + std::to_string(p.top_p));
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) throw Error("--min-p must be in [0, 1], got " + std::to_string(p.min_p));
+  if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty))
+    throw Error("--repetition-penalty must be > 0 (1 = off), got " + std::to_string(p.repetition_penalty));
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f))
+    throw Error("--presence-penalty must be in [-2, 2], got " + std::to_string(p.presence_penalty));
+  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f))
+    throw Error("--frequency-penalty must be in [-2, 2], got " + std::to_string(p.frequency_penalty));
+}
+
+void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const TokenId> prompt,
+                     std::span<const TokenId> output) {
+  const size_t v = logits.size();
+  if (p.repetition_penalty != 1.0f) {
+    std::vector<bool> seen(v, false);
+    for (auto ids : {prompt, output})
+      for (TokenId t : ids)
+        if (t >= 0 && size_t(t) < v) seen[size_t(t)] = true;
+    for (size_t i = 0; i < v; ++i)
+      if (seen[i]) logits[i] = logits[i] > 0 ? logits[i] / p.repetition_penalty : logits[i] * p.repetition_penalty;
+  }
+  if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+    std::vector<int> count(v, 0);
+    for (TokenId t : output)
+      if (t >= 0 && size_t(t) < v) ++count[size_t(t)];
+    for (size_t i = 0; i < v; ++i)
+      if (count[i] > 0) logits[i] -= p.presence_penalty + p.frequency_penalty * float(count[i]);
+  }
 }
 
 TokenId argmax(std::span<const float> logits) {
@@ -50,7 +77,14 @@ std::vector<std::pair<TokenId, float>> top_logprobs(std::span<const float> logit
   return all;
 }
 
-TokenId Sampler::sample(std::span<const float> logits, const SamplingParams& p) {
+TokenId Sampler::sample(std::span<const float> raw, const SamplingParams& p, std::span<const TokenId> prompt,
+                        std::span<const TokenId> output) {
+  std::span<const float> logits = raw;
+  if (p.has_penalties()) {
+    penalized_.assign(raw.begin(), raw.end());
+    apply_penalties(penalized_, p, prompt, output);
+    logits = penalized_;
+  }
   if (p.temperature == 0.0f) return argmax(logits);
   // Candidates sorted by logit, descending (ties: lower id first, for determinism).
   scratch_.clear();
@@ -68,6 +102,14 @@ TokenId Sampler::sample(std::span<const float> logits, const SamplingParams& p) 
   std::vector<double> prob(n);
   double sum = 0.0;
   for (size_t i = 0; i < n; ++i) sum += prob[i] = std::exp(double(scratch_[i].first - m) / p.temperature);
+  // Min-p: drop tokens less likely than min_p times the most likely one (prob[0] is the max).
+  if (p.min_p > 0.0f) {
+    size_t keep = 1;
+    while (keep < n && prob[keep] >= double(p.min_p) * prob[0]) ++keep;
+    n = keep;
+    sum = 0.0;
+    for (size_t i = 0; i < n; ++i) sum += prob[i];
+  }
   // Top-p: the smallest prefix whose mass reaches top_p.
   if (p.top_p < 1.0f) {
     double acc = 0.0;

@@ -65,6 +65,12 @@ TensorView Checkpoint::view(std::string_view name) const {
   return it->second.first->view(*it->second.second);
 }
 
+size_t Checkpoint::total_bytes() const {
+  size_t b = 0;
+  for (const auto& [name, ft] : tensors_) b += ft.second->end - ft.second->begin;
+  return b;
+}
+
 std::vector<std::string> Checkpoint::names() const {
   std::vector<std::string> out;
   for (const auto& [k, v] : tensors_) out.push_back(k);

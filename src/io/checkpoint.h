@@ -24,6 +24,7 @@ class Checkpoint {
   TensorView view(std::string_view name) const;  // throws when missing
   std::vector<std::string> names() const;
   size_t num_files() const { return files_.size(); }
+  size_t total_bytes() const;  // all tensors' data
   // dtype of the first floating-point weight (embed_tokens), when config.json has none.
   std::optional<DType> dtype_of(std::string_view name) const;
 

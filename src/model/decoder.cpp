@@ -23,11 +23,15 @@ namespace {
 
 class WeightLoader {
  public:
-  explicit WeightLoader(const Checkpoint& c) : c_(c) {}
+  // Large checkpoints show a progress line while loading (small ones would only flicker).
+  explicit WeightLoader(const Checkpoint& c)
+      : c_(c), progress_("loading weights", c.total_bytes() >= (size_t(256) << 20) ? c.total_bytes() : 0) {}
   std::vector<float> get(const std::string& name, std::initializer_list<int64_t> shape) {
     used_.insert(name);
     auto w = c_.load_f32(name, std::vector<int64_t>(shape));
     count_ += w.size();
+    const TensorInfo* t = c_.find(name);
+    progress_.update(bytes_ += t->end - t->begin);
     return w;
   }
   std::vector<float> opt(bool present, const std::string& name, std::initializer_list<int64_t> shape) {
@@ -48,7 +52,8 @@ class WeightLoader {
  private:
   const Checkpoint& c_;
   std::set<std::string> used_;
-  size_t count_ = 0;
+  size_t count_ = 0, bytes_ = 0;
+  log::Progress progress_;
 };
 
 }  // namespace

@@ -71,6 +71,39 @@ done
   && [ "$(json_get "$tmp/i.json" "[l['scale_source'] for l in d['layers']][0]")" = "per-token-head dynamic" ] \
   && [ "$(json_get "$tmp/i.json" "d['kv_bytes_per_token']")" = 576 ] && ok || bad "inspect --json"
 
+# --- text: tokenizer, chat template, streaming, stop strings, chat -------------------------
+chat="$here/../models/tiny-chat"
+"$KVLM" tokenize --tokenizer "$chat" --text "Hello world, 123" --json >"$tmp/t.json" \
+  && "$KVLM" detokenize --tokenizer "$chat" --ids "$(json_get "$tmp/t.json" "','.join(map(str, d['ids']))")" >"$tmp/d.txt" \
+  && [ "$(cat "$tmp/d.txt")" = "Hello world, 123" ] && ok || bad "tokenize/detokenize round trip"
+"$KVLM" tokenize --tokenizer "$chat" --text "<|im_start|>user" --json >"$tmp/t2.json" \
+  && [ "$(json_get "$tmp/t2.json" "d['ids'][0]")" = 1 ] && ok || bad "special tokens in text"
+printf '[{"role": "user", "content": "hi"}]' >"$tmp/msgs.json"
+"$KVLM" render-template --tokenizer "$chat" --messages "$tmp/msgs.json" --add-generation-prompt >"$tmp/r.txt" \
+  && grep -q "<|im_start|>user" "$tmp/r.txt" && tail -c 23 "$tmp/r.txt" | grep -q "<|im_start|>assistant" && ok || bad "render-template"
+"$KVLM" generate --model "$chat" --prompt "Once upon a time" --max-tokens 12 --temperature 0 --ignore-eos >"$tmp/g.txt" 2>"$tmp/err" \
+  && [ -s "$tmp/g.txt" ] && grep -q "prompt tokens, 12 generated" "$tmp/err" && ok || bad "generate --prompt: $(cat "$tmp/err")"
+"$KVLM" generate --model "$chat" --prompt "Once upon a time" --max-tokens 12 --temperature 0 --ignore-eos --json >"$tmp/g.json" \
+  && [ "$(json_get "$tmp/g.json" "d['text']")" = "$(cat "$tmp/g.txt")" ] && ok || bad "streamed text equals the JSON text"
+stop=$(json_get "$tmp/g.json" "d['text'][3:6]")
+if [ -n "$stop" ]; then
+  "$KVLM" generate --model "$chat" --prompt "Once upon a time" --max-tokens 12 --temperature 0 --ignore-eos --stop "$stop" --json >"$tmp/s.json" \
+    && [ "$(json_get "$tmp/s.json" "d['finish_reason'], d['text'] == '''$(json_get "$tmp/g.json" "d['text']")'''[:3]")" = "stop True" ] \
+    && ok || bad "--stop ends before the stop string: $(cat "$tmp/s.json")"
+fi
+"$KVLM" generate --model "$chat" --prompt "hi" --chat --max-tokens 6 --temperature 0.7 --seed 3 --min-p 0.05 \
+  --repetition-penalty 1.2 --presence-penalty 0.5 --frequency-penalty 0.5 --json >"$tmp/c.json" \
+  && [ "$(json_get "$tmp/c.json" "d['prompt_token_ids'][0]")" = 1 ] && ok || bad "generate --chat with every sampling flag"
+printf 'hello\n/reset\nhi again\n/exit\n' | "$KVLM" chat --model "$chat" --max-tokens 5 --temperature 0 >"$tmp/chat.txt" 2>"$tmp/err" \
+  && grep -q "(conversation cleared)" "$tmp/chat.txt" && [ "$(grep -c "prompt tokens" "$tmp/err")" = 2 ] && ok || bad "chat session: $(cat "$tmp/err")"
+expect_error 1 "has no tokenizer.json" -- generate --prompt "hello"
+expect_error 1 "has no tokenizer.json" -- chat --model "$golden/qwen3-mixed"
+mkdir -p "$tmp/nochat" && cp "$chat"/config.json "$chat"/model.safetensors "$chat"/tokenizer.json "$tmp/nochat/"
+expect_error 1 "no chat template" -- chat --model "$tmp/nochat"
+expect_error 1 "no tokenizer.json" -- tokenize --tokenizer "$tmp" --text x
+expect_error 1 "--min-p must be in [0, 1]" -- generate --prompt-ids 1 --min-p 2
+expect_error 2 "excludes" -- generate --prompt x --prompt-ids 1
+
 # --- bad input: clear errors, never a crash ----------------------------------------------
 expect_error 1 "valid values are: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2, fp8_per_token_head, int8_per_token_head" -- \
   generate --prompt-ids 1,2 --kv-cache-dtype fp8_e6m1
@@ -86,8 +119,8 @@ expect_error 1 "exceeds the model's context length of 512" -- generate --prompt-
 expect_error 1 "--max-tokens must be at least 1" -- generate --prompt-ids 1 --max-tokens 0
 expect_error 1 "--temperature must be" -- generate --prompt-ids 1 --temperature -1
 expect_error 1 "--top-p must be in (0, 1]" -- generate --prompt-ids 1 --top-p 0
-expect_error 1 "the prompt is empty" -- generate --prompt-ids ""
-expect_error 2 "prompt-ids is required" -- generate
+expect_error 1 "give a prompt" -- generate --prompt-ids ""
+expect_error 1 "give a prompt: --prompt TEXT or --prompt-ids" -- generate
 expect_error 1 "does not exist" -- generate --model "$tmp/nope" --prompt-ids 1
 
 m="$tmp/model"

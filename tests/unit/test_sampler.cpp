@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "engine/sampler.h"
+#include "engine/stop.h"
 
 using namespace kvlm;
 
@@ -71,4 +72,46 @@ TEST(Sampler, Validation) {
   EXPECT_THROW(validate_sampling({.top_p = 0}), Error);
   EXPECT_THROW(validate_sampling({.top_p = 1.5f}), Error);
   EXPECT_NO_THROW(validate_sampling({.temperature = 0, .top_k = -1, .top_p = 1}));
+}
+
+TEST(Sampler, MinPAndPenalties) {
+  Sampler s(3);
+  // p = softmax(0, 1, 2, 2.1): min_p 0.5 keeps tokens with p >= 0.5 * p_max -> {3, 2}.
+  const std::vector<float> l{0.0f, 1.0f, 2.0f, 2.1f};
+  for (int i = 0; i < 2000; ++i) {
+    const TokenId t = s.sample(l, {.temperature = 1.0f, .min_p = 0.5f});
+    ASSERT_TRUE(t == 2 || t == 3) << t;
+  }
+  // Repetition penalty divides positive logits and multiplies negative ones of seen tokens.
+  std::vector<float> r{2.0f, -2.0f, 1.0f};
+  apply_penalties(r, {.repetition_penalty = 2.0f}, std::vector<TokenId>{0}, std::vector<TokenId>{1});
+  EXPECT_EQ(r, (std::vector<float>{1.0f, -4.0f, 1.0f}));
+  // Presence and frequency penalties count output tokens only.
+  std::vector<float> f{1.0f, 1.0f, 1.0f};
+  apply_penalties(f, {.presence_penalty = 0.5f, .frequency_penalty = 0.25f}, std::vector<TokenId>{2}, std::vector<TokenId>{0, 0, 1});
+  EXPECT_EQ(f, (std::vector<float>{1.0f - 0.5f - 0.5f, 1.0f - 0.5f - 0.25f, 1.0f}));
+  // Greedy follows the penalized logits.
+  EXPECT_EQ(s.sample(std::vector<float>{3.0f, 2.9f}, {.temperature = 0, .repetition_penalty = 1.5f}, {}, std::vector<TokenId>{0}), 1);
+  EXPECT_THROW(validate_sampling({.min_p = 1.5f}), Error);
+  EXPECT_THROW(validate_sampling({.repetition_penalty = 0.0f}), Error);
+  EXPECT_THROW(validate_sampling({.presence_penalty = 3.0f}), Error);
+}
+
+TEST(StopMatcher, NeverEmitsAStopString) {
+  StopMatcher m({"</end>", "\n\n"});
+  std::string out;
+  for (std::string_view p : {"Hello", " wor", "ld</", "e", "nd> more"}) out += m.feed(p);
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.matched(), "</end>");
+  EXPECT_EQ(out, "Hello world");
+  StopMatcher n({"xyz"});
+  EXPECT_EQ(n.feed("abcx"), "abc");  // "x" may start "xyz": held
+  EXPECT_EQ(n.feed("y"), "");
+  EXPECT_EQ(n.feed("q"), "xyq");     // not a stop after all
+  EXPECT_EQ(n.feed("x"), "");
+  EXPECT_EQ(n.flush(), "x");
+  EXPECT_FALSE(n.stopped());
+  StopMatcher u({"\xC3\xA9!"});  // never splits a multi-byte character
+  EXPECT_EQ(u.feed("caf\xC3\xA9"), "caf");
+  EXPECT_EQ(u.feed("?"), "\xC3\xA9?");
 }

@@ -1,0 +1,112 @@
+// kvlm chat: an interactive multi-turn conversation using the model's chat template.
+// /reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops the current answer.
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "app/commands.h"
+#include "core/error.h"
+#include "engine/generate.h"
+#include "engine/stop.h"
+#include "engine/text_processor.h"
+
+namespace kvlm::app {
+
+GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg);
+void print_summary(const GenerateResult& r, const Engine& e);
+
+namespace {
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_sigint(int) { g_interrupted.store(true); }
+}  // namespace
+
+CLI::App* add_chat(CLI::App& app, ChatFlags& f) {
+  auto* cmd = app.add_subcommand("chat", "Chat with a model interactively (/reset, /exit; Ctrl-C stops an answer)");
+  f.model.add_to(*cmd);
+  f.sampling.add_to(*cmd);
+  cmd->add_option("--system", f.system, "a system message to start every conversation with");
+  return cmd;
+}
+
+int run_chat(const ChatFlags& f) {
+  EngineOptions opts;
+  opts.model_dir = f.model.model_dir();
+  opts.cache = f.model.cache_config();
+  opts.device = resolve_device(parse_device(f.model.device));
+  opts.dtype = parse_model_dtype(f.model.dtype);
+  const TextProcessor text = TextProcessor::load(opts.model_dir);
+  if (!text.has_chat_template()) throw Error("this model has no chat template; use `kvlm generate --prompt` instead");
+  auto engine = Engine::load(opts);
+
+  // Ctrl-C sets a flag the generation loop checks; without SA_RESTART it also interrupts a
+  // pending read of the next line, which then just asks again.
+  struct sigaction sa {};
+  sa.sa_handler = on_sigint;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+
+  nlohmann::ordered_json history = nlohmann::ordered_json::array();
+  auto reset = [&] {
+    history = nlohmann::ordered_json::array();
+    if (!f.system.empty()) history.push_back({{"role", "system"}, {"content", f.system}});
+  };
+  reset();
+  std::fprintf(stderr, "kvlm chat with %s — /reset clears the conversation, /exit quits, Ctrl-C stops an answer\n",
+               opts.model_dir.string().c_str());
+  std::string line;
+  for (;;) {
+    std::fputs("> ", stdout);
+    std::fflush(stdout);
+    g_interrupted = false;
+    if (!std::getline(std::cin, line)) {
+      if (g_interrupted && !std::cin.eof()) {  // Ctrl-C at the prompt
+        std::cin.clear();
+        std::fputs("\n(use /exit or Ctrl-D to quit)\n", stdout);
+        continue;
+      }
+      std::fputs("\n", stdout);
+      return 0;
+    }
+    if (line == "/exit" || line == "/quit") return 0;
+    if (line == "/reset") {
+      reset();
+      std::fputs("(conversation cleared)\n", stdout);
+      continue;
+    }
+    if (line.empty()) continue;
+    history.push_back({{"role", "user"}, {"content", line}});
+    GenerateRequest req = make_request(f.sampling, engine->config());
+    req.cancel = &g_interrupted;
+    if (auto eos = text.eos_id()) req.extra_eos.push_back(*eos);
+    try {
+      req.prompt = text.encode_chat(history, true);
+      const int room = engine->config().max_position_embeddings - int(req.prompt.size());
+      if (room < 1) throw Error("the conversation no longer fits the model's context; /reset to start again");
+      req.max_tokens = std::min(req.max_tokens, room);
+    } catch (const Error& e) {
+      history.erase(history.end() - 1);
+      std::fprintf(stderr, "kvlm: error: %s\n", e.what());
+      continue;
+    }
+    IncrementalDecoder dec(text.tokenizer(), true);
+    StopMatcher stops(f.sampling.stop);
+    std::string answer;
+    auto emit = [&](const std::string& s) {
+      answer += s;
+      std::fwrite(s.data(), 1, s.size(), stdout);
+      std::fflush(stdout);
+    };
+    const GenerateResult r = generate(*engine, req, [&](TokenId id) {
+      emit(stops.feed(dec.push(id)));
+      return !stops.stopped();
+    });
+    if (!stops.stopped()) emit(stops.feed(dec.flush()) + stops.flush());
+    std::fputs(r.finish_reason == "abort" ? " [stopped]\n" : "\n", stdout);
+    history.push_back({{"role", "assistant"}, {"content", answer}});
+    print_summary(r, *engine);
+  }
+}
+
+}  // namespace kvlm::app

@@ -1,0 +1,49 @@
+#include "engine/text_processor.h"
+
+#include "core/error.h"
+
+namespace kvlm {
+
+bool TextProcessor::available(const std::filesystem::path& dir) {
+  std::error_code ec;
+  return std::filesystem::exists(dir / "tokenizer.json", ec);
+}
+
+TextProcessor TextProcessor::load(const std::filesystem::path& dir) {
+  if (!available(dir))
+    throw Error("'" + dir.string() + "' has no tokenizer.json, so it cannot take text; give token ids (--prompt-ids) instead");
+  TextProcessor p(Tokenizer::load(dir), load_tokenizer_config(dir));
+  if (p.cfg_.chat_template) p.tpl_ = ChatTemplate::parse(*p.cfg_.chat_template, (dir / "chat template").string());
+  return p;
+}
+
+std::optional<TokenId> TextProcessor::eos_id() const { return cfg_.eos_token ? tok_.token_to_id(*cfg_.eos_token) : std::nullopt; }
+
+std::vector<TokenId> TextProcessor::encode_prompt(std::string_view text) const {
+  std::vector<TokenId> ids = tok_.encode(text);
+  if (cfg_.add_bos_token && cfg_.bos_token)
+    if (auto bos = tok_.token_to_id(*cfg_.bos_token); bos && (ids.empty() || ids.front() != *bos)) ids.insert(ids.begin(), *bos);
+  if (cfg_.add_eos_token && cfg_.eos_token)
+    if (auto eos = eos_id(); eos && (ids.empty() || ids.back() != *eos)) ids.push_back(*eos);
+  return ids;
+}
+
+std::string TextProcessor::render_chat(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                       const nlohmann::ordered_json& extra) const {
+  if (!tpl_) throw Error("this model has no chat template (tokenizer_config.json has no chat_template); use a plain prompt");
+  nlohmann::ordered_json ctx = extra.is_object() ? extra : nlohmann::ordered_json::object();
+  ctx["messages"] = messages;
+  ctx["add_generation_prompt"] = add_generation_prompt;
+  // transformers passes every special token of the tokenizer as a template variable.
+  for (const auto& [name, value] : {std::pair{"bos_token", cfg_.bos_token}, {"eos_token", cfg_.eos_token},
+                                    {"pad_token", cfg_.pad_token}, {"unk_token", cfg_.unk_token}})
+    if (value && !ctx.contains(name)) ctx[name] = *value;
+  return tpl_->render(ctx);
+}
+
+std::vector<TokenId> TextProcessor::encode_chat(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                                const nlohmann::ordered_json& extra) const {
+  return tok_.encode(render_chat(messages, add_generation_prompt, extra), {.add_special_tokens = false});
+}
+
+}  // namespace kvlm
