@@ -59,6 +59,7 @@ GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg) {
 }
 
 void print_summary(const GenerateResult& r, const Engine& e) {
+  std::fflush(stdout);  // the streamed text first, also when stdout is a pipe
   if (log::level() < log::Level::Warn) return;
   const double prefill_tps = r.prefill_seconds > 0 ? double(r.prompt.size()) / r.prefill_seconds : 0.0;
   const double decode_tps = r.decode_seconds > 0 && r.tokens.size() > 1 ? double(r.tokens.size() - 1) / r.decode_seconds : 0.0;
