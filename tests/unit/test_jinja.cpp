@@ -271,6 +271,8 @@ TEST(Jinja, Loops) {
        R"J(1/2False 3/2True )J"},
       {R"J({% for x in [1, 2, 3, 4, 5] %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 4 %}{% break %}{% endif %}{{ x }}{% endfor %})J",
        R"J({})J", R"J(13)J"},
+      {R"J({% for x in [1, 2, 3] %}{% with y = x %}{% if y == 2 %}{% break %}{% endif %}{{ y }}{% endwith %}{% endfor %})J",
+       R"J({})J", R"J(1)J"},
       {R"J({% for a, b in [[1, 2], (3, 4)] %}{{ a + b }}{% endfor %} {% for k in {'x': 1, 'y': 2} %}{{ k }}{% endfor %} {% for c in 'hé' %}[{{ c }}]{% endfor %})J",
        R"J({})J", R"J(37 xy [h][é])J"},
       {R"J({% for x in [3, 1, 2]|sort|reverse %}{{ x }}{% endfor %} {% for m in msgs[1:] %}{{ m }}{% endfor %})J",

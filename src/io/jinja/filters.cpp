@@ -1,10 +1,12 @@
 #include "io/jinja/filters.h"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 #include "io/jinja/ops.h"
 #include "io/jinja/unicode.h"

@@ -118,10 +118,11 @@ class Interpreter {
       const int64_t step = a.pos.size() > 2 ? a.pos[2].as_int() : 1;
       if (step == 0) throw RuntimeError("range() arg 3 must not be zero");
       ValueList out;
-      for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+      for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
         if (static_cast<int64_t>(out.size()) >= kMaxRange)
           throw RuntimeError("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
         out.push_back(Value::integer(i));
+        if (__builtin_add_overflow(i, step, &i)) break;
       }
       return Value::list(std::move(out));
     });
@@ -228,9 +229,9 @@ class Interpreter {
       case StmtKind::For: exec_for(s, scope, out); return Flow::Normal;
       case StmtKind::Set: assign(s.targets, eval(*s.expr, scope), *scope); return Flow::Normal;
       case StmtKind::SetAttr: set_attribute(s.targets[0], s.text, *scope, eval(*s.expr, scope)); return Flow::Normal;
-      case StmtKind::SetBlock: {
+      case StmtKind::SetBlock: {  // a {% break %} inside leaves the loop before the assignment
         std::string captured;
-        exec(s.body, child_of(scope, s.frame_undefined), captured);
+        if (const Flow f = exec(s.body, child_of(scope, s.frame_undefined), captured); f != Flow::Normal) return f;
         Value v = Value::string(std::move(captured));
         if (s.expr) v = apply_filters(*s.expr, std::move(v), scope);
         if (s.text.empty()) assign(s.targets, v, *scope);
@@ -245,17 +246,16 @@ class Interpreter {
       case StmtKind::Continue: return Flow::Continue;
       case StmtKind::FilterBlock: {
         std::string captured;
-        exec(s.body, child_of(scope, s.frame_undefined), captured);
+        if (const Flow f = exec(s.body, child_of(scope, s.frame_undefined), captured); f != Flow::Normal) return f;
         out += to_str(apply_filters(*s.expr, Value::string(std::move(captured)), scope));
         return Flow::Normal;
       }
       case StmtKind::With: {
         auto inner = child_of(scope, s.frame_undefined);
         for (const auto& [name, expr] : s.assigns) inner->vars[name] = eval(*expr, scope);
-        exec(s.body, inner, out);
-        return Flow::Normal;
+        return exec(s.body, inner, out);
       }
-      case StmtKind::Scope: exec(s.body, child_of(scope, s.frame_undefined), out); return Flow::Normal;
+      case StmtKind::Scope: return exec(s.body, child_of(scope, s.frame_undefined), out);
     }
     return Flow::Normal;
   }

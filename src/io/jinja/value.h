@@ -31,49 +31,11 @@ class RuntimeError : public std::runtime_error {
 class Value;
 using ValueList = std::vector<Value>;
 
-// A dict with insertion order and string keys (every dict a chat template sees comes from
-// JSON or from a literal with string keys).
-class ValueDict {
- public:
-  const Value* find(std::string_view key) const;
-  Value* find(std::string_view key);
-  void set(std::string key, Value value);
-  size_t size() const { return entries_.size(); }
-  bool empty() const { return entries_.empty(); }
-  const std::vector<std::pair<std::string, Value>>& entries() const { return entries_; }
-  void clear() { entries_.clear(); }
-
- private:
-  std::vector<std::pair<std::string, Value>> entries_;
-};
-
-// Positional and keyword arguments of a call, a filter or a test.
-struct CallArgs {
-  std::vector<Value> pos;
-  std::vector<std::pair<std::string, Value>> kw;
-};
-
-struct Function {
-  std::string name;  // for messages: "range", "macro 'm'", "str.split"
-  std::function<Value(const CallArgs&)> call;
-};
-
-// A Python generator or iterator: what jinja2's map, select, reject, selectattr, rejectattr,
-// unique and items filters (generators) and reverse (reverse iterators) return. Lazy (errors
-// surface when it is consumed), single use, always truthy, without len().
-struct GeneratorState {
-  std::string type;  // Python's type name: "generator", "list_reverseiterator", ...
-  std::string name;  // for generators, the function: "sync_do_map", "select_or_reject", ...
-  std::function<ValueList()> produce;
-  bool consumed = false;
-};
-
-// The `loop` variable of a for loop.
-struct LoopInfo {
-  int64_t index0 = 0;
-  int64_t depth0 = 0;
-  std::shared_ptr<const ValueList> items;  // the (filtered) sequence being iterated
-};
+class ValueDict;
+struct CallArgs;
+struct Function;
+struct GeneratorState;
+struct LoopInfo;
 
 class Value {
  public:
@@ -136,6 +98,50 @@ class Value {
   std::shared_ptr<const Function> fn_;
   std::shared_ptr<const LoopInfo> loop_;
   std::shared_ptr<GeneratorState> gen_;
+};
+
+// A dict with insertion order and string keys (every dict a chat template sees comes from
+// JSON or from a literal with string keys).
+class ValueDict {
+ public:
+  const Value* find(std::string_view key) const;
+  Value* find(std::string_view key);
+  void set(std::string key, Value value);
+  size_t size() const { return entries_.size(); }
+  bool empty() const { return entries_.empty(); }
+  const std::vector<std::pair<std::string, Value>>& entries() const { return entries_; }
+  void clear() { entries_.clear(); }
+
+ private:
+  std::vector<std::pair<std::string, Value>> entries_;
+};
+
+// Positional and keyword arguments of a call, a filter or a test.
+struct CallArgs {
+  std::vector<Value> pos;
+  std::vector<std::pair<std::string, Value>> kw;
+};
+
+struct Function {
+  std::string name;  // for messages: "range", "macro 'm'", "str.split"
+  std::function<Value(const CallArgs&)> call;
+};
+
+// A Python generator or iterator: what jinja2's map, select, reject, selectattr, rejectattr,
+// unique and items filters (generators) and reverse (reverse iterators) return. Lazy (errors
+// surface when it is consumed), single use, always truthy, without len().
+struct GeneratorState {
+  std::string type;  // Python's type name: "generator", "list_reverseiterator", ...
+  std::string name;  // for generators, the function: "sync_do_map", "select_or_reject", ...
+  std::function<ValueList()> produce;
+  bool consumed = false;
+};
+
+// The `loop` variable of a for loop.
+struct LoopInfo {
+  int64_t index0 = 0;
+  int64_t depth0 = 0;
+  std::shared_ptr<const ValueList> items;  // the (filtered) sequence being iterated
 };
 
 // Using an undefined value other than printing, testing or iterating it: jinja2's
