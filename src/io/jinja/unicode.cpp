@@ -1,5 +1,7 @@
 #include "io/jinja/unicode.h"
 
+#include "io/tokenizer/unicode.h"
+
 namespace kvlm::jinja::unicode {
 
 char32_t decode(std::string_view s, size_t& i) {
@@ -34,20 +36,8 @@ char32_t decode(std::string_view s, size_t& i) {
 void append(std::string& out, char32_t c) {
   if (c >= 0xDC80 && c <= 0xDCFF) {  // an escaped raw byte
     out.push_back(static_cast<char>(c - 0xDC00));
-  } else if (c < 0x80) {
-    out.push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (c >> 6)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else if (c < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (c >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
   } else {
-    out.push_back(static_cast<char>(0xF0 | (c >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+    utf8::append(out, c);
   }
 }
 
