@@ -2,6 +2,7 @@
 // with KVLM_CUDA, and as "no devices" otherwise; this header includes no CUDA header.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,5 +18,11 @@ struct GpuInfo {
 bool built_with_cuda();
 // Visible CUDA devices; empty without a driver, without devices, or in a CPU-only build.
 std::vector<GpuInfo> cuda_devices();
+
+struct GpuMemory {
+  size_t free = 0, total = 0;
+};
+// Free and total memory of the current CUDA device; nullopt without one.
+std::optional<GpuMemory> cuda_memory_info();
 
 }  // namespace kvlm

@@ -22,4 +22,13 @@ std::vector<GpuInfo> cuda_devices() {
   return out;
 }
 
+std::optional<GpuMemory> cuda_memory_info() {
+  GpuMemory m;
+  if (cudaMemGetInfo(&m.free, &m.total) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  return m;
+}
+
 }  // namespace kvlm

@@ -30,6 +30,8 @@ void warn(std::string_view msg) {
   if (g_level >= Level::Warn) emit("kvlm: warning: ", msg);
 }
 
+void error(std::string_view msg) { emit("kvlm: error: ", msg); }
+
 void warn_once(std::string_view key, std::string_view msg) {
   {
     std::lock_guard lock(g_mu);

@@ -13,6 +13,8 @@ void set_level(Level level);
 Level level();
 void info(std::string_view msg);
 void warn(std::string_view msg);
+// Always printed, whatever the level: an error is never hidden.
+void error(std::string_view msg);
 void warn_once(std::string_view key, std::string_view msg);
 
 // A one-line progress display on stderr ("label 1.2 / 15.3 GB (8%)"), redrawn in place,

@@ -52,11 +52,12 @@ class Engine {
   const KVPlan& plan() const { return plan_->plan; }
   DType dtype() const { return plan_->dtype; }
   int block_size() const { return block_size_; }
-  DecoderModel& model() { return *model_; }
+  ModelRunner& model() { return *model_; }
+  const ModelRunner& model() const { return *model_; }
 
  private:
   std::unique_ptr<ModelPlan> plan_;  // heap: the model and caches point into it
-  std::unique_ptr<DecoderModel> model_;
+  std::unique_ptr<ModelRunner> model_;
   int block_size_ = 16;
 };
 

@@ -1,5 +1,7 @@
 #include "engine/sequence.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace kvlm {
@@ -11,12 +13,12 @@ int blocks_for(int tokens, int block_size) { return (tokens + block_size - 1) / 
 SequenceRunner::SequenceRunner(Engine& engine, int capacity)
     : engine_(engine),
       capacity_(capacity),
-      cache_(engine.plan(), std::max(1, blocks_for(capacity, engine.block_size())), engine.block_size()),
-      allocator_(cache_.num_blocks()) {
+      allocator_(std::max(1, blocks_for(capacity, engine.block_size()))) {
   const int max_len = engine.config().max_position_embeddings;
   if (capacity > max_len)
     throw Error("this request needs " + std::to_string(capacity) + " tokens of context but the model supports " +
                 std::to_string(max_len) + " (max_position_embeddings); shorten the prompt or lower --max-tokens");
+  engine.model().allocate_kv(allocator_.num_blocks(), engine.block_size());
 }
 
 std::vector<float> SequenceRunner::append(std::span<const TokenId> tokens, bool all_logits) {
@@ -48,7 +50,7 @@ std::vector<float> SequenceRunner::append(std::span<const TokenId> tokens, bool 
   const int vocab = engine_.config().vocab_size;
   std::vector<float> logits(rows.size() * size_t(vocab));
   engine_.model().forward(ForwardBatch{.tokens = tokens, .positions = pos, .slots = slots, .seqs = {&seq, 1}, .logit_rows = rows},
-                          cache_, logits);
+                          logits);
   return logits;
 }
 

@@ -1,6 +1,8 @@
-// One sequence running through a model with its own paged KV cache: the building block of
-// `kvlm generate` and of the golden tests. Pages come from a BlockAllocator as the sequence
-// grows; prefill can be split into chunks (a multi-token query over existing context).
+// One sequence running through a model: the building block of `kvlm generate` and of the
+// golden tests. It (re)allocates the model runner's KV pool to its capacity, so only one
+// SequenceRunner may use an engine at a time (the serving scheduler shares the pool among
+// many sequences instead). Pages come from a BlockAllocator as the sequence grows; prefill
+// can be split into chunks (a multi-token query over existing context).
 #pragma once
 
 #include <span>
@@ -8,7 +10,6 @@
 
 #include "engine/engine.h"
 #include "kv/block_allocator.h"
-#include "kv/kv_cache.h"
 
 namespace kvlm {
 
@@ -24,12 +25,11 @@ class SequenceRunner {
   int length() const { return length_; }
   int capacity() const { return capacity_; }
   const std::vector<BlockId>& block_table() const { return blocks_; }
-  size_t kv_bytes() const { return cache_.bytes(); }
+  size_t kv_bytes() const { return engine_.model().kv_bytes(); }
 
  private:
   Engine& engine_;
   int capacity_;
-  KVCache cache_;
   BlockAllocator allocator_;
   std::vector<BlockId> blocks_;
   int length_ = 0;

@@ -1,5 +1,7 @@
 #include "kv/kv_cache.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace kvlm {
@@ -29,6 +31,21 @@ size_t KVCache::bytes() const {
   size_t b = 0;
   for (const auto& l : layers_) b += l.bytes();
   return b;
+}
+
+void KVCache::copy_block(BlockId src, BlockId dst) {
+  KVLM_CHECK(src >= 0 && src < num_blocks_ && dst >= 0 && dst < num_blocks_, "copy_block: page id out of range");
+  if (src == dst) return;
+  for (auto& l : layers_) {
+    const size_t page = l.k.size() / size_t(num_blocks_);
+    std::copy_n(l.k.begin() + ptrdiff_t(size_t(src) * page), page, l.k.begin() + ptrdiff_t(size_t(dst) * page));
+    std::copy_n(l.v.begin() + ptrdiff_t(size_t(src) * page), page, l.v.begin() + ptrdiff_t(size_t(dst) * page));
+    if (!l.k_scale.empty()) {
+      const size_t sp = l.k_scale.size() / size_t(num_blocks_);
+      std::copy_n(l.k_scale.begin() + ptrdiff_t(size_t(src) * sp), sp, l.k_scale.begin() + ptrdiff_t(size_t(dst) * sp));
+      std::copy_n(l.v_scale.begin() + ptrdiff_t(size_t(src) * sp), sp, l.v_scale.begin() + ptrdiff_t(size_t(dst) * sp));
+    }
+  }
 }
 
 }  // namespace kvlm

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "config/kv_plan.h"
+#include "core/index_types.h"
 
 namespace kvlm {
 
@@ -42,6 +43,8 @@ class KVCache {
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
   size_t bytes() const;
+  // Copies page `src` onto page `dst` in every layer (K, V and token scales).
+  void copy_block(BlockId src, BlockId dst);
 
  private:
   int num_blocks_, block_size_;

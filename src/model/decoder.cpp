@@ -105,7 +105,19 @@ DecoderModel::DecoderModel(ModelConfig config, const Checkpoint& ckpt, const KVP
   inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.head_dim);
 }
 
-void DecoderModel::forward(const ForwardBatch& b, KVCache& cache, std::span<float> logits) {
+void DecoderModel::allocate_kv(int num_blocks, int block_size) {
+  cache_.reset();  // release the old pool before allocating the new one
+  cache_ = std::make_unique<KVCache>(*plan_, num_blocks, block_size);
+}
+
+void DecoderModel::copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) {
+  KVLM_CHECK(cache_ != nullptr, "copy_blocks before allocate_kv");
+  for (const auto& [src, dst] : pairs) cache_->copy_block(src, dst);
+}
+
+void DecoderModel::forward(const ForwardBatch& b, std::span<float> logits) {
+  KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");
+  KVCache& cache = *cache_;
   const int T = int(b.tokens.size());
   const int hd = cfg_.hidden_size, d = cfg_.head_dim, nh = cfg_.num_heads, kvh = cfg_.num_kv_heads;
   const int inter = cfg_.intermediate_size, vocab = cfg_.vocab_size;

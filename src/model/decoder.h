@@ -16,30 +16,31 @@
 #include "config/model_config.h"
 #include "io/checkpoint.h"
 #include "kv/kv_cache.h"
+#include "model/model_runner.h"
 
 namespace kvlm {
 
-// A flattened batch of tokens from one or more sequences.
-struct ForwardBatch {
-  std::span<const TokenId> tokens;     // [num_tokens]
-  std::span<const Position> positions; // [num_tokens]
-  std::span<const SlotId> slots;       // [num_tokens]: where each token's K/V goes
-  std::span<const AttnSeq> seqs;       // per sequence: rows, context length, block table
-  std::span<const int32_t> logit_rows; // rows of `tokens` whose next-token logits are wanted
-};
-
-class DecoderModel {
+// The CPU model runner.
+class DecoderModel final : public ModelRunner {
  public:
   // Loads and checks every weight against `config`. The plan says, per layer, how its
   // KV is stored; `backends[i]` runs layer i's attention.
   DecoderModel(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
                std::vector<const AttentionBackend*> backends);
 
-  const ModelConfig& config() const { return cfg_; }
-  size_t num_parameters() const { return num_params_; }
+  const ModelConfig& config() const override { return cfg_; }
+  Device device() const override { return Device::Cpu; }
+  size_t num_parameters() const override { return num_params_; }
+  size_t weight_bytes() const override { return num_params_ * sizeof(float); }
 
-  // Runs the batch, storing its K/V in `cache`; writes logits [logit_rows.size()][vocab].
-  void forward(const ForwardBatch& batch, KVCache& cache, std::span<float> logits);
+  void allocate_kv(int num_blocks, int block_size) override;
+  int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }
+  size_t kv_bytes() const override { return cache_ ? cache_->bytes() : 0; }
+  void forward(const ForwardBatch& batch, std::span<float> logits) override;
+  void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
+
+  // The host KV pool (tests read pages through it); null before allocate_kv.
+  KVCache* kv_cache() { return cache_.get(); }
 
  private:
   struct Layer {
@@ -59,6 +60,7 @@ class DecoderModel {
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;
   size_t num_params_ = 0;
+  std::unique_ptr<KVCache> cache_;
 };
 
 // The model's compute dtype: config.json's torch_dtype/dtype, else the embedding's dtype.

@@ -1,0 +1,52 @@
+// The model runner interface: weights on one device plus the KV pool they attend over.
+//
+// The engine (SequenceRunner for one request, the serving scheduler for many) decides which
+// pages each sequence owns and lays a step's tokens out as a ForwardBatch; the runner owns
+// the pages themselves, sized by allocate_kv, in host memory (CPU) or device memory (CUDA),
+// and runs the batch. One block id addresses the same page in every layer's pool.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <utility>
+
+#include "attention/backend.h"
+#include "config/model_config.h"
+#include "core/index_types.h"
+
+namespace kvlm {
+
+// A flattened batch of tokens from one or more sequences.
+struct ForwardBatch {
+  std::span<const TokenId> tokens;     // [num_tokens]
+  std::span<const Position> positions; // [num_tokens]
+  std::span<const SlotId> slots;       // [num_tokens]: where each token's K/V goes
+  std::span<const AttnSeq> seqs;       // per sequence: rows, context length, block table
+  std::span<const int32_t> logit_rows; // rows of `tokens` whose next-token logits are wanted
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual Device device() const = 0;
+  virtual size_t num_parameters() const = 0;
+  // Bytes the weights occupy where they live (host or device).
+  virtual size_t weight_bytes() const = 0;
+
+  // (Re)allocates the KV pool as `num_blocks` pages of `block_size` tokens in every layer,
+  // each layer sized exactly by its KVLayerSpec. Previous contents are discarded.
+  virtual void allocate_kv(int num_blocks, int block_size) = 0;
+  virtual int kv_num_blocks() const = 0;
+  virtual size_t kv_bytes() const = 0;
+
+  // Runs the batch, storing its K/V in the pool; writes fp32 logits
+  // [logit_rows.size()][vocab] to host memory.
+  virtual void forward(const ForwardBatch& batch, std::span<float> logits) = 0;
+
+  // Copies whole pages (every layer, K, V and scales) from .first to .second: the
+  // copy-on-write of a shared prefix page that a sequence is about to write into.
+  virtual void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) = 0;
+};
+
+}  // namespace kvlm

@@ -1,0 +1,55 @@
+// The serving engine: continuous batching on a thread of its own.
+//
+// add_request() validates and queues; the engine thread runs scheduler steps (chunked
+// prefill of new requests alongside decode of running ones, preemption by recompute when
+// the KV pool is full, prefix caching) and delivers each request's output through its
+// callback. Thread-safe: any thread may add, abort or read stats.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "engine/engine.h"
+#include "serve/metrics.h"
+#include "serve/request.h"
+
+namespace kvlm {
+
+struct SchedulerConfig {
+  int max_num_seqs = 256;              // sequences in one step
+  int max_num_batched_tokens = 2048;   // tokens in one step (prefill chunks + decodes)
+  int max_model_len = 0;               // prompt + output limit; 0 = the model's context
+  bool enable_prefix_caching = true;
+  int num_blocks = 0;                  // KV pool pages (see memory_plan.h)
+};
+
+class AsyncEngine {
+ public:
+  // Allocates the model runner's KV pool (cfg.num_blocks pages) and starts the engine thread.
+  AsyncEngine(Engine& engine, SchedulerConfig cfg);
+  ~AsyncEngine();  // shutdown(false)
+  AsyncEngine(const AsyncEngine&) = delete;
+  AsyncEngine& operator=(const AsyncEngine&) = delete;
+
+  // Throws kvlm::Error (a message for the client, HTTP 400) when the request is invalid:
+  // empty prompt, token ids outside the vocabulary, prompt + max_tokens over max_model_len,
+  // bad sampling values, a duplicate live id, or after shutdown began.
+  void add_request(EngineRequest req);
+  // Finishes a live request with FinishReason::Abort (its callback hears it); frees its
+  // pages before the next step. Unknown or finished ids are ignored.
+  void abort(const std::string& id);
+  EngineStats stats() const;
+  // Stops accepting requests; drain = let in-flight requests finish, else abort them.
+  // Returns when the engine thread has exited.
+  void shutdown(bool drain);
+
+  const SchedulerConfig& config() const;
+  int block_size() const;
+  Engine& engine();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvlm

@@ -1,0 +1,149 @@
+#include "serve/block_manager.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace kvlm {
+
+BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
+    : num_blocks_(num_blocks), block_size_(block_size), caching_(enable_prefix_caching),
+      blocks_(size_t(std::max(num_blocks, 0))) {
+  KVLM_CHECK(num_blocks > 0 && block_size > 0, "empty block manager");
+  if (caching_) tokens_.assign(size_t(num_blocks) * size_t(block_size), 0);
+  for (BlockId i = 0; i < num_blocks; ++i) queue_push_back(i);
+}
+
+// splitmix64 over the parent serial and the tokens: a well-mixed key; equality is checked
+// on the tokens and parent serial, so collisions cost a comparison, never a wrong page.
+uint64_t BlockManager::key_of(uint64_t parent_serial, std::span<const TokenId> tokens) const {
+  auto mix = [](uint64_t x) {
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+  };
+  uint64_t h = mix(parent_serial);
+  for (TokenId t : tokens) h = mix(h ^ uint64_t(uint32_t(t)));
+  return h;
+}
+
+bool BlockManager::same_tokens(BlockId id, std::span<const TokenId> tokens) const {
+  return std::equal(tokens.begin(), tokens.end(), tokens_.begin() + ptrdiff_t(size_t(id) * size_t(block_size_)));
+}
+
+void BlockManager::queue_remove(BlockId id) {
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(b.in_queue, "page not in the free queue");
+  if (b.prev >= 0) blocks_[size_t(b.prev)].next = b.next; else head_ = b.next;
+  if (b.next >= 0) blocks_[size_t(b.next)].prev = b.prev; else tail_ = b.prev;
+  b.prev = b.next = -1;
+  b.in_queue = false;
+  --num_free_;
+}
+
+void BlockManager::queue_push_front(BlockId id) {
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(!b.in_queue, "page queued twice");
+  b.prev = -1;
+  b.next = head_;
+  if (head_ >= 0) blocks_[size_t(head_)].prev = id; else tail_ = id;
+  head_ = id;
+  b.in_queue = true;
+  ++num_free_;
+}
+
+void BlockManager::queue_push_back(BlockId id) {
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(!b.in_queue, "page queued twice");
+  b.next = -1;
+  b.prev = tail_;
+  if (tail_ >= 0) blocks_[size_t(tail_)].next = id; else head_ = id;
+  tail_ = id;
+  b.in_queue = true;
+  ++num_free_;
+}
+
+void BlockManager::uncache(BlockId id) {
+  Block& b = blocks_[size_t(id)];
+  if (b.serial == 0) return;
+  auto [lo, hi] = index_.equal_range(b.key);
+  for (auto it = lo; it != hi; ++it)
+    if (it->second == id) {
+      index_.erase(it);
+      break;
+    }
+  b.serial = b.parent_serial = b.key = 0;
+}
+
+std::optional<BlockId> BlockManager::allocate() {
+  if (head_ < 0) return std::nullopt;
+  const BlockId id = head_;
+  queue_remove(id);
+  uncache(id);  // evict: the least recently used cached page (or a never-cached one)
+  blocks_[size_t(id)].refs = 1;
+  return id;
+}
+
+void BlockManager::release(BlockId id) {
+  KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(b.refs > 0, "page released more often than referenced");
+  if (--b.refs > 0) return;
+  if (b.serial != 0) queue_push_back(id);  // keep for reuse, evicted last
+  else queue_push_front(id);               // nothing to keep: hand out first
+}
+
+int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages,
+                               std::vector<uint64_t>& serials) {
+  if (!caching_) return 0;
+  const size_t bs = size_t(block_size_);
+  const size_t full = tokens.size() / bs;
+  queries_ += full * bs;
+  uint64_t parent = 0;
+  int matched = 0;
+  for (size_t i = 0; i < full; ++i) {
+    const auto page = tokens.subspan(i * bs, bs);
+    const uint64_t key = key_of(parent, page);
+    BlockId found = -1;
+    auto [lo, hi] = index_.equal_range(key);
+    for (auto it = lo; it != hi; ++it) {
+      const Block& b = blocks_[size_t(it->second)];
+      if (b.parent_serial == parent && same_tokens(it->second, page)) {
+        found = it->second;
+        break;
+      }
+    }
+    if (found < 0) break;
+    Block& b = blocks_[size_t(found)];
+    if (b.refs++ == 0) queue_remove(found);
+    pages.push_back(found);
+    serials.push_back(b.serial);
+    hits_ += bs;
+    parent = b.serial;
+    ++matched;
+  }
+  return matched;
+}
+
+uint64_t BlockManager::register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens) {
+  KVLM_CHECK(id >= 0 && id < num_blocks_ && tokens.size() == size_t(block_size_), "register_full: bad page");
+  if (!caching_) return 0;
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(b.refs > 0, "register_full of an unreferenced page");
+  if (b.serial != 0) return b.serial;  // registered already (a page reused from the cache)
+  const uint64_t key = key_of(parent_serial, tokens);
+  auto [lo, hi] = index_.equal_range(key);
+  for (auto it = lo; it != hi; ++it) {
+    const Block& o = blocks_[size_t(it->second)];
+    if (o.parent_serial == parent_serial && same_tokens(it->second, tokens)) return o.serial;
+  }
+  b.serial = next_serial_++;
+  b.parent_serial = parent_serial;
+  b.key = key;
+  std::copy(tokens.begin(), tokens.end(), tokens_.begin() + ptrdiff_t(size_t(id) * size_t(block_size_)));
+  index_.emplace(key, id);
+  return b.serial;
+}
+
+}  // namespace kvlm

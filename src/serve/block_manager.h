@@ -1,0 +1,87 @@
+// KV pages shared among the sequences of the serving engine, with reference counts and a
+// prefix cache.
+//
+// A page is *full* when it holds block_size computed tokens. A full page may be registered
+// in the prefix cache under the identity (parent page's identity, its tokens); a later
+// prompt that starts with the same tokens reuses it instead of recomputing it. Identities
+// are exact, not hashes: the cache key is a hash, but a hit is confirmed by comparing the
+// tokens and the parent's serial number (each registration gets a fresh serial), so a hash
+// collision or a page that was evicted and reused can never produce a false hit.
+//
+// Free pages form one queue: pages without a cache identity first (nothing to lose), then
+// cached pages in least-recently-used order. Allocation takes the head, evicting its
+// identity if it has one; freeing a cached page appends it to the tail.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "core/index_types.h"
+
+namespace kvlm {
+
+class BlockManager {
+ public:
+  BlockManager(int num_blocks, int block_size, bool enable_prefix_caching);
+
+  int num_blocks() const { return num_blocks_; }
+  int block_size() const { return block_size_; }
+  bool prefix_caching() const { return caching_; }
+  // Pages that allocate() can hand out now (free, including evictable cached pages).
+  int num_free() const { return num_free_; }
+  // Pages referenced by at least one sequence.
+  int num_used() const { return num_blocks_ - num_free_; }
+
+  // A fresh page with reference count 1; nullopt when every page is referenced.
+  std::optional<BlockId> allocate();
+  // Drops one reference; at zero the page becomes free (cached pages stay findable).
+  void release(BlockId id);
+  int ref_count(BlockId id) const { return blocks_[size_t(id)].refs; }
+
+  // Longest run of cached full pages that `tokens` starts with. Each page found gains a
+  // reference and is appended to `pages`, its serial to `serials`; returns how many were
+  // found. Only whole pages match; the caller decides how many of them to keep.
+  int match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages, std::vector<uint64_t>& serials);
+
+  // Registers the full page `id` holding `tokens` (block_size of them) after the page
+  // whose serial is `parent_serial` (0 for the first page). Returns the page's serial. When
+  // an identical page is already cached, `id` stays unregistered and that page's serial is
+  // returned, so the chain continues either way.
+  uint64_t register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens);
+
+  // Statistics (tokens, in whole pages): looked up / found by match_prefix.
+  uint64_t cache_queries() const { return queries_; }
+  uint64_t cache_hits() const { return hits_; }
+  int num_cached() const { return int(index_.size()); }
+
+ private:
+  struct Block {
+    int refs = 0;
+    uint64_t serial = 0;         // cache identity; 0 = not cached
+    uint64_t parent_serial = 0;
+    uint64_t key = 0;
+    BlockId prev = -1, next = -1;  // free-queue links
+    bool in_queue = false;
+  };
+  uint64_t key_of(uint64_t parent_serial, std::span<const TokenId> tokens) const;
+  bool same_tokens(BlockId id, std::span<const TokenId> tokens) const;
+  void queue_remove(BlockId id);
+  void queue_push_front(BlockId id);
+  void queue_push_back(BlockId id);
+  void uncache(BlockId id);
+
+  int num_blocks_, block_size_;
+  bool caching_;
+  std::vector<Block> blocks_;
+  std::vector<TokenId> tokens_;  // [num_blocks][block_size]: a cached page's tokens
+  std::unordered_multimap<uint64_t, BlockId> index_;  // key -> cached pages
+  BlockId head_ = -1, tail_ = -1;
+  int num_free_ = 0;
+  uint64_t next_serial_ = 1;
+  uint64_t queries_ = 0, hits_ = 0;
+};
+
+}  // namespace kvlm

@@ -1,0 +1,142 @@
+#include "serve/memory_plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+
+#include "core/device.h"
+#include "core/error.h"
+
+namespace kvlm {
+
+namespace {
+
+constexpr uint64_t kGiB = 1ull << 30;
+constexpr uint64_t kMiB = 1ull << 20;
+
+std::string human_bytes(uint64_t b) {
+  char buf[64];
+  if (b >= kGiB) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(kGiB));
+  else if (b >= kMiB) std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(kMiB));
+  else std::snprintf(buf, sizeof buf, "%llu KiB", (unsigned long long)(b / 1024));
+  return buf;
+}
+
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = int(s.size()) - 3; i > (v < 0 ? 1 : 0); i -= 3) s.insert(size_t(i), ",");
+  return s;
+}
+
+// Activation memory of one step on the GPU, an upper estimate: the residual stream and its
+// normed copy, q/k/v, the attention output, the MLP's gate/up, in the model dtype, for
+// max_num_batched_tokens rows; fp32 logits for max_num_seqs rows; the split-KV workspace
+// and GEMM workspace as a flat allowance.
+uint64_t activation_bytes(const ModelConfig& c, const MemoryOptions& o) {
+  const uint64_t rows = uint64_t(std::max(o.max_num_batched_tokens, 1));
+  const uint64_t per_row = 2ull * (3ull * uint64_t(c.hidden_size) + uint64_t(c.num_heads + 2 * c.num_kv_heads) * uint64_t(c.head_dim) +
+                                   uint64_t(c.num_heads) * uint64_t(c.head_dim) + 2ull * uint64_t(c.intermediate_size));
+  const uint64_t logits = 2ull * uint64_t(std::max(o.max_num_seqs, 1)) * uint64_t(c.vocab_size) * 4ull;
+  return rows * per_row + logits + 512 * kMiB;
+}
+
+}  // namespace
+
+uint64_t parse_byte_size(std::string_view s) {
+  const std::string what = "invalid size '" + std::string(s) +
+                           "'; give bytes as a number with an optional unit, e.g. 2GiB, 512MiB, 4G, 1000000";
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit((unsigned char)s[i]) || s[i] == '.')) ++i;
+  if (i == 0) throw Error(what);
+  double v = 0;
+  try {
+    size_t used = 0;
+    v = std::stod(std::string(s.substr(0, i)), &used);
+    if (used != i) throw Error(what);
+  } catch (const std::logic_error&) {
+    throw Error(what);
+  }
+  std::string unit(s.substr(i));
+  for (auto& ch : unit) ch = char(std::tolower((unsigned char)ch));
+  double mult = 1;
+  if (unit.empty() || unit == "b") mult = 1;
+  else if (unit == "k" || unit == "kb") mult = 1e3;
+  else if (unit == "m" || unit == "mb") mult = 1e6;
+  else if (unit == "g" || unit == "gb") mult = 1e9;
+  else if (unit == "t" || unit == "tb") mult = 1e12;
+  else if (unit == "ki" || unit == "kib") mult = 1024.0;
+  else if (unit == "mi" || unit == "mib") mult = double(kMiB);
+  else if (unit == "gi" || unit == "gib") mult = double(kGiB);
+  else if (unit == "ti" || unit == "tib") mult = double(kGiB) * 1024.0;
+  else throw Error(what);
+  const double bytes = v * mult;
+  if (!(bytes >= 1) || bytes > 1e18) throw Error(what);
+  return uint64_t(bytes);
+}
+
+MemoryPlan plan_kv_memory(const Engine& engine, const MemoryOptions& opts) {
+  const ModelConfig& mc = engine.config();
+  MemoryPlan mp;
+  mp.block_size = engine.block_size();
+  mp.bytes_per_token = engine.plan().bytes_per_token();
+  mp.bytes_per_block = mp.bytes_per_token * uint64_t(mp.block_size);
+  KVLM_CHECK(mp.bytes_per_block > 0, "a KV plan without bytes");
+  mp.max_model_len = opts.max_model_len > 0 ? opts.max_model_len : mc.max_position_embeddings;
+  if (mp.max_model_len > mc.max_position_embeddings)
+    throw Error("--max-model-len " + std::to_string(mp.max_model_len) + " exceeds the model's context length of " +
+                std::to_string(mc.max_position_embeddings) + " tokens (max_position_embeddings)");
+  if (opts.gpu_memory_utilization <= 0 || opts.gpu_memory_utilization > 1)
+    throw Error("--gpu-memory-utilization must be in (0, 1], got " + std::to_string(opts.gpu_memory_utilization));
+
+  std::string source;
+  uint64_t budget = 0;
+  if (opts.kv_cache_memory) {
+    budget = *opts.kv_cache_memory;
+    source = "--kv-cache-memory";
+  } else if (engine.model().device() == Device::Cuda) {
+    const auto mem = cuda_memory_info();
+    if (!mem) throw Error("cannot read the GPU's memory (cudaMemGetInfo failed); give the pool size with --kv-cache-memory");
+    // vLLM's rule: this instance may use `utilization` of the device's total memory; what is
+    // in use now (our weights, other processes) and the activations of one step come off.
+    const double allowed = double(mem->total) * opts.gpu_memory_utilization;
+    const double used = double(mem->total - mem->free);
+    const double act = double(activation_bytes(mc, opts));
+    const double left = allowed - used - act;
+    if (left < double(mp.bytes_per_block))
+      throw Error("no GPU memory is left for the KV cache: " + human_bytes(uint64_t(used)) + " in use (weights included) and " +
+                  human_bytes(uint64_t(act)) + " reserved for activations, of " + human_bytes(uint64_t(allowed)) +
+                  " allowed by --gpu-memory-utilization " + std::to_string(opts.gpu_memory_utilization) +
+                  "; raise it, lower --max-num-batched-tokens, or free the GPU");
+    budget = uint64_t(left);
+    source = "--gpu-memory-utilization " + std::to_string(opts.gpu_memory_utilization).substr(0, 4);
+  } else {
+    // CPU default (vLLM's CPU backend uses 4 GiB): 4 GiB, or less when max_num_seqs
+    // sequences of max_model_len tokens need less.
+    const uint64_t want = uint64_t(std::max(opts.max_num_seqs, 1)) * uint64_t(mp.max_model_len) * mp.bytes_per_token;
+    budget = std::min<uint64_t>(4 * kGiB, want);
+    source = "default (set --kv-cache-memory to change)";
+  }
+  mp.num_blocks = int(std::min<uint64_t>(budget / mp.bytes_per_block, uint64_t(1) << 30));
+  mp.kv_bytes = uint64_t(mp.num_blocks) * mp.bytes_per_block;
+  mp.capacity_tokens = int64_t(mp.num_blocks) * mp.block_size;
+  if (mp.capacity_tokens < mp.max_model_len)
+    throw Error("the KV cache (" + human_bytes(budget) + " from " + source + ") holds " + with_commas(mp.capacity_tokens) +
+                " tokens at " + std::to_string(mp.bytes_per_token) + " bytes per token, fewer than one request of " +
+                with_commas(mp.max_model_len) + " tokens (--max-model-len); give it more memory (at least " +
+                human_bytes(uint64_t(mp.max_model_len + mp.block_size) * mp.bytes_per_token) +
+                "), lower --max-model-len, or choose a smaller --kv-cache-dtype");
+  mp.max_concurrency = double(mp.capacity_tokens) / double(mp.max_model_len);
+
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "KV cache: %s (%s) = %s pages x %d tokens = %s tokens at %llu bytes/token\n"
+                "maximum concurrency for %s tokens per request: %.2fx",
+                human_bytes(mp.kv_bytes).c_str(), source.c_str(), with_commas(mp.num_blocks).c_str(), mp.block_size,
+                with_commas(mp.capacity_tokens).c_str(), (unsigned long long)mp.bytes_per_token,
+                with_commas(mp.max_model_len).c_str(), mp.max_concurrency);
+  mp.summary = line;
+  return mp;
+}
+
+}  // namespace kvlm

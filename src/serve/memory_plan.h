@@ -1,0 +1,39 @@
+// How many KV pages the pool gets, and what that means in tokens and concurrency.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "engine/engine.h"
+
+namespace kvlm {
+
+struct MemoryOptions {
+  std::optional<uint64_t> kv_cache_memory;  // --kv-cache-memory bytes (CPU and GPU)
+  double gpu_memory_utilization = 0.9;      // --gpu-memory-utilization (GPU, fraction of total)
+  int max_model_len = 0;                    // 0 = the model's context
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 2048;
+};
+
+struct MemoryPlan {
+  int num_blocks = 0;
+  int block_size = 16;
+  uint64_t kv_bytes = 0;            // the pool
+  uint64_t bytes_per_block = 0;     // all layers
+  uint64_t bytes_per_token = 0;     // all layers, per the KV plan
+  int64_t capacity_tokens = 0;      // num_blocks * block_size
+  int max_model_len = 0;
+  double max_concurrency = 0;       // capacity_tokens / max_model_len
+  std::string summary;              // the startup log lines
+};
+
+// Throws kvlm::Error with what to change when the pool cannot hold one max_model_len
+// sequence.
+MemoryPlan plan_kv_memory(const Engine& engine, const MemoryOptions& opts);
+
+// Parses "4GiB", "512MiB", "2G", "1000000" into bytes; throws with the accepted forms.
+uint64_t parse_byte_size(std::string_view s);
+
+}  // namespace kvlm

@@ -1,0 +1,45 @@
+// Counters and histograms of the serving engine, read as a consistent snapshot by the
+// server's /metrics route (Prometheus text) and by `kvlm bench`.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace kvlm {
+
+// A Prometheus-style histogram: counts[i] = observations <= bounds[i] (not cumulative here;
+// counts has bounds.size() + 1 entries, the last for +Inf).
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<uint64_t> counts;
+  double sum = 0;
+  uint64_t count = 0;
+  explicit Histogram(std::vector<double> b = {}) : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void observe(double v);
+};
+
+struct EngineStats {
+  // Gauges.
+  int num_running = 0;
+  int num_waiting = 0;
+  int num_blocks = 0;              // pages in the KV pool
+  int num_free_blocks = 0;         // free or evictable (cached but unreferenced)
+  double kv_usage = 0;             // fraction of pages referenced by live sequences
+  // Counters.
+  uint64_t prompt_tokens_total = 0;      // prompt tokens computed (cache hits excluded)
+  uint64_t generation_tokens_total = 0;
+  uint64_t preemptions_total = 0;
+  uint64_t prefix_cache_queries_total = 0;  // prompt tokens looked up in the prefix cache
+  uint64_t prefix_cache_hits_total = 0;     // of those, tokens found
+  uint64_t requests_total = 0;              // accepted
+  std::map<std::string, uint64_t> requests_finished_total;  // by finish reason
+  uint64_t steps_total = 0;
+  // Latencies in seconds.
+  Histogram time_to_first_token{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0}};
+  Histogram inter_token_latency{{0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5}};
+  Histogram e2e_request_latency{{0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0}};
+};
+
+}  // namespace kvlm

@@ -1,0 +1,53 @@
+// A request as the serving engine sees it (token ids in, token ids out) and the output it
+// streams back. Text, stop strings and the OpenAI protocol live in the server above.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/index_types.h"
+#include "engine/generate.h"  // TokenLogprobs
+#include "engine/sampler.h"
+
+namespace kvlm {
+
+enum class FinishReason : uint8_t { None, Stop, Length, Abort, Error };
+std::string_view finish_reason_name(FinishReason r);  // "", "stop", "length", "abort", "error"
+
+// What one step produced for one request. Delivered on the engine thread; a callback
+// copies what it keeps and returns quickly (it must not block on a client socket).
+struct RequestOutput {
+  std::string id;
+  std::vector<TokenId> new_tokens;           // tokens generated this step (usually one)
+  std::vector<TokenLogprobs> new_logprobs;   // one per new token when logprobs > 0
+  std::vector<TokenLogprobs> prompt_logprobs;  // once, before the first token, when asked
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::None;
+  std::string error;                         // FinishReason::Error: what went wrong
+  // Running totals.
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  int cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+};
+
+// Returning false finishes the request with FinishReason::Stop at once (a stop string
+// matched in the text); its pages are freed before the next step.
+using OutputCallback = std::function<bool(const RequestOutput&)>;
+
+struct EngineRequest {
+  std::string id;                 // unique among live requests
+  std::vector<TokenId> prompt;
+  SamplingParams sampling;
+  uint64_t seed = 0;
+  int max_tokens = 16;
+  int min_tokens = 0;             // EOS and stop tokens are ignored before this many tokens
+  bool ignore_eos = false;
+  int logprobs = 0;               // top-K log-probabilities per generated token (0 = none)
+  int prompt_logprobs = -1;       // -1 = none; K >= 0: the chosen token's plus top-K per prompt token
+  std::vector<TokenId> stop_token_ids;  // stop tokens beyond the model's EOS ids
+  OutputCallback on_output;
+};
+
+}  // namespace kvlm

@@ -1,0 +1,511 @@
+// The serving engine: block manager (reference counts, prefix cache, LRU eviction), the
+// scheduler (continuous batching, chunked prefill, preemption, prefix reuse with
+// copy-on-write, aborts, stop callbacks, prompt logprobs) and the async wrapper — checked
+// against single-request generation on real checkpoints.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "core/error.h"
+#include "engine/generate.h"
+#include "engine/sequence.h"
+#include "serve/async_engine.h"
+#include "serve/block_manager.h"
+#include "serve/llm_engine.h"
+#include "serve/memory_plan.h"
+
+namespace fs = std::filesystem;
+using namespace kvlm;
+
+namespace {
+
+const fs::path kTests = KVLM_TEST_DATA;
+const fs::path kStories = fs::path(KVLM_TEST_DATA) / ".." / "models" / "stories260K";
+const fs::path kQwen3Mixed = kTests / "golden" / "models" / "qwen3-mixed";
+
+std::vector<TokenId> tokens_of(std::span<const TokenId> s) { return {s.begin(), s.end()}; }
+
+// ---------------------------------------------------------------- block manager
+TEST(BlockManager, AllocatesEveryPageOnceAndCountsReferences) {
+  BlockManager bm(4, 2, false);
+  std::vector<BlockId> got;
+  for (int i = 0; i < 4; ++i) got.push_back(*bm.allocate());
+  EXPECT_FALSE(bm.allocate().has_value());
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<BlockId>{0, 1, 2, 3}));
+  EXPECT_EQ(bm.num_free(), 0);
+  bm.release(2);
+  EXPECT_EQ(bm.num_free(), 1);
+  EXPECT_EQ(*bm.allocate(), 2);
+  EXPECT_THROW(bm.release(-1), std::exception);
+  bm.release(1);
+  EXPECT_THROW(bm.release(1), std::exception);  // released more often than referenced
+}
+
+TEST(BlockManager, PrefixMatchFollowsTheChainExactly) {
+  BlockManager bm(8, 2, true);
+  const std::vector<TokenId> a{1, 2, 3, 4, 5, 6, 7};
+  std::vector<BlockId> pages;
+  for (int i = 0; i < 3; ++i) pages.push_back(*bm.allocate());
+  uint64_t parent = 0;
+  for (int i = 0; i < 3; ++i) parent = bm.register_full(pages[size_t(i)], parent, std::span(a).subspan(size_t(i) * 2, 2));
+  EXPECT_EQ(bm.num_cached(), 3);
+
+  std::vector<BlockId> found;
+  std::vector<uint64_t> serials;
+  EXPECT_EQ(bm.match_prefix(a, found, serials), 3);
+  EXPECT_EQ(found, pages);
+  EXPECT_EQ(bm.ref_count(pages[0]), 2);
+
+  // Same second page, different first page: no match at all (the chain is the identity).
+  const std::vector<TokenId> b{9, 9, 3, 4};
+  found.clear();
+  serials.clear();
+  EXPECT_EQ(bm.match_prefix(b, found, serials), 0);
+  // Shares the first page only.
+  const std::vector<TokenId> c{1, 2, 3, 5};
+  EXPECT_EQ(bm.match_prefix(c, found, serials), 1);
+  EXPECT_EQ(found.front(), pages[0]);
+}
+
+TEST(BlockManager, EvictsLeastRecentlyUsedCachedPagesAndNeverReturnsStaleOnes) {
+  BlockManager bm(3, 1, true);
+  const BlockId p0 = *bm.allocate(), p1 = *bm.allocate(), p2 = *bm.allocate();
+  const TokenId t0 = 10, t1 = 11, t2 = 12;
+  const uint64_t s0 = bm.register_full(p0, 0, {&t0, 1});
+  bm.register_full(p1, s0, {&t1, 1});  // the chain 10 -> 11
+  bm.register_full(p2, 0, {&t2, 1});
+  bm.release(p0);  // least recently used
+  bm.release(p2);
+  bm.release(p1);
+  EXPECT_EQ(bm.num_free(), 3);
+  EXPECT_EQ(bm.num_cached(), 3);
+  // The next allocation evicts p0 although its child p1 stays cached.
+  const BlockId n = *bm.allocate();
+  EXPECT_EQ(n, p0);
+  EXPECT_EQ(bm.num_cached(), 2);
+  std::vector<BlockId> found;
+  std::vector<uint64_t> serials;
+  const std::vector<TokenId> chain{10, 11};
+  EXPECT_EQ(bm.match_prefix(chain, found, serials), 0);
+  // The page comes back with other content: [99, 11] finds the new page, never p1, whose
+  // parent was the evicted identity.
+  const TokenId other = 99;
+  EXPECT_NE(bm.register_full(n, 0, {&other, 1}), s0);
+  const std::vector<TokenId> q{99, 11};
+  EXPECT_EQ(bm.match_prefix(q, found, serials), 1);
+  EXPECT_EQ(found, std::vector<BlockId>{n});
+  // The next eviction takes p2, then p1, in release order.
+  EXPECT_EQ(*bm.allocate(), p2);
+  EXPECT_EQ(*bm.allocate(), p1);
+  EXPECT_FALSE(bm.allocate().has_value());
+}
+
+TEST(BlockManager, UncachedPagesAreHandedOutBeforeCachedOnes) {
+  BlockManager bm(2, 1, true);
+  const BlockId a = *bm.allocate(), b = *bm.allocate();
+  const TokenId t = 5;
+  bm.register_full(a, 0, {&t, 1});
+  bm.release(a);  // cached: kept
+  bm.release(b);  // never cached: reused first
+  EXPECT_EQ(*bm.allocate(), b);
+  EXPECT_EQ(bm.num_cached(), 1);
+}
+
+TEST(BlockManager, DuplicateRegistrationKeepsOneCopy) {
+  BlockManager bm(2, 2, true);
+  const std::vector<TokenId> t{3, 4};
+  const BlockId a = *bm.allocate(), b = *bm.allocate();
+  const uint64_t sa = bm.register_full(a, 0, t);
+  EXPECT_EQ(bm.register_full(b, 0, t), sa);
+  EXPECT_EQ(bm.num_cached(), 1);
+}
+
+// ---------------------------------------------------------------- helpers
+TEST(Metrics, HistogramBucketsAreUpperBounds) {
+  Histogram h({0.1, 1.0});
+  h.observe(0.1);
+  h.observe(0.5);
+  h.observe(7);
+  EXPECT_EQ(h.counts, (std::vector<uint64_t>{1, 1, 1}));
+  EXPECT_EQ(h.count, 3u);
+  EXPECT_DOUBLE_EQ(h.sum, 7.6);
+}
+
+TEST(MemoryPlan, ParsesByteSizes) {
+  EXPECT_EQ(parse_byte_size("1000"), 1000u);
+  EXPECT_EQ(parse_byte_size("2GiB"), 2ull << 30);
+  EXPECT_EQ(parse_byte_size("512MiB"), 512ull << 20);
+  EXPECT_EQ(parse_byte_size("4G"), 4000000000ull);
+  EXPECT_EQ(parse_byte_size("1.5kib"), 1536u);
+  for (const char* bad : {"", "GiB", "-1", "12XB", "1e3", "0"}) EXPECT_THROW(parse_byte_size(bad), Error) << bad;
+}
+
+std::unique_ptr<Engine> load(const fs::path& dir, KVCacheDType dt = KVCacheDType::Auto, int block_size = 16) {
+  EngineOptions o;
+  o.model_dir = dir;
+  o.cache.kv_cache_dtype = dt;
+  o.cache.block_size = block_size;
+  return Engine::load(o);
+}
+
+TEST(MemoryPlan, CapacityFollowsThePerLayerPlan) {
+  auto bf16 = load(kQwen3Mixed, KVCacheDType::BFloat16);
+  auto fp8 = load(kQwen3Mixed, KVCacheDType::Fp8E4M3);
+  MemoryOptions o;
+  o.kv_cache_memory = 1 << 20;
+  const MemoryPlan a = plan_kv_memory(*bf16, o), b = plan_kv_memory(*fp8, o);
+  EXPECT_EQ(b.bytes_per_token * 2, a.bytes_per_token);
+  EXPECT_EQ(a.capacity_tokens, int64_t((1 << 20) / (a.bytes_per_token * 16)) * 16);
+  EXPECT_NEAR(double(b.capacity_tokens) / double(a.capacity_tokens), 2.0, 0.01);
+  EXPECT_NE(a.summary.find("maximum concurrency"), std::string::npos);
+  o.kv_cache_memory = 1000;  // smaller than one max_model_len request
+  try {
+    plan_kv_memory(*bf16, o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--max-model-len"), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------- scheduler
+struct Collected {
+  std::vector<TokenId> tokens;
+  std::vector<TokenLogprobs> logprobs, prompt_logprobs;
+  FinishReason reason = FinishReason::None;
+  int outputs = 0, cached = 0, finishes = 0;
+};
+
+EngineRequest make(const std::string& id, std::vector<TokenId> prompt, int max_tokens, std::map<std::string, Collected>& out) {
+  EngineRequest r;
+  r.id = id;
+  r.prompt = std::move(prompt);
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0;
+  r.ignore_eos = true;
+  r.on_output = [&out, id](const RequestOutput& o) {
+    Collected& c = out[id];
+    c.tokens.insert(c.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+    c.logprobs.insert(c.logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
+    c.prompt_logprobs.insert(c.prompt_logprobs.end(), o.prompt_logprobs.begin(), o.prompt_logprobs.end());
+    c.cached = o.cached_prompt_tokens;
+    ++c.outputs;
+    if (o.finished) {
+      c.reason = o.finish_reason;
+      ++c.finishes;
+    }
+    return true;
+  };
+  return r;
+}
+
+std::vector<TokenId> random_prompt(std::mt19937& rng, int len, int vocab) {
+  std::uniform_int_distribution<int> d(3, vocab - 1);
+  std::vector<TokenId> p(static_cast<size_t>(len));
+  for (auto& t : p) t = d(rng);
+  return p;
+}
+
+std::vector<TokenId> one_at_a_time(Engine& e, const std::vector<TokenId>& prompt, int max_tokens) {
+  GenerateRequest g;
+  g.prompt = prompt;
+  g.max_tokens = max_tokens;
+  g.sampling.temperature = 0;
+  g.ignore_eos = true;
+  return generate(e, g).tokens;
+}
+
+void run_to_end(LLMEngine& le) {
+  for (int guard = 0; le.has_work(); ++guard) {
+    ASSERT_LT(guard, 100000) << "the scheduler made no progress";
+    le.step();
+  }
+}
+
+// Greedy outputs of a continuously batched, chunk-prefilled, preempted run equal the
+// outputs of the same prompts run one at a time — per model, with mixed attention kinds.
+void check_batched_equals_sequential(const fs::path& model, KVCacheDType dt, int num_blocks, int budget) {
+  auto e = load(model, dt, 8);
+  std::mt19937 rng(7);
+  const int vocab = e->config().vocab_size;
+  std::vector<std::vector<TokenId>> prompts;
+  std::vector<int> max_tokens;
+  for (int i = 0; i < 9; ++i) {
+    prompts.push_back(random_prompt(rng, 5 + int(rng() % 60), vocab));
+    max_tokens.push_back(4 + int(rng() % 20));
+  }
+  std::vector<std::vector<TokenId>> expected;
+  for (size_t i = 0; i < prompts.size(); ++i) expected.push_back(one_at_a_time(*e, prompts[i], max_tokens[i]));
+
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 6, .max_num_batched_tokens = budget, .max_model_len = 128,
+                                   .enable_prefix_caching = true, .num_blocks = num_blocks});
+  for (size_t i = 0; i < prompts.size(); ++i) le.add_request(make("r" + std::to_string(i), prompts[i], max_tokens[i], out));
+  run_to_end(le);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const Collected& c = out["r" + std::to_string(i)];
+    EXPECT_EQ(c.tokens, expected[i]) << model << " request " << i;
+    EXPECT_EQ(c.reason, FinishReason::Length);
+    EXPECT_EQ(c.finishes, 1);
+  }
+  const EngineStats st = le.stats();
+  EXPECT_EQ(st.num_running, 0);
+  EXPECT_EQ(st.num_waiting, 0);
+  EXPECT_EQ(le.blocks().num_used(), 0) << "pages leaked";
+  EXPECT_EQ(st.requests_finished_total.at("length"), prompts.size());
+  uint64_t gen = 0;
+  for (int m : max_tokens) gen += uint64_t(m);
+  EXPECT_EQ(st.generation_tokens_total, gen);
+  // The small pools below force preemption; the large one must not preempt at all.
+  if (num_blocks < 40) EXPECT_GT(st.preemptions_total, 0u) << "the test meant to exercise preemption";
+  else EXPECT_EQ(st.preemptions_total, 0u);
+}
+
+TEST(Scheduler, BatchedEqualsSequentialStories) {
+  check_batched_equals_sequential(kStories, KVCacheDType::Auto, 200, 48);
+}
+TEST(Scheduler, BatchedEqualsSequentialUnderPreemption) {
+  check_batched_equals_sequential(kStories, KVCacheDType::Auto, 16, 16);
+}
+TEST(Scheduler, BatchedEqualsSequentialSlidingAndFullLayersFp8) {
+  check_batched_equals_sequential(kQwen3Mixed, KVCacheDType::Fp8PerTokenHead, 16, 23);
+}
+
+TEST(Scheduler, PrefixCacheReusesPagesAndCopiesOnWrite) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::mt19937 rng(3);
+  const auto shared = random_prompt(rng, 40, e->config().vocab_size);  // 5 full pages
+  auto longer = shared;
+  longer.insert(longer.end(), {5, 6, 7});
+  const auto want_shared = one_at_a_time(*e, shared, 6);
+  const auto want_longer = one_at_a_time(*e, longer, 6);
+
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 128,
+                                   .enable_prefix_caching = true, .num_blocks = 64});
+  le.add_request(make("first", shared, 6, out));
+  run_to_end(le);
+  // Same prompt again: every page is cached; the last token is recomputed into a copy of
+  // the last shared page.
+  le.add_request(make("again", shared, 6, out));
+  le.add_request(make("longer", longer, 6, out));
+  run_to_end(le);
+  EXPECT_EQ(out["first"].cached, 0);
+  EXPECT_EQ(out["again"].cached, 39);
+  EXPECT_EQ(out["longer"].cached, 40);
+  EXPECT_EQ(out["first"].tokens, want_shared);
+  EXPECT_EQ(out["again"].tokens, want_shared);
+  EXPECT_EQ(out["longer"].tokens, want_longer);
+  const EngineStats st = le.stats();
+  EXPECT_EQ(st.prefix_cache_hits_total, 79u);
+  EXPECT_EQ(st.prompt_tokens_total, 40u + 1u + 3u);
+  EXPECT_EQ(le.blocks().num_used(), 0);
+}
+
+TEST(Scheduler, PrefixCachingOffComputesEverything) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::mt19937 rng(3);
+  const auto p = random_prompt(rng, 40, e->config().vocab_size);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 128,
+                                   .enable_prefix_caching = false, .num_blocks = 64});
+  le.add_request(make("a", p, 3, out));
+  run_to_end(le);
+  le.add_request(make("b", p, 3, out));
+  run_to_end(le);
+  EXPECT_EQ(out["b"].cached, 0);
+  EXPECT_EQ(out["a"].tokens, out["b"].tokens);
+  EXPECT_EQ(le.stats().prompt_tokens_total, 80u);
+}
+
+TEST(Scheduler, AbortAndStopCallbackFreePages) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 256,
+                                   .enable_prefix_caching = true, .num_blocks = 64});
+  le.add_request(make("abort-me", {1, 2, 3, 4, 5}, 100, out));
+  auto stopper = make("stop-me", {1, 9, 8, 7}, 100, out);
+  int seen = 0;
+  auto inner = stopper.on_output;
+  stopper.on_output = [&, inner](const RequestOutput& o) {
+    inner(o);
+    return ++seen < 3;  // "a stop string matched" after the third token
+  };
+  le.add_request(std::move(stopper));
+  le.step();
+  le.step();
+  le.abort("abort-me");
+  le.abort("no-such-request");
+  run_to_end(le);
+  EXPECT_EQ(out["abort-me"].reason, FinishReason::Abort);
+  EXPECT_EQ(out["abort-me"].tokens.size(), 2u);
+  EXPECT_EQ(out["stop-me"].reason, FinishReason::Stop);
+  EXPECT_EQ(out["stop-me"].tokens.size(), 3u);
+  EXPECT_EQ(out["stop-me"].finishes, 1);
+  EXPECT_EQ(le.blocks().num_used(), 0);
+  EXPECT_FALSE(le.is_live("abort-me"));
+}
+
+TEST(Scheduler, StopTokensRespectMinTokens) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  const std::vector<TokenId> prompt{1, 403, 407, 261, 378};
+  const auto greedy = one_at_a_time(*e, prompt, 8);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 256,
+                                   .enable_prefix_caching = true, .num_blocks = 64});
+  auto a = make("a", prompt, 8, out);
+  a.stop_token_ids = {greedy[0]};
+  auto b = make("b", prompt, 8, out);
+  b.stop_token_ids = {greedy[0]};
+  b.min_tokens = 3;
+  le.add_request(std::move(a));
+  le.add_request(std::move(b));
+  run_to_end(le);
+  EXPECT_EQ(out["a"].tokens, std::vector<TokenId>{greedy[0]});
+  EXPECT_EQ(out["a"].reason, FinishReason::Stop);
+  ASSERT_GE(out["b"].tokens.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NE(out["b"].tokens[i], greedy[0]);
+}
+
+TEST(Scheduler, LogprobsAndPromptLogprobsMatchTheModel) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  const std::vector<TokenId> prompt{1, 403, 407, 261, 378, 324, 434, 412, 281, 266, 397};
+  std::vector<float> all;
+  {
+    SequenceRunner seq(*e, 64);
+    all = seq.append(prompt, true);
+  }
+  const size_t vocab = size_t(e->config().vocab_size);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 4, .max_model_len = 64,
+                                   .enable_prefix_caching = true, .num_blocks = 16});
+  auto r = make("lp", prompt, 2, out);
+  r.logprobs = 3;
+  r.prompt_logprobs = 2;
+  le.add_request(std::move(r));
+  run_to_end(le);
+  const Collected& c = out["lp"];
+  ASSERT_EQ(c.prompt_logprobs.size(), prompt.size() - 1);
+  for (size_t i = 0; i + 1 < prompt.size(); ++i) {
+    const auto row = std::span<const float>(all).subspan(i * vocab, vocab);
+    EXPECT_EQ(c.prompt_logprobs[i].token, prompt[i + 1]);
+    EXPECT_NEAR(c.prompt_logprobs[i].logprob, logprob_of(row, prompt[i + 1]), 1e-4);
+    ASSERT_EQ(c.prompt_logprobs[i].top.size(), 2u);
+  }
+  ASSERT_EQ(c.logprobs.size(), 2u);
+  const auto last = std::span<const float>(all).subspan((prompt.size() - 1) * vocab, vocab);
+  EXPECT_EQ(c.logprobs[0].token, argmax(last));
+  EXPECT_NEAR(c.logprobs[0].logprob, logprob_of(last, argmax(last)), 1e-4);
+  EXPECT_EQ(c.logprobs[0].top.size(), 3u);
+}
+
+TEST(Scheduler, RejectsInvalidRequestsWithClearErrors) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 64,
+                                   .enable_prefix_caching = true, .num_blocks = 16});
+  auto expect_error = [&](EngineRequest r, const std::string& needle) {
+    try {
+      le.add_request(std::move(r));
+      FAIL() << "accepted a request that should fail with: " << needle;
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(needle), std::string::npos) << err.what();
+    }
+  };
+  expect_error(make("a", {}, 4, out), "empty");
+  expect_error(make("a", {1, 100000}, 4, out), "outside the model's vocabulary");
+  expect_error(make("a", std::vector<TokenId>(64, 5), 1, out), "maximum context length is 64");
+  expect_error(make("a", {1, 2}, 63, out), "lower max_tokens to at most 62");
+  expect_error(make("a", {1, 2}, 0, out), "max_tokens must be at least 1");
+  auto bad = make("a", {1, 2}, 4, out);
+  bad.sampling.top_p = 2;
+  expect_error(std::move(bad), "top");
+  le.add_request(make("dup", {1, 2}, 4, out));
+  expect_error(make("dup", {1, 2}, 4, out), "already in use");
+  EXPECT_THROW(LLMEngine(*e, SchedulerConfig{.max_model_len = 64, .num_blocks = 2}), Error);  // pool < one request
+}
+
+TEST(AsyncEngine, ManyThreadsSubmitAndAllFinish) {
+  auto e = load(kStories, KVCacheDType::Fp8PerTokenHead, 8);
+  std::mt19937 rng(11);
+  std::vector<std::vector<TokenId>> prompts;
+  for (int i = 0; i < 12; ++i) prompts.push_back(random_prompt(rng, 3 + int(rng() % 40), e->config().vocab_size));
+  std::vector<std::vector<TokenId>> expected;
+  for (const auto& p : prompts) expected.push_back(one_at_a_time(*e, p, 10));
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, Collected> out;
+  int finished = 0;
+  {
+    AsyncEngine ae(*e, SchedulerConfig{.max_num_seqs = 5, .max_num_batched_tokens = 32, .max_model_len = 128,
+                                       .enable_prefix_caching = true, .num_blocks = 24});
+    std::vector<std::thread> clients;
+    for (size_t i = 0; i < prompts.size(); ++i)
+      clients.emplace_back([&, i] {
+        EngineRequest r;
+        r.id = "c" + std::to_string(i);
+        r.prompt = prompts[i];
+        r.max_tokens = 10;
+        r.sampling.temperature = 0;
+        r.ignore_eos = true;
+        r.on_output = [&, id = r.id](const RequestOutput& o) {
+          std::lock_guard lock(mu);
+          auto& c = out[id];
+          c.tokens.insert(c.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+          if (o.finished) {
+            c.reason = o.finish_reason;
+            ++finished;
+            cv.notify_all();
+          }
+          return true;
+        };
+        ae.add_request(std::move(r));
+      });
+    for (auto& t : clients) t.join();
+    EXPECT_THROW(ae.add_request(EngineRequest{.id = "bad", .prompt = {}}), Error);
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return finished == int(prompts.size()); }));
+    lock.unlock();
+    const EngineStats st = ae.stats();
+    EXPECT_EQ(st.requests_total, prompts.size());
+    EXPECT_EQ(st.generation_tokens_total, 10u * prompts.size());
+    EXPECT_EQ(st.time_to_first_token.count, prompts.size());
+    EXPECT_EQ(st.inter_token_latency.count, 9u * prompts.size());
+    ae.shutdown(true);
+    EXPECT_THROW(ae.add_request(EngineRequest{.id = "late", .prompt = {1}}), Error);
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(out["c" + std::to_string(i)].tokens, expected[i]) << i;
+}
+
+TEST(AsyncEngine, ShutdownWithoutDrainAbortsInFlightRequests) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::atomic<int> aborted{0}, tokens{0};
+  AsyncEngine ae(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 512,
+                                     .enable_prefix_caching = true, .num_blocks = 128});
+  for (int i = 0; i < 3; ++i) {
+    EngineRequest r;
+    r.id = "long" + std::to_string(i);
+    r.prompt = {1, 2, 3};
+    r.max_tokens = 500;
+    r.ignore_eos = true;
+    r.on_output = [&](const RequestOutput& o) {
+      tokens += int(o.new_tokens.size());
+      if (o.finished && o.finish_reason == FinishReason::Abort) ++aborted;
+      return true;
+    };
+    ae.add_request(std::move(r));
+  }
+  while (tokens.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ae.shutdown(false);
+  EXPECT_EQ(aborted.load(), 3);
+  EXPECT_LT(tokens.load(), 1500);
+}
+
+}  // namespace
