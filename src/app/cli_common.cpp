@@ -78,4 +78,13 @@ std::vector<TokenId> parse_token_ids(std::string_view text) {
   return out;
 }
 
+EngineOptions ModelFlags::engine_options() const {
+  EngineOptions o;
+  o.model_dir = model_dir();
+  o.cache = cache_config();
+  o.device = resolve_device(parse_device(device));
+  o.dtype = parse_model_dtype(dtype);
+  return o;
+}
+
 }  // namespace kvlm::app

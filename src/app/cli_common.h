@@ -24,6 +24,7 @@ struct ModelFlags {
   void add_to(CLI::App& cmd);
   std::filesystem::path model_dir() const;   // resolves the bundled default
   CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
+  EngineOptions engine_options() const;      // all of the above, device resolved
 };
 
 // The bundled default model directory (models/stories260K next to the sources or binary).

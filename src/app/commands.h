@@ -66,4 +66,30 @@ struct InspectFlags {
 CLI::App* add_inspect(CLI::App& app, InspectFlags& f);
 int run_inspect(const InspectFlags& f);
 
+struct CalibrateFlags {
+  ModelFlags model;
+  std::string out, dataset;
+  int num_samples = 64;
+  int max_length = 1024;
+  bool per_head = false;
+};
+CLI::App* add_calibrate(CLI::App& app, CalibrateFlags& f);
+int run_calibrate(const CalibrateFlags& f);
+
+struct EvalFlags {
+  ModelFlags model;
+  // perplexity
+  std::string text_file, save_logits, kld_base, json_out;
+  int ctx = 512;
+  int max_chunks = 0;
+  // task
+  std::string data, log_samples;
+  int max_tokens = 256;
+  int limit = 0;
+  int max_num_seqs = 64;
+};
+// `kvlm eval perplexity` and `kvlm eval task`; returns the parent command.
+CLI::App* add_eval(CLI::App& app, EvalFlags& f);
+int run_eval(CLI::App& eval_cmd, const EvalFlags& f);
+
 }  // namespace kvlm::app

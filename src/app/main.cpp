@@ -23,13 +23,17 @@ int main(int argc, char** argv) {
   kvlm::app::InspectFlags insp;
   kvlm::app::TokenizeFlags tok, detok;
   kvlm::app::TemplateFlags tpl;
+  kvlm::app::CalibrateFlags cal;
+  kvlm::app::EvalFlags evalf;
   auto* gen_cmd = kvlm::app::add_generate(app, gen);
   auto* chat_cmd = kvlm::app::add_chat(app, chat);
   auto* insp_cmd = kvlm::app::add_inspect(app, insp);
   auto* tok_cmd = kvlm::app::add_tokenize(app, tok);
   auto* detok_cmd = kvlm::app::add_detokenize(app, detok);
   auto* tpl_cmd = kvlm::app::add_render_template(app, tpl);
-  for (auto* cmd : {gen_cmd, chat_cmd, insp_cmd, tok_cmd, detok_cmd, tpl_cmd})
+  auto* cal_cmd = kvlm::app::add_calibrate(app, cal);
+  auto* eval_cmd = kvlm::app::add_eval(app, evalf);
+  for (auto* cmd : {gen_cmd, chat_cmd, insp_cmd, tok_cmd, detok_cmd, tpl_cmd, cal_cmd, eval_cmd})
     cmd->fallthrough();  // -q / -v may follow the subcommand
   try {
     app.parse(argc, argv);
@@ -44,6 +48,8 @@ int main(int argc, char** argv) {
     if (tok_cmd->parsed()) return kvlm::app::run_tokenize(tok);
     if (detok_cmd->parsed()) return kvlm::app::run_detokenize(detok);
     if (tpl_cmd->parsed()) return kvlm::app::run_render_template(tpl);
+    if (cal_cmd->parsed()) return kvlm::app::run_calibrate(cal);
+    if (eval_cmd->parsed()) return kvlm::app::run_eval(*eval_cmd, evalf);
   } catch (const kvlm::Error& e) {
     std::fprintf(stderr, "kvlm: error: %s\n", e.what());
     return 1;

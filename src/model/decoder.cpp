@@ -148,6 +148,7 @@ void DecoderModel::forward(const ForwardBatch& b, std::span<float> logits) {
     }
     cpu::rope(q, T, nh, d, b.positions, inv_freq_);
     cpu::rope(k, T, kvh, d, b.positions, inv_freq_);
+    if (observer_) observer_(li, k, v);
     const AttentionBackend& be = *backends_[li];
     be.store_kv(cache.layer(li), KVWrite{.k = k, .v = v, .slots = b.slots});
     be.attend(cache.layer(li), AttentionCall{.q = q, .out = attn, .seqs = b.seqs, .softmax_scale = softmax_scale});

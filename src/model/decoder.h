@@ -7,6 +7,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -39,6 +40,11 @@ class DecoderModel final : public ModelRunner {
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
   void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
 
+  // Sees every layer's K (after the q/k norm and RoPE, as it is stored) and V just before
+  // they are stored, fp32 [num_tokens][num_kv_heads][head_dim]: for `kvlm calibrate`.
+  using KVObserver = std::function<void(size_t layer, std::span<const float> k, std::span<const float> v)>;
+  void set_kv_observer(KVObserver f) { observer_ = std::move(f); }
+
   // The host KV pool (tests read pages through it); null before allocate_kv.
   KVCache* kv_cache() { return cache_.get(); }
 
@@ -61,6 +67,7 @@ class DecoderModel final : public ModelRunner {
   std::vector<float> inv_freq_;
   size_t num_params_ = 0;
   std::unique_ptr<KVCache> cache_;
+  KVObserver observer_;
 };
 
 // The model's compute dtype: config.json's torch_dtype/dtype, else the embedding's dtype.

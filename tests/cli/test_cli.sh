@@ -193,5 +193,69 @@ PY
 "$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --json >/dev/null 2>"$tmp/err" \
   && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate with checkpoint scales"
 
+# --- calibrate: a new directory whose checkpoint carries the scales; the input untouched ---
+chat="$here/../models/tiny-chat"
+before=$(cd "$chat" && sha256sum * | sha256sum)
+"$KVLM" calibrate --model "$chat" --out "$tmp/cal" --dataset "$here/../../README.md" --num-samples 4 --max-length 128 \
+  >"$tmp/out" 2>"$tmp/err" && grep -q "calibrated 2 layers on 4 samples" "$tmp/out" && ok || bad "calibrate: $(cat "$tmp/err")"
+[ "$(cd "$chat" && sha256sum * | sha256sum)" = "$before" ] && [ ! -e "$chat/model.safetensors.index.json" ] && ok \
+  || bad "calibrate modified its input directory"
+"$KVLM" inspect --model "$tmp/cal" --json >"$tmp/cal.json" 2>"$tmp/err" \
+  && [ "$(json_get "$tmp/cal.json" "(d['resolved']['source'], d['layers'][1]['kv_dtype'], d['layers'][1]['scale_source'], d['layers'][1]['k_scale_tensor'])")" = \
+       "('checkpoint scheme', 'fp8_e4m3', 'checkpoint', 'model.layers.1.self_attn.k_scale')" ] \
+  && ok || bad "calibrated model: $(cat "$tmp/err")"
+# The scales are absmax / 448 of what was observed: positive and small for this model.
+python3 - "$tmp/cal" <<'PY' && ok || bad "calibrated scale tensors"
+import json, struct, sys
+d = sys.argv[1]
+idx = json.load(open(f"{d}/model.safetensors.index.json"))
+f = idx["weight_map"]["model.layers.0.self_attn.v_scale"]
+raw = open(f"{d}/{f}", "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+hdr = json.loads(raw[8:8 + n])
+lo, hi = hdr["model.layers.0.self_attn.v_scale"]["data_offsets"]
+v = struct.unpack("<f", raw[8 + n + lo:8 + n + hi])[0]
+cfg = json.load(open(f"{d}/config.json"))["quantization_config"]
+assert cfg["quant_method"] == "compressed-tensors" and cfg["kv_cache_scheme"]["strategy"] == "tensor", cfg
+assert 1e-5 < v < 1.0, v
+assert "model.embed_tokens.weight" in idx["weight_map"]
+PY
+"$KVLM" calibrate --model "$chat" --out "$tmp/cal-h" --dataset "$here/../../README.md" --num-samples 2 --per-head >/dev/null 2>&1 \
+  && "$KVLM" inspect --model "$tmp/cal-h" --json >"$tmp/calh.json" \
+  && [ "$(json_get "$tmp/calh.json" "d['layers'][0]['scale_source']")" = "checkpoint" ] && ok || bad "calibrate --per-head"
+"$KVLM" generate --model "$tmp/cal" --prompt "Hello" --max-tokens 4 --temperature 0 >/dev/null 2>"$tmp/err" \
+  && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate on the calibrated model: $(cat "$tmp/err")"
+expect_error 1 "not an empty directory" -- calibrate --model "$chat" --out "$tmp/cal" --dataset "$here/../../README.md"
+expect_error 1 "never modified" -- calibrate --model "$chat" --out "$chat" --dataset "$here/../../README.md"
+expect_error 1 "no tokenizer.json" -- calibrate --out "$tmp/cal-x"
+expect_error 2 "--out" -- calibrate --model "$chat"
+
+# --- eval: perplexity with a saved baseline, task accuracy ------------------------------
+"$KVLM" eval perplexity --model "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 6 --kv-cache-dtype float16 \
+  --save-logits "$tmp/base.lgp" --json "$tmp/p0.json" >"$tmp/out" 2>"$tmp/err" && grep -q "^PPL" "$tmp/out" && ok \
+  || bad "eval perplexity: $(cat "$tmp/err")"
+"$KVLM" eval perplexity --model "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 6 --kv-cache-dtype float16 \
+  --kl-divergence-base "$tmp/base.lgp" --json "$tmp/p1.json" >/dev/null 2>&1 \
+  && [ "$(json_get "$tmp/p1.json" "(d['kld_max'] < 1e-9, d['same_top'], d['delta_ppl'] == 0)")" = "(True, 1.0, True)" ] \
+  && ok || bad "the same run against itself has zero KLD"
+"$KVLM" eval perplexity --model "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 6 --kv-cache-dtype fp8_e5m2 \
+  --kl-divergence-base "$tmp/base.lgp" --json "$tmp/p2.json" >/dev/null 2>&1 \
+  && [ "$(json_get "$tmp/p2.json" "(d['kld_mean'] > 1e-5, d['kld_p99'] >= d['kld_median'], d['kv_bytes_per_token'])")" = "(True, True, 256)" ] \
+  && ok || bad "fp8_e5m2 against the fp16 baseline"
+expect_error 1 "use the same model, --ctx and text" -- eval perplexity --model "$chat" --text "$here/../../README.md" --ctx 32 \
+  --kl-divergence-base "$tmp/base.lgp"
+head -c 100 "$tmp/base.lgp" >"$tmp/trunc.lgp"
+expect_error 1 "truncated" -- eval perplexity --model "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 6 \
+  --kl-divergence-base "$tmp/trunc.lgp"
+expect_error 1 "fewer than one window" -- eval perplexity --model "$chat" --text "$chat/generation_config.json" --ctx 512
+printf '%s\n' '{"prompt": "The answer is", "answer": "42", "regex": "(\\d+)"}' '{"prompt": "Hi", "answer": 7, "stop": "."}' >"$tmp/task.jsonl"
+"$KVLM" eval task --model "$chat" --data "$tmp/task.jsonl" --max-tokens 8 --log-samples "$tmp/samples.jsonl" --json "$tmp/task.json" \
+  >"$tmp/out" 2>"$tmp/err" && grep -q "^accuracy" "$tmp/out" && [ "$(wc -l <"$tmp/samples.jsonl")" = 2 ] \
+  && [ "$(json_get "$tmp/task.json" "d['items']")" = 2 ] && ok || bad "eval task: $(cat "$tmp/err")"
+echo '{"prompt": "x", "answer": "1", "regex": "(("}' >"$tmp/badre.jsonl"
+expect_error 1 "not a valid regular expression" -- eval task --model "$chat" --data "$tmp/badre.jsonl"
+echo 'not json' >"$tmp/badjson.jsonl"
+expect_error 1 "badjson.jsonl:1: not valid JSON" -- eval task --model "$chat" --data "$tmp/badjson.jsonl"
+
 echo "cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
