@@ -1,3 +1,4 @@
+#include <cctype>
 #include "app/cli_common.h"
 
 #include <unistd.h>
@@ -61,17 +62,18 @@ CacheConfig ModelFlags::cache_config() const {
 
 std::vector<TokenId> parse_token_ids(std::string_view text) {
   std::vector<TokenId> out;
+  auto sep = [](char c) { return c == ',' || c == '[' || c == ']' || std::isspace(static_cast<unsigned char>(c)); };
   size_t i = 0;
   while (i < text.size()) {
-    while (i < text.size() && (text[i] == ',' || text[i] == ' ' || text[i] == '[' || text[i] == ']')) ++i;
+    while (i < text.size() && sep(text[i])) ++i;
     size_t j = i;
-    while (j < text.size() && text[j] != ',' && text[j] != ' ' && text[j] != ']') ++j;
+    while (j < text.size() && !sep(text[j])) ++j;
     if (j == i) break;
     const std::string_view tok = text.substr(i, j - i);
     long long v = -1;
     auto [p, ec] = std::from_chars(tok.data(), tok.data() + tok.size(), v);
     if (ec != std::errc() || p != tok.data() + tok.size() || v < 0 || v > INT32_MAX)
-      throw Error("invalid token id '" + std::string(tok) + "' in --prompt-ids; expected non-negative integers like 1,2,3");
+      throw Error("invalid token id '" + std::string(tok) + "' ; expected non-negative integers like 1,2,3");
     out.push_back(TokenId(v));
     i = j;
   }

@@ -17,7 +17,9 @@ CLI::App* add_eval(CLI::App& app, EvalFlags& f) {
   eval->require_subcommand(1);
   auto* ppl = eval->add_subcommand("perplexity", "Perplexity over a text file in windows; KL divergence against a saved run");
   f.model.add_to(*ppl);
-  ppl->add_option("--text", f.text_file, "text file to score")->required();
+  auto* txt = ppl->add_option("--text", f.text_file, "text file to score (with the model's tokenizer)");
+  auto* ids = ppl->add_option("--token-ids", f.token_ids_file, "or a file of token ids (whitespace or comma separated)");
+  txt->excludes(ids);
   ppl->add_option("--ctx", f.ctx, "tokens per window (the second half of each is scored)")->capture_default_str();
   ppl->add_option("--max-chunks", f.max_chunks, "score at most this many windows (0: all)")->capture_default_str();
   ppl->add_option("--save-logits", f.save_logits, "save this run's log-probabilities (the baseline for --kl-divergence-base)");
@@ -56,14 +58,20 @@ std::string kv_label(const Engine& e) {
 
 int run_perplexity(const EvalFlags& f) {
   const EngineOptions opts = f.model.engine_options();
-  if (!TextProcessor::available(opts.model_dir))
-    throw Error("'" + opts.model_dir.string() + "' has no tokenizer.json; perplexity reads text");
-  const TextProcessor text = TextProcessor::load(opts.model_dir);
-  std::ifstream in(f.text_file);
-  if (!in) throw Error("cannot read --text " + f.text_file);
+  if (f.text_file.empty() && f.token_ids_file.empty()) throw Error("give the text to score: --text FILE or --token-ids FILE");
+  const std::string& file = f.text_file.empty() ? f.token_ids_file : f.text_file;
+  std::ifstream in(file);
+  if (!in) throw Error("cannot read " + file);
   std::stringstream ss;
   ss << in.rdbuf();
-  const auto tokens = text.encode_prompt(ss.str());
+  std::vector<TokenId> tokens;
+  if (!f.text_file.empty()) {
+    if (!TextProcessor::available(opts.model_dir))
+      throw Error("'" + opts.model_dir.string() + "' has no tokenizer.json; give --token-ids instead of --text");
+    tokens = TextProcessor::load(opts.model_dir).encode_prompt(ss.str());
+  } else {
+    tokens = parse_token_ids(ss.str());
+  }
   auto engine = Engine::load(opts);
   PerplexityOptions po;
   po.ctx = f.ctx;
@@ -78,7 +86,7 @@ int run_perplexity(const EvalFlags& f) {
   bar.reset();
   const size_t bpt = engine->plan().bytes_per_token();
   std::printf("model      %s\nkv cache   %s (%zu bytes/token)\ntext       %s: %zu tokens, %d windows of %d, %lld scored\n",
-              opts.model_dir.c_str(), kv_label(*engine).c_str(), bpt, f.text_file.c_str(), tokens.size(), r.chunks,
+              opts.model_dir.c_str(), kv_label(*engine).c_str(), bpt, file.c_str(), tokens.size(), r.chunks,
               f.ctx, (long long)r.scored_tokens);
   std::printf("PPL        %.4f +/- %.4f\n", r.ppl, r.ppl_err);
   nlohmann::ordered_json j{{"model", opts.model_dir.string()}, {"kv_cache_dtype", kv_label(*engine)},

@@ -7,6 +7,8 @@
 #include <string>
 
 #include "app/cli_common.h"
+#include "serve/async_engine.h"
+#include "serve/memory_plan.h"
 
 namespace kvlm::app {
 
@@ -79,7 +81,7 @@ int run_calibrate(const CalibrateFlags& f);
 struct EvalFlags {
   ModelFlags model;
   // perplexity
-  std::string text_file, save_logits, kld_base, json_out;
+  std::string text_file, token_ids_file, save_logits, kld_base, json_out;
   int ctx = 512;
   int max_chunks = 0;
   // task
@@ -91,5 +93,67 @@ struct EvalFlags {
 // `kvlm eval perplexity` and `kvlm eval task`; returns the parent command.
 CLI::App* add_eval(CLI::App& app, EvalFlags& f);
 int run_eval(CLI::App& eval_cmd, const EvalFlags& f);
+
+// The serving engine's flags (vLLM's names), shared by serve and bench throughput.
+struct ServingFlags {
+  int max_model_len = 0;  // 0 = the model's context
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 2048;
+  bool enable_prefix_caching = true;
+  std::string kv_cache_memory;  // bytes, e.g. 2GiB; empty = the planner's default
+  double gpu_memory_utilization = 0.9;
+  void add_to(CLI::App& cmd);
+  MemoryOptions memory_options() const;  // parses and validates; throws kvlm::Error
+  SchedulerConfig scheduler_config(const MemoryPlan& plan) const;
+};
+
+struct ServeFlags {
+  ModelFlags model;
+  ServingFlags serving;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;  // empty: KVLM_API_KEY, else none
+  std::string served_model_name;
+  double drain_timeout = 10;
+  int max_connections = 1024;
+};
+CLI::App* add_serve(CLI::App& app, ServeFlags& f);
+int run_serve(const ServeFlags& f);
+
+struct BenchThroughputFlags {
+  ModelFlags model;
+  ServingFlags serving;
+  int num_prompts = 1000;
+  int input_len = 1024;
+  int output_len = 128;
+  std::string dataset;  // JSONL: {"prompt": text | "prompt_token_ids": [...], "output_len": N}
+  uint64_t seed = 0;
+  std::string json;
+};
+struct BenchServeFlags {
+  std::string base_url = "http://127.0.0.1:8000";
+  std::string endpoint = "/v1/completions";
+  std::string model;  // default: the server's (GET /v1/models)
+  std::string api_key;
+  int num_prompts = 1000;
+  double request_rate = 0;  // requests per second; 0 = all at once (inf)
+  int max_concurrency = 0;  // 0 = unlimited
+  int input_len = 1024;
+  int output_len = 128;
+  int vocab_size = 0;  // random prompts: token ids below this (default: the server's)
+  std::string dataset;
+  bool ignore_eos = false;
+  uint64_t seed = 0;
+  double timeout = 600;
+  std::string json;
+};
+struct BenchFlags {
+  BenchThroughputFlags throughput;
+  BenchServeFlags serve;
+  CLI::App* throughput_cmd = nullptr;
+  CLI::App* serve_cmd = nullptr;
+};
+CLI::App* add_bench(CLI::App& app, BenchFlags& f);
+int run_bench(const BenchFlags& f);
 
 }  // namespace kvlm::app
