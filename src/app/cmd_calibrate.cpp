@@ -2,6 +2,7 @@
 // directory (compressed-tensors kv_cache_scheme + k_scale/v_scale tensors).
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -36,12 +37,18 @@ std::filesystem::path default_dataset(const std::filesystem::path& model) {
   throw Error("no calibration text given and none found in the model directory; pass --dataset FILE (.txt or .jsonl)");
 }
 
-std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path, const TextProcessor& text, int num,
-                                               int max_length) {
+std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path, const std::optional<TextProcessor>& text,
+                                               int num, int max_length) {
   std::ifstream f(path);
   if (!f) throw Error("cannot read --dataset " + path.string());
   std::vector<std::vector<TokenId>> out;
-  if (path.extension() == ".jsonl") {
+  if (path.extension() == ".ids") {  // token ids, for models without a tokenizer
+    std::stringstream ss;
+    ss << f.rdbuf();
+    const auto ids = parse_token_ids(ss.str());
+    for (size_t i = 0; i < ids.size() && int(out.size()) < num; i += size_t(max_length))
+      out.emplace_back(ids.begin() + ptrdiff_t(i), ids.begin() + ptrdiff_t(std::min(ids.size(), i + size_t(max_length))));
+  } else if (path.extension() == ".jsonl") {
     std::string line;
     for (int lineno = 1; std::getline(f, line) && int(out.size()) < num; ++lineno) {
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -58,14 +65,16 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
           break;
         }
       if (s.empty()) throw Error(path.string() + ":" + std::to_string(lineno) + ": expected a \"text\" or \"prompt\" string");
-      auto ids = text.encode_prompt(s);
+      if (!text) throw Error("the model has no tokenizer.json; give --dataset as a .ids file of token ids");
+      auto ids = text->encode_prompt(s);
       if (int(ids.size()) > max_length) ids.resize(size_t(max_length));
       out.push_back(std::move(ids));
     }
   } else {
+    if (!text) throw Error("the model has no tokenizer.json; give --dataset as a .ids file of token ids");
     std::stringstream ss;
     ss << f.rdbuf();
-    const auto ids = text.encode_prompt(ss.str());
+    const auto ids = text->encode_prompt(ss.str());
     for (size_t i = 0; i < ids.size() && int(out.size()) < num; i += size_t(max_length))
       out.emplace_back(ids.begin() + ptrdiff_t(i), ids.begin() + ptrdiff_t(std::min(ids.size(), i + size_t(max_length))));
   }
@@ -84,9 +93,8 @@ int run_calibrate(const CalibrateFlags& f) {
   // Observe unquantized K/V: the cache follows the model dtype whatever the checkpoint says.
   opts.cache.kv_cache_dtype = KVCacheDType::BFloat16;
   opts.cache.skip_layers = {};
-  if (!TextProcessor::available(opts.model_dir))
-    throw Error("'" + opts.model_dir.string() + "' has no tokenizer.json; calibration reads text");
-  const TextProcessor text = TextProcessor::load(opts.model_dir);
+  std::optional<TextProcessor> text;
+  if (TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
   const auto dataset = f.dataset.empty() ? default_dataset(opts.model_dir) : std::filesystem::path(f.dataset);
   const auto samples = load_samples(dataset, text, f.num_samples, f.max_length);
   auto engine = Engine::load(opts);

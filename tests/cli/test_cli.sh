@@ -227,7 +227,11 @@ PY
   && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate on the calibrated model: $(cat "$tmp/err")"
 expect_error 1 "not an empty directory" -- calibrate --model "$chat" --out "$tmp/cal" --dataset "$here/../../README.md"
 expect_error 1 "never modified" -- calibrate --model "$chat" --out "$chat" --dataset "$here/../../README.md"
-expect_error 1 "no tokenizer.json" -- calibrate --out "$tmp/cal-x"
+expect_error 1 "none found in the model directory" -- calibrate --out "$tmp/cal-x"
+expect_error 1 "give --dataset as a .ids file" -- calibrate --out "$tmp/cal-x" --dataset "$here/../../README.md"
+python3 -c "print(' '.join(str(i % 500 + 1) for i in range(24)))" >"$tmp/cal.ids"
+"$KVLM" calibrate --out "$tmp/cal-ids" --dataset "$tmp/cal.ids" --max-length 8 >"$tmp/out" 2>"$tmp/err" \
+  && grep -q "on 3 samples (24 tokens)" "$tmp/out" && ok || bad "calibrate from token ids: $(cat "$tmp/err")"
 expect_error 2 "--out" -- calibrate --model "$chat"
 
 # --- eval: perplexity with a saved baseline, task accuracy ------------------------------
