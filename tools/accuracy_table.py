@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The accuracy table of every KV precision: docs/results/accuracy.md.
+
+For each model, one baseline run with an fp32 KV cache (--dtype float32) saves its
+log-probabilities; every KV mode is then scored against it with `kvlm eval perplexity
+--kl-divergence-base` (PPL, delta PPL, mean / p99 KLD, same-top %), and, for the bundled model
+that the project trains, `kvlm eval task` measures arithmetic and passkey-recall accuracy
+at 1k / 4k / 8k context. The "calibrated" row runs `kvlm calibrate` first.
+
+Models without a tokenizer (the golden random-weight checkpoints, vocabulary 256) are scored
+on the bytes of the same held-out text as token ids.
+
+usage: python3 tools/accuracy_table.py --kvlm build/kvlm [--device cpu|cuda] [--out FILE]
+                                       [--task-limit N] [--models DIR ...]
+Only the standard library; reproducible from a clean checkout.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def modes(num_layers):
+    last = num_layers - 1
+    return [
+        ("bfloat16", ["--kv-cache-dtype", "bfloat16"], False),
+        ("float16", ["--kv-cache-dtype", "float16"], False),
+        ("fp8_e4m3, scale 1.0", ["--kv-cache-dtype", "fp8_e4m3"], False),
+        ("fp8_e4m3, calibrated scales", ["--kv-cache-dtype", "fp8_e4m3"], True),
+        ("fp8_e5m2", ["--kv-cache-dtype", "fp8_e5m2"], False),
+        ("fp8_per_token_head", ["--kv-cache-dtype", "fp8_per_token_head"], False),
+        ("int8_per_token_head", ["--kv-cache-dtype", "int8_per_token_head"], False),
+        (f"fp8_e4m3, layers 0 and {last} kept", ["--kv-cache-dtype", "fp8_e4m3",
+                                                  "--kv-cache-dtype-skip-layers", f"0,{last}"], False),
+    ]
+
+
+def run(cmd, log):
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    log.write(f"$ {' '.join(cmd)}\n{p.stdout}{p.stderr}\n[{time.time() - t0:.1f} s, exit {p.returncode}]\n\n")
+    log.flush()
+    if p.returncode != 0:
+        sys.exit(f"command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr}")
+    return p
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvlm", default=os.path.join(ROOT, "build", "kvlm"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "accuracy.md"))
+    ap.add_argument("--bundled", default=os.path.join(ROOT, "models", "kvlm-tiny"),
+                    help="the trained model (with eval/ data)")
+    ap.add_argument("--golden", nargs="*", default=["llama-gqa", "qwen3-mixed", "mistral-swa"],
+                    help="golden random-weight models (tests/golden/models)")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--max-chunks", type=int, default=32)
+    ap.add_argument("--task-limit", type=int, default=0, help="items per task (0: all)")
+    ap.add_argument("--skip-tasks", action="store_true")
+    args = ap.parse_args()
+
+    kvlm = os.path.abspath(args.kvlm)
+    work = tempfile.mkdtemp(prefix="kvlm-accuracy-")
+    log = open(os.path.join(work, "commands.log"), "w")
+    eval_dir = os.path.join(args.bundled, "eval")
+    heldout = os.path.join(eval_dir, "heldout.txt")
+    if not os.path.exists(heldout):
+        sys.exit(f"{heldout} is missing: the bundled model's eval data")
+    byte_ids = os.path.join(work, "heldout.ids")
+    with open(heldout, "rb") as f, open(byte_ids, "w") as g:
+        g.write(" ".join(str(b) for b in f.read()))
+
+    models = [(args.bundled, True)] + [(os.path.join(ROOT, "tests", "golden", "models", g), False) for g in args.golden]
+    sections = []
+    for model, trained in models:
+        name = os.path.basename(model.rstrip("/"))
+        cfg = json.load(open(os.path.join(model, "config.json")))
+        n_layers = cfg["num_hidden_layers"]
+        text_args = ["--text", heldout] if trained else ["--token-ids", byte_ids]
+        common = ["--ctx", str(args.ctx), "--max-chunks", str(args.max_chunks), "--device", args.device]
+        base = os.path.join(work, f"{name}.base.lgp")
+        out = os.path.join(work, f"{name}.base.json")
+        run([kvlm, "-q", "eval", "perplexity", "--model", model, *text_args, *common, "--dtype", "float32",
+             "--save-logits", base, "--json", out], log)
+        base_ppl = json.load(open(out))["ppl"]
+        calibrated = os.path.join(work, f"{name}-calibrated")
+        run([kvlm, "-q", "calibrate", "--model", model, "--out", calibrated, "--num-samples", "32",
+             "--max-length", str(args.ctx), "--dataset", heldout if trained else byte_ids], log)
+        rows = []
+        for label, flags, use_cal in modes(n_layers):
+            m = calibrated if use_cal else model
+            out = os.path.join(work, f"{name}.{len(rows)}.json")
+            run([kvlm, "-q", "eval", "perplexity", "--model", m, *text_args, *common, *flags,
+                 "--kl-divergence-base", base, "--json", out], log)
+            r = json.load(open(out))
+            row = {"mode": label, "bytes": r["kv_bytes_per_token"], "ppl": r["ppl"], "dppl": r["delta_ppl"],
+                   "dppl_ci": r["delta_ppl_ci95"], "kld": r["kld_mean"], "kld99": r["kld_p99"],
+                   "top": 100 * r["same_top"]}
+            if trained and not args.skip_tasks:
+                for task in ["arithmetic", "recall_1k", "recall_4k", "recall_8k"]:
+                    data = os.path.join(eval_dir, f"{task}.jsonl")
+                    if not os.path.exists(data):
+                        row[task] = None
+                        continue
+                    tout = os.path.join(work, f"{name}.{len(rows)}.{task}.json")
+                    run([kvlm, "-q", "eval", "task", "--model", m, "--data", data, "--device", args.device,
+                         "--max-tokens", "64", "--limit", str(args.task_limit), *flags, "--json", tout], log)
+                    row[task] = 100 * json.load(open(tout))["accuracy"]
+            rows.append(row)
+            print(f"{name:14s} {label:34s} ppl {row['ppl']:.4f} kld {row['kld']:.2e}", flush=True)
+        sections.append((name, trained, n_layers, base_ppl, rows))
+
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        "# KV precision vs accuracy",
+        "",
+        f"Produced by `python3 tools/accuracy_table.py --kvlm {os.path.relpath(kvlm, ROOT)} --device {args.device}"
+        f"{' --task-limit ' + str(args.task_limit) if args.task_limit else ''}` on {datetime.date.today()}, "
+        f"commit {commit}, {platform.node()} ({platform.processor() or platform.machine()}).",
+        "",
+        f"Perplexity over `{os.path.relpath(heldout, ROOT)}` in windows of {args.ctx} tokens (the second half of each "
+        f"scored, at most {args.max_chunks} windows). Every row is compared with the same model run with an fp32 KV "
+        "cache (`--dtype float32`): delta PPL (with its 95% confidence interval), mean and p99 per-token KL "
+        "divergence, and how often the most likely next token is unchanged. Task columns: exact-match accuracy "
+        "of greedy answers (`kvlm eval task`). Random-weight golden models are scored on the text's bytes as "
+        "token ids; their PPL is meaningless, their KLD is not.",
+        "",
+    ]
+    for name, trained, n_layers, base_ppl, rows in sections:
+        lines.append(f"## {name} ({n_layers} layers{', trained' if trained else ', random weights'}; fp32-cache PPL {base_ppl:.4f})")
+        lines.append("")
+        head = "| KV cache | bytes/token | PPL | ΔPPL (95% CI) | mean KLD | p99 KLD | same top % |"
+        sep = "|---|---:|---:|---:|---:|---:|---:|"
+        if trained and not args.skip_tasks:
+            head += " arithmetic % | recall 1k % | recall 4k % | recall 8k % |"
+            sep += "---:|---:|---:|---:|"
+        lines += [head, sep]
+        for r in rows:
+            line = (f"| {r['mode']} | {r['bytes']} | {r['ppl']:.4f} | {r['dppl']:+.4f} ± {r['dppl_ci']:.4f} | "
+                    f"{r['kld']:.2e} | {r['kld99']:.2e} | {r['top']:.2f} |")
+            if trained and not args.skip_tasks:
+                for task in ["arithmetic", "recall_1k", "recall_4k", "recall_8k"]:
+                    line += " n/a |" if r.get(task) is None else f" {r[task]:.1f} |"
+            lines.append(line)
+        lines.append("")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines))
+    shutil.copy(os.path.join(work, "commands.log"), args.out.replace(".md", ".log"))
+    print(f"wrote {args.out} (commands in {args.out.replace('.md', '.log')})")
+
+
+if __name__ == "__main__":
+    main()
