@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
   kvlm::app::InspectFlags insp;
   kvlm::app::TokenizeFlags tok, detok;
   kvlm::app::TemplateFlags tpl;
+  kvlm::app::ServeFlags serve;
+  kvlm::app::BenchFlags bench;
   kvlm::app::CalibrateFlags cal;
   kvlm::app::EvalFlags evalf;
   auto* gen_cmd = kvlm::app::add_generate(app, gen);
@@ -31,9 +33,12 @@ int main(int argc, char** argv) {
   auto* tok_cmd = kvlm::app::add_tokenize(app, tok);
   auto* detok_cmd = kvlm::app::add_detokenize(app, detok);
   auto* tpl_cmd = kvlm::app::add_render_template(app, tpl);
+  auto* serve_cmd = kvlm::app::add_serve(app, serve);
+  auto* bench_cmd = kvlm::app::add_bench(app, bench);
   auto* cal_cmd = kvlm::app::add_calibrate(app, cal);
   auto* eval_cmd = kvlm::app::add_eval(app, evalf);
-  for (auto* cmd : {gen_cmd, chat_cmd, insp_cmd, tok_cmd, detok_cmd, tpl_cmd, cal_cmd, eval_cmd})
+  for (auto* cmd : {gen_cmd, chat_cmd, insp_cmd, tok_cmd, detok_cmd, tpl_cmd, cal_cmd, eval_cmd, serve_cmd, bench_cmd,
+                    bench.throughput_cmd, bench.serve_cmd})
     cmd->fallthrough();  // -q / -v may follow the subcommand
   try {
     app.parse(argc, argv);
@@ -48,6 +53,8 @@ int main(int argc, char** argv) {
     if (tok_cmd->parsed()) return kvlm::app::run_tokenize(tok);
     if (detok_cmd->parsed()) return kvlm::app::run_detokenize(detok);
     if (tpl_cmd->parsed()) return kvlm::app::run_render_template(tpl);
+    if (serve_cmd->parsed()) return kvlm::app::run_serve(serve);
+    if (bench_cmd->parsed()) return kvlm::app::run_bench(bench);
     if (cal_cmd->parsed()) return kvlm::app::run_calibrate(cal);
     if (eval_cmd->parsed()) return kvlm::app::run_eval(*eval_cmd, evalf);
   } catch (const kvlm::Error& e) {

@@ -1,0 +1,769 @@
+#include "server/http_server.h"
+
+#include <dirent.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <httplib.h>
+
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "serve/async_engine.h"
+#include "server/prometheus.h"
+#include "server/request_stream.h"
+#include "server/response.h"
+
+namespace kvlm::server {
+
+void AsyncEngineClient::add_request(EngineRequest req) { e_.add_request(std::move(req)); }
+void AsyncEngineClient::abort(const std::string& id) { e_.abort(id); }
+EngineStats AsyncEngineClient::stats() const { return e_.stats(); }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+// httplib keeps the listening socket protected; the backlog it listens with (5) is far too
+// short for hundreds of clients connecting at once, and Linux lets listen() be called again.
+class Listener : public httplib::Server {
+ public:
+  int listen_fd() const { return int(svr_sock_); }
+};
+
+// A connection-thread pool that grows with demand up to a limit (httplib's own pool has a
+// fixed size chosen at compile time). Threads stay until shutdown.
+class GrowingPool : public httplib::TaskQueue {
+ public:
+  explicit GrowingPool(size_t max_threads) : max_(std::max<size_t>(max_threads, 1)) {}
+  ~GrowingPool() override { shutdown(); }
+
+  void enqueue(std::function<void()> fn) override {
+    std::lock_guard lock(mu_);
+    jobs_.push_back(std::move(fn));
+    if (idle_ < jobs_.size() && threads_.size() < max_ && !stopping_) {
+      try {
+        threads_.emplace_back([this] { work(); });
+      } catch (const std::system_error&) {
+        // No more threads: the job waits for a busy one.
+      }
+    }
+    cv_.notify_one();
+  }
+
+  void shutdown() override {
+    std::vector<std::thread> threads;
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+      threads.swap(threads_);
+    }
+    cv_.notify_all();
+    for (auto& t : threads) t.join();
+  }
+
+ private:
+  void work() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      ++idle_;
+      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+      --idle_;
+      if (jobs_.empty()) return;  // stopping, nothing left
+      std::function<void()> fn = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      try {
+        fn();
+      } catch (...) {
+        // httplib handles its own errors; nothing may escape a pool thread.
+      }
+      lock.lock();
+    }
+  }
+
+  const size_t max_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  std::vector<std::thread> threads_;
+  size_t idle_ = 0;
+  bool stopping_ = false;
+};
+
+// Tells whether the client of a request that is still being computed has closed its
+// connection. httplib 0.11 gives handlers no socket, so the socket is found by its
+// addresses among the process's descriptors, once, when a request has waited a while.
+class ConnectionProbe {
+ public:
+  explicit ConnectionProbe(const httplib::Request& req)
+      : remote_(req.remote_addr), local_(req.local_addr), rport_(req.remote_port), lport_(req.local_port) {}
+
+  bool client_gone() {
+    if (fd_ == kUnknown) fd_ = find();
+    if (fd_ < 0) return false;
+    char c;
+    const ssize_t n = ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return false;   // more data (a pipelined request): still there
+    if (n == 0) return true;   // orderly close
+    return !(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+  }
+
+ private:
+  static constexpr int kUnknown = -2;
+
+  static bool matches(const sockaddr_storage& sa, socklen_t len, const std::string& host, int port) {
+    char h[NI_MAXHOST], s[NI_MAXSERV];
+    if (::getnameinfo(reinterpret_cast<const sockaddr*>(&sa), len, h, sizeof h, s, sizeof s, NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+      return false;
+    return host == h && port == std::atoi(s);
+  }
+
+  int find() const {
+    DIR* d = ::opendir("/proc/self/fd");
+    if (!d) return -1;
+    int found = -1;
+    while (dirent* e = ::readdir(d)) {
+      char* end = nullptr;
+      const long fd = std::strtol(e->d_name, &end, 10);
+      if (end == e->d_name || *end != '\0' || fd < 0) continue;
+      sockaddr_storage peer{}, self{};
+      socklen_t plen = sizeof peer, slen = sizeof self;
+      if (::getpeername(int(fd), reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;
+      if (::getsockname(int(fd), reinterpret_cast<sockaddr*>(&self), &slen) != 0) continue;
+      if (matches(peer, plen, remote_, rport_) && matches(self, slen, local_, lport_)) {
+        found = int(fd);
+        break;
+      }
+    }
+    ::closedir(d);
+    return found;
+  }
+
+  std::string remote_, local_;
+  int rport_, lport_;
+  int fd_ = kUnknown;
+};
+
+constexpr const char* kJson = "application/json";
+
+void reply(httplib::Response& res, int status, const Json& body) {
+  res.status = status;
+  res.set_content(dump(body), kJson);
+}
+
+void reply_error(httplib::Response& res, const ApiError& e) { reply(res, e.status(), error_json(e)); }
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+uint64_t random_seed() {
+  thread_local std::mt19937_64 rng{std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)};
+  return rng();
+}
+
+}  // namespace
+
+// A generation request in flight: its stream and engine ids. The last owner (the handler,
+// or the streaming response) unregisters it.
+struct Flight {
+  std::function<void(const std::string&)> unregister;
+  std::string id;
+  std::shared_ptr<RequestStream> stream;
+  std::vector<std::string> engine_ids;
+  EngineClient* engine = nullptr;
+  void abort_unfinished() const {
+    if (stream->all_finished()) return;
+    for (const auto& e : engine_ids) engine->abort(e);
+  }
+  ~Flight();
+};
+
+struct HttpServer::Impl {
+  ServerOptions opts;
+  Listener svr;
+  std::thread thread;
+  int port = -1;
+  bool started = false;
+  std::atomic<bool> listener_done{false};
+
+  void wait_listening() const {
+    for (int i = 0; i < 10000 && !svr.is_running() && !listener_done; ++i) std::this_thread::sleep_for(1ms);
+  }
+  std::atomic<bool> ready{false}, draining{false};
+  ServedModel model;  // written once, before `ready` becomes true
+  int64_t created = std::time(nullptr);
+
+  mutable std::mutex live_mu;
+  mutable std::condition_variable live_cv;
+  struct Live {
+    std::shared_ptr<RequestStream> stream;
+    std::vector<std::string> engine_ids;
+    EngineClient* engine = nullptr;
+  };
+  std::map<std::string, Live> live;
+
+  mutable std::mutex stats_mu;
+  std::map<int, uint64_t> by_status;
+
+  explicit Impl(ServerOptions o) : opts(std::move(o)) {}
+
+  const ServedModel* served(httplib::Response& res) const {
+    if (ready.load(std::memory_order_acquire)) return &model;
+    reply(res, 503, error_json(503, "the model is still loading; retry when /health answers 200", "", "model_loading"));
+    return nullptr;
+  }
+
+  void unregister(const std::string& id) {
+    {
+      std::lock_guard lock(live_mu);
+      live.erase(id);
+    }
+    live_cv.notify_all();
+  }
+
+  // Runs a handler body, answering every failure with an OpenAI-shaped error.
+  template <class F>
+  void guarded(httplib::Response& res, F&& f) {
+    try {
+      f();
+    } catch (const ApiError& e) {
+      reply_error(res, e);
+    } catch (const Error& e) {
+      reply(res, 400, error_json(400, e.what()));
+    } catch (const std::bad_alloc&) {
+      reply(res, 503, error_json(503, "the server is out of memory; retry later", "", "out_of_memory"));
+    } catch (const std::exception& e) {
+      log::error(std::string("request failed: ") + e.what());
+      reply(res, 500, error_json(500, std::string("internal error: ") + e.what()));
+    }
+  }
+
+  std::string token_text(TokenId t) const {
+    if (!model.text) return "token_id:" + std::to_string(t);
+    return model.text->tokenizer().decode(std::span<const TokenId>(&t, 1), false);
+  }
+
+  struct StreamState {
+    std::shared_ptr<Flight> flight;
+    ResponseAssembler asmb;
+    std::vector<ChoiceEvent> evs;
+    bool begun = false;
+  };
+  static bool write_stream(StreamState& st, httplib::DataSink& sink);
+
+  void generate(const httplib::Request& req, httplib::Response& res, Endpoint ep);
+  void tokenize(const httplib::Request& req, httplib::Response& res);
+  void detokenize(const httplib::Request& req, httplib::Response& res);
+  void install_routes();
+};
+
+Flight::~Flight() {
+  try {
+    abort_unfinished();  // nobody will read what they produce
+  } catch (...) {
+  }
+  if (unregister) unregister(id);
+}
+
+void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& res, Endpoint ep) {
+  const ServedModel* m = served(res);
+  if (!m) return;
+  if (draining.load()) {
+    reply(res, 503, error_json(503, "the server is shutting down and takes no new requests", "", "server_shutting_down"));
+    return;
+  }
+  const bool chat = ep == Endpoint::Chat;
+  const Json body = parse_body(req.body, opts.limits);
+  GenParams gen;
+  std::vector<std::vector<TokenId>> prompts;
+  std::vector<std::string> echo_texts;
+  if (!chat) {
+    CompletionRequest cr = parse_completion_request(body, m->info, opts.limits);
+    gen = cr.gen;
+    for (auto& p : cr.prompts) {
+      std::vector<TokenId> ids = p.text ? m->text->encode_prompt(*p.text) : std::move(p.ids);
+      std::string echo;
+      if (gen.echo) echo = p.text ? *p.text : (m->text ? m->text->tokenizer().decode(ids, gen.skip_special_tokens) : "");
+      echo_texts.push_back(std::move(echo));
+      prompts.push_back(std::move(ids));
+    }
+  } else {
+    ChatRequest cr = parse_chat_request(body, m->info, opts.limits);
+    gen = cr.gen;
+    try {
+      prompts.push_back(m->text->encode_chat(cr.messages, cr.add_generation_prompt, cr.template_kwargs));
+    } catch (const Error& e) {
+      throw ApiError(400, std::string("the model's chat template cannot render these messages: ") + e.what(), "messages");
+    }
+    echo_texts.emplace_back();
+  }
+  if (!m->text) gen.return_token_ids = true;  // no text to show: show the ids
+  std::vector<int> max_tokens;
+  for (const auto& p : prompts) {
+    if (p.empty())
+      throw ApiError(400, "the prompt is empty (it has no tokens after tokenization)", chat ? "messages" : "prompt");
+    max_tokens.push_back(resolve_max_tokens(gen, int(p.size()), m->info.max_model_len, chat));
+  }
+
+  // One engine request per choice: prompt p, sample i -> choice p * n + i.
+  const std::string id = make_request_id(chat ? "chatcmpl-" : "cmpl-");
+  const int total = int(prompts.size()) * gen.n;
+  TextOptions to;
+  to.stop = gen.stop;
+  to.stop_token_ids = gen.stop_token_ids;
+  if (!gen.ignore_eos) to.eos_token_ids = m->eos_token_ids;
+  to.include_stop_str_in_output = gen.include_stop_str_in_output;
+  to.skip_special_tokens = gen.skip_special_tokens;
+  auto stream = std::make_shared<RequestStream>(m->text ? &m->text->tokenizer() : nullptr, to, total);
+  // The engine stops at the model's EOS ids by itself; the tokenizer's EOS (which chat
+  // templates end turns with) may not be among them.
+  std::vector<TokenId> engine_stops = gen.stop_token_ids;
+  if (!gen.ignore_eos)
+    for (TokenId t : m->eos_token_ids)
+      if (std::find(engine_stops.begin(), engine_stops.end(), t) == engine_stops.end()) engine_stops.push_back(t);
+  std::vector<ChoiceMeta> meta;
+  std::vector<EngineRequest> reqs;
+  for (size_t p = 0; p < prompts.size(); ++p)
+    for (int i = 0; i < gen.n; ++i) {
+      const int c = int(p) * gen.n + i;
+      meta.push_back({.prompt_index = int(p), .prompt_ids = prompts[p], .echo_text = echo_texts[p]});
+      EngineRequest er;
+      er.id = id + "-" + std::to_string(c);
+      er.prompt = prompts[p];
+      er.sampling = gen.sampling;
+      er.seed = gen.seed ? *gen.seed + uint64_t(i) : random_seed();
+      er.max_tokens = max_tokens[p];
+      er.min_tokens = gen.min_tokens;
+      er.ignore_eos = gen.ignore_eos;
+      er.logprobs = gen.logprobs ? std::max(*gen.logprobs, 1) : 0;
+      er.prompt_logprobs = gen.echo && gen.logprobs ? *gen.logprobs : -1;
+      er.stop_token_ids = engine_stops;
+      er.on_output = [stream, c](const RequestOutput& out) { return stream->on_output(c, out); };
+      reqs.push_back(std::move(er));
+    }
+  auto flight = std::make_shared<Flight>();
+  flight->id = id;
+  flight->stream = stream;
+  flight->engine = m->engine;
+  for (const auto& r : reqs) flight->engine_ids.push_back(r.id);
+  {
+    std::lock_guard lock(live_mu);
+    // Checked under the lock begin_drain() takes, so once draining starts the set of
+    // requests in flight can only shrink.
+    if (draining.load())
+      throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
+    live[id] = Live{stream, flight->engine_ids, m->engine};
+  }
+  flight->unregister = [this](const std::string& fid) { unregister(fid); };  // from here on
+  for (size_t c = 0; c < reqs.size(); ++c) {
+    try {
+      m->engine->add_request(std::move(reqs[c]));
+    } catch (const std::exception& e) {
+      for (size_t j = 0; j < c; ++j) m->engine->abort(flight->engine_ids[j]);
+      for (size_t j = c; j < reqs.size(); ++j) stream->fail(int(j), FinishReason::Abort, e.what());
+      if (draining.load()) throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
+      throw ApiError(400, e.what());
+    }
+  }
+
+  ResponseAssembler asmb(ep, id, std::time(nullptr), m->info.name, gen, std::move(meta),
+                         [this](TokenId t) { return token_text(t); });
+  if (!gen.stream) {
+    ConnectionProbe probe(req);
+    const auto t0 = Clock::now();
+    auto next_probe = t0 + 1s;
+    std::vector<ChoiceEvent> evs;
+    while (!stream->done()) {
+      evs.clear();
+      stream->wait(evs, 100ms);
+      asmb.add(evs);
+      if (asmb.failure()) break;
+      const auto now = Clock::now();
+      if (now >= next_probe) {
+        next_probe = now + 250ms;
+        if (probe.client_gone()) {
+          flight->abort_unfinished();
+          log::info("request " + id + ": the client disconnected; aborted");
+          res.status = 499;  // nginx's "client closed request", for the logs and /metrics
+          return;
+        }
+      }
+    }
+    if (asmb.failure()) {
+      flight->abort_unfinished();
+      reply_error(res, *asmb.failure());
+      return;
+    }
+    reply(res, 200, asmb.response());
+    return;
+  }
+
+  auto st = std::make_shared<StreamState>(StreamState{flight, std::move(asmb), {}, false});
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [st](size_t, httplib::DataSink& sink) {
+        try {
+          return write_stream(*st, sink);
+        } catch (...) {
+          return false;  // ends the response; the releaser aborts what is left
+        }
+      },
+      [st](bool) {
+        try {
+          st->flight->abort_unfinished();
+        } catch (...) {
+        }
+      });
+}
+
+// One turn of a streaming response: wait (briefly) for events, write their chunks, end the
+// stream when every choice has finished. False when the client is gone.
+bool HttpServer::Impl::write_stream(StreamState& st, httplib::DataSink& sink) {
+  RequestStream& s = *st.flight->stream;
+  std::string out;
+  if (!st.begun) {
+    st.begun = true;
+    out = st.asmb.begin();
+  }
+  st.evs.clear();
+  s.wait(st.evs, out.empty() ? 100ms : 0ms);
+  out += st.asmb.chunks(st.evs);
+  const bool failed = st.asmb.failure().has_value();
+  const bool finished = failed || s.done();
+  if (failed) {
+    st.flight->abort_unfinished();
+    out += sse_event(error_json(*st.asmb.failure()));
+    out += kSseDone;
+  } else if (finished) {
+    out += st.asmb.end();
+  }
+  if (!out.empty()) {
+    if (!sink.write(out.data(), out.size())) return false;  // the client is gone
+  } else if (!sink.is_writable()) {
+    return false;  // the client closed the connection while we waited
+  }
+  if (finished) sink.done();
+  return true;
+}
+
+void HttpServer::Impl::tokenize(const httplib::Request& req, httplib::Response& res) {
+  const ServedModel* m = served(res);
+  if (!m) return;
+  const Json body = parse_body(req.body, opts.limits);
+  if (const auto it = body.find("model"); it != body.end() && !it->is_null() && *it != m->info.name)
+    throw ApiError(404, "The model '" + (it->is_string() ? it->get<std::string>() : it->dump()) + "' does not exist",
+                   "model", "model_not_found");
+  if (!m->text) throw ApiError(400, "this model has no tokenizer (tokenizer.json)");
+  auto flag = [&](const char* key, bool dflt) {
+    const auto it = body.find(key);
+    if (it == body.end() || it->is_null()) return dflt;
+    if (!it->is_boolean()) throw ApiError(400, std::string(key) + " must be a boolean", key);
+    return it->get<bool>();
+  };
+  std::vector<TokenId> ids;
+  if (body.contains("messages")) {
+    if (!m->text->has_chat_template()) throw ApiError(400, "this model has no chat template", "messages");
+    ModelInfo info = m->info;
+    Json chat_body = body;
+    chat_body.erase("model");
+    const ChatRequest cr = parse_chat_request(chat_body, info, opts.limits);
+    try {
+      const std::string rendered = m->text->render_chat(cr.messages, cr.add_generation_prompt, cr.template_kwargs);
+      ids = m->text->tokenizer().encode(rendered, {.add_special_tokens = flag("add_special_tokens", false)});
+    } catch (const ApiError&) {
+      throw;
+    } catch (const Error& e) {
+      throw ApiError(400, std::string("the model's chat template cannot render these messages: ") + e.what(), "messages");
+    }
+  } else {
+    const auto it = body.find("prompt");
+    if (it == body.end() || !it->is_string()) throw ApiError(400, "prompt (a string) or messages is required", "prompt");
+    const std::string& text = it->get_ref<const std::string&>();
+    ids = flag("add_special_tokens", true) ? m->text->encode_prompt(text)
+                                            : m->text->tokenizer().encode(text, {.add_special_tokens = false});
+  }
+  Json out = Json::object();
+  out["count"] = ids.size();
+  out["max_model_len"] = m->info.max_model_len;
+  out["tokens"] = ids;
+  if (flag("return_token_strs", false)) {
+    Json strs = Json::array();
+    for (TokenId t : ids) strs.push_back(m->text->tokenizer().id_to_token(t).value_or(""));
+    out["token_strs"] = std::move(strs);
+  } else {
+    out["token_strs"] = nullptr;
+  }
+  reply(res, 200, out);
+}
+
+void HttpServer::Impl::detokenize(const httplib::Request& req, httplib::Response& res) {
+  const ServedModel* m = served(res);
+  if (!m) return;
+  const Json body = parse_body(req.body, opts.limits);
+  if (const auto it = body.find("model"); it != body.end() && !it->is_null() && *it != m->info.name)
+    throw ApiError(404, "The model '" + (it->is_string() ? it->get<std::string>() : it->dump()) + "' does not exist",
+                   "model", "model_not_found");
+  if (!m->text) throw ApiError(400, "this model has no tokenizer (tokenizer.json)");
+  const auto it = body.find("tokens");
+  if (it == body.end() || !it->is_array()) throw ApiError(400, "tokens (a list of token ids) is required", "tokens");
+  std::vector<TokenId> ids;
+  for (const auto& v : *it) {
+    if (!v.is_number_integer() && !v.is_number_unsigned()) throw ApiError(400, "tokens must hold integer token ids", "tokens");
+    const int64_t t = v.is_number_unsigned() ? int64_t(std::min<uint64_t>(v.get<uint64_t>(), uint64_t(INT64_MAX))) : v.get<int64_t>();
+    if (t < 0 || t >= m->info.vocab_size)
+      throw ApiError(400, "token id " + std::to_string(t) + " is outside the model's vocabulary (0.." +
+                              std::to_string(m->info.vocab_size - 1) + ")",
+                     "tokens");
+    ids.push_back(TokenId(t));
+  }
+  Json out = Json::object();
+  out["prompt"] = m->text->tokenizer().decode(ids, false);
+  reply(res, 200, out);
+}
+
+void HttpServer::Impl::install_routes() {
+  const size_t max_threads = size_t(std::max(opts.max_connections, 1));
+  svr.new_task_queue = [max_threads] { return new GrowingPool(max_threads); };
+  svr.set_tcp_nodelay(true);  // SSE chunks are small: send them now
+  svr.set_payload_max_length(opts.max_body_bytes);
+  svr.set_read_timeout(opts.read_timeout_s, 0);
+  svr.set_write_timeout(opts.write_timeout_s, 0);
+  svr.set_keep_alive_timeout(opts.keep_alive_timeout_s);
+  svr.set_keep_alive_max_count(1000);
+
+  svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (opts.api_key.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    if (req.path != "/v1" && req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+    const std::string auth = req.get_header_value("Authorization");
+    constexpr std::string_view kBearer = "Bearer ";
+    const bool ok = auth.size() > kBearer.size() && auth.compare(0, kBearer.size(), kBearer) == 0 &&
+                    constant_time_equal(auth.substr(kBearer.size()), opts.api_key);
+    if (ok) return httplib::Server::HandlerResponse::Unhandled;
+    res.set_header("WWW-Authenticate", "Bearer");
+    reply(res, 401,
+          error_json(401,
+                     auth.empty() ? "this server needs an API key: send the header 'Authorization: Bearer <key>'"
+                                  : "incorrect API key in the Authorization header",
+                     "", "invalid_api_key"));
+    return httplib::Server::HandlerResponse::Handled;
+  });
+
+  svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;  // a handler's own error body
+    std::string msg;
+    switch (res.status) {
+      case 404: msg = "no route for " + req.method + " " + req.path; break;
+      case 413: msg = "the request body is too large"; break;
+      case 414: msg = "the request URI is too long"; break;
+      case 400: msg = "malformed HTTP request"; break;
+      default: msg = "HTTP error " + std::to_string(res.status); break;
+    }
+    res.set_content(dump(error_json(res.status, msg)), kJson);
+  });
+
+  svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "unknown error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    reply(res, 500, error_json(500, "internal error: " + what));
+  });
+
+  svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    {
+      std::lock_guard lock(stats_mu);
+      ++by_status[res.status];
+    }
+    if (log::level() >= log::Level::Info)
+      log::info(req.method + " " + req.path + " " + std::to_string(res.status) + " (" + req.remote_addr + ")");
+  });
+
+  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (!served(res)) return;
+    if (draining.load()) {
+      reply(res, 503, error_json(503, "the server is shutting down", "", "server_shutting_down"));
+      return;
+    }
+    res.status = 200;
+  });
+  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    const ServedModel* m = served(res);
+    if (!m) return;
+    Json model = Json::object();
+    model["id"] = m->info.name;
+    model["object"] = "model";
+    model["created"] = created;
+    model["owned_by"] = "kvlm";
+    model["root"] = m->root;
+    model["parent"] = nullptr;
+    model["max_model_len"] = m->info.max_model_len;
+    model["vocab_size"] = m->info.vocab_size;  // kvlm's addition (kvlm bench serve's synthetic prompts)
+    reply(res, 200, Json{{"object", "list"}, {"data", Json::array({model})}});
+  });
+  svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    const ServedModel* m = served(res);
+    if (!m) return;
+    HttpStats hs;
+    {
+      std::lock_guard lock(stats_mu);
+      hs.responses_by_status = by_status;
+    }
+    {
+      std::lock_guard lock(live_mu);
+      hs.requests_in_flight = int(live.size());
+    }
+    read_process_memory(hs);
+    res.set_content(format_prometheus(m->engine->stats(), hs, m->info.name), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] { generate(req, res, Endpoint::Completions); });
+  });
+  svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] { generate(req, res, Endpoint::Chat); });
+  });
+  svr.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) { guarded(res, [&] { tokenize(req, res); }); });
+  svr.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] { detokenize(req, res); });
+  });
+}
+
+HttpServer::HttpServer(ServerOptions opts) : impl_(std::make_unique<Impl>(std::move(opts))) { impl_->install_routes(); }
+
+HttpServer::~HttpServer() { stop(); }
+
+int HttpServer::bind() {
+  Impl& I = *impl_;
+  if (I.opts.port < 0 || I.opts.port > 65535) throw Error("--port must be between 0 and 65535, got " + std::to_string(I.opts.port));
+  errno = 0;
+  if (I.opts.port == 0) {
+    I.port = I.svr.bind_to_any_port(I.opts.host);
+    if (I.port < 0) I.port = -1;
+  } else {
+    I.port = I.svr.bind_to_port(I.opts.host, I.opts.port) ? I.opts.port : -1;
+  }
+  if (I.port < 0) {
+    const int err = errno;
+    throw Error("cannot listen on " + I.opts.host + ":" + std::to_string(I.opts.port) +
+                (err ? std::string(": ") + std::strerror(err) : std::string()) +
+                "; is another server using the port? Choose another with --port, or check --host");
+  }
+  ::listen(I.svr.listen_fd(), 4096);  // a longer backlog than httplib's 5
+  return I.port;
+}
+
+void HttpServer::start() {
+  Impl& I = *impl_;
+  if (I.started) return;
+  if (I.port < 0) bind();
+  I.started = true;
+  I.listener_done = false;
+  I.thread = std::thread([&I] {
+    I.svr.listen_after_bind();
+    I.listener_done = true;
+  });
+  I.wait_listening();
+}
+
+void HttpServer::set_ready(ServedModel model) {
+  impl_->model = std::move(model);
+  impl_->ready.store(true, std::memory_order_release);
+}
+
+void HttpServer::begin_drain() {
+  std::lock_guard lock(impl_->live_mu);
+  impl_->draining.store(true);
+}
+
+int HttpServer::in_flight() const {
+  std::lock_guard lock(impl_->live_mu);
+  return int(impl_->live.size());
+}
+
+bool HttpServer::wait_idle(std::chrono::steady_clock::time_point deadline) const {
+  std::unique_lock lock(impl_->live_mu);
+  return impl_->live_cv.wait_until(lock, deadline, [&] { return impl_->live.empty(); });
+}
+
+void HttpServer::cancel_all(const std::string& why) {
+  std::vector<Impl::Live> all;
+  {
+    std::lock_guard lock(impl_->live_mu);
+    for (const auto& [_, l] : impl_->live) all.push_back(l);
+  }
+  for (const auto& l : all) {
+    for (const auto& e : l.engine_ids) l.engine->abort(e);
+    for (int c = 0; c < l.stream->num_choices(); ++c) l.stream->fail(c, FinishReason::Abort, why);
+  }
+}
+
+namespace {
+
+// Shuts down (not closes: their threads close them) the connections accepted on `port`, so
+// idle keep-alive connections end now instead of after their keep-alive timeout.
+void shutdown_connections(int port) {
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return;
+  std::vector<int> fds;
+  while (dirent* e = ::readdir(d)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0' || fd < 0) continue;
+    sockaddr_storage self{}, peer{};
+    socklen_t slen = sizeof self, plen = sizeof peer;
+    if (::getsockname(int(fd), reinterpret_cast<sockaddr*>(&self), &slen) != 0) continue;
+    if (::getpeername(int(fd), reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;  // the listener has no peer
+    int local_port = -1;
+    if (self.ss_family == AF_INET) local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&self)->sin_port);
+    else if (self.ss_family == AF_INET6) local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&self)->sin6_port);
+    if (local_port == port) fds.push_back(int(fd));
+  }
+  ::closedir(d);
+  for (int fd : fds) ::shutdown(fd, SHUT_RDWR);
+}
+
+}  // namespace
+
+void HttpServer::stop() {
+  Impl& I = *impl_;
+  if (I.started) {
+    // httplib's stop() does nothing until its accept loop has started.
+    I.wait_listening();
+    if (I.svr.is_running()) I.svr.stop();  // closes the listener: nothing new is accepted
+    shutdown_connections(I.port);
+    if (I.thread.joinable()) I.thread.join();
+    I.started = false;
+  }
+}
+
+int HttpServer::bound_port() const { return impl_->port; }
+
+}  // namespace kvlm::server

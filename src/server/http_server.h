@@ -1,0 +1,101 @@
+// The OpenAI-compatible HTTP server (cpp-httplib): /v1/completions, /v1/chat/completions,
+// /v1/models, /health, /metrics, /tokenize, /detokenize.
+//
+// Lifecycle: bind() and start() first, so /health answers 503 while the model loads; then
+// set_ready() with the engine; at shutdown begin_drain() (new generation requests get 503),
+// wait_idle() for in-flight requests, cancel_all() for the rest, stop().
+//
+// Threads: each connection is served by a pool thread. A generation request becomes one
+// engine request per choice; their outputs arrive on the engine thread, which only queues
+// them on the request's RequestStream; the connection's thread writes to the socket. A
+// client that goes away (a failed write, or a closed socket seen while waiting) has its
+// engine requests aborted at once.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/text_processor.h"
+#include "serve/metrics.h"
+#include "serve/request.h"
+#include "server/protocol.h"
+
+namespace kvlm {
+class AsyncEngine;
+}
+
+namespace kvlm::server {
+
+// What the server needs of the engine (AsyncEngine in production, a fake in tests).
+class EngineClient {
+ public:
+  virtual ~EngineClient() = default;
+  // Throws kvlm::Error with a message for the client when the request is invalid.
+  virtual void add_request(EngineRequest req) = 0;
+  virtual void abort(const std::string& id) = 0;
+  virtual EngineStats stats() const = 0;
+};
+
+class AsyncEngineClient : public EngineClient {
+ public:
+  explicit AsyncEngineClient(AsyncEngine& e) : e_(e) {}
+  void add_request(EngineRequest req) override;
+  void abort(const std::string& id) override;
+  EngineStats stats() const override;
+
+ private:
+  AsyncEngine& e_;
+};
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                     // 0 = any free port (see bound_port())
+  std::string api_key;                 // non-empty: /v1/* needs "Authorization: Bearer <key>"
+  size_t max_body_bytes = 16u << 20;   // larger bodies get 413
+  int read_timeout_s = 30;             // a client that stops sending its request
+  int write_timeout_s = 30;            // a client that stops reading its response
+  int keep_alive_timeout_s = 5;
+  int max_connections = 1024;          // connections served at once (one thread each)
+  ApiLimits limits;
+};
+
+struct ServedModel {
+  EngineClient* engine = nullptr;
+  const TextProcessor* text = nullptr;  // null: the model has no tokenizer (token ids only)
+  ModelInfo info;
+  std::vector<TokenId> eos_token_ids;   // the model's and the tokenizer's EOS ids
+  std::string root;                     // the model directory, shown by /v1/models
+};
+
+class HttpServer {
+ public:
+  explicit HttpServer(ServerOptions opts);
+  ~HttpServer();  // stop()
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Binds the listening socket; throws kvlm::Error saying what to change when it cannot.
+  // Returns the port (useful with port 0).
+  int bind();
+  // Serves on a background thread: /health says 503 (loading) until set_ready().
+  void start();
+  void set_ready(ServedModel model);
+  // New generation requests get 503 and /health 503; requests in flight continue.
+  void begin_drain();
+  int in_flight() const;
+  // Waits until no generation request is in flight; false at the deadline.
+  bool wait_idle(std::chrono::steady_clock::time_point deadline) const;
+  // Ends every request in flight with `why` (their clients get a 503 or an error event).
+  void cancel_all(const std::string& why);
+  // Closes the listening socket and waits for the connection threads to end.
+  void stop();
+  int bound_port() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvlm::server

@@ -1,0 +1,532 @@
+#include "server/protocol.h"
+
+#include <cctype>
+#include <climits>
+#include <cstdio>
+#include <cmath>
+#include <random>
+
+namespace kvlm::server {
+
+namespace {
+
+[[noreturn]] void bad(const std::string& message, const std::string& param, const std::string& code = {}) {
+  throw ApiError(400, message, param, code);
+}
+
+std::string kind(const Json& v) {
+  switch (v.type()) {
+    case Json::value_t::string: return "a string";
+    case Json::value_t::boolean: return "a boolean";
+    case Json::value_t::number_integer:
+    case Json::value_t::number_unsigned: return "an integer";
+    case Json::value_t::number_float: return "a number";
+    case Json::value_t::array: return "an array";
+    case Json::value_t::object: return "an object";
+    default: return "null";
+  }
+}
+
+// The value of `key`, or nullptr when it is absent or null (OpenAI treats null as unset).
+const Json* field(const Json& body, const char* key) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<bool> opt_bool(const Json& body, const char* key) {
+  const Json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean()) bad(std::string(key) + " must be a boolean, got " + kind(*v), key);
+  return v->get<bool>();
+}
+
+std::optional<double> opt_number(const Json& body, const char* key) {
+  const Json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) bad(std::string(key) + " must be a number, got " + kind(*v), key);
+  const double d = v->get<double>();
+  if (!std::isfinite(d)) bad(std::string(key) + " must be a finite number", key);
+  return d;
+}
+
+// An integer (an integral float such as 2.0 is accepted, as pydantic accepts it).
+std::optional<int64_t> opt_int(const Json& body, const char* key) {
+  const Json* v = field(body, key);
+  if (!v) return std::nullopt;
+  if (v->is_number_unsigned()) {
+    const uint64_t u = v->get<uint64_t>();
+    if (u > uint64_t(INT64_MAX)) bad(std::string(key) + " is too large", key);
+    return int64_t(u);
+  }
+  if (v->is_number_integer()) return v->get<int64_t>();
+  if (v->is_number_float()) {
+    const double d = v->get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) return int64_t(d);
+  }
+  bad(std::string(key) + " must be an integer, got " + kind(*v), key);
+}
+
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+float number_in(const Json& body, const char* key, double lo, double hi, bool lo_open, float dflt) {
+  const auto v = opt_number(body, key);
+  if (!v) return dflt;
+  const bool ok = (lo_open ? *v > lo : *v >= lo) && *v <= hi;
+  if (!ok)
+    bad(std::string(key) + " must be in " + (lo_open ? "(" : "[") + num(lo) + ", " + num(hi) + "], got " + num(*v), key);
+  return float(*v);
+}
+
+void check_model(const Json& body, const ModelInfo& info) {
+  const Json* m = field(body, "model");
+  if (!m) return;  // vLLM serves the one model when none is named
+  if (!m->is_string()) bad("model must be a string, got " + kind(*m), "model");
+  if (m->get_ref<const std::string&>() != info.name)
+    throw ApiError(404, "The model '" + m->get<std::string>() + "' does not exist; this server serves '" + info.name + "'",
+                   "model", "model_not_found");
+}
+
+TokenId token_id(const Json& v, const ModelInfo& info, const char* param, const char* what) {
+  if (!v.is_number_integer() && !v.is_number_unsigned())
+    bad(std::string(param) + " must hold integer token ids, got " + kind(v), param);
+  if (v.is_number_unsigned() ? v.get<uint64_t>() >= uint64_t(info.vocab_size)
+                             : (v.get<int64_t>() < 0 || v.get<int64_t>() >= info.vocab_size))
+    bad(std::string(what) + " " + v.dump() + " is outside the model's vocabulary (0.." + std::to_string(info.vocab_size - 1) + ")",
+        param);
+  return TokenId(v.get<int64_t>());
+}
+
+// The parameters both endpoints share.
+GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& lim, bool chat) {
+  GenParams g;
+  if (auto n = opt_int(b, "n")) {
+    if (*n < 1 || *n > lim.max_n)
+      bad("n must be between 1 and " + std::to_string(lim.max_n) + ", got " + std::to_string(*n), "n");
+    g.n = int(*n);
+  }
+  // Chat: max_completion_tokens replaces the deprecated max_tokens and wins when both are set.
+  const char* max_key = chat && field(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  if (auto m = opt_int(b, max_key)) {
+    if (*m < 1) bad(std::string(max_key) + " must be at least 1, got " + std::to_string(*m), max_key);
+    g.max_tokens = int(std::min<int64_t>(*m, INT_MAX));
+  }
+  if (auto m = opt_int(b, "min_tokens")) {
+    if (*m < 0) bad("min_tokens must be at least 0, got " + std::to_string(*m), "min_tokens");
+    if (g.max_tokens && *m > *g.max_tokens)
+      bad("min_tokens (" + std::to_string(*m) + ") must not exceed " + max_key + " (" + std::to_string(*g.max_tokens) + ")",
+          "min_tokens");
+    g.min_tokens = int(std::min<int64_t>(*m, INT_MAX));
+  }
+  SamplingParams& s = g.sampling;
+  s.temperature = number_in(b, "temperature", 0, 2, false, info.default_temperature.value_or(1.0f));
+  s.top_p = number_in(b, "top_p", 0, 1, true, info.default_top_p.value_or(1.0f));
+  s.min_p = number_in(b, "min_p", 0, 1, false, 0.0f);
+  s.presence_penalty = number_in(b, "presence_penalty", -2, 2, false, 0.0f);
+  s.frequency_penalty = number_in(b, "frequency_penalty", -2, 2, false, 0.0f);
+  if (auto r = opt_number(b, "repetition_penalty")) {
+    if (!(*r > 0)) bad("repetition_penalty must be greater than 0 (1 = off), got " + num(*r), "repetition_penalty");
+    s.repetition_penalty = float(*r);
+  }
+  s.top_k = info.default_top_k.value_or(0);
+  if (auto k = opt_int(b, "top_k")) {
+    if (*k < -1) bad("top_k must be -1 or 0 (off) or at least 1, got " + std::to_string(*k), "top_k");
+    s.top_k = int(std::min<int64_t>(*k, INT_MAX));
+  }
+  if (auto seed = opt_int(b, "seed"))
+    if (*seed != -1) g.seed = uint64_t(*seed);  // -1 = random, as vLLM reads it
+
+  if (const Json* stop = field(b, "stop")) {
+    if (stop->is_string()) {
+      g.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (int(stop->size()) > lim.max_stop)
+        bad("stop may hold at most " + std::to_string(lim.max_stop) + " strings, got " + std::to_string(stop->size()), "stop");
+      for (const auto& s1 : *stop) {
+        if (!s1.is_string()) bad("stop must be a string or a list of strings, got a list holding " + kind(s1), "stop");
+        g.stop.push_back(s1.get<std::string>());
+      }
+    } else {
+      bad("stop must be a string or a list of strings, got " + kind(*stop), "stop");
+    }
+    for (const auto& s1 : g.stop) {
+      if (s1.empty()) bad("stop strings must not be empty", "stop");
+      if (s1.size() > lim.max_stop_bytes)
+        bad("a stop string may be at most " + std::to_string(lim.max_stop_bytes) + " bytes long, got " +
+                std::to_string(s1.size()),
+            "stop");
+    }
+    if (!g.stop.empty() && !info.has_tokenizer)
+      bad("stop strings need the model's tokenizer (tokenizer.json), which this model lacks; use stop_token_ids", "stop");
+  }
+  if (const Json* ids = field(b, "stop_token_ids")) {
+    if (!ids->is_array()) bad("stop_token_ids must be a list of token ids, got " + kind(*ids), "stop_token_ids");
+    if (int(ids->size()) > lim.max_stop_token_ids)
+      bad("stop_token_ids may hold at most " + std::to_string(lim.max_stop_token_ids) + " ids", "stop_token_ids");
+    for (const auto& v : *ids) g.stop_token_ids.push_back(token_id(v, info, "stop_token_ids", "stop token id"));
+  }
+  g.ignore_eos = opt_bool(b, "ignore_eos").value_or(false);
+  g.skip_special_tokens = opt_bool(b, "skip_special_tokens").value_or(true);
+  g.include_stop_str_in_output = opt_bool(b, "include_stop_str_in_output").value_or(false);
+  g.return_token_ids = opt_bool(b, "return_token_ids").value_or(false);
+  g.stream = opt_bool(b, "stream").value_or(false);
+  if (const Json* so = field(b, "stream_options")) {
+    if (!so->is_object()) bad("stream_options must be an object, got " + kind(*so), "stream_options");
+    if (!g.stream) bad("stream_options can only be set when stream is true", "stream_options");
+    g.include_usage = opt_bool(*so, "include_usage").value_or(false);
+  }
+  if (const Json* lb = field(b, "logit_bias")) {
+    if (!lb->is_object()) bad("logit_bias must be an object, got " + kind(*lb), "logit_bias");
+    if (!lb->empty()) bad("logit_bias is not supported by kvlm", "logit_bias");
+  }
+  return g;
+}
+
+void check_choices(const GenParams& g, size_t prompts, const ApiLimits& lim) {
+  if (uint64_t(g.n) * prompts > uint64_t(lim.max_choices))
+    bad(std::to_string(prompts) + " prompts x n=" + std::to_string(g.n) + " asks for more than " +
+            std::to_string(lim.max_choices) + " completions in one request; split it",
+        "n");
+}
+
+std::vector<TokenId> token_list(const Json& arr, const ModelInfo& info) {
+  if (arr.empty()) bad("a token-id prompt must not be empty", "prompt");
+  std::vector<TokenId> ids;
+  ids.reserve(arr.size());
+  for (const auto& v : arr) ids.push_back(token_id(v, info, "prompt", "prompt token id"));
+  return ids;
+}
+
+std::vector<Prompt> parse_prompts(const Json& b, const ModelInfo& info) {
+  const Json* p = field(b, "prompt");
+  if (!p) bad("prompt is required", "prompt");
+  const std::string shapes = "prompt must be a string, a list of strings, a list of token ids, or a list of token-id lists";
+  std::vector<Prompt> out;
+  auto text = [&](const Json& s) {
+    if (!info.has_tokenizer)
+      bad("this model has no tokenizer (tokenizer.json), so prompts must be token ids, e.g. \"prompt\": [1, 2, 3]", "prompt");
+    out.push_back({.text = s.get<std::string>(), .ids = {}});
+  };
+  if (p->is_string()) {
+    text(*p);
+  } else if (p->is_array()) {
+    if (p->empty()) bad("prompt must not be an empty list", "prompt");
+    const Json& first = p->front();
+    if (first.is_string()) {
+      for (const auto& s : *p) {
+        if (!s.is_string()) bad(shapes + " (found a list mixing strings and " + kind(s) + ")", "prompt");
+        text(s);
+      }
+    } else if (first.is_number()) {
+      out.push_back({.text = std::nullopt, .ids = token_list(*p, info)});
+    } else if (first.is_array()) {
+      for (const auto& l : *p) {
+        if (!l.is_array()) bad(shapes + " (found a list mixing lists and " + kind(l) + ")", "prompt");
+        out.push_back({.text = std::nullopt, .ids = token_list(l, info)});
+      }
+    } else {
+      bad(shapes + ", got a list of " + kind(first) + "s", "prompt");
+    }
+  } else {
+    bad(shapes + ", got " + kind(*p), "prompt");
+  }
+  return out;
+}
+
+Json normalize_messages(const Json& b) {
+  const Json* msgs = field(b, "messages");
+  if (!msgs) bad("messages is required", "messages");
+  if (!msgs->is_array()) bad("messages must be a list of message objects, got " + kind(*msgs), "messages");
+  if (msgs->empty()) bad("messages must hold at least one message", "messages");
+  Json out = Json::array();
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const Json& m = (*msgs)[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) bad(where + " must be an object, got " + kind(m), "messages");
+    const Json* role = field(m, "role");
+    if (!role || !role->is_string() || role->get_ref<const std::string&>().empty())
+      bad(where + ".role must be a non-empty string", "messages");
+    Json nm = m;
+    const Json* content = field(m, "content");
+    if (content && content->is_array()) {
+      std::string joined;
+      for (size_t j = 0; j < content->size(); ++j) {
+        const Json& part = (*content)[j];
+        const std::string pw = where + ".content[" + std::to_string(j) + "]";
+        if (!part.is_object()) bad(pw + " must be an object, got " + kind(part), "messages");
+        const Json* type = field(part, "type");
+        if (!type || !type->is_string()) bad(pw + ".type must be a string", "messages");
+        if (type->get_ref<const std::string&>() != "text")
+          bad(pw + " has type '" + type->get<std::string>() + "'; kvlm serves text models and takes only text parts",
+              "messages");
+        const Json* t = field(part, "text");
+        if (!t || !t->is_string()) bad(pw + ".text must be a string", "messages");
+        if (j) joined += "\n";
+        joined += t->get_ref<const std::string&>();
+      }
+      nm["content"] = joined;
+    } else if (content && !content->is_string()) {
+      bad(where + ".content must be a string or a list of content parts, got " + kind(*content), "messages");
+    }
+    out.push_back(std::move(nm));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string_view error_type_for_status(int status) {
+  switch (status) {
+    case 400: return "invalid_request_error";
+    case 401: return "authentication_error";
+    case 403: return "permission_error";
+    case 404: return "not_found_error";
+    case 405: return "invalid_request_error";
+    case 408: return "timeout_error";
+    case 413: return "invalid_request_error";
+    case 429: return "rate_limit_error";
+    case 503: return "service_unavailable_error";
+    default: return status >= 500 ? "server_error" : "invalid_request_error";
+  }
+}
+
+Json error_json(int status, std::string_view message, std::string_view param, std::string_view code) {
+  Json e = Json::object();
+  e["message"] = std::string(message);
+  e["type"] = std::string(error_type_for_status(status));
+  e["param"] = param.empty() ? Json(nullptr) : Json(std::string(param));
+  e["code"] = code.empty() ? Json(nullptr) : Json(std::string(code));
+  Json j = Json::object();
+  j["error"] = std::move(e);
+  return j;
+}
+
+Json error_json(const ApiError& e) { return error_json(e.status(), e.what(), e.param(), e.code()); }
+
+Json parse_body(std::string_view body, const ApiLimits& limits) {
+  size_t i = 0;
+  while (i < body.size() && std::isspace(static_cast<unsigned char>(body[i]))) ++i;
+  if (i == body.size()) bad("the request body is empty; send a JSON object", "");
+  const int max_depth = limits.max_json_depth;
+  Json::parser_callback_t depth_check = [max_depth](int depth, Json::parse_event_t ev, Json&) {
+    if ((ev == Json::parse_event_t::object_start || ev == Json::parse_event_t::array_start) && depth >= max_depth)
+      bad("the request body is nested deeper than " + std::to_string(max_depth) + " levels", "");
+    return true;
+  };
+  Json j;
+  try {
+    j = Json::parse(body.begin(), body.end(), depth_check, true, false);
+  } catch (const Json::parse_error& e) {
+    std::string what = e.what();
+    if (auto p = what.find("] "); p != std::string::npos && what.rfind("[json.exception", 0) == 0) what = what.substr(p + 2);
+    bad("the request body is not valid JSON: " + what, "");
+  }
+  if (!j.is_object()) bad("the request body must be a JSON object, got " + kind(j), "");
+  return j;
+}
+
+CompletionRequest parse_completion_request(const Json& b, const ModelInfo& info, const ApiLimits& lim) {
+  check_model(b, info);
+  CompletionRequest r;
+  r.prompts = parse_prompts(b, info);
+  r.gen = parse_common(b, info, lim, false);
+  r.gen.echo = opt_bool(b, "echo").value_or(false);
+  if (auto lp = opt_int(b, "logprobs")) {
+    if (*lp < 0 || *lp > lim.max_logprobs)
+      bad("logprobs must be between 0 and " + std::to_string(lim.max_logprobs) + ", got " + std::to_string(*lp), "logprobs");
+    r.gen.logprobs = int(*lp);
+  }
+  if (const Json* s = field(b, "suffix")) {
+    if (!s->is_string()) bad("suffix must be a string, got " + kind(*s), "suffix");
+    if (!s->get_ref<const std::string&>().empty()) bad("suffix is not supported by kvlm", "suffix");
+  }
+  if (auto bo = opt_int(b, "best_of"))
+    if (*bo != 1 && *bo != r.gen.n) bad("best_of is not supported by kvlm (only best_of = n)", "best_of");
+  check_choices(r.gen, r.prompts.size(), lim);
+  return r;
+}
+
+ChatRequest parse_chat_request(const Json& b, const ModelInfo& info, const ApiLimits& lim) {
+  check_model(b, info);
+  if (!info.has_chat_template)
+    bad("this model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions", "messages");
+  ChatRequest r;
+  r.messages = normalize_messages(b);
+  r.gen = parse_common(b, info, lim, true);
+  const bool lp = opt_bool(b, "logprobs").value_or(false);
+  const auto top = opt_int(b, "top_logprobs");
+  if (top) {
+    if (*top < 0 || *top > lim.max_logprobs)
+      bad("top_logprobs must be between 0 and " + std::to_string(lim.max_logprobs) + ", got " + std::to_string(*top),
+          "top_logprobs");
+    if (!lp) bad("top_logprobs needs logprobs set to true", "top_logprobs");
+  }
+  if (lp) r.gen.logprobs = int(top.value_or(0));
+  r.add_generation_prompt = opt_bool(b, "add_generation_prompt").value_or(true);
+  if (opt_bool(b, "continue_final_message").value_or(false))
+    bad("continue_final_message is not supported by kvlm", "continue_final_message");
+  if (opt_bool(b, "echo").value_or(false)) bad("echo is supported by /v1/completions only", "echo");
+  if (const Json* kw = field(b, "chat_template_kwargs")) {
+    if (!kw->is_object()) bad("chat_template_kwargs must be an object, got " + kind(*kw), "chat_template_kwargs");
+    r.template_kwargs = *kw;
+    for (const char* reserved : {"messages", "add_generation_prompt"}) r.template_kwargs.erase(reserved);
+  }
+  if (field(b, "chat_template")) bad("a chat_template in the request is not supported; the model's template is used", "chat_template");
+  for (const char* key : {"tools", "functions"})
+    if (const Json* t = field(b, key)) {
+      if (!t->is_array()) bad(std::string(key) + " must be a list, got " + kind(*t), key);
+      if (!t->empty()) bad("tool calling is not supported by kvlm yet", key);
+    }
+  if (const Json* tc = field(b, "tool_choice"))
+    if (!(tc->is_string() && tc->get_ref<const std::string&>() == "none"))
+      bad("tool calling is not supported by kvlm yet (tool_choice may only be \"none\")", "tool_choice");
+  if (const Json* rf = field(b, "response_format")) {
+    const Json* type = rf->is_object() ? field(*rf, "type") : nullptr;
+    if (!type || !type->is_string()) bad("response_format must be an object with a string type", "response_format");
+    if (type->get_ref<const std::string&>() != "text")
+      bad("response_format type '" + type->get<std::string>() + "' is not supported by kvlm (only 'text')", "response_format");
+  }
+  check_choices(r.gen, 1, lim);
+  return r;
+}
+
+int resolve_max_tokens(const GenParams& gen, int prompt_len, int max_model_len, bool chat) {
+  const char* prompt_param = chat ? "messages" : "prompt";
+  if (prompt_len >= max_model_len)
+    bad("This model's maximum context length is " + std::to_string(max_model_len) + " tokens, and your prompt has " +
+            std::to_string(prompt_len) + " tokens, which leaves no room for the completion; shorten the prompt",
+        prompt_param, "context_length_exceeded");
+  const int room = max_model_len - prompt_len;
+  int max_tokens = 0;
+  if (gen.max_tokens) {
+    if (*gen.max_tokens > room) {
+      const char* key = chat ? "max_completion_tokens" : "max_tokens";
+      bad("This model's maximum context length is " + std::to_string(max_model_len) + " tokens. However, you requested " +
+              std::to_string(int64_t(prompt_len) + *gen.max_tokens) + " tokens (" + std::to_string(prompt_len) +
+              " in the prompt, " + std::to_string(*gen.max_tokens) + " for the completion); lower " + key + " to at most " +
+              std::to_string(room) + " or shorten the prompt",
+          key, "context_length_exceeded");
+    }
+    max_tokens = *gen.max_tokens;
+  } else {
+    max_tokens = chat ? room : std::min(16, room);
+  }
+  if (gen.min_tokens > max_tokens)
+    bad("min_tokens (" + std::to_string(gen.min_tokens) + ") exceeds the " + std::to_string(max_tokens) +
+            " tokens this prompt leaves for the completion",
+        "min_tokens");
+  return max_tokens;
+}
+
+double json_logprob(float v) { return std::isfinite(v) ? double(v) : -9999.0; }
+
+size_t utf8_length(std::string_view s) {
+  size_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+void CompletionLogprobs::add_prompt(std::span<const TokenId> prompt, std::span<const TokenLogprobs> lps, int k,
+                                    const TokenText& text) {
+  // The engine reports prompt logprobs for the prompt's last lps.size() tokens (the first
+  // token has no predecessor, so at most prompt.size() - 1).
+  const size_t skip = prompt.size() > lps.size() ? prompt.size() - lps.size() : 0;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (i < skip) {
+      const std::string t = text(prompt[i]);
+      tokens.push_back(t);
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+      text_offset.push_back(offset);
+      offset += utf8_length(t);
+    } else {
+      add(lps[i - skip], k, text);
+    }
+  }
+}
+
+void CompletionLogprobs::add(const TokenLogprobs& lp, int k, const TokenText& text) {
+  const std::string t = text(lp.token);
+  tokens.push_back(t);
+  token_logprobs.push_back(json_logprob(lp.logprob));
+  Json top = Json::object();
+  for (size_t i = 0; i < lp.top.size() && int(i) < k; ++i) {
+    const std::string s = text(lp.top[i].first);
+    if (!top.contains(s)) top[s] = json_logprob(lp.top[i].second);
+  }
+  if (!top.contains(t)) top[t] = json_logprob(lp.logprob);  // the chosen token is always listed
+  top_logprobs.push_back(std::move(top));
+  text_offset.push_back(offset);
+  offset += utf8_length(t);
+}
+
+Json CompletionLogprobs::to_json() const {
+  Json j = Json::object();
+  j["tokens"] = tokens;
+  j["token_logprobs"] = token_logprobs;
+  j["top_logprobs"] = top_logprobs;
+  j["text_offset"] = text_offset;
+  return j;
+}
+
+namespace {
+Json bytes_of(const std::string& s) {
+  Json b = Json::array();
+  for (unsigned char c : s) b.push_back(int(c));
+  return b;
+}
+}  // namespace
+
+Json chat_logprob_entry(const TokenLogprobs& lp, int k, const TokenText& text) {
+  const std::string t = text(lp.token);
+  Json e = Json::object();
+  e["token"] = t;
+  e["logprob"] = json_logprob(lp.logprob);
+  e["bytes"] = bytes_of(t);
+  Json top = Json::array();
+  for (size_t i = 0; i < lp.top.size() && int(i) < k; ++i) {
+    const std::string s = text(lp.top[i].first);
+    Json te = Json::object();
+    te["token"] = s;
+    te["logprob"] = json_logprob(lp.top[i].second);
+    te["bytes"] = bytes_of(s);
+    top.push_back(std::move(te));
+  }
+  e["top_logprobs"] = std::move(top);
+  return e;
+}
+
+std::string finish_reason_str(FinishReason r) {
+  const std::string_view n = finish_reason_name(r);
+  return n.empty() ? "stop" : std::string(n);
+}
+
+Json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
+  Json u = Json::object();
+  u["prompt_tokens"] = prompt_tokens;
+  u["completion_tokens"] = completion_tokens;
+  u["total_tokens"] = prompt_tokens + completion_tokens;
+  u["prompt_tokens_details"] = Json{{"cached_tokens", cached_tokens}};
+  return u;
+}
+
+std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+std::string sse_event(const Json& j) { return "data: " + dump(j) + "\n\n"; }
+
+std::string make_request_id(std::string_view prefix) {
+  thread_local std::mt19937_64 rng{std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)};
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id(prefix);
+  for (int w = 0; w < 2; ++w) {
+    uint64_t v = rng();
+    for (int i = 0; i < 16; ++i, v >>= 4) id += kHex[v & 15];
+  }
+  return id;
+}
+
+}  // namespace kvlm::server

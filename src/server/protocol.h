@@ -1,0 +1,160 @@
+// The OpenAI protocol, without sockets or threads: request bodies of /v1/completions and
+// /v1/chat/completions parsed and validated into plain structs (every mistake an ApiError
+// with the HTTP status, an OpenAI-shaped body and the parameter's name), and the JSON of
+// responses, streamed chunks, log-probabilities, usage and errors. Pure functions, unit
+// tested in tests/server.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/index_types.h"
+#include "engine/generate.h"  // TokenLogprobs
+#include "engine/sampler.h"
+#include "serve/request.h"    // FinishReason
+
+namespace kvlm::server {
+
+using Json = nlohmann::ordered_json;
+
+// An error for the client: HTTP status, OpenAI's error `type`, the offending parameter
+// (empty = null) and a machine-readable `code` (empty = null).
+class ApiError : public std::runtime_error {
+ public:
+  ApiError(int status, std::string message, std::string param = {}, std::string code = {})
+      : std::runtime_error(message), status_(status), param_(std::move(param)), code_(std::move(code)) {}
+  int status() const { return status_; }
+  const std::string& param() const { return param_; }
+  const std::string& code() const { return code_; }
+
+ private:
+  int status_;
+  std::string param_, code_;
+};
+
+// {"error": {"message", "type", "param", "code"}}; `type` follows the status as OpenAI's
+// does (invalid_request_error, authentication_error, not_found_error, ...).
+Json error_json(int status, std::string_view message, std::string_view param = {}, std::string_view code = {});
+Json error_json(const ApiError& e);
+std::string_view error_type_for_status(int status);
+
+// Limits a request must stay within; the defaults are the server's (see README "Serving").
+struct ApiLimits {
+  int max_n = 128;                 // OpenAI's documented maximum for `n`
+  int max_choices = 1024;          // prompts x n in one request
+  int max_stop = 16;               // stop strings
+  size_t max_stop_bytes = 1024;    // bytes of one stop string
+  int max_stop_token_ids = 256;
+  int max_logprobs = 20;           // vLLM's default --max-logprobs; OpenAI's top_logprobs maximum
+  int max_json_depth = 64;         // nesting of the request body
+};
+
+// What the model brings to validation and defaults.
+struct ModelInfo {
+  std::string name;            // --served-model-name
+  int max_model_len = 0;       // prompt + output
+  int vocab_size = 0;
+  bool has_tokenizer = false;
+  bool has_chat_template = false;
+  std::optional<float> default_temperature, default_top_p;  // generation_config.json
+  std::optional<int> default_top_k;
+};
+
+// The generation parameters shared by both endpoints, validated.
+struct GenParams {
+  SamplingParams sampling;
+  std::optional<uint64_t> seed;       // nullopt: random per choice
+  std::optional<int> max_tokens;      // nullopt: the endpoint's default
+  int min_tokens = 0;
+  bool ignore_eos = false;
+  int n = 1;
+  std::vector<std::string> stop;
+  std::vector<TokenId> stop_token_ids;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+  // Completions: `logprobs` K; chat: `top_logprobs` K when `logprobs` is true. nullopt = none.
+  std::optional<int> logprobs;
+  bool echo = false;                  // completions only
+  bool stream = false;
+  bool include_usage = false;         // stream_options.include_usage
+  bool return_token_ids = false;      // vLLM's extension: token ids in each choice
+};
+
+struct Prompt {
+  std::optional<std::string> text;    // a text prompt (tokenized by the server)
+  std::vector<TokenId> ids;           // or token ids
+};
+
+struct CompletionRequest {
+  GenParams gen;
+  std::vector<Prompt> prompts;        // one or more (a batch)
+};
+
+struct ChatRequest {
+  GenParams gen;
+  Json messages;                      // content normalized to strings
+  bool add_generation_prompt = true;
+  Json template_kwargs = Json::object();  // chat_template_kwargs (enable_thinking, ...)
+};
+
+// Parses a request body. Throws ApiError 400 for malformed JSON, a non-object body, or
+// JSON nested deeper than limits.max_json_depth.
+Json parse_body(std::string_view body, const ApiLimits& limits);
+
+// Throws ApiError: 400 for wrong types and values out of range, 404 for a model name
+// other than info.name. Unknown fields are ignored as OpenAI ignores them; known OpenAI
+// fields kvlm does not implement (logit_bias, suffix, best_of > 1, tools, response_format
+// other than text) are refused rather than silently dropped.
+CompletionRequest parse_completion_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);
+ChatRequest parse_chat_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);
+
+// The max_tokens a request gets, after its prompt is known: the request's value (checked
+// against the context: 400 with code context_length_exceeded) or the endpoint's default
+// (completions: 16, chat: the rest of the context), never past max_model_len.
+int resolve_max_tokens(const GenParams& gen, int prompt_len, int max_model_len, bool chat);
+
+// Log-probabilities in the two OpenAI shapes. `token_text` renders one token id.
+using TokenText = std::function<std::string(TokenId)>;
+struct CompletionLogprobs {
+  // Accumulates the legacy completions shape: tokens, token_logprobs, top_logprobs,
+  // text_offset. Prompt entries (echo) come first; the first prompt token has nulls.
+  Json tokens = Json::array(), token_logprobs = Json::array(), top_logprobs = Json::array(),
+       text_offset = Json::array();
+  size_t offset = 0;  // characters so far (code points, as Python counts)
+  void add_prompt(std::span<const TokenId> prompt, std::span<const TokenLogprobs> lps, int k, const TokenText& text);
+  void add(const TokenLogprobs& lp, int k, const TokenText& text);
+  Json to_json() const;
+  bool empty() const { return tokens.empty(); }
+};
+// Chat: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}.
+Json chat_logprob_entry(const TokenLogprobs& lp, int k, const TokenText& text);
+
+// A logprob as JSON: finite values as they are, -inf / NaN as -9999.0 (vLLM's choice;
+// JSON has no infinity).
+double json_logprob(float v);
+// Code points in a UTF-8 string (invalid bytes count one each).
+size_t utf8_length(std::string_view s);
+
+// "stop", "length", "abort" (vLLM's name for cancelled requests), "error".
+std::string finish_reason_str(FinishReason r);
+
+Json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens);
+
+// Server-sent events: one `data:` event, and the stream's end.
+std::string sse_event(const Json& j);
+inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
+// JSON text of a response: UTF-8 kept as is, invalid bytes replaced by U+FFFD.
+std::string dump(const Json& j);
+
+// Random request ids: "cmpl-" / "chatcmpl-" + 32 hex digits.
+std::string make_request_id(std::string_view prefix);
+
+}  // namespace kvlm::server

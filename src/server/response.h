@@ -1,0 +1,71 @@
+// Folds a request's ChoiceEvents into OpenAI responses: SSE chunks while streaming, or one
+// JSON body at the end. Both paths keep the same per-choice record, so the streamed text
+// concatenates to exactly the non-streamed text and usage is counted once, the same way.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "server/protocol.h"
+#include "server/request_stream.h"
+
+namespace kvlm::server {
+
+enum class Endpoint { Completions, Chat };
+
+struct ChoiceMeta {
+  int prompt_index = 0;
+  std::vector<TokenId> prompt_ids;
+  std::string echo_text;  // completions with echo: the prompt's text
+};
+
+class ResponseAssembler {
+ public:
+  ResponseAssembler(Endpoint ep, std::string id, int64_t created, std::string model, const GenParams& gen,
+                    std::vector<ChoiceMeta> choices, TokenText token_text);
+
+  // Streaming. begin(): the chat role chunks (one per choice); chunks(): one chunk per
+  // choice that has news in `events`; end(): the usage chunk when asked, then [DONE].
+  std::string begin();
+  std::string chunks(const std::vector<ChoiceEvent>& events);
+  std::string end();
+
+  // Non-streaming: fold events, then the response body.
+  void add(const std::vector<ChoiceEvent>& events);
+  Json response() const;
+
+  // A choice that ended in an engine error or was cancelled by the server (shutdown):
+  // the error to answer with (500 / 503) instead of a response.
+  const std::optional<ApiError>& failure() const { return failure_; }
+  Json usage() const;
+  const std::string& id() const { return id_; }
+
+ private:
+  struct Record {
+    std::string text;
+    std::vector<TokenId> tokens;
+    CompletionLogprobs lp;       // completions
+    Json chat_lp = Json::array();  // chat
+    bool echoed = false;
+    bool finished = false;
+    FinishReason reason = FinishReason::None;
+    Json stop_reason = nullptr;
+    int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  };
+  void fold(const ChoiceEvent& ev);  // one event into its choice's record
+  Json chunk_base() const;
+  Json finish_json(const Record& r) const;
+
+  Endpoint ep_;
+  std::string id_;
+  int64_t created_;
+  std::string model_;
+  GenParams gen_;
+  std::vector<ChoiceMeta> meta_;
+  TokenText token_text_;
+  std::vector<Record> recs_;
+  std::optional<ApiError> failure_;
+};
+
+}  // namespace kvlm::server

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# `kvlm bench throughput` and `kvlm bench serve` (against a `kvlm serve` on loopback) with
+# the tiny-chat model: their tables, their --json results, and clear errors.
+# usage: KVLM=path/to/kvlm bash tests/server/test_bench.sh
+set -uo pipefail
+KVLM=${KVLM:?set KVLM to the kvlm binary}
+here=$(cd "$(dirname "$0")" && pwd)
+model="$here/../models/tiny-chat"
+tmp=$(mktemp -d)
+server_pid=""
+cleanup() {
+  [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+passed=0
+failed=0
+ok() { passed=$((passed + 1)); }
+bad() { failed=$((failed + 1)); echo "FAIL: $*"; }
+json_get() { python3 -c "import json,sys; d=json.load(open('$1')); print(($2))"; }
+
+# --- bench throughput ------------------------------------------------------------------------
+if "$KVLM" bench throughput --model "$model" --num-prompts 40 --input-len 48 --output-len 16 --max-model-len 128 \
+  --kv-cache-memory 64KiB --json "$tmp/t.json" >"$tmp/t.out" 2>"$tmp/t.err"; then
+  grep -q "Throughput Benchmark Result" "$tmp/t.out" && grep -q "Output token throughput (tok/s):" "$tmp/t.out" && ok \
+    || bad "throughput table: $(cat "$tmp/t.out")"
+  [ "$(json_get "$tmp/t.json" "d['num_requests'], d['failed_requests'], d['total_output_tokens'], d['total_input_tokens']")" = \
+    "(40, 0, 640, 1920)" ] && ok || bad "throughput json: $(cat "$tmp/t.json")"
+  [ "$(json_get "$tmp/t.json" "d['output_tokens_per_second'] > 0 and 1 <= d['max_concurrency'] <= 40 and d['preemptions'] >= 0")" = True ] \
+    && ok || bad "throughput json figures: $(cat "$tmp/t.json")"
+  grep -q "maximum concurrency for 128 tokens per request" "$tmp/t.err" && ok || bad "throughput prints the memory plan: $(cat "$tmp/t.err")"
+else
+  bad "bench throughput failed: $(cat "$tmp/t.err")"
+fi
+printf '{"prompt": "Once upon a time", "output_len": 5}\n{"prompt_token_ids": [1, 2, 3, 4]}\n\n{"prompt": "The robot"}\n' >"$tmp/d.jsonl"
+"$KVLM" bench throughput --model "$model" --dataset "$tmp/d.jsonl" --output-len 7 --json "$tmp/d.json" >/dev/null 2>"$tmp/err" \
+  && [ "$(json_get "$tmp/d.json" "d['num_requests'], d['total_output_tokens']")" = "(3, 19)" ] && ok \
+  || bad "bench throughput --dataset: $(cat "$tmp/err") $(cat "$tmp/d.json" 2>/dev/null)"
+printf '{"prompt": 5}\n' >"$tmp/bad.jsonl"
+"$KVLM" bench throughput --model "$model" --dataset "$tmp/bad.jsonl" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "bad.jsonl:1: needs \"prompt\"" "$tmp/err" && ok || bad "bad dataset line: $(cat "$tmp/err")"
+"$KVLM" bench throughput --model "$model" --num-prompts 0 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "num-prompts must be at least 1" "$tmp/err" && ok || bad "--num-prompts 0: $(cat "$tmp/err")"
+"$KVLM" bench throughput --model "$model" --input-len 100 --output-len 100 --max-model-len 128 --kv-cache-memory 1MiB >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "more than --max-model-len 128" "$tmp/err" && ok || bad "too long for max-model-len: $(cat "$tmp/err")"
+
+# --- bench serve -------------------------------------------------------------------------------
+"$KVLM" serve --model "$model" --port 0 --max-model-len 256 --api-key bench-key >"$tmp/s.out" 2>"$tmp/s.err" &
+server_pid=$!
+port=""
+for _ in $(seq 1 200); do
+  port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/s.err" | grep -o "[0-9]*$")
+  grep -sq "ready: serving" "$tmp/s.err" && break
+  sleep 0.05
+done
+if [ -z "$port" ] || ! grep -sq "ready: serving" "$tmp/s.err"; then
+  bad "kvlm serve did not start: $(cat "$tmp/s.err")"
+else
+  url="http://127.0.0.1:$port"
+  if "$KVLM" bench serve --base-url "$url" --api-key bench-key --num-prompts 20 --request-rate 100 --input-len 32 \
+    --output-len 8 --ignore-eos --json "$tmp/s.json" >"$tmp/b.out" 2>"$tmp/b.err"; then
+    for line in "Serving Benchmark Result" "Mean TTFT (ms):" "P99 TPOT (ms):" "Median ITL (ms):" "P90 E2EL (ms):" \
+      "Output token throughput (tok/s):"; do
+      grep -qF "$line" "$tmp/b.out" && ok || bad "bench serve table lacks '$line': $(cat "$tmp/b.out")"
+    done
+    [ "$(json_get "$tmp/s.json" "d['completed'], d['failed'], d['total_output_tokens'], d['total_input_tokens']")" = \
+      "(20, 0, 160, 640)" ] && ok || bad "bench serve json: $(cat "$tmp/s.json")"
+    [ "$(json_get "$tmp/s.json" "d['mean_ttft_ms'] > 0 and d['p99_ttft_ms'] >= d['median_ttft_ms'] and d['mean_tpot_ms'] > 0 and d['output_throughput'] > 0")" = True ] \
+      && ok || bad "bench serve figures: $(cat "$tmp/s.json")"
+  else
+    bad "bench serve failed: $(cat "$tmp/b.err") $(cat "$tmp/b.out")"
+  fi
+  "$KVLM" bench serve --base-url "$url" --api-key bench-key --num-prompts 12 --max-concurrency 3 --input-len 16 --output-len 4 \
+    --ignore-eos --json "$tmp/c.json" >/dev/null 2>"$tmp/err" \
+    && [ "$(json_get "$tmp/c.json" "d['completed'], d['peak_concurrency'] <= 3")" = "(12, True)" ] && ok \
+    || bad "bench serve --max-concurrency: $(cat "$tmp/err")"
+  "$KVLM" bench serve --base-url "$url" --num-prompts 2 --input-len 4 --output-len 2 >/dev/null 2>"$tmp/err"
+  [ $? -eq 1 ] && grep -q "401" "$tmp/err" && ok || bad "bench serve without the key: $(cat "$tmp/err")"
+  "$KVLM" bench serve --base-url "$url" --api-key bench-key --endpoint /v1/chat/completions --dataset "$tmp/d.jsonl" \
+    --output-len 3 --json "$tmp/ch.json" >/dev/null 2>"$tmp/err"
+  [ $? -eq 1 ] && grep -q "chat needs a \"prompt\" string" "$tmp/err" && ok || bad "chat with token-id prompts: $(cat "$tmp/err")"
+  printf '{"prompt": "Once upon a time"}\n{"prompt": "The robot", "output_len": 2}\n' >"$tmp/chat.jsonl"
+  "$KVLM" bench serve --base-url "$url" --api-key bench-key --endpoint /v1/chat/completions --dataset "$tmp/chat.jsonl" \
+    --output-len 3 --ignore-eos --json "$tmp/ch.json" >/dev/null 2>"$tmp/err" \
+    && [ "$(json_get "$tmp/ch.json" "d['completed'], d['total_output_tokens']")" = "(2, 5)" ] && ok \
+    || bad "bench serve chat: $(cat "$tmp/err")"
+  kill -TERM "$server_pid"
+  wait "$server_pid"
+  rc=$?
+  server_pid=""
+  [ $rc -eq 0 ] && ok || bad "kvlm serve exited $rc after SIGTERM: $(cat "$tmp/s.err")"
+  "$KVLM" bench serve --base-url "$url" --num-prompts 1 >/dev/null 2>"$tmp/err"
+  [ $? -eq 1 ] && grep -q "cannot reach the server" "$tmp/err" && ok || bad "bench serve, no server: $(cat "$tmp/err")"
+fi
+"$KVLM" bench serve --base-url "ftp://x" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "base-url must look like http://HOST:PORT" "$tmp/err" && ok || bad "bad --base-url: $(cat "$tmp/err")"
+
+# --- serve: flag errors before anything loads -------------------------------------------------------
+"$KVLM" serve --model "$model" --kv-cache-memory lots >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "invalid size 'lots'" "$tmp/err" && ok || bad "serve --kv-cache-memory lots: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --port 70000 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "port must be between 0 and 65535" "$tmp/err" && ok || bad "serve --port 70000: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --max-num-seqs 0 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "max-num-seqs must be at least 1" "$tmp/err" && ok || bad "serve --max-num-seqs 0: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --max-model-len 4096 --port 0 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "exceeds the model's context length of 2048" "$tmp/err" && ok || bad "serve --max-model-len 4096: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --max-model-len 2048 --kv-cache-memory 64KiB --port 0 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "fewer than one request of" "$tmp/err" && ok || bad "serve with a pool too small: $(cat "$tmp/err")"
+"$KVLM" serve --model "$tmp/nothing" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "nothing" "$tmp/err" && ok || bad "serve --model missing: $(cat "$tmp/err")"
+# A port in use: a clear error, not a crash.
+python3 -c "
+import socket, subprocess, sys
+s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)
+r = subprocess.run([sys.argv[1], 'serve', '--model', sys.argv[2], '--port', str(s.getsockname()[1])], capture_output=True, text=True, timeout=60)
+sys.exit(0 if r.returncode == 1 and 'cannot listen on 127.0.0.1' in r.stderr and 'Choose another with --port' in r.stderr else 1)
+" "$KVLM" "$model" && ok || bad "serve on a busy port"
+# The bundled default model (no --model) serves token-id prompts.
+"$KVLM" serve --port 0 --max-model-len 64 >"$tmp/d.out" 2>"$tmp/d.err" &
+server_pid=$!
+for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/d.err" && break; sleep 0.05; done
+port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/d.err" | grep -o "[0-9]*$")
+python3 - "$port" >"$tmp/dm.out" 2>&1 <<'EOF' && ok || bad "serve without --model: $(cat "$tmp/d.err") $(cat "$tmp/dm.out")"
+import json, sys, urllib.request, urllib.error
+base = f"http://127.0.0.1:{sys.argv[1]}"
+def post(path, body):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+models = json.loads(urllib.request.urlopen(base + "/v1/models").read())
+assert models["data"][0]["id"] == "stories260K", models
+status, r = post("/v1/completions", {"prompt": [1, 403, 407], "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+assert status == 200 and len(r["choices"][0]["token_ids"]) == 5 and r["choices"][0]["prompt_token_ids"] == [1, 403, 407], r
+status, r = post("/v1/completions", {"prompt": "text needs a tokenizer"})
+assert status == 400 and "tokenizer" in r["error"]["message"], r
+status, r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+assert status == 400 and "chat template" in r["error"]["message"], r
+EOF
+kill -TERM "$server_pid"
+wait "$server_pid"
+rc=$?
+server_pid=""
+[ $rc -eq 0 ] && ok || bad "kvlm serve (default model) exited $rc"
+
+# --no-enable-prefix-caching: a repeated prompt is computed again.
+"$KVLM" serve --model "$model" --port 0 --max-model-len 256 --no-enable-prefix-caching >"$tmp/n.out" 2>"$tmp/n.err" &
+server_pid=$!
+for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/n.err" && break; sleep 0.05; done
+port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/n.err" | grep -o "[0-9]*$")
+python3 - "$port" >"$tmp/nm.out" 2>&1 <<'EOF' && ok || bad "--no-enable-prefix-caching: $(cat "$tmp/n.err") $(cat "$tmp/nm.out")"
+import json, sys, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+body = json.dumps({"prompt": list(range(10, 90)), "max_tokens": 2}).encode()
+for _ in range(2):
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    r = json.loads(urllib.request.urlopen(req).read())
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r
+metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+assert 'kvlm:prefix_cache_hits_total{model_name="tiny-chat"} 0' in metrics, metrics
+EOF
+kill -TERM "$server_pid"
+wait "$server_pid"
+server_pid=""
+
+echo "bench/serve CLI tests: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

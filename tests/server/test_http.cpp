@@ -1,0 +1,427 @@
+// The HTTP server over loopback with a scripted engine (no model, fast, deterministic):
+// status codes and OpenAI-shaped error bodies, auth, body limits, streaming framing,
+// client disconnects aborting engine requests, draining and cancelling at shutdown.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <filesystem>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "core/error.h"
+#include "server/http_server.h"
+
+using namespace kvlm;
+using namespace kvlm::server;
+using namespace std::chrono_literals;
+
+namespace {
+
+const std::filesystem::path kTinyChat = std::filesystem::path(KVLM_TEST_DATA) / "models" / "tiny-chat";
+
+// Emits one token per request every step, cycling through `script`; a prompt starting
+// with 999 is refused, one starting with 998 fails with an engine error.
+class FakeEngine : public EngineClient {
+ public:
+  FakeEngine(std::vector<TokenId> script, std::chrono::milliseconds step) : script_(std::move(script)), step_(step) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~FakeEngine() override {
+    {
+      std::lock_guard lock(mu_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void add_request(EngineRequest r) override {
+    if (!r.prompt.empty() && r.prompt[0] == 999) throw Error("the fake engine refuses this prompt");
+    std::lock_guard lock(mu_);
+    ++accepted_;
+    live_.push_back({std::move(r), 0});
+    cv_.notify_all();
+  }
+  void abort(const std::string& id) override {
+    std::lock_guard lock(mu_);
+    aborted_.insert(id);
+  }
+  EngineStats stats() const override {
+    std::lock_guard lock(mu_);
+    EngineStats s;
+    s.num_running = int(live_.size());
+    s.requests_total = accepted_;
+    s.generation_tokens_total = generated_;
+    return s;
+  }
+  bool was_aborted(const std::string& prefix) const {
+    std::lock_guard lock(mu_);
+    for (const auto& id : aborted_)
+      if (id.rfind(prefix, 0) == 0) return true;
+    return false;
+  }
+  size_t num_aborted() const {
+    std::lock_guard lock(mu_);
+    return aborted_.size();
+  }
+  int live() const {
+    std::lock_guard lock(mu_);
+    return int(live_.size());
+  }
+
+ private:
+  struct Live {
+    EngineRequest req;
+    int produced;
+  };
+  void run() {
+    std::unique_lock lock(mu_);
+    while (!quit_) {
+      cv_.wait_for(lock, step_, [&] { return quit_; });
+      std::vector<std::pair<OutputCallback, RequestOutput>> outs;
+      for (auto it = live_.begin(); it != live_.end();) {
+        RequestOutput o;
+        o.id = it->req.id;
+        o.prompt_tokens = int(it->req.prompt.size());
+        bool done = false;
+        if (aborted_.count(it->req.id)) {
+          o.finished = true;
+          o.finish_reason = FinishReason::Abort;
+          done = true;
+        } else if (it->req.prompt[0] == 998) {
+          o.finished = true;
+          o.finish_reason = FinishReason::Error;
+          o.error = "simulated device failure";
+          done = true;
+        } else {
+          const TokenId t = script_[size_t(it->produced) % script_.size()];
+          ++it->produced;
+          ++generated_;
+          o.new_tokens = {t};
+          if (it->req.logprobs > 0) o.new_logprobs = {TokenLogprobs{t, -0.25f, {{t, -0.25f}}}};
+          o.completion_tokens = it->produced;
+          if (it->produced >= it->req.max_tokens) {
+            o.finished = true;
+            o.finish_reason = FinishReason::Length;
+            done = true;
+          }
+        }
+        outs.emplace_back(it->req.on_output, o);
+        if (done) it = live_.erase(it);
+        else ++it;
+      }
+      lock.unlock();
+      std::vector<std::string> stopped;
+      for (auto& [cb, o] : outs)
+        if (!cb(o) && !o.finished) stopped.push_back(o.id);
+      lock.lock();
+      for (const auto& id : stopped)
+        for (auto it = live_.begin(); it != live_.end(); ++it)
+          if (it->req.id == id) {
+            RequestOutput o;
+            o.id = id;
+            o.finished = true;
+            o.finish_reason = FinishReason::Stop;
+            auto cb = it->req.on_output;
+            live_.erase(it);
+            lock.unlock();
+            cb(o);
+            lock.lock();
+            break;
+          }
+    }
+  }
+
+  std::vector<TokenId> script_;
+  std::chrono::milliseconds step_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Live> live_;
+  std::set<std::string> aborted_;
+  uint64_t accepted_ = 0, generated_ = 0;
+  bool quit_ = false;
+  std::thread thread_;
+};
+
+class HttpTest : public ::testing::Test {
+ protected:
+  void start(std::chrono::milliseconds step = 2ms, const std::string& key = {}, size_t max_body = 16u << 20) {
+    text_.emplace(TextProcessor::load(kTinyChat));
+    engine_ = std::make_unique<FakeEngine>(
+        text_->tokenizer().encode("the quick brown fox jumps over the lazy dog. ", {.add_special_tokens = false}), step);
+    ServerOptions o;
+    o.port = 0;
+    o.api_key = key;
+    o.max_body_bytes = max_body;
+    server_ = std::make_unique<HttpServer>(o);
+    port_ = server_->bind();
+    server_->start();
+  }
+  void ready() {
+    ServedModel m;
+    m.engine = engine_.get();
+    m.text = &*text_;
+    m.info.name = "tiny";
+    m.info.max_model_len = 256;
+    m.info.vocab_size = text_->tokenizer().vocab_size();
+    m.info.has_tokenizer = true;
+    m.info.has_chat_template = text_->has_chat_template();
+    m.eos_token_ids = {*text_->eos_id()};
+    server_->set_ready(m);
+  }
+  void TearDown() override {
+    if (server_) server_->stop();
+    server_.reset();
+    engine_.reset();
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(10s);
+    return c;
+  }
+  static Json body_of(const httplib::Result& r) { return Json::parse(r->body); }
+  static void expect_error_shape(const httplib::Result& r, int status) {
+    ASSERT_TRUE(r) << httplib::to_string(r.error());
+    EXPECT_EQ(r->status, status) << r->body;
+    const Json j = Json::parse(r->body, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << r->body;
+    ASSERT_TRUE(j.contains("error")) << r->body;
+    for (const char* k : {"message", "type", "param", "code"}) EXPECT_TRUE(j["error"].contains(k)) << k << ": " << r->body;
+    EXPECT_TRUE(j["error"]["message"].is_string());
+    EXPECT_FALSE(j["error"]["message"].get<std::string>().empty());
+  }
+  // A raw connection: send a request, read `want` bytes of the response, then close.
+  std::string send_and_hang_up(const std::string& body, size_t want) const {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(uint16_t(port_));
+    ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+                            std::to_string(body.size()) + "\r\n\r\n" + body;
+    EXPECT_EQ(::send(fd, req.data(), req.size(), MSG_NOSIGNAL), ssize_t(req.size()));
+    std::string got;
+    char buf[4096];
+    while (got.size() < want) {
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      got.append(buf, size_t(n));
+    }
+    ::close(fd);
+    return got;
+  }
+  template <class F>
+  static bool eventually(F&& f, std::chrono::milliseconds limit = 5000ms) {
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < end) {
+      if (f()) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return f();
+  }
+
+  std::optional<TextProcessor> text_;
+  std::unique_ptr<FakeEngine> engine_;
+  std::unique_ptr<HttpServer> server_;
+  int port_ = 0;
+};
+
+}  // namespace
+
+TEST_F(HttpTest, LoadingThenReady) {
+  start();
+  auto c = client();
+  auto r = c.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  expect_error_shape(c.Get("/v1/models"), 503);
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": "x"})", "application/json"), 503);
+  ready();
+  r = c.Get("/health");
+  EXPECT_EQ(r->status, 200);
+  r = c.Get("/v1/models");
+  ASSERT_EQ(r->status, 200);
+  const Json m = body_of(r);
+  EXPECT_EQ(m["object"], "list");
+  EXPECT_EQ(m["data"][0]["id"], "tiny");
+  EXPECT_EQ(m["data"][0]["max_model_len"], 256);
+}
+
+TEST_F(HttpTest, ErrorsAreOpenAIShaped) {
+  start(2ms, {}, 4096);
+  ready();
+  auto c = client();
+  expect_error_shape(c.Post("/v1/completions", "{not json", "application/json"), 400);
+  expect_error_shape(c.Post("/v1/completions", "[]", "application/json"), 400);
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 0})", "application/json"), 400);
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 1000})", "application/json"), 400);
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": "x", "model": "nope"})", "application/json"), 404);
+  expect_error_shape(c.Post("/v1/chat/completions", R"({"messages": []})", "application/json"), 400);
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": [999, 1]})", "application/json"), 400);  // engine refusal
+  expect_error_shape(c.Get("/v1/nothing"), 404);
+  expect_error_shape(c.Post("/v1/completions", std::string(5000, ' '), "application/json"), 413);
+  expect_error_shape(c.Post("/tokenize", R"({"prompt": 5})", "application/json"), 400);
+  expect_error_shape(c.Post("/detokenize", R"({"tokens": [99999]})", "application/json"), 400);
+  // The server still serves after all that.
+  auto r = c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 3})", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  // The engine failing mid-request is a 500 with an error body.
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": [998, 1], "max_tokens": 3})", "application/json"), 500);
+}
+
+TEST_F(HttpTest, ApiKey) {
+  start(2ms, "sekrit");
+  ready();
+  auto c = client();
+  expect_error_shape(c.Get("/v1/models"), 401);
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": "x"})", "application/json"), 401);
+  httplib::Headers wrong{{"Authorization", "Bearer nope"}}, right{{"Authorization", "Bearer sekrit"}},
+      basic{{"Authorization", "Basic sekrit"}};
+  expect_error_shape(c.Get("/v1/models", wrong), 401);
+  expect_error_shape(c.Get("/v1/models", basic), 401);
+  auto r = c.Get("/v1/models", right);
+  EXPECT_EQ(r->status, 200);
+  r = c.Post("/v1/completions", right, R"({"prompt": "x", "max_tokens": 2})", "application/json");
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(c.Get("/health")->status, 200);  // outside /v1: no key needed
+  EXPECT_EQ(c.Get("/metrics")->status, 200);
+}
+
+TEST_F(HttpTest, StreamingMatchesNonStreaming) {
+  start();
+  ready();
+  auto c = client();
+  auto r = c.Post("/v1/completions", R"({"prompt": "hello", "max_tokens": 12, "n": 2, "logprobs": 1})", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const Json whole = body_of(r);
+  ASSERT_EQ(whole["choices"].size(), 2u);
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 24);
+  r = c.Post("/v1/completions",
+             R"({"prompt": "hello", "max_tokens": 12, "n": 2, "logprobs": 1, "stream": true, "stream_options": {"include_usage": true}})",
+             "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+  std::map<int, std::string> text;
+  Json usage;
+  bool done = false;
+  size_t pos = 0;
+  const std::string& s = r->body;
+  while (pos < s.size()) {
+    const size_t end = s.find("\n\n", pos);
+    ASSERT_NE(end, std::string::npos);
+    const std::string ev = s.substr(pos, end - pos);
+    pos = end + 2;
+    ASSERT_EQ(ev.rfind("data: ", 0), 0u);
+    if (ev == "data: [DONE]") {
+      done = true;
+      EXPECT_EQ(pos, s.size()) << "nothing after [DONE]";
+      continue;
+    }
+    const Json j = Json::parse(ev.substr(6));
+    if (j.contains("usage")) usage = j["usage"];
+    for (const auto& ch : j["choices"]) text[ch["index"].get<int>()] += ch["text"].get<std::string>();
+  }
+  EXPECT_TRUE(done);
+  EXPECT_EQ(text[0], whole["choices"][0]["text"]);
+  EXPECT_EQ(text[1], whole["choices"][1]["text"]);
+  EXPECT_EQ(usage, whole["usage"]);
+}
+
+TEST_F(HttpTest, StopStringsEndTheEngineRequest) {
+  start();
+  ready();
+  auto c = client();
+  auto r = c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 40, "stop": ["fox"]})", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const Json j = body_of(r);
+  EXPECT_EQ(j["choices"][0]["text"], "the quick brown ");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["choices"][0]["stop_reason"], "fox");
+  EXPECT_LT(j["usage"]["completion_tokens"].get<int>(), 40);
+  EXPECT_TRUE(eventually([&] { return engine_->live() == 0; }));
+}
+
+TEST_F(HttpTest, ClientDisconnectAbortsTheRequest) {
+  start(20ms);  // slow enough to still be generating when the client leaves
+  ready();
+  const std::string got = send_and_hang_up(R"({"prompt": "x", "max_tokens": 250, "stream": true})", 300);
+  EXPECT_NE(got.find("200 OK"), std::string::npos) << got;
+  EXPECT_TRUE(eventually([&] { return engine_->was_aborted("cmpl-"); })) << "the stream's engine request was not aborted";
+  EXPECT_TRUE(eventually([&] { return server_->in_flight() == 0; }));
+}
+
+TEST_F(HttpTest, NonStreamingClientDisconnectAbortsTheRequest) {
+  start(20ms);
+  ready();
+  // Send, read nothing, hang up: the server notices while it waits for the result.
+  send_and_hang_up(R"({"prompt": "x", "max_tokens": 200, "n": 2})", 0);
+  EXPECT_TRUE(eventually([&] { return engine_->num_aborted() == 2; }, 8000ms));
+  EXPECT_TRUE(eventually([&] { return server_->in_flight() == 0; }));
+}
+
+TEST_F(HttpTest, DrainThenCancel) {
+  start(20ms);
+  ready();
+  std::string streamed;
+  std::jthread t([&] {
+    auto c = client();
+    auto r = c.Post("/v1/chat/completions",
+                    R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 150, "stream": true})",
+                    "application/json");
+    if (r) streamed = r->body;
+  });
+  ASSERT_TRUE(eventually([&] { return server_->in_flight() == 1; }));
+  server_->begin_drain();
+  auto c = client();
+  expect_error_shape(c.Post("/v1/completions", R"({"prompt": "x"})", "application/json"), 503);
+  EXPECT_EQ(c.Get("/health")->status, 503);
+  EXPECT_FALSE(server_->wait_idle(std::chrono::steady_clock::now() + 100ms));  // still streaming
+  server_->cancel_all("the server is shutting down");
+  EXPECT_TRUE(server_->wait_idle(std::chrono::steady_clock::now() + 5s));
+  t.join();
+  // The stream ends with an error event and [DONE], never silently.
+  EXPECT_NE(streamed.find("\"error\""), std::string::npos) << streamed;
+  EXPECT_NE(streamed.find("shutting down"), std::string::npos) << streamed;
+  EXPECT_EQ(streamed.substr(streamed.size() - 14), "data: [DONE]\n\n");
+  EXPECT_TRUE(engine_->was_aborted("chatcmpl-"));
+}
+
+TEST_F(HttpTest, TokenizeDetokenize) {
+  start();
+  ready();
+  auto c = client();
+  auto r = c.Post("/tokenize", R"({"prompt": "Hello world", "return_token_strs": true})", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const Json t = body_of(r);
+  EXPECT_EQ(t["count"], t["tokens"].size());
+  EXPECT_EQ(t["max_model_len"], 256);
+  EXPECT_EQ(t["token_strs"].size(), t["tokens"].size());
+  r = c.Post("/detokenize", Json{{"tokens", t["tokens"]}}.dump(), "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(body_of(r)["prompt"], "Hello world");
+  r = c.Post("/tokenize", R"({"messages": [{"role": "user", "content": "hi"}]})", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_GT(body_of(r)["count"].get<int>(), 3);
+}
+
+TEST_F(HttpTest, Metrics) {
+  start();
+  ready();
+  auto c = client();
+  c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 3})", "application/json");
+  c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 0})", "application/json");
+  auto r = c.Get("/metrics");
+  ASSERT_EQ(r->status, 200);
+  EXPECT_NE(r->get_header_value("Content-Type").find("text/plain"), std::string::npos);
+  EXPECT_NE(r->body.find("kvlm:generation_tokens_total{model_name=\"tiny\"} 3\n"), std::string::npos) << r->body;
+  EXPECT_NE(r->body.find("kvlm:http_responses_total{model_name=\"tiny\",status=\"400\"} 1\n"), std::string::npos) << r->body;
+}
