@@ -1,5 +1,5 @@
 # kvlm: the two commands of the README's quick start, plus their building blocks.
-#   make demo   install what is missing, build, generate with the bundled model
+#   make demo   install what is missing, build, run the bundled model (kvlm-tiny)
 #   make test   install, build (CUDA sources too when nvcc exists), run every CPU test
 #               under AddressSanitizer + UBSan, and a short fuzzing run of the safetensors parser
 
@@ -23,11 +23,16 @@ build: deps
 
 demo: build
 	@echo
-	@echo "== kvlm inspect: the per-layer KV plan of the bundled model with an FP8 cache"
+	@echo "== kvlm inspect: the per-layer KV plan of the bundled model (models/kvlm-tiny) with an FP8 cache"
 	./$(BUILD)/kvlm inspect --kv-cache-dtype fp8_per_token_head
 	@echo
-	@echo "== kvlm generate: greedy continuation of a prompt (token ids; the bundled model has no tokenizer)"
-	./$(BUILD)/kvlm generate --prompt-ids 1,403,407,261,378,324,434,412,281,266,397,261 --max-tokens 32 --temperature 0 --kv-cache-dtype fp8_per_token_head
+	@echo "== kvlm generate: an arithmetic word problem through the chat template, FP8 KV cache"
+	./$(BUILD)/kvlm generate --chat --temperature 0 --max-tokens 100 --kv-cache-dtype fp8_per_token_head \
+	  --prompt "A notebook costs 15 dollars and a candle costs 6 dollars. Selma buys 5 notebooks and 4 candles. How many dollars does Selma spend?"
+	@echo
+	@echo "== kvlm eval task: 20 arithmetic problems, then 5 pass-key recall questions over ~1k tokens (a task this model has not learned yet: see models/kvlm-tiny/README.md)"
+	./$(BUILD)/kvlm eval task --data models/kvlm-tiny/eval/arithmetic.jsonl --limit 20 --max-tokens 100 --kv-cache-dtype fp8_per_token_head
+	./$(BUILD)/kvlm eval task --data models/kvlm-tiny/eval/recall_1k.jsonl --limit 5 --max-tokens 24 --kv-cache-dtype fp8_per_token_head
 
 # Release build (compiles the CUDA sources when nvcc is present) + its tests, then the
 # sanitizer build's tests, then the fuzzer.

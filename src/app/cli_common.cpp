@@ -14,7 +14,7 @@
 namespace kvlm::app {
 
 void ModelFlags::add_to(CLI::App& cmd) {
-  cmd.add_option("--model,-m", model, "Hugging Face model directory (default: the bundled stories260K model)");
+  cmd.add_option("--model,-m", model, "Hugging Face model directory (default: the bundled kvlm-tiny model)");
   cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache precision: auto, float16, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, "
                  "fp8_per_token_head, int8_per_token_head")
@@ -39,13 +39,13 @@ std::filesystem::path default_model_dir() {
   const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   if (n > 0) {
     const fs::path exe_dir = fs::path(std::string(buf, size_t(n))).parent_path();
-    candidates.push_back(exe_dir / "../models/stories260K");
-    candidates.push_back(exe_dir / "../share/kvlm/models/stories260K");
+    candidates.push_back(exe_dir / "../models/kvlm-tiny");
+    candidates.push_back(exe_dir / "../share/kvlm/models/kvlm-tiny");
   }
-  if (*KVLM_SOURCE_DIR) candidates.push_back(fs::path(KVLM_SOURCE_DIR) / "models/stories260K");
+  if (*KVLM_SOURCE_DIR) candidates.push_back(fs::path(KVLM_SOURCE_DIR) / "models/kvlm-tiny");
   for (const auto& c : candidates)
     if (fs::exists(c / "config.json", ec)) return fs::weakly_canonical(c, ec);
-  throw Error("no --model given and the bundled model (models/stories260K) was not found; pass --model DIR");
+  throw Error("no --model given and the bundled model (models/kvlm-tiny) was not found; pass --model DIR");
 }
 
 std::filesystem::path ModelFlags::model_dir() const { return model.empty() ? default_model_dir() : std::filesystem::path(model); }

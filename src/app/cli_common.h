@@ -27,7 +27,7 @@ struct ModelFlags {
   EngineOptions engine_options() const;      // all of the above, device resolved
 };
 
-// The bundled default model directory (models/stories260K next to the sources or binary).
+// The bundled default model directory (models/kvlm-tiny next to the sources or binary).
 std::filesystem::path default_model_dir();
 
 // Parses "1,2,3" / "1 2 3" into token ids; throws kvlm::Error on anything else.

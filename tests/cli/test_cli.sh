@@ -6,6 +6,7 @@ set -uo pipefail
 KVLM=${KVLM:?set KVLM to the kvlm binary}
 here=$(cd "$(dirname "$0")" && pwd)
 golden="$here/../golden/models"
+stories="$here/../../models/stories260K"  # trained, no tokenizer, vocab 512, 5 layers, context 512
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 passed=0
@@ -53,7 +54,7 @@ fi
 "$KVLM" generate --prompt-ids $ids --max-tokens 24 --temperature 1.0 --top-p 0.9 --seed 8 --json >"$tmp/s3.json"
 [ "$(json_get "$tmp/s1.json" "d['token_ids']")" = "$(json_get "$tmp/s2.json" "d['token_ids']")" ] && ok || bad "same seed, same tokens"
 [ "$(json_get "$tmp/s1.json" "d['token_ids']")" != "$(json_get "$tmp/s3.json" "d['token_ids']")" ] && ok || bad "another seed, other tokens"
-"$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && grep -q "^generated" "$tmp/out" && ok || bad "readable summary"
+"$KVLM" generate --model "$stories" --prompt-ids $ids --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && grep -q "^generated" "$tmp/out" && ok || bad "readable summary"
 for dt in auto float16 bfloat16 fp8 fp8_e4m3 fp8_e5m2 fp8_per_token_head int8_per_token_head; do
   "$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 --kv-cache-dtype $dt --json -q >/dev/null && ok || bad "generate --kv-cache-dtype $dt"
 done
@@ -96,7 +97,7 @@ fi
   && [ "$(json_get "$tmp/c.json" "d['prompt_token_ids'][0]")" = 1 ] && ok || bad "generate --chat with every sampling flag"
 printf 'hello\n/reset\nhi again\n/exit\n' | "$KVLM" chat --model "$chat" --max-tokens 5 --temperature 0 >"$tmp/chat.txt" 2>"$tmp/err" \
   && grep -q "(conversation cleared)" "$tmp/chat.txt" && [ "$(grep -c "prompt tokens" "$tmp/err")" = 2 ] && ok || bad "chat session: $(cat "$tmp/err")"
-expect_error 1 "has no tokenizer.json" -- generate --prompt "hello"
+expect_error 1 "has no tokenizer.json" -- generate --model "$stories" --prompt "hello"
 expect_error 1 "has no tokenizer.json" -- chat --model "$golden/qwen3-mixed"
 mkdir -p "$tmp/nochat" && cp "$chat"/config.json "$chat"/model.safetensors "$chat"/tokenizer.json "$tmp/nochat/"
 expect_error 1 "no chat template" -- chat --model "$tmp/nochat"
@@ -107,15 +108,15 @@ expect_error 2 "excludes" -- generate --prompt x --prompt-ids 1
 # --- bad input: clear errors, never a crash ----------------------------------------------
 expect_error 1 "valid values are: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2, fp8_per_token_head, int8_per_token_head" -- \
   generate --prompt-ids 1,2 --kv-cache-dtype fp8_e6m1
-expect_error 1 "layer 9 but the model has 5 layers" -- inspect --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 9
+expect_error 1 "layer 9 but the model has 5 layers" -- inspect --model "$stories" --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 9
 expect_error 1 "invalid --kv-cache-dtype-skip-layers entry 'full'" -- inspect --kv-cache-dtype-skip-layers full
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
 expect_error 1 "invalid --dtype 'int8'" -- generate --prompt-ids 1 --dtype int8
 expect_error 1 "invalid --block-size 12" -- generate --prompt-ids 1 --block-size 12
-expect_error 1 "outside the model's vocabulary (0..511)" -- generate --prompt-ids 1,99999
+expect_error 1 "outside the model's vocabulary (0..511)" -- generate --model "$stories" --prompt-ids 1,99999
 expect_error 1 "invalid token id 'x'" -- generate --prompt-ids 1,x
-expect_error 1 "exceeds the model's context length of 512" -- generate --prompt-ids 1,2,3 --max-tokens 600
+expect_error 1 "exceeds the model's context length of 512" -- generate --model "$stories" --prompt-ids 1,2,3 --max-tokens 600
 expect_error 1 "--max-tokens must be at least 1" -- generate --prompt-ids 1 --max-tokens 0
 expect_error 1 "--temperature must be" -- generate --prompt-ids 1 --temperature -1
 expect_error 1 "--top-p must be in (0, 1]" -- generate --prompt-ids 1 --top-p 0
@@ -193,6 +194,12 @@ PY
 "$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --json >/dev/null 2>"$tmp/err" \
   && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate with checkpoint scales"
 
+# --- the bundled model: kvlm-tiny, trained by tools/train, answers arithmetic -------------
+"$KVLM" inspect >"$tmp/out" 2>&1 && grep -q "models/kvlm-tiny" "$tmp/out" && ok || bad "the bundled default is kvlm-tiny"
+"$KVLM" generate --chat --prompt "Ada has 12 apples. She buys 7 more apples. She gives 5 apples to Ben. How many apples does Ada have now?" \
+  --temperature 0 --max-tokens 80 >"$tmp/out" 2>"$tmp/err" && grep -q "The answer is 14." "$tmp/out" && ok \
+  || bad "kvlm-tiny solves an arithmetic problem: $(cat "$tmp/out" "$tmp/err")"
+
 # --- calibrate: a new directory whose checkpoint carries the scales; the input untouched ---
 chat="$here/../models/tiny-chat"
 before=$(cd "$chat" && sha256sum * | sha256sum)
@@ -227,10 +234,10 @@ PY
   && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate on the calibrated model: $(cat "$tmp/err")"
 expect_error 1 "not an empty directory" -- calibrate --model "$chat" --out "$tmp/cal" --dataset "$here/../../README.md"
 expect_error 1 "never modified" -- calibrate --model "$chat" --out "$chat" --dataset "$here/../../README.md"
-expect_error 1 "none found in the model directory" -- calibrate --out "$tmp/cal-x"
-expect_error 1 "give --dataset as a .ids file" -- calibrate --out "$tmp/cal-x" --dataset "$here/../../README.md"
+expect_error 1 "none found in the model directory" -- calibrate --model "$stories" --out "$tmp/cal-x"
+expect_error 1 "give --dataset as a .ids file" -- calibrate --model "$stories" --out "$tmp/cal-x" --dataset "$here/../../README.md"
 python3 -c "print(' '.join(str(i % 500 + 1) for i in range(24)))" >"$tmp/cal.ids"
-"$KVLM" calibrate --out "$tmp/cal-ids" --dataset "$tmp/cal.ids" --max-length 8 >"$tmp/out" 2>"$tmp/err" \
+"$KVLM" calibrate --model "$stories" --out "$tmp/cal-ids" --dataset "$tmp/cal.ids" --max-length 8 >"$tmp/out" 2>"$tmp/err" \
   && grep -q "on 3 samples (24 tokens)" "$tmp/out" && ok || bad "calibrate from token ids: $(cat "$tmp/err")"
 expect_error 2 "--out" -- calibrate --model "$chat"
 

@@ -115,12 +115,33 @@ s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)
 r = subprocess.run([sys.argv[1], 'serve', '--model', sys.argv[2], '--port', str(s.getsockname()[1])], capture_output=True, text=True, timeout=60)
 sys.exit(0 if r.returncode == 1 and 'cannot listen on 127.0.0.1' in r.stderr and 'Choose another with --port' in r.stderr else 1)
 " "$KVLM" "$model" && ok || bad "serve on a busy port"
-# The bundled default model (no --model) serves token-id prompts.
-"$KVLM" serve --port 0 --max-model-len 64 >"$tmp/d.out" 2>"$tmp/d.err" &
+# The bundled default model (no --model) is kvlm-tiny, which answers arithmetic in chat.
+"$KVLM" serve --port 0 --max-model-len 256 >"$tmp/d.out" 2>"$tmp/d.err" &
 server_pid=$!
 for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/d.err" && break; sleep 0.05; done
 port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/d.err" | grep -o "[0-9]*$")
 python3 - "$port" >"$tmp/dm.out" 2>&1 <<'EOF' && ok || bad "serve without --model: $(cat "$tmp/d.err") $(cat "$tmp/dm.out")"
+import json, sys, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+models = json.loads(urllib.request.urlopen(base + "/v1/models").read())
+assert models["data"][0]["id"] == "kvlm-tiny", models
+req = urllib.request.Request(base + "/v1/chat/completions", headers={"Content-Type": "application/json"},
+    data=json.dumps({"messages": [{"role": "user", "content": "What is 17 plus 25?"}], "temperature": 0, "max_tokens": 40}).encode())
+r = json.loads(urllib.request.urlopen(req).read())
+assert "The answer is 42." in r["choices"][0]["message"]["content"], r
+EOF
+kill -TERM "$server_pid"
+wait "$server_pid"
+rc=$?
+server_pid=""
+[ $rc -eq 0 ] && ok || bad "kvlm serve (default model) exited $rc"
+
+# A model without a tokenizer (stories260K) serves token-id prompts; text gets a clear 400.
+"$KVLM" serve --model "$(dirname "$0")/../../models/stories260K" --port 0 --max-model-len 64 >"$tmp/d.out" 2>"$tmp/d.err" &
+server_pid=$!
+for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/d.err" && break; sleep 0.05; done
+port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/d.err" | grep -o "[0-9]*$")
+python3 - "$port" >"$tmp/dm.out" 2>&1 <<'EOF' && ok || bad "serve a model without a tokenizer: $(cat "$tmp/d.err") $(cat "$tmp/dm.out")"
 import json, sys, urllib.request, urllib.error
 base = f"http://127.0.0.1:{sys.argv[1]}"
 def post(path, body):
@@ -143,7 +164,7 @@ kill -TERM "$server_pid"
 wait "$server_pid"
 rc=$?
 server_pid=""
-[ $rc -eq 0 ] && ok || bad "kvlm serve (default model) exited $rc"
+[ $rc -eq 0 ] && ok || bad "kvlm serve (stories260K) exited $rc"
 
 # --no-enable-prefix-caching: a repeated prompt is computed again.
 "$KVLM" serve --model "$model" --port 0 --max-model-len 256 --no-enable-prefix-caching >"$tmp/n.out" 2>"$tmp/n.err" &
