@@ -1,6 +1,6 @@
 // What the CUDA attention kernels (src/ops/cuda) handle, as a BackendCapabilities
 // declaration. No CUDA header: the selector and `kvlm inspect` can read it anywhere.
-// Compiled in CUDA builds only; not registered yet (the GPU model runner will do that).
+// Compiled and registered (attention/registry.cpp) in CUDA builds only.
 #pragma once
 
 #include "attention/backend.h"

@@ -1,9 +1,14 @@
 #include "engine/engine.h"
 
+#include <algorithm>
+
 #include "attention/registry.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
+#ifdef KVLM_WITH_CUDA
+#include "model/cuda/cuda_runner.h"
+#endif
 
 namespace kvlm {
 
@@ -15,16 +20,19 @@ DeviceRequest parse_device(std::string_view s) {
 }
 
 Device resolve_device(DeviceRequest r) {
-  bool cuda_backend = false;
-  for (const auto& b : builtin_backend_caps()) cuda_backend |= b.device == Device::Cuda;
   if (r == DeviceRequest::Cpu) return Device::Cpu;
-  if (r == DeviceRequest::Auto) return cuda_backend && !cuda_devices().empty() ? Device::Cuda : Device::Cpu;
+  if (r == DeviceRequest::Auto) {
+    // The GPU (device 0, the one the CUDA runner uses) when the CUDA backend can run on it.
+    int min_cc = -1;
+    for (const auto& b : builtin_backend_caps())
+      if (b.device == Device::Cuda) min_cc = min_cc < 0 ? b.min_compute_capability : std::min(min_cc, b.min_compute_capability);
+    if (min_cc < 0) return Device::Cpu;
+    const auto gpus = cuda_devices();
+    return !gpus.empty() && gpus.front().compute_capability >= min_cc ? Device::Cuda : Device::Cpu;
+  }
   if (!built_with_cuda()) throw Error("--device cuda: this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
-  const auto gpus = cuda_devices();
-  if (gpus.empty()) throw Error("--device cuda: no usable CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES); use --device cpu");
-  if (!cuda_backend)
-    throw Error("--device cuda: found " + gpus.front().name +
-                ", but this release has no CUDA model runner yet (it is being built); use --device cpu");
+  if (cuda_devices().empty())
+    throw Error("--device cuda: no usable CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES); use --device cpu");
   return Device::Cuda;
 }
 
@@ -41,10 +49,26 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
   ModelPlan mp;
   mp.config = load_model_config(dir);
   mp.dtype = dtype ? *dtype : model_dtype(mp.config, ckpt);
+  // The CUDA runner computes in bfloat16 or float16: a float32 checkpoint is converted to
+  // bfloat16 (and says so); an explicit --dtype float32 cannot be honoured there.
+  bool converted = false;
+  if (ctx.device == Device::Cuda && mp.dtype == DType::F32) {
+    if (dtype)
+      throw Error("--dtype float32 is not supported with --device cuda: the CUDA runner computes in bfloat16 or "
+                  "float16 (fp32 accumulation); use --dtype bfloat16 or float16, or --device cpu for float32");
+    mp.dtype = DType::BF16;
+    converted = true;
+  }
   const auto layers = attention_layers(mp.config);
   mp.plan = build_kv_plan(cache, layers, mp.dtype, mp.config.kv_scheme,
                           [&](const AttentionLayerDesc& l) { return find_kv_scales(ckpt, l); });
-  assign_backends(mp.plan, builtin_backend_caps(), ctx);
+  if (converted)
+    mp.plan.warnings.push_back("the checkpoint is float32; on CUDA kvlm computes in bfloat16 (weights converted at load). "
+                               "Pass --dtype float16 for float16, or --device cpu to compute in float32");
+  SelectionContext c = ctx;
+  if (c.device == Device::Cuda && c.compute_capability == 0)
+    if (const auto gpus = cuda_devices(); !gpus.empty()) c.compute_capability = gpus.front().compute_capability;
+  assign_backends(mp.plan, builtin_backend_caps(), c);
   return mp;
 }
 
@@ -55,9 +79,17 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& opts) {
   SelectionContext ctx{.device = opts.device, .compute_capability = 0, .forced = opts.cache.attention_backend};
   e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype));
   for (const auto& w : e->plan_->plan.warnings) log::warn(w);
-  std::vector<const AttentionBackend*> backends;
-  for (const auto& l : e->plan_->plan.layers) backends.push_back(&backend_by_name(l.backend));
-  e->model_ = std::make_unique<DecoderModel>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends));
+  if (opts.device == Device::Cuda) {
+#ifdef KVLM_WITH_CUDA
+    e->model_ = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype);
+#else
+    throw Error("--device cuda: this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
+#endif
+  } else {
+    std::vector<const AttentionBackend*> backends;
+    for (const auto& l : e->plan_->plan.layers) backends.push_back(&backend_by_name(l.backend));
+    e->model_ = std::make_unique<DecoderModel>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends));
+  }
   e->block_size_ = opts.cache.block_size;
   return e;
 }

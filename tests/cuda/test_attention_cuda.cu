@@ -1,7 +1,7 @@
 // The CUDA attention kernels (src/ops/cuda) against CpuAttentionBackend, the reference.
 //
-// For every KV format the CUDA kernels support, head sizes 64/128/256, causal / sliding /
-// non-causal masks and GQA ratios 1/4/8:
+// For every KV format the CUDA kernels support, head sizes 8/16/32/64/128/256, causal /
+// sliding / non-causal masks and GQA ratios 1/4/8:
 //  1. kv_store on the GPU must write pages (codes and per-token-head scales) byte-identical
 //     to CpuAttentionBackend::store_kv on the same bf16-representable inputs. Both sides
 //     compute x / scale with IEEE division and round with the same rule (fp8: saturating
@@ -21,8 +21,8 @@
 // of two): the absolute floor becomes 2^-11 * max|V| (see run_batch).
 //
 // Both kernels run: the tensor-core one (automatic for head 64/128, block size % 16 == 0)
-// and the CUDA-core one (head 256, other block sizes, and forced here for 64/128 too).
-// KVLM_CUDA_TEST_REDUCED=1 (used under compute-sanitizer) runs two cases per format.
+// and the CUDA-core one (head 8/16/32/256, other block sizes, and forced here for 64/128 too).
+// KVLM_CUDA_TEST_REDUCED=1 (used under compute-sanitizer) runs four cases per format.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -270,10 +270,10 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
   Stats total;
   uint32_t seed = 100;
   int cases = 0;
-  for (int hd : {64, 128, 256}) {
+  for (int hd : {8, 16, 32, 64, 128, 256}) {
     for (AttentionKind kind : kinds) {
       for (int gqa : {1, 4, 8}) {
-        if (reduced() && !(hd == 128 && gqa == 4 && kind != AttentionKind::NonCausal)) continue;
+        if (reduced() && !((hd == 128 || hd == 16) && gqa == 4 && kind != AttentionKind::NonCausal)) continue;
         const int kvh = gqa == 8 ? 1 : 2;
         const Case c{dt, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, hd == 128 ? 32 : 16};
         Stats st;
@@ -328,7 +328,7 @@ TEST(CudaAttentionCaps, DeclaresWhatIsTested) {
   const BackendCapabilities& c = cuda_attention_capabilities();
   EXPECT_EQ(c.device, Device::Cuda);
   EXPECT_EQ(c.kv_formats.size(), 6u);
-  EXPECT_EQ(c.head_sizes, (std::vector<int>{64, 128, 256}));
+  EXPECT_EQ(c.head_sizes, (std::vector<int>{8, 16, 32, 64, 128, 256}));
   EXPECT_TRUE(c.causal && c.sliding_window && c.non_causal);
   EXPECT_EQ(c.min_compute_capability, 90);
   EXPECT_GT(c.priority, CpuAttentionBackend::capabilities().priority);

@@ -10,8 +10,8 @@
 // Supported (storage, quant mode) pairs — anything else throws kvlm::Error naming this set:
 //   bfloat16 / float16 with none; fp8_e4m3 / fp8_e5m2 with fp8_per_tensor;
 //   fp8_e4m3 with fp8_per_token_head; int8 with int8_per_token_head.
-// Head sizes: 64 and 128 (tensor-core kernel, also the CUDA-core one) and 256 (CUDA-core
-// kernel); others throw kvlm::Error naming the set. kv_store accepts any head size.
+// Head sizes: 64 and 128 (tensor-core kernel, also the CUDA-core one), 8, 16, 32 and 256
+// (CUDA-core kernel); others throw kvlm::Error naming the set. kv_store accepts any head size.
 #pragma once
 
 #include <cstddef>

@@ -156,6 +156,7 @@ constexpr size_t mma_smem_bytes() {
 
 template <class Fmt, int HD>
 __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs a) {
+  allow_dependents();
   constexpr bool kBF = MmaCodec<Fmt>::kBF16;
   constexpr int ESZ = sizeof(typename Fmt::Code);
   constexpr int VB = 16 / ESZ;             // elements per 16-byte load

@@ -1,0 +1,281 @@
+// End-to-end decode benchmark of the CUDA model runner, through the ModelRunner interface
+// the engines use (ForwardBatch in, fp32 logits on the host out).
+//
+//   decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] [--gemv-lab]
+//
+// --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
+// and cuBLASLt at m = 1 and 4.
+//
+// For each KV dtype the model is loaded once; for each shape (batch x context) the pool is
+// sized for it and every sequence decodes `steps` tokens after 3 warm-up steps, starting at
+// position `context` (the context's pages are the pool's zeroed pages, not a prefill: the
+// bytes a decode step reads are the same, and a 64 x 4k prefill would cost more than the
+// whole benchmark). Each step is timed two ways: forward() with every row's fp32 logits
+// copied to the host (the ModelRunner interface, host sampling), and forward_greedy() (the
+// same step, argmax on the GPU, only token ids cross), each with CUDA graphs off and on.
+// Environment: KVLM_CUDA_GEMV=0 routes batch 1-4 GEMMs to cuBLASLt (for comparison).
+//
+// Floors, from the same run's device-to-device copy bandwidth (read + write bytes / time):
+//   weights-read bound: every weight but the embedding table (a decode step reads B rows of
+//   it) is read once per step; tokens/s bound at batch B = B / (bytes / bandwidth).
+//   step floor: weights read + the KV bytes the step's attention reads.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <tuple>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "model/cuda/cuda_runner.h"
+#include "ops/cuda/gemm.h"
+
+using namespace kvlm;
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string t; std::getline(ss, t, ',');)
+    if (!t.empty()) out.push_back(t);
+  return out;
+}
+
+double copy_bandwidth() {
+  const size_t bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  ck(cudaMalloc(&a, bytes), "cudaMalloc");
+  ck(cudaMalloc(&b, bytes), "cudaMalloc");
+  ck(cudaMemset(a, 1, bytes), "cudaMemset");
+  cudaEvent_t e0, e1;
+  ck(cudaEventCreate(&e0), "event");
+  ck(cudaEventCreate(&e1), "event");
+  std::vector<float> t;
+  for (int i = 0; i < 13; ++i) {
+    ck(cudaEventRecord(e0), "record");
+    ck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice), "copy");
+    ck(cudaEventRecord(e1), "record");
+    ck(cudaEventSynchronize(e1), "sync");
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    if (i >= 3) t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(bytes) / (double(t[t.size() / 2]) * 1e-3);
+}
+
+struct Result {
+  double ms = 0, tok_s = 0;
+};
+
+// Decodes `steps` tokens for `batch` sequences of `context` cached tokens; returns ms/step.
+Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logits, int bs) {
+  const int warm = 3, V = r.config().vocab_size;
+  const int per_seq = (context + warm + steps + 1 + bs - 1) / bs;
+  std::vector<std::vector<BlockId>> tables(static_cast<size_t>(batch));
+  for (int s = 0; s < batch; ++s)
+    for (int i = 0; i < per_seq; ++i) tables[size_t(s)].push_back(BlockId(s * per_seq + i));
+  std::mt19937 rng(1);
+  std::vector<TokenId> tokens(static_cast<size_t>(batch));
+  std::vector<Position> pos(static_cast<size_t>(batch));
+  std::vector<SlotId> slots(static_cast<size_t>(batch));
+  std::vector<AttnSeq> seqs(static_cast<size_t>(batch));
+  std::vector<int32_t> rows;
+  for (int i = 0; i < batch; ++i) rows.push_back(i);
+  std::vector<float> out(host_logits ? rows.size() * size_t(V) : 0);
+  std::vector<TokenId> ids(rows.size());
+  auto step = [&](int i) {
+    const int p = context + i;
+    for (int s = 0; s < batch; ++s) {
+      tokens[size_t(s)] = TokenId(std::uniform_int_distribution<int>(0, V - 1)(rng));
+      pos[size_t(s)] = p;
+      slots[size_t(s)] = SlotId(tables[size_t(s)][size_t(p / bs)]) * bs + p % bs;
+      seqs[size_t(s)] = {.q_begin = s, .q_len = 1, .kv_len = p + 1, .block_table = tables[size_t(s)]};
+    }
+    const ForwardBatch fb{.tokens = tokens, .positions = pos, .slots = slots, .seqs = seqs, .logit_rows = rows};
+    if (host_logits) r.forward(fb, out);
+    else r.forward_greedy(fb, ids);
+  };
+  for (int i = 0; i < warm; ++i) step(i);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) step(warm + i);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
+  return {ms, batch * 1000.0 / ms};
+}
+
+// The decode GEMM shapes of Qwen3-8B at m = 1 and 4: each small-m kernel variant and cuBLASLt,
+// timed with CUDA events over copies of w that together exceed the L2 (each call reads HBM).
+void gemv_lab(double bw) {
+  struct Shape {
+    const char* name;
+    int n, k;
+    bool f32;
+  };
+  const Shape shapes[] = {{"qkv", 6144, 4096, false},     {"o", 4096, 4096, false},
+                          {"gate_up", 24576, 4096, false}, {"down", 4096, 12288, false},
+                          {"lm_head", 151936, 4096, true}};
+  cuda::Gemm gemm;
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, cuda::kGemmWorkspaceBytes), "cudaMalloc");
+  gemm.set_workspace(ws, cuda::kGemmWorkspaceBytes);
+  cudaEvent_t e0, e1;
+  ck(cudaEventCreate(&e0), "event");
+  ck(cudaEventCreate(&e1), "event");
+  std::printf("\n# small-m GEMMs (bf16, Qwen3-8B shapes): µs per call and GB/s of weights read; copy bandwidth %.0f GB/s\n",
+              bw / 1e9);
+  std::printf("| m | matrix | n x k | MB | rows kernel µs | GB/s | split kernel µs | GB/s | cuBLASLt µs | GB/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int m : {1, 4}) {
+    for (const Shape& sh : shapes) {
+      const size_t wbytes = size_t(sh.n) * size_t(sh.k) * 2;
+      const int copies = int(std::max<size_t>(2, (size_t(200) << 20) / wbytes + 1));
+      std::vector<void*> w(static_cast<size_t>(copies));
+      for (auto& p : w) {
+        ck(cudaMalloc(&p, wbytes), "cudaMalloc");
+        ck(cudaMemset(p, 0x3c, wbytes), "cudaMemset");  // bf16 0x3c3c: a finite value
+      }
+      void *x = nullptr, *y = nullptr;
+      ck(cudaMalloc(&x, size_t(m) * sh.k * 2), "cudaMalloc");
+      ck(cudaMemset(x, 0x3c, size_t(m) * sh.k * 2), "cudaMemset");
+      ck(cudaMalloc(&y, size_t(m) * sh.n * 4), "cudaMalloc");
+      const DType out = sh.f32 ? DType::F32 : DType::BF16;
+      double us[3];
+      for (int v = 0; v < 3; ++v) {
+        auto call = [&](int i) {
+          void* wi = w[size_t(i % copies)];
+          if (v < 2) {
+            cuda::gemv_small_m(DType::BF16, out, x, wi, nullptr, y, m, sh.n, sh.k, nullptr, v + 1);
+          } else {
+            gemm.set_small_m_kernel(false);
+            gemm.linear(DType::BF16, out, x, wi, nullptr, y, m, sh.n, sh.k, nullptr);
+          }
+        };
+        for (int i = 0; i < 3; ++i) call(i);
+        const int reps = 30;
+        ck(cudaEventRecord(e0), "record");
+        for (int i = 0; i < reps; ++i) call(i);
+        ck(cudaEventRecord(e1), "record");
+        ck(cudaEventSynchronize(e1), "sync");
+        float ms = 0;
+        ck(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+        us[v] = 1e3 * ms / reps;
+      }
+      auto gbs = [&](double u) { return double(wbytes) / (u * 1e-6) / 1e9; };
+      std::printf("| %d | %s | %d x %d | %.0f | %.1f | %.0f | %.1f | %.0f | %.1f | %.0f |\n", m, sh.name, sh.n, sh.k,
+                  double(wbytes) / 1e6, us[0], gbs(us[0]), us[1], gbs(us[1]), us[2], gbs(us[2]));
+      std::fflush(stdout);
+      for (auto p : w) cudaFree(p);
+      cudaFree(x);
+      cudaFree(y);
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(ws);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096";
+  int steps = 32;
+  bool lab = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw Error(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--model") model = next();
+    else if (a == "--kv") kvs = next();
+    else if (a == "--shapes") shapes = next();
+    else if (a == "--steps") steps = std::stoi(next());
+    else if (a == "--gemv-lab") lab = true;
+    else {
+      std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
+                           "[--gemv-lab]\n");
+      return 2;
+    }
+  }
+  if (model.empty() && !lab) {
+    std::fprintf(stderr, "decode_bench: --model DIR is required (tools/make_random_model.py writes one)\n");
+    return 2;
+  }
+  try {
+    cudaDeviceProp prop{};
+    ck(cudaGetDeviceProperties(&prop, 0), "device properties");
+    const double bw = copy_bandwidth();
+    if (lab) gemv_lab(bw);
+    if (model.empty()) return 0;
+    std::printf("# decode_bench: %s, %s, copy bandwidth %.0f GB/s (1 GiB device-to-device, read + write)\n", model.c_str(),
+                prop.name, bw / 1e9);
+    std::printf("| kv cache | batch | context | graphs | sampling | ms/step | tokens/s | weights read GB | KV read GB "
+                "| floor ms | %% of floor | weights-read bound tok/s | %% of bound |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::vector<std::tuple<std::string, int, int, double>> best;  // kv, batch, context, tokens/s (graphs, logits)
+    for (const std::string& kv : split(kvs)) {
+      EngineOptions o;
+      o.model_dir = model;
+      o.cache.kv_cache_dtype = parse_kv_cache_dtype(kv);
+      o.device = Device::Cuda;
+      const auto t0 = std::chrono::steady_clock::now();
+      auto e = Engine::load(o);
+      const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto& r = dynamic_cast<CudaModelRunner&>(e->model());
+      const ModelConfig& c = e->config();
+      const double embed = double(c.vocab_size) * c.hidden_size * 2;
+      const double wread = double(r.weight_bytes()) - (c.tie_word_embeddings ? 0.0 : embed);
+      std::fprintf(stderr, "loaded %s with a %s cache in %.1f s (%.2f GB of weights)\n", model.c_str(), kv.c_str(), load_s,
+                   double(r.weight_bytes()) / 1e9);
+      for (const std::string& sh : split(shapes)) {
+        const auto x = sh.find('x');
+        const int batch = std::stoi(sh.substr(0, x)), context = std::stoi(sh.substr(x + 1));
+        const int bs = e->block_size();
+        const int per_seq = (context + 3 + steps + 1 + bs - 1) / bs;
+        r.allocate_kv(batch * per_seq, bs);
+        double kv_read = 0;  // average over the timed steps
+        for (const auto& l : e->plan().layers)
+          kv_read += double(batch) * (context + 3 + steps / 2.0) * double(l.bytes_per_token());
+        const double floor_ms = (wread + kv_read) / bw * 1e3;
+        for (bool logits : {true, false}) {
+          for (bool graphs : {false, true}) {
+            r.set_cuda_graphs(graphs);
+            const Result res = run(r, batch, context, steps, logits, bs);
+            const double bound_tok = batch / (wread / bw);
+            std::printf("| %s | %d | %d | %s | %s | %.3f | %.1f | %.2f | %.2f | %.3f | %.1f%% | %.1f | %.1f%% |\n", kv.c_str(),
+                        batch, context, graphs ? "on" : "off", logits ? "host (fp32 logits)" : "gpu greedy", res.ms, res.tok_s, wread / 1e9,
+                        kv_read / 1e9, floor_ms, 100 * floor_ms / res.ms, bound_tok, 100 * res.tok_s / bound_tok);
+            std::fflush(stdout);
+            if (graphs) best.emplace_back(kv + (logits ? "" : " (gpu greedy)"), batch, context, res.tok_s);
+          }
+        }
+      }
+    }
+    // FP8 vs BF16 at the same shape (graphs on).
+    for (const auto& [kv, b, ctx, tok] : best)
+      for (const auto& [kv2, b2, ctx2, tok2] : best)
+        if (b == b2 && ctx == ctx2 && kv2.rfind("bfloat16", 0) == 0 && kv.rfind("bfloat16", 0) != 0 &&
+            (kv.find("gpu greedy") != std::string::npos) == (kv2.find("gpu greedy") != std::string::npos))
+          std::printf("# speedup %s over %s at %d x %d: %.2fx (%.1f vs %.1f tokens/s)\n", kv.c_str(), kv2.c_str(), b, ctx,
+                      tok / tok2, tok, tok2);
+  } catch (const std::exception& ex) {
+    std::fprintf(stderr, "decode_bench: %s\n", ex.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,74 @@
+// The CUDA model runner: the decoder of model/decoder.h (Llama, Qwen2, Qwen3, Mistral) on
+// one GPU, with its paged KV pool in device memory. No CUDA header here (a stream is a
+// void*); the implementation is cuda_runner.cpp.
+//
+// Precision: weights are uploaded once in the compute dtype, bfloat16 or float16 (the
+// checkpoint's own when it is one of those; a float32 checkpoint is converted to bfloat16
+// at load, which plan_model announces with a warning; --dtype float32 is refused on CUDA).
+// GEMMs run on cuBLASLt with fp32 accumulation, norms / RoPE / softmax in fp32, the residual
+// stream in fp32, attention queries in bf16 (the paged attention kernels' input), logits in
+// fp32. K/V are quantized from fp32 straight into each layer's page format.
+//
+// Memory: one allocation for the weights, one for the KV pool (allocate_kv), one scratch
+// arena for a step's activations and metadata that only grows (first use of a larger
+// batch), so a steady state calls no cudaMalloc; plus pinned host staging for the step's
+// metadata and logits.
+//
+// Decode steps (every sequence one query token, logits for every row) can run as CUDA
+// graphs captured per padded batch size (set_cuda_graphs); see cuda_runner.cpp.
+#pragma once
+
+#include <memory>
+
+#include "config/kv_plan.h"
+#include "io/checkpoint.h"
+#include "kv/kv_cache.h"
+#include "model/model_runner.h"
+
+namespace kvlm {
+
+class CudaModelRunner final : public ModelRunner {
+ public:
+  // Uploads every weight (checked against `config` like DecoderModel does) to the current
+  // CUDA device. `compute` is DType::BF16 or DType::F16. Every layer of `plan` must have
+  // been assigned the "cuda" attention backend. Throws kvlm::Error.
+  CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute);
+  ~CudaModelRunner() override;
+
+  const ModelConfig& config() const override { return cfg_; }
+  Device device() const override { return Device::Cuda; }
+  size_t num_parameters() const override;
+  size_t weight_bytes() const override;
+
+  void allocate_kv(int num_blocks, int block_size) override;
+  int kv_num_blocks() const override;
+  size_t kv_bytes() const override;
+  void forward(const ForwardBatch& batch, std::span<float> logits) override;
+  void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
+
+  // Optional extension (greedy sampling on the GPU): runs the batch as forward() does and
+  // writes, per logit row, the token with the largest logit (ties: the lowest id, as the
+  // host Sampler) — only the ids cross to the host, not [rows][vocab] logits.
+  void forward_greedy(const ForwardBatch& batch, std::span<TokenId> tokens);
+
+  DType compute_dtype() const;
+  // CUDA graphs for decode steps (default on; KVLM_CUDA_GRAPHS=0 in the environment turns
+  // them off). Off: every step launches its kernels one by one.
+  void set_cuda_graphs(bool on);
+  int num_cuda_graphs() const;  // captured so far
+  // Tests: fill the step's scratch (activations, q, attention output, logits) with NaN
+  // bytes before each forward, so a kernel that leaves part of its output unwritten shows.
+  void set_poison_scratch(bool on);
+  // Tests: copies layer `layer`'s device pages into `out` (a host pool of the same plan,
+  // num_blocks and block_size).
+  void download_kv_layer(size_t layer, LayerKVCache& out) const;
+
+ private:
+  float* enqueue(const ForwardBatch& batch);
+
+  struct Impl;
+  ModelConfig cfg_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvlm

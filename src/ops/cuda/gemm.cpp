@@ -1,0 +1,178 @@
+// cuBLASLt linear layers. Column-major view of the row-major operands:
+//   x [m][k] row-major = X^T, a k x m column-major matrix (ld k)
+//   w [n][k] row-major = W^T, a k x n column-major matrix (ld k)
+//   y [m][n] row-major = Y^T, an n x m column-major matrix (ld n)
+// so Y^T = op(W^T) . X^T with op = transpose: A = w (TRANSA = T), B = x (TRANSB = N), and
+// the epilogue's bias (one value per row of the column-major D) is one value per out feature.
+#include "ops/cuda/gemm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "ops/cuda/cuda_check.cuh"
+
+namespace kvlm::cuda {
+
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    case DType::F32: return CUDA_R_32F;
+    default: break;
+  }
+  throw Error("CUDA GEMM: unsupported element type " + std::string(dtype_name(t)) + " (bfloat16, float16; float32 output)");
+}
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+}  // namespace
+
+constexpr int kMaxAlgos = 16;
+constexpr int kTuneMaxM = 512;
+
+struct Gemm::Impl {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  bool gemv = true;
+  // (ab, out, bias, m, n, k) -> plan
+  std::map<std::tuple<int, int, bool, int, int, int>, std::unique_ptr<Plan>> plans;
+
+  cublasStatus_t run(Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, void* y, cudaStream_t st) {
+    const float alpha = 1.0f, beta = 0.0f;
+    return cublasLtMatmul(handle, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.c, y, p.c, &algo, workspace, workspace_bytes, st);
+  }
+
+  // Times each candidate on the real operands (median of 5 after 2 warm-ups); the fastest.
+  int fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* res, int found, const void* x, const void* w, void* y,
+              cudaStream_t st) {
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    KVLM_CUDA_CHECK(cudaEventCreate(&e0));
+    KVLM_CUDA_CHECK(cudaEventCreate(&e1));
+    int best = 0;
+    float best_ms = 1e30f;
+    for (int i = 0; i < found; ++i) {
+      std::vector<float> t;
+      bool ok = true;
+      for (int r = 0; r < 7 && ok; ++r) {
+        KVLM_CUDA_CHECK(cudaEventRecord(e0, st));
+        ok = run(p, res[i].algo, x, w, y, st) == CUBLAS_STATUS_SUCCESS;
+        KVLM_CUDA_CHECK(cudaEventRecord(e1, st));
+        KVLM_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        KVLM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 2) t.push_back(ms);
+      }
+      if (!ok) continue;  // an algorithm that cannot run this problem: skip it
+      std::nth_element(t.begin(), t.begin() + ptrdiff_t(t.size() / 2), t.end());
+      if (t[t.size() / 2] < best_ms) {
+        best_ms = t[t.size() / 2];
+        best = i;
+      }
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return best;
+  }
+
+  Plan& plan(DType ab, DType out, const void* bias, int m, int n, int k, const void* x, const void* w, void* y,
+             cudaStream_t st) {
+    const auto key = std::make_tuple(int(ab), int(out), bias != nullptr, m, n, k);
+    if (auto it = plans.find(key); it != plans.end()) return *it->second;
+    auto p = std::make_unique<Plan>();
+    const cudaDataType_t tab = cuda_type(ab), tout = cuda_type(out);
+    KVLM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    if (bias) {
+      const cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
+      KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof(ep)));
+      KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &tout, sizeof(tout)));
+    }
+    KVLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, tab, uint64_t(k), uint64_t(n), int64_t(k)));
+    KVLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, tab, uint64_t(k), uint64_t(m), int64_t(k)));
+    KVLM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->c, tout, uint64_t(n), uint64_t(m), int64_t(n)));
+    cublasLtMatmulPreference_t pref = nullptr;
+    KVLM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = workspace_bytes;
+    cublasStatus_t status =
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublasLtMatmulHeuristicResult_t res[kMaxAlgos]{};
+    int found = 0;
+    if (status == CUBLAS_STATUS_SUCCESS)
+      status = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->c, pref, kMaxAlgos, res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    KVLM_CUBLAS_CHECK(status);
+    if (found == 0)
+      throw Error("cuBLASLt has no algorithm for a " + std::string(dtype_name(ab)) + " GEMM m=" + std::to_string(m) +
+                  " n=" + std::to_string(n) + " k=" + std::to_string(k) + " with " + std::string(dtype_name(out)) +
+                  " output");
+    int pick = 0;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    KVLM_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
+    if (found > 1 && m <= kTuneMaxM && cap == cudaStreamCaptureStatusNone) {
+      if (bias)
+        KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+      pick = fastest(*p, res, found, x, w, y, st);
+    }
+    p->algo = res[pick].algo;
+    return *plans.emplace(key, std::move(p)).first->second;
+  }
+};
+
+Gemm::Gemm() : impl_(std::make_unique<Impl>()) {
+  KVLM_CUBLAS_CHECK(cublasLtCreate(&impl_->handle));
+  if (const char* e = std::getenv("KVLM_CUDA_GEMV"); e && std::string_view(e) == "0") impl_->gemv = false;
+}
+
+Gemm::~Gemm() {
+  impl_->plans.clear();
+  if (impl_->handle) cublasLtDestroy(impl_->handle);
+}
+
+void Gemm::set_small_m_kernel(bool on) { impl_->gemv = on; }
+bool Gemm::small_m_kernel() const { return impl_->gemv; }
+
+void Gemm::set_workspace(void* workspace, size_t bytes) {
+  if (bytes != impl_->workspace_bytes) impl_->plans.clear();  // algorithms were chosen for the old size
+  impl_->workspace = workspace;
+  impl_->workspace_bytes = bytes;
+}
+
+void Gemm::linear(DType ab, DType out, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
+                  void* stream) {
+  if (m <= 0) return;
+  if (n <= 0 || k <= 0) throw Error("CUDA GEMM: empty weight (n=" + std::to_string(n) + ", k=" + std::to_string(k) + ")");
+  if (ab != DType::BF16 && ab != DType::F16)
+    throw Error("CUDA GEMM: inputs must be bfloat16 or float16, not " + std::string(dtype_name(ab)));
+  if (out != ab && out != DType::F32)
+    throw Error("CUDA GEMM: output must be " + std::string(dtype_name(ab)) + " or float32");
+  if (impl_->gemv && gemv_fits(m, k, x, w)) return gemv_small_m(ab, out, x, w, bias, y, m, n, k, stream);
+  const auto st = static_cast<cudaStream_t>(stream);
+  Plan& p = impl_->plan(ab, out, bias, m, n, k, x, w, y, st);
+  if (bias)
+    KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  KVLM_CUBLAS_CHECK(impl_->run(p, p.algo, x, w, y, st));
+}
+
+}  // namespace kvlm::cuda

@@ -1,0 +1,287 @@
+// The small-m linear layer (gemm.h: gemv_small_m): y[m][n] = x[m][k] . w[n][k]^T (+ bias),
+// m <= 4, the shape of a decode step at batch 1-4, where the whole cost is reading w once.
+// w is streamed with 16-byte loads that bypass L1 (ld.global.nc.L1::no_allocate: read exactly
+// once), several per thread in flight before any math; x (a few KB, read by every CTA) comes
+// through L1; sums are fp32. Two kernels, because one shape of work does not fit all:
+//  - rows: a warp owns 2 rows and walks their whole k range (4 vectors per row per lane in
+//    flight); 8 warps per CTA. Best for many rows of short k (gate/up, lm_head): n / 16
+//    CTAs, short dependency chains.
+//  - split: a CTA owns 8 rows and its 256 threads split their k range (2 vectors per row per
+//    thread in flight), then reduce across warps in shared memory. Best for few rows of long
+//    k (o, down, qkv projections of a 4096-wide model): the rows kernel gives those only
+//    ~2 CTAs per SM whose warps each walk 12 dependent rounds of loads (measured 2.8 TB/s).
+// Both are launched with programmatic dependent launch (sm_90): a CTA issues its first loads of
+// w, which do not depend on the previous kernel, before griddepcontrol.wait, so the weight
+// stream starts while the producer of x (a norm, SiLU-and-mul, attention) is still running
+// and the launch latency between the two is hidden. KVLM_CUDA_PDL=0 launches them normally.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdlib>
+#include <string_view>
+
+#include "ops/cuda/cuda_check.cuh"
+#include "ops/cuda/gemm.h"
+
+namespace kvlm::cuda {
+
+namespace {
+
+constexpr int kGemvThreads = 256;
+constexpr int kRowsWarp = 2, kRowsUnroll = 4;    // rows kernel
+constexpr int kSplitRows = 8, kSplitUnroll = 2;  // split kernel
+
+// Programmatic dependent launch: wait for the previous kernel in the stream (a no-op when
+// this grid was launched without the attribute).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+struct VecBF16 {
+  static __device__ __forceinline__ void decode8(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  static __device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
+  static __device__ __forceinline__ uint16_t store(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+};
+struct VecF16 {
+  static __device__ __forceinline__ void decode8(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      const float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  static __device__ __forceinline__ float load(uint16_t x) { return __half2float(__ushort_as_half(x)); }
+  static __device__ __forceinline__ uint16_t store(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+
+// x row r, 16-byte vector i, as 8 floats. With kGlu, x is the fused gate/up projection
+// gu [m][2k] and the row is silu(gate) * up, computed here in fp32 (the down projection's
+// input never goes to memory).
+template <class V, bool kGlu>
+__device__ __forceinline__ void load_x(const uint4* xv, int kv, int r, int i, float* xf) {
+  if constexpr (kGlu) {
+    float g[8], u[8];
+    V::decode8(__ldg(xv + size_t(r) * 2 * size_t(kv) + size_t(i)), g);
+    V::decode8(__ldg(xv + size_t(r) * 2 * size_t(kv) + size_t(kv) + size_t(i)), u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xf[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
+  } else {
+    V::decode8(__ldg(xv + size_t(r) * size_t(kv) + size_t(i)), xf);
+  }
+}
+
+template <class V, int M, bool kF32Out>
+__device__ __forceinline__ void store_out(void* y, int n, int col, int r, float v, const uint16_t* bias) {
+  if (bias) v += V::load(bias[col]);
+  if constexpr (kF32Out) static_cast<float*>(y)[size_t(r) * size_t(n) + size_t(col)] = v;
+  else static_cast<uint16_t*>(y)[size_t(r) * size_t(n) + size_t(col)] = V::store(v);
+}
+
+template <class V, int M, bool kF32Out, bool kGlu>
+__global__ void __launch_bounds__(kGemvThreads) gemv_rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                                                 void* y, int n, int k) {
+  constexpr int R = kRowsWarp, U = kRowsUnroll;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row0 = (int(blockIdx.x) * (kGemvThreads / 32) + warp) * R;
+  if (row0 >= n) return;  // warp-uniform
+  const int nrows = min(R, n - row0);
+  const int kv = k / 8;  // 16-byte vectors per row
+  const uint4* wr[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) wr[j] = reinterpret_cast<const uint4*>(w + size_t(row0 + min(j, nrows - 1)) * size_t(k));
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float acc[R][M] = {};
+  for (int base = lane; base < kv; base += 32 * U) {
+    uint4 wv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < R; ++j) wv[u][j] = base + u * 32 < kv ? ld_stream(wr[j] + base + u * 32) : make_uint4(0, 0, 0, 0);
+    if (base == lane) pdl_wait();  // x is the previous kernel's output; w is not
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = base + u * 32;
+      if (i >= kv) break;
+      float wf[R][8];
+#pragma unroll
+      for (int j = 0; j < R; ++j) V::decode8(wv[u][j], wf[j]);
+#pragma unroll
+      for (int r = 0; r < M; ++r) {
+        float xf[8];
+        load_x<V, kGlu>(xv, kv, r, i, xf);
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][r] = fmaf(wf[j][e], xf[e], acc[j][r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int r = 0; r < M; ++r)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[j][r] += __shfl_xor_sync(0xffffffffu, acc[j][r], o);
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+      if (j < nrows)
+#pragma unroll
+        for (int r = 0; r < M; ++r) store_out<V, M, kF32Out>(y, n, row0 + j, r, acc[j][r], bias);
+}
+
+template <class V, int M, bool kF32Out, bool kGlu>
+__global__ void __launch_bounds__(kGemvThreads) gemv_split_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                                                  void* y, int n, int k) {
+  constexpr int R = kSplitRows, U = kSplitUnroll;
+  const int row0 = int(blockIdx.x) * R;
+  const int nrows = min(R, n - row0);
+  const int kv = k / 8;
+  const uint4* wr[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) wr[j] = reinterpret_cast<const uint4*>(w + size_t(row0 + min(j, nrows - 1)) * size_t(k));
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float acc[R][M] = {};
+  for (int base = threadIdx.x; base < kv; base += kGemvThreads * U) {
+    uint4 wv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < R; ++j)
+        wv[u][j] = base + u * kGemvThreads < kv ? ld_stream(wr[j] + base + u * kGemvThreads) : make_uint4(0, 0, 0, 0);
+    if (base == int(threadIdx.x)) pdl_wait();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = base + u * kGemvThreads;
+      if (i >= kv) break;
+#pragma unroll
+      for (int r = 0; r < M; ++r) {
+        float xf[8];
+        load_x<V, kGlu>(xv, kv, r, i, xf);
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          float wf[8];
+          V::decode8(wv[u][j], wf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][r] = fmaf(wf[e], xf[e], acc[j][r]);
+        }
+      }
+    }
+  }
+  __shared__ float part[kGemvThreads / 32][R * M];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      float v = acc[j][r];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) part[warp][j * M + r] = v;
+    }
+  __syncthreads();
+  if (threadIdx.x < R * M) {
+    const int j = threadIdx.x / M, r = threadIdx.x % M;
+    if (j < nrows) {
+      float v = 0.0f;
+#pragma unroll
+      for (int wi = 0; wi < kGemvThreads / 32; ++wi) v += part[wi][threadIdx.x];
+      store_out<V, M, kF32Out>(y, n, row0 + j, r, v, bias);
+    }
+  }
+}
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVLM_CUDA_PDL");
+    return !(e && std::string_view(e) == "0");
+  }();
+  return on;
+}
+
+template <class V, int M, bool kF32Out, bool kGlu>
+void launch_m(bool split, const uint16_t* x, const uint16_t* w, const uint16_t* b, void* y, int n, int k, cudaStream_t st) {
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kGemvThreads);
+  cfg.stream = st;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  if (split) {
+    cfg.gridDim = dim3(unsigned((n + kSplitRows - 1) / kSplitRows));
+    KVLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_split_kernel<V, M, kF32Out, kGlu>, x, w, b, y, n, k));
+  } else {
+    constexpr int rows_per_cta = kRowsWarp * kGemvThreads / 32;
+    cfg.gridDim = dim3(unsigned((n + rows_per_cta - 1) / rows_per_cta));
+    KVLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_rows_kernel<V, M, kF32Out, kGlu>, x, w, b, y, n, k));
+  }
+}
+
+template <class V, bool kF32Out, bool kGlu>
+void launch(bool split, const void* x, const void* w, const void* bias, void* y, int m, int n, int k, cudaStream_t st) {
+  const auto* xs = static_cast<const uint16_t*>(x);
+  const auto* ws = static_cast<const uint16_t*>(w);
+  const auto* bs = static_cast<const uint16_t*>(bias);
+  switch (m) {
+    case 1: launch_m<V, 1, kF32Out, kGlu>(split, xs, ws, bs, y, n, k, st); break;
+    case 2: launch_m<V, 2, kF32Out, kGlu>(split, xs, ws, bs, y, n, k, st); break;
+    case 3: launch_m<V, 3, kF32Out, kGlu>(split, xs, ws, bs, y, n, k, st); break;
+    default: launch_m<V, 4, kF32Out, kGlu>(split, xs, ws, bs, y, n, k, st); break;
+  }
+}
+
+template <class V>
+void launch_any(bool split, bool f32, bool glu, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
+                cudaStream_t st) {
+  if (glu) launch<V, false, true>(split, x, w, bias, y, m, n, k, st);  // glu: the down projection, act output
+  else if (f32) launch<V, true, false>(split, x, w, bias, y, m, n, k, st);
+  else launch<V, false, false>(split, x, w, bias, y, m, n, k, st);
+}
+
+}  // namespace
+
+bool gemv_fits(int m, int k, const void* x, const void* w) {
+  return m >= 1 && m <= kGemvMaxM && k % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(w) % 16 == 0;
+}
+
+void gemv_small_m(DType ab, DType out, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
+                  void* stream, int variant, bool glu_input) {
+  if (m <= 0 || n <= 0) return;
+  if (!gemv_fits(m, k, x, w))
+    throw Error("gemv_small_m: needs 1 <= m <= " + std::to_string(kGemvMaxM) + ", k % 8 == 0 and 16-byte aligned operands");
+  if (ab != DType::BF16 && ab != DType::F16) throw Error("gemv_small_m: inputs must be bfloat16 or float16");
+  if (out != ab && out != DType::F32) throw Error("gemv_small_m: output must be the input type or float32");
+  if (glu_input && out != ab) throw Error("gemv_small_m: a SiLU-and-mul input needs a 16-bit output");
+  // Automatic: the rows kernel when there are enough rows to fill the GPU with short chains.
+  const bool split = variant == 2 || (variant == 0 && !(n >= 16384 && k <= 8192));
+  const auto st = static_cast<cudaStream_t>(stream);
+  const bool f32 = out == DType::F32;
+  if (ab == DType::BF16) launch_any<VecBF16>(split, f32, glu_input, x, w, bias, y, m, n, k, st);
+  else launch_any<VecF16>(split, f32, glu_input, x, w, bias, y, m, n, k, st);
+}
+
+}  // namespace kvlm::cuda

@@ -1,0 +1,417 @@
+// The decoder's non-GEMM kernels (model_ops.h). All are memory-bound and small next to the
+// GEMMs; what matters is one pass over each tensor and no extra launches:
+//  - add_rmsnorm: residual add + norm in one CTA per row, the row held in registers;
+//  - qkv_rope_store: one warp per (token, head) reads its slice of the fused QKV output once
+//    and writes bf16 q, or quantized K and V straight into their pages — no separate q/k
+//    norm, RoPE or KV-store pass;
+//  - silu_mul, embed_rows, bf16_to_act: elementwise, grid-stride.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "ops/cuda/cuda_check.cuh"
+#include "ops/cuda/kv_codec.cuh"
+#include "ops/cuda/model_ops.h"
+
+namespace kvlm::cuda {
+
+namespace {
+
+struct ActBF16 {
+  static __device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
+  static __device__ __forceinline__ uint16_t store(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+};
+struct ActF16 {
+  static __device__ __forceinline__ float load(uint16_t x) { return __half2float(__ushort_as_half(x)); }
+  static __device__ __forceinline__ uint16_t store(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+
+template <class F>
+void dispatch_act(DType act, F&& f) {
+  if (act == DType::BF16) return f(ActBF16{});
+  if (act == DType::F16) return f(ActF16{});
+  throw Error("CUDA model kernels: activations must be bfloat16 or float16, not " + std::string(dtype_name(act)));
+}
+
+unsigned grid_for(size_t n, int threads) {
+  const size_t blocks = (n + size_t(threads) - 1) / size_t(threads);
+  return unsigned(std::min<size_t>(blocks, 65535u * 8u));
+}
+
+// Programmatic dependent launch: lets the next kernel in the stream — a GEMV launched with
+// the attribute (gemv.cu) — start streaming its weights now; it still waits for this whole
+// grid (griddepcontrol.wait) before reading what this kernel writes.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// ---- embedding ------------------------------------------------------------------------
+
+template <class A>
+__global__ void embed_kernel(const uint16_t* table, const TokenId* tokens, int hidden, float* x) {
+  const int r = blockIdx.x;
+  const uint16_t* src = table + size_t(tokens[r]) * size_t(hidden);
+  float* dst = x + size_t(r) * size_t(hidden);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = A::load(src[i]);
+}
+
+// ---- residual add + RMSNorm -----------------------------------------------------------
+
+// One CTA per row, up to 1024 threads, each holding PER (4, 8 or 16) of the row's values and
+// norm weights in registers: every load is issued before any arithmetic (one memory round
+// trip, not one per loop iteration: a 256-thread loop over a 4096-wide row took ~15 us), and
+// PER is the smallest that covers the row, so nothing spills.
+constexpr int kNormMaxThreads = 1024;
+
+template <class A, int PER>
+__global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddRmsNormParams p) {
+  allow_dependents();
+  const int r = blockIdx.x;
+  const int src = p.row_map ? p.row_map[r] : r;
+  const int H = p.hidden, nt = int(blockDim.x), tid = int(threadIdx.x);
+  float* x = p.x + size_t(src) * size_t(H);
+  const uint16_t* d = p.delta ? static_cast<const uint16_t*>(p.delta) + size_t(src) * size_t(H) : nullptr;
+  float v[PER], wt[PER];
+#pragma unroll
+  for (int c = 0; c < PER; ++c) {
+    const int i = tid + c * nt;
+    v[c] = i < H ? x[i] : 0.0f;
+    wt[c] = i < H ? p.weight[i] : 0.0f;
+    if (d && i < H) v[c] += A::load(d[i]);
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int c = 0; c < PER; ++c) {
+    const int i = tid + c * nt;
+    if (i < H) {
+      if (d && !p.row_map) x[i] = v[c];  // the residual stream after the add
+      ss = fmaf(v[c], v[c], ss);
+    }
+  }
+  __shared__ float part[kNormMaxThreads / 32];
+  ss = warp_sum(ss);
+  if (tid % 32 == 0) part[tid / 32] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < nt / 32; ++w) total += part[w];
+  const float inv = 1.0f / sqrtf(total / float(H) + p.eps);
+  uint16_t* out = static_cast<uint16_t*>(p.out) + size_t(r) * size_t(H);
+#pragma unroll
+  for (int c = 0; c < PER; ++c) {
+    const int i = tid + c * nt;
+    if (i < H) out[i] = A::store(wt[c] * (v[c] * inv));
+  }
+}
+
+// ---- q/k norm + RoPE + KV store -------------------------------------------------------
+
+constexpr int kRopeWarps = 4;
+constexpr int kPairsPerLane = 4;  // head_dim / 2 <= 128 = 32 lanes x 4
+
+// Quantize one head row (held as rotate-half pairs a[c] = x[j], b[c] = x[j + half],
+// j = lane + 32c) into its page row; per-token-head modes also write the row's scale.
+template <class Fmt>
+__device__ __forceinline__ void store_head(const float (&a)[kPairsPerLane], const float (&b)[kPairsPerLane], int half,
+                                           int lane, typename Fmt::Code* dst, float* token_scale, float tensor_scale) {
+  float scale = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTokenHead) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c)
+      if (lane + 32 * c < half) amax = fmaxf(amax, fmaxf(fabsf(a[c]), fabsf(b[c])));
+    amax = warp_max(amax);
+    scale = fmaxf(__fdiv_rn(amax, Fmt::kMax), 1e-6f);  // kvfmt: max(absmax / qmax, kMinScale)
+    if (lane == 0) *token_scale = scale;
+  } else if constexpr (Fmt::kScale == Scale::PerTensor) {
+    scale = tensor_scale;
+  }
+#pragma unroll
+  for (int c = 0; c < kPairsPerLane; ++c) {
+    const int j = lane + 32 * c;
+    if (j < half) {
+      dst[j] = Fmt::encode(Fmt::kScale == Scale::None ? a[c] : __fdiv_rn(a[c], scale));
+      dst[j + half] = Fmt::encode(Fmt::kScale == Scale::None ? b[c] : __fdiv_rn(b[c], scale));
+    }
+  }
+}
+
+template <class A, class Fmt>
+__global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const QkvRopeStoreParams p) {
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const int64_t item = int64_t(blockIdx.x) * kRopeWarps + threadIdx.x / 32;
+  if (item >= int64_t(p.num_tokens) * heads) return;  // whole warp: item is warp-uniform
+  const int lane = threadIdx.x % 32;
+  const int64_t t = item / heads;
+  const int h = int(item % heads);  // < nh: q head h; else k head h - nh
+  const int d = p.head_dim, half = d / 2;
+  const size_t row_elems = size_t(p.num_q_heads + 2 * p.num_kv_heads) * size_t(d);
+  const uint16_t* row = static_cast<const uint16_t*>(p.qkv) + size_t(t) * row_elems;
+  const uint16_t* src = row + size_t(h) * size_t(d);
+  const bool is_q = h < p.num_q_heads;
+
+  float a[kPairsPerLane], b[kPairsPerLane];
+  float ss = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kPairsPerLane; ++c) {
+    const int j = lane + 32 * c;
+    a[c] = b[c] = 0.0f;
+    if (j < half) {
+      a[c] = A::load(src[j]);
+      b[c] = A::load(src[j + half]);
+      ss = fmaf(a[c], a[c], fmaf(b[c], b[c], ss));
+    }
+  }
+  const float* nw = is_q ? p.q_norm : p.k_norm;
+  if (nw) {  // Qwen3: RMSNorm over head_dim before RoPE
+    const float inv = 1.0f / sqrtf(warp_sum(ss) / float(d) + p.eps);
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      if (j < half) {
+        a[c] = nw[j] * (a[c] * inv);
+        b[c] = nw[j + half] * (b[c] * inv);
+      }
+    }
+  }
+  const float pos = float(p.positions[t]);
+#pragma unroll
+  for (int c = 0; c < kPairsPerLane; ++c) {
+    const int j = lane + 32 * c;
+    if (j < half) {
+      float s, co;
+      sincosf(pos * p.inv_freq[j], &s, &co);
+      const float x0 = a[c], x1 = b[c];
+      a[c] = x0 * co - x1 * s;
+      b[c] = x1 * co + x0 * s;
+    }
+  }
+  if (is_q) {
+    uint16_t* q = p.q_out + (size_t(t) * size_t(p.num_q_heads) + size_t(h)) * size_t(d);
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      if (j < half) {
+        q[j] = ActBF16::store(a[c]);
+        q[j + half] = ActBF16::store(b[c]);
+      }
+    }
+    return;
+  }
+  const int g = h - p.num_q_heads;
+  const SlotId slot = p.slots[t];
+  if (slot < 0) return;  // padding row
+  const int64_t block = slot / p.block_size;
+  if (block >= p.num_blocks) return;  // a caller bug (the runner checks slots): never write outside the pool
+  const int off = int(slot % p.block_size);
+  const size_t sidx = (size_t(block) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) + size_t(off);
+  using Code = typename Fmt::Code;
+  float ks = 1.0f, vs = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTensor) {
+    ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+    vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+  }
+  store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.k_cache) + sidx * size_t(d), p.k_token_scale + sidx, ks);
+  const uint16_t* vsrc = row + size_t(p.num_q_heads + p.num_kv_heads + g) * size_t(d);
+#pragma unroll
+  for (int c = 0; c < kPairsPerLane; ++c) {
+    const int j = lane + 32 * c;
+    a[c] = b[c] = 0.0f;
+    if (j < half) {
+      a[c] = A::load(vsrc[j]);
+      b[c] = A::load(vsrc[j + half]);
+    }
+  }
+  store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.v_cache) + sidx * size_t(d), p.v_token_scale + sidx, vs);
+}
+
+// ---- SiLU-and-mul, conversion -----------------------------------------------------------
+
+template <class A>
+__global__ void silu_mul_kernel(const uint16_t* gu, uint16_t* out, int rows, int inter) {
+  allow_dependents();
+  const size_t n = size_t(rows) * size_t(inter);
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t r = i / size_t(inter), c = i % size_t(inter);
+    const float g = A::load(gu[r * 2 * size_t(inter) + c]);
+    const float u = A::load(gu[r * 2 * size_t(inter) + size_t(inter) + c]);
+    out[i] = A::store(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+template <class A>
+__global__ void bf16_to_act_kernel(const uint16_t* in, uint16_t* out, size_t n) {
+  allow_dependents();
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = A::store(ActBF16::load(in[i]));
+}
+
+// ---- greedy sampling --------------------------------------------------------------------
+
+constexpr int kArgmaxThreads = 256;
+
+// (v2, i2) beats (v1, i1): larger value, or the same value at a lower index.
+__device__ __forceinline__ bool better(float v2, int i2, float v1, int i1) { return v2 > v1 || (v2 == v1 && i2 < i1); }
+
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* logits, int vocab, TokenId* out) {
+  const float* row = logits + size_t(blockIdx.x) * size_t(vocab);
+  float best = -INFINITY;
+  int idx = vocab;  // loses every tie: a row of -inf still yields index 0
+  for (int i = threadIdx.x; i < vocab; i += kArgmaxThreads) {
+    const float v = row[i];
+    if (better(v, i, best, idx)) {
+      best = v;
+      idx = i;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, best, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (better(v2, i2, best, idx)) {
+      best = v2;
+      idx = i2;
+    }
+  }
+  __shared__ float sv[kArgmaxThreads / 32];
+  __shared__ int si[kArgmaxThreads / 32];
+  if (threadIdx.x % 32 == 0) {
+    sv[threadIdx.x / 32] = best;
+    si[threadIdx.x / 32] = idx;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgmaxThreads / 32; ++w)
+      if (better(sv[w], si[w], best, idx)) {
+        best = sv[w];
+        idx = si[w];
+      }
+    out[blockIdx.x] = TokenId(idx < vocab ? idx : 0);
+  }
+}
+
+// ---- KV page copies ---------------------------------------------------------------------
+
+__global__ void copy_pages_kernel(const KVPagePools* layers, const BlockId* pairs) {
+  const KVPagePools L = layers[blockIdx.y];
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0;
+  switch (blockIdx.z) {
+    case 0: base = L.k, bytes = L.page_bytes; break;
+    case 1: base = L.v, bytes = L.page_bytes; break;
+    case 2: base = L.k_scale, bytes = L.scale_page_bytes; break;
+    default: base = L.v_scale, bytes = L.scale_page_bytes; break;
+  }
+  if (!base || bytes == 0) return;
+  const BlockId src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
+  if (src == dst) return;
+  const uint8_t* s = base + uint64_t(src) * bytes;
+  uint8_t* d = base + uint64_t(dst) * bytes;
+  if (bytes % 16 == 0) {  // pools are 256-byte aligned, so 16-byte pages are 16-byte aligned
+    const uint4* s4 = reinterpret_cast<const uint4*>(s);
+    uint4* d4 = reinterpret_cast<uint4*>(d);
+    for (uint64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) d4[i] = s4[i];
+  } else {
+    for (uint64_t i = threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
+  }
+}
+
+}  // namespace
+
+void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, int hidden, float* x, void* stream) {
+  if (rows <= 0) return;
+  dispatch_act(act, [&](auto a) {
+    using A = decltype(a);
+    embed_kernel<A><<<unsigned(rows), 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const uint16_t*>(table),
+                                                                                   tokens, hidden, x);
+    KVLM_CUDA_CHECK_LAUNCH("embed_rows");
+  });
+}
+
+void add_rmsnorm(const AddRmsNormParams& p, void* stream) {
+  if (p.rows <= 0) return;
+  if (p.hidden <= 0 || !p.x || !p.weight || !p.out) throw Error("add_rmsnorm: missing buffers or hidden size");
+  if (p.hidden > kNormMaxThreads * 16)
+    throw Error("the CUDA RMSNorm handles hidden sizes up to " + std::to_string(kNormMaxThreads * 16) + ", got " +
+                std::to_string(p.hidden));
+  const int per = p.hidden <= kNormMaxThreads * 4 ? 4 : p.hidden <= kNormMaxThreads * 8 ? 8 : 16;
+  const int threads = std::min(kNormMaxThreads, ((p.hidden + per - 1) / per + 31) / 32 * 32);
+  dispatch_act(p.act, [&](auto a) {
+    using A = decltype(a);
+    const auto st = static_cast<cudaStream_t>(stream);
+    if (per == 4) add_rmsnorm_kernel<A, 4><<<unsigned(p.rows), unsigned(threads), 0, st>>>(p);
+    else if (per == 8) add_rmsnorm_kernel<A, 8><<<unsigned(p.rows), unsigned(threads), 0, st>>>(p);
+    else add_rmsnorm_kernel<A, 16><<<unsigned(p.rows), unsigned(threads), 0, st>>>(p);
+    KVLM_CUDA_CHECK_LAUNCH("add_rmsnorm");
+  });
+}
+
+void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
+  if (p.num_tokens <= 0) return;
+  if (p.head_dim <= 0 || p.head_dim % 2 != 0 || p.head_dim > 2 * 32 * kPairsPerLane)
+    throw Error("qkv_rope_store: head_dim must be even and at most 256, got " + std::to_string(p.head_dim));
+  if (p.num_q_heads <= 0 || p.num_kv_heads <= 0 || p.block_size <= 0)
+    throw Error("qkv_rope_store: head counts and block_size must be positive");
+  dispatch_act(p.act, [&](auto a) {
+    using A = decltype(a);
+    dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
+      using Fmt = decltype(fmt);
+      if (Fmt::kScale == Scale::PerTensor && (!p.k_tensor_scale || !p.v_tensor_scale ||
+                                              (p.num_tensor_scales != 1 && p.num_tensor_scales != p.num_kv_heads)))
+        throw Error("qkv_rope_store: fp8_per_tensor needs 1 or num_kv_heads K and V scales");
+      if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
+        throw Error("qkv_rope_store: per-token-head modes need the scale pages");
+      const int64_t items = int64_t(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);
+      const unsigned grid = unsigned((items + kRopeWarps - 1) / kRopeWarps);
+      qkv_rope_store_kernel<A, Fmt><<<grid, kRopeWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(p);
+      KVLM_CUDA_CHECK_LAUNCH("qkv_rope_store");
+    });
+  });
+}
+
+void silu_mul(DType act, const void* gu, void* out, int rows, int inter, void* stream) {
+  if (rows <= 0) return;
+  dispatch_act(act, [&](auto a) {
+    using A = decltype(a);
+    silu_mul_kernel<A><<<grid_for(size_t(rows) * size_t(inter), 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), rows, inter);
+    KVLM_CUDA_CHECK_LAUNCH("silu_mul");
+  });
+}
+
+void bf16_to_act(DType act, const uint16_t* in, void* out, size_t n, void* stream) {
+  if (n == 0) return;
+  dispatch_act(act, [&](auto a) {
+    using A = decltype(a);
+    bf16_to_act_kernel<A><<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(in, static_cast<uint16_t*>(out), n);
+    KVLM_CUDA_CHECK_LAUNCH("bf16_to_act");
+  });
+}
+
+void argmax_rows(const float* logits, int rows, int vocab, TokenId* out, void* stream) {
+  if (rows <= 0) return;
+  if (vocab <= 0) throw Error("argmax_rows: empty vocabulary");
+  argmax_kernel<<<unsigned(rows), kArgmaxThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, vocab, out);
+  KVLM_CUDA_CHECK_LAUNCH("argmax_rows");
+}
+
+void copy_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pairs, int num_pairs, void* stream) {
+  if (num_pairs <= 0 || num_layers <= 0) return;
+  if (num_pairs > 65535 || num_layers > 65535) throw Error("copy_kv_pages: at most 65535 pairs and layers per call");
+  copy_pages_kernel<<<dim3(unsigned(num_pairs), unsigned(num_layers), 4), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      layers, pairs);
+  KVLM_CUDA_CHECK_LAUNCH("copy_kv_pages");
+}
+
+}  // namespace kvlm::cuda

@@ -1,0 +1,101 @@
+// The CUDA kernels of the decoder (everything but attention and the GEMMs), host-callable,
+// with no CUDA header: a stream is a `void*` (a cudaStream_t; nullptr = the legacy stream).
+//
+// Activations and weights are `act` = bfloat16 or float16 (the model's compute dtype), every
+// reduction and every elementwise formula runs in fp32, and the residual stream is kept in
+// fp32 (one rounding per layer output instead of one per residual add). Norm weights and
+// RoPE frequencies are fp32. Every pointer is a device pointer; every launch is checked and
+// a failure throws kvlm::Error naming the kernel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/index_types.h"
+
+namespace kvlm::cuda {
+
+// x[r][:] = table[tokens[r]][:] in fp32 (the residual stream). Token ids must be in range
+// (the caller checks them on the host).
+void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, int hidden, float* x, void* stream);
+
+// Residual add fused with RMSNorm (transformers' LlamaRMSNorm in fp32):
+//   s = x[src] + delta[src]  (delta optional), written back to x[src] when row_map is null,
+//   out[r] = weight * (s * 1/sqrt(mean(s^2) + eps))  rounded once to act.
+// With row_map, output row r normalizes residual row row_map[r] (the final norm of the rows
+// whose logits are wanted) and x is left as it is.
+struct AddRmsNormParams {
+  DType act = DType::BF16;
+  int rows = 0;
+  int hidden = 0;
+  float* x = nullptr;                // fp32 [*][hidden]
+  const void* delta = nullptr;       // act [*][hidden] or null
+  const float* weight = nullptr;     // fp32 [hidden]
+  float eps = 1e-6f;
+  void* out = nullptr;               // act [rows][hidden]
+  const int32_t* row_map = nullptr;  // [rows] or null
+};
+void add_rmsnorm(const AddRmsNormParams& p, void* stream);
+
+// The attention prologue in one pass over the fused QKV projection:
+//   q heads: [Qwen3 q RMSNorm] -> RoPE -> bf16 q (the paged attention kernels' input);
+//   k heads: [Qwen3 k RMSNorm] -> RoPE -> quantize (per the layer's KV format) -> page slot;
+//   v heads:                              quantize -> page slot.
+// Quantization is kv_store's, from the fp32 values (no bf16 round trip): code =
+// encode(x / scale), per-token-head scale = max(absmax / qmax, 1e-6) (attention/kv_format.h).
+// RoPE is rotate-half with angle = float(position) * inv_freq[i] (model/rope.cpp computes
+// inv_freq for the default, linear and llama3 scalings). A negative slot (padding) stores
+// nothing; q is written for every row.
+struct QkvRopeStoreParams {
+  DType act = DType::BF16;
+  DType storage = DType::BF16;
+  KVQuantMode quant = KVQuantMode::None;
+  int num_tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;                  // even, <= 256
+  const void* qkv = nullptr;         // act [num_tokens][(nh + 2 * kvh) * head_dim]: q, k, v heads
+  const float* q_norm = nullptr;     // [head_dim] or null (no q/k norm)
+  const float* k_norm = nullptr;     // [head_dim] or null
+  float eps = 1e-6f;
+  const Position* positions = nullptr;  // [num_tokens]
+  const float* inv_freq = nullptr;      // [head_dim / 2]
+  uint16_t* q_out = nullptr;            // bf16 [num_tokens][nh][head_dim]
+  const SlotId* slots = nullptr;        // [num_tokens]
+  int block_size = 0;
+  int num_blocks = 0;
+  void* k_cache = nullptr;              // [num_blocks][kvh][block_size][head_dim] storage
+  void* v_cache = nullptr;
+  float* k_token_scale = nullptr;       // per-token-head modes: [num_blocks][kvh][block_size]
+  float* v_token_scale = nullptr;
+  const float* k_tensor_scale = nullptr;  // fp8_per_tensor: 1 or kvh scales
+  const float* v_tensor_scale = nullptr;
+  int num_tensor_scales = 1;
+};
+void qkv_rope_store(const QkvRopeStoreParams& p, void* stream);
+
+// out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: the fused gate/up projection's halves.
+void silu_mul(DType act, const void* gu, void* out, int rows, int inter, void* stream);
+
+// out[r] = argmax of logits[r][0, vocab): greedy sampling on the GPU. Ties go to the lowest
+// token id, as the host Sampler's argmax.
+void argmax_rows(const float* logits, int rows, int vocab, TokenId* out, void* stream);
+
+// bf16 -> act (float16 models: the attention output feeds the o projection). n elements.
+void bf16_to_act(DType act, const uint16_t* in, void* out, size_t n, void* stream);
+
+// Copy-on-write of KV pages: for each pair and each layer, page src -> page dst of K, V and
+// (per-token-head modes) both scale pools. `layers` and `pairs` live in device memory; pairs
+// must not chain (no dst is another pair's src): the copies run in parallel.
+struct KVPagePools {
+  uint8_t* k = nullptr;
+  uint8_t* v = nullptr;
+  uint8_t* k_scale = nullptr;  // null without token scales
+  uint8_t* v_scale = nullptr;
+  uint64_t page_bytes = 0;        // K (= V) bytes of one page
+  uint64_t scale_page_bytes = 0;  // one page of one scale pool; 0 without token scales
+};
+void copy_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pairs, int num_pairs, void* stream);
+
+}  // namespace kvlm::cuda

@@ -1,0 +1,336 @@
+// The CUDA-core paged attention kernel (attn_rows_kernel) and the split-KV reduction,
+// shared by paged_attention.cu (head sizes 64/128/256, next to the tensor-core kernel) and
+// paged_attention_small.cu (head sizes 8/16/32: the CUDA-core kernel only). Two translation
+// units so the two sets of instantiations compile in parallel. See paged_attention.cu for
+// the design; the kernels are internal to each translation unit (anonymous namespace),
+// RowsArgs is the one type both share.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "ops/cuda/attention_ops.h"
+#include "ops/cuda/kv_codec.cuh"
+
+namespace kvlm::cuda {
+
+constexpr int kWarps = 4;  // 128 threads: 4 CTAs/SM fit at ~128 registers, enough loads in flight
+constexpr int kVec = 8;    // elements per lane per row: 16 B (bf16/fp16) or 8 B (fp8/int8) loads
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct RowsArgs {
+  PagedAttentionParams p;
+  int group;         // query heads per kv head
+  int head_chunks;   // ceil(group / GMAX) (CUDA-core kernel)
+  int rows_per_cta;  // query rows of one sequence per CTA (tensor-core kernel)
+  int row_groups;    // ceil(max_q_len / rows_per_cta) (tensor-core kernel)
+  int num_splits;
+  float* part_o;    // [num_tokens][num_q_heads][num_splits][head_dim]
+  float* part_ml;   // [num_tokens][num_q_heads][num_splits][2]: running max (log2 domain), sum
+};
+
+namespace {
+
+
+// Programmatic dependent launch: the kernel after attention (the o projection's GEMV,
+// ops/cuda/gemv.cu) may start streaming its weights now; it still waits for this grid's
+// completion before it reads the attention output.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Loads that bypass L1 allocation hints are not used: the non-coherent read-only path
+// (ld.global.nc) is enough, pages are read exactly once per decode step.
+template <class V>
+__device__ __forceinline__ V ldg_vec(const void* p) {
+  return __ldg(static_cast<const V*>(p));
+}
+
+__device__ __forceinline__ void visible_range(const PagedAttentionParams& p, int pos, int kv_len, int& lo, int& hi) {
+  if (p.mask == AttentionKind::NonCausal) {
+    lo = 0;
+    hi = kv_len;
+  } else {
+    hi = pos + 1;
+    lo = p.mask == AttentionKind::Sliding ? max(0, pos - p.window + 1) : 0;
+  }
+}
+
+// TPR lanes hold one row (head_dim = TPR * 8); a warp covers RPW rows per step; each lane
+// group keeps U rows in flight (loads issued before any math) so that every SM has
+// >= 20 KB of loads outstanding — what HBM3e needs to reach its bandwidth.
+template <class Fmt, int HD, int GMAX>
+__global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a) {
+  allow_dependents();
+  using Vec = typename Fmt::Vec;
+  constexpr int TPR = HD / kVec;
+  constexpr int RPW = 32 / TPR;
+  constexpr int U = sizeof(Vec) == 16 ? 4 : 8;  // same bytes in flight for 1- and 2-byte codes
+  constexpr int STEP = kWarps * RPW;            // rows per CTA per unrolled sub-step
+  static_assert(TPR >= 1 && TPR <= 32 && 32 % TPR == 0, "head size must be 8..256, power of two");
+
+  const PagedAttentionParams& p = a.p;
+  const int row = blockIdx.x;
+  const int kvh = int(blockIdx.y) / a.head_chunks;
+  const int chunk = int(blockIdx.y) % a.head_chunks;
+  const int split = blockIdx.z;
+  const int h0 = kvh * a.group + chunk * GMAX;
+  const int nheads = min(GMAX, a.group - chunk * GMAX);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int sub = lane % TPR, rg = lane / TPR;
+
+  // The row's sequence: binary search of cu_q_lens (num_seqs is small, cached in L1).
+  int s_lo = 0, s_hi = p.num_seqs - 1;
+  while (s_lo < s_hi) {
+    const int mid = (s_lo + s_hi + 1) / 2;
+    if (p.cu_q_lens[mid] <= row) s_lo = mid;
+    else s_hi = mid - 1;
+  }
+  const int seq = s_lo;
+  const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
+  const int kv_len = p.kv_lens[seq];
+  const int pos = kv_len - q_len + (row - q_begin);
+  int lo, hi;
+  visible_range(p, pos, kv_len, lo, hi);
+  const int n = max(0, hi - lo);
+  const int per_split = (n + a.num_splits - 1) / a.num_splits;
+  const int t0 = lo + split * per_split, t1 = min(hi, t0 + per_split);
+
+  // Query slice in registers, pre-multiplied by softmax_scale * log2(e) (softmax in exp2,
+  // one FFMA less per score) and, for per-tensor FP8, by the K scale (dequantization of K
+  // costs nothing: q.(c*s) = (q*s).c).
+  float qscale = p.softmax_scale * kLog2e;
+  float vscale = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTensor) {
+    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
+    qscale *= p.k_tensor_scale[si];
+    vscale = p.v_tensor_scale[si];
+  }
+  float q[GMAX][kVec];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < nheads) {
+      const uint4 raw = ldg_vec<uint4>(p.q + (size_t(row) * p.num_q_heads + h0 + g) * HD + sub * kVec);
+      FmtBF16::decode8(raw, q[g]);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) q[g][e] *= qscale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) q[g][e] = 0.0f;
+    }
+  }
+
+  float m[GMAX], l[GMAX], acc[GMAX][kVec];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[g][e] = 0.0f;
+  }
+
+  const char* kbase = static_cast<const char*>(p.k_cache);
+  const char* vbase = static_cast<const char*>(p.v_cache);
+  const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
+  constexpr size_t kElem = sizeof(typename Fmt::Code);
+
+  for (int base = t0; base < t1; base += STEP * U) {
+    Vec kv[U], vv[U];
+    float ksc[U], vsc[U];
+    bool valid[U];
+    // Issue all U row loads before any math: memory-level parallelism is the whole game.
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = base + u * STEP + warp * RPW + rg;
+      valid[u] = t < t1;
+      ksc[u] = vsc[u] = 1.0f;
+      if (valid[u]) {
+        const BlockId page = table[t / p.block_size];
+        const int off = t % p.block_size;
+        const size_t sidx = (size_t(page) * p.num_kv_heads + kvh) * p.block_size + off;
+        const size_t at = (sidx * HD + sub * kVec) * kElem;
+        kv[u] = ldg_vec<Vec>(kbase + at);
+        vv[u] = ldg_vec<Vec>(vbase + at);
+        if constexpr (Fmt::kScale == Scale::PerTokenHead) {
+          ksc[u] = __ldg(p.k_token_scale + sidx);
+          vsc[u] = __ldg(p.v_token_scale + sidx);
+        }
+      } else {
+        kv[u] = Vec{};
+        vv[u] = Vec{};
+      }
+    }
+    float s[U][GMAX];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[kVec];
+      Fmt::decode8(kv[u], kf);
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) d = fmaf(q[g][e], kf[e], d);
+        s[u][g] = d;
+      }
+    }
+    // Dot products: butterfly over the TPR lanes of a row (all of them end with the sum).
+#pragma unroll
+    for (int o = TPR / 2; o > 0; o >>= 1)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+    // Online softmax, one rescale per U rows (not per row). Per-token-head K scales scale
+    // the score, V scales the weight: dequantization is one multiply per row, not per element.
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        s[u][g] = valid[u] ? s[u][g] * ksc[u] : -INFINITY;
+        mx = fmaxf(mx, s[u][g]);
+      }
+      const float m_new = fmaxf(m[g], mx);
+      if (m_new == -INFINITY) continue;  // no visible row yet for this lane group
+      const float corr = exp2f(m[g] - m_new);
+      m[g] = m_new;
+      l[g] *= corr;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[g][e] *= corr;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float pr = exp2f(s[u][g] - m_new);
+        l[g] += pr;
+        s[u][g] = pr * vsc[u];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[kVec];
+      Fmt::decode8(vv[u], vf);
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        if (m[g] == -INFINITY) continue;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
+      }
+    }
+  }
+
+  // Merge the RPW lane groups of the warp (butterfly across groups), then the warps.
+  auto merge = [](float& m1, float& l1, float* o1, float m2, float l2, const float* o2) {
+    const float mm = fmaxf(m1, m2);
+    if (mm == -INFINITY) return;
+    const float c1 = exp2f(m1 - mm), c2 = exp2f(m2 - mm);
+    l1 = l1 * c1 + l2 * c2;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o1[e] = o1[e] * c1 + o2[e] * c2;
+    m1 = mm;
+  };
+#pragma unroll
+  for (int o = TPR; o < 32; o <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
+      const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
+      float o2[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) o2[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+      merge(m[g], l[g], acc[g], m2, l2, o2);
+    }
+  }
+
+  __shared__ float sm_o[kWarps][GMAX][HD];
+  __shared__ float sm_ml[kWarps][GMAX][2];
+  if (rg == 0) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sm_o[warp][g][sub * kVec + e] = acc[g][e];
+      if (sub == 0) {
+        sm_ml[warp][g][0] = m[g];
+        sm_ml[warp][g][1] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nheads * HD; i += kWarps * 32) {
+    const int g = i / HD, d = i % HD;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, sm_ml[w][g][0]);
+    float L = 0.0f, O = 0.0f;
+    if (mm != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float c = exp2f(sm_ml[w][g][0] - mm);
+        L += sm_ml[w][g][1] * c;
+        O += sm_o[w][g][d] * c;
+      }
+    }
+    const int h = h0 + g;
+    if (a.num_splits == 1) {
+      const float r = L > 0.0f ? O * vscale / L : 0.0f;  // no visible key: 0, as the CPU backend
+      p.out[(size_t(row) * p.num_q_heads + h) * HD + d] = __bfloat16_as_ushort(__float2bfloat16_rn(r));
+    } else {
+      const size_t pi = (size_t(row) * p.num_q_heads + h) * a.num_splits + split;
+      a.part_o[pi * HD + d] = O * vscale;
+      if (d == 0) {
+        a.part_ml[2 * pi] = mm;
+        a.part_ml[2 * pi + 1] = L;
+      }
+    }
+  }
+}
+
+// Merges the splits of one (row, head): one thread per output element.
+__global__ void attn_reduce_kernel(const RowsArgs a) {
+  allow_dependents();
+  const int row = blockIdx.x, h = blockIdx.y;
+  const int HD = a.p.head_dim, S = a.num_splits;
+  const size_t base = (size_t(row) * a.p.num_q_heads + h) * S;
+  float mm = -INFINITY;
+  for (int s = 0; s < S; ++s) mm = fmaxf(mm, a.part_ml[2 * (base + s)]);
+  for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+    float L = 0.0f, O = 0.0f;
+    if (mm != -INFINITY) {
+      for (int s = 0; s < S; ++s) {
+        const float c = exp2f(a.part_ml[2 * (base + s)] - mm);
+        L += a.part_ml[2 * (base + s) + 1] * c;
+        O += a.part_o[(base + s) * HD + d] * c;
+      }
+    }
+    const float r = L > 0.0f ? O / L : 0.0f;
+    a.p.out[(size_t(row) * a.p.num_q_heads + h) * HD + d] = __bfloat16_as_ushort(__float2bfloat16_rn(r));
+  }
+}
+
+
+constexpr int kMaxGroupPerCta = 8;
+
+// The CUDA-core kernel for (Fmt, HD), plus the reduction when the key range is split.
+template <class Fmt, int HD>
+void launch_rows(const RowsArgs& a, cudaStream_t st) {
+  const dim3 grid(unsigned(a.p.num_tokens), unsigned(a.p.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
+  const int gmax = std::min(a.group, kMaxGroupPerCta);
+  // GQA group sizes are compiled as 1, 4 and 8 (the common ones); 2-3 run in the 4-wide and
+  // 5-7 in the 8-wide instance with idle head slots: correct, somewhat wasteful.
+  if (gmax == 1) attn_rows_kernel<Fmt, HD, 1><<<grid, kWarps * 32, 0, st>>>(a);
+  else if (gmax <= 4) attn_rows_kernel<Fmt, HD, 4><<<grid, kWarps * 32, 0, st>>>(a);
+  else attn_rows_kernel<Fmt, HD, 8><<<grid, kWarps * 32, 0, st>>>(a);
+  cuda_check(cudaGetLastError(), "paged_attention launch");
+  if (a.num_splits > 1) {
+    attn_reduce_kernel<<<dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)), std::min(HD, 128), 0, st>>>(a);
+    cuda_check(cudaGetLastError(), "paged_attention reduce launch");
+  }
+}
+
+}  // namespace
+
+// Head sizes 8, 16 and 32 (CUDA-core kernel), compiled in paged_attention_small.cu.
+void launch_rows_small_heads(const RowsArgs& a, cudaStream_t st);
+
+}  // namespace kvlm::cuda

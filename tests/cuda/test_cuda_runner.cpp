@@ -1,0 +1,567 @@
+// The CUDA model runner (model/cuda) end to end: against the CPU runner (DecoderModel, fp32
+// compute) on the golden checkpoints in every KV mode, on ragged batches mixing prefill
+// chunks with decodes (eagerly and through CUDA graphs), copy-on-write of pages, and
+// against Hugging Face transformers' goldens (tests/golden/expected).
+//
+// What "close" means with bf16 compute. The CPU runner computes in fp32; the CUDA runner
+// rounds every GEMM input/output, q and the attention output to bf16 (fp16 for the float16
+// checkpoint): about ten roundings of relative error <= 2^-9 per layer, so logits move by
+// ~0.5% of their magnitude on these 2-5 layer models (measured values are printed). Bugs
+// (a wrong mask, RoPE, norm, scale or page) move them by tens of percent. The bound on
+// |cuda - cpu| is 3% of the largest reference logit (6% for stories260K, the one trained
+// model: its residual stream carries large outlier channels, and its float32 weights are
+// rounded to bf16 on the GPU while the CPU keeps them in fp32; 4.0% measured), plus, for
+// quantized caches, the quantization error the CPU itself shows against an exact reference
+// (bf16 compute writes slightly different K/V, which can round to a neighbouring code: at
+// most the size of the quantization error itself).
+//
+// Against transformers (fp32): KL divergence per KV mode within the CPU test's bound for
+// that mode (tests/golden/test_golden.cpp) plus 4x the compute floor — the KL divergence of
+// the CUDA runner with an unquantized cache in its compute dtype, itself bounded at 2-4x the
+// largest values measured on the H200 (random-weight models: mean 1.3e-4, max 1.0e-3
+// measured, bounds 5e-4 / 2e-3; stories260K: mean 2.3e-3, max 7.6e-3 measured, bounds
+// 5e-3 / 2e-2; docs/results/cuda-runner.md). Greedy
+// decisions must agree wherever the reference's top-2 margin exceeds twice the logit error
+// at that position; free-running greedy must reproduce transformers' tokens up to the
+// first near-tie (a position whose margin is below twice the CUDA logit error there).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "cuda_test_util.h"
+#include "engine/generate.h"
+#include "engine/sequence.h"
+#include "io/safetensors.h"
+#include "model/cuda/cuda_runner.h"
+
+using namespace kvlm;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Golden {
+  std::string name;
+  fs::path model_dir;
+  std::vector<TokenId> prompt, greedy;
+  std::vector<float> logits;  // [T][V]
+  int vocab = 0;
+};
+
+fs::path golden_dir() { return test::repo_root() / "tests" / "golden"; }
+
+Golden load_golden(const std::string& name) {
+  Golden g;
+  g.name = name;
+  std::ifstream in(golden_dir() / "expected" / (name + ".json"));
+  const auto meta = nlohmann::json::parse(in);
+  g.prompt = meta["prompt_ids"].get<std::vector<TokenId>>();
+  g.greedy = meta["greedy_ids"].get<std::vector<TokenId>>();
+  g.model_dir = name == "stories260K" ? test::repo_root() / "models" / "stories260K" : golden_dir() / "models" / name;
+  SafetensorsFile f(golden_dir() / "expected" / (name + ".logits.safetensors"));
+  const TensorInfo* t = f.find("logits");
+  g.vocab = int(t->shape[1]);
+  g.logits.resize(size_t(t->numel()));
+  convert_to_f32(t->dtype, f.view(*t).bytes, g.logits);
+  return g;
+}
+
+std::vector<std::string> golden_names() {
+  std::vector<std::string> out;
+  const fs::path dir = golden_dir() / "expected";
+  if (!fs::exists(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".json") out.push_back(e.path().stem().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::unique_ptr<Engine> load(const fs::path& dir, KVCacheDType dt, Device dev, std::optional<DType> dtype = std::nullopt,
+                             int block_size = 16) {
+  EngineOptions o;
+  o.model_dir = dir;
+  o.cache.kv_cache_dtype = dt;
+  o.cache.block_size = block_size;
+  o.device = dev;
+  o.dtype = dtype;
+  return Engine::load(o);
+}
+
+CudaModelRunner& cuda_of(Engine& e) {
+  auto* r = dynamic_cast<CudaModelRunner*>(&e.model());
+  if (!r) throw std::runtime_error("not a CUDA runner");
+  return *r;
+}
+
+// Teacher-forced logits over `tokens`, prefilled in chunks of `chunk`.
+std::vector<float> teacher_forced(Engine& e, const std::vector<TokenId>& all, int chunk) {
+  SequenceRunner seq(e, int(all.size()));
+  std::vector<float> out;
+  for (size_t i = 0; i < all.size(); i += size_t(chunk)) {
+    const size_t n = std::min(all.size() - i, size_t(chunk));
+    auto l = seq.append(std::span(all).subspan(i, n), true);
+    out.insert(out.end(), l.begin(), l.end());
+  }
+  return out;
+}
+
+struct Stats {
+  double max_abs = 0, scale = 0, mean_kld = 0, max_kld = 0;
+  std::vector<double> row_err;
+  int decisions_checked = 0, decisions_failed = 0;
+};
+
+// `ref` vs `got`, [T][V] each. Decisions are checked on rows >= first_decision.
+Stats compare(const std::vector<float>& ref, const std::vector<float>& got, int V, size_t first_decision = 0) {
+  Stats s;
+  const size_t T = ref.size() / size_t(V);
+  for (size_t t = 0; t < T; ++t) {
+    const float* a = ref.data() + t * size_t(V);
+    const float* b = got.data() + t * size_t(V);
+    double err = 0, ma = -1e30, mb = -1e30;
+    for (int i = 0; i < V; ++i) {
+      err = std::max(err, std::isnan(b[i]) ? 1e30 : std::fabs(double(a[i]) - b[i]));
+      ma = std::max(ma, double(a[i]));
+      mb = std::max(mb, double(b[i]));
+      s.scale = std::max(s.scale, std::fabs(double(a[i])));
+    }
+    s.row_err.push_back(err);
+    s.max_abs = std::max(s.max_abs, err);
+    double za = 0, zb = 0;
+    for (int i = 0; i < V; ++i) {
+      za += std::exp(a[i] - ma);
+      zb += std::exp(b[i] - mb);
+    }
+    double kld = 0;
+    for (int i = 0; i < V; ++i) {
+      const double lpa = a[i] - ma - std::log(za), lpb = b[i] - mb - std::log(zb);
+      kld += std::exp(lpa) * (lpa - lpb);
+    }
+    s.mean_kld += kld / double(T);
+    s.max_kld = std::max(s.max_kld, kld);
+    if (t < first_decision) continue;
+    int ia = 0, ib = 0;
+    for (int i = 1; i < V; ++i) {
+      if (a[i] > a[ia]) ia = i;
+      if (b[i] > b[ib]) ib = i;
+    }
+    double second = -1e30;
+    for (int i = 0; i < V; ++i)
+      if (i != ia) second = std::max(second, double(a[i]));
+    if (a[ia] - second > 2 * err) {
+      ++s.decisions_checked;
+      s.decisions_failed += ia != ib;
+    }
+  }
+  return s;
+}
+
+double top2_margin(const float* row, int V) {
+  int ia = 0;
+  for (int i = 1; i < V; ++i)
+    if (row[i] > row[ia]) ia = i;
+  double second = -1e30;
+  for (int i = 0; i < V; ++i)
+    if (i != ia) second = std::max(second, double(row[i]));
+  return row[ia] - second;
+}
+
+const KVCacheDType kModes[] = {KVCacheDType::Auto,           KVCacheDType::BFloat16,        KVCacheDType::Float16,
+                               KVCacheDType::Fp8E4M3,        KVCacheDType::Fp8E5M2,         KVCacheDType::Fp8PerTokenHead,
+                               KVCacheDType::Int8PerTokenHead};
+
+// The CPU golden test's KL bounds (tests/golden/test_golden.cpp), per mode.
+struct Bounds {
+  KVCacheDType dt;
+  double mean_kld, max_kld, trained_mean_kld, trained_max_kld;
+};
+const Bounds kBounds[] = {
+    {KVCacheDType::Float16, 5e-7, 2e-6, 1e-5, 4e-5},
+    {KVCacheDType::BFloat16, 3e-5, 1.2e-4, 4e-4, 2e-3},
+    {KVCacheDType::Fp8E4M3, 6e-3, 3e-2, 0.12, 0.6},
+    {KVCacheDType::Fp8E5M2, 2.5e-2, 0.25, 0.5, 2.0},
+    {KVCacheDType::Fp8PerTokenHead, 5e-3, 2.5e-2, 0.08, 0.55},
+    {KVCacheDType::Int8PerTokenHead, 3e-4, 1.5e-3, 1.5e-3, 5e-3},
+};
+
+bool reduced_model(const std::string& name) { return name == "qwen3-mixed" || name == "llama-mqa-hd"; }
+bool reduced_mode(KVCacheDType dt) {
+  return dt == KVCacheDType::Auto || dt == KVCacheDType::Fp8E4M3 || dt == KVCacheDType::Fp8PerTokenHead;
+}
+
+}  // namespace
+
+class CudaRunnerGolden : public ::testing::TestWithParam<std::string> {};
+
+// CUDA vs CPU runner, same KV mode, teacher-forced with 7-token prefill chunks.
+TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
+  const Golden g = load_golden(GetParam());
+  std::vector<TokenId> all = g.prompt;
+  all.insert(all.end(), g.greedy.begin(), g.greedy.end());
+  for (KVCacheDType dt : kModes) {
+    if (test::reduced() && !reduced_mode(dt)) continue;
+    auto ce = load(g.model_dir, dt, Device::Cuda);
+    cuda_of(*ce).set_poison_scratch(true);
+    auto pe = load(g.model_dir, dt, Device::Cpu, ce->dtype());
+    ASSERT_EQ(pe->plan().layers.size(), ce->plan().layers.size());
+    for (size_t i = 0; i < pe->plan().layers.size(); ++i) {
+      EXPECT_EQ(ce->plan().layers[i].backend, "cuda");
+      EXPECT_EQ(pe->plan().layers[i].storage, ce->plan().layers[i].storage);
+      EXPECT_EQ(pe->plan().layers[i].quant, ce->plan().layers[i].quant);
+    }
+    const auto got = teacher_forced(*ce, all, 7);
+    const auto cpu = teacher_forced(*pe, all, 7);
+    const Stats d = compare(cpu, got, g.vocab);
+    const Stats q = compare(g.logits, cpu, g.vocab);  // the CPU's own error vs transformers (fp32)
+    const double bound = (g.name == "stories260K" ? 0.06 : 0.03) * d.scale + q.max_abs;
+    std::printf("[cuda-runner] %-12s %-20s compute %-8s max|cuda-cpu|=%.3e (%.2f%% of max|logit| %.1f) kld=%.2e "
+                "max|cpu-hf|=%.3e bound %.3e\n",
+                g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), std::string(dtype_name(ce->dtype())).c_str(),
+                d.max_abs, 100 * d.max_abs / d.scale, d.scale, d.mean_kld, q.max_abs, bound);
+    EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt);
+  }
+}
+
+// CUDA vs transformers: greedy tokens with an unquantized cache, KL divergence per mode.
+TEST_P(CudaRunnerGolden, MatchesTransformers) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (test::reduced()) GTEST_SKIP() << "reduced run (same code paths as MatchesCpuRunnerEveryKVMode)";
+  const Golden g = load_golden(GetParam());
+  std::vector<TokenId> all = g.prompt;
+  all.insert(all.end(), g.greedy.begin(), g.greedy.end());
+  const size_t first = g.prompt.size() - 1;
+  const bool trained = g.name == "stories260K";
+
+  auto e = load(g.model_dir, KVCacheDType::Auto, Device::Cuda);
+  const Stats s0 = compare(g.logits, teacher_forced(*e, all, 7), g.vocab, first);
+  std::printf("[cuda-golden] %-12s %-20s max|dlogit|=%.3e mean_kld=%.2e max_kld=%.2e decisions %d/%d\n", g.name.c_str(),
+              ("auto(" + std::string(dtype_name(e->plan().layers[0].storage)) + ")").c_str(), s0.max_abs, s0.mean_kld,
+              s0.max_kld, s0.decisions_checked - s0.decisions_failed, s0.decisions_checked);
+  EXPECT_LT(s0.mean_kld, trained ? 5e-3 : 5e-4);
+  EXPECT_LT(s0.max_kld, trained ? 2e-2 : 2e-3);
+  EXPECT_EQ(s0.decisions_failed, 0);
+
+  GenerateRequest req;
+  req.prompt = g.prompt;
+  req.sampling.temperature = 0;
+  req.max_tokens = int(g.greedy.size());
+  req.ignore_eos = true;
+  req.prefill_chunk = 5;
+  const auto toks = generate(*e, req).tokens;
+  ASSERT_EQ(toks.size(), g.greedy.size());
+  size_t j = 0;
+  while (j < toks.size() && toks[j] == g.greedy[j]) ++j;
+  if (j == toks.size()) {
+    std::printf("[cuda-golden] %-12s greedy %zu/%zu tokens match transformers\n", g.name.c_str(), j, toks.size());
+  } else {
+    // Up to j the prefix is transformers' own, so golden row first + j is the decision made.
+    const size_t row = first + j;
+    const double margin = top2_margin(g.logits.data() + row * size_t(g.vocab), g.vocab);
+    std::printf("[cuda-golden] %-12s greedy diverges at token %zu of %zu: transformers' top-2 margin %.3e, CUDA logit "
+                "error there %.3e\n",
+                g.name.c_str(), j, toks.size(), margin, s0.row_err[row]);
+    EXPECT_LT(margin, 2 * s0.row_err[row]) << g.name << ": greedy diverged where the decision was not a near-tie";
+  }
+
+  for (const Bounds& b : kBounds) {
+    auto eq = load(g.model_dir, b.dt, Device::Cuda);
+    const Stats s = compare(g.logits, teacher_forced(*eq, all, 16), g.vocab, first);
+    const double mean_bound = (trained ? b.trained_mean_kld : b.mean_kld) + 4 * s0.mean_kld;
+    const double max_bound = (trained ? b.trained_max_kld : b.max_kld) + 4 * s0.max_kld;
+    std::printf("[cuda-golden] %-12s %-20s max|dlogit|=%.3e mean_kld=%.2e (bound %.1e) max_kld=%.2e (bound %.1e) "
+                "decisions %d/%d\n",
+                g.name.c_str(), std::string(kv_cache_dtype_name(b.dt)).c_str(), s.max_abs, s.mean_kld, mean_bound,
+                s.max_kld, max_bound, s.decisions_checked - s.decisions_failed, s.decisions_checked);
+    EXPECT_LT(s.mean_kld, mean_bound) << kv_cache_dtype_name(b.dt);
+    EXPECT_LT(s.max_kld, max_bound) << kv_cache_dtype_name(b.dt);
+    EXPECT_EQ(s.decisions_failed, 0) << kv_cache_dtype_name(b.dt);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HF, CudaRunnerGolden, ::testing::ValuesIn(golden_names()), [](const auto& info) {
+  std::string n = info.param;
+  for (char& c : n)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return n;
+});
+
+namespace {
+
+// A schedule of ragged steps over three sequences: prefill chunks side by side, a decode
+// next to prefill chunks, then pure decode steps (which the CUDA runner can run as graphs).
+struct SeqState {
+  std::vector<TokenId> tokens;  // the whole sequence (prompt + continuation), fixed
+  std::vector<BlockId> table;
+  int len = 0;
+};
+
+struct Step {
+  std::vector<std::pair<int, int>> parts;  // (sequence, new tokens)
+  bool all_logits;
+};
+
+// Runs the schedule on `r` (pool of `nb` pages of `bs` tokens) and returns every step's logits.
+std::vector<std::vector<float>> run_schedule(ModelRunner& r, int nb, int bs, const std::vector<Step>& steps,
+                                             std::vector<SeqState> seqs) {
+  r.allocate_kv(nb, bs);
+  std::vector<std::vector<float>> out;
+  const int V = r.config().vocab_size;
+  for (const Step& st : steps) {
+    std::vector<TokenId> tokens;
+    std::vector<Position> pos;
+    std::vector<SlotId> slots;
+    std::vector<AttnSeq> as;
+    std::vector<int32_t> rows;
+    for (auto [si, n] : st.parts) {
+      SeqState& s = seqs[size_t(si)];
+      const int q_begin = int(tokens.size());
+      for (int i = 0; i < n; ++i) {
+        const int p = s.len + i;
+        tokens.push_back(s.tokens[size_t(p)]);
+        pos.push_back(p);
+        slots.push_back(SlotId(s.table[size_t(p / bs)]) * bs + p % bs);
+        if (st.all_logits || i == n - 1) rows.push_back(q_begin + i);
+      }
+      s.len += n;
+      as.push_back({.q_begin = q_begin, .q_len = n, .kv_len = s.len, .block_table = s.table});
+    }
+    std::vector<float> logits(rows.size() * size_t(V), std::numeric_limits<float>::quiet_NaN());
+    r.forward({.tokens = tokens, .positions = pos, .slots = slots, .seqs = as, .logit_rows = rows}, logits);
+    out.push_back(std::move(logits));
+  }
+  return out;
+}
+
+double max_abs_diff(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b, double* scale) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    for (size_t j = 0; j < a[i].size(); ++j) {
+      m = std::max(m, std::isnan(b[i][j]) ? 1e30 : std::fabs(double(a[i][j]) - b[i][j]));
+      if (scale) *scale = std::max(*scale, std::fabs(double(a[i][j])));
+    }
+  return m;
+}
+
+}  // namespace
+
+TEST(CudaRunner, RaggedBatchesMatchCpuEagerAndGraphs) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int bs = 4, nb = 64;
+  std::mt19937 rng(11);
+  for (const std::string name : {"qwen3-mixed", "llama-gqa", "llama-mqa-hd"}) {
+    if (test::reduced() && name != "qwen3-mixed") continue;
+    const fs::path dir = golden_dir() / "models" / name;
+    for (KVCacheDType dt : kModes) {
+      if (test::reduced() && !reduced_mode(dt)) continue;
+      auto ce = load(dir, dt, Device::Cuda, std::nullopt, bs);
+      auto pe = load(dir, dt, Device::Cpu, ce->dtype(), bs);
+      auto exact = load(dir, KVCacheDType::Auto, Device::Cpu, DType::F32, bs);  // fp32 cache: quantization-free
+      const int V = ce->config().vocab_size;
+      // Three sequences with pages drawn from a shuffled pool, holes between them.
+      std::vector<BlockId> pool(static_cast<size_t>(nb));
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), rng);
+      std::vector<SeqState> seqs(3);
+      size_t next = 0;
+      for (auto& s : seqs) {
+        for (int i = 0; i < 40; ++i) s.tokens.push_back(TokenId(std::uniform_int_distribution<int>(0, V - 1)(rng)));
+        for (int i = 0; i < 10; ++i, next += 2) s.table.push_back(pool[next]);
+      }
+      const std::vector<Step> steps{
+          {{{0, 9}, {1, 13}}, false},         // two prefill chunks
+          {{{0, 1}, {1, 6}, {2, 5}}, true},   // a decode between prefill chunks, every row's logits
+          {{{0, 1}, {1, 1}, {2, 1}}, true},   // decode steps: eager first, then captured, then replayed
+          {{{0, 1}, {1, 1}, {2, 1}}, true}, {{{0, 1}, {1, 1}, {2, 1}}, true}, {{{0, 1}, {1, 1}, {2, 1}}, true},
+          {{{2, 7}, {0, 1}}, false},          // prefill again after graphs ran
+          {{{0, 1}, {1, 1}, {2, 1}}, true},
+      };
+      CudaModelRunner& cr = cuda_of(*ce);
+      cr.set_cuda_graphs(false);
+      cr.set_poison_scratch(true);
+      const auto eager = run_schedule(cr, nb, bs, steps, seqs);
+      cr.set_poison_scratch(false);
+      cr.set_cuda_graphs(true);
+      const auto graphed = run_schedule(cr, nb, bs, steps, seqs);
+      const int graphs = cr.num_cuda_graphs();
+      const auto cpu = run_schedule(pe->model(), nb, bs, steps, seqs);
+      const auto ref = run_schedule(exact->model(), nb, bs, steps, seqs);
+      double scale = 0;
+      const double d = max_abs_diff(cpu, eager, &scale);
+      const double q = max_abs_diff(ref, cpu, nullptr);
+      const double dg = max_abs_diff(eager, graphed, nullptr);
+      std::printf("[cuda-ragged] %-12s %-20s max|cuda-cpu|=%.3e (%.2f%% of %.1f) max|cpu-fp32cache|=%.3e "
+                  "max|graph-eager|=%.3e graphs=%d\n",
+                  name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), d, 100 * d / scale, scale, q, dg, graphs);
+      EXPECT_LT(d, 0.03 * scale + q) << name << " " << kv_cache_dtype_name(dt);
+      // Graphs replay the same kernels; only the split-KV plan of the padded shape differs
+      // (fp32 sums in another order, then bf16 rounding): a few bf16 ulps at most.
+      EXPECT_LT(dg, 0.01 * scale) << name << " " << kv_cache_dtype_name(dt) << ": graph vs eager";
+      EXPECT_GE(graphs, 1) << "no decode step ran as a CUDA graph";
+    }
+  }
+}
+
+TEST(CudaRunner, CopyBlocksAndPoolLayout) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const fs::path dir = golden_dir() / "models" / "qwen3-mixed";
+  const int bs = 4, nb = 16;
+  for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Fp8E5M2, KVCacheDType::Fp8PerTokenHead,
+                          KVCacheDType::Int8PerTokenHead}) {
+    auto ce = load(dir, dt, Device::Cuda, std::nullopt, bs);
+    CudaModelRunner& r = cuda_of(*ce);
+    r.set_poison_scratch(true);
+    r.allocate_kv(nb, bs);
+    const KVCache host(ce->plan(), nb, bs);
+    EXPECT_EQ(r.kv_bytes(), host.bytes()) << "pool sized as kv/kv_cache.h lays it out";
+    EXPECT_EQ(r.kv_num_blocks(), nb);
+    // Prefill 10 tokens into pages 3, 7, 2 (the last one partly filled).
+    const std::vector<BlockId> table{3, 7, 2};
+    std::vector<TokenId> toks{5, 17, 99, 3, 250, 8, 42, 42, 7, 1};
+    std::vector<Position> pos(10);
+    std::iota(pos.begin(), pos.end(), 0);
+    std::vector<SlotId> slots;
+    for (int p = 0; p < 10; ++p) slots.push_back(SlotId(table[size_t(p / bs)]) * bs + p % bs);
+    const int V = ce->config().vocab_size;
+    std::vector<float> logits(static_cast<size_t>(V));
+    const AttnSeq s{.q_begin = 0, .q_len = 10, .kv_len = 10, .block_table = table};
+    const std::vector<int32_t> last{9};
+    r.forward({.tokens = toks, .positions = pos, .slots = slots, .seqs = {&s, 1}, .logit_rows = last}, logits);
+    // Copy-on-write of the partial page 2 -> 11; chained pairs keep sequential semantics
+    // (7 -> 12, then 12 -> 13: page 13 gets page 7's content).
+    const std::vector<std::pair<BlockId, BlockId>> cow{{2, 11}};
+    r.copy_blocks(cow);
+    const std::vector<std::pair<BlockId, BlockId>> chain{{7, 12}, {12, 13}};
+    r.copy_blocks(chain);
+    for (size_t li = 0; li < ce->plan().layers.size(); ++li) {
+      KVCache h(ce->plan(), nb, bs);
+      LayerKVCache& L = h.layer(li);
+      r.download_kv_layer(li, L);
+      const size_t page = L.k.size() / size_t(nb), sp = L.k_scale.size() / size_t(nb);
+      auto same = [&](int a, int b) {
+        bool eq = std::equal(L.k.begin() + ptrdiff_t(a * page), L.k.begin() + ptrdiff_t((a + 1) * page),
+                             L.k.begin() + ptrdiff_t(b * page)) &&
+                  std::equal(L.v.begin() + ptrdiff_t(a * page), L.v.begin() + ptrdiff_t((a + 1) * page),
+                             L.v.begin() + ptrdiff_t(b * page));
+        if (sp)
+          eq = eq && std::equal(L.k_scale.begin() + ptrdiff_t(a * sp), L.k_scale.begin() + ptrdiff_t((a + 1) * sp),
+                                L.k_scale.begin() + ptrdiff_t(b * sp)) &&
+               std::equal(L.v_scale.begin() + ptrdiff_t(a * sp), L.v_scale.begin() + ptrdiff_t((a + 1) * sp),
+                          L.v_scale.begin() + ptrdiff_t(b * sp));
+        return eq;
+      };
+      EXPECT_TRUE(same(2, 11)) << "layer " << li;
+      EXPECT_TRUE(same(7, 13)) << "layer " << li << ": chained copies must apply in order";
+      EXPECT_FALSE(std::all_of(L.k.begin() + ptrdiff_t(2 * page), L.k.begin() + ptrdiff_t(3 * page),
+                               [](uint8_t x) { return x == 0; }))
+          << "layer " << li << ": page 2 was never written";
+    }
+    // The same next token on the original and on the copied page: identical computations.
+    const std::vector<BlockId> t1{3, 7, 2}, t2{3, 7, 11};
+    const std::vector<TokenId> nt{77, 77};
+    const std::vector<Position> np{10, 10};
+    const std::vector<SlotId> ns{SlotId(2) * bs + 2, SlotId(11) * bs + 2};
+    const AttnSeq two[2] = {{.q_begin = 0, .q_len = 1, .kv_len = 11, .block_table = t1},
+                            {.q_begin = 1, .q_len = 1, .kv_len = 11, .block_table = t2}};
+    const std::vector<int32_t> rows{0, 1};
+    std::vector<float> l2(2 * size_t(V), std::numeric_limits<float>::quiet_NaN());
+    r.forward({.tokens = nt, .positions = np, .slots = ns, .seqs = two, .logit_rows = rows}, l2);
+    EXPECT_TRUE(std::equal(l2.begin(), l2.begin() + V, l2.begin() + V)) << kv_cache_dtype_name(dt);
+    EXPECT_FALSE(std::isnan(l2[0]));
+  }
+}
+
+// forward_greedy (argmax on the GPU) returns exactly the argmax of forward's logits, on a
+// prefill batch (eager) and on decode batches (the graph path).
+TEST(CudaRunner, GreedyOnGpuMatchesHostArgmax) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const fs::path dir = golden_dir() / "models" / "qwen3-mixed";
+  auto ce = load(dir, KVCacheDType::Fp8PerTokenHead, Device::Cuda);
+  CudaModelRunner& r = cuda_of(*ce);
+  const int V = ce->config().vocab_size, bs = ce->block_size();
+  std::vector<std::vector<TokenId>> got(2);
+  std::vector<std::vector<float>> logits(2);
+  for (int pass = 0; pass < 2; ++pass) {
+    r.allocate_kv(8, bs);
+    const std::vector<BlockId> t0{0, 1}, t1{2, 3};
+    std::vector<TokenId> toks;
+    std::vector<Position> pos;
+    std::vector<SlotId> slots;
+    for (int i = 0; i < 20; ++i) {
+      toks.push_back(TokenId((i * 37 + 11) % V));
+      pos.push_back(i % 10);
+      slots.push_back(SlotId((i < 10 ? t0 : t1)[size_t((i % 10) / bs)]) * bs + (i % 10) % bs);
+    }
+    const AttnSeq seqs[2] = {{.q_begin = 0, .q_len = 10, .kv_len = 10, .block_table = t0},
+                             {.q_begin = 10, .q_len = 10, .kv_len = 10, .block_table = t1}};
+    std::vector<int32_t> rows(20);
+    std::iota(rows.begin(), rows.end(), 0);
+    const ForwardBatch prefill{.tokens = toks, .positions = pos, .slots = slots, .seqs = seqs, .logit_rows = rows};
+    std::vector<float> l(rows.size() * size_t(V));
+    std::vector<TokenId> ids(rows.size(), -1);
+    if (pass == 0) r.forward(prefill, l);
+    else r.forward_greedy(prefill, ids);
+    // Three decode steps of both sequences (logits for both rows: graph-eligible).
+    for (int step = 0; step < 3; ++step) {
+      const std::vector<TokenId> dt{TokenId(5 + step), TokenId(9 + step)};
+      const std::vector<Position> dp{10 + step, 10 + step};
+      const std::vector<SlotId> ds{SlotId(t0[size_t((10 + step) / bs)]) * bs + (10 + step) % bs,
+                                   SlotId(t1[size_t((10 + step) / bs)]) * bs + (10 + step) % bs};
+      const AttnSeq dseq[2] = {{.q_begin = 0, .q_len = 1, .kv_len = 11 + step, .block_table = t0},
+                               {.q_begin = 1, .q_len = 1, .kv_len = 11 + step, .block_table = t1}};
+      const std::vector<int32_t> drows{0, 1};
+      const ForwardBatch dec{.tokens = dt, .positions = dp, .slots = ds, .seqs = dseq, .logit_rows = drows};
+      std::vector<float> dl(2 * size_t(V));
+      std::vector<TokenId> did(2, -1);
+      if (pass == 0) {
+        r.forward(dec, dl);
+        l.insert(l.end(), dl.begin(), dl.end());
+      } else {
+        r.forward_greedy(dec, did);
+        ids.insert(ids.end(), did.begin(), did.end());
+      }
+    }
+    logits[size_t(pass)] = l;
+    got[size_t(pass)] = ids;
+  }
+  const auto& l = logits[0];
+  ASSERT_EQ(l.size() / size_t(V), got[1].size());
+  for (size_t row = 0; row < got[1].size(); ++row) {
+    size_t best = 0;
+    for (size_t i = 1; i < size_t(V); ++i)
+      if (l[row * size_t(V) + i] > l[row * size_t(V) + best]) best = i;
+    EXPECT_EQ(got[1][row], TokenId(best)) << "row " << row;
+  }
+}
+
+TEST(CudaRunner, ClearErrors) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const fs::path stories = test::repo_root() / "models" / "stories260K";
+  // float32 checkpoint: bf16 compute, announced.
+  auto e = load(stories, KVCacheDType::Auto, Device::Cuda);
+  EXPECT_EQ(e->dtype(), DType::BF16);
+  bool warned = false;
+  for (const auto& w : e->plan().warnings) warned |= w.find("float32") != std::string::npos;
+  EXPECT_TRUE(warned);
+  // --dtype float32 cannot run on CUDA.
+  try {
+    load(stories, KVCacheDType::Auto, Device::Cuda, DType::F32);
+    ADD_FAILURE() << "--dtype float32 accepted on CUDA";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("--dtype float32 is not supported with --device cuda"), std::string::npos)
+        << err.what();
+  }
+  // A token outside the vocabulary.
+  SequenceRunner seq(*e, 8);
+  const std::vector<TokenId> bad{1, 100000};
+  EXPECT_THROW(seq.append(bad, false), Error);
+}

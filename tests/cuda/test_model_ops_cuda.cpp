@@ -1,0 +1,476 @@
+// The CUDA decoder kernels (ops/cuda/model_ops.h) and cuBLASLt GEMMs (ops/cuda/gemm.h)
+// against the CPU reference ops (ops/cpu, attention/cpu_backend) on random inputs, for both
+// activation dtypes (bfloat16, float16) and every KV format. Inputs are representable in the
+// activation dtype, so both sides start from the same numbers; outputs are poisoned (NaN
+// bytes) before each run.
+//
+// Tolerances: the GPU rounds each output once to the 16-bit type (relative error <= 2^-9
+// for bf16, 2^-12 for fp16); fp32 work in another order (FMA contraction, sincosf vs
+// std::cos, warp-tree sums) moves the pre-rounding value by a few fp32 ulps, which can move
+// a result that sits on a rounding boundary to the neighbouring 16-bit value: so outputs
+// must be within 2^-8 (bf16) / 2^-10 (fp16) relative of the reference, plus a small
+// absolute floor. Quantized K/V pages: codes equal except where the fp32 input differs by
+// ulps across a rounding boundary — then the two codes must be neighbours (one step apart),
+// in at most 1% of the elements; per-token-head scales agree to fp32 rounding.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "attention/cpu_backend.h"
+#include "attention/kv_format.h"
+#include "config/kv_plan.h"
+#include "core/numeric.h"
+#include "cuda_test_util.h"
+#include "model/rope.h"
+#include "ops/cpu/ops.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/model_ops.h"
+
+using namespace kvlm;
+using kvlm::test::Dev;
+
+namespace {
+
+// Rounds to the activation dtype and returns (rounded float, 16-bit code).
+float act_round(DType act, float x) {
+  return act == DType::BF16 ? num::bf16_to_f32(num::f32_to_bf16(x)) : num::f16_to_f32(num::f32_to_f16(x));
+}
+uint16_t act_code(DType act, float x) { return act == DType::BF16 ? num::f32_to_bf16(x) : num::f32_to_f16(x); }
+float act_value(DType act, uint16_t c) { return act == DType::BF16 ? num::bf16_to_f32(c) : num::f16_to_f32(c); }
+double act_rel_tol(DType act) { return act == DType::BF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -10); }
+
+std::vector<float> random_act(DType act, size_t n, std::mt19937& rng, float stddev = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, stddev);
+  std::vector<float> v(n);
+  for (auto& x : v) x = act_round(act, nd(rng));
+  return v;
+}
+std::vector<uint16_t> codes(DType act, const std::vector<float>& v) {
+  std::vector<uint16_t> c(v.size());
+  for (size_t i = 0; i < v.size(); ++i) c[i] = act_code(act, v[i]);
+  return c;
+}
+
+// max |got - ref| over elements, and how many exceed rel * |ref| + abs.
+struct Cmp {
+  double max_err = 0;
+  size_t bad = 0;
+};
+Cmp compare(const std::vector<float>& got, const std::vector<float>& ref, double rel, double abs) {
+  Cmp c;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = std::isnan(got[i]) ? 1e30 : std::fabs(double(got[i]) - double(ref[i]));
+    c.max_err = std::max(c.max_err, e);
+    c.bad += e > rel * std::fabs(double(ref[i])) + abs;
+  }
+  return c;
+}
+
+const DType kActs[] = {DType::BF16, DType::F16};
+
+}  // namespace
+
+TEST(CudaModelOps, EmbedAndAddRmsNorm) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(7);
+  for (DType act : kActs) {
+    for (int H : {72, 4096}) {
+      const int rows = 5, vocab = 11;
+      const auto table = random_act(act, size_t(vocab) * H, rng);
+      const std::vector<TokenId> tokens{3, 0, 10, 3, 7};
+      const auto delta = random_act(act, size_t(rows) * H, rng);
+      std::vector<float> w(static_cast<size_t>(H));
+      for (auto& x : w) x = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
+      Dev<uint16_t> dtable(codes(act, table)), ddelta(codes(act, delta)), dout(size_t(rows) * H);
+      Dev<TokenId> dtok(tokens);
+      Dev<float> dx(size_t(rows) * H), dw(w);
+      dx.poison();
+      dout.poison();
+      cuda::embed_rows(act, dtable.p, dtok.p, rows, H, dx.p, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> x(size_t(rows) * H);
+      for (int r = 0; r < rows; ++r)
+        std::copy_n(table.begin() + ptrdiff_t(tokens[size_t(r)]) * H, H, x.begin() + ptrdiff_t(r) * H);
+      EXPECT_EQ(dx.download(), x) << "embed_rows";
+
+      // x += delta, then the norm; x is written back.
+      cuda::add_rmsnorm({.act = act, .rows = rows, .hidden = H, .x = dx.p, .delta = ddelta.p, .weight = dw.p, .eps = 1e-5f,
+                         .out = dout.p},
+                        nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      for (size_t i = 0; i < x.size(); ++i) x[i] += delta[i];
+      EXPECT_EQ(dx.download(), x) << "residual write-back (one fp32 add, exact)";
+      std::vector<float> ref(x.size());
+      ops::cpu::rmsnorm(x, rows, H, w, 1e-5f, ref);
+      std::vector<float> got;
+      for (uint16_t c : dout.download()) got.push_back(act_value(act, c));
+      Cmp c = compare(got, ref, act_rel_tol(act), 1e-6);
+      EXPECT_EQ(c.bad, 0u) << dtype_name(act) << " H=" << H << " add_rmsnorm max err " << c.max_err;
+
+      // The final norm: gathered rows (with repeats), x untouched.
+      const std::vector<int32_t> map{4, 1, 4};
+      Dev<int32_t> dmap(map);
+      Dev<uint16_t> dsel(map.size() * size_t(H));
+      dsel.poison();
+      cuda::add_rmsnorm({.act = act, .rows = int(map.size()), .hidden = H, .x = dx.p, .delta = ddelta.p, .weight = dw.p,
+                         .eps = 1e-5f, .out = dsel.p, .row_map = dmap.p},
+                        nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(dx.download(), x) << "row_map must leave x as it is";
+      std::vector<float> xs;
+      for (int32_t r : map)
+        for (int i = 0; i < H; ++i) xs.push_back(x[size_t(r) * H + i] + delta[size_t(r) * H + i]);
+      std::vector<float> ref2(xs.size());
+      ops::cpu::rmsnorm(xs, int(map.size()), H, w, 1e-5f, ref2);
+      got.clear();
+      for (uint16_t c2 : dsel.download()) got.push_back(act_value(act, c2));
+      c = compare(got, ref2, act_rel_tol(act), 1e-6);
+      EXPECT_EQ(c.bad, 0u) << dtype_name(act) << " H=" << H << " gathered norm max err " << c.max_err;
+    }
+  }
+}
+
+TEST(CudaModelOps, SiluMulAndConvert) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(8);
+  for (DType act : kActs) {
+    const int rows = 3, inter = 1000;
+    const auto gu = random_act(act, size_t(rows) * 2 * inter, rng, 3.0f);
+    Dev<uint16_t> dgu(codes(act, gu)), dout(size_t(rows) * inter);
+    dout.poison();
+    cuda::silu_mul(act, dgu.p, dout.p, rows, inter, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> g, u, ref(size_t(rows) * inter), got;
+    for (int r = 0; r < rows; ++r) {
+      g.insert(g.end(), gu.begin() + ptrdiff_t(r) * 2 * inter, gu.begin() + ptrdiff_t(r) * 2 * inter + inter);
+      u.insert(u.end(), gu.begin() + ptrdiff_t(r) * 2 * inter + inter, gu.begin() + ptrdiff_t(r + 1) * 2 * inter);
+    }
+    ops::cpu::silu_mul(g, u, ref);
+    for (uint16_t c : dout.download()) got.push_back(act_value(act, c));
+    const Cmp c = compare(got, ref, act_rel_tol(act), 1e-6);
+    EXPECT_EQ(c.bad, 0u) << dtype_name(act) << " silu_mul max err " << c.max_err;
+  }
+  // bf16 -> f16: one rounding of an exact value.
+  const auto src = random_act(DType::BF16, 777, rng);
+  Dev<uint16_t> din(codes(DType::BF16, src)), dout(src.size());
+  dout.poison();
+  cuda::bf16_to_act(DType::F16, din.p, dout.p, src.size(), nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(dout.download(), codes(DType::F16, src));
+}
+
+TEST(CudaModelOps, GemmMatchesCpuLinear) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(9);
+  cuda::Gemm gemm;
+  Dev<uint8_t> ws(cuda::kGemmWorkspaceBytes);
+  gemm.set_workspace(ws.p, ws.n);
+  for (DType ab : kActs) {
+    for (DType out : {ab, DType::F32}) {
+      for (bool bias : {false, true}) {
+        if (bias && out == DType::F32) continue;  // logits carry no bias
+        for (auto [m, n] : {std::pair{1, 384}, {2, 383}, {3, 384}, {4, 383}, {7, 384}, {64, 384}}) {
+          const int k = 256;  // m <= 4: the GEMV kernel (odd n: a warp's second row is cut); else cuBLASLt
+          const auto x = random_act(ab, size_t(m) * k, rng), w = random_act(ab, size_t(n) * k, rng, 0.1f);
+          const auto b = random_act(ab, size_t(n), rng);
+          Dev<uint16_t> dx(codes(ab, x)), dw(codes(ab, w)), db(codes(ab, b));
+          std::vector<float> ref(size_t(m) * n);
+          ops::cpu::linear(x, m, k, w, n, bias ? std::span<const float>(b) : std::span<const float>{}, ref);
+          // variant -1: Gemm::linear (automatic); 1, 2: each small-m kernel on its own.
+          for (int variant : {-1, 1, 2}) {
+            if (variant > 0 && m > cuda::kGemvMaxM) continue;
+            Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
+            dy.poison();
+            if (variant < 0) gemm.linear(ab, out, dx.p, dw.p, bias ? db.p : nullptr, dy.p, m, n, k, nullptr);
+            else cuda::gemv_small_m(ab, out, dx.p, dw.p, bias ? db.p : nullptr, dy.p, m, n, k, nullptr, variant);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const auto raw = dy.download();
+            std::vector<float> got(ref.size());
+            for (size_t i = 0; i < got.size(); ++i) {
+              if (out == DType::F32) {
+                std::memcpy(&got[i], raw.data() + 4 * i, 4);
+              } else {
+                uint16_t c;
+                std::memcpy(&c, raw.data() + 2 * i, 2);
+                got[i] = act_value(ab, c);
+              }
+            }
+            // fp32 accumulation in another order: <= k * 2^-24 * sum|x*w| ~ 2e-5 of the
+            // magnitude sum (the floor below is 4x that); 16-bit outputs add their rounding.
+            double worst = 0;
+            size_t bad = 0;
+            for (int r = 0; r < m; ++r)
+              for (int j = 0; j < n; ++j) {
+                double mag = bias ? std::fabs(b[size_t(j)]) : 0.0;
+                for (int i = 0; i < k; ++i) mag += std::fabs(double(x[size_t(r) * k + i]) * w[size_t(j) * k + i]);
+                const double ref_v = ref[size_t(r) * n + j], e = std::fabs(got[size_t(r) * n + j] - ref_v);
+                worst = std::max(worst, e);
+                bad += std::isnan(got[size_t(r) * n + j]) ||
+                       e > (out == DType::F32 ? 0.0 : act_rel_tol(ab)) * std::fabs(ref_v) + 1e-4 * mag;
+              }
+            EXPECT_EQ(bad, 0u) << dtype_name(ab) << " -> " << dtype_name(out) << " bias " << bias << " m=" << m << " n=" << n
+                               << " variant " << variant << " max err " << worst;
+          }
+        }
+      }
+    }
+  }
+}
+
+// SiLU-and-mul fused into the small-m GEMV (the down projection at decode): against
+// ops::cpu::silu_mul (fp32, unrounded) + ops::cpu::linear, both kernels, with and without bias.
+TEST(CudaModelOps, GemvWithSiluMulInput) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(12);
+  for (DType ab : kActs)
+    for (int variant : {1, 2})
+      for (bool bias : {false, true})
+        for (int m : {1, 3, 4}) {
+          const int n = 200, k = 264;
+          const auto gu = random_act(ab, size_t(m) * 2 * k, rng, 2.0f), w = random_act(ab, size_t(n) * k, rng, 0.1f);
+          const auto b = random_act(ab, size_t(n), rng);
+          std::vector<float> g, u, xin(size_t(m) * k);
+          for (int r = 0; r < m; ++r) {
+            g.insert(g.end(), gu.begin() + ptrdiff_t(r) * 2 * k, gu.begin() + ptrdiff_t(r) * 2 * k + k);
+            u.insert(u.end(), gu.begin() + ptrdiff_t(r) * 2 * k + k, gu.begin() + ptrdiff_t(r + 1) * 2 * k);
+          }
+          ops::cpu::silu_mul(g, u, xin);
+          std::vector<float> ref(size_t(m) * n);
+          ops::cpu::linear(xin, m, k, w, n, bias ? std::span<const float>(b) : std::span<const float>{}, ref);
+          Dev<uint16_t> dgu(codes(ab, gu)), dw(codes(ab, w)), db(codes(ab, b)), dy(size_t(m) * n);
+          dy.poison();
+          cuda::gemv_small_m(ab, ab, dgu.p, dw.p, bias ? db.p : nullptr, dy.p, m, n, k, nullptr, variant, true);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const auto raw = dy.download();
+          size_t bad = 0;
+          double worst = 0;
+          for (int r = 0; r < m; ++r)
+            for (int j = 0; j < n; ++j) {
+              double mag = bias ? std::fabs(b[size_t(j)]) : 0.0;
+              for (int i = 0; i < k; ++i) mag += std::fabs(double(xin[size_t(r) * k + i]) * w[size_t(j) * k + i]);
+              const double rv = ref[size_t(r) * n + j], gv = act_value(ab, raw[size_t(r) * n + j]);
+              const double e = std::isnan(gv) ? 1e30 : std::fabs(gv - rv);
+              worst = std::max(worst, e);
+              bad += e > act_rel_tol(ab) * std::fabs(rv) + 1e-4 * mag;
+            }
+          EXPECT_EQ(bad, 0u) << dtype_name(ab) << " variant " << variant << " bias " << bias << " m=" << m << " max err " << worst;
+        }
+}
+
+TEST(CudaModelOps, ArgmaxRows) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(10);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (int vocab : {7, 256, 151936}) {
+    const int rows = 5;
+    std::vector<float> l(size_t(rows) * size_t(vocab));
+    for (auto& x : l) x = nd(rng);
+    // Row 1: a tie for the maximum (the lower id must win); row 2: all -inf (id 0, as the host).
+    if (vocab > 5) {
+      l[size_t(vocab) + 3] = l[size_t(vocab) + size_t(vocab) - 2] = 100.0f;
+    }
+    std::fill_n(l.begin() + 2 * ptrdiff_t(vocab), vocab, -std::numeric_limits<float>::infinity());
+    Dev<float> dl(l);
+    Dev<TokenId> dout(static_cast<size_t>(rows));
+    dout.poison();
+    cuda::argmax_rows(dl.p, rows, vocab, dout.p, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = dout.download();
+    for (int r = 0; r < rows; ++r) {
+      int best = 0;
+      for (int i = 1; i < vocab; ++i)
+        if (l[size_t(r) * size_t(vocab) + size_t(i)] > l[size_t(r) * size_t(vocab) + size_t(best)]) best = i;
+      EXPECT_EQ(got[size_t(r)], best) << "vocab " << vocab << " row " << r;
+    }
+  }
+}
+
+namespace {
+
+struct RopeCase {
+  KVCacheDType dt;
+  DType act;
+  int head_dim;
+  bool qk_norm;
+};
+
+// One fused prologue against CPU rmsnorm + rope + CpuAttentionBackend::store_kv.
+void run_rope_store(const RopeCase& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int d = c.head_dim, nh = 4, kvh = 2, T = 37, bs = 16;
+  const DType act = c.act;
+  CacheConfig cc;
+  cc.kv_cache_dtype = c.dt;
+  const AttentionLayerDesc desc{.layer = 0, .kind = AttentionKind::Full, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
+  KVPlan plan = build_kv_plan(cc, {&desc, 1}, act, std::nullopt, {});
+  KVLayerSpec& spec = plan.layers[0];
+  if (spec.quant == KVQuantMode::Fp8PerTensor) {  // per-kv-head scales, K and V different
+    spec.k_scale = {0.5f, 1.75f};
+    spec.v_scale = {0.25f, 0.125f};
+  }
+  KVCache cache(plan, 8, bs);
+  LayerKVCache& L = cache.layer(0);
+  // Slots: a permutation of the pool's first slots, two of them padding (-1).
+  std::vector<SlotId> slots(static_cast<size_t>(T));
+  std::vector<SlotId> all(size_t(cache.num_blocks() * bs));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng);
+  for (int t = 0; t < T; ++t) slots[size_t(t)] = all[size_t(t)];
+  slots[3] = slots[20] = -1;
+  std::vector<Position> pos(static_cast<size_t>(T));
+  for (auto& p : pos) p = Position(std::uniform_int_distribution<int>(0, 6000)(rng));
+  RopeConfig rc;
+  rc.type = RopeType::Llama3;
+  rc.theta = 500000.0;
+  rc.factor = 8.0;
+  rc.low_freq_factor = 1.0;
+  rc.high_freq_factor = 4.0;
+  rc.original_max_position = 8192;
+  const auto inv_freq = rope_inv_freq(rc, d);
+  const int W = (nh + 2 * kvh) * d;
+  auto qkv = random_act(act, size_t(T) * W, rng, 2.0f);
+  for (size_t i = 0; i < qkv.size(); i += 53) qkv[i] = act_round(act, qkv[i] * 12.0f);  // outliers
+  std::vector<float> qn(static_cast<size_t>(d)), kn(static_cast<size_t>(d));
+  for (auto& x : qn) x = std::uniform_real_distribution<float>(0.5f, 2.0f)(rng);
+  for (auto& x : kn) x = std::uniform_real_distribution<float>(0.5f, 2.0f)(rng);
+
+  // CPU reference.
+  std::vector<float> q(size_t(T) * nh * d), k(size_t(T) * kvh * d), v(size_t(T) * kvh * d);
+  for (int t = 0; t < T; ++t) {
+    const float* row = qkv.data() + size_t(t) * W;
+    std::copy_n(row, nh * d, q.begin() + ptrdiff_t(t) * nh * d);
+    std::copy_n(row + nh * d, kvh * d, k.begin() + ptrdiff_t(t) * kvh * d);
+    std::copy_n(row + (nh + kvh) * d, kvh * d, v.begin() + ptrdiff_t(t) * kvh * d);
+  }
+  const float eps = 1e-6f;
+  if (c.qk_norm) {
+    ops::cpu::rmsnorm(q, T * nh, d, qn, eps, q);
+    ops::cpu::rmsnorm(k, T * kvh, d, kn, eps, k);
+  }
+  ops::cpu::rope(q, T, nh, d, pos, inv_freq);
+  ops::cpu::rope(k, T, kvh, d, pos, inv_freq);
+  std::vector<SlotId> cpu_slots;
+  std::vector<float> ks, vs;
+  for (int t = 0; t < T; ++t) {
+    if (slots[size_t(t)] < 0) continue;
+    cpu_slots.push_back(slots[size_t(t)]);
+    ks.insert(ks.end(), k.begin() + ptrdiff_t(t) * kvh * d, k.begin() + ptrdiff_t(t + 1) * kvh * d);
+    vs.insert(vs.end(), v.begin() + ptrdiff_t(t) * kvh * d, v.begin() + ptrdiff_t(t + 1) * kvh * d);
+  }
+  CpuAttentionBackend().store_kv(L, KVWrite{.k = ks, .v = vs, .slots = cpu_slots});
+
+  // GPU.
+  Dev<uint16_t> dqkv(codes(act, qkv)), dq(q.size());
+  Dev<float> dqn(qn), dkn(kn), dfreq(inv_freq), dkts(spec.k_scale), dvts(spec.v_scale);
+  Dev<Position> dpos(pos);
+  Dev<SlotId> dslots(slots);
+  Dev<uint8_t> dk(L.k.size()), dv(L.v.size());
+  Dev<float> dks(L.k_scale.size()), dvs(L.v_scale.size());
+  dq.poison();
+  // Pages start as the CPU's do (zero): padding rows and unused slots must stay untouched.
+  cudaMemset(dk.p, 0, dk.n);
+  cudaMemset(dv.p, 0, dv.n);
+  if (dks.n) {
+    cudaMemset(dks.p, 0, dks.n * 4);
+    cudaMemset(dvs.p, 0, dvs.n * 4);
+  }
+  cuda::qkv_rope_store({.act = act, .storage = spec.storage, .quant = spec.quant, .num_tokens = T, .num_q_heads = nh,
+                        .num_kv_heads = kvh, .head_dim = d, .qkv = dqkv.p, .q_norm = c.qk_norm ? dqn.p : nullptr,
+                        .k_norm = c.qk_norm ? dkn.p : nullptr, .eps = eps, .positions = dpos.p, .inv_freq = dfreq.p,
+                        .q_out = dq.p, .slots = dslots.p, .block_size = bs, .num_blocks = cache.num_blocks(),
+                        .k_cache = dk.p, .v_cache = dv.p, .k_token_scale = dks.p, .v_token_scale = dvs.p,
+                        .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size())},
+                       nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::string what = std::string(kv_cache_dtype_name(c.dt)) + " act " + std::string(dtype_name(act)) + " hd " +
+                           std::to_string(d) + (c.qk_norm ? " qk_norm" : "");
+
+  // q: bf16 of the reference (rounding: 2^-9, a boundary flip: 2^-8).
+  std::vector<float> gq;
+  for (uint16_t x : dq.download()) gq.push_back(num::bf16_to_f32(x));
+  const Cmp cq = compare(gq, q, std::ldexp(1.0, -8), 1e-5);
+  EXPECT_EQ(cq.bad, 0u) << what << ": q max err " << cq.max_err;
+
+  // Pages: decode both sides row by row and compare values; count differing codes.
+  const auto gk = dk.download(), gv = dv.download();
+  const auto gks = dks.download(), gvs = dvs.download();
+  size_t diff_codes = 0, far = 0, total = 0;
+  double worst_scale = 0;
+  kvfmt::dispatch_kv(spec.storage, spec.quant, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    constexpr int mant = Fmt::codec::kStorage == DType::BF16     ? 7
+                         : Fmt::codec::kStorage == DType::F16    ? 10
+                         : Fmt::codec::kStorage == DType::F8E4M3 ? 3
+                         : Fmt::codec::kStorage == DType::F8E5M2 ? 2
+                                                                 : 0;
+    const size_t esz = dtype_size(spec.storage);
+    std::vector<float> a(static_cast<size_t>(d)), b(static_cast<size_t>(d));
+    for (int side = 0; side < 2; ++side) {
+      const auto& gpu = side == 0 ? gk : gv;
+      const auto& cpu = side == 0 ? L.k : L.v;
+      const auto& gsc = side == 0 ? gks : gvs;
+      const auto& csc = side == 0 ? L.k_scale : L.v_scale;
+      for (SlotId s : cpu_slots) {
+        for (int g = 0; g < kvh; ++g) {
+          const int64_t blk = s / bs;
+          const int off = int(s % bs);
+          const size_t row = L.row(blk, g, off), si = L.scale_index(blk, g, off);
+          float sa = 1.0f, sb = 1.0f;
+          if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
+            sa = gsc[si];
+            sb = csc[si];
+            worst_scale = std::max(worst_scale, std::fabs(double(sa) - sb) / sb);
+          } else if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTensor) {
+            sa = sb = side == 0 ? spec.k_scale_for(g) : spec.v_scale_for(g);
+          }
+          Fmt::decode_row(gpu.data() + row * esz, sa, a);
+          Fmt::decode_row(cpu.data() + row * esz, sb, b);
+          for (int i = 0; i < d; ++i) {
+            ++total;
+            if (std::memcmp(gpu.data() + (row + size_t(i)) * esz, cpu.data() + (row + size_t(i)) * esz, esz) == 0) continue;
+            ++diff_codes;
+            // One step apart: relative 2^-mant for float codes (plus the subnormal step),
+            // one integer step (= the scale) for int8.
+            const double step = mant > 0 ? std::ldexp(std::max(std::fabs(a[size_t(i)]), std::fabs(b[size_t(i)])), -mant) +
+                                               std::ldexp(double(sb), -16)
+                                         : double(sb) * 1.0001;
+            far += std::fabs(double(a[size_t(i)]) - b[size_t(i)]) > step * 1.0001;
+          }
+        }
+      }
+    }
+  });
+  size_t stray = 0;  // bytes the GPU wrote outside the stored rows
+  {
+    std::vector<char> used(L.k.size(), 0);
+    const size_t esz = dtype_size(spec.storage);
+    for (SlotId s : cpu_slots)
+      for (int g = 0; g < kvh; ++g) std::fill_n(used.begin() + ptrdiff_t(L.row(s / bs, g, int(s % bs)) * esz), size_t(d) * esz, 1);
+    for (size_t i = 0; i < used.size(); ++i) stray += !used[i] && (gk[i] != 0 || gv[i] != 0);
+  }
+  EXPECT_EQ(stray, 0u) << what << ": bytes written outside the stored rows";
+  EXPECT_EQ(far, 0u) << what << ": codes more than one step from the CPU's";
+  EXPECT_LE(double(diff_codes), 0.01 * double(total)) << what << ": " << diff_codes << " of " << total << " codes differ";
+  EXPECT_LE(worst_scale, 1e-6) << what << ": per-token-head scales differ";
+  std::printf("[cuda-rope-store] %-40s q_max_err=%.2e codes_differing=%zu/%zu\n", what.c_str(), cq.max_err, diff_codes, total);
+}
+
+}  // namespace
+
+TEST(CudaModelOps, QkvRopeStoreMatchesCpu) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const KVCacheDType modes[] = {KVCacheDType::BFloat16,        KVCacheDType::Float16,
+                                KVCacheDType::Fp8E4M3,         KVCacheDType::Fp8E5M2,
+                                KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead};
+  uint32_t seed = 300;
+  for (KVCacheDType dt : modes)
+    for (DType act : kActs)
+      for (int hd : {8, 32, 64, 128, 256})
+        for (bool qk : {false, true}) {
+          if (test::reduced() && !(hd == 64 && act == DType::BF16)) continue;
+          run_rope_store({dt, act, hd, qk}, seed++);
+        }
+}

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Write a random-weight checkpoint of a real model's shape, for benchmarks (bench/decode_bench).
+
+    python3 tools/make_random_model.py --shape qwen3-8b --out /dev/shm/qwen3-8b-random
+
+Writes config.json (the shape's Hugging Face config) and model-0000N-of-0000M.safetensors
+shards with a model.safetensors.index.json, in bfloat16: linear weights ~ N(0, 0.02^2), norm
+weights 1. Weights are drawn on the GPU when one is present (seconds), else on the CPU. The
+output is ~16 GB for qwen3-8b: write it on the GPU machine (a RAM disk such as /dev/shm is
+fastest) and never commit it. The tensors' values do not matter to a timing; the shapes,
+dtype and names do.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SHAPES = {
+    # Qwen/Qwen3-8B config.json (architecture fields only)
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 36,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def tensors(cfg):
+    """(name, shape, kind) in checkpoint order; kind is 'linear' or 'norm'."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d, nh, kvh = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    out = [("model.embed_tokens.weight", (v, h), "linear")]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        out += [
+            (p + "input_layernorm.weight", (h,), "norm"),
+            (p + "self_attn.q_proj.weight", (nh * d, h), "linear"),
+            (p + "self_attn.k_proj.weight", (kvh * d, h), "linear"),
+            (p + "self_attn.v_proj.weight", (kvh * d, h), "linear"),
+            (p + "self_attn.o_proj.weight", (h, nh * d), "linear"),
+            (p + "post_attention_layernorm.weight", (h,), "norm"),
+            (p + "mlp.gate_proj.weight", (i, h), "linear"),
+            (p + "mlp.up_proj.weight", (i, h), "linear"),
+            (p + "mlp.down_proj.weight", (h, i), "linear"),
+        ]
+        if cfg["model_type"] == "qwen3":
+            out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
+    out.append(("model.norm.weight", (h,), "norm"))
+    if not cfg["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (v, h), "linear"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shard-gb", type=float, default=4.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = SHAPES[args.shape]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    specs = tensors(cfg)
+    shards, cur, cur_bytes = [], [], 0
+    limit = int(args.shard_gb * (1 << 30))
+    for name, shape, kind in specs:
+        nbytes = 2
+        for s in shape:
+            nbytes *= s
+        if cur and cur_bytes + nbytes > limit:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append((name, shape, kind))
+        cur_bytes += nbytes
+    shards.append(cur)
+    t0 = time.time()
+    weight_map, total = {}, 0
+    for n, shard in enumerate(shards):
+        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        out = {}
+        for name, shape, kind in shard:
+            if kind == "norm":
+                t = torch.ones(shape, dtype=torch.bfloat16, device=dev)
+            else:
+                t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+            out[name] = t.cpu()
+            weight_map[name] = fname
+            total += t.numel() * 2
+        save_file(out, os.path.join(args.out, fname), metadata={"format": "pt"})
+        del out
+    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    print(f"wrote {args.out}: {args.shape}, {total / 1e9:.2f} GB in {len(shards)} shards, {time.time() - t0:.1f} s",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
