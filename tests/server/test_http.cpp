@@ -331,8 +331,8 @@ TEST_F(HttpTest, StreamingMatchesNonStreaming) {
     for (const auto& ch : j["choices"]) text[ch["index"].get<int>()] += ch["text"].get<std::string>();
   }
   EXPECT_TRUE(done);
-  EXPECT_EQ(text[0], whole["choices"][0]["text"]);
-  EXPECT_EQ(text[1], whole["choices"][1]["text"]);
+  EXPECT_EQ(text[0], whole["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(text[1], whole["choices"][1]["text"].get<std::string>());
   EXPECT_EQ(usage, whole["usage"]);
 }
 

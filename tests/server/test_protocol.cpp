@@ -631,7 +631,7 @@ TEST(Assembler, StreamedChunksEqualTheResponse) {
       const Json& rc = resp["choices"][size_t(i)];
       const std::string want = ep == Endpoint::Chat ? rc["message"]["content"].get<std::string>() : rc["text"].get<std::string>();
       EXPECT_EQ(text[i], want);
-      EXPECT_EQ(finish[i], rc["finish_reason"]);
+      EXPECT_EQ(finish[i], rc["finish_reason"].get<std::string>());
       const Json& lp = rc["logprobs"];
       EXPECT_EQ(lp_count[i], int(ep == Endpoint::Chat ? lp["content"].size() : lp["tokens"].size()));
     }
