@@ -65,7 +65,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-chunks", type=int, default=32)
     ap.add_argument("--task-limit", type=int, default=0, help="items per task (0: all)")
-    ap.add_argument("--skip-tasks", action="store_true")
+    ap.add_argument("--tasks", default="arithmetic,recall_1k,recall_4k,recall_8k",
+                    help="task columns to measure, comma separated ('' for none)")
     args = ap.parse_args()
 
     kvlm = os.path.abspath(args.kvlm)
@@ -105,15 +106,15 @@ def main():
             row = {"mode": label, "bytes": r["kv_bytes_per_token"], "ppl": r["ppl"], "dppl": r["delta_ppl"],
                    "dppl_ci": r["delta_ppl_ci95"], "kld": r["kld_mean"], "kld99": r["kld_p99"],
                    "top": 100 * r["same_top"]}
-            if trained and not args.skip_tasks:
-                for task in ["arithmetic", "recall_1k", "recall_4k", "recall_8k"]:
+            if trained:
+                for task in [t for t in args.tasks.split(",") if t]:
                     data = os.path.join(eval_dir, f"{task}.jsonl")
                     if not os.path.exists(data):
                         row[task] = None
                         continue
                     tout = os.path.join(work, f"{name}.{len(rows)}.{task}.json")
                     run([kvlm, "-q", "eval", "task", "--model", m, "--data", data, "--device", args.device,
-                         "--max-tokens", "64", "--limit", str(args.task_limit), *flags, "--json", tout], log)
+                         "--max-tokens", "128", "--limit", str(args.task_limit), *flags, "--json", tout], log)
                     row[task] = 100 * json.load(open(tout))["accuracy"]
             rows.append(row)
             print(f"{name:14s} {label:34s} ppl {row['ppl']:.4f} kld {row['kld']:.2e}", flush=True)
@@ -124,7 +125,8 @@ def main():
         "# KV precision vs accuracy",
         "",
         f"Produced by `python3 tools/accuracy_table.py --kvlm {os.path.relpath(kvlm, ROOT)} --device {args.device}"
-        f"{' --task-limit ' + str(args.task_limit) if args.task_limit else ''}` on {datetime.date.today()}, "
+        f"{' --task-limit ' + str(args.task_limit) if args.task_limit else ''}"
+        f"{' --tasks ' + args.tasks if args.tasks != ap.get_default('tasks') else ''}` on {datetime.date.today()}, "
         f"commit {commit}, {platform.node()} ({platform.processor() or platform.machine()}).",
         "",
         f"Perplexity over `{os.path.relpath(heldout, ROOT)}` in windows of {args.ctx} tokens (the second half of each "
@@ -140,16 +142,16 @@ def main():
         lines.append("")
         head = "| KV cache | bytes/token | PPL | ΔPPL (95% CI) | mean KLD | p99 KLD | same top % |"
         sep = "|---|---:|---:|---:|---:|---:|---:|"
-        if trained and not args.skip_tasks:
+        if trained:
             head += " arithmetic % | recall 1k % | recall 4k % | recall 8k % |"
             sep += "---:|---:|---:|---:|"
         lines += [head, sep]
         for r in rows:
             line = (f"| {r['mode']} | {r['bytes']} | {r['ppl']:.4f} | {r['dppl']:+.4f} ± {r['dppl_ci']:.4f} | "
                     f"{r['kld']:.2e} | {r['kld99']:.2e} | {r['top']:.2f} |")
-            if trained and not args.skip_tasks:
+            if trained:
                 for task in ["arithmetic", "recall_1k", "recall_4k", "recall_8k"]:
-                    line += " n/a |" if r.get(task) is None else f" {r[task]:.1f} |"
+                    line += " not run |" if r.get(task) is None else f" {r[task]:.1f} |"
             lines.append(line)
         lines.append("")
     with open(args.out, "w") as f:
