@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <exception>
 
 #include "core/error.h"
 #include "engine/sampler.h"
@@ -312,43 +314,69 @@ bool LLMEngine::step() {
   ++stats_.steps_total;
 
   // --- sample and report -------------------------------------------------------------
+  // Sampling and log-probabilities (a pass over the vocabulary per row) run in parallel
+  // over the sequences: each has its own generator, so the result does not depend on the
+  // thread count. Bookkeeping, the block manager and the callbacks stay on this thread.
   const auto now = Clock::now();
+  const int nb = int(batch.size());
+  std::vector<TokenId> sampled(batch.size(), -1);
+  std::vector<std::optional<TokenLogprobs>> sampled_lp(batch.size());
+  std::vector<std::exception_ptr> failed(batch.size());
+#pragma omp parallel for schedule(dynamic, 1) if (nb > 1)
+  for (int i = 0; i < nb; ++i) {
+    Sequence* s = batch[size_t(i)];
+    if (s->logit_row < 0) continue;
+    try {
+      const int start = s->num_computed, end = start + s->scheduled;
+      auto row = [&](int r) { return std::span<const float>(logits_).subspan(size_t(s->logit_row + r) * vocab, vocab); };
+      if (s->wants_prompt_logprobs()) {
+        const int k = s->req.prompt_logprobs;
+        int used = 0;
+        for (int p = start; p < std::min(end, s->num_prompt - 1); ++p, ++used) {
+          const TokenId next = s->tokens[size_t(p + 1)];
+          s->prompt_lp.push_back({next, logprob_of(row(used), next), top_logprobs(row(used), k)});
+        }
+      }
+      if (end < int(s->tokens.size())) continue;  // prefill chunk, not yet done
+      std::span<const float> last = row(s->logit_count - 1);
+      std::vector<float> masked;
+      if (s->num_output() < s->req.min_tokens) {
+        // Too early to stop: EOS and stop tokens cannot be sampled.
+        masked.assign(last.begin(), last.end());
+        if (!s->req.ignore_eos)
+          for (TokenId t : eos_) masked[size_t(t)] = -std::numeric_limits<float>::infinity();
+        for (TokenId t : s->req.stop_token_ids) masked[size_t(t)] = -std::numeric_limits<float>::infinity();
+        last = masked;
+      }
+      const TokenId t = s->sampler.sample(last, s->req.sampling, s->prompt(), s->output());
+      sampled[size_t(i)] = t;
+      if (s->req.logprobs > 0) {
+        const auto raw = row(s->logit_count - 1);
+        sampled_lp[size_t(i)] = TokenLogprobs{t, logprob_of(raw, t), top_logprobs(raw, s->req.logprobs)};
+      }
+    } catch (...) {
+      failed[size_t(i)] = std::current_exception();
+    }
+  }
+  for (const auto& e : failed)
+    if (e) std::rethrow_exception(e);  // a broken invariant: the engine stops (AsyncEngine reports it)
+
   std::vector<std::pair<Sequence*, RequestOutput>> outputs;
-  for (Sequence* s : batch) {
-    const int start = s->num_computed;
+  for (int i = 0; i < nb; ++i) {
+    Sequence* s = batch[size_t(i)];
     s->num_computed += s->scheduled;
     register_full_pages(*s);
-    if (s->logit_row < 0) continue;
-    auto row = [&](int i) { return std::span<const float>(logits_).subspan(size_t(s->logit_row + i) * vocab, vocab); };
+    if (s->logit_row < 0 || s->num_computed < int(s->tokens.size())) continue;
     RequestOutput out;
-    int used = 0;
-    if (s->wants_prompt_logprobs()) {
-      const int k = s->req.prompt_logprobs;
-      for (int p = start; p < std::min(s->num_computed, s->num_prompt - 1); ++p, ++used) {
-        const TokenId next = s->tokens[size_t(p + 1)];
-        s->prompt_lp.push_back({next, logprob_of(row(used), next), top_logprobs(row(used), k)});
-      }
-    }
-    if (s->num_computed < int(s->tokens.size())) continue;  // prefill chunk, not yet done
     if (s->wants_prompt_logprobs()) {
       out.prompt_logprobs = std::move(s->prompt_lp);
       s->prompt_lp_sent = true;
     }
-    std::span<const float> last = row(s->logit_count - 1);
-    std::vector<float> masked;
-    if (s->num_output() < s->req.min_tokens) {
-      // Too early to stop: EOS and stop tokens cannot be sampled.
-      masked.assign(last.begin(), last.end());
-      if (!s->req.ignore_eos)
-        for (TokenId t : eos_) masked[size_t(t)] = -std::numeric_limits<float>::infinity();
-      for (TokenId t : s->req.stop_token_ids) masked[size_t(t)] = -std::numeric_limits<float>::infinity();
-      last = masked;
-    }
-    const TokenId t = s->sampler.sample(last, s->req.sampling, s->prompt(), s->output());
+    const TokenId t = sampled[size_t(i)];
+    KVLM_CHECK(t >= 0, "a finished row was not sampled");
     s->tokens.push_back(t);
     out.new_tokens.push_back(t);
-    if (s->req.logprobs > 0)
-      out.new_logprobs.push_back({t, logprob_of(row(s->logit_count - 1), t), top_logprobs(row(s->logit_count - 1), s->req.logprobs)});
+    if (sampled_lp[size_t(i)]) out.new_logprobs.push_back(std::move(*sampled_lp[size_t(i)]));
     ++stats_.generation_tokens_total;
     if (!s->first_token_sent) {
       s->first_token_sent = true;
