@@ -42,12 +42,15 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
   std::ifstream f(path);
   if (!f) throw Error("cannot read --dataset " + path.string());
   std::vector<std::vector<TokenId>> out;
+  // A long token stream becomes consecutive windows of max_length tokens.
+  auto cut_windows = [&](const std::vector<TokenId>& ids) {
+    for (size_t i = 0; i < ids.size() && int(out.size()) < num; i += size_t(max_length))
+      out.emplace_back(ids.begin() + ptrdiff_t(i), ids.begin() + ptrdiff_t(std::min(ids.size(), i + size_t(max_length))));
+  };
   if (path.extension() == ".ids") {  // token ids, for models without a tokenizer
     std::stringstream ss;
     ss << f.rdbuf();
-    const auto ids = parse_token_ids(ss.str());
-    for (size_t i = 0; i < ids.size() && int(out.size()) < num; i += size_t(max_length))
-      out.emplace_back(ids.begin() + ptrdiff_t(i), ids.begin() + ptrdiff_t(std::min(ids.size(), i + size_t(max_length))));
+    cut_windows(parse_token_ids(ss.str()));
   } else if (path.extension() == ".jsonl") {
     std::string line;
     for (int lineno = 1; std::getline(f, line) && int(out.size()) < num; ++lineno) {
@@ -74,9 +77,7 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
     if (!text) throw Error("the model has no tokenizer.json; give --dataset as a .ids file of token ids");
     std::stringstream ss;
     ss << f.rdbuf();
-    const auto ids = text->encode_prompt(ss.str());
-    for (size_t i = 0; i < ids.size() && int(out.size()) < num; i += size_t(max_length))
-      out.emplace_back(ids.begin() + ptrdiff_t(i), ids.begin() + ptrdiff_t(std::min(ids.size(), i + size_t(max_length))));
+    cut_windows(text->encode_prompt(ss.str()));
   }
   if (out.empty()) throw Error("--dataset " + path.string() + " gave no calibration samples");
   return out;

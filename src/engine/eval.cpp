@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/sampler.h"
 #include "engine/sequence.h"
 #include "engine/stop.h"
 #include "serve/async_engine.h"
@@ -33,10 +34,7 @@ struct LogitsHeader {
 };
 
 void log_softmax(std::span<const float> logits, std::span<float> out) {
-  const float mx = *std::max_element(logits.begin(), logits.end());
-  double sum = 0;
-  for (float x : logits) sum += std::exp(double(x - mx));
-  const float lse = mx + float(std::log(sum));
+  const float lse = log_sum_exp(logits);
   for (size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - lse;
 }
 

@@ -50,14 +50,12 @@ TokenId argmax(std::span<const float> logits) {
   return TokenId(best);
 }
 
-namespace {
 float log_sum_exp(std::span<const float> x) {
   const float m = *std::ranges::max_element(x);
   double s = 0.0;
   for (float v : x) s += std::exp(double(v) - m);
   return float(m + std::log(s));
 }
-}  // namespace
 
 float logprob_of(std::span<const float> logits, TokenId token) {
   KVLM_CHECK(token >= 0 && size_t(token) < logits.size(), "token outside logits");

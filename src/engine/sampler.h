@@ -48,6 +48,8 @@ TokenId argmax(std::span<const float> logits);  // lowest id among ties
 void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const TokenId> prompt,
                      std::span<const TokenId> output);
 
+// log(sum(exp(logits))), accumulated in double.
+float log_sum_exp(std::span<const float> logits);
 // log_softmax(logits)[token]
 float logprob_of(std::span<const float> logits, TokenId token);
 // The k most likely tokens of log_softmax(logits), most likely first.
