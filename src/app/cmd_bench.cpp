@@ -17,6 +17,8 @@
 #include <semaphore>
 #include <thread>
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "app/commands.h"
@@ -245,17 +247,48 @@ int run_throughput(const BenchThroughputFlags& f) {
     };
     ae.add_request(std::move(er));
   }
+  // Progress on stderr: rewritten in place on a terminal, a line every 10 s otherwise (logs).
+  const bool tty = ::isatty(2) != 0, show = log::level() >= log::Level::Warn;
+  const double every = tty ? 0.5 : 10.0;
+  double next_report = every;
+  bool reported = false;
+  auto report = [&](const EngineStats& st, int finished, int64_t out_tokens, double t, bool final_line) {
+    const double busy = st.schedule_seconds_total + st.forward_seconds_total + st.sample_seconds_total;
+    auto pct = [&](double x) { return busy > 0 ? 100.0 * x / busy : 0.0; };
+    std::fprintf(stderr,
+                 "%skvlm: bench %d/%d done, %d running, %d waiting, %.0f s, %.0f output tok/s, %llu steps "
+                 "(forward %.0f%%, host sampling %.0f%%, scheduling %.0f%%)%s",
+                 tty ? "\r" : "", finished, n, st.num_running, st.num_waiting, t, t > 0 ? double(out_tokens) / t : 0.0,
+                 (unsigned long long)(st.steps_total - before.steps_total), pct(st.forward_seconds_total),
+                 pct(st.sample_seconds_total), pct(st.schedule_seconds_total), tty && !final_line ? "  " : "\n");
+    std::fflush(stderr);
+    reported = true;
+  };
   int max_running = 0;
   for (;;) {
     std::unique_lock lock(mu);
     if (cv.wait_for(lock, std::chrono::milliseconds(5), [&] { return done == n; })) break;
+    const int finished = done;
+    const int64_t out_tokens = output_tokens;
     lock.unlock();
-    max_running = std::max(max_running, ae.stats().num_running);
+    const EngineStats st = ae.stats();
+    max_running = std::max(max_running, st.num_running);
+    const double t = secs(Clock::now() - t0);
+    if (show && t >= next_report) {
+      // Tokens of finished requests only: a lower bound while requests run.
+      report(st, finished, out_tokens, t, false);
+      next_report = t + every;
+    }
   }
   const double elapsed = secs(Clock::now() - t0);
   const EngineStats after = ae.stats();
   max_running = std::max(max_running, after.num_running);
+  if (show && reported) report(after, done, output_tokens, elapsed, true);
   ae.shutdown(true);
+  const double t_sched = after.schedule_seconds_total - before.schedule_seconds_total;
+  const double t_fwd = after.forward_seconds_total - before.forward_seconds_total;
+  const double t_samp = after.sample_seconds_total - before.sample_seconds_total;
+  const uint64_t steps = after.steps_total - before.steps_total;
 
   const uint64_t preemptions = after.preemptions_total - before.preemptions_total;
   rule(" Throughput Benchmark Result ", '=');
@@ -271,6 +304,11 @@ int run_throughput(const BenchThroughputFlags& f) {
   rowd("Max concurrency possible (at max len):", plan.max_concurrency);
   rowi("Preemptions:", int64_t(preemptions));
   row("KV cache:", kv_summary(*engine) + ", " + std::to_string(plan.capacity_tokens) + " tokens");
+  rule(" Engine time ", '-');
+  rowi("Steps:", int64_t(steps));
+  rowd("Forward, incl. device sampling (s):", t_fwd);
+  rowd("Host sampling (s):", t_samp);
+  rowd("Scheduling and batch layout (s):", t_sched);
   rule("", '=');
   std::printf("Throughput: %.2f requests/s, %.2f total tokens/s, %.2f output tokens/s\n", double(n) / elapsed,
               double(prompt_tokens + output_tokens) / elapsed, double(output_tokens) / elapsed);
@@ -294,6 +332,8 @@ int run_throughput(const BenchThroughputFlags& f) {
     j["max_concurrency"] = max_running;
     j["max_concurrency_possible"] = plan.max_concurrency;
     j["preemptions"] = preemptions;
+    j["engine_steps"] = steps;
+    j["engine_seconds"] = {{"forward", t_fwd}, {"sample", t_samp}, {"schedule", t_sched}};
     write_json(f.json, j);
   }
   if (failed) throw Error(std::to_string(failed) + " requests failed; the first: " + first_error);

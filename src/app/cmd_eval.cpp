@@ -80,7 +80,7 @@ int run_perplexity(const EvalFlags& f) {
   if (!f.kld_base.empty()) po.kld_base = f.kld_base;
   std::unique_ptr<log::Progress> bar;
   const auto r = eval_perplexity(*engine, tokens, po, [&](int done, int total) {
-    if (!bar) bar = std::make_unique<log::Progress>("perplexity windows", size_t(total));
+    if (!bar) bar = std::make_unique<log::Progress>("perplexity windows", size_t(total), log::Progress::Unit::Items);
     bar->update(size_t(done));
   });
   bar.reset();
@@ -123,7 +123,7 @@ int run_task(const EvalFlags& f) {
   to.max_num_seqs = f.max_num_seqs;
   std::unique_ptr<log::Progress> bar;
   const auto r = eval_task(*engine, text, items, to, [&](int done, int total) {
-    if (!bar) bar = std::make_unique<log::Progress>("items", size_t(total));
+    if (!bar) bar = std::make_unique<log::Progress>("items", size_t(total), log::Progress::Unit::Items);
     bar->update(size_t(done));
   });
   bar.reset();

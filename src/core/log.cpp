@@ -40,8 +40,8 @@ void warn_once(std::string_view key, std::string_view msg) {
   warn(msg);
 }
 
-Progress::Progress(std::string label, size_t total)
-    : label_(std::move(label)), total_(total), active_(total > 0 && g_level >= Level::Warn && ::isatty(2)) {}
+Progress::Progress(std::string label, size_t total, Unit unit)
+    : label_(std::move(label)), total_(total), unit_(unit), active_(total > 0 && g_level >= Level::Warn && ::isatty(2)) {}
 
 void Progress::update(size_t done) {
   if (!active_) return;
@@ -49,8 +49,11 @@ void Progress::update(size_t done) {
   if (percent == last_percent_) return;
   last_percent_ = percent;
   std::lock_guard lock(g_mu);
-  std::fprintf(stderr, "\rkvlm: %s %.2f / %.2f GB (%zu%%)%s", label_.c_str(), double(done) / 1e9, double(total_) / 1e9, percent,
-               percent == 100 ? "\n" : "");
+  if (unit_ == Unit::Bytes)
+    std::fprintf(stderr, "\rkvlm: %s %.2f / %.2f GB (%zu%%)%s", label_.c_str(), double(done) / 1e9, double(total_) / 1e9,
+                 percent, percent == 100 ? "\n" : "");
+  else
+    std::fprintf(stderr, "\rkvlm: %s %zu / %zu (%zu%%)%s", label_.c_str(), done, total_, percent, percent == 100 ? "\n" : "");
   std::fflush(stderr);
 }
 

@@ -21,13 +21,15 @@ void warn_once(std::string_view key, std::string_view msg);
 // only when stderr is a terminal and warnings are on. done == total ends the line.
 class Progress {
  public:
-  Progress(std::string label, size_t total);
+  enum class Unit { Bytes, Items };  // "1.20 / 16.38 GB" or "120 / 1000"
+  Progress(std::string label, size_t total, Unit unit = Unit::Bytes);
   void update(size_t done);
   ~Progress();
 
  private:
   std::string label_;
   size_t total_, last_percent_ = size_t(-1);
+  Unit unit_;
   bool active_;
 };
 

@@ -54,6 +54,11 @@ class Engine {
   int block_size() const { return block_size_; }
   ModelRunner& model() { return *model_; }
   const ModelRunner& model() const { return *model_; }
+  // Puts `wrap(current runner)` in its place (tests: a runner that decorates the real one).
+  template <class F>
+  void wrap_model(F&& wrap) {
+    model_ = wrap(std::move(model_));
+  }
 
  private:
   std::unique_ptr<ModelPlan> plan_;  // heap: the model and caches point into it

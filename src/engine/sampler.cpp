@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/philox.h"
 
 namespace kvlm {
 
@@ -130,6 +131,70 @@ TokenId Sampler::sample(std::span<const float> raw, const SamplingParams& p, std
     if (u < acc) return scratch_[i].second;
   }
   return scratch_[n - 1].second;
+}
+
+GumbelParams gumbel_params(const SamplingParams& p) {
+  GumbelParams g;
+  g.inv_temperature = p.temperature == 0.0f ? 0.0f : 1.0f / p.temperature;
+  g.top_k = std::max(p.top_k, 0);
+  g.top_p = p.top_p;
+  g.min_p_offset = p.min_p > 0.0f ? float(double(p.temperature) * std::log(double(p.min_p)))
+                                  : -std::numeric_limits<float>::infinity();
+  return g;
+}
+
+TokenId sample_gumbel(std::span<const float> logits, const SamplingParams& p, uint64_t seed, uint64_t counter) {
+  KVLM_CHECK(!logits.empty(), "empty logits");
+  KVLM_CHECK(!p.has_penalties(), "sample_gumbel does not apply penalties");
+  if (p.temperature == 0.0f) return argmax(logits);
+  const GumbelParams g = gumbel_params(p);
+  const size_t v = logits.size();
+  float m = -std::numeric_limits<float>::infinity();
+  for (float x : logits)
+    if (x > m) m = x;
+  // The kept set is {i : logits[i] >= lo} (NaN never kept).
+  float lo = -std::numeric_limits<float>::infinity();
+  if (g.min_p_offset > -std::numeric_limits<float>::infinity()) lo = m + g.min_p_offset;
+  auto kept_sorted = [&] {
+    std::vector<float> k;
+    for (float x : logits)
+      if (x >= lo) k.push_back(x);
+    std::sort(k.begin(), k.end(), std::greater<>());
+    return k;
+  };
+  if (g.top_k > 0 && size_t(g.top_k) < v) {
+    const std::vector<float> k = kept_sorted();
+    if (k.size() > size_t(g.top_k)) lo = k[size_t(g.top_k) - 1];
+  }
+  if (g.top_p < 1.0f) {
+    const std::vector<float> k = kept_sorted();
+    uint64_t z = 0;
+    for (float x : k) z += gumbel_fixed_weight(x, m, g.inv_temperature);
+    const double target = double(g.top_p) * double(z);
+    // The largest value t with sum of weights over logits >= t reaching the target; tokens
+    // tied at t are summed together.
+    uint64_t acc = 0;
+    for (size_t i = 0; i < k.size();) {
+      size_t j = i;
+      while (j < k.size() && k[j] == k[i]) acc += gumbel_fixed_weight(k[j++], m, g.inv_temperature);
+      if (double(acc) >= target) {
+        lo = k[i];
+        break;
+      }
+      i = j;
+    }
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  size_t idx = v;
+  for (size_t i = 0; i < v; ++i) {
+    if (!(logits[i] >= lo)) continue;
+    const float score = logits[i] * g.inv_temperature + rng::gumbel_noise(rng::random_u32(seed, counter, uint32_t(i)));
+    if (score > best || (score == best && i < idx)) {
+      best = score;
+      idx = i;
+    }
+  }
+  return TokenId(idx < v ? idx : argmax(logits));
 }
 
 }  // namespace kvlm

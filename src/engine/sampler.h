@@ -3,6 +3,7 @@
 // tokens; and log-probabilities of the raw model distribution.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <span>
@@ -47,6 +48,29 @@ TokenId argmax(std::span<const float> logits);  // lowest id among ties
 // Applies the penalties of `p` to a copy of `logits` (vLLM's order and formulas).
 void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const TokenId> prompt,
                      std::span<const TokenId> output);
+
+// Sampling as the GPU runs it (ops/cuda/sampling.cu), on the CPU: the definition of that
+// kernel's result and its reference in tests. No penalties (a row with penalties is sampled
+// on the host by Sampler). The kept set is found by value thresholds, in this order: min-p
+// (logit >= max + T*log(min_p)), top-k (logit >= the k-th largest kept logit: tokens tied
+// with the k-th are all kept, where Sampler keeps exactly k), top-p (logit >= the largest
+// value whose kept tokens of at least that logit hold top_p of the kept mass, the mass of
+// each token counted in fixed point so that the sum is exact and order-independent). The
+// token is then drawn by Gumbel-max, argmax over the kept tokens of logit/T + Gumbel noise
+// with noise from Philox(seed; counter, token id) (core/philox.h) — an exact draw from the
+// kept tokens' softmax at temperature T, with no generator state. Temperature 0: argmax.
+struct GumbelParams {
+  float inv_temperature = 1.0f;  // 0 = greedy
+  int top_k = 0;                 // 0 = off
+  float top_p = 1.0f;            // 1 = off
+  float min_p_offset = 0.0f;     // T * log(min_p), computed in double; -inf = off
+};
+GumbelParams gumbel_params(const SamplingParams& p);
+// A token's weight in the top-p mass: exp((logit - max) / T) in [0, 1], scaled by 2^32.
+inline uint64_t gumbel_fixed_weight(float logit, float max_logit, float inv_temperature) {
+  return uint64_t(std::exp((logit - max_logit) * inv_temperature) * 4294967296.0f);
+}
+TokenId sample_gumbel(std::span<const float> logits, const SamplingParams& p, uint64_t seed, uint64_t counter);
 
 // log(sum(exp(logits))), accumulated in double.
 float log_sum_exp(std::span<const float> logits);

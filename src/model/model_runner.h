@@ -13,6 +13,7 @@
 #include "attention/backend.h"
 #include "config/model_config.h"
 #include "core/index_types.h"
+#include "engine/sampler.h"
 
 namespace kvlm {
 
@@ -23,6 +24,14 @@ struct ForwardBatch {
   std::span<const SlotId> slots;       // [num_tokens]: where each token's K/V goes
   std::span<const AttnSeq> seqs;       // per sequence: rows, context length, block table
   std::span<const int32_t> logit_rows; // rows of `tokens` whose next-token logits are wanted
+};
+
+// How forward_sampled treats one logit row.
+struct RowSampling {
+  bool on_device = false;  // false: the row's logits are copied to the host instead
+  SamplingParams params;   // temperature, top-k, top-p, min-p (no penalties)
+  uint64_t seed = 0;       // the request's seed
+  uint64_t counter = 0;    // the output position of the token being drawn
 };
 
 class ModelRunner {
@@ -43,6 +52,16 @@ class ModelRunner {
   // Runs the batch, storing its K/V in the pool; writes fp32 logits
   // [logit_rows.size()][vocab] to host memory.
   virtual void forward(const ForwardBatch& batch, std::span<float> logits) = 0;
+
+  // Sampling where the logits are (engine/sampler.h's sample_gumbel), so that a GPU runner
+  // returns token ids instead of [rows][vocab] logits. Runs the batch as forward() does; for
+  // each logit row i with rows[i].on_device, writes tokens[i]; the logits of the other rows
+  // go to host_logits, [number of such rows][vocab] in row order. The base implementation
+  // samples on the host after forward(); samples_on_device() says whether the runner does it
+  // on its device (the serving engine uses forward_sampled only then).
+  virtual bool samples_on_device() const { return false; }
+  virtual void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
+                               std::span<float> host_logits);
 
   // Copies whole pages (every layer, K, V and scales) from .first to .second: the
   // copy-on-write of a shared prefix page that a sequence is about to write into.

@@ -29,12 +29,19 @@ struct LLMEngine::Sequence {
   int scheduled = 0;   // tokens in this step
   int logit_row = -1;  // first logits row of this step, -1 = none
   int logit_count = 0;
+  bool device_sampled = false;  // this step's token is drawn by the runner (forward_sampled)
 
   Sequence(EngineRequest r) : req(std::move(r)), sampler(req.seed) {}
   int num_output() const { return int(tokens.size()) - num_prompt; }
   std::span<const TokenId> prompt() const { return std::span(tokens).first(size_t(num_prompt)); }
   std::span<const TokenId> output() const { return std::span(tokens).subspan(size_t(num_prompt)); }
   bool wants_prompt_logprobs() const { return req.prompt_logprobs >= 0 && !prompt_lp_sent; }
+  // Whether the next token can be drawn where the logits are: no penalties, no
+  // log-probabilities, and no tokens to mask for min_tokens.
+  bool device_samplable(bool has_eos) const {
+    const bool masking = num_output() < req.min_tokens && ((!req.ignore_eos && has_eos) || !req.stop_token_ids.empty());
+    return !req.sampling.has_penalties() && req.logprobs == 0 && !masking;
+  }
 };
 
 namespace {
@@ -209,6 +216,7 @@ void LLMEngine::finish(Sequence& s, FinishReason why, const std::string& error) 
 }
 
 bool LLMEngine::step() {
+  const auto t_step = Clock::now();
   // Aborts first: their pages are free for this step.
   for (const auto& id : aborts_) {
     auto it = live_.find(id);
@@ -271,11 +279,15 @@ bool LLMEngine::step() {
 
   // --- lay out the batch -------------------------------------------------------------
   const int bs = blocks_->block_size();
+  const bool device_sampling = engine_.model().samples_on_device();
+  int num_host_rows = 0;
   tokens_.clear();
   positions_.clear();
   slots_.clear();
   attn_.clear();
   logit_rows_.clear();
+  row_sampling_.clear();
+  host_row_.clear();
   for (Sequence* s : batch) {
     const int q0 = int(tokens_.size());
     const int end = s->num_computed + s->scheduled;
@@ -297,13 +309,30 @@ bool LLMEngine::step() {
       ++s->logit_count;
     }
     if (s->logit_count == 0) s->logit_row = -1;
+    // The row that draws the next token may be sampled by the runner, unless its logits are
+    // needed here (prompt log-probabilities share the row, penalties, logprobs, min_tokens).
+    s->device_sampled = device_sampling && end == int(s->tokens.size()) && !s->wants_prompt_logprobs() &&
+                        s->device_samplable(!eos_.empty());
+    for (int r = 0; r < s->logit_count; ++r) {
+      RowSampling rs;
+      if (s->device_sampled) {
+        rs = RowSampling{.on_device = true, .params = s->req.sampling, .seed = s->req.seed,
+                         .counter = uint64_t(s->num_output())};
+      }
+      host_row_.push_back(rs.on_device ? -1 : num_host_rows++);
+      row_sampling_.push_back(rs);
+    }
   }
   const size_t vocab = size_t(engine_.config().vocab_size);
-  logits_.resize(logit_rows_.size() * vocab);
+  logits_.resize(size_t(num_host_rows) * vocab);
+  device_tokens_.assign(logit_rows_.size(), -1);
+  const auto t_forward = Clock::now();
+  stats_.schedule_seconds_total += seconds(t_forward - t_step);
   try {
-    engine_.model().forward(ForwardBatch{.tokens = tokens_, .positions = positions_, .slots = slots_, .seqs = attn_,
-                                         .logit_rows = logit_rows_},
-                            logits_);
+    const ForwardBatch fb{.tokens = tokens_, .positions = positions_, .slots = slots_, .seqs = attn_,
+                          .logit_rows = logit_rows_};
+    if (device_sampling) engine_.model().forward_sampled(fb, row_sampling_, device_tokens_, logits_);
+    else engine_.model().forward(fb, logits_);
   } catch (const std::exception& e) {
     // The step failed as a whole: its sequences fail with the reason, the rest go on.
     for (Sequence* s : batch) finish(*s, FinishReason::Error, e.what());
@@ -312,6 +341,8 @@ bool LLMEngine::step() {
     return true;
   }
   ++stats_.steps_total;
+  const auto t_sample = Clock::now();
+  stats_.forward_seconds_total += seconds(t_sample - t_forward);
 
   // --- sample and report -------------------------------------------------------------
   // Sampling and log-probabilities (a pass over the vocabulary per row) run in parallel
@@ -328,7 +359,11 @@ bool LLMEngine::step() {
     if (s->logit_row < 0) continue;
     try {
       const int start = s->num_computed, end = start + s->scheduled;
-      auto row = [&](int r) { return std::span<const float>(logits_).subspan(size_t(s->logit_row + r) * vocab, vocab); };
+      auto row = [&](int r) {
+        const int h = host_row_[size_t(s->logit_row + r)];
+        KVLM_CHECK(h >= 0, "the logits of a row sampled by the runner were used");
+        return std::span<const float>(logits_).subspan(size_t(h) * vocab, vocab);
+      };
       if (s->wants_prompt_logprobs()) {
         const int k = s->req.prompt_logprobs;
         int used = 0;
@@ -338,6 +373,10 @@ bool LLMEngine::step() {
         }
       }
       if (end < int(s->tokens.size())) continue;  // prefill chunk, not yet done
+      if (s->device_sampled) {
+        sampled[size_t(i)] = device_tokens_[size_t(s->logit_row + s->logit_count - 1)];
+        continue;
+      }
       std::span<const float> last = row(s->logit_count - 1);
       std::vector<float> masked;
       if (s->num_output() < s->req.min_tokens) {
@@ -360,6 +399,7 @@ bool LLMEngine::step() {
   }
   for (const auto& e : failed)
     if (e) std::rethrow_exception(e);  // a broken invariant: the engine stops (AsyncEngine reports it)
+  stats_.sample_seconds_total += seconds(Clock::now() - t_sample);
 
   std::vector<std::pair<Sequence*, RequestOutput>> outputs;
   for (int i = 0; i < nb; ++i) {

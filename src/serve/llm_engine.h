@@ -84,7 +84,10 @@ class LLMEngine {
   std::vector<SlotId> slots_;
   std::vector<AttnSeq> attn_;
   std::vector<int32_t> logit_rows_;
-  std::vector<float> logits_;
+  std::vector<RowSampling> row_sampling_;  // per logit row (runners that sample on their device)
+  std::vector<int> host_row_;              // per logit row: its row in logits_, -1 = sampled by the runner
+  std::vector<TokenId> device_tokens_;     // per logit row: the runner's token
+  std::vector<float> logits_;              // the host rows' logits
 };
 
 }  // namespace kvlm

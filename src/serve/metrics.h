@@ -36,6 +36,11 @@ struct EngineStats {
   uint64_t requests_total = 0;              // accepted
   std::map<std::string, uint64_t> requests_finished_total;  // by finish reason
   uint64_t steps_total = 0;
+  // Where the engine thread's time goes (seconds): scheduling and batch layout, the model's
+  // forward pass (including sampling done by the runner on its device), host sampling.
+  double schedule_seconds_total = 0;
+  double forward_seconds_total = 0;
+  double sample_seconds_total = 0;
   // Latencies in seconds.
   Histogram time_to_first_token{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0}};
   Histogram inter_token_latency{{0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5}};

@@ -93,6 +93,12 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   for (const auto& [reason, n] : by_reason)
     w.sample("kvlm:request_success_total", double(n), "finished_reason=\"" + escape_label(reason) + "\"");
   w.counter("kvlm:engine_steps_total", "Scheduler steps run.", double(s.steps_total));
+  w.header("kvlm:engine_seconds_total", "counter",
+           "Engine thread time by phase: schedule (and batch layout), forward (the model, with sampling on the "
+           "device), sample (on the host).");
+  w.sample("kvlm:engine_seconds_total", s.schedule_seconds_total, "phase=\"schedule\"");
+  w.sample("kvlm:engine_seconds_total", s.forward_seconds_total, "phase=\"forward\"");
+  w.sample("kvlm:engine_seconds_total", s.sample_seconds_total, "phase=\"sample\"");
   w.histogram("kvlm:time_to_first_token_seconds", "Time from arrival to the first generated token.", s.time_to_first_token);
   w.histogram("kvlm:inter_token_latency_seconds", "Time between consecutive tokens of a request.", s.inter_token_latency);
   w.histogram("kvlm:e2e_request_latency_seconds", "Time from arrival to the end of a request.", s.e2e_request_latency);

@@ -405,6 +405,114 @@ TEST(Scheduler, LogprobsAndPromptLogprobsMatchTheModel) {
   EXPECT_EQ(c.logprobs[0].top.size(), 3u);
 }
 
+namespace {
+
+// A runner that says it samples on its device: the base ModelRunner::forward_sampled (host
+// sample_gumbel), so the engine's split between rows sampled by the runner and rows whose
+// logits come back is exercised on the CPU. Counts what it was asked for.
+class DeviceSamplingRunner final : public ModelRunner {
+ public:
+  explicit DeviceSamplingRunner(std::unique_ptr<ModelRunner> inner) : inner_(std::move(inner)) {}
+  const ModelConfig& config() const override { return inner_->config(); }
+  Device device() const override { return inner_->device(); }
+  size_t num_parameters() const override { return inner_->num_parameters(); }
+  size_t weight_bytes() const override { return inner_->weight_bytes(); }
+  void allocate_kv(int num_blocks, int block_size) override { inner_->allocate_kv(num_blocks, block_size); }
+  int kv_num_blocks() const override { return inner_->kv_num_blocks(); }
+  size_t kv_bytes() const override { return inner_->kv_bytes(); }
+  void forward(const ForwardBatch& b, std::span<float> logits) override {
+    ++plain_forwards;
+    inner_->forward(b, logits);
+  }
+  void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override { inner_->copy_blocks(pairs); }
+  bool samples_on_device() const override { return true; }
+  void forward_sampled(const ForwardBatch& b, std::span<const RowSampling> rows, std::span<TokenId> tokens,
+                       std::span<float> host_logits) override {
+    int dev = 0, host = 0;
+    for (const RowSampling& r : rows) ++(r.on_device ? dev : host);
+    device_rows += dev;
+    host_rows += host;
+    mixed_steps += dev > 0 && host > 0;
+    ModelRunner::forward_sampled(b, rows, tokens, host_logits);
+    --plain_forwards;  // the base implementation's own forward()
+  }
+  void reset_counters() { device_rows = host_rows = mixed_steps = plain_forwards = 0; }
+  int device_rows = 0, host_rows = 0, mixed_steps = 0, plain_forwards = 0;
+
+ private:
+  std::unique_ptr<ModelRunner> inner_;
+};
+
+}  // namespace
+
+// With a runner that samples where the logits are, plain sampled requests draw their tokens
+// there (the Gumbel sampler, reproducible from the seed and the token position), while rows
+// with logprobs, penalties or prompt logprobs still come back to the host — in the same steps.
+TEST(Scheduler, RunnerSideSamplingAndHostRowsShareSteps) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  DeviceSamplingRunner* runner = nullptr;
+  e->wrap_model([&](std::unique_ptr<ModelRunner> inner) {
+    auto r = std::make_unique<DeviceSamplingRunner>(std::move(inner));
+    runner = r.get();
+    return r;
+  });
+  const std::vector<TokenId> prompt{1, 403, 407, 261, 378, 324, 434, 412, 281, 266, 397};
+  const SamplingParams sp{.temperature = 0.9f, .top_k = 40, .top_p = 0.95f};
+  // The reference: teacher-forced logits of the sampled continuation, drawn by sample_gumbel.
+  auto reference = [&](uint64_t seed, int n) {
+    SequenceRunner seq(*e, 64);
+    std::vector<float> logits = seq.append(prompt, false);
+    std::vector<TokenId> out;
+    for (int i = 0; i < n; ++i) {
+      const TokenId t = sample_gumbel(logits, sp, seed, uint64_t(i));
+      out.push_back(t);
+      logits = seq.append(std::vector<TokenId>{t}, false);
+    }
+    return out;
+  };
+  const int n = 12;
+  // (before the LLMEngine: a SequenceRunner reallocates the runner's KV pool)
+  const std::vector<TokenId> greedy = one_at_a_time(*e, prompt, n);
+  const std::vector<TokenId> ref11 = reference(11, n), ref12 = reference(12, n);
+  runner->reset_counters();  // the references ran through it too
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 8, .max_num_batched_tokens = 64, .max_model_len = 64,
+                                   .enable_prefix_caching = true, .num_blocks = 48});
+  for (uint64_t seed : {11u, 12u}) {
+    auto r = make("s" + std::to_string(seed), prompt, n, out);
+    r.sampling = sp;
+    r.seed = seed;
+    le.add_request(std::move(r));
+  }
+  auto greedy_lp = make("lp", prompt, n, out);
+  greedy_lp.logprobs = 2;
+  greedy_lp.prompt_logprobs = 1;
+  le.add_request(std::move(greedy_lp));
+  auto penalized = make("pen", prompt, n, out);
+  penalized.sampling.repetition_penalty = 2.0f;
+  le.add_request(std::move(penalized));
+  run_to_end(le);
+
+  EXPECT_EQ(out["s11"].tokens, ref11);
+  EXPECT_EQ(out["s12"].tokens, ref12);
+  EXPECT_NE(out["s11"].tokens, out["s12"].tokens);
+  EXPECT_EQ(out["lp"].tokens, greedy);  // greedy, sampled on the host
+  EXPECT_EQ(out["lp"].logprobs.size(), size_t(n));
+  EXPECT_EQ(out["lp"].prompt_logprobs.size(), prompt.size() - 1);
+  EXPECT_EQ(out["pen"].tokens.size(), size_t(n));
+  // The penalty changed the greedy continuation (host Sampler with the penalty applied).
+  EXPECT_NE(out["pen"].tokens, greedy);
+  EXPECT_EQ(runner->device_rows, 2 * n);
+  EXPECT_GE(runner->host_rows, 2 * n + int(prompt.size()) - 1);
+  EXPECT_GT(runner->mixed_steps, 0);
+  EXPECT_EQ(runner->plain_forwards, 0) << "the engine should use forward_sampled with such a runner";
+  EXPECT_EQ(le.blocks().num_used(), 0);
+  const EngineStats st = le.stats();
+  EXPECT_GT(st.forward_seconds_total, 0.0);
+  EXPECT_GE(st.sample_seconds_total, 0.0);
+  EXPECT_GT(st.schedule_seconds_total, 0.0);
+}
+
 TEST(Scheduler, RejectsInvalidRequestsWithClearErrors) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   std::map<std::string, Collected> out;

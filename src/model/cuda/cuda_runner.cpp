@@ -37,6 +37,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <vector>
 
 #include "attention/selector.h"
 #include "config/cache_config.h"
@@ -48,6 +49,7 @@
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/model_ops.h"
+#include "ops/cuda/sampling.h"
 
 namespace kvlm {
 
@@ -163,7 +165,8 @@ struct StepBuffers {
   uint16_t *h = nullptr, *qkv = nullptr, *q = nullptr, *attn = nullptr, *attn_act = nullptr, *delta = nullptr,
            *gu = nullptr, *act = nullptr, *hl = nullptr;
   float* logits = nullptr;
-  TokenId* ids = nullptr;  // forward_greedy's argmax per logit row
+  TokenId* ids = nullptr;  // forward_greedy's argmax / forward_sampled's token per logit row
+  cuda::SampleRowParams* sample = nullptr;  // forward_sampled's per-row parameters
   uint8_t* attn_ws = nullptr;
   size_t attn_ws_bytes = 0;
   size_t total = 0;
@@ -205,7 +208,7 @@ struct CudaModelRunner::Impl {
   cudaStream_t stream = nullptr;
   cuda::Gemm gemm;
   DeviceBuffer weights, gemm_ws, kv, kv_pools, pairs_dev, scratch;
-  PinnedBuffer meta_host, logits_host, pairs_host;
+  PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   size_t num_params = 0, weight_bytes = 0;
   const void* embed = nullptr;
   const void* lm_head = nullptr;
@@ -218,6 +221,7 @@ struct CudaModelRunner::Impl {
   size_t pairs_capacity = 0;
   bool poison = false;
   TokenId* ids = nullptr;                  // the last step's argmax buffer (StepBuffers::ids)
+  cuda::SampleRowParams* sample = nullptr;  // the last step's StepBuffers::sample
   std::vector<cudaEvent_t> copy_events;    // forward's chunked logits copy
   bool graphs_on = true;
   std::set<std::pair<int, int>> graph_seen;              // (B, MB) run once eagerly
@@ -276,6 +280,7 @@ struct CudaModelRunner::Impl {
     b.hl = c.take<uint16_t>(size_t(s.R) * H);
     b.logits = c.take<float>(size_t(s.R) * size_t(cfg.vocab_size));
     b.ids = c.take<TokenId>(size_t(std::max(s.R, 1)));
+    b.sample = c.take<cuda::SampleRowParams>(size_t(std::max(s.R, 1)));
     size_t ws = 0;
     for (const LayerKV& L : lkv) ws = std::max(ws, cuda::paged_attention_workspace_bytes(attn_params(L, s, b)));
     b.attn_ws_bytes = ws;
@@ -678,6 +683,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
   }
   const StepBuffers buf = m.buffers_for(shape);
   m.ids = buf.ids;
+  m.sample = buf.sample;
 
   // Metadata into pinned memory (same layout as the device region), one copy.
   uint8_t* host = m.meta_host.reserve(buf.meta_bytes);
@@ -745,10 +751,18 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
 }
 
 void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
-  Impl& m = *impl_;
   const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size);
   KVLM_CHECK(logits.size() == R * V, "logits buffer size");
   const float* dev = enqueue(b);
+  std::vector<int32_t> rows(R);
+  for (size_t i = 0; i < R; ++i) rows[i] = int32_t(i);
+  copy_logit_rows(dev, rows, logits);
+}
+
+void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out) {
+  Impl& m = *impl_;
+  const size_t R = rows.size(), V = size_t(cfg_.vocab_size);
+  KVLM_CHECK(out.size() == R * V, "logits buffer size");
   if (R == 0) {
     KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
     return;
@@ -756,7 +770,7 @@ void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   // Device -> pinned staging -> the caller's buffer, in chunks of rows: the copy of chunk c
   // into the caller's (pageable) memory, spread over the host's cores, overlaps the DMA of
   // chunk c + 1 (64 rows of a 152k vocabulary are 39 MB: a single-threaded copy after one
-  // big DMA took ~5 ms).
+  // big DMA took ~5 ms). Consecutive rows go in one DMA.
   const size_t bytes = R * V * sizeof(float);
   auto* staging = reinterpret_cast<float*>(m.logits_host.reserve(bytes));
   const size_t rows_per_chunk = std::max<size_t>(1, (size_t(4) << 20) / (V * sizeof(float)));
@@ -767,15 +781,21 @@ void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
     m.copy_events.push_back(e);
   }
   for (size_t c = 0; c < chunks; ++c) {
-    const size_t r0 = c * rows_per_chunk, n = std::min(rows_per_chunk, R - r0) * V;
-    KVLM_CUDA_CHECK(cudaMemcpyAsync(staging + r0 * V, dev + r0 * V, n * sizeof(float), cudaMemcpyDeviceToHost, m.stream));
+    const size_t r0 = c * rows_per_chunk, r1 = std::min(R, r0 + rows_per_chunk);
+    for (size_t i = r0; i < r1;) {
+      size_t j = i + 1;
+      while (j < r1 && rows[j] == rows[j - 1] + 1) ++j;
+      KVLM_CUDA_CHECK(cudaMemcpyAsync(staging + i * V, dev + size_t(rows[i]) * V, (j - i) * V * sizeof(float),
+                                      cudaMemcpyDeviceToHost, m.stream));
+      i = j;
+    }
     KVLM_CUDA_CHECK(cudaEventRecord(m.copy_events[c], m.stream));
   }
   for (size_t c = 0; c < chunks; ++c) {
     KVLM_CUDA_CHECK(cudaEventSynchronize(m.copy_events[c]));
-    const size_t r0 = c * rows_per_chunk, n = std::min(rows_per_chunk, R - r0) * V;
+    const size_t r0 = c * rows_per_chunk, n = (std::min(R, r0 + rows_per_chunk) - r0) * V;
     const float* src = staging + r0 * V;
-    float* dst = logits.data() + r0 * V;
+    float* dst = out.data() + r0 * V;
     constexpr size_t kPiece = size_t(1) << 16;  // floats per parallel piece (256 KB)
     const int64_t pieces = int64_t((n + kPiece - 1) / kPiece);
 #pragma omp parallel for schedule(static) if (pieces > 1)
@@ -785,6 +805,41 @@ void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
     }
   }
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+void CudaModelRunner::forward_sampled(const ForwardBatch& b, std::span<const RowSampling> rows,
+                                      std::span<TokenId> tokens, std::span<float> host_logits) {
+  Impl& m = *impl_;
+  const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size);
+  KVLM_CHECK(rows.size() == R && tokens.size() == R, "forward_sampled: one RowSampling and one token per logit row");
+  std::vector<int32_t> host_rows;
+  for (size_t i = 0; i < R; ++i)
+    if (!rows[i].on_device) host_rows.push_back(int32_t(i));
+  KVLM_CHECK(host_logits.size() == host_rows.size() * V, "forward_sampled: host_logits must hold the host rows' logits");
+  const float* dev = enqueue(b);
+  const bool any_device = host_rows.size() < R;
+  TokenId* ids_host = nullptr;
+  if (any_device) {
+    // Parameters up, the sampling kernel, token ids down: all queued before the host rows'
+    // copy, whose final synchronization covers them.
+    uint8_t* pinned = m.sample_host.reserve(R * (sizeof(cuda::SampleRowParams) + sizeof(TokenId)));
+    auto* params = reinterpret_cast<cuda::SampleRowParams*>(pinned);
+    ids_host = reinterpret_cast<TokenId*>(pinned + R * sizeof(cuda::SampleRowParams));
+    for (size_t i = 0; i < R; ++i) {
+      const GumbelParams g = gumbel_params(rows[i].params);
+      KVLM_CHECK(!rows[i].on_device || !rows[i].params.has_penalties(), "forward_sampled: penalties are applied on the host");
+      params[i] = cuda::SampleRowParams{.inv_temperature = g.inv_temperature, .top_k = g.top_k, .top_p = g.top_p,
+                                        .min_p_offset = g.min_p_offset, .seed = rows[i].seed,
+                                        .counter = rows[i].counter, .skip = rows[i].on_device ? 0 : 1};
+    }
+    KVLM_CUDA_CHECK(cudaMemcpyAsync(m.sample, params, R * sizeof(cuda::SampleRowParams), cudaMemcpyHostToDevice, m.stream));
+    cuda::sample_rows(dev, int(R), int(V), m.sample, m.ids, m.stream);
+    KVLM_CUDA_CHECK(cudaMemcpyAsync(ids_host, m.ids, R * sizeof(TokenId), cudaMemcpyDeviceToHost, m.stream));
+  }
+  copy_logit_rows(dev, host_rows, host_logits);  // ends with a stream synchronization
+  if (any_device)
+    for (size_t i = 0; i < R; ++i)
+      if (rows[i].on_device) tokens[i] = ids_host[i];
 }
 
 void CudaModelRunner::forward_greedy(const ForwardBatch& b, std::span<TokenId> tokens) {

@@ -46,6 +46,12 @@ class CudaModelRunner final : public ModelRunner {
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
   void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
 
+  // Sampling on the GPU (ops/cuda/sampling.h): only token ids, and the logits of the rows
+  // that are not sampled there, cross to the host.
+  bool samples_on_device() const override { return true; }
+  void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
+                       std::span<float> host_logits) override;
+
   // Optional extension (greedy sampling on the GPU): runs the batch as forward() does and
   // writes, per logit row, the token with the largest logit (ties: the lowest id, as the
   // host Sampler) — only the ids cross to the host, not [rows][vocab] logits.
@@ -65,6 +71,9 @@ class CudaModelRunner final : public ModelRunner {
 
  private:
   float* enqueue(const ForwardBatch& batch);
+  // Copies the logits of `rows` (indices into the step's logit rows) to `out`, [rows][vocab],
+  // and waits for the stream.
+  void copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out);
 
   struct Impl;
   ModelConfig cfg_;

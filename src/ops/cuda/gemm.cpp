@@ -56,6 +56,8 @@ struct Gemm::Impl {
   bool gemv = true;
   // (ab, out, bias, m, n, k) -> plan
   std::map<std::tuple<int, int, bool, int, int, int>, std::unique_ptr<Plan>> plans;
+  // (ab, out, bias, power-of-two bucket of m, n, k) -> the algorithm timed fastest
+  std::map<std::tuple<int, int, bool, int, int, int>, cublasLtMatmulAlgo_t> tuned;
 
   cublasStatus_t run(Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, void* y, cudaStream_t st) {
     const float alpha = 1.0f, beta = 0.0f;
@@ -127,15 +129,32 @@ struct Gemm::Impl {
       throw Error("cuBLASLt has no algorithm for a " + std::string(dtype_name(ab)) + " GEMM m=" + std::to_string(m) +
                   " n=" + std::to_string(n) + " k=" + std::to_string(k) + " with " + std::string(dtype_name(out)) +
                   " output");
-    int pick = 0;
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    KVLM_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
-    if (found > 1 && m <= kTuneMaxM && cap == cudaStreamCaptureStatusNone) {
-      if (bias)
-        KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-      pick = fastest(*p, res, found, x, w, y, st);
+    // Timing the candidates costs ~100 launches, so it is done once per power-of-two bucket
+    // of m (a serving engine sees every m from 1 to max-num-seqs): the other m of a bucket
+    // reuse its winner when cuBLASLt confirms it runs their problem.
+    p->algo = res[0].algo;
+    if (found > 1 && m <= kTuneMaxM) {
+      int bucket = 1;
+      while (bucket < m) bucket *= 2;
+      const auto tkey = std::make_tuple(int(ab), int(out), bias != nullptr, bucket, n, k);
+      cublasLtMatmulHeuristicResult_t check{};
+      if (auto t = tuned.find(tkey); t != tuned.end() &&
+                                     cublasLtMatmulAlgoCheck(handle, p->desc, p->a, p->b, p->c, p->c, &t->second, &check) ==
+                                         CUBLAS_STATUS_SUCCESS &&
+                                     check.workspaceSize <= workspace_bytes) {
+        p->algo = t->second;
+      } else {
+        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+        KVLM_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
+        if (cap == cudaStreamCaptureStatusNone) {
+          if (bias)
+            KVLM_CUBLAS_CHECK(
+                cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+          p->algo = res[fastest(*p, res, found, x, w, y, st)].algo;
+          tuned.insert_or_assign(tkey, p->algo);
+        }
+      }
     }
-    p->algo = res[pick].algo;
     return *plans.emplace(key, std::move(p)).first->second;
   }
 };
@@ -154,7 +173,10 @@ void Gemm::set_small_m_kernel(bool on) { impl_->gemv = on; }
 bool Gemm::small_m_kernel() const { return impl_->gemv; }
 
 void Gemm::set_workspace(void* workspace, size_t bytes) {
-  if (bytes != impl_->workspace_bytes) impl_->plans.clear();  // algorithms were chosen for the old size
+  if (bytes != impl_->workspace_bytes) {  // algorithms were chosen for the old size
+    impl_->plans.clear();
+    impl_->tuned.clear();
+  }
   impl_->workspace = workspace;
   impl_->workspace_bytes = bytes;
 }

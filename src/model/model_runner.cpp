@@ -1,0 +1,30 @@
+#include "model/model_runner.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+
+namespace kvlm {
+
+void ModelRunner::forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows,
+                                  std::span<TokenId> tokens, std::span<float> host_logits) {
+  const size_t r = batch.logit_rows.size(), v = size_t(config().vocab_size);
+  KVLM_CHECK(rows.size() == r && tokens.size() == r, "forward_sampled: one RowSampling and one token per logit row");
+  const size_t host = size_t(std::ranges::count_if(rows, [](const RowSampling& x) { return !x.on_device; }));
+  KVLM_CHECK(host_logits.size() == host * v, "forward_sampled: host_logits must hold the host rows' logits");
+  std::vector<float> all(r * v);
+  forward(batch, all);
+  size_t h = 0;
+  for (size_t i = 0; i < r; ++i) {
+    const std::span<const float> row = std::span<const float>(all).subspan(i * v, v);
+    if (rows[i].on_device) {
+      tokens[i] = sample_gumbel(row, rows[i].params, rows[i].seed, rows[i].counter);
+    } else {
+      std::ranges::copy(row, host_logits.begin() + ptrdiff_t(h * v));
+      ++h;
+    }
+  }
+}
+
+}  // namespace kvlm
