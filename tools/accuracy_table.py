@@ -56,7 +56,9 @@ def run(cmd, log):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvlm", default=os.path.join(ROOT, "build", "kvlm"))
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="device of the perplexity / KLD runs (the fp32 baseline needs cpu)")
+    ap.add_argument("--task-device", default=None,
+                    help="device of the task columns (default: --device); e.g. cuda for recall at 4k / 8k")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "accuracy.md"))
     ap.add_argument("--bundled", default=os.path.join(ROOT, "models", "kvlm-tiny"),
                     help="the trained model (with eval/ data)")
@@ -70,6 +72,7 @@ def main():
     args = ap.parse_args()
 
     kvlm = os.path.abspath(args.kvlm)
+    task_device = args.task_device or args.device
     work = tempfile.mkdtemp(prefix="kvlm-accuracy-")
     log = open(os.path.join(work, "commands.log"), "w")
     eval_dir = os.path.join(args.bundled, "eval")
@@ -113,7 +116,7 @@ def main():
                         row[task] = None
                         continue
                     tout = os.path.join(work, f"{name}.{len(rows)}.{task}.json")
-                    run([kvlm, "-q", "eval", "task", "--model", m, "--data", data, "--device", args.device,
+                    run([kvlm, "-q", "eval", "task", "--model", m, "--data", data, "--device", task_device,
                          "--max-tokens", "128", "--limit", str(args.task_limit), *flags, "--json", tout], log)
                     row[task] = 100 * json.load(open(tout))["accuracy"]
             rows.append(row)
@@ -125,6 +128,7 @@ def main():
         "# KV precision vs accuracy",
         "",
         f"Produced by `python3 tools/accuracy_table.py --kvlm {os.path.relpath(kvlm, ROOT)} --device {args.device}"
+        f"{' --task-device ' + task_device if task_device != args.device else ''}"
         f"{' --task-limit ' + str(args.task_limit) if args.task_limit else ''}"
         f"{' --tasks ' + args.tasks if args.tasks != ap.get_default('tasks') else ''}` on {datetime.date.today()}, "
         f"commit {commit}, {platform.node()} ({platform.processor() or platform.machine()}).",
@@ -133,7 +137,10 @@ def main():
         f"scored, at most {args.max_chunks} windows). Every row is compared with the same model run with an fp32 KV "
         "cache (`--dtype float32`): delta PPL (with its 95% confidence interval), mean and p99 per-token KL "
         "divergence, and how often the most likely next token is unchanged. Task columns: exact-match accuracy "
-        "of greedy answers (`kvlm eval task`). Random-weight golden models are scored on the text's bytes as "
+        "of greedy answers (`kvlm eval task`"
+        + (f", on {task_device}: computed in bf16 there, so a task column can differ from an fp32 run by near-ties"
+           if task_device != args.device else "")
+        + "). Random-weight golden models are scored on the text's bytes as "
         "token ids; their PPL is meaningless, their KLD is not.",
         "",
     ]

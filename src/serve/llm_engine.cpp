@@ -444,8 +444,20 @@ bool LLMEngine::step() {
     outputs.emplace_back(s, std::move(out));
   }
   publish();
-  for (auto& [s, out] : outputs)
-    if (!deliver(*s, out) && !out.finished) finish(*s, FinishReason::Stop);  // the consumer matched a stop string
+  bool recount = false;
+  for (auto& [s, out] : outputs) {
+    if (deliver(*s, out)) continue;
+    // The consumer matched a stop string in this token's text.
+    if (!out.finished) {
+      finish(*s, FinishReason::Stop);
+    } else if (out.finish_reason == FinishReason::Length) {
+      // The request ended here anyway, but the client is told "stop": count it as that.
+      --stats_.requests_finished_total["length"];
+      ++stats_.requests_finished_total["stop"];
+      recount = true;
+    }
+  }
+  if (recount) publish();
   std::erase_if(running_, gone);
   return true;
 }

@@ -352,6 +352,29 @@ TEST(Scheduler, AbortAndStopCallbackFreePages) {
   EXPECT_FALSE(le.is_live("abort-me"));
 }
 
+// A stop string matched in the text of a request's last allowed token: the client is told
+// "stop", and /metrics must count it as stop too, not as length.
+TEST(Scheduler, StopStringOnTheLastTokenCountsAsStop) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 256,
+                                   .enable_prefix_caching = true, .num_blocks = 64});
+  auto r = make("last", {1, 9, 8, 7}, 3, out);
+  auto inner = r.on_output;
+  r.on_output = [inner](const RequestOutput& o) {
+    inner(o);
+    return !o.finished;  // the stop string shows up in the third (last) token
+  };
+  le.add_request(std::move(r));
+  le.add_request(make("plain", {1, 2, 3}, 3, out));
+  run_to_end(le);
+  const EngineStats st = le.stats();
+  EXPECT_EQ(st.requests_finished_total.at("stop"), 1u);
+  EXPECT_EQ(st.requests_finished_total.at("length"), 1u);
+  EXPECT_EQ(out["last"].finishes, 1);
+  EXPECT_EQ(le.blocks().num_used(), 0);
+}
+
 TEST(Scheduler, StopTokensRespectMinTokens) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   const std::vector<TokenId> prompt{1, 403, 407, 261, 378};
