@@ -93,7 +93,7 @@ void AsyncEngine::add_request(EngineRequest req) {
   // The checks that need no engine state run here, so the caller gets the error at once.
   {
     std::lock_guard lock(impl_->mu);
-    if (!impl_->accepting) throw Error("the server is shutting down and accepts no new requests");
+    if (!impl_->accepting) throw EngineShutDown();
     if (impl_->live.count(req.id)) throw Error("request id '" + req.id + "' is already in use");
   }
   impl_->core.check_request(req);
@@ -111,7 +111,7 @@ void AsyncEngine::add_request(EngineRequest req) {
   };
   {
     std::lock_guard lock(impl_->mu);
-    if (!impl_->accepting) throw Error("the server is shutting down and accepts no new requests");
+    if (!impl_->accepting) throw EngineShutDown();
     if (!impl_->live.insert(req.id).second) throw Error("request id '" + req.id + "' is already in use");
     impl_->incoming.push_back(std::move(req));
   }

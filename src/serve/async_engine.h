@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "core/error.h"
 #include "engine/engine.h"
 #include "serve/metrics.h"
 #include "serve/request.h"
@@ -23,6 +24,13 @@ struct SchedulerConfig {
   int num_blocks = 0;                  // KV pool pages (see memory_plan.h)
 };
 
+// What add_request throws once shutdown has begun: the request was fine, the engine is
+// going away (a server answers 503, not 400).
+class EngineShutDown : public Error {
+ public:
+  EngineShutDown() : Error("the server is shutting down and accepts no new requests") {}
+};
+
 class AsyncEngine {
  public:
   // Allocates the model runner's KV pool (cfg.num_blocks pages) and starts the engine thread.
@@ -33,7 +41,7 @@ class AsyncEngine {
 
   // Throws kvlm::Error (a message for the client, HTTP 400) when the request is invalid:
   // empty prompt, token ids outside the vocabulary, prompt + max_tokens over max_model_len,
-  // bad sampling values, a duplicate live id, or after shutdown began.
+  // bad sampling values, a duplicate live id; EngineShutDown after shutdown began.
   void add_request(EngineRequest req);
   // Finishes a live request with FinishReason::Abort (its callback hears it); frees its
   // pages before the next step. Unknown or finished ids are ignored.

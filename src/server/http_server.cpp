@@ -385,7 +385,8 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
     } catch (const std::exception& e) {
       for (size_t j = 0; j < c; ++j) m->engine->abort(flight->engine_ids[j]);
       for (size_t j = c; j < reqs.size(); ++j) stream->fail(int(j), FinishReason::Abort, e.what());
-      if (draining.load()) throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
+      if (dynamic_cast<const EngineShutDown*>(&e) || draining.load())
+        throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
       throw ApiError(400, e.what());
     }
   }

@@ -637,6 +637,11 @@ TEST(AsyncEngine, ShutdownWithoutDrainAbortsInFlightRequests) {
   ae.shutdown(false);
   EXPECT_EQ(aborted.load(), 3);
   EXPECT_LT(tokens.load(), 1500);
+  // After shutdown a request is refused with the shutdown type (a server's 503), not as invalid.
+  EngineRequest late;
+  late.id = "late";
+  late.prompt = {1, 2, 3};
+  EXPECT_THROW(ae.add_request(std::move(late)), EngineShutDown);
 }
 
 }  // namespace
