@@ -18,6 +18,21 @@ namespace kvlm {
 enum class Device : uint8_t { Cpu, Cuda };
 std::string_view device_name(Device d);
 
+// One range of compute capabilities and what a GPU backend's build runs there. A backend
+// with tiers runs exactly on the GPUs its tiers cover (the selector refuses the others), and
+// the tiers say where the same kernels run differently: which device code the driver loads
+// and which KV formats have their FP8 conversions done in software there (sm_80 has no FP8
+// conversion instructions; the results are the same, the cost per key is higher).
+struct ComputeTier {
+  int min_cc = 0;                       // inclusive, major * 10 + minor
+  int max_cc = 0;                       // inclusive; 0 = no upper bound
+  std::string code;                     // e.g. "sm_80", "sm_90a", "compute_89 PTX, JIT-compiled by the driver"
+  std::vector<KVStorage> software_fp8;  // formats whose FP8 conversions run in software here
+  std::string software_fp8_why;         // e.g. "sm_80 has no FP8 conversion instructions"
+  std::string note;                     // anything else that differs, e.g. "no programmatic dependent launch"
+  bool covers(int cc) const { return cc >= min_cc && (max_cc == 0 || cc <= max_cc); }
+};
+
 struct BackendCapabilities {
   std::string name;
   Device device = Device::Cpu;
@@ -28,9 +43,12 @@ struct BackendCapabilities {
   bool causal = true;
   bool sliding_window = false;
   bool non_causal = false;
-  int min_compute_capability = 0;       // e.g. 90 for sm_90; 0 = no requirement (CPU)
+  int min_compute_capability = 0;       // e.g. 80 for sm_80; 0 = no requirement (CPU)
   int priority = 0;                     // higher wins among backends that fit
   std::string description;
+  // GPU backends: the compute capabilities this build runs on, in ascending order, from
+  // min_compute_capability up (empty: every one from min_compute_capability up, one way).
+  std::vector<ComputeTier> compute_tiers;
 };
 
 // One sequence of a flattened batch. Its new tokens were already stored in the cache, so

@@ -16,12 +16,44 @@ std::string describe_layer(const KVLayerSpec& l) {
          std::to_string(l.attn.head_dim) + ")";
 }
 
+std::string compute_capability_name(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
+
+const ComputeTier* find_compute_tier(const BackendCapabilities& c, int cc) {
+  for (const auto& t : c.compute_tiers)
+    if (t.covers(cc)) return &t;
+  return nullptr;
+}
+
+namespace {
+std::string tier_range(const ComputeTier& t) {
+  if (t.max_cc == 0) return compute_capability_name(t.min_cc) + " and up";
+  if (t.max_cc == t.min_cc) return compute_capability_name(t.min_cc);
+  return compute_capability_name(t.min_cc) + "-" + compute_capability_name(t.max_cc);
+}
+}  // namespace
+
+std::string describe_compute_tiers(const BackendCapabilities& c) {
+  std::string s;
+  for (const auto& t : c.compute_tiers) {
+    s += (s.empty() ? "" : "; ") + tier_range(t) + ": " + t.code;
+    std::string extra;
+    if (!t.software_fp8.empty()) extra = "FP8 converted in software";
+    if (!t.note.empty()) extra += (extra.empty() ? "" : ", ") + t.note;
+    if (!extra.empty()) s += " (" + extra + ")";
+  }
+  return s;
+}
+
 std::optional<std::string> rejection_reason(const BackendCapabilities& c, const KVLayerSpec& l, const SelectionContext& ctx) {
   if (c.device != ctx.device)
     return "runs on " + std::string(device_name(c.device)) + ", not " + std::string(device_name(ctx.device));
   if (c.min_compute_capability > 0 && ctx.compute_capability < c.min_compute_capability)
-    return "needs compute capability " + std::to_string(c.min_compute_capability) + ", device has " +
-           std::to_string(ctx.compute_capability);
+    return "needs compute capability " + compute_capability_name(c.min_compute_capability) + " or higher, device has " +
+           compute_capability_name(ctx.compute_capability);
+  if (!c.compute_tiers.empty() && !find_compute_tier(c, ctx.compute_capability))
+    return "has no device code for compute capability " + compute_capability_name(ctx.compute_capability) +
+           " in this build (it covers " + describe_compute_tiers(c) +
+           "); rebuild with CMAKE_CUDA_ARCHITECTURES including an architecture this GPU runs";
   const KVStorage fmt{l.storage, l.quant};
   if (std::ranges::find(c.kv_formats, fmt) == c.kv_formats.end())
     return "does not handle KV " + std::string(dtype_name(l.storage)) + " with quant mode " +
@@ -46,6 +78,16 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
       break;
   }
   return std::nullopt;
+}
+
+std::optional<std::string> selection_note(const BackendCapabilities& c, const KVLayerSpec& l, const SelectionContext& ctx) {
+  const ComputeTier* t = find_compute_tier(c, ctx.compute_capability);
+  if (!t || std::ranges::find(t->software_fp8, KVStorage{l.storage, l.quant}) == t->software_fp8.end()) return std::nullopt;
+  return "the " + c.name + " backend converts FP8 in software for KV " + std::string(dtype_name(l.storage)) + "/" +
+         std::string(kv_quant_mode_name(l.quant)) + " on compute capability " +
+         compute_capability_name(ctx.compute_capability) + " (" + t->code + " code" +
+         (t->software_fp8_why.empty() ? "" : ": " + t->software_fp8_why) +
+         "): the same results as the conversion instructions, more work per key";
 }
 
 const BackendCapabilities& select_backend(const KVLayerSpec& l, std::span<const BackendCapabilities> backends,
@@ -77,7 +119,12 @@ const BackendCapabilities& select_backend(const KVLayerSpec& l, std::span<const 
 }
 
 void assign_backends(KVPlan& plan, std::span<const BackendCapabilities> backends, const SelectionContext& ctx) {
-  for (auto& l : plan.layers) l.backend = select_backend(l, backends, ctx).name;
+  for (auto& l : plan.layers) {
+    const BackendCapabilities& b = select_backend(l, backends, ctx);
+    l.backend = b.name;
+    if (auto note = selection_note(b, l, ctx); note && std::ranges::find(plan.warnings, *note) == plan.warnings.end())
+      plan.warnings.push_back(*note);
+  }
 }
 
 }  // namespace kvlm

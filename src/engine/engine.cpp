@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "attention/registry.h"
+#include "attention/selector.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -22,13 +23,17 @@ DeviceRequest parse_device(std::string_view s) {
 Device resolve_device(DeviceRequest r) {
   if (r == DeviceRequest::Cpu) return Device::Cpu;
   if (r == DeviceRequest::Auto) {
-    // The GPU (device 0, the one the CUDA runner uses) when the CUDA backend can run on it.
-    int min_cc = -1;
-    for (const auto& b : builtin_backend_caps())
-      if (b.device == Device::Cuda) min_cc = min_cc < 0 ? b.min_compute_capability : std::min(min_cc, b.min_compute_capability);
-    if (min_cc < 0) return Device::Cpu;
+    // The GPU (device 0, the one the CUDA runner uses) when a CUDA backend has code for it:
+    // at or above its minimum compute capability and, where it declares tiers, inside one
+    // (a build for sm_90a only has nothing a 10.0 GPU can run).
     const auto gpus = cuda_devices();
-    return !gpus.empty() && gpus.front().compute_capability >= min_cc ? Device::Cuda : Device::Cpu;
+    if (gpus.empty()) return Device::Cpu;
+    const int cc = gpus.front().compute_capability;
+    for (const auto& b : builtin_backend_caps())
+      if (b.device == Device::Cuda && cc >= b.min_compute_capability &&
+          (b.compute_tiers.empty() || find_compute_tier(b, cc) != nullptr))
+        return Device::Cuda;
+    return Device::Cpu;
   }
   if (!built_with_cuda()) throw Error("--device cuda: this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
   if (cuda_devices().empty())

@@ -5,7 +5,8 @@
 //  1. kv_store on the GPU must write pages (codes and per-token-head scales) byte-identical
 //     to CpuAttentionBackend::store_kv on the same bf16-representable inputs. Both sides
 //     compute x / scale with IEEE division and round with the same rule (fp8: saturating
-//     RNE, hardware cvt on the GPU = core/numeric.h on the CPU, proven on all 2^32 inputs;
+//     RNE, hardware cvt on the GPU = core/numeric.h on the CPU, proven on all 2^32 inputs —
+//     and core/numeric.h itself on the GPU on sm_80 or in a KVLM_FORCE_SOFTWARE_FP8 build;
 //     int8: rint half-to-even; fp16: RNE), so no tie can differ: equality is required.
 //  2. paged_attention on those pages must match the CPU backend's attend (fp32 queries with
 //     the same bf16-representable values) on ragged batches: a decode batch (split-KV path
@@ -22,7 +23,8 @@
 //
 // Both kernels run: the tensor-core one (automatic for head 64/128, block size % 16 == 0)
 // and the CUDA-core one (head 8/16/32/256, other block sizes, and forced here for 64/128 too).
-// KVLM_CUDA_TEST_REDUCED=1 (used under compute-sanitizer) runs four cases per format.
+// KVLM_CUDA_TEST_REDUCED=1 (used under compute-sanitizer) runs four cases per format. A build
+// with -DKVLM_FORCE_SOFTWARE_FP8=ON runs all of this through sm_80's software FP8 path.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -36,6 +38,7 @@
 
 #include "attention/cpu_backend.h"
 #include "attention/cuda_caps.h"
+#include "attention/selector.h"
 #include "config/kv_plan.h"
 #include "core/error.h"
 #include "core/numeric.h"
@@ -330,6 +333,23 @@ TEST(CudaAttentionCaps, DeclaresWhatIsTested) {
   EXPECT_EQ(c.kv_formats.size(), 6u);
   EXPECT_EQ(c.head_sizes, (std::vector<int>{8, 16, 32, 64, 128, 256}));
   EXPECT_TRUE(c.causal && c.sliding_window && c.non_causal);
-  EXPECT_EQ(c.min_compute_capability, 90);
+  // The tiers follow this build's CMAKE_CUDA_ARCHITECTURES (tests/unit/test_selector.cpp
+  // checks them per architecture list): 8.0 in the default build, 9.0 in an sm_90a-only one.
+  ASSERT_FALSE(c.compute_tiers.empty()) << c.description;
+  EXPECT_GE(c.min_compute_capability, 80);
+  EXPECT_EQ(c.min_compute_capability, c.compute_tiers.front().min_cc);
   EXPECT_GT(c.priority, CpuAttentionBackend::capabilities().priority);
+#ifdef KVLM_FORCE_SOFTWARE_FP8
+  for (const auto& t : c.compute_tiers) EXPECT_EQ(t.software_fp8.size(), 3u) << c.description;
+#endif
+  // The GPU these tests run on is one the declaration covers, with the FP8 path it states.
+  if (!have_gpu()) return;
+  int dev = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), cudaSuccess);
+  const ComputeTier* t = find_compute_tier(c, major * 10 + minor);
+  ASSERT_NE(t, nullptr) << "compute capability " << major << "." << minor << " not covered: " << c.description;
+  std::printf("[cuda-attention] compute capability %d.%d runs %s, FP8 conversions in %s\n", major, minor, t->code.c_str(),
+              t->software_fp8.empty() ? "hardware" : "software");
 }

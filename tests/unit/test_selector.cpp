@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "attention/cpu_backend.h"
+#include "attention/cuda_caps.h"
 #include "attention/registry.h"
 #include "attention/selector.h"
 #include "core/error.h"
@@ -80,7 +81,8 @@ TEST(Selector, ReasonsAreSpecific) {
   const auto hd = spec(DType::BF16, KVQuantMode::None, AttentionKind::Full, 80);
   EXPECT_NE(rejection_reason(fake_fast(), hd, {})->find("head_dim 80"), std::string::npos);
   const auto ok = spec(DType::BF16, KVQuantMode::None, AttentionKind::Full, 128);
-  EXPECT_NE(rejection_reason(fake_gpu(), ok, {.device = Device::Cuda, .compute_capability = 80})->find("compute capability 90"),
+  EXPECT_NE(rejection_reason(fake_gpu(), ok, {.device = Device::Cuda, .compute_capability = 80})
+                ->find("needs compute capability 9.0 or higher, device has 8.0"),
             std::string::npos);
   EXPECT_FALSE(rejection_reason(fake_gpu(), ok, {.device = Device::Cuda, .compute_capability = 90}).has_value());
   EXPECT_NE(rejection_reason(fake_gpu(), ok, {.device = Device::Cpu})->find("runs on cuda"), std::string::npos);
@@ -135,4 +137,147 @@ TEST(Selector, AssignBackendsFillsEveryLayerAndRegistryResolves) {
     EXPECT_EQ(backend_by_name(l.backend).caps().name, "cpu");
   }
   EXPECT_THROW(backend_by_name("nope"), Error);
+}
+
+// The CUDA backend's declaration for a given build (make_cuda_attention_capabilities: pure,
+// so every architecture list is checked here without a GPU or nvcc).
+namespace {
+
+const KVStorage kE4M3{DType::F8E4M3, KVQuantMode::Fp8PerTensor};
+const KVStorage kE5M2{DType::F8E5M2, KVQuantMode::Fp8PerTensor};
+const KVStorage kE4M3Tok{DType::F8E4M3, KVQuantMode::Fp8PerTokenHead};
+
+struct TierWant {
+  int min_cc, max_cc;
+  const char* code;
+  bool software_fp8;
+  bool pdl;
+};
+
+void expect_tiers(const BackendCapabilities& c, const std::vector<TierWant>& want) {
+  ASSERT_EQ(c.compute_tiers.size(), want.size()) << c.description;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const ComputeTier& t = c.compute_tiers[i];
+    SCOPED_TRACE("tier " + std::to_string(i) + ": " + describe_compute_tiers(c));
+    EXPECT_EQ(t.min_cc, want[i].min_cc);
+    EXPECT_EQ(t.max_cc, want[i].max_cc);
+    EXPECT_EQ(t.code, want[i].code);
+    if (want[i].software_fp8) {
+      EXPECT_EQ(t.software_fp8, (std::vector<KVStorage>{kE4M3, kE5M2, kE4M3Tok}));
+      EXPECT_FALSE(t.software_fp8_why.empty());
+    } else {
+      EXPECT_TRUE(t.software_fp8.empty());
+    }
+    EXPECT_EQ(t.note.empty(), want[i].pdl);
+  }
+  EXPECT_EQ(c.min_compute_capability, want.front().min_cc);
+}
+
+}  // namespace
+
+TEST(CudaCaps, DefaultArchitectures) {
+  // The default build (CMakeLists.txt): sm_80 (8.0-8.8: FP8 in software), sm_89 (FP8
+  // instructions), sm_90a (9.0, PDL); newer GPUs JIT the compute_89 PTX.
+  const auto c = make_cuda_attention_capabilities("80,89,90a", false);
+  expect_tiers(c, {{80, 88, "sm_80", true, false},
+                   {89, 89, "sm_89", false, false},
+                   {90, 90, "sm_90a", false, true},
+                   {91, 0, "compute_89 PTX, JIT-compiled by the driver", false, false}});
+  EXPECT_EQ(make_cuda_attention_capabilities("80;89;90a", false).compute_tiers.size(), 4u);  // CMake's separator too
+  // Every GPU gets the same formats, head sizes and masks.
+  EXPECT_EQ(c.kv_formats.size(), 6u);
+  EXPECT_EQ(c.head_sizes, (std::vector<int>{8, 16, 32, 64, 128, 256}));
+  EXPECT_TRUE(c.causal && c.sliding_window && c.non_causal);
+  EXPECT_GT(c.priority, CpuAttentionBackend::capabilities().priority);
+  EXPECT_NE(c.description.find("8.0-8.8: sm_80 (FP8 converted in software"), std::string::npos) << c.description;
+  EXPECT_EQ(find_compute_tier(c, 86)->code, "sm_80");  // 8.6 / 8.7 run the sm_80 code
+  EXPECT_EQ(find_compute_tier(c, 120)->code, "compute_89 PTX, JIT-compiled by the driver");
+  EXPECT_EQ(find_compute_tier(c, 75), nullptr);
+}
+
+TEST(CudaCaps, OtherArchitectureLists) {
+  // scripts/gpu-check's build: Hopper only; its arch-specific code runs nowhere else.
+  expect_tiers(make_cuda_attention_capabilities("90a", false), {{90, 90, "sm_90a", false, true}});
+  // Without sm_89, Ada runs the sm_80 code (software FP8); plain PTX covers every later GPU.
+  expect_tiers(make_cuda_attention_capabilities("80", false),
+               {{80, 89, "sm_80", true, false}, {90, 0, "compute_80 PTX, JIT-compiled by the driver", true, false}});
+  expect_tiers(make_cuda_attention_capabilities("80-real;90a", false),
+               {{80, 89, "sm_80", true, false}, {90, 90, "sm_90a", false, true}});
+  expect_tiers(make_cuda_attention_capabilities("89-virtual", false),
+               {{89, 0, "compute_89 PTX, JIT-compiled by the driver", false, false}});
+  expect_tiers(make_cuda_attention_capabilities("86", false),
+               {{86, 89, "sm_86", true, false}, {90, 0, "compute_86 PTX, JIT-compiled by the driver", true, false}});
+  // Not resolvable at build time: the GPU's own architecture decides, from 8.0 up.
+  const auto native = make_cuda_attention_capabilities("native", false);
+  ASSERT_EQ(native.compute_tiers.size(), 3u) << native.description;
+  EXPECT_EQ(native.min_compute_capability, 80);
+  EXPECT_FALSE(find_compute_tier(native, 86)->software_fp8.empty());
+  EXPECT_TRUE(find_compute_tier(native, 89)->software_fp8.empty());
+  EXPECT_TRUE(find_compute_tier(native, 90)->note.empty());
+  EXPECT_EQ(native.compute_tiers.back().max_cc, 0);
+}
+
+TEST(CudaCaps, ForcedSoftwareFp8) {
+  // KVLM_FORCE_SOFTWARE_FP8: the test build of sm_80's FP8 path on newer GPUs.
+  const auto c = make_cuda_attention_capabilities("90a", true);
+  expect_tiers(c, {{90, 90, "sm_90a", true, true}});
+  EXPECT_NE(c.compute_tiers[0].software_fp8_why.find("KVLM_FORCE_SOFTWARE_FP8"), std::string::npos);
+}
+
+TEST(CudaCaps, SelectorReasonsAndNotes) {
+  const std::vector<BackendCapabilities> backends{CpuAttentionBackend::capabilities(),
+                                                  make_cuda_attention_capabilities("80;89;90a", false)};
+  const auto fp8 = spec(DType::F8E4M3, KVQuantMode::Fp8PerTensor, AttentionKind::Full, 128);
+  const auto e5m2 = spec(DType::F8E5M2, KVQuantMode::Fp8PerTensor, AttentionKind::Sliding, 64);
+  const auto bf16 = spec(DType::BF16, KVQuantMode::None, AttentionKind::Full, 128);
+  // Every format runs from 8.0 up; on sm_80 code the FP8 ones say they convert in software.
+  for (int cc : {80, 86, 87, 89, 90, 100, 120}) {
+    const SelectionContext ctx{.device = Device::Cuda, .compute_capability = cc};
+    for (const auto* l : {&fp8, &e5m2, &bf16}) EXPECT_EQ(select_backend(*l, backends, ctx).name, "cuda") << cc;
+    const auto note = selection_note(backends[1], fp8, ctx);
+    EXPECT_EQ(note.has_value(), cc < 89) << cc;
+    EXPECT_FALSE(selection_note(backends[1], bf16, ctx).has_value());
+  }
+  const SelectionContext a100{.device = Device::Cuda, .compute_capability = 80};
+  const auto note = selection_note(backends[1], fp8, a100);
+  ASSERT_TRUE(note.has_value());
+  EXPECT_NE(note->find("converts FP8 in software for KV fp8_e4m3/fp8_per_tensor on compute capability 8.0 (sm_80 code"),
+            std::string::npos)
+      << *note;
+  // Below 8.0: refused with the minimum.
+  try {
+    select_backend(fp8, backends, {.device = Device::Cuda, .compute_capability = 75});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda: needs compute capability 8.0 or higher, device has 7.5"), std::string::npos)
+        << e.what();
+  }
+  // An sm_90a-only build on an A100 or a Blackwell GPU: refused, saying what the build covers.
+  const auto hopper_only = make_cuda_attention_capabilities("90a", false);
+  EXPECT_NE(rejection_reason(hopper_only, bf16, a100)->find("needs compute capability 9.0"), std::string::npos);
+  const auto why = rejection_reason(hopper_only, bf16, {.device = Device::Cuda, .compute_capability = 100});
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("has no device code for compute capability 10.0 in this build (it covers 9.0: sm_90a)"),
+            std::string::npos)
+      << *why;
+  EXPECT_NE(why->find("CMAKE_CUDA_ARCHITECTURES"), std::string::npos);
+}
+
+TEST(CudaCaps, AssignBackendsRecordsEachNoteOnce) {
+  const std::vector<BackendCapabilities> backends{CpuAttentionBackend::capabilities(),
+                                                  make_cuda_attention_capabilities("80;89;90a", false)};
+  KVPlan plan;
+  plan.layers = {spec(DType::F8E4M3, KVQuantMode::Fp8PerTensor, AttentionKind::Full, 128),
+                 spec(DType::F8E4M3, KVQuantMode::Fp8PerTensor, AttentionKind::Sliding, 128),
+                 spec(DType::F8E4M3, KVQuantMode::Fp8PerTokenHead, AttentionKind::Full, 128),
+                 spec(DType::BF16, KVQuantMode::None, AttentionKind::Full, 128)};
+  assign_backends(plan, backends, {.device = Device::Cuda, .compute_capability = 86});
+  for (const auto& l : plan.layers) EXPECT_EQ(l.backend, "cuda");
+  ASSERT_EQ(plan.warnings.size(), 2u);  // one per FP8 format, none for bf16
+  EXPECT_NE(plan.warnings[0].find("fp8_e4m3/fp8_per_tensor"), std::string::npos) << plan.warnings[0];
+  EXPECT_NE(plan.warnings[1].find("fp8_e4m3/fp8_per_token_head"), std::string::npos) << plan.warnings[1];
+  KVPlan hopper = plan;
+  hopper.warnings.clear();
+  assign_backends(hopper, backends, {.device = Device::Cuda, .compute_capability = 90});
+  EXPECT_TRUE(hopper.warnings.empty());
 }

@@ -13,13 +13,15 @@
 // Both are launched with programmatic dependent launch (sm_90): a CTA issues its first loads of
 // w, which do not depend on the previous kernel, before griddepcontrol.wait, so the weight
 // stream starts while the producer of x (a norm, SiLU-and-mul, attention) is still running
-// and the launch latency between the two is hidden. KVLM_CUDA_PDL=0 launches them normally.
+// and the launch latency between the two is hidden. KVLM_CUDA_PDL=0 launches them normally,
+// and so do GPUs below compute capability 9.0 and sm_80 / sm_89 code (pdl_enabled).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdlib>
 #include <string_view>
 
+#include "core/log.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 
@@ -212,10 +214,28 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_split_kernel(const uint16_t
   }
 }
 
+// Launch with the PDL attribute only where the GEMV that runs waits for its producer: PDL
+// needs compute capability 9.0, and griddepcontrol.wait is compiled for sm_90+ only — the
+// sm_80 / sm_89 code (and their PTX JIT-compiled on a newer GPU) does not wait, so with the
+// attribute it could read x before its producer wrote it. Decided once, for the current
+// device (the CUDA runner uses one): its compute capability, and the PTX architecture of the
+// GEMV code loaded for it (all GEMV kernels are compiled together, so one stands for all).
 bool pdl_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("KVLM_CUDA_PDL");
-    return !(e && std::string_view(e) == "0");
+    if (e && std::string_view(e) == "0") return false;
+    int dev = 0, major = 0;
+    cudaFuncAttributes fa{};
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaFuncGetAttributes(&fa, gemv_rows_kernel<VecBF16, 1, false, false>) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    const bool ok = major >= 9 && fa.ptxVersion >= 90;
+    if (!ok)
+      log::info("GEMV kernels launched without programmatic dependent launch: compute capability major " +
+                std::to_string(major) + ", GEMV code compiled for compute_" + std::to_string(fa.ptxVersion));
+    return ok;
   }();
   return on;
 }

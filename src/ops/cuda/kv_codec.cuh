@@ -19,8 +19,76 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/numeric.h"
+
+// FP8 conversions: sm_89 and later have instructions for them (cvt.rn.f16x2.e4m3x2,
+// cvt.rn.satfinite.e4m3x2.f32 / .e5m2x2.f32); sm_80 — also what compute capability 8.6 and
+// 8.7 run — has none, and there the kernels convert in software (fp8:: below), bit-identical
+// to the instructions. KVLM_FORCE_SOFTWARE_FP8 (CMake option of the same name) selects the
+// software path on every architecture: the build that tests sm_80's path on an sm_90 GPU.
+// The capability table (attention/cuda_backend_caps.cpp) says which GPUs get which.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890 || defined(KVLM_FORCE_SOFTWARE_FP8))
+#define KVLM_SOFTWARE_FP8 1
+#else
+#define KVLM_SOFTWARE_FP8 0
+#endif
 
 namespace kvlm::cuda {
+
+namespace fp8 {
+
+// Two e4m3 codes, each in the high byte of one 16-bit half of x (x = c0 << 8 | c1 << 24),
+// -> the two f16 values (low half: c0), in software. The code's 7 magnitude bits moved to
+// bits 7..13 of an f16 read as the code's value times 2^-8, subnormals included (e4m3's
+// exponent bias is 7, f16's 15; their mantissa fields are aligned at the top), so one exact
+// f16 multiply by 2^8 finishes (f16 arithmetic keeps subnormals). The NaN codes 0x7f / 0xff
+// would read +-480 (not an e4m3 value): they become 0x7fff, the NaN cvt.rn.f16x2.e4m3x2
+// returns (sign dropped; cuda_fp8.hpp's emulation does the same). 5 instructions per pair.
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2_soft(uint32_t x) {
+  const uint32_t bits = ((x >> 1) & 0x3f803f80u) | (x & 0x80008000u);
+  __half2 h;
+  memcpy(&h, &bits, 4);
+  const __half2 k256 = __halves2half2(__ushort_as_half(0x5c00), __ushort_as_half(0x5c00));
+  const __half2 k480 = __halves2half2(__ushort_as_half(0x5f80), __ushort_as_half(0x5f80));
+  h = __hmul2(h, k256);
+  const uint32_t nan = __heq2_mask(__habs2(h), k480);
+  uint32_t r;
+  memcpy(&r, &h, 4);
+  return (r & ~nan) | (0x7fff7fffu & nan);
+}
+
+// Four e4m3 codes (one 32-bit word, first code in the low byte) -> two f16x2: lo holds codes
+// 0 and 1, hi codes 2 and 3. Hardware cvt on sm_89+, the software decode above otherwise.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if KVLM_SOFTWARE_FP8
+  lo = e4m3x2_hi_to_f16x2_soft(__byte_perm(w, 0u, 0x1404));
+  hi = e4m3x2_hi_to_f16x2_soft(__byte_perm(w, 0u, 0x3424));
+#else
+  const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);
+  const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w >> 16), __NV_E4M3);
+  memcpy(&lo, &a, 4);
+  memcpy(&hi, &b, 4);
+#endif
+}
+
+// float -> fp8 with saturation to the largest finite value (NaN -> 0x7f): the instruction on
+// sm_89+, core/numeric.h's encoder (checked against it for all 2^32 floats) otherwise.
+__device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
+#if KVLM_SOFTWARE_FP8
+  return num::f32_to_e4m3(x);
+#else
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+#endif
+}
+__device__ __forceinline__ uint8_t f32_to_e5m2(float x) {
+#if KVLM_SOFTWARE_FP8
+  return num::f32_to_e5m2(x);
+#else
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2);
+#endif
+}
+
+}  // namespace fp8
 
 enum class Scale { None, PerTensor, PerTokenHead };
 
@@ -60,8 +128,8 @@ struct FmtF16 {
   static __device__ __forceinline__ Code encode(float x) { return __half_as_ushort(__float2half_rn(x)); }
 };
 
-// FP8 E4M3: two codes at a time through the sm_89+ cvt.rn.f16x2.e4m3x2 instruction (exact:
-// every e4m3 value is a half), then half2 -> float2.
+// FP8 E4M3: two codes at a time to f16 (exact: every e4m3 value is a half) — the sm_89+
+// cvt.rn.f16x2.e4m3x2 instruction or its software twin (fp8:: above) — then half2 -> float2.
 template <Scale S>
 struct FmtE4M3 {
   using Vec = uint2;  // 8 x fp8
@@ -72,21 +140,23 @@ struct FmtE4M3 {
     const uint32_t w[2] = {v.x, v.y};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      uint32_t r[2];
+      fp8::e4m3x4_to_f16x2x2(w[i], r[0], r[1]);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] >> (16 * j)), __NV_E4M3);
         __half2 h;
-        memcpy(&h, &r, 4);
+        memcpy(&h, &r[j], 4);
         const float2 p = __half22float2(h);
         f[4 * i + 2 * j] = p.x;
         f[4 * i + 2 * j + 1] = p.y;
       }
     }
   }
-  static __device__ __forceinline__ Code encode(float x) { return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3); }
+  static __device__ __forceinline__ Code encode(float x) { return fp8::f32_to_e4m3(x); }
 };
 
-// FP8 E5M2 is the top byte of an IEEE half: one byte permute builds two halves, no cvt.
+// FP8 E5M2 is the top byte of an IEEE half: one byte permute builds two halves, no cvt (the
+// same code on every architecture; only encode needs fp8::).
 struct FmtE5M2 {
   using Vec = uint2;
   using Code = uint8_t;
@@ -107,7 +177,7 @@ struct FmtE5M2 {
       f[4 * i + 3] = pb.y;
     }
   }
-  static __device__ __forceinline__ Code encode(float x) { return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2); }
+  static __device__ __forceinline__ Code encode(float x) { return fp8::f32_to_e5m2(x); }
 };
 
 struct FmtI8 {

@@ -82,12 +82,8 @@ struct MmaCodec<FmtF16> {
 template <Scale S>
 struct MmaCodec<FmtE4M3<S>> {
   static constexpr bool kBF16 = false;
-  static __device__ __forceinline__ void expand(uint32_t w, uint32_t& a, uint32_t& b) {
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w >> 16), __NV_E4M3);
-    memcpy(&a, &lo, 4);
-    memcpy(&b, &hi, 4);
-  }
+  // cvt.rn.f16x2.e4m3x2 on sm_89+, the software decode on sm_80 (kv_codec.cuh: fp8::).
+  static __device__ __forceinline__ void expand(uint32_t w, uint32_t& a, uint32_t& b) { fp8::e4m3x4_to_f16x2x2(w, a, b); }
 };
 template <>
 struct MmaCodec<FmtE5M2> {
