@@ -23,10 +23,11 @@ standard library and, for token-level work, a `tokenizers.Tokenizer`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Special tokens: ids 0, 1, 2 of the trained tokenizer, in this order.
 EOT = "<|endoftext|>"
@@ -40,7 +41,8 @@ KIND_TEXT = 1       # prose, user turns, chat scaffolding
 KIND_RECALL = 2     # the assistant's answer of a recall document
 KIND_ARITH = 3      # the assistant's worked solution of an arithmetic problem
 KIND_CHAT = 4       # the assistant's turns of a chat document
-KIND_NAMES = ["pad", "text", "recall_answer", "arith_solution", "chat_answer"]
+KIND_KEY = 5        # the digits of the pass key in a recall answer
+KIND_NAMES = ["pad", "text", "recall_answer", "arith_solution", "chat_answer", "recall_key"]
 
 # Regexes that extract the answer from a completion (group 1), written into the eval files.
 ARITH_REGEX = r"The answer is (-?\d+)"
@@ -475,22 +477,47 @@ class RecallDoc:
     key: str
     prompt_ids: list[int]
     answer_ids: list[int]   # answer_text + "<|im_end|>\n"
+    # Follow-up questions (training only): (ids of "<|im_start|>user\n<question><|im_end|>\n
+    # <|im_start|>assistant\n", ids of "<answer><|im_end|>\n"), each about another key.
+    turns: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    followups: list[tuple[str, str]] = field(default_factory=list)  # (question, answer) texts
+    vaults: list[str] = field(default_factory=list)   # every vault with a key in the haystack
+
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.answer_ids + [i for q, a in self.turns for i in q + a]
+
+    def text(self) -> str:
+        """The whole document as ChatML text (what ids() tokenizes to)."""
+        return (self.prompt + self.answer_text + IM_END + "\n"
+                + "".join(render_chat([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+                          for q, a in self.followups))
 
 
 def recall_doc(rng: random.Random, tok, max_tokens: int, depth: float | None = None,
-               prompt_only: bool = False) -> RecallDoc:
-    """A recall document of at most `max_tokens` tokens in all (prompt and answer).
+               prompt_only: bool = False, n_keys: int | None = None, n_questions: int = 1,
+               vault_pool: list[str] | None = None) -> RecallDoc:
+    """A recall document of at most `max_tokens` tokens in all (prompt, answer and follow-up
+    turns).
 
     The haystack grows paragraph by paragraph (each tokenized once) until the next one would
     not fit; key sentences go into random paragraphs, the asked one at relative `depth` if
     given (0 = first paragraph, 1 = last). The document comes out at most one paragraph
     (~40-90 tokens) shorter than `max_tokens`; with `prompt_only` the limit applies to the
     prompt alone (evaluation sets). `tok` is a `tokenizers.Tokenizer`.
+
+    `n_keys` (default: 1, 1, 2 or 3 at random) keys are hidden, their vault names drawn from
+    `vault_pool` (default all); with `n_questions` > 1, up to n_questions - 1 other keys are
+    asked for in follow-up user turns. The defaults draw exactly what the evaluation sets
+    have always drawn, so the same seed gives the same evaluation prompts.
     """
-    n_keys = rng.choice([1, 1, 2, 3])
-    vaults = rng.sample(VAULTS, n_keys)
+    if n_keys is None:
+        n_keys = rng.choice([1, 1, 2, 3])
+    vaults = rng.sample(VAULTS if vault_pool is None else vault_pool, n_keys)
     keys = [str(rng.randint(10000, 99999)) for _ in vaults]
     asked = rng.randrange(n_keys)
+    followups = []
+    if n_questions > 1 and n_keys > 1:
+        followups = rng.sample([i for i in range(n_keys) if i != asked], min(n_questions - 1, n_keys - 1))
     question = recall_question(vaults[asked])
     answer_text = key_sentence(vaults[asked], keys[asked])
     head = f"{IM_START}user\n{RECALL_HEADER}"
@@ -498,7 +525,10 @@ def recall_doc(rng: random.Random, tok, max_tokens: int, depth: float | None = N
     head_ids = tok.encode(head, add_special_tokens=False).ids
     tail_ids = tok.encode(tail, add_special_tokens=False).ids
     answer_ids = tok.encode(answer_text + IM_END + "\n", add_special_tokens=False).ids
-    answer_cost = 0 if prompt_only else len(answer_ids)
+    texts = [(recall_question(vaults[i]), key_sentence(vaults[i], keys[i])) for i in followups]
+    turns = [(tok.encode(f"{IM_START}user\n{q}{IM_END}\n{IM_START}assistant\n", add_special_tokens=False).ids,
+              tok.encode(a + IM_END + "\n", add_special_tokens=False).ids) for q, a in texts]
+    answer_cost = 0 if prompt_only else len(answer_ids) + sum(len(q) + len(a) for q, a in turns)
     # Room for the key sentences (~12 tokens each, re-measured below).
     budget = max_tokens - len(head_ids) - len(tail_ids) - answer_cost - 14 * n_keys
     cast = new_cast(rng)
@@ -537,7 +567,7 @@ def recall_doc(rng: random.Random, tok, max_tokens: int, depth: float | None = N
     body = "".join(join_paragraph(p) for p in paragraphs)
     prompt = head + body + tail
     prompt_ids = head_ids + [i for ids in para_ids for i in ids] + tail_ids
-    doc = RecallDoc(prompt, answer_text, keys[asked], prompt_ids, answer_ids)
+    doc = RecallDoc(prompt, answer_text, keys[asked], prompt_ids, answer_ids, turns, texts, vaults)
     # The key sentences may have cost a few more tokens than reserved: drop paragraphs that
     # hold no key from the end until the document fits.
     while len(doc.prompt_ids) + answer_cost > max_tokens and len(paragraphs) > 1:
@@ -589,16 +619,23 @@ class Mix:
     """
     seq_len: int = 8192
     recall_share: float = 0.45
-    recall_min: int = 192
-    recall_start_max: int = 1024     # longest recall document at the start of training
-    recall_ramp: float = 0.4         # fraction of training after which the longest is seq_len
+    recall_min: int = 128
+    recall_start_max: int = 1024     # longest recall document while the recall circuit forms
+    recall_hold: float = 0.25        # fraction of training spent at recall_start_max
+    recall_ramp: float = 0.65        # fraction of training after which the longest is seq_len
+    recall_log_lengths: bool = True  # lengths log-uniform in [recall_min, longest], not uniform
     p_frontier: float = 0.3          # share of recall documents drawn near the longest length
+    recall_keys: tuple = (1, 4)      # keys hidden per training document (min, max)
+    recall_questions: int = 3        # questions per training document (at most)
+    unique_vaults: bool = True       # no vault name twice in a row
+    recall_weight: float = 5.0       # loss weight of recall answers (key digits and the rest)
     p_arith: float = 0.62
     p_chat: float = 0.33             # prose gets the rest
     prose_max_paragraphs: int = 24
 
     def recall_max(self, progress: float) -> int:
-        f = min(1.0, progress / self.recall_ramp) if self.recall_ramp > 0 else 1.0
+        span = self.recall_ramp - self.recall_hold
+        f = min(1.0, max(0.0, (progress - self.recall_hold) / span)) if span > 0 else 1.0
         return int(self.recall_start_max + f * (self.seq_len - self.recall_start_max))
 
 
@@ -615,6 +652,9 @@ class RowBuilder:
         self.tok = tok
         self.mix = mix
         self.eot = tok.token_to_id(EOT)
+        self.digits = {tok.token_to_id(str(d)) for d in range(10)}
+        if None in self.digits:
+            raise RuntimeError("the tokenizer has no single-digit token for some digit")
 
     def short_doc(self, rng: random.Random) -> tuple[list[int], list[int]]:
         r = rng.random()
@@ -626,20 +666,43 @@ class RowBuilder:
         ids.append(self.eot)
         return ids, [KIND_TEXT] * len(ids)
 
-    def recall_ids(self, rng: random.Random, max_tokens: int) -> tuple[list[int], list[int]] | None:
-        """A recall document plus <|endoftext|> in at most max_tokens, or None if a few draws
-        all came out too long (possible only for very small limits: the key sentences cannot
-        be dropped)."""
+    def answer_kinds(self, answer_ids: list[int]) -> list[int]:
+        """Kinds of "<answer><|im_end|>\n": the key's digits KIND_KEY, the rest of the answer
+        and <|im_end|> KIND_RECALL, the newline KIND_TEXT."""
+        return [KIND_KEY if i in self.digits else KIND_RECALL for i in answer_ids[:-1]] + [KIND_TEXT]
+
+    def recall_ids(self, rng: random.Random, max_tokens: int,
+                   pool: list[str] | None = None) -> tuple[list[int], list[int], list[str]] | None:
+        """A recall document plus <|endoftext|> in at most max_tokens (ids, kinds, its vault
+        names), or None if a few draws all came out too long (possible only for very small
+        limits: the key sentences cannot be dropped). Vault names come from `pool`."""
+        lo, hi = self.mix.recall_keys
+        hi = min(hi, len(pool)) if pool is not None else hi
+        if hi < 1:
+            return None
         for _ in range(8):
-            d = recall_doc(rng, self.tok, max_tokens - 1)  # - 1: the <|endoftext|>
-            if len(d.prompt_ids) + len(d.answer_ids) <= max_tokens - 1:
+            n_keys = rng.randint(min(lo, hi), hi)
+            n_q = rng.randint(1, max(1, min(n_keys, self.mix.recall_questions)))
+            d = recall_doc(rng, self.tok, max_tokens - 1, n_keys=n_keys, n_questions=n_q,
+                           vault_pool=pool)  # - 1: the <|endoftext|>
+            if len(d.ids()) <= max_tokens - 1:
                 break
         else:
             return None
-        ids = d.prompt_ids + d.answer_ids + [self.eot]
-        kinds = ([KIND_TEXT] * len(d.prompt_ids) + [KIND_RECALL] * (len(d.answer_ids) - 1)
-                 + [KIND_TEXT, KIND_TEXT])
-        return ids, kinds
+        ids = d.ids() + [self.eot]
+        kinds = [KIND_TEXT] * len(d.prompt_ids) + self.answer_kinds(d.answer_ids)
+        for q, a in d.turns:
+            kinds += [KIND_TEXT] * len(q) + self.answer_kinds(a)
+        kinds.append(KIND_TEXT)
+        return ids, kinds, d.vaults
+
+    def recall_length(self, rng: random.Random, longest: int) -> int:
+        lo = self.mix.recall_min
+        if rng.random() < self.mix.p_frontier:  # near the current longest length
+            return rng.randint(max(lo, int(longest * 0.85)), max(lo, longest))
+        if self.mix.recall_log_lengths:
+            return int(math.exp(rng.uniform(math.log(lo), math.log(max(lo, longest)))))
+        return rng.randint(lo, max(lo, longest))
 
     def row(self, rng: random.Random, progress: float) -> tuple[list[int], list[int]]:
         cap = self.mix.seq_len + 1
@@ -652,20 +715,20 @@ class RowBuilder:
         recall_budget = rng.random() * 2 * self.mix.recall_share * cap
         longest = self.mix.recall_max(progress)
         recall_used = 0
+        pool = list(VAULTS) if self.mix.unique_vaults else None
         while cap - used >= self.mix.recall_min + 16:
-            lo = self.mix.recall_min
-            if rng.random() < self.mix.p_frontier:  # near the current longest length
-                lo = max(lo, int(longest * 0.85))
-            length = min(rng.randint(lo, max(lo, longest)), cap - used)
+            length = min(self.recall_length(rng, longest), cap - used)
             left = recall_budget - recall_used
             if left <= 0 or (length > left and rng.random() >= left / length):
                 break
-            d = self.recall_ids(rng, length)
+            d = self.recall_ids(rng, length, pool)
             if d is None:
                 break
-            docs.append(d)
+            docs.append(d[:2])
             used += len(d[0])
             recall_used += len(d[0])
+            if pool is not None:
+                pool = [v for v in pool if v not in d[2]]
         # Short documents until the next one does not fit.
         while True:
             d = self.short_doc(rng)

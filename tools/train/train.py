@@ -81,6 +81,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="torch.compile the model (auto: on CUDA), falling back to eager on error")
+    ap.add_argument("--doc-mask", choices=["on", "off"], default="on",
+                    help="attention within documents only (flex_attention on CUDA) instead of across the packed row")
+    ap.add_argument("--recall-weight", type=float, default=None,
+                    help="loss weight of the recall answers' tokens (default: the corpus mix's)")
     ap.add_argument("--workers", type=int, default=None, help="corpus worker processes")
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--eval-batch-tokens", type=int, default=None)
@@ -89,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     a = ap.parse_args()
 
     full = dict(hidden=384, layers=7, heads=6, kv_heads=2, intermediate=1024, seq_len=8192,
-                batch_rows=32, time_budget=480.0, log_every=20, eval_batch_tokens=200_000)
+                batch_rows=16, time_budget=480.0, log_every=20, eval_batch_tokens=200_000)
     smoke = dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, seq_len=1024,
                  batch_rows=4, time_budget=35.0, log_every=5, eval_batch_tokens=16_384)
     for k, v in (smoke if a.smoke else full).items():
@@ -127,13 +131,21 @@ def check_rendering_and_tokens(tok, rb: corpus.RowBuilder, seed: int) -> None:
         whole = tok.encode(corpus.render_chat(msgs) + corpus.EOT, add_special_tokens=False).ids
         if ids != whole or len(kinds) != len(ids):
             raise RuntimeError("piecewise ChatML token ids differ from the whole document's")
-    for n in (300, 2000):
-        d = corpus.recall_doc(rng, tok, n)
-        whole = tok.encode(d.prompt + d.answer_text + corpus.IM_END + "\n", add_special_tokens=False).ids
-        if d.prompt_ids + d.answer_ids != whole:
+    for n, keys, questions in ((300, None, 1), (2000, None, 1), (400, 4, 3), (1500, 3, 3)):
+        d = corpus.recall_doc(rng, tok, n, n_keys=keys, n_questions=questions)
+        whole = tok.encode(d.text(), add_special_tokens=False).ids
+        if d.ids() != whole:
             raise RuntimeError("recall document: paragraph-wise token ids differ from the whole document's")
         if len(whole) > n:
             raise RuntimeError(f"recall document of {len(whole)} tokens exceeds its limit {n}")
+        if len(d.turns) != min(questions, len(d.vaults)) - 1:
+            raise RuntimeError("recall document: wrong number of follow-up questions")
+        msgs = [{"role": "user", "content": d.prompt[len(corpus.IM_START + "user\n"):].split(corpus.IM_END)[0]},
+                {"role": "assistant", "content": d.answer_text}]
+        for q, a in d.followups:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        if template.render(messages=msgs, add_generation_prompt=False) != d.text():
+            raise RuntimeError("recall document: text differs from the chat template's rendering")
     ids, kinds = rb.row(rng, 1.0)
     vocab = tok.get_vocab_size()
     if len(ids) != rb.mix.seq_len + 1 or len(kinds) != len(ids) or not all(0 <= i < vocab for i in ids):
@@ -144,23 +156,94 @@ TRAIN_ATTENTION = "kvlm_causal"
 
 
 def causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Training attention: full causal self-attention over packed rows, no mask tensor.
+    """Training attention over packed rows. Inputs [B, H, T, D].
 
     Registered with transformers' AttentionInterface under a name that has no mask function,
-    so transformers builds no mask (not even under torch.compile, where its SDPA path would
-    materialise one) and SDPA gets is_causal=True with KV heads repeated to the query heads:
-    the shape the flash kernel takes on every PyTorch version. Inputs [B, H, T, D].
+    so transformers builds no mask of its own (not even under torch.compile, where its SDPA
+    path would materialise one); Trainer passes its own as {"full_attention": mask}:
+    - None: plain causal attention across the whole row: SDPA with is_causal=True and KV
+      heads repeated to the query heads, the shape the flash kernel takes;
+    - a flex_attention BlockMask (document masking on CUDA): flex_attention;
+    - a bool tensor [B, 1, T, T], True = may attend (document masking on CPU): SDPA.
     """
-    if attention_mask is not None or query.shape[2] != key.shape[2]:
-        raise RuntimeError("training attention expects full causal self-attention without a mask")
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError("training attention expects full self-attention over the row")
+    dtype = value.dtype   # bf16 under autocast (q and k come out of the fp32 q/k norms)
+    query, key = query.to(dtype), key.to(dtype)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        out = flex_attention_fn()(query, key, value, block_mask=attention_mask, scale=scaling,
+                                  enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    dtype = value.dtype   # bf16 under autocast (q and k come out of the fp32 q/k norms)
-    out = F.scaled_dot_product_attention(query.to(dtype), key.to(dtype), value, dropout_p=dropout,
-                                         scale=scaling, is_causal=True)
+    if attention_mask is None:
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
+                                             is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+_FLEX_COMPILED = None
+
+
+def flex_attention_fn():
+    """flex_attention as such inside a compiled region; compiled on its own otherwise (eager
+    flex_attention materialises the whole score matrix)."""
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+def document_ids(inputs: torch.Tensor, eot: int) -> torch.Tensor:
+    """[B, T] index of the document each input token belongs to: every document ends with
+    <|endoftext|> (which belongs to it), the filler at the end of a row is one more."""
+    ends = (inputs == eot).int()
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def document_block_mask(doc: torch.Tensor, block: int = 128):
+    """flex_attention BlockMask for causal attention within documents, built directly from
+    the document ids (non-decreasing along each row) in O(B * (T / block)^2): a block of
+    queries i and of keys j <= i interact iff the last document of j reaches the first of i;
+    they are fully visible iff j < i and both lie in one document."""
+    from torch.nn.attention.flex_attention import BlockMask
+    bsz, t = doc.shape
+    n = t // block
+    d = doc.view(bsz, n, block)
+    first, last = d[:, :, 0], d[:, :, -1]
+    idx = torch.arange(n, device=doc.device)
+    lower = idx[:, None] >= idx[None, :]                               # [i, j]: j <= i
+    touch = lower[None] & (last[:, None, :] >= first[:, :, None])       # [b, i, j]
+    full = (idx[:, None] > idx[None, :])[None] & (first[:, None, :] == last[:, :, None])
+    partial = touch & ~full
+
+    def blocks(m: torch.Tensor):
+        num = m.sum(-1, dtype=torch.int32)
+        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num[:, None].contiguous(), order[:, None].contiguous()
+
+    def mask_mod(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                    mask_mod=mask_mod, seq_lengths=(t, t))
+
+
+def document_dense_mask(doc: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool: causal attention within documents (the CPU path)."""
+    t = doc.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def set_attention(model, name: str) -> None:
@@ -230,10 +313,19 @@ def set_compiled(model, on: bool) -> None:
 class Trainer:
     """One optimizer step on a packed batch; per-kind loss sums stay on the device."""
 
-    def __init__(self, model, args, device: torch.device, compiled: bool):
+    def __init__(self, model, args, device: torch.device, compiled: bool, doc_mask: bool = False,
+                 recall_weight: float = 1.0, eot: int = 0):
         self.model = model
         self.args = args
         self.device = device
+        self.doc_mask = doc_mask
+        self.eot = eot
+        # Loss weight per target kind: padding 0, recall answers (vault name, key digits)
+        # recall_weight, everything else 1.
+        w = [1.0] * len(corpus.KIND_NAMES)
+        w[corpus.KIND_PAD] = 0.0
+        w[corpus.KIND_RECALL] = w[corpus.KIND_KEY] = recall_weight
+        self.kind_weight = torch.tensor(w, device=device)
         set_compiled(model, compiled)
         self.forward = model
         self.autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -261,12 +353,17 @@ class Trainer:
         targets = targets.masked_fill(kinds_t == corpus.KIND_PAD, -100)
         for g in self.opt.param_groups:
             g["lr"] = lr
+        mask = None
+        if self.doc_mask:
+            doc = document_ids(inputs, self.eot)
+            mask = document_block_mask(doc) if self.device.type == "cuda" else document_dense_mask(doc)
         with self.autocast:
-            logits = self.forward(input_ids=inputs, use_cache=False).logits
+            logits = self.forward(input_ids=inputs, use_cache=False,
+                                  attention_mask={"full_attention": mask}).logits
         tok_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets,
                                    ignore_index=-100, reduction="none")
-        n = (targets != -100).sum().clamp(min=1)
-        loss = tok_loss.sum() / n
+        weight = self.kind_weight[kinds_t]
+        loss = (tok_loss * weight).sum() / weight.sum().clamp(min=1e-6)
         loss.backward()
         if self.args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
@@ -403,12 +500,17 @@ def write_card(path: str, L: dict) -> None:
         "## How it was made",
         "",
         "- **Corpus** (`tools/train/corpus.py`, seed "
-        f"{L['seed']}): generated on the fly, never repeated. Token shares: ~45% recall documents "
-        "(ChatML; 1-3 keys in prose of 192 tokens up to the row length, curriculum: the longest "
-        f"document grows from {L['mix']['recall_start_max']} to {L['mix']['seq_len']} tokens over "
-        f"the first {L['mix']['recall_ramp']:.0%} of the steps), ~33% arithmetic problems with "
+        f"{L['seed']}): generated on the fly, never repeated. Token shares: ~{L['mix']['recall_share']:.0%} recall documents "
+        f"(ChatML; {L['mix']['recall_keys'][0]}-{L['mix']['recall_keys'][1]} keys in prose, up to "
+        f"{L['mix']['recall_questions']} questions per document as follow-up turns, no vault name twice in a "
+        f"row; lengths log-uniform from {L['mix']['recall_min']} tokens up to the current longest, which stays "
+        f"at {L['mix']['recall_start_max']} for the first {L['mix']['recall_hold']:.0%} of the steps and then "
+        f"grows to {L['mix']['seq_len']} by {L['mix']['recall_ramp']:.0%}), ~33% arithmetic problems with "
         "worked solutions, ~8% chat turns, the rest plain prose. Documents are packed whole into "
-        f"rows of {L['mix']['seq_len']} tokens, separated by `<|endoftext|>`; the loss covers every token.",
+        f"rows of {L['mix']['seq_len']} tokens, separated by `<|endoftext|>`"
+        + ("; attention stays within each document (flex_attention block mask)"
+           if L['training'].get('doc_mask') else "; attention runs across the whole row")
+        + f"; the loss covers every token, recall answers weighted {L['mix']['recall_weight']:g}x.",
         f"- **Tokenizer**: byte-level BPE trained with Hugging Face `tokenizers` on {L['tokenizer']['train_chars']:,} "
         f"characters of the corpus: {L['tokenizer']['vocab_size']} tokens (the corpus' word list saturates "
         "it), Qwen2's pre-tokenizer regex (digits are single tokens), NFC, special tokens "
@@ -422,7 +524,8 @@ def write_card(path: str, L: dict) -> None:
         f"peak lr {s['lr']}, {s['warmup_steps']} warmup steps then cosine to {s['min_lr_ratio']}x) of "
         f"{s['batch_rows']} x {s['seq_len']} tokens: {s['tokens_seen'] / 1e6:.0f}M tokens in "
         f"{s['train_seconds']:.0f}s ({s['tokens_per_second'] / 1e3:.0f}k tokens/s) on "
-        f"{L['device']['name']}; fp32 master weights, bf16 autocast, SDPA attention, "
+        f"{L['device']['name']}; fp32 master weights, bf16 autocast, "
+        f"{'document-masked attention' if s.get('doc_mask') else 'SDPA attention'}, "
         f"torch.compile {'on' if s['compiled'] else 'off'}. Total wall time {L['wall_seconds']:.0f}s.",
     ]
     if L["plan"].get("stopped_early"):
@@ -485,6 +588,11 @@ def main() -> int:
     mix = corpus.Mix(seq_len=args.seq_len)
     if args.smoke:
         mix = dataclasses.replace(mix, recall_start_max=256, recall_min=128, prose_max_paragraphs=6)
+    if args.recall_weight is not None:
+        mix = dataclasses.replace(mix, recall_weight=args.recall_weight)
+    if args.doc_mask == "on" and device.type == "cuda" and args.seq_len % 128:
+        raise SystemExit("--doc-mask on needs --seq-len a multiple of 128 (flex_attention blocks)")
+    trainer_kw = dict(doc_mask=args.doc_mask == "on", recall_weight=mix.recall_weight, eot=ids[corpus.EOT])
     check_rendering_and_tokens(tok, corpus.RowBuilder(tok, mix), args.seed)
     log("checks passed: chat template == renderer, piecewise token ids == whole-document ids, row packing")
 
@@ -516,19 +624,31 @@ def main() -> int:
         f"{args.head_dim}, MLP {args.intermediate}, vocab {vocab}: {n_params:,} parameters")
 
     # Plan: measure the step time (eager, then compiled), keep the faster mode, and fit the
-    # number of steps into what is left of the budget. -----------------------------------------
+    # number of steps into what is left of the budget. With document masking on CUDA only the
+    # compiled mode is tried (flex_attention needs compiling either way); if it fails, the
+    # run falls back to plain causal attention across the row, so it still trains. -----------
     end = run_start + args.time_budget
     if args.deadline:
         end = min(end, args.deadline)
     modes = {"on": [True], "off": [False]}.get(args.compile, [False, True] if device.type == "cuda" else [False])
+    candidates = [(c, False) for c in modes]
+    if trainer_kw["doc_mask"]:
+        masked = [(True, True)] if device.type == "cuda" and args.compile != "off" else [(modes[0], True)]
+        candidates = masked + [(None, False)] + candidates   # None: "use a masked mode if one worked"
     warmup, timed = (2, 3) if device.type == "cuda" else (1, 2)
-    timings: dict[bool, float] = {}
-    for compiled in modes:
+    timings: dict[tuple[bool, bool], float] = {}
+    for compiled, doc_mask in candidates:
+        if compiled is None:
+            if timings:
+                break
+            log("WARNING: document masking failed; training with causal attention across the row")
+            continue
         while True:
             try:
-                trainer = Trainer(model, args, device, compiled=compiled)
-                timings[compiled] = benchmark(trainer, args, device, vocab, warmup + int(compiled), timed)
-                log(f"  {'compiled' if compiled else 'eager'}: {timings[compiled]:.3f}s/step")
+                trainer = Trainer(model, args, device, compiled=compiled, **{**trainer_kw, "doc_mask": doc_mask})
+                timings[compiled, doc_mask] = benchmark(trainer, args, device, vocab, warmup + int(compiled), timed)
+                log(f"  {'compiled' if compiled else 'eager'}{', document mask' if doc_mask else ''}: "
+                    f"{timings[compiled, doc_mask]:.3f}s/step")
                 break
             except torch.OutOfMemoryError:
                 if args.batch_rows <= 1:
@@ -538,9 +658,10 @@ def main() -> int:
                 timings.clear()   # measured with the larger batch
                 log(f"out of memory: retrying with {args.batch_rows} rows per step")
             except Exception:
-                if not compiled or args.compile == "on":
+                if not (compiled or doc_mask) or args.compile == "on" and not doc_mask:
                     raise
-                log("torch.compile failed; staying in eager mode:\n" + traceback.format_exc(limit=4))
+                log(f"{'torch.compile' if compiled else 'training step'}"
+                    f"{' with document masking' if doc_mask else ''} failed:\n" + traceback.format_exc(limit=4))
                 break
             finally:
                 # Back to the initial weights (in place: a compiled graph keeps its parameters).
@@ -550,10 +671,11 @@ def main() -> int:
                     torch.cuda.empty_cache()
     if not timings:
         raise RuntimeError("could not run a training step in any mode")
-    use_compile = min(timings, key=timings.get)
-    step_time = timings[use_compile]
+    use_compile, use_mask = min(timings, key=timings.get)
+    step_time = timings[use_compile, use_mask]
     del init_state
-    trainer = Trainer(model, args, device, compiled=use_compile)   # fresh AdamW state
+    trainer = Trainer(model, args, device, compiled=use_compile,
+                      **{**trainer_kw, "doc_mask": use_mask})   # fresh AdamW state
     tokens_per_step = args.batch_rows * args.seq_len
     left = end - time.time()
     if args.steps:
@@ -564,7 +686,7 @@ def main() -> int:
         log(f"WARNING: only {total_steps} steps fit in the budget; the model may not learn the long recall task")
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     log(f"plan: {step_time:.3f}s/step ({tokens_per_step / step_time / 1e3:.0f}k tokens/s, "
-        f"compile {'on' if use_compile else 'off'}, peak memory {mem:.1f} GiB), {left:.0f}s left "
+        f"compile {'on' if use_compile else 'off'}, document mask {'on' if use_mask else 'off'}, peak memory {mem:.1f} GiB), {left:.0f}s left "
         f"-> {total_steps} steps, {total_steps * tokens_per_step / 1e6:.0f}M tokens")
 
     # Train ----------------------------------------------------------------------------------
@@ -643,7 +765,7 @@ def main() -> int:
                      "tokens_per_second": steps_done * tokens_per_step / max(train_seconds, 1e-6),
                      "lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
                      "warmup_steps": max(1, int(args.warmup * total_steps)),
-                     "weight_decay": args.weight_decay, "compiled": use_compile,
+                     "weight_decay": args.weight_decay, "compiled": use_compile, "doc_mask": use_mask,
                      "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
                      if device.type == "cuda" else None},
         "final_loss": curve[-1]["loss"] if curve else None,
