@@ -12,7 +12,7 @@
 //     GEMM attn . Wo^T (+ bias)                   -> delta
 //     add_rmsnorm(x += delta, post norm)         -> h
 //     GEMM h . Wgate_up^T (+ bias)                -> gu           (gate and up fused at load)
-//     silu_mul                                   -> act          (batch 1-4: fused into the
+//     silu_mul                                   -> act          (batch 1: fused into the
 //     GEMM act . Wdown^T (+ bias)                 -> delta         down GEMV, see gemm.h)
 //   add_rmsnorm(x += delta, final norm) on the logit rows only -> hl
 //   GEMM hl . Wlm^T, fp32 out                     -> logits -> pinned host -> caller's span
@@ -329,7 +329,7 @@ struct CudaModelRunner::Impl {
                          .eps = eps, .out = b.h},
                         st);
       gemm.linear(act, act, b.h, W.wgu, W.bgu, b.gu, T, 2 * I, H, st);
-      if (gemm.small_m_kernel() && cuda::gemv_fits(T, I, b.gu, W.wdown)) {  // decode at batch 1-4: SiLU-and-mul fused
+      if (gemm.small_m_kernel(T) && cuda::gemv_fits(T, I, b.gu, W.wdown)) {  // decode at batch 1: SiLU-and-mul fused
         cuda::gemv_small_m(act, act, b.gu, W.wdown, W.bdown, b.delta, T, H, I, st, 0, /*glu_input=*/true);
       } else {
         cuda::silu_mul(act, b.gu, b.act, T, I, st);

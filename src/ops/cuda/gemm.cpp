@@ -54,6 +54,7 @@ struct Gemm::Impl {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   bool gemv = true;
+  bool gemv_always = false;  // KVLM_CUDA_GEMV=1: m = 2-4 to the GEMV kernels too (measurements)
   // (ab, out, bias, m, n, k) -> plan
   std::map<std::tuple<int, int, bool, int, int, int>, std::unique_ptr<Plan>> plans;
   // (ab, out, bias, power-of-two bucket of m, n, k) -> the algorithm timed fastest
@@ -64,35 +65,41 @@ struct Gemm::Impl {
     return cublasLtMatmul(handle, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.c, y, p.c, &algo, workspace, workspace_bytes, st);
   }
 
-  // Times each candidate on the real operands (median of 5 after 2 warm-ups); the fastest.
-  int fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* res, int found, const void* x, const void* w, void* y,
-              cudaStream_t st) {
+  // Median time of `f` over 5 calls after 2 warm-ups, in ms.
+  template <class F>
+  float time_ms(F&& f, cudaStream_t st) {
     cudaEvent_t e0 = nullptr, e1 = nullptr;
     KVLM_CUDA_CHECK(cudaEventCreate(&e0));
     KVLM_CUDA_CHECK(cudaEventCreate(&e1));
-    int best = 0;
-    float best_ms = 1e30f;
-    for (int i = 0; i < found; ++i) {
-      std::vector<float> t;
-      bool ok = true;
-      for (int r = 0; r < 7 && ok; ++r) {
-        KVLM_CUDA_CHECK(cudaEventRecord(e0, st));
-        ok = run(p, res[i].algo, x, w, y, st) == CUBLAS_STATUS_SUCCESS;
-        KVLM_CUDA_CHECK(cudaEventRecord(e1, st));
-        KVLM_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        KVLM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) t.push_back(ms);
-      }
-      if (!ok) continue;  // an algorithm that cannot run this problem: skip it
-      std::nth_element(t.begin(), t.begin() + ptrdiff_t(t.size() / 2), t.end());
-      if (t[t.size() / 2] < best_ms) {
-        best_ms = t[t.size() / 2];
-        best = i;
-      }
+    std::vector<float> t;
+    for (int r = 0; r < 7; ++r) {
+      KVLM_CUDA_CHECK(cudaEventRecord(e0, st));
+      f();
+      KVLM_CUDA_CHECK(cudaEventRecord(e1, st));
+      KVLM_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      KVLM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (r >= 2) t.push_back(ms);
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
+    std::nth_element(t.begin(), t.begin() + ptrdiff_t(t.size() / 2), t.end());
+    return t[t.size() / 2];
+  }
+
+  // Times each candidate on the real operands (time_ms); the fastest.
+  int fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* res, int found, const void* x, const void* w, void* y,
+              cudaStream_t st) {
+    int best = 0;
+    float best_ms = 1e30f;
+    for (int i = 0; i < found; ++i) {
+      bool ok = true;
+      const float ms = time_ms([&] { ok = ok && run(p, res[i].algo, x, w, y, st) == CUBLAS_STATUS_SUCCESS; }, st);
+      if (ok && ms < best_ms) {  // an algorithm that cannot run this problem is skipped
+        best_ms = ms;
+        best = i;
+      }
+    }
     return best;
   }
 
@@ -162,6 +169,7 @@ struct Gemm::Impl {
 Gemm::Gemm() : impl_(std::make_unique<Impl>()) {
   KVLM_CUBLAS_CHECK(cublasLtCreate(&impl_->handle));
   if (const char* e = std::getenv("KVLM_CUDA_GEMV"); e && std::string_view(e) == "0") impl_->gemv = false;
+  if (const char* e = std::getenv("KVLM_CUDA_GEMV"); e && std::string_view(e) == "1") impl_->gemv_always = true;
 }
 
 Gemm::~Gemm() {
@@ -170,7 +178,7 @@ Gemm::~Gemm() {
 }
 
 void Gemm::set_small_m_kernel(bool on) { impl_->gemv = on; }
-bool Gemm::small_m_kernel() const { return impl_->gemv; }
+bool Gemm::small_m_kernel(int m) const { return impl_->gemv && (m == 1 || (impl_->gemv_always && m <= kGemvMaxM)); }
 
 void Gemm::set_workspace(void* workspace, size_t bytes) {
   if (bytes != impl_->workspace_bytes) {  // algorithms were chosen for the old size
@@ -189,7 +197,8 @@ void Gemm::linear(DType ab, DType out, const void* x, const void* w, const void*
     throw Error("CUDA GEMM: inputs must be bfloat16 or float16, not " + std::string(dtype_name(ab)));
   if (out != ab && out != DType::F32)
     throw Error("CUDA GEMM: output must be " + std::string(dtype_name(ab)) + " or float32");
-  if (impl_->gemv && gemv_fits(m, k, x, w)) return gemv_small_m(ab, out, x, w, bias, y, m, n, k, stream);
+  if (impl_->gemv && gemv_fits(m, k, x, w) && (m == 1 || impl_->gemv_always))
+    return gemv_small_m(ab, out, x, w, bias, y, m, n, k, stream);
   const auto st = static_cast<cudaStream_t>(stream);
   Plan& p = impl_->plan(ab, out, bias, m, n, k, x, w, y, st);
   if (bias)

@@ -6,14 +6,16 @@
 // (same type as y) is added in the GEMM's epilogue. Pointers must be 256-byte aligned
 // (cuBLASLt's default alignment assumption; every kvlm device allocation is).
 //
-// m <= kGemvMaxM (a decode step at batch 1-4) runs gemv_small_m, a kernel that streams w once
-// at memory speed (cuBLASLt's GEMMs leave bandwidth unused at m = 1). Larger m goes to
-// cuBLASLt: on the first use of a shape its heuristic proposes up to 16 algorithms; for
+// m = 1 (decode at batch 1) runs gemv_small_m, a kernel that streams w once at memory speed
+// (cuBLASLt's GEMMs leave bandwidth unused at m = 1). From m = 2 cuBLASLt is faster in a
+// whole decode step (Qwen3-8B shape on an H200: 5.18 vs 5.50 ms at batch 2, 5.35 vs 7.35 ms
+// at batch 4, docs/results/cuda-runner.md), so m >= 2 goes to cuBLASLt: on the first use of a shape its heuristic proposes up to 16 algorithms; for
 // m <= 512 (decode batches, short prefill chunks, where the choice matters most and timing is
 // cheap) each is timed on the real operands and the fastest kept, else the top one. Plans
 // are cached, so a steady state issues no query and no timing; the workspace is the
 // caller's (fixed, so calls can be captured in a CUDA graph — first uses must not be).
-// KVLM_CUDA_GEMV=0 in the environment routes small m to cuBLASLt too (for measurements).
+// KVLM_CUDA_GEMV=0 in the environment routes m = 1 to cuBLASLt too, KVLM_CUDA_GEMV=1 sends
+// m = 2-4 to the GEMV kernels too (both for measurements).
 #pragma once
 
 #include <cstddef>
@@ -43,9 +45,10 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   void set_workspace(void* workspace, size_t bytes);
-  // Whether m <= kGemvMaxM goes to gemv_small_m (default; KVLM_CUDA_GEMV=0 turns it off).
+  // Whether the GEMV kernels are used (default; KVLM_CUDA_GEMV=0 turns them off), and whether
+  // they run the GEMMs of m rows (m = 1 only, unless KVLM_CUDA_GEMV=1).
   void set_small_m_kernel(bool on);
-  bool small_m_kernel() const;
+  bool small_m_kernel(int m) const;
   // ab: DType::BF16 or DType::F16; out: the same or DType::F32. bias may be null.
   void linear(DType ab, DType out, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
               void* stream);
