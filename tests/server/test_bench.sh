@@ -137,11 +137,13 @@ server_pid=""
 [ $rc -eq 0 ] && ok || bad "kvlm serve (default model) exited $rc"
 
 # A model without a tokenizer (stories260K) serves token-id prompts; text gets a clear 400.
-"$KVLM" serve --model "$(dirname "$0")/../../models/stories260K" --port 0 --max-model-len 64 >"$tmp/d.out" 2>"$tmp/d.err" &
+# (Its own log files: a file an earlier server wrote to would satisfy the wait for "ready"
+# before this server truncates it, and hand over the dead server's port.)
+"$KVLM" serve --model "$(dirname "$0")/../../models/stories260K" --port 0 --max-model-len 64 >"$tmp/nt.out" 2>"$tmp/nt.err" &
 server_pid=$!
-for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/d.err" && break; sleep 0.05; done
-port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/d.err" | grep -o "[0-9]*$")
-python3 - "$port" >"$tmp/dm.out" 2>&1 <<'EOF' && ok || bad "serve a model without a tokenizer: $(cat "$tmp/d.err") $(cat "$tmp/dm.out")"
+for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/nt.err" && break; sleep 0.05; done
+port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/nt.err" | grep -o "[0-9]*$")
+python3 - "$port" >"$tmp/ntm.out" 2>&1 <<'EOF' && ok || bad "serve a model without a tokenizer: $(cat "$tmp/nt.err") $(cat "$tmp/ntm.out")"
 import json, sys, urllib.request, urllib.error
 base = f"http://127.0.0.1:{sys.argv[1]}"
 def post(path, body):
