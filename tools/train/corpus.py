@@ -6,10 +6,13 @@ whole corpus:
 - arithmetic  ChatML. A multi-step word problem (2-4 computations on small integers) as the
               user turn; a worked solution with one explicit computation per line
               ("38 - 9 = 29.") ending in "The answer is 29." as the assistant turn.
-- recall      ChatML. A user turn of prose (the haystack) in which one to three sentences
+- recall      ChatML. A user turn of prose (the haystack) in which sentences
               "The pass key for the amber vault is 48213." are hidden at random depths,
               ending with "What is the pass key for the amber vault?"; the assistant answers
               "The pass key for the amber vault is 48213.". Lengths are counted in tokens.
+              Training documents hide 1-4 keys (Mix.recall_keys) and may ask about up to 3
+              of them, the others in follow-up user turns; evaluation prompts hide 1-3 and
+              ask once.
 - chat        ChatML. Short instruction-following exchanges (repeat a word, reverse a list,
               add two numbers, greet someone, ...), one to three turns, sometimes with a
               system message.
@@ -535,8 +538,12 @@ def recall_doc(rng: random.Random, tok, max_tokens: int, depth: float | None = N
     paragraphs: list[list[str]] = []
     para_ids: list[list[int]] = []
     used = 0
+    # Paragraphs are drawn and tokenized 8 at a time (fewer for short training documents,
+    # whose unused paragraphs would be wasted work; the evaluation sets keep 8, so their
+    # random draws stay what they have always been).
+    n_batch = 8 if prompt_only else max(2, min(8, budget // 45 + 1))
     while True:
-        batch = [prose_paragraph(rng, cast) for _ in range(8)]
+        batch = [prose_paragraph(rng, cast) for _ in range(n_batch)]
         encoded = tok.encode_batch([join_paragraph(p) for p in batch], add_special_tokens=False)
         stop = False
         for p, e in zip(batch, encoded):

@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import corpus  # noqa: E402
 import evaluate  # noqa: E402
-from data import BatchStream, make_batch  # noqa: E402
+from data import BatchStream  # noqa: E402
 from text_tokenizer import train_tokenizer, write_tokenizer_files  # noqa: E402
 
 MAX_PARAMS = 12_000_000
@@ -153,6 +153,7 @@ def check_rendering_and_tokens(tok, rb: corpus.RowBuilder, seed: int) -> None:
 
 
 TRAIN_ATTENTION = "kvlm_causal"
+SPARSE_DOC = 256   # document length of the sparse timing step (document masking)
 
 
 def causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -389,11 +390,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def benchmark(trainer: Trainer, args, device, vocab: int, warmup: int, timed: int) -> float:
+def benchmark(trainer: Trainer, args, device, vocab: int, warmup: int, timed: int,
+              doc_len: int | None = None) -> float:
     """Median seconds per step on random tokens of the training shape (lr 0: no update
-    sticks, and the caller restores the initial state anyway). Includes compilation."""
+    sticks, and the caller restores the initial state anyway). Includes compilation.
+    Random tokens hold no <|endoftext|>: one document per row, unless `doc_len` puts one
+    every doc_len tokens (the sparse case of document masking)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (args.batch_rows, args.seq_len + 1), generator=g).int().numpy()
+    if doc_len:
+        ids[:, doc_len - 1::doc_len] = trainer.eot
     kinds = np.full(ids.shape, corpus.KIND_TEXT, dtype=np.uint8)
     times = []
     for i in range(warmup + timed):
@@ -405,6 +411,32 @@ def benchmark(trainer: Trainer, args, device, vocab: int, warmup: int, timed: in
             log(f"  benchmark warmup step {i + 1}/{warmup}: {times[-1]:.2f}s")
     trainer.reset_stats()
     return float(np.median(times[warmup:]))
+
+
+def attention_fraction(ids: np.ndarray, eot: int, block: int = 128) -> float:
+    """Share of the causal (block x block) attention tiles of one row of input ids that
+    document masking computes: tiles of queries i and keys j <= i whose documents meet."""
+    ends = (ids == eot).astype(np.int64)
+    doc = np.cumsum(ends) - ends
+    n = len(ids) // block
+    if n == 0:
+        return 1.0
+    first, last = doc[0:n * block:block], doc[block - 1:n * block:block]
+    j_min = np.searchsorted(last, first, side="left")   # last is non-decreasing
+    return float((np.arange(n) - j_min + 1).sum() / (n * (n + 1) / 2))
+
+
+def sample_rows(builder: corpus.RowBuilder, eot: int, points: int = 8, rows: int = 3) -> tuple[float, float]:
+    """(mean attention fraction under document masking, mean seconds to build a row on
+    this core), over rows drawn through the whole curriculum."""
+    fracs, secs = [], []
+    for p in range(points):
+        for r in range(rows):
+            t = time.time()
+            ids, _ = builder.row(random.Random(f"plan-{p}-{r}"), (p + 0.5) / points)
+            secs.append(time.time() - t)
+            fracs.append(attention_fraction(np.asarray(ids[:-1]), eot))
+    return float(np.mean(fracs)), float(np.mean(secs))
 
 
 # --------------------------------------------------------------------------------------
@@ -508,7 +540,7 @@ def write_card(path: str, L: dict) -> None:
         f"grows to {L['mix']['seq_len']} by {L['mix']['recall_ramp']:.0%}), ~33% arithmetic problems with "
         "worked solutions, ~8% chat turns, the rest plain prose. Documents are packed whole into "
         f"rows of {L['mix']['seq_len']} tokens, separated by `<|endoftext|>`"
-        + ("; attention stays within each document (flex_attention block mask)"
+        + ("; attention stays within each document (block-diagonal causal mask)"
            if L['training'].get('doc_mask') else "; attention runs across the whole row")
         + f"; the loss covers every token, recall answers weighted {L['mix']['recall_weight']:g}x.",
         f"- **Tokenizer**: byte-level BPE trained with Hugging Face `tokenizers` on {L['tokenizer']['train_chars']:,} "
@@ -608,11 +640,11 @@ def main() -> int:
     # Data workers (forked before CUDA starts) ---------------------------------------------
     stream = BatchStream(tok.to_str(), mix, args.batch_rows, args.seed, args.workers,
                          prefetch=max(8, 2 * args.workers))
-    t = time.time()
-    make_batch(args.seed, 0, 1, 1, corpus.RowBuilder(tok, mix))
-    row_seconds = time.time() - t
-    log(f"data: {args.workers} workers; one row takes {row_seconds:.2f}s on one core "
-        f"(~{args.workers * (args.seq_len + 1) / max(row_seconds, 1e-6) / 1e6:.1f}M tokens/s in all)")
+    attn_frac, row_seconds = sample_rows(corpus.RowBuilder(tok, mix), ids[corpus.EOT])
+    data_tps = args.workers * (args.seq_len + 1) / max(row_seconds, 1e-6)
+    log(f"data: {args.workers} workers; one row takes {row_seconds:.3f}s on one core "
+        f"(~{data_tps / 1e6:.1f}M tokens/s in all); document masking computes {attn_frac:.0%} of the "
+        "causal attention tiles on average over the curriculum")
 
     # Model ----------------------------------------------------------------------------------
     if device.type == "cuda":
@@ -637,6 +669,7 @@ def main() -> int:
         candidates = masked + [(None, False)] + candidates   # None: "use a masked mode if one worked"
     warmup, timed = (2, 3) if device.type == "cuda" else (1, 2)
     timings: dict[tuple[bool, bool], float] = {}
+    sparse_timings: dict[bool, float] = {}
     for compiled, doc_mask in candidates:
         if compiled is None:
             if timings:
@@ -649,6 +682,9 @@ def main() -> int:
                 timings[compiled, doc_mask] = benchmark(trainer, args, device, vocab, warmup + int(compiled), timed)
                 log(f"  {'compiled' if compiled else 'eager'}{', document mask' if doc_mask else ''}: "
                     f"{timings[compiled, doc_mask]:.3f}s/step")
+                if doc_mask and device.type == "cuda":
+                    sparse_timings[compiled] = benchmark(trainer, args, device, vocab, 1, timed, doc_len=SPARSE_DOC)
+                    log(f"    with a document every {SPARSE_DOC} tokens: {sparse_timings[compiled]:.3f}s/step")
                 break
             except torch.OutOfMemoryError:
                 if args.batch_rows <= 1:
@@ -656,6 +692,7 @@ def main() -> int:
                 args.batch_rows //= 2
                 stream.rows = args.batch_rows
                 timings.clear()   # measured with the larger batch
+                sparse_timings.clear()
                 log(f"out of memory: retrying with {args.batch_rows} rows per step")
             except Exception:
                 if not (compiled or doc_mask) or args.compile == "on" and not doc_mask:
@@ -672,7 +709,22 @@ def main() -> int:
     if not timings:
         raise RuntimeError("could not run a training step in any mode")
     use_compile, use_mask = min(timings, key=timings.get)
-    step_time = timings[use_compile, use_mask]
+    step_time = dense_time = timings[use_compile, use_mask]
+    if use_mask and use_compile in sparse_timings:
+        # The step time is ~linear in the share of attention tiles computed: interpolate
+        # between the timed dense and sparse steps at the curriculum's mean share + 0.1.
+        t_sparse = sparse_timings[use_compile]
+        marks = np.zeros(args.seq_len, dtype=np.int64)
+        marks[SPARSE_DOC - 1::SPARSE_DOC] = 1
+        f_sparse = attention_fraction(marks, 1)
+        f = min(1.0, attn_frac + 0.1)
+        step_time = t_sparse + (dense_time - t_sparse) * max(0.0, (f - f_sparse) / (1 - f_sparse))
+        step_time = min(dense_time, max(step_time, t_sparse))
+    # The corpus workers must keep up (x1.25 for safety).
+    data_time = 1.25 * args.batch_rows * (args.seq_len + 1) / data_tps
+    if data_time > step_time:
+        log(f"the corpus workers limit the step time to {data_time:.3f}s (GPU {step_time:.3f}s)")
+        step_time = data_time
     del init_state
     trainer = Trainer(model, args, device, compiled=use_compile,
                       **{**trainer_kw, "doc_mask": use_mask})   # fresh AdamW state
@@ -757,7 +809,12 @@ def main() -> int:
                   "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
                   "rope_theta": args.rope_theta, "max_position_embeddings": cfg.max_position_embeddings},
         "mix": dataclasses.asdict(mix),
-        "plan": {"step_seconds": {("compiled" if k else "eager"): round(v, 4) for k, v in timings.items()},
+        "plan": {"step_seconds": {("compiled" if c else "eager") + (" doc_mask" if m else ""): round(v, 4)
+                                  for (c, m), v in timings.items()},
+                 "step_seconds_sparse_docs": {("compiled" if c else "eager"): round(v, 4)
+                                              for c, v in sparse_timings.items()},
+                 "attention_fraction": round(attn_frac, 3), "row_seconds": round(row_seconds, 4),
+                 "planned_step_seconds": round(step_time, 4),
                  "planned_steps": total_steps, "deadline_in_s": round(end - T0, 1),
                  "stopped_early": stopped_early},
         "training": {"steps": steps_done, "batch_rows": args.batch_rows, "seq_len": args.seq_len,
