@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "ops/cuda/block_argmax.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/kv_codec.cuh"
 #include "ops/cuda/model_ops.h"
@@ -261,44 +262,19 @@ __global__ void bf16_to_act_kernel(const uint16_t* in, uint16_t* out, size_t n) 
 
 constexpr int kArgmaxThreads = 256;
 
-// (v2, i2) beats (v1, i1): larger value, or the same value at a lower index.
-__device__ __forceinline__ bool better(float v2, int i2, float v1, int i1) { return v2 > v1 || (v2 == v1 && i2 < i1); }
-
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* logits, int vocab, TokenId* out) {
   const float* row = logits + size_t(blockIdx.x) * size_t(vocab);
   float best = -INFINITY;
   int idx = vocab;  // loses every tie: a row of -inf still yields index 0
   for (int i = threadIdx.x; i < vocab; i += kArgmaxThreads) {
     const float v = row[i];
-    if (better(v, i, best, idx)) {
+    if (argmax_better(v, i, best, idx)) {
       best = v;
       idx = i;
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float v2 = __shfl_xor_sync(0xffffffffu, best, o);
-    const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-    if (better(v2, i2, best, idx)) {
-      best = v2;
-      idx = i2;
-    }
-  }
-  __shared__ float sv[kArgmaxThreads / 32];
-  __shared__ int si[kArgmaxThreads / 32];
-  if (threadIdx.x % 32 == 0) {
-    sv[threadIdx.x / 32] = best;
-    si[threadIdx.x / 32] = idx;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kArgmaxThreads / 32; ++w)
-      if (better(sv[w], si[w], best, idx)) {
-        best = sv[w];
-        idx = si[w];
-      }
-    out[blockIdx.x] = TokenId(idx < vocab ? idx : 0);
-  }
+  idx = block_argmax<kArgmaxThreads>(best, idx);
+  if (threadIdx.x == 0) out[blockIdx.x] = TokenId(idx < vocab ? idx : 0);
 }
 
 // ---- KV page copies ---------------------------------------------------------------------

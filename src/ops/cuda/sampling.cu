@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "core/philox.h"
+#include "ops/cuda/block_argmax.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/sampling.h"
 
@@ -31,13 +32,9 @@ __device__ __forceinline__ uint32_t order_key(float x) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// (v2, i2) beats (v1, i1): larger value, or the same value at a lower index.
-__device__ __forceinline__ bool better(float v2, int i2, float v1, int i1) { return v2 > v1 || (v2 == v1 && i2 < i1); }
-
 struct Shared {
   unsigned long long hist[256];
   float red_f[kWarps];
-  int red_i[kWarps];
   unsigned long long red_u[kWarps];
   uint32_t prefix;
   unsigned long long above;
@@ -63,33 +60,6 @@ __device__ unsigned long long block_sum(unsigned long long v, Shared& sh) {
   for (int w = 0; w < kWarps; ++w) r += sh.red_u[w];
   __syncthreads();
   return r;
-}
-
-// Argmax over the block of (value, index) pairs; every thread gets the index (vocab if none).
-__device__ int block_argmax(float best, int idx, Shared& sh) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float v2 = __shfl_xor_sync(0xffffffffu, best, o);
-    const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-    if (better(v2, i2, best, idx)) {
-      best = v2;
-      idx = i2;
-    }
-  }
-  if (threadIdx.x % 32 == 0) {
-    sh.red_f[threadIdx.x / 32] = best;
-    sh.red_i[threadIdx.x / 32] = idx;
-  }
-  __syncthreads();
-  best = sh.red_f[0];
-  idx = sh.red_i[0];
-  for (int w = 1; w < kWarps; ++w)
-    if (better(sh.red_f[w], sh.red_i[w], best, idx)) {
-      best = sh.red_f[w];
-      idx = sh.red_i[w];
-    }
-  __syncthreads();
-  return idx;
 }
 
 __device__ __forceinline__ unsigned long long fixed_weight(float x, float m, float inv_t) {
@@ -148,11 +118,11 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     float best = -INFINITY;
     int idx = vocab;
     for (int i = threadIdx.x; i < vocab; i += kThreads)
-      if (better(row[i], i, best, idx)) {
+      if (argmax_better(row[i], i, best, idx)) {
         best = row[i];
         idx = i;
       }
-    idx = block_argmax(best, idx, sh);
+    idx = block_argmax<kThreads>(best, idx);
     if (threadIdx.x == 0) out[blockIdx.x] = TokenId(idx < vocab ? idx : 0);
     return;
   }
@@ -189,12 +159,12 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     const float x = row[i];
     if (!(x == x) || order_key(x) < lo) continue;
     const float s = x * p.inv_temperature + rng::gumbel_noise(rng::random_u32(p.seed, p.counter, uint32_t(i)));
-    if (better(s, i, best, idx)) {
+    if (argmax_better(s, i, best, idx)) {
       best = s;
       idx = i;
     }
   }
-  idx = block_argmax(best, idx, sh);
+  idx = block_argmax<kThreads>(best, idx);
   if (threadIdx.x == 0) out[blockIdx.x] = TokenId(idx < vocab ? idx : 0);
 }
 
