@@ -7,7 +7,10 @@
 // q, out), % of the device-to-device copy bandwidth measured in the same run, and speedup
 // over bf16 of the same shape.
 //
-//   attention_lab [--quick] [--prefill]
+//   attention_lab [--quick] [--prefill] [--prefill-only] [--block N]
+//
+// --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
+// 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -99,7 +102,6 @@ __global__ void reference_decode(cuda::PagedAttentionParams p, int C, float* scr
   const int seq = blockIdx.x, h = blockIdx.y, g = h / (p.num_q_heads / p.num_kv_heads);
   const uint8_t* K = static_cast<const uint8_t*>(p.k_cache);
   const uint8_t* V = static_cast<const uint8_t*>(p.v_cache);
-  const size_t es = (p.storage == DType::BF16 || p.storage == DType::F16) ? 2 : 1;
   float ks = 1, vs = 1;
   if (p.quant == KVQuantMode::Fp8PerTensor) {
     ks = p.k_tensor_scale[0];
@@ -150,6 +152,62 @@ __global__ void reference_decode(cuda::PagedAttentionParams p, int C, float* scr
   }
 }
 
+// Reference for prefill rows: one CTA per (sampled query row, q head), causal over keys
+// [0, context - q_len + row], same arithmetic as reference_decode.
+__global__ void reference_rows(cuda::PagedAttentionParams p, const int32_t* rows, float* scratch, float* out) {
+  const int ri = blockIdx.x, h = blockIdx.y, g = h / (p.num_q_heads / p.num_kv_heads);
+  const int row = rows[ri];
+  const int C = p.max_kv_len, n = C - p.max_q_len + row + 1;
+  const uint8_t* K = static_cast<const uint8_t*>(p.k_cache);
+  const uint8_t* V = static_cast<const uint8_t*>(p.v_cache);
+  float ks = 1, vs = 1;
+  if (p.quant == KVQuantMode::Fp8PerTensor) {
+    ks = p.k_tensor_scale[0];
+    vs = p.v_tensor_scale[0];
+  }
+  float* sc = scratch + (size_t(ri) * p.num_q_heads + h) * C;
+  const uint16_t* q = p.q + (size_t(row) * p.num_q_heads + h) * kHead;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const BlockId page = p.block_tables[j / p.block_size];
+    const size_t sidx = (size_t(page) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
+    float s = 0;
+    for (int d = 0; d < kHead; ++d) s += kvlm::num::bf16_to_f32(q[d]) * decode_sw(K, sidx * kHead + d, p.storage);
+    sc[j] = s * (per_token(p.quant) ? p.k_token_scale[sidx] : ks) * p.softmax_scale;
+  }
+  __syncthreads();
+  __shared__ float red[256];
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, sc[j]);
+  red[threadIdx.x] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < blockDim.x; ++i) m = fmaxf(m, red[i]);
+    red[0] = m;
+  }
+  __syncthreads();
+  m = red[0];
+  __syncthreads();
+  float l = 0;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) l += (sc[j] = expf(sc[j] - m));
+  red[threadIdx.x] = l;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < blockDim.x; ++i) l += red[i];
+    red[0] = l;
+  }
+  __syncthreads();
+  l = red[0];
+  for (int d = threadIdx.x; d < kHead; d += blockDim.x) {
+    float o = 0;
+    for (int j = 0; j < n; ++j) {
+      const BlockId page = p.block_tables[j / p.block_size];
+      const size_t sidx = (size_t(page) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
+      o += sc[j] * decode_sw(V, sidx * kHead + d, p.storage) * (per_token(p.quant) ? p.v_token_scale[sidx] : vs);
+    }
+    out[(size_t(ri) * p.num_q_heads + h) * kHead + d] = o / l;
+  }
+}
+
 double median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -175,10 +233,11 @@ double copy_bandwidth(void* a, void* b, size_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, prefill = false;
+  bool quick = false, prefill = false, prefill_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--prefill")) prefill = true;
+    if (!std::strcmp(argv[i], "--prefill-only")) prefill = prefill_only = true;
     if (!std::strcmp(argv[i], "--block") && i + 1 < argc) kBlock = std::atoi(argv[++i]);
   }
   cudaDeviceProp prop{};
@@ -218,6 +277,7 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e1[i]));
   }
   for (const Mode& mode : kModes) {
+    if (prefill_only) break;
     for (size_t bi = 0; bi < batches.size(); ++bi) {
       for (size_t ci = 0; ci < contexts.size(); ++ci) {
         const int B = batches[bi], C = contexts[ci];
@@ -343,56 +403,122 @@ int main(int argc, char** argv) {
     }
   }
   if (prefill) {
-    // Prefill: one sequence, causal, q_len = kv_len = 4096, bf16 vs fp8 (per-row path).
-    std::printf("\n| prefill mode | q_len=kv_len | µs | TFLOP/s (causal, 4*L^2/2*H*D) |\n|---|---|---|---|\n");
-    const int Lq = 4096, nb = Lq / kBlock;
-    for (const Mode& mode : {kModes[0], kModes[2]}) {
-      const size_t elems = size_t(nb) * kBlock * kKVHeads * kHead;
-      uint8_t* K = arena;
-      uint8_t* V = arena + elems * esize(mode.storage);
-      fill_codes<<<4096, 256>>>(K, elems, int(esize(mode.storage)), mode.storage == DType::BF16 ? 0 : 3, 5);
-      fill_codes<<<4096, 256>>>(V, elems, int(esize(mode.storage)), mode.storage == DType::BF16 ? 0 : 3, 6);
-      std::vector<BlockId> tab(static_cast<size_t>(nb));
-      for (int i = 0; i < nb; ++i) tab[size_t(i)] = i;
-      BlockId* dt;
-      int32_t *dcu, *dkvl;
-      uint16_t *dq, *dout;
-      CK(cudaMalloc(&dt, nb * 4));
-      CK(cudaMemcpy(dt, tab.data(), nb * 4, cudaMemcpyHostToDevice));
-      const int32_t cuq2[2] = {0, Lq}, kl = Lq;
-      CK(cudaMalloc(&dcu, 8));
-      CK(cudaMalloc(&dkvl, 4));
-      CK(cudaMemcpy(dcu, cuq2, 8, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(dkvl, &kl, 4, cudaMemcpyHostToDevice));
-      const size_t qn = size_t(Lq) * kQHeads * kHead;
-      CK(cudaMalloc(&dq, qn * 2));
-      CK(cudaMalloc(&dout, qn * 2));
-      CK(cudaMemset(dq, 0x3c, qn * 2));
-      cuda::PagedAttentionParams p{.storage = mode.storage, .quant = mode.quant, .num_seqs = 1, .num_tokens = Lq,
-                                   .num_q_heads = kQHeads, .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock,
-                                   .max_blocks_per_seq = nb, .max_q_len = Lq, .max_kv_len = Lq, .mask = AttentionKind::Full,
-                                   .softmax_scale = 1.0f / std::sqrt(float(kHead)), .q = dq, .out = dout, .k_cache = K,
-                                   .v_cache = V, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
-                                   .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dt,
-                                   .workspace = ws, .workspace_bytes = ws_bytes};
-      std::vector<float> t;
-      for (int i = 0; i < 6; ++i) {
-        CK(cudaEventRecord(e0[0]));
+    // Prefill: one sequence of q_len new tokens after `context - q_len` cached ones, causal,
+    // every KV mode, through the automatic kernel choice (the tiled kernel). Validated on a
+    // sample of rows against reference_rows, then timed (the K/V of a prompt is re-read
+    // from L2 by design here, so no copy rotation: the kernel is compute-bound).
+    std::printf("\n| prefill mode | q_len | context | kernel | splits | valid (max err) | µs | TFLOP/s | vs bf16 |\n"
+                "|---|---|---|---|---|---|---|---|---|\n");
+    struct PShape {
+      int q_len, context;
+    };
+    const std::vector<PShape> pshapes = quick ? std::vector<PShape>{{4096, 4096}}
+                                              : std::vector<PShape>{{4096, 4096}, {16384, 16384}, {1024, 16384}};
+    std::vector<double> bf16_pus(pshapes.size(), 0);
+    for (const Mode& mode : kModes) {
+      for (size_t si = 0; si < pshapes.size(); ++si) {
+        const int Lq = pshapes[si].q_len, C = pshapes[si].context, nb = C / kBlock;
+        const size_t elems = size_t(nb) * kBlock * kKVHeads * kHead;
+        uint8_t* K = arena;
+        uint8_t* V = arena + elems * esize(mode.storage);
+        const int fmt = mode.storage == DType::BF16 ? 0 : mode.storage == DType::F16 ? 1 : mode.storage == DType::I8 ? 2 : 3;
+        fill_codes<<<4096, 256>>>(K, elems, int(esize(mode.storage)), fmt, 5);
+        fill_codes<<<4096, 256>>>(V, elems, int(esize(mode.storage)), fmt, 6);
+        if (per_token(mode.quant)) {
+          fill_scales<<<1024, 256>>>(scales, size_t(nb) * kBlock * kKVHeads, 7);
+          fill_scales<<<1024, 256>>>(scales + scale_elems, size_t(nb) * kBlock * kKVHeads, 8);
+        }
+        std::vector<BlockId> tab(static_cast<size_t>(nb));
+        for (int i = 0; i < nb; ++i) tab[size_t(i)] = i;
+        for (size_t i = tab.size(); i > 1; --i) std::swap(tab[i - 1], tab[hash32(i + 5) % i]);
+        BlockId* dt;
+        int32_t *dcu, *dkvl;
+        uint16_t *dq, *dout;
+        CK(cudaMalloc(&dt, size_t(nb) * 4));
+        CK(cudaMemcpy(dt, tab.data(), size_t(nb) * 4, cudaMemcpyHostToDevice));
+        const int32_t cuq2[2] = {0, Lq}, kl = C;
+        CK(cudaMalloc(&dcu, 8));
+        CK(cudaMalloc(&dkvl, 4));
+        CK(cudaMemcpy(dcu, cuq2, 8, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dkvl, &kl, 4, cudaMemcpyHostToDevice));
+        const size_t qn = size_t(Lq) * kQHeads * kHead;
+        CK(cudaMalloc(&dq, qn * 2));
+        CK(cudaMalloc(&dout, qn * 2));
+        {
+          std::vector<uint16_t> hq(qn);
+          for (size_t i = 0; i < hq.size(); ++i) hq[i] = num::f32_to_bf16(float(int32_t(hash32(i + 4242))) / 2147483648.0f * 2.0f);
+          CK(cudaMemcpy(dq, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice));
+        }
+        const cuda::PagedAttentionParams p{
+            .storage = mode.storage, .quant = mode.quant, .num_seqs = 1, .num_tokens = Lq, .num_q_heads = kQHeads,
+            .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock, .max_blocks_per_seq = nb, .max_q_len = Lq,
+            .max_kv_len = C, .mask = AttentionKind::Full, .softmax_scale = 1.0f / std::sqrt(float(kHead)), .q = dq,
+            .out = dout, .k_cache = K, .v_cache = V, .k_token_scale = scales, .v_token_scale = scales + scale_elems,
+            .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1, .num_tensor_scales = 1, .cu_q_lens = dcu,
+            .kv_lens = dkvl, .block_tables = dt, .workspace = ws, .workspace_bytes = ws_bytes};
+        CK(cudaMemset(dout, 0xff, qn * 2));
         cuda::paged_attention(p, nullptr);
-        CK(cudaEventRecord(e1[0]));
-        CK(cudaEventSynchronize(e1[0]));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0[0], e1[0]));
-        if (i) t.push_back(ms);
+        // Validate rows 0, 1, 63, 64, Lq / 2 + 17 and Lq - 1 (every q head).
+        const std::vector<int> rows{0, 1, 63, 64, Lq / 2 + 17, Lq - 1};
+        int32_t* drows;
+        float *scratch, *rout;
+        CK(cudaMalloc(&drows, rows.size() * 4));
+        CK(cudaMemcpy(drows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&scratch, rows.size() * kQHeads * size_t(C) * 4));
+        CK(cudaMalloc(&rout, rows.size() * kQHeads * kHead * 4));
+        reference_rows<<<dim3(unsigned(rows.size()), kQHeads), 256>>>(p, drows, scratch, rout);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> got(qn);
+        std::vector<float> want(rows.size() * kQHeads * kHead);
+        CK(cudaMemcpy(got.data(), dout, qn * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(want.data(), rout, want.size() * 4, cudaMemcpyDeviceToHost));
+        // max |V| of the fill: 16-bit values in [-1, 1), fp8 codes without exponent bit 6
+        // (|x| <= 1.875), int8 up to 128; times the V tensor scale (0.25) or token scales (<= 0.015).
+        double max_err = 0, vmax = esize(mode.storage) == 2 ? 1.0 : mode.storage == DType::I8 ? 128.0 : 1.875;
+        if (mode.quant == KVQuantMode::Fp8PerTensor) vmax *= 0.25;
+        if (per_token(mode.quant)) vmax *= 0.015;
+        // P is rounded to bf16 (bf16 cache) or f16 before P.V: |err| <= u * max|V| (see tests).
+        const double floor = std::ldexp(vmax, mode.storage == DType::BF16 ? -9 : -11) + 1e-4;
+        bool ok = true;
+        for (size_t r = 0; r < rows.size(); ++r)
+          for (int i = 0; i < kQHeads * kHead; ++i) {
+            const double g = num::bf16_to_f32(got[size_t(rows[r]) * kQHeads * kHead + size_t(i)]);
+            const double w = want[r * kQHeads * kHead + size_t(i)];
+            const double e = std::isnan(g) ? 1e9 : std::fabs(g - w);
+            max_err = std::max(max_err, e);
+            ok = ok && e <= std::ldexp(std::fabs(w), -8) + floor;
+          }
+        cudaFree(drows);
+        cudaFree(scratch);
+        cudaFree(rout);
+        std::vector<float> t;
+        for (int i = 0; i < 8; ++i) {
+          CK(cudaEventRecord(e0[0]));
+          cuda::paged_attention(p, nullptr);
+          CK(cudaEventRecord(e1[0]));
+          CK(cudaEventSynchronize(e1[0]));
+          float ms;
+          CK(cudaEventElapsedTime(&ms, e0[0], e1[0]));
+          if (i >= 2) t.push_back(ms);
+        }
+        const double us = median(t) * 1e3;
+        // Causal FLOPs: 4 * H * D per visible (query, key) pair.
+        double pairs = 0;
+        for (int r = 0; r < Lq; ++r) pairs += double(C - Lq + r + 1);
+        const double flops = 4.0 * pairs * kQHeads * kHead;
+        if (mode.storage == DType::BF16) bf16_pus[si] = us;
+        char vs[32] = "-";
+        if (bf16_pus[si] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_pus[si] / us);
+        std::printf("| %s | %d | %d | %d | %d | %s (%.1e) | %.0f | %.1f | %s |\n", mode.name, Lq, C,
+                    cuda::paged_attention_kernel(p), cuda::paged_attention_num_splits(p), ok ? "ok" : "FAIL", max_err, us,
+                    flops / (us * 1e-6) / 1e12, vs);
+        std::fflush(stdout);
+        cudaFree(dt);
+        cudaFree(dcu);
+        cudaFree(dkvl);
+        cudaFree(dq);
+        cudaFree(dout);
       }
-      const double us = median(t) * 1e3;
-      const double flops = 4.0 * double(Lq) * Lq / 2 * kQHeads * kHead;
-      std::printf("| %s | %d | %.0f | %.1f |\n", mode.name, Lq, us, flops / (us * 1e-6) / 1e12);
-      cudaFree(dt);
-      cudaFree(dcu);
-      cudaFree(dkvl);
-      cudaFree(dq);
-      cudaFree(dout);
     }
   }
   CK(cudaDeviceSynchronize());

@@ -8,7 +8,12 @@ through copies of the cache totalling more than 2x the L2, bytes = K + V + q + o
 % of the device-to-device copy bandwidth measured in this run. Each backend (cuDNN first)
 is tried; the fastest that runs is reported per shape, with its name.
 
-  python3 bench/sdpa_reference.py [--quick]
+  python3 bench/sdpa_reference.py [--quick] [--prefill]
+
+--prefill adds causal prefill (batch 1, 32 q heads, 8 kv heads, head 128, prompts of 4k and
+16k tokens, and a 1k-token chunk whose queries are the last 1k of a 16k context) with
+TFLOP/s counted as bench/attention_lab.cu does: 4 * H * D per visible (query, key) pair.
+Backends that refuse GQA get K/V expanded to 32 heads beforehand (not timed).
 """
 import math
 import statistics
@@ -84,5 +89,47 @@ def main():
             torch.cuda.empty_cache()
 
 
+def prefill():
+    dev = torch.device("cuda")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+    print("\n| prefill backend | q_len | context | µs | TFLOP/s |")
+    print("|---|---|---|---|---|")
+    shapes = [(4096, 4096)] if "--quick" in sys.argv else [(4096, 4096), (16384, 16384), (1024, 16384)]
+    for Lq, C in shapes:
+        q = torch.randn(1, QH, Lq, D, dtype=torch.bfloat16, device=dev)
+        k = torch.randn(1, KVH, C, D, dtype=torch.bfloat16, device=dev)
+        v = torch.randn(1, KVH, C, D, dtype=torch.bfloat16, device=dev)
+        ke, ve = k.repeat_interleave(QH // KVH, dim=1), v.repeat_interleave(QH // KVH, dim=1)
+        # Query i sits at position C - Lq + i: a bottom-right aligned causal mask. For Lq == C
+        # that is is_causal=True; otherwise an explicit boolean mask.
+        mask = None
+        if Lq != C:
+            mask = torch.ones(Lq, C, dtype=torch.bool, device=dev).tril(diagonal=C - Lq)
+        pairs = sum(C - Lq + i + 1 for i in range(Lq))
+        flops = 4.0 * pairs * QH * D
+        for name, be in backends:
+            for gqa in (True, False):
+                kk, vv = (k, v) if gqa else (ke, ve)
+                try:
+                    with sdpa_kernel([be]):
+                        fn = lambda i: F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=mask is None,
+                                                                      enable_gqa=gqa)
+                        fn(0)
+                        torch.cuda.synchronize()
+                        us = timed(fn, reps=10, warm=3)
+                    print(f"| {name}{'' if gqa else ' (K/V expanded)'} | {Lq} | {C} | {us:.0f} | {flops / (us * 1e-6) / 1e12:.1f} |")
+                    break
+                except Exception as e:
+                    print(f"<!-- {name} gqa={gqa} {Lq}/{C}: {type(e).__name__}: {str(e).splitlines()[0][:120]} -->")
+            sys.stdout.flush()
+        del q, k, v, ke, ve
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    main()
+    if "--prefill-only" not in sys.argv:
+        main()
+    if "--prefill" in sys.argv or "--prefill-only" in sys.argv:
+        prefill()

@@ -17,12 +17,15 @@
 // Tolerance (same for every format, since both backends read the same stored codes): the
 // GPU output is rounded to bf16 (relative error <= 2^-9) and the fp32 sums run in another
 // order (scale folded into q, exp2 instead of exp, split merging: relative ~1e-6), so
-// |gpu - cpu| <= 2^-8 * |cpu| + 1e-4 leaves 2x margin over the bf16 rounding alone. For
-// 1-byte caches the tensor-core kernel carries the softmax weights in f16 (one mma instead
-// of two): the absolute floor becomes 2^-11 * max|V| (see run_batch).
+// |gpu - cpu| <= 2^-8 * |cpu| + 1e-4 leaves 2x margin over the bf16 rounding alone. Where a
+// kernel rounds the softmax weights to 16 bits before P.V (the decode kernel for 1-byte
+// caches, the tiled prefill kernel always) the absolute floor becomes u * max|V|, u the unit
+// roundoff of P's type (see run_batch).
 //
-// Both kernels run: the tensor-core one (automatic for head 64/128, block size % 16 == 0)
-// and the CUDA-core one (head 8/16/32/256, other block sizes, and forced here for 64/128 too).
+// All three kernels run: the tiled prefill kernel (automatic for multi-token rows at head
+// 64/128/256, block size % 16 == 0), the decode tensor-core kernel (single rows at head
+// 64/128, and forced on multi-token rows) and the CUDA-core one (head 8/16/32, other block
+// sizes, and forced here for 64/128/256 too).
 // KVLM_CUDA_TEST_REDUCED=1 (used under compute-sanitizer) runs four cases per format. A build
 // with -DKVLM_FORCE_SOFTWARE_FP8=ON runs all of this through sm_80's software FP8 path.
 #include <cuda_runtime.h>
@@ -97,6 +100,7 @@ struct Stats {
   double max_abs = 0, max_rel = 0;  // rel = |err| / (|ref| + 1e-3)
   size_t bad = 0, checked = 0;
   size_t page_mismatch = 0;
+  int runs[4] = {0, 0, 0, 0};  // batches per kernel (1 CUDA cores, 2 decode mma, 3 tiled prefill)
 };
 
 struct SeqShape {
@@ -237,15 +241,25 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   cuda::paged_attention(p, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got = dout.download();
-  // 1-byte caches: the tensor-core kernel rounds each softmax weight to f16 (relative error
-  // <= 2^-12, see kSplitP in paged_attention_mma.cuh), an absolute error of at most
-  // 2^-12 * max|V| on an output; the floor is 2^-11 * max|V| (dequantized, this batch).
+  // Softmax weights rounded to the mma type before P.V bound the error by u * max|V| on an
+  // output (u: the type's unit roundoff; each weight's relative error <= u, the weights sum to
+  // the row's normaliser), which becomes the absolute floor (V dequantized, this batch). The
+  // decode kernel rounds P to f16 for 1-byte caches (u = 2^-11; kSplitP in
+  // paged_attention_mma.cuh) and carries ~16 bits (hi + lo) for 16-bit caches. The tiled
+  // prefill kernel (kernel 3) rounds P once, as FlashAttention and cuDNN do: bf16 for a bf16
+  // cache (u = 2^-9), f16 otherwise (u = 2^-11).
+  const int ran = cuda::paged_attention_kernel(p);
+  if (kernel != 0) EXPECT_EQ(ran, kernel);
   double abs_floor = 1e-4;
-  if (dtype_size(spec.storage) == 1) {
+  int p_exponent = 0;  // log2(u) of the P rounding, 0 = none
+  if (ran == 3) p_exponent = spec.storage == DType::BF16 ? -9 : -11;
+  else if (ran == 2 && dtype_size(spec.storage) == 1) p_exponent = -11;
+  if (p_exponent != 0) {
     float vmax = 0;
     for (float x : vf) vmax = std::max(vmax, std::fabs(x));
-    abs_floor = std::max(abs_floor, std::ldexp(double(vmax), -11));
+    abs_floor = std::max(abs_floor, std::ldexp(double(vmax), p_exponent));
   }
+  ++st.runs[ran];
   for (size_t i = 0; i < got.size(); ++i) {
     const double g = num::bf16_to_f32(got[i]), r = ref[i];
     const double err = std::isnan(g) ? 1e9 : std::fabs(g - r);
@@ -269,6 +283,8 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
   const KVCacheDType dt = GetParam();
   const std::vector<SeqShape> decode{{1, 1}, {37, 1}, {300, 1}, {1000, 1}, {129, 1}};
   const std::vector<SeqShape> mixed{{37, 5}, {1, 1}, {70, 70}, {200, 1}, {18, 3}, {150, 33}};
+  // Prefill: whole prompts and chunks over existing context, several 64-key tiles and CTAs.
+  const std::vector<SeqShape> prefill{{300, 260}, {64, 64}, {129, 100}, {5, 5}, {1, 1}, {200, 17}};
   const AttentionKind kinds[] = {AttentionKind::Full, AttentionKind::Sliding, AttentionKind::NonCausal};
   Stats total;
   uint32_t seed = 100;
@@ -280,13 +296,20 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
         const int kvh = gqa == 8 ? 1 : 2;
         const Case c{dt, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, hd == 128 ? 32 : 16};
         Stats st;
-        // kernel 0 = automatic (tensor cores for head 64/128), 1 = the CUDA-core kernel.
+        // kernel 0 = automatic (tiled prefill for multi-token rows at head 64/128/256, decode
+        // tensor cores for single rows at head 64/128), 1 = CUDA cores, 2 = decode tensor
+        // cores (also what short multi-token rows, e.g. speculative verification, take).
+        // max_splits 0 = automatic (small test grids split), 1 = unsplit.
+        const bool mma_fits = hd == 64 || hd == 128;
         run_batch(c, decode, seed++, 0, 0, st);
         run_batch(c, mixed, seed++, 0, 0, st);
+        run_batch(c, prefill, seed++, 0, 0, st);
         run_batch(c, decode, seed++, 0, 1, st);
         if (!reduced()) {
           run_batch(c, mixed, seed++, 1, 0, st);
+          run_batch(c, prefill, seed++, 1, 0, st);
           run_batch(c, mixed, seed++, 0, 1, st);
+          if (mma_fits) run_batch(c, mixed, seed++, 0, 2, st);
         }
         ++cases;
         EXPECT_EQ(st.page_mismatch, 0u) << "kv_store pages differ: hd " << hd << " " << attention_kind_name(kind) << " gqa " << gqa;
@@ -297,12 +320,16 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
         total.checked += st.checked;
         total.bad += st.bad;
         total.page_mismatch += st.page_mismatch;
+        for (int k = 0; k < 4; ++k) total.runs[k] += st.runs[k];
       }
     }
   }
-  std::printf("[cuda-attention] %-20s cases=%d outputs=%zu max_abs_err=%.3e max_rel_err=%.3e out_of_tol=%zu page_byte_mismatches=%zu\n",
-              std::string(kv_cache_dtype_name(dt)).c_str(), cases, total.checked, total.max_abs, total.max_rel, total.bad,
-              total.page_mismatch);
+  std::printf("[cuda-attention] %-20s cases=%d batches rows/mma/tiled=%d/%d/%d outputs=%zu max_abs_err=%.3e "
+              "max_rel_err=%.3e out_of_tol=%zu page_byte_mismatches=%zu\n",
+              std::string(kv_cache_dtype_name(dt)).c_str(), cases, total.runs[1], total.runs[2], total.runs[3], total.checked,
+              total.max_abs, total.max_rel, total.bad, total.page_mismatch);
+  EXPECT_GT(total.runs[3], 0) << "the tiled prefill kernel never ran";
+  EXPECT_GT(total.runs[2], 0) << "the decode tensor-core kernel never ran";
 }
 
 INSTANTIATE_TEST_SUITE_P(KV, CudaAttention, ::testing::ValuesIn(kFormats),
@@ -322,6 +349,14 @@ TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {
   p.storage = DType::BF16;
   p.head_dim = 96;
   EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+  p.head_dim = 32;
+  p.kernel = 3;  // the tiled kernel takes head 64/128/256 only: an error, not a fallback
+  EXPECT_THROW(cuda::paged_attention_kernel(p), Error);
+  p.head_dim = 128;
+  p.block_size = 8;  // nor block sizes that are not multiples of 16
+  EXPECT_THROW(cuda::paged_attention_kernel(p), Error);
+  p.kernel = 0;
+  EXPECT_EQ(cuda::paged_attention_kernel(p), 1);  // automatic: the CUDA-core kernel covers it
   cuda::KVStoreParams s{.storage = DType::F8E5M2, .quant = KVQuantMode::Fp8PerTokenHead, .num_tokens = 1, .num_kv_heads = 1,
                         .head_dim = 64, .block_size = 16, .num_blocks = 1};
   EXPECT_THROW(cuda::kv_store(s, nullptr), Error);

@@ -10,8 +10,9 @@
 // Supported (storage, quant mode) pairs — anything else throws kvlm::Error naming this set:
 //   bfloat16 / float16 with none; fp8_e4m3 / fp8_e5m2 with fp8_per_tensor;
 //   fp8_e4m3 with fp8_per_token_head; int8 with int8_per_token_head.
-// Head sizes: 64 and 128 (tensor-core kernel, also the CUDA-core one), 8, 16, 32 and 256
-// (CUDA-core kernel); others throw kvlm::Error naming the set. kv_store accepts any head size.
+// Head sizes: 64 and 128 (tensor-core decode and prefill kernels, also the CUDA-core one), 256
+// (tiled prefill kernel and CUDA-core kernel), 8, 16 and 32 (CUDA-core kernel); others throw
+// kvlm::Error naming the set. kv_store accepts any head size.
 #pragma once
 
 #include <cstddef>
@@ -80,9 +81,11 @@ struct PagedAttentionParams {
   void* workspace = nullptr;              // split-KV partials, paged_attention_workspace_bytes()
   size_t workspace_bytes = 0;
   int max_splits = 0;  // 0 = choose from the device's SM count; > 0 caps (tests force splits)
-  // 0 = automatic: tensor-core kernel when head_dim is 64/128, block_size % 16 == 0 and the
-  // GQA group is <= 16, else the CUDA-core kernel. 1 = CUDA-core kernel, 2 = tensor-core
-  // kernel (kvlm::Error if the shape does not fit). For tests and the lab.
+  // 0 = automatic: with block_size % 16 == 0, the tiled tensor-core prefill kernel when
+  // max_q_len * group > 16 and head_dim is 64/128/256, else the tensor-core decode kernel when
+  // head_dim is 64/128 and the GQA group is <= 16, else the CUDA-core kernel. 1 = CUDA-core,
+  // 2 = tensor-core decode, 3 = tiled prefill (kvlm::Error if the shape does not fit). For
+  // tests and the lab.
   int kernel = 0;
 };
 // Bytes of workspace `paged_attention(p)` needs (0 when no split is used). Depends on
@@ -90,7 +93,9 @@ struct PagedAttentionParams {
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p);
 void paged_attention(const PagedAttentionParams& p, void* stream);
 
-// The number of KV splits paged_attention will use for `p` (exposed for the lab and tests).
+// The number of KV splits paged_attention will use for `p`, and the kernel it will run
+// (1, 2 or 3 as PagedAttentionParams::kernel), exposed for the lab and tests.
 int paged_attention_num_splits(const PagedAttentionParams& p);
+int paged_attention_kernel(const PagedAttentionParams& p);
 
 }  // namespace kvlm::cuda

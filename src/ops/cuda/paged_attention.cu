@@ -1,21 +1,22 @@
-// Paged attention over every KV format, reading the pages in place. Two kernels:
+// Paged attention over every KV format, reading the pages in place. Three kernels:
 //
-// - attn_mma_kernel (paged_attention_mma.cuh): tensor cores, the fast path for head 64/128,
-//   block_size % 16 == 0 and GQA groups <= 16. A CTA owns one KV head, up to 16 / group
-//   query rows of one sequence and one split of their key range.
+// - attn_mma_kernel (paged_attention_mma.cuh): tensor cores, the decode path for head
+//   64/128, block_size % 16 == 0 and GQA groups <= 16. A CTA owns one KV head, up to
+//   16 / group query rows of one sequence and one split of their key range; each warp
+//   streams its own key tiles straight from the pages.
+// - attn_prefill_kernel (paged_attention_prefill.cu): tensor cores, the multi-token path
+//   (prefill, chunked prefill) for head 64/128/256 and block_size % 16 == 0: a CTA holds
+//   64-128 (query row, head) pairs in shared memory and streams K/V tiles once for all.
 // - attn_rows_kernel (paged_attention_rows.cuh): CUDA cores, any GQA group, head sizes
 //   8/16/32 (paged_attention_small.cu) and 64/128/256, any block size. A CTA owns one query
 //   row, one KV head (up to 8 of its query heads) and one split.
 //
-// In both the visible range comes from each row's position and the mask, so causal /
+// In all three the visible range comes from each row's position and the mask, so causal /
 // sliding / non-causal and ragged batches mixing decode rows with prefill chunks go through
 // the same code. When the grid would not fill the GPU (few rows, long contexts: decode),
 // the key range is split across CTAs and `attn_reduce_kernel` merges the partial (max, sum,
-// output) triples. The split count comes from one function, make_plan, shared with
+// output) triples. Kernel and split count come from one function, make_plan, shared with
 // paged_attention_workspace_bytes.
-//
-// Multi-token rows are served correctly but not efficiently yet (no query tiling beyond
-// 16 / group rows per CTA); a tiled prefill kernel is the next increment.
 
 #include "ops/cuda/paged_attention_rows.cuh"
 #include "ops/cuda/paged_attention_mma.cuh"
@@ -59,6 +60,7 @@ int mma_ctas_per_sm() {
 // Which kernel runs, its grid shape and its split count: one function, shared by the
 // launcher and paged_attention_workspace_bytes so they cannot disagree.
 struct Plan {
+  int kernel = 1;  // 1 CUDA cores, 2 decode tensor cores, 3 tiled prefill (PagedAttentionParams::kernel)
   bool mma = false;
   int group = 1, head_chunks = 1, rows_per_cta = 1, row_groups = 1, splits = 1;
   int64_t ctas_per_split = 1;
@@ -68,11 +70,28 @@ Plan make_plan(const PagedAttentionParams& p) {
   Plan pl;
   pl.group = p.num_q_heads / p.num_kv_heads;
   const bool mma_fits = (p.head_dim == 64 || p.head_dim == 128) && p.block_size % 16 == 0 && pl.group <= 16;
+  const bool tiled_fits = (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && p.block_size % 16 == 0 &&
+                          pl.group <= prefill_rows_per_cta(p.head_dim);
   if (p.kernel == 2 && !mma_fits)
     throw Error("CUDA paged attention: the tensor-core kernel needs head_dim 64 or 128, block_size % 16 == 0 and at "
                 "most 16 query heads per kv head");
-  pl.mma = p.kernel == 2 || (p.kernel == 0 && mma_fits);
-  if (pl.mma) {
+  if (p.kernel == 3 && !tiled_fits)
+    throw Error("CUDA paged attention: the tiled prefill kernel needs head_dim 64, 128 or 256, block_size % 16 == 0 "
+                "and a GQA group that fits its M tile");
+  if (p.kernel < 0 || p.kernel > 3) throw Error("CUDA paged attention: kernel must be 0 (automatic), 1, 2 or 3");
+  // Automatic: the tiled kernel once the rows of a sequence exceed one mma M tile (16 (row,
+  // head) pairs: more than 4 query tokens at GQA 4), the decode kernel below that, the
+  // CUDA-core kernel for what neither covers.
+  if (p.kernel != 0) pl.kernel = p.kernel;
+  else if (tiled_fits && int64_t(p.max_q_len) * pl.group > 16) pl.kernel = 3;
+  else if (mma_fits) pl.kernel = 2;
+  else pl.kernel = 1;
+  pl.mma = pl.kernel == 2;
+  if (pl.kernel == 3) {
+    pl.rows_per_cta = prefill_rows_per_cta(p.head_dim) / pl.group;
+    pl.row_groups = (p.max_q_len + pl.rows_per_cta - 1) / pl.rows_per_cta;
+    pl.ctas_per_split = int64_t(p.num_seqs) * pl.row_groups * p.num_kv_heads;
+  } else if (pl.mma) {
     pl.rows_per_cta = 16 / pl.group;
     pl.row_groups = (p.max_q_len + pl.rows_per_cta - 1) / pl.rows_per_cta;
     pl.ctas_per_split = int64_t(p.num_seqs) * pl.row_groups * p.num_kv_heads;
@@ -86,7 +105,9 @@ Plan make_plan(const PagedAttentionParams& p) {
   // pipeline fill, warp merge, partial write, reduction); pick the s minimising it (64 x 1k
   // FP8 split 3-way ran 20% slower than unsplit: the fixed cost is real). Splits >= 128 keys.
   int per_sm = 4;  // CUDA-core kernel: ~128 registers, static shared memory
-  if (pl.mma) {
+  if (pl.kernel == 3) {
+    per_sm = prefill_ctas_per_sm(p);
+  } else if (pl.mma) {
     dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
       using Fmt = decltype(fmt);
       per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64>() : mma_ctas_per_sm<Fmt, 128>();
@@ -144,6 +165,11 @@ void validate(const PagedAttentionParams& p) {
 
 int paged_attention_num_splits(const PagedAttentionParams& p) { return make_plan(p).splits; }
 
+int paged_attention_kernel(const PagedAttentionParams& p) {
+  validate(p);
+  return make_plan(p).kernel;
+}
+
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
   const int s = paged_attention_num_splits(p);
   if (s <= 1) return 0;
@@ -171,6 +197,7 @@ void paged_attention(const PagedAttentionParams& p, void* stream) {
       a.part_ml = a.part_o + size_t(p.num_tokens) * p.num_q_heads * a.num_splits * p.head_dim;
     }
     const auto st = static_cast<cudaStream_t>(stream);
+    if (pl.kernel == 3) return launch_prefill(a, st);
     switch (p.head_dim) {
       case 64: launch_hd<Fmt, 64>(a, pl.mma, st); break;
       case 128: launch_hd<Fmt, 128>(a, pl.mma, st); break;

@@ -333,4 +333,10 @@ void launch_rows(const RowsArgs& a, cudaStream_t st) {
 // Head sizes 8, 16 and 32 (CUDA-core kernel), compiled in paged_attention_small.cu.
 void launch_rows_small_heads(const RowsArgs& a, cudaStream_t st);
 
+// The tiled multi-token kernel (paged_attention_prefill.cu), head sizes 64/128/256: M rows
+// ((query token, head) pairs) per CTA, resident CTAs per SM, and the launch (+ reduction).
+int prefill_rows_per_cta(int head_dim);
+int prefill_ctas_per_sm(const PagedAttentionParams& p);
+void launch_prefill(const RowsArgs& a, cudaStream_t st);
+
 }  // namespace kvlm::cuda

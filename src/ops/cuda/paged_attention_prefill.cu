@@ -1,0 +1,887 @@
+// Tiled paged attention for multi-token queries (prefill, chunked prefill, any block of
+// queries over existing context), FlashAttention-2 style on mma.sync m16n8k16 tensor cores,
+// for every KV format, head sizes 64 / 128 / 256, causal / sliding / non-causal masks.
+//
+// Why a second tensor-core kernel: the decode kernel (paged_attention_mma.cuh) puts 16 /
+// group query rows of one sequence in a CTA and streams their keys from global memory per
+// warp, so a 4k prompt re-reads its K/V once per 4 query rows: 65 TFLOP/s at 4k
+// (docs/results/kernel-lab.md). Here a CTA holds BM = 128 (head 256: 64) M rows in
+// shared memory — (query token, head of the GQA group) pairs, m = token * group + head, so
+// every head of a KV group shares each K/V tile — and streams BN-key tiles of K and V
+// through shared memory once for all of them; the 4 warps each own 16 * MT M rows.
+//
+// Per tile: S = Q K^T (ldmatrix from swizzled shared memory, fp32 accumulators), mask,
+// online softmax in the exp2 domain, P (rounded to the mma type: bf16 for a bf16 cache,
+// f16 otherwise, as FlashAttention and cuDNN do; the tests bound the resulting error) times V.
+// Loads: cp.async into a 2-stage ring, the next tile streaming while this one is computed.
+// 16-bit caches land directly in the swizzled layout the mma operands are read from; 1-byte
+// caches (FP8 E4M3/E5M2, INT8) land raw and are expanded exactly to f16 in shared memory
+// once per tile (every fp8 and int8 value is an f16), the scales staying out of the codes:
+// per-tensor K scale folded into the score scale, V scale applied to the output,
+// per-token-head K scales multiplied into S per key, V scales into P per key (as the decode
+// kernel does). Keys outside the CTA's range are zero-filled, never read: stale page rows
+// may hold NaN, and 0 * NaN in P.V would poison a row.
+//
+// Split-KV (a short chunk over a long context does not fill the GPU) uses the decode path's
+// partials and reduction kernel. CTAs are issued heaviest first (the last query rows of a
+// causal prompt see the most keys), so the tail of the grid is short CTAs.
+#include <cstdlib>
+#include <string_view>
+#include <type_traits>
+
+#include "ops/cuda/paged_attention_rows.cuh"
+#include "ops/cuda/paged_attention_mma.cuh"
+#include "ops/cuda/wgmma.cuh"
+
+namespace kvlm::cuda {
+namespace {
+
+constexpr int kPrefillWarps = 4;
+
+template <int HD>
+struct PrefillTile {
+  static constexpr int MT = HD <= 128 ? 2 : 1;            // m16 tiles per warp
+  static constexpr int BM = 16 * MT * kPrefillWarps;      // M rows per CTA: 128 or 64
+  static constexpr int BN = HD <= 128 ? 64 : 32;          // keys per tile
+};
+
+// Where a key's row lives: (page of the key, slot in the page) through the block table, as
+// a row index into the layer's pages for one kv head: page * (num_kv_heads * bs) + kvh * bs
+// + slot. Block sizes are powers of two in practice (16 by default): a shift and a mask then,
+// a division otherwise (an integer division is ~20 instructions, and the loads run it per
+// 16-byte piece).
+struct PageRows {
+  static __device__ int log2_if_pow2(int n) {
+    if (n <= 0 || (n & (n - 1)) != 0) return -1;
+    int s = 0;
+    while ((1 << s) < n) ++s;
+    return s;
+  }
+  const BlockId* table;
+  int bs, shift;      // shift = log2(bs), or -1
+  int64_t page_rows;  // num_kv_heads * bs
+  int head_row;       // kvh * bs
+  __device__ PageRows(const PagedAttentionParams& p, int seq, int kvh)
+      : table(p.block_tables + size_t(seq) * p.max_blocks_per_seq),
+        bs(p.block_size),
+        shift(log2_if_pow2(p.block_size)),
+        page_rows(int64_t(p.num_kv_heads) * p.block_size),
+        head_row(kvh * p.block_size) {}
+  __device__ __forceinline__ int64_t row(int key) const {
+    int blk, slot;
+    if (shift >= 0) {
+      blk = key >> shift;
+      slot = key & (bs - 1);
+    } else {
+      blk = key / bs;
+      slot = key - blk * bs;
+    }
+    return int64_t(__ldg(table + blk)) * page_rows + head_row + slot;
+  }
+};
+
+template <class Fmt, int HD>
+struct PrefillSmem {
+  static constexpr int ESZ = sizeof(typename Fmt::Code);
+  static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
+  static constexpr int BM = PrefillTile<HD>::BM, BN = PrefillTile<HD>::BN;
+  static constexpr size_t q = size_t(BM) * HD * 2;                 // f16/bf16 Q, swizzled
+  static constexpr size_t kv = size_t(BN) * HD * ESZ;              // one K (or V) tile as stored
+  static constexpr size_t scales = kPTH ? 2 * BN * sizeof(float) : 0;
+  static constexpr size_t stage = 2 * kv + scales;                 // K, V, K scales, V scales
+  static constexpr size_t conv = ESZ == 1 ? 2 * size_t(BN) * HD * 2 : 0;  // expanded K, V (f16)
+  static constexpr size_t total = q + 2 * stage + conv;
+};
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// 16-bit tiles in shared memory: row r holds HD values as HD / 8 chunks of 16 B, chunk c
+// stored at position c ^ (r % 8), so the 8 rows an ldmatrix phase reads at one column hit 8
+// different bank groups (an unswizzled 256 B row stride is an 8-way conflict).
+template <int HD>
+__device__ __forceinline__ int swz(int r, int c) {
+  return r * (HD / 8) + (c ^ (r & 7));
+}
+
+// Per-key factors of a tile, once per tile: kf = the score scale (times the key's K scale),
+// vf = the P factor (the key's V scale times kPScale). Keys outside [t0, t1) get 0: their
+// scale slots may be stale or NaN, and a 0 never carries a NaN into S or P.
+template <int NT, bool kPTH>
+__device__ __forceinline__ void key_factors(float (&kf)[NT][2], float (&vf)[NT][2], float sscale, const float* ksc,
+                                            const float* vsc, float p_scale, int kb, int t, int t0, int t1) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      kf[nt][e] = sscale;
+      vf[nt][e] = 1.0f;
+      if constexpr (kPTH) {
+        const int kj = nt * 8 + 2 * t + e;
+        const bool ok = kb + kj >= t0 && kb + kj < t1;
+        kf[nt][e] = ok ? sscale * ksc[kj] : 0.0f;
+        vf[nt][e] = ok ? vsc[kj] * p_scale : 0.0f;
+      }
+    }
+}
+
+// Mask and online softmax for the two M rows (g, g + 8) a thread holds in one m16 slice of
+// S (the m16n8 accumulator layout, the same for mma.sync and wgmma: s[nt][e] is row g + 8
+// (e >> 1), key kb + 8 nt + 2t + (e & 1)). Updates the running max / sum and rescales o;
+// leaves P (times the V factors) in s.
+template <int NT, int DT, bool kPTH>
+__device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&o)[DT][4], float (&m_run)[2], float (&l_run)[2],
+                                             const float (&kf)[NT][2], const float (&vf)[NT][2], bool full, int kb,
+                                             int t, const int (&rlo)[2], const int (&rhi)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kj = nt * 8 + 2 * t + e;
+        float x = s[nt][2 * i + e] * kf[nt][e];
+        if (!full && (kb + kj < rlo[i] || kb + kj >= rhi[i])) x = -INFINITY;
+        s[nt][2 * i + e] = x;
+        mx = fmaxf(mx, x);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run[i], mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
+    const float corr = exp2f(m_run[i] - m_use);
+    m_run[i] = m_new;
+    l_run[i] *= corr;
+    // Rescale only when some row of the warp moved its max (most tiles after the first few
+    // do not): DT * 2 multiplies per row.
+    if (__any_sync(0xffffffffu, corr != 1.0f)) {
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        o[d][2 * i] *= corr;
+        o[d][2 * i + 1] *= corr;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(s[nt][2 * i + e] - m_use);
+        l_run[i] += pe;
+        s[nt][2 * i + e] = kPTH ? pe * vf[nt][e] : pe;
+      }
+  }
+}
+
+// The epilogue of one thread's two M rows in one m16 slice: o / l to bf16 output, or the
+// unnormalised partial and (max, sum) for the split-KV reduction.
+template <int HD>
+__device__ __forceinline__ void store_rows(const RowsArgs& a, const float (&o)[HD / 8][4], const float (&m_run)[2],
+                                           const float (&l_run)[2], int m0, int mrows, int G, size_t row0, int kvh,
+                                           int split, int t, float vscale, float p_scale) {
+  const PagedAttentionParams& p = a.p;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float L = l_run[i];
+    L += __shfl_xor_sync(0xffffffffu, L, 1);
+    L += __shfl_xor_sync(0xffffffffu, L, 2);
+    const int m = m0 + 8 * i;
+    if (m >= mrows) continue;
+    const size_t row = row0 + size_t(m / G);
+    const int h = kvh * G + m % G;
+    if (a.num_splits == 1) {
+      const float inv = L > 0.0f ? vscale / (p_scale * L) : 0.0f;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + (row * p.num_q_heads + h) * HD);
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) dst[4 * d + t] = mma::pack2<true>(o[d][2 * i] * inv, o[d][2 * i + 1] * inv);
+    } else {
+      const size_t pi = (row * p.num_q_heads + h) * a.num_splits + split;
+      const float f = vscale / p_scale;
+      float2* dst = reinterpret_cast<float2*>(a.part_o + pi * HD);
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) dst[4 * d + t] = make_float2(o[d][2 * i] * f, o[d][2 * i + 1] * f);
+      if (t == 0) {
+        a.part_ml[2 * pi] = m_run[i];
+        a.part_ml[2 * pi + 1] = L;
+      }
+    }
+  }
+}
+
+template <class Fmt, int HD>
+__global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(const RowsArgs a) {
+  allow_dependents();
+  using Tile = PrefillTile<HD>;
+  using Sm = PrefillSmem<Fmt, HD>;
+  constexpr int MT = Tile::MT, BM = Tile::BM, BN = Tile::BN;
+  constexpr bool kBF = mma::MmaCodec<Fmt>::kBF16;
+  constexpr int ESZ = Sm::ESZ;
+  constexpr bool kPTH = Sm::kPTH;
+  constexpr int RB = HD * ESZ;   // bytes of one stored K/V row
+  constexpr int CPR = HD / 8;    // 16-byte chunks per 16-bit row
+  constexpr int NT = BN / 8;     // n-tiles of S
+  constexpr int DT = HD / 8;     // n-tiles of O
+  constexpr int THREADS = kPrefillWarps * 32;
+  // Per-token-head V scales ride on P times 2^8 (f16 range, as in the decode kernel).
+  constexpr float kPScale = kPTH ? 256.0f : 1.0f;
+
+  const PagedAttentionParams& p = a.p;
+  const int G = a.group;
+  const int tpc = a.rows_per_cta;  // query tokens per CTA (BM / G)
+  const int seq = int(blockIdx.x) / a.row_groups;
+  const int r0 = (a.row_groups - 1 - int(blockIdx.x) % a.row_groups) * tpc;  // heaviest rows first
+  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
+  if (r0 >= q_len) return;  // CTA-uniform: this sequence has fewer rows
+  const int ntok = min(tpc, q_len - r0);
+  const int mrows = ntok * G;
+  const int kv_len = p.kv_lens[seq];
+  const int pos0 = kv_len - q_len + r0;
+
+  // Visible ranges grow with the position (causal, sliding) or are all [0, kv_len): the CTA's
+  // union is [lo(first token), hi(last token)); split across blockIdx.z in 16-key multiples.
+  int lo_first, hi_first, lo_last, hi_last;
+  visible_range(p, pos0, kv_len, lo_first, hi_first);
+  visible_range(p, pos0 + ntok - 1, kv_len, lo_last, hi_last);
+  const int n = max(0, hi_last - lo_first);
+  const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
+  const int t0 = lo_first + split * per_split, t1 = min(hi_last, t0 + per_split);
+  // A tile inside [lo_inner, hi_inner) is visible to every row: no mask.
+  const int lo_inner = max(lo_last, t0), hi_inner = min(hi_first, t1);
+
+  const int row_base = warp * 16 * MT;
+  const bool warp_active = row_base < mrows;  // warp-uniform: no valid M row -> skip the math
+  int rlo[MT][2], rhi[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int m = row_base + mt * 16 + g + 8 * i;
+      rlo[mt][i] = t0;
+      rhi[mt][i] = t1;  // rows past the CTA's tokens compute on zero queries, never stored
+      if (m < mrows) {
+        visible_range(p, pos0 + m / G, kv_len, rlo[mt][i], rhi[mt][i]);
+        rlo[mt][i] = max(rlo[mt][i], t0);
+        rhi[mt][i] = min(rhi[mt][i], t1);
+      }
+    }
+
+  extern __shared__ uint4 smem_u4[];
+  char* const smem = reinterpret_cast<char*>(smem_u4);
+  uint4* const sQ = smem_u4;
+  char* const stages = smem + Sm::q;
+  uint4* const sConv = reinterpret_cast<uint4*>(stages + 2 * Sm::stage);  // 1-byte caches only
+
+  const char* kbase = static_cast<const char*>(p.k_cache);
+  const char* vbase = static_cast<const char*>(p.v_cache);
+  const PageRows pr(p, seq, kvh);
+  const int base0 = t0 & ~15;
+  const int ntiles = t1 > t0 ? (t1 - base0 + BN - 1) / BN : 0;
+
+  // Tile j: keys [base0 + j * BN, + BN) into stage j % 2. Rows are 16-key runs of one page
+  // (block_size % 16 == 0), located through the block table per 16-byte piece.
+  auto issue = [&](int j) {
+    const int kb = base0 + j * BN;
+    char* st = stages + (j & 1) * Sm::stage;
+    constexpr int PIECES = BN * RB / 16;
+    static_assert(PIECES % THREADS == 0, "tile pieces must divide among the threads");
+#pragma unroll
+    for (int it = 0; it < PIECES / THREADS; ++it) {
+      const int i = tid + it * THREADS;
+      const int r = i / (RB / 16), c = i % (RB / 16);
+      const int key = kb + r;
+      const bool ok = key >= t0 && key < t1;
+      size_t off = 0;
+      if (ok) off = size_t(pr.row(key)) * RB + c * 16;
+      const int dst = ESZ == 2 ? swz<HD>(r, c) * 16 : i * 16;
+      mma::cp_async16(st + dst, kbase + off, ok ? 16 : 0);
+      mma::cp_async16(st + Sm::kv + dst, vbase + off, ok ? 16 : 0);
+    }
+    if constexpr (kPTH) {
+      // 4 scales per piece: K's BN / 4 pieces, then V's. A piece's 16-key run is loaded when
+      // it overlaps [t0, t1) (its page exists); stale entries of masked keys never reach the
+      // math (S is selected to -inf, P to 0 before the V scale multiplies it).
+      if (tid < BN / 2) {
+        const bool is_v = tid >= BN / 4;
+        const int r = (tid % (BN / 4)) * 4;
+        const int run = (kb + r) & ~15;
+        const bool ok = run < t1 && run + 16 > t0;
+        size_t off = 0;
+        if (ok) off = size_t(pr.row(kb + r));
+        const float* src = (is_v ? p.v_token_scale : p.k_token_scale) + off;
+        mma::cp_async16(st + 2 * Sm::kv + (is_v ? BN * 4 : 0) + r * 4, src, ok ? 16 : 0);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  if (ntiles > 0) issue(0);
+
+  // Q: M row m is query token r0 + m / G, head kvh * G + m % G (zero past the CTA's rows),
+  // converted to f16 when the cache's mma type is f16.
+  static_assert(BM * CPR % THREADS == 0, "Q chunks must divide among the threads");
+#pragma unroll 4
+  for (int it = 0; it < BM * CPR / THREADS; ++it) {
+    const int i = tid + it * THREADS;
+    const int m = i / CPR, c = i % CPR;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (m < mrows) {
+      v = __ldg(reinterpret_cast<const uint4*>(p.q + (size_t(q_begin + r0 + m / G) * p.num_q_heads + kvh * G + m % G) * HD) + c);
+      if constexpr (!kBF) {
+        v.x = mma::pack2<false>(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u));
+        v.y = mma::pack2<false>(__uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+        v.z = mma::pack2<false>(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u));
+        v.w = mma::pack2<false>(__uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+      }
+    }
+    sQ[swz<HD>(m, c)] = v;
+  }
+
+  // Score scale: softmax_scale * log2(e) * per-tensor K scale; V's per-tensor scale at the end.
+  float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTensor) {
+    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
+    sscale *= p.k_tensor_scale[si];
+    vscale = p.v_tensor_scale[si];
+  }
+
+  float o[MT][DT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int d = 0; d < DT; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.0f;
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = -INFINITY, l_run[mt][0] = l_run[mt][1] = 0.0f;
+
+  // Per-thread ldmatrix row offsets (uint4 units) and swizzled low chunk bits. Q and V rows
+  // take chunk 2i + lane / 16, K rows chunk 2i + (lane / 8) % 2 (fragment order of m16n8k16).
+  const int q_row = (row_base + (lane & 15)) * CPR;
+  const int k_row = ((lane & 7) + ((lane >> 4) << 3)) * CPR;
+  const int v_row = ((lane & 7) + (((lane >> 3) & 1) << 3)) * CPR;
+  int qx[4], kx[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    qx[i] = (2 * i + (lane >> 4)) ^ (lane & 7);
+    kx[i] = (2 * i + ((lane >> 3) & 1)) ^ (lane & 7);
+  }
+
+  for (int j = 0; j < ntiles; ++j) {
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // tile j landed for everyone; everyone is done with tile j - 1
+    if (j + 1 < ntiles) issue(j + 1);
+    const char* st = stages + (j & 1) * Sm::stage;
+    const uint4* sK = reinterpret_cast<const uint4*>(st);
+    const uint4* sV = reinterpret_cast<const uint4*>(st + Sm::kv);
+    if constexpr (ESZ == 1) {
+      // Expand the codes exactly to f16, swizzled: raw chunk c of a row (16 codes) becomes
+      // the f16 chunks 2c and 2c + 1.
+      uint4* cK = sConv;
+      uint4* cV = sConv + BN * CPR;
+      constexpr int PIECES = BN * RB / 16;
+#pragma unroll
+      for (int it = 0; it < PIECES / THREADS; ++it) {
+        const int i = tid + it * THREADS;
+        const int r = i / (RB / 16), c = i % (RB / 16);
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+          const uint4 raw = (kv ? sV : sK)[i];
+          uint32_t w[8];
+          mma::to_pairs<Fmt, 16>(&raw, w);
+          uint4* dst = kv ? cV : cK;
+          dst[swz<HD>(r, 2 * c)] = make_uint4(w[0], w[1], w[2], w[3]);
+          dst[swz<HD>(r, 2 * c + 1)] = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+      }
+      __syncthreads();
+      sK = cK;
+      sV = cV;
+    }
+    if (!warp_active) continue;
+    const int kb = base0 + j * BN;
+    const float* ksc = reinterpret_cast<const float*>(st + 2 * Sm::kv);
+    const float* vsc = ksc + BN;
+
+    // S = Q K^T. Operand addresses: every ldmatrix row index r has r % 8 == lane % 8, so the
+    // swizzled chunk of logical chunk c is (c & ~7) | ((c & 7) ^ (lane & 7)): a compile-time
+    // part plus one of 4 per-thread values (qx / kx below), keeping address registers few.
+    float s[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      uint32_t qa[MT][4];
+      const int qc = (2 * kc & ~7) + qx[kc % 4], kc_ = (2 * kc & ~7) + kx[kc % 4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], sQ + q_row + mt * 16 * CPR + qc);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t kf[4];
+        ldsm_x4(kf, sK + k_row + np * 16 * CPR + kc_);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma::mma16816<kBF>(s[mt][2 * np], qa[mt], kf[0], kf[1]);
+          mma::mma16816<kBF>(s[mt][2 * np + 1], qa[mt], kf[2], kf[3]);
+        }
+      }
+    }
+
+    const bool full = kb >= lo_inner && kb + BN <= hi_inner;
+    float kf[NT][2], vf[NT][2];
+    key_factors<NT, kPTH>(kf, vf, sscale, ksc, vsc, kPScale, kb, t, t0, t1);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) softmax_rows<NT, DT, kPTH>(s[mt], o[mt], m_run[mt], l_run[mt], kf, vf, full, kb, t, rlo[mt], rhi[mt]);
+
+    // O += P V: the S accumulators of n-tiles 2kk and 2kk + 1 are the A fragment of k-step kk.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = mma::pack2<kBF>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = mma::pack2<kBF>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = mma::pack2<kBF>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = mma::pack2<kBF>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        uint32_t vf[4];
+        ldsm_x4_trans(vf, sV + v_row + kk * 16 * CPR + (2 * dp & ~7) + qx[dp % 4]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma::mma16816<kBF>(o[mt][2 * dp], pa[mt], vf[0], vf[1]);
+          mma::mma16816<kBF>(o[mt][2 * dp + 1], pa[mt], vf[2], vf[3]);
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  if (!warp_active) return;
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    store_rows<HD>(a, o[mt], m_run[mt], l_run[mt], row_base + mt * 16 + g, mrows, G, size_t(q_begin + r0), kvh, split, t,
+                   vscale, kPScale);
+}
+
+// ---------------------------------------------------------------------------------------
+// Hopper (sm_90a): the same algorithm with warpgroup MMAs. Two warpgroups of 4 warps, 64 M
+// rows each (BM = 128 as above, so the plan's rows per CTA do not change), BN = 64 keys per
+// tile. S = Q K^T: HD / 16 wgmma m64n64k16 with Q and K read from shared memory through
+// descriptors; O += P V: BN / 16 wgmma m64n{HD}k16 with P in registers (the S accumulators
+// rounded: the m64 accumulator layout is the A-fragment layout per warp) and V read
+// transposed from shared memory. Tiles are stored in the 128-byte-swizzled layout the
+// descriptors describe (wgmma.cuh); loading, conversion of 1-byte codes, masking and the
+// softmax are those of the mma.sync kernel. Head sizes 64 and 128; 256 stays on mma.sync.
+constexpr int kWgWarps = 8;
+
+template <class Fmt, int HD>
+struct WgSmem {
+  static constexpr int ESZ = sizeof(typename Fmt::Code);
+  static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
+  static constexpr int BM = 128, BN = 64;
+  static_assert(BM == PrefillTile<HD>::BM, "both kernels must take the plan's rows per CTA");
+  static constexpr size_t q = size_t(BM) * HD * 2;
+  static constexpr size_t tile16 = size_t(BN) * HD * 2;  // one K or V tile, 16-bit
+  static constexpr size_t raw = size_t(BN) * HD * ESZ;   // one K or V tile as stored
+  static constexpr int kStages = 3;                      // tiles j, j + 1 landed, j + 2 loading
+  static constexpr size_t stage = 2 * raw;               // K then V
+  static constexpr size_t conv = ESZ == 1 ? 2 * 2 * tile16 : 0;  // 1-byte: tiles j and j + 1 expanded
+  static constexpr size_t scales = q + kStages * stage + conv;   // per stage: BN K, BN V scales
+  static constexpr size_t total = scales + (kPTH ? kStages * 2 * BN * sizeof(float) : 0) + 1024;  // + alignment
+};
+
+// Chunk index (uint4 units) of row r, 8-value chunk c of a 16-bit tile of R rows in the
+// 128-byte-swizzled layout: 64-value column blocks of R x 128 B, chunk (c % 8) ^ (r % 8).
+template <int R>
+__device__ __forceinline__ int sw128(int r, int c) {
+  return (c >> 3) * (R * 8) + r * 8 + ((c & 7) ^ (r & 7));
+}
+
+// Head 128 holds 64 O + 32 S accumulators and the P fragments per thread: at 128 registers
+// (2 CTAs per SM) ptxas serialises the wgmmas, so it gets the full register file (1 CTA).
+template <class Fmt, int HD>
+__global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill_wgmma_kernel(const RowsArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  allow_dependents();
+  using Sm = WgSmem<Fmt, HD>;
+  constexpr int BM = Sm::BM, BN = Sm::BN;
+  constexpr bool kBF = mma::MmaCodec<Fmt>::kBF16;
+  constexpr int ESZ = Sm::ESZ;
+  constexpr bool kPTH = Sm::kPTH;
+  constexpr int RB = HD * ESZ;
+  constexpr int CPR = HD / 8;
+  constexpr int NT = BN / 8;
+  constexpr int DT = HD / 8;
+  constexpr int THREADS = kWgWarps * 32;
+  constexpr float kPScale = kPTH ? 256.0f : 1.0f;
+
+  const PagedAttentionParams& p = a.p;
+  const int G = a.group;
+  const int tpc = a.rows_per_cta;
+  const int seq = int(blockIdx.x) / a.row_groups;
+  const int r0 = (a.row_groups - 1 - int(blockIdx.x) % a.row_groups) * tpc;  // heaviest rows first
+  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2;
+
+  const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
+  if (r0 >= q_len) return;
+  const int ntok = min(tpc, q_len - r0);
+  const int mrows = ntok * G;
+  const int kv_len = p.kv_lens[seq];
+  const int pos0 = kv_len - q_len + r0;
+
+  int lo_first, hi_first, lo_last, hi_last;
+  visible_range(p, pos0, kv_len, lo_first, hi_first);
+  visible_range(p, pos0 + ntok - 1, kv_len, lo_last, hi_last);
+  const int n = max(0, hi_last - lo_first);
+  const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
+  const int t0 = lo_first + split * per_split, t1 = min(hi_last, t0 + per_split);
+  const int lo_inner = max(lo_last, t0), hi_inner = min(hi_first, t1);
+
+  // This warp's 16 M rows: warp * 16 .. + 15 (warpgroup wg owns rows 64 wg .. 64 wg + 63).
+  const int row_base = warp * 16;
+  const bool wg_active = wg * 64 < mrows;  // warpgroup-uniform: wgmma needs all 4 warps
+  int rlo[2], rhi[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int m = row_base + g + 8 * i;
+    rlo[i] = t0;
+    rhi[i] = t1;
+    if (m < mrows) {
+      visible_range(p, pos0 + m / G, kv_len, rlo[i], rhi[i]);
+      rlo[i] = max(rlo[i], t0);
+      rhi[i] = min(rhi[i], t1);
+    }
+  }
+
+  extern __shared__ uint4 smem_u4[];
+  // The swizzle pattern repeats every 1024 B and the descriptors assume aligned tiles.
+  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem_u4));
+  char* const smem = reinterpret_cast<char*>(smem_u4) + ((1024 - (sbase & 1023)) & 1023);
+  uint4* const sQ = reinterpret_cast<uint4*>(smem);
+  char* const stages = smem + Sm::q;
+  uint4* const sConv = reinterpret_cast<uint4*>(stages + Sm::kStages * Sm::stage);
+  float* const sScales = reinterpret_cast<float*>(smem + Sm::scales);
+
+  const char* kbase = static_cast<const char*>(p.k_cache);
+  const char* vbase = static_cast<const char*>(p.v_cache);
+  const PageRows pr(p, seq, kvh);
+  const int base0 = t0 & ~15;
+  const int ntiles = t1 > t0 ? (t1 - base0 + BN - 1) / BN : 0;
+
+  // Tile j into stage j % 3. Always commits a group (empty past the last tile), so that
+  // "wait_group 1" always means "all but the newest tile landed".
+  auto issue = [&](int j) {
+    if (j >= ntiles) {
+      asm volatile("cp.async.commit_group;\n" ::);
+      return;
+    }
+    const int kb = base0 + j * BN;
+    char* st = stages + (j % Sm::kStages) * Sm::stage;
+    constexpr int PIECES = BN * RB / 16;
+    static_assert(PIECES % THREADS == 0, "tile pieces must divide among the threads");
+#pragma unroll
+    for (int it = 0; it < PIECES / THREADS; ++it) {
+      const int i = tid + it * THREADS;
+      const int r = i / (RB / 16), c = i % (RB / 16);
+      const int key = kb + r;
+      const bool ok = key >= t0 && key < t1;
+      size_t off = 0;
+      if (ok) off = size_t(pr.row(key)) * RB + c * 16;
+      const int dst = ESZ == 2 ? sw128<BN>(r, c) * 16 : i * 16;
+      mma::cp_async16(st + dst, kbase + off, ok ? 16 : 0);
+      mma::cp_async16(st + Sm::raw + dst, vbase + off, ok ? 16 : 0);
+    }
+    if constexpr (kPTH) {
+      if (tid < BN / 2) {
+        const bool is_v = tid >= BN / 4;
+        const int r = (tid % (BN / 4)) * 4;
+        const int run = (kb + r) & ~15;
+        const bool ok = run < t1 && run + 16 > t0;
+        size_t off = 0;
+        if (ok) off = size_t(pr.row(kb + r));
+        const float* src = (is_v ? p.v_token_scale : p.k_token_scale) + off;
+        mma::cp_async16(sScales + (j % Sm::kStages) * 2 * BN + (is_v ? BN : 0) + r, src, ok ? 16 : 0);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  issue(0);
+  issue(1);
+
+  static_assert(BM * CPR % THREADS == 0, "Q chunks must divide among the threads");
+#pragma unroll 4
+  for (int it = 0; it < BM * CPR / THREADS; ++it) {
+    const int i = tid + it * THREADS;
+    const int m = i / CPR, c = i % CPR;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (m < mrows) {
+      v = __ldg(reinterpret_cast<const uint4*>(p.q + (size_t(q_begin + r0 + m / G) * p.num_q_heads + kvh * G + m % G) * HD) + c);
+      if constexpr (!kBF) {
+        v.x = mma::pack2<false>(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u));
+        v.y = mma::pack2<false>(__uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+        v.z = mma::pack2<false>(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u));
+        v.w = mma::pack2<false>(__uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+      }
+    }
+    sQ[sw128<BM>(m, c)] = v;
+  }
+
+  float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTensor) {
+    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
+    sscale *= p.k_tensor_scale[si];
+    vscale = p.v_tensor_scale[si];
+  }
+
+  float o[DT][4];
+#pragma unroll
+  for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+  // Expands tile j's 1-byte codes to f16 in conversion buffer j % 2 (the mma.sync kernel's
+  // conversion, into the swizzled layout).
+  auto convert = [&](int j) {
+    if constexpr (ESZ == 1) {
+      const char* st = stages + (j % Sm::kStages) * Sm::stage;
+      uint4* cK = sConv + (j & 1) * 2 * BN * CPR;
+      uint4* cV = cK + BN * CPR;
+      constexpr int PIECES = BN * RB / 16;
+#pragma unroll
+      for (int it = 0; it < PIECES / THREADS; ++it) {
+        const int i = tid + it * THREADS;
+        const int r = i / (RB / 16), c = i % (RB / 16);
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+          const uint4 raw = reinterpret_cast<const uint4*>(st + kv * Sm::raw)[i];
+          uint32_t w[8];
+          mma::to_pairs<Fmt, 16>(&raw, w);
+          uint4* dst = kv ? cV : cK;
+          dst[sw128<BN>(r, 2 * c)] = make_uint4(w[0], w[1], w[2], w[3]);
+          dst[sw128<BN>(r, 2 * c + 1)] = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+      }
+    }
+  };
+  // The K and V tiles wgmma reads for tile j.
+  auto tile_k = [&](int j) -> const char* {
+    if constexpr (ESZ == 1) return reinterpret_cast<const char*>(sConv + (j & 1) * 2 * BN * CPR);
+    return stages + (j % Sm::kStages) * Sm::stage;
+  };
+  auto tile_v = [&](int j) -> const char* {
+    if constexpr (ESZ == 1) return reinterpret_cast<const char*>(sConv + (j & 1) * 2 * BN * CPR + BN * CPR);
+    return stages + (j % Sm::kStages) * Sm::stage + Sm::raw;
+  };
+  const uint64_t dq0 = wgmma::desc_sw128(smem + wg * 64 * 128, 16, 1024);
+  // S = Q K_j^T over HD / 16 k-steps (32 B further into the 128-B rows per step, the next
+  // 64-column block every 4 steps), issued and committed, not waited for.
+  auto issue_s = [&](float (&acc)[NT][4], int j) {
+    // Descriptors: the start address (16-byte units) is the low field, so a byte offset
+    // inside shared memory is added as offset / 16 (no carry out of the 14-bit field).
+    const uint64_t dk0 = wgmma::desc_sw128(tile_k(j), 16, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      const uint64_t dq = dq0 + uint64_t(((kc >> 2) * (BM * 128) + (kc & 3) * 32) >> 4);
+      const uint64_t dk = dk0 + uint64_t(((kc >> 2) * (BN * 128) + (kc & 3) * 32) >> 4);
+      wgmma::wgmma_ss<BN, kBF>(&acc[0][0], dq, dk, kc > 0);
+    }
+    wgmma::commit();
+  };
+
+  // Per tile: S = Q K^T, softmax, O += P V, each GEMM waited for before its result is read.
+  // Overlapping S of tile j + 1 with the softmax of tile j (FlashAttention-3's intra-
+  // warpgroup pipelining) was tried: ptxas then serialises every wgmma (C7514, "non wgmma
+  // instructions reading accumulator registers ... between start and end of the pipeline
+  // stage"), which lost more than the overlap won (docs/results/kernel-lab.md). Shared
+  // memory: tile j being computed, j + 1 landed (its 1-byte codes expanded ahead), j + 2
+  // loading (3 stages); the two warpgroups overlap each other's GEMM and softmax phases.
+  float s[NT][4];
+  if (ntiles > 0) {
+    asm volatile("cp.async.wait_group 1;\n" ::);  // tile 0 (tile 1 may still load)
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    convert(0);
+  }
+  for (int j = 0; j < ntiles; ++j) {
+    asm volatile("cp.async.wait_group 0;\n" ::);  // tile j + 1
+    wgmma::fence_proxy_async();                   // this thread's cp.async / st.shared -> wgmma
+    __syncthreads();  // tiles j (expanded) and j + 1 landed everywhere; tile j - 1 is done
+    issue(j + 2);     // into stage (j - 1) % 3
+    if constexpr (ESZ == 1) {
+      if (j + 1 < ntiles) convert(j + 1);  // into conversion buffer (j - 1) % 2
+    }
+    if (!wg_active) continue;
+    issue_s(s, j);
+    wgmma::wait<0>();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) wgmma::fence_operand(s[nt][e]);
+
+    const int kb = base0 + j * BN;
+    const bool full = kb >= lo_inner && kb + BN <= hi_inner;
+    const float* sc = sScales + (j % Sm::kStages) * 2 * BN;
+    float kf[NT][2], vf[NT][2];
+    key_factors<NT, kPTH>(kf, vf, sscale, sc, sc + BN, kPScale, kb, t, t0, t1);
+    softmax_rows<NT, DT, kPTH>(s, o, m_run, l_run, kf, vf, full, kb, t, rlo, rhi);
+
+    // O += P V_j: k-step kk covers keys 16 kk .. 16 kk + 15 (two 1024-B row groups); the
+    // 64-dim column blocks of V are BN * 128 B apart (LBO).
+    uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = mma::pack2<kBF>(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = mma::pack2<kBF>(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = mma::pack2<kBF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = mma::pack2<kBF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    const uint64_t dv0 = wgmma::desc_sw128(tile_v(j), BN * 128, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint64_t dv = dv0 + uint64_t((kk * 16 * 128) >> 4);
+      wgmma::wgmma_rs<HD, kBF>(&o[0][0], pa[kk], dv, 1);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+#pragma unroll
+    for (int d = 0; d < DT; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) wgmma::fence_operand(o[d][e]);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) wgmma::fence_operand(pa[kk][e]);
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  if (!wg_active) return;
+  store_rows<HD>(a, o, m_run, l_run, row_base + g, mrows, G, size_t(q_begin + r0), kvh, split, t, vscale, kPScale);
+#else
+  __trap();  // launched only where sm_90a code is loaded (wgmma_available)
+#endif
+}
+
+// Whether the warpgroup kernel can run: this build compiled sm_90a code (KVLM_CUDA_SM90A,
+// set by CMake when CMAKE_CUDA_ARCHITECTURES lists 90a) and the current GPU is compute
+// capability 9.0, the only one that loads it. KVLM_CUDA_WGMMA=0 turns it off (the mma.sync
+// kernel runs instead; for comparisons and as an escape hatch).
+bool wgmma_available() {
+  static const bool on = [] {
+#if defined(KVLM_CUDA_SM90A)
+    const char* e = std::getenv("KVLM_CUDA_WGMMA");
+    if (e && std::string_view(e) == "0") return false;
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major == 9 && minor == 0;
+#else
+    return false;
+#endif
+  }();
+  return on;
+}
+
+// Opts a kernel in to its shared memory (> 48 KB) once per instantiation; returns its
+// resident CTAs per SM from the occupancy API.
+template <auto Kernel>
+int occupancy(size_t smem, int threads) {
+  static const int n = [&] {
+    cuda_check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+               "paged_attention prefill shared memory");
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, threads, smem) != cudaSuccess || blocks <= 0) {
+      cudaGetLastError();
+      blocks = 1;
+    }
+    return blocks;
+  }();
+  return n;
+}
+
+template <class Fmt, int HD>
+bool use_wgmma() {
+  return HD <= 128 && wgmma_available();
+}
+
+// Resident CTAs per SM of the kernel that runs (Fmt, HD).
+template <class Fmt, int HD>
+int prefill_occupancy() {
+  if constexpr (HD <= 128) {
+    if (use_wgmma<Fmt, HD>()) return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WgSmem<Fmt, HD>::total, kWgWarps * 32);
+  }
+  return occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
+}
+
+template <class F>
+void dispatch_prefill_hd(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
+  }
+  throw Error("CUDA paged attention: the tiled prefill kernel takes head sizes 64, 128 and 256, not " +
+              std::to_string(head_dim));
+}
+
+}  // namespace
+
+int prefill_rows_per_cta(int head_dim) {
+  int bm = 0;
+  dispatch_prefill_hd(head_dim, [&](auto hd) { bm = PrefillTile<decltype(hd)::value>::BM; });
+  return bm;
+}
+
+int prefill_ctas_per_sm(const PagedAttentionParams& p) {
+  int n = 1;
+  dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
+    dispatch_prefill_hd(p.head_dim, [&](auto hd) { n = prefill_occupancy<decltype(fmt), decltype(hd)::value>(); });
+  });
+  return n;
+}
+
+void launch_prefill(const RowsArgs& a, cudaStream_t st) {
+  dispatch_cuda_kv(a.p.storage, a.p.quant, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    dispatch_prefill_hd(a.p.head_dim, [&](auto hd) {
+      constexpr int HD = decltype(hd)::value;
+      prefill_occupancy<Fmt, HD>();  // sets the shared-memory attribute (once)
+      const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.num_splits));
+      bool launched = false;
+      if constexpr (HD <= 128) {
+        if (use_wgmma<Fmt, HD>()) {
+          attn_prefill_wgmma_kernel<Fmt, HD><<<grid, kWgWarps * 32, WgSmem<Fmt, HD>::total, st>>>(a);
+          launched = true;
+        }
+      }
+      if (!launched) attn_prefill_kernel<Fmt, HD><<<grid, kPrefillWarps * 32, PrefillSmem<Fmt, HD>::total, st>>>(a);
+      cuda_check(cudaGetLastError(), "paged_attention prefill launch");
+      if (a.num_splits > 1) {
+        attn_reduce_kernel<<<dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)), std::min(HD, 128), 0, st>>>(a);
+        cuda_check(cudaGetLastError(), "paged_attention reduce launch");
+      }
+    });
+  });
+}
+
+}  // namespace kvlm::cuda
