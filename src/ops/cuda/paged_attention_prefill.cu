@@ -114,6 +114,143 @@ __device__ __forceinline__ int swz(int r, int c) {
   return r * (HD / 8) + (c ^ (r & 7));
 }
 
+// The CTA's share of the work, the same for both kernel variants: the sequence, its query
+// tokens [r0, r0 + ntok) as M rows m = token * group + head (m < mrows), and the keys
+// [t0, t1) of its split. CTAs are issued heaviest first (the last query rows of a causal
+// prompt see the most keys), so the tail of the grid is short CTAs.
+struct CtaWork {
+  int seq, r0, ntok, mrows, q_begin, kv_len, pos0;
+  int t0, t1;
+  int lo_inner, hi_inner;  // a tile inside [lo_inner, hi_inner) is visible to every row: no mask
+  // False when the sequence has fewer rows than this CTA's first (CTA-uniform: return).
+  __device__ bool init(const RowsArgs& a) {
+    const PagedAttentionParams& p = a.p;
+    seq = int(blockIdx.x) / a.row_groups;
+    r0 = (a.row_groups - 1 - int(blockIdx.x) % a.row_groups) * a.rows_per_cta;
+    q_begin = p.cu_q_lens[seq];
+    const int q_len = p.cu_q_lens[seq + 1] - q_begin;
+    if (r0 >= q_len) return false;
+    ntok = min(a.rows_per_cta, q_len - r0);
+    mrows = ntok * a.group;
+    kv_len = p.kv_lens[seq];
+    pos0 = kv_len - q_len + r0;
+    // Visible ranges grow with the position (causal, sliding) or are all [0, kv_len): the
+    // union is [lo(first token), hi(last token)), split across blockIdx.z in 16-key multiples.
+    int lo_first, hi_first, lo_last, hi_last;
+    visible_range(p, pos0, kv_len, lo_first, hi_first);
+    visible_range(p, pos0 + ntok - 1, kv_len, lo_last, hi_last);
+    const int n = max(0, hi_last - lo_first);
+    const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
+    t0 = lo_first + int(blockIdx.z) * per_split;
+    t1 = min(hi_last, t0 + per_split);
+    lo_inner = max(lo_last, t0);
+    hi_inner = min(hi_first, t1);
+    return true;
+  }
+  // Visible keys of M row m within [t0, t1). Rows past the CTA's tokens compute on zero
+  // queries and are never stored: they get the whole range.
+  __device__ void row_range(const PagedAttentionParams& p, int m, int G, int& lo, int& hi) const {
+    lo = t0;
+    hi = t1;
+    if (m < mrows) {
+      visible_range(p, pos0 + m / G, kv_len, lo, hi);
+      lo = max(lo, t0);
+      hi = min(hi, t1);
+    }
+  }
+  // Tiles start at the 16-key run holding t0 (a run never straddles a page).
+  __device__ int first_key() const { return t0 & ~15; }
+  __device__ int num_tiles(int bn) const { return t1 > t0 ? (t1 - first_key() + bn - 1) / bn : 0; }
+};
+
+// Loads the BN keys from kb of K and V (as stored) with cp.async: 16-byte piece c of key row r
+// goes to byte dst(r, c, i) of k_out / v_out (i = r * RB / 16 + c), keys outside [t0, t1)
+// zero-filled — stale page rows may hold NaN, and 0 * NaN in P.V would poison a row. Per-
+// token-head modes also load the tile's K scales to scales[0, BN) and V scales to
+// scales[BN, 2 BN), 4 per piece; a 16-key run is loaded when it overlaps [t0, t1) (its page
+// exists), and stale entries of masked keys never reach the math (key_factors zeroes them).
+// Does not commit.
+template <int BN, int RB, int THREADS, bool kPTH, class Dst>
+__device__ __forceinline__ void load_kv_tile(const PagedAttentionParams& p, const PageRows& pr, const CtaWork& w, int kb,
+                                             char* k_out, char* v_out, float* scales, Dst dst) {
+  constexpr int PIECES = BN * RB / 16;
+  static_assert(PIECES % THREADS == 0, "tile pieces must divide among the threads");
+  const char* kbase = static_cast<const char*>(p.k_cache);
+  const char* vbase = static_cast<const char*>(p.v_cache);
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int it = 0; it < PIECES / THREADS; ++it) {
+    const int i = tid + it * THREADS;
+    const int r = i / (RB / 16), c = i % (RB / 16);
+    const int key = kb + r;
+    const bool ok = key >= w.t0 && key < w.t1;
+    size_t off = 0;
+    if (ok) off = size_t(pr.row(key)) * RB + c * 16;
+    const int d = dst(r, c, i);
+    mma::cp_async16(k_out + d, kbase + off, ok ? 16 : 0);
+    mma::cp_async16(v_out + d, vbase + off, ok ? 16 : 0);
+  }
+  if constexpr (kPTH) {
+    if (tid < BN / 2) {
+      const bool is_v = tid >= BN / 4;
+      const int r = (tid % (BN / 4)) * 4;
+      const int run = (kb + r) & ~15;
+      const bool ok = run < w.t1 && run + 16 > w.t0;
+      size_t off = 0;
+      if (ok) off = size_t(pr.row(kb + r));
+      const float* src = (is_v ? p.v_token_scale : p.k_token_scale) + off;
+      mma::cp_async16(scales + (is_v ? BN : 0) + r, src, ok ? 16 : 0);
+    }
+  }
+}
+
+// Q into shared memory: M row m is query token r0 + m / G, head kvh * G + m % G (zero past
+// the CTA's rows), converted to f16 when the cache's mma type is f16; 16-byte chunk c of row
+// m goes to sQ[dst(m, c)].
+template <int BM, int HD, int THREADS, bool kBF, class Dst>
+__device__ __forceinline__ void load_q(const PagedAttentionParams& p, const CtaWork& w, int G, int kvh, uint4* sQ, Dst dst) {
+  constexpr int CPR = HD / 8;
+  static_assert(BM * CPR % THREADS == 0, "Q chunks must divide among the threads");
+#pragma unroll 4
+  for (int it = 0; it < BM * CPR / THREADS; ++it) {
+    const int i = int(threadIdx.x) + it * THREADS;
+    const int m = i / CPR, c = i % CPR;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (m < w.mrows) {
+      v = __ldg(reinterpret_cast<const uint4*>(p.q + (size_t(w.q_begin + w.r0 + m / G) * p.num_q_heads + kvh * G + m % G) * HD) + c);
+      if constexpr (!kBF) {
+        v.x = mma::pack2<false>(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u));
+        v.y = mma::pack2<false>(__uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+        v.z = mma::pack2<false>(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u));
+        v.w = mma::pack2<false>(__uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+      }
+    }
+    sQ[dst(m, c)] = v;
+  }
+}
+
+// Expands a tile's 1-byte codes (K and V, as loaded by load_kv_tile) exactly to f16: raw chunk
+// c of row r (16 codes) becomes the f16 chunks 2c and 2c + 1, stored at chunk index dst(r, .).
+template <class Fmt, int BN, int HD, int THREADS, class Dst>
+__device__ __forceinline__ void expand_tile(const char* k_raw, const char* v_raw, uint4* k_out, uint4* v_out, Dst dst) {
+  constexpr int RB = HD;  // 1 byte per code
+  constexpr int PIECES = BN * RB / 16;
+#pragma unroll
+  for (int it = 0; it < PIECES / THREADS; ++it) {
+    const int i = int(threadIdx.x) + it * THREADS;
+    const int r = i / (RB / 16), c = i % (RB / 16);
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      const uint4 raw = reinterpret_cast<const uint4*>(kv ? v_raw : k_raw)[i];
+      uint32_t w[8];
+      mma::to_pairs<Fmt, 16>(&raw, w);
+      uint4* out = kv ? v_out : k_out;
+      out[dst(r, 2 * c)] = make_uint4(w[0], w[1], w[2], w[3]);
+      out[dst(r, 2 * c + 1)] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  }
+}
+
 // Per-key factors of a tile, once per tile: kf = the score scale (times the key's K scale),
 // vf = the P factor (the key's V scale times kPScale). Keys outside [t0, t1) get 0: their
 // scale slots may be stale or NaN, and a 0 never carries a NaN into S or P.
@@ -237,47 +374,19 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
-  const int tpc = a.rows_per_cta;  // query tokens per CTA (BM / G)
-  const int seq = int(blockIdx.x) / a.row_groups;
-  const int r0 = (a.row_groups - 1 - int(blockIdx.x) % a.row_groups) * tpc;  // heaviest rows first
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-
-  const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
-  if (r0 >= q_len) return;  // CTA-uniform: this sequence has fewer rows
-  const int ntok = min(tpc, q_len - r0);
-  const int mrows = ntok * G;
-  const int kv_len = p.kv_lens[seq];
-  const int pos0 = kv_len - q_len + r0;
-
-  // Visible ranges grow with the position (causal, sliding) or are all [0, kv_len): the CTA's
-  // union is [lo(first token), hi(last token)); split across blockIdx.z in 16-key multiples.
-  int lo_first, hi_first, lo_last, hi_last;
-  visible_range(p, pos0, kv_len, lo_first, hi_first);
-  visible_range(p, pos0 + ntok - 1, kv_len, lo_last, hi_last);
-  const int n = max(0, hi_last - lo_first);
-  const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
-  const int t0 = lo_first + split * per_split, t1 = min(hi_last, t0 + per_split);
-  // A tile inside [lo_inner, hi_inner) is visible to every row: no mask.
-  const int lo_inner = max(lo_last, t0), hi_inner = min(hi_first, t1);
+  CtaWork w;
+  if (!w.init(a)) return;
 
   const int row_base = warp * 16 * MT;
-  const bool warp_active = row_base < mrows;  // warp-uniform: no valid M row -> skip the math
+  const bool warp_active = row_base < w.mrows;  // warp-uniform: no valid M row -> skip the math
   int rlo[MT][2], rhi[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int m = row_base + mt * 16 + g + 8 * i;
-      rlo[mt][i] = t0;
-      rhi[mt][i] = t1;  // rows past the CTA's tokens compute on zero queries, never stored
-      if (m < mrows) {
-        visible_range(p, pos0 + m / G, kv_len, rlo[mt][i], rhi[mt][i]);
-        rlo[mt][i] = max(rlo[mt][i], t0);
-        rhi[mt][i] = min(rhi[mt][i], t1);
-      }
-    }
+    for (int i = 0; i < 2; ++i) w.row_range(p, row_base + mt * 16 + g + 8 * i, G, rlo[mt][i], rhi[mt][i]);
 
   extern __shared__ uint4 smem_u4[];
   char* const smem = reinterpret_cast<char*>(smem_u4);
@@ -285,69 +394,20 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   char* const stages = smem + Sm::q;
   uint4* const sConv = reinterpret_cast<uint4*>(stages + 2 * Sm::stage);  // 1-byte caches only
 
-  const char* kbase = static_cast<const char*>(p.k_cache);
-  const char* vbase = static_cast<const char*>(p.v_cache);
-  const PageRows pr(p, seq, kvh);
-  const int base0 = t0 & ~15;
-  const int ntiles = t1 > t0 ? (t1 - base0 + BN - 1) / BN : 0;
+  const PageRows pr(p, w.seq, kvh);
+  const int base0 = w.first_key();
+  const int ntiles = w.num_tiles(BN);
 
-  // Tile j: keys [base0 + j * BN, + BN) into stage j % 2. Rows are 16-key runs of one page
-  // (block_size % 16 == 0), located through the block table per 16-byte piece.
+  // Tile j: keys [base0 + j * BN, + BN) into stage j % 2; 16-bit codes land swizzled (the
+  // ldmatrix layout), 1-byte codes raw (expanded per tile below).
   auto issue = [&](int j) {
-    const int kb = base0 + j * BN;
     char* st = stages + (j & 1) * Sm::stage;
-    constexpr int PIECES = BN * RB / 16;
-    static_assert(PIECES % THREADS == 0, "tile pieces must divide among the threads");
-#pragma unroll
-    for (int it = 0; it < PIECES / THREADS; ++it) {
-      const int i = tid + it * THREADS;
-      const int r = i / (RB / 16), c = i % (RB / 16);
-      const int key = kb + r;
-      const bool ok = key >= t0 && key < t1;
-      size_t off = 0;
-      if (ok) off = size_t(pr.row(key)) * RB + c * 16;
-      const int dst = ESZ == 2 ? swz<HD>(r, c) * 16 : i * 16;
-      mma::cp_async16(st + dst, kbase + off, ok ? 16 : 0);
-      mma::cp_async16(st + Sm::kv + dst, vbase + off, ok ? 16 : 0);
-    }
-    if constexpr (kPTH) {
-      // 4 scales per piece: K's BN / 4 pieces, then V's. A piece's 16-key run is loaded when
-      // it overlaps [t0, t1) (its page exists); stale entries of masked keys never reach the
-      // math (S is selected to -inf, P to 0 before the V scale multiplies it).
-      if (tid < BN / 2) {
-        const bool is_v = tid >= BN / 4;
-        const int r = (tid % (BN / 4)) * 4;
-        const int run = (kb + r) & ~15;
-        const bool ok = run < t1 && run + 16 > t0;
-        size_t off = 0;
-        if (ok) off = size_t(pr.row(kb + r));
-        const float* src = (is_v ? p.v_token_scale : p.k_token_scale) + off;
-        mma::cp_async16(st + 2 * Sm::kv + (is_v ? BN * 4 : 0) + r * 4, src, ok ? 16 : 0);
-      }
-    }
+    load_kv_tile<BN, RB, THREADS, kPTH>(p, pr, w, base0 + j * BN, st, st + Sm::kv, reinterpret_cast<float*>(st + 2 * Sm::kv),
+                                        [](int r, int c, int i) { return ESZ == 2 ? swz<HD>(r, c) * 16 : i * 16; });
     asm volatile("cp.async.commit_group;\n" ::);
   };
   if (ntiles > 0) issue(0);
-
-  // Q: M row m is query token r0 + m / G, head kvh * G + m % G (zero past the CTA's rows),
-  // converted to f16 when the cache's mma type is f16.
-  static_assert(BM * CPR % THREADS == 0, "Q chunks must divide among the threads");
-#pragma unroll 4
-  for (int it = 0; it < BM * CPR / THREADS; ++it) {
-    const int i = tid + it * THREADS;
-    const int m = i / CPR, c = i % CPR;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (m < mrows) {
-      v = __ldg(reinterpret_cast<const uint4*>(p.q + (size_t(q_begin + r0 + m / G) * p.num_q_heads + kvh * G + m % G) * HD) + c);
-      if constexpr (!kBF) {
-        v.x = mma::pack2<false>(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u));
-        v.y = mma::pack2<false>(__uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
-        v.z = mma::pack2<false>(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u));
-        v.w = mma::pack2<false>(__uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
-      }
-    }
-    sQ[swz<HD>(m, c)] = v;
-  }
+  load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return swz<HD>(m, c); });
 
   // Score scale: softmax_scale * log2(e) * per-tensor K scale; V's per-tensor scale at the end.
   float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
@@ -386,25 +446,10 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
     const uint4* sK = reinterpret_cast<const uint4*>(st);
     const uint4* sV = reinterpret_cast<const uint4*>(st + Sm::kv);
     if constexpr (ESZ == 1) {
-      // Expand the codes exactly to f16, swizzled: raw chunk c of a row (16 codes) becomes
-      // the f16 chunks 2c and 2c + 1.
       uint4* cK = sConv;
       uint4* cV = sConv + BN * CPR;
-      constexpr int PIECES = BN * RB / 16;
-#pragma unroll
-      for (int it = 0; it < PIECES / THREADS; ++it) {
-        const int i = tid + it * THREADS;
-        const int r = i / (RB / 16), c = i % (RB / 16);
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {
-          const uint4 raw = (kv ? sV : sK)[i];
-          uint32_t w[8];
-          mma::to_pairs<Fmt, 16>(&raw, w);
-          uint4* dst = kv ? cV : cK;
-          dst[swz<HD>(r, 2 * c)] = make_uint4(w[0], w[1], w[2], w[3]);
-          dst[swz<HD>(r, 2 * c + 1)] = make_uint4(w[4], w[5], w[6], w[7]);
-        }
-      }
+      expand_tile<Fmt, BN, HD, THREADS>(reinterpret_cast<const char*>(sK), reinterpret_cast<const char*>(sV), cK, cV,
+                                        [](int r, int c) { return swz<HD>(r, c); });
       __syncthreads();
       sK = cK;
       sV = cV;
@@ -440,9 +485,9 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
       }
     }
 
-    const bool full = kb >= lo_inner && kb + BN <= hi_inner;
+    const bool full = kb >= w.lo_inner && kb + BN <= w.hi_inner;
     float kf[NT][2], vf[NT][2];
-    key_factors<NT, kPTH>(kf, vf, sscale, ksc, vsc, kPScale, kb, t, t0, t1);
+    key_factors<NT, kPTH>(kf, vf, sscale, ksc, vsc, kPScale, kb, t, w.t0, w.t1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) softmax_rows<NT, DT, kPTH>(s[mt], o[mt], m_run[mt], l_run[mt], kf, vf, full, kb, t, rlo[mt], rhi[mt]);
 
@@ -474,8 +519,8 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    store_rows<HD>(a, o[mt], m_run[mt], l_run[mt], row_base + mt * 16 + g, mrows, G, size_t(q_begin + r0), kvh, split, t,
-                   vscale, kPScale);
+    store_rows<HD>(a, o[mt], m_run[mt], l_run[mt], row_base + mt * 16 + g, w.mrows, G, size_t(w.q_begin + w.r0), kvh,
+                   split, t, vscale, kPScale);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -532,44 +577,19 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
-  const int tpc = a.rows_per_cta;
-  const int seq = int(blockIdx.x) / a.row_groups;
-  const int r0 = (a.row_groups - 1 - int(blockIdx.x) % a.row_groups) * tpc;  // heaviest rows first
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2;
-
-  const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
-  if (r0 >= q_len) return;
-  const int ntok = min(tpc, q_len - r0);
-  const int mrows = ntok * G;
-  const int kv_len = p.kv_lens[seq];
-  const int pos0 = kv_len - q_len + r0;
-
-  int lo_first, hi_first, lo_last, hi_last;
-  visible_range(p, pos0, kv_len, lo_first, hi_first);
-  visible_range(p, pos0 + ntok - 1, kv_len, lo_last, hi_last);
-  const int n = max(0, hi_last - lo_first);
-  const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
-  const int t0 = lo_first + split * per_split, t1 = min(hi_last, t0 + per_split);
-  const int lo_inner = max(lo_last, t0), hi_inner = min(hi_first, t1);
+  CtaWork w;
+  if (!w.init(a)) return;
 
   // This warp's 16 M rows: warp * 16 .. + 15 (warpgroup wg owns rows 64 wg .. 64 wg + 63).
   const int row_base = warp * 16;
-  const bool wg_active = wg * 64 < mrows;  // warpgroup-uniform: wgmma needs all 4 warps
+  const bool wg_active = wg * 64 < w.mrows;  // warpgroup-uniform: wgmma needs all 4 warps
   int rlo[2], rhi[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int m = row_base + g + 8 * i;
-    rlo[i] = t0;
-    rhi[i] = t1;
-    if (m < mrows) {
-      visible_range(p, pos0 + m / G, kv_len, rlo[i], rhi[i]);
-      rlo[i] = max(rlo[i], t0);
-      rhi[i] = min(rhi[i], t1);
-    }
-  }
+  for (int i = 0; i < 2; ++i) w.row_range(p, row_base + g + 8 * i, G, rlo[i], rhi[i]);
 
   extern __shared__ uint4 smem_u4[];
   // The swizzle pattern repeats every 1024 B and the descriptors assume aligned tiles.
@@ -580,69 +600,24 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
   uint4* const sConv = reinterpret_cast<uint4*>(stages + Sm::kStages * Sm::stage);
   float* const sScales = reinterpret_cast<float*>(smem + Sm::scales);
 
-  const char* kbase = static_cast<const char*>(p.k_cache);
-  const char* vbase = static_cast<const char*>(p.v_cache);
-  const PageRows pr(p, seq, kvh);
-  const int base0 = t0 & ~15;
-  const int ntiles = t1 > t0 ? (t1 - base0 + BN - 1) / BN : 0;
+  const PageRows pr(p, w.seq, kvh);
+  const int base0 = w.first_key();
+  const int ntiles = w.num_tiles(BN);
 
-  // Tile j into stage j % 3. Always commits a group (empty past the last tile), so that
-  // "wait_group 1" always means "all but the newest tile landed".
+  // Tile j into stage j % 3 (16-bit codes land in the descriptors' swizzled layout, 1-byte
+  // codes raw). Always commits a group (empty past the last tile), so that "wait_group 1"
+  // always means "all but the newest tile landed".
   auto issue = [&](int j) {
-    if (j >= ntiles) {
-      asm volatile("cp.async.commit_group;\n" ::);
-      return;
-    }
-    const int kb = base0 + j * BN;
-    char* st = stages + (j % Sm::kStages) * Sm::stage;
-    constexpr int PIECES = BN * RB / 16;
-    static_assert(PIECES % THREADS == 0, "tile pieces must divide among the threads");
-#pragma unroll
-    for (int it = 0; it < PIECES / THREADS; ++it) {
-      const int i = tid + it * THREADS;
-      const int r = i / (RB / 16), c = i % (RB / 16);
-      const int key = kb + r;
-      const bool ok = key >= t0 && key < t1;
-      size_t off = 0;
-      if (ok) off = size_t(pr.row(key)) * RB + c * 16;
-      const int dst = ESZ == 2 ? sw128<BN>(r, c) * 16 : i * 16;
-      mma::cp_async16(st + dst, kbase + off, ok ? 16 : 0);
-      mma::cp_async16(st + Sm::raw + dst, vbase + off, ok ? 16 : 0);
-    }
-    if constexpr (kPTH) {
-      if (tid < BN / 2) {
-        const bool is_v = tid >= BN / 4;
-        const int r = (tid % (BN / 4)) * 4;
-        const int run = (kb + r) & ~15;
-        const bool ok = run < t1 && run + 16 > t0;
-        size_t off = 0;
-        if (ok) off = size_t(pr.row(kb + r));
-        const float* src = (is_v ? p.v_token_scale : p.k_token_scale) + off;
-        mma::cp_async16(sScales + (j % Sm::kStages) * 2 * BN + (is_v ? BN : 0) + r, src, ok ? 16 : 0);
-      }
+    if (j < ntiles) {
+      char* st = stages + (j % Sm::kStages) * Sm::stage;
+      load_kv_tile<BN, RB, THREADS, kPTH>(p, pr, w, base0 + j * BN, st, st + Sm::raw, sScales + (j % Sm::kStages) * 2 * BN,
+                                          [](int r, int c, int i) { return ESZ == 2 ? sw128<BN>(r, c) * 16 : i * 16; });
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
   issue(0);
   issue(1);
-
-  static_assert(BM * CPR % THREADS == 0, "Q chunks must divide among the threads");
-#pragma unroll 4
-  for (int it = 0; it < BM * CPR / THREADS; ++it) {
-    const int i = tid + it * THREADS;
-    const int m = i / CPR, c = i % CPR;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (m < mrows) {
-      v = __ldg(reinterpret_cast<const uint4*>(p.q + (size_t(q_begin + r0 + m / G) * p.num_q_heads + kvh * G + m % G) * HD) + c);
-      if constexpr (!kBF) {
-        v.x = mma::pack2<false>(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u));
-        v.y = mma::pack2<false>(__uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
-        v.z = mma::pack2<false>(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u));
-        v.w = mma::pack2<false>(__uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
-      }
-    }
-    sQ[sw128<BM>(m, c)] = v;
-  }
+  load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return sw128<BM>(m, c); });
 
   float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
   if constexpr (Fmt::kScale == Scale::PerTensor) {
@@ -662,22 +637,7 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
     if constexpr (ESZ == 1) {
       const char* st = stages + (j % Sm::kStages) * Sm::stage;
       uint4* cK = sConv + (j & 1) * 2 * BN * CPR;
-      uint4* cV = cK + BN * CPR;
-      constexpr int PIECES = BN * RB / 16;
-#pragma unroll
-      for (int it = 0; it < PIECES / THREADS; ++it) {
-        const int i = tid + it * THREADS;
-        const int r = i / (RB / 16), c = i % (RB / 16);
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {
-          const uint4 raw = reinterpret_cast<const uint4*>(st + kv * Sm::raw)[i];
-          uint32_t w[8];
-          mma::to_pairs<Fmt, 16>(&raw, w);
-          uint4* dst = kv ? cV : cK;
-          dst[sw128<BN>(r, 2 * c)] = make_uint4(w[0], w[1], w[2], w[3]);
-          dst[sw128<BN>(r, 2 * c + 1)] = make_uint4(w[4], w[5], w[6], w[7]);
-        }
-      }
+      expand_tile<Fmt, BN, HD, THREADS>(st, st + Sm::raw, cK, cK + BN * CPR, [](int r, int c) { return sw128<BN>(r, c); });
     }
   };
   // The K and V tiles wgmma reads for tile j.
@@ -737,10 +697,10 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
       for (int e = 0; e < 4; ++e) wgmma::fence_operand(s[nt][e]);
 
     const int kb = base0 + j * BN;
-    const bool full = kb >= lo_inner && kb + BN <= hi_inner;
+    const bool full = kb >= w.lo_inner && kb + BN <= w.hi_inner;
     const float* sc = sScales + (j % Sm::kStages) * 2 * BN;
     float kf[NT][2], vf[NT][2];
-    key_factors<NT, kPTH>(kf, vf, sscale, sc, sc + BN, kPScale, kb, t, t0, t1);
+    key_factors<NT, kPTH>(kf, vf, sscale, sc, sc + BN, kPScale, kb, t, w.t0, w.t1);
     softmax_rows<NT, DT, kPTH>(s, o, m_run, l_run, kf, vf, full, kb, t, rlo, rhi);
 
     // O += P V_j: k-step kk covers keys 16 kk .. 16 kk + 15 (two 1024-B row groups); the
@@ -773,7 +733,7 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
   }
   asm volatile("cp.async.wait_all;\n" ::);
   if (!wg_active) return;
-  store_rows<HD>(a, o, m_run, l_run, row_base + g, mrows, G, size_t(q_begin + r0), kvh, split, t, vscale, kPScale);
+  store_rows<HD>(a, o, m_run, l_run, row_base + g, w.mrows, G, size_t(w.q_begin + w.r0), kvh, split, t, vscale, kPScale);
 #else
   __trap();  // launched only where sm_90a code is loaded (wgmma_available)
 #endif
@@ -819,16 +779,12 @@ int occupancy(size_t smem, int threads) {
   return n;
 }
 
-template <class Fmt, int HD>
-bool use_wgmma() {
-  return HD <= 128 && wgmma_available();
-}
 
 // Resident CTAs per SM of the kernel that runs (Fmt, HD).
 template <class Fmt, int HD>
 int prefill_occupancy() {
   if constexpr (HD <= 128) {
-    if (use_wgmma<Fmt, HD>()) return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WgSmem<Fmt, HD>::total, kWgWarps * 32);
+    if (wgmma_available()) return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WgSmem<Fmt, HD>::total, kWgWarps * 32);
   }
   return occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
 }
@@ -869,7 +825,7 @@ void launch_prefill(const RowsArgs& a, cudaStream_t st) {
       const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.num_splits));
       bool launched = false;
       if constexpr (HD <= 128) {
-        if (use_wgmma<Fmt, HD>()) {
+        if (wgmma_available()) {
           attn_prefill_wgmma_kernel<Fmt, HD><<<grid, kWgWarps * 32, WgSmem<Fmt, HD>::total, st>>>(a);
           launched = true;
         }
