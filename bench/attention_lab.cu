@@ -7,10 +7,17 @@
 // q, out), % of the device-to-device copy bandwidth measured in the same run, and speedup
 // over bf16 of the same shape.
 //
-//   attention_lab [--quick] [--prefill] [--prefill-only] [--block N]
+//   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--shapes BxC,...]
+//                 [--modes NAME,...] [--max-splits N]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
+// --shapes picks decode shapes (e.g. 64x4096,1x32768), --modes KV modes (e.g. bf16,fp8_e4m3);
+// --max-splits caps the decode split count (PagedAttentionParams::max_splits), to explore it.
+//
+// Each timed call is queued behind a short spin kernel, so the events bracket the GPU time of
+// the call alone: the host's launch latency (several µs, which a CUDA graph removes in the
+// engine's decode step) is not counted. Timings before 2026-11-22 included it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -168,45 +175,71 @@ float* reference(const cuda::PagedAttentionParams& p, const std::vector<int3>& i
   return out;
 }
 
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+// Spins for `ns` nanoseconds: queued before a timed call, it keeps the stream busy while the
+// host enqueues the call and its closing event, so the events measure GPU time only.
+__global__ void hold(long long ns) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < ns * 2) {  // >= ns at clocks up to 2 GHz
+  }
 }
 
-double copy_bandwidth(void* a, void* b, size_t bytes) {
+// Median GPU time in ms of `reps` calls of fn(i) after `warm` untimed ones.
+template <class F>
+double time_calls(F&& fn, int warm, int reps) {
+  static cudaEvent_t e0 = nullptr, e1 = nullptr;
+  if (!e0) {
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+  }
   std::vector<float> t;
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 13; ++i) {
+  for (int i = 0; i < warm + reps; ++i) {
+    hold<<<1, 1>>>(100000);  // 100 µs: ample for the host to enqueue one call
     CK(cudaEventRecord(e0));
-    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    fn(i);
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float ms;
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 3) t.push_back(ms);
+    if (i >= warm) t.push_back(ms);
   }
-  return 2.0 * double(bytes) / (median(t) * 1e-3);  // read + write
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+double copy_bandwidth(void* a, void* b, size_t bytes) {
+  const double ms = time_calls([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 3, 10);
+  return 2.0 * double(bytes) / (ms * 1e-3);  // read + write
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false, prefill = false, prefill_only = false;
+  std::string shapes_arg, modes_arg;
+  int max_splits = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--prefill")) prefill = true;
     if (!std::strcmp(argv[i], "--prefill-only")) prefill = prefill_only = true;
     if (!std::strcmp(argv[i], "--block") && i + 1 < argc) kBlock = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) shapes_arg = argv[++i];
+    if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) modes_arg = argv[++i];
+    if (!std::strcmp(argv[i], "--max-splits") && i + 1 < argc) max_splits = std::atoi(argv[++i]);
   }
+  // --shapes BxC,... (decode) and --modes NAME,...: comma lists, matched exactly.
+  auto listed = [](const std::string& list, const std::string& item) {
+    return list.empty() || ("," + list + ",").find("," + item + ",") != std::string::npos;
+  };
+  auto mode_on = [&](const Mode& m) { return listed(modes_arg, m.name); };
+  auto shape_on = [&](int b, int c) { return listed(shapes_arg, std::to_string(b) + "x" + std::to_string(c)); };
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   size_t free_b = 0, total_b = 0;
   CK(cudaMemGetInfo(&free_b, &total_b));
   // One arena for K+V codes (largest shape, bf16) and one for scales, reused by every row.
-  const std::vector<int> batches = quick ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64, 256};
-  const std::vector<int> contexts = quick ? std::vector<int>{1024, 4096} : std::vector<int>{1024, 4096, 16384, 32768};
+  const bool small = quick && shapes_arg.empty();
+  const std::vector<int> batches = small ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64, 256};
+  const std::vector<int> contexts = small ? std::vector<int>{1024, 4096} : std::vector<int>{1024, 4096, 16384, 32768};
   const size_t arena_bytes = std::min<size_t>(size_t(42) << 30, free_b - (size_t(8) << 30));
   uint8_t* arena = nullptr;
   CK(cudaMalloc(&arena, arena_bytes));
@@ -231,16 +264,13 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&ws, ws_bytes));
 
   std::vector<std::vector<double>> bf16_us(batches.size(), std::vector<double>(contexts.size(), 0));
-  cudaEvent_t e0[32], e1[32];
-  for (int i = 0; i < 32; ++i) {
-    CK(cudaEventCreate(&e0[i]));
-    CK(cudaEventCreate(&e1[i]));
-  }
   for (const Mode& mode : kModes) {
     if (prefill_only) break;
+    if (!mode_on(mode)) continue;
     for (size_t bi = 0; bi < batches.size(); ++bi) {
       for (size_t ci = 0; ci < contexts.size(); ++ci) {
         const int B = batches[bi], C = contexts[ci];
+        if (!shape_on(B, C)) continue;
         const size_t tokens = size_t(B) * C;
         const size_t kv_bytes = tokens * kKVHeads * kHead * esize(mode.storage);  // K (same for V)
         const size_t scale_bytes = per_token(mode.quant) ? tokens * kKVHeads * 4 : 0;
@@ -302,7 +332,7 @@ int main(int argc, char** argv) {
               .q = dq + qn * c, .out = dout + qn * c, .k_cache = K, .v_cache = V, .k_token_scale = scales,
               .v_token_scale = scales + scale_elems, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
               .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dtables + size_t(c) * B * nb,
-              .workspace = ws, .workspace_bytes = ws_bytes};
+              .workspace = ws, .workspace_bytes = ws_bytes, .max_splits = max_splits};
         };
         const auto p0 = params(0);
         const int splits = cuda::paged_attention_num_splits(p0);
@@ -325,23 +355,8 @@ int main(int argc, char** argv) {
           ok = ok && e <= std::ldexp(std::fabs(w), -8) + 1e-4;
         }
         cudaFree(rout);
-        // Timing: 5 warm-up calls, then 25 timed calls, each on the next copy.
-        const int warm = 5, reps = 25;
-        std::vector<float> t;
-        for (int i = 0; i < warm + reps; ++i) {
-          const auto p = params(i % copies);
-          const int slot = i % 32;
-          if (i >= warm) CK(cudaEventRecord(e0[slot]));
-          cuda::paged_attention(p, nullptr);
-          if (i >= warm) {
-            CK(cudaEventRecord(e1[slot]));
-            CK(cudaEventSynchronize(e1[slot]));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0[slot], e1[slot]));
-            t.push_back(ms);
-          }
-        }
-        const double us = median(t) * 1e3;
+        // Timing: 5 warm-up calls, then the median of 25 timed calls, each on the next copy.
+        const double us = time_calls([&](int i) { cuda::paged_attention(params(i % copies), nullptr); }, 5, 25) * 1e3;
         const double bytes = double(2 * kv_bytes + 2 * scale_bytes + 2 * qn * 2);
         const double gbs = bytes / (us * 1e-6) / 1e9;
         if (mode.storage == DType::BF16) bf16_us[bi][ci] = us;
@@ -373,6 +388,7 @@ int main(int argc, char** argv) {
                                               : std::vector<PShape>{{4096, 4096}, {16384, 16384}, {1024, 16384}};
     std::vector<double> bf16_pus(pshapes.size(), 0);
     for (const Mode& mode : kModes) {
+      if (!mode_on(mode)) continue;
       for (size_t si = 0; si < pshapes.size(); ++si) {
         const int Lq = pshapes[si].q_len, C = pshapes[si].context, nb = C / kBlock;
         const size_t elems = size_t(nb) * kBlock * kKVHeads * kHead;
@@ -441,17 +457,7 @@ int main(int argc, char** argv) {
             ok = ok && e <= std::ldexp(std::fabs(w), -8) + floor;
           }
         cudaFree(rout);
-        std::vector<float> t;
-        for (int i = 0; i < 8; ++i) {
-          CK(cudaEventRecord(e0[0]));
-          cuda::paged_attention(p, nullptr);
-          CK(cudaEventRecord(e1[0]));
-          CK(cudaEventSynchronize(e1[0]));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0[0], e1[0]));
-          if (i >= 2) t.push_back(ms);
-        }
-        const double us = median(t) * 1e3;
+        const double us = time_calls([&](int) { cuda::paged_attention(p, nullptr); }, 2, 6) * 1e3;
         // Causal FLOPs: 4 * H * D per visible (query, key) pair.
         double pairs = 0;
         for (int r = 0; r < Lq; ++r) pairs += double(C - Lq + r + 1);

@@ -3,7 +3,8 @@
 decode shapes (Llama-3-8B attention: 32 q heads, 8 kv heads, head 128) with a contiguous
 bf16 cache [batch][kv_heads][context][head], GQA through enable_gqa (no K/V expansion).
 
-Same method as bench/attention_lab.cu: CUDA events, warm-up, median of repeats, rotating
+Same method as bench/attention_lab.cu: CUDA events behind a spin kernel (GPU time only,
+not the launch latency), warm-up, median of repeats, rotating
 through copies of the cache totalling more than 2x the L2, bytes = K + V + q + out, and
 % of the device-to-device copy bandwidth measured in this run. Each backend (cuDNN first)
 is tried; the fastest that runs is reported per shape, with its name.
@@ -30,6 +31,9 @@ def timed(fn, reps=25, warm=5):
     ts = []
     for i in range(warm + reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A spin kernel first keeps the stream busy while Python enqueues the call: the events
+        # then bracket GPU time alone, as in attention_lab (launch latency not counted).
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms
         e0.record()
         fn(i)
         e1.record()

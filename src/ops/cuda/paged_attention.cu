@@ -139,10 +139,7 @@ void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
       mma_ctas_per_sm<Fmt, HD>();  // sets the shared-memory attribute (once)
       mma::attn_mma_kernel<Fmt, HD><<<grid, mma::kMmaWarps * 32, smem, st>>>(a);
       cuda_check(cudaGetLastError(), "paged_attention launch");
-      if (a.num_splits > 1) {
-        attn_reduce_kernel<<<dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)), std::min(HD, 128), 0, st>>>(a);
-        cuda_check(cudaGetLastError(), "paged_attention reduce launch");
-      }
+      if (a.num_splits > 1) launch_reduce(a, st);
       return;
     }
   }

@@ -832,10 +832,7 @@ void launch_prefill(const RowsArgs& a, cudaStream_t st) {
       }
       if (!launched) attn_prefill_kernel<Fmt, HD><<<grid, kPrefillWarps * 32, PrefillSmem<Fmt, HD>::total, st>>>(a);
       cuda_check(cudaGetLastError(), "paged_attention prefill launch");
-      if (a.num_splits > 1) {
-        attn_reduce_kernel<<<dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)), std::min(HD, 128), 0, st>>>(a);
-        cuda_check(cudaGetLastError(), "paged_attention reduce launch");
-      }
+      if (a.num_splits > 1) launch_reduce(a, st);
     });
   });
 }

@@ -286,28 +286,67 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   }
 }
 
-// Merges the splits of one (row, head): one thread per output element.
+// Merges the splits of one (row, head). Threads are (output dim, split lane): lane r takes
+// splits r, r + R, ..., so loads of different splits are in flight together rather than one
+// L2 latency after another (a plain loop over 33 splits took ~10 µs at batch 1 x 32k, a
+// fifth of the call); the lanes then meet in shared memory.
+constexpr int kReduceMaxLanes = 8;
 __global__ void attn_reduce_kernel(const RowsArgs a) {
   allow_dependents();
-  const int row = blockIdx.x, h = blockIdx.y;
+  __shared__ float s_m[kReduceMaxLanes], s_l[kReduceMaxLanes], s_o[kReduceMaxLanes][256];
+  const int row = blockIdx.x, h = blockIdx.y, r = threadIdx.y, R = blockDim.y;
   const int HD = a.p.head_dim, S = a.num_splits;
   const size_t base = (size_t(row) * a.p.num_q_heads + h) * S;
+  const float* ml = a.part_ml + 2 * base;
+  uint16_t* out = a.p.out + (size_t(row) * a.p.num_q_heads + h) * HD;
   float mm = -INFINITY;
-  for (int s = 0; s < S; ++s) mm = fmaxf(mm, a.part_ml[2 * (base + s)]);
+#pragma unroll 4
+  for (int s = r; s < S; s += R) mm = fmaxf(mm, ml[2 * s]);
+  float L = 0.0f;
   for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-    float L = 0.0f, O = 0.0f;
+    float Ld = 0.0f, O = 0.0f;
     if (mm != -INFINITY) {
-      for (int s = 0; s < S; ++s) {
-        const float c = exp2f(a.part_ml[2 * (base + s)] - mm);
-        L += a.part_ml[2 * (base + s) + 1] * c;
+#pragma unroll 4
+      for (int s = r; s < S; s += R) {
+        const float c = exp2f(ml[2 * s] - mm);
+        Ld += ml[2 * s + 1] * c;
         O += a.part_o[(base + s) * HD + d] * c;
       }
     }
-    const float r = L > 0.0f ? O / L : 0.0f;
-    a.p.out[(size_t(row) * a.p.num_q_heads + h) * HD + d] = __bfloat16_as_ushort(__float2bfloat16_rn(r));
+    L = Ld;  // the same for every d
+    if (R == 1) out[d] = __bfloat16_as_ushort(__float2bfloat16_rn(L > 0.0f ? O / L : 0.0f));
+    else s_o[r][d] = O;
+  }
+  if (R == 1) return;
+  if (threadIdx.x == 0) {
+    s_m[r] = mm;
+    s_l[r] = L;
+  }
+  __syncthreads();
+  if (r != 0) return;
+  float M = -INFINITY;
+  for (int k = 0; k < R; ++k) M = fmaxf(M, s_m[k]);
+  for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+    float Lt = 0.0f, O = 0.0f;
+    if (M != -INFINITY) {
+      for (int k = 0; k < R; ++k) {
+        const float c = s_m[k] == -INFINITY ? 0.0f : exp2f(s_m[k] - M);
+        Lt += s_l[k] * c;
+        O += s_o[k][d] * c;
+      }
+    }
+    out[d] = __bfloat16_as_ushort(__float2bfloat16_rn(Lt > 0.0f ? O / Lt : 0.0f));
   }
 }
 
+// Launches attn_reduce_kernel for a.num_splits > 1: about 4 splits per lane, at most 8 lanes.
+inline void launch_reduce(const RowsArgs& a, cudaStream_t st) {
+  const int S = a.num_splits;
+  const unsigned lanes = S >= 32 ? 8 : S >= 16 ? 4 : S >= 8 ? 2 : 1;
+  attn_reduce_kernel<<<dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)),
+                       dim3(unsigned(std::min(a.p.head_dim, 128)), lanes), 0, st>>>(a);
+  cuda_check(cudaGetLastError(), "paged_attention reduce launch");
+}
 
 constexpr int kMaxGroupPerCta = 8;
 
@@ -322,10 +361,7 @@ void launch_rows(const RowsArgs& a, cudaStream_t st) {
   else if (gmax <= 4) attn_rows_kernel<Fmt, HD, 4><<<grid, kWarps * 32, 0, st>>>(a);
   else attn_rows_kernel<Fmt, HD, 8><<<grid, kWarps * 32, 0, st>>>(a);
   cuda_check(cudaGetLastError(), "paged_attention launch");
-  if (a.num_splits > 1) {
-    attn_reduce_kernel<<<dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)), std::min(HD, 128), 0, st>>>(a);
-    cuda_check(cudaGetLastError(), "paged_attention reduce launch");
-  }
+  if (a.num_splits > 1) launch_reduce(a, st);
 }
 
 }  // namespace
