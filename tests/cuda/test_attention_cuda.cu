@@ -281,7 +281,9 @@ class CudaAttention : public ::testing::TestWithParam<KVCacheDType> {};
 TEST_P(CudaAttention, MatchesCpuBackend) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const KVCacheDType dt = GetParam();
-  const std::vector<SeqShape> decode{{1, 1}, {37, 1}, {300, 1}, {1000, 1}, {129, 1}};
+  // 4200 keys: ~33 splits, so the reduction runs with all 8 of its split lanes (>= 8 and
+  // >= 16 splits take 2 and 4).
+  const std::vector<SeqShape> decode{{1, 1}, {37, 1}, {300, 1}, {1000, 1}, {129, 1}, {4200, 1}};
   const std::vector<SeqShape> mixed{{37, 5}, {1, 1}, {70, 70}, {200, 1}, {18, 3}, {150, 33}};
   // Prefill: whole prompts and chunks over existing context, several 64-key tiles and CTAs.
   const std::vector<SeqShape> prefill{{300, 260}, {64, 64}, {129, 100}, {5, 5}, {1, 1}, {200, 17}};
