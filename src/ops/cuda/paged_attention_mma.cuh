@@ -215,6 +215,57 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 
   const int mrows = nrows * G;  // (query row, head) pairs in use, <= 16
 
+  const char* kbase = static_cast<const char*>(p.k_cache);
+  const char* vbase = static_cast<const char*>(p.v_cache);
+  const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
+  const int bs = p.block_size;
+
+  // 16-key tiles aligned to 16 absolute positions: with block_size % 16 == 0 a tile never
+  // straddles pages, so one block-table lookup serves 16 keys, and the tile's K (and V) rows
+  // of this kv head are one contiguous 16 * RB-byte run of the page.
+  //
+  // Each warp streams its own tiles (warp, warp + 4, ...) through a STAGES-deep cp.async ring
+  // in shared memory: STAGES - 1 tiles are always in flight per warp, which is what keeps
+  // enough bytes outstanding for HBM (one tile in registers per warp reached only ~75% of
+  // copy bandwidth at 64 x 4k). Warps never wait for each other (__syncwarp only).
+  // Keys outside [t0, t1) are zero-filled (cp.async src-size 0), never read: stale rows of a
+  // page may hold NaNs, and 0 * NaN in P.V would poison the output.
+  constexpr int RB = HD * ESZ;
+  constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
+  constexpr int TILE = 32 * RB + (kPTH ? 128 : 0);
+  constexpr int STAGES = mma_stages<Fmt, HD>();
+  extern __shared__ uint4 smem_u4[];
+  char* const smem = reinterpret_cast<char*>(smem_u4);
+  char* const ring = smem + warp * STAGES * TILE;
+  const int first = (t0 & ~15) + warp * 16;
+  const int my_tiles = first < t1 ? (t1 - first + kMmaWarps * 16 - 1) / (kMmaWarps * 16) : 0;
+  auto issue = [&](int i) {
+    if (i < my_tiles) {
+      const int base = first + i * kMmaWarps * 16;
+      const BlockId page = table[base / bs];
+      const size_t tile_row = (size_t(page) * p.num_kv_heads + kvh) * bs + (base % bs);
+      char* dst = ring + (i % STAGES) * TILE;
+#pragma unroll
+      for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
+        const int tok = base + (c * 16) / RB;
+        const int n = tok >= t0 && tok < t1 ? 16 : 0;
+        cp_async16(dst + c * 16, kbase + tile_row * RB + c * 16, n);
+        cp_async16(dst + 16 * RB + c * 16, vbase + tile_row * RB + c * 16, n);
+      }
+      if constexpr (kPTH) {
+        if (lane < 8) {  // 16 K scales then 16 V scales, 64 B each
+          const float* src = (lane < 4 ? p.k_token_scale : p.v_token_scale) + tile_row + (lane % 4) * 4;
+          cp_async16(dst + 32 * RB + lane * 16, src, 16);
+        }
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+#pragma unroll
+  // The ring is filled first: its loads are in flight while Q is loaded and converted below
+  // (Q first made every CTA wait one global latency before its first tile was requested).
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+
   // Q A-fragments, permuted like the K slices (element x of this thread's list sits at
   // physical dim (x / VB) * 4 * VB + t * VB + x % VB).
   uint32_t qa[KCH][4];
@@ -264,54 +315,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
-  const char* kbase = static_cast<const char*>(p.k_cache);
-  const char* vbase = static_cast<const char*>(p.v_cache);
-  const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
-  const int bs = p.block_size;
-
-  // 16-key tiles aligned to 16 absolute positions: with block_size % 16 == 0 a tile never
-  // straddles pages, so one block-table lookup serves 16 keys, and the tile's K (and V) rows
-  // of this kv head are one contiguous 16 * RB-byte run of the page.
-  //
-  // Each warp streams its own tiles (warp, warp + 4, ...) through a STAGES-deep cp.async ring
-  // in shared memory: STAGES - 1 tiles are always in flight per warp, which is what keeps
-  // enough bytes outstanding for HBM (one tile in registers per warp reached only ~75% of
-  // copy bandwidth at 64 x 4k). Warps never wait for each other (__syncwarp only).
-  // Keys outside [t0, t1) are zero-filled (cp.async src-size 0), never read: stale rows of a
-  // page may hold NaNs, and 0 * NaN in P.V would poison the output.
-  constexpr int RB = HD * ESZ;
-  constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
-  constexpr int TILE = 32 * RB + (kPTH ? 128 : 0);
-  constexpr int STAGES = mma_stages<Fmt, HD>();
-  extern __shared__ uint4 smem_u4[];
-  char* const smem = reinterpret_cast<char*>(smem_u4);
-  char* const ring = smem + warp * STAGES * TILE;
-  const int first = (t0 & ~15) + warp * 16;
-  const int my_tiles = first < t1 ? (t1 - first + kMmaWarps * 16 - 1) / (kMmaWarps * 16) : 0;
-  auto issue = [&](int i) {
-    if (i < my_tiles) {
-      const int base = first + i * kMmaWarps * 16;
-      const BlockId page = table[base / bs];
-      const size_t tile_row = (size_t(page) * p.num_kv_heads + kvh) * bs + (base % bs);
-      char* dst = ring + (i % STAGES) * TILE;
-#pragma unroll
-      for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
-        const int tok = base + (c * 16) / RB;
-        const int n = tok >= t0 && tok < t1 ? 16 : 0;
-        cp_async16(dst + c * 16, kbase + tile_row * RB + c * 16, n);
-        cp_async16(dst + 16 * RB + c * 16, vbase + tile_row * RB + c * 16, n);
-      }
-      if constexpr (kPTH) {
-        if (lane < 8) {  // 16 K scales then 16 V scales, 64 B each
-          const float* src = (lane < 4 ? p.k_token_scale : p.v_token_scale) + tile_row + (lane % 4) * 4;
-          cp_async16(dst + 32 * RB + lane * 16, src, 16);
-        }
-      }
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);
 
   for (int i = 0; i < my_tiles; ++i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));

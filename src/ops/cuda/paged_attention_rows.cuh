@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/kv_codec.cuh"
@@ -293,6 +295,11 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
 constexpr int kReduceMaxLanes = 8;
 __global__ void attn_reduce_kernel(const RowsArgs a) {
   allow_dependents();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched with programmatic dependent launch (launch_reduce): the CTAs may be resident
+  // before the attention kernel ends; wait for it (and its partials) here.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   __shared__ float s_m[kReduceMaxLanes], s_l[kReduceMaxLanes], s_o[kReduceMaxLanes][256];
   const int row = blockIdx.x, h = blockIdx.y, r = threadIdx.y, R = blockDim.y;
   const int HD = a.p.head_dim, S = a.num_splits;
@@ -339,13 +346,41 @@ __global__ void attn_reduce_kernel(const RowsArgs a) {
   }
 }
 
+// Programmatic dependent launch for the reduction, so its launch and CTA set-up overlap the
+// attention kernel's tail: only where the code that runs waits for it (griddepcontrol.wait is
+// compiled for sm_90+; sm_80 / sm_89 code, or its PTX JIT-compiled on a newer GPU, would read
+// the partials too early) and on compute capability 9.0+. KVLM_CUDA_PDL=0 turns it off, as
+// for the GEMVs (ops/cuda/gemv.cu).
+inline bool reduce_pdl() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVLM_CUDA_PDL");
+    if (e && std::string_view(e) == "0") return false;
+    int dev = 0, major = 0;
+    cudaFuncAttributes fa{};
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaFuncGetAttributes(&fa, attn_reduce_kernel) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major >= 9 && fa.ptxVersion >= 90;
+  }();
+  return on;
+}
+
 // Launches attn_reduce_kernel for a.num_splits > 1: about 4 splits per lane, at most 8 lanes.
 inline void launch_reduce(const RowsArgs& a, cudaStream_t st) {
   const int S = a.num_splits;
   const unsigned lanes = S >= 32 ? 8 : S >= 16 ? 4 : S >= 8 ? 2 : 1;
-  attn_reduce_kernel<<<dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)),
-                       dim3(unsigned(std::min(a.p.head_dim, 128)), lanes), 0, st>>>(a);
-  cuda_check(cudaGetLastError(), "paged_attention reduce launch");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads));
+  cfg.blockDim = dim3(unsigned(std::min(a.p.head_dim, 128)), lanes);
+  cfg.stream = st;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = reduce_pdl() ? 1 : 0;
+  cuda_check(cudaLaunchKernelEx(&cfg, attn_reduce_kernel, a), "paged_attention reduce launch");
 }
 
 constexpr int kMaxGroupPerCta = 8;
