@@ -56,7 +56,11 @@ struct ServerOptions {
   size_t max_body_bytes = 16u << 20;   // larger bodies get 413
   int read_timeout_s = 30;             // a client that stops sending its request
   int write_timeout_s = 30;            // a client that stops reading its response
-  int keep_alive_timeout_s = 5;
+  // Longer than the idle expiry of common client pools (httpx, used by the OpenAI SDK: 5 s;
+  // aiohttp: 15 s): when the server closes an idle connection at the moment the client
+  // reuses it, the client sees a connection error. At 5 s that race failed 1 of 800 requests
+  // of the load test (tests/server/load_test.py) on a busy 2-core machine.
+  int keep_alive_timeout_s = 30;
   int max_connections = 1024;          // connections served at once (one thread each)
   ApiLimits limits;
 };
