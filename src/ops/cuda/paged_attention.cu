@@ -101,9 +101,12 @@ Plan make_plan(const PagedAttentionParams& p) {
   }
   // Split count: the grid runs in waves of `slots` resident CTAs, and a last, partial wave
   // leaves most SMs idle (64 x 4k FP8: 512 CTAs on 396 slots took 1.3x the time of one
-  // full wave). Model: time = waves(s) * (keys per CTA + a fixed cost worth ~512 keys:
-  // pipeline fill, warp merge, partial write, reduction); pick the s minimising it (64 x 1k
-  // FP8 split 3-way ran 20% slower than unsplit: the fixed cost is real). Splits >= 128 keys.
+  // full wave). Model: each wave costs keys per CTA + a fixed cost worth ~512 keys (pipeline
+  // fill, warp merge, partial write, reduction); a partial wave after full ones runs faster
+  // per CTA, as its CTAs share the bandwidth with fewer others, but at most kPartialWaveRate
+  // times (fitted on the H200: 64 x 4k FP8 took 175 / 157 / 163 µs at 1 / 2 / 3 splits;
+  // counting the partial wave as a full one picked 3). Pick the s minimising it (64 x 1k FP8
+  // split 3-way ran 20% slower than unsplit: the fixed cost is real). Splits >= 128 keys.
   int per_sm = 4;  // CUDA-core kernel: ~128 registers, static shared memory
   if (pl.kernel == 3) {
     per_sm = prefill_ctas_per_sm(p);
@@ -119,8 +122,11 @@ Plan make_plan(const PagedAttentionParams& p) {
   int64_t splits = 1;
   double best = 1e30;
   for (int64_t s = 1; s <= max_s; ++s) {
-    const int64_t waves = (pl.ctas_per_split * s + slots - 1) / slots;
-    const double cost = double(waves) * (double(p.max_kv_len) / double(s) + 512.0);
+    constexpr double kPartialWaveRate = 1.34;
+    const int64_t ctas = pl.ctas_per_split * s, full = ctas / slots, rest = ctas % slots;
+    double waves = double(full);
+    if (rest > 0) waves += full == 0 ? 1.0 : 1.0 / std::min(kPartialWaveRate, double(slots) / double(rest));
+    const double cost = waves * (double(p.max_kv_len) / double(s) + 512.0);
     if (cost < best - 1e-12) {
       best = cost;
       splits = s;
