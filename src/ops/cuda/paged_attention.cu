@@ -100,15 +100,15 @@ Plan make_plan(const PagedAttentionParams& p) {
     pl.ctas_per_split = int64_t(p.num_tokens) * p.num_kv_heads * pl.head_chunks;
   }
   // Split count: the grid runs in waves of `slots` resident CTAs, and a last, partial wave
-  // leaves most SMs idle (64 x 4k FP8: 512 CTAs on 396 slots took 1.3x the time of one
-  // full wave). Model: each wave costs keys per CTA + a fixed cost worth ~512 keys (pipeline
-  // fill, warp merge, partial write, reduction); a partial wave after full ones runs faster
-  // per CTA, as its CTAs share the bandwidth with fewer others, but at most kPartialWaveRate
-  // times (fitted on the H200: 64 x 4k FP8 took 175 / 157 / 163 µs at 1 / 2 / 3 splits;
-  // counting the partial wave as a full one picked 3). Each split also adds to the
-  // reduction, ~14 keys' worth (fitted at 1 x 4k, where 8 / 16 / 32 splits took 18.3 / 15.4 /
-  // 17.2 µs and the model without it picked 32). Pick the s minimising it (64 x 1k FP8 split
-  // 3-way ran 20% slower than unsplit: the fixed cost is real). Splits >= 128 keys.
+  // leaves most SMs idle (64 x 4k FP8: 512 CTAs on 396 slots took 1.3x the time of one full
+  // wave). Model: each wave costs keys per CTA + a fixed cost worth ~512 keys (pipeline fill,
+  // warp merge, partial write); a partial wave after full ones runs faster per CTA, as its
+  // CTAs share the bandwidth with fewer others, but at most kPartialWaveRate times (fitted on
+  // the H200: 64 x 4k FP8 took 175 / 157 / 163 µs at 1 / 2 / 3 splits; counting the partial
+  // wave as a full one picked 3); each split adds kKeysPerSplit keys' worth of reduction
+  // (fitted at 1 x 4k: 18.3 / 15.4 / 17.2 µs at 8 / 16 / 32 splits; without it the model
+  // picked 32). Pick the s minimising it (64 x 1k FP8 split 3-way ran 20% slower than
+  // unsplit: the fixed cost is real). Splits >= 128 keys.
   int per_sm = 4;  // CUDA-core kernel: ~128 registers, static shared memory
   if (pl.kernel == 3) {
     per_sm = prefill_ctas_per_sm(p);
@@ -121,14 +121,14 @@ Plan make_plan(const PagedAttentionParams& p) {
   const int64_t slots = int64_t(sm_count()) * per_sm;
   int64_t max_s = std::max<int64_t>(1, std::min<int64_t>((p.max_kv_len + 127) / 128, 256));
   if (p.max_splits > 0) max_s = std::min<int64_t>(max_s, p.max_splits);
+  constexpr double kPartialWaveRate = 1.34, kKeysPerSplit = 14.0;
   int64_t splits = 1;
   double best = 1e30;
   for (int64_t s = 1; s <= max_s; ++s) {
-    constexpr double kPartialWaveRate = 1.34;
     const int64_t ctas = pl.ctas_per_split * s, full = ctas / slots, rest = ctas % slots;
     double waves = double(full);
     if (rest > 0) waves += full == 0 ? 1.0 : 1.0 / std::min(kPartialWaveRate, double(slots) / double(rest));
-    const double cost = waves * (double(p.max_kv_len) / double(s) + 512.0) + (s > 1 ? 14.0 * double(s) : 0.0);
+    const double cost = waves * (double(p.max_kv_len) / double(s) + 512.0) + (s > 1 ? kKeysPerSplit * double(s) : 0.0);
     if (cost < best - 1e-12) {
       best = cost;
       splits = s;

@@ -261,9 +261,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
-#pragma unroll
   // The ring is filled first: its loads are in flight while Q is loaded and converted below
   // (Q first made every CTA wait one global latency before its first tile was requested).
+#pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
 
   // Q A-fragments, permuted like the K slices (element x of this thread's list sits at
@@ -314,7 +314,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
   for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-
 
   for (int i = 0; i < my_tiles; ++i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
