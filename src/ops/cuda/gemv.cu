@@ -18,12 +18,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
-#include <string_view>
-
 #include "core/log.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace kvlm::cuda {
 
@@ -32,14 +30,6 @@ namespace {
 constexpr int kGemvThreads = 256;
 constexpr int kRowsWarp = 2, kRowsUnroll = 4;    // rows kernel
 constexpr int kSplitRows = 8, kSplitUnroll = 2;  // split kernel
-
-// Programmatic dependent launch: wait for the previous kernel in the stream (a no-op when
-// this grid was launched without the attribute).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 v;
@@ -214,27 +204,16 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_split_kernel(const uint16_t
   }
 }
 
-// Launch with the PDL attribute only where the GEMV that runs waits for its producer: PDL
-// needs compute capability 9.0, and griddepcontrol.wait is compiled for sm_90+ only — the
-// sm_80 / sm_89 code (and their PTX JIT-compiled on a newer GPU) does not wait, so with the
-// attribute it could read x before its producer wrote it. Decided once, for the current
-// device (the CUDA runner uses one): its compute capability, and the PTX architecture of the
-// GEMV code loaded for it (all GEMV kernels are compiled together, so one stands for all).
+// Launch with the PDL attribute only where the GEMV code that runs waits for its producer
+// (pdl_supported). Decided once, for the current device (the CUDA runner uses one); all GEMV
+// kernels are compiled together, so one stands for all.
 bool pdl_enabled() {
   static const bool on = [] {
-    const char* e = std::getenv("KVLM_CUDA_PDL");
-    if (e && std::string_view(e) == "0") return false;
-    int dev = 0, major = 0;
-    cudaFuncAttributes fa{};
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaFuncGetAttributes(&fa, gemv_rows_kernel<VecBF16, 1, false, false>) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    const bool ok = major >= 9 && fa.ptxVersion >= 90;
+    int ptx = 0;
+    const bool ok = pdl_supported(reinterpret_cast<const void*>(gemv_rows_kernel<VecBF16, 1, false, false>), &ptx);
     if (!ok)
-      log::info("GEMV kernels launched without programmatic dependent launch: compute capability major " +
-                std::to_string(major) + ", GEMV code compiled for compute_" + std::to_string(fa.ptxVersion));
+      log::info("GEMV kernels launched without programmatic dependent launch (compute capability below 9.0, "
+                "GEMV code compiled for compute_" + std::to_string(ptx) + ", or KVLM_CUDA_PDL=0)");
     return ok;
   }();
   return on;

@@ -12,6 +12,7 @@
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/kv_codec.cuh"
 #include "ops/cuda/model_ops.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace kvlm::cuda {
 
@@ -36,15 +37,6 @@ void dispatch_act(DType act, F&& f) {
 unsigned grid_for(size_t n, int threads) {
   const size_t blocks = (n + size_t(threads) - 1) / size_t(threads);
   return unsigned(std::min<size_t>(blocks, 65535u * 8u));
-}
-
-// Programmatic dependent launch: lets the next kernel in the stream — a GEMV launched with
-// the attribute (gemv.cu) — start streaming its weights now; it still waits for this whole
-// grid (griddepcontrol.wait) before reading what this kernel writes.
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

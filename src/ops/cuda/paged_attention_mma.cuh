@@ -127,6 +127,32 @@ __device__ __forceinline__ void to_pairs(const uint4* raw, uint32_t* pairs) {
   }
 }
 
+// One M row's step of the online softmax (mma accumulator layout: the row's values in a
+// thread are o[n][2i], o[n][2i + 1]), shared by the decode and the prefill kernels. `mx` is
+// this tile's max of the thread's scores of the row; it is combined over the row's 4
+// threads, folded into the running max and sum, and o is rescaled — only when some row of
+// the warp moved its max (rare after the first tiles; the N * 2 multiplies are a large share
+// of a tile's instructions for 1-byte codes). Returns the max to subtract from the tile's
+// scores before exp2. Warp-uniform call.
+template <int N>
+__device__ __forceinline__ float online_max(float mx, float& m_run, float& l_run, float (&o)[N][4], int i) {
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m_run, mx);
+  const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
+  const float corr = exp2f(m_run - m_use);
+  m_run = m_new;
+  l_run *= corr;
+  if (__any_sync(0xffffffffu, corr != 1.0f)) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      o[n][2 * i] *= corr;
+      o[n][2 * i + 1] *= corr;
+    }
+  }
+  return m_use;
+}
+
 constexpr int kMmaWarps = 4;
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
@@ -299,16 +325,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     }
   }
 
-  // Score scale: softmax_scale * log2(e) (exp2 softmax) * per-tensor K scale (free dequant).
-  float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
+  float sscale, vscale;
+  score_scales<Fmt>(p, kvh, sscale, vscale);
   // Per-token-head V scales ride on P (p * v_scale), carried in f16 times 2^8 so that rows
   // with V absmax in ~[1e-4, 1e5] stay in f16's normal range; undone at the end.
   constexpr float kPScale = Fmt::kScale == Scale::PerTokenHead ? 256.0f : 1.0f;
-  if constexpr (Fmt::kScale == Scale::PerTensor) {
-    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
-    sscale *= p.k_tensor_scale[si];
-    vscale = p.v_tensor_scale[si];
-  }
 
   float o[NT][4];
 #pragma unroll
@@ -378,22 +399,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           x = (tok >= mlo[i] && tok < mhi[i]) ? x * sscale * ksc[kj] : -INFINITY;
           mx = fmaxf(mx, x);
         }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a row
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[i], mx);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
-      const float corr = exp2f(m_run[i] - m_use);
-      m_run[i] = m_new;
-      l_run[i] *= corr;
-      // Rescale only when some row's max moved (rare after the first tiles): the NT * 2
-      // multiplies are a large share of the per-tile instructions for 1-byte codes.
-      if (__any_sync(0xffffffffu, corr != 1.0f)) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          o[nt][2 * i] *= corr;
-          o[nt][2 * i + 1] *= corr;
-        }
-      }
+      const float m_use = online_max(mx, m_run[i], l_run[i], o, i);
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll

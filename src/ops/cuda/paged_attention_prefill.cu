@@ -293,22 +293,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&o)[DT][4
         s[nt][2 * i + e] = x;
         mx = fmaxf(mx, x);
       }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run[i], mx);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
-    const float corr = exp2f(m_run[i] - m_use);
-    m_run[i] = m_new;
-    l_run[i] *= corr;
-    // Rescale only when some row of the warp moved its max (most tiles after the first few
-    // do not): DT * 2 multiplies per row.
-    if (__any_sync(0xffffffffu, corr != 1.0f)) {
-#pragma unroll
-      for (int d = 0; d < DT; ++d) {
-        o[d][2 * i] *= corr;
-        o[d][2 * i + 1] *= corr;
-      }
-    }
+    const float m_use = mma::online_max(mx, m_run[i], l_run[i], o, i);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -410,12 +395,8 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return swz<HD>(m, c); });
 
   // Score scale: softmax_scale * log2(e) * per-tensor K scale; V's per-tensor scale at the end.
-  float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
-  if constexpr (Fmt::kScale == Scale::PerTensor) {
-    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
-    sscale *= p.k_tensor_scale[si];
-    vscale = p.v_tensor_scale[si];
-  }
+  float sscale, vscale;
+  score_scales<Fmt>(p, kvh, sscale, vscale);
 
   float o[MT][DT][4];
 #pragma unroll
@@ -619,12 +600,8 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
   issue(1);
   load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return sw128<BM>(m, c); });
 
-  float sscale = p.softmax_scale * 1.4426950408889634f, vscale = 1.0f;
-  if constexpr (Fmt::kScale == Scale::PerTensor) {
-    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
-    sscale *= p.k_tensor_scale[si];
-    vscale = p.v_tensor_scale[si];
-  }
+  float sscale, vscale;
+  score_scales<Fmt>(p, kvh, sscale, vscale);
 
   float o[DT][4];
 #pragma unroll

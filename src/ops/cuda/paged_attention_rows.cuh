@@ -9,11 +9,9 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
-
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/kv_codec.cuh"
+#include "ops/cuda/pdl.cuh"
 
 namespace kvlm::cuda {
 
@@ -35,13 +33,18 @@ struct RowsArgs {
 namespace {
 
 
-// Programmatic dependent launch: the kernel after attention (the o projection's GEMV,
-// ops/cuda/gemv.cu) may start streaming its weights now; it still waits for this grid's
-// completion before it reads the attention output.
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+// The score scale (softmax_scale * log2(e): every kernel's softmax is in exp2) and the
+// output's V scale: per-tensor K and V scales fold in here, so dequantizing costs nothing
+// (q.(c*s) = (q*s).c; one scale, or one per kv head); other formats leave the V scale at 1.
+template <class Fmt>
+__device__ __forceinline__ void score_scales(const PagedAttentionParams& p, int kvh, float& sscale, float& vscale) {
+  sscale = p.softmax_scale * kLog2e;
+  vscale = 1.0f;
+  if constexpr (Fmt::kScale == Scale::PerTensor) {
+    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
+    sscale *= p.k_tensor_scale[si];
+    vscale = p.v_tensor_scale[si];
+  }
 }
 
 // Loads that bypass L1 allocation hints are not used: the non-coherent read-only path
@@ -101,16 +104,9 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   const int per_split = (n + a.num_splits - 1) / a.num_splits;
   const int t0 = lo + split * per_split, t1 = min(hi, t0 + per_split);
 
-  // Query slice in registers, pre-multiplied by softmax_scale * log2(e) (softmax in exp2,
-  // one FFMA less per score) and, for per-tensor FP8, by the K scale (dequantization of K
-  // costs nothing: q.(c*s) = (q*s).c).
-  float qscale = p.softmax_scale * kLog2e;
-  float vscale = 1.0f;
-  if constexpr (Fmt::kScale == Scale::PerTensor) {
-    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
-    qscale *= p.k_tensor_scale[si];
-    vscale = p.v_tensor_scale[si];
-  }
+  // Query slice in registers, pre-multiplied by the score scale (one FFMA less per score).
+  float qscale, vscale;
+  score_scales<Fmt>(p, kvh, qscale, vscale);
   float q[GMAX][kVec];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
@@ -295,11 +291,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
 constexpr int kReduceMaxLanes = 8;
 __global__ void attn_reduce_kernel(const RowsArgs a) {
   allow_dependents();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched with programmatic dependent launch (launch_reduce): the CTAs may be resident
-  // before the attention kernel ends; wait for it (and its partials) here.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  pdl_wait();  // launched with PDL (launch_reduce): the partials may not be written yet
   __shared__ float s_m[kReduceMaxLanes], s_l[kReduceMaxLanes], s_o[kReduceMaxLanes][256];
   const int row = blockIdx.x, h = blockIdx.y, r = threadIdx.y, R = blockDim.y;
   const int HD = a.p.head_dim, S = a.num_splits;
@@ -346,24 +338,10 @@ __global__ void attn_reduce_kernel(const RowsArgs a) {
   }
 }
 
-// Programmatic dependent launch for the reduction, so its launch and CTA set-up overlap the
-// attention kernel's tail: only where the code that runs waits for it (griddepcontrol.wait is
-// compiled for sm_90+; sm_80 / sm_89 code, or its PTX JIT-compiled on a newer GPU, would read
-// the partials too early) and on compute capability 9.0+. KVLM_CUDA_PDL=0 turns it off, as
-// for the GEMVs (ops/cuda/gemv.cu).
+// The reduction is launched with PDL (pdl.cuh) where supported, so its launch and CTA set-up
+// overlap the attention kernel's tail.
 inline bool reduce_pdl() {
-  static const bool on = [] {
-    const char* e = std::getenv("KVLM_CUDA_PDL");
-    if (e && std::string_view(e) == "0") return false;
-    int dev = 0, major = 0;
-    cudaFuncAttributes fa{};
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaFuncGetAttributes(&fa, attn_reduce_kernel) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return major >= 9 && fa.ptxVersion >= 90;
-  }();
+  static const bool on = pdl_supported(reinterpret_cast<const void*>(attn_reduce_kernel));
   return on;
 }
 
