@@ -720,9 +720,12 @@ void HttpServer::cancel_all(const std::string& why) {
     std::lock_guard lock(impl_->live_mu);
     for (const auto& [_, l] : impl_->live) all.push_back(l);
   }
+  // The stream first, so its choices end with `why`: a choice's first finish wins, and the
+  // engine's own abort event (aborted before, it raced this and sometimes won, losing the
+  // reason) is then ignored as an echo.
   for (const auto& l : all) {
-    for (const auto& e : l.engine_ids) l.engine->abort(e);
     for (int c = 0; c < l.stream->num_choices(); ++c) l.stream->fail(c, FinishReason::Abort, why);
+    for (const auto& e : l.engine_ids) l.engine->abort(e);
   }
 }
 
