@@ -28,8 +28,9 @@ inline void check_cublas(cublasStatus_t st, const char* what, const char* file, 
 
 }  // namespace kvlm::cuda
 
-// KVLM_CUDA_CHECK(cudaMemcpyAsync(...)): throws kvlm::Error naming the call and file:line.
-#define KVLM_CUDA_CHECK(call) ::kvlm::cuda::check_cuda((call), #call, __FILE__, __LINE__)
+// KVLM_CUDA_CHECK(cudaMemcpyAsync(...)): throws kvlm::Error naming the call and file:line
+// (variadic: a call may hold template arguments with commas).
+#define KVLM_CUDA_CHECK(...) ::kvlm::cuda::check_cuda((__VA_ARGS__), #__VA_ARGS__, __FILE__, __LINE__)
 #define KVLM_CUBLAS_CHECK(call) ::kvlm::cuda::check_cublas((call), #call, __FILE__, __LINE__)
 // After a kernel launch: launch-configuration errors surface here, faults at the next sync.
 #define KVLM_CUDA_CHECK_LAUNCH(name) ::kvlm::cuda::check_cuda(cudaGetLastError(), name " launch", __FILE__, __LINE__)

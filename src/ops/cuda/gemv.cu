@@ -10,15 +10,14 @@
 //    thread in flight), then reduce across warps in shared memory. Best for few rows of long
 //    k (o, down, qkv projections of a 4096-wide model): the rows kernel gives those only
 //    ~2 CTAs per SM whose warps each walk 12 dependent rounds of loads (measured 2.8 TB/s).
-// Both are launched with programmatic dependent launch (sm_90): a CTA issues its first loads of
-// w, which do not depend on the previous kernel, before griddepcontrol.wait, so the weight
-// stream starts while the producer of x (a norm, SiLU-and-mul, attention) is still running
-// and the launch latency between the two is hidden. KVLM_CUDA_PDL=0 launches them normally,
-// and so do GPUs below compute capability 9.0 and sm_80 / sm_89 code (pdl_enabled).
+// Both are launched with programmatic dependent launch (pdl.cuh, sm_90): a CTA issues its first
+// loads of w, which do not depend on the previous kernel, before griddepcontrol.wait, so the
+// weight stream starts while the producer of x (a norm, SiLU-and-mul, attention) is still
+// running and the launch latency between the two is hidden; and each CTA lets the next kernel
+// launch as soon as it starts, so that kernel's own prologue overlaps this one's tail.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "core/log.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/pdl.cuh"
@@ -94,6 +93,7 @@ template <class V, int M, bool kF32Out, bool kGlu>
 __global__ void __launch_bounds__(kGemvThreads) gemv_rows_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                                                                  void* y, int n, int k) {
   constexpr int R = kRowsWarp, U = kRowsUnroll;
+  allow_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = (int(blockIdx.x) * (kGemvThreads / 32) + warp) * R;
   if (row0 >= n) return;  // warp-uniform
@@ -146,6 +146,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_rows_kernel(const uint16_t*
 template <class V, int M, bool kF32Out, bool kGlu>
 __global__ void __launch_bounds__(kGemvThreads) gemv_split_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                                                                   void* y, int n, int k) {
+  allow_dependents();
   constexpr int R = kSplitRows, U = kSplitUnroll;
   const int row0 = int(blockIdx.x) * R;
   const int nrows = min(R, n - row0);
@@ -204,38 +205,15 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_split_kernel(const uint16_t
   }
 }
 
-// Launch with the PDL attribute only where the GEMV code that runs waits for its producer
-// (pdl_supported). Decided once, for the current device (the CUDA runner uses one); all GEMV
-// kernels are compiled together, so one stands for all.
-bool pdl_enabled() {
-  static const bool on = [] {
-    int ptx = 0;
-    const bool ok = pdl_supported(reinterpret_cast<const void*>(gemv_rows_kernel<VecBF16, 1, false, false>), &ptx);
-    if (!ok)
-      log::info("GEMV kernels launched without programmatic dependent launch (compute capability below 9.0, "
-                "GEMV code compiled for compute_" + std::to_string(ptx) + ", or KVLM_CUDA_PDL=0)");
-    return ok;
-  }();
-  return on;
-}
-
 template <class V, int M, bool kF32Out, bool kGlu>
 void launch_m(bool split, const uint16_t* x, const uint16_t* w, const uint16_t* b, void* y, int n, int k, cudaStream_t st) {
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kGemvThreads);
-  cfg.stream = st;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
   if (split) {
-    cfg.gridDim = dim3(unsigned((n + kSplitRows - 1) / kSplitRows));
-    KVLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_split_kernel<V, M, kF32Out, kGlu>, x, w, b, y, n, k));
+    const dim3 grid(unsigned((n + kSplitRows - 1) / kSplitRows));
+    KVLM_CUDA_CHECK(launch_pdl<gemv_split_kernel<V, M, kF32Out, kGlu>>(grid, dim3(kGemvThreads), 0, st, x, w, b, y, n, k));
   } else {
     constexpr int rows_per_cta = kRowsWarp * kGemvThreads / 32;
-    cfg.gridDim = dim3(unsigned((n + rows_per_cta - 1) / rows_per_cta));
-    KVLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_rows_kernel<V, M, kF32Out, kGlu>, x, w, b, y, n, k));
+    const dim3 grid(unsigned((n + rows_per_cta - 1) / rows_per_cta));
+    KVLM_CUDA_CHECK(launch_pdl<gemv_rows_kernel<V, M, kF32Out, kGlu>>(grid, dim3(kGemvThreads), 0, st, x, w, b, y, n, k));
   }
 }
 

@@ -5,6 +5,9 @@
 //    and writes bf16 q, or quantized K and V straight into their pages — no separate q/k
 //    norm, RoPE or KV-store pass;
 //  - silu_mul, embed_rows, bf16_to_act: elementwise, grid-stride.
+// Every kernel of a decode step but the first (embed_rows) is launched with programmatic
+// dependent launch (pdl.cuh): it starts while its predecessor drains and waits in pdl_wait()
+// before reading that predecessor's output; the kernels let their successor start early.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -72,16 +75,18 @@ template <class A, int PER>
 __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddRmsNormParams p) {
   allow_dependents();
   const int r = blockIdx.x;
-  const int src = p.row_map ? p.row_map[r] : r;
+  const int src = p.row_map ? p.row_map[r] : r;  // step metadata: uploaded before the step's kernels
   const int H = p.hidden, nt = int(blockDim.x), tid = int(threadIdx.x);
   float* x = p.x + size_t(src) * size_t(H);
   const uint16_t* d = p.delta ? static_cast<const uint16_t*>(p.delta) + size_t(src) * size_t(H) : nullptr;
   float v[PER], wt[PER];
 #pragma unroll
+  for (int c = 0; c < PER; ++c) wt[c] = tid + c * nt < H ? p.weight[tid + c * nt] : 0.0f;  // weights: not written
+  pdl_wait();  // x and delta come from the kernels before
+#pragma unroll
   for (int c = 0; c < PER; ++c) {
     const int i = tid + c * nt;
     v[c] = i < H ? x[i] : 0.0f;
-    wt[c] = i < H ? p.weight[i] : 0.0f;
     if (d && i < H) v[c] += A::load(d[i]);
   }
   float ss = 0.0f;
@@ -142,6 +147,8 @@ __device__ __forceinline__ void store_head(const float (&a)[kPairsPerLane], cons
 
 template <class A, class Fmt>
 __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const QkvRopeStoreParams p) {
+  allow_dependents();
+  pdl_wait();  // qkv is the previous kernel's output; this kernel also writes the KV pages
   const int heads = p.num_q_heads + p.num_kv_heads;
   const int64_t item = int64_t(blockIdx.x) * kRopeWarps + threadIdx.x / 32;
   if (item >= int64_t(p.num_tokens) * heads) return;  // whole warp: item is warp-uniform
@@ -234,6 +241,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
 template <class A>
 __global__ void silu_mul_kernel(const uint16_t* gu, uint16_t* out, int rows, int inter) {
   allow_dependents();
+  pdl_wait();
   const size_t n = size_t(rows) * size_t(inter);
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const size_t r = i / size_t(inter), c = i % size_t(inter);
@@ -246,6 +254,7 @@ __global__ void silu_mul_kernel(const uint16_t* gu, uint16_t* out, int rows, int
 template <class A>
 __global__ void bf16_to_act_kernel(const uint16_t* in, uint16_t* out, size_t n) {
   allow_dependents();
+  pdl_wait();
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     out[i] = A::store(ActBF16::load(in[i]));
 }
@@ -255,6 +264,8 @@ __global__ void bf16_to_act_kernel(const uint16_t* in, uint16_t* out, size_t n) 
 constexpr int kArgmaxThreads = 256;
 
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* logits, int vocab, TokenId* out) {
+  allow_dependents();
+  pdl_wait();
   const float* row = logits + size_t(blockIdx.x) * size_t(vocab);
   float best = -INFINITY;
   int idx = vocab;  // loses every tie: a row of -inf still yields index 0
@@ -318,10 +329,10 @@ void add_rmsnorm(const AddRmsNormParams& p, void* stream) {
   dispatch_act(p.act, [&](auto a) {
     using A = decltype(a);
     const auto st = static_cast<cudaStream_t>(stream);
-    if (per == 4) add_rmsnorm_kernel<A, 4><<<unsigned(p.rows), unsigned(threads), 0, st>>>(p);
-    else if (per == 8) add_rmsnorm_kernel<A, 8><<<unsigned(p.rows), unsigned(threads), 0, st>>>(p);
-    else add_rmsnorm_kernel<A, 16><<<unsigned(p.rows), unsigned(threads), 0, st>>>(p);
-    KVLM_CUDA_CHECK_LAUNCH("add_rmsnorm");
+    const dim3 grid{unsigned(p.rows)}, block{unsigned(threads)};
+    if (per == 4) KVLM_CUDA_CHECK(launch_pdl<add_rmsnorm_kernel<A, 4>>(grid, block, 0, st, p));
+    else if (per == 8) KVLM_CUDA_CHECK(launch_pdl<add_rmsnorm_kernel<A, 8>>(grid, block, 0, st, p));
+    else KVLM_CUDA_CHECK(launch_pdl<add_rmsnorm_kernel<A, 16>>(grid, block, 0, st, p));
   });
 }
 
@@ -342,8 +353,8 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
         throw Error("qkv_rope_store: per-token-head modes need the scale pages");
       const int64_t items = int64_t(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);
       const unsigned grid = unsigned((items + kRopeWarps - 1) / kRopeWarps);
-      qkv_rope_store_kernel<A, Fmt><<<grid, kRopeWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(p);
-      KVLM_CUDA_CHECK_LAUNCH("qkv_rope_store");
+      KVLM_CUDA_CHECK(launch_pdl<qkv_rope_store_kernel<A, Fmt>>(dim3(grid), dim3(kRopeWarps * 32), 0,
+                                                                static_cast<cudaStream_t>(stream), p));
     });
   });
 }
@@ -352,9 +363,9 @@ void silu_mul(DType act, const void* gu, void* out, int rows, int inter, void* s
   if (rows <= 0) return;
   dispatch_act(act, [&](auto a) {
     using A = decltype(a);
-    silu_mul_kernel<A><<<grid_for(size_t(rows) * size_t(inter), 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), rows, inter);
-    KVLM_CUDA_CHECK_LAUNCH("silu_mul");
+    KVLM_CUDA_CHECK(launch_pdl<silu_mul_kernel<A>>(dim3(grid_for(size_t(rows) * size_t(inter), 256)), dim3(256), 0,
+                                                   static_cast<cudaStream_t>(stream), static_cast<const uint16_t*>(gu),
+                                                   static_cast<uint16_t*>(out), rows, inter));
   });
 }
 
@@ -362,16 +373,16 @@ void bf16_to_act(DType act, const uint16_t* in, void* out, size_t n, void* strea
   if (n == 0) return;
   dispatch_act(act, [&](auto a) {
     using A = decltype(a);
-    bf16_to_act_kernel<A><<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(in, static_cast<uint16_t*>(out), n);
-    KVLM_CUDA_CHECK_LAUNCH("bf16_to_act");
+    KVLM_CUDA_CHECK(launch_pdl<bf16_to_act_kernel<A>>(dim3(grid_for(n, 256)), dim3(256), 0, static_cast<cudaStream_t>(stream),
+                                                      in, static_cast<uint16_t*>(out), n));
   });
 }
 
 void argmax_rows(const float* logits, int rows, int vocab, TokenId* out, void* stream) {
   if (rows <= 0) return;
   if (vocab <= 0) throw Error("argmax_rows: empty vocabulary");
-  argmax_kernel<<<unsigned(rows), kArgmaxThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, vocab, out);
-  KVLM_CUDA_CHECK_LAUNCH("argmax_rows");
+  KVLM_CUDA_CHECK(launch_pdl<argmax_kernel>(dim3(unsigned(rows)), dim3(kArgmaxThreads), 0, static_cast<cudaStream_t>(stream),
+                                             logits, vocab, out));
 }
 
 void copy_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pairs, int num_pairs, void* stream) {

@@ -145,8 +145,10 @@ void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
       const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.num_splits));
       constexpr size_t smem = mma::mma_smem_bytes<Fmt, HD>();
       mma_ctas_per_sm<Fmt, HD>();  // sets the shared-memory attribute (once)
-      mma::attn_mma_kernel<Fmt, HD><<<grid, mma::kMmaWarps * 32, smem, st>>>(a);
-      cuda_check(cudaGetLastError(), "paged_attention launch");
+      // Launched with PDL (pdl.cuh): the kernel reads the step's metadata, then waits for the
+      // kernel before (which wrote Q and this step's K/V rows).
+      cuda_check(launch_pdl<mma::attn_mma_kernel<Fmt, HD>>(grid, dim3(mma::kMmaWarps * 32), smem, st, a),
+                 "paged_attention launch");
       if (a.num_splits > 1) launch_reduce(a, st);
       return;
     }

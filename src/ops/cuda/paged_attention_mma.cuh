@@ -289,6 +289,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   };
   // The ring is filled first: its loads are in flight while Q is loaded and converted below
   // (Q first made every CTA wait one global latency before its first tile was requested).
+  // Everything above read only the step's metadata; the pages (this step's K/V rows) and Q
+  // are written by the kernel before (launched with PDL: paged_attention.cu).
+  pdl_wait();
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
 

@@ -70,6 +70,7 @@ __device__ __forceinline__ void visible_range(const PagedAttentionParams& p, int
 template <class Fmt, int HD, int GMAX>
 __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a) {
   allow_dependents();
+  pdl_wait();  // launched with PDL (launch_rows): Q and this step's K/V come from the kernel before
   using Vec = typename Fmt::Vec;
   constexpr int TPR = HD / kVec;
   constexpr int RPW = 32 / TPR;
@@ -338,27 +339,13 @@ __global__ void attn_reduce_kernel(const RowsArgs a) {
   }
 }
 
-// The reduction is launched with PDL (pdl.cuh) where supported, so its launch and CTA set-up
-// overlap the attention kernel's tail.
-inline bool reduce_pdl() {
-  static const bool on = pdl_supported(reinterpret_cast<const void*>(attn_reduce_kernel));
-  return on;
-}
-
 // Launches attn_reduce_kernel for a.num_splits > 1: about 4 splits per lane, at most 8 lanes.
 inline void launch_reduce(const RowsArgs& a, cudaStream_t st) {
   const int S = a.num_splits;
   const unsigned lanes = S >= 32 ? 8 : S >= 16 ? 4 : S >= 8 ? 2 : 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads));
-  cfg.blockDim = dim3(unsigned(std::min(a.p.head_dim, 128)), lanes);
-  cfg.stream = st;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = reduce_pdl() ? 1 : 0;
-  cuda_check(cudaLaunchKernelEx(&cfg, attn_reduce_kernel, a), "paged_attention reduce launch");
+  cuda_check(launch_pdl<attn_reduce_kernel>(dim3(unsigned(a.p.num_tokens), unsigned(a.p.num_q_heads)),
+                                            dim3(unsigned(std::min(a.p.head_dim, 128)), lanes), 0, st, a),
+             "paged_attention reduce launch");
 }
 
 constexpr int kMaxGroupPerCta = 8;
@@ -370,10 +357,13 @@ void launch_rows(const RowsArgs& a, cudaStream_t st) {
   const int gmax = std::min(a.group, kMaxGroupPerCta);
   // GQA group sizes are compiled as 1, 4 and 8 (the common ones); 2-3 run in the 4-wide and
   // 5-7 in the 8-wide instance with idle head slots: correct, somewhat wasteful.
-  if (gmax == 1) attn_rows_kernel<Fmt, HD, 1><<<grid, kWarps * 32, 0, st>>>(a);
-  else if (gmax <= 4) attn_rows_kernel<Fmt, HD, 4><<<grid, kWarps * 32, 0, st>>>(a);
-  else attn_rows_kernel<Fmt, HD, 8><<<grid, kWarps * 32, 0, st>>>(a);
-  cuda_check(cudaGetLastError(), "paged_attention launch");
+  // Launched with PDL (pdl.cuh): the kernel waits before it reads Q or the pages.
+  const dim3 block(kWarps * 32);
+  cudaError_t e;
+  if (gmax == 1) e = launch_pdl<attn_rows_kernel<Fmt, HD, 1>>(grid, block, 0, st, a);
+  else if (gmax <= 4) e = launch_pdl<attn_rows_kernel<Fmt, HD, 4>>(grid, block, 0, st, a);
+  else e = launch_pdl<attn_rows_kernel<Fmt, HD, 8>>(grid, block, 0, st, a);
+  cuda_check(e, "paged_attention launch");
   if (a.num_splits > 1) launch_reduce(a, st);
 }
 

@@ -3,12 +3,22 @@
 // its predecessor in the stream still runs; it must call pdl_wait() before reading what the
 // predecessor writes. A predecessor calls allow_dependents() to let that launch begin early.
 // Both are no-ops in code compiled below sm_90 and when the grid was launched normally.
+//
+// The rule every PDL-launched kernel follows: before pdl_wait() it may read only what no
+// kernel of the step writes (weights, the step's metadata uploaded before its first kernel)
+// and may write nothing. Its predecessor may itself still be waiting on the kernel before
+// it, so "two kernels back" is no safer than "the previous one".
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <string>
 #include <string_view>
+#include <utility>
+
+#include "core/log.h"
 
 namespace kvlm::cuda {
 
@@ -41,6 +51,38 @@ inline bool pdl_supported(const void* kernel, int* ptx = nullptr) {
   }
   if (ptx) *ptx = fa.ptxVersion;
   return major >= 9 && fa.ptxVersion >= 90;
+}
+
+// launch_pdl<kernel>(grid, block, smem, stream, args...): kernel<<<grid, block, smem,
+// stream>>>(args...), with programmatic stream serialization where pdl_supported(kernel)
+// (decided once per kernel). The kernel must call pdl_wait() as the rule above says.
+// Returns the launch's error, for the caller's check.
+inline void note_pdl_off(int ptx) {
+  static std::atomic<bool> told{false};
+  if (!told.exchange(true))
+    log::info("CUDA kernels launched without programmatic dependent launch (compute capability below 9.0, code "
+              "compiled for compute_" + std::to_string(ptx) + ", or KVLM_CUDA_PDL=0)");
+}
+
+template <auto Kernel, class... Args>
+cudaError_t launch_pdl(dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  static const bool on = [] {
+    int ptx = 0;
+    const bool ok = pdl_supported(reinterpret_cast<const void*>(Kernel), &ptx);
+    if (!ok) note_pdl_off(ptx);
+    return ok;
+  }();
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = on ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, Kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace kvlm::cuda
