@@ -53,10 +53,7 @@ inline bool pdl_supported(const void* kernel, int* ptx = nullptr) {
   return major >= 9 && fa.ptxVersion >= 90;
 }
 
-// launch_pdl<kernel>(grid, block, smem, stream, args...): kernel<<<grid, block, smem,
-// stream>>>(args...), with programmatic stream serialization where pdl_supported(kernel)
-// (decided once per kernel). The kernel must call pdl_wait() as the rule above says.
-// Returns the launch's error, for the caller's check.
+// Says once per process that kernels run without PDL, and why that may be.
 inline void note_pdl_off(int ptx) {
   static std::atomic<bool> told{false};
   if (!told.exchange(true))
@@ -64,6 +61,10 @@ inline void note_pdl_off(int ptx) {
               "compiled for compute_" + std::to_string(ptx) + ", or KVLM_CUDA_PDL=0)");
 }
 
+// launch_pdl<kernel>(grid, block, smem, stream, args...): kernel<<<grid, block, smem,
+// stream>>>(args...), with programmatic stream serialization where pdl_supported(kernel)
+// (decided once per kernel). The kernel must call pdl_wait() as the rule above says.
+// Returns the launch's error, for the caller's check.
 template <auto Kernel, class... Args>
 cudaError_t launch_pdl(dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
   static const bool on = [] {
