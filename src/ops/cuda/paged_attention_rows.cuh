@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/kv_codec.cuh"
 #include "ops/cuda/pdl.cuh"
