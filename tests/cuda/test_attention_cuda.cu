@@ -13,7 +13,7 @@
 //     with its reduction) and a batch mixing decode rows with multi-token rows, run once with
 //     automatic splits and once unsplit. Block tables are shuffled with holes and padded
 //     with -1, so a read past a sequence's pages faults (and compute-sanitizer reports it).
-//     Outputs are poisoned with NaN first.
+//     Slots no sequence wrote hold NaN bytes, and outputs are poisoned with NaN first.
 // Tolerance (same for every format, since both backends read the same stored codes): the
 // GPU output is rounded to bf16 (relative error <= 2^-9) and the fp32 sums run in another
 // order (scale folded into q, exp2 instead of exp, split merging: relative ~1e-6), so
@@ -202,6 +202,34 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
         st.page_mismatch += (std::memcmp(&gks[i], &L.k_scale[i], 4) != 0) + (std::memcmp(&gvs[i], &L.v_scale[i], 4) != 0);
     }
   }
+  // Slots no sequence wrote now hold 0xff bytes — NaN in bf16, fp16, e4m3, e5m2 and in the
+  // fp32 scales — as stale slots of a live cache may: no kernel may let them reach an output
+  // (a tile that reads them whole must mask them, and 0 * NaN in P.V is NaN).
+  {
+    std::vector<char> written(size_t(cache.num_blocks()) * size_t(bs), 0);
+    for (SlotId s : slots) written[size_t(s)] = 1;
+    auto gk = dkc.download(), gv = dvc.download();
+    auto gks = dks.download(), gvs = dvs.download();
+    const size_t row = size_t(d) * dtype_size(spec.storage);
+    for (size_t b = 0; b < size_t(cache.num_blocks()); ++b)
+      for (size_t h = 0; h < size_t(kvh); ++h)
+        for (size_t s = 0; s < size_t(bs); ++s) {
+          if (written[b * size_t(bs) + s]) continue;
+          const size_t r = (b * size_t(kvh) + h) * size_t(bs) + s;
+          std::memset(gk.data() + r * row, 0xff, row);
+          std::memset(gv.data() + r * row, 0xff, row);
+          if (dks.n) {
+            std::memset(&gks[r], 0xff, 4);
+            std::memset(&gvs[r], 0xff, 4);
+          }
+        }
+    dkc.upload(gk);
+    dvc.upload(gv);
+    if (dks.n) {
+      dks.upload(gks);
+      dvs.upload(gvs);
+    }
+  }
 
   // Queries and the CPU reference.
   std::vector<float> qf(size_t(total_q) * size_t(nh) * size_t(d));
@@ -296,7 +324,8 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
       for (int gqa : {1, 4, 8}) {
         if (reduced() && !((hd == 128 || hd == 16) && gqa == 4 && kind != AttentionKind::NonCausal)) continue;
         const int kvh = gqa == 8 ? 1 : 2;
-        const Case c{dt, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, hd == 128 ? 32 : 16};
+        // Block sizes: 32 at head 128, 48 (not a power of two) at head 64, 16 otherwise.
+        const Case c{dt, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, hd == 128 ? 32 : hd == 64 ? 48 : 16};
         Stats st;
         // kernel 0 = automatic (tiled prefill for multi-token rows at head 64/128/256, decode
         // tensor cores for single rows at head 64/128), 1 = CUDA cores, 2 = decode tensor
