@@ -8,12 +8,15 @@
 // over bf16 of the same shape.
 //
 //   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--shapes BxC,...]
-//                 [--modes NAME,...] [--max-splits N]
+//                 [--modes NAME,...] [--max-splits N] [--trace DIR]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
 // --shapes picks decode shapes (e.g. 64x4096,1x32768), --modes KV modes (e.g. bf16,fp8_e4m3);
 // --max-splits caps the decode split count (PagedAttentionParams::max_splits), to explore it.
+// --trace DIR (a build with -DKVLM_ATTN_TRACE=ON) writes the per-CTA timeline of each decode
+// row's last timed call to DIR/trace-MODE-BxC.bin: per CTA four little-endian uint64 (start,
+// first tile, end in globaltimer ns; SM); tools/attn_trace.py summarises them.
 //
 // Each timed call is queued behind a short spin kernel, so the events bracket the GPU time of
 // the call alone: the host's launch latency (several µs, which a CUDA graph removes in the
@@ -215,7 +218,7 @@ double copy_bandwidth(void* a, void* b, size_t bytes) {
 
 int main(int argc, char** argv) {
   bool quick = false, prefill = false, prefill_only = false;
-  std::string shapes_arg, modes_arg;
+  std::string shapes_arg, modes_arg, trace_dir;
   int max_splits = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
@@ -225,6 +228,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) shapes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) modes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--max-splits") && i + 1 < argc) max_splits = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
   }
   // --shapes BxC,... (decode) and --modes NAME,...: comma lists, matched exactly.
   auto listed = [](const std::string& list, const std::string& item) {
@@ -357,6 +361,20 @@ int main(int argc, char** argv) {
         cudaFree(rout);
         // Timing: 5 warm-up calls, then the median of 25 timed calls, each on the next copy.
         const double us = time_calls([&](int i) { cuda::paged_attention(params(i % copies), nullptr); }, 5, 25) * 1e3;
+        if (!trace_dir.empty()) {
+          const std::vector<cuda::AttnCtaTrace> tr = cuda::paged_attention_last_trace();
+          if (tr.empty()) {
+            std::fprintf(stderr, "--trace: no timeline recorded (build with -DKVLM_ATTN_TRACE=ON; only the decode "
+                                 "tensor-core kernel records one)\n");
+            return 2;
+          }
+          const std::string path = trace_dir + "/trace-" + mode.name + "-" + std::to_string(B) + "x" + std::to_string(C) + ".bin";
+          FILE* f = std::fopen(path.c_str(), "wb");
+          if (!f || std::fwrite(tr.data(), sizeof(tr[0]), tr.size(), f) != tr.size() || std::fclose(f) != 0) {
+            std::fprintf(stderr, "--trace: cannot write %s\n", path.c_str());
+            return 2;
+          }
+        }
         const double bytes = double(2 * kv_bytes + 2 * scale_bytes + 2 * qn * 2);
         const double gbs = bytes / (us * 1e-6) / 1e9;
         if (mode.storage == DType::BF16) bf16_us[bi][ci] = us;

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "config/model_config.h"  // AttentionKind
 #include "core/dtype.h"
@@ -97,5 +98,16 @@ void paged_attention(const PagedAttentionParams& p, void* stream);
 // (1, 2 or 3 as PagedAttentionParams::kernel), exposed for the lab and tests.
 int paged_attention_num_splits(const PagedAttentionParams& p);
 int paged_attention_kernel(const PagedAttentionParams& p);
+
+// The per-CTA timeline of the last decode tensor-core kernel launched, for the kernel lab
+// (attention_lab --trace): in a build with -DKVLM_ATTN_TRACE=ON every CTA of that kernel
+// records globaltimer nanoseconds at its start, when its first tile is in shared memory and at
+// its end, and the SM it ran on (the first 65536 CTAs of a grid, in blockIdx order: x fastest).
+// Empty in other builds, which record nothing.
+struct AttnCtaTrace {
+  uint64_t start = 0, first_tile = 0, end = 0, sm = 0;
+};
+static_assert(sizeof(AttnCtaTrace) == 32, "the trace file format is 4 x uint64 per CTA");
+std::vector<AttnCtaTrace> paged_attention_last_trace();
 
 }  // namespace kvlm::cuda

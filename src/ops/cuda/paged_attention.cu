@@ -23,6 +23,8 @@
 namespace kvlm::cuda {
 namespace {
 
+int64_t g_last_mma_ctas = 0;  // grid size of the last decode tensor-core launch (for the trace)
+
 int sm_count() {
   static int n = [] {
     int dev = 0, v = 0;
@@ -149,6 +151,7 @@ void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
       // kernel before (which wrote Q and this step's K/V rows).
       cuda_check(launch_pdl<mma::attn_mma_kernel<Fmt, HD>>(grid, dim3(mma::kMmaWarps * 32), smem, st, a),
                  "paged_attention launch");
+      g_last_mma_ctas = int64_t(grid.x) * grid.y * grid.z;
       if (a.num_splits > 1) launch_reduce(a, st);
       return;
     }
@@ -171,6 +174,18 @@ void validate(const PagedAttentionParams& p) {
 }  // namespace
 
 int paged_attention_num_splits(const PagedAttentionParams& p) { return make_plan(p).splits; }
+
+std::vector<AttnCtaTrace> paged_attention_last_trace() {
+  std::vector<AttnCtaTrace> out;
+#ifdef KVLM_ATTN_TRACE
+  const size_t n = size_t(std::min<int64_t>(g_last_mma_ctas, mma::kTraceCtas));
+  std::vector<unsigned long long> raw(n * 4);
+  cuda_check(cudaDeviceSynchronize(), "paged_attention_last_trace");
+  if (n) cuda_check(cudaMemcpyFromSymbol(raw.data(), mma::g_cta_trace, raw.size() * 8), "paged_attention_last_trace");
+  for (size_t i = 0; i < n; ++i) out.push_back({raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]});
+#endif
+  return out;
+}
 
 int paged_attention_kernel(const PagedAttentionParams& p) {
   validate(p);

@@ -155,6 +155,18 @@ __device__ __forceinline__ float online_max(float mx, float& m_run, float& l_run
 
 constexpr int kMmaWarps = 4;
 
+#ifdef KVLM_ATTN_TRACE
+// attention_lab --trace (attention_ops.h: paged_attention_last_trace): per CTA, globaltimer at
+// start / first tile in shared memory / end, and the SM.
+constexpr int kTraceCtas = 65536;
+__device__ unsigned long long g_cta_trace[kTraceCtas][4];
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
@@ -179,6 +191,10 @@ constexpr size_t mma_smem_bytes() {
 template <class Fmt, int HD>
 __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs a) {
   allow_dependents();
+#ifdef KVLM_ATTN_TRACE
+  const unsigned long long trace_start = global_ns();
+  unsigned long long trace_first = 0;
+#endif
   constexpr bool kBF = MmaCodec<Fmt>::kBF16;
   constexpr int ESZ = sizeof(typename Fmt::Code);
   constexpr int VB = 16 / ESZ;             // elements per 16-byte load
@@ -343,6 +359,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
     __syncwarp();
     issue(i + STAGES - 1);  // refills the slot computed in iteration i - 1
+#ifdef KVLM_ATTN_TRACE
+    if (i == 0) trace_first = global_ns();
+#endif
     const int base = first + i * kMmaWarps * 16;
     const char* tile = ring + (i % STAGES) * TILE;
     uint4 kraw[2][KLOADS];
@@ -492,6 +511,18 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       }
     }
   }
+#ifdef KVLM_ATTN_TRACE
+  __syncthreads();
+  const unsigned long long b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * (unsigned long long)blockIdx.z);
+  if (threadIdx.x == 0 && b < kTraceCtas) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    g_cta_trace[b][0] = trace_start;
+    g_cta_trace[b][1] = trace_first;  // warp 0's first tile (0: warp 0 had none)
+    g_cta_trace[b][2] = global_ns();
+    g_cta_trace[b][3] = sm;
+  }
+#endif
 }
 
 }  // namespace kvlm::cuda::mma
