@@ -3,10 +3,11 @@
 
 Each file holds, per CTA in launch order, four little-endian uint64: start, first tile in
 shared memory (warp 0; 0 when it had none), end (globaltimer ns) and the SM. Printed per file:
-the span; CTA durations (also by start quartile); the fill (start to first tile); when SMs finish; how many CTAs are
-resident over time (40 samples); slot utilisation (CTA-time / (resident slots x span)), i.e.
-the fraction of the call the grid kept every slot busy; and the time the same CTA-time would
-take with every slot busy to the end, which is what waves and tails cost.
+the span; CTA durations (also by start quartile); the fill (start to first tile); when SMs
+finish; how many CTAs are resident over time (40 samples); slot utilisation (CTA-time /
+(resident slots x span)), i.e. the fraction of the call the grid kept every slot busy; and the
+time the same CTA-time would take with every slot busy to the end, which is what waves and
+tails cost.
 
   python3 tools/attn_trace.py --slots 396 trace-fp8_e4m3-64x4096.bin ...
 """
@@ -27,13 +28,13 @@ def pct(xs, q):
 
 def summarise(path, slots):
     raw = open(path, "rb").read()
-    if len(raw) % 32:
+    if not raw or len(raw) % 32:
         sys.exit(f"{path}: {len(raw)} bytes is not a whole number of 32-byte CTA records")
     ctas = [struct.unpack_from("<4Q", raw, 32 * i) for i in range(len(raw) // 32)]
     t_min = min(c[0] for c in ctas)
     start = [(c[0] - t_min) / 1e3 for c in ctas]
     end = [(c[2] - t_min) / 1e3 for c in ctas]
-    fill = [(c[1] - c[0]) / 1e3 for c in ctas if c[1]]
+    fill = [(c[1] - c[0]) / 1e3 for c in ctas if c[1]] or [0.0]
     dur = [e - s for s, e in zip(start, end)]
     span = max(end)
     sms = sorted({c[3] for c in ctas})

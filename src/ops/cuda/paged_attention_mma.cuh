@@ -194,6 +194,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #ifdef KVLM_ATTN_TRACE
   const unsigned long long trace_start = global_ns();
   unsigned long long trace_first = 0;
+  auto trace_end = [&] {  // thread 0, at the CTA's end (also a CTA without rows)
+    const unsigned long long b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * (unsigned long long)blockIdx.z);
+    if (threadIdx.x == 0 && b < kTraceCtas) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      g_cta_trace[b][0] = trace_start;
+      g_cta_trace[b][1] = trace_first;  // warp 0's first tile (0: warp 0 had none)
+      g_cta_trace[b][2] = global_ns();
+      g_cta_trace[b][3] = sm;
+    }
+  };
 #endif
   constexpr bool kBF = MmaCodec<Fmt>::kBF16;
   constexpr int ESZ = sizeof(typename Fmt::Code);
@@ -223,7 +234,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   const int g = lane / 4, t = lane % 4;
 
   const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
-  if (r0 >= q_len) return;  // CTA-uniform: this sequence has fewer rows
+  if (r0 >= q_len) {  // CTA-uniform: this sequence has fewer rows
+#ifdef KVLM_ATTN_TRACE
+    trace_end();
+#endif
+    return;
+  }
   const int nrows = min(qr, q_len - r0);
   const int kv_len = p.kv_lens[seq];
 
@@ -513,15 +529,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   }
 #ifdef KVLM_ATTN_TRACE
   __syncthreads();
-  const unsigned long long b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * (unsigned long long)blockIdx.z);
-  if (threadIdx.x == 0 && b < kTraceCtas) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    g_cta_trace[b][0] = trace_start;
-    g_cta_trace[b][1] = trace_first;  // warp 0's first tile (0: warp 0 had none)
-    g_cta_trace[b][2] = global_ns();
-    g_cta_trace[b][3] = sm;
-  }
+  trace_end();
 #endif
 }
 
