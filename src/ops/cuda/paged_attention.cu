@@ -23,7 +23,9 @@
 namespace kvlm::cuda {
 namespace {
 
+#ifdef KVLM_ATTN_TRACE
 int64_t g_last_mma_ctas = 0;  // grid size of the last decode tensor-core launch (for the trace)
+#endif
 
 int sm_count() {
   static int n = [] {
@@ -151,7 +153,9 @@ void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
       // kernel before (which wrote Q and this step's K/V rows).
       cuda_check(launch_pdl<mma::attn_mma_kernel<Fmt, HD>>(grid, dim3(mma::kMmaWarps * 32), smem, st, a),
                  "paged_attention launch");
+#ifdef KVLM_ATTN_TRACE
       g_last_mma_ctas = int64_t(grid.x) * grid.y * grid.z;
+#endif
       if (a.num_splits > 1) launch_reduce(a, st);
       return;
     }
