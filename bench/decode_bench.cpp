@@ -4,7 +4,7 @@
 //   decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] [--gemv-lab]
 //
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
-// and cuBLASLt at m = 1 and 4.
+// and cuBLASLt at m = 1 and 4, then cuBLASLt at m = 16, 64 and 256 (batched decode).
 //
 // For each KV dtype the model is loaded once; for each shape (batch x context) the pool is
 // sized for it and every sequence decodes `steps` tokens after 3 warm-up steps, starting at
@@ -119,8 +119,9 @@ Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logi
   return {ms, batch * 1000.0 / ms};
 }
 
-// The decode GEMM shapes of Qwen3-8B at m = 1 and 4: each small-m kernel variant and cuBLASLt,
-// timed with CUDA events over copies of w that together exceed the L2 (each call reads HBM).
+// The decode GEMM shapes of Qwen3-8B: at m = 1 and 4 each small-m kernel variant and cuBLASLt,
+// at m = 16, 64 and 256 (batched decode) cuBLASLt, timed with CUDA events over copies of w that
+// together exceed the L2 (each call reads HBM).
 void gemv_lab(double bw) {
   struct Shape {
     const char* name;
@@ -137,52 +138,85 @@ void gemv_lab(double bw) {
   cudaEvent_t e0, e1;
   ck(cudaEventCreate(&e0), "event");
   ck(cudaEventCreate(&e1), "event");
+  // The operands of one (m, shape): enough copies of w (filled with a finite bf16) that a call
+  // never finds its w in the L2; `time_us(call)` is the mean of 30 calls after 3 (the first
+  // call of a cuBLASLt shape chooses its algorithm), call(i) using copy i % copies.
+  struct Operands {
+    size_t wbytes;
+    int copies;
+    std::vector<void*> w;
+    void *x = nullptr, *y = nullptr;
+    Operands(int m, const Shape& sh) : wbytes(size_t(sh.n) * size_t(sh.k) * 2) {
+      copies = int(std::max<size_t>(2, (size_t(200) << 20) / wbytes + 1));
+      w.resize(size_t(copies));
+      for (auto& p : w) {
+        ck(cudaMalloc(&p, wbytes), "cudaMalloc");
+        ck(cudaMemset(p, 0x3c, wbytes), "cudaMemset");  // bf16 0x3c3c: a finite value
+      }
+      ck(cudaMalloc(&x, size_t(m) * sh.k * 2), "cudaMalloc");
+      ck(cudaMemset(x, 0x3c, size_t(m) * sh.k * 2), "cudaMemset");
+      ck(cudaMalloc(&y, size_t(m) * sh.n * 4), "cudaMalloc");
+    }
+    ~Operands() {
+      for (auto p : w) cudaFree(p);
+      cudaFree(x);
+      cudaFree(y);
+    }
+    void* wi(int i) const { return w[size_t(i % copies)]; }
+    double gbs(double us) const { return double(wbytes) / (us * 1e-6) / 1e9; }
+  };
+  auto time_us = [&](auto&& call) {
+    for (int i = 0; i < 3; ++i) call(i);
+    const int reps = 30;
+    ck(cudaEventRecord(e0), "record");
+    for (int i = 0; i < reps; ++i) call(i);
+    ck(cudaEventRecord(e1), "record");
+    ck(cudaEventSynchronize(e1), "sync");
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    return 1e3 * ms / reps;
+  };
   std::printf("\n# small-m GEMMs (bf16, Qwen3-8B shapes): µs per call and GB/s of weights read; copy bandwidth %.0f GB/s\n",
               bw / 1e9);
   std::printf("| m | matrix | n x k | MB | rows kernel µs | GB/s | split kernel µs | GB/s | cuBLASLt µs | GB/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (int m : {1, 4}) {
     for (const Shape& sh : shapes) {
-      const size_t wbytes = size_t(sh.n) * size_t(sh.k) * 2;
-      const int copies = int(std::max<size_t>(2, (size_t(200) << 20) / wbytes + 1));
-      std::vector<void*> w(static_cast<size_t>(copies));
-      for (auto& p : w) {
-        ck(cudaMalloc(&p, wbytes), "cudaMalloc");
-        ck(cudaMemset(p, 0x3c, wbytes), "cudaMemset");  // bf16 0x3c3c: a finite value
-      }
-      void *x = nullptr, *y = nullptr;
-      ck(cudaMalloc(&x, size_t(m) * sh.k * 2), "cudaMalloc");
-      ck(cudaMemset(x, 0x3c, size_t(m) * sh.k * 2), "cudaMemset");
-      ck(cudaMalloc(&y, size_t(m) * sh.n * 4), "cudaMalloc");
+      const Operands o(m, sh);
       const DType out = sh.f32 ? DType::F32 : DType::BF16;
       double us[3];
       for (int v = 0; v < 3; ++v) {
-        auto call = [&](int i) {
-          void* wi = w[size_t(i % copies)];
+        us[v] = time_us([&](int i) {
           if (v < 2) {
-            cuda::gemv_small_m(DType::BF16, out, x, wi, nullptr, y, m, sh.n, sh.k, nullptr, v + 1);
+            cuda::gemv_small_m(DType::BF16, out, o.x, o.wi(i), nullptr, o.y, m, sh.n, sh.k, nullptr, v + 1);
           } else {
             gemm.set_small_m_kernel(false);
-            gemm.linear(DType::BF16, out, x, wi, nullptr, y, m, sh.n, sh.k, nullptr);
+            gemm.linear(DType::BF16, out, o.x, o.wi(i), nullptr, o.y, m, sh.n, sh.k, nullptr);
           }
-        };
-        for (int i = 0; i < 3; ++i) call(i);
-        const int reps = 30;
-        ck(cudaEventRecord(e0), "record");
-        for (int i = 0; i < reps; ++i) call(i);
-        ck(cudaEventRecord(e1), "record");
-        ck(cudaEventSynchronize(e1), "sync");
-        float ms = 0;
-        ck(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-        us[v] = 1e3 * ms / reps;
+        });
       }
-      auto gbs = [&](double u) { return double(wbytes) / (u * 1e-6) / 1e9; };
       std::printf("| %d | %s | %d x %d | %.0f | %.1f | %.0f | %.1f | %.0f | %.1f | %.0f |\n", m, sh.name, sh.n, sh.k,
-                  double(wbytes) / 1e6, us[0], gbs(us[0]), us[1], gbs(us[1]), us[2], gbs(us[2]));
+                  double(o.wbytes) / 1e6, us[0], o.gbs(us[0]), us[1], o.gbs(us[1]), us[2], o.gbs(us[2]));
       std::fflush(stdout);
-      for (auto p : w) cudaFree(p);
-      cudaFree(x);
-      cudaFree(y);
+    }
+  }
+  // Batched decode (m >= 2) runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w
+  // (2 * m FLOP per 2-byte weight, below the H200's ~200 FLOP per byte of HBM), so % of copy
+  // is the figure of merit; from m ~ 128 they become compute-bound and TFLOP/s is.
+  std::printf("\n# batched GEMMs (bf16, cuBLASLt): µs per call, GB/s of weights, %% of copy bandwidth, TFLOP/s\n");
+  std::printf("| m | matrix | n x k | MB | floor µs | cuBLASLt µs | GB/s | %% of copy | TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  gemm.set_small_m_kernel(false);
+  for (int m : {16, 64, 256}) {
+    for (const Shape& sh : shapes) {
+      const Operands o(m, sh);
+      const DType out = sh.f32 ? DType::F32 : DType::BF16;
+      const double us =
+          time_us([&](int i) { gemm.linear(DType::BF16, out, o.x, o.wi(i), nullptr, o.y, m, sh.n, sh.k, nullptr); });
+      std::printf("| %d | %s | %d x %d | %.0f | %.1f | %.1f | %.0f | %.0f%% | %.0f |\n", m, sh.name, sh.n, sh.k,
+                  double(o.wbytes) / 1e6, double(o.wbytes) / bw * 1e6, us, o.gbs(us), 100.0 * o.gbs(us) * 1e9 / bw,
+                  2.0 * m * sh.n * sh.k / (us * 1e-6) / 1e12);
+      std::fflush(stdout);
     }
   }
   cudaEventDestroy(e0);
