@@ -146,6 +146,8 @@ void gemv_lab(double bw) {
     int copies;
     std::vector<void*> w;
     void *x = nullptr, *y = nullptr;
+    Operands(const Operands&) = delete;
+    Operands& operator=(const Operands&) = delete;
     Operands(int m, const Shape& sh) : wbytes(size_t(sh.n) * size_t(sh.k) * 2) {
       copies = int(std::max<size_t>(2, (size_t(200) << 20) / wbytes + 1));
       w.resize(size_t(copies));
@@ -201,8 +203,9 @@ void gemv_lab(double bw) {
     }
   }
   // Batched decode (m >= 2) runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w
-  // (2 * m FLOP per 2-byte weight, below the H200's ~200 FLOP per byte of HBM), so % of copy
-  // is the figure of merit; from m ~ 128 they become compute-bound and TFLOP/s is.
+  // (2 * m FLOP per 2-byte weight: m FLOP per byte, against the ~150 an H200 sustains, ~650
+  // dense bf16 TFLOP/s over ~4.2 TB/s), so % of copy is the figure of merit; from m ~ 150 they
+  // are compute-bound and TFLOP/s is.
   std::printf("\n# batched GEMMs (bf16, cuBLASLt): µs per call, GB/s of weights, %% of copy bandwidth, TFLOP/s\n");
   std::printf("| m | matrix | n x k | MB | floor µs | cuBLASLt µs | GB/s | %% of copy | TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
