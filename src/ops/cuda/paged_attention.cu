@@ -182,11 +182,12 @@ int paged_attention_num_splits(const PagedAttentionParams& p) { return make_plan
 std::vector<AttnCtaTrace> paged_attention_last_trace() {
   std::vector<AttnCtaTrace> out;
 #ifdef KVLM_ATTN_TRACE
-  const size_t n = size_t(std::min<int64_t>(g_last_mma_ctas, mma::kTraceCtas));
-  std::vector<unsigned long long> raw(n * 4);
+  static_assert(sizeof(mma::g_cta_trace[0]) == sizeof(AttnCtaTrace), "one device record per AttnCtaTrace");
+  out.resize(size_t(std::min<int64_t>(g_last_mma_ctas, mma::kTraceCtas)));
   cuda_check(cudaDeviceSynchronize(), "paged_attention_last_trace");
-  if (n) cuda_check(cudaMemcpyFromSymbol(raw.data(), mma::g_cta_trace, raw.size() * 8), "paged_attention_last_trace");
-  for (size_t i = 0; i < n; ++i) out.push_back({raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]});
+  if (!out.empty())
+    cuda_check(cudaMemcpyFromSymbol(out.data(), mma::g_cta_trace, out.size() * sizeof(AttnCtaTrace)),
+               "paged_attention_last_trace");
 #endif
   return out;
 }
