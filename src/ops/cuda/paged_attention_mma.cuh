@@ -171,6 +171,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
 }
+// A whole 16-byte copy at constant offsets from a shared-memory address and a global pointer
+// held in registers: the offsets go into the instruction, so a run of copies costs one
+// instruction each (no per-copy address arithmetic, no source-size operand).
+template <int DOFF, int SOFF>
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const char* src) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF));
+}
 
 // Ring depth per warp.
 template <class Fmt, int HD>
@@ -297,23 +304,45 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   char* const ring = smem + warp * STAGES * TILE;
   const int first = (t0 & ~15) + warp * 16;
   const int my_tiles = first < t1 ? (t1 - first + kMmaWarps * 16 - 1) / (kMmaWarps * 16) : 0;
+  // Issuing a tile is most of a tile's instructions for 1-byte codes (docs/results/kernel-lab.md):
+  // the page lookup uses a shift where block_size is a power of two, the page's byte offset
+  // one wide multiply, and a tile wholly inside [t0, t1) — all but a split's first and last —
+  // copies at constant offsets from one source and one destination register.
+  const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
+  const size_t page_bytes = size_t(p.num_kv_heads) * bs * RB;  // one page of one cache
+  const size_t head_bytes = size_t(kvh) * bs * RB;
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
   auto issue = [&](int i) {
     if (i < my_tiles) {
       const int base = first + i * kMmaWarps * 16;
-      const BlockId page = table[base / bs];
-      const size_t tile_row = (size_t(page) * p.num_kv_heads + kvh) * bs + (base % bs);
-      char* dst = ring + (i % STAGES) * TILE;
+      const int pidx = bs_shift >= 0 ? base >> bs_shift : base / bs;
+      const int in_page = base - pidx * bs;
+      const size_t off = size_t(table[pidx]) * page_bytes + head_bytes + size_t(in_page) * RB;
+      const int slot = (i % STAGES) * TILE;
+      if (base >= t0 && base + 16 <= t1) {  // warp-uniform: every key of the tile is visible
+        const char* ks = kbase + off + lane * 16;
+        const char* vs = vbase + off + lane * 16;
+        const uint32_t d = ring_s + slot;
+        static_assert(RB % 32 == 0, "16 rows * RB bytes: RB / 32 chunks of 16 B per lane");
+        [&]<int... U>(std::integer_sequence<int, U...>) {
+          (cp_async16_at<U * 512, U * 512>(d, ks), ...);
+          (cp_async16_at<16 * RB + U * 512, U * 512>(d, vs), ...);
+        }(std::make_integer_sequence<int, RB / 32>{});
+      } else {
+        char* dst = ring + slot;
 #pragma unroll
-      for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
-        const int tok = base + (c * 16) / RB;
-        const int n = tok >= t0 && tok < t1 ? 16 : 0;
-        cp_async16(dst + c * 16, kbase + tile_row * RB + c * 16, n);
-        cp_async16(dst + 16 * RB + c * 16, vbase + tile_row * RB + c * 16, n);
+        for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
+          const int tok = base + (c * 16) / RB;
+          const int n = tok >= t0 && tok < t1 ? 16 : 0;
+          cp_async16(dst + c * 16, kbase + off + c * 16, n);
+          cp_async16(dst + 16 * RB + c * 16, vbase + off + c * 16, n);
+        }
       }
       if constexpr (kPTH) {
         if (lane < 8) {  // 16 K scales then 16 V scales, 64 B each
+          const size_t tile_row = off / RB;
           const float* src = (lane < 4 ? p.k_token_scale : p.v_token_scale) + tile_row + (lane % 4) * 4;
-          cp_async16(dst + 32 * RB + lane * 16, src, 16);
+          cp_async16(ring + slot + 32 * RB + lane * 16, src, 16);
         }
       }
     }
