@@ -4,7 +4,7 @@
 //   decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] [--gemv-lab]
 //
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
-// and cuBLASLt at m = 1 and 4, then cuBLASLt at m = 16, 64 and 256 (batched decode).
+// and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode).
 //
 // For each KV dtype the model is loaded once; for each shape (batch x context) the pool is
 // sized for it and every sequence decodes `steps` tokens after 3 warm-up steps, starting at
@@ -119,8 +119,8 @@ Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logi
   return {ms, batch * 1000.0 / ms};
 }
 
-// The decode GEMM shapes of Qwen3-8B: at m = 1 and 4 each small-m kernel variant and cuBLASLt,
-// at m = 16, 64 and 256 (batched decode) cuBLASLt, timed with CUDA events over copies of w that
+// The decode GEMM shapes of Qwen3-8B: at m = 1-16 each small-m kernel that takes m and cuBLASLt,
+// at m = 32, 64 and 256 (batched decode) cuBLASLt, timed with CUDA events over copies of w that
 // together exceed the L2 (each call reads HBM).
 void gemv_lab(double bw) {
   struct Shape {
@@ -180,29 +180,36 @@ void gemv_lab(double bw) {
   };
   std::printf("\n# small-m GEMMs (bf16, Qwen3-8B shapes): µs per call and GB/s of weights read; copy bandwidth %.0f GB/s\n",
               bw / 1e9);
-  std::printf("| m | matrix | n x k | MB | rows kernel µs | GB/s | split kernel µs | GB/s | cuBLASLt µs | GB/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
-  for (int m : {1, 4}) {
+  std::printf("| m | matrix | n x k | MB | rows kernel µs | GB/s | split kernel µs | GB/s | mma kernel µs | GB/s | "
+              "cuBLASLt µs | GB/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int m : {1, 2, 4, 8, 16}) {
     for (const Shape& sh : shapes) {
       const Operands o(m, sh);
       const DType out = sh.f32 ? DType::F32 : DType::BF16;
-      double us[3];
-      for (int v = 0; v < 3; ++v) {
-        us[v] = time_us([&](int i) {
-          if (v < 2) {
-            cuda::gemv_small_m(DType::BF16, out, o.x, o.wi(i), nullptr, o.y, m, sh.n, sh.k, nullptr, v + 1);
+      std::string cells;
+      for (int v = 1; v <= 4; ++v) {  // gemv_small_m variants 1-3, then cuBLASLt
+        if ((v <= 2 && m > cuda::kGemvMaxM) || (v == 3 && m > cuda::kGemvMmaMaxM)) {
+          cells += " | - | -";
+          continue;
+        }
+        const double us = time_us([&](int i) {
+          if (v <= 3) {
+            cuda::gemv_small_m(DType::BF16, out, o.x, o.wi(i), nullptr, o.y, m, sh.n, sh.k, nullptr, v);
           } else {
             gemm.set_small_m_kernel(false);
             gemm.linear(DType::BF16, out, o.x, o.wi(i), nullptr, o.y, m, sh.n, sh.k, nullptr);
           }
         });
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " | %.1f | %.0f", us, o.gbs(us));
+        cells += buf;
       }
-      std::printf("| %d | %s | %d x %d | %.0f | %.1f | %.0f | %.1f | %.0f | %.1f | %.0f |\n", m, sh.name, sh.n, sh.k,
-                  double(o.wbytes) / 1e6, us[0], o.gbs(us[0]), us[1], o.gbs(us[1]), us[2], o.gbs(us[2]));
+      std::printf("| %d | %s | %d x %d | %.0f%s |\n", m, sh.name, sh.n, sh.k, double(o.wbytes) / 1e6, cells.c_str());
       std::fflush(stdout);
     }
   }
-  // Batched decode (m >= 2) runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w
+  // Batched decode from m = 17 runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w
   // (2 * m FLOP per 2-byte weight: m FLOP per byte, against the ~150 an H200 sustains, ~650
   // dense bf16 TFLOP/s over ~4.2 TB/s), so % of copy is the figure of merit; from m ~ 150 they
   // are compute-bound and TFLOP/s is.
@@ -210,7 +217,7 @@ void gemv_lab(double bw) {
   std::printf("| m | matrix | n x k | MB | floor µs | cuBLASLt µs | GB/s | %% of copy | TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   gemm.set_small_m_kernel(false);
-  for (int m : {16, 64, 256}) {
+  for (int m : {32, 64, 256}) {
     for (const Shape& sh : shapes) {
       const Operands o(m, sh);
       const DType out = sh.f32 ? DType::F32 : DType::BF16;

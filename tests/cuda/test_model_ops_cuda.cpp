@@ -18,6 +18,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "attention/cpu_backend.h"
 #include "attention/kv_format.h"
@@ -175,16 +176,19 @@ TEST(CudaModelOps, GemmMatchesCpuLinear) {
     for (DType out : {ab, DType::F32}) {
       for (bool bias : {false, true}) {
         if (bias && out == DType::F32) continue;  // logits carry no bias
-        for (auto [m, n] : {std::pair{1, 384}, {2, 383}, {3, 384}, {4, 383}, {7, 384}, {64, 384}}) {
-          const int k = 256;  // m <= 4: the GEMV kernel (odd n: a warp's second row is cut); else cuBLASLt
+        // m <= 8: the small-m kernels (odd n: a warp's second row, a CTA's last rows are cut;
+        // k = 1320: several k rounds per warp and a last 32-wide block cut); m > 8: cuBLASLt.
+        for (auto [m, n, k] : {std::tuple{1, 384, 256}, {2, 383, 256}, {3, 384, 1320}, {4, 383, 256}, {7, 384, 256},
+                               {8, 383, 1320}, {9, 384, 256}, {16, 383, 1320}, {17, 384, 256}, {64, 384, 256}}) {
           const auto x = random_act(ab, size_t(m) * k, rng), w = random_act(ab, size_t(n) * k, rng, 0.1f);
           const auto b = random_act(ab, size_t(n), rng);
           Dev<uint16_t> dx(codes(ab, x)), dw(codes(ab, w)), db(codes(ab, b));
           std::vector<float> ref(size_t(m) * n);
           ops::cpu::linear(x, m, k, w, n, bias ? std::span<const float>(b) : std::span<const float>{}, ref);
-          // variant -1: Gemm::linear (automatic); 1, 2: each small-m kernel on its own.
-          for (int variant : {-1, 1, 2}) {
-            if (variant > 0 && m > cuda::kGemvMaxM) continue;
+          // variant -1: Gemm::linear (automatic); 1, 2, 3: each small-m kernel on its own.
+          for (int variant : {-1, 1, 2, 3}) {
+            if ((variant == 1 || variant == 2) && m > cuda::kGemvMaxM) continue;
+            if (variant == 3 && m > cuda::kGemvMmaMaxM) continue;
             Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
             dy.poison();
             if (variant < 0) gemm.linear(ab, out, dx.p, dw.p, bias ? db.p : nullptr, dy.p, m, n, k, nullptr);
@@ -224,10 +228,16 @@ TEST(CudaModelOps, GemmMatchesCpuLinear) {
 }
 
 // SiLU-and-mul fused into the small-m GEMV (the down projection at decode): against
-// ops::cpu::silu_mul (fp32, unrounded) + ops::cpu::linear, both kernels, with and without bias.
+// ops::cpu::silu_mul (fp32, unrounded) + ops::cpu::linear, both FMA kernels, with and without
+// bias; the tensor-core kernel refuses such an input.
 TEST(CudaModelOps, GemvWithSiluMulInput) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(12);
+  {
+    Dev<uint16_t> dgu(size_t(2) * 2 * 64), dw(size_t(16) * 64), dy(size_t(2) * 16);
+    EXPECT_THROW(cuda::gemv_small_m(DType::BF16, DType::BF16, dgu.p, dw.p, nullptr, dy.p, 2, 16, 64, nullptr, 3, true),
+                 Error);
+  }
   for (DType ab : kActs)
     for (int variant : {1, 2})
       for (bool bias : {false, true})

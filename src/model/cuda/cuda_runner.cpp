@@ -329,7 +329,7 @@ struct CudaModelRunner::Impl {
                          .eps = eps, .out = b.h},
                         st);
       gemm.linear(act, act, b.h, W.wgu, W.bgu, b.gu, T, 2 * I, H, st);
-      if (gemm.small_m_kernel(T) && cuda::gemv_fits(T, I, b.gu, W.wdown)) {  // decode at batch 1: SiLU-and-mul fused
+      if (T == 1 && gemm.small_m_kernel(T) && cuda::gemv_fits(T, I, b.gu, W.wdown)) {  // batch 1: SiLU-and-mul fused
         cuda::gemv_small_m(act, act, b.gu, W.wdown, W.bdown, b.delta, T, H, I, st, 0, /*glu_input=*/true);
       } else {
         cuda::silu_mul(act, b.gu, b.act, T, I, st);

@@ -54,7 +54,6 @@ struct Gemm::Impl {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   bool gemv = true;
-  bool gemv_always = false;  // KVLM_CUDA_GEMV=1: m = 2-4 to the GEMV kernels too (measurements)
   // (ab, out, bias, m, n, k) -> plan
   std::map<std::tuple<int, int, bool, int, int, int>, std::unique_ptr<Plan>> plans;
   // (ab, out, bias, power-of-two bucket of m, n, k) -> the algorithm timed fastest
@@ -169,7 +168,6 @@ struct Gemm::Impl {
 Gemm::Gemm() : impl_(std::make_unique<Impl>()) {
   KVLM_CUBLAS_CHECK(cublasLtCreate(&impl_->handle));
   if (const char* e = std::getenv("KVLM_CUDA_GEMV"); e && std::string_view(e) == "0") impl_->gemv = false;
-  if (const char* e = std::getenv("KVLM_CUDA_GEMV"); e && std::string_view(e) == "1") impl_->gemv_always = true;
 }
 
 Gemm::~Gemm() {
@@ -178,7 +176,7 @@ Gemm::~Gemm() {
 }
 
 void Gemm::set_small_m_kernel(bool on) { impl_->gemv = on; }
-bool Gemm::small_m_kernel(int m) const { return impl_->gemv && (m == 1 || (impl_->gemv_always && m <= kGemvMaxM)); }
+bool Gemm::small_m_kernel(int m) const { return impl_->gemv && m >= 1 && m <= kGemvMmaMaxM; }
 
 void Gemm::set_workspace(void* workspace, size_t bytes) {
   if (bytes != impl_->workspace_bytes) {  // algorithms were chosen for the old size
@@ -197,7 +195,7 @@ void Gemm::linear(DType ab, DType out, const void* x, const void* w, const void*
     throw Error("CUDA GEMM: inputs must be bfloat16 or float16, not " + std::string(dtype_name(ab)));
   if (out != ab && out != DType::F32)
     throw Error("CUDA GEMM: output must be " + std::string(dtype_name(ab)) + " or float32");
-  if (impl_->gemv && gemv_fits(m, k, x, w) && (m == 1 || impl_->gemv_always))
+  if (small_m_kernel(m) && gemv_fits(m, k, x, w))
     return gemv_small_m(ab, out, x, w, bias, y, m, n, k, stream);
   const auto st = static_cast<cudaStream_t>(stream);
   Plan& p = impl_->plan(ab, out, bias, m, n, k, x, w, y, st);

@@ -6,16 +6,15 @@
 // (same type as y) is added in the GEMM's epilogue. Pointers must be 256-byte aligned
 // (cuBLASLt's default alignment assumption; every kvlm device allocation is).
 //
-// m = 1 (decode at batch 1) runs gemv_small_m, a kernel that streams w once at memory speed
-// (cuBLASLt's GEMMs leave bandwidth unused at m = 1). From m = 2 cuBLASLt is faster in a
-// whole decode step (Qwen3-8B shape on an H200: 5.18 vs 5.50 ms at batch 2, 5.35 vs 7.35 ms
-// at batch 4, docs/results/cuda-runner.md), so m >= 2 goes to cuBLASLt: on the first use of a shape its heuristic proposes up to 16 algorithms; for
-// m <= 512 (decode batches, short prefill chunks, where the choice matters most and timing is
-// cheap) each is timed on the real operands and the fastest kept, else the top one. Plans
-// are cached, so a steady state issues no query and no timing; the workspace is the
-// caller's (fixed, so calls can be captured in a CUDA graph — first uses must not be).
-// KVLM_CUDA_GEMV=0 in the environment routes m = 1 to cuBLASLt too, KVLM_CUDA_GEMV=1 sends
-// m = 2-4 to the GEMV kernels too (both for measurements).
+// m <= 8 (decode at batch 1-8, short prefill chunks) runs gemv_small_m: kernels that stream
+// w once at memory speed, where cuBLASLt's tiles leave bandwidth unused (gemv.cu; figures in
+// docs/results/cuda-runner.md). Larger m goes to cuBLASLt: on the first use of a shape its
+// heuristic proposes up to 16 algorithms; for m <= 512 (decode batches, short prefill chunks,
+// where the choice matters most and timing is cheap) each is timed on the real operands and
+// the fastest kept, else the top one. Plans are cached, so a steady state issues no query and
+// no timing; the workspace is the caller's (fixed, so calls can be captured in a CUDA graph —
+// first uses must not be). KVLM_CUDA_GEMV=0 in the environment sends every m to cuBLASLt
+// (for measurements).
 #pragma once
 
 #include <cstddef>
@@ -26,13 +25,16 @@
 namespace kvlm::cuda {
 
 inline constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
-inline constexpr int kGemvMaxM = 4;
+inline constexpr int kGemvMaxM = 4;      // the FMA kernels (variants 1, 2)
+inline constexpr int kGemvMmaMaxM = 8;   // the tensor-core kernel (variant 3)
 
-// The small-m kernels on their own (tests, the lab). Need 1 <= m <= kGemvMaxM, k % 8 == 0 and
-// 16-byte aligned x and w; gemv_fits says whether they apply. variant: 0 = automatic by
-// shape, 1 = the rows kernel, 2 = the split-k kernel (gemv.cu). glu_input: x is a fused
+// The small-m kernels on their own (tests, the lab). Need 1 <= m <= kGemvMmaMaxM, k % 8 == 0
+// and 16-byte aligned x and w; gemv_fits says whether they apply. variant: 0 = automatic (m = 1:
+// the rows or the split kernel by shape; m >= 2: the tensor-core kernel), 1 = the rows kernel,
+// 2 = the split-k kernel (both m <= kGemvMaxM), 3 = the tensor-core kernel (gemv.cu). glu_input: x is a fused
 // gate/up projection [m][2k] and the kernel's input row is silu(gate) * up, computed on the
-// fly in fp32 (SiLU-and-mul fused into the down projection; needs out == ab).
+// fly in fp32 (SiLU-and-mul fused into the down projection; needs out == ab and m <= kGemvMaxM;
+// the tensor-core kernel takes none).
 bool gemv_fits(int m, int k, const void* x, const void* w);
 void gemv_small_m(DType ab, DType out, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
                   void* stream, int variant = 0, bool glu_input = false);
@@ -45,8 +47,8 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   void set_workspace(void* workspace, size_t bytes);
-  // Whether the GEMV kernels are used (default; KVLM_CUDA_GEMV=0 turns them off), and whether
-  // they run the GEMMs of m rows (m = 1 only, unless KVLM_CUDA_GEMV=1).
+  // Whether the small-m kernels are used (default; KVLM_CUDA_GEMV=0 turns them off), and whether
+  // they run the GEMMs of m rows (1 <= m <= kGemvMmaMaxM).
   void set_small_m_kernel(bool on);
   bool small_m_kernel(int m) const;
   // ab: DType::BF16 or DType::F16; out: the same or DType::F32. bias may be null.

@@ -1,8 +1,9 @@
 // The small-m linear layer (gemm.h: gemv_small_m): y[m][n] = x[m][k] . w[n][k]^T (+ bias),
-// m <= 4, the shape of a decode step at batch 1-4, where the whole cost is reading w once.
-// w is streamed with 16-byte loads that bypass L1 (ld.global.nc.L1::no_allocate: read exactly
-// once), several per thread in flight before any math; x (a few KB, read by every CTA) comes
-// through L1; sums are fp32. Two kernels, because one shape of work does not fit all:
+// m <= 8, the shape of a decode step at batch 1-8, where the whole cost is reading w once.
+// Two FMA kernels (m <= 4; the automatic choice at m = 1) stream w with 16-byte loads that
+// bypass L1 (ld.global.nc.L1::no_allocate: read exactly once), several per thread in flight
+// before any math; x (a few KB, read by every CTA) comes through L1; sums are fp32. One shape
+// of work does not fit all:
 //  - rows: a warp owns 2 rows and walks their whole k range (4 vectors per row per lane in
 //    flight); 8 warps per CTA. Best for many rows of short k (gate/up, lm_head): n / 16
 //    CTAs, short dependency chains.
@@ -10,7 +11,8 @@
 //    thread in flight), then reduce across warps in shared memory. Best for few rows of long
 //    k (o, down, qkv projections of a 4096-wide model): the rows kernel gives those only
 //    ~2 CTAs per SM whose warps each walk 12 dependent rounds of loads (measured 2.8 TB/s).
-// Both are launched with programmatic dependent launch (pdl.cuh, sm_90): a CTA issues its first
+// From m = 2 the tensor-core kernel (below) runs instead: the FMA kernels' work grows with m.
+// All are launched with programmatic dependent launch (pdl.cuh, sm_90): a CTA issues its first
 // loads of w, which do not depend on the previous kernel, before griddepcontrol.wait, so the
 // weight stream starts while the producer of x (a norm, SiLU-and-mul, attention) is still
 // running and the launch latency between the two is hidden. A CTA lets the next kernel launch
@@ -41,6 +43,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 }
 
 struct VecBF16 {
+  static constexpr bool kBF16 = true;
   static __device__ __forceinline__ void decode8(const uint4& v, float* f) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -53,6 +56,7 @@ struct VecBF16 {
   static __device__ __forceinline__ uint16_t store(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
 };
 struct VecF16 {
+  static constexpr bool kBF16 = false;
   static __device__ __forceinline__ void decode8(const uint4& v, float* f) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -207,6 +211,110 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_split_kernel(const uint16_t
   }
 }
 
+// The tensor-core kernel (m = 2-8): y^T = w . x^T as mma.sync m16n8k16 with a 16-row tile of
+// w as A and the m rows of x as B. The FMA kernels above do m multiply-adds per weight and slow
+// down as m grows (m = 4: one CTA per SM, 2.5 TB/s); one mma covers 16 x 16 weights for 8 rows
+// of x, so the weight stream stays the whole cost.
+// A CTA owns 16 rows of w; its 8 warps split k in 128-wide rounds (warp w takes k0 = 128 w +
+// 1024 i). Each warp streams its rounds' 16 x 256-byte tiles through a 3-deep cp.async ring in
+// shared memory (as the decode attention streams pages): every copy instruction covers two
+// rows' 256 contiguous bytes, and two rounds are always in flight. The mma operands then need
+// no conversion: a dot product is invariant under a permutation of k applied to both sides, so
+// lane (g = lane / 4, t = lane % 4) reads 8 consecutive k of rows g and g + 8 from the tile and
+// of x row g from global memory (16 bytes each), and their 32-bit words are the A and B
+// registers of two mmas (word j: physical k 8t + 2j, 2j + 1). The tile's 16-byte columns are
+// XOR-swizzled by row parity so those reads are free of bank conflicts. The warps add their
+// partial tiles in shared memory at the end.
+constexpr int kMmaGemvStages = 3;
+constexpr int kMmaGemvTile = 16 * 256;  // bytes of one round of one warp
+
+template <bool kBF16>
+__device__ __forceinline__ void mma_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (kBF16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// Byte offset of (row, 16-byte column c) in a round's tile.
+__device__ __forceinline__ int mma_gemv_swz(int row, int c) { return row * 256 + ((c ^ ((row & 1) << 2)) << 4); }
+
+template <class V, bool kF32Out>
+__global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                                                void* y, int m, int n, int k) {
+  constexpr int NW = kGemvThreads / 32, S = kMmaGemvStages;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row0 = int(blockIdx.x) * 16;
+  const int first = warp * 128, rounds = first < k ? (k - first + NW * 128 - 1) / (NW * 128) : 0;
+  extern __shared__ uint4 gemv_smem[];  // [NW][S][kMmaGemvTile] bytes (dynamic: > 48 KB)
+  auto ring = reinterpret_cast<char(*)[S][kMmaGemvTile]>(gemv_smem);
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0]));
+  // Copy c = lane + 32 j of a round: row c / 16 (rows past n clamped, never stored), column c % 16.
+  auto issue = [&](int i) {
+    if (i < rounds) {
+      const int k0 = first + i * NW * 128;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int c = lane + 32 * j, row = c / 16, col = c % 16, kk = k0 + col * 8;
+        const uint16_t* src = w + size_t(min(row0 + row, n - 1)) * size_t(k) + (kk < k ? kk : 0);
+        cp_async16_zfill(ring_s + (i % S) * kMmaGemvTile + mma_gemv_swz(row, col), src, kk < k ? 16 : 0);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  pdl_wait();  // x is the previous kernel's output; w is not
+  const uint16_t* xr = x + size_t(min(g, m - 1)) * size_t(k) + 8 * t;
+  float acc[4] = {};
+  for (int i = 0; i < rounds; ++i) {
+    const int k0 = first + i * NW * 128;
+    uint4 xv[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      xv[u] = g < m && k0 + 32 * u + 8 * t < k ? __ldg(reinterpret_cast<const uint4*>(xr + k0 + 32 * u))
+                                              : make_uint4(0, 0, 0, 0);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
+    __syncwarp();
+    issue(i + S - 1);  // refills the slot read in round i - 1
+    const char* tile = &ring[warp][i % S][0];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint4 a = *reinterpret_cast<const uint4*>(tile + mma_gemv_swz(g, 4 * u + t));
+      const uint4 b = *reinterpret_cast<const uint4*>(tile + mma_gemv_swz(g + 8, 4 * u + t));
+      mma_16816<V::kBF16>(acc, a.x, b.x, a.y, b.y, xv[u].x, xv[u].y);
+      mma_16816<V::kBF16>(acc, a.z, b.z, a.w, b.w, xv[u].z, xv[u].w);
+    }
+    __syncwarp();  // every lane has read this slot before it is refilled
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  allow_dependents();  // the weights are read
+  // acc[e]: w row g + 8 (e >= 2), x row 2t + (e & 1). The partial tiles reuse the ring.
+  __syncthreads();
+  auto part = reinterpret_cast<float(*)[16][9]>(&ring[0][0][0]);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) part[warp][g + 8 * (e >> 1)][2 * t + (e & 1)] = acc[e];
+  __syncthreads();
+  if (threadIdx.x < 16 * 8) {
+    const int j = threadIdx.x % 16, r = threadIdx.x / 16, col = row0 + j;
+    if (r < m && col < n) {
+      float v = 0.0f;
+#pragma unroll
+      for (int wi = 0; wi < NW; ++wi) v += part[wi][j][r];
+      store_out<V, 1, kF32Out>(y, n, col, r, v, bias);
+    }
+  }
+}
+
 template <class V, int M, bool kF32Out, bool kGlu>
 void launch_m(bool split, const uint16_t* x, const uint16_t* w, const uint16_t* b, void* y, int n, int k, cudaStream_t st) {
   if (split) {
@@ -220,10 +328,24 @@ void launch_m(bool split, const uint16_t* x, const uint16_t* w, const uint16_t* 
 }
 
 template <class V, bool kF32Out, bool kGlu>
-void launch(bool split, const void* x, const void* w, const void* bias, void* y, int m, int n, int k, cudaStream_t st) {
+void launch(int kernel, const void* x, const void* w, const void* bias, void* y, int m, int n, int k, cudaStream_t st) {
   const auto* xs = static_cast<const uint16_t*>(x);
   const auto* ws = static_cast<const uint16_t*>(w);
   const auto* bs = static_cast<const uint16_t*>(bias);
+  if constexpr (!kGlu) {
+    if (kernel == 3) {
+      constexpr int smem = kGemvThreads / 32 * kMmaGemvStages * kMmaGemvTile;
+      static const bool opted_in = [] {  // once per instantiation
+        KVLM_CUDA_CHECK(cudaFuncSetAttribute(gemv_mma_kernel<V, kF32Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        return true;
+      }();
+      (void)opted_in;
+      const dim3 grid(unsigned((n + 15) / 16));
+      KVLM_CUDA_CHECK(launch_pdl<gemv_mma_kernel<V, kF32Out>>(grid, dim3(kGemvThreads), smem, st, xs, ws, bs, y, m, n, k));
+      return;
+    }
+  }
+  const bool split = kernel == 2;
   switch (m) {
     case 1: launch_m<V, 1, kF32Out, kGlu>(split, xs, ws, bs, y, n, k, st); break;
     case 2: launch_m<V, 2, kF32Out, kGlu>(split, xs, ws, bs, y, n, k, st); break;
@@ -233,17 +355,17 @@ void launch(bool split, const void* x, const void* w, const void* bias, void* y,
 }
 
 template <class V>
-void launch_any(bool split, bool f32, bool glu, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
+void launch_any(int kernel, bool f32, bool glu, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
                 cudaStream_t st) {
-  if (glu) launch<V, false, true>(split, x, w, bias, y, m, n, k, st);  // glu: the down projection, act output
-  else if (f32) launch<V, true, false>(split, x, w, bias, y, m, n, k, st);
-  else launch<V, false, false>(split, x, w, bias, y, m, n, k, st);
+  if (glu) launch<V, false, true>(kernel, x, w, bias, y, m, n, k, st);  // glu: the down projection, act output
+  else if (f32) launch<V, true, false>(kernel, x, w, bias, y, m, n, k, st);
+  else launch<V, false, false>(kernel, x, w, bias, y, m, n, k, st);
 }
 
 }  // namespace
 
 bool gemv_fits(int m, int k, const void* x, const void* w) {
-  return m >= 1 && m <= kGemvMaxM && k % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+  return m >= 1 && m <= kGemvMmaMaxM && k % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(w) % 16 == 0;
 }
 
@@ -251,16 +373,25 @@ void gemv_small_m(DType ab, DType out, const void* x, const void* w, const void*
                   void* stream, int variant, bool glu_input) {
   if (m <= 0 || n <= 0) return;
   if (!gemv_fits(m, k, x, w))
-    throw Error("gemv_small_m: needs 1 <= m <= " + std::to_string(kGemvMaxM) + ", k % 8 == 0 and 16-byte aligned operands");
+    throw Error("gemv_small_m: needs 1 <= m <= " + std::to_string(kGemvMmaMaxM) +
+                ", k % 8 == 0 and 16-byte aligned operands");
+  if ((variant == 1 || variant == 2 || glu_input) && m > kGemvMaxM)
+    throw Error("gemv_small_m: the rows and split kernels (and a SiLU-and-mul input) take m <= " +
+                std::to_string(kGemvMaxM));
+  if (glu_input && variant == 3) throw Error("gemv_small_m: the tensor-core kernel takes no SiLU-and-mul input");
+  if (variant < 0 || variant > 3) throw Error("gemv_small_m: variant must be 0 (automatic), 1, 2 or 3");
   if (ab != DType::BF16 && ab != DType::F16) throw Error("gemv_small_m: inputs must be bfloat16 or float16");
   if (out != ab && out != DType::F32) throw Error("gemv_small_m: output must be the input type or float32");
   if (glu_input && out != ab) throw Error("gemv_small_m: a SiLU-and-mul input needs a 16-bit output");
-  // Automatic: the rows kernel when there are enough rows to fill the GPU with short chains.
-  const bool split = variant == 2 || (variant == 0 && !(n >= 16384 && k <= 8192));
+  // Automatic: from m = 2 the tensor-core kernel (a SiLU-and-mul input: the split kernel); at
+  // m = 1 the rows kernel when there are enough rows to fill the GPU with short chains, else
+  // the split kernel.
+  int kernel = variant;
+  if (kernel == 0) kernel = m >= 2 ? (glu_input ? 2 : 3) : (n >= 16384 && k <= 8192) ? 1 : 2;
   const auto st = static_cast<cudaStream_t>(stream);
   const bool f32 = out == DType::F32;
-  if (ab == DType::BF16) launch_any<VecBF16>(split, f32, glu_input, x, w, bias, y, m, n, k, st);
-  else launch_any<VecF16>(split, f32, glu_input, x, w, bias, y, m, n, k, st);
+  if (ab == DType::BF16) launch_any<VecBF16>(kernel, f32, glu_input, x, w, bias, y, m, n, k, st);
+  else launch_any<VecF16>(kernel, f32, glu_input, x, w, bias, y, m, n, k, st);
 }
 
 }  // namespace kvlm::cuda
