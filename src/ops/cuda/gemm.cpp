@@ -125,6 +125,19 @@ struct Gemm::Impl {
     const uint64_t ws = workspace_bytes;
     cublasStatus_t status =
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    // Split-K (k slices added afterwards) only with fp32 partial sums, and none with a bias.
+    // The in-place and output-type reductions add the slices in the 16-bit output type (the
+    // counterpart of PyTorch's allow_bf16_reduced_precision_reduction); with a bias epilogue
+    // even fp32 partials gave outputs 0.061 off where one rounding of the exact result is
+    // allowed (tests/cuda/test_model_ops_cuda.cpp GemmMatchesCpuLinear, m = 16, n = 383,
+    // k = 1320). Without split-K a batch-16-64 decode step took 7-17% longer
+    // (docs/results/cuda-runner.md, "cuBLASLt split-K").
+    const uint32_t reductions =
+        bias ? uint32_t(CUBLASLT_REDUCTION_SCHEME_NONE)
+             : uint32_t(CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE);
+    if (status == CUBLAS_STATUS_SUCCESS)
+      status = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                                    sizeof(reductions));
     cublasLtMatmulHeuristicResult_t res[kMaxAlgos]{};
     int found = 0;
     if (status == CUBLAS_STATUS_SUCCESS)
