@@ -24,6 +24,7 @@
 
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/pdl.cuh"
 
 namespace kvlm::cuda {
@@ -228,23 +229,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_split_kernel(const uint16_t
 constexpr int kMmaGemvStages = 3;
 constexpr int kMmaGemvTile = 16 * 256;  // bytes of one round of one warp
 
-template <bool kBF16>
-__device__ __forceinline__ void mma_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                          uint32_t b1) {
-  if constexpr (kBF16)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
 // Byte offset of (row, 16-byte column c) in a round's tile.
 __device__ __forceinline__ int mma_gemv_swz(int row, int c) { return row * 256 + ((c ^ ((row & 1) << 2)) << 4); }
 
@@ -266,7 +250,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const uint16_t* 
       for (int j = 0; j < 8; ++j) {
         const int c = lane + 32 * j, row = c / 16, col = c % 16, kk = k0 + col * 8;
         const uint16_t* src = w + size_t(min(row0 + row, n - 1)) * size_t(k) + (kk < k ? kk : 0);
-        cp_async16_zfill(ring_s + (i % S) * kMmaGemvTile + mma_gemv_swz(row, col), src, kk < k ? 16 : 0);
+        mma::cp_async16(ring_s + (i % S) * kMmaGemvTile + mma_gemv_swz(row, col), src, kk < k ? 16 : 0);
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);
@@ -291,8 +275,9 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_mma_kernel(const uint16_t* 
     for (int u = 0; u < 4; ++u) {
       const uint4 a = *reinterpret_cast<const uint4*>(tile + mma_gemv_swz(g, 4 * u + t));
       const uint4 b = *reinterpret_cast<const uint4*>(tile + mma_gemv_swz(g + 8, 4 * u + t));
-      mma_16816<V::kBF16>(acc, a.x, b.x, a.y, b.y, xv[u].x, xv[u].y);
-      mma_16816<V::kBF16>(acc, a.z, b.z, a.w, b.w, xv[u].z, xv[u].w);
+      const uint32_t lo[4] = {a.x, b.x, a.y, b.y}, hi[4] = {a.z, b.z, a.w, b.w};
+      mma::mma16816<V::kBF16>(acc, lo, xv[u].x, xv[u].y);
+      mma::mma16816<V::kBF16>(acc, hi, xv[u].z, xv[u].w);
     }
     __syncwarp();  // every lane has read this slot before it is refilled
   }

@@ -25,22 +25,9 @@
 //    bits: a single bf16 P would add ~2^-9 relative error per weight (see kSplitP).
 #pragma once
 
-namespace kvlm::cuda::mma {
+#include "ops/cuda/mma_sync.cuh"
 
-template <bool kBF16>
-__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  if constexpr (kBF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
+namespace kvlm::cuda::mma {
 
 // Two floats -> one register of two 16-bit values of the mma type (low half = first).
 template <bool kBF16>
@@ -166,18 +153,6 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 #endif
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
-}
-// A whole 16-byte copy at constant offsets from a shared-memory address and a global pointer
-// held in registers: the offsets go into the instruction, so a run of copies costs one
-// instruction each (no per-copy address arithmetic, no source-size operand).
-template <int DOFF, int SOFF>
-__device__ __forceinline__ void cp_async16_at(uint32_t dst, const char* src) {
-  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF));
-}
 
 // Ring depth per warp.
 template <class Fmt, int HD>

@@ -1,0 +1,42 @@
+// Warp-level tensor-core and async-copy primitives shared by the attention kernels
+// (paged_attention_mma.cuh, paged_attention_prefill.cu) and the small-m GEMV (gemv.cu).
+#pragma once
+
+#include <cstdint>
+
+namespace kvlm::cuda::mma {
+
+// c += a . b, mma.sync m16n8k16 with fp32 accumulation; a: 4 registers (A fragment), b0, b1:
+// the B fragment, each register two 16-bit values (bf16 when kBF16, else f16).
+template <bool kBF16>
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (kBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// 16 bytes global -> shared (cp.async.cg: through L2 only); src_bytes < 16 zero-fills the rest
+// (0: the source is not read). dst is a shared-memory address (__cvta_generic_to_shared).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src, src_bytes);
+}
+// A whole 16-byte copy at constant offsets from a shared-memory address and a global pointer
+// held in registers: the offsets go into the instruction, so a run of copies costs one
+// instruction each (no per-copy address arithmetic, no source-size operand).
+template <int DOFF, int SOFF>
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const char* src) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF));
+}
+
+}  // namespace kvlm::cuda::mma
