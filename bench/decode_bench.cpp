@@ -13,8 +13,8 @@
 // whole benchmark). Each step is timed two ways: forward() with every row's fp32 logits
 // copied to the host (the ModelRunner interface, host sampling), and forward_greedy() (the
 // same step, argmax on the GPU, only token ids cross), each with CUDA graphs off and on.
-// Environment: KVLM_CUDA_GEMV=0 routes batch 1-4 GEMMs to cuBLASLt, KVLM_CUDA_GEMV=1 batch 2-4
-// to the GEMV kernels without timing them against cuBLASLt (for comparison).
+// Environment: KVLM_CUDA_GEMV=0 routes the batch 1-8 GEMMs (the small-m kernels' share) to
+// cuBLASLt (for comparison).
 //
 // Floors, from the same run's device-to-device copy bandwidth (read + write bytes / time):
 //   weights-read bound: every weight but the embedding table (a decode step reads B rows of
