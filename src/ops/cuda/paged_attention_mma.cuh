@@ -257,8 +257,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 
   const char* kbase = static_cast<const char*>(p.k_cache);
   const char* vbase = static_cast<const char*>(p.v_cache);
-  const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
-  const int bs = p.block_size;
+  const PageRows pr(p, seq, kvh);
 
   // 16-key tiles aligned to 16 absolute positions: with block_size % 16 == 0 a tile never
   // straddles pages, so one block-table lookup serves 16 keys, and the tile's K (and V) rows
@@ -280,19 +279,15 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   const int first = (t0 & ~15) + warp * 16;
   const int my_tiles = first < t1 ? (t1 - first + kMmaWarps * 16 - 1) / (kMmaWarps * 16) : 0;
   // Issuing a tile is most of a tile's instructions for 1-byte codes (docs/results/kernel-lab.md):
-  // the page lookup uses a shift where block_size is a power of two, the page's byte offset
-  // one wide multiply, and a tile wholly inside [t0, t1) — all but a split's first and last —
-  // copies at constant offsets from one source and one destination register.
-  const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
-  const size_t page_bytes = size_t(p.num_kv_heads) * bs * RB;  // one page of one cache
-  const size_t head_bytes = size_t(kvh) * bs * RB;
+  // one page lookup per tile (PageRows: a shift where block_size is a power of two), and a tile
+  // wholly inside [t0, t1) — all but a split's first and last — copies at constant offsets from
+  // one source and one destination register.
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
   auto issue = [&](int i) {
     if (i < my_tiles) {
       const int base = first + i * kMmaWarps * 16;
-      const int pidx = bs_shift >= 0 ? base >> bs_shift : base / bs;
-      const int in_page = base - pidx * bs;
-      const size_t off = size_t(table[pidx]) * page_bytes + head_bytes + size_t(in_page) * RB;
+      const int64_t tile_row = pr.row(base);  // the tile's 16 rows are consecutive in its page
+      const size_t off = size_t(tile_row) * RB;
       const int slot = (i % STAGES) * TILE;
       if (base >= t0 && base + 16 <= t1) {  // warp-uniform: every key of the tile is visible
         const char* ks = kbase + off + lane * 16;
@@ -315,7 +310,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       }
       if constexpr (kPTH) {
         if (lane < 8) {  // 16 K scales then 16 V scales, 64 B each
-          const size_t tile_row = off / RB;
           const float* src = (lane < 4 ? p.k_token_scale : p.v_token_scale) + tile_row + (lane % 4) * 4;
           cp_async16(ring + slot + 32 * RB + lane * 16, src, 16);
         }

@@ -45,41 +45,6 @@ struct PrefillTile {
   static constexpr int BN = HD <= 128 ? 64 : 32;          // keys per tile
 };
 
-// Where a key's row lives: (page of the key, slot in the page) through the block table, as
-// a row index into the layer's pages for one kv head: page * (num_kv_heads * bs) + kvh * bs
-// + slot. Block sizes are powers of two in practice (16 by default): a shift and a mask then,
-// a division otherwise (an integer division is ~20 instructions, and the loads run it per
-// 16-byte piece).
-struct PageRows {
-  static __device__ int log2_if_pow2(int n) {
-    if (n <= 0 || (n & (n - 1)) != 0) return -1;
-    int s = 0;
-    while ((1 << s) < n) ++s;
-    return s;
-  }
-  const BlockId* table;
-  int bs, shift;      // shift = log2(bs), or -1
-  int64_t page_rows;  // num_kv_heads * bs
-  int head_row;       // kvh * bs
-  __device__ PageRows(const PagedAttentionParams& p, int seq, int kvh)
-      : table(p.block_tables + size_t(seq) * p.max_blocks_per_seq),
-        bs(p.block_size),
-        shift(log2_if_pow2(p.block_size)),
-        page_rows(int64_t(p.num_kv_heads) * p.block_size),
-        head_row(kvh * p.block_size) {}
-  __device__ __forceinline__ int64_t row(int key) const {
-    int blk, slot;
-    if (shift >= 0) {
-      blk = key >> shift;
-      slot = key & (bs - 1);
-    } else {
-      blk = key / bs;
-      slot = key - blk * bs;
-    }
-    return int64_t(__ldg(table + blk)) * page_rows + head_row + slot;
-  }
-};
-
 template <class Fmt, int HD>
 struct PrefillSmem {
   static constexpr int ESZ = sizeof(typename Fmt::Code);
