@@ -8,12 +8,14 @@
 // over bf16 of the same shape.
 //
 //   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--shapes BxC,...]
-//                 [--modes NAME,...] [--max-splits N] [--trace DIR]
+//                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--trace DIR]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
 // --shapes picks decode shapes (e.g. 64x4096,1x32768), --modes KV modes (e.g. bf16,fp8_e4m3);
-// --max-splits caps the decode split count (PagedAttentionParams::max_splits), to explore it.
+// --max-splits caps the decode split count (PagedAttentionParams::max_splits), to explore it;
+// --split-lengths sets PagedAttentionParams::split_lengths (0 automatic, 1 equal, 2 decreasing);
+// column `splits` marks decreasing lengths with "d".
 // --trace DIR (a build with -DKVLM_ATTN_TRACE=ON) writes the per-CTA timeline of each decode
 // row's last timed call to DIR/trace-MODE-BxC.bin: per CTA four little-endian uint64 (start,
 // first tile, end in globaltimer ns; SM); tools/attn_trace.py summarises them.
@@ -219,7 +221,7 @@ double copy_bandwidth(void* a, void* b, size_t bytes) {
 int main(int argc, char** argv) {
   bool quick = false, prefill = false, prefill_only = false;
   std::string shapes_arg, modes_arg, trace_dir;
-  int max_splits = 0;
+  int max_splits = 0, split_lengths = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--prefill")) prefill = true;
@@ -228,6 +230,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) shapes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) modes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--max-splits") && i + 1 < argc) max_splits = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--split-lengths") && i + 1 < argc) split_lengths = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
   }
   // --shapes BxC,... (decode) and --modes NAME,...: comma lists, matched exactly.
@@ -336,7 +339,8 @@ int main(int argc, char** argv) {
               .q = dq + qn * c, .out = dout + qn * c, .k_cache = K, .v_cache = V, .k_token_scale = scales,
               .v_token_scale = scales + scale_elems, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
               .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dtables + size_t(c) * B * nb,
-              .workspace = ws, .workspace_bytes = ws_bytes, .max_splits = max_splits};
+              .workspace = ws, .workspace_bytes = ws_bytes, .max_splits = max_splits,
+              .split_lengths = split_lengths};
         };
         const auto p0 = params(0);
         const int splits = cuda::paged_attention_num_splits(p0);
@@ -381,7 +385,8 @@ int main(int argc, char** argv) {
         const double floor_us = bytes / copy_bw * 1e6;
         char vs[32] = "-";
         if (bf16_us[bi][ci] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_us[bi][ci] / us);
-        std::printf("| %s | %d | %d | %d | %s (%.1e) | %.1f | %.1f | %.0f | %.0f%% | %s |\n", mode.name, B, C, splits,
+        std::printf("| %s | %d | %d | %d%s | %s (%.1e) | %.1f | %.1f | %.0f | %.0f%% | %s |\n", mode.name, B, C, splits,
+                    cuda::paged_attention_decreasing_splits(p0) ? "d" : "",
                     ok ? "ok" : "FAIL", max_err, us, floor_us, gbs, 100.0 * gbs * 1e9 / copy_bw, vs);
         std::fflush(stdout);
         cudaFree(dtables);

@@ -108,7 +108,9 @@ struct SeqShape {
 };
 
 // One batch: store all tokens on both backends, compare pages, attend on both, compare.
-void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed, int max_splits, int kernel, Stats& st) {
+// split_lengths: PagedAttentionParams (2 = decreasing split lengths in the decode kernel).
+void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed, int max_splits, int kernel, Stats& st,
+               int split_lengths = 0) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int d = c.head_dim, kvh = c.kv_heads, nh = c.q_heads, bs = c.block_size;
@@ -261,7 +263,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
                                .k_token_scale = dks.p, .v_token_scale = dvs.p, .k_tensor_scale = dkts.p,
                                .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size()),
                                .cu_q_lens = dcu.p, .kv_lens = dkvl.p, .block_tables = dtab.p, .max_splits = max_splits,
-                               .kernel = kernel};
+                               .split_lengths = split_lengths, .kernel = kernel};
   const size_t ws_bytes = cuda::paged_attention_workspace_bytes(p);
   Dev<uint8_t> ws(ws_bytes);
   p.workspace = ws.p;
@@ -278,6 +280,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   // cache (u = 2^-9), f16 otherwise (u = 2^-11).
   const int ran = cuda::paged_attention_kernel(p);
   if (kernel != 0) EXPECT_EQ(ran, kernel);
+  if (split_lengths == 2 && cuda::paged_attention_num_splits(p) > 1) EXPECT_TRUE(cuda::paged_attention_decreasing_splits(p));
   double abs_floor = 1e-4;
   int p_exponent = 0;  // log2(u) of the P rounding, 0 = none
   if (ran == 3) p_exponent = spec.storage == DType::BF16 ? -9 : -11;
@@ -342,6 +345,12 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
           run_batch(c, mixed, seed++, 0, 1, st);
           if (mma_fits) run_batch(c, mixed, seed++, 0, 2, st);
         }
+        // Decreasing split lengths (automatic only when the grid runs in several waves, which
+        // these small batches do not): split 3 of 4 may be empty for short sequences.
+        if (mma_fits) {
+          run_batch(c, decode, seed++, 0, 2, st, 2);
+          if (!reduced()) run_batch(c, mixed, seed++, 4, 2, st, 2);
+        }
         ++cases;
         EXPECT_EQ(st.page_mismatch, 0u) << "kv_store pages differ: hd " << hd << " " << attention_kind_name(kind) << " gqa " << gqa;
         EXPECT_EQ(st.bad, 0u) << "outputs out of tolerance: hd " << hd << " " << attention_kind_name(kind) << " gqa " << gqa
@@ -388,6 +397,9 @@ TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {
   EXPECT_THROW(cuda::paged_attention_kernel(p), Error);
   p.kernel = 0;
   EXPECT_EQ(cuda::paged_attention_kernel(p), 1);  // automatic: the CUDA-core kernel covers it
+  p.split_lengths = 3;
+  EXPECT_THROW(cuda::paged_attention_kernel(p), Error);
+  p.split_lengths = 0;
   cuda::KVStoreParams s{.storage = DType::F8E5M2, .quant = KVQuantMode::Fp8PerTokenHead, .num_tokens = 1, .num_kv_heads = 1,
                         .head_dim = 64, .block_size = 16, .num_blocks = 1};
   EXPECT_THROW(cuda::kv_store(s, nullptr), Error);

@@ -82,6 +82,9 @@ struct PagedAttentionParams {
   void* workspace = nullptr;              // split-KV partials, paged_attention_workspace_bytes()
   size_t workspace_bytes = 0;
   int max_splits = 0;  // 0 = choose from the device's SM count; > 0 caps (tests force splits)
+  // Lengths of the decode kernel's splits: 0 = automatic (decreasing when the grid runs in
+  // more than one wave), 1 = equal, 2 = decreasing. For tests and the lab.
+  int split_lengths = 0;
   // 0 = automatic: with block_size % 16 == 0, the tiled tensor-core prefill kernel when
   // max_q_len * group > 16 and head_dim is 64/128/256, else the tensor-core decode kernel when
   // head_dim is 64/128 and the GQA group is <= 16, else the CUDA-core kernel. 1 = CUDA-core,
@@ -98,6 +101,8 @@ void paged_attention(const PagedAttentionParams& p, void* stream);
 // (1, 2 or 3 as PagedAttentionParams::kernel), exposed for the lab and tests.
 int paged_attention_num_splits(const PagedAttentionParams& p);
 int paged_attention_kernel(const PagedAttentionParams& p);
+// Whether the decode kernel's splits for `p` are of decreasing length (split_lengths).
+bool paged_attention_decreasing_splits(const PagedAttentionParams& p);
 
 // The per-CTA timeline of the last decode tensor-core kernel launched, for the kernel lab
 // (attention_lab --trace): in a build with -DKVLM_ATTN_TRACE=ON every CTA of that kernel

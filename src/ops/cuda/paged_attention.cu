@@ -68,6 +68,7 @@ struct Plan {
   bool mma = false;
   int group = 1, head_chunks = 1, rows_per_cta = 1, row_groups = 1, splits = 1;
   int64_t ctas_per_split = 1;
+  bool decreasing_splits = false;  // decode tensor-core kernel (RowsArgs::decreasing_splits)
 };
 
 Plan make_plan(const PagedAttentionParams& p) {
@@ -139,6 +140,15 @@ Plan make_plan(const PagedAttentionParams& p) {
     }
   }
   pl.splits = int(std::clamp<int64_t>(splits, 1, 65535));
+  // Split lengths. Equal splits leave the last, partial wave as long as the others: at 64 x 4k
+  // FP8 (1024 CTAs on 396 slots) its 232 CTAs ran from ~60% of the call on, one or two per SM
+  // and bound by their own latency (docs/results/kernel-lab.md). Decreasing lengths (split s
+  // of S gets a share proportional to S - s) leave the short splits for that wave. In a single
+  // wave they only lengthen the longest CTA (16 x 4k FP8, 3 splits: 47 -> 51 µs), so not there.
+  if (p.split_lengths < 0 || p.split_lengths > 2)
+    throw Error("CUDA paged attention: split_lengths must be 0 (automatic), 1 (equal) or 2 (decreasing)");
+  pl.decreasing_splits = pl.mma && pl.splits > 1 &&
+                         (p.split_lengths == 2 || (p.split_lengths == 0 && pl.ctas_per_split * pl.splits > slots));
   return pl;
 }
 
@@ -197,6 +207,11 @@ int paged_attention_kernel(const PagedAttentionParams& p) {
   return make_plan(p).kernel;
 }
 
+bool paged_attention_decreasing_splits(const PagedAttentionParams& p) {
+  validate(p);
+  return make_plan(p).decreasing_splits;
+}
+
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
   const int s = paged_attention_num_splits(p);
   if (s <= 1) return 0;
@@ -214,7 +229,8 @@ void paged_attention(const PagedAttentionParams& p, void* stream) {
       throw Error("CUDA paged attention: per-token-head modes need the scale pages");
     const Plan pl = make_plan(p);
     RowsArgs a{.p = p, .group = pl.group, .head_chunks = pl.head_chunks, .rows_per_cta = pl.rows_per_cta,
-               .row_groups = pl.row_groups, .num_splits = pl.splits, .part_o = nullptr, .part_ml = nullptr};
+               .row_groups = pl.row_groups, .num_splits = pl.splits, .part_o = nullptr, .part_ml = nullptr,
+               .decreasing_splits = pl.decreasing_splits};
     if (a.num_splits > 1) {
       const size_t need = paged_attention_workspace_bytes(p);
       if (!p.workspace || p.workspace_bytes < need)

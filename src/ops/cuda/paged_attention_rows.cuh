@@ -29,6 +29,7 @@ struct RowsArgs {
   int num_splits;
   float* part_o;    // [num_tokens][num_q_heads][num_splits][head_dim]
   float* part_ml;   // [num_tokens][num_q_heads][num_splits][2]: running max (log2 domain), sum
+  bool decreasing_splits = false;  // tensor-core decode kernel: splits shorten with their index
 };
 
 namespace {
