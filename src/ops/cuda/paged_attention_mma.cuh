@@ -331,11 +331,24 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   };
   // The ring is filled first: its loads are in flight while Q is loaded and converted below
   // (Q first made every CTA wait one global latency before its first tile was requested).
-  // Everything above read only the step's metadata; the pages (this step's K/V rows) and Q
-  // are written by the kernel before (launched with PDL: paged_attention.cu).
+  // The kernel is launched with PDL (paged_attention.cu): the kernel before it writes Q and
+  // this step's K/V rows — positions from kv_len - q_len on — and may still be running.
+  // Nothing in the step writes the older pages (block copies finish before a step starts), so
+  // tiles wholly before the new rows are requested before pdl_wait: their HBM latency
+  // overlaps the end of the kernel before instead of following it.
+  const int fresh = kv_len - q_len;
+  int early = 0;
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (early == i && i < my_tiles && first + i * kMmaWarps * 16 + 16 <= fresh) {
+      issue(i);
+      early = i + 1;
+    }
+  }
   pdl_wait();
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+  for (int i = 0; i < STAGES - 1; ++i)
+    if (i >= early) issue(i);
 
   // Q A-fragments, permuted like the K slices (element x of this thread's list sits at
   // physical dim (x / VB) * 4 * VB + t * VB + x % VB).
