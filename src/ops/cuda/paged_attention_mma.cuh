@@ -154,6 +154,9 @@ __device__ __forceinline__ unsigned long long global_ns() {
 }
 #endif
 
+// Row padding (floats) of the cross-warp merge buffer: see the merge in attn_mma_kernel.
+constexpr int kMergePad = 8;
+
 // Ring depth per warp.
 template <class Fmt, int HD>
 constexpr int mma_stages() {
@@ -166,7 +169,7 @@ template <class Fmt, int HD>
 constexpr size_t mma_smem_bytes() {
   constexpr size_t tile = 32 * HD * sizeof(typename Fmt::Code) + (Fmt::kScale == Scale::PerTokenHead ? 128 : 0);
   constexpr size_t ring = kMmaWarps * mma_stages<Fmt, HD>() * tile;
-  constexpr size_t merge = sizeof(float) * kMmaWarps * 16 * (HD + 2);
+  constexpr size_t merge = sizeof(float) * kMmaWarps * 16 * (HD + kMergePad + 2);
   return ring > merge ? ring : merge;
 }
 
@@ -505,25 +508,37 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
   }
   // Merge the warps through shared memory: o[nt][2i + e] is M row g + 8i, output dim
-  // (2t + e) * (HD / 8) + nt (the permutation chosen for V).
+  // (2t + e) * (HD / 8) + nt (the permutation chosen for V). A row is stored in the threads'
+  // order, position nt * 8 + 2t + e, with rows HD + kMergePad floats apart, so the lanes of a
+  // store hit distinct banks (g * 8 + 2t + e); stored by output dim, every lane of a store hit
+  // one bank (a 32-way conflict on each of 64 stores per thread). Only the rows in use are
+  // written (decode at GQA 4: 4 of the 16).
   // The merge buffers reuse the ring: wait until every warp has left its loop.
   __syncthreads();
-  auto sm_o = reinterpret_cast<float(*)[16][HD]>(smem);
-  auto sm_ml = reinterpret_cast<float(*)[16][2]>(smem + sizeof(float) * kMmaWarps * 16 * HD);
+  constexpr int kRow = HD + kMergePad;
+  auto sm_o = reinterpret_cast<float(*)[16][kRow]>(smem);
+  auto sm_ml = reinterpret_cast<float(*)[16][2]>(smem + sizeof(float) * kMmaWarps * 16 * kRow);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
+    if (8 * i >= mrows) continue;  // CTA-uniform
+    if (g + 8 * i < mrows) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) sm_o[warp][g + 8 * i][(2 * t + e) * (HD / 8) + nt] = o[nt][2 * i + e];
-    if (t == 0) {
-      sm_ml[warp][g + 8 * i][0] = m_run[i];
-      sm_ml[warp][g + 8 * i][1] = l_run[i];
+      for (int nt = 0; nt < NT; ++nt) {
+        const float2 v = make_float2(o[nt][2 * i], o[nt][2 * i + 1]);  // e = 0, 1: adjacent
+        *reinterpret_cast<float2*>(&sm_o[warp][g + 8 * i][nt * 8 + 2 * t]) = v;
+      }
+      if (t == 0) {
+        sm_ml[warp][g + 8 * i][0] = m_run[i];
+        sm_ml[warp][g + 8 * i][1] = l_run[i];
+      }
     }
   }
   __syncthreads();
+  // Threads walk the stored order (conflict-free reads); position s = nt * 8 + (2t + e) is
+  // output dim (2t + e) * NT + nt.
   for (int idx = threadIdx.x; idx < mrows * HD; idx += kMmaWarps * 32) {
-    const int m = idx / HD, d = idx % HD;
+    const int m = idx / HD, s = idx % HD;
+    const int d = (s % 8) * NT + s / 8;
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) mm = fmaxf(mm, sm_ml[w][m][0]);
@@ -533,7 +548,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       for (int w = 0; w < kMmaWarps; ++w) {
         const float c = exp2f(sm_ml[w][m][0] - mm);
         L += sm_ml[w][m][1] * c;
-        O += sm_o[w][m][d] * c;
+        O += sm_o[w][m][s] * c;
       }
     }
     const int row = q_begin + r0 + m / G, h = kvh * G + m % G;
