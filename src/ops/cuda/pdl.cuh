@@ -7,8 +7,9 @@
 // The rule every PDL-launched kernel follows: before pdl_wait() it may read only what no
 // kernel of the step writes (weights, the step's metadata uploaded before its first kernel,
 // the KV pages of positions cached before the step: a step stores only its new tokens, and
-// block copies complete before a step starts) and may write nothing. Its predecessor may itself still be waiting on the kernel before
-// it, so "two kernels back" is no safer than "the previous one".
+// block copies complete before a step starts) and may write nothing. Its predecessor may
+// itself still be waiting on the kernel before it, so "two kernels back" is no safer than
+// "the previous one".
 #pragma once
 
 #include <cuda_runtime.h>
