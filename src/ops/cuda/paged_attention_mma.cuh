@@ -157,6 +157,17 @@ __device__ __forceinline__ unsigned long long global_ns() {
 // Row padding (floats) of the cross-warp merge buffer: see the merge in attn_mma_kernel.
 constexpr int kMergePad = 8;
 
+// Shared-memory layout of a ring tile's rows for 16-bit head-128 codes (256-byte rows, 16
+// chunks of 16 B): chunk c of row r (K rows 0-15, V rows 0-15) is stored at c ^ tile_swz(r).
+// Unswizzled, the 8 lanes of a 16-byte load phase read 2 K rows at the same bank offsets
+// (2-way) and 4 V rows (4-way); bit 2 of the XOR (row parity) separates the K pair, bit 0
+// (row bit 1) halves the V conflicts. Other row widths are stored as they are.
+template <int NC>
+__device__ __forceinline__ int tile_swz(int r) {
+  if constexpr (NC == 16) return ((r & 1) << 2) | ((r >> 1) & 1);
+  else return 0;
+}
+
 // Ring depth per warp.
 template <class Fmt, int HD>
 constexpr int mma_stages() {
@@ -297,7 +308,15 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // one page lookup per tile (PageRows: a shift where block_size is a power of two), and a tile
   // wholly inside [t0, t1) — all but a split's first and last — copies at constant offsets from
   // one source and one destination register.
-  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
+  constexpr int NC = RB / 16;  // 16-byte chunks per row (tile_swz)
+  // A lane's constant-offset copies cover rows lane / NC + (32 / NC) * U; at NC = 16 the XOR
+  // then depends on U's parity only: one destination register for even U, one for odd.
+  const uint32_t ring_0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const auto lane_dst = [&](int u) {
+    const int r = lane / NC + (32 / NC) * u;
+    return ring_0 + uint32_t(((lane / NC) * NC + ((lane % NC) ^ tile_swz<NC>(r))) * 16);
+  };
+  const uint32_t ring_s = lane_dst(0), ring_s1 = lane_dst(1);
   auto issue = [&](int i) {
     if (i < my_tiles) {
       const int base = first + i * kMmaWarps * 16;
@@ -307,20 +326,21 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       if (base >= t0 && base + 16 <= t1) {  // warp-uniform: every key of the tile is visible
         const char* ks = kbase + off + lane * 16;
         const char* vs = vbase + off + lane * 16;
-        const uint32_t d = ring_s + slot;
+        const uint32_t d = ring_s + slot, d1 = ring_s1 + slot;
         static_assert(RB % 32 == 0, "16 rows * RB bytes: RB / 32 chunks of 16 B per lane");
         [&]<int... U>(std::integer_sequence<int, U...>) {
-          (cp_async16_at<U * 512, U * 512>(d, ks), ...);
-          (cp_async16_at<16 * RB + U * 512, U * 512>(d, vs), ...);
+          (cp_async16_at<U * 512, U * 512>((U & 1) ? d1 : d, ks), ...);
+          (cp_async16_at<16 * RB + U * 512, U * 512>((U & 1) ? d1 : d, vs), ...);
         }(std::make_integer_sequence<int, RB / 32>{});
       } else {
         char* dst = ring + slot;
 #pragma unroll
         for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
-          const int tok = base + (c * 16) / RB;
+          const int r = c / NC, tok = base + r;
           const int n = tok >= t0 && tok < t1 ? 16 : 0;
-          cp_async16(dst + c * 16, kbase + off + c * 16, n);
-          cp_async16(dst + 16 * RB + c * 16, vbase + off + c * 16, n);
+          const int dc = r * NC + ((c % NC) ^ tile_swz<NC>(r));
+          cp_async16(dst + dc * 16, kbase + off + c * 16, n);
+          cp_async16(dst + 16 * RB + dc * 16, vbase + off + c * 16, n);
         }
       }
       if constexpr (kPTH) {
@@ -411,19 +431,20 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int c = 0; c < KLOADS; ++c)
-        kraw[j][c] = *reinterpret_cast<const uint4*>(tile + (g + 8 * j) * RB + c * 64 + t * 16);
+        kraw[j][c] = *reinterpret_cast<const uint4*>(tile + (g + 8 * j) * RB + (((c * 4 + t) ^ tile_swz<NC>(g)) * 16));
     constexpr int kVr = VBYTES >= 16 ? VBYTES / 16 : 1;
     uint4 vraw[4][kVr];
     float ksc[4], vsc[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int off = 2 * t + (j & 1) + 8 * (j >> 1);  // keys 2t, 2t+1, 2t+8, 2t+9
-      const char* vrow = tile + 16 * RB + off * RB + g * VBYTES;
+      const char* vrow = tile + 16 * RB + off * RB;
       if constexpr (VBYTES >= 16) {
 #pragma unroll
-        for (int c = 0; c < kVr; ++c) vraw[j][c] = reinterpret_cast<const uint4*>(vrow)[c];
+        for (int c = 0; c < kVr; ++c)
+          vraw[j][c] = *reinterpret_cast<const uint4*>(vrow + ((g * kVr + c) ^ tile_swz<NC>(off)) * 16);
       } else {
-        const uint2 x = *reinterpret_cast<const uint2*>(vrow);
+        const uint2 x = *reinterpret_cast<const uint2*>(vrow + g * VBYTES);
         vraw[j][0] = make_uint4(x.x, x.y, 0u, 0u);
       }
       ksc[j] = vsc[j] = 1.0f;
