@@ -432,6 +432,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
       for (int c = 0; c < KLOADS; ++c)
         kraw[j][c] = *reinterpret_cast<const uint4*>(tile + (g + 8 * j) * RB + (((c * 4 + t) ^ tile_swz<NC>(g)) * 16));
+    // (tile_swz reads row bits 0-1: rows g and g + 8 share theirs.)
     constexpr int kVr = VBYTES >= 16 ? VBYTES / 16 : 1;
     uint4 vraw[4][kVr];
     float ksc[4], vsc[4];
