@@ -7,11 +7,12 @@
 // q, out), % of the device-to-device copy bandwidth measured in the same run, and speedup
 // over bf16 of the same shape.
 //
-//   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--shapes BxC,...]
+//   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--head N] [--shapes BxC,...]
 //                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--trace DIR]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
+// --head N sets the head size (64, 128 or 256; default 128, Llama-3-8B's).
 // --shapes picks decode shapes (e.g. 64x4096,1x32768), --modes KV modes (e.g. bf16,fp8_e4m3);
 // --max-splits caps the decode split count (PagedAttentionParams::max_splits), to explore it;
 // --split-lengths sets PagedAttentionParams::split_lengths (0 automatic, 1 equal, 2 decreasing);
@@ -50,7 +51,8 @@ using namespace kvlm;
 
 namespace {
 
-constexpr int kQHeads = 32, kKVHeads = 8, kHead = 128;
+constexpr int kQHeads = 32, kKVHeads = 8;
+int kHead = 128;  // --head N
 int kBlock = 16;  // --block N
 constexpr double kL2 = 60e6;
 
@@ -124,11 +126,11 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items
   }
   const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
   float* sc = scratch + (size_t(ri) * p.num_q_heads + h) * max_keys;
-  const uint16_t* q = p.q + (size_t(it.y) * p.num_q_heads + h) * kHead;
+  const uint16_t* q = p.q + (size_t(it.y) * p.num_q_heads + h) * p.head_dim;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const size_t sidx = (size_t(table[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
     float s = 0;
-    for (int d = 0; d < kHead; ++d) s += kvlm::num::bf16_to_f32(q[d]) * decode_sw(K, sidx * kHead + d, p.storage);
+    for (int d = 0; d < p.head_dim; ++d) s += kvlm::num::bf16_to_f32(q[d]) * decode_sw(K, sidx * p.head_dim + d, p.storage);
     sc[j] = s * (per_token(p.quant) ? p.k_token_scale[sidx] : ks) * p.softmax_scale;
   }
   __syncthreads();
@@ -154,13 +156,13 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items
   }
   __syncthreads();
   l = red[0];
-  for (int d = threadIdx.x; d < kHead; d += blockDim.x) {
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
     float o = 0;
     for (int j = 0; j < n; ++j) {
       const size_t sidx = (size_t(table[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
-      o += sc[j] * decode_sw(V, sidx * kHead + d, p.storage) * (per_token(p.quant) ? p.v_token_scale[sidx] : vs);
+      o += sc[j] * decode_sw(V, sidx * p.head_dim + d, p.storage) * (per_token(p.quant) ? p.v_token_scale[sidx] : vs);
     }
-    out[(size_t(ri) * p.num_q_heads + h) * kHead + d] = o / l;
+    out[(size_t(ri) * p.num_q_heads + h) * p.head_dim + d] = o / l;
   }
 }
 
@@ -227,11 +229,16 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--prefill")) prefill = true;
     if (!std::strcmp(argv[i], "--prefill-only")) prefill = prefill_only = true;
     if (!std::strcmp(argv[i], "--block") && i + 1 < argc) kBlock = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--head") && i + 1 < argc) kHead = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) shapes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) modes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--max-splits") && i + 1 < argc) max_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--split-lengths") && i + 1 < argc) split_lengths = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
+  }
+  if (kHead != 64 && kHead != 128 && kHead != 256) {
+    std::fprintf(stderr, "attention_lab: --head takes 64, 128 or 256, not %d\n", kHead);
+    return 2;
   }
   // --shapes BxC,... (decode) and --modes NAME,...: comma lists, matched exactly.
   auto listed = [](const std::string& list, const std::string& item) {
@@ -252,8 +259,9 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&arena, arena_bytes));
   const size_t copy_bytes = size_t(1) << 30;
   const double copy_bw = copy_bandwidth(arena, arena + copy_bytes, copy_bytes);
-  std::printf("# attention_lab on %s (%d SMs, L2 %.0f MB), copy bandwidth %.0f GB/s (D2D memcpy, read+write), block size %d\n\n",
-              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9, kBlock);
+  std::printf("# attention_lab on %s (%d SMs, L2 %.0f MB), copy bandwidth %.0f GB/s (D2D memcpy, read+write), block size %d, "
+              "head size %d\n\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9, kBlock, kHead);
   std::printf("| mode | batch | context | splits | valid (max err) | µs | floor µs | GB/s | %% of copy | vs bf16 |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);

@@ -31,6 +31,7 @@
 
 #include "ops/cuda/paged_attention_rows.cuh"
 #include "ops/cuda/paged_attention_mma.cuh"
+#include "ops/cuda/async_pipeline.cuh"
 #include "ops/cuda/wgmma.cuh"
 
 namespace kvlm::cuda {
@@ -132,17 +133,21 @@ struct CtaWork {
 // goes to byte dst(r, c, i) of k_out / v_out (i = r * RB / 16 + c), keys outside [t0, t1)
 // zero-filled — stale page rows may hold NaN, and 0 * NaN in P.V would poison a row. Per-
 // token-head modes also load the tile's K scales to scales[0, BN) and V scales to
-// scales[BN, 2 BN), 4 per piece; a 16-key run is loaded when it overlaps [t0, t1) (its page
-// exists), and stale entries of masked keys never reach the math (key_factors zeroes them).
+// scales[BN, 2 BN), 4 per piece (scale_piece); a 16-key run is loaded when it overlaps
+// [t0, t1) (its page exists), and stale entries of masked keys never reach the math
+// (key_factors zeroes them). tid is the thread's index among the THREADS loading threads.
 // Does not commit.
+template <int BN>
+__device__ __forceinline__ int scale_piece(int tid) {  // float offset of loader tid < BN / 2
+  return (tid >= BN / 4 ? BN : 0) + (tid % (BN / 4)) * 4;
+}
 template <int BN, int RB, int THREADS, bool kPTH, class Dst>
 __device__ __forceinline__ void load_kv_tile(const PagedAttentionParams& p, const PageRows& pr, const CtaWork& w, int kb,
-                                             char* k_out, char* v_out, float* scales, Dst dst) {
+                                             char* k_out, char* v_out, float* scales, Dst dst, int tid) {
   constexpr int PIECES = BN * RB / 16;
   static_assert(PIECES % THREADS == 0, "tile pieces must divide among the threads");
   const char* kbase = static_cast<const char*>(p.k_cache);
   const char* vbase = static_cast<const char*>(p.v_cache);
-  const int tid = threadIdx.x;
 #pragma unroll
   for (int it = 0; it < PIECES / THREADS; ++it) {
     const int i = tid + it * THREADS;
@@ -164,22 +169,23 @@ __device__ __forceinline__ void load_kv_tile(const PagedAttentionParams& p, cons
       size_t off = 0;
       if (ok) off = size_t(pr.row(kb + r));
       const float* src = (is_v ? p.v_token_scale : p.k_token_scale) + off;
-      mma::cp_async16(scales + (is_v ? BN : 0) + r, src, ok ? 16 : 0);
+      mma::cp_async16(scales + scale_piece<BN>(tid), src, ok ? 16 : 0);
     }
   }
 }
 
 // Q into shared memory: M row m is query token r0 + m / G, head kvh * G + m % G (zero past
 // the CTA's rows), converted to f16 when the cache's mma type is f16; 16-byte chunk c of row
-// m goes to sQ[dst(m, c)].
-template <int BM, int HD, int THREADS, bool kBF, class Dst>
-__device__ __forceinline__ void load_q(const PagedAttentionParams& p, const CtaWork& w, int G, int kvh, uint4* sQ, Dst dst) {
+// m goes to sQ[dst(m, c)]. THREADS threads (tid = index among them) load rows [m0, m0 + ROWS).
+template <int ROWS, int HD, int THREADS, bool kBF, class Dst>
+__device__ __forceinline__ void load_q(const PagedAttentionParams& p, const CtaWork& w, int G, int kvh, uint4* sQ, Dst dst,
+                                       int tid, int m0) {
   constexpr int CPR = HD / 8;
-  static_assert(BM * CPR % THREADS == 0, "Q chunks must divide among the threads");
+  static_assert(ROWS * CPR % THREADS == 0, "Q chunks must divide among the threads");
 #pragma unroll 4
-  for (int it = 0; it < BM * CPR / THREADS; ++it) {
-    const int i = int(threadIdx.x) + it * THREADS;
-    const int m = i / CPR, c = i % CPR;
+  for (int it = 0; it < ROWS * CPR / THREADS; ++it) {
+    const int i = tid + it * THREADS;
+    const int m = m0 + i / CPR, c = i % CPR;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (m < w.mrows) {
       v = __ldg(reinterpret_cast<const uint4*>(p.q + (size_t(w.q_begin + w.r0 + m / G) * p.num_q_heads + kvh * G + m % G) * HD) + c);
@@ -196,13 +202,15 @@ __device__ __forceinline__ void load_q(const PagedAttentionParams& p, const CtaW
 
 // Expands a tile's 1-byte codes (K and V, as loaded by load_kv_tile) exactly to f16: raw chunk
 // c of row r (16 codes) becomes the f16 chunks 2c and 2c + 1, stored at chunk index dst(r, .).
+// Thread tid expands the pieces load_kv_tile<.., THREADS> gave it.
 template <class Fmt, int BN, int HD, int THREADS, class Dst>
-__device__ __forceinline__ void expand_tile(const char* k_raw, const char* v_raw, uint4* k_out, uint4* v_out, Dst dst) {
+__device__ __forceinline__ void expand_tile(const char* k_raw, const char* v_raw, uint4* k_out, uint4* v_out, Dst dst,
+                                            int tid) {
   constexpr int RB = HD;  // 1 byte per code
   constexpr int PIECES = BN * RB / 16;
 #pragma unroll
   for (int it = 0; it < PIECES / THREADS; ++it) {
-    const int i = int(threadIdx.x) + it * THREADS;
+    const int i = tid + it * THREADS;
     const int r = i / (RB / 16), c = i % (RB / 16);
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
@@ -218,10 +226,11 @@ __device__ __forceinline__ void expand_tile(const char* k_raw, const char* v_raw
 
 // Per-key factors of a tile, once per tile: kf = the score scale (times the key's K scale),
 // vf = the P factor (the key's V scale times kPScale). Keys outside [t0, t1) get 0: their
-// scale slots may be stale or NaN, and a 0 never carries a NaN into S or P.
+// scale slots may be stale or NaN, and a 0 never carries a NaN into S or P. A full tile (every
+// key visible to every row, softmax_rows) lies inside [t0, t1): no test then.
 template <int NT, bool kPTH>
 __device__ __forceinline__ void key_factors(float (&kf)[NT][2], float (&vf)[NT][2], float sscale, const float* ksc,
-                                            const float* vsc, float p_scale, int kb, int t, int t0, int t1) {
+                                            const float* vsc, float p_scale, bool full, int kb, int t, int t0, int t1) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -230,7 +239,7 @@ __device__ __forceinline__ void key_factors(float (&kf)[NT][2], float (&vf)[NT][
       vf[nt][e] = 1.0f;
       if constexpr (kPTH) {
         const int kj = nt * 8 + 2 * t + e;
-        const bool ok = kb + kj >= t0 && kb + kj < t1;
+        const bool ok = full || (kb + kj >= t0 && kb + kj < t1);
         kf[nt][e] = ok ? sscale * ksc[kj] : 0.0f;
         vf[nt][e] = ok ? vsc[kj] * p_scale : 0.0f;
       }
@@ -240,11 +249,13 @@ __device__ __forceinline__ void key_factors(float (&kf)[NT][2], float (&vf)[NT][
 // Mask and online softmax for the two M rows (g, g + 8) a thread holds in one m16 slice of
 // S (the m16n8 accumulator layout, the same for mma.sync and wgmma: s[nt][e] is row g + 8
 // (e >> 1), key kb + 8 nt + 2t + (e & 1)). Updates the running max / sum and rescales o;
-// leaves P (times the V factors) in s.
+// leaves P (times the V factors) in s. Callers pass `full` as a literal in each branch of an
+// if, so that tiles no row masks compile without the mask. Without per-key factors the score
+// scale (> 0) is applied after the max and folded into the exponent's FFMA.
 template <int NT, int DT, bool kPTH>
 __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&o)[DT][4], float (&m_run)[2], float (&l_run)[2],
-                                             const float (&kf)[NT][2], const float (&vf)[NT][2], bool full, int kb,
-                                             int t, const int (&rlo)[2], const int (&rhi)[2]) {
+                                             const float (&kf)[NT][2], const float (&vf)[NT][2], float sscale,
+                                             bool full, int kb, int t, const int (&rlo)[2], const int (&rhi)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     float mx = -INFINITY;
@@ -253,17 +264,19 @@ __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&o)[DT][4
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int kj = nt * 8 + 2 * t + e;
-        float x = s[nt][2 * i + e] * kf[nt][e];
+        float x = kPTH ? s[nt][2 * i + e] * kf[nt][e] : s[nt][2 * i + e];
         if (!full && (kb + kj < rlo[i] || kb + kj >= rhi[i])) x = -INFINITY;
         s[nt][2 * i + e] = x;
         mx = fmaxf(mx, x);
       }
+    if (!kPTH && mx != -INFINITY) mx *= sscale;
     const float m_use = mma::online_max(mx, m_run[i], l_run[i], o, i);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = exp2f(s[nt][2 * i + e] - m_use);
+        const float x = s[nt][2 * i + e];
+        const float pe = exp2_approx(kPTH ? x - m_use : fmaf(x, sscale, -m_use));
         l_run[i] += pe;
         s[nt][2 * i + e] = kPTH ? pe * vf[nt][e] : pe;
       }
@@ -353,11 +366,11 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   auto issue = [&](int j) {
     char* st = stages + (j & 1) * Sm::stage;
     load_kv_tile<BN, RB, THREADS, kPTH>(p, pr, w, base0 + j * BN, st, st + Sm::kv, reinterpret_cast<float*>(st + 2 * Sm::kv),
-                                        [](int r, int c, int i) { return ESZ == 2 ? swz<HD>(r, c) * 16 : i * 16; });
+                                        [](int r, int c, int i) { return ESZ == 2 ? swz<HD>(r, c) * 16 : i * 16; }, tid);
     asm volatile("cp.async.commit_group;\n" ::);
   };
   if (ntiles > 0) issue(0);
-  load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return swz<HD>(m, c); });
+  load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return swz<HD>(m, c); }, tid, 0);
 
   // Score scale: softmax_scale * log2(e) * per-tensor K scale; V's per-tensor scale at the end.
   float sscale, vscale;
@@ -395,7 +408,7 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
       uint4* cK = sConv;
       uint4* cV = sConv + BN * CPR;
       expand_tile<Fmt, BN, HD, THREADS>(reinterpret_cast<const char*>(sK), reinterpret_cast<const char*>(sV), cK, cV,
-                                        [](int r, int c) { return swz<HD>(r, c); });
+                                        [](int r, int c) { return swz<HD>(r, c); }, tid);
       __syncthreads();
       sK = cK;
       sV = cV;
@@ -431,11 +444,18 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
       }
     }
 
-    const bool full = kb >= w.lo_inner && kb + BN <= w.hi_inner;
-    float kf[NT][2], vf[NT][2];
-    key_factors<NT, kPTH>(kf, vf, sscale, ksc, vsc, kPScale, kb, t, w.t0, w.t1);
+    // `full` as a literal in each branch: tiles no row masks compile without the mask.
+    auto softmax = [&](bool full) {
+      float kf[NT][2], vf[NT][2];
+      key_factors<NT, kPTH>(kf, vf, sscale, ksc, vsc, kPScale, full, kb, t, w.t0, w.t1);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) softmax_rows<NT, DT, kPTH>(s[mt], o[mt], m_run[mt], l_run[mt], kf, vf, full, kb, t, rlo[mt], rhi[mt]);
+      for (int mt = 0; mt < MT; ++mt)
+        softmax_rows<NT, DT, kPTH>(s[mt], o[mt], m_run[mt], l_run[mt], kf, vf, sscale, full, kb, t, rlo[mt], rhi[mt]);
+    };
+    if (kb >= w.lo_inner && kb + BN <= w.hi_inner)
+      softmax(true);
+    else
+      softmax(false);
 
     // O += P V: the S accumulators of n-tiles 2kk and 2kk + 1 are the A fragment of k-step kk.
 #pragma unroll
@@ -470,30 +490,43 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 }
 
 // ---------------------------------------------------------------------------------------
-// Hopper (sm_90a): the same algorithm with warpgroup MMAs. Two warpgroups of 4 warps, 64 M
-// rows each (BM = 128 as above, so the plan's rows per CTA do not change), BN = 64 keys per
-// tile. S = Q K^T: HD / 16 wgmma m64n64k16 with Q and K read from shared memory through
-// descriptors; O += P V: BN / 16 wgmma m64n{HD}k16 with P in registers (the S accumulators
-// rounded: the m64 accumulator layout is the A-fragment layout per warp) and V read
-// transposed from shared memory. Tiles are stored in the 128-byte-swizzled layout the
-// descriptors describe (wgmma.cuh); loading, conversion of 1-byte codes, masking and the
-// softmax are those of the mma.sync kernel. Head sizes 64 and 128; 256 stays on mma.sync.
-constexpr int kWgWarps = 8;
+// Hopper (sm_90a): the same algorithm with warpgroup MMAs, warp-specialised. Three
+// warpgroups: warpgroup 0 produces, 1 and 2 consume, 64 M rows each (BM = 128 as above, so the
+// plan's rows per CTA do not change). The producer streams BN = 64-key tiles of K and V into a
+// ring of shared-memory stages — cp.async straight into the 128-byte-swizzled layout the
+// descriptors describe (wgmma.cuh) for 16-bit caches; for 1-byte caches raw into a private
+// ring, then expanded to f16 into the stage by the thread that loaded the piece — and
+// publishes each stage on its "full" mbarrier; every consumer thread releases the stage on its
+// "empty" mbarrier once its GEMMs have read it (async_pipeline.cuh). So the consumers never
+// meet at a CTA-wide barrier: the two warpgroups drift apart and one's softmax overlaps the
+// other's GEMMs, and the loads' address arithmetic is off their issue slots. setmaxnreg moves
+// registers from the producer (addresses only) to the consumers (64 O + 32 S accumulators and
+// the P fragments at head 128). Per tile, each consumer warpgroup: S = Q K^T (HD / 16 wgmma
+// m64n64k16, Q and K read through shared-memory descriptors), mask and online softmax (the
+// mma.sync kernel's), O += P V (BN / 16 wgmma m64n{HD}k16, P from registers: the m64
+// accumulator layout is the A-fragment layout per warp; V read transposed). Overlapping S of
+// tile j + 1 with the softmax of tile j inside a warpgroup (FlashAttention-3) was tried on the
+// previous, unspecialised kernel: ptxas serialised every wgmma (C7514, accumulators read inside
+// a pipeline stage) and it lost more than it won (docs/results/kernel-lab.md).
+constexpr int kWsThreads = 384;
 
 template <class Fmt, int HD>
-struct WgSmem {
+struct WsSmem {
   static constexpr int ESZ = sizeof(typename Fmt::Code);
   static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
   static constexpr int BM = 128, BN = 64;
   static_assert(BM == PrefillTile<HD>::BM, "both kernels must take the plan's rows per CTA");
-  static constexpr size_t q = size_t(BM) * HD * 2;
-  static constexpr size_t tile16 = size_t(BN) * HD * 2;  // one K or V tile, 16-bit
-  static constexpr size_t raw = size_t(BN) * HD * ESZ;   // one K or V tile as stored
-  static constexpr int kStages = 3;                      // tiles j, j + 1 landed, j + 2 loading
-  static constexpr size_t stage = 2 * raw;               // K then V
-  static constexpr size_t conv = ESZ == 1 ? 2 * 2 * tile16 : 0;  // 1-byte: tiles j and j + 1 expanded
-  static constexpr size_t scales = q + kStages * stage + conv;   // per stage: BN K, BN V scales
-  static constexpr size_t total = scales + (kPTH ? kStages * 2 * BN * sizeof(float) : 0) + 1024;  // + alignment
+  static constexpr int kStages = ESZ == 2 ? 4 : 3;  // K/V tiles the consumers read (16-bit)
+  static constexpr int kRaw = ESZ == 2 ? 0 : 3;      // 1-byte caches: the producer's raw tiles
+  static constexpr size_t tile16 = size_t(BN) * HD * 2;
+  static constexpr size_t raw = size_t(BN) * HD * ESZ;
+  static constexpr size_t q = size_t(BM) * HD * 2;  // Q at offset 0
+  static constexpr size_t stages = q;
+  static constexpr size_t raws = stages + kStages * 2 * tile16;
+  static constexpr size_t scales = raws + kRaw * 2 * raw;  // per stage: BN K then BN V scales
+  static constexpr size_t raw_scales = scales + (kPTH ? kStages * 2 * BN * sizeof(float) : 0);
+  static constexpr size_t bars = raw_scales + (kPTH ? kRaw * 2 * BN * sizeof(float) : 0);
+  static constexpr size_t total = bars + 2 * kStages * sizeof(uint64_t) + 1024;  // + alignment
 };
 
 // Chunk index (uint4 units) of row r, 8-value chunk c of a 16-bit tile of R rows in the
@@ -503,14 +536,12 @@ __device__ __forceinline__ int sw128(int r, int c) {
   return (c >> 3) * (R * 8) + r * 8 + ((c & 7) ^ (r & 7));
 }
 
-// Head 128 holds 64 O + 32 S accumulators and the P fragments per thread: at 128 registers
-// (2 CTAs per SM) ptxas serialises the wgmmas, so it gets the full register file (1 CTA).
 template <class Fmt, int HD>
-__global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill_wgmma_kernel(const RowsArgs a) {
+__global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const RowsArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   allow_dependents();
-  using Sm = WgSmem<Fmt, HD>;
-  constexpr int BM = Sm::BM, BN = Sm::BN;
+  using Sm = WsSmem<Fmt, HD>;
+  constexpr int BM = Sm::BM, BN = Sm::BN, kStages = Sm::kStages;
   constexpr bool kBF = mma::MmaCodec<Fmt>::kBF16;
   constexpr int ESZ = Sm::ESZ;
   constexpr bool kPTH = Sm::kPTH;
@@ -518,150 +549,165 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
   constexpr int CPR = HD / 8;
   constexpr int NT = BN / 8;
   constexpr int DT = HD / 8;
-  constexpr int THREADS = kWgWarps * 32;
+  constexpr int WG = 128;  // threads per warpgroup
   constexpr float kPScale = kPTH ? 256.0f : 1.0f;
+  constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 64 K registers
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2;
+  const int wg = warp >> 2, wtid = tid & (WG - 1);
   CtaWork w;
   if (!w.init(a)) return;
+  const int ntiles = w.num_tiles(BN);
+  const int consumers = w.mrows > 64 ? 2 : 1;  // consumer warpgroups holding a valid M row
 
-  // This warp's 16 M rows: warp * 16 .. + 15 (warpgroup wg owns rows 64 wg .. 64 wg + 63).
-  const int row_base = warp * 16;
-  const bool wg_active = wg * 64 < w.mrows;  // warpgroup-uniform: wgmma needs all 4 warps
+  extern __shared__ uint4 smem_u4[];
+  // The swizzle pattern repeats every 1024 B and the descriptors assume aligned tiles.
+  const uint32_t sbase = pipe::smem_addr(smem_u4);
+  char* const smem = reinterpret_cast<char*>(smem_u4) + ((1024 - (sbase & 1023)) & 1023);
+  float* const sScales = reinterpret_cast<float*>(smem + Sm::scales);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + Sm::bars);
+  uint64_t* const empty = full + kStages;
+  auto stage_k = [&](int s) { return smem + Sm::stages + s * 2 * Sm::tile16; };
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      pipe::mbar_init(full + s, WG);                // every producer thread
+      pipe::mbar_init(empty + s, WG * consumers);   // every thread of an active consumer warpgroup
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // Producer: tile j into stage j % kStages once the consumers released its previous use.
+    pipe::regs_dec<kProducerRegs>();
+    const PageRows pr(p, w.seq, kvh);
+    const int base0 = w.first_key();
+    if constexpr (ESZ == 2) {
+      for (int j = 0; j < ntiles; ++j) {
+        const int s = j % kStages;
+        if (j >= kStages) pipe::mbar_wait(empty + s, ((j / kStages) - 1) & 1);
+        load_kv_tile<BN, RB, WG, false>(p, pr, w, base0 + j * BN, stage_k(s), stage_k(s) + Sm::tile16, nullptr,
+                                        [](int r, int c, int) { return sw128<BN>(r, c) * 16; }, wtid);
+        pipe::mbar_arrive_cp_async(full + s);
+      }
+    } else {
+      constexpr int kRaw = Sm::kRaw;
+      float* const raw_sc = reinterpret_cast<float*>(smem + Sm::raw_scales);
+      // Always commits a group (empty past the last tile): "wait_group kRaw - 1" then always
+      // means "tile j landed".
+      auto issue_raw = [&](int j) {
+        if (j < ntiles) {
+          char* rs = smem + Sm::raws + (j % kRaw) * 2 * Sm::raw;
+          load_kv_tile<BN, RB, WG, kPTH>(p, pr, w, base0 + j * BN, rs, rs + Sm::raw, raw_sc + (j % kRaw) * 2 * BN,
+                                         [](int, int, int i) { return i * 16; }, wtid);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+      };
+#pragma unroll
+      for (int j = 0; j < kRaw - 1; ++j) issue_raw(j);
+      for (int j = 0; j < ntiles; ++j) {
+        issue_raw(j + kRaw - 1);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(kRaw - 1));
+        const int s = j % kStages;
+        if (j >= kStages) pipe::mbar_wait(empty + s, ((j / kStages) - 1) & 1);
+        const char* rs = smem + Sm::raws + (j % kRaw) * 2 * Sm::raw;
+        uint4* const st = reinterpret_cast<uint4*>(stage_k(s));
+        // This thread expands (and copies the scales of) exactly the pieces it loaded.
+        expand_tile<Fmt, BN, HD, WG>(rs, rs + Sm::raw, st, st + BN * CPR, [](int r, int c) { return sw128<BN>(r, c); },
+                                     wtid);
+        if constexpr (kPTH) {
+          if (wtid < BN / 2) {
+            const int o = scale_piece<BN>(wtid);
+            *reinterpret_cast<float4*>(sScales + s * 2 * BN + o) =
+                *reinterpret_cast<const float4*>(raw_sc + (j % kRaw) * 2 * BN + o);
+          }
+        }
+        wgmma::fence_proxy_async();  // st.shared -> the consumers' wgmma reads
+        pipe::mbar_arrive(full + s);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+    return;
+  }
+
+  // Consumers: warpgroup cw = wg - 1 owns M rows 64 cw .. 64 cw + 63, this warp 16 of them.
+  pipe::regs_inc<kConsumerRegs>();
+  const int cw = wg - 1;
+  if (cw >= consumers) return;  // warpgroup-uniform: wgmma needs all 4 warps
+  const int g = lane >> 2, t = lane & 3;
+  const int row_base = (warp - 4) * 16;
   int rlo[2], rhi[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) w.row_range(p, row_base + g + 8 * i, G, rlo[i], rhi[i]);
 
-  extern __shared__ uint4 smem_u4[];
-  // The swizzle pattern repeats every 1024 B and the descriptors assume aligned tiles.
-  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem_u4));
-  char* const smem = reinterpret_cast<char*>(smem_u4) + ((1024 - (sbase & 1023)) & 1023);
-  uint4* const sQ = reinterpret_cast<uint4*>(smem);
-  char* const stages = smem + Sm::q;
-  uint4* const sConv = reinterpret_cast<uint4*>(stages + Sm::kStages * Sm::stage);
-  float* const sScales = reinterpret_cast<float*>(smem + Sm::scales);
-
-  const PageRows pr(p, w.seq, kvh);
-  const int base0 = w.first_key();
-  const int ntiles = w.num_tiles(BN);
-
-  // Tile j into stage j % 3 (16-bit codes land in the descriptors' swizzled layout, 1-byte
-  // codes raw). Always commits a group (empty past the last tile), so that "wait_group 1"
-  // always means "all but the newest tile landed".
-  auto issue = [&](int j) {
-    if (j < ntiles) {
-      char* st = stages + (j % Sm::kStages) * Sm::stage;
-      load_kv_tile<BN, RB, THREADS, kPTH>(p, pr, w, base0 + j * BN, st, st + Sm::raw, sScales + (j % Sm::kStages) * 2 * BN,
-                                          [](int r, int c, int i) { return ESZ == 2 ? sw128<BN>(r, c) * 16 : i * 16; });
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-  issue(0);
-  issue(1);
-  load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return sw128<BM>(m, c); });
+  load_q<64, HD, WG, kBF>(p, w, G, kvh, reinterpret_cast<uint4*>(smem), [](int m, int c) { return sw128<BM>(m, c); }, wtid,
+                          64 * cw);
+  wgmma::fence_proxy_async();
+  pipe::named_sync(1 + cw, WG);  // this warpgroup's Q rows stored
 
   float sscale, vscale;
   score_scales<Fmt>(p, kvh, sscale, vscale);
-
   float o[DT][4];
 #pragma unroll
   for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  const uint64_t dq0 = wgmma::desc_sw128(smem + cw * 64 * 128, 16, 1024);
 
-  // Expands tile j's 1-byte codes to f16 in conversion buffer j % 2 (the mma.sync kernel's
-  // conversion, into the swizzled layout).
-  auto convert = [&](int j) {
-    if constexpr (ESZ == 1) {
-      const char* st = stages + (j % Sm::kStages) * Sm::stage;
-      uint4* cK = sConv + (j & 1) * 2 * BN * CPR;
-      expand_tile<Fmt, BN, HD, THREADS>(st, st + Sm::raw, cK, cK + BN * CPR, [](int r, int c) { return sw128<BN>(r, c); });
-    }
-  };
-  // The K and V tiles wgmma reads for tile j.
-  auto tile_k = [&](int j) -> const char* {
-    if constexpr (ESZ == 1) return reinterpret_cast<const char*>(sConv + (j & 1) * 2 * BN * CPR);
-    return stages + (j % Sm::kStages) * Sm::stage;
-  };
-  auto tile_v = [&](int j) -> const char* {
-    if constexpr (ESZ == 1) return reinterpret_cast<const char*>(sConv + (j & 1) * 2 * BN * CPR + BN * CPR);
-    return stages + (j % Sm::kStages) * Sm::stage + Sm::raw;
-  };
-  const uint64_t dq0 = wgmma::desc_sw128(smem + wg * 64 * 128, 16, 1024);
-  // S = Q K_j^T over HD / 16 k-steps (32 B further into the 128-B rows per step, the next
-  // 64-column block every 4 steps), issued and committed, not waited for.
-  auto issue_s = [&](float (&acc)[NT][4], int j) {
-    // Descriptors: the start address (16-byte units) is the low field, so a byte offset
-    // inside shared memory is added as offset / 16 (no carry out of the 14-bit field).
-    const uint64_t dk0 = wgmma::desc_sw128(tile_k(j), 16, 1024);
-    wgmma::fence();
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-      const uint64_t dq = dq0 + uint64_t(((kc >> 2) * (BM * 128) + (kc & 3) * 32) >> 4);
-      const uint64_t dk = dk0 + uint64_t(((kc >> 2) * (BN * 128) + (kc & 3) * 32) >> 4);
-      wgmma::wgmma_ss<BN, kBF>(&acc[0][0], dq, dk, kc > 0);
-    }
-    wgmma::commit();
-  };
-
-  // Per tile: S = Q K^T, softmax, O += P V, each GEMM waited for before its result is read.
-  // Overlapping S of tile j + 1 with the softmax of tile j (FlashAttention-3's intra-
-  // warpgroup pipelining) was tried: ptxas then serialises every wgmma (C7514, "non wgmma
-  // instructions reading accumulator registers ... between start and end of the pipeline
-  // stage"), which lost more than the overlap won (docs/results/kernel-lab.md). Shared
-  // memory: tile j being computed, j + 1 landed (its 1-byte codes expanded ahead), j + 2
-  // loading (3 stages); the two warpgroups overlap each other's GEMM and softmax phases.
-  float s[NT][4];
-  if (ntiles > 0) {
-    asm volatile("cp.async.wait_group 1;\n" ::);  // tile 0 (tile 1 may still load)
-    wgmma::fence_proxy_async();
-    __syncthreads();
-    convert(0);
-  }
   for (int j = 0; j < ntiles; ++j) {
-    asm volatile("cp.async.wait_group 0;\n" ::);  // tile j + 1
-    wgmma::fence_proxy_async();                   // this thread's cp.async / st.shared -> wgmma
-    __syncthreads();  // tiles j (expanded) and j + 1 landed everywhere; tile j - 1 is done
-    issue(j + 2);     // into stage (j - 1) % 3
-    if constexpr (ESZ == 1) {
-      if (j + 1 < ntiles) convert(j + 1);  // into conversion buffer (j - 1) % 2
-    }
-    if (!wg_active) continue;
-    issue_s(s, j);
-    wgmma::wait<0>();
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) wgmma::fence_operand(s[nt][e]);
+    const int s = j % kStages;
+    pipe::mbar_wait(full + s, (j / kStages) & 1);
+    if constexpr (ESZ == 2) wgmma::fence_proxy_async();  // the producer's cp.async -> wgmma
+    const char* const tk = stage_k(s);
 
-    const int kb = base0 + j * BN;
-    const bool full = kb >= w.lo_inner && kb + BN <= w.hi_inner;
-    const float* sc = sScales + (j % Sm::kStages) * 2 * BN;
-    float kf[NT][2], vf[NT][2];
-    key_factors<NT, kPTH>(kf, vf, sscale, sc, sc + BN, kPScale, kb, t, w.t0, w.t1);
-    softmax_rows<NT, DT, kPTH>(s, o, m_run, l_run, kf, vf, full, kb, t, rlo, rhi);
+    // S = Q K_j^T over HD / 16 k-steps: 32 B further into the 128-B rows per step, the next
+    // 64-column block every 4 steps. Descriptor start addresses are in 16-byte units in the
+    // low field, so a byte offset inside shared memory is added as offset / 16.
+    float sc[NT][4];
+    {
+      const uint64_t dk0 = wgmma::desc_sw128(tk, 16, 1024);
+      wgmma::fence();
+#pragma unroll
+      for (int kc = 0; kc < HD / 16; ++kc) {
+        const uint64_t dq = dq0 + uint64_t(((kc >> 2) * (BM * 128) + (kc & 3) * 32) >> 4);
+        const uint64_t dk = dk0 + uint64_t(((kc >> 2) * (BN * 128) + (kc & 3) * 32) >> 4);
+        wgmma::wgmma_ss<BN, kBF>(&sc[0][0], dq, dk, kc > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) wgmma::fence_operand(sc[nt][e]);
+    }
+
+    const int kb = w.first_key() + j * BN;
+    const float* const ksc = sScales + s * 2 * BN;
+    auto softmax = [&](bool full) {  // a literal in each branch, as in the mma.sync kernel
+      float kf[NT][2], vf[NT][2];
+      key_factors<NT, kPTH>(kf, vf, sscale, ksc, ksc + BN, kPScale, full, kb, t, w.t0, w.t1);
+      softmax_rows<NT, DT, kPTH>(sc, o, m_run, l_run, kf, vf, sscale, full, kb, t, rlo, rhi);
+    };
+    if (kb >= w.lo_inner && kb + BN <= w.hi_inner)
+      softmax(true);
+    else
+      softmax(false);
 
     // O += P V_j: k-step kk covers keys 16 kk .. 16 kk + 15 (two 1024-B row groups); the
     // 64-dim column blocks of V are BN * 128 B apart (LBO).
     uint32_t pa[BN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = mma::pack2<kBF>(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = mma::pack2<kBF>(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = mma::pack2<kBF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = mma::pack2<kBF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      pa[kk][0] = mma::pack2<kBF>(sc[2 * kk][0], sc[2 * kk][1]);
+      pa[kk][1] = mma::pack2<kBF>(sc[2 * kk][2], sc[2 * kk][3]);
+      pa[kk][2] = mma::pack2<kBF>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      pa[kk][3] = mma::pack2<kBF>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
     }
-    const uint64_t dv0 = wgmma::desc_sw128(tile_v(j), BN * 128, 1024);
+    const uint64_t dv0 = wgmma::desc_sw128(tk + Sm::tile16, BN * 128, 1024);
     wgmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t dv = dv0 + uint64_t((kk * 16 * 128) >> 4);
-      wgmma::wgmma_rs<HD, kBF>(&o[0][0], pa[kk], dv, 1);
-    }
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma::wgmma_rs<HD, kBF>(&o[0][0], pa[kk], dv0 + uint64_t((kk * 16 * 128) >> 4), 1);
     wgmma::commit();
     wgmma::wait<0>();
 #pragma unroll
@@ -672,9 +718,8 @@ __global__ void __launch_bounds__(kWgWarps * 32, HD == 128 ? 1 : 2) attn_prefill
     for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
       for (int e = 0; e < 4; ++e) wgmma::fence_operand(pa[kk][e]);
+    pipe::mbar_arrive(empty + s);  // this thread is done reading stage s (its scales, its wgmma operands)
   }
-  asm volatile("cp.async.wait_all;\n" ::);
-  if (!wg_active) return;
   store_rows<HD>(a, o, m_run, l_run, row_base + g, w.mrows, G, size_t(w.q_begin + w.r0), kvh, split, t, vscale, kPScale);
 #else
   __trap();  // launched only where sm_90a code is loaded (wgmma_available)
@@ -726,7 +771,7 @@ int occupancy(size_t smem, int threads) {
 template <class Fmt, int HD>
 int prefill_occupancy() {
   if constexpr (HD <= 128) {
-    if (wgmma_available()) return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WgSmem<Fmt, HD>::total, kWgWarps * 32);
+    if (wgmma_available()) return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WsSmem<Fmt, HD>::total, kWsThreads);
   }
   return occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
 }
@@ -768,7 +813,7 @@ void launch_prefill(const RowsArgs& a, cudaStream_t st) {
       bool launched = false;
       if constexpr (HD <= 128) {
         if (wgmma_available()) {
-          attn_prefill_wgmma_kernel<Fmt, HD><<<grid, kWgWarps * 32, WgSmem<Fmt, HD>::total, st>>>(a);
+          attn_prefill_wgmma_kernel<Fmt, HD><<<grid, kWsThreads, WsSmem<Fmt, HD>::total, st>>>(a);
           launched = true;
         }
       }

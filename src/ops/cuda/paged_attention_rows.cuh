@@ -20,6 +20,14 @@ constexpr int kWarps = 4;  // 128 threads: 4 CTAs/SM fit at ~128 registers, enou
 constexpr int kVec = 8;    // elements per lane per row: 16 B (bf16/fp16) or 8 B (fp8/int8) loads
 constexpr float kLog2e = 1.4426950408889634f;
 
+// 2^x in one MUFU.EX2 (flushing results below 2^-126 to 0, which a softmax weight can lose):
+// exp2f without fast math adds a range test and two multiplies around it.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 struct RowsArgs {
   PagedAttentionParams p;
   int group;         // query heads per kv head
