@@ -247,21 +247,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     lo_all = min(lo_all, lo);
     hi_all = max(hi_all, hi);
   }
-  const int n = max(0, hi_all - lo_all);
   int t0, t1;
-  if (a.decreasing_splits) {
-    // Split s of S gets a share of the 16-key tiles proportional to S - s. The grid is
-    // dispatched in blockIdx order, split-major, so the CTAs left for the last, partial wave
-    // are the shortest ones (plan: only when the grid runs in more than one wave).
-    const int64_t S = a.num_splits, n16 = (n + 15) / 16, tri = S * (S + 1) / 2;
-    const auto cut = [&](int64_t s) { return int(n16 * (s * (2 * S - s + 1) / 2) / tri) * 16; };
-    t0 = lo_all + cut(split);
-    t1 = min(hi_all, lo_all + cut(split + 1));
-  } else {
-    const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
-    t0 = lo_all + split * per_split;
-    t1 = min(hi_all, t0 + per_split);
-  }
+  split_range<16>(lo_all, hi_all, a.num_splits, split, a.decreasing_splits, t0, t1);
 
   // This thread's two M rows (g, g + 8): query row, head, visible range within [t0, t1).
   int mlo[2], mhi[2], mrow[2], mhead[2];

@@ -105,10 +105,7 @@ struct CtaWork {
     int lo_first, hi_first, lo_last, hi_last;
     visible_range(p, pos0, kv_len, lo_first, hi_first);
     visible_range(p, pos0 + ntok - 1, kv_len, lo_last, hi_last);
-    const int n = max(0, hi_last - lo_first);
-    const int per_split = ((n + a.num_splits - 1) / a.num_splits + 15) & ~15;
-    t0 = lo_first + int(blockIdx.z) * per_split;
-    t1 = min(hi_last, t0 + per_split);
+    split_range<16>(lo_first, hi_last, a.num_splits, int(blockIdx.z), a.decreasing_splits, t0, t1);
     lo_inner = max(lo_last, t0);
     hi_inner = min(hi_first, t1);
     return true;

@@ -108,6 +108,26 @@ __device__ __forceinline__ void visible_range(const PagedAttentionParams& p, int
   }
 }
 
+// The keys [t0, t1) of split `split` of S over a CTA's range [lo, hi), cut at multiples of A
+// keys from lo (A = 16 for the tensor-core kernels: a 16-key tile then never straddles two
+// splits): equal shares (the last shorter or empty), or, with `decreasing`, shares of the
+// A-key units proportional to S - split (the decode kernel in multi-wave grids, make_plan:
+// the grid is dispatched split-major, so the last, partial wave gets the short CTAs).
+template <int A>
+__device__ __forceinline__ void split_range(int lo, int hi, int S, int split, bool decreasing, int& t0, int& t1) {
+  const int n = max(0, hi - lo);
+  if (decreasing) {
+    const int64_t units = (n + A - 1) / A, tri = int64_t(S) * (S + 1) / 2;
+    const auto cut = [&](int64_t s) { return int(units * (s * (2 * S - s + 1) / 2) / tri) * A; };
+    t0 = lo + cut(split);
+    t1 = min(hi, lo + cut(split + 1));
+  } else {
+    const int per_split = ((n + S - 1) / S + A - 1) / A * A;
+    t0 = lo + split * per_split;
+    t1 = min(hi, t0 + per_split);
+  }
+}
+
 // TPR lanes hold one row (head_dim = TPR * 8); a warp covers RPW rows per step; each lane
 // group keeps U rows in flight (loads issued before any math) so that every SM has
 // >= 20 KB of loads outstanding — what HBM3e needs to reach its bandwidth.
@@ -145,9 +165,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   const int pos = kv_len - q_len + (row - q_begin);
   int lo, hi;
   visible_range(p, pos, kv_len, lo, hi);
-  const int n = max(0, hi - lo);
-  const int per_split = (n + a.num_splits - 1) / a.num_splits;
-  const int t0 = lo + split * per_split, t1 = min(hi, t0 + per_split);
+  int t0, t1;
+  split_range<1>(lo, hi, a.num_splits, split, false, t0, t1);
 
   // Query slice in registers, pre-multiplied by the score scale (one FFMA less per score).
   float qscale, vscale;
