@@ -501,10 +501,11 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 // the P fragments at head 128). Per tile, each consumer warpgroup: S = Q K^T (HD / 16 wgmma
 // m64n64k16, Q and K read through shared-memory descriptors), mask and online softmax (the
 // mma.sync kernel's), O += P V (BN / 16 wgmma m64n{HD}k16, P from registers: the m64
-// accumulator layout is the A-fragment layout per warp; V read transposed). Overlapping S of
-// tile j + 1 with the softmax of tile j inside a warpgroup (FlashAttention-3) was tried on the
-// previous, unspecialised kernel: ptxas serialised every wgmma (C7514, accumulators read inside
-// a pipeline stage) and it lost more than it won (docs/results/kernel-lab.md).
+// accumulator layout is the A-fragment layout per warp; V read transposed). Overlapping the
+// next tile's S GEMM with this tile's softmax inside a warpgroup (FlashAttention-3) was tried
+// twice (docs/results/kernel-lab.md): ptxas serialises every wgmma when an S accumulator array
+// lives across loop iterations (C7514 / C7515), and the version it does not serialise (S fresh
+// per iteration, P V of tile j - 1 issued after S of tile j) was 4% slower at bf16 than this.
 constexpr int kWsThreads = 384;
 
 template <class Fmt, int HD>
