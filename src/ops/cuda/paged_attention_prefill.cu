@@ -512,9 +512,11 @@ template <class Fmt, int HD>
 struct WsSmem {
   static constexpr int ESZ = sizeof(typename Fmt::Code);
   static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
-  static constexpr int BM = 128, BN = 64;
+  // 16-bit caches: 128-key tiles, 3 stages (224 KB at head 128); 1-byte caches: 64-key tiles
+  // (their raw ring and scales would not fit beside 128-key stages).
+  static constexpr int BM = 128, BN = ESZ == 2 ? 128 : 64;
   static_assert(BM == PrefillTile<HD>::BM, "both kernels must take the plan's rows per CTA");
-  static constexpr int kStages = ESZ == 2 ? 4 : 3;  // K/V tiles the consumers read (16-bit)
+  static constexpr int kStages = 3;                  // K/V tiles the consumers read (16-bit)
   static constexpr int kRaw = ESZ == 2 ? 0 : 3;      // 1-byte caches: the producer's raw tiles
   static constexpr size_t tile16 = size_t(BN) * HD * 2;
   static constexpr size_t raw = size_t(BN) * HD * ESZ;
@@ -549,7 +551,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
   constexpr int DT = HD / 8;
   constexpr int WG = 128;  // threads per warpgroup
   constexpr float kPScale = kPTH ? 256.0f : 1.0f;
-  constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 64 K registers
+  constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 64 K registers
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
