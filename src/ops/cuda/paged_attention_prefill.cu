@@ -507,6 +507,14 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 // lives across loop iterations (C7514 / C7515), and the version it does not serialise (S fresh
 // per iteration, P V of tile j - 1 issued after S of tile j) was 4% slower at bf16 than this.
 constexpr int kWsThreads = 384;
+// setmaxnreg moves registers within the CTA's pool (384 x the count ptxas gave the kernel,
+// 168 under __launch_bounds__(384, 1)): the producer warpgroup's 128 threads give theirs up to
+// kWsProducerRegs, the consumers' 256 take kWsConsumerRegs. The split must fit the pool, or
+// the consumers' setmaxnreg.inc waits forever (a hang, seen with 64 / 224): prefill_occupancy
+// checks it on the host before the first launch.
+constexpr int kWsProducerRegs = 56, kWsConsumerRegs = 224;
+static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
+              "the register split exceeds the largest pool __launch_bounds__(384, 1) allows");
 
 template <class Fmt, int HD>
 struct WsSmem {
@@ -551,7 +559,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
   constexpr int DT = HD / 8;
   constexpr int WG = 128;  // threads per warpgroup
   constexpr float kPScale = kPTH ? 256.0f : 1.0f;
-  constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 64 K registers
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
@@ -581,7 +588,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
 
   if (wg == 0) {
     // Producer: tile j into stage j % kStages once the consumers released its previous use.
-    pipe::regs_dec<kProducerRegs>();
+    pipe::regs_dec<kWsProducerRegs>();
     const PageRows pr(p, w.seq, kvh);
     const int base0 = w.first_key();
     if constexpr (ESZ == 2) {
@@ -633,7 +640,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
   }
 
   // Consumers: warpgroup cw = wg - 1 owns M rows 64 cw .. 64 cw + 63, this warp 16 of them.
-  pipe::regs_inc<kConsumerRegs>();
+  pipe::regs_inc<kWsConsumerRegs>();
   const int cw = wg - 1;
   if (cw >= consumers) return;  // warpgroup-uniform: wgmma needs all 4 warps
   const int g = lane >> 2, t = lane & 3;
@@ -771,7 +778,20 @@ int occupancy(size_t smem, int threads) {
 template <class Fmt, int HD>
 int prefill_occupancy() {
   if constexpr (HD <= 128) {
-    if (wgmma_available()) return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WsSmem<Fmt, HD>::total, kWsThreads);
+    if (wgmma_available()) {
+      static const bool fits = [] {  // once per instantiation: a misfit would hang the GPU
+        cudaFuncAttributes fa{};
+        cuda_check(cudaFuncGetAttributes(&fa, attn_prefill_wgmma_kernel<Fmt, HD>), "paged_attention prefill attributes");
+        if (fa.numRegs * kWsThreads < 128 * kWsProducerRegs + 256 * kWsConsumerRegs)
+          throw Error("CUDA paged attention: the warp-specialised prefill kernel was compiled with " +
+                      std::to_string(fa.numRegs) + " registers per thread, too few for its register split (" +
+                      std::to_string(kWsProducerRegs) + " / " + std::to_string(kWsConsumerRegs) +
+                      "); set KVLM_CUDA_WGMMA=0 to run the mma.sync kernel, and report this build");
+        return true;
+      }();
+      (void)fits;
+      return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WsSmem<Fmt, HD>::total, kWsThreads);
+    }
   }
   return occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
 }
