@@ -489,17 +489,17 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 // ---------------------------------------------------------------------------------------
 // Hopper (sm_90a): the same algorithm with warpgroup MMAs, warp-specialised. Three
 // warpgroups: warpgroup 0 produces, 1 and 2 consume, 64 M rows each (BM = 128 as above, so the
-// plan's rows per CTA do not change). The producer streams BN = 64-key tiles of K and V into a
-// ring of shared-memory stages — cp.async straight into the 128-byte-swizzled layout the
+// plan's rows per CTA do not change). The producer streams BN-key tiles of K and V (128 keys
+// for 16-bit caches, 64 for 1-byte ones: WsSmem) into a ring of shared-memory stages — cp.async straight into the 128-byte-swizzled layout the
 // descriptors describe (wgmma.cuh) for 16-bit caches; for 1-byte caches raw into a private
 // ring, then expanded to f16 into the stage by the thread that loaded the piece — and
 // publishes each stage on its "full" mbarrier; every consumer thread releases the stage on its
 // "empty" mbarrier once its GEMMs have read it (async_pipeline.cuh). So the consumers never
 // meet at a CTA-wide barrier: the two warpgroups drift apart and one's softmax overlaps the
 // other's GEMMs, and the loads' address arithmetic is off their issue slots. setmaxnreg moves
-// registers from the producer (addresses only) to the consumers (64 O + 32 S accumulators and
-// the P fragments at head 128). Per tile, each consumer warpgroup: S = Q K^T (HD / 16 wgmma
-// m64n64k16, Q and K read through shared-memory descriptors), mask and online softmax (the
+// registers from the producer (addresses only) to the consumers (64 O + BN / 2 S accumulators
+// and the P fragments at head 128). Per tile, each consumer warpgroup: S = Q K^T (HD / 16 wgmma
+// m64n{BN}k16, Q and K read through shared-memory descriptors), mask and online softmax (the
 // mma.sync kernel's), O += P V (BN / 16 wgmma m64n{HD}k16, P from registers: the m64
 // accumulator layout is the A-fragment layout per warp; V read transposed). Overlapping the
 // next tile's S GEMM with this tile's softmax inside a warpgroup (FlashAttention-3) was tried
