@@ -351,7 +351,8 @@ int main(int argc, char** argv) {
               .split_lengths = split_lengths};
         };
         const auto p0 = params(0);
-        const int splits = cuda::paged_attention_num_splits(p0);
+        const cuda::PagedAttentionChoice choice = cuda::paged_attention_choice(p0);
+        const int splits = choice.splits;
         // Validation on copy 0, the first min(B, 2) sequences.
         const int vb = std::min(B, 2);
         cuda::paged_attention(p0, nullptr);
@@ -394,7 +395,7 @@ int main(int argc, char** argv) {
         char vs[32] = "-";
         if (bf16_us[bi][ci] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_us[bi][ci] / us);
         std::printf("| %s | %d | %d | %d%s | %s (%.1e) | %.1f | %.1f | %.0f | %.0f%% | %s |\n", mode.name, B, C, splits,
-                    cuda::paged_attention_decreasing_splits(p0) ? "d" : "",
+                    choice.decreasing_splits ? "d" : "",
                     ok ? "ok" : "FAIL", max_err, us, floor_us, gbs, 100.0 * gbs * 1e9 / copy_bw, vs);
         std::fflush(stdout);
         cudaFree(dtables);
@@ -496,8 +497,9 @@ int main(int argc, char** argv) {
         if (mode.storage == DType::BF16) bf16_pus[si] = us;
         char vs[32] = "-";
         if (bf16_pus[si] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_pus[si] / us);
-        std::printf("| %s | %d | %d | %d | %d | %s (%.1e) | %.0f | %.1f | %s |\n", mode.name, Lq, C,
-                    cuda::paged_attention_kernel(p), cuda::paged_attention_num_splits(p), ok ? "ok" : "FAIL", max_err, us,
+        const cuda::PagedAttentionChoice choice = cuda::paged_attention_choice(p);
+        std::printf("| %s | %d | %d | %d | %d | %s (%.1e) | %.0f | %.1f | %s |\n", mode.name, Lq, C, choice.kernel,
+                    choice.splits, ok ? "ok" : "FAIL", max_err, us,
                     flops / (us * 1e-6) / 1e12, vs);
         std::fflush(stdout);
         cudaFree(dt);

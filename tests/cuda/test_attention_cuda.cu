@@ -278,9 +278,10 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   // paged_attention_mma.cuh) and carries ~16 bits (hi + lo) for 16-bit caches. The tiled
   // prefill kernel (kernel 3) rounds P once, as FlashAttention and cuDNN do: bf16 for a bf16
   // cache (u = 2^-9), f16 otherwise (u = 2^-11).
-  const int ran = cuda::paged_attention_kernel(p);
+  const cuda::PagedAttentionChoice choice = cuda::paged_attention_choice(p);
+  const int ran = choice.kernel;
   if (kernel != 0) EXPECT_EQ(ran, kernel);
-  if (split_lengths == 2 && cuda::paged_attention_num_splits(p) > 1) EXPECT_TRUE(cuda::paged_attention_decreasing_splits(p));
+  if (split_lengths == 2 && choice.splits > 1) EXPECT_TRUE(choice.decreasing_splits);
   double abs_floor = 1e-4;
   int p_exponent = 0;  // log2(u) of the P rounding, 0 = none
   if (ran == 3) p_exponent = spec.storage == DType::BF16 ? -9 : -11;
@@ -391,14 +392,14 @@ TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {
   EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
   p.head_dim = 32;
   p.kernel = 3;  // the tiled kernel takes head 64/128/256 only: an error, not a fallback
-  EXPECT_THROW(cuda::paged_attention_kernel(p), Error);
+  EXPECT_THROW(cuda::paged_attention_choice(p), Error);
   p.head_dim = 128;
   p.block_size = 8;  // nor block sizes that are not multiples of 16
-  EXPECT_THROW(cuda::paged_attention_kernel(p), Error);
+  EXPECT_THROW(cuda::paged_attention_choice(p), Error);
   p.kernel = 0;
-  EXPECT_EQ(cuda::paged_attention_kernel(p), 1);  // automatic: the CUDA-core kernel covers it
+  EXPECT_EQ(cuda::paged_attention_choice(p).kernel, 1);  // automatic: the CUDA-core kernel covers it
   p.split_lengths = 3;
-  EXPECT_THROW(cuda::paged_attention_kernel(p), Error);
+  EXPECT_THROW(cuda::paged_attention_choice(p), Error);
   p.split_lengths = 0;
   cuda::KVStoreParams s{.storage = DType::F8E5M2, .quant = KVQuantMode::Fp8PerTokenHead, .num_tokens = 1, .num_kv_heads = 1,
                         .head_dim = 64, .block_size = 16, .num_blocks = 1};

@@ -97,12 +97,16 @@ struct PagedAttentionParams {
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p);
 void paged_attention(const PagedAttentionParams& p, void* stream);
 
-// The number of KV splits paged_attention will use for `p`, and the kernel it will run
-// (1, 2 or 3 as PagedAttentionParams::kernel), exposed for the lab and tests.
-int paged_attention_num_splits(const PagedAttentionParams& p);
-int paged_attention_kernel(const PagedAttentionParams& p);
-// Whether the decode kernel's splits for `p` are of decreasing length (split_lengths).
-bool paged_attention_decreasing_splits(const PagedAttentionParams& p);
+// What paged_attention will do for `p`, exposed for the lab and tests (one plan, the one the
+// launcher uses; kvlm::Error for a shape no kernel covers): the kernel it runs (1, 2 or 3 as
+// PagedAttentionParams::kernel), its number of KV splits, and whether the decode kernel's
+// splits are of decreasing length (split_lengths).
+struct PagedAttentionChoice {
+  int kernel = 1;
+  int splits = 1;
+  bool decreasing_splits = false;
+};
+PagedAttentionChoice paged_attention_choice(const PagedAttentionParams& p);
 
 // The per-CTA timeline of the last decode tensor-core kernel launched, for the kernel lab
 // (attention_lab --trace): in a build with -DKVLM_ATTN_TRACE=ON every CTA of that kernel

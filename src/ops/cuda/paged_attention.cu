@@ -187,8 +187,6 @@ void validate(const PagedAttentionParams& p) {
 
 }  // namespace
 
-int paged_attention_num_splits(const PagedAttentionParams& p) { return make_plan(p).splits; }
-
 std::vector<AttnCtaTrace> paged_attention_last_trace() {
   std::vector<AttnCtaTrace> out;
 #ifdef KVLM_ATTN_TRACE
@@ -202,18 +200,14 @@ std::vector<AttnCtaTrace> paged_attention_last_trace() {
   return out;
 }
 
-int paged_attention_kernel(const PagedAttentionParams& p) {
+PagedAttentionChoice paged_attention_choice(const PagedAttentionParams& p) {
   validate(p);
-  return make_plan(p).kernel;
-}
-
-bool paged_attention_decreasing_splits(const PagedAttentionParams& p) {
-  validate(p);
-  return make_plan(p).decreasing_splits;
+  const Plan pl = make_plan(p);
+  return {.kernel = pl.kernel, .splits = pl.splits, .decreasing_splits = pl.decreasing_splits};
 }
 
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
-  const int s = paged_attention_num_splits(p);
+  const int s = make_plan(p).splits;
   if (s <= 1) return 0;
   return size_t(p.num_tokens) * size_t(p.num_q_heads) * size_t(s) * size_t(p.head_dim + 2) * sizeof(float);
 }
