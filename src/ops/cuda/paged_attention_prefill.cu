@@ -489,10 +489,11 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 // ---------------------------------------------------------------------------------------
 // Hopper (sm_90a): the same algorithm with warpgroup MMAs, warp-specialised. Three
 // warpgroups: warpgroup 0 produces, 1 and 2 consume, 64 M rows each (BM = 128 as above, so the
-// plan's rows per CTA do not change). The producer streams BN-key tiles of K and V (128 keys
-// for 16-bit caches, 64 for 1-byte ones: WsSmem) into a ring of shared-memory stages — cp.async straight into the 128-byte-swizzled layout the
-// descriptors describe (wgmma.cuh) for 16-bit caches; for 1-byte caches raw into a private
-// ring, then expanded to f16 into the stage by the thread that loaded the piece — and
+// plan's rows per CTA do not change). The producer streams 128-key tiles of K and V (WsSmem)
+// into a ring of shared-memory stages — cp.async
+// straight into the 128-byte-swizzled layout the descriptors describe (wgmma.cuh) for 16-bit
+// caches; for 1-byte caches raw into a private ring, then expanded to f16 into the stage by
+// the thread that loaded the piece — and
 // publishes each stage on its "full" mbarrier; every consumer thread releases the stage on its
 // "empty" mbarrier once its GEMMs have read it (async_pipeline.cuh). So the consumers never
 // meet at a CTA-wide barrier: the two warpgroups drift apart and one's softmax overlaps the
@@ -507,25 +508,29 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 // lives across loop iterations (C7514 / C7515), and the version it does not serialise (S fresh
 // per iteration, P V of tile j - 1 issued after S of tile j) was 4% slower at bf16 than this.
 constexpr int kWsThreads = 384;
+
+// Tile shape, shared-memory layout and register split of the warpgroup kernel per format.
+// 128-key tiles, as many stages as fit in 227 KB: 16-bit caches 3 (224 KB at head 128);
+// 1-byte caches 2 expanded stages and 2 raw tiles (224 KB), per-token-head ones 1 raw tile
+// (their scales would not fit beside a second).
 // setmaxnreg moves registers within the CTA's pool (384 x the count ptxas gave the kernel,
 // 168 under __launch_bounds__(384, 1)): the producer warpgroup's 128 threads give theirs up to
-// kWsProducerRegs, the consumers' 256 take kWsConsumerRegs. The split must fit the pool, or
-// the consumers' setmaxnreg.inc waits forever (a hang, seen with 64 / 224): prefill_occupancy
-// checks it on the host before the first launch.
-constexpr int kWsProducerRegs = 56, kWsConsumerRegs = 224;
-static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
-              "the register split exceeds the largest pool __launch_bounds__(384, 1) allows");
-
+// kProducerRegs, the consumers' 256 take kConsumerRegs. The split must fit the pool, or the
+// consumers' setmaxnreg.inc waits forever (a hang, seen with 64 / 224): prefill_occupancy
+// checks it on the host before the first launch. Expanding 128-key tiles takes the producer
+// 64 registers.
 template <class Fmt, int HD>
 struct WsSmem {
   static constexpr int ESZ = sizeof(typename Fmt::Code);
   static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
-  // 16-bit caches: 128-key tiles, 3 stages (224 KB at head 128); 1-byte caches: 64-key tiles
-  // (their raw ring and scales would not fit beside 128-key stages).
-  static constexpr int BM = 128, BN = ESZ == 2 ? 128 : 64;
+  static constexpr int BM = 128, BN = 128;
   static_assert(BM == PrefillTile<HD>::BM, "both kernels must take the plan's rows per CTA");
-  static constexpr int kStages = 3;                  // K/V tiles the consumers read (16-bit)
-  static constexpr int kRaw = ESZ == 2 ? 0 : 3;      // 1-byte caches: the producer's raw tiles
+  static constexpr int kStages = ESZ == 2 ? 3 : 2;          // K/V tiles the consumers read
+  static constexpr int kRaw = ESZ == 2 ? 0 : kPTH ? 1 : 2;  // 1-byte caches: the producer's raw tiles
+  static constexpr int kProducerRegs = ESZ == 1 ? 64 : 56;
+  static constexpr int kConsumerRegs = ESZ == 1 ? 216 : 224;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
+                "the register split exceeds the largest pool __launch_bounds__(384, 1) allows");
   static constexpr size_t tile16 = size_t(BN) * HD * 2;
   static constexpr size_t raw = size_t(BN) * HD * ESZ;
   static constexpr size_t q = size_t(BM) * HD * 2;  // Q at offset 0
@@ -535,6 +540,7 @@ struct WsSmem {
   static constexpr size_t raw_scales = scales + (kPTH ? kStages * 2 * BN * sizeof(float) : 0);
   static constexpr size_t bars = raw_scales + (kPTH ? kRaw * 2 * BN * sizeof(float) : 0);
   static constexpr size_t total = bars + 2 * kStages * sizeof(uint64_t) + 1024;  // + alignment
+  static_assert(total <= 227 * 1024, "the warpgroup kernel's shared memory exceeds 227 KB");
 };
 
 // Chunk index (uint4 units) of row r, 8-value chunk c of a 16-bit tile of R rows in the
@@ -588,7 +594,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
 
   if (wg == 0) {
     // Producer: tile j into stage j % kStages once the consumers released its previous use.
-    pipe::regs_dec<kWsProducerRegs>();
+    pipe::regs_dec<Sm::kProducerRegs>();
     const PageRows pr(p, w.seq, kvh);
     const int base0 = w.first_key();
     if constexpr (ESZ == 2) {
@@ -603,7 +609,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
       constexpr int kRaw = Sm::kRaw;
       float* const raw_sc = reinterpret_cast<float*>(smem + Sm::raw_scales);
       // Always commits a group (empty past the last tile): "wait_group kRaw - 1" then always
-      // means "tile j landed".
+      // means "tile j landed". A raw slot is refilled as soon as this thread has expanded its
+      // pieces of it (no other thread reads them), so kRaw tiles are always in flight.
       auto issue_raw = [&](int j) {
         if (j < ntiles) {
           char* rs = smem + Sm::raws + (j % kRaw) * 2 * Sm::raw;
@@ -613,9 +620,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
         asm volatile("cp.async.commit_group;\n" ::);
       };
 #pragma unroll
-      for (int j = 0; j < kRaw - 1; ++j) issue_raw(j);
+      for (int j = 0; j < kRaw; ++j) issue_raw(j);
       for (int j = 0; j < ntiles; ++j) {
-        issue_raw(j + kRaw - 1);
         asm volatile("cp.async.wait_group %0;\n" ::"n"(kRaw - 1));
         const int s = j % kStages;
         if (j >= kStages) pipe::mbar_wait(empty + s, ((j / kStages) - 1) & 1);
@@ -633,6 +639,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
         }
         wgmma::fence_proxy_async();  // st.shared -> the consumers' wgmma reads
         pipe::mbar_arrive(full + s);
+        issue_raw(j + kRaw);
       }
     }
     asm volatile("cp.async.wait_all;\n" ::);
@@ -640,7 +647,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
   }
 
   // Consumers: warpgroup cw = wg - 1 owns M rows 64 cw .. 64 cw + 63, this warp 16 of them.
-  pipe::regs_inc<kWsConsumerRegs>();
+  pipe::regs_inc<Sm::kConsumerRegs>();
   const int cw = wg - 1;
   if (cw >= consumers) return;  // warpgroup-uniform: wgmma needs all 4 warps
   const int g = lane >> 2, t = lane & 3;
@@ -782,10 +789,11 @@ int prefill_occupancy() {
       static const bool fits = [] {  // once per instantiation: a misfit would hang the GPU
         cudaFuncAttributes fa{};
         cuda_check(cudaFuncGetAttributes(&fa, attn_prefill_wgmma_kernel<Fmt, HD>), "paged_attention prefill attributes");
-        if (fa.numRegs * kWsThreads < 128 * kWsProducerRegs + 256 * kWsConsumerRegs)
+        using Sm = WsSmem<Fmt, HD>;
+        if (fa.numRegs * kWsThreads < 128 * Sm::kProducerRegs + 256 * Sm::kConsumerRegs)
           throw Error("CUDA paged attention: the warp-specialised prefill kernel was compiled with " +
                       std::to_string(fa.numRegs) + " registers per thread, too few for its register split (" +
-                      std::to_string(kWsProducerRegs) + " / " + std::to_string(kWsConsumerRegs) +
+                      std::to_string(Sm::kProducerRegs) + " / " + std::to_string(Sm::kConsumerRegs) +
                       "); set KVLM_CUDA_WGMMA=0 to run the mma.sync kernel, and report this build");
         return true;
       }();
