@@ -346,11 +346,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // Nothing in the step writes the older pages (block copies finish before a step starts), so
   // tiles wholly before the new rows are requested before pdl_wait: their HBM latency
   // overlaps the end of the kernel before instead of following it.
+  // The early tiles are a prefix of the first STAGES - 1 (both conditions fail from some i on).
   const int fresh = kv_len - q_len;
   int early = 0;
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (early == i && i < my_tiles && first + i * kMmaWarps * 16 + 16 <= fresh) {
+    if (i < my_tiles && first + i * kMmaWarps * 16 + 16 <= fresh) {
       issue(i);
       early = i + 1;
     }
