@@ -110,8 +110,9 @@ struct SeqShape {
 // One batch: store all tokens on both backends, compare pages, attend on both, compare.
 // split_lengths: PagedAttentionParams (2 = decreasing split lengths in the decode kernel).
 // mag scales K and V (and Q by 1 / mag, so the scores keep their size): small K/V rows give
-// per-token-head scales below f16's normal range, which the prefill kernels fold into f16
-// values (expand_tile) and must not lose digits to; the absolute error floor scales with it.
+// per-token-head scales below f16's normal range, which reach the decode kernel's f16 P (times
+// the V scale and 2^8) and the prefill kernels' per-key factors; the absolute error floor
+// scales with mag.
 void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed, int max_splits, int kernel, Stats& st,
                int split_lengths = 0, float mag = 1.0f) {
   std::mt19937 rng(seed);

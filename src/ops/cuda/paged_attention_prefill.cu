@@ -490,10 +490,9 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 // Hopper (sm_90a): the same algorithm with warpgroup MMAs, warp-specialised. Three
 // warpgroups: warpgroup 0 produces, 1 and 2 consume, 64 M rows each (BM = 128 as above, so the
 // plan's rows per CTA do not change). The producer streams 128-key tiles of K and V (WsSmem)
-// into a ring of shared-memory stages — cp.async
-// straight into the 128-byte-swizzled layout the descriptors describe (wgmma.cuh) for 16-bit
-// caches; for 1-byte caches raw into a private ring, then expanded to f16 into the stage by
-// the thread that loaded the piece — and
+// into a ring of shared-memory stages — cp.async straight into the 128-byte-swizzled layout
+// the descriptors describe (wgmma.cuh) for 16-bit caches; for 1-byte caches raw into a
+// private ring, then expanded to f16 into the stage by the thread that loaded the piece — and
 // publishes each stage on its "full" mbarrier; every consumer thread releases the stage on its
 // "empty" mbarrier once its GEMMs have read it (async_pipeline.cuh). So the consumers never
 // meet at a CTA-wide barrier: the two warpgroups drift apart and one's softmax overlaps the
