@@ -64,39 +64,36 @@ __device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "
 #define KVLM_WGMMA(SHAPE, TYPE, R, PRED, OPS) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " R ", " OPS ";\n}\n"
 
+// The instruction for the operand type kBF picks (bf16 or f16), the operands the same either
+// way: OUTS the accumulator list, the rest the inputs.
+#define KVLM_WGMMA_TYPED(SHAPE, R, PRED, OPS, OUTS, ...)                                     \
+  if constexpr (kBF) asm volatile(KVLM_WGMMA(SHAPE, "bf16", R, PRED, OPS) : OUTS : __VA_ARGS__); \
+  else asm volatile(KVLM_WGMMA(SHAPE, "f16", R, PRED, OPS) : OUTS : __VA_ARGS__)
+
 template <int N, bool kBF>
 __device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int scale_d) {
   static_assert(N == 64 || N == 128, "S tiles are 64 or 128 keys wide");
-  if constexpr (N == 64 && kBF)
-    asm volatile(KVLM_WGMMA("m64n64k16", "bf16", KVLM_WGMMA_R32, "%34", "%32, %33, p, 1, 1, 0, 0")
-                 : KVLM_WGMMA_D32 : "l"(da), "l"(db), "r"(scale_d));
-  if constexpr (N == 64 && !kBF)
-    asm volatile(KVLM_WGMMA("m64n64k16", "f16", KVLM_WGMMA_R32, "%34", "%32, %33, p, 1, 1, 0, 0")
-                 : KVLM_WGMMA_D32 : "l"(da), "l"(db), "r"(scale_d));
-  if constexpr (N == 128 && kBF)
-    asm volatile(KVLM_WGMMA("m64n128k16", "bf16", KVLM_WGMMA_R64, "%66", "%64, %65, p, 1, 1, 0, 0")
-                 : KVLM_WGMMA_D64 : "l"(da), "l"(db), "r"(scale_d));
-  if constexpr (N == 128 && !kBF)
-    asm volatile(KVLM_WGMMA("m64n128k16", "f16", KVLM_WGMMA_R64, "%66", "%64, %65, p, 1, 1, 0, 0")
-                 : KVLM_WGMMA_D64 : "l"(da), "l"(db), "r"(scale_d));
+  if constexpr (N == 64) {
+    KVLM_WGMMA_TYPED("m64n64k16", KVLM_WGMMA_R32, "%34", "%32, %33, p, 1, 1, 0, 0", KVLM_WGMMA_D32, "l"(da), "l"(db),
+                     "r"(scale_d));
+  } else {
+    KVLM_WGMMA_TYPED("m64n128k16", KVLM_WGMMA_R64, "%66", "%64, %65, p, 1, 1, 0, 0", KVLM_WGMMA_D64, "l"(da), "l"(db),
+                     "r"(scale_d));
+  }
 }
 template <int N, bool kBF>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t db, int scale_d) {
   static_assert(N == 64 || N == 128, "head sizes 64 and 128");
-  if constexpr (N == 64 && kBF)
-    asm volatile(KVLM_WGMMA("m64n64k16", "bf16", KVLM_WGMMA_R32, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, 1")
-                 : KVLM_WGMMA_D32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-  if constexpr (N == 64 && !kBF)
-    asm volatile(KVLM_WGMMA("m64n64k16", "f16", KVLM_WGMMA_R32, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, 1")
-                 : KVLM_WGMMA_D32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-  if constexpr (N == 128 && kBF)
-    asm volatile(KVLM_WGMMA("m64n128k16", "bf16", KVLM_WGMMA_R64, "%69", "{%64, %65, %66, %67}, %68, p, 1, 1, 1")
-                 : KVLM_WGMMA_D64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-  if constexpr (N == 128 && !kBF)
-    asm volatile(KVLM_WGMMA("m64n128k16", "f16", KVLM_WGMMA_R64, "%69", "{%64, %65, %66, %67}, %68, p, 1, 1, 1")
-                 : KVLM_WGMMA_D64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  if constexpr (N == 64) {
+    KVLM_WGMMA_TYPED("m64n64k16", KVLM_WGMMA_R32, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, 1", KVLM_WGMMA_D32,
+                     "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  } else {
+    KVLM_WGMMA_TYPED("m64n128k16", KVLM_WGMMA_R64, "%69", "{%64, %65, %66, %67}, %68, p, 1, 1, 1", KVLM_WGMMA_D64,
+                     "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  }
 }
 
+#undef KVLM_WGMMA_TYPED
 #undef KVLM_WGMMA
 #undef KVLM_WGMMA_R64
 #undef KVLM_WGMMA_R32
