@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "engine/sequence.h"
 #include "io/safetensors.h"
-#include "model/decoder.h"
+#include "model/cpu/cpu_runner.h"
 
 namespace kvlm {
 
@@ -55,7 +55,7 @@ std::string scale_name(int layer, char kv) {
 }  // namespace
 
 CalibrationResult calibrate_kv(Engine& engine, const std::vector<std::vector<TokenId>>& samples, bool per_head) {
-  auto* cpu = dynamic_cast<DecoderModel*>(&engine.model());
+  auto* cpu = dynamic_cast<CpuModelRunner*>(&engine.model());
   if (!cpu) throw Error("calibration runs on the CPU runner; load the model with --device cpu");
   if (samples.empty()) throw Error("no calibration samples");
   const KVPlan& plan = engine.plan();
@@ -78,7 +78,7 @@ CalibrationResult calibrate_kv(Engine& engine, const std::vector<std::vector<Tok
     }
   });
   struct Reset {
-    DecoderModel* m;
+    CpuModelRunner* m;
     ~Reset() { m->set_kv_observer({}); }
   } reset{cpu};
   for (const auto& sample : samples) {

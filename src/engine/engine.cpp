@@ -93,7 +93,7 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& opts) {
   } else {
     std::vector<const AttentionBackend*> backends;
     for (const auto& l : e->plan_->plan.layers) backends.push_back(&backend_by_name(l.backend));
-    e->model_ = std::make_unique<DecoderModel>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends));
+    e->model_ = std::make_unique<CpuModelRunner>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends));
   }
   e->block_size_ = opts.cache.block_size;
   return e;

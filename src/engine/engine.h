@@ -13,7 +13,7 @@
 #include "config/kv_plan.h"
 #include "config/model_config.h"
 #include "io/checkpoint.h"
-#include "model/decoder.h"
+#include "model/cpu/cpu_runner.h"
 
 namespace kvlm {
 

@@ -15,6 +15,14 @@
 
 namespace kvlm {
 
+// One page of one layer, as every device lays it out: the bytes of its K (equally V) codes,
+// and of its K (equally V) per-token-head scales (0 for modes without them).
+struct KVPageBytes {
+  size_t codes = 0;
+  size_t scales = 0;
+};
+KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size);
+
 struct LayerKVCache {
   const KVLayerSpec* spec = nullptr;
   int num_blocks = 0;

@@ -1,26 +1,24 @@
-// The CUDA model runner (cuda_runner.h). One step, for T tokens of S sequences with R logit
-// rows, on the runner's own stream:
+// The CUDA model runner (cuda_runner.h): the model definition's forward (model/arch/) on
+// the CUDA ops (cuda_ops.h), on the runner's own stream. One step, for T tokens of S
+// sequences with R logit rows:
 //
 //   metadata (tokens, positions, slots, cu_q_lens, kv_lens, block tables, logit rows):
 //       packed into pinned host memory, one cudaMemcpyAsync
-//   embed_rows                                   -> x (fp32 residual)
-//   per layer:
-//     add_rmsnorm(x += delta, input norm)        -> h
-//     GEMM h . Wqkv^T (+ qkv bias, epilogue)      -> qkv          (q, k, v weights fused at load)
-//     qkv_rope_store                             -> q (bf16); K/V quantized into the pages
-//     paged_attention (the layer's format, mask) -> attn (bf16)
-//     GEMM attn . Wo^T (+ bias)                   -> delta
-//     add_rmsnorm(x += delta, post norm)         -> h
-//     GEMM h . Wgate_up^T (+ bias)                -> gu           (gate and up fused at load)
-//     silu_mul                                   -> act          (batch 1: fused into the
-//     GEMM act . Wdown^T (+ bias)                 -> delta         down GEMV, see gemm.h)
-//   add_rmsnorm(x += delta, final norm) on the logit rows only -> hl
-//   GEMM hl . Wlm^T, fp32 out                     -> logits -> pinned host -> caller's span
+//   the definition's forward: every op enqueues its kernels (for the Llama family: embedding,
+//       per layer fused residual + RMSNorm, the fused QKV GEMM, the attention prologue, paged
+//       attention, o GEMM, residual + RMSNorm, the fused gate/up GEMM, SiLU-and-mul + down
+//       GEMM; the final norm of the logit rows and the LM head, fp32 logits)
+//   logits -> pinned host -> caller's span, or sampling on the GPU and only ids back
+//
+// Scratch: the step's metadata, then the forward's activations, carved from one arena that
+// only grows. A step's layout is measured first (the forward run by the ops in measuring
+// mode: nothing launched, bytes counted), then the same forward runs for real at the same
+// offsets.
 //
 // CUDA graphs: a decode step (every sequence one query token, logits for every row, at most
 // 256 rows) is padded to a power-of-two batch B and its block tables to a power-of-two
 // stride MB; the kernels of a (B, MB) step are captured once and replayed. Everything a
-// graph bakes in is a function of (B, MB): buffer addresses (the scratch arena is carved
+// graph bakes in is a function of (B, MB): buffer addresses (the arena is carved
 // deterministically from the shape and only grows, which drops every graph), the attention
 // split count (planned for max_kv_len = MB * block_size; the kernels divide each sequence's
 // true key range, read from kv_lens in memory, among those splits), GEMM shapes (and their
@@ -44,7 +42,8 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/numeric.h"
-#include "model/rope.h"
+#include "model/architecture.h"
+#include "model/cuda/cuda_ops.h"
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
@@ -55,10 +54,9 @@ namespace kvlm {
 
 namespace {
 
-constexpr size_t kAlign = 256;  // cuBLASLt's default alignment assumption; cudaMalloc gives 256
 constexpr int kMaxGraphBatch = 256;
 
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t align_up(size_t n) { return Carver::align_up(n); }
 
 std::string gib(size_t bytes) {
   char buf[32];
@@ -133,99 +131,55 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
-// Bump allocation of 256-byte aligned pieces, from a base address (0 to measure).
-struct Carver {
-  uintptr_t base = 0;
-  size_t off = 0;
-  template <class T>
-  T* take(size_t count) {
-    T* p = reinterpret_cast<T*>(base + off);
-    off += align_up(count * sizeof(T));
-    return p;
-  }
-};
-
-// The shape of one step and where its buffers live in the scratch arena.
+// The shape of one step (padded, for a graph).
 struct StepShape {
   int T = 0, R = 0, S = 0, MB = 1, max_q = 1, max_kv = 1;
 };
 
-struct StepBuffers {
-  // metadata (one host -> device copy: [meta_begin, meta_end))
-  TokenId* tokens = nullptr;
-  Position* positions = nullptr;
-  SlotId* slots = nullptr;
-  int32_t* cu = nullptr;
-  int32_t* kv_lens = nullptr;
-  BlockId* tables = nullptr;
-  int32_t* logit_rows = nullptr;
-  size_t meta_bytes = 0;
-  // activations ([meta_bytes, total) is what poisoning fills)
-  float* x = nullptr;
-  uint16_t *h = nullptr, *qkv = nullptr, *q = nullptr, *attn = nullptr, *attn_act = nullptr, *delta = nullptr,
-           *gu = nullptr, *act = nullptr, *hl = nullptr;
-  float* logits = nullptr;
-  TokenId* ids = nullptr;  // forward_greedy's argmax / forward_sampled's token per logit row
-  cuda::SampleRowParams* sample = nullptr;  // forward_sampled's per-row parameters
-  uint8_t* attn_ws = nullptr;
-  size_t attn_ws_bytes = 0;
+// Where a step's buffers sit in the scratch arena, as offsets: the metadata (one host ->
+// device copy of [0, meta_bytes)), the sampling buffers, then the forward's activations up to
+// `total`, among them the logits.
+struct StepLayout {
+  size_t tokens = 0, positions = 0, slots = 0, cu = 0, kv_lens = 0, tables = 0, logit_rows = 0, meta_bytes = 0;
+  size_t ids = 0, sample = 0, ops_begin = 0;
+  size_t logits = SIZE_MAX;  // SIZE_MAX: no logit rows
   size_t total = 0;
 };
 
-struct LayerWeights {
-  const float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-  const void *wqkv = nullptr, *bqkv = nullptr, *wo = nullptr, *bo = nullptr, *wgu = nullptr, *bgu = nullptr,
-             *wdown = nullptr, *bdown = nullptr;
-};
-
-struct LayerKV {
-  DType storage = DType::BF16;
-  KVQuantMode quant = KVQuantMode::None;
-  AttentionKind kind = AttentionKind::Full;
-  int window = 0;
-  const float *k_tensor_scale = nullptr, *v_tensor_scale = nullptr;  // device, fp8_per_tensor
-  int num_tensor_scales = 1;
-  // the pool (allocate_kv)
-  uint8_t *k = nullptr, *v = nullptr;
-  float *k_scale = nullptr, *v_scale = nullptr;
-  size_t page_bytes = 0, scale_page_bytes = 0;
-};
-
-// A weight tensor on the device, possibly several checkpoint tensors concatenated along
-// dim 0 (fused QKV, gate/up).
-struct WeightSlot {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> pieces;
-  DType type = DType::BF16;  // on the device
-  size_t offset = 0, bytes = 0;
-  std::vector<float> host_f32;  // instead of pieces: small fp32 data (KV scales, inv_freq)
-};
+// Device type of a weight role (model/weights.h).
+DType device_type(WeightRole role, DType act) {
+  return role == WeightRole::Matrix || role == WeightRole::Bias ? act : DType::F32;
+}
 
 }  // namespace
 
 struct CudaModelRunner::Impl {
   ModelConfig cfg;
+  const KVPlan* plan = nullptr;
   DType act = DType::BF16;
   cudaStream_t stream = nullptr;
   cuda::Gemm gemm;
-  DeviceBuffer weights, gemm_ws, kv, kv_pools, pairs_dev, scratch;
+  SingleProcessCommunicator comm;
+  std::unique_ptr<ModelDefinition> def;
+  std::unique_ptr<CudaOps> ops;
+  DeviceBuffer weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch;
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
+  std::vector<Weight> w;
   size_t num_params = 0, weight_bytes = 0;
-  const void* embed = nullptr;
-  const void* lm_head = nullptr;
-  const float* final_norm = nullptr;
-  const float* inv_freq = nullptr;
-  std::vector<LayerWeights> lw;
-  std::vector<LayerKV> lkv;
+  std::vector<CudaKVLayer> lkv;
   int num_blocks = 0, block_size = 0;
   size_t kv_bytes = 0;
-  size_t pairs_capacity = 0;
   bool poison = false;
-  TokenId* ids = nullptr;                  // the last step's argmax buffer (StepBuffers::ids)
-  cuda::SampleRowParams* sample = nullptr;  // the last step's StepBuffers::sample
-  std::vector<cudaEvent_t> copy_events;    // forward's chunked logits copy
+  TokenId* ids = nullptr;                   // the last step's argmax / sampled ids
+  cuda::SampleRowParams* sample = nullptr;  // the last step's per-row sampling parameters
+  std::vector<cudaEvent_t> copy_events;     // forward's chunked logits copy
   bool graphs_on = true;
-  std::set<std::pair<int, int>> graph_seen;              // (B, MB) run once eagerly
-  std::map<std::pair<int, int>, cudaGraphExec_t> graphs;  // (B, MB) -> captured step
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    StepLayout layout;
+  };
+  std::set<std::pair<int, int>> graph_seen;  // (B, MB) run once eagerly
+  std::map<std::pair<int, int>, Graph> graphs;  // (B, MB) -> captured step
 
   ~Impl() {
     clear_graphs();
@@ -234,115 +188,120 @@ struct CudaModelRunner::Impl {
   }
 
   void clear_graphs() {
-    for (auto& [k, g] : graphs) cudaGraphExecDestroy(g);
+    for (auto& [k, g] : graphs) cudaGraphExecDestroy(g.exec);
     graphs.clear();
     graph_seen.clear();
   }
 
-  int hidden() const { return cfg.hidden_size; }
-  int qkv_width() const { return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim; }
-
-  cuda::PagedAttentionParams attn_params(const LayerKV& L, const StepShape& s, const StepBuffers& b) const {
-    return cuda::PagedAttentionParams{
-        .storage = L.storage, .quant = L.quant, .num_seqs = s.S, .num_tokens = s.T, .num_q_heads = cfg.num_heads,
-        .num_kv_heads = cfg.num_kv_heads, .head_dim = cfg.head_dim, .block_size = block_size,
-        .max_blocks_per_seq = s.MB, .max_q_len = s.max_q, .max_kv_len = s.max_kv, .mask = L.kind, .window = L.window,
-        .softmax_scale = 1.0f / std::sqrt(float(cfg.head_dim)), .q = b.q, .out = b.attn, .k_cache = L.k, .v_cache = L.v,
-        .k_token_scale = L.k_scale, .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale,
-        .v_tensor_scale = L.v_tensor_scale, .num_tensor_scales = L.num_tensor_scales, .cu_q_lens = b.cu,
-        .kv_lens = b.kv_lens, .block_tables = b.tables, .workspace = b.attn_ws, .workspace_bytes = b.attn_ws_bytes};
+  CudaStep device_step(const StepShape& s, const StepLayout& l) const {
+    uint8_t* base = scratch.data();
+    return CudaStep{.T = s.T, .R = s.R, .S = s.S, .MB = s.MB, .max_q = s.max_q, .max_kv = s.max_kv,
+                    .tokens = reinterpret_cast<const TokenId*>(base + l.tokens),
+                    .positions = reinterpret_cast<const Position*>(base + l.positions),
+                    .slots = reinterpret_cast<const SlotId*>(base + l.slots),
+                    .cu_q_lens = reinterpret_cast<const int32_t*>(base + l.cu),
+                    .kv_lens = reinterpret_cast<const int32_t*>(base + l.kv_lens),
+                    .block_tables = reinterpret_cast<const BlockId*>(base + l.tables),
+                    .logit_rows = reinterpret_cast<const int32_t*>(base + l.logit_rows)};
   }
 
-  // Carves the step's buffers from `base` (0: only measures). The attention workspace is the
-  // largest any layer's format needs for this shape.
-  StepBuffers carve(uintptr_t base, const StepShape& s) const {
-    StepBuffers b;
-    Carver c{base};
-    const size_t T = size_t(s.T), H = size_t(hidden()), I = size_t(cfg.intermediate_size);
-    const size_t QD = size_t(cfg.num_heads) * size_t(cfg.head_dim);
-    b.tokens = c.take<TokenId>(T);
-    b.positions = c.take<Position>(T);
-    b.slots = c.take<SlotId>(T);
-    b.cu = c.take<int32_t>(size_t(s.S) + 1);
-    b.kv_lens = c.take<int32_t>(size_t(s.S));
-    b.tables = c.take<BlockId>(size_t(s.S) * size_t(s.MB));
-    b.logit_rows = c.take<int32_t>(size_t(std::max(s.R, 1)));
-    b.meta_bytes = c.off;
-    b.x = c.take<float>(T * H);
-    b.h = c.take<uint16_t>(T * H);
-    b.qkv = c.take<uint16_t>(T * size_t(qkv_width()));
-    b.q = c.take<uint16_t>(T * QD);
-    b.attn = c.take<uint16_t>(T * QD);
-    b.attn_act = act == DType::BF16 ? b.attn : c.take<uint16_t>(T * QD);
-    b.delta = c.take<uint16_t>(T * H);
-    b.gu = c.take<uint16_t>(T * 2 * I);
-    b.act = c.take<uint16_t>(T * I);
-    b.hl = c.take<uint16_t>(size_t(s.R) * H);
-    b.logits = c.take<float>(size_t(s.R) * size_t(cfg.vocab_size));
-    b.ids = c.take<TokenId>(size_t(std::max(s.R, 1)));
-    b.sample = c.take<cuda::SampleRowParams>(size_t(std::max(s.R, 1)));
-    size_t ws = 0;
-    for (const LayerKV& L : lkv) ws = std::max(ws, cuda::paged_attention_workspace_bytes(attn_params(L, s, b)));
-    b.attn_ws_bytes = ws;
-    b.attn_ws = c.take<uint8_t>(ws);
-    b.total = c.off;
-    return b;
+  // Measures the step's layout: the metadata, then the forward run by the ops in measuring
+  // mode (nothing launched).
+  StepLayout measure(const StepShape& s) {
+    StepLayout l;
+    Carver c;
+    auto take = [&](size_t bytes) { return size_t(reinterpret_cast<uintptr_t>(c.take_bytes(bytes))); };
+    l.tokens = take(size_t(s.T) * sizeof(TokenId));
+    l.positions = take(size_t(s.T) * sizeof(Position));
+    l.slots = take(size_t(s.T) * sizeof(SlotId));
+    l.cu = take((size_t(s.S) + 1) * sizeof(int32_t));
+    l.kv_lens = take(size_t(s.S) * sizeof(int32_t));
+    l.tables = take(size_t(s.S) * size_t(s.MB) * sizeof(BlockId));
+    l.logit_rows = take(size_t(std::max(s.R, 1)) * sizeof(int32_t));
+    l.meta_bytes = c.off;
+    l.ids = take(size_t(std::max(s.R, 1)) * sizeof(TokenId));
+    l.sample = take(size_t(std::max(s.R, 1)) * sizeof(cuda::SampleRowParams));
+    l.ops_begin = c.off;
+    ops->begin_step(CudaStep{.T = s.T, .R = s.R, .S = s.S, .MB = s.MB, .max_q = s.max_q, .max_kv = s.max_kv}, c,
+                    /*measure=*/true);
+    const Tensor logits = def->forward(*ops, w);
+    if (logits) l.logits = size_t(reinterpret_cast<uintptr_t>(logits.data));
+    l.total = ops->arena_end();
+    return l;
   }
 
-  // The scratch arena for `s`, grown (never shrunk) when too small; growing drops graphs.
-  StepBuffers buffers_for(const StepShape& s) {
-    const StepBuffers need = carve(0, s);
-    if (need.total > scratch.bytes()) {
+  // The arena for `l`, grown (never shrunk) when too small; growing drops graphs.
+  void reserve_scratch(const StepLayout& l) {
+    if (l.total > scratch.bytes()) {
       KVLM_CUDA_CHECK(cudaStreamSynchronize(stream));
       clear_graphs();
-      scratch.allocate(std::max(need.total, scratch.bytes() + scratch.bytes() / 2), "activations");
+      scratch.allocate(std::max(l.total, scratch.bytes() + scratch.bytes() / 2), "activations");
     }
-    return carve(reinterpret_cast<uintptr_t>(scratch.data()), s);
   }
 
   // Every kernel of a step after the metadata upload: eager or under graph capture.
-  void run_kernels(const StepShape& s, const StepBuffers& b) {
-    void* st = stream;
-    const int T = s.T, H = hidden(), I = cfg.intermediate_size, d = cfg.head_dim;
-    const int nh = cfg.num_heads, kvh = cfg.num_kv_heads;
-    const float eps = float(cfg.rms_norm_eps);
-    cuda::embed_rows(act, embed, b.tokens, T, H, b.x, st);
-    for (size_t li = 0; li < lw.size(); ++li) {
-      const LayerWeights& W = lw[li];
-      const LayerKV& L = lkv[li];
-      cuda::add_rmsnorm({.act = act, .rows = T, .hidden = H, .x = b.x, .delta = li == 0 ? nullptr : b.delta,
-                         .weight = W.in_norm, .eps = eps, .out = b.h},
-                        st);
-      gemm.linear(act, act, b.h, W.wqkv, W.bqkv, b.qkv, T, qkv_width(), H, st);
-      cuda::qkv_rope_store({.act = act, .storage = L.storage, .quant = L.quant, .num_tokens = T, .num_q_heads = nh,
-                            .num_kv_heads = kvh, .head_dim = d, .qkv = b.qkv, .q_norm = W.q_norm, .k_norm = W.k_norm,
-                            .eps = eps, .positions = b.positions, .inv_freq = inv_freq, .q_out = b.q,
-                            .slots = b.slots, .block_size = block_size, .num_blocks = num_blocks, .k_cache = L.k,
-                            .v_cache = L.v, .k_token_scale = L.k_scale, .v_token_scale = L.v_scale,
-                            .k_tensor_scale = L.k_tensor_scale, .v_tensor_scale = L.v_tensor_scale,
-                            .num_tensor_scales = L.num_tensor_scales},
-                           st);
-      cuda::paged_attention(attn_params(L, s, b), st);
-      if (act != DType::BF16) cuda::bf16_to_act(act, b.attn, b.attn_act, size_t(T) * size_t(nh) * size_t(d), st);
-      gemm.linear(act, act, b.attn_act, W.wo, W.bo, b.delta, T, H, nh * d, st);
-      cuda::add_rmsnorm({.act = act, .rows = T, .hidden = H, .x = b.x, .delta = b.delta, .weight = W.post_norm,
-                         .eps = eps, .out = b.h},
-                        st);
-      gemm.linear(act, act, b.h, W.wgu, W.bgu, b.gu, T, 2 * I, H, st);
-      if (T == 1 && gemm.small_m_kernel(T) && cuda::gemv_fits(T, I, b.gu, W.wdown)) {  // batch 1: SiLU-and-mul fused
-        cuda::gemv_small_m(act, act, b.gu, W.wdown, W.bdown, b.delta, T, H, I, st, 0, /*glu_input=*/true);
-      } else {
-        cuda::silu_mul(act, b.gu, b.act, T, I, st);
-        gemm.linear(act, act, b.act, W.wdown, W.bdown, b.delta, T, H, I, st);
+  void run_forward(const StepShape& s, const StepLayout& l) {
+    ops->begin_step(device_step(s, l), Carver{reinterpret_cast<uintptr_t>(scratch.data()), l.ops_begin}, false);
+    const Tensor logits = def->forward(*ops, w);
+    KVLM_CHECK((logits ? static_cast<uint8_t*>(logits.data) - scratch.data() : SIZE_MAX) == ptrdiff_t(l.logits) ||
+                   (!logits && l.logits == SIZE_MAX),
+               "the forward carved a different layout than it measured");
+  }
+};
+
+// Puts the weights in one device allocation, each in its role's type (matrices and biases in
+// the compute dtype, norms and constants in fp32), converting on the host where the
+// checkpoint's dtype differs.
+class CudaModelRunner::WeightUploader final : public WeightSink {
+ public:
+  explicit WeightUploader(Impl& m) : m_(m) {}
+  void reserve(std::span<const WeightSpec> specs) override {
+    size_t total = 0;
+    for (const WeightSpec& s : specs) {
+      offsets_.push_back(total);
+      total += align_up(size_t(s.rows() * s.cols()) * dtype_size(device_type(s.role, m_.act)));
+    }
+    m_.weights.allocate(total, "the model weights");
+  }
+  Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const float> values) override {
+    const DType type = device_type(s.role, m_.act);
+    uint8_t* const base = m_.weights.data() + offsets_[next_++];
+    uint8_t* dst = base;
+    if (!values.empty() || pieces.empty()) {
+      KVLM_CHECK(type == DType::F32, "fp32 values for a 16-bit weight");
+      KVLM_CUDA_CHECK(cudaMemcpy(dst, values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice));
+    } else {
+      for (const TensorView& v : pieces) {
+        const TensorInfo& t = *v.info;
+        const size_t n = size_t(t.numel());
+        if (t.dtype == type) {
+          KVLM_CUDA_CHECK(cudaMemcpy(dst, v.bytes.data(), v.bytes.size(), cudaMemcpyHostToDevice));
+        } else {
+          conv32_.resize(n);
+          convert_to_f32(t.dtype, v.bytes, conv32_);
+          if (type == DType::F32) {
+            KVLM_CUDA_CHECK(cudaMemcpy(dst, conv32_.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+          } else {
+            conv16_.resize(n);
+            for (size_t i = 0; i < n; ++i)
+              conv16_[i] = type == DType::BF16 ? num::f32_to_bf16(conv32_[i]) : num::f32_to_f16(conv32_[i]);
+            KVLM_CUDA_CHECK(cudaMemcpy(dst, conv16_.data(), n * 2, cudaMemcpyHostToDevice));
+          }
+        }
+        dst += n * dtype_size(type);
       }
     }
-    if (s.R > 0) {
-      cuda::add_rmsnorm({.act = act, .rows = s.R, .hidden = H, .x = b.x, .delta = b.delta, .weight = final_norm,
-                         .eps = eps, .out = b.hl, .row_map = b.logit_rows},
-                        st);
-      gemm.linear(act, DType::F32, b.hl, lm_head, nullptr, b.logits, s.R, cfg.vocab_size, H, st);
-    }
+    const size_t bytes = size_t(s.rows() * s.cols()) * dtype_size(type);
+    if (!pieces.empty()) m_.weight_bytes += bytes;
+    return Weight{.data = base, .dtype = type, .rows = s.rows(), .cols = s.cols()};
   }
+
+ private:
+  Impl& m_;
+  std::vector<size_t> offsets_;
+  size_t next_ = 0;
+  std::vector<uint16_t> conv16_;
+  std::vector<float> conv32_;
 };
 
 // ---- loading ------------------------------------------------------------------------------
@@ -355,170 +314,54 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     throw Error("the CUDA runner computes in bfloat16 or float16, not " + std::string(dtype_name(compute)) +
                 "; use --dtype bfloat16 or float16 (or --device cpu)");
   m.act = compute;
+  m.plan = &plan;
   KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers), "one KV spec per layer");
   for (const auto& l : plan.layers)
     if (l.backend != "cuda")
       throw Error("the CUDA runner runs every layer on the 'cuda' attention backend, but " + describe_layer(l) +
                   " was assigned '" + l.backend + "'");
+  m.def = make_model_definition(cfg_);
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  WeightUploader up(m);
+  LoadedWeights lw = load_weights(m.def->weights(), ckpt, up);
+  m.w = std::move(lw.weights);
+  m.num_params = lw.num_params;
 
-  const int64_t hd = cfg_.hidden_size, d = cfg_.head_dim, nh = cfg_.num_heads, kvh = cfg_.num_kv_heads;
-  const int64_t inter = cfg_.intermediate_size, vocab = cfg_.vocab_size;
-  using Shape = std::vector<int64_t>;
-  std::vector<WeightSlot> slots;
-  std::set<std::string> used;
-  auto add = [&](std::vector<std::pair<std::string, Shape>> pieces, DType type) {
-    WeightSlot w;
-    w.type = type;
-    size_t n = 0;
-    for (auto& [name, shape] : pieces) {
-      used.insert(name);
-      size_t e = 1;
-      for (int64_t s : shape) e *= size_t(s);
-      n += e;
-    }
-    w.pieces = std::move(pieces);
-    w.bytes = n * dtype_size(type);
-    slots.push_back(std::move(w));
-    return slots.size() - 1;
-  };
-  auto add_f32 = [&](std::vector<float> data) {
-    WeightSlot w;
-    w.type = DType::F32;
-    w.bytes = data.size() * sizeof(float);
-    w.host_f32 = std::move(data);
-    slots.push_back(std::move(w));
-    return slots.size() - 1;
-  };
-  const DType A = m.act, F = DType::F32;
-  const size_t s_embed = add({{"model.embed_tokens.weight", {vocab, hd}}}, A);
-  size_t s_lm = s_embed;
-  if (cfg_.tie_word_embeddings) {
-    used.insert("lm_head.weight");
-  } else if (!ckpt.find("lm_head.weight")) {
-    throw Error("the checkpoint has no 'lm_head.weight' and config.json does not set tie_word_embeddings");
-  } else {
-    s_lm = add({{"lm_head.weight", {vocab, hd}}}, A);
+  // Static FP8 scales (fp8_per_tensor layers), one small allocation.
+  std::vector<float> scales;
+  std::vector<size_t> scale_at(plan.layers.size(), SIZE_MAX);
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const KVLayerSpec& spec = plan.layers[i];
+    if (spec.quant != KVQuantMode::Fp8PerTensor) continue;
+    KVLM_CHECK(spec.k_scale.size() == spec.v_scale.size(), "k and v scales differ in count");
+    scale_at[i] = scales.size();
+    scales.insert(scales.end(), spec.k_scale.begin(), spec.k_scale.end());
+    scales.insert(scales.end(), spec.v_scale.begin(), spec.v_scale.end());
   }
-  const size_t s_final = add({{"model.norm.weight", {hd}}}, F);
-  struct LayerSlots {
-    size_t in_norm, post_norm, qkv, bqkv = SIZE_MAX, o, bo = SIZE_MAX, q_norm = SIZE_MAX, k_norm = SIZE_MAX, gu,
-                                     bgu = SIZE_MAX, down, bdown = SIZE_MAX, ks = SIZE_MAX, vs = SIZE_MAX;
-  };
-  std::vector<LayerSlots> ls(size_t(cfg_.num_layers));
-  for (int i = 0; i < cfg_.num_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    LayerSlots& s = ls[size_t(i)];
-    s.in_norm = add({{p + "input_layernorm.weight", {hd}}}, F);
-    s.post_norm = add({{p + "post_attention_layernorm.weight", {hd}}}, F);
-    s.qkv = add({{p + "self_attn.q_proj.weight", {nh * d, hd}},
-                 {p + "self_attn.k_proj.weight", {kvh * d, hd}},
-                 {p + "self_attn.v_proj.weight", {kvh * d, hd}}},
-                A);
-    if (cfg_.qkv_bias)
-      s.bqkv = add({{p + "self_attn.q_proj.bias", {nh * d}},
-                    {p + "self_attn.k_proj.bias", {kvh * d}},
-                    {p + "self_attn.v_proj.bias", {kvh * d}}},
-                   A);
-    s.o = add({{p + "self_attn.o_proj.weight", {hd, nh * d}}}, A);
-    if (cfg_.o_bias) s.bo = add({{p + "self_attn.o_proj.bias", {hd}}}, A);
-    if (cfg_.qk_norm) {
-      s.q_norm = add({{p + "self_attn.q_norm.weight", {d}}}, F);
-      s.k_norm = add({{p + "self_attn.k_norm.weight", {d}}}, F);
-    }
-    s.gu = add({{p + "mlp.gate_proj.weight", {inter, hd}}, {p + "mlp.up_proj.weight", {inter, hd}}}, A);
-    if (cfg_.mlp_bias) s.bgu = add({{p + "mlp.gate_proj.bias", {inter}}, {p + "mlp.up_proj.bias", {inter}}}, A);
-    s.down = add({{p + "mlp.down_proj.weight", {hd, inter}}}, A);
-    if (cfg_.mlp_bias) s.bdown = add({{p + "mlp.down_proj.bias", {hd}}}, A);
-    const KVLayerSpec& spec = plan.layers[size_t(i)];
-    if (spec.quant == KVQuantMode::Fp8PerTensor) {
-      s.ks = add_f32(spec.k_scale);
-      s.vs = add_f32(spec.v_scale);
-    }
+  if (!scales.empty()) {
+    m.kv_tensor_scales.allocate(scales.size() * sizeof(float), "the KV scales");
+    KVLM_CUDA_CHECK(cudaMemcpy(m.kv_tensor_scales.data(), scales.data(), scales.size() * sizeof(float),
+                               cudaMemcpyHostToDevice));
   }
-  const size_t s_inv = add_f32(rope_inv_freq(cfg_.rope, cfg_.head_dim));
-
-  // One allocation for everything, then the uploads.
-  size_t total = 0, tensor_bytes = 0;
-  for (auto& w : slots) {
-    w.offset = total;
-    total += align_up(w.bytes);
-    if (w.host_f32.empty()) tensor_bytes += w.bytes;
-  }
-  m.weights.allocate(total, "the model weights");
-  log::Progress progress("uploading weights", tensor_bytes >= (size_t(256) << 20) ? tensor_bytes : 0);
-  size_t done = 0;
-  std::vector<uint16_t> conv16;
-  std::vector<float> conv32;
-  for (auto& w : slots) {
-    uint8_t* dst = m.weights.data() + w.offset;
-    if (!w.host_f32.empty()) {
-      KVLM_CUDA_CHECK(cudaMemcpy(dst, w.host_f32.data(), w.bytes, cudaMemcpyHostToDevice));
-      continue;
-    }
-    for (const auto& [name, shape] : w.pieces) {
-      const TensorView v = ckpt.view(name);
-      const TensorInfo& t = *v.info;
-      if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16)
-        throw Error("tensor '" + t.name + "' has dtype " + std::string(dtype_name(t.dtype)) +
-                    "; kvlm loads bfloat16, float16 and float32 weights (quantized weights are not supported)");
-      if (!std::ranges::equal(t.shape, shape))
-        throw Error("tensor '" + t.name + "' has shape " + shape_str(t.shape) + " but config.json implies " +
-                    shape_str(shape));
-      const size_t n = size_t(t.numel());
-      m.num_params += n;
-      if (t.dtype == w.type) {
-        KVLM_CUDA_CHECK(cudaMemcpy(dst, v.bytes.data(), v.bytes.size(), cudaMemcpyHostToDevice));
-      } else {
-        conv32.resize(n);
-        convert_to_f32(t.dtype, v.bytes, conv32);
-        if (w.type == DType::F32) {
-          KVLM_CUDA_CHECK(cudaMemcpy(dst, conv32.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-        } else {
-          conv16.resize(n);
-          for (size_t i = 0; i < n; ++i)
-            conv16[i] = w.type == DType::BF16 ? num::f32_to_bf16(conv32[i]) : num::f32_to_f16(conv32[i]);
-          KVLM_CUDA_CHECK(cudaMemcpy(dst, conv16.data(), n * 2, cudaMemcpyHostToDevice));
-        }
-      }
-      dst += n * dtype_size(w.type);
-      progress.update(done += v.bytes.size());
-    }
-    m.weight_bytes += w.bytes;
-  }
-  std::vector<std::string> extra;
-  for (const auto& n : ckpt.names())
-    if (!used.count(n) && !n.ends_with("_scale") && !n.ends_with("rotary_emb.inv_freq")) extra.push_back(n);
-  if (!extra.empty())
-    log::warn("ignoring " + std::to_string(extra.size()) + " checkpoint tensor(s) this architecture does not use, e.g. '" +
-              extra.front() + "'");
-
-  auto ptr = [&](size_t slot) -> const void* { return slot == SIZE_MAX ? nullptr : m.weights.data() + slots[slot].offset; };
-  auto fptr = [&](size_t slot) { return static_cast<const float*>(ptr(slot)); };
-  m.embed = ptr(s_embed);
-  m.lm_head = ptr(s_lm);
-  m.final_norm = fptr(s_final);
-  m.inv_freq = fptr(s_inv);
-  for (int i = 0; i < cfg_.num_layers; ++i) {
-    const LayerSlots& s = ls[size_t(i)];
-    m.lw.push_back({.in_norm = fptr(s.in_norm), .post_norm = fptr(s.post_norm), .q_norm = fptr(s.q_norm),
-                    .k_norm = fptr(s.k_norm), .wqkv = ptr(s.qkv), .bqkv = ptr(s.bqkv), .wo = ptr(s.o), .bo = ptr(s.bo),
-                    .wgu = ptr(s.gu), .bgu = ptr(s.bgu), .wdown = ptr(s.down), .bdown = ptr(s.bdown)});
-    const KVLayerSpec& spec = plan.layers[size_t(i)];
-    LayerKV L;
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const KVLayerSpec& spec = plan.layers[i];
+    CudaKVLayer L;
     L.storage = spec.storage;
     L.quant = spec.quant;
     L.kind = spec.attn.kind;
     L.window = spec.attn.window;
-    if (spec.quant == KVQuantMode::Fp8PerTensor) {
-      L.k_tensor_scale = fptr(s.ks);
-      L.v_tensor_scale = fptr(s.vs);
+    if (scale_at[i] != SIZE_MAX) {
+      const float* s = reinterpret_cast<const float*>(m.kv_tensor_scales.data()) + scale_at[i];
       L.num_tensor_scales = int(spec.k_scale.size());
+      L.k_tensor_scale = s;
+      L.v_tensor_scale = s + spec.k_scale.size();
     }
     m.lkv.push_back(L);
   }
   m.gemm_ws.allocate(cuda::kGemmWorkspaceBytes, "the GEMM workspace");
   m.gemm.set_workspace(m.gemm_ws.data(), m.gemm_ws.bytes());
+  m.ops = std::make_unique<CudaOps>(m.cfg, m.act, m.stream, m.gemm, m.comm);
+  m.ops->set_kv(m.lkv, 0, 0);
   if (const char* e = std::getenv("KVLM_CUDA_GRAPHS"); e && std::string_view(e) == "0") m.graphs_on = false;
 }
 
@@ -551,14 +394,15 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size) {
   m.kv.reset();
   m.num_blocks = m.block_size = 0;
   m.kv_bytes = 0;
-  const size_t kvh = size_t(cfg_.num_kv_heads), d = size_t(cfg_.head_dim), bs = size_t(block_size);
-  // Exactly kv/kv_cache.h's layout, per layer: K, V [num_blocks][kvh][block_size][head_dim]
-  // of the layer's storage type; per-token-head modes add fp32 [num_blocks][kvh][block_size].
+  // kv/kv_cache.h's layout, per layer: K, V [num_blocks][kvh][block_size][head_dim] of the
+  // layer's storage type; per-token-head modes add fp32 [num_blocks][kvh][block_size].
   size_t total = 0;
   std::vector<size_t> offs;
-  for (LayerKV& L : m.lkv) {
-    L.page_bytes = kvh * bs * d * dtype_size(L.storage);
-    L.scale_page_bytes = is_per_token_head(L.quant) ? kvh * bs * sizeof(float) : 0;
+  for (size_t i = 0; i < m.lkv.size(); ++i) {
+    CudaKVLayer& L = m.lkv[i];
+    const KVPageBytes page = kv_page_bytes(m.plan->layers[i], block_size);
+    L.page_bytes = page.codes;
+    L.scale_page_bytes = page.scales;
     for (size_t part : {L.page_bytes, L.page_bytes, L.scale_page_bytes, L.scale_page_bytes}) {
       offs.push_back(total);
       total += align_up(part * size_t(num_blocks));
@@ -570,7 +414,7 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size) {
   KVLM_CUDA_CHECK(cudaMemsetAsync(m.kv.data(), 0, total, m.stream));
   std::vector<cuda::KVPagePools> pools;
   for (size_t i = 0; i < m.lkv.size(); ++i) {
-    LayerKV& L = m.lkv[i];
+    CudaKVLayer& L = m.lkv[i];
     L.k = m.kv.data() + offs[4 * i];
     L.v = m.kv.data() + offs[4 * i + 1];
     L.k_scale = L.scale_page_bytes ? reinterpret_cast<float*>(m.kv.data() + offs[4 * i + 2]) : nullptr;
@@ -585,6 +429,7 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size) {
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   m.num_blocks = num_blocks;
   m.block_size = block_size;
+  m.ops->set_kv(m.lkv, block_size, num_blocks);
 }
 
 void CudaModelRunner::copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) {
@@ -624,7 +469,7 @@ void CudaModelRunner::download_kv_layer(size_t layer, LayerKVCache& out) const {
   const Impl& m = *impl_;
   KVLM_CHECK(layer < m.lkv.size() && out.num_blocks == m.num_blocks && out.block_size == m.block_size,
              "download_kv_layer: pool shape differs");
-  const LayerKV& L = m.lkv[layer];
+  const CudaKVLayer& L = m.lkv[layer];
   KVLM_CHECK(out.k.size() == L.page_bytes * size_t(m.num_blocks) &&
                  out.k_scale.size() * sizeof(float) == L.scale_page_bytes * size_t(m.num_blocks),
              "download_kv_layer: layer format differs");
@@ -681,20 +526,28 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
     const int B = next_pow2(T), MB = next_pow2(max_blocks);
     shape = StepShape{.T = B, .R = B, .S = B, .MB = MB, .max_q = 1, .max_kv = MB * bs};
   }
-  const StepBuffers buf = m.buffers_for(shape);
-  m.ids = buf.ids;
-  m.sample = buf.sample;
+  // The layout: a graph's own, or measured (and the arena grown to it).
+  auto git = graph ? m.graphs.find({shape.T, shape.MB}) : m.graphs.end();
+  StepLayout lay;
+  if (git != m.graphs.end()) {
+    lay = git->second.layout;
+  } else {
+    lay = m.measure(shape);
+    m.reserve_scratch(lay);
+  }
+  uint8_t* const dev = m.scratch.data();
+  m.ids = reinterpret_cast<TokenId*>(dev + lay.ids);
+  m.sample = reinterpret_cast<cuda::SampleRowParams*>(dev + lay.sample);
 
   // Metadata into pinned memory (same layout as the device region), one copy.
-  uint8_t* host = m.meta_host.reserve(buf.meta_bytes);
-  auto hp = [&](auto* dev) { return reinterpret_cast<decltype(dev)>(host + (reinterpret_cast<uint8_t*>(dev) - m.scratch.data())); };
-  TokenId* h_tokens = hp(buf.tokens);
-  Position* h_pos = hp(buf.positions);
-  SlotId* h_slots = hp(buf.slots);
-  int32_t* h_cu = hp(buf.cu);
-  int32_t* h_kvl = hp(buf.kv_lens);
-  BlockId* h_tab = hp(buf.tables);
-  int32_t* h_rows = hp(buf.logit_rows);
+  uint8_t* host = m.meta_host.reserve(lay.meta_bytes);
+  TokenId* h_tokens = reinterpret_cast<TokenId*>(host + lay.tokens);
+  Position* h_pos = reinterpret_cast<Position*>(host + lay.positions);
+  SlotId* h_slots = reinterpret_cast<SlotId*>(host + lay.slots);
+  int32_t* h_cu = reinterpret_cast<int32_t*>(host + lay.cu);
+  int32_t* h_kvl = reinterpret_cast<int32_t*>(host + lay.kv_lens);
+  BlockId* h_tab = reinterpret_cast<BlockId*>(host + lay.tables);
+  int32_t* h_rows = reinterpret_cast<int32_t*>(host + lay.logit_rows);
   std::copy(b.tokens.begin(), b.tokens.end(), h_tokens);
   std::copy(b.positions.begin(), b.positions.end(), h_pos);
   std::copy(b.slots.begin(), b.slots.end(), h_slots);
@@ -716,38 +569,33 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
     h_tab[size_t(i) * size_t(shape.MB)] = 0;
   }
   for (int r = 0; r < shape.R; ++r) h_rows[r] = r < R ? b.logit_rows[size_t(r)] : r;
-  KVLM_CUDA_CHECK(cudaMemcpyAsync(m.scratch.data(), host, buf.meta_bytes, cudaMemcpyHostToDevice, m.stream));
-  if (m.poison)
-    KVLM_CUDA_CHECK(cudaMemsetAsync(m.scratch.data() + buf.meta_bytes, 0xff, buf.total - buf.meta_bytes, m.stream));
+  KVLM_CUDA_CHECK(cudaMemcpyAsync(dev, host, lay.meta_bytes, cudaMemcpyHostToDevice, m.stream));
+  if (m.poison) KVLM_CUDA_CHECK(cudaMemsetAsync(dev + lay.meta_bytes, 0xff, lay.total - lay.meta_bytes, m.stream));
 
-  if (graph) {
-    const auto key = std::make_pair(shape.T, shape.MB);
-    auto it = m.graphs.find(key);
-    if (it == m.graphs.end() && !m.graph_seen.insert(key).second) {
-      cudaGraph_t g = nullptr;
-      KVLM_CUDA_CHECK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeRelaxed));
-      try {
-        m.run_kernels(shape, buf);
-      } catch (...) {
-        cudaStreamEndCapture(m.stream, &g);
-        if (g) cudaGraphDestroy(g);
-        cudaGetLastError();
-        throw;
-      }
-      KVLM_CUDA_CHECK(cudaStreamEndCapture(m.stream, &g));
-      cudaGraphExec_t exec = nullptr;
-      const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
-      cudaGraphDestroy(g);
-      KVLM_CUDA_CHECK(err);
-      it = m.graphs.emplace(key, exec).first;
+  if (git != m.graphs.end()) {
+    KVLM_CUDA_CHECK(cudaGraphLaunch(git->second.exec, m.stream));
+  } else if (graph && !m.graph_seen.insert({shape.T, shape.MB}).second) {
+    cudaGraph_t g = nullptr;
+    KVLM_CUDA_CHECK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeRelaxed));
+    try {
+      m.run_forward(shape, lay);
+    } catch (...) {
+      cudaStreamEndCapture(m.stream, &g);
+      if (g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      throw;
     }
-    if (it != m.graphs.end()) KVLM_CUDA_CHECK(cudaGraphLaunch(it->second, m.stream));
-    else m.run_kernels(shape, buf);
+    KVLM_CUDA_CHECK(cudaStreamEndCapture(m.stream, &g));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    KVLM_CUDA_CHECK(err);
+    m.graphs.emplace(std::make_pair(shape.T, shape.MB), Impl::Graph{exec, lay});
+    KVLM_CUDA_CHECK(cudaGraphLaunch(exec, m.stream));
   } else {
-    m.run_kernels(shape, buf);
+    m.run_forward(shape, lay);
   }
-
-  return buf.logits;
+  return lay.logits == SIZE_MAX ? nullptr : reinterpret_cast<float*>(dev + lay.logits);
 }
 
 void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {

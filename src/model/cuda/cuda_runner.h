@@ -1,6 +1,6 @@
-// The CUDA model runner: the decoder of model/decoder.h (Llama, Qwen2, Qwen3, Mistral) on
-// one GPU, with its paged KV pool in device memory. No CUDA header here (a stream is a
-// void*); the implementation is cuda_runner.cpp.
+// The CUDA model runner: a model definition (model/architecture.h) executed by the CUDA ops
+// (cuda_ops.h) on one GPU, with its paged KV pool in device memory. No CUDA header here (a
+// stream is a void*); the implementation is cuda_runner.cpp.
 //
 // Precision: weights are uploaded once in the compute dtype, bfloat16 or float16 (the
 // checkpoint's own when it is one of those; a float32 checkpoint is converted to bfloat16
@@ -29,9 +29,10 @@ namespace kvlm {
 
 class CudaModelRunner final : public ModelRunner {
  public:
-  // Uploads every weight (checked against `config` like DecoderModel does) to the current
-  // CUDA device. `compute` is DType::BF16 or DType::F16. Every layer of `plan` must have
-  // been assigned the "cuda" attention backend. Throws kvlm::Error.
+  // Uploads every weight the architecture's definition names (checked as on the CPU) to the
+  // current CUDA device. `compute` is DType::BF16 or DType::F16. Every layer of `plan` must have
+  // been assigned the "cuda" attention backend; the plan must outlive the runner. Throws
+  // kvlm::Error.
   CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute);
   ~CudaModelRunner() override;
 
@@ -76,6 +77,7 @@ class CudaModelRunner final : public ModelRunner {
   void copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out);
 
   struct Impl;
+  class WeightUploader;
   ModelConfig cfg_;
   std::unique_ptr<Impl> impl_;
 };

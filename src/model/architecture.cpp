@@ -1,0 +1,18 @@
+#include "model/architecture.h"
+
+#include "core/error.h"
+
+namespace kvlm {
+
+std::unique_ptr<ModelDefinition> make_model_definition(const ModelConfig& cfg) {
+  switch (cfg.arch) {
+    case Arch::Llama:
+    case Arch::Qwen2:
+    case Arch::Qwen3:
+    case Arch::Mistral:
+      return make_llama_family(cfg);
+  }
+  throw Error("kvlm has no model definition for " + std::string(arch_name(cfg.arch)));
+}
+
+}  // namespace kvlm

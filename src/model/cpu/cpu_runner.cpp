@@ -1,0 +1,183 @@
+#include "model/cpu/cpu_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+
+#include "core/error.h"
+#include "ops/cpu/ops.h"
+
+namespace kvlm {
+
+namespace cpu = ops::cpu;
+
+namespace {
+
+std::span<float> f32(const Tensor& t) { return {static_cast<float*>(t.data), size_t(t.numel())}; }
+std::span<const float> f32(const Weight& w) {
+  return w ? std::span<const float>(static_cast<const float*>(w.data), size_t(w.numel())) : std::span<const float>{};
+}
+
+// Holds every weight in fp32.
+class HostWeightSink final : public WeightSink {
+ public:
+  explicit HostWeightSink(std::vector<std::vector<float>>& storage) : storage_(storage) {}
+  void reserve(std::span<const WeightSpec> specs) override { storage_.reserve(specs.size()); }
+  Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const float> values) override {
+    std::vector<float> data;
+    if (!values.empty() || pieces.empty()) {
+      data.assign(values.begin(), values.end());
+    } else {
+      data.resize(size_t(s.rows() * s.cols()));
+      size_t off = 0;
+      for (const TensorView& v : pieces) {
+        const size_t n = size_t(v.info->numel());
+        convert_to_f32(v.info->dtype, v.bytes, std::span<float>(data).subspan(off, n));
+        off += n;
+      }
+    }
+    storage_.push_back(std::move(data));
+    return Weight{.data = storage_.back().data(), .dtype = DType::F32, .rows = s.rows(), .cols = s.cols()};
+  }
+
+ private:
+  std::vector<std::vector<float>>& storage_;
+};
+
+// The reference ops: fp32 everywhere, the attention through each layer's backend.
+class CpuOps final : public Ops {
+ public:
+  CpuOps(const ModelConfig& cfg, const ForwardBatch& b, KVCache& cache, std::span<const AttentionBackend* const> backends,
+         Communicator& comm, const CpuModelRunner::KVObserver& observer)
+      : cfg_(cfg), b_(b), cache_(cache), backends_(backends), comm_(comm), observer_(observer) {}
+
+  int num_tokens() const override { return int(b_.tokens.size()); }
+  int num_logit_rows() const override { return int(b_.logit_rows.size()); }
+
+  Tensor alloc(ActRole, int64_t rows, int64_t cols) override {
+    auto& v = arena_.emplace_back(size_t(rows * cols));
+    return Tensor{.data = v.data(), .dtype = DType::F32, .rows = rows, .cols = cols};
+  }
+
+  void embed(const Weight& table, float scale, Tensor x) override {
+    const int64_t hd = x.cols, vocab = table.rows;
+    const auto tab = f32(table);
+    const auto out = f32(x);
+    for (size_t t = 0; t < b_.tokens.size(); ++t) {
+      const TokenId id = b_.tokens[t];
+      if (id < 0 || id >= vocab)
+        throw Error("token id " + std::to_string(id) + " is outside the vocabulary (0.." + std::to_string(vocab - 1) + ")");
+      for (int64_t i = 0; i < hd; ++i) out[t * size_t(hd) + size_t(i)] = tab[size_t(id * hd + i)] * scale;
+    }
+  }
+
+  void add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override {
+    if (delta) cpu::add_inplace(f32(x), f32(delta));
+    cpu::rmsnorm(f32(x), int(x.rows), int(x.cols), f32(w), eps, f32(out));
+  }
+
+  void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override {
+    const size_t hd = size_t(x.cols);
+    const auto xs = f32(x), o = f32(out);
+    for (size_t r = 0; r < b_.logit_rows.size(); ++r) {
+      const int row = b_.logit_rows[r];
+      KVLM_CHECK(row >= 0 && row < x.rows, "logit row out of range");
+      for (size_t i = 0; i < hd; ++i)
+        o[r * hd + i] = xs[size_t(row) * hd + i] + (delta ? f32(delta)[size_t(row) * hd + i] : 0.0f);
+    }
+    cpu::rmsnorm(o, int(out.rows), int(hd), f32(w), eps, o);
+  }
+
+  void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) override {
+    cpu::linear(f32(x), int(x.rows), int(x.cols), f32(w), int(w.rows), f32(bias), f32(y));
+  }
+
+  void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override {
+    KVLM_CHECK(f == GluActivation::Silu, "mlp_down: unknown activation");
+    const size_t rows = size_t(gu.rows), inter = size_t(gu.cols / 2);
+    act_.resize(rows * inter);
+    const auto g = f32(gu);
+    for (size_t r = 0; r < rows; ++r)
+      cpu::silu_mul(g.subspan(r * 2 * inter, inter), g.subspan(r * 2 * inter + inter, inter),
+                    std::span<float>(act_).subspan(r * inter, inter));
+    cpu::linear(act_, int(rows), int(inter), f32(w), int(w.rows), f32(bias), f32(y));
+  }
+
+  void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override {
+    const int T = int(qkv.rows), nh = cfg_.num_heads, kvh = cfg_.num_kv_heads, d = cfg_.head_dim;
+    const float eps = float(cfg_.rms_norm_eps);
+    const size_t qd = size_t(nh * d), kd = size_t(kvh * d);
+    k_.resize(size_t(T) * kd);
+    v_.resize(size_t(T) * kd);
+    const auto in = f32(qkv), qo = f32(q);
+    for (size_t t = 0; t < size_t(T); ++t) {
+      const float* row = in.data() + t * size_t(qkv.cols);
+      std::copy_n(row, qd, qo.data() + t * qd);
+      std::copy_n(row + qd, kd, k_.data() + t * kd);
+      std::copy_n(row + qd + kd, kd, v_.data() + t * kd);
+    }
+    if (w.q_norm) cpu::rmsnorm(qo, T * nh, d, f32(w.q_norm), eps, qo);
+    if (w.k_norm) cpu::rmsnorm(k_, T * kvh, d, f32(w.k_norm), eps, k_);
+    cpu::rope(qo, T, nh, d, b_.positions, f32(w.inv_freq));
+    cpu::rope(k_, T, kvh, d, b_.positions, f32(w.inv_freq));
+    if (observer_) observer_(size_t(layer), k_, v_);
+    backends_[size_t(layer)]->store_kv(cache_.layer(size_t(layer)), KVWrite{.k = k_, .v = v_, .slots = b_.slots});
+  }
+
+  void attention(int layer, Tensor q, Tensor out, float softmax_scale) override {
+    backends_[size_t(layer)]->attend(cache_.layer(size_t(layer)),
+                                     AttentionCall{.q = f32(q), .out = f32(out), .seqs = b_.seqs, .softmax_scale = softmax_scale});
+  }
+
+  void all_reduce_sum(Tensor x) override {
+    if (comm_.world_size() > 1) comm_.all_reduce_sum(x.data, x.dtype, size_t(x.numel()), nullptr);
+  }
+
+ private:
+  const ModelConfig& cfg_;
+  const ForwardBatch& b_;
+  KVCache& cache_;
+  std::span<const AttentionBackend* const> backends_;
+  Communicator& comm_;
+  const CpuModelRunner::KVObserver& observer_;
+  std::deque<std::vector<float>> arena_;
+  std::vector<float> k_, v_, act_;
+};
+
+}  // namespace
+
+CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
+                               std::vector<const AttentionBackend*> backends)
+    : cfg_(std::move(config)), plan_(&plan), backends_(std::move(backends)), def_(make_model_definition(cfg_)) {
+  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) && backends_.size() == plan.layers.size(),
+             "one KV spec and one backend per layer");
+  HostWeightSink sink(storage_);
+  LoadedWeights lw = load_weights(def_->weights(), ckpt, sink);
+  weights_ = std::move(lw.weights);
+  num_params_ = lw.num_params;
+}
+
+CpuModelRunner::~CpuModelRunner() = default;
+
+void CpuModelRunner::allocate_kv(int num_blocks, int block_size) {
+  cache_.reset();  // release the old pool before allocating the new one
+  cache_ = std::make_unique<KVCache>(*plan_, num_blocks, block_size);
+}
+
+void CpuModelRunner::copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) {
+  KVLM_CHECK(cache_ != nullptr, "copy_blocks before allocate_kv");
+  for (const auto& [src, dst] : pairs) cache_->copy_block(src, dst);
+}
+
+void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
+  KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");
+  const size_t T = b.tokens.size();
+  KVLM_CHECK(b.positions.size() == T && b.slots.size() == T, "batch arrays differ in length");
+  KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(cfg_.vocab_size), "logits buffer size");
+  KVLM_CHECK(cache_->num_layers() == size_t(cfg_.num_layers), "KV cache built for another plan");
+  CpuOps ops(cfg_, b, *cache_, backends_, comm_, observer_);
+  const Tensor out = def_->forward(ops, weights_);
+  if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());
+}
+
+}  // namespace kvlm

@@ -1,0 +1,64 @@
+// The CPU model runner: a model definition (model/architecture.h) executed by the reference
+// ops in fp32 (model/cpu/cpu_runner.cpp), with the KV cache on the host in whatever each
+// layer's KVLayerSpec says, stored and read through the layer's attention backend.
+//
+// Weights are held in fp32 (converted once at load from bf16/fp16/fp32).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "attention/backend.h"
+#include "config/kv_plan.h"
+#include "config/model_config.h"
+#include "io/checkpoint.h"
+#include "kv/kv_cache.h"
+#include "model/architecture.h"
+#include "model/communicator.h"
+#include "model/model_runner.h"
+
+namespace kvlm {
+
+class CpuModelRunner final : public ModelRunner {
+ public:
+  // Loads and checks every weight the architecture's definition names. The plan says, per
+  // layer, how its KV is stored; `backends[i]` runs layer i's attention.
+  CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
+                 std::vector<const AttentionBackend*> backends);
+  ~CpuModelRunner() override;
+
+  const ModelConfig& config() const override { return cfg_; }
+  Device device() const override { return Device::Cpu; }
+  size_t num_parameters() const override { return num_params_; }
+  size_t weight_bytes() const override { return num_params_ * sizeof(float); }
+
+  void allocate_kv(int num_blocks, int block_size) override;
+  int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }
+  size_t kv_bytes() const override { return cache_ ? cache_->bytes() : 0; }
+  void forward(const ForwardBatch& batch, std::span<float> logits) override;
+  void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
+
+  // Sees every layer's K (after the q/k norm and RoPE, as it is stored) and V just before
+  // they are stored, fp32 [num_tokens][num_kv_heads][head_dim]: for `kvlm calibrate`.
+  using KVObserver = std::function<void(size_t layer, std::span<const float> k, std::span<const float> v)>;
+  void set_kv_observer(KVObserver f) { observer_ = std::move(f); }
+
+  // The host KV pool (tests read pages through it); null before allocate_kv.
+  KVCache* kv_cache() { return cache_.get(); }
+
+ private:
+  ModelConfig cfg_;
+  const KVPlan* plan_;
+  std::vector<const AttentionBackend*> backends_;
+  std::unique_ptr<ModelDefinition> def_;
+  std::vector<std::vector<float>> storage_;  // the weights' fp32 data
+  std::vector<Weight> weights_;
+  size_t num_params_ = 0;
+  std::unique_ptr<KVCache> cache_;
+  SingleProcessCommunicator comm_;
+  KVObserver observer_;
+};
+
+}  // namespace kvlm

@@ -1,0 +1,136 @@
+#include "model/cuda/cuda_ops.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/model_ops.h"
+
+namespace kvlm {
+
+CudaOps::CudaOps(const ModelConfig& cfg, DType act, void* stream, cuda::Gemm& gemm, Communicator& comm)
+    : cfg_(cfg), act_(act), stream_(stream), gemm_(gemm), comm_(comm) {}
+
+void CudaOps::set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks) {
+  layers_ = layers;
+  block_size_ = block_size;
+  num_blocks_ = num_blocks;
+}
+
+cuda::PagedAttentionParams CudaOps::attn_params(const CudaKVLayer& L, float softmax_scale) const {
+  return cuda::PagedAttentionParams{
+      .storage = L.storage, .quant = L.quant, .num_seqs = step_.S, .num_tokens = step_.T,
+      .num_q_heads = cfg_.num_heads, .num_kv_heads = cfg_.num_kv_heads, .head_dim = cfg_.head_dim,
+      .block_size = block_size_, .max_blocks_per_seq = step_.MB, .max_q_len = step_.max_q,
+      .max_kv_len = step_.max_kv, .mask = L.kind, .window = L.window, .softmax_scale = softmax_scale,
+      .q = nullptr, .out = nullptr, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
+      .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale, .v_tensor_scale = L.v_tensor_scale,
+      .num_tensor_scales = L.num_tensor_scales, .cu_q_lens = step_.cu_q_lens, .kv_lens = step_.kv_lens,
+      .block_tables = step_.block_tables, .workspace = attn_ws_, .workspace_bytes = attn_ws_bytes_};
+}
+
+void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
+  step_ = step;
+  carver_ = carver;
+  measure_ = measure;
+  attn_bf16_ = glu_act_ = nullptr;
+  // The split-KV workspace: the largest any layer's format needs for this shape.
+  attn_ws_ = nullptr;
+  attn_ws_bytes_ = 0;
+  size_t ws = 0;
+  for (const CudaKVLayer& L : layers_) ws = std::max(ws, cuda::paged_attention_workspace_bytes(attn_params(L, 1.0f)));
+  attn_ws_ = carver_.take_bytes(ws);
+  attn_ws_bytes_ = ws;
+}
+
+void* CudaOps::step_buffer(void*& slot, size_t bytes) {
+  if (!slot) slot = carver_.take_bytes(bytes);
+  return slot;
+}
+
+Tensor CudaOps::alloc(ActRole role, int64_t rows, int64_t cols) {
+  DType t = DType::F32;
+  switch (role) {
+    case ActRole::Residual:
+    case ActRole::Logits: t = DType::F32; break;
+    case ActRole::Hidden: t = act_; break;
+    case ActRole::Query: t = DType::BF16; break;
+  }
+  void* p = carver_.take_bytes(size_t(rows * cols) * dtype_size(t));
+  return Tensor{.data = p, .dtype = t, .rows = rows, .cols = cols};
+}
+
+void CudaOps::embed(const Weight& table, float scale, Tensor x) {
+  KVLM_CHECK(scale == 1.0f, "the CUDA embedding takes no scale yet");
+  if (measure_) return;
+  cuda::embed_rows(act_, table.data, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_);
+}
+
+void CudaOps::add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) {
+  if (measure_) return;
+  cuda::add_rmsnorm({.act = act_, .rows = int(x.rows), .hidden = int(x.cols), .x = static_cast<float*>(x.data),
+                     .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data},
+                    stream_);
+}
+
+void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) {
+  if (measure_) return;
+  cuda::add_rmsnorm({.act = act_, .rows = int(out.rows), .hidden = int(x.cols), .x = static_cast<float*>(x.data),
+                     .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data,
+                     .row_map = step_.logit_rows},
+                    stream_);
+}
+
+void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {
+  if (measure_) return;
+  gemm_.linear(act_, y.dtype, x.data, w.data, bias.data, y.data, int(x.rows), int(w.rows), int(x.cols), stream_);
+}
+
+void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) {
+  KVLM_CHECK(f == GluActivation::Silu, "mlp_down: unknown activation");
+  const int T = int(gu.rows), I = int(gu.cols / 2), H = int(w.rows);
+  // Carved whether or not it is used, so that measuring and running carve the same.
+  void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
+  if (measure_) return;
+  if (T == 1 && gemm_.small_m_kernel(T) && cuda::gemv_fits(T, I, gu.data, w.data)) {  // batch 1: SiLU-and-mul fused
+    cuda::gemv_small_m(act_, act_, gu.data, w.data, bias.data, y.data, T, H, I, stream_, 0, /*glu_input=*/true);
+  } else {
+    cuda::silu_mul(act_, gu.data, act, T, I, stream_);
+    gemm_.linear(act_, act_, act, w.data, bias.data, y.data, T, H, I, stream_);
+  }
+}
+
+void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) {
+  if (measure_) return;
+  const CudaKVLayer& L = layers_[size_t(layer)];
+  cuda::qkv_rope_store({.act = act_, .storage = L.storage, .quant = L.quant, .num_tokens = int(qkv.rows),
+                        .num_q_heads = cfg_.num_heads, .num_kv_heads = cfg_.num_kv_heads, .head_dim = cfg_.head_dim,
+                        .qkv = qkv.data, .q_norm = static_cast<const float*>(w.q_norm.data),
+                        .k_norm = static_cast<const float*>(w.k_norm.data), .eps = float(cfg_.rms_norm_eps),
+                        .positions = step_.positions, .inv_freq = static_cast<const float*>(w.inv_freq.data),
+                        .q_out = static_cast<uint16_t*>(q.data), .slots = step_.slots, .block_size = block_size_,
+                        .num_blocks = num_blocks_, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
+                        .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale,
+                        .v_tensor_scale = L.v_tensor_scale, .num_tensor_scales = L.num_tensor_scales},
+                       stream_);
+}
+
+void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale) {
+  // The kernels write bf16; a float16 model converts for the o projection.
+  void* bf16_out = out.data;
+  if (act_ != DType::BF16) bf16_out = step_buffer(attn_bf16_, size_t(out.numel()) * 2);
+  if (measure_) return;
+  cuda::PagedAttentionParams p = attn_params(layers_[size_t(layer)], softmax_scale);
+  p.q = static_cast<const uint16_t*>(q.data);
+  p.out = static_cast<uint16_t*>(bf16_out);
+  cuda::paged_attention(p, stream_);
+  if (act_ != DType::BF16) cuda::bf16_to_act(act_, static_cast<const uint16_t*>(bf16_out), out.data, size_t(out.numel()), stream_);
+}
+
+void CudaOps::all_reduce_sum(Tensor x) {
+  if (measure_ || comm_.world_size() == 1) return;
+  comm_.all_reduce_sum(x.data, x.dtype, size_t(x.numel()), stream_);
+}
+
+}  // namespace kvlm

@@ -1,0 +1,120 @@
+// The CUDA ops (model/ops.h) of the CUDA model runner: every op enqueues the kernels of
+// ops/cuda on the runner's stream, so a step's launches can be captured into a CUDA graph.
+// No CUDA header here (a stream is a void*).
+//
+// Types: the residual stream fp32, Hidden activations in the compute dtype (bf16/fp16),
+// queries bf16 (the paged attention kernels' input), logits fp32. Weights: matrices and
+// biases in the compute dtype, norms and RoPE frequencies fp32.
+//
+// Activations are carved from the runner's scratch arena, in the order the forward asks for
+// them, after the step's metadata. A step run with `measure` set launches nothing and only
+// counts the bytes it would carve: the runner sizes its arena from that, then runs the same
+// forward for real, so a given step shape always gets the same addresses (what a captured
+// graph bakes in).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "config/model_config.h"
+#include "core/dtype.h"
+#include "core/index_types.h"
+#include "model/communicator.h"
+#include "model/ops.h"
+#include "ops/cuda/attention_ops.h"
+
+namespace kvlm {
+
+namespace cuda {
+class Gemm;
+}
+
+// Bump allocation of 256-byte aligned pieces (cuBLASLt's default alignment assumption;
+// cudaMalloc gives 256), from a base address (0 to measure).
+struct Carver {
+  static constexpr size_t kAlign = 256;
+  static size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+  uintptr_t base = 0;
+  size_t off = 0;
+  void* take_bytes(size_t bytes) {
+    void* p = reinterpret_cast<void*>(base + off);
+    off += align_up(bytes);
+    return p;
+  }
+  template <class T>
+  T* take(size_t count) {
+    return static_cast<T*>(take_bytes(count * sizeof(T)));
+  }
+};
+
+// One layer's KV as the CUDA kernels see it: its format, mask, static scales and pages.
+struct CudaKVLayer {
+  DType storage = DType::BF16;
+  KVQuantMode quant = KVQuantMode::None;
+  AttentionKind kind = AttentionKind::Full;
+  int window = 0;
+  const float *k_tensor_scale = nullptr, *v_tensor_scale = nullptr;  // device, fp8_per_tensor
+  int num_tensor_scales = 1;
+  uint8_t *k = nullptr, *v = nullptr;  // the pool's pages (allocate_kv)
+  float *k_scale = nullptr, *v_scale = nullptr;
+  size_t page_bytes = 0, scale_page_bytes = 0;
+};
+
+// A step as the kernels see it: its (possibly padded) shape and its metadata in device memory.
+struct CudaStep {
+  int T = 0, R = 0, S = 0, MB = 1, max_q = 1, max_kv = 1;
+  const TokenId* tokens = nullptr;
+  const Position* positions = nullptr;
+  const SlotId* slots = nullptr;
+  const int32_t* cu_q_lens = nullptr;
+  const int32_t* kv_lens = nullptr;
+  const BlockId* block_tables = nullptr;
+  const int32_t* logit_rows = nullptr;
+};
+
+class CudaOps final : public Ops {
+ public:
+  CudaOps(const ModelConfig& cfg, DType act, void* stream, cuda::Gemm& gemm, Communicator& comm);
+
+  void set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks);
+  // Starts a step whose activations are carved from `carver` (already past the runner's
+  // metadata); with `measure`, nothing is launched.
+  void begin_step(const CudaStep& step, Carver carver, bool measure);
+  // The arena offset reached so far in this step.
+  size_t arena_end() const { return carver_.off; }
+
+  int num_tokens() const override { return step_.T; }
+  int num_logit_rows() const override { return step_.R; }
+  Tensor alloc(ActRole role, int64_t rows, int64_t cols) override;
+  void embed(const Weight& table, float scale, Tensor x) override;
+  void add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override;
+  void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override;
+  void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) override;
+  void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override;
+  void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override;
+  void attention(int layer, Tensor q, Tensor out, float softmax_scale) override;
+  void all_reduce_sum(Tensor x) override;
+
+ private:
+  cuda::PagedAttentionParams attn_params(const CudaKVLayer& L, float softmax_scale) const;
+  // A buffer the ops need inside the step, carved once per step at its first use.
+  void* step_buffer(void*& slot, size_t bytes);
+
+  const ModelConfig& cfg_;
+  DType act_;
+  void* stream_;
+  cuda::Gemm& gemm_;
+  Communicator& comm_;
+  std::span<const CudaKVLayer> layers_;
+  int block_size_ = 0, num_blocks_ = 0;
+  CudaStep step_;
+  Carver carver_;
+  bool measure_ = false;
+  void* attn_ws_ = nullptr;
+  size_t attn_ws_bytes_ = 0;
+  void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
+  void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused
+};
+
+}  // namespace kvlm

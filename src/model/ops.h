@@ -1,0 +1,95 @@
+// The device-neutral ops a model's forward is written against (model/architecture.h).
+//
+// A model definition states its forward once, as calls on `Ops`; each device implements
+// them: the CPU ops (model/cpu/cpu_runner.cpp) in fp32 are the reference, the CUDA ops
+// (model/cuda/cuda_ops.cpp) enqueue the fast kernels on the runner's stream, so CUDA graph
+// capture and programmatic dependent launch see exactly the launches they saw before the
+// forward was shared. It is a small eager interface: every call runs (or enqueues) at once.
+//
+// One step: the runner lays out the step's metadata (tokens, positions, slots, the
+// sequences' block tables, the rows whose logits are wanted) where its device reads it,
+// points the ops at it, and calls the definition's forward, which allocates its activations
+// through alloc() in a fixed order (the CUDA runner first runs the forward in a measuring
+// mode to size its arena, so the same shape always gets the same addresses).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "core/dtype.h"
+
+namespace kvlm {
+
+// What an activation holds; each device chooses its element type per role.
+enum class ActRole : uint8_t {
+  Residual,  // the residual stream: fp32 on every device
+  Hidden,    // values between ops: fp32 on the CPU, the compute dtype (bf16/fp16) on CUDA
+  Query,     // attention queries after the prologue: fp32 on the CPU, bf16 on CUDA
+  Logits,    // fp32 on every device
+};
+
+// A step's activation on the ops' device, row-major [rows][cols].
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t rows = 0, cols = 0;
+  explicit operator bool() const { return data != nullptr; }
+  int64_t numel() const { return rows * cols; }
+};
+
+// A weight on the ops' device: a matrix [rows][cols] in PyTorch's Linear layout
+// ([out][in]), or a vector (cols = 1). Empty (null) for an absent optional weight.
+struct Weight {
+  const void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t rows = 0, cols = 0;
+  explicit operator bool() const { return data != nullptr; }
+  int64_t numel() const { return rows * cols; }
+};
+
+// The gate activation of a gated MLP: out = f(gate) * up.
+enum class GluActivation : uint8_t {
+  Silu,  // Llama, Qwen, Mistral
+};
+
+// The attention prologue of one layer: per-head RMSNorm of q and k (Qwen3, Gemma 3; empty
+// weights skip it), rotary embedding with this layer's frequencies, then K and V quantized
+// into the layer's pages as its KVLayerSpec says.
+struct PrologueWeights {
+  Weight q_norm, k_norm;  // fp32 [head_dim] or empty
+  Weight inv_freq;        // fp32 [head_dim / 2]
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+
+  // The step: number of token rows, and of rows whose logits are wanted.
+  virtual int num_tokens() const = 0;
+  virtual int num_logit_rows() const = 0;
+
+  // An activation that lives until the step ends.
+  virtual Tensor alloc(ActRole role, int64_t rows, int64_t cols) = 0;
+
+  // x[r] = table[token r] * scale  (the residual stream, fp32).
+  virtual void embed(const Weight& table, float scale, Tensor x) = 0;
+  // x += delta (when delta is non-empty), then out = RMSNorm(x) * w, in fp32.
+  virtual void add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) = 0;
+  // The final norm of the rows whose logits are wanted: out[r] = RMSNorm(x[row r] + delta[row r]) * w;
+  // x is left as it is. out has num_logit_rows() rows.
+  virtual void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) = 0;
+  // y = x . w^T (+ bias).
+  virtual void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) = 0;
+  // y = (f(gate) * up) . w^T (+ bias), where gu = [gate | up] (the fused gate/up projection).
+  virtual void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) = 0;
+  // Layer `layer`'s prologue on the fused projection qkv = [q heads | k heads | v heads]: q
+  // (normed, rotated) into `q`, K and V into the layer's pages at the step's slots.
+  virtual void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) = 0;
+  // Paged attention of `q` over layer `layer`'s KV with the layer's mask -> out (Hidden).
+  virtual void attention(int layer, Tensor q, Tensor out, float softmax_scale) = 0;
+  // Sums x over the ranks of the runner's communicator (model/communicator.h), in place:
+  // after a projection whose input dimension is split across ranks. One rank: nothing.
+  virtual void all_reduce_sum(Tensor x) = 0;
+};
+
+}  // namespace kvlm

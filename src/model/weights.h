@@ -1,0 +1,96 @@
+// What a model definition loads, stated once per architecture, and the one loader every
+// device uses.
+//
+// A WeightSpec names the checkpoint tensors of one device weight (several, concatenated
+// along dim 0, for the fused q/k/v and gate/up projections), their shapes as config.json
+// implies them, what kind of weight it is (which decides its element type on each device),
+// and how tensor parallelism would split it. load_weights checks every tensor's dtype and
+// shape, reports progress and unused tensors, and hands each weight to the device's
+// WeightSink, which stores it where the device computes.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "io/checkpoint.h"
+#include "model/ops.h"
+
+namespace kvlm {
+
+// The element type a weight gets on a device follows its role: the CPU holds everything in
+// fp32; CUDA holds matrices, biases and embedding tables in the compute dtype (bf16/fp16)
+// and norms and constants in fp32.
+enum class WeightRole : uint8_t {
+  Matrix,    // a projection [out][in]; also the embedding table and the LM head
+  Bias,      // [out]
+  Norm,      // an RMSNorm weight [dim]
+  Constant,  // computed on the host from the config (RoPE inverse frequencies)
+};
+
+// How tensor parallelism splits a weight over ranks (not yet acted on: the plan for it).
+enum class Shard : uint8_t {
+  Replicated,  // every rank holds all of it (norms, constants)
+  Rows,        // split along dim 0, the output features: column-parallel (q/k/v, gate/up, their biases)
+  Cols,        // split along dim 1, the input features: row-parallel (o, down), followed by an all-reduce
+  Vocab,       // the embedding table / LM head, split over the vocabulary
+};
+
+struct WeightPiece {
+  std::string name;             // checkpoint tensor name
+  std::vector<int64_t> shape;   // as config.json implies it
+};
+
+struct WeightSpec {
+  std::vector<WeightPiece> pieces;  // concatenated along dim 0; empty for a Constant
+  WeightRole role = WeightRole::Matrix;
+  Shard shard = Shard::Replicated;
+  bool add_one = false;             // stored as 1 + w (Gemma's RMSNorm), in fp32
+  std::vector<float> constant;      // Constant: the values
+  std::string missing_hint;         // appended to the error when a piece is missing
+
+  int64_t rows() const;  // summed dim 0 of the pieces (constant: its size)
+  int64_t cols() const;  // product of the remaining dims (1 for vectors)
+};
+
+// Everything a model definition loads. Weights are referred to by their index here.
+struct WeightList {
+  std::vector<WeightSpec> specs;
+  // Checkpoint tensors the definition knowingly leaves unused (a tied checkpoint's
+  // lm_head copy), so that they are not reported.
+  std::vector<std::string> known_unused;
+
+  size_t add(WeightSpec s) {
+    specs.push_back(std::move(s));
+    return specs.size() - 1;
+  }
+};
+
+// Where a device puts the weights.
+class WeightSink {
+ public:
+  virtual ~WeightSink() = default;
+  // Called once, before any store(), with every spec (sizes are known: one allocation).
+  virtual void reserve(std::span<const WeightSpec> specs) = 0;
+  // One weight. Matrices and biases come as the checkpoint's raw tensors (`pieces`, dtype
+  // and shape checked: F32, F16 or BF16); norms and constants as fp32 values (`values`,
+  // with add_one applied).
+  virtual Weight store(const WeightSpec& spec, std::span<const TensorView> pieces, std::span<const float> values) = 0;
+};
+
+struct LoadedWeights {
+  std::vector<Weight> weights;  // one per spec, in order
+  size_t num_params = 0;        // elements read from the checkpoint
+};
+
+// Loads every weight of `list` from `ckpt` into `sink`. Throws kvlm::Error naming the tensor
+// for a missing tensor, a wrong shape or a dtype kvlm cannot load; warns about checkpoint
+// tensors no spec uses (other than KV scales and cached RoPE tables).
+LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink);
+
+// The model's compute dtype: config.json's torch_dtype/dtype, else the embedding's dtype.
+DType model_dtype(const ModelConfig& cfg, const Checkpoint& ckpt);
+
+}  // namespace kvlm
