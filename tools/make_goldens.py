@@ -156,6 +156,26 @@ def model_specs():
         prompt_len=40, seed=6000, shards=1,
         exercises="Mistral: sliding window 8 on every layer, MQA (1 kv head), linear rope "
                   "scaling factor 4, fp32 weights"))
+    gemma = base_config("Gemma3ForCausalLM", "gemma3_text", "bfloat16", num_hidden_layers=6,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                        intermediate_size=96, tie_word_embeddings=False, sliding_window=8,
+                        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0},
+                        query_pre_attn_scalar=64, hidden_activation="gelu_pytorch_tanh",
+                        final_logit_softcapping=None, attn_logit_softcapping=None,
+                        attention_bias=False)
+    gemma.pop("hidden_act")
+    specs.append(dict(
+        name="gemma3-swa",
+        config=gemma,
+        prompt_len=40, seed=8000, shards=1,
+        exercises="Gemma 3: 5 sliding (window 8) : 1 global layers derived from the default "
+                  "sliding_window_pattern 6, local rope theta 1e4 vs global 1e6 with linear "
+                  "scaling 4 (global only), head_dim 256 > hidden 64, MQA, (1 + w) RMSNorms "
+                  "before and after attention and MLP, per-head q/k norms, GELU-tanh MLP, "
+                  "embeddings scaled by sqrt(hidden), query_pre_attn_scalar 64 != head_dim, "
+                  "untied lm_head (tied, the scaled embedding's own token wins every greedy "
+                  "step: no seed gives 6 distinct ids), bf16"))
     return specs
 
 
@@ -247,7 +267,8 @@ def layer_types_of(model, cfg):
 
 def randomize(model, cfg, seed):
     """Overwrite every parameter: emb N(0,1), Linear N(0,1/fan_in), lm_head
-    N(0,(3/sqrt(hidden))^2), biases N(0,0.5^2), RMSNorm 1 + 0.1 N(0,1).
+    N(0,(3/sqrt(hidden))^2), biases N(0,0.5^2), RMSNorm 1 + 0.1 N(0,1) (Gemma's, which scale by
+    1 + w: 0.1 N(0,1)).
 
     Tied models: the embedding is also the lm_head, so its std sets the logit scale
     (logit std ~ std*sqrt(hidden)) AND how strongly the residual copy of the current token's own
@@ -276,7 +297,8 @@ def randomize(model, cfg, seed):
             if mod.bias is not None:
                 fill(mod.bias, 0.5)
         elif "RMSNorm" in type(mod).__name__ and getattr(mod, "weight", None) is not None:
-            fill(mod.weight, 0.1, 1.0)
+            # Gemma's RMSNorm scales by (1 + w): centre w on 0, the others' w on 1.
+            fill(mod.weight, 0.1, 0.0 if type(mod).__name__.startswith("Gemma") else 1.0)
     if tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         print("   note: lm_head not shared with embed_tokens after from_config; copying")
         with torch.no_grad():

@@ -19,6 +19,15 @@ std::string_view arch_name(Arch a) {
     case Arch::Qwen2: return "Qwen2ForCausalLM";
     case Arch::Qwen3: return "Qwen3ForCausalLM";
     case Arch::Mistral: return "MistralForCausalLM";
+    case Arch::Gemma3: return "Gemma3ForCausalLM";
+  }
+  return "?";
+}
+
+std::string_view glu_activation_name(GluActivation a) {
+  switch (a) {
+    case GluActivation::Silu: return "silu";
+    case GluActivation::GeluTanh: return "gelu_pytorch_tanh";
   }
   return "?";
 }
@@ -56,31 +65,33 @@ Arch parse_arch(const json& cfg) {
     if (*mt == "qwen2") return Arch::Qwen2;
     if (*mt == "qwen3") return Arch::Qwen3;
     if (*mt == "mistral") return Arch::Mistral;
+    if (*mt == "gemma3_text") return Arch::Gemma3;
     name = "model_type " + *mt;
   } else {
     throw Error("config.json: no 'architectures' list and no 'model_type'; is this a Hugging Face model directory?");
   }
-  for (Arch a : {Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Mistral})
+  for (Arch a : {Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Mistral, Arch::Gemma3})
     if (arch_name(a) == name) return a;
   throw Error("config.json: unsupported architecture '" + name +
-              "'; kvlm supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM");
+              "'; kvlm supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
+              "Gemma3ForCausalLM");
 }
 
-RopeConfig parse_rope(const json& cfg) {
+// `params`: transformers-5 rope_parameters (or one layer type's entry of it); else the Hub's
+// rope_theta (default `theta`) plus an optional rope_scaling object.
+RopeConfig parse_rope(const json& cfg, const json* params, double theta, const std::string& params_where) {
   RopeConfig r;
-  // transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; the Hub's configs
-  // carry rope_theta plus an optional rope_scaling object.
-  const json* params = jg::find(cfg, "rope_parameters");
+  r.theta = theta;
   const json* scaling = jg::find(cfg, "rope_scaling");
-  if (params && !params->is_object()) throw Error("config.json: 'rope_parameters' must be an object");
+  if (params && !params->is_object()) throw Error(params_where + " must be an object");
   if (scaling && !scaling->is_object()) throw Error("config.json: 'rope_scaling' must be an object or null");
   const json* s = params ? params : scaling;
   if (auto t = jg::opt_number(cfg, "rope_theta", kWhere)) r.theta = *t;
   if (params)
-    if (auto t = jg::opt_number(*params, "rope_theta", "config.json rope_parameters")) r.theta = *t;
+    if (auto t = jg::opt_number(*params, "rope_theta", params_where)) r.theta = *t;
   if (!(r.theta > 0)) throw Error("config.json: rope_theta must be positive");
   if (!s) return r;
-  const std::string where = params ? "config.json rope_parameters" : "config.json rope_scaling";
+  const std::string where = params ? params_where : "config.json rope_scaling";
   std::string type = jg::opt_string(*s, "rope_type", where).value_or("");
   if (type.empty()) type = jg::opt_string(*s, "type", where).value_or("default");
   if (type == "default") return r;
@@ -205,10 +216,42 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
   m.max_position_embeddings = jg::find(cfg, "max_position_embeddings") ? positive(cfg, "max_position_embeddings") : 2048;
   m.rms_norm_eps = jg::opt_number(cfg, "rms_norm_eps", kWhere).value_or(1e-6);
   if (!(m.rms_norm_eps >= 0)) throw Error("config.json: rms_norm_eps must be non-negative");
-  if (auto act = jg::opt_string(cfg, "hidden_act", kWhere); act && *act != "silu")
+  const bool gemma = m.arch == Arch::Gemma3;
+  // Gemma configs name the activation hidden_activation; the others hidden_act.
+  std::optional<std::string> act = jg::opt_string(cfg, gemma ? "hidden_activation" : "hidden_act", kWhere);
+  if (!act && gemma) act = jg::opt_string(cfg, "hidden_act", kWhere);
+  if (gemma) {
+    if (act && *act != "gelu_pytorch_tanh")
+      throw Error("config.json: hidden_activation '" + *act + "' is not supported for Gemma 3; kvlm supports gelu_pytorch_tanh");
+    m.hidden_act = GluActivation::GeluTanh;
+  } else if (act && *act != "silu") {
     throw Error("config.json: hidden_act '" + *act + "' is not supported; kvlm supports silu");
-  m.rope = parse_rope(cfg);
-  m.tie_word_embeddings = jg::opt_bool(cfg, "tie_word_embeddings", kWhere).value_or(false);
+  }
+  const json* rope_params = jg::find(cfg, "rope_parameters");
+  if (gemma) {
+    // Global layers: rope_theta (default 1e6) with rope_scaling; sliding layers: plain RoPE
+    // with rope_local_base_freq (default 1e4). transformers 5 writes both as rope_parameters
+    // keyed by layer type.
+    const json* full = rope_params && rope_params->is_object() ? jg::find(*rope_params, "full_attention") : nullptr;
+    const json* local = rope_params && rope_params->is_object() ? jg::find(*rope_params, "sliding_attention") : nullptr;
+    m.rope = parse_rope(cfg, full ? full : (local ? nullptr : rope_params), 1e6, "config.json rope_parameters.full_attention");
+    RopeConfig l;
+    l.theta = jg::opt_number(cfg, "rope_local_base_freq", kWhere).value_or(1e4);
+    if (local) {
+      const json none = json::object();
+      l = parse_rope(none, local, l.theta, "config.json rope_parameters.sliding_attention");
+    }
+    if (!(l.theta > 0)) throw Error("config.json: rope_local_base_freq must be positive");
+    m.rope_local = l;
+    m.query_pre_attn_scalar = jg::opt_number(cfg, "query_pre_attn_scalar", kWhere).value_or(256.0);
+    if (!(*m.query_pre_attn_scalar > 0)) throw Error("config.json: query_pre_attn_scalar must be positive");
+    for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
+      if (jg::opt_number(cfg, cap, kWhere))
+        throw Error(std::string("config.json: ") + cap + " is set; kvlm does not implement logit soft-capping (Gemma 2)");
+  } else {
+    m.rope = parse_rope(cfg, rope_params, 10000.0, "config.json rope_parameters");
+  }
+  m.tie_word_embeddings = jg::opt_bool(cfg, "tie_word_embeddings", kWhere).value_or(gemma);
   const bool attention_bias = jg::opt_bool(cfg, "attention_bias", kWhere).value_or(false);
   switch (m.arch) {
     case Arch::Qwen2:
@@ -222,6 +265,10 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
     case Arch::Mistral:
       m.qkv_bias = m.o_bias = attention_bias;
       m.mlp_bias = jg::opt_bool(cfg, "mlp_bias", kWhere).value_or(false);
+      break;
+    case Arch::Gemma3:
+      m.qk_norm = true;
+      m.qkv_bias = m.o_bias = attention_bias;
       break;
   }
   std::optional<std::string> dt = jg::opt_string(cfg, "torch_dtype", kWhere);
@@ -242,6 +289,7 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
   const bool qwen = m.arch == Arch::Qwen2 || m.arch == Arch::Qwen3;
   if (qwen && !jg::opt_bool(cfg, "use_sliding_window", kWhere).value_or(false)) window = 0;
   if (m.arch == Arch::Llama) window = 0;
+  if (gemma && !jg::find(cfg, "sliding_window")) window = 4096;  // transformers' Gemma3TextConfig default
   m.layers.assign(size_t(m.num_layers), LayerAttention{});
   if (const json* lt = jg::find(cfg, "layer_types")) {
     if (!lt->is_array() || lt->size() != size_t(m.num_layers))
@@ -257,6 +305,14 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
                     "'; kvlm supports full_attention and sliding_attention");
       }
     }
+  } else if (gemma && window > 0) {
+    // No layer_types: every sliding_window_pattern-th layer is global, the others sliding.
+    std::optional<long long> pattern = jg::opt_int(cfg, "sliding_window_pattern", kWhere);
+    if (!pattern) pattern = jg::opt_int(cfg, "_sliding_window_pattern", kWhere);
+    const long long every = pattern.value_or(6);
+    if (every <= 0) throw Error("config.json: sliding_window_pattern must be positive");
+    for (int i = 0; i < m.num_layers; ++i)
+      if ((i + 1) % every != 0) m.layers[size_t(i)] = {AttentionKind::Sliding, window};
   } else if (window > 0) {
     const long long first_sliding = qwen ? jg::opt_int(cfg, "max_window_layers", kWhere).value_or(m.num_layers) : 0;
     for (int i = 0; i < m.num_layers; ++i)

@@ -15,7 +15,7 @@
 
 namespace kvlm {
 
-enum class Arch { Llama, Qwen2, Qwen3, Mistral };
+enum class Arch { Llama, Qwen2, Qwen3, Mistral, Gemma3 };
 std::string_view arch_name(Arch a);  // the HF class name, e.g. "Qwen3ForCausalLM"
 
 enum class RopeType { Default, Linear, Llama3 };
@@ -29,6 +29,13 @@ struct RopeConfig {
   double high_freq_factor = 4.0;   // llama3
   int original_max_position = 8192;  // llama3
 };
+
+// The gate activation of the gated MLP: out = f(gate) * up.
+enum class GluActivation : uint8_t {
+  Silu,      // Llama, Qwen, Mistral (hidden_act silu)
+  GeluTanh,  // Gemma (gelu_pytorch_tanh)
+};
+std::string_view glu_activation_name(GluActivation a);
 
 enum class AttentionKind : uint8_t { Full, Sliding, NonCausal };
 std::string_view attention_kind_name(AttentionKind k);
@@ -57,7 +64,11 @@ struct ModelConfig {
   int vocab_size = 0;
   int max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
-  RopeConfig rope;
+  GluActivation hidden_act = GluActivation::Silu;
+  RopeConfig rope;                      // full-attention layers (all layers unless rope_local)
+  std::optional<RopeConfig> rope_local; // sliding-window layers, when they have their own (Gemma 3)
+  // Attention scores are scaled by query_pre_attn_scalar^-0.5 (Gemma); nullopt: head_dim^-0.5.
+  std::optional<double> query_pre_attn_scalar;
   bool tie_word_embeddings = false;
   bool qkv_bias = false;   // Qwen2 always; Llama/Mistral/Qwen3 with attention_bias
   bool o_bias = false;     // attention_bias on Llama/Mistral/Qwen3

@@ -11,6 +11,8 @@ std::unique_ptr<ModelDefinition> make_model_definition(const ModelConfig& cfg) {
     case Arch::Qwen3:
     case Arch::Mistral:
       return make_llama_family(cfg);
+    case Arch::Gemma3:
+      return make_gemma3(cfg);
   }
   throw Error("kvlm has no model definition for " + std::string(arch_name(cfg.arch)));
 }

@@ -37,5 +37,6 @@ std::unique_ptr<ModelDefinition> make_model_definition(const ModelConfig& cfg);
 
 // Architectures (model/arch/*.cpp).
 std::unique_ptr<ModelDefinition> make_llama_family(const ModelConfig& cfg);  // Llama, Qwen2, Qwen3, Mistral
+std::unique_ptr<ModelDefinition> make_gemma3(const ModelConfig& cfg);        // Gemma3ForCausalLM
 
 }  // namespace kvlm

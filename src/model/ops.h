@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 
+#include "config/model_config.h"  // GluActivation
 #include "core/dtype.h"
 
 namespace kvlm {
@@ -47,11 +48,6 @@ struct Weight {
   int64_t numel() const { return rows * cols; }
 };
 
-// The gate activation of a gated MLP: out = f(gate) * up.
-enum class GluActivation : uint8_t {
-  Silu,  // Llama, Qwen, Mistral
-};
-
 // The attention prologue of one layer: per-head RMSNorm of q and k (Qwen3, Gemma 3; empty
 // weights skip it), rotary embedding with this layer's frequencies, then K and V quantized
 // into the layer's pages as its KVLayerSpec says.
@@ -75,6 +71,9 @@ class Ops {
   virtual void embed(const Weight& table, float scale, Tensor x) = 0;
   // x += delta (when delta is non-empty), then out = RMSNorm(x) * w, in fp32.
   virtual void add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) = 0;
+  // out = RMSNorm(x) * w, in fp32, on Hidden values (Gemma's norms after attention and MLP).
+  // out may be x.
+  virtual void rmsnorm(Tensor x, const Weight& w, float eps, Tensor out) = 0;
   // The final norm of the rows whose logits are wanted: out[r] = RMSNorm(x[row r] + delta[row r]) * w;
   // x is left as it is. out has num_logit_rows() rows.
   virtual void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) = 0;

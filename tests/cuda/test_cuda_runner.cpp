@@ -452,6 +452,12 @@ Built build_runner(const fs::path& dir, KVCacheDType dt, Device dev, std::option
 // stories260K (outlier channels, float32 weights rounded to bf16 on the GPU) with random
 // tokens and a non-causal int8 cache, the CUDA runner's own quantization error is larger
 // than the CPU's (|cuda - cpu| = 2.19 with q = 0.75 and 1.04 for the bf16 cache, H100).
+// Non-causal attention over random tokens is far from what the two trained models saw in
+// training, and amplifies stories260K's outliers: its unquantized compute error measured
+// 5.8-8.7% of the largest logit over two input draws (4.0% causal on its golden prompt),
+// so the trained models get 10% there; the random-weight models stay at 3% with every mask,
+// and a wrong mask, RoPE, norm or page moves logits by tens of percent. Each model draws its
+// own inputs (seeded by its name), so adding a model changes no other model's inputs.
 TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<std::pair<std::string, fs::path>> models;
@@ -459,8 +465,10 @@ TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
     models.emplace_back(n, n == "stories260K" ? test::repo_root() / "models" / n : golden_dir() / "models" / n);
   models.emplace_back("kvlm-tiny", test::repo_root() / "models" / "kvlm-tiny");
   const int bs = 16, nb = 48;
-  std::mt19937 rng(23);
   for (const auto& [name, dir] : models) {
+    uint32_t seed = 2166136261u;  // FNV-1a of the name
+    for (const char ch : name) seed = (seed ^ uint8_t(ch)) * 16777619u;
+    std::mt19937 rng(seed);
     if (test::reduced() && !reduced_model(name)) continue;
     const bool trained = name == "stories260K" || name == "kvlm-tiny";
     for (const bool non_causal : {false, true}) {
@@ -491,7 +499,8 @@ TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
         std::printf("[cross-device] %-12s %-10s %-20s max|cuda-cpu|=%.3e (%.2f%% of %.1f) max|cpu-fp32cache|=%.3e\n",
                     name.c_str(), non_causal ? "non-causal" : "config", std::string(kv_cache_dtype_name(dt)).c_str(), d,
                     100 * d / scale, scale, q);
-        EXPECT_LT(d, (trained ? 0.06 : 0.03) * scale + 2 * q)
+        const double compute = !trained ? 0.03 : non_causal ? 0.10 : 0.06;
+        EXPECT_LT(d, compute * scale + 2 * q)
             << name << " " << kv_cache_dtype_name(dt) << (non_causal ? " non-causal" : "");
       }
     }

@@ -133,11 +133,31 @@ TEST(CudaModelOps, EmbedAndAddRmsNorm) {
       for (uint16_t c2 : dsel.download()) got.push_back(act_value(act, c2));
       c = compare(got, ref2, act_rel_tol(act), 1e-6);
       EXPECT_EQ(c.bad, 0u) << dtype_name(act) << " H=" << H << " gathered norm max err " << c.max_err;
+
+      // A plain RMSNorm of an act tensor (x null), in place (Gemma's post-norms).
+      cuda::add_rmsnorm({.act = act, .rows = rows, .hidden = H, .x = nullptr, .delta = ddelta.p, .weight = dw.p,
+                         .eps = 1e-5f, .out = ddelta.p},
+                        nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> ref3(delta.size());
+      ops::cpu::rmsnorm(delta, rows, H, w, 1e-5f, ref3);
+      got.clear();
+      for (uint16_t c3 : ddelta.download()) got.push_back(act_value(act, c3));
+      c = compare(got, ref3, act_rel_tol(act), 1e-6);
+      EXPECT_EQ(c.bad, 0u) << dtype_name(act) << " H=" << H << " in-place rmsnorm max err " << c.max_err;
+
+      // A scaled embedding (Gemma: sqrt(hidden)): one fp32 multiply of an exact value.
+      cuda::embed_rows(act, dtable.p, dtok.p, rows, H, dx.p, nullptr, 25.25f);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> xs2(size_t(rows) * H);
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < H; ++i) xs2[size_t(r) * H + i] = table[size_t(tokens[size_t(r)]) * H + i] * 25.25f;
+      EXPECT_EQ(dx.download(), xs2) << "embed_rows with a scale";
     }
   }
 }
 
-TEST(CudaModelOps, SiluMulAndConvert) {
+TEST(CudaModelOps, GluAndConvert) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(8);
   for (DType act : kActs) {
@@ -145,7 +165,7 @@ TEST(CudaModelOps, SiluMulAndConvert) {
     const auto gu = random_act(act, size_t(rows) * 2 * inter, rng, 3.0f);
     Dev<uint16_t> dgu(codes(act, gu)), dout(size_t(rows) * inter);
     dout.poison();
-    cuda::silu_mul(act, dgu.p, dout.p, rows, inter, nullptr);
+    cuda::glu(act, GluActivation::Silu, dgu.p, dout.p, rows, inter, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<float> g, u, ref(size_t(rows) * inter), got;
     for (int r = 0; r < rows; ++r) {
@@ -154,8 +174,18 @@ TEST(CudaModelOps, SiluMulAndConvert) {
     }
     ops::cpu::silu_mul(g, u, ref);
     for (uint16_t c : dout.download()) got.push_back(act_value(act, c));
-    const Cmp c = compare(got, ref, act_rel_tol(act), 1e-6);
+    Cmp c = compare(got, ref, act_rel_tol(act), 1e-6);
     EXPECT_EQ(c.bad, 0u) << dtype_name(act) << " silu_mul max err " << c.max_err;
+    // GELU (tanh) and mul: the CPU reference in fp32, one rounding to act (tanhf's few ulps
+    // are far below it).
+    dout.poison();
+    cuda::glu(act, GluActivation::GeluTanh, dgu.p, dout.p, rows, inter, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ops::cpu::gelu_tanh_mul(g, u, ref);
+    got.clear();
+    for (uint16_t c2 : dout.download()) got.push_back(act_value(act, c2));
+    c = compare(got, ref, act_rel_tol(act), 1e-6);
+    EXPECT_EQ(c.bad, 0u) << dtype_name(act) << " gelu_tanh_mul max err " << c.max_err;
   }
   // bf16 -> f16: one rounding of an exact value.
   const auto src = random_act(DType::BF16, 777, rng);

@@ -199,3 +199,85 @@ TEST(ModelConfig, GenerationConfigWins) {
   EXPECT_FLOAT_EQ(*m.default_top_p, 0.9f);
   EXPECT_EQ(*m.default_top_k, 20);
 }
+
+namespace {
+
+// The shape of google/gemma-3-270m's config.json (transformers 4.5x, legacy rope keys), minus
+// layer_types so that the pattern derives them.
+json gemma3() {
+  return json{{"architectures", {"Gemma3ForCausalLM"}}, {"model_type", "gemma3_text"}, {"hidden_size", 640},
+              {"intermediate_size", 2048}, {"num_hidden_layers", 18}, {"num_attention_heads", 4},
+              {"num_key_value_heads", 1}, {"head_dim", 256}, {"vocab_size", 262144},
+              {"max_position_embeddings", 32768}, {"rms_norm_eps", 1e-6}, {"rope_theta", 1000000.0},
+              {"rope_local_base_freq", 10000.0}, {"rope_scaling", nullptr}, {"sliding_window", 512},
+              {"query_pre_attn_scalar", 256}, {"hidden_activation", "gelu_pytorch_tanh"},
+              {"final_logit_softcapping", nullptr}, {"attn_logit_softcapping", nullptr},
+              {"torch_dtype", "bfloat16"}, {"eos_token_id", json::array({1, 106})}, {"bos_token_id", 2}};
+}
+
+}  // namespace
+
+TEST(ModelConfig, Gemma3) {
+  const ModelConfig m = parse_model_config(gemma3(), nullptr);
+  EXPECT_EQ(m.arch, Arch::Gemma3);
+  EXPECT_EQ(m.hidden_act, GluActivation::GeluTanh);
+  EXPECT_TRUE(m.qk_norm);
+  EXPECT_TRUE(m.tie_word_embeddings);  // Gemma's default
+  EXPECT_DOUBLE_EQ(m.rope.theta, 1e6);
+  ASSERT_TRUE(m.rope_local.has_value());
+  EXPECT_DOUBLE_EQ(m.rope_local->theta, 1e4);
+  EXPECT_EQ(m.rope_local->type, RopeType::Default);
+  EXPECT_EQ(m.query_pre_attn_scalar, 256.0);
+  ASSERT_EQ(m.layers.size(), 18u);
+  for (int i = 0; i < 18; ++i) {  // the default pattern: every 6th layer global
+    const bool global = (i + 1) % 6 == 0;
+    EXPECT_EQ(m.layers[size_t(i)].kind, global ? AttentionKind::Full : AttentionKind::Sliding) << i;
+    if (!global) EXPECT_EQ(m.layers[size_t(i)].window, 512);
+  }
+  EXPECT_EQ(m.eos_token_ids, (std::vector<TokenId>{1, 106}));
+
+  json j = gemma3();
+  j["sliding_window_pattern"] = 3;
+  EXPECT_EQ(parse_model_config(j, nullptr).layers[2].kind, AttentionKind::Full);
+  EXPECT_EQ(parse_model_config(j, nullptr).layers[3].kind, AttentionKind::Sliding);
+  j = gemma3();  // explicit layer_types win
+  j["layer_types"] = json::array();
+  for (int i = 0; i < 18; ++i) j["layer_types"].push_back(i == 0 ? "full_attention" : "sliding_attention");
+  EXPECT_EQ(parse_model_config(j, nullptr).layers[0].kind, AttentionKind::Full);
+  EXPECT_EQ(parse_model_config(j, nullptr).layers[5].kind, AttentionKind::Sliding);
+
+  // transformers 5: rope_parameters keyed by layer type; scaling on the global layers only.
+  j = gemma3();
+  j.erase("rope_theta");
+  j.erase("rope_local_base_freq");
+  j.erase("rope_scaling");
+  j["rope_parameters"] = {{"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1e6}}},
+                          {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 1e4}}}};
+  const ModelConfig t5 = parse_model_config(j, nullptr);
+  EXPECT_EQ(t5.rope.type, RopeType::Linear);
+  EXPECT_DOUBLE_EQ(t5.rope.factor, 8.0);
+  EXPECT_DOUBLE_EQ(t5.rope.theta, 1e6);
+  EXPECT_EQ(t5.rope_local->type, RopeType::Default);
+  EXPECT_DOUBLE_EQ(t5.rope_local->theta, 1e4);
+  // The legacy form: rope_scaling applies to the global layers only.
+  j = gemma3();
+  j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  const ModelConfig legacy = parse_model_config(j, nullptr);
+  EXPECT_EQ(legacy.rope.type, RopeType::Linear);
+  EXPECT_EQ(legacy.rope_local->type, RopeType::Default);
+}
+
+TEST(ModelConfig, Gemma3Refusals) {
+  json j = gemma3();
+  j["final_logit_softcapping"] = 30.0;
+  EXPECT_NE(error_of(j).find("final_logit_softcapping"), std::string::npos);
+  j = gemma3();
+  j["attn_logit_softcapping"] = 50.0;
+  EXPECT_NE(error_of(j).find("soft-capping"), std::string::npos);
+  j = gemma3();
+  j["hidden_activation"] = "relu";
+  EXPECT_NE(error_of(j).find("gelu_pytorch_tanh"), std::string::npos);
+  j = gemma3();
+  j["architectures"] = {"Gemma3ForConditionalGeneration"};
+  EXPECT_NE(error_of(j).find("unsupported architecture 'Gemma3ForConditionalGeneration'"), std::string::npos);
+}

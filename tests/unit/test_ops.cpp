@@ -44,6 +44,22 @@ TEST(Ops, RmsNormSiluAdd) {
   EXPECT_EQ(a, (std::vector<float>{1.5f, 0}));
 }
 
+// PyTorch's gelu(approximate="tanh"), worked in double: gelu_tanh(1) = 0.841191990...,
+// gelu_tanh(-2) = -0.045402305..., gelu_tanh(0) = 0.
+TEST(Ops, GeluTanhMul) {
+  std::vector<float> g{0.0f, 1.0f, -2.0f, 3.5f}, u{3.0f, 2.0f, 1.0f, -1.0f}, s(4), via_glu(4);
+  ops::cpu::gelu_tanh_mul(g, u, s);
+  EXPECT_NEAR(s[0], 0.0f, 1e-7);
+  EXPECT_NEAR(s[1], 2 * 0.8411919906, 1e-6);
+  EXPECT_NEAR(s[2], -0.0454023059, 1e-6);
+  const double x = 3.5, ref = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+  EXPECT_NEAR(s[3], -ref, 1e-5);
+  ops::cpu::glu(GluActivation::GeluTanh, g, u, via_glu);
+  EXPECT_EQ(via_glu, s);
+  ops::cpu::glu(GluActivation::Silu, g, u, via_glu);
+  EXPECT_NEAR(via_glu[1], 2.0f / (1 + std::exp(-1.0f)), 1e-6);
+}
+
 TEST(Ops, RopeRotatesHalves) {
   // One head of 4: pairs (x0, x2) and (x1, x3) rotate by pos * inv_freq[i].
   std::vector<float> x{1, 0, 0, 1};

@@ -97,7 +97,7 @@ class LlamaFamily final : public ModelDefinition {
       ops.all_reduce_sum(delta);
       ops.add_rmsnorm(x, delta, w[L.post_norm], eps, h);
       ops.linear(h, w[L.gu], W(L.bgu), gu);
-      ops.mlp_down(GluActivation::Silu, gu, w[L.down], W(L.bdown), delta);
+      ops.mlp_down(cfg_.hidden_act, gu, w[L.down], W(L.bdown), delta);
       ops.all_reduce_sum(delta);
       pending = delta;
     }

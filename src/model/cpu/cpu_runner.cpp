@@ -76,6 +76,10 @@ class CpuOps final : public Ops {
     cpu::rmsnorm(f32(x), int(x.rows), int(x.cols), f32(w), eps, f32(out));
   }
 
+  void rmsnorm(Tensor x, const Weight& w, float eps, Tensor out) override {
+    cpu::rmsnorm(f32(x), int(x.rows), int(x.cols), f32(w), eps, f32(out));
+  }
+
   void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override {
     const size_t hd = size_t(x.cols);
     const auto xs = f32(x), o = f32(out);
@@ -93,13 +97,12 @@ class CpuOps final : public Ops {
   }
 
   void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override {
-    KVLM_CHECK(f == GluActivation::Silu, "mlp_down: unknown activation");
     const size_t rows = size_t(gu.rows), inter = size_t(gu.cols / 2);
     act_.resize(rows * inter);
     const auto g = f32(gu);
     for (size_t r = 0; r < rows; ++r)
-      cpu::silu_mul(g.subspan(r * 2 * inter, inter), g.subspan(r * 2 * inter + inter, inter),
-                    std::span<float>(act_).subspan(r * inter, inter));
+      cpu::glu(f, g.subspan(r * 2 * inter, inter), g.subspan(r * 2 * inter + inter, inter),
+               std::span<float>(act_).subspan(r * inter, inter));
     cpu::linear(act_, int(rows), int(inter), f32(w), int(w.rows), f32(bias), f32(y));
   }
 

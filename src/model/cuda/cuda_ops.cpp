@@ -62,15 +62,21 @@ Tensor CudaOps::alloc(ActRole role, int64_t rows, int64_t cols) {
 }
 
 void CudaOps::embed(const Weight& table, float scale, Tensor x) {
-  KVLM_CHECK(scale == 1.0f, "the CUDA embedding takes no scale yet");
   if (measure_) return;
-  cuda::embed_rows(act_, table.data, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_);
+  cuda::embed_rows(act_, table.data, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
 }
 
 void CudaOps::add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) {
   if (measure_) return;
   cuda::add_rmsnorm({.act = act_, .rows = int(x.rows), .hidden = int(x.cols), .x = static_cast<float*>(x.data),
                      .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data},
+                    stream_);
+}
+
+void CudaOps::rmsnorm(Tensor x, const Weight& w, float eps, Tensor out) {
+  if (measure_) return;
+  cuda::add_rmsnorm({.act = act_, .rows = int(x.rows), .hidden = int(x.cols), .x = nullptr, .delta = x.data,
+                     .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data},
                     stream_);
 }
 
@@ -88,15 +94,15 @@ void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {
 }
 
 void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) {
-  KVLM_CHECK(f == GluActivation::Silu, "mlp_down: unknown activation");
   const int T = int(gu.rows), I = int(gu.cols / 2), H = int(w.rows);
   // Carved whether or not it is used, so that measuring and running carve the same.
   void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
   if (measure_) return;
-  if (T == 1 && gemm_.small_m_kernel(T) && cuda::gemv_fits(T, I, gu.data, w.data)) {  // batch 1: SiLU-and-mul fused
+  if (f == GluActivation::Silu && T == 1 && gemm_.small_m_kernel(T) && cuda::gemv_fits(T, I, gu.data, w.data)) {
+    // batch 1: SiLU-and-mul fused into the GEMV's input
     cuda::gemv_small_m(act_, act_, gu.data, w.data, bias.data, y.data, T, H, I, stream_, 0, /*glu_input=*/true);
   } else {
-    cuda::silu_mul(act_, gu.data, act, T, I, stream_);
+    cuda::glu(act_, f, gu.data, act, T, I, stream_);
     gemm_.linear(act_, act_, act, w.data, bias.data, y.data, T, H, I, stream_);
   }
 }

@@ -89,6 +89,7 @@ class CudaOps final : public Ops {
   Tensor alloc(ActRole role, int64_t rows, int64_t cols) override;
   void embed(const Weight& table, float scale, Tensor x) override;
   void add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override;
+  void rmsnorm(Tensor x, const Weight& w, float eps, Tensor out) override;
   void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override;
   void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) override;
   void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override;

@@ -41,6 +41,23 @@ void silu_mul(std::span<const float> gate, std::span<const float> up, std::span<
   }
 }
 
+void gelu_tanh_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out) {
+  KVLM_CHECK(gate.size() == up.size() && out.size() == up.size(), "gelu_tanh_mul: shape mismatch");
+  const float k = std::sqrt(2.0f / 3.14159265358979f);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const float g = gate[i];
+    out[i] = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))) * up[i];
+  }
+}
+
+void glu(GluActivation f, std::span<const float> gate, std::span<const float> up, std::span<float> out) {
+  switch (f) {
+    case GluActivation::Silu: return silu_mul(gate, up, out);
+    case GluActivation::GeluTanh: return gelu_tanh_mul(gate, up, out);
+  }
+  KVLM_CHECK(false, "glu: unknown activation");
+}
+
 void rope(std::span<float> x, int tokens, int heads, int head_dim, std::span<const Position> positions,
           std::span<const float> inv_freq) {
   const int half = head_dim / 2;

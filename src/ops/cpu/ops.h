@@ -4,6 +4,7 @@
 
 #include <span>
 
+#include "config/model_config.h"  // GluActivation
 #include "core/index_types.h"
 
 namespace kvlm::ops::cpu {
@@ -17,6 +18,13 @@ void rmsnorm(std::span<const float> x, int rows, int dim, std::span<const float>
 
 // out[i] = silu(gate[i]) * up[i]. In place allowed (out may alias gate).
 void silu_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out);
+
+// out[i] = gelu_tanh(gate[i]) * up[i], gelu_tanh(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// (PyTorch's gelu(approximate="tanh")). In place allowed.
+void gelu_tanh_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out);
+
+// The gated MLP's activation f(gate) * up, f chosen by `f`.
+void glu(GluActivation f, std::span<const float> gate, std::span<const float> up, std::span<float> out);
 
 // Rotary embedding, rotate-half convention (Hugging Face): x[t][h][0:d/2] and x[t][h][d/2:d]
 // are the two halves of each rotated pair. x: [tokens][heads][head_dim], in place.

@@ -4,7 +4,7 @@
 //  - qkv_rope_store: one warp per (token, head) reads its slice of the fused QKV output once
 //    and writes bf16 q, or quantized K and V straight into their pages — no separate q/k
 //    norm, RoPE or KV-store pass;
-//  - silu_mul, embed_rows, bf16_to_act: elementwise, grid-stride.
+//  - glu (SiLU- or GELU-and-mul), embed_rows, bf16_to_act: elementwise, grid-stride.
 // Every kernel of a decode step but the first (embed_rows) is launched with programmatic
 // dependent launch (pdl.cuh): it starts while its predecessor drains and waits in pdl_wait()
 // before reading that predecessor's output; the kernels let their successor start early.
@@ -56,11 +56,11 @@ __device__ __forceinline__ float warp_max(float v) {
 // ---- embedding ------------------------------------------------------------------------
 
 template <class A>
-__global__ void embed_kernel(const uint16_t* table, const TokenId* tokens, int hidden, float* x) {
+__global__ void embed_kernel(const uint16_t* table, const TokenId* tokens, int hidden, float* x, float scale) {
   const int r = blockIdx.x;
   const uint16_t* src = table + size_t(tokens[r]) * size_t(hidden);
   float* dst = x + size_t(r) * size_t(hidden);
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = A::load(src[i]);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = A::load(src[i]) * scale;
 }
 
 // ---- residual add + RMSNorm -----------------------------------------------------------
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddR
   const int r = blockIdx.x;
   const int src = p.row_map ? p.row_map[r] : r;  // step metadata: uploaded before the step's kernels
   const int H = p.hidden, nt = int(blockDim.x), tid = int(threadIdx.x);
-  float* x = p.x + size_t(src) * size_t(H);
+  float* x = p.x ? p.x + size_t(src) * size_t(H) : nullptr;
   const uint16_t* d = p.delta ? static_cast<const uint16_t*>(p.delta) + size_t(src) * size_t(H) : nullptr;
   float v[PER], wt[PER];
 #pragma unroll
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddR
 #pragma unroll
   for (int c = 0; c < PER; ++c) {
     const int i = tid + c * nt;
-    v[c] = i < H ? x[i] : 0.0f;
+    v[c] = i < H && x ? x[i] : 0.0f;
     if (d && i < H) v[c] += A::load(d[i]);
   }
   float ss = 0.0f;
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddR
   for (int c = 0; c < PER; ++c) {
     const int i = tid + c * nt;
     if (i < H) {
-      if (d && !p.row_map) x[i] = v[c];  // the residual stream after the add
+      if (x && d && !p.row_map) x[i] = v[c];  // the residual stream after the add
       ss = fmaf(v[c], v[c], ss);
     }
   }
@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
 
 // ---- SiLU-and-mul, conversion -----------------------------------------------------------
 
-template <class A>
-__global__ void silu_mul_kernel(const uint16_t* gu, uint16_t* out, int rows, int inter) {
+template <class A, GluActivation F>
+__global__ void glu_kernel(const uint16_t* gu, uint16_t* out, int rows, int inter) {
   allow_dependents();
   pdl_wait();
   const size_t n = size_t(rows) * size_t(inter);
@@ -247,7 +247,13 @@ __global__ void silu_mul_kernel(const uint16_t* gu, uint16_t* out, int rows, int
     const size_t r = i / size_t(inter), c = i % size_t(inter);
     const float g = A::load(gu[r * 2 * size_t(inter) + c]);
     const float u = A::load(gu[r * 2 * size_t(inter) + size_t(inter) + c]);
-    out[i] = A::store(g / (1.0f + expf(-g)) * u);
+    float a;
+    if constexpr (F == GluActivation::Silu) {
+      a = g / (1.0f + expf(-g));
+    } else {
+      a = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+    }
+    out[i] = A::store(a * u);
   }
 }
 
@@ -308,19 +314,21 @@ __global__ void copy_pages_kernel(const KVPagePools* layers, const BlockId* pair
 
 }  // namespace
 
-void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, int hidden, float* x, void* stream) {
+void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, int hidden, float* x, void* stream,
+                float scale) {
   if (rows <= 0) return;
   dispatch_act(act, [&](auto a) {
     using A = decltype(a);
     embed_kernel<A><<<unsigned(rows), 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const uint16_t*>(table),
-                                                                                   tokens, hidden, x);
+                                                                                   tokens, hidden, x, scale);
     KVLM_CUDA_CHECK_LAUNCH("embed_rows");
   });
 }
 
 void add_rmsnorm(const AddRmsNormParams& p, void* stream) {
   if (p.rows <= 0) return;
-  if (p.hidden <= 0 || !p.x || !p.weight || !p.out) throw Error("add_rmsnorm: missing buffers or hidden size");
+  if (p.hidden <= 0 || (!p.x && !p.delta) || !p.weight || !p.out)
+    throw Error("add_rmsnorm: missing buffers or hidden size");
   if (p.hidden > kNormMaxThreads * 16)
     throw Error("the CUDA RMSNorm handles hidden sizes up to " + std::to_string(kNormMaxThreads * 16) + ", got " +
                 std::to_string(p.hidden));
@@ -359,13 +367,18 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
   });
 }
 
-void silu_mul(DType act, const void* gu, void* out, int rows, int inter, void* stream) {
+void glu(DType act, GluActivation f, const void* gu, void* out, int rows, int inter, void* stream) {
   if (rows <= 0) return;
   dispatch_act(act, [&](auto a) {
     using A = decltype(a);
-    KVLM_CUDA_CHECK(launch_pdl<silu_mul_kernel<A>>(dim3(grid_for(size_t(rows) * size_t(inter), 256)), dim3(256), 0,
-                                                   static_cast<cudaStream_t>(stream), static_cast<const uint16_t*>(gu),
-                                                   static_cast<uint16_t*>(out), rows, inter));
+    const dim3 grid(grid_for(size_t(rows) * size_t(inter), 256)), block(256);
+    const auto st = static_cast<cudaStream_t>(stream);
+    const auto* in = static_cast<const uint16_t*>(gu);
+    auto* o = static_cast<uint16_t*>(out);
+    if (f == GluActivation::Silu)
+      KVLM_CUDA_CHECK(launch_pdl<glu_kernel<A, GluActivation::Silu>>(grid, block, 0, st, in, o, rows, inter));
+    else
+      KVLM_CUDA_CHECK(launch_pdl<glu_kernel<A, GluActivation::GeluTanh>>(grid, block, 0, st, in, o, rows, inter));
   });
 }
 

@@ -11,25 +11,28 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "config/model_config.h"  // GluActivation
 #include "core/dtype.h"
 #include "core/index_types.h"
 
 namespace kvlm::cuda {
 
-// x[r][:] = table[tokens[r]][:] in fp32 (the residual stream). Token ids must be in range
-// (the caller checks them on the host).
-void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, int hidden, float* x, void* stream);
+// x[r][:] = table[tokens[r]][:] * scale in fp32 (the residual stream). Token ids must be in
+// range (the caller checks them on the host).
+void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, int hidden, float* x, void* stream,
+                float scale = 1.0f);
 
 // Residual add fused with RMSNorm (transformers' LlamaRMSNorm in fp32):
 //   s = x[src] + delta[src]  (delta optional), written back to x[src] when row_map is null,
 //   out[r] = weight * (s * 1/sqrt(mean(s^2) + eps))  rounded once to act.
 // With row_map, output row r normalizes residual row row_map[r] (the final norm of the rows
-// whose logits are wanted) and x is left as it is.
+// whose logits are wanted) and x is left as it is. With x null, s = delta: a plain RMSNorm of
+// an act tensor (out may be delta).
 struct AddRmsNormParams {
   DType act = DType::BF16;
   int rows = 0;
   int hidden = 0;
-  float* x = nullptr;                // fp32 [*][hidden]
+  float* x = nullptr;                // fp32 [*][hidden], or null
   const void* delta = nullptr;       // act [*][hidden] or null
   const float* weight = nullptr;     // fp32 [hidden]
   float eps = 1e-6f;
@@ -75,8 +78,9 @@ struct QkvRopeStoreParams {
 };
 void qkv_rope_store(const QkvRopeStoreParams& p, void* stream);
 
-// out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: the fused gate/up projection's halves.
-void silu_mul(DType act, const void* gu, void* out, int rows, int inter, void* stream);
+// out[r][i] = f(gu[r][i]) * gu[r][inter + i]: the fused gate/up projection's halves, f SiLU or
+// tanh-approximated GELU (ops/cpu's silu_mul / gelu_tanh_mul in fp32).
+void glu(DType act, GluActivation f, const void* gu, void* out, int rows, int inter, void* stream);
 
 // out[r] = argmax of logits[r][0, vocab): greedy sampling on the GPU. Ties go to the lowest
 // token id, as the host Sampler's argmax.
