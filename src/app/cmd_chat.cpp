@@ -8,7 +8,7 @@
 
 #include "app/commands.h"
 #include "core/error.h"
-#include "engine/generate.h"
+#include "serve/generate.h"
 #include "engine/stop.h"
 #include "engine/text_processor.h"
 

@@ -72,6 +72,13 @@ inline uint64_t gumbel_fixed_weight(float logit, float max_logit, float inv_temp
 }
 TokenId sample_gumbel(std::span<const float> logits, const SamplingParams& p, uint64_t seed, uint64_t counter);
 
+// A sampled token's log-probability and the top-K alternatives, most likely first.
+struct TokenLogprobs {
+  TokenId token = 0;
+  float logprob = 0;
+  std::vector<std::pair<TokenId, float>> top;
+};
+
 // log(sum(exp(logits))), accumulated in double.
 float log_sum_exp(std::span<const float> logits);
 // log_softmax(logits)[token]

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/index_types.h"
-#include "engine/generate.h"  // TokenLogprobs
+#include "engine/sampler.h"  // TokenLogprobs
 #include "engine/sampler.h"
 
 namespace kvlm {

@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/index_types.h"
-#include "engine/generate.h"  // TokenLogprobs
+#include "engine/sampler.h"  // TokenLogprobs
 #include "engine/sampler.h"
 #include "serve/request.h"    // FinishReason
 

@@ -38,7 +38,7 @@
 
 #include "core/error.h"
 #include "cuda_test_util.h"
-#include "engine/generate.h"
+#include "serve/generate.h"
 #include "engine/sequence.h"
 #include "attention/registry.h"
 #include "io/safetensors.h"

@@ -18,7 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/generate.h"
+#include "serve/generate.h"
 #include "engine/sequence.h"
 #include "io/safetensors.h"
 

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "core/error.h"
-#include "engine/generate.h"
+#include "serve/generate.h"
 #include "engine/sequence.h"
 #include "serve/async_engine.h"
 #include "serve/block_manager.h"

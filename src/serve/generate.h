@@ -1,5 +1,7 @@
-// Single-request generation: prefill (optionally chunked), then decode token by token with
-// the sampler, stopping at EOS (unless ignored) or max_tokens.
+// Single-request generation (`kvlm generate`, `kvlm chat`, tests): one request through the
+// serving engine (LLMEngine) with a pool sized for it — the same scheduling, batch
+// building, forward and sampling as `kvlm serve`: prefill in chunks of prefill_chunk tokens,
+// then decode, stopping at EOS (unless ignored), an extra stop token or max_tokens.
 #pragma once
 
 #include <atomic>
@@ -9,7 +11,7 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/sampler.h"
+#include "engine/sampler.h"  // SamplingParams, TokenLogprobs
 
 namespace kvlm {
 
@@ -23,12 +25,6 @@ struct GenerateRequest {
   int prefill_chunk = 512;   // tokens per prefill step
   std::vector<TokenId> extra_eos;         // stop tokens beyond the model's EOS ids
   const std::atomic<bool>* cancel = nullptr;  // set from another thread (Ctrl-C) to stop
-};
-
-struct TokenLogprobs {
-  TokenId token = 0;
-  float logprob = 0;
-  std::vector<std::pair<TokenId, float>> top;
 };
 
 struct GenerateResult {
