@@ -8,7 +8,7 @@
 // over bf16 of the same shape.
 //
 //   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--head N] [--shapes BxC,...]
-//                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--trace DIR]
+//                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--trace DIR] [--no-wgmma] [--no-pdl]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
@@ -37,6 +37,7 @@
 #include "core/error.h"
 #include "core/numeric.h"
 #include "ops/cuda/attention_ops.h"
+#include "ops/cuda/kernel_switches.h"
 
 using namespace kvlm;
 
@@ -235,6 +236,8 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--max-splits") && i + 1 < argc) max_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--split-lengths") && i + 1 < argc) split_lengths = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
+    if (!std::strcmp(argv[i], "--no-wgmma")) cuda::set_kernel_switches({.pdl = cuda::kernel_switches().pdl, .wgmma = false});
+    if (!std::strcmp(argv[i], "--no-pdl")) cuda::set_kernel_switches({.pdl = false, .wgmma = cuda::kernel_switches().wgmma});
   }
   if (kHead != 64 && kHead != 128 && kHead != 256) {
     std::fprintf(stderr, "attention_lab: --head takes 64, 128 or 256, not %d\n", kHead);

@@ -2,6 +2,7 @@
 // the engines use (ForwardBatch in, fp32 logits on the host out).
 //
 //   decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] [--gemv-lab]
+//                [--no-gemv] [--no-pdl]
 //
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode).
@@ -13,8 +14,8 @@
 // whole benchmark). Each step is timed two ways: forward() with every row's fp32 logits
 // copied to the host (the ModelRunner interface, host sampling), and forward_greedy() (the
 // same step, argmax on the GPU, only token ids cross), each with CUDA graphs off and on.
-// Environment: KVLM_CUDA_GEMV=0 routes the batch 1-8 GEMMs (the small-m kernels' share) to
-// cuBLASLt (for comparison).
+// --no-gemv routes the batch 1-8 GEMMs (the small-m kernels' share) to cuBLASLt, --no-pdl
+// launches without programmatic dependent launch (both for comparison).
 //
 // Floors, from the same run's device-to-device copy bandwidth (read + write bytes / time):
 //   weights-read bound: every weight but the embedding table (a decode step reads B rows of
@@ -36,6 +37,7 @@
 #include "engine/engine.h"
 #include "model/cuda/cuda_runner.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/kernel_switches.h"
 
 using namespace kvlm;
 
@@ -239,7 +241,7 @@ void gemv_lab(double bw) {
 int main(int argc, char** argv) {
   std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096";
   int steps = 32;
-  bool lab = false;
+  bool lab = false, gemv = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -251,9 +253,11 @@ int main(int argc, char** argv) {
     else if (a == "--shapes") shapes = next();
     else if (a == "--steps") steps = std::stoi(next());
     else if (a == "--gemv-lab") lab = true;
+    else if (a == "--no-gemv") gemv = false;
+    else if (a == "--no-pdl") cuda::set_kernel_switches({.pdl = false, .wgmma = cuda::kernel_switches().wgmma});
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
-                           "[--gemv-lab]\n");
+                           "[--gemv-lab] [--no-gemv] [--no-pdl]\n");
       return 2;
     }
   }
@@ -282,6 +286,7 @@ int main(int argc, char** argv) {
       auto e = Engine::load(o);
       const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       auto& r = dynamic_cast<CudaModelRunner&>(e->model());
+      r.set_small_m_gemv(gemv);
       const ModelConfig& c = e->config();
       const double embed = double(c.vocab_size) * c.hidden_size * 2;
       const double wread = double(r.weight_bytes()) - (c.tie_word_embeddings ? 0.0 : embed);

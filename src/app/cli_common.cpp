@@ -28,6 +28,7 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "(the CPU backend computes in float32 either way)")
       ->capture_default_str();
   cmd.add_option("--block-size", block_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
+  cmd.add_flag("--enforce-eager", enforce_eager, "CUDA: launch every decode step's kernels one by one, no CUDA graphs");
 }
 
 std::filesystem::path default_model_dir() {
@@ -86,6 +87,7 @@ EngineOptions ModelFlags::engine_options() const {
   o.cache = cache_config();
   o.device = resolve_device(parse_device(device));
   o.dtype = parse_model_dtype(dtype);
+  o.enforce_eager = enforce_eager;
   return o;
 }
 

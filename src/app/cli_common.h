@@ -20,6 +20,7 @@ struct ModelFlags {
   std::string device = "auto";
   std::string dtype = "auto";
   int block_size = 16;
+  bool enforce_eager = false;
 
   void add_to(CLI::App& cmd);
   std::filesystem::path model_dir() const;   // resolves the bundled default

@@ -174,6 +174,7 @@ int run_throughput(const BenchThroughputFlags& f) {
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
   opts.dtype = parse_model_dtype(f.model.dtype);
+  opts.enforce_eager = f.model.enforce_eager;
   const MemoryOptions mem = f.serving.memory_options();
   std::vector<DatasetEntry> data;
   std::optional<TextProcessor> text;

@@ -36,6 +36,7 @@ int run_chat(const ChatFlags& f) {
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
   opts.dtype = parse_model_dtype(f.model.dtype);
+  opts.enforce_eager = f.model.enforce_eager;
   const TextProcessor text = TextProcessor::load(opts.model_dir);
   if (!text.has_chat_template()) throw Error("this model has no chat template; use `kvlm generate --prompt` instead");
   auto engine = Engine::load(opts);

@@ -90,6 +90,7 @@ int run_generate(const GenerateFlags& f) {
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
   opts.dtype = parse_model_dtype(f.model.dtype);
+  opts.enforce_eager = f.model.enforce_eager;
   // Text needs the tokenizer; load it first so a missing one fails before the weights load.
   std::optional<TextProcessor> text;
   if (!f.prompt.empty() || TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);

@@ -184,6 +184,7 @@ int run_serve(const ServeFlags& f) {
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
   opts.dtype = parse_model_dtype(f.model.dtype);
+  opts.enforce_eager = f.model.enforce_eager;
   check_model_dir(opts.model_dir);
   const MemoryOptions mem = f.serving.memory_options();
   if (!(f.drain_timeout >= 0)) throw Error("--drain-timeout must be >= 0 seconds");

@@ -86,7 +86,8 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& opts) {
   for (const auto& w : e->plan_->plan.warnings) log::warn(w);
   if (opts.device == Device::Cuda) {
 #ifdef KVLM_WITH_CUDA
-    e->model_ = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype);
+    e->model_ = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype,
+                                                  CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager});
 #else
     throw Error("--device cuda: this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
 #endif

@@ -42,6 +42,8 @@ struct EngineOptions {
   CacheConfig cache;
   Device device = Device::Cpu;
   std::optional<DType> dtype;  // --dtype; nullopt = the checkpoint's
+  bool enforce_eager = false;  // --enforce-eager: no CUDA graphs
+  int gpu = 0;                 // the CUDA device index the runner lives on
 };
 
 class Engine {

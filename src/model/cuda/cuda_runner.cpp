@@ -146,6 +146,25 @@ struct StepLayout {
   size_t total = 0;
 };
 
+// Makes the runner's device current for the scope of a call, and restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    KVLM_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) KVLM_CUDA_CHECK(cudaSetDevice(device));
+    switched_ = previous_ != device;
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
 // Device type of a weight role (model/weights.h).
 DType device_type(WeightRole role, DType act) {
   return role == WeightRole::Matrix || role == WeightRole::Bias ? act : DType::F32;
@@ -154,6 +173,7 @@ DType device_type(WeightRole role, DType act) {
 }  // namespace
 
 struct CudaModelRunner::Impl {
+  int device = 0;
   ModelConfig cfg;
   const KVPlan* plan = nullptr;
   DType act = DType::BF16;
@@ -305,9 +325,13 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
 
 // ---- loading ------------------------------------------------------------------------------
 
-CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute)
-    : cfg_(std::move(config)), impl_(std::make_unique<Impl>()) {
+CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute,
+                                 CudaRunnerOptions opts)
+    : cfg_(std::move(config)) {
+  const DeviceScope on(opts.device);
+  impl_ = std::make_unique<Impl>();  // its cuBLASLt handle belongs to the current device
   Impl& m = *impl_;
+  m.device = opts.device;
   m.cfg = cfg_;
   if (compute != DType::BF16 && compute != DType::F16)
     throw Error("the CUDA runner computes in bfloat16 or float16, not " + std::string(dtype_name(compute)) +
@@ -361,11 +385,18 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   m.gemm.set_workspace(m.gemm_ws.data(), m.gemm_ws.bytes());
   m.ops = std::make_unique<CudaOps>(m.cfg, m.act, m.stream, m.gemm, m.comm);
   m.ops->set_kv(m.lkv, 0, 0);
-  if (const char* e = std::getenv("KVLM_CUDA_GRAPHS"); e && std::string_view(e) == "0") m.graphs_on = false;
+  m.graphs_on = opts.cuda_graphs;
+  m.gemm.set_small_m_kernel(opts.small_m_gemv);
 }
 
 CudaModelRunner::~CudaModelRunner() {
-  if (impl_ && impl_->stream) cudaStreamSynchronize(impl_->stream);
+  if (!impl_) return;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = impl_->device;
+  cudaSetDevice(impl_->device);
+  if (impl_->stream) cudaStreamSynchronize(impl_->stream);
+  impl_.reset();  // frees device memory on the runner's device
+  cudaSetDevice(previous);
 }
 
 size_t CudaModelRunner::num_parameters() const { return impl_->num_params; }
@@ -373,10 +404,19 @@ size_t CudaModelRunner::weight_bytes() const { return impl_->weight_bytes; }
 int CudaModelRunner::kv_num_blocks() const { return impl_->num_blocks; }
 size_t CudaModelRunner::kv_bytes() const { return impl_->kv_bytes; }
 DType CudaModelRunner::compute_dtype() const { return impl_->act; }
+int CudaModelRunner::device_index() const { return impl_->device; }
+
+void CudaModelRunner::set_small_m_gemv(bool on) {
+  const DeviceScope dev(impl_->device);
+  KVLM_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  impl_->gemm.set_small_m_kernel(on);
+  impl_->clear_graphs();  // captured GEMMs bake in the kernel choice
+}
 void CudaModelRunner::set_poison_scratch(bool on) { impl_->poison = on; }
 int CudaModelRunner::num_cuda_graphs() const { return int(impl_->graphs.size()); }
 
 void CudaModelRunner::set_cuda_graphs(bool on) {
+  const DeviceScope dev(impl_->device);
   KVLM_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
   impl_->graphs_on = on;
   impl_->clear_graphs();
@@ -386,6 +426,7 @@ void CudaModelRunner::set_cuda_graphs(bool on) {
 
 void CudaModelRunner::allocate_kv(int num_blocks, int block_size) {
   Impl& m = *impl_;
+  const DeviceScope dev(m.device);
   if (num_blocks < 1) throw Error("the KV pool needs at least one page, got " + std::to_string(num_blocks));
   validate_block_size(block_size);
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
@@ -433,6 +474,7 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size) {
 
 void CudaModelRunner::copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) {
   Impl& m = *impl_;
+  const DeviceScope dev(m.device);
   KVLM_CHECK(m.num_blocks > 0, "copy_blocks before allocate_kv");
   if (pairs.empty()) return;
   std::set<BlockId> srcs, dsts;
@@ -466,6 +508,7 @@ void CudaModelRunner::copy_blocks(std::span<const std::pair<BlockId, BlockId>> p
 
 void CudaModelRunner::download_kv_layer(size_t layer, LayerKVCache& out) const {
   const Impl& m = *impl_;
+  const DeviceScope dev(m.device);
   KVLM_CHECK(layer < m.lkv.size() && out.num_blocks == m.num_blocks && out.block_size == m.block_size,
              "download_kv_layer: pool shape differs");
   const CudaKVLayer& L = m.lkv[layer];
@@ -600,6 +643,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
 void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size);
   KVLM_CHECK(logits.size() == R * V, "logits buffer size");
+  const DeviceScope on(impl_->device);
   const float* dev = enqueue(b);
   std::vector<int32_t> rows(R);
   for (size_t i = 0; i < R; ++i) rows[i] = int32_t(i);
@@ -663,6 +707,7 @@ void CudaModelRunner::forward_sampled(const ForwardBatch& b, std::span<const Row
   for (size_t i = 0; i < R; ++i)
     if (!rows[i].on_device) host_rows.push_back(int32_t(i));
   KVLM_CHECK(host_logits.size() == host_rows.size() * V, "forward_sampled: host_logits must hold the host rows' logits");
+  const DeviceScope on(m.device);
   const float* dev = enqueue(b);
   const bool any_device = host_rows.size() < R;
   TokenId* ids_host = nullptr;
@@ -693,6 +738,7 @@ void CudaModelRunner::forward_greedy(const ForwardBatch& b, std::span<TokenId> t
   Impl& m = *impl_;
   const int R = int(b.logit_rows.size());
   KVLM_CHECK(tokens.size() == size_t(R), "one token per logit row");
+  const DeviceScope on(m.device);
   const float* dev = enqueue(b);
   if (R > 0) {
     cuda::argmax_rows(dev, R, cfg_.vocab_size, m.ids, m.stream);

@@ -27,13 +27,20 @@
 
 namespace kvlm {
 
+struct CudaRunnerOptions {
+  int device = 0;            // the CUDA device index the runner's memory, stream and kernels live on
+  bool cuda_graphs = true;   // decode steps as CUDA graphs (--enforce-eager: off)
+  bool small_m_gemv = true;  // the small-m GEMV kernels for m <= 8 (off: cuBLASLt for every m; measurements)
+};
+
 class CudaModelRunner final : public ModelRunner {
  public:
-  // Uploads every weight the architecture's definition names (checked as on the CPU) to the
-  // current CUDA device. `compute` is DType::BF16 or DType::F16. Every layer of `plan` must have
+  // Uploads every weight the architecture's definition names (checked as on the CPU) to GPU
+  // opts.device; every call makes that device current before it touches the GPU. `compute` is DType::BF16 or DType::F16. Every layer of `plan` must have
   // been assigned the "cuda" attention backend; the plan must outlive the runner. Throws
   // kvlm::Error.
-  CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute);
+  CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute,
+                  CudaRunnerOptions opts = {});
   ~CudaModelRunner() override;
 
   const ModelConfig& config() const override { return cfg_; }
@@ -59,10 +66,13 @@ class CudaModelRunner final : public ModelRunner {
   void forward_greedy(const ForwardBatch& batch, std::span<TokenId> tokens);
 
   DType compute_dtype() const;
-  // CUDA graphs for decode steps (default on; KVLM_CUDA_GRAPHS=0 in the environment turns
-  // them off). Off: every step launches its kernels one by one.
+  int device_index() const;
+  // CUDA graphs for decode steps (CudaRunnerOptions::cuda_graphs at construction). Off:
+  // every step launches its kernels one by one.
   void set_cuda_graphs(bool on);
   int num_cuda_graphs() const;  // captured so far
+  // The small-m GEMV kernels (CudaRunnerOptions::small_m_gemv at construction).
+  void set_small_m_gemv(bool on);
   // Tests: fill the step's scratch (activations, q, attention output, logits) with NaN
   // bytes before each forward, so a kernel that leaves part of its output unwritten shows.
   void set_poison_scratch(bool on);

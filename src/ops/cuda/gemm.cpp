@@ -180,7 +180,6 @@ struct Gemm::Impl {
 
 Gemm::Gemm() : impl_(std::make_unique<Impl>()) {
   KVLM_CUBLAS_CHECK(cublasLtCreate(&impl_->handle));
-  if (const char* e = std::getenv("KVLM_CUDA_GEMV"); e && std::string_view(e) == "0") impl_->gemv = false;
 }
 
 Gemm::~Gemm() {

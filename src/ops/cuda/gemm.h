@@ -13,8 +13,8 @@
 // where the choice matters most and timing is cheap) each is timed on the real operands and
 // the fastest kept, else the top one. Plans are cached, so a steady state issues no query and
 // no timing; the workspace is the caller's (fixed, so calls can be captured in a CUDA graph —
-// first uses must not be). KVLM_CUDA_GEMV=0 in the environment sends every m to cuBLASLt
-// (for measurements).
+// first uses must not be). set_small_m_kernel(false) sends every m to cuBLASLt (for
+// measurements: decode_bench --no-gemv).
 #pragma once
 
 #include <cstddef>
@@ -47,7 +47,7 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   void set_workspace(void* workspace, size_t bytes);
-  // Whether the small-m kernels are used (default; KVLM_CUDA_GEMV=0 turns them off), and whether
+  // Whether the small-m kernels are used (default on), and whether
   // they run the GEMMs of m rows (1 <= m <= kGemvMmaMaxM).
   void set_small_m_kernel(bool on);
   bool small_m_kernel(int m) const;

@@ -320,11 +320,11 @@ void launch(int kernel, const void* x, const void* w, const void* bias, void* y,
   if constexpr (!kGlu) {
     if (kernel == 3) {
       constexpr int smem = kGemvThreads / 32 * kMmaGemvStages * kMmaGemvTile;
-      static const bool opted_in = [] {  // once per instantiation
+      static PerDevice<bool> opted_in;  // once per instantiation and device
+      opted_in.get([] {
         KVLM_CUDA_CHECK(cudaFuncSetAttribute(gemv_mma_kernel<V, kF32Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         return true;
-      }();
-      (void)opted_in;
+      });
       const dim3 grid(unsigned((n + 15) / 16));
       KVLM_CUDA_CHECK(launch_pdl<gemv_mma_kernel<V, kF32Out>>(grid, dim3(kGemvThreads), smem, st, xs, ws, bs, y, m, n, k));
       return;

@@ -19,6 +19,7 @@
 // paged_attention_workspace_bytes.
 
 #include "ops/cuda/paged_attention_rows.cuh"
+#include "ops/cuda/per_device.cuh"
 #include "ops/cuda/paged_attention_mma.cuh"
 namespace kvlm::cuda {
 namespace {
@@ -28,23 +29,24 @@ int64_t g_last_mma_ctas = 0;  // grid size of the last decode tensor-core launch
 #endif
 
 int sm_count() {
-  static int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+  static PerDevice<int> n;
+  return n.get([] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, current_device()) != cudaSuccess) {
       cudaGetLastError();
       return 132;
     }
     return v;
-  }();
-  return n;
+  });
 }
 
 // Resident CTAs per SM of the tensor-core kernel for (Fmt, HD), from the occupancy API
 // (bounded by its shared-memory ring and registers); also opts the kernel in to > 48 KB
-// of dynamic shared memory. Computed once per instantiation.
+// of dynamic shared memory. Computed once per instantiation and device.
 template <class Fmt, int HD>
 int mma_ctas_per_sm() {
-  static const int n = [] {
+  static PerDevice<int> n;
+  return n.get([] {
     constexpr size_t smem = mma::mma_smem_bytes<Fmt, HD>();
     if (cudaFuncSetAttribute(mma::attn_mma_kernel<Fmt, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) !=
         cudaSuccess)
@@ -57,8 +59,7 @@ int mma_ctas_per_sm() {
       blocks = 2;
     }
     return blocks;
-  }();
-  return n;
+  });
 }
 
 // Which kernel runs, its grid shape and its split count: one function, shared by the

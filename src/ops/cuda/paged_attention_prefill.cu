@@ -30,6 +30,8 @@
 #include <type_traits>
 
 #include "ops/cuda/paged_attention_rows.cuh"
+#include "ops/cuda/kernel_switches.h"
+#include "ops/cuda/per_device.cuh"
 #include "ops/cuda/paged_attention_mma.cuh"
 #include "ops/cuda/async_pipeline.cuh"
 #include "ops/cuda/wgmma.cuh"
@@ -741,13 +743,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
 
 // Whether the warpgroup kernel can run: this build compiled sm_90a code (KVLM_CUDA_SM90A,
 // set by CMake when CMAKE_CUDA_ARCHITECTURES lists 90a) and the current GPU is compute
-// capability 9.0, the only one that loads it. KVLM_CUDA_WGMMA=0 turns it off (the mma.sync
-// kernel runs instead; for comparisons and as an escape hatch).
+// capability 9.0, the only one that loads it. kernel_switches().wgmma = false turns it off
+// (the mma.sync kernel runs instead; for comparisons and as an escape hatch).
 bool wgmma_available() {
-  static const bool on = [] {
+  if (!kernel_switches().wgmma) return false;
+  static PerDevice<bool> on;
+  return on.get([] {
 #if defined(KVLM_CUDA_SM90A)
-    const char* e = std::getenv("KVLM_CUDA_WGMMA");
-    if (e && std::string_view(e) == "0") return false;
     int dev = 0, major = 0, minor = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
@@ -758,15 +760,15 @@ bool wgmma_available() {
 #else
     return false;
 #endif
-  }();
-  return on;
+  });
 }
 
-// Opts a kernel in to its shared memory (> 48 KB) once per instantiation; returns its
-// resident CTAs per SM from the occupancy API.
+// Opts a kernel in to its shared memory (> 48 KB) once per instantiation and device; returns
+// its resident CTAs per SM from the occupancy API.
 template <auto Kernel>
 int occupancy(size_t smem, int threads) {
-  static const int n = [&] {
+  static PerDevice<int> n;
+  return n.get([&] {
     cuda_check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
                "paged_attention prefill shared memory");
     int blocks = 0;
@@ -775,8 +777,7 @@ int occupancy(size_t smem, int threads) {
       blocks = 1;
     }
     return blocks;
-  }();
-  return n;
+  });
 }
 
 
@@ -785,7 +786,8 @@ template <class Fmt, int HD>
 int prefill_occupancy() {
   if constexpr (HD <= 128) {
     if (wgmma_available()) {
-      static const bool fits = [] {  // once per instantiation: a misfit would hang the GPU
+      static PerDevice<bool> fits;  // once per instantiation and device: a misfit would hang the GPU
+      fits.get([] {
         cudaFuncAttributes fa{};
         cuda_check(cudaFuncGetAttributes(&fa, attn_prefill_wgmma_kernel<Fmt, HD>), "paged_attention prefill attributes");
         using Sm = WsSmem<Fmt, HD>;
@@ -793,10 +795,9 @@ int prefill_occupancy() {
           throw Error("CUDA paged attention: the warp-specialised prefill kernel was compiled with " +
                       std::to_string(fa.numRegs) + " registers per thread, too few for its register split (" +
                       std::to_string(Sm::kProducerRegs) + " / " + std::to_string(Sm::kConsumerRegs) +
-                      "); set KVLM_CUDA_WGMMA=0 to run the mma.sync kernel, and report this build");
+                      "); report this build (the lab's --no-wgmma runs the mma.sync kernel)");
         return true;
-      }();
-      (void)fits;
+      });
       return occupancy<attn_prefill_wgmma_kernel<Fmt, HD>>(WsSmem<Fmt, HD>::total, kWsThreads);
     }
   }

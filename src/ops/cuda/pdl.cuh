@@ -21,6 +21,8 @@
 #include <utility>
 
 #include "core/log.h"
+#include "ops/cuda/kernel_switches.h"
+#include "ops/cuda/per_device.cuh"
 
 namespace kvlm::cuda {
 
@@ -39,11 +41,9 @@ __device__ __forceinline__ void pdl_wait() {
 // Whether `kernel` may be launched with the PDL attribute on the current device: compute
 // capability 9.0+, and the code loaded for the kernel compiled for sm_90+ — sm_80 / sm_89
 // code (or its PTX JIT-compiled on a newer GPU) has no griddepcontrol.wait and would read its
-// inputs before the producer wrote them. KVLM_CUDA_PDL=0 turns PDL off everywhere. `ptx` (if
-// given) receives the PTX version of the loaded code, for the caller's message.
+// inputs before the producer wrote them. `ptx` (if given) receives the PTX version of the
+// loaded code, for the caller's message. (kernel_switches().pdl turns PDL off everywhere.)
 inline bool pdl_supported(const void* kernel, int* ptx = nullptr) {
-  const char* e = std::getenv("KVLM_CUDA_PDL");
-  if (e && std::string_view(e) == "0") return false;
   int dev = 0, major = 0;
   cudaFuncAttributes fa{};
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
@@ -60,21 +60,22 @@ inline void note_pdl_off(int ptx) {
   static std::atomic<bool> told{false};
   if (!told.exchange(true))
     log::info("CUDA kernels launched without programmatic dependent launch (compute capability below 9.0, code "
-              "compiled for compute_" + std::to_string(ptx) + ", or KVLM_CUDA_PDL=0)");
+              "compiled for compute_" + std::to_string(ptx) + ")");
 }
 
 // launch_pdl<kernel>(grid, block, smem, stream, args...): kernel<<<grid, block, smem,
 // stream>>>(args...), with programmatic stream serialization where pdl_supported(kernel)
-// (decided once per kernel). The kernel must call pdl_wait() as the rule above says.
+// (decided once per kernel and device). The kernel must call pdl_wait() as the rule above says.
 // Returns the launch's error, for the caller's check.
 template <auto Kernel, class... Args>
 cudaError_t launch_pdl(dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
-  static const bool on = [] {
+  static PerDevice<bool> decided;  // once per kernel and device
+  const bool on = decided.get([] {
     int ptx = 0;
     const bool ok = pdl_supported(reinterpret_cast<const void*>(Kernel), &ptx);
     if (!ok) note_pdl_off(ptx);
     return ok;
-  }();
+  });
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -84,7 +85,7 @@ cudaError_t launch_pdl(dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
-  cfg.numAttrs = on ? 1 : 0;
+  cfg.numAttrs = on && kernel_switches().pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, Kernel, std::forward<Args>(args)...);
 }
 
