@@ -8,7 +8,7 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/eval.h"
+#include "serve/eval.h"
 
 namespace kvlm::app {
 

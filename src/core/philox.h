@@ -6,7 +6,7 @@
 // carry between steps, so token t of request r gets the same noise on the CPU and on the GPU,
 // whatever the batch it runs in and whatever thread draws it. Host and device share this
 // code (KVLM_HD, as core/numeric.h); the CUDA sampling kernel and its CPU reference
-// (engine/sampler.h, sample_gumbel) both call gumbel_noise.
+// (sampling/sampler.h, sample_gumbel) both call gumbel_noise.
 #pragma once
 
 #include <cmath>

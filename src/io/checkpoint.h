@@ -36,7 +36,7 @@ class Checkpoint {
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>, std::less<>> tensors_;
 };
 
-// Per-tensor KV scales for one layer, under the names checkpoints use (REFERENCE.md):
+// Per-tensor KV scales for one layer, under the names vLLM-compatible checkpoints use:
 // self_attn.{k,v}_scale, self_attn.attn.{k,v}_scale, ModelOpt self_attn.{k,v}_proj.{k,v}_scale,
 // compressed-tensors self_attn.{k,v}_proj.output_scale, legacy self_attn.kv_scale (both).
 std::optional<CheckpointScales> find_kv_scales(const Checkpoint& ckpt, const AttentionLayerDesc& layer);

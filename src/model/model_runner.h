@@ -13,7 +13,7 @@
 #include "attention/backend.h"
 #include "config/model_config.h"
 #include "core/index_types.h"
-#include "engine/sampler.h"
+#include "sampling/sampler.h"
 
 namespace kvlm {
 
@@ -53,7 +53,7 @@ class ModelRunner {
   // [logit_rows.size()][vocab] to host memory.
   virtual void forward(const ForwardBatch& batch, std::span<float> logits) = 0;
 
-  // Sampling where the logits are (engine/sampler.h's sample_gumbel), so that a GPU runner
+  // Sampling where the logits are (sampling/sampler.h's sample_gumbel), so that a GPU runner
   // returns token ids instead of [rows][vocab] logits. Runs the batch as forward() does; for
   // each logit row i with rows[i].on_device, writes tokens[i]; the logits of the other rows
   // go to host_logits, [number of such rows][vocab] in row order. The base implementation

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/sampler.h"  // SamplingParams, TokenLogprobs
+#include "sampling/sampler.h"  // SamplingParams, TokenLogprobs
 
 namespace kvlm {
 

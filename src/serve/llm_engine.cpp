@@ -7,7 +7,7 @@
 #include <exception>
 
 #include "core/error.h"
-#include "engine/sampler.h"
+#include "sampling/sampler.h"
 
 namespace kvlm {
 

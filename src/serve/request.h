@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "core/index_types.h"
-#include "engine/sampler.h"  // TokenLogprobs
-#include "engine/sampler.h"
+#include "sampling/sampler.h"  // TokenLogprobs
+#include "sampling/sampler.h"
 
 namespace kvlm {
 

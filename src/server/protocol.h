@@ -17,8 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/index_types.h"
-#include "engine/sampler.h"  // TokenLogprobs
-#include "engine/sampler.h"
+#include "sampling/sampler.h"  // TokenLogprobs
+#include "sampling/sampler.h"
 #include "serve/request.h"    // FinishReason
 
 namespace kvlm::server {

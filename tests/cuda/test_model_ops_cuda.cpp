@@ -31,7 +31,7 @@
 #include "ops/cuda/model_ops.h"
 #include "ops/cuda/sampling.h"
 #include "core/philox.h"
-#include "engine/sampler.h"
+#include "sampling/sampler.h"
 
 using namespace kvlm;
 using kvlm::test::Dev;

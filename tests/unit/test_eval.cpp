@@ -6,7 +6,7 @@
 
 #include "core/error.h"
 #include "engine/calibrate.h"
-#include "engine/eval.h"
+#include "serve/eval.h"
 
 using namespace kvlm;
 namespace fs = std::filesystem;

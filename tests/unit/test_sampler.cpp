@@ -7,7 +7,7 @@
 
 #include "core/error.h"
 #include "core/philox.h"
-#include "engine/sampler.h"
+#include "sampling/sampler.h"
 #include "engine/stop.h"
 
 using namespace kvlm;

@@ -1,6 +1,6 @@
 // Token sampling on the GPU: temperature, top-k, top-p and min-p over fp32 logits, one CTA
 // per row, so that only token ids cross to the host. The result is defined by its CPU
-// reference, engine/sampler.h's sample_gumbel (same thresholds, same Philox noise); see
+// reference, sampling/sampler.h's sample_gumbel (same thresholds, same Philox noise); see
 // there for how it differs from the host Sampler (ties at the k-th logit are kept). No CUDA
 // header here: a stream is a void*.
 #pragma once
@@ -15,7 +15,7 @@ struct SampleRowParams {
   float inv_temperature = 0.0f;  // 0 = greedy (argmax, ties to the lowest id)
   int32_t top_k = 0;             // 0 = off
   float top_p = 1.0f;            // 1 = off
-  float min_p_offset = 0.0f;     // T * log(min_p); -inf = off (engine/sampler.h gumbel_params)
+  float min_p_offset = 0.0f;     // T * log(min_p); -inf = off (sampling/sampler.h gumbel_params)
   uint64_t seed = 0;
   uint64_t counter = 0;          // the output position of the token being drawn
   int32_t skip = 0;              // 1: not sampled here (out[r] is left unwritten)

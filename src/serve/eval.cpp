@@ -1,4 +1,4 @@
-#include "engine/eval.h"
+#include "serve/eval.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "engine/sampler.h"
+#include "sampling/sampler.h"
 #include "engine/sequence.h"
 #include "engine/stop.h"
 #include "serve/async_engine.h"

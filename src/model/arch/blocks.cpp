@@ -1,0 +1,95 @@
+#include "model/arch/blocks.h"
+
+#include "model/rope.h"
+
+namespace kvlm::arch {
+
+namespace {
+size_t add(WeightList& list, std::vector<WeightPiece> pieces, WeightRole role, Shard shard) {
+  return list.add(WeightSpec{.pieces = std::move(pieces), .role = role, .shard = shard});
+}
+}  // namespace
+
+EmbeddingWeights add_embedding(WeightList& list, const ModelConfig& c) {
+  EmbeddingWeights e;
+  const int64_t vocab = c.vocab_size, hd = c.hidden_size;
+  e.embed = add(list, {{"model.embed_tokens.weight", {vocab, hd}}}, WeightRole::Matrix, Shard::Vocab);
+  if (c.tie_word_embeddings) {
+    e.lm_head = e.embed;
+    list.known_unused.push_back("lm_head.weight");  // some tied checkpoints still carry a copy
+  } else {
+    e.lm_head = list.add(WeightSpec{.pieces = {{"lm_head.weight", {vocab, hd}}},
+                                    .role = WeightRole::Matrix,
+                                    .shard = Shard::Vocab,
+                                    .missing_hint = ", and tie_word_embeddings is false in config.json"});
+  }
+  return e;
+}
+
+size_t add_norm(WeightList& list, const std::string& name, int64_t dim, bool add_one) {
+  return list.add(WeightSpec{.pieces = {{name, {dim}}}, .role = WeightRole::Norm, .add_one = add_one});
+}
+
+size_t add_rope(WeightList& list, const RopeConfig& rope, int head_dim) {
+  return list.add(WeightSpec{.role = WeightRole::Constant, .constant = rope_inv_freq(rope, head_dim)});
+}
+
+AttentionWeights add_attention(WeightList& list, const ModelConfig& c, const std::string& p, bool norm_add_one) {
+  const int64_t hd = c.hidden_size, d = c.head_dim, nh = c.num_heads, kvh = c.num_kv_heads;
+  AttentionWeights a;
+  a.qkv = add(list,
+              {{p + "self_attn.q_proj.weight", {nh * d, hd}},
+               {p + "self_attn.k_proj.weight", {kvh * d, hd}},
+               {p + "self_attn.v_proj.weight", {kvh * d, hd}}},
+              WeightRole::Matrix, Shard::Rows);
+  if (c.qkv_bias)
+    a.bqkv = add(list,
+                 {{p + "self_attn.q_proj.bias", {nh * d}},
+                  {p + "self_attn.k_proj.bias", {kvh * d}},
+                  {p + "self_attn.v_proj.bias", {kvh * d}}},
+                 WeightRole::Bias, Shard::Rows);
+  a.o = add(list, {{p + "self_attn.o_proj.weight", {hd, nh * d}}}, WeightRole::Matrix, Shard::Cols);
+  if (c.o_bias) a.bo = add(list, {{p + "self_attn.o_proj.bias", {hd}}}, WeightRole::Bias, Shard::Replicated);
+  if (c.qk_norm) {
+    a.q_norm = add_norm(list, p + "self_attn.q_norm.weight", d, norm_add_one);
+    a.k_norm = add_norm(list, p + "self_attn.k_norm.weight", d, norm_add_one);
+  }
+  return a;
+}
+
+MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::string& p) {
+  const int64_t hd = c.hidden_size, inter = c.intermediate_size;
+  MlpWeights m;
+  m.gate_up = add(list, {{p + "mlp.gate_proj.weight", {inter, hd}}, {p + "mlp.up_proj.weight", {inter, hd}}},
+                  WeightRole::Matrix, Shard::Rows);
+  if (c.mlp_bias)
+    m.b_gate_up = add(list, {{p + "mlp.gate_proj.bias", {inter}}, {p + "mlp.up_proj.bias", {inter}}}, WeightRole::Bias,
+                      Shard::Rows);
+  m.down = add(list, {{p + "mlp.down_proj.weight", {hd, inter}}}, WeightRole::Matrix, Shard::Cols);
+  if (c.mlp_bias) m.b_down = add(list, {{p + "mlp.down_proj.bias", {hd}}}, WeightRole::Bias, Shard::Replicated);
+  return m;
+}
+
+DecoderActivations alloc_decoder_activations(Ops& ops, const ModelConfig& c) {
+  const int64_t T = ops.num_tokens(), H = c.hidden_size, QD = int64_t(c.num_heads) * c.head_dim;
+  const int64_t QKV = int64_t(c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+  return DecoderActivations{.x = ops.alloc(ActRole::Residual, T, H),
+                            .h = ops.alloc(ActRole::Hidden, T, H),
+                            .qkv = ops.alloc(ActRole::Hidden, T, QKV),
+                            .q = ops.alloc(ActRole::Query, T, QD),
+                            .attn = ops.alloc(ActRole::Hidden, T, QD),
+                            .delta = ops.alloc(ActRole::Hidden, T, H),
+                            .gu = ops.alloc(ActRole::Hidden, T, 2 * int64_t(c.intermediate_size))};
+}
+
+Tensor final_logits(Ops& ops, const ModelConfig& c, Tensor x, Tensor pending, const Weight& norm, const Weight& head) {
+  const int64_t R = ops.num_logit_rows();
+  if (R == 0) return {};
+  const Tensor hl = ops.alloc(ActRole::Hidden, R, c.hidden_size);
+  const Tensor logits = ops.alloc(ActRole::Logits, R, c.vocab_size);
+  ops.final_norm(x, pending, norm, float(c.rms_norm_eps), hl);
+  ops.linear(hl, head, Weight{}, logits);
+  return logits;
+}
+
+}  // namespace kvlm::arch
