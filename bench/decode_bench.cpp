@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/engine.h"
+#include "model/loaded_model.h"
 #include "model/cuda/cuda_runner.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
@@ -278,12 +278,12 @@ int main(int argc, char** argv) {
     std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     std::vector<std::tuple<std::string, int, int, double>> best;  // kv, batch, context, tokens/s (graphs, logits)
     for (const std::string& kv : split(kvs)) {
-      EngineOptions o;
+      ModelOptions o;
       o.model_dir = model;
       o.cache.kv_cache_dtype = parse_kv_cache_dtype(kv);
       o.device = Device::Cuda;
       const auto t0 = std::chrono::steady_clock::now();
-      auto e = Engine::load(o);
+      auto e = LoadedModel::load(o);
       const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       auto& r = dynamic_cast<CudaModelRunner&>(e->model());
       r.set_small_m_gemv(gemv);

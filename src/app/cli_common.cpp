@@ -81,8 +81,8 @@ std::vector<TokenId> parse_token_ids(std::string_view text) {
   return out;
 }
 
-EngineOptions ModelFlags::engine_options() const {
-  EngineOptions o;
+ModelOptions ModelFlags::engine_options() const {
+  ModelOptions o;
   o.model_dir = model_dir();
   o.cache = cache_config();
   o.device = resolve_device(parse_device(device));

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "config/cache_config.h"
-#include "engine/engine.h"
+#include "model/loaded_model.h"
 
 namespace kvlm::app {
 
@@ -25,7 +25,7 @@ struct ModelFlags {
   void add_to(CLI::App& cmd);
   std::filesystem::path model_dir() const;   // resolves the bundled default
   CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
-  EngineOptions engine_options() const;      // all of the above, device resolved
+  ModelOptions engine_options() const;      // all of the above, device resolved
 };
 
 // The bundled default model directory (models/kvlm-tiny next to the sources or binary).

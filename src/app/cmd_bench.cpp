@@ -24,13 +24,13 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/text_processor.h"
-#include "serve/async_engine.h"
-#include "serve/memory_plan.h"
+#include "text/text_processor.h"
+#include "engine/async_engine.h"
+#include "engine/memory_plan.h"
 
 namespace kvlm::app {
 
-std::string kv_summary(const Engine& e);  // cmd_serve.cpp
+std::string kv_summary(const LoadedModel& e);  // cmd_serve.cpp
 
 CLI::App* add_bench(CLI::App& app, BenchFlags& f) {
   auto* bench = app.add_subcommand("bench", "Benchmarks: throughput (offline engine) and serve (a running server)");
@@ -169,7 +169,7 @@ int run_throughput(const BenchThroughputFlags& f) {
   if (f.num_prompts < 1) throw Error("--num-prompts must be at least 1");
   if (f.input_len < 1) throw Error("--input-len must be at least 1");
   if (f.output_len < 1) throw Error("--output-len must be at least 1");
-  EngineOptions opts;
+  ModelOptions opts;
   opts.model_dir = f.model.model_dir();
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
@@ -183,7 +183,7 @@ int run_throughput(const BenchThroughputFlags& f) {
     if (std::ranges::any_of(data, [](const DatasetEntry& d) { return d.text.has_value(); }))
       text = TextProcessor::load(opts.model_dir);
   }
-  auto engine = Engine::load(opts);
+  auto engine = LoadedModel::load(opts);
   const MemoryPlan plan = plan_kv_memory(*engine, mem);
   const int vocab = engine->config().vocab_size;
 

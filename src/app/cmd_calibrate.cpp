@@ -10,8 +10,8 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/calibrate.h"
-#include "engine/text_processor.h"
+#include "offline/calibrate.h"
+#include "text/text_processor.h"
 
 namespace kvlm::app {
 
@@ -86,7 +86,7 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
 }  // namespace
 
 int run_calibrate(const CalibrateFlags& f) {
-  EngineOptions opts = f.model.engine_options();
+  ModelOptions opts = f.model.engine_options();
   if (opts.device != Device::Cpu) {
     log::info("calibration runs on the CPU runner");
     opts.device = Device::Cpu;
@@ -98,7 +98,7 @@ int run_calibrate(const CalibrateFlags& f) {
   if (TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
   const auto dataset = f.dataset.empty() ? default_dataset(opts.model_dir) : std::filesystem::path(f.dataset);
   const auto samples = load_samples(dataset, text, f.num_samples, f.max_length);
-  auto engine = Engine::load(opts);
+  auto engine = LoadedModel::load(opts);
   const CalibrationResult r = calibrate_kv(*engine, samples, f.per_head);
   write_calibrated_model(opts.model_dir, f.out, r);
 

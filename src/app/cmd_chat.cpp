@@ -8,14 +8,14 @@
 
 #include "app/commands.h"
 #include "core/error.h"
-#include "serve/generate.h"
-#include "engine/stop.h"
-#include "engine/text_processor.h"
+#include "offline/generate.h"
+#include "text/stop.h"
+#include "text/text_processor.h"
 
 namespace kvlm::app {
 
 GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg);
-void print_summary(const GenerateResult& r, const Engine& e);
+void print_summary(const GenerateResult& r, const LoadedModel& e);
 
 namespace {
 std::atomic<bool> g_interrupted{false};
@@ -31,7 +31,7 @@ CLI::App* add_chat(CLI::App& app, ChatFlags& f) {
 }
 
 int run_chat(const ChatFlags& f) {
-  EngineOptions opts;
+  ModelOptions opts;
   opts.model_dir = f.model.model_dir();
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
@@ -39,7 +39,7 @@ int run_chat(const ChatFlags& f) {
   opts.enforce_eager = f.model.enforce_eager;
   const TextProcessor text = TextProcessor::load(opts.model_dir);
   if (!text.has_chat_template()) throw Error("this model has no chat template; use `kvlm generate --prompt` instead");
-  auto engine = Engine::load(opts);
+  auto engine = LoadedModel::load(opts);
 
   // Ctrl-C sets a flag the generation loop checks; without SA_RESTART it also interrupts a
   // pending read of the next line, which then just asks again.

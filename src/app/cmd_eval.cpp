@@ -8,7 +8,7 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "serve/eval.h"
+#include "offline/eval.h"
 
 namespace kvlm::app {
 
@@ -46,7 +46,7 @@ void write_json(const std::string& path, const nlohmann::ordered_json& j) {
 }
 
 // "fp8_e4m3", or "auto -> bfloat16", with "+ N skipped layers" when a skip rule applied.
-std::string kv_label(const Engine& e) {
+std::string kv_label(const LoadedModel& e) {
   const KVPlan& p = e.plan();
   std::string s(kv_cache_dtype_name(p.requested));
   if (p.requested == KVCacheDType::Auto && !p.layers.empty()) s += " -> " + std::string(dtype_name(p.layers.front().storage));
@@ -57,7 +57,7 @@ std::string kv_label(const Engine& e) {
 }
 
 int run_perplexity(const EvalFlags& f) {
-  const EngineOptions opts = f.model.engine_options();
+  const ModelOptions opts = f.model.engine_options();
   if (f.text_file.empty() && f.token_ids_file.empty()) throw Error("give the text to score: --text FILE or --token-ids FILE");
   const std::string& file = f.text_file.empty() ? f.token_ids_file : f.text_file;
   std::ifstream in(file);
@@ -72,7 +72,7 @@ int run_perplexity(const EvalFlags& f) {
   } else {
     tokens = parse_token_ids(ss.str());
   }
-  auto engine = Engine::load(opts);
+  auto engine = LoadedModel::load(opts);
   PerplexityOptions po;
   po.ctx = f.ctx;
   po.max_chunks = f.max_chunks;
@@ -111,12 +111,12 @@ int run_perplexity(const EvalFlags& f) {
 }
 
 int run_task(const EvalFlags& f) {
-  const EngineOptions opts = f.model.engine_options();
+  const ModelOptions opts = f.model.engine_options();
   if (!TextProcessor::available(opts.model_dir))
     throw Error("'" + opts.model_dir.string() + "' has no tokenizer.json; task evaluation reads text");
   const TextProcessor text = TextProcessor::load(opts.model_dir);
   const auto items = load_task_file(f.data);
-  auto engine = Engine::load(opts);
+  auto engine = LoadedModel::load(opts);
   TaskOptions to;
   to.max_tokens = f.max_tokens;
   to.limit = f.limit;

@@ -9,9 +9,9 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "serve/generate.h"
-#include "engine/stop.h"
-#include "engine/text_processor.h"
+#include "offline/generate.h"
+#include "text/stop.h"
+#include "text/text_processor.h"
 
 namespace kvlm::app {
 
@@ -58,7 +58,7 @@ GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg) {
   return req;
 }
 
-void print_summary(const GenerateResult& r, const Engine& e) {
+void print_summary(const GenerateResult& r, const LoadedModel& e) {
   std::fflush(stdout);  // the streamed text first, also when stdout is a pipe
   if (log::level() < log::Level::Warn) return;
   const double prefill_tps = r.prefill_seconds > 0 ? double(r.prompt.size()) / r.prefill_seconds : 0.0;
@@ -85,7 +85,7 @@ std::string ids_str(const std::vector<TokenId>& ids) {
 int run_generate(const GenerateFlags& f) {
   if (f.prompt.empty() && f.prompt_ids.empty()) throw Error("give a prompt: --prompt TEXT or --prompt-ids 1,2,3");
   if (f.chat && f.prompt.empty()) throw Error("--chat needs --prompt TEXT");
-  EngineOptions opts;
+  ModelOptions opts;
   opts.model_dir = f.model.model_dir();
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
@@ -95,7 +95,7 @@ int run_generate(const GenerateFlags& f) {
   std::optional<TextProcessor> text;
   if (!f.prompt.empty() || TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
 
-  auto engine = Engine::load(opts);
+  auto engine = LoadedModel::load(opts);
   const ModelConfig& cfg = engine->config();
   GenerateRequest req = make_request(f.sampling, cfg);
   req.logprobs = f.logprobs;

@@ -8,7 +8,7 @@
 #include "app/commands.h"
 #include "attention/registry.h"
 #include "core/error.h"
-#include "engine/engine.h"
+#include "model/loaded_model.h"
 
 namespace kvlm::app {
 

@@ -21,9 +21,9 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "engine/text_processor.h"
-#include "serve/async_engine.h"
-#include "serve/memory_plan.h"
+#include "text/text_processor.h"
+#include "engine/async_engine.h"
+#include "engine/memory_plan.h"
 #include "server/http_server.h"
 
 namespace kvlm::app {
@@ -68,7 +68,7 @@ SchedulerConfig ServingFlags::scheduler_config(const MemoryPlan& plan) const {
   return c;
 }
 
-std::string kv_summary(const Engine& e) {
+std::string kv_summary(const LoadedModel& e) {
   const KVStorage& kv = e.plan().resolution.storage;
   std::string s = std::string(dtype_name(kv.storage));
   if (kv.mode != KVQuantMode::None) s += " " + std::string(kv_quant_mode_name(kv.mode));
@@ -179,7 +179,7 @@ void say(const std::string& line) {
 
 int run_serve(const ServeFlags& f) {
   // Everything that needs no model is checked before anything starts.
-  EngineOptions opts;
+  ModelOptions opts;
   opts.model_dir = f.model.model_dir();
   opts.cache = f.model.cache_config();
   opts.device = resolve_device(parse_device(f.model.device));
@@ -205,7 +205,7 @@ int run_serve(const ServeFlags& f) {
 
   // Declared before the server so they outlive its connection threads.
   std::optional<TextProcessor> text;
-  std::unique_ptr<Engine> engine;
+  std::unique_ptr<LoadedModel> engine;
   std::unique_ptr<AsyncEngine> async;
   std::unique_ptr<server::AsyncEngineClient> client;
 
@@ -220,7 +220,7 @@ int run_serve(const ServeFlags& f) {
 
   if (TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
   else log::warn("'" + opts.model_dir.string() + "' has no tokenizer.json: prompts must be token ids and responses carry token ids, not text");
-  engine = Engine::load(opts);
+  engine = LoadedModel::load(opts);
   const MemoryPlan plan = plan_kv_memory(*engine, mem);
   async = std::make_unique<AsyncEngine>(*engine, f.serving.scheduler_config(plan));
   client = std::make_unique<server::AsyncEngineClient>(*async);

@@ -7,7 +7,7 @@
 
 #include "app/commands.h"
 #include "core/error.h"
-#include "engine/text_processor.h"
+#include "text/text_processor.h"
 
 namespace kvlm::app {
 

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "app/cli_common.h"
-#include "serve/async_engine.h"
-#include "serve/memory_plan.h"
+#include "engine/async_engine.h"
+#include "engine/memory_plan.h"
 
 namespace kvlm::app {
 

@@ -80,7 +80,9 @@ class AttentionBackend {
   // Quantize (per the layer's spec) and scatter K/V rows into the layer's pages.
   virtual void store_kv(LayerKVCache& cache, const KVWrite& w) const = 0;
   // Attention of the queries over the paged cache, with the mask of the layer's kind:
-  // full (causal), sliding (causal, window) or non-causal (every cached token).
+  // full (causal), sliding (causal, window) or non-causal (every cached token). With the
+  // queries being a sequence's last q_len positions, non-causal is also a prefix plus a
+  // bidirectional block: what a DFlash drafter's block of mask tokens attends to.
   virtual void attend(const LayerKVCache& cache, const AttentionCall& call) const = 0;
 };
 

@@ -1,38 +1,77 @@
-// One sequence running through a model: the building block of `kvlm generate` and of the
-// golden tests. It (re)allocates the model runner's KV pool to its capacity, so only one
-// SequenceRunner may use an engine at a time (the serving scheduler shares the pool among
-// many sequences instead). Pages come from a BlockAllocator as the sequence grows; prefill
-// can be split into chunks (a multi-token query over existing context).
+// One request's state inside the serving engine, shared by its three parts: the Scheduler
+// (which sequences run this step and with how many rows), the StepBatch (the step's rows
+// laid out for the model runner) and the OutputProcessor (tokens, log-probabilities,
+// stops). LLMEngine owns the sequences; nothing outside engine/ sees them.
 #pragma once
 
+#include <chrono>
 #include <span>
 #include <vector>
 
-#include "engine/engine.h"
-#include "kv/block_allocator.h"
+#include "core/index_types.h"
+#include "engine/request.h"
+#include "sampling/sampler.h"
 
 namespace kvlm {
 
-class SequenceRunner {
- public:
-  // Room for `capacity` tokens. Throws kvlm::Error when that exceeds the model's context.
-  SequenceRunner(Engine& engine, int capacity);
+struct Sequence {
+  using Clock = std::chrono::steady_clock;
 
-  // Appends `tokens` and runs them. Returns the next-token logits after every appended token
-  // ([tokens.size()][vocab]) when all_logits, else after the last one only ([vocab]).
-  std::vector<float> append(std::span<const TokenId> tokens, bool all_logits);
+  EngineRequest req;
+  std::vector<TokenId> tokens;  // prompt, then generated tokens
+  int num_prompt = 0;
+  int num_computed = 0;         // leading tokens whose K/V is in the pages
+  std::vector<BlockId> pages;
+  std::vector<uint64_t> serials;  // prefix-cache serials of the leading registered pages
+  int cached_prompt_tokens = 0;
+  bool started = false;           // scheduled at least once (prompt tokens counted)
+  bool first_token_sent = false;
+  bool finished = false;
+  std::vector<TokenLogprobs> prompt_lp;  // collected while prefilling, sent once
+  bool prompt_lp_sent = false;
+  Sampler sampler;
+  Clock::time_point arrival, last_token;
 
-  int length() const { return length_; }
-  int capacity() const { return capacity_; }
-  const std::vector<BlockId>& block_table() const { return blocks_; }
-  size_t kv_bytes() const { return engine_.model().kv_bytes(); }
+  // --- this step ------------------------------------------------------------------------
+  // Speculative tokens proposed after the last token (only while decoding: every token but
+  // the last is computed). They run as extra query rows of the step, each with its logits,
+  // and the OutputProcessor keeps the prefix the target model agrees with.
+  std::vector<TokenId> draft;
+  int scheduled = 0;    // query rows this step: uncomputed tokens, then the draft
+  int logit_row = -1;    // first logits row of this step, -1 = none
+  int logit_count = 0;
+  int prompt_row0 = 0;   // position of the first prompt row among them
+  int prompt_rows = 0;   // leading logit rows that are prompt rows (prompt_logits / _logprobs)
+  int sample_row0 = 0;   // index of the first row that draws a token
+  int sample_rows = 0;   // rows that draw tokens: 1 + draft, or 0 (prefill chunk, scoring)
+  bool device_sampled = false;  // those rows are drawn by the runner (forward_sampled)
+  int prompt_logits_sent = 0;   // prompt rows already delivered (never twice after preemption)
 
- private:
-  Engine& engine_;
-  int capacity_;
-  BlockAllocator allocator_;
-  std::vector<BlockId> blocks_;
-  int length_ = 0;
+  explicit Sequence(EngineRequest r) : req(std::move(r)), sampler(req.seed) {}
+
+  int num_output() const { return int(tokens.size()) - num_prompt; }
+  // Tokens the step may run: the uncomputed ones and the draft after them.
+  int num_pending() const { return int(tokens.size() + draft.size()) - num_computed; }
+  std::span<const TokenId> prompt() const { return std::span(tokens).first(size_t(num_prompt)); }
+  std::span<const TokenId> output() const { return std::span(tokens).subspan(size_t(num_prompt)); }
+  TokenId token_at(int p) const {
+    return p < int(tokens.size()) ? tokens[size_t(p)] : draft[size_t(p - int(tokens.size()))];
+  }
+  bool wants_prompt_logprobs() const { return req.prompt_logprobs >= 0 && !prompt_lp_sent; }
+  // Prompt rows whose logits this request still wants, [prompt_rows_begin, prompt_rows_end):
+  // every prompt row for prompt_logits; all but the last for prompt log-probabilities (row p
+  // scores token p + 1).
+  int prompt_rows_begin() const { return req.prompt_logits ? prompt_logits_sent : 0; }
+  int prompt_rows_end() const {
+    if (req.prompt_logits) return num_prompt;
+    return wants_prompt_logprobs() ? num_prompt - 1 : 0;
+  }
+  // Whether the next token can be drawn where the logits are: no penalties, no
+  // log-probabilities, and no tokens to mask for min_tokens.
+  bool device_samplable(bool has_eos) const {
+    const bool masking = num_output() < req.min_tokens && ((!req.ignore_eos && has_eos) || !req.stop_token_ids.empty());
+    return !req.sampling.has_penalties() && req.logprobs == 0 && !masking;
+  }
 };
 
 }  // namespace kvlm

@@ -1,6 +1,6 @@
 // The model runner interface: weights on one device plus the KV pool they attend over.
 //
-// The engine (SequenceRunner for one request, the serving scheduler for many) decides which
+// The serving engine (engine/llm_engine.h: one request or many) decides which
 // pages each sequence owns and lays a step's tokens out as a ForwardBatch; the runner owns
 // the pages themselves, sized by allocate_kv, in host memory (CPU) or device memory (CUDA),
 // and runs the batch. One block id addresses the same page in every layer's pool.

@@ -23,7 +23,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "serve/async_engine.h"
+#include "engine/async_engine.h"
 #include "server/prometheus.h"
 #include "server/request_stream.h"
 #include "server/response.h"

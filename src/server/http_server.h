@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/text_processor.h"
-#include "serve/metrics.h"
-#include "serve/request.h"
+#include "text/text_processor.h"
+#include "engine/metrics.h"
+#include "engine/request.h"
 #include "server/protocol.h"
 
 namespace kvlm {

@@ -6,7 +6,7 @@
 #include <map>
 #include <string>
 
-#include "serve/metrics.h"
+#include "engine/metrics.h"
 
 namespace kvlm::server {
 

@@ -19,7 +19,7 @@
 #include "core/index_types.h"
 #include "sampling/sampler.h"  // TokenLogprobs
 #include "sampling/sampler.h"
-#include "serve/request.h"    // FinishReason
+#include "engine/request.h"    // FinishReason
 
 namespace kvlm::server {
 

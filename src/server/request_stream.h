@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/stop.h"
+#include "text/stop.h"
 #include "io/tokenizer/tokenizer.h"
-#include "serve/request.h"
+#include "engine/request.h"
 
 namespace kvlm::server {
 

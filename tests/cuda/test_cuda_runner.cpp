@@ -38,8 +38,8 @@
 
 #include "core/error.h"
 #include "cuda_test_util.h"
-#include "serve/generate.h"
-#include "engine/sequence.h"
+#include "offline/generate.h"
+#include "offline/score.h"
 #include "attention/registry.h"
 #include "io/safetensors.h"
 #include "model/cpu/cpu_runner.h"
@@ -86,33 +86,26 @@ std::vector<std::string> golden_names() {
   return out;
 }
 
-std::unique_ptr<Engine> load(const fs::path& dir, KVCacheDType dt, Device dev, std::optional<DType> dtype = std::nullopt,
+std::unique_ptr<LoadedModel> load(const fs::path& dir, KVCacheDType dt, Device dev, std::optional<DType> dtype = std::nullopt,
                              int block_size = 16) {
-  EngineOptions o;
+  ModelOptions o;
   o.model_dir = dir;
   o.cache.kv_cache_dtype = dt;
   o.cache.block_size = block_size;
   o.device = dev;
   o.dtype = dtype;
-  return Engine::load(o);
+  return LoadedModel::load(o);
 }
 
-CudaModelRunner& cuda_of(Engine& e) {
+CudaModelRunner& cuda_of(LoadedModel& e) {
   auto* r = dynamic_cast<CudaModelRunner*>(&e.model());
   if (!r) throw std::runtime_error("not a CUDA runner");
   return *r;
 }
 
 // Teacher-forced logits over `tokens`, prefilled in chunks of `chunk`.
-std::vector<float> teacher_forced(Engine& e, const std::vector<TokenId>& all, int chunk) {
-  SequenceRunner seq(e, int(all.size()));
-  std::vector<float> out;
-  for (size_t i = 0; i < all.size(); i += size_t(chunk)) {
-    const size_t n = std::min(all.size() - i, size_t(chunk));
-    auto l = seq.append(std::span(all).subspan(i, n), true);
-    out.insert(out.end(), l.begin(), l.end());
-  }
-  return out;
+std::vector<float> teacher_forced(LoadedModel& e, const std::vector<TokenId>& all, int chunk) {
+  return all_logits(e, all, chunk);
 }
 
 struct Stats {
@@ -657,7 +650,6 @@ TEST(CudaRunner, ClearErrors) {
         << err.what();
   }
   // A token outside the vocabulary.
-  SequenceRunner seq(*e, 8);
   const std::vector<TokenId> bad{1, 100000};
-  EXPECT_THROW(seq.append(bad, false), Error);
+  EXPECT_THROW(all_logits(*e, bad, 8), Error);
 }

@@ -18,8 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "serve/generate.h"
-#include "engine/sequence.h"
+#include "offline/generate.h"
+#include "offline/score.h"
 #include "io/safetensors.h"
 
 using namespace kvlm;
@@ -62,26 +62,19 @@ std::vector<std::string> golden_names() {
   return out;
 }
 
-std::unique_ptr<Engine> load(const Golden& g, KVCacheDType dt, std::optional<DType> dtype) {
-  EngineOptions o;
+std::unique_ptr<LoadedModel> load(const Golden& g, KVCacheDType dt, std::optional<DType> dtype) {
+  ModelOptions o;
   o.model_dir = g.model_dir;
   o.cache.kv_cache_dtype = dt;
   o.dtype = dtype;
-  return Engine::load(o);
+  return LoadedModel::load(o);
 }
 
 // Teacher-forced logits over prompt + greedy, prefilled in chunks of `chunk`.
-std::vector<float> teacher_forced(Engine& e, const Golden& g, int chunk) {
+std::vector<float> teacher_forced(LoadedModel& e, const Golden& g, int chunk) {
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
-  SequenceRunner seq(e, int(all.size()));
-  std::vector<float> out;
-  for (size_t i = 0; i < all.size(); i += size_t(chunk)) {
-    const size_t n = std::min(all.size() - i, size_t(chunk));
-    auto l = seq.append(std::span(all).subspan(i, n), true);
-    out.insert(out.end(), l.begin(), l.end());
-  }
-  return out;
+  return all_logits(e, all, chunk);
 }
 
 struct Stats {

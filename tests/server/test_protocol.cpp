@@ -10,7 +10,7 @@
 #include <map>
 #include <sstream>
 
-#include "engine/text_processor.h"
+#include "text/text_processor.h"
 #include "server/prometheus.h"
 #include "server/protocol.h"
 #include "server/request_stream.h"

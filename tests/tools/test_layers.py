@@ -5,7 +5,8 @@ import os
 import re
 import sys
 
-LAYERS = ["core", "config", "io", "kv", "attention", "ops", "sampling", "model", "engine", "serve", "server", "app"]
+LAYERS = ["core", "config", "io", "text", "kv", "attention", "ops", "sampling", "model", "engine", "offline", "server",
+          "app"]
 
 
 def main():

@@ -5,8 +5,8 @@
 #include <fstream>
 
 #include "core/error.h"
-#include "engine/calibrate.h"
-#include "serve/eval.h"
+#include "offline/calibrate.h"
+#include "offline/eval.h"
 
 using namespace kvlm;
 namespace fs = std::filesystem;
@@ -44,9 +44,9 @@ TEST(Eval, TaskFilesAreParsedWithLineNumbersInErrors) {
 }
 
 TEST(Calibrate, ScalesAreAbsmaxOverE4M3Max) {
-  EngineOptions o;
+  ModelOptions o;
   o.model_dir = fs::path(KVLM_TEST_DATA) / "golden" / "models" / "qwen3-mixed";
-  auto e = Engine::load(o);
+  auto e = LoadedModel::load(o);
   const std::vector<std::vector<TokenId>> samples{{1, 5, 9, 33, 2, 7}, {4, 4, 4}};
   const auto per_layer = calibrate_kv(*e, samples, false);
   const auto per_head = calibrate_kv(*e, samples, true);

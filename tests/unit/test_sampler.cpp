@@ -8,7 +8,7 @@
 #include "core/error.h"
 #include "core/philox.h"
 #include "sampling/sampler.h"
-#include "engine/stop.h"
+#include "text/stop.h"
 
 using namespace kvlm;
 

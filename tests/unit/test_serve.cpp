@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <filesystem>
 #include <map>
@@ -13,12 +14,12 @@
 #include <thread>
 
 #include "core/error.h"
-#include "serve/generate.h"
-#include "engine/sequence.h"
-#include "serve/async_engine.h"
-#include "serve/block_manager.h"
-#include "serve/llm_engine.h"
-#include "serve/memory_plan.h"
+#include "offline/generate.h"
+#include "offline/score.h"
+#include "engine/async_engine.h"
+#include "engine/block_manager.h"
+#include "engine/llm_engine.h"
+#include "engine/memory_plan.h"
 
 namespace fs = std::filesystem;
 using namespace kvlm;
@@ -147,12 +148,12 @@ TEST(MemoryPlan, ParsesByteSizes) {
   for (const char* bad : {"", "GiB", "-1", "12XB", "1e3", "0"}) EXPECT_THROW(parse_byte_size(bad), Error) << bad;
 }
 
-std::unique_ptr<Engine> load(const fs::path& dir, KVCacheDType dt = KVCacheDType::Auto, int block_size = 16) {
-  EngineOptions o;
+std::unique_ptr<LoadedModel> load(const fs::path& dir, KVCacheDType dt = KVCacheDType::Auto, int block_size = 16) {
+  ModelOptions o;
   o.model_dir = dir;
   o.cache.kv_cache_dtype = dt;
   o.cache.block_size = block_size;
-  return Engine::load(o);
+  return LoadedModel::load(o);
 }
 
 TEST(MemoryPlan, CapacityFollowsThePerLayerPlan) {
@@ -212,7 +213,7 @@ std::vector<TokenId> random_prompt(std::mt19937& rng, int len, int vocab) {
   return p;
 }
 
-std::vector<TokenId> one_at_a_time(Engine& e, const std::vector<TokenId>& prompt, int max_tokens) {
+std::vector<TokenId> one_at_a_time(LoadedModel& e, const std::vector<TokenId>& prompt, int max_tokens) {
   GenerateRequest g;
   g.prompt = prompt;
   g.max_tokens = max_tokens;
@@ -399,11 +400,7 @@ TEST(Scheduler, StopTokensRespectMinTokens) {
 TEST(Scheduler, LogprobsAndPromptLogprobsMatchTheModel) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   const std::vector<TokenId> prompt{1, 403, 407, 261, 378, 324, 434, 412, 281, 266, 397};
-  std::vector<float> all;
-  {
-    SequenceRunner seq(*e, 64);
-    all = seq.append(prompt, true);
-  }
+  const std::vector<float> all = all_logits(*e, prompt, int(prompt.size()));
   const size_t vocab = size_t(e->config().vocab_size);
   std::map<std::string, Collected> out;
   LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 4, .max_model_len = 64,
@@ -483,18 +480,16 @@ TEST(Scheduler, RunnerSideSamplingAndHostRowsShareSteps) {
   const SamplingParams sp{.temperature = 0.9f, .top_k = 40, .top_p = 0.95f};
   // The reference: teacher-forced logits of the sampled continuation, drawn by sample_gumbel.
   auto reference = [&](uint64_t seed, int n) {
-    SequenceRunner seq(*e, 64);
-    std::vector<float> logits = seq.append(prompt, false);
-    std::vector<TokenId> out;
+    std::vector<TokenId> seq = prompt;
+    const size_t vocab = size_t(e->config().vocab_size);
     for (int i = 0; i < n; ++i) {
-      const TokenId t = sample_gumbel(logits, sp, seed, uint64_t(i));
-      out.push_back(t);
-      logits = seq.append(std::vector<TokenId>{t}, false);
+      const std::vector<float> all = all_logits(*e, seq, 64);
+      seq.push_back(sample_gumbel(std::span(all).last(vocab), sp, seed, uint64_t(i)));
     }
-    return out;
+    return std::vector<TokenId>(seq.begin() + std::ptrdiff_t(prompt.size()), seq.end());
   };
   const int n = 12;
-  // (before the LLMEngine: a SequenceRunner reallocates the runner's KV pool)
+  // (before the LLMEngine: scoring reallocates the runner's KV pool)
   const std::vector<TokenId> greedy = one_at_a_time(*e, prompt, n);
   const std::vector<TokenId> ref11 = reference(11, n), ref12 = reference(12, n);
   runner->reset_counters();  // the references ran through it too
@@ -536,6 +531,143 @@ TEST(Scheduler, RunnerSideSamplingAndHostRowsShareSteps) {
   EXPECT_GT(st.schedule_seconds_total, 0.0);
 }
 
+namespace {
+
+// A drafter that knows where each prompt's continuation should go (`script`, by the prompt's
+// first token) and proposes it, wrong on purpose at draft position 1 on every third call, so
+// that verification both accepts and rejects.
+class ScriptedProposer final : public DraftProposer {
+ public:
+  ScriptedProposer(std::map<TokenId, std::vector<TokenId>> script, int k, int vocab)
+      : script_(std::move(script)), k_(k), vocab_(vocab) {}
+  void propose(std::span<Sequence* const> seqs, std::span<const int> max_draft) override {
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Sequence& s = *seqs[i];
+      const auto& cont = script_.at(s.tokens[0]);
+      const int at = s.num_output();
+      for (int j = 0; j < std::min(k_, max_draft[i]) && at + j < int(cont.size()); ++j)
+        s.draft.push_back(cont[size_t(at + j)]);
+      if (++calls % 3 == 0 && s.draft.size() > 1) s.draft[1] = (s.draft[1] + 1) % vocab_;
+    }
+  }
+  int calls = 0;
+
+ private:
+  std::map<TokenId, std::vector<TokenId>> script_;
+  int k_, vocab_;
+};
+
+}  // namespace
+
+// A multi-token step per sequence: the draft rows run with the sequence's last token, each
+// with its logits, and the verification keeps exactly the tokens plain decoding would have
+// made — greedy and seeded sampling, host- and runner-side sampling, several sequences at
+// once, with chunked prefill, a pool small enough to preempt, and the prefix cache on. The
+// cache is the exact fp32 one: a verification step's rows go through GEMMs of another shape
+// than one-row decode, and in a quantized cache such a last-bit difference can move a code
+// across a rounding boundary, which would make exact token equality a test of luck.
+TEST(Scheduler, SpeculativeStepsGiveThePlainOutputs) {
+  for (const bool device_sampling : {false, true}) {
+    SCOPED_TRACE(device_sampling ? "runner-side sampling" : "host sampling");
+    auto e = load(kStories, KVCacheDType::Auto, 8);
+    if (device_sampling)
+      e->wrap_model([](std::unique_ptr<ModelRunner> inner) { return std::make_unique<DeviceSamplingRunner>(std::move(inner)); });
+    std::mt19937 rng(3);
+    const int vocab = e->config().vocab_size;
+    std::vector<std::vector<TokenId>> prompts;
+    for (int i = 0; i < 4; ++i) {
+      auto p = random_prompt(rng, 9 + 7 * i, vocab);
+      p[0] = TokenId(10 + i);  // the script's key
+      prompts.push_back(p);
+    }
+    const SamplingParams sampled{.temperature = 0.8f, .top_k = 50};
+    auto run = [&](std::unique_ptr<DraftProposer> proposer, int num_blocks, EngineStats* stats) {
+      std::map<std::string, Collected> out;
+      LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 24, .max_model_len = 96,
+                                       .enable_prefix_caching = true, .num_blocks = num_blocks});
+      if (proposer) le.set_proposer(std::move(proposer));
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        auto r = make("r" + std::to_string(i), prompts[i], 20, out);
+        if (i % 2 == 1) {
+          r.sampling = sampled;
+          r.seed = 100 + i;
+        }
+        if (i == 3) r.logprobs = 2;  // host rows in a runner-sampling engine
+        le.add_request(std::move(r));
+      }
+      run_to_end(le);
+      EXPECT_EQ(le.blocks().num_used(), 0);
+      if (stats) *stats = le.stats();
+      std::vector<Collected> v;
+      for (size_t i = 0; i < prompts.size(); ++i) v.push_back(out["r" + std::to_string(i)]);
+      return v;
+    };
+    EngineStats plain_stats, spec_stats;
+    const auto plain = run(nullptr, 64, &plain_stats);
+    std::map<TokenId, std::vector<TokenId>> script;
+    for (size_t i = 0; i < prompts.size(); ++i) script[prompts[i][0]] = plain[i].tokens;
+    const auto spec = run(std::make_unique<ScriptedProposer>(script, 4, vocab), 64, &spec_stats);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(spec[i].tokens, plain[i].tokens) << "request " << i;
+      EXPECT_EQ(spec[i].reason, plain[i].reason) << "request " << i;
+      ASSERT_EQ(spec[i].logprobs.size(), plain[i].logprobs.size());
+      for (size_t j = 0; j < spec[i].logprobs.size(); ++j)
+        EXPECT_NEAR(spec[i].logprobs[j].logprob, plain[i].logprobs[j].logprob, 1e-4);
+    }
+    EXPECT_GT(spec_stats.spec_accepted_tokens_total, 0u);
+    EXPECT_LT(spec_stats.spec_accepted_tokens_total, spec_stats.spec_draft_tokens_total) << "no draft was rejected";
+    EXPECT_LT(spec_stats.steps_total, plain_stats.steps_total);
+    EXPECT_EQ(spec_stats.generation_tokens_total, plain_stats.generation_tokens_total);
+    // A pool that forces preemption: drafts give way first, outputs stay the same.
+    const auto tight = run(std::make_unique<ScriptedProposer>(script, 4, vocab), 14, nullptr);
+    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(tight[i].tokens, plain[i].tokens) << "request " << i;
+  }
+}
+
+// Scoring a prompt (max_tokens 0, prompt logits) through the engine: every row arrives once,
+// in order, equal to one unchunked pass, also when the sequence is preempted and recomputed.
+TEST(Scheduler, PromptLogitsArriveOnceInOrder) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  const size_t vocab = size_t(e->config().vocab_size);
+  std::mt19937 rng(5);
+  const auto prompt = random_prompt(rng, 40, int(vocab));
+  const std::vector<float> whole = all_logits(*e, prompt, 64);
+  const std::vector<float> chunked = all_logits(*e, prompt, 7);
+  ASSERT_EQ(whole.size(), prompt.size() * vocab);
+  double worst = 0;
+  for (size_t i = 0; i < whole.size(); ++i) worst = std::max(worst, double(std::fabs(whole[i] - chunked[i])));
+  EXPECT_LT(worst, 1e-4);
+  // In a shared engine, next to a generating request that preempts it.
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 8, .max_model_len = 64,
+                                   .enable_prefix_caching = true, .num_blocks = 8});
+  std::vector<float> got(prompt.size() * vocab, std::nanf(""));
+  int next = 0, finishes = 0;
+  std::map<std::string, Collected> out;
+  le.add_request(make("gen", random_prompt(rng, 20, int(vocab)), 40, out));
+  EngineRequest score{.id = "score", .prompt = prompt, .max_tokens = 0, .prompt_logits = true};
+  score.on_output = [&](const RequestOutput& o) {
+    if (!o.prompt_logits.empty()) {
+      EXPECT_EQ(o.prompt_logits_begin, next);
+      std::copy(o.prompt_logits.begin(), o.prompt_logits.end(), got.begin() + std::ptrdiff_t(size_t(next) * vocab));
+      next += int(o.prompt_logits.size() / vocab);
+    }
+    EXPECT_TRUE(o.new_tokens.empty());
+    if (o.finished) {
+      ++finishes;
+      EXPECT_EQ(o.finish_reason, FinishReason::Length);
+    }
+    return true;
+  };
+  le.add_request(std::move(score));
+  run_to_end(le);
+  EXPECT_GT(le.stats().preemptions_total, 0u);
+  EXPECT_EQ(next, int(prompt.size()));
+  EXPECT_EQ(finishes, 1);
+  worst = 0;
+  for (size_t i = 0; i < whole.size(); ++i) worst = std::max(worst, double(std::fabs(whole[i] - got[i])));
+  EXPECT_LT(worst, 1e-4);
+}
+
 TEST(Scheduler, RejectsInvalidRequestsWithClearErrors) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   std::map<std::string, Collected> out;
@@ -553,7 +685,7 @@ TEST(Scheduler, RejectsInvalidRequestsWithClearErrors) {
   expect_error(make("a", {1, 100000}, 4, out), "outside the model's vocabulary");
   expect_error(make("a", std::vector<TokenId>(64, 5), 1, out), "maximum context length is 64");
   expect_error(make("a", {1, 2}, 63, out), "lower max_tokens to at most 62");
-  expect_error(make("a", {1, 2}, 0, out), "max_tokens must be at least 1");
+  expect_error(make("a", {1, 2}, -1, out), "max_tokens must not be negative");
   auto bad = make("a", {1, 2}, 4, out);
   bad.sampling.top_p = 2;
   expect_error(std::move(bad), "top");

@@ -10,19 +10,13 @@
 #include <string>
 
 #include "core/error.h"
-#include "engine/engine.h"
-#include "serve/metrics.h"
-#include "serve/request.h"
+#include "model/loaded_model.h"
+#include "engine/metrics.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"  // SchedulerConfig
 
 namespace kvlm {
 
-struct SchedulerConfig {
-  int max_num_seqs = 256;              // sequences in one step
-  int max_num_batched_tokens = 2048;   // tokens in one step (prefill chunks + decodes)
-  int max_model_len = 0;               // prompt + output limit; 0 = the model's context
-  bool enable_prefix_caching = true;
-  int num_blocks = 0;                  // KV pool pages (see memory_plan.h)
-};
 
 // What add_request throws once shutdown has begun: the request was fine, the engine is
 // going away (a server answers 503, not 400).
@@ -34,7 +28,7 @@ class EngineShutDown : public Error {
 class AsyncEngine {
  public:
   // Allocates the model runner's KV pool (cfg.num_blocks pages) and starts the engine thread.
-  AsyncEngine(Engine& engine, SchedulerConfig cfg);
+  AsyncEngine(LoadedModel& model, SchedulerConfig cfg);
   ~AsyncEngine();  // shutdown(false)
   AsyncEngine(const AsyncEngine&) = delete;
   AsyncEngine& operator=(const AsyncEngine&) = delete;
@@ -53,7 +47,7 @@ class AsyncEngine {
 
   const SchedulerConfig& config() const;
   int block_size() const;
-  Engine& engine();
+  LoadedModel& model();
 
  private:
   struct Impl;

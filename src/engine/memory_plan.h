@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "engine/engine.h"
+#include "model/loaded_model.h"
 
 namespace kvlm {
 
@@ -31,7 +31,7 @@ struct MemoryPlan {
 
 // Throws kvlm::Error with what to change when the pool cannot hold one max_model_len
 // sequence.
-MemoryPlan plan_kv_memory(const Engine& engine, const MemoryOptions& opts);
+MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts);
 
 // Parses "4GiB", "512MiB", "2G", "1000000" into bytes; throws with the accepted forms.
 uint64_t parse_byte_size(std::string_view s);

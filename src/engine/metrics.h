@@ -36,6 +36,9 @@ struct EngineStats {
   uint64_t requests_total = 0;              // accepted
   std::map<std::string, uint64_t> requests_finished_total;  // by finish reason
   uint64_t steps_total = 0;
+  // Speculative decoding: draft tokens verified, and of those, accepted.
+  uint64_t spec_draft_tokens_total = 0;
+  uint64_t spec_accepted_tokens_total = 0;
   // Where the engine thread's time goes (seconds): scheduling and batch layout, the model's
   // forward pass (including sampling done by the runner on its device), host sampling.
   double schedule_seconds_total = 0;

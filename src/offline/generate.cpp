@@ -1,13 +1,13 @@
-#include "serve/generate.h"
+#include "offline/generate.h"
 
 #include <chrono>
 
 #include "core/error.h"
-#include "serve/llm_engine.h"
+#include "engine/llm_engine.h"
 
 namespace kvlm {
 
-void validate_request(const Engine& engine, const GenerateRequest& req) {
+void validate_request(const LoadedModel& engine, const GenerateRequest& req) {
   const ModelConfig& cfg = engine.config();
   if (req.prompt.empty()) throw Error("the prompt is empty; give at least one token id");
   for (TokenId t : req.prompt)
@@ -26,7 +26,7 @@ void validate_request(const Engine& engine, const GenerateRequest& req) {
   validate_sampling(req.sampling);
 }
 
-GenerateResult generate(Engine& engine, const GenerateRequest& req, const TokenCallback& on_token) {
+GenerateResult generate(LoadedModel& engine, const GenerateRequest& req, const TokenCallback& on_token) {
   validate_request(engine, req);
   using clock = std::chrono::steady_clock;
   GenerateResult res;

@@ -1,4 +1,4 @@
-#include "serve/block_manager.h"
+#include "engine/block_manager.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "serve/metrics.h"
+#include "engine/metrics.h"
 
 #include <algorithm>
 

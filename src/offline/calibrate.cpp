@@ -1,4 +1,4 @@
-#include "engine/calibrate.h"
+#include "offline/calibrate.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,9 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "engine/sequence.h"
 #include "io/safetensors.h"
 #include "model/cpu/cpu_runner.h"
+#include "offline/score.h"
 
 namespace kvlm {
 
@@ -54,7 +54,7 @@ std::string scale_name(int layer, char kv) {
 
 }  // namespace
 
-CalibrationResult calibrate_kv(Engine& engine, const std::vector<std::vector<TokenId>>& samples, bool per_head) {
+CalibrationResult calibrate_kv(LoadedModel& engine, const std::vector<std::vector<TokenId>>& samples, bool per_head) {
   auto* cpu = dynamic_cast<CpuModelRunner*>(&engine.model());
   if (!cpu) throw Error("calibration runs on the CPU runner; load the model with --device cpu");
   if (samples.empty()) throw Error("no calibration samples");
@@ -83,11 +83,7 @@ CalibrationResult calibrate_kv(Engine& engine, const std::vector<std::vector<Tok
   } reset{cpu};
   for (const auto& sample : samples) {
     if (sample.empty()) throw Error("a calibration sample has no tokens");
-    SequenceRunner seq(engine, int(sample.size()));
-    for (size_t i = 0; i < sample.size(); i += 512) {
-      const size_t n = std::min<size_t>(512, sample.size() - i);
-      seq.append(std::span(sample).subspan(i, n), false);
-    }
+    score_tokens(engine, sample, 512, {});
     ++r.num_samples;
     r.num_tokens += int64_t(sample.size());
   }

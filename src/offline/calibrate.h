@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
+#include "model/loaded_model.h"
 
 namespace kvlm {
 
@@ -30,7 +30,7 @@ struct CalibrationResult {
 
 // Runs each sample (token ids) through the engine's CPU runner and derives the scales.
 // Throws kvlm::Error when the engine does not run on the CPU or a sample is empty.
-CalibrationResult calibrate_kv(Engine& engine, const std::vector<std::vector<TokenId>>& samples, bool per_head);
+CalibrationResult calibrate_kv(LoadedModel& engine, const std::vector<std::vector<TokenId>>& samples, bool per_head);
 
 // Writes `out`: every file of `in` linked (hard link, else copied), the weight files
 // renamed into a sharded set with one more shard holding model.layers.N.self_attn.{k,v}_scale,

@@ -1,4 +1,4 @@
-#include "engine/text_processor.h"
+#include "text/text_processor.h"
 
 #include "core/error.h"
 

@@ -1,4 +1,4 @@
-#include "engine/engine.h"
+#include "model/loaded_model.h"
 
 #include <algorithm>
 
@@ -77,9 +77,9 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
   return mp;
 }
 
-std::unique_ptr<Engine> Engine::load(const EngineOptions& opts) {
+std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   validate_block_size(opts.cache.block_size);
-  auto e = std::unique_ptr<Engine>(new Engine());
+  auto e = std::unique_ptr<LoadedModel>(new LoadedModel());
   const Checkpoint ckpt = Checkpoint::open(opts.model_dir);
   SelectionContext ctx{.device = opts.device, .compute_capability = 0, .forced = opts.cache.attention_backend};
   e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype));

@@ -1,4 +1,4 @@
-#include "serve/eval.h"
+#include "offline/eval.h"
 
 #include <algorithm>
 #include <chrono>
@@ -13,10 +13,10 @@
 
 #include "core/error.h"
 #include "sampling/sampler.h"
-#include "engine/sequence.h"
-#include "engine/stop.h"
-#include "serve/async_engine.h"
-#include "serve/memory_plan.h"
+#include "offline/score.h"
+#include "text/stop.h"
+#include "engine/async_engine.h"
+#include "engine/memory_plan.h"
 
 namespace kvlm {
 
@@ -49,7 +49,7 @@ double percentile(std::vector<double> v, double q) {
 
 }  // namespace
 
-PerplexityResult eval_perplexity(Engine& engine, const std::vector<TokenId>& tokens, const PerplexityOptions& opts,
+PerplexityResult eval_perplexity(LoadedModel& engine, const std::vector<TokenId>& tokens, const PerplexityOptions& opts,
                                  const std::function<void(int, int)>& progress) {
   const int ctx = opts.ctx;
   const size_t vocab = size_t(engine.config().vocab_size);
@@ -104,34 +104,38 @@ PerplexityResult eval_perplexity(Engine& engine, const std::vector<TokenId>& tok
   std::vector<double> nll, base_nll, kld;
   std::vector<float> lp(vocab), blp(vocab);
   int same = 0;
+  // Rows are scored as they arrive, so no window's [ctx][vocab] logits are held at once;
+  // steps of up to 256 MiB of logits.
+  const int step = int(std::clamp<size_t>((size_t(256) << 20) / (vocab * sizeof(float)), 16, size_t(ctx)));
   for (int c = 0; c < chunks; ++c) {
     const auto win = window_tokens.subspan(size_t(c) * size_t(ctx), size_t(ctx));
-    std::vector<float> logits;
-    {
-      SequenceRunner seq(engine, ctx);
-      logits = seq.append(win, true);  // row j: next-token logits after token j
-    }
-    for (int i = first; i < ctx; ++i) {
-      log_softmax(std::span<const float>(logits).subspan(size_t(i - 1) * vocab, vocab), lp);
-      const TokenId t = win[size_t(i)];
-      nll.push_back(-double(lp[size_t(t)]));
-      if (save.is_open()) save.write(reinterpret_cast<const char*>(lp.data()), std::streamsize(vocab * sizeof(float)));
-      if (base.is_open()) {
-        base.read(reinterpret_cast<char*>(blp.data()), std::streamsize(vocab * sizeof(float)));
-        if (!base) throw Error(opts.kld_base->string() + " is truncated");
-        double k = 0;
-        size_t top = 0, btop = 0;
-        for (size_t v = 0; v < vocab; ++v) {
-          const double pb = std::exp(double(blp[v]));
-          k += pb * (double(blp[v]) - double(lp[v]));
-          if (lp[v] > lp[top]) top = v;
-          if (blp[v] > blp[btop]) btop = v;
+    score_tokens(engine, win, step, [&](int row0, std::span<const float> rows) {
+      // Row j: next-token logits after token j; token i is scored by row i - 1.
+      const int n = int(rows.size() / vocab);
+      for (int j = row0; j < row0 + n; ++j) {
+        const int i = j + 1;
+        if (i < first || i >= ctx) continue;
+        log_softmax(rows.subspan(size_t(j - row0) * vocab, vocab), lp);
+        const TokenId t = win[size_t(i)];
+        nll.push_back(-double(lp[size_t(t)]));
+        if (save.is_open()) save.write(reinterpret_cast<const char*>(lp.data()), std::streamsize(vocab * sizeof(float)));
+        if (base.is_open()) {
+          base.read(reinterpret_cast<char*>(blp.data()), std::streamsize(vocab * sizeof(float)));
+          if (!base) throw Error(opts.kld_base->string() + " is truncated");
+          double k = 0;
+          size_t top = 0, btop = 0;
+          for (size_t v = 0; v < vocab; ++v) {
+            const double pb = std::exp(double(blp[v]));
+            k += pb * (double(blp[v]) - double(lp[v]));
+            if (lp[v] > lp[top]) top = v;
+            if (blp[v] > blp[btop]) btop = v;
+          }
+          kld.push_back(std::max(k, 0.0));
+          same += top == btop;
+          base_nll.push_back(-double(blp[size_t(t)]));
         }
-        kld.push_back(std::max(k, 0.0));
-        same += top == btop;
-        base_nll.push_back(-double(blp[size_t(t)]));
       }
-    }
+    });
     if (progress) progress(c + 1, chunks);
   }
   if (save.is_open() && !save.flush()) throw Error("cannot write --save-logits file " + opts.save_logits->string());
@@ -232,7 +236,7 @@ std::optional<std::string> extract_answer(const std::string& completion, const s
   return trim(m.size() > 1 && m[1].matched ? m[1].str() : m[0].str());
 }
 
-TaskResult eval_task(Engine& engine, const TextProcessor& text, const std::vector<TaskItem>& all_items,
+TaskResult eval_task(LoadedModel& engine, const TextProcessor& text, const std::vector<TaskItem>& all_items,
                      const TaskOptions& opts, const std::function<void(int, int)>& progress) {
   const size_t n = opts.limit > 0 ? std::min(all_items.size(), size_t(opts.limit)) : all_items.size();
   std::vector<std::vector<TokenId>> prompts(n);

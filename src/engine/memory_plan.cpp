@@ -1,4 +1,4 @@
-#include "serve/memory_plan.h"
+#include "engine/memory_plan.h"
 
 #include <algorithm>
 #include <cctype>
@@ -75,7 +75,7 @@ uint64_t parse_byte_size(std::string_view s) {
   return uint64_t(bytes);
 }
 
-MemoryPlan plan_kv_memory(const Engine& engine, const MemoryOptions& opts) {
+MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) {
   const ModelConfig& mc = engine.config();
   MemoryPlan mp;
   mp.block_size = engine.block_size();

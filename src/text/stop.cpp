@@ -1,4 +1,4 @@
-#include "engine/stop.h"
+#include "text/stop.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "serve/async_engine.h"
+#include "engine/async_engine.h"
 
 #include <condition_variable>
 #include <mutex>
@@ -8,7 +8,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "serve/llm_engine.h"
+#include "engine/llm_engine.h"
 
 namespace kvlm {
 
@@ -25,7 +25,7 @@ struct AsyncEngine::Impl {
   bool drain = true;
   std::thread thread;
 
-  Impl(Engine& e, SchedulerConfig cfg) : core(e, cfg) {
+  Impl(LoadedModel& e, SchedulerConfig cfg) : core(e, cfg) {
     snapshot = core.stats();
     core.set_stats_listener([this](const EngineStats& st) {
       std::lock_guard lock(mu);
@@ -83,7 +83,7 @@ struct AsyncEngine::Impl {
   }
 };
 
-AsyncEngine::AsyncEngine(Engine& engine, SchedulerConfig cfg) : impl_(std::make_unique<Impl>(engine, cfg)) {
+AsyncEngine::AsyncEngine(LoadedModel& engine, SchedulerConfig cfg) : impl_(std::make_unique<Impl>(engine, cfg)) {
   impl_->thread = std::thread([this] { impl_->run(); });
 }
 
@@ -148,6 +148,6 @@ void AsyncEngine::shutdown(bool drain) {
 
 const SchedulerConfig& AsyncEngine::config() const { return impl_->core.config(); }
 int AsyncEngine::block_size() const { return impl_->core.blocks().block_size(); }
-Engine& AsyncEngine::engine() { return impl_->core.engine(); }
+LoadedModel& AsyncEngine::model() { return impl_->core.model(); }
 
 }  // namespace kvlm

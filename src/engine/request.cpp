@@ -1,4 +1,4 @@
-#include "serve/request.h"
+#include "engine/request.h"
 
 namespace kvlm {
 

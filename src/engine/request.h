@@ -4,12 +4,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "core/index_types.h"
-#include "sampling/sampler.h"  // TokenLogprobs
-#include "sampling/sampler.h"
+#include "sampling/sampler.h"  // SamplingParams, TokenLogprobs
 
 namespace kvlm {
 
@@ -23,6 +23,11 @@ struct RequestOutput {
   std::vector<TokenId> new_tokens;           // tokens generated this step (usually one)
   std::vector<TokenLogprobs> new_logprobs;   // one per new token when logprobs > 0
   std::vector<TokenLogprobs> prompt_logprobs;  // once, before the first token, when asked
+  // prompt_logits requests: fp32 next-token logits [rows][vocab] of prompt rows
+  // [prompt_logits_begin, prompt_logits_begin + rows) computed this step (row p follows
+  // token p). Valid only during the callback.
+  std::span<const float> prompt_logits;
+  int prompt_logits_begin = 0;
   bool finished = false;
   FinishReason finish_reason = FinishReason::None;
   std::string error;                         // FinishReason::Error: what went wrong
@@ -41,12 +46,13 @@ struct EngineRequest {
   std::vector<TokenId> prompt;
   SamplingParams sampling;
   uint64_t seed = 0;
-  int max_tokens = 16;
+  int max_tokens = 16;            // 0 = run the prompt only (scoring, calibration)
   int min_tokens = 0;             // EOS and stop tokens are ignored before this many tokens
   bool ignore_eos = false;
   int logprobs = 0;               // top-K log-probabilities per generated token (0 = none)
   int prompt_logprobs = -1;       // -1 = none; K >= 0: the chosen token's plus top-K per prompt token
   std::vector<TokenId> stop_token_ids;  // stop tokens beyond the model's EOS ids
+  bool prompt_logits = false;     // deliver every prompt row's logits (teacher forcing: eval, goldens)
   OutputCallback on_output;
 };
 

@@ -1,4 +1,4 @@
-// Engine: a loaded model ready to run — config, per-layer KV plan with a backend chosen
+// LoadedModel: a loaded model ready to run — config, per-layer KV plan with a backend chosen
 // for every layer, and weights. plan_model() is the weight-free part, shared with
 // `kvlm inspect`, so what inspect prints is exactly what generate runs.
 #pragma once
@@ -37,7 +37,7 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
 // Parses --dtype: auto (nullopt), float32, bfloat16, float16. Throws with the valid values.
 std::optional<DType> parse_model_dtype(std::string_view s);
 
-struct EngineOptions {
+struct ModelOptions {
   std::filesystem::path model_dir;
   CacheConfig cache;
   Device device = Device::Cpu;
@@ -46,9 +46,9 @@ struct EngineOptions {
   int gpu = 0;                 // the CUDA device index the runner lives on
 };
 
-class Engine {
+class LoadedModel {
  public:
-  static std::unique_ptr<Engine> load(const EngineOptions& opts);
+  static std::unique_ptr<LoadedModel> load(const ModelOptions& opts);
 
   const ModelConfig& config() const { return plan_->config; }
   const KVPlan& plan() const { return plan_->plan; }

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
+#include "model/loaded_model.h"
 #include "sampling/sampler.h"  // SamplingParams, TokenLogprobs
 
 namespace kvlm {
@@ -37,12 +37,12 @@ struct GenerateResult {
 };
 
 // Validates the request (token ids, lengths, sampling values) with clear errors.
-void validate_request(const Engine& engine, const GenerateRequest& req);
+void validate_request(const LoadedModel& engine, const GenerateRequest& req);
 
 // Called after each generated token (EOS tokens included); returning false stops the
 // generation with finish_reason "stop" (a stop string was reached, say).
 using TokenCallback = std::function<bool(TokenId)>;
 
-GenerateResult generate(Engine& engine, const GenerateRequest& req, const TokenCallback& on_token = {});
+GenerateResult generate(LoadedModel& engine, const GenerateRequest& req, const TokenCallback& on_token = {});
 
 }  // namespace kvlm

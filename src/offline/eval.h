@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "engine/text_processor.h"
+#include "model/loaded_model.h"
+#include "text/text_processor.h"
 
 namespace kvlm {
 
@@ -35,7 +35,7 @@ struct PerplexityResult {
 };
 
 // Runs the windows of `tokens` through the engine. `progress(done, total)` after each window.
-PerplexityResult eval_perplexity(Engine& engine, const std::vector<TokenId>& tokens, const PerplexityOptions& opts,
+PerplexityResult eval_perplexity(LoadedModel& engine, const std::vector<TokenId>& tokens, const PerplexityOptions& opts,
                                  const std::function<void(int, int)>& progress = {});
 
 // ---------------------------------------------------------------- tasks
@@ -78,7 +78,7 @@ struct TaskResult {
 
 // Greedy generation of every item through the batching engine; `progress(done, total)`
 // is called from the calling thread.
-TaskResult eval_task(Engine& engine, const TextProcessor& text, const std::vector<TaskItem>& items,
+TaskResult eval_task(LoadedModel& engine, const TextProcessor& text, const std::vector<TaskItem>& items,
                      const TaskOptions& opts, const std::function<void(int, int)>& progress = {});
 
 }  // namespace kvlm

@@ -1,0 +1,217 @@
+#include "engine/llm_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+
+#include "core/error.h"
+#include "sampling/sampler.h"
+
+namespace kvlm {
+
+namespace {
+
+double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+SchedulerConfig checked(SchedulerConfig cfg, const LoadedModel& model) {
+  const ModelConfig& mc = model.config();
+  if (cfg.max_model_len <= 0) cfg.max_model_len = mc.max_position_embeddings;
+  if (cfg.max_model_len > mc.max_position_embeddings)
+    throw Error("--max-model-len " + std::to_string(cfg.max_model_len) + " exceeds the model's context length of " +
+                std::to_string(mc.max_position_embeddings) + " tokens (max_position_embeddings)");
+  if (cfg.max_num_seqs < 1) throw Error("--max-num-seqs must be at least 1");
+  if (cfg.max_num_batched_tokens < 1) throw Error("--max-num-batched-tokens must be at least 1");
+  if (int64_t(cfg.num_blocks) * model.block_size() < cfg.max_model_len)
+    throw Error("the KV pool holds " + std::to_string(int64_t(cfg.num_blocks) * model.block_size()) +
+                " tokens, fewer than one request of --max-model-len " + std::to_string(cfg.max_model_len) +
+                " tokens; give the cache more memory or lower --max-model-len");
+  return cfg;
+}
+
+}  // namespace
+
+LLMEngine::LLMEngine(LoadedModel& model, SchedulerConfig cfg)
+    : model_(model),
+      cfg_(checked(cfg, model)),
+      scheduler_(cfg_, model.block_size(), model.model(), stats_),
+      outputs_(model.config().eos_token_ids, cfg_.max_model_len, scheduler_, stats_) {
+  model.model().allocate_kv(cfg_.num_blocks, model.block_size());
+}
+
+LLMEngine::~LLMEngine() = default;
+
+void LLMEngine::check_request(const EngineRequest& req) const {
+  const ModelConfig& mc = model_.config();
+  if (req.id.empty()) throw Error("a request needs an id");
+  if (req.prompt.empty()) throw Error("the prompt is empty; give at least one token");
+  for (TokenId t : req.prompt)
+    if (t < 0 || t >= mc.vocab_size)
+      throw Error("prompt token id " + std::to_string(t) + " is outside the model's vocabulary (0.." +
+                  std::to_string(mc.vocab_size - 1) + ")");
+  for (TokenId t : req.stop_token_ids)
+    if (t < 0 || t >= mc.vocab_size)
+      throw Error("stop token id " + std::to_string(t) + " is outside the model's vocabulary");
+  if (req.max_tokens < 0) throw Error("max_tokens must not be negative, got " + std::to_string(req.max_tokens));
+  if (req.min_tokens < 0 || req.min_tokens > req.max_tokens)
+    throw Error("min_tokens must be between 0 and max_tokens, got " + std::to_string(req.min_tokens));
+  if (req.logprobs < 0 || req.logprobs > mc.vocab_size)
+    throw Error("logprobs must be between 0 and the vocabulary size " + std::to_string(mc.vocab_size));
+  if (req.prompt_logprobs < -1 || req.prompt_logprobs > mc.vocab_size)
+    throw Error("prompt_logprobs must be between 0 and the vocabulary size " + std::to_string(mc.vocab_size));
+  const int64_t prompt = int64_t(req.prompt.size());
+  if (req.max_tokens == 0 && prompt > cfg_.max_model_len)
+    throw Error("the prompt has " + std::to_string(prompt) + " tokens; the maximum context length is " +
+                std::to_string(cfg_.max_model_len) + " tokens (--max-model-len)");
+  if (req.max_tokens > 0 && prompt >= cfg_.max_model_len)
+    throw Error("the prompt has " + std::to_string(prompt) + " tokens; this server's maximum context length is " +
+                std::to_string(cfg_.max_model_len) + " tokens (--max-model-len), prompt and output together");
+  if (prompt + req.max_tokens > cfg_.max_model_len)
+    throw Error("the prompt (" + std::to_string(prompt) + " tokens) plus max_tokens " + std::to_string(req.max_tokens) +
+                " exceeds the maximum context length of " + std::to_string(cfg_.max_model_len) +
+                " tokens; lower max_tokens to at most " + std::to_string(cfg_.max_model_len - prompt));
+  validate_sampling(req.sampling);
+}
+
+void LLMEngine::add_request(EngineRequest req) {
+  check_request(req);
+  if (live_.count(req.id)) throw Error("request id '" + req.id + "' is already in use");
+  auto s = std::make_unique<Sequence>(std::move(req));
+  s->tokens = s->req.prompt;
+  s->num_prompt = int(s->tokens.size());
+  s->arrival = Sequence::Clock::now();
+  live_[s->req.id] = s.get();
+  ++stats_.requests_total;
+  scheduler_.add(std::move(s));
+}
+
+void LLMEngine::abort(const std::string& id) {
+  if (live_.count(id)) aborts_.push_back(id);
+}
+
+bool LLMEngine::deliver(Sequence& s, RequestOutput& out) {
+  out.id = s.req.id;
+  out.prompt_tokens = s.num_prompt;
+  out.completion_tokens = s.num_output();
+  out.cached_prompt_tokens = s.cached_prompt_tokens;
+  if (!s.req.on_output) return true;
+  try {
+    return s.req.on_output(out);
+  } catch (...) {
+    return false;  // a failing consumer stops its own request, never the engine
+  }
+}
+
+void LLMEngine::publish() {
+  if (listener_) listener_(stats());
+}
+
+void LLMEngine::finish(Sequence& s, FinishReason why, const std::string& error) {
+  if (s.finished) return;
+  s.finished = true;
+  scheduler_.release_pages(s);
+  ++stats_.requests_finished_total[std::string(finish_reason_name(why))];
+  stats_.e2e_request_latency.observe(seconds(Sequence::Clock::now() - s.arrival));
+  live_.erase(s.req.id);
+  publish();
+  RequestOutput out;
+  out.finished = true;
+  out.finish_reason = why;
+  out.error = error;
+  deliver(s, out);
+}
+
+bool LLMEngine::step() {
+  using Clock = Sequence::Clock;
+  const auto t_step = Clock::now();
+  // Aborts first: their pages are free for this step.
+  for (const auto& id : aborts_) {
+    auto it = live_.find(id);
+    if (it != live_.end()) finish(*it->second, FinishReason::Abort);
+  }
+  aborts_.clear();
+  scheduler_.drop_finished();
+  if (scheduler_.empty()) return false;
+
+  if (proposer_) propose();
+  const std::vector<Sequence*> seqs = scheduler_.schedule();
+  if (seqs.empty()) return !scheduler_.empty();
+  batch_.build(seqs, model_.block_size(), model_.model().samples_on_device(), outputs_.has_eos(),
+               size_t(model_.config().vocab_size));
+  const auto t_forward = Clock::now();
+  stats_.schedule_seconds_total += seconds(t_forward - t_step);
+  try {
+    batch_.run(model_.model());
+  } catch (const std::exception& e) {
+    // The step failed as a whole: its sequences fail with the reason, the rest go on.
+    for (Sequence* s : seqs) {
+      s->draft.clear();
+      finish(*s, FinishReason::Error, e.what());
+    }
+    scheduler_.drop_finished();
+    ++stats_.steps_total;
+    return true;
+  }
+  ++stats_.steps_total;
+  const auto t_sample = Clock::now();
+  stats_.forward_seconds_total += seconds(t_sample - t_forward);
+
+  outputs_.draw(seqs, batch_);
+  stats_.sample_seconds_total += seconds(Clock::now() - t_sample);
+  auto outputs = outputs_.apply(seqs, batch_);
+  for (auto& [s, out] : outputs)
+    if (out.finished) live_.erase(s->req.id);
+  publish();
+  bool recount = false;
+  for (auto& [s, out] : outputs) {
+    if (deliver(*s, out)) continue;
+    // The consumer matched a stop string in this step's text.
+    if (!out.finished) {
+      finish(*s, FinishReason::Stop);
+    } else if (out.finish_reason == FinishReason::Length) {
+      // The request ended here anyway, but the client is told "stop": count it as that.
+      --stats_.requests_finished_total["length"];
+      ++stats_.requests_finished_total["stop"];
+      recount = true;
+    }
+  }
+  if (recount) publish();
+  scheduler_.drop_finished();
+  return true;
+}
+
+// Drafts for the running sequences that decode (every token but the last computed), no
+// longer than what the request may still generate and the context may still hold.
+void LLMEngine::propose() {
+  decoding_.clear();
+  max_draft_.clear();
+  for (const auto& sp : scheduler_.running()) {
+    Sequence& s = *sp;
+    s.draft.clear();
+    if (s.finished || s.num_computed != int(s.tokens.size()) - 1) continue;
+    const int room = std::min(s.req.max_tokens - s.num_output(), cfg_.max_model_len - int(s.tokens.size())) - 1;
+    if (room <= 0) continue;
+    decoding_.push_back(&s);
+    max_draft_.push_back(room);
+  }
+  if (decoding_.empty()) return;
+  proposer_->propose(decoding_, max_draft_);
+  for (size_t i = 0; i < decoding_.size(); ++i) {
+    Sequence& s = *decoding_[i];
+    KVLM_CHECK(int(s.draft.size()) <= max_draft_[i], "the proposer drafted more tokens than allowed");
+    for (TokenId t : s.draft)
+      KVLM_CHECK(t >= 0 && t < model_.config().vocab_size, "the proposer drafted a token outside the vocabulary");
+  }
+}
+
+EngineStats LLMEngine::stats() const {
+  EngineStats st = stats_;
+  st.num_running = scheduler_.num_running();
+  st.num_waiting = scheduler_.num_waiting();
+  const BlockManager& b = scheduler_.blocks();
+  st.num_blocks = b.num_blocks();
+  st.num_free_blocks = b.num_free();
+  st.kv_usage = double(b.num_used()) / double(b.num_blocks());
+  return st;
+}
+
+}  // namespace kvlm

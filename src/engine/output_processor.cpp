@@ -1,0 +1,156 @@
+#include "engine/output_processor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <limits>
+
+#include "core/error.h"
+
+namespace kvlm {
+
+namespace {
+double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+}  // namespace
+
+void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) const {
+  d.tokens.clear();
+  d.logprobs.clear();
+  if (s.logit_row < 0) return;
+  if (s.wants_prompt_logprobs()) {
+    const int k = s.req.prompt_logprobs;
+    for (int r = 0; r < s.prompt_rows; ++r) {
+      const int p = s.prompt_row0 + r;
+      if (p + 1 >= s.num_prompt) break;
+      const TokenId next = s.tokens[size_t(p + 1)];
+      const auto row = batch.logits(s, r);
+      s.prompt_lp.push_back({next, logprob_of(row, next), top_logprobs(row, k)});
+    }
+  }
+  std::vector<TokenId> history;  // output tokens so far, accepted draft tokens included
+  for (int i = 0; i < s.sample_rows; ++i) {
+    const int r = s.sample_row0 + i;
+    TokenId t;
+    if (s.device_sampled) {
+      t = batch.device_token(s, r);
+    } else {
+      const auto raw = batch.logits(s, r);
+      std::span<const float> row = raw;
+      std::vector<float> masked;
+      if (s.num_output() + i < s.req.min_tokens) {
+        // Too early to stop: EOS and stop tokens cannot be sampled.
+        masked.assign(raw.begin(), raw.end());
+        if (!s.req.ignore_eos)
+          for (TokenId e : eos_) masked[size_t(e)] = -std::numeric_limits<float>::infinity();
+        for (TokenId e : s.req.stop_token_ids) masked[size_t(e)] = -std::numeric_limits<float>::infinity();
+        row = masked;
+      }
+      std::span<const TokenId> output = s.output();
+      if (i > 0) {
+        history.assign(output.begin(), output.end());
+        history.insert(history.end(), d.tokens.begin(), d.tokens.end());
+        output = history;
+      }
+      t = s.sampler.sample(row, s.req.sampling, s.prompt(), output);
+      if (s.req.logprobs > 0) d.logprobs.push_back({t, logprob_of(raw, t), top_logprobs(raw, s.req.logprobs)});
+    }
+    KVLM_CHECK(t >= 0, "a row that draws a token was not sampled");
+    d.tokens.push_back(t);
+    // The draft token is accepted when the target drew the same token; otherwise the
+    // target's token replaces it and the rest of the draft is void.
+    if (i >= int(s.draft.size()) || t != s.draft[size_t(i)] || stop_reason(s, t) != FinishReason::None) break;
+  }
+}
+
+void OutputProcessor::draw(std::span<Sequence* const> seqs, const StepBatch& batch) {
+  const int nb = int(seqs.size());
+  drawn_.resize(seqs.size());
+  std::vector<std::exception_ptr> failed(seqs.size());
+#pragma omp parallel for schedule(dynamic, 1) if (nb > 1)
+  for (int i = 0; i < nb; ++i) {
+    try {
+      draw_one(*seqs[size_t(i)], batch, drawn_[size_t(i)]);
+    } catch (...) {
+      failed[size_t(i)] = std::current_exception();
+    }
+  }
+  for (const auto& e : failed)
+    if (e) std::rethrow_exception(e);  // a broken invariant: the engine stops (AsyncEngine reports it)
+}
+
+FinishReason OutputProcessor::stop_reason(const Sequence& s, TokenId t) const {
+  const bool is_eos = std::ranges::find(eos_, t) != eos_.end();
+  if ((!s.req.ignore_eos && is_eos) || std::ranges::find(s.req.stop_token_ids, t) != s.req.stop_token_ids.end())
+    return FinishReason::Stop;
+  return FinishReason::None;
+}
+
+std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::span<Sequence* const> seqs,
+                                                                        const StepBatch& batch) {
+  const auto now = Sequence::Clock::now();
+  std::vector<std::pair<Sequence*, RequestOutput>> outputs;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence& s = *seqs[i];
+    Drawn& d = drawn_[i];
+    const int draft = int(s.draft.size());
+    // The step computed its uncomputed tokens; of the draft rows, those accepted.
+    const int accepted = std::max(0, int(d.tokens.size()) - 1);
+    s.num_computed += s.scheduled - draft + std::min(accepted, draft);
+    if (draft > 0) {
+      stats_.spec_draft_tokens_total += uint64_t(draft);
+      stats_.spec_accepted_tokens_total += uint64_t(std::min(accepted, draft));
+    }
+    s.draft.clear();
+    RequestOutput out;
+    bool report = false;
+    if (s.req.prompt_logits && s.prompt_rows > 0) {
+      out.prompt_logits = batch.logits(s, 0, s.prompt_rows);
+      out.prompt_logits_begin = s.prompt_row0;
+      s.prompt_logits_sent = s.prompt_row0 + s.prompt_rows;
+      report = true;
+    }
+    FinishReason why = FinishReason::None;
+    const bool prompt_done = s.num_computed >= s.num_prompt;
+    if (s.sample_rows > 0) {
+      for (size_t k = 0; k < d.tokens.size() && why == FinishReason::None; ++k) {
+        const TokenId t = d.tokens[k];
+        s.tokens.push_back(t);
+        out.new_tokens.push_back(t);
+        if (k < d.logprobs.size()) out.new_logprobs.push_back(std::move(d.logprobs[k]));
+        why = stop_reason(s, t);
+        if (why == FinishReason::None && (s.num_output() >= s.req.max_tokens || int(s.tokens.size()) >= max_model_len_))
+          why = FinishReason::Length;
+      }
+      stats_.generation_tokens_total += out.new_tokens.size();
+      if (!s.first_token_sent) {
+        s.first_token_sent = true;
+        stats_.time_to_first_token.observe(seconds(now - s.arrival));
+      } else {
+        stats_.inter_token_latency.observe(seconds(now - s.last_token));
+      }
+      s.last_token = now;
+      report = true;
+    } else if (prompt_done && s.req.max_tokens == 0) {
+      why = FinishReason::Length;  // scored the prompt; nothing to generate
+      report = true;
+    }
+    scheduler_.register_full_pages(s);
+    if (report && s.wants_prompt_logprobs() && (prompt_done || why != FinishReason::None)) {
+      out.prompt_logprobs = std::move(s.prompt_lp);
+      s.prompt_lp_sent = true;
+    }
+    if (why != FinishReason::None) {
+      // The last token and the finish travel together.
+      s.finished = true;
+      out.finished = true;
+      out.finish_reason = why;
+      scheduler_.release_pages(s);
+      ++stats_.requests_finished_total[std::string(finish_reason_name(why))];
+      stats_.e2e_request_latency.observe(seconds(now - s.arrival));
+    }
+    if (report) outputs.emplace_back(&s, std::move(out));
+  }
+  return outputs;
+}
+
+}  // namespace kvlm

@@ -1,0 +1,57 @@
+// Turns a step's logits into what each request hears: prompt log-probabilities and prompt
+// logits, the tokens drawn (on the host with the request's Sampler, or by the runner), the
+// verification of a speculative draft, stop conditions and the counters.
+//
+// Verification keeps the draft's longest prefix that the target model's own draws agree
+// with, then the target's token after it: row i draws t_i from the target's distribution
+// given everything before it; while t_i equals draft[i] the draft token is accepted and the
+// next row is drawn. Every emitted token is thus a draw from the target model given the
+// tokens before it — the output distribution is exactly that of plain decoding (for a
+// deterministic drafter, this is rejection sampling with a one-point proposal). The K/V the
+// rejected draft rows wrote stays in slots past the sequence's length, unread, and is
+// overwritten by the tokens that come later.
+#pragma once
+
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "engine/metrics.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+#include "engine/step_batch.h"
+
+namespace kvlm {
+
+class OutputProcessor {
+ public:
+  OutputProcessor(std::vector<TokenId> eos, int max_model_len, Scheduler& scheduler, EngineStats& stats)
+      : eos_(std::move(eos)), max_model_len_(max_model_len), scheduler_(scheduler), stats_(stats) {}
+
+  bool has_eos() const { return !eos_.empty(); }
+
+  // Draws every sequence's tokens from the step's logits, in parallel over the sequences
+  // (each has its own generator, so the result does not depend on the thread count).
+  // Throws when an invariant breaks.
+  void draw(std::span<Sequence* const> seqs, const StepBatch& batch);
+  // Applies the draws in order: the sequences' K/V length, tokens, prefix-cache pages and
+  // stop conditions. Returns the outputs to deliver; a finished sequence has released its
+  // pages and is marked finished.
+  std::vector<std::pair<Sequence*, RequestOutput>> apply(std::span<Sequence* const> seqs, const StepBatch& batch);
+
+ private:
+  struct Drawn {
+    std::vector<TokenId> tokens;           // accepted draft tokens, then the target's own
+    std::vector<TokenLogprobs> logprobs;   // one per token when logprobs > 0
+  };
+  void draw_one(Sequence& s, const StepBatch& batch, Drawn& d) const;
+  FinishReason stop_reason(const Sequence& s, TokenId t) const;
+
+  std::vector<TokenId> eos_;
+  int max_model_len_;
+  Scheduler& scheduler_;
+  EngineStats& stats_;
+  std::vector<Drawn> drawn_;  // per sequence of the step
+};
+
+}  // namespace kvlm

@@ -1,0 +1,89 @@
+#include "engine/step_batch.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace kvlm {
+
+void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool device_sampling, bool has_eos,
+                      size_t vocab) {
+  device_sampling_ = device_sampling;
+  vocab_ = vocab;
+  const int bs = block_size;
+  int num_host_rows = 0;
+  tokens_.clear();
+  positions_.clear();
+  slots_.clear();
+  attn_.clear();
+  logit_rows_.clear();
+  row_sampling_.clear();
+  host_row_.clear();
+  for (Sequence* s : seqs) {
+    const int q0 = int(tokens_.size());
+    const int begin = s->num_computed, end = begin + s->scheduled;
+    for (int p = begin; p < end; ++p) {
+      tokens_.push_back(s->token_at(p));
+      positions_.push_back(Position(p));
+      slots_.push_back(SlotId(s->pages[size_t(p / bs)]) * bs + p % bs);
+    }
+    attn_.push_back(AttnSeq{.q_begin = q0, .q_len = s->scheduled, .kv_len = end, .block_table = s->pages});
+    // Row p of the step follows token p: prompt rows first, then the rows that draw tokens.
+    s->logit_row = int(logit_rows_.size());
+    s->prompt_row0 = std::max(begin, s->prompt_rows_begin());
+    const int prompt_end = std::min(end, s->prompt_rows_end());
+    s->prompt_rows = std::max(0, prompt_end - s->prompt_row0);
+    for (int p = s->prompt_row0; p < prompt_end; ++p) logit_rows_.push_back(q0 + p - begin);
+    s->sample_rows = 0;
+    s->sample_row0 = s->prompt_rows;
+    if (end == int(s->tokens.size() + s->draft.size()) && s->req.max_tokens > 0) {
+      s->sample_rows = 1 + int(s->draft.size());
+      const int first = end - s->sample_rows;
+      for (int p = first; p < end; ++p) {
+        if (p < prompt_end) {  // the last prompt row also draws the first token
+          s->sample_row0 = std::min(s->sample_row0, p - s->prompt_row0);
+          continue;
+        }
+        logit_rows_.push_back(q0 + p - begin);
+      }
+    }
+    s->logit_count = int(logit_rows_.size()) - s->logit_row;
+    if (s->logit_count == 0) s->logit_row = -1;
+    // The rows that draw tokens may be sampled by the runner unless their logits are needed
+    // here (a prompt row shares them, or penalties, logprobs, min_tokens masking).
+    s->device_sampled = device_sampling && s->sample_rows > 0 && s->prompt_rows == 0 && s->device_samplable(has_eos);
+    for (int r = 0; r < s->logit_count; ++r) {
+      RowSampling rs;
+      if (s->device_sampled) {
+        rs = RowSampling{.on_device = true, .params = s->req.sampling, .seed = s->req.seed,
+                         .counter = uint64_t(s->num_output() + r)};
+      }
+      host_row_.push_back(rs.on_device ? -1 : num_host_rows++);
+      row_sampling_.push_back(rs);
+    }
+  }
+  logits_.resize(size_t(num_host_rows) * vocab);
+  device_tokens_.assign(logit_rows_.size(), -1);
+}
+
+void StepBatch::run(ModelRunner& runner) {
+  const ForwardBatch fb{.tokens = tokens_, .positions = positions_, .slots = slots_, .seqs = attn_,
+                        .logit_rows = logit_rows_};
+  if (device_sampling_) runner.forward_sampled(fb, row_sampling_, device_tokens_, logits_);
+  else runner.forward(fb, logits_);
+}
+
+std::span<const float> StepBatch::logits(const Sequence& s, int r, int n) const {
+  KVLM_CHECK(s.logit_row >= 0 && r >= 0 && r + n <= s.logit_count, "logit row out of range");
+  const int h = host_row_[size_t(s.logit_row + r)];
+  KVLM_CHECK(h >= 0, "the logits of a row sampled by the runner were used");
+  KVLM_CHECK(n == 1 || host_row_[size_t(s.logit_row + r + n - 1)] == h + n - 1, "host logit rows are not consecutive");
+  return std::span<const float>(logits_).subspan(size_t(h) * vocab_, size_t(n) * vocab_);
+}
+
+TokenId StepBatch::device_token(const Sequence& s, int r) const {
+  KVLM_CHECK(s.logit_row >= 0 && r >= 0 && r < s.logit_count, "logit row out of range");
+  return device_tokens_[size_t(s.logit_row + r)];
+}
+
+}  // namespace kvlm

@@ -1,0 +1,46 @@
+// One engine step's rows laid out for the model runner: the scheduled sequences' tokens
+// flattened into a ForwardBatch (positions, KV slots, per-sequence block tables), the rows
+// whose logits are wanted — prompt rows for prompt_logits / prompt log-probabilities, then
+// the rows that draw tokens (one, or 1 + the draft when speculating: a multi-token query
+// per sequence, verified by the OutputProcessor) — and which of those the runner samples
+// on its device. Kept across steps so its buffers are reused.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "engine/sequence.h"
+#include "model/model_runner.h"
+
+namespace kvlm {
+
+class StepBatch {
+ public:
+  // Lays out `seqs` (each with `scheduled` set) and records each one's logit rows in it.
+  // device_sampling: the runner samples on its device (forward_sampled); has_eos: the model
+  // has EOS ids (min_tokens masks them).
+  void build(std::span<Sequence* const> seqs, int block_size, bool device_sampling, bool has_eos, size_t vocab);
+  // Runs the step: the pages receive the rows' K/V, the logits come back.
+  void run(ModelRunner& runner);
+
+  int num_rows() const { return int(tokens_.size()); }
+  // Host logits of `n` consecutive logit rows of `s` from its r-th ([n][vocab]).
+  std::span<const float> logits(const Sequence& s, int r, int n = 1) const;
+  // The token the runner drew for the r-th logit row of `s` (device_sampled sequences).
+  TokenId device_token(const Sequence& s, int r) const;
+
+ private:
+  bool device_sampling_ = false;
+  size_t vocab_ = 0;
+  std::vector<TokenId> tokens_;
+  std::vector<Position> positions_;
+  std::vector<SlotId> slots_;
+  std::vector<AttnSeq> attn_;
+  std::vector<int32_t> logit_rows_;
+  std::vector<RowSampling> row_sampling_;  // per logit row (runners that sample on their device)
+  std::vector<int> host_row_;              // per logit row: its row in logits_, -1 = sampled by the runner
+  std::vector<TokenId> device_tokens_;     // per logit row: the runner's token
+  std::vector<float> logits_;              // the host rows' logits
+};
+
+}  // namespace kvlm
