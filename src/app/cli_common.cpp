@@ -22,13 +22,20 @@ void ModelFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--kv-cache-dtype-skip-layers", skip_layers,
                  "layers that keep the model dtype: indices and/or 'sliding_window', e.g. 0,27,sliding_window");
   cmd.add_option("--attention-backend", attention_backend, "force an attention backend by name (see `kvlm inspect`)");
-  cmd.add_option("--device", device, "auto, cpu or cuda (auto: the GPU when one is usable)")->capture_default_str();
+  cmd.add_option("--device", device, "auto, cpu, cuda or cuda:N (auto: the first GPU when one is usable; N: a GPU's index)")->capture_default_str();
   cmd.add_option("--dtype", dtype,
                  "model dtype: auto (the checkpoint's), float32, bfloat16, float16; an auto KV cache follows it "
                  "(the CPU backend computes in float32 either way)")
       ->capture_default_str();
   cmd.add_option("--block-size", block_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
   cmd.add_flag("--enforce-eager", enforce_eager, "CUDA: launch every decode step's kernels one by one, no CUDA graphs");
+}
+
+void ModelFlags::add_speculative_to(CLI::App& cmd) {
+  cmd.add_option("--speculative-config", speculative_config,
+                 "speculative decoding, as JSON with vLLM's keys: "
+                 R"({"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":5,"prompt_lookup_min":2})"
+                 " (proposes what followed the last tokens' earlier occurrence; the output is unchanged)");
 }
 
 std::filesystem::path default_model_dir() {
@@ -81,13 +88,16 @@ std::vector<TokenId> parse_token_ids(std::string_view text) {
   return out;
 }
 
-ModelOptions ModelFlags::engine_options() const {
+ModelOptions ModelFlags::model_options() const {
   ModelOptions o;
   o.model_dir = model_dir();
   o.cache = cache_config();
-  o.device = resolve_device(parse_device(device));
+  const DeviceChoice d = resolve_device(device);
+  o.device = d.device;
+  o.gpu = d.gpu;
   o.dtype = parse_model_dtype(dtype);
   o.enforce_eager = enforce_eager;
+  if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
   return o;
 }
 

@@ -21,11 +21,15 @@ struct ModelFlags {
   std::string dtype = "auto";
   int block_size = 16;
   bool enforce_eager = false;
+  std::string speculative_config;  // JSON; empty: no drafting
 
   void add_to(CLI::App& cmd);
+  // --speculative-config, for the commands that decode (generate, chat, serve, bench, eval
+  // task, inspect).
+  void add_speculative_to(CLI::App& cmd);
   std::filesystem::path model_dir() const;   // resolves the bundled default
   CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
-  ModelOptions engine_options() const;      // all of the above, device resolved
+  ModelOptions model_options() const;      // all of the above, device resolved
 };
 
 // The bundled default model directory (models/kvlm-tiny next to the sources or binary).

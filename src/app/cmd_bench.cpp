@@ -39,6 +39,7 @@ CLI::App* add_bench(CLI::App& app, BenchFlags& f) {
   BenchThroughputFlags& t = f.throughput;
   auto* tp = bench->add_subcommand("throughput", "Offline throughput: N requests submitted at once to the serving engine");
   t.model.add_to(*tp);
+  t.model.add_speculative_to(*tp);
   t.serving.add_to(*tp);
   tp->add_option("--num-prompts", t.num_prompts, "requests")->capture_default_str();
   tp->add_option("--input-len", t.input_len, "prompt tokens of each synthetic request")->capture_default_str();
@@ -169,12 +170,7 @@ int run_throughput(const BenchThroughputFlags& f) {
   if (f.num_prompts < 1) throw Error("--num-prompts must be at least 1");
   if (f.input_len < 1) throw Error("--input-len must be at least 1");
   if (f.output_len < 1) throw Error("--output-len must be at least 1");
-  ModelOptions opts;
-  opts.model_dir = f.model.model_dir();
-  opts.cache = f.model.cache_config();
-  opts.device = resolve_device(parse_device(f.model.device));
-  opts.dtype = parse_model_dtype(f.model.dtype);
-  opts.enforce_eager = f.model.enforce_eager;
+  ModelOptions opts = f.model.model_options();
   const MemoryOptions mem = f.serving.memory_options();
   std::vector<DatasetEntry> data;
   std::optional<TextProcessor> text;
@@ -305,6 +301,18 @@ int run_throughput(const BenchThroughputFlags& f) {
   rowd("Max concurrency possible (at max len):", plan.max_concurrency);
   rowi("Preemptions:", int64_t(preemptions));
   row("KV cache:", kv_summary(*engine) + ", " + std::to_string(plan.capacity_tokens) + " tokens");
+  const uint64_t drafts = after.spec_drafts_total - before.spec_drafts_total;
+  const uint64_t drafted = after.spec_draft_tokens_total - before.spec_draft_tokens_total;
+  const uint64_t accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total;
+  if (opts.speculative) {
+    rule(" Speculative decoding ", '-');
+    row("Drafter:", describe(*opts.speculative));
+    rowi("Drafts:", int64_t(drafts));
+    rowi("Draft tokens:", int64_t(drafted));
+    rowi("Accepted tokens:", int64_t(accepted));
+    rowd("Acceptance rate:", drafted ? double(accepted) / double(drafted) : 0.0);
+    rowd("Mean acceptance length:", drafts ? 1.0 + double(accepted) / double(drafts) : 0.0);
+  }
   rule(" Engine time ", '-');
   rowi("Steps:", int64_t(steps));
   rowd("Forward, incl. device sampling (s):", t_fwd);
@@ -334,6 +342,13 @@ int run_throughput(const BenchThroughputFlags& f) {
     j["max_concurrency_possible"] = plan.max_concurrency;
     j["preemptions"] = preemptions;
     j["engine_steps"] = steps;
+    if (opts.speculative)
+      j["speculative"] = {{"method", std::string(spec_method_name(opts.speculative->method))},
+                          {"num_speculative_tokens", opts.speculative->num_speculative_tokens},
+                          {"drafts", drafts},
+                          {"draft_tokens", drafted},
+                          {"accepted_tokens", accepted},
+                          {"mean_acceptance_length", drafts ? 1.0 + double(accepted) / double(drafts) : 0.0}};
     j["engine_seconds"] = {{"forward", t_fwd}, {"sample", t_samp}, {"schedule", t_sched}};
     write_json(f.json, j);
   }

@@ -86,7 +86,7 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
 }  // namespace
 
 int run_calibrate(const CalibrateFlags& f) {
-  ModelOptions opts = f.model.engine_options();
+  ModelOptions opts = f.model.model_options();
   if (opts.device != Device::Cpu) {
     log::info("calibration runs on the CPU runner");
     opts.device = Device::Cpu;

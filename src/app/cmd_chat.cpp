@@ -25,18 +25,14 @@ extern "C" void on_sigint(int) { g_interrupted.store(true); }
 CLI::App* add_chat(CLI::App& app, ChatFlags& f) {
   auto* cmd = app.add_subcommand("chat", "Chat with a model interactively (/reset, /exit; Ctrl-C stops an answer)");
   f.model.add_to(*cmd);
+  f.model.add_speculative_to(*cmd);
   f.sampling.add_to(*cmd);
   cmd->add_option("--system", f.system, "a system message to start every conversation with");
   return cmd;
 }
 
 int run_chat(const ChatFlags& f) {
-  ModelOptions opts;
-  opts.model_dir = f.model.model_dir();
-  opts.cache = f.model.cache_config();
-  opts.device = resolve_device(parse_device(f.model.device));
-  opts.dtype = parse_model_dtype(f.model.dtype);
-  opts.enforce_eager = f.model.enforce_eager;
+  ModelOptions opts = f.model.model_options();
   const TextProcessor text = TextProcessor::load(opts.model_dir);
   if (!text.has_chat_template()) throw Error("this model has no chat template; use `kvlm generate --prompt` instead");
   auto engine = LoadedModel::load(opts);

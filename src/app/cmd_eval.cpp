@@ -27,6 +27,7 @@ CLI::App* add_eval(CLI::App& app, EvalFlags& f) {
   ppl->add_option("--json", f.json_out, "also write the results as JSON to this file");
   auto* task = eval->add_subcommand("task", "Exact-match accuracy on a JSONL task file, through the batching engine");
   f.model.add_to(*task);
+  f.model.add_speculative_to(*task);
   task->add_option("--data", f.data, "JSONL: {\"prompt\", \"answer\", \"regex\"?, \"stop\"?} per line")->required();
   task->add_option("--max-tokens", f.max_tokens, "tokens to generate per item at most")->capture_default_str();
   task->add_option("--limit", f.limit, "evaluate the first N items only (0: all)")->capture_default_str();
@@ -57,7 +58,7 @@ std::string kv_label(const LoadedModel& e) {
 }
 
 int run_perplexity(const EvalFlags& f) {
-  const ModelOptions opts = f.model.engine_options();
+  const ModelOptions opts = f.model.model_options();
   if (f.text_file.empty() && f.token_ids_file.empty()) throw Error("give the text to score: --text FILE or --token-ids FILE");
   const std::string& file = f.text_file.empty() ? f.token_ids_file : f.text_file;
   std::ifstream in(file);
@@ -111,7 +112,7 @@ int run_perplexity(const EvalFlags& f) {
 }
 
 int run_task(const EvalFlags& f) {
-  const ModelOptions opts = f.model.engine_options();
+  const ModelOptions opts = f.model.model_options();
   if (!TextProcessor::available(opts.model_dir))
     throw Error("'" + opts.model_dir.string() + "' has no tokenizer.json; task evaluation reads text");
   const TextProcessor text = TextProcessor::load(opts.model_dir);

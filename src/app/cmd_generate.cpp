@@ -32,6 +32,7 @@ void SamplingFlags::add_to(CLI::App& cmd) {
 CLI::App* add_generate(CLI::App& app, GenerateFlags& f) {
   auto* cmd = app.add_subcommand("generate", "Generate a continuation of a prompt (text or token ids)");
   f.model.add_to(*cmd);
+  f.model.add_speculative_to(*cmd);
   auto* text = cmd->add_option("--prompt,-p", f.prompt, "prompt text (needs the model's tokenizer.json)");
   auto* ids = cmd->add_option("--prompt-ids", f.prompt_ids, "prompt token ids, e.g. 1,403,407");
   text->excludes(ids);
@@ -68,6 +69,10 @@ void print_summary(const GenerateResult& r, const LoadedModel& e) {
                r.prompt.size(), r.tokens.size(), r.finish_reason.c_str(), prefill_tps, decode_tps,
                std::string(dtype_name(kv.storage)).c_str(),
                kv.mode == KVQuantMode::None ? "" : (" " + std::string(kv_quant_mode_name(kv.mode))).c_str(), e.plan().bytes_per_token());
+  if (e.speculative())
+    std::fprintf(stderr, "kvlm: drafting (%s): %llu drafts, %llu of %llu draft tokens accepted, mean acceptance length %.2f\n",
+                 describe(*e.speculative()).c_str(), (unsigned long long)r.drafts, (unsigned long long)r.accepted_tokens,
+                 (unsigned long long)r.draft_tokens, r.drafts ? 1.0 + double(r.accepted_tokens) / double(r.drafts) : 0.0);
 }
 
 namespace {
@@ -85,12 +90,7 @@ std::string ids_str(const std::vector<TokenId>& ids) {
 int run_generate(const GenerateFlags& f) {
   if (f.prompt.empty() && f.prompt_ids.empty()) throw Error("give a prompt: --prompt TEXT or --prompt-ids 1,2,3");
   if (f.chat && f.prompt.empty()) throw Error("--chat needs --prompt TEXT");
-  ModelOptions opts;
-  opts.model_dir = f.model.model_dir();
-  opts.cache = f.model.cache_config();
-  opts.device = resolve_device(parse_device(f.model.device));
-  opts.dtype = parse_model_dtype(f.model.dtype);
-  opts.enforce_eager = f.model.enforce_eager;
+  ModelOptions opts = f.model.model_options();
   // Text needs the tokenizer; load it first so a missing one fails before the weights load.
   std::optional<TextProcessor> text;
   if (!f.prompt.empty() || TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
@@ -165,6 +165,11 @@ int run_generate(const GenerateFlags& f) {
                    {"decode_seconds", r.decode_seconds},
                    {"prefill_tokens_per_second", prefill_tps},
                    {"decode_tokens_per_second", decode_tps}};
+    if (engine->speculative())
+      j["speculative"] = {{"method", std::string(spec_method_name(engine->speculative()->method))},
+                          {"drafts", r.drafts},
+                          {"draft_tokens", r.draft_tokens},
+                          {"accepted_tokens", r.accepted_tokens}};
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else if (!text) {
     std::cout << "prompt      " << ids_str(r.prompt) << "  (" << r.prompt.size() << " tokens)\n"

@@ -15,6 +15,7 @@ namespace kvlm::app {
 CLI::App* add_inspect(CLI::App& app, InspectFlags& f) {
   auto* cmd = app.add_subcommand("inspect", "Show the per-layer KV-cache plan a model would run with");
   f.model.add_to(*cmd);
+  f.model.add_speculative_to(*cmd);
   cmd->add_flag("--json", f.json, "print the plan as JSON");
   return cmd;
 }
@@ -42,9 +43,13 @@ std::string scale_str(const KVLayerSpec& l) {
 int run_inspect(const InspectFlags& f) {
   const auto dir = f.model.model_dir();
   const CacheConfig cache = f.model.cache_config();
-  const Device device = resolve_device(parse_device(f.model.device));
+  const std::optional<SpeculativeConfig> spec =
+      f.model.speculative_config.empty() ? std::nullopt
+                                         : std::optional(parse_speculative_config(f.model.speculative_config));
+  const DeviceChoice dc = resolve_device(f.model.device);
+  const Device device = dc.device;
   const Checkpoint ckpt = Checkpoint::open(dir);
-  const ModelPlan mp = plan_model(dir, ckpt, cache, SelectionContext{.device = device, .forced = cache.attention_backend},
+  const ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
                                   parse_model_dtype(f.model.dtype));
   const KVPlan& plan = mp.plan;
   const ModelConfig& cfg = mp.config;
@@ -92,6 +97,16 @@ int run_inspect(const InspectFlags& f) {
     j["kv_bytes_per_token"] = plan.bytes_per_token();
     j["model_dtype_kv_bytes_per_token"] = baseline;
     j["warnings"] = plan.warnings;
+    if (spec) {
+      nlohmann::json s{{"method", std::string(spec_method_name(spec->method))},
+                       {"num_speculative_tokens", spec->num_speculative_tokens}};
+      if (spec->method == SpecMethod::Ngram) {
+        s["prompt_lookup_min"] = spec->prompt_lookup_min;
+        s["prompt_lookup_max"] = spec->prompt_lookup_max;
+        s["draft_kv_bytes_per_token"] = 0;  // no drafter model, no KV
+      }
+      j["speculative"] = s;
+    }
     nlohmann::json backends = nlohmann::json::array();
     for (const auto& b : builtin_backend_caps())
       backends.push_back({{"name", b.name}, {"device", std::string(device_name(b.device))}, {"priority", b.priority},
@@ -129,6 +144,9 @@ int run_inspect(const InspectFlags& f) {
   ratio << std::fixed << std::setprecision(2) << double(baseline) / double(plan.bytes_per_token());
   std::cout << "\ntotal KV bytes per token: " << plan.bytes_per_token() << " (" << dtype_name(mp.dtype) << " cache: " << baseline
             << ", " << ratio.str() << "x the tokens in the same memory)\n";
+  if (spec)
+    std::cout << "drafting   " << describe(*spec)
+              << (spec->method == SpecMethod::Ngram ? " (no drafter model: no draft KV)" : "") << "\n";
   for (const auto& w : plan.warnings) std::cout << "warning: " << w << "\n";
   return 0;
 }

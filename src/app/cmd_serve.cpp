@@ -78,6 +78,7 @@ std::string kv_summary(const LoadedModel& e) {
 CLI::App* add_serve(CLI::App& app, ServeFlags& f) {
   auto* cmd = app.add_subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)");
   f.model.add_to(*cmd);
+  f.model.add_speculative_to(*cmd);
   f.serving.add_to(*cmd);
   cmd->add_option("--host", f.host, "address to listen on (0.0.0.0 for every interface)")->capture_default_str();
   cmd->add_option("--port", f.port, "port to listen on (0: any free port, printed at startup)")->capture_default_str();
@@ -179,12 +180,7 @@ void say(const std::string& line) {
 
 int run_serve(const ServeFlags& f) {
   // Everything that needs no model is checked before anything starts.
-  ModelOptions opts;
-  opts.model_dir = f.model.model_dir();
-  opts.cache = f.model.cache_config();
-  opts.device = resolve_device(parse_device(f.model.device));
-  opts.dtype = parse_model_dtype(f.model.dtype);
-  opts.enforce_eager = f.model.enforce_eager;
+  ModelOptions opts = f.model.model_options();
   check_model_dir(opts.model_dir);
   const MemoryOptions mem = f.serving.memory_options();
   if (!(f.drain_timeout >= 0)) throw Error("--drain-timeout must be >= 0 seconds");

@@ -22,7 +22,7 @@ std::vector<GpuInfo> cuda_devices();
 struct GpuMemory {
   size_t free = 0, total = 0;
 };
-// Free and total memory of the current CUDA device; nullopt without one.
-std::optional<GpuMemory> cuda_memory_info();
+// Free and total memory of CUDA device `index`; nullopt without one.
+std::optional<GpuMemory> cuda_memory_info(int index);
 
 }  // namespace kvlm

@@ -22,9 +22,16 @@ std::vector<GpuInfo> cuda_devices() {
   return out;
 }
 
-std::optional<GpuMemory> cuda_memory_info() {
+std::optional<GpuMemory> cuda_memory_info(int index) {
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(index) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
   GpuMemory m;
-  if (cudaMemGetInfo(&m.free, &m.total) != cudaSuccess) {
+  const bool ok = cudaMemGetInfo(&m.free, &m.total) == cudaSuccess;
+  cudaSetDevice(prev);
+  if (!ok) {
     cudaGetLastError();
     return std::nullopt;
   }

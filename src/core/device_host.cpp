@@ -4,5 +4,5 @@
 namespace kvlm {
 bool built_with_cuda() { return false; }
 std::vector<GpuInfo> cuda_devices() { return {}; }
-std::optional<GpuMemory> cuda_memory_info() { return std::nullopt; }
+std::optional<GpuMemory> cuda_memory_info(int) { return std::nullopt; }
 }  // namespace kvlm

@@ -5,6 +5,7 @@
 #include <exception>
 
 #include "core/error.h"
+#include "engine/ngram_proposer.h"
 #include "sampling/sampler.h"
 
 namespace kvlm {
@@ -36,6 +37,9 @@ LLMEngine::LLMEngine(LoadedModel& model, SchedulerConfig cfg)
       scheduler_(cfg_, model.block_size(), model.model(), stats_),
       outputs_(model.config().eos_token_ids, cfg_.max_model_len, scheduler_, stats_) {
   model.model().allocate_kv(cfg_.num_blocks, model.block_size());
+  if (const auto& spec = model.speculative(); spec && spec->method == SpecMethod::Ngram)
+    proposer_ = std::make_unique<NgramProposer>(spec->num_speculative_tokens, spec->prompt_lookup_min,
+                                                spec->prompt_lookup_max);
 }
 
 LLMEngine::~LLMEngine() = default;

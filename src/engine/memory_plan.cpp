@@ -95,7 +95,7 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     budget = *opts.kv_cache_memory;
     source = "--kv-cache-memory";
   } else if (engine.model().device() == Device::Cuda) {
-    const auto mem = cuda_memory_info();
+    const auto mem = cuda_memory_info(engine.gpu());
     if (!mem) throw Error("cannot read the GPU's memory (cudaMemGetInfo failed); give the pool size with --kv-cache-memory");
     // vLLM's rule: this instance may use `utilization` of the device's total memory; what is
     // in use now (our weights, other processes) and the activations of one step come off.

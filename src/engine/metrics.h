@@ -36,7 +36,9 @@ struct EngineStats {
   uint64_t requests_total = 0;              // accepted
   std::map<std::string, uint64_t> requests_finished_total;  // by finish reason
   uint64_t steps_total = 0;
-  // Speculative decoding: draft tokens verified, and of those, accepted.
+  // Speculative decoding: drafts verified (one per sequence and step), their tokens, and of
+  // those the accepted ones. Mean acceptance length = 1 + accepted / drafts.
+  uint64_t spec_drafts_total = 0;
   uint64_t spec_draft_tokens_total = 0;
   uint64_t spec_accepted_tokens_total = 0;
   // Where the engine thread's time goes (seconds): scheduling and batch layout, the model's

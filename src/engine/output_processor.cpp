@@ -97,6 +97,7 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
     const int accepted = std::max(0, int(d.tokens.size()) - 1);
     s.num_computed += s.scheduled - draft + std::min(accepted, draft);
     if (draft > 0) {
+      ++stats_.spec_drafts_total;
       stats_.spec_draft_tokens_total += uint64_t(draft);
       stats_.spec_accepted_tokens_total += uint64_t(std::min(accepted, draft));
     }
@@ -134,6 +135,7 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
       why = FinishReason::Length;  // scored the prompt; nothing to generate
       report = true;
     }
+    if (draft > 0) scheduler_.trim_pages(s);
     scheduler_.register_full_pages(s);
     if (report && s.wants_prompt_logprobs() && (prompt_done || why != FinishReason::None)) {
       out.prompt_logprobs = std::move(s.prompt_lp);

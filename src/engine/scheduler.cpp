@@ -82,6 +82,14 @@ void Scheduler::preempt(Sequence& s) {
   ++stats_.preemptions_total;
 }
 
+void Scheduler::trim_pages(Sequence& s) {
+  const size_t keep = size_t(pages_for(int(s.tokens.size()), blocks_.block_size()));
+  while (s.pages.size() > keep) {
+    blocks_.release(s.pages.back());
+    s.pages.pop_back();
+  }
+}
+
 void Scheduler::register_full_pages(Sequence& s) {
   if (!blocks_.prefix_caching()) return;
   const int bs = blocks_.block_size();

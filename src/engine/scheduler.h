@@ -50,6 +50,8 @@ class Scheduler {
   // Drops every page of `s` (last pages first, so its tail is evicted before its more
   // shareable head); its K/V must be recomputed if it runs again.
   void release_pages(Sequence& s);
+  // Returns the pages past those `s` needs for its tokens (a rejected draft's tail).
+  void trim_pages(Sequence& s);
   // Registers the pages `s` has filled with computed tokens in the prefix cache.
   void register_full_pages(Sequence& s);
   const BlockManager& blocks() const { return blocks_; }

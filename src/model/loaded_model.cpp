@@ -1,6 +1,7 @@
 #include "model/loaded_model.h"
 
 #include <algorithm>
+#include <charconv>
 
 #include "attention/registry.h"
 #include "attention/selector.h"
@@ -13,32 +14,38 @@
 
 namespace kvlm {
 
-DeviceRequest parse_device(std::string_view s) {
-  if (s == "auto") return DeviceRequest::Auto;
-  if (s == "cpu") return DeviceRequest::Cpu;
-  if (s == "cuda") return DeviceRequest::Cuda;
-  throw Error("invalid --device '" + std::string(s) + "'; valid values are: auto, cpu, cuda");
-}
-
-Device resolve_device(DeviceRequest r) {
-  if (r == DeviceRequest::Cpu) return Device::Cpu;
-  if (r == DeviceRequest::Auto) {
-    // The GPU (device 0, the one the CUDA runner uses) when a CUDA backend has code for it:
-    // at or above its minimum compute capability and, where it declares tiers, inside one
-    // (a build for sm_90a only has nothing a 10.0 GPU can run).
-    const auto gpus = cuda_devices();
-    if (gpus.empty()) return Device::Cpu;
+DeviceChoice resolve_device(std::string_view flag) {
+  const auto gpus = cuda_devices();
+  if (flag == "cpu") return {};
+  if (flag == "auto") {
+    // The first GPU when a CUDA backend has code for it: at or above its minimum compute
+    // capability and, where it declares tiers, inside one (a build for sm_90a only has
+    // nothing a 10.0 GPU can run).
+    if (gpus.empty()) return {};
     const int cc = gpus.front().compute_capability;
     for (const auto& b : builtin_backend_caps())
       if (b.device == Device::Cuda && cc >= b.min_compute_capability &&
           (b.compute_tiers.empty() || find_compute_tier(b, cc) != nullptr))
-        return Device::Cuda;
-    return Device::Cpu;
+        return {Device::Cuda, 0};
+    return {};
   }
-  if (!built_with_cuda()) throw Error("--device cuda: this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
-  if (cuda_devices().empty())
-    throw Error("--device cuda: no usable CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES); use --device cpu");
-  return Device::Cuda;
+  int index = 0;
+  if (flag.starts_with("cuda:")) {
+    const std::string_view n = flag.substr(5);
+    const auto [p, ec] = std::from_chars(n.data(), n.data() + n.size(), index);
+    if (n.empty() || ec != std::errc() || p != n.data() + n.size() || index < 0)
+      throw Error("invalid --device '" + std::string(flag) + "'; a GPU is named cuda:N with N its index (0, 1, ...)");
+  } else if (flag != "cuda") {
+    throw Error("invalid --device '" + std::string(flag) + "'; valid values are: auto, cpu, cuda, cuda:N");
+  }
+  const std::string name = "--device " + std::string(flag);
+  if (!built_with_cuda()) throw Error(name + ": this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
+  if (gpus.empty())
+    throw Error(name + ": no usable CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES); use --device cpu");
+  if (index >= int(gpus.size()))
+    throw Error(name + ": " + std::to_string(gpus.size()) + " CUDA device(s) are visible (cuda:0 to cuda:" +
+                std::to_string(gpus.size() - 1) + ")");
+  return {Device::Cuda, index};
 }
 
 std::optional<DType> parse_model_dtype(std::string_view s) {
@@ -70,18 +77,29 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
   if (converted)
     mp.plan.warnings.push_back("the checkpoint is float32; on CUDA kvlm computes in bfloat16 (weights converted at load). "
                                "Pass --dtype float16 for float16, or --device cpu to compute in float32");
-  SelectionContext c = ctx;
-  if (c.device == Device::Cuda && c.compute_capability == 0)
-    if (const auto gpus = cuda_devices(); !gpus.empty()) c.compute_capability = gpus.front().compute_capability;
-  assign_backends(mp.plan, builtin_backend_caps(), c);
+  assign_backends(mp.plan, builtin_backend_caps(), ctx);
   return mp;
+}
+
+SelectionContext selection_context(Device device, int gpu, const CacheConfig& cache) {
+  SelectionContext c{.device = device, .compute_capability = 0, .forced = cache.attention_backend};
+  if (device == Device::Cuda) {
+    const auto gpus = cuda_devices();
+    if (gpu < 0 || gpu >= int(gpus.size()))
+      throw Error("CUDA device " + std::to_string(gpu) + " is not visible (" + std::to_string(gpus.size()) + " are)");
+    c.compute_capability = gpus[size_t(gpu)].compute_capability;
+  }
+  return c;
 }
 
 std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   validate_block_size(opts.cache.block_size);
+  if (opts.speculative && opts.speculative->method == SpecMethod::DFlash)
+    throw Error("--speculative-config: method dflash is not available in this version yet (the drafter model is "
+                "being built); use {\"method\":\"ngram\",...} for now");
   auto e = std::unique_ptr<LoadedModel>(new LoadedModel());
   const Checkpoint ckpt = Checkpoint::open(opts.model_dir);
-  SelectionContext ctx{.device = opts.device, .compute_capability = 0, .forced = opts.cache.attention_backend};
+  const SelectionContext ctx = selection_context(opts.device, opts.gpu, opts.cache);
   e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype));
   for (const auto& w : e->plan_->plan.warnings) log::warn(w);
   if (opts.device == Device::Cuda) {
@@ -97,6 +115,8 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
     e->model_ = std::make_unique<CpuModelRunner>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends));
   }
   e->block_size_ = opts.cache.block_size;
+  e->gpu_ = opts.gpu;
+  e->speculative_ = opts.speculative;
   return e;
 }
 

@@ -12,15 +12,21 @@
 #include "config/cache_config.h"
 #include "config/kv_plan.h"
 #include "config/model_config.h"
+#include "config/speculative_config.h"
 #include "io/checkpoint.h"
 #include "model/cpu/cpu_runner.h"
 
 namespace kvlm {
 
-enum class DeviceRequest { Auto, Cpu, Cuda };
-DeviceRequest parse_device(std::string_view s);  // throws with the valid values
-// The device a request maps to on this machine and build; throws when it cannot be met.
-Device resolve_device(DeviceRequest r);
+// Where --device puts the model: the CPU, or one GPU by its index among the visible ones.
+struct DeviceChoice {
+  Device device = Device::Cpu;
+  int gpu = 0;  // CUDA device index (Device::Cuda)
+};
+// Parses and resolves --device: auto (the first GPU when a CUDA backend can run on it, else
+// the CPU), cpu, cuda (GPU 0) or cuda:N. Throws with the valid values, or when the choice
+// cannot be met on this machine and build.
+DeviceChoice resolve_device(std::string_view flag);
 
 struct ModelPlan {
   ModelConfig config;
@@ -34,6 +40,9 @@ struct ModelPlan {
 ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, const CacheConfig& cache,
                      const SelectionContext& ctx, std::optional<DType> dtype = std::nullopt);
 
+// The backend selection context of `device` (the compute capability of GPU `gpu`).
+SelectionContext selection_context(Device device, int gpu, const CacheConfig& cache);
+
 // Parses --dtype: auto (nullopt), float32, bfloat16, float16. Throws with the valid values.
 std::optional<DType> parse_model_dtype(std::string_view s);
 
@@ -43,7 +52,8 @@ struct ModelOptions {
   Device device = Device::Cpu;
   std::optional<DType> dtype;  // --dtype; nullopt = the checkpoint's
   bool enforce_eager = false;  // --enforce-eager: no CUDA graphs
-  int gpu = 0;                 // the CUDA device index the runner lives on
+  int gpu = 0;                 // the CUDA device index the runner lives on (--device cuda:N)
+  std::optional<SpeculativeConfig> speculative;  // --speculative-config
 };
 
 class LoadedModel {
@@ -54,6 +64,9 @@ class LoadedModel {
   const KVPlan& plan() const { return plan_->plan; }
   DType dtype() const { return plan_->dtype; }
   int block_size() const { return block_size_; }
+  int gpu() const { return gpu_; }  // the CUDA device index (Device::Cuda runners)
+  // The drafter the serving engine proposes tokens with (--speculative-config), if any.
+  const std::optional<SpeculativeConfig>& speculative() const { return speculative_; }
   ModelRunner& model() { return *model_; }
   const ModelRunner& model() const { return *model_; }
   // Puts `wrap(current runner)` in its place (tests: a runner that decorates the real one).
@@ -66,6 +79,8 @@ class LoadedModel {
   std::unique_ptr<ModelPlan> plan_;  // heap: the model and caches point into it
   std::unique_ptr<ModelRunner> model_;
   int block_size_ = 16;
+  int gpu_ = 0;
+  std::optional<SpeculativeConfig> speculative_;
 };
 
 }  // namespace kvlm

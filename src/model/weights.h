@@ -30,6 +30,11 @@ enum class WeightRole : uint8_t {
   Constant,  // computed on the host from the config (RoPE inverse frequencies)
 };
 
+// The element type of a weight of `role` on a GPU whose compute dtype is `compute`.
+inline DType gpu_weight_dtype(WeightRole role, DType compute) {
+  return role == WeightRole::Matrix || role == WeightRole::Bias ? compute : DType::F32;
+}
+
 // How tensor parallelism splits a weight over ranks (not yet acted on: the plan for it).
 enum class Shard : uint8_t {
   Replicated,  // every rank holds all of it (norms, constants)

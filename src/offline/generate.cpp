@@ -76,6 +76,10 @@ GenerateResult generate(LoadedModel& engine, const GenerateRequest& req, const T
     llm.step();
   }
   if (res.finish_reason == "error") throw Error(error);
+  const EngineStats st = llm.stats();
+  res.drafts = st.spec_drafts_total;
+  res.draft_tokens = st.spec_draft_tokens_total;
+  res.accepted_tokens = st.spec_accepted_tokens_total;
   const auto t2 = clock::now();
   res.prefill_seconds = std::chrono::duration<double>(t1.value_or(t2) - t0).count();
   res.decode_seconds = std::chrono::duration<double>(t2 - t1.value_or(t2)).count();

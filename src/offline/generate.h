@@ -34,6 +34,8 @@ struct GenerateResult {
   std::string finish_reason;            // "length", "stop" (EOS or the callback) or "abort"
   double prefill_seconds = 0, decode_seconds = 0;
   size_t kv_bytes = 0;                  // bytes of the KV pool this request used
+  // Speculative decoding (--speculative-config): drafts verified, their tokens, accepted ones.
+  uint64_t drafts = 0, draft_tokens = 0, accepted_tokens = 0;
 };
 
 // Validates the request (token ids, lengths, sampling values) with clear errors.

@@ -1,21 +1,12 @@
 #include "server/http_server.h"
 
-#include <dirent.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/types.h>
-
 #include <httplib.h>
 
 #include <atomic>
-#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <random>
@@ -24,6 +15,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/async_engine.h"
+#include "server/connections.h"
 #include "server/prometheus.h"
 #include "server/request_stream.h"
 #include "server/response.h"
@@ -39,127 +31,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-// httplib keeps the listening socket protected; the backlog it listens with (5) is far too
-// short for hundreds of clients connecting at once, and Linux lets listen() be called again.
-class Listener : public httplib::Server {
- public:
-  int listen_fd() const { return int(svr_sock_); }
-};
-
-// A connection-thread pool that grows with demand up to a limit (httplib's own pool has a
-// fixed size chosen at compile time). Threads stay until shutdown.
-class GrowingPool : public httplib::TaskQueue {
- public:
-  explicit GrowingPool(size_t max_threads) : max_(std::max<size_t>(max_threads, 1)) {}
-  ~GrowingPool() override { shutdown(); }
-
-  void enqueue(std::function<void()> fn) override {
-    std::lock_guard lock(mu_);
-    jobs_.push_back(std::move(fn));
-    if (idle_ < jobs_.size() && threads_.size() < max_ && !stopping_) {
-      try {
-        threads_.emplace_back([this] { work(); });
-      } catch (const std::system_error&) {
-        // No more threads: the job waits for a busy one.
-      }
-    }
-    cv_.notify_one();
-  }
-
-  void shutdown() override {
-    std::vector<std::thread> threads;
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-      threads.swap(threads_);
-    }
-    cv_.notify_all();
-    for (auto& t : threads) t.join();
-  }
-
- private:
-  void work() {
-    std::unique_lock lock(mu_);
-    for (;;) {
-      ++idle_;
-      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-      --idle_;
-      if (jobs_.empty()) return;  // stopping, nothing left
-      std::function<void()> fn = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      try {
-        fn();
-      } catch (...) {
-        // httplib handles its own errors; nothing may escape a pool thread.
-      }
-      lock.lock();
-    }
-  }
-
-  const size_t max_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  std::vector<std::thread> threads_;
-  size_t idle_ = 0;
-  bool stopping_ = false;
-};
-
-// Tells whether the client of a request that is still being computed has closed its
-// connection. httplib 0.11 gives handlers no socket, so the socket is found by its
-// addresses among the process's descriptors, once, when a request has waited a while.
-class ConnectionProbe {
- public:
-  explicit ConnectionProbe(const httplib::Request& req)
-      : remote_(req.remote_addr), local_(req.local_addr), rport_(req.remote_port), lport_(req.local_port) {}
-
-  bool client_gone() {
-    if (fd_ == kUnknown) fd_ = find();
-    if (fd_ < 0) return false;
-    char c;
-    const ssize_t n = ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n > 0) return false;   // more data (a pipelined request): still there
-    if (n == 0) return true;   // orderly close
-    return !(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
-  }
-
- private:
-  static constexpr int kUnknown = -2;
-
-  static bool matches(const sockaddr_storage& sa, socklen_t len, const std::string& host, int port) {
-    char h[NI_MAXHOST], s[NI_MAXSERV];
-    if (::getnameinfo(reinterpret_cast<const sockaddr*>(&sa), len, h, sizeof h, s, sizeof s, NI_NUMERICHOST | NI_NUMERICSERV) != 0)
-      return false;
-    return host == h && port == std::atoi(s);
-  }
-
-  int find() const {
-    DIR* d = ::opendir("/proc/self/fd");
-    if (!d) return -1;
-    int found = -1;
-    while (dirent* e = ::readdir(d)) {
-      char* end = nullptr;
-      const long fd = std::strtol(e->d_name, &end, 10);
-      if (end == e->d_name || *end != '\0' || fd < 0) continue;
-      sockaddr_storage peer{}, self{};
-      socklen_t plen = sizeof peer, slen = sizeof self;
-      if (::getpeername(int(fd), reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;
-      if (::getsockname(int(fd), reinterpret_cast<sockaddr*>(&self), &slen) != 0) continue;
-      if (matches(peer, plen, remote_, rport_) && matches(self, slen, local_, lport_)) {
-        found = int(fd);
-        break;
-      }
-    }
-    ::closedir(d);
-    return found;
-  }
-
-  std::string remote_, local_;
-  int rport_, lport_;
-  int fd_ = kUnknown;
-};
-
 constexpr const char* kJson = "application/json";
 
 void reply(httplib::Response& res, int status, const Json& body) {
@@ -168,17 +39,6 @@ void reply(httplib::Response& res, int status, const Json& body) {
 }
 
 void reply_error(httplib::Response& res, const ApiError& e) { reply(res, e.status(), error_json(e)); }
-
-bool constant_time_equal(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= static_cast<unsigned char>(x ^ y);
-  }
-  return diff == 0;
-}
 
 uint64_t random_seed() {
   thread_local std::mt19937_64 rng{std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)};
@@ -728,33 +588,6 @@ void HttpServer::cancel_all(const std::string& why) {
     for (const auto& e : l.engine_ids) l.engine->abort(e);
   }
 }
-
-namespace {
-
-// Shuts down (not closes: their threads close them) the connections accepted on `port`, so
-// idle keep-alive connections end now instead of after their keep-alive timeout.
-void shutdown_connections(int port) {
-  DIR* d = ::opendir("/proc/self/fd");
-  if (!d) return;
-  std::vector<int> fds;
-  while (dirent* e = ::readdir(d)) {
-    char* end = nullptr;
-    const long fd = std::strtol(e->d_name, &end, 10);
-    if (end == e->d_name || *end != '\0' || fd < 0) continue;
-    sockaddr_storage self{}, peer{};
-    socklen_t slen = sizeof self, plen = sizeof peer;
-    if (::getsockname(int(fd), reinterpret_cast<sockaddr*>(&self), &slen) != 0) continue;
-    if (::getpeername(int(fd), reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;  // the listener has no peer
-    int local_port = -1;
-    if (self.ss_family == AF_INET) local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&self)->sin_port);
-    else if (self.ss_family == AF_INET6) local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&self)->sin6_port);
-    if (local_port == port) fds.push_back(int(fd));
-  }
-  ::closedir(d);
-  for (int fd : fds) ::shutdown(fd, SHUT_RDWR);
-}
-
-}  // namespace
 
 void HttpServer::stop() {
   Impl& I = *impl_;

@@ -93,6 +93,11 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   for (const auto& [reason, n] : by_reason)
     w.sample("kvlm:request_success_total", double(n), "finished_reason=\"" + escape_label(reason) + "\"");
   w.counter("kvlm:engine_steps_total", "Scheduler steps run.", double(s.steps_total));
+  w.counter("kvlm:spec_decode_num_drafts_total", "Speculative drafts verified (one per sequence and step).",
+            double(s.spec_drafts_total));
+  w.counter("kvlm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", double(s.spec_draft_tokens_total));
+  w.counter("kvlm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target model.",
+            double(s.spec_accepted_tokens_total));
   w.header("kvlm:engine_seconds_total", "counter",
            "Engine thread time by phase: schedule (and batch layout), forward (the model, with sampling on the "
            "device), sample (on the host).");

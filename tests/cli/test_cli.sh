@@ -112,6 +112,11 @@ expect_error 1 "layer 9 but the model has 5 layers" -- inspect --model "$stories
 expect_error 1 "invalid --kv-cache-dtype-skip-layers entry 'full'" -- inspect --kv-cache-dtype-skip-layers full
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
+expect_error 1 "a GPU is named cuda:N with N its index" -- generate --prompt-ids 1 --device cuda:x
+expect_error 1 "a GPU is named cuda:N with N its index" -- inspect --device cuda:-1
+if ! "$KVLM" inspect --device cuda >/dev/null 2>&1; then  # no GPU here: the index is refused as the GPU is
+  expect_error 1 "--device cuda:7:" -- inspect --device cuda:7
+fi
 expect_error 1 "invalid --dtype 'int8'" -- generate --prompt-ids 1 --dtype int8
 expect_error 1 "invalid --block-size 12" -- generate --prompt-ids 1 --block-size 12
 expect_error 1 "outside the model's vocabulary (0..511)" -- generate --model "$stories" --prompt-ids 1,99999

@@ -166,10 +166,6 @@ class DeviceScope {
 };
 
 // Device type of a weight role (model/weights.h).
-DType device_type(WeightRole role, DType act) {
-  return role == WeightRole::Matrix || role == WeightRole::Bias ? act : DType::F32;
-}
-
 }  // namespace
 
 struct CudaModelRunner::Impl {
@@ -278,12 +274,12 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     size_t total = 0;
     for (const WeightSpec& s : specs) {
       offsets_.push_back(total);
-      total += align_up(size_t(s.rows() * s.cols()) * dtype_size(device_type(s.role, m_.act)));
+      total += align_up(size_t(s.rows() * s.cols()) * dtype_size(gpu_weight_dtype(s.role, m_.act)));
     }
     m_.weights.allocate(total, "the model weights");
   }
   Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const float> values) override {
-    const DType type = device_type(s.role, m_.act);
+    const DType type = gpu_weight_dtype(s.role, m_.act);
     uint8_t* const base = m_.weights.data() + offsets_[next_++];
     uint8_t* dst = base;
     if (!values.empty() || pieces.empty()) {

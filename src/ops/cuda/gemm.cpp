@@ -7,7 +7,6 @@
 #include "ops/cuda/gemm.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <string_view>
 #include <tuple>

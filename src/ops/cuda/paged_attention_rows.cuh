@@ -440,5 +440,11 @@ void launch_rows_small_heads(const RowsArgs& a, cudaStream_t st);
 int prefill_rows_per_cta(int head_dim);
 int prefill_ctas_per_sm(const PagedAttentionParams& p);
 void launch_prefill(const RowsArgs& a, cudaStream_t st);
+// The warp-specialised prefill kernel (paged_attention_prefill_wgmma.cu): whether it runs on
+// the current GPU (sm_90a code loaded, not switched off), and, for head sizes 64 and 128, its
+// resident CTAs per SM and its launch (launch_prefill does the checks and the reduction).
+bool prefill_wgmma_available();
+int prefill_wgmma_ctas_per_sm(const PagedAttentionParams& p);
+void launch_prefill_wgmma(const RowsArgs& a, cudaStream_t st);
 
 }  // namespace kvlm::cuda
