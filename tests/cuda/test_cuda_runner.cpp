@@ -420,7 +420,7 @@ Built build_runner(const fs::path& dir, KVCacheDType dt, Device dev, std::option
   const Checkpoint ckpt = Checkpoint::open(dir);
   CacheConfig cache;
   cache.kv_cache_dtype = dt;
-  b.mp = std::make_unique<ModelPlan>(plan_model(dir, ckpt, cache, SelectionContext{.device = dev}, dtype));
+  b.mp = std::make_unique<ModelPlan>(plan_model(dir, ckpt, cache, selection_context(dev, 0, cache), dtype));
   if (non_causal)
     for (KVLayerSpec& l : b.mp->plan.layers) l.attn.kind = AttentionKind::NonCausal, l.attn.window = 0;
   if (dev == Device::Cuda) {
