@@ -50,7 +50,7 @@ int run_inspect(const InspectFlags& f) {
   const Device device = dc.device;
   const Checkpoint ckpt = Checkpoint::open(dir);
   const ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
-                                  parse_model_dtype(f.model.dtype));
+                                  parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr);
   const KVPlan& plan = mp.plan;
   const ModelConfig& cfg = mp.config;
   // The same model with an unquantized cache in the model dtype, for the capacity ratio.
@@ -104,6 +104,15 @@ int run_inspect(const InspectFlags& f) {
         s["prompt_lookup_min"] = spec->prompt_lookup_min;
         s["prompt_lookup_max"] = spec->prompt_lookup_max;
         s["draft_kv_bytes_per_token"] = 0;  // no drafter model, no KV
+      } else if (mp.drafter) {
+        s["model"] = spec->model;
+        s["block_size"] = mp.drafter->dflash->block_size;
+        s["mask_token_id"] = mp.drafter->dflash->mask_token_id;
+        s["target_layer_ids"] = mp.drafter->dflash->target_layer_ids;
+        size_t draft_bytes = 0;
+        for (const auto& l : plan.layers)
+          if (l.attn.model != "target") draft_bytes += l.bytes_per_token();
+        s["draft_kv_bytes_per_token"] = draft_bytes;
       }
       j["speculative"] = s;
     }
@@ -144,9 +153,17 @@ int run_inspect(const InspectFlags& f) {
   ratio << std::fixed << std::setprecision(2) << double(baseline) / double(plan.bytes_per_token());
   std::cout << "\ntotal KV bytes per token: " << plan.bytes_per_token() << " (" << dtype_name(mp.dtype) << " cache: " << baseline
             << ", " << ratio.str() << "x the tokens in the same memory)\n";
-  if (spec)
-    std::cout << "drafting   " << describe(*spec)
-              << (spec->method == SpecMethod::Ngram ? " (no drafter model: no draft KV)" : "") << "\n";
+  if (spec && spec->method == SpecMethod::Ngram) std::cout << "drafting   " << describe(*spec) << " (no drafter model: no draft KV)\n";
+  if (spec && mp.drafter) {
+    size_t draft_bytes = 0;
+    for (const auto& l : plan.layers)
+      if (l.attn.model != "target") draft_bytes += l.bytes_per_token();
+    std::cout << "drafting   " << describe(*spec) << ": DFlash, blocks of " << mp.drafter->dflash->block_size
+              << ", features of target layers";
+    for (int l : mp.drafter->dflash->target_layer_ids) std::cout << " " << l;
+    std::cout << "; its " << mp.drafter->num_layers << " layer(s) above (draft:N) hold " << draft_bytes
+              << " of the bytes per token\n";
+  }
   for (const auto& w : plan.warnings) std::cout << "warning: " << w << "\n";
   return 0;
 }

@@ -1,5 +1,6 @@
 #include "config/model_config.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -20,6 +21,7 @@ std::string_view arch_name(Arch a) {
     case Arch::Qwen3: return "Qwen3ForCausalLM";
     case Arch::Mistral: return "MistralForCausalLM";
     case Arch::Gemma3: return "Gemma3ForCausalLM";
+    case Arch::DFlashDraft: return "DFlashDraftModel";
   }
   return "?";
 }
@@ -70,11 +72,11 @@ Arch parse_arch(const json& cfg) {
   } else {
     throw Error("config.json: no 'architectures' list and no 'model_type'; is this a Hugging Face model directory?");
   }
-  for (Arch a : {Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Mistral, Arch::Gemma3})
+  for (Arch a : {Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Mistral, Arch::Gemma3, Arch::DFlashDraft})
     if (arch_name(a) == name) return a;
   throw Error("config.json: unsupported architecture '" + name +
               "'; kvlm supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
-              "Gemma3ForCausalLM");
+              "Gemma3ForCausalLM (and DFlashDraftModel drafters)");
 }
 
 // `params`: transformers-5 rope_parameters (or one layer type's entry of it); else the Hub's
@@ -189,6 +191,48 @@ int positive(const json& cfg, std::string_view key, long long max = 1 << 30) {
   return int(v);
 }
 
+// DFlash's fields; every drafter layer attends non-causally (the block sees itself whole and
+// the context before it). target_layer_ids default as the DFlash reference code builds them:
+// one layer for a 1-layer drafter (the middle one), else spread evenly over [1, N - 3].
+DFlashConfig parse_dflash(const json& cfg, ModelConfig& m) {
+  DFlashConfig d;
+  const std::string where = "config.json (DFlash drafter)";
+  d.block_size = int(jg::req_int(cfg, "block_size", where));
+  if (d.block_size < 2 || d.block_size > 64)
+    throw Error(where + ": block_size must be between 2 and 64, got " + std::to_string(d.block_size));
+  d.num_target_layers = int(jg::opt_int(cfg, "num_target_layers", where).value_or(0));
+  const json* dc = jg::find(cfg, "dflash_config");
+  if (!dc || !dc->is_object()) throw Error(where + ": 'dflash_config' (mask_token_id, target_layer_ids) is missing");
+  const auto mask = jg::opt_int(*dc, "mask_token_id", where + " dflash_config");
+  if (!mask) throw Error(where + ": dflash_config.mask_token_id is missing");
+  if (*mask < 0 || *mask >= m.vocab_size)
+    throw Error(where + ": dflash_config.mask_token_id " + std::to_string(*mask) + " is outside the vocabulary");
+  d.mask_token_id = TokenId(*mask);
+  if (const json* ids = jg::find(*dc, "target_layer_ids")) {
+    if (!ids->is_array() || ids->empty()) throw Error(where + ": dflash_config.target_layer_ids must be a non-empty list");
+    for (const json& v : *ids) {
+      if (!v.is_number_integer() || v.get<long long>() < 0)
+        throw Error(where + ": dflash_config.target_layer_ids must hold non-negative layer indices");
+      d.target_layer_ids.push_back(int(v.get<long long>()));
+    }
+  } else {
+    if (d.num_target_layers <= 0)
+      throw Error(where + ": dflash_config.target_layer_ids is missing and there is no num_target_layers to derive it");
+    const int n = d.num_target_layers, k = m.num_layers;
+    if (k == 1) {
+      d.target_layer_ids = {n / 2};
+    } else {
+      const double start = 1, span = double(n - 3) - start;
+      for (int i = 0; i < k; ++i) d.target_layer_ids.push_back(int(std::nearbyint(start + double(i) * span / double(k - 1))));  // Python's round: ties to even
+    }
+  }
+  for (const auto& l : m.layers)
+    if (l.kind == AttentionKind::Sliding)
+      throw Error(where + ": sliding-window drafter layers are not supported (a DFlash block attends to its whole context)");
+  for (auto& l : m.layers) l = {AttentionKind::NonCausal, 0};
+  return d;
+}
+
 }  // namespace
 
 ModelConfig parse_model_config(const json& cfg, const json* gen) {
@@ -258,6 +302,7 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
       m.qkv_bias = true;  // Qwen2 always has q/k/v biases and no o_proj bias.
       break;
     case Arch::Qwen3:
+    case Arch::DFlashDraft:
       m.qk_norm = true;
       m.qkv_bias = m.o_bias = attention_bias;
       break;
@@ -286,7 +331,7 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
     if (*w <= 0) throw Error("config.json: sliding_window must be positive or null");
     window = int(std::min<long long>(*w, 1 << 30));
   }
-  const bool qwen = m.arch == Arch::Qwen2 || m.arch == Arch::Qwen3;
+  const bool qwen = m.arch == Arch::Qwen2 || m.arch == Arch::Qwen3 || m.arch == Arch::DFlashDraft;
   if (qwen && !jg::opt_bool(cfg, "use_sliding_window", kWhere).value_or(false)) window = 0;
   if (m.arch == Arch::Llama) window = 0;
   if (gemma && !jg::find(cfg, "sliding_window")) window = 4096;  // transformers' Gemma3TextConfig default
@@ -338,6 +383,7 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
   for (TokenId t : m.eos_token_ids)
     if (t >= m.vocab_size) throw Error("config.json: eos_token_id " + std::to_string(t) + " is outside the vocabulary");
   m.kv_scheme = parse_kv_scheme(cfg);
+  if (m.arch == Arch::DFlashDraft) m.dflash = parse_dflash(cfg, m);
   return m;
 }
 

@@ -15,7 +15,9 @@
 
 namespace kvlm {
 
-enum class Arch { Llama, Qwen2, Qwen3, Mistral, Gemma3 };
+// DFlashDraft: a DFlash block drafter (Qwen3 decoder layers without an embedding or LM
+// head of their own); it runs only as a --speculative-config drafter.
+enum class Arch { Llama, Qwen2, Qwen3, Mistral, Gemma3, DFlashDraft };
 std::string_view arch_name(Arch a);  // the HF class name, e.g. "Qwen3ForCausalLM"
 
 enum class RopeType { Default, Linear, Llama3 };
@@ -53,6 +55,16 @@ struct CheckpointKVScheme {
   std::string unsupported_reason;     // set when storage is nullopt
 };
 
+// A DFlash drafter's own fields (config.json: block_size, dflash_config.mask_token_id,
+// dflash_config.target_layer_ids, num_target_layers). Its features are the outputs of the
+// target's layers target_layer_ids (Hugging Face's hidden_states[id + 1]), concatenated.
+struct DFlashConfig {
+  int block_size = 0;                 // the drafted block: the last token, then block_size - 1 masks
+  TokenId mask_token_id = 0;
+  std::vector<int> target_layer_ids;
+  int num_target_layers = 0;          // 0 when config.json does not say
+};
+
 struct ModelConfig {
   Arch arch = Arch::Llama;
   int hidden_size = 0;
@@ -79,6 +91,7 @@ struct ModelConfig {
   std::optional<TokenId> bos_token_id;
   std::vector<TokenId> eos_token_ids;   // generation_config.json wins over config.json
   std::optional<CheckpointKVScheme> kv_scheme;
+  std::optional<DFlashConfig> dflash;   // Arch::DFlashDraft
   // Sampling defaults from generation_config.json, used when the user gives no flag.
   std::optional<float> default_temperature, default_top_p;
   std::optional<int> default_top_k;

@@ -5,6 +5,7 @@
 #include <exception>
 
 #include "core/error.h"
+#include "engine/dflash_proposer.h"
 #include "engine/ngram_proposer.h"
 #include "sampling/sampler.h"
 
@@ -37,9 +38,15 @@ LLMEngine::LLMEngine(LoadedModel& model, SchedulerConfig cfg)
       scheduler_(cfg_, model.block_size(), model.model(), stats_),
       outputs_(model.config().eos_token_ids, cfg_.max_model_len, scheduler_, stats_) {
   model.model().allocate_kv(cfg_.num_blocks, model.block_size());
-  if (const auto& spec = model.speculative(); spec && spec->method == SpecMethod::Ngram)
+  if (const auto& spec = model.speculative(); spec && spec->method == SpecMethod::Ngram) {
     proposer_ = std::make_unique<NgramProposer>(spec->num_speculative_tokens, spec->prompt_lookup_min,
                                                 spec->prompt_lookup_max);
+  } else if (spec && spec->method == SpecMethod::DFlash) {
+    const auto& d = model.drafter_config();
+    KVLM_CHECK(d && d->dflash && model.model().has_drafter(), "a dflash speculative config without a loaded drafter");
+    proposer_ = std::make_unique<DFlashProposer>(model.model(), model.block_size(), d->dflash->block_size,
+                                                 d->dflash->mask_token_id, spec->num_speculative_tokens);
+  }
 }
 
 LLMEngine::~LLMEngine() = default;
@@ -194,6 +201,10 @@ void LLMEngine::propose() {
     if (s.finished || s.num_computed != int(s.tokens.size()) - 1) continue;
     const int room = std::min(s.req.max_tokens - s.num_output(), cfg_.max_model_len - int(s.tokens.size())) - 1;
     if (room <= 0) continue;
+    if (const int ahead = proposer_->lookahead(); ahead > 0) {
+      const int end = int(s.tokens.size()) + ahead;  // the last token's position + ahead, exclusive
+      if (end > cfg_.max_model_len || !scheduler_.reserve(s, end)) continue;
+    }
     decoding_.push_back(&s);
     max_draft_.push_back(room);
   }

@@ -17,6 +17,9 @@ class DraftProposer {
   // Sets each sequence's `draft` to at most max_draft[i] tokens that follow its tokens (an
   // empty draft is always right). Called on the engine thread.
   virtual void propose(std::span<Sequence* const> seqs, std::span<const int> max_draft) = 0;
+  // Positions past a sequence's last token whose pages the proposer writes (a drafter
+  // model's block); the engine reserves them first and skips sequences it cannot.
+  virtual int lookahead() const { return 0; }
 };
 
 }  // namespace kvlm

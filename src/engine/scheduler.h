@@ -50,6 +50,9 @@ class Scheduler {
   // Drops every page of `s` (last pages first, so its tail is evicted before its more
   // shareable head); its K/V must be recomputed if it runs again.
   void release_pages(Sequence& s);
+  // Pages for the first `positions` positions of `s`; false (nothing taken) when the pool
+  // cannot give them without preempting.
+  bool reserve(Sequence& s, int positions) { return ensure_pages(s, positions); }
   // Returns the pages past those `s` needs for its tokens (a rejected draft's tail).
   void trim_pages(Sequence& s);
   // Registers the pages `s` has filled with computed tokens in the prefix cache.

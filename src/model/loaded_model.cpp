@@ -56,8 +56,69 @@ std::optional<DType> parse_model_dtype(std::string_view s) {
   throw Error("invalid --dtype '" + std::string(s) + "'; valid values are: auto, float32, bfloat16, float16");
 }
 
+namespace {
+
+// Opens the DFlash drafter of `spec`, checks it against the target of `mp`, and adds its
+// layers to the plan.
+void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig& cache) {
+  const std::filesystem::path dir = spec.model;
+  const std::string where = "--speculative-config model '" + spec.model + "'";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error(where + " is not a directory; give the DFlash drafter's model directory");
+  ModelConfig d = load_model_config(dir);
+  if (d.arch != Arch::DFlashDraft)
+    throw Error(where + " is a " + std::string(arch_name(d.arch)) +
+                ", not a DFlash drafter (config.json architectures [\"DFlashDraftModel\"])");
+  const ModelConfig& t = mp.config;
+  if (t.arch == Arch::Gemma3)
+    throw Error(where + ": DFlash drafting is defined for Llama-family targets (Llama, Qwen2, Qwen3, Mistral), not " +
+                std::string(arch_name(t.arch)));
+  if (d.hidden_size != t.hidden_size)
+    throw Error(where + ": the drafter's hidden_size " + std::to_string(d.hidden_size) + " differs from the target's " +
+                std::to_string(t.hidden_size) + "; it was trained for another model");
+  if (d.vocab_size != t.vocab_size)
+    throw Error(where + ": the drafter's vocab_size " + std::to_string(d.vocab_size) + " differs from the target's " +
+                std::to_string(t.vocab_size) + "; it was trained for another model");
+  const DFlashConfig& f = *d.dflash;
+  if (f.num_target_layers > 0 && f.num_target_layers != t.num_layers)
+    throw Error(where + ": the drafter was trained on a " + std::to_string(f.num_target_layers) +
+                "-layer target (num_target_layers); this target has " + std::to_string(t.num_layers));
+  for (int l : f.target_layer_ids)
+    if (l > t.num_layers - 2)
+      throw Error(where + ": dflash_config.target_layer_ids holds layer " + std::to_string(l) + "; this target's layers " +
+                  "whose outputs kvlm can read are 0.." + std::to_string(t.num_layers - 2) +
+                  (l < t.num_layers ? " (the last layer's output is only formed normed, at the LM head)" : ""));
+  if (spec.num_speculative_tokens > f.block_size - 1)
+    throw Error(where + ": num_speculative_tokens " + std::to_string(spec.num_speculative_tokens) +
+                " exceeds what one block of " + std::to_string(f.block_size) + " proposes (block_size - 1 = " +
+                std::to_string(f.block_size - 1) + ")");
+  const Checkpoint dckpt = Checkpoint::open(dir);
+  std::string prefix;
+  if (dckpt.find("fc.weight")) prefix = "";
+  else if (dckpt.find("model.fc.weight")) prefix = "model.";
+  else throw Error(where + ": the checkpoint has no fc.weight (the drafter's feature projection); is it a DFlash drafter?");
+  CacheConfig dc = cache;
+  if (spec.kv_cache_dtype) {
+    dc.kv_cache_dtype = *spec.kv_cache_dtype;
+    dc.skip_layers = {};
+  } else {
+    dc.skip_layers.indices.clear();  // indices name target layers
+  }
+  const auto layers = attention_layers(d, "draft");
+  KVPlan dp = build_kv_plan(dc, layers, mp.dtype, d.kv_scheme,
+                            [&](const AttentionLayerDesc& l) { return find_kv_scales(dckpt, l); });
+  for (auto& l : dp.layers) mp.plan.layers.push_back(std::move(l));
+  for (auto& w : dp.warnings) mp.plan.warnings.push_back("draft: " + w);
+  mp.drafter = std::move(d);
+  mp.drafter_dir = dir;
+  mp.drafter_prefix = prefix;
+}
+
+}  // namespace
+
 ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, const CacheConfig& cache,
-                     const SelectionContext& ctx, std::optional<DType> dtype) {
+                     const SelectionContext& ctx, std::optional<DType> dtype, const SpeculativeConfig* spec) {
   ModelPlan mp;
   mp.config = load_model_config(dir);
   mp.dtype = dtype ? *dtype : model_dtype(mp.config, ckpt);
@@ -74,6 +135,7 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
   const auto layers = attention_layers(mp.config);
   mp.plan = build_kv_plan(cache, layers, mp.dtype, mp.config.kv_scheme,
                           [&](const AttentionLayerDesc& l) { return find_kv_scales(ckpt, l); });
+  if (spec && spec->method == SpecMethod::DFlash) add_drafter(mp, *spec, cache);
   if (converted)
     mp.plan.warnings.push_back("the checkpoint is float32; on CUDA kvlm computes in bfloat16 (weights converted at load). "
                                "Pass --dtype float16 for float16, or --device cpu to compute in float32");
@@ -94,15 +156,24 @@ SelectionContext selection_context(Device device, int gpu, const CacheConfig& ca
 
 std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   validate_block_size(opts.cache.block_size);
-  if (opts.speculative && opts.speculative->method == SpecMethod::DFlash)
-    throw Error("--speculative-config: method dflash is not available in this version yet (the drafter model is "
-                "being built); use {\"method\":\"ngram\",...} for now");
+
   auto e = std::unique_ptr<LoadedModel>(new LoadedModel());
   const Checkpoint ckpt = Checkpoint::open(opts.model_dir);
   const SelectionContext ctx = selection_context(opts.device, opts.gpu, opts.cache);
-  e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype));
+  const SpeculativeConfig* spec = opts.speculative ? &*opts.speculative : nullptr;
+  e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype, spec));
+  const ModelPlan& mp = *e->plan_;
+  std::optional<Checkpoint> dckpt;
+  std::optional<DrafterSource> drafter;
+  if (mp.drafter) {
+    dckpt.emplace(Checkpoint::open(mp.drafter_dir));
+    drafter = DrafterSource{.config = *mp.drafter, .checkpoint = &*dckpt, .prefix = mp.drafter_prefix};
+  }
   for (const auto& w : e->plan_->plan.warnings) log::warn(w);
   if (opts.device == Device::Cuda) {
+    if (drafter)
+      throw Error("--speculative-config method dflash runs on --device cpu in this version; the CUDA runner does not "
+                  "load drafters yet (n-gram drafting runs on both)");
 #ifdef KVLM_WITH_CUDA
     e->model_ = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype,
                                                   CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager});
@@ -112,7 +183,8 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   } else {
     std::vector<const AttentionBackend*> backends;
     for (const auto& l : e->plan_->plan.layers) backends.push_back(&backend_by_name(l.backend));
-    e->model_ = std::make_unique<CpuModelRunner>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends));
+    e->model_ = std::make_unique<CpuModelRunner>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends),
+                                                 drafter ? &*drafter : nullptr);
   }
   e->block_size_ = opts.cache.block_size;
   e->gpu_ = opts.gpu;

@@ -31,14 +31,24 @@ DeviceChoice resolve_device(std::string_view flag);
 struct ModelPlan {
   ModelConfig config;
   DType dtype = DType::BF16;
-  KVPlan plan;
+  KVPlan plan;  // the target's layers, then a drafter's (model "draft")
+  // A DFlash drafter (--speculative-config method dflash), checked against the target.
+  std::optional<ModelConfig> drafter;
+  std::filesystem::path drafter_dir;
+  std::string drafter_prefix;  // its tensors' name prefix ("" or "model.")
 };
 
 // config.json + checkpoint headers -> per-layer KV plan with backends assigned.
 // Warnings of the plan are returned in plan.warnings, not printed.
 // `dtype` overrides the model's dtype (--dtype), which `auto` KV caches follow.
+// With a DFlash `spec`, the drafter is opened, checked against the target (hidden size,
+// vocabulary, layer ids, block size) and its layers join the plan: the spec's
+// kv_cache_dtype when given, else the target's cache options (an index in
+// --kv-cache-dtype-skip-layers names a target layer; the sliding_window rule applies to
+// every model, and a drafter has no sliding layers).
 ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, const CacheConfig& cache,
-                     const SelectionContext& ctx, std::optional<DType> dtype = std::nullopt);
+                     const SelectionContext& ctx, std::optional<DType> dtype = std::nullopt,
+                     const SpeculativeConfig* spec = nullptr);
 
 // The backend selection context of `device` (the compute capability of GPU `gpu`).
 SelectionContext selection_context(Device device, int gpu, const CacheConfig& cache);
@@ -67,6 +77,8 @@ class LoadedModel {
   int gpu() const { return gpu_; }  // the CUDA device index (Device::Cuda runners)
   // The drafter the serving engine proposes tokens with (--speculative-config), if any.
   const std::optional<SpeculativeConfig>& speculative() const { return speculative_; }
+  // The DFlash drafter loaded next to the model (method dflash), if any.
+  const std::optional<ModelConfig>& drafter_config() const { return plan_->drafter; }
   ModelRunner& model() { return *model_; }
   const ModelRunner& model() const { return *model_; }
   // Puts `wrap(current runner)` in its place (tests: a runner that decorates the real one).

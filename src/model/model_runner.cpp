@@ -27,4 +27,19 @@ void ModelRunner::forward_sampled(const ForwardBatch& batch, std::span<const Row
   }
 }
 
+void ModelRunner::draft(const ForwardBatch&, std::span<float>) {
+  throw Error("this model runner has no drafter loaded");
+}
+
+void ModelRunner::draft_greedy(const ForwardBatch& blocks, std::span<TokenId> tokens) {
+  const size_t r = blocks.logit_rows.size(), v = size_t(config().vocab_size);
+  KVLM_CHECK(tokens.size() == r, "draft_greedy: one token per logit row");
+  std::vector<float> all(r * v);
+  draft(blocks, all);
+  for (size_t i = 0; i < r; ++i) {
+    const auto row = std::span<const float>(all).subspan(i * v, v);
+    tokens[i] = TokenId(std::ranges::max_element(row) - row.begin());
+  }
+}
+
 }  // namespace kvlm

@@ -63,6 +63,17 @@ class ModelRunner {
   virtual void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
                                std::span<float> host_logits);
 
+  // Speculative decoding with a drafter loaded into the runner (DFlash). When one is,
+  // forward() also keeps the target features the drafter reads and writes the drafter's
+  // context K/V for every row of the batch (rows a verification later rejects leave K/V
+  // past the sequence's length, overwritten when those positions are computed again).
+  // draft() runs drafted blocks — the batch's rows, each sequence's queries attending to its
+  // whole context and block (the drafter's layers are non-causal) — and writes the fp32
+  // logits of the logit rows; draft_greedy() their argmax (where the logits are).
+  virtual bool has_drafter() const { return false; }
+  virtual void draft(const ForwardBatch& blocks, std::span<float> logits);
+  virtual void draft_greedy(const ForwardBatch& blocks, std::span<TokenId> tokens);
+
   // Copies whole pages (every layer, K, V and scales) from .first to .second: the
   // copy-on-write of a shared prefix page that a sequence is about to write into.
   virtual void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) = 0;

@@ -54,6 +54,7 @@ struct Weight {
 struct PrologueWeights {
   Weight q_norm, k_norm;  // fp32 [head_dim] or empty
   Weight inv_freq;        // fp32 [head_dim / 2]
+  float eps = 1e-6f;      // of the q/k norms
 };
 
 class Ops {
@@ -86,6 +87,14 @@ class Ops {
   virtual void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) = 0;
   // Paged attention of `q` over layer `layer`'s KV with the layer's mask -> out (Hidden).
   virtual void attention(int layer, Tensor q, Tensor out, float softmax_scale) = 0;
+  // A drafter's conditioning (DFlash): `x`, the residual stream [num_tokens][hidden], holds
+  // the output of layer `layer` (Hugging Face's hidden_states[layer + 1]); the step keeps it
+  // when the drafter reads that layer. Definitions call this as soon as a layer's output
+  // exists (at the next layer's first norm); a step without a drafter ignores it.
+  virtual void capture(int layer, Tensor x) {
+    (void)layer;
+    (void)x;
+  }
   // Sums x over the ranks of the runner's communicator (model/communicator.h), in place:
   // after a projection whose input dimension is split across ranks. One rank: nothing.
   virtual void all_reduce_sum(Tensor x) = 0;

@@ -123,6 +123,19 @@ expect_error 1 "outside the model's vocabulary (0..511)" -- generate --model "$s
 expect_error 1 "invalid token id 'x'" -- generate --prompt-ids 1,x
 expect_error 1 "exceeds the model's context length of 512" -- generate --model "$stories" --prompt-ids 1,2,3 --max-tokens 600
 expect_error 1 "--max-tokens must be at least 1" -- generate --prompt-ids 1 --max-tokens 0
+expect_error 1 "unknown method 'medusa'; valid methods are: ngram, dflash" -- \
+  generate --prompt-ids 1 --speculative-config '{"method":"medusa","num_speculative_tokens":2}'
+expect_error 1 "--speculative-config model '/nonexistent/drafter' is not a directory" -- \
+  generate --prompt-ids 1 --speculative-config '{"method":"dflash","model":"/nonexistent/drafter","num_speculative_tokens":2}'
+expect_error 1 "is a Qwen3ForCausalLM, not a DFlash drafter" -- \
+  inspect --speculative-config "{\"method\":\"dflash\",\"model\":\"$here/../../models/kvlm-tiny\",\"num_speculative_tokens\":2}"
+# n-gram drafting changes nothing in the output.
+plain=$("$KVLM" generate --prompt-ids 1,10,11,12,10,11,12,10,11 --max-tokens 24 --temperature 0 --ignore-eos --json 2>/dev/null)
+drafted=$("$KVLM" generate --prompt-ids 1,10,11,12,10,11,12,10,11 --max-tokens 24 --temperature 0 --ignore-eos --json \
+  --speculative-config '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,"prompt_lookup_max":3}' 2>/dev/null)
+p_ids=$(printf '%s' "$plain" | python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])' 2>/dev/null || echo x)
+d_ids=$(printf '%s' "$drafted" | python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])' 2>/dev/null || echo y)
+[ "$p_ids" = "$d_ids" ] && ok || bad "n-gram drafting changed the greedy output: $p_ids vs $d_ids"
 expect_error 1 "--temperature must be" -- generate --prompt-ids 1 --temperature -1
 expect_error 1 "--top-p must be in (0, 1]" -- generate --prompt-ids 1 --top-p 0
 expect_error 1 "give a prompt" -- generate --prompt-ids ""

@@ -28,6 +28,8 @@ class Gemma3 final : public ModelDefinition {
     const int64_t hd = c.hidden_size;
     auto norm = [&](const std::string& name) { return add_norm(weights_, name, hd, /*add_one=*/true); };
     emb_ = add_embedding(weights_, c);
+    embedding_ = emb_.embed;
+    lm_head_ = emb_.lm_head;
     final_norm_ = norm("model.norm.weight");
     rope_global_ = add_rope(weights_, c.rope, c.head_dim);
     rope_local_ = add_rope(weights_, c.rope_local.value_or(c.rope), c.head_dim);
@@ -55,11 +57,13 @@ class Gemma3 final : public ModelDefinition {
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
       ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
+      if (li > 0) ops.capture(int(li) - 1, a.x);
       ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
       ops.attention_prologue(int(li), a.qkv,
                              {.q_norm = w[L.attn.q_norm],
                               .k_norm = w[L.attn.k_norm],
-                              .inv_freq = w[L.sliding ? rope_local_ : rope_global_]},
+                              .inv_freq = w[L.sliding ? rope_local_ : rope_global_],
+                              .eps = eps},
                              a.q);
       ops.attention(int(li), a.q, a.attn, scale);
       ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);

@@ -23,6 +23,8 @@ class LlamaFamily final : public ModelDefinition {
  public:
   explicit LlamaFamily(const ModelConfig& c) : cfg_(c) {
     emb_ = add_embedding(weights_, c);
+    embedding_ = emb_.embed;
+    lm_head_ = emb_.lm_head;
     final_norm_ = add_norm(weights_, "model.norm.weight", c.hidden_size);
     inv_freq_ = add_rope(weights_, c.rope, c.head_dim);
     for (int i = 0; i < c.num_layers; ++i) {
@@ -46,9 +48,11 @@ class LlamaFamily final : public ModelDefinition {
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
       ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
+      if (li > 0) ops.capture(int(li) - 1, a.x);
       ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
-      ops.attention_prologue(int(li), a.qkv,
-                             {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = w[inv_freq_]}, a.q);
+      ops.attention_prologue(
+          int(li), a.qkv,
+          {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = w[inv_freq_], .eps = eps}, a.q);
       ops.attention(int(li), a.q, a.attn, scale);
       ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
       ops.all_reduce_sum(a.delta);

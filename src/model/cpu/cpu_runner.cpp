@@ -47,9 +47,31 @@ class HostWeightSink final : public WeightSink {
 // The reference ops: fp32 everywhere, the attention through each layer's backend.
 class CpuOps final : public Ops {
  public:
-  CpuOps(const ModelConfig& cfg, const ForwardBatch& b, KVCache& cache, std::span<const AttentionBackend* const> backends,
-         Communicator& comm, const CpuModelRunner::KVObserver& observer)
-      : cfg_(cfg), b_(b), cache_(cache), backends_(backends), comm_(comm), observer_(observer) {}
+  CpuOps(const ForwardBatch& b, KVCache& cache, std::span<const AttentionBackend* const> backends, Communicator& comm,
+         const CpuModelRunner::KVObserver& observer)
+      : b_(b), cache_(cache), backends_(backends), comm_(comm), observer_(observer) {}
+
+  // Keeps the outputs of the layers with a slot (slot_of[layer] >= 0) in `features`
+  // ([num_tokens][slots * hidden]).
+  void set_capture(std::span<const int> slot_of, std::vector<float>* features, int64_t hidden) {
+    slot_of_ = slot_of;
+    features_ = features;
+    hidden_ = hidden;
+    const int slots = int(std::ranges::count_if(slot_of, [](int s) { return s >= 0; }));
+    features->assign(b_.tokens.size() * size_t(slots * hidden), 0.0f);
+    slots_ = slots;
+  }
+  Tensor features() {
+    return Tensor{.data = features_->data(), .dtype = DType::F32, .rows = int64_t(b_.tokens.size()),
+                  .cols = slots_ * hidden_};
+  }
+  void capture(int layer, Tensor x) override {
+    if (layer < 0 || size_t(layer) >= slot_of_.size() || slot_of_[size_t(layer)] < 0) return;
+    const size_t slot = size_t(slot_of_[size_t(layer)]), H = size_t(hidden_), W = size_t(slots_) * H;
+    const auto xs = f32(x);
+    for (size_t t = 0; t < b_.tokens.size(); ++t)
+      std::copy_n(xs.data() + t * H, H, features_->data() + t * W + slot * H);
+  }
 
   int num_tokens() const override { return int(b_.tokens.size()); }
   int num_logit_rows() const override { return int(b_.logit_rows.size()); }
@@ -107,8 +129,9 @@ class CpuOps final : public Ops {
   }
 
   void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override {
-    const int T = int(qkv.rows), nh = cfg_.num_heads, kvh = cfg_.num_kv_heads, d = cfg_.head_dim;
-    const float eps = float(cfg_.rms_norm_eps);
+    const AttentionLayerDesc& a = cache_.layer(size_t(layer)).spec->attn;
+    const int T = int(qkv.rows), nh = a.num_q_heads, kvh = a.num_kv_heads, d = a.head_dim;
+    const float eps = w.eps;
     const size_t qd = size_t(nh * d), kd = size_t(kvh * d);
     k_.resize(size_t(T) * kd);
     v_.resize(size_t(T) * kd);
@@ -137,7 +160,6 @@ class CpuOps final : public Ops {
   }
 
  private:
-  const ModelConfig& cfg_;
   const ForwardBatch& b_;
   KVCache& cache_;
   std::span<const AttentionBackend* const> backends_;
@@ -145,19 +167,34 @@ class CpuOps final : public Ops {
   const CpuModelRunner::KVObserver& observer_;
   std::deque<std::vector<float>> arena_;
   std::vector<float> k_, v_, act_;
+  std::span<const int> slot_of_;
+  std::vector<float>* features_ = nullptr;
+  int64_t hidden_ = 0, slots_ = 0;
 };
 
 }  // namespace
 
 CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
-                               std::vector<const AttentionBackend*> backends)
+                               std::vector<const AttentionBackend*> backends, const DrafterSource* drafter)
     : cfg_(std::move(config)), plan_(&plan), backends_(std::move(backends)), def_(make_model_definition(cfg_)) {
-  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) && backends_.size() == plan.layers.size(),
+  const size_t draft_layers = drafter ? size_t(drafter->config.num_layers) : 0;
+  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + draft_layers && backends_.size() == plan.layers.size(),
              "one KV spec and one backend per layer");
   HostWeightSink sink(storage_);
   LoadedWeights lw = load_weights(def_->weights(), ckpt, sink);
   weights_ = std::move(lw.weights);
   num_params_ = lw.num_params;
+  if (drafter) {
+    draft_def_ = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
+    LoadedWeights dw = load_weights(draft_def_->weights(), *drafter->checkpoint, sink);
+    draft_weights_ = std::move(dw.weights);
+    draft_weights_.push_back(weights_[def_->embedding_index()]);
+    draft_weights_.push_back(weights_[def_->lm_head_index()]);
+    num_params_ += dw.num_params;
+    feature_slot_.assign(size_t(cfg_.num_layers), -1);
+    int slot = 0;
+    for (int l : draft_def_->feature_layers()) feature_slot_[size_t(l)] = slot++;
+  }
 }
 
 CpuModelRunner::~CpuModelRunner() = default;
@@ -177,9 +214,21 @@ void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   const size_t T = b.tokens.size();
   KVLM_CHECK(b.positions.size() == T && b.slots.size() == T, "batch arrays differ in length");
   KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(cfg_.vocab_size), "logits buffer size");
-  KVLM_CHECK(cache_->num_layers() == size_t(cfg_.num_layers), "KV cache built for another plan");
-  CpuOps ops(cfg_, b, *cache_, backends_, comm_, observer_);
+  KVLM_CHECK(cache_->num_layers() == plan_->layers.size(), "KV cache built for another plan");
+  CpuOps ops(b, *cache_, backends_, comm_, observer_);
+  if (draft_def_) ops.set_capture(feature_slot_, &features_, cfg_.hidden_size);
   const Tensor out = def_->forward(ops, weights_);
+  if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());
+  if (draft_def_) draft_def_->context(ops, draft_weights_, ops.features());
+}
+
+void CpuModelRunner::draft(const ForwardBatch& b, std::span<float> logits) {
+  KVLM_CHECK(draft_def_ != nullptr, "draft() without a drafter");
+  KVLM_CHECK(cache_ != nullptr, "draft before allocate_kv");
+  KVLM_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(), "batch arrays differ in length");
+  KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(cfg_.vocab_size), "logits buffer size");
+  CpuOps ops(b, *cache_, backends_, comm_, observer_);
+  const Tensor out = draft_def_->forward(ops, draft_weights_);
   if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());
 }
 

@@ -25,8 +25,9 @@ class CpuModelRunner final : public ModelRunner {
  public:
   // Loads and checks every weight the architecture's definition names. The plan says, per
   // layer, how its KV is stored; `backends[i]` runs layer i's attention.
+  // `drafter` (optional): a drafter whose layers are the plan's layers after the target's.
   CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
-                 std::vector<const AttentionBackend*> backends);
+                 std::vector<const AttentionBackend*> backends, const DrafterSource* drafter = nullptr);
   ~CpuModelRunner() override;
 
   const ModelConfig& config() const override { return cfg_; }
@@ -39,6 +40,13 @@ class CpuModelRunner final : public ModelRunner {
   size_t kv_bytes() const override { return cache_ ? cache_->bytes() : 0; }
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
   void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
+  bool has_drafter() const override { return draft_def_ != nullptr; }
+  void draft(const ForwardBatch& blocks, std::span<float> logits) override;
+
+  // The target features the last forward() captured for the drafter, fp32
+  // [num_tokens][feature layers * hidden] (tests).
+  std::span<const float> last_features() const { return features_; }
+  std::span<const Weight> drafter_weights() const { return draft_weights_; }
 
   // Sees every layer's K (after the q/k norm and RoPE, as it is stored) and V just before
   // they are stored, fp32 [num_tokens][num_kv_heads][head_dim]: for `kvlm calibrate`.
@@ -59,6 +67,12 @@ class CpuModelRunner final : public ModelRunner {
   std::unique_ptr<KVCache> cache_;
   SingleProcessCommunicator comm_;
   KVObserver observer_;
+  // The drafter, when loaded: its definition, its weights followed by the target's
+  // embedding and LM head, and which target layer fills which feature slot.
+  std::unique_ptr<DraftDefinition> draft_def_;
+  std::vector<Weight> draft_weights_;
+  std::vector<int> feature_slot_;  // per target layer: its slot among the features, or -1
+  std::vector<float> features_;
 };
 
 }  // namespace kvlm

@@ -113,7 +113,7 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
   cuda::qkv_rope_store({.act = act_, .storage = L.storage, .quant = L.quant, .num_tokens = int(qkv.rows),
                         .num_q_heads = cfg_.num_heads, .num_kv_heads = cfg_.num_kv_heads, .head_dim = cfg_.head_dim,
                         .qkv = qkv.data, .q_norm = static_cast<const float*>(w.q_norm.data),
-                        .k_norm = static_cast<const float*>(w.k_norm.data), .eps = float(cfg_.rms_norm_eps),
+                        .k_norm = static_cast<const float*>(w.k_norm.data), .eps = w.eps,
                         .positions = step_.positions, .inv_freq = static_cast<const float*>(w.inv_freq.data),
                         .q_out = static_cast<uint16_t*>(q.data), .slots = step_.slots, .block_size = block_size_,
                         .num_blocks = num_blocks_, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,

@@ -1,0 +1,117 @@
+// DFlash's block drafter (arXiv 2602.06036; the layout of its reference code's
+// DFlashDraftModel and vLLM's qwen3_dflash.py): a few Qwen3 decoder layers at the target's
+// hidden size, no embedding or LM head of their own, conditioned on target features.
+//
+//   context (every row of a target step, position p):
+//     c = RMSNorm_hidden_norm( concat(target layer outputs at target_layer_ids) Wfc^T )
+//     per layer: k = RoPE(k_norm(c Wk^T)), v = c Wv^T -> the layer's pages at p
+//       (the context enters only as K/V: no input norm, no query, the same c for every layer)
+//   block (a sequence's next block_size positions n .. n + B - 1):
+//     x = embed_target([last token, mask, ..., mask])
+//     per layer: the Qwen3 decoder layer, its attention non-causal over the context's K/V
+//                and the block's own (the block's K/V go to the pages at n .., where the
+//                target's next steps overwrite them)
+//     logits = RMSNorm_norm(x) Wlm_target^T; row i > 0 proposes the token at n + i
+#include <cmath>
+#include <string>
+
+#include "core/error.h"
+#include "model/arch/blocks.h"
+#include "model/architecture.h"
+
+namespace kvlm {
+
+namespace {
+
+using namespace arch;
+
+class DFlashDraft final : public DraftDefinition {
+ public:
+  DFlashDraft(const ModelConfig& c, const std::string& p, int first_layer)
+      : cfg_(c), first_layer_(first_layer), features_(c.dflash->target_layer_ids) {
+    const int64_t H = c.hidden_size, n = int64_t(features_.size());
+    fc_ = weights_.add(WeightSpec{.pieces = {{p + "fc.weight", {H, n * H}}}, .role = WeightRole::Matrix});
+    hidden_norm_ = add_norm(weights_, p + "hidden_norm.weight", H);
+    norm_ = add_norm(weights_, p + "norm.weight", H);
+    inv_freq_ = add_rope(weights_, c.rope, c.head_dim);
+    for (int i = 0; i < c.num_layers; ++i) {
+      const std::string lp = p + "layers." + std::to_string(i) + ".";
+      Layer L;
+      L.in_norm = add_norm(weights_, lp + "input_layernorm.weight", H);
+      L.post_norm = add_norm(weights_, lp + "post_attention_layernorm.weight", H);
+      L.attn = add_attention(weights_, c, lp);
+      L.mlp = add_gated_mlp(weights_, c, lp);
+      layers_.push_back(L);
+    }
+  }
+
+  std::span<const int> feature_layers() const override { return features_; }
+
+  void context(Ops& ops, std::span<const Weight> w, Tensor features) const override {
+    auto W = [&](size_t i) { return weight_or_empty(w, i); };
+    const float eps = float(cfg_.rms_norm_eps);
+    const int64_t T = ops.num_tokens(), H = cfg_.hidden_size;
+    const int64_t QKV = int64_t(cfg_.num_heads + 2 * cfg_.num_kv_heads) * cfg_.head_dim;
+    const Tensor c = ops.alloc(ActRole::Hidden, T, H);
+    const Tensor qkv = ops.alloc(ActRole::Hidden, T, QKV);
+    const Tensor q = ops.alloc(ActRole::Query, T, int64_t(cfg_.num_heads) * cfg_.head_dim);  // unused
+    ops.linear(features, w[fc_], {}, c);
+    ops.rmsnorm(c, w[hidden_norm_], eps, c);
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& L = layers_[li];
+      ops.linear(c, w[L.attn.qkv], W(L.attn.bqkv), qkv);
+      ops.attention_prologue(
+          first_layer_ + int(li), qkv,
+          {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = w[inv_freq_], .eps = eps}, q);
+    }
+  }
+
+  Tensor forward(Ops& ops, std::span<const Weight> w) const override {
+    auto W = [&](size_t i) { return weight_or_empty(w, i); };
+    const float eps = float(cfg_.rms_norm_eps);
+    const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
+    const Weight embed = w[weights_.specs.size()], lm_head = w[weights_.specs.size() + 1];
+    const DecoderActivations a = alloc_decoder_activations(ops, cfg_);
+    ops.embed(embed, 1.0f, a.x);
+    Tensor pending;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& L = layers_[li];
+      const int layer = first_layer_ + int(li);
+      ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
+      ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
+      ops.attention_prologue(
+          layer, a.qkv, {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = w[inv_freq_], .eps = eps},
+          a.q);
+      ops.attention(layer, a.q, a.attn, scale);
+      ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
+      ops.all_reduce_sum(a.delta);
+      ops.add_rmsnorm(a.x, a.delta, w[L.post_norm], eps, a.h);
+      ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
+      ops.mlp_down(cfg_.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
+      ops.all_reduce_sum(a.delta);
+      pending = a.delta;
+    }
+    return final_logits(ops, cfg_, a.x, pending, w[norm_], lm_head);
+  }
+
+ private:
+  struct Layer {
+    size_t in_norm = kNoWeight, post_norm = kNoWeight;
+    AttentionWeights attn;
+    MlpWeights mlp;
+  };
+  ModelConfig cfg_;
+  int first_layer_;
+  std::vector<int> features_;
+  size_t fc_ = kNoWeight, hidden_norm_ = kNoWeight, norm_ = kNoWeight, inv_freq_ = kNoWeight;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<DraftDefinition> make_dflash_draft(const ModelConfig& cfg, const std::string& prefix, int first_layer) {
+  KVLM_CHECK(cfg.dflash.has_value(), "make_dflash_draft for a config without dflash fields");
+  return std::make_unique<DFlashDraft>(cfg, prefix, first_layer);
+}
+
+}  // namespace kvlm
