@@ -171,12 +171,10 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   }
   for (const auto& w : e->plan_->plan.warnings) log::warn(w);
   if (opts.device == Device::Cuda) {
-    if (drafter)
-      throw Error("--speculative-config method dflash runs on --device cpu in this version; the CUDA runner does not "
-                  "load drafters yet (n-gram drafting runs on both)");
 #ifdef KVLM_WITH_CUDA
     e->model_ = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype,
-                                                  CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager});
+                                                  CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager},
+                                                  drafter ? &*drafter : nullptr);
 #else
     throw Error("--device cuda: this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
 #endif

@@ -21,7 +21,7 @@ void CudaOps::set_kv(std::span<const CudaKVLayer> layers, int block_size, int nu
 cuda::PagedAttentionParams CudaOps::attn_params(const CudaKVLayer& L, float softmax_scale) const {
   return cuda::PagedAttentionParams{
       .storage = L.storage, .quant = L.quant, .num_seqs = step_.S, .num_tokens = step_.T,
-      .num_q_heads = cfg_.num_heads, .num_kv_heads = cfg_.num_kv_heads, .head_dim = cfg_.head_dim,
+      .num_q_heads = L.num_q_heads, .num_kv_heads = L.num_kv_heads, .head_dim = L.head_dim,
       .block_size = block_size_, .max_blocks_per_seq = step_.MB, .max_q_len = step_.max_q,
       .max_kv_len = step_.max_kv, .mask = L.kind, .window = L.window, .softmax_scale = softmax_scale,
       .q = nullptr, .out = nullptr, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
@@ -35,6 +35,7 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   carver_ = carver;
   measure_ = measure;
   attn_bf16_ = glu_act_ = nullptr;
+  features_ = Tensor{};
   // The split-KV workspace: the largest any layer's format needs for this shape.
   attn_ws_ = nullptr;
   attn_ws_bytes_ = 0;
@@ -42,6 +43,21 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   for (const CudaKVLayer& L : layers_) ws = std::max(ws, cuda::paged_attention_workspace_bytes(attn_params(L, 1.0f)));
   attn_ws_ = carver_.take_bytes(ws);
   attn_ws_bytes_ = ws;
+}
+
+void CudaOps::set_capture(std::vector<int> slot_of, int hidden) {
+  slot_of_ = std::move(slot_of);
+  slots_ = int(std::ranges::count_if(slot_of_, [](int s) { return s >= 0; }));
+  hidden_ = hidden;
+}
+
+void CudaOps::capture(int layer, Tensor x) {
+  if (layer < 0 || size_t(layer) >= slot_of_.size() || slot_of_[size_t(layer)] < 0) return;
+  if (!features_) features_ = alloc(ActRole::Hidden, step_.T, int64_t(slots_) * hidden_);
+  if (measure_) return;
+  const int slot = slot_of_[size_t(layer)];
+  cuda::f32_rows_to_act(act_, static_cast<const float*>(x.data), step_.T, hidden_,
+                        static_cast<uint16_t*>(features_.data) + size_t(slot) * size_t(hidden_), slots_ * hidden_, stream_);
 }
 
 void* CudaOps::step_buffer(void*& slot, size_t bytes) {
@@ -111,7 +127,7 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
   if (measure_) return;
   const CudaKVLayer& L = layers_[size_t(layer)];
   cuda::qkv_rope_store({.act = act_, .storage = L.storage, .quant = L.quant, .num_tokens = int(qkv.rows),
-                        .num_q_heads = cfg_.num_heads, .num_kv_heads = cfg_.num_kv_heads, .head_dim = cfg_.head_dim,
+                        .num_q_heads = L.num_q_heads, .num_kv_heads = L.num_kv_heads, .head_dim = L.head_dim,
                         .qkv = qkv.data, .q_norm = static_cast<const float*>(w.q_norm.data),
                         .k_norm = static_cast<const float*>(w.k_norm.data), .eps = w.eps,
                         .positions = step_.positions, .inv_freq = static_cast<const float*>(w.inv_freq.data),

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "config/model_config.h"
 #include "core/dtype.h"
@@ -50,6 +51,7 @@ struct Carver {
 
 // One layer's KV as the CUDA kernels see it: its format, mask, static scales and pages.
 struct CudaKVLayer {
+  int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;  // the layer's own (a drafter's may differ)
   DType storage = DType::BF16;
   KVQuantMode quant = KVQuantMode::None;
   AttentionKind kind = AttentionKind::Full;
@@ -96,6 +98,12 @@ class CudaOps final : public Ops {
   void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override;
   void attention(int layer, Tensor q, Tensor out, float softmax_scale) override;
   void all_reduce_sum(Tensor x) override;
+  void capture(int layer, Tensor x) override;
+
+  // A drafter's features: slot_of[layer] >= 0 for the target layers it reads (empty: none).
+  // features() is the step's [T][slots * hidden] Hidden tensor, carved at the first capture.
+  void set_capture(std::vector<int> slot_of, int hidden);
+  Tensor features() const { return features_; }
 
  private:
   cuda::PagedAttentionParams attn_params(const CudaKVLayer& L, float softmax_scale) const;
@@ -116,6 +124,9 @@ class CudaOps final : public Ops {
   size_t attn_ws_bytes_ = 0;
   void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
   void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused
+  std::vector<int> slot_of_;
+  int slots_ = 0, hidden_ = 0;
+  Tensor features_;
 };
 
 }  // namespace kvlm

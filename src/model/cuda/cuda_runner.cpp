@@ -177,8 +177,10 @@ struct CudaModelRunner::Impl {
   cuda::Gemm gemm;
   SingleProcessCommunicator comm;
   std::unique_ptr<ModelDefinition> def;
+  std::unique_ptr<DraftDefinition> draft_def;  // a DFlash drafter, if loaded
+  std::vector<Weight> draft_w;                 // its weights, then the target's embedding and LM head
   std::unique_ptr<CudaOps> ops;
-  DeviceBuffer weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch;
+  DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch;
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   std::vector<Weight> w;
   size_t num_params = 0, weight_bytes = 0;
@@ -223,7 +225,16 @@ struct CudaModelRunner::Impl {
 
   // Measures the step's layout: the metadata, then the forward run by the ops in measuring
   // mode (nothing launched).
-  StepLayout measure(const StepShape& s) {
+  // One pass of the step's ops: the target's forward (then the drafter's context pass over
+  // the same rows, from the features the forward captured), or the drafter's blocks.
+  Tensor run_pass(bool draft) {
+    if (draft) return draft_def->forward(*ops, draft_w);
+    const Tensor logits = def->forward(*ops, w);
+    if (draft_def) draft_def->context(*ops, draft_w, ops->features());
+    return logits;
+  }
+
+  StepLayout measure(const StepShape& s, bool draft) {
     StepLayout l;
     Carver c;
     auto take = [&](size_t bytes) { return size_t(reinterpret_cast<uintptr_t>(c.take_bytes(bytes))); };
@@ -240,7 +251,7 @@ struct CudaModelRunner::Impl {
     l.ops_begin = c.off;
     ops->begin_step(CudaStep{.T = s.T, .R = s.R, .S = s.S, .MB = s.MB, .max_q = s.max_q, .max_kv = s.max_kv}, c,
                     /*measure=*/true);
-    const Tensor logits = def->forward(*ops, w);
+    const Tensor logits = run_pass(draft);
     if (logits) l.logits = size_t(reinterpret_cast<uintptr_t>(logits.data));
     l.total = ops->arena_end();
     return l;
@@ -256,9 +267,9 @@ struct CudaModelRunner::Impl {
   }
 
   // Every kernel of a step after the metadata upload: eager or under graph capture.
-  void run_forward(const StepShape& s, const StepLayout& l) {
+  void run_forward(const StepShape& s, const StepLayout& l, bool draft) {
     ops->begin_step(device_step(s, l), Carver{reinterpret_cast<uintptr_t>(scratch.data()), l.ops_begin}, false);
-    const Tensor logits = def->forward(*ops, w);
+    const Tensor logits = run_pass(draft);
     const size_t at = logits ? size_t(static_cast<uint8_t*>(logits.data) - scratch.data()) : SIZE_MAX;
     KVLM_CHECK(at == l.logits, "the forward carved a different layout than it measured");
   }
@@ -269,18 +280,18 @@ struct CudaModelRunner::Impl {
 // checkpoint's dtype differs.
 class CudaModelRunner::WeightUploader final : public WeightSink {
  public:
-  explicit WeightUploader(Impl& m) : m_(m) {}
+  WeightUploader(Impl& m, DeviceBuffer& into) : m_(m), into_(into) {}
   void reserve(std::span<const WeightSpec> specs) override {
     size_t total = 0;
     for (const WeightSpec& s : specs) {
       offsets_.push_back(total);
       total += align_up(size_t(s.rows() * s.cols()) * dtype_size(gpu_weight_dtype(s.role, m_.act)));
     }
-    m_.weights.allocate(total, "the model weights");
+    into_.allocate(total, "the model weights");
   }
   Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const float> values) override {
     const DType type = gpu_weight_dtype(s.role, m_.act);
-    uint8_t* const base = m_.weights.data() + offsets_[next_++];
+    uint8_t* const base = into_.data() + offsets_[next_++];
     uint8_t* dst = base;
     if (!values.empty() || pieces.empty()) {
       KVLM_CHECK(type == DType::F32, "fp32 values for a 16-bit weight");
@@ -313,6 +324,7 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
 
  private:
   Impl& m_;
+  DeviceBuffer& into_;
   std::vector<size_t> offsets_;
   size_t next_ = 0;
   std::vector<uint16_t> conv16_;
@@ -322,7 +334,7 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
 // ---- loading ------------------------------------------------------------------------------
 
 CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute,
-                                 CudaRunnerOptions opts)
+                                 CudaRunnerOptions opts, const DrafterSource* drafter)
     : cfg_(std::move(config)) {
   const DeviceScope on(opts.device);
   impl_ = std::make_unique<Impl>();  // its cuBLASLt handle belongs to the current device
@@ -334,17 +346,31 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
                 "; use --dtype bfloat16 or float16 (or --device cpu)");
   m.act = compute;
   m.plan = &plan;
-  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers), "one KV spec per layer");
+  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + (drafter ? size_t(drafter->config.num_layers) : 0),
+             "one KV spec per layer");
   for (const auto& l : plan.layers)
     if (l.backend != "cuda")
       throw Error("the CUDA runner runs every layer on the 'cuda' attention backend, but " + describe_layer(l) +
                   " was assigned '" + l.backend + "'");
   m.def = make_model_definition(cfg_);
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
-  WeightUploader up(m);
+  WeightUploader up(m, m.weights);
   LoadedWeights lw = load_weights(m.def->weights(), ckpt, up);
   m.w = std::move(lw.weights);
   m.num_params = lw.num_params;
+  std::vector<int> slot_of;
+  if (drafter) {
+    m.draft_def = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
+    WeightUploader dup(m, m.draft_weights);
+    LoadedWeights dw = load_weights(m.draft_def->weights(), *drafter->checkpoint, dup);
+    m.draft_w = std::move(dw.weights);
+    m.draft_w.push_back(m.w[m.def->embedding_index()]);
+    m.draft_w.push_back(m.w[m.def->lm_head_index()]);
+    m.num_params += dw.num_params;
+    slot_of.assign(size_t(cfg_.num_layers), -1);
+    int slot = 0;
+    for (int l : m.draft_def->feature_layers()) slot_of[size_t(l)] = slot++;
+  }
 
   // Static FP8 scales (fp8_per_tensor layers), one small allocation.
   std::vector<float> scales;
@@ -365,6 +391,9 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const KVLayerSpec& spec = plan.layers[i];
     CudaKVLayer L;
+    L.num_q_heads = spec.attn.num_q_heads;
+    L.num_kv_heads = spec.attn.num_kv_heads;
+    L.head_dim = spec.attn.head_dim;
     L.storage = spec.storage;
     L.quant = spec.quant;
     L.kind = spec.attn.kind;
@@ -381,6 +410,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   m.gemm.set_workspace(m.gemm_ws.data(), m.gemm_ws.bytes());
   m.ops = std::make_unique<CudaOps>(m.cfg, m.act, m.stream, m.gemm, m.comm);
   m.ops->set_kv(m.lkv, 0, 0);
+  if (m.draft_def) m.ops->set_capture(std::move(slot_of), cfg_.hidden_size);
   m.graphs_on = opts.cuda_graphs;
   m.gemm.set_small_m_kernel(opts.small_m_gemv);
 }
@@ -524,7 +554,7 @@ void CudaModelRunner::download_kv_layer(size_t layer, LayerKVCache& out) const {
 
 // Validates the batch, uploads its metadata and enqueues the step on the stream (no sync);
 // returns the device buffer holding its logits, [R][vocab] fp32.
-float* CudaModelRunner::enqueue(const ForwardBatch& b) {
+float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
   Impl& m = *impl_;
   KVLM_CHECK(m.num_blocks > 0, "forward before allocate_kv");
   const int T = int(b.tokens.size()), S = int(b.seqs.size()), R = int(b.logit_rows.size());
@@ -558,7 +588,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
   shape.MB = max_blocks;
 
   // A decode step that a graph can serve: pad to (B, MB) buckets.
-  bool graph = m.graphs_on && !m.poison && decode && R == T && T <= kMaxGraphBatch;
+  bool graph = !draft && m.graphs_on && !m.poison && decode && R == T && T <= kMaxGraphBatch;
   for (int i = 0; graph && i < R; ++i) graph = b.logit_rows[size_t(i)] == i;
   if (graph) {
     const int B = next_pow2(T), MB = next_pow2(max_blocks);
@@ -570,7 +600,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
   if (git != m.graphs.end()) {
     lay = git->second.layout;
   } else {
-    lay = m.measure(shape);
+    lay = m.measure(shape, draft);
     m.reserve_scratch(lay);
   }
   uint8_t* const dev = m.scratch.data();
@@ -616,7 +646,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
     cudaGraph_t g = nullptr;
     KVLM_CUDA_CHECK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeRelaxed));
     try {
-      m.run_forward(shape, lay);
+      m.run_forward(shape, lay, false);
     } catch (...) {
       cudaStreamEndCapture(m.stream, &g);
       if (g) cudaGraphDestroy(g);
@@ -631,7 +661,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b) {
     m.graphs.emplace(std::make_pair(shape.T, shape.MB), Impl::Graph{exec, lay});
     KVLM_CUDA_CHECK(cudaGraphLaunch(exec, m.stream));
   } else {
-    m.run_forward(shape, lay);
+    m.run_forward(shape, lay, draft);
   }
   return lay.logits == SIZE_MAX ? nullptr : reinterpret_cast<float*>(dev + lay.logits);
 }
@@ -736,6 +766,37 @@ void CudaModelRunner::forward_greedy(const ForwardBatch& b, std::span<TokenId> t
   KVLM_CHECK(tokens.size() == size_t(R), "one token per logit row");
   const DeviceScope on(m.device);
   const float* dev = enqueue(b);
+  if (R > 0) {
+    cuda::argmax_rows(dev, R, cfg_.vocab_size, m.ids, m.stream);
+    auto* host = reinterpret_cast<TokenId*>(m.logits_host.reserve(size_t(R) * sizeof(TokenId)));
+    KVLM_CUDA_CHECK(cudaMemcpyAsync(host, m.ids, size_t(R) * sizeof(TokenId), cudaMemcpyDeviceToHost, m.stream));
+    KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    std::copy_n(host, R, tokens.begin());
+  } else {
+    KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  }
+}
+
+bool CudaModelRunner::has_drafter() const { return impl_->draft_def != nullptr; }
+
+void CudaModelRunner::draft(const ForwardBatch& b, std::span<float> logits) {
+  KVLM_CHECK(has_drafter(), "draft() without a drafter");
+  const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size);
+  KVLM_CHECK(logits.size() == R * V, "logits buffer size");
+  const DeviceScope on(impl_->device);
+  const float* dev = enqueue(b, /*draft=*/true);
+  std::vector<int32_t> rows(R);
+  for (size_t i = 0; i < R; ++i) rows[i] = int32_t(i);
+  copy_logit_rows(dev, rows, logits);
+}
+
+void CudaModelRunner::draft_greedy(const ForwardBatch& b, std::span<TokenId> tokens) {
+  Impl& m = *impl_;
+  KVLM_CHECK(has_drafter(), "draft_greedy() without a drafter");
+  const int R = int(b.logit_rows.size());
+  KVLM_CHECK(tokens.size() == size_t(R), "one token per logit row");
+  const DeviceScope on(m.device);
+  const float* dev = enqueue(b, /*draft=*/true);
   if (R > 0) {
     cuda::argmax_rows(dev, R, cfg_.vocab_size, m.ids, m.stream);
     auto* host = reinterpret_cast<TokenId*>(m.logits_host.reserve(size_t(R) * sizeof(TokenId)));

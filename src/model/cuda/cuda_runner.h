@@ -23,6 +23,7 @@
 #include "config/kv_plan.h"
 #include "io/checkpoint.h"
 #include "kv/kv_cache.h"
+#include "model/architecture.h"
 #include "model/model_runner.h"
 
 namespace kvlm {
@@ -39,8 +40,9 @@ class CudaModelRunner final : public ModelRunner {
   // opts.device; every call makes that device current before it touches the GPU. `compute` is DType::BF16 or DType::F16. Every layer of `plan` must have
   // been assigned the "cuda" attention backend; the plan must outlive the runner. Throws
   // kvlm::Error.
+  // `drafter` (optional): a DFlash drafter whose layers are the plan's after the target's.
   CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan, DType compute,
-                  CudaRunnerOptions opts = {});
+                  CudaRunnerOptions opts = {}, const DrafterSource* drafter = nullptr);
   ~CudaModelRunner() override;
 
   const ModelConfig& config() const override { return cfg_; }
@@ -64,6 +66,11 @@ class CudaModelRunner final : public ModelRunner {
   // writes, per logit row, the token with the largest logit (ties: the lowest id, as the
   // host Sampler) — only the ids cross to the host, not [rows][vocab] logits.
   void forward_greedy(const ForwardBatch& batch, std::span<TokenId> tokens);
+  // The drafter (DFlash): its context pass runs inside every forward (and its CUDA graphs),
+  // its blocks eagerly; draft_greedy argmaxes on the GPU.
+  bool has_drafter() const override;
+  void draft(const ForwardBatch& blocks, std::span<float> logits) override;
+  void draft_greedy(const ForwardBatch& blocks, std::span<TokenId> tokens) override;
 
   DType compute_dtype() const;
   int device_index() const;
@@ -81,7 +88,9 @@ class CudaModelRunner final : public ModelRunner {
   void download_kv_layer(size_t layer, LayerKVCache& out) const;
 
  private:
-  float* enqueue(const ForwardBatch& batch);
+  // Runs the target's step (and the drafter's context pass), or with `draft` the drafter's
+  // blocks; returns the device logits of the logit rows.
+  float* enqueue(const ForwardBatch& batch, bool draft = false);
   // Copies the logits of `rows` (indices into the step's logit rows) to `out`, [rows][vocab],
   // and waits for the stream.
   void copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out);

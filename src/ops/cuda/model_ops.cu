@@ -265,6 +265,17 @@ __global__ void bf16_to_act_kernel(const uint16_t* in, uint16_t* out, size_t n) 
     out[i] = A::store(ActBF16::load(in[i]));
 }
 
+template <class A>
+__global__ void f32_rows_to_act_kernel(const float* src, int rows, int cols, uint16_t* dst, int ld) {
+  allow_dependents();
+  pdl_wait();
+  const size_t n = size_t(rows) * size_t(cols);
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t r = i / size_t(cols), c = i % size_t(cols);
+    dst[r * size_t(ld) + c] = A::store(src[i]);
+  }
+}
+
 // ---- greedy sampling --------------------------------------------------------------------
 
 constexpr int kArgmaxThreads = 256;
@@ -388,6 +399,17 @@ void bf16_to_act(DType act, const uint16_t* in, void* out, size_t n, void* strea
     using A = decltype(a);
     KVLM_CUDA_CHECK(launch_pdl<bf16_to_act_kernel<A>>(dim3(grid_for(n, 256)), dim3(256), 0, static_cast<cudaStream_t>(stream),
                                                       in, static_cast<uint16_t*>(out), n));
+  });
+}
+
+void f32_rows_to_act(DType act, const float* src, int rows, int cols, void* dst, int ld, void* stream) {
+  const size_t n = size_t(rows) * size_t(cols);
+  if (n == 0) return;
+  dispatch_act(act, [&](auto a) {
+    using A = decltype(a);
+    KVLM_CUDA_CHECK(launch_pdl<f32_rows_to_act_kernel<A>>(dim3(grid_for(n, 256)), dim3(256), 0,
+                                                           static_cast<cudaStream_t>(stream), src, rows, cols,
+                                                           static_cast<uint16_t*>(dst), ld));
   });
 }
 

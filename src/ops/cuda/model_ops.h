@@ -86,6 +86,10 @@ void glu(DType act, GluActivation f, const void* gu, void* out, int rows, int in
 // token id, as the host Sampler's argmax.
 void argmax_rows(const float* logits, int rows, int vocab, TokenId* out, void* stream);
 
+// dst[r * ld + c] = act(src[r * cols + c]) for r < rows, c < cols: fp32 rows into columns of
+// a wider activation (a drafter's features: each captured layer's output in its slot).
+void f32_rows_to_act(DType act, const float* src, int rows, int cols, void* dst, int ld, void* stream);
+
 // bf16 -> act (float16 models: the attention output feeds the o projection). n elements.
 void bf16_to_act(DType act, const uint16_t* in, void* out, size_t n, void* stream);
 
