@@ -30,6 +30,11 @@ demo: build
 	./$(BUILD)/kvlm generate --chat --temperature 0 --max-tokens 100 --kv-cache-dtype fp8_per_token_head \
 	  --prompt "A notebook costs 15 dollars and a candle costs 6 dollars. Selma buys 5 notebooks and 4 candles. How many dollars does Selma spend?"
 	@echo
+	@echo "== the same with DFlash drafting (models/kvlm-tiny-dflash, draft layer FP8 too): same text, fewer steps"
+	./$(BUILD)/kvlm generate --chat --temperature 0 --max-tokens 100 --kv-cache-dtype fp8_per_token_head \
+	  --speculative-config '{"method":"dflash","model":"models/kvlm-tiny-dflash","num_speculative_tokens":7}' \
+	  --prompt "A notebook costs 15 dollars and a candle costs 6 dollars. Selma buys 5 notebooks and 4 candles. How many dollars does Selma spend?"
+	@echo
 	@echo "== kvlm generate: a pass key hidden in prose, recalled (FP8 KV cache)"
 	./$(BUILD)/kvlm generate --chat --temperature 0 --max-tokens 24 --kv-cache-dtype fp8_per_token_head \
 	  --prompt "$$(printf 'Read the text and remember the pass keys.\n\nIn Riverton, the bakery opens at 7 o'"'"'clock. Vera bought 12 apples at the market. It was a snowy day in Riverton. Bo is a potter and lives in Riverton.\n\nA red cart stopped near the barn. Vera wrote a letter to Bo about the river. The pass key for the tiger vault is 90577. Many people in Riverton work as a baker.\n\nWhat is the pass key for the tiger vault?')"
