@@ -70,6 +70,35 @@ MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::stri
   return m;
 }
 
+PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, const std::string& p) {
+  PreNormLayerWeights L;
+  L.in_norm = add_norm(list, p + "input_layernorm.weight", c.hidden_size);
+  L.post_norm = add_norm(list, p + "post_attention_layernorm.weight", c.hidden_size);
+  L.attn = add_attention(list, c, p);
+  L.mlp = add_gated_mlp(list, c, p);
+  return L;
+}
+
+Tensor pre_norm_layer(Ops& ops, const ModelConfig& c, const DecoderActivations& a, std::span<const Weight> w,
+                      const PreNormLayerWeights& L, int kv_layer, Tensor pending, const Weight& inv_freq,
+                      float softmax_scale, int capture_layer) {
+  auto W = [&](size_t i) { return weight_or_empty(w, i); };
+  const float eps = float(c.rms_norm_eps);
+  ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
+  if (capture_layer >= 0) ops.capture(capture_layer, a.x);
+  ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
+  ops.attention_prologue(kv_layer, a.qkv,
+                         {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = inv_freq, .eps = eps}, a.q);
+  ops.attention(kv_layer, a.q, a.attn, softmax_scale);
+  ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
+  ops.all_reduce_sum(a.delta);
+  ops.add_rmsnorm(a.x, a.delta, w[L.post_norm], eps, a.h);
+  ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
+  ops.mlp_down(c.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
+  ops.all_reduce_sum(a.delta);
+  return a.delta;
+}
+
 DecoderActivations alloc_decoder_activations(Ops& ops, const ModelConfig& c) {
   const int64_t T = ops.num_tokens(), H = c.hidden_size, QD = int64_t(c.num_heads) * c.head_dim;
   const int64_t QKV = int64_t(c.num_heads + 2 * c.num_kv_heads) * c.head_dim;

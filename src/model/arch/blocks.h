@@ -47,6 +47,24 @@ struct MlpWeights {
 };
 MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::string& prefix);
 
+// A pre-norm decoder layer's weights (Llama, Qwen, Mistral; a DFlash drafter's layers):
+// `prefix`input_layernorm, self_attn.*, post_attention_layernorm, mlp.*.
+struct PreNormLayerWeights {
+  size_t in_norm = kNoWeight, post_norm = kNoWeight;
+  AttentionWeights attn;
+  MlpWeights mlp;
+};
+PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, const std::string& prefix);
+
+struct DecoderActivations;
+// One pre-norm decoder layer on KV layer `kv_layer`: h = RMSNorm(x += pending) (then, when
+// capture_layer >= 0, x — that layer's output — is offered to Ops::capture), attention with
+// q/k norm and RoPE (inv_freq), x += o-projection, h = RMSNorm(x); returns the MLP's output,
+// which the next norm adds to x.
+Tensor pre_norm_layer(Ops& ops, const ModelConfig& c, const DecoderActivations& a, std::span<const Weight> w,
+                      const PreNormLayerWeights& L, int kv_layer, Tensor pending, const Weight& inv_freq,
+                      float softmax_scale, int capture_layer);
+
 // The activations of one step of a decoder: the residual stream x, the normed input h, the
 // fused projection qkv, the queries q, the attention output, a layer's output delta and the
 // fused gate/up projection gu (num_tokens rows each).

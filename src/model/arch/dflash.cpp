@@ -34,15 +34,8 @@ class DFlashDraft final : public DraftDefinition {
     hidden_norm_ = add_norm(weights_, p + "hidden_norm.weight", H);
     norm_ = add_norm(weights_, p + "norm.weight", H);
     inv_freq_ = add_rope(weights_, c.rope, c.head_dim);
-    for (int i = 0; i < c.num_layers; ++i) {
-      const std::string lp = p + "layers." + std::to_string(i) + ".";
-      Layer L;
-      L.in_norm = add_norm(weights_, lp + "input_layernorm.weight", H);
-      L.post_norm = add_norm(weights_, lp + "post_attention_layernorm.weight", H);
-      L.attn = add_attention(weights_, c, lp);
-      L.mlp = add_gated_mlp(weights_, c, lp);
-      layers_.push_back(L);
-    }
+    for (int i = 0; i < c.num_layers; ++i)
+      layers_.push_back(add_pre_norm_layer(weights_, c, p + "layers." + std::to_string(i) + "."));
   }
 
   std::span<const int> feature_layers() const override { return features_; }
@@ -58,7 +51,7 @@ class DFlashDraft final : public DraftDefinition {
     ops.linear(features, w[fc_], {}, c);
     ops.rmsnorm(c, w[hidden_norm_], eps, c);
     for (size_t li = 0; li < layers_.size(); ++li) {
-      const Layer& L = layers_[li];
+      const PreNormLayerWeights& L = layers_[li];
       ops.linear(c, w[L.attn.qkv], W(L.attn.bqkv), qkv);
       ops.attention_prologue(
           first_layer_ + int(li), qkv,
@@ -67,44 +60,22 @@ class DFlashDraft final : public DraftDefinition {
   }
 
   Tensor forward(Ops& ops, std::span<const Weight> w) const override {
-    auto W = [&](size_t i) { return weight_or_empty(w, i); };
-    const float eps = float(cfg_.rms_norm_eps);
     const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
     const Weight embed = w[weights_.specs.size()], lm_head = w[weights_.specs.size() + 1];
     const DecoderActivations a = alloc_decoder_activations(ops, cfg_);
     ops.embed(embed, 1.0f, a.x);
     Tensor pending;
-    for (size_t li = 0; li < layers_.size(); ++li) {
-      const Layer& L = layers_[li];
-      const int layer = first_layer_ + int(li);
-      ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
-      ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
-      ops.attention_prologue(
-          layer, a.qkv, {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = w[inv_freq_], .eps = eps},
-          a.q);
-      ops.attention(layer, a.q, a.attn, scale);
-      ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
-      ops.all_reduce_sum(a.delta);
-      ops.add_rmsnorm(a.x, a.delta, w[L.post_norm], eps, a.h);
-      ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
-      ops.mlp_down(cfg_.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
-      ops.all_reduce_sum(a.delta);
-      pending = a.delta;
-    }
+    for (size_t li = 0; li < layers_.size(); ++li)
+      pending = pre_norm_layer(ops, cfg_, a, w, layers_[li], first_layer_ + int(li), pending, w[inv_freq_], scale, -1);
     return final_logits(ops, cfg_, a.x, pending, w[norm_], lm_head);
   }
 
  private:
-  struct Layer {
-    size_t in_norm = kNoWeight, post_norm = kNoWeight;
-    AttentionWeights attn;
-    MlpWeights mlp;
-  };
   ModelConfig cfg_;
   int first_layer_;
   std::vector<int> features_;
   size_t fc_ = kNoWeight, hidden_norm_ = kNoWeight, norm_ = kNoWeight, inv_freq_ = kNoWeight;
-  std::vector<Layer> layers_;
+  std::vector<PreNormLayerWeights> layers_;
 };
 
 }  // namespace

@@ -27,54 +27,25 @@ class LlamaFamily final : public ModelDefinition {
     lm_head_ = emb_.lm_head;
     final_norm_ = add_norm(weights_, "model.norm.weight", c.hidden_size);
     inv_freq_ = add_rope(weights_, c.rope, c.head_dim);
-    for (int i = 0; i < c.num_layers; ++i) {
-      const std::string p = "model.layers." + std::to_string(i) + ".";
-      Layer L;
-      L.in_norm = add_norm(weights_, p + "input_layernorm.weight", c.hidden_size);
-      L.post_norm = add_norm(weights_, p + "post_attention_layernorm.weight", c.hidden_size);
-      L.attn = add_attention(weights_, c, p);
-      L.mlp = add_gated_mlp(weights_, c, p);
-      layers_.push_back(L);
-    }
+    for (int i = 0; i < c.num_layers; ++i)
+      layers_.push_back(add_pre_norm_layer(weights_, c, "model.layers." + std::to_string(i) + "."));
   }
 
   Tensor forward(Ops& ops, std::span<const Weight> w) const override {
-    auto W = [&](size_t i) { return weight_or_empty(w, i); };
-    const float eps = float(cfg_.rms_norm_eps);
     const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
     const DecoderActivations a = alloc_decoder_activations(ops, cfg_);
     ops.embed(w[emb_.embed], 1.0f, a.x);
     Tensor pending;  // the last layer's MLP output, added by the next norm
-    for (size_t li = 0; li < layers_.size(); ++li) {
-      const Layer& L = layers_[li];
-      ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
-      if (li > 0) ops.capture(int(li) - 1, a.x);
-      ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
-      ops.attention_prologue(
-          int(li), a.qkv,
-          {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = w[inv_freq_], .eps = eps}, a.q);
-      ops.attention(int(li), a.q, a.attn, scale);
-      ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
-      ops.all_reduce_sum(a.delta);
-      ops.add_rmsnorm(a.x, a.delta, w[L.post_norm], eps, a.h);
-      ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
-      ops.mlp_down(cfg_.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
-      ops.all_reduce_sum(a.delta);
-      pending = a.delta;
-    }
+    for (size_t li = 0; li < layers_.size(); ++li)
+      pending = pre_norm_layer(ops, cfg_, a, w, layers_[li], int(li), pending, w[inv_freq_], scale, int(li) - 1);
     return final_logits(ops, cfg_, a.x, pending, w[final_norm_], w[emb_.lm_head]);
   }
 
  private:
-  struct Layer {
-    size_t in_norm = kNoWeight, post_norm = kNoWeight;
-    AttentionWeights attn;
-    MlpWeights mlp;
-  };
   ModelConfig cfg_;
   EmbeddingWeights emb_;
   size_t final_norm_ = kNoWeight, inv_freq_ = kNoWeight;
-  std::vector<Layer> layers_;
+  std::vector<PreNormLayerWeights> layers_;
 };
 
 }  // namespace

@@ -765,7 +765,12 @@ void CudaModelRunner::forward_greedy(const ForwardBatch& b, std::span<TokenId> t
   const int R = int(b.logit_rows.size());
   KVLM_CHECK(tokens.size() == size_t(R), "one token per logit row");
   const DeviceScope on(m.device);
-  const float* dev = enqueue(b);
+  argmax_to_host(enqueue(b), tokens);
+}
+
+void CudaModelRunner::argmax_to_host(const float* dev, std::span<TokenId> tokens) {
+  Impl& m = *impl_;
+  const int R = int(tokens.size());
   if (R > 0) {
     cuda::argmax_rows(dev, R, cfg_.vocab_size, m.ids, m.stream);
     auto* host = reinterpret_cast<TokenId*>(m.logits_host.reserve(size_t(R) * sizeof(TokenId)));
@@ -796,16 +801,7 @@ void CudaModelRunner::draft_greedy(const ForwardBatch& b, std::span<TokenId> tok
   const int R = int(b.logit_rows.size());
   KVLM_CHECK(tokens.size() == size_t(R), "one token per logit row");
   const DeviceScope on(m.device);
-  const float* dev = enqueue(b, /*draft=*/true);
-  if (R > 0) {
-    cuda::argmax_rows(dev, R, cfg_.vocab_size, m.ids, m.stream);
-    auto* host = reinterpret_cast<TokenId*>(m.logits_host.reserve(size_t(R) * sizeof(TokenId)));
-    KVLM_CUDA_CHECK(cudaMemcpyAsync(host, m.ids, size_t(R) * sizeof(TokenId), cudaMemcpyDeviceToHost, m.stream));
-    KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-    std::copy_n(host, R, tokens.begin());
-  } else {
-    KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-  }
+  argmax_to_host(enqueue(b, /*draft=*/true), tokens);
 }
 
 }  // namespace kvlm

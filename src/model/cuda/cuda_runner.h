@@ -94,6 +94,8 @@ class CudaModelRunner final : public ModelRunner {
   // Copies the logits of `rows` (indices into the step's logit rows) to `out`, [rows][vocab],
   // and waits for the stream.
   void copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out);
+  // The argmax of the step's logit rows on the GPU, to `tokens` (one per row); waits.
+  void argmax_to_host(const float* dev, std::span<TokenId> tokens);
 
   struct Impl;
   class WeightUploader;
