@@ -4,6 +4,7 @@
 // against single-request generation on real checkpoints.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -622,6 +623,117 @@ TEST(Scheduler, SpeculativeStepsGiveThePlainOutputs) {
     const auto tight = run(std::make_unique<ScriptedProposer>(script, 4, vocab), 14, nullptr);
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(tight[i].tokens, plain[i].tokens) << "request " << i;
   }
+}
+
+namespace {
+
+// Proposes one fixed token after the first output token (a deterministic drafter).
+class FixedDraft final : public DraftProposer {
+ public:
+  explicit FixedDraft(TokenId t) : t_(t) {}
+  void propose(std::span<Sequence* const> seqs, std::span<const int> max_draft) override {
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (seqs[i]->num_output() == 1 && max_draft[i] >= 1) seqs[i]->draft = {t_};
+  }
+
+ private:
+  TokenId t_;
+};
+
+// Pearson's chi-square of `counts` (n draws) against probabilities `p`, bins with an expected
+// count under 5 pooled; returns {statistic, the p = 1e-4 critical value for its degrees of
+// freedom (Wilson-Hilferty)}.
+std::pair<double, double> chi_square(const std::map<TokenId, int>& counts, int n, std::span<const double> p) {
+  double stat = 0, rest_obs = 0, rest_exp = 0;
+  int bins = 0;
+  for (size_t t = 0; t < p.size(); ++t) {
+    const double expect = p[t] * n;
+    const auto it = counts.find(TokenId(t));
+    const double obs = it == counts.end() ? 0 : it->second;
+    if (expect < 5) {
+      rest_obs += obs;
+      rest_exp += expect;
+      continue;
+    }
+    stat += (obs - expect) * (obs - expect) / expect;
+    ++bins;
+  }
+  if (rest_exp > 0) {
+    stat += (rest_obs - rest_exp) * (rest_obs - rest_exp) / rest_exp;
+    ++bins;
+  }
+  const double df = bins - 1, z = 3.719;  // one-sided 1e-4
+  const double crit = df * std::pow(1 - 2 / (9 * df) + z * std::sqrt(2 / (9 * df)), 3);
+  return {stat, crit};
+}
+
+}  // namespace
+
+// Sampling at temperature 1 with a draft to verify keeps the target's distribution: the second
+// output token, drawn by a verification step (a fixed draft token proposed for it, accepted
+// when the target's own draw agrees), follows the target's next-token probabilities exactly — a
+// chi-square test over 4000 seeds — and the same test rejects a sampler that is off by a
+// temperature of 1.25, so it can tell.
+TEST(Scheduler, DraftedSamplingKeepsTheTargetDistribution) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  const std::vector<TokenId> prompt{1, 403, 407, 261, 378, 324, 434, 412, 281, 266};
+  const size_t vocab = size_t(e->config().vocab_size);
+  const int N = 4000;
+  // The most likely first token and, after it, the target's distribution of the second.
+  const std::vector<float> first = all_logits(*e, prompt, 64);
+  const TokenId t1 = argmax(std::span<const float>(first).last(vocab));
+  std::vector<TokenId> ctx = prompt;
+  ctx.push_back(t1);
+  const std::vector<float> second = all_logits(*e, ctx, 64);
+  const auto row = std::span<const float>(second).last(vocab);
+  std::vector<double> p(vocab);
+  const float mx = *std::ranges::max_element(row);
+  double z = 0;
+  for (size_t v = 0; v < vocab; ++v) z += p[v] = std::exp(double(row[v] - mx));
+  for (double& x : p) x /= z;
+  const TokenId draft = TokenId(std::ranges::max_element(p) - p.begin());
+
+  std::map<std::string, Collected> out;
+  EngineStats st;
+  {
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 256, .max_num_batched_tokens = 4096, .max_model_len = 64,
+                                     .enable_prefix_caching = true, .num_blocks = 1024});
+    le.set_proposer(std::make_unique<FixedDraft>(draft));
+    for (int i = 0; i < N; ++i) {
+      auto r = make("s" + std::to_string(i), prompt, 3, out);  // the draft for token 2, room for the token after it
+      r.sampling.temperature = 1.0f;
+      r.seed = uint64_t(1000 + i);
+      r.ignore_eos = true;
+      le.add_request(std::move(r));
+    }
+    run_to_end(le);
+    st = le.stats();
+  }
+  std::map<TokenId, int> counts;
+  int n = 0;
+  for (const auto& [id, c] : out) {
+    ASSERT_EQ(c.tokens.size(), 3u) << id;
+    if (c.tokens[0] != t1) continue;
+    ++counts[c.tokens[1]];
+    ++n;
+  }
+  ASSERT_GT(n, 500) << "too few samples start with the most likely token";
+  EXPECT_GT(st.spec_accepted_tokens_total, 0u);
+  EXPECT_LT(st.spec_accepted_tokens_total, st.spec_draft_tokens_total);
+  const auto [stat, crit] = chi_square(counts, n, p);
+  EXPECT_LT(stat, crit) << "drafted samples of the second token do not follow the target's distribution (" << n
+                        << " samples)";
+  // The test's power: the same number of draws at temperature 1.25 (a sampler off by that much)
+  // must fail it.
+  std::map<TokenId, int> biased;
+  for (int i = 0; i < n; ++i) {
+    Sampler s(uint64_t(77 + i));
+    ++biased[s.sample(row, SamplingParams{.temperature = 1.25f})];
+  }
+  const auto [bstat, bcrit] = chi_square(biased, n, p);
+  EXPECT_GT(bstat, bcrit) << "the chi-square test cannot tell a temperature-1.25 sampler from the target";
+  std::printf("[spec-dist] %d samples: chi2 %.1f (critical %.1f); temperature-1.25 sampler: chi2 %.1f\n", n, stat, crit,
+              bstat);
 }
 
 // Scoring a prompt (max_tokens 0, prompt logits) through the engine: every row arrives once,
