@@ -52,6 +52,9 @@ int run_inspect(const InspectFlags& f) {
   const ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
                                   parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr);
   const KVPlan& plan = mp.plan;
+  size_t draft_bytes = 0;  // of the bytes per token, the drafter's layers'
+  for (const auto& l : plan.layers)
+    if (l.attn.model != "target") draft_bytes += l.bytes_per_token();
   const ModelConfig& cfg = mp.config;
   // The same model with an unquantized cache in the model dtype, for the capacity ratio.
   size_t baseline = 0;
@@ -109,9 +112,6 @@ int run_inspect(const InspectFlags& f) {
         s["block_size"] = mp.drafter->dflash->block_size;
         s["mask_token_id"] = mp.drafter->dflash->mask_token_id;
         s["target_layer_ids"] = mp.drafter->dflash->target_layer_ids;
-        size_t draft_bytes = 0;
-        for (const auto& l : plan.layers)
-          if (l.attn.model != "target") draft_bytes += l.bytes_per_token();
         s["draft_kv_bytes_per_token"] = draft_bytes;
       }
       j["speculative"] = s;
@@ -155,9 +155,6 @@ int run_inspect(const InspectFlags& f) {
             << ", " << ratio.str() << "x the tokens in the same memory)\n";
   if (spec && spec->method == SpecMethod::Ngram) std::cout << "drafting   " << describe(*spec) << " (no drafter model: no draft KV)\n";
   if (spec && mp.drafter) {
-    size_t draft_bytes = 0;
-    for (const auto& l : plan.layers)
-      if (l.attn.model != "target") draft_bytes += l.bytes_per_token();
     std::cout << "drafting   " << describe(*spec) << ": DFlash, blocks of " << mp.drafter->dflash->block_size
               << ", features of target layers";
     for (int l : mp.drafter->dflash->target_layer_ids) std::cout << " " << l;

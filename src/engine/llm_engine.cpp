@@ -118,10 +118,7 @@ void LLMEngine::publish() {
 
 void LLMEngine::finish(Sequence& s, FinishReason why, const std::string& error) {
   if (s.finished) return;
-  s.finished = true;
-  scheduler_.release_pages(s);
-  ++stats_.requests_finished_total[std::string(finish_reason_name(why))];
-  stats_.e2e_request_latency.observe(seconds(Sequence::Clock::now() - s.arrival));
+  outputs_.close(s, why, Sequence::Clock::now());
   live_.erase(s.req.id);
   publish();
   RequestOutput out;

@@ -78,6 +78,13 @@ void OutputProcessor::draw(std::span<Sequence* const> seqs, const StepBatch& bat
     if (e) std::rethrow_exception(e);  // a broken invariant: the engine stops (AsyncEngine reports it)
 }
 
+void OutputProcessor::close(Sequence& s, FinishReason why, Sequence::Clock::time_point now) {
+  s.finished = true;
+  scheduler_.release_pages(s);
+  ++stats_.requests_finished_total[std::string(finish_reason_name(why))];
+  stats_.e2e_request_latency.observe(seconds(now - s.arrival));
+}
+
 FinishReason OutputProcessor::stop_reason(const Sequence& s, TokenId t) const {
   const bool is_eos = std::ranges::find(eos_, t) != eos_.end();
   if ((!s.req.ignore_eos && is_eos) || std::ranges::find(s.req.stop_token_ids, t) != s.req.stop_token_ids.end())
@@ -143,12 +150,9 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
     }
     if (why != FinishReason::None) {
       // The last token and the finish travel together.
-      s.finished = true;
+      close(s, why, now);
       out.finished = true;
       out.finish_reason = why;
-      scheduler_.release_pages(s);
-      ++stats_.requests_finished_total[std::string(finish_reason_name(why))];
-      stats_.e2e_request_latency.observe(seconds(now - s.arrival));
     }
     if (report) outputs.emplace_back(&s, std::move(out));
   }

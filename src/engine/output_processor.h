@@ -29,6 +29,8 @@ class OutputProcessor {
       : eos_(std::move(eos)), max_model_len_(max_model_len), scheduler_(scheduler), stats_(stats) {}
 
   bool has_eos() const { return !eos_.empty(); }
+  // Ends `s` for `why`: marks it finished, releases its pages, counts it.
+  void close(Sequence& s, FinishReason why, Sequence::Clock::time_point now);
 
   // Draws every sequence's tokens from the step's logits, in parallel over the sequences
   // (each has its own generator, so the result does not depend on the thread count).

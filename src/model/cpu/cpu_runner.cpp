@@ -58,7 +58,7 @@ class CpuOps final : public Ops {
     features_ = features;
     hidden_ = hidden;
     const int slots = int(std::ranges::count_if(slot_of, [](int s) { return s >= 0; }));
-    features->assign(b_.tokens.size() * size_t(slots * hidden), 0.0f);
+    features->resize(b_.tokens.size() * size_t(slots * hidden));  // every slot is written by capture()
     slots_ = slots;
   }
   Tensor features() {

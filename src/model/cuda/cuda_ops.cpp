@@ -9,8 +9,8 @@
 
 namespace kvlm {
 
-CudaOps::CudaOps(const ModelConfig& cfg, DType act, void* stream, cuda::Gemm& gemm, Communicator& comm)
-    : cfg_(cfg), act_(act), stream_(stream), gemm_(gemm), comm_(comm) {}
+CudaOps::CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm)
+    : act_(act), stream_(stream), gemm_(gemm), comm_(comm) {}
 
 void CudaOps::set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks) {
   layers_ = layers;

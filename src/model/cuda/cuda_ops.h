@@ -77,7 +77,7 @@ struct CudaStep {
 
 class CudaOps final : public Ops {
  public:
-  CudaOps(const ModelConfig& cfg, DType act, void* stream, cuda::Gemm& gemm, Communicator& comm);
+  CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm);
 
   void set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks);
   // Starts a step whose activations are carved from `carver` (already past the runner's
@@ -110,7 +110,6 @@ class CudaOps final : public Ops {
   // A buffer the ops need inside the step, carved once per step at its first use.
   void* step_buffer(void*& slot, size_t bytes);
 
-  const ModelConfig& cfg_;
   DType act_;
   void* stream_;
   cuda::Gemm& gemm_;

@@ -165,7 +165,6 @@ class DeviceScope {
   bool switched_ = false;
 };
 
-// Device type of a weight role (model/weights.h).
 }  // namespace
 
 struct CudaModelRunner::Impl {
@@ -408,7 +407,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   }
   m.gemm_ws.allocate(cuda::kGemmWorkspaceBytes, "the GEMM workspace");
   m.gemm.set_workspace(m.gemm_ws.data(), m.gemm_ws.bytes());
-  m.ops = std::make_unique<CudaOps>(m.cfg, m.act, m.stream, m.gemm, m.comm);
+  m.ops = std::make_unique<CudaOps>(m.act, m.stream, m.gemm, m.comm);
   m.ops->set_kv(m.lkv, 0, 0);
   if (m.draft_def) m.ops->set_capture(std::move(slot_of), cfg_.hidden_size);
   m.graphs_on = opts.cuda_graphs;
