@@ -2,7 +2,7 @@
 // the engines use (ForwardBatch in, fp32 logits on the host out).
 //
 //   decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] [--gemv-lab]
-//                [--no-gemv] [--no-pdl]
+//                [--no-gemv] [--no-pdl] [--draft DIR [--spec-tokens K]]
 //
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode).
@@ -16,6 +16,15 @@
 // same step, argmax on the GPU, only token ids cross), each with CUDA graphs off and on.
 // --no-gemv routes the batch 1-8 GEMMs (the small-m kernels' share) to cuBLASLt, --no-pdl
 // launches without programmatic dependent launch (both for comparison).
+//
+// --draft DIR [--spec-tokens K, default 15] (a DFlash drafter for the model; tools/make_random_model.py --shape
+// qwen3-8b-dflash writes one) measures instead what a drafting step costs against a plain
+// decode step, GPU greedy with CUDA graphs, per KV dtype and shape: the plain step with the
+// model loaded alone; then, with the drafter loaded, one drafter forward over every
+// sequence's block [last token, mask x (B - 1)] (argmax of K rows) followed by the target's
+// verification of those K + 1 tokens (which also runs the drafter's context pass). The cost
+// is (draft + verify) / plain; a drafting step yields tau tokens where a plain step yields
+// one, so the predicted speedup at mean acceptance length tau is tau / cost.
 //
 // Floors, from the same run's device-to-device copy bandwidth (read + write bytes / time):
 //   weights-read bound: every weight but the embedding table (a decode step reads B rows of
@@ -119,6 +128,62 @@ Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logi
   for (int i = 0; i < steps; ++i) step(warm + i);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
   return {ms, batch * 1000.0 / ms};
+}
+
+// Times of one drafting step's parts, ms (spec_step).
+struct SpecResult {
+  double draft_ms = 0, verify_ms = 0;
+};
+
+// `steps` drafting steps for `batch` sequences of `context` cached tokens, drafting K tokens
+// from blocks of `block`: the drafter's greedy proposals are verified as they come (random
+// weights: the tokens do not matter to the time). Each step advances one position.
+SpecResult run_spec(CudaModelRunner& r, int batch, int context, int steps, int bs, int block, int K) {
+  const int warm = 3, V = r.config().vocab_size;
+  const int per_seq = (context + warm + steps + block + 1 + bs - 1) / bs;
+  std::vector<std::vector<BlockId>> tables(static_cast<size_t>(batch));
+  for (int s = 0; s < batch; ++s)
+    for (int i = 0; i < per_seq; ++i) tables[size_t(s)].push_back(BlockId(s * per_seq + i));
+  std::mt19937 rng(1);
+  const TokenId mask = TokenId(r.config().vocab_size - 1);
+  std::vector<TokenId> last(static_cast<size_t>(batch)), drafted(size_t(batch) * size_t(K)), verified;
+  for (auto& t : last) t = TokenId(std::uniform_int_distribution<int>(0, V - 1)(rng));
+  std::vector<TokenId> tokens;
+  std::vector<Position> pos;
+  std::vector<SlotId> slots;
+  std::vector<AttnSeq> seqs;
+  std::vector<int32_t> rows;
+  auto slot = [&](int s, int p) { return SlotId(tables[size_t(s)][size_t(p / bs)]) * bs + p % bs; };
+  auto pass = [&](int p, int q_len, bool block_pass) {
+    tokens.clear(), pos.clear(), slots.clear(), seqs.clear(), rows.clear();
+    for (int s = 0; s < batch; ++s) {
+      const int q0 = int(tokens.size());
+      for (int j = 0; j < q_len; ++j) {
+        tokens.push_back(j == 0 ? last[size_t(s)] : block_pass ? mask : drafted[size_t(s) * size_t(K) + size_t(j - 1)]);
+        pos.push_back(p + j);
+        slots.push_back(slot(s, p + j));
+        if (!block_pass || (j >= 1 && j <= K)) rows.push_back(q0 + j);
+      }
+      seqs.push_back({.q_begin = q0, .q_len = q_len, .kv_len = p + q_len, .block_table = tables[size_t(s)]});
+    }
+    return ForwardBatch{.tokens = tokens, .positions = pos, .slots = slots, .seqs = seqs, .logit_rows = rows};
+  };
+  SpecResult res;
+  for (int i = 0; i < warm + steps; ++i) {
+    const int p = context + i;
+    const auto t0 = std::chrono::steady_clock::now();
+    r.draft_greedy(pass(p, block, true), drafted);
+    const auto t1 = std::chrono::steady_clock::now();
+    verified.resize(size_t(batch) * size_t(K + 1));
+    r.forward_greedy(pass(p, K + 1, false), verified);
+    const auto t2 = std::chrono::steady_clock::now();
+    for (int s = 0; s < batch; ++s) last[size_t(s)] = verified[size_t(s) * size_t(K + 1)];
+    if (i >= warm) {
+      res.draft_ms += std::chrono::duration<double, std::milli>(t1 - t0).count() / steps;
+      res.verify_ms += std::chrono::duration<double, std::milli>(t2 - t1).count() / steps;
+    }
+  }
+  return res;
 }
 
 // The decode GEMM shapes of Qwen3-8B: at m = 1-16 each small-m kernel that takes m and cuBLASLt,
@@ -236,11 +301,57 @@ void gemv_lab(double bw) {
   cudaFree(ws);
 }
 
+// --draft: the cost of a drafting step in plain decode steps, per KV dtype and shape.
+int spec_table(const std::string& model, const std::string& draft, int spec_tokens, const std::string& kvs,
+               const std::string& shapes, int steps, bool gemv) {
+  std::printf("| kv cache | batch | context | plain step ms | draft ms | verify ms (K+1 rows) | cost (x plain) | "
+              "predicted speedup tau=3 | tau=5 | tau=6.5 |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const std::string& kv : split(kvs)) {
+    ModelOptions o;
+    o.model_dir = model;
+    o.cache.kv_cache_dtype = parse_kv_cache_dtype(kv);
+    o.device = Device::Cuda;
+    std::vector<double> plain;
+    {
+      auto e = LoadedModel::load(o);
+      auto& r = dynamic_cast<CudaModelRunner&>(e->model());
+      r.set_small_m_gemv(gemv);
+      for (const std::string& sh : split(shapes)) {
+        const auto x = sh.find('x');
+        const int batch = std::stoi(sh.substr(0, x)), context = std::stoi(sh.substr(x + 1)), bs = e->block_size();
+        r.allocate_kv(batch * ((context + 3 + steps + 1 + bs - 1) / bs), bs);
+        plain.push_back(run(r, batch, context, steps, false, bs).ms);
+      }
+    }
+    o.speculative = parse_speculative_config(R"({"method":"dflash","model":")" + draft +
+                                             R"(","num_speculative_tokens":)" + std::to_string(spec_tokens) + "}");
+    auto e = LoadedModel::load(o);
+    auto& r = dynamic_cast<CudaModelRunner&>(e->model());
+    r.set_small_m_gemv(gemv);
+    const int block = e->drafter_config()->dflash->block_size, K = o.speculative->num_speculative_tokens;
+    std::fprintf(stderr, "drafter %s: %d layers, blocks of %d, K = %d\n", draft.c_str(), e->drafter_config()->num_layers,
+                 block, K);
+    size_t i = 0;
+    for (const std::string& sh : split(shapes)) {
+      const auto x = sh.find('x');
+      const int batch = std::stoi(sh.substr(0, x)), context = std::stoi(sh.substr(x + 1)), bs = e->block_size();
+      r.allocate_kv(batch * ((context + 3 + steps + block + 1 + bs - 1) / bs), bs);
+      const SpecResult sr = run_spec(r, batch, context, steps, bs, block, K);
+      const double cost = (sr.draft_ms + sr.verify_ms) / plain[i++];
+      std::printf("| %s | %d | %d | %.3f | %.3f | %.3f | %.2f | %.2fx | %.2fx | %.2fx |\n", kv.c_str(), batch, context,
+                  plain[i - 1], sr.draft_ms, sr.verify_ms, cost, 3.0 / cost, 5.0 / cost, 6.5 / cost);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096";
-  int steps = 32;
+  std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096", draft;
+  int steps = 32, spec_tokens = 15;
   bool lab = false, gemv = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -253,11 +364,13 @@ int main(int argc, char** argv) {
     else if (a == "--shapes") shapes = next();
     else if (a == "--steps") steps = std::stoi(next());
     else if (a == "--gemv-lab") lab = true;
+    else if (a == "--draft") draft = next();
+    else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
     else if (a == "--no-pdl") cuda::set_kernel_switches({.pdl = false, .wgmma = cuda::kernel_switches().wgmma});
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
-                           "[--gemv-lab] [--no-gemv] [--no-pdl]\n");
+                           "[--gemv-lab] [--no-gemv] [--no-pdl] [--draft DIR [--spec-tokens K]]\n");
       return 2;
     }
   }
@@ -273,6 +386,7 @@ int main(int argc, char** argv) {
     if (model.empty()) return 0;
     std::printf("# decode_bench: %s, %s, copy bandwidth %.0f GB/s (1 GiB device-to-device, read + write)\n", model.c_str(),
                 prop.name, bw / 1e9);
+    if (!draft.empty()) return spec_table(model, draft, spec_tokens, kvs, shapes, steps, gemv);
     std::printf("| kv cache | batch | context | graphs | sampling | ms/step | tokens/s | weights read GB | KV read GB "
                 "| floor ms | %% of floor | weights-read bound tok/s | %% of bound |\n");
     std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");

@@ -2,6 +2,7 @@
 """Write a random-weight checkpoint of a real model's shape, for benchmarks (bench/decode_bench).
 
     python3 tools/make_random_model.py --shape qwen3-8b --out /dev/shm/qwen3-8b-random
+    python3 tools/make_random_model.py --shape qwen3-8b-dflash --out /dev/shm/qwen3-8b-dflash-random
 
 Writes config.json (the shape's Hugging Face config) and model-0000N-of-0000M.safetensors
 shards with a model.safetensors.index.json, in bfloat16: linear weights ~ N(0, 0.02^2), norm
@@ -44,15 +45,30 @@ SHAPES = {
         "torch_dtype": "bfloat16",
     },
 }
+# The DFlash drafter of Qwen3-8B (z-lab/Qwen3-8B-DFlash-b16's config.json, architecture fields).
+SHAPES["qwen3-8b-dflash"] = dict(
+    SHAPES["qwen3-8b"],
+    architectures=["DFlashDraftModel"],
+    num_hidden_layers=5,
+    max_window_layers=5,
+    block_size=16,
+    num_target_layers=36,
+    dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+)
 
 
 def tensors(cfg):
     """(name, shape, kind) in checkpoint order; kind is 'linear' or 'norm'."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d, nh, kvh = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    out = [("model.embed_tokens.weight", (v, h), "linear")]
+    drafter = "dflash_config" in cfg
+    if drafter:  # features -> fc -> hidden_norm; the target's embedding and LM head
+        n = len(cfg["dflash_config"]["target_layer_ids"])
+        out = [("fc.weight", (h, n * h), "linear"), ("hidden_norm.weight", (h,), "norm")]
+    else:
+        out = [("model.embed_tokens.weight", (v, h), "linear")]
     for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
+        p = f"layers.{layer}." if drafter else f"model.layers.{layer}."
         out += [
             (p + "input_layernorm.weight", (h,), "norm"),
             (p + "self_attn.q_proj.weight", (nh * d, h), "linear"),
@@ -66,8 +82,8 @@ def tensors(cfg):
         ]
         if cfg["model_type"] == "qwen3":
             out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
-    out.append(("model.norm.weight", (h,), "norm"))
-    if not cfg["tie_word_embeddings"]:
+    out.append(("norm.weight" if drafter else "model.norm.weight", (h,), "norm"))
+    if not cfg["tie_word_embeddings"] and not drafter:
         out.append(("lm_head.weight", (v, h), "linear"))
     return out
 

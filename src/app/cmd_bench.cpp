@@ -43,11 +43,20 @@ CLI::App* add_bench(CLI::App& app, BenchFlags& f) {
   t.serving.add_to(*tp);
   tp->add_option("--num-prompts", t.num_prompts, "requests")->capture_default_str();
   tp->add_option("--input-len", t.input_len, "prompt tokens of each synthetic request")->capture_default_str();
-  tp->add_option("--output-len", t.output_len, "tokens generated per request (EOS ignored)")->capture_default_str();
+  tp->add_option("--output-len", t.output_len, "tokens generated per request (at most, with --no-ignore-eos)")->capture_default_str();
   tp->add_option("--dataset", t.dataset,
                  "JSONL prompts instead of synthetic ones: {\"prompt\": TEXT} or {\"prompt_token_ids\": [...]}, "
                  "optional \"output_len\"");
   tp->add_option("--seed", t.seed, "seed of the synthetic prompts and of sampling")->capture_default_str();
+  tp->add_option("--temperature", t.temperature, "sampling temperature of every request (0: greedy)")
+      ->capture_default_str();
+  tp->add_flag("--ignore-eos,!--no-ignore-eos", t.ignore_eos,
+               "generate --output-len tokens whatever the model says (default); --no-ignore-eos: stop at EOS")
+      ->capture_default_str();
+  tp->add_option("--num-warmups", t.num_warmups,
+                 "run the first N requests once, untimed, before the timed run (first-use costs: CUDA graph "
+                 "captures, kernel loading; with prefix caching on, their prompts are cached for the timed run)")
+      ->capture_default_str();
   tp->add_option("--json", t.json, "write the results to this JSON file");
   f.throughput_cmd = tp;
 
@@ -170,6 +179,9 @@ int run_throughput(const BenchThroughputFlags& f) {
   if (f.num_prompts < 1) throw Error("--num-prompts must be at least 1");
   if (f.input_len < 1) throw Error("--input-len must be at least 1");
   if (f.output_len < 1) throw Error("--output-len must be at least 1");
+  if (f.num_warmups < 0) throw Error("--num-warmups must be at least 0");
+  if (!(f.temperature >= 0.0f) || !std::isfinite(f.temperature))
+    throw Error("--temperature must be a finite number >= 0");
   ModelOptions opts = f.model.model_options();
   const MemoryOptions mem = f.serving.memory_options();
   std::vector<DatasetEntry> data;
@@ -219,16 +231,37 @@ int run_throughput(const BenchThroughputFlags& f) {
   int done = 0, failed = 0;
   int64_t prompt_tokens = 0, output_tokens = 0;
   std::string first_error;
+  auto request = [&](int i, const char* prefix) {
+    EngineRequest er;
+    er.id = prefix + std::to_string(i);
+    er.prompt = reqs[size_t(i)].prompt;
+    er.max_tokens = reqs[size_t(i)].max_tokens;
+    er.ignore_eos = f.ignore_eos;
+    er.seed = f.seed + uint64_t(i);
+    er.sampling.temperature = f.temperature;
+    return er;
+  };
+  if (f.num_warmups > 0) {  // untimed; failures show in the timed run
+    int warm_done = 0;
+    const int warm = std::min(f.num_warmups, n);
+    for (int i = 0; i < warm; ++i) {
+      EngineRequest er = request(i, "warmup-");
+      er.on_output = [&](const RequestOutput& out) {
+        if (!out.finished) return true;
+        std::lock_guard lock(mu);
+        ++warm_done;
+        cv.notify_all();
+        return true;
+      };
+      ae.add_request(std::move(er));
+    }
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return warm_done == warm; });
+  }
   const EngineStats before = ae.stats();
   const auto t0 = Clock::now();
   for (int i = 0; i < n; ++i) {
-    EngineRequest er;
-    er.id = "bench-" + std::to_string(i);
-    er.prompt = reqs[size_t(i)].prompt;
-    er.max_tokens = reqs[size_t(i)].max_tokens;
-    er.ignore_eos = true;
-    er.seed = f.seed + uint64_t(i);
-    er.sampling.temperature = 1.0f;  // as vllm bench throughput samples
+    EngineRequest er = request(i, "bench-");
     er.on_output = [&](const RequestOutput& out) {
       if (!out.finished) return true;
       std::lock_guard lock(mu);
@@ -250,14 +283,15 @@ int run_throughput(const BenchThroughputFlags& f) {
   double next_report = every;
   bool reported = false;
   auto report = [&](const EngineStats& st, int finished, int64_t out_tokens, double t, bool final_line) {
-    const double busy = st.schedule_seconds_total + st.forward_seconds_total + st.sample_seconds_total;
+    const double busy =
+        st.schedule_seconds_total + st.draft_seconds_total + st.forward_seconds_total + st.sample_seconds_total;
     auto pct = [&](double x) { return busy > 0 ? 100.0 * x / busy : 0.0; };
     std::fprintf(stderr,
                  "%skvlm: bench %d/%d done, %d running, %d waiting, %.0f s, %.0f output tok/s, %llu steps "
-                 "(forward %.0f%%, host sampling %.0f%%, scheduling %.0f%%)%s",
+                 "(forward %.0f%%, drafting %.0f%%, host sampling %.0f%%, scheduling %.0f%%)%s",
                  tty ? "\r" : "", finished, n, st.num_running, st.num_waiting, t, t > 0 ? double(out_tokens) / t : 0.0,
                  (unsigned long long)(st.steps_total - before.steps_total), pct(st.forward_seconds_total),
-                 pct(st.sample_seconds_total), pct(st.schedule_seconds_total), tty && !final_line ? "  " : "\n");
+                 pct(st.draft_seconds_total), pct(st.sample_seconds_total), pct(st.schedule_seconds_total), tty && !final_line ? "  " : "\n");
     std::fflush(stderr);
     reported = true;
   };
@@ -284,6 +318,7 @@ int run_throughput(const BenchThroughputFlags& f) {
   ae.shutdown(true);
   const double t_sched = after.schedule_seconds_total - before.schedule_seconds_total;
   const double t_fwd = after.forward_seconds_total - before.forward_seconds_total;
+  const double t_draft = after.draft_seconds_total - before.draft_seconds_total;
   const double t_samp = after.sample_seconds_total - before.sample_seconds_total;
   const uint64_t steps = after.steps_total - before.steps_total;
 
@@ -316,6 +351,7 @@ int run_throughput(const BenchThroughputFlags& f) {
   rule(" Engine time ", '-');
   rowi("Steps:", int64_t(steps));
   rowd("Forward, incl. device sampling (s):", t_fwd);
+  if (opts.speculative) rowd("Drafting (s):", t_draft);
   rowd("Host sampling (s):", t_samp);
   rowd("Scheduling and batch layout (s):", t_sched);
   rule("", '=');
@@ -332,6 +368,9 @@ int run_throughput(const BenchThroughputFlags& f) {
     j["failed_requests"] = failed;
     j["input_len"] = data.empty() ? f.input_len : 0;
     j["output_len"] = data.empty() ? f.output_len : 0;
+    j["temperature"] = f.temperature;
+    j["ignore_eos"] = f.ignore_eos;
+    j["num_warmups"] = f.num_warmups;
     j["elapsed_time"] = elapsed;
     j["total_input_tokens"] = prompt_tokens;
     j["total_output_tokens"] = output_tokens;
@@ -349,7 +388,7 @@ int run_throughput(const BenchThroughputFlags& f) {
                           {"draft_tokens", drafted},
                           {"accepted_tokens", accepted},
                           {"mean_acceptance_length", drafts ? 1.0 + double(accepted) / double(drafts) : 0.0}};
-    j["engine_seconds"] = {{"forward", t_fwd}, {"sample", t_samp}, {"schedule", t_sched}};
+    j["engine_seconds"] = {{"forward", t_fwd}, {"draft", t_draft}, {"sample", t_samp}, {"schedule", t_sched}};
     write_json(f.json, j);
   }
   if (failed) throw Error(std::to_string(failed) + " requests failed; the first: " + first_error);

@@ -128,6 +128,9 @@ struct BenchThroughputFlags {
   int output_len = 128;
   std::string dataset;  // JSONL: {"prompt": text | "prompt_token_ids": [...], "output_len": N}
   uint64_t seed = 0;
+  float temperature = 1.0f;  // vllm bench throughput samples at 1
+  bool ignore_eos = true;    // --no-ignore-eos: requests end at EOS (throughput counts the tokens made)
+  int num_warmups = 0;       // requests run (and not timed) before the timed ones
   std::string json;
 };
 struct BenchServeFlags {

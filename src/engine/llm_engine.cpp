@@ -140,7 +140,13 @@ bool LLMEngine::step() {
   scheduler_.drop_finished();
   if (scheduler_.empty()) return false;
 
-  if (proposer_) propose();
+  if (proposer_) {
+    const auto t_draft = Clock::now();
+    propose();
+    const double d = seconds(Clock::now() - t_draft);
+    stats_.draft_seconds_total += d;
+    stats_.schedule_seconds_total -= d;  // counted once, as drafting
+  }
   const std::vector<Sequence*> seqs = scheduler_.schedule();
   if (seqs.empty()) return !scheduler_.empty();
   batch_.build(seqs, model_.block_size(), model_.model().samples_on_device(), outputs_.has_eos(),

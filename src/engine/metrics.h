@@ -41,9 +41,11 @@ struct EngineStats {
   uint64_t spec_drafts_total = 0;
   uint64_t spec_draft_tokens_total = 0;
   uint64_t spec_accepted_tokens_total = 0;
-  // Where the engine thread's time goes (seconds): scheduling and batch layout, the model's
+  // Where the engine thread's time goes (seconds): scheduling and batch layout, drafting
+  // (--speculative-config: the proposer, a drafter model's forward included), the model's
   // forward pass (including sampling done by the runner on its device), host sampling.
   double schedule_seconds_total = 0;
+  double draft_seconds_total = 0;
   double forward_seconds_total = 0;
   double sample_seconds_total = 0;
   // Latencies in seconds.

@@ -99,9 +99,10 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   w.counter("kvlm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target model.",
             double(s.spec_accepted_tokens_total));
   w.header("kvlm:engine_seconds_total", "counter",
-           "Engine thread time by phase: schedule (and batch layout), forward (the model, with sampling on the "
-           "device), sample (on the host).");
+           "Engine thread time by phase: schedule (and batch layout), draft (speculative proposals), forward (the "
+           "model, with sampling on the device), sample (on the host).");
   w.sample("kvlm:engine_seconds_total", s.schedule_seconds_total, "phase=\"schedule\"");
+  w.sample("kvlm:engine_seconds_total", s.draft_seconds_total, "phase=\"draft\"");
   w.sample("kvlm:engine_seconds_total", s.forward_seconds_total, "phase=\"forward\"");
   w.sample("kvlm:engine_seconds_total", s.sample_seconds_total, "phase=\"sample\"");
   w.histogram("kvlm:time_to_first_token_seconds", "Time from arrival to the first generated token.", s.time_to_first_token);

@@ -379,6 +379,10 @@ TEST(CudaRunner, RaggedBatchesMatchCpuEagerAndGraphs) {
           {{{0, 1}, {1, 1}, {2, 1}}, true}, {{{0, 1}, {1, 1}, {2, 1}}, true}, {{{0, 1}, {1, 1}, {2, 1}}, true},
           {{{2, 7}, {0, 1}}, false},          // prefill again after graphs ran
           {{{0, 1}, {1, 1}, {2, 1}}, true},
+          // Verification-like steps (several rows per sequence, every row's logits): the
+          // same length each (eager, captured, replayed), then ragged lengths (padded rows).
+          {{{0, 3}, {1, 3}, {2, 3}}, true}, {{{0, 3}, {1, 3}, {2, 3}}, true}, {{{0, 3}, {1, 3}, {2, 3}}, true},
+          {{{0, 2}, {1, 1}, {2, 3}}, true}, {{{0, 3}, {1, 2}, {2, 1}}, true}, {{{0, 1}, {1, 3}, {2, 2}}, false},
       };
       CudaModelRunner& cr = cuda_of(*ce);
       cr.set_cuda_graphs(false);
@@ -401,7 +405,7 @@ TEST(CudaRunner, RaggedBatchesMatchCpuEagerAndGraphs) {
       // Graphs replay the same kernels; only the split-KV plan of the padded shape differs
       // (fp32 sums in another order, then bf16 rounding): a few bf16 ulps at most.
       EXPECT_LT(dg, 0.01 * scale) << name << " " << kv_cache_dtype_name(dt) << ": graph vs eager";
-      EXPECT_GE(graphs, 1) << "no decode step ran as a CUDA graph";
+      EXPECT_GE(graphs, 3) << "decode, equal-length and ragged multi-row steps each run as a CUDA graph";
     }
   }
 }

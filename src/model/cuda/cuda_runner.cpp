@@ -15,18 +15,27 @@
 // mode: nothing launched, bytes counted), then the same forward runs for real at the same
 // offsets.
 //
-// CUDA graphs: a decode step (every sequence one query token, logits for every row, at most
-// 256 rows) is padded to a power-of-two batch B and its block tables to a power-of-two
-// stride MB; the kernels of a (B, MB) step are captured once and replayed. Everything a
-// graph bakes in is a function of (B, MB): buffer addresses (the arena is carved
-// deterministically from the shape and only grows, which drops every graph), the attention
-// split count (planned for max_kv_len = MB * block_size; the kernels divide each sequence's
-// true key range, read from kv_lens in memory, among those splits), GEMM shapes (and their
-// tuned algorithms, chosen in the eager run before capture). Padding rows have
-// slot -1 (nothing stored), kv_len 1 and page 0 in their table (a valid page: read, never
-// used); their logits are computed and dropped. A (B, MB) shape runs eagerly the first time
-// it is seen (warming cuBLASLt's heuristics and the kernels' one-time attributes) and is
-// captured the second time.
+// CUDA graphs: a step whose sequences have at most 32 query rows each (decode: one; a
+// speculative verification: the last token and its draft; a drafter's blocks; a short prompt)
+// is padded to a graph shape and the kernels of that shape are captured once and replayed:
+//   S sequences -> a power-of-two S' (padding sequences), every sequence -> Q rows, Q the
+//   step's longest (rows after a sequence's own: slot -1, nothing stored; its key range grows
+//   by as many keys, on page 0, that only those rows can see under the causal mask), block
+//   tables -> a power-of-two stride MB, R logit rows -> a power of two R' <= S' * Q.
+// Everything a graph bakes in is a function of (S', Q, MB, R', target or drafter pass): buffer
+// addresses (the arena is carved deterministically from the shape and only grows, which
+// drops every graph), the attention kernel and split count (planned for max_q_len = Q and
+// max_kv_len = MB * block_size; the kernels read each sequence's true rows and key range from
+// cu_q_lens and kv_lens in memory), GEMM shapes (and their tuned algorithms, chosen in the
+// eager run before capture); which rows are logit rows is read from memory too. Padding
+// sequences have Q rows with slot -1, kv_len Q and page 0 in their table (a valid page: read,
+// never used); the logits of padding rows are computed and dropped. Rows are padded inside a
+// sequence only where every layer that attends is causal or sliding (a drafter's non-causal
+// blocks are padded only when every block has the same length, as they always do), and a step
+// is padded only when the padded rows are at most twice its own (or 64): a batch of one-row
+// decodes with one long draft runs eagerly rather than as S' * Q rows. A shape runs eagerly
+// the first time it is seen (warming cuBLASLt's heuristics and the kernels' one-time
+// attributes) and is captured the second time; at most 512 graphs are kept (then eager).
 #include "model/cuda/cuda_runner.h"
 
 #include <algorithm>
@@ -35,6 +44,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "attention/selector.h"
@@ -54,7 +64,9 @@ namespace kvlm {
 
 namespace {
 
-constexpr int kMaxGraphBatch = 256;
+constexpr int kMaxGraphBatch = 256;  // sequences
+constexpr int kMaxGraphQ = 32;       // rows per sequence
+constexpr size_t kMaxGraphs = 512;
 
 size_t align_up(size_t n) { return Carver::align_up(n); }
 
@@ -191,12 +203,16 @@ struct CudaModelRunner::Impl {
   cuda::SampleRowParams* sample = nullptr;  // the last step's per-row sampling parameters
   std::vector<cudaEvent_t> copy_events;     // forward's chunked logits copy
   bool graphs_on = true;
+  bool target_causal = true;  // every target layer causal or sliding: rows may be padded inside a sequence
   struct Graph {
     cudaGraphExec_t exec = nullptr;
     StepLayout layout;
   };
-  std::set<std::pair<int, int>> graph_seen;  // (B, MB) run once eagerly
-  std::map<std::pair<int, int>, Graph> graphs;  // (B, MB) -> captured step
+  // A graph's shape: padded sequences, rows per sequence, block-table stride, logit rows, and
+  // whether it is the drafter's pass.
+  using GraphKey = std::tuple<int, int, int, int, bool>;
+  std::set<GraphKey> graph_seen;      // run once eagerly
+  std::map<GraphKey, Graph> graphs;  // captured
 
   ~Impl() {
     clear_graphs();
@@ -352,6 +368,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
       throw Error("the CUDA runner runs every layer on the 'cuda' attention backend, but " + describe_layer(l) +
                   " was assigned '" + l.backend + "'");
   m.def = make_model_definition(cfg_);
+  for (int l = 0; l < cfg_.num_layers; ++l) m.target_causal &= plan.layers[size_t(l)].attn.kind != AttentionKind::NonCausal;
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   WeightUploader up(m, m.weights);
   LoadedWeights lw = load_weights(m.def->weights(), ckpt, up);
@@ -568,7 +585,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
   // The kernels take sequences as consecutive row ranges, in order (cu_q_lens).
   StepShape shape{.T = T, .R = R, .S = S};
   int rows = 0, max_blocks = 1;
-  bool decode = true;
+  bool uniform = true;
   for (const AttnSeq& s : b.seqs) {
     KVLM_CHECK(s.q_begin == rows && s.q_len >= 1 && s.kv_len >= s.q_len,
                "the CUDA runner needs each sequence's rows right after the previous one's, q_len >= 1, kv_len >= q_len");
@@ -578,23 +595,30 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
       KVLM_CHECK(s.block_table[size_t(i)] >= 0 && s.block_table[size_t(i)] < m.num_blocks, "block id outside the KV pool");
     rows += s.q_len;
     max_blocks = std::max(max_blocks, nb);
+    uniform &= s.q_len == b.seqs.front().q_len;
     shape.max_q = std::max(shape.max_q, s.q_len);
     shape.max_kv = std::max(shape.max_kv, s.kv_len);
-    decode &= s.q_len == 1;
   }
   KVLM_CHECK(rows == T, "sequences must cover every row of the batch");
   for (const int32_t r : b.logit_rows) KVLM_CHECK(r >= 0 && r < T, "logit row out of range");
   shape.MB = max_blocks;
 
-  // A decode step that a graph can serve: pad to (B, MB) buckets.
-  bool graph = !draft && m.graphs_on && !m.poison && decode && R == T && T <= kMaxGraphBatch;
-  for (int i = 0; graph && i < R; ++i) graph = b.logit_rows[size_t(i)] == i;
+  // A step a graph can serve: padded to its graph shape (the comment at the top).
+  const int Q = shape.max_q;
+  bool graph = m.graphs_on && !m.poison && Q <= kMaxGraphQ && S <= kMaxGraphBatch &&
+               (uniform || (!draft && m.target_causal));
   if (graph) {
-    const int B = next_pow2(T), MB = next_pow2(max_blocks);
-    shape = StepShape{.T = B, .R = B, .S = B, .MB = MB, .max_q = 1, .max_kv = MB * bs};
+    const int Sp = next_pow2(S), Tp = Sp * Q;
+    int mb = 1;  // the padded key ranges' pages
+    for (const AttnSeq& s : b.seqs) mb = std::max(mb, (s.kv_len + Q - s.q_len + bs - 1) / bs);
+    mb = std::max(mb, (Q + bs - 1) / bs);
+    graph = Tp <= std::max(2 * T, 64);
+    if (graph) shape = StepShape{.T = Tp, .R = std::min(Tp, next_pow2(std::max(R, 1))), .S = Sp, .MB = next_pow2(mb),
+                                 .max_q = Q, .max_kv = next_pow2(mb) * bs};
   }
+  const Impl::GraphKey key{shape.S, shape.max_q, shape.MB, shape.R, draft};
   // The layout: a graph's own, or measured (and the arena grown to it).
-  auto git = graph ? m.graphs.find({shape.T, shape.MB}) : m.graphs.end();
+  auto git = graph ? m.graphs.find(key) : m.graphs.end();
   StepLayout lay;
   if (git != m.graphs.end()) {
     lay = git->second.layout;
@@ -615,37 +639,58 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
   int32_t* h_kvl = reinterpret_cast<int32_t*>(host + lay.kv_lens);
   BlockId* h_tab = reinterpret_cast<BlockId*>(host + lay.tables);
   int32_t* h_rows = reinterpret_cast<int32_t*>(host + lay.logit_rows);
-  std::copy(b.tokens.begin(), b.tokens.end(), h_tokens);
-  std::copy(b.positions.begin(), b.positions.end(), h_pos);
-  std::copy(b.slots.begin(), b.slots.end(), h_slots);
   std::fill_n(h_tab, size_t(shape.S) * size_t(shape.MB), BlockId(-1));
-  h_cu[0] = 0;
-  for (int s = 0; s < S; ++s) {
-    const AttnSeq& q = b.seqs[size_t(s)];
-    h_cu[s + 1] = q.q_begin + q.q_len;
-    h_kvl[s] = q.kv_len;
-    const int nb = (q.kv_len + bs - 1) / bs;
-    std::copy_n(q.block_table.begin(), nb, h_tab + size_t(s) * size_t(shape.MB));
+  if (!graph) {
+    std::copy(b.tokens.begin(), b.tokens.end(), h_tokens);
+    std::copy(b.positions.begin(), b.positions.end(), h_pos);
+    std::copy(b.slots.begin(), b.slots.end(), h_slots);
+    h_cu[0] = 0;
+    for (int s = 0; s < S; ++s) {
+      const AttnSeq& q = b.seqs[size_t(s)];
+      h_cu[s + 1] = q.q_begin + q.q_len;
+      h_kvl[s] = q.kv_len;
+      std::copy_n(q.block_table.begin(), (q.kv_len + bs - 1) / bs, h_tab + size_t(s) * size_t(shape.MB));
+    }
+    std::copy(b.logit_rows.begin(), b.logit_rows.end(), h_rows);
+  } else {
+    // Sequence s takes rows [s * Q, (s + 1) * Q): its own, then padding rows (token 0, the
+    // sequence's last position, slot -1) whose keys extend its range on page 0.
+    h_cu[0] = 0;
+    for (int s = 0; s < shape.S; ++s) {
+      const AttnSeq* q = s < S ? &b.seqs[size_t(s)] : nullptr;
+      const int own = q ? q->q_len : 0, r0 = s * Q;
+      for (int j = 0; j < Q; ++j) {
+        const bool real = j < own;
+        h_tokens[r0 + j] = real ? b.tokens[size_t(q->q_begin + j)] : 0;
+        h_pos[r0 + j] = real ? b.positions[size_t(q->q_begin + j)] : (own ? b.positions[size_t(q->q_begin + own - 1)] : 0);
+        h_slots[r0 + j] = real ? b.slots[size_t(q->q_begin + j)] : SlotId(-1);
+      }
+      h_cu[s + 1] = r0 + Q;
+      h_kvl[s] = q ? q->kv_len + Q - own : Q;
+      BlockId* tab = h_tab + size_t(s) * size_t(shape.MB);
+      const int nb = q ? (q->kv_len + bs - 1) / bs : 0, padded = (h_kvl[s] + bs - 1) / bs;
+      if (q) std::copy_n(q->block_table.begin(), nb, tab);
+      std::fill(tab + nb, tab + padded, BlockId(0));
+    }
+    // The caller's logit rows in the padded layout (row index -> sequence -> padded row).
+    for (int s = 0, r = 0; r < R; ++r) {
+      const int32_t row = b.logit_rows[size_t(r)];
+      while (s + 1 < S && row >= b.seqs[size_t(s + 1)].q_begin) ++s;
+      while (s > 0 && row < b.seqs[size_t(s)].q_begin) --s;
+      h_rows[r] = s * Q + (row - b.seqs[size_t(s)].q_begin);
+    }
+    std::fill(h_rows + R, h_rows + shape.R, 0);
   }
-  for (int i = T; i < shape.T; ++i) {  // graph padding rows, one per padding sequence
-    h_tokens[i] = 0;
-    h_pos[i] = 0;
-    h_slots[i] = -1;
-    h_cu[i + 1] = i + 1;
-    h_kvl[i] = 1;
-    h_tab[size_t(i) * size_t(shape.MB)] = 0;
-  }
-  for (int r = 0; r < shape.R; ++r) h_rows[r] = r < R ? b.logit_rows[size_t(r)] : r;
   KVLM_CUDA_CHECK(cudaMemcpyAsync(dev, host, lay.meta_bytes, cudaMemcpyHostToDevice, m.stream));
   if (m.poison) KVLM_CUDA_CHECK(cudaMemsetAsync(dev + lay.meta_bytes, 0xff, lay.total - lay.meta_bytes, m.stream));
 
   if (git != m.graphs.end()) {
     KVLM_CUDA_CHECK(cudaGraphLaunch(git->second.exec, m.stream));
-  } else if (graph && !m.graph_seen.insert({shape.T, shape.MB}).second) {
+  } else if (graph && m.graphs.size() < kMaxGraphs && !m.graph_seen.insert(key).second) {
     cudaGraph_t g = nullptr;
     KVLM_CUDA_CHECK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeRelaxed));
     try {
-      m.run_forward(shape, lay, false);
+      m.run_forward(shape, lay, draft);
     } catch (...) {
       cudaStreamEndCapture(m.stream, &g);
       if (g) cudaGraphDestroy(g);
@@ -657,7 +702,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
     const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
     cudaGraphDestroy(g);
     KVLM_CUDA_CHECK(err);
-    m.graphs.emplace(std::make_pair(shape.T, shape.MB), Impl::Graph{exec, lay});
+    m.graphs.emplace(key, Impl::Graph{exec, lay});
     KVLM_CUDA_CHECK(cudaGraphLaunch(exec, m.stream));
   } else {
     m.run_forward(shape, lay, draft);
