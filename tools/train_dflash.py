@@ -19,6 +19,8 @@ DFlashDraftModel): rotate-half RoPE at real positions, Qwen3 q/k RMSNorm, SiLU M
 
 Runs on the GPU machine (PyTorch, transformers; no network), within --seconds of training:
     python3 tools/train_dflash.py --out models/kvlm-tiny-dflash [--seconds 240]
+--init DIR continues from a drafter this script wrote (same shape; its data are regenerated
+from the same seed, its optimizer state starts afresh with a short warm-up).
 """
 import argparse
 import json
@@ -175,6 +177,7 @@ def main():
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seconds", type=float, default=240)
     ap.add_argument("--seed", type=int, default=4242)
+    ap.add_argument("--init", help="a drafter directory to continue training from")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -208,6 +211,23 @@ def main():
         for m in drafter.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
+    prior_steps, prior_seconds = 0, 0.0
+    if args.init:
+        from safetensors.torch import load_file
+        with open(os.path.join(args.init, "config.json")) as f:
+            init_cfg = json.load(f)
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "block_size", "dflash_config"):
+            if init_cfg.get(key) != cfg[key]:
+                sys.exit(f"--init {args.init}: {key} is {init_cfg.get(key)}, this run's is {cfg[key]}")
+        state = {k.replace(".self_attn", "").replace(".mlp", ""): v.float()
+                 for k, v in load_file(os.path.join(args.init, "model.safetensors")).items()}
+        drafter.load_state_dict(state)
+        log_path = os.path.join(args.init, "train_log.json")
+        if os.path.exists(log_path):
+            with open(log_path) as f:
+                prior = json.load(f)
+            prior_steps, prior_seconds = prior.get("total_steps", prior["steps"]), prior.get("total_seconds", prior["seconds"])
+        print(f"continuing from {args.init}", flush=True)
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01)
@@ -280,7 +300,8 @@ def main():
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     log = {"steps": step, "seconds": time.time() - start, "sequences": len(seqs), "args": vars(args),
-           "held_out_accepted_per_anchor": sum(accs) / len(accs)}
+           "held_out_accepted_per_anchor": sum(accs) / len(accs),
+           "total_steps": prior_steps + step, "total_seconds": prior_seconds + time.time() - start}
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(log, f, indent=2)
     print(f"wrote {args.out} after {step} steps", flush=True)
