@@ -16,26 +16,27 @@
 // offsets.
 //
 // CUDA graphs: a step whose sequences have at most 32 query rows each (decode: one; a
-// speculative verification: the last token and its draft; a drafter's blocks; a short prompt)
-// is padded to a graph shape and the kernels of that shape are captured once and replayed:
-//   S sequences -> a power-of-two S' (padding sequences), every sequence -> Q rows, Q the
-//   step's longest (rows after a sequence's own: slot -1, nothing stored; its key range grows
-//   by as many keys, on page 0, that only those rows can see under the causal mask), block
-//   tables -> a power-of-two stride MB, R logit rows -> a power of two R' <= S' * Q.
-// Everything a graph bakes in is a function of (S', Q, MB, R', target or drafter pass): buffer
-// addresses (the arena is carved deterministically from the shape and only grows, which
-// drops every graph), the attention kernel and split count (planned for max_q_len = Q and
-// max_kv_len = MB * block_size; the kernels read each sequence's true rows and key range from
-// cu_q_lens and kv_lens in memory), GEMM shapes (and their tuned algorithms, chosen in the
-// eager run before capture); which rows are logit rows is read from memory too. Padding
-// sequences have Q rows with slot -1, kv_len Q and page 0 in their table (a valid page: read,
-// never used); the logits of padding rows are computed and dropped. Rows are padded inside a
-// sequence only where every layer that attends is causal or sliding (a drafter's non-causal
-// blocks are padded only when every block has the same length, as they always do), and a step
-// is padded only when the padded rows are at most twice its own (or 64): a batch of one-row
-// decodes with one long draft runs eagerly rather than as S' * Q rows. A shape runs eagerly
-// the first time it is seen (warming cuBLASLt's heuristics and the kernels' one-time
-// attributes) and is captured the second time; at most 512 graphs are kept (then eager).
+// speculative verification: the last token and its draft; a drafter's blocks; short prompts
+// beside decodes) runs as a graph of its shape, captured once and replayed. The shape: S
+// sequences of Q rows at most (T rows in all), a block-table stride MB (the longest table,
+// to a power of two), R logit rows (to a power of two, at most T), target or drafter pass.
+// When every sequence has Q rows (decode, verification of equal drafts, drafter blocks), S
+// is padded to a power of two with padding sequences of Q rows, so a batch that grows or
+// shrinks reuses a few graphs; when the sequences' rows differ (drafts of different
+// lengths, a short prompt), S and T are kept as they are (padding the rows would cost
+// GEMM work for every sequence; a vLLM-style padding of the token count would need
+// zero-row sequences the kernels do not take).
+// Everything a graph bakes in is a function of that key: buffer addresses (the arena is
+// carved deterministically from the shape and only grows, which drops every graph), the
+// attention kernel and split count (planned for max_q_len = Q and max_kv_len = MB *
+// block_size; the kernels read each sequence's rows and key range from cu_q_lens and kv_lens
+// in memory), GEMM shapes (and their tuned algorithms, chosen in the eager run before
+// capture); which rows are logit rows is read from memory too. Padding sequences have Q rows
+// with slot -1 (nothing stored), kv_len Q and page 0 in their table (a valid page: read,
+// never used); padding logit rows are computed and dropped. A shape runs eagerly the first
+// time it is seen (warming cuBLASLt's heuristics and the kernels' one-time attributes) and
+// is captured the second time; at most 512 graphs are kept, the least recently used dropped
+// first.
 #include "model/cuda/cuda_runner.h"
 
 #include <algorithm>
@@ -203,15 +204,16 @@ struct CudaModelRunner::Impl {
   cuda::SampleRowParams* sample = nullptr;  // the last step's per-row sampling parameters
   std::vector<cudaEvent_t> copy_events;     // forward's chunked logits copy
   bool graphs_on = true;
-  bool target_causal = true;  // every target layer causal or sliding: rows may be padded inside a sequence
   struct Graph {
     cudaGraphExec_t exec = nullptr;
     StepLayout layout;
+    uint64_t last_used = 0;
   };
-  // A graph's shape: padded sequences, rows per sequence, block-table stride, logit rows, and
-  // whether it is the drafter's pass.
-  using GraphKey = std::tuple<int, int, int, int, bool>;
-  std::set<GraphKey> graph_seen;      // run once eagerly
+  uint64_t graph_clock = 0;
+  // A graph's shape: sequences, rows per sequence (the most), rows, block-table stride, logit
+  // rows, and whether it is the drafter's pass.
+  using GraphKey = std::tuple<int, int, int, int, int, bool>;
+  std::set<GraphKey> graph_seen;      // run once eagerly (forgotten past 4 * kMaxGraphs keys)
   std::map<GraphKey, Graph> graphs;  // captured
 
   ~Impl() {
@@ -368,7 +370,6 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
       throw Error("the CUDA runner runs every layer on the 'cuda' attention backend, but " + describe_layer(l) +
                   " was assigned '" + l.backend + "'");
   m.def = make_model_definition(cfg_);
-  for (int l = 0; l < cfg_.num_layers; ++l) m.target_causal &= plan.layers[size_t(l)].attn.kind != AttentionKind::NonCausal;
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   WeightUploader up(m, m.weights);
   LoadedWeights lw = load_weights(m.def->weights(), ckpt, up);
@@ -605,18 +606,14 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
 
   // A step a graph can serve: padded to its graph shape (the comment at the top).
   const int Q = shape.max_q;
-  bool graph = m.graphs_on && !m.poison && Q <= kMaxGraphQ && S <= kMaxGraphBatch &&
-               (uniform || (!draft && m.target_causal));
+  const bool graph = m.graphs_on && !m.poison && Q <= kMaxGraphQ && S <= kMaxGraphBatch;
   if (graph) {
-    const int Sp = next_pow2(S), Tp = Sp * Q;
-    int mb = 1;  // the padded key ranges' pages
-    for (const AttnSeq& s : b.seqs) mb = std::max(mb, (s.kv_len + Q - s.q_len + bs - 1) / bs);
-    mb = std::max(mb, (Q + bs - 1) / bs);
-    graph = Tp <= std::max(2 * T, 64);
-    if (graph) shape = StepShape{.T = Tp, .R = std::min(Tp, next_pow2(std::max(R, 1))), .S = Sp, .MB = next_pow2(mb),
-                                 .max_q = Q, .max_kv = next_pow2(mb) * bs};
+    const int Sp = uniform ? next_pow2(S) : S, Tp = uniform ? Sp * Q : T;
+    const int mb = next_pow2(std::max(max_blocks, (Q + bs - 1) / bs));  // padding sequences read ceil(Q / bs) pages
+    shape = StepShape{.T = Tp, .R = std::min(Tp, next_pow2(std::max(R, 1))), .S = Sp, .MB = mb, .max_q = Q,
+                      .max_kv = mb * bs};
   }
-  const Impl::GraphKey key{shape.S, shape.max_q, shape.MB, shape.R, draft};
+  const Impl::GraphKey key{shape.S, shape.max_q, shape.T, shape.MB, shape.R, draft};
   // The layout: a graph's own, or measured (and the arena grown to it).
   auto git = graph ? m.graphs.find(key) : m.graphs.end();
   StepLayout lay;
@@ -640,53 +637,43 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
   BlockId* h_tab = reinterpret_cast<BlockId*>(host + lay.tables);
   int32_t* h_rows = reinterpret_cast<int32_t*>(host + lay.logit_rows);
   std::fill_n(h_tab, size_t(shape.S) * size_t(shape.MB), BlockId(-1));
-  if (!graph) {
-    std::copy(b.tokens.begin(), b.tokens.end(), h_tokens);
-    std::copy(b.positions.begin(), b.positions.end(), h_pos);
-    std::copy(b.slots.begin(), b.slots.end(), h_slots);
-    h_cu[0] = 0;
-    for (int s = 0; s < S; ++s) {
-      const AttnSeq& q = b.seqs[size_t(s)];
-      h_cu[s + 1] = q.q_begin + q.q_len;
-      h_kvl[s] = q.kv_len;
-      std::copy_n(q.block_table.begin(), (q.kv_len + bs - 1) / bs, h_tab + size_t(s) * size_t(shape.MB));
-    }
-    std::copy(b.logit_rows.begin(), b.logit_rows.end(), h_rows);
-  } else {
-    // Sequence s takes rows [s * Q, (s + 1) * Q): its own, then padding rows (token 0, the
-    // sequence's last position, slot -1) whose keys extend its range on page 0.
-    h_cu[0] = 0;
-    for (int s = 0; s < shape.S; ++s) {
-      const AttnSeq* q = s < S ? &b.seqs[size_t(s)] : nullptr;
-      const int own = q ? q->q_len : 0, r0 = s * Q;
-      for (int j = 0; j < Q; ++j) {
-        const bool real = j < own;
-        h_tokens[r0 + j] = real ? b.tokens[size_t(q->q_begin + j)] : 0;
-        h_pos[r0 + j] = real ? b.positions[size_t(q->q_begin + j)] : (own ? b.positions[size_t(q->q_begin + own - 1)] : 0);
-        h_slots[r0 + j] = real ? b.slots[size_t(q->q_begin + j)] : SlotId(-1);
-      }
-      h_cu[s + 1] = r0 + Q;
-      h_kvl[s] = q ? q->kv_len + Q - own : Q;
-      BlockId* tab = h_tab + size_t(s) * size_t(shape.MB);
-      const int nb = q ? (q->kv_len + bs - 1) / bs : 0, padded = (h_kvl[s] + bs - 1) / bs;
-      if (q) std::copy_n(q->block_table.begin(), nb, tab);
-      std::fill(tab + nb, tab + padded, BlockId(0));
-    }
-    // The caller's logit rows in the padded layout (row index -> sequence -> padded row).
-    for (int s = 0, r = 0; r < R; ++r) {
-      const int32_t row = b.logit_rows[size_t(r)];
-      while (s + 1 < S && row >= b.seqs[size_t(s + 1)].q_begin) ++s;
-      while (s > 0 && row < b.seqs[size_t(s)].q_begin) --s;
-      h_rows[r] = s * Q + (row - b.seqs[size_t(s)].q_begin);
-    }
-    std::fill(h_rows + R, h_rows + shape.R, 0);
+  std::copy(b.tokens.begin(), b.tokens.end(), h_tokens);
+  std::copy(b.positions.begin(), b.positions.end(), h_pos);
+  std::copy(b.slots.begin(), b.slots.end(), h_slots);
+  h_cu[0] = 0;
+  for (int s = 0; s < S; ++s) {
+    const AttnSeq& q = b.seqs[size_t(s)];
+    h_cu[s + 1] = q.q_begin + q.q_len;
+    h_kvl[s] = q.kv_len;
+    std::copy_n(q.block_table.begin(), (q.kv_len + bs - 1) / bs, h_tab + size_t(s) * size_t(shape.MB));
   }
+  // Padding sequences (a graph's): Q rows each of token 0 at position 0, nothing stored, Q
+  // keys on page 0.
+  for (int s = S; s < shape.S; ++s) {
+    const int r0 = T + (s - S) * Q;
+    std::fill_n(h_tokens + r0, Q, TokenId(0));
+    std::fill_n(h_pos + r0, Q, Position(0));
+    std::fill_n(h_slots + r0, Q, SlotId(-1));
+    h_cu[s + 1] = r0 + Q;
+    h_kvl[s] = Q;
+    std::fill_n(h_tab + size_t(s) * size_t(shape.MB), (Q + bs - 1) / bs, BlockId(0));
+  }
+  std::copy(b.logit_rows.begin(), b.logit_rows.end(), h_rows);
+  std::fill(h_rows + R, h_rows + shape.R, 0);  // padding logit rows: computed, dropped
   KVLM_CUDA_CHECK(cudaMemcpyAsync(dev, host, lay.meta_bytes, cudaMemcpyHostToDevice, m.stream));
   if (m.poison) KVLM_CUDA_CHECK(cudaMemsetAsync(dev + lay.meta_bytes, 0xff, lay.total - lay.meta_bytes, m.stream));
 
+  if (graph && git == m.graphs.end() && m.graph_seen.size() >= 4 * kMaxGraphs) m.graph_seen.clear();
   if (git != m.graphs.end()) {
+    git->second.last_used = ++m.graph_clock;
     KVLM_CUDA_CHECK(cudaGraphLaunch(git->second.exec, m.stream));
-  } else if (graph && m.graphs.size() < kMaxGraphs && !m.graph_seen.insert(key).second) {
+  } else if (graph && !m.graph_seen.insert(key).second) {
+    if (m.graphs.size() >= kMaxGraphs) {  // drop the least recently used
+      auto lru = std::ranges::min_element(m.graphs, {}, [](const auto& kv) { return kv.second.last_used; });
+      KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // it may be the one still running
+      KVLM_CUDA_CHECK(cudaGraphExecDestroy(lru->second.exec));
+      m.graphs.erase(lru);
+    }
     cudaGraph_t g = nullptr;
     KVLM_CUDA_CHECK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeRelaxed));
     try {
@@ -702,7 +689,7 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
     const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
     cudaGraphDestroy(g);
     KVLM_CUDA_CHECK(err);
-    m.graphs.emplace(key, Impl::Graph{exec, lay});
+    m.graphs.emplace(key, Impl::Graph{exec, lay, ++m.graph_clock});
     KVLM_CUDA_CHECK(cudaGraphLaunch(exec, m.stream));
   } else {
     m.run_forward(shape, lay, draft);
