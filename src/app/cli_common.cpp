@@ -33,9 +33,12 @@ void ModelFlags::add_to(CLI::App& cmd) {
 
 void ModelFlags::add_speculative_to(CLI::App& cmd) {
   cmd.add_option("--speculative-config", speculative_config,
-                 "speculative decoding, as JSON with vLLM's keys: "
+                 "speculative decoding, as JSON with vLLM's keys (the output is unchanged): "
                  R"({"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":5,"prompt_lookup_min":2})"
-                 " (proposes what followed the last tokens' earlier occurrence; the output is unchanged)");
+                 " proposes what followed the last tokens' earlier occurrence; "
+                 R"({"method":"dflash","model":DIR,"num_speculative_tokens":7})"
+                 " drafts blocks with a DFlash drafter model (optional \"kv_cache_dtype\" for its layers); either "
+                 "takes \"disable_by_batch_size\": N (no drafting while more than N sequences run)");
 }
 
 std::filesystem::path default_model_dir() {

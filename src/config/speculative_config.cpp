@@ -17,9 +17,10 @@ namespace {
 constexpr std::string_view kWhere = "--speculative-config";
 constexpr std::array<std::string_view, 2> kMethods{"ngram", "dflash"};
 // The keys each method takes (vLLM's names).
-constexpr std::array<std::string_view, 4> kNgramKeys{"method", "num_speculative_tokens", "prompt_lookup_max",
-                                                     "prompt_lookup_min"};
-constexpr std::array<std::string_view, 4> kDFlashKeys{"method", "model", "num_speculative_tokens", "kv_cache_dtype"};
+constexpr std::array<std::string_view, 5> kNgramKeys{"method", "num_speculative_tokens", "prompt_lookup_max",
+                                                     "prompt_lookup_min", "disable_by_batch_size"};
+constexpr std::array<std::string_view, 5> kDFlashKeys{"method", "model", "num_speculative_tokens", "kv_cache_dtype",
+                                                      "disable_by_batch_size"};
 
 template <size_t N>
 std::string join(const std::array<std::string_view, N>& a) {
@@ -59,6 +60,12 @@ SpeculativeConfig parse_speculative_config(std::string_view text) {
   if (*k < 1 || *k > 64)
     throw Error(std::string(kWhere) + ": num_speculative_tokens must be between 1 and 64, got " + std::to_string(*k));
   c.num_speculative_tokens = int(*k);
+  if (const auto n = opt_int(j, "disable_by_batch_size", kWhere)) {
+    if (*n < 1)
+      throw Error(std::string(kWhere) + ": disable_by_batch_size must be at least 1 (the running sequences above "
+                                        "which drafting pauses), got " + std::to_string(*n));
+    c.disable_by_batch_size = int(std::min<int64_t>(*n, 1 << 30));
+  }
   if (c.method == SpecMethod::Ngram) {
     auto lo = opt_int(j, "prompt_lookup_min", kWhere), hi = opt_int(j, "prompt_lookup_max", kWhere);
     if (!lo && !hi) lo = hi = 5;
@@ -86,6 +93,8 @@ std::string describe(const SpeculativeConfig& c) {
     s += ", n-grams of " + std::to_string(c.prompt_lookup_min) + " to " + std::to_string(c.prompt_lookup_max) + " tokens";
   else
     s += ", drafter " + c.model;
+  if (c.disable_by_batch_size > 0)
+    s += ", paused above " + std::to_string(c.disable_by_batch_size) + " running sequences";
   return s;
 }
 

@@ -4,6 +4,9 @@
 //
 //   {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}
 //   {"method": "dflash", "model": DIR, "num_speculative_tokens": K, "kv_cache_dtype": "fp8"}
+// Either method also takes "disable_by_batch_size": N (drafting pauses for a step while more
+// than N sequences are running: at large batches a step is no longer bound by reading the
+// weights, and verifying drafts costs more than it gains).
 #pragma once
 
 #include <optional>
@@ -29,6 +32,7 @@ struct SpeculativeConfig {
   // target's cache options, skip rules included).
   std::string model;
   std::optional<KVCacheDType> kv_cache_dtype;
+  int disable_by_batch_size = 0;  // 0: draft at every batch size
 };
 
 // Parses the flag's JSON text. Throws kvlm::Error naming the key and the valid values.

@@ -47,6 +47,7 @@ LLMEngine::LLMEngine(LoadedModel& model, SchedulerConfig cfg)
     proposer_ = std::make_unique<DFlashProposer>(model.model(), model.block_size(), d->dflash->block_size,
                                                  d->dflash->mask_token_id, spec->num_speculative_tokens);
   }
+  if (const auto& spec = model.speculative()) draft_max_running_ = spec->disable_by_batch_size;
 }
 
 LLMEngine::~LLMEngine() = default;
@@ -198,9 +199,11 @@ bool LLMEngine::step() {
 void LLMEngine::propose() {
   decoding_.clear();
   max_draft_.clear();
+  const bool paused = draft_max_running_ > 0 && scheduler_.num_running() > draft_max_running_;
   for (const auto& sp : scheduler_.running()) {
     Sequence& s = *sp;
     s.draft.clear();
+    if (paused) continue;
     if (s.finished || s.num_computed != int(s.tokens.size()) - 1) continue;
     const int room = std::min(s.req.max_tokens - s.num_output(), cfg_.max_model_len - int(s.tokens.size())) - 1;
     if (room <= 0) continue;

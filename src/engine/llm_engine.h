@@ -43,8 +43,13 @@ class LLMEngine {
   bool is_live(const std::string& id) const { return live_.count(id) != 0; }
 
   // Speculative decoding: `p` proposes drafts for decoding sequences every step (nullptr:
-  // none). Outputs are the same as without it; only the number of steps changes.
-  void set_proposer(std::unique_ptr<DraftProposer> p) { proposer_ = std::move(p); }
+  // none), except in steps that start with more than `disable_by_batch_size` sequences
+  // running (0: every step). Outputs are the same as without it; only the number of steps
+  // changes.
+  void set_proposer(std::unique_ptr<DraftProposer> p, int disable_by_batch_size = 0) {
+    proposer_ = std::move(p);
+    draft_max_running_ = disable_by_batch_size;
+  }
 
   EngineStats stats() const;
   // Called with fresh stats after each step's bookkeeping and before its outputs are
@@ -70,6 +75,7 @@ class LLMEngine {
   std::vector<std::string> aborts_;
   std::function<void(const EngineStats&)> listener_;
   std::unique_ptr<DraftProposer> proposer_;
+  int draft_max_running_ = 0;  // --speculative-config disable_by_batch_size
   std::vector<Sequence*> decoding_;  // per-step scratch for the proposer
   std::vector<int> max_draft_;
 };

@@ -311,6 +311,9 @@ async def main_async():
         totals = {"prompt": 0, "completion": 0, "requests": 0, "failures": 0, "mismatches": 0}
         for r in range(args.rounds):
             dt, failures, mismatches, pt, ct = await run_round(srv, client, prompts, refs, r)
+            if args.aborts:  # the server ends an aborted request (and its connection) when it notices
+                settle(srv)
+                await asyncio.sleep(0.5)
             rss.append(srv.rss_kib())
             totals["prompt"] += pt
             totals["completion"] += ct
@@ -318,7 +321,7 @@ async def main_async():
             totals["failures"] += len(failures)
             totals["mismatches"] += mismatches
             m = srv.metrics()
-            heap.append(metric(m, "kvlm:heap_in_use_bytes") / 1024)
+            heap.append(metric(m, "kvlm:heap_in_use_bytes") / 1024)  # after the round, its aborts included
             print(f"round {r}: {args.clients} clients in {dt:.1f} s, {ct} tokens out, failures {len(failures)}, "
                   f"mismatches {mismatches}, preemptions so far {int(metric(m, 'kvlm:num_preemptions_total'))}, "
                   f"RSS {rss[-1] / 1024:.1f} MiB, heap in use {metric(m, 'kvlm:heap_in_use_bytes') / 2**20:.2f} MiB, "

@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "config/speculative_config.h"
 #include "core/error.h"
 #include "offline/generate.h"
 #include "offline/score.h"
@@ -623,6 +624,44 @@ TEST(Scheduler, SpeculativeStepsGiveThePlainOutputs) {
     const auto tight = run(std::make_unique<ScriptedProposer>(script, 4, vocab), 14, nullptr);
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(tight[i].tokens, plain[i].tokens) << "request " << i;
   }
+}
+
+namespace {
+
+// Records how many sequences each propose() call saw, then drafts nothing.
+class CountingProposer final : public DraftProposer {
+ public:
+  explicit CountingProposer(std::vector<size_t>& calls) : calls_(calls) {}
+  void propose(std::span<Sequence* const> seqs, std::span<const int>) override { calls_.push_back(seqs.size()); }
+
+ private:
+  std::vector<size_t>& calls_;
+};
+
+}  // namespace
+
+// disable_by_batch_size (vLLM's key): while more sequences run than the limit, nothing is
+// proposed; once the batch shrinks to it, drafting resumes.
+TEST(Scheduler, DraftingPausesAboveTheBatchSizeLimit) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::mt19937 rng(5);
+  const int vocab = e->config().vocab_size;
+  for (const int limit : {0, 1, 2}) {
+    std::vector<size_t> calls;
+    std::map<std::string, Collected> out;
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 96,
+                                     .enable_prefix_caching = true, .num_blocks = 64});
+    le.set_proposer(std::make_unique<CountingProposer>(calls), limit);
+    for (int i = 0; i < 4; ++i) le.add_request(make("r" + std::to_string(i), random_prompt(rng, 6, vocab), 4 + 6 * i, out));
+    run_to_end(le);
+    ASSERT_FALSE(calls.empty()) << "limit " << limit;
+    const size_t most = *std::ranges::max_element(calls);
+    if (limit == 0) EXPECT_EQ(most, 4u) << "no limit: every decoding sequence is offered to the proposer";
+    else EXPECT_LE(most, size_t(limit)) << "proposals while more than " << limit << " sequences ran";
+  }
+  const SpeculativeConfig c =
+      parse_speculative_config(R"({"method":"ngram","num_speculative_tokens":3,"disable_by_batch_size":16})");
+  EXPECT_EQ(c.disable_by_batch_size, 16);
 }
 
 namespace {

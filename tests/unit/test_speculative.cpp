@@ -43,6 +43,10 @@ TEST(SpeculativeConfig, ParsesVllmKeysWithItsDefaults) {
   EXPECT_EQ(c.model, "/m");
   ASSERT_TRUE(c.kv_cache_dtype.has_value());
   EXPECT_EQ(*c.kv_cache_dtype, KVCacheDType::Fp8);
+  EXPECT_EQ(c.disable_by_batch_size, 0);
+  c = parse_speculative_config(R"({"method":"dflash","model":"/m","num_speculative_tokens":7,"disable_by_batch_size":8})");
+  EXPECT_EQ(c.disable_by_batch_size, 8);
+  EXPECT_EQ(describe(c), "dflash, 7 tokens, drafter /m, paused above 8 running sequences");
 }
 
 TEST(SpeculativeConfig, MistakesNameTheKeyAndTheValidValues) {
@@ -55,7 +59,8 @@ TEST(SpeculativeConfig, MistakesNameTheKeyAndTheValidValues) {
   expect_error(R"({"method":"ngram","num_speculative_tokens":"4"})", "must be an integer");
   expect_error(R"({"method":"ngram","num_speculative_tokens":4,"model":"x"})",
                "unknown key 'model' for method ngram; valid keys are: method, num_speculative_tokens, prompt_lookup_max, "
-               "prompt_lookup_min");
+               "prompt_lookup_min, disable_by_batch_size");
+  expect_error(R"({"method":"ngram","num_speculative_tokens":4,"disable_by_batch_size":0})", "at least 1");
   expect_error(R"({"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":3,"prompt_lookup_max":2})",
                "prompt_lookup_min <= prompt_lookup_max");
   expect_error(R"({"method":"dflash","num_speculative_tokens":4})", "needs \"model\"");
