@@ -6,12 +6,16 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "cuda_test_util.h"
 #include "model/cuda/cuda_runner.h"
 #include "model/loaded_model.h"
 #include "offline/generate.h"
 #include "offline/score.h"
+#include "text/text_processor.h"
 #include "../support/random_drafter.h"
 
 namespace kvlm {
@@ -133,6 +137,64 @@ TEST(CudaDFlash, DraftedGreedyIsPlainGreedy) {
                 (unsigned long long)b.drafts, (unsigned long long)b.accepted_tokens, (unsigned long long)b.draft_tokens);
   }
   fs::remove_all(D.dir);
+}
+
+// The bundled, trained drafter on the bundled task prompts, BF16 and FP8 caches: drafted
+// greedy answers (to EOS) against plain greedy answers on the GPU. Every divergence must be at
+// a near-tie of the target (the two tokens' logits within 0.05 of the top one, teacher-forced
+// on the plain run's tokens; the issue's report asks how many are below 1e-3): counted, and
+// printed with their margins.
+TEST(CudaDFlash, TrainedDrafterKeepsTheTaskAnswers) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const fs::path drafter = fs::path(KVLM_SOURCE_DIR) / "models" / "kvlm-tiny-dflash";
+  const TextProcessor text = TextProcessor::load(kTiny);
+  std::vector<std::vector<TokenId>> prompts;
+  std::ifstream in(kTiny / "eval" / "arithmetic.jsonl");
+  for (std::string line; prompts.size() < 32 && std::getline(in, line);)
+    prompts.push_back(text.encode_prompt(nlohmann::json::parse(line)["prompt"].get<std::string>()));
+  ASSERT_EQ(prompts.size(), 32u);
+  for (const KVCacheDType dt : {KVCacheDType::Auto, KVCacheDType::Fp8PerTokenHead}) {
+    SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
+    ModelOptions o = options(Device::Cuda, dt, nullptr);
+    auto plain = LoadedModel::load(o);
+    o.speculative = parse_speculative_config(R"({"method":"dflash","model":")" + drafter.string() +
+                                             R"(","num_speculative_tokens":7})");
+    auto spec = LoadedModel::load(o);
+    int same = 0, ties = 0, below_1e3 = 0;
+    uint64_t drafts = 0, accepted = 0;
+    for (const auto& p : prompts) {
+      GenerateRequest g;
+      g.prompt = p;
+      g.max_tokens = 96;
+      g.sampling.temperature = 0;
+      const GenerateResult a = generate(*plain, g), b = generate(*spec, g);
+      drafts += b.drafts;
+      accepted += b.accepted_tokens;
+      const auto diff = std::ranges::mismatch(a.tokens, b.tokens);
+      if (diff.in1 == a.tokens.end() && diff.in2 == b.tokens.end()) {
+        ++same;
+        continue;
+      }
+      ASSERT_TRUE(diff.in1 != a.tokens.end() && diff.in2 != b.tokens.end()) << "one answer is a prefix of the other";
+      const size_t i = size_t(diff.in1 - a.tokens.begin());
+      std::vector<TokenId> ctx = p;
+      ctx.insert(ctx.end(), a.tokens.begin(), a.tokens.begin() + std::ptrdiff_t(i));
+      const std::vector<float> all = all_logits(*plain, ctx, 64);
+      const std::span<const float> row = std::span<const float>(all).last(1911);
+      const float top = *std::ranges::max_element(row);
+      const float gap = std::max(top - row[size_t(a.tokens[i])], top - row[size_t(b.tokens[i])]);
+      ++ties;
+      below_1e3 += gap < 1e-3f;
+      std::printf("[cuda-dflash] %-20s divergence at output %zu: plain %d, drafted %d, top-2 margin %.4f\n",
+                  std::string(kv_cache_dtype_name(dt)).c_str(), i, a.tokens[i], b.tokens[i], gap);
+      EXPECT_LT(gap, 0.05f) << "a drafted answer left the target's greedy path away from a near-tie";
+    }
+    std::printf("[cuda-dflash] %-20s trained drafter, 32 task prompts: %d identical, %d diverge at near-ties "
+                "(%d with a margin below 1e-3); mean acceptance length %.2f\n",
+                std::string(kv_cache_dtype_name(dt)).c_str(), same, ties, below_1e3,
+                drafts ? 1.0 + double(accepted) / double(drafts) : 0.0);
+    EXPECT_GT(accepted, 2 * drafts) << "the trained drafter should average over 3 tokens per step here";
+  }
 }
 
 }  // namespace
