@@ -1,0 +1,207 @@
+// GGUF reading (io/gguf.h): files written here byte by byte — metadata of every value type,
+// nested arrays, tensors of several block types with alignment padding — parsed back; then
+// every damage a file can have (each truncation, bad magic and versions, counts past the
+// end, misaligned or overlapping tensors, unknown types) gives an error, never a crash.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "io/gguf.h"
+
+namespace kvlm {
+namespace {
+
+// Builds a GGUF file in memory.
+class Writer {
+ public:
+  template <class T>
+  Writer& pod(T v) {
+    const auto* p = reinterpret_cast<const uint8_t*>(&v);
+    b.insert(b.end(), p, p + sizeof v);
+    return *this;
+  }
+  Writer& str(const std::string& s) {
+    pod<uint64_t>(s.size());
+    b.insert(b.end(), s.begin(), s.end());
+    return *this;
+  }
+  Writer& key(const std::string& k, GGUFType t) {
+    str(k);
+    return pod<uint32_t>(uint32_t(t));
+  }
+  Writer& tensor(const std::string& name, std::vector<uint64_t> ne, GGMLType type, uint64_t offset) {
+    str(name);
+    pod<uint32_t>(uint32_t(ne.size()));
+    for (uint64_t n : ne) pod<uint64_t>(n);
+    pod<uint32_t>(uint32_t(type));
+    return pod<uint64_t>(offset);
+  }
+  void pad_to(size_t align) {
+    while (b.size() % align) b.push_back(0);
+  }
+  std::vector<uint8_t> b;
+};
+
+// A valid file: metadata of every type, then a Q8_0 [2][64] matrix (2 blocks of 34 bytes a
+// row) and an F32 vector of 3, alignment 64.
+std::vector<uint8_t> sample() {
+  Writer w;
+  w.b = {'G', 'G', 'U', 'F'};
+  w.pod<uint32_t>(3).pod<uint64_t>(2).pod<uint64_t>(13);
+  w.key("general.architecture", GGUFType::String).str("llama");
+  w.key("general.alignment", GGUFType::Uint32).pod<uint32_t>(64);
+  w.key("llama.block_count", GGUFType::Uint32).pod<uint32_t>(30);
+  w.key("llama.rope.freq_base", GGUFType::Float32).pod<float>(100000.0f);
+  w.key("a.i8", GGUFType::Int8).pod<int8_t>(-5);
+  w.key("a.u16", GGUFType::Uint16).pod<uint16_t>(65000);
+  w.key("a.i64", GGUFType::Int64).pod<int64_t>(-1234567890123);
+  w.key("a.f64", GGUFType::Float64).pod<double>(0.125);
+  w.key("a.bool", GGUFType::Bool).pod<uint8_t>(1);
+  w.key("tokenizer.ggml.tokens", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(3);
+  w.str("<s>").str("hello").str("");
+  w.key("tokenizer.ggml.scores", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::Float32)).pod<uint64_t>(3);
+  w.pod<float>(0.0f).pod<float>(-1.5f).pod<float>(2.0f);
+  w.key("tokenizer.ggml.token_type", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::Int32)).pod<uint64_t>(3);
+  w.pod<int32_t>(3).pod<int32_t>(1).pod<int32_t>(6);
+  // An array of arrays (kept as a count only).
+  w.key("a.nested", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::Array)).pod<uint64_t>(2);
+  w.pod<uint32_t>(uint32_t(GGUFType::Uint8)).pod<uint64_t>(2).pod<uint8_t>(1).pod<uint8_t>(2);
+  w.pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(1).str("x");
+  w.tensor("blk.0.attn_q.weight", {64, 2}, GGMLType::Q8_0, 0);
+  w.tensor("output_norm.weight", {3}, GGMLType::F32, 192);  // Q8_0 [2][64] is 4 x 34 bytes, aligned up to 192
+  w.pad_to(64);
+  const size_t data = w.b.size();
+  for (int i = 0; i < 136; ++i) w.b.push_back(uint8_t(i));
+  w.b.resize(data + 192, 0);
+  w.pod<float>(1.0f).pod<float>(2.0f).pod<float>(3.0f);
+  return w.b;
+}
+
+GGUFHeader parse(const std::vector<uint8_t>& b) { return parse_gguf(b, "test.gguf"); }
+
+void expect_error(const std::vector<uint8_t>& b, const std::string& needle) {
+  try {
+    parse(b);
+    ADD_FAILURE() << "accepted a damaged file (wanted: " << needle << ")";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(GGUF, ParsesMetadataAndTensors) {
+  const auto b = sample();
+  const GGUFHeader h = parse(b);
+  EXPECT_EQ(h.version, 3u);
+  EXPECT_EQ(h.alignment, 64u);
+  EXPECT_EQ(h.data_start % 64, 0u);
+  ASSERT_EQ(h.metadata.size(), 13u);
+  EXPECT_EQ(h.get_string("general.architecture"), "llama");
+  EXPECT_EQ(h.get_int("llama.block_count"), 30);
+  EXPECT_EQ(h.get_float("llama.rope.freq_base"), 100000.0);
+  EXPECT_EQ(h.get_float("llama.block_count"), 30.0);  // integers widen to floats
+  EXPECT_EQ(h.get_int("a.i8"), -5);
+  EXPECT_EQ(h.get_int("a.u16"), 65000);
+  EXPECT_EQ(h.get_int("a.i64"), -1234567890123);
+  EXPECT_EQ(h.get_float("a.f64"), 0.125);
+  EXPECT_EQ(h.get_bool("a.bool"), true);
+  EXPECT_EQ(h.get_strings("tokenizer.ggml.tokens"), (std::vector<std::string>{"<s>", "hello", ""}));
+  EXPECT_EQ(h.get_numbers("tokenizer.ggml.scores"), (std::vector<double>{0.0, -1.5, 2.0}));
+  EXPECT_EQ(h.get_numbers("tokenizer.ggml.token_type"), (std::vector<double>{3, 1, 6}));
+  const GGUFValue* nested = h.find("a.nested");
+  ASSERT_NE(nested, nullptr);
+  EXPECT_EQ(nested->elem, GGUFType::Array);
+  EXPECT_EQ(nested->count, 2u);
+  EXPECT_FALSE(h.get_int("absent").has_value());
+  EXPECT_THROW(h.get_int("general.architecture"), Error);  // a string asked for as an integer
+  EXPECT_THROW(h.get_strings("tokenizer.ggml.scores"), Error);
+
+  ASSERT_EQ(h.tensors.size(), 2u);
+  const GGUFTensorInfo* q = h.find_tensor("blk.0.attn_q.weight");
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(ggml_type_name(q->type), "Q8_0");
+  EXPECT_EQ(q->shape, (std::vector<int64_t>{2, 64}));  // [rows][cols]: ne reversed
+  EXPECT_EQ(q->bytes, 136u);
+  EXPECT_EQ(q->numel(), 128);
+  const GGUFTensorInfo* n = h.find_tensor("output_norm.weight");
+  ASSERT_NE(n, nullptr);
+  EXPECT_EQ(n->bytes, 12u);
+  float v[3];
+  std::memcpy(v, b.data() + h.data_start + n->offset, sizeof v);
+  EXPECT_EQ(v[2], 3.0f);
+}
+
+TEST(GGUF, MappedFileGivesTheTensorBytes) {
+  const auto b = sample();
+  const auto path = std::filesystem::temp_directory_path() / ("kvlm-test-" + std::to_string(::getpid()) + ".gguf");
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+  {
+    GGUFFile f(path);
+    const GGUFTensorInfo* q = f.header().find_tensor("blk.0.attn_q.weight");
+    ASSERT_NE(q, nullptr);
+    const auto d = f.data(*q);
+    ASSERT_EQ(d.size(), 136u);
+    EXPECT_EQ(d[135], 135);
+  }
+  std::filesystem::remove(path);
+  EXPECT_THROW(GGUFFile(std::filesystem::temp_directory_path() / "kvlm-no-such-file.gguf"), Error);
+}
+
+TEST(GGUF, EveryTruncationIsAnError) {
+  const auto b = sample();
+  for (size_t n = 0; n < b.size(); ++n) {
+    const std::vector<uint8_t> cut(b.begin(), b.begin() + std::ptrdiff_t(n));
+    EXPECT_THROW(parse(cut), Error) << "accepted the first " << n << " of " << b.size() << " bytes";
+  }
+}
+
+TEST(GGUF, DamagedFilesAreClearErrors) {
+  const auto good = sample();
+  auto with = [&](size_t at, std::vector<uint8_t> bytes) {
+    auto b = good;
+    std::copy(bytes.begin(), bytes.end(), b.begin() + std::ptrdiff_t(at));
+    return b;
+  };
+  expect_error(with(0, {'G', 'G', 'M', 'L'}), "no GGUF magic");
+  expect_error(with(4, {1, 0, 0, 0}), "version 1");
+  expect_error(with(4, {0, 0, 0, 3}), "big-endian");
+  expect_error(with(4, {7, 0, 0, 0}), "unknown version 7");
+  expect_error(with(8, {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0}), "tensor count");
+  expect_error(with(16, {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0}), "metadata count");
+
+  // Surgical damage at the fields' own offsets, found by searching the sample.
+  auto find = [&](const std::string& s) {
+    auto it = std::search(good.begin(), good.end(), s.begin(), s.end());
+    EXPECT_NE(it, good.end()) << s;
+    return size_t(it - good.begin());
+  };
+  const size_t arch = find("general.architecture") + 20;  // its value type follows the key
+  expect_error(with(arch, {42, 0, 0, 0}), "unknown value type 42");
+  const size_t align = find("general.alignment") + 17 + 4;
+  expect_error(with(align, {48, 0, 0, 0}), "power of two");
+  const size_t boolv = find("a.bool") + 6 + 4;
+  expect_error(with(boolv, {2}), "a bool of value 2");
+  // A key renamed to an earlier one of the same length: a duplicate.
+  expect_error(with(find("a.f64"), {'a', '.', 'i', '6', '4'}), "metadata key 'a.i64' given twice");
+  const size_t q = find("blk.0.attn_q.weight") + 19;  // n_dims, ne[0], ne[1], type, offset
+  expect_error(with(q, {5, 0, 0, 0}), "5 dimensions");
+  expect_error(with(q + 4, {48, 0, 0, 0, 0, 0, 0, 0}), "not a multiple of its block of 32");
+  expect_error(with(q + 4, {0, 0, 0, 0, 0, 0, 0, 0}), "dimension of 0");
+  expect_error(with(q + 20, {23, 0, 0, 0}), "ggml type 23, which kvlm cannot read");
+  expect_error(with(q + 24, {32, 0, 0, 0, 0, 0, 0, 0}), "not a multiple of the alignment 64");
+  expect_error(with(q + 24, {0, 0, 0, 0, 1, 0, 0, 0}), "runs past the end of the file");
+  const size_t norm = find("output_norm.weight") + 18 + 4 + 8 + 4;
+  expect_error(with(norm, {64, 0, 0, 0, 0, 0, 0, 0}), "overlap");
+  expect_error(with(norm, {0, 1, 0, 0, 0, 0, 0, 0}), "runs past the end of the file");
+  // A string length past the end.
+  expect_error(with(find("llama") - 8, {0xff, 0xff, 0xff, 0x0f, 0, 0, 0, 0}), "truncated");
+}
+
+}  // namespace
+}  // namespace kvlm
