@@ -203,13 +203,11 @@ std::optional<GGMLTypeTraits> ggml_type_traits(uint32_t type) {
     case GGMLType::Q5_0: return GGMLTypeTraits{"Q5_0", 32, 22};
     case GGMLType::Q5_1: return GGMLTypeTraits{"Q5_1", 32, 24};
     case GGMLType::Q8_0: return GGMLTypeTraits{"Q8_0", 32, 34};
-    case GGMLType::Q8_1: return GGMLTypeTraits{"Q8_1", 32, 36};
     case GGMLType::Q2_K: return GGMLTypeTraits{"Q2_K", 256, 84};
     case GGMLType::Q3_K: return GGMLTypeTraits{"Q3_K", 256, 110};
     case GGMLType::Q4_K: return GGMLTypeTraits{"Q4_K", 256, 144};
     case GGMLType::Q5_K: return GGMLTypeTraits{"Q5_K", 256, 176};
     case GGMLType::Q6_K: return GGMLTypeTraits{"Q6_K", 256, 210};
-    case GGMLType::Q8_K: return GGMLTypeTraits{"Q8_K", 256, 292};
   }
   return std::nullopt;
 }

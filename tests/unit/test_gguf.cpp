@@ -1,7 +1,10 @@
-// GGUF reading (io/gguf.h): files written here byte by byte — metadata of every value type,
-// nested arrays, tensors of several block types with alignment padding — parsed back; then
-// every damage a file can have (each truncation, bad magic and versions, counts past the
-// end, misaligned or overlapping tensors, unknown types) gives an error, never a crash.
+// GGUF reading (io/gguf.h, io/ggml_dequant.h): files written here byte by byte — metadata of
+// every value type, nested arrays, tensors of several block types with alignment padding —
+// parsed back; every damage a file can have (each truncation, bad magic and versions, counts
+// past the end, misaligned or overlapping tensors, unknown types) gives an error, never a
+// crash; and a file written by llama.cpp's `gguf` Python package (tools/make_gguf_goldens.py)
+// read as its GGUFReader reads it, every block type dequantized bit for bit as
+// gguf.quants.dequantize does.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -12,7 +15,10 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
+#include "io/ggml_dequant.h"
 #include "io/gguf.h"
 
 namespace kvlm {
@@ -201,6 +207,80 @@ TEST(GGUF, DamagedFilesAreClearErrors) {
   expect_error(with(norm, {0, 1, 0, 0, 0, 0, 0, 0}), "runs past the end of the file");
   // A string length past the end.
   expect_error(with(find("llama") - 8, {0xff, 0xff, 0xff, 0x0f, 0, 0, 0, 0}), "truncated");
+}
+
+const std::filesystem::path kGolden = std::filesystem::path(KVLM_TEST_DATA) / "data" / "gguf";
+
+TEST(GGUF, ReadsWhatTheGgufPackageWrote) {
+  const GGUFFile f(kGolden / "blocks.gguf");
+  const GGUFHeader& h = f.header();
+  std::ifstream in(kGolden / "blocks.json");
+  const nlohmann::json want = nlohmann::json::parse(in);
+  size_t keys = 0;
+  for (const auto& [key, w] : want["metadata"].items()) {
+    SCOPED_TRACE(key);
+    const GGUFValue* v = h.find(key);
+    ASSERT_NE(v, nullptr);
+    ++keys;
+    const std::string type = w["type"];
+    EXPECT_EQ(gguf_type_name(v->type), type);
+    const auto& val = w["value"];
+    if (type == "string") {
+      EXPECT_EQ(v->s, val.get<std::string>());
+    } else if (type == "array") {
+      EXPECT_EQ(gguf_type_name(v->elem), w["elem"].get<std::string>());
+      if (v->elem == GGUFType::String) {
+        EXPECT_EQ(h.get_strings(key), val.get<std::vector<std::string>>());
+      } else {
+        const auto got = h.get_numbers(key);
+        ASSERT_TRUE(got.has_value());
+        ASSERT_EQ(got->size(), val.size());
+        for (size_t i = 0; i < val.size(); ++i) EXPECT_EQ((*got)[i], val[i].get<double>());
+      }
+    } else if (type == "bool") {
+      EXPECT_EQ(h.get_bool(key), val.get<bool>());
+    } else if (type == "float32" || type == "float64") {
+      EXPECT_EQ(h.get_float(key), val.get<double>());
+    } else if (val.is_number_unsigned()) {
+      EXPECT_EQ(v->u, val.get<uint64_t>());
+    } else {
+      EXPECT_EQ(h.get_int(key), val.get<int64_t>());
+    }
+  }
+  EXPECT_EQ(keys, h.metadata.size());  // every key, none extra (the tool leaves out the reader's GGUF.* fields)
+  EXPECT_EQ(want["tensors"].size(), h.tensors.size());
+  for (const auto& [name, w] : want["tensors"].items()) {
+    SCOPED_TRACE(name);
+    const GGUFTensorInfo* t = h.find_tensor(name);
+    ASSERT_NE(t, nullptr);
+    EXPECT_EQ(ggml_type_name(t->type), w["type"].get<std::string>());
+    EXPECT_EQ(t->ne, w["ne"].get<std::vector<int64_t>>());
+    EXPECT_EQ(h.data_start + t->offset, w["offset"].get<uint64_t>());
+  }
+}
+
+TEST(GGUF, DequantizesEveryBlockTypeBitForBit) {
+  const GGUFFile f(kGolden / "blocks.gguf");
+  int types = 0;
+  for (const GGUFTensorInfo& t : f.header().tensors) {
+    if (t.name.ends_with(".ref")) continue;
+    SCOPED_TRACE(t.name);
+    const GGUFTensorInfo* ref = f.header().find_tensor(t.name + ".ref");
+    ASSERT_NE(ref, nullptr);
+    ASSERT_EQ(ref->numel(), t.numel());
+    std::vector<float> got(size_t(t.numel())), want(size_t(t.numel()));
+    dequantize_ggml(t.type, f.data(t), got);
+    std::memcpy(want.data(), f.data(*ref).data(), want.size() * sizeof(float));
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i) differ += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0u) << ggml_type_name(t.type) << ": first values " << got[0] << " vs " << want[0];
+    ++types;
+  }
+  EXPECT_EQ(types, 13);  // F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K
+  std::vector<float> out(32);
+  std::vector<uint8_t> bytes(33);
+  EXPECT_THROW(dequantize_ggml(uint32_t(GGMLType::Q8_0), bytes, out), Error);  // 34 bytes per block
+  EXPECT_THROW(dequantize_ggml(23, bytes, out), Error);                      // an IQ type
 }
 
 }  // namespace

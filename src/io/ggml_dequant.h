@@ -1,0 +1,29 @@
+// Dequantization of ggml's tensor types (the blocks GGUF files store, io/gguf.h) into fp32,
+// with the arithmetic of ggml's reference code in the same order (fp32 products, no fused
+// multiply-add), so the values equal llama.cpp's and the `gguf` Python package's bit for bit.
+//
+// Blocks (QK_K = 256), each scale an IEEE half unless noted:
+//   Q4_0 {d, 16 bytes of 4-bit q}:        x = (q - 8) d
+//   Q4_1 {d, m, 16 bytes of q}:           x = q d + m
+//   Q5_0 {d, 32 high bits, 16 bytes}:     x = (q | h << 4) - 16) d
+//   Q5_1 {d, m, 32 high bits, 16 bytes}:  x = (q | h << 4) d + m
+//   Q8_0 {d, 32 int8}:                    x = q d
+//   Q2_K {16 scale/min nibbles, 64 bytes of 2-bit q, d, dmin}: x = (d sc) q - (dmin m)
+//   Q3_K {32 bytes high-bit mask, 64 bytes of 2-bit q, 12 bytes of 6-bit scales, d}:
+//        x = (d (sc - 32)) (q - (mask bit ? 0 : 4))
+//   Q4_K {d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit q}, Q5_K (plus 32
+//        bytes of high bits): x = (d sc) q - (dmin m), eight sub-blocks of 32
+//   Q6_K {128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d}: x = (d sc) (q - 32)
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace kvlm {
+
+// Dequantizes `dst.size()` elements of ggml type `type` (a multiple of its block) from
+// `src` (exactly their blocks' bytes). F32, F16 and BF16 convert. Throws kvlm::Error for a
+// type kvlm does not read or sizes that disagree.
+void dequantize_ggml(uint32_t type, std::span<const uint8_t> src, std::span<float> dst);
+
+}  // namespace kvlm
