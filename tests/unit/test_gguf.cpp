@@ -12,14 +12,17 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "config/model_config.h"
 #include "core/error.h"
 #include "io/ggml_dequant.h"
 #include "io/gguf.h"
+#include "io/gguf_model.h"
 
 namespace kvlm {
 namespace {
@@ -281,6 +284,203 @@ TEST(GGUF, DequantizesEveryBlockTypeBitForBit) {
   std::vector<uint8_t> bytes(33);
   EXPECT_THROW(dequantize_ggml(uint32_t(GGMLType::Q8_0), bytes, out), Error);  // 34 bytes per block
   EXPECT_THROW(dequantize_ggml(23, bytes, out), Error);                      // an IQ type
+}
+
+// A model file: metadata written by `meta` (counted), then F32 tensors (name, ne, values).
+struct F32Tensor {
+  std::string name;
+  std::vector<uint64_t> ne;
+  std::vector<float> values;
+};
+std::vector<uint8_t> model_file(uint64_t n_kv, const std::function<void(Writer&)>& meta, const std::vector<F32Tensor>& ts) {
+  Writer w;
+  w.b = {'G', 'G', 'U', 'F'};
+  w.pod<uint32_t>(3).pod<uint64_t>(ts.size()).pod<uint64_t>(n_kv);
+  meta(w);
+  uint64_t off = 0;
+  for (const auto& t : ts) {
+    w.tensor(t.name, t.ne, GGMLType::F32, off);
+    off += (t.values.size() * 4 + 31) / 32 * 32;
+  }
+  w.pad_to(32);
+  for (const auto& t : ts) {
+    for (float v : t.values) w.pod<float>(v);
+    w.pad_to(32);
+  }
+  return w.b;
+}
+
+// What convert_hf_to_gguf.py does to a Llama q/k matrix: within each head, row a * hd/2 + i
+// (a in {0, 1}) goes to row 2 i + a.
+std::vector<float> permute_like_llama_cpp(const std::vector<float>& hf, int heads, int rows, int cols) {
+  std::vector<float> g(hf.size());
+  const int hd = rows / heads;
+  for (int h = 0; h < heads; ++h)
+    for (int a = 0; a < 2; ++a)
+      for (int i = 0; i < hd / 2; ++i)
+        for (int c = 0; c < cols; ++c) g[size_t((h * hd + 2 * i + a) * cols + c)] = hf[size_t((h * hd + a * hd / 2 + i) * cols + c)];
+  return g;
+}
+
+std::vector<float> iota_values(size_t n, float scale) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = float(i) * scale;
+  return v;
+}
+
+// A two-layer Llama (hidden 8, 2 query heads and 1 KV head of 4, MLP 16, 5 tokens): its
+// config.json as parse_model_config reads it, its tensors under Hugging Face names, q and k
+// back in rotate-half order.
+TEST(GGUFModel, LlamaBecomesAHuggingFaceModel) {
+  const int hidden = 8, heads = 2, kvh = 1, hd = 4, ffn = 16, vocab = 5;
+  const auto q_hf = iota_values(size_t(heads * hd * hidden), 1.0f), k_hf = iota_values(size_t(kvh * hd * hidden), 0.5f);
+  std::vector<F32Tensor> ts{{"token_embd.weight", {uint64_t(hidden), uint64_t(vocab)}, iota_values(size_t(hidden * vocab), 0.01f)},
+                            {"output_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)}};
+  for (int l = 0; l < 2; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    ts.push_back({b + "attn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
+    ts.push_back({b + "attn_q.weight", {uint64_t(hidden), uint64_t(heads * hd)}, permute_like_llama_cpp(q_hf, heads, heads * hd, hidden)});
+    ts.push_back({b + "attn_k.weight", {uint64_t(hidden), uint64_t(kvh * hd)}, permute_like_llama_cpp(k_hf, kvh, kvh * hd, hidden)});
+    ts.push_back({b + "attn_v.weight", {uint64_t(hidden), uint64_t(kvh * hd)}, iota_values(size_t(kvh * hd * hidden), 1.0f)});
+    ts.push_back({b + "attn_output.weight", {uint64_t(heads * hd), uint64_t(hidden)}, iota_values(size_t(hidden * heads * hd), 1.0f)});
+    ts.push_back({b + "ffn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
+    ts.push_back({b + "ffn_gate.weight", {uint64_t(hidden), uint64_t(ffn)}, iota_values(size_t(ffn * hidden), 1.0f)});
+    ts.push_back({b + "ffn_up.weight", {uint64_t(hidden), uint64_t(ffn)}, iota_values(size_t(ffn * hidden), 1.0f)});
+    ts.push_back({b + "ffn_down.weight", {uint64_t(ffn), uint64_t(hidden)}, iota_values(size_t(ffn * hidden), 1.0f)});
+  }
+  auto meta = [&](Writer& w) {
+    w.key("general.architecture", GGUFType::String).str("llama");
+    w.key("llama.block_count", GGUFType::Uint32).pod<uint32_t>(2);
+    w.key("llama.context_length", GGUFType::Uint32).pod<uint32_t>(2048);
+    w.key("llama.embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(hidden));
+    w.key("llama.feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(ffn));
+    w.key("llama.attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(heads));
+    w.key("llama.attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(kvh));
+    w.key("llama.attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-5f);
+    w.key("llama.rope.freq_base", GGUFType::Float32).pod<float>(100000.0f);
+    w.key("tokenizer.ggml.tokens", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(uint64_t(vocab));
+    for (int i = 0; i < vocab; ++i) w.str("t" + std::to_string(i));
+    w.key("tokenizer.ggml.bos_token_id", GGUFType::Uint32).pod<uint32_t>(1);
+    w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(2);
+  };
+  const auto bytes = model_file(12, meta, ts);
+  const auto path = std::filesystem::temp_directory_path() / ("kvlm-llama-" + std::to_string(::getpid()) + ".gguf");
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  {
+    const GGUFFile f(path);
+    const GGUFModel m = map_gguf_model(f.header(), "llama.gguf");
+    const ModelConfig c = parse_model_config(m.config, nullptr);
+    EXPECT_EQ(c.arch, Arch::Llama);
+    EXPECT_EQ(c.num_layers, 2);
+    EXPECT_EQ(c.hidden_size, hidden);
+    EXPECT_EQ(c.num_heads, heads);
+    EXPECT_EQ(c.num_kv_heads, kvh);
+    EXPECT_EQ(c.head_dim, hd);
+    EXPECT_EQ(c.intermediate_size, ffn);
+    EXPECT_EQ(c.vocab_size, vocab);
+    EXPECT_EQ(c.max_position_embeddings, 2048);
+    EXPECT_DOUBLE_EQ(c.rope.theta, 100000.0);
+    EXPECT_NEAR(c.rms_norm_eps, 1e-5, 1e-12);
+    EXPECT_TRUE(c.tie_word_embeddings);  // no output.weight
+    EXPECT_EQ(c.bos_token_id, 1);
+    EXPECT_EQ(c.eos_token_ids, (std::vector<TokenId>{2}));
+    EXPECT_EQ(m.tensors.size(), 2u + 2u * 9u);
+    ASSERT_TRUE(m.tensors.count("model.layers.1.self_attn.q_proj.weight"));
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.1.self_attn.q_proj.weight")), q_hf);
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.0.self_attn.k_proj.weight")), k_hf);
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.0.mlp.down_proj.weight")), iota_values(size_t(ffn * hidden), 1.0f));
+  }
+  // An architecture kvlm does not run, and a tensor no llama has.
+  auto other = bytes;
+  const std::string llama = "llama";
+  const auto at = std::search(other.begin(), other.end(), llama.begin(), llama.end());
+  std::copy_n("bloom", 5, at);
+  try {
+    map_gguf_model(parse_gguf(other, "x.gguf"), "x.gguf");
+    ADD_FAILURE() << "accepted a bloom model";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("GGUF architecture 'bloom' is not supported"), std::string::npos) << e.what();
+  }
+  ts.push_back({"blk.0.mystery.weight", {8}, std::vector<float>(8, 0.0f)});
+  try {
+    map_gguf_model(parse_gguf(model_file(12, meta, ts), "y.gguf"), "y.gguf");
+    ADD_FAILURE() << "accepted an unknown tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'blk.0.mystery.weight' has no place"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove(path);
+}
+
+// Gemma 3: sliding layers every 6th global, the norms' stored 1 + w back to w, q/k untouched.
+TEST(GGUFModel, Gemma3NormsAndSlidingLayers) {
+  const int hidden = 8, ffn = 16, vocab = 4, layers = 7;
+  std::vector<F32Tensor> ts{{"token_embd.weight", {8, uint64_t(vocab)}, iota_values(32, 0.1f)},
+                            {"output_norm.weight", {8}, std::vector<float>(8, 1.25f)}};
+  for (int l = 0; l < layers; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    for (const char* n : {"attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"})
+      ts.push_back({b + n + ".weight", {8}, std::vector<float>(8, 1.5f)});
+    for (const char* n : {"attn_q_norm", "attn_k_norm"}) ts.push_back({b + n + ".weight", {4}, std::vector<float>(4, 0.75f)});
+    ts.push_back({b + "attn_q.weight", {8, 8}, iota_values(64, 1.0f)});
+    ts.push_back({b + "attn_k.weight", {8, 4}, iota_values(32, 1.0f)});
+    ts.push_back({b + "attn_v.weight", {8, 4}, iota_values(32, 1.0f)});
+    ts.push_back({b + "attn_output.weight", {8, 8}, iota_values(64, 1.0f)});
+    for (const char* n : {"ffn_gate", "ffn_up"}) ts.push_back({b + n + ".weight", {8, uint64_t(ffn)}, iota_values(128, 1.0f)});
+    ts.push_back({b + "ffn_down.weight", {uint64_t(ffn), 8}, iota_values(128, 1.0f)});
+  }
+  auto meta = [&](Writer& w) {
+    w.key("general.architecture", GGUFType::String).str("gemma3");
+    w.key("gemma3.block_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(layers));
+    w.key("gemma3.context_length", GGUFType::Uint32).pod<uint32_t>(32768);
+    w.key("gemma3.embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(hidden));
+    w.key("gemma3.feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(ffn));
+    w.key("gemma3.attention.head_count", GGUFType::Uint32).pod<uint32_t>(2);
+    w.key("gemma3.attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(1);
+    w.key("gemma3.attention.key_length", GGUFType::Uint32).pod<uint32_t>(4);
+    w.key("gemma3.attention.value_length", GGUFType::Uint32).pod<uint32_t>(4);
+    w.key("gemma3.attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-6f);
+    w.key("gemma3.rope.freq_base", GGUFType::Float32).pod<float>(1000000.0f);
+    w.key("gemma3.attention.sliding_window", GGUFType::Uint32).pod<uint32_t>(512);
+    w.key("tokenizer.ggml.tokens", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(uint64_t(vocab));
+    for (int i = 0; i < vocab; ++i) w.str("t" + std::to_string(i));
+  };
+  const auto bytes = model_file(13, meta, ts);
+  const auto path = std::filesystem::temp_directory_path() / ("kvlm-gemma-" + std::to_string(::getpid()) + ".gguf");
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  {
+    const GGUFFile f(path);
+    const GGUFModel m = map_gguf_model(f.header(), "gemma.gguf");
+    const ModelConfig c = parse_model_config(m.config, nullptr);
+    EXPECT_EQ(c.arch, Arch::Gemma3);
+    EXPECT_EQ(c.hidden_act, GluActivation::GeluTanh);
+    ASSERT_EQ(c.layers.size(), size_t(layers));
+    for (int l = 0; l < layers; ++l) {
+      EXPECT_EQ(c.layers[size_t(l)].kind, (l + 1) % 6 == 0 ? AttentionKind::Full : AttentionKind::Sliding) << l;
+      if (c.layers[size_t(l)].kind == AttentionKind::Sliding) EXPECT_EQ(c.layers[size_t(l)].window, 512);
+    }
+    ASSERT_TRUE(c.rope_local.has_value());
+    EXPECT_DOUBLE_EQ(c.rope_local->theta, 10000.0);
+    EXPECT_DOUBLE_EQ(c.rope.theta, 1000000.0);
+    EXPECT_EQ(c.query_pre_attn_scalar, 4.0);
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.3.pre_feedforward_layernorm.weight")), std::vector<float>(8, 0.5f));
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.0.self_attn.k_norm.weight")), std::vector<float>(4, -0.25f));
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.norm.weight")), std::vector<float>(8, 0.25f));
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.0.self_attn.q_proj.weight")), iota_values(64, 1.0f));
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(GGUFModel, UnpermuteInvertsLlamaCppsPermutation) {
+  for (const int heads : {1, 2, 3}) {
+    const int hd = 6, cols = 5, rows = heads * hd;
+    const auto hf = iota_values(size_t(rows * cols), 1.0f);
+    auto g = permute_like_llama_cpp(hf, heads, rows, cols);
+    EXPECT_NE(g, hf);
+    unpermute_llama_heads(g, heads, rows, cols);
+    EXPECT_EQ(g, hf) << heads << " heads";
+  }
+  std::vector<float> odd(15);
+  EXPECT_THROW(unpermute_llama_heads(odd, 1, 3, 5), Error);  // a head of 3 rows has no halves
 }
 
 }  // namespace

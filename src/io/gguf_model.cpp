@@ -1,0 +1,197 @@
+#include "io/gguf_model.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "io/ggml_dequant.h"
+
+namespace kvlm {
+
+namespace {
+
+struct ArchInfo {
+  const char* gguf;
+  const char* hf_class;
+  const char* model_type;
+};
+constexpr ArchInfo kArchs[] = {
+    {"llama", "LlamaForCausalLM", "llama"},
+    {"qwen2", "Qwen2ForCausalLM", "qwen2"},
+    {"qwen3", "Qwen3ForCausalLM", "qwen3"},
+    {"gemma3", "Gemma3ForCausalLM", "gemma3_text"},
+};
+
+// GGUF per-layer tensor names (after "blk.N.") and their Hugging Face names (after
+// "model.layers.N."), by architecture family.
+struct NamePair {
+  const char* gguf;
+  const char* hf;
+};
+constexpr NamePair kLlamaLayer[] = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"attn_q.weight", "self_attn.q_proj.weight"},     {"attn_q.bias", "self_attn.q_proj.bias"},
+    {"attn_k.weight", "self_attn.k_proj.weight"},     {"attn_k.bias", "self_attn.k_proj.bias"},
+    {"attn_v.weight", "self_attn.v_proj.weight"},     {"attn_v.bias", "self_attn.v_proj.bias"},
+    {"attn_output.weight", "self_attn.o_proj.weight"}, {"attn_output.bias", "self_attn.o_proj.bias"},
+    {"attn_q_norm.weight", "self_attn.q_norm.weight"}, {"attn_k_norm.weight", "self_attn.k_norm.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"ffn_gate.weight", "mlp.gate_proj.weight"},       {"ffn_up.weight", "mlp.up_proj.weight"},
+    {"ffn_down.weight", "mlp.down_proj.weight"},
+};
+constexpr NamePair kGemmaLayer[] = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"post_attention_norm.weight", "post_attention_layernorm.weight"},
+    {"ffn_norm.weight", "pre_feedforward_layernorm.weight"},
+    {"post_ffw_norm.weight", "post_feedforward_layernorm.weight"},
+    {"attn_q.weight", "self_attn.q_proj.weight"},      {"attn_k.weight", "self_attn.k_proj.weight"},
+    {"attn_v.weight", "self_attn.v_proj.weight"},      {"attn_output.weight", "self_attn.o_proj.weight"},
+    {"attn_q_norm.weight", "self_attn.q_norm.weight"}, {"attn_k_norm.weight", "self_attn.k_norm.weight"},
+    {"ffn_gate.weight", "mlp.gate_proj.weight"},       {"ffn_up.weight", "mlp.up_proj.weight"},
+    {"ffn_down.weight", "mlp.down_proj.weight"},
+};
+
+}  // namespace
+
+GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
+  const auto arch = h.get_string("general.architecture");
+  if (!arch) throw Error(label + ": no general.architecture in the GGUF metadata");
+  const ArchInfo* info = nullptr;
+  for (const ArchInfo& a : kArchs)
+    if (*arch == a.gguf) info = &a;
+  if (!info)
+    throw Error(label + ": GGUF architecture '" + *arch +
+                "' is not supported (kvlm runs llama, qwen2, qwen3 and gemma3 GGUF files)");
+  const std::string p = *arch + ".";
+  GGUFModel m;
+  auto need_int = [&](const std::string& key) {
+    const auto v = h.get_int(key);
+    if (!v) throw Error(label + ": the GGUF metadata has no " + key);
+    if (*v <= 0 || *v > (int64_t(1) << 31)) throw Error(label + ": " + key + " is " + std::to_string(*v));
+    m.notes.push_back(key);
+    return *v;
+  };
+  auto opt_number = [&](const std::string& key) {
+    const auto v = h.get_float(key);
+    if (v) m.notes.push_back(key);
+    return v;
+  };
+  nlohmann::json& c = m.config;
+  c["architectures"] = {info->hf_class};
+  c["model_type"] = info->model_type;
+  const int64_t layers = need_int(p + "block_count");
+  const int64_t hidden = need_int(p + "embedding_length");
+  const int64_t heads = need_int(p + "attention.head_count");
+  c["num_hidden_layers"] = layers;
+  c["hidden_size"] = hidden;
+  c["intermediate_size"] = need_int(p + "feed_forward_length");
+  c["num_attention_heads"] = heads;
+  c["num_key_value_heads"] = h.find(p + "attention.head_count_kv") ? need_int(p + "attention.head_count_kv") : heads;
+  const int64_t head_dim = h.find(p + "attention.key_length") ? need_int(p + "attention.key_length") : hidden / heads;
+  if (h.find(p + "attention.value_length") && need_int(p + "attention.value_length") != head_dim)
+    throw Error(label + ": attention.value_length differs from key_length; kvlm needs one head size");
+  c["head_dim"] = head_dim;
+  c["max_position_embeddings"] = need_int(p + "context_length");
+  const auto eps = opt_number(p + "attention.layer_norm_rms_epsilon");
+  if (!eps) throw Error(label + ": the GGUF metadata has no " + p + "attention.layer_norm_rms_epsilon");
+  c["rms_norm_eps"] = *eps;
+  c["rope_theta"] = opt_number(p + "rope.freq_base").value_or(10000.0);
+  if (const auto scaling = h.get_string(p + "rope.scaling.type"); scaling && *scaling != "none") {
+    if (*scaling != "linear")
+      throw Error(label + ": rope scaling '" + *scaling + "' is not supported (kvlm reads none and linear)");
+    const auto factor = opt_number(p + "rope.scaling.factor");
+    if (!factor) throw Error(label + ": linear rope scaling without " + p + "rope.scaling.factor");
+    c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", *factor}};
+  }
+  if (h.find_tensor("rope_freqs.weight"))
+    throw Error(label + ": per-frequency rope factors (rope_freqs.weight, Llama 3.1-style scaling) are not supported yet");
+  const auto tokens = h.get_strings("tokenizer.ggml.tokens");
+  if (!tokens) throw Error(label + ": the GGUF metadata has no tokenizer.ggml.tokens (the vocabulary)");
+  c["vocab_size"] = tokens->size();
+  const bool tied = h.find_tensor("output.weight") == nullptr;
+  c["tie_word_embeddings"] = tied;
+  c["torch_dtype"] = "bfloat16";  // the weights are dequantized; bf16 is the compute dtype GGUF models come from
+  if (const auto bos = h.get_int("tokenizer.ggml.bos_token_id")) c["bos_token_id"] = *bos;
+  std::vector<int64_t> eos;
+  for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"})
+    if (const auto e = h.get_int(key); e && std::ranges::find(eos, *e) == eos.end()) eos.push_back(*e);
+  if (!eos.empty()) c["eos_token_id"] = eos;
+  const bool gemma = *arch == "gemma3";
+  if (*arch == "llama") {
+    c["attention_bias"] = h.find_tensor("blk.0.attn_q.bias") != nullptr;
+    c["hidden_act"] = "silu";
+  } else if (!gemma) {
+    c["hidden_act"] = "silu";
+  } else {
+    c["hidden_activation"] = "gelu_pytorch_tanh";
+    const auto window = h.get_int(p + "attention.sliding_window");
+    if (!window) throw Error(label + ": gemma3 without " + p + "attention.sliding_window");
+    c["sliding_window"] = *window;
+    // llama.cpp's gemma3: every 6th layer global, local RoPE base 10000, and queries scaled by
+    // head_dim^-0.5 except Gemma 3 27B (hidden / heads).
+    c["sliding_window_pattern"] = h.get_int(p + "attention.sliding_window_pattern").value_or(6);
+    c["rope_local_base_freq"] = 10000.0;
+    c["query_pre_attn_scalar"] = layers == 62 ? hidden / heads : head_dim;
+  }
+
+  // Tensors.
+  auto add = [&](const std::string& hf, const std::string& gg, int unpermute = 0) {
+    if (!h.find_tensor(gg)) return;
+    m.tensors[hf] = GGUFTensorSource{.gguf_name = gg, .unpermute_heads = unpermute,
+                                     .minus_one = gemma && gg.ends_with("norm.weight")};
+  };
+  add("model.embed_tokens.weight", "token_embd.weight");
+  add("model.norm.weight", "output_norm.weight");
+  add("lm_head.weight", "output.weight");
+  const int kv_heads = c["num_key_value_heads"].get<int>();
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string g = "blk." + std::to_string(i) + ".", f = "model.layers." + std::to_string(i) + ".";
+    const auto& table = gemma ? std::span<const NamePair>(kGemmaLayer) : std::span<const NamePair>(kLlamaLayer);
+    for (const NamePair& n : table) {
+      int unpermute = 0;
+      if (*arch == "llama" && std::string_view(n.gguf).starts_with("attn_q.")) unpermute = int(heads);
+      if (*arch == "llama" && std::string_view(n.gguf).starts_with("attn_k.")) unpermute = kv_heads;
+      add(f + n.hf, g + n.gguf, unpermute);
+    }
+  }
+  for (const GGUFTensorInfo& t : h.tensors) {
+    bool used = false;
+    for (const auto& [hf, src] : m.tensors) used |= src.gguf_name == t.name;
+    if (!used && t.name != "rope_freqs.weight")
+      throw Error(label + ": GGUF tensor '" + t.name + "' has no place in a " + *arch +
+                  " model; the file is not what its metadata says");
+  }
+  return m;
+}
+
+void unpermute_llama_heads(std::vector<float>& w, int heads, int64_t rows, int64_t cols) {
+  if (heads <= 0 || rows % heads != 0 || (rows / heads) % 2 != 0 || int64_t(w.size()) != rows * cols)
+    throw Error("unpermute_llama_heads: " + std::to_string(rows) + " rows are not " + std::to_string(heads) +
+                " heads of an even size");
+  const int64_t hd = rows / heads, half = hd / 2;
+  std::vector<float> out(w.size());
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < half; ++i)
+      for (int64_t a = 0; a < 2; ++a) {
+        const float* src = w.data() + (h * hd + 2 * i + a) * cols;   // GGUF: interleaved pairs
+        float* dst = out.data() + (h * hd + a * half + i) * cols;    // Hugging Face: two halves
+        std::copy(src, src + cols, dst);
+      }
+  w.swap(out);
+}
+
+std::vector<float> load_gguf_tensor(const GGUFFile& f, const GGUFTensorSource& src) {
+  const GGUFTensorInfo* t = f.header().find_tensor(src.gguf_name);
+  if (!t) throw Error(f.path().string() + ": no GGUF tensor '" + src.gguf_name + "'");
+  std::vector<float> v(size_t(t->numel()));
+  dequantize_ggml(t->type, f.data(*t), v);
+  if (src.unpermute_heads > 0) {
+    const int64_t cols = t->ne[0], rows = t->numel() / cols;
+    if (t->ne.size() == 1) unpermute_llama_heads(v, src.unpermute_heads, t->ne[0], 1);  // a bias
+    else unpermute_llama_heads(v, src.unpermute_heads, rows, cols);
+  }
+  if (src.minus_one)
+    for (float& x : v) x -= 1.0f;
+  return v;
+}
+
+}  // namespace kvlm
