@@ -399,12 +399,34 @@ json read_json_file(const std::filesystem::path& path) {
   }
 }
 
+std::optional<std::filesystem::path> find_gguf(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path, ec)) {
+    if (path.extension() == ".gguf") return path;
+    return std::nullopt;
+  }
+  if (!std::filesystem::is_directory(path, ec) || std::filesystem::exists(path / "config.json", ec)) return std::nullopt;
+  std::vector<std::filesystem::path> found;
+  for (const auto& e : std::filesystem::directory_iterator(path, ec))
+    if (e.is_regular_file(ec) && e.path().extension() == ".gguf") found.push_back(e.path());
+  if (found.size() > 1)
+    throw Error("'" + path.string() + "' holds " + std::to_string(found.size()) +
+                " .gguf files; point --model at the one to load");
+  if (found.empty()) return std::nullopt;
+  return found.front();
+}
+
 void check_model_dir(const std::filesystem::path& dir) {
   std::error_code ec;
+  if (find_gguf(dir)) return;
+  if (std::filesystem::is_regular_file(dir, ec))
+    throw Error("--model '" + dir.string() + "' is a file but not a .gguf file; point --model at a Hugging Face model "
+                "directory or a GGUF file");
   if (!std::filesystem::is_directory(dir, ec))
     throw Error("model directory '" + dir.string() + "' does not exist or is not a directory");
   if (!std::filesystem::exists(dir / "config.json", ec))
-    throw Error("'" + dir.string() + "' has no config.json; point --model at a Hugging Face model directory");
+    throw Error("'" + dir.string() + "' has no config.json (nor a .gguf file); point --model at a Hugging Face model "
+                "directory or a GGUF file");
 }
 
 ModelConfig load_model_config(const std::filesystem::path& dir) {

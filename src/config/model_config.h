@@ -101,7 +101,13 @@ struct ModelConfig {
 // the field for anything missing, mistyped, inconsistent or unsupported.
 ModelConfig parse_model_config(const nlohmann::json& config, const nlohmann::json* generation_config);
 
-// Throws a clear error unless `dir` is a directory holding config.json.
+// The GGUF file a --model path names: the path itself when it is a .gguf file, or the one
+// .gguf file of a directory without config.json. nullopt otherwise (a Hugging Face
+// directory, or nothing there); a directory with several .gguf files is an error.
+std::optional<std::filesystem::path> find_gguf(const std::filesystem::path& path);
+
+// Throws a clear error unless `dir` is a directory holding config.json, or a GGUF model
+// (find_gguf).
 void check_model_dir(const std::filesystem::path& dir);
 
 // Reads DIR/config.json and, if present, DIR/generation_config.json.

@@ -4,6 +4,8 @@
 
 #include "config/model_config.h"
 #include "core/error.h"
+#include "core/log.h"
+#include "io/gguf_model.h"
 
 namespace kvlm {
 
@@ -15,9 +17,39 @@ std::string shape_str(std::span<const int64_t> shape) {
   return s + "]";
 }
 
+Checkpoint::~Checkpoint() = default;
+Checkpoint::Checkpoint(Checkpoint&&) noexcept = default;
+Checkpoint& Checkpoint::operator=(Checkpoint&&) noexcept = default;
+
+ModelConfig Checkpoint::model_config(const std::filesystem::path& dir) const {
+  return gguf_config_ ? parse_model_config(*gguf_config_, nullptr) : load_model_config(dir);
+}
+
 Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
   Checkpoint c;
   std::error_code ec;
+  if (const auto gguf = find_gguf(dir)) {
+    const GGUFFile f(*gguf);
+    const GGUFModel m = map_gguf_model(f.header(), gguf->string());
+    c.gguf_config_ = m.config;
+    c.gguf_infos_.reserve(m.tensors.size());
+    c.gguf_data_.reserve(m.tensors.size());
+    size_t params = 0;
+    for (const auto& [name, src] : m.tensors) {
+      const GGUFTensorInfo* t = f.header().find_tensor(src.gguf_name);
+      c.gguf_data_.push_back(load_gguf_tensor(f, src));
+      TensorInfo info{.name = name, .dtype = DType::F32, .shape = t->shape, .begin = 0,
+                      .end = c.gguf_data_.back().size() * sizeof(float)};
+      c.gguf_infos_.push_back(std::move(info));
+      c.tensors_.emplace(name, std::make_pair(nullptr, &c.gguf_infos_.back()));
+      params += c.gguf_data_.back().size();
+    }
+    log::info("loaded " + gguf->string() + ": " + std::to_string(m.tensors.size()) + " tensors, " +
+              std::to_string(params) + " parameters dequantized to float32 (" +
+              std::to_string(params * 4 / (1 << 20)) + " MiB)");
+    return c;
+  }
+  if (std::filesystem::is_regular_file(dir, ec)) check_model_dir(dir);  // says what a file --model must be
   if (!std::filesystem::is_directory(dir, ec))
     throw Error("model directory '" + dir.string() + "' does not exist or is not a directory");
   const auto single = dir / "model.safetensors";
@@ -62,6 +94,11 @@ const TensorInfo* Checkpoint::find(std::string_view name) const {
 TensorView Checkpoint::view(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) throw Error("the checkpoint is missing tensor '" + std::string(name) + "'");
+  if (!it->second.first) {  // GGUF: dequantized at open
+    const TensorInfo* t = it->second.second;
+    const auto& data = gguf_data_[size_t(t - gguf_infos_.data())];
+    return {t, {reinterpret_cast<const uint8_t*>(data.data()), data.size() * sizeof(float)}};
+  }
   return it->second.first->view(*it->second.second);
 }
 

@@ -1,6 +1,8 @@
 // A Hugging Face checkpoint: model.safetensors, or shards listed by
-// model.safetensors.index.json, all mmapped. Tensors are looked up by name; loading checks
-// dtype and shape and names the tensor in every error.
+// model.safetensors.index.json, all mmapped — or a GGUF file (io/gguf_model.h), whose
+// tensors are dequantized to fp32 at open under their Hugging Face names and whose metadata
+// gives the config.json (peak memory: the file's mapping plus 4 bytes per parameter). Tensors
+// are looked up by name; loading checks dtype and shape and names the tensor in every error.
 #pragma once
 
 #include <filesystem>
@@ -11,7 +13,10 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "config/kv_plan.h"
+#include "config/model_config.h"
 #include "io/safetensors.h"
 
 namespace kvlm {
@@ -19,6 +24,14 @@ namespace kvlm {
 class Checkpoint {
  public:
   static Checkpoint open(const std::filesystem::path& dir);
+  ~Checkpoint();
+  Checkpoint(Checkpoint&&) noexcept;
+  Checkpoint& operator=(Checkpoint&&) noexcept;
+
+  // A GGUF model: the config.json its metadata describes (nullptr for safetensors).
+  const nlohmann::json* embedded_config() const { return gguf_config_ ? &*gguf_config_ : nullptr; }
+  // The model's config: config.json (+ generation_config.json) of `dir`, or the GGUF file's.
+  ModelConfig model_config(const std::filesystem::path& dir) const;
 
   const TensorInfo* find(std::string_view name) const;
   TensorView view(std::string_view name) const;  // throws when missing
@@ -32,8 +45,13 @@ class Checkpoint {
   std::vector<float> load_f32(std::string_view name, std::span<const int64_t> expected_shape) const;
 
  private:
+  Checkpoint() = default;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  // Safetensors tensors point into files_; GGUF ones (file nullptr) into gguf_infos_ / gguf_data_.
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>, std::less<>> tensors_;
+  std::optional<nlohmann::json> gguf_config_;
+  std::vector<TensorInfo> gguf_infos_;
+  std::vector<std::vector<float>> gguf_data_;
 };
 
 // Per-tensor KV scales for one layer, under the names vLLM-compatible checkpoints use:

@@ -120,7 +120,7 @@ void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig
 ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, const CacheConfig& cache,
                      const SelectionContext& ctx, std::optional<DType> dtype, const SpeculativeConfig* spec) {
   ModelPlan mp;
-  mp.config = load_model_config(dir);
+  mp.config = ckpt.model_config(dir);
   mp.dtype = dtype ? *dtype : model_dtype(mp.config, ckpt);
   // The CUDA runner computes in bfloat16 or float16: a float32 checkpoint is converted to
   // bfloat16 (and says so); an explicit --dtype float32 cannot be honoured there.

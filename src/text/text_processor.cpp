@@ -10,8 +10,12 @@ bool TextProcessor::available(const std::filesystem::path& dir) {
 }
 
 TextProcessor TextProcessor::load(const std::filesystem::path& dir) {
-  if (!available(dir))
-    throw Error("'" + dir.string() + "' has no tokenizer.json, so it cannot take text; give token ids (--prompt-ids) instead");
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(dir, ec) || !available(dir))
+    throw Error("'" + dir.string() + "' has no tokenizer.json, so it cannot take text" +
+                (dir.extension() == ".gguf" || std::filesystem::is_regular_file(dir, ec)
+                     ? " (kvlm does not read a GGUF file's tokenizer yet)" : "") +
+                "; give token ids (--prompt-ids) instead");
   TextProcessor p(Tokenizer::load(dir), load_tokenizer_config(dir));
   if (p.cfg_.chat_template) p.tpl_ = ChatTemplate::parse(*p.cfg_.chat_template, (dir / "chat template").string());
   return p;

@@ -141,6 +141,15 @@ expect_error 1 "--top-p must be in (0, 1]" -- generate --prompt-ids 1 --top-p 0
 expect_error 1 "give a prompt" -- generate --prompt-ids ""
 expect_error 1 "give a prompt: --prompt TEXT or --prompt-ids" -- generate
 expect_error 1 "does not exist" -- generate --model "$tmp/nope" --prompt-ids 1
+# GGUF paths: a damaged .gguf, a file that is not one, a directory holding two, and text
+# on a GGUF model (whose tokenizer kvlm does not read yet).
+printf 'GGUF\003\000\000\000' > "$tmp/bad.gguf"
+expect_error 1 "not a valid GGUF file" -- generate --model "$tmp/bad.gguf" --prompt-ids 1
+echo hello > "$tmp/model.bin"
+expect_error 1 "is a file but not a .gguf file" -- generate --model "$tmp/model.bin" --prompt-ids 1
+mkdir -p "$tmp/two" && cp "$tmp/bad.gguf" "$tmp/two/a.gguf" && cp "$tmp/bad.gguf" "$tmp/two/b.gguf"
+expect_error 1 "holds 2 .gguf files" -- generate --model "$tmp/two" --prompt-ids 1
+expect_error 1 "does not read a GGUF file's tokenizer yet" -- generate --model "$tmp/bad.gguf" --prompt "hi"
 
 m="$tmp/model"
 cp -r "$golden/qwen3-mixed" "$m"
