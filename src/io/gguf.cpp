@@ -1,13 +1,8 @@
 #include "io/gguf.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cstring>
 #include <set>
 
@@ -386,39 +381,11 @@ std::optional<std::vector<double>> GGUFHeader::get_numbers(std::string_view key)
   return out;
 }
 
-GGUFFile::GGUFFile(const std::filesystem::path& path) : path_(path) {
-  const std::string label = path.string();
-  const int fd = ::open(label.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error("cannot open " + label + ": " + std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw Error(label + " is not a regular file");
-  }
-  size_ = uint64_t(st.st_size);
-  if (size_ < 24) {
-    ::close(fd);
-    throw Error(label + ": not a valid GGUF file: " + std::to_string(size_) + " bytes, shorter than its header");
-  }
-  void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) throw Error("cannot mmap " + label + ": " + std::strerror(errno));
-  map_ = static_cast<const uint8_t*>(p);
-  try {
-    header_ = parse_gguf({map_, size_t(size_)}, label);
-  } catch (...) {
-    ::munmap(const_cast<uint8_t*>(map_), size_);
-    map_ = nullptr;
-    throw;
-  }
-}
-
-GGUFFile::~GGUFFile() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), size_);
-}
+GGUFFile::GGUFFile(const std::filesystem::path& path)
+    : path_(path), file_(path), header_(parse_gguf(file_.bytes(), path.string())) {}
 
 std::span<const uint8_t> GGUFFile::data(const GGUFTensorInfo& t) const {
-  return {map_ + header_.data_start + t.offset, size_t(t.bytes)};
+  return {file_.data() + header_.data_start + t.offset, size_t(t.bytes)};
 }
 
 }  // namespace kvlm

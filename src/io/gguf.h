@@ -21,6 +21,8 @@
 #include <string_view>
 #include <vector>
 
+#include "io/mapped_file.h"
+
 namespace kvlm {
 
 // Metadata value types (gguf_type).
@@ -111,21 +113,19 @@ class GGUFFile {
  public:
   // mmaps `path` read-only and parses it. Throws kvlm::Error.
   explicit GGUFFile(const std::filesystem::path& path);
-  ~GGUFFile();
   GGUFFile(const GGUFFile&) = delete;
   GGUFFile& operator=(const GGUFFile&) = delete;
 
   const std::filesystem::path& path() const { return path_; }
   const GGUFHeader& header() const { return header_; }
-  uint64_t size() const { return size_; }
+  uint64_t size() const { return file_.size(); }
   // A tensor's bytes in the mapping.
   std::span<const uint8_t> data(const GGUFTensorInfo& t) const;
 
  private:
   std::filesystem::path path_;
-  const uint8_t* map_ = nullptr;
-  uint64_t size_ = 0;
-  GGUFHeader header_;
+  MappedFile file_;
+  GGUFHeader header_;  // its numeric arrays view file_
 };
 
 }  // namespace kvlm

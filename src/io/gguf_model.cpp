@@ -1,6 +1,8 @@
 #include "io/gguf_model.h"
 
 #include <cmath>
+#include <set>
+#include <string_view>
 
 #include "core/error.h"
 #include "io/ggml_dequant.h"
@@ -153,10 +155,10 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
       add(f + n.hf, g + n.gguf, unpermute);
     }
   }
+  std::set<std::string_view> used;
+  for (const auto& [hf, src] : m.tensors) used.insert(src.gguf_name);
   for (const GGUFTensorInfo& t : h.tensors) {
-    bool used = false;
-    for (const auto& [hf, src] : m.tensors) used |= src.gguf_name == t.name;
-    if (!used && t.name != "rope_freqs.weight")
+    if (!used.count(t.name) && t.name != "rope_freqs.weight")
       throw Error(label + ": GGUF tensor '" + t.name + "' has no place in a " + *arch +
                   " model; the file is not what its metadata says");
   }

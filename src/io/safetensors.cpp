@@ -1,10 +1,5 @@
 #include "io/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <fstream>
@@ -113,36 +108,10 @@ SafetensorsHeader parse_safetensors_header(std::span<const uint8_t> head, uint64
   return h;
 }
 
-SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
-  const std::string label = path.string();
-  const int fd = ::open(label.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error("cannot open " + label + ": " + std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw Error(label + " is not a regular file");
-  }
-  size_ = uint64_t(st.st_size);
-  if (size_ < 8) {
-    ::close(fd);
-    throw Error(label + ": not a valid safetensors file: shorter than the 8-byte header length");
-  }
-  void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) throw Error("cannot mmap " + label + ": " + std::strerror(errno));
-  map_ = static_cast<const uint8_t*>(p);
-  try {
-    header_ = parse_safetensors_header({map_, size_}, size_, label);
-  } catch (...) {
-    ::munmap(const_cast<uint8_t*>(map_), size_);
-    map_ = nullptr;
-    throw;
-  }
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
+    : path_(path), file_(path) {
+  header_ = parse_safetensors_header(file_.bytes(), file_.size(), path.string());
   for (size_t i = 0; i < header_.tensors.size(); ++i) index_.emplace(header_.tensors[i].name, i);
-}
-
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), size_);
 }
 
 const TensorInfo* SafetensorsFile::find(std::string_view name) const {
@@ -151,7 +120,7 @@ const TensorInfo* SafetensorsFile::find(std::string_view name) const {
 }
 
 TensorView SafetensorsFile::view(const TensorInfo& t) const {
-  return {&t, {map_ + header_.data_start + t.begin, size_t(t.end - t.begin)}};
+  return {&t, {file_.data() + header_.data_start + t.begin, size_t(t.end - t.begin)}};
 }
 
 void write_safetensors(const std::filesystem::path& path, std::span<const TensorToWrite> tensors,

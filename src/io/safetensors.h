@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "io/mapped_file.h"
 
 namespace kvlm {
 
@@ -46,7 +47,6 @@ class SafetensorsFile {
  public:
   // mmaps `path` read-only and parses its header. Throws kvlm::Error.
   explicit SafetensorsFile(const std::filesystem::path& path);
-  ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
@@ -57,8 +57,7 @@ class SafetensorsFile {
 
  private:
   std::filesystem::path path_;
-  const uint8_t* map_ = nullptr;
-  uint64_t size_ = 0;
+  MappedFile file_;
   SafetensorsHeader header_;
   std::map<std::string, size_t, std::less<>> index_;
 };
