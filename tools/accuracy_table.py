@@ -10,6 +10,14 @@ at 1k / 4k / 8k context. The "calibrated" row runs `kvlm calibrate` first.
 Models without a tokenizer (the golden random-weight checkpoints, vocabulary 256) are scored
 on the bytes of the same held-out text as token ids.
 
+Real pretrained models from GGUF files (`--gguf FILE ...`, with `--no-bundled --golden` to
+score only them, into their own --out) are scored on the same text through their own
+tokenizer, with windows of --gguf-ctx tokens (longer than Gemma 3's 512-token sliding
+window by default), and get a greedy-agreement column: the share of 128-token greedy
+continuations of a fixed prompt set (tools/accuracy_prompts.jsonl) identical to the fp32-cache
+run's, and the mean share of each continuation's characters before the first difference.
+They have no "calibrated" row (`kvlm calibrate` writes safetensors checkpoints).
+
 usage: python3 tools/accuracy_table.py --kvlm build/kvlm [--device cpu|cuda] [--out FILE]
                                        [--task-limit N] [--models DIR ...]
 Only the standard library; reproducible from a clean checkout.
@@ -67,6 +75,10 @@ def main():
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-chunks", type=int, default=32)
     ap.add_argument("--task-limit", type=int, default=0, help="items per task (0: all)")
+    ap.add_argument("--gguf", nargs="*", default=[], help="real pretrained models as GGUF files")
+    ap.add_argument("--gguf-ctx", type=int, default=1024)
+    ap.add_argument("--gguf-max-chunks", type=int, default=8)
+    ap.add_argument("--no-bundled", action="store_true", help="leave the bundled model out")
     ap.add_argument("--tasks", default="arithmetic,recall_1k,recall_4k,recall_8k",
                     help="task columns to measure, comma separated ('' for none)")
     args = ap.parse_args()
@@ -83,24 +95,43 @@ def main():
     with open(heldout, "rb") as f, open(byte_ids, "w") as g:
         g.write(" ".join(str(b) for b in f.read()))
 
-    models = [(args.bundled, True)] + [(os.path.join(ROOT, "tests", "golden", "models", g), False) for g in args.golden]
+    models = [] if args.no_bundled else [(args.bundled, "trained")]
+    models += [(os.path.join(ROOT, "tests", "golden", "models", g), "random") for g in args.golden]
+    models += [(os.path.abspath(g), "gguf") for g in args.gguf]
+    prompts = os.path.join(ROOT, "tools", "accuracy_prompts.jsonl")
     sections = []
-    for model, trained in models:
+    for model, kind in models:
+        trained, gguf = kind == "trained", kind == "gguf"
         name = os.path.basename(model.rstrip("/"))
-        cfg = json.load(open(os.path.join(model, "config.json")))
-        n_layers = cfg["num_hidden_layers"]
-        text_args = ["--text", heldout] if trained else ["--token-ids", byte_ids]
-        common = ["--ctx", str(args.ctx), "--max-chunks", str(args.max_chunks), "--device", args.device]
+        if gguf:
+            inspect = run([kvlm, "-q", "inspect", "--model", model, "--json"], log)
+            n_layers = len([l for l in json.loads(inspect.stdout)["layers"] if l.get("model", "target") == "target"])
+        else:
+            n_layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
+        text_args = ["--token-ids", byte_ids] if kind == "random" else ["--text", heldout]
+        ctx, chunks = (args.gguf_ctx, args.gguf_max_chunks) if gguf else (args.ctx, args.max_chunks)
+        common = ["--ctx", str(ctx), "--max-chunks", str(chunks), "--device", args.device]
         base = os.path.join(work, f"{name}.base.lgp")
         out = os.path.join(work, f"{name}.base.json")
         run([kvlm, "-q", "eval", "perplexity", "--model", model, *text_args, *common, "--dtype", "float32",
              "--save-logits", base, "--json", out], log)
         base_ppl = json.load(open(out))["ppl"]
+
+        def greedy(flags, tag):
+            samples = os.path.join(work, f"{name}.{tag}.samples.jsonl")
+            run([kvlm, "-q", "eval", "task", "--model", model, "--data", prompts, "--device", args.device,
+                 "--max-tokens", "128", *flags, "--log-samples", samples], log)
+            return [json.loads(line)["completion"] for line in open(samples)]
+
+        base_greedy = greedy(["--dtype", "float32"], "base") if gguf else None
         calibrated = os.path.join(work, f"{name}-calibrated")
-        run([kvlm, "-q", "calibrate", "--model", model, "--out", calibrated, "--num-samples", "32",
-             "--max-length", str(args.ctx), "--dataset", heldout if trained else byte_ids], log)
+        if not gguf:
+            run([kvlm, "-q", "calibrate", "--model", model, "--out", calibrated, "--num-samples", "32",
+                 "--max-length", str(args.ctx), "--dataset", heldout if trained else byte_ids], log)
         rows = []
         for label, flags, use_cal in modes(n_layers):
+            if use_cal and gguf:
+                continue
             m = calibrated if use_cal else model
             out = os.path.join(work, f"{name}.{len(rows)}.json")
             run([kvlm, "-q", "eval", "perplexity", "--model", m, *text_args, *common, *flags,
@@ -109,6 +140,14 @@ def main():
             row = {"mode": label, "bytes": r["kv_bytes_per_token"], "ppl": r["ppl"], "dppl": r["delta_ppl"],
                    "dppl_ci": r["delta_ppl_ci95"], "kld": r["kld_mean"], "kld99": r["kld_p99"],
                    "top": 100 * r["same_top"]}
+            if gguf:
+                got = greedy(flags, str(len(rows)))
+                same = sum(a == b for a, b in zip(got, base_greedy))
+                prefix = []
+                for a, b in zip(got, base_greedy):
+                    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    prefix.append(k / max(len(a), len(b), 1))
+                row["greedy"] = (same, len(got), 100 * sum(prefix) / max(len(prefix), 1))
             if trained:
                 for task in [t for t in args.tasks.split(",") if t]:
                     data = os.path.join(eval_dir, f"{task}.jsonl")
@@ -121,7 +160,7 @@ def main():
                     row[task] = 100 * json.load(open(tout))["accuracy"]
             rows.append(row)
             print(f"{name:14s} {label:34s} ppl {row['ppl']:.4f} kld {row['kld']:.2e}", flush=True)
-        sections.append((name, trained, n_layers, base_ppl, rows))
+        sections.append((name, kind, n_layers, base_ppl, rows, ctx, chunks))
 
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
@@ -144,11 +183,17 @@ def main():
         "token ids; their PPL is meaningless, their KLD is not.",
         "",
     ]
-    for name, trained, n_layers, base_ppl, rows in sections:
-        lines.append(f"## {name} ({n_layers} layers{', trained' if trained else ', random weights'}; fp32-cache PPL {base_ppl:.4f})")
+    for name, kind, n_layers, base_ppl, rows, ctx, chunks in sections:
+        trained, gguf = kind == "trained", kind == "gguf"
+        what = {"trained": "trained", "random": "random weights",
+                "gguf": f"real pretrained weights from GGUF; windows of {ctx} tokens, at most {chunks}"}[kind]
+        lines.append(f"## {name} ({n_layers} layers, {what}; fp32-cache PPL {base_ppl:.4f})")
         lines.append("")
         head = "| KV cache | bytes/token | PPL | ΔPPL (95% CI) | mean KLD | p99 KLD | same top % |"
         sep = "|---|---:|---:|---:|---:|---:|---:|"
+        if gguf:
+            head += " greedy 128 identical | greedy chars before first difference % |"
+            sep += "---:|---:|"
         if trained:
             head += " arithmetic % | recall 1k % | recall 4k % | recall 8k % |"
             sep += "---:|---:|---:|---:|"
@@ -156,6 +201,9 @@ def main():
         for r in rows:
             line = (f"| {r['mode']} | {r['bytes']} | {r['ppl']:.4f} | {r['dppl']:+.4f} ± {r['dppl_ci']:.4f} | "
                     f"{r['kld']:.2e} | {r['kld99']:.2e} | {r['top']:.2f} |")
+            if gguf:
+                same, n, pct = r["greedy"]
+                line += f" {same}/{n} | {pct:.1f} |"
             if trained:
                 for task in ["arithmetic", "recall_1k", "recall_4k", "recall_8k"]:
                     line += " not run |" if r.get(task) is None else f" {r[task]:.1f} |"

@@ -1,5 +1,7 @@
 // kvlm inspect: print the resolved per-layer KV plan without loading weights.
 #include <iomanip>
+#include <map>
+#include <optional>
 #include <iostream>
 #include <sstream>
 
@@ -7,7 +9,11 @@
 
 #include "app/commands.h"
 #include "attention/registry.h"
+#include "config/model_config.h"
 #include "core/error.h"
+#include "io/gguf.h"
+#include "io/gguf_model.h"
+#include "io/gguf_tokenizer.h"
 #include "model/loaded_model.h"
 
 namespace kvlm::app {
@@ -38,6 +44,27 @@ std::string scale_str(const KVLayerSpec& l) {
   return std::string(scale_source_name(l.scale_source));
 }
 
+// A GGUF model: the file, its tensor types, and where every config field and the tokenizer
+// came from in its metadata.
+struct GGUFProvenance {
+  std::string file;
+  uint32_t version = 0;
+  uint64_t bytes = 0;
+  std::map<std::string, int> tensor_types;
+  std::vector<std::string> config, tokenizer;
+};
+
+std::optional<GGUFProvenance> gguf_provenance(const std::filesystem::path& dir) {
+  const auto path = find_gguf(dir);
+  if (!path) return std::nullopt;
+  const GGUFFile f(*path);
+  GGUFProvenance g{.file = path->string(), .version = f.header().version, .bytes = f.size()};
+  for (const auto& t : f.header().tensors) ++g.tensor_types[ggml_type_name(t.type)];
+  g.config = map_gguf_model(f.header(), g.file).notes;
+  g.tokenizer = load_gguf_tokenizer(f.header(), g.file).notes;
+  return g;
+}
+
 }  // namespace
 
 int run_inspect(const InspectFlags& f) {
@@ -52,6 +79,7 @@ int run_inspect(const InspectFlags& f) {
   const ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
                                   parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr);
   const KVPlan& plan = mp.plan;
+  const std::optional<GGUFProvenance> gguf = gguf_provenance(dir);
   size_t draft_bytes = 0;  // of the bytes per token, the drafter's layers'
   for (const auto& l : plan.layers)
     if (l.attn.model != "target") draft_bytes += l.bytes_per_token();
@@ -72,6 +100,9 @@ int run_inspect(const InspectFlags& f) {
                      {"source", std::string(dtype_source_name(plan.resolution.source))},
                      {"note", plan.resolution.note}};
     if (cfg.kv_scheme) j["checkpoint_kv_scheme"] = cfg.kv_scheme->origin;
+    if (gguf)
+      j["gguf"] = {{"file", gguf->file}, {"version", gguf->version}, {"bytes", gguf->bytes},
+                   {"tensor_types", gguf->tensor_types}, {"config_from", gguf->config}, {"tokenizer_from", gguf->tokenizer}};
     nlohmann::json layers = nlohmann::json::array();
     for (const auto& l : plan.layers) {
       nlohmann::json e{{"model", l.attn.model},
@@ -128,6 +159,15 @@ int run_inspect(const InspectFlags& f) {
   std::cout << "model      " << dir.string() << "\n"
             << "           " << arch_name(cfg.arch) << ", " << cfg.num_layers << " layers, " << cfg.num_heads << " q heads / "
             << cfg.num_kv_heads << " kv heads, head_dim " << cfg.head_dim << ", model dtype " << dtype_name(mp.dtype) << "\n";
+  if (gguf) {
+    std::cout << "gguf       version " << gguf->version << ", " << gguf->bytes / 1000000 << " MB, tensors:";
+    for (const auto& [type, n] : gguf->tensor_types) std::cout << " " << n << " " << type;
+    std::cout << " (dequantized at load)\n           config.json fields from the metadata:\n";
+    for (const auto& n : gguf->config) std::cout << "             " << n << "\n";
+    std::cout << "           tokenizer and chat template from:";
+    for (const auto& n : gguf->tokenizer) std::cout << " " << n;
+    std::cout << "\n";
+  }
   if (cfg.kv_scheme) std::cout << "checkpoint declares " << cfg.kv_scheme->origin << "\n";
   std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtype_name(plan.requested) << " -> "
             << dtype_name(plan.resolution.storage.storage) << " / " << kv_quant_mode_name(plan.resolution.storage.mode) << " ("

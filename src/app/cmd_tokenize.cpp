@@ -1,11 +1,13 @@
 // kvlm tokenize / detokenize / render-template: the text tools on their own.
 #include <fstream>
+#include <optional>
 #include <iostream>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "app/commands.h"
+#include "config/model_config.h"
 #include "core/error.h"
 #include "text/text_processor.h"
 
@@ -21,11 +23,22 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// A tokenizer.json (a file, or a directory holding one) or a GGUF file's tokenizer.
+struct LoadedTokenizer {
+  explicit LoadedTokenizer(const std::string& path) {
+    if (find_gguf(path)) text.emplace(TextProcessor::load(path));
+    else plain.emplace(Tokenizer::load(path));
+  }
+  const Tokenizer& get() const { return text ? text->tokenizer() : *plain; }
+  std::optional<TextProcessor> text;
+  std::optional<Tokenizer> plain;
+};
+
 }  // namespace
 
 CLI::App* add_tokenize(CLI::App& app, TokenizeFlags& f) {
   auto* cmd = app.add_subcommand("tokenize", "Print the token ids of a text");
-  cmd->add_option("--tokenizer", f.tokenizer, "a directory holding tokenizer.json (a model directory works)")->required();
+  cmd->add_option("--tokenizer", f.tokenizer, "a directory holding tokenizer.json (a model directory works), or a .gguf file")->required();
   auto* t = cmd->add_option("--text", f.text, "the text");
   auto* file = cmd->add_option("--file", f.file, "read the text from a file");
   t->excludes(file);
@@ -36,7 +49,8 @@ CLI::App* add_tokenize(CLI::App& app, TokenizeFlags& f) {
 
 int run_tokenize(const TokenizeFlags& f) {
   if (f.text.empty() && f.file.empty()) throw Error("give --text STR or --file F");
-  const Tokenizer tok = Tokenizer::load(f.tokenizer);
+  const LoadedTokenizer loaded(f.tokenizer);
+  const Tokenizer& tok = loaded.get();
   const std::string text = f.file.empty() ? f.text : read_file(f.file);
   const auto ids = tok.encode(text, {.add_special_tokens = f.add_special_tokens});
   if (f.json) {
@@ -50,7 +64,7 @@ int run_tokenize(const TokenizeFlags& f) {
 
 CLI::App* add_detokenize(CLI::App& app, TokenizeFlags& f) {
   auto* cmd = app.add_subcommand("detokenize", "Print the text of token ids");
-  cmd->add_option("--tokenizer", f.tokenizer, "a directory holding tokenizer.json (a model directory works)")->required();
+  cmd->add_option("--tokenizer", f.tokenizer, "a directory holding tokenizer.json (a model directory works), or a .gguf file")->required();
   cmd->add_option("--ids", f.ids, "token ids, e.g. 9707,1879")->required();
   cmd->add_flag("--skip-special-tokens", f.skip_special_tokens, "leave special tokens out");
   cmd->add_flag("--json", f.json, "print {\"text\": ...}");
@@ -58,8 +72,8 @@ CLI::App* add_detokenize(CLI::App& app, TokenizeFlags& f) {
 }
 
 int run_detokenize(const TokenizeFlags& f) {
-  const Tokenizer tok = Tokenizer::load(f.tokenizer);
-  const std::string text = tok.decode(parse_token_ids(f.ids), f.skip_special_tokens);
+  const LoadedTokenizer loaded(f.tokenizer);
+  const std::string text = loaded.get().decode(parse_token_ids(f.ids), f.skip_special_tokens);
   if (f.json)
     std::cout << nlohmann::json{{"text", text}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   else
@@ -70,7 +84,7 @@ int run_detokenize(const TokenizeFlags& f) {
 CLI::App* add_render_template(CLI::App& app, TemplateFlags& f) {
   auto* cmd = app.add_subcommand("render-template", "Render a chat template for a list of messages");
   auto* t = cmd->add_option("--template", f.template_file, "a .jinja chat template file");
-  auto* tk = cmd->add_option("--tokenizer", f.tokenizer, "a directory whose tokenizer_config.json holds the template");
+  auto* tk = cmd->add_option("--tokenizer", f.tokenizer, "a directory whose tokenizer_config.json holds the template, or a .gguf file");
   t->excludes(tk);
   cmd->add_option("--messages", f.messages, "a JSON file: a list of {role, content} messages (or {\"messages\": [...], ...})")
       ->required();

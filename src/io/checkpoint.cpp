@@ -5,6 +5,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "io/gguf.h"
 #include "io/gguf_model.h"
 
 namespace kvlm {
@@ -29,24 +30,22 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
   Checkpoint c;
   std::error_code ec;
   if (const auto gguf = find_gguf(dir)) {
-    const GGUFFile f(*gguf);
-    const GGUFModel m = map_gguf_model(f.header(), gguf->string());
+    c.gguf_file_ = std::make_unique<GGUFFile>(*gguf);
+    const GGUFModel m = map_gguf_model(c.gguf_file_->header(), gguf->string());
     c.gguf_config_ = m.config;
     c.gguf_infos_.reserve(m.tensors.size());
-    c.gguf_data_.reserve(m.tensors.size());
-    size_t params = 0;
+    c.gguf_sources_.reserve(m.tensors.size());
+    c.gguf_data_.resize(m.tensors.size());
     for (const auto& [name, src] : m.tensors) {
-      const GGUFTensorInfo* t = f.header().find_tensor(src.gguf_name);
-      c.gguf_data_.push_back(load_gguf_tensor(f, src));
+      const GGUFTensorInfo* t = c.gguf_file_->header().find_tensor(src.gguf_name);
       TensorInfo info{.name = name, .dtype = DType::F32, .shape = t->shape, .begin = 0,
-                      .end = c.gguf_data_.back().size() * sizeof(float)};
+                      .end = size_t(t->numel()) * sizeof(float)};
       c.gguf_infos_.push_back(std::move(info));
+      c.gguf_sources_.push_back(src);
       c.tensors_.emplace(name, std::make_pair(nullptr, &c.gguf_infos_.back()));
-      params += c.gguf_data_.back().size();
     }
-    log::info("loaded " + gguf->string() + ": " + std::to_string(m.tensors.size()) + " tensors, " +
-              std::to_string(params) + " parameters dequantized to float32 (" +
-              std::to_string(params * 4 / (1 << 20)) + " MiB)");
+    log::info("opened " + gguf->string() + ": " + std::to_string(m.tensors.size()) +
+              " tensors, dequantized to float32 one at a time as the weights load");
     return c;
   }
   if (std::filesystem::is_regular_file(dir, ec)) check_model_dir(dir);  // says what a file --model must be
@@ -94,12 +93,22 @@ const TensorInfo* Checkpoint::find(std::string_view name) const {
 TensorView Checkpoint::view(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) throw Error("the checkpoint is missing tensor '" + std::string(name) + "'");
-  if (!it->second.first) {  // GGUF: dequantized at open
+  if (!it->second.first) {  // GGUF: dequantized now, held until release()
     const TensorInfo* t = it->second.second;
-    const auto& data = gguf_data_[size_t(t - gguf_infos_.data())];
+    const size_t i = size_t(t - gguf_infos_.data());
+    std::lock_guard lock(*gguf_mu_);
+    auto& data = gguf_data_[i];
+    if (data.empty()) data = load_gguf_tensor(*gguf_file_, gguf_sources_[i]);
     return {t, {reinterpret_cast<const uint8_t*>(data.data()), data.size() * sizeof(float)}};
   }
   return it->second.first->view(*it->second.second);
+}
+
+void Checkpoint::release(std::string_view name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end() || it->second.first) return;
+  std::lock_guard lock(*gguf_mu_);
+  std::vector<float>().swap(gguf_data_[size_t(it->second.second - gguf_infos_.data())]);
 }
 
 size_t Checkpoint::total_bytes() const {

@@ -1,13 +1,15 @@
 // A Hugging Face checkpoint: model.safetensors, or shards listed by
-// model.safetensors.index.json, all mmapped — or a GGUF file (io/gguf_model.h), whose
-// tensors are dequantized to fp32 at open under their Hugging Face names and whose metadata
-// gives the config.json (peak memory: the file's mapping plus 4 bytes per parameter). Tensors
-// are looked up by name; loading checks dtype and shape and names the tensor in every error.
+// model.safetensors.index.json, all mmapped — or a GGUF file (io/gguf_model.h), mmapped too,
+// whose tensors appear as fp32 under their Hugging Face names (each dequantized when first
+// viewed and held until release(), so a loader that releases what it has stored holds one
+// dequantized tensor at a time) and whose metadata gives the config.json. Tensors are looked
+// up by name; loading checks dtype and shape and names the tensor in every error.
 #pragma once
 
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -17,6 +19,7 @@
 
 #include "config/kv_plan.h"
 #include "config/model_config.h"
+#include "io/gguf_model.h"
 #include "io/safetensors.h"
 
 namespace kvlm {
@@ -35,6 +38,8 @@ class Checkpoint {
 
   const TensorInfo* find(std::string_view name) const;
   TensorView view(std::string_view name) const;  // throws when missing
+  // The caller is done with the tensor's view: a GGUF tensor's dequantized copy is freed.
+  void release(std::string_view name) const;
   std::vector<std::string> names() const;
   size_t num_files() const { return files_.size(); }
   size_t total_bytes() const;  // all tensors' data
@@ -50,8 +55,11 @@ class Checkpoint {
   // Safetensors tensors point into files_; GGUF ones (file nullptr) into gguf_infos_ / gguf_data_.
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>, std::less<>> tensors_;
   std::optional<nlohmann::json> gguf_config_;
+  std::unique_ptr<GGUFFile> gguf_file_;
   std::vector<TensorInfo> gguf_infos_;
-  std::vector<std::vector<float>> gguf_data_;
+  std::vector<GGUFTensorSource> gguf_sources_;
+  mutable std::vector<std::vector<float>> gguf_data_;  // dequantized on view(), freed by release()
+  std::unique_ptr<std::mutex> gguf_mu_ = std::make_unique<std::mutex>();
 };
 
 // Per-tensor KV scales for one layer, under the names vLLM-compatible checkpoints use:

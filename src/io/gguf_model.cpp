@@ -65,61 +65,83 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
                 "' is not supported (kvlm runs llama, qwen2, qwen3 and gemma3 GGUF files)");
   const std::string p = *arch + ".";
   GGUFModel m;
-  auto need_int = [&](const std::string& key) {
+  nlohmann::json& c = m.config;
+  // Every config.json field with the metadata key (or rule) it came from, for `kvlm inspect`.
+  auto from = [&](const std::string& field, const std::string& source) {
+    m.notes.push_back(field + " = " + c[field].dump() + "  <- " + source);
+  };
+  auto need_int = [&](const std::string& field, const std::string& key) {
     const auto v = h.get_int(key);
     if (!v) throw Error(label + ": the GGUF metadata has no " + key);
     if (*v <= 0 || *v > (int64_t(1) << 31)) throw Error(label + ": " + key + " is " + std::to_string(*v));
-    m.notes.push_back(key);
+    c[field] = *v;
+    from(field, key);
     return *v;
   };
-  auto opt_number = [&](const std::string& key) {
-    const auto v = h.get_float(key);
-    if (v) m.notes.push_back(key);
-    return v;
-  };
-  nlohmann::json& c = m.config;
   c["architectures"] = {info->hf_class};
+  from("architectures", "general.architecture");
   c["model_type"] = info->model_type;
-  const int64_t layers = need_int(p + "block_count");
-  const int64_t hidden = need_int(p + "embedding_length");
-  const int64_t heads = need_int(p + "attention.head_count");
-  c["num_hidden_layers"] = layers;
-  c["hidden_size"] = hidden;
-  c["intermediate_size"] = need_int(p + "feed_forward_length");
-  c["num_attention_heads"] = heads;
-  c["num_key_value_heads"] = h.find(p + "attention.head_count_kv") ? need_int(p + "attention.head_count_kv") : heads;
-  const int64_t head_dim = h.find(p + "attention.key_length") ? need_int(p + "attention.key_length") : hidden / heads;
-  if (h.find(p + "attention.value_length") && need_int(p + "attention.value_length") != head_dim)
+  const int64_t layers = need_int("num_hidden_layers", p + "block_count");
+  const int64_t hidden = need_int("hidden_size", p + "embedding_length");
+  const int64_t heads = need_int("num_attention_heads", p + "attention.head_count");
+  need_int("intermediate_size", p + "feed_forward_length");
+  if (h.find(p + "attention.head_count_kv")) {
+    need_int("num_key_value_heads", p + "attention.head_count_kv");
+  } else {
+    c["num_key_value_heads"] = heads;
+    from("num_key_value_heads", "no " + p + "attention.head_count_kv: as many as the query heads");
+  }
+  int64_t head_dim = hidden / heads;
+  if (h.find(p + "attention.key_length")) {
+    head_dim = need_int("head_dim", p + "attention.key_length");
+  } else {
+    c["head_dim"] = head_dim;
+    from("head_dim", "no " + p + "attention.key_length: embedding_length / head_count");
+  }
+  if (const auto vl = h.get_int(p + "attention.value_length"); vl && *vl != head_dim)
     throw Error(label + ": attention.value_length differs from key_length; kvlm needs one head size");
-  c["head_dim"] = head_dim;
-  c["max_position_embeddings"] = need_int(p + "context_length");
-  const auto eps = opt_number(p + "attention.layer_norm_rms_epsilon");
+  need_int("max_position_embeddings", p + "context_length");
+  const auto eps = h.get_float(p + "attention.layer_norm_rms_epsilon");
   if (!eps) throw Error(label + ": the GGUF metadata has no " + p + "attention.layer_norm_rms_epsilon");
   c["rms_norm_eps"] = *eps;
-  c["rope_theta"] = opt_number(p + "rope.freq_base").value_or(10000.0);
+  from("rms_norm_eps", p + "attention.layer_norm_rms_epsilon");
+  const auto theta = h.get_float(p + "rope.freq_base");
+  c["rope_theta"] = theta.value_or(10000.0);
+  from("rope_theta", theta ? p + "rope.freq_base" : "no " + p + "rope.freq_base: llama.cpp's default 10000");
   if (const auto scaling = h.get_string(p + "rope.scaling.type"); scaling && *scaling != "none") {
     if (*scaling != "linear")
       throw Error(label + ": rope scaling '" + *scaling + "' is not supported (kvlm reads none and linear)");
-    const auto factor = opt_number(p + "rope.scaling.factor");
+    const auto factor = h.get_float(p + "rope.scaling.factor");
     if (!factor) throw Error(label + ": linear rope scaling without " + p + "rope.scaling.factor");
     c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", *factor}};
+    from("rope_scaling", p + "rope.scaling.type, " + p + "rope.scaling.factor");
   }
   if (h.find_tensor("rope_freqs.weight"))
     throw Error(label + ": per-frequency rope factors (rope_freqs.weight, Llama 3.1-style scaling) are not supported yet");
   const auto tokens = h.get_strings("tokenizer.ggml.tokens");
   if (!tokens) throw Error(label + ": the GGUF metadata has no tokenizer.ggml.tokens (the vocabulary)");
   c["vocab_size"] = tokens->size();
+  from("vocab_size", "the length of tokenizer.ggml.tokens");
   const bool tied = h.find_tensor("output.weight") == nullptr;
   c["tie_word_embeddings"] = tied;
+  from("tie_word_embeddings", tied ? "no output.weight tensor" : "an output.weight tensor");
   c["torch_dtype"] = "bfloat16";  // the weights are dequantized; bf16 is the compute dtype GGUF models come from
-  if (const auto bos = h.get_int("tokenizer.ggml.bos_token_id")) c["bos_token_id"] = *bos;
+  from("torch_dtype", "GGUF weights are dequantized; bf16 compute on the GPU, fp32 on the CPU");
+  if (const auto bos = h.get_int("tokenizer.ggml.bos_token_id")) {
+    c["bos_token_id"] = *bos;
+    from("bos_token_id", "tokenizer.ggml.bos_token_id");
+  }
   std::vector<int64_t> eos;
   for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"})
     if (const auto e = h.get_int(key); e && std::ranges::find(eos, *e) == eos.end()) eos.push_back(*e);
-  if (!eos.empty()) c["eos_token_id"] = eos;
+  if (!eos.empty()) {
+    c["eos_token_id"] = eos;
+    from("eos_token_id", "tokenizer.ggml.eos_token_id and tokenizer.ggml.eot_token_id");
+  }
   const bool gemma = *arch == "gemma3";
   if (*arch == "llama") {
     c["attention_bias"] = h.find_tensor("blk.0.attn_q.bias") != nullptr;
+    from("attention_bias", "whether a blk.0.attn_q.bias tensor exists");
     c["hidden_act"] = "silu";
   } else if (!gemma) {
     c["hidden_act"] = "silu";
@@ -128,11 +150,16 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
     const auto window = h.get_int(p + "attention.sliding_window");
     if (!window) throw Error(label + ": gemma3 without " + p + "attention.sliding_window");
     c["sliding_window"] = *window;
+    from("sliding_window", p + "attention.sliding_window");
     // llama.cpp's gemma3: every 6th layer global, local RoPE base 10000, and queries scaled by
     // head_dim^-0.5 except Gemma 3 27B (hidden / heads).
-    c["sliding_window_pattern"] = h.get_int(p + "attention.sliding_window_pattern").value_or(6);
+    const auto pattern = h.get_int(p + "attention.sliding_window_pattern");
+    c["sliding_window_pattern"] = pattern.value_or(6);
+    from("sliding_window_pattern", pattern ? p + "attention.sliding_window_pattern" : "llama.cpp's gemma3: every 6th layer global");
     c["rope_local_base_freq"] = 10000.0;
+    from("rope_local_base_freq", "llama.cpp's gemma3: 10000 for the sliding layers");
     c["query_pre_attn_scalar"] = layers == 62 ? hidden / heads : head_dim;
+    from("query_pre_attn_scalar", "llama.cpp's gemma3: head_dim (hidden / heads for the 62-layer 27B)");
   }
 
   // Tensors.

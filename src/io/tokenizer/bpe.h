@@ -26,9 +26,21 @@ struct StringHash {
 template <class V>
 using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>>;
 
+// A BPE model as data: what tokenizer.json's "model" object holds, or what a GGUF file's
+// vocabulary implies (io/gguf_tokenizer).
+struct BpeSpec {
+  std::vector<std::pair<std::string, TokenId>> vocab;  // a token listed twice keeps its last id
+  std::vector<std::pair<std::string, std::string>> merges;  // by rank, best first
+  std::optional<std::string> unk_token;
+  bool byte_fallback = false, fuse_unk = false, ignore_merges = false;
+  std::string continuing_prefix, end_suffix;
+};
+// tokenizer.json's "model" object as a BpeSpec; throws kvlm::Error for another model type.
+BpeSpec parse_bpe_spec(const nlohmann::json& model);
+
 class BpeModel {
  public:
-  explicit BpeModel(const nlohmann::json& model);
+  explicit BpeModel(const BpeSpec& spec);
 
   void encode_word(std::string_view word, std::vector<TokenId>& out) const;
   std::optional<TokenId> token_to_id(std::string_view token) const;

@@ -31,12 +31,25 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& la
   } catch (const json::exception& e) {
     throw Error(label + " is not valid JSON: " + e.what());
   }
-  Tokenizer t;
+  tok::BpeSpec spec;
   try {
     if (!j.is_object() || !j.contains("model")) throw Error("no \"model\" object");
+    spec = tok::parse_bpe_spec(j["model"]);
+  } catch (const json::exception& e) {
+    throw Error(label + ": unexpected structure: " + e.what());
+  } catch (const Error& e) {
+    throw Error(label + ": " + e.what());
+  }
+  return from_parts(j, spec, label);
+}
+
+Tokenizer Tokenizer::from_parts(const json& j, const tok::BpeSpec& model, const std::string& label) {
+  Tokenizer t;
+  try {
+    if (!j.is_object()) throw Error("the pipeline is not a JSON object");
     t.normalizer_ = tok::parse_normalizer(j.value("normalizer", json()));
     t.pre_ = tok::parse_pre_tokenizer(j.value("pre_tokenizer", json()));
-    t.model_ = std::make_unique<tok::BpeModel>(j["model"]);
+    t.model_ = std::make_unique<tok::BpeModel>(model);
     t.post_ = tok::parse_post_processor(j.value("post_processor", json()));
     t.decoder_ = tok::parse_decoder(j.value("decoder", json()));
     t.vocab_size_ = int(t.model_->max_id()) + 1;

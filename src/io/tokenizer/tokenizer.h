@@ -17,6 +17,8 @@
 #include "io/tokenizer/bpe.h"
 #include "io/tokenizer/pipeline.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace kvlm {
 
 struct EncodeOptions {
@@ -36,6 +38,9 @@ class Tokenizer {
   // missing or malformed file or a pipeline stage kvlm does not implement.
   static Tokenizer load(const std::filesystem::path& path);
   static Tokenizer from_json_text(std::string_view text, const std::string& label = "tokenizer.json");
+  // A tokenizer.json object whose "model" (ignored if present) is given as data: how a GGUF
+  // file's vocabulary becomes a tokenizer without a JSON round trip of its merges.
+  static Tokenizer from_parts(const nlohmann::json& pipeline, const tok::BpeSpec& model, const std::string& label);
 
   // Invalid UTF-8 in `text` is replaced by U+FFFD first (as Python's errors='replace').
   std::vector<TokenId> encode(std::string_view text, const EncodeOptions& opts = {}) const;
