@@ -294,6 +294,16 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
         throw Error(std::string("config.json: ") + cap + " is set; kvlm does not implement logit soft-capping (Gemma 2)");
   } else {
     m.rope = parse_rope(cfg, rope_params, 10000.0, "config.json rope_parameters");
+    if (const json* ff = jg::find(cfg, "rope_freq_factors")) {
+      if (!ff->is_array() || ff->size() != size_t(m.head_dim / 2))
+        throw Error("config.json: rope_freq_factors must be a list of head_dim / 2 = " + std::to_string(m.head_dim / 2) +
+                    " numbers");
+      for (const json& f : *ff) {
+        if (!f.is_number() || !(f.get<double>() > 0) || !std::isfinite(f.get<double>()))
+          throw Error("config.json: rope_freq_factors must hold positive finite numbers");
+        m.rope.freq_factors.push_back(f.get<double>());
+      }
+    }
   }
   m.tie_word_embeddings = jg::opt_bool(cfg, "tie_word_embeddings", kWhere).value_or(gemma);
   const bool attention_bias = jg::opt_bool(cfg, "attention_bias", kWhere).value_or(false);

@@ -30,6 +30,10 @@ struct RopeConfig {
   double low_freq_factor = 1.0;    // llama3
   double high_freq_factor = 4.0;   // llama3
   int original_max_position = 8192;  // llama3
+  // Per-frequency divisors stored in a GGUF file (rope_freqs.weight, how llama.cpp carries
+  // Llama 3.1-style scaling): inv_freq[i] /= freq_factors[i] after the type's own scaling.
+  // config.json key "rope_freq_factors" (kvlm's own, written for GGUF models).
+  std::vector<double> freq_factors;
 };
 
 // The gate activation of the gated MLP: out = f(gate) * up.

@@ -31,7 +31,8 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
   std::error_code ec;
   if (const auto gguf = find_gguf(dir)) {
     c.gguf_file_ = std::make_unique<GGUFFile>(*gguf);
-    const GGUFModel m = map_gguf_model(c.gguf_file_->header(), gguf->string());
+    GGUFModel m = map_gguf_model(c.gguf_file_->header(), gguf->string());
+    add_rope_freq_factors(*c.gguf_file_, m);
     c.gguf_config_ = m.config;
     c.gguf_infos_.reserve(m.tensors.size());
     c.gguf_sources_.reserve(m.tensors.size());

@@ -116,8 +116,15 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
     c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", *factor}};
     from("rope_scaling", p + "rope.scaling.type, " + p + "rope.scaling.factor");
   }
-  if (h.find_tensor("rope_freqs.weight"))
-    throw Error(label + ": per-frequency rope factors (rope_freqs.weight, Llama 3.1-style scaling) are not supported yet");
+  if (const GGUFTensorInfo* rf = h.find_tensor("rope_freqs.weight")) {
+    if (*arch != "llama")
+      throw Error(label + ": per-frequency rope factors (rope_freqs.weight) in a " + *arch + " model are not supported");
+    if (rf->numel() * 2 != (h.find(p + "attention.key_length") ? *h.get_int(p + "attention.key_length") : hidden / heads))
+      throw Error(label + ": rope_freqs.weight has " + std::to_string(rf->numel()) + " values; head_dim / 2 expected");
+    m.rope_freqs = "rope_freqs.weight";
+    m.notes.push_back("rope_freq_factors = [" + std::to_string(rf->numel()) +
+                      " values]  <- the rope_freqs.weight tensor (Llama 3.1-style frequency scaling, as llama.cpp applies it)");
+  }
   const auto tokens = h.get_strings("tokenizer.ggml.tokens");
   if (!tokens) throw Error(label + ": the GGUF metadata has no tokenizer.ggml.tokens (the vocabulary)");
   c["vocab_size"] = tokens->size();
@@ -206,6 +213,14 @@ void unpermute_llama_heads(std::vector<float>& w, int heads, int64_t rows, int64
         std::copy(src, src + cols, dst);
       }
   w.swap(out);
+}
+
+void add_rope_freq_factors(const GGUFFile& f, GGUFModel& m) {
+  if (m.rope_freqs.empty()) return;
+  const std::vector<float> v = load_gguf_tensor(f, GGUFTensorSource{.gguf_name = m.rope_freqs});
+  for (float x : v)
+    if (!(x > 0) || !std::isfinite(x)) throw Error(f.path().string() + ": rope_freqs.weight holds " + std::to_string(x));
+  m.config["rope_freq_factors"] = v;
 }
 
 std::vector<float> load_gguf_tensor(const GGUFFile& f, const GGUFTensorSource& src) {

@@ -31,10 +31,16 @@ struct GGUFModel {
   nlohmann::json config;  // a Hugging Face config.json
   std::map<std::string, GGUFTensorSource> tensors;  // Hugging Face name -> source
   std::vector<std::string> notes;  // where each config field came from (for `kvlm inspect`)
+  // The tensor of per-frequency rope divisors (Llama 3.1-style scaling), if the file has one:
+  // its values belong in config["rope_freq_factors"] (add_rope_freq_factors reads them).
+  std::string rope_freqs;
 };
 
 // Throws kvlm::Error naming `label` and the missing or unsupported field.
 GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label);
+
+// Puts the file's rope_freqs.weight values into m.config["rope_freq_factors"] (no-op without).
+void add_rope_freq_factors(const GGUFFile& f, GGUFModel& m);
 
 // The tensor's values in fp32, [rows][cols] as Hugging Face lays them out, undone as `src` says.
 std::vector<float> load_gguf_tensor(const GGUFFile& f, const GGUFTensorSource& src);

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/error.h"
+
 namespace kvlm {
 
 std::vector<float> rope_inv_freq(const RopeConfig& r, int head_dim) {
@@ -34,6 +36,10 @@ std::vector<float> rope_inv_freq(const RopeConfig& r, int head_dim) {
       }
       break;
     }
+  }
+  if (!r.freq_factors.empty()) {
+    KVLM_CHECK(r.freq_factors.size() == inv.size(), "rope_freq_factors has the wrong length");
+    for (size_t i = 0; i < inv.size(); ++i) inv[i] = float(double(inv[i]) / r.freq_factors[i]);
   }
   return inv;
 }

@@ -1,5 +1,6 @@
 // Rotary-embedding frequencies for every supported rope type, computed as Hugging Face
-// transformers computes them (default, linear, llama3).
+// transformers computes them (default, linear, llama3), then divided by a GGUF file's
+// per-frequency factors where it has them (as llama.cpp does).
 #pragma once
 
 #include <vector>

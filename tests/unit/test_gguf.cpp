@@ -22,7 +22,9 @@
 #include "core/error.h"
 #include "io/ggml_dequant.h"
 #include "io/gguf.h"
+#include "io/checkpoint.h"
 #include "io/gguf_model.h"
+#include "model/rope.h"
 #include "../support/gguf_writer.h"
 
 namespace kvlm {
@@ -373,6 +375,29 @@ TEST(GGUFModel, LlamaBecomesAHuggingFaceModel) {
     ADD_FAILURE() << "accepted a bloom model";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("GGUF architecture 'bloom' is not supported"), std::string::npos) << e.what();
+  }
+  // Llama 3.1-style scaling: llama.cpp's converter stores the llama3 rope scaling as per-frequency
+  // divisors (rope_freqs.weight); they reach the config and give the llama3 frequencies.
+  {
+    RopeConfig l3{.type = RopeType::Llama3, .theta = 100000.0, .factor = 8.0, .low_freq_factor = 1.0,
+                  .high_freq_factor = 4.0, .original_max_position = 64};
+    const auto plain = rope_inv_freq(RopeConfig{.theta = 100000.0}, hd), scaled = rope_inv_freq(l3, hd);
+    std::vector<float> factors;
+    for (size_t i = 0; i < plain.size(); ++i) factors.push_back(plain[i] / scaled[i]);
+    auto with = ts;
+    with.push_back({"rope_freqs.weight", {uint64_t(hd / 2)}, factors});
+    const auto rpath = std::filesystem::temp_directory_path() / ("kvlm-llama31-" + std::to_string(::getpid()) + ".gguf");
+    const auto rb = model_file(12, meta, with);
+    std::ofstream(rpath, std::ios::binary).write(reinterpret_cast<const char*>(rb.data()), std::streamsize(rb.size()));
+    const Checkpoint ck = Checkpoint::open(rpath);
+    const ModelConfig c = ck.model_config(rpath);
+    ASSERT_EQ(c.rope.freq_factors.size(), size_t(hd / 2));
+    const auto got = rope_inv_freq(c.rope, hd);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], scaled[i], 1e-6 * scaled[i]) << i;
+    std::filesystem::remove(rpath);
+    with.back().values.pop_back();  // a tensor of the wrong length
+    with.back().ne = {uint64_t(hd / 2 - 1)};
+    EXPECT_THROW(map_gguf_model(parse_gguf(model_file(12, meta, with), "z.gguf"), "z.gguf"), Error);
   }
   ts.push_back({"blk.0.mystery.weight", {8}, std::vector<float>(8, 0.0f)});
   try {

@@ -57,6 +57,20 @@ TEST(ModelConfig, HeadDimAndMqaAndBias) {
   EXPECT_TRUE(m.tie_word_embeddings);
 }
 
+TEST(ModelConfig, RopeFreqFactorsFromAGGUFFile) {
+  json j = llama();
+  const ModelConfig base = parse_model_config(j, nullptr);
+  const size_t half = size_t(base.head_dim / 2);
+  j["rope_freq_factors"] = std::vector<double>(half, 2.0);
+  EXPECT_EQ(parse_model_config(j, nullptr).rope.freq_factors, std::vector<double>(half, 2.0));
+  j["rope_freq_factors"] = std::vector<double>(half + 1, 2.0);
+  EXPECT_THROW(parse_model_config(j, nullptr), Error);
+  j["rope_freq_factors"] = std::vector<double>(half, 0.0);
+  EXPECT_THROW(parse_model_config(j, nullptr), Error);
+  j["rope_freq_factors"] = "fast";
+  EXPECT_THROW(parse_model_config(j, nullptr), Error);
+}
+
 TEST(ModelConfig, RopeLegacyAndTransformers5Forms) {
   json j = llama();
   j["rope_theta"] = 500000.0;
