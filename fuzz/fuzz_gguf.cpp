@@ -1,6 +1,8 @@
 // libFuzzer target: the GGUF parser must accept or reject any byte string with a
 // kvlm::Error, never crash, hang or read out of bounds. Accepted files must describe tensors
-// that lie inside the file, and their typed lookups must not crash either.
+// that lie inside the file, and their typed lookups must not crash either; nor may turning
+// their metadata into a Hugging Face config (map_gguf_model) or a tokenizer
+// (load_gguf_tokenizer, then encoding and decoding a short text).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -8,6 +10,8 @@
 
 #include "core/error.h"
 #include "io/gguf.h"
+#include "io/gguf_model.h"
+#include "io/gguf_tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
@@ -20,6 +24,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         else (void)h.get_float(kv.key);
       } catch (const kvlm::Error&) {
       }
+    }
+    try {
+      (void)kvlm::map_gguf_model(h, "fuzz");
+    } catch (const kvlm::Error&) {
+    }
+    try {
+      const auto t = kvlm::load_gguf_tokenizer(h, "fuzz");
+      const auto ids = t.tokenizer.encode("Hello  world <s>\n\xC3\xA9 12");
+      (void)t.tokenizer.decode(ids);
+    } catch (const kvlm::Error&) {
     }
   } catch (const kvlm::Error&) {
   }

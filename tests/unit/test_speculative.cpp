@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "engine/ngram_proposer.h"
 #include "offline/generate.h"
+#include "../support/greedy_compare.h"
 
 namespace kvlm {
 namespace {
@@ -92,7 +93,8 @@ TEST(NgramLookup, LongestEarliestMatchProposesWhatFollowed) {
 }
 
 // Greedy generation with n-gram drafting gives the tokens of plain generation, on a trained
-// model and prompts that repeat (where drafts are accepted) and ones that do not.
+// model and prompts that repeat (where drafts are accepted) and ones that do not (parting
+// only after a near tie of the plain run: support/greedy_compare.h).
 TEST(NgramDrafting, GreedyOutputIsThePlainOutput) {
   const std::vector<std::vector<TokenId>> prompts{
       {1, 450, 871, 450, 871, 450},
@@ -100,6 +102,7 @@ TEST(NgramDrafting, GreedyOutputIsThePlainOutput) {
       {1, 200, 301, 57, 99, 1000, 1500, 1900},
   };
   uint64_t accepted = 0, drafted = 0;
+  int parted = 0;
   for (const KVCacheDType dt : {KVCacheDType::Auto, KVCacheDType::Fp8PerTokenHead}) {
     ModelOptions o;
     o.model_dir = kTiny;
@@ -114,8 +117,10 @@ TEST(NgramDrafting, GreedyOutputIsThePlainOutput) {
       g.max_tokens = 48;
       g.sampling.temperature = 0;
       g.ignore_eos = true;
-      const GenerateResult a = generate(*plain, g), b = generate(*spec, g);
-      EXPECT_EQ(a.tokens, b.tokens) << kv_cache_dtype_name(dt);
+      const GenerateResult b = generate(*spec, g);
+      g.logprobs = 2;
+      const GenerateResult a = generate(*plain, g);
+      parted += test::expect_same_greedy(a, b, std::string(kv_cache_dtype_name(dt)));
       EXPECT_EQ(a.drafts, 0u);
       accepted += b.accepted_tokens;
       drafted += b.draft_tokens;
@@ -123,6 +128,7 @@ TEST(NgramDrafting, GreedyOutputIsThePlainOutput) {
   }
   EXPECT_GT(drafted, 0u);
   EXPECT_GT(accepted, 0u) << "a trained model continuing repeated text accepted no n-gram draft";
+  EXPECT_LE(parted, 1) << "drafted and plain greedy outputs part (at near ties) for more than one of 6 runs";
 }
 
 }  // namespace
