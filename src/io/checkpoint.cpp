@@ -105,6 +105,14 @@ TensorView Checkpoint::view(std::string_view name) const {
   return it->second.first->view(*it->second.second);
 }
 
+std::string Checkpoint::describe(std::string_view name) const {
+  std::string s = "'" + std::string(name) + "'";
+  auto it = tensors_.find(name);
+  if (it != tensors_.end() && !it->second.first)
+    s += " (GGUF tensor '" + gguf_sources_[size_t(it->second.second - gguf_infos_.data())].gguf_name + "')";
+  return s;
+}
+
 void Checkpoint::release(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end() || it->second.first) return;

@@ -38,6 +38,8 @@ class Checkpoint {
 
   const TensorInfo* find(std::string_view name) const;
   TensorView view(std::string_view name) const;  // throws when missing
+  // 'name' for messages, with the GGUF tensor it comes from where it does.
+  std::string describe(std::string_view name) const;
   // The caller is done with the tensor's view: a GGUF tensor's dequantized copy is freed.
   void release(std::string_view name) const;
   std::vector<std::string> names() const;

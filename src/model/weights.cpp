@@ -55,8 +55,8 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
         throw Error("tensor '" + t.name + "' has dtype " + std::string(dtype_name(t.dtype)) +
                     "; kvlm loads bfloat16, float16 and float32 weights (quantized weights are not supported)");
       if (!std::ranges::equal(t.shape, p.shape))
-        throw Error("tensor '" + t.name + "' has shape " + shape_str(t.shape) + " but config.json implies " +
-                    shape_str(p.shape));
+        throw Error("tensor " + ckpt.describe(t.name) + " has shape " + shape_str(t.shape) + " but " +
+                    (ckpt.embedded_config() ? "the GGUF metadata implies " : "config.json implies ") + shape_str(p.shape));
       used.insert(p.name);
       out.num_params += size_t(t.numel());
       views.push_back(v);

@@ -24,6 +24,7 @@
 #include "io/gguf.h"
 #include "io/checkpoint.h"
 #include "io/gguf_model.h"
+#include "model/loaded_model.h"
 #include "model/rope.h"
 #include "../support/gguf_writer.h"
 
@@ -398,6 +399,27 @@ TEST(GGUFModel, LlamaBecomesAHuggingFaceModel) {
     with.back().values.pop_back();  // a tensor of the wrong length
     with.back().ne = {uint64_t(hd / 2 - 1)};
     EXPECT_THROW(map_gguf_model(parse_gguf(model_file(12, meta, with), "z.gguf"), "z.gguf"), Error);
+  }
+  // A tensor whose shape disagrees with the metadata: the error names both tensor names.
+  {
+    auto bad = ts;
+    for (auto& t : bad)
+      if (t.name == "blk.1.ffn_up.weight") t.ne = {uint64_t(hidden), uint64_t(ffn / 2)}, t.values.resize(t.values.size() / 2);
+    const auto bpath = std::filesystem::temp_directory_path() / ("kvlm-llama-bad-" + std::to_string(::getpid()) + ".gguf");
+    const auto bb = model_file(12, meta, bad);
+    std::ofstream(bpath, std::ios::binary).write(reinterpret_cast<const char*>(bb.data()), std::streamsize(bb.size()));
+    ModelOptions o;
+    o.model_dir = bpath;
+    try {
+      LoadedModel::load(o);
+      ADD_FAILURE() << "loaded a tensor of the wrong shape";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tensor 'model.layers.1.mlp.up_proj.weight' (GGUF tensor 'blk.1.ffn_up.weight') "
+                                           "has shape [8, 8] but the GGUF metadata implies [16, 8]"),
+                std::string::npos)
+          << e.what();
+    }
+    std::filesystem::remove(bpath);
   }
   ts.push_back({"blk.0.mystery.weight", {8}, std::vector<float>(8, 0.0f)});
   try {
