@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "app/commands.h"
+#include "config/model_config.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "offline/calibrate.h"
@@ -87,6 +88,11 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
 
 int run_calibrate(const CalibrateFlags& f) {
   ModelOptions opts = f.model.model_options();
+  if (find_gguf(opts.model_dir))
+    throw Error("kvlm calibrate writes a Hugging Face model directory with k/v scale tensors beside the input's "
+                "safetensors; a GGUF model cannot be calibrated yet. The per-token-head modes "
+                "(--kv-cache-dtype fp8_per_token_head, int8_per_token_head) compute their scales as they write and need "
+                "no calibration");
   if (opts.device != Device::Cpu) {
     log::info("calibration runs on the CPU runner");
     opts.device = Device::Cpu;

@@ -151,6 +151,7 @@ mkdir -p "$tmp/two" && cp "$tmp/bad.gguf" "$tmp/two/a.gguf" && cp "$tmp/bad.gguf
 expect_error 1 "holds 2 .gguf files" -- generate --model "$tmp/two" --prompt-ids 1
 expect_error 1 "not a valid GGUF file" -- generate --model "$tmp/bad.gguf" --prompt "hi"
 expect_error 1 "not a valid GGUF file" -- tokenize --tokenizer "$tmp/bad.gguf" --text "hi"
+expect_error 1 "a GGUF model cannot be calibrated yet" -- calibrate --model "$tmp/bad.gguf" --out "$tmp/calibrated"
 
 m="$tmp/model"
 cp -r "$golden/qwen3-mixed" "$m"
