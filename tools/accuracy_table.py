@@ -36,9 +36,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def modes(num_layers):
+def modes(num_layers, sliding=False):
     last = num_layers - 1
-    return [
+    extra = [("fp8_per_token_head, sliding-window layers kept", ["--kv-cache-dtype", "fp8_per_token_head",
+                                                                "--kv-cache-dtype-skip-layers", "sliding_window"], False)]
+    return (extra if sliding else []) + [
         ("bfloat16", ["--kv-cache-dtype", "bfloat16"], False),
         ("float16", ["--kv-cache-dtype", "float16"], False),
         ("fp8_e4m3, scale 1.0", ["--kv-cache-dtype", "fp8_e4m3"], False),
@@ -105,9 +107,12 @@ def main():
         name = os.path.basename(model.rstrip("/"))
         if gguf:
             inspect = run([kvlm, "-q", "inspect", "--model", model, "--json"], log)
-            n_layers = len([l for l in json.loads(inspect.stdout)["layers"] if l.get("model", "target") == "target"])
+            layers = [l for l in json.loads(inspect.stdout)["layers"] if l.get("model", "target") == "target"]
+            n_layers = len(layers)
+            sliding = any(l["attention"] == "sliding" for l in layers)
         else:
             n_layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
+            sliding = False
         text_args = ["--token-ids", byte_ids] if kind == "random" else ["--text", heldout]
         ctx, chunks = (args.gguf_ctx, args.gguf_max_chunks) if gguf else (args.ctx, args.max_chunks)
         common = ["--ctx", str(ctx), "--max-chunks", str(chunks), "--device", args.device]
@@ -129,7 +134,7 @@ def main():
             run([kvlm, "-q", "calibrate", "--model", model, "--out", calibrated, "--num-samples", "32",
                  "--max-length", str(args.ctx), "--dataset", heldout if trained else byte_ids], log)
         rows = []
-        for label, flags, use_cal in modes(n_layers):
+        for label, flags, use_cal in modes(n_layers, sliding and gguf):
             if use_cal and gguf:
                 continue
             m = calibrated if use_cal else model

@@ -33,7 +33,7 @@ CLI::App* add_generate(CLI::App& app, GenerateFlags& f) {
   auto* cmd = app.add_subcommand("generate", "Generate a continuation of a prompt (text or token ids)");
   f.model.add_to(*cmd);
   f.model.add_speculative_to(*cmd);
-  auto* text = cmd->add_option("--prompt,-p", f.prompt, "prompt text (needs the model's tokenizer.json)");
+  auto* text = cmd->add_option("--prompt,-p", f.prompt, "prompt text (needs the model's tokenizer: tokenizer.json, or the GGUF file's own)");
   auto* ids = cmd->add_option("--prompt-ids", f.prompt_ids, "prompt token ids, e.g. 1,403,407");
   text->excludes(ids);
   cmd->add_flag("--chat", f.chat, "apply the model's chat template to --prompt as one user message");

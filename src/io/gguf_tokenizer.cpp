@@ -156,7 +156,7 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
   };
   const auto type = h.get_string("tokenizer.ggml.model");
   if (!type) throw Error(label + ": the GGUF metadata has no tokenizer.ggml.model, so kvlm cannot build its tokenizer");
-  note("tokenizer.ggml.model");
+  notes.push_back("tokenizer.ggml.model (" + *type + ")");
   const auto tokens_opt = h.get_strings("tokenizer.ggml.tokens");
   if (!tokens_opt || tokens_opt->empty()) throw Error(label + ": the GGUF metadata has no tokenizer.ggml.tokens");
   note("tokenizer.ggml.tokens");
@@ -164,8 +164,7 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
   const auto types = h.get_numbers("tokenizer.ggml.token_type");
   const auto scores = h.get_numbers("tokenizer.ggml.scores");
   const auto file_merges = h.get_strings("tokenizer.ggml.merges");
-  for (const char* k : {"tokenizer.ggml.token_type", "tokenizer.ggml.scores", "tokenizer.ggml.merges", "tokenizer.ggml.pre"})
-    note(k);
+  for (const char* k : {"tokenizer.ggml.token_type", "tokenizer.ggml.scores", "tokenizer.ggml.merges"}) note(k);
   if (types && types->size() != tokens.size())
     throw Error(label + ": tokenizer.ggml.token_type has " + std::to_string(types->size()) + " entries for " +
                 std::to_string(tokens.size()) + " tokens");
@@ -174,6 +173,7 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
                 std::to_string(tokens.size()) + " tokens");
   const std::string arch = h.get_string("general.architecture").value_or("");
   const std::string pre = h.get_string("tokenizer.ggml.pre").value_or("default");
+  if (h.find("tokenizer.ggml.pre")) notes.push_back("tokenizer.ggml.pre (" + pre + ")");
 
   auto special_id = [&](const char* key) -> std::optional<std::string> {
     const auto id = h.get_int(key);
