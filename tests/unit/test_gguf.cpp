@@ -25,6 +25,7 @@
 #include "io/checkpoint.h"
 #include "io/gguf_model.h"
 #include "model/loaded_model.h"
+#include "offline/generate.h"
 #include "model/rope.h"
 #include "../support/gguf_writer.h"
 
@@ -501,6 +502,76 @@ TEST(GGUFModel, UnpermuteInvertsLlamaCppsPermutation) {
   }
   std::vector<float> odd(15);
   EXPECT_THROW(unpermute_llama_heads(odd, 1, 3, 5), Error);  // a head of 3 rows has no halves
+}
+
+// Qwen2 (q/k/v biases) and Qwen3 (q/k norms): no q/k permutation to undo (llama.cpp's converter
+// permutes Llama only), the right config, and the whole model runs from the file.
+TEST(GGUFModel, Qwen2AndQwen3LoadAndRun) {
+  for (const std::string arch : {"qwen2", "qwen3"}) {
+    SCOPED_TRACE(arch);
+    const int hidden = 8, heads = 2, kvh = 1, hd = 4, ffn = 16, vocab = 6;
+    std::vector<F32Tensor> ts{{"token_embd.weight", {uint64_t(hidden), uint64_t(vocab)}, iota_values(size_t(hidden * vocab), 0.01f)},
+                              {"output_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)}};
+    for (int l = 0; l < 2; ++l) {
+      const std::string b = "blk." + std::to_string(l) + ".";
+      ts.push_back({b + "attn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
+      ts.push_back({b + "attn_q.weight", {uint64_t(hidden), uint64_t(heads * hd)}, iota_values(size_t(heads * hd * hidden), 0.01f)});
+      ts.push_back({b + "attn_k.weight", {uint64_t(hidden), uint64_t(kvh * hd)}, iota_values(size_t(kvh * hd * hidden), 0.02f)});
+      ts.push_back({b + "attn_v.weight", {uint64_t(hidden), uint64_t(kvh * hd)}, iota_values(size_t(kvh * hd * hidden), 0.01f)});
+      if (arch == "qwen2") {
+        ts.push_back({b + "attn_q.bias", {uint64_t(heads * hd)}, iota_values(size_t(heads * hd), 0.1f)});
+        ts.push_back({b + "attn_k.bias", {uint64_t(kvh * hd)}, iota_values(size_t(kvh * hd), 0.1f)});
+        ts.push_back({b + "attn_v.bias", {uint64_t(kvh * hd)}, iota_values(size_t(kvh * hd), 0.1f)});
+      } else {
+        ts.push_back({b + "attn_q_norm.weight", {uint64_t(hd)}, std::vector<float>(size_t(hd), 1.0f)});
+        ts.push_back({b + "attn_k_norm.weight", {uint64_t(hd)}, std::vector<float>(size_t(hd), 1.0f)});
+      }
+      ts.push_back({b + "attn_output.weight", {uint64_t(heads * hd), uint64_t(hidden)}, iota_values(size_t(hidden * heads * hd), 0.01f)});
+      ts.push_back({b + "ffn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
+      ts.push_back({b + "ffn_gate.weight", {uint64_t(hidden), uint64_t(ffn)}, iota_values(size_t(ffn * hidden), 0.01f)});
+      ts.push_back({b + "ffn_up.weight", {uint64_t(hidden), uint64_t(ffn)}, iota_values(size_t(ffn * hidden), 0.01f)});
+      ts.push_back({b + "ffn_down.weight", {uint64_t(ffn), uint64_t(hidden)}, iota_values(size_t(ffn * hidden), 0.01f)});
+    }
+    auto meta = [&](Writer& w) {
+      w.key("general.architecture", GGUFType::String).str(arch);
+      w.key(arch + ".block_count", GGUFType::Uint32).pod<uint32_t>(2);
+      w.key(arch + ".context_length", GGUFType::Uint32).pod<uint32_t>(256);
+      w.key(arch + ".embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(hidden));
+      w.key(arch + ".feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(ffn));
+      w.key(arch + ".attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(heads));
+      w.key(arch + ".attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(kvh));
+      w.key(arch + ".attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-6f);
+      w.key(arch + ".rope.freq_base", GGUFType::Float32).pod<float>(1000000.0f);
+      w.strings("tokenizer.ggml.tokens", {"a", "b", "c", "ab", "<|endoftext|>", "<|im_end|>"});
+      w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(5);
+    };
+    const auto bytes = model_file(11, meta, ts);
+    const auto path = std::filesystem::temp_directory_path() / ("kvlm-" + arch + "-" + std::to_string(::getpid()) + ".gguf");
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+    {
+      const GGUFFile f(path);
+      const GGUFModel m = map_gguf_model(f.header(), "q.gguf");
+      const ModelConfig c = parse_model_config(m.config, nullptr);
+      EXPECT_EQ(c.arch, arch == "qwen2" ? Arch::Qwen2 : Arch::Qwen3);
+      EXPECT_EQ(c.qkv_bias, arch == "qwen2");
+      EXPECT_EQ(c.qk_norm, arch == "qwen3");
+      EXPECT_EQ(c.eos_token_ids, (std::vector<TokenId>{5}));
+      EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.1.self_attn.q_proj.weight")),
+                iota_values(size_t(heads * hd * hidden), 0.01f));  // as stored: not permuted
+      if (arch == "qwen2")
+        EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.0.self_attn.k_proj.bias")), iota_values(size_t(kvh * hd), 0.1f));
+    }
+    ModelOptions o;
+    o.model_dir = path;
+    auto model = LoadedModel::load(o);
+    GenerateRequest g;
+    g.prompt = {0, 1, 2};
+    g.max_tokens = 3;
+    g.ignore_eos = true;
+    g.sampling.temperature = 0;
+    EXPECT_EQ(generate(*model, g).tokens.size(), 3u);
+    std::filesystem::remove(path);
+  }
 }
 
 }  // namespace
