@@ -101,7 +101,7 @@ int run_calibrate(const CalibrateFlags& f) {
   opts.cache.kv_cache_dtype = KVCacheDType::BFloat16;
   opts.cache.skip_layers = {};
   std::optional<TextProcessor> text;
-  if (TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
+  text = TextProcessor::load_if_usable(opts.model_dir);
   const auto dataset = f.dataset.empty() ? default_dataset(opts.model_dir) : std::filesystem::path(f.dataset);
   const auto samples = load_samples(dataset, text, f.num_samples, f.max_length);
   auto engine = LoadedModel::load(opts);

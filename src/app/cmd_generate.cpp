@@ -93,7 +93,8 @@ int run_generate(const GenerateFlags& f) {
   ModelOptions opts = f.model.model_options();
   // Text needs the tokenizer; load it first so a missing one fails before the weights load.
   std::optional<TextProcessor> text;
-  if (!f.prompt.empty() || TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
+  if (!f.prompt.empty()) text = TextProcessor::load(opts.model_dir);
+  else text = TextProcessor::load_if_usable(opts.model_dir);
 
   auto engine = LoadedModel::load(opts);
   const ModelConfig& cfg = engine->config();

@@ -61,7 +61,11 @@ std::optional<GGUFProvenance> gguf_provenance(const std::filesystem::path& dir) 
   GGUFProvenance g{.file = path->string(), .version = f.header().version, .bytes = f.size()};
   for (const auto& t : f.header().tensors) ++g.tensor_types[ggml_type_name(t.type)];
   g.config = map_gguf_model(f.header(), g.file).notes;
-  g.tokenizer = load_gguf_tokenizer(f.header(), g.file).notes;
+  try {
+    g.tokenizer = load_gguf_tokenizer(f.header(), g.file).notes;
+  } catch (const Error& e) {
+    g.tokenizer = {std::string("none usable: ") + e.what()};
+  }
   return g;
 }
 

@@ -214,7 +214,7 @@ int run_serve(const ServeFlags& f) {
                           std::to_string(port);
   say("listening on " + url + " (loading " + opts.model_dir.string() + "; /health answers 503 until ready)");
 
-  if (TextProcessor::available(opts.model_dir)) text = TextProcessor::load(opts.model_dir);
+  if (TextProcessor::available(opts.model_dir)) text = TextProcessor::load_if_usable(opts.model_dir);
   else log::warn("'" + opts.model_dir.string() + "' has no tokenizer.json: prompts must be token ids and responses carry token ids, not text");
   engine = LoadedModel::load(opts);
   const MemoryPlan plan = plan_kv_memory(*engine, mem);

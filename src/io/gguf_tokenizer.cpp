@@ -199,19 +199,8 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
     for (size_t i = 0; i < tokens.size(); ++i) spec.vocab.emplace_back(byte_level_spelling(tokens[i]), TokenId(i));
     if (!file_merges) throw Error(label + ": a byte-level (gpt2) GGUF vocabulary without tokenizer.ggml.merges");
     spec.merges = merges_from_file(*file_merges, label);
-    const char* split = nullptr;
-    for (const PreSplit& p : kPreSplits)
-      if (pre == p.pre) split = p.regex;
-    if (split) {
-      pipeline["pre_tokenizer"] = {
-          {"type", "Sequence"},
-          {"pretokenizers",
-           {{{"type", "Split"}, {"pattern", {{"Regex", split}}}, {"behavior", "Isolated"}, {"invert", false}},
-            {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}};
-    } else {
-      pipeline["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
-                                   {"use_regex", true}};
-    }
+    pipeline["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
+                                 {"use_regex", true}};
     pipeline["decoder"] = {{"type", "ByteLevel"}};
   } else if (*type == "llama" || *type == "gemma4") {
     // SentencePiece: the tokens as spelled (Gemma's all-space tokens with U+2581), merges from
@@ -274,23 +263,43 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
     throw Error(label + ": GGUF tokenizer model '" + *type +
                 "' is not supported (kvlm builds 'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies)");
   }
+  // A pre type with a known split regex replaces the pre-tokenizer, whatever the vocabulary
+  // type (as transformers' set_split_regex does).
+  for (const PreSplit& ps : kPreSplits)
+    if (pre == ps.pre)
+      pipeline["pre_tokenizer"] = {
+          {"type", "Sequence"},
+          {"pretokenizers",
+           {{{"type", "Split"}, {"pattern", {{"Regex", ps.regex}}}, {"behavior", "Isolated"}, {"invert", false}},
+            {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}};
 
-  // Added tokens: CONTROL as special (in a byte-level vocabulary only those spelled in its
-  // alphabet: others are llama.cpp mislabels), then USER_DEFINED ones that are in the
-  // vocabulary as plain ones, then the named special tokens if not yet added.
+  // Added tokens, in transformers' order: the special tokens the tokenizer class it builds
+  // with brings by default (GPT2Tokenizer: <|endoftext|>; LlamaTokenizer: <s>, </s>, <unk>;
+  // GemmaTokenizer: <bos>, <eos>, <unk>, <pad>, <mask>), then CONTROL tokens as special (in a
+  // byte-level vocabulary only those spelled in its alphabet: others are llama.cpp
+  // mislabels), then USER_DEFINED ones that are in the vocabulary as plain ones, then the
+  // file's own BOS / EOS / UNK / PAD if not yet added. A token outside the vocabulary gets the
+  // Rust library's next id: the vocabulary's size, or one past the largest added id once that
+  // is larger.
   tok::StringMap<TokenId> vocab_ids;
   for (const auto& [t, id] : spec.vocab) vocab_ids.insert_or_assign(t, id);
-  TokenId next_id = TokenId(tokens.size());
   json added = json::array();
   std::set<std::string> added_content;
+  std::optional<TokenId> max_added;
   auto add_token = [&](const std::string& content, bool special) {
     if (content.empty() || !added_content.insert(content).second) return;
     TokenId id;
     if (auto it = vocab_ids.find(content); it != vocab_ids.end()) id = it->second;
-    else id = next_id++;
+    else id = max_added && *max_added >= TokenId(vocab_ids.size()) ? *max_added + 1 : TokenId(vocab_ids.size());
+    max_added = std::max(max_added.value_or(id), id);
     added.push_back({{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
                      {"normalized", false}, {"special", special}});
   };
+  std::vector<const char*> class_defaults;
+  if (byte_level) class_defaults = {"<|endoftext|>"};
+  else if (gemma || *type == "gemma4") class_defaults = {"<bos>", "<eos>", "<unk>", "<pad>", "<mask>"};
+  else class_defaults = {"<s>", "</s>", "<unk>"};
+  for (const char* t : class_defaults) add_token(t, true);
   if (types) {
     for (size_t i = 0; i < tokens.size(); ++i)
       if (int((*types)[i]) == kControl && (!byte_level || in_byte_alphabet(tokens[i]))) add_token(tokens[i], true);

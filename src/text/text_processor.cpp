@@ -2,6 +2,7 @@
 
 #include "config/model_config.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "io/gguf.h"
 #include "io/gguf_tokenizer.h"
 
@@ -11,6 +12,17 @@ bool TextProcessor::available(const std::filesystem::path& dir) {
   std::error_code ec;
   if (find_gguf(dir)) return true;
   return std::filesystem::is_directory(dir, ec) && std::filesystem::exists(dir / "tokenizer.json", ec);
+}
+
+std::optional<TextProcessor> TextProcessor::load_if_usable(const std::filesystem::path& dir) {
+  if (!available(dir)) return std::nullopt;
+  if (!find_gguf(dir)) return load(dir);
+  try {
+    return load(dir);
+  } catch (const Error& e) {
+    log::warn(std::string(e.what()) + "; without a tokenizer, prompts must be token ids and outputs are token ids");
+    return std::nullopt;
+  }
 }
 
 TextProcessor TextProcessor::load(const std::filesystem::path& dir) {

@@ -22,6 +22,10 @@ class TextProcessor {
   // (parsed now, so a template kvlm cannot render fails at load, with line and column), or
   // the tokenizer of a GGUF file (DIR itself, or the one .gguf file DIR holds).
   static TextProcessor load(const std::filesystem::path& dir);
+  // The tokenizer where one is needed only for text: nullopt when DIR has none, and when a
+  // GGUF file's tokenizer cannot be built (a warning says why; token ids still work). A
+  // broken tokenizer.json still throws.
+  static std::optional<TextProcessor> load_if_usable(const std::filesystem::path& dir);
   // Whether DIR has a tokenizer at all.
   static bool available(const std::filesystem::path& dir);
 

@@ -108,7 +108,7 @@ std::optional<TokenId> BpeModel::token_to_id(std::string_view t) const {
 bool BpeModel::marker_starts_tokens(std::string_view marker) const {
   for (const auto& [tok, id] : vocab_) {
     for (size_t p = tok.find(marker, 1); p != std::string::npos; p = tok.find(marker, p + 1))
-      if (tok.compare(p - marker.size(), marker.size(), marker) != 0) return false;
+      if (p < marker.size() || tok.compare(p - marker.size(), marker.size(), marker) != 0) return false;
   }
   return true;
 }
