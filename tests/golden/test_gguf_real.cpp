@@ -24,6 +24,7 @@
 #include "model/loaded_model.h"
 #include "offline/generate.h"
 #include "text/text_processor.h"
+#include "../support/tokenizer_corpus.h"
 
 using namespace kvlm;
 namespace fs = std::filesystem;
@@ -33,20 +34,8 @@ namespace {
 
 const fs::path kData = fs::path(KVLM_TEST_DATA) / "data";
 
-std::string read(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string from_hex(const std::string& h) {
-  std::string out;
-  for (size_t i = 0; i + 1 < h.size(); i += 2) out.push_back(char(std::stoi(h.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-std::string show(const std::string& s) { return json(s).dump(-1, ' ', false, json::error_handler_t::replace); }
+using test::read_file;
+using test::show;
 
 fs::path model_cache() {
   if (const char* c = std::getenv("KVLM_MODEL_CACHE")) return c;
@@ -78,7 +67,7 @@ std::vector<std::string> golden_names() {
 }
 
 std::optional<Golden> load_golden(const std::string& name) {
-  Golden g{json::parse(read(kData / "gguf" / "expected" / (name + ".json"))), {}};
+  Golden g{json::parse(read_file(kData / "gguf" / "expected" / (name + ".json"))), {}};
   const auto path = find_model(g.j["file"].get<std::string>());
   if (!path) return std::nullopt;
   g.path = *path;
@@ -94,9 +83,7 @@ TEST_P(GGUFReal, TokenizerMatchesTransformersOnTheCorpus) {
   if (!g) GTEST_SKIP() << "the model file is not in " << model_cache() << " (tests/cli/fetch_gguf_models.sh fetches it)";
   const TextProcessor text = TextProcessor::load(g->path);
   const Tokenizer& tok = text.tokenizer();
-  std::vector<std::string> texts;
-  for (const auto& e : json::parse(read(kData / "tokenizers" / "corpus.json")))
-    texts.push_back(e.contains("hex") ? from_hex(e["hex"].get<std::string>()) : e["text"].get<std::string>());
+  const std::vector<std::string>& texts = test::tokenizer_corpus(kData / "tokenizers" / "corpus.json");
   const auto& cases = g->j["tokenizer"]["cases"];
   ASSERT_EQ(cases.size(), texts.size());
   int enc_bad = 0, plain_bad = 0, dec_bad = 0, skip_bad = 0;

@@ -14,6 +14,7 @@
 
 #include "io/tokenizer/tokenizer.h"
 #include "io/tokenizer/unicode.h"
+#include "../support/tokenizer_corpus.h"
 
 using namespace kvlm;
 namespace fs = std::filesystem;
@@ -24,37 +25,19 @@ namespace {
 const fs::path kData = fs::path(KVLM_TEST_DATA) / "data" / "tokenizers";
 const fs::path kShared = fs::path(KVLM_SHARED_DIR) / "data";
 
-std::string read(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string from_hex(const std::string& h) {
-  std::string out;
-  for (size_t i = 0; i + 1 < h.size(); i += 2) out.push_back(char(std::stoi(h.substr(i, 2), nullptr, 16)));
-  return out;
-}
+using test::show;
+std::string read(const fs::path& p) { return test::read_file(p); }
 
 struct Corpus {
   std::vector<std::string> texts;  // raw bytes (invalid UTF-8 kept as is)
 };
 
 const Corpus& corpus() {
-  static const Corpus c = [] {
-    Corpus c;
-    for (const auto& e : json::parse(read(kData / "corpus.json")))
-      c.texts.push_back(e.contains("hex") ? from_hex(e["hex"].get<std::string>()) : e["text"].get<std::string>());
-    return c;
-  }();
+  static const Corpus c{test::tokenizer_corpus(kData / "corpus.json")};
   return c;
 }
 
 bool have_shared() { return fs::exists(kShared / "tokenizers"); }
-
-// Printable form of possibly invalid UTF-8.
-std::string show(const std::string& s) { return json(s).dump(-1, ' ', false, json::error_handler_t::replace); }
 
 }  // namespace
 
