@@ -91,8 +91,9 @@ def main():
         best = None
         for _ in range(args.repeat):
             j, rss, wall = kvlm_run(args.kvlm, model, ids, args.gen_tokens, args.threads)
-            load = wall - j["prefill_seconds"] - j["decode_seconds"]
-            cur = (len(ids) / j["prefill_seconds"], j["decode_tokens_per_second"], load, rss)
+            t = j["timing"]
+            load = wall - t["prefill_seconds"] - t["decode_seconds"]
+            cur = (len(ids) / t["prefill_seconds"], t["decode_tokens_per_second"], load, rss)
             best = cur if best is None else (max(best[0], cur[0]), max(best[1], cur[1]), min(best[2], cur[2]), max(best[3], cur[3]))
         rows.append((name, "kvlm (fp32, OpenBLAS)", *best))
         print(f"{name}: kvlm {best}", file=sys.stderr, flush=True)
