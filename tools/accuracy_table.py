@@ -174,11 +174,15 @@ def main():
         f"Produced by `python3 tools/accuracy_table.py --kvlm {os.path.relpath(kvlm, ROOT)} --device {args.device}"
         f"{' --task-device ' + task_device if task_device != args.device else ''}"
         f"{' --task-limit ' + str(args.task_limit) if args.task_limit else ''}"
-        f"{' --tasks ' + args.tasks if args.tasks != ap.get_default('tasks') else ''}` on {datetime.date.today()}, "
+        f"{' --tasks ' + args.tasks if args.tasks != ap.get_default('tasks') else ''}"
+        f"{' --no-bundled' if args.no_bundled else ''}"
+        f"{' --golden ' + ' '.join(args.golden) if args.golden != ap.get_default('golden') else (' --golden' if not args.golden else '')}"
+        f"{' --gguf ' + ' '.join(os.path.basename(g) for g in args.gguf) if args.gguf else ''}` on {datetime.date.today()}, "
         f"commit {commit}, {platform.node()} ({platform.processor() or platform.machine()}).",
         "",
-        f"Perplexity over `{os.path.relpath(heldout, ROOT)}` in windows of {args.ctx} tokens (the second half of each "
-        f"scored, at most {args.max_chunks} windows). Every row is compared with the same model run with an fp32 KV "
+        f"Perplexity over `{os.path.relpath(heldout, ROOT)}` in windows of {args.ctx} tokens (GGUF models: "
+        f"{args.gguf_ctx}; the second half of each scored, at most {args.max_chunks} windows, GGUF models "
+        f"{args.gguf_max_chunks}). Every row is compared with the same model run with an fp32 KV "
         "cache (`--dtype float32`): delta PPL (with its 95% confidence interval), mean and p99 per-token KL "
         "divergence, and how often the most likely next token is unchanged. Task columns: exact-match accuracy "
         "of greedy answers (`kvlm eval task`"

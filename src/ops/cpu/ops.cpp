@@ -13,7 +13,12 @@ void linear(std::span<const float> x, int m, int k, std::span<const float> w, in
   KVLM_CHECK(x.size() == size_t(m) * size_t(k) && w.size() == size_t(n) * size_t(k) && y.size() == size_t(m) * size_t(n),
              "linear: shape mismatch");
   if (m == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f, y.data(), n);
+  // One row (decode at batch 1): a matrix-vector product. OpenBLAS's sgemm with m = 1 packs the
+  // weights on some CPUs (its SKYLAKEX kernels copy every matrix before multiplying), which
+  // reads them twice and writes them once: sgemv streams them once, 1.2-3x faster from the
+  // embedding-sized LM heads down to MLP matrices (tools/gguf_cpu_bench.py).
+  if (m == 1) cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w.data(), k, x.data(), 1, 0.0f, y.data(), 1);
+  else cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f, y.data(), n);
   if (!bias.empty()) {
     KVLM_CHECK(bias.size() == size_t(n), "linear: bias size mismatch");
     for (int r = 0; r < m; ++r)
