@@ -61,7 +61,8 @@ if [ -f "$smol" ]; then
   # The chat template from the file's tokenizer.chat_template (transformers' greedy answer).
   text "SmolLM2 chat" "The capital of France is Paris" --model "$smol" --chat --prompt "What is the capital of France?"
   # inspect names the metadata behind the config and the tokenizer
-  if ! "$KVLM" inspect --model "$smol" | grep -q "tokenizer.ggml.merges"; then
+  inspect_out=$("$KVLM" inspect --model "$smol" 2>&1)  # (not piped into grep -q: SIGPIPE under pipefail)
+  if ! grep -q "tokenizer.ggml.merges" <<<"$inspect_out" || ! grep -q "num_hidden_layers = 30  <- llama.block_count" <<<"$inspect_out"; then
     echo "FAIL: kvlm inspect does not say where the tokenizer came from"; failed=$((failed + 1))
   fi
 fi
