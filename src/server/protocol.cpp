@@ -353,7 +353,7 @@ CompletionRequest parse_completion_request(const Json& b, const ModelInfo& info,
 ChatRequest parse_chat_request(const Json& b, const ModelInfo& info, const ApiLimits& lim) {
   check_model(b, info);
   if (!info.has_chat_template)
-    bad("this model has no chat template (tokenizer_config.json has no chat_template); use /v1/completions", "messages");
+    bad("this model has no chat template (no chat_template in tokenizer_config.json, nor tokenizer.chat_template in a GGUF file); use /v1/completions", "messages");
   ChatRequest r;
   r.messages = normalize_messages(b);
   r.gen = parse_common(b, info, lim, true);

@@ -55,7 +55,7 @@ std::vector<TokenId> TextProcessor::encode_prompt(std::string_view text) const {
 
 std::string TextProcessor::render_chat(const nlohmann::ordered_json& messages, bool add_generation_prompt,
                                        const nlohmann::ordered_json& extra) const {
-  if (!tpl_) throw Error("this model has no chat template (tokenizer_config.json has no chat_template); use a plain prompt");
+  if (!tpl_) throw Error("this model has no chat template (no chat_template in tokenizer_config.json, nor tokenizer.chat_template in a GGUF file); use a plain prompt");
   nlohmann::ordered_json ctx = extra.is_object() ? extra : nlohmann::ordered_json::object();
   ctx["messages"] = messages;
   ctx["add_generation_prompt"] = add_generation_prompt;
