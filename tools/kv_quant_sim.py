@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""What each KV format costs a real model, simulated in Hugging Face transformers, independently
+of kvlm: K (after k_norm where the model has one, else k_proj's output — before RoPE) and V
+(v_proj's output) are fake-quantized per (token, KV head) vector by forward hooks, with or
+without a randomized Hadamard rotation of each vector before quantizing (undone after), and
+the mean KL divergence of the next-token distributions against the unquantized run is taken
+over the second half of one window. K alone, V alone and both, so that it shows which one
+costs; INT8 / FP8 E4M3 / INT4 (symmetric, absmax scale).
+
+    python3 tools/kv_quant_sim.py --gguf FILE.gguf [--text models/kvlm-tiny/eval/heldout.txt] [--ctx 1024]
+
+Needs torch, transformers, gguf (as tools/make_gguf_real_goldens.py). Runs on the CPU in about
+a minute per model. docs/results/accuracy-real.md compares it with kvlm's own measurement.
+"""
+import argparse
+import os
+
+import torch
+
+
+def hadamard(n: int, seed: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+    return h / n ** 0.5 * signs[None, :]  # orthogonal: columns of a Hadamard matrix with random signs
+
+
+def fake_quant(x: torch.Tensor, head_dim: int, mode: str, rot: torch.Tensor | None) -> torch.Tensor:
+    # K and V arrive as [batch, tokens, heads * head_dim] or [batch, heads, tokens, head_dim]:
+    # either way the last head_dim values of a row are one (token, KV head) vector.
+    y = x.float().reshape(-1, head_dim)
+    if rot is not None:
+        y = y @ rot
+    amax = y.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    if mode == "int8":
+        s = amax / 127
+        q = torch.clamp(torch.round(y / s), -127, 127) * s
+    elif mode == "int4":
+        s = amax / 7
+        q = torch.clamp(torch.round(y / s), -7, 7) * s
+    else:
+        s = amax / 448
+        q = (y / s).to(torch.float8_e4m3fn).float() * s
+    if rot is not None:
+        q = q @ rot.T
+    return q.reshape(x.shape).to(x.dtype)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--text", default=os.path.join(os.path.dirname(__file__), "..", "models", "kvlm-tiny", "eval",
+                                                   "heldout.txt"))
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--modes", default="int8,fp8,int4")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.dirname(os.path.abspath(args.gguf)), os.path.basename(args.gguf)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    ids = tok(open(args.text).read()[: args.ctx * 8], return_tensors="pt").input_ids[:, : args.ctx]
+    hd = model.config.head_dim
+    rot = hadamard(hd, 0)
+    with torch.no_grad():
+        base = torch.log_softmax(model(ids).logits.float(), -1)
+
+    def run(mode, which, rotate):
+        hooks = []
+        for layer in model.model.layers:
+            a = layer.self_attn
+            k_site = a.k_norm if hasattr(a, "k_norm") else a.k_proj
+            r = rot if rotate else None
+            if "K" in which:
+                hooks.append(k_site.register_forward_hook(lambda m, i, o, r=r: fake_quant(o, hd, mode, r)))
+            if "V" in which:
+                hooks.append(a.v_proj.register_forward_hook(lambda m, i, o, r=r: fake_quant(o, hd, mode, r)))
+        try:
+            with torch.no_grad():
+                lp = torch.log_softmax(model(ids).logits.float(), -1)
+        finally:
+            for h in hooks:
+                h.remove()
+        half = ids.shape[1] // 2
+        return float((base.exp() * (base - lp)).sum(-1)[0, half:].mean())
+
+    print(f"| {f} | K only | V only | K and V | K and V, Hadamard-rotated |")
+    print("|---|---:|---:|---:|---:|")
+    for mode in args.modes.split(","):
+        row = [run(mode, "K", False), run(mode, "V", False), run(mode, "KV", False), run(mode, "KV", True)]
+        print(f"| {mode} per token-head | " + " | ".join(f"{v:.2e}" for v in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
