@@ -100,8 +100,7 @@ int run_calibrate(const CalibrateFlags& f) {
   // Observe unquantized K/V: the cache follows the model dtype whatever the checkpoint says.
   opts.cache.kv_cache_dtype = KVCacheDType::BFloat16;
   opts.cache.skip_layers = {};
-  std::optional<TextProcessor> text;
-  text = TextProcessor::load_if_usable(opts.model_dir);
+  const std::optional<TextProcessor> text = TextProcessor::load_if_usable(opts.model_dir);
   const auto dataset = f.dataset.empty() ? default_dataset(opts.model_dir) : std::filesystem::path(f.dataset);
   const auto samples = load_samples(dataset, text, f.num_samples, f.max_length);
   auto engine = LoadedModel::load(opts);

@@ -9,10 +9,9 @@
 
 #include "app/commands.h"
 #include "attention/registry.h"
-#include "config/model_config.h"
 #include "core/error.h"
 #include "io/gguf.h"
-#include "io/gguf_model.h"
+#include "io/checkpoint.h"
 #include "io/gguf_tokenizer.h"
 #include "model/loaded_model.h"
 
@@ -54,15 +53,15 @@ struct GGUFProvenance {
   std::vector<std::string> config, tokenizer;
 };
 
-std::optional<GGUFProvenance> gguf_provenance(const std::filesystem::path& dir) {
-  const auto path = find_gguf(dir);
-  if (!path) return std::nullopt;
-  const GGUFFile f(*path);
-  GGUFProvenance g{.file = path->string(), .version = f.header().version, .bytes = f.size()};
-  for (const auto& t : f.header().tensors) ++g.tensor_types[ggml_type_name(t.type)];
-  g.config = map_gguf_model(f.header(), g.file).notes;
+// From the checkpoint's open file: no second mapping or parse of the metadata.
+std::optional<GGUFProvenance> gguf_provenance(const Checkpoint& ckpt) {
+  const GGUFFile* f = ckpt.gguf_file();
+  if (!f) return std::nullopt;
+  GGUFProvenance g{.file = f->path().string(), .version = f->header().version, .bytes = f->size()};
+  for (const auto& t : f->header().tensors) ++g.tensor_types[ggml_type_name(t.type)];
+  g.config = ckpt.gguf_notes();
   try {
-    g.tokenizer = load_gguf_tokenizer(f.header(), g.file).notes;
+    g.tokenizer = load_gguf_tokenizer(f->header(), g.file).notes;
   } catch (const Error& e) {
     g.tokenizer = {std::string("none usable: ") + e.what()};
   }
@@ -83,7 +82,7 @@ int run_inspect(const InspectFlags& f) {
   const ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
                                   parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr);
   const KVPlan& plan = mp.plan;
-  const std::optional<GGUFProvenance> gguf = gguf_provenance(dir);
+  const std::optional<GGUFProvenance> gguf = gguf_provenance(ckpt);
   size_t draft_bytes = 0;  // of the bytes per token, the drafter's layers'
   for (const auto& l : plan.layers)
     if (l.attn.model != "target") draft_bytes += l.bytes_per_token();

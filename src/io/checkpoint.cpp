@@ -34,6 +34,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
     GGUFModel m = map_gguf_model(c.gguf_file_->header(), gguf->string());
     add_rope_freq_factors(*c.gguf_file_, m);
     c.gguf_config_ = m.config;
+    c.gguf_notes_ = m.notes;
     c.gguf_infos_.reserve(m.tensors.size());
     c.gguf_sources_.reserve(m.tensors.size());
     c.gguf_data_.resize(m.tensors.size());

@@ -31,8 +31,11 @@ class Checkpoint {
   Checkpoint(Checkpoint&&) noexcept;
   Checkpoint& operator=(Checkpoint&&) noexcept;
 
-  // A GGUF model: the config.json its metadata describes (nullptr for safetensors).
+  // A GGUF model: the config.json its metadata describes (nullptr for safetensors), the open
+  // file, and where each config field came from (GGUFModel::notes).
   const nlohmann::json* embedded_config() const { return gguf_config_ ? &*gguf_config_ : nullptr; }
+  const GGUFFile* gguf_file() const { return gguf_file_.get(); }
+  const std::vector<std::string>& gguf_notes() const { return gguf_notes_; }
   // The model's config: config.json (+ generation_config.json) of `dir`, or the GGUF file's.
   ModelConfig model_config(const std::filesystem::path& dir) const;
 
@@ -58,6 +61,7 @@ class Checkpoint {
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>, std::less<>> tensors_;
   std::optional<nlohmann::json> gguf_config_;
   std::unique_ptr<GGUFFile> gguf_file_;
+  std::vector<std::string> gguf_notes_;
   std::vector<TensorInfo> gguf_infos_;
   std::vector<GGUFTensorSource> gguf_sources_;
   mutable std::vector<std::vector<float>> gguf_data_;  // dequantized on view(), freed by release()

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -82,8 +81,6 @@ std::string byte_level_spelling(const std::string& token) {
   for (char c : token) out += utf8::byte_chars()[static_cast<uint8_t>(c)];
   return out;
 }
-
-bool in_byte_alphabet(const std::string& token) { return byte_level_spelling(token) == token; }
 
 std::vector<std::pair<std::string, std::string>> merges_from_file(const std::vector<std::string>& merges,
                                                                   const std::string& label) {
@@ -190,38 +187,47 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
   cfg.unk_token = special_id("tokenizer.ggml.unknown_token_id");
   cfg.pad_token = special_id("tokenizer.ggml.padding_token_id");
 
-  tok::BpeSpec spec;
-  json pipeline = json::object();
+  // The vocabulary as the tokenizer spells it: byte-level tokens in GPT-2's byte alphabet,
+  // Gemma's all-space tokens with U+2581, others as stored.
   const bool byte_level = *type == "gpt2";
+  const bool sentencepiece = *type == "llama" || *type == "gemma4";
   const bool gemma = *type == "llama" && (arch == "gemma" || arch == "gemma2" || arch == "gemma3");
+  if (!byte_level && !sentencepiece)
+    throw Error(label + ": GGUF tokenizer model '" + *type +
+                "' is not supported (kvlm builds 'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies)");
+  std::vector<std::string> spelled = tokens;
+  for (std::string& t : spelled) {
+    if (byte_level) {
+      t = byte_level_spelling(t);
+    } else if (gemma && t.find(' ') != std::string::npos && python_blank(t)) {
+      const size_t n = code_points(t);
+      t.clear();
+      for (size_t k = 0; k < n; ++k) t += kMetaspace;
+    }
+  }
+  tok::BpeSpec spec;
+  spec.vocab.reserve(spelled.size());
+  tok::StringMap<TokenId> vocab_ids;  // as a map: a token listed twice keeps its last id
+  for (size_t i = 0; i < spelled.size(); ++i) {
+    spec.vocab.emplace_back(spelled[i], TokenId(i));
+    vocab_ids.insert_or_assign(spelled[i], TokenId(i));
+  }
+
+  json pipeline = json::object();
   if (byte_level) {
-    spec.vocab.reserve(tokens.size());
-    for (size_t i = 0; i < tokens.size(); ++i) spec.vocab.emplace_back(byte_level_spelling(tokens[i]), TokenId(i));
     if (!file_merges) throw Error(label + ": a byte-level (gpt2) GGUF vocabulary without tokenizer.ggml.merges");
     spec.merges = merges_from_file(*file_merges, label);
     pipeline["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
                                  {"use_regex", true}};
     pipeline["decoder"] = {{"type", "ByteLevel"}};
-  } else if (*type == "llama" || *type == "gemma4") {
-    // SentencePiece: the tokens as spelled (Gemma's all-space tokens with U+2581), merges from
-    // the file or recovered from the vocabulary, ranked by score (Gemma: by file order).
-    std::vector<std::string> spelled = tokens;
-    if (gemma)
-      for (std::string& t : spelled)
-        if (t.find(' ') != std::string::npos && python_blank(t)) {
-          const size_t n = code_points(t);
-          t.clear();
-          for (size_t k = 0; k < n; ++k) t += kMetaspace;
-        }
-    spec.vocab.reserve(spelled.size());
-    for (size_t i = 0; i < spelled.size(); ++i) spec.vocab.emplace_back(spelled[i], TokenId(i));
+  } else {
+    // SentencePiece: merges from the file or recovered from the vocabulary, ranked by score
+    // (Gemma: by file order).
     if (file_merges) {
       spec.merges = merges_from_file(*file_merges, label);
     } else {
       if (!gemma && !scores)
         throw Error(label + ": a SentencePiece GGUF vocabulary with neither tokenizer.ggml.merges nor tokenizer.ggml.scores");
-      tok::StringMap<TokenId> vocab;
-      for (const auto& [t, id] : spec.vocab) vocab.insert_or_assign(t, id);
       // A Python dict: listing order of a token's first occurrence, the value of its last.
       std::vector<std::pair<std::string, double>> order;
       tok::StringMap<size_t> where;
@@ -230,14 +236,13 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
         if (auto it = where.find(spelled[i]); it != where.end()) order[it->second].second = s;
         else where.emplace(spelled[i], order.size()), order.emplace_back(spelled[i], s);
       }
-      spec.merges = merges_from_vocab(order, vocab);
+      spec.merges = merges_from_vocab(order, vocab_ids);
     }
     spec.byte_fallback = true;
     spec.fuse_unk = true;
     const json decode_spaces = {{"type", "Replace"}, {"pattern", {{"String", kMetaspace}}}, {"content", " "}};
     if (gemma || *type == "gemma4") {  // transformers' GemmaTokenizer
-      const bool has_unk = std::ranges::find(spelled, std::string("<unk>")) != spelled.end();
-      if (has_unk) spec.unk_token = "<unk>";
+      if (vocab_ids.count("<unk>")) spec.unk_token = "<unk>";
       pipeline["normalizer"] = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", kMetaspace}};
       pipeline["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "MergedWithPrevious"},
                                    {"invert", false}};
@@ -259,9 +264,6 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
                              {"decoders", {decode_spaces, {{"type", "ByteFallback"}}, {{"type", "Fuse"}},
                                            {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}};
     }
-  } else {
-    throw Error(label + ": GGUF tokenizer model '" + *type +
-                "' is not supported (kvlm builds 'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies)");
   }
   // A pre type with a known split regex replaces the pre-tokenizer, whatever the vocabulary
   // type (as transformers' set_split_regex does).
@@ -281,17 +283,16 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
   // file's own BOS / EOS / UNK / PAD if not yet added. A token outside the vocabulary gets the
   // Rust library's next id: the vocabulary's size, or one past the largest added id once that
   // is larger.
-  tok::StringMap<TokenId> vocab_ids;
-  for (const auto& [t, id] : spec.vocab) vocab_ids.insert_or_assign(t, id);
   json added = json::array();
-  std::set<std::string> added_content;
+  tok::StringMap<TokenId> added_ids;  // content -> id
   std::optional<TokenId> max_added;
   auto add_token = [&](const std::string& content, bool special) {
-    if (content.empty() || !added_content.insert(content).second) return;
+    if (content.empty() || added_ids.count(content)) return;
     TokenId id;
     if (auto it = vocab_ids.find(content); it != vocab_ids.end()) id = it->second;
     else id = max_added && *max_added >= TokenId(vocab_ids.size()) ? *max_added + 1 : TokenId(vocab_ids.size());
     max_added = std::max(max_added.value_or(id), id);
+    added_ids.emplace(content, id);
     added.push_back({{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
                      {"normalized", false}, {"special", special}});
   };
@@ -302,9 +303,9 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
   for (const char* t : class_defaults) add_token(t, true);
   if (types) {
     for (size_t i = 0; i < tokens.size(); ++i)
-      if (int((*types)[i]) == kControl && (!byte_level || in_byte_alphabet(tokens[i]))) add_token(tokens[i], true);
+      if (int((*types)[i]) == kControl && (!byte_level || spelled[i] == tokens[i])) add_token(tokens[i], true);
     for (size_t i = 0; i < tokens.size(); ++i)
-      if (int((*types)[i]) == kUserDefined && (vocab_ids.count(tokens[i]) || added_content.count(tokens[i])))
+      if (int((*types)[i]) == kUserDefined && (vocab_ids.count(tokens[i]) || added_ids.count(tokens[i])))
         add_token(tokens[i], false);
   }
   for (const auto& t : {cfg.bos_token, cfg.eos_token, cfg.unk_token, cfg.pad_token})
@@ -320,9 +321,8 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
   cfg.add_eos_token = add_eos.value_or(false);
   auto token_id = [&](const std::optional<std::string>& t) -> std::optional<std::pair<std::string, TokenId>> {
     if (!t) return std::nullopt;
-    for (const auto& a : added)
-      if (a["content"] == *t) return std::pair{*t, a["id"].get<TokenId>()};
-    return std::nullopt;
+    const auto it = added_ids.find(*t);  // the named special tokens were all added above
+    return it == added_ids.end() ? std::nullopt : std::optional(std::pair{*t, it->second});
   };
   std::vector<std::pair<std::string, TokenId>> prefix, suffix;
   if (cfg.add_bos_token)

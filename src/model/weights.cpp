@@ -49,8 +49,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
   for (const WeightSpec& s : list.specs) {
     views.clear();
     for (const WeightPiece& p : s.pieces) {
-      const TensorView v = ckpt.view(p.name);
-      const TensorInfo& t = *v.info;
+      const TensorInfo& t = *ckpt.find(p.name);  // checked before the view: a GGUF view dequantizes
       if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16)
         throw Error("tensor '" + t.name + "' has dtype " + std::string(dtype_name(t.dtype)) +
                     "; kvlm loads bfloat16, float16 and float32 weights (quantized weights are not supported)");
@@ -59,7 +58,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
                     (ckpt.embedded_config() ? "the GGUF metadata implies " : "config.json implies ") + shape_str(p.shape));
       used.insert(p.name);
       out.num_params += size_t(t.numel());
-      views.push_back(v);
+      views.push_back(ckpt.view(p.name));
     }
     values.clear();
     if (s.role == WeightRole::Constant) {
