@@ -69,9 +69,13 @@ const Mode kModes[] = {
     {"fp8_e5m2", DType::F8E5M2, KVQuantMode::Fp8PerTensor},
     {"fp8_per_token_head", DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
     {"int8_per_token_head", DType::I8, KVQuantMode::Int8PerTokenHead},
+    {"int4_per_token_head", DType::I4, KVQuantMode::Int4PerTokenHead},
 };
-size_t esize(DType t) { return (t == DType::BF16 || t == DType::F16) ? 2 : 1; }
-__host__ __device__ inline bool per_token(KVQuantMode q) { return q == KVQuantMode::Fp8PerTokenHead || q == KVQuantMode::Int8PerTokenHead; }
+size_t esize(DType t) { return (t == DType::BF16 || t == DType::F16) ? 2 : 1; }  // bytes filled per code (int4: a byte of two)
+size_t code_bytes(DType t, size_t elems) { return t == DType::I4 ? elems / 2 : elems * esize(t); }
+__host__ __device__ inline bool per_token(KVQuantMode q) {
+  return q == KVQuantMode::Fp8PerTokenHead || q == KVQuantMode::Int8PerTokenHead || q == KVQuantMode::Int4PerTokenHead;
+}
 
 __device__ __host__ inline uint32_t hash32(uint64_t x) {
   x ^= x >> 33;
@@ -96,9 +100,26 @@ __global__ void fill_codes(uint8_t* p, size_t n_elems, int esz, int fmt, uint64_
     }
   }
 }
-__global__ void fill_scales(float* p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = 0.005f + float(hash32(i + seed) % 1000) * 1e-5f;
+// Token scales in [0.005, 0.015); int4's slot packs that step (f16) with the zero point
+// -7.5 steps (f16), so its values lie in [-0.11, 0.11].
+__global__ void fill_scales(float* p, size_t n, uint64_t seed, bool int4) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float s = 0.005f + float(hash32(i + seed) % 1000) * 1e-5f;
+    if (int4) {
+      const uint32_t w = uint32_t(kvlm::num::f32_to_f16(s)) | uint32_t(kvlm::num::f32_to_f16(-7.5f * s)) << 16;
+      p[i] = __uint_as_float(w);
+    } else {
+      p[i] = s;
+    }
+  }
+}
+
+// Element i of row `sidx` dequantized (int4: code * step + zero from the packed slot).
+__device__ float int4_value(const uint8_t* base, size_t sidx, int d, int head_dim, const float* slots) {
+  const uint8_t* row = base + sidx * size_t(head_dim) / 2;
+  const int code = (row[(d / 8) * 4 + d % 4] >> ((d % 8) >= 4 ? 4 : 0)) & 0xf;
+  const uint32_t w = __float_as_uint(slots[sidx]);
+  return float(code) * kvlm::num::f16_to_f32(uint16_t(w & 0xffff)) + kvlm::num::f16_to_f32(uint16_t(w >> 16));
 }
 
 __device__ float decode_sw(const uint8_t* base, size_t i, DType st) {
@@ -131,6 +152,11 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const size_t sidx = (size_t(table[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
     float s = 0;
+    if (p.storage == DType::I4) {
+      for (int d = 0; d < p.head_dim; ++d) s += kvlm::num::bf16_to_f32(q[d]) * int4_value(K, sidx, d, p.head_dim, p.k_token_scale);
+      sc[j] = s * p.softmax_scale;
+      continue;
+    }
     for (int d = 0; d < p.head_dim; ++d) s += kvlm::num::bf16_to_f32(q[d]) * decode_sw(K, sidx * p.head_dim + d, p.storage);
     sc[j] = s * (per_token(p.quant) ? p.k_token_scale[sidx] : ks) * p.softmax_scale;
   }
@@ -161,7 +187,9 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items
     float o = 0;
     for (int j = 0; j < n; ++j) {
       const size_t sidx = (size_t(table[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
-      o += sc[j] * decode_sw(V, sidx * p.head_dim + d, p.storage) * (per_token(p.quant) ? p.v_token_scale[sidx] : vs);
+      o += sc[j] * (p.storage == DType::I4 ? int4_value(V, sidx, d, p.head_dim, p.v_token_scale)
+                                           : decode_sw(V, sidx * p.head_dim + d, p.storage) *
+                                                 (per_token(p.quant) ? p.v_token_scale[sidx] : vs));
     }
     out[(size_t(ri) * p.num_q_heads + h) * p.head_dim + d] = o / l;
   }
@@ -290,7 +318,7 @@ int main(int argc, char** argv) {
         const int B = batches[bi], C = contexts[ci];
         if (!shape_on(B, C)) continue;
         const size_t tokens = size_t(B) * C;
-        const size_t kv_bytes = tokens * kKVHeads * kHead * esize(mode.storage);  // K (same for V)
+        const size_t kv_bytes = code_bytes(mode.storage, tokens * kKVHeads * kHead);  // K (same for V)
         const size_t scale_bytes = per_token(mode.quant) ? tokens * kKVHeads * 4 : 0;
         const size_t per_copy = 2 * (kv_bytes + scale_bytes);
         if (2 * kv_bytes > arena_bytes) {
@@ -303,15 +331,16 @@ int main(int argc, char** argv) {
         const int nb = C / kBlock;
         const int num_blocks = copies * B * nb;
         uint8_t* K = arena;
-        uint8_t* V = arena + size_t(num_blocks) * kBlock * kKVHeads * kHead * esize(mode.storage);
         const size_t elems = size_t(num_blocks) * kBlock * kKVHeads * kHead;
-        const int fmt = mode.storage == DType::BF16 ? 0 : mode.storage == DType::F16 ? 1 : mode.storage == DType::I8 ? 2 : 3;
-        fill_codes<<<4096, 256>>>(K, elems, int(esize(mode.storage)), fmt, 1);
-        fill_codes<<<4096, 256>>>(V, elems, int(esize(mode.storage)), fmt, 2);
+        uint8_t* V = arena + code_bytes(mode.storage, elems);
+        const bool int4 = mode.storage == DType::I4;  // any byte is two valid codes
+        const int fmt = mode.storage == DType::BF16 ? 0 : mode.storage == DType::F16 ? 1 : mode.storage == DType::I8 || int4 ? 2 : 3;
+        fill_codes<<<4096, 256>>>(K, int4 ? elems / 2 : elems, int(esize(mode.storage)), fmt, 1);
+        fill_codes<<<4096, 256>>>(V, int4 ? elems / 2 : elems, int(esize(mode.storage)), fmt, 2);
         const size_t ntok_all = size_t(num_blocks) * kBlock * kKVHeads;
         if (per_token(mode.quant)) {
-          fill_scales<<<1024, 256>>>(scales, ntok_all, 3);
-          fill_scales<<<1024, 256>>>(scales + scale_elems, ntok_all, 4);
+          fill_scales<<<1024, 256>>>(scales, ntok_all, 3, int4);
+          fill_scales<<<1024, 256>>>(scales + scale_elems, ntok_all, 4, int4);
         }
         CK(cudaGetLastError());
         // Shuffled block tables: copy c owns pages [c*B*nb, (c+1)*B*nb) in a random order.
@@ -428,13 +457,14 @@ int main(int argc, char** argv) {
         const int Lq = pshapes[si].q_len, C = pshapes[si].context, nb = C / kBlock;
         const size_t elems = size_t(nb) * kBlock * kKVHeads * kHead;
         uint8_t* K = arena;
-        uint8_t* V = arena + elems * esize(mode.storage);
-        const int fmt = mode.storage == DType::BF16 ? 0 : mode.storage == DType::F16 ? 1 : mode.storage == DType::I8 ? 2 : 3;
-        fill_codes<<<4096, 256>>>(K, elems, int(esize(mode.storage)), fmt, 5);
-        fill_codes<<<4096, 256>>>(V, elems, int(esize(mode.storage)), fmt, 6);
+        uint8_t* V = arena + code_bytes(mode.storage, elems);
+        const bool int4 = mode.storage == DType::I4;
+        const int fmt = mode.storage == DType::BF16 ? 0 : mode.storage == DType::F16 ? 1 : mode.storage == DType::I8 || int4 ? 2 : 3;
+        fill_codes<<<4096, 256>>>(K, int4 ? elems / 2 : elems, int(esize(mode.storage)), fmt, 5);
+        fill_codes<<<4096, 256>>>(V, int4 ? elems / 2 : elems, int(esize(mode.storage)), fmt, 6);
         if (per_token(mode.quant)) {
-          fill_scales<<<1024, 256>>>(scales, size_t(nb) * kBlock * kKVHeads, 7);
-          fill_scales<<<1024, 256>>>(scales + scale_elems, size_t(nb) * kBlock * kKVHeads, 8);
+          fill_scales<<<1024, 256>>>(scales, size_t(nb) * kBlock * kKVHeads, 7, int4);
+          fill_scales<<<1024, 256>>>(scales + scale_elems, size_t(nb) * kBlock * kKVHeads, 8, int4);
         }
         std::vector<BlockId> tab(static_cast<size_t>(nb));
         for (int i = 0; i < nb; ++i) tab[size_t(i)] = i;
@@ -480,6 +510,7 @@ int main(int argc, char** argv) {
         double max_err = 0, vmax = esize(mode.storage) == 2 ? 1.0 : mode.storage == DType::I8 ? 128.0 : 1.875;
         if (mode.quant == KVQuantMode::Fp8PerTensor) vmax *= 0.25;
         if (per_token(mode.quant)) vmax *= 0.015;
+        if (mode.storage == DType::I4) vmax = 7.5 * 0.015;
         // P is rounded to bf16 (bf16 cache) or f16 before P.V: |err| <= u * max|V| (see tests).
         const double floor = std::ldexp(vmax, mode.storage == DType::BF16 ? -9 : -11) + 1e-4;
         bool ok = true;

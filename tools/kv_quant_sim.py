@@ -5,7 +5,8 @@ of kvlm: K (after k_norm where the model has one, else k_proj's output — befor
 without a randomized Hadamard rotation of each vector before quantizing (undone after), and
 the mean KL divergence of the next-token distributions against the unquantized run is taken
 over the second half of one window. K alone, V alone and both, so that it shows which one
-costs; INT8 / FP8 E4M3 / INT4 (symmetric, absmax scale).
+costs; INT8 / FP8 E4M3 / INT4 (symmetric, absmax scale) / INT4 with a zero point (int4z: 16
+levels from the row's min to its max).
 
     python3 tools/kv_quant_sim.py --gguf FILE.gguf [--text models/kvlm-tiny/eval/heldout.txt] [--ctx 1024]
 
@@ -40,6 +41,10 @@ def fake_quant(x: torch.Tensor, head_dim: int, mode: str, rot: torch.Tensor | No
     elif mode == "int4":
         s = amax / 7
         q = torch.clamp(torch.round(y / s), -7, 7) * s
+    elif mode == "int4z":  # asymmetric: 16 levels over [min, max] with a zero point
+        lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+        s = ((hi - lo) / 15).clamp_min(1e-30)
+        q = torch.clamp(torch.round((y - lo) / s), 0, 15) * s + lo
     else:
         s = amax / 448
         q = (y / s).to(torch.float8_e4m3fn).float() * s

@@ -17,7 +17,11 @@ void ModelFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--model,-m", model, "Hugging Face model directory (default: the bundled kvlm-tiny model)");
   cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache precision: auto, float16, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, "
-                 "fp8_per_token_head, int8_per_token_head")
+                 "fp8_per_token_head, int8_per_token_head, int4_per_token_head")
+      ->capture_default_str();
+  cmd.add_option("--kv-cache-rotation", kv_cache_rotation,
+                 "rotate q/K/V of quantized layers by a fixed randomized Hadamard transform before K/V are "
+                 "stored (spreads outlier channels; scores are unchanged): auto (4-bit layers only), none, hadamard")
       ->capture_default_str();
   cmd.add_option("--kv-cache-dtype-skip-layers", skip_layers,
                  "layers that keep the model dtype: indices and/or 'sliding_window', e.g. 0,27,sliding_window");
@@ -65,6 +69,7 @@ CacheConfig ModelFlags::cache_config() const {
   CacheConfig c;
   c.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
   c.skip_layers = parse_skip_layers(skip_layers);
+  c.rotation = parse_kv_rotation(kv_cache_rotation);
   validate_block_size(block_size);
   c.block_size = block_size;
   if (!attention_backend.empty()) c.attention_backend = attention_backend;

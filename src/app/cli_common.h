@@ -15,6 +15,7 @@ namespace kvlm::app {
 struct ModelFlags {
   std::string model;  // empty: the bundled default model
   std::string kv_cache_dtype = "auto";
+  std::string kv_cache_rotation = "auto";
   std::string skip_layers;
   std::string attention_backend;
   std::string device = "auto";

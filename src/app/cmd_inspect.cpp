@@ -40,6 +40,7 @@ std::string scale_str(const KVLayerSpec& l) {
     if (l.k_scale.size() > 1) s += " [" + std::to_string(l.k_scale.size()) + " heads]";
     return s;
   }
+  if (l.quant == KVQuantMode::Int4PerTokenHead) return "per-token-head dynamic, zero point";
   return std::string(scale_source_name(l.scale_source));
 }
 
@@ -115,6 +116,7 @@ int run_inspect(const InspectFlags& f) {
                        {"quant_mode", std::string(kv_quant_mode_name(l.quant))},
                        {"dtype_source", std::string(dtype_source_name(l.dtype_source))},
                        {"scale_source", std::string(scale_source_name(l.scale_source))},
+                       {"rotation", l.rotate ? "hadamard" : "none"},
                        {"backend", l.backend},
                        {"num_kv_heads", l.attn.num_kv_heads},
                        {"head_dim", l.attn.head_dim},
@@ -177,11 +179,11 @@ int run_inspect(const InspectFlags& f) {
             << dtype_source_name(plan.resolution.source) << (plan.resolution.note.empty() ? "" : "; " + plan.resolution.note)
             << ")\n\n";
   std::vector<std::vector<std::string>> rows{
-      {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "backend", "bytes/token"}};
+      {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "rotation", "backend", "bytes/token"}};
   for (const auto& l : plan.layers)
     rows.push_back({(l.attn.model == "target" ? "" : l.attn.model + ":") + std::to_string(l.attn.layer), kind_str(l),
                     std::string(dtype_name(l.storage)), std::string(kv_quant_mode_name(l.quant)),
-                    std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.backend,
+                    std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.rotate ? "hadamard" : "none", l.backend,
                     std::to_string(l.bytes_per_token())});
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows)

@@ -20,7 +20,8 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
                      {DType::F8E4M3, KVQuantMode::Fp8PerTensor},
                      {DType::F8E5M2, KVQuantMode::Fp8PerTensor},
                      {DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
-                     {DType::I8, KVQuantMode::Int8PerTokenHead}},
+                     {DType::I8, KVQuantMode::Int8PerTokenHead},
+                     {DType::I4, KVQuantMode::Int4PerTokenHead}},
       .head_sizes = {},
       .max_head_size = 1024,
       .causal = true,
@@ -38,7 +39,6 @@ void CpuAttentionBackend::store_kv(LayerKVCache& c, const KVWrite& w) const {
   const int kvh = s.attn.num_kv_heads, d = s.attn.head_dim;
   const size_t n = w.slots.size();
   KVLM_CHECK(w.k.size() == n * size_t(kvh * d) && w.v.size() == w.k.size(), "K/V rows do not match the slot count");
-  const size_t esz = dtype_size(s.storage);
   kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
     using Fmt = decltype(fmt);
     for (size_t i = 0; i < n; ++i) {
@@ -48,7 +48,7 @@ void CpuAttentionBackend::store_kv(LayerKVCache& c, const KVWrite& w) const {
       const int off = int(slot % c.block_size);
       for (int g = 0; g < kvh; ++g) {
         const size_t src = (i * size_t(kvh) + size_t(g)) * size_t(d);
-        const size_t dst = c.row(block, g, off) * esz;
+        const size_t dst = c.row_byte(block, g, off);
         const float ks = Fmt::encode_row(w.k.subspan(src, size_t(d)), c.k.data() + dst, s.k_scale_for(g));
         const float vs = Fmt::encode_row(w.v.subspan(src, size_t(d)), c.v.data() + dst, s.v_scale_for(g));
         if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
@@ -83,7 +83,6 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
   const KVLayerSpec& s = *c.spec;
   const int nh = s.attn.num_q_heads, kvh = s.attn.num_kv_heads, d = s.attn.head_dim, bs = c.block_size;
   const int group = nh / kvh;
-  const size_t esz = dtype_size(s.storage);
   KVLM_CHECK(call.q.size() == call.out.size(), "query and output sizes differ");
   for (const AttnSeq& seq : call.seqs) {
     KVLM_CHECK(seq.q_len >= 0 && seq.q_len <= seq.kv_len, "more queries than cached tokens");
@@ -120,7 +119,7 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
             const int j0 = std::max(lo, bi * bs), j1 = std::min(hi, (bi + 1) * bs);
             for (int j = j0; j < j1; ++j) {
               const int off = j - bi * bs;
-              const size_t at = c.row(page, g, off) * esz;
+              const size_t at = c.row_byte(page, g, off);
               float ks = 1.0f, vs = 1.0f;
               if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTensor) {
                 ks = s.k_scale_for(g);

@@ -5,6 +5,9 @@
 // the supported set is a clear runtime error naming the set — never a pass-through
 // (seed 003). Quantization follows the field's convention: code = convert(x / scale),
 // x ~= code * scale; per-token-head scale = max(absmax / qmax, 1e-6), stored fp32.
+//
+// Codes are addressed by element index within a row: element i of a row of 1-, 2- or 4-byte
+// codes sits at byte i * size; 4-bit codes (I4) pack 8 elements per 32-bit word, see I4.
 #pragma once
 
 #include <algorithm>
@@ -106,6 +109,71 @@ struct Format {
   }
 };
 
+// INT4 with a scale and a zero point per (token, kv head): the row's [min, max] is cut into 15
+// steps, s = max((max - min) / 15, 2^-14) and z = min, both rounded to f16 and packed into the
+// row's 32-bit scale slot (s in the low half, z in the high half: the slot is as large as the
+// other per-token-head modes' fp32 scale, so a row costs head_dim / 2 + 4 bytes). Codes are
+// c = clamp(rint((x - z) / s), 0, 15) with the rounded s and z, read back as c * s + z.
+// Measured on real models (docs/results/accuracy.md): with the Hadamard rotation, the zero
+// point lowers the KLD of int4 K/V by 17-35% against symmetric -7..7 codes, at no byte cost.
+//
+// Packing: 8 codes per 32-bit little-endian word; byte k (k < 4) holds element k in its low
+// nibble and element k + 4 in its high nibble. That order lets a GPU expand a word into four
+// pairs of consecutive elements with one mask, one shift-and-mask and four byte permutes
+// (ops/cuda/kv_codec.cuh). Rows are whole words: head_dim % 8 == 0.
+struct I4 {
+  static constexpr DType kStorage = DType::I4;
+  static constexpr float kLevels = 15.0f;
+  static constexpr float kMinStep = 6.103515625e-05f;  // 2^-14, the smallest normal f16
+  static constexpr float kMaxF16 = 65504.0f;
+  static size_t byte_of(size_t i) { return (i / 8) * 4 + (i % 4); }
+  static int shift_of(size_t i) { return (i % 8) >= 4 ? 4 : 0; }
+  static int code(const uint8_t* p, size_t i) { return (p[byte_of(i)] >> shift_of(i)) & 0xf; }
+  static void set_code(uint8_t* p, size_t i, int c) {
+    uint8_t& b = p[byte_of(i)];
+    b = uint8_t((b & ~(0xf << shift_of(i))) | (c << shift_of(i)));
+  }
+  // The scale slot: f16 step in the low half, f16 zero point in the high half.
+  static float pack(uint16_t step, uint16_t zero) {
+    const uint32_t w = uint32_t(step) | uint32_t(zero) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  }
+  static void unpack(float slot, float& step, float& zero) {
+    uint32_t w;
+    std::memcpy(&w, &slot, 4);
+    step = num::f16_to_f32(uint16_t(w & 0xffff));
+    zero = num::f16_to_f32(uint16_t(w >> 16));
+  }
+};
+
+template <>
+struct Format<I4, ScalePolicy::PerTokenHead> {
+  using codec = I4;
+  static constexpr ScalePolicy policy = ScalePolicy::PerTokenHead;
+  // Returns the packed (step, zero) slot.
+  static float encode_row(std::span<const float> x, uint8_t* dst, float /*tensor_scale*/) {
+    float lo = x.empty() ? 0.0f : x[0], hi = lo;
+    for (float v : x) {
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+    // (Both stay finite in f16: K/V beyond +-65504 saturate their codes instead.)
+    const uint16_t s16 = num::f32_to_f16(std::clamp((hi - lo) / I4::kLevels, I4::kMinStep, I4::kMaxF16));
+    const uint16_t z16 = num::f32_to_f16(std::clamp(lo, -I4::kMaxF16, I4::kMaxF16));
+    const float s = num::f16_to_f32(s16), z = num::f16_to_f32(z16);
+    for (size_t i = 0; i < x.size(); ++i)
+      I4::set_code(dst, i, int(std::nearbyint(std::clamp((x[i] - z) / s, 0.0f, I4::kLevels))));
+    return I4::pack(s16, z16);
+  }
+  static void decode_row(const uint8_t* src, float slot, std::span<float> out) {
+    float s, z;
+    I4::unpack(slot, s, z);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = float(I4::code(src, i)) * s + z;
+  }
+};
+
 // The supported (storage, mode) set, in one place.
 template <class F>
 decltype(auto) dispatch_kv(DType storage, KVQuantMode mode, F&& f) {
@@ -125,11 +193,14 @@ decltype(auto) dispatch_kv(DType storage, KVQuantMode mode, F&& f) {
     case KVQuantMode::Int8PerTokenHead:
       if (storage == DType::I8) return f(Format<I8, ScalePolicy::PerTokenHead>{});
       break;
+    case KVQuantMode::Int4PerTokenHead:
+      if (storage == DType::I4) return f(Format<I4, ScalePolicy::PerTokenHead>{});
+      break;
   }
   throw Error("unsupported KV format: storage " + std::string(dtype_name(storage)) + " with quant mode " +
               std::string(kv_quant_mode_name(mode)) +
               "; supported: float32/float16/bfloat16 with none, fp8_e4m3/fp8_e5m2 with fp8_per_tensor, fp8_e4m3 with "
-              "fp8_per_token_head, int8 with int8_per_token_head");
+              "fp8_per_token_head, int8 with int8_per_token_head, int4 with int4_per_token_head");
 }
 
 }  // namespace kvlm::kvfmt

@@ -30,6 +30,22 @@ SkipLayers parse_skip_layers(std::string_view text) {
   return out;
 }
 
+std::string_view kv_rotation_name(KVRotation r) {
+  switch (r) {
+    case KVRotation::Auto: return "auto";
+    case KVRotation::None: return "none";
+    case KVRotation::Hadamard: return "hadamard";
+  }
+  return "?";
+}
+
+KVRotation parse_kv_rotation(std::string_view s) {
+  for (KVRotation r : {KVRotation::Auto, KVRotation::None, KVRotation::Hadamard})
+    if (s == kv_rotation_name(r)) return r;
+  throw Error("invalid --kv-cache-rotation '" + std::string(s) +
+              "'; valid values are: auto (Hadamard for 4-bit layers), none, hadamard (every quantized layer)");
+}
+
 void validate_block_size(int b) {
   if (b < 1 || b > 256 || (b & (b - 1)) != 0)
     throw Error("invalid --block-size " + std::to_string(b) + "; use a power of two between 1 and 256 (16 is the usual choice)");

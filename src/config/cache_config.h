@@ -1,6 +1,7 @@
 // CacheConfig: the user's KV-cache options, parsed and validated from CLI text once.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -21,9 +22,17 @@ struct SkipLayers {
 // Indices are range-checked later against the model (build_kv_plan).
 SkipLayers parse_skip_layers(std::string_view text);
 
+// --kv-cache-rotation: how quantized layers rotate q / K / V before K and V are stored
+// (core/hadamard.h). Auto: Hadamard for 4-bit layers, none for the others.
+enum class KVRotation : uint8_t { Auto, None, Hadamard };
+std::string_view kv_rotation_name(KVRotation r);
+// "auto", "none" or "hadamard"; anything else is a kvlm::Error naming them.
+KVRotation parse_kv_rotation(std::string_view s);
+
 struct CacheConfig {
   KVCacheDType kv_cache_dtype = KVCacheDType::Auto;
   SkipLayers skip_layers;
+  KVRotation rotation = KVRotation::Auto;
   int block_size = 16;                       // tokens per KV page
   std::optional<std::string> attention_backend;  // --attention-backend: force one by name
 };

@@ -63,7 +63,7 @@ KVDTypeResolution resolve_kv_dtype(KVCacheDType requested, const std::optional<C
 
 size_t KVLayerSpec::bytes_per_token() const {
   const size_t elems = size_t(attn.num_kv_heads) * size_t(attn.head_dim);
-  size_t bytes = 2 * elems * dtype_size(storage);
+  size_t bytes = 2 * dtype_bytes(storage, elems);
   if (is_per_token_head(quant)) bytes += 2 * size_t(attn.num_kv_heads) * sizeof(float);
   return bytes;
 }
@@ -101,7 +101,7 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
       throw Error("--kv-cache-dtype-skip-layers names layer " + std::to_string(idx) + " but the model has " +
                   std::to_string(target_layers) + " layers (0.." + std::to_string(target_layers - 1) + ")");
 
-  int defaulted = 0;
+  int defaulted = 0, unrotated_int4 = 0;
   for (const auto& a : layers) {
     KVLayerSpec s;
     s.attn = a;
@@ -133,8 +133,34 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
     } else if (is_per_token_head(s.quant)) {
       s.scale_source = ScaleSource::PerTokenHeadDynamic;
     }
+    if (s.storage == DType::I4 && a.head_dim % 8 != 0)
+      throw Error("int4_per_token_head packs 8 values per 32-bit word; " + a.model + " layer " + std::to_string(a.layer) +
+                  " has head_dim " + std::to_string(a.head_dim) +
+                  ". Use int8_per_token_head or fp8_per_token_head for this model, or keep the layer unquantized with "
+                  "--kv-cache-dtype-skip-layers");
+    if (s.quant != KVQuantMode::None) {
+      const bool pow2 = a.head_dim > 0 && (a.head_dim & (a.head_dim - 1)) == 0;
+      if (cache.rotation == KVRotation::Hadamard) {
+        if (!pow2)
+          throw Error("--kv-cache-rotation hadamard needs a power-of-two head_dim; " + a.model + " layer " +
+                      std::to_string(a.layer) + " has " + std::to_string(a.head_dim) + ". Use --kv-cache-rotation none");
+        if (s.scale_source == ScaleSource::CheckpointTensor)
+          throw Error("--kv-cache-rotation hadamard cannot use the checkpoint's per-tensor KV scales of " + a.model +
+                      " layer " + std::to_string(a.layer) + " (" + s.k_scale_name +
+                      "): they were calibrated on unrotated K/V. Use a per-token-head --kv-cache-dtype with the "
+                      "rotation, or --kv-cache-rotation none");
+        s.rotate = true;
+      } else if (cache.rotation == KVRotation::Auto && s.storage == DType::I4) {
+        s.rotate = pow2;
+        if (!pow2) ++unrotated_int4;
+      }
+    }
     plan.layers.push_back(std::move(s));
   }
+  if (unrotated_int4 > 0)
+    plan.warnings.push_back(std::to_string(unrotated_int4) +
+                            " int4 layers are not rotated: the Hadamard rotation needs a power-of-two head_dim. "
+                            "Expect a larger accuracy cost than the measured int4 figures");
   if (defaulted > 0)
     plan.warnings.push_back(std::to_string(defaulted) + " of " + std::to_string(layers.size()) +
                             " layers store FP8 per-tensor KV without checkpoint scales; using scale 1.0, which can "

@@ -67,6 +67,9 @@ struct KVLayerSpec {
   std::vector<float> k_scale{1.0f}, v_scale{1.0f};  // Fp8PerTensor only: 1 or num_kv_heads
   std::string k_scale_name, v_scale_name;
   std::string backend;  // filled by the attention backend selector
+  // Hadamard: q, K and V are rotated by core/hadamard.h's R after RoPE (K and V stored
+  // rotated) and the attention output is rotated back; only quantized layers rotate.
+  bool rotate = false;
 
   // Bytes one token occupies in this layer: K and V codes, plus per-(token, head) fp32
   // scales for the per-token-head modes.

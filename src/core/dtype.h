@@ -16,9 +16,14 @@
 
 namespace kvlm {
 
-enum class DType : uint8_t { F32, F16, BF16, F8E4M3, F8E5M2, I8, I32, I64, U8, Bool, F64 };
+// I4: signed 4-bit KV codes, two per byte (the int4 KV format's packing: attention/kv_format.h).
+enum class DType : uint8_t { F32, F16, BF16, F8E4M3, F8E5M2, I8, I32, I64, U8, Bool, F64, I4 };
 
+// Bytes of one element; an error for I4 (half a byte: use dtype_bits / dtype_bytes).
 size_t dtype_size(DType t);
+size_t dtype_bits(DType t);
+// Bytes of n elements (n * bits / 8; an error when that is not a whole number of bytes).
+size_t dtype_bytes(DType t, size_t n);
 std::string_view dtype_name(DType t);  // "float32", "bfloat16", "fp8_e4m3", "int8", ...
 // safetensors header names ("F32", "BF16", "F8_E4M3", ...); nullopt for unknown names.
 std::optional<DType> dtype_from_safetensors(std::string_view s);
@@ -37,6 +42,7 @@ enum class KVCacheDType : uint8_t {
   Fp8E5M2,
   Fp8PerTokenHead,
   Int8PerTokenHead,
+  Int4PerTokenHead,
 };
 
 std::span<const KVCacheDType> all_kv_cache_dtypes();
@@ -49,11 +55,13 @@ enum class KVQuantMode : uint8_t {
   Fp8PerTensor,      // one static scale per layer for K and one for V (or per kv head)
   Fp8PerTokenHead,   // E4M3 codes, fp32 scale per (token, kv head) computed at write time
   Int8PerTokenHead,  // int8 codes, fp32 scale per (token, kv head) computed at write time
+  Int4PerTokenHead,  // int4 codes (two per byte), fp32 scale per (token, kv head) at write time
 };
 
 std::string_view kv_quant_mode_name(KVQuantMode m);
 inline bool is_per_token_head(KVQuantMode m) {
-  return m == KVQuantMode::Fp8PerTokenHead || m == KVQuantMode::Int8PerTokenHead;
+  return m == KVQuantMode::Fp8PerTokenHead || m == KVQuantMode::Int8PerTokenHead ||
+         m == KVQuantMode::Int4PerTokenHead;
 }
 
 // What a user-level KV dtype means for storage. `Auto` has no fixed meaning: the plan

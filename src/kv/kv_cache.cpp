@@ -8,7 +8,7 @@ namespace kvlm {
 
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size) {
   const size_t rows = size_t(spec.attn.num_kv_heads) * size_t(block_size);
-  return {.codes = rows * size_t(spec.attn.head_dim) * dtype_size(spec.storage),
+  return {.codes = dtype_bytes(spec.storage, rows * size_t(spec.attn.head_dim)),
           .scales = is_per_token_head(spec.quant) ? rows * sizeof(float) : 0};
 }
 

@@ -3,6 +3,7 @@
 //
 // Layout per layer (HND per block):
 //   k, v     : [num_blocks][num_kv_heads][block_size][head_dim] elements of spec.storage
+//              (int4: head_dim / 2 bytes per row, kv_format.h's packing)
 //   k_scale, v_scale (per-token-head modes only): [num_blocks][num_kv_heads][block_size] fp32
 // A token's slot is block_id * block_size + offset; the same block id is used in every layer.
 #pragma once
@@ -36,6 +37,8 @@ struct LayerKVCache {
     return ((size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset)) *
            size_t(spec->attn.head_dim);
   }
+  // Byte offset of that row in k / v.
+  size_t row_byte(int64_t block, int head, int offset) const { return dtype_bytes(spec->storage, row(block, head, offset)); }
   size_t scale_index(int64_t block, int head, int offset) const {
     return (size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset);
   }

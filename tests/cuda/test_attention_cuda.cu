@@ -216,7 +216,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     for (SlotId s : slots) written[size_t(s)] = 1;
     auto gk = dkc.download(), gv = dvc.download();
     auto gks = dks.download(), gvs = dvs.download();
-    const size_t row = size_t(d) * dtype_size(spec.storage);
+    const size_t row = dtype_bytes(spec.storage, size_t(d));
     for (size_t b = 0; b < size_t(cache.num_blocks()); ++b)
       for (size_t h = 0; h < size_t(kvh); ++h)
         for (size_t s = 0; s < size_t(bs); ++s) {
@@ -289,7 +289,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   double abs_floor = 1e-4 * mag;
   int p_exponent = 0;  // log2(u) of the P rounding, 0 = none
   if (ran == 3) p_exponent = spec.storage == DType::BF16 ? -9 : -11;
-  else if (ran == 2 && dtype_size(spec.storage) == 1) p_exponent = -11;
+  else if (ran == 2 && dtype_bits(spec.storage) == 8) p_exponent = -11;
   if (p_exponent != 0) {
     float vmax = 0;
     for (float x : vf) vmax = std::max(vmax, std::fabs(x));
@@ -308,7 +308,8 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
 
 const KVCacheDType kFormats[] = {KVCacheDType::BFloat16,        KVCacheDType::Float16,
                                  KVCacheDType::Fp8E4M3,         KVCacheDType::Fp8E5M2,
-                                 KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead};
+                                 KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead,
+                                 KVCacheDType::Int4PerTokenHead};
 
 }  // namespace
 
@@ -339,7 +340,9 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
         // tensor cores for single rows at head 64/128), 1 = CUDA cores, 2 = decode tensor
         // cores (also what short multi-token rows, e.g. speculative verification, take).
         // max_splits 0 = automatic (small test grids split), 1 = unsplit.
-        const bool mma_fits = hd == 64 || hd == 128;
+        // int4 pages: the CUDA-core kernel only (make_plan), so nothing is forced onto the others.
+        const bool int4 = dt == KVCacheDType::Int4PerTokenHead;
+        const bool mma_fits = (hd == 64 || hd == 128) && !int4;
         run_batch(c, decode, seed++, 0, 0, st);
         run_batch(c, mixed, seed++, 0, 0, st);
         run_batch(c, prefill, seed++, 0, 0, st);
@@ -357,7 +360,7 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
           if (!reduced()) run_batch(c, mixed, seed++, 4, 2, st, 2);
         }
         // Small rows (per-token-head scales ~1e-6, under f16's normal range).
-        if (!reduced() && (dt == KVCacheDType::Fp8PerTokenHead || dt == KVCacheDType::Int8PerTokenHead)) {
+        if (!reduced() && (dt == KVCacheDType::Fp8PerTokenHead || dt == KVCacheDType::Int8PerTokenHead || int4)) {
           run_batch(c, prefill, seed++, 0, 0, st, 0, 0x1p-12f);
           run_batch(c, mixed, seed++, 0, 0, st, 0, 0x1p-12f);
         }
@@ -378,8 +381,12 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
               "max_rel_err=%.3e out_of_tol=%zu page_byte_mismatches=%zu\n",
               std::string(kv_cache_dtype_name(dt)).c_str(), cases, total.runs[1], total.runs[2], total.runs[3], total.checked,
               total.max_abs, total.max_rel, total.bad, total.page_mismatch);
-  EXPECT_GT(total.runs[3], 0) << "the tiled prefill kernel never ran";
-  EXPECT_GT(total.runs[2], 0) << "the decode tensor-core kernel never ran";
+  if (dt == KVCacheDType::Int4PerTokenHead) {
+    EXPECT_EQ(total.runs[2] + total.runs[3], 0) << "int4 pages reached a kernel that reads whole bytes per code";
+  } else {
+    EXPECT_GT(total.runs[3], 0) << "the tiled prefill kernel never ran";
+    EXPECT_GT(total.runs[2], 0) << "the decode tensor-core kernel never ran";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(KV, CudaAttention, ::testing::ValuesIn(kFormats),

@@ -23,6 +23,7 @@
 #include "attention/cpu_backend.h"
 #include "attention/kv_format.h"
 #include "config/kv_plan.h"
+#include "core/hadamard.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "model/rope.h"
@@ -411,6 +412,7 @@ struct RopeCase {
   DType act;
   int head_dim;
   bool qk_norm;
+  bool rotate = false;  // --kv-cache-rotation hadamard: q, K, V rotated after RoPE (core/hadamard.h)
 };
 
 // One fused prologue against CPU rmsnorm + rope + CpuAttentionBackend::store_kv.
@@ -468,6 +470,13 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   }
   ops::cpu::rope(q, T, nh, d, pos, inv_freq);
   ops::cpu::rope(k, T, kvh, d, pos, inv_freq);
+  if (c.rotate) {  // as CpuOps::attention_prologue
+    for (size_t r = 0; r < q.size() / size_t(d); ++r) num::hadamard_rotate(q.data() + r * size_t(d), d);
+    for (size_t r = 0; r < k.size() / size_t(d); ++r) {
+      num::hadamard_rotate(k.data() + r * size_t(d), d);
+      num::hadamard_rotate(v.data() + r * size_t(d), d);
+    }
+  }
   std::vector<SlotId> cpu_slots;
   std::vector<float> ks, vs;
   for (int t = 0; t < T; ++t) {
@@ -498,11 +507,12 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
                         .k_norm = c.qk_norm ? dkn.p : nullptr, .eps = eps, .positions = dpos.p, .inv_freq = dfreq.p,
                         .q_out = dq.p, .slots = dslots.p, .block_size = bs, .num_blocks = cache.num_blocks(),
                         .k_cache = dk.p, .v_cache = dv.p, .k_token_scale = dks.p, .v_token_scale = dvs.p,
-                        .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size())},
+                        .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size()),
+                        .rotate = c.rotate},
                        nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::string what = std::string(kv_cache_dtype_name(c.dt)) + " act " + std::string(dtype_name(act)) + " hd " +
-                           std::to_string(d) + (c.qk_norm ? " qk_norm" : "");
+                           std::to_string(d) + (c.qk_norm ? " qk_norm" : "") + (c.rotate ? " rotated" : "");
 
   // q: bf16 of the reference (rounding: 2^-9, a boundary flip: 2^-8).
   std::vector<float> gq;
@@ -522,7 +532,13 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
                          : Fmt::codec::kStorage == DType::F8E4M3 ? 3
                          : Fmt::codec::kStorage == DType::F8E5M2 ? 2
                                                                  : 0;
-    const size_t esz = dtype_size(spec.storage);
+    constexpr bool int4 = Fmt::codec::kStorage == DType::I4;
+    const size_t bits = dtype_bits(spec.storage), esz = bits / 8;
+    // Element i's code on either side (int4: its nibble).
+    auto same_code = [&](const uint8_t* x, const uint8_t* y, size_t i) {
+      if constexpr (int4) return kvfmt::I4::code(x, i) == kvfmt::I4::code(y, i);
+      else return std::memcmp(x + i * esz, y + i * esz, esz) == 0;
+    };
     std::vector<float> a(static_cast<size_t>(d)), b(static_cast<size_t>(d));
     for (int side = 0; side < 2; ++side) {
       const auto& gpu = side == 0 ? gk : gv;
@@ -533,27 +549,38 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
         for (int g = 0; g < kvh; ++g) {
           const int64_t blk = s / bs;
           const int off = int(s % bs);
-          const size_t row = L.row(blk, g, off), si = L.scale_index(blk, g, off);
-          float sa = 1.0f, sb = 1.0f;
-          if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
+          const size_t row = L.row_byte(blk, g, off), si = L.scale_index(blk, g, off);
+          float sa = 1.0f, sb = 1.0f, step = 0;
+          if constexpr (int4) {  // the packed {f16 step, f16 zero}: one f16 rounding apart at most
+            sa = gsc[si];
+            sb = csc[si];
+            float ga, za, gb, zb;
+            kvfmt::I4::unpack(sa, ga, za);
+            kvfmt::I4::unpack(sb, gb, zb);
+            step = gb;
+            worst_scale = std::max(worst_scale, std::fabs(double(ga) - gb) / gb * 1e-3);  // (reported against 1e-6)
+            EXPECT_LE(std::fabs(double(ga) - gb), std::ldexp(double(gb), -10)) << "int4 step";
+            EXPECT_LE(std::fabs(double(za) - zb), std::ldexp(std::fabs(double(zb)), -10) + 1e-7) << "int4 zero";
+          } else if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
             sa = gsc[si];
             sb = csc[si];
             worst_scale = std::max(worst_scale, std::fabs(double(sa) - sb) / sb);
           } else if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTensor) {
             sa = sb = side == 0 ? spec.k_scale_for(g) : spec.v_scale_for(g);
           }
-          Fmt::decode_row(gpu.data() + row * esz, sa, a);
-          Fmt::decode_row(cpu.data() + row * esz, sb, b);
+          Fmt::decode_row(gpu.data() + row, sa, a);
+          Fmt::decode_row(cpu.data() + row, sb, b);
           for (int i = 0; i < d; ++i) {
             ++total;
-            if (std::memcmp(gpu.data() + (row + size_t(i)) * esz, cpu.data() + (row + size_t(i)) * esz, esz) == 0) continue;
+            if (same_code(gpu.data() + row, cpu.data() + row, size_t(i))) continue;
             ++diff_codes;
             // One step apart: relative 2^-mant for float codes (plus the subnormal step),
-            // one integer step (= the scale) for int8.
-            const double step = mant > 0 ? std::ldexp(std::max(std::fabs(a[size_t(i)]), std::fabs(b[size_t(i)])), -mant) +
-                                               std::ldexp(double(sb), -16)
-                                         : double(sb) * 1.0001;
-            far += std::fabs(double(a[size_t(i)]) - b[size_t(i)]) > step * 1.0001;
+            // one integer step (= the scale) for int8, one step (+ the f16 zero's rounding) for int4.
+            const double one = int4       ? step * 1.002 + std::ldexp(std::fabs(double(b[size_t(i)])), -10)
+                               : mant > 0 ? std::ldexp(std::max(std::fabs(a[size_t(i)]), std::fabs(b[size_t(i)])), -mant) +
+                                                std::ldexp(double(sb), -16)
+                                          : double(sb) * 1.0001;
+            far += std::fabs(double(a[size_t(i)]) - b[size_t(i)]) > one * 1.0001;
           }
         }
       }
@@ -562,9 +589,9 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   size_t stray = 0;  // bytes the GPU wrote outside the stored rows
   {
     std::vector<char> used(L.k.size(), 0);
-    const size_t esz = dtype_size(spec.storage);
     for (SlotId s : cpu_slots)
-      for (int g = 0; g < kvh; ++g) std::fill_n(used.begin() + ptrdiff_t(L.row(s / bs, g, int(s % bs)) * esz), size_t(d) * esz, 1);
+      for (int g = 0; g < kvh; ++g)
+        std::fill_n(used.begin() + ptrdiff_t(L.row_byte(s / bs, g, int(s % bs))), dtype_bytes(spec.storage, size_t(d)), 1);
     for (size_t i = 0; i < used.size(); ++i) stray += !used[i] && (gk[i] != 0 || gv[i] != 0);
   }
   EXPECT_EQ(stray, 0u) << what << ": bytes written outside the stored rows";
@@ -580,7 +607,8 @@ TEST(CudaModelOps, QkvRopeStoreMatchesCpu) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   const KVCacheDType modes[] = {KVCacheDType::BFloat16,        KVCacheDType::Float16,
                                 KVCacheDType::Fp8E4M3,         KVCacheDType::Fp8E5M2,
-                                KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead};
+                                KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead,
+                                KVCacheDType::Int4PerTokenHead};
   uint32_t seed = 300;
   for (KVCacheDType dt : modes)
     for (DType act : kActs)
@@ -588,5 +616,38 @@ TEST(CudaModelOps, QkvRopeStoreMatchesCpu) {
         for (bool qk : {false, true}) {
           if (test::reduced() && !(hd == 64 && act == DType::BF16)) continue;
           run_rope_store({dt, act, hd, qk}, seed++);
+          // The rotation: every quantized format, one act and q/k-norm setting per head size.
+          if (dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16 && act == DType::BF16 && !qk)
+            run_rope_store({dt, act, hd, qk, true}, seed++);
         }
+}
+
+// unrotate_heads: R^T per head row on the GPU equals num::hadamard_rotate(.., inverse) on the
+// CPU (same order of operations: bit-equal floats before the final rounding to act).
+TEST(CudaModelOps, UnrotateHeadsMatchesCpu) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(77);
+  for (DType act : kActs)
+    for (int d : {8, 16, 32, 64, 128, 256}) {
+      const int rows = 37;
+      std::vector<float> x(size_t(rows) * size_t(d));
+      for (auto& v : x) v = num::bf16_to_f32(num::f32_to_bf16(std::normal_distribution<float>(0.0f, 3.0f)(rng)));
+      std::vector<uint16_t> xb(x.size());
+      for (size_t i = 0; i < x.size(); ++i) xb[i] = num::f32_to_bf16(x[i]);
+      Dev<uint16_t> din(xb), dout(xb.size());
+      cuda::unrotate_heads(act, din.p, dout.p, rows, d, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto got = dout.download();
+      size_t bad = 0;
+      for (int r = 0; r < rows; ++r) {
+        num::hadamard_rotate(x.data() + size_t(r) * size_t(d), d, /*inverse=*/true);
+        for (int i = 0; i < d; ++i) {
+          const size_t at = size_t(r) * size_t(d) + size_t(i);
+          const uint16_t want = act == DType::BF16 ? num::f32_to_bf16(x[at]) : num::f32_to_f16(x[at]);
+          bad += got[at] != want;
+        }
+      }
+      EXPECT_EQ(bad, 0u) << dtype_name(act) << " head_dim " << d;
+    }
+  EXPECT_THROW(cuda::unrotate_heads(DType::BF16, nullptr, nullptr, 1, 96, nullptr), Error);
 }

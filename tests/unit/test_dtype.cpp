@@ -15,13 +15,14 @@ TEST(KVCacheDType, ParsesExactlyTheWhitelist) {
       {"fp8_e5m2", KVCacheDType::Fp8E5M2},
       {"fp8_per_token_head", KVCacheDType::Fp8PerTokenHead},
       {"int8_per_token_head", KVCacheDType::Int8PerTokenHead},
+      {"int4_per_token_head", KVCacheDType::Int4PerTokenHead},
   };
   for (auto [name, d] : valid) {
     EXPECT_EQ(parse_kv_cache_dtype(name), d);
     EXPECT_EQ(kv_cache_dtype_name(d), name);
   }
   EXPECT_EQ(all_kv_cache_dtypes().size(), std::size(valid));
-  for (const char* bad : {"fp8_e6m1", "FP8", "bf16", "fp16", "half", "float32", "int4_per_token_head", "fp8_inc", "nvfp4", "", " fp8"})
+  for (const char* bad : {"fp8_e6m1", "FP8", "bf16", "fp16", "half", "float32", "int4", "q4_0", "fp8_inc", "nvfp4", "", " fp8"})
     EXPECT_THROW(parse_kv_cache_dtype(bad), Error) << bad;
 }
 
@@ -44,6 +45,7 @@ TEST(KVCacheDType, StorageMeaning) {
   EXPECT_EQ(*kv_storage_of(KVCacheDType::Fp8E5M2), (KVStorage{DType::F8E5M2, KVQuantMode::Fp8PerTensor}));
   EXPECT_EQ(*kv_storage_of(KVCacheDType::Fp8PerTokenHead), (KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTokenHead}));
   EXPECT_EQ(*kv_storage_of(KVCacheDType::Int8PerTokenHead), (KVStorage{DType::I8, KVQuantMode::Int8PerTokenHead}));
+  EXPECT_EQ(*kv_storage_of(KVCacheDType::Int4PerTokenHead), (KVStorage{DType::I4, KVQuantMode::Int4PerTokenHead}));
 }
 
 TEST(DType, SafetensorsNamesRoundTrip) {
@@ -53,6 +55,12 @@ TEST(DType, SafetensorsNamesRoundTrip) {
   }
   EXPECT_EQ(dtype_size(DType::BF16), 2u);
   EXPECT_EQ(dtype_size(DType::F8E4M3), 1u);
+  // int4 is half a byte: only whole bytes of it have a size, and it has no safetensors name.
+  EXPECT_EQ(dtype_bits(DType::I4), 4u);
+  EXPECT_EQ(dtype_bytes(DType::I4, 128), 64u);
+  EXPECT_THROW(dtype_size(DType::I4), std::exception);
+  EXPECT_THROW(dtype_bytes(DType::I4, 3), std::exception);
+  EXPECT_FALSE(dtype_from_safetensors("").has_value());
   EXPECT_FALSE(dtype_from_safetensors("Q4_K").has_value());
   EXPECT_EQ(dtype_from_torch_name("torch.bfloat16"), DType::BF16);
   EXPECT_EQ(dtype_from_torch_name("half"), DType::F16);

@@ -172,3 +172,48 @@ TEST(KVPlan, DraftLayersShareThePlan) {
   EXPECT_EQ(p.layers[4].quant, KVQuantMode::Fp8PerTokenHead);
   EXPECT_EQ(p.layers[5].attn.kind, AttentionKind::NonCausal);
 }
+
+// int4 and the rotation: --kv-cache-rotation auto rotates the 4-bit layers only (the skip
+// rule's layers are unquantized and never rotate), hadamard every quantized layer, none none;
+// a head_dim the packing or the transform cannot take is an error naming the layer, and the
+// rotation never silently meets per-tensor scales calibrated on unrotated K/V.
+TEST(KVPlan, Int4AndRotation) {
+  const auto layers = mixed_layers();
+  CacheConfig c = with(KVCacheDType::Int4PerTokenHead, "1");
+  KVPlan p = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
+  EXPECT_EQ(p.layers[0].storage, DType::I4);
+  EXPECT_TRUE(p.layers[0].rotate);
+  EXPECT_FALSE(p.layers[1].rotate);  // skipped: bf16
+  EXPECT_EQ(p.layers[0].bytes_per_token(), 2u * 2 * 16 + 2u * 2 * 4);  // 32 codes in 16 bytes + a 4-byte slot, K and V
+  c.rotation = KVRotation::None;
+  p = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
+  EXPECT_FALSE(p.layers[0].rotate);
+  // Explicit hadamard reaches the 8-bit formats; auto does not.
+  EXPECT_FALSE(build_kv_plan(with(KVCacheDType::Int8PerTokenHead), layers, DType::BF16, std::nullopt, {}).layers[0].rotate);
+  c = with(KVCacheDType::Fp8PerTokenHead, "sliding_window");
+  c.rotation = KVRotation::Hadamard;
+  p = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
+  EXPECT_FALSE(p.layers[0].rotate);  // sliding: skipped, bf16
+  EXPECT_TRUE(p.layers[1].rotate);
+  // Per-tensor scales from the checkpoint were calibrated unrotated: refused with the rotation.
+  c = with(KVCacheDType::Fp8);
+  c.rotation = KVRotation::Hadamard;
+  const ScaleLookup found = [](const AttentionLayerDesc&) {
+    return std::optional<CheckpointScales>(CheckpointScales{{0.5f}, {0.5f}, "k_scale", "v_scale"});
+  };
+  EXPECT_THROW(build_kv_plan(c, layers, DType::BF16, std::nullopt, found), Error);
+  // head_dim 20: int4 needs whole 8-code words; head_dim 40: the transform needs a power of two.
+  auto odd = layers;
+  for (auto& l : odd) l.head_dim = 20;
+  EXPECT_THROW(build_kv_plan(with(KVCacheDType::Int4PerTokenHead), odd, DType::BF16, std::nullopt, {}), Error);
+  for (auto& l : odd) l.head_dim = 40;
+  p = build_kv_plan(with(KVCacheDType::Int4PerTokenHead), odd, DType::BF16, std::nullopt, {});
+  EXPECT_FALSE(p.layers[0].rotate);
+  ASSERT_EQ(p.warnings.size(), 1u);
+  EXPECT_NE(p.warnings[0].find("not rotated"), std::string::npos);
+  c = with(KVCacheDType::Int8PerTokenHead);
+  c.rotation = KVRotation::Hadamard;
+  EXPECT_THROW(build_kv_plan(c, odd, DType::BF16, std::nullopt, {}), Error);
+  EXPECT_EQ(parse_kv_rotation("hadamard"), KVRotation::Hadamard);
+  EXPECT_THROW(parse_kv_rotation("walsh"), Error);
+}

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "attention/cpu_backend.h"
@@ -34,7 +35,7 @@ TEST(KVCache, StoreQuantizesPerFormat) {
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.0f, 2.0f);
   for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Float16, KVCacheDType::Fp8E4M3, KVCacheDType::Fp8E5M2,
-                          KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead}) {
+                          KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead}) {
     CacheConfig c;
     c.kv_cache_dtype = dt;
     const AttentionLayerDesc desc{.num_q_heads = 2, .num_kv_heads = 2, .head_dim = 16};
@@ -53,17 +54,26 @@ TEST(KVCache, StoreQuantizesPerFormat) {
         const int64_t blk = slots[i] / 8;
         const int off = int(slots[i] % 8);
         const float* src = k.data() + (i * 2 + size_t(g)) * 16;
-        float amax = 0;
-        for (int x = 0; x < 16; ++x) amax = std::max(amax, std::fabs(src[x]));
+        float amax = 0, lo = src[0], hi = src[0];
+        for (int x = 0; x < 16; ++x) {
+          amax = std::max(amax, std::fabs(src[x]));
+          lo = std::min(lo, src[x]);
+          hi = std::max(hi, src[x]);
+        }
         std::vector<float> row(16);
-        float scale = s.k_scale_for(g);
-        if (is_per_token_head(s.quant)) {
+        float scale = s.k_scale_for(g), step = 0, zero = 0;
+        if (s.quant == KVQuantMode::Int4PerTokenHead) {
+          scale = L.k_scale[L.scale_index(blk, g, off)];  // the packed {f16 step, f16 zero} slot
+          kvfmt::I4::unpack(scale, step, zero);
+          EXPECT_EQ(step, num::f16_to_f32(num::f32_to_f16((hi - lo) / 15)));
+          EXPECT_EQ(zero, num::f16_to_f32(num::f32_to_f16(lo)));
+        } else if (is_per_token_head(s.quant)) {
           scale = L.k_scale[L.scale_index(blk, g, off)];
           const float qmax = s.quant == KVQuantMode::Int8PerTokenHead ? 127.0f : 448.0f;
           EXPECT_FLOAT_EQ(scale, amax / qmax);  // absmax / qmax, stored fp32
         }
         kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
-          decltype(fmt)::decode_row(L.k.data() + L.row(blk, g, off) * dtype_size(s.storage), scale, row);
+          decltype(fmt)::decode_row(L.k.data() + L.row_byte(blk, g, off), scale, row);
         });
         for (int x = 0; x < 16; ++x) {
           const float e = std::fabs(row[size_t(x)] - src[x]);
@@ -81,11 +91,39 @@ TEST(KVCache, StoreQuantizesPerFormat) {
             case KVQuantMode::Int8PerTokenHead:
               EXPECT_LE(e, scale * 0.5f + 1e-6f);
               break;
+            case KVQuantMode::Int4PerTokenHead:  // half a step (f16 step and zero: a little more at the ends)
+              EXPECT_LE(e, step * 0.5f + std::fabs(lo) / 1024 + 1e-6f);
+              break;
           }
         }
       }
     }
   }
+}
+
+// The int4 page layout, byte for byte (kv_format.h: kvfmt::I4): 8 codes per 32-bit word,
+// byte k = element k (low nibble) | element k + 4 (high nibble), offset-binary codes, and the
+// {f16 step, f16 zero} slot. Values 0..15 (min 0, max 15: step 1, zero 0) are their own codes.
+TEST(KVCache, Int4PageLayout) {
+  CacheConfig c;
+  c.kv_cache_dtype = KVCacheDType::Int4PerTokenHead;
+  const AttentionLayerDesc desc{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 16};
+  const KVPlan plan = build_kv_plan(c, {&desc, 1}, DType::BF16, std::nullopt, {});
+  EXPECT_EQ(plan.layers[0].bytes_per_token(), 2u * (8 + 4));  // K and V: 16 codes in 8 bytes + the slot
+  KVCache cache(plan, 1, 2);
+  std::vector<float> k(16), v(16, 0.0f);
+  for (int i = 0; i < 16; ++i) k[size_t(i)] = float(i);
+  const std::vector<SlotId> slots{1};
+  CpuAttentionBackend().store_kv(cache.layer(0), {.k = k, .v = v, .slots = slots});
+  const LayerKVCache& L = cache.layer(0);
+  const std::vector<uint8_t> row(L.k.begin() + 8, L.k.begin() + 16);
+  EXPECT_EQ(row, (std::vector<uint8_t>{0x40, 0x51, 0x62, 0x73, 0xc8, 0xd9, 0xea, 0xfb}));
+  uint32_t slot;
+  std::memcpy(&slot, &L.k_scale[1], 4);
+  EXPECT_EQ(slot, uint32_t(num::f32_to_f16(1.0f)));  // step 1 (low half), zero 0 (high half)
+  // An all-zero row: the smallest step (2^-14), zero 0, codes 0.
+  std::memcpy(&slot, &L.v_scale[1], 4);
+  EXPECT_EQ(slot, uint32_t(num::f32_to_f16(0x1p-14f)));
 }
 
 TEST(BlockAllocator, AllocatesEveryBlockOnceAndReuses) {

@@ -5,6 +5,7 @@
 #include <deque>
 
 #include "core/error.h"
+#include "core/hadamard.h"
 #include "ops/cpu/ops.h"
 
 namespace kvlm {
@@ -146,6 +147,13 @@ class CpuOps final : public Ops {
     if (w.k_norm) cpu::rmsnorm(k_, T * kvh, d, f32(w.k_norm), eps, k_);
     cpu::rope(qo, T, nh, d, b_.positions, f32(w.inv_freq));
     cpu::rope(k_, T, kvh, d, b_.positions, f32(w.inv_freq));
+    if (cache_.layer(size_t(layer)).spec->rotate) {  // R q, R k, R v (core/hadamard.h)
+      for (size_t r = 0; r < size_t(T * nh); ++r) num::hadamard_rotate(qo.data() + r * size_t(d), d);
+      for (size_t r = 0; r < size_t(T * kvh); ++r) {
+        num::hadamard_rotate(k_.data() + r * size_t(d), d);
+        num::hadamard_rotate(v_.data() + r * size_t(d), d);
+      }
+    }
     if (observer_) observer_(size_t(layer), k_, v_);
     backends_[size_t(layer)]->store_kv(cache_.layer(size_t(layer)), KVWrite{.k = k_, .v = v_, .slots = b_.slots});
   }
@@ -153,6 +161,12 @@ class CpuOps final : public Ops {
   void attention(int layer, Tensor q, Tensor out, float softmax_scale) override {
     backends_[size_t(layer)]->attend(cache_.layer(size_t(layer)),
                                      AttentionCall{.q = f32(q), .out = f32(out), .seqs = b_.seqs, .softmax_scale = softmax_scale});
+    const KVLayerSpec& s = *cache_.layer(size_t(layer)).spec;
+    if (s.rotate) {  // the output is a sum of rotated V rows: R^T brings it back
+      const auto o = f32(out);
+      const size_t d = size_t(s.attn.head_dim);
+      for (size_t r = 0; r < o.size() / d; ++r) num::hadamard_rotate(o.data() + r * d, int(d), /*inverse=*/true);
+    }
   }
 
   void all_reduce_sum(Tensor x) override {

@@ -134,7 +134,8 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
                         .q_out = static_cast<uint16_t*>(q.data), .slots = step_.slots, .block_size = block_size_,
                         .num_blocks = num_blocks_, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
                         .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale,
-                        .v_tensor_scale = L.v_tensor_scale, .num_tensor_scales = L.num_tensor_scales},
+                        .v_tensor_scale = L.v_tensor_scale, .num_tensor_scales = L.num_tensor_scales,
+                        .rotate = L.rotate},
                        stream_);
 }
 
@@ -143,11 +144,16 @@ void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale) {
   void* bf16_out = out.data;
   if (act_ != DType::BF16) bf16_out = step_buffer(attn_bf16_, size_t(out.numel()) * 2);
   if (measure_) return;
-  cuda::PagedAttentionParams p = attn_params(layers_[size_t(layer)], softmax_scale);
+  const CudaKVLayer& L = layers_[size_t(layer)];
+  cuda::PagedAttentionParams p = attn_params(L, softmax_scale);
   p.q = static_cast<const uint16_t*>(q.data);
   p.out = static_cast<uint16_t*>(bf16_out);
   cuda::paged_attention(p, stream_);
-  if (act_ != DType::BF16) cuda::bf16_to_act(act_, static_cast<const uint16_t*>(bf16_out), out.data, size_t(out.numel()), stream_);
+  if (L.rotate)  // the output is a sum of rotated V rows: R^T per head, converted to act on the way
+    cuda::unrotate_heads(act_, static_cast<const uint16_t*>(bf16_out), out.data, out.numel() / L.head_dim, L.head_dim,
+                         stream_);
+  else if (act_ != DType::BF16)
+    cuda::bf16_to_act(act_, static_cast<const uint16_t*>(bf16_out), out.data, size_t(out.numel()), stream_);
 }
 
 void CudaOps::all_reduce_sum(Tensor x) {

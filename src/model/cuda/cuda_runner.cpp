@@ -413,6 +413,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     L.head_dim = spec.attn.head_dim;
     L.storage = spec.storage;
     L.quant = spec.quant;
+    L.rotate = spec.rotate;
     L.kind = spec.attn.kind;
     L.window = spec.attn.window;
     if (scale_at[i] != SIZE_MAX) {

@@ -1,6 +1,7 @@
 // Device-side KV page formats: the CUDA twin of attention/kv_format.h. One struct per
 // (storage, quant mode) pair, each with
-//   Vec            the raw type of 8 consecutive elements (one 16 B or 8 B load),
+//   Vec            the raw type of 8 consecutive elements (one 16, 8 or 4 B load),
+//   kBits          bits per code (16, 8; 4 for int4, which has no per-element Code type),
 //   decode8(v, f)  8 codes -> 8 floats, in registers, WITHOUT the scale (scales are folded
 //                  into the query / the softmax weight by the kernels, see paged_attention.cu),
 //   encode(x)      one float (already divided by its scale) -> one code, bit-identical to the
@@ -95,6 +96,7 @@ enum class Scale { None, PerTensor, PerTokenHead };
 struct FmtBF16 {
   using Vec = uint4;  // 8 x bf16
   using Code = uint16_t;
+  static constexpr int kBits = 16;
   static constexpr Scale kScale = Scale::None;
   static constexpr float kMax = 0.0f;
   // bf16 -> f32 is a 16-bit shift: no conversion instruction at all.
@@ -112,6 +114,7 @@ struct FmtBF16 {
 struct FmtF16 {
   using Vec = uint4;
   using Code = uint16_t;
+  static constexpr int kBits = 16;
   static constexpr Scale kScale = Scale::None;
   static constexpr float kMax = 0.0f;
   static __device__ __forceinline__ void decode8(const Vec& v, float* f) {
@@ -134,6 +137,7 @@ template <Scale S>
 struct FmtE4M3 {
   using Vec = uint2;  // 8 x fp8
   using Code = uint8_t;
+  static constexpr int kBits = 8;
   static constexpr Scale kScale = S;
   static constexpr float kMax = 448.0f;
   static __device__ __forceinline__ void decode8(const Vec& v, float* f) {
@@ -160,6 +164,7 @@ struct FmtE4M3 {
 struct FmtE5M2 {
   using Vec = uint2;
   using Code = uint8_t;
+  static constexpr int kBits = 8;
   static constexpr Scale kScale = Scale::PerTensor;
   static constexpr float kMax = 57344.0f;
   static __device__ __forceinline__ void decode8(const Vec& v, float* f) {
@@ -183,6 +188,7 @@ struct FmtE5M2 {
 struct FmtI8 {
   using Vec = uint2;
   using Code = uint8_t;
+  static constexpr int kBits = 8;
   static constexpr Scale kScale = Scale::PerTokenHead;
   static constexpr float kMax = 127.0f;
   static __device__ __forceinline__ void decode8(const Vec& v, float* f) {
@@ -198,9 +204,63 @@ struct FmtI8 {
   }
 };
 
+// INT4 with a step and a zero point per (token, kv head) (attention/kv_format.h: kvfmt::I4):
+// 8 codes per 32-bit word, byte k = element k (low nibble) | element k + 4 (high nibble),
+// offset-binary 0..15; the row's scale slot holds {f16 step, f16 zero}. decode8 returns the
+// codes (0..15) as floats; a key's value is code * step + zero, which the kernels apply as
+// step * (q . codes) + zero * sum(q) for K and as weight * step on the codes plus
+// weight * zero on every output dimension for V. Codes come from the rounded f16 step and
+// zero, exactly as the CPU codec computes them.
+struct FmtI4 {
+  using Vec = uint32_t;  // 8 x int4
+  static constexpr int kBits = 4;
+  static constexpr Scale kScale = Scale::PerTokenHead;
+  static constexpr float kLevels = 15.0f;
+  static __device__ __forceinline__ void decode8(const Vec& w, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[i] = float((w >> (8 * i)) & 0xfu);
+      f[i + 4] = float((w >> (8 * i + 4)) & 0xfu);
+    }
+  }
+  // The packed slot -> step and zero.
+  static __device__ __forceinline__ void unpack(uint32_t slot, float& step, float& zero) {
+    step = __half2float(__ushort_as_half(uint16_t(slot & 0xffffu)));
+    zero = __half2float(__ushort_as_half(uint16_t(slot >> 16)));
+  }
+};
+// Encoding one row, as kvfmt::Format<I4, PerTokenHead>::encode_row does: the row's min and
+// max -> the f16 step and zero (packed into `slot`), then 8 values -> one word of codes.
+struct I4Encoder {
+  float step, zero;
+  uint32_t slot;
+  __device__ __forceinline__ I4Encoder(float lo, float hi) {
+    const __half s16 = __float2half_rn(fminf(fmaxf(__fdiv_rn(hi - lo, 15.0f), 6.103515625e-05f), 65504.0f));
+    const __half z16 = __float2half_rn(fminf(fmaxf(lo, -65504.0f), 65504.0f));
+    step = __half2float(s16);
+    zero = __half2float(z16);
+    slot = uint32_t(__half_as_ushort(s16)) | uint32_t(__half_as_ushort(z16)) << 16;
+  }
+  __device__ __forceinline__ uint32_t code(float x) const {
+    return uint32_t(rintf(fminf(fmaxf(__fdiv_rn(x - zero, step), 0.0f), 15.0f)));
+  }
+  // x[0..7]: elements 8w .. 8w + 7 of the row -> word w.
+  __device__ __forceinline__ uint32_t word(const float* x) const {
+    uint32_t w = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w |= (code(x[k]) | code(x[k + 4]) << 4) << (8 * k);
+    return w;
+  }
+};
+
+template <class Fmt>
+inline constexpr bool kIsInt4 = false;
+template <>
+inline constexpr bool kIsInt4<FmtI4> = true;
+
 inline constexpr const char* kSupportedCudaKV =
     "bfloat16/float16 with none, fp8_e4m3/fp8_e5m2 with fp8_per_tensor, fp8_e4m3 with fp8_per_token_head, int8 "
-    "with int8_per_token_head";
+    "with int8_per_token_head, int4 with int4_per_token_head";
 
 // The one (storage, mode) switch of the CUDA kernels.
 template <class F>
@@ -219,6 +279,9 @@ void dispatch_cuda_kv(DType storage, KVQuantMode mode, F&& f) {
       break;
     case KVQuantMode::Int8PerTokenHead:
       if (storage == DType::I8) return f(FmtI8{});
+      break;
+    case KVQuantMode::Int4PerTokenHead:
+      if (storage == DType::I4) return f(FmtI4{});
       break;
   }
   throw Error("CUDA attention: unsupported KV format: storage " + std::string(dtype_name(storage)) + " with quant mode " +

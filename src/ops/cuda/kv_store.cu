@@ -32,6 +32,29 @@ __device__ __forceinline__ void store_row(const uint16_t* src, typename Fmt::Cod
   }
 }
 
+// int4: the row's min and max, then each lane packs whole words of 8 codes.
+__device__ __forceinline__ void store_row_i4(const uint16_t* src, uint32_t* dst, uint32_t* slot, int d, int lane) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (int i = lane; i < d; i += 32) {
+    const float x = __uint_as_float(uint32_t(src[i]) << 16);
+    lo = fminf(lo, x);
+    hi = fmaxf(hi, x);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  const I4Encoder enc(lo, hi);
+  if (lane == 0) *slot = enc.slot;
+  for (int w = lane; w < d / 8; w += 32) {
+    float x[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = __uint_as_float(uint32_t(src[8 * w + k]) << 16);
+    dst[w] = enc.word(x);
+  }
+}
+
 template <class Fmt>
 __global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStoreParams p) {
   const int64_t row = int64_t(blockIdx.x) * kStoreWarps + threadIdx.x / 32;
@@ -47,6 +70,13 @@ __global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStor
   const size_t srow = size_t(row) * size_t(p.head_dim);
   const size_t sidx = (size_t(block) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) + size_t(off);
   const size_t drow = sidx * size_t(p.head_dim);
+  if constexpr (kIsInt4<Fmt>) {
+    store_row_i4(p.k + srow, static_cast<uint32_t*>(p.k_cache) + drow / 8, reinterpret_cast<uint32_t*>(p.k_token_scale) + sidx,
+                 p.head_dim, lane);
+    store_row_i4(p.v + srow, static_cast<uint32_t*>(p.v_cache) + drow / 8, reinterpret_cast<uint32_t*>(p.v_token_scale) + sidx,
+                 p.head_dim, lane);
+    return;
+  } else {
   using Code = typename Fmt::Code;
   float ks = 1.0f, vs = 1.0f;
   if constexpr (Fmt::kScale == Scale::PerTensor) {
@@ -55,6 +85,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStor
   }
   store_row<Fmt>(p.k + srow, static_cast<Code*>(p.k_cache) + drow, p.k_token_scale + sidx, ks, p.head_dim, lane);
   store_row<Fmt>(p.v + srow, static_cast<Code*>(p.v_cache) + drow, p.v_token_scale + sidx, vs, p.head_dim, lane);
+  }
 }
 
 }  // namespace
@@ -70,6 +101,7 @@ void kv_store(const KVStoreParams& p, void* stream) {
       throw Error("kv_store: fp8_per_tensor needs 1 or num_kv_heads K and V scales");
     if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
       throw Error("kv_store: per-token-head modes need the scale pages");
+    if (kIsInt4<Fmt> && p.head_dim % 8 != 0) throw Error("kv_store: int4 rows need head_dim % 8 == 0");
     const int64_t rows = int64_t(p.num_tokens) * p.num_kv_heads;
     const unsigned grid = unsigned((rows + kStoreWarps - 1) / kStoreWarps);
     kv_store_kernel<Fmt><<<grid, kStoreWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(p);

@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "core/hadamard.h"
 #include "ops/cuda/block_argmax.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/kv_codec.cuh"
@@ -145,6 +146,83 @@ __device__ __forceinline__ void store_head(const float (&a)[kPairsPerLane], cons
   }
 }
 
+// core/hadamard.h's rotation R (or R^T) of one head row held as above (a[c] = x[j],
+// b[c] = x[j + half], j = lane + 32c; d = 2 * half a power of two), in the CPU's order: signs,
+// butterflies of strides 1, 2, 4, ... (lanes below 32, registers c above, a/b at half), one
+// scale multiply — so the floats equal num::hadamard_rotate's. Warp-uniform call.
+__device__ __forceinline__ void hadamard_head(float (&a)[kPairsPerLane], float (&b)[kPairsPerLane], int half, int lane,
+                                              bool inverse) {
+  auto sign = [&](float (&x)[kPairsPerLane], int off) {
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c)
+      if (num::hadamard_sign_negative(uint32_t(off + lane + 32 * c))) x[c] = -x[c];
+  };
+  if (!inverse) {
+    sign(a, 0);
+    sign(b, half);
+  }
+  for (int s = 1; s < half && s < 32; s *= 2) {  // across lanes
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const float pa = __shfl_xor_sync(0xffffffffu, a[c], s), pb = __shfl_xor_sync(0xffffffffu, b[c], s);
+      a[c] = (lane & s) ? pa - a[c] : a[c] + pa;
+      b[c] = (lane & s) ? pb - b[c] : b[c] + pb;
+    }
+  }
+#pragma unroll
+  for (int s = 32; s < 32 * kPairsPerLane; s *= 2) {  // across registers
+    if (s >= half) break;
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c)
+      if ((c & (s / 32)) == 0) {
+        const int c2 = c + s / 32;
+        const float x0 = a[c], x1 = a[c2], y0 = b[c], y1 = b[c2];
+        a[c] = x0 + x1;
+        a[c2] = x0 - x1;
+        b[c] = y0 + y1;
+        b[c2] = y0 - y1;
+      }
+  }
+  const float scale = num::hadamard_scale(2 * half);
+#pragma unroll
+  for (int c = 0; c < kPairsPerLane; ++c) {  // stride half: a against b
+    const float x = a[c], y = b[c];
+    a[c] = (x + y) * scale;
+    b[c] = (x - y) * scale;
+  }
+  if (inverse) {
+    sign(a, 0);
+    sign(b, half);
+  }
+}
+
+// int4: the row's min and max over the warp, the values staged in shared memory so that each
+// lane packs one word of 8 consecutive codes (d <= 256: 32 words).
+__device__ __forceinline__ void store_head_i4(const float (&a)[kPairsPerLane], const float (&b)[kPairsPerLane], int half,
+                                              int lane, float* stage, uint32_t* dst, uint32_t* slot) {
+  float lo = INFINITY, hi = -INFINITY;
+#pragma unroll
+  for (int c = 0; c < kPairsPerLane; ++c) {
+    const int j = lane + 32 * c;
+    if (j < half) {
+      stage[j] = a[c];
+      stage[j + half] = b[c];
+      lo = fminf(lo, fminf(a[c], b[c]));
+      hi = fmaxf(hi, fmaxf(a[c], b[c]));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  __syncwarp();
+  const I4Encoder enc(lo, hi);
+  if (lane == 0) *slot = enc.slot;
+  if (lane < half / 4) dst[lane] = enc.word(stage + 8 * lane);
+  __syncwarp();  // the stage is reused for V
+}
+
 template <class A, class Fmt>
 __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const QkvRopeStoreParams p) {
   allow_dependents();
@@ -197,6 +275,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
       b[c] = x1 * co + x0 * s;
     }
   }
+  if (p.rotate) hadamard_head(a, b, half, lane, false);
   if (is_q) {
     uint16_t* q = p.q_out + (size_t(t) * size_t(p.num_q_heads) + size_t(h)) * size_t(d);
 #pragma unroll
@@ -216,24 +295,67 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
   if (block >= p.num_blocks) return;  // a caller bug (the runner checks slots): never write outside the pool
   const int off = int(slot % p.block_size);
   const size_t sidx = (size_t(block) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) + size_t(off);
-  using Code = typename Fmt::Code;
-  float ks = 1.0f, vs = 1.0f;
-  if constexpr (Fmt::kScale == Scale::PerTensor) {
-    ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
-    vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
-  }
-  store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.k_cache) + sidx * size_t(d), p.k_token_scale + sidx, ks);
   const uint16_t* vsrc = row + size_t(p.num_q_heads + p.num_kv_heads + g) * size_t(d);
+  auto load_v = [&] {
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      a[c] = b[c] = 0.0f;
+      if (j < half) {
+        a[c] = A::load(vsrc[j]);
+        b[c] = A::load(vsrc[j + half]);
+      }
+    }
+    if (p.rotate) hadamard_head(a, b, half, lane, false);
+  };
+  if constexpr (kIsInt4<Fmt>) {
+    __shared__ float stage[kRopeWarps][2 * 32 * kPairsPerLane];
+    float* st = stage[threadIdx.x / 32];
+    store_head_i4(a, b, half, lane, st, static_cast<uint32_t*>(p.k_cache) + sidx * size_t(d) / 8,
+                  reinterpret_cast<uint32_t*>(p.k_token_scale) + sidx);
+    load_v();
+    store_head_i4(a, b, half, lane, st, static_cast<uint32_t*>(p.v_cache) + sidx * size_t(d) / 8,
+                  reinterpret_cast<uint32_t*>(p.v_token_scale) + sidx);
+  } else {
+    using Code = typename Fmt::Code;
+    float ks = 1.0f, vs = 1.0f;
+    if constexpr (Fmt::kScale == Scale::PerTensor) {
+      ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+      vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+    }
+    store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.k_cache) + sidx * size_t(d), p.k_token_scale + sidx, ks);
+    load_v();
+    store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.v_cache) + sidx * size_t(d), p.v_token_scale + sidx, vs);
+  }
+}
+
+// out = R^T x per head row (the attention output of a rotated layer), bf16 in, act out.
+template <class A>
+__global__ void __launch_bounds__(kRopeWarps * 32) unrotate_heads_kernel(const uint16_t* in, void* out, int64_t rows,
+                                                                         int d) {
+  allow_dependents();
+  pdl_wait();
+  const int64_t r = int64_t(blockIdx.x) * kRopeWarps + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x % 32, half = d / 2;
+  const uint16_t* src = in + size_t(r) * size_t(d);
+  float a[kPairsPerLane], b[kPairsPerLane];
 #pragma unroll
   for (int c = 0; c < kPairsPerLane; ++c) {
     const int j = lane + 32 * c;
-    a[c] = b[c] = 0.0f;
+    a[c] = j < half ? ActBF16::load(src[j]) : 0.0f;
+    b[c] = j < half ? ActBF16::load(src[j + half]) : 0.0f;
+  }
+  hadamard_head(a, b, half, lane, true);
+  uint16_t* dst = static_cast<uint16_t*>(out) + size_t(r) * size_t(d);
+#pragma unroll
+  for (int c = 0; c < kPairsPerLane; ++c) {
+    const int j = lane + 32 * c;
     if (j < half) {
-      a[c] = A::load(vsrc[j]);
-      b[c] = A::load(vsrc[j + half]);
+      dst[j] = A::store(a[c]);
+      dst[j + half] = A::store(b[c]);
     }
   }
-  store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.v_cache) + sidx * size_t(d), p.v_token_scale + sidx, vs);
 }
 
 // ---- SiLU-and-mul, conversion -----------------------------------------------------------
@@ -370,11 +492,26 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
         throw Error("qkv_rope_store: fp8_per_tensor needs 1 or num_kv_heads K and V scales");
       if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
         throw Error("qkv_rope_store: per-token-head modes need the scale pages");
+      if (kIsInt4<Fmt> && p.head_dim % 8 != 0) throw Error("qkv_rope_store: int4 rows need head_dim % 8 == 0");
+      if (p.rotate && !num::is_pow2(p.head_dim))
+        throw Error("qkv_rope_store: the Hadamard rotation needs a power-of-two head_dim, got " + std::to_string(p.head_dim));
       const int64_t items = int64_t(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);
       const unsigned grid = unsigned((items + kRopeWarps - 1) / kRopeWarps);
       KVLM_CUDA_CHECK(launch_pdl<qkv_rope_store_kernel<A, Fmt>>(dim3(grid), dim3(kRopeWarps * 32), 0,
                                                                 static_cast<cudaStream_t>(stream), p));
     });
+  });
+}
+
+void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int head_dim, void* stream) {
+  if (rows <= 0) return;
+  if (!num::is_pow2(head_dim) || head_dim > 2 * 32 * kPairsPerLane)
+    throw Error("unrotate_heads: head_dim must be a power of two up to 256, got " + std::to_string(head_dim));
+  dispatch_act(act, [&](auto a) {
+    using A = decltype(a);
+    const unsigned grid = unsigned((rows + kRopeWarps - 1) / kRopeWarps);
+    KVLM_CUDA_CHECK(launch_pdl<unrotate_heads_kernel<A>>(dim3(grid), dim3(kRopeWarps * 32), 0,
+                                                         static_cast<cudaStream_t>(stream), in, out, rows, head_dim));
   });
 }
 

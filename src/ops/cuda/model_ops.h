@@ -75,8 +75,13 @@ struct QkvRopeStoreParams {
   const float* k_tensor_scale = nullptr;  // fp8_per_tensor: 1 or kvh scales
   const float* v_tensor_scale = nullptr;
   int num_tensor_scales = 1;
+  bool rotate = false;  // q, K and V rotated by core/hadamard.h's R after RoPE (power-of-two head_dim)
 };
 void qkv_rope_store(const QkvRopeStoreParams& p, void* stream);
+
+// out[r] = R^T in[r] for each head row (core/hadamard.h; the attention output of a rotated
+// layer): bf16 [rows][head_dim] in, act out (may alias in when act is bf16).
+void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int head_dim, void* stream);
 
 // out[r][i] = f(gu[r][i]) * gu[r][inter + i]: the fused gate/up projection's halves, f SiLU or
 // tanh-approximated GELU (ops/cpu's silu_mul / gelu_tanh_mul in fp32).

@@ -192,7 +192,8 @@ int prefill_ctas_per_sm(const PagedAttentionParams& p) {
     dispatch_prefill_hd(p.head_dim, [&](auto hd) {
       using Fmt = decltype(fmt);
       constexpr int HD = decltype(hd)::value;
-      n = occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
+      if constexpr (!kIsInt4<Fmt>)  // make_plan never routes int4 here
+        n = occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
     });
   });
   return n;
@@ -206,8 +207,12 @@ void launch_prefill(const RowsArgs& a, cudaStream_t st) {
       using Fmt = decltype(fmt);
       dispatch_prefill_hd(a.p.head_dim, [&](auto hd) {
         constexpr int HD = decltype(hd)::value;
-        occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);  // the smem opt-in, once
-        attn_prefill_kernel<Fmt, HD><<<prefill_grid(a), kPrefillWarps * 32, PrefillSmem<Fmt, HD>::total, st>>>(a);
+        if constexpr (kIsInt4<Fmt>) {
+          throw Error("CUDA paged attention: internal error: int4 pages routed to the tiled prefill kernel");
+        } else {
+          occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);  // smem opt-in, once
+          attn_prefill_kernel<Fmt, HD><<<prefill_grid(a), kPrefillWarps * 32, PrefillSmem<Fmt, HD>::total, st>>>(a);
+        }
       });
     });
   }

@@ -317,7 +317,9 @@ bool prefill_wgmma_available() {
 int prefill_wgmma_ctas_per_sm(const PagedAttentionParams& p) {
   int n = 1;
   dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
-    dispatch_wgmma_hd(p.head_dim, [&](auto hd) { n = wgmma_occupancy<decltype(fmt), decltype(hd)::value>(); });
+    dispatch_wgmma_hd(p.head_dim, [&](auto hd) {
+      if constexpr (!kIsInt4<decltype(fmt)>) n = wgmma_occupancy<decltype(fmt), decltype(hd)::value>();
+    });
   });
   return n;
 }
@@ -327,8 +329,12 @@ void launch_prefill_wgmma(const RowsArgs& a, cudaStream_t st) {
     using Fmt = decltype(fmt);
     dispatch_wgmma_hd(a.p.head_dim, [&](auto hd) {
       constexpr int HD = decltype(hd)::value;
-      wgmma_occupancy<Fmt, HD>();  // the register check and the smem opt-in, once
-      attn_prefill_wgmma_kernel<Fmt, HD><<<prefill_grid(a), kWsThreads, WsSmem<Fmt, HD>::total, st>>>(a);
+      if constexpr (kIsInt4<Fmt>) {
+        throw Error("CUDA paged attention: internal error: int4 pages routed to the tiled prefill kernel");
+      } else {
+        wgmma_occupancy<Fmt, HD>();  // the register check and the smem opt-in, once
+        attn_prefill_wgmma_kernel<Fmt, HD><<<prefill_grid(a), kWsThreads, WsSmem<Fmt, HD>::total, st>>>(a);
+      }
     });
   });
 }

@@ -184,6 +184,19 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
       for (int e = 0; e < kVec; ++e) q[g][e] = 0.0f;
     }
   }
+  // int4 keys are code * step + zero: score = step * (q . codes) + zero * sum(q).
+  constexpr bool kZero = kIsInt4<Fmt>;
+  float qsum[GMAX], zacc[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    qsum[g] = zacc[g] = 0.0f;
+    if constexpr (kZero) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) qsum[g] += q[g][e];
+#pragma unroll
+      for (int o = TPR / 2; o > 0; o >>= 1) qsum[g] += __shfl_xor_sync(0xffffffffu, qsum[g], o);
+    }
+  }
 
   float m[GMAX], l[GMAX], acc[GMAX][kVec];
 #pragma unroll
@@ -197,11 +210,9 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   const char* kbase = static_cast<const char*>(p.k_cache);
   const char* vbase = static_cast<const char*>(p.v_cache);
   const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
-  constexpr size_t kElem = sizeof(typename Fmt::Code);
-
   for (int base = t0; base < t1; base += STEP * U) {
     Vec kv[U], vv[U];
-    float ksc[U], vsc[U];
+    float ksc[U], vsc[U], kz[U], vz[U];
     bool valid[U];
     // Issue all U row loads before any math: memory-level parallelism is the whole game.
 #pragma unroll
@@ -209,14 +220,18 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
       const int t = base + u * STEP + warp * RPW + rg;
       valid[u] = t < t1;
       ksc[u] = vsc[u] = 1.0f;
+      kz[u] = vz[u] = 0.0f;
       if (valid[u]) {
         const BlockId page = table[t / p.block_size];
         const int off = t % p.block_size;
         const size_t sidx = (size_t(page) * p.num_kv_heads + kvh) * p.block_size + off;
-        const size_t at = (sidx * HD + sub * kVec) * kElem;
+        const size_t at = (sidx * HD + sub * kVec) * Fmt::kBits / 8;
         kv[u] = ldg_vec<Vec>(kbase + at);
         vv[u] = ldg_vec<Vec>(vbase + at);
-        if constexpr (Fmt::kScale == Scale::PerTokenHead) {
+        if constexpr (kZero) {
+          FmtI4::unpack(__ldg(reinterpret_cast<const uint32_t*>(p.k_token_scale) + sidx), ksc[u], kz[u]);
+          FmtI4::unpack(__ldg(reinterpret_cast<const uint32_t*>(p.v_token_scale) + sidx), vsc[u], vz[u]);
+        } else if constexpr (Fmt::kScale == Scale::PerTokenHead) {
           ksc[u] = __ldg(p.k_token_scale + sidx);
           vsc[u] = __ldg(p.v_token_scale + sidx);
         }
@@ -252,7 +267,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
       float mx = -INFINITY;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        s[u][g] = valid[u] ? s[u][g] * ksc[u] : -INFINITY;
+        s[u][g] = valid[u] ? (kZero ? fmaf(s[u][g], ksc[u], kz[u] * qsum[g]) : s[u][g] * ksc[u]) : -INFINITY;
         mx = fmaxf(mx, s[u][g]);
       }
       const float m_new = fmaxf(m[g], mx);
@@ -262,11 +277,13 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
       l[g] *= corr;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) acc[g][e] *= corr;
+      zacc[g] *= corr;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const float pr = exp2f(s[u][g] - m_new);
         l[g] += pr;
         s[u][g] = pr * vsc[u];
+        if constexpr (kZero) zacc[g] = fmaf(pr, vz[u], zacc[g]);  // V's zero point, on every dimension
       }
     }
 #pragma unroll
@@ -280,6 +297,13 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
         for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
       }
     }
+  }
+
+  if constexpr (kZero) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[g][e] += zacc[g];
   }
 
   // Merge the RPW lane groups of the warp (butterfly across groups), then the warps.
