@@ -14,7 +14,7 @@
 namespace kvlm {
 
 // Exactly what src/ops/cuda implements and tests/cuda/test_attention_cuda.cu checks against
-// the CPU backend: six formats (no float32 pages), head sizes 8/16/32/64/128/256, all three
+// the CPU backend: seven formats (no float32 pages), head sizes 8/16/32/64/128/256, all three
 // masks, on the compute capabilities this build has code for (see
 // make_cuda_attention_capabilities). Registered in CUDA builds (attention/registry.cpp); the
 // CUDA model runner (model/cuda) runs every layer the selector gives it.

@@ -171,7 +171,7 @@ double top2_margin(const float* row, int V) {
 
 const KVCacheDType kModes[] = {KVCacheDType::Auto,           KVCacheDType::BFloat16,        KVCacheDType::Float16,
                                KVCacheDType::Fp8E4M3,        KVCacheDType::Fp8E5M2,         KVCacheDType::Fp8PerTokenHead,
-                               KVCacheDType::Int8PerTokenHead};
+                               KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead};
 
 // The CPU golden test's KL bounds (tests/golden/test_golden.cpp), per mode.
 struct Bounds {
@@ -185,6 +185,7 @@ const Bounds kBounds[] = {
     {KVCacheDType::Fp8E5M2, 2.5e-2, 0.25, 0.5, 2.0},
     {KVCacheDType::Fp8PerTokenHead, 5e-3, 2.5e-2, 0.08, 0.55},
     {KVCacheDType::Int8PerTokenHead, 3e-4, 1.5e-3, 1.5e-3, 5e-3},
+    {KVCacheDType::Int4PerTokenHead, 5e-2, 0.25, 0.25, 1.5},
 };
 
 bool reduced_model(const std::string& name) { return name == "qwen3-mixed" || name == "llama-mqa-hd"; }
@@ -510,7 +511,7 @@ TEST(CudaRunner, CopyBlocksAndPoolLayout) {
   const fs::path dir = golden_dir() / "models" / "qwen3-mixed";
   const int bs = 4, nb = 16;
   for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Fp8E5M2, KVCacheDType::Fp8PerTokenHead,
-                          KVCacheDType::Int8PerTokenHead}) {
+                          KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead}) {
     auto ce = load(dir, dt, Device::Cuda, std::nullopt, bs);
     CudaModelRunner& r = cuda_of(*ce);
     r.set_poison_scratch(true);

@@ -185,7 +185,7 @@ TEST(CudaCaps, DefaultArchitectures) {
                    {91, 0, "compute_89 PTX, JIT-compiled by the driver", false, false}});
   EXPECT_EQ(make_cuda_attention_capabilities("80;89;90a", false).compute_tiers.size(), 4u);  // CMake's separator too
   // Every GPU gets the same formats, head sizes and masks.
-  EXPECT_EQ(c.kv_formats.size(), 6u);
+  EXPECT_EQ(c.kv_formats.size(), 7u);
   EXPECT_EQ(c.head_sizes, (std::vector<int>{8, 16, 32, 64, 128, 256}));
   EXPECT_TRUE(c.causal && c.sliding_window && c.non_causal);
   EXPECT_GT(c.priority, CpuAttentionBackend::capabilities().priority);

@@ -75,15 +75,16 @@ struct Plan {
 Plan make_plan(const PagedAttentionParams& p) {
   Plan pl;
   pl.group = p.num_q_heads / p.num_kv_heads;
-  // int4 pages are read by the CUDA-core kernel only, for now: the tensor-core kernels expand
-  // whole bytes per code (their 4-bit tiles are the next step, docs/results/kernel-lab.md).
+  // int4 pages: the decode tensor-core kernel (which also takes multi-token rows, 16 / group
+  // query rows per CTA) or the CUDA-core kernel; the tiled prefill kernels read whole bytes
+  // per code (their 4-bit tiles are still to come, docs/results/kernel-lab.md).
   const bool int4 = p.storage == DType::I4;
-  const bool mma_fits = !int4 && (p.head_dim == 64 || p.head_dim == 128) && p.block_size % 16 == 0 && pl.group <= 16;
+  const bool mma_fits = (p.head_dim == 64 || p.head_dim == 128) && p.block_size % 16 == 0 && pl.group <= 16;
   const bool tiled_fits = !int4 && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) &&
                           p.block_size % 16 == 0 && pl.group <= prefill_rows_per_cta(p.head_dim);
   if (p.kernel == 2 && !mma_fits)
     throw Error("CUDA paged attention: the tensor-core kernel needs head_dim 64 or 128, block_size % 16 == 0, at "
-                "most 16 query heads per kv head and a 16- or 8-bit KV format");
+                "most 16 query heads per kv head");
   if (p.kernel == 3 && !tiled_fits)
     throw Error("CUDA paged attention: the tiled prefill kernel needs head_dim 64, 128 or 256, block_size % 16 == 0, "
                 "a GQA group that fits its M tile and a 16- or 8-bit KV format");
@@ -124,7 +125,7 @@ Plan make_plan(const PagedAttentionParams& p) {
   } else if (pl.mma) {
     dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
       using Fmt = decltype(fmt);
-      if constexpr (!kIsInt4<Fmt>) per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64>() : mma_ctas_per_sm<Fmt, 128>();
+      per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64>() : mma_ctas_per_sm<Fmt, 128>();
     });
   }
   const int64_t slots = int64_t(sm_count()) * per_sm;
@@ -158,7 +159,7 @@ Plan make_plan(const PagedAttentionParams& p) {
 
 template <class Fmt, int HD>
 void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
-  if constexpr (HD <= 128 && !kIsInt4<Fmt>) {
+  if constexpr (HD <= 128) {
     if (use_mma) {
       const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.num_splits));
       constexpr size_t smem = mma::mma_smem_bytes<Fmt, HD>();

@@ -81,6 +81,27 @@ struct MmaCodec<FmtE5M2> {
     b = __byte_perm(w, 0u, 0x3424);
   }
 };
+// int4 (kv_codec.cuh FmtI4): a word of 8 codes -> 4 pairs of consecutive codes as f16
+// 0..15 (the step and zero point are applied per key outside the mma): the low nibbles are
+// elements 0-3, the high nibbles 4-7; each byte goes under exponent 0x64 (f16 1024 + code)
+// and one subtraction of 1024 per pair finishes (exact).
+template <>
+struct MmaCodec<FmtI4> {
+  static constexpr bool kBF16 = false;
+  static __device__ __forceinline__ void expand4(uint32_t w, uint32_t* p) {
+    const uint32_t lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
+    const uint32_t r[4] = {__byte_perm(lo, 0x64646464u, 0x4140), __byte_perm(lo, 0x64646464u, 0x4342),
+                           __byte_perm(hi, 0x64646464u, 0x4140), __byte_perm(hi, 0x64646464u, 0x4342)};
+    const __half2 k1024 = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &r[i], 4);
+      h = __hsub2(h, k1024);
+      memcpy(&p[i], &h, 4);
+    }
+  }
+};
 template <>
 struct MmaCodec<FmtI8> {
   static constexpr bool kBF16 = false;
@@ -100,14 +121,17 @@ struct MmaCodec<FmtI8> {
   }
 };
 
-// `n` raw bytes (n % 16 == 0) loaded as uint4 -> n / esz values as 16-bit pairs.
+// `n` raw bytes (held in uint4s, n % 4 == 0) -> their codes as 16-bit pairs, in order.
 template <class Fmt, int NBYTES>
 __device__ __forceinline__ void to_pairs(const uint4* raw, uint32_t* pairs) {
   constexpr int kWords = NBYTES / 4;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
-  if constexpr (sizeof(typename Fmt::Code) == 2) {
+  if constexpr (Fmt::kBits == 16) {
 #pragma unroll
     for (int i = 0; i < kWords; ++i) pairs[i] = w[i];
+  } else if constexpr (Fmt::kBits == 4) {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) MmaCodec<Fmt>::expand4(w[i], pairs + 4 * i);
   } else {
 #pragma unroll
     for (int i = 0; i < kWords; ++i) MmaCodec<Fmt>::expand(w[i], pairs[2 * i], pairs[2 * i + 1]);
@@ -121,8 +145,10 @@ __device__ __forceinline__ void to_pairs(const uint4* raw, uint32_t* pairs) {
 // the warp moved its max (rare after the first tiles; the N * 2 multiplies are a large share
 // of a tile's instructions for 1-byte codes). Returns the max to subtract from the tile's
 // scores before exp2. Warp-uniform call.
+// `z`, when given, is rescaled with the sum (int4's zero-point accumulator).
 template <int N>
-__device__ __forceinline__ float online_max(float mx, float& m_run, float& l_run, float (&o)[N][4], int i) {
+__device__ __forceinline__ float online_max(float mx, float& m_run, float& l_run, float (&o)[N][4], int i,
+                                           float* z = nullptr) {
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   const float m_new = fmaxf(m_run, mx);
@@ -130,6 +156,7 @@ __device__ __forceinline__ float online_max(float mx, float& m_run, float& l_run
   const float corr = exp2f(m_run - m_use);
   m_run = m_new;
   l_run *= corr;
+  if (z) *z *= corr;
   if (__any_sync(0xffffffffu, corr != 1.0f)) {
 #pragma unroll
     for (int n = 0; n < N; ++n) {
@@ -161,24 +188,31 @@ constexpr int kMergePad = 8;
 // chunks of 16 B): chunk c of row r (K rows 0-15, V rows 0-15) is stored at c ^ tile_swz(r).
 // Unswizzled, the 8 lanes of a 16-byte load phase read 2 K rows at the same bank offsets
 // (2-way) and 4 V rows (4-way); bit 2 of the XOR (row parity) separates the K pair, bit 0
-// (row bit 1) halves the V conflicts. Other row widths are stored as they are.
-template <int NC>
+// (row bit 1) halves the V conflicts. int4 rows (64 B at head 128, 32 B at head 64): the V
+// reads of a half-warp hit rows 2t (t < 4), 128 or 64 B apart — the same banks, 4- or 2-way —
+// so their chunks are XORed with row bits 1-2 (NC 4) or bit 2 (NC 2). Other widths (and the
+// 1-byte formats' 64-byte rows, measured as they are) are stored as they are.
+template <int NC, bool kI4 = false>
 __device__ __forceinline__ int tile_swz(int r) {
   if constexpr (NC == 16) return ((r & 1) << 2) | ((r >> 1) & 1);
+  else if constexpr (kI4 && NC == 4) return (r >> 1) & 3;
+  else if constexpr (kI4 && NC == 2) return (r >> 2) & 1;
   else return 0;
 }
 
 // Ring depth per warp.
 template <class Fmt, int HD>
 constexpr int mma_stages() {
-  constexpr int tile = 32 * HD * int(sizeof(typename Fmt::Code));
+  constexpr int tile = 32 * HD * Fmt::kBits / 8;
   // 1-byte codes: 4 stages (64 KB per CTA), so 3 CTAs fit per SM for more warps to overlap
-  // the per-tile math; 16-bit head 128: 3 x 8 KB (96 KB per CTA, 2 CTAs per SM).
-  return tile >= 8192 ? 3 : 4;
+  // the per-tile math; 16-bit head 128: 3 x 8 KB (96 KB per CTA, 2 CTAs per SM); 4-bit codes
+  // (2 KB tiles at head 128): 8 stages, to keep as many bytes in flight per warp as 1-byte
+  // codes do with 4.
+  return tile >= 8192 ? 3 : Fmt::kBits == 4 ? 8 : 4;
 }
 template <class Fmt, int HD>
 constexpr size_t mma_smem_bytes() {
-  constexpr size_t tile = 32 * HD * sizeof(typename Fmt::Code) + (Fmt::kScale == Scale::PerTokenHead ? 128 : 0);
+  constexpr size_t tile = 32 * HD * Fmt::kBits / 8 + (Fmt::kScale == Scale::PerTokenHead ? 128 : 0);
   constexpr size_t ring = kMmaWarps * mma_stages<Fmt, HD>() * tile;
   constexpr size_t merge = sizeof(float) * kMmaWarps * 16 * (HD + kMergePad + 2);
   return ring > merge ? ring : merge;
@@ -203,11 +237,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   };
 #endif
   constexpr bool kBF = MmaCodec<Fmt>::kBF16;
-  constexpr int ESZ = sizeof(typename Fmt::Code);
-  constexpr int VB = 16 / ESZ;             // elements per 16-byte load
-  constexpr int KBYTES = HD * ESZ / 4;     // bytes of one K row held by a thread
-  constexpr int KLOADS = KBYTES / 16;      // 16-byte loads per K row per thread
-  constexpr int VBYTES = HD * ESZ / 8;     // bytes of one V row held by a thread
+  constexpr int BITS = Fmt::kBits;
+  constexpr bool kI4 = kIsInt4<Fmt>;       // codes * step + zero: see the zero-point terms below
+  constexpr int KBYTES = HD * BITS / 32;   // bytes of one K row held by a thread
+  constexpr int KG = KBYTES < 16 ? KBYTES : 16;  // bytes per K load (8 for int4 at head 64)
+  constexpr int KLOADS = KBYTES / KG;      // K loads per row per thread
+  constexpr int VB = KG * 8 / BITS;        // elements per K load
+  constexpr int VBYTES = HD * BITS / 64;   // bytes of one V row held by a thread
   constexpr int KPAIRS = HD / 8;           // 16-bit pairs per K row per thread
   constexpr int VPAIRS = HD / 16;          // pairs per V row per thread
   constexpr int KCH = HD / 16;             // k-chunks of Q.K^T
@@ -216,8 +252,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // get one f16 P (11 bits, relative error 2^-12 per weight): their codes carry 2^-4 (fp8)
   // to 2^-8 (int8) relative error already, and the saved mma is ~1/3 of the tile's tensor
   // work, which is what bounds the FP8 decode (docs/results/kernel-lab.md).
-  constexpr bool kSplitP = ESZ == 2;
-  static_assert(KBYTES % 16 == 0 && (VBYTES == 8 || VBYTES % 16 == 0), "unsupported head size for the mma path");
+  constexpr bool kSplitP = BITS == 16;
+  static_assert((KBYTES % 16 == 0 || KBYTES == 8) && (VBYTES == 4 || VBYTES == 8 || VBYTES % 16 == 0),
+                "unsupported head size for the mma path");
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
@@ -282,7 +319,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // copy bandwidth at 64 x 4k). Warps never wait for each other (__syncwarp only).
   // Keys outside [t0, t1) are zero-filled (cp.async src-size 0), never read: stale rows of a
   // page may hold NaNs, and 0 * NaN in P.V would poison the output.
-  constexpr int RB = HD * ESZ;
+  constexpr int RB = HD * BITS / 8;
   constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
   constexpr int TILE = 32 * RB + (kPTH ? 128 : 0);
   constexpr int STAGES = mma_stages<Fmt, HD>();
@@ -301,7 +338,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   const uint32_t ring_0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const auto lane_dst = [&](int u) {
     const int r = lane / NC + (32 / NC) * u;
-    return ring_0 + uint32_t(((lane / NC) * NC + ((lane % NC) ^ tile_swz<NC>(r))) * 16);
+    return ring_0 + uint32_t(((lane / NC) * NC + ((lane % NC) ^ tile_swz<NC, kI4>(r))) * 16);
   };
   const uint32_t ring_s = lane_dst(0), ring_s1 = lane_dst(1);
   auto issue = [&](int i) {
@@ -325,7 +362,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
         for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
           const int r = c / NC, tok = base + r;
           const int n = tok >= t0 && tok < t1 ? 16 : 0;
-          const int dc = r * NC + ((c % NC) ^ tile_swz<NC>(r));
+          const int dc = r * NC + ((c % NC) ^ tile_swz<NC, kI4>(r));
           cp_async16(dst + dc * 16, kbase + off + c * 16, n);
           cp_async16(dst + 16 * RB + dc * 16, vbase + off + c * 16, n);
         }
@@ -364,6 +401,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // Q A-fragments, permuted like the K slices (element x of this thread's list sits at
   // physical dim (x / VB) * 4 * VB + t * VB + x % VB).
   uint32_t qa[KCH][4];
+  float qsum[2] = {0.0f, 0.0f};
   {
     uint32_t qp[2][KPAIRS];
 #pragma unroll
@@ -371,7 +409,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       const bool ok = mrow[i] < nrows;
       const uint16_t* qrow = p.q + (size_t(q_begin + r0 + (ok ? mrow[i] : 0)) * p.num_q_heads + kvh * G + mhead[i]) * HD;
 #pragma unroll
-      for (int c = 0; c < KBYTES / 16; ++c) {
+      for (int c = 0; c < KLOADS; ++c) {
 #pragma unroll
         for (int h = 0; h < VB / 8; ++h) {  // VB bf16 query values = VB / 8 16-byte loads
           const uint4 raw = ok ? __ldg(reinterpret_cast<const uint4*>(qrow + c * 4 * VB + t * VB) + h) : make_uint4(0, 0, 0, 0);
@@ -392,6 +430,22 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       qa[c][2] = qp[0][2 * c + 1];
       qa[c][3] = qp[1][2 * c + 1];
     }
+    // int4: sum(q) of each M row, from the same 16-bit values the mma reads (the row's 4
+    // threads hold all of it between them).
+    if constexpr (kI4) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float sq = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KPAIRS; ++j) {
+          const float2 v = unpack2<kBF>(qp[i][j]);
+          sq += v.x + v.y;
+        }
+        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+        qsum[i] = sq;
+      }
+    }
   }
 
   float sscale, vscale;
@@ -404,6 +458,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
   for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  float zacc[2] = {0.0f, 0.0f};  // int4: sum over keys of weight * V's zero point (x kPScale)
 
   for (int i = 0; i < my_tiles; ++i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
@@ -418,12 +473,20 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < KLOADS; ++c)
-        kraw[j][c] = *reinterpret_cast<const uint4*>(tile + (g + 8 * j) * RB + (((c * 4 + t) ^ tile_swz<NC>(g)) * 16));
-    // (tile_swz reads row bits 0-1: rows g and g + 8 share theirs.)
+      for (int c = 0; c < KLOADS; ++c) {
+        if constexpr (KG == 16) {
+          kraw[j][c] = *reinterpret_cast<const uint4*>(tile + (g + 8 * j) * RB + (((c * 4 + t) ^ tile_swz<NC, kI4>(g)) * 16));
+        } else {  // 8-byte pieces (int4, head 64): piece c * 4 + t of the row, in its swizzled chunk
+          const int b = (c * 4 + t) * KG;
+          const uint2 x = *reinterpret_cast<const uint2*>(tile + (g + 8 * j) * RB +
+                                                          ((b / 16) ^ tile_swz<NC, kI4>(g)) * 16 + b % 16);
+          kraw[j][c] = make_uint4(x.x, x.y, 0u, 0u);
+        }
+      }
+    // (tile_swz reads row bits 0-2: rows g and g + 8 share theirs.)
     constexpr int kVr = VBYTES >= 16 ? VBYTES / 16 : 1;
     uint4 vraw[4][kVr];
-    float ksc[4], vsc[4];
+    float ksc[4], vsc[4], kz[4], vz[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int off = 2 * t + (j & 1) + 8 * (j >> 1);  // keys 2t, 2t+1, 2t+8, 2t+9
@@ -431,17 +494,33 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       if constexpr (VBYTES >= 16) {
 #pragma unroll
         for (int c = 0; c < kVr; ++c)
-          vraw[j][c] = *reinterpret_cast<const uint4*>(vrow + ((g * kVr + c) ^ tile_swz<NC>(off)) * 16);
+          vraw[j][c] = *reinterpret_cast<const uint4*>(vrow + ((g * kVr + c) ^ tile_swz<NC, kI4>(off)) * 16);
       } else {
-        const uint2 x = *reinterpret_cast<const uint2*>(vrow + g * VBYTES);
-        vraw[j][0] = make_uint4(x.x, x.y, 0u, 0u);
+        const int b = g * VBYTES;
+        const char* at = vrow + ((b / 16) ^ tile_swz<NC, kI4>(off)) * 16 + b % 16;
+        if constexpr (VBYTES == 8) {
+          const uint2 x = *reinterpret_cast<const uint2*>(at);
+          vraw[j][0] = make_uint4(x.x, x.y, 0u, 0u);
+        } else {
+          vraw[j][0] = make_uint4(*reinterpret_cast<const uint32_t*>(at), 0u, 0u, 0u);
+        }
       }
       ksc[j] = vsc[j] = 1.0f;
+      kz[j] = vz[j] = 0.0f;
       if constexpr (kPTH) {
         const int tok = base + off;
         const bool ok = tok >= t0 && tok < t1;  // stale scales of skipped keys may be NaN
-        ksc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB)[off] : 0.0f;
-        vsc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB + 64)[off] : 0.0f;
+        if constexpr (kI4) {  // the packed {f16 step, f16 zero} slots
+          if (ok) {
+            FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB)[off], ksc[j], kz[j]);
+            FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB + 64)[off], vsc[j], vz[j]);
+          } else {
+            ksc[j] = vsc[j] = 0.0f;
+          }
+        } else {
+          ksc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB)[off] : 0.0f;
+          vsc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB + 64)[off] : 0.0f;
+        }
       }
     }
 
@@ -470,10 +549,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           const int kj = 2 * j + e;  // index into ksc/vsc: key 2t + e + 8j
           const int tok = base + 8 * j + 2 * t + e;
           float& x = s[j][2 * i + e];
-          x = (tok >= mlo[i] && tok < mhi[i]) ? x * sscale * ksc[kj] : -INFINITY;
+          // int4: q . (codes * step + zero) = step * (q . codes) + zero * sum(q)
+          const float sc = kI4 ? fmaf(x, ksc[kj], kz[kj] * qsum[i]) : x * ksc[kj];
+          x = (tok >= mlo[i] && tok < mhi[i]) ? sc * sscale : -INFINITY;
           mx = fmaxf(mx, x);
         }
-      const float m_use = online_max(mx, m_run[i], l_run[i], o, i);
+      const float m_use = online_max(mx, m_run[i], l_run[i], o, i, kI4 ? &zacc[i] : nullptr);
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -481,6 +562,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           const float pe = exp2f(s[j][2 * i + e] - m_use);
           l_run[i] += pe;
           pr[j][2 * i + e] = pe * (vsc[2 * j + e] * kPScale);
+          if constexpr (kI4) zacc[i] = fmaf(pe, vz[2 * j + e] * kPScale, zacc[i]);
         }
     }
     // P as A fragments (hi and lo parts): reg0 row g keys 2t.., reg1 row g+8, reg2 row g keys
@@ -516,6 +598,19 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   for (int i = 0; i < 2; ++i) {
     l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
     l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+  }
+  // int4: V's zero points reach every output dimension of the row with the same weight.
+  if constexpr (kI4) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      zacc[i] += __shfl_xor_sync(0xffffffffu, zacc[i], 1);
+      zacc[i] += __shfl_xor_sync(0xffffffffu, zacc[i], 2);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        o[nt][2 * i] += zacc[i];
+        o[nt][2 * i + 1] += zacc[i];
+      }
+    }
   }
   // Merge the warps through shared memory: o[nt][2i + e] is M row g + 8i, output dim
   // (2t + e) * (HD / 8) + nt (the permutation chosen for V). A row is stored in the threads'
