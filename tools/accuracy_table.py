@@ -48,6 +48,13 @@ def modes(num_layers, sliding=False):
         ("fp8_e5m2", ["--kv-cache-dtype", "fp8_e5m2"], False),
         ("fp8_per_token_head", ["--kv-cache-dtype", "fp8_per_token_head"], False),
         ("int8_per_token_head", ["--kv-cache-dtype", "int8_per_token_head"], False),
+        ("int8_per_token_head, Hadamard-rotated", ["--kv-cache-dtype", "int8_per_token_head",
+                                                   "--kv-cache-rotation", "hadamard"], False),
+        ("fp8_per_token_head, Hadamard-rotated", ["--kv-cache-dtype", "fp8_per_token_head",
+                                                  "--kv-cache-rotation", "hadamard"], False),
+        ("int4_per_token_head, not rotated", ["--kv-cache-dtype", "int4_per_token_head",
+                                              "--kv-cache-rotation", "none"], False),
+        ("int4_per_token_head (Hadamard-rotated: the default)", ["--kv-cache-dtype", "int4_per_token_head"], False),
         (f"fp8_e4m3, layers 0 and {last} kept", ["--kv-cache-dtype", "fp8_e4m3",
                                                   "--kv-cache-dtype-skip-layers", f"0,{last}"], False),
     ]

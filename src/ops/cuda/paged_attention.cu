@@ -75,19 +75,15 @@ struct Plan {
 Plan make_plan(const PagedAttentionParams& p) {
   Plan pl;
   pl.group = p.num_q_heads / p.num_kv_heads;
-  // int4 pages: the decode tensor-core kernel (which also takes multi-token rows, 16 / group
-  // query rows per CTA) or the CUDA-core kernel; the tiled prefill kernels read whole bytes
-  // per code (their 4-bit tiles are still to come, docs/results/kernel-lab.md).
-  const bool int4 = p.storage == DType::I4;
   const bool mma_fits = (p.head_dim == 64 || p.head_dim == 128) && p.block_size % 16 == 0 && pl.group <= 16;
-  const bool tiled_fits = !int4 && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) &&
-                          p.block_size % 16 == 0 && pl.group <= prefill_rows_per_cta(p.head_dim);
+  const bool tiled_fits = (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && p.block_size % 16 == 0 &&
+                          pl.group <= prefill_rows_per_cta(p.head_dim);
   if (p.kernel == 2 && !mma_fits)
-    throw Error("CUDA paged attention: the tensor-core kernel needs head_dim 64 or 128, block_size % 16 == 0, at "
+    throw Error("CUDA paged attention: the tensor-core kernel needs head_dim 64 or 128, block_size % 16 == 0 and at "
                 "most 16 query heads per kv head");
   if (p.kernel == 3 && !tiled_fits)
-    throw Error("CUDA paged attention: the tiled prefill kernel needs head_dim 64, 128 or 256, block_size % 16 == 0, "
-                "a GQA group that fits its M tile and a 16- or 8-bit KV format");
+    throw Error("CUDA paged attention: the tiled prefill kernel needs head_dim 64, 128 or 256, block_size % 16 == 0 "
+                "and a GQA group that fits its M tile");
   if (p.kernel < 0 || p.kernel > 3) throw Error("CUDA paged attention: kernel must be 0 (automatic), 1, 2 or 3");
   // Automatic: the tiled kernel once the rows of a sequence exceed one mma M tile (16 (row,
   // head) pairs: more than 4 query tokens at GQA 4), the decode kernel below that, the

@@ -13,9 +13,10 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   using Sm = PrefillSmem<Fmt, HD>;
   constexpr int MT = Tile::MT, BM = Tile::BM, BN = Tile::BN;
   constexpr bool kBF = mma::MmaCodec<Fmt>::kBF16;
-  constexpr int ESZ = Sm::ESZ;
+  constexpr int BITS = Sm::BITS;
   constexpr bool kPTH = Sm::kPTH;
-  constexpr int RB = HD * ESZ;   // bytes of one stored K/V row
+  constexpr bool kI4 = Sm::kI4;  // codes * step + zero (paged_attention_mma.cuh)
+  constexpr int RB = HD * BITS / 8;  // bytes of one stored K/V row
   constexpr int CPR = HD / 8;    // 16-byte chunks per 16-bit row
   constexpr int NT = BN / 8;     // n-tiles of S
   constexpr int DT = HD / 8;     // n-tiles of O
@@ -43,7 +44,8 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   char* const smem = reinterpret_cast<char*>(smem_u4);
   uint4* const sQ = smem_u4;
   char* const stages = smem + Sm::q;
-  uint4* const sConv = reinterpret_cast<uint4*>(stages + 2 * Sm::stage);  // 1-byte caches only
+  uint4* const sConv = reinterpret_cast<uint4*>(stages + 2 * Sm::stage);  // 1-byte and 4-bit caches only
+  float* const sQsum = reinterpret_cast<float*>(stages + 2 * Sm::stage + Sm::conv);  // int4 only
 
   const PageRows pr(p, w.seq, kvh);
   const int base0 = w.first_key();
@@ -54,11 +56,34 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   auto issue = [&](int j) {
     char* st = stages + (j & 1) * Sm::stage;
     load_kv_tile<BN, RB, THREADS, kPTH>(p, pr, w, base0 + j * BN, st, st + Sm::kv, reinterpret_cast<float*>(st + 2 * Sm::kv),
-                                        [](int r, int c, int i) { return ESZ == 2 ? swz<HD>(r, c) * 16 : i * 16; }, tid);
+                                        [](int r, int c, int i) { return BITS == 16 ? swz<HD>(r, c) * 16 : i * 16; }, tid);
     asm volatile("cp.async.commit_group;\n" ::);
   };
   if (ntiles > 0) issue(0);
   load_q<BM, HD, THREADS, kBF>(p, w, G, kvh, sQ, [](int m, int c) { return swz<HD>(m, c); }, tid, 0);
+  // int4: sum(q) of every M row, from the f16 values the mma reads.
+  float qs[MT][2] = {}, zacc[MT][2] = {};
+  if constexpr (kI4) {
+    __syncthreads();
+    for (int m = tid; m < BM; m += THREADS) {
+      float sum = 0.0f;
+      for (int c = 0; c < CPR; ++c) {
+        const uint4 v = sQ[swz<HD>(m, c)];
+        const uint32_t x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 f = mma::unpack2<kBF>(x[k]);
+          sum += f.x + f.y;
+        }
+      }
+      sQsum[m] = sum;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) qs[mt][i] = sQsum[row_base + mt * 16 + g + 8 * i];
+  }
 
   // Score scale: softmax_scale * log2(e) * per-tensor K scale; V's per-tensor scale at the end.
   float sscale, vscale;
@@ -92,7 +117,7 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
     const char* st = stages + (j & 1) * Sm::stage;
     const uint4* sK = reinterpret_cast<const uint4*>(st);
     const uint4* sV = reinterpret_cast<const uint4*>(st + Sm::kv);
-    if constexpr (ESZ == 1) {
+    if constexpr (BITS < 16) {
       uint4* cK = sConv;
       uint4* cV = sConv + BN * CPR;
       expand_tile<Fmt, BN, HD, THREADS>(reinterpret_cast<const char*>(sK), reinterpret_cast<const char*>(sV), cK, cV,
@@ -135,10 +160,12 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
     // `full` as a literal in each branch: tiles no row masks compile without the mask.
     auto softmax = [&](bool full) {
       float kf[NT][2], vf[NT][2];
-      key_factors<NT, kPTH>(kf, vf, sscale, ksc, vsc, kPScale, full, kb, t, w.t0, w.t1);
+      KeyZeros<NT> zp;
+      key_factors<NT, kPTH, kI4>(kf, vf, sscale, ksc, vsc, kPScale, full, kb, t, w.t0, w.t1, &zp);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        softmax_rows<NT, DT, kPTH>(s[mt], o[mt], m_run[mt], l_run[mt], kf, vf, sscale, full, kb, t, rlo[mt], rhi[mt]);
+        softmax_rows<NT, DT, kPTH, kI4>(s[mt], o[mt], m_run[mt], l_run[mt], kf, vf, sscale, full, kb, t, rlo[mt],
+                                        rhi[mt], &zp, qs[mt], zacc[mt]);
     };
     if (kb >= w.lo_inner && kb + BN <= w.hi_inner)
       softmax(true);
@@ -170,6 +197,9 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   }
   asm volatile("cp.async.wait_all;\n" ::);
   if (!warp_active) return;
+  if constexpr (kI4)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) add_zero_points(o[mt], zacc[mt]);
 
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -185,34 +215,34 @@ int prefill_rows_per_cta(int head_dim) {
   return bm;
 }
 
+// int4 pages take the mma.sync kernel on every GPU (the warp-specialised one expands whole bytes).
+bool use_wgmma(const PagedAttentionParams& p) {
+  return p.head_dim <= 128 && p.storage != DType::I4 && prefill_wgmma_available();
+}
+
 int prefill_ctas_per_sm(const PagedAttentionParams& p) {
-  if (p.head_dim <= 128 && prefill_wgmma_available()) return prefill_wgmma_ctas_per_sm(p);
+  if (use_wgmma(p)) return prefill_wgmma_ctas_per_sm(p);
   int n = 1;
   dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
     dispatch_prefill_hd(p.head_dim, [&](auto hd) {
       using Fmt = decltype(fmt);
       constexpr int HD = decltype(hd)::value;
-      if constexpr (!kIsInt4<Fmt>)  // make_plan never routes int4 here
-        n = occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
+      n = occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);
     });
   });
   return n;
 }
 
 void launch_prefill(const RowsArgs& a, cudaStream_t st) {
-  if (a.p.head_dim <= 128 && prefill_wgmma_available()) {
+  if (use_wgmma(a.p)) {
     launch_prefill_wgmma(a, st);
   } else {
     dispatch_cuda_kv(a.p.storage, a.p.quant, [&](auto fmt) {
       using Fmt = decltype(fmt);
       dispatch_prefill_hd(a.p.head_dim, [&](auto hd) {
         constexpr int HD = decltype(hd)::value;
-        if constexpr (kIsInt4<Fmt>) {
-          throw Error("CUDA paged attention: internal error: int4 pages routed to the tiled prefill kernel");
-        } else {
-          occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);  // smem opt-in, once
-          attn_prefill_kernel<Fmt, HD><<<prefill_grid(a), kPrefillWarps * 32, PrefillSmem<Fmt, HD>::total, st>>>(a);
-        }
+        occupancy<attn_prefill_kernel<Fmt, HD>>(PrefillSmem<Fmt, HD>::total, kPrefillWarps * 32);  // the smem opt-in, once
+        attn_prefill_kernel<Fmt, HD><<<prefill_grid(a), kPrefillWarps * 32, PrefillSmem<Fmt, HD>::total, st>>>(a);
       });
     });
   }

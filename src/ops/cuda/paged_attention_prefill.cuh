@@ -53,15 +53,17 @@ struct PrefillTile {
 
 template <class Fmt, int HD>
 struct PrefillSmem {
-  static constexpr int ESZ = sizeof(typename Fmt::Code);
+  static constexpr int BITS = Fmt::kBits;
   static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
+  static constexpr bool kI4 = kIsInt4<Fmt>;
   static constexpr int BM = PrefillTile<HD>::BM, BN = PrefillTile<HD>::BN;
   static constexpr size_t q = size_t(BM) * HD * 2;                 // f16/bf16 Q, swizzled
-  static constexpr size_t kv = size_t(BN) * HD * ESZ;              // one K (or V) tile as stored
+  static constexpr size_t kv = size_t(BN) * HD * BITS / 8;         // one K (or V) tile as stored
   static constexpr size_t scales = kPTH ? 2 * BN * sizeof(float) : 0;
   static constexpr size_t stage = 2 * kv + scales;                 // K, V, K scales, V scales
-  static constexpr size_t conv = ESZ == 1 ? 2 * size_t(BN) * HD * 2 : 0;  // expanded K, V (f16)
-  static constexpr size_t total = q + 2 * stage + conv;
+  static constexpr size_t conv = BITS < 16 ? 2 * size_t(BN) * HD * 2 : 0;  // expanded K, V (f16)
+  static constexpr size_t qsum = kI4 ? size_t(BM) * sizeof(float) : 0;    // int4: sum(q) per M row
+  static constexpr size_t total = q + 2 * stage + conv + qsum;
 };
 
 __device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
@@ -202,13 +204,14 @@ __device__ __forceinline__ void load_q(const PagedAttentionParams& p, const CtaW
   }
 }
 
-// Expands a tile's 1-byte codes (K and V, as loaded by load_kv_tile) exactly to f16: raw chunk
-// c of row r (16 codes) becomes the f16 chunks 2c and 2c + 1, stored at chunk index dst(r, .).
-// Thread tid expands the pieces load_kv_tile<.., THREADS> gave it.
+// Expands a tile's 1-byte or 4-bit codes (K and V, as loaded by load_kv_tile) exactly to f16:
+// raw chunk c of row r (16 or 32 codes) becomes the f16 chunks X c .. X c + X - 1 (X = 2 or 4),
+// stored at chunk index dst(r, .). Thread tid expands the pieces load_kv_tile<.., THREADS> gave it.
 template <class Fmt, int BN, int HD, int THREADS, class Dst>
 __device__ __forceinline__ void expand_tile(const char* k_raw, const char* v_raw, uint4* k_out, uint4* v_out, Dst dst,
                                             int tid) {
-  constexpr int RB = HD;  // 1 byte per code
+  constexpr int RB = HD * Fmt::kBits / 8;
+  constexpr int X = 8 / Fmt::kBits * 2;  // f16 chunks per raw chunk
   constexpr int PIECES = BN * RB / 16;
 #pragma unroll
   for (int it = 0; it < PIECES / THREADS; ++it) {
@@ -217,29 +220,47 @@ __device__ __forceinline__ void expand_tile(const char* k_raw, const char* v_raw
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
       const uint4 raw = reinterpret_cast<const uint4*>(kv ? v_raw : k_raw)[i];
-      uint32_t w[8];
+      uint32_t w[4 * X];
       mma::to_pairs<Fmt, 16>(&raw, w);
       uint4* out = kv ? v_out : k_out;
-      out[dst(r, 2 * c)] = make_uint4(w[0], w[1], w[2], w[3]);
-      out[dst(r, 2 * c + 1)] = make_uint4(w[4], w[5], w[6], w[7]);
+#pragma unroll
+      for (int x = 0; x < X; ++x) out[dst(r, X * c + x)] = make_uint4(w[4 * x], w[4 * x + 1], w[4 * x + 2], w[4 * x + 3]);
     }
   }
 }
+
+// int4: the zero points of a tile's keys (kz: times the score scale, vz: times the P scale;
+// 0 outside [t0, t1), like the factors below), and the step in place of the K / V scale.
+template <int NT>
+struct KeyZeros {
+  float kz[NT][2], vz[NT][2];
+};
 
 // Per-key factors of a tile, once per tile: kf = the score scale (times the key's K scale),
 // vf = the P factor (the key's V scale times kPScale). Keys outside [t0, t1) get 0: their
 // scale slots may be stale or NaN, and a 0 never carries a NaN into S or P. A full tile (every
 // key visible to every row, softmax_rows) lies inside [t0, t1): no test then.
-template <int NT, bool kPTH>
+template <int NT, bool kPTH, bool kI4 = false>
 __device__ __forceinline__ void key_factors(float (&kf)[NT][2], float (&vf)[NT][2], float sscale, const float* ksc,
-                                            const float* vsc, float p_scale, bool full, int kb, int t, int t0, int t1) {
+                                            const float* vsc, float p_scale, bool full, int kb, int t, int t0, int t1,
+                                            KeyZeros<NT>* zp = nullptr) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       kf[nt][e] = sscale;
       vf[nt][e] = 1.0f;
-      if constexpr (kPTH) {
+      if constexpr (kI4) {  // the scale slots hold {f16 step, f16 zero}
+        const int kj = nt * 8 + 2 * t + e;
+        const bool ok = full || (kb + kj >= t0 && kb + kj < t1);
+        float ks, kz, vs, vz;
+        FmtI4::unpack(__float_as_uint(ksc[kj]), ks, kz);
+        FmtI4::unpack(__float_as_uint(vsc[kj]), vs, vz);
+        kf[nt][e] = ok ? sscale * ks : 0.0f;
+        vf[nt][e] = ok ? vs * p_scale : 0.0f;
+        zp->kz[nt][e] = ok ? sscale * kz : 0.0f;
+        zp->vz[nt][e] = ok ? vz * p_scale : 0.0f;
+      } else if constexpr (kPTH) {
         const int kj = nt * 8 + 2 * t + e;
         const bool ok = full || (kb + kj >= t0 && kb + kj < t1);
         kf[nt][e] = ok ? sscale * ksc[kj] : 0.0f;
@@ -253,11 +274,14 @@ __device__ __forceinline__ void key_factors(float (&kf)[NT][2], float (&vf)[NT][
 // (e >> 1), key kb + 8 nt + 2t + (e & 1)). Updates the running max / sum and rescales o;
 // leaves P (times the V factors) in s. Callers pass `full` as a literal in each branch of an
 // if, so that tiles no row masks compile without the mask. Without per-key factors the score
-// scale (> 0) is applied after the max and folded into the exponent's FFMA.
-template <int NT, int DT, bool kPTH>
+// scale (> 0) is applied after the max and folded into the exponent's FFMA. int4 (kI4): the
+// score gains zero * sum(q) of the row (qs), and zacc of the row sums P times V's zero points.
+template <int NT, int DT, bool kPTH, bool kI4 = false>
 __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&o)[DT][4], float (&m_run)[2], float (&l_run)[2],
                                              const float (&kf)[NT][2], const float (&vf)[NT][2], float sscale,
-                                             bool full, int kb, int t, const int (&rlo)[2], const int (&rhi)[2]) {
+                                             bool full, int kb, int t, const int (&rlo)[2], const int (&rhi)[2],
+                                             const KeyZeros<NT>* zp = nullptr, const float* qs = nullptr,
+                                             float* zacc = nullptr) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     float mx = -INFINITY;
@@ -267,12 +291,13 @@ __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&o)[DT][4
       for (int e = 0; e < 2; ++e) {
         const int kj = nt * 8 + 2 * t + e;
         float x = kPTH ? s[nt][2 * i + e] * kf[nt][e] : s[nt][2 * i + e];
+        if constexpr (kI4) x = fmaf(zp->kz[nt][e], qs[i], x);
         if (!full && (kb + kj < rlo[i] || kb + kj >= rhi[i])) x = -INFINITY;
         s[nt][2 * i + e] = x;
         mx = fmaxf(mx, x);
       }
     if (!kPTH && mx != -INFINITY) mx *= sscale;
-    const float m_use = mma::online_max(mx, m_run[i], l_run[i], o, i);
+    const float m_use = mma::online_max(mx, m_run[i], l_run[i], o, i, kI4 ? &zacc[i] : nullptr);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -281,7 +306,25 @@ __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&o)[DT][4
         const float pe = exp2_approx(kPTH ? x - m_use : fmaf(x, sscale, -m_use));
         l_run[i] += pe;
         s[nt][2 * i + e] = kPTH ? pe * vf[nt][e] : pe;
+        if constexpr (kI4) zacc[i] = fmaf(pe, zp->vz[nt][e], zacc[i]);
       }
+  }
+}
+
+// int4: each row's V zero-point sum (zacc, per thread: its keys) added to every output
+// dimension of the row once the 4 threads of the row have summed theirs.
+template <int DT>
+__device__ __forceinline__ void add_zero_points(float (&o)[DT][4], float (&zacc)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float z = zacc[i];
+    z += __shfl_xor_sync(0xffffffffu, z, 1);
+    z += __shfl_xor_sync(0xffffffffu, z, 2);
+#pragma unroll
+    for (int d = 0; d < DT; ++d) {
+      o[d][2 * i] += z;
+      o[d][2 * i + 1] += z;
+    }
   }
 }
 

@@ -317,25 +317,26 @@ bool prefill_wgmma_available() {
 int prefill_wgmma_ctas_per_sm(const PagedAttentionParams& p) {
   int n = 1;
   dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
-    dispatch_wgmma_hd(p.head_dim, [&](auto hd) {
-      if constexpr (!kIsInt4<decltype(fmt)>) n = wgmma_occupancy<decltype(fmt), decltype(hd)::value>();
-    });
+    if constexpr (!kIsInt4<decltype(fmt)>)
+      dispatch_wgmma_hd(p.head_dim, [&](auto hd) { n = wgmma_occupancy<decltype(fmt), decltype(hd)::value>(); });
   });
   return n;
 }
 
 void launch_prefill_wgmma(const RowsArgs& a, cudaStream_t st) {
+  // int4 pages run the mma.sync kernel (use_wgmma in paged_attention_prefill.cu): this kernel
+  // expands whole bytes per code.
+  if (a.p.storage == DType::I4)
+    throw Error("CUDA paged attention: internal error: int4 pages routed to the warp-specialised prefill kernel");
   dispatch_cuda_kv(a.p.storage, a.p.quant, [&](auto fmt) {
     using Fmt = decltype(fmt);
-    dispatch_wgmma_hd(a.p.head_dim, [&](auto hd) {
-      constexpr int HD = decltype(hd)::value;
-      if constexpr (kIsInt4<Fmt>) {
-        throw Error("CUDA paged attention: internal error: int4 pages routed to the tiled prefill kernel");
-      } else {
+    if constexpr (!kIsInt4<Fmt>) {
+      dispatch_wgmma_hd(a.p.head_dim, [&](auto hd) {
+        constexpr int HD = decltype(hd)::value;
         wgmma_occupancy<Fmt, HD>();  // the register check and the smem opt-in, once
         attn_prefill_wgmma_kernel<Fmt, HD><<<prefill_grid(a), kWsThreads, WsSmem<Fmt, HD>::total, st>>>(a);
-      }
-    });
+      });
+    }
   });
 }
 
