@@ -55,7 +55,7 @@ fi
 [ "$(json_get "$tmp/s1.json" "d['token_ids']")" = "$(json_get "$tmp/s2.json" "d['token_ids']")" ] && ok || bad "same seed, same tokens"
 [ "$(json_get "$tmp/s1.json" "d['token_ids']")" != "$(json_get "$tmp/s3.json" "d['token_ids']")" ] && ok || bad "another seed, other tokens"
 "$KVLM" generate --model "$stories" --prompt-ids $ids --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && grep -q "^generated" "$tmp/out" && ok || bad "readable summary"
-for dt in auto float16 bfloat16 fp8 fp8_e4m3 fp8_e5m2 fp8_per_token_head int8_per_token_head; do
+for dt in auto float16 bfloat16 fp8 fp8_e4m3 fp8_e5m2 fp8_per_token_head int8_per_token_head int4_per_token_head; do
   "$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 --kv-cache-dtype $dt --json -q >/dev/null && ok || bad "generate --kv-cache-dtype $dt"
 done
 # Every golden architecture runs from the CLI, including sharded and sliding-window models.
@@ -71,6 +71,14 @@ done
 "$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype int8_per_token_head --json >"$tmp/i.json" \
   && [ "$(json_get "$tmp/i.json" "[l['scale_source'] for l in d['layers']][0]")" = "per-token-head dynamic" ] \
   && [ "$(json_get "$tmp/i.json" "d['kv_bytes_per_token']")" = 576 ] && ok || bad "inspect --json"
+# int4: 2 kv heads of 32 -> 16 bytes of codes + a 4-byte slot per head, K and V, 4 layers; rotated by default.
+"$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype int4_per_token_head --json >"$tmp/i4.json" \
+  && [ "$(json_get "$tmp/i4.json" "d['kv_bytes_per_token']")" = 320 ] \
+  && [ "$(json_get "$tmp/i4.json" "sorted(set(l['rotation'] for l in d['layers']))")" = "['hadamard']" ] && ok || bad "inspect int4 --json"
+"$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype int4_per_token_head --kv-cache-rotation none >"$tmp/out" 2>&1 \
+  && grep -q "int4      int4_per_token_head  explicit    per-token-head dynamic, zero point  none" "$tmp/out" && ok || bad "inspect int4 unrotated: $(cat "$tmp/out")"
+"$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 --kv-cache-dtype int8_per_token_head --kv-cache-rotation hadamard --json -q >/dev/null \
+  && ok || bad "generate int8 rotated"
 
 # --- text: tokenizer, chat template, streaming, stop strings, chat -------------------------
 chat="$here/../models/tiny-chat"
@@ -109,6 +117,7 @@ expect_error 2 "excludes" -- generate --prompt x --prompt-ids 1
 expect_error 1 "valid values are: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2, fp8_per_token_head, int8_per_token_head" -- \
   generate --prompt-ids 1,2 --kv-cache-dtype fp8_e6m1
 expect_error 1 "layer 9 but the model has 5 layers" -- inspect --model "$stories" --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 9
+expect_error 1 "invalid --kv-cache-rotation 'walsh'; valid values are: auto" -- inspect --kv-cache-rotation walsh
 expect_error 1 "invalid --kv-cache-dtype-skip-layers entry 'full'" -- inspect --kv-cache-dtype-skip-layers full
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
