@@ -264,7 +264,7 @@ TEST(DFlash, GreedyOutputIsThePlainOutputInEveryKVMode) {
   const std::vector<TokenId> prompt{1, 200, 301, 57, 99, 1000, 1500, 1900, 42, 42, 7};
   int parted = 0;
   for (const KVCacheDType dt : {KVCacheDType::Auto, KVCacheDType::Fp8, KVCacheDType::Fp8PerTokenHead,
-                                KVCacheDType::Int8PerTokenHead}) {
+                                KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead}) {
     for (const bool mixed : {false, true}) {
       SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)) + (mixed ? " mixed" : ""));
       ModelOptions o = tiny(dt, nullptr);
@@ -286,7 +286,7 @@ TEST(DFlash, GreedyOutputIsThePlainOutputInEveryKVMode) {
       EXPECT_LE(b.draft_tokens, b.drafts * 5u);
     }
   }
-  EXPECT_LE(parted, 1) << "drafted and plain greedy outputs part in more than one of 8 configurations";
+  EXPECT_LE(parted, 1) << "drafted and plain greedy outputs part in more than one of 10 configurations";
   fs::remove_all(D.dir);
 }
 
