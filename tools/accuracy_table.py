@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--gguf", nargs="*", default=[], help="real pretrained models as GGUF files")
     ap.add_argument("--gguf-ctx", type=int, default=1024)
     ap.add_argument("--gguf-max-chunks", type=int, default=8)
+    ap.add_argument("--commit", default="", help="the commit the measured tree is (default: git HEAD, flagged when the "
+                                                   "tree differs from it)")
     ap.add_argument("--no-bundled", action="store_true", help="leave the bundled model out")
     ap.add_argument("--tasks", default="arithmetic,recall_1k,recall_4k,recall_8k",
                     help="task columns to measure, comma separated ('' for none)")
@@ -174,7 +176,12 @@ def main():
             print(f"{name:14s} {label:34s} ppl {row['ppl']:.4f} kld {row['kld']:.2e}", flush=True)
         sections.append((name, kind, n_layers, base_ppl, rows, ctx, chunks))
 
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    if dirty and not args.commit:  # e.g. a copy of the tree whose .git lags behind it
+        commit += " with uncommitted changes (pass --commit to name the tree)"
     lines = [
         "# KV precision vs accuracy",
         "",

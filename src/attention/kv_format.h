@@ -153,18 +153,22 @@ struct Format<I4, ScalePolicy::PerTokenHead> {
   using codec = I4;
   static constexpr ScalePolicy policy = ScalePolicy::PerTokenHead;
   // Returns the packed (step, zero) slot.
+  // The operations and their order are the GPU encoder's (ops/cuda/kv_codec.cuh: I4Encoder):
+  // fmin / fmax skip NaN (a NaN value gets code 0, an all-infinite row the smallest step), and
+  // a zero point of -0 is stored as +0, so both sides write the same bytes for any input.
   static float encode_row(std::span<const float> x, uint8_t* dst, float /*tensor_scale*/) {
-    float lo = x.empty() ? 0.0f : x[0], hi = lo;
+    float lo = INFINITY, hi = -INFINITY;
     for (float v : x) {
-      lo = std::min(lo, v);
-      hi = std::max(hi, v);
+      lo = std::fmin(lo, v);
+      hi = std::fmax(hi, v);
     }
     // (Both stay finite in f16: K/V beyond +-65504 saturate their codes instead.)
-    const uint16_t s16 = num::f32_to_f16(std::clamp((hi - lo) / I4::kLevels, I4::kMinStep, I4::kMaxF16));
-    const uint16_t z16 = num::f32_to_f16(std::clamp(lo, -I4::kMaxF16, I4::kMaxF16));
+    const uint16_t s16 = num::f32_to_f16(std::fmin(std::fmax((hi - lo) / I4::kLevels, I4::kMinStep), I4::kMaxF16));
+    uint16_t z16 = num::f32_to_f16(std::fmin(std::fmax(lo, -I4::kMaxF16), I4::kMaxF16));
+    if (z16 == 0x8000) z16 = 0;
     const float s = num::f16_to_f32(s16), z = num::f16_to_f32(z16);
     for (size_t i = 0; i < x.size(); ++i)
-      I4::set_code(dst, i, int(std::nearbyint(std::clamp((x[i] - z) / s, 0.0f, I4::kLevels))));
+      I4::set_code(dst, i, int(std::nearbyint(std::fmin(std::fmax((x[i] - z) / s, 0.0f), I4::kLevels))));
     return I4::pack(s16, z16);
   }
   static void decode_row(const uint8_t* src, float slot, std::span<float> out) {

@@ -157,6 +157,10 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
     }
     plan.layers.push_back(std::move(s));
   }
+  if (cache.rotation == KVRotation::Hadamard &&
+      std::ranges::none_of(plan.layers, [](const KVLayerSpec& l) { return l.rotate; }))
+    plan.warnings.push_back("--kv-cache-rotation hadamard has no effect: no layer's KV cache is quantized "
+                            "(the rotation applies to quantized layers only)");
   if (unrotated_int4 > 0)
     plan.warnings.push_back(std::to_string(unrotated_int4) +
                             " int4 layers are not rotated: the Hadamard rotation needs a power-of-two head_dim. "

@@ -16,7 +16,7 @@
 
 namespace kvlm {
 
-// I4: signed 4-bit KV codes, two per byte (the int4 KV format's packing: attention/kv_format.h).
+// I4: 4-bit KV codes 0..15, two per byte (the int4 KV format: attention/kv_format.h's kvfmt::I4).
 enum class DType : uint8_t { F32, F16, BF16, F8E4M3, F8E5M2, I8, I32, I64, U8, Bool, F64, I4 };
 
 // Bytes of one element; an error for I4 (half a byte: use dtype_bits / dtype_bytes).
@@ -55,7 +55,7 @@ enum class KVQuantMode : uint8_t {
   Fp8PerTensor,      // one static scale per layer for K and one for V (or per kv head)
   Fp8PerTokenHead,   // E4M3 codes, fp32 scale per (token, kv head) computed at write time
   Int8PerTokenHead,  // int8 codes, fp32 scale per (token, kv head) computed at write time
-  Int4PerTokenHead,  // int4 codes (two per byte), fp32 scale per (token, kv head) at write time
+  Int4PerTokenHead,  // int4 codes (two per byte), f16 step and zero point per (token, kv head) at write time
 };
 
 std::string_view kv_quant_mode_name(KVQuantMode m);

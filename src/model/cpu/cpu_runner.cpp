@@ -147,6 +147,7 @@ class CpuOps final : public Ops {
     if (w.k_norm) cpu::rmsnorm(k_, T * kvh, d, f32(w.k_norm), eps, k_);
     cpu::rope(qo, T, nh, d, b_.positions, f32(w.inv_freq));
     cpu::rope(k_, T, kvh, d, b_.positions, f32(w.inv_freq));
+    if (observer_) observer_(size_t(layer), k_, v_);  // unrotated K/V, as stored without a rotation
     if (cache_.layer(size_t(layer)).spec->rotate) {  // R q, R k, R v (core/hadamard.h)
       for (size_t r = 0; r < size_t(T * nh); ++r) num::hadamard_rotate(qo.data() + r * size_t(d), d);
       for (size_t r = 0; r < size_t(T * kvh); ++r) {
@@ -154,7 +155,6 @@ class CpuOps final : public Ops {
         num::hadamard_rotate(v_.data() + r * size_t(d), d);
       }
     }
-    if (observer_) observer_(size_t(layer), k_, v_);
     backends_[size_t(layer)]->store_kv(cache_.layer(size_t(layer)), KVWrite{.k = k_, .v = v_, .slots = b_.slots});
   }
 

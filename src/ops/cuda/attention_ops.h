@@ -3,16 +3,19 @@
 //
 // Every pointer below is a device pointer, 16-byte aligned (cudaMalloc gives 256). Page layout is the CPU backend's (kv/kv_cache.h):
 //   K, V pages   [num_blocks][num_kv_heads][block_size][head_dim] of the layer's storage type
-//   token scales [num_blocks][num_kv_heads][block_size] fp32 (per-token-head modes only)
+//   token scales [num_blocks][num_kv_heads][block_size] 32-bit slots (per-token-head modes only:
+//                fp32 scales; int4: {f16 step, f16 zero point}, kvfmt::I4)
 // A token's slot is block_id * block_size + offset. Quantization follows attention/kv_format.h
 // bit for bit (code = convert(x / scale); per-token-head scale = max(absmax / qmax, 1e-6)).
 //
 // Supported (storage, quant mode) pairs — anything else throws kvlm::Error naming this set:
 //   bfloat16 / float16 with none; fp8_e4m3 / fp8_e5m2 with fp8_per_tensor;
-//   fp8_e4m3 with fp8_per_token_head; int8 with int8_per_token_head.
+//   fp8_e4m3 with fp8_per_token_head; int8 with int8_per_token_head; int4 with
+//   int4_per_token_head (head_dim % 8 == 0; the tensor-core decode, mma.sync tiled and CUDA-core
+//   kernels).
 // Head sizes: 64 and 128 (tensor-core decode and prefill kernels, also the CUDA-core one), 256
 // (tiled prefill kernel and CUDA-core kernel), 8, 16 and 32 (CUDA-core kernel); others throw
-// kvlm::Error naming the set. kv_store accepts any head size.
+// kvlm::Error naming the set. kv_store accepts any head size (int4: multiples of 8).
 #pragma once
 
 #include <cstddef>

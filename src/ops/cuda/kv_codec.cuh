@@ -236,7 +236,8 @@ struct I4Encoder {
   uint32_t slot;
   __device__ __forceinline__ I4Encoder(float lo, float hi) {
     const __half s16 = __float2half_rn(fminf(fmaxf(__fdiv_rn(hi - lo, 15.0f), 6.103515625e-05f), 65504.0f));
-    const __half z16 = __float2half_rn(fminf(fmaxf(lo, -65504.0f), 65504.0f));
+    __half z16 = __float2half_rn(fminf(fmaxf(lo, -65504.0f), 65504.0f));
+    if (__half_as_ushort(z16) == 0x8000u) z16 = __ushort_as_half(0);  // -0 -> +0, as the CPU stores it
     step = __half2float(s16);
     zero = __half2float(z16);
     slot = uint32_t(__half_as_ushort(s16)) | uint32_t(__half_as_ushort(z16)) << 16;

@@ -2,7 +2,8 @@
 // byte-identical to CpuAttentionBackend::store_kv on the same values (the test checks it).
 //
 // One warp per (token, kv head) row: the row's absmax is a warp reduction, then each lane
-// encodes head_dim / 32 elements. Divisions are IEEE round-to-nearest (__fdiv_rn) — exactly
+// encodes head_dim / 32 elements (int4: the row's min and max, then each lane packs whole
+// 32-bit words of 8 codes). Divisions are IEEE round-to-nearest (__fdiv_rn) — exactly
 // the CPU's `x / scale` — never the approximate reciprocal, or fp8/int8 codes could differ.
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/kv_codec.cuh"
@@ -75,16 +76,15 @@ __global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStor
                  p.head_dim, lane);
     store_row_i4(p.v + srow, static_cast<uint32_t*>(p.v_cache) + drow / 8, reinterpret_cast<uint32_t*>(p.v_token_scale) + sidx,
                  p.head_dim, lane);
-    return;
   } else {
-  using Code = typename Fmt::Code;
-  float ks = 1.0f, vs = 1.0f;
-  if constexpr (Fmt::kScale == Scale::PerTensor) {
-    ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
-    vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
-  }
-  store_row<Fmt>(p.k + srow, static_cast<Code*>(p.k_cache) + drow, p.k_token_scale + sidx, ks, p.head_dim, lane);
-  store_row<Fmt>(p.v + srow, static_cast<Code*>(p.v_cache) + drow, p.v_token_scale + sidx, vs, p.head_dim, lane);
+    using Code = typename Fmt::Code;
+    float ks = 1.0f, vs = 1.0f;
+    if constexpr (Fmt::kScale == Scale::PerTensor) {
+      ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+      vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+    }
+    store_row<Fmt>(p.k + srow, static_cast<Code*>(p.k_cache) + drow, p.k_token_scale + sidx, ks, p.head_dim, lane);
+    store_row<Fmt>(p.v + srow, static_cast<Code*>(p.v_cache) + drow, p.v_token_scale + sidx, vs, p.head_dim, lane);
   }
 }
 

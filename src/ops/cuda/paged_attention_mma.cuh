@@ -451,8 +451,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   float sscale, vscale;
   score_scales<Fmt>(p, kvh, sscale, vscale);
   // Per-token-head V scales ride on P (p * v_scale), carried in f16 times 2^8 so that rows
-  // with V absmax in ~[1e-4, 1e5] stay in f16's normal range; undone at the end.
-  constexpr float kPScale = Fmt::kScale == Scale::PerTokenHead ? 256.0f : 1.0f;
+  // with V absmax in ~[1e-4, 3e4] stay in f16's range; undone at the end. int4 steps go up to
+  // 65504 / 15 (the f16 zero point's own limit): 2^4 there, so P * step * 16 stays finite for
+  // steps below 4096; at the smallest step (2^-14) only weights below 2^-10 reach f16's
+  // subnormals, an error far below the step itself.
+  constexpr float kPScale = kIsInt4<Fmt> ? 16.0f : Fmt::kScale == Scale::PerTokenHead ? 256.0f : 1.0f;
 
   float o[NT][4];
 #pragma unroll

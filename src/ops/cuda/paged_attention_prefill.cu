@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
   constexpr int DT = HD / 8;     // n-tiles of O
   constexpr int THREADS = kPrefillWarps * 32;
   // Per-token-head V scales ride on P times 2^8 (f16 range, as in the decode kernel).
-  constexpr float kPScale = kPTH ? 256.0f : 1.0f;
+  constexpr float kPScale = kI4 ? 16.0f : kPTH ? 256.0f : 1.0f;  // int4: see paged_attention_mma.cuh
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
