@@ -126,6 +126,33 @@ TEST(KVCache, Int4PageLayout) {
   EXPECT_EQ(slot, uint32_t(num::f32_to_f16(0x1p-14f)));
 }
 
+// Rows the GPU encoder (ops/cuda/kv_codec.cuh: I4Encoder) must encode to the same bytes:
+// NaN values are skipped by min / max and get code 0, an all-infinite row gets the smallest
+// step and the largest zero point, a zero point of -0 is stored as +0.
+TEST(KVCache, Int4EdgeRows) {
+  using F = kvfmt::Format<kvfmt::I4, kvfmt::ScalePolicy::PerTokenHead>;
+  std::vector<uint8_t> row(8, 0xff);
+  float step, zero;
+  std::vector<float> x(16, 1.0f);
+  x[3] = std::nanf("");
+  x[5] = 16.0f;
+  kvfmt::I4::unpack(F::encode_row(x, row.data(), 1.0f), step, zero);
+  EXPECT_EQ(step, 1.0f);
+  EXPECT_EQ(zero, 1.0f);
+  EXPECT_EQ(kvfmt::I4::code(row.data(), 3), 0);
+  EXPECT_EQ(kvfmt::I4::code(row.data(), 5), 15);
+  std::fill(x.begin(), x.end(), INFINITY);
+  uint32_t slot;
+  const float packed = F::encode_row(x, row.data(), 1.0f);
+  std::memcpy(&slot, &packed, 4);
+  EXPECT_EQ(slot, uint32_t(num::f32_to_f16(0x1p-14f)) | uint32_t(num::f32_to_f16(65504.0f)) << 16);
+  std::fill(x.begin(), x.end(), 0.0f);
+  x[7] = -0.0f;
+  const float z = F::encode_row(x, row.data(), 1.0f);
+  std::memcpy(&slot, &z, 4);
+  EXPECT_EQ(slot >> 16, 0u) << "a -0 zero point is stored as +0";
+}
+
 TEST(BlockAllocator, AllocatesEveryBlockOnceAndReuses) {
   BlockAllocator a(4);
   std::vector<BlockId> got;
