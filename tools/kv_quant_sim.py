@@ -9,6 +9,13 @@ costs; INT8 / FP8 E4M3 / INT4 (symmetric, absmax scale) / INT4 with a zero point
 levels from the row's min to its max).
 
     python3 tools/kv_quant_sim.py --gguf FILE.gguf [--text models/kvlm-tiny/eval/heldout.txt] [--ctx 1024]
+    python3 tools/kv_quant_sim.py --gguf FILE.gguf --keep 0:0,4:0,0:64,4:64 [--modes int4z,int8]
+
+--keep SINK:RECENT,... runs a second experiment instead: K and V quantized after RoPE (as kvlm
+stores them), Hadamard-rotated, inside the attention itself (a registered transformers attention
+function), except the first SINK keys and, for each query, the RECENT most recent keys up to and
+including its own position, which stay exact: what `--kv-cache-keep-sink` / `--kv-cache-keep-recent`
+would buy. One KLD per (setting, mode).
 
 Needs torch, transformers, gguf (as tools/make_gguf_real_goldens.py). Runs on the CPU in about
 a minute per model. docs/results/accuracy-real.md compares it with kvlm's own measurement.
@@ -53,6 +60,52 @@ def fake_quant(x: torch.Tensor, head_dim: int, mode: str, rot: torch.Tensor | No
     return q.reshape(x.shape).to(x.dtype)
 
 
+def keep_experiment(model, ids, base, hd, modes, settings):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    rot = hadamard(hd, 0)
+    state = {}
+
+    def mixed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        sink, recent, mode = state["sink"], state["recent"], state["mode"]
+        groups = query.shape[1] // key.shape[1]
+        kq = fake_quant(key, hd, mode, rot)  # [B, kvh, T, d]: every row a (token, head) vector
+        vq = fake_quant(value, hd, mode, rot)
+        k, v, kq, vq = (repeat_kv(t, groups) for t in (key, value, kq, vq))
+        scale = scaling if scaling is not None else hd ** -0.5
+        tq, tk = query.shape[2], k.shape[2]
+        qpos = torch.arange(tk - tq, tk)[:, None]
+        kpos = torch.arange(tk)[None, :]
+        exact = (kpos < sink) | ((kpos > qpos - recent) & (kpos <= qpos))
+        s = torch.where(exact, query @ k.transpose(-1, -2), query @ kq.transpose(-1, -2)) * scale
+        # Causal, and the layer's sliding window, whatever mask the model built (None for sdpa).
+        visible = kpos <= qpos
+        window = kw.get("sliding_window") or getattr(module, "sliding_window", None)
+        if window:
+            visible = visible & (kpos > qpos - window)
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s.float(), -1).to(query.dtype)
+        out = (p * exact) @ v + (p * ~exact) @ vq
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("kv_keep_sim", mixed)
+    old = model.config._attn_implementation
+    model.set_attn_implementation("kv_keep_sim")
+    print("| sink:recent | " + " | ".join(f"{m}, rotated" for m in modes) + " |")
+    print("|---|" + "---:|" * len(modes))
+    half = ids.shape[1] // 2
+    for sink, recent in settings:
+        row = []
+        for mode in modes:
+            state.update(sink=sink, recent=recent, mode=mode)
+            with torch.no_grad():
+                lp = torch.log_softmax(model(ids).logits.float(), -1)
+            row.append(float((base.exp() * (base - lp)).sum(-1)[0, half:].mean()))
+        print(f"| {sink}:{recent} | " + " | ".join(f"{v:.2e}" for v in row) + " |", flush=True)
+    model.set_attn_implementation(old)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", required=True)
@@ -60,6 +113,7 @@ def main():
                                                    "heldout.txt"))
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--modes", default="int8,fp8,int4")
+    ap.add_argument("--keep", default="", help="SINK:RECENT,... (see above)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,6 +125,10 @@ def main():
     rot = hadamard(hd, 0)
     with torch.no_grad():
         base = torch.log_softmax(model(ids).logits.float(), -1)
+    if args.keep:
+        settings = [tuple(int(x) for x in kv.split(":")) for kv in args.keep.split(",")]
+        keep_experiment(model, ids, base, hd, args.modes.split(","), settings)
+        return
 
     def run(mode, which, rotate):
         hooks = []
