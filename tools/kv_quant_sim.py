@@ -26,11 +26,28 @@ import os
 import torch
 
 
+def kvlm_signs(n: int) -> torch.Tensor:
+    # core/hadamard.h's hadamard_sign_negative, bit for bit
+    out = []
+    for i in range(n):
+        h = (i * 0x9E3779B1) & 0xFFFFFFFF
+        h ^= h >> 15
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        out.append(-1.0 if h & 1 else 1.0)
+    return torch.tensor(out)
+
+
+SIGNS = "0"  # --rotation-signs: "kvlm" or a torch seed
+
+
 def hadamard(n: int, seed: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    g = torch.Generator().manual_seed(seed)
+    if SIGNS == "kvlm":  # y @ (H diag(s) / sqrt(n))^T: kvlm's R y for each row vector y
+        return (h @ torch.diag(kvlm_signs(n)) / n ** 0.5).T
+    g = torch.Generator().manual_seed(int(SIGNS) + seed)
     signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
     return h / n ** 0.5 * signs[None, :]  # orthogonal: columns of a Hadamard matrix with random signs
 
@@ -114,7 +131,11 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--modes", default="int8,fp8,int4")
     ap.add_argument("--keep", default="", help="SINK:RECENT,... (see above)")
+    ap.add_argument("--rotation-signs", default="0",
+                    help="the rotation's +-1 signs: 'kvlm' (core/hadamard.h's) or a torch seed (default 0)")
     args = ap.parse_args()
+    global SIGNS
+    SIGNS = args.rotation_signs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, f = os.path.dirname(os.path.abspath(args.gguf)), os.path.basename(args.gguf)
