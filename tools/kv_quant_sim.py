@@ -27,14 +27,15 @@ import torch
 
 
 def kvlm_signs(n: int) -> torch.Tensor:
-    # core/hadamard.h's hadamard_sign_negative, bit for bit
+    # core/hadamard.h's hadamard_sign_negative, bit for bit: the top bit of splitmix64(i + 1)
+    m = (1 << 64) - 1
     out = []
     for i in range(n):
-        h = (i * 0x9E3779B1) & 0xFFFFFFFF
-        h ^= h >> 15
-        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
-        h ^= h >> 13
-        out.append(-1.0 if h & 1 else 1.0)
+        z = ((i + 1) * 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        z ^= z >> 31
+        out.append(-1.0 if z >> 63 else 1.0)
     return torch.tensor(out)
 
 
@@ -47,7 +48,7 @@ def hadamard(n: int, seed: int) -> torch.Tensor:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     if SIGNS == "kvlm":  # y @ (H diag(s) / sqrt(n))^T: kvlm's R y for each row vector y
         return (h @ torch.diag(kvlm_signs(n)) / n ** 0.5).T
-    g = torch.Generator().manual_seed(int(SIGNS) + seed)
+    g = torch.Generator().manual_seed(int(SIGNS.removeprefix("layer")) + seed)
     signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
     return h / n ** 0.5 * signs[None, :]  # orthogonal: columns of a Hadamard matrix with random signs
 
@@ -81,11 +82,16 @@ def keep_experiment(model, ids, base, hd, modes, settings):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    rot = hadamard(hd, 0)
+    per_layer = SIGNS.startswith("layer")  # "layerK": seed K + the layer's index
+    rots = {}
     state = {}
 
     def mixed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         sink, recent, mode = state["sink"], state["recent"], state["mode"]
+        li = getattr(module, "layer_idx", 0) if per_layer else 0
+        if li not in rots:
+            rots[li] = hadamard(hd, li)
+        rot = rots[li]
         groups = query.shape[1] // key.shape[1]
         kq = fake_quant(key, hd, mode, rot)  # [B, kvh, T, d]: every row a (token, head) vector
         vq = fake_quant(value, hd, mode, rot)
@@ -132,7 +138,8 @@ def main():
     ap.add_argument("--modes", default="int8,fp8,int4")
     ap.add_argument("--keep", default="", help="SINK:RECENT,... (see above)")
     ap.add_argument("--rotation-signs", default="0",
-                    help="the rotation's +-1 signs: 'kvlm' (core/hadamard.h's) or a torch seed (default 0)")
+                    help="the rotation's +-1 signs: 'kvlm' (core/hadamard.h's), a torch seed (default 0), or "
+                         "'layerK' (--keep only: seed K + the layer's index, other signs in every layer)")
     args = ap.parse_args()
     global SIGNS
     SIGNS = args.rotation_signs
