@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/hadamard.h"
 
 namespace kvlm {
 
@@ -139,7 +140,7 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
                   ". Use int8_per_token_head or fp8_per_token_head for this model, or keep the layer unquantized with "
                   "--kv-cache-dtype-skip-layers");
     if (s.quant != KVQuantMode::None) {
-      const bool pow2 = a.head_dim > 0 && (a.head_dim & (a.head_dim - 1)) == 0;
+      const bool pow2 = num::is_pow2(a.head_dim);
       if (cache.rotation == KVRotation::Hadamard) {
         if (!pow2)
           throw Error("--kv-cache-rotation hadamard needs a power-of-two head_dim; " + a.model + " layer " +

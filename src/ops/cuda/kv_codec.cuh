@@ -245,6 +245,15 @@ struct I4Encoder {
   __device__ __forceinline__ uint32_t code(float x) const {
     return uint32_t(rintf(fminf(fmaxf(__fdiv_rn(x - zero, step), 0.0f), 15.0f)));
   }
+  // The encoder of a row spread over a warp: each lane's own min and max, combined.
+  static __device__ __forceinline__ I4Encoder over_warp(float lo, float hi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    return I4Encoder(lo, hi);
+  }
   // x[0..7]: elements 8w .. 8w + 7 of the row -> word w.
   __device__ __forceinline__ uint32_t word(const float* x) const {
     uint32_t w = 0;

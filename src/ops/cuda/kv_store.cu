@@ -41,12 +41,7 @@ __device__ __forceinline__ void store_row_i4(const uint16_t* src, uint32_t* dst,
     lo = fminf(lo, x);
     hi = fmaxf(hi, x);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-  }
-  const I4Encoder enc(lo, hi);
+  const I4Encoder enc = I4Encoder::over_warp(lo, hi);
   if (lane == 0) *slot = enc.slot;
   for (int w = lane; w < d / 8; w += 32) {
     float x[8];

@@ -211,13 +211,8 @@ __device__ __forceinline__ void store_head_i4(const float (&a)[kPairsPerLane], c
       hi = fmaxf(hi, fmaxf(a[c], b[c]));
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-  }
+  const I4Encoder enc = I4Encoder::over_warp(lo, hi);
   __syncwarp();
-  const I4Encoder enc(lo, hi);
   if (lane == 0) *slot = enc.slot;
   if (lane < half / 4) dst[lane] = enc.word(stage + 8 * lane);
   __syncwarp();  // the stage is reused for V
