@@ -23,6 +23,14 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "rotate q/K/V of quantized layers by a fixed randomized Hadamard transform before K/V are "
                  "stored (spreads outlier channels; scores are unchanged): auto (4-bit layers only), none, hadamard")
       ->capture_default_str();
+  cmd.add_option("--kv-cache-keep-sink", keep_sink,
+                 "quantized layers also hold the first N tokens of every sequence in the model dtype, and every "
+                 "query reads them exact (attention sinks; 4 is the measured setting)")
+      ->capture_default_str();
+  cmd.add_option("--kv-cache-keep-recent", keep_recent,
+                 "quantized layers also hold each sequence's latest W tokens in the model dtype, and every query "
+                 "reads its W latest keys exact (64 is the measured setting); CPU backend only for now")
+      ->capture_default_str();
   cmd.add_option("--kv-cache-dtype-skip-layers", skip_layers,
                  "layers that keep the model dtype: indices and/or 'sliding_window', e.g. 0,27,sliding_window");
   cmd.add_option("--attention-backend", attention_backend, "force an attention backend by name (see `kvlm inspect`)");
@@ -70,6 +78,10 @@ CacheConfig ModelFlags::cache_config() const {
   c.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
   c.skip_layers = parse_skip_layers(skip_layers);
   c.rotation = parse_kv_rotation(kv_cache_rotation);
+  validate_keep_tokens(keep_sink, "--kv-cache-keep-sink");
+  validate_keep_tokens(keep_recent, "--kv-cache-keep-recent");
+  c.keep_sink = keep_sink;
+  c.keep_recent = keep_recent;
   validate_block_size(block_size);
   c.block_size = block_size;
   if (!attention_backend.empty()) c.attention_backend = attention_backend;

@@ -16,6 +16,8 @@ struct ModelFlags {
   std::string model;  // empty: the bundled default model
   std::string kv_cache_dtype = "auto";
   std::string kv_cache_rotation = "auto";
+  int keep_sink = 0;
+  int keep_recent = 0;
   std::string skip_layers;
   std::string attention_backend;
   std::string device = "auto";

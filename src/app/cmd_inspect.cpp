@@ -120,7 +120,11 @@ int run_inspect(const InspectFlags& f) {
                        {"backend", l.backend},
                        {"num_kv_heads", l.attn.num_kv_heads},
                        {"head_dim", l.attn.head_dim},
-                       {"bytes_per_token", l.bytes_per_token()}};
+                       {"bytes_per_token", l.bytes_per_token()},
+                       {"keep_sink", l.keep_sink},
+                       {"keep_recent", l.keep_recent},
+                       {"exact_bytes_per_token", l.exact_bytes_per_token()}};
+      if (l.keeps_exact()) e["exact_dtype"] = std::string(dtype_name(l.exact_storage));
       if (l.attn.kind == AttentionKind::Sliding) e["window"] = l.attn.window;
       if (l.scale_source == ScaleSource::CheckpointTensor) {
         e["k_scale_tensor"] = l.k_scale_name;
@@ -134,6 +138,7 @@ int run_inspect(const InspectFlags& f) {
     }
     j["layers"] = layers;
     j["kv_bytes_per_token"] = plan.bytes_per_token();
+    j["exact_bytes_per_token"] = plan.exact_bytes_per_token();
     j["model_dtype_kv_bytes_per_token"] = baseline;
     j["warnings"] = plan.warnings;
     if (spec) {
@@ -179,12 +184,19 @@ int run_inspect(const InspectFlags& f) {
             << dtype_source_name(plan.resolution.source) << (plan.resolution.note.empty() ? "" : "; " + plan.resolution.note)
             << ")\n\n";
   std::vector<std::vector<std::string>> rows{
-      {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "rotation", "backend", "bytes/token"}};
-  for (const auto& l : plan.layers)
+      {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "rotation", "exact tokens", "backend",
+       "bytes/token"}};
+  for (const auto& l : plan.layers) {
+    // Exact sink / recent tokens: "sink 4 + recent 64, bf16 256 B/token" (bytes of one exact token).
+    std::string exact = "none";
+    if (l.keeps_exact())
+      exact = "sink " + std::to_string(l.keep_sink) + " + recent " + std::to_string(l.keep_recent) + ", " +
+              std::string(dtype_name(l.exact_storage)) + " " + std::to_string(l.exact_bytes_per_token()) + " B/token";
     rows.push_back({(l.attn.model == "target" ? "" : l.attn.model + ":") + std::to_string(l.attn.layer), kind_str(l),
                     std::string(dtype_name(l.storage)), std::string(kv_quant_mode_name(l.quant)),
-                    std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.rotate ? "hadamard" : "none", l.backend,
-                    std::to_string(l.bytes_per_token())});
+                    std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.rotate ? "hadamard" : "none", exact,
+                    l.backend, std::to_string(l.bytes_per_token())});
+  }
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows)
     for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
@@ -198,6 +210,10 @@ int run_inspect(const InspectFlags& f) {
   ratio << std::fixed << std::setprecision(2) << double(baseline) / double(plan.bytes_per_token());
   std::cout << "\ntotal KV bytes per token: " << plan.bytes_per_token() << " (" << dtype_name(mp.dtype) << " cache: " << baseline
             << ", " << ratio.str() << "x the tokens in the same memory)\n";
+  if (plan.exact_bytes_per_token() > 0)
+    std::cout << "exact sink / recent tokens: " << plan.exact_bytes_per_token()
+              << " bytes per exact token, on top, for the first " << plan.keep_sink() << " and the latest "
+              << plan.keep_recent() << " tokens of every running sequence (see the KV cache line at startup)\n";
   if (spec && spec->method == SpecMethod::Ngram) std::cout << "drafting   " << describe(*spec) << " (no drafter model: no draft KV)\n";
   if (spec && mp.drafter) {
     std::cout << "drafting   " << describe(*spec) << ": DFlash, blocks of " << mp.drafter->dflash->block_size

@@ -43,6 +43,8 @@ struct BackendCapabilities {
   bool causal = true;
   bool sliding_window = false;
   bool non_causal = false;
+  // Reads exact sink / recent tokens (KVLayerSpec::keep_sink / keep_recent) from the exact pages.
+  bool exact_tokens = false;
   int min_compute_capability = 0;       // e.g. 80 for sm_80; 0 = no requirement (CPU)
   int priority = 0;                     // higher wins among backends that fit
   std::string description;
@@ -58,6 +60,10 @@ struct AttnSeq {
   int32_t q_len = 0;
   int32_t kv_len = 0;   // tokens cached for this sequence, including the new ones
   std::span<const BlockId> block_table;  // [ceil(kv_len / block_size)] page ids
+  // Layers with exact sink / recent tokens: per entry of block_table, the exact page that
+  // holds the same tokens in the model dtype, or -1 where no query of this call reads one
+  // exact (kv_key_exact). Empty when no layer keeps exact tokens.
+  std::span<const BlockId> exact_table;
 };
 
 struct AttentionCall {
@@ -71,6 +77,8 @@ struct KVWrite {
   std::span<const float> k;      // [num_tokens][num_kv_heads][head_dim], RoPE applied
   std::span<const float> v;      // [num_tokens][num_kv_heads][head_dim]
   std::span<const SlotId> slots; // [num_tokens]: block_id * block_size + offset
+  // Layers with exact tokens: [num_tokens] exact page * block_size + offset, -1 = not kept.
+  std::span<const SlotId> exact_slots;
 };
 
 class AttentionBackend {

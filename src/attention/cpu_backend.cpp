@@ -27,6 +27,7 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
       .causal = true,
       .sliding_window = true,
       .non_causal = true,
+      .exact_tokens = true,
       .min_compute_capability = 0,
       .priority = 10,
       .description = "reference backend: every KV format, every mask, fp32 accumulation",
@@ -55,6 +56,24 @@ void CpuAttentionBackend::store_kv(LayerKVCache& c, const KVWrite& w) const {
           c.k_scale[c.scale_index(block, g, off)] = ks;
           c.v_scale[c.scale_index(block, g, off)] = vs;
         }
+      }
+    }
+  });
+  if (!s.keeps_exact()) return;
+  KVLM_CHECK(w.exact_slots.size() == n, "a layer with exact tokens was written without exact slots");
+  kvfmt::dispatch_kv(s.exact_storage, KVQuantMode::None, [&](auto fmt) {
+    using Exact = decltype(fmt);
+    for (size_t i = 0; i < n; ++i) {
+      const SlotId slot = w.exact_slots[i];
+      if (slot < 0) continue;
+      KVLM_CHECK(slot < SlotId(c.num_exact) * c.block_size, "exact slot out of range");
+      const int64_t page = slot / c.block_size;
+      const int off = int(slot % c.block_size);
+      for (int g = 0; g < kvh; ++g) {
+        const size_t src = (i * size_t(kvh) + size_t(g)) * size_t(d);
+        const size_t dst = c.exact_row_byte(page, g, off);
+        Exact::encode_row(w.k.subspan(src, size_t(d)), c.ek.data() + dst, 1.0f);
+        Exact::encode_row(w.v.subspan(src, size_t(d)), c.ev.data() + dst, 1.0f);
       }
     }
   });
@@ -89,9 +108,19 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
     KVLM_CHECK(size_t(seq.q_begin + seq.q_len) * size_t(nh * d) <= call.q.size(), "query rows out of range");
     KVLM_CHECK(seq.block_table.size() * size_t(bs) >= size_t(seq.kv_len), "block table shorter than the context");
     for (BlockId b : seq.block_table) KVLM_CHECK(b >= 0 && b < c.num_blocks, "block id out of range");
+    if (s.keeps_exact()) {
+      KVLM_CHECK(seq.exact_table.size() == seq.block_table.size(), "a layer with exact tokens was called without exact pages");
+      for (BlockId e : seq.exact_table) KVLM_CHECK(e >= -1 && e < c.num_exact, "exact page id out of range");
+    }
   }
+  // Exact sink / recent tokens: key j of the query at position p is read from the exact page
+  // when kv_key_exact(j, p, ...) (non-causal layers: p = the sequence's last position).
+  const bool exact = s.keeps_exact();
+  const DType exact_dtype = exact ? s.exact_storage : DType::F32;
   kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
+   kvfmt::dispatch_kv(exact_dtype, KVQuantMode::None, [&](auto exact_fmt) {
     using Fmt = decltype(fmt);
+    using Exact = decltype(exact_fmt);
     for (const AttnSeq& seq : call.seqs) {
       const int first_pos = seq.kv_len - seq.q_len;
       const int tiles = (seq.q_len + kQueryTile - 1) / kQueryTile;
@@ -107,6 +136,7 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
           std::vector<float> m(size_t(rows), -std::numeric_limits<float>::infinity()), l(size_t(rows), 0.0f);
           std::vector<float> acc(size_t(rows) * size_t(d), 0.0f);
           std::vector<float> kpage(size_t(bs) * size_t(d)), vpage(size_t(bs) * size_t(d));
+          std::vector<float> kexact(exact ? size_t(bs) * size_t(d) : 0), vexact(kexact.size());
           std::vector<float> score(static_cast<size_t>(bs));
           int lo = std::numeric_limits<int>::max(), hi = 0;
           for (int t = t0; t < t1; ++t) {
@@ -131,17 +161,33 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
               Fmt::decode_row(c.k.data() + at, ks, {kpage.data() + size_t(off) * size_t(d), size_t(d)});
               Fmt::decode_row(c.v.data() + at, vs, {vpage.data() + size_t(off) * size_t(d), size_t(d)});
             }
+            const BlockId exact_page = exact ? seq.exact_table[size_t(bi)] : -1;
+            if (exact_page >= 0) {
+              for (int j = j0; j < j1; ++j) {
+                const int off = j - bi * bs;
+                const size_t at = c.exact_row_byte(exact_page, g, off);
+                Exact::decode_row(c.ek.data() + at, 1.0f, {kexact.data() + size_t(off) * size_t(d), size_t(d)});
+                Exact::decode_row(c.ev.data() + at, 1.0f, {vexact.data() + size_t(off) * size_t(d), size_t(d)});
+              }
+            }
             for (int t = t0; t < t1; ++t) {
               const Span sp = visible(s, first_pos + t, seq.kv_len);
               const int a = std::max(j0, sp.lo), b = std::min(j1, sp.hi);
               if (a >= b) continue;
+              // This query's rows of the page: exact where kv_key_exact says so.
+              const int qpos = s.attn.kind == AttentionKind::NonCausal ? seq.kv_len - 1 : first_pos + t;
+              auto key_row = [&](const std::vector<float>& quant, const std::vector<float>& ex, int j) {
+                const bool from_exact = exact && kv_key_exact(j, qpos, s.keep_sink, s.keep_recent);
+                KVLM_CHECK(!from_exact || exact_page >= 0, "a key read exact has no exact page (engine bookkeeping)");
+                return (from_exact ? ex.data() : quant.data()) + size_t(j - bi * bs) * size_t(d);
+              };
               for (int hg = 0; hg < group; ++hg) {
                 const int h = g * group + hg;
                 const float* q = call.q.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
                 const size_t r = size_t(t - t0) * size_t(group) + size_t(hg);
                 float pmax = -std::numeric_limits<float>::infinity();
                 for (int j = a; j < b; ++j) {
-                  const float* k = kpage.data() + size_t(j - bi * bs) * size_t(d);
+                  const float* k = key_row(kpage, kexact, j);
                   float dot = 0.0f;
                   for (int x = 0; x < d; ++x) dot += q[x] * k[x];
                   score[size_t(j - a)] = dot * call.softmax_scale;
@@ -155,7 +201,7 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
                 for (int j = a; j < b; ++j) {
                   const float p = std::exp(score[size_t(j - a)] - new_m);
                   l[r] += p;
-                  const float* v = vpage.data() + size_t(j - bi * bs) * size_t(d);
+                  const float* v = key_row(vpage, vexact, j);
                   for (int x = 0; x < d; ++x) o[x] += p * v[x];
                 }
                 m[r] = new_m;
@@ -174,6 +220,7 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
         }
       }
     }
+   });
   });
 }
 

@@ -77,6 +77,9 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
       if (!c.non_causal) return std::string("does not support non-causal attention");
       break;
   }
+  if (l.keeps_exact() && !c.exact_tokens)
+    return std::string("cannot read exact sink / recent tokens yet (--kv-cache-keep-sink / --kv-cache-keep-recent); "
+                       "drop those flags or run this layer on the cpu backend");
   return std::nullopt;
 }
 

@@ -51,4 +51,10 @@ void validate_block_size(int b) {
     throw Error("invalid --block-size " + std::to_string(b) + "; use a power of two between 1 and 256 (16 is the usual choice)");
 }
 
+void validate_keep_tokens(int keep, std::string_view flag) {
+  if (keep < 0 || keep > 65536)
+    throw Error("invalid " + std::string(flag) + " " + std::to_string(keep) +
+                "; give a token count between 0 and 65536 (the measured settings are sink 4, recent 64)");
+}
+
 }  // namespace kvlm

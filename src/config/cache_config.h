@@ -33,9 +33,16 @@ struct CacheConfig {
   KVCacheDType kv_cache_dtype = KVCacheDType::Auto;
   SkipLayers skip_layers;
   KVRotation rotation = KVRotation::Auto;
+  // --kv-cache-keep-sink / --kv-cache-keep-recent: tokens every quantized layer also holds in
+  // the model dtype (kv_plan.h's kv_key_exact says which keys a query reads exact).
+  int keep_sink = 0;
+  int keep_recent = 0;
   int block_size = 16;                       // tokens per KV page
   std::optional<std::string> attention_backend;  // --attention-backend: force one by name
 };
+
+// Throws kvlm::Error unless 0 <= keep <= 65536 (`flag` names the option in the message).
+void validate_keep_tokens(int keep, std::string_view flag);
 
 // Throws kvlm::Error unless block_size is a power of two in [1, 256].
 void validate_block_size(int block_size);

@@ -69,9 +69,31 @@ size_t KVLayerSpec::bytes_per_token() const {
   return bytes;
 }
 
+size_t KVLayerSpec::exact_bytes_per_token() const {
+  return keeps_exact() ? 2 * size_t(attn.num_kv_heads) * size_t(attn.head_dim) * dtype_size(exact_storage) : 0;
+}
+
 size_t KVPlan::bytes_per_token() const {
   size_t total = 0;
   for (const auto& l : layers) total += l.bytes_per_token();
+  return total;
+}
+
+int KVPlan::keep_sink() const {
+  int n = 0;
+  for (const auto& l : layers) n = std::max(n, l.keep_sink);
+  return n;
+}
+
+int KVPlan::keep_recent() const {
+  int n = 0;
+  for (const auto& l : layers) n = std::max(n, l.keep_recent);
+  return n;
+}
+
+size_t KVPlan::exact_bytes_per_token() const {
+  size_t total = 0;
+  for (const auto& l : layers) total += l.exact_bytes_per_token();
   return total;
 }
 
@@ -91,6 +113,8 @@ void check_scales(const std::vector<float>& s, const std::string& name, const At
 KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,
                      const std::optional<CheckpointKVScheme>& scheme, const ScaleLookup& scales) {
   KVPlan plan;
+  validate_keep_tokens(cache.keep_sink, "--kv-cache-keep-sink");
+  validate_keep_tokens(cache.keep_recent, "--kv-cache-keep-recent");
   plan.requested = cache.kv_cache_dtype;
   plan.resolution = resolve_kv_dtype(cache.kv_cache_dtype, scheme, model_dtype);
 
@@ -155,6 +179,9 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
         s.rotate = pow2;
         if (!pow2) ++unrotated_int4;
       }
+      s.keep_sink = cache.keep_sink;
+      s.keep_recent = cache.keep_recent;
+      s.exact_storage = model_dtype;
     }
     plan.layers.push_back(std::move(s));
   }
@@ -162,6 +189,10 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
       std::ranges::none_of(plan.layers, [](const KVLayerSpec& l) { return l.rotate; }))
     plan.warnings.push_back("--kv-cache-rotation hadamard has no effect: no layer's KV cache is quantized "
                             "(the rotation applies to quantized layers only)");
+  if ((cache.keep_sink > 0 || cache.keep_recent > 0) &&
+      std::ranges::none_of(plan.layers, [](const KVLayerSpec& l) { return l.keeps_exact(); }))
+    plan.warnings.push_back("--kv-cache-keep-sink / --kv-cache-keep-recent have no effect: no layer's KV cache is "
+                            "quantized (every token is held in the model dtype already)");
   if (unrotated_int4 > 0)
     plan.warnings.push_back(std::to_string(unrotated_int4) +
                             " int4 layers are not rotated: the Hadamard rotation needs a power-of-two head_dim. "

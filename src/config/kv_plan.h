@@ -70,6 +70,15 @@ struct KVLayerSpec {
   // Hadamard: q, K and V are rotated by core/hadamard.h's R after RoPE (K and V stored
   // rotated) and the attention output is rotated back; only quantized layers rotate.
   bool rotate = false;
+  // Exact sink / recent tokens (quantized layers only; 0 = none): besides its quantized row,
+  // every token a query may read exact is also held in `exact_storage` (the model dtype) in
+  // the exact pages (kv_cache.h), and a query reads key j exact when kv_key_exact says so.
+  int keep_sink = 0;
+  int keep_recent = 0;
+  DType exact_storage = DType::BF16;
+  bool keeps_exact() const { return keep_sink > 0 || keep_recent > 0; }
+  // Bytes of one token's exact K and V rows (0 without exact tokens).
+  size_t exact_bytes_per_token() const;
 
   // Bytes one token occupies in this layer: K and V codes, plus per-(token, head) fp32
   // scales for the per-token-head modes.
@@ -78,6 +87,14 @@ struct KVLayerSpec {
   float v_scale_for(int kv_head) const { return v_scale.size() == 1 ? v_scale[0] : v_scale[size_t(kv_head)]; }
 };
 
+// Whether the query at position `query_pos` reads key `key` from its exact copy: the first
+// `sink` positions of the sequence and the query's `recent` latest keys (itself included).
+// Non-causal layers pass the sequence's last position as query_pos. The one rule every
+// backend and the engine's page bookkeeping follow.
+inline bool kv_key_exact(int key, int query_pos, int sink, int recent) {
+  return key < sink || query_pos - key < recent;
+}
+
 struct KVPlan {
   KVCacheDType requested = KVCacheDType::Auto;
   KVDTypeResolution resolution;
@@ -85,6 +102,11 @@ struct KVPlan {
   std::vector<std::string> warnings;  // for the caller to print (the function stays pure)
 
   size_t bytes_per_token() const;
+  // Exact sink / recent tokens: the largest setting of any layer (every keeping layer has the
+  // same one) and the bytes of one exact token over all keeping layers.
+  int keep_sink() const;
+  int keep_recent() const;
+  size_t exact_bytes_per_token() const;
 };
 
 KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,

@@ -6,10 +6,13 @@
 
 namespace kvlm {
 
-BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
+BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching, int num_exact_pages)
     : num_blocks_(num_blocks), block_size_(block_size), caching_(enable_prefix_caching),
       blocks_(size_t(std::max(num_blocks, 0))) {
-  KVLM_CHECK(num_blocks > 0 && block_size > 0, "empty block manager");
+  KVLM_CHECK(num_blocks > 0 && block_size > 0 && num_exact_pages >= 0, "empty block manager");
+  exact_of_.assign(size_t(num_blocks), -1);
+  exact_owner_.assign(size_t(num_exact_pages), -1);
+  for (int32_t e = num_exact_pages - 1; e >= 0; --e) exact_free_.push_back(e);
   if (caching_) tokens_.assign(size_t(num_blocks) * size_t(block_size), 0);
   for (BlockId i = 0; i < num_blocks; ++i) queue_push_back(i);
 }
@@ -81,8 +84,64 @@ std::optional<BlockId> BlockManager::allocate() {
   const BlockId id = head_;
   queue_remove(id);
   uncache(id);  // evict: the least recently used cached page (or a never-cached one)
-  blocks_[size_t(id)].refs = 1;
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(b.exact_holds == 0, "a free page with exact holds");
+  detach_exact(id);  // its tokens are about to be replaced
+  b.refs = 1;
   return id;
+}
+
+void BlockManager::detach_exact(BlockId id) {
+  Block& b = blocks_[size_t(id)];
+  const int32_t e = exact_of_[size_t(id)];
+  if (e < 0) return;
+  if (b.exact_idle) {
+    b.exact_idle = false;
+    --num_idle_exact_;
+  }
+  exact_of_[size_t(id)] = -1;
+  exact_owner_[size_t(e)] = -1;
+  exact_free_.push_back(e);
+}
+
+void BlockManager::hold_exact(BlockId id, bool fresh) {
+  KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(b.refs > 0, "exact hold on an unreferenced page");
+  if (exact_of_[size_t(id)] < 0) {
+    KVLM_CHECK(fresh, "a page whose exact copy is gone was held for exact reads");
+    if (exact_free_.empty()) {  // take an idle one back: the least recently idle
+      while (!idle_exact_.empty() && exact_free_.empty()) {
+        const BlockId victim = idle_exact_.front();
+        idle_exact_.pop_front();
+        if (blocks_[size_t(victim)].exact_idle) detach_exact(victim);
+      }
+    }
+    KVLM_CHECK(!exact_free_.empty(), "the exact-token pool is exhausted (the scheduler checks num_exact_available)");
+    const int32_t e = exact_free_.back();
+    exact_free_.pop_back();
+    exact_of_[size_t(id)] = e;
+    exact_owner_[size_t(e)] = id;
+  } else if (b.exact_idle) {
+    b.exact_idle = false;
+    --num_idle_exact_;
+  }
+  ++b.exact_holds;
+}
+
+void BlockManager::drop_exact(BlockId id) {
+  KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
+  Block& b = blocks_[size_t(id)];
+  KVLM_CHECK(b.exact_holds > 0, "exact hold dropped more often than taken");
+  if (--b.exact_holds > 0) return;
+  if (exact_of_[size_t(id)] >= 0) {
+    b.exact_idle = true;
+    ++num_idle_exact_;
+    idle_exact_.push_back(id);
+    if (idle_exact_.size() > 2 * size_t(num_blocks_)) {  // drop the entries of pages held again
+      std::erase_if(idle_exact_, [&](BlockId p) { return !blocks_[size_t(p)].exact_idle; });
+    }
+  }
 }
 
 void BlockManager::release(BlockId id) {

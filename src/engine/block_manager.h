@@ -11,9 +11,20 @@
 // Free pages form one queue: pages without a cache identity first (nothing to lose), then
 // cached pages in least-recently-used order. Allocation takes the head, evicting its
 // identity if it has one; freeing a cached page appends it to the tail.
+//
+// Exact pages (layers with exact sink / recent tokens, kv/kv_cache.h): a second, smaller
+// pool. A page that some sequence reads exact — one of its sink pages, or a page from its
+// recent window on — has an exact page, attached when the page is allocated fresh (its
+// tokens are written to both) and held by every sequence that needs it. A page nobody holds
+// keeps its exact page, idle, for a later prefix hit that resumes right after it; idle exact
+// pages are taken back, least recently idle first, when the exact pool runs dry, and a page
+// allocated afresh gives its up. A page whose exact copy is gone never gets one again (its
+// tokens are not written again), so a prefix hit stops before it (the scheduler's
+// admit_prefix).
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <span>
 #include <unordered_map>
@@ -25,7 +36,7 @@ namespace kvlm {
 
 class BlockManager {
  public:
-  BlockManager(int num_blocks, int block_size, bool enable_prefix_caching);
+  BlockManager(int num_blocks, int block_size, bool enable_prefix_caching, int num_exact_pages = 0);
 
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
@@ -52,6 +63,24 @@ class BlockManager {
   // returned, so the chain continues either way.
   uint64_t register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens);
 
+  // --- exact pages ---
+  int num_exact_pages() const { return int(exact_owner_.size()); }
+  // Exact pages a hold on fresh pages can take now (free, or idle on an unheld sink page).
+  int num_exact_available() const { return int(exact_free_.size()) + num_idle_exact_; }
+  // The exact page of page `id`, -1 = none; exact_map() is that for every page.
+  int32_t exact_of(BlockId id) const { return exact_of_[size_t(id)]; }
+  std::span<const int32_t> exact_map() const {
+    return exact_owner_.empty() ? std::span<const int32_t>{} : std::span<const int32_t>(exact_of_);
+  }
+  // A sequence needs page `id`'s exact copy. A page without one gets one only when `fresh`
+  // (just allocated, nothing written yet); otherwise it must have one. Throws when the
+  // exact pool is exhausted (check num_exact_available first).
+  void hold_exact(BlockId id, bool fresh);
+  // Drops one hold. At zero the exact page stays attached, idle, until the pool needs it
+  // back or the page is allocated afresh.
+  void drop_exact(BlockId id);
+  int exact_holds(BlockId id) const { return blocks_[size_t(id)].exact_holds; }
+
   // Statistics (tokens, in whole pages): looked up / found by match_prefix.
   uint64_t cache_queries() const { return queries_; }
   uint64_t cache_hits() const { return hits_; }
@@ -65,7 +94,10 @@ class BlockManager {
     uint64_t key = 0;
     BlockId prev = -1, next = -1;  // free-queue links
     bool in_queue = false;
+    int exact_holds = 0;
+    bool exact_idle = false;  // an exact page attached with no hold (counted in num_idle_exact_)
   };
+  void detach_exact(BlockId id);
   uint64_t key_of(uint64_t parent_serial, std::span<const TokenId> tokens) const;
   bool same_tokens(BlockId id, std::span<const TokenId> tokens) const;
   void queue_remove(BlockId id);
@@ -82,6 +114,11 @@ class BlockManager {
   int num_free_ = 0;
   uint64_t next_serial_ = 1;
   uint64_t queries_ = 0, hits_ = 0;
+  std::vector<int32_t> exact_of_;      // [num_blocks] exact page or -1
+  std::vector<BlockId> exact_owner_;   // [num_exact_pages] page it is attached to, or -1
+  std::vector<int32_t> exact_free_;    // unattached exact pages
+  std::deque<BlockId> idle_exact_;     // pages whose exact page went idle, oldest first (checked when taken)
+  int num_idle_exact_ = 0;
 };
 
 }  // namespace kvlm

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "engine/block_manager.h"
 #include "engine/proposer.h"
 #include "model/model_runner.h"
 
@@ -16,20 +17,23 @@ namespace kvlm {
 class DFlashProposer final : public DraftProposer {
  public:
   // block: the drafter's block size; k: tokens proposed per block (<= block - 1).
-  DFlashProposer(ModelRunner& runner, int page_size, int block, TokenId mask_token, int k)
-      : runner_(runner), page_size_(page_size), block_(block), mask_(mask_token), k_(k) {}
+  // `pages`: the scheduler's pages (their size, and their exact pages for exact tokens).
+  DFlashProposer(ModelRunner& runner, const BlockManager& pages, int block, TokenId mask_token, int k)
+      : runner_(runner), pages_(pages), page_size_(pages.block_size()), block_(block), mask_(mask_token), k_(k) {}
   int lookahead() const override { return block_ - 1; }
   void propose(std::span<Sequence* const> seqs, std::span<const int> max_draft) override;
 
  private:
   ModelRunner& runner_;
+  const BlockManager& pages_;
   int page_size_, block_;
   TokenId mask_;
   int k_;
   // Scratch, kept across steps.
   std::vector<TokenId> tokens_, drafted_;
   std::vector<Position> positions_;
-  std::vector<SlotId> slots_;
+  std::vector<SlotId> slots_, exact_slots_;
+  std::vector<BlockId> exact_tables_;
   std::vector<AttnSeq> seqs_;
   std::vector<int32_t> logit_rows_;
 };

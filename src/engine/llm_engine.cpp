@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "engine/dflash_proposer.h"
+#include "engine/memory_plan.h"
 #include "engine/ngram_proposer.h"
 #include "sampling/sampler.h"
 
@@ -23,6 +24,10 @@ SchedulerConfig checked(SchedulerConfig cfg, const LoadedModel& model) {
                 std::to_string(mc.max_position_embeddings) + " tokens (max_position_embeddings)");
   if (cfg.max_num_seqs < 1) throw Error("--max-num-seqs must be at least 1");
   if (cfg.max_num_batched_tokens < 1) throw Error("--max-num-batched-tokens must be at least 1");
+  const KVPlan& plan = model.plan();
+  cfg.keep_sink = plan.keep_sink();
+  cfg.keep_recent = plan.keep_recent();
+  cfg.num_exact_pages = exact_pages_needed(plan, model.block_size(), cfg.max_num_seqs, cfg.max_num_batched_tokens);
   if (int64_t(cfg.num_blocks) * model.block_size() < cfg.max_model_len)
     throw Error("the KV pool holds " + std::to_string(int64_t(cfg.num_blocks) * model.block_size()) +
                 " tokens, fewer than one request of --max-model-len " + std::to_string(cfg.max_model_len) +
@@ -37,14 +42,14 @@ LLMEngine::LLMEngine(LoadedModel& model, SchedulerConfig cfg)
       cfg_(checked(cfg, model)),
       scheduler_(cfg_, model.block_size(), model.model(), stats_),
       outputs_(model.config().eos_token_ids, cfg_.max_model_len, scheduler_, stats_) {
-  model.model().allocate_kv(cfg_.num_blocks, model.block_size());
+  model.model().allocate_kv(cfg_.num_blocks, model.block_size(), cfg_.num_exact_pages);
   if (const auto& spec = model.speculative(); spec && spec->method == SpecMethod::Ngram) {
     proposer_ = std::make_unique<NgramProposer>(spec->num_speculative_tokens, spec->prompt_lookup_min,
                                                 spec->prompt_lookup_max);
   } else if (spec && spec->method == SpecMethod::DFlash) {
     const auto& d = model.drafter_config();
     KVLM_CHECK(d && d->dflash && model.model().has_drafter(), "a dflash speculative config without a loaded drafter");
-    proposer_ = std::make_unique<DFlashProposer>(model.model(), model.block_size(), d->dflash->block_size,
+    proposer_ = std::make_unique<DFlashProposer>(model.model(), scheduler_.blocks(), d->dflash->block_size,
                                                  d->dflash->mask_token_id, spec->num_speculative_tokens);
   }
   if (const auto& spec = model.speculative()) draft_max_running_ = spec->disable_by_batch_size;
@@ -151,7 +156,7 @@ bool LLMEngine::step() {
   const std::vector<Sequence*> seqs = scheduler_.schedule();
   if (seqs.empty()) return !scheduler_.empty();
   batch_.build(seqs, model_.block_size(), model_.model().samples_on_device(), outputs_.has_eos(),
-               size_t(model_.config().vocab_size));
+               size_t(model_.config().vocab_size), scheduler_.blocks().exact_map());
   const auto t_forward = Clock::now();
   stats_.schedule_seconds_total += seconds(t_forward - t_step);
   try {

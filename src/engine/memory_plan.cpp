@@ -75,6 +75,16 @@ uint64_t parse_byte_size(std::string_view s) {
   return uint64_t(bytes);
 }
 
+int exact_pages_needed(const KVPlan& plan, int block_size, int max_num_seqs, int max_num_batched_tokens) {
+  if (plan.exact_bytes_per_token() == 0) return 0;
+  auto pages = [&](int64_t tokens) { return (tokens + block_size - 1) / block_size; };
+  const int64_t sink = pages(plan.keep_sink());
+  const int64_t recent = plan.keep_recent() > 0 ? pages(plan.keep_recent() - 1) + 2 : 0;
+  const int64_t step = plan.keep_recent() > 0 ? pages(std::max(max_num_batched_tokens, 1)) : 0;
+  const int64_t n = int64_t(std::max(max_num_seqs, 1)) * (sink + recent) + step;
+  return int(std::min<int64_t>(n, int64_t(1) << 30));
+}
+
 MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) {
   const ModelConfig& mc = engine.config();
   MemoryPlan mp;
@@ -89,6 +99,8 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   if (opts.gpu_memory_utilization <= 0 || opts.gpu_memory_utilization > 1)
     throw Error("--gpu-memory-utilization must be in (0, 1], got " + std::to_string(opts.gpu_memory_utilization));
 
+  mp.num_exact_pages = exact_pages_needed(engine.plan(), mp.block_size, opts.max_num_seqs, opts.max_num_batched_tokens);
+  mp.exact_bytes = uint64_t(mp.num_exact_pages) * uint64_t(mp.block_size) * engine.plan().exact_bytes_per_token();
   std::string source;
   uint64_t budget = 0;
   if (opts.kv_cache_memory) {
@@ -113,10 +125,22 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   } else {
     // CPU default (vLLM's CPU backend uses 4 GiB): 4 GiB, or less when max_num_seqs
     // sequences of max_model_len tokens need less.
-    const uint64_t want = uint64_t(std::max(opts.max_num_seqs, 1)) * uint64_t(mp.max_model_len) * mp.bytes_per_token;
+    const uint64_t want =
+        uint64_t(std::max(opts.max_num_seqs, 1)) * uint64_t(mp.max_model_len) * mp.bytes_per_token + mp.exact_bytes;
     budget = std::min<uint64_t>(4 * kGiB, want);
     source = "default (set --kv-cache-memory to change)";
   }
+  // The exact pages come out of the same budget.
+  if (mp.exact_bytes > 0 && mp.exact_bytes + mp.bytes_per_block > budget) {
+    char why[320];
+    std::snprintf(why, sizeof why,
+                  "the exact sink / recent tokens (--kv-cache-keep-sink %d, --kv-cache-keep-recent %d) need %s for %d "
+                  "sequences, more than the KV cache's %s from ",
+                  engine.plan().keep_sink(), engine.plan().keep_recent(), human_bytes(mp.exact_bytes).c_str(),
+                  opts.max_num_seqs, human_bytes(budget).c_str());
+    throw Error(why + source + "; lower --max-num-seqs or the kept tokens, or give the cache more memory");
+  }
+  budget -= mp.exact_bytes;
   mp.num_blocks = int(std::min<uint64_t>(budget / mp.bytes_per_block, uint64_t(1) << 30));
   mp.kv_bytes = uint64_t(mp.num_blocks) * mp.bytes_per_block;
   mp.capacity_tokens = int64_t(mp.num_blocks) * mp.block_size;
@@ -136,6 +160,14 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
                 with_commas(mp.capacity_tokens).c_str(), (unsigned long long)mp.bytes_per_token,
                 with_commas(mp.max_model_len).c_str(), mp.max_concurrency);
   mp.summary = line;
+  if (mp.num_exact_pages > 0) {
+    std::snprintf(line, sizeof line,
+                  "\nexact sink/recent tokens: %s (sink %d, recent %d per sequence, %zu bytes/token) = %d pages for "
+                  "%d sequences",
+                  human_bytes(mp.exact_bytes).c_str(), engine.plan().keep_sink(), engine.plan().keep_recent(),
+                  engine.plan().exact_bytes_per_token(), mp.num_exact_pages, opts.max_num_seqs);
+    mp.summary += line;
+  }
   return mp;
 }
 

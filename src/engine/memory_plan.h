@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 
+#include "config/kv_plan.h"
 #include "model/loaded_model.h"
 
 namespace kvlm {
@@ -19,6 +20,8 @@ struct MemoryOptions {
 
 struct MemoryPlan {
   int num_blocks = 0;
+  int num_exact_pages = 0;          // exact sink / recent tokens (exact_pages_needed)
+  uint64_t exact_bytes = 0;         // their pool, all keeping layers
   int block_size = 16;
   uint64_t kv_bytes = 0;            // the pool
   uint64_t bytes_per_block = 0;     // all layers
@@ -28,6 +31,13 @@ struct MemoryPlan {
   double max_concurrency = 0;       // capacity_tokens / max_model_len
   std::string summary;              // the startup log lines
 };
+
+// Exact pages (kv/kv_cache.h) for exact sink / recent tokens, so that every running sequence
+// holds its own (sinks, its recent window, the pages its step writes): per sequence the sink
+// pages, ceil((recent - 1) / block) + 2 window pages, and a step's max_num_batched_tokens in
+// pages on top. 0 when the plan keeps no exact tokens. (Should a load still run the pool dry,
+// the scheduler waits or preempts as for KV pages.)
+int exact_pages_needed(const KVPlan& plan, int block_size, int max_num_seqs, int max_num_batched_tokens);
 
 // Throws kvlm::Error with what to change when the pool cannot hold one max_model_len
 // sequence.

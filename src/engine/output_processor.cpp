@@ -143,6 +143,7 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
       report = true;
     }
     if (draft > 0) scheduler_.trim_pages(s);
+    scheduler_.advance_exact(s);
     scheduler_.register_full_pages(s);
     if (report && s.wants_prompt_logprobs() && (prompt_done || why != FinishReason::None)) {
       out.prompt_logprobs = std::move(s.prompt_lp);

@@ -1,6 +1,8 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <limits>
+#include <optional>
 
 #include "core/error.h"
 #include "model/model_runner.h"
@@ -12,7 +14,30 @@ int pages_for(int tokens, int block_size) { return (tokens + block_size - 1) / b
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& runner, EngineStats& stats)
-    : cfg_(cfg), blocks_(cfg.num_blocks, block_size, cfg.enable_prefix_caching), runner_(runner), stats_(stats) {}
+    : cfg_(cfg),
+      sink_pages_(cfg.num_exact_pages > 0 ? pages_for(cfg.keep_sink, block_size) : 0),
+      blocks_(cfg.num_blocks, block_size, cfg.enable_prefix_caching, cfg.num_exact_pages),
+      runner_(runner),
+      stats_(stats) {
+  KVLM_CHECK(cfg.num_exact_pages == 0 || cfg.keep_sink > 0 || cfg.keep_recent > 0, "exact pages without exact tokens");
+}
+
+int Scheduler::window_page(int next) const {
+  if (cfg_.keep_recent <= 0) return std::numeric_limits<int>::max();
+  return std::max(0, next - cfg_.keep_recent + 1) / blocks_.block_size();
+}
+
+void Scheduler::drop_exact_at(Sequence& s, size_t page) {
+  if (holds_exact(s, int(page))) blocks_.drop_exact(s.pages[page]);
+}
+
+void Scheduler::advance_exact(Sequence& s) {
+  if (!keeps_exact()) return;
+  const int from = std::max(s.exact_from, window_page(s.num_computed));
+  for (int i = std::max(sink_pages_, s.exact_from); i < std::min(from, int(s.pages.size())); ++i)
+    blocks_.drop_exact(s.pages[size_t(i)]);
+  s.exact_from = from;
+}
 
 int Scheduler::num_running() const {
   return int(std::ranges::count_if(running_, [](const auto& s) { return !s->finished; }));
@@ -31,19 +56,29 @@ bool Scheduler::ensure_pages(Sequence& s, int tokens) {
   const int need = pages_for(tokens, blocks_.block_size()) - int(s.pages.size());
   if (need <= 0) return true;
   if (need > blocks_.num_free()) return false;
-  for (int i = 0; i < need; ++i) {
+  if (s.pages.empty()) s.exact_from = window_page(s.num_computed);
+  const int first = int(s.pages.size());
+  if (keeps_exact()) {
+    int exact = 0;
+    for (int i = first; i < first + need; ++i) exact += holds_exact(s, i) ? 1 : 0;
+    if (exact > blocks_.num_exact_available()) return false;
+  }
+  for (int i = first; i < first + need; ++i) {
     auto b = blocks_.allocate();
     KVLM_CHECK(b.has_value(), "free page count and allocation disagree");
     s.pages.push_back(*b);
+    if (holds_exact(s, i)) blocks_.hold_exact(*b, /*fresh=*/true);
   }
   return true;
 }
 
 void Scheduler::release_pages(Sequence& s) {
+  for (size_t i = s.pages.size(); i-- > 0;) drop_exact_at(s, i);
   for (auto it = s.pages.rbegin(); it != s.pages.rend(); ++it) blocks_.release(*it);
   s.pages.clear();
   s.serials.clear();
   s.num_computed = 0;
+  s.exact_from = window_page(0);
 }
 
 // A sequence about to be scheduled for the first time (or again after preemption) takes
@@ -51,27 +86,61 @@ void Scheduler::release_pages(Sequence& s) {
 void Scheduler::admit_prefix(Sequence& s) {
   if (!blocks_.prefix_caching() || s.prompt_rows_end() > s.prompt_rows_begin() || !s.pages.empty()) return;
   const int bs = blocks_.block_size();
-  const int found = blocks_.match_prefix(s.tokens, s.pages, s.serials);
+  const int total = int(s.tokens.size());
+  int found = blocks_.match_prefix(s.tokens, s.pages, s.serials);
+  auto drop_last = [&] {
+    blocks_.release(s.pages.back());
+    s.pages.pop_back();
+    s.serials.pop_back();
+    --found;
+  };
+  // With exact tokens, a hit ends where a page the next query reads exact (its sinks, its
+  // recent window) has lost its exact copy: those tokens are computed again instead.
+  auto settle = [&] {
+    if (!keeps_exact()) return;
+    for (;;) {
+      const int next = std::min(found * bs, total - 1);
+      bool ok = true;
+      for (int i = 0; i < std::min(found, sink_pages_) && ok; ++i) ok = blocks_.exact_of(s.pages[size_t(i)]) >= 0;
+      for (int i = std::min(found, window_page(next)); i < found && ok; ++i) ok = blocks_.exact_of(s.pages[size_t(i)]) >= 0;
+      if (ok || found == 0) return;
+      drop_last();
+    }
+  };
+  settle();
   if (found == 0) return;
   int computed = found * bs;
-  const int total = int(s.tokens.size());
+  BlockId held_fresh = -1;
   if (computed >= total) {
     // Every token is cached, but the last one must run to give the next token's logits and
     // will write its K/V into the last page, which other sequences share: copy that page
     // first (copy-on-write) and recompute only the last token into the copy.
-    if (auto fresh = blocks_.allocate()) {
-      const std::pair<BlockId, BlockId> cow{s.pages.back(), *fresh};
+    const bool fresh_exact = keeps_exact() && needs_exact(found - 1, total - 1);
+    std::optional<BlockId> fresh;
+    if (!fresh_exact || blocks_.num_exact_available() > 0) fresh = blocks_.allocate();
+    if (fresh) {
+      PageCopy cow{.src = s.pages.back(), .dst = *fresh};
+      if (fresh_exact) {
+        blocks_.hold_exact(*fresh, /*fresh=*/true);
+        held_fresh = *fresh;
+        cow.exact_src = blocks_.exact_of(cow.src);
+        cow.exact_dst = blocks_.exact_of(*fresh);
+      }
       runner_.copy_blocks({&cow, 1});
       blocks_.release(s.pages.back());
       s.pages.back() = *fresh;
+      s.serials.pop_back();
     } else {  // no page to copy into: recompute the whole last page instead
-      blocks_.release(s.pages.back());
-      s.pages.pop_back();
+      drop_last();
+      settle();
+      if (found == 0) return;
     }
-    s.serials.pop_back();
     computed = std::min(total - 1, int(s.pages.size()) * bs);
   }
   s.num_computed = computed;
+  s.exact_from = window_page(computed);
+  for (size_t i = 0; i < s.pages.size(); ++i)
+    if (holds_exact(s, int(i)) && s.pages[i] != held_fresh) blocks_.hold_exact(s.pages[i], /*fresh=*/false);
   if (!s.started) s.cached_prompt_tokens = std::min(computed, s.num_prompt);
 }
 
@@ -85,6 +154,7 @@ void Scheduler::preempt(Sequence& s) {
 void Scheduler::trim_pages(Sequence& s) {
   const size_t keep = size_t(pages_for(int(s.tokens.size()), blocks_.block_size()));
   while (s.pages.size() > keep) {
+    drop_exact_at(s, s.pages.size() - 1);
     blocks_.release(s.pages.back());
     s.pages.pop_back();
   }

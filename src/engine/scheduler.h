@@ -10,6 +10,7 @@
 //      --max-num-seqs allow; a new sequence first takes what the prefix cache holds.
 #pragma once
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <span>
@@ -29,6 +30,11 @@ struct SchedulerConfig {
   int max_model_len = 0;               // prompt + output limit; 0 = the model's context
   bool enable_prefix_caching = true;
   int num_blocks = 0;                  // KV pool pages (see memory_plan.h)
+  // Exact sink / recent tokens: set by LLMEngine from the model's KV plan (memory_plan.h's
+  // exact_pages_needed sizes the exact pool); 0 = none.
+  int keep_sink = 0;
+  int keep_recent = 0;
+  int num_exact_pages = 0;
 };
 
 class Scheduler {
@@ -58,13 +64,26 @@ class Scheduler {
   // Registers the pages `s` has filled with computed tokens in the prefix cache.
   void register_full_pages(Sequence& s);
   const BlockManager& blocks() const { return blocks_; }
+  // After a step moved s.num_computed on: the pages that left every future query's recent
+  // window give up their exact copies.
+  void advance_exact(Sequence& s);
 
  private:
   bool ensure_pages(Sequence& s, int tokens);  // pages for `tokens` positions
   void admit_prefix(Sequence& s);
   void preempt(Sequence& s);
+  // Exact tokens (kv_plan.h's kv_key_exact): the sequence's first sink_pages_ pages and
+  // every page from window_page(next) on, `next` being its next query's position.
+  bool keeps_exact() const { return cfg_.num_exact_pages > 0; }
+  int window_page(int next) const;
+  bool needs_exact(int page, int next) const { return page < sink_pages_ || page >= window_page(next); }
+  bool holds_exact(const Sequence& s, int page) const {
+    return keeps_exact() && (page < sink_pages_ || page >= std::max(sink_pages_, s.exact_from));
+  }
+  void drop_exact_at(Sequence& s, size_t page);  // the hold of s on its page-th page, if any
 
   SchedulerConfig cfg_;
+  int sink_pages_ = 0;
   BlockManager blocks_;
   ModelRunner& runner_;
   EngineStats& stats_;

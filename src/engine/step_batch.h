@@ -19,7 +19,9 @@ class StepBatch {
   // Lays out `seqs` (each with `scheduled` set) and records each one's logit rows in it.
   // device_sampling: the runner samples on its device (forward_sampled); has_eos: the model
   // has EOS ids (min_tokens masks them).
-  void build(std::span<Sequence* const> seqs, int block_size, bool device_sampling, bool has_eos, size_t vocab);
+  // exact_map: the BlockManager's exact page of every page (empty: no exact tokens).
+  void build(std::span<Sequence* const> seqs, int block_size, bool device_sampling, bool has_eos, size_t vocab,
+             std::span<const int32_t> exact_map = {});
   // Runs the step: the pages receive the rows' K/V, the logits come back.
   void run(ModelRunner& runner);
 
@@ -35,6 +37,8 @@ class StepBatch {
   std::vector<TokenId> tokens_;
   std::vector<Position> positions_;
   std::vector<SlotId> slots_;
+  std::vector<SlotId> exact_slots_;
+  std::vector<BlockId> exact_tables_;  // the sequences' exact tables, one after the other
   std::vector<AttnSeq> attn_;
   std::vector<int32_t> logit_rows_;
   std::vector<RowSampling> row_sampling_;  // per logit row (runners that sample on their device)

@@ -12,8 +12,13 @@ KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size) {
           .scales = is_per_token_head(spec.quant) ? rows * sizeof(float) : 0};
 }
 
-KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size) : num_blocks_(num_blocks), block_size_(block_size) {
+KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size, int num_exact_pages)
+    : num_blocks_(num_blocks), block_size_(block_size) {
   KVLM_CHECK(num_blocks > 0 && block_size > 0, "empty KV cache");
+  KVLM_CHECK(num_exact_pages >= 0, "negative exact page count");
+  const bool any_exact = std::ranges::any_of(plan.layers, [](const KVLayerSpec& l) { return l.keeps_exact(); });
+  KVLM_CHECK(!any_exact || num_exact_pages > 0, "layers keep exact tokens but the cache has no exact pages");
+  num_exact_ = any_exact ? num_exact_pages : 0;
   layers_.reserve(plan.layers.size());
   for (const auto& spec : plan.layers) {
     LayerKVCache l;
@@ -27,6 +32,12 @@ KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size) : num_block
     l.k_scale.assign(page.scales / sizeof(float) * size_t(num_blocks), 0.0f);
     l.v_scale.assign(page.scales / sizeof(float) * size_t(num_blocks), 0.0f);
     KVLM_CHECK(l.bytes() == tokens * spec.bytes_per_token(), "layer pool size disagrees with the plan's bytes per token");
+    if (spec.keeps_exact()) {
+      l.num_exact = num_exact_;
+      const size_t exact = size_t(num_exact_) * size_t(block_size) * spec.exact_bytes_per_token() / 2;
+      l.ek.assign(exact, 0);
+      l.ev.assign(exact, 0);
+    }
     layers_.push_back(std::move(l));
   }
 }
@@ -49,6 +60,17 @@ void KVCache::copy_block(BlockId src, BlockId dst) {
       std::copy_n(l.k_scale.begin() + ptrdiff_t(size_t(src) * sp), sp, l.k_scale.begin() + ptrdiff_t(size_t(dst) * sp));
       std::copy_n(l.v_scale.begin() + ptrdiff_t(size_t(src) * sp), sp, l.v_scale.begin() + ptrdiff_t(size_t(dst) * sp));
     }
+  }
+}
+
+void KVCache::copy_exact_page(int32_t src, int32_t dst) {
+  KVLM_CHECK(src >= 0 && src < num_exact_ && dst >= 0 && dst < num_exact_, "copy_exact_page: exact page id out of range");
+  if (src == dst) return;
+  for (auto& l : layers_) {
+    if (l.num_exact == 0) continue;
+    const size_t page = l.ek.size() / size_t(num_exact_);
+    std::copy_n(l.ek.begin() + ptrdiff_t(size_t(src) * page), page, l.ek.begin() + ptrdiff_t(size_t(dst) * page));
+    std::copy_n(l.ev.begin() + ptrdiff_t(size_t(src) * page), page, l.ev.begin() + ptrdiff_t(size_t(dst) * page));
   }
 }
 

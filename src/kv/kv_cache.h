@@ -6,6 +6,12 @@
 //              (int4: head_dim / 2 bytes per row, kv_format.h's packing)
 //   k_scale, v_scale (per-token-head modes only): [num_blocks][num_kv_heads][block_size] fp32
 // A token's slot is block_id * block_size + offset; the same block id is used in every layer.
+//
+// Layers with exact sink / recent tokens (KVLayerSpec::keeps_exact) also have exact pages:
+//   ek, ev   : [num_exact][num_kv_heads][block_size][head_dim] elements of spec.exact_storage
+// a second, smaller pool of the model dtype that holds again the tokens some query reads
+// exact. The engine attaches an exact page to a page while that page holds such tokens
+// (engine/block_manager.h); exact page ids are their own id space, the same in every layer.
 #pragma once
 
 #include <cstdint>
@@ -30,8 +36,10 @@ struct LayerKVCache {
   int block_size = 0;
   std::vector<uint8_t> k, v;
   std::vector<float> k_scale, v_scale;
+  int num_exact = 0;  // exact pages (0 unless spec->keeps_exact())
+  std::vector<uint8_t> ek, ev;
 
-  size_t bytes() const { return k.size() + v.size() + 4 * (k_scale.size() + v_scale.size()); }
+  size_t bytes() const { return k.size() + v.size() + 4 * (k_scale.size() + v_scale.size()) + ek.size() + ev.size(); }
   // Element offset of (block, head, offset-in-block, 0).
   size_t row(int64_t block, int head, int offset) const {
     return ((size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset)) *
@@ -42,23 +50,31 @@ struct LayerKVCache {
   size_t scale_index(int64_t block, int head, int offset) const {
     return (size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset);
   }
+  // Byte offset of (exact page, head, offset-in-page, 0) in ek / ev.
+  size_t exact_row_byte(int64_t page, int head, int offset) const {
+    return scale_index(page, head, offset) * size_t(spec->attn.head_dim) * dtype_size(spec->exact_storage);
+  }
 };
 
 class KVCache {
  public:
-  // The plan must outlive the cache (layers point at its specs).
-  KVCache(const KVPlan& plan, int num_blocks, int block_size);
+  // The plan must outlive the cache (layers point at its specs). num_exact_pages: the exact
+  // pool of every layer that keeps exact tokens (ignored by the others).
+  KVCache(const KVPlan& plan, int num_blocks, int block_size, int num_exact_pages = 0);
   LayerKVCache& layer(size_t i) { return layers_[i]; }
   const LayerKVCache& layer(size_t i) const { return layers_[i]; }
   size_t num_layers() const { return layers_.size(); }
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
+  int num_exact_pages() const { return num_exact_; }
   size_t bytes() const;
   // Copies page `src` onto page `dst` in every layer (K, V and token scales).
   void copy_block(BlockId src, BlockId dst);
+  // Copies exact page `src` onto exact page `dst` in every layer that has exact pages.
+  void copy_exact_page(int32_t src, int32_t dst);
 
  private:
-  int num_blocks_, block_size_;
+  int num_blocks_, block_size_, num_exact_ = 0;
   std::vector<LayerKVCache> layers_;
 };
 

@@ -22,8 +22,17 @@ struct ForwardBatch {
   std::span<const TokenId> tokens;     // [num_tokens]
   std::span<const Position> positions; // [num_tokens]
   std::span<const SlotId> slots;       // [num_tokens]: where each token's K/V goes
-  std::span<const AttnSeq> seqs;       // per sequence: rows, context length, block table
+  // [num_tokens] where each token's exact copy goes (layers with exact sink / recent tokens:
+  // exact page * block_size + offset, -1 = none); empty when no layer keeps exact tokens.
+  std::span<const SlotId> exact_slots;
+  std::span<const AttnSeq> seqs;       // per sequence: rows, context length, block tables
   std::span<const int32_t> logit_rows; // rows of `tokens` whose next-token logits are wanted
+};
+
+// One page copy (copy_blocks).
+struct PageCopy {
+  BlockId src = -1, dst = -1;
+  BlockId exact_src = -1, exact_dst = -1;  // exact pages, -1 = none
 };
 
 // How forward_sampled treats one logit row.
@@ -44,8 +53,10 @@ class ModelRunner {
   virtual size_t weight_bytes() const = 0;
 
   // (Re)allocates the KV pool as `num_blocks` pages of `block_size` tokens in every layer,
-  // each layer sized exactly by its KVLayerSpec. Previous contents are discarded.
-  virtual void allocate_kv(int num_blocks, int block_size) = 0;
+  // each layer sized exactly by its KVLayerSpec, and `num_exact_pages` exact pages in every
+  // layer that keeps exact sink / recent tokens (kv/kv_cache.h). Previous contents are
+  // discarded.
+  virtual void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) = 0;
   virtual int kv_num_blocks() const = 0;
   virtual size_t kv_bytes() const = 0;
 
@@ -74,9 +85,10 @@ class ModelRunner {
   virtual void draft(const ForwardBatch& blocks, std::span<float> logits);
   virtual void draft_greedy(const ForwardBatch& blocks, std::span<TokenId> tokens);
 
-  // Copies whole pages (every layer, K, V and scales) from .first to .second: the
-  // copy-on-write of a shared prefix page that a sequence is about to write into.
-  virtual void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) = 0;
+  // Copies whole pages (every layer, K, V and scales) from src to dst, and the exact page
+  // exact_src onto exact_dst where both are given: the copy-on-write of a shared prefix page
+  // that a sequence is about to write into.
+  virtual void copy_blocks(std::span<const PageCopy> copies) = 0;
 };
 
 }  // namespace kvlm

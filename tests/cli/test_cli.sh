@@ -79,6 +79,17 @@ done
   && grep -q "int4      int4_per_token_head  explicit    per-token-head dynamic, zero point  none" "$tmp/out" && ok || bad "inspect int4 unrotated: $(cat "$tmp/out")"
 "$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 --kv-cache-dtype int8_per_token_head --kv-cache-rotation hadamard --json -q >/dev/null \
   && ok || bad "generate int8 rotated"
+# Exact sink / recent tokens: per layer in the plan, with the bytes of one exact token (bf16:
+# 2 heads x 32 x 2 bytes, K and V = 256), and in generate's summary line.
+"$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype int4_per_token_head --kv-cache-keep-sink 4 --kv-cache-keep-recent 64 --json >"$tmp/ik.json" \
+  && [ "$(json_get "$tmp/ik.json" "sorted(set((l['keep_sink'], l['keep_recent'], l['exact_bytes_per_token']) for l in d['layers']))")" = "[(4, 64, 256)]" ] \
+  && [ "$(json_get "$tmp/ik.json" "d['exact_bytes_per_token'], d['kv_bytes_per_token']")" = "1024 320" ] && ok || bad "inspect exact tokens --json"
+"$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers 0 --kv-cache-keep-recent 16 >"$tmp/out" 2>&1 \
+  && grep -q "skip rule .* none      none " "$tmp/out" && grep -q "sink 0 + recent 16, bfloat16 256 B/token" "$tmp/out" && ok || bad "inspect exact tokens: $(cat "$tmp/out")"
+"$KVLM" generate --prompt-ids $ids --max-tokens 6 --temperature 0 --kv-cache-dtype int4_per_token_head --kv-cache-keep-sink 4 --kv-cache-keep-recent 8 >/dev/null 2>"$tmp/err" \
+  && grep -q "exact sink 4 + recent 8" "$tmp/err" && ok || bad "generate exact tokens: $(cat "$tmp/err")"
+"$KVLM" inspect --kv-cache-keep-sink 4 >"$tmp/out" 2>&1 && grep -q "have no effect: no layer's KV cache is quantized" "$tmp/out" \
+  && ok || bad "exact tokens without a quantized layer warn: $(cat "$tmp/out")"
 
 # --- text: tokenizer, chat template, streaming, stop strings, chat -------------------------
 chat="$here/../models/tiny-chat"
@@ -118,6 +129,8 @@ expect_error 1 "valid values are: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5
   generate --prompt-ids 1,2 --kv-cache-dtype fp8_e6m1
 expect_error 1 "layer 9 but the model has 5 layers" -- inspect --model "$stories" --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 9
 expect_error 1 "invalid --kv-cache-rotation 'walsh'; valid values are: auto" -- inspect --kv-cache-rotation walsh
+expect_error 1 "invalid --kv-cache-keep-recent -3; give a token count between 0 and 65536" -- inspect --kv-cache-keep-recent -3
+expect_error 1 "invalid --kv-cache-keep-sink 100000" -- generate --prompt-ids 1 --kv-cache-dtype int4_per_token_head --kv-cache-keep-sink 100000
 expect_error 1 "invalid --kv-cache-dtype-skip-layers entry 'full'" -- inspect --kv-cache-dtype-skip-layers full
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu

@@ -533,9 +533,9 @@ TEST(CudaRunner, CopyBlocksAndPoolLayout) {
     r.forward({.tokens = toks, .positions = pos, .slots = slots, .seqs = {&s, 1}, .logit_rows = last}, logits);
     // Copy-on-write of the partial page 2 -> 11; chained pairs keep sequential semantics
     // (7 -> 12, then 12 -> 13: page 13 gets page 7's content).
-    const std::vector<std::pair<BlockId, BlockId>> cow{{2, 11}};
+    const std::vector<PageCopy> cow{{.src = 2, .dst = 11}};
     r.copy_blocks(cow);
-    const std::vector<std::pair<BlockId, BlockId>> chain{{7, 12}, {12, 13}};
+    const std::vector<PageCopy> chain{{.src = 7, .dst = 12}, {.src = 12, .dst = 13}};
     r.copy_blocks(chain);
     for (size_t li = 0; li < ce->plan().layers.size(); ++li) {
       KVCache h(ce->plan(), nb, bs);

@@ -13,6 +13,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "attention/cpu_backend.h"
 #include "attention/kv_format.h"
@@ -35,6 +36,8 @@ struct Case {
   int q_heads, kv_heads;
   int block_size;
   bool rotate = false;  // as CpuOps does for a rotated layer: R q, R k, R v in, R^T on the output
+  int keep_sink = 0, keep_recent = 0;  // exact sink / recent tokens
+  bool exact_bf16 = false;             // exact copies in bfloat16 (else the fp32 model dtype)
 };
 
 // Bound on rms(out - ref) / rms(ref) against attention over the unquantized K/V.
@@ -106,19 +109,35 @@ Result run_case(const Case& c, uint32_t seed) {
 
   CacheConfig cc;
   cc.kv_cache_dtype = c.dtype;
+  cc.keep_sink = c.keep_sink;
+  cc.keep_recent = c.keep_recent;
   const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::F32, std::nullopt, {});
   if (plan.layers[0].quant == KVQuantMode::Fp8PerTensor) {
     plan.layers[0].k_scale = {0.5f};  // a non-trivial static scale
     plan.layers[0].v_scale = {0.25f};
   }
+  const bool keep = plan.layers[0].keeps_exact();
+  if (keep && c.exact_bf16) plan.layers[0].exact_storage = DType::BF16;
   // Pages: shuffled pool twice the size needed, so tables are scattered with holes.
   int pages_needed = 0;
   for (auto s : shapes) pages_needed += (s.kv_len + bs - 1) / bs;
-  KVCache cache(plan, 2 * pages_needed + 3, bs);
+  KVCache cache(plan, 2 * pages_needed + 3, bs, keep ? 2 * pages_needed + 3 : 0);
   std::vector<BlockId> pool(size_t(cache.num_blocks()));
   std::iota(pool.begin(), pool.end(), 0);
   std::shuffle(pool.begin(), pool.end(), rng);
+  // Exact pages, from their own shuffled pool (another generator: the data stays as without).
+  std::mt19937 erng(seed + 1000);
+  std::vector<BlockId> epool(size_t(cache.num_exact_pages()));
+  std::iota(epool.begin(), epool.end(), 0);
+  std::shuffle(epool.begin(), epool.end(), erng);
+  size_t next_exact = 0;
+  std::vector<std::vector<BlockId>> exact_tables;
+  // Whether key j is read exact by the query at `pos` (non-causal: the last position).
+  auto read_exact = [&](int j, int pos, int kv_len) {
+    const int qpos = c.kind == AttentionKind::NonCausal ? kv_len - 1 : pos;
+    return keep && kv_key_exact(j, qpos, c.keep_sink, c.keep_recent);
+  };
 
   const CpuAttentionBackend be;
   std::vector<std::vector<BlockId>> tables;
@@ -132,6 +151,20 @@ Result run_case(const Case& c, uint32_t seed) {
       next_page += 2;  // leave a hole
     }
     tables.push_back(t);
+    // An exact page only where some query of the call reads a key of it exact: the backend
+    // must never look for one elsewhere.
+    std::vector<BlockId> et(t.size(), -1);
+    for (int t_ = 0; t_ < s.q_len; ++t_) {
+      const int pos = s.kv_len - s.q_len + t_;
+      auto [lo, hi] = visible(c, pos, s.kv_len);
+      for (int j = lo; j < hi; ++j)
+        if (read_exact(j, pos, s.kv_len) && et[size_t(j / bs)] < 0) et[size_t(j / bs)] = epool[next_exact++];
+    }
+    exact_tables.push_back(et);
+    std::vector<SlotId> exact_slots;
+    if (keep)
+      for (int p = 0; p < s.kv_len; ++p)
+        exact_slots.push_back(et[size_t(p / bs)] < 0 ? -1 : SlotId(et[size_t(p / bs)]) * bs + p % bs);
     std::vector<float> k(size_t(s.kv_len) * size_t(kvh) * size_t(d)), v(k.size());
     for (size_t i = 0; i < k.size(); ++i) {
       const bool outlier = (i % size_t(d)) % 50 == 7;  // a few large K channels, as in real LLMs
@@ -146,7 +179,7 @@ Result run_case(const Case& c, uint32_t seed) {
         num::hadamard_rotate(ks.data() + r * size_t(d), d);
         num::hadamard_rotate(vs.data() + r * size_t(d), d);
       }
-    be.store_kv(cache.layer(0), KVWrite{.k = ks, .v = vs, .slots = slots});
+    be.store_kv(cache.layer(0), KVWrite{.k = ks, .v = vs, .slots = slots, .exact_slots = exact_slots});
     k_orig.push_back(std::move(k));
     v_orig.push_back(std::move(v));
     total_q += s.q_len;
@@ -157,7 +190,8 @@ Result run_case(const Case& c, uint32_t seed) {
   std::vector<AttnSeq> seqs;
   int row = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    seqs.push_back({.q_begin = row, .q_len = shapes[i].q_len, .kv_len = shapes[i].kv_len, .block_table = tables[i]});
+    seqs.push_back({.q_begin = row, .q_len = shapes[i].q_len, .kv_len = shapes[i].kv_len, .block_table = tables[i],
+                    .exact_table = keep ? std::span<const BlockId>(exact_tables[i]) : std::span<const BlockId>{}});
     row += shapes[i].q_len;
   }
   const float scale = 1.0f / std::sqrt(float(d));
@@ -176,8 +210,20 @@ Result run_case(const Case& c, uint32_t seed) {
   for (size_t si = 0; si < shapes.size(); ++si) {
     const auto s = shapes[si];
     for (int g = 0; g < kvh; ++g) {
-      // Rows as stored, decoded one at a time through the format codec.
+      // Rows as stored, decoded one at a time through the format codec; exact copies too.
       std::vector<float> ks(size_t(s.kv_len) * size_t(d)), vs(ks.size()), ko(ks.size()), vo(ks.size());
+      std::vector<float> ke(ks.size(), std::numeric_limits<float>::quiet_NaN()), ve(ke);
+      if (keep)
+        kvfmt::dispatch_kv(spec.exact_storage, KVQuantMode::None, [&](auto fmt) {
+          using Exact = decltype(fmt);
+          for (int p = 0; p < s.kv_len; ++p) {
+            const BlockId e = exact_tables[si][size_t(p / bs)];
+            if (e < 0) continue;
+            const size_t at = L.exact_row_byte(e, g, p % bs);
+            Exact::decode_row(L.ek.data() + at, 1.0f, {ke.data() + size_t(p) * size_t(d), size_t(d)});
+            Exact::decode_row(L.ev.data() + at, 1.0f, {ve.data() + size_t(p) * size_t(d), size_t(d)});
+          }
+        });
       kvfmt::dispatch_kv(spec.storage, spec.quant, [&](auto fmt) {
         using Fmt = decltype(fmt);
         for (int p = 0; p < s.kv_len; ++p) {
@@ -203,7 +249,13 @@ Result run_case(const Case& c, uint32_t seed) {
           const int h = g * (nh / kvh) + hg;
           const size_t at = (size_t(seqs[si].q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
           std::vector<double> e(static_cast<size_t>(d)), o(static_cast<size_t>(d));
-          ref_attend(c, qa.data() + at, ks, vs, pos, s.kv_len, d, scale, e.data());
+          std::vector<float> kq = ks, vq = vs;  // the rows this query reads
+          for (int j = 0; j < s.kv_len; ++j)
+            if (read_exact(j, pos, s.kv_len)) {
+              std::copy_n(ke.begin() + ptrdiff_t(j) * d, d, kq.begin() + ptrdiff_t(j) * d);
+              std::copy_n(ve.begin() + ptrdiff_t(j) * d, d, vq.begin() + ptrdiff_t(j) * d);
+            }
+          ref_attend(c, qa.data() + at, kq, vq, pos, s.kv_len, d, scale, e.data());
           ref_attend(c, q.data() + at, ko, vo, pos, s.kv_len, d, scale, o.data());
           for (int x = 0; x < d; ++x) {
             const double got = out[at + size_t(x)];
@@ -272,6 +324,42 @@ TEST(Attention, RotationHelpsQuantizedFormats) {
       const double gain = dt == KVCacheDType::Int8PerTokenHead ? 2.0 : dt == KVCacheDType::Int4PerTokenHead ? 1.5 : 0.0;
       if (gain > 0) EXPECT_LT(rotated.quant_err * gain, plain.quant_err) << kv_cache_dtype_name(dt) << " hd " << base.head_dim;
       EXPECT_LT(rotated.quant_err, bound(dt)) << kv_cache_dtype_name(dt) << " hd " << base.head_dim;
+    }
+  }
+}
+
+// Exact sink / recent tokens (kv_plan.h's kv_key_exact): the backend reads each query's keys
+// from the exact pages exactly where the rule says — the stored-rows reference picks the same
+// rows per query (exact within 2e-5; a misread row is an O(step) error, far above that) —
+// and nowhere else (exact pages exist only where some query needs one; any other lookup
+// throws). Keeping tokens exact lowers the error against unquantized attention; keeping more
+// than the context in fp32 leaves only summation order.
+TEST(Attention, ExactSinkAndRecentTokens) {
+  for (KVCacheDType dt : {KVCacheDType::Int4PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Fp8}) {
+    for (const Case& base : {Case{dt, AttentionKind::Full, 0, 64, 8, 2, 16}, Case{dt, AttentionKind::Sliding, 20, 32, 6, 3, 8},
+                             Case{dt, AttentionKind::NonCausal, 0, 128, 4, 1, 16}, Case{dt, AttentionKind::Full, 0, 8, 8, 4, 1}}) {
+      const Result plain = run_case(base, 11);
+      for (auto [sink, recent, rotate, bf16] : {std::tuple{4, 8, false, false}, std::tuple{0, 16, true, false},
+                                                std::tuple{3, 0, false, true}, std::tuple{2, 5, true, true}}) {
+        Case c = base;
+        c.keep_sink = sink;
+        c.keep_recent = recent;
+        c.rotate = rotate && dt != KVCacheDType::Fp8;
+        c.exact_bf16 = bf16;
+        const Result r = run_case(c, 11);
+        std::printf("[exact] %-20s %-10s hd=%-3d sink %d recent %-2d%s%s exact=%.2e vs-unquantized %.3e (none kept %.3e)\n",
+                    std::string(kv_cache_dtype_name(dt)).c_str(), std::string(attention_kind_name(base.kind)).c_str(),
+                    base.head_dim, sink, recent, c.rotate ? " rotated" : "", bf16 ? " bf16" : "", r.exact_err, r.quant_err,
+                    plain.quant_err);
+        EXPECT_LT(r.exact_err, 2e-5) << kv_cache_dtype_name(dt) << " " << attention_kind_name(base.kind);
+        if (!c.rotate && !bf16) EXPECT_LT(r.quant_err, plain.quant_err) << kv_cache_dtype_name(dt);
+        EXPECT_LT(r.quant_err, bound(dt));
+      }
+      Case all = base;  // every key within the recent window: fp32 throughout
+      all.keep_recent = 1000;
+      const Result r = run_case(all, 11);
+      EXPECT_LT(r.exact_err, 2e-5);
+      EXPECT_LT(r.quant_err, bound(KVCacheDType::Auto)) << kv_cache_dtype_name(dt) << " " << attention_kind_name(base.kind);
     }
   }
 }

@@ -265,10 +265,18 @@ TEST(DFlash, GreedyOutputIsThePlainOutputInEveryKVMode) {
   int parted = 0;
   for (const KVCacheDType dt : {KVCacheDType::Auto, KVCacheDType::Fp8, KVCacheDType::Fp8PerTokenHead,
                                 KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead}) {
+    // "mixed": layers 0 and 6 unquantized; for int4, exact sink 2 / recent 6 tokens instead
+    // (the drafter's non-causal layers read them too).
     for (const bool mixed : {false, true}) {
-      SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)) + (mixed ? " mixed" : ""));
+      const bool exact = mixed && dt == KVCacheDType::Int4PerTokenHead;
+      SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)) + (exact ? " exact sink/recent" : mixed ? " mixed" : ""));
       ModelOptions o = tiny(dt, nullptr);
-      if (mixed) o.cache.skip_layers = parse_skip_layers("0,6");
+      if (exact) {
+        o.cache.keep_sink = 2;
+        o.cache.keep_recent = 6;
+      } else if (mixed) {
+        o.cache.skip_layers = parse_skip_layers("0,6");
+      }
       auto plain = LoadedModel::load(o);
       ModelOptions so = tiny(dt, &D, 5);
       so.cache = o.cache;

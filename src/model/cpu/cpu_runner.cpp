@@ -155,7 +155,8 @@ class CpuOps final : public Ops {
         num::hadamard_rotate(v_.data() + r * size_t(d), d);
       }
     }
-    backends_[size_t(layer)]->store_kv(cache_.layer(size_t(layer)), KVWrite{.k = k_, .v = v_, .slots = b_.slots});
+    backends_[size_t(layer)]->store_kv(cache_.layer(size_t(layer)),
+                                      KVWrite{.k = k_, .v = v_, .slots = b_.slots, .exact_slots = b_.exact_slots});
   }
 
   void attention(int layer, Tensor q, Tensor out, float softmax_scale) override {
@@ -213,14 +214,17 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
 
 CpuModelRunner::~CpuModelRunner() = default;
 
-void CpuModelRunner::allocate_kv(int num_blocks, int block_size) {
+void CpuModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_pages) {
   cache_.reset();  // release the old pool before allocating the new one
-  cache_ = std::make_unique<KVCache>(*plan_, num_blocks, block_size);
+  cache_ = std::make_unique<KVCache>(*plan_, num_blocks, block_size, num_exact_pages);
 }
 
-void CpuModelRunner::copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) {
+void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
   KVLM_CHECK(cache_ != nullptr, "copy_blocks before allocate_kv");
-  for (const auto& [src, dst] : pairs) cache_->copy_block(src, dst);
+  for (const PageCopy& c : copies) {
+    cache_->copy_block(c.src, c.dst);
+    if (c.exact_src >= 0 && c.exact_dst >= 0) cache_->copy_exact_page(c.exact_src, c.exact_dst);
+  }
 }
 
 void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {

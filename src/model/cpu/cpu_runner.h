@@ -35,11 +35,11 @@ class CpuModelRunner final : public ModelRunner {
   size_t num_parameters() const override { return num_params_; }
   size_t weight_bytes() const override { return num_params_ * sizeof(float); }
 
-  void allocate_kv(int num_blocks, int block_size) override;
+  void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
   int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }
   size_t kv_bytes() const override { return cache_ ? cache_->bytes() : 0; }
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
-  void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
+  void copy_blocks(std::span<const PageCopy> copies) override;
   bool has_drafter() const override { return draft_def_ != nullptr; }
   void draft(const ForwardBatch& blocks, std::span<float> logits) override;
 

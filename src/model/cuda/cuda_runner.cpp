@@ -468,10 +468,15 @@ void CudaModelRunner::set_cuda_graphs(bool on) {
 
 // ---- the KV pool --------------------------------------------------------------------------
 
-void CudaModelRunner::allocate_kv(int num_blocks, int block_size) {
+void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_pages) {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   if (num_blocks < 1) throw Error("the KV pool needs at least one page, got " + std::to_string(num_blocks));
+  // The selector gives no CUDA backend a layer with exact sink / recent tokens (none declares
+  // exact_tokens yet), so a plan that reaches here keeps none.
+  KVLM_CHECK(std::ranges::none_of(m.plan->layers, [](const KVLayerSpec& l) { return l.keeps_exact(); }),
+             "the CUDA runner has no exact pages");
+  (void)num_exact_pages;
   validate_block_size(block_size);
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   m.clear_graphs();
@@ -516,14 +521,15 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size) {
   m.ops->set_kv(m.lkv, block_size, num_blocks);
 }
 
-void CudaModelRunner::copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) {
+void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   KVLM_CHECK(m.num_blocks > 0, "copy_blocks before allocate_kv");
   if (pairs.empty()) return;
   std::set<BlockId> srcs, dsts;
   bool chained = false;
-  for (const auto& [s, d] : pairs) {
+  for (const auto& [s, d, es, ed] : pairs) {
+    KVLM_CHECK(es < 0 && ed < 0, "copy_blocks: the CUDA runner has no exact pages");
     KVLM_CHECK(s >= 0 && s < m.num_blocks && d >= 0 && d < m.num_blocks, "copy_blocks: page id out of range");
     srcs.insert(s);
     chained |= !dsts.insert(d).second;  // a page written twice: order matters
@@ -532,8 +538,8 @@ void CudaModelRunner::copy_blocks(std::span<const std::pair<BlockId, BlockId>> p
   const size_t bytes = pairs.size() * 2 * sizeof(BlockId);
   BlockId* host = reinterpret_cast<BlockId*>(m.pairs_host.reserve(bytes));
   for (size_t i = 0; i < pairs.size(); ++i) {
-    host[2 * i] = pairs[i].first;
-    host[2 * i + 1] = pairs[i].second;
+    host[2 * i] = pairs[i].src;
+    host[2 * i + 1] = pairs[i].dst;
   }
   if (bytes > m.pairs_dev.bytes()) {
     KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));

@@ -50,11 +50,11 @@ class CudaModelRunner final : public ModelRunner {
   size_t num_parameters() const override;
   size_t weight_bytes() const override;
 
-  void allocate_kv(int num_blocks, int block_size) override;
+  void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
   int kv_num_blocks() const override;
   size_t kv_bytes() const override;
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
-  void copy_blocks(std::span<const std::pair<BlockId, BlockId>> pairs) override;
+  void copy_blocks(std::span<const PageCopy> copies) override;
 
   // Sampling on the GPU (ops/cuda/sampling.h): only token ids, and the logits of the rows
   // that are not sampled there, cross to the host.
