@@ -1,7 +1,8 @@
 // End-to-end decode benchmark of the CUDA model runner, through the ModelRunner interface
 // the engines use (ForwardBatch in, fp32 logits on the host out).
 //
-//   decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] [--gemv-lab]
+//   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64] [--shapes 1x512,64x4096]
+//                [--steps 32] [--gemv-lab]
 //                [--no-gemv] [--no-pdl] [--draft DIR [--spec-tokens K]]
 //
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
@@ -96,7 +97,7 @@ struct Result {
 };
 
 // Decodes `steps` tokens for `batch` sequences of `context` cached tokens; returns ms/step.
-Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logits, int bs) {
+Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logits, int bs, bool exact = false) {
   const int warm = 3, V = r.config().vocab_size;
   const int per_seq = (context + warm + steps + 1 + bs - 1) / bs;
   std::vector<std::vector<BlockId>> tables(static_cast<size_t>(batch));
@@ -118,8 +119,11 @@ Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logi
       pos[size_t(s)] = p;
       slots[size_t(s)] = SlotId(tables[size_t(s)][size_t(p / bs)]) * bs + p % bs;
       seqs[size_t(s)] = {.q_begin = s, .q_len = 1, .kv_len = p + 1, .block_table = tables[size_t(s)]};
+      if (exact) seqs[size_t(s)].exact_table = tables[size_t(s)];  // every page has its exact page, same id
     }
-    const ForwardBatch fb{.tokens = tokens, .positions = pos, .slots = slots, .seqs = seqs, .logit_rows = rows};
+    const ForwardBatch fb{.tokens = tokens, .positions = pos, .slots = slots,
+                          .exact_slots = exact ? std::span<const SlotId>(slots) : std::span<const SlotId>{}, .seqs = seqs,
+                          .logit_rows = rows};
     if (host_logits) r.forward(fb, out);
     else r.forward_greedy(fb, ids);
   };
@@ -394,7 +398,18 @@ int main(int argc, char** argv) {
     for (const std::string& kv : split(kvs)) {
       ModelOptions o;
       o.model_dir = model;
-      o.cache.kv_cache_dtype = parse_kv_cache_dtype(kv);
+      // "DTYPE[/ROTATION][@SINK:RECENT]": int4_per_token_head/none times the rotation's cost,
+      // int4_per_token_head@4:64 exact sink / recent tokens (every page then has an exact page).
+      const auto at = kv.find('@');
+      const std::string fmt = kv.substr(0, at);
+      const auto slash = fmt.find('/');
+      o.cache.kv_cache_dtype = parse_kv_cache_dtype(fmt.substr(0, slash));
+      if (slash != std::string::npos) o.cache.rotation = parse_kv_rotation(fmt.substr(slash + 1));
+      if (at != std::string::npos) {
+        const std::string keep = kv.substr(at + 1);
+        o.cache.keep_sink = std::stoi(keep.substr(0, keep.find(':')));
+        o.cache.keep_recent = std::stoi(keep.substr(keep.find(':') + 1));
+      }
       o.device = Device::Cuda;
       const auto t0 = std::chrono::steady_clock::now();
       auto e = LoadedModel::load(o);
@@ -411,7 +426,8 @@ int main(int argc, char** argv) {
         const int batch = std::stoi(sh.substr(0, x)), context = std::stoi(sh.substr(x + 1));
         const int bs = e->block_size();
         const int per_seq = (context + 3 + steps + 1 + bs - 1) / bs;
-        r.allocate_kv(batch * per_seq, bs);
+        const bool exact = e->plan().exact_bytes_per_token() > 0;
+        r.allocate_kv(batch * per_seq, bs, exact ? batch * per_seq : 0);
         double kv_read = 0;  // average over the timed steps
         for (const auto& l : e->plan().layers)
           kv_read += double(batch) * (context + 3 + steps / 2.0) * double(l.bytes_per_token());
@@ -419,7 +435,7 @@ int main(int argc, char** argv) {
         for (bool logits : {true, false}) {
           for (bool graphs : {false, true}) {
             r.set_cuda_graphs(graphs);
-            const Result res = run(r, batch, context, steps, logits, bs);
+            const Result res = run(r, batch, context, steps, logits, bs, exact);
             const double bound_tok = batch / (wread / bw);
             std::printf("| %s | %d | %d | %s | %s | %.3f | %.1f | %.2f | %.2f | %.3f | %.1f%% | %.1f | %.1f%% |\n", kv.c_str(),
                         batch, context, graphs ? "on" : "off", logits ? "host (fp32 logits)" : "gpu greedy", res.ms, res.tok_s, wread / 1e9,

@@ -57,6 +57,13 @@ def modes(num_layers, sliding=False):
         ("int4_per_token_head (Hadamard-rotated: the default)", ["--kv-cache-dtype", "int4_per_token_head"], False),
         (f"fp8_e4m3, layers 0 and {last} kept", ["--kv-cache-dtype", "fp8_e4m3",
                                                   "--kv-cache-dtype-skip-layers", f"0,{last}"], False),
+        ("int4_per_token_head, not rotated, exact sink 4 + recent 64",
+         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-rotation", "none",
+          "--kv-cache-keep-sink", "4", "--kv-cache-keep-recent", "64"], False),
+        ("int4_per_token_head, rotated, exact sink 4 + recent 64",
+         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-keep-sink", "4", "--kv-cache-keep-recent", "64"], False),
+        ("int4_per_token_head, rotated, exact sink 4 + recent 256",
+         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-keep-sink", "4", "--kv-cache-keep-recent", "256"], False),
     ]
 
 
@@ -92,6 +99,8 @@ def main():
     ap.add_argument("--no-bundled", action="store_true", help="leave the bundled model out")
     ap.add_argument("--tasks", default="arithmetic,recall_1k,recall_4k,recall_8k",
                     help="task columns to measure, comma separated ('' for none)")
+    ap.add_argument("--modes", default="",
+                    help="only the rows whose label contains this text (e.g. 'exact' or 'int4'); default: every row")
     args = ap.parse_args()
 
     kvlm = os.path.abspath(args.kvlm)
@@ -139,12 +148,12 @@ def main():
 
         base_greedy = greedy(["--dtype", "float32"], "base") if gguf else None
         calibrated = os.path.join(work, f"{name}-calibrated")
-        if not gguf:
+        if not gguf and any(c and args.modes in lbl for lbl, _, c in modes(n_layers)):
             run([kvlm, "-q", "calibrate", "--model", model, "--out", calibrated, "--num-samples", "32",
                  "--max-length", str(args.ctx), "--dataset", heldout if trained else byte_ids], log)
         rows = []
         for label, flags, use_cal in modes(n_layers, sliding and gguf):
-            if use_cal and gguf:
+            if (use_cal and gguf) or args.modes not in label:
                 continue
             m = calibrated if use_cal else model
             out = os.path.join(work, f"{name}.{len(rows)}.json")
@@ -190,6 +199,7 @@ def main():
         f"{' --task-limit ' + str(args.task_limit) if args.task_limit else ''}"
         f"{' --tasks ' + args.tasks if args.tasks != ap.get_default('tasks') else ''}"
         f"{' --no-bundled' if args.no_bundled else ''}"
+        f"{' --modes ' + repr(args.modes) if args.modes else ''}"
         f"{' --golden ' + ' '.join(args.golden) if args.golden != ap.get_default('golden') else (' --golden' if not args.golden else '')}"
         f"{' --gguf ' + ' '.join(os.path.basename(g) for g in args.gguf) if args.gguf else ''}` on {datetime.date.today()}, "
         f"commit {commit}, {platform.node()} ({platform.processor() or platform.machine()}).",

@@ -119,6 +119,7 @@ inline BackendCapabilities make_cuda_attention_capabilities(std::string_view arc
       .causal = true,
       .sliding_window = true,
       .non_causal = true,
+      .exact_tokens = true,  // the CUDA-core kernel (paged_attention_rows.cuh) reads them
       .min_compute_capability = 80,
       .priority = 100,  // above cpu (10)
       .description = "paged CUDA kernels: split-KV decode, per-row multi-token path; bf16 queries, fp32 accumulation",

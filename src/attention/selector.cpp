@@ -78,8 +78,8 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
       break;
   }
   if (l.keeps_exact() && !c.exact_tokens)
-    return std::string("cannot read exact sink / recent tokens yet (--kv-cache-keep-sink / --kv-cache-keep-recent); "
-                       "drop those flags or run this layer on the cpu backend");
+    return std::string("cannot read exact sink / recent tokens (--kv-cache-keep-sink / --kv-cache-keep-recent); "
+                       "drop those flags or choose a backend that can");
   return std::nullopt;
 }
 

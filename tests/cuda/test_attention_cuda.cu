@@ -94,6 +94,7 @@ struct Case {
   int head_dim;
   int q_heads, kv_heads;
   int block_size;
+  int keep_sink = 0, keep_recent = 0;  // exact sink / recent tokens (every page gets an exact page)
 };
 
 struct Stats {
@@ -121,9 +122,12 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
 
   CacheConfig cc;
   cc.kv_cache_dtype = c.dtype;
+  cc.keep_sink = c.keep_sink;
+  cc.keep_recent = c.keep_recent;
   const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::BF16, std::nullopt, {});
   KVLayerSpec& spec = plan.layers[0];
+  const bool keep = spec.keeps_exact();
   if (spec.quant == KVQuantMode::Fp8PerTensor) {
     if (spec.storage == DType::F8E4M3) {  // per-kv-head scales (compressed-tensors attn_head)
       spec.k_scale.clear();
@@ -147,25 +151,29 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     total_q += s.q_len;
     total_kv += s.kv_len;
   }
-  KVCache cache(plan, 2 * pages_needed + 3, bs);
+  KVCache cache(plan, 2 * pages_needed + 3, bs, keep ? 2 * pages_needed + 3 : 0);
   LayerKVCache& L = cache.layer(0);
   std::vector<BlockId> pool(size_t(cache.num_blocks()));
   std::iota(pool.begin(), pool.end(), 0);
   std::shuffle(pool.begin(), pool.end(), rng);
+  std::vector<BlockId> epool(size_t(cache.num_exact_pages()));  // reversed: exact ids differ from page ids
+  std::iota(epool.rbegin(), epool.rend(), 0);
 
   // Block tables (padded with -1), slots, K/V rows (bf16-representable, with outlier channels).
-  std::vector<BlockId> tables(shapes.size() * size_t(max_blocks), -1);
-  std::vector<SlotId> slots;
+  std::vector<BlockId> tables(shapes.size() * size_t(max_blocks), -1), etables(tables);
+  std::vector<SlotId> slots, eslots;
   std::vector<float> kf, vf;
   size_t next_page = 0;
   for (size_t si = 0; si < shapes.size(); ++si) {
     const int nb = (shapes[si].kv_len + bs - 1) / bs;
     for (int b = 0; b < nb; ++b) {
       tables[si * size_t(max_blocks) + size_t(b)] = pool[next_page];
+      if (keep) etables[si * size_t(max_blocks) + size_t(b)] = epool[next_page];
       next_page += 2;  // a hole
     }
     for (int pos = 0; pos < shapes[si].kv_len; ++pos) {
       slots.push_back(SlotId(tables[si * size_t(max_blocks) + size_t(pos / bs)]) * bs + pos % bs);
+      if (keep) eslots.push_back(SlotId(etables[si * size_t(max_blocks) + size_t(pos / bs)]) * bs + pos % bs);
       for (int i = 0; i < kvh * d; ++i) {
         const bool outlier = (i % d) % 50 == 7;
         kf.push_back(bf16_round(nd(rng) * (outlier ? 8.0f : 1.0f) * mag));
@@ -174,7 +182,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     }
   }
   const CpuAttentionBackend cpu;
-  cpu.store_kv(L, KVWrite{.k = kf, .v = vf, .slots = slots});
+  cpu.store_kv(L, KVWrite{.k = kf, .v = vf, .slots = slots, .exact_slots = eslots});
 
   // GPU: the same rows as bf16, stored by kv_store into zeroed pages.
   std::vector<uint16_t> kb(kf.size()), vb(vf.size());
@@ -193,15 +201,28 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     cudaMemset(dvs.p, 0, dvs.n * 4);
   }
   Dev<float> dkts(spec.k_scale), dvts(spec.v_scale);
+  Dev<SlotId> deslots(eslots);
+  Dev<uint16_t> dek(L.ek.size() / 2), dev_(L.ev.size() / 2);
+  if (keep) {
+    cudaMemset(dek.p, 0, dek.n * 2);
+    cudaMemset(dev_.p, 0, dev_.n * 2);
+  }
   cuda::kv_store({.storage = spec.storage, .quant = spec.quant, .num_tokens = total_kv, .num_kv_heads = kvh, .head_dim = d,
                   .block_size = bs, .num_blocks = cache.num_blocks(), .k = dk.p, .v = dv.p, .slots = dslots.p,
-                  .k_cache = dkc.p, .v_cache = dvc.p, .k_token_scale = dks.p, .v_token_scale = dvs.p,
-                  .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size())},
+                  .exact_slots = keep ? deslots.p : nullptr, .exact_k = dek.p, .exact_v = dev_.p,
+                  .num_exact = cache.num_exact_pages(), .k_cache = dkc.p, .v_cache = dvc.p, .k_token_scale = dks.p,
+                  .v_token_scale = dvs.p, .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p,
+                  .num_tensor_scales = int(spec.k_scale.size())},
                  nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   {
     const auto gk = dkc.download(), gv = dvc.download();
     for (size_t i = 0; i < gk.size(); ++i) st.page_mismatch += (gk[i] != L.k[i]) + (gv[i] != L.v[i]);
+    if (keep) {  // the exact pages: bf16 copies of the same rows on both sides
+      const auto gek = dek.download(), gev = dev_.download();
+      st.page_mismatch += size_t(std::memcmp(gek.data(), L.ek.data(), L.ek.size()) != 0) +
+                          size_t(std::memcmp(gev.data(), L.ev.data(), L.ev.size()) != 0);
+    }
     if (dks.n) {
       const auto gks = dks.download(), gvs = dvs.download();
       for (size_t i = 0; i < gks.size(); ++i)
@@ -244,9 +265,11 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   std::vector<AttnSeq> seqs;
   std::vector<int32_t> cu{0}, kv_lens;
   for (size_t si = 0; si < shapes.size(); ++si) {
+    const size_t nb = size_t((shapes[si].kv_len + bs - 1) / bs);
     seqs.push_back({.q_begin = cu.back(), .q_len = shapes[si].q_len, .kv_len = shapes[si].kv_len,
-                    .block_table = std::span<const BlockId>(tables.data() + si * size_t(max_blocks),
-                                                            size_t((shapes[si].kv_len + bs - 1) / bs))});
+                    .block_table = std::span<const BlockId>(tables.data() + si * size_t(max_blocks), nb),
+                    .exact_table = keep ? std::span<const BlockId>(etables.data() + si * size_t(max_blocks), nb)
+                                        : std::span<const BlockId>{}});
     cu.push_back(cu.back() + shapes[si].q_len);
     kv_lens.push_back(shapes[si].kv_len);
   }
@@ -258,7 +281,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   Dev<uint16_t> dq(qb), dout(qb.size());
   cudaMemset(dout.p, 0xff, dout.n * 2);  // 0xffff: a bf16 NaN in every output element
   Dev<int32_t> dcu(cu), dkvl(kv_lens);
-  Dev<BlockId> dtab(tables);
+  Dev<BlockId> dtab(tables), detab(etables);
   cuda::PagedAttentionParams p{.storage = spec.storage, .quant = spec.quant, .num_seqs = int(shapes.size()),
                                .num_tokens = total_q, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d,
                                .block_size = bs, .max_blocks_per_seq = max_blocks, .max_q_len = max_q,
@@ -266,7 +289,9 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
                                .q = dq.p, .out = dout.p, .k_cache = dkc.p, .v_cache = dvc.p,
                                .k_token_scale = dks.p, .v_token_scale = dvs.p, .k_tensor_scale = dkts.p,
                                .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size()),
-                               .cu_q_lens = dcu.p, .kv_lens = dkvl.p, .block_tables = dtab.p, .max_splits = max_splits,
+                               .cu_q_lens = dcu.p, .kv_lens = dkvl.p, .block_tables = dtab.p,
+                               .exact_k = keep ? dek.p : nullptr, .exact_v = dev_.p, .exact_tables = detab.p,
+                               .keep_sink = c.keep_sink, .keep_recent = c.keep_recent, .max_splits = max_splits,
                                .split_lengths = split_lengths, .kernel = kernel};
   const size_t ws_bytes = cuda::paged_attention_workspace_bytes(p);
   Dev<uint8_t> ws(ws_bytes);
@@ -386,6 +411,47 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
 
 INSTANTIATE_TEST_SUITE_P(KV, CudaAttention, ::testing::ValuesIn(kFormats),
                          [](const auto& info) { return std::string(kv_cache_dtype_name(info.param)); });
+
+// Exact sink / recent tokens (kv_plan.h's kv_key_exact) on the CUDA-core kernel, the one that
+// reads them (chosen automatically): against the CPU backend over the same quantized and exact
+// pages, every quantized format, mask and a spread of head sizes, GQA ratios, splits and
+// sink / window settings that straddle pages; kv_store's exact pages byte for byte.
+TEST(CudaAttentionExact, MatchesCpuBackend) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<SeqShape> decode{{1, 1}, {37, 1}, {300, 1}, {1000, 1}, {129, 1}};
+  const std::vector<SeqShape> mixed{{37, 5}, {1, 1}, {70, 70}, {200, 1}, {18, 3}, {150, 33}};
+  Stats total;
+  uint32_t seed = 900;
+  for (KVCacheDType dt : {KVCacheDType::Fp8E4M3, KVCacheDType::Fp8E5M2, KVCacheDType::Fp8PerTokenHead,
+                          KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead}) {
+    for (int hd : {16, 64, 128}) {
+      for (AttentionKind kind : {AttentionKind::Full, AttentionKind::Sliding, AttentionKind::NonCausal}) {
+        for (auto [sink, recent] : {std::pair{4, 9}, std::pair{0, 33}, std::pair{17, 0}}) {
+          if (reduced() && !(hd == 64 && sink == 4)) continue;
+          const int gqa = hd == 16 ? 1 : 4, kvh = 2;
+          const Case c{dt, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, 16, sink, recent};
+          Stats st;
+          run_batch(c, decode, seed++, 0, 0, st);
+          run_batch(c, mixed, seed++, 0, 0, st);
+          run_batch(c, mixed, seed++, 1, 1, st);
+          EXPECT_EQ(st.page_mismatch, 0u) << kv_cache_dtype_name(dt) << " hd " << hd << " " << attention_kind_name(kind);
+          EXPECT_EQ(st.bad, 0u) << kv_cache_dtype_name(dt) << " hd " << hd << " " << attention_kind_name(kind) << " sink "
+                                << sink << " recent " << recent << " max abs err " << st.max_abs;
+          EXPECT_EQ(st.runs[2] + st.runs[3], 0) << "a tensor-core kernel ran with exact tokens";
+          total.max_abs = std::max(total.max_abs, st.max_abs);
+          total.checked += st.checked;
+          total.bad += st.bad;
+        }
+      }
+    }
+  }
+  std::printf("[cuda-attention] exact sink/recent tokens: outputs=%zu max_abs_err=%.3e out_of_tol=%zu\n", total.checked,
+              total.max_abs, total.bad);
+  // The tensor-core kernels refuse them rather than ignore them.
+  const Case c{KVCacheDType::Int4PerTokenHead, AttentionKind::Full, 0, 64, 8, 2, 16, 4, 9};
+  Stats st;
+  EXPECT_THROW(run_batch(c, decode, 1, 0, 2, st), Error);
+}
 
 // Unsupported formats and head sizes are clear errors, before anything is launched.
 TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {

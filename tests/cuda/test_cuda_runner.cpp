@@ -87,11 +87,13 @@ std::vector<std::string> golden_names() {
 }
 
 std::unique_ptr<LoadedModel> load(const fs::path& dir, KVCacheDType dt, Device dev, std::optional<DType> dtype = std::nullopt,
-                             int block_size = 16) {
+                             int block_size = 16, int keep_sink = 0, int keep_recent = 0) {
   ModelOptions o;
   o.model_dir = dir;
   o.cache.kv_cache_dtype = dt;
   o.cache.block_size = block_size;
+  o.cache.keep_sink = keep_sink;
+  o.cache.keep_recent = keep_recent;
   o.device = dev;
   o.dtype = dtype;
   return LoadedModel::load(o);
@@ -225,6 +227,33 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
                 g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), std::string(dtype_name(ce->dtype())).c_str(),
                 d.max_abs, 100 * d.max_abs / d.scale, d.scale, d.mean_kld, q.max_abs, bound);
     EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt);
+  }
+}
+
+// Exact sink / recent tokens through the engine (exact pages, tables and slots uploaded per
+// step, the prologue's exact copies, the CUDA-core kernel reading them): CUDA vs CPU runner,
+// prefill chunks of 7 and one token at a time (CUDA graphs), within the same bound as above.
+TEST_P(CudaRunnerGolden, MatchesCpuRunnerWithExactTokens) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
+  const Golden g = load_golden(GetParam());
+  std::vector<TokenId> all = g.prompt;
+  all.insert(all.end(), g.greedy.begin(), g.greedy.end());
+  for (KVCacheDType dt : {KVCacheDType::Int4PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Fp8E4M3}) {
+    auto ce = load(g.model_dir, dt, Device::Cuda, std::nullopt, 16, 3, 10);
+    cuda_of(*ce).set_poison_scratch(true);
+    auto pe = load(g.model_dir, dt, Device::Cpu, ce->dtype(), 16, 3, 10);
+    for (const auto& l : ce->plan().layers) EXPECT_EQ(l.backend, "cuda");
+    for (int chunk : {7, 1}) {
+      const auto got = teacher_forced(*ce, all, chunk);
+      const auto cpu = teacher_forced(*pe, all, chunk);
+      const Stats d = compare(cpu, got, g.vocab);
+      const Stats q = compare(g.logits, cpu, g.vocab);
+      const double bound = (g.name == "stories260K" ? 0.06 : 0.03) * d.scale + q.max_abs;
+      std::printf("[cuda-runner] %-12s %-20s exact sink 3 + recent 10, chunks of %d: max|cuda-cpu|=%.3e bound %.3e\n",
+                  g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), chunk, d.max_abs, bound);
+      EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt) << " chunk " << chunk;
+    }
   }
 }
 

@@ -263,6 +263,28 @@ TEST(CudaCaps, SelectorReasonsAndNotes) {
   EXPECT_NE(why->find("CMAKE_CUDA_ARCHITECTURES"), std::string::npos);
 }
 
+// Exact sink / recent tokens are a declared capability: a backend without it is refused a
+// keeping layer with that reason; cpu and cuda both have it.
+TEST(CudaCaps, ExactTokensAreACapability) {
+  auto l = spec(DType::I4, KVQuantMode::Int4PerTokenHead, AttentionKind::Full, 128);
+  l.keep_sink = 4;
+  l.keep_recent = 64;
+  const SelectionContext h100{.device = Device::Cuda, .compute_capability = 90};
+  const std::vector<BackendCapabilities> cuda{make_cuda_attention_capabilities("90a", false)};
+  const std::vector<BackendCapabilities> cpu{CpuAttentionBackend::capabilities()};
+  EXPECT_EQ(select_backend(l, cuda, h100).name, "cuda");
+  EXPECT_EQ(select_backend(l, cpu, {.device = Device::Cpu}).name, "cpu");
+  std::vector<BackendCapabilities> without = cpu;
+  without[0].name = "plain";
+  without[0].exact_tokens = false;
+  try {
+    select_backend(l, without, {.device = Device::Cpu});
+    FAIL() << "a backend without exact_tokens took a layer with exact tokens";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("plain: cannot read exact sink / recent tokens"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CudaCaps, AssignBackendsRecordsEachNoteOnce) {
   const std::vector<BackendCapabilities> backends{CpuAttentionBackend::capabilities(),
                                                   make_cuda_attention_capabilities("80;89;90a", false)};

@@ -12,10 +12,11 @@ namespace kvlm {
 CudaOps::CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm)
     : act_(act), stream_(stream), gemm_(gemm), comm_(comm) {}
 
-void CudaOps::set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks) {
+void CudaOps::set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks, int num_exact) {
   layers_ = layers;
   block_size_ = block_size;
   num_blocks_ = num_blocks;
+  num_exact_ = num_exact;
 }
 
 cuda::PagedAttentionParams CudaOps::attn_params(const CudaKVLayer& L, float softmax_scale) const {
@@ -27,7 +28,9 @@ cuda::PagedAttentionParams CudaOps::attn_params(const CudaKVLayer& L, float soft
       .q = nullptr, .out = nullptr, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
       .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale, .v_tensor_scale = L.v_tensor_scale,
       .num_tensor_scales = L.num_tensor_scales, .cu_q_lens = step_.cu_q_lens, .kv_lens = step_.kv_lens,
-      .block_tables = step_.block_tables, .workspace = attn_ws_, .workspace_bytes = attn_ws_bytes_};
+      .block_tables = step_.block_tables, .exact_k = L.exact_k, .exact_v = L.exact_v,
+      .exact_tables = L.exact_k ? step_.exact_tables : nullptr, .keep_sink = L.keep_sink, .keep_recent = L.keep_recent,
+      .exact_f16 = act_ == DType::F16, .workspace = attn_ws_, .workspace_bytes = attn_ws_bytes_};
 }
 
 void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
@@ -135,7 +138,8 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
                         .num_blocks = num_blocks_, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
                         .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale,
                         .v_tensor_scale = L.v_tensor_scale, .num_tensor_scales = L.num_tensor_scales,
-                        .rotate = L.rotate},
+                        .rotate = L.rotate, .exact_slots = L.exact_k ? step_.exact_slots : nullptr,
+                        .exact_k = L.exact_k, .exact_v = L.exact_v, .num_exact = num_exact_},
                        stream_);
 }
 

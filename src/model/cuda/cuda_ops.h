@@ -62,6 +62,10 @@ struct CudaKVLayer {
   uint8_t *k = nullptr, *v = nullptr;  // the pool's pages (allocate_kv)
   float *k_scale = nullptr, *v_scale = nullptr;
   size_t page_bytes = 0, scale_page_bytes = 0;
+  // Exact sink / recent tokens (KVLayerSpec::keeps_exact; null: none): exact pages in the act dtype.
+  uint16_t *exact_k = nullptr, *exact_v = nullptr;
+  int keep_sink = 0, keep_recent = 0;
+  size_t exact_page_bytes = 0;
 };
 
 // A step as the kernels see it: its (possibly padded) shape and its metadata in device memory.
@@ -74,13 +78,15 @@ struct CudaStep {
   const int32_t* kv_lens = nullptr;
   const BlockId* block_tables = nullptr;
   const int32_t* logit_rows = nullptr;
+  const SlotId* exact_slots = nullptr;    // exact sink / recent tokens (null: none)
+  const BlockId* exact_tables = nullptr;
 };
 
 class CudaOps final : public Ops {
  public:
   CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm);
 
-  void set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks);
+  void set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks, int num_exact = 0);
   // Starts a step whose activations are carved from `carver` (already past the runner's
   // metadata); with `measure`, nothing is launched.
   void begin_step(const CudaStep& step, Carver carver, bool measure);
@@ -116,7 +122,7 @@ class CudaOps final : public Ops {
   cuda::Gemm& gemm_;
   Communicator& comm_;
   std::span<const CudaKVLayer> layers_;
-  int block_size_ = 0, num_blocks_ = 0;
+  int block_size_ = 0, num_blocks_ = 0, num_exact_ = 0;
   CudaStep step_;
   Carver carver_;
   bool measure_ = false;

@@ -154,6 +154,7 @@ struct StepShape {
 // `total`, among them the logits.
 struct StepLayout {
   size_t tokens = 0, positions = 0, slots = 0, cu = 0, kv_lens = 0, tables = 0, logit_rows = 0, meta_bytes = 0;
+  size_t exact_slots = 0, exact_tables = 0;  // exact sink / recent tokens (a runner with exact pages)
   size_t ids = 0, sample = 0, ops_begin = 0;
   size_t logits = SIZE_MAX;  // SIZE_MAX: no logit rows
   size_t total = 0;
@@ -192,12 +193,14 @@ struct CudaModelRunner::Impl {
   std::unique_ptr<DraftDefinition> draft_def;  // a DFlash drafter, if loaded
   std::vector<Weight> draft_w;                 // its weights, then the target's embedding and LM head
   std::unique_ptr<CudaOps> ops;
-  DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch;
+  DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch, exact;
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   std::vector<Weight> w;
   size_t num_params = 0, weight_bytes = 0;
   std::vector<CudaKVLayer> lkv;
   int num_blocks = 0, block_size = 0;
+  int num_exact = 0;          // exact pages (layers with exact sink / recent tokens)
+  size_t exact_page_bytes = 0;  // of one layer's K (equally V) exact page, per keeping layer
   size_t kv_bytes = 0;
   bool poison = false;
   TokenId* ids = nullptr;                   // the last step's argmax / sampled ids
@@ -237,7 +240,9 @@ struct CudaModelRunner::Impl {
                     .cu_q_lens = reinterpret_cast<const int32_t*>(base + l.cu),
                     .kv_lens = reinterpret_cast<const int32_t*>(base + l.kv_lens),
                     .block_tables = reinterpret_cast<const BlockId*>(base + l.tables),
-                    .logit_rows = reinterpret_cast<const int32_t*>(base + l.logit_rows)};
+                    .logit_rows = reinterpret_cast<const int32_t*>(base + l.logit_rows),
+                    .exact_slots = num_exact ? reinterpret_cast<const SlotId*>(base + l.exact_slots) : nullptr,
+                    .exact_tables = num_exact ? reinterpret_cast<const BlockId*>(base + l.exact_tables) : nullptr};
   }
 
   // Measures the step's layout: the metadata, then the forward run by the ops in measuring
@@ -262,6 +267,10 @@ struct CudaModelRunner::Impl {
     l.kv_lens = take(size_t(s.S) * sizeof(int32_t));
     l.tables = take(size_t(s.S) * size_t(s.MB) * sizeof(BlockId));
     l.logit_rows = take(size_t(std::max(s.R, 1)) * sizeof(int32_t));
+    if (num_exact) {
+      l.exact_slots = take(size_t(s.T) * sizeof(SlotId));
+      l.exact_tables = take(size_t(s.S) * size_t(s.MB) * sizeof(BlockId));
+    }
     l.meta_bytes = c.off;
     l.ids = take(size_t(std::max(s.R, 1)) * sizeof(TokenId));
     l.sample = take(size_t(std::max(s.R, 1)) * sizeof(cuda::SampleRowParams));
@@ -472,16 +481,14 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   if (num_blocks < 1) throw Error("the KV pool needs at least one page, got " + std::to_string(num_blocks));
-  // The selector gives no CUDA backend a layer with exact sink / recent tokens (none declares
-  // exact_tokens yet), so a plan that reaches here keeps none.
-  KVLM_CHECK(std::ranges::none_of(m.plan->layers, [](const KVLayerSpec& l) { return l.keeps_exact(); }),
-             "the CUDA runner has no exact pages");
-  (void)num_exact_pages;
+  const bool keeps = std::ranges::any_of(m.plan->layers, [](const KVLayerSpec& l) { return l.keeps_exact(); });
+  KVLM_CHECK(num_exact_pages >= 0 && (!keeps || num_exact_pages > 0), "layers keep exact tokens but no exact pages were given");
   validate_block_size(block_size);
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   m.clear_graphs();
   m.kv.reset();
-  m.num_blocks = m.block_size = 0;
+  m.exact.reset();
+  m.num_blocks = m.block_size = m.num_exact = 0;
   m.kv_bytes = 0;
   // kv/kv_cache.h's layout, per layer: K, V [num_blocks][kvh][block_size][head_dim] of the
   // layer's storage type; per-token-head modes add fp32 [num_blocks][kvh][block_size].
@@ -512,13 +519,44 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
                      .v_scale = reinterpret_cast<uint8_t*>(L.v_scale), .page_bytes = L.page_bytes,
                      .scale_page_bytes = L.scale_page_bytes});
   }
+  // Exact pages: [num_exact][kvh][block_size][head_dim] in the act dtype, K then V, for each
+  // keeping layer (kv/kv_cache.h).
+  if (keeps) {
+    size_t etotal = 0;
+    std::vector<size_t> eoffs;
+    for (size_t i = 0; i < m.lkv.size(); ++i) {
+      const KVLayerSpec& spec = m.plan->layers[i];
+      KVLM_CHECK(!spec.keeps_exact() || spec.exact_storage == m.act, "exact pages in another dtype than the model's");
+      const size_t page = spec.keeps_exact() ? size_t(spec.attn.num_kv_heads) * size_t(block_size) *
+                                                   size_t(spec.attn.head_dim) * 2
+                                             : 0;
+      for (int part = 0; part < 2; ++part) {
+        eoffs.push_back(etotal);
+        etotal += align_up(page * size_t(num_exact_pages));
+        m.kv_bytes += page * size_t(num_exact_pages);
+      }
+    }
+    m.exact.allocate(etotal, "the exact sink / recent tokens (" + std::to_string(num_exact_pages) +
+                                 " pages; lower --max-num-seqs or the kept tokens)");
+    KVLM_CUDA_CHECK(cudaMemsetAsync(m.exact.data(), 0, etotal, m.stream));
+    for (size_t i = 0; i < m.lkv.size(); ++i) {
+      CudaKVLayer& L = m.lkv[i];
+      const bool k = m.plan->layers[i].keeps_exact();
+      L.exact_k = k ? reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[2 * i]) : nullptr;
+      L.exact_v = k ? reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[2 * i + 1]) : nullptr;
+      L.keep_sink = k ? m.plan->layers[i].keep_sink : 0;
+      L.keep_recent = k ? m.plan->layers[i].keep_recent : 0;
+      L.exact_page_bytes = k ? size_t(L.num_kv_heads) * size_t(block_size) * size_t(L.head_dim) * 2 : 0;
+    }
+    m.num_exact = num_exact_pages;
+  }
   m.kv_pools.allocate(pools.size() * sizeof(cuda::KVPagePools), "the KV page table");
   KVLM_CUDA_CHECK(cudaMemcpy(m.kv_pools.data(), pools.data(), pools.size() * sizeof(cuda::KVPagePools),
                              cudaMemcpyHostToDevice));
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   m.num_blocks = num_blocks;
   m.block_size = block_size;
-  m.ops->set_kv(m.lkv, block_size, num_blocks);
+  m.ops->set_kv(m.lkv, block_size, num_blocks, m.num_exact);
 }
 
 void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
@@ -529,7 +567,15 @@ void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
   std::set<BlockId> srcs, dsts;
   bool chained = false;
   for (const auto& [s, d, es, ed] : pairs) {
-    KVLM_CHECK(es < 0 && ed < 0, "copy_blocks: the CUDA runner has no exact pages");
+    if (es >= 0 && ed >= 0) {  // the exact pages: one async copy per keeping layer and part
+      KVLM_CHECK(es < m.num_exact && ed < m.num_exact, "copy_blocks: exact page id out of range");
+      for (const CudaKVLayer& L : m.lkv)
+        for (uint16_t* pool : {L.exact_k, L.exact_v})
+          if (pool)
+            KVLM_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<uint8_t*>(pool) + size_t(ed) * L.exact_page_bytes,
+                                            reinterpret_cast<uint8_t*>(pool) + size_t(es) * L.exact_page_bytes,
+                                            L.exact_page_bytes, cudaMemcpyDeviceToDevice, m.stream));
+    }
     KVLM_CHECK(s >= 0 && s < m.num_blocks && d >= 0 && d < m.num_blocks, "copy_blocks: page id out of range");
     srcs.insert(s);
     chained |= !dsts.insert(d).second;  // a page written twice: order matters
@@ -644,6 +690,27 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
   BlockId* h_tab = reinterpret_cast<BlockId*>(host + lay.tables);
   int32_t* h_rows = reinterpret_cast<int32_t*>(host + lay.logit_rows);
   std::fill_n(h_tab, size_t(shape.S) * size_t(shape.MB), BlockId(-1));
+  if (m.num_exact) {  // exact sink / recent tokens: exact slots and tables (-1 = none, also for padding)
+    SlotId* h_es = reinterpret_cast<SlotId*>(host + lay.exact_slots);
+    BlockId* h_et = reinterpret_cast<BlockId*>(host + lay.exact_tables);
+    std::fill_n(h_es, size_t(shape.T), SlotId(-1));
+    std::fill_n(h_et, size_t(shape.S) * size_t(shape.MB), BlockId(-1));
+    KVLM_CHECK(b.exact_slots.size() == size_t(T), "layers keep exact tokens but the batch has no exact slots");
+    const SlotId exact_slots = SlotId(m.num_exact) * bs;
+    for (int t = 0; t < T; ++t) {
+      KVLM_CHECK(b.exact_slots[size_t(t)] < exact_slots, "exact slot outside the exact pages");
+      h_es[t] = b.exact_slots[size_t(t)];
+    }
+    for (int s = 0; s < S; ++s) {
+      const AttnSeq& q = b.seqs[size_t(s)];
+      const size_t nb = size_t((q.kv_len + bs - 1) / bs);
+      KVLM_CHECK(q.exact_table.size() >= nb, "exact table shorter than the sequence");
+      for (size_t i = 0; i < nb; ++i) {
+        KVLM_CHECK(q.exact_table[i] >= -1 && q.exact_table[i] < m.num_exact, "exact page id outside the exact pages");
+        h_et[size_t(s) * size_t(shape.MB) + i] = q.exact_table[i];
+      }
+    }
+  }
   std::copy(b.tokens.begin(), b.tokens.end(), h_tokens);
   std::copy(b.positions.begin(), b.positions.end(), h_pos);
   std::copy(b.slots.begin(), b.slots.end(), h_slots);

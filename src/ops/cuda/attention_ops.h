@@ -41,6 +41,13 @@ struct KVStoreParams {
   const uint16_t* v = nullptr;      // bf16 [num_tokens][num_kv_heads][head_dim]
   const SlotId* slots = nullptr;    // [num_tokens]; a negative slot (padding) is skipped, and
                                     // so is one past the pool (a caller bug: never written)
+  // Exact sink / recent tokens (kv/kv_cache.h's exact pages; null: none): each row also goes,
+  // unquantized in bf16 (or f16 with exact_f16), to exact page slot exact_slots[t] (< 0: none).
+  const SlotId* exact_slots = nullptr;
+  uint16_t* exact_k = nullptr;      // [num_exact][num_kv_heads][block_size][head_dim]
+  uint16_t* exact_v = nullptr;
+  int num_exact = 0;
+  bool exact_f16 = false;
   void* k_cache = nullptr;          // [num_blocks][num_kv_heads][block_size][head_dim] storage
   void* v_cache = nullptr;          // same
   float* k_token_scale = nullptr;   // [num_blocks][num_kv_heads][block_size]; per-token-head only
@@ -82,6 +89,17 @@ struct PagedAttentionParams {
   const int32_t* cu_q_lens = nullptr;     // [num_seqs + 1] prefix sums of query lengths
   const int32_t* kv_lens = nullptr;       // [num_seqs] cached tokens incl. the new ones
   const BlockId* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq], padded
+  // Exact sink / recent tokens (null exact_k: none): key j of the query at position pos is
+  // read from the exact pages when j < keep_sink or pos - j < keep_recent (kv_plan.h's
+  // kv_key_exact; non-causal: pos = kv_len - 1), through exact_tables (the block tables'
+  // shape: the exact page of each page). Only the CUDA-core kernel reads them (kernel 1,
+  // chosen automatically; kernels 2 and 3 refuse).
+  const uint16_t* exact_k = nullptr;      // bf16 (f16 with exact_f16) [num_exact][num_kv_heads][block_size][head_dim]
+  const uint16_t* exact_v = nullptr;
+  const BlockId* exact_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
+  int keep_sink = 0;
+  int keep_recent = 0;
+  bool exact_f16 = false;
   void* workspace = nullptr;              // split-KV partials, paged_attention_workspace_bytes()
   size_t workspace_bytes = 0;
   int max_splits = 0;  // 0 = choose from the device's SM count; > 0 caps (tests force splits)

@@ -64,6 +64,18 @@ __global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStor
   if (block >= p.num_blocks) return;  // a caller bug; never write outside the pool
   const int off = int(slot % p.block_size);
   const size_t srow = size_t(row) * size_t(p.head_dim);
+  if (p.exact_slots) {  // exact sink / recent tokens: the row unquantized into its exact page
+    const SlotId es = p.exact_slots[tok];
+    if (es >= 0 && es / p.block_size < p.num_exact) {
+      const size_t erow = ((size_t(es / p.block_size) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) +
+                           size_t(es % p.block_size)) * size_t(p.head_dim);
+      for (int j = lane; j < p.head_dim; j += 32) {
+        const uint16_t k = p.k[srow + size_t(j)], v = p.v[srow + size_t(j)];
+        p.exact_k[erow + size_t(j)] = p.exact_f16 ? FmtF16::encode(__uint_as_float(uint32_t(k) << 16)) : k;
+        p.exact_v[erow + size_t(j)] = p.exact_f16 ? FmtF16::encode(__uint_as_float(uint32_t(v) << 16)) : v;
+      }
+    }
+  }
   const size_t sidx = (size_t(block) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) + size_t(off);
   const size_t drow = sidx * size_t(p.head_dim);
   if constexpr (kIsInt4<Fmt>) {

@@ -303,12 +303,36 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
     }
     if (p.rotate) hadamard_head(a, b, half, lane, false);
   };
+  // Exact sink / recent tokens: the row as it is about to be quantized, in the act dtype.
+  uint16_t *exact_k_row = nullptr, *exact_v_row = nullptr;
+  if (p.exact_slots) {
+    const SlotId es = p.exact_slots[t];
+    if (es >= 0 && es / p.block_size < p.num_exact) {
+      const size_t e = (size_t(es / p.block_size) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) +
+                       size_t(es % p.block_size);
+      exact_k_row = p.exact_k + e * size_t(d);
+      exact_v_row = p.exact_v + e * size_t(d);
+    }
+  }
+  auto store_exact = [&](uint16_t* dst) {
+    if (!dst) return;
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      if (j < half) {
+        dst[j] = A::store(a[c]);
+        dst[j + half] = A::store(b[c]);
+      }
+    }
+  };
+  store_exact(exact_k_row);
   if constexpr (kIsInt4<Fmt>) {
     __shared__ float stage[kRopeWarps][2 * 32 * kPairsPerLane];
     float* st = stage[threadIdx.x / 32];
     store_head_i4(a, b, half, lane, st, static_cast<uint32_t*>(p.k_cache) + sidx * size_t(d) / 8,
                   reinterpret_cast<uint32_t*>(p.k_token_scale) + sidx);
     load_v();
+    store_exact(exact_v_row);
     store_head_i4(a, b, half, lane, st, static_cast<uint32_t*>(p.v_cache) + sidx * size_t(d) / 8,
                   reinterpret_cast<uint32_t*>(p.v_token_scale) + sidx);
   } else {
@@ -320,6 +344,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
     }
     store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.k_cache) + sidx * size_t(d), p.k_token_scale + sidx, ks);
     load_v();
+    store_exact(exact_v_row);
     store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.v_cache) + sidx * size_t(d), p.v_token_scale + sidx, vs);
   }
 }

@@ -76,6 +76,12 @@ struct QkvRopeStoreParams {
   const float* v_tensor_scale = nullptr;
   int num_tensor_scales = 1;
   bool rotate = false;  // q, K and V rotated by core/hadamard.h's R after RoPE (power-of-two head_dim)
+  // Exact sink / recent tokens (null: none): K and V rows, as stored before quantizing (after
+  // the rotation), also go to exact page slot exact_slots[t] (< 0: none) in the act dtype.
+  const SlotId* exact_slots = nullptr;
+  uint16_t* exact_k = nullptr;  // act [num_exact][kvh][block_size][head_dim]
+  uint16_t* exact_v = nullptr;
+  int num_exact = 0;
 };
 void qkv_rope_store(const QkvRopeStoreParams& p, void* stream);
 

@@ -85,10 +85,13 @@ Plan make_plan(const PagedAttentionParams& p) {
     throw Error("CUDA paged attention: the tiled prefill kernel needs head_dim 64, 128 or 256, block_size % 16 == 0 "
                 "and a GQA group that fits its M tile");
   if (p.kernel < 0 || p.kernel > 3) throw Error("CUDA paged attention: kernel must be 0 (automatic), 1, 2 or 3");
+  if (p.exact_k && p.kernel > 1)
+    throw Error("CUDA paged attention: only the CUDA-core kernel (1) reads exact sink / recent tokens");
   // Automatic: the tiled kernel once the rows of a sequence exceed one mma M tile (16 (row,
   // head) pairs: more than 4 query tokens at GQA 4), the decode kernel below that, the
   // CUDA-core kernel for what neither covers.
   if (p.kernel != 0) pl.kernel = p.kernel;
+  else if (p.exact_k) pl.kernel = 1;  // exact sink / recent tokens: the CUDA-core kernel only, for now
   else if (tiled_fits && int64_t(p.max_q_len) * pl.group > 16) pl.kernel = 3;
   else if (mma_fits) pl.kernel = 2;
   else pl.kernel = 1;
@@ -184,6 +187,8 @@ void validate(const PagedAttentionParams& p) {
   if (p.mask == AttentionKind::Sliding && p.window <= 0) throw Error("CUDA paged attention: sliding window must be positive");
   if (p.num_seqs <= 0 || p.num_tokens <= 0) throw Error("CUDA paged attention: empty batch");
   if (p.max_q_len <= 0 || p.max_kv_len <= 0) throw Error("CUDA paged attention: max_q_len and max_kv_len must be set");
+  if (p.exact_k && (!p.exact_v || !p.exact_tables || p.keep_sink < 0 || p.keep_recent < 0))
+    throw Error("CUDA paged attention: exact sink / recent tokens need exact_v, exact_tables and keep counts >= 0");
 }
 
 }  // namespace

@@ -210,18 +210,44 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   const char* kbase = static_cast<const char*>(p.k_cache);
   const char* vbase = static_cast<const char*>(p.v_cache);
   const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
+  // Exact sink / recent tokens (kv_plan.h's kv_key_exact): such a key's row comes from the
+  // exact pages in bf16 / f16, loaded when it is decoded (few rows: latency, not bandwidth).
+  // Its scales undo what the quantized rows fold in: 1 / the per-tensor K scale on the score,
+  // 1 / the V scale on the weight (vscale multiplies the whole output at the end).
+  const bool keeps = p.exact_k != nullptr;
+  const int qpos = p.mask == AttentionKind::NonCausal ? kv_len - 1 : pos;
+  const BlockId* etable = keeps ? p.exact_tables + size_t(seq) * p.max_blocks_per_seq : nullptr;
+  const float inv_ks = keeps ? p.softmax_scale * kLog2e / qscale : 1.0f, inv_vs = 1.0f / vscale;
+  auto exact_row = [&](const uint16_t* pool, int t, float* f) {
+    const BlockId page = etable[t / p.block_size];
+    if (page < 0) {  // never, when the engine keeps its books (then read as zeros, not out of bounds)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) f[e] = 0.0f;
+      return;
+    }
+    const size_t at = ((size_t(page) * p.num_kv_heads + kvh) * p.block_size + t % p.block_size) * HD + sub * kVec;
+    const uint4 raw = ldg_vec<uint4>(pool + at);
+    if (p.exact_f16) FmtF16::decode8(raw, f);
+    else FmtBF16::decode8(raw, f);
+  };
   for (int base = t0; base < t1; base += STEP * U) {
     Vec kv[U], vv[U];
     float ksc[U], vsc[U], kz[U], vz[U];
-    bool valid[U];
+    bool valid[U], exact[U];
     // Issue all U row loads before any math: memory-level parallelism is the whole game.
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = base + u * STEP + warp * RPW + rg;
       valid[u] = t < t1;
+      exact[u] = keeps && valid[u] && (t < p.keep_sink || qpos - t < p.keep_recent);
       ksc[u] = vsc[u] = 1.0f;
       kz[u] = vz[u] = 0.0f;
-      if (valid[u]) {
+      if (exact[u]) {
+        ksc[u] = inv_ks;
+        vsc[u] = inv_vs;
+        kv[u] = Vec{};
+        vv[u] = Vec{};
+      } else if (valid[u]) {
         const BlockId page = table[t / p.block_size];
         const int off = t % p.block_size;
         const size_t sidx = (size_t(page) * p.num_kv_heads + kvh) * p.block_size + off;
@@ -244,7 +270,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float kf[kVec];
-      Fmt::decode8(kv[u], kf);
+      if (exact[u]) exact_row(p.exact_k, base + u * STEP + warp * RPW + rg, kf);
+      else Fmt::decode8(kv[u], kf);
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         float d = 0.0f;
@@ -289,7 +316,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float vf[kVec];
-      Fmt::decode8(vv[u], vf);
+      if (exact[u]) exact_row(p.exact_v, base + u * STEP + warp * RPW + rg, vf);
+      else Fmt::decode8(vv[u], vf);
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         if (m[g] == -INFINITY) continue;
