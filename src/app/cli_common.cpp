@@ -29,8 +29,7 @@ void ModelFlags::add_to(CLI::App& cmd) {
       ->capture_default_str();
   cmd.add_option("--kv-cache-keep-recent", keep_recent,
                  "quantized layers also hold each sequence's latest W tokens in the model dtype, and every query "
-                 "reads its W latest keys exact (64 is the measured setting; on CUDA such layers take the "
-                 "CUDA-core attention kernel)")
+                 "reads its W latest keys exact (64 is the measured setting)")
       ->capture_default_str();
   cmd.add_option("--kv-cache-dtype-skip-layers", skip_layers,
                  "layers that keep the model dtype: indices and/or 'sliding_window', e.g. 0,27,sliding_window");

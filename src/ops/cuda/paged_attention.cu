@@ -70,6 +70,7 @@ struct Plan {
   int group = 1, head_chunks = 1, rows_per_cta = 1, row_groups = 1, splits = 1;
   int64_t ctas_per_split = 1;
   bool decreasing_splits = false;  // decode tensor-core kernel (RowsArgs::decreasing_splits)
+  bool exact_pass = false;  // exact tokens on the decode tensor-core kernel: splits - 1 key splits + the exact pass
 };
 
 Plan make_plan(const PagedAttentionParams& p) {
@@ -85,13 +86,13 @@ Plan make_plan(const PagedAttentionParams& p) {
     throw Error("CUDA paged attention: the tiled prefill kernel needs head_dim 64, 128 or 256, block_size % 16 == 0 "
                 "and a GQA group that fits its M tile");
   if (p.kernel < 0 || p.kernel > 3) throw Error("CUDA paged attention: kernel must be 0 (automatic), 1, 2 or 3");
-  if (p.exact_k && p.kernel > 1)
-    throw Error("CUDA paged attention: only the CUDA-core kernel (1) reads exact sink / recent tokens");
+  if (p.exact_k && p.kernel == 3)
+    throw Error("CUDA paged attention: the tiled prefill kernel (3) does not read exact sink / recent tokens; use 1 or 2");
   // Automatic: the tiled kernel once the rows of a sequence exceed one mma M tile (16 (row,
   // head) pairs: more than 4 query tokens at GQA 4), the decode kernel below that, the
   // CUDA-core kernel for what neither covers.
   if (p.kernel != 0) pl.kernel = p.kernel;
-  else if (p.exact_k) pl.kernel = 1;  // exact sink / recent tokens: the CUDA-core kernel only, for now
+  else if (p.exact_k) pl.kernel = mma_fits ? 2 : 1;  // exact tokens: not the tiled prefill kernel, for now
   else if (tiled_fits && int64_t(p.max_q_len) * pl.group > 16) pl.kernel = 3;
   else if (mma_fits) pl.kernel = 2;
   else pl.kernel = 1;
@@ -104,6 +105,7 @@ Plan make_plan(const PagedAttentionParams& p) {
     pl.rows_per_cta = 16 / pl.group;
     pl.row_groups = (p.max_q_len + pl.rows_per_cta - 1) / pl.rows_per_cta;
     pl.ctas_per_split = int64_t(p.num_seqs) * pl.row_groups * p.num_kv_heads;
+    pl.head_chunks = (pl.group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;  // the exact pass's CUDA-core grid
   } else {
     pl.head_chunks = (pl.group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;
     pl.ctas_per_split = int64_t(p.num_tokens) * p.num_kv_heads * pl.head_chunks;
@@ -153,6 +155,11 @@ Plan make_plan(const PagedAttentionParams& p) {
     throw Error("CUDA paged attention: split_lengths must be 0 (automatic), 1 (equal) or 2 (decreasing)");
   pl.decreasing_splits = pl.mma && pl.splits > 1 &&
                          (p.split_lengths == 2 || (p.split_lengths == 0 && pl.ctas_per_split * pl.splits > slots));
+  // Exact tokens on the decode tensor-core kernel: one more partial, the exact pass's.
+  if (pl.mma && p.exact_k) {
+    pl.exact_pass = true;
+    pl.splits += 1;
+  }
   return pl;
 }
 
@@ -160,7 +167,7 @@ template <class Fmt, int HD>
 void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
   if constexpr (HD <= 128) {
     if (use_mma) {
-      const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.num_splits));
+      const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.range_splits));
       constexpr size_t smem = mma::mma_smem_bytes<Fmt, HD>();
       mma_ctas_per_sm<Fmt, HD>();  // sets the shared-memory attribute (once)
       // Launched with PDL (pdl.cuh): the kernel reads the step's metadata, then waits for the
@@ -170,6 +177,11 @@ void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
 #ifdef KVLM_ATTN_TRACE
       g_last_mma_ctas = int64_t(grid.x) * grid.y * grid.z;
 #endif
+      if (a.p.exact_k) {  // the exact keys: the CUDA-core kernel's exact pass, then the reduction
+        RowsArgs e = a;
+        e.exact_pass = true;
+        return launch_rows<Fmt, HD>(e, st);
+      }
       if (a.num_splits > 1) launch_reduce(a, st);
       return;
     }
@@ -209,7 +221,7 @@ std::vector<AttnCtaTrace> paged_attention_last_trace() {
 PagedAttentionChoice paged_attention_choice(const PagedAttentionParams& p) {
   validate(p);
   const Plan pl = make_plan(p);
-  return {.kernel = pl.kernel, .splits = pl.splits, .decreasing_splits = pl.decreasing_splits};
+  return {.kernel = pl.kernel, .splits = pl.splits - (pl.exact_pass ? 1 : 0), .decreasing_splits = pl.decreasing_splits};
 }
 
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
@@ -230,7 +242,7 @@ void paged_attention(const PagedAttentionParams& p, void* stream) {
     const Plan pl = make_plan(p);
     RowsArgs a{.p = p, .group = pl.group, .head_chunks = pl.head_chunks, .rows_per_cta = pl.rows_per_cta,
                .row_groups = pl.row_groups, .num_splits = pl.splits, .part_o = nullptr, .part_ml = nullptr,
-               .decreasing_splits = pl.decreasing_splits};
+               .decreasing_splits = pl.decreasing_splits, .range_splits = pl.splits - (pl.exact_pass ? 1 : 0)};
     if (a.num_splits > 1) {
       const size_t need = paged_attention_workspace_bytes(p);
       if (!p.workspace || p.workspace_bytes < need)

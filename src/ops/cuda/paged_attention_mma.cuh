@@ -280,12 +280,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   int lo_all = INT_MAX, hi_all = 0;
   for (int r = 0; r < nrows; ++r) {
     int lo, hi;
-    visible_range(p, kv_len - q_len + r0 + r, kv_len, lo, hi);
+    quantized_range(p, kv_len - q_len + r0 + r, kv_len, lo, hi);  // exact keys: the CUDA-core exact pass
+    if (lo >= hi) continue;
     lo_all = min(lo_all, lo);
     hi_all = max(hi_all, hi);
   }
+  if (lo_all > hi_all) lo_all = hi_all;  // no quantized key for any row (all kept exact): an empty range
   int t0, t1;
-  split_range<16>(lo_all, hi_all, a.num_splits, split, a.decreasing_splits, t0, t1);
+  split_range<16>(lo_all, hi_all, a.range_splits, split, a.decreasing_splits, t0, t1);
 
   // This thread's two M rows (g, g + 8): query row, head, visible range within [t0, t1).
   int mlo[2], mhi[2], mrow[2], mhead[2];
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     mlo[i] = 0;
     mhi[i] = 0;
     if (mrow[i] < nrows) {
-      visible_range(p, kv_len - q_len + r0 + mrow[i], kv_len, mlo[i], mhi[i]);
+      quantized_range(p, kv_len - q_len + r0 + mrow[i], kv_len, mlo[i], mhi[i]);
       mlo[i] = max(mlo[i], t0);
       mhi[i] = min(mhi[i], t1);
     }

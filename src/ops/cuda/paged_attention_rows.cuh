@@ -38,6 +38,12 @@ struct RowsArgs {
   float* part_o;    // [num_tokens][num_q_heads][num_splits][head_dim]
   float* part_ml;   // [num_tokens][num_q_heads][num_splits][2]: running max (log2 domain), sum
   bool decreasing_splits = false;  // tensor-core decode kernel: splits shorten with their index
+  // Exact sink / recent tokens on the tensor-core decode kernel: it splits the quantized keys
+  // into range_splits splits (partials 0 .. range_splits - 1), and the CUDA-core kernel in
+  // exact_pass mode attends over the exact keys alone as partial range_splits; the reduction
+  // merges all num_splits = range_splits + 1. Otherwise range_splits = num_splits.
+  int range_splits = 1;
+  bool exact_pass = false;
 };
 
 namespace {
@@ -108,6 +114,17 @@ __device__ __forceinline__ void visible_range(const PagedAttentionParams& p, int
   }
 }
 
+// The keys the query at `pos` reads from the quantized pages when exact sink / recent tokens
+// are kept (kv_plan.h's kv_key_exact): its visible range minus the first keep_sink keys and
+// its keep_recent latest — still one interval (empty: lo >= hi).
+__device__ __forceinline__ void quantized_range(const PagedAttentionParams& p, int pos, int kv_len, int& lo, int& hi) {
+  visible_range(p, pos, kv_len, lo, hi);
+  if (!p.exact_k) return;
+  const int qpos = p.mask == AttentionKind::NonCausal ? kv_len - 1 : pos;
+  lo = max(lo, p.keep_sink);
+  hi = min(hi, qpos - p.keep_recent + 1);
+}
+
 // The keys [t0, t1) of split `split` of S over a CTA's range [lo, hi), cut at multiples of A
 // keys from lo (A = 16 for the tensor-core kernels: a 16-key tile then never straddles two
 // splits): equal shares (the last shorter or empty), or, with `decreasing`, shares of the
@@ -146,7 +163,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   const int row = blockIdx.x;
   const int kvh = int(blockIdx.y) / a.head_chunks;
   const int chunk = int(blockIdx.y) % a.head_chunks;
-  const int split = blockIdx.z;
+  const int split = a.exact_pass ? a.range_splits : int(blockIdx.z);
   const int h0 = kvh * a.group + chunk * GMAX;
   const int nheads = min(GMAX, a.group - chunk * GMAX);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -166,7 +183,19 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   int lo, hi;
   visible_range(p, pos, kv_len, lo, hi);
   int t0, t1;
-  split_range<1>(lo, hi, a.num_splits, split, false, t0, t1);
+  // exact_pass: the exact keys alone, as two intervals walked as one: [lo, sink_end), then
+  // [win_lo, hi) — t in [0, n_sink + n_win) is key t + lo, then t - n_sink + win_lo.
+  const int qpos_all = p.mask == AttentionKind::NonCausal ? kv_len - 1 : pos;
+  const int sink_end = a.exact_pass ? max(lo, min(hi, p.keep_sink)) : 0;
+  const int win_lo = a.exact_pass ? max(sink_end, qpos_all - p.keep_recent + 1) : 0;
+  const int n_sink = sink_end - lo;
+  if (a.exact_pass) {
+    t0 = 0;
+    t1 = n_sink + max(0, hi - win_lo);
+  } else {
+    split_range<1>(lo, hi, a.range_splits, split, false, t0, t1);
+  }
+  auto key_of = [&](int t) { return !a.exact_pass ? t : t < n_sink ? lo + t : win_lo + (t - n_sink); };
 
   // Query slice in registers, pre-multiplied by the score scale (one FFMA less per score).
   float qscale, vscale;
@@ -237,9 +266,9 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
     // Issue all U row loads before any math: memory-level parallelism is the whole game.
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int t = base + u * STEP + warp * RPW + rg;
-      valid[u] = t < t1;
-      exact[u] = keeps && valid[u] && (t < p.keep_sink || qpos - t < p.keep_recent);
+      const int t = key_of(base + u * STEP + warp * RPW + rg);
+      valid[u] = base + u * STEP + warp * RPW + rg < t1;
+      exact[u] = keeps && valid[u] && (a.exact_pass || t < p.keep_sink || qpos - t < p.keep_recent);
       ksc[u] = vsc[u] = 1.0f;
       kz[u] = vz[u] = 0.0f;
       if (exact[u]) {
@@ -270,7 +299,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float kf[kVec];
-      if (exact[u]) exact_row(p.exact_k, base + u * STEP + warp * RPW + rg, kf);
+      if (exact[u]) exact_row(p.exact_k, key_of(base + u * STEP + warp * RPW + rg), kf);
       else Fmt::decode8(kv[u], kf);
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
@@ -316,7 +345,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float vf[kVec];
-      if (exact[u]) exact_row(p.exact_v, base + u * STEP + warp * RPW + rg, vf);
+      if (exact[u]) exact_row(p.exact_v, key_of(base + u * STEP + warp * RPW + rg), vf);
       else Fmt::decode8(vv[u], vf);
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
@@ -468,7 +497,8 @@ constexpr int kMaxGroupPerCta = 8;
 // The CUDA-core kernel for (Fmt, HD), plus the reduction when the key range is split.
 template <class Fmt, int HD>
 void launch_rows(const RowsArgs& a, cudaStream_t st) {
-  const dim3 grid(unsigned(a.p.num_tokens), unsigned(a.p.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
+  const dim3 grid(unsigned(a.p.num_tokens), unsigned(a.p.num_kv_heads * a.head_chunks),
+                  unsigned(a.exact_pass ? 1 : a.num_splits));
   const int gmax = std::min(a.group, kMaxGroupPerCta);
   // GQA group sizes are compiled as 1, 4 and 8 (the common ones); 2-3 run in the 4-wide and
   // 5-7 in the 8-wide instance with idle head slots: correct, somewhat wasteful.
