@@ -111,6 +111,19 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
     if (s.keeps_exact()) {
       KVLM_CHECK(seq.exact_table.size() == seq.block_table.size(), "a layer with exact tokens was called without exact pages");
       for (BlockId e : seq.exact_table) KVLM_CHECK(e >= -1 && e < c.num_exact, "exact page id out of range");
+      // Every key a query reads exact has an exact page (checked here: an exception cannot
+      // leave the parallel loop below). Per query: its sink keys and its recent window.
+      const int first_pos = seq.kv_len - seq.q_len;
+      auto covered = [&](int a, int b) {  // keys [a, b)
+        for (int bi = a / bs; a < b && bi <= (b - 1) / bs; ++bi)
+          KVLM_CHECK(seq.exact_table[size_t(bi)] >= 0, "a key read exact has no exact page (engine bookkeeping)");
+      };
+      for (int t = 0; t < seq.q_len; ++t) {
+        const Span sp = visible(s, first_pos + t, seq.kv_len);
+        const int qpos = s.attn.kind == AttentionKind::NonCausal ? seq.kv_len - 1 : first_pos + t;
+        covered(sp.lo, std::min(sp.hi, s.keep_sink));
+        covered(std::max(sp.lo, qpos - s.keep_recent + 1), sp.hi);
+      }
     }
   }
   // Exact sink / recent tokens: key j of the query at position p is read from the exact page
@@ -177,8 +190,7 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
               // This query's rows of the page: exact where kv_key_exact says so.
               const int qpos = s.attn.kind == AttentionKind::NonCausal ? seq.kv_len - 1 : first_pos + t;
               auto key_row = [&](const std::vector<float>& quant, const std::vector<float>& ex, int j) {
-                const bool from_exact = exact && kv_key_exact(j, qpos, s.keep_sink, s.keep_recent);
-                KVLM_CHECK(!from_exact || exact_page >= 0, "a key read exact has no exact page (engine bookkeeping)");
+                const bool from_exact = exact && kv_key_exact(j, qpos, s.keep_sink, s.keep_recent);  // page checked above
                 return (from_exact ? ex.data() : quant.data()) + size_t(j - bi * bs) * size_t(d);
               };
               for (int hg = 0; hg < group; ++hg) {

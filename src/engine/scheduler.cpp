@@ -109,38 +109,45 @@ void Scheduler::admit_prefix(Sequence& s) {
   };
   settle();
   if (found == 0) return;
+  // Hold the pages the next query reads exact now, before a copy-on-write page is allocated:
+  // the exact page taken back for the copy must not be one of theirs.
+  auto hold_needed = [&](int next) {
+    s.exact_from = window_page(next);
+    for (size_t i = 0; i < s.pages.size(); ++i)
+      if (holds_exact(s, int(i))) blocks_.hold_exact(s.pages[i], /*fresh=*/false);
+  };
+  hold_needed(std::min(found * bs, total - 1));
   int computed = found * bs;
-  BlockId held_fresh = -1;
   if (computed >= total) {
     // Every token is cached, but the last one must run to give the next token's logits and
     // will write its K/V into the last page, which other sequences share: copy that page
     // first (copy-on-write) and recompute only the last token into the copy.
-    const bool fresh_exact = keeps_exact() && needs_exact(found - 1, total - 1);
+    const bool fresh_exact = holds_exact(s, int(s.pages.size()) - 1);  // the copy is read exact too
     std::optional<BlockId> fresh;
     if (!fresh_exact || blocks_.num_exact_available() > 0) fresh = blocks_.allocate();
     if (fresh) {
       PageCopy cow{.src = s.pages.back(), .dst = *fresh};
       if (fresh_exact) {
         blocks_.hold_exact(*fresh, /*fresh=*/true);
-        held_fresh = *fresh;
         cow.exact_src = blocks_.exact_of(cow.src);
         cow.exact_dst = blocks_.exact_of(*fresh);
       }
       runner_.copy_blocks({&cow, 1});
+      if (fresh_exact) blocks_.drop_exact(cow.src);  // its hold passed to the copy
       blocks_.release(s.pages.back());
       s.pages.back() = *fresh;
       s.serials.pop_back();
     } else {  // no page to copy into: recompute the whole last page instead
+      for (size_t i = s.pages.size(); i-- > 0;) drop_exact_at(s, i);
       drop_last();
       settle();
       if (found == 0) return;
+      hold_needed(found * bs);
     }
     computed = std::min(total - 1, int(s.pages.size()) * bs);
   }
   s.num_computed = computed;
-  s.exact_from = window_page(computed);
-  for (size_t i = 0; i < s.pages.size(); ++i)
-    if (holds_exact(s, int(i)) && s.pages[i] != held_fresh) blocks_.hold_exact(s.pages[i], /*fresh=*/false);
+  KVLM_CHECK(!keeps_exact() || s.exact_from == window_page(computed), "exact holds taken for another position");
   if (!s.started) s.cached_prompt_tokens = std::min(computed, s.num_prompt);
 }
 

@@ -76,7 +76,6 @@ class Scheduler {
   // every page from window_page(next) on, `next` being its next query's position.
   bool keeps_exact() const { return cfg_.num_exact_pages > 0; }
   int window_page(int next) const;
-  bool needs_exact(int page, int next) const { return page < sink_pages_ || page >= window_page(next); }
   bool holds_exact(const Sequence& s, int page) const {
     return keeps_exact() && (page < sink_pages_ || page >= std::max(sink_pages_, s.exact_from));
   }

@@ -243,16 +243,23 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerWithExactTokens) {
     auto ce = load(g.model_dir, dt, Device::Cuda, std::nullopt, 16, 3, 10);
     cuda_of(*ce).set_poison_scratch(true);
     auto pe = load(g.model_dir, dt, Device::Cpu, ce->dtype(), 16, 3, 10);
+    auto plain = load(g.model_dir, dt, Device::Cpu, ce->dtype(), 16);  // the same cache without exact tokens
     for (const auto& l : ce->plan().layers) EXPECT_EQ(l.backend, "cuda");
+    const auto cpu_plain = teacher_forced(*plain, all, 7);
     for (int chunk : {7, 1}) {
       const auto got = teacher_forced(*ce, all, chunk);
       const auto cpu = teacher_forced(*pe, all, chunk);
       const Stats d = compare(cpu, got, g.vocab);
       const Stats q = compare(g.logits, cpu, g.vocab);
+      const Stats dp = compare(cpu_plain, got, g.vocab);
       const double bound = (g.name == "stories260K" ? 0.06 : 0.03) * d.scale + q.max_abs;
-      std::printf("[cuda-runner] %-12s %-20s exact sink 3 + recent 10, chunks of %d: max|cuda-cpu|=%.3e bound %.3e\n",
-                  g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), chunk, d.max_abs, bound);
+      std::printf("[cuda-runner] %-12s %-20s exact sink 3 + recent 10, chunks of %d: max|cuda-cpu|=%.3e bound %.3e; "
+                  "KLD to the CPU with exact tokens %.2e, without %.2e\n",
+                  g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), chunk, d.max_abs, bound, d.mean_kld,
+                  dp.mean_kld);
       EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt) << " chunk " << chunk;
+      // A runner that ignored the exact tokens would sit nearer the CPU without them.
+      EXPECT_LT(d.mean_kld, dp.mean_kld) << g.name << " " << kv_cache_dtype_name(dt) << " chunk " << chunk;
     }
   }
 }

@@ -400,7 +400,7 @@ TEST(Attention, HadamardRotationIsOrthogonal) {
 // Guard rails: a block table that is too short or names a page outside the pool is a bug
 // in the caller, reported as an error instead of reading out of bounds.
 TEST(Attention, RejectsBadBlockTables) {
-  CacheConfig cc;
+  CacheConfig cc;  // (reused below with exact tokens)
   const AttentionLayerDesc desc{.num_q_heads = 2, .num_kv_heads = 1, .head_dim = 8};
   const KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::F32, std::nullopt, {});
   KVCache cache(plan, 4, 4);
@@ -415,4 +415,19 @@ TEST(Attention, RejectsBadBlockTables) {
   const std::vector<float> kv(8);
   const std::vector<SlotId> slot{16};
   EXPECT_THROW(be.store_kv(cache.layer(0), {.k = kv, .v = kv, .slots = slot}), Error);
+  // Exact tokens: a page whose keys a query reads exact must have an exact page (the engine's
+  // bookkeeping), or the call is an error, not a read of the quantized rows instead.
+  cc.kv_cache_dtype = KVCacheDType::Int8PerTokenHead;
+  cc.keep_sink = 1;
+  cc.keep_recent = 2;
+  const KVPlan kp = build_kv_plan(cc, {&desc, 1}, DType::F32, std::nullopt, {});
+  KVCache kc(kp, 4, 4, 4);
+  const std::vector<BlockId> table{0, 1};
+  const std::vector<BlockId> no_window{0, -1}, fine{0, 3}, none{};
+  for (const auto& et : {no_window, none}) {
+    const AttnSeq s3{.q_begin = 0, .q_len = 1, .kv_len = 8, .block_table = table, .exact_table = et};
+    EXPECT_THROW(be.attend(kc.layer(0), {.q = q, .out = out, .seqs = {&s3, 1}}), Error);
+  }
+  const AttnSeq s4{.q_begin = 0, .q_len = 1, .kv_len = 8, .block_table = table, .exact_table = fine};
+  EXPECT_NO_THROW(be.attend(kc.layer(0), {.q = q, .out = out, .seqs = {&s4, 1}}));
 }

@@ -402,6 +402,31 @@ TEST(Scheduler, PrefixCacheWithExactTokens) {
   expect_exact_pages_released(le.blocks());
 }
 
+// A whole prompt in the cache copies its last page (copy-on-write), and with exact tokens the
+// copy needs an exact page too. With every exact page attached (the pool is small: one
+// sequence), it is taken back from an idle one — never from a page this prompt's next query
+// reads exact (its sink and window pages are held first). Here the first request fills 8
+// whole pages (all cached, so the copy goes to a page without an exact one), and the oldest
+// idle exact page, page 2's, is in the repeated prompt's window.
+TEST(Scheduler, CopyOnWriteWithExactTokensKeepsTheWindowsCopies) {
+  auto e = load(kStories, KVCacheDType::Int4PerTokenHead, 8, 2, 10);
+  std::mt19937 rng(9);
+  const auto first = random_prompt(rng, 60, e->config().vocab_size);
+  const std::vector<TokenId> repeat(first.begin(), first.begin() + 32);  // 4 full pages of `first`
+  const auto want = one_at_a_time(*e, repeat, 3);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 1, .max_num_batched_tokens = 16, .max_model_len = 128,
+                                   .enable_prefix_caching = true, .num_blocks = 64});
+  le.add_request(make("first", first, 5, out));
+  run_to_end(le);
+  ASSERT_EQ(le.blocks().num_exact_pages(), 7);  // 1 sink + 2 + 2 window pages + 2 for a step
+  le.add_request(make("repeat", repeat, 3, out));
+  run_to_end(le);
+  EXPECT_EQ(out["repeat"].cached, 31);
+  EXPECT_EQ(out["repeat"].tokens, want);
+  expect_exact_pages_released(le.blocks());
+}
+
 TEST(Scheduler, PrefixCachingOffComputesEverything) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   std::mt19937 rng(3);
