@@ -10,10 +10,8 @@ void DFlashProposer::propose(std::span<Sequence* const> seqs, std::span<const in
   tokens_.clear();
   positions_.clear();
   slots_.clear();
-  exact_slots_.clear();
-  exact_tables_.clear();
+  exact_.begin(pages_.exact_map(), page_size_);
   seqs_.clear();
-  const std::span<const int32_t> exact = pages_.num_exact_pages() > 0 ? pages_.exact_map() : std::span<const int32_t>{};
   logit_rows_.clear();
   std::vector<int> wanted;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -27,28 +25,18 @@ void DFlashProposer::propose(std::span<Sequence* const> seqs, std::span<const in
       tokens_.push_back(j == 0 ? s.tokens.back() : mask_);
       positions_.push_back(Position(p));
       slots_.push_back(SlotId(s.pages[size_t(p / page_size_)]) * page_size_ + p % page_size_);
-      if (!exact.empty()) {
-        const int32_t e = exact[size_t(s.pages[size_t(p / page_size_)])];
-        exact_slots_.push_back(e < 0 ? -1 : SlotId(e) * page_size_ + p % page_size_);
-      }
+      exact_.add_token(s.pages[size_t(p / page_size_)], p % page_size_);
     }
     seqs_.push_back(AttnSeq{.q_begin = q0, .q_len = block_, .kv_len = start + block_, .block_table = s.pages});
-    if (!exact.empty())
-      for (BlockId b : s.pages) exact_tables_.push_back(exact[size_t(b)]);
+    exact_.add_sequence(s.pages);
     const int k = std::min(k_, max_draft[i]);
     for (int j = 1; j <= k; ++j) logit_rows_.push_back(q0 + j);
     wanted.push_back(k);
   }
-  if (!exact.empty()) {
-    size_t at = 0;
-    for (AttnSeq& a : seqs_) {
-      a.exact_table = std::span<const BlockId>(exact_tables_).subspan(at, a.block_table.size());
-      at += a.block_table.size();
-    }
-  }
+  exact_.bind(seqs_);
   drafted_.assign(logit_rows_.size(), -1);
-  runner_.draft_greedy(ForwardBatch{.tokens = tokens_, .positions = positions_, .slots = slots_, .exact_slots = exact_slots_, .seqs = seqs_,
-                                    .logit_rows = logit_rows_},
+  runner_.draft_greedy(ForwardBatch{.tokens = tokens_, .positions = positions_, .slots = slots_,
+                                    .exact_slots = exact_.slots(), .seqs = seqs_, .logit_rows = logit_rows_},
                        drafted_);
   size_t at = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {

@@ -10,6 +10,7 @@
 
 #include "engine/block_manager.h"
 #include "engine/proposer.h"
+#include "engine/step_batch.h"  // ExactLayout
 #include "model/model_runner.h"
 
 namespace kvlm {
@@ -32,8 +33,8 @@ class DFlashProposer final : public DraftProposer {
   // Scratch, kept across steps.
   std::vector<TokenId> tokens_, drafted_;
   std::vector<Position> positions_;
-  std::vector<SlotId> slots_, exact_slots_;
-  std::vector<BlockId> exact_tables_;
+  std::vector<SlotId> slots_;
+  ExactLayout exact_;
   std::vector<AttnSeq> seqs_;
   std::vector<int32_t> logit_rows_;
 };

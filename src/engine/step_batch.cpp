@@ -6,6 +6,32 @@
 
 namespace kvlm {
 
+void ExactLayout::begin(std::span<const int32_t> exact_map, int block_size) {
+  map_ = exact_map;
+  block_size_ = block_size;
+  slots_.clear();
+  tables_.clear();
+}
+
+void ExactLayout::add_token(BlockId page, int offset) {
+  if (map_.empty()) return;
+  const int32_t e = map_[size_t(page)];
+  slots_.push_back(e < 0 ? -1 : SlotId(e) * block_size_ + offset);
+}
+
+void ExactLayout::add_sequence(std::span<const BlockId> pages) {
+  for (BlockId b : map_.empty() ? std::span<const BlockId>{} : pages) tables_.push_back(map_[size_t(b)]);
+}
+
+void ExactLayout::bind(std::span<AttnSeq> seqs) const {
+  if (map_.empty()) return;
+  size_t at = 0;
+  for (AttnSeq& a : seqs) {
+    a.exact_table = std::span<const BlockId>(tables_).subspan(at, a.block_table.size());
+    at += a.block_table.size();
+  }
+}
+
 void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool device_sampling, bool has_eos,
                       size_t vocab, std::span<const int32_t> exact_map) {
   device_sampling_ = device_sampling;
@@ -15,8 +41,7 @@ void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool devi
   tokens_.clear();
   positions_.clear();
   slots_.clear();
-  exact_slots_.clear();
-  exact_tables_.clear();
+  exact_.begin(exact_map, bs);
   attn_.clear();
   logit_rows_.clear();
   row_sampling_.clear();
@@ -28,14 +53,10 @@ void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool devi
       tokens_.push_back(s->token_at(p));
       positions_.push_back(Position(p));
       slots_.push_back(SlotId(s->pages[size_t(p / bs)]) * bs + p % bs);
-      if (!exact_map.empty()) {
-        const int32_t e = exact_map[size_t(s->pages[size_t(p / bs)])];
-        exact_slots_.push_back(e < 0 ? -1 : SlotId(e) * bs + p % bs);
-      }
+      exact_.add_token(s->pages[size_t(p / bs)], p % bs);
     }
     attn_.push_back(AttnSeq{.q_begin = q0, .q_len = s->scheduled, .kv_len = end, .block_table = s->pages});
-    if (!exact_map.empty())
-      for (BlockId b : s->pages) exact_tables_.push_back(exact_map[size_t(b)]);
+    exact_.add_sequence(s->pages);
     // Row p of the step follows token p: prompt rows first, then the rows that draw tokens.
     s->logit_row = int(logit_rows_.size());
     s->prompt_row0 = std::max(begin, s->prompt_rows_begin());
@@ -70,19 +91,13 @@ void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool devi
       row_sampling_.push_back(rs);
     }
   }
-  if (!exact_map.empty()) {  // the tables are laid out: point each sequence at its own
-    size_t at = 0;
-    for (size_t i = 0; i < attn_.size(); ++i) {
-      attn_[i].exact_table = std::span<const BlockId>(exact_tables_).subspan(at, attn_[i].block_table.size());
-      at += attn_[i].block_table.size();
-    }
-  }
+  exact_.bind(attn_);
   logits_.resize(size_t(num_host_rows) * vocab);
   device_tokens_.assign(logit_rows_.size(), -1);
 }
 
 void StepBatch::run(ModelRunner& runner) {
-  const ForwardBatch fb{.tokens = tokens_, .positions = positions_, .slots = slots_, .exact_slots = exact_slots_,
+  const ForwardBatch fb{.tokens = tokens_, .positions = positions_, .slots = slots_, .exact_slots = exact_.slots(),
                         .seqs = attn_, .logit_rows = logit_rows_};
   if (device_sampling_) runner.forward_sampled(fb, row_sampling_, device_tokens_, logits_);
   else runner.forward(fb, logits_);

@@ -14,6 +14,25 @@
 
 namespace kvlm {
 
+// A batch's exact pages (exact sink / recent tokens): each token's exact slot and each
+// sequence's exact table, from the BlockManager's exact_map — nothing when the map is empty.
+// Laid out by StepBatch and DFlashProposer alike; kept across steps so its buffers are reused.
+class ExactLayout {
+ public:
+  void begin(std::span<const int32_t> exact_map, int block_size);
+  void add_token(BlockId page, int offset);
+  void add_sequence(std::span<const BlockId> pages);
+  // Points seqs[i].exact_table at the i-th sequence's table (once every one is added).
+  void bind(std::span<AttnSeq> seqs) const;
+  std::span<const SlotId> slots() const { return slots_; }
+
+ private:
+  std::span<const int32_t> map_;
+  int block_size_ = 1;
+  std::vector<SlotId> slots_;
+  std::vector<BlockId> tables_;  // the sequences' tables, one after the other
+};
+
 class StepBatch {
  public:
   // Lays out `seqs` (each with `scheduled` set) and records each one's logit rows in it.
@@ -37,8 +56,7 @@ class StepBatch {
   std::vector<TokenId> tokens_;
   std::vector<Position> positions_;
   std::vector<SlotId> slots_;
-  std::vector<SlotId> exact_slots_;
-  std::vector<BlockId> exact_tables_;  // the sequences' exact tables, one after the other
+  ExactLayout exact_;
   std::vector<AttnSeq> attn_;
   std::vector<int32_t> logit_rows_;
   std::vector<RowSampling> row_sampling_;  // per logit row (runners that sample on their device)

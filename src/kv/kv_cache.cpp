@@ -9,7 +9,8 @@ namespace kvlm {
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size) {
   const size_t rows = size_t(spec.attn.num_kv_heads) * size_t(block_size);
   return {.codes = dtype_bytes(spec.storage, rows * size_t(spec.attn.head_dim)),
-          .scales = is_per_token_head(spec.quant) ? rows * sizeof(float) : 0};
+          .scales = is_per_token_head(spec.quant) ? rows * sizeof(float) : 0,
+          .exact = spec.exact_bytes_per_token() / 2 * size_t(block_size)};
 }
 
 KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size, int num_exact_pages)
@@ -34,9 +35,8 @@ KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size, int num_exa
     KVLM_CHECK(l.bytes() == tokens * spec.bytes_per_token(), "layer pool size disagrees with the plan's bytes per token");
     if (spec.keeps_exact()) {
       l.num_exact = num_exact_;
-      const size_t exact = size_t(num_exact_) * size_t(block_size) * spec.exact_bytes_per_token() / 2;
-      l.ek.assign(exact, 0);
-      l.ev.assign(exact, 0);
+      l.ek.assign(page.exact * size_t(num_exact_), 0);
+      l.ev.assign(page.exact * size_t(num_exact_), 0);
     }
     layers_.push_back(std::move(l));
   }

@@ -23,10 +23,12 @@
 namespace kvlm {
 
 // One page of one layer, as every device lays it out: the bytes of its K (equally V) codes,
-// and of its K (equally V) per-token-head scales (0 for modes without them).
+// of its K (equally V) per-token-head scales (0 for modes without them), and of one K
+// (equally V) exact page (0 for layers without exact tokens).
 struct KVPageBytes {
   size_t codes = 0;
   size_t scales = 0;
+  size_t exact = 0;
 };
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size);
 

@@ -527,26 +527,23 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
     for (size_t i = 0; i < m.lkv.size(); ++i) {
       const KVLayerSpec& spec = m.plan->layers[i];
       KVLM_CHECK(!spec.keeps_exact() || spec.exact_storage == m.act, "exact pages in another dtype than the model's");
-      const size_t page = spec.keeps_exact() ? size_t(spec.attn.num_kv_heads) * size_t(block_size) *
-                                                   size_t(spec.attn.head_dim) * 2
-                                             : 0;
-      for (int part = 0; part < 2; ++part) {
-        eoffs.push_back(etotal);
-        etotal += align_up(page * size_t(num_exact_pages));
-        m.kv_bytes += page * size_t(num_exact_pages);
-      }
+      CudaKVLayer& L = m.lkv[i];
+      L.exact_page_bytes = kv_page_bytes(spec, block_size).exact;
+      L.keep_sink = spec.keep_sink;
+      L.keep_recent = spec.keep_recent;
+      eoffs.push_back(etotal);
+      etotal += 2 * align_up(L.exact_page_bytes * size_t(num_exact_pages));
+      m.kv_bytes += 2 * L.exact_page_bytes * size_t(num_exact_pages);
     }
     m.exact.allocate(etotal, "the exact sink / recent tokens (" + std::to_string(num_exact_pages) +
                                  " pages; lower --max-num-seqs or the kept tokens)");
     KVLM_CUDA_CHECK(cudaMemsetAsync(m.exact.data(), 0, etotal, m.stream));
     for (size_t i = 0; i < m.lkv.size(); ++i) {
       CudaKVLayer& L = m.lkv[i];
-      const bool k = m.plan->layers[i].keeps_exact();
-      L.exact_k = k ? reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[2 * i]) : nullptr;
-      L.exact_v = k ? reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[2 * i + 1]) : nullptr;
-      L.keep_sink = k ? m.plan->layers[i].keep_sink : 0;
-      L.keep_recent = k ? m.plan->layers[i].keep_recent : 0;
-      L.exact_page_bytes = k ? size_t(L.num_kv_heads) * size_t(block_size) * size_t(L.head_dim) * 2 : 0;
+      if (L.exact_page_bytes == 0) continue;
+      const size_t part = align_up(L.exact_page_bytes * size_t(num_exact_pages));
+      L.exact_k = reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[i]);
+      L.exact_v = reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[i] + part);
     }
     m.num_exact = num_exact_pages;
   }

@@ -314,16 +314,9 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
       exact_v_row = p.exact_v + e * size_t(d);
     }
   }
+  using ExactFmt = std::conditional_t<std::is_same_v<A, ActBF16>, FmtBF16, FmtF16>;  // the act dtype, unscaled
   auto store_exact = [&](uint16_t* dst) {
-    if (!dst) return;
-#pragma unroll
-    for (int c = 0; c < kPairsPerLane; ++c) {
-      const int j = lane + 32 * c;
-      if (j < half) {
-        dst[j] = A::store(a[c]);
-        dst[j + half] = A::store(b[c]);
-      }
-    }
+    if (dst) store_head<ExactFmt>(a, b, half, lane, dst, nullptr, 1.0f);
   };
   store_exact(exact_k_row);
   if constexpr (kIsInt4<Fmt>) {
