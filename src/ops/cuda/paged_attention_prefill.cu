@@ -215,9 +215,8 @@ int prefill_rows_per_cta(int head_dim) {
   return bm;
 }
 
-// int4 pages take the mma.sync kernel on every GPU (the warp-specialised one expands whole bytes).
 bool use_wgmma(const PagedAttentionParams& p) {
-  return p.head_dim <= 128 && p.storage != DType::I4 && prefill_wgmma_available();
+  return p.head_dim <= 128 && prefill_wgmma_available();
 }
 
 int prefill_ctas_per_sm(const PagedAttentionParams& p) {

@@ -6,8 +6,10 @@
 // plan's rows per CTA do not change). The producer streams 128-key tiles of K and V (WsSmem)
 // into a ring of shared-memory stages — cp.async straight into the 128-byte-swizzled layout
 // the descriptors describe (wgmma.cuh) for 16-bit caches; for 1-byte caches raw into a
-// private ring, then expanded to f16 into the stage by the thread that loaded the piece — and
-// publishes each stage on its "full" mbarrier; every consumer thread releases the stage on its
+// private ring, then expanded to f16 into the stage by the thread that loaded the piece; int4
+// caches the same, each thread also loading the {step, zero} slots of its pieces' rows and
+// writing code * step + zero as f16 (one HFMA2 per pair), so the consumers see an f16 cache
+// with no per-key factors — and publishes each stage on its "full" mbarrier; every consumer thread releases the stage on its
 // "empty" mbarrier once its GEMMs have read it (async_pipeline.cuh). So the consumers never
 // meet at a CTA-wide barrier: the two warpgroups drift apart and one's softmax overlaps the
 // other's GEMMs, and the loads' address arithmetic is off their issue slots. setmaxnreg moves
@@ -33,7 +35,8 @@ constexpr int kWsThreads = 384;
 // Tile shape, shared-memory layout and register split of the warpgroup kernel per format.
 // 128-key tiles, as many stages as fit in 227 KB: 16-bit caches 3 (224 KB at head 128);
 // 1-byte caches 2 expanded stages and 2 raw tiles (224 KB), per-token-head ones 1 raw tile
-// (their scales would not fit beside a second).
+// (their scales would not fit beside a second); int4 2 and 2 (raw tiles are half as big), plus
+// each producer thread's own step / zero slots per raw tile.
 // setmaxnreg moves registers within the CTA's pool (384 x the count ptxas gave the kernel,
 // 168 under __launch_bounds__(384, 1)): the producer warpgroup's 128 threads give theirs up to
 // kProducerRegs, the consumers' 256 take kConsumerRegs. The split must fit the pool, or the
@@ -42,27 +45,86 @@ constexpr int kWsThreads = 384;
 // 64 registers.
 template <class Fmt, int HD>
 struct WsSmem {
-  static constexpr int ESZ = sizeof(typename Fmt::Code);
-  static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
+  static constexpr int BITS = Fmt::kBits;
+  static constexpr bool kI4 = kIsInt4<Fmt>;
+  // Per-key scales the consumers apply (int4's are applied by the producer).
+  static constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead && !kI4;
+  static constexpr int RB = HD * BITS / 8;  // bytes of one stored K/V row
   static constexpr int BM = 128, BN = 128;
   static_assert(BM == PrefillTile<HD>::BM, "both kernels must take the plan's rows per CTA");
-  static constexpr int kStages = ESZ == 2 ? 3 : 2;          // K/V tiles the consumers read
-  static constexpr int kRaw = ESZ == 2 ? 0 : kPTH ? 1 : 2;  // 1-byte caches: the producer's raw tiles
-  static constexpr int kProducerRegs = ESZ == 1 ? 64 : 56;
-  static constexpr int kConsumerRegs = ESZ == 1 ? 216 : 224;
+  static constexpr int kStages = BITS == 16 ? 3 : 2;          // K/V tiles the consumers read
+  static constexpr int kRaw = BITS == 16 ? 0 : kPTH ? 1 : 2;  // the producer's raw tiles
+  static constexpr int kPieces = BN * RB / 16 / 128;          // 16-byte pieces per producer thread (K or V)
+  static constexpr int kProducerRegs = BITS < 16 ? 64 : 56;
+  static constexpr int kConsumerRegs = BITS < 16 ? 216 : 224;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
                 "the register split exceeds the largest pool __launch_bounds__(384, 1) allows");
   static constexpr size_t tile16 = size_t(BN) * HD * 2;
-  static constexpr size_t raw = size_t(BN) * HD * ESZ;
+  static constexpr size_t raw = size_t(BN) * RB;
   static constexpr size_t q = size_t(BM) * HD * 2;  // Q at offset 0
   static constexpr size_t stages = q;
   static constexpr size_t raws = stages + kStages * 2 * tile16;
   static constexpr size_t scales = raws + kRaw * 2 * raw;  // per stage: BN K then BN V scales
   static constexpr size_t raw_scales = scales + (kPTH ? kStages * 2 * BN * sizeof(float) : 0);
-  static constexpr size_t bars = raw_scales + (kPTH ? kRaw * 2 * BN * sizeof(float) : 0);
+  // int4: per raw tile, [K, V][piece][producer thread] slots; 1-byte per-token-head: BN K then BN V scales.
+  static constexpr size_t raw_scale_bytes = kI4 ? 2 * kPieces * 128 * sizeof(uint32_t) : kPTH ? 2 * BN * sizeof(float) : 0;
+  static constexpr size_t bars = raw_scales + kRaw * raw_scale_bytes;
   static constexpr size_t total = bars + 2 * kStages * sizeof(uint64_t) + 1024;  // + alignment
   static_assert(total <= 227 * 1024, "the warpgroup kernel's shared memory exceeds 227 KB");
 };
+
+// int4: the producer thread's K and V slots ({f16 step, f16 zero}) of the rows of its pieces of
+// the BN keys from kb, each 4 bytes by cp.async into slots[(kv * kPieces + it) * 128 + tid];
+// keys outside [t0, t1) get 0 (step and zero 0: their zero-filled codes expand to 0, never to
+// a stale page's NaN). Does not commit.
+template <int BN, int RB, int kPieces>
+__device__ __forceinline__ void load_i4_slots(const PagedAttentionParams& p, const PageRows& pr, const CtaWork& w, int kb,
+                                              uint32_t* slots, int tid) {
+#pragma unroll
+  for (int it = 0; it < kPieces; ++it) {
+    const int key = kb + (tid + it * 128) / (RB / 16);
+    const bool ok = key >= w.t0 && key < w.t1;
+    const size_t row = ok ? size_t(pr.row(key)) : 0;
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      const float* src = (kv ? p.v_token_scale : p.k_token_scale) + row;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(slots + (kv * kPieces + it) * 128 + tid));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
+    }
+  }
+}
+
+// int4: this thread's pieces of a raw tile -> f16 values code * step + zero (one rounding, by
+// HFMA2), chunk X c + x of row r at dst(r, X c + x) of k_out / v_out.
+template <int BN, int HD, class Dst>
+__device__ __forceinline__ void expand_i4_tile(const char* k_raw, const char* v_raw, const uint32_t* slots, uint4* k_out,
+                                               uint4* v_out, Dst dst, int tid) {
+  constexpr int RB = HD / 2, X = 4, kPieces = BN * RB / 16 / 128;
+#pragma unroll
+  for (int it = 0; it < kPieces; ++it) {
+    const int i = tid + it * 128;
+    const int r = i / (RB / 16), c = i % (RB / 16);
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      const uint4 raw = reinterpret_cast<const uint4*>(kv ? v_raw : k_raw)[i];
+      const uint32_t slot = slots[(kv * kPieces + it) * 128 + tid];
+      const __half2 step = __half2half2(__ushort_as_half(uint16_t(slot & 0xffffu)));
+      const __half2 zero = __half2half2(__ushort_as_half(uint16_t(slot >> 16)));
+      uint32_t w[4 * X];
+      mma::to_pairs<FmtI4, 16>(&raw, w);
+#pragma unroll
+      for (int k = 0; k < 4 * X; ++k) {
+        __half2 h;
+        memcpy(&h, &w[k], 4);
+        h = __hfma2(h, step, zero);
+        memcpy(&w[k], &h, 4);
+      }
+      uint4* out = kv ? v_out : k_out;
+#pragma unroll
+      for (int x = 0; x < X; ++x) out[dst(r, X * c + x)] = make_uint4(w[4 * x], w[4 * x + 1], w[4 * x + 2], w[4 * x + 3]);
+    }
+  }
+}
 
 // Chunk index (uint4 units) of row r, 8-value chunk c of a 16-bit tile of R rows in the
 // 128-byte-swizzled layout: 64-value column blocks of R x 128 B, chunk (c % 8) ^ (r % 8).
@@ -78,9 +140,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
   using Sm = WsSmem<Fmt, HD>;
   constexpr int BM = Sm::BM, BN = Sm::BN, kStages = Sm::kStages;
   constexpr bool kBF = mma::MmaCodec<Fmt>::kBF16;
-  constexpr int ESZ = Sm::ESZ;
-  constexpr bool kPTH = Sm::kPTH;
-  constexpr int RB = HD * ESZ;
+  constexpr int BITS = Sm::BITS;
+  constexpr bool kPTH = Sm::kPTH;  // per-key scales in the consumers (not int4: see WsSmem)
+  constexpr bool kI4 = Sm::kI4;
+  constexpr int RB = Sm::RB;
   constexpr int CPR = HD / 8;
   constexpr int NT = BN / 8;
   constexpr int DT = HD / 8;
@@ -118,7 +181,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
     pipe::regs_dec<Sm::kProducerRegs>();
     const PageRows pr(p, w.seq, kvh);
     const int base0 = w.first_key();
-    if constexpr (ESZ == 2) {
+    if constexpr (BITS == 16) {
       for (int j = 0; j < ntiles; ++j) {
         const int s = j % kStages;
         if (j >= kStages) pipe::mbar_wait(empty + s, ((j / kStages) - 1) & 1);
@@ -129,6 +192,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
     } else {
       constexpr int kRaw = Sm::kRaw;
       float* const raw_sc = reinterpret_cast<float*>(smem + Sm::raw_scales);
+      uint32_t* const raw_slots = reinterpret_cast<uint32_t*>(smem + Sm::raw_scales);  // int4
       // Always commits a group (empty past the last tile): "wait_group kRaw - 1" then always
       // means "tile j landed". A raw slot is refilled as soon as this thread has expanded its
       // pieces of it (no other thread reads them), so kRaw tiles are always in flight.
@@ -137,6 +201,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
           char* rs = smem + Sm::raws + (j % kRaw) * 2 * Sm::raw;
           load_kv_tile<BN, RB, WG, kPTH>(p, pr, w, base0 + j * BN, rs, rs + Sm::raw, raw_sc + (j % kRaw) * 2 * BN,
                                          [](int, int, int i) { return i * 16; }, wtid);
+          if constexpr (kI4)
+            load_i4_slots<BN, RB, Sm::kPieces>(p, pr, w, base0 + j * BN, raw_slots + (j % kRaw) * 2 * Sm::kPieces * WG, wtid);
         }
         asm volatile("cp.async.commit_group;\n" ::);
       };
@@ -149,8 +215,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
         const char* rs = smem + Sm::raws + (j % kRaw) * 2 * Sm::raw;
         uint4* const st = reinterpret_cast<uint4*>(stage_k(s));
         // This thread expands (and copies the scales of) exactly the pieces it loaded.
-        expand_tile<Fmt, BN, HD, WG>(rs, rs + Sm::raw, st, st + BN * CPR, [](int r, int c) { return sw128<BN>(r, c); },
-                                     wtid);
+        if constexpr (kI4)
+          expand_i4_tile<BN, HD>(rs, rs + Sm::raw, raw_slots + (j % kRaw) * 2 * Sm::kPieces * WG, st, st + BN * CPR,
+                                 [](int r, int c) { return sw128<BN>(r, c); }, wtid);
+        else
+          expand_tile<Fmt, BN, HD, WG>(rs, rs + Sm::raw, st, st + BN * CPR, [](int r, int c) { return sw128<BN>(r, c); },
+                                       wtid);
         if constexpr (kPTH) {
           if (wtid < BN / 2) {
             const int o = scale_piece<BN>(wtid);
@@ -193,7 +263,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
   for (int j = 0; j < ntiles; ++j) {
     const int s = j % kStages;
     pipe::mbar_wait(full + s, (j / kStages) & 1);
-    if constexpr (ESZ == 2) wgmma::fence_proxy_async();  // the producer's cp.async -> wgmma
+    if constexpr (BITS == 16) wgmma::fence_proxy_async();  // the producer's cp.async -> wgmma
     const char* const tk = stage_k(s);
 
     // S = Q K_j^T over HD / 16 k-steps: 32 B further into the 128-B rows per step, the next
@@ -317,26 +387,19 @@ bool prefill_wgmma_available() {
 int prefill_wgmma_ctas_per_sm(const PagedAttentionParams& p) {
   int n = 1;
   dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
-    if constexpr (!kIsInt4<decltype(fmt)>)
-      dispatch_wgmma_hd(p.head_dim, [&](auto hd) { n = wgmma_occupancy<decltype(fmt), decltype(hd)::value>(); });
+    dispatch_wgmma_hd(p.head_dim, [&](auto hd) { n = wgmma_occupancy<decltype(fmt), decltype(hd)::value>(); });
   });
   return n;
 }
 
 void launch_prefill_wgmma(const RowsArgs& a, cudaStream_t st) {
-  // int4 pages run the mma.sync kernel (use_wgmma in paged_attention_prefill.cu): this kernel
-  // expands whole bytes per code.
-  if (a.p.storage == DType::I4)
-    throw Error("CUDA paged attention: internal error: int4 pages routed to the warp-specialised prefill kernel");
   dispatch_cuda_kv(a.p.storage, a.p.quant, [&](auto fmt) {
     using Fmt = decltype(fmt);
-    if constexpr (!kIsInt4<Fmt>) {
-      dispatch_wgmma_hd(a.p.head_dim, [&](auto hd) {
-        constexpr int HD = decltype(hd)::value;
-        wgmma_occupancy<Fmt, HD>();  // the register check and the smem opt-in, once
-        attn_prefill_wgmma_kernel<Fmt, HD><<<prefill_grid(a), kWsThreads, WsSmem<Fmt, HD>::total, st>>>(a);
-      });
-    }
+    dispatch_wgmma_hd(a.p.head_dim, [&](auto hd) {
+      constexpr int HD = decltype(hd)::value;
+      wgmma_occupancy<Fmt, HD>();  // the register check and the smem opt-in, once
+      attn_prefill_wgmma_kernel<Fmt, HD><<<prefill_grid(a), kWsThreads, WsSmem<Fmt, HD>::total, st>>>(a);
+    });
   });
 }
 
