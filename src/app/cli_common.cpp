@@ -39,6 +39,10 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "model dtype: auto (the checkpoint's), float32, bfloat16, float16; an auto KV cache follows it "
                  "(the CPU backend computes in float32 either way)")
       ->capture_default_str();
+  cmd.add_option("--quantization", quantization,
+                 "fp8: quantize a 16-bit checkpoint's linear weights to FP8 E4M3 at load, one scale per output "
+                 "channel (the embedding and LM head stay as they are); FP8 checkpoints (compressed-tensors, "
+                 "modelopt, fp8) run without it");
   cmd.add_option("--block-size", block_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
   cmd.add_flag("--enforce-eager", enforce_eager, "CUDA: launch every decode step's kernels one by one, no CUDA graphs");
 }
@@ -117,6 +121,7 @@ ModelOptions ModelFlags::model_options() const {
   o.gpu = d.gpu;
   o.dtype = parse_model_dtype(dtype);
   o.enforce_eager = enforce_eager;
+  o.quantization = quantization;
   if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
   return o;
 }

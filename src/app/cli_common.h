@@ -22,6 +22,7 @@ struct ModelFlags {
   std::string attention_backend;
   std::string device = "auto";
   std::string dtype = "auto";
+  std::string quantization;  // --quantization: "" or fp8
   int block_size = 16;
   bool enforce_eager = false;
   std::string speculative_config;  // JSON; empty: no drafting

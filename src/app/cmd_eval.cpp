@@ -47,6 +47,11 @@ void write_json(const std::string& path, const nlohmann::ordered_json& j) {
 }
 
 // "fp8_e4m3", or "auto -> bfloat16", with "+ N skipped layers" when a skip rule applied.
+// "bfloat16", or the FP8 weight scheme (a checkpoint's or --quantization fp8's).
+std::string weights_label(const LoadedModel& e) {
+  return e.config().weight_quant ? e.config().weight_quant->describe() : std::string(dtype_name(e.dtype()));
+}
+
 std::string kv_label(const LoadedModel& e) {
   const KVPlan& p = e.plan();
   std::string s(kv_cache_dtype_name(p.requested));
@@ -86,11 +91,12 @@ int run_perplexity(const EvalFlags& f) {
   });
   bar.reset();
   const size_t bpt = engine->plan().bytes_per_token();
-  std::printf("model      %s\nkv cache   %s (%zu bytes/token)\ntext       %s: %zu tokens, %d windows of %d, %lld scored\n",
-              opts.model_dir.c_str(), kv_label(*engine).c_str(), bpt, file.c_str(), tokens.size(), r.chunks,
+  std::printf("model      %s\nweights    %s\nkv cache   %s (%zu bytes/token)\ntext       %s: %zu tokens, %d windows of %d, %lld scored\n",
+              opts.model_dir.c_str(), weights_label(*engine).c_str(), kv_label(*engine).c_str(), bpt, file.c_str(), tokens.size(), r.chunks,
               f.ctx, (long long)r.scored_tokens);
   std::printf("PPL        %.4f +/- %.4f\n", r.ppl, r.ppl_err);
-  nlohmann::ordered_json j{{"model", opts.model_dir.string()}, {"kv_cache_dtype", kv_label(*engine)},
+  nlohmann::ordered_json j{{"model", opts.model_dir.string()}, {"weights", weights_label(*engine)},
+                           {"kv_cache_dtype", kv_label(*engine)},
                            {"kv_bytes_per_token", bpt}, {"ctx", f.ctx}, {"windows", r.chunks},
                            {"scored_tokens", r.scored_tokens}, {"ppl", r.ppl}, {"ppl_err", r.ppl_err}};
   if (r.has_base) {
@@ -144,12 +150,13 @@ int run_task(const EvalFlags& f) {
     }
     if (!log.flush()) throw Error("cannot write --log-samples " + f.log_samples);
   }
-  std::printf("model      %s\nkv cache   %s (%zu bytes/token)\ntask       %s: %zu items\n", opts.model_dir.c_str(),
-              kv_label(*engine).c_str(), engine->plan().bytes_per_token(), f.data.c_str(), n);
+  std::printf("model      %s\nweights    %s\nkv cache   %s (%zu bytes/token)\ntask       %s: %zu items\n",
+              opts.model_dir.c_str(), weights_label(*engine).c_str(), kv_label(*engine).c_str(), engine->plan().bytes_per_token(), f.data.c_str(), n);
   std::printf("accuracy   %.2f%% (%d / %zu exact match)\n", 100.0 * r.accuracy, r.correct, n);
   std::printf("time       %.1f s, %lld prompt + %lld generated tokens (%.0f generated tokens/s)\n", r.seconds,
               (long long)r.prompt_tokens, (long long)r.completion_tokens, double(r.completion_tokens) / std::max(r.seconds, 1e-9));
-  write_json(f.json_out, nlohmann::ordered_json{{"model", opts.model_dir.string()}, {"kv_cache_dtype", kv_label(*engine)},
+  write_json(f.json_out, nlohmann::ordered_json{{"model", opts.model_dir.string()}, {"weights", weights_label(*engine)},
+                                                {"kv_cache_dtype", kv_label(*engine)},
                                                 {"kv_bytes_per_token", engine->plan().bytes_per_token()},
                                                 {"data", f.data}, {"items", n}, {"correct", r.correct},
                                                 {"accuracy", r.accuracy}, {"seconds", r.seconds}});

@@ -68,11 +68,12 @@ void print_summary(const GenerateResult& r, const LoadedModel& e) {
   std::string exact;
   if (e.plan().exact_bytes_per_token() > 0)
     exact = ", exact sink " + std::to_string(e.plan().keep_sink()) + " + recent " + std::to_string(e.plan().keep_recent());
-  std::fprintf(stderr, "kvlm: %zu prompt tokens, %zu generated (%s), prefill %.1f tok/s, decode %.1f tok/s, KV %s%s (%zu B/token%s)\n",
+  const std::string weights = e.config().weight_quant ? ", FP8 weights (" + e.config().weight_quant->origin + ")" : "";
+  std::fprintf(stderr, "kvlm: %zu prompt tokens, %zu generated (%s), prefill %.1f tok/s, decode %.1f tok/s, KV %s%s (%zu B/token%s)%s\n",
                r.prompt.size(), r.tokens.size(), r.finish_reason.c_str(), prefill_tps, decode_tps,
                std::string(dtype_name(kv.storage)).c_str(),
                kv.mode == KVQuantMode::None ? "" : (" " + std::string(kv_quant_mode_name(kv.mode))).c_str(), e.plan().bytes_per_token(),
-               exact.c_str());
+               exact.c_str(), weights.c_str());
   if (e.speculative())
     std::fprintf(stderr, "kvlm: drafting (%s): %llu drafts, %llu of %llu draft tokens accepted, mean acceptance length %.2f\n",
                  describe(*e.speculative()).c_str(), (unsigned long long)r.drafts, (unsigned long long)r.accepted_tokens,

@@ -81,7 +81,7 @@ int run_inspect(const InspectFlags& f) {
   const Device device = dc.device;
   const Checkpoint ckpt = Checkpoint::open(dir);
   const ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
-                                  parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr);
+                                  parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr, f.model.quantization);
   const KVPlan& plan = mp.plan;
   const std::optional<GGUFProvenance> gguf = gguf_provenance(ckpt);
   size_t draft_bytes = 0;  // of the bytes per token, the drafter's layers'
@@ -104,6 +104,18 @@ int run_inspect(const InspectFlags& f) {
                      {"source", std::string(dtype_source_name(plan.resolution.source))},
                      {"note", plan.resolution.note}};
     if (cfg.kv_scheme) j["checkpoint_kv_scheme"] = cfg.kv_scheme->origin;
+    if (const auto& q = cfg.weight_quant) {
+      nlohmann::json w{{"format", "fp8_e4m3"},
+                       {"scaling", std::string(fp8_scaling_name(q->scaling))},
+                       {"activations", std::string(fp8_activations_name(q->activations))},
+                       {"origin", q->origin},
+                       {"quantized_at_load", q->on_the_fly},
+                       {"ignore", q->ignore}};
+      if (q->scaling == Fp8Scaling::Block) w["block"] = {q->block_rows, q->block_cols};
+      j["weights"] = w;
+    } else {
+      j["weights"] = {{"format", std::string(dtype_name(mp.dtype))}};
+    }
     if (gguf)
       j["gguf"] = {{"file", gguf->file}, {"version", gguf->version}, {"bytes", gguf->bytes},
                    {"tensor_types", gguf->tensor_types}, {"config_from", gguf->config}, {"tokenizer_from", gguf->tokenizer}};
@@ -177,6 +189,16 @@ int run_inspect(const InspectFlags& f) {
     std::cout << "           tokenizer and chat template from:";
     for (const auto& n : gguf->tokenizer) std::cout << " " << n;
     std::cout << "\n";
+  }
+  if (const auto& q = cfg.weight_quant) {
+    std::cout << "weights    " << q->describe();
+    if (!q->ignore.empty()) {
+      std::cout << "; left unquantized:";
+      for (const auto& n : q->ignore) std::cout << " " << n;
+    }
+    std::cout << "\n";
+  } else {
+    std::cout << "weights    " << dtype_name(mp.dtype) << "\n";
   }
   if (cfg.kv_scheme) std::cout << "checkpoint declares " << cfg.kv_scheme->origin << "\n";
   std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtype_name(plan.requested) << " -> "

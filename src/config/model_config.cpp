@@ -393,6 +393,7 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
   for (TokenId t : m.eos_token_ids)
     if (t >= m.vocab_size) throw Error("config.json: eos_token_id " + std::to_string(t) + " is outside the vocabulary");
   m.kv_scheme = parse_kv_scheme(cfg);
+  m.weight_quant = parse_weight_quant(cfg);
   if (m.arch == Arch::DFlashDraft) m.dflash = parse_dflash(cfg, m);
   return m;
 }
@@ -443,7 +444,16 @@ ModelConfig load_model_config(const std::filesystem::path& dir) {
   check_model_dir(dir);
   std::error_code ec;
   const auto cfg_path = dir / "config.json";
-  const json cfg = read_json_file(cfg_path);
+  json cfg = read_json_file(cfg_path);
+  // ModelOpt writes its scheme to hf_quant_config.json ({"quantization": {"quant_algo": ...}});
+  // newer exports also copy it into config.json, which then wins.
+  if (const auto hq = dir / "hf_quant_config.json"; std::filesystem::exists(hq, ec) && cfg.is_object() &&
+                                                   !json_get::find(cfg, "quantization_config")) {
+    const json h = read_json_file(hq);
+    const json* q = json_get::find(h, "quantization");
+    if (!q || !q->is_object()) throw Error(hq.string() + ": expected a 'quantization' object (a ModelOpt export)");
+    cfg["quantization_config"] = {{"quant_method", "modelopt"}, {"quantization", *q}};
+  }
   const auto gen_path = dir / "generation_config.json";
   if (std::filesystem::exists(gen_path, ec)) {
     const json gen = read_json_file(gen_path);

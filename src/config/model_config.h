@@ -11,6 +11,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/dtype.h"
+#include "config/weight_quant.h"
 #include "core/index_types.h"
 
 namespace kvlm {
@@ -95,6 +96,7 @@ struct ModelConfig {
   std::optional<TokenId> bos_token_id;
   std::vector<TokenId> eos_token_ids;   // generation_config.json wins over config.json
   std::optional<CheckpointKVScheme> kv_scheme;
+  std::optional<WeightQuantConfig> weight_quant;  // FP8 linear weights (or --quantization fp8)
   std::optional<DFlashConfig> dflash;   // Arch::DFlashDraft
   // Sampling defaults from generation_config.json, used when the user gives no flag.
   std::optional<float> default_temperature, default_top_p;
@@ -114,7 +116,8 @@ std::optional<std::filesystem::path> find_gguf(const std::filesystem::path& path
 // (find_gguf).
 void check_model_dir(const std::filesystem::path& dir);
 
-// Reads DIR/config.json and, if present, DIR/generation_config.json.
+// Reads DIR/config.json and, if present, DIR/generation_config.json. A ModelOpt export's
+// DIR/hf_quant_config.json stands in for a quantization_config that config.json lacks.
 ModelConfig load_model_config(const std::filesystem::path& dir);
 
 // Reads and parses a JSON file, with errors that name the file.

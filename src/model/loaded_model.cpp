@@ -118,9 +118,11 @@ void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig
 }  // namespace
 
 ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, const CacheConfig& cache,
-                     const SelectionContext& ctx, std::optional<DType> dtype, const SpeculativeConfig* spec) {
+                     const SelectionContext& ctx, std::optional<DType> dtype, const SpeculativeConfig* spec,
+                     std::string_view quantization) {
   ModelPlan mp;
   mp.config = ckpt.model_config(dir);
+  mp.config.weight_quant = resolve_weight_quant(mp.config.weight_quant, quantization);
   mp.dtype = dtype ? *dtype : model_dtype(mp.config, ckpt);
   // The CUDA runner computes in bfloat16 or float16: a float32 checkpoint is converted to
   // bfloat16 (and says so); an explicit --dtype float32 cannot be honoured there.
@@ -161,7 +163,8 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   const Checkpoint ckpt = Checkpoint::open(opts.model_dir);
   const SelectionContext ctx = selection_context(opts.device, opts.gpu, opts.cache);
   const SpeculativeConfig* spec = opts.speculative ? &*opts.speculative : nullptr;
-  e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype, spec));
+  e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype, spec,
+                                                    opts.quantization));
   const ModelPlan& mp = *e->plan_;
   std::optional<Checkpoint> dckpt;
   std::optional<DrafterSource> drafter;

@@ -46,9 +46,11 @@ struct ModelPlan {
 // kv_cache_dtype when given, else the target's cache options (an index in
 // --kv-cache-dtype-skip-layers names a target layer; the sliding_window rule applies to
 // every model, and a drafter has no sliding layers).
+// `quantization` is --quantization ("" or "fp8": resolve_weight_quant), which sets
+// config.weight_quant.
 ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, const CacheConfig& cache,
                      const SelectionContext& ctx, std::optional<DType> dtype = std::nullopt,
-                     const SpeculativeConfig* spec = nullptr);
+                     const SpeculativeConfig* spec = nullptr, std::string_view quantization = {});
 
 // The backend selection context of `device` (the compute capability of GPU `gpu`).
 SelectionContext selection_context(Device device, int gpu, const CacheConfig& cache);
@@ -64,6 +66,7 @@ struct ModelOptions {
   bool enforce_eager = false;  // --enforce-eager: no CUDA graphs
   int gpu = 0;                 // the CUDA device index the runner lives on (--device cuda:N)
   std::optional<SpeculativeConfig> speculative;  // --speculative-config
+  std::string quantization;    // --quantization: "" or "fp8" (quantize 16-bit linear weights at load)
 };
 
 class LoadedModel {

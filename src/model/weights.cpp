@@ -1,10 +1,12 @@
 #include "model/weights.h"
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/numeric.h"
 
 namespace kvlm {
 
@@ -29,7 +31,117 @@ DType model_dtype(const ModelConfig& cfg, const Checkpoint& ckpt) {
   return DType::BF16;
 }
 
-LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink) {
+std::vector<float> fp8_round_trip_rows(std::span<float> w, int64_t rows, int64_t cols) {
+  KVLM_CHECK(w.size() == size_t(rows * cols), "fp8_round_trip_rows: size mismatch");
+  std::vector<float> scales(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = w.data() + r * cols;
+    float amax = 0.0f;
+    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(row[c]));
+    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    scales[size_t(r)] = scale;
+    for (int64_t c = 0; c < cols; ++c) row[c] = num::e4m3_to_f32(num::f32_to_e4m3(row[c] / scale)) * scale;
+  }
+  return scales;
+}
+
+void piece_to_f32(const TensorView& v, const PieceQuant& q, std::span<float> out) {
+  const TensorInfo& t = *v.info;
+  KVLM_CHECK(out.size() == size_t(t.numel()), "piece_to_f32: size mismatch");
+  const int64_t rows = t.shape.empty() ? 1 : t.shape[0], cols = rows ? t.numel() / rows : 0;
+  if (!q.fp8()) {
+    convert_to_f32(t.dtype, v.bytes, out);
+    if (q.quantize) fp8_round_trip_rows(out, rows, cols);
+    return;
+  }
+  KVLM_CHECK(t.dtype == DType::F8E4M3, "FP8 scales on a tensor that is not float8_e4m3fn");
+  std::vector<float> sc(size_t(q.scale.info->numel()));
+  convert_to_f32(q.scale.info->dtype, q.scale.bytes, sc);
+  const int64_t bcols = q.scaling == Fp8Scaling::Block ? (cols + q.block_cols - 1) / q.block_cols : 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* codes = v.bytes.data() + r * cols;
+    float* o = out.data() + r * cols;
+    switch (q.scaling) {
+      case Fp8Scaling::Tensor:
+      case Fp8Scaling::Channel: {
+        const float s = sc[q.scaling == Fp8Scaling::Tensor ? 0 : size_t(r)];
+        for (int64_t c = 0; c < cols; ++c) o[c] = num::e4m3_to_f32(codes[c]) * s;
+        break;
+      }
+      case Fp8Scaling::Block: {
+        const float* srow = sc.data() + (r / q.block_rows) * bcols;
+        for (int64_t c = 0; c < cols; ++c) o[c] = num::e4m3_to_f32(codes[c]) * srow[c / q.block_cols];
+        break;
+      }
+    }
+  }
+}
+
+namespace {
+
+// The scale tensor of FP8 piece `t` under `q`, its dtype and shape checked.
+PieceQuant fp8_piece(const Checkpoint& ckpt, const TensorInfo& t, const WeightSpec& s, const std::optional<WeightQuantConfig>& q,
+                     std::set<std::string>& used) {
+  const std::string name = ckpt.describe(t.name);
+  if (!q)
+    throw Error("tensor " + name + " is float8_e4m3fn, but config.json declares no FP8 quantization_config to say how "
+                "it is scaled; kvlm runs compressed-tensors, modelopt and fp8 (block-wise) FP8 checkpoints");
+  if (q->on_the_fly)
+    throw Error("tensor " + name + " is already float8_e4m3fn; --quantization fp8 quantizes 16-bit checkpoints, and an "
+                "FP8 checkpoint runs without it (its quantization_config says how)");
+  if (s.role != WeightRole::Matrix || t.shape.size() != 2)
+    throw Error("tensor " + name + " is float8_e4m3fn; kvlm runs FP8 weight matrices only (biases, norms and "
+                "embeddings stay 16/32-bit)");
+  if (!t.name.ends_with(".weight"))
+    throw Error("tensor " + name + " is float8_e4m3fn but its name does not end in '.weight'; the scale tensor "
+                "cannot be found");
+  const std::string scale_name = t.name.substr(0, t.name.size() - 6) + q->scale_name;
+  const TensorInfo* st = ckpt.find(scale_name);
+  if (!st)
+    throw Error("tensor " + name + " is float8_e4m3fn but the checkpoint has no '" + scale_name + "' (" + q->origin +
+                " keeps a " + std::string(fp8_scaling_name(q->scaling)) + " scale there); the checkpoint is incomplete");
+  if (st->dtype != DType::F32 && st->dtype != DType::BF16 && st->dtype != DType::F16)
+    throw Error("scale tensor '" + scale_name + "' has dtype " + std::string(dtype_name(st->dtype)) +
+                "; expected float32, bfloat16 or float16");
+  const int64_t rows = t.shape[0], cols = t.shape[1];
+  std::vector<std::vector<int64_t>> ok;
+  std::string expect;
+  switch (q->scaling) {
+    case Fp8Scaling::Tensor:
+      ok = {{}, {1}};
+      expect = "[] or [1] (one per-tensor scale)";
+      break;
+    case Fp8Scaling::Channel:
+      ok = {{rows, 1}, {rows}};
+      expect = shape_str(ok[0]) + " (one scale per output channel)";
+      break;
+    case Fp8Scaling::Block: {
+      const int64_t br = (rows + q->block_rows - 1) / q->block_rows, bc = (cols + q->block_cols - 1) / q->block_cols;
+      ok = {{br, bc}};
+      expect = shape_str(ok[0]) + " (one scale per " + std::to_string(q->block_rows) + "x" +
+               std::to_string(q->block_cols) + " block of the " + shape_str(t.shape) + " weight)";
+      break;
+    }
+  }
+  if (std::ranges::find(ok, st->shape) == ok.end())
+    throw Error("scale tensor '" + scale_name + "' has shape " + shape_str(st->shape) + "; the " + q->origin + " " +
+                std::string(fp8_scaling_name(q->scaling)) + " scheme of config.json needs " + expect);
+  used.insert(scale_name);
+  PieceQuant p{.scale = ckpt.view(scale_name), .scaling = q->scaling, .block_rows = q->block_rows,
+               .block_cols = q->block_cols};
+  std::vector<float> sc(size_t(st->numel()));
+  convert_to_f32(st->dtype, p.scale.bytes, sc);
+  for (size_t i = 0; i < sc.size(); ++i)
+    if (!std::isfinite(sc[i]) || sc[i] < 0.0f)
+      throw Error("scale tensor '" + scale_name + "' holds " + std::to_string(sc[i]) + " at index " + std::to_string(i) +
+                  "; FP8 weight scales must be finite and non-negative (a corrupt checkpoint?)");
+  return p;
+}
+
+}  // namespace
+
+LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink,
+                           const std::optional<WeightQuantConfig>& quant) {
   std::set<std::string> used(list.known_unused.begin(), list.known_unused.end());
   size_t tensor_bytes = 0;
   for (const WeightSpec& s : list.specs) {
@@ -45,17 +157,26 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
   LoadedWeights out;
   size_t done = 0;
   std::vector<TensorView> views;
+  std::vector<PieceQuant> pq;
   std::vector<float> values, conv;
+  const bool on_the_fly = quant && quant->on_the_fly;
   for (const WeightSpec& s : list.specs) {
     views.clear();
+    pq.clear();
     for (const WeightPiece& p : s.pieces) {
       const TensorInfo& t = *ckpt.find(p.name);  // checked before the view: a GGUF view dequantizes
-      if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16)
-        throw Error("tensor '" + t.name + "' has dtype " + std::string(dtype_name(t.dtype)) +
-                    "; kvlm loads bfloat16, float16 and float32 weights (quantized weights are not supported)");
       if (!std::ranges::equal(t.shape, p.shape))
         throw Error("tensor " + ckpt.describe(t.name) + " has shape " + shape_str(t.shape) + " but " +
                     (ckpt.embedded_config() ? "the GGUF metadata implies " : "config.json implies ") + shape_str(p.shape));
+      if (t.dtype == DType::F8E4M3) {
+        pq.push_back(fp8_piece(ckpt, t, s, quant, used));
+      } else if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16) {
+        throw Error("tensor '" + t.name + "' has dtype " + std::string(dtype_name(t.dtype)) +
+                    "; kvlm loads bfloat16, float16 and float32 weights, and float8_e4m3fn ones with their scales "
+                    "(FP8 checkpoints)");
+      } else {
+        pq.push_back(PieceQuant{.quantize = on_the_fly && s.linear});
+      }
       used.insert(p.name);
       out.num_params += size_t(t.numel());
       views.push_back(ckpt.view(p.name));
@@ -72,13 +193,15 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       if (s.add_one)
         for (float& x : values) x += 1.0f;
     }
-    out.weights.push_back(sink.store(s, views, values));
+    out.weights.push_back(sink.store(s, views, pq, values));
     for (const TensorView& v : views) progress.update(done += v.bytes.size());
     for (const WeightPiece& p : s.pieces) ckpt.release(p.name);  // a GGUF tensor's dequantized copy
   }
   std::vector<std::string> extra;
   for (const auto& n : ckpt.names())
     if (!used.count(n) && !n.ends_with("_scale") && !n.ends_with("rotary_emb.inv_freq")) extra.push_back(n);
+  if (quant && quant->on_the_fly)
+    log::info("--quantization fp8: linear weights quantized to FP8 E4M3 at load, one scale per output channel");
   if (!extra.empty())
     log::warn("ignoring " + std::to_string(extra.size()) + " checkpoint tensor(s) this architecture does not use, e.g. '" +
               extra.front() + "'");

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "config/weight_quant.h"
 #include "io/checkpoint.h"
 #include "model/ops.h"
 
@@ -53,6 +54,7 @@ struct WeightSpec {
   WeightRole role = WeightRole::Matrix;
   Shard shard = Shard::Replicated;
   bool add_one = false;             // stored as 1 + w (Gemma's RMSNorm), in fp32
+  bool linear = false;              // a projection --quantization fp8 quantizes (not the embedding / LM head)
   std::vector<float> constant;      // Constant: the values
   std::string missing_hint;         // appended to the error when a piece is missing
 
@@ -73,6 +75,26 @@ struct WeightList {
   }
 };
 
+// How one piece's values come from its tensor beyond a plain conversion: FP8 codes times
+// their scales, or (--quantization fp8) a 16/32-bit tensor quantized to FP8 per row at load.
+struct PieceQuant {
+  TensorView scale;  // the FP8 codes' scale tensor (F32/F16/BF16, shape checked); info null: none
+  Fp8Scaling scaling = Fp8Scaling::Tensor;
+  int block_rows = 0, block_cols = 0;  // Block
+  bool quantize = false;               // on the fly: per-row FP8 E4M3, absmax / 448
+  bool fp8() const { return scale.info != nullptr; }
+  explicit operator bool() const { return fp8() || quantize; }
+};
+
+// The fp32 values of one piece: converted (F32/F16/BF16), FP8 E4M3 codes times their scales,
+// or the per-row FP8 round trip of the values (`quantize`) — what a GPU holding FP8 weights
+// computes with. `out` holds rows x cols (the tensor's dim 0 x the rest).
+void piece_to_f32(const TensorView& v, const PieceQuant& q, std::span<float> out);
+
+// Per-row FP8 E4M3 quantization of w [rows][cols] in place: scale = absmax / 448 per row,
+// w = e4m3(w / scale) * scale (round to nearest even, saturating); returns the scales.
+std::vector<float> fp8_round_trip_rows(std::span<float> w, int64_t rows, int64_t cols);
+
 // Where a device puts the weights.
 class WeightSink {
  public:
@@ -80,9 +102,11 @@ class WeightSink {
   // Called once, before any store(), with every spec (sizes are known: one allocation).
   virtual void reserve(std::span<const WeightSpec> specs) = 0;
   // One weight. Matrices and biases come as the checkpoint's raw tensors (`pieces`, dtype
-  // and shape checked: F32, F16 or BF16); norms and constants as fp32 values (`values`,
-  // with add_one applied).
-  virtual Weight store(const WeightSpec& spec, std::span<const TensorView> pieces, std::span<const float> values) = 0;
+  // and shape checked: F32, F16, BF16, or FP8 E4M3 with a scale in `quant`), each with how
+  // its values are formed (`quant`, one per piece: piece_to_f32); norms and constants as fp32
+  // values (`values`, with add_one applied).
+  virtual Weight store(const WeightSpec& spec, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
+                       std::span<const float> values) = 0;
 };
 
 struct LoadedWeights {
@@ -91,9 +115,12 @@ struct LoadedWeights {
 };
 
 // Loads every weight of `list` from `ckpt` into `sink`. Throws kvlm::Error naming the tensor
-// for a missing tensor, a wrong shape or a dtype kvlm cannot load; warns about checkpoint
-// tensors no spec uses (other than KV scales and cached RoPE tables).
-LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink);
+// for a missing tensor, a wrong shape, a dtype kvlm cannot load, or an FP8 tensor whose scale
+// is missing or mis-shaped for `quant` (the model's FP8 scheme: config.json's, or
+// --quantization fp8, which quantizes the linear weights); warns about checkpoint tensors no
+// spec uses (other than scales and cached RoPE tables).
+LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink,
+                           const std::optional<WeightQuantConfig>& quant = std::nullopt);
 
 // The model's compute dtype: config.json's torch_dtype/dtype, else the embedding's dtype.
 DType model_dtype(const ModelConfig& cfg, const Checkpoint& ckpt);

@@ -245,6 +245,112 @@ PY
 "$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --json >/dev/null 2>"$tmp/err" \
   && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate with checkpoint scales"
 
+# --- FP8 checkpoints (tests/golden/models/*-fp8-*, tools/make_fp8_goldens.py) -------------
+fp8ct="$golden/llama-gqa-fp8-ct"
+"$KVLM" inspect --model "$fp8ct" >"$tmp/out" 2>&1 \
+  && grep -q "weights    FP8 E4M3 weights, per-channel scales, dynamic per-token activations (compressed-tensors)" "$tmp/out" \
+  && ok || bad "inspect names the FP8 weight scheme: $(cat "$tmp/out")"
+"$KVLM" inspect --model "$golden/qwen2-bias-fp8-modelopt" --json >"$tmp/mo.json" 2>"$tmp/err" \
+  && [ "$(json_get "$tmp/mo.json" "(d['weights']['format'], d['weights']['scaling'], d['weights']['origin'])")" = \
+       "('fp8_e4m3', 'per-tensor', 'modelopt')" ] && ok || bad "inspect --json weights (modelopt hf_quant_config.json): $(cat "$tmp/err")"
+"$KVLM" inspect --model "$golden/qwen3-mixed-fp8-block" --json >"$tmp/bl.json" \
+  && [ "$(json_get "$tmp/bl.json" "(d['weights']['scaling'], d['weights']['block'])")" = "('block', [128, 128])" ] \
+  && ok || bad "inspect --json block weights"
+"$KVLM" inspect --json >"$tmp/dense.json" && [ "$(json_get "$tmp/dense.json" "d['weights']['format']")" = "bfloat16" ] \
+  && ok || bad "inspect --json weights of a 16-bit model"
+"$KVLM" generate --model "$fp8ct" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 >/dev/null 2>"$tmp/err" \
+  && grep -q "FP8 weights (compressed-tensors)" "$tmp/err" && ok || bad "generate on an FP8 checkpoint: $(cat "$tmp/err")"
+# --quantization fp8 on a 16-bit checkpoint: quantized at load; on an FP8 one: its own scheme.
+"$KVLM" generate --quantization fp8 --prompt "Hello" --max-tokens 4 --temperature 0 >/dev/null 2>"$tmp/err" \
+  && grep -q "FP8 weights (--quantization fp8)" "$tmp/err" && ok || bad "--quantization fp8: $(cat "$tmp/err")"
+"$KVLM" inspect --model "$fp8ct" --quantization fp8 >"$tmp/out" 2>&1 && grep -q "(compressed-tensors)" "$tmp/out" \
+  && ok || bad "--quantization fp8 keeps an FP8 checkpoint's scheme"
+expect_error 1 "invalid --quantization 'int8'; valid values: fp8" -- generate --quantization int8 --prompt-ids 1
+# The KV scheme of an FP8-weight checkpoint: auto takes it, an explicit dtype beats it (seed 002).
+m8="$tmp/fp8kv"
+mkdir -p "$m8" && cp "$fp8ct"/* "$m8/"
+python3 - "$m8" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+c = json.load(open(f"{d}/config.json"))
+c["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                               "symmetric": True}
+json.dump(c, open(f"{d}/config.json", "w"))
+tensors = {f"model.layers.{i}.self_attn.{kv}_proj.output_scale": s
+           for i in range(c["num_hidden_layers"]) for kv, s in (("k", 0.03), ("v", 0.02))}
+header, data = {}, b""
+for name, v in tensors.items():
+    header[name] = {"dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4]}
+    data += struct.pack("<f", v)
+h = json.dumps(header).encode()
+h += b" " * (-len(h) % 8)
+open(f"{d}/kv-scales.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + data)
+idx = json.load(open(f"{d}/model.safetensors.index.json"))
+for name in tensors: idx["weight_map"][name] = "kv-scales.safetensors"
+json.dump(idx, open(f"{d}/model.safetensors.index.json", "w"))
+PY
+"$KVLM" inspect --model "$m8" --json >"$tmp/kv8.json" 2>"$tmp/err" \
+  && [ "$(json_get "$tmp/kv8.json" "(d['weights']['origin'], d['resolved']['source'], d['layers'][0]['kv_dtype'], round(d['layers'][0]['k_scale'][0], 6))")" = \
+       "('compressed-tensors', 'checkpoint scheme', 'fp8_e4m3', 0.03)" ] \
+  && ok || bad "FP8 checkpoint's kv_cache_scheme and scales: $(cat "$tmp/err") $(cat "$tmp/kv8.json" | head -30)"
+"$KVLM" inspect --model "$m8" --kv-cache-dtype bfloat16 --json >"$tmp/kv8b.json" \
+  && [ "$(json_get "$tmp/kv8b.json" "(d['resolved']['source'], d['layers'][0]['kv_dtype'])")" = "('explicit', 'bfloat16')" ] \
+  && ok || bad "explicit bfloat16 beats the FP8 checkpoint's KV scheme"
+for kv in auto bfloat16; do
+  "$KVLM" generate --model "$m8" --kv-cache-dtype $kv --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 >/dev/null 2>"$tmp/err" \
+    && ok || bad "generate on the FP8 checkpoint with --kv-cache-dtype $kv: $(cat "$tmp/err")"
+done
+# Corrupt or inconsistent FP8 checkpoints: clear errors that name the tensor.
+fp8_edit() {  # fp8_edit DIR PYTHON: rewrites the single-file checkpoint DIR/model.safetensors
+  python3 - "$1" "$2" <<'PY'
+import json, struct, sys
+d, code = sys.argv[1], sys.argv[2]
+raw = open(f"{d}/model.safetensors", "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+hdr = json.loads(raw[8:8 + n]); body = raw[8 + n:]
+meta = hdr.pop("__metadata__", None)
+t = {k: (v["dtype"], v["shape"], body[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in hdr.items()}
+exec(code)
+out, data = {}, b""
+for k, (dt, sh, b) in t.items():
+    out[k] = {"dtype": dt, "shape": sh, "data_offsets": [len(data), len(data) + len(b)]}
+    data += b
+if meta: out["__metadata__"] = meta
+h = json.dumps(out).encode(); h += b" " * (-len(h) % 8)
+open(f"{d}/model.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + data)
+PY
+}
+mo="$tmp/mo-bad"
+mkdir -p "$mo" && cp "$golden/qwen2-bias-fp8-modelopt"/* "$mo/"
+fp8_edit "$mo" 'del t["model.layers.1.mlp.down_proj.weight_scale"]'
+expect_error 1 "'model.layers.1.mlp.down_proj.weight' is float8_e4m3fn but the checkpoint has no 'model.layers.1.mlp.down_proj.weight_scale'" \
+  -- generate --model "$mo" --prompt-ids 1
+cp "$golden/qwen2-bias-fp8-modelopt/model.safetensors" "$mo/"
+fp8_edit "$mo" 't["model.layers.0.self_attn.o_proj.weight_scale"] = ("F32", [2], struct.pack("<ff", 0.1, 0.1))'
+expect_error 1 "scale tensor 'model.layers.0.self_attn.o_proj.weight_scale' has shape [2]; the modelopt per-tensor scheme of config.json needs [] or [1]" \
+  -- generate --model "$mo" --prompt-ids 1
+cp "$golden/qwen2-bias-fp8-modelopt/model.safetensors" "$mo/"
+fp8_edit "$mo" 't["model.layers.0.self_attn.q_proj.weight_scale"] = ("F32", [], struct.pack("<f", float("nan")))'
+expect_error 1 "scale tensor 'model.layers.0.self_attn.q_proj.weight_scale' holds nan" -- generate --model "$mo" --prompt-ids 1
+cp "$golden/qwen2-bias-fp8-modelopt/model.safetensors" "$mo/"
+rm "$mo/hf_quant_config.json"
+expect_error 1 "is float8_e4m3fn, but config.json declares no FP8 quantization_config" -- generate --model "$mo" --prompt-ids 1
+bl="$tmp/bl-bad"
+mkdir -p "$bl" && cp "$golden/qwen3-mixed-fp8-block"/* "$bl/"
+python3 - "$bl/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c["quantization_config"]["weight_block_size"] = [64, 64]; json.dump(c, open(sys.argv[1], "w"))
+PY
+expect_error 1 "needs [2, 1] (one scale per 64x64 block of the [128, 64] weight)" -- generate --model "$bl" --prompt-ids 1
+python3 - "$bl/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}}
+json.dump(c, open(sys.argv[1], "w"))
+PY
+expect_error 1 "format 'pack-quantized' is not supported" -- inspect --model "$bl"
+
 # --- the bundled model: kvlm-tiny, trained by tools/train, answers arithmetic -------------
 "$KVLM" inspect >"$tmp/out" 2>&1 && grep -q "models/kvlm-tiny" "$tmp/out" && ok || bad "the bundled default is kvlm-tiny"
 "$KVLM" generate --chat --prompt "Ada has 12 apples. She buys 7 more apples. She gives 5 apples to Ben. How many apples does Ada have now?" \

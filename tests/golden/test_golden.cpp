@@ -149,7 +149,9 @@ const Bounds kBounds[] = {
     {KVCacheDType::Int8PerTokenHead, 3e-4, 1.5e-3, 1.5e-3, 5e-3},
     // Rotated (--kv-cache-rotation auto): measured 6.3e-3-2.4e-2 / 3.2e-2-0.11 on the random
     // models, 0.12 / 0.72 on stories260K (head_dim 8: the rotation mixes only 8 values).
-    {KVCacheDType::Int4PerTokenHead, 5e-2, 0.25, 0.25, 1.5},
+    // int4 max_kld: 0.196 on the CPU and 0.314 on CUDA (bf16 compute) for qwen3-mixed-fp8-block's prompt
+    // (one row of 86; session 19), the largest seen: 0.6 is ~2x it.
+    {KVCacheDType::Int4PerTokenHead, 5e-2, 0.6, 0.25, 1.5},
 };
 
 }  // namespace

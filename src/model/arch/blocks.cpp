@@ -8,6 +8,10 @@ namespace {
 size_t add(WeightList& list, std::vector<WeightPiece> pieces, WeightRole role, Shard shard) {
   return list.add(WeightSpec{.pieces = std::move(pieces), .role = role, .shard = shard});
 }
+// A projection (q/k/v, o, gate/up, down): what --quantization fp8 quantizes.
+size_t add_linear(WeightList& list, std::vector<WeightPiece> pieces, Shard shard) {
+  return list.add(WeightSpec{.pieces = std::move(pieces), .role = WeightRole::Matrix, .shard = shard, .linear = true});
+}
 }  // namespace
 
 EmbeddingWeights add_embedding(WeightList& list, const ModelConfig& c) {
@@ -37,18 +41,18 @@ size_t add_rope(WeightList& list, const RopeConfig& rope, int head_dim) {
 AttentionWeights add_attention(WeightList& list, const ModelConfig& c, const std::string& p, bool norm_add_one) {
   const int64_t hd = c.hidden_size, d = c.head_dim, nh = c.num_heads, kvh = c.num_kv_heads;
   AttentionWeights a;
-  a.qkv = add(list,
-              {{p + "self_attn.q_proj.weight", {nh * d, hd}},
-               {p + "self_attn.k_proj.weight", {kvh * d, hd}},
-               {p + "self_attn.v_proj.weight", {kvh * d, hd}}},
-              WeightRole::Matrix, Shard::Rows);
+  a.qkv = add_linear(list,
+                     {{p + "self_attn.q_proj.weight", {nh * d, hd}},
+                      {p + "self_attn.k_proj.weight", {kvh * d, hd}},
+                      {p + "self_attn.v_proj.weight", {kvh * d, hd}}},
+                     Shard::Rows);
   if (c.qkv_bias)
     a.bqkv = add(list,
                  {{p + "self_attn.q_proj.bias", {nh * d}},
                   {p + "self_attn.k_proj.bias", {kvh * d}},
                   {p + "self_attn.v_proj.bias", {kvh * d}}},
                  WeightRole::Bias, Shard::Rows);
-  a.o = add(list, {{p + "self_attn.o_proj.weight", {hd, nh * d}}}, WeightRole::Matrix, Shard::Cols);
+  a.o = add_linear(list, {{p + "self_attn.o_proj.weight", {hd, nh * d}}}, Shard::Cols);
   if (c.o_bias) a.bo = add(list, {{p + "self_attn.o_proj.bias", {hd}}}, WeightRole::Bias, Shard::Replicated);
   if (c.qk_norm) {
     a.q_norm = add_norm(list, p + "self_attn.q_norm.weight", d, norm_add_one);
@@ -60,12 +64,12 @@ AttentionWeights add_attention(WeightList& list, const ModelConfig& c, const std
 MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::string& p) {
   const int64_t hd = c.hidden_size, inter = c.intermediate_size;
   MlpWeights m;
-  m.gate_up = add(list, {{p + "mlp.gate_proj.weight", {inter, hd}}, {p + "mlp.up_proj.weight", {inter, hd}}},
-                  WeightRole::Matrix, Shard::Rows);
+  m.gate_up = add_linear(list, {{p + "mlp.gate_proj.weight", {inter, hd}}, {p + "mlp.up_proj.weight", {inter, hd}}},
+                         Shard::Rows);
   if (c.mlp_bias)
     m.b_gate_up = add(list, {{p + "mlp.gate_proj.bias", {inter}}, {p + "mlp.up_proj.bias", {inter}}}, WeightRole::Bias,
                       Shard::Rows);
-  m.down = add(list, {{p + "mlp.down_proj.weight", {hd, inter}}}, WeightRole::Matrix, Shard::Cols);
+  m.down = add_linear(list, {{p + "mlp.down_proj.weight", {hd, inter}}}, Shard::Cols);
   if (c.mlp_bias) m.b_down = add(list, {{p + "mlp.down_proj.bias", {hd}}}, WeightRole::Bias, Shard::Replicated);
   return m;
 }

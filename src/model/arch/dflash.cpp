@@ -30,7 +30,7 @@ class DFlashDraft final : public DraftDefinition {
   DFlashDraft(const ModelConfig& c, const std::string& p, int first_layer)
       : cfg_(c), first_layer_(first_layer), features_(c.dflash->target_layer_ids) {
     const int64_t H = c.hidden_size, n = int64_t(features_.size());
-    fc_ = weights_.add(WeightSpec{.pieces = {{p + "fc.weight", {H, n * H}}}, .role = WeightRole::Matrix});
+    fc_ = weights_.add(WeightSpec{.pieces = {{p + "fc.weight", {H, n * H}}}, .role = WeightRole::Matrix, .linear = true});
     hidden_norm_ = add_norm(weights_, p + "hidden_norm.weight", H);
     norm_ = add_norm(weights_, p + "norm.weight", H);
     inv_freq_ = add_rope(weights_, c.rope, c.head_dim);

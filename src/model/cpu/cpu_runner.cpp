@@ -24,16 +24,17 @@ class HostWeightSink final : public WeightSink {
  public:
   explicit HostWeightSink(std::vector<std::vector<float>>& storage) : storage_(storage) {}
   void reserve(std::span<const WeightSpec> specs) override { storage_.reserve(specs.size()); }
-  Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const float> values) override {
+  Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
+               std::span<const float> values) override {
     std::vector<float> data;
     if (!values.empty() || pieces.empty()) {
       data.assign(values.begin(), values.end());
     } else {
       data.resize(size_t(s.rows() * s.cols()));
       size_t off = 0;
-      for (const TensorView& v : pieces) {
-        const size_t n = size_t(v.info->numel());
-        convert_to_f32(v.info->dtype, v.bytes, std::span<float>(data).subspan(off, n));
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const size_t n = size_t(pieces[i].info->numel());
+        piece_to_f32(pieces[i], quant[i], std::span<float>(data).subspan(off, n));  // FP8: dequantized
         off += n;
       }
     }
@@ -196,12 +197,12 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
   KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + draft_layers && backends_.size() == plan.layers.size(),
              "one KV spec and one backend per layer");
   HostWeightSink sink(storage_);
-  LoadedWeights lw = load_weights(def_->weights(), ckpt, sink);
+  LoadedWeights lw = load_weights(def_->weights(), ckpt, sink, cfg_.weight_quant);
   weights_ = std::move(lw.weights);
   num_params_ = lw.num_params;
   if (drafter) {
     draft_def_ = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
-    LoadedWeights dw = load_weights(draft_def_->weights(), *drafter->checkpoint, sink);
+    LoadedWeights dw = load_weights(draft_def_->weights(), *drafter->checkpoint, sink, drafter->config.weight_quant);
     draft_weights_ = std::move(dw.weights);
     draft_weights_.push_back(weights_[def_->embedding_index()]);
     draft_weights_.push_back(weights_[def_->lm_head_index()]);

@@ -315,7 +315,8 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     }
     into_.allocate(total, "the model weights");
   }
-  Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const float> values) override {
+  Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
+               std::span<const float> values) override {
     const DType type = gpu_weight_dtype(s.role, m_.act);
     uint8_t* const base = into_.data() + offsets_[next_++];
     uint8_t* dst = base;
@@ -323,14 +324,22 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
       KVLM_CHECK(type == DType::F32, "fp32 values for a 16-bit weight");
       KVLM_CUDA_CHECK(cudaMemcpy(dst, values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice));
     } else {
-      for (const TensorView& v : pieces) {
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const TensorView& v = pieces[i];
         const TensorInfo& t = *v.info;
         const size_t n = size_t(t.numel());
-        if (t.dtype == type) {
+        if (t.dtype == type && !quant[i]) {
           KVLM_CUDA_CHECK(cudaMemcpy(dst, v.bytes.data(), v.bytes.size(), cudaMemcpyHostToDevice));
         } else {
+          // FP8 pieces (and --quantization fp8) are dequantized here for now: the weights
+          // computed with are the FP8 values, held in the compute dtype.
+          if (quant[i] && !warned_fp8_) {
+            log::warn("FP8 weights run dequantized to " + std::string(dtype_name(type)) +
+                      " on CUDA in this version (the same values; FP8 GEMV/GEMM kernels are not built yet)");
+            warned_fp8_ = true;
+          }
           conv32_.resize(n);
-          convert_to_f32(t.dtype, v.bytes, conv32_);
+          piece_to_f32(v, quant[i], conv32_);
           if (type == DType::F32) {
             KVLM_CUDA_CHECK(cudaMemcpy(dst, conv32_.data(), n * sizeof(float), cudaMemcpyHostToDevice));
           } else {
@@ -355,6 +364,7 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
   size_t next_ = 0;
   std::vector<uint16_t> conv16_;
   std::vector<float> conv32_;
+  bool warned_fp8_ = false;
 };
 
 // ---- loading ------------------------------------------------------------------------------
@@ -381,14 +391,14 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   m.def = make_model_definition(cfg_);
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   WeightUploader up(m, m.weights);
-  LoadedWeights lw = load_weights(m.def->weights(), ckpt, up);
+  LoadedWeights lw = load_weights(m.def->weights(), ckpt, up, cfg_.weight_quant);
   m.w = std::move(lw.weights);
   m.num_params = lw.num_params;
   std::vector<int> slot_of;
   if (drafter) {
     m.draft_def = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
     WeightUploader dup(m, m.draft_weights);
-    LoadedWeights dw = load_weights(m.draft_def->weights(), *drafter->checkpoint, dup);
+    LoadedWeights dw = load_weights(m.draft_def->weights(), *drafter->checkpoint, dup, drafter->config.weight_quant);
     m.draft_w = std::move(dw.weights);
     m.draft_w.push_back(m.w[m.def->embedding_index()]);
     m.draft_w.push_back(m.w[m.def->lm_head_index()]);

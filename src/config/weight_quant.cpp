@@ -1,0 +1,221 @@
+#include "config/weight_quant.h"
+
+#include <nlohmann/json.hpp>
+
+#include "config/json_get.h"
+#include "core/error.h"
+
+namespace kvlm {
+
+using nlohmann::json;
+namespace jg = json_get;
+
+std::string_view fp8_scaling_name(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::Tensor: return "per-tensor";
+    case Fp8Scaling::Channel: return "per-channel";
+    case Fp8Scaling::Block: return "block";
+  }
+  return "?";
+}
+
+std::string_view fp8_activations_name(Fp8Activations a) {
+  switch (a) {
+    case Fp8Activations::None: return "16-bit (weight-only)";
+    case Fp8Activations::DynamicToken: return "dynamic per-token";
+    case Fp8Activations::DynamicTensor: return "dynamic per-tensor";
+    case Fp8Activations::DynamicBlock: return "dynamic per-token-group of 128";
+    case Fp8Activations::StaticTensor: return "static per-tensor (input_scale)";
+  }
+  return "?";
+}
+
+std::string WeightQuantConfig::describe() const {
+  std::string s = "FP8 E4M3 weights, " + std::string(fp8_scaling_name(scaling)) + " scales";
+  if (scaling == Fp8Scaling::Block) s += " " + std::to_string(block_rows) + "x" + std::to_string(block_cols);
+  s += ", " + std::string(fp8_activations_name(activations)) + " activations (" + origin + ")";
+  return s;
+}
+
+namespace {
+
+const std::string kWhat = "kvlm runs FP8 E4M3 weights (compressed-tensors float-quantized, modelopt FP8, fp8) "
+                          "and bfloat16/float16/float32 checkpoints";
+
+std::vector<std::string> string_list(const json& obj, std::string_view key, const std::string& where) {
+  std::vector<std::string> out;
+  const json* v = jg::find(obj, key);
+  if (!v) return out;
+  if (!v->is_array()) throw Error(where + ": '" + std::string(key) + "' must be a list of module names");
+  for (const json& x : *v) {
+    if (!x.is_string()) throw Error(where + ": '" + std::string(key) + "' must be a list of module names");
+    out.push_back(x.get<std::string>());
+  }
+  return out;
+}
+
+// A [rows, cols] block shape.
+void parse_block(const json& v, const std::string& where, WeightQuantConfig& q) {
+  if (!v.is_array() || v.size() != 2 || !v[0].is_number_integer() || !v[1].is_number_integer() ||
+      v[0].get<long long>() <= 0 || v[1].get<long long>() <= 0 || v[0].get<long long>() > 65536 ||
+      v[1].get<long long>() > 65536)
+    throw Error(where + " must be two positive integers [rows, cols], e.g. [128, 128]; got " + v.dump());
+  q.scaling = Fp8Scaling::Block;
+  q.block_rows = int(v[0].get<long long>());
+  q.block_cols = int(v[1].get<long long>());
+}
+
+// One compressed-tensors config group's weights and input activations.
+WeightQuantConfig parse_ct_group(const json& g, const std::string& where) {
+  WeightQuantConfig q;
+  q.origin = "compressed-tensors";
+  if (!g.is_object()) throw Error(where + " must be an object");
+  const json* w = jg::find(g, "weights");
+  if (!w || !w->is_object()) throw Error(where + ": 'weights' must be an object describing the weight quantization");
+  const std::string ww = where + ".weights";
+  const auto bits = jg::opt_int(*w, "num_bits", ww).value_or(8);
+  const auto type = jg::opt_string(*w, "type", ww).value_or("int");
+  if (bits != 8 || type != "float")
+    throw Error(ww + ": num_bits " + std::to_string(bits) + " type '" + type + "' weights are not supported; " + kWhat);
+  if (!jg::opt_bool(*w, "symmetric", ww).value_or(true))
+    throw Error(ww + ": asymmetric (zero-point) FP8 weights are not supported; " + kWhat);
+  if (jg::opt_bool(*w, "dynamic", ww).value_or(false))
+    throw Error(ww + ": dynamic weight scales are not supported (FP8 checkpoints store their weight scales)");
+  const std::string strategy = jg::opt_string(*w, "strategy", ww).value_or("tensor");
+  if (strategy == "tensor") {
+    q.scaling = Fp8Scaling::Tensor;
+  } else if (strategy == "channel") {
+    q.scaling = Fp8Scaling::Channel;
+  } else if (strategy == "block") {
+    const json* b = jg::find(*w, "block_structure");
+    if (!b) throw Error(ww + ": strategy 'block' needs 'block_structure' [rows, cols]");
+    parse_block(*b, ww + ".block_structure", q);
+  } else {
+    throw Error(ww + ": strategy '" + strategy + "' is not supported; kvlm runs FP8 weights with tensor, channel or "
+                "block scales");
+  }
+  if (jg::find(g, "output_activations"))
+    throw Error(where + ": output activation quantization is not supported; kvlm runs weight and input-activation "
+                "FP8 schemes");
+  const json* a = jg::find(g, "input_activations");
+  if (!a) {
+    q.activations = Fp8Activations::None;
+    return q;
+  }
+  if (!a->is_object()) throw Error(where + ": 'input_activations' must be an object or null");
+  const std::string aw = where + ".input_activations";
+  const auto abits = jg::opt_int(*a, "num_bits", aw).value_or(8);
+  const auto atype = jg::opt_string(*a, "type", aw).value_or("int");
+  const std::string astrategy = jg::opt_string(*a, "strategy", aw).value_or("tensor");
+  const bool dynamic = jg::opt_bool(*a, "dynamic", aw).value_or(false);
+  if (abits != 8 || atype != "float")
+    throw Error(aw + ": num_bits " + std::to_string(abits) + " type '" + atype +
+                "' activations are not supported; kvlm runs FP8 (num_bits 8, type float) or 16-bit activations");
+  if (!jg::opt_bool(*a, "symmetric", aw).value_or(true))
+    throw Error(aw + ": asymmetric (zero-point) activations are not supported");
+  if (astrategy == "token" && dynamic) q.activations = Fp8Activations::DynamicToken;
+  else if (astrategy == "tensor") q.activations = dynamic ? Fp8Activations::DynamicTensor : Fp8Activations::StaticTensor;
+  else if (astrategy == "group" && dynamic && jg::opt_int(*a, "group_size", aw).value_or(0) == 128)
+    q.activations = Fp8Activations::DynamicBlock;
+  else
+    throw Error(aw + ": strategy '" + astrategy + "'" + (dynamic ? " dynamic" : " static") +
+                " is not supported; kvlm runs dynamic per-token, dynamic or static per-tensor, and dynamic "
+                "per-token-group-of-128 FP8 activations");
+  return q;
+}
+
+std::optional<WeightQuantConfig> parse_compressed_tensors(const json& qc, const std::string& where) {
+  const json* groups = jg::find(qc, "config_groups");
+  if (!groups) return std::nullopt;  // a KV-cache-only config (kv_cache_scheme)
+  if (!groups->is_object()) throw Error(where + ": 'config_groups' must be an object");
+  if (groups->empty()) return std::nullopt;
+  if (auto fmt = jg::opt_string(qc, "format", where); fmt && *fmt != "float-quantized" && *fmt != "naive-quantized")
+    throw Error(where + ": format '" + *fmt + "' is not supported; " + kWhat);
+  std::optional<WeightQuantConfig> out;
+  for (auto it = groups->begin(); it != groups->end(); ++it) {
+    WeightQuantConfig q = parse_ct_group(it.value(), where + ".config_groups." + it.key());
+    if (out && (out->scaling != q.scaling || out->block_rows != q.block_rows || out->block_cols != q.block_cols ||
+                out->activations != q.activations))
+      throw Error(where + ": config groups with different schemes ('" + it.key() +
+                  "' differs from the first) are not supported; kvlm runs one FP8 scheme per checkpoint");
+    out = q;
+  }
+  out->ignore = string_list(qc, "ignore", where);
+  return out;
+}
+
+std::optional<WeightQuantConfig> parse_modelopt(const json& qc, const std::string& where) {
+  const json* src = &qc;
+  if (const json* nested = jg::find(qc, "quantization"); nested && nested->is_object()) src = nested;
+  const auto algo = jg::opt_string(*src, "quant_algo", where);
+  if (!algo) return std::nullopt;  // a KV-cache-only export
+  WeightQuantConfig q;
+  q.origin = "modelopt";
+  if (*algo == "FP8") {
+    q.scaling = Fp8Scaling::Tensor;
+    q.activations = Fp8Activations::StaticTensor;
+  } else if (*algo == "FP8_PER_CHANNEL_PER_TOKEN") {
+    q.scaling = Fp8Scaling::Channel;
+    q.activations = Fp8Activations::DynamicToken;
+  } else {
+    throw Error(where + ": modelopt quant_algo '" + *algo + "' is not supported; kvlm runs modelopt quant_algo FP8 "
+                "and FP8_PER_CHANNEL_PER_TOKEN, compressed-tensors and fp8 FP8 checkpoints, and 16/32-bit ones");
+  }
+  q.ignore = string_list(*src, jg::find(*src, "exclude_modules") ? "exclude_modules" : "ignore", where);
+  return q;
+}
+
+std::optional<WeightQuantConfig> parse_fp8(const json& qc, const std::string& where) {
+  WeightQuantConfig q;
+  q.origin = "fp8";
+  const std::string fmt = jg::opt_string(qc, "fmt", where).value_or("e4m3");
+  if (fmt != "e4m3") throw Error(where + ": fmt '" + fmt + "' is not supported; kvlm runs e4m3 FP8 weights");
+  const std::string act = jg::opt_string(qc, "activation_scheme", where).value_or("dynamic");
+  if (act != "dynamic" && act != "static")
+    throw Error(where + ": activation_scheme '" + act + "' is not supported; use dynamic or static");
+  if (const json* b = jg::find(qc, "weight_block_size")) {
+    parse_block(*b, where + ".weight_block_size", q);
+    q.scale_name = "weight_scale_inv";
+    if (act == "static") throw Error(where + ": block-wise FP8 weights with static activation scales are not supported");
+    q.activations = Fp8Activations::DynamicBlock;
+  } else {
+    q.scaling = Fp8Scaling::Tensor;
+    q.activations = act == "static" ? Fp8Activations::StaticTensor : Fp8Activations::DynamicTensor;
+  }
+  q.ignore = string_list(qc, jg::find(qc, "modules_to_not_convert") ? "modules_to_not_convert" : "ignored_layers", where);
+  return q;
+}
+
+}  // namespace
+
+std::optional<WeightQuantConfig> parse_weight_quant(const json& cfg) {
+  const json* qc = jg::find(cfg, "quantization_config");
+  if (!qc) return std::nullopt;
+  if (!qc->is_object()) throw Error("config.json: 'quantization_config' must be an object");
+  const std::string where = "config.json quantization_config";
+  const std::string method = jg::opt_string(*qc, "quant_method", where).value_or("");
+  if (method == "compressed-tensors") return parse_compressed_tensors(*qc, where);
+  if (method == "modelopt") return parse_modelopt(*qc, where);
+  if (method == "fp8") return parse_fp8(*qc, where);
+  if (method.empty()) return std::nullopt;
+  throw Error(where + ": quant_method '" + method + "' is not supported; " + kWhat);
+}
+
+std::optional<WeightQuantConfig> resolve_weight_quant(std::optional<WeightQuantConfig> checkpoint,
+                                                      std::string_view flag) {
+  if (flag.empty()) return checkpoint;
+  if (flag != "fp8")
+    throw Error("invalid --quantization '" + std::string(flag) +
+                "'; valid values: fp8 (quantize a 16-bit checkpoint's linear weights to FP8 at load, per output "
+                "channel; FP8 checkpoints need no flag)");
+  if (checkpoint) return checkpoint;  // already FP8: its own scales are the better ones
+  WeightQuantConfig q;
+  q.origin = "--quantization fp8";
+  q.scaling = Fp8Scaling::Channel;
+  q.activations = Fp8Activations::DynamicToken;
+  q.ignore = {"lm_head"};
+  q.on_the_fly = true;
+  return q;
+}
+
+}  // namespace kvlm
