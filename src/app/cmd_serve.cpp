@@ -83,7 +83,11 @@ CLI::App* add_serve(CLI::App& app, ServeFlags& f) {
   cmd->add_option("--host", f.host, "address to listen on (0.0.0.0 for every interface)")->capture_default_str();
   cmd->add_option("--port", f.port, "port to listen on (0: any free port, printed at startup)")->capture_default_str();
   cmd->add_option("--api-key", f.api_key,
-                  "require 'Authorization: Bearer KEY' on /v1/* (default: the KVLM_API_KEY environment variable)");
+                  "require 'Authorization: Bearer KEY' on /v1/* (default: the KVLM_API_KEY environment variable)")
+      ->check([](const std::string& key) {
+        return key.empty() ? std::string("an empty API key would let anyone in; omit --api-key to serve without one")
+                           : std::string();
+      });
   cmd->add_option("--served-model-name", f.served_model_name, "the model name clients use (default: the model directory's name)");
   cmd->add_option("--drain-timeout", f.drain_timeout,
                   "seconds to let requests in flight finish after SIGINT/SIGTERM before cancelling them")
@@ -192,6 +196,9 @@ int run_serve(const ServeFlags& f) {
   if (so.api_key.empty())
     if (const char* env = std::getenv("KVLM_API_KEY")) so.api_key = env;
   so.max_connections = f.max_connections;
+  if (so.api_key.empty() && so.host != "127.0.0.1" && so.host != "localhost" && so.host != "::1")
+    log::warn("serving on " + so.host + " without an API key: anyone who can reach the port can use the model; "
+              "set --api-key (or KVLM_API_KEY), or --host 127.0.0.1 for this machine only");
   std::string name = f.served_model_name;
   if (name.empty()) {
     std::error_code ec;

@@ -517,7 +517,16 @@ void HttpServer::Impl::install_routes() {
   });
 }
 
-HttpServer::HttpServer(ServerOptions opts) : impl_(std::make_unique<Impl>(std::move(opts))) { impl_->install_routes(); }
+HttpServer::HttpServer(ServerOptions opts) : impl_(std::make_unique<Impl>(std::move(opts))) {
+  impl_->install_routes();
+  // httplib's default sets SO_REUSEPORT, with which a second server (another model) binds the
+  // same port and the kernel splits the connections between the two. SO_REUSEADDR alone lets
+  // a restarted server bind while old connections linger in TIME_WAIT, and nothing more.
+  impl_->svr.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+}
 
 HttpServer::~HttpServer() { stop(); }
 

@@ -115,6 +115,14 @@ s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)
 r = subprocess.run([sys.argv[1], 'serve', '--model', sys.argv[2], '--port', str(s.getsockname()[1])], capture_output=True, text=True, timeout=60)
 sys.exit(0 if r.returncode == 1 and 'cannot listen on 127.0.0.1' in r.stderr and 'Choose another with --port' in r.stderr else 1)
 " "$KVLM" "$model" && ok || bad "serve on a busy port"
+# An empty API key is refused; serving beyond loopback without a key warns.
+"$KVLM" serve --model "$model" --api-key "" --port 0 >/dev/null 2>"$tmp/err"
+[ $? -ne 0 ] && grep -q "an empty API key would let anyone in" "$tmp/err" && ok || bad "serve --api-key '': $(cat "$tmp/err")"
+KVLM_API_KEY= "$KVLM" serve --model "$model" --host 0.0.0.0 --port 0 --max-model-len 256 >/dev/null 2>"$tmp/w.err" &
+server_pid=$!
+for _ in $(seq 1 200); do grep -sq "listening on" "$tmp/w.err" && break; sleep 0.05; done
+kill -INT $server_pid; wait $server_pid 2>/dev/null
+grep -q "serving on 0.0.0.0 without an API key" "$tmp/w.err" && ok || bad "no warning for 0.0.0.0 without a key: $(cat "$tmp/w.err")"
 # The bundled default model (no --model) is kvlm-tiny, which answers arithmetic in chat.
 "$KVLM" serve --port 0 --max-model-len 256 >"$tmp/d.out" 2>"$tmp/d.err" &
 server_pid=$!

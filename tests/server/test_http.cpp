@@ -236,6 +236,22 @@ class HttpTest : public ::testing::Test {
 
 }  // namespace
 
+// A second server on a port in use fails to bind (no SO_REUSEPORT sharing: two servers with
+// different models would otherwise answer on one port, the kernel splitting the connections).
+TEST(HttpBind, SecondServerOnABusyPortFails) {
+  HttpServer first(ServerOptions{.host = "127.0.0.1", .port = 0});
+  const int port = first.bind();
+  ASSERT_GT(port, 0);
+  HttpServer second(ServerOptions{.host = "127.0.0.1", .port = port});
+  try {
+    second.bind();
+    FAIL() << "a second server bound port " << port;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot listen on 127.0.0.1:" + std::to_string(port)), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("in use"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(HttpTest, LoadingThenReady) {
   start();
   auto c = client();
