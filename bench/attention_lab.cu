@@ -264,8 +264,16 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--max-splits") && i + 1 < argc) max_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--split-lengths") && i + 1 < argc) split_lengths = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
-    if (!std::strcmp(argv[i], "--no-wgmma")) cuda::set_kernel_switches({.pdl = cuda::kernel_switches().pdl, .wgmma = false});
-    if (!std::strcmp(argv[i], "--no-pdl")) cuda::set_kernel_switches({.pdl = false, .wgmma = cuda::kernel_switches().wgmma});
+    if (!std::strcmp(argv[i], "--no-wgmma")) {
+      auto sw = cuda::kernel_switches();
+      sw.wgmma = false;
+      cuda::set_kernel_switches(sw);
+    }
+    if (!std::strcmp(argv[i], "--no-pdl")) {
+      auto sw = cuda::kernel_switches();
+      sw.pdl = false;
+      cuda::set_kernel_switches(sw);
+    }
   }
   if (kHead != 64 && kHead != 128 && kHead != 256) {
     std::fprintf(stderr, "attention_lab: --head takes 64, 128 or 256, not %d\n", kHead);

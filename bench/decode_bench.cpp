@@ -3,8 +3,13 @@
 //
 //   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64] [--shapes 1x512,64x4096]
 //                [--steps 32] [--gemv-lab]
-//                [--no-gemv] [--no-pdl] [--draft DIR [--spec-tokens K]]
+//                [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
+//                [--draft DIR [--spec-tokens K]]
 //
+// --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
+// output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
+// the GPU (the FP8 GEMV; auto, the default, dequantizes weights that fit in half of the GPU),
+// and the weights-read bound counts the bytes actually held.
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode).
 //
@@ -280,6 +285,49 @@ void gemv_lab(double bw) {
       std::fflush(stdout);
     }
   }
+  // FP8 weights (gemm.h Fp8Weight, one scale per row): the FP8 GEMV at m <= 4 reads one byte
+  // per weight, and dequantize_fp8 (the path to the GEMM at larger m) writes two.
+  std::printf("\n# FP8 weights (Qwen3-8B shapes): gemv_fp8 µs and GB/s of FP8 weights read; dequantize_fp8 µs and GB/s "
+              "(read + write)\n");
+  std::printf("| matrix | n x k | FP8 MB | m=1 µs | GB/s | m=2 µs | GB/s | m=4 µs | GB/s | dequantize µs | GB/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& sh : shapes) {
+    const size_t nk = size_t(sh.n) * size_t(sh.k);
+    const int copies = int(std::max<size_t>(2, (size_t(200) << 20) / nk + 1));
+    std::vector<void*> codes(static_cast<size_t>(copies));
+    for (auto& p : codes) {
+      ck(cudaMalloc(&p, nk), "cudaMalloc");
+      ck(cudaMemset(p, 0x38, nk), "cudaMemset");  // e4m3 1.0
+    }
+    void *scales = nullptr, *x = nullptr, *y = nullptr, *deq = nullptr;
+    ck(cudaMalloc(&scales, size_t(sh.n) * 4), "cudaMalloc");
+    ck(cudaMemset(scales, 0, size_t(sh.n) * 4), "cudaMemset");
+    ck(cudaMalloc(&x, size_t(4) * sh.k * 2), "cudaMalloc");
+    ck(cudaMemset(x, 0x3c, size_t(4) * sh.k * 2), "cudaMemset");
+    ck(cudaMalloc(&y, size_t(4) * sh.n * 4), "cudaMalloc");
+    ck(cudaMalloc(&deq, nk * 2), "cudaMalloc");
+    auto wf = [&](int i) {
+      return cuda::Fp8Weight{.codes = static_cast<const uint8_t*>(codes[size_t(i % copies)]),
+                             .scales = static_cast<const float*>(scales), .scale_block = sh.k};
+    };
+    const DType out = sh.f32 ? DType::F32 : DType::BF16;
+    std::string cells;
+    for (int m : {1, 2, 4}) {
+      const double us = time_us([&](int i) { cuda::gemv_fp8(DType::BF16, out, x, wf(i), nullptr, y, m, sh.n, sh.k, nullptr); });
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " | %.1f | %.0f", us, double(nk) / (us * 1e-6) / 1e9);
+      cells += buf;
+    }
+    const double dus = time_us([&](int i) { cuda::dequantize_fp8(DType::BF16, wf(i), deq, sh.n, sh.k, nullptr); });
+    std::printf("| %s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name, sh.n, sh.k, double(nk) / 1e6, cells.c_str(), dus,
+                3.0 * double(nk) / (dus * 1e-6) / 1e9);
+    std::fflush(stdout);
+    for (auto p : codes) cudaFree(p);
+    cudaFree(scales);
+    cudaFree(x);
+    cudaFree(y);
+    cudaFree(deq);
+  }
   // Batched decode from m = 17 runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w
   // (2 * m FLOP per 2-byte weight: m FLOP per byte, against the ~150 an H200 sustains, ~650
   // dense bf16 TFLOP/s over ~4.2 TB/s), so % of copy is the figure of merit; from m ~ 150 they
@@ -354,7 +402,7 @@ int spec_table(const std::string& model, const std::string& draft, int spec_toke
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096", draft;
+  std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096", draft, quantization;
   int steps = 32, spec_tokens = 15;
   bool lab = false, gemv = true;
   for (int i = 1; i < argc; ++i) {
@@ -371,10 +419,24 @@ int main(int argc, char** argv) {
     else if (a == "--draft") draft = next();
     else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
-    else if (a == "--no-pdl") cuda::set_kernel_switches({.pdl = false, .wgmma = cuda::kernel_switches().wgmma});
+    else if (a == "--quantization") quantization = next();
+    else if (a == "--fp8-weights") {
+      const std::string v = next();
+      auto sw = cuda::kernel_switches();
+      sw.fp8_weights = v == "keep" ? cuda::KernelSwitches::Fp8Weights::Keep
+                       : v == "dequantize" ? cuda::KernelSwitches::Fp8Weights::Dequantize
+                                           : cuda::KernelSwitches::Fp8Weights::Auto;
+      cuda::set_kernel_switches(sw);
+    }
+    else if (a == "--no-pdl") {
+      auto sw = cuda::kernel_switches();
+      sw.pdl = false;
+      cuda::set_kernel_switches(sw);
+    }
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
-                           "[--gemv-lab] [--no-gemv] [--no-pdl] [--draft DIR [--spec-tokens K]]\n");
+                           "[--gemv-lab] [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
+                           "[--draft DIR [--spec-tokens K]]\n");
       return 2;
     }
   }
@@ -411,6 +473,7 @@ int main(int argc, char** argv) {
         o.cache.keep_recent = std::stoi(keep.substr(keep.find(':') + 1));
       }
       o.device = Device::Cuda;
+      o.quantization = quantization;  // fp8: the linear weights in FP8 (the weights-read bound follows)
       const auto t0 = std::chrono::steady_clock::now();
       auto e = LoadedModel::load(o);
       const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -42,8 +42,10 @@ struct Tensor {
 // ([out][in]), or a vector (cols = 1). Empty (null) for an absent optional weight.
 struct Weight {
   const void* data = nullptr;
-  DType dtype = DType::F32;
+  DType dtype = DType::F32;  // F8E4M3: data holds FP8 codes, scaled by `scales` (a GPU's FP8 weights)
   int64_t rows = 0, cols = 0;
+  const float* scales = nullptr;  // F8E4M3: [rows][cols / scale_block]
+  int scale_block = 0;
   explicit operator bool() const { return data != nullptr; }
   int64_t numel() const { return rows * cols; }
 };

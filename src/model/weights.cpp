@@ -31,17 +31,28 @@ DType model_dtype(const ModelConfig& cfg, const Checkpoint& ckpt) {
   return DType::BF16;
 }
 
-std::vector<float> fp8_round_trip_rows(std::span<float> w, int64_t rows, int64_t cols) {
-  KVLM_CHECK(w.size() == size_t(rows * cols), "fp8_round_trip_rows: size mismatch");
+std::vector<float> fp8_quantize_rows(std::span<const float> w, int64_t rows, int64_t cols, std::span<uint8_t> codes) {
+  KVLM_CHECK(w.size() == size_t(rows * cols) && codes.size() == w.size(), "fp8_quantize_rows: size mismatch");
   std::vector<float> scales(static_cast<size_t>(rows));
+  // Rows are independent (an 8B model's projections are ~7e9 values: seconds, not minutes).
+#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = w.data() + r * cols;
+    const float* row = w.data() + r * cols;
     float amax = 0.0f;
     for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(row[c]));
     const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
     scales[size_t(r)] = scale;
-    for (int64_t c = 0; c < cols; ++c) row[c] = num::e4m3_to_f32(num::f32_to_e4m3(row[c] / scale)) * scale;
+    for (int64_t c = 0; c < cols; ++c) codes[size_t(r * cols + c)] = num::f32_to_e4m3(row[c] / scale);
   }
+  return scales;
+}
+
+std::vector<float> fp8_round_trip_rows(std::span<float> w, int64_t rows, int64_t cols) {
+  std::vector<uint8_t> codes(w.size());
+  std::vector<float> scales = fp8_quantize_rows(w, rows, cols, codes);
+  const int64_t n = int64_t(w.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) w[size_t(i)] = num::e4m3_to_f32(codes[size_t(i)]) * scales[size_t(i / cols)];
   return scales;
 }
 
@@ -151,7 +162,23 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       tensor_bytes += t->end - t->begin;
     }
   }
-  sink.reserve(list.specs);
+  // Which weights are FP8 as a whole (all pieces FP8 codes with scales, or quantized at load).
+  std::vector<SpecQuant> sq(list.specs.size());
+  for (size_t i = 0; i < list.specs.size(); ++i) {
+    const WeightSpec& s = list.specs[i];
+    if (!quant || !s.linear || s.pieces.empty()) continue;
+    bool all_fp8 = true, all_dense = true;
+    for (const WeightPiece& p : s.pieces) {
+      const DType d = ckpt.find(p.name)->dtype;
+      all_fp8 &= d == DType::F8E4M3;
+      all_dense &= d == DType::F32 || d == DType::F16 || d == DType::BF16;
+    }
+    if (quant->on_the_fly ? all_dense : all_fp8)
+      sq[i] = SpecQuant{.fp8 = true,
+                        .scale_block = !quant->on_the_fly && quant->scaling == Fp8Scaling::Block ? quant->block_cols
+                                                                                                  : int(s.cols())};
+  }
+  sink.reserve(list.specs, sq);
   // Large checkpoints show a progress line while loading (small ones would only flicker).
   log::Progress progress("loading weights", tensor_bytes >= (size_t(256) << 20) ? tensor_bytes : 0);
   LoadedWeights out;

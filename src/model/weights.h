@@ -91,16 +91,28 @@ struct PieceQuant {
 // computes with. `out` holds rows x cols (the tensor's dim 0 x the rest).
 void piece_to_f32(const TensorView& v, const PieceQuant& q, std::span<float> out);
 
-// Per-row FP8 E4M3 quantization of w [rows][cols] in place: scale = absmax / 448 per row,
-// w = e4m3(w / scale) * scale (round to nearest even, saturating); returns the scales.
+// Per-row FP8 E4M3 quantization of w [rows][cols]: scale = absmax / 448 per row (1 for a zero
+// row), code = e4m3(w / scale) (round to nearest even, saturating) into `codes`; returns the
+// scales. fp8_round_trip_rows replaces w by code * scale in place.
+std::vector<float> fp8_quantize_rows(std::span<const float> w, int64_t rows, int64_t cols, std::span<uint8_t> codes);
 std::vector<float> fp8_round_trip_rows(std::span<float> w, int64_t rows, int64_t cols);
+
+// What a weight is as a whole, known before any is stored: FP8 (every piece FP8 codes with
+// scales, or --quantization fp8 on a projection) with one scale per `scale_block` columns of a
+// row (cols: per-tensor / per-channel / quantized at load; block_cols: block-wise), so a
+// device that keeps FP8 bytes can size its allocation.
+struct SpecQuant {
+  bool fp8 = false;
+  int scale_block = 0;
+};
 
 // Where a device puts the weights.
 class WeightSink {
  public:
   virtual ~WeightSink() = default;
-  // Called once, before any store(), with every spec (sizes are known: one allocation).
-  virtual void reserve(std::span<const WeightSpec> specs) = 0;
+  // Called once, before any store(), with every spec and its SpecQuant (sizes are known: one
+  // allocation).
+  virtual void reserve(std::span<const WeightSpec> specs, std::span<const SpecQuant> quant) = 0;
   // One weight. Matrices and biases come as the checkpoint's raw tensors (`pieces`, dtype
   // and shape checked: F32, F16, BF16, or FP8 E4M3 with a scale in `quant`), each with how
   // its values are formed (`quant`, one per piece: piece_to_f32); norms and constants as fp32

@@ -19,6 +19,17 @@ inline bool have_gpu() {
   return n > 0;
 }
 
+// The current GPU's compute capability as major * 10 + minor (0 without one).
+inline int compute_capability() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return major * 10 + minor;
+}
+
 // KVLM_CUDA_TEST_REDUCED=1 (under compute-sanitizer): fewer cases.
 inline bool reduced() {
   const char* e = std::getenv("KVLM_CUDA_TEST_REDUCED");

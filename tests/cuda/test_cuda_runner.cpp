@@ -44,6 +44,8 @@
 #include "io/safetensors.h"
 #include "model/cpu/cpu_runner.h"
 #include "model/cuda/cuda_runner.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/kernel_switches.h"
 
 using namespace kvlm;
 namespace fs = std::filesystem;
@@ -387,6 +389,41 @@ double max_abs_diff(const std::vector<std::vector<float>>& a, const std::vector<
 }
 
 }  // namespace
+
+// FP8 weights held as FP8 on the GPU (kernel switch Keep: these tiny models would otherwise be
+// dequantized at load, their bf16 copy fitting in half of any GPU), through all three paths:
+// prefill chunks of 1 (the FP8 GEMV at m = 1), 6 (two passes of it, m = 4 + 2) and 16
+// (dequantize_fp8 + the 16-bit GEMM), each against transformers on the dequantized weights with
+// the bounds of the bf16-compute golden test, and held in fewer bytes than dequantized.
+TEST(CudaRunner, Fp8WeightsKeptOnTheGpu) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda::fp8_weights_supported(test::compute_capability())) GTEST_SKIP() << "no FP8 instructions on this GPU";
+  const auto saved = cuda::kernel_switches();
+  for (const std::string name : {"llama-gqa-fp8-ct", "qwen2-bias-fp8-modelopt", "qwen3-mixed-fp8-block"}) {
+    const Golden g = load_golden(name);
+    std::vector<TokenId> all = g.prompt;
+    all.insert(all.end(), g.greedy.begin(), g.greedy.end());
+    auto sw = saved;
+    sw.fp8_weights = cuda::KernelSwitches::Fp8Weights::Dequantize;
+    cuda::set_kernel_switches(sw);
+    const size_t dense_bytes = cuda_of(*load(g.model_dir, KVCacheDType::Auto, Device::Cuda)).weight_bytes();
+    sw.fp8_weights = cuda::KernelSwitches::Fp8Weights::Keep;
+    cuda::set_kernel_switches(sw);
+    auto e = load(g.model_dir, KVCacheDType::Auto, Device::Cuda);
+    cuda::set_kernel_switches(saved);
+    EXPECT_LT(cuda_of(*e).weight_bytes(), dense_bytes) << name << ": the weights were not kept as FP8";
+    for (int chunk : {1, 6, 16}) {
+      const Stats st = compare(g.logits, teacher_forced(*e, all, chunk), g.vocab, g.prompt.size() - 1);
+      std::printf("[cuda-fp8] %-24s chunk %2d  weights %zu B (dequantized: %zu)  max|dlogit|=%.3e mean_kld=%.2e "
+                  "max_kld=%.2e decisions %d/%d\n",
+                  name.c_str(), chunk, cuda_of(*e).weight_bytes(), dense_bytes, st.max_abs, st.mean_kld, st.max_kld,
+                  st.decisions_checked - st.decisions_failed, st.decisions_checked);
+      EXPECT_LT(st.mean_kld, 5e-4) << name << " chunk " << chunk;
+      EXPECT_LT(st.max_kld, 2e-3) << name << " chunk " << chunk;
+      EXPECT_EQ(st.decisions_failed, 0) << name << " chunk " << chunk;
+    }
+  }
+}
 
 TEST(CudaRunner, RaggedBatchesMatchCpuEagerAndGraphs) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";

@@ -304,6 +304,112 @@ TEST(CudaModelOps, GemvWithSiluMulInput) {
         }
 }
 
+// FP8 weights (gemm.h gemv_fp8, dequantize_fp8) against the definition, over odd row counts,
+// k not a multiple of 128, per-row scales (scale_block = k) and column blocks of 16 and 128
+// with a partial last block, m = 1..4, bias, float32 output and a SiLU-and-mul input. The
+// reference sums code * scale * x in double over the same 16-bit x; the GPU sums fp32 and rounds
+// once, so the GEMV's bound is the 16-bit rounding plus 1e-4 of sum |w x|. dequantize_fp8 is
+// code * scale rounded once to the compute type: bit-exact.
+TEST(CudaModelOps, Fp8GemvAndDequantize) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda::fp8_weights_supported(test::compute_capability())) GTEST_SKIP() << "no FP8 instructions on this GPU";
+  std::mt19937 rng(27);
+  {  // misuse is an error, not a wrong answer
+    Dev<uint8_t> dc(size_t(16) * 24);
+    Dev<float> ds(16);
+    Dev<uint16_t> dx(24), dy(16);
+    const cuda::Fp8Weight bad{.codes = dc.p, .scales = ds.p, .scale_block = 24};
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 1, 16, 24, nullptr), Error);
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 5, 16, 24, nullptr), Error);
+  }
+  struct Shape {
+    int n, k, block;
+  };
+  const Shape shapes[] = {{1, 16, 16}, {7, 48, 48}, {33, 272, 272}, {300, 272, 128}, {129, 4096, 128}, {61, 1040, 16}};
+  size_t checked = 0;
+  for (DType ab : kActs)
+    for (const Shape& sh : shapes)
+      for (int m : {1, 2, 4})
+        for (int mode = 0; mode < 3; ++mode) {  // 0: 16-bit out + bias, 1: float32 out, 2: SiLU-and-mul input
+          const int n = sh.n, k = sh.k, nb = (k + sh.block - 1) / sh.block;
+          const bool glu = mode == 2, f32 = mode == 1, bias = mode == 0;
+          std::vector<uint8_t> codes8(size_t(n) * k);
+          for (auto& c : codes8) {
+            do c = uint8_t(rng());
+            while ((c & 0x7f) == 0x7f);  // NaN codes are not weights
+          }
+          std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+          std::vector<float> sc(size_t(n) * nb);
+          for (auto& x : sc) x = ud(rng);
+          const auto xin = random_act(ab, size_t(m) * (glu ? 2 * k : k), rng, 1.0f);
+          const auto b = random_act(ab, size_t(n), rng, 0.5f);
+          std::vector<float> xr(size_t(m) * k);  // the GEMV's input rows
+          for (int r = 0; r < m; ++r)
+            for (int i = 0; i < k; ++i) {
+              if (!glu) {
+                xr[size_t(r) * k + i] = xin[size_t(r) * k + i];
+              } else {
+                const float g = xin[size_t(r) * 2 * k + i], u = xin[size_t(r) * 2 * k + k + i];
+                xr[size_t(r) * k + i] = g / (1.0f + std::exp(-g)) * u;
+              }
+            }
+          Dev<uint8_t> dc(codes8);
+          Dev<float> ds(sc);
+          Dev<uint16_t> dx(codes(ab, xin)), db(codes(ab, b));
+          Dev<uint16_t> dy16(size_t(m) * n);
+          Dev<float> dy32(size_t(m) * n);
+          dy16.poison();
+          dy32.poison();
+          const cuda::Fp8Weight w{.codes = dc.p, .scales = ds.p, .scale_block = sh.block};
+          cuda::gemv_fp8(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr, f32 ? static_cast<void*>(dy32.p) : dy16.p,
+                         m, n, k, nullptr, glu);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          std::vector<float> got(size_t(m) * n);
+          if (f32) {
+            got = dy32.download();
+          } else {
+            const auto raw = dy16.download();
+            for (size_t i = 0; i < got.size(); ++i) got[i] = act_value(ab, raw[i]);
+          }
+          size_t bad = 0;
+          double worst = 0;
+          for (int r = 0; r < m; ++r)
+            for (int j = 0; j < n; ++j) {
+              double ref = bias ? b[size_t(j)] : 0.0, mag = std::fabs(ref);
+              for (int i = 0; i < k; ++i) {
+                const double wv = double(num::e4m3_to_f32(codes8[size_t(j) * k + i])) * sc[size_t(j) * nb + i / sh.block];
+                ref += wv * xr[size_t(r) * k + i];
+                mag += std::fabs(wv * xr[size_t(r) * k + i]);
+              }
+              const double g = got[size_t(r) * n + j], e = std::isnan(g) ? 1e30 : std::fabs(g - ref);
+              worst = std::max(worst, e);
+              bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(ref) + 1e-4 * mag;
+              ++checked;
+            }
+          EXPECT_EQ(bad, 0u) << dtype_name(ab) << " n=" << n << " k=" << k << " block=" << sh.block << " m=" << m
+                             << " mode " << mode << " max err " << worst;
+          if (m == 1 && mode == 0) {
+            Dev<uint16_t> dd(size_t(n) * k);
+            dd.poison();
+            cuda::dequantize_fp8(ab, w, dd.p, n, k, nullptr);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const auto deq = dd.download();
+            size_t diff = 0;
+            std::string first;
+            for (int j = 0; j < n; ++j)
+              for (int i = 0; i < k; ++i) {
+                const size_t at = size_t(j) * k + i;
+                const uint16_t want = act_code(ab, num::e4m3_to_f32(codes8[at]) * sc[size_t(j) * nb + i / sh.block]);
+                if (deq[at] != want && ++diff <= 3)
+                  first += " (" + std::to_string(j) + "," + std::to_string(i) + "): code " + std::to_string(codes8[at]) +
+                           " got " + std::to_string(act_value(ab, deq[at])) + " want " + std::to_string(act_value(ab, want));
+              }
+            EXPECT_EQ(diff, 0u) << "dequantize_fp8 " << dtype_name(ab) << " n=" << n << " k=" << k << first;
+          }
+        }
+  std::printf("[cuda-fp8] gemv_fp8: %zu outputs within bounds; dequantize_fp8 bit-exact\n", checked);
+}
+
 TEST(CudaModelOps, ArgmaxRows) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(10);

@@ -23,7 +23,7 @@ std::span<const float> f32(const Weight& w) {
 class HostWeightSink final : public WeightSink {
  public:
   explicit HostWeightSink(std::vector<std::vector<float>>& storage) : storage_(storage) {}
-  void reserve(std::span<const WeightSpec> specs) override { storage_.reserve(specs.size()); }
+  void reserve(std::span<const WeightSpec> specs, std::span<const SpecQuant>) override { storage_.reserve(specs.size()); }
   Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
                std::span<const float> values) override {
     std::vector<float> data;

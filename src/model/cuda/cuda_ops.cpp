@@ -107,8 +107,26 @@ void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Ten
                     stream_);
 }
 
+void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m) {
+  const cuda::Fp8Weight f{.codes = static_cast<const uint8_t*>(w.data), .scales = w.scales, .scale_block = w.scale_block};
+  if (m <= cuda::kGemvMmaMaxM && gemm_.small_m_kernel(m)) {
+    // Up to 4 rows per pass over the FP8 bytes: at m = 5-8 two passes read 2 bytes per weight,
+    // what the 16-bit kernels read once.
+    const size_t xrow = size_t(w.cols) * dtype_size(act_), yrow = size_t(w.rows) * dtype_size(out);
+    for (int r0 = 0; r0 < m; r0 += cuda::kGemvMaxM)
+      cuda::gemv_fp8(act_, out, static_cast<const uint8_t*>(x) + size_t(r0) * xrow, f, bias.data,
+                     static_cast<uint8_t*>(y) + size_t(r0) * yrow, std::min(cuda::kGemvMaxM, m - r0), int(w.rows),
+                     int(w.cols), stream_);
+    return;
+  }
+  KVLM_CHECK(fp8_scratch_ != nullptr, "an FP8 weight without the runner's dequantization buffer");
+  cuda::dequantize_fp8(act_, f, fp8_scratch_, int(w.rows), int(w.cols), stream_);
+  gemm_.linear(act_, out, x, fp8_scratch_, bias.data, y, m, int(w.rows), int(w.cols), stream_);
+}
+
 void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {
   if (measure_) return;
+  if (w.dtype == DType::F8E4M3) return fp8_linear(x.data, w, bias, y.data, y.dtype, int(x.rows));
   gemm_.linear(act_, y.dtype, x.data, w.data, bias.data, y.data, int(x.rows), int(w.rows), int(x.cols), stream_);
 }
 
@@ -117,6 +135,16 @@ void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight
   // Carved whether or not it is used, so that measuring and running carve the same.
   void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
   if (measure_) return;
+  if (w.dtype == DType::F8E4M3) {
+    if (f == GluActivation::Silu && T == 1 && gemm_.small_m_kernel(T)) {  // SiLU-and-mul fused into the FP8 GEMV
+      const cuda::Fp8Weight fw{.codes = static_cast<const uint8_t*>(w.data), .scales = w.scales, .scale_block = w.scale_block};
+      cuda::gemv_fp8(act_, act_, gu.data, fw, bias.data, y.data, T, H, I, stream_, /*glu_input=*/true);
+    } else {
+      cuda::glu(act_, f, gu.data, act, T, I, stream_);
+      fp8_linear(act, w, bias, y.data, act_, T);
+    }
+    return;
+  }
   if (f == GluActivation::Silu && T == 1 && gemm_.small_m_kernel(T) && cuda::gemv_fits(T, I, gu.data, w.data)) {
     // batch 1: SiLU-and-mul fused into the GEMV's input
     cuda::gemv_small_m(act_, act_, gu.data, w.data, bias.data, y.data, T, H, I, stream_, 0, /*glu_input=*/true);

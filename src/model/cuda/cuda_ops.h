@@ -107,6 +107,10 @@ class CudaOps final : public Ops {
   void all_reduce_sum(Tensor x) override;
   void capture(int layer, Tensor x) override;
 
+  // Where an FP8 weight is dequantized for a GEMM of more rows than the FP8 GEMV takes (the
+  // runner's buffer of its largest FP8 weight; null: the model has none).
+  void set_fp8_scratch(void* p) { fp8_scratch_ = p; }
+
   // A drafter's features: slot_of[layer] >= 0 for the target layers it reads (empty: none).
   // features() is the step's [T][slots * hidden] Hidden tensor, carved at the first capture.
   void set_capture(std::vector<int> slot_of, int hidden);
@@ -116,6 +120,9 @@ class CudaOps final : public Ops {
   cuda::PagedAttentionParams attn_params(const CudaKVLayer& L, float softmax_scale) const;
   // A buffer the ops need inside the step, carved once per step at its first use.
   void* step_buffer(void*& slot, size_t bytes);
+  // y = x . w^T (+ bias) for an FP8 weight: the FP8 GEMV at m <= 8 (4 rows per pass), else
+  // dequantized into the scratch buffer and the 16-bit GEMM.
+  void fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m);
 
   DType act_;
   void* stream_;
@@ -127,6 +134,7 @@ class CudaOps final : public Ops {
   Carver carver_;
   bool measure_ = false;
   void* attn_ws_ = nullptr;
+  void* fp8_scratch_ = nullptr;
   size_t attn_ws_bytes_ = 0;
   void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
   void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused

@@ -50,6 +50,7 @@
 
 #include "attention/selector.h"
 #include "config/cache_config.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/numeric.h"
@@ -58,6 +59,7 @@
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/model_ops.h"
 #include "ops/cuda/sampling.h"
 
@@ -197,6 +199,9 @@ struct CudaModelRunner::Impl {
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   std::vector<Weight> w;
   size_t num_params = 0, weight_bytes = 0;
+  size_t fp8_scratch_elems = 0;  // the largest FP8 weight: its dequantized copy for GEMMs of m > 8
+  bool fp8_policy_said = false;  // the startup line about where FP8 weights live, once
+  DeviceBuffer fp8_scratch;
   std::vector<CudaKVLayer> lkv;
   int num_blocks = 0, block_size = 0;
   int num_exact = 0;          // exact pages (layers with exact sink / recent tokens)
@@ -303,22 +308,76 @@ struct CudaModelRunner::Impl {
 
 // Puts the weights in one device allocation, each in its role's type (matrices and biases in
 // the compute dtype, norms and constants in fp32), converting on the host where the
-// checkpoint's dtype differs.
+// checkpoint's dtype differs. FP8 projections (SpecQuant::fp8) stay FP8 where the GPU runs
+// FP8 weights (sm_89+) and the layout fits the kernels: codes [rows][cols], then fp32 scales
+// [rows][ceil(cols / scale_block)] (per-tensor and per-channel scales become one per row,
+// block scales one per row and column block); elsewhere they are dequantized to the compute
+// dtype here, with a warning.
 class CudaModelRunner::WeightUploader final : public WeightSink {
  public:
   WeightUploader(Impl& m, DeviceBuffer& into) : m_(m), into_(into) {}
-  void reserve(std::span<const WeightSpec> specs) override {
+  void reserve(std::span<const WeightSpec> specs, std::span<const SpecQuant> quant) override {
+    int cc = 0;
+    const auto gpus = cuda_devices();
+    if (m_.device >= 0 && m_.device < int(gpus.size())) cc = gpus[size_t(m_.device)].compute_capability;
+    // FP8 on the GPU halves the weights' memory and speeds up batch 1, but above batch 1 its
+    // kernels are slower than the 16-bit ones (no FP8 tensor-core GEMM yet): by default the
+    // weights stay FP8 only where their 16-bit copy would take more than half of the GPU.
+    size_t dense = 0, fp8_specs = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      dense += size_t(specs[i].rows() * specs[i].cols()) * dtype_size(gpu_weight_dtype(specs[i].role, m_.act));
+      fp8_specs += quant[i].fp8;
+    }
+    using Policy = cuda::KernelSwitches::Fp8Weights;
+    const Policy policy = cuda::kernel_switches().fp8_weights;
+    const auto mem = cuda_memory_info(m_.device);
+    const bool large = mem && dense > mem->total / 2;
+    const bool want_fp8 = policy == Policy::Keep || (policy == Policy::Auto && large);
+    if (fp8_specs > 0 && cuda::fp8_weights_supported(cc) && !m_.fp8_policy_said) {
+      log::info(want_fp8 ? "FP8 weights stay FP8 on the GPU" +
+                               std::string(policy == Policy::Keep ? "" : " (their " + std::string(dtype_name(m_.act)) +
+                                                                          " copy would take more than half of its memory)") +
+                               ": half the memory, faster at batch 1, slower than " + std::string(dtype_name(m_.act)) +
+                               " weights above batch 4 for now"
+                         : "FP8 weights are dequantized to " + std::string(dtype_name(m_.act)) +
+                               " at load: they fit, and until kvlm has FP8 tensor-core GEMMs that is faster above "
+                               "batch 1 (weights that would not fit in half of the GPU stay FP8)");
+      m_.fp8_policy_said = true;
+    }
     size_t total = 0;
-    for (const WeightSpec& s : specs) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const WeightSpec& s = specs[i];
       offsets_.push_back(total);
-      total += align_up(size_t(s.rows() * s.cols()) * dtype_size(gpu_weight_dtype(s.role, m_.act)));
+      const bool fits = quant[i].fp8 && cuda::fp8_layout_fits(int(s.cols()), quant[i].scale_block);
+      const bool keep = want_fp8 && fits && cuda::fp8_weights_supported(cc);
+      keep_.push_back(keep);
+      if (quant[i].fp8 && want_fp8 && !keep && !warned_fp8_) {
+        log::warn(fits ? "this GPU (compute capability " + std::to_string(cc / 10) + "." + std::to_string(cc % 10) +
+                             ") has no FP8 instructions: FP8 weights are dequantized to " +
+                             std::string(dtype_name(m_.act)) + " at load (twice the memory and no FP8 speed-up)"
+                       : "FP8 weight '" + s.pieces[0].name + "' has a shape the FP8 kernels do not take (input size " +
+                             std::to_string(s.cols()) + " not a multiple of 16): such weights are dequantized to " +
+                             std::string(dtype_name(m_.act)) + " at load");
+        warned_fp8_ = true;
+      }
+      if (keep) {
+        const size_t nb = size_t((s.cols() + quant[i].scale_block - 1) / quant[i].scale_block);
+        blocks_.push_back(quant[i].scale_block);
+        total += align_up(size_t(s.rows() * s.cols())) + align_up(size_t(s.rows()) * nb * sizeof(float));
+        m_.fp8_scratch_elems = std::max(m_.fp8_scratch_elems, size_t(s.rows() * s.cols()));
+      } else {
+        blocks_.push_back(0);
+        total += align_up(size_t(s.rows() * s.cols()) * dtype_size(gpu_weight_dtype(s.role, m_.act)));
+      }
     }
     into_.allocate(total, "the model weights");
   }
   Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
                std::span<const float> values) override {
+    const size_t index = next_++;
+    if (keep_[index]) return store_fp8(s, pieces, quant, into_.data() + offsets_[index], blocks_[index]);
     const DType type = gpu_weight_dtype(s.role, m_.act);
-    uint8_t* const base = into_.data() + offsets_[next_++];
+    uint8_t* const base = into_.data() + offsets_[index];
     uint8_t* dst = base;
     if (!values.empty() || pieces.empty()) {
       KVLM_CHECK(type == DType::F32, "fp32 values for a 16-bit weight");
@@ -331,15 +390,8 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
         if (t.dtype == type && !quant[i]) {
           KVLM_CUDA_CHECK(cudaMemcpy(dst, v.bytes.data(), v.bytes.size(), cudaMemcpyHostToDevice));
         } else {
-          // FP8 pieces (and --quantization fp8) are dequantized here for now: the weights
-          // computed with are the FP8 values, held in the compute dtype.
-          if (quant[i] && !warned_fp8_) {
-            log::warn("FP8 weights run dequantized to " + std::string(dtype_name(type)) +
-                      " on CUDA in this version (the same values; FP8 GEMV/GEMM kernels are not built yet)");
-            warned_fp8_ = true;
-          }
           conv32_.resize(n);
-          piece_to_f32(v, quant[i], conv32_);
+          piece_to_f32(v, quant[i], conv32_);  // FP8 pieces not kept as FP8: their values, dequantized
           if (type == DType::F32) {
             KVLM_CUDA_CHECK(cudaMemcpy(dst, conv32_.data(), n * sizeof(float), cudaMemcpyHostToDevice));
           } else {
@@ -358,9 +410,55 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
   }
 
  private:
+  // Codes and one scale row per weight row, piece by piece (rows concatenate).
+  Weight store_fp8(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
+                   uint8_t* base, int scale_block) {
+    const int64_t cols = s.cols();
+    const size_t nb = size_t((cols + scale_block - 1) / scale_block);
+    uint8_t* codes = base;
+    float* const scales_dev = reinterpret_cast<float*>(base + align_up(size_t(s.rows() * cols)));
+    std::vector<float> scales;
+    scales.reserve(size_t(s.rows()) * nb);
+    std::vector<uint8_t> q;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const TensorView& v = pieces[i];
+      const int64_t rows = v.info->shape[0];
+      const size_t n = size_t(rows * cols);
+      if (quant[i].fp8()) {  // the checkpoint's codes; its scales, one row per weight row
+        KVLM_CUDA_CHECK(cudaMemcpy(codes, v.bytes.data(), n, cudaMemcpyHostToDevice));
+        std::vector<float> sc(size_t(quant[i].scale.info->numel()));
+        convert_to_f32(quant[i].scale.info->dtype, quant[i].scale.bytes, sc);
+        for (int64_t r = 0; r < rows; ++r)
+          for (size_t b = 0; b < nb; ++b) {
+            switch (quant[i].scaling) {
+              case Fp8Scaling::Tensor: scales.push_back(sc[0]); break;
+              case Fp8Scaling::Channel: scales.push_back(sc[size_t(r)]); break;
+              case Fp8Scaling::Block: scales.push_back(sc[size_t(r / quant[i].block_rows) * nb + b]); break;
+            }
+          }
+      } else {  // --quantization fp8: quantized here, per row
+        KVLM_CHECK(quant[i].quantize && nb == 1, "an FP8 weight piece with neither codes nor quantization");
+        conv32_.resize(n);
+        convert_to_f32(v.info->dtype, v.bytes, conv32_);
+        q.resize(n);
+        const std::vector<float> rs = fp8_quantize_rows(conv32_, rows, cols, q);
+        KVLM_CUDA_CHECK(cudaMemcpy(codes, q.data(), n, cudaMemcpyHostToDevice));
+        scales.insert(scales.end(), rs.begin(), rs.end());
+      }
+      codes += n;
+    }
+    KVLM_CHECK(scales.size() == size_t(s.rows()) * nb, "one scale row per weight row");
+    KVLM_CUDA_CHECK(cudaMemcpy(scales_dev, scales.data(), scales.size() * sizeof(float), cudaMemcpyHostToDevice));
+    m_.weight_bytes += size_t(s.rows() * cols) + scales.size() * sizeof(float);
+    return Weight{.data = base, .dtype = DType::F8E4M3, .rows = s.rows(), .cols = cols, .scales = scales_dev,
+                  .scale_block = scale_block};
+  }
+
   Impl& m_;
   DeviceBuffer& into_;
   std::vector<size_t> offsets_;
+  std::vector<bool> keep_;
+  std::vector<int> blocks_;
   size_t next_ = 0;
   std::vector<uint16_t> conv16_;
   std::vector<float> conv32_;
@@ -446,6 +544,10 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   m.gemm_ws.allocate(cuda::kGemmWorkspaceBytes, "the GEMM workspace");
   m.gemm.set_workspace(m.gemm_ws.data(), m.gemm_ws.bytes());
   m.ops = std::make_unique<CudaOps>(m.act, m.stream, m.gemm, m.comm);
+  if (m.fp8_scratch_elems > 0) {
+    m.fp8_scratch.allocate(m.fp8_scratch_elems * dtype_size(m.act), "the FP8 weights' dequantization buffer");
+    m.ops->set_fp8_scratch(m.fp8_scratch.data());
+  }
   m.ops->set_kv(m.lkv, 0, 0);
   if (m.draft_def) m.ops->set_capture(std::move(slot_of), cfg_.hidden_size);
   m.graphs_on = opts.cuda_graphs;

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 #include "core/dtype.h"
@@ -38,6 +39,28 @@ inline constexpr int kGemvMmaMaxM = 8;   // the tensor-core kernel (variant 3)
 bool gemv_fits(int m, int k, const void* x, const void* w);
 void gemv_small_m(DType ab, DType out, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
                   void* stream, int variant = 0, bool glu_input = false);
+
+// A weight held as FP8 E4M3 codes [n][k] with fp32 scales [n][nb], nb = ceil(k / scale_block):
+// the value at (r, c) is code * scales[r * nb + c / scale_block]. scale_block = k is one
+// scale per row (per-tensor and per-channel checkpoints, --quantization fp8); 128 the
+// block-wise formats (their blocks' rows expanded to one scale row per weight row).
+struct Fp8Weight {
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;
+  int scale_block = 0;
+};
+// Whether GPUs of this compute capability run FP8 weights (sm_89+: the cvt instructions);
+// older ones get the weights dequantized at load.
+bool fp8_weights_supported(int compute_capability);
+// Whether gemv_fp8 / dequantize_fp8 take a row of k with this scale block (k % 16 == 0, the
+// block a multiple of 16).
+bool fp8_layout_fits(int k, int scale_block);
+// y[m][n] = x[m][k] . dequant(w)[n][k]^T (+ bias), 1 <= m <= kGemvMaxM (gemv_fp8.cu); x, y,
+// bias and glu_input as for gemv_small_m.
+void gemv_fp8(DType ab, DType out, const void* x, const Fp8Weight& w, const void* bias, void* y, int m, int n, int k,
+              void* stream, bool glu_input = false);
+// The weight in the compute type (bf16 / f16) into out [n][k], for the GEMM at larger m.
+void dequantize_fp8(DType to, const Fp8Weight& w, void* out, int n, int k, void* stream);
 
 class Gemm {
  public:

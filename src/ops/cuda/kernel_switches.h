@@ -12,6 +12,10 @@ struct KernelSwitches {
   // The warp-specialised wgmma prefill kernel where sm_90a code runs; off: the mma.sync
   // tiled kernel (what sm_80 / sm_89 and head 256 run).
   bool wgmma = true;
+  // FP8 weights on the GPU (model/cuda/cuda_runner.cpp): Auto keeps them FP8 when their copy in
+  // the compute dtype would take more than half of the GPU's memory, else dequantizes them at
+  // load (faster above batch 1 until FP8 tensor-core GEMMs exist); Keep / Dequantize force it.
+  enum class Fp8Weights { Auto, Keep, Dequantize } fp8_weights = Fp8Weights::Auto;
 };
 
 void set_kernel_switches(const KernelSwitches& s);

@@ -1,0 +1,79 @@
+// What the small-m linear kernels share (gemv.cu: 16-bit weights, gemv_fp8.cu: FP8 weights):
+// the streaming load of weights, the 16-bit activation types, the input row (optionally
+// SiLU-and-mul of a fused gate/up projection) and the output store.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvlm::cuda {
+namespace {
+
+constexpr int kGemvThreads = 256;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+struct VecBF16 {
+  static constexpr bool kBF16 = true;
+  static __device__ __forceinline__ void decode8(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  static __device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
+  static __device__ __forceinline__ uint16_t store(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+};
+struct VecF16 {
+  static constexpr bool kBF16 = false;
+  static __device__ __forceinline__ void decode8(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      const float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  static __device__ __forceinline__ float load(uint16_t x) { return __half2float(__ushort_as_half(x)); }
+  static __device__ __forceinline__ uint16_t store(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+
+// x row r, 16-byte vector i, as 8 floats. With kGlu, x is the fused gate/up projection
+// gu [m][2k] and the row is silu(gate) * up, computed here in fp32 (the down projection's
+// input never goes to memory).
+template <class V, bool kGlu>
+__device__ __forceinline__ void load_x(const uint4* xv, int kv, int r, int i, float* xf) {
+  if constexpr (kGlu) {
+    float g[8], u[8];
+    V::decode8(__ldg(xv + size_t(r) * 2 * size_t(kv) + size_t(i)), g);
+    V::decode8(__ldg(xv + size_t(r) * 2 * size_t(kv) + size_t(kv) + size_t(i)), u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xf[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
+  } else {
+    V::decode8(__ldg(xv + size_t(r) * size_t(kv) + size_t(i)), xf);
+  }
+}
+
+template <class V, int M, bool kF32Out>
+__device__ __forceinline__ void store_out(void* y, int n, int col, int r, float v, const uint16_t* bias) {
+  if (bias) v += V::load(bias[col]);
+  if constexpr (kF32Out) static_cast<float*>(y)[size_t(r) * size_t(n) + size_t(col)] = v;
+  else static_cast<uint16_t*>(y)[size_t(r) * size_t(n) + size_t(col)] = V::store(v);
+}
+
+}  // namespace
+}  // namespace kvlm::cuda
