@@ -138,6 +138,43 @@ req = urllib.request.Request(base + "/v1/chat/completions", headers={"Content-Ty
 r = json.loads(urllib.request.urlopen(req).read())
 assert "The answer is 42." in r["choices"][0]["message"]["content"], r
 EOF
+# Request bodies: JSON whatever the Content-Type (curl -d sends form-urlencoded; httplib alone
+# refused such a body over 8 KiB with a 413), gzip bodies inflated, and the 16 MiB limit held
+# on the inflated size (a 40 KB gzip of 40 MiB gets 413, not 40 MiB of memory).
+python3 - "$port" >"$tmp/body.out" 2>&1 <<'EOF' && ok || bad "request bodies: $(cat "$tmp/body.out")"
+import gzip, json, sys, urllib.request, urllib.error
+base = f"http://127.0.0.1:{sys.argv[1]}"
+def post(path, data, headers):
+    req = urllib.request.Request(base + path, data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+small = json.dumps({"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+st, r = post("/v1/completions", (small + " " * 20000).encode(), {"Content-Type": "application/x-www-form-urlencoded"})
+assert st == 200 and r["choices"][0]["text"], (st, r)
+st, r = post("/tokenize", (json.dumps({"prompt": "Hi"}) + " " * 10000).encode(), {"Content-Type": "application/x-www-form-urlencoded"})
+assert st == 200 and r["count"] >= 1, (st, r)
+st, r = post("/v1/completions", gzip.compress(small.encode()), {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+assert st == 200 and r["choices"][0]["text"], (st, r)
+bomb = gzip.compress(b" " * (40 << 20))
+st, r = post("/v1/completions", bomb, {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+assert st == 413 and "larger than this server's limit" in r["error"]["message"], (st, r)
+# A declared length over the limit, any Content-Type: 413 (the body is read and dropped).
+import socket
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % (17 << 20))
+s.sendall(b"{" * (17 << 20))
+s.settimeout(10)
+resp = b""
+while b"larger than this server" not in resp:
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    resp += chunk
+assert resp.startswith(b"HTTP/1.1 413") and b"larger than this server" in resp, resp[:300]
+EOF
 kill -TERM "$server_pid"
 wait "$server_pid"
 rc=$?
