@@ -532,6 +532,11 @@ void HttpServer::Impl::install_routes() {
 template <class F>
 void HttpServer::Impl::post(const char* path, F handler) {
   svr.Post(path, [this, handler](const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& read) {
+    if (req.is_multipart_form_data()) {  // (httplib's plain reader cannot read one: it needs part callbacks)
+      reply(res, 400, error_json(400, "multipart bodies are not supported: send the request as JSON "
+                                      "(Content-Type: application/json)"));
+      return;
+    }
     std::string body;
     // A declared length over the limit: httplib reads and drops the body (so the client can
     // read the answer) and the read fails; nothing is kept.

@@ -161,6 +161,9 @@ assert st == 200 and r["choices"][0]["text"], (st, r)
 bomb = gzip.compress(b" " * (40 << 20))
 st, r = post("/v1/completions", bomb, {"Content-Type": "application/json", "Content-Encoding": "gzip"})
 assert st == 413 and "larger than this server's limit" in r["error"]["message"], (st, r)
+st, r = post("/v1/completions", b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n--b--\r\n',
+             {"Content-Type": "multipart/form-data; boundary=b"})
+assert st == 400 and "multipart bodies are not supported" in r["error"]["message"], (st, r)
 # A declared length over the limit, any Content-Type: 413 (the body is read and dropped).
 import socket
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
