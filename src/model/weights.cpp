@@ -66,26 +66,28 @@ void piece_to_f32(const TensorView& v, const PieceQuant& q, std::span<float> out
     return;
   }
   KVLM_CHECK(t.dtype == DType::F8E4M3, "FP8 scales on a tensor that is not float8_e4m3fn");
-  std::vector<float> sc(size_t(q.scale.info->numel()));
-  convert_to_f32(q.scale.info->dtype, q.scale.bytes, sc);
-  const int64_t bcols = q.scaling == Fp8Scaling::Block ? (cols + q.block_cols - 1) / q.block_cols : 0;
+  const std::vector<float> rs = fp8_row_scales(q, rows, cols);
+  const int64_t block = q.scaling == Fp8Scaling::Block ? q.block_cols : cols, nb = rs.size() / size_t(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* codes = v.bytes.data() + r * cols;
+    const float* s = rs.data() + r * nb;
     float* o = out.data() + r * cols;
-    switch (q.scaling) {
-      case Fp8Scaling::Tensor:
-      case Fp8Scaling::Channel: {
-        const float s = sc[q.scaling == Fp8Scaling::Tensor ? 0 : size_t(r)];
-        for (int64_t c = 0; c < cols; ++c) o[c] = num::e4m3_to_f32(codes[c]) * s;
-        break;
-      }
-      case Fp8Scaling::Block: {
-        const float* srow = sc.data() + (r / q.block_rows) * bcols;
-        for (int64_t c = 0; c < cols; ++c) o[c] = num::e4m3_to_f32(codes[c]) * srow[c / q.block_cols];
-        break;
-      }
-    }
+    for (int64_t c = 0; c < cols; ++c) o[c] = num::e4m3_to_f32(codes[c]) * s[c / block];
   }
+}
+
+std::vector<float> fp8_row_scales(const PieceQuant& q, int64_t rows, int64_t cols) {
+  std::vector<float> sc(size_t(q.scale.info->numel()));
+  convert_to_f32(q.scale.info->dtype, q.scale.bytes, sc);
+  const bool block = q.scaling == Fp8Scaling::Block;
+  const int64_t nb = block ? (cols + q.block_cols - 1) / q.block_cols : 1;
+  std::vector<float> out(size_t(rows * nb));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      out[size_t(r * nb + b)] = q.scaling == Fp8Scaling::Tensor    ? sc[0]
+                                : q.scaling == Fp8Scaling::Channel ? sc[size_t(r)]
+                                                                   : sc[size_t((r / q.block_rows) * nb + b)];
+  return out;
 }
 
 namespace {

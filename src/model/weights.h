@@ -86,6 +86,11 @@ struct PieceQuant {
   explicit operator bool() const { return fp8() || quantize; }
 };
 
+// An FP8 piece's scales as [rows][ceil(cols / block)], block = the config's block_cols for block
+// scales and cols otherwise (one per row): per-tensor scales repeated, per-channel ones per row,
+// block ones per row and column block. What piece_to_f32 multiplies by and a GPU keeps.
+std::vector<float> fp8_row_scales(const PieceQuant& q, int64_t rows, int64_t cols);
+
 // The fp32 values of one piece: converted (F32/F16/BF16), FP8 E4M3 codes times their scales,
 // or the per-row FP8 round trip of the values (`quantize`) — what a GPU holding FP8 weights
 // computes with. `out` holds rows x cols (the tensor's dim 0 x the rest).

@@ -306,7 +306,7 @@ TEST(CudaModelOps, GemvWithSiluMulInput) {
 
 // FP8 weights (gemm.h gemv_fp8, dequantize_fp8) against the definition, over odd row counts,
 // k not a multiple of 128, per-row scales (scale_block = k) and column blocks of 16 and 128
-// with a partial last block, m = 1..4, bias, float32 output and a SiLU-and-mul input. The
+// with a partial last block, m = 1..4, bias and float32 output. The
 // reference sums code * scale * x in double over the same 16-bit x; the GPU sums fp32 and rounds
 // once, so the GEMV's bound is the 16-bit rounding plus 1e-4 of sum |w x|. dequantize_fp8 is
 // code * scale rounded once to the compute type: bit-exact.
@@ -330,9 +330,9 @@ TEST(CudaModelOps, Fp8GemvAndDequantize) {
   for (DType ab : kActs)
     for (const Shape& sh : shapes)
       for (int m : {1, 2, 4})
-        for (int mode = 0; mode < 3; ++mode) {  // 0: 16-bit out + bias, 1: float32 out, 2: SiLU-and-mul input
+        for (int mode = 0; mode < 2; ++mode) {  // 0: 16-bit out + bias, 1: float32 out
           const int n = sh.n, k = sh.k, nb = (k + sh.block - 1) / sh.block;
-          const bool glu = mode == 2, f32 = mode == 1, bias = mode == 0;
+          const bool f32 = mode == 1, bias = mode == 0;
           std::vector<uint8_t> codes8(size_t(n) * k);
           for (auto& c : codes8) {
             do c = uint8_t(rng());
@@ -341,28 +341,18 @@ TEST(CudaModelOps, Fp8GemvAndDequantize) {
           std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
           std::vector<float> sc(size_t(n) * nb);
           for (auto& x : sc) x = ud(rng);
-          const auto xin = random_act(ab, size_t(m) * (glu ? 2 * k : k), rng, 1.0f);
+          const auto xr = random_act(ab, size_t(m) * k, rng, 1.0f);  // the GEMV's input rows
           const auto b = random_act(ab, size_t(n), rng, 0.5f);
-          std::vector<float> xr(size_t(m) * k);  // the GEMV's input rows
-          for (int r = 0; r < m; ++r)
-            for (int i = 0; i < k; ++i) {
-              if (!glu) {
-                xr[size_t(r) * k + i] = xin[size_t(r) * k + i];
-              } else {
-                const float g = xin[size_t(r) * 2 * k + i], u = xin[size_t(r) * 2 * k + k + i];
-                xr[size_t(r) * k + i] = g / (1.0f + std::exp(-g)) * u;
-              }
-            }
           Dev<uint8_t> dc(codes8);
           Dev<float> ds(sc);
-          Dev<uint16_t> dx(codes(ab, xin)), db(codes(ab, b));
+          Dev<uint16_t> dx(codes(ab, xr)), db(codes(ab, b));
           Dev<uint16_t> dy16(size_t(m) * n);
           Dev<float> dy32(size_t(m) * n);
           dy16.poison();
           dy32.poison();
           const cuda::Fp8Weight w{.codes = dc.p, .scales = ds.p, .scale_block = sh.block};
           cuda::gemv_fp8(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr, f32 ? static_cast<void*>(dy32.p) : dy16.p,
-                         m, n, k, nullptr, glu);
+                         m, n, k, nullptr);
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           std::vector<float> got(size_t(m) * n);
           if (f32) {

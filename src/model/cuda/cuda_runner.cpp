@@ -426,16 +426,9 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
       const size_t n = size_t(rows * cols);
       if (quant[i].fp8()) {  // the checkpoint's codes; its scales, one row per weight row
         KVLM_CUDA_CHECK(cudaMemcpy(codes, v.bytes.data(), n, cudaMemcpyHostToDevice));
-        std::vector<float> sc(size_t(quant[i].scale.info->numel()));
-        convert_to_f32(quant[i].scale.info->dtype, quant[i].scale.bytes, sc);
-        for (int64_t r = 0; r < rows; ++r)
-          for (size_t b = 0; b < nb; ++b) {
-            switch (quant[i].scaling) {
-              case Fp8Scaling::Tensor: scales.push_back(sc[0]); break;
-              case Fp8Scaling::Channel: scales.push_back(sc[size_t(r)]); break;
-              case Fp8Scaling::Block: scales.push_back(sc[size_t(r / quant[i].block_rows) * nb + b]); break;
-            }
-          }
+        const std::vector<float> rs = fp8_row_scales(quant[i], rows, cols);
+        KVLM_CHECK(rs.size() == size_t(rows) * nb, "the piece's scale block differs from the weight's");
+        scales.insert(scales.end(), rs.begin(), rs.end());
       } else {  // --quantization fp8: quantized here, per row
         KVLM_CHECK(quant[i].quantize && nb == 1, "an FP8 weight piece with neither codes nor quantization");
         conv32_.resize(n);

@@ -55,11 +55,10 @@ bool fp8_weights_supported(int compute_capability);
 // Whether gemv_fp8 / dequantize_fp8 take a row of k with this scale block (k % 16 == 0, the
 // block a multiple of 16).
 bool fp8_layout_fits(int k, int scale_block);
-// y[m][n] = x[m][k] . dequant(w)[n][k]^T (+ bias), 1 <= m <= kGemvMaxM (gemv_fp8.cu); x, y,
-// bias and glu_input as for gemv_small_m (the runner does not fuse SiLU-and-mul here: with 2
-// rows per warp every warp would recompute it, which cost 0.8 ms of a Qwen3-8B batch-1 step).
+// y[m][n] = x[m][k] . dequant(w)[n][k]^T (+ bias), 1 <= m <= kGemvMaxM (gemv_fp8.cu); x, y and
+// bias as for gemv_small_m (no SiLU-and-mul input: gemv_fp8.cu says why).
 void gemv_fp8(DType ab, DType out, const void* x, const Fp8Weight& w, const void* bias, void* y, int m, int n, int k,
-              void* stream, bool glu_input = false);
+              void* stream);
 // The weight in the compute type (bf16 / f16) into out [n][k], for the GEMM at larger m.
 void dequantize_fp8(DType to, const Fp8Weight& w, void* out, int n, int k, void* stream);
 

@@ -27,25 +27,14 @@ namespace {
 
 constexpr int kFp8Rows = 2, kFp8Unroll = 4;  // 4 vectors of 16 codes per row per lane in flight (8: slower, H200)
 
-// 16 e4m3 codes -> 16 floats (exact: every e4m3 value is an f16).
+// 16 e4m3 codes -> 16 floats (exact), by the KV codec's decoder (kv_codec.cuh FmtE4M3).
 __device__ __forceinline__ void decode16(const uint4& v, float* f) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    uint32_t h[2];
-    fp8::e4m3x4_to_f16x2x2(w[i], h[0], h[1]);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      __half2 p;
-      memcpy(&p, &h[j], 4);
-      const float2 q = __half22float2(p);
-      f[4 * i + 2 * j] = q.x;
-      f[4 * i + 2 * j + 1] = q.y;
-    }
-  }
+  using E4M3 = FmtE4M3<Scale::None>;
+  E4M3::decode8(make_uint2(v.x, v.y), f);
+  E4M3::decode8(make_uint2(v.z, v.w), f + 8);
 }
 
-template <class V, int M, bool kF32Out, bool kGlu, bool kBlock>
+template <class V, int M, bool kF32Out, bool kBlock>
 __global__ void __launch_bounds__(kGemvThreads) gemv_fp8_kernel(const uint16_t* x, const uint8_t* w, const float* scales,
                                                                 int scale_block, const uint16_t* bias, void* y, int n, int k) {
   constexpr int R = kFp8Rows, U = kFp8Unroll;
@@ -87,8 +76,8 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_fp8_kernel(const uint16_t* 
 #pragma unroll
       for (int r = 0; r < M; ++r) {
         float xf[16];
-        load_x<V, kGlu>(xv, k / 8, r, 2 * i, xf);
-        load_x<V, kGlu>(xv, k / 8, r, 2 * i + 1, xf + 8);
+        load_x<V, false>(xv, k / 8, r, 2 * i, xf);
+        load_x<V, false>(xv, k / 8, r, 2 * i + 1, xf + 8);
 #pragma unroll
         for (int j = 0; j < R; ++j) {
           float part = 0.0f;
@@ -116,17 +105,17 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_fp8_kernel(const uint16_t* 
       }
 }
 
-template <class V, bool kF32Out, bool kGlu, bool kBlock>
+template <class V, bool kF32Out, bool kBlock>
 void launch_fp8(const void* x, const Fp8Weight& w, const void* bias, void* y, int m, int n, int k, cudaStream_t st) {
   const auto* xs = static_cast<const uint16_t*>(x);
   const auto* bs = static_cast<const uint16_t*>(bias);
   const dim3 grid(unsigned((n + kFp8Rows * kGemvThreads / 32 - 1) / (kFp8Rows * kGemvThreads / 32)));
   const dim3 block(kGemvThreads);
   switch (m) {
-#define KVLM_FP8_M(M)                                                                                            \
-  case M:                                                                                                       \
-    KVLM_CUDA_CHECK(launch_pdl<gemv_fp8_kernel<V, M, kF32Out, kGlu, kBlock>>(grid, block, 0, st, xs, w.codes, \
-                                                                             w.scales, w.scale_block, bs, y, n, k)); \
+#define KVLM_FP8_M(M)                                                                                                 \
+  case M:                                                                                                            \
+    KVLM_CUDA_CHECK(launch_pdl<gemv_fp8_kernel<V, M, kF32Out, kBlock>>(grid, block, 0, st, xs, w.codes, w.scales,   \
+                                                                       w.scale_block, bs, y, n, k));                \
     break;
     KVLM_FP8_M(1)
     KVLM_FP8_M(2)
@@ -137,17 +126,14 @@ void launch_fp8(const void* x, const Fp8Weight& w, const void* bias, void* y, in
 }
 
 template <class V>
-void launch_fp8_any(bool f32, bool glu, bool block, const void* x, const Fp8Weight& w, const void* bias, void* y, int m,
-                    int n, int k, cudaStream_t st) {
-  if (glu) {
-    if (block) launch_fp8<V, false, true, true>(x, w, bias, y, m, n, k, st);
-    else launch_fp8<V, false, true, false>(x, w, bias, y, m, n, k, st);
-  } else if (f32) {
-    if (block) launch_fp8<V, true, false, true>(x, w, bias, y, m, n, k, st);
-    else launch_fp8<V, true, false, false>(x, w, bias, y, m, n, k, st);
+void launch_fp8_any(bool f32, bool block, const void* x, const Fp8Weight& w, const void* bias, void* y, int m, int n,
+                    int k, cudaStream_t st) {
+  if (f32) {
+    if (block) launch_fp8<V, true, true>(x, w, bias, y, m, n, k, st);
+    else launch_fp8<V, true, false>(x, w, bias, y, m, n, k, st);
   } else {
-    if (block) launch_fp8<V, false, false, true>(x, w, bias, y, m, n, k, st);
-    else launch_fp8<V, false, false, false>(x, w, bias, y, m, n, k, st);
+    if (block) launch_fp8<V, false, true>(x, w, bias, y, m, n, k, st);
+    else launch_fp8<V, false, false>(x, w, bias, y, m, n, k, st);
   }
 }
 
@@ -182,7 +168,7 @@ bool fp8_weights_supported(int compute_capability) { return compute_capability >
 bool fp8_layout_fits(int k, int scale_block) { return k > 0 && k % 16 == 0 && scale_block > 0 && scale_block % 16 == 0; }
 
 void gemv_fp8(DType ab, DType out, const void* x, const Fp8Weight& w, const void* bias, void* y, int m, int n, int k,
-              void* stream, bool glu_input) {
+              void* stream) {
   if (m <= 0 || n <= 0) return;
   if (m > kGemvMaxM) throw Error("gemv_fp8: takes m <= " + std::to_string(kGemvMaxM) + " (dequantize_fp8 + the GEMM above)");
   if (!fp8_layout_fits(k, w.scale_block))
@@ -192,11 +178,10 @@ void gemv_fp8(DType ab, DType out, const void* x, const Fp8Weight& w, const void
     throw Error("gemv_fp8: x and the codes must be 16-byte aligned");
   if (ab != DType::BF16 && ab != DType::F16) throw Error("gemv_fp8: inputs must be bfloat16 or float16");
   if (out != ab && out != DType::F32) throw Error("gemv_fp8: output must be the input type or float32");
-  if (glu_input && out != ab) throw Error("gemv_fp8: a SiLU-and-mul input needs a 16-bit output");
   const auto st = static_cast<cudaStream_t>(stream);
   const bool f32 = out == DType::F32, block = w.scale_block < k;
-  if (ab == DType::BF16) launch_fp8_any<VecBF16>(f32, glu_input, block, x, w, bias, y, m, n, k, st);
-  else launch_fp8_any<VecF16>(f32, glu_input, block, x, w, bias, y, m, n, k, st);
+  if (ab == DType::BF16) launch_fp8_any<VecBF16>(f32, block, x, w, bias, y, m, n, k, st);
+  else launch_fp8_any<VecF16>(f32, block, x, w, bias, y, m, n, k, st);
 }
 
 void dequantize_fp8(DType to, const Fp8Weight& w, void* out, int n, int k, void* stream) {
