@@ -1,6 +1,7 @@
 #include "engine/llm_engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <exception>
 
@@ -87,6 +88,11 @@ void LLMEngine::check_request(const EngineRequest& req) const {
                 " exceeds the maximum context length of " + std::to_string(cfg_.max_model_len) +
                 " tokens; lower max_tokens to at most " + std::to_string(cfg_.max_model_len - prompt));
   validate_sampling(req.sampling);
+  for (const auto& [t, bias] : req.logit_bias)
+    if (t < 0 || t >= model_.config().vocab_size || !std::isfinite(bias))
+      throw Error("logit_bias names token " + std::to_string(t) + ", outside the vocabulary, or a bias that is not finite");
+  if (req.constraint && req.constraint->vocab_size() > model_.config().vocab_size)
+    throw Error("the grammar's vocabulary is larger than the model's");
 }
 
 void LLMEngine::add_request(EngineRequest req) {
@@ -210,6 +216,7 @@ void LLMEngine::propose() {
     s.draft.clear();
     if (paused) continue;
     if (s.finished || s.num_computed != int(s.tokens.size()) - 1) continue;
+    if (s.req.constraint) continue;  // a grammar decides token by token: no drafts to verify
     const int room = std::min(s.req.max_tokens - s.num_output(), cfg_.max_model_len - int(s.tokens.size())) - 1;
     if (room <= 0) continue;
     if (const int ahead = proposer_->lookahead(); ahead > 0) {

@@ -37,12 +37,9 @@ void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) co
       const auto raw = batch.logits(s, r);
       std::span<const float> row = raw;
       std::vector<float> masked;
-      if (s.num_output() + i < s.req.min_tokens) {
-        // Too early to stop: EOS and stop tokens cannot be sampled.
-        masked.assign(raw.begin(), raw.end());
-        if (!s.req.ignore_eos)
-          for (TokenId e : eos_) masked[size_t(e)] = -std::numeric_limits<float>::infinity();
-        for (TokenId e : s.req.stop_token_ids) masked[size_t(e)] = -std::numeric_limits<float>::infinity();
+      if (s.num_output() + i < s.req.min_tokens || !s.req.logit_bias.empty() || s.req.constraint) {
+        d.error = masked_row(s, s.num_output() + i, raw, masked);
+        if (!d.error.empty()) break;
         row = masked;
       }
       std::span<const TokenId> output = s.output();
@@ -53,6 +50,18 @@ void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) co
       }
       t = s.sampler.sample(row, s.req.sampling, s.prompt(), output);
       if (s.req.logprobs > 0) d.logprobs.push_back({t, logprob_of(raw, t), top_logprobs(raw, s.req.logprobs)});
+      if (s.req.constraint && stop_reason(s, t) == FinishReason::None) {
+        try {
+          if (!s.req.constraint->accept(t)) {
+            d.error = "the sampled token " + std::to_string(t) + " does not continue the request's grammar";  // a masking bug
+            break;
+          }
+          s.req.constraint->prefetch();  // the next mask, while the next forward pass runs
+        } catch (const Error& e) {
+          d.error = e.what();
+          break;
+        }
+      }
     }
     KVLM_CHECK(t >= 0, "a row that draws a token was not sampled");
     d.tokens.push_back(t);
@@ -60,6 +69,51 @@ void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) co
     // target's token replaces it and the rest of the draft is void.
     if (i >= int(s.draft.size()) || t != s.draft[size_t(i)] || stop_reason(s, t) != FinishReason::None) break;
   }
+}
+
+std::string OutputProcessor::masked_row(const Sequence& s, int output_index, std::span<const float> raw,
+                                        std::vector<float>& out) const {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  out.assign(raw.begin(), raw.end());
+  for (const auto& [t, bias] : s.req.logit_bias) out[size_t(t)] += bias;
+  const bool early = output_index < s.req.min_tokens;
+  if (const auto& c = s.req.constraint) {
+    // Tokens the grammar allows; the stop tokens only where the text is complete.
+    std::shared_ptr<const grammar::TokenMask> allowed;
+    try {
+      allowed = c->allowed();
+    } catch (const Error& e) {
+      return e.what();  // the grammar proved too ambiguous: this request fails, not the engine
+    }
+    const size_t nv = std::min(out.size(), size_t(c->vocab_size()));
+    bool any = false;
+    for (size_t t = 0; t < out.size(); ++t) {
+      const bool ok = t < nv && allowed->test(TokenId(t));
+      if (!ok) out[t] = kNegInf;
+      any |= ok;
+    }
+    if (c->can_end() && !early) {
+      const auto allow = [&](TokenId e) {
+        out[size_t(e)] = raw[size_t(e)];
+        any = true;
+      };
+      if (!s.req.ignore_eos)
+        for (TokenId e : eos_) allow(e);
+      for (TokenId e : s.req.stop_token_ids) allow(e);
+    }
+    if (!any)
+      return c->can_end() ? "min_tokens asks for more tokens than the request's grammar allows"
+                          : "no token of the vocabulary continues the request's grammar (the model's tokens cannot spell "
+                            "what it requires next)";
+    return {};
+  }
+  if (early) {
+    // Too early to stop: EOS and stop tokens cannot be sampled.
+    if (!s.req.ignore_eos)
+      for (TokenId e : eos_) out[size_t(e)] = kNegInf;
+    for (TokenId e : s.req.stop_token_ids) out[size_t(e)] = kNegInf;
+  }
+  return {};
 }
 
 void OutputProcessor::draw(std::span<Sequence* const> seqs, const StepBatch& batch) {
@@ -119,13 +173,18 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
     }
     FinishReason why = FinishReason::None;
     const bool prompt_done = s.num_computed >= s.num_prompt;
-    if (s.sample_rows > 0) {
+    if (!d.error.empty()) {
+      why = FinishReason::Error;
+      out.error = std::move(d.error);
+      report = true;
+    } else if (s.sample_rows > 0) {
       for (size_t k = 0; k < d.tokens.size() && why == FinishReason::None; ++k) {
         const TokenId t = d.tokens[k];
         s.tokens.push_back(t);
         out.new_tokens.push_back(t);
         if (k < d.logprobs.size()) out.new_logprobs.push_back(std::move(d.logprobs[k]));
         why = stop_reason(s, t);
+        if (why == FinishReason::None && s.req.constraint && s.req.constraint->terminated()) why = FinishReason::Stop;
         if (why == FinishReason::None && (s.num_output() >= s.req.max_tokens || int(s.tokens.size()) >= max_model_len_))
           why = FinishReason::Length;
       }

@@ -45,7 +45,12 @@ class OutputProcessor {
   struct Drawn {
     std::vector<TokenId> tokens;           // accepted draft tokens, then the target's own
     std::vector<TokenLogprobs> logprobs;   // one per token when logprobs > 0
+    std::string error;                     // the request fails (its grammar admits no token)
   };
+  // The logits a host-sampled row draws from: the raw row, or a copy with the logit bias
+  // added and the tokens min_tokens or the request's grammar forbid at -inf. Returns an
+  // error message when nothing is left to draw.
+  std::string masked_row(const Sequence& s, int output_index, std::span<const float> raw, std::vector<float>& out) const;
   void draw_one(Sequence& s, const StepBatch& batch, Drawn& d) const;
   FinishReason stop_reason(const Sequence& s, TokenId t) const;
 

@@ -4,12 +4,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "core/index_types.h"
 #include "sampling/sampler.h"  // SamplingParams, TokenLogprobs
+#include "text/grammar/matcher.h"
 
 namespace kvlm {
 
@@ -53,6 +55,11 @@ struct EngineRequest {
   int prompt_logprobs = -1;       // -1 = none; K >= 0: the chosen token's plus top-K per prompt token
   std::vector<TokenId> stop_token_ids;  // stop tokens beyond the model's EOS ids
   bool prompt_logits = false;     // deliver every prompt row's logits (teacher forcing: eval, goldens)
+  std::vector<std::pair<TokenId, float>> logit_bias;  // added to the logits before sampling
+  // Structured outputs: the tokens drawn keep the output inside this grammar (masked before
+  // sampling; EOS only where the text is complete), and the request stops with "stop" once
+  // the grammar admits nothing more. The engine owns its state from add_request on.
+  std::shared_ptr<grammar::Constraint> constraint;
   OutputCallback on_output;
 };
 

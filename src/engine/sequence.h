@@ -68,10 +68,10 @@ struct Sequence {
     return wants_prompt_logprobs() ? num_prompt - 1 : 0;
   }
   // Whether the next token can be drawn where the logits are: no penalties, no
-  // log-probabilities, and no tokens to mask for min_tokens.
+  // log-probabilities, no logit bias or grammar, and no tokens to mask for min_tokens.
   bool device_samplable(bool has_eos) const {
     const bool masking = num_output() < req.min_tokens && ((!req.ignore_eos && has_eos) || !req.stop_token_ids.empty());
-    return !req.sampling.has_penalties() && req.logprobs == 0 && !masking;
+    return !req.sampling.has_penalties() && req.logprobs == 0 && !masking && req.logit_bias.empty() && !req.constraint;
   }
 };
 

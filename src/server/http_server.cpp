@@ -16,6 +16,7 @@
 #include "core/log.h"
 #include "engine/async_engine.h"
 #include "server/connections.h"
+#include "server/grammar_cache.h"
 #include "server/prometheus.h"
 #include "server/request_stream.h"
 #include "server/response.h"
@@ -88,6 +89,7 @@ struct HttpServer::Impl {
 
   mutable std::mutex stats_mu;
   std::map<int, uint64_t> by_status;
+  GrammarCache grammars;  // structured outputs
 
   explicit Impl(ServerOptions o) : opts(std::move(o)) {}
 
@@ -208,6 +210,14 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
   if (!gen.ignore_eos)
     for (TokenId t : m->eos_token_ids)
       if (std::find(engine_stops.begin(), engine_stops.end(), t) == engine_stops.end()) engine_stops.push_back(t);
+  std::shared_ptr<const grammar::CompiledGrammar> compiled;
+  if (gen.grammar) {
+    try {
+      compiled = grammars.get(m->text->tokenizer(), m->info.vocab_size, *gen.grammar, gen.grammar_key);
+    } catch (const Error& e) {
+      throw ApiError(400, std::string("the request's output constraint cannot be compiled: ") + e.what(), "response_format");
+    }
+  }
   std::vector<ChoiceMeta> meta;
   std::vector<EngineRequest> reqs;
   for (size_t p = 0; p < prompts.size(); ++p)
@@ -225,6 +235,11 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       er.logprobs = gen.logprobs ? std::max(*gen.logprobs, 1) : 0;
       er.prompt_logprobs = gen.echo && gen.logprobs ? *gen.logprobs : -1;
       er.stop_token_ids = engine_stops;
+      er.logit_bias = gen.logit_bias;
+      if (compiled) {
+        er.constraint = std::make_shared<grammar::Constraint>(compiled);
+        er.constraint->prefetch();  // the first mask, while the prompt is prefilled
+      }
       er.on_output = [stream, c](const RequestOutput& out) { return stream->on_output(c, out); };
       reqs.push_back(std::move(er));
     }

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <random>
 
+#include "core/error.h"
+#include "text/grammar/json_schema.h"
+#include "text/grammar/regex.h"
+
 namespace kvlm::server {
 
 namespace {
@@ -101,6 +105,107 @@ TokenId token_id(const Json& v, const ModelInfo& info, const char* param, const 
   return TokenId(v.get<int64_t>());
 }
 
+// The JSON schema of a json_schema / guided_json / structured_outputs.json field: an object,
+// or a string holding one (vLLM accepts both).
+Json schema_of(const Json& v, const std::string& param) {
+  if (v.is_object() || v.is_boolean()) return v;
+  if (v.is_string()) {
+    try {
+      return Json::parse(v.get_ref<const std::string&>());
+    } catch (const Json::parse_error&) {
+      bad(param + " holds a string that is not valid JSON; send the schema as an object", param);
+    }
+  }
+  bad(param + " must be a JSON schema (an object), got " + kind(v), param);
+}
+
+std::string string_field(const Json& v, const std::string& param) {
+  if (!v.is_string()) bad(param + " must be a string, got " + kind(v), param);
+  if (v.get_ref<const std::string&>().empty()) bad(param + " must not be empty", param);
+  return v.get<std::string>();
+}
+
+std::vector<std::string> choice_list(const Json& v, const std::string& param) {
+  if (!v.is_array() || v.empty()) bad(param + " must be a non-empty list of strings", param);
+  std::vector<std::string> out;
+  for (const Json& c : v) {
+    if (!c.is_string()) bad(param + " must be a list of strings, found " + kind(c), param);
+    out.push_back(c.get<std::string>());
+  }
+  return out;
+}
+
+// The constraint of a request, from whichever of the fields that carry one it uses (two are
+// an error: which would win is not obvious). Grammar errors are 400s naming the field.
+void parse_structured(const Json& b, GenParams& g, const ModelInfo& info) {
+  struct Source {
+    std::string param, kind;  // kind: json, json_object, regex, choice, grammar
+    Json value;
+  };
+  std::vector<Source> found;
+  if (const Json* rf = field(b, "response_format")) {
+    const Json* type = rf->is_object() ? field(*rf, "type") : nullptr;
+    if (!type || !type->is_string()) bad("response_format must be an object with a string type", "response_format");
+    const std::string& t = type->get_ref<const std::string&>();
+    if (t == "json_object") {
+      found.push_back({"response_format", "json_object", Json()});
+    } else if (t == "json_schema") {
+      const Json* js = field(*rf, "json_schema");
+      if (!js || !js->is_object()) bad("response_format json_schema needs a json_schema object with a schema", "response_format");
+      const Json* schema = field(*js, "schema");
+      if (!schema) schema = field(*js, "json_schema");  // vLLM's older spelling
+      if (!schema) bad("response_format.json_schema.schema is required", "response_format");
+      found.push_back({"response_format", "json", schema_of(*schema, "response_format")});
+    } else if (t != "text") {
+      bad("response_format type '" + t + "' is not supported (text, json_object, json_schema)", "response_format");
+    }
+  }
+  if (const Json* so = field(b, "structured_outputs")) {
+    if (!so->is_object()) bad("structured_outputs must be an object, got " + kind(*so), "structured_outputs");
+    for (auto it = so->begin(); it != so->end(); ++it) {
+      const std::string& k = it.key();
+      const std::string param = "structured_outputs." + k;
+      if (it->is_null()) continue;
+      if (k == "json") found.push_back({param, "json", schema_of(*it, param)});
+      else if (k == "regex") found.push_back({param, "regex", string_field(*it, param)});
+      else if (k == "choice") found.push_back({param, "choice", *it});
+      else if (k == "grammar") found.push_back({param, "grammar", string_field(*it, param)});
+      else if (k == "json_object") {
+        if (!it->is_boolean()) bad(param + " must be a boolean", param);
+        if (it->get<bool>()) found.push_back({param, "json_object", Json()});
+      } else if (k == "disable_any_whitespace" || k == "disable_additional_properties" || k == "disable_fallback") {
+        // kvlm's JSON whitespace is bounded and its objects carry no extra keys already.
+      } else {
+        bad("structured_outputs." + k + " is not supported by kvlm (json, regex, choice, grammar, json_object)", param);
+      }
+    }
+  }
+  if (const Json* v = field(b, "guided_json")) found.push_back({"guided_json", "json", schema_of(*v, "guided_json")});
+  if (const Json* v = field(b, "guided_regex")) found.push_back({"guided_regex", "regex", string_field(*v, "guided_regex")});
+  if (const Json* v = field(b, "guided_choice")) found.push_back({"guided_choice", "choice", *v});
+  if (const Json* v = field(b, "guided_grammar")) found.push_back({"guided_grammar", "grammar", string_field(*v, "guided_grammar")});
+  for (const char* k : {"guided_whitespace_pattern", "structural_tag"})
+    if (field(b, k)) bad(std::string(k) + " is not supported by kvlm", k);
+  if (found.empty()) return;
+  if (found.size() > 1)
+    bad("a request may constrain its output one way; it sets both " + found[0].param + " and " + found[1].param, found[1].param);
+  if (!info.has_tokenizer)
+    bad("structured outputs need the model's tokenizer (tokenizer.json), which this model lacks", found[0].param);
+  const Source& src = found[0];
+  try {
+    grammar::Grammar gr;
+    if (src.kind == "json") gr = grammar::json_schema_grammar(src.value);
+    else if (src.kind == "json_object") gr = grammar::json_object_grammar();
+    else if (src.kind == "regex") gr = grammar::regex_grammar(src.value.get<std::string>());
+    else if (src.kind == "choice") gr = grammar::choice_grammar(choice_list(src.value, src.param));
+    else gr = grammar::parse_gbnf(src.value.get<std::string>());
+    g.grammar = std::make_shared<const grammar::Grammar>(std::move(gr));
+  } catch (const Error& e) {
+    bad(src.param + ": " + e.what(), src.param);
+  }
+  g.grammar_key = src.kind + "\n" + (src.value.is_string() ? src.value.get<std::string>() : src.value.dump());
+}
+
 // The parameters both endpoints share.
 GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& lim, bool chat) {
   GenParams g;
@@ -180,9 +285,22 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
     g.include_usage = opt_bool(*so, "include_usage").value_or(false);
   }
   if (const Json* lb = field(b, "logit_bias")) {
-    if (!lb->is_object()) bad("logit_bias must be an object, got " + kind(*lb), "logit_bias");
-    if (!lb->empty()) bad("logit_bias is not supported by kvlm", "logit_bias");
+    if (!lb->is_object()) bad("logit_bias must be an object of {token id: bias}, got " + kind(*lb), "logit_bias");
+    if (lb->size() > size_t(info.vocab_size)) bad("logit_bias has more entries than the vocabulary", "logit_bias");
+    for (auto it = lb->begin(); it != lb->end(); ++it) {
+      // Keys are token ids written as strings ("50256"), as OpenAI's are.
+      const std::string& key = it.key();
+      int64_t id = -1;
+      if (!key.empty() && key.size() <= 10 && key.find_first_not_of("0123456789") == std::string::npos) id = std::stoll(key);
+      if (id < 0 || id >= info.vocab_size)
+        bad("logit_bias key '" + key.substr(0, 32) + "' is not a token id of this model (0.." + std::to_string(info.vocab_size - 1) + ")",
+            "logit_bias");
+      if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < -100 || it->get<double>() > 100)
+        bad("logit_bias values must be numbers from -100 to 100 (token " + key + ")", "logit_bias");
+      g.logit_bias.emplace_back(TokenId(id), float(it->get<double>()));
+    }
   }
+  parse_structured(b, g, info);
   return g;
 }
 
@@ -384,12 +502,6 @@ ChatRequest parse_chat_request(const Json& b, const ModelInfo& info, const ApiLi
   if (const Json* tc = field(b, "tool_choice"))
     if (!(tc->is_string() && tc->get_ref<const std::string&>() == "none"))
       bad("tool calling is not supported by kvlm yet (tool_choice may only be \"none\")", "tool_choice");
-  if (const Json* rf = field(b, "response_format")) {
-    const Json* type = rf->is_object() ? field(*rf, "type") : nullptr;
-    if (!type || !type->is_string()) bad("response_format must be an object with a string type", "response_format");
-    if (type->get_ref<const std::string&>() != "text")
-      bad("response_format type '" + type->get<std::string>() + "' is not supported by kvlm (only 'text')", "response_format");
-  }
   check_choices(r.gen, 1, lim);
   return r;
 }

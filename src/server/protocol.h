@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -18,7 +19,7 @@
 
 #include "core/index_types.h"
 #include "sampling/sampler.h"  // TokenLogprobs
-#include "sampling/sampler.h"
+#include "text/grammar/grammar.h"
 #include "engine/request.h"    // FinishReason
 
 namespace kvlm::server {
@@ -86,6 +87,14 @@ struct GenParams {
   bool stream = false;
   bool include_usage = false;         // stream_options.include_usage
   bool return_token_ids = false;      // vLLM's extension: token ids in each choice
+  // logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling.
+  std::vector<std::pair<TokenId, float>> logit_bias;
+  // Structured outputs (response_format json_object / json_schema, structured_outputs,
+  // guided_json / guided_regex / guided_choice / guided_grammar): the grammar every choice's
+  // text must match, and a key that names it (equal keys = equal grammars) for the server's
+  // cache of compiled grammars. Null: unconstrained.
+  std::shared_ptr<const grammar::Grammar> grammar;
+  std::string grammar_key;
 };
 
 struct Prompt {
@@ -111,8 +120,8 @@ Json parse_body(std::string_view body, const ApiLimits& limits);
 
 // Throws ApiError: 400 for wrong types and values out of range, 404 for a model name
 // other than info.name. Unknown fields are ignored as OpenAI ignores them; known OpenAI
-// fields kvlm does not implement (logit_bias, suffix, best_of > 1, tools, response_format
-// other than text) are refused rather than silently dropped.
+// fields kvlm does not implement (suffix, best_of > 1, structural tags, ...) are refused
+// rather than silently dropped.
 CompletionRequest parse_completion_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);
 ChatRequest parse_chat_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);
 

@@ -2,6 +2,8 @@
 // 400/404 naming the parameter), SSE framing, Prometheus text, the per-request stream
 // (detokenization and stop strings on the engine thread) and the response assembler
 // (streamed chunks add up to the non-streamed response).
+#include <set>
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -222,8 +224,27 @@ TEST(Protocol, InvalidParametersAre400WithTheirName) {
       {R"("stream": true, "stream_options": 3)", "stream_options"},
       {R"("stream": true, "stream_options": {"include_usage": "yes"})", "include_usage"},
       {R"("ignore_eos": "no")", "ignore_eos"},
-      {R"("logit_bias": {"5": 10})", "logit_bias"},
+      {R"("logit_bias": {"1024": 10})", "logit_bias"},
+      {R"("logit_bias": {"5": 100.5})", "logit_bias"},
+      {R"("logit_bias": {"-1": 1})", "logit_bias"},
+      {R"("logit_bias": {"five": 1})", "logit_bias"},
+      {R"("logit_bias": {"5": "1"})", "logit_bias"},
       {R"("logit_bias": [1])", "logit_bias"},
+      {R"("response_format": {"type": "json_schema"})", "response_format"},
+      {R"("response_format": {"type": "json_schema", "json_schema": {"name": "x"}})", "response_format"},
+      {R"("response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}})", "response_format"},
+      {R"("response_format": {"type": "yaml"})", "response_format"},
+      {R"("guided_regex": "(a")", "guided_regex"},
+      {R"("guided_regex": "(a)\\1")", "guided_regex"},
+      {R"("guided_choice": [])", "guided_choice"},
+      {R"("guided_choice": ["a", 1])", "guided_choice"},
+      {R"("guided_json": "{not json")", "guided_json"},
+      {R"("guided_grammar": "root ::= missing")", "guided_grammar"},
+      {R"("structured_outputs": {"regex": "a", "choice": ["b"]})", "structured_outputs.choice"},
+      {R"("structured_outputs": {"structural_tag": "x"})", "structured_outputs.structural_tag"},
+      {R"("structured_outputs": [1])", "structured_outputs"},
+      {R"("guided_regex": "a", "response_format": {"type": "json_object"})", "guided_regex"},
+      {R"("guided_whitespace_pattern": " ")", "guided_whitespace_pattern"},
       {R"("suffix": "tail")", "suffix"},
       {R"("best_of": 4)", "best_of"},
       {R"("model": 5)", "model"},
@@ -246,6 +267,44 @@ TEST(Protocol, InvalidParametersAre400WithTheirName) {
   EXPECT_EQ(m.status, 404);
   EXPECT_EQ(m.code, "model_not_found");
   EXPECT_EQ(completion(R"({"prompt": "x", "model": "tiny"})").status, 0);
+}
+
+TEST(Protocol, StructuredOutputsAndLogitBias) {
+  // Every field that carries a constraint gives a grammar; equal constraints, equal keys.
+  const std::vector<std::string> bodies = {
+      R"({"prompt": "x", "response_format": {"type": "json_object"}})",
+      R"({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}})",
+      R"({"prompt": "x", "guided_json": "{\"type\": \"array\"}"})",
+      R"({"prompt": "x", "guided_regex": "[0-9]+"})",
+      R"({"prompt": "x", "guided_choice": ["yes", "no"]})",
+      R"({"prompt": "x", "guided_grammar": "root ::= \"a\"+"})",
+      R"({"prompt": "x", "structured_outputs": {"json": {"type": "boolean"}, "disable_any_whitespace": true}})",
+      R"({"prompt": "x", "structured_outputs": {"regex": "b+"}})",
+      R"({"prompt": "x", "structured_outputs": {"choice": ["c"]}})",
+      R"({"prompt": "x", "structured_outputs": {"grammar": "root ::= [a-z]"}})",
+      R"({"prompt": "x", "structured_outputs": {"json_object": true}})",
+  };
+  std::set<std::string> keys;
+  for (const auto& b : bodies) {
+    const auto r = parse_completion_request(J(b), info(), {});
+    ASSERT_TRUE(r.gen.grammar) << b;
+    EXPECT_FALSE(r.gen.grammar_key.empty());
+    keys.insert(r.gen.grammar_key);
+  }
+  EXPECT_EQ(keys.size(), bodies.size() - 1);  // json_object twice (response_format and structured_outputs)
+  EXPECT_FALSE(parse_completion_request(J(R"({"prompt": "x", "response_format": {"type": "text"}})"), info(), {}).gen.grammar);
+  const auto chat = parse_chat_request(
+      J(R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})"), info(), {});
+  EXPECT_TRUE(chat.gen.grammar);
+  ModelInfo no_tok = info();
+  no_tok.has_tokenizer = false;
+  EXPECT_EQ(outcome([&] { parse_completion_request(J(R"({"prompt": [1], "guided_regex": "a"})"), no_tok, {}); }).param,
+            "guided_regex");
+
+  const auto lb = parse_completion_request(J(R"({"prompt": "x", "logit_bias": {"5": 10, "1023": -100}})"), info(), {});
+  ASSERT_EQ(lb.gen.logit_bias.size(), 2u);
+  EXPECT_EQ(lb.gen.logit_bias[0], (std::pair<TokenId, float>{5, 10.0f}));
+  EXPECT_EQ(lb.gen.logit_bias[1], (std::pair<TokenId, float>{1023, -100.0f}));
 }
 
 TEST(Protocol, Chat) {
@@ -284,7 +343,6 @@ TEST(Protocol, Chat) {
       {R"({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0})", "max_completion_tokens"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", "tools"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})", "tool_choice"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})", "response_format"},
       {R"({"messages": [{"role": "user", "content": "x"}], "echo": true})", "echo"},
       {R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1})", "chat_template_kwargs"},
   };

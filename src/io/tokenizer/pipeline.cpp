@@ -267,6 +267,17 @@ struct ByteLevelDecoder : Decoder {
     }
     tokens.assign(1, utf8::sanitize(bytes));
   }
+  void piece(std::string& t) const override {
+    std::string mapped;
+    for (size_t i = 0; i < t.size();) {
+      const auto d = utf8::decode(t, i);
+      const int b = d.valid ? utf8::char_to_byte(d.cp) : -1;
+      if (b < 0) return;  // outside the alphabet: the token's own bytes
+      mapped.push_back(char(b));
+      i += size_t(d.len);
+    }
+    t = std::move(mapped);
+  }
 };
 struct ReplaceDecoder : Decoder {
   Pattern pattern;
@@ -277,6 +288,7 @@ struct ReplaceDecoder : Decoder {
   void apply(std::vector<std::string>& tokens) const override {
     for (auto& t : tokens) replace_all(t, pattern.literal, content);
   }
+  void piece(std::string& t) const override { replace_all(t, pattern.literal, content); }
 };
 struct ByteFallbackDecoder : Decoder {
   static int byte_of(const std::string& t) {  // "<0xAB>" -> 0xAB
@@ -314,6 +326,9 @@ struct ByteFallbackDecoder : Decoder {
     flush();
     tokens.swap(out);
   }
+  void piece(std::string& t) const override {
+    if (const int b = byte_of(t); b >= 0) t.assign(1, char(b));
+  }
 };
 struct FuseDecoder : Decoder {
   void apply(std::vector<std::string>& tokens) const override {
@@ -321,6 +336,7 @@ struct FuseDecoder : Decoder {
     for (auto& t : tokens) all += t;
     tokens.assign(1, all);
   }
+  void piece(std::string&) const override {}
 };
 struct StripDecoder : Decoder {
   std::string content;
@@ -333,6 +349,7 @@ struct StripDecoder : Decoder {
       for (size_t i = 0; i < stop && t.ends_with(content); ++i) t.erase(t.size() - content.size());
     }
   }
+  void piece(std::string&) const override {}  // strips the text's ends, not a token's
 };
 struct MetaspaceDecoder : Decoder {
   std::string replacement;
@@ -346,11 +363,15 @@ struct MetaspaceDecoder : Decoder {
       if (i == 0 && strip_first && tokens[i].starts_with(' ')) tokens[i].erase(0, 1);
     }
   }
+  void piece(std::string& t) const override { replace_all(t, replacement, " "); }
 };
 struct DecSequence : Decoder {
   std::vector<std::unique_ptr<Decoder>> steps;
   void apply(std::vector<std::string>& tokens) const override {
     for (const auto& d : steps) d->apply(tokens);
+  }
+  void piece(std::string& t) const override {
+    for (const auto& d : steps) d->piece(t);
   }
 };
 

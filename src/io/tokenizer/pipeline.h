@@ -47,6 +47,10 @@ class Decoder {
  public:
   virtual ~Decoder() = default;
   virtual void apply(std::vector<std::string>& tokens) const = 0;
+  // The raw bytes one token contributes in the middle of a text: what apply() makes of it
+  // without the text-level steps (stripping the text's ends, the first token's prefix
+  // space, replacing invalid UTF-8). Structured outputs match grammars against these.
+  virtual void piece(std::string& token) const = 0;
 };
 std::unique_ptr<Decoder> parse_decoder(const nlohmann::json& j);
 

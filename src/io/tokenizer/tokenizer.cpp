@@ -259,6 +259,19 @@ std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special_to
   return out;
 }
 
+std::string Tokenizer::token_bytes(TokenId id) const {
+  if (id < 0 || id >= vocab_size_) return {};
+  if (added_by_id_[size_t(id)] >= 0) {
+    const AddedToken& a = added_[size_t(added_by_id_[size_t(id)])];
+    return a.special ? std::string() : a.content;
+  }
+  const std::string* t = model_->id_to_token(id);
+  if (!t) return {};
+  std::string piece = *t;
+  if (decoder_) decoder_->piece(piece);
+  return piece;
+}
+
 std::string IncrementalDecoder::push(TokenId id) {
   ids_.push_back(id);
   // ByteFallback decodes a run of byte tokens as a whole (invalid runs become one U+FFFD per

@@ -46,6 +46,11 @@ class Tokenizer {
   std::vector<TokenId> encode(std::string_view text, const EncodeOptions& opts = {}) const;
   std::string decode(std::span<const TokenId> ids, bool skip_special_tokens = false) const;
 
+  // The bytes token `id` adds in the middle of a text (a byte-level token's raw bytes, a
+  // <0xXX> token's byte, a Metaspace token with its space): what a grammar matches. Special
+  // added tokens and ids outside the vocabulary give nothing.
+  std::string token_bytes(TokenId id) const;
+
   std::optional<TokenId> token_to_id(std::string_view token) const;
   std::optional<std::string> id_to_token(TokenId id) const;
   bool is_special(TokenId id) const;

@@ -1,0 +1,32 @@
+// The server's compiled grammars for structured outputs: the model's vocabulary as the
+// matcher sees it (built once, on the first constrained request), and the last grammars
+// compiled, by request key, so that requests with the same schema share their cached masks.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "text/grammar/matcher.h"
+
+namespace kvlm {
+class Tokenizer;
+}
+
+namespace kvlm::server {
+
+class GrammarCache {
+ public:
+  // Throws kvlm::Error when the grammar cannot be compiled.
+  std::shared_ptr<const grammar::CompiledGrammar> get(const Tokenizer& tok, int vocab_size, const grammar::Grammar& g,
+                                                      const std::string& key);
+
+ private:
+  static constexpr size_t kMaxGrammars = 64;
+  std::mutex mu_;
+  std::shared_ptr<const grammar::TokenVocab> vocab_;
+  std::unordered_map<std::string, std::shared_ptr<const grammar::CompiledGrammar>> compiled_;
+};
+
+}  // namespace kvlm::server

@@ -1,0 +1,492 @@
+#include "text/grammar/grammar.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+#include "io/tokenizer/unicode.h"
+
+namespace kvlm::grammar {
+
+namespace {
+// Rules the matcher can hold (rule ids travel in 32-bit stack entries; this bounds the
+// memory a request's grammar can take: ~100 bytes per rule).
+constexpr size_t kMaxRules = 200000;
+}  // namespace
+
+Symbol Symbol::chars(std::vector<CharRange> ranges, bool negated) {
+  Symbol s;
+  s.kind = Kind::Chars;
+  s.negated = negated;
+  s.ranges = std::move(ranges);
+  return s;
+}
+
+Symbol Symbol::ref(uint32_t rule) {
+  Symbol s;
+  s.kind = Kind::Ref;
+  s.rule = rule;
+  return s;
+}
+
+uint32_t Grammar::add_rule(std::string_view name) {
+  if (rules_.size() >= kMaxRules)
+    throw Error("the grammar needs more than " + std::to_string(kMaxRules) +
+                " rules; simplify it (large repetition counts such as {0,100000} expand into rules)");
+  std::string n(name.empty() ? "rule" : name);
+  const auto taken = [&](const std::string& x) { return by_name_.count(x) > 0; };
+  if (taken(n)) {
+    // Helper rules share a few hints; numbering from the count keeps this linear in practice.
+    for (size_t k = rules_.size() + 1;; ++k) {
+      std::string c = n + "-" + std::to_string(k);
+      if (!taken(c)) {
+        n = std::move(c);
+        break;
+      }
+    }
+  }
+  by_name_.emplace(n, uint32_t(rules_.size()));
+  rules_.push_back({std::move(n), {}});
+  return uint32_t(rules_.size() - 1);
+}
+
+uint32_t Grammar::rule_named(std::string_view name) {
+  if (auto it = by_name_.find(std::string(name)); it != by_name_.end()) return it->second;
+  return add_rule(name);
+}
+
+void Grammar::append_literal(Sequence& s, std::string_view utf8) {
+  for (size_t i = 0; i < utf8.size();) s.push_back(Symbol::ch(next_code_point(utf8, i, "a literal")));
+}
+
+void Grammar::append_group(Sequence& s, std::vector<Sequence> alts, std::string_view hint) {
+  const uint32_t r = add_rule(hint);
+  rules_[r].alts = std::move(alts);
+  s.push_back(Symbol::ref(r));
+}
+
+void Grammar::append_repeat(Sequence& s, const Sequence& item, int min, int max, std::string_view hint) {
+  KVLM_CHECK(min >= 0 && (max < 0 || max >= min), "append_repeat: bad bounds");
+  if (max == 0) return;
+  // One symbol per repetition: a multi-symbol item becomes a rule of its own.
+  Symbol one;
+  if (item.size() == 1) {
+    one = item[0];
+  } else {
+    const uint32_t r = add_rule(hint);
+    rules_[r].alts.push_back(item);
+    one = Symbol::ref(r);
+  }
+  for (int i = 0; i < min; ++i) s.push_back(one);
+  if (max < 0) {
+    // star ::= one star | ε  (right recursion: the matcher's stacks do not grow with it)
+    const uint32_t star = add_rule(std::string(hint) + "-star");
+    rules_[star].alts.push_back({one, Symbol::ref(star)});
+    rules_[star].alts.push_back({});
+    s.push_back(Symbol::ref(star));
+    return;
+  }
+  // opt_k ::= one opt_(k-1) | ε, nested so that the count stays bounded.
+  uint32_t inner = UINT32_MAX;
+  for (int k = 0; k < max - min; ++k) {
+    const uint32_t r = add_rule(std::string(hint) + "-opt");
+    Sequence alt{one};
+    if (inner != UINT32_MAX) alt.push_back(Symbol::ref(inner));
+    rules_[r].alts.push_back(std::move(alt));
+    rules_[r].alts.push_back({});
+    inner = r;
+  }
+  if (inner != UINT32_MAX) s.push_back(Symbol::ref(inner));
+}
+
+void Grammar::validate() const {
+  if (rules_.empty()) throw Error("the grammar has no rules");
+  for (const Rule& r : rules_)
+    if (r.alts.empty()) throw Error("the grammar's rule '" + r.name + "' is used but never defined");
+  const size_t n = rules_.size();
+  // Nullable rules (can match the empty string), to a fixed point.
+  std::vector<char> nullable(n, 0);
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t i = 0; i < n; ++i) {
+      if (nullable[i]) continue;
+      for (const Sequence& alt : rules_[i].alts) {
+        const bool all = std::all_of(alt.begin(), alt.end(),
+                                     [&](const Symbol& s) { return s.kind == Symbol::Kind::Ref && nullable[s.rule]; });
+        if (all) {
+          nullable[i] = 1;
+          changed = true;
+          break;
+        }
+      }
+    }
+  }
+  // Edges A -> B where B can start A without a character consumed; a cycle is left recursion.
+  std::vector<std::vector<uint32_t>> first(n);
+  for (size_t i = 0; i < n; ++i)
+    for (const Sequence& alt : rules_[i].alts)
+      for (const Symbol& s : alt) {
+        if (s.kind != Symbol::Kind::Ref) break;
+        first[i].push_back(s.rule);
+        if (!nullable[s.rule]) break;
+      }
+  std::vector<uint8_t> state(n, 0);  // 0 new, 1 on the path, 2 done
+  std::vector<std::pair<uint32_t, size_t>> path;
+  for (uint32_t start = 0; start < n; ++start) {
+    if (state[start]) continue;
+    path.push_back({start, 0});
+    state[start] = 1;
+    while (!path.empty()) {
+      auto& [v, k] = path.back();
+      if (k == first[v].size()) {
+        state[v] = 2;
+        path.pop_back();
+        continue;
+      }
+      const uint32_t w = first[v][k++];
+      if (state[w] == 1)
+        throw Error("the grammar's rule '" + rules_[w].name +
+                    "' is left-recursive (it can reach itself without matching a character); rewrite it with repetition, "
+                    "e.g. list ::= item (\",\" item)*");
+      if (state[w] == 0) {
+        state[w] = 1;
+        path.push_back({w, 0});
+      }
+    }
+  }
+}
+
+namespace {
+void gbnf_char(std::string& out, uint32_t c, bool in_class) {
+  switch (c) {
+    case '\n': out += "\\n"; return;
+    case '\r': out += "\\r"; return;
+    case '\t': out += "\\t"; return;
+    case '\\': out += "\\\\"; return;
+    case '"': out += in_class ? "\"" : "\\\""; return;
+    case ']': out += in_class ? "\\]" : "]"; return;
+    case '-': out += in_class ? "\\-" : "-"; return;
+    case '^': out += in_class ? "\\^" : "^"; return;
+    default: break;
+  }
+  if (c < 0x20 || c == 0x7f) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "\\x%02X", c);
+    out += buf;
+  } else {
+    append_utf8(out, c);
+  }
+}
+}  // namespace
+
+std::string Grammar::to_gbnf() const {
+  std::string out;
+  for (const Rule& r : rules_) {
+    out += r.name + " ::=";
+    for (size_t a = 0; a < r.alts.size(); ++a) {
+      if (a) out += " |";
+      if (r.alts[a].empty()) out += " \"\"";
+      for (const Symbol& s : r.alts[a]) {
+        out += ' ';
+        if (s.kind == Symbol::Kind::Ref) {
+          out += rules_[s.rule].name;
+        } else if (!s.negated && s.ranges.size() == 1 && s.ranges[0].lo == s.ranges[0].hi) {
+          out += '"';
+          gbnf_char(out, s.ranges[0].lo, false);
+          out += '"';
+        } else {
+          out += s.negated ? "[^" : "[";
+          for (const CharRange& c : s.ranges) {
+            gbnf_char(out, c.lo, true);
+            if (c.hi != c.lo) {
+              out += '-';
+              gbnf_char(out, c.hi, true);
+            }
+          }
+          out += ']';
+        }
+      }
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+uint32_t next_code_point(std::string_view s, size_t& i, std::string_view what) {
+  const auto d = utf8::decode(s, i);
+  if (!d.valid) throw Error(std::string(what) + " is not valid UTF-8 (byte " + std::to_string(i) + ")");
+  i += size_t(d.len);
+  return uint32_t(d.cp);
+}
+
+void append_utf8(std::string& out, uint32_t cp) { utf8::append(out, char32_t(cp)); }
+
+Grammar choice_grammar(const std::vector<std::string>& choices) {
+  if (choices.empty()) throw Error("a choice needs at least one string");
+  Grammar g;
+  const uint32_t root = g.add_rule("root");
+  for (const std::string& c : choices) {
+    Sequence s;
+    Grammar::append_literal(s, c);
+    g.add_alt(root, std::move(s));
+  }
+  g.set_root(root);
+  return g;
+}
+
+// ---- GBNF -------------------------------------------------------------------------------
+
+namespace {
+
+class GbnfParser {
+ public:
+  explicit GbnfParser(std::string_view text) : t_(text) {}
+
+  Grammar parse() {
+    skip_space(true);
+    while (pos_ < t_.size()) {
+      const std::string name = parse_name();
+      skip_space(false);
+      if (t_.substr(pos_, 3) != "::=") fail("expected '::=' after the rule name '" + name + "'");
+      pos_ += 3;
+      const uint32_t r = g_.rule_named(name);
+      if (!g_.alts(r).empty()) fail("the rule '" + name + "' is defined twice");
+      for (Sequence& alt : parse_alternatives(name, false)) g_.add_alt(r, std::move(alt));
+      skip_space(true);
+    }
+    if (!g_.has_rule("root")) throw Error("the grammar has no rule named 'root' (the start rule)");
+    g_.set_root(g_.rule_named("root"));
+    g_.validate();
+    return std::move(g_);
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    size_t line = 1, col = 1;
+    for (size_t i = 0; i < pos_ && i < t_.size(); ++i) {
+      if (t_[i] == '\n') {
+        ++line;
+        col = 1;
+      } else {
+        ++col;
+      }
+    }
+    throw Error("grammar line " + std::to_string(line) + ", column " + std::to_string(col) + ": " + what);
+  }
+
+  // Spaces and comments; newlines too when `newlines` (between rules, inside parentheses).
+  void skip_space(bool newlines) {
+    while (pos_ < t_.size()) {
+      const char c = t_[pos_];
+      if (c == '#') {
+        while (pos_ < t_.size() && t_[pos_] != '\n') ++pos_;
+      } else if (c == ' ' || c == '\t' || c == '\r' || (newlines && c == '\n')) {
+        ++pos_;
+      } else {
+        break;
+      }
+    }
+  }
+
+  static bool name_char(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
+  }
+
+  std::string parse_name() {
+    const size_t b = pos_;
+    while (pos_ < t_.size() && name_char(t_[pos_])) ++pos_;
+    if (b == pos_) fail("expected a rule name");
+    return std::string(t_.substr(b, pos_ - b));
+  }
+
+  // A newline ends a rule unless the next line continues it (starts with | or the
+  // expression is inside parentheses): llama.cpp's rule.
+  bool at_rule_end() {
+    if (pos_ >= t_.size()) return true;
+    if (t_[pos_] != '\n') return false;
+    // Look past blank lines and comments: a following line that starts a new rule (name ::=)
+    // ends this one.
+    size_t p = pos_;
+    while (p < t_.size()) {
+      while (p < t_.size() && (t_[p] == ' ' || t_[p] == '\t' || t_[p] == '\r' || t_[p] == '\n')) ++p;
+      if (p < t_.size() && t_[p] == '#') {
+        while (p < t_.size() && t_[p] != '\n') ++p;
+        continue;
+      }
+      break;
+    }
+    if (p >= t_.size()) return true;
+    size_t q = p;
+    while (q < t_.size() && name_char(t_[q])) ++q;
+    while (q < t_.size() && (t_[q] == ' ' || t_[q] == '\t')) ++q;
+    return q > p && t_.substr(q, 3) == "::=";
+  }
+
+  std::vector<Sequence> parse_alternatives(const std::string& rule, bool nested) {
+    std::vector<Sequence> alts;
+    alts.push_back(parse_sequence(rule, nested));
+    for (;;) {
+      skip_space(nested);
+      if (!nested && pos_ < t_.size() && t_[pos_] == '\n' && !at_rule_end()) skip_space(true);
+      if (pos_ < t_.size() && t_[pos_] == '|') {
+        ++pos_;
+        alts.push_back(parse_sequence(rule, nested));
+      } else {
+        break;
+      }
+    }
+    return alts;
+  }
+
+  Sequence parse_sequence(const std::string& rule, bool nested) {
+    Sequence seq;
+    for (;;) {
+      skip_space(nested);
+      if (!nested && pos_ < t_.size() && t_[pos_] == '\n') {
+        if (at_rule_end()) break;
+        skip_space(true);
+      }
+      if (pos_ >= t_.size()) break;
+      const char c = t_[pos_];
+      if (c == '|' || c == ')') break;
+      const size_t start = seq.size();
+      if (c == '"') {
+        ++pos_;
+        while (pos_ < t_.size() && t_[pos_] != '"') seq.push_back(Symbol::ch(parse_char()));
+        if (pos_ >= t_.size()) fail("unterminated string literal");
+        ++pos_;
+      } else if (c == '[') {
+        seq.push_back(parse_class());
+      } else if (c == '.') {
+        ++pos_;
+        seq.push_back(Symbol::chars({{'\n', '\n'}}, true));  // any character but a newline
+      } else if (c == '(') {
+        ++pos_;
+        std::vector<Sequence> alts = parse_alternatives(rule, true);
+        skip_space(true);
+        if (pos_ >= t_.size() || t_[pos_] != ')') fail("expected ')'");
+        ++pos_;
+        g_.append_group(seq, std::move(alts), rule);
+      } else if (name_char(c)) {
+        const std::string name = parse_name();
+        seq.push_back(Symbol::ref(g_.rule_named(name)));
+      } else {
+        fail(std::string("unexpected character '") + c + "'");
+      }
+      parse_postfix(seq, start, rule);
+    }
+    return seq;
+  }
+
+  void parse_postfix(Sequence& seq, size_t start, const std::string& rule) {
+    for (;;) {
+      if (pos_ >= t_.size()) return;
+      const char c = t_[pos_];
+      int min = 0, max = -1;
+      if (c == '*') {
+        ++pos_;
+      } else if (c == '+') {
+        ++pos_;
+        min = 1;
+      } else if (c == '?') {
+        ++pos_;
+        max = 1;
+      } else if (c == '{') {
+        ++pos_;
+        min = parse_int();
+        max = min;
+        if (pos_ < t_.size() && t_[pos_] == ',') {
+          ++pos_;
+          max = pos_ < t_.size() && t_[pos_] == '}' ? -1 : parse_int();
+        }
+        if (pos_ >= t_.size() || t_[pos_] != '}') fail("expected '}'");
+        ++pos_;
+        if (max >= 0 && max < min) fail("a repetition {m,n} needs m <= n");
+      } else {
+        return;
+      }
+      // The operator applies to the last element: a literal's last character only when the
+      // literal was one character (llama.cpp applies it to the whole literal; so do we).
+      Sequence item(seq.begin() + long(start), seq.end());
+      seq.resize(start);
+      g_.append_repeat(seq, item, min, max, rule);
+    }
+  }
+
+  int parse_int() {
+    const size_t b = pos_;
+    long v = 0;
+    while (pos_ < t_.size() && t_[pos_] >= '0' && t_[pos_] <= '9') {
+      v = v * 10 + (t_[pos_] - '0');
+      if (v > 100000) fail("a repetition count above 100000");
+      ++pos_;
+    }
+    if (b == pos_) fail("expected a number");
+    return int(v);
+  }
+
+  uint32_t hex(int digits) {
+    uint32_t v = 0;
+    for (int i = 0; i < digits; ++i) {
+      if (pos_ >= t_.size()) fail("a truncated escape");
+      const char c = t_[pos_++];
+      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+      if (d < 0) fail("a bad hex digit in an escape");
+      v = v * 16 + uint32_t(d);
+    }
+    if (v > 0x10FFFF) fail("an escape beyond U+10FFFF");
+    return v;
+  }
+
+  uint32_t parse_char() {
+    if (t_[pos_] != '\\') return next_code_point(t_, pos_, "the grammar");
+    ++pos_;
+    if (pos_ >= t_.size()) fail("a truncated escape");
+    const char e = t_[pos_++];
+    switch (e) {
+      case 'n': return '\n';
+      case 'r': return '\r';
+      case 't': return '\t';
+      case '0': return 0;
+      case '\\': case '"': case '[': case ']': case '-': case '^': case '\'': return uint32_t(e);
+      case 'x': return hex(2);
+      case 'u': return hex(4);
+      case 'U': return hex(8);
+      default: fail(std::string("unknown escape '\\") + e + "'");
+    }
+  }
+
+  Symbol parse_class() {
+    ++pos_;  // [
+    bool negated = false;
+    if (pos_ < t_.size() && t_[pos_] == '^') {
+      negated = true;
+      ++pos_;
+    }
+    std::vector<CharRange> ranges;
+    while (pos_ < t_.size() && t_[pos_] != ']') {
+      const uint32_t lo = parse_char();
+      uint32_t hi = lo;
+      if (pos_ + 1 < t_.size() && t_[pos_] == '-' && t_[pos_ + 1] != ']') {
+        ++pos_;
+        hi = parse_char();
+        if (hi < lo) fail("a character range with its end before its start");
+      }
+      ranges.push_back({lo, hi});
+    }
+    if (pos_ >= t_.size()) fail("unterminated character class");
+    ++pos_;
+    if (ranges.empty() && !negated) fail("an empty character class matches nothing");
+    return Symbol::chars(std::move(ranges), negated);
+  }
+
+  std::string_view t_;
+  size_t pos_ = 0;
+  Grammar g_;
+};
+
+}  // namespace
+
+Grammar parse_gbnf(std::string_view text) { return GbnfParser(text).parse(); }
+
+}  // namespace kvlm::grammar

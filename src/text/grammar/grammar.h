@@ -1,0 +1,85 @@
+// Context-free grammars over Unicode code points: what structured outputs constrain
+// generation with. A Grammar is a set of rules, each a list of alternatives, each a sequence
+// of symbols: a character class (ranges of code points, possibly negated) or a reference to
+// a rule. JSON schemas (json_schema.h), regular expressions (regex.h), choices and GBNF text
+// (llama.cpp's grammar format, parsed here) all become one. The matcher (matcher.h) runs it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace kvlm::grammar {
+
+struct CharRange {
+  uint32_t lo, hi;  // inclusive code points
+};
+
+struct Symbol {
+  enum class Kind : uint8_t { Chars, Ref };
+  Kind kind = Kind::Chars;
+  bool negated = false;            // Chars: every code point except the ranges
+  uint32_t rule = 0;               // Ref
+  std::vector<CharRange> ranges;   // Chars
+
+  static Symbol chars(std::vector<CharRange> ranges, bool negated = false);
+  static Symbol ch(uint32_t cp) { return chars({{cp, cp}}); }
+  static Symbol ref(uint32_t rule);
+};
+using Sequence = std::vector<Symbol>;
+
+class Grammar {
+ public:
+  // A new rule without alternatives; `name` is made unique ("value", "value-2", ...).
+  uint32_t add_rule(std::string_view name);
+  // The rule called `name`, created (without alternatives) when there is none.
+  uint32_t rule_named(std::string_view name);
+  bool has_rule(std::string_view name) const { return by_name_.count(std::string(name)) > 0; }
+  void add_alt(uint32_t rule, Sequence alt) { rules_[rule].alts.push_back(std::move(alt)); }
+  void set_root(uint32_t rule) { root_ = rule; }
+
+  uint32_t root() const { return root_; }
+  size_t num_rules() const { return rules_.size(); }
+  const std::string& name(uint32_t rule) const { return rules_[rule].name; }
+  const std::vector<Sequence>& alts(uint32_t rule) const { return rules_[rule].alts; }
+
+  // Builders that append to a sequence.
+  static void append_literal(Sequence& s, std::string_view utf8);
+  // `item` repeated min..max times (max < 0: unbounded). Helper rules are named after `hint`.
+  void append_repeat(Sequence& s, const Sequence& item, int min, int max, std::string_view hint);
+  // A rule with the given alternatives, referenced from `s`.
+  void append_group(Sequence& s, std::vector<Sequence> alts, std::string_view hint);
+
+  // Throws kvlm::Error naming the rule: a rule without alternatives (an undefined name),
+  // a rule that can reach itself without consuming a character (left recursion, which a
+  // top-down matcher cannot run), or more rules than the matcher handles.
+  void validate() const;
+  // GBNF text of the grammar (for messages and tests).
+  std::string to_gbnf() const;
+
+ private:
+  struct Rule {
+    std::string name;
+    std::vector<Sequence> alts;
+  };
+  std::vector<Rule> rules_;
+  std::unordered_map<std::string, uint32_t> by_name_;
+  uint32_t root_ = 0;
+};
+
+// llama.cpp's GBNF: `name ::= alternatives` with "literals", [character classes], ., rule
+// names, ( groups ), | and the postfix operators * + ? {m} {m,} {m,n}; # comments. The
+// rule named `root` is the start. Throws kvlm::Error with the line and column of a mistake.
+Grammar parse_gbnf(std::string_view text);
+
+// One alternative per choice, each matched literally.
+Grammar choice_grammar(const std::vector<std::string>& choices);
+
+// UTF-8 helpers shared by the parsers: the code point at s[i] (advancing i); invalid bytes
+// throw kvlm::Error with `what` in the message.
+uint32_t next_code_point(std::string_view s, size_t& i, std::string_view what);
+void append_utf8(std::string& out, uint32_t cp);
+
+}  // namespace kvlm::grammar

@@ -1,0 +1,573 @@
+#include "text/grammar/json_schema.h"
+
+#include <cmath>
+#include <set>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "text/grammar/regex.h"
+
+namespace kvlm::grammar {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr int kMaxIndent = 24;  // tabs or spaces after a line break
+constexpr int kMaxDepth = 64;
+
+// Keywords that only describe.
+const std::set<std::string> kAnnotations = {"title", "description", "default", "examples", "$schema", "$id",
+                                            "$comment", "deprecated", "readOnly", "writeOnly", "strict", "$defs",
+                                            "definitions", "name", "format_description"};
+
+// Formats as regexes (whole-string). A date's day is checked against its month (February
+// stops at 28: the 29th exists only in leap years, which a grammar does not count).
+const std::unordered_map<std::string, std::string>& formats() {
+  static const std::unordered_map<std::string, std::string> f = [] {
+    const std::string date =
+        "[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))";
+    const std::string time = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+    const std::string octet = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
+    const std::string label = "[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?";
+    return std::unordered_map<std::string, std::string>{
+        {"date", date},
+        {"time", time},
+        {"date-time", date + "T" + time},
+        {"uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"},
+        {"email", "[a-zA-Z0-9_+-]+(\\.[a-zA-Z0-9_+-]+)*@" + label + "(\\." + label + ")+"},
+        {"ipv4", "(" + octet + "\\.){3}" + octet},
+    };
+  }();
+  return f;
+}
+
+class SchemaConverter {
+ public:
+  explicit SchemaConverter(const Json& root) : root_(root) {}
+
+  Grammar convert() {
+    ws_ = make_ws();
+    const uint32_t start = g_.add_rule("root");
+    // Leading whitespace is allowed: a SentencePiece model's first token often carries a space.
+    g_.add_alt(start, {ws(), Symbol::ref(value(root_, "", "value", 0))});
+    g_.set_root(start);
+    g_.validate();
+    return std::move(g_);
+  }
+
+  Grammar any_object() {
+    ws_ = make_ws();
+    const uint32_t start = g_.add_rule("root");
+    g_.add_alt(start, {ws(), Symbol::ref(any_object_rule())});
+    g_.set_root(start);
+    g_.validate();
+    return std::move(g_);
+  }
+
+ private:
+  [[noreturn]] static void fail(const std::string& path, const std::string& what) {
+    throw Error("JSON schema at '" + (path.empty() ? std::string("#") : "#" + path) + "': " + what);
+  }
+
+  // Between tokens: nothing, one space, or a line break and an indentation — what compact
+  // and pretty-printed JSON write. Runs of blank lines or spaces, which a model sampling at a
+  // high temperature can spin in until max_tokens cuts its JSON short, are not allowed.
+  uint32_t make_ws() {
+    const uint32_t r = g_.add_rule("ws");
+    g_.add_alt(r, {});
+    g_.add_alt(r, lit(" "));
+    Sequence nl = lit("\n");
+    g_.append_repeat(nl, {Symbol::chars({{'\t', '\t'}, {' ', ' '}})}, 0, kMaxIndent, "indent");
+    g_.add_alt(r, std::move(nl));
+    return r;
+  }
+  Symbol ws() const { return Symbol::ref(ws_); }
+
+  uint32_t rule(std::string_view hint, std::vector<Sequence> alts) {
+    const uint32_t r = g_.add_rule(hint);
+    for (auto& a : alts) g_.add_alt(r, std::move(a));
+    return r;
+  }
+  static Sequence lit(std::string_view s) {
+    Sequence q;
+    Grammar::append_literal(q, s);
+    return q;
+  }
+
+  uint32_t string_char() {
+    if (char_) return *char_;
+    // Any character but '"', '\' and the controls, or an escape.
+    Sequence esc = lit("\\");
+    Sequence hex4 = lit("u");
+    for (int i = 0; i < 4; ++i) hex4.push_back(Symbol::chars({{'0', '9'}, {'A', 'F'}, {'a', 'f'}}));
+    g_.append_group(esc, {{Symbol::chars({{'"', '"'}, {'/', '/'}, {'\\', '\\'}, {'b', 'b'}, {'f', 'f'}, {'n', 'n'}, {'r', 'r'}, {'t', 't'}})}, hex4},
+                    "escape");
+    char_ = rule("char", {{Symbol::chars({{0, 0x1F}, {'"', '"'}, {'\\', '\\'}}, true)}, esc});
+    return *char_;
+  }
+
+  uint32_t string_rule(int min_len, int max_len) {
+    Sequence s = lit("\"");
+    g_.append_repeat(s, {Symbol::ref(string_char())}, min_len, max_len, "string");
+    Grammar::append_literal(s, "\"");
+    return rule("string", {s});
+  }
+
+  uint32_t number_rule() {
+    if (number_) return *number_;
+    // -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [-+]? [0-9]+)?
+    Sequence s;
+    Sequence minus = lit("-");
+    g_.append_repeat(s, minus, 0, 1, "number");
+    Sequence digits{Symbol::chars({{'1', '9'}})};
+    g_.append_repeat(digits, {Symbol::chars({{'0', '9'}})}, 0, -1, "digits");
+    g_.append_group(s, {lit("0"), digits}, "integral");
+    Sequence frac = lit(".");
+    g_.append_repeat(frac, {Symbol::chars({{'0', '9'}})}, 1, -1, "fraction");
+    g_.append_repeat(s, frac, 0, 1, "fraction");
+    Sequence exp{Symbol::chars({{'E', 'E'}, {'e', 'e'}})};
+    g_.append_repeat(exp, {Symbol::chars({{'+', '+'}, {'-', '-'}})}, 0, 1, "exponent");
+    g_.append_repeat(exp, {Symbol::chars({{'0', '9'}})}, 1, -1, "exponent");
+    g_.append_repeat(s, exp, 0, 1, "exponent");
+    number_ = rule("number", {s});
+    return *number_;
+  }
+
+  // ---- integers in a range ----
+  static Symbol digit_range(char a, char b) { return Symbol::chars({{uint32_t(a), uint32_t(b)}}); }
+
+  // Decimal strings of the same length from a to b (a <= b), no leading zeros beyond a's.
+  void same_length(std::vector<Sequence>& out, Sequence prefix, const std::string& a, const std::string& b) {
+    if (a.empty()) {
+      out.push_back(std::move(prefix));
+      return;
+    }
+    const std::string ra = a.substr(1), rb = b.substr(1);
+    if (ra.find_first_not_of('0') == std::string::npos && rb.find_first_not_of('9') == std::string::npos) {
+      prefix.push_back(digit_range(a[0], b[0]));
+      for (size_t i = 0; i < ra.size(); ++i) prefix.push_back(digit_range('0', '9'));
+      out.push_back(std::move(prefix));
+      return;
+    }
+    if (a[0] == b[0]) {
+      prefix.push_back(digit_range(a[0], a[0]));
+      same_length(out, std::move(prefix), ra, rb);
+      return;
+    }
+    Sequence p1 = prefix;
+    p1.push_back(digit_range(a[0], a[0]));
+    same_length(out, std::move(p1), ra, std::string(ra.size(), '9'));
+    if (a[0] + 1 <= b[0] - 1) {
+      Sequence mid = prefix;
+      mid.push_back(digit_range(char(a[0] + 1), char(b[0] - 1)));
+      for (size_t i = 0; i < ra.size(); ++i) mid.push_back(digit_range('0', '9'));
+      out.push_back(std::move(mid));
+    }
+    Sequence p3 = std::move(prefix);
+    p3.push_back(digit_range(b[0], b[0]));
+    same_length(out, std::move(p3), std::string(rb.size(), '0'), rb);
+  }
+
+  static uint64_t pow10(size_t n) {
+    uint64_t v = 1;
+    while (n--) v *= 10;
+    return v;
+  }
+
+  // Non-negative decimals in [lo, hi] (hi = UINT64_MAX: unbounded), after `prefix`.
+  void nonneg(std::vector<Sequence>& out, const Sequence& prefix, uint64_t lo, uint64_t hi) {
+    const size_t lo_len = std::to_string(lo).size();
+    const size_t hi_len = hi == UINT64_MAX ? 19 : std::to_string(hi).size();
+    for (size_t len = lo_len; len <= hi_len; ++len) {
+      const uint64_t a = std::max(lo, len == 1 ? 0 : pow10(len - 1));
+      const uint64_t b = std::min(hi, pow10(len) - 1);
+      if (a > b) continue;
+      if (hi == UINT64_MAX && len == hi_len) break;
+      same_length(out, prefix, std::to_string(a), std::to_string(b));
+    }
+    if (hi == UINT64_MAX) {
+      // Every number longer than the bounded lengths above: [1-9][0-9]{18,}.
+      Sequence s = prefix;
+      s.push_back(digit_range('1', '9'));
+      g_.append_repeat(s, {digit_range('0', '9')}, 18, -1, "digits");
+      out.push_back(std::move(s));
+    }
+  }
+
+  uint32_t integer_rule(const Json& s, const std::string& path) {
+    const auto bound = [&](const char* key) -> std::optional<double> {
+      auto it = s.find(key);
+      if (it == s.end()) return std::nullopt;
+      if (!it->is_number()) fail(path + "/" + key, "must be a number");
+      const double v = it->get<double>();
+      if (!std::isfinite(v) || std::fabs(v) > 1e18) fail(path + "/" + key, "must be within +-1e18");
+      return v;
+    };
+    std::optional<int64_t> lo, hi;
+    if (auto v = bound("minimum")) lo = int64_t(std::ceil(*v));
+    if (auto v = bound("exclusiveMinimum")) lo = std::max(lo.value_or(INT64_MIN), int64_t(std::floor(*v)) + 1);
+    if (auto v = bound("maximum")) hi = int64_t(std::floor(*v));
+    if (auto v = bound("exclusiveMaximum")) hi = std::min(hi.value_or(INT64_MAX), int64_t(std::ceil(*v)) - 1);
+    if (lo && hi && *lo > *hi) fail(path, "no integer lies between its minimum and maximum");
+    std::vector<Sequence> alts;
+    const Sequence minus = lit("-");
+    // Negative part: -k for k in [max(1, -hi), -lo].
+    if (!lo || *lo < 0) {
+      const uint64_t kmin = hi && *hi < 0 ? uint64_t(-*hi) : 1;
+      const uint64_t kmax = lo ? uint64_t(-*lo) : UINT64_MAX;
+      nonneg(alts, minus, kmin, kmax);
+    }
+    if (!hi || *hi >= 0) nonneg(alts, {}, lo && *lo > 0 ? uint64_t(*lo) : 0, hi ? uint64_t(*hi) : UINT64_MAX);
+    return rule("integer", std::move(alts));
+  }
+
+  uint32_t any_value() {
+    if (any_) return *any_;
+    any_ = g_.add_rule("any");
+    const uint32_t obj = any_object_rule();
+    // array ::= "[" ws ( any ws ( "," ws any ws )* )? "]"
+    Sequence item{Symbol::ref(*any_), ws()};
+    Sequence more = lit(",");
+    more.push_back(ws());
+    more.insert(more.end(), item.begin(), item.end());
+    Sequence items = item;
+    g_.append_repeat(items, more, 0, -1, "array");
+    Sequence arr = lit("[");
+    arr.push_back(ws());
+    g_.append_repeat(arr, items, 0, 1, "array");
+    Grammar::append_literal(arr, "]");
+    const uint32_t array = rule("array", {arr});
+    g_.add_alt(*any_, {Symbol::ref(obj)});
+    g_.add_alt(*any_, {Symbol::ref(array)});
+    g_.add_alt(*any_, {Symbol::ref(string_rule(0, -1))});
+    g_.add_alt(*any_, {Symbol::ref(number_rule())});
+    for (const char* k : {"true", "false", "null"}) g_.add_alt(*any_, lit(k));
+    return *any_;
+  }
+
+  // "{" ws ( key ws ":" ws value ws ( "," ws key ws ":" ws value ws )* )? "}"
+  uint32_t generic_object(uint32_t value_rule) {
+    Sequence kv{Symbol::ref(string_rule(0, -1)), ws()};
+    Grammar::append_literal(kv, ":");
+    kv.push_back(ws());
+    kv.push_back(Symbol::ref(value_rule));
+    kv.push_back(ws());
+    Sequence more = lit(",");
+    more.push_back(ws());
+    more.insert(more.end(), kv.begin(), kv.end());
+    Sequence members = kv;
+    g_.append_repeat(members, more, 0, -1, "object");
+    Sequence obj = lit("{");
+    obj.push_back(ws());
+    g_.append_repeat(obj, members, 0, 1, "object");
+    Grammar::append_literal(obj, "}");
+    return rule("object", {obj});
+  }
+
+  uint32_t any_object_rule() {
+    if (!any_) any_value();  // creates the object rule with the value rule
+    if (!any_object_) any_object_ = generic_object(*any_);
+    return *any_object_;
+  }
+
+  // ---- schemas ----
+  uint32_t value(const Json& s, const std::string& path, std::string_view hint, int depth) {
+    if (depth > kMaxDepth) fail(path, "nests deeper than " + std::to_string(kMaxDepth) + " levels");
+    if (s.is_boolean()) {
+      if (!s.get<bool>()) fail(path, "the schema 'false' matches nothing");
+      return any_value();
+    }
+    if (!s.is_object()) fail(path, "a schema must be an object or a boolean");
+    if (auto it = s.find("$ref"); it != s.end()) return ref(*it, path, depth);
+
+    static const std::set<std::string> kUnsupported = {
+        "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "patternProperties",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
+        "uniqueItems", "multipleOf", "minProperties", "maxProperties", "contentEncoding", "contentMediaType"};
+    for (auto it = s.begin(); it != s.end(); ++it)
+      if (kUnsupported.count(it.key()))
+        fail(path + "/" + it.key(), "the keyword '" + it.key() + "' is not supported by kvlm's structured outputs");
+
+    std::vector<uint32_t> alts;
+    if (auto it = s.find("const"); it != s.end()) {
+      alts.push_back(rule("const", {lit(it->dump())}));
+    } else if (auto it = s.find("enum"); it != s.end()) {
+      if (!it->is_array() || it->empty()) fail(path + "/enum", "must be a non-empty list");
+      std::vector<Sequence> lits;
+      for (const Json& v : *it) lits.push_back(lit(v.dump()));
+      alts.push_back(rule("enum", std::move(lits)));
+    } else if (s.contains("anyOf") || s.contains("oneOf")) {
+      const char* key = s.contains("anyOf") ? "anyOf" : "oneOf";
+      const Json& list = s.at(key);
+      if (!list.is_array() || list.empty()) fail(path + "/" + key, "must be a non-empty list of schemas");
+      for (size_t i = 0; i < list.size(); ++i)
+        alts.push_back(value(merged(s, list[i], key), path + "/" + key + "/" + std::to_string(i), hint, depth + 1));
+    } else if (auto it = s.find("allOf"); it != s.end()) {
+      if (!it->is_array() || it->size() != 1)
+        fail(path + "/allOf", "allOf is supported with one schema only (merge the schemas into one)");
+      alts.push_back(value(merged(s, (*it)[0], "allOf"), path + "/allOf/0", hint, depth + 1));
+    } else {
+      std::vector<std::string> types;
+      if (auto t = s.find("type"); t != s.end()) {
+        if (t->is_string()) {
+          types.push_back(t->get<std::string>());
+        } else if (t->is_array() && !t->empty()) {
+          for (const Json& x : *t) {
+            if (!x.is_string()) fail(path + "/type", "must be a string or a list of strings");
+            types.push_back(x.get<std::string>());
+          }
+        } else {
+          fail(path + "/type", "must be a string or a list of strings");
+        }
+      } else if (s.contains("properties") || s.contains("additionalProperties") || s.contains("required")) {
+        types.push_back("object");
+      } else if (s.contains("items") || s.contains("prefixItems")) {
+        types.push_back("array");
+      } else if (s.contains("pattern") || s.contains("format") || s.contains("minLength") || s.contains("maxLength")) {
+        types.push_back("string");
+      } else {
+        return any_value();
+      }
+      for (const std::string& t : types) alts.push_back(typed(s, t, path, hint, depth));
+    }
+    if (s.value("nullable", false)) alts.push_back(rule("null", {lit("null")}));
+    if (alts.size() == 1) return alts[0];
+    std::vector<Sequence> seqs;
+    for (uint32_t a : alts) seqs.push_back({Symbol::ref(a)});
+    return rule(hint, std::move(seqs));
+  }
+
+  // A branch of anyOf/oneOf/allOf with the keywords of its parent that apply to it (a parent
+  // {"type": "object", "anyOf": [...]} constrains each branch).
+  static Json merged(const Json& parent, const Json& branch, const char* key) {
+    if (!branch.is_object()) return branch;
+    Json m = branch;
+    for (auto it = parent.begin(); it != parent.end(); ++it)
+      if (it.key() != key && it.key() != "nullable" && !kAnnotations.count(it.key()) && !m.contains(it.key()))
+        m[it.key()] = it.value();
+    return m;
+  }
+
+  uint32_t ref(const Json& r, const std::string& path, int depth) {
+    if (!r.is_string()) fail(path + "/$ref", "must be a string");
+    const std::string target = r.get<std::string>();
+    if (auto it = refs_.find(target); it != refs_.end()) return it->second;
+    if (!target.starts_with("#")) fail(path + "/$ref", "only references into the same document ('#/$defs/...') are supported");
+    const std::string pointer = target.substr(1);
+    const Json* node = nullptr;
+    try {
+      node = &root_.at(Json::json_pointer(pointer));
+    } catch (const std::exception&) {
+      fail(path + "/$ref", "'" + target + "' points at nothing in the schema");
+    }
+    // The rule exists before its body, so recursive schemas refer to it.
+    const uint32_t r0 = g_.add_rule("ref");
+    refs_[target] = r0;
+    g_.add_alt(r0, {Symbol::ref(value(*node, pointer, "ref", depth + 1))});
+    return r0;
+  }
+
+  uint32_t typed(const Json& s, const std::string& t, const std::string& path, std::string_view hint, int depth) {
+    if (t == "null") return rule("null", {lit("null")});
+    if (t == "boolean") return rule("boolean", {lit("true"), lit("false")});
+    if (t == "integer") return integer_rule(s, path);
+    if (t == "number") {
+      for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+        if (s.contains(k))
+          fail(path + "/" + k, std::string("bounds on a 'number' cannot be enforced by a grammar; use 'integer', or drop '") + k + "'");
+      return number_rule();
+    }
+    if (t == "string") return string_schema(s, path);
+    if (t == "array") return array_schema(s, path, depth);
+    if (t == "object") return object_schema(s, path, hint, depth);
+    fail(path + "/type", "unknown type '" + t + "'");
+  }
+
+  static int length_field(const Json& s, const char* key, const std::string& path, int dflt) {
+    auto it = s.find(key);
+    if (it == s.end()) return dflt;
+    if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > 10000)
+      fail(path + "/" + key, "must be an integer from 0 to 10000");
+    return int(it->get<int64_t>());
+  }
+
+  uint32_t string_schema(const Json& s, const std::string& path) {
+    const int min = length_field(s, "minLength", path, 0), max = length_field(s, "maxLength", path, -1);
+    if (max >= 0 && max < min) fail(path, "maxLength is below minLength");
+    const bool lengths = s.contains("minLength") || s.contains("maxLength");
+    std::string pattern;
+    if (auto it = s.find("pattern"); it != s.end()) {
+      if (!it->is_string()) fail(path + "/pattern", "must be a string");
+      pattern = it->get<std::string>();
+    } else if (auto f = s.find("format"); f != s.end()) {
+      if (!f->is_string()) fail(path + "/format", "must be a string");
+      const auto known = formats().find(f->get<std::string>());
+      if (known == formats().end())
+        fail(path + "/format", "the format '" + f->get<std::string>() +
+                                   "' is not supported (supported: date, time, date-time, uuid, email, ipv4); use a pattern");
+      pattern = known->second;
+    } else {
+      return string_rule(min, max);
+    }
+    if (lengths) fail(path, "a pattern or format together with minLength/maxLength is not supported; fold the lengths into the pattern");
+    uint32_t body;
+    try {
+      body = add_regex(g_, pattern, "pattern", true);
+    } catch (const Error& e) {
+      fail(path + "/pattern", e.what());
+    }
+    Sequence q = lit("\"");
+    q.push_back(Symbol::ref(body));
+    Grammar::append_literal(q, "\"");
+    return rule("string", {q});
+  }
+
+  uint32_t array_schema(const Json& s, const std::string& path, int depth) {
+    const int min = length_field(s, "minItems", path, 0), max = length_field(s, "maxItems", path, -1);
+    if (max >= 0 && max < min) fail(path, "maxItems is below minItems");
+    std::vector<uint32_t> prefix;
+    if (auto it = s.find("prefixItems"); it != s.end()) {
+      if (!it->is_array()) fail(path + "/prefixItems", "must be a list of schemas");
+      for (size_t i = 0; i < it->size(); ++i)
+        prefix.push_back(value((*it)[i], path + "/prefixItems/" + std::to_string(i), "item", depth + 1));
+    }
+    std::optional<uint32_t> rest;  // items after the prefix; nullopt = none allowed
+    if (auto it = s.find("items"); it != s.end()) {
+      if (!(it->is_boolean() && !it->get<bool>())) rest = value(*it, path + "/items", "item", depth + 1);
+    } else {
+      rest = any_value();
+    }
+    const int np = int(prefix.size());
+    if (!rest && min > np) fail(path, "minItems asks for more items than prefixItems allows");
+    const int hi = rest ? max : std::min(max < 0 ? np : max, np);
+    // Element i's rule: prefix[i] or rest.
+    const auto elem = [&](int i) { return i < np ? prefix[size_t(i)] : *rest; };
+    // Items 0..k-1 where k in [min, hi]: written as nested choices that stop after any count
+    // >= min. The tail past the prefix repeats `rest`.
+    // tail(i): items i.. given i items written (i >= 1), with the "," before each.
+    const auto comma_item = [&](uint32_t r) {
+      Sequence q = lit(",");
+      q.push_back(ws());
+      q.push_back(Symbol::ref(r));
+      q.push_back(ws());
+      return q;
+    };
+    Sequence items;  // what follows "[" ws
+    if (hi == 0) {
+      // nothing
+    } else {
+      // Build from the end: after_k = items k.. (k >= 1).
+      std::optional<uint32_t> after;  // rule for items from index k onwards
+      const int bounded_end = std::max(np, min);  // indices below this are written one by one
+      if (rest && (hi < 0 || hi > bounded_end)) {
+        const Sequence ci = comma_item(*rest);
+        Sequence tail;
+        g_.append_repeat(tail, ci, 0, hi < 0 ? -1 : hi - bounded_end, "items");
+        after = rule("items", {tail});
+      }
+      for (int k = std::min(bounded_end, hi < 0 ? bounded_end : hi) - 1; k >= 1; --k) {
+        Sequence q = comma_item(elem(k));
+        if (after) q.push_back(Symbol::ref(*after));
+        std::vector<Sequence> a{q};
+        if (k >= min) a.push_back({});  // may stop before item k
+        after = rule("items", std::move(a));
+      }
+      Sequence first{Symbol::ref(elem(0)), ws()};
+      if (after) first.push_back(Symbol::ref(*after));
+      if (min == 0) {
+        g_.append_repeat(items, first, 0, 1, "items");
+      } else {
+        items = first;
+      }
+    }
+    Sequence q = lit("[");
+    q.push_back(ws());
+    q.insert(q.end(), items.begin(), items.end());
+    Grammar::append_literal(q, "]");
+    return rule("array", {q});
+  }
+
+  uint32_t object_schema(const Json& s, const std::string& path, std::string_view hint, int depth) {
+    std::vector<std::string> required;
+    if (auto it = s.find("required"); it != s.end()) {
+      if (!it->is_array()) fail(path + "/required", "must be a list of property names");
+      for (const Json& r : *it) {
+        if (!r.is_string()) fail(path + "/required", "must be a list of property names");
+        required.push_back(r.get<std::string>());
+      }
+    }
+    const auto props = s.find("properties");
+    if (props == s.end() || props->empty()) {
+      if (!required.empty()) fail(path + "/required", "names properties that 'properties' does not define");
+      auto ap = s.find("additionalProperties");
+      if (ap != s.end() && ap->is_boolean() && !ap->get<bool>()) return rule("object", {[&] {
+                                                                               Sequence q = lit("{");
+                                                                               q.push_back(ws());
+                                                                               Grammar::append_literal(q, "}");
+                                                                               return q;
+                                                                             }()});
+      if (ap == s.end() || ap->is_boolean()) return any_object_rule();
+      return generic_object(value(*ap, path + "/additionalProperties", "value", depth + 1));
+    }
+    if (!props->is_object()) fail(path + "/properties", "must be an object");
+    for (const std::string& r : required)
+      if (!props->contains(r)) fail(path + "/required", "names '" + r + "', which 'properties' does not define");
+    struct Prop {
+      Sequence member;  // "key" ws ":" ws value ws
+      bool required;
+    };
+    std::vector<Prop> ps;
+    for (auto it = props->begin(); it != props->end(); ++it) {
+      Sequence m = lit(Json(it.key()).dump());
+      m.push_back(ws());
+      Grammar::append_literal(m, ":");
+      m.push_back(ws());
+      m.push_back(Symbol::ref(value(it.value(), path + "/properties/" + it.key(), it.key(), depth + 1)));
+      m.push_back(ws());
+      ps.push_back({std::move(m), std::find(required.begin(), required.end(), it.key()) != required.end()});
+    }
+    // first[i] / more[i]: the properties from i on, none / some written before them.
+    const size_t n = ps.size();
+    std::vector<uint32_t> first(n + 1), more(n + 1);
+    first[n] = rule(std::string(hint) + "-end", {{}});
+    more[n] = first[n];
+    for (size_t i = n; i-- > 0;) {
+      Sequence f = ps[i].member;
+      f.push_back(Symbol::ref(more[i + 1]));
+      Sequence m = lit(",");
+      m.push_back(ws());
+      m.insert(m.end(), ps[i].member.begin(), ps[i].member.end());
+      m.push_back(Symbol::ref(more[i + 1]));
+      std::vector<Sequence> fa{f}, ma{m};
+      if (!ps[i].required) {
+        fa.push_back({Symbol::ref(first[i + 1])});
+        ma.push_back({Symbol::ref(more[i + 1])});
+      }
+      first[i] = rule(std::string(hint) + "-props", std::move(fa));
+      more[i] = rule(std::string(hint) + "-more", std::move(ma));
+    }
+    Sequence q = lit("{");
+    q.push_back(ws());
+    q.push_back(Symbol::ref(first[0]));
+    Grammar::append_literal(q, "}");
+    return rule(hint.empty() ? "object" : hint, {q});
+  }
+
+  const Json& root_;
+  Grammar g_;
+  uint32_t ws_ = 0;
+  std::optional<uint32_t> char_, number_, any_, any_object_;
+  std::unordered_map<std::string, uint32_t> refs_;
+};
+
+}  // namespace
+
+Grammar json_schema_grammar(const nlohmann::ordered_json& schema) { return SchemaConverter(schema).convert(); }
+
+Grammar json_object_grammar() {
+  const Json empty = Json::object();
+  return SchemaConverter(empty).any_object();
+}
+
+}  // namespace kvlm::grammar

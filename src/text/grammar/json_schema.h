@@ -1,0 +1,31 @@
+// JSON schemas as grammars: every text the grammar allows is a JSON value that validates
+// against the schema. What is supported (anything else is refused, by keyword and path,
+// rather than generated and left unchecked):
+//   type (one or a list), enum, const, anyOf / oneOf, allOf of one schema, $ref into the
+//   document ($defs, definitions: recursion allowed), nullable;
+//   object: properties (generated in the schema's order, optional ones may be left out),
+//     required, additionalProperties (false, true or a schema; when `properties` is given,
+//     no other keys are generated);
+//   array: items, prefixItems, minItems, maxItems;
+//   string: minLength, maxLength (code points), pattern (regex.h, whole-string match),
+//     format date / time / date-time / uuid / email / ipv4;
+//   integer: minimum, maximum, exclusiveMinimum, exclusiveMaximum (exact ranges);
+//   number: no bounds.
+// Annotations (title, description, default, examples, $schema, $id, $comment, deprecated,
+// readOnly, writeOnly, strict) are ignored. Between tokens the grammar allows nothing, one
+// space, or a line break and up to 24 tabs or spaces of indentation: compact and
+// pretty-printed JSON, but no runs of blank lines a model could spin in until max_tokens.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "text/grammar/grammar.h"
+
+namespace kvlm::grammar {
+
+// Throws kvlm::Error naming the keyword and where it is (a JSON pointer).
+Grammar json_schema_grammar(const nlohmann::ordered_json& schema);
+// Any JSON object (response_format json_object).
+Grammar json_object_grammar();
+
+}  // namespace kvlm::grammar

@@ -1,0 +1,318 @@
+// Structured outputs' grammar engine: GBNF, regexes and JSON schemas become grammars; the
+// matcher accepts exactly their sentences, byte by byte and token by token; the token mask
+// equals trying every token; the tokenizers' token bytes are what decoding writes.
+#include <random>
+#include <regex>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/tokenizer/tokenizer.h"
+#include "text/grammar/grammar.h"
+#include "text/grammar/json_schema.h"
+#include "text/grammar/matcher.h"
+#include "text/grammar/regex.h"
+
+namespace kvlm::grammar {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+const fs::path kRepo = fs::path(KVLM_TEST_DATA) / "..";
+
+// A vocabulary of every printable ASCII character, the UTF-8 continuation bytes, a few
+// multi-byte tokens and some lead bytes and UTF-8 pieces split across tokens (as byte-level
+// BPE splits them).
+std::shared_ptr<const TokenVocab> toy_vocab() {
+  std::vector<std::string> v;
+  for (int c = 32; c < 127; ++c) v.emplace_back(1, char(c));
+  for (int c = 0x80; c < 0xC0; ++c) v.emplace_back(1, char(c));  // every continuation byte, as byte-level BPE has
+  for (const char* t : {"\n", "\t", "{\"", "\":", "\": ", ", ", "true", "false", "null", "ab", "abc", "12", "-1", "\"}",
+                        "\xC3", "\xA9", "\xC3\xA9", "\xE2\x82", "\xAC", "\xE2\x82\xAC", "é!", "",
+                        "\xE0", "\xF0", "\xC2", "\xED", "\xF4"})
+    v.emplace_back(t);
+  return std::make_shared<const TokenVocab>(std::move(v));
+}
+
+// Whether `text` is a complete sentence of `g` (and, separately, a viable prefix).
+struct Verdict {
+  bool prefix, complete;
+};
+Verdict judge(const Grammar& g, std::string_view text) {
+  Constraint c(std::make_shared<const CompiledGrammar>(g, toy_vocab()));
+  if (!c.accept_text(text)) return {false, false};
+  return {true, c.can_end()};
+}
+bool matches(const Grammar& g, std::string_view text) { return judge(g, text).complete; }
+
+TEST(Grammar, GbnfAcceptsItsLanguage) {
+  const Grammar g = parse_gbnf(R"(
+# a list of numbers
+root ::= "[" ws (num (ws "," ws num)*)? ws "]"
+num  ::= "-"? [0-9]+ ("." [0-9]{1,3})?
+ws   ::= [ \t\n]*
+)");
+  for (const char* ok : {"[]", "[1]", "[ 1 , -2.5,3.125 ]", "[\n12\t]"}) EXPECT_TRUE(matches(g, ok)) << ok;
+  for (const char* no : {"[", "[1,]", "[1.]", "[1.2345]", "[--1]", "x"}) EXPECT_FALSE(matches(g, no)) << no;
+  EXPECT_TRUE(judge(g, "[1, ").prefix);
+  EXPECT_FALSE(judge(g, "[1, ").complete);
+  EXPECT_FALSE(judge(g, "[1,,").prefix);
+}
+
+TEST(Grammar, GbnfMultiLineAlternativesAndDot) {
+  const Grammar g = parse_gbnf("root ::= \"a\"\n  | \"b\" rest\nrest ::= . .\n");
+  EXPECT_TRUE(matches(g, "a"));
+  EXPECT_TRUE(matches(g, "bxy"));
+  EXPECT_TRUE(matches(g, "b\xC3\xA9z"));  // . is a code point, not a byte
+  EXPECT_FALSE(matches(g, "bx\n"));
+}
+
+TEST(Grammar, GbnfErrorsSayWhere) {
+  const auto msg = [](const char* text) {
+    try {
+      parse_gbnf(text);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_NE(msg("root ::= foo\n").find("'foo' is used but never defined"), std::string::npos);
+  EXPECT_NE(msg("root ::= root \"a\" | \"b\"\n").find("left-recursive"), std::string::npos);
+  EXPECT_NE(msg("root ::= x\nx ::= y? x \"a\"\ny ::= \"b\"\n").find("left-recursive"), std::string::npos);
+  EXPECT_NE(msg("start ::= \"a\"\n").find("no rule named 'root'"), std::string::npos);
+  EXPECT_NE(msg("root ::= \"a").find("unterminated string literal"), std::string::npos);
+  EXPECT_NE(msg("root ::= \"a\"\nroot ::= \"b\"\n").find("defined twice"), std::string::npos);
+  EXPECT_NE(msg("root ::= [z-a]\n").find("line 1, column"), std::string::npos);
+}
+
+TEST(Grammar, TerminatedOnlyWhenNothingMayFollow) {
+  const Grammar g = parse_gbnf("root ::= \"ab\" \"c\"?\n");
+  Constraint c(std::make_shared<const CompiledGrammar>(g, toy_vocab()));
+  ASSERT_TRUE(c.accept_text("ab"));
+  EXPECT_TRUE(c.can_end());
+  EXPECT_FALSE(c.terminated());
+  ASSERT_TRUE(c.accept_text("c"));
+  EXPECT_TRUE(c.terminated());
+  EXPECT_FALSE(c.accept_text("c"));  // rejected, state unchanged
+  EXPECT_TRUE(c.terminated());
+}
+
+TEST(Grammar, ChoiceMatchesExactlyItsStrings) {
+  const Grammar g = choice_grammar({"yes", "no", "maybe so"});
+  for (const char* ok : {"yes", "no", "maybe so"}) EXPECT_TRUE(matches(g, ok));
+  for (const char* no : {"ye", "yess", "maybe", ""}) EXPECT_FALSE(matches(g, no));
+}
+
+// Regexes against std::regex (ECMAScript) on every string over a small alphabet.
+TEST(Grammar, RegexAgreesWithStdRegex) {
+  const std::vector<std::string> patterns = {
+      "a*b", "(ab|a)+c?", "[a-c]{2,3}", "a{2}|b{1,}", "[^a]b?", "(a|)(b|c)*", "\\d+", "a.c", "^(a|b)c$", "[ab-]+", "(?:ab){0,2}"};
+  const std::string alphabet = "abc1-";
+  std::vector<std::string> strings = {""};
+  for (int len = 1; len <= 4; ++len) {
+    std::vector<std::string> more;
+    for (const auto& s : strings)
+      if (int(s.size()) == len - 1)
+        for (char ch : alphabet) more.push_back(s + ch);
+    strings.insert(strings.end(), more.begin(), more.end());
+  }
+  for (const auto& p : patterns) {
+    const Grammar g = regex_grammar(p);
+    const std::regex re(p);
+    for (const auto& s : strings) EXPECT_EQ(matches(g, s), std::regex_match(s, re)) << "pattern " << p << " on '" << s << "'";
+  }
+}
+
+TEST(Grammar, RegexRefusesWhatItCannotGuarantee) {
+  for (const char* p : {"(a)\\1", "a(?=b)", "\\bword", "a++", "a{3,2}", "(ab", "a)", "[b-a]", "x^y"})
+    EXPECT_THROW(regex_grammar(p), Error) << p;
+}
+
+TEST(Grammar, IntegerRangesAreExact) {
+  struct Case {
+    Json schema;
+    int lo, hi;  // expected inclusive range within the probe window
+  };
+  const std::vector<Case> cases = {
+      {{{"type", "integer"}, {"minimum", 0}, {"maximum", 120}}, 0, 120},
+      {{{"type", "integer"}, {"minimum", -37}, {"maximum", 205}}, -37, 205},
+      {{{"type", "integer"}, {"minimum", -250}, {"maximum", -9}}, -250, -9},
+      {{{"type", "integer"}, {"exclusiveMinimum", 7}, {"exclusiveMaximum", 100}}, 8, 99},
+      {{{"type", "integer"}, {"minimum", 13}}, 13, 100000},
+      {{{"type", "integer"}, {"maximum", -5}}, -100000, -5},
+      {{{"type", "integer"}, {"minimum", 1.5}, {"maximum", 99.5}}, 2, 99},
+  };
+  for (const auto& c : cases) {
+    const Grammar g = json_schema_grammar(c.schema);
+    for (int v = -400; v <= 400; ++v) EXPECT_EQ(matches(g, std::to_string(v)), v >= c.lo && v <= c.hi) << c.schema.dump() << " " << v;
+    for (const char* no : {"01", "-0", "+5", "1.0", ""}) EXPECT_FALSE(matches(g, no)) << c.schema.dump() << " " << no;
+  }
+  EXPECT_TRUE(matches(json_schema_grammar({{"type", "integer"}, {"minimum", 13}}), "123456789012345678901"));
+  EXPECT_THROW(json_schema_grammar({{"type", "integer"}, {"minimum", 5}, {"maximum", 4}}), Error);
+}
+
+TEST(Grammar, JsonSchemaObjectsArraysStrings) {
+  const Json schema = Json::parse(R"({
+    "type": "object",
+    "properties": {
+      "name": {"type": "string", "minLength": 1, "maxLength": 5},
+      "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "minItems": 1, "maxItems": 2},
+      "when": {"type": "string", "format": "date"},
+      "code": {"type": "string", "pattern": "[A-Z]{2}\"[0-9]"},
+      "next": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/pt"}]}
+    },
+    "required": ["name", "tags"],
+    "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}
+  })");
+  const Grammar g = json_schema_grammar(schema);
+  for (const char* ok : {R"({"name":"Al","tags":["a"]})", R"({ "name" : "éé", "tags" : [ "b" , 3 ] , "when":"2024-02-28" })",
+                         R"({"name":"x\"\u00e9","tags":[3],"code":"AB\"7","next":{"x":-1.5e3}})",
+                         R"({"name":"x","tags":["a"],"next":null})"})
+    EXPECT_TRUE(matches(g, ok)) << ok;
+  for (const char* no : {R"({"tags":["a"],"name":"x"})",                 // out of order
+                         R"({"name":"","tags":["a"]})",                   // minLength
+                         R"({"name":"abcdef","tags":["a"]})",             // maxLength
+                         R"({"name":"x","tags":[]})",                     // minItems
+                         R"({"name":"x","tags":["a","b","a"]})",          // maxItems
+                         R"({"name":"x","tags":["c"]})",                  // enum
+                         R"({"name":"x","tags":["a"],"when":"2024-02-30"})",
+                         R"({"name":"x","tags":["a"],"code":"AB7"})",
+                         R"({"name":"x","tags":["a"],"extra":1})",
+                         R"({"name":"x","tags":["a"],"next":{}})",
+                         R"({"name":"x"})"})
+    EXPECT_FALSE(matches(g, no)) << no;
+}
+
+TEST(Grammar, JsonSchemaTuplesAndRecursion) {
+  const Grammar tuple = json_schema_grammar(Json::parse(R"({"type":"array","prefixItems":[{"type":"integer"},{"type":"boolean"}],"items":false})"));
+  EXPECT_TRUE(matches(tuple, "[1,true]"));
+  EXPECT_TRUE(matches(tuple, "[1]"));
+  EXPECT_TRUE(matches(tuple, "[]"));
+  EXPECT_FALSE(matches(tuple, "[1,true,2]"));
+  EXPECT_FALSE(matches(tuple, "[true]"));
+  const Grammar tree = json_schema_grammar(Json::parse(
+      R"({"$ref":"#/$defs/node","$defs":{"node":{"type":"object","properties":{"v":{"type":"integer"},"kids":{"type":"array","items":{"$ref":"#/$defs/node"}}},"required":["v"]}}})"));
+  EXPECT_TRUE(matches(tree, R"({"v":1,"kids":[{"v":2},{"v":3,"kids":[{"v":4}]}]})"));
+  EXPECT_FALSE(matches(tree, R"({"v":1,"kids":[{"kids":[]}]})"));
+}
+
+TEST(Grammar, JsonObjectAcceptsAnyObject) {
+  const Grammar g = json_object_grammar();
+  for (const char* ok : {"{}", R"({"a":[1,2.5e-3,{"b":null}],"c":"\u0041\n","d":true})", "{ \"a\" : { } }"})
+    EXPECT_TRUE(matches(g, ok)) << ok;
+  for (const char* no : {"[]", "{\"a\":}", "{a:1}", "{\"a\":01}", "{\"a\":\"\x01\"}", "1"}) EXPECT_FALSE(matches(g, no)) << no;
+  // Whitespace is what compact and pretty-printed JSON write, no more: a model cannot fill
+  // its budget with it.
+  EXPECT_TRUE(matches(g, "{\n" + std::string(24, ' ') + "\"a\": 1\n}"));
+  EXPECT_TRUE(matches(g, "{\n\t\t\"a\" : [ 1, 2 ]\n}"));
+  EXPECT_FALSE(judge(g, "{" + std::string(2, ' ')).prefix);
+  EXPECT_FALSE(judge(g, "{\n\n").prefix);
+  EXPECT_FALSE(judge(g, "{\n" + std::string(25, ' ')).prefix);
+}
+
+TEST(Grammar, JsonSchemaRefusesWhatItCannotEnforce) {
+  for (const char* s : {R"({"type":"number","minimum":0})", R"({"not":{"type":"string"}})", R"({"type":"array","uniqueItems":true})",
+                        R"({"type":"string","format":"hostname"})", R"({"$ref":"#/$defs/missing"})",
+                        R"({"$ref":"https://example.com/s.json"})", R"({"allOf":[{"type":"string"},{"maxLength":2}]})",
+                        R"({"type":"object","properties":{"a":{}},"required":["b"]})", R"({"type":"frob"})", "false"}) {
+    try {
+      json_schema_grammar(Json::parse(s));
+      ADD_FAILURE() << "accepted " << s;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("JSON schema at '#"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The mask equals trying each token on its own, in every state of random walks.
+TEST(Grammar, MaskEqualsTryingEveryToken) {
+  const auto vocab = toy_vocab();
+  const std::vector<Grammar> grammars = {
+      json_schema_grammar(Json::parse(R"({"type":"object","properties":{"a":{"type":"string","maxLength":3},"b":{"type":"array","items":{"type":"integer","minimum":-5,"maximum":30}}},"required":["a"]})")),
+      regex_grammar("(é|€)+[a-c]{1,3}!?"),
+      parse_gbnf("root ::= (\"ab\" | [0-9])* \"\\n\"\n"),
+  };
+  std::mt19937 rng(7);
+  for (const auto& g : grammars) {
+    auto cg = std::make_shared<const CompiledGrammar>(g, vocab);
+    for (int walk = 0; walk < 20; ++walk) {
+      Constraint c(cg);
+      std::string text;
+      for (int step = 0; step < 40 && !c.terminated(); ++step) {
+        const auto mask = c.allowed();
+        std::vector<TokenId> allowed;
+        for (TokenId t = 0; t < vocab->size(); ++t) {
+          Constraint probe = c;
+          const bool ok = probe.accept(t);
+          EXPECT_EQ(mask->test(t), ok) << g.to_gbnf() << " token '" << vocab->bytes(t) << "' at step " << step;
+          if (ok) allowed.push_back(t);
+        }
+        if (allowed.empty()) {
+          // A state the mask led to always continues or ends: no partial character or
+          // prefix without a completion is ever allowed.
+          EXPECT_TRUE(c.can_end()) << "stuck after '" << text << "'";
+          break;
+        }
+        const TokenId t = allowed[rng() % allowed.size()];
+        ASSERT_TRUE(c.accept(t));
+        text += vocab->bytes(t);
+      }
+    }
+  }
+}
+
+TEST(Grammar, IncompleteCharactersNeedAPossibleCompletion) {
+  // A lone lead byte is allowed only where some code point it starts may follow: E0 starts
+  // U+0800..U+0FFF only (E0 80 80 would be an overlong 0), F0 U+10000 and above.
+  const auto vocab = toy_vocab();
+  const auto allowed = [&](const Grammar& g, const char* bytes) {
+    Constraint c(std::make_shared<const CompiledGrammar>(g, vocab));
+    for (TokenId t = 0; t < vocab->size(); ++t)
+      if (vocab->bytes(t) == bytes) return c.allowed()->test(t);
+    ADD_FAILURE() << "no token " << bytes;
+    return false;
+  };
+  const Grammar ascii = parse_gbnf(R"(root ::= [\x00-\x7F]+)");
+  for (const char* b : {"\xE0", "\xF0", "\xC2", "\xC3"}) EXPECT_FALSE(allowed(ascii, b)) << "ascii";
+  const Grammar bmp = parse_gbnf(R"(root ::= [\u0800-\uFFFF])");
+  EXPECT_TRUE(allowed(bmp, "\xE0"));
+  EXPECT_FALSE(allowed(bmp, "\xF0"));
+  EXPECT_FALSE(allowed(bmp, "\xC3"));
+  const Grammar not_brace = parse_gbnf("root ::= [^{]\n");
+  for (const char* b : {"\xE0", "\xF0", "\xC3", "\xF4"}) EXPECT_TRUE(allowed(not_brace, b));
+}
+
+TEST(Grammar, AmbiguityIsBoundedNotHung) {
+  // After n a's every sequence of n pending closers is a parse: 2^n stacks, until the limit.
+  const Grammar g = parse_gbnf("root ::= x\nx ::= \"a\" x \"b\" | \"a\" x \"c\" | \"\"\n");
+  Constraint c(std::make_shared<const CompiledGrammar>(g, toy_vocab()));
+  EXPECT_THROW(
+      {
+        for (int i = 0; i < 200; ++i) c.accept_text("a");
+      },
+      Error);
+}
+
+// Token bytes are what decoding writes: concatenated over a text's tokens they give the text.
+TEST(Grammar, TokenBytesSpellTheText) {
+  const std::string text = "Once upon a time, héllo wörld — 3.14 {\"k\": [1, 2]}\n\tend";
+  // The bundled model's byte-level BPE; Qwen3's (byte-level) and Phi-3's (SentencePiece with
+  // byte fallback) from ../shared when it is beside the repository.
+  const fs::path shared = kRepo / ".." / "shared" / "data" / "tokenizers";
+  std::vector<fs::path> dirs = {kRepo / "models" / "kvlm-tiny"};
+  for (const char* t : {"qwen3", "phi3-mini"})
+    if (fs::exists(shared / t / "tokenizer.json")) dirs.push_back(shared / t);
+  for (const fs::path& dir : dirs) {
+    const Tokenizer tok = Tokenizer::load(dir / "tokenizer.json");
+    const auto ids = tok.encode(text, {.add_special_tokens = false});
+    std::string joined;
+    for (TokenId id : ids) joined += tok.token_bytes(id);
+    // SentencePiece models write a prefix space before the first word.
+    if (joined.starts_with(' ') && !text.starts_with(' ')) joined.erase(0, 1);
+    EXPECT_EQ(joined, text) << dir;
+  }
+}
+
+}  // namespace
+}  // namespace kvlm::grammar
