@@ -11,12 +11,13 @@ shift 2
 mkdir -p "$work"
 venv="$work/venv"
 openai_pin="openai==3.54.0"
+jsonschema_pin="jsonschema==4.23.0"  # structured_test.py validates outputs with it
 (
   flock 9
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import openai" 2>/dev/null; then exit 0; fi
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import openai, jsonschema" 2>/dev/null; then exit 0; fi
   rm -rf "$venv"
   python3 -m venv "$venv" >"$work/venv.log" 2>&1 || { echo "skipped: python3 -m venv failed ($(tail -n 1 "$work/venv.log"))"; exit 77; }
-  if ! timeout 300 "$venv/bin/pip" install -q --disable-pip-version-check "$openai_pin" >"$work/pip.log" 2>&1; then
+  if ! timeout 300 "$venv/bin/pip" install -q --disable-pip-version-check "$openai_pin" "$jsonschema_pin" >"$work/pip.log" 2>&1; then
     echo "skipped: PyPI not reachable ($(tail -n 1 "$work/pip.log"))"
     rm -rf "$venv"
     exit 77

@@ -148,7 +148,12 @@ TEST(Grammar, IntegerRangesAreExact) {
     for (int v = -400; v <= 400; ++v) EXPECT_EQ(matches(g, std::to_string(v)), v >= c.lo && v <= c.hi) << c.schema.dump() << " " << v;
     for (const char* no : {"01", "-0", "+5", "1.0", ""}) EXPECT_FALSE(matches(g, no)) << c.schema.dump() << " " << no;
   }
-  EXPECT_TRUE(matches(json_schema_grammar({{"type", "integer"}, {"minimum", 13}}), "123456789012345678901"));
+  // An unbounded side stops at 18 digits.
+  const Grammar above13 = json_schema_grammar({{"type", "integer"}, {"minimum", 13}});
+  EXPECT_TRUE(matches(above13, "999999999999999999"));
+  EXPECT_FALSE(matches(above13, "1000000000000000000"));
+  EXPECT_TRUE(matches(json_schema_grammar({{"type", "integer"}}), "-999999999999999999"));
+  EXPECT_FALSE(matches(json_schema_grammar({{"type", "number"}}), "1." + std::string(17, '1')));
   EXPECT_THROW(json_schema_grammar({{"type", "integer"}, {"minimum", 5}, {"maximum", 4}}), Error);
 }
 
@@ -182,6 +187,22 @@ TEST(Grammar, JsonSchemaObjectsArraysStrings) {
                          R"({"name":"x","tags":["a"],"next":{}})",
                          R"({"name":"x"})"})
     EXPECT_FALSE(matches(g, no)) << no;
+}
+
+TEST(Grammar, JsonSchemaArrayCountsAreExact) {
+  for (int min = 0; min <= 3; ++min)
+    for (int max = -1; max <= 4; ++max) {
+      if (max >= 0 && max < min) continue;
+      Json schema = {{"type", "array"}, {"items", {{"type", "integer"}}}, {"minItems", min}};
+      if (max >= 0) schema["maxItems"] = max;
+      const Grammar g = json_schema_grammar(schema);
+      std::string arr = "[";
+      for (int n = 0; n <= 6; ++n) {
+        const std::string text = arr + "]";
+        EXPECT_EQ(matches(g, text), n >= min && (max < 0 || n <= max)) << schema.dump() << " " << text;
+        arr += (n ? ", " : "") + std::to_string(n);
+      }
+    }
 }
 
 TEST(Grammar, JsonSchemaTuplesAndRecursion) {

@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <regex>
 #include <thread>
 
 #include "config/speculative_config.h"
@@ -22,6 +23,9 @@
 #include "engine/block_manager.h"
 #include "engine/llm_engine.h"
 #include "engine/memory_plan.h"
+#include "io/tokenizer/tokenizer.h"
+#include "text/grammar/matcher.h"
+#include "text/grammar/regex.h"
 
 namespace fs = std::filesystem;
 using namespace kvlm;
@@ -217,6 +221,7 @@ struct Collected {
   std::vector<TokenId> tokens;
   std::vector<TokenLogprobs> logprobs, prompt_logprobs;
   FinishReason reason = FinishReason::None;
+  std::string error;
   int outputs = 0, cached = 0, finishes = 0;
 };
 
@@ -236,6 +241,7 @@ EngineRequest make(const std::string& id, std::vector<TokenId> prompt, int max_t
     ++c.outputs;
     if (o.finished) {
       c.reason = o.finish_reason;
+      c.error = o.error;
       ++c.finishes;
     }
     return true;
@@ -1056,3 +1062,68 @@ TEST(AsyncEngine, ShutdownWithoutDrainAbortsInFlightRequests) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- structured outputs
+// Constrained requests (a grammar masks what they draw, sampled at temperature 1) beside
+// unconstrained ones in the same batches: every constrained output matches its grammar and
+// ends with "stop"; the unconstrained outputs are those of running alone; logit_bias moves
+// the greedy choice; a grammar no token can spell fails its request and nothing else.
+TEST(StructuredOutputs, ConstrainedBesideUnconstrained) {
+  const fs::path tiny = fs::path(KVLM_TEST_DATA) / ".." / "models" / "kvlm-tiny";
+  auto e = load(tiny);
+  const Tokenizer tok = Tokenizer::load(tiny / "tokenizer.json");
+  const int vocab = e->config().vocab_size;
+  auto tv = std::make_shared<const grammar::TokenVocab>(tok, vocab);
+  const std::string pattern = "[0-9]{2,4}-[a-c]+( ok)?";
+  auto regex = std::make_shared<const grammar::CompiledGrammar>(grammar::regex_grammar(pattern), tv);
+  // A vocabulary that spells only a..k, and a grammar that needs a z.
+  std::vector<std::string> letters(size_t(vocab), "");
+  for (int i = 0; i < 11; ++i) letters[size_t(10 + i)] = std::string(1, char('a' + i));
+  auto no_z = std::make_shared<const grammar::CompiledGrammar>(grammar::parse_gbnf("root ::= \"z\"\n"),
+                                                               std::make_shared<const grammar::TokenVocab>(letters));
+
+  std::mt19937 rng(3);
+  std::vector<std::vector<TokenId>> plain_prompts;
+  std::vector<std::vector<TokenId>> expected;
+  for (int i = 0; i < 3; ++i) {
+    plain_prompts.push_back(random_prompt(rng, 10 + i * 7, vocab));
+    expected.push_back(one_at_a_time(*e, plain_prompts.back(), 12));
+  }
+  // The most likely token after a prompt, to bias against (generate() sizes its own pool: it
+  // runs before the engine's).
+  const std::vector<TokenId> p = tok.encode("12+35=");
+  const TokenId top = one_at_a_time(*e, p, 1)[0];
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 8, .max_num_batched_tokens = 64, .max_model_len = 256,
+                                   .enable_prefix_caching = true, .num_blocks = 256});
+  for (int i = 0; i < 3; ++i) le.add_request(make("plain" + std::to_string(i), plain_prompts[size_t(i)], 12, out));
+  for (int i = 0; i < 8; ++i) {
+    EngineRequest r = make("json" + std::to_string(i), tok.encode("Code number " + std::to_string(i) + ":"), 200, out);
+    r.sampling.temperature = 1.0f;
+    r.seed = uint64_t(100 + i);
+    r.ignore_eos = false;
+    r.constraint = std::make_shared<grammar::Constraint>(regex);
+    le.add_request(std::move(r));
+  }
+  EngineRequest biased = make("biased", p, 1, out);
+  biased.logit_bias = {{top, -100.0f}, {TokenId(7), 100.0f}};
+  le.add_request(std::move(biased));
+  EngineRequest stuck = make("stuck", p, 5, out);
+  stuck.constraint = std::make_shared<grammar::Constraint>(no_z);
+  le.add_request(std::move(stuck));
+  run_to_end(le);
+
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(out["plain" + std::to_string(i)].tokens, expected[size_t(i)]) << i << " " << out["plain" + std::to_string(i)].error;
+  for (int i = 0; i < 8; ++i) {
+    const Collected& c = out["json" + std::to_string(i)];
+    std::string text;
+    for (TokenId t : c.tokens) text += tok.token_bytes(t);
+    EXPECT_TRUE(std::regex_match(text, std::regex(pattern))) << "'" << text << "'";
+    EXPECT_EQ(c.reason, FinishReason::Stop) << text;
+  }
+  EXPECT_EQ(out["biased"].tokens, std::vector<TokenId>{7});
+  EXPECT_EQ(out["stuck"].reason, FinishReason::Error);
+  EXPECT_TRUE(out["stuck"].tokens.empty());
+  EXPECT_EQ(le.blocks().num_used(), 0) << "pages leaked";
+}

@@ -1,5 +1,6 @@
 #include "text/grammar/json_schema.h"
 
+#include <climits>
 #include <cmath>
 #include <set>
 #include <unordered_map>
@@ -116,19 +117,20 @@ class SchemaConverter {
 
   uint32_t number_rule() {
     if (number_) return *number_;
-    // -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [-+]? [0-9]+)?
+    // -? (0 | [1-9][0-9]{0,15}) (. [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})?: a double's
+    // precision and range, so that a model cannot write digits until max_tokens.
     Sequence s;
     Sequence minus = lit("-");
     g_.append_repeat(s, minus, 0, 1, "number");
     Sequence digits{Symbol::chars({{'1', '9'}})};
-    g_.append_repeat(digits, {Symbol::chars({{'0', '9'}})}, 0, -1, "digits");
+    g_.append_repeat(digits, {Symbol::chars({{'0', '9'}})}, 0, 15, "digits");
     g_.append_group(s, {lit("0"), digits}, "integral");
     Sequence frac = lit(".");
-    g_.append_repeat(frac, {Symbol::chars({{'0', '9'}})}, 1, -1, "fraction");
+    g_.append_repeat(frac, {Symbol::chars({{'0', '9'}})}, 1, 16, "fraction");
     g_.append_repeat(s, frac, 0, 1, "fraction");
     Sequence exp{Symbol::chars({{'E', 'E'}, {'e', 'e'}})};
     g_.append_repeat(exp, {Symbol::chars({{'+', '+'}, {'-', '-'}})}, 0, 1, "exponent");
-    g_.append_repeat(exp, {Symbol::chars({{'0', '9'}})}, 1, -1, "exponent");
+    g_.append_repeat(exp, {Symbol::chars({{'0', '9'}})}, 1, 3, "exponent");
     g_.append_repeat(s, exp, 0, 1, "exponent");
     number_ = rule("number", {s});
     return *number_;
@@ -175,23 +177,13 @@ class SchemaConverter {
     return v;
   }
 
-  // Non-negative decimals in [lo, hi] (hi = UINT64_MAX: unbounded), after `prefix`.
+  // Non-negative decimals in [lo, hi], after `prefix`.
   void nonneg(std::vector<Sequence>& out, const Sequence& prefix, uint64_t lo, uint64_t hi) {
-    const size_t lo_len = std::to_string(lo).size();
-    const size_t hi_len = hi == UINT64_MAX ? 19 : std::to_string(hi).size();
+    const size_t lo_len = std::to_string(lo).size(), hi_len = std::to_string(hi).size();
     for (size_t len = lo_len; len <= hi_len; ++len) {
       const uint64_t a = std::max(lo, len == 1 ? 0 : pow10(len - 1));
       const uint64_t b = std::min(hi, pow10(len) - 1);
-      if (a > b) continue;
-      if (hi == UINT64_MAX && len == hi_len) break;
-      same_length(out, prefix, std::to_string(a), std::to_string(b));
-    }
-    if (hi == UINT64_MAX) {
-      // Every number longer than the bounded lengths above: [1-9][0-9]{18,}.
-      Sequence s = prefix;
-      s.push_back(digit_range('1', '9'));
-      g_.append_repeat(s, {digit_range('0', '9')}, 18, -1, "digits");
-      out.push_back(std::move(s));
+      if (a <= b) same_length(out, prefix, std::to_string(a), std::to_string(b));
     }
   }
 
@@ -210,15 +202,17 @@ class SchemaConverter {
     if (auto v = bound("maximum")) hi = int64_t(std::floor(*v));
     if (auto v = bound("exclusiveMaximum")) hi = std::min(hi.value_or(INT64_MAX), int64_t(std::ceil(*v)) - 1);
     if (lo && hi && *lo > *hi) fail(path, "no integer lies between its minimum and maximum");
+    // Unbounded sides stop at 18 digits, so that a model cannot write digits until
+    // max_tokens (the numbers any int64 reader takes).
+    constexpr int64_t kLargest = 999999999999999999;
+    if (!lo) lo = -kLargest;
+    if (!hi) hi = kLargest;
+    if (*lo > kLargest || *hi < -kLargest) fail(path, "bounds beyond +-10^18 are not supported");
     std::vector<Sequence> alts;
     const Sequence minus = lit("-");
     // Negative part: -k for k in [max(1, -hi), -lo].
-    if (!lo || *lo < 0) {
-      const uint64_t kmin = hi && *hi < 0 ? uint64_t(-*hi) : 1;
-      const uint64_t kmax = lo ? uint64_t(-*lo) : UINT64_MAX;
-      nonneg(alts, minus, kmin, kmax);
-    }
-    if (!hi || *hi >= 0) nonneg(alts, {}, lo && *lo > 0 ? uint64_t(*lo) : 0, hi ? uint64_t(*hi) : UINT64_MAX);
+    if (*lo < 0) nonneg(alts, minus, *hi < 0 ? uint64_t(-*hi) : 1, uint64_t(-std::max(*lo, -kLargest)));
+    if (*hi >= 0) nonneg(alts, {}, *lo > 0 ? uint64_t(*lo) : 0, uint64_t(std::min(*hi, kLargest)));
     return rule("integer", std::move(alts));
   }
 
@@ -454,19 +448,19 @@ class SchemaConverter {
       return q;
     };
     Sequence items;  // what follows "[" ws
-    if (hi == 0) {
-      // nothing
-    } else {
-      // Build from the end: after_k = items k.. (k >= 1).
-      std::optional<uint32_t> after;  // rule for items from index k onwards
-      const int bounded_end = std::max(np, min);  // indices below this are written one by one
-      if (rest && (hi < 0 || hi > bounded_end)) {
-        const Sequence ci = comma_item(*rest);
+    if (hi != 0) {
+      // Item 0, then items 1 .. fixed_end - 1 one by one (the prefix, and enough to reach
+      // minItems), then a repetition of `rest` up to maxItems.
+      const int fixed_end = std::max(np, min);
+      const int limit = hi < 0 ? INT_MAX : hi;
+      const int tail_start = std::max(fixed_end, 1);
+      std::optional<uint32_t> after;  // the items after the ones written so far
+      if (rest && limit > tail_start) {
         Sequence tail;
-        g_.append_repeat(tail, ci, 0, hi < 0 ? -1 : hi - bounded_end, "items");
+        g_.append_repeat(tail, comma_item(*rest), 0, hi < 0 ? -1 : limit - tail_start, "items");
         after = rule("items", {tail});
       }
-      for (int k = std::min(bounded_end, hi < 0 ? bounded_end : hi) - 1; k >= 1; --k) {
+      for (int k = std::min(fixed_end, limit) - 1; k >= 1; --k) {
         Sequence q = comma_item(elem(k));
         if (after) q.push_back(Symbol::ref(*after));
         std::vector<Sequence> a{q};

@@ -10,7 +10,10 @@
 //   string: minLength, maxLength (code points), pattern (regex.h, whole-string match),
 //     format date / time / date-time / uuid / email / ipv4;
 //   integer: minimum, maximum, exclusiveMinimum, exclusiveMaximum (exact ranges);
-//   number: no bounds.
+//   number: no bounds (refused).
+// Numbers are written with at most 16 digits before and after the point and a 3-digit
+// exponent (a double's precision and range), integers without a bound with at most 18
+// digits: every output stays valid, and a model cannot write digits until max_tokens.
 // Annotations (title, description, default, examples, $schema, $id, $comment, deprecated,
 // readOnly, writeOnly, strict) are ignored. Between tokens the grammar allows nothing, one
 // space, or a line break and up to 24 tabs or spaces of indentation: compact and
