@@ -1,5 +1,6 @@
 #include "server/protocol.h"
 
+#include <algorithm>
 #include <cctype>
 #include <climits>
 #include <cstdio>
@@ -390,6 +391,32 @@ Json normalize_messages(const Json& b) {
     } else if (content && !content->is_string()) {
       bad(where + ".content must be a string or a list of content parts, got " + kind(*content), "messages");
     }
+    if (auto tc = nm.find("tool_calls"); tc != nm.end()) {
+      if (tc->is_null() || (tc->is_array() && tc->empty())) {
+        nm.erase(tc);  // templates test `'tool_calls' in message`
+      } else {
+        if (!tc->is_array()) bad(where + ".tool_calls must be a list, got " + kind(*tc), "messages");
+        for (size_t j = 0; j < tc->size(); ++j) {
+          Json& call = (*tc)[j];
+          const std::string cw = where + ".tool_calls[" + std::to_string(j) + "]";
+          if (!call.is_object()) bad(cw + " must be an object", "messages");
+          Json* fn = call.contains("function") ? &call["function"] : nullptr;
+          if (!fn || !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string())
+            bad(cw + ".function.name must be a string", "messages");
+          // OpenAI sends arguments as a JSON string; the templates iterate them as a mapping
+          // (vLLM parses them the same way).
+          if (auto a = fn->find("arguments"); a != fn->end() && a->is_string()) {
+            try {
+              *a = Json::parse(a->get<std::string>());
+            } catch (const Json::parse_error&) {
+              bad(cw + ".function.arguments is not valid JSON", "messages");
+            }
+          }
+        }
+        if (!field(nm, "content")) nm["content"] = "";  // templates test and slice it
+      }
+    }
+    if (nm["role"] == "tool" && !field(nm, "content")) nm["content"] = "";
     out.push_back(std::move(nm));
   }
   return out;
@@ -447,6 +474,83 @@ Json parse_body(std::string_view body, const ApiLimits& limits) {
   return j;
 }
 
+namespace {
+
+// tools / tool_choice / parallel_tool_calls: the tools go to the chat template; the replies'
+// calls are parsed (auto) or forced by a grammar (required, a named function).
+void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
+  if (field(b, "functions") || field(b, "function_call"))
+    bad("functions / function_call are OpenAI's deprecated names; send tools / tool_choice", field(b, "functions") ? "functions" : "function_call");
+  const Json* tools = field(b, "tools");
+  if (tools && !tools->is_array()) bad("tools must be a list, got " + kind(*tools), "tools");
+  std::vector<std::string> names;
+  if (tools) {
+    if (tools->size() > 128) bad("tools may hold at most 128 functions", "tools");
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const Json& t = (*tools)[i];
+      const std::string w = "tools[" + std::to_string(i) + "]";
+      if (!t.is_object()) bad(w + " must be an object", "tools");
+      const Json* type = field(t, "type");
+      if (!type || *type != "function") bad(w + ".type must be \"function\"", "tools");
+      const Json* fn = field(t, "function");
+      if (!fn || !fn->is_object()) bad(w + ".function must be an object", "tools");
+      const Json* name = field(*fn, "name");
+      if (!name || !name->is_string()) bad(w + ".function.name must be a string", "tools");
+      const std::string& n = name->get_ref<const std::string&>();
+      if (n.empty() || n.size() > 64 || n.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.") != std::string::npos)
+        bad(w + ".function.name must be 1-64 letters, digits, '_', '-' or '.', got '" + n.substr(0, 80) + "'", "tools");
+      if (std::find(names.begin(), names.end(), n) != names.end()) bad(w + ": the function '" + n + "' is listed twice", "tools");
+      names.push_back(n);
+      if (const Json* params = field(*fn, "parameters"); params && !params->is_object())
+        bad(w + ".function.parameters must be a JSON schema object", "tools");
+    }
+  }
+  // tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}.
+  std::string choice = tools && !tools->empty() ? "auto" : "none";
+  std::string named;
+  if (const Json* tc = field(b, "tool_choice")) {
+    if (tc->is_string()) {
+      choice = tc->get<std::string>();
+      if (choice != "none" && choice != "auto" && choice != "required")
+        bad("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice");
+    } else if (tc->is_object()) {
+      const Json* fn = field(*tc, "function");
+      const Json* name = fn && fn->is_object() ? field(*fn, "name") : nullptr;
+      if (!name || !name->is_string()) bad("tool_choice must name a function: {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice");
+      named = name->get<std::string>();
+      if (std::find(names.begin(), names.end(), named) == names.end())
+        bad("tool_choice names '" + named + "', which is not among tools", "tool_choice");
+      choice = "named";
+    } else {
+      bad("tool_choice must be a string or an object, got " + kind(*tc), "tool_choice");
+    }
+    if (choice != "none" && names.empty()) bad("tool_choice \"" + choice + "\" needs tools", "tool_choice");
+  }
+  const bool parallel = opt_bool(b, "parallel_tool_calls").value_or(true);
+  if (!tools || tools->empty()) return;
+  r.template_kwargs["tools"] = *tools;  // rendered by the template whatever the choice
+  if (choice == "none") return;
+  if (info.tool_parser == ToolParser::None)
+    bad("this model's chat template has no tool-call format kvlm knows; start the server with --tool-call-parser "
+        "hermes or llama3_json, or send tool_choice \"none\"",
+        "tools");
+  r.gen.tool_parser = info.tool_parser;
+  if (choice == "auto") return;
+  if (r.gen.grammar) bad("tool_choice \"" + choice + "\" and an output format cannot both constrain the reply", "tool_choice");
+  Json chosen = Json::array();
+  for (const Json& t : *tools)
+    if (choice == "required" || t["function"]["name"] == named) chosen.push_back(t);
+  try {
+    r.gen.grammar = std::make_shared<const grammar::Grammar>(tool_call_grammar(info.tool_parser, chosen, parallel && choice == "required"));
+  } catch (const Error& e) {
+    bad(e.what(), "tools");
+  }
+  r.gen.grammar_key = "tools\n" + std::string(tool_parser_name(info.tool_parser)) + "\n" + choice + "\n" +
+                      (parallel ? "1" : "0") + chosen.dump();
+}
+
+}  // namespace
+
 CompletionRequest parse_completion_request(const Json& b, const ModelInfo& info, const ApiLimits& lim) {
   check_model(b, info);
   CompletionRequest r;
@@ -494,14 +598,7 @@ ChatRequest parse_chat_request(const Json& b, const ModelInfo& info, const ApiLi
     for (const char* reserved : {"messages", "add_generation_prompt"}) r.template_kwargs.erase(reserved);
   }
   if (field(b, "chat_template")) bad("a chat_template in the request is not supported; the model's template is used", "chat_template");
-  for (const char* key : {"tools", "functions"})
-    if (const Json* t = field(b, key)) {
-      if (!t->is_array()) bad(std::string(key) + " must be a list, got " + kind(*t), key);
-      if (!t->empty()) bad("tool calling is not supported by kvlm yet", key);
-    }
-  if (const Json* tc = field(b, "tool_choice"))
-    if (!(tc->is_string() && tc->get_ref<const std::string&>() == "none"))
-      bad("tool calling is not supported by kvlm yet (tool_choice may only be \"none\")", "tool_choice");
+  parse_tools(b, info, r);
   check_choices(r.gen, 1, lim);
   return r;
 }

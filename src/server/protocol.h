@@ -21,6 +21,7 @@
 #include "sampling/sampler.h"  // TokenLogprobs
 #include "text/grammar/grammar.h"
 #include "engine/request.h"    // FinishReason
+#include "server/tool_calls.h"
 
 namespace kvlm::server {
 
@@ -67,6 +68,9 @@ struct ModelInfo {
   bool has_chat_template = false;
   std::optional<float> default_temperature, default_top_p;  // generation_config.json
   std::optional<int> default_top_k;
+  // The format the model writes tool calls in (--tool-call-parser, or found in its chat
+  // template); None: requests with tools are refused unless tool_choice is "none".
+  ToolParser tool_parser = ToolParser::None;
 };
 
 // The generation parameters shared by both endpoints, validated.
@@ -95,6 +99,8 @@ struct GenParams {
   // cache of compiled grammars. Null: unconstrained.
   std::shared_ptr<const grammar::Grammar> grammar;
   std::string grammar_key;
+  // Chat with tools: the replies' tool calls are pulled out of the text in this format.
+  ToolParser tool_parser = ToolParser::None;
 };
 
 struct Prompt {
@@ -111,7 +117,7 @@ struct ChatRequest {
   GenParams gen;
   Json messages;                      // content normalized to strings
   bool add_generation_prompt = true;
-  Json template_kwargs = Json::object();  // chat_template_kwargs (enable_thinking, ...)
+  Json template_kwargs = Json::object();  // chat_template_kwargs (enable_thinking, ...); `tools` too
 };
 
 // Parses a request body. Throws ApiError 400 for malformed JSON, a non-object body, or

@@ -122,16 +122,38 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
       }
     }
     const bool new_tokens = gen_.return_token_ids && r.tokens.size() > mk.tokens;
-    if (text.empty() && lp.is_null() && !ok_finish && !new_tokens) continue;
+    // Chat with tools: the text goes through the tool-call parser (calls whole, in one delta).
+    std::string content = text;
+    Json calls = Json::array();
+    Record& rw = recs_[size_t(ci)];
+    if (ep_ == Endpoint::Chat && gen_.tool_parser != ToolParser::None) {
+      if (!rw.tools) rw.tools.emplace(gen_.tool_parser);
+      ToolCallStream::Out o = rw.tools->push(text);
+      if (finished_now) {
+        ToolCallStream::Out f = rw.tools->finish();
+        o.content += f.content;
+        for (auto& c : f.calls) o.calls.push_back(std::move(c));
+      }
+      content = std::move(o.content);
+      for (const ToolCall& call : o.calls)
+        calls.push_back(Json{{"index", rw.tool_calls_sent++},
+                             {"id", call.id},
+                             {"type", "function"},
+                             {"function", Json{{"name", call.name}, {"arguments", call.arguments}}}});
+    }
+    if (content.empty() && calls.empty() && lp.is_null() && !ok_finish && !new_tokens) continue;
     Json c = Json::object();
     c["index"] = ci;
     if (ep_ == Endpoint::Completions) {
-      c["text"] = text;
+      c["text"] = content;
     } else {
-      c["delta"] = text.empty() ? Json::object() : Json{{"content", text}};
+      Json delta = Json::object();
+      if (!content.empty()) delta["content"] = content;
+      if (!calls.empty()) delta["tool_calls"] = std::move(calls);
+      c["delta"] = std::move(delta);
     }
     c["logprobs"] = lp;
-    c["finish_reason"] = ok_finish ? Json(finish_reason_str(r.reason)) : Json(nullptr);
+    c["finish_reason"] = ok_finish ? Json(finish_str(r, rw.tool_calls_sent > 0)) : Json(nullptr);
     if (ok_finish) c["stop_reason"] = r.stop_reason;
     if (gen_.return_token_ids) {
       std::vector<TokenId> toks(r.tokens.begin() + std::ptrdiff_t(mk.tokens), r.tokens.end());
@@ -142,6 +164,10 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
     out += sse_event(j);
   }
   return out;
+}
+
+std::string ResponseAssembler::finish_str(const Record& r, bool made_calls) const {
+  return made_calls && r.reason == FinishReason::Stop ? "tool_calls" : finish_reason_str(r.reason);
 }
 
 Json ResponseAssembler::usage() const {
@@ -186,11 +212,27 @@ Json ResponseAssembler::response() const {
     if (ep_ == Endpoint::Completions) {
       c["text"] = r.text;
       c["logprobs"] = gen_.logprobs ? r.lp.to_json() : Json(nullptr);
+      c["finish_reason"] = finish_reason_str(r.reason);
     } else {
-      c["message"] = Json{{"role", "assistant"}, {"content", r.text}};
+      Json msg = Json{{"role", "assistant"}, {"content", r.text}};
+      bool made_calls = false;
+      if (gen_.tool_parser != ToolParser::None) {
+        ExtractedCalls x = extract_tool_calls(gen_.tool_parser, r.text);
+        if (!x.calls.empty()) {
+          made_calls = true;
+          msg["content"] = x.content.empty() ? Json(nullptr) : Json(x.content);
+          Json calls = Json::array();
+          for (const ToolCall& call : x.calls)
+            calls.push_back(Json{{"id", call.id},
+                                 {"type", "function"},
+                                 {"function", Json{{"name", call.name}, {"arguments", call.arguments}}}});
+          msg["tool_calls"] = std::move(calls);
+        }
+      }
+      c["message"] = std::move(msg);
       c["logprobs"] = gen_.logprobs ? Json{{"content", r.chat_lp}} : Json(nullptr);
+      c["finish_reason"] = finish_str(r, made_calls);
     }
-    c["finish_reason"] = finish_reason_str(r.reason);
     c["stop_reason"] = r.stop_reason;
     if (gen_.return_token_ids) {
       c["token_ids"] = r.tokens;

@@ -52,7 +52,11 @@ class ResponseAssembler {
     FinishReason reason = FinishReason::None;
     Json stop_reason = nullptr;
     int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+    std::optional<ToolCallStream> tools;  // streaming chat with tools
+    int tool_calls_sent = 0;
   };
+  // A finish reason as the client sees it: "tool_calls" for a reply that made calls.
+  std::string finish_str(const Record& r, bool made_calls) const;
   void fold(const ChoiceEvent& ev);  // one event into its choice's record
   Json chunk_base() const;
   Json finish_json(const Record& r) const;

@@ -99,6 +99,18 @@ void Grammar::append_repeat(Sequence& s, const Sequence& item, int min, int max,
   if (inner != UINT32_MAX) s.push_back(Symbol::ref(inner));
 }
 
+uint32_t Grammar::embed(const Grammar& other, std::string_view prefix) {
+  std::vector<uint32_t> ids(other.rules_.size());
+  for (size_t i = 0; i < other.rules_.size(); ++i) ids[i] = add_rule(std::string(prefix) + other.rules_[i].name);
+  for (size_t i = 0; i < other.rules_.size(); ++i)
+    for (Sequence alt : other.rules_[i].alts) {
+      for (Symbol& s : alt)
+        if (s.kind == Symbol::Kind::Ref) s.rule = ids[s.rule];
+      rules_[ids[i]].alts.push_back(std::move(alt));
+    }
+  return ids[other.root_];
+}
+
 void Grammar::validate() const {
   if (rules_.empty()) throw Error("the grammar has no rules");
   for (const Rule& r : rules_)

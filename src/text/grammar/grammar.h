@@ -52,6 +52,10 @@ class Grammar {
   // A rule with the given alternatives, referenced from `s`.
   void append_group(Sequence& s, std::vector<Sequence> alts, std::string_view hint);
 
+  // Copies `other`'s rules into this grammar (names prefixed) and returns the rule its root
+  // became: grammars built separately (a tool's arguments schema) compose into one.
+  uint32_t embed(const Grammar& other, std::string_view prefix);
+
   // Throws kvlm::Error naming the rule: a rule without alternatives (an undefined name),
   // a rule that can reach itself without consuming a character (left recursion, which a
   // top-down matcher cannot run), or more rules than the matcher handles.

@@ -1,0 +1,289 @@
+#include "server/tool_calls.h"
+
+#include <random>
+
+#include "core/error.h"
+#include "text/grammar/json_schema.h"
+
+namespace kvlm::server {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>", kPythonTag = "<|python_tag|>";
+
+std::string call_id() {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static const char* hex = "0123456789abcdef";
+  std::string id = "call_";
+  for (int i = 0; i < 24; ++i) id += hex[rng() & 15];
+  return id;
+}
+
+std::string_view trim(std::string_view s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return {};
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+// {"name": ..., "arguments" | "parameters": {...}} as a call; nullopt when it is not one.
+std::optional<ToolCall> call_of(std::string_view text) {
+  Json j;
+  try {
+    j = Json::parse(text);
+  } catch (const Json::parse_error&) {
+    return std::nullopt;
+  }
+  if (!j.is_object()) return std::nullopt;
+  auto name = j.find("name");
+  if (name == j.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) return std::nullopt;
+  auto args = j.find("arguments");
+  if (args == j.end()) args = j.find("parameters");
+  Json a = args == j.end() || args->is_null() ? Json::object() : *args;
+  if (a.is_string()) {  // some models write the arguments as a JSON string
+    try {
+      a = Json::parse(a.get<std::string>());
+    } catch (const Json::parse_error&) {
+      return std::nullopt;
+    }
+  }
+  if (!a.is_object()) return std::nullopt;
+  return ToolCall{call_id(), name->get<std::string>(), a.dump()};
+}
+
+// Llama 3 JSON calls: one or more objects separated by ';' (and whitespace). nullopt when
+// the text is anything else.
+std::optional<std::vector<ToolCall>> llama_calls(std::string_view text) {
+  text = trim(text);
+  if (text.starts_with(kPythonTag)) text = trim(text.substr(kPythonTag.size()));
+  std::vector<ToolCall> calls;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] != '{') return std::nullopt;
+    // The object's end: braces outside strings.
+    int depth = 0;
+    bool in_str = false, esc = false;
+    size_t j = i;
+    for (; j < text.size(); ++j) {
+      const char c = text[j];
+      if (in_str) {
+        if (esc) esc = false;
+        else if (c == '\\') esc = true;
+        else if (c == '"') in_str = false;
+      } else if (c == '"') {
+        in_str = true;
+      } else if (c == '{') {
+        ++depth;
+      } else if (c == '}' && --depth == 0) {
+        break;
+      }
+    }
+    if (j == text.size()) return std::nullopt;
+    auto call = call_of(text.substr(i, j + 1 - i));
+    if (!call) return std::nullopt;
+    calls.push_back(std::move(*call));
+    i = j + 1;
+    while (i < text.size() && (text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == ';')) ++i;
+  }
+  if (calls.empty()) return std::nullopt;
+  return calls;
+}
+
+// The length of the longest suffix of `s` that is a proper prefix of `tag`.
+size_t partial_tag(std::string_view s, std::string_view tag) {
+  for (size_t n = std::min(s.size(), tag.size() - 1); n > 0; --n)
+    if (s.substr(s.size() - n) == tag.substr(0, n)) return n;
+  return 0;
+}
+
+}  // namespace
+
+ToolParser parse_tool_parser(std::string_view name) {
+  if (name == "hermes" || name == "qwen" || name == "qwen3") return ToolParser::Hermes;
+  if (name == "llama3_json" || name == "llama3" || name == "llama4_json") return ToolParser::Llama3Json;
+  if (name == "none") return ToolParser::None;
+  throw Error("--tool-call-parser '" + std::string(name) +
+              "' is not one kvlm has; valid: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, 3.2), none");
+}
+
+std::string_view tool_parser_name(ToolParser p) {
+  switch (p) {
+    case ToolParser::Hermes: return "hermes";
+    case ToolParser::Llama3Json: return "llama3_json";
+    default: return "none";
+  }
+}
+
+ToolParser detect_tool_parser(std::string_view tpl) {
+  if (tpl.find("<tool_call>") != std::string_view::npos) return ToolParser::Hermes;
+  if (tpl.find("\"parameters\"") != std::string_view::npos && tpl.find("ipython") != std::string_view::npos)
+    return ToolParser::Llama3Json;
+  return ToolParser::None;
+}
+
+ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text) {
+  ExtractedCalls out;
+  if (p == ToolParser::Llama3Json) {
+    if (auto calls = llama_calls(text)) out.calls = std::move(*calls);
+    else out.content = std::string(text);
+    return out;
+  }
+  if (p != ToolParser::Hermes) {
+    out.content = std::string(text);
+    return out;
+  }
+  ToolCallStream s(p);
+  ToolCallStream::Out a = s.push(text), b = s.finish();
+  out.content = a.content + b.content;
+  out.calls = std::move(a.calls);
+  for (auto& c : b.calls) out.calls.push_back(std::move(c));
+  if (!out.calls.empty()) out.content = std::string(trim(out.content));
+  return out;
+}
+
+ToolCallStream::Out ToolCallStream::push(std::string_view text) {
+  Out out;
+  pending_ += text;
+  if (p_ == ToolParser::Llama3Json) {
+    // A reply is a call when it starts with '{' (or the python tag): held to the end.
+    if (!decided_) {
+      const std::string_view t = trim(pending_);
+      if (t.empty()) return out;
+      if (t.front() == '{' || t.starts_with(kPythonTag)) {
+        in_call_ = true;
+      } else if (!std::string_view(kPythonTag).starts_with(t)) {
+        in_call_ = false;
+      } else {
+        return out;  // may still become the python tag
+      }
+      decided_ = true;
+    }
+    if (!in_call_) {
+      out.content = std::move(pending_);
+      pending_.clear();
+    }
+    return out;
+  }
+  if (p_ != ToolParser::Hermes) {
+    out.content = std::move(pending_);
+    pending_.clear();
+    return out;
+  }
+  for (;;) {
+    if (!in_call_) {
+      const size_t at = pending_.find(kOpen);
+      if (at != std::string::npos) {
+        out.content += pending_.substr(0, at);
+        pending_.erase(0, at + kOpen.size());
+        in_call_ = true;
+        continue;
+      }
+      const size_t hold = partial_tag(pending_, kOpen);
+      out.content += pending_.substr(0, pending_.size() - hold);
+      pending_.erase(0, pending_.size() - hold);
+      break;
+    }
+    const size_t end = pending_.find(kClose);
+    if (end == std::string::npos) break;
+    if (auto call = call_of(trim(std::string_view(pending_).substr(0, end)))) {
+      out.calls.push_back(std::move(*call));
+      ++calls_;
+    } else {
+      out.content += std::string(kOpen) + pending_.substr(0, end + kClose.size());  // not a call: text
+    }
+    pending_.erase(0, end + kClose.size());
+    in_call_ = false;
+  }
+  // Between and after calls, whitespace is layout, not content.
+  if (calls_ > 0 && trim(out.content).empty()) out.content.clear();
+  return out;
+}
+
+ToolCallStream::Out ToolCallStream::finish() {
+  Out out;
+  if (p_ == ToolParser::Llama3Json) {
+    if (in_call_ || !decided_) {
+      if (auto calls = llama_calls(pending_)) {
+        out.calls = std::move(*calls);
+        calls_ += int(out.calls.size());
+      } else {
+        out.content = std::move(pending_);
+      }
+    } else {
+      out.content = std::move(pending_);
+    }
+    pending_.clear();
+    return out;
+  }
+  if (in_call_) {
+    // The reply ended inside a call (EOS before </tool_call>): a call if the JSON is whole.
+    if (auto call = call_of(trim(pending_))) {
+      out.calls.push_back(std::move(*call));
+      ++calls_;
+    } else {
+      out.content = std::string(kOpen) + pending_;
+    }
+  } else {
+    out.content = std::move(pending_);
+  }
+  pending_.clear();
+  in_call_ = false;
+  if (calls_ > 0 && trim(out.content).empty()) out.content.clear();
+  return out;
+}
+
+grammar::Grammar tool_call_grammar(ToolParser p, const Json& tools, bool parallel) {
+  using grammar::Grammar;
+  using grammar::Sequence;
+  using grammar::Symbol;
+  if (p == ToolParser::None) throw Error("no tool-call format to constrain to");
+  Grammar g;
+  const uint32_t root = g.add_rule("root");
+  const uint32_t call = g.add_rule("call");
+  const char* args_key = p == ToolParser::Hermes ? "arguments" : "parameters";
+  Sequence sp;
+  g.append_repeat(sp, {Symbol::ch(' ')}, 0, 1, "sp");
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const Json& fn = tools[i].at("function");
+    const std::string name = fn.at("name").get<std::string>();
+    Json params = fn.contains("parameters") && !fn["parameters"].is_null() ? fn["parameters"] : Json{{"type", "object"}};
+    uint32_t args;
+    try {
+      args = g.embed(grammar::json_schema_grammar(params), "t" + std::to_string(i) + "-");
+    } catch (const Error& e) {
+      throw Error("tools[" + std::to_string(i) + "] ('" + name + "') parameters: " + e.what());
+    }
+    // {"name": "NAME", "arguments": ARGS}
+    Sequence body;
+    Grammar::append_literal(body, "{\"name\":");
+    body.insert(body.end(), sp.begin(), sp.end());
+    Grammar::append_literal(body, Json(name).dump() + ",");
+    body.insert(body.end(), sp.begin(), sp.end());
+    Grammar::append_literal(body, "\"" + std::string(args_key) + "\":");
+    body.push_back(Symbol::ref(args));  // its root allows leading whitespace
+    Grammar::append_literal(body, "}");
+    if (p == ToolParser::Hermes) {
+      Sequence wrapped;
+      Grammar::append_literal(wrapped, "<tool_call>\n");
+      wrapped.insert(wrapped.end(), body.begin(), body.end());
+      Grammar::append_literal(wrapped, "\n</tool_call>");
+      g.add_alt(call, std::move(wrapped));
+    } else {
+      g.add_alt(call, std::move(body));
+    }
+  }
+  Sequence r{Symbol::ref(call)};
+  if (parallel) {
+    Sequence more;
+    Grammar::append_literal(more, p == ToolParser::Hermes ? "\n" : "; ");
+    more.push_back(Symbol::ref(call));
+    g.append_repeat(r, more, 0, 7, "calls");  // at most 8 calls in one reply
+  }
+  g.add_alt(root, std::move(r));
+  g.set_root(root);
+  g.validate();
+  return g;
+}
+
+}  // namespace kvlm::server

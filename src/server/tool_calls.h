@@ -1,0 +1,72 @@
+// Tool calling: the model's tool-call text pulled out of a chat completion into OpenAI's
+// `tool_calls`, whole or streamed, and the grammar that forces a call when the request's
+// tool_choice is "required" or names a function. Two formats, chosen by --tool-call-parser
+// as in vLLM:
+//   hermes       Hermes / Qwen 2.5 / Qwen 3: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>,
+//                one block per call, text around them is content;
+//   llama3_json  Llama 3.1 / 3.2: the whole reply is {"name": ..., "parameters": {...}}
+//                (optionally after <|python_tag|>), calls separated by ";".
+// A reply that does not hold a well-formed call is content, unchanged.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "text/grammar/grammar.h"
+
+namespace kvlm::server {
+
+enum class ToolParser { None, Hermes, Llama3Json };
+
+// "hermes", "llama3_json" (vLLM's names; "qwen" and "llama3" are accepted too); throws
+// kvlm::Error naming the valid values.
+ToolParser parse_tool_parser(std::string_view name);
+std::string_view tool_parser_name(ToolParser p);
+// The format a chat template writes tool calls in, from its text: Hermes' <tool_call> tags,
+// Llama's "parameters" JSON with ipython; None when it writes neither.
+ToolParser detect_tool_parser(std::string_view chat_template);
+
+struct ToolCall {
+  std::string id;         // "call_" + 24 hex digits
+  std::string name;
+  std::string arguments;  // JSON text of an object
+};
+
+struct ExtractedCalls {
+  std::string content;         // the text that is not a call (trimmed when there are calls)
+  std::vector<ToolCall> calls;
+};
+ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text);
+
+// The same while streaming: text in, content and completed calls out. Text that may begin a
+// call is held back until it is known (a call is sent whole, in one delta, once parsed).
+class ToolCallStream {
+ public:
+  explicit ToolCallStream(ToolParser p) : p_(p) {}
+  struct Out {
+    std::string content;
+    std::vector<ToolCall> calls;
+  };
+  Out push(std::string_view text);  // new text of the reply
+  Out finish();                     // the reply ended: what was held back
+  bool any_calls() const { return calls_ > 0; }
+
+ private:
+  ToolParser p_;
+  std::string pending_;
+  bool in_call_ = false;
+  bool decided_ = false;  // llama3_json: whether the reply is a call (starts with '{')
+  int calls_ = 0;
+};
+
+// The grammar of a reply that is one or more calls (parallel: more than one allowed) of the
+// given tools ({"type": "function", "function": {name, parameters}}), in the parser's format;
+// each call's arguments follow its function's parameters schema. Throws kvlm::Error naming
+// the tool whose schema cannot be enforced.
+grammar::Grammar tool_call_grammar(ToolParser p, const nlohmann::ordered_json& tools, bool parallel);
+
+}  // namespace kvlm::server
