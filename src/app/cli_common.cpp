@@ -3,9 +3,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 
 #include "core/error.h"
+#include "core/log.h"
 
 #ifndef KVLM_SOURCE_DIR
 #define KVLM_SOURCE_DIR ""
@@ -124,6 +126,144 @@ ModelOptions ModelFlags::model_options() const {
   o.quantization = quantization;
   if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
   return o;
+}
+
+}  // namespace kvlm::app
+
+namespace kvlm::app {
+
+void ServeExtraFlags::add_to(CLI::App& cmd) {
+  cmd.add_option("model_tag", model_positional, "the model directory, as in `vllm serve MODEL` (the same as --model)");
+  cmd.add_option("--chat-template", chat_template,
+                 "the chat template: a file, or the Jinja template itself (default: the tokenizer's)");
+  cmd.add_option("--tokenizer", tokenizer, "the directory of the tokenizer (default: the model's)");
+  cmd.add_option("--generation-config", generation_config,
+                 "sampling defaults: auto (the model's generation_config.json), vllm (none: vLLM's own "
+                 "defaults), or a directory holding a generation_config.json")
+      ->capture_default_str();
+  cmd.add_option("--seed", seed,
+                 "seed of the server's random generator, which seeds requests that give no seed (reproducible "
+                 "runs of the same requests in the same order)");
+  cmd.add_option("--uvicorn-log-level", log_level,
+                 "log level: critical, error (errors only), warning (default: warnings, access log, stats), info, "
+                 "debug, trace")
+      ->check(CLI::IsMember({"critical", "error", "warning", "info", "debug", "trace"}));
+  cmd.add_option("--allowed-origins", allowed_origins,
+                 "origins a browser may call the API from (CORS), as a JSON list like '[\"*\"]' or comma-separated "
+                 "(default: none)");
+  cmd.add_option("--max-logprobs", max_logprobs, "the most logprobs / top_logprobs a request may ask for")
+      ->capture_default_str();
+  cmd.add_option("--tool-call-parser", tool_call_parser,
+                 "the format the model writes tool calls in: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, "
+                 "3.2), none (default: found in the chat template)");
+  cmd.add_flag("--enable-auto-tool-choice", enable_auto_tool_choice,
+               "accepted as in vLLM: tool_choice auto works whenever the tool-call format is known");
+  cmd.add_flag("--disable-log-requests", disable_log_requests, "no access-log line per request on stderr");
+  cmd.add_flag("--disable-log-stats", disable_log_stats, "no periodic throughput / queue / KV cache line on stderr");
+  cmd.add_option("--log-stats-interval", log_stats_interval, "seconds between stats lines (while there is activity)")
+      ->capture_default_str();
+  cmd.add_option("--header-timeout", header_timeout,
+                 "seconds a request's headers may take from its first byte (408 and closed after)")
+      ->capture_default_str();
+  cmd.add_option("--read-timeout", read_timeout, "seconds a request's body may take after its headers (408 after)")
+      ->capture_default_str();
+  cmd.add_option("--keep-alive-timeout", keep_alive_timeout, "seconds an idle connection stays open")
+      ->capture_default_str();
+
+  const std::string group = "vLLM flags kvlm does not support (see docs/serving-flags.md)";
+  auto add = [&](const std::string& names, bool takes_value, std::string why,
+                 std::function<bool(const std::string&)> accept = nullptr, bool ignored = false) {
+    auto r = std::make_unique<Refused>();
+    r->why = std::move(why);
+    r->accept = std::move(accept);
+    r->ignored = ignored;
+    r->opt = takes_value ? cmd.add_option(names, r->value, r->why) : cmd.add_flag(names)->description(r->why);
+    r->opt->group(group);
+    refused.push_back(std::move(r));
+  };
+  auto only = [](std::vector<std::string> ok) {
+    return [ok = std::move(ok)](const std::string& v) { return std::find(ok.begin(), ok.end(), v) != ok.end(); };
+  };
+  const std::string one_device = "kvlm runs a model on one device; for more throughput run one kvlm serve per GPU "
+                                 "behind a load balancer";
+  add("--tensor-parallel-size", true, one_device + " (only 1 is accepted)", only({"1"}));
+  add("--pipeline-parallel-size", true, one_device + " (only 1 is accepted)", only({"1"}));
+  add("--data-parallel-size", true, one_device + " (only 1 is accepted)", only({"1"}));
+  add("--distributed-executor-backend", true, one_device);
+  auto any = [](const std::string&) { return true; };
+  add("--swap-space", true, "kvlm recomputes a preempted sequence instead of swapping its KV cache to CPU memory", any,
+      true);
+  add("--cpu-offload-gb", true, "kvlm keeps every weight on the device (only 0 is accepted)", only({"0"}));
+  add("--download-dir", true, "kvlm does not download models: give a local directory (for example "
+                              "`huggingface-cli download ORG/NAME --local-dir DIR`, then `kvlm serve DIR`)");
+  add("--revision", true, "kvlm does not fetch from the Hugging Face Hub: give a local directory");
+  add("--tokenizer-revision", true, "kvlm does not fetch from the Hugging Face Hub: give a local directory");
+  add("--code-revision", true, "kvlm runs no code from the model repository");
+  add("--load-format", true, "kvlm reads safetensors and GGUF checkpoints as they are (only auto, safetensors, gguf)",
+      only({"auto", "safetensors", "gguf"}));
+  add("--trust-remote-code", false, "kvlm runs no code from the model repository; the flag changes nothing", any, true);
+  add("--ssl-keyfile", true, "kvlm serves plain HTTP: terminate TLS in a reverse proxy (nginx, Caddy) in front of it");
+  add("--ssl-certfile", true, "kvlm serves plain HTTP: terminate TLS in a reverse proxy (nginx, Caddy) in front of it");
+  add("--ssl-ca-certs", true, "kvlm serves plain HTTP: terminate TLS in a reverse proxy (nginx, Caddy) in front of it");
+  add("--root-path", true, "serve kvlm behind a proxy that strips the path prefix");
+  add("--response-role", true, "the role of a chat response is always 'assistant'", only({"assistant"}));
+  add("--enable-lora", false, "kvlm has no LoRA adapters");
+  add("--lora-modules", true, "kvlm has no LoRA adapters");
+  add("--preemption-mode", true, "kvlm preempts by recomputing (only recompute is accepted)", only({"recompute"}));
+  add("--scheduling-policy", true, "kvlm schedules first come, first served (only fcfs is accepted)", only({"fcfs"}));
+  add("--limit-mm-per-prompt", true, "kvlm serves text-only models");
+  add("--kv-cache-memory-bytes", true, "kvlm's flag is --kv-cache-memory (bytes, or sizes like 2GiB)");
+  add("--config", true, "kvlm takes its flags on the command line only");
+  add("--hf-overrides", true, "edit the model's config.json instead");
+}
+
+void ServeExtraFlags::check_refused() const {
+  for (const auto& r : refused) {
+    if (r->opt->count() == 0) continue;
+    const std::string name = r->opt->get_name();
+    if (r->accept && r->accept(r->value)) {
+      if (r->ignored) log::warn(name + " is ignored: " + r->why);
+      continue;
+    }
+    throw Error(name + (r->value.empty() ? "" : " " + r->value) + " is not supported: " + r->why);
+  }
+}
+
+namespace {
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+}  // namespace
+
+std::string closest_flag(const CLI::App& cmd, const std::string& arg) {
+  std::string want = arg.substr(0, arg.find('='));
+  if (want.rfind("--", 0) != 0) return "";
+  want = want.substr(2);
+  std::string best;
+  size_t best_d = std::string::npos;
+  for (const CLI::App* app = &cmd; app; app = app->get_parent()) {
+    for (const CLI::Option* o : app->get_options()) {
+      for (const std::string& name : o->get_lnames()) {
+        const size_t d = edit_distance(want, name);
+        if (d < best_d) {
+          best_d = d;
+          best = "--" + name;
+        }
+      }
+    }
+  }
+  // Close enough to be a typo: a few edits, fewer for short names.
+  return best_d <= std::max<size_t>(1, std::min<size_t>(3, want.size() / 4)) ? best : "";
 }
 
 }  // namespace kvlm::app

@@ -3,6 +3,8 @@
 
 #include <CLI/CLI.hpp>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -35,6 +37,49 @@ struct ModelFlags {
   CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
   ModelOptions model_options() const;      // all of the above, device resolved
 };
+
+struct ServeFlags;  // commands.h
+
+// kvlm serve's flags beyond ServeFlags: the rest of vLLM's `vllm serve` command line and the
+// connection layer's deadlines. docs/serving-flags.md lists every vLLM flag and what kvlm
+// does with it.
+struct ServeExtraFlags {
+  std::string model_positional;  // `kvlm serve MODEL`, as `vllm serve MODEL`
+  std::string chat_template;     // a file, or the template itself
+  std::string tokenizer;         // a directory other than the model's
+  std::string generation_config = "auto";  // auto (the model's), vllm (none), or a directory
+  std::optional<uint64_t> seed;
+  std::string log_level;         // --uvicorn-log-level
+  std::string allowed_origins;   // JSON list (vLLM) or comma-separated
+  int max_logprobs = 20;
+  std::string tool_call_parser;  // hermes | llama3_json | none; empty: found in the chat template
+  bool enable_auto_tool_choice = false;  // vLLM's switch; kvlm parses calls whenever it knows the format
+  bool disable_log_requests = false;
+  bool disable_log_stats = false;
+  double log_stats_interval = 10;  // seconds (vLLM: VLLM_LOG_STATS_INTERVAL)
+  int header_timeout = 10;
+  int read_timeout = 30;
+  int keep_alive_timeout = 30;
+  // vLLM flags kvlm refuses, or accepts only in the form it supports: checked in run_serve.
+  struct Refused {
+    CLI::Option* opt = nullptr;
+    std::string value;
+    std::function<bool(const std::string&)> accept;  // null: any use is refused
+    std::string why;
+    bool ignored = false;  // accepted with a warning that it changes nothing
+  };
+  std::vector<std::unique_ptr<Refused>> refused;
+
+  void add_to(CLI::App& serve_cmd);
+  // Throws kvlm::Error naming the first refused flag given and why.
+  void check_refused() const;
+};
+
+int run_serve(const ServeFlags& f, const ServeExtraFlags& x);
+
+// The option names of `cmd` (and of the parents it falls through to) nearest to `arg` by edit
+// distance, for "did you mean" (empty when nothing is close).
+std::string closest_flag(const CLI::App& cmd, const std::string& arg);
 
 // The bundled default model directory (models/kvlm-tiny next to the sources or binary).
 std::filesystem::path default_model_dir();

@@ -15,15 +15,22 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include "app/commands.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "config/weight_quant.h"
+#include "io/chat_template.h"
+#include "server/tool_calls.h"
 #include "text/text_processor.h"
 #include "engine/async_engine.h"
 #include "engine/memory_plan.h"
+#include "server/connections.h"
 #include "server/http_server.h"
 
 namespace kvlm::app {
@@ -37,8 +44,8 @@ void ServingFlags::add_to(CLI::App& cmd) {
   cmd.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", enable_prefix_caching,
                "reuse the KV pages of shared prompt prefixes (default: on)");
   cmd.add_option("--kv-cache-memory", kv_cache_memory,
-                 "bytes for the KV pool, e.g. 2GiB, 512MiB (CPU default: up to 4GiB; GPU default: from "
-                 "--gpu-memory-utilization)");
+                 "bytes for the KV pool, e.g. 2GiB, 512MiB (CPU default: max-num-seqs sequences of max-model-len, "
+                 "kvlm serve: 16 of them, up to 4GiB; GPU default: from --gpu-memory-utilization)");
   cmd.add_option("--gpu-memory-utilization", gpu_memory_utilization,
                  "fraction of the GPU's memory this server may use (weights, activations, KV pool)")
       ->capture_default_str();
@@ -92,7 +99,9 @@ CLI::App* add_serve(CLI::App& app, ServeFlags& f) {
   cmd->add_option("--drain-timeout", f.drain_timeout,
                   "seconds to let requests in flight finish after SIGINT/SIGTERM before cancelling them")
       ->capture_default_str();
-  cmd->add_option("--max-connections", f.max_connections, "client connections served at once (one thread each)")
+  cmd->add_option("--max-connections", f.max_connections,
+                  "requests in progress at once (one thread each); more get 503 with Retry-After (idle keep-alive "
+                  "connections and connections still sending headers do not count)")
       ->capture_default_str();
   return cmd;
 }
@@ -180,15 +189,217 @@ void say(const std::string& line) {
   }
 }
 
+namespace fs = std::filesystem;
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// --allowed-origins: vLLM takes a JSON list ('["*"]'); a comma-separated list is accepted too.
+std::vector<std::string> parse_origins(const std::string& s) {
+  std::vector<std::string> out;
+  if (s.find_first_not_of(" \t") == std::string::npos) return out;
+  if (s[s.find_first_not_of(" \t")] == '[') {
+    const nlohmann::json j = nlohmann::json::parse(s, nullptr, false);
+    if (!j.is_array()) throw Error("--allowed-origins: '" + s + "' is not a JSON list; give '[\"*\"]' or origins separated by commas");
+    for (const auto& o : j) {
+      if (!o.is_string() || o.get<std::string>().empty())
+        throw Error("--allowed-origins: every origin must be a non-empty string, got " + o.dump());
+      out.push_back(o.get<std::string>());
+    }
+    return out;
+  }
+  std::stringstream ss(s);
+  for (std::string o; std::getline(ss, o, ',');) {
+    o.erase(0, o.find_first_not_of(" \t"));
+    o.erase(o.find_last_not_of(" \t") + 1);
+    if (!o.empty()) out.push_back(o);
+  }
+  return out;
+}
+
+// --chat-template: a file's contents, or (as vLLM does) the argument itself when it is a template.
+std::string chat_template_arg(const std::string& arg) {
+  std::error_code ec;
+  if (fs::is_regular_file(arg, ec)) {
+    std::ifstream in(arg, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    if (!in) throw Error("--chat-template: cannot read '" + arg + "'");
+    return ss.str();
+  }
+  if (arg.find_first_of("{}\n") != std::string::npos) return arg;
+  throw Error("--chat-template: '" + arg + "' is neither a file nor a Jinja template");
+}
+
+// The tokenizer of `dir` with `tpl` as its chat template. TextProcessor takes its template from
+// the directory (chat_template.jinja wins over tokenizer_config.json), so it loads from an
+// overlay: links to the directory's files plus chat_template.jinja, removed once loaded.
+std::optional<TextProcessor> load_text_with_template(const fs::path& dir, const std::string& tpl) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) throw Error("--chat-template needs a tokenizer directory (a GGUF model's is not supported)");
+  std::string tmpl = (fs::temp_directory_path(ec) / "kvlm-chat-template-XXXXXX").string();
+  if (!::mkdtemp(tmpl.data())) throw Error(std::string("--chat-template: cannot make a temporary directory: ") + std::strerror(errno));
+  const fs::path overlay(tmpl);
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() {
+      std::error_code e;
+      fs::remove_all(p, e);
+    }
+  } cleanup{overlay};
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().filename() != "chat_template.jinja") fs::create_symlink(fs::absolute(e.path(), ec), overlay / e.path().filename(), ec);
+  {
+    std::ofstream out(overlay / "chat_template.jinja", std::ios::binary);
+    out << tpl;
+    if (!out) throw Error("--chat-template: cannot write the template to " + overlay.string());
+  }
+  try {
+    return TextProcessor::load(overlay);
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (size_t at; (at = msg.find(overlay.string())) != std::string::npos;) msg.replace(at, overlay.string().size(), "--chat-template");
+    throw Error(msg);
+  }
+}
+
+// Sampling defaults from DIR/generation_config.json, by the rule the model directory's follow
+// (config/model_config.cpp): only when it asks for sampling (do_sample true).
+void read_generation_config(const fs::path& dir, server::ModelInfo& info) {
+  const fs::path path = dir / "generation_config.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec))
+    throw Error("--generation-config: '" + dir.string() + "' holds no generation_config.json (give auto, vllm or a directory)");
+  std::ifstream in(path);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (!j.is_object()) throw Error("--generation-config: " + path.string() + " is not a JSON object");
+  info.default_temperature.reset();
+  info.default_top_p.reset();
+  info.default_top_k.reset();
+  const auto sample = j.find("do_sample");
+  if (sample == j.end() || !sample->is_boolean() || !sample->get<bool>()) return;
+  auto number = [&](const char* key) -> std::optional<double> {
+    const auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    if (!it->is_number()) throw Error("--generation-config: " + path.string() + ": " + key + " must be a number");
+    return it->get<double>();
+  };
+  if (auto v = number("temperature")) info.default_temperature = float(*v);
+  if (auto v = number("top_p")) info.default_top_p = float(*v);
+  if (auto v = number("top_k")) info.default_top_k = int(*v);
+}
+
+// vLLM's periodic stats line: throughput since the last line, the queues, the KV cache;
+// printed only while something runs or ran since the last line (an idle server is quiet).
+class StatsLine {
+ public:
+  StatsLine(const AsyncEngine& e, double interval_s) : e_(e), interval_(interval_s) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~StatsLine() {
+    {
+      std::lock_guard lock(mu_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    EngineStats last = e_.stats();
+    auto t_last = std::chrono::steady_clock::now();
+    std::unique_lock lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(int64_t(interval_ * 1000)), [&] { return quit_; })) {
+      const EngineStats s = e_.stats();
+      const auto now = std::chrono::steady_clock::now();
+      const double dt = std::max(1e-3, std::chrono::duration<double>(now - t_last).count());
+      const uint64_t dp = s.prompt_tokens_total - last.prompt_tokens_total;
+      const uint64_t dg = s.generation_tokens_total - last.generation_tokens_total;
+      if (dp || dg || s.num_running || s.num_waiting) {
+        const uint64_t dq = s.prefix_cache_queries_total - last.prefix_cache_queries_total;
+        const uint64_t dh = s.prefix_cache_hits_total - last.prefix_cache_hits_total;
+        std::fprintf(stderr,
+                     "%s kvlm: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%\n",
+                     utc_now().c_str(), double(dp) / dt, double(dg) / dt, s.num_running, s.num_waiting,
+                     100.0 * s.kv_usage, dq ? 100.0 * double(dh) / double(dq) : 0.0);
+        std::fflush(stderr);
+      }
+      last = s;
+      t_last = now;
+    }
+  }
+
+  const AsyncEngine& e_;
+  const double interval_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool quit_ = false;
+};
+
 }  // namespace
 
-int run_serve(const ServeFlags& f) {
-  // Everything that needs no model is checked before anything starts.
+int run_serve(const ServeFlags& f) { return run_serve(f, ServeExtraFlags{}); }
+
+int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
+  // Everything that needs no model is checked before anything starts (the "listening" line
+  // comes after every check).
+  x.check_refused();
+  const std::optional<server::ToolParser> tool_parser =
+      x.tool_call_parser.empty() ? std::nullopt : std::optional(server::parse_tool_parser(x.tool_call_parser));
+  ServeFlags f = flags;
+  if (!x.model_positional.empty()) {
+    if (!f.model.model.empty() && f.model.model != x.model_positional)
+      throw Error("two models given: '" + x.model_positional + "' and --model '" + f.model.model + "'; give one");
+    f.model.model = x.model_positional;
+  }
+  if (!f.model.model.empty()) {
+    std::error_code ec;
+    const std::string& m = f.model.model;
+    if (!fs::exists(m, ec) && m.find('/') != std::string::npos && m.front() != '/' && m.front() != '.' &&
+        std::count(m.begin(), m.end(), '/') == 1)
+      throw Error("'" + m + "' is not a local directory; kvlm does not download models from the Hugging Face Hub: "
+                  "fetch it first (huggingface-cli download " + m + " --local-dir DIR) and serve DIR");
+  }
+  if (!x.log_level.empty()) {
+    const std::string& l = x.log_level;
+    log::set_level(l == "critical" || l == "error" ? log::Level::Quiet
+                   : l == "warning"                ? log::Level::Warn
+                   : l == "info"                   ? log::Level::Info
+                                                   : log::Level::Debug);
+  }
   ModelOptions opts = f.model.model_options();
   check_model_dir(opts.model_dir);
+  resolve_weight_quant(std::nullopt, opts.quantization);  // a bad --quantization fails now, not after loading
   const MemoryOptions mem = f.serving.memory_options();
   if (!(f.drain_timeout >= 0)) throw Error("--drain-timeout must be >= 0 seconds");
   if (f.max_connections < 1) throw Error("--max-connections must be at least 1");
+  for (const auto& [name, v] : {std::pair{"--header-timeout", x.header_timeout}, std::pair{"--read-timeout", x.read_timeout},
+                                std::pair{"--keep-alive-timeout", x.keep_alive_timeout}})
+    if (v < 1) throw Error(std::string(name) + " must be at least 1 second, got " + std::to_string(v));
+  if (!(x.log_stats_interval > 0)) throw Error("--log-stats-interval must be positive");
+  if (x.max_logprobs < 0) throw Error("--max-logprobs must be >= 0, got " + std::to_string(x.max_logprobs));
+  const fs::path tokenizer_dir = x.tokenizer.empty() ? opts.model_dir : fs::path(x.tokenizer);
+  if (!x.tokenizer.empty() && !TextProcessor::available(tokenizer_dir))
+    throw Error("--tokenizer '" + x.tokenizer + "' has no tokenizer.json (nor a .gguf file)");
+  const std::string chat_template = x.chat_template.empty() ? "" : chat_template_arg(x.chat_template);
+  if (!chat_template.empty()) ChatTemplate::parse(chat_template, "--chat-template");  // syntax errors now, with line and column
+  server::ModelInfo gen_defaults;  // --generation-config DIR's
+  if (x.generation_config != "auto" && x.generation_config != "vllm") {
+    std::error_code ec;
+    if (!fs::is_regular_file(fs::path(x.generation_config) / "generation_config.json", ec))
+      throw Error("--generation-config: '" + x.generation_config +
+                  "' is not auto, vllm, or a directory holding generation_config.json");
+    read_generation_config(x.generation_config, gen_defaults);
+  }
   server::ServerOptions so;
   so.host = f.host;
   so.port = f.port;
@@ -196,6 +407,14 @@ int run_serve(const ServeFlags& f) {
   if (so.api_key.empty())
     if (const char* env = std::getenv("KVLM_API_KEY")) so.api_key = env;
   so.max_connections = f.max_connections;
+  so.header_timeout_s = x.header_timeout;
+  so.read_timeout_s = x.read_timeout;
+  so.keep_alive_timeout_s = x.keep_alive_timeout;
+  so.log_requests = !x.disable_log_requests;
+  so.allowed_origins = parse_origins(x.allowed_origins);
+  so.seed = x.seed;
+  so.limits.max_logprobs = x.max_logprobs;
+  server::raise_descriptor_limit();  // one descriptor per connection: the default 1024 is few
   if (so.api_key.empty() && so.host != "127.0.0.1" && so.host != "localhost" && so.host != "::1")
     log::warn("serving on " + so.host + " without an API key: anyone who can reach the port can use the model; "
               "set --api-key (or KVLM_API_KEY), or --host 127.0.0.1 for this machine only");
@@ -221,10 +440,29 @@ int run_serve(const ServeFlags& f) {
                           std::to_string(port);
   say("listening on " + url + " (loading " + opts.model_dir.string() + "; /health answers 503 until ready)");
 
-  if (TextProcessor::available(opts.model_dir)) text = TextProcessor::load_if_usable(opts.model_dir);
+  if (!chat_template.empty()) text = load_text_with_template(tokenizer_dir, chat_template);
+  else if (TextProcessor::available(tokenizer_dir)) text = TextProcessor::load_if_usable(tokenizer_dir);
   else log::warn("'" + opts.model_dir.string() + "' has no tokenizer.json: prompts must be token ids and responses carry token ids, not text");
   engine = LoadedModel::load(opts);
-  const MemoryPlan plan = plan_kv_memory(*engine, mem);
+  MemoryPlan plan = plan_kv_memory(*engine, mem);
+  // A CPU server's default pool: enough for kCpuFullSequences sequences of --max-model-len
+  // (shorter requests run more at once; pages are taken as tokens come), not the planner's
+  // max_num_seqs of them up to 4 GiB: a CPU serves few long sequences at a useful speed, and
+  // the bundled model's 4 GiB pool took 7-20 s to start and 4.4 GB of memory.
+  constexpr int kCpuFullSequences = 16;
+  if (!mem.kv_cache_memory && opts.device == Device::Cpu) {
+    const uint64_t want = uint64_t(std::min(mem.max_num_seqs, kCpuFullSequences)) * uint64_t(plan.max_model_len) *
+                              plan.bytes_per_token + plan.exact_bytes;
+    if (want < plan.kv_bytes + plan.exact_bytes) {
+      MemoryOptions smaller = mem;
+      smaller.kv_cache_memory = std::max(want, uint64_t(plan.max_model_len + plan.block_size) * plan.bytes_per_token +
+                                                   plan.exact_bytes);
+      plan = plan_kv_memory(*engine, smaller);
+      const std::string from = "(--kv-cache-memory)", to = "(serve's CPU default: " + std::to_string(kCpuFullSequences) +
+                                                           " sequences of --max-model-len; set --kv-cache-memory to change)";
+      if (const size_t at = plan.summary.find(from); at != std::string::npos) plan.summary.replace(at, from.size(), to);
+    }
+  }
   async = std::make_unique<AsyncEngine>(*engine, f.serving.scheduler_config(plan));
   client = std::make_unique<server::AsyncEngineClient>(*async);
 
@@ -240,6 +478,24 @@ int run_serve(const ServeFlags& f) {
   sm.info.default_temperature = cfg.default_temperature;
   sm.info.default_top_p = cfg.default_top_p;
   sm.info.default_top_k = cfg.default_top_k;
+  if (x.generation_config == "vllm") {
+    sm.info.default_temperature.reset();
+    sm.info.default_top_p.reset();
+    sm.info.default_top_k.reset();
+  } else if (x.generation_config != "auto") {
+    sm.info.default_temperature = gen_defaults.default_temperature;
+    sm.info.default_top_p = gen_defaults.default_top_p;
+    sm.info.default_top_k = gen_defaults.default_top_k;
+  }
+  // Tool calls: the flag's format, or the one the chat template writes.
+  if (tool_parser) {
+    sm.info.tool_parser = *tool_parser;
+  } else if (text && text->config().chat_template) {
+    sm.info.tool_parser = server::detect_tool_parser(*text->config().chat_template);
+    if (sm.info.tool_parser != server::ToolParser::None)
+      say("tool calls: " + std::string(server::tool_parser_name(sm.info.tool_parser)) +
+          " (the chat template's format; --tool-call-parser to change)");
+  }
   sm.eos_token_ids = cfg.eos_token_ids;
   if (text)
     if (auto eos = text->eos_id(); eos && std::ranges::find(sm.eos_token_ids, *eos) == sm.eos_token_ids.end())
@@ -256,6 +512,8 @@ int run_serve(const ServeFlags& f) {
   http.set_ready(std::move(sm));
   signals.set_loading(false);
   say("ready: serving '" + name + "' on " + url + (so.api_key.empty() ? "" : " (API key required)"));
+  std::optional<StatsLine> stats_line;
+  if (!x.disable_log_stats && log::level() >= log::Level::Warn) stats_line.emplace(*async, x.log_stats_interval);
 
   signals.wait(1);
   http.begin_drain();
@@ -272,6 +530,7 @@ int run_serve(const ServeFlags& f) {
     async->shutdown(false);
     http.wait_idle(Clock::now() + std::chrono::seconds(5));
   }
+  stats_line.reset();
   http.stop();
   async->shutdown(true);
   say("stopped");

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   kvlm::app::TokenizeFlags tok, detok;
   kvlm::app::TemplateFlags tpl;
   kvlm::app::ServeFlags serve;
+  kvlm::app::ServeExtraFlags serve_extra;
   kvlm::app::BenchFlags bench;
   kvlm::app::CalibrateFlags cal;
   kvlm::app::EvalFlags evalf;
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   auto* detok_cmd = kvlm::app::add_detokenize(app, detok);
   auto* tpl_cmd = kvlm::app::add_render_template(app, tpl);
   auto* serve_cmd = kvlm::app::add_serve(app, serve);
+  serve_extra.add_to(*serve_cmd);
   auto* bench_cmd = kvlm::app::add_bench(app, bench);
   auto* cal_cmd = kvlm::app::add_calibrate(app, cal);
   auto* eval_cmd = kvlm::app::add_eval(app, evalf);
@@ -42,6 +44,38 @@ int main(int argc, char** argv) {
     cmd->fallthrough();  // -q / -v may follow the subcommand
   try {
     app.parse(argc, argv);
+  } catch (const CLI::ExtrasError& e) {
+    // An unknown flag: name the closest valid one of the command it was given to.
+    const CLI::App* cmd = &app;
+    for (bool deeper = true; deeper;) {
+      deeper = false;
+      for (const CLI::App* sub : cmd->get_subcommands())
+        if (sub->parsed()) {
+          cmd = sub;
+          deeper = true;
+          break;
+        }
+    }
+    std::vector<std::string> extras = cmd->remaining();
+    if (extras.empty()) extras = app.remaining();
+    bool after_flag = false;
+    for (const std::string& arg : extras) {
+      if (arg.rfind("-", 0) != 0) {
+        // The value of the unknown flag before it, most likely: not an error of its own.
+        if (!after_flag) std::fprintf(stderr, "kvlm: error: unexpected argument '%s'\n", arg.c_str());
+        after_flag = false;
+        continue;
+      }
+      after_flag = arg.find('=') == std::string::npos;
+      const std::string hint = kvlm::app::closest_flag(*cmd, arg);
+      std::fprintf(stderr, "kvlm: error: unknown flag '%s'%s\n", arg.c_str(),
+                   hint.empty() ? "" : ("; did you mean '" + hint + "'?").c_str());
+    }
+    if (extras.empty()) std::fprintf(stderr, "kvlm: error: %s\n", e.what());
+    std::string path;
+    for (const CLI::App* c = cmd; c && c != &app; c = c->get_parent()) path = " " + c->get_name() + path;
+    std::fprintf(stderr, "Run 'kvlm%s --help' for the flags.\n", path.c_str());
+    return 2;
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // --help / --version exit 0; usage errors exit 2
   }
@@ -53,7 +87,7 @@ int main(int argc, char** argv) {
     if (tok_cmd->parsed()) return kvlm::app::run_tokenize(tok);
     if (detok_cmd->parsed()) return kvlm::app::run_detokenize(detok);
     if (tpl_cmd->parsed()) return kvlm::app::run_render_template(tpl);
-    if (serve_cmd->parsed()) return kvlm::app::run_serve(serve);
+    if (serve_cmd->parsed()) return kvlm::app::run_serve(serve, serve_extra);
     if (bench_cmd->parsed()) return kvlm::app::run_bench(bench);
     if (cal_cmd->parsed()) return kvlm::app::run_calibrate(cal);
     if (eval_cmd->parsed()) return kvlm::app::run_eval(*eval_cmd, evalf);

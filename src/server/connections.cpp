@@ -3,15 +3,25 @@
 #include <dirent.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <string_view>
 #include <system_error>
 
 namespace kvlm::server {
+
+using Clock = std::chrono::steady_clock;
 
 GrowingPool::GrowingPool(size_t max_threads) : max_(std::max<size_t>(max_threads, 1)) {}
 
@@ -62,11 +72,410 @@ void GrowingPool::work() {
 
 namespace {
 
-bool matches(const sockaddr_storage& sa, socklen_t len, const std::string& host, int port) {
+int ms_until(Clock::time_point t) {
+  const auto d = std::chrono::duration_cast<std::chrono::milliseconds>(t - Clock::now()).count();
+  return d <= 0 ? 0 : int(std::min<int64_t>(d, INT32_MAX));
+}
+
+Clock::time_point after(double seconds) {
+  return Clock::now() + std::chrono::microseconds(int64_t(seconds * 1e6));
+}
+
+bool numeric_name(const sockaddr_storage& sa, socklen_t len, std::string& host, int& port) {
   char h[NI_MAXHOST], s[NI_MAXSERV];
   if (::getnameinfo(reinterpret_cast<const sockaddr*>(&sa), len, h, sizeof h, s, sizeof s, NI_NUMERICHOST | NI_NUMERICSERV) != 0)
     return false;
-  return host == h && port == std::atoi(s);
+  host = h;
+  port = std::atoi(s);
+  return true;
+}
+
+// A connection's byte stream for httplib's request parser. Unlike httplib's SocketStream (one
+// per request), it lives as long as the worker serves the connection, so bytes read ahead
+// (a pipelined request) stay for the next request; and its reads end at a deadline, not just
+// after a silence of read_timeout (one byte a second would never trip that).
+class ConnStream final : public httplib::Stream {
+ public:
+  ConnStream(int fd, const ConnectionLimits& lim) : fd_(fd), lim_(lim) {}
+
+  void begin_request(Clock::time_point deadline) {
+    deadline_ = deadline;
+    timed_out_ = false;
+    close_ = false;
+    started_ = Clock::now();
+  }
+  // The headers are read: the body gets read_timeout from now.
+  void body_phase() { deadline_ = after(lim_.read_timeout_s); }
+  bool buffered() const { return off_ < len_; }
+  bool timed_out() const { return timed_out_; }
+  void close_after() { close_ = true; }
+  bool closing() const { return close_; }
+  Clock::time_point started() const { return started_; }
+
+  bool is_readable() const override {
+    if (buffered()) return true;
+    const int per_read = int(lim_.read_timeout_s * 1000);
+    const int left = ms_until(deadline_);
+    pollfd p{fd_, POLLIN, 0};
+    int n;
+    do n = ::poll(&p, 1, std::min(per_read, left));
+    while (n < 0 && errno == EINTR);
+    if (n == 0) timed_out_ = true;
+    return n > 0;
+  }
+  bool is_writable() const override {
+    pollfd p{fd_, POLLOUT, 0};
+    int n;
+    do n = ::poll(&p, 1, int(lim_.write_timeout_s * 1000));
+    while (n < 0 && errno == EINTR);
+    return n > 0;
+  }
+  ssize_t read(char* ptr, size_t size) override {
+    if (!buffered()) {
+      if (!is_readable()) return -1;
+      ssize_t n;
+      do n = ::recv(fd_, buf_.data(), buf_.size(), 0);
+      while (n < 0 && errno == EINTR);
+      if (n <= 0) return n;
+      off_ = 0;
+      len_ = size_t(n);
+    }
+    const size_t k = std::min(size, len_ - off_);
+    std::memcpy(ptr, buf_.data() + off_, k);
+    off_ += k;
+    return ssize_t(k);
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!is_writable()) return -1;
+    ssize_t n;
+    do n = ::send(fd_, ptr, size, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    return n;
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    sockaddr_storage sa{};
+    socklen_t len = sizeof sa;
+    if (::getpeername(fd_, reinterpret_cast<sockaddr*>(&sa), &len) == 0) numeric_name(sa, len, ip, port);
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    sockaddr_storage sa{};
+    socklen_t len = sizeof sa;
+    if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len) == 0) numeric_name(sa, len, ip, port);
+  }
+  socket_t socket() const override { return fd_; }
+
+ private:
+  const int fd_;
+  const ConnectionLimits& lim_;
+  std::array<char, 16384> buf_;
+  size_t off_ = 0, len_ = 0;
+  Clock::time_point deadline_{}, started_{};
+  mutable bool timed_out_ = false;
+  bool close_ = false;
+};
+
+thread_local ConnStream* t_stream = nullptr;
+
+const char* reason_phrase(int status) {
+  switch (status) {
+    case 408: return "Request Timeout";
+    case 431: return "Request Header Fields Too Large";
+    case 503: return "Service Unavailable";
+    default: return "Error";
+  }
+}
+
+}  // namespace
+
+bool Listener::process_and_close_socket(socket_t sock) {
+  if (mgr_) {
+    mgr_->adopt(int(sock));
+  } else {
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+  }
+  return true;
+}
+
+ConnectionManager::ConnectionManager(Listener& svr, ConnectionLimits lim, ErrorBody body)
+    : svr_(svr), lim_(lim), body_(std::move(body)), workers_(size_t(std::max(lim.max_busy, 1))) {
+  if (lim_.max_open <= 0) {
+    rlimit rl{};
+    const long soft = ::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY ? long(rl.rlim_cur) : 1024;
+    // Descriptors left for everything else: model files, the engine, logs.
+    lim_.max_open = int(std::clamp<long>(soft - 256, 64, 1 << 20));
+  }
+  svr_.set_manager(this);
+}
+
+ConnectionManager::~ConnectionManager() {
+  stop();
+  if (epfd_ >= 0) ::close(epfd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void ConnectionManager::start() {
+  std::lock_guard lock(mu_);
+  if (started_) return;
+  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (epfd_ < 0 || wake_fd_ < 0) throw std::system_error(errno, std::generic_category(), "epoll_create1/eventfd");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = wake_fd_;
+  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  started_ = true;
+  stopping_ = false;
+  poller_ = std::thread([this] { poll_loop(); });
+}
+
+int ConnectionManager::open_connections() const {
+  std::lock_guard lock(mu_);
+  return open_;
+}
+
+int ConnectionManager::busy_connections() const {
+  std::lock_guard lock(mu_);
+  return int(busy_.size());
+}
+
+void ConnectionManager::adopt(int fd) {
+  std::lock_guard lock(mu_);
+  if (stopping_ || !started_) {
+    ::close(fd);
+    return;
+  }
+  ++open_;
+  Conn& c = conns_[fd];
+  c = Conn{State::Waiting, Clock::now(), {}, false};
+  if (open_ > lim_.max_open) {
+    refuse(fd, 503, "the server has too many open connections (" + std::to_string(lim_.max_open) + "); retry later",
+           "too_many_connections", true);
+    return;
+  }
+  // Edge-triggered: the bytes are only peeked, never consumed, so a level-triggered wait
+  // would wake at once again; an edge comes with each new arrival.
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET;
+  ev.data.fd = fd;
+  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) close_now(fd);
+}
+
+void ConnectionManager::close_now(int fd) {
+  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+  conns_.erase(fd);
+  ::close(fd);
+  --open_;
+}
+
+void ConnectionManager::refuse(int fd, int status, const std::string& message, const std::string& code, bool retry_after) {
+  const std::string body = body_ ? body_(status, message, code) : "{}";
+  std::string head = "HTTP/1.1 " + std::to_string(status) + " " + reason_phrase(status) +
+                     "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                     "\r\nConnection: close\r\n";
+  if (retry_after) head += "Retry-After: 1\r\n";
+  const std::string msg = head + "\r\n" + body;
+  // A fresh socket's send buffer holds this at once; what does not fit is not waited for.
+  [[maybe_unused]] const ssize_t n = ::send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  ::shutdown(fd, SHUT_WR);
+  auto it = conns_.find(fd);
+  if (it == conns_.end()) it = conns_.emplace(fd, Conn{}).first;
+  it->second.state = State::Closing;
+  it->second.since = Clock::now();
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET;
+  ev.data.fd = fd;
+  if (::epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev) != 0 && ::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) close_now(fd);
+  else on_readable(fd, it->second, false);  // input already here: drain it now
+}
+
+void ConnectionManager::on_readable(int fd, Conn& c, bool hangup) {
+  if (c.state == State::Closing) {
+    char sink[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd, sink, sizeof sink, MSG_DONTWAIT);
+      if (n > 0) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n < 0 && errno == EINTR) continue;
+      close_now(fd);  // the client closed (or the connection broke)
+      return;
+    }
+  }
+  // Waiting: has the request's header block arrived? Peeked, so the worker's parser reads
+  // it all from the start.
+  thread_local std::string peek;
+  peek.resize(lim_.max_header_bytes + 1);
+  ssize_t n;
+  do n = ::recv(fd, peek.data(), peek.size(), MSG_PEEK | MSG_DONTWAIT);
+  while (n < 0 && errno == EINTR);
+  if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+    close_now(fd);  // closed by the client while idle
+    return;
+  }
+  if (n < 0) {
+    if (hangup) close_now(fd);
+    return;
+  }
+  if (!c.has_first_byte) {
+    c.has_first_byte = true;
+    c.first_byte = Clock::now();
+  }
+  const std::string_view got(peek.data(), size_t(n));
+  if (got.find("\r\n\r\n") != std::string_view::npos) {
+    dispatch(fd);
+  } else if (size_t(n) > lim_.max_header_bytes) {
+    refuse(fd, 431, "the request line and headers are larger than " + std::to_string(lim_.max_header_bytes) + " bytes",
+           "", false);
+  } else if (hangup) {
+    close_now(fd);  // half a request, and the client has stopped sending
+  }
+}
+
+void ConnectionManager::dispatch(int fd) {
+  if (int(busy_.size()) >= lim_.max_busy) {
+    refuse(fd, 503,
+           "the server is serving its maximum of " + std::to_string(lim_.max_busy) +
+               " requests at once (--max-connections); retry later",
+           "too_many_connections", true);
+    return;
+  }
+  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+  conns_.erase(fd);
+  busy_.insert(fd);
+  workers_.enqueue([this, fd] { serve(fd); });
+}
+
+void ConnectionManager::sweep(Clock::time_point now) {
+  std::vector<std::pair<int, int>> expired;  // fd, what to do: 0 close, 1 408
+  for (const auto& [fd, c] : conns_) {
+    if (c.state == State::Closing) {
+      if (now - c.since > std::chrono::seconds(2)) expired.emplace_back(fd, 0);
+    } else if (c.has_first_byte) {
+      if (now - c.first_byte > std::chrono::microseconds(int64_t(lim_.header_timeout_s * 1e6))) expired.emplace_back(fd, 1);
+    } else if (now - c.since > std::chrono::microseconds(int64_t(lim_.keep_alive_timeout_s * 1e6))) {
+      expired.emplace_back(fd, 0);
+    }
+  }
+  for (const auto& [fd, what] : expired) {
+    if (what == 0) close_now(fd);
+    else
+      refuse(fd, 408, "the request's headers did not arrive within " + std::to_string(int(lim_.header_timeout_s)) + " s",
+             "request_timeout", false);
+  }
+}
+
+void ConnectionManager::poll_loop() {
+  std::array<epoll_event, 256> evs;
+  auto next_sweep = Clock::now();
+  for (;;) {
+    const int n = ::epoll_wait(epfd_, evs.data(), int(evs.size()), 100);
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    for (int i = 0; i < n; ++i) {
+      const int fd = evs[i].data.fd;
+      if (fd == wake_fd_) {
+        uint64_t v;
+        [[maybe_unused]] const ssize_t r = ::read(wake_fd_, &v, sizeof v);
+        continue;
+      }
+      const auto it = conns_.find(fd);
+      if (it == conns_.end()) continue;  // handed to a worker by an earlier event of this batch
+      on_readable(fd, it->second, (evs[i].events & (EPOLLHUP | EPOLLERR)) != 0);
+    }
+    const auto now = Clock::now();
+    if (now >= next_sweep) {
+      sweep(now);
+      next_sweep = now + std::chrono::milliseconds(250);
+    }
+  }
+}
+
+void ConnectionManager::serve(int fd) {
+  ConnStream strm(fd, lim_);
+  t_stream = &strm;
+  bool keep = false;
+  for (size_t count = lim_.keep_alive_max_count; count > 0; --count) {
+    // The headers are here (the poller saw them) or, for a pipelined request, already read
+    // ahead or on their way: either way they get header_timeout.
+    strm.begin_request(after(lim_.header_timeout_s));
+    bool stopping;
+    {
+      std::lock_guard lock(mu_);
+      stopping = stopping_;
+    }
+    bool closed = false;
+    const bool close = count == 1 || stopping;
+    const bool ok = svr_.serve_request(strm, close, closed);
+    if (!ok || closed || close || strm.closing()) break;
+    if (!strm.buffered()) {
+      keep = true;
+      break;
+    }
+  }
+  t_stream = nullptr;
+  std::lock_guard lock(mu_);
+  busy_.erase(fd);
+  if (keep && !stopping_) {
+    hand_back(fd);
+    return;
+  }
+  ::shutdown(fd, SHUT_RDWR);
+  ::close(fd);
+  --open_;
+}
+
+void ConnectionManager::hand_back(int fd) {
+  conns_[fd] = Conn{State::Waiting, Clock::now(), {}, false};
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET;
+  ev.data.fd = fd;
+  // A next request already in the socket is reported at once.
+  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) close_now(fd);
+}
+
+void ConnectionManager::stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (!started_ || stopping_) return;
+    stopping_ = true;
+    for (int fd : busy_) ::shutdown(fd, SHUT_RDWR);  // their workers close them
+  }
+  if (wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t r = ::write(wake_fd_, &one, sizeof one);
+  }
+  if (poller_.joinable()) poller_.join();
+  {
+    std::lock_guard lock(mu_);
+    std::vector<int> fds;
+    for (const auto& [fd, _] : conns_) fds.push_back(fd);
+    for (int fd : fds) close_now(fd);
+  }
+  workers_.shutdown();
+  std::lock_guard lock(mu_);
+  started_ = false;
+}
+
+void ConnectionManager::headers_done() {
+  if (t_stream) t_stream->body_phase();
+}
+
+void ConnectionManager::close_after_response() {
+  if (t_stream) t_stream->close_after();
+}
+
+int ConnectionManager::current_fd() { return t_stream ? int(t_stream->socket()) : -1; }
+
+bool ConnectionManager::current_timed_out() { return t_stream && t_stream->timed_out(); }
+
+Clock::time_point ConnectionManager::current_started() { return t_stream ? t_stream->started() : Clock::now(); }
+
+namespace {
+
+bool matches(const sockaddr_storage& sa, socklen_t len, const std::string& host, int port) {
+  std::string h;
+  int p = -1;
+  return numeric_name(sa, len, h, p) && h == host && p == port;
 }
 
 // Calls f(fd, self, peer) for every connected socket among the process's descriptors until
@@ -91,7 +500,9 @@ void for_each_connected_socket(F&& f) {
 }  // namespace
 
 ConnectionProbe::ConnectionProbe(const httplib::Request& req)
-    : remote_(req.remote_addr), local_(req.local_addr), rport_(req.remote_port), lport_(req.local_port) {}
+    : remote_(req.remote_addr), local_(req.local_addr), rport_(req.remote_port), lport_(req.local_port) {
+  if (const int fd = ConnectionManager::current_fd(); fd >= 0) fd_ = fd;
+}
 
 bool ConnectionProbe::client_gone() {
   if (fd_ == kUnknown) fd_ = find();
@@ -114,16 +525,15 @@ int ConnectionProbe::find() const {
   return found;
 }
 
-void shutdown_connections(int port) {
-  std::vector<int> fds;
-  for_each_connected_socket([&](int fd, const sockaddr_storage& self, socklen_t, const sockaddr_storage&, socklen_t) {
-    int local_port = -1;
-    if (self.ss_family == AF_INET) local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&self)->sin_port);
-    else if (self.ss_family == AF_INET6) local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&self)->sin6_port);
-    if (local_port == port) fds.push_back(fd);
-    return false;
-  });
-  for (int fd : fds) ::shutdown(fd, SHUT_RDWR);
+long raise_descriptor_limit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return 1024;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rlimit want = rl;
+    want.rlim_cur = rl.rlim_max == RLIM_INFINITY ? std::max<rlim_t>(rl.rlim_cur, 1 << 20) : rl.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &want) == 0) rl = want;
+  }
+  return rl.rlim_cur == RLIM_INFINITY ? (1L << 20) : long(rl.rlim_cur);
 }
 
 bool constant_time_equal(const std::string& a, const std::string& b) {

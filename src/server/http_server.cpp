@@ -5,6 +5,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <map>
@@ -41,9 +42,101 @@ void reply(httplib::Response& res, int status, const Json& body) {
 
 void reply_error(httplib::Response& res, const ApiError& e) { reply(res, e.status(), error_json(e)); }
 
-uint64_t random_seed() {
-  thread_local std::mt19937_64 rng{std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)};
-  return rng();
+// What the access-log line of the request the calling thread serves says besides the HTTP
+// facts: the handler and the log run on the same worker thread (the streamed body too).
+struct AccessRecord {
+  int64_t prompt_tokens = -1, completion_tokens = -1;
+};
+thread_local AccessRecord t_access;
+
+void record_usage(const Json& usage) {
+  if (!usage.is_object()) return;
+  if (auto it = usage.find("prompt_tokens"); it != usage.end() && it->is_number_integer()) t_access.prompt_tokens = it->get<int64_t>();
+  if (auto it = usage.find("completion_tokens"); it != usage.end() && it->is_number_integer())
+    t_access.completion_tokens = it->get<int64_t>();
+}
+
+// Finds where a JSON body holds a number too large for a double (1e400): nlohmann's parser
+// stops there with out_of_range 406, which names no field. A SAX pass over the body tracks
+// the path to the value being read ("max_tokens", "messages[1].content").
+class NumberOverflowLocator : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  std::string path, token;
+
+  bool null() override { return scalar(); }
+  bool boolean(bool) override { return scalar(); }
+  bool number_integer(number_integer_t) override { return scalar(); }
+  bool number_unsigned(number_unsigned_t) override { return scalar(); }
+  bool number_float(number_float_t, const string_t&) override { return scalar(); }
+  bool string(string_t&) override { return scalar(); }
+  bool binary(binary_t&) override { return scalar(); }
+  bool start_object(std::size_t) override {
+    frames_.push_back({false, {}, 0});
+    return true;
+  }
+  bool key(string_t& k) override {
+    frames_.back().key = k;
+    return true;
+  }
+  bool end_object() override {
+    frames_.pop_back();
+    return scalar();
+  }
+  bool start_array(std::size_t) override {
+    frames_.push_back({true, {}, 0});
+    return true;
+  }
+  bool end_array() override {
+    frames_.pop_back();
+    return scalar();
+  }
+  bool parse_error(std::size_t, const std::string& last_token, const nlohmann::detail::exception&) override {
+    for (const Frame& f : frames_) {
+      if (f.array) {
+        path += '[';
+        path += std::to_string(f.index);
+        path += ']';
+      } else {
+        if (!path.empty()) path += '.';
+        path += f.key;
+      }
+    }
+    token = last_token;
+    return false;
+  }
+
+ private:
+  struct Frame {
+    bool array;
+    std::string key;
+    size_t index;
+  };
+  bool scalar() {  // a value ended: the next one in an array has the next index
+    if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+    return true;
+  }
+  std::vector<Frame> frames_;
+};
+
+ApiError number_out_of_range(const std::string& body) {
+  NumberOverflowLocator loc;
+  nlohmann::json::sax_parse(body, &loc);
+  const std::string token = loc.token.size() > 40 ? loc.token.substr(0, 40) + "..." : loc.token;
+  if (loc.path.empty()) return ApiError(400, "the request body holds a number out of range (" + token + ")");
+  return ApiError(400, loc.path + ": the number " + token + " is out of range", loc.path);
+}
+
+// "2026-11-26T03:45:12.345Z"
+std::string utc_timestamp() {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  const int ms = int(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
+  return buf;
 }
 
 }  // namespace
@@ -66,6 +159,7 @@ struct Flight {
 struct HttpServer::Impl {
   ServerOptions opts;
   Listener svr;
+  std::unique_ptr<ConnectionManager> conns;
   std::thread thread;
   int port = -1;
   bool started = false;
@@ -91,7 +185,16 @@ struct HttpServer::Impl {
   std::map<int, uint64_t> by_status;
   GrammarCache grammars;  // structured outputs
 
-  explicit Impl(ServerOptions o) : opts(std::move(o)) {}
+  std::mutex seed_mu;
+  std::mt19937_64 seed_rng;
+  uint64_t random_seed() {
+    std::lock_guard lock(seed_mu);
+    return seed_rng();
+  }
+
+  explicit Impl(ServerOptions o)
+      : opts(std::move(o)),
+        seed_rng(opts.seed ? *opts.seed : std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)) {}
 
   const ServedModel* served(httplib::Response& res) const {
     if (ready.load(std::memory_order_acquire)) return &model;
@@ -126,7 +229,7 @@ struct HttpServer::Impl {
 
   std::string token_text(TokenId t) const {
     if (!model.text) return "token_id:" + std::to_string(t);
-    return model.text->tokenizer().decode(std::span<const TokenId>(&t, 1), false);
+    return model.text->tokenizer().decode(std::span<const TokenId>(&t, 1), false, true);
   }
 
   struct StreamState {
@@ -144,6 +247,9 @@ struct HttpServer::Impl {
   template <class F>
   void post(const char* path, F handler);
   void install_routes();
+  // CORS: the Access-Control-Allow-Origin a request's Origin gets ("" when none).
+  std::string allowed_origin(const httplib::Request& req) const;
+  void access_log(const httplib::Request& req, const httplib::Response& res) const;
 };
 
 Flight::~Flight() {
@@ -172,7 +278,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
     for (auto& p : cr.prompts) {
       std::vector<TokenId> ids = p.text ? m->text->encode_prompt(*p.text) : std::move(p.ids);
       std::string echo;
-      if (gen.echo) echo = p.text ? *p.text : (m->text ? m->text->tokenizer().decode(ids, gen.skip_special_tokens) : "");
+      if (gen.echo) echo = p.text ? *p.text : (m->text ? m->text->tokenizer().decode(ids, gen.skip_special_tokens, true) : "");
       echo_texts.push_back(std::move(echo));
       prompts.push_back(std::move(ids));
     }
@@ -298,6 +404,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       return;
     }
     reply(res, 200, asmb.response());
+    record_usage(asmb.usage());
     return;
   }
 
@@ -341,6 +448,7 @@ bool HttpServer::Impl::write_stream(StreamState& st, httplib::DataSink& sink) {
     out += kSseDone;
   } else if (finished) {
     out += st.asmb.end();
+    record_usage(st.asmb.usage());
   }
   if (!out.empty()) {
     if (!sink.write(out.data(), out.size())) return false;  // the client is gone
@@ -427,8 +535,8 @@ void HttpServer::Impl::detokenize(const httplib::Request& req, const std::string
 }
 
 void HttpServer::Impl::install_routes() {
-  const size_t max_threads = size_t(std::max(opts.max_connections, 1));
-  svr.new_task_queue = [max_threads] { return new GrowingPool(max_threads); };
+  // The accept loop only hands each socket to the connection manager (see connections.h).
+  svr.new_task_queue = [] { return new InlineQueue; };
   svr.set_tcp_nodelay(true);  // SSE chunks are small: send them now
   // One byte over our own limit, which post() enforces on the (inflated) body as it arrives:
   // so a chunked body over the limit reaches post()'s check, not httplib's.
@@ -439,6 +547,28 @@ void HttpServer::Impl::install_routes() {
   svr.set_keep_alive_max_count(1000);
 
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    ConnectionManager::headers_done();  // the body's deadline starts now
+    t_access = {};
+    if (!opts.allowed_origins.empty()) {
+      if (const std::string origin = allowed_origin(req); !origin.empty()) {
+        res.set_header("Access-Control-Allow-Origin", origin);
+        if (origin != "*") res.set_header("Vary", "Origin");
+      }
+      // A CORS preflight: answered here, before the API key (browsers send none with it).
+      if (req.method == "OPTIONS" && req.has_header("Origin") && req.has_header("Access-Control-Request-Method")) {
+        if (!res.has_header("Access-Control-Allow-Origin")) {
+          reply(res, 403, error_json(403, "cross-origin requests from '" + req.get_header_value("Origin") +
+                                              "' are not allowed (see --allowed-origins)"));
+          return httplib::Server::HandlerResponse::Handled;
+        }
+        res.status = 204;
+        res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+        const std::string asked = req.get_header_value("Access-Control-Request-Headers");
+        res.set_header("Access-Control-Allow-Headers", asked.empty() ? "Authorization, Content-Type" : asked);
+        res.set_header("Access-Control-Max-Age", "600");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     if (opts.api_key.empty()) return httplib::Server::HandlerResponse::Unhandled;
     if (req.path != "/v1" && req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
     const std::string auth = req.get_header_value("Authorization");
@@ -455,8 +585,20 @@ void HttpServer::Impl::install_routes() {
     return httplib::Server::HandlerResponse::Handled;
   });
 
-  svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+  svr.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;  // a handler's own error body
+    if (res.status == 400 && ConnectionManager::current_timed_out()) {  // the headers stopped coming
+      res.status = 408;
+      res.set_header("Connection", "close");
+      ConnectionManager::close_after_response();
+      res.set_content(dump(error_json(408, "the request's headers did not arrive within " +
+                                               std::to_string(opts.header_timeout_s) + " s", "", "request_timeout")),
+                      kJson);
+      return;
+    }
+    // httplib's own refusals of a request it could not parse or read: the bytes after it
+    // cannot be trusted to start the next request.
+    if (res.status == 400 || res.status == 413 || res.status == 414) ConnectionManager::close_after_response();
     std::string msg;
     switch (res.status) {
       case 404: msg = "no route for " + req.method + " " + req.path; break;
@@ -484,8 +626,9 @@ void HttpServer::Impl::install_routes() {
       std::lock_guard lock(stats_mu);
       ++by_status[res.status];
     }
-    if (log::level() >= log::Level::Info)
-      log::info(req.method + " " + req.path + " " + std::to_string(res.status) + " (" + req.remote_addr + ")");
+    // Health checks and scrapes come every few seconds from probes: logged with -v only.
+    const bool probe = req.path == "/health" || req.path == "/metrics";
+    if (opts.log_requests && log::level() >= (probe ? log::Level::Info : log::Level::Warn)) access_log(req, res);
   });
 
   svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
@@ -496,19 +639,34 @@ void HttpServer::Impl::install_routes() {
     }
     res.status = 200;
   });
-  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    const ServedModel* m = served(res);
-    if (!m) return;
+  const auto model_json = [this](const ServedModel& m) {
     Json model = Json::object();
-    model["id"] = m->info.name;
+    model["id"] = m.info.name;
     model["object"] = "model";
     model["created"] = created;
     model["owned_by"] = "kvlm";
-    model["root"] = m->root;
+    model["root"] = m.root;
     model["parent"] = nullptr;
-    model["max_model_len"] = m->info.max_model_len;
-    model["vocab_size"] = m->info.vocab_size;  // kvlm's addition (kvlm bench serve's synthetic prompts)
-    reply(res, 200, Json{{"object", "list"}, {"data", Json::array({model})}});
+    model["max_model_len"] = m.info.max_model_len;
+    model["vocab_size"] = m.info.vocab_size;  // kvlm's addition (kvlm bench serve's synthetic prompts)
+    return model;
+  };
+  svr.Get("/v1/models", [this, model_json](const httplib::Request&, httplib::Response& res) {
+    const ServedModel* m = served(res);
+    if (!m) return;
+    reply(res, 200, Json{{"object", "list"}, {"data", Json::array({model_json(*m)})}});
+  });
+  // GET /v1/models/{id}: the model, or 404 as OpenAI answers for another id.
+  svr.Get(R"(/v1/models/(.+))", [this, model_json](const httplib::Request& req, httplib::Response& res) {
+    const ServedModel* m = served(res);
+    if (!m) return;
+    const std::string id = req.matches[1];
+    if (id != m->info.name) {
+      reply(res, 404, error_json(404, "The model '" + id.substr(0, 200) + "' does not exist; this server serves '" + m->info.name + "'",
+                                 "model", "model_not_found"));
+      return;
+    }
+    reply(res, 200, model_json(*m));
   });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     const ServedModel* m = served(res);
@@ -569,21 +727,75 @@ void HttpServer::Impl::post(const char* path, F handler) {
       body.append(data, n);
       return true;
     });
+    // Unless the body was read whole, what is left of it must not be taken for a next request.
+    if (too_big || !ok) {
+      res.set_header("Connection", "close");
+      ConnectionManager::close_after_response();
+    }
     if (too_big) {
       reply(res, 413, error_json(413, "the request body is larger than this server's limit of " +
                                           std::to_string(opts.max_body_bytes) + " bytes"));
+      return;
+    }
+    if (!ok && ConnectionManager::current_timed_out()) {
+      reply(res, 408, error_json(408, "the request body did not arrive within " + std::to_string(opts.read_timeout_s) + " s",
+                                 "", "request_timeout"));
       return;
     }
     if (!ok) {
       reply(res, 400, error_json(400, "the request body could not be read (a malformed or unsupported encoding?)"));
       return;
     }
-    guarded(res, [&] { handler(req, body, res); });
+    guarded(res, [&] {
+      try {
+        handler(req, body, res);
+      } catch (const nlohmann::json::out_of_range& e) {
+        if (e.id != 406) throw;  // 406: a number too large for a double, met while parsing the body
+        throw number_out_of_range(body);
+      }
+    });
   });
+}
+
+std::string HttpServer::Impl::allowed_origin(const httplib::Request& req) const {
+  if (!req.has_header("Origin")) return "";
+  const std::string origin = req.get_header_value("Origin");
+  for (const auto& o : opts.allowed_origins) {
+    if (o == "*") return "*";
+    if (o == origin) return origin;
+  }
+  return "";
+}
+
+// One line per request on stderr: when, who, what, the answer, tokens where the request
+// generated, and the time from its headers to the end of its response (a stream's too).
+void HttpServer::Impl::access_log(const httplib::Request& req, const httplib::Response& res) const {
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - ConnectionManager::current_started()).count();
+  auto tokens = [](int64_t n) { return n < 0 ? std::string("-") : std::to_string(n); };
+  const std::string peer = req.remote_addr.find(':') != std::string::npos ? "[" + req.remote_addr + "]" : req.remote_addr;
+  std::fprintf(stderr, "%s %s:%d \"%s %s\" %d prompt_tokens=%s completion_tokens=%s latency_ms=%.1f\n",
+               utc_timestamp().c_str(), peer.c_str(), req.remote_port, req.method.c_str(), req.path.c_str(), res.status,
+               tokens(t_access.prompt_tokens).c_str(), tokens(t_access.completion_tokens).c_str(), ms);
 }
 
 HttpServer::HttpServer(ServerOptions opts) : impl_(std::make_unique<Impl>(std::move(opts))) {
   impl_->install_routes();
+  ConnectionLimits lim;
+  lim.max_busy = std::max(impl_->opts.max_connections, 1);
+  lim.max_open = impl_->opts.max_open_connections;
+  lim.header_timeout_s = impl_->opts.header_timeout_s;
+  lim.read_timeout_s = impl_->opts.read_timeout_s;
+  lim.write_timeout_s = impl_->opts.write_timeout_s;
+  lim.keep_alive_timeout_s = impl_->opts.keep_alive_timeout_s;
+  lim.keep_alive_max_count = 1000;
+  impl_->conns = std::make_unique<ConnectionManager>(
+      impl_->svr, lim, [I = impl_.get()](int status, const std::string& message, const std::string& code) {
+        {
+          std::lock_guard lock(I->stats_mu);  // refusals count in /metrics as answers do
+          ++I->by_status[status];
+        }
+        return dump(error_json(status, message, "", code));
+      });
   // httplib's default sets SO_REUSEPORT, with which a second server (another model) binds the
   // same port and the kernel splits the connections between the two. SO_REUSEADDR alone lets
   // a restarted server bind while old connections linger in TIME_WAIT, and nothing more.
@@ -621,6 +833,7 @@ void HttpServer::start() {
   if (I.port < 0) bind();
   I.started = true;
   I.listener_done = false;
+  I.conns->start();
   I.thread = std::thread([&I] {
     I.svr.listen_after_bind();
     I.listener_done = true;
@@ -669,8 +882,8 @@ void HttpServer::stop() {
     // httplib's stop() does nothing until its accept loop has started.
     I.wait_listening();
     if (I.svr.is_running()) I.svr.stop();  // closes the listener: nothing new is accepted
-    shutdown_connections(I.port);
     if (I.thread.joinable()) I.thread.join();
+    I.conns->stop();  // closes idle connections now instead of after their keep-alive timeout
     I.started = false;
   }
 }

@@ -5,7 +5,11 @@
 // set_ready() with the engine; at shutdown begin_drain() (new generation requests get 503),
 // wait_idle() for in-flight requests, cancel_all() for the rest, stop().
 //
-// Threads: each connection is served by a pool thread. A generation request becomes one
+// Connections (server/connections.h): a connection holds a thread only while a request of it
+// is read, computed and answered; idle keep-alive connections and connections still sending
+// their headers wait in one poller thread, with deadlines.
+//
+// Threads: each request is served by a pool thread. A generation request becomes one
 // engine request per choice; their outputs arrive on the engine thread, which only queues
 // them on the request's RequestStream; the connection's thread writes to the socket. A
 // client that goes away (a failed write, or a closed socket seen while waiting) has its
@@ -14,6 +18,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,14 +59,24 @@ struct ServerOptions {
   int port = 8000;                     // 0 = any free port (see bound_port())
   std::string api_key;                 // non-empty: /v1/* needs "Authorization: Bearer <key>"
   size_t max_body_bytes = 16u << 20;   // larger bodies get 413
-  int read_timeout_s = 30;             // a client that stops sending its request
+  int header_timeout_s = 10;           // a request's headers must arrive within this of its first byte (408)
+  int read_timeout_s = 30;             // its body, within this of the headers (408); and any one read
   int write_timeout_s = 30;            // a client that stops reading its response
   // Longer than the idle expiry of common client pools (httpx, used by the OpenAI SDK: 5 s;
   // aiohttp: 15 s): when the server closes an idle connection at the moment the client
   // reuses it, the client sees a connection error. At 5 s that race failed 1 of 800 requests
   // of the load test (tests/server/load_test.py) on a busy 2-core machine.
   int keep_alive_timeout_s = 30;
-  int max_connections = 1024;          // connections served at once (one thread each)
+  // Requests in progress at once (one thread each); more get 503 with Retry-After. Idle
+  // keep-alive connections and connections still sending their headers hold no thread.
+  int max_connections = 1024;
+  int max_open_connections = 0;        // open connections at most (503 beyond); 0: from the descriptor limit
+  bool log_requests = true;            // an access-log line per request on stderr
+  // Origins allowed to call the API from a browser (CORS); "*" any; empty: no CORS headers.
+  std::vector<std::string> allowed_origins;
+  // Seeds the generator that seeds requests without a seed (--seed): the same requests in
+  // the same order sample the same. Unset: from the system's entropy.
+  std::optional<uint64_t> seed;
   ApiLimits limits;
 };
 

@@ -85,6 +85,21 @@ def models_list():
     assert ids == [NAME], ids
     raw = json.loads(srv.get("/v1/models", AUTH)[1])
     assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == MAX_LEN, raw
+    # GET /v1/models/{id}: the model, or 404 model_not_found.
+    assert client.models.retrieve(NAME).id == NAME
+    status, body = srv.get("/v1/models/gpt-4", AUTH)
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found", (status, body)
+
+
+@test
+def logit_bias_moves_the_choice():
+    # A +100 bias makes a token the greedy choice; -100 on the greedy token removes it.
+    kw = dict(prompt="Once upon a time", max_tokens=1, temperature=0, extra_body={"return_token_ids": True})
+    top = complete(**kw).choices[0].token_ids[0]
+    forced = complete(logit_bias={"7": 100}, **kw).choices[0].token_ids[0]
+    assert forced == 7, forced
+    other = complete(logit_bias={str(top): -100}, **kw).choices[0].token_ids[0]
+    assert other != top, (top, other)
 
 
 @test

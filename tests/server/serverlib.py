@@ -14,13 +14,15 @@ import urllib.request
 class Server:
     """`kvlm serve` on 127.0.0.1 with --port 0; the port is read from its startup line."""
 
-    def __init__(self, kvlm, model, *args, env=None, ready_timeout=120):
+    def __init__(self, kvlm, model, *args, env=None, ready_timeout=120, positional=False):
         self.log = []
         full_env = dict(os.environ)
         full_env.pop("KVLM_API_KEY", None)
         if env:
             full_env.update(env)
-        self.proc = subprocess.Popen([kvlm, "serve", "--model", model, "--port", "0", *args], stdout=subprocess.DEVNULL,
+        # positional: `kvlm serve MODEL`, as `vllm serve MODEL`
+        model_args = [model] if positional else ["--model", model]
+        self.proc = subprocess.Popen([kvlm, "serve", *model_args, "--port", "0", *args], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, env=full_env)
         self._port = None
         self._seen = threading.Condition()

@@ -138,6 +138,11 @@ req = urllib.request.Request(base + "/v1/chat/completions", headers={"Content-Ty
 r = json.loads(urllib.request.urlopen(req).read())
 assert "The answer is 42." in r["choices"][0]["message"]["content"], r
 EOF
+# serve's CPU default pool: 16 sequences of --max-model-len (the planner's 256 of them, up to
+# 4 GiB, made the bundled model start in 7-20 s with 4.4 GB of memory).
+grep -q "serve's CPU default: 16 sequences of --max-model-len" "$tmp/d.err" \
+  && grep -q "maximum concurrency for 256 tokens per request: 16.00x" "$tmp/d.err" && ok \
+  || bad "serve's CPU default pool: $(cat "$tmp/d.err")"
 # Request bodies: JSON whatever the Content-Type (curl -d sends form-urlencoded; httplib alone
 # refused such a body over 8 KiB with a 413), gzip bodies inflated, and the 16 MiB limit held
 # on the inflated size (a 40 KB gzip of 40 MiB gets 413, not 40 MiB of memory).
@@ -164,6 +169,13 @@ assert st == 413 and "larger than this server's limit" in r["error"]["message"],
 st, r = post("/v1/completions", b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n--b--\r\n',
              {"Content-Type": "multipart/form-data; boundary=b"})
 assert st == 400 and "multipart bodies are not supported" in r["error"]["message"], (st, r)
+# A number too large for a double is a 400 naming where it is (the parser alone said 500
+# "internal error: [json.exception.out_of_range.406] ...").
+for path, raw, param in [("/v1/completions", b'{"prompt": [1, 1e400], "max_tokens": 2}', "prompt[1]"),
+                         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": -1e400}', "temperature"),
+                         ("/detokenize", b'{"tokens": [5, 6, 1e999]}', "tokens[2]")]:
+    st, r = post(path, raw, {"Content-Type": "application/json"})
+    assert st == 400 and r["error"]["param"] == param and "out of range" in r["error"]["message"], (path, st, r)
 # A declared length over the limit, any Content-Type: 413 (the body is read and dropped).
 import socket
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
@@ -215,6 +227,119 @@ wait "$server_pid"
 rc=$?
 server_pid=""
 [ $rc -eq 0 ] && ok || bad "kvlm serve (stories260K) exited $rc"
+
+# The connection layer (pipelining, the cap's 503, header and body deadlines against 1,100
+# slowloris connections, idle keep-alive), the access log and the stats line, on raw sockets.
+python3 "$here/test_connections.py" "$KVLM" "$model" >"$tmp/conn.out" 2>&1 && ok || bad "connections: $(cat "$tmp/conn.out")"
+
+# vLLM's command line: flags kvlm refuses say why; an unknown flag names the closest one.
+"$KVLM" serve --max-num-seq 3 >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "unknown flag '--max-num-seq'; did you mean '--max-num-seqs'?" "$tmp/err" && ok \
+  || bad "unknown flag: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --tensor-parallel-size 2 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "tensor-parallel-size 2 is not supported: kvlm runs a model on one device" "$tmp/err" && ok \
+  || bad "--tensor-parallel-size 2: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --ssl-keyfile k.pem >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "ssl-keyfile k.pem is not supported: kvlm serves plain HTTP" "$tmp/err" && ok \
+  || bad "--ssl-keyfile: $(cat "$tmp/err")"
+"$KVLM" serve Qwen/Qwen3-8B >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "kvlm does not download models from the Hugging Face Hub" "$tmp/err" && ok \
+  || bad "serve a Hub id: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --model "$tmp" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "two models given" "$tmp/err" && ok || bad "two models: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --chat-template no-such-file.jinja >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "neither a file nor a Jinja template" "$tmp/err" && ok || bad "--chat-template missing: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --chat-template '{% for m in messages %}{{ m.content }}' >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "chat-template" "$tmp/err" && ! grep -q "listening on" "$tmp/err" && ok \
+  || bad "--chat-template with a syntax error: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --generation-config "$tmp" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "generation-config: .* is not auto, vllm, or a directory holding generation_config.json" "$tmp/err" \
+  && ok || bad "--generation-config without the file: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --allowed-origins '["x", 3]' >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "allowed-origins: every origin must be a non-empty string" "$tmp/err" && ok \
+  || bad "--allowed-origins bad: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --quantization awq >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "invalid --quantization 'awq'" "$tmp/err" && ! grep -q "listening on" "$tmp/err" && ok \
+  || bad "--quantization awq before listening: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --header-timeout 0 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "header-timeout must be at least 1 second" "$tmp/err" && ok || bad "--header-timeout 0: $(cat "$tmp/err")"
+"$KVLM" serve "$model" --tokenizer "$tmp" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "tokenizer '.*' has no tokenizer.json" "$tmp/err" && ok || bad "--tokenizer without one: $(cat "$tmp/err")"
+# The accepted ones, on a server started as vLLM's would be: positional MODEL, --seed,
+# --chat-template (a string), --tokenizer, --generation-config DIR, --allowed-origins (JSON),
+# --uvicorn-log-level, and --swap-space / --tensor-parallel-size 1 (nothing to do: a warning).
+mkdir -p "$tmp/gc" && echo '{"do_sample": true, "temperature": 0.0}' >"$tmp/gc/generation_config.json"
+python3 - "$KVLM" "$model" "$here" "$tmp/gc" >"$tmp/vf.out" 2>&1 <<'EOF2' && ok || bad "vLLM flags: $(cat "$tmp/vf.out")"
+import json, sys, urllib.request, urllib.error
+sys.path.insert(0, sys.argv[3])
+import serverlib
+kvlm, model, gc = sys.argv[1], sys.argv[2], sys.argv[4]
+tpl = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<<assistant>>{% endif %}"
+
+def start(*extra):
+    return serverlib.Server(kvlm, model, *extra, positional=True)
+
+def sample(s, n=2):
+    outs = []
+    for _ in range(n):
+        st, body = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0})
+        assert st == 200, body
+        outs.append(json.loads(body)["choices"][0]["text"])
+    return outs
+
+common = ["--max-model-len", "256", "--seed", "7", "--swap-space", "4", "--tensor-parallel-size", "1",
+          "--uvicorn-log-level", "warning", "--disable-log-requests"]
+s = start(*common, "--chat-template", tpl, "--tokenizer", model, "--allowed-origins", '["http://a.example"]')
+try:
+    assert any("--swap-space is ignored" in l for l in s.log), s.log
+    st, body = s.get("/v1/models")
+    assert st == 200 and json.loads(body)["data"][0]["id"] == "tiny-chat", body
+    first = sample(s)
+    # The template given on the command line renders the messages.
+    st, body = s.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    ids = json.loads(body)["tokens"]
+    st, body = s.post("/detokenize", {"tokens": ids})
+    assert json.loads(body)["prompt"] == "<<user>>hi\n<<assistant>>", body
+    # CORS: the allowed origin is echoed, another gets nothing; preflights.
+    def raw(method, origin, extra=None):
+        req = urllib.request.Request(s.base + "/v1/models", method=method,
+                                     headers={"Origin": origin, **(extra or {})})
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers)
+    st, h = raw("GET", "http://a.example")
+    assert st == 200 and h.get("Access-Control-Allow-Origin") == "http://a.example", h
+    st, h = raw("GET", "http://evil.example")
+    assert st == 200 and "Access-Control-Allow-Origin" not in h, h
+    st, h = raw("OPTIONS", "http://a.example", {"Access-Control-Request-Method": "POST",
+                                                "Access-Control-Request-Headers": "authorization, content-type"})
+    assert st == 204 and h.get("Access-Control-Allow-Origin") == "http://a.example" and \
+        "POST" in h.get("Access-Control-Allow-Methods", "") and "authorization" in h.get("Access-Control-Allow-Headers", ""), (st, h)
+    st, h = raw("OPTIONS", "http://evil.example", {"Access-Control-Request-Method": "POST"})
+    assert st == 403, (st, h)
+finally:
+    assert s.stop() == 0
+# --seed: the same unseeded requests in the same order sample the same after a restart.
+s = start(*common)
+try:
+    again = sample(s)
+    assert again == first, (first, again)
+finally:
+    s.stop()
+# --generation-config DIR: its temperature 0 is the default for requests that give none.
+s = start("--max-model-len", "256", "--generation-config", gc, "--disable-log-requests")
+try:
+    outs = []
+    for _ in range(2):
+        st, body = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12})
+        outs.append(json.loads(body)["choices"][0]["text"])
+    st, body = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+    assert outs[0] == outs[1] == json.loads(body)["choices"][0]["text"], (outs, body)
+finally:
+    s.stop()
+EOF2
 
 # --no-enable-prefix-caching: a repeated prompt is computed again.
 "$KVLM" serve --model "$model" --port 0 --max-model-len 256 --no-enable-prefix-caching >"$tmp/n.out" 2>"$tmp/n.err" &

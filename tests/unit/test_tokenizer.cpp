@@ -148,6 +148,23 @@ TEST(Tokenizer, StreamingNeverBreaksCharacters) {
   EXPECT_EQ(s, "a\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
 }
 
+// A model's vocabulary may be padded past the tokenizer's (Qwen: 151,936 logits, 151,669
+// tokens): generated text skips such ids as Hugging Face's decode does; an explicit decode
+// of them is still an error.
+TEST(Tokenizer, PaddingIdsDecodeToNothingInGeneratedText) {
+  const Tokenizer t = make(toy());
+  const TokenId pad = TokenId(t.vocab_size() + 5);
+  EXPECT_THROW(t.decode(std::vector<TokenId>{3, pad}), Error);
+  EXPECT_EQ(t.decode(std::vector<TokenId>{3, pad, 3}, false, true), t.decode(std::vector<TokenId>{3, 3}));
+  IncrementalDecoder inc(t);
+  std::string s = inc.push(3);
+  s += inc.push(pad);
+  s += inc.push(3);
+  s += inc.flush();
+  EXPECT_EQ(s, t.decode(std::vector<TokenId>{3, 3}));
+  EXPECT_EQ(t.token_bytes(pad), "");
+}
+
 TEST(Utf8, SanitizeAndTails) {
   EXPECT_EQ(utf8::sanitize("a\xC3"), "a\xEF\xBF\xBD");
   EXPECT_EQ(utf8::sanitize("\xE2\x82x"), "\xEF\xBF\xBDx");            // one U+FFFD for a truncated sequence

@@ -234,7 +234,7 @@ std::vector<TokenId> Tokenizer::encode(std::string_view text, const EncodeOption
   return ids;
 }
 
-std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special_tokens) const {
+std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special_tokens, bool skip_unknown) const {
   std::vector<std::string> tokens;
   tokens.reserve(ids.size());
   for (TokenId id : ids) {
@@ -244,7 +244,7 @@ std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special_to
       tokens.push_back(a.content);
     } else if (const std::string* t = model_->id_to_token(id)) {
       tokens.push_back(*t);
-    } else {
+    } else if (!skip_unknown) {
       throw Error("token id " + std::to_string(id) + " is not in the tokenizer's vocabulary (size " + std::to_string(vocab_size_) + ")");
     }
   }
@@ -279,8 +279,8 @@ std::string IncrementalDecoder::push(TokenId id) {
   // a skipped special token does not close it (the decoder never sees it).
   if (tok_.is_fallback_byte(id) || (skip_ && tok_.is_special(id))) return "";
   const std::span<const TokenId> all(ids_);
-  const std::string before = tok_.decode(all.subspan(prefix_, read_ - prefix_), skip_);
-  const std::string now = tok_.decode(all.subspan(prefix_), skip_);
+  const std::string before = tok_.decode(all.subspan(prefix_, read_ - prefix_), skip_, true);
+  const std::string now = tok_.decode(all.subspan(prefix_), skip_, true);
   // Hold back while the window's text ends in an incomplete character (decoded as U+FFFD)
   // or has not grown; the window keeps the same start so decoders that treat the first
   // token specially (Strip, Metaspace) do so identically in both decodes.
@@ -294,7 +294,7 @@ std::string IncrementalDecoder::push(TokenId id) {
 }
 
 std::string IncrementalDecoder::flush() {
-  const std::string full = tok_.decode(ids_, skip_);
+  const std::string full = tok_.decode(ids_, skip_, true);
   std::string rest = full.compare(0, emitted_.size(), emitted_) == 0 ? full.substr(emitted_.size()) : std::string();
   emitted_ += rest;
   prefix_ = read_ = ids_.size();

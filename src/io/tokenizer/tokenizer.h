@@ -44,7 +44,10 @@ class Tokenizer {
 
   // Invalid UTF-8 in `text` is replaced by U+FFFD first (as Python's errors='replace').
   std::vector<TokenId> encode(std::string_view text, const EncodeOptions& opts = {}) const;
-  std::string decode(std::span<const TokenId> ids, bool skip_special_tokens = false) const;
+  // Throws for an id the vocabulary lacks, unless `skip_unknown` (generated text: a model's
+  // vocabulary may be padded past the tokenizer's — Qwen's 151,936 logits for 151,669
+  // tokens — and Hugging Face's decode writes nothing for such ids).
+  std::string decode(std::span<const TokenId> ids, bool skip_special_tokens = false, bool skip_unknown = false) const;
 
   // The bytes token `id` adds in the middle of a text (a byte-level token's raw bytes, a
   // <0xXX> token's byte, a Metaspace token with its space): what a grammar matches. Special
