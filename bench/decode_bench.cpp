@@ -4,14 +4,18 @@
 //   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64] [--shapes 1x512,64x4096]
 //                [--steps 32] [--gemv-lab]
 //                [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
-//                [--draft DIR [--spec-tokens K]]
+//                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
 // the GPU (the FP8 GEMV; auto, the default, dequantizes weights that fit in half of the GPU),
-// and the weights-read bound counts the bytes actually held.
+// and the weights-read bound counts the bytes actually held. --fp8-tc-no-carveout launches the
+// FP8 tensor-core GEMV without asking for the largest shared-memory carve-out, --fp8-fma-max-m M
+// runs FP8 GEMMs of up to M rows on the FMA kernels instead (KernelSwitches; both for comparison).
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
-// and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode).
+// and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode);
+// then gemv_fp8's kernels (FMA rows / split at m = 1 and 4, tensor cores at m = 1-16, per-row
+// and 128-block scales) and dequantize_fp8, and the tensor-core kernel's CTA shapes.
 //
 // For each KV dtype the model is loaded once; for each shape (batch x context) the pool is
 // sized for it and every sequence decodes `steps` tokens after 3 warm-up steps, starting at
@@ -42,6 +46,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <sstream>
 #include <tuple>
@@ -285,49 +290,103 @@ void gemv_lab(double bw) {
       std::fflush(stdout);
     }
   }
-  // FP8 weights (gemm.h Fp8Weight, one scale per row): the FP8 GEMV at m <= 4 reads one byte
-  // per weight, and dequantize_fp8 (the path to the GEMM at larger m) writes two.
-  std::printf("\n# FP8 weights (Qwen3-8B shapes): gemv_fp8 µs and GB/s of FP8 weights read; dequantize_fp8 µs and GB/s "
-              "(read + write)\n");
-  std::printf("| matrix | n x k | FP8 MB | m=1 µs | GB/s | m=2 µs | GB/s | m=4 µs | GB/s | dequantize µs | GB/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  // FP8 weights (gemm.h Fp8Weight): gemv_fp8's FMA kernel (variant 1, 4 rows of x per pass) and
+  // tensor-core kernel (variant 2, one pass for m <= 16) read one byte per weight; dequantize_fp8
+  // (the path to the GEMM at larger m) reads one and writes two. Random codes (no NaN), one scale
+  // per row ("row") or per 128-column block ("b128").
+  std::printf("\n# FP8 weights (Qwen3-8B shapes): gemv_fp8 µs and GB/s of FP8 weights read (rows / split: the FMA "
+              "kernels, tc: the tensor-core kernel); dequantize_fp8 µs and GB/s (read + write)\n");
+  const int fp8_cols[][2] = {{1, 1}, {1, 3}, {1, 2}, {2, 1}, {2, 3}, {2, 2}, {4, 1}, {4, 3}, {4, 2}, {8, 2}, {16, 2}};  // (m, variant)
+  std::string sweep;  // the tensor-core kernel's CTA shapes, printed after the table
+  std::printf("| matrix | scales | n x k | FP8 MB |");
+  for (const auto& c : fp8_cols) std::printf(" m=%d %s µs | GB/s |", c[0], c[1] == 1 ? "rows" : c[1] == 3 ? "split" : "tc");
+  std::printf(" dequantize µs | GB/s |\n|---|---|---|---|");
+  for (size_t i = 0; i < std::size(fp8_cols); ++i) std::printf("---|---|");
+  std::printf("---|---|\n");
   for (const Shape& sh : shapes) {
     const size_t nk = size_t(sh.n) * size_t(sh.k);
     const int copies = int(std::max<size_t>(2, (size_t(200) << 20) / nk + 1));
     std::vector<void*> codes(static_cast<size_t>(copies));
-    for (auto& p : codes) {
-      ck(cudaMalloc(&p, nk), "cudaMalloc");
-      ck(cudaMemset(p, 0x38, nk), "cudaMemset");  // e4m3 1.0
+    {
+      std::vector<uint8_t> host(nk);
+      std::mt19937 rng(5);
+      for (auto& c : host) {
+        do c = uint8_t(rng());
+        while ((c & 0x7f) == 0x7f);
+      }
+      for (auto& p : codes) {
+        ck(cudaMalloc(&p, nk), "cudaMalloc");
+        ck(cudaMemcpy(p, host.data(), nk, cudaMemcpyHostToDevice), "cudaMemcpy");
+      }
     }
+    const int nb128 = (sh.k + 127) / 128;
     void *scales = nullptr, *x = nullptr, *y = nullptr, *deq = nullptr;
-    ck(cudaMalloc(&scales, size_t(sh.n) * 4), "cudaMalloc");
-    ck(cudaMemset(scales, 0, size_t(sh.n) * 4), "cudaMemset");
-    ck(cudaMalloc(&x, size_t(4) * sh.k * 2), "cudaMalloc");
-    ck(cudaMemset(x, 0x3c, size_t(4) * sh.k * 2), "cudaMemset");
-    ck(cudaMalloc(&y, size_t(4) * sh.n * 4), "cudaMalloc");
-    ck(cudaMalloc(&deq, nk * 2), "cudaMalloc");
-    auto wf = [&](int i) {
-      return cuda::Fp8Weight{.codes = static_cast<const uint8_t*>(codes[size_t(i % copies)]),
-                             .scales = static_cast<const float*>(scales), .scale_block = sh.k};
-    };
-    const DType out = sh.f32 ? DType::F32 : DType::BF16;
-    std::string cells;
-    for (int m : {1, 2, 4}) {
-      const double us = time_us([&](int i) { cuda::gemv_fp8(DType::BF16, out, x, wf(i), nullptr, y, m, sh.n, sh.k, nullptr); });
-      char buf[64];
-      std::snprintf(buf, sizeof buf, " | %.1f | %.0f", us, double(nk) / (us * 1e-6) / 1e9);
-      cells += buf;
+    {
+      const std::vector<float> hs(size_t(sh.n) * size_t(nb128), 1e-3f);
+      ck(cudaMalloc(&scales, hs.size() * 4), "cudaMalloc");
+      ck(cudaMemcpy(scales, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
     }
-    const double dus = time_us([&](int i) { cuda::dequantize_fp8(DType::BF16, wf(i), deq, sh.n, sh.k, nullptr); });
-    std::printf("| %s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name, sh.n, sh.k, double(nk) / 1e6, cells.c_str(), dus,
-                3.0 * double(nk) / (dus * 1e-6) / 1e9);
-    std::fflush(stdout);
+    ck(cudaMalloc(&x, size_t(16) * sh.k * 2), "cudaMalloc");
+    ck(cudaMemset(x, 0x3c, size_t(16) * sh.k * 2), "cudaMemset");
+    ck(cudaMalloc(&y, size_t(16) * sh.n * 4), "cudaMalloc");
+    ck(cudaMalloc(&deq, nk * 2), "cudaMalloc");
+    {  // the tensor-core kernel's CTA shape: 16-row tiles per CTA x CTAs per cluster (row scales)
+      const cuda::KernelSwitches saved = cuda::kernel_switches();
+      auto wf = [&](int i) {
+        return cuda::Fp8Weight{.codes = static_cast<const uint8_t*>(codes[size_t(i % copies)]),
+                               .scales = static_cast<const float*>(scales), .scale_block = sh.k};
+      };
+      const DType out = sh.f32 ? DType::F32 : DType::BF16;
+      for (int m : {1, 8, 16})
+        for (int tiles : {4, 2, 1}) {
+          std::string cells;
+          for (int splits : {0, 1, 2, 4, 8, -1}) {  // -1: automatic, without PDL
+            cuda::KernelSwitches sw = saved;
+            sw.fp8_tc_tiles = tiles;
+            sw.fp8_tc_splits = std::max(splits, 0);
+            if (splits < 0) sw.pdl = false;
+            cuda::set_kernel_switches(sw);
+            const double us = time_us(
+                [&](int i) { cuda::gemv_fp8(DType::BF16, out, x, wf(i), nullptr, y, m, sh.n, sh.k, nullptr, 2); });
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " %.1f |", us);
+            if (splits == 0 && m == 1) sweep += "<!-- " + std::string(sh.name) + " tiles " + std::to_string(tiles) + " auto: " + cuda::gemv_fp8_last_launch() + " -->\n";
+            cells += buf;
+          }
+          cuda::set_kernel_switches(saved);
+          char head[96];
+          std::snprintf(head, sizeof head, "| %s | %d | %d |", sh.name, m, tiles);
+          sweep += head + cells + "\n";
+        }
+    }
+    for (int block : {sh.k, 128}) {
+      auto wf = [&](int i) {
+        return cuda::Fp8Weight{.codes = static_cast<const uint8_t*>(codes[size_t(i % copies)]),
+                               .scales = static_cast<const float*>(scales), .scale_block = block};
+      };
+      const DType out = sh.f32 ? DType::F32 : DType::BF16;
+      std::string cells;
+      for (const auto& c : fp8_cols) {
+        const double us = time_us(
+            [&](int i) { cuda::gemv_fp8(DType::BF16, out, x, wf(i), nullptr, y, c[0], sh.n, sh.k, nullptr, c[1]); });
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " | %.1f | %.0f", us, double(nk) / (us * 1e-6) / 1e9);
+        cells += buf;
+      }
+      const double dus = time_us([&](int i) { cuda::dequantize_fp8(DType::BF16, wf(i), deq, sh.n, sh.k, nullptr); });
+      std::printf("| %s | %s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name, block == sh.k ? "row" : "b128", sh.n, sh.k,
+                  double(nk) / 1e6, cells.c_str(), dus, 3.0 * double(nk) / (dus * 1e-6) / 1e9);
+      std::fflush(stdout);
+    }
     for (auto p : codes) cudaFree(p);
     cudaFree(scales);
     cudaFree(x);
     cudaFree(y);
     cudaFree(deq);
   }
+  std::printf("\n# FP8 tensor-core kernel (row scales): µs by 16-row tiles per CTA and CTAs per cluster (auto: the "
+              "launcher's choice)\n| matrix | m | tiles | auto | 1 | 2 | 4 | 8 | auto, no PDL |\n|---|---|---|---|---|---|---|---|---|\n%s",
+              sweep.c_str());
   // Batched decode from m = 17 runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w
   // (2 * m FLOP per 2-byte weight: m FLOP per byte, against the ~150 an H200 sustains, ~650
   // dense bf16 TFLOP/s over ~4.2 TB/s), so % of copy is the figure of merit; from m ~ 150 they
@@ -419,6 +478,16 @@ int main(int argc, char** argv) {
     else if (a == "--draft") draft = next();
     else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
+    else if (a == "--fp8-fma-max-m") {
+      auto sw = cuda::kernel_switches();
+      sw.fp8_fma_max_m = std::stoi(next());
+      cuda::set_kernel_switches(sw);
+    }
+    else if (a == "--fp8-tc-no-carveout") {
+      auto sw = cuda::kernel_switches();
+      sw.fp8_tc_carveout = false;
+      cuda::set_kernel_switches(sw);
+    }
     else if (a == "--quantization") quantization = next();
     else if (a == "--fp8-weights") {
       const std::string v = next();
@@ -436,7 +505,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--draft DIR [--spec-tokens K]]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]]\n");
       return 2;
     }
   }

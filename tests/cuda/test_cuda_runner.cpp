@@ -391,8 +391,8 @@ double max_abs_diff(const std::vector<std::vector<float>>& a, const std::vector<
 }  // namespace
 
 // FP8 weights held as FP8 on the GPU (kernel switch Keep: these tiny models would otherwise be
-// dequantized at load, their bf16 copy fitting in half of any GPU), through all three paths:
-// prefill chunks of 1 (the FP8 GEMV at m = 1), 6 (two passes of it, m = 4 + 2) and 16
+// dequantized at load, their bf16 copy fitting in half of any GPU), through every path: prefill
+// chunks of 1 (gemv_fp8's FMA kernel at m = 1), 6 and 16 (its tensor-core kernel) and 24
 // (dequantize_fp8 + the 16-bit GEMM), each against transformers on the dequantized weights with
 // the bounds of the bf16-compute golden test, and held in fewer bytes than dequantized.
 TEST(CudaRunner, Fp8WeightsKeptOnTheGpu) {
@@ -412,7 +412,7 @@ TEST(CudaRunner, Fp8WeightsKeptOnTheGpu) {
     auto e = load(g.model_dir, KVCacheDType::Auto, Device::Cuda);
     cuda::set_kernel_switches(saved);
     EXPECT_LT(cuda_of(*e).weight_bytes(), dense_bytes) << name << ": the weights were not kept as FP8";
-    for (int chunk : {1, 6, 16}) {
+    for (int chunk : {1, 6, 16, 24}) {
       const Stats st = compare(g.logits, teacher_forced(*e, all, chunk), g.vocab, g.prompt.size() - 1);
       std::printf("[cuda-fp8] %-24s chunk %2d  weights %zu B (dequantized: %zu)  max|dlogit|=%.3e mean_kld=%.2e "
                   "max_kld=%.2e decisions %d/%d\n",

@@ -29,6 +29,7 @@
 #include "model/rope.h"
 #include "ops/cpu/ops.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/model_ops.h"
 #include "ops/cuda/sampling.h"
 #include "core/philox.h"
@@ -304,100 +305,148 @@ TEST(CudaModelOps, GemvWithSiluMulInput) {
         }
 }
 
-// FP8 weights (gemm.h gemv_fp8, dequantize_fp8) against the definition, over odd row counts,
-// k not a multiple of 128, per-row scales (scale_block = k) and column blocks of 16 and 128
-// with a partial last block, m = 1..4, bias and float32 output. The
-// reference sums code * scale * x in double over the same 16-bit x; the GPU sums fp32 and rounds
-// once, so the GEMV's bound is the 16-bit rounding plus 1e-4 of sum |w x|. dequantize_fp8 is
-// code * scale rounded once to the compute type: bit-exact.
+// FP8 weights (gemm.h gemv_fp8, dequantize_fp8) against the definition. gemv_fp8's kernels
+// (variants 1 and 3: FMA, rows and split k, kGemvMaxM rows of x per pass; variant 2: tensor
+// cores, one pass, with CTAs of
+// 64, 32 and 16 rows and k split over clusters of 1, 2, 4 and 8 CTAs) over m = 1..16, odd n
+// (not multiples of the 16-row tiles or the CTAs' rows) and k (not multiples of the 64-wide
+// rounds or of 128), every scaling kind (one scale per row: scale_block = k; 128-column blocks
+// with a partial last block; 16-column blocks, which only the FMA kernels take), bias and
+// float32 output. The reference sums code * scale * x in double over the same 16-bit x; the GPU
+// sums fp32 and rounds once, so the bound is the 16-bit rounding (none for float32 output) plus
+// 1e-4 of sum |w x|; rows of y past m must stay unwritten. dequantize_fp8 is code * scale
+// rounded once to the compute type: bit-exact.
 TEST(CudaModelOps, Fp8GemvAndDequantize) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!cuda::fp8_weights_supported(test::compute_capability())) GTEST_SKIP() << "no FP8 instructions on this GPU";
   std::mt19937 rng(27);
   {  // misuse is an error, not a wrong answer
-    Dev<uint8_t> dc(size_t(16) * 24);
-    Dev<float> ds(16);
-    Dev<uint16_t> dx(24), dy(16);
+    Dev<uint8_t> dc(size_t(16) * 48);
+    Dev<float> ds(16 * 3);
+    Dev<uint16_t> dx(48 * 17), dy(16 * 17);
     const cuda::Fp8Weight bad{.codes = dc.p, .scales = ds.p, .scale_block = 24};
     EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 1, 16, 24, nullptr), Error);
     EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 5, 16, 24, nullptr), Error);
+    const cuda::Fp8Weight b16{.codes = dc.p, .scales = ds.p, .scale_block = 16};
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, b16, nullptr, dy.p, 17, 16, 48, nullptr), Error);
+    EXPECT_FALSE(cuda::gemv_fp8_mma_fits(48, 16));
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, b16, nullptr, dy.p, 4, 16, 48, nullptr, 2), Error);
+    EXPECT_TRUE(cuda::gemv_fp8_mma_fits(48, 48));
+    EXPECT_TRUE(cuda::gemv_fp8_mma_fits(272, 128));
   }
   struct Shape {
     int n, k, block;
   };
-  const Shape shapes[] = {{1, 16, 16}, {7, 48, 48}, {33, 272, 272}, {300, 272, 128}, {129, 4096, 128}, {61, 1040, 16}};
-  size_t checked = 0;
+  const Shape shapes[] = {{1, 16, 16},     {7, 48, 48},       {33, 272, 272},  {300, 272, 128}, {129, 4096, 128},
+                          {61, 1040, 16},  {1000, 1552, 1552}, {70, 8320, 128}, {97, 4160, 4160}, {50, 2496, 128}};
+  constexpr int kM = cuda::kGemvFp8MaxM;
+  const cuda::KernelSwitches saved = cuda::kernel_switches();
+  size_t checked = 0, dequantized = 0;
   for (DType ab : kActs)
-    for (const Shape& sh : shapes)
-      for (int m : {1, 2, 4})
-        for (int mode = 0; mode < 2; ++mode) {  // 0: 16-bit out + bias, 1: float32 out
-          const int n = sh.n, k = sh.k, nb = (k + sh.block - 1) / sh.block;
-          const bool f32 = mode == 1, bias = mode == 0;
-          std::vector<uint8_t> codes8(size_t(n) * k);
-          for (auto& c : codes8) {
-            do c = uint8_t(rng());
-            while ((c & 0x7f) == 0x7f);  // NaN codes are not weights
-          }
-          std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
-          std::vector<float> sc(size_t(n) * nb);
-          for (auto& x : sc) x = ud(rng);
-          const auto xr = random_act(ab, size_t(m) * k, rng, 1.0f);  // the GEMV's input rows
-          const auto b = random_act(ab, size_t(n), rng, 0.5f);
-          Dev<uint8_t> dc(codes8);
-          Dev<float> ds(sc);
-          Dev<uint16_t> dx(codes(ab, xr)), db(codes(ab, b));
-          Dev<uint16_t> dy16(size_t(m) * n);
-          Dev<float> dy32(size_t(m) * n);
-          dy16.poison();
-          dy32.poison();
-          const cuda::Fp8Weight w{.codes = dc.p, .scales = ds.p, .scale_block = sh.block};
-          cuda::gemv_fp8(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr, f32 ? static_cast<void*>(dy32.p) : dy16.p,
-                         m, n, k, nullptr);
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          std::vector<float> got(size_t(m) * n);
-          if (f32) {
-            got = dy32.download();
-          } else {
-            const auto raw = dy16.download();
-            for (size_t i = 0; i < got.size(); ++i) got[i] = act_value(ab, raw[i]);
-          }
-          size_t bad = 0;
-          double worst = 0;
-          for (int r = 0; r < m; ++r)
-            for (int j = 0; j < n; ++j) {
-              double ref = bias ? b[size_t(j)] : 0.0, mag = std::fabs(ref);
-              for (int i = 0; i < k; ++i) {
-                const double wv = double(num::e4m3_to_f32(codes8[size_t(j) * k + i])) * sc[size_t(j) * nb + i / sh.block];
-                ref += wv * xr[size_t(r) * k + i];
-                mag += std::fabs(wv * xr[size_t(r) * k + i]);
-              }
-              const double g = got[size_t(r) * n + j], e = std::isnan(g) ? 1e30 : std::fabs(g - ref);
-              worst = std::max(worst, e);
-              bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(ref) + 1e-4 * mag;
-              ++checked;
+    for (const Shape& sh : shapes) {
+      const int n = sh.n, k = sh.k, nb = (k + sh.block - 1) / sh.block;
+      std::vector<uint8_t> codes8(size_t(n) * k);
+      for (auto& c : codes8) {
+        do c = uint8_t(rng());
+        while ((c & 0x7f) == 0x7f);  // NaN codes are not weights
+      }
+      std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+      std::vector<float> sc(size_t(n) * nb);
+      for (auto& x : sc) x = ud(rng);
+      const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);  // up to kM input rows; m takes the first m
+      const auto b = random_act(ab, size_t(n), rng, 0.5f);
+      // The reference without the bias, and sum |w x|, for every row of x.
+      std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
+      {
+        std::vector<double> wrow(static_cast<size_t>(k));
+        for (int j = 0; j < n; ++j) {
+          for (int i = 0; i < k; ++i)
+            wrow[size_t(i)] = double(num::e4m3_to_f32(codes8[size_t(j) * k + i])) * sc[size_t(j) * nb + i / sh.block];
+          for (int r = 0; r < kM; ++r) {
+            double acc = 0, a = 0;
+            const float* xp = xr.data() + size_t(r) * k;
+            for (int i = 0; i < k; ++i) {
+              const double p = wrow[size_t(i)] * xp[i];
+              acc += p;
+              a += std::fabs(p);
             }
-          EXPECT_EQ(bad, 0u) << dtype_name(ab) << " n=" << n << " k=" << k << " block=" << sh.block << " m=" << m
-                             << " mode " << mode << " max err " << worst;
-          if (m == 1 && mode == 0) {
-            Dev<uint16_t> dd(size_t(n) * k);
-            dd.poison();
-            cuda::dequantize_fp8(ab, w, dd.p, n, k, nullptr);
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            const auto deq = dd.download();
-            size_t diff = 0;
-            std::string first;
-            for (int j = 0; j < n; ++j)
-              for (int i = 0; i < k; ++i) {
-                const size_t at = size_t(j) * k + i;
-                const uint16_t want = act_code(ab, num::e4m3_to_f32(codes8[at]) * sc[size_t(j) * nb + i / sh.block]);
-                if (deq[at] != want && ++diff <= 3)
-                  first += " (" + std::to_string(j) + "," + std::to_string(i) + "): code " + std::to_string(codes8[at]) +
-                           " got " + std::to_string(act_value(ab, deq[at])) + " want " + std::to_string(act_value(ab, want));
-              }
-            EXPECT_EQ(diff, 0u) << "dequantize_fp8 " << dtype_name(ab) << " n=" << n << " k=" << k << first;
+            ref[size_t(r) * n + j] = acc;
+            mag[size_t(r) * n + j] = a;
           }
         }
-  std::printf("[cuda-fp8] gemv_fp8: %zu outputs within bounds; dequantize_fp8 bit-exact\n", checked);
+      }
+      Dev<uint8_t> dc(codes8);
+      Dev<float> ds(sc);
+      Dev<uint16_t> dx(codes(ab, xr)), db(codes(ab, b));
+      Dev<uint16_t> dy16(size_t(kM) * n);
+      Dev<float> dy32(size_t(kM) * n);
+      const cuda::Fp8Weight w{.codes = dc.p, .scales = ds.p, .scale_block = sh.block};
+      const bool mma = cuda::gemv_fp8_mma_fits(k, sh.block);
+      for (int m = 1; m <= kM; ++m)
+        for (int mode = 0; mode < 2; ++mode)  // 0: 16-bit out + bias, 1: float32 out
+          // 1, 7: the rows and split FMA kernels; 2-6: the tensor-core kernel with CTAs of 64 / 32 /
+          // 16 rows / 32 rows split 4 ways / 64 rows split 8 ways (clusters), whatever the launcher
+          // would choose.
+          for (int variant = 1; variant <= 7; ++variant) {
+            if (!mma && variant >= 2 && variant <= 6) continue;
+            const bool f32 = mode == 1, bias = mode == 0;
+            dy16.poison();
+            dy32.poison();
+            cuda::KernelSwitches sw = saved;
+            const int tiles[] = {0, 0, 4, 2, 1, 2, 4, 0}, splits[] = {0, 0, 0, 0, 0, 4, 8, 0};
+            sw.fp8_tc_tiles = tiles[variant];
+            sw.fp8_tc_splits = splits[variant];
+            cuda::set_kernel_switches(sw);
+            cuda::gemv_fp8(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr,
+                           f32 ? static_cast<void*>(dy32.p) : dy16.p, m, n, k, nullptr, variant == 7 ? 3 : std::min(variant, 2));
+            cuda::set_kernel_switches(saved);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            std::vector<float> got(size_t(kM) * n);
+            if (f32) {
+              got = dy32.download();
+            } else {
+              const auto raw = dy16.download();
+              for (size_t i = 0; i < got.size(); ++i) got[i] = act_value(ab, raw[i]);
+            }
+            size_t bad = 0;
+            double worst = 0;
+            for (int r = 0; r < m; ++r)
+              for (int j = 0; j < n; ++j) {
+                const size_t at = size_t(r) * n + j;
+                const double want = ref[at] + (bias ? double(b[size_t(j)]) : 0.0);
+                const double g = got[at], e = std::isnan(g) ? 1e30 : std::fabs(g - want);
+                worst = std::max(worst, e);
+                bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(want) + 1e-4 * (mag[at] + (bias ? std::fabs(b[size_t(j)]) : 0.0));
+                ++checked;
+              }
+            // Rows past m stay as poisoned (NaN): nothing is written outside y[m][n].
+            size_t outside = 0;
+            for (size_t i = size_t(m) * n; i < got.size(); ++i) outside += !std::isnan(got[i]);
+            EXPECT_EQ(bad, 0u) << dtype_name(ab) << " n=" << n << " k=" << k << " block=" << sh.block << " m=" << m
+                               << " mode " << mode << " variant " << variant << " max err " << worst;
+            EXPECT_EQ(outside, 0u) << dtype_name(ab) << " n=" << n << " k=" << k << " m=" << m << " variant " << variant;
+          }
+      Dev<uint16_t> dd(size_t(n) * k);
+      dd.poison();
+      cuda::dequantize_fp8(ab, w, dd.p, n, k, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto deq = dd.download();
+      size_t diff = 0;
+      std::string first;
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < k; ++i) {
+          const size_t at = size_t(j) * k + i;
+          const uint16_t want = act_code(ab, num::e4m3_to_f32(codes8[at]) * sc[size_t(j) * nb + i / sh.block]);
+          if (deq[at] != want && ++diff <= 3)
+            first += " (" + std::to_string(j) + "," + std::to_string(i) + "): code " + std::to_string(codes8[at]) +
+                     " got " + std::to_string(act_value(ab, deq[at])) + " want " + std::to_string(act_value(ab, want));
+        }
+      EXPECT_EQ(diff, 0u) << "dequantize_fp8 " << dtype_name(ab) << " n=" << n << " k=" << k << first;
+      dequantized += deq.size();
+    }
+  std::printf("[cuda-fp8] gemv_fp8: %zu outputs within bounds (m = 1..%d, both FMA kernels and five tensor-core CTA shapes); dequantize_fp8 "
+              "bit-exact (%zu values)\n",
+              checked, kM, dequantized);
 }
 
 TEST(CudaModelOps, ArgmaxRows) {

@@ -109,14 +109,9 @@ void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Ten
 
 void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m) {
   const cuda::Fp8Weight f{.codes = static_cast<const uint8_t*>(w.data), .scales = w.scales, .scale_block = w.scale_block};
-  if (m <= cuda::kGemvMmaMaxM && gemm_.small_m_kernel(m)) {
-    // Up to 4 rows per pass over the FP8 bytes: at m = 5-8 two passes read 2 bytes per weight,
-    // what the 16-bit kernels read once.
-    const size_t xrow = size_t(w.cols) * dtype_size(act_), yrow = size_t(w.rows) * dtype_size(out);
-    for (int r0 = 0; r0 < m; r0 += cuda::kGemvMaxM)
-      cuda::gemv_fp8(act_, out, static_cast<const uint8_t*>(x) + size_t(r0) * xrow, f, bias.data,
-                     static_cast<uint8_t*>(y) + size_t(r0) * yrow, std::min(cuda::kGemvMaxM, m - r0), int(w.rows),
-                     int(w.cols), stream_);
+  if (m <= cuda::kGemvFp8MaxM && gemm_.small_m_kernel(1)) {  // small-m kernels on (--no-gemv: off)
+    // One pass over the FP8 bytes for all m rows (the tensor-core kernel from m = 2).
+    cuda::gemv_fp8(act_, out, x, f, bias.data, y, m, int(w.rows), int(w.cols), stream_);
     return;
   }
   KVLM_CHECK(fp8_scratch_ != nullptr, "an FP8 weight without the runner's dequantization buffer");

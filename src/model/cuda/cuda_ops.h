@@ -120,8 +120,8 @@ class CudaOps final : public Ops {
   cuda::PagedAttentionParams attn_params(const CudaKVLayer& L, float softmax_scale) const;
   // A buffer the ops need inside the step, carved once per step at its first use.
   void* step_buffer(void*& slot, size_t bytes);
-  // y = x . w^T (+ bias) for an FP8 weight: the FP8 GEMV at m <= 8 (4 rows per pass), else
-  // dequantized into the scratch buffer and the 16-bit GEMM.
+  // y = x . w^T (+ bias) for an FP8 weight: gemv_fp8 at m <= 16 (one pass over the codes; the
+  // tensor-core kernel from m = 2), else dequantized into the scratch buffer and the 16-bit GEMM.
   void fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m);
 
   DType act_;

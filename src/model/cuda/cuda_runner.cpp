@@ -320,9 +320,10 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     int cc = 0;
     const auto gpus = cuda_devices();
     if (m_.device >= 0 && m_.device < int(gpus.size())) cc = gpus[size_t(m_.device)].compute_capability;
-    // FP8 on the GPU halves the weights' memory and speeds up batch 1, but above batch 1 its
-    // kernels are slower than the 16-bit ones (no FP8 tensor-core GEMM yet): by default the
-    // weights stay FP8 only where their 16-bit copy would take more than half of the GPU.
+    // FP8 on the GPU halves the weights' memory and speeds up decode up to batch 16 (gemv_fp8),
+    // but larger batches and prefill dequantize each weight before a 16-bit GEMM (no FP8
+    // tensor-core GEMM yet) and are slower than 16-bit weights: by default the weights stay FP8
+    // only where their 16-bit copy would take more than half of the GPU.
     size_t dense = 0, fp8_specs = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
       dense += size_t(specs[i].rows() * specs[i].cols()) * dtype_size(gpu_weight_dtype(specs[i].role, m_.act));
@@ -337,11 +338,11 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
       log::info(want_fp8 ? "FP8 weights stay FP8 on the GPU" +
                                std::string(policy == Policy::Keep ? "" : " (their " + std::string(dtype_name(m_.act)) +
                                                                           " copy would take more than half of its memory)") +
-                               ": half the memory, faster at batch 1, slower than " + std::string(dtype_name(m_.act)) +
-                               " weights above batch 4 for now"
+                               ": half the memory, faster up to batch 16, slower than " +
+                               std::string(dtype_name(m_.act)) + " weights above it and in prefill for now"
                          : "FP8 weights are dequantized to " + std::string(dtype_name(m_.act)) +
                                " at load: they fit, and until kvlm has FP8 tensor-core GEMMs that is faster above "
-                               "batch 1 (weights that would not fit in half of the GPU stay FP8)");
+                               "batch 16 and in prefill (weights that would not fit in half of the GPU stay FP8)");
       m_.fp8_policy_said = true;
     }
     size_t total = 0;

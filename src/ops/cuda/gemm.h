@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "core/dtype.h"
 
@@ -55,10 +56,20 @@ bool fp8_weights_supported(int compute_capability);
 // Whether gemv_fp8 / dequantize_fp8 take a row of k with this scale block (k % 16 == 0, the
 // block a multiple of 16).
 bool fp8_layout_fits(int k, int scale_block);
-// y[m][n] = x[m][k] . dequant(w)[n][k]^T (+ bias), 1 <= m <= kGemvMaxM (gemv_fp8.cu); x, y and
-// bias as for gemv_small_m (no SiLU-and-mul input: gemv_fp8.cu says why).
+// Whether gemv_fp8's tensor-core kernel takes it too: one scale per row (scale_block >= k) or
+// a block that is a multiple of 64 (the block-wise formats' 128).
+bool gemv_fp8_mma_fits(int k, int scale_block);
+inline constexpr int kGemvFp8MaxM = 16;  // gemv_fp8's rows of x
+// y[m][n] = x[m][k] . dequant(w)[n][k]^T (+ bias), 1 <= m <= kGemvFp8MaxM (gemv_fp8.cu); x, y
+// and bias as for gemv_small_m (no SiLU-and-mul input: gemv_fp8.cu says why). variant: 0 =
+// automatic (m = 1: an FMA kernel; m >= 2: the tensor-core kernel where gemv_fp8_mma_fits,
+// else an FMA kernel), 1 = the rows FMA kernel and 3 = the split-k FMA kernel (kGemvMaxM rows of
+// x per pass over the codes), 2 = the tensor-core kernel (one pass for all m rows; needs
+// gemv_fp8_mma_fits).
 void gemv_fp8(DType ab, DType out, const void* x, const Fp8Weight& w, const void* bias, void* y, int m, int n, int k,
-              void* stream);
+              void* stream, int variant = 0);
+// The last tensor-core launch's CTA shape (tiles, cluster split, grid, resident CTAs), for the lab.
+std::string gemv_fp8_last_launch();
 // The weight in the compute type (bf16 / f16) into out [n][k], for the GEMM at larger m.
 void dequantize_fp8(DType to, const Fp8Weight& w, void* out, int n, int k, void* stream);
 

@@ -14,8 +14,19 @@ struct KernelSwitches {
   bool wgmma = true;
   // FP8 weights on the GPU (model/cuda/cuda_runner.cpp): Auto keeps them FP8 when their copy in
   // the compute dtype would take more than half of the GPU's memory, else dequantizes them at
-  // load (faster above batch 1 until FP8 tensor-core GEMMs exist); Keep / Dequantize force it.
+  // load (faster above batch 16 and in prefill until FP8 tensor-core GEMMs exist); Keep /
+  // Dequantize force it.
   enum class Fp8Weights { Auto, Keep, Dequantize } fp8_weights = Fp8Weights::Auto;
+  // gemv_fp8's tensor-core kernel (for the lab): 16-row tiles per CTA (0: automatic, 1, 2 or 4)
+  // and CTAs per cluster splitting k (0: automatic, 1, 2, 4 or 8).
+  int fp8_tc_tiles = 0;
+  int fp8_tc_splits = 0;
+  // ... and whether it asks for the largest shared-memory carve-out (read once per kernel and
+  // device, at its first launch).
+  bool fp8_tc_carveout = true;
+  // The largest m gemv_fp8 runs on its FMA kernels (one pass per 4 rows) rather than the
+  // tensor-core kernel, where both fit (automatic choice; 1 by default).
+  int fp8_fma_max_m = 1;
 };
 
 void set_kernel_switches(const KernelSwitches& s);
