@@ -85,36 +85,58 @@ TokenId Sampler::sample(std::span<const float> raw, const SamplingParams& p, std
     logits = penalized_;
   }
   if (p.temperature == 0.0f) return argmax(logits);
-  // Candidates sorted by logit, descending (ties: lower id first, for determinism).
+  // Candidates: the tokens with a finite logit (a grammar's mask or a -100 bias leaves
+  // many out). Sorted by logit, descending (ties: lower id first, for determinism), only as
+  // far as top-k or top-p need: a full sort of a 152k vocabulary costs ~10 ms a token, the
+  // softmax and the draw over it well under one.
   scratch_.clear();
-  for (size_t i = 0; i < logits.size(); ++i) scratch_.emplace_back(logits[i], TokenId(i));
+  for (size_t i = 0; i < logits.size(); ++i)
+    if (logits[i] > -std::numeric_limits<float>::infinity()) scratch_.emplace_back(logits[i], TokenId(i));
+  if (scratch_.empty()) return argmax(logits);
   auto by_logit = [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; };
   size_t n = scratch_.size();
+  bool sorted = false;
   if (p.top_k > 0 && size_t(p.top_k) < n) {
     std::partial_sort(scratch_.begin(), scratch_.begin() + p.top_k, scratch_.end(), by_logit);
     n = size_t(p.top_k);
-  } else {
-    std::sort(scratch_.begin(), scratch_.end(), by_logit);
+    sorted = true;
   }
-  // Softmax over the kept candidates at this temperature.
-  const float m = scratch_[0].first;
-  std::vector<double> prob(n);
+  float m = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < n; ++i) m = std::max(m, scratch_[i].first);
+  const auto weight = [&](size_t i) { return std::exp(double(scratch_[i].first - m) / p.temperature); };
+  if (p.top_p < 1.0f && !sorted) {
+    // Top-p needs the most likely tokens in order until their mass reaches top_p: sort a
+    // head first and all only when the head does not hold that mass.
+    double total = 0.0;
+    for (size_t i = 0; i < n; ++i) total += weight(i);
+    size_t head = std::min(n, size_t(4096));
+    std::partial_sort(scratch_.begin(), scratch_.begin() + ptrdiff_t(head), scratch_.begin() + ptrdiff_t(n), by_logit);
+    double acc = 0.0;
+    for (size_t i = 0; i < head; ++i) acc += weight(i);
+    if (acc < double(p.top_p) * total) std::sort(scratch_.begin(), scratch_.begin() + ptrdiff_t(n), by_logit);
+    sorted = true;
+  }
+  // Softmax over the kept candidates at this temperature (the max has weight 1).
+  prob_.resize(n);
   double sum = 0.0;
-  for (size_t i = 0; i < n; ++i) sum += prob[i] = std::exp(double(scratch_[i].first - m) / p.temperature);
-  // Min-p: drop tokens less likely than min_p times the most likely one (prob[0] is the max).
+  for (size_t i = 0; i < n; ++i) sum += prob_[i] = weight(i);
+  // Min-p: drop tokens less likely than min_p times the most likely one.
   if (p.min_p > 0.0f) {
-    size_t keep = 1;
-    while (keep < n && prob[keep] >= double(p.min_p) * prob[0]) ++keep;
-    n = keep;
+    size_t keep = 0;
     sum = 0.0;
-    for (size_t i = 0; i < n; ++i) sum += prob[i];
+    for (size_t i = 0; i < n; ++i)
+      if (prob_[i] >= double(p.min_p)) {  // order kept: a sorted list stays sorted
+        scratch_[keep] = scratch_[i];
+        sum += prob_[keep++] = prob_[i];
+      }
+    n = keep;
   }
-  // Top-p: the smallest prefix whose mass reaches top_p.
+  // Top-p: the smallest prefix of the sorted candidates whose mass reaches top_p.
   if (p.top_p < 1.0f) {
     double acc = 0.0;
     size_t keep = n;
     for (size_t i = 0; i < n; ++i) {
-      acc += prob[i] / sum;
+      acc += prob_[i] / sum;
       if (acc >= p.top_p) {
         keep = i + 1;
         break;
@@ -122,12 +144,12 @@ TokenId Sampler::sample(std::span<const float> raw, const SamplingParams& p, std
     }
     n = keep;
     sum = 0.0;
-    for (size_t i = 0; i < n; ++i) sum += prob[i];
+    for (size_t i = 0; i < n; ++i) sum += prob_[i];
   }
   const double u = std::uniform_real_distribution<double>(0.0, sum)(rng_);
   double acc = 0.0;
   for (size_t i = 0; i < n; ++i) {
-    acc += prob[i];
+    acc += prob_[i];
     if (u < acc) return scratch_[i].second;
   }
   return scratch_[n - 1].second;

@@ -40,6 +40,7 @@ class Sampler {
  private:
   std::mt19937_64 rng_;
   std::vector<std::pair<float, TokenId>> scratch_;
+  std::vector<double> prob_;
   std::vector<float> penalized_;
 };
 

@@ -55,6 +55,12 @@ std::optional<double> opt_number(const Json& body, const char* key) {
   return d;
 }
 
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
 // An integer (an integral float such as 2.0 is accepted, as pydantic accepts it).
 std::optional<int64_t> opt_int(const Json& body, const char* key) {
   const Json* v = field(body, key);
@@ -68,15 +74,12 @@ std::optional<int64_t> opt_int(const Json& body, const char* key) {
   if (v->is_number_float()) {
     const double d = v->get<double>();
     if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) return int64_t(d);
+    // 2^64 and beyond parse as floats: an integer, but out of range.
+    if (std::isfinite(d) && d == std::floor(d)) bad(std::string(key) + " is out of range (" + num(d) + ")", key);
   }
   bad(std::string(key) + " must be an integer, got " + kind(*v), key);
 }
 
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
 
 float number_in(const Json& body, const char* key, double lo, double hi, bool lo_open, float dflt) {
   const auto v = opt_number(body, key);
@@ -219,7 +222,8 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
   const char* max_key = chat && field(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   if (auto m = opt_int(b, max_key)) {
     if (*m < 1) bad(std::string(max_key) + " must be at least 1, got " + std::to_string(*m), max_key);
-    g.max_tokens = int(std::min<int64_t>(*m, INT_MAX));
+    if (*m > INT_MAX) bad(std::string(max_key) + " is out of range (" + std::to_string(*m) + "); at most " + std::to_string(INT_MAX), max_key);
+    g.max_tokens = int(*m);
   }
   if (auto m = opt_int(b, "min_tokens")) {
     if (*m < 0) bad("min_tokens must be at least 0, got " + std::to_string(*m), "min_tokens");
@@ -235,7 +239,8 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
   s.presence_penalty = number_in(b, "presence_penalty", -2, 2, false, 0.0f);
   s.frequency_penalty = number_in(b, "frequency_penalty", -2, 2, false, 0.0f);
   if (auto r = opt_number(b, "repetition_penalty")) {
-    if (!(*r > 0)) bad("repetition_penalty must be greater than 0 (1 = off), got " + num(*r), "repetition_penalty");
+    if (!(*r > 0) || *r > 1e6)
+      bad("repetition_penalty must be greater than 0 and at most 1e6 (1 = off), got " + num(*r), "repetition_penalty");
     s.repetition_penalty = float(*r);
   }
   s.top_k = info.default_top_k.value_or(0);
@@ -283,7 +288,10 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
   if (const Json* so = field(b, "stream_options")) {
     if (!so->is_object()) bad("stream_options must be an object, got " + kind(*so), "stream_options");
     if (!g.stream) bad("stream_options can only be set when stream is true", "stream_options");
-    g.include_usage = opt_bool(*so, "include_usage").value_or(false);
+    if (const Json* iu = field(*so, "include_usage")) {
+      if (!iu->is_boolean()) bad("stream_options.include_usage must be a boolean, got " + kind(*iu), "stream_options.include_usage");
+      g.include_usage = iu->get<bool>();
+    }
   }
   if (const Json* lb = field(b, "logit_bias")) {
     if (!lb->is_object()) bad("logit_bias must be an object of {token id: bias}, got " + kind(*lb), "logit_bias");

@@ -520,3 +520,15 @@ TEST(Jinja, TemplateIsReusableAndThreadSafeToShare) {
   EXPECT_EQ(copy.render(ctx), "3");
   EXPECT_EQ(copy.name(), "chat template");
 }
+
+// A template that loops for ever or writes without end is stopped by the render budget
+// with an error naming where it was (the server answers 400 for that request).
+TEST(Jinja, RenderBudgetStopsRunawayTemplates) {
+  const std::string loops = render_error("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}");
+  EXPECT_NE(loops.find("steps (a loop that does not end?)"), std::string::npos) << loops;
+  EXPECT_NE(loops.find("t:1:"), std::string::npos) << loops;
+  const std::string grows = render_error(
+      "{% set ns = namespace(s='x') %}{% for a in range(100000) %}{% for b in range(100) %}{{ 'y' * 60000 }}{% endfor %}{% endfor %}");
+  EXPECT_NE(grows.find("MiB; rendering stopped"), std::string::npos) << grows;
+  EXPECT_NE(render_error("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("recursion"), std::string::npos);
+}

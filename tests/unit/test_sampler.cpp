@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -54,6 +55,30 @@ TEST(Sampler, FrequenciesFollowSoftmax) {
   n.clear();
   for (int i = 0; i < 5000; ++i) ++n[s.sample(l, {.temperature = 1.0f, .top_p = 0.6f})];
   EXPECT_EQ(n[0] + n[1], 0);
+}
+
+// Large vocabularies: masked (-inf) tokens are never drawn, and top-p is exact when its
+// nucleus is larger than the sorted head (10,000 equal logits, top_p 0.5: the 5,000 lowest
+// ids, ties broken by id), with min-p on the unsorted path too.
+TEST(Sampler, LargeVocabulariesMasksAndWideNuclei) {
+  std::vector<float> l(20000, 0.0f);
+  for (size_t i = 10000; i < l.size(); ++i) l[i] = -std::numeric_limits<float>::infinity();
+  Sampler s(5);
+  std::set<TokenId> seen;
+  for (int i = 0; i < 3000; ++i) {
+    const TokenId t = s.sample(l, {.temperature = 1.0f, .top_p = 0.5f});
+    ASSERT_LE(t, 5000);  // 5,000 tokens, or 5,001 where the float sum of 5,000 x 1e-4 falls short of 0.5
+    seen.insert(t);
+  }
+  EXPECT_GT(seen.size(), 2000u);  // spread over the nucleus (3,000 draws of 5,000: ~2,250 distinct)
+  for (int i = 0; i < 2000; ++i) ASSERT_LT(s.sample(l, {.temperature = 0.7f}), 10000);
+  std::vector<float> m(150000, -5.0f);
+  m[77] = 0.0f;
+  m[140001] = -0.5f;
+  for (int i = 0; i < 100; ++i) {
+    const TokenId t = s.sample(m, {.temperature = 1.0f, .min_p = 0.5f});  // keeps 77 (1) and 140001 (0.61)
+    ASSERT_TRUE(t == 77 || t == 140001) << t;
+  }
 }
 
 TEST(Sampler, Logprobs) {

@@ -184,8 +184,18 @@ class Interpreter {
     return Flow::Normal;
   }
 
+  void spend() {
+    if (++steps_ > options_.max_steps)
+      throw RuntimeError("the template ran more than " + std::to_string(options_.max_steps) +
+                         " steps (a loop that does not end?); rendering stopped");
+  }
+
   Flow exec_stmt(const Stmt& s, const ScopePtr& scope, std::string& out) {
     try {
+      spend();
+      if (out.size() > options_.max_output_bytes)
+        throw RuntimeError("the template wrote more than " + std::to_string(options_.max_output_bytes >> 20) +
+                           " MiB; rendering stopped");
       return exec_stmt_impl(s, scope, out);
     } catch (const RuntimeError& e) {
       fail(s.loc, e.what());
@@ -265,6 +275,7 @@ class Interpreter {
     if (s.cond) {
       ValueList kept;
       for (Value& item : items) {
+        spend();
         auto probe = child_of(scope);
         assign(s.targets, item, *probe);
         if (truthy(eval(*s.cond, probe))) kept.push_back(std::move(item));
@@ -277,6 +288,7 @@ class Interpreter {
     }
     const auto shared = std::make_shared<const ValueList>(std::move(items));
     for (size_t i = 0; i < shared->size(); ++i) {
+      spend();  // an iteration costs a step even with an empty body
       auto iteration = child_of(scope, s.frame_undefined);
       assign(s.targets, (*shared)[i], *iteration);
       iteration->vars["loop"] = Value::loop(LoopInfo{static_cast<int64_t>(i), 0, shared});
@@ -328,6 +340,7 @@ class Interpreter {
 
   Value eval(const Expr& e, const ScopePtr& scope) {
     try {
+      spend();
       return eval_impl(e, scope);
     } catch (const RuntimeError& err) {
       fail(e.loc, err.what());
@@ -449,6 +462,7 @@ class Interpreter {
   const Template& tpl_;
   const RenderOptions& options_;
   int depth_ = 0;
+  int64_t steps_ = 0;
   std::vector<ScopePtr> macro_scopes_;
   std::vector<Value> namespaces_;
 };

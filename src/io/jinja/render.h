@@ -20,6 +20,11 @@ namespace kvlm::jinja {
 
 struct RenderOptions {
   std::optional<std::tm> now;  // what strftime_now() formats; unset = the current local time
+  // The budget of one render: statements and expressions evaluated, and bytes written. A
+  // template that loops (nested range() loops) or writes without end fails with an error
+  // instead of holding a server thread; real chat templates take ~10^2 steps per message.
+  int64_t max_steps = 5'000'000;
+  size_t max_output_bytes = size_t(64) << 20;
 };
 
 // `context` must be a dict. Errors are kvlm::Error "<name>:<line>:<col>: <what went wrong>".
