@@ -430,6 +430,76 @@ Json normalize_messages(const Json& b) {
   return out;
 }
 
+// Finds where a JSON body holds a number too large for a double (1e400): nlohmann's parser
+// stops there with out_of_range 406, which names no field. A SAX pass over the body tracks
+// the path to the value being read ("max_tokens", "messages[1].content").
+class NumberOverflowLocator : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  std::string path, token;
+
+  bool null() override { return scalar(); }
+  bool boolean(bool) override { return scalar(); }
+  bool number_integer(number_integer_t) override { return scalar(); }
+  bool number_unsigned(number_unsigned_t) override { return scalar(); }
+  bool number_float(number_float_t, const string_t&) override { return scalar(); }
+  bool string(string_t&) override { return scalar(); }
+  bool binary(binary_t&) override { return scalar(); }
+  bool start_object(std::size_t) override {
+    frames_.push_back({false, {}, 0});
+    return true;
+  }
+  bool key(string_t& k) override {
+    frames_.back().key = k;
+    return true;
+  }
+  bool end_object() override {
+    frames_.pop_back();
+    return scalar();
+  }
+  bool start_array(std::size_t) override {
+    frames_.push_back({true, {}, 0});
+    return true;
+  }
+  bool end_array() override {
+    frames_.pop_back();
+    return scalar();
+  }
+  bool parse_error(std::size_t, const std::string& last_token, const nlohmann::detail::exception&) override {
+    for (const Frame& f : frames_) {
+      if (f.array) {
+        path += '[';
+        path += std::to_string(f.index);
+        path += ']';
+      } else {
+        if (!path.empty()) path += '.';
+        path += f.key;
+      }
+    }
+    token = last_token;
+    return false;
+  }
+
+ private:
+  struct Frame {
+    bool array;
+    std::string key;
+    size_t index;
+  };
+  bool scalar() {  // a value ended: the next one in an array has the next index
+    if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+    return true;
+  }
+  std::vector<Frame> frames_;
+};
+
+ApiError number_out_of_range(const std::string& body) {
+  NumberOverflowLocator loc;
+  nlohmann::json::sax_parse(body, &loc);
+  const std::string token = loc.token.size() > 40 ? loc.token.substr(0, 40) + "..." : loc.token;
+  if (loc.path.empty()) return ApiError(400, "the request body holds a number out of range (" + token + ")");
+  return ApiError(400, loc.path + ": the number " + token + " is out of range", loc.path);
+}
+
 }  // namespace
 
 std::string_view error_type_for_status(int status) {
@@ -477,6 +547,9 @@ Json parse_body(std::string_view body, const ApiLimits& limits) {
     std::string what = e.what();
     if (auto p = what.find("] "); p != std::string::npos && what.rfind("[json.exception", 0) == 0) what = what.substr(p + 2);
     bad("the request body is not valid JSON: " + what, "");
+  } catch (const Json::out_of_range& e) {
+    if (e.id != 406) throw;  // 406: a number too large for a double (1e400)
+    throw number_out_of_range(std::string(body));
   }
   if (!j.is_object()) bad("the request body must be a JSON object, got " + kind(j), "");
   return j;

@@ -81,6 +81,11 @@ TEST(Protocol, ParseBody) {
   EXPECT_NE(o.message.find("nested deeper than 64"), std::string::npos) << o.message;
   std::string ok = "{\"a\": " + std::string(60, '[') + std::string(60, ']') + "}";
   EXPECT_NO_THROW(parse_body(ok, lim));
+  // A number beyond a double is a 400 naming where it is.
+  const Outcome big = outcome([&] { parse_body(R"({"prompt": [1, 1e400], "n": 1})", lim); });
+  EXPECT_EQ(big.status, 400);
+  EXPECT_EQ(big.param, "prompt[1]") << big.message;
+  EXPECT_EQ(outcome([&] { parse_body(R"({"max_tokens": -1e400})", lim); }).param, "max_tokens");
 }
 
 TEST(Protocol, ErrorJsonShape) {
