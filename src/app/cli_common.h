@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "config/cache_config.h"
 #include "model/loaded_model.h"
 
@@ -86,5 +88,8 @@ std::filesystem::path default_model_dir();
 
 // Parses "1,2,3" / "1 2 3" into token ids; throws kvlm::Error on anything else.
 std::vector<TokenId> parse_token_ids(std::string_view text);
+
+// One layer of a KV plan as `kvlm inspect --json` writes it (the chat page shows it too).
+nlohmann::json kv_layer_json(const KVLayerSpec& l);
 
 }  // namespace kvlm::app

@@ -501,6 +501,13 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
     if (auto eos = text->eos_id(); eos && std::ranges::find(sm.eos_token_ids, *eos) == sm.eos_token_ids.end())
       sm.eos_token_ids.push_back(*eos);
   sm.root = opts.model_dir.string();
+  {
+    server::Json layers = server::Json::array();
+    for (const auto& l : engine->plan().layers) layers.push_back(server::Json(kv_layer_json(l)));
+    sm.kv_plan["summary"] = kv_summary(*engine);
+    sm.kv_plan["capacity_tokens"] = plan.capacity_tokens;
+    sm.kv_plan["layers"] = std::move(layers);
+  }
   say("model '" + name + "': " + std::string(arch_name(cfg.arch)) + ", " + std::to_string(cfg.num_layers) +
       " layers; KV cache " + kv_summary(*engine));
   for (size_t start = 0; start <= plan.summary.size();) {

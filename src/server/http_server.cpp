@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/async_engine.h"
+#include "server/chat_page.h"
 #include "server/connections.h"
 #include "server/grammar_cache.h"
 #include "server/prometheus.h"
@@ -561,6 +562,17 @@ void HttpServer::Impl::install_routes() {
     if (opts.log_requests && log::level() >= (probe ? log::Level::Info : log::Level::Warn)) access_log(req, res);
   });
 
+  // The chat page (no key needed to load it; it asks for one when /v1/* answers 401).
+  svr.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("Content-Security-Policy", "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'");
+    res.set_content(std::string(chat_page()), "text/html; charset=utf-8");
+  });
+  svr.Get("/v1/kvlm/plan", [this](const httplib::Request&, httplib::Response& res) {
+    const ServedModel* m = served(res);
+    if (!m) return;
+    reply(res, 200, m->kv_plan);
+  });
   svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     if (!served(res)) return;
     if (draining.load()) {

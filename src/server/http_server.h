@@ -86,6 +86,7 @@ struct ServedModel {
   ModelInfo info;
   std::vector<TokenId> eos_token_ids;   // the model's and the tokenizer's EOS ids
   std::string root;                     // the model directory, shown by /v1/models
+  Json kv_plan = Json::object();        // {"summary", "layers": [...]}: GET /v1/kvlm/plan, the chat page
 };
 
 class HttpServer {
