@@ -41,6 +41,14 @@ void reply(httplib::Response& res, int status, const Json& body) {
   res.set_content(dump(body), kJson);
 }
 
+// An unexpected failure: the detail goes to the server's log under an id, the client gets the
+// id (no internal exception text, no paths).
+void reply_internal(httplib::Response& res, const std::string& what) {
+  const std::string id = make_request_id("err-");
+  log::error("internal error " + id + ": " + what);
+  reply(res, 500, error_json(500, "internal error (logged by the server as " + id + ")", "", "internal_error"));
+}
+
 void reply_error(httplib::Response& res, const ApiError& e) { reply(res, e.status(), error_json(e)); }
 
 // What the access-log line of the request the calling thread serves says besides the HTTP
@@ -149,12 +157,11 @@ struct HttpServer::Impl {
     } catch (const ApiError& e) {
       reply_error(res, e);
     } catch (const Error& e) {
-      reply(res, 400, error_json(400, e.what()));
+      reply(res, 400, error_json(400, without_paths(e.what())));
     } catch (const std::bad_alloc&) {
       reply(res, 503, error_json(503, "the server is out of memory; retry later", "", "out_of_memory"));
     } catch (const std::exception& e) {
-      log::error(std::string("request failed: ") + e.what());
-      reply(res, 500, error_json(500, std::string("internal error: ") + e.what()));
+      reply_internal(res, e.what());
     }
   }
 
@@ -219,7 +226,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
     try {
       prompts.push_back(m->text->encode_chat(cr.messages, cr.add_generation_prompt, cr.template_kwargs));
     } catch (const Error& e) {
-      throw ApiError(400, std::string("the model's chat template cannot render these messages: ") + e.what(), "messages");
+      throw ApiError(400, "the model's chat template cannot render these messages: " + without_paths(e.what()), "messages");
     }
     echo_texts.emplace_back();
   }
@@ -302,7 +309,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       for (size_t j = c; j < reqs.size(); ++j) stream->fail(int(j), FinishReason::Abort, e.what());
       if (dynamic_cast<const EngineShutDown*>(&e) || draining.load())
         throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
-      throw ApiError(400, e.what());
+      throw ApiError(400, without_paths(e.what()));
     }
   }
 
@@ -417,7 +424,7 @@ void HttpServer::Impl::tokenize(const httplib::Request& req, const std::string& 
     } catch (const ApiError&) {
       throw;
     } catch (const Error& e) {
-      throw ApiError(400, std::string("the model's chat template cannot render these messages: ") + e.what(), "messages");
+      throw ApiError(400, "the model's chat template cannot render these messages: " + without_paths(e.what()), "messages");
     }
   } else {
     const auto it = body.find("prompt");
@@ -549,7 +556,7 @@ void HttpServer::Impl::install_routes() {
       what = e.what();
     } catch (...) {
     }
-    reply(res, 500, error_json(500, "internal error: " + what));
+    reply_internal(res, what);
   });
 
   svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) {

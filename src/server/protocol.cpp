@@ -808,6 +808,26 @@ std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_hand
 
 std::string sse_event(const Json& j) { return "data: " + dump(j) + "\n\n"; }
 
+std::string without_paths(std::string_view m) {
+  std::string out;
+  out.reserve(m.size());
+  const auto boundary = [](char c) { return c == ' ' || c == '\'' || c == '"' || c == '(' || c == '\t' || c == '\n' || c == '='; };
+  for (size_t i = 0; i < m.size();) {
+    if (m[i] == '/' && (i == 0 || boundary(m[i - 1]))) {
+      size_t j = i;
+      while (j < m.size() && !boundary(m[j]) && m[j] != ':' && m[j] != ',' && m[j] != ')') ++j;
+      const std::string_view tok = m.substr(i, j - i);
+      if (std::count(tok.begin(), tok.end(), '/') >= 2) {
+        out += tok.substr(tok.find_last_of('/') + 1);
+        i = j;
+        continue;
+      }
+    }
+    out += m[i++];
+  }
+  return out;
+}
+
 std::string make_request_id(std::string_view prefix) {
   thread_local std::mt19937_64 rng{std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)};
   static constexpr char kHex[] = "0123456789abcdef";

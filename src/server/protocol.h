@@ -169,6 +169,11 @@ inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
 // JSON text of a response: UTF-8 kept as is, invalid bytes replaced by U+FFFD.
 std::string dump(const Json& j);
 
+// A message from an exception, fit for a client: filesystem paths (a token that starts with
+// '/' and has another '/' in it) are cut to their last component, so "/srv/models/qwen/chat
+// template:3:5: ..." reads "chat template:3:5: ...".
+std::string without_paths(std::string_view message);
+
 // Random request ids: "cmpl-" / "chatcmpl-" + 32 hex digits.
 std::string make_request_id(std::string_view prefix);
 

@@ -51,10 +51,10 @@ void ResponseAssembler::fold(const ChoiceEvent& ev) {
     if (ev.stop_string) r.stop_reason = *ev.stop_string;
     else if (ev.stop_token) r.stop_reason = *ev.stop_token;
     if (ev.reason == FinishReason::Error && !failure_)
-      failure_.emplace(500, "the engine failed while generating this request: " + (ev.error.empty() ? "unknown error" : ev.error),
+      failure_.emplace(500, "the engine failed while generating this request: " + (ev.error.empty() ? "unknown error" : without_paths(ev.error)),
                        "", "engine_error");
     if (ev.reason == FinishReason::Abort && !failure_)
-      failure_.emplace(503, "the request was cancelled before it finished" + (ev.error.empty() ? std::string() : ": " + ev.error),
+      failure_.emplace(503, "the request was cancelled before it finished" + (ev.error.empty() ? std::string() : ": " + without_paths(ev.error)),
                        "", "request_cancelled");
   }
 }

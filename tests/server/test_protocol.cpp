@@ -88,6 +88,14 @@ TEST(Protocol, ParseBody) {
   EXPECT_EQ(outcome([&] { parse_body(R"({"max_tokens": -1e400})", lim); }).param, "max_tokens");
 }
 
+TEST(Protocol, ErrorMessagesCarryNoPaths) {
+  EXPECT_EQ(without_paths("/srv/models/qwen/chat template:3:5: unknown filter 'x'"), "chat template:3:5: unknown filter 'x'");
+  EXPECT_EQ(without_paths("check `slot >= 0` failed at /work/main/src/attention/cpu_backend.cpp:47: slot out of range"),
+            "check `slot >= 0` failed at cpu_backend.cpp:47: slot out of range");
+  EXPECT_EQ(without_paths("cannot open '/home/u/m/config.json' (No such file)"), "cannot open 'config.json' (No such file)");
+  EXPECT_EQ(without_paths("a/b and 1/2 and / alone and /one"), "a/b and 1/2 and / alone and /one");  // not paths
+}
+
 TEST(Protocol, ErrorJsonShape) {
   const Json e = error_json(ApiError(400, "max_tokens must be at least 1", "max_tokens"));
   EXPECT_EQ(e["error"]["message"], "max_tokens must be at least 1");
