@@ -233,6 +233,65 @@ uint32_t next_code_point(std::string_view s, size_t& i, std::string_view what) {
 
 void append_utf8(std::string& out, uint32_t cp) { utf8::append(out, char32_t(cp)); }
 
+std::optional<Repeat> parse_repeat(std::string_view t, size_t& pos, int max_count, bool brace_needs_digit, const Fail& fail) {
+  const auto die = [&](const std::string& what) {
+    fail(what);
+    throw Error(what);  // `fail` throws; this keeps the compiler sure of it
+  };
+  const auto number = [&] {
+    const size_t b = pos;
+    long v = 0;
+    while (pos < t.size() && t[pos] >= '0' && t[pos] <= '9') {
+      v = v * 10 + (t[pos++] - '0');
+      if (v > max_count) die("a repetition count above " + std::to_string(max_count));
+    }
+    if (b == pos) die("expected a number");
+    return int(v);
+  };
+  if (pos >= t.size()) return std::nullopt;
+  Repeat r;
+  switch (t[pos]) {
+    case '*': ++pos; return r;
+    case '+': ++pos; r.min = 1; return r;
+    case '?': ++pos; r.max = 1; return r;
+    case '{': break;
+    default: return std::nullopt;
+  }
+  if (brace_needs_digit && !(pos + 1 < t.size() && t[pos + 1] >= '0' && t[pos + 1] <= '9')) return std::nullopt;
+  ++pos;
+  r.min = r.max = number();
+  if (pos < t.size() && t[pos] == ',') {
+    ++pos;
+    r.max = pos < t.size() && t[pos] == '}' ? -1 : number();
+  }
+  if (pos >= t.size() || t[pos] != '}') die("expected '}' to close a repetition");
+  ++pos;
+  if (r.max >= 0 && r.max < r.min) die("a repetition {m,n} needs m <= n");
+  return r;
+}
+
+uint32_t parse_hex(std::string_view t, size_t& pos, int digits, const Fail& fail) {
+  uint32_t v = 0;
+  for (int i = 0; i < digits; ++i) {
+    if (pos >= t.size()) {
+      fail("a truncated escape");
+      throw Error("a truncated escape");
+    }
+    const char c = t[pos++];
+    const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (d < 0) {
+      fail("a bad hex digit in an escape");
+      throw Error("a bad hex digit in an escape");
+    }
+    v = v * 16 + uint32_t(d);
+  }
+  if (v > 0x10FFFF) {
+    fail("an escape beyond U+10FFFF");
+    throw Error("an escape beyond U+10FFFF");
+  }
+  return v;
+}
+
 Grammar choice_grammar(const std::vector<std::string>& choices) {
   if (choices.empty()) throw Error("a choice needs at least one string");
   Grammar g;
@@ -391,63 +450,17 @@ class GbnfParser {
   }
 
   void parse_postfix(Sequence& seq, size_t start, const std::string& rule) {
-    for (;;) {
-      if (pos_ >= t_.size()) return;
-      const char c = t_[pos_];
-      int min = 0, max = -1;
-      if (c == '*') {
-        ++pos_;
-      } else if (c == '+') {
-        ++pos_;
-        min = 1;
-      } else if (c == '?') {
-        ++pos_;
-        max = 1;
-      } else if (c == '{') {
-        ++pos_;
-        min = parse_int();
-        max = min;
-        if (pos_ < t_.size() && t_[pos_] == ',') {
-          ++pos_;
-          max = pos_ < t_.size() && t_[pos_] == '}' ? -1 : parse_int();
-        }
-        if (pos_ >= t_.size() || t_[pos_] != '}') fail("expected '}'");
-        ++pos_;
-        if (max >= 0 && max < min) fail("a repetition {m,n} needs m <= n");
-      } else {
-        return;
-      }
-      // The operator applies to the last element: a literal's last character only when the
-      // literal was one character (llama.cpp applies it to the whole literal; so do we).
+    const Fail f = [this](const std::string& what) { fail(what); };
+    while (const auto r = parse_repeat(t_, pos_, 100000, false, f)) {
+      // The operator applies to the whole last element (a literal: all of it, as llama.cpp).
       Sequence item(seq.begin() + long(start), seq.end());
       seq.resize(start);
-      g_.append_repeat(seq, item, min, max, rule);
+      g_.append_repeat(seq, item, r->min, r->max, rule);
     }
-  }
-
-  int parse_int() {
-    const size_t b = pos_;
-    long v = 0;
-    while (pos_ < t_.size() && t_[pos_] >= '0' && t_[pos_] <= '9') {
-      v = v * 10 + (t_[pos_] - '0');
-      if (v > 100000) fail("a repetition count above 100000");
-      ++pos_;
-    }
-    if (b == pos_) fail("expected a number");
-    return int(v);
   }
 
   uint32_t hex(int digits) {
-    uint32_t v = 0;
-    for (int i = 0; i < digits; ++i) {
-      if (pos_ >= t_.size()) fail("a truncated escape");
-      const char c = t_[pos_++];
-      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-      if (d < 0) fail("a bad hex digit in an escape");
-      v = v * 16 + uint32_t(d);
-    }
-    if (v > 0x10FFFF) fail("an escape beyond U+10FFFF");
-    return v;
+    return parse_hex(t_, pos_, digits, [this](const std::string& what) { fail(what); });
   }
 
   uint32_t parse_char() {

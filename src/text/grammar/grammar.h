@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -80,6 +82,18 @@ Grammar parse_gbnf(std::string_view text);
 
 // One alternative per choice, each matched literally.
 Grammar choice_grammar(const std::vector<std::string>& choices);
+
+// Pieces of syntax the GBNF and regex parsers share. `fail` throws kvlm::Error with the
+// parser's position in the message.
+using Fail = std::function<void(const std::string&)>;
+struct Repeat {
+  int min = 0, max = -1;  // max < 0: unbounded
+};
+// The postfix operator at text[pos] (* + ? {m} {m,} {m,n}), consumed; nullopt when there is
+// none. `brace_needs_digit`: a '{' not followed by a digit is not an operator (regexes).
+std::optional<Repeat> parse_repeat(std::string_view text, size_t& pos, int max_count, bool brace_needs_digit, const Fail& fail);
+// `digits` hex digits at text[pos], consumed: a code point up to U+10FFFF.
+uint32_t parse_hex(std::string_view text, size_t& pos, int digits, const Fail& fail);
 
 // UTF-8 helpers shared by the parsers: the code point at s[i] (advancing i); invalid bytes
 // throw kvlm::Error with `what` in the message.

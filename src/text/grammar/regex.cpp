@@ -77,49 +77,15 @@ class RegexParser {
   }
 
   void quantifier(Sequence& seq, size_t start) {
-    while (pos_ < p_.size()) {
-      const char c = p_[pos_];
-      int min = 0, max = -1;
-      if (c == '*') {
-        ++pos_;
-      } else if (c == '+') {
-        ++pos_;
-        min = 1;
-      } else if (c == '?') {
-        ++pos_;
-        max = 1;
-      } else if (c == '{' && pos_ + 1 < p_.size() && std::isdigit(static_cast<unsigned char>(p_[pos_ + 1]))) {
-        ++pos_;
-        min = number();
-        max = min;
-        if (pos_ < p_.size() && p_[pos_] == ',') {
-          ++pos_;
-          max = pos_ < p_.size() && p_[pos_] == '}' ? -1 : number();
-        }
-        if (pos_ >= p_.size() || p_[pos_] != '}') fail("expected '}' to close a repetition");
-        ++pos_;
-        if (max >= 0 && max < min) fail("a repetition {m,n} needs m <= n");
-      } else {
-        return;
-      }
+    const Fail f = [this](const std::string& what) { fail(what); };
+    while (const auto r = parse_repeat(p_, pos_, 10000, true, f)) {
       if (seq.size() == start) fail("a quantifier with nothing before it");
       if (pos_ < p_.size() && p_[pos_] == '?') ++pos_;  // lazy: the same strings
       else if (pos_ < p_.size() && p_[pos_] == '+') fail("possessive quantifiers are not supported");
       Sequence item(seq.begin() + long(start), seq.end());
       seq.resize(start);
-      g_.append_repeat(seq, item, min, max, name_);
+      g_.append_repeat(seq, item, r->min, r->max, name_);
     }
-  }
-
-  int number() {
-    long v = 0;
-    const size_t b = pos_;
-    while (pos_ < p_.size() && std::isdigit(static_cast<unsigned char>(p_[pos_]))) {
-      v = v * 10 + (p_[pos_++] - '0');
-      if (v > 10000) fail("a repetition count above 10000");
-    }
-    if (b == pos_) fail("expected a number");
-    return int(v);
   }
 
   // A code point as it is written in the output.
@@ -166,15 +132,7 @@ class RegexParser {
   }
 
   uint32_t hex(int digits) {
-    uint32_t v = 0;
-    for (int i = 0; i < digits; ++i) {
-      if (pos_ >= p_.size()) fail("a truncated escape");
-      const char c = p_[pos_++];
-      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-      if (d < 0) fail("a bad hex digit");
-      v = v * 16 + uint32_t(d);
-    }
-    return v;
+    return parse_hex(p_, pos_, digits, [this](const std::string& what) { fail(what); });
   }
 
   // The character of a simple escape (pos_ after the backslash), or fail.
