@@ -4,7 +4,7 @@
 //   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64] [--shapes 1x512,64x4096]
 //                [--steps 32] [--gemv-lab]
 //                [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
-//                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]]
+//                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]] [--tp N]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
@@ -36,6 +36,11 @@
 // is (draft + verify) / plain; a drafting step yields tau tokens where a plain step yields
 // one, so the predicted speedup at mean acceptance length tau is tau / cost.
 //
+// --tp N runs the model tensor-parallel over GPUs 0..N-1 (model/tensor_parallel.h): the floors
+// are one GPU's (rank 0's weights, its share of the KV), and after each shape's GPU-greedy
+// graph run the all-reduces of a step are timed alone (2 per layer, [batch][hidden], as one
+// CUDA graph on every rank at once) to give their share of the step.
+//
 // Floors, from the same run's device-to-device copy bandwidth (read + write bytes / time):
 //   weights-read bound: every weight but the embedding table (a decode step reads B rows of
 //   it) is read once per step; tokens/s bound at batch B = B / (bytes / bandwidth).
@@ -56,6 +61,7 @@
 #include "core/error.h"
 #include "model/loaded_model.h"
 #include "model/cuda/cuda_runner.h"
+#include "model/tp_runner.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
 
@@ -107,7 +113,9 @@ struct Result {
 };
 
 // Decodes `steps` tokens for `batch` sequences of `context` cached tokens; returns ms/step.
-Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logits, int bs, bool exact = false) {
+// `r` is one GPU's runner or a tensor-parallel group (then GPU greedy goes through
+// forward_sampled at temperature 0: rank 0 samples on its GPU).
+Result run(ModelRunner& r, int batch, int context, int steps, bool host_logits, int bs, bool exact = false) {
   const int warm = 3, V = r.config().vocab_size;
   const int per_seq = (context + warm + steps + 1 + bs - 1) / bs;
   std::vector<std::vector<BlockId>> tables(static_cast<size_t>(batch));
@@ -122,6 +130,8 @@ Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logi
   for (int i = 0; i < batch; ++i) rows.push_back(i);
   std::vector<float> out(host_logits ? rows.size() * size_t(V) : 0);
   std::vector<TokenId> ids(rows.size());
+  std::vector<RowSampling> greedy(rows.size(), RowSampling{.on_device = true});
+  for (auto& g : greedy) g.params.temperature = 0;
   auto step = [&](int i) {
     const int p = context + i;
     for (int s = 0; s < batch; ++s) {
@@ -135,7 +145,8 @@ Result run(CudaModelRunner& r, int batch, int context, int steps, bool host_logi
                           .exact_slots = exact ? std::span<const SlotId>(slots) : std::span<const SlotId>{}, .seqs = seqs,
                           .logit_rows = rows};
     if (host_logits) r.forward(fb, out);
-    else r.forward_greedy(fb, ids);
+    else if (auto* c = dynamic_cast<CudaModelRunner*>(&r)) c->forward_greedy(fb, ids);
+    else r.forward_sampled(fb, greedy, ids, {});
   };
   for (int i = 0; i < warm; ++i) step(i);
   const auto t0 = std::chrono::steady_clock::now();
@@ -458,11 +469,59 @@ int spec_table(const std::string& model, const std::string& draft, int spec_toke
   return 0;
 }
 
+// Every CUDA runner of `m`: itself, or each rank of a tensor-parallel group.
+std::vector<CudaModelRunner*> cuda_ranks(ModelRunner& m) {
+  if (auto* tp = dynamic_cast<TensorParallelRunner*>(&m)) {
+    std::vector<CudaModelRunner*> out;
+    for (int r = 0; r < tp->world_size(); ++r) out.push_back(&dynamic_cast<CudaModelRunner&>(tp->rank(r)));
+    return out;
+  }
+  return {&dynamic_cast<CudaModelRunner&>(m)};
+}
+
+// ms per decode step that a tensor-parallel group spends in its all-reduces alone: the step's
+// 2 x layers sums of [batch][hidden] in the compute dtype, on every rank at once, as one CUDA
+// graph (as a decode step issues them).
+double allreduce_ms(TensorParallelRunner& tp, int batch, int hidden, int layers, DType act) {
+  std::vector<double> ms(static_cast<size_t>(tp.world_size()));
+  tp.each_rank([&](int r, ModelRunner& m) {
+    auto& c = dynamic_cast<CudaModelRunner&>(m);
+    ck(cudaSetDevice(c.device_index()), "cudaSetDevice");
+    const size_t n = size_t(batch) * size_t(hidden);
+    void* buf = nullptr;
+    ck(cudaMalloc(&buf, n * 2), "cudaMalloc");
+    ck(cudaMemset(buf, 0, n * 2), "cudaMemset");
+    cudaStream_t st = nullptr;
+    ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    Communicator& comm = tp.comm(r);
+    comm.all_reduce_sum(buf, act, n, st);  // NCCL's first call sets up its channels
+    ck(cudaStreamSynchronize(st), "sync");
+    cudaGraph_t g = nullptr;
+    ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed), "capture");
+    for (int i = 0; i < 2 * layers; ++i) comm.all_reduce_sum(buf, act, n, st);
+    ck(cudaStreamEndCapture(st, &g), "capture");
+    cudaGraphExec_t ex = nullptr;
+    ck(cudaGraphInstantiate(&ex, g, 0), "instantiate");
+    for (int i = 0; i < 3; ++i) ck(cudaGraphLaunch(ex, st), "launch");
+    ck(cudaStreamSynchronize(st), "sync");
+    const int iters = 20;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) ck(cudaGraphLaunch(ex, st), "launch");
+    ck(cudaStreamSynchronize(st), "sync");
+    ms[size_t(r)] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / iters;
+    cudaGraphExecDestroy(ex);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(st);
+    cudaFree(buf);
+  });
+  return *std::max_element(ms.begin(), ms.end());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096", draft, quantization;
-  int steps = 32, spec_tokens = 15;
+  int steps = 32, spec_tokens = 15, tp = 1;
   bool lab = false, gemv = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -478,6 +537,7 @@ int main(int argc, char** argv) {
     else if (a == "--draft") draft = next();
     else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
+    else if (a == "--tp") tp = std::stoi(next());
     else if (a == "--fp8-fma-max-m") {
       auto sw = cuda::kernel_switches();
       sw.fp8_fma_max_m = std::stoi(next());
@@ -505,7 +565,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]] [--tp N]\n");
       return 2;
     }
   }
@@ -543,16 +603,22 @@ int main(int argc, char** argv) {
       }
       o.device = Device::Cuda;
       o.quantization = quantization;  // fp8: the linear weights in FP8 (the weights-read bound follows)
+      o.tensor_parallel_size = tp;
       const auto t0 = std::chrono::steady_clock::now();
       auto e = LoadedModel::load(o);
       const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      auto& r = dynamic_cast<CudaModelRunner&>(e->model());
-      r.set_small_m_gemv(gemv);
+      ModelRunner& r = e->model();
+      const std::vector<CudaModelRunner*> ranks = cuda_ranks(r);
+      for (auto* c : ranks) c->set_small_m_gemv(gemv);
       const ModelConfig& c = e->config();
       const double embed = double(c.vocab_size) * c.hidden_size * 2;
-      const double wread = double(r.weight_bytes()) - (c.tie_word_embeddings ? 0.0 : embed);
-      std::fprintf(stderr, "loaded %s with a %s cache in %.1f s (%.2f GB of weights)\n", model.c_str(), kv.c_str(), load_s,
-                   double(r.weight_bytes()) / 1e9);
+      // Rank 0 reads the most (it alone holds an untied LM head): its bytes bound the step.
+      const double wread = double(ranks[0]->weight_bytes()) - (c.tie_word_embeddings ? 0.0 : embed);
+      std::fprintf(stderr, "loaded %s with a %s cache in %.1f s (%.2f GB of weights%s)\n", model.c_str(), kv.c_str(),
+                   load_s, double(r.weight_bytes()) / 1e9,
+                   tp > 1 ? (", " + std::to_string(tp) + " GPUs, rank 0 holds " +
+                             std::to_string(double(ranks[0]->weight_bytes()) / 1e9).substr(0, 5) + " GB").c_str()
+                          : "");
       for (const std::string& sh : split(shapes)) {
         const auto x = sh.find('x');
         const int batch = std::stoi(sh.substr(0, x)), context = std::stoi(sh.substr(x + 1));
@@ -560,13 +626,13 @@ int main(int argc, char** argv) {
         const int per_seq = (context + 3 + steps + 1 + bs - 1) / bs;
         const bool exact = e->plan().exact_bytes_per_token() > 0;
         r.allocate_kv(batch * per_seq, bs, exact ? batch * per_seq : 0);
-        double kv_read = 0;  // average over the timed steps
-        for (const auto& l : e->plan().layers)
+        double kv_read = 0;  // average over the timed steps, per GPU
+        for (const auto& l : e->rank_plan().layers)
           kv_read += double(batch) * (context + 3 + steps / 2.0) * double(l.bytes_per_token());
         const double floor_ms = (wread + kv_read) / bw * 1e3;
         for (bool logits : {true, false}) {
           for (bool graphs : {false, true}) {
-            r.set_cuda_graphs(graphs);
+            for (auto* rk : ranks) rk->set_cuda_graphs(graphs);
             const Result res = run(r, batch, context, steps, logits, bs, exact);
             const double bound_tok = batch / (wread / bw);
             std::printf("| %s | %d | %d | %s | %s | %.3f | %.1f | %.2f | %.2f | %.3f | %.1f%% | %.1f | %.1f%% |\n", kv.c_str(),
@@ -574,6 +640,12 @@ int main(int argc, char** argv) {
                         kv_read / 1e9, floor_ms, 100 * floor_ms / res.ms, bound_tok, 100 * res.tok_s / bound_tok);
             std::fflush(stdout);
             if (graphs) best.emplace_back(kv + (logits ? "" : " (gpu greedy)"), batch, context, res.tok_s);
+            if (graphs && !logits && tp > 1) {
+              const double ar = allreduce_ms(dynamic_cast<TensorParallelRunner&>(r), batch, c.hidden_size, c.num_layers,
+                                             e->dtype());
+              std::printf("# tp=%d all-reduces alone at batch %d: %.3f ms per step, %.1f%% of the step's %.3f ms\n", tp,
+                          batch, ar, 100 * ar / res.ms, res.ms);
+            }
           }
         }
       }

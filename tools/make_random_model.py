@@ -3,6 +3,7 @@
 
     python3 tools/make_random_model.py --shape qwen3-8b --out /dev/shm/qwen3-8b-random
     python3 tools/make_random_model.py --shape qwen3-8b-dflash --out /dev/shm/qwen3-8b-dflash-random
+    python3 tools/make_random_model.py --shape llama3-70b --layers 40 --out /dev/shm/llama3-70b-40l
 
 Writes config.json (the shape's Hugging Face config) and model-0000N-of-0000M.safetensors
 shards with a model.safetensors.index.json, in bfloat16: linear weights ~ N(0, 0.02^2), norm
@@ -44,6 +45,30 @@ SHAPES = {
         "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
+}
+# meta-llama/Meta-Llama-3-70B config.json (architecture fields only): 141 GB in bfloat16, more
+# than a RAM disk of the two-GPU machine holds; --layers writes fewer of its (identical) layers.
+SHAPES["llama3-70b"] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
 }
 # The DFlash drafter of Qwen3-8B (z-lab/Qwen3-8B-DFlash-b16's config.json, architecture fields).
 SHAPES["qwen3-8b-dflash"] = dict(
@@ -94,12 +119,17 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shard-gb", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, help="write this many decoder layers instead of the shape's")
     args = ap.parse_args()
 
     import torch
     from safetensors.torch import save_file
 
-    cfg = SHAPES[args.shape]
+    cfg = dict(SHAPES[args.shape])
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+        if "max_window_layers" in cfg:
+            cfg["max_window_layers"] = args.layers
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

@@ -47,6 +47,10 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "modelopt, fp8) run without it");
   cmd.add_option("--block-size", block_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
   cmd.add_flag("--enforce-eager", enforce_eager, "CUDA: launch every decode step's kernels one by one, no CUDA graphs");
+  cmd.add_option("--tensor-parallel-size,--tp", tensor_parallel_size,
+                 "split every layer over N GPUs (GPUs 0..N-1, or from --device cuda:K on), each holding 1/N of the "
+                 "weights and of the KV cache, as vLLM's -tp N (which kvlm also takes); on the CPU, N threads")
+      ->capture_default_str();
 }
 
 void ModelFlags::add_speculative_to(CLI::App& cmd) {
@@ -124,6 +128,7 @@ ModelOptions ModelFlags::model_options() const {
   o.dtype = parse_model_dtype(dtype);
   o.enforce_eager = enforce_eager;
   o.quantization = quantization;
+  o.tensor_parallel_size = tensor_parallel_size;
   if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
   return o;
 }
@@ -184,9 +189,8 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
   auto only = [](std::vector<std::string> ok) {
     return [ok = std::move(ok)](const std::string& v) { return std::find(ok.begin(), ok.end(), v) != ok.end(); };
   };
-  const std::string one_device = "kvlm runs a model on one device; for more throughput run one kvlm serve per GPU "
-                                 "behind a load balancer";
-  add("--tensor-parallel-size", true, one_device + " (only 1 is accepted)", only({"1"}));
+  const std::string one_device = "kvlm splits a model over GPUs by tensor parallelism (--tensor-parallel-size); for "
+                                 "more throughput run one kvlm serve per GPU group behind a load balancer";
   add("--pipeline-parallel-size", true, one_device + " (only 1 is accepted)", only({"1"}));
   add("--data-parallel-size", true, one_device + " (only 1 is accepted)", only({"1"}));
   add("--distributed-executor-backend", true, one_device);

@@ -29,6 +29,7 @@ struct ModelFlags {
   std::string quantization;  // --quantization: "" or fp8
   int block_size = 16;
   bool enforce_eager = false;
+  int tensor_parallel_size = 1;  // --tensor-parallel-size / -tp
   std::string speculative_config;  // JSON; empty: no drafting
 
   void add_to(CLI::App& cmd);

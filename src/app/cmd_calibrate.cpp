@@ -93,6 +93,9 @@ int run_calibrate(const CalibrateFlags& f) {
                 "safetensors; a GGUF model cannot be calibrated yet. The per-token-head modes "
                 "(--kv-cache-dtype fp8_per_token_head, int8_per_token_head) compute their scales as they write and need "
                 "no calibration");
+  if (opts.tensor_parallel_size != 1)
+    throw Error("kvlm calibrate runs the model on the CPU as one rank (it reads every KV head); drop "
+                "--tensor-parallel-size: the scales it writes serve every tensor-parallel size");
   if (opts.device != Device::Cpu) {
     log::info("calibration runs on the CPU runner");
     opts.device = Device::Cpu;

@@ -68,7 +68,10 @@ void print_summary(const GenerateResult& r, const LoadedModel& e) {
   std::string exact;
   if (e.plan().exact_bytes_per_token() > 0)
     exact = ", exact sink " + std::to_string(e.plan().keep_sink()) + " + recent " + std::to_string(e.plan().keep_recent());
-  const std::string weights = e.config().weight_quant ? ", FP8 weights (" + e.config().weight_quant->origin + ")" : "";
+  std::string weights = e.config().weight_quant ? ", FP8 weights (" + e.config().weight_quant->origin + ")" : "";
+  if (e.tensor_parallel_size() > 1)
+    weights += ", tensor parallel " + std::to_string(e.tensor_parallel_size()) + " (" +
+               std::to_string(e.rank_plan().bytes_per_token()) + " KV B/token per rank)";
   std::fprintf(stderr, "kvlm: %zu prompt tokens, %zu generated (%s), prefill %.1f tok/s, decode %.1f tok/s, KV %s%s (%zu B/token%s)%s\n",
                r.prompt.size(), r.tokens.size(), r.finish_reason.c_str(), prefill_tps, decode_tps,
                std::string(dtype_name(kv.storage)).c_str(),

@@ -14,6 +14,7 @@
 #include "io/checkpoint.h"
 #include "io/gguf_tokenizer.h"
 #include "model/loaded_model.h"
+#include "model/tensor_parallel.h"
 
 namespace kvlm::app {
 
@@ -88,6 +89,23 @@ int run_inspect(const InspectFlags& f) {
   for (const auto& l : plan.layers)
     if (l.attn.model != "target") draft_bytes += l.bytes_per_token();
   const ModelConfig& cfg = mp.config;
+  // Tensor parallelism: what each rank holds (tp_layout throws with the sizes that work).
+  const int tp = f.model.tensor_parallel_size;
+  const TpLayout layout = tp_layout(cfg, tp);
+  if (tp > 1 && mp.drafter)
+    throw Error("--tensor-parallel-size " + std::to_string(tp) + ": DFlash drafting runs on one GPU for now");
+  struct RankShare {
+    int q0, q1, kv0, kv1;  // [first, last] query and KV heads
+    int64_t m0, m1;        // MLP columns [first, last]
+    size_t kv_bytes;       // KV bytes per token the rank holds
+  };
+  std::vector<RankShare> shares;
+  for (int r = 0; r < tp && tp > 1; ++r) {
+    const UnitRange kv = shard_units(cfg.num_kv_heads, {r, tp});
+    shares.push_back({r * layout.q_heads, (r + 1) * layout.q_heads - 1, int(kv.begin), int(kv.begin + kv.count - 1),
+                      r * layout.intermediate, (r + 1) * layout.intermediate - 1,
+                      shard_kv_plan(plan, {r, tp}).bytes_per_token()});
+  }
   // The same model with an unquantized cache in the model dtype, for the capacity ratio.
   size_t baseline = 0;
   for (const auto& l : plan.layers) baseline += 2 * size_t(l.attn.num_kv_heads) * size_t(l.attn.head_dim) * dtype_size(mp.dtype);
@@ -129,6 +147,13 @@ int run_inspect(const InspectFlags& f) {
     j["exact_bytes_per_token"] = plan.exact_bytes_per_token();
     j["model_dtype_kv_bytes_per_token"] = baseline;
     j["warnings"] = plan.warnings;
+    if (tp > 1) {
+      nlohmann::json ranks = nlohmann::json::array();
+      for (const RankShare& r : shares)
+        ranks.push_back({{"q_heads", {r.q0, r.q1}}, {"kv_heads", {r.kv0, r.kv1}}, {"mlp_columns", {r.m0, r.m1}},
+                         {"kv_bytes_per_token", r.kv_bytes}});
+      j["tensor_parallel"] = {{"size", tp}, {"kv_head_replicas", layout.kv_replicas}, {"ranks", ranks}};
+    }
     if (spec) {
       nlohmann::json s{{"method", std::string(spec_method_name(spec->method))},
                        {"num_speculative_tokens", spec->num_speculative_tokens}};
@@ -212,6 +237,21 @@ int run_inspect(const InspectFlags& f) {
     std::cout << "exact sink / recent tokens: " << plan.exact_bytes_per_token()
               << " bytes per exact token, on top, for the first " << plan.keep_sink() << " and the latest "
               << plan.keep_recent() << " tokens of every running sequence (see the KV cache line at startup)\n";
+  if (tp > 1) {
+    std::cout << "tensor parallel: " << tp << " ranks (one GPU each); attention and MLP split by heads and columns, "
+              << "o and down summed by an all-reduce"
+              << (layout.kv_replicas > 1 ? "; " + std::to_string(cfg.num_kv_heads) + " KV heads for " +
+                                               std::to_string(tp) + " ranks: each KV head held by " +
+                                               std::to_string(layout.kv_replicas) + " ranks"
+                                         : "")
+              << "\n";
+    for (size_t r = 0; r < shares.size(); ++r) {
+      const RankShare& x = shares[r];
+      std::cout << "  rank " << r << ": q heads " << x.q0 << "-" << x.q1 << ", kv heads " << x.kv0 << "-" << x.kv1
+                << ", MLP columns " << x.m0 << "-" << x.m1 << ", " << x.kv_bytes << " KV bytes per token"
+                << (r == 0 ? " (and the LM head)" : "") << "\n";
+    }
+  }
   if (spec && spec->method == SpecMethod::Ngram) std::cout << "drafting   " << describe(*spec) << " (no drafter model: no draft KV)\n";
   if (spec && mp.drafter) {
     std::cout << "drafting   " << describe(*spec) << ": DFlash, blocks of " << mp.drafter->dflash->block_size

@@ -79,7 +79,12 @@ std::string kv_summary(const LoadedModel& e) {
   const KVStorage& kv = e.plan().resolution.storage;
   std::string s = std::string(dtype_name(kv.storage));
   if (kv.mode != KVQuantMode::None) s += " " + std::string(kv_quant_mode_name(kv.mode));
-  return s + ", " + std::to_string(e.plan().bytes_per_token()) + " bytes/token";
+  s += ", " + std::to_string(e.plan().bytes_per_token()) + " bytes/token";
+  if (e.tensor_parallel_size() > 1)
+    s += " over " + std::to_string(e.tensor_parallel_size()) + " tensor-parallel ranks (" +
+         std::to_string(e.rank_plan().bytes_per_token()) + " each), " +
+         std::to_string((e.model().weight_bytes() / size_t(e.tensor_parallel_size())) >> 20) + " MiB of weights each";
+  return s;
 }
 
 CLI::App* add_serve(CLI::App& app, ServeFlags& f) {
@@ -379,6 +384,8 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   ModelOptions opts = f.model.model_options();
   check_model_dir(opts.model_dir);
   resolve_weight_quant(std::nullopt, opts.quantization);  // a bad --quantization fails now, not after loading
+  if (opts.tensor_parallel_size != 1)  // so does a size that cannot split the model
+    check_tensor_parallel(opts, Checkpoint::open(opts.model_dir).model_config(opts.model_dir));
   const MemoryOptions mem = f.serving.memory_options();
   if (!(f.drain_timeout >= 0)) throw Error("--drain-timeout must be >= 0 seconds");
   if (f.max_connections < 1) throw Error("--max-connections must be at least 1");

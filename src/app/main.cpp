@@ -1,6 +1,9 @@
 // kvlm: the command-line entry point.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
+#include <string>
+#include <vector>
 #include <exception>
 
 #include "app/commands.h"
@@ -42,8 +45,15 @@ int main(int argc, char** argv) {
   for (auto* cmd : {gen_cmd, chat_cmd, insp_cmd, tok_cmd, detok_cmd, tpl_cmd, cal_cmd, eval_cmd, serve_cmd, bench_cmd,
                     bench.throughput_cmd, bench.serve_cmd})
     cmd->fallthrough();  // -q / -v may follow the subcommand
+  // vLLM's short form -tp N (CLI11 takes one-letter short flags only): the long one.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (std::string& a : args) {
+    if (a == "-tp") a = "--tensor-parallel-size";
+    else if (a.rfind("-tp=", 0) == 0) a = "--tensor-parallel-size=" + a.substr(4);
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 parses a reversed vector
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::ExtrasError& e) {
     // An unknown flag: name the closest valid one of the command it was given to.
     const CLI::App* cmd = &app;

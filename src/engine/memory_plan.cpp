@@ -89,7 +89,11 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   const ModelConfig& mc = engine.config();
   MemoryPlan mp;
   mp.block_size = engine.block_size();
-  mp.bytes_per_token = engine.plan().bytes_per_token();
+  // Under tensor parallelism each rank holds its KV heads of every token: the pool, its pages
+  // and bytes per token are per rank (one GPU's), and every rank has the same pages.
+  const KVPlan& plan = engine.rank_plan();
+  const int tp = engine.tensor_parallel_size();
+  mp.bytes_per_token = plan.bytes_per_token();
   mp.bytes_per_block = mp.bytes_per_token * uint64_t(mp.block_size);
   KVLM_CHECK(mp.bytes_per_block > 0, "a KV plan without bytes");
   mp.max_model_len = opts.max_model_len > 0 ? opts.max_model_len : mc.max_position_embeddings;
@@ -99,15 +103,21 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   if (opts.gpu_memory_utilization <= 0 || opts.gpu_memory_utilization > 1)
     throw Error("--gpu-memory-utilization must be in (0, 1], got " + std::to_string(opts.gpu_memory_utilization));
 
-  mp.num_exact_pages = exact_pages_needed(engine.plan(), mp.block_size, opts.max_num_seqs, opts.max_num_batched_tokens);
-  mp.exact_bytes = uint64_t(mp.num_exact_pages) * uint64_t(mp.block_size) * engine.plan().exact_bytes_per_token();
+  mp.num_exact_pages = exact_pages_needed(plan, mp.block_size, opts.max_num_seqs, opts.max_num_batched_tokens);
+  mp.exact_bytes = uint64_t(mp.num_exact_pages) * uint64_t(mp.block_size) * plan.exact_bytes_per_token();
   std::string source;
   uint64_t budget = 0;
   if (opts.kv_cache_memory) {
     budget = *opts.kv_cache_memory;
     source = "--kv-cache-memory";
   } else if (engine.model().device() == Device::Cuda) {
-    const auto mem = cuda_memory_info(engine.gpu());
+    // The GPU with the least free memory decides (tensor parallelism: every rank's pool is alike).
+    auto mem = cuda_memory_info(engine.gpu());
+    for (int r = 1; r < tp && mem; ++r) {
+      const auto m = cuda_memory_info(engine.gpu() + r);
+      if (!m) mem.reset();
+      else if (m->free < mem->free) mem = m;
+    }
     if (!mem) throw Error("cannot read the GPU's memory (cudaMemGetInfo failed); give the pool size with --kv-cache-memory");
     // vLLM's rule: this instance may use `utilization` of the device's total memory; what is
     // in use now (our weights, other processes) and the activations of one step come off.
@@ -136,7 +146,7 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     std::snprintf(why, sizeof why,
                   "the exact sink / recent tokens (--kv-cache-keep-sink %d, --kv-cache-keep-recent %d) need %s for %d "
                   "sequences, more than the KV cache's %s from ",
-                  engine.plan().keep_sink(), engine.plan().keep_recent(), human_bytes(mp.exact_bytes).c_str(),
+                  plan.keep_sink(), plan.keep_recent(), human_bytes(mp.exact_bytes).c_str(),
                   opts.max_num_seqs, human_bytes(budget).c_str());
     throw Error(why + source + "; lower --max-num-seqs or the kept tokens, or give the cache more memory");
   }
@@ -160,12 +170,17 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
                 with_commas(mp.capacity_tokens).c_str(), (unsigned long long)mp.bytes_per_token,
                 with_commas(mp.max_model_len).c_str(), mp.max_concurrency);
   mp.summary = line;
+  if (tp > 1) {
+    std::snprintf(line, sizeof line, "\n(per rank: each of the %d tensor-parallel ranks holds this pool for its KV heads; "
+                  "%s of KV memory in all)", tp, human_bytes(mp.kv_bytes * uint64_t(tp)).c_str());
+    mp.summary += line;
+  }
   if (mp.num_exact_pages > 0) {
     std::snprintf(line, sizeof line,
                   "\nexact sink/recent tokens: %s (sink %d, recent %d per sequence, %zu bytes/token) = %d pages for "
                   "%d sequences",
-                  human_bytes(mp.exact_bytes).c_str(), engine.plan().keep_sink(), engine.plan().keep_recent(),
-                  engine.plan().exact_bytes_per_token(), mp.num_exact_pages, opts.max_num_seqs);
+                  human_bytes(mp.exact_bytes).c_str(), plan.keep_sink(), plan.keep_recent(),
+                  plan.exact_bytes_per_token(), mp.num_exact_pages, opts.max_num_seqs);
     mp.summary += line;
   }
   return mp;

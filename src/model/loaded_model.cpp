@@ -8,6 +8,9 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "model/cuda/nccl_communicator.h"
+#include "model/tensor_parallel.h"
+#include "model/tp_runner.h"
 #ifdef KVLM_WITH_CUDA
 #include "model/cuda/cuda_runner.h"
 #endif
@@ -156,6 +159,58 @@ SelectionContext selection_context(Device device, int gpu, const CacheConfig& ca
   return c;
 }
 
+void check_tensor_parallel(const ModelOptions& opts, const ModelConfig& config) {
+  const int n = opts.tensor_parallel_size;
+  const std::string flag = "--tensor-parallel-size " + std::to_string(n);
+  if (n < 1) throw Error("--tensor-parallel-size must be at least 1, got " + std::to_string(n));
+  if (n == 1) return;
+  if (opts.speculative && opts.speculative->method == SpecMethod::DFlash)
+    throw Error(flag + ": DFlash drafting runs on one GPU for now; use --tensor-parallel-size 1 with it, or n-gram "
+                "speculation (--speculative-config '{\"method\": \"ngram\", ...}'), which works with every size");
+  tp_layout(config, n);  // throws with the sizes that work
+  if (opts.device == Device::Cuda) {
+    const int visible = int(cuda_devices().size());
+    if (opts.gpu + n > visible)
+      throw Error(flag + " needs GPUs " + std::to_string(opts.gpu) + ".." + std::to_string(opts.gpu + n - 1) + ", but " +
+                  std::to_string(visible) + " CUDA device(s) are visible (check CUDA_VISIBLE_DEVICES); use a size of at "
+                  "most " + std::to_string(std::max(visible - opts.gpu, 1)));
+    if (!built_with_nccl())
+      throw Error(flag + " on GPUs needs NCCL, and this kvlm was built without it (nccl.h was not found next to the "
+                  "CUDA toolkit when it was configured); install NCCL and rebuild, or use --tensor-parallel-size 1");
+  }
+}
+
+void LoadedModel::load_tensor_parallel(const ModelOptions& opts, const Checkpoint& ckpt) {
+  const int n = opts.tensor_parallel_size;
+  for (int r = 0; r < n; ++r) rank_plans_.push_back(std::make_unique<KVPlan>(shard_kv_plan(plan_->plan, {r, n})));
+  std::vector<int> devices;
+  for (int r = 0; r < n; ++r) devices.push_back(opts.gpu + r);
+  if (opts.device == Device::Cuda) group_ = std::make_unique<NcclGroup>(devices);
+  else group_ = std::make_unique<HostGroup>(n);
+  std::vector<Communicator*> comms;
+  for (int r = 0; r < n; ++r) comms.push_back(&group_->local(r));
+  const ModelPlan& mp = *plan_;
+  auto make = [&](int r) -> std::unique_ptr<ModelRunner> {
+    const KVPlan& rp = *rank_plans_[size_t(r)];
+    if (opts.device == Device::Cuda) {
+#ifdef KVLM_WITH_CUDA
+      return std::make_unique<CudaModelRunner>(
+          mp.config, ckpt, rp, mp.dtype,
+          CudaRunnerOptions{.device = devices[size_t(r)], .cuda_graphs = !opts.enforce_eager, .comm = comms[size_t(r)]});
+#endif
+    }
+    std::vector<const AttentionBackend*> backends;
+    for (const auto& l : rp.layers) backends.push_back(&backend_by_name(l.backend));
+    return std::make_unique<CpuModelRunner>(mp.config, ckpt, rp, std::move(backends), nullptr, comms[size_t(r)]);
+  };
+  // A GGUF checkpoint's tensors are dequantized into memory the loader frees as it goes: one
+  // rank at a time there.
+  model_ = std::make_unique<TensorParallelRunner>(comms, make, /*parallel_load=*/!ckpt.embedded_config());
+  log::info("tensor parallelism: " + std::to_string(n) + (opts.device == Device::Cuda ? " GPUs" : " CPU ranks") +
+            ", each holding " + std::to_string((model_->weight_bytes() / size_t(n)) >> 20) + " MiB of weights (about) and " +
+            std::to_string(rank_plans_.front()->bytes_per_token()) + " KV bytes per token");
+}
+
 std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   validate_block_size(opts.cache.block_size);
 
@@ -166,6 +221,7 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype, spec,
                                                     opts.quantization));
   const ModelPlan& mp = *e->plan_;
+  check_tensor_parallel(opts, mp.config);
   std::optional<Checkpoint> dckpt;
   std::optional<DrafterSource> drafter;
   if (mp.drafter) {
@@ -173,7 +229,9 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
     drafter = DrafterSource{.config = *mp.drafter, .checkpoint = &*dckpt, .prefix = mp.drafter_prefix};
   }
   for (const auto& w : e->plan_->plan.warnings) log::warn(w);
-  if (opts.device == Device::Cuda) {
+  if (opts.tensor_parallel_size != 1) {
+    e->load_tensor_parallel(opts, ckpt);
+  } else if (opts.device == Device::Cuda) {
 #ifdef KVLM_WITH_CUDA
     e->model_ = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype,
                                                   CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager},
@@ -189,6 +247,7 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   }
   e->block_size_ = opts.cache.block_size;
   e->gpu_ = opts.gpu;
+  e->tp_ = opts.tensor_parallel_size;
   e->speculative_ = opts.speculative;
   return e;
 }

@@ -14,6 +14,7 @@
 #include "config/model_config.h"
 #include "config/speculative_config.h"
 #include "io/checkpoint.h"
+#include "model/communicator.h"
 #include "model/cpu/cpu_runner.h"
 
 namespace kvlm {
@@ -67,14 +68,27 @@ struct ModelOptions {
   int gpu = 0;                 // the CUDA device index the runner lives on (--device cuda:N)
   std::optional<SpeculativeConfig> speculative;  // --speculative-config
   std::string quantization;    // --quantization: "" or "fp8" (quantize 16-bit linear weights at load)
+  // --tensor-parallel-size: ranks (GPUs gpu, gpu + 1, ...; on the CPU, threads) that each hold
+  // a slice of every layer (model/tensor_parallel.h).
+  int tensor_parallel_size = 1;
 };
+
+// Checks --tensor-parallel-size against the model and the machine before anything loads:
+// the size splits the model (tp_layout), enough GPUs are visible, NCCL is built in, no DFlash
+// drafter. Throws kvlm::Error saying what would work.
+void check_tensor_parallel(const ModelOptions& opts, const ModelConfig& config);
 
 class LoadedModel {
  public:
   static std::unique_ptr<LoadedModel> load(const ModelOptions& opts);
 
   const ModelConfig& config() const { return plan_->config; }
+  // The whole model's KV plan (every KV head: what inspect shows).
   const KVPlan& plan() const { return plan_->plan; }
+  // What one rank holds: the plan of rank 0 under tensor parallelism (its KV heads: the bytes
+  // per token each GPU stores), else plan().
+  const KVPlan& rank_plan() const { return rank_plans_.empty() ? plan_->plan : *rank_plans_.front(); }
+  int tensor_parallel_size() const { return tp_; }
   DType dtype() const { return plan_->dtype; }
   int block_size() const { return block_size_; }
   int gpu() const { return gpu_; }  // the CUDA device index (Device::Cuda runners)
@@ -91,8 +105,13 @@ class LoadedModel {
   }
 
  private:
+  void load_tensor_parallel(const ModelOptions& opts, const Checkpoint& ckpt);
+
   std::unique_ptr<ModelPlan> plan_;  // heap: the model and caches point into it
-  std::unique_ptr<ModelRunner> model_;
+  std::vector<std::unique_ptr<KVPlan>> rank_plans_;  // tensor parallelism: each rank's plan
+  std::unique_ptr<CommGroup> group_;                 // tensor parallelism: the ranks' communicators
+  std::unique_ptr<ModelRunner> model_;               // after what it points into: destroyed first
+  int tp_ = 1;
   int block_size_ = 16;
   int gpu_ = 0;
   std::optional<SpeculativeConfig> speculative_;

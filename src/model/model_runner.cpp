@@ -27,6 +27,10 @@ void ModelRunner::forward_sampled(const ForwardBatch& batch, std::span<const Row
   }
 }
 
+void ModelRunner::forward_follower(const ForwardBatch&) {
+  throw Error("forward_follower on a runner that is not a tensor-parallel rank");
+}
+
 void ModelRunner::draft(const ForwardBatch&, std::span<float>) {
   throw Error("this model runner has no drafter loaded");
 }

@@ -85,6 +85,11 @@ class ModelRunner {
   virtual void draft(const ForwardBatch& blocks, std::span<float> logits);
   virtual void draft_greedy(const ForwardBatch& blocks, std::span<TokenId> tokens);
 
+  // Tensor parallelism (model/tensor_parallel.h): a runner of a rank other than 0 runs each
+  // step for its share of the K/V and its part in the collectives, and forms no logits (only
+  // rank 0 has the LM head). A runner of one rank throws.
+  virtual void forward_follower(const ForwardBatch& batch);
+
   // Copies whole pages (every layer, K, V and scales) from src to dst, and the exact page
   // exact_src onto exact_dst where both are given: the copy-on-write of a shared prefix page
   // that a sequence is about to write into.

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <deque>
+#include <numeric>
 #include <set>
 
 #include "core/error.h"
@@ -151,10 +154,107 @@ PieceQuant fp8_piece(const Checkpoint& ckpt, const TensorInfo& t, const WeightSp
   return p;
 }
 
+
+// The scale block of a slice starting at `begin` of a dimension scaled in blocks of `block`:
+// the largest width that divides both, so that each of the slice's blocks lies inside one of
+// the checkpoint's.
+int64_t local_scale_block(int64_t begin, int64_t block) { return begin == 0 ? block : std::gcd(begin, block); }
+
+// One checkpoint piece as a tensor-parallel rank holds it: its slice (a view into the
+// checkpoint when the slice is whole rows, else a copy) and its FP8 scales sliced alike.
+struct LocalPiece {
+  TensorInfo info, scale_info;
+  std::vector<uint8_t> bytes, scale_bytes;
+  TensorView view;
+  PieceQuant quant;
+};
+
+// Elements [begin, begin + count) along `dim` (0: rows; 1: columns, the product of the
+// remaining dims) of `v`, into `info` (its shape reduced) and `out` (a subspan of v's bytes
+// for rows, a copy in `owned` for columns).
+void slice_tensor(const TensorView& v, int dim, int64_t begin, int64_t count, TensorInfo& info,
+                  std::vector<uint8_t>& owned, std::span<const uint8_t>& out) {
+  const TensorInfo& t = *v.info;
+  const int64_t rows = t.shape.empty() ? 1 : t.shape[0], cols = rows ? t.numel() / rows : 0;
+  const size_t es = dtype_size(t.dtype);
+  info = t;
+  if (dim == 0) {
+    info.shape[0] = count;
+    out = v.bytes.subspan(size_t(begin * cols) * es, size_t(count * cols) * es);
+    return;
+  }
+  KVLM_CHECK(t.shape.size() == 2, "a column slice of a tensor that is not a matrix");
+  info.shape[1] = count;
+  owned.resize(size_t(rows * count) * es);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(owned.data() + size_t(r * count) * es, v.bytes.data() + size_t(r * cols + begin) * es, size_t(count) * es);
+  out = owned;
+}
+
+// Rank tp's slice of piece `v` (quantized as `q`) of spec `s`: rows (Shard::Rows) or columns
+// (Shard::Cols) in whole units of p.shard_units.
+void slice_piece(const Checkpoint& ckpt, const WeightPiece& p, const WeightSpec& s, const TensorView& v,
+                 const PieceQuant& q, TpRank tp, LocalPiece& out) {
+  const int dim = s.shard == Shard::Rows ? 0 : 1;
+  const int64_t size = p.shape[size_t(dim)];
+  const int64_t units = p.shard_units > 0 ? p.shard_units : size;
+  if (size % units != 0 || (units % tp.world != 0 && tp.world % units != 0))
+    throw Error("tensor " + ckpt.describe(p.name) + ": its " + (dim == 0 ? "rows" : "columns") + " (" +
+                std::to_string(size) + ") cannot be split over --tensor-parallel-size " + std::to_string(tp.world));
+  const UnitRange u = shard_units(units, tp);
+  const int64_t unit = size / units, begin = u.begin * unit, count = u.count * unit;
+  std::span<const uint8_t> bytes;
+  slice_tensor(v, dim, begin, count, out.info, out.bytes, bytes);
+  out.view = TensorView{&out.info, bytes};
+  out.quant = q;
+  if (!q.fp8()) return;
+  if (q.scaling == Fp8Scaling::Channel && dim == 0) {  // one scale per row: the rank's rows
+    std::span<const uint8_t> sbytes;
+    slice_tensor(q.scale, 0, begin, count, out.scale_info, out.scale_bytes, sbytes);
+    out.quant.scale = TensorView{&out.scale_info, sbytes};
+  } else if (q.scaling == Fp8Scaling::Block) {
+    // The slice may start inside a scale block (a small model's heads): its blocks become
+    // g = gcd(begin, block) wide, each inside one of the checkpoint's, with that block's scale.
+    const int64_t b = dim == 0 ? q.block_rows : q.block_cols, g = local_scale_block(begin, b);
+    const int64_t nl = (count + g - 1) / g;
+    const TensorInfo& st = *q.scale.info;
+    const int64_t srows = st.shape[0], scols = st.shape[1];
+    const size_t es = dtype_size(st.dtype);
+    out.scale_info = st;
+    out.scale_info.shape[size_t(dim)] = nl;
+    const int64_t orows = dim == 0 ? nl : srows, ocols = dim == 0 ? scols : nl;
+    out.scale_bytes.resize(size_t(orows * ocols) * es);
+    for (int64_t r = 0; r < orows; ++r)
+      for (int64_t c = 0; c < ocols; ++c) {
+        const int64_t gr = dim == 0 ? (begin + r * g) / b : r, gc = dim == 1 ? (begin + c * g) / b : c;
+        std::memcpy(out.scale_bytes.data() + size_t(r * ocols + c) * es, q.scale.bytes.data() + size_t(gr * scols + gc) * es, es);
+      }
+    out.quant.scale = TensorView{&out.scale_info, out.scale_bytes};
+    (dim == 0 ? out.quant.block_rows : out.quant.block_cols) = int(g);
+  }
+}
+
+// The spec rank tp holds: pieces with the rank's shapes (RankZero on another rank: no rows).
+WeightSpec local_spec(const WeightSpec& s, TpRank tp) {
+  WeightSpec l = s;
+  if (tp.world == 1) return l;
+  for (WeightPiece& p : l.pieces) {
+    if (s.shard == Shard::Rows || s.shard == Shard::Cols) {
+      const size_t dim = s.shard == Shard::Rows ? 0 : 1;
+      const int64_t size = p.shape[dim], units = p.shard_units > 0 ? p.shard_units : size;
+      if (size % units == 0 && (units % tp.world == 0 || tp.world % units == 0))
+        p.shape[dim] = shard_units(units, tp).count * (size / units);
+    } else if (s.shard == Shard::RankZero && tp.rank != 0) {
+      p.shape[0] = 0;
+    }
+  }
+  return l;
+}
+
 }  // namespace
 
 LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink,
-                           const std::optional<WeightQuantConfig>& quant) {
+                           const std::optional<WeightQuantConfig>& quant, TpRank tp) {
   std::set<std::string> used(list.known_unused.begin(), list.known_unused.end());
   size_t tensor_bytes = 0;
   for (const WeightSpec& s : list.specs) {
@@ -164,10 +264,17 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       tensor_bytes += t->end - t->begin;
     }
   }
-  // Which weights are FP8 as a whole (all pieces FP8 codes with scales, or quantized at load).
-  std::vector<SpecQuant> sq(list.specs.size());
+  // What this rank holds: every spec with the rank's shapes, less RankZero weights elsewhere.
+  std::vector<WeightSpec> held;
+  std::vector<bool> skip(list.specs.size(), false);
   for (size_t i = 0; i < list.specs.size(); ++i) {
-    const WeightSpec& s = list.specs[i];
+    skip[i] = tp.world > 1 && tp.rank != 0 && list.specs[i].shard == Shard::RankZero;
+    if (!skip[i]) held.push_back(local_spec(list.specs[i], tp));
+  }
+  // Which weights are FP8 as a whole (all pieces FP8 codes with scales, or quantized at load).
+  std::vector<SpecQuant> sq(held.size());
+  for (size_t i = 0; i < held.size(); ++i) {
+    const WeightSpec& s = held[i];
     if (!quant || !s.linear || s.pieces.empty()) continue;
     bool all_fp8 = true, all_dense = true;
     for (const WeightPiece& p : s.pieces) {
@@ -175,12 +282,17 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       all_fp8 &= d == DType::F8E4M3;
       all_dense &= d == DType::F32 || d == DType::F16 || d == DType::BF16;
     }
-    if (quant->on_the_fly ? all_dense : all_fp8)
-      sq[i] = SpecQuant{.fp8 = true,
-                        .scale_block = !quant->on_the_fly && quant->scaling == Fp8Scaling::Block ? quant->block_cols
-                                                                                                  : int(s.cols())};
+    if (quant->on_the_fly ? all_dense : all_fp8) {
+      int block = int(s.cols());
+      if (!quant->on_the_fly && quant->scaling == Fp8Scaling::Block) {
+        block = quant->block_cols;
+        if (tp.world > 1 && s.shard == Shard::Cols)  // the rank's columns: slice_piece's blocks
+          block = int(local_scale_block(s.pieces[0].shape[1] * tp.rank, block));
+      }
+      sq[i] = SpecQuant{.fp8 = true, .scale_block = block};
+    }
   }
-  sink.reserve(list.specs, sq);
+  sink.reserve(held, sq);
   // Large checkpoints show a progress line while loading (small ones would only flicker).
   log::Progress progress("loading weights", tensor_bytes >= (size_t(256) << 20) ? tensor_bytes : 0);
   LoadedWeights out;
@@ -189,9 +301,23 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
   std::vector<PieceQuant> pq;
   std::vector<float> values, conv;
   const bool on_the_fly = quant && quant->on_the_fly;
-  for (const WeightSpec& s : list.specs) {
+  std::deque<LocalPiece> local;  // this spec's slices (stable addresses: the views point into them)
+  size_t next_held = 0;
+  for (size_t si = 0; si < list.specs.size(); ++si) {
+    const WeightSpec& s = list.specs[si];
+    if (skip[si]) {
+      out.weights.push_back(Weight{});
+      for (const WeightPiece& p : s.pieces) {
+        used.insert(p.name);
+        progress.update(done += ckpt.find(p.name)->end - ckpt.find(p.name)->begin);
+      }
+      continue;
+    }
+    const WeightSpec& ls = held[next_held++];
+    const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols);
     views.clear();
     pq.clear();
+    local.clear();
     for (const WeightPiece& p : s.pieces) {
       const TensorInfo& t = *ckpt.find(p.name);  // checked before the view: a GGUF view dequantizes
       if (!std::ranges::equal(t.shape, p.shape))
@@ -207,8 +333,16 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
         pq.push_back(PieceQuant{.quantize = on_the_fly && s.linear});
       }
       used.insert(p.name);
-      out.num_params += size_t(t.numel());
-      views.push_back(ckpt.view(p.name));
+      done += t.end - t.begin;
+      const TensorView v = ckpt.view(p.name);
+      if (sliced) {
+        slice_piece(ckpt, p, s, v, pq.back(), tp, local.emplace_back());
+        views.push_back(local.back().view);
+        pq.back() = local.back().quant;
+      } else {
+        views.push_back(v);
+      }
+      out.num_params += size_t(views.back().info->numel());
     }
     values.clear();
     if (s.role == WeightRole::Constant) {
@@ -222,8 +356,8 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       if (s.add_one)
         for (float& x : values) x += 1.0f;
     }
-    out.weights.push_back(sink.store(s, views, pq, values));
-    for (const TensorView& v : views) progress.update(done += v.bytes.size());
+    out.weights.push_back(sink.store(ls, views, pq, values));
+    progress.update(done);
     for (const WeightPiece& p : s.pieces) ckpt.release(p.name);  // a GGUF tensor's dequantized copy
   }
   std::vector<std::string> extra;

@@ -18,6 +18,7 @@
 #include "config/weight_quant.h"
 #include "io/checkpoint.h"
 #include "model/ops.h"
+#include "model/tensor_parallel.h"
 
 namespace kvlm {
 
@@ -36,17 +37,23 @@ inline DType gpu_weight_dtype(WeightRole role, DType compute) {
   return role == WeightRole::Matrix || role == WeightRole::Bias ? compute : DType::F32;
 }
 
-// How tensor parallelism splits a weight over ranks (not yet acted on: the plan for it).
+// How tensor parallelism (model/tensor_parallel.h) splits a weight over ranks.
 enum class Shard : uint8_t {
   Replicated,  // every rank holds all of it (norms, constants)
   Rows,        // split along dim 0, the output features: column-parallel (q/k/v, gate/up, their biases)
   Cols,        // split along dim 1, the input features: row-parallel (o, down), followed by an all-reduce
-  Vocab,       // the embedding table / LM head, split over the vocabulary
+  Vocab,       // the embedding table: replicated (a lookup reads one row per token)
+  RankZero,    // rank 0 alone: a row-parallel projection's bias (added once, before the sum) and an
+               // untied LM head (only rank 0 forms logits)
 };
 
 struct WeightPiece {
   std::string name;             // checkpoint tensor name
   std::vector<int64_t> shape;   // as config.json implies it
+  // Rows / Cols: the split dimension is this many equal units (heads: a rank takes whole
+  // heads, and a KV head is replicated when there are fewer than ranks); 0 = every row or
+  // column is a unit.
+  int64_t shard_units = 0;
 };
 
 struct WeightSpec {
@@ -136,8 +143,14 @@ struct LoadedWeights {
 // is missing or mis-shaped for `quant` (the model's FP8 scheme: config.json's, or
 // --quantization fp8, which quantizes the linear weights); warns about checkpoint tensors no
 // spec uses (other than scales and cached RoPE tables).
+//
+// With tensor parallelism (`tp.world` > 1) every weight is sliced to what rank `tp.rank`
+// holds (Shard, WeightPiece::shard_units) before it reaches the sink, scales included: the
+// sink sees specs and tensors of the rank's shapes, and a RankZero weight on another rank is
+// not loaded (its Weight is empty). A block-wise FP8 tensor whose rank slice does not start
+// on a scale block is refused.
 LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink,
-                           const std::optional<WeightQuantConfig>& quant = std::nullopt);
+                           const std::optional<WeightQuantConfig>& quant = std::nullopt, TpRank tp = {});
 
 // The model's compute dtype: config.json's torch_dtype/dtype, else the embedding's dtype.
 DType model_dtype(const ModelConfig& cfg, const Checkpoint& ckpt);

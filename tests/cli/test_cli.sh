@@ -425,5 +425,23 @@ expect_error 1 "not a valid regular expression" -- eval task --model "$chat" --d
 echo 'not json' >"$tmp/badjson.jsonl"
 expect_error 1 "badjson.jsonl:1: not valid JSON" -- eval task --model "$chat" --data "$tmp/badjson.jsonl"
 
+# Tensor parallelism on the CPU (ranks as threads): the same greedy tokens as one rank, with
+# -tp (vLLM's short form) or --tensor-parallel-size; a size that does not split the model is
+# refused before any weight loads, with the sizes that work; inspect shows each rank's share.
+expect_error 1 "--tensor-parallel-size 4 cannot split this model: num_attention_heads 6 is not divisible by 4 (config.json); sizes that work: 1, 2" \
+  -- generate --device cpu --prompt "Hello" -tp 4
+expect_error 1 "--tensor-parallel-size must be at least 1" -- generate --device cpu --prompt "Hello" --tensor-parallel-size 0
+expect_error 1 "kvlm calibrate runs the model on the CPU as one rank" -- calibrate --model "$chat" -tp 2 --out "$tmp/cal-tp"
+one=$("$KVLM" generate --device cpu --prompt "Once upon a time" --max-tokens 16 --temperature 0 --ignore-eos 2>/dev/null)
+two=$("$KVLM" generate --device cpu -tp 2 --prompt "Once upon a time" --max-tokens 16 --temperature 0 --ignore-eos 2>"$tmp/err")
+[ -n "$one" ] && [ "$one" = "$two" ] && grep -q "tensor parallel 2 (1792 KV B/token per rank)" "$tmp/err" && ok \
+  || bad "-tp 2 vs one rank: '$one' vs '$two': $(cat "$tmp/err")"
+"$KVLM" inspect --tensor-parallel-size 2 >"$tmp/out" 2>"$tmp/err" \
+  && grep -q "rank 1: q heads 3-5, kv heads 1-1, MLP columns 512-1023, 1792 KV bytes per token" "$tmp/out" && ok \
+  || bad "inspect -tp 2: $(cat "$tmp/out" "$tmp/err")"
+"$KVLM" inspect --json -tp 2 >"$tmp/i.json" 2>"$tmp/err" \
+  && [ "$(json_get "$tmp/i.json" "d['tensor_parallel']['ranks'][1]['kv_heads']")" = "[1, 1]" ] && ok \
+  || bad "inspect --json -tp 2: $(cat "$tmp/err")"
+
 echo "cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

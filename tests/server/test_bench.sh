@@ -236,9 +236,12 @@ python3 "$here/test_connections.py" "$KVLM" "$model" >"$tmp/conn.out" 2>&1 && ok
 "$KVLM" serve --max-num-seq 3 >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "unknown flag '--max-num-seq'; did you mean '--max-num-seqs'?" "$tmp/err" && ok \
   || bad "unknown flag: $(cat "$tmp/err")"
-"$KVLM" serve --model "$model" --tensor-parallel-size 2 >/dev/null 2>"$tmp/err"
-[ $? -eq 1 ] && grep -q "tensor-parallel-size 2 is not supported: kvlm runs a model on one device" "$tmp/err" && ok \
-  || bad "--tensor-parallel-size 2: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --tensor-parallel-size 3 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "tensor-parallel-size 3 cannot split this model: num_attention_heads 4 is not divisible by 3 (config.json); sizes that work: 1, 2, 4" "$tmp/err" \
+  && ! grep -q "listening on" "$tmp/err" && ok || bad "--tensor-parallel-size 3: $(cat "$tmp/err")"
+"$KVLM" serve --model "$model" --pipeline-parallel-size 2 >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "pipeline-parallel-size 2 is not supported" "$tmp/err" && ok \
+  || bad "--pipeline-parallel-size 2: $(cat "$tmp/err")"
 "$KVLM" serve --model "$model" --ssl-keyfile k.pem >/dev/null 2>"$tmp/err"
 [ $? -eq 1 ] && grep -q "ssl-keyfile k.pem is not supported: kvlm serves plain HTTP" "$tmp/err" && ok \
   || bad "--ssl-keyfile: $(cat "$tmp/err")"

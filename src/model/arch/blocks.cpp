@@ -24,7 +24,7 @@ EmbeddingWeights add_embedding(WeightList& list, const ModelConfig& c) {
   } else {
     e.lm_head = list.add(WeightSpec{.pieces = {{"lm_head.weight", {vocab, hd}}},
                                     .role = WeightRole::Matrix,
-                                    .shard = Shard::Vocab,
+                                    .shard = Shard::RankZero,
                                     .missing_hint = ", and tie_word_embeddings is false in config.json"});
   }
   return e;
@@ -41,19 +41,20 @@ size_t add_rope(WeightList& list, const RopeConfig& rope, int head_dim) {
 AttentionWeights add_attention(WeightList& list, const ModelConfig& c, const std::string& p, bool norm_add_one) {
   const int64_t hd = c.hidden_size, d = c.head_dim, nh = c.num_heads, kvh = c.num_kv_heads;
   AttentionWeights a;
+  // Sharded by heads: a rank holds whole query heads and the KV heads they read.
   a.qkv = add_linear(list,
-                     {{p + "self_attn.q_proj.weight", {nh * d, hd}},
-                      {p + "self_attn.k_proj.weight", {kvh * d, hd}},
-                      {p + "self_attn.v_proj.weight", {kvh * d, hd}}},
+                     {{p + "self_attn.q_proj.weight", {nh * d, hd}, nh},
+                      {p + "self_attn.k_proj.weight", {kvh * d, hd}, kvh},
+                      {p + "self_attn.v_proj.weight", {kvh * d, hd}, kvh}},
                      Shard::Rows);
   if (c.qkv_bias)
     a.bqkv = add(list,
-                 {{p + "self_attn.q_proj.bias", {nh * d}},
-                  {p + "self_attn.k_proj.bias", {kvh * d}},
-                  {p + "self_attn.v_proj.bias", {kvh * d}}},
+                 {{p + "self_attn.q_proj.bias", {nh * d}, nh},
+                  {p + "self_attn.k_proj.bias", {kvh * d}, kvh},
+                  {p + "self_attn.v_proj.bias", {kvh * d}, kvh}},
                  WeightRole::Bias, Shard::Rows);
-  a.o = add_linear(list, {{p + "self_attn.o_proj.weight", {hd, nh * d}}}, Shard::Cols);
-  if (c.o_bias) a.bo = add(list, {{p + "self_attn.o_proj.bias", {hd}}}, WeightRole::Bias, Shard::Replicated);
+  a.o = add_linear(list, {{p + "self_attn.o_proj.weight", {hd, nh * d}, nh}}, Shard::Cols);
+  if (c.o_bias) a.bo = add(list, {{p + "self_attn.o_proj.bias", {hd}}}, WeightRole::Bias, Shard::RankZero);
   if (c.qk_norm) {
     a.q_norm = add_norm(list, p + "self_attn.q_norm.weight", d, norm_add_one);
     a.k_norm = add_norm(list, p + "self_attn.k_norm.weight", d, norm_add_one);
@@ -70,7 +71,7 @@ MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::stri
     m.b_gate_up = add(list, {{p + "mlp.gate_proj.bias", {inter}}, {p + "mlp.up_proj.bias", {inter}}}, WeightRole::Bias,
                       Shard::Rows);
   m.down = add_linear(list, {{p + "mlp.down_proj.weight", {hd, inter}}}, Shard::Cols);
-  if (c.mlp_bias) m.b_down = add(list, {{p + "mlp.down_proj.bias", {hd}}}, WeightRole::Bias, Shard::Replicated);
+  if (c.mlp_bias) m.b_down = add(list, {{p + "mlp.down_proj.bias", {hd}}}, WeightRole::Bias, Shard::RankZero);
   return m;
 }
 

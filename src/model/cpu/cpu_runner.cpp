@@ -49,9 +49,10 @@ class HostWeightSink final : public WeightSink {
 // The reference ops: fp32 everywhere, the attention through each layer's backend.
 class CpuOps final : public Ops {
  public:
+  // `logits` false: a tensor-parallel follower's step, which forms no logits.
   CpuOps(const ForwardBatch& b, KVCache& cache, std::span<const AttentionBackend* const> backends, Communicator& comm,
-         const CpuModelRunner::KVObserver& observer)
-      : b_(b), cache_(cache), backends_(backends), comm_(comm), observer_(observer) {}
+         const CpuModelRunner::KVObserver& observer, bool logits = true)
+      : b_(b), cache_(cache), backends_(backends), comm_(comm), observer_(observer), logits_(logits) {}
 
   // Keeps the outputs of the layers with a slot (slot_of[layer] >= 0) in `features`
   // ([num_tokens][slots * hidden]).
@@ -76,7 +77,7 @@ class CpuOps final : public Ops {
   }
 
   int num_tokens() const override { return int(b_.tokens.size()); }
-  int num_logit_rows() const override { return int(b_.logit_rows.size()); }
+  int num_logit_rows() const override { return logits_ ? int(b_.logit_rows.size()) : 0; }
 
   Tensor alloc(ActRole, int64_t rows, int64_t cols) override {
     auto& v = arena_.emplace_back(size_t(rows * cols));
@@ -181,6 +182,7 @@ class CpuOps final : public Ops {
   std::span<const AttentionBackend* const> backends_;
   Communicator& comm_;
   const CpuModelRunner::KVObserver& observer_;
+  bool logits_ = true;
   std::deque<std::vector<float>> arena_;
   std::vector<float> k_, v_, act_;
   std::span<const int> slot_of_;
@@ -191,13 +193,20 @@ class CpuOps final : public Ops {
 }  // namespace
 
 CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
-                               std::vector<const AttentionBackend*> backends, const DrafterSource* drafter)
-    : cfg_(std::move(config)), plan_(&plan), backends_(std::move(backends)), def_(make_model_definition(cfg_)) {
+                               std::vector<const AttentionBackend*> backends, const DrafterSource* drafter,
+                               Communicator* comm)
+    : cfg_(std::move(config)), plan_(&plan), backends_(std::move(backends)) {
+  if (comm) comm_ = comm;
+  const TpRank tp{comm_->rank(), comm_->world_size()};
+  KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
+  def_ = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp.world) : cfg_);
   const size_t draft_layers = drafter ? size_t(drafter->config.num_layers) : 0;
   KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + draft_layers && backends_.size() == plan.layers.size(),
              "one KV spec and one backend per layer");
   HostWeightSink sink(storage_);
-  LoadedWeights lw = load_weights(def_->weights(), ckpt, sink, cfg_.weight_quant);
+  // The checkpoint's shapes are the whole model's: the list comes from its definition.
+  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(cfg_) : nullptr;
+  LoadedWeights lw = load_weights((whole ? *whole : *def_).weights(), ckpt, sink, cfg_.weight_quant, tp);
   weights_ = std::move(lw.weights);
   num_params_ = lw.num_params;
   if (drafter) {
@@ -229,16 +238,25 @@ void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
 }
 
 void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
+  KVLM_CHECK(comm_->rank() == 0, "only tensor-parallel rank 0 forms logits; the other ranks run forward_follower");
   KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");
   const size_t T = b.tokens.size();
   KVLM_CHECK(b.positions.size() == T && b.slots.size() == T, "batch arrays differ in length");
   KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(cfg_.vocab_size), "logits buffer size");
   KVLM_CHECK(cache_->num_layers() == plan_->layers.size(), "KV cache built for another plan");
-  CpuOps ops(b, *cache_, backends_, comm_, observer_);
+  CpuOps ops(b, *cache_, backends_, *comm_, observer_);
   if (draft_def_) ops.set_capture(feature_slot_, &features_, cfg_.hidden_size);
   const Tensor out = def_->forward(ops, weights_);
   if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());
   if (draft_def_) draft_def_->context(ops, draft_weights_, ops.features());
+}
+
+void CpuModelRunner::forward_follower(const ForwardBatch& b) {
+  KVLM_CHECK(comm_->world_size() > 1, "forward_follower on a runner that is not a tensor-parallel rank");
+  KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");
+  KVLM_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(), "batch arrays differ in length");
+  CpuOps ops(b, *cache_, backends_, *comm_, observer_, /*logits=*/false);
+  def_->forward(ops, weights_);
 }
 
 void CpuModelRunner::draft(const ForwardBatch& b, std::span<float> logits) {
@@ -246,7 +264,7 @@ void CpuModelRunner::draft(const ForwardBatch& b, std::span<float> logits) {
   KVLM_CHECK(cache_ != nullptr, "draft before allocate_kv");
   KVLM_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(), "batch arrays differ in length");
   KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(cfg_.vocab_size), "logits buffer size");
-  CpuOps ops(b, *cache_, backends_, comm_, observer_);
+  CpuOps ops(b, *cache_, backends_, *comm_, observer_);
   const Tensor out = draft_def_->forward(ops, draft_weights_);
   if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());
 }

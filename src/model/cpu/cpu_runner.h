@@ -26,8 +26,13 @@ class CpuModelRunner final : public ModelRunner {
   // Loads and checks every weight the architecture's definition names. The plan says, per
   // layer, how its KV is stored; `backends[i]` runs layer i's attention.
   // `drafter` (optional): a drafter whose layers are the plan's layers after the target's.
+  // `comm` (optional): the runner is rank comm->rank() of a tensor-parallel group of
+  // comm->world_size() (model/tensor_parallel.h): it loads that rank's slice of the weights
+  // (`config` is the whole model's; `plan` the rank's, shard_kv_plan) and all-reduces
+  // through `comm`, which must outlive it.
   CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
-                 std::vector<const AttentionBackend*> backends, const DrafterSource* drafter = nullptr);
+                 std::vector<const AttentionBackend*> backends, const DrafterSource* drafter = nullptr,
+                 Communicator* comm = nullptr);
   ~CpuModelRunner() override;
 
   const ModelConfig& config() const override { return cfg_; }
@@ -39,6 +44,7 @@ class CpuModelRunner final : public ModelRunner {
   int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }
   size_t kv_bytes() const override { return cache_ ? cache_->bytes() : 0; }
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
+  void forward_follower(const ForwardBatch& batch) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
   bool has_drafter() const override { return draft_def_ != nullptr; }
   void draft(const ForwardBatch& blocks, std::span<float> logits) override;
@@ -57,7 +63,7 @@ class CpuModelRunner final : public ModelRunner {
   KVCache* kv_cache() { return cache_.get(); }
 
  private:
-  ModelConfig cfg_;
+  ModelConfig cfg_;  // the whole model's (a tensor-parallel rank computes with shard_config's)
   const KVPlan* plan_;
   std::vector<const AttentionBackend*> backends_;
   std::unique_ptr<ModelDefinition> def_;
@@ -65,7 +71,8 @@ class CpuModelRunner final : public ModelRunner {
   std::vector<Weight> weights_;
   size_t num_params_ = 0;
   std::unique_ptr<KVCache> cache_;
-  SingleProcessCommunicator comm_;
+  SingleProcessCommunicator single_;
+  Communicator* comm_ = &single_;
   KVObserver observer_;
   // The drafter, when loaded: its definition, its weights followed by the target's
   // embedding and LM head, and which target layer fills which feature slot.

@@ -9,8 +9,8 @@
 
 namespace kvlm {
 
-CudaOps::CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm)
-    : act_(act), stream_(stream), gemm_(gemm), comm_(comm) {}
+CudaOps::CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm, bool logits)
+    : act_(act), stream_(stream), gemm_(gemm), comm_(comm), logits_(logits) {}
 
 void CudaOps::set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks, int num_exact) {
   layers_ = layers;

@@ -84,7 +84,8 @@ struct CudaStep {
 
 class CudaOps final : public Ops {
  public:
-  CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm);
+  // `logits` false: a tensor-parallel rank other than 0, whose steps form no logits.
+  CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm, bool logits = true);
 
   void set_kv(std::span<const CudaKVLayer> layers, int block_size, int num_blocks, int num_exact = 0);
   // Starts a step whose activations are carved from `carver` (already past the runner's
@@ -94,7 +95,7 @@ class CudaOps final : public Ops {
   size_t arena_end() const { return carver_.off; }
 
   int num_tokens() const override { return step_.T; }
-  int num_logit_rows() const override { return step_.R; }
+  int num_logit_rows() const override { return logits_ ? step_.R : 0; }
   Tensor alloc(ActRole role, int64_t rows, int64_t cols) override;
   void embed(const Weight& table, float scale, Tensor x) override;
   void add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override;
@@ -128,6 +129,7 @@ class CudaOps final : public Ops {
   void* stream_;
   cuda::Gemm& gemm_;
   Communicator& comm_;
+  bool logits_ = true;
   std::span<const CudaKVLayer> layers_;
   int block_size_ = 0, num_blocks_ = 0, num_exact_ = 0;
   CudaStep step_;

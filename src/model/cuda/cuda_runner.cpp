@@ -190,7 +190,8 @@ struct CudaModelRunner::Impl {
   DType act = DType::BF16;
   cudaStream_t stream = nullptr;
   cuda::Gemm gemm;
-  SingleProcessCommunicator comm;
+  SingleProcessCommunicator single;
+  Communicator* comm = &single;  // a tensor-parallel rank's (CudaRunnerOptions::comm) or the single process's
   std::unique_ptr<ModelDefinition> def;
   std::unique_ptr<DraftDefinition> draft_def;  // a DFlash drafter, if loaded
   std::vector<Weight> draft_w;                 // its weights, then the target's embedding and LM head
@@ -480,10 +481,15 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     if (l.backend != "cuda")
       throw Error("the CUDA runner runs every layer on the 'cuda' attention backend, but " + describe_layer(l) +
                   " was assigned '" + l.backend + "'");
-  m.def = make_model_definition(cfg_);
+  if (opts.comm) m.comm = opts.comm;
+  const TpRank tp{m.comm->rank(), m.comm->world_size()};
+  KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
+  m.def = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp.world) : cfg_);
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   WeightUploader up(m, m.weights);
-  LoadedWeights lw = load_weights(m.def->weights(), ckpt, up, cfg_.weight_quant);
+  // The checkpoint's shapes are the whole model's: the list comes from its definition.
+  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(cfg_) : nullptr;
+  LoadedWeights lw = load_weights((whole ? *whole : *m.def).weights(), ckpt, up, cfg_.weight_quant, tp);
   m.w = std::move(lw.weights);
   m.num_params = lw.num_params;
   std::vector<int> slot_of;
@@ -537,7 +543,8 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   }
   m.gemm_ws.allocate(cuda::kGemmWorkspaceBytes, "the GEMM workspace");
   m.gemm.set_workspace(m.gemm_ws.data(), m.gemm_ws.bytes());
-  m.ops = std::make_unique<CudaOps>(m.act, m.stream, m.gemm, m.comm);
+  // A rank other than 0 forms no logits (it has no LM head: model/tensor_parallel.h).
+  m.ops = std::make_unique<CudaOps>(m.act, m.stream, m.gemm, *m.comm, /*logits=*/tp.rank == 0);
   if (m.fp8_scratch_elems > 0) {
     m.fp8_scratch.allocate(m.fp8_scratch_elems * dtype_size(m.act), "the FP8 weights' dequantization buffer");
     m.ops->set_fp8_scratch(m.fp8_scratch.data());
@@ -729,6 +736,7 @@ void CudaModelRunner::download_kv_layer(size_t layer, LayerKVCache& out) const {
 // returns the device buffer holding its logits, [R][vocab] fp32.
 float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
   Impl& m = *impl_;
+  KVLM_CHECK(m.comm->rank() == 0 || !draft, "a drafter under tensor parallelism");
   KVLM_CHECK(m.num_blocks > 0, "forward before allocate_kv");
   const int T = int(b.tokens.size()), S = int(b.seqs.size()), R = int(b.logit_rows.size());
   const int vocab = cfg_.vocab_size, bs = m.block_size;
@@ -884,8 +892,16 @@ void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   copy_logit_rows(dev, rows, logits);
 }
 
+void CudaModelRunner::forward_follower(const ForwardBatch& b) {
+  KVLM_CHECK(impl_->comm->rank() > 0, "forward_follower on a runner that is not a tensor-parallel rank other than 0");
+  const DeviceScope on(impl_->device);
+  enqueue(b);
+  KVLM_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+}
+
 void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out) {
   Impl& m = *impl_;
+  KVLM_CHECK(m.comm->rank() == 0, "only tensor-parallel rank 0 forms logits; the other ranks run forward_follower");
   const size_t R = rows.size(), V = size_t(cfg_.vocab_size);
   KVLM_CHECK(out.size() == R * V, "logits buffer size");
   if (R == 0) {
@@ -934,6 +950,7 @@ void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t>
 
 void CudaModelRunner::forward_sampled(const ForwardBatch& b, std::span<const RowSampling> rows,
                                       std::span<TokenId> tokens, std::span<float> host_logits) {
+  KVLM_CHECK(impl_->comm->rank() == 0, "only tensor-parallel rank 0 samples; the other ranks run forward_follower");
   Impl& m = *impl_;
   const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size);
   KVLM_CHECK(rows.size() == R && tokens.size() == R, "forward_sampled: one RowSampling and one token per logit row");
@@ -978,6 +995,7 @@ void CudaModelRunner::forward_greedy(const ForwardBatch& b, std::span<TokenId> t
 
 void CudaModelRunner::argmax_to_host(const float* dev, std::span<TokenId> tokens) {
   Impl& m = *impl_;
+  KVLM_CHECK(m.comm->rank() == 0, "only tensor-parallel rank 0 forms logits; the other ranks run forward_follower");
   const int R = int(tokens.size());
   if (R > 0) {
     cuda::argmax_rows(dev, R, cfg_.vocab_size, m.ids, m.stream);

@@ -24,6 +24,7 @@
 #include "io/checkpoint.h"
 #include "kv/kv_cache.h"
 #include "model/architecture.h"
+#include "model/communicator.h"
 #include "model/model_runner.h"
 
 namespace kvlm {
@@ -32,6 +33,11 @@ struct CudaRunnerOptions {
   int device = 0;            // the CUDA device index the runner's memory, stream and kernels live on
   bool cuda_graphs = true;   // decode steps as CUDA graphs (--enforce-eager: off)
   bool small_m_gemv = true;  // the small-m GEMV kernels for m <= 8 (off: cuBLASLt for every m; measurements)
+  // Tensor parallelism (model/tensor_parallel.h): the runner is rank comm->rank() of
+  // comm->world_size(), loads that rank's slice of the weights (the constructor's config is
+  // the whole model's, its plan the rank's: shard_kv_plan) and all-reduces through `comm`
+  // (which must outlive it). A rank other than 0 forms no logits: forward_follower only.
+  Communicator* comm = nullptr;
 };
 
 class CudaModelRunner final : public ModelRunner {
@@ -54,6 +60,7 @@ class CudaModelRunner final : public ModelRunner {
   int kv_num_blocks() const override;
   size_t kv_bytes() const override;
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
+  void forward_follower(const ForwardBatch& batch) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
 
   // Sampling on the GPU (ops/cuda/sampling.h): only token ids, and the logits of the rows

@@ -1,0 +1,149 @@
+#include "model/tp_runner.h"
+
+#include "core/error.h"
+
+namespace kvlm {
+
+TensorParallelRunner::TensorParallelRunner(std::vector<Communicator*> comms, const Make& make, bool parallel_load)
+    : comms_(std::move(comms)) {
+  const int world = int(comms_.size());
+  KVLM_CHECK(world >= 1, "a tensor-parallel runner needs a rank");
+  ranks_.resize(size_t(world));
+  // Loading: a thread per rank (a CUDA rank's thread makes its device current), joined here.
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+  auto load = [&](int r) {
+    try {
+      ranks_[size_t(r)] = make(r);
+    } catch (...) {
+      errors[size_t(r)] = std::current_exception();
+    }
+  };
+  if (parallel_load && world > 1) {
+    std::vector<std::thread> loaders;
+    for (int r = 0; r < world; ++r) loaders.emplace_back(load, r);
+    for (auto& t : loaders) t.join();
+  } else {
+    for (int r = 0; r < world; ++r) load(r);
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  for (int r = 1; r < world; ++r) threads_.emplace_back([this, r] { worker(r); });
+}
+
+TensorParallelRunner::~TensorParallelRunner() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void TensorParallelRunner::fail(std::exception_ptr e) {
+  {
+    std::lock_guard lock(mu_);
+    if (!error_) error_ = e;
+  }
+  for (Communicator* c : comms_) c->abort();  // peers blocked in a collective fail now
+}
+
+void TensorParallelRunner::worker(int r) {
+  uint64_t seen = 0;
+  for (;;) {
+    const std::function<void(ModelRunner&)>* job = nullptr;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+    }
+    try {
+      (*job)(*ranks_[size_t(r)]);
+    } catch (...) {
+      fail(std::current_exception());
+    }
+    {
+      std::lock_guard lock(mu_);
+      --pending_;
+    }
+    cv_.notify_all();
+  }
+}
+
+void TensorParallelRunner::run(const std::function<void(ModelRunner&)>& first,
+                               const std::function<void(ModelRunner&)>& rest) {
+  {
+    std::lock_guard lock(mu_);
+    if (error_) {
+      try {
+        std::rethrow_exception(error_);
+      } catch (const std::exception& e) {
+        throw Error(std::string("the tensor-parallel ranks failed earlier (") + e.what() +
+                    "); their KV caches may differ now, so this model cannot run further: restart kvlm");
+      }
+    }
+    job_ = &rest;
+    pending_ = int(threads_.size());
+    ++generation_;
+  }
+  cv_.notify_all();
+  try {
+    first(*ranks_[0]);
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return pending_ == 0; });
+  job_ = nullptr;
+  if (error_) std::rethrow_exception(error_);
+}
+
+void TensorParallelRunner::each_rank(const std::function<void(int, ModelRunner&)>& f) {
+  const auto job = [&](ModelRunner& m) {
+    int r = 0;
+    while (ranks_[size_t(r)].get() != &m) ++r;
+    f(r, m);
+  };
+  run(job, job);
+}
+
+size_t TensorParallelRunner::num_parameters() const {
+  size_t n = 0;
+  for (const auto& r : ranks_) n += r->num_parameters();
+  return n;
+}
+
+size_t TensorParallelRunner::weight_bytes() const {
+  size_t n = 0;
+  for (const auto& r : ranks_) n += r->weight_bytes();
+  return n;
+}
+
+size_t TensorParallelRunner::kv_bytes() const {
+  size_t n = 0;
+  for (const auto& r : ranks_) n += r->kv_bytes();
+  return n;
+}
+
+void TensorParallelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_pages) {
+  const auto job = [&](ModelRunner& m) { m.allocate_kv(num_blocks, block_size, num_exact_pages); };
+  run(job, job);
+}
+
+void TensorParallelRunner::forward(const ForwardBatch& batch, std::span<float> logits) {
+  run([&](ModelRunner& m) { m.forward(batch, logits); }, [&](ModelRunner& m) { m.forward_follower(batch); });
+}
+
+void TensorParallelRunner::forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows,
+                                           std::span<TokenId> tokens, std::span<float> host_logits) {
+  run([&](ModelRunner& m) { m.forward_sampled(batch, rows, tokens, host_logits); },
+      [&](ModelRunner& m) { m.forward_follower(batch); });
+}
+
+void TensorParallelRunner::copy_blocks(std::span<const PageCopy> copies) {
+  const auto job = [&](ModelRunner& m) { m.copy_blocks(copies); };
+  run(job, job);
+}
+
+}  // namespace kvlm

@@ -1,0 +1,80 @@
+// Tensor parallelism in one process: one model run as `world` ranks (model/tensor_parallel.h),
+// each rank's runner (CPU or CUDA, holding its slice of the weights and of the KV pool, and
+// its rank's communicator) driven by a thread of its own, rank 0 on the caller's thread.
+//
+// Every call runs on every rank at once and returns when all are done: the same batch, so the
+// ranks issue the same collectives in the same order. Rank 0 forms the logits and samples
+// (its forward / forward_sampled); the others run forward_follower. The KV pool has the same
+// pages on every rank (one block id addresses a position on all of them), so the engine
+// schedules once, as for one device.
+//
+// A rank that throws aborts the group's communicators (a peer waiting in a collective for it
+// fails instead of hanging), and the runner refuses every later call with the first error:
+// the ranks' pools may differ from then on.
+#pragma once
+
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model/communicator.h"
+#include "model/model_runner.h"
+
+namespace kvlm {
+
+class TensorParallelRunner final : public ModelRunner {
+ public:
+  using Make = std::function<std::unique_ptr<ModelRunner>(int rank)>;
+  // Builds rank r's runner with make(r) on rank r's thread — all ranks at once when
+  // `parallel_load`, else one after another — with `comms[r]` its communicator (which the
+  // runner aborts when a rank fails; they must outlive it). Throws the first rank's error.
+  TensorParallelRunner(std::vector<Communicator*> comms, const Make& make, bool parallel_load = true);
+  ~TensorParallelRunner() override;
+
+  int world_size() const { return int(ranks_.size()); }
+  ModelRunner& rank(int r) { return *ranks_[size_t(r)]; }
+  const ModelRunner& rank(int r) const { return *ranks_[size_t(r)]; }
+  Communicator& comm(int r) { return *comms_[size_t(r)]; }
+  // Runs f(r, rank r's runner) on every rank's thread at once and waits (benchmarks: settings
+  // per rank, collectives timed alone).
+  void each_rank(const std::function<void(int, ModelRunner&)>& f);
+
+  const ModelConfig& config() const override { return ranks_[0]->config(); }
+  Device device() const override { return ranks_[0]->device(); }
+  size_t num_parameters() const override;  // over all ranks (replicated weights counted once per rank)
+  size_t weight_bytes() const override;    // over all ranks
+
+  void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
+  int kv_num_blocks() const override { return ranks_[0]->kv_num_blocks(); }
+  size_t kv_bytes() const override;  // over all ranks
+  void forward(const ForwardBatch& batch, std::span<float> logits) override;
+  bool samples_on_device() const override { return ranks_[0]->samples_on_device(); }
+  void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
+                       std::span<float> host_logits) override;
+  void copy_blocks(std::span<const PageCopy> copies) override;
+
+ private:
+  // Runs first(rank 0's runner) on this thread and rest(rank r's runner) on every other
+  // rank's thread, and waits for all of them.
+  void run(const std::function<void(ModelRunner&)>& first, const std::function<void(ModelRunner&)>& rest);
+  void worker(int r);
+  void fail(std::exception_ptr e);
+
+  std::vector<Communicator*> comms_;
+  std::vector<std::unique_ptr<ModelRunner>> ranks_;
+  std::vector<std::thread> threads_;  // ranks 1..world-1
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const std::function<void(ModelRunner&)>* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;  // the first rank failure; every later call rethrows it
+};
+
+}  // namespace kvlm

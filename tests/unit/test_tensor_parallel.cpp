@@ -1,0 +1,268 @@
+// Tensor parallelism's arithmetic (model/tensor_parallel.h) — which heads, rows and columns a
+// rank holds, for every golden config and N = 1, 2, 4, 8 — its errors, the host communicator,
+// and the in-process runner's failure handling. The numerical equality of N ranks with one is
+// tests/golden/test_golden.cpp's TensorParallelMatchesOneRank.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "config/model_config.h"
+#include "core/error.h"
+#include "model/communicator.h"
+#include "model/loaded_model.h"
+#include "model/tensor_parallel.h"
+#include "model/tp_runner.h"
+#include "test_util.h"
+
+using namespace kvlm;
+namespace fs = std::filesystem;
+
+namespace {
+
+ModelConfig config(int heads, int kv_heads, int inter) {
+  ModelConfig c;
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.intermediate_size = inter;
+  c.head_dim = 16;
+  c.hidden_size = 64;
+  return c;
+}
+
+}  // namespace
+
+TEST(TensorParallel, ShardUnitsSplitsOrReplicates) {
+  // 8 KV heads over 2 ranks: 4 each, in order.
+  EXPECT_EQ(shard_units(8, {0, 2}).begin, 0);
+  EXPECT_EQ(shard_units(8, {1, 2}).begin, 4);
+  EXPECT_EQ(shard_units(8, {1, 2}).count, 4);
+  // 2 KV heads over 8 ranks: each held by 4 ranks (ranks 0-3 head 0, 4-7 head 1).
+  for (int r = 0; r < 8; ++r) {
+    const UnitRange u = shard_units(2, {r, 8});
+    EXPECT_EQ(u.count, 1);
+    EXPECT_EQ(u.begin, r / 4) << r;
+  }
+  // Every unit held exactly once when world divides units.
+  std::vector<int> held(12, 0);
+  for (int r = 0; r < 4; ++r) {
+    const UnitRange u = shard_units(12, {r, 4});
+    for (int64_t i = u.begin; i < u.begin + u.count; ++i) ++held[size_t(i)];
+  }
+  for (int h : held) EXPECT_EQ(h, 1);
+  EXPECT_ERROR_CONTAINS(shard_units(6, {0, 4}), "cannot be split over 4");
+}
+
+TEST(TensorParallel, LayoutOfEveryGoldenConfig) {
+  const fs::path golden = fs::path(KVLM_TEST_DATA) / "golden" / "models";
+  int checked = 0;
+  for (const auto& e : fs::directory_iterator(golden)) {
+    const ModelConfig c = load_model_config(e.path());
+    for (const int n : {1, 2, 4, 8}) {
+      const bool fits = c.num_heads % n == 0 && c.intermediate_size % n == 0 &&
+                        (c.num_kv_heads % n == 0 || n % c.num_kv_heads == 0);
+      if (!fits) {
+        EXPECT_ERROR_CONTAINS(tp_layout(c, n), "cannot split this model");
+        continue;
+      }
+      const TpLayout t = tp_layout(c, n);
+      EXPECT_EQ(t.q_heads * n, c.num_heads);
+      EXPECT_EQ(t.intermediate * n, c.intermediate_size);
+      EXPECT_EQ(t.kv_heads * n, c.num_kv_heads * t.kv_replicas);  // every KV head held kv_replicas times
+      // Each rank's query heads read only its KV heads (GQA groups never straddle ranks).
+      const int group = c.num_heads / c.num_kv_heads;
+      for (int r = 0; r < n; ++r) {
+        const int first_q = r * t.q_heads, last_q = first_q + t.q_heads - 1;
+        const UnitRange kv = shard_units(c.num_kv_heads, {r, n});
+        EXPECT_GE(first_q / group, kv.begin) << e.path() << " n=" << n << " r=" << r;
+        EXPECT_LT(last_q / group, kv.begin + kv.count) << e.path() << " n=" << n << " r=" << r;
+      }
+      const ModelConfig s = shard_config(c, n);
+      EXPECT_EQ(s.num_heads, t.q_heads);
+      EXPECT_EQ(s.num_kv_heads, t.kv_heads);
+      EXPECT_EQ(s.hidden_size, c.hidden_size);
+      EXPECT_EQ(s.vocab_size, c.vocab_size);
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 20);
+}
+
+TEST(TensorParallel, ErrorsNameTheFieldAndTheSizesThatWork) {
+  const ModelConfig c = config(4, 2, 128);
+  EXPECT_ERROR_CONTAINS(tp_layout(c, 3), "num_attention_heads 4 is not divisible by 3");
+  EXPECT_ERROR_CONTAINS(tp_layout(c, 3), "sizes that work: 1, 2, 4");
+  EXPECT_ERROR_CONTAINS(tp_layout(config(8, 3, 64), 2), "num_key_value_heads 3 neither divides");
+  EXPECT_ERROR_CONTAINS(tp_layout(config(4, 4, 90), 4), "intermediate_size 90 is not divisible by 4");
+  EXPECT_ERROR_CONTAINS(tp_layout(c, 0), "at least 1");
+  EXPECT_EQ(valid_tp_sizes(config(64, 8, 28672)), "1, 2, 4, 8");
+}
+
+TEST(TensorParallel, RankPlanHoldsTheRanksHeadsAndScales) {
+  KVPlan plan;
+  KVLayerSpec l;
+  l.attn.num_q_heads = 8;
+  l.attn.num_kv_heads = 4;
+  l.attn.head_dim = 16;
+  l.storage = DType::F8E4M3;
+  l.quant = KVQuantMode::Fp8PerTensor;
+  l.k_scale = {1, 2, 3, 4};
+  l.v_scale = {5, 6, 7, 8};
+  plan.layers.push_back(l);
+  const KVPlan r1 = shard_kv_plan(plan, {1, 2});
+  EXPECT_EQ(r1.layers[0].attn.num_q_heads, 4);
+  EXPECT_EQ(r1.layers[0].attn.num_kv_heads, 2);
+  EXPECT_EQ(r1.layers[0].k_scale, (std::vector<float>{3, 4}));
+  EXPECT_EQ(r1.layers[0].v_scale, (std::vector<float>{7, 8}));
+  EXPECT_EQ(r1.bytes_per_token() * 2, plan.bytes_per_token());
+  // Fewer KV heads than ranks: rank 5 of 8 holds KV head 2 and its scale.
+  const KVPlan r5 = shard_kv_plan(plan, {5, 8});
+  EXPECT_EQ(r5.layers[0].attn.num_q_heads, 1);
+  EXPECT_EQ(r5.layers[0].attn.num_kv_heads, 1);
+  EXPECT_EQ(r5.layers[0].k_scale, (std::vector<float>{3}));
+  // A per-layer scale stays one value.
+  plan.layers[0].k_scale = {0.5f};
+  EXPECT_EQ(shard_kv_plan(plan, {1, 2}).layers[0].k_scale, (std::vector<float>{0.5f}));
+}
+
+TEST(TensorParallel, HostGroupSumsInRankOrderOnEveryRank) {
+  for (const int n : {1, 2, 3, 4}) {
+    HostGroup g(n);
+    std::vector<std::vector<float>> bufs(static_cast<size_t>(n));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      bufs[size_t(r)].resize(1001);
+      for (size_t i = 0; i < 1001; ++i) bufs[size_t(r)][i] = float(r + 1) * float(i) + 0.25f;
+      threads.emplace_back([&, r] {
+        for (int rep = 0; rep < 3; ++rep) g.rank(r).all_reduce_sum(bufs[size_t(r)].data(), DType::F32, 1001, nullptr);
+      });
+    }
+    for (auto& t : threads) t.join();
+    // After 3 reductions every element is n^2 * (sum of r+1) ... computed directly:
+    for (size_t i = 0; i < 1001; ++i) {
+      double v = 0;
+      for (int r = 0; r < n; ++r) v += double(r + 1) * double(i) + 0.25;
+      v *= double(n) * double(n);
+      for (int r = 0; r < n; ++r) EXPECT_FLOAT_EQ(bufs[size_t(r)][i], float(v)) << "n=" << n << " i=" << i;
+    }
+    for (int r = 1; r < n; ++r) EXPECT_EQ(bufs[0], bufs[size_t(r)]);  // the same bits on every rank
+  }
+}
+
+TEST(TensorParallel, AbortWakesARankWaitingForAPeer) {
+  HostGroup g(2);
+  std::vector<float> x(8, 1.0f);
+  std::atomic<bool> failed{false};
+  std::thread waiter([&] {
+    try {
+      g.rank(0).all_reduce_sum(x.data(), DType::F32, x.size(), nullptr);  // rank 1 never comes
+    } catch (const Error& e) {
+      failed = std::string(e.what()).find("aborted") != std::string::npos;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  g.rank(1).abort();
+  waiter.join();
+  EXPECT_TRUE(failed);
+  EXPECT_ERROR_CONTAINS(g.rank(1).all_reduce_sum(x.data(), DType::F32, x.size(), nullptr), "aborted");
+}
+
+namespace {
+
+// A rank that all-reduces once per step, or (broken) throws before its all-reduce while its
+// peers wait in theirs.
+class FakeRank final : public ModelRunner {
+ public:
+  FakeRank(Communicator& comm, bool broken) : comm_(comm), broken_(broken) { cfg_.vocab_size = 4; }
+  const ModelConfig& config() const override { return cfg_; }
+  Device device() const override { return Device::Cpu; }
+  size_t num_parameters() const override { return 0; }
+  size_t weight_bytes() const override { return 0; }
+  void allocate_kv(int n, int, int) override { blocks_ = n; }
+  int kv_num_blocks() const override { return blocks_; }
+  size_t kv_bytes() const override { return 0; }
+  void forward(const ForwardBatch&, std::span<float> logits) override {
+    step();
+    std::fill(logits.begin(), logits.end(), x_[0]);
+  }
+  void forward_follower(const ForwardBatch&) override { step(); }
+  void copy_blocks(std::span<const PageCopy>) override {}
+
+ private:
+  void step() {
+    if (broken_) throw Error("rank " + std::to_string(comm_.rank()) + " is broken");
+    x_.assign(4, 1.0f);
+    comm_.all_reduce_sum(x_.data(), DType::F32, x_.size(), nullptr);
+  }
+  Communicator& comm_;
+  bool broken_;
+  ModelConfig cfg_;
+  int blocks_ = 0;
+  std::vector<float> x_;
+};
+
+}  // namespace
+
+TEST(TensorParallel, ARankThatFailsFailsTheGroupInsteadOfHanging) {
+  {  // healthy ranks: every call runs on all three, rank 0 returns the sum
+    HostGroup g(3);
+    std::vector<Communicator*> comms{&g.rank(0), &g.rank(1), &g.rank(2)};
+    TensorParallelRunner tp(comms, [&](int r) { return std::make_unique<FakeRank>(*comms[size_t(r)], false); });
+    EXPECT_EQ(tp.world_size(), 3);
+    tp.allocate_kv(5, 16);
+    EXPECT_EQ(tp.kv_num_blocks(), 5);
+    std::vector<float> logits(4);
+    for (int i = 0; i < 3; ++i) {
+      tp.forward(ForwardBatch{}, logits);
+      EXPECT_EQ(logits[0], 3.0f);
+    }
+  }
+  // Rank 2 throws while ranks 0 and 1 wait for it in an all-reduce: the call fails with its
+  // error (no hang), and every later call says the group failed.
+  HostGroup g(3);
+  std::vector<Communicator*> comms{&g.rank(0), &g.rank(1), &g.rank(2)};
+  TensorParallelRunner tp(comms, [&](int r) { return std::make_unique<FakeRank>(*comms[size_t(r)], r == 2); });
+  std::vector<float> logits(4);
+  EXPECT_ERROR_CONTAINS(tp.forward(ForwardBatch{}, logits), "rank 2 is broken");
+  EXPECT_ERROR_CONTAINS(tp.forward(ForwardBatch{}, logits), "failed earlier (rank 2 is broken)");
+}
+
+TEST(TensorParallel, ALoadErrorOfOneRankIsTheLoadError) {
+  HostGroup g(2);
+  std::vector<Communicator*> comms{&g.rank(0), &g.rank(1)};
+  EXPECT_ERROR_CONTAINS(TensorParallelRunner(comms,
+                                             [&](int r) -> std::unique_ptr<ModelRunner> {
+                                               if (r == 1) throw Error("rank 1 cannot load");
+                                               return std::make_unique<FakeRank>(*comms[0], false);
+                                             }),
+                        "rank 1 cannot load");
+}
+
+TEST(TensorParallel, TheModelsRanksHoldTheirShareOfThePool) {
+  ModelOptions o;
+  o.model_dir = fs::path(KVLM_TEST_DATA) / "golden" / "models" / "llama-gqa";
+  o.tensor_parallel_size = 2;
+  auto e = LoadedModel::load(o);
+  auto* tp = dynamic_cast<TensorParallelRunner*>(&e->model());
+  ASSERT_NE(tp, nullptr);
+  EXPECT_EQ(e->tensor_parallel_size(), 2);
+  EXPECT_EQ(e->rank_plan().bytes_per_token() * 2, e->plan().bytes_per_token());
+  e->model().allocate_kv(8, 16);
+  EXPECT_EQ(e->model().kv_bytes(), 2 * tp->rank(0).kv_bytes());
+  EXPECT_EQ(tp->rank(0).kv_bytes(), size_t(8 * 16) * e->rank_plan().bytes_per_token());
+  // Rank 1 has no LM head (llama-gqa's is untied): it holds fewer weights than rank 0, and
+  // refuses to form logits.
+  EXPECT_LT(tp->rank(1).weight_bytes(), tp->rank(0).weight_bytes());
+  std::vector<float> logits(size_t(e->config().vocab_size));
+  EXPECT_ERROR_CONTAINS(tp->rank(1).forward(ForwardBatch{}, logits), "rank 0");
+}
+
+TEST(TensorParallel, LoadErrorsComeBeforeTheWeights) {
+  ModelOptions o;
+  o.model_dir = fs::path(KVLM_TEST_DATA) / "golden" / "models" / "llama-gqa";
+  o.tensor_parallel_size = 3;
+  EXPECT_ERROR_CONTAINS(LoadedModel::load(o), "--tensor-parallel-size 3 cannot split this model");
+  o.tensor_parallel_size = 0;
+  EXPECT_ERROR_CONTAINS(LoadedModel::load(o), "at least 1");
+}
