@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -51,6 +53,18 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "split every layer over N GPUs (GPUs 0..N-1, or from --device cuda:K on), each holding 1/N of the "
                  "weights and of the KV cache, as vLLM's -tp N (which kvlm also takes); on the CPU, N threads")
       ->capture_default_str();
+  const std::string dist = "Tensor parallelism over several processes or hosts (docs/multi-node.md)";
+  cmd.add_option("--nnodes", nnodes, "processes (nodes) that share the tensor-parallel ranks (default: WORLD_SIZE, else 1)")
+      ->group(dist);
+  cmd.add_option("--node-rank", node_rank, "this process's index among --nnodes; node 0 runs the engine and serves, the "
+                                           "others follow it (default: RANK, else 0)")
+      ->group(dist);
+  cmd.add_option("--distributed-init", distributed_init,
+                 "tcp://HOST:PORT where node 0 listens for the other nodes (default: MASTER_ADDR, MASTER_PORT)")
+      ->group(dist);
+  cmd.add_option("--distributed-timeout", distributed_timeout, "seconds node 0 waits for the other nodes to connect")
+      ->capture_default_str()
+      ->group(dist);
 }
 
 void ModelFlags::add_speculative_to(CLI::App& cmd) {
@@ -130,6 +144,29 @@ ModelOptions ModelFlags::model_options() const {
   o.quantization = quantization;
   o.tensor_parallel_size = tensor_parallel_size;
   if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
+  o.dist = resolve_dist_config(nnodes, node_rank, distributed_init, distributed_timeout);
+  if (o.dist.enabled()) {
+    // torchrun starts a process per GPU and tells each its GPU (LOCAL_RANK).
+    const char* local = std::getenv("LOCAL_RANK");
+    if (local && o.device == Device::Cuda && !device.starts_with("cuda:"))
+      o.gpu = std::atoi(local) * std::max(1, o.tensor_parallel_size / o.dist.nnodes);
+    if (o.dist.node_rank > 0) {
+      int code = 1;
+      try {
+        auto e = LoadedModel::load(o);
+        log::info("node " + std::to_string(o.dist.node_rank) + " of " + std::to_string(o.dist.nnodes) +
+                  ": following node 0");
+        code = e->follow();
+      } catch (const std::exception& ex) {
+        std::fprintf(stderr, "kvlm: error: node %d: %s\n", o.dist.node_rank, ex.what());
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(code);
+    }
+  }
   return o;
 }
 

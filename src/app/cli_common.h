@@ -30,6 +30,10 @@ struct ModelFlags {
   int block_size = 16;
   bool enforce_eager = false;
   int tensor_parallel_size = 1;  // --tensor-parallel-size / -tp
+  int nnodes = 0;                 // --nnodes (0: WORLD_SIZE, else 1)
+  int node_rank = -1;             // --node-rank (-1: RANK, else 0)
+  std::string distributed_init;   // --distributed-init tcp://HOST:PORT (empty: MASTER_ADDR/MASTER_PORT)
+  double distributed_timeout = 600;
   std::string speculative_config;  // JSON; empty: no drafting
 
   void add_to(CLI::App& cmd);
@@ -38,7 +42,10 @@ struct ModelFlags {
   void add_speculative_to(CLI::App& cmd);
   std::filesystem::path model_dir() const;   // resolves the bundled default
   CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
-  ModelOptions model_options() const;      // all of the above, device resolved
+  // All of the above, device resolved. On a follower node of several processes (--node-rank
+  // > 0) it does not return: the process loads its ranks, runs node 0's commands until node 0
+  // stops, and exits (model/distributed.h) — so every command that loads a model follows.
+  ModelOptions model_options() const;
 };
 
 struct ServeFlags;  // commands.h

@@ -152,10 +152,15 @@ class SignalWatcher {
     std::lock_guard lock(mu_);
     return count_;
   }
-  // Waits until `n` signals have arrived.
-  void wait(int n) {
+  // Waits until `n` signals have arrived, or `stop()` says to stop waiting (checked every
+  // 200 ms); returns whether the signals came.
+  bool wait(int n, const std::function<bool()>& stop = nullptr) {
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return count_ >= n; });
+    while (count_ < n) {
+      if (stop && stop()) return false;
+      cv_.wait_for(lock, std::chrono::milliseconds(200));
+    }
+    return true;
   }
 
  private:
@@ -526,12 +531,25 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   http.set_ready(std::move(sm));
   signals.set_loading(false);
   say("ready: serving '" + name + "' on " + url + (so.api_key.empty() ? "" : " (API key required)"));
+  using Clock = std::chrono::steady_clock;
   std::optional<StatsLine> stats_line;
   if (!x.disable_log_stats && log::level() >= log::Level::Warn) stats_line.emplace(*async, x.log_stats_interval);
 
-  signals.wait(1);
+  // Until SIGINT/SIGTERM, or the engine stops on its own (a device error, a tensor-parallel
+  // node that died): then nothing can be served any more, and the process says why and exits 1
+  // (a supervisor restarts it) instead of answering 503 forever.
+  if (!signals.wait(1, [&] { return !async->failure().empty(); })) {
+    const std::string why = async->failure();
+    log::error("the engine failed (" + why + "); stopping the server");
+    http.begin_drain();
+    http.cancel_all("the engine failed: " + why);
+    http.wait_idle(Clock::now() + std::chrono::seconds(5));
+    stats_line.reset();
+    http.stop();
+    async->shutdown(false);
+    return 1;
+  }
   http.begin_drain();
-  using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::milliseconds(int64_t(f.drain_timeout * 1000));
   if (http.in_flight() > 0)
     say("shutting down: letting " + std::to_string(http.in_flight()) + " requests finish (up to " +

@@ -22,6 +22,7 @@ struct AsyncEngine::Impl {
   EngineStats snapshot;
   bool accepting = true;
   bool stopping = false;
+  std::string failure;  // set when a step threw
   bool drain = true;
   std::thread thread;
 
@@ -72,6 +73,7 @@ struct AsyncEngine::Impl {
         // An invariant broke inside the scheduler: nothing can be trusted any more.
         log::error(std::string("serving engine stopped: ") + e.what());
         std::lock_guard lock(mu);
+        failure = e.what();
         accepting = false;
         stopping = true;
         drain = false;
@@ -88,6 +90,11 @@ AsyncEngine::AsyncEngine(LoadedModel& engine, SchedulerConfig cfg) : impl_(std::
 }
 
 AsyncEngine::~AsyncEngine() { shutdown(false); }
+
+std::string AsyncEngine::failure() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->failure;
+}
 
 void AsyncEngine::add_request(EngineRequest req) {
   // The checks that need no engine state run here, so the caller gets the error at once.

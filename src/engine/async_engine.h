@@ -41,6 +41,9 @@ class AsyncEngine {
   // pages before the next step. Unknown or finished ids are ignored.
   void abort(const std::string& id);
   EngineStats stats() const;
+  // Why the engine thread stopped on its own (a step threw: a broken invariant, a device
+  // error, a tensor-parallel node that failed), or empty while it runs.
+  std::string failure() const;
   // Stops accepting requests; drain = let in-flight requests finish, else abort them.
   // Returns when the engine thread has exited.
   void shutdown(bool drain);

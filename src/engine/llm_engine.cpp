@@ -175,6 +175,8 @@ bool LLMEngine::step() {
     }
     scheduler_.drop_finished();
     ++stats_.steps_total;
+    // A runner that cannot run any more (a tensor-parallel node died) stops the engine.
+    if (const std::string b = model_.model().broken(); !b.empty()) throw Error("the model cannot run any more: " + b);
     return true;
   }
   ++stats_.steps_total;

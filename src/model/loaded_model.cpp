@@ -163,52 +163,110 @@ void check_tensor_parallel(const ModelOptions& opts, const ModelConfig& config) 
   const int n = opts.tensor_parallel_size;
   const std::string flag = "--tensor-parallel-size " + std::to_string(n);
   if (n < 1) throw Error("--tensor-parallel-size must be at least 1, got " + std::to_string(n));
+  const int nodes = opts.dist.nnodes;
+  if (nodes > 1 && n % nodes != 0)
+    throw Error(flag + " over --nnodes " + std::to_string(nodes) + ": every node drives the same number of ranks, so "
+                "the size must be a multiple of the nodes");
   if (n == 1) return;
   if (opts.speculative && opts.speculative->method == SpecMethod::DFlash)
     throw Error(flag + ": DFlash drafting runs on one GPU for now; use --tensor-parallel-size 1 with it, or n-gram "
                 "speculation (--speculative-config '{\"method\": \"ngram\", ...}'), which works with every size");
   tp_layout(config, n);  // throws with the sizes that work
+  const int local = n / nodes;
   if (opts.device == Device::Cuda) {
     const int visible = int(cuda_devices().size());
-    if (opts.gpu + n > visible)
-      throw Error(flag + " needs GPUs " + std::to_string(opts.gpu) + ".." + std::to_string(opts.gpu + n - 1) + ", but " +
+    if (opts.gpu + local > visible)
+      throw Error(flag + (nodes > 1 ? " over " + std::to_string(nodes) + " nodes" : std::string()) + " needs GPUs " +
+                  std::to_string(opts.gpu) + ".." + std::to_string(opts.gpu + local - 1) + " on this node, but " +
                   std::to_string(visible) + " CUDA device(s) are visible (check CUDA_VISIBLE_DEVICES); use a size of at "
-                  "most " + std::to_string(std::max(visible - opts.gpu, 1)));
+                  "most " + std::to_string(std::max(visible - opts.gpu, 1) * nodes));
     if (!built_with_nccl())
       throw Error(flag + " on GPUs needs NCCL, and this kvlm was built without it (nccl.h was not found next to the "
                   "CUDA toolkit when it was configured); install NCCL and rebuild, or use --tensor-parallel-size 1");
+  } else if (nodes > 1 && local != 1) {
+    throw Error(flag + " over --nnodes " + std::to_string(nodes) + " on the CPU: CPU nodes run one rank each "
+                "(--tensor-parallel-size equal to --nnodes)");
   }
 }
 
+namespace {
+
+// What every node must agree on, compared when a node joins.
+std::string fingerprint(const ModelOptions& opts, const ModelPlan& mp, const KVPlan& rank_plan) {
+  const ModelConfig& c = mp.config;
+  return std::string(arch_name(c.arch)) + " " + std::to_string(c.num_layers) + "x" + std::to_string(c.hidden_size) +
+         " vocab " + std::to_string(c.vocab_size) + ", " + std::string(dtype_name(mp.dtype)) + " on " +
+         std::string(device_name(opts.device)) + ", --tensor-parallel-size " + std::to_string(opts.tensor_parallel_size) +
+         ", KV " + std::to_string(rank_plan.bytes_per_token()) + " B/token per rank, block size " +
+         std::to_string(opts.cache.block_size);
+}
+
+}  // namespace
+
 void LoadedModel::load_tensor_parallel(const ModelOptions& opts, const Checkpoint& ckpt) {
-  const int n = opts.tensor_parallel_size;
+  const int n = opts.tensor_parallel_size, nodes = opts.dist.nnodes, local = n / nodes;
+  const int first = opts.dist.node_rank * local;
   for (int r = 0; r < n; ++r) rank_plans_.push_back(std::make_unique<KVPlan>(shard_kv_plan(plan_->plan, {r, n})));
   std::vector<int> devices;
-  for (int r = 0; r < n; ++r) devices.push_back(opts.gpu + r);
-  if (opts.device == Device::Cuda) group_ = std::make_unique<NcclGroup>(devices);
-  else group_ = std::make_unique<HostGroup>(n);
+  for (int i = 0; i < local; ++i) devices.push_back(opts.gpu + i);
+  const bool cuda = opts.device == Device::Cuda;
+  if (nodes > 1) {
+    // Every node connects to node 0 before any weight loads: a mismatch or a missing node
+    // fails fast. On GPUs, node 0 hands out NCCL's unique id.
+    const std::string fp = fingerprint(opts, *plan_, *rank_plans_.front());
+    std::vector<uint8_t> id;
+    if (opts.dist.node_rank == 0) {
+      if (cuda) id = NcclGroup::unique_id();
+      dist_leader_ = std::make_unique<DistLeader>(dist_accept(opts.dist, fp, id));
+    } else {
+      dist_follower_ = std::make_unique<DistSocket>(dist_connect(opts.dist, fp, id));
+    }
+    if (cuda) group_ = std::make_unique<NcclGroup>(devices, n, first, id);
+    else group_ = std::make_unique<TcpGroup>(dist_leader_.get(), dist_follower_.get(), first, n);
+  } else if (cuda) {
+    group_ = std::make_unique<NcclGroup>(devices);
+  } else {
+    group_ = std::make_unique<HostGroup>(n);
+  }
   std::vector<Communicator*> comms;
-  for (int r = 0; r < n; ++r) comms.push_back(&group_->local(r));
+  for (int i = 0; i < local; ++i) comms.push_back(&group_->local(i));
   const ModelPlan& mp = *plan_;
-  auto make = [&](int r) -> std::unique_ptr<ModelRunner> {
-    const KVPlan& rp = *rank_plans_[size_t(r)];
-    if (opts.device == Device::Cuda) {
+  auto make = [&](int i) -> std::unique_ptr<ModelRunner> {
+    const KVPlan& rp = *rank_plans_[size_t(first + i)];
+    if (cuda) {
 #ifdef KVLM_WITH_CUDA
       return std::make_unique<CudaModelRunner>(
           mp.config, ckpt, rp, mp.dtype,
-          CudaRunnerOptions{.device = devices[size_t(r)], .cuda_graphs = !opts.enforce_eager, .comm = comms[size_t(r)]});
+          CudaRunnerOptions{.device = devices[size_t(i)], .cuda_graphs = !opts.enforce_eager, .comm = comms[size_t(i)]});
 #endif
     }
     std::vector<const AttentionBackend*> backends;
     for (const auto& l : rp.layers) backends.push_back(&backend_by_name(l.backend));
-    return std::make_unique<CpuModelRunner>(mp.config, ckpt, rp, std::move(backends), nullptr, comms[size_t(r)]);
+    return std::make_unique<CpuModelRunner>(mp.config, ckpt, rp, std::move(backends), nullptr, comms[size_t(i)]);
   };
   // A GGUF checkpoint's tensors are dequantized into memory the loader frees as it goes: one
   // rank at a time there.
-  model_ = std::make_unique<TensorParallelRunner>(comms, make, /*parallel_load=*/!ckpt.embedded_config());
-  log::info("tensor parallelism: " + std::to_string(n) + (opts.device == Device::Cuda ? " GPUs" : " CPU ranks") +
-            ", each holding " + std::to_string((model_->weight_bytes() / size_t(n)) >> 20) + " MiB of weights (about) and " +
-            std::to_string(rank_plans_.front()->bytes_per_token()) + " KV bytes per token");
+  auto runner = std::make_unique<TensorParallelRunner>(comms, make, /*parallel_load=*/!ckpt.embedded_config(), first);
+  if (dist_leader_) {
+    // The follower nodes' failures abort this node's communicators (on GPUs: a watcher thread;
+    // CPU sums travel on the same connections and fail by themselves).
+    dist_commands_ = std::make_unique<DistCommands>(*dist_leader_, comms, /*watch=*/cuda);
+    runner->set_remote(dist_commands_.get());
+  }
+  model_ = std::move(runner);
+  local_ranks_ = local;
+  log::info("tensor parallelism: " + std::to_string(n) + (cuda ? " GPUs" : " CPU ranks") +
+            (nodes > 1 ? " over " + std::to_string(nodes) + " nodes (this is node " + std::to_string(opts.dist.node_rank) + ")"
+                       : std::string()) +
+            ", each holding about " + std::to_string((model_->weight_bytes() / size_t(local)) >> 20) +
+            " MiB of weights and " + std::to_string(rank_plans_.front()->bytes_per_token()) + " KV bytes per token");
+}
+
+int LoadedModel::follow() {
+  KVLM_CHECK(dist_follower_ != nullptr, "follow() on a process that is not a follower node");
+  std::vector<Communicator*> comms;
+  for (int i = 0; i < group_->num_local(); ++i) comms.push_back(&group_->local(i));
+  return dist_follow(*dist_follower_, *model_, comms);
 }
 
 std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
@@ -229,7 +287,7 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
     drafter = DrafterSource{.config = *mp.drafter, .checkpoint = &*dckpt, .prefix = mp.drafter_prefix};
   }
   for (const auto& w : e->plan_->plan.warnings) log::warn(w);
-  if (opts.tensor_parallel_size != 1) {
+  if (opts.tensor_parallel_size != 1 || opts.dist.enabled()) {
     e->load_tensor_parallel(opts, ckpt);
   } else if (opts.device == Device::Cuda) {
 #ifdef KVLM_WITH_CUDA

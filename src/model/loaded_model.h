@@ -15,6 +15,7 @@
 #include "config/speculative_config.h"
 #include "io/checkpoint.h"
 #include "model/communicator.h"
+#include "model/distributed.h"
 #include "model/cpu/cpu_runner.h"
 
 namespace kvlm {
@@ -71,6 +72,9 @@ struct ModelOptions {
   // --tensor-parallel-size: ranks (GPUs gpu, gpu + 1, ...; on the CPU, threads) that each hold
   // a slice of every layer (model/tensor_parallel.h).
   int tensor_parallel_size = 1;
+  // Several processes (model/distributed.h): this process is node dist.node_rank of
+  // dist.nnodes, driving tensor_parallel_size / nnodes ranks.
+  DistConfig dist;
 };
 
 // Checks --tensor-parallel-size against the model and the machine before anything loads:
@@ -92,6 +96,11 @@ class LoadedModel {
   DType dtype() const { return plan_->dtype; }
   int block_size() const { return block_size_; }
   int gpu() const { return gpu_; }  // the CUDA device index (Device::Cuda runners)
+  // The GPUs this process drives: one, or its tensor-parallel ranks' (gpu(), gpu() + 1, ...).
+  int num_local_gpus() const { return local_ranks_; }
+  // Another node of several processes: runs node 0's commands on its ranks until node 0 stops
+  // it (model/distributed.h dist_follow). Returns 0; throws when node 0 goes away.
+  int follow();
   // The drafter the serving engine proposes tokens with (--speculative-config), if any.
   const std::optional<SpeculativeConfig>& speculative() const { return speculative_; }
   // The DFlash drafter loaded next to the model (method dflash), if any.
@@ -109,9 +118,13 @@ class LoadedModel {
 
   std::unique_ptr<ModelPlan> plan_;  // heap: the model and caches point into it
   std::vector<std::unique_ptr<KVPlan>> rank_plans_;  // tensor parallelism: each rank's plan
+  std::unique_ptr<DistLeader> dist_leader_;          // several processes: node 0's connections
+  std::unique_ptr<DistSocket> dist_follower_;        // another node's connection to node 0
   std::unique_ptr<CommGroup> group_;                 // tensor parallelism: the ranks' communicators
+  std::unique_ptr<DistCommands> dist_commands_;      // node 0: the calls it sends to the others
   std::unique_ptr<ModelRunner> model_;               // after what it points into: destroyed first
   int tp_ = 1;
+  int local_ranks_ = 1;
   int block_size_ = 16;
   int gpu_ = 0;
   std::optional<SpeculativeConfig> speculative_;

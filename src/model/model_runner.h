@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
 #include <utility>
 
 #include "attention/backend.h"
@@ -89,6 +90,10 @@ class ModelRunner {
   // step for its share of the K/V and its part in the collectives, and forms no logits (only
   // rank 0 has the LM head). A runner of one rank throws.
   virtual void forward_follower(const ForwardBatch& batch);
+
+  // Why the runner cannot run any more (a tensor-parallel rank or node failed: the ranks' KV
+  // may differ), or empty. The serving engine stops when a failed step leaves it broken.
+  virtual std::string broken() const { return {}; }
 
   // Copies whole pages (every layer, K, V and scales) from src to dst, and the exact page
   // exact_src onto exact_dst where both are given: the copy-on-write of a shared prefix page

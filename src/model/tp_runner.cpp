@@ -4,8 +4,9 @@
 
 namespace kvlm {
 
-TensorParallelRunner::TensorParallelRunner(std::vector<Communicator*> comms, const Make& make, bool parallel_load)
-    : comms_(std::move(comms)) {
+TensorParallelRunner::TensorParallelRunner(std::vector<Communicator*> comms, const Make& make, bool parallel_load,
+                                           int first_rank)
+    : comms_(std::move(comms)), leader_(first_rank == 0) {
   const int world = int(comms_.size());
   KVLM_CHECK(world >= 1, "a tensor-parallel runner needs a rank");
   ranks_.resize(size_t(world));
@@ -97,6 +98,22 @@ void TensorParallelRunner::run(const std::function<void(ModelRunner&)>& first,
   cv_.wait(lock, [&] { return pending_ == 0; });
   job_ = nullptr;
   if (error_) std::rethrow_exception(error_);
+  lock.unlock();
+  remote([&] { remote_->check(); });  // a node that failed during the step fails the step
+}
+
+void TensorParallelRunner::remote(const std::function<void()>& send) {
+  if (!remote_) return;
+  {
+    std::lock_guard lock(mu_);
+    if (error_) std::rethrow_exception(error_);
+  }
+  try {
+    send();
+  } catch (...) {
+    fail(std::current_exception());  // the nodes' pools may differ from here on
+    throw;
+  }
 }
 
 void TensorParallelRunner::each_rank(const std::function<void(int, ModelRunner&)>& f) {
@@ -106,6 +123,18 @@ void TensorParallelRunner::each_rank(const std::function<void(int, ModelRunner&)
     f(r, m);
   };
   run(job, job);
+}
+
+std::string TensorParallelRunner::broken() const {
+  std::lock_guard lock(mu_);
+  if (!error_) return {};
+  try {
+    std::rethrow_exception(error_);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "a rank failed";
+  }
 }
 
 size_t TensorParallelRunner::num_parameters() const {
@@ -127,22 +156,34 @@ size_t TensorParallelRunner::kv_bytes() const {
 }
 
 void TensorParallelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_pages) {
+  remote([&] { remote_->allocate_kv(num_blocks, block_size, num_exact_pages); });
   const auto job = [&](ModelRunner& m) { m.allocate_kv(num_blocks, block_size, num_exact_pages); };
   run(job, job);
 }
 
 void TensorParallelRunner::forward(const ForwardBatch& batch, std::span<float> logits) {
+  KVLM_CHECK(leader_, "forward on another node's ranks (they follow node 0)");
+  remote([&] { remote_->forward(batch); });
   run([&](ModelRunner& m) { m.forward(batch, logits); }, [&](ModelRunner& m) { m.forward_follower(batch); });
 }
 
 void TensorParallelRunner::forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows,
                                            std::span<TokenId> tokens, std::span<float> host_logits) {
+  KVLM_CHECK(leader_, "forward_sampled on another node's ranks (they follow node 0)");
+  remote([&] { remote_->forward(batch); });
   run([&](ModelRunner& m) { m.forward_sampled(batch, rows, tokens, host_logits); },
       [&](ModelRunner& m) { m.forward_follower(batch); });
 }
 
 void TensorParallelRunner::copy_blocks(std::span<const PageCopy> copies) {
+  remote([&] { remote_->copy_blocks(copies); });
   const auto job = [&](ModelRunner& m) { m.copy_blocks(copies); };
+  run(job, job);
+}
+
+void TensorParallelRunner::forward_follower(const ForwardBatch& batch) {
+  KVLM_CHECK(!leader_, "forward_follower on node 0's ranks");
+  const auto job = [&](ModelRunner& m) { m.forward_follower(batch); };
   run(job, job);
 }
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "model/communicator.h"
+#include "model/distributed.h"
 #include "model/model_runner.h"
 
 namespace kvlm {
@@ -33,7 +34,10 @@ class TensorParallelRunner final : public ModelRunner {
   // Builds rank r's runner with make(r) on rank r's thread — all ranks at once when
   // `parallel_load`, else one after another — with `comms[r]` its communicator (which the
   // runner aborts when a rank fails; they must outlive it). Throws the first rank's error.
-  TensorParallelRunner(std::vector<Communicator*> comms, const Make& make, bool parallel_load = true);
+  // `first_rank`: the global rank of this process's first rank (model/distributed.h: another
+  // node's ranks are all followers, and its runner takes forward_follower only).
+  TensorParallelRunner(std::vector<Communicator*> comms, const Make& make, bool parallel_load = true,
+                       int first_rank = 0);
   ~TensorParallelRunner() override;
 
   int world_size() const { return int(ranks_.size()); }
@@ -43,6 +47,9 @@ class TensorParallelRunner final : public ModelRunner {
   // Runs f(r, rank r's runner) on every rank's thread at once and waits (benchmarks: settings
   // per rank, collectives timed alone).
   void each_rank(const std::function<void(int, ModelRunner&)>& f);
+  // Node 0 of several processes: every call is first sent to the other nodes (which must
+  // outlive the runner's use).
+  void set_remote(DistCommands* remote) { remote_ = remote; }
 
   const ModelConfig& config() const override { return ranks_[0]->config(); }
   Device device() const override { return ranks_[0]->device(); }
@@ -57,18 +64,25 @@ class TensorParallelRunner final : public ModelRunner {
   void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
                        std::span<float> host_logits) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
+  // Another node's ranks: every local rank follows.
+  void forward_follower(const ForwardBatch& batch) override;
+  std::string broken() const override;
 
  private:
   // Runs first(rank 0's runner) on this thread and rest(rank r's runner) on every other
   // rank's thread, and waits for all of them.
   void run(const std::function<void(ModelRunner&)>& first, const std::function<void(ModelRunner&)>& rest);
   void worker(int r);
+  // Sends a call to the other nodes (node 0 of several); a failure fails the group.
+  void remote(const std::function<void()>& send);
   void fail(std::exception_ptr e);
 
   std::vector<Communicator*> comms_;
   std::vector<std::unique_ptr<ModelRunner>> ranks_;
+  bool leader_ = true;             // local rank 0 is global rank 0
+  DistCommands* remote_ = nullptr;  // the other nodes, when this is node 0 of several
   std::vector<std::thread> threads_;  // ranks 1..world-1
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   const std::function<void(ModelRunner&)>* job_ = nullptr;
   uint64_t generation_ = 0;

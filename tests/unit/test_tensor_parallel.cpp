@@ -11,6 +11,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "model/communicator.h"
+#include "model/distributed.h"
 #include "model/loaded_model.h"
 #include "model/tensor_parallel.h"
 #include "model/tp_runner.h"
@@ -265,4 +266,64 @@ TEST(TensorParallel, LoadErrorsComeBeforeTheWeights) {
   EXPECT_ERROR_CONTAINS(LoadedModel::load(o), "--tensor-parallel-size 3 cannot split this model");
   o.tensor_parallel_size = 0;
   EXPECT_ERROR_CONTAINS(LoadedModel::load(o), "at least 1");
+}
+
+TEST(TensorParallel, BatchesCrossTheWireIntact) {
+  const std::vector<TokenId> tok{5, 6, 7};
+  const std::vector<Position> pos{10, 11, 0};
+  const std::vector<SlotId> slot{int64_t(1) << 33, 17, -1}, exact{3, -1, 4};
+  const std::vector<BlockId> t0{4, 9}, t1{2}, e0{1, -1}, e1{};
+  const std::vector<AttnSeq> seqs{AttnSeq{.q_begin = 0, .q_len = 2, .kv_len = 12, .block_table = t0, .exact_table = e0},
+                                  AttnSeq{.q_begin = 2, .q_len = 1, .kv_len = 1, .block_table = t1, .exact_table = e1}};
+  const std::vector<int32_t> rows{1, 2};
+  const ForwardBatch b{.tokens = tok, .positions = pos, .slots = slot, .exact_slots = exact, .seqs = seqs, .logit_rows = rows};
+  const std::vector<uint8_t> wire = encode_batch(b);
+  const OwnedBatch o = decode_batch(wire);
+  const ForwardBatch v = o.view();
+  EXPECT_TRUE(std::ranges::equal(v.tokens, tok));
+  EXPECT_TRUE(std::ranges::equal(v.positions, pos));
+  EXPECT_TRUE(std::ranges::equal(v.slots, slot));
+  EXPECT_TRUE(std::ranges::equal(v.exact_slots, exact));
+  EXPECT_TRUE(std::ranges::equal(v.logit_rows, rows));
+  ASSERT_EQ(v.seqs.size(), 2u);
+  EXPECT_EQ(v.seqs[0].kv_len, 12);
+  EXPECT_TRUE(std::ranges::equal(v.seqs[0].block_table, t0));
+  EXPECT_TRUE(std::ranges::equal(v.seqs[0].exact_table, e0));
+  EXPECT_TRUE(std::ranges::equal(v.seqs[1].block_table, t1));
+  // Damaged bytes are refused, never read past.
+  for (size_t cut : {size_t(0), size_t(7), wire.size() / 2, wire.size() - 1})
+    EXPECT_ERROR_CONTAINS(decode_batch(std::span(wire).first(cut)), "malformed tensor-parallel command");
+  std::vector<uint8_t> longer = wire;
+  longer.push_back(0);
+  EXPECT_ERROR_CONTAINS(decode_batch(longer), "trailing bytes");
+}
+
+TEST(TensorParallel, DistributedConfigFromFlagsOrTorchrunVariables) {
+  const DistConfig one = resolve_dist_config(0, -1, "", 600);
+  EXPECT_FALSE(one.enabled());
+  const DistConfig c = resolve_dist_config(2, 1, "tcp://10.0.0.5:29500", 30);
+  EXPECT_EQ(c.nnodes, 2);
+  EXPECT_EQ(c.node_rank, 1);
+  EXPECT_EQ(c.host, "10.0.0.5");
+  EXPECT_EQ(c.port, 29500);
+  EXPECT_EQ(resolve_dist_config(2, 0, "tcp://[::1]:7000", 30).host, "::1");
+  EXPECT_ERROR_CONTAINS(resolve_dist_config(2, 0, "", 30), "needs the leader's address");
+  EXPECT_ERROR_CONTAINS(resolve_dist_config(2, 2, "tcp://h:1", 30), "--node-rank 2 is outside 0..1");
+  EXPECT_ERROR_CONTAINS(resolve_dist_config(2, 0, "h:1", 30), "is not tcp://HOST:PORT");
+  EXPECT_ERROR_CONTAINS(resolve_dist_config(2, 0, "tcp://h:99999", 30), "is not 1..65535");
+  EXPECT_ERROR_CONTAINS(resolve_dist_config(2, 0, "tcp://h:x", 30), "is not a number");
+  EXPECT_ERROR_CONTAINS(resolve_dist_config(2, 0, "tcp://h:1", 0), "--distributed-timeout must be positive");
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "29511", 1);
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  const DistConfig t = resolve_dist_config(0, -1, "", 600);
+  EXPECT_EQ(t.nnodes, 2);
+  EXPECT_EQ(t.node_rank, 1);
+  EXPECT_EQ(t.port, 29511);
+  EXPECT_EQ(resolve_dist_config(0, 0, "tcp://h:5", 600).node_rank, 0);  // flags win
+  unsetenv("MASTER_ADDR");
+  unsetenv("MASTER_PORT");
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
 }

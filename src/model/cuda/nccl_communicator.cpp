@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "core/error.h"
@@ -89,6 +90,36 @@ NcclGroup::NcclGroup(const std::vector<int>& devices) : impl_(std::make_unique<I
             std::to_string(version % 100) + ": " + std::to_string(n) + " ranks in this process");
 }
 
+NcclGroup::NcclGroup(const std::vector<int>& devices, int world, int first_rank, const std::vector<uint8_t>& id)
+    : impl_(std::make_unique<Impl>()) {
+  nvls_off();
+  ncclUniqueId uid;
+  if (id.size() != sizeof uid) throw Error("the NCCL unique id from node 0 has the wrong size (another NCCL version?)");
+  std::memcpy(&uid, id.data(), sizeof uid);
+  const int n = int(devices.size());
+  std::vector<ncclComm_t> comms(size_t(n), nullptr);
+  int prev = 0;
+  cudaGetDevice(&prev);
+  nccl_check(ncclGroupStart(), "group start");
+  for (int i = 0; i < n; ++i) {
+    cudaSetDevice(devices[size_t(i)]);
+    nccl_check(ncclCommInitRank(&comms[size_t(i)], world, uid, first_rank + i), "initialisation (ncclCommInitRank)");
+  }
+  nccl_check(ncclGroupEnd(), "initialisation (ncclCommInitRank)");
+  cudaSetDevice(prev);
+  impl_->world = world;
+  for (int i = 0; i < n; ++i)
+    impl_->ranks.push_back(std::make_unique<NcclRank>(comms[size_t(i)], first_rank + i, world, devices[size_t(i)]));
+}
+
+std::vector<uint8_t> NcclGroup::unique_id() {
+  nvls_off();
+  ncclUniqueId uid;
+  nccl_check(ncclGetUniqueId(&uid), "ncclGetUniqueId");
+  const auto* p = reinterpret_cast<const uint8_t*>(&uid);
+  return std::vector<uint8_t>(p, p + sizeof uid);
+}
+
 #else
 
 bool built_with_nccl() { return false; }
@@ -97,16 +128,28 @@ struct NcclGroup::Impl {
   int world = 0;
 };
 
-NcclGroup::NcclGroup(const std::vector<int>&) {
+namespace {
+[[noreturn]] void no_nccl() {
   throw Error("tensor parallelism on GPUs needs NCCL, and this kvlm was built without it (nccl.h was not found next to "
               "the CUDA toolkit when it was configured); install NCCL and rebuild, or use --tensor-parallel-size 1");
 }
+}  // namespace
+
+NcclGroup::NcclGroup(const std::vector<int>&) { no_nccl(); }
+NcclGroup::NcclGroup(const std::vector<int>&, int, int, const std::vector<uint8_t>&) { no_nccl(); }
+std::vector<uint8_t> NcclGroup::unique_id() { no_nccl(); }
 
 #endif
 
 NcclGroup::~NcclGroup() = default;
 int NcclGroup::world() const { return impl_ ? impl_->world : 0; }
-int NcclGroup::num_local() const { return world(); }
+int NcclGroup::num_local() const {
+#ifdef KVLM_WITH_NCCL
+  return int(impl_->ranks.size());
+#else
+  return 0;
+#endif
+}
 Communicator& NcclGroup::local(int i) {
 #ifdef KVLM_WITH_NCCL
   return *impl_->ranks.at(size_t(i));

@@ -3,6 +3,7 @@
 // captured into CUDA graphs like them. No NCCL or CUDA header here.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -17,6 +18,11 @@ class NcclGroup final : public CommGroup {
  public:
   // One process drives every rank: rank r on CUDA device devices[r]. Throws kvlm::Error.
   explicit NcclGroup(const std::vector<int>& devices);
+  // Several processes (model/distributed.h): this process's ranks first_rank, first_rank + 1,
+  // ... of `world`, on `devices`, joined by NCCL's unique id (unique_id() on node 0, handed to
+  // the others), which NCCL uses to connect the GPUs itself.
+  NcclGroup(const std::vector<int>& devices, int world, int first_rank, const std::vector<uint8_t>& id);
+  static std::vector<uint8_t> unique_id();
   ~NcclGroup() override;
   int world() const override;
   Communicator& local(int i) override;
