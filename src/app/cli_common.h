@@ -97,7 +97,5 @@ std::filesystem::path default_model_dir();
 // Parses "1,2,3" / "1 2 3" into token ids; throws kvlm::Error on anything else.
 std::vector<TokenId> parse_token_ids(std::string_view text);
 
-// One layer of a KV plan as `kvlm inspect --json` writes it (the chat page shows it too).
-nlohmann::json kv_layer_json(const KVLayerSpec& l);
 
 }  // namespace kvlm::app

@@ -205,4 +205,33 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
   return plan;
 }
 
+nlohmann::json kv_layer_json(const KVLayerSpec& l) {
+  nlohmann::json e{{"model", l.attn.model},
+                   {"layer", l.attn.layer},
+                   {"attention", std::string(attention_kind_name(l.attn.kind))},
+                   {"kv_dtype", std::string(dtype_name(l.storage))},
+                   {"quant_mode", std::string(kv_quant_mode_name(l.quant))},
+                   {"dtype_source", std::string(dtype_source_name(l.dtype_source))},
+                   {"scale_source", std::string(scale_source_name(l.scale_source))},
+                   {"rotation", l.rotate ? "hadamard" : "none"},
+                   {"backend", l.backend},
+                   {"num_kv_heads", l.attn.num_kv_heads},
+                   {"head_dim", l.attn.head_dim},
+                   {"bytes_per_token", l.bytes_per_token()},
+                   {"keep_sink", l.keep_sink},
+                   {"keep_recent", l.keep_recent},
+                   {"exact_bytes_per_token", l.exact_bytes_per_token()}};
+  if (l.keeps_exact()) e["exact_dtype"] = std::string(dtype_name(l.exact_storage));
+  if (l.attn.kind == AttentionKind::Sliding) e["window"] = l.attn.window;
+  if (l.scale_source == ScaleSource::CheckpointTensor) {
+    e["k_scale_tensor"] = l.k_scale_name;
+    e["v_scale_tensor"] = l.v_scale_name;
+  }
+  if (l.quant == KVQuantMode::Fp8PerTensor) {
+    e["k_scale"] = l.k_scale;
+    e["v_scale"] = l.v_scale;
+  }
+  return e;
+}
+
 }  // namespace kvlm

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "config/cache_config.h"
 #include "config/model_config.h"
 #include "core/dtype.h"
@@ -111,5 +113,9 @@ struct KVPlan {
 
 KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,
                      const std::optional<CheckpointKVScheme>& scheme, const ScaleLookup& scales);
+
+// One layer of a KV plan as `kvlm inspect --json` writes it (the chat page and the Python
+// package's kvlm.inspect show the same).
+nlohmann::json kv_layer_json(const KVLayerSpec& l);
 
 }  // namespace kvlm
