@@ -24,14 +24,15 @@ ap.add_argument("--chunks", type=int, default=32)
 ap.add_argument("--batch", type=int, default=64, help="sequences decoding at once for the speed column")
 ap.add_argument("--out", default="kv_sweep.json")
 ap.add_argument("--plot", default="")
+ap.add_argument("--replot", default="", help="plot the rows of an earlier --out file instead of measuring")
 args = ap.parse_args()
 
 MODES = ["bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"]
 text = open(args.text, encoding="utf-8").read()
 base = os.path.join(tempfile.mkdtemp(prefix="kv-sweep-"), "bf16.lgp")
-rows = []
-for mode in MODES:
-    llm = LLM(model=args.model, kv_cache_dtype=mode, device=args.device, max_model_len=2048)
+rows = json.load(open(args.replot)) if args.replot else []
+for mode in [] if args.replot else MODES:
+    llm = LLM(model=args.model, kv_cache_dtype=mode, device=args.device, max_model_len=2048, gpu_memory_utilization=0.5)
     plan = kvlm.inspect(args.model, kv_cache_dtype=mode, device=args.device)
     first = mode == "bfloat16"
     ppl = kvlm.perplexity(llm, text, ctx=args.ctx, max_chunks=args.chunks, save_logits=base if first else None,
@@ -50,8 +51,9 @@ for mode in MODES:
            "same_top": ppl.get("same_top", 1.0), "tokens_per_s": gen / dt, "device": llm.info["device"]}
     rows.append(row)
     print(json.dumps(row))
-    del llm
-json.dump(rows, open(args.out, "w"), indent=1)
+    del llm  # frees its KV pool before the next precision's
+if not args.replot:
+    json.dump(rows, open(args.out, "w"), indent=1)
 
 if args.plot:
     import matplotlib

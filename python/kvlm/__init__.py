@@ -104,8 +104,8 @@ class RequestOutput:
 class Tokenizer:
     """The model's tokenizer, as kvlm uses it (Hugging Face tokenizers' ids, jinja2's chat renderings)."""
 
-    def __init__(self, engine: "_core.Engine", info: dict):
-        self._e = engine
+    def __init__(self, directory: str, info: dict):
+        self._e = _core.Tokenizer(directory)  # its own copy: it does not keep the LLM alive
         self.eos_token_id = info["eos_token_ids"][0] if info["eos_token_ids"] else None
         self.vocab_size = info["vocab_size"]
 
@@ -177,7 +177,7 @@ class LLM:
         self._engine = _core.Engine(json.dumps(self._options))
         self._info = json.loads(self._engine.info())
         self._seed = seed
-        self._tokenizer = Tokenizer(self._engine, self._info) if self._engine.has_tokenizer() else None
+        self._tokenizer = Tokenizer(self._engine.tokenizer_dir(), self._info) if self._engine.has_tokenizer() else None
 
     # -- what it is --------------------------------------------------------------------------
     @property

@@ -103,7 +103,8 @@ class Engine {
     const ModelOptions mo = model_options(o);
     model_ = LoadedModel::load(mo);
     const std::string tok = get_or<std::string>(o, "tokenizer", "");
-    text_ = TextProcessor::load_if_usable(tok.empty() ? mo.model_dir : std::filesystem::path(tok));
+    tokenizer_dir_ = tok.empty() ? mo.model_dir.string() : tok;
+    text_ = TextProcessor::load_if_usable(tokenizer_dir_);
     MemoryOptions mem;
     if (o.contains("kv_cache_memory") && !o["kv_cache_memory"].is_null())
       mem.kv_cache_memory = o["kv_cache_memory"].is_string() ? parse_byte_size(o["kv_cache_memory"].get<std::string>())
@@ -120,6 +121,7 @@ class Engine {
                        .max_model_len = plan_.max_model_len,
                        .enable_prefix_caching = get_or<bool>(o, "enable_prefix_caching", true),
                        .num_blocks = plan_.num_blocks};
+    sched_ = sc;
     engine_ = std::make_unique<LLMEngine>(*model_, sc);
     eos_ = model_->config().eos_token_ids;
     if (text_)
@@ -173,16 +175,16 @@ class Engine {
       er.logprobs = logprobs >= 0 ? std::max(logprobs, 1) : 0;
       er.stop_token_ids = stops;
       er.on_output = [stream, i](const RequestOutput& out) { return stream->on_output(i, out); };
-      engine_->check_request(er);
+      eng().check_request(er);
       reqs.push_back(std::move(er));
     }
-    for (auto& r : reqs) engine_->add_request(std::move(r));
+    for (auto& r : reqs) eng().add_request(std::move(r));
     streams_[id] = Live{stream, n};
   }
 
   // One scheduler step (GIL released by the binding); false when there was nothing to do.
-  bool step() { return engine_->step(); }
-  bool has_work() const { return engine_->has_work(); }
+  bool step() { return eng().step(); }
+  bool has_work() const { return eng().has_work(); }
 
   // The events of request `id` since the last poll, as JSON: [{choice, text, tokens,
   // logprobs, finished, finish_reason, stop_reason, error, prompt_tokens, completion_tokens,
@@ -218,27 +220,11 @@ class Engine {
   void abort(const std::string& id) {
     auto it = streams_.find(id);
     if (it == streams_.end()) return;
-    for (int i = 0; i < it->second.n; ++i) engine_->abort(id + "#" + std::to_string(i));
+    for (int i = 0; i < it->second.n; ++i) eng().abort(id + "#" + std::to_string(i));
   }
 
-  // The tokenizer (kvlm.Error without one).
-  const TextProcessor& text() const {
-    if (!text_) throw Error("this model has no tokenizer (tokenizer.json); pass token ids instead of text");
-    return *text_;
-  }
   bool has_tokenizer() const { return text_.has_value(); }
-  std::vector<TokenId> encode(const std::string& s, bool add_special_tokens) const {
-    return add_special_tokens ? text().encode_prompt(s) : text().tokenizer().encode(s, EncodeOptions{.add_special_tokens = false});
-  }
-  std::string decode(const std::vector<TokenId>& ids, bool skip_special_tokens) const {
-    return text().tokenizer().decode(ids, skip_special_tokens, /*skip_unknown=*/true);
-  }
-  std::string render_chat(const std::string& messages_json, bool add_generation_prompt, const std::string& extra_json) const {
-    const auto messages = nlohmann::ordered_json::parse(messages_json);
-    const auto extra = nlohmann::ordered_json::parse(extra_json);
-    if (!messages.is_array()) throw Error("messages must be a list of {\"role\": ..., \"content\": ...} dicts");
-    return text().render_chat(messages, add_generation_prompt, extra);
-  }
+  const std::string& tokenizer_dir() const { return tokenizer_dir_; }
 
   std::string info() const {
     const ModelConfig& c = model_->config();
@@ -262,10 +248,22 @@ class Engine {
   // Perplexity (and KL divergence against a saved run) of `tokens`, as `kvlm eval perplexity`.
   std::string perplexity(const std::vector<TokenId>& tokens, int ctx, int max_chunks, const std::string& save,
                          const std::string& base) {
+    if (!streams_.empty() || eng().has_work())
+      throw Error("perplexity() needs the LLM idle; finish or abort its requests first");
     PerplexityOptions po{.ctx = ctx, .max_chunks = max_chunks};
     if (!save.empty()) po.save_logits = save;
     if (!base.empty()) po.kld_base = base;
-    const PerplexityResult r = eval_perplexity(*model_, tokens, po);
+    // The scoring runs its own engine over the model, which sizes the KV pool for its windows:
+    // this LLM's engine (and its pool) is rebuilt afterwards, also when the scoring fails.
+    engine_.reset();
+    PerplexityResult r;
+    try {
+      r = eval_perplexity(*model_, tokens, po);
+    } catch (...) {
+      engine_ = std::make_unique<LLMEngine>(*model_, sched_);
+      throw;
+    }
+    engine_ = std::make_unique<LLMEngine>(*model_, sched_);
     json j{{"chunks", r.chunks}, {"scored_tokens", r.scored_tokens}, {"ppl", r.ppl}, {"ppl_err", r.ppl_err},
            {"kv_bytes_per_token", model_->plan().bytes_per_token()}};
     if (r.has_base)
@@ -281,14 +279,42 @@ class Engine {
     int n = 1;
   };
   uint64_t next_seed() { return seed_rng_(); }
+  LLMEngine& eng() const {
+    if (!engine_) throw Error("this LLM's engine could not be rebuilt after perplexity(); create a new LLM");
+    return *engine_;
+  }
 
   std::unique_ptr<LoadedModel> model_;
   std::optional<TextProcessor> text_;
+  std::string tokenizer_dir_;
   MemoryPlan plan_;
+  SchedulerConfig sched_;
   std::unique_ptr<LLMEngine> engine_;
   std::vector<TokenId> eos_;
   std::unordered_map<std::string, Live> streams_;
   std::mt19937_64 seed_rng_{std::random_device{}()};
+};
+
+// The tokenizer alone (its own copy: holding it does not keep an engine and its KV pool alive).
+class PyTokenizer {
+ public:
+  explicit PyTokenizer(const std::string& dir) : text_(TextProcessor::load(dir)) {}
+  std::vector<TokenId> encode(const std::string& s, bool add_special_tokens) const {
+    return add_special_tokens ? text_.encode_prompt(s)
+                              : text_.tokenizer().encode(s, EncodeOptions{.add_special_tokens = false});
+  }
+  std::string decode(const std::vector<TokenId>& ids, bool skip_special_tokens) const {
+    return text_.tokenizer().decode(ids, skip_special_tokens, /*skip_unknown=*/true);
+  }
+  std::string render_chat(const std::string& messages_json, bool add_generation_prompt, const std::string& extra_json) const {
+    const auto messages = nlohmann::ordered_json::parse(messages_json);
+    const auto extra = nlohmann::ordered_json::parse(extra_json);
+    if (!messages.is_array()) throw Error("messages must be a list of {\"role\": ..., \"content\": ...} dicts");
+    return text_.render_chat(messages, add_generation_prompt, extra);
+  }
+
+ private:
+  TextProcessor text_;
 };
 
 // `kvlm inspect --json`'s per-layer plan, without loading weights.
@@ -330,6 +356,12 @@ PYBIND11_MODULE(_core, m) {
                                                                                                    : log::Level::Warn);
   });
   m.def("inspect", &kvlm::python::inspect, py::arg("options_json"));
+  using kvlm::python::PyTokenizer;
+  py::class_<PyTokenizer>(m, "Tokenizer")
+      .def(py::init<const std::string&>(), py::arg("dir"))
+      .def("encode", &PyTokenizer::encode, py::arg("text"), py::arg("add_special_tokens") = true)
+      .def("decode", &PyTokenizer::decode, py::arg("ids"), py::arg("skip_special_tokens") = true)
+      .def("render_chat", &PyTokenizer::render_chat);
   py::class_<Engine>(m, "Engine")
       .def(py::init<const std::string&>(), py::arg("options_json"), py::call_guard<py::gil_scoped_release>())
       .def("add", &Engine::add, py::arg("id"), py::arg("prompt"), py::arg("params_json"))
@@ -338,9 +370,7 @@ PYBIND11_MODULE(_core, m) {
       .def("poll", &Engine::poll)
       .def("abort", &Engine::abort)
       .def("has_tokenizer", &Engine::has_tokenizer)
-      .def("encode", &Engine::encode, py::arg("text"), py::arg("add_special_tokens") = true)
-      .def("decode", &Engine::decode, py::arg("ids"), py::arg("skip_special_tokens") = true)
-      .def("render_chat", &Engine::render_chat)
+      .def("tokenizer_dir", &Engine::tokenizer_dir)
       .def("info", &Engine::info)
       .def("perplexity", &Engine::perplexity, py::call_guard<py::gil_scoped_release>());
 }

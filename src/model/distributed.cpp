@@ -53,6 +53,7 @@ struct Writer {
   template <class T>
   void put_span(std::span<const T> s) {
     put<uint64_t>(s.size());
+    if (s.empty()) return;
     const auto* p = reinterpret_cast<const uint8_t*>(s.data());
     out.insert(out.end(), p, p + s.size_bytes());
   }
@@ -74,7 +75,7 @@ struct Reader {
     const uint64_t n = get<uint64_t>();
     if (n > (in.size() - at) / sizeof(T)) throw Error("a malformed tensor-parallel command (array length)");
     std::vector<T> v(static_cast<size_t>(n));
-    std::memcpy(v.data(), in.data() + at, size_t(n) * sizeof(T));
+    if (n > 0) std::memcpy(v.data(), in.data() + at, size_t(n) * sizeof(T));
     at += size_t(n) * sizeof(T);
     return v;
   }
@@ -179,7 +180,7 @@ void DistSocket::send(uint32_t type, const void* data, size_t bytes, const std::
     }
   };
   all(head, sizeof head);
-  all(static_cast<const uint8_t*>(data), bytes);
+  if (bytes > 0) all(static_cast<const uint8_t*>(data), bytes);
 }
 
 DistMessage DistSocket::recv(const std::string& peer) {

@@ -171,6 +171,11 @@ def test_perplexity_and_kld_against_a_saved_run(tmp_path):
     assert r1["base_ppl"] == pytest.approx(r0["ppl"])
     assert 0 < r1["kld_mean"] < 1 and 0.5 < r1["same_top"] <= 1
     assert r1["kv_bytes_per_token"] < r0["kv_bytes_per_token"]
+    # The LLM generates as before afterwards (scoring resized the KV pool under it once).
+    ids = q.generate("Once upon a time", GREEDY)[0].outputs[0].token_ids
+    assert len(ids) == GREEDY.max_tokens
+    assert ids == LLM(model=TINY, kv_cache_dtype="int4_per_token_head", kv_cache_memory="64MiB").generate(
+        "Once upon a time", GREEDY)[0].outputs[0].token_ids
 
 
 def test_tensor_parallel_on_the_cpu_equals_one_rank(llm):
