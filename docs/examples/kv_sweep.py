@@ -35,7 +35,7 @@ for mode in [] if args.replot else MODES:
     llm = LLM(model=args.model, kv_cache_dtype=mode, device=args.device, max_model_len=2048, gpu_memory_utilization=0.5)
     plan = kvlm.inspect(args.model, kv_cache_dtype=mode, device=args.device)
     first = mode == "bfloat16"
-    ppl = kvlm.perplexity(llm, text, ctx=args.ctx, max_chunks=args.chunks, save_logits=base if first else None,
+    ppl = kvlm.eval.perplexity(llm, text, ctx=args.ctx, max_chunks=args.chunks, save_logits=base if first else None,
                           kl_divergence_base=None if first else base)
     # Decode speed: `batch` sequences of a 512-token prompt, 128 new tokens each, greedy.
     tok = llm.get_tokenizer()

@@ -9,7 +9,7 @@ vLLM's offline API, so that a script ports by changing its import::
     print(outs[0].outputs[0].text)
 
 Beyond vLLM: ``kvlm.inspect(model, kv_cache_dtype=...)`` returns the per-layer KV plan (as
-``kvlm inspect --json``), and ``kvlm.perplexity(llm, text, ...)`` measures perplexity and KL
+``kvlm inspect --json``), and ``kvlm.eval.perplexity(llm, text, ...)`` measures perplexity and KL
 divergence against a saved run (as ``kvlm eval perplexity``).
 
 The engine is C++ (``kvlm._core``): continuous batching, prefix caching and the CUDA kernels
@@ -351,11 +351,5 @@ def inspect(model: str, **kwargs: Any) -> List[dict]:
     return json.loads(_core.inspect(json.dumps(_options(model, dict(kwargs)))))
 
 
-def perplexity(llm: LLM, text: str, ctx: int = 512, max_chunks: int = 0, save_logits: Optional[str] = None,
-               kl_divergence_base: Optional[str] = None) -> dict:
-    """Perplexity of `text` in windows of `ctx` tokens (the second half of each scored), and with
-    `kl_divergence_base` (a file an earlier run wrote with `save_logits`, e.g. with a bf16 cache)
-    the KL divergence and top-token agreement against it — ``kvlm eval perplexity``'s figures."""
-    ids = llm.get_tokenizer().encode(text)
-    return json.loads(llm._engine.perplexity(ids, ctx, max_chunks, os.fspath(save_logits or ""),
-                                             os.fspath(kl_divergence_base or "")))
+from . import eval  # noqa: E402  (kvlm.eval.perplexity; it needs LLM above)
+from .eval import perplexity  # noqa: E402

@@ -164,10 +164,10 @@ def test_inspect_returns_the_plan():
 def test_perplexity_and_kld_against_a_saved_run(tmp_path):
     text = (ROOT / "README.md").read_text()[:6000]
     base = LLM(model=TINY, kv_cache_dtype="bfloat16", kv_cache_memory="64MiB")
-    r0 = kvlm.perplexity(base, text, ctx=128, max_chunks=4, save_logits=tmp_path / "base.lgp")
+    r0 = kvlm.eval.perplexity(base, text, ctx=128, max_chunks=4, save_logits=tmp_path / "base.lgp")
     assert r0["ppl"] > 1 and r0["chunks"] == 4
     q = LLM(model=TINY, kv_cache_dtype="int4_per_token_head", kv_cache_memory="64MiB")
-    r1 = kvlm.perplexity(q, text, ctx=128, max_chunks=4, kl_divergence_base=tmp_path / "base.lgp")
+    r1 = kvlm.eval.perplexity(q, text, ctx=128, max_chunks=4, kl_divergence_base=tmp_path / "base.lgp")
     assert r1["base_ppl"] == pytest.approx(r0["ppl"])
     assert 0 < r1["kld_mean"] < 1 and 0.5 < r1["same_top"] <= 1
     assert r1["kv_bytes_per_token"] < r0["kv_bytes_per_token"]
