@@ -148,8 +148,6 @@ def _options(model: str, kwargs: Dict[str, Any]) -> dict:
             continue
         if k == "dtype" and not isinstance(v, str):
             v = str(v).replace("torch.", "")
-        if k == "kv_cache_dtype" and v == "fp8":
-            v = "fp8"
         if k == "tokenizer":
             v = os.fspath(v)
         o[k] = v

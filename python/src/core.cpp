@@ -228,7 +228,6 @@ class Engine {
 
   std::string info() const {
     const ModelConfig& c = model_->config();
-    json layers = json::array();
     return json{{"architecture", std::string(arch_name(c.arch))},
                 {"vocab_size", c.vocab_size},
                 {"max_model_len", plan_.max_model_len},

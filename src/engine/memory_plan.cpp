@@ -111,9 +111,10 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     budget = *opts.kv_cache_memory;
     source = "--kv-cache-memory";
   } else if (engine.model().device() == Device::Cuda) {
-    // The GPU with the least free memory decides (tensor parallelism: every rank's pool is alike).
+    // The GPU with the least free memory decides (tensor parallelism: every rank's pool is
+    // alike); this process's GPUs only (other nodes' ranks run elsewhere).
     auto mem = cuda_memory_info(engine.gpu());
-    for (int r = 1; r < tp && mem; ++r) {
+    for (int r = 1; r < engine.num_local_gpus() && mem; ++r) {
       const auto m = cuda_memory_info(engine.gpu() + r);
       if (!m) mem.reset();
       else if (m->free < mem->free) mem = m;

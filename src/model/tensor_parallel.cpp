@@ -34,7 +34,6 @@ TpLayout tp_layout(const ModelConfig& c, int world) {
     throw Error("--tensor-parallel-size " + std::to_string(world) + " cannot split this model: " + why +
                 " (config.json); sizes that work: " + valid_tp_sizes(c));
   TpLayout t;
-  t.world = world;
   t.q_heads = c.num_heads / world;
   t.kv_heads = c.num_kv_heads >= world ? c.num_kv_heads / world : 1;
   t.kv_replicas = c.num_kv_heads >= world ? 1 : world / c.num_kv_heads;
@@ -57,10 +56,6 @@ UnitRange shard_units(int64_t units, TpRank r) {
   if (units > 0 && r.world % units == 0) return {r.rank / (r.world / units), 1};
   throw Error(std::to_string(units) + " units cannot be split over " + std::to_string(r.world) +
               " tensor-parallel ranks");
-}
-
-int global_kv_head(const ModelConfig& c, TpRank r, int local) {
-  return int(shard_units(c.num_kv_heads, r).begin) + local;
 }
 
 KVPlan shard_kv_plan(const KVPlan& plan, TpRank r) {

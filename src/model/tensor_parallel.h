@@ -35,7 +35,6 @@ struct TpRank {
 
 // What each rank holds of a model.
 struct TpLayout {
-  int world = 1;
   int q_heads = 0;         // query heads per rank
   int kv_heads = 0;        // KV heads per rank
   int kv_replicas = 1;     // ranks that hold each KV head (> 1 when the model has fewer KV heads than ranks)
@@ -66,7 +65,5 @@ struct UnitRange {
 };
 UnitRange shard_units(int64_t units, TpRank r);
 
-// Which KV head of the model rank r's local KV head `local` is.
-int global_kv_head(const ModelConfig& c, TpRank r, int local);
 
 }  // namespace kvlm

@@ -191,18 +191,29 @@ void slice_tensor(const TensorView& v, int dim, int64_t begin, int64_t count, Te
   out = owned;
 }
 
-// Rank tp's slice of piece `v` (quantized as `q`) of spec `s`: rows (Shard::Rows) or columns
-// (Shard::Cols) in whole units of p.shard_units.
-void slice_piece(const Checkpoint& ckpt, const WeightPiece& p, const WeightSpec& s, const TensorView& v,
-                 const PieceQuant& q, TpRank tp, LocalPiece& out) {
+// The part of piece `p` of spec `s` (Shard::Rows or Cols) that rank tp holds: rows (dim 0) or
+// columns (dim 1) [begin, begin + count), in whole units of p.shard_units. Throws naming
+// `name` when the piece does not split over tp.world ranks.
+struct PieceSlice {
+  int dim = 0;
+  int64_t begin = 0, count = 0;
+};
+PieceSlice piece_slice(const WeightPiece& p, const WeightSpec& s, TpRank tp, const std::string& name) {
   const int dim = s.shard == Shard::Rows ? 0 : 1;
   const int64_t size = p.shape[size_t(dim)];
   const int64_t units = p.shard_units > 0 ? p.shard_units : size;
   if (size % units != 0 || (units % tp.world != 0 && tp.world % units != 0))
-    throw Error("tensor " + ckpt.describe(p.name) + ": its " + (dim == 0 ? "rows" : "columns") + " (" +
-                std::to_string(size) + ") cannot be split over --tensor-parallel-size " + std::to_string(tp.world));
+    throw Error("tensor " + name + ": its " + (dim == 0 ? "rows" : "columns") + " (" + std::to_string(size) +
+                ") cannot be split over --tensor-parallel-size " + std::to_string(tp.world));
   const UnitRange u = shard_units(units, tp);
-  const int64_t unit = size / units, begin = u.begin * unit, count = u.count * unit;
+  const int64_t unit = size / units;
+  return {dim, u.begin * unit, u.count * unit};
+}
+
+// Rank tp's slice of piece `v` (quantized as `q`) of spec `s` (piece_slice), scales included.
+void slice_piece(const Checkpoint& ckpt, const WeightPiece& p, const WeightSpec& s, const TensorView& v,
+                 const PieceQuant& q, TpRank tp, LocalPiece& out) {
+  const auto [dim, begin, count] = piece_slice(p, s, tp, ckpt.describe(p.name));
   std::span<const uint8_t> bytes;
   slice_tensor(v, dim, begin, count, out.info, out.bytes, bytes);
   out.view = TensorView{&out.info, bytes};
@@ -240,10 +251,8 @@ WeightSpec local_spec(const WeightSpec& s, TpRank tp) {
   if (tp.world == 1) return l;
   for (WeightPiece& p : l.pieces) {
     if (s.shard == Shard::Rows || s.shard == Shard::Cols) {
-      const size_t dim = s.shard == Shard::Rows ? 0 : 1;
-      const int64_t size = p.shape[dim], units = p.shard_units > 0 ? p.shard_units : size;
-      if (size % units == 0 && (units % tp.world == 0 || tp.world % units == 0))
-        p.shape[dim] = shard_units(units, tp).count * (size / units);
+      const PieceSlice sl = piece_slice(p, s, tp, "'" + p.name + "'");
+      p.shape[size_t(sl.dim)] = sl.count;
     } else if (s.shard == Shard::RankZero && tp.rank != 0) {
       p.shape[0] = 0;
     }

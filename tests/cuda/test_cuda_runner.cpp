@@ -80,6 +80,18 @@ Golden load_golden(const std::string& name) {
   return g;
 }
 
+// The golden run's greedy request: its prompt, as many tokens as transformers generated,
+// prefilled in chunks of 5.
+GenerateRequest greedy_request(const Golden& g) {
+  GenerateRequest req;
+  req.prompt = g.prompt;
+  req.sampling.temperature = 0;
+  req.max_tokens = int(g.greedy.size());
+  req.ignore_eos = true;
+  req.prefill_chunk = 5;
+  return req;
+}
+
 std::vector<std::string> golden_names() {
   std::vector<std::string> out;
   const fs::path dir = golden_dir() / "expected";
@@ -289,12 +301,7 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   EXPECT_LT(s0.max_kld, trained ? 2e-2 : 2e-3);
   EXPECT_EQ(s0.decisions_failed, 0);
 
-  GenerateRequest req;
-  req.prompt = g.prompt;
-  req.sampling.temperature = 0;
-  req.max_tokens = int(g.greedy.size());
-  req.ignore_eos = true;
-  req.prefill_chunk = 5;
+  const GenerateRequest req = greedy_request(g);
   const auto toks = generate(*e, req).tokens;
   ASSERT_EQ(toks.size(), g.greedy.size());
   size_t j = 0;
@@ -384,12 +391,7 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
         }
       }
       if (dt != KVCacheDType::Auto) continue;
-      GenerateRequest req;
-      req.prompt = g.prompt;
-      req.sampling.temperature = 0;
-      req.max_tokens = int(g.greedy.size());
-      req.ignore_eos = true;
-      req.prefill_chunk = 5;
+      const GenerateRequest req = greedy_request(g);
       const auto a = generate(*one, req).tokens, b = generate(*tp, req).tokens;
       size_t j = 0;
       while (j < a.size() && j < b.size() && a[j] == b[j]) ++j;

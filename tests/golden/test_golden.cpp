@@ -60,6 +60,18 @@ Golden load_golden(const std::string& name) {
   return g;
 }
 
+// The golden run's greedy request: its prompt, as many tokens as transformers generated,
+// prefilled in chunks of 5.
+GenerateRequest greedy_request(const Golden& g) {
+  GenerateRequest req;
+  req.prompt = g.prompt;
+  req.sampling.temperature = 0;
+  req.max_tokens = int(g.greedy.size());
+  req.ignore_eos = true;
+  req.prefill_chunk = 5;
+  return req;
+}
+
 std::vector<std::string> golden_names() {
   std::vector<std::string> out;
   for (const auto& e : fs::directory_iterator(kGolden / "expected"))
@@ -189,12 +201,7 @@ TEST_P(Goldens, UnquantizedMatchesTransformers) {
   EXPECT_LT(s.max_abs, 2e-5 * std::max(1.0, scale));
   EXPECT_EQ(s.top1, 1.0);
 
-  GenerateRequest req;
-  req.prompt = g.prompt;
-  req.sampling.temperature = 0;
-  req.max_tokens = int(g.greedy.size());
-  req.ignore_eos = true;
-  req.prefill_chunk = 5;
+  const GenerateRequest req = greedy_request(g);
   EXPECT_EQ(generate(*e, req).tokens, g.greedy);
 }
 
@@ -254,12 +261,7 @@ TEST_P(Goldens, TensorParallelMatchesOneRank) {
         EXPECT_EQ(st.decisions_failed, 0) << kv_cache_dtype_name(dt);
       }
       if (dt == KVCacheDType::Auto) {
-        GenerateRequest req;
-        req.prompt = g.prompt;
-        req.sampling.temperature = 0;
-        req.max_tokens = int(g.greedy.size());
-        req.ignore_eos = true;
-        req.prefill_chunk = 5;
+        const GenerateRequest req = greedy_request(g);
         EXPECT_EQ(generate(*e, req).tokens, g.greedy);
       }
     }
