@@ -295,7 +295,6 @@ int run_throughput(const BenchThroughputFlags& f) {
     std::fflush(stderr);
     reported = true;
   };
-  int max_running = 0;
   for (;;) {
     std::unique_lock lock(mu);
     if (cv.wait_for(lock, std::chrono::milliseconds(5), [&] { return done == n; })) break;
@@ -303,7 +302,6 @@ int run_throughput(const BenchThroughputFlags& f) {
     const int64_t out_tokens = output_tokens;
     lock.unlock();
     const EngineStats st = ae.stats();
-    max_running = std::max(max_running, st.num_running);
     const double t = secs(Clock::now() - t0);
     if (show && t >= next_report) {
       // Tokens of finished requests only: a lower bound while requests run.
@@ -313,7 +311,8 @@ int run_throughput(const BenchThroughputFlags& f) {
   }
   const double elapsed = secs(Clock::now() - t0);
   const EngineStats after = ae.stats();
-  max_running = std::max(max_running, after.num_running);
+  // The warm-ups finished before t0, so the engine's peak is this run's own.
+  const int max_running = after.peak_running;
   if (show && reported) report(after, done, output_tokens, elapsed, true);
   ae.shutdown(true);
   const double t_sched = after.schedule_seconds_total - before.schedule_seconds_total;

@@ -102,6 +102,7 @@ void LLMEngine::add_request(EngineRequest req) {
   s->tokens = s->req.prompt;
   s->num_prompt = int(s->tokens.size());
   s->arrival = Sequence::Clock::now();
+  if (live_.empty()) stats_.peak_running = 0;  // a new busy period
   live_[s->req.id] = s.get();
   ++stats_.requests_total;
   scheduler_.add(std::move(s));
@@ -161,6 +162,7 @@ bool LLMEngine::step() {
   }
   const std::vector<Sequence*> seqs = scheduler_.schedule();
   if (seqs.empty()) return !scheduler_.empty();
+  stats_.peak_running = std::max(stats_.peak_running, scheduler_.num_running());
   batch_.build(seqs, model_.block_size(), model_.model().samples_on_device(), outputs_.has_eos(),
                size_t(model_.config().vocab_size), scheduler_.blocks().exact_map());
   const auto t_forward = Clock::now();

@@ -24,6 +24,9 @@ struct EngineStats {
   // Gauges.
   int num_running = 0;
   int num_waiting = 0;
+  // The most sequences run in one step since the engine last went idle (every request
+  // finished): exact, where sampling num_running from another thread can miss a short run.
+  int peak_running = 0;
   int num_blocks = 0;              // pages in the KV pool
   int num_free_blocks = 0;         // free or evictable (cached but unreferenced)
   double kv_usage = 0;             // fraction of pages referenced by live sequences

@@ -449,6 +449,22 @@ TEST(Scheduler, PrefixCachingOffComputesEverything) {
   EXPECT_EQ(le.stats().prompt_tokens_total, 80u);
 }
 
+// peak_running: the most sequences in one step of a busy period, exact (bench reports it), and
+// a new busy period starts from zero.
+TEST(Scheduler, PeakRunningCountsOneBusyPeriod) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 3, .max_num_batched_tokens = 64, .max_model_len = 128,
+                                   .enable_prefix_caching = false, .num_blocks = 64});
+  for (int i = 0; i < 5; ++i) le.add_request(make("p" + std::to_string(i), {1, 2, TokenId(3 + i)}, 4, out));
+  run_to_end(le);
+  EXPECT_EQ(le.stats().peak_running, 3) << "five requests, at most three at once";
+  EXPECT_EQ(le.stats().num_running, 0);
+  le.add_request(make("alone", {1, 2, 3}, 4, out));
+  run_to_end(le);
+  EXPECT_EQ(le.stats().peak_running, 1) << "the next busy period counts from zero";
+}
+
 TEST(Scheduler, AbortAndStopCallbackFreePages) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   std::map<std::string, Collected> out;
