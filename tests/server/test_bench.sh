@@ -18,6 +18,8 @@ failed=0
 ok() { passed=$((passed + 1)); }
 bad() { failed=$((failed + 1)); echo "FAIL: $*"; }
 json_get() { python3 -c "import json,sys; d=json.load(open('$1')); print(($2))"; }
+# Waits (up to 2 minutes: a loaded 2-core CI machine loads slowly) for a line in a server's log.
+wait_log() { for _ in $(seq 1 2400); do grep -sq "$2" "$1" && return 0; sleep 0.05; done; return 1; }
 
 # --- bench throughput ------------------------------------------------------------------------
 if "$KVLM" bench throughput --model "$model" --num-prompts 40 --input-len 48 --output-len 16 --max-model-len 128 \
@@ -47,12 +49,8 @@ printf '{"prompt": 5}\n' >"$tmp/bad.jsonl"
 # --- bench serve -------------------------------------------------------------------------------
 "$KVLM" serve --model "$model" --port 0 --max-model-len 256 --api-key bench-key >"$tmp/s.out" 2>"$tmp/s.err" &
 server_pid=$!
-port=""
-for _ in $(seq 1 200); do
-  port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/s.err" | grep -o "[0-9]*$")
-  grep -sq "ready: serving" "$tmp/s.err" && break
-  sleep 0.05
-done
+wait_log "$tmp/s.err" "ready: serving"
+port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/s.err" | grep -o "[0-9]*$")
 if [ -z "$port" ] || ! grep -sq "ready: serving" "$tmp/s.err"; then
   bad "kvlm serve did not start: $(cat "$tmp/s.err")"
 else
@@ -120,13 +118,13 @@ sys.exit(0 if r.returncode == 1 and 'cannot listen on 127.0.0.1' in r.stderr and
 [ $? -ne 0 ] && grep -q "an empty API key would let anyone in" "$tmp/err" && ok || bad "serve --api-key '': $(cat "$tmp/err")"
 KVLM_API_KEY= "$KVLM" serve --model "$model" --host 0.0.0.0 --port 0 --max-model-len 256 >/dev/null 2>"$tmp/w.err" &
 server_pid=$!
-for _ in $(seq 1 200); do grep -sq "listening on" "$tmp/w.err" && break; sleep 0.05; done
+wait_log "$tmp/w.err" "listening on"
 kill -INT $server_pid; wait $server_pid 2>/dev/null
 grep -q "serving on 0.0.0.0 without an API key" "$tmp/w.err" && ok || bad "no warning for 0.0.0.0 without a key: $(cat "$tmp/w.err")"
 # The bundled default model (no --model) is kvlm-tiny, which answers arithmetic in chat.
 "$KVLM" serve --port 0 --max-model-len 256 >"$tmp/d.out" 2>"$tmp/d.err" &
 server_pid=$!
-for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/d.err" && break; sleep 0.05; done
+wait_log "$tmp/d.err" "ready: serving"
 port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/d.err" | grep -o "[0-9]*$")
 python3 - "$port" >"$tmp/dm.out" 2>&1 <<'EOF' && ok || bad "serve without --model: $(cat "$tmp/d.err") $(cat "$tmp/dm.out")"
 import json, sys, urllib.request
@@ -201,7 +199,7 @@ server_pid=""
 # before this server truncates it, and hand over the dead server's port.)
 "$KVLM" serve --model "$(dirname "$0")/../../models/stories260K" --port 0 --max-model-len 64 >"$tmp/nt.out" 2>"$tmp/nt.err" &
 server_pid=$!
-for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/nt.err" && break; sleep 0.05; done
+wait_log "$tmp/nt.err" "ready: serving"
 port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/nt.err" | grep -o "[0-9]*$")
 python3 - "$port" >"$tmp/ntm.out" 2>&1 <<'EOF' && ok || bad "serve a model without a tokenizer: $(cat "$tmp/nt.err") $(cat "$tmp/ntm.out")"
 import json, sys, urllib.request, urllib.error
@@ -347,7 +345,7 @@ EOF2
 # --no-enable-prefix-caching: a repeated prompt is computed again.
 "$KVLM" serve --model "$model" --port 0 --max-model-len 256 --no-enable-prefix-caching >"$tmp/n.out" 2>"$tmp/n.err" &
 server_pid=$!
-for _ in $(seq 1 200); do grep -sq "ready: serving" "$tmp/n.err" && break; sleep 0.05; done
+wait_log "$tmp/n.err" "ready: serving"
 port=$(grep -so "listening on http://127.0.0.1:[0-9]*" "$tmp/n.err" | grep -o "[0-9]*$")
 python3 - "$port" >"$tmp/nm.out" 2>&1 <<'EOF' && ok || bad "--no-enable-prefix-caching: $(cat "$tmp/n.err") $(cat "$tmp/nm.out")"
 import json, sys, urllib.request
