@@ -98,6 +98,7 @@ void LLMEngine::check_request(const EngineRequest& req) const {
 void LLMEngine::add_request(EngineRequest req) {
   check_request(req);
   if (live_.count(req.id)) throw Error("request id '" + req.id + "' is already in use");
+  if (req.constraint) req.constraint->prefetch();  // the first mask, while the prompt is prefilled
   auto s = std::make_unique<Sequence>(std::move(req));
   s->tokens = s->req.prompt;
   s->num_prompt = int(s->tokens.size());
@@ -152,6 +153,8 @@ bool LLMEngine::step() {
   aborts_.clear();
   scheduler_.drop_finished();
   if (scheduler_.empty()) return false;
+  draw_deferred(false);
+  if (scheduler_.empty()) return true;
 
   if (proposer_) {
     const auto t_draft = Clock::now();
@@ -161,7 +164,7 @@ bool LLMEngine::step() {
     stats_.schedule_seconds_total -= d;  // counted once, as drafting
   }
   const std::vector<Sequence*> seqs = scheduler_.schedule();
-  if (seqs.empty()) return !scheduler_.empty();
+  if (seqs.empty()) return draw_deferred(true) || !scheduler_.empty();
   stats_.peak_running = std::max(stats_.peak_running, scheduler_.num_running());
   batch_.build(seqs, model_.block_size(), model_.model().samples_on_device(), outputs_.has_eos(),
                size_t(model_.config().vocab_size), scheduler_.blocks().exact_map());
@@ -187,7 +190,11 @@ bool LLMEngine::step() {
 
   outputs_.draw(seqs, batch_);
   stats_.sample_seconds_total += seconds(Clock::now() - t_sample);
-  auto outputs = outputs_.apply(seqs, batch_);
+  deliver_all(outputs_.apply(seqs, batch_));
+  return true;
+}
+
+void LLMEngine::deliver_all(std::vector<std::pair<Sequence*, RequestOutput>> outputs) {
   for (auto& [s, out] : outputs)
     if (out.finished) live_.erase(s->req.id);
   publish();
@@ -206,6 +213,31 @@ bool LLMEngine::step() {
   }
   if (recount) publish();
   scheduler_.drop_finished();
+}
+
+// Constrained sequences whose grammar mask was not ready when their step ended sat it out;
+// their tokens are drawn once the mask is there. `wait`: nothing else can run, so wait for
+// the first of them. Returns whether a token was drawn.
+bool LLMEngine::draw_deferred(bool wait) {
+  using Clock = Sequence::Clock;
+  std::vector<Sequence*> deferred, ready;
+  for (const auto& s : scheduler_.running())
+    if (s->deferred && !s->finished) {
+      deferred.push_back(s.get());
+      if (s->req.constraint->ready()) ready.push_back(s.get());
+    }
+  const auto t0 = Clock::now();
+  if (ready.empty() && wait && !deferred.empty()) {
+    deferred.front()->req.constraint->wait();
+    ready.push_back(deferred.front());
+  }
+  if (ready.empty()) return false;
+  std::vector<std::pair<Sequence*, RequestOutput>> outputs;
+  for (Sequence* s : ready) outputs.emplace_back(s, outputs_.draw_deferred(*s));
+  const double t = seconds(Clock::now() - t0);
+  stats_.sample_seconds_total += t;
+  stats_.schedule_seconds_total -= t;  // inside the step's scheduling time: counted once
+  deliver_all(std::move(outputs));
   return true;
 }
 

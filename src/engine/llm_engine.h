@@ -63,6 +63,10 @@ class LLMEngine {
   void propose();
   void finish(Sequence& s, FinishReason why, const std::string& error = {});
   bool deliver(Sequence& s, RequestOutput& out);
+  // Delivers a step's outputs in order (finishing those whose consumer stops them) and
+  // forgets the finished sequences.
+  void deliver_all(std::vector<std::pair<Sequence*, RequestOutput>> outputs);
+  bool draw_deferred(bool wait);
   void publish();
 
   LoadedModel& model_;

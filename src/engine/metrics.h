@@ -39,6 +39,9 @@ struct EngineStats {
   uint64_t requests_total = 0;              // accepted
   std::map<std::string, uint64_t> requests_finished_total;  // by finish reason
   uint64_t steps_total = 0;
+  // Tokens of constrained requests drawn a step or more late because their grammar mask was
+  // not computed when their step ended (the rest of the batch did not wait for it).
+  uint64_t grammar_deferred_tokens_total = 0;
   // Speculative decoding: drafts verified (one per sequence and step), their tokens, and of
   // those the accepted ones. Mean acceptance length = 1 + accepted / drafts.
   uint64_t spec_drafts_total = 0;

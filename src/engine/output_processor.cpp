@@ -16,6 +16,8 @@ double seconds(std::chrono::steady_clock::duration d) { return std::chrono::dura
 void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) const {
   d.tokens.clear();
   d.logprobs.clear();
+  d.error.clear();
+  d.deferred = false;
   if (s.logit_row < 0) return;
   if (s.wants_prompt_logprobs()) {
     const int k = s.req.prompt_logprobs;
@@ -35,33 +37,14 @@ void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) co
       t = batch.device_token(s, r);
     } else {
       const auto raw = batch.logits(s, r);
-      std::span<const float> row = raw;
-      std::vector<float> masked;
-      if (s.num_output() + i < s.req.min_tokens || !s.req.logit_bias.empty() || s.req.constraint) {
-        d.error = masked_row(s, s.num_output() + i, raw, masked);
-        if (!d.error.empty()) break;
-        row = masked;
+      if (i == 0 && s.req.constraint && may_defer_ && !s.req.constraint->ready()) {
+        // The others in the step need not wait for this mask (constrained rows have no draft).
+        d.deferred = true;
+        s.deferred_row.assign(raw.begin(), raw.end());
+        return;
       }
-      std::span<const TokenId> output = s.output();
-      if (i > 0) {
-        history.assign(output.begin(), output.end());
-        history.insert(history.end(), d.tokens.begin(), d.tokens.end());
-        output = history;
-      }
-      t = s.sampler.sample(row, s.req.sampling, s.prompt(), output);
-      if (s.req.logprobs > 0) d.logprobs.push_back({t, logprob_of(raw, t), top_logprobs(raw, s.req.logprobs)});
-      if (s.req.constraint && stop_reason(s, t) == FinishReason::None) {
-        try {
-          if (!s.req.constraint->accept(t)) {
-            d.error = "the sampled token " + std::to_string(t) + " does not continue the request's grammar";  // a masking bug
-            break;
-          }
-          s.req.constraint->prefetch();  // the next mask, while the next forward pass runs
-        } catch (const Error& e) {
-          d.error = e.what();
-          break;
-        }
-      }
+      t = draw_host(s, raw, i, d, history);
+      if (t < 0) break;
     }
     KVLM_CHECK(t >= 0, "a row that draws a token was not sampled");
     d.tokens.push_back(t);
@@ -69,6 +52,38 @@ void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) co
     // target's token replaces it and the rest of the draft is void.
     if (i >= int(s.draft.size()) || t != s.draft[size_t(i)] || stop_reason(s, t) != FinishReason::None) break;
   }
+}
+
+TokenId OutputProcessor::draw_host(Sequence& s, std::span<const float> raw, int i, Drawn& d,
+                                   std::vector<TokenId>& history) const {
+  std::span<const float> row = raw;
+  std::vector<float> masked;
+  if (s.num_output() + i < s.req.min_tokens || !s.req.logit_bias.empty() || s.req.constraint) {
+    d.error = masked_row(s, s.num_output() + i, raw, masked);
+    if (!d.error.empty()) return -1;
+    row = masked;
+  }
+  std::span<const TokenId> output = s.output();
+  if (i > 0) {
+    history.assign(output.begin(), output.end());
+    history.insert(history.end(), d.tokens.begin(), d.tokens.end());
+    output = history;
+  }
+  const TokenId t = s.sampler.sample(row, s.req.sampling, s.prompt(), output);
+  if (s.req.logprobs > 0) d.logprobs.push_back({t, logprob_of(raw, t), top_logprobs(raw, s.req.logprobs)});
+  if (s.req.constraint && stop_reason(s, t) == FinishReason::None) {
+    try {
+      if (!s.req.constraint->accept(t)) {
+        d.error = "the sampled token " + std::to_string(t) + " does not continue the request's grammar";  // a masking bug
+        return -1;
+      }
+      s.req.constraint->prefetch();  // the next mask, while the next forward pass runs
+    } catch (const Error& e) {
+      d.error = e.what();
+      return -1;
+    }
+  }
+  return t;
 }
 
 std::string OutputProcessor::masked_row(const Sequence& s, int output_index, std::span<const float> raw,
@@ -119,6 +134,7 @@ std::string OutputProcessor::masked_row(const Sequence& s, int output_index, std
 void OutputProcessor::draw(std::span<Sequence* const> seqs, const StepBatch& batch) {
   const int nb = int(seqs.size());
   drawn_.resize(seqs.size());
+  may_defer_ = nb > 1;  // alone in its step, a late mask holds nobody else up
   std::vector<std::exception_ptr> failed(seqs.size());
 #pragma omp parallel for schedule(dynamic, 1) if (nb > 1)
   for (int i = 0; i < nb; ++i) {
@@ -177,25 +193,11 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
       why = FinishReason::Error;
       out.error = std::move(d.error);
       report = true;
+    } else if (d.deferred) {
+      s.deferred = true;  // LLMEngine draws its token once the mask is ready
+      ++stats_.grammar_deferred_tokens_total;
     } else if (s.sample_rows > 0) {
-      for (size_t k = 0; k < d.tokens.size() && why == FinishReason::None; ++k) {
-        const TokenId t = d.tokens[k];
-        s.tokens.push_back(t);
-        out.new_tokens.push_back(t);
-        if (k < d.logprobs.size()) out.new_logprobs.push_back(std::move(d.logprobs[k]));
-        why = stop_reason(s, t);
-        if (why == FinishReason::None && s.req.constraint && s.req.constraint->terminated()) why = FinishReason::Stop;
-        if (why == FinishReason::None && (s.num_output() >= s.req.max_tokens || int(s.tokens.size()) >= max_model_len_))
-          why = FinishReason::Length;
-      }
-      stats_.generation_tokens_total += out.new_tokens.size();
-      if (!s.first_token_sent) {
-        s.first_token_sent = true;
-        stats_.time_to_first_token.observe(seconds(now - s.arrival));
-      } else {
-        stats_.inter_token_latency.observe(seconds(now - s.last_token));
-      }
-      s.last_token = now;
+      why = emit(s, d, out, now);
       report = true;
     } else if (prompt_done && s.req.max_tokens == 0) {
       why = FinishReason::Length;  // scored the prompt; nothing to generate
@@ -217,6 +219,58 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
     if (report) outputs.emplace_back(&s, std::move(out));
   }
   return outputs;
+}
+
+FinishReason OutputProcessor::emit(Sequence& s, Drawn& d, RequestOutput& out, Sequence::Clock::time_point now) {
+  FinishReason why = FinishReason::None;
+  for (size_t k = 0; k < d.tokens.size() && why == FinishReason::None; ++k) {
+    const TokenId t = d.tokens[k];
+    s.tokens.push_back(t);
+    out.new_tokens.push_back(t);
+    if (k < d.logprobs.size()) out.new_logprobs.push_back(std::move(d.logprobs[k]));
+    why = stop_reason(s, t);
+    if (why == FinishReason::None && s.req.constraint && s.req.constraint->terminated()) why = FinishReason::Stop;
+    if (why == FinishReason::None && (s.num_output() >= s.req.max_tokens || int(s.tokens.size()) >= max_model_len_))
+      why = FinishReason::Length;
+  }
+  stats_.generation_tokens_total += out.new_tokens.size();
+  if (!s.first_token_sent) {
+    s.first_token_sent = true;
+    stats_.time_to_first_token.observe(seconds(now - s.arrival));
+  } else {
+    stats_.inter_token_latency.observe(seconds(now - s.last_token));
+  }
+  s.last_token = now;
+  return why;
+}
+
+RequestOutput OutputProcessor::draw_deferred(Sequence& s) {
+  KVLM_CHECK(s.deferred && !s.finished, "draw_deferred: the sequence has no token waiting");
+  const std::vector<float> row = std::move(s.deferred_row);
+  s.deferred_row = {};
+  s.deferred = false;
+  Drawn d;
+  std::vector<TokenId> history;
+  if (const TokenId t = draw_host(s, row, 0, d, history); t >= 0) d.tokens.push_back(t);
+  const auto now = Sequence::Clock::now();
+  RequestOutput out;
+  FinishReason why;
+  if (!d.error.empty()) {
+    why = FinishReason::Error;
+    out.error = std::move(d.error);
+  } else {
+    why = emit(s, d, out, now);
+  }
+  if (s.wants_prompt_logprobs()) {  // the prompt is done: it was sampling
+    out.prompt_logprobs = std::move(s.prompt_lp);
+    s.prompt_lp_sent = true;
+  }
+  if (why != FinishReason::None) {
+    close(s, why, now);
+    out.finished = true;
+    out.finish_reason = why;
+  }
+  return out;
 }
 
 }  // namespace kvlm

@@ -40,18 +40,28 @@ class OutputProcessor {
   // stop conditions. Returns the outputs to deliver; a finished sequence has released its
   // pages and is marked finished.
   std::vector<std::pair<Sequence*, RequestOutput>> apply(std::span<Sequence* const> seqs, const StepBatch& batch);
+  // The token of a deferred sequence (Sequence::deferred), drawn from its saved row now that
+  // its grammar mask is ready, with its stop conditions; the output to deliver.
+  RequestOutput draw_deferred(Sequence& s);
 
  private:
   struct Drawn {
     std::vector<TokenId> tokens;           // accepted draft tokens, then the target's own
     std::vector<TokenLogprobs> logprobs;   // one per token when logprobs > 0
     std::string error;                     // the request fails (its grammar admits no token)
+    bool deferred = false;                 // its grammar mask was not ready: drawn later
   };
   // The logits a host-sampled row draws from: the raw row, or a copy with the logit bias
   // added and the tokens min_tokens or the request's grammar forbid at -inf. Returns an
   // error message when nothing is left to draw.
   std::string masked_row(const Sequence& s, int output_index, std::span<const float> raw, std::vector<float>& out) const;
   void draw_one(Sequence& s, const StepBatch& batch, Drawn& d) const;
+  // Row i's token drawn on the host from `raw` (bias, min_tokens and grammar masking,
+  // penalties, log-probabilities; the grammar advances). -1 with d.error set when the request
+  // must fail. `history`: scratch for the output so far.
+  TokenId draw_host(Sequence& s, std::span<const float> raw, int i, Drawn& d, std::vector<TokenId>& history) const;
+  // Appends d's tokens to s and says why s ends (None: it goes on); counts them.
+  FinishReason emit(Sequence& s, Drawn& d, RequestOutput& out, Sequence::Clock::time_point now);
   FinishReason stop_reason(const Sequence& s, TokenId t) const;
 
   std::vector<TokenId> eos_;
@@ -59,6 +69,7 @@ class OutputProcessor {
   Scheduler& scheduler_;
   EngineStats& stats_;
   std::vector<Drawn> drawn_;  // per sequence of the step
+  bool may_defer_ = false;    // this step has other sequences that need not wait for a mask
 };
 
 }  // namespace kvlm

@@ -154,6 +154,9 @@ void Scheduler::admit_prefix(Sequence& s) {
 void Scheduler::preempt(Sequence& s) {
   release_pages(s);
   s.draft.clear();
+  // A token still to draw is drawn again from the recomputed logits.
+  s.deferred = false;
+  s.deferred_row = {};
   if (!s.prompt_lp_sent) s.prompt_lp.clear();
   ++stats_.preemptions_total;
 }
@@ -192,6 +195,10 @@ std::vector<Sequence*> Scheduler::schedule() {
   bool preempted = false;
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence& s = *running_[i];
+    if (s.deferred) {  // its token waits for its grammar mask: nothing to run yet
+      ++i;
+      continue;
+    }
     int n = take(s);
     bool dropped = false;
     while (!ensure_pages(s, s.num_computed + n)) {

@@ -32,6 +32,11 @@ struct Sequence {
   bool prompt_lp_sent = false;
   Sampler sampler;
   Clock::time_point arrival, last_token;
+  // Structured outputs: the step ended before this sequence's grammar mask was computed (on
+  // another thread), so its token was not drawn; it sits out the steps until the mask is
+  // there (LLMEngine draws it from this row then), and the others do not wait for it.
+  bool deferred = false;
+  std::vector<float> deferred_row;
 
   // --- this step ------------------------------------------------------------------------
   // Speculative tokens proposed after the last token (only while decoding: every token but

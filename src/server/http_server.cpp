@@ -280,10 +280,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       er.prompt_logprobs = gen.echo && gen.logprobs ? *gen.logprobs : -1;
       er.stop_token_ids = engine_stops;
       er.logit_bias = gen.logit_bias;
-      if (compiled) {
-        er.constraint = std::make_shared<grammar::Constraint>(compiled);
-        er.constraint->prefetch();  // the first mask, while the prompt is prefilled
-      }
+      if (compiled) er.constraint = std::make_shared<grammar::Constraint>(compiled);
       er.on_output = [stream, c](const RequestOutput& out) { return stream->on_output(c, out); };
       reqs.push_back(std::move(er));
     }

@@ -93,6 +93,9 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   for (const auto& [reason, n] : by_reason)
     w.sample("kvlm:request_success_total", double(n), "finished_reason=\"" + escape_label(reason) + "\"");
   w.counter("kvlm:engine_steps_total", "Scheduler steps run.", double(s.steps_total));
+  w.counter("kvlm:grammar_deferred_tokens_total",
+            "Structured-output tokens drawn late because their grammar mask was still being computed.",
+            double(s.grammar_deferred_tokens_total));
   w.counter("kvlm:spec_decode_num_drafts_total", "Speculative drafts verified (one per sequence and step).",
             double(s.spec_drafts_total));
   w.counter("kvlm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", double(s.spec_draft_tokens_total));

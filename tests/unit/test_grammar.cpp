@@ -283,6 +283,59 @@ TEST(Grammar, MaskEqualsTryingEveryToken) {
   }
 }
 
+// The mask from per-position masks (accepted whatever lies below + the dependent tokens
+// walked from the real stacks) equals one walk over the whole vocabulary, state for state,
+// on real vocabularies: the bundled model's, and Qwen3's 151k tokens when ../shared is there.
+// The grammars put the same positions under many stacks: nested and recursive values, the
+// same string field at several depths, bounded strings and counts, nullable rules at the end
+// of alternatives, and a position whose rule ends the sentence.
+TEST(Grammar, PositionMasksEqualTheFullWalk) {
+  const fs::path shared = kRepo / ".." / "shared" / "data" / "tokenizers" / "qwen3" / "tokenizer.json";
+  std::vector<fs::path> toks = {kRepo / "models" / "kvlm-tiny" / "tokenizer.json"};
+  if (fs::exists(shared)) toks.push_back(shared);
+  const std::vector<Grammar> grammars = {
+      json_schema_grammar(Json::parse(R"({"type":"object","properties":{
+        "name":{"type":"string","maxLength":6},"n":{"type":"integer","minimum":-20,"maximum":300},
+        "kids":{"type":"array","items":{"$ref":"#"},"maxItems":2},"tag":{"enum":["a b","c\"d",null,7]},
+        "x":{"type":"number"}},"required":["name"]})")),
+      json_object_grammar(),
+      regex_grammar("([a-z]+ ?){1,4}(\\.|!)"),
+      parse_gbnf("root ::= item (\", \" item)* tail\nitem ::= [a-z]* | \"'\" [^']* \"'\"\ntail ::= \"\" | \"!\"\n"),
+  };
+  for (const fs::path& path : toks) {
+    const Tokenizer tok = Tokenizer::load(path);
+    const auto vocab = std::make_shared<const TokenVocab>(tok, tok.vocab_size());
+    const int walks = vocab->size() > 100000 ? 3 : 12, steps = vocab->size() > 100000 ? 24 : 40;
+    std::mt19937 rng(11);
+    for (const Grammar& g : grammars) {
+      auto cg = std::make_shared<const CompiledGrammar>(g, vocab);
+      for (int w = 0; w < walks; ++w) {
+        CompiledGrammar::State st = cg->initial(), next;
+        std::string text;
+        for (int i = 0; i < steps && !CompiledGrammar::terminated(st); ++i) {
+          const auto mask = cg->mask(st);
+          const auto want = cg->full_walk_mask(st);
+          ASSERT_EQ(mask->words, want->words) << path << ": " << g.to_gbnf() << "\nafter '" << text << "'";
+          std::vector<TokenId> allowed;
+          for (TokenId t = 0; t < vocab->size(); ++t)
+            if (mask->test(t)) allowed.push_back(t);
+          if (allowed.empty()) break;
+          // Mostly short tokens (as models write JSON), sometimes any.
+          TokenId t = allowed[rng() % allowed.size()];
+          for (int k = 0; k < 4 && rng() % 3 && vocab->bytes(t).size() > 2; ++k) t = allowed[rng() % allowed.size()];
+          for (char c : vocab->bytes(t)) {
+            cg->step(st, uint8_t(c), next);
+            ASSERT_FALSE(next.dead());
+            std::swap(st, next);
+          }
+          text += vocab->bytes(t);
+        }
+      }
+      EXPECT_GT(cg->num_position_masks(), 0u);
+    }
+  }
+}
+
 TEST(Grammar, IncompleteCharactersNeedAPossibleCompletion) {
   // A lone lead byte is allowed only where some code point it starts may follow: E0 starts
   // U+0800..U+0FFF only (E0 80 80 would be an overlong 0), F0 U+10000 and above.

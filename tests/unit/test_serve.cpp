@@ -1143,3 +1143,77 @@ TEST(StructuredOutputs, ConstrainedBesideUnconstrained) {
   EXPECT_TRUE(out["stuck"].tokens.empty());
   EXPECT_EQ(le.blocks().num_used(), 0) << "pages leaked";
 }
+
+// A constrained request whose grammar mask is late (here on purpose: each mask takes 250 ms)
+// sits out steps instead of holding up the batch: the unconstrained requests beside it finish
+// while it waits, and every output is what it is when masks are instant (the late token is
+// drawn from the same logits with the same generator) — also when a small pool preempts
+// sequences whose token is waiting (it is drawn again from the recomputed logits).
+TEST(StructuredOutputs, LateMasksDoNotHoldUpTheBatch) {
+  const fs::path tiny = fs::path(KVLM_TEST_DATA) / ".." / "models" / "kvlm-tiny";
+  auto e = load(tiny, KVCacheDType::Auto, 8);
+  const Tokenizer tok = Tokenizer::load(tiny / "tokenizer.json");
+  const int vocab = e->config().vocab_size;
+  const auto tv = std::make_shared<const grammar::TokenVocab>(tok, vocab);
+  std::mt19937 rng(5);
+  std::vector<std::vector<TokenId>> plain_prompts;
+  for (int i = 0; i < 2; ++i) plain_prompts.push_back(random_prompt(rng, 12 + 5 * i, vocab));
+  struct Run {
+    std::map<std::string, Collected> out;
+    std::map<std::string, int> finish_step;
+    EngineStats stats;
+  };
+  const auto run = [&](std::chrono::milliseconds delay, int num_blocks) {
+    Run r;
+    // A grammar of its own, so that no mask is cached from the other run.
+    auto regex = std::make_shared<const grammar::CompiledGrammar>(grammar::regex_grammar("[0-9]{2,3}-[a-c]{1,3}"), tv);
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 8, .max_num_batched_tokens = 64, .max_model_len = 64,
+                                     .enable_prefix_caching = false, .num_blocks = num_blocks});
+    int step = 0;
+    const auto track = [&](EngineRequest req) {
+      req.on_output = [&r, &step, id = req.id, inner = req.on_output](const RequestOutput& o) {
+        if (o.finished) r.finish_step[id] = step;
+        return inner(o);
+      };
+      le.add_request(std::move(req));
+    };
+    for (int i = 0; i < 2; ++i) track(make("plain" + std::to_string(i), plain_prompts[size_t(i)], 12, r.out));
+    for (int i = 0; i < 3; ++i) {
+      EngineRequest q = make("code" + std::to_string(i), tok.encode("Code " + std::to_string(i) + ":"), 40, r.out);
+      q.sampling.temperature = 1.0f;
+      q.seed = uint64_t(40 + i);
+      q.ignore_eos = false;
+      q.constraint = std::make_shared<grammar::Constraint>(regex);
+      q.constraint->delay_prefetch_for_testing(delay);
+      track(std::move(q));
+    }
+    for (; le.has_work(); ++step) {
+      EXPECT_LT(step, 10000) << "no progress";
+      if (step >= 10000) break;
+      le.step();
+    }
+    r.stats = le.stats();
+    EXPECT_EQ(le.blocks().num_used(), 0) << "pages leaked";
+    return r;
+  };
+  const Run instant = run(std::chrono::milliseconds(0), 64), late = run(std::chrono::milliseconds(250), 64),
+            squeezed = run(std::chrono::milliseconds(250), 8);
+  for (const Run* other : {&late, &squeezed})
+    for (const auto& [id, c] : instant.out) {
+      EXPECT_EQ(other->out.at(id).tokens, c.tokens) << id;
+      EXPECT_EQ(other->out.at(id).reason, c.reason) << id;
+      EXPECT_EQ(other->out.at(id).finishes, 1) << id;
+    }
+  EXPECT_GT(squeezed.stats.preemptions_total, 0u);
+  for (int i = 0; i < 3; ++i) {
+    const Collected& c = instant.out.at("code" + std::to_string(i));
+    std::string text;
+    for (TokenId t : c.tokens) text += tok.token_bytes(t);
+    EXPECT_TRUE(std::regex_match(text, std::regex("[0-9]{2,3}-[a-c]{1,3}"))) << text;
+    EXPECT_EQ(c.reason, FinishReason::Stop) << text;
+  }
+  EXPECT_GT(late.stats.grammar_deferred_tokens_total, 0u);
+  const int plain_done = std::max(late.finish_step.at("plain0"), late.finish_step.at("plain1"));
+  for (int i = 0; i < 3; ++i)
+    EXPECT_LT(plain_done, late.finish_step.at("code" + std::to_string(i))) << "the plain requests waited for a mask";
+}

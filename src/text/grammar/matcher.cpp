@@ -1,7 +1,9 @@
 #include "text/grammar/matcher.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
+#include <bitset>
 #include <numeric>
 #include <thread>
 
@@ -18,8 +20,39 @@ namespace {
 // A state whose stacks outnumber this is an ambiguous grammar blowing up (e.g. (a|a)*
 // nested): the request fails rather than the engine thread stalling on it.
 constexpr size_t kMaxStacks = 4096;
-// Masks kept per grammar; at the limit the cache starts over.
+// Masks kept per grammar (by state, and by position); at a limit that cache starts over.
 constexpr size_t kMaxCachedMasks = 4096;
+constexpr size_t kMaxCachedMaskBytes = size_t(16) << 20;
+constexpr size_t kMaxPositionMaskBytes = size_t(32) << 20;
+
+// The bytes that may start the UTF-8 encoding of a code point in [lo, hi].
+void add_lead_bytes(std::bitset<256>& out, uint32_t lo, uint32_t hi) {
+  struct Band {
+    uint32_t lo, hi, shift, tag;
+  };
+  static constexpr Band kBands[] = {{0, 0x7F, 0, 0}, {0x80, 0x7FF, 6, 0xC0}, {0x800, 0xFFFF, 12, 0xE0}, {0x10000, 0x10FFFF, 18, 0xF0}};
+  for (const Band& b : kBands) {
+    const uint32_t a = std::max(lo, b.lo), z = std::min(hi, b.hi);
+    for (uint32_t x = a >> b.shift; a <= z && x <= z >> b.shift; ++x) out.set(b.tag | x);
+  }
+}
+
+// Items of a walk: indices into the sorted vocabulary with the common prefix of each with
+// the previous item.
+struct RangeItems {
+  const std::vector<uint32_t>& lcp;
+  size_t begin, end;
+  size_t size() const { return end - begin; }
+  size_t index(size_t k) const { return begin + k; }
+  uint32_t prefix(size_t k) const { return k ? lcp[begin + k] : 0; }
+};
+struct ListItems {
+  const std::vector<uint32_t>& indices;
+  const std::vector<uint32_t>& lcp;
+  size_t size() const { return indices.size(); }
+  size_t index(size_t k) const { return indices[k]; }
+  uint32_t prefix(size_t k) const { return lcp[k]; }
+};
 }  // namespace
 
 // ---- vocabulary -------------------------------------------------------------------------
@@ -57,7 +90,8 @@ int TokenMask::count() const {
 
 // ---- compiled grammar -------------------------------------------------------------------
 
-CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocab> vocab) : vocab_(std::move(vocab)) {
+CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocab> vocab, bool position_masks)
+    : vocab_(std::move(vocab)), position_masks_(position_masks) {
   g.validate();
   alt_starts_.resize(g.num_rules());
   for (uint32_t r = 0; r < g.num_rules(); ++r)
@@ -75,7 +109,75 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
       }
       flat_.push_back({kEnd, 0});
     }
+  rule_of_.resize(flat_.size());
+  for (uint32_t r = 0; r < g.num_rules(); ++r)
+    for (uint32_t start : alt_starts_[r])
+      for (uint32_t p = start;; ++p) {
+        rule_of_[p] = r;
+        if (flat_[p].kind == kEnd) break;
+      }
   root_ = g.root();
+  compute_follow(g);
+}
+
+// FOLLOW sets as in LL parsing, over lead bytes: first_[r] the bytes a sentence of r may
+// start with (nullable: r may be empty), follow_[r] the bytes that may come right after r
+// ends, anywhere in the grammar. A superset is safe (a token is only walked more often).
+void CompiledGrammar::compute_follow(const Grammar& g) {
+  const size_t nr = g.num_rules();
+  std::vector<std::bitset<256>> lead(classes_.size()), first(nr);
+  for (size_t c = 0; c < classes_.size(); ++c) {
+    const Class& k = classes_[c];
+    if (!k.negated) {
+      for (const CharRange& r : k.ranges) add_lead_bytes(lead[c], r.lo, r.hi);
+      continue;
+    }
+    uint32_t next = 0;  // the complement of the sorted ranges
+    for (const CharRange& r : k.ranges) {
+      if (r.lo > next) add_lead_bytes(lead[c], next, r.lo - 1);
+      next = std::max(next, r.hi + 1);
+    }
+    if (next <= 0x10FFFF) add_lead_bytes(lead[c], next, 0x10FFFF);
+  }
+  std::vector<char> nullable(nr, 0);
+  // The bytes a sentence of flat_[p..] (to its alternative's end) may start with; returns
+  // whether it may be empty.
+  const auto seq_first = [&](uint32_t p, std::bitset<256>& f) {
+    for (; flat_[p].kind != kEnd; ++p) {
+      if (flat_[p].kind == kChars) {
+        f |= lead[flat_[p].arg];
+        return false;
+      }
+      f |= first[flat_[p].arg];
+      if (!nullable[flat_[p].arg]) return false;
+    }
+    return true;
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (uint32_t r = 0; r < nr; ++r)
+      for (uint32_t start : alt_starts_[r]) {
+        std::bitset<256> f;
+        const bool n = seq_first(start, f);
+        if ((first[r] | f) != first[r]) first[r] |= f, changed = true;
+        if (n && !nullable[r]) nullable[r] = 1, changed = true;
+      }
+  }
+  follow_.assign(nr, {});
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (uint32_t b = 0; b < nr; ++b)
+      for (uint32_t start : alt_starts_[b])
+        for (uint32_t p = start; flat_[p].kind != kEnd; ++p) {
+          if (flat_[p].kind != kRef) continue;
+          // After this reference: the rest of the alternative, and what follows b where the
+          // rest may be empty.
+          std::bitset<256> f;
+          if (seq_first(p + 1, f)) f |= follow_[b];
+          const uint32_t a = flat_[p].arg;
+          if ((follow_[a] | f) != follow_[a]) follow_[a] |= f, changed = true;
+        }
+  }
 }
 
 bool CompiledGrammar::matches(uint32_t cls, uint32_t cp) const {
@@ -290,6 +392,16 @@ bool CompiledGrammar::cached(const State& s) const {
   return cache_.count(k) > 0;
 }
 
+size_t CompiledGrammar::num_position_masks() const {
+  std::lock_guard lock(mu_);
+  return positions_.size();
+}
+
+size_t CompiledGrammar::cached_bytes() const {
+  std::lock_guard lock(mu_);
+  return cache_bytes_ + position_bytes_;
+}
+
 std::shared_ptr<const TokenMask> CompiledGrammar::mask(const State& s) const {
   std::string k = key(s);
   {
@@ -297,33 +409,41 @@ std::shared_ptr<const TokenMask> CompiledGrammar::mask(const State& s) const {
     if (auto it = cache_.find(k); it != cache_.end()) return it->second;
   }
   std::shared_ptr<const TokenMask> m = compute_mask(s);
+  const size_t bytes = 8 * m->words.size();
   std::lock_guard lock(mu_);
-  if (cache_.size() >= kMaxCachedMasks) cache_.clear();
-  cache_.emplace(std::move(k), m);
+  if (cache_.size() >= kMaxCachedMasks || cache_bytes_ + bytes > kMaxCachedMaskBytes) {
+    cache_.clear();
+    cache_bytes_ = 0;
+  }
+  if (cache_.emplace(std::move(k), m).second) cache_bytes_ += bytes;
   return m;
 }
 
-std::shared_ptr<TokenMask> CompiledGrammar::compute_mask(const State& s) const {
-  auto m = std::make_shared<TokenMask>();
-  const TokenVocab& v = *vocab_;
-  m->words.assign((size_t(v.size()) + 63) / 64, 0);
-  if (s.dead()) return m;
+int CompiledGrammar::walk_chunks() const {
   // The sorted vocabulary in chunks walked in parallel (each from the state itself; a chunk
   // sets bits in its own copy, merged after) where the machine has cores to spare: a few
   // threads, so that a CPU forward pass running beside it is not starved.
-  const size_t n = v.order_.size();
   int chunks = 1;
 #ifdef _OPENMP
   if (!omp_in_parallel() && std::thread::hardware_concurrency() >= 8) chunks = std::clamp(omp_get_max_threads(), 1, 4);
 #endif
-  if (n < 4096) chunks = 1;
+  return vocab_->order_.size() < 4096 ? 1 : chunks;
+}
+
+std::shared_ptr<TokenMask> CompiledGrammar::full_walk_mask(const State& s) const {
+  auto m = std::make_shared<TokenMask>();
+  const TokenVocab& v = *vocab_;
+  m->words.assign((size_t(v.size()) + 63) / 64, 0);
+  if (s.dead()) return m;
+  const size_t n = v.order_.size();
+  const int chunks = walk_chunks();
   std::vector<std::vector<uint64_t>> words(static_cast<size_t>(chunks));
   std::exception_ptr failed;
 #pragma omp parallel for schedule(static, 1) num_threads(chunks) if (chunks > 1)
   for (int c = 0; c < chunks; ++c) {
     try {
       words[size_t(c)].assign(m->words.size(), 0);
-      walk(s, n * size_t(c) / size_t(chunks), n * size_t(c + 1) / size_t(chunks), words[size_t(c)]);
+      walk(s, RangeItems{v.lcp_, n * size_t(c) / size_t(chunks), n * size_t(c + 1) / size_t(chunks)}, words[size_t(c)]);
     } catch (...) {
 #pragma omp critical(kvlm_grammar_mask)
       failed = std::current_exception();
@@ -335,24 +455,177 @@ std::shared_ptr<TokenMask> CompiledGrammar::compute_mask(const State& s) const {
   return m;
 }
 
-void CompiledGrammar::walk(const State& s, size_t begin, size_t end, std::vector<uint64_t>& words) const {
+std::shared_ptr<TokenMask> CompiledGrammar::compute_mask(const State& s) const {
+  // Inside a character (after a token that split one) the split does not apply: rare.
+  if (s.dead() || s.need || !position_masks_) return full_walk_mask(s);
+  auto m = std::make_shared<TokenMask>();
+  m->words.assign((size_t(vocab_->size()) + 63) / 64, 0);
+  // The stacks grouped by their tops: the top's mask, then its dependent tokens walked from
+  // the group's stacks. A stack that is its top alone has nothing below: a dependent token
+  // (which ends the top's rule and goes on) cannot continue it.
+  struct Top {
+    size_t stack, size;
+  };
+  std::vector<Top> tops;
+  for (size_t i = 0; i < s.num_stacks(); ++i)
+    if (s.size_of(i) > 0) tops.push_back({i, top_size(s, i)});
+  const auto top_of = [&](const Top& t) { return s.data.data() + s.ends[t.stack] - t.size; };
+  const auto less = [&](const Top& a, const Top& b) {
+    return std::lexicographical_compare(top_of(a), top_of(a) + a.size, top_of(b), top_of(b) + b.size);
+  };
+  std::sort(tops.begin(), tops.end(), less);
+  State group;
+  for (size_t k = 0; k < tops.size();) {
+    const Top& first = tops[k];
+    const std::shared_ptr<const PositionMask> pm = position_mask(top_of(first), first.size);
+    if (pm->bits.empty()) {
+      for (TokenId id : pm->ids) m->words[size_t(id) >> 6] |= uint64_t(1) << (id & 63);
+    } else {
+      for (size_t w = 0; w < pm->bits.size(); ++w) m->words[w] |= pm->bits[w];
+    }
+    group.clear();
+    for (; k < tops.size() && !less(first, tops[k]); ++k) {
+      const size_t i = tops[k].stack;
+      if (s.size_of(i) > tops[k].size) {
+        group.data.insert(group.data.end(), s.data.begin() + long(s.begin_of(i)), s.data.begin() + long(s.ends[i]));
+        group.ends.push_back(uint32_t(group.data.size()));
+      }
+    }
+    if (!group.dead() && !pm->dependent.empty()) walk(group, ListItems{pm->dependent, pm->dependent_lcp}, m->words);
+  }
+  return m;
+}
+
+size_t CompiledGrammar::top_size(const State& s, size_t i) const {
+  // Down from the top position while what may follow the bottom entry's rule starts with
+  // many different bytes (each of them would make tokens dependent), up to a few entries.
+  constexpr size_t kNarrowFollow = 16, kMaxTop = 4;
+  const size_t n = s.size_of(i);
+  size_t k = 1;
+  while (k < n && k < kMaxTop && follow_[rule_of_[s.data[s.ends[i] - k]]].count() > kNarrowFollow) ++k;
+  return k;
+}
+
+std::shared_ptr<const CompiledGrammar::PositionMask> CompiledGrammar::position_mask(const uint32_t* top, size_t size) const {
+  std::string k(reinterpret_cast<const char*>(top), size * sizeof(uint32_t));
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = positions_.find(k); it != positions_.end()) return it->second;
+  }
+  std::shared_ptr<const PositionMask> pm = compute_position_mask(Stack(top, top + size));
+  std::lock_guard lock(mu_);
+  if (auto it = positions_.find(k); it != positions_.end()) return it->second;  // computed meanwhile
+  if (position_bytes_ + pm->bytes() > kMaxPositionMaskBytes) {
+    positions_.clear();
+    position_bytes_ = 0;
+  }
+  positions_.emplace(std::move(k), pm);
+  position_bytes_ += pm->bytes();
+  return pm;
+}
+
+std::shared_ptr<const CompiledGrammar::PositionMask> CompiledGrammar::compute_position_mask(const Stack& top) const {
   const TokenVocab& v = *vocab_;
-  // states[d]: the state after the first d bytes of the current token; valid for d <= alive.
-  std::vector<State> states(1, s);
-  size_t alive = 0;  // states[0..alive] hold for the current token's prefix
-  for (size_t i = begin; i < end; ++i) {
-    const TokenId id = v.order_[i];
+  const size_t n = v.order_.size(), num_words = (size_t(v.size()) + 63) / 64;
+  const int chunks = walk_chunks();
+  std::vector<std::vector<uint64_t>> words(static_cast<size_t>(chunks));
+  std::vector<std::vector<uint32_t>> dependent(static_cast<size_t>(chunks));
+  std::exception_ptr failed;
+#pragma omp parallel for schedule(static, 1) num_threads(chunks) if (chunks > 1)
+  for (int c = 0; c < chunks; ++c) {
+    try {
+      words[size_t(c)].assign(num_words, 0);
+      classify(top, n * size_t(c) / size_t(chunks), n * size_t(c + 1) / size_t(chunks), words[size_t(c)], dependent[size_t(c)]);
+    } catch (...) {
+#pragma omp critical(kvlm_grammar_mask)
+      failed = std::current_exception();
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+  auto pm = std::make_shared<PositionMask>();
+  std::vector<uint64_t> accepted(num_words, 0);
+  for (const auto& w : words)
+    for (size_t i = 0; i < num_words; ++i) accepted[i] |= w[i];
+  size_t count = 0;
+  for (uint64_t w : accepted) count += size_t(std::popcount(w));
+  if (4 * count < 8 * num_words) {  // the ids take less memory than the bits
+    pm->ids.reserve(count);
+    for (size_t i = 0; i < num_words; ++i)
+      for (uint64_t w = accepted[i]; w; w &= w - 1) pm->ids.push_back(TokenId(64 * i + size_t(std::countr_zero(w))));
+  } else {
+    pm->bits = std::move(accepted);
+  }
+  for (const auto& d : dependent) pm->dependent.insert(pm->dependent.end(), d.begin(), d.end());
+  // Common prefix of consecutive dependent tokens: the least of the sorted vocabulary's
+  // neighbour prefixes between them.
+  pm->dependent_lcp.resize(pm->dependent.size());
+  for (size_t k = 0; k < pm->dependent.size(); ++k) {
+    uint32_t l = 0;
+    if (k) {
+      l = UINT32_MAX;
+      for (size_t i = pm->dependent[k - 1] + 1; i <= pm->dependent[k]; ++i) l = std::min(l, v.lcp_[i]);
+    }
+    pm->dependent_lcp[k] = l;
+  }
+  return pm;
+}
+
+// A walk steps the same few states over and over (a string's interior is one state; a
+// counted string one per count), byte after byte down the sorted vocabulary. Interned, with
+// each state's transitions memoized, most of its ~10^5 steps are a table lookup instead of
+// a step over stacks.
+struct CompiledGrammar::Dfa {
+  static constexpr uint32_t kDead = UINT32_MAX, kUnknown = UINT32_MAX - 1;
+  // States with a transition table (1 KiB each); later ones are interned but stepped anew.
+  static constexpr size_t kMaxTables = 4096;
+
+  const CompiledGrammar& g;
+  std::vector<State> states;
+  std::vector<uint8_t> accepting;
+  std::vector<std::array<uint32_t, 256>> next;
+  std::unordered_map<std::string, uint32_t> ids;
+  State scratch;
+
+  Dfa(const CompiledGrammar& grammar, const State& start) : g(grammar) { add(start); }
+  uint32_t add(const State& s) {
+    const auto [it, fresh] = ids.emplace(key(s), uint32_t(states.size()));
+    if (fresh) {
+      states.push_back(s);
+      accepting.push_back(CompiledGrammar::accepting(s));
+      if (next.size() < kMaxTables) next.emplace_back().fill(kUnknown);
+    }
+    return it->second;
+  }
+  uint32_t step(uint32_t id, uint8_t b) {
+    if (id < next.size() && next[id][b] != kUnknown) return next[id][b];
+    g.step(states[id], b, scratch);
+    const uint32_t to = scratch.dead() ? kDead : add(scratch);
+    if (id < next.size()) next[id][b] = to;
+    return to;
+  }
+};
+
+template <class Items>
+void CompiledGrammar::walk(const State& s, const Items& items, std::vector<uint64_t>& words) const {
+  const TokenVocab& v = *vocab_;
+  Dfa dfa(*this, s);
+  // path[d]: the state after the first d bytes of the current token; valid for d <= alive.
+  std::vector<uint32_t> path(1, 0);
+  size_t alive = 0;
+  const size_t n = items.size();
+  for (size_t k = 0; k < n; ++k) {
+    const TokenId id = v.order_[items.index(k)];
     const std::string& b = v.bytes_[size_t(id)];
-    size_t d = std::min<size_t>(i == begin ? 0 : v.lcp_[i], alive);
+    size_t d = std::min<size_t>(items.prefix(k), alive);
     bool dead = false;
-    while (d < b.size()) {
-      if (states.size() < d + 2) states.resize(d + 2);
-      step(states[d], uint8_t(b[d]), states[d + 1]);
-      if (states[d + 1].dead()) {
+    if (path.size() < b.size() + 1) path.resize(b.size() + 1);
+    for (; d < b.size(); ++d) {
+      const uint32_t to = dfa.step(path[d], uint8_t(b[d]));
+      if (to == Dfa::kDead) {
         dead = true;
         break;
       }
-      ++d;
+      path[d + 1] = to;
     }
     alive = d;
     if (!dead) {
@@ -360,7 +633,55 @@ void CompiledGrammar::walk(const State& s, size_t begin, size_t end, std::vector
       continue;
     }
     // Every following token that shares the dead prefix b[0..d] is dead too.
-    while (i + 1 < end && v.lcp_[i + 1] > d) ++i;
+    while (k + 1 < n && items.prefix(k + 1) > d) ++k;
+  }
+}
+
+void CompiledGrammar::classify(const Stack& top, size_t begin, size_t end, std::vector<uint64_t>& words,
+                               std::vector<uint32_t>& dependent) const {
+  const TokenVocab& v = *vocab_;
+  const std::bitset<256>& follow = follow_[rule_of_[top.front()]];
+  State s0;
+  s0.push(top);
+  // As walk(), from {top}. A stack of it that empties has finished the rule of the top's
+  // bottom entry; in a real state the stack below goes on from there, which this walk cannot
+  // see. dep[d]: the token's first d bytes passed such a point where the next byte may start
+  // what follows that rule — a token that dies here may live in some real state.
+  Dfa dfa(*this, s0);
+  std::vector<uint32_t> path(1, 0);
+  std::vector<uint8_t> dep(1, 0);
+  size_t alive = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const TokenId id = v.order_[i];
+    const std::string& b = v.bytes_[size_t(id)];
+    size_t d = std::min<size_t>(i == begin ? 0 : v.lcp_[i], alive);
+    bool dead = false;
+    if (path.size() < b.size() + 1) {
+      path.resize(b.size() + 1);
+      dep.resize(b.size() + 1);
+    }
+    for (; d < b.size(); ++d) {
+      const uint8_t c = uint8_t(b[d]);
+      dep[d + 1] = dep[d] || (dfa.accepting[path[d]] && follow[c]);
+      const uint32_t to = dfa.step(path[d], c);
+      if (to == Dfa::kDead) {
+        dead = true;
+        break;
+      }
+      path[d + 1] = to;
+    }
+    alive = d;
+    if (!dead) {
+      words[size_t(id) >> 6] |= uint64_t(1) << (id & 63);  // lives without the stack below
+      continue;
+    }
+    // The tokens sharing the dead prefix b[0..d] end the same way.
+    const bool depends = dep[d + 1];
+    if (depends) dependent.push_back(uint32_t(i));
+    while (i + 1 < end && v.lcp_[i + 1] > d) {
+      ++i;
+      if (depends) dependent.push_back(uint32_t(i));
+    }
   }
 }
 
@@ -376,9 +697,23 @@ std::shared_ptr<const TokenMask> Constraint::allowed() const {
 }
 
 void Constraint::prefetch() {
-  next_ = {};
-  if (terminated() || g_->cached(state_)) return;
-  next_ = std::async(std::launch::async, [g = g_, st = state_] { return g->mask(st); }).share();
+  if (next_.valid() || terminated() || g_->cached(state_)) return;
+  next_ = std::async(std::launch::async, [g = g_, st = state_, delay = delay_] {
+            if (delay.count() > 0) std::this_thread::sleep_for(delay);
+            return g->mask(st);
+          }).share();
+}
+
+bool Constraint::ready() {
+  if (!next_.valid()) {
+    if (terminated() || g_->cached(state_)) return true;
+    prefetch();
+  }
+  return next_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+void Constraint::wait() const {
+  if (next_.valid()) next_.wait();
 }
 
 bool Constraint::accept(TokenId t) {

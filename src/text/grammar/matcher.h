@@ -14,8 +14,22 @@
 // computed for it, and a dead prefix skips every token under it — the cost is the number of
 // distinct token prefixes still alive, not the vocabulary size. Masks are cached per state
 // (a JSON string's interior is one state however long the string grows).
+//
+// A walk over a 150k vocabulary from a permissive state (inside a string) takes tens of
+// milliseconds, and states that differ only below their tops (the same string field at
+// another depth, or after another key) would each pay it. So the walk is split, as xgrammar
+// does: per top of a stack, once, the tokens are sorted into those it accepts whatever lies
+// below it, those it rejects whatever lies below, and the few that depend on it (they finish
+// the top's rule and go on into what follows — kept only when their next byte can start
+// something that follows the rule anywhere in the grammar). A top is the stack's top position
+// and, where what may follow its rule is varied (a JSON string's one-character rule is
+// followed by any character), the entries below it up to a rule whose follower is narrow (the
+// string's closing quote). A state's mask is then the union of its tops' accepted sets plus a
+// walk over the dependent tokens alone, from the state's real stacks.
 #pragma once
 
+#include <bitset>
+#include <chrono>
 #include <cstdint>
 #include <future>
 #include <memory>
@@ -64,8 +78,10 @@ struct TokenMask {
 // choice of a request (and by requests with the same grammar). Thread-safe.
 class CompiledGrammar {
  public:
-  // Validates `g` (throws kvlm::Error as Grammar::validate does).
-  CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocab> vocab);
+  // Validates `g` (throws kvlm::Error as Grammar::validate does). `position_masks` false:
+  // every mask by one walk over the whole vocabulary (how masks were made before; for
+  // benchmarks).
+  CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocab> vocab, bool position_masks = true);
 
   using Stack = std::vector<uint32_t>;
   // The stacks are stored flat (stack i is data[ends[i-1], ends[i])), sorted and unique, so
@@ -98,8 +114,15 @@ class CompiledGrammar {
   // The tokens allowed after `s`, cached by state.
   std::shared_ptr<const TokenMask> mask(const State& s) const;
   bool cached(const State& s) const;
+  // The same mask by one walk over the whole vocabulary, without the per-position split or
+  // any cache: the reference the tests hold mask() to.
+  std::shared_ptr<TokenMask> full_walk_mask(const State& s) const;
   const TokenVocab& vocab() const { return *vocab_; }
   size_t num_positions() const { return flat_.size(); }
+  // Masks per stack top computed so far, and the bytes of every cached mask (for tests,
+  // benchmarks and the server's grammar cache budget).
+  size_t num_position_masks() const;
+  size_t cached_bytes() const;
 
  private:
   enum Kind : uint8_t { kChars, kRef, kEnd };
@@ -111,24 +134,54 @@ class CompiledGrammar {
     bool negated;
     std::vector<CharRange> ranges;
   };
+  // What a token does from a stack with a given top (see the file comment).
+  struct PositionMask {
+    std::vector<uint64_t> bits;   // accepted whatever lies below: bits over token ids, or
+    std::vector<TokenId> ids;     // the ids themselves where fewer (bits then empty)
+    std::vector<uint32_t> dependent;      // indices into the sorted vocabulary, ascending
+    std::vector<uint32_t> dependent_lcp;  // common prefix with the previous dependent token
+    size_t bytes() const { return 8 * bits.size() + 4 * (ids.size() + dependent.size() + dependent_lcp.size()); }
+  };
+  // A walk's states interned, with their transitions memoized (matcher.cpp).
+  struct Dfa;
   bool matches(uint32_t cls, uint32_t cp) const;
   bool may_match(uint32_t cls, uint32_t lo, uint32_t hi) const;  // some code point in [lo, hi]
   void expand(Stack& s, State& out) const;
   void advance(const State& in, uint32_t cp, State& out) const;
   static void normalize(State& s);
   std::shared_ptr<TokenMask> compute_mask(const State& s) const;
-  // Sets the bits of the allowed tokens among the sorted vocabulary's [begin, end).
-  void walk(const State& s, size_t begin, size_t end, std::vector<uint64_t>& words) const;
+  // The top of stack i of `s` (the last `size` entries): see the file comment.
+  size_t top_size(const State& s, size_t i) const;
+  std::shared_ptr<const PositionMask> position_mask(const uint32_t* top, size_t size) const;
+  std::shared_ptr<const PositionMask> compute_position_mask(const Stack& top) const;
+  // Sets the bits of the allowed tokens among `items` (indices into the sorted vocabulary,
+  // ascending, with their common prefixes): the sorted vocabulary's [begin, end) or a
+  // position's dependent tokens.
+  template <class Items>
+  void walk(const State& s, const Items& items, std::vector<uint64_t>& words) const;
+  // From the one-stack state {top}: sets the bits of the tokens it accepts and lists the
+  // sorted-vocabulary indices in [begin, end) of those that depend on what lies below.
+  void classify(const Stack& top, size_t begin, size_t end, std::vector<uint64_t>& words,
+                std::vector<uint32_t>& dependent) const;
+  // Chunks of the sorted vocabulary walked in parallel (1 on small machines or vocabularies).
+  int walk_chunks() const;
+  void compute_follow(const Grammar& g);
   static std::string key(const State& s);
 
   std::vector<Flat> flat_;
   std::vector<std::vector<uint32_t>> alt_starts_;
   std::vector<Class> classes_;
+  std::vector<uint32_t> rule_of_;            // per position: the rule whose alternative holds it
+  std::vector<std::bitset<256>> follow_;     // per rule: bytes that may start what follows it
   uint32_t root_;
   std::shared_ptr<const TokenVocab> vocab_;
+  bool position_masks_;
 
   mutable std::mutex mu_;
   mutable std::unordered_map<std::string, std::shared_ptr<const TokenMask>> cache_;
+  mutable size_t cache_bytes_ = 0;
+  mutable std::unordered_map<std::string, std::shared_ptr<const PositionMask>> positions_;  // by top
+  mutable size_t position_bytes_ = 0;
 };
 
 // One generation's progress through a grammar (one per choice). Not thread-safe: the engine
@@ -139,9 +192,16 @@ class Constraint {
   // The tokens that keep the output a prefix of a sentence of the grammar (waits for a
   // prefetch of it). Throws kvlm::Error when the grammar proves too ambiguous to match.
   std::shared_ptr<const TokenMask> allowed() const;
-  // Starts computing the current state's mask on a background thread, unless it is cached:
-  // the engine calls it after each token, so the walk overlaps the next forward pass.
+  // Starts computing the current state's mask on a background thread, unless it is cached
+  // or already being computed: the engine calls it after each token, so the walk overlaps
+  // the next forward pass.
   void prefetch();
+  // Whether allowed() would return without waiting; starts the prefetch when none runs.
+  bool ready();
+  // Waits until allowed() can return without waiting.
+  void wait() const;
+  // Tests: every prefetch first sleeps this long (a slow mask on demand).
+  void delay_prefetch_for_testing(std::chrono::milliseconds d) { delay_ = d; }
   bool can_end() const { return CompiledGrammar::accepting(state_); }
   bool terminated() const { return CompiledGrammar::terminated(state_); }
   int vocab_size() const { return g_->vocab().size(); }
@@ -154,6 +214,7 @@ class Constraint {
   std::shared_ptr<const CompiledGrammar> g_;
   CompiledGrammar::State state_, scratch_;
   mutable std::shared_future<std::shared_ptr<const TokenMask>> next_;  // the mask of state_, being computed
+  std::chrono::milliseconds delay_{0};
 };
 
 }  // namespace kvlm::grammar
