@@ -15,7 +15,9 @@ std::shared_ptr<const grammar::CompiledGrammar> GrammarCache::get(const Tokenize
   }
   auto cg = std::make_shared<const grammar::CompiledGrammar>(g, vocab);
   std::lock_guard lock(mu_);
-  if (compiled_.size() >= kMaxGrammars) compiled_.clear();
+  size_t bytes = 0;
+  for (const auto& [k, c] : compiled_) bytes += c->cached_bytes();
+  if (compiled_.size() >= kMaxGrammars || bytes > kMaxBytes) compiled_.clear();
   compiled_.emplace(key, cg);
   return cg;
 }

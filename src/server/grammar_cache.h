@@ -23,7 +23,9 @@ class GrammarCache {
                                                       const std::string& key);
 
  private:
+  // At either limit the cache starts over (grammars in use live on with their requests).
   static constexpr size_t kMaxGrammars = 64;
+  static constexpr size_t kMaxBytes = size_t(512) << 20;  // their cached masks
   std::mutex mu_;
   std::shared_ptr<const grammar::TokenVocab> vocab_;
   std::unordered_map<std::string, std::shared_ptr<const grammar::CompiledGrammar>> compiled_;

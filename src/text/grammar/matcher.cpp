@@ -4,6 +4,9 @@
 #include <array>
 #include <bit>
 #include <bitset>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -687,6 +690,54 @@ void CompiledGrammar::classify(const Stack& top, size_t begin, size_t end, std::
 
 // ---- one generation ---------------------------------------------------------------------
 
+namespace {
+
+// Masks computed ahead (Constraint::prefetch) run on a few persistent workers: a thread per
+// mask, each with its own thread team for the walk (walk_chunks), could take every core from
+// the engine thread when many constrained requests run at once. An eighth of the cores (up
+// to half of them busy, with the walks' teams) is enough, since the engine does not wait
+// for a late mask (Sequence::deferred).
+class MaskPool {
+ public:
+  using Task = std::packaged_task<std::shared_ptr<const TokenMask>()>;
+  static MaskPool& get() {
+    static MaskPool* pool = new MaskPool(std::max(1u, std::thread::hardware_concurrency() / 8));  // lives to exit
+    return *pool;
+  }
+  std::shared_future<std::shared_ptr<const TokenMask>> submit(std::function<std::shared_ptr<const TokenMask>()> f) {
+    Task t(std::move(f));
+    auto fut = t.get_future().share();
+    {
+      std::lock_guard lock(mu_);
+      queue_.push_back(std::move(t));
+    }
+    cv_.notify_one();
+    return fut;
+  }
+
+ private:
+  explicit MaskPool(unsigned n) {
+    for (unsigned i = 0; i < n; ++i)
+      std::thread([this] {
+        for (;;) {
+          Task t;
+          {
+            std::unique_lock lock(mu_);
+            cv_.wait(lock, [&] { return !queue_.empty(); });
+            t = std::move(queue_.front());
+            queue_.pop_front();
+          }
+          t();  // an exception lands in the future
+        }
+      }).detach();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+};
+
+}  // namespace
+
 std::shared_ptr<const TokenMask> Constraint::allowed() const {
   if (next_.valid()) {
     auto f = std::move(next_);
@@ -698,10 +749,11 @@ std::shared_ptr<const TokenMask> Constraint::allowed() const {
 
 void Constraint::prefetch() {
   if (next_.valid() || terminated() || g_->cached(state_)) return;
-  next_ = std::async(std::launch::async, [g = g_, st = state_, delay = delay_] {
-            if (delay.count() > 0) std::this_thread::sleep_for(delay);
-            return g->mask(st);
-          }).share();
+  // A mask nobody will read (its request ended while it queued) is skipped.
+  next_ = MaskPool::get().submit([g = g_, st = state_, gate = gate_, wanted = std::weak_ptr<const char>(alive_)] {
+    if (gate.valid()) gate.wait();
+    return wanted.expired() ? nullptr : g->mask(st);
+  });
 }
 
 bool Constraint::ready() {

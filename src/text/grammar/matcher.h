@@ -29,7 +29,6 @@
 #pragma once
 
 #include <bitset>
-#include <chrono>
 #include <cstdint>
 #include <future>
 #include <memory>
@@ -200,8 +199,8 @@ class Constraint {
   bool ready();
   // Waits until allowed() can return without waiting.
   void wait() const;
-  // Tests: every prefetch first sleeps this long (a slow mask on demand).
-  void delay_prefetch_for_testing(std::chrono::milliseconds d) { delay_ = d; }
+  // Tests: every prefetch first waits for `gate` (a mask as late as the test wants).
+  void hold_prefetch_for_testing(std::shared_future<void> gate) { gate_ = std::move(gate); }
   bool can_end() const { return CompiledGrammar::accepting(state_); }
   bool terminated() const { return CompiledGrammar::terminated(state_); }
   int vocab_size() const { return g_->vocab().size(); }
@@ -214,7 +213,8 @@ class Constraint {
   std::shared_ptr<const CompiledGrammar> g_;
   CompiledGrammar::State state_, scratch_;
   mutable std::shared_future<std::shared_ptr<const TokenMask>> next_;  // the mask of state_, being computed
-  std::chrono::milliseconds delay_{0};
+  std::shared_future<void> gate_;
+  std::shared_ptr<const char> alive_ = std::make_shared<const char>(0);  // a queued prefetch skips when gone
 };
 
 }  // namespace kvlm::grammar
