@@ -240,6 +240,11 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
 
   // One engine request per choice: prompt p, sample i -> choice p * n + i.
   const std::string id = make_request_id(chat ? "chatcmpl-" : "cmpl-");
+  if (!gen.ignored_fields.empty()) {
+    std::string list;
+    for (const auto& f : gen.ignored_fields) list += (list.empty() ? "" : ", ") + f;
+    log::warn("request " + id + ": fields ignored (not OpenAI's or vLLM's): " + list);
+  }
   const int total = int(prompts.size()) * gen.n;
   TextOptions to;
   to.stop = gen.stop;

@@ -85,6 +85,9 @@ struct GenParams {
   std::vector<TokenId> stop_token_ids;
   bool include_stop_str_in_output = false;
   bool skip_special_tokens = true;
+  // Top-level fields kvlm neither reads nor refuses (not OpenAI's or vLLM's): the request
+  // goes on and the server logs them, as vLLM does.
+  std::vector<std::string> ignored_fields;
   // Completions: `logprobs` K; chat: `top_logprobs` K when `logprobs` is true. nullopt = none.
   std::optional<int> logprobs;
   bool echo = false;                  // completions only
@@ -125,9 +128,10 @@ struct ChatRequest {
 Json parse_body(std::string_view body, const ApiLimits& limits);
 
 // Throws ApiError: 400 for wrong types and values out of range, 404 for a model name
-// other than info.name. Unknown fields are ignored as OpenAI ignores them; known OpenAI
-// fields kvlm does not implement (suffix, best_of > 1, structural tags, ...) are refused
-// rather than silently dropped.
+// other than info.name. OpenAI and vLLM fields kvlm does not implement (suffix, best_of > 1,
+// structural tags, audio, predicted outputs, beam search, ...) are refused rather than
+// silently dropped; fields that only label a request (user, metadata, service_tier) are
+// accepted; any other field is listed in gen.ignored_fields.
 CompletionRequest parse_completion_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);
 ChatRequest parse_chat_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);
 

@@ -430,9 +430,11 @@ def errors_are_400_with_openai_bodies():
     # Unknown model: 404 model_not_found, as OpenAI and vLLM answer.
     err = expect_status(404, lambda: complete(model="gpt-9", prompt="x"))
     assert err["code"] == "model_not_found" and err["param"] == "model"
-    # Unknown fields are ignored, as OpenAI ignores them.
+    # Fields nobody defines are ignored (the server logs them); OpenAI's that kvlm lacks are 400s.
     r = complete(prompt="x", max_tokens=2, extra_body={"some_future_field": {"a": [1, 2]}, "user": "u"})
     assert r.usage.completion_tokens >= 1
+    err = expect_status(400, lambda: chat(extra_body={"prediction": {"type": "content", "content": "x"}}))
+    assert err["param"] == "prediction", err
 
 
 @test

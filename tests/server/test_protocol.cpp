@@ -246,7 +246,7 @@ TEST(Protocol, InvalidParametersAre400WithTheirName) {
       {R"("seed": 36893488147419103232)", "seed"},
       {R"("repetition_penalty": 1e308)", "repetition_penalty"},
       {R"("top_k": 18446744073709551616)", "top_k"},
-      {R"("prompt_logprobs": 5, "logprobs": 99999999999999999999)", "logprobs"},
+      {R"("echo": true, "logprobs": 99999999999999999999)", "logprobs"},
       {R"("ignore_eos": "no")", "ignore_eos"},
       {R"("logit_bias": {"1024": 10})", "logit_bias"},
       {R"("logit_bias": {"5": 100.5})", "logit_bias"},

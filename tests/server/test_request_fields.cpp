@@ -1,0 +1,91 @@
+// Request fields kvlm does not implement: OpenAI's and vLLM's are refused with a 400 naming
+// them (unless set to their neutral value), labels are accepted, anything else is listed for
+// the server's log; reasoning_effort reaches the chat template.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "server/protocol.h"
+
+using namespace kvlm;
+using namespace kvlm::server;
+
+namespace {
+
+ModelInfo info() {
+  ModelInfo m;
+  m.name = "tiny";
+  m.max_model_len = 100;
+  m.vocab_size = 1024;
+  m.has_tokenizer = true;
+  m.has_chat_template = true;
+  return m;
+}
+
+const std::string kChat = R"("messages": [{"role": "user", "content": "hi"}])";
+
+// The param of the 400 a body raises, or "" when it parses.
+std::string refused(const std::string& fields, bool chat) {
+  const Json b = Json::parse("{" + (chat ? kChat : std::string(R"("prompt": "hi")")) + ", " + fields + "}");
+  try {
+    if (chat) parse_chat_request(b, info(), {});
+    else parse_completion_request(b, info(), {});
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400) << fields;
+    return e.param();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(RequestFields, UnimplementedFieldsAreRefusedByName) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("audio": {"voice": "alloy", "format": "wav"})", "audio"},
+      {R"("modalities": ["text", "audio"])", "modalities"},
+      {R"("prediction": {"type": "content", "content": "x"})", "prediction"},
+      {R"("web_search_options": {"search_context_size": "low"})", "web_search_options"},
+      {R"("store": true)", "store"},
+      {R"("use_beam_search": true)", "use_beam_search"},
+      {R"("length_penalty": 0.5)", "length_penalty"},
+      {R"("allowed_token_ids": [1, 2])", "allowed_token_ids"},
+      {R"("bad_words": ["x"])", "bad_words"},
+      {R"("truncate_prompt_tokens": 10)", "truncate_prompt_tokens"},
+      {R"("prompt_logprobs": 1)", "prompt_logprobs"},
+      {R"("documents": [{"text": "x"}])", "documents"},
+  };
+  for (const bool chat : {false, true})
+    for (const auto& [f, param] : cases) EXPECT_EQ(refused(f, chat), param) << f << (chat ? " (chat)" : "");
+  EXPECT_EQ(refused(R"("reasoning_effort": "low")", false), "reasoning_effort") << "completions have no template";
+  EXPECT_EQ(refused(R"("reasoning_effort": "extreme")", true), "reasoning_effort");
+}
+
+TEST(RequestFields, NeutralValuesAndLabelsAreAccepted) {
+  const std::string neutral =
+      R"("audio": null, "modalities": ["text"], "store": false, "use_beam_search": false, "length_penalty": 1,)"
+      R"( "bad_words": [], "prediction": null, "user": "u-17", "metadata": {"k": "v"}, "service_tier": "auto")";
+  for (const bool chat : {false, true}) {
+    EXPECT_EQ(refused(neutral, chat), "") << (chat ? "chat" : "completions");
+    const Json b = Json::parse("{" + (chat ? kChat : std::string(R"("prompt": "hi")")) + ", " + neutral + "}");
+    const GenParams g = chat ? parse_chat_request(b, info(), {}).gen : parse_completion_request(b, info(), {}).gen;
+    EXPECT_TRUE(g.ignored_fields.empty()) << g.ignored_fields.front();
+  }
+}
+
+TEST(RequestFields, OtherFieldsAreListedForTheLog) {
+  const Json c = Json::parse(R"({"prompt": "hi", "frobnicate": 1, "priority": 2, "max_tokens": 3})");
+  const auto got = parse_completion_request(c, info(), {}).gen.ignored_fields;
+  EXPECT_EQ(got, (std::vector<std::string>{"frobnicate", "priority"}));
+  // A chat-only field sent to completions is listed there, and the other way round.
+  EXPECT_EQ(parse_completion_request(Json::parse(R"({"prompt": "hi", "tools": []})"), info(), {}).gen.ignored_fields,
+            std::vector<std::string>{"tools"});
+  const Json ch = Json::parse("{" + kChat + R"(, "suffix": "x", "max_completion_tokens": 4})");
+  EXPECT_EQ(parse_chat_request(ch, info(), {}).gen.ignored_fields, std::vector<std::string>{"suffix"});
+}
+
+TEST(RequestFields, ReasoningEffortReachesTheChatTemplate) {
+  const Json b = Json::parse("{" + kChat + R"(, "reasoning_effort": "high"})");
+  EXPECT_EQ(parse_chat_request(b, info(), {}).template_kwargs.at("reasoning_effort"), "high");
+  const Json kw = Json::parse("{" + kChat + R"(, "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}})");
+  EXPECT_EQ(parse_chat_request(kw, info(), {}).template_kwargs.at("reasoning_effort"), "low") << "the kwargs win";
+}
