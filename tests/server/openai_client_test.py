@@ -592,13 +592,14 @@ def run_shutdown_tests():
             started.set()
 
     def drain():
-        s = Server(KVLM, MODEL, "--max-model-len", "1024")
+        # A drain timeout the 600 tokens meet even on a loaded 2-core CI machine.
+        s = Server(KVLM, MODEL, "--max-model-len", "1024", "--drain-timeout", "120")
         c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0)
         out, started = {}, threading.Event()
         t = threading.Thread(target=streaming_client, args=(c, 600, out, started))
         t.start()
         assert started.wait(30), "the stream never started"
-        rc = s.stop(signal.SIGTERM)
+        rc = s.stop(signal.SIGTERM, timeout=150)
         t.join(30)
         assert rc == 0, f"exit code {rc}: {''.join(s.log)}"
         assert "e" not in out, f"the in-flight stream failed during the drain: {out.get('e')}"

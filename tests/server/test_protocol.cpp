@@ -1,7 +1,7 @@
 // The server's pure parts: request parsing and validation (every error an OpenAI-shaped
 // 400/404 naming the parameter), SSE framing, Prometheus text, the per-request stream
 // (detokenization and stop strings on the engine thread) and the response assembler
-// (streamed chunks add up to the non-streamed response).
+// (streamed chunks add up to the non-streamed response). Tool calls: test_tool_calls.cpp.
 #include <set>
 
 #include <gtest/gtest.h>
@@ -20,41 +20,17 @@
 #include "server/protocol.h"
 #include "server/request_stream.h"
 #include "server/response.h"
+#include "protocol_test_util.h"
 
 namespace fs = std::filesystem;
 using namespace kvlm;
 using namespace kvlm::server;
+using namespace kvlm::server::testing;
 
 namespace {
 
 const std::filesystem::path kTinyChat = std::filesystem::path(KVLM_TEST_DATA) / "models" / "tiny-chat";
 
-ModelInfo info() {
-  ModelInfo m;
-  m.name = "tiny";
-  m.max_model_len = 100;
-  m.vocab_size = 1024;
-  m.has_tokenizer = true;
-  m.has_chat_template = true;
-  return m;
-}
-
-Json J(const std::string& s) { return Json::parse(s); }
-
-// The ApiError a completions body raises (status, param), or status 0 when it parses.
-struct Outcome {
-  int status = 0;
-  std::string param, message, code;
-};
-template <class F>
-Outcome outcome(F&& f) {
-  try {
-    f();
-  } catch (const ApiError& e) {
-    return {e.status(), e.param(), e.what(), e.code()};
-  }
-  return {};
-}
 Outcome completion(const std::string& body, const ApiLimits& lim = {}) {
   return outcome([&] { parse_completion_request(J(body), info(), lim); });
 }
@@ -806,177 +782,3 @@ TEST(Assembler, FailuresBecomeErrors) {
   b.add({e});
   EXPECT_EQ(b.failure()->status(), 503);
 }
-
-// ---------------------------------------------------------------- tool calls
-namespace tools_test {
-
-using kvlm::server::ExtractedCalls;
-using kvlm::server::ToolCallStream;
-using kvlm::server::ToolParser;
-
-// Streaming the text in pieces split anywhere gives the calls and content of the whole.
-void expect_stream_equals_whole(ToolParser p, const std::string& text) {
-  const ExtractedCalls whole = kvlm::server::extract_tool_calls(p, text);
-  for (size_t cut = 0; cut <= text.size(); cut += 3) {
-    ToolCallStream s(p);
-    auto a = s.push(text.substr(0, cut));
-    auto b = s.push(text.substr(cut));
-    auto c = s.finish();
-    std::string content = a.content + b.content + c.content;
-    std::vector<std::string> names;
-    for (const auto* o : {&a, &b, &c})
-      for (const auto& call : o->calls) names.push_back(call.name + call.arguments);
-    std::vector<std::string> want;
-    for (const auto& call : whole.calls) want.push_back(call.name + call.arguments);
-    EXPECT_EQ(names, want) << text << " cut " << cut;
-    if (whole.calls.empty()) EXPECT_EQ(content, whole.content) << text << " cut " << cut;
-    else EXPECT_EQ(std::string(content.find_first_not_of(" \n") == std::string::npos ? "" : "x"),
-                   std::string(whole.content.empty() ? "" : "x"))
-        << text << " cut " << cut;
-  }
-}
-
-TEST(ToolCalls, HermesCallsAreParsedOutOfTheText) {
-  const std::string text =
-      "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>\n"
-      "<tool_call>\n{\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": \\\"CET\\\"}\"}\n</tool_call>";
-  const ExtractedCalls x = kvlm::server::extract_tool_calls(ToolParser::Hermes, text);
-  ASSERT_EQ(x.calls.size(), 2u);
-  EXPECT_EQ(x.calls[0].name, "get_weather");
-  EXPECT_EQ(Json::parse(x.calls[0].arguments), Json::parse(R"({"city": "Paris", "days": 2})"));
-  EXPECT_EQ(x.calls[1].name, "get_time");
-  EXPECT_EQ(Json::parse(x.calls[1].arguments), Json::parse(R"({"tz": "CET"})"));  // arguments sent as a string
-  EXPECT_EQ(x.content, "Let me check.");
-  EXPECT_TRUE(x.calls[0].id.starts_with("call_"));
-  EXPECT_NE(x.calls[0].id, x.calls[1].id);
-  expect_stream_equals_whole(ToolParser::Hermes, text);
-  // Not calls: plain text, a broken call, a tag mentioned in prose.
-  for (const std::string t : {"no calls here", "<tool_call>\n{\"name\": }\n</tool_call>", "use <tool_call to call", "a < b"}) {
-    const ExtractedCalls y = kvlm::server::extract_tool_calls(ToolParser::Hermes, t);
-    EXPECT_TRUE(y.calls.empty()) << t;
-    EXPECT_EQ(y.content, t);
-    expect_stream_equals_whole(ToolParser::Hermes, t);
-  }
-  // A reply that ends (EOS) before its closing tag still holds a whole call.
-  EXPECT_EQ(kvlm::server::extract_tool_calls(ToolParser::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}").calls.size(), 1u);
-}
-
-TEST(ToolCalls, Llama3JsonCallsAreTheWholeReply) {
-  const std::string one = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}";
-  const ExtractedCalls x = kvlm::server::extract_tool_calls(ToolParser::Llama3Json, one);
-  ASSERT_EQ(x.calls.size(), 1u);
-  EXPECT_EQ(x.calls[0].name, "get_weather");
-  EXPECT_EQ(Json::parse(x.calls[0].arguments), Json::parse(R"({"city": "Oslo"})"));
-  EXPECT_TRUE(x.content.empty());
-  EXPECT_EQ(kvlm::server::extract_tool_calls(ToolParser::Llama3Json, "<|python_tag|>" + one + "; {\"name\": \"g\", \"parameters\": {}}").calls.size(), 2u);
-  for (const std::string t : {"The weather is fine.", "{\"city\": \"no name\"}", "{\"name\": \"f\", \"parameters\": {} trailing"})
-    EXPECT_TRUE(kvlm::server::extract_tool_calls(ToolParser::Llama3Json, t).calls.empty()) << t;
-  expect_stream_equals_whole(ToolParser::Llama3Json, one);
-  expect_stream_equals_whole(ToolParser::Llama3Json, "Plain words {\"name\": \"f\"}");
-}
-
-TEST(ToolCalls, ParsersAreNamedAndDetected) {
-  EXPECT_EQ(kvlm::server::parse_tool_parser("hermes"), ToolParser::Hermes);
-  EXPECT_EQ(kvlm::server::parse_tool_parser("llama3_json"), ToolParser::Llama3Json);
-  EXPECT_THROW(kvlm::server::parse_tool_parser("mistral"), kvlm::Error);
-  const fs::path tpl = fs::path(KVLM_TEST_DATA) / ".." / ".." / "shared" / "data" / "chat-templates";
-  if (!fs::exists(tpl)) GTEST_SKIP() << "../shared/data is not beside the repository";
-  const auto read = [&](const char* f) {
-    std::ifstream in(tpl / f);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  EXPECT_EQ(kvlm::server::detect_tool_parser(read("Qwen-Qwen3-0.6B.jinja")), ToolParser::Hermes);
-  EXPECT_EQ(kvlm::server::detect_tool_parser(read("Qwen-Qwen2.5-7B-Instruct.jinja")), ToolParser::Hermes);
-  EXPECT_EQ(kvlm::server::detect_tool_parser(read("meta-llama-Llama-3.1-8B-Instruct.jinja")), ToolParser::Llama3Json);
-  EXPECT_EQ(kvlm::server::detect_tool_parser("{{ messages }}"), ToolParser::None);
-}
-
-const char* kTools = R"([
-  {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-   "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                  "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}},
-  {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
-   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}])";
-
-TEST(ToolCalls, ChatRequestsWithTools) {
-  ModelInfo m = info();
-  m.tool_parser = ToolParser::Hermes;
-  const auto body = [](const std::string& extra) {
-    return J(std::string(R"({"messages": [{"role": "user", "content": "x"}], "tools": )") + kTools + extra + "}");
-  };
-  // auto: tools to the template, calls parsed, nothing forced.
-  const auto a = parse_chat_request(body(""), m, {});
-  EXPECT_EQ(a.template_kwargs["tools"].size(), 2u);
-  EXPECT_EQ(a.gen.tool_parser, ToolParser::Hermes);
-  EXPECT_FALSE(a.gen.grammar);
-  // none: tools rendered, not parsed.
-  const auto n = parse_chat_request(body(R"(, "tool_choice": "none")"), m, {});
-  EXPECT_EQ(n.gen.tool_parser, ToolParser::None);
-  // required / named: a grammar that admits exactly calls of the chosen tools.
-  const auto r = parse_chat_request(body(R"(, "tool_choice": "required")"), m, {});
-  ASSERT_TRUE(r.gen.grammar);
-  const auto named = parse_chat_request(body(R"(, "tool_choice": {"type": "function", "function": {"name": "add"}})"), m, {});
-  ASSERT_TRUE(named.gen.grammar);
-  auto vocab = std::make_shared<const kvlm::grammar::TokenVocab>(std::vector<std::string>{"x"});
-  const auto accepts = [&](const kvlm::grammar::Grammar& g, const std::string& text) {
-    kvlm::grammar::Constraint c(std::make_shared<const kvlm::grammar::CompiledGrammar>(g, vocab));
-    return c.accept_text(text) && c.can_end();
-  };
-  const std::string w = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
-  const std::string add = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": -2}}\n</tool_call>";
-  EXPECT_TRUE(accepts(*r.gen.grammar, w));
-  EXPECT_TRUE(accepts(*r.gen.grammar, w + "\n" + add));  // parallel calls
-  EXPECT_FALSE(accepts(*r.gen.grammar, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>"));
-  EXPECT_FALSE(accepts(*r.gen.grammar, "Sure."));
-  EXPECT_TRUE(accepts(*named.gen.grammar, add));
-  EXPECT_FALSE(accepts(*named.gen.grammar, w));
-  EXPECT_FALSE(accepts(*named.gen.grammar, add + "\n" + add));  // a named function: one call
-  const auto single = parse_chat_request(body(R"(, "tool_choice": "required", "parallel_tool_calls": false)"), m, {});
-  EXPECT_FALSE(accepts(*single.gen.grammar, w + "\n" + add));
-  // What the client gets back from such a reply.
-  const ExtractedCalls x = kvlm::server::extract_tool_calls(ToolParser::Hermes, w + "\n" + add);
-  ASSERT_EQ(x.calls.size(), 2u);
-  EXPECT_EQ(x.calls[1].name, "add");
-
-  // History: an assistant turn with tool_calls (arguments as OpenAI sends them, a string)
-  // and the tool's answer.
-  const auto h = parse_chat_request(J(std::string(R"({"messages": [
-      {"role": "user", "content": "weather?"},
-      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": )") + kTools + "}"),
-                                    m, {});
-  EXPECT_EQ(h.messages[1]["tool_calls"][0]["function"]["arguments"]["city"], "Paris");
-  EXPECT_EQ(h.messages[1]["content"], "");
-
-  const std::vector<std::pair<std::string, std::string>> cases = {
-      {R"(, "tool_choice": "sometimes")", "tool_choice"},
-      {R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}})", "tool_choice"},
-      {R"(, "tool_choice": 3)", "tool_choice"},
-      {R"(, "tool_choice": "required", "response_format": {"type": "json_object"})", "tool_choice"},
-  };
-  for (const auto& [extra, param] : cases) {
-    const Outcome o = outcome([&] { parse_chat_request(body(extra), m, {}); });
-    EXPECT_EQ(o.status, 400) << extra;
-    EXPECT_EQ(o.param, param) << extra << " -> " << o.message;
-  }
-  for (const auto& [b, param] : std::vector<std::pair<std::string, std::string>>{
-           {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", "tools"},
-           {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a b"}}]})", "tools"},
-           {R"({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}})", "tools"},
-           {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", "tool_choice"},
-           {R"({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]})", "functions"},
-           {R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]})", "messages"},
-       }) {
-    const Outcome o = outcome([&] { parse_chat_request(J(b), m, {}); });
-    EXPECT_EQ(o.status, 400) << b;
-    EXPECT_EQ(o.param, param) << b << " -> " << o.message;
-  }
-  // A model without a tool-call format: tools with "auto" are refused (with what to do).
-  const Outcome none = outcome([&] { parse_chat_request(body(""), info(), {}); });
-  EXPECT_EQ(none.param, "tools");
-  EXPECT_NE(none.message.find("--tool-call-parser"), std::string::npos);
-  EXPECT_EQ(parse_chat_request(body(R"(, "tool_choice": "none")"), info(), {}).gen.tool_parser, ToolParser::None);
-}
-
-}  // namespace tools_test

@@ -6,21 +6,13 @@
 #include <algorithm>
 
 #include "server/protocol.h"
+#include "protocol_test_util.h"
 
 using namespace kvlm;
 using namespace kvlm::server;
+using namespace kvlm::server::testing;
 
 namespace {
-
-ModelInfo info() {
-  ModelInfo m;
-  m.name = "tiny";
-  m.max_model_len = 100;
-  m.vocab_size = 1024;
-  m.has_tokenizer = true;
-  m.has_chat_template = true;
-  return m;
-}
 
 const std::string kChat = R"("messages": [{"role": "user", "content": "hi"}])";
 
