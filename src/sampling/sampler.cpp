@@ -85,6 +85,34 @@ TokenId Sampler::sample(std::span<const float> raw, const SamplingParams& p, std
     logits = penalized_;
   }
   if (p.temperature == 0.0f) return argmax(logits);
+  const float inv_t = 1.0f / p.temperature;
+  if (!(p.top_k > 0) && !(p.top_p < 1.0f)) {
+    // No order needed: the softmax and the draw straight over the row, in id order (what the
+    // candidate list below would hold), without building it. Weights in float (exp of a
+    // float is half the cost of a double's; the sum stays in double).
+    float m = -std::numeric_limits<float>::infinity();
+    for (float x : logits) m = std::max(m, x);
+    if (m == -std::numeric_limits<float>::infinity()) return argmax(logits);
+    prob_.resize(logits.size());
+    double sum = 0.0;
+    const double min_w = double(p.min_p);  // the most likely token has weight 1
+    for (size_t i = 0; i < logits.size(); ++i) {
+      const float w = std::exp((logits[i] - m) * inv_t);  // 0 for -inf
+      prob_[i] = w >= min_w ? double(w) : 0.0;
+      sum += prob_[i];
+    }
+    if (!(sum > 0.0) || !std::isfinite(sum)) return argmax(logits);  // +inf or NaN logits
+    const double u = std::uniform_real_distribution<double>(0.0, sum)(rng_);
+    double acc = 0.0;
+    size_t last = 0;
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (prob_[i] == 0.0) continue;
+      acc += prob_[i];
+      last = i;
+      if (u < acc) return TokenId(i);
+    }
+    return TokenId(last);
+  }
   // Candidates: the tokens with a finite logit (a grammar's mask or a -100 bias leaves
   // many out). Sorted by logit, descending (ties: lower id first, for determinism), only as
   // far as top-k or top-p need: a full sort of a 152k vocabulary costs ~10 ms a token, the
@@ -103,7 +131,7 @@ TokenId Sampler::sample(std::span<const float> raw, const SamplingParams& p, std
   }
   float m = -std::numeric_limits<float>::infinity();
   for (size_t i = 0; i < n; ++i) m = std::max(m, scratch_[i].first);
-  const auto weight = [&](size_t i) { return std::exp(double(scratch_[i].first - m) / p.temperature); };
+  const auto weight = [&](size_t i) { return double(std::exp((scratch_[i].first - m) * inv_t)); };
   if (p.top_p < 1.0f && !sorted) {
     // Top-p needs the most likely tokens in order until their mass reaches top_p: sort a
     // head first and all only when the head does not hold that mass.
