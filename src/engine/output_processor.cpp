@@ -206,16 +206,7 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
     if (draft > 0) scheduler_.trim_pages(s);
     scheduler_.advance_exact(s);
     scheduler_.register_full_pages(s);
-    if (report && s.wants_prompt_logprobs() && (prompt_done || why != FinishReason::None)) {
-      out.prompt_logprobs = std::move(s.prompt_lp);
-      s.prompt_lp_sent = true;
-    }
-    if (why != FinishReason::None) {
-      // The last token and the finish travel together.
-      close(s, why, now);
-      out.finished = true;
-      out.finish_reason = why;
-    }
+    settle(s, why, report && (prompt_done || why != FinishReason::None), out, now);
     if (report) outputs.emplace_back(&s, std::move(out));
   }
   return outputs;
@@ -261,16 +252,22 @@ RequestOutput OutputProcessor::draw_deferred(Sequence& s) {
   } else {
     why = emit(s, d, out, now);
   }
-  if (s.wants_prompt_logprobs()) {  // the prompt is done: it was sampling
+  settle(s, why, true, out, now);  // the prompt is done: it was sampling
+  return out;
+}
+
+void OutputProcessor::settle(Sequence& s, FinishReason why, bool prompt_logprobs_due, RequestOutput& out,
+                             Sequence::Clock::time_point now) {
+  if (prompt_logprobs_due && s.wants_prompt_logprobs()) {
     out.prompt_logprobs = std::move(s.prompt_lp);
     s.prompt_lp_sent = true;
   }
   if (why != FinishReason::None) {
+    // The last token and the finish travel together.
     close(s, why, now);
     out.finished = true;
     out.finish_reason = why;
   }
-  return out;
 }
 
 }  // namespace kvlm

@@ -62,6 +62,9 @@ class OutputProcessor {
   TokenId draw_host(Sequence& s, std::span<const float> raw, int i, Drawn& d, std::vector<TokenId>& history) const;
   // Appends d's tokens to s and says why s ends (None: it goes on); counts them.
   FinishReason emit(Sequence& s, Drawn& d, RequestOutput& out, Sequence::Clock::time_point now);
+  // The end of an output: the prompt's log-probabilities once they are due, and the finish
+  // (`why` not None: s closes and releases its pages).
+  void settle(Sequence& s, FinishReason why, bool prompt_logprobs_due, RequestOutput& out, Sequence::Clock::time_point now);
   FinishReason stop_reason(const Sequence& s, TokenId t) const;
 
   std::vector<TokenId> eos_;

@@ -6,9 +6,9 @@
 #include <cstdio>
 #include <cmath>
 #include <random>
-#include <set>
 
 #include "core/error.h"
+#include "server/request_fields.h"
 #include "text/grammar/json_schema.h"
 #include "text/grammar/regex.h"
 
@@ -212,64 +212,10 @@ void parse_structured(const Json& b, GenParams& g, const ModelInfo& info) {
 }
 
 // The parameters both endpoints share.
-// OpenAI and vLLM request fields kvlm does not implement: refused when set to anything but
-// their neutral value, naming what to do instead.
-void refuse_unimplemented(const Json& b, bool chat) {
-  const auto set = [&](const char* k) {
-    const Json* v = field(b, k);
-    return v && !v->is_null() && *v != false && !(v->is_array() && v->empty()) && !(v->is_object() && v->empty());
-  };
-  struct Refusal {
-    const char* field;
-    const char* why;
-  };
-  static constexpr Refusal kRefused[] = {
-      {"audio", "audio output is not supported by kvlm (text only)"},
-      {"prediction", "predicted outputs are not supported by kvlm"},
-      {"web_search_options", "web search is not supported by kvlm"},
-      {"store", "kvlm does not store completions (store must be false or absent)"},
-      {"use_beam_search", "beam search is not supported by kvlm"},
-      {"allowed_token_ids", "allowed_token_ids is not supported by kvlm; use logit_bias or structured_outputs.choice"},
-      {"bad_words", "bad_words is not supported by kvlm; use logit_bias to ban tokens"},
-      {"truncate_prompt_tokens", "truncate_prompt_tokens is not supported by kvlm; shorten the prompt"},
-      {"prompt_logprobs", "prompt_logprobs is not supported as a field; on /v1/completions send echo: true with logprobs"},
-      {"mm_processor_kwargs", "kvlm serves text models only"},
-      {"documents", "documents are not supported by kvlm"},
-  };
-  for (const Refusal& r : kRefused)
-    if (set(r.field)) bad(r.why, r.field);
-  if (const Json* m = field(b, "modalities"); m && !m->is_null() && *m != Json::array({"text"}))
-    bad("modalities other than [\"text\"] are not supported by kvlm", "modalities");
-  if (const Json* lp = field(b, "length_penalty"); lp && !lp->is_null() && *lp != 1 && *lp != 1.0)
-    bad("length_penalty applies to beam search, which kvlm does not implement", "length_penalty");
-  if (!chat && set("reasoning_effort")) bad("reasoning_effort applies to chat completions", "reasoning_effort");
-}
-
-// Every top-level field either endpoint reads, refuses or accepts as a label.
-std::vector<std::string> unknown_fields(const Json& b, bool chat) {
-  static const std::set<std::string> kCommon = {
-      "model", "n", "max_tokens", "min_tokens", "temperature", "top_p", "min_p", "presence_penalty",
-      "frequency_penalty", "repetition_penalty", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-      "skip_special_tokens", "include_stop_str_in_output", "return_token_ids", "stream", "stream_options", "logit_bias",
-      "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-      "guided_whitespace_pattern", "structural_tag", "logprobs", "user", "metadata", "service_tier", "audio",
-      "prediction", "web_search_options", "store", "use_beam_search", "allowed_token_ids", "bad_words",
-      "truncate_prompt_tokens", "prompt_logprobs", "mm_processor_kwargs", "documents", "modalities", "length_penalty",
-      "reasoning_effort", "echo"};
-  static const std::set<std::string> kCompletions = {"prompt", "suffix", "best_of"};
-  static const std::set<std::string> kChat = {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                                              "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-                                              "tool_choice", "parallel_tool_calls", "functions", "function_call"};
-  std::vector<std::string> out;
-  for (auto it = b.begin(); it != b.end(); ++it)
-    if (!kCommon.count(it.key()) && !(chat ? kChat : kCompletions).count(it.key())) out.push_back(it.key().substr(0, 64));
-  return out;
-}
-
 GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& lim, bool chat) {
-  refuse_unimplemented(b, chat);
+  refuse_unimplemented_fields(b, chat);
   GenParams g;
-  g.ignored_fields = unknown_fields(b, chat);
+  g.ignored_fields = unrecognized_fields(b, chat);
   if (auto n = opt_int(b, "n")) {
     if (*n < 1 || *n > lim.max_n)
       bad("n must be between 1 and " + std::to_string(lim.max_n) + ", got " + std::to_string(*n), "n");

@@ -1,6 +1,6 @@
-// What the serving-engine tests share: loading a checkpoint with a KV cache dtype, a request
-// whose outputs are collected, random prompts, one request run alone, and running an engine
-// until it is idle.
+// What the serving-engine tests share: the stories260K checkpoint, the exact-page check,
+// loading a checkpoint with a KV cache dtype, a request whose outputs are collected, random
+// prompts, one request run alone, and running an engine until it is idle.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,11 +12,20 @@
 #include <string>
 #include <vector>
 
+#include "engine/block_manager.h"
 #include "engine/llm_engine.h"
 #include "model/loaded_model.h"
 #include "offline/generate.h"
 
 namespace kvlm::testing {
+
+inline const std::filesystem::path kStories = std::filesystem::path(KVLM_TEST_DATA) / ".." / "models" / "stories260K";
+
+// Every exact page is free or idle again (no hold outlives its sequence).
+inline void expect_exact_pages_released(const BlockManager& b) {
+  EXPECT_EQ(b.num_exact_available(), b.num_exact_pages()) << "exact pages still held";
+  for (BlockId i = 0; i < b.num_blocks(); ++i) EXPECT_EQ(b.exact_holds(i), 0) << "page " << i;
+}
 
 inline std::unique_ptr<LoadedModel> load(const std::filesystem::path& dir, KVCacheDType dt = KVCacheDType::Auto, int block_size = 16,
                                   int keep_sink = 0, int keep_recent = 0) {

@@ -609,11 +609,15 @@ struct CompiledGrammar::Dfa {
 };
 
 template <class Items>
-void CompiledGrammar::walk(const State& s, const Items& items, std::vector<uint64_t>& words) const {
+void CompiledGrammar::walk(const State& s, const Items& items, std::vector<uint64_t>& words, const std::bitset<256>* follow,
+                           std::vector<uint32_t>* dependent) const {
   const TokenVocab& v = *vocab_;
   Dfa dfa(*this, s);
   // path[d]: the state after the first d bytes of the current token; valid for d <= alive.
+  // dep[d] (with `follow`): the first d bytes passed a point where a stack emptied and the
+  // next byte may start what follows its rule.
   std::vector<uint32_t> path(1, 0);
+  std::vector<uint8_t> dep(1, 0);
   size_t alive = 0;
   const size_t n = items.size();
   for (size_t k = 0; k < n; ++k) {
@@ -621,9 +625,14 @@ void CompiledGrammar::walk(const State& s, const Items& items, std::vector<uint6
     const std::string& b = v.bytes_[size_t(id)];
     size_t d = std::min<size_t>(items.prefix(k), alive);
     bool dead = false;
-    if (path.size() < b.size() + 1) path.resize(b.size() + 1);
+    if (path.size() < b.size() + 1) {
+      path.resize(b.size() + 1);
+      dep.resize(b.size() + 1);
+    }
     for (; d < b.size(); ++d) {
-      const uint32_t to = dfa.step(path[d], uint8_t(b[d]));
+      const uint8_t c = uint8_t(b[d]);
+      if (follow) dep[d + 1] = dep[d] || (dfa.accepting[path[d]] && (*follow)[c]);
+      const uint32_t to = dfa.step(path[d], c);
       if (to == Dfa::kDead) {
         dead = true;
         break;
@@ -635,57 +644,26 @@ void CompiledGrammar::walk(const State& s, const Items& items, std::vector<uint6
       words[size_t(id) >> 6] |= uint64_t(1) << (id & 63);
       continue;
     }
-    // Every following token that shares the dead prefix b[0..d] is dead too.
-    while (k + 1 < n && items.prefix(k + 1) > d) ++k;
+    // Every following token that shares the dead prefix b[0..d] ends the same way.
+    const bool depends = follow && dep[d + 1];
+    if (depends) dependent->push_back(uint32_t(items.index(k)));
+    while (k + 1 < n && items.prefix(k + 1) > d) {
+      ++k;
+      if (depends) dependent->push_back(uint32_t(items.index(k)));
+    }
   }
 }
 
 void CompiledGrammar::classify(const Stack& top, size_t begin, size_t end, std::vector<uint64_t>& words,
                                std::vector<uint32_t>& dependent) const {
-  const TokenVocab& v = *vocab_;
-  const std::bitset<256>& follow = follow_[rule_of_[top.front()]];
+  // A walk from {top}. A stack of it that empties has finished the rule of the top's bottom
+  // entry; in a real state the stack below goes on from there, which this walk cannot see: a
+  // token that dies after such a point, where the next byte may start what follows that rule,
+  // may live in some real state (dependent). The tokens that live, live without the stack
+  // below.
   State s0;
   s0.push(top);
-  // As walk(), from {top}. A stack of it that empties has finished the rule of the top's
-  // bottom entry; in a real state the stack below goes on from there, which this walk cannot
-  // see. dep[d]: the token's first d bytes passed such a point where the next byte may start
-  // what follows that rule — a token that dies here may live in some real state.
-  Dfa dfa(*this, s0);
-  std::vector<uint32_t> path(1, 0);
-  std::vector<uint8_t> dep(1, 0);
-  size_t alive = 0;
-  for (size_t i = begin; i < end; ++i) {
-    const TokenId id = v.order_[i];
-    const std::string& b = v.bytes_[size_t(id)];
-    size_t d = std::min<size_t>(i == begin ? 0 : v.lcp_[i], alive);
-    bool dead = false;
-    if (path.size() < b.size() + 1) {
-      path.resize(b.size() + 1);
-      dep.resize(b.size() + 1);
-    }
-    for (; d < b.size(); ++d) {
-      const uint8_t c = uint8_t(b[d]);
-      dep[d + 1] = dep[d] || (dfa.accepting[path[d]] && follow[c]);
-      const uint32_t to = dfa.step(path[d], c);
-      if (to == Dfa::kDead) {
-        dead = true;
-        break;
-      }
-      path[d + 1] = to;
-    }
-    alive = d;
-    if (!dead) {
-      words[size_t(id) >> 6] |= uint64_t(1) << (id & 63);  // lives without the stack below
-      continue;
-    }
-    // The tokens sharing the dead prefix b[0..d] end the same way.
-    const bool depends = dep[d + 1];
-    if (depends) dependent.push_back(uint32_t(i));
-    while (i + 1 < end && v.lcp_[i + 1] > d) {
-      ++i;
-      if (depends) dependent.push_back(uint32_t(i));
-    }
-  }
+  walk(s0, RangeItems{vocab_->lcp_, begin, end}, words, &follow_[rule_of_[top.front()]], &dependent);
 }
 
 // ---- one generation ---------------------------------------------------------------------

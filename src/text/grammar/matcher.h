@@ -155,9 +155,11 @@ class CompiledGrammar {
   std::shared_ptr<const PositionMask> compute_position_mask(const Stack& top) const;
   // Sets the bits of the allowed tokens among `items` (indices into the sorted vocabulary,
   // ascending, with their common prefixes): the sorted vocabulary's [begin, end) or a
-  // position's dependent tokens.
+  // position's dependent tokens. With `follow`, also lists in `dependent` the dead tokens
+  // that passed an emptied stack where the next byte is in `follow` (classify).
   template <class Items>
-  void walk(const State& s, const Items& items, std::vector<uint64_t>& words) const;
+  void walk(const State& s, const Items& items, std::vector<uint64_t>& words, const std::bitset<256>* follow = nullptr,
+            std::vector<uint32_t>* dependent = nullptr) const;
   // From the one-stack state {top}: sets the bits of the tokens it accepts and lists the
   // sorted-vocabulary indices in [begin, end) of those that depend on what lies below.
   void classify(const Stack& top, size_t begin, size_t end, std::vector<uint64_t>& words,
