@@ -146,7 +146,7 @@ Result run(ModelRunner& r, int batch, int context, int steps, bool host_logits, 
                           .logit_rows = rows};
     if (host_logits) r.forward(fb, out);
     else if (auto* c = dynamic_cast<CudaModelRunner*>(&r)) c->forward_greedy(fb, ids);
-    else r.forward_sampled(fb, greedy, ids, {});
+    else r.forward_sampled(fb, greedy, ids, {}, {});
   };
   for (int i = 0; i < warm; ++i) step(i);
   const auto t0 = std::chrono::steady_clock::now();

@@ -171,7 +171,9 @@ bool LLMEngine::step() {
   const auto t_forward = Clock::now();
   stats_.schedule_seconds_total += seconds(t_forward - t_step);
   try {
-    batch_.run(model_.model());
+    const size_t vocab = size_t(model_.config().vocab_size);
+    batch_.run(model_.model(),
+               [&](Sequence& s, int i, std::span<uint64_t> words) { return outputs_.fill_mask(s, i, vocab, words); });
   } catch (const std::exception& e) {
     // The step failed as a whole: its sequences fail with the reason, the rest go on.
     for (Sequence* s : seqs) {
@@ -185,6 +187,7 @@ bool LLMEngine::step() {
     return true;
   }
   ++stats_.steps_total;
+  stats_.grammar_late_masks_total += uint64_t(batch_.late_masks());
   const auto t_sample = Clock::now();
   stats_.forward_seconds_total += seconds(t_sample - t_forward);
 

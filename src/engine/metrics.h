@@ -42,6 +42,9 @@ struct EngineStats {
   // Tokens of constrained requests drawn a step or more late because their grammar mask was
   // not computed when their step ended (the rest of the batch did not wait for it).
   uint64_t grammar_deferred_tokens_total = 0;
+  // Masked rows of a runner that samples on its device whose mask was not ready when the
+  // forward pass ended: their logits came back, to be drawn on the host (or deferred).
+  uint64_t grammar_late_masks_total = 0;
   // Speculative decoding: drafts verified (one per sequence and step), their tokens, and of
   // those the accepted ones. Mean acceptance length = 1 + accepted / drafts.
   uint64_t spec_drafts_total = 0;

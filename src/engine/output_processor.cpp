@@ -32,10 +32,10 @@ void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) co
   std::vector<TokenId> history;  // output tokens so far, accepted draft tokens included
   for (int i = 0; i < s.sample_rows; ++i) {
     const int r = s.sample_row0 + i;
-    TokenId t;
-    if (s.device_sampled) {
-      t = batch.device_token(s, r);
-    } else {
+    TokenId t = s.device_sampled ? batch.device_token(s, r) : -1;
+    if (t >= 0) {
+      if (!advance(s, t, d)) break;
+    } else {  // a host row, or a masked row whose mask was late
       const auto raw = batch.logits(s, r);
       if (i == 0 && s.req.constraint && may_defer_ && !s.req.constraint->ready()) {
         // The others in the step need not wait for this mask (constrained rows have no draft).
@@ -69,65 +69,82 @@ TokenId OutputProcessor::draw_host(Sequence& s, std::span<const float> raw, int 
     history.insert(history.end(), d.tokens.begin(), d.tokens.end());
     output = history;
   }
-  const TokenId t = s.sampler.sample(row, s.req.sampling, s.prompt(), output);
+  const TokenId t = s.device_sampled
+                        ? sample_gumbel(row, s.req.sampling, s.req.seed, uint64_t(s.num_output() + i))
+                        : s.sampler.sample(row, s.req.sampling, s.prompt(), output);
   if (s.req.logprobs > 0) d.logprobs.push_back({t, logprob_of(raw, t), top_logprobs(raw, s.req.logprobs)});
-  if (s.req.constraint && stop_reason(s, t) == FinishReason::None) {
-    try {
-      if (!s.req.constraint->accept(t)) {
-        d.error = "the sampled token " + std::to_string(t) + " does not continue the request's grammar";  // a masking bug
-        return -1;
-      }
-      s.req.constraint->prefetch();  // the next mask, while the next forward pass runs
-    } catch (const Error& e) {
-      d.error = e.what();
-      return -1;
-    }
-  }
-  return t;
+  return advance(s, t, d) ? t : -1;
 }
 
-std::string OutputProcessor::masked_row(const Sequence& s, int output_index, std::span<const float> raw,
-                                        std::vector<float>& out) const {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  out.assign(raw.begin(), raw.end());
-  for (const auto& [t, bias] : s.req.logit_bias) out[size_t(t)] += bias;
-  const bool early = output_index < s.req.min_tokens;
-  if (const auto& c = s.req.constraint) {
-    // Tokens the grammar allows; the stop tokens only where the text is complete.
+bool OutputProcessor::advance(Sequence& s, TokenId t, Drawn& d) const {
+  if (!s.req.constraint || stop_reason(s, t) != FinishReason::None) return true;
+  try {
+    if (!s.req.constraint->accept(t)) {
+      d.error = "the sampled token " + std::to_string(t) + " does not continue the request's grammar";  // a masking bug
+      return false;
+    }
+    s.req.constraint->prefetch();  // the next mask, while the next forward pass runs
+  } catch (const Error& e) {
+    d.error = e.what();
+    return false;
+  }
+  return true;
+}
+
+std::string OutputProcessor::allowed_tokens(const Sequence& s, int i, size_t vocab, std::span<uint64_t> words) const {
+  KVLM_CHECK(words.size() * 64 >= vocab, "a token mask shorter than the vocabulary");
+  const bool early = i < s.req.min_tokens;
+  auto set = [&](TokenId t, bool on) {
+    if (t < 0 || size_t(t) >= vocab) return;
+    const uint64_t bit = uint64_t(1) << (t % 64);
+    words[size_t(t) / 64] = on ? words[size_t(t) / 64] | bit : words[size_t(t) / 64] & ~bit;
+  };
+  const auto& c = s.req.constraint;
+  // EOS and the stop tokens: allowed where the text may end, and never before min_tokens.
+  const bool may_end = !early && (!c || c->can_end());
+  if (c) {
     std::shared_ptr<const grammar::TokenMask> allowed;
     try {
       allowed = c->allowed();
     } catch (const Error& e) {
       return e.what();  // the grammar proved too ambiguous: this request fails, not the engine
     }
-    const size_t nv = std::min(out.size(), size_t(c->vocab_size()));
-    bool any = false;
-    for (size_t t = 0; t < out.size(); ++t) {
-      const bool ok = t < nv && allowed->test(TokenId(t));
-      if (!ok) out[t] = kNegInf;
-      any |= ok;
-    }
-    if (c->can_end() && !early) {
-      const auto allow = [&](TokenId e) {
-        out[size_t(e)] = raw[size_t(e)];
-        any = true;
-      };
-      if (!s.req.ignore_eos)
-        for (TokenId e : eos_) allow(e);
-      for (TokenId e : s.req.stop_token_ids) allow(e);
-    }
-    if (!any)
-      return c->can_end() ? "min_tokens asks for more tokens than the request's grammar allows"
-                          : "no token of the vocabulary continues the request's grammar (the model's tokens cannot spell "
-                            "what it requires next)";
-    return {};
+    const size_t n = std::min(words.size(), allowed->words.size());
+    std::copy_n(allowed->words.begin(), n, words.begin());
+    std::fill(words.begin() + ptrdiff_t(n), words.end(), uint64_t(0));
+  } else {
+    std::ranges::fill(words, ~uint64_t(0));
   }
-  if (early) {
-    // Too early to stop: EOS and stop tokens cannot be sampled.
+  if (vocab % 64) words[vocab / 64] &= (uint64_t(1) << (vocab % 64)) - 1;  // nothing past the vocabulary
+  std::fill(words.begin() + ptrdiff_t((vocab + 63) / 64), words.end(), uint64_t(0));
+  if (!c || may_end) {  // (where a grammar cannot end, its bits stand: EOS has no text it could allow)
     if (!s.req.ignore_eos)
-      for (TokenId e : eos_) out[size_t(e)] = kNegInf;
-    for (TokenId e : s.req.stop_token_ids) out[size_t(e)] = kNegInf;
+      for (TokenId e : eos_) set(e, may_end);
+    for (TokenId e : s.req.stop_token_ids) set(e, may_end);
   }
+  if (std::ranges::none_of(words, [](uint64_t w) { return w != 0; })) {
+    if (!c) return "min_tokens leaves no token of the vocabulary to draw";
+    return c->can_end() ? "min_tokens asks for more tokens than the request's grammar allows"
+                        : "no token of the vocabulary continues the request's grammar (the model's tokens cannot spell "
+                          "what it requires next)";
+  }
+  return {};
+}
+
+bool OutputProcessor::fill_mask(Sequence& s, int i, size_t vocab, std::span<uint64_t> words) const {
+  if (s.req.constraint && !s.req.constraint->ready()) return false;
+  return allowed_tokens(s, i, vocab, words).empty();
+}
+
+std::string OutputProcessor::masked_row(const Sequence& s, int output_index, std::span<const float> raw,
+                                        std::vector<float>& out) const {
+  out.assign(raw.begin(), raw.end());
+  for (const auto& [t, bias] : s.req.logit_bias) out[size_t(t)] += bias;
+  if (!s.req.constraint && output_index >= s.req.min_tokens) return {};  // nothing to mask
+  std::vector<uint64_t> words((raw.size() + 63) / 64);
+  if (std::string error = allowed_tokens(s, output_index, raw.size(), words); !error.empty()) return error;
+  for (size_t t = 0; t < out.size(); ++t)
+    if (!((words[t / 64] >> (t % 64)) & 1)) out[t] = -std::numeric_limits<float>::infinity();
   return {};
 }
 

@@ -43,6 +43,13 @@ class OutputProcessor {
   // The token of a deferred sequence (Sequence::deferred), drawn from its saved row now that
   // its grammar mask is ready, with its stop conditions; the output to deliver.
   RequestOutput draw_deferred(Sequence& s);
+  // For a runner that samples masked rows (StepBatch::MaskFn): the tokens of a `vocab`-token
+  // vocabulary that `s` may draw at output index i, as bits (bit t of words[t / 64]) — the
+  // grammar's, with EOS and the stop tokens where the text may end and min_tokens is reached;
+  // without a grammar every token but, before min_tokens, EOS and the stop tokens. False
+  // without waiting when the grammar's mask is still being computed, and when it fails or
+  // allows nothing: the row's logits then come back, and draw() defers it or says why.
+  bool fill_mask(Sequence& s, int i, size_t vocab, std::span<uint64_t> words) const;
 
  private:
   struct Drawn {
@@ -51,15 +58,22 @@ class OutputProcessor {
     std::string error;                     // the request fails (its grammar admits no token)
     bool deferred = false;                 // its grammar mask was not ready: drawn later
   };
+  // The tokens `s` may draw at output index i (fill_mask's bits; waits for the grammar's
+  // mask). Returns an error message when the grammar fails or nothing is left to draw.
+  std::string allowed_tokens(const Sequence& s, int i, size_t vocab, std::span<uint64_t> words) const;
   // The logits a host-sampled row draws from: the raw row, or a copy with the logit bias
   // added and the tokens min_tokens or the request's grammar forbid at -inf. Returns an
   // error message when nothing is left to draw.
   std::string masked_row(const Sequence& s, int output_index, std::span<const float> raw, std::vector<float>& out) const;
   void draw_one(Sequence& s, const StepBatch& batch, Drawn& d) const;
   // Row i's token drawn on the host from `raw` (bias, min_tokens and grammar masking,
-  // penalties, log-probabilities; the grammar advances). -1 with d.error set when the request
-  // must fail. `history`: scratch for the output so far.
+  // penalties, log-probabilities; the grammar advances) — by the request's Sampler, or for a
+  // device_sampled sequence (a late mask) by sample_gumbel, as the runner would have. -1 with
+  // d.error set when the request must fail. `history`: scratch for the output so far.
   TokenId draw_host(Sequence& s, std::span<const float> raw, int i, Drawn& d, std::vector<TokenId>& history) const;
+  // Advances the request's grammar by its token t (drawn here or by the runner) and starts
+  // the next mask; false with d.error set when the grammar rejects it.
+  bool advance(Sequence& s, TokenId t, Drawn& d) const;
   // Appends d's tokens to s and says why s ends (None: it goes on); counts them.
   FinishReason emit(Sequence& s, Drawn& d, RequestOutput& out, Sequence::Clock::time_point now);
   // The end of an output: the prompt's log-probabilities once they are due, and the finish

@@ -50,7 +50,10 @@ struct Sequence {
   int prompt_rows = 0;   // leading logit rows that are prompt rows (prompt_logits / _logprobs)
   int sample_row0 = 0;   // index of the first row that draws a token
   int sample_rows = 0;   // rows that draw tokens: 1 + draft, or 0 (prefill chunk, scoring)
-  bool device_sampled = false;  // those rows are drawn by the runner (forward_sampled)
+  // Those rows are drawn by the Gumbel sampler (sample_gumbel: a token fixed by the seed and
+  // its position) — by the runner (forward_sampled), or on the host for a masked row whose
+  // mask was late.
+  bool device_sampled = false;
   int prompt_logits_sent = 0;   // prompt rows already delivered (never twice after preemption)
 
   explicit Sequence(EngineRequest r) : req(std::move(r)), sampler(req.seed) {}
@@ -72,11 +75,16 @@ struct Sequence {
     if (req.prompt_logits) return num_prompt;
     return wants_prompt_logprobs() ? num_prompt - 1 : 0;
   }
-  // Whether the next token can be drawn where the logits are: no penalties, no
-  // log-probabilities, no logit bias or grammar, and no tokens to mask for min_tokens.
-  bool device_samplable(bool has_eos) const {
-    const bool masking = num_output() < req.min_tokens && ((!req.ignore_eos && has_eos) || !req.stop_token_ids.empty());
-    return !req.sampling.has_penalties() && req.logprobs == 0 && !masking && req.logit_bias.empty() && !req.constraint;
+  // Whether the next tokens can be drawn where the logits are: no penalties, no
+  // log-probabilities, no logit bias (a grammar, and min_tokens holding back EOS, travel to the
+  // runner as token masks).
+  bool device_samplable() const {
+    return !req.sampling.has_penalties() && req.logprobs == 0 && req.logit_bias.empty();
+  }
+  // Whether the token at output index `i` is drawn from a subset of the vocabulary: a
+  // grammar's tokens, or all but EOS and the stop tokens before min_tokens.
+  bool needs_mask(int i, bool has_eos) const {
+    return req.constraint || (i < req.min_tokens && ((!req.ignore_eos && has_eos) || !req.stop_token_ids.empty()));
   }
 };
 

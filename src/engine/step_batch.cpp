@@ -45,6 +45,7 @@ void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool devi
   attn_.clear();
   logit_rows_.clear();
   row_sampling_.clear();
+  row_owner_.clear();
   host_row_.clear();
   for (Sequence* s : seqs) {
     const int q0 = int(tokens_.size());
@@ -79,16 +80,20 @@ void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool devi
     s->logit_count = int(logit_rows_.size()) - s->logit_row;
     if (s->logit_count == 0) s->logit_row = -1;
     // The rows that draw tokens may be sampled by the runner unless their logits are needed
-    // here (a prompt row shares them, or penalties, logprobs, min_tokens masking).
-    s->device_sampled = device_sampling && s->sample_rows > 0 && s->prompt_rows == 0 && s->device_samplable(has_eos);
+    // here (a prompt row shares them, or penalties, logprobs, logit bias); a grammar's or
+    // min_tokens's masking goes with the row as its mask.
+    s->device_sampled = device_sampling && s->sample_rows > 0 && s->prompt_rows == 0 && s->device_samplable();
     for (int r = 0; r < s->logit_count; ++r) {
       RowSampling rs;
+      const int output_index = s->num_output() + r;
       if (s->device_sampled) {
-        rs = RowSampling{.on_device = true, .params = s->req.sampling, .seed = s->req.seed,
-                         .counter = uint64_t(s->num_output() + r)};
+        rs = RowSampling{.on_device = true, .masked = s->needs_mask(output_index, has_eos), .params = s->req.sampling,
+                         .seed = s->req.seed, .counter = uint64_t(output_index)};
       }
-      host_row_.push_back(rs.on_device ? -1 : num_host_rows++);
+      // A masked row keeps a host slot: its logits come back if its mask is late.
+      host_row_.push_back(rs.on_device && !rs.masked ? -1 : num_host_rows++);
       row_sampling_.push_back(rs);
+      row_owner_.push_back({s, output_index});
     }
   }
   exact_.bind(attn_);
@@ -96,11 +101,18 @@ void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool devi
   device_tokens_.assign(logit_rows_.size(), -1);
 }
 
-void StepBatch::run(ModelRunner& runner) {
+void StepBatch::run(ModelRunner& runner, const MaskFn& mask) {
   const ForwardBatch fb{.tokens = tokens_, .positions = positions_, .slots = slots_, .exact_slots = exact_.slots(),
                         .seqs = attn_, .logit_rows = logit_rows_};
-  if (device_sampling_) runner.forward_sampled(fb, row_sampling_, device_tokens_, logits_);
-  else runner.forward(fb, logits_);
+  if (!device_sampling_) {
+    runner.forward(fb, logits_);
+    return;
+  }
+  const RowMaskFn row_mask = [&](size_t row, std::span<uint64_t> words) {
+    const auto& [s, output_index] = row_owner_[row];
+    return mask && mask(*s, output_index, words);
+  };
+  runner.forward_sampled(fb, row_sampling_, device_tokens_, logits_, row_mask);
 }
 
 std::span<const float> StepBatch::logits(const Sequence& s, int r, int n) const {
@@ -114,6 +126,12 @@ std::span<const float> StepBatch::logits(const Sequence& s, int r, int n) const 
 TokenId StepBatch::device_token(const Sequence& s, int r) const {
   KVLM_CHECK(s.logit_row >= 0 && r >= 0 && r < s.logit_count, "logit row out of range");
   return device_tokens_[size_t(s.logit_row + r)];
+}
+
+int StepBatch::late_masks() const {
+  int n = 0;
+  for (size_t i = 0; i < row_sampling_.size(); ++i) n += row_sampling_[i].masked && device_tokens_[i] < 0;
+  return n;
 }
 
 }  // namespace kvlm

@@ -6,7 +6,9 @@
 // on its device. Kept across steps so its buffers are reused.
 #pragma once
 
+#include <functional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "engine/sequence.h"
@@ -41,14 +43,21 @@ class StepBatch {
   // exact_map: the BlockManager's exact page of every page (empty: no exact tokens).
   void build(std::span<Sequence* const> seqs, int block_size, bool device_sampling, bool has_eos, size_t vocab,
              std::span<const int32_t> exact_map = {});
-  // Runs the step: the pages receive the rows' K/V, the logits come back.
-  void run(ModelRunner& runner);
+  // The mask of the token `s` draws at output index i (OutputProcessor::fill_mask): writes
+  // its allowed tokens as bits and returns true, or returns false when it is not ready.
+  using MaskFn = std::function<bool(Sequence& s, int i, std::span<uint64_t> words)>;
+  // Runs the step: the pages receive the rows' K/V, the logits (or the runner's tokens) come
+  // back. `mask` gives the runner the masks of masked rows while the forward pass runs.
+  void run(ModelRunner& runner, const MaskFn& mask = {});
 
   int num_rows() const { return int(tokens_.size()); }
   // Host logits of `n` consecutive logit rows of `s` from its r-th ([n][vocab]).
   std::span<const float> logits(const Sequence& s, int r, int n = 1) const;
-  // The token the runner drew for the r-th logit row of `s` (device_sampled sequences).
+  // The token the runner drew for the r-th logit row of `s` (device_sampled sequences); -1
+  // for a masked row whose mask was late (its logits are here instead).
   TokenId device_token(const Sequence& s, int r) const;
+  // Masked rows the runner did not sample (their mask was late), after run().
+  int late_masks() const;
 
  private:
   bool device_sampling_ = false;
@@ -60,7 +69,8 @@ class StepBatch {
   std::vector<AttnSeq> attn_;
   std::vector<int32_t> logit_rows_;
   std::vector<RowSampling> row_sampling_;  // per logit row (runners that sample on their device)
-  std::vector<int> host_row_;              // per logit row: its row in logits_, -1 = sampled by the runner
+  std::vector<std::pair<Sequence*, int>> row_owner_;  // per logit row: its sequence and output index
+  std::vector<int> host_row_;  // per logit row: its slot in logits_, -1 = sampled by the runner
   std::vector<TokenId> device_tokens_;     // per logit row: the runner's token
   std::vector<float> logits_;              // the host rows' logits
 };

@@ -1,6 +1,7 @@
 #include "model/model_runner.h"
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "core/error.h"
@@ -8,17 +9,32 @@
 namespace kvlm {
 
 void ModelRunner::forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows,
-                                  std::span<TokenId> tokens, std::span<float> host_logits) {
+                                  std::span<TokenId> tokens, std::span<float> host_logits, const RowMaskFn& mask) {
   const size_t r = batch.logit_rows.size(), v = size_t(config().vocab_size);
   KVLM_CHECK(rows.size() == r && tokens.size() == r, "forward_sampled: one RowSampling and one token per logit row");
-  const size_t host = size_t(std::ranges::count_if(rows, [](const RowSampling& x) { return !x.on_device; }));
-  KVLM_CHECK(host_logits.size() == host * v, "forward_sampled: host_logits must hold the host rows' logits");
+  const size_t slots = size_t(std::ranges::count_if(rows, [](const RowSampling& x) { return !x.on_device || x.masked; }));
+  KVLM_CHECK(host_logits.size() == slots * v, "forward_sampled: host_logits must hold a slot per host or masked row");
   std::vector<float> all(r * v);
   forward(batch, all);
+  std::vector<uint64_t> words((v + 63) / 64);
+  std::vector<float> masked;
   size_t h = 0;
   for (size_t i = 0; i < r; ++i) {
     const std::span<const float> row = std::span<const float>(all).subspan(i * v, v);
-    if (rows[i].on_device) {
+    KVLM_CHECK(rows[i].on_device || !rows[i].masked, "forward_sampled: a masked row must be sampled by the runner");
+    if (rows[i].masked) {
+      std::ranges::fill(words, 0);
+      if (mask && mask(i, words)) {
+        masked.assign(row.begin(), row.end());
+        for (size_t t = 0; t < v; ++t)
+          if (!((words[t / 64] >> (t % 64)) & 1)) masked[t] = -std::numeric_limits<float>::infinity();
+        tokens[i] = sample_gumbel(masked, rows[i].params, rows[i].seed, rows[i].counter);
+      } else {
+        tokens[i] = -1;
+        std::ranges::copy(row, host_logits.begin() + ptrdiff_t(h * v));
+      }
+      ++h;
+    } else if (rows[i].on_device) {
       tokens[i] = sample_gumbel(row, rows[i].params, rows[i].seed, rows[i].counter);
     } else {
       std::ranges::copy(row, host_logits.begin() + ptrdiff_t(h * v));

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -39,10 +40,18 @@ struct PageCopy {
 // How forward_sampled treats one logit row.
 struct RowSampling {
   bool on_device = false;  // false: the row's logits are copied to the host instead
+  bool masked = false;     // (on_device rows) only the tokens of the row's mask may be drawn
   SamplingParams params;   // temperature, top-k, top-p, min-p (no penalties)
   uint64_t seed = 0;       // the request's seed
   uint64_t counter = 0;    // the output position of the token being drawn
 };
+
+// The token mask of a masked logit row (a grammar's allowed tokens): writes bit t of
+// words[t / 64] for each token t that may be drawn and returns true, or returns false when it
+// cannot say yet (the mask is still being computed, or no token is allowed) — the row's logits
+// then go to the host instead. Called on the runner's thread while the forward pass runs on
+// the device, once per masked row; it must not wait for a mask.
+using RowMaskFn = std::function<bool(size_t row, std::span<uint64_t> words)>;
 
 class ModelRunner {
  public:
@@ -67,13 +76,16 @@ class ModelRunner {
 
   // Sampling where the logits are (sampling/sampler.h's sample_gumbel), so that a GPU runner
   // returns token ids instead of [rows][vocab] logits. Runs the batch as forward() does; for
-  // each logit row i with rows[i].on_device, writes tokens[i]; the logits of the other rows
-  // go to host_logits, [number of such rows][vocab] in row order. The base implementation
-  // samples on the host after forward(); samples_on_device() says whether the runner does it
-  // on its device (the serving engine uses forward_sampled only then).
+  // each logit row i with rows[i].on_device, writes tokens[i]. host_logits has a slot of
+  // [vocab] for every row that is not on_device or is masked, in row order: the logits of a
+  // row that is not on_device go to its slot; a masked row asks mask(i, ...) for its mask
+  // while the forward pass runs and is sampled within it, or, when mask returns false, gets
+  // tokens[i] = -1 and its logits in its slot. The base implementation samples on the host
+  // after forward(); samples_on_device() says whether the runner does it on its device (the
+  // serving engine uses forward_sampled only then).
   virtual bool samples_on_device() const { return false; }
   virtual void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
-                               std::span<float> host_logits);
+                               std::span<float> host_logits, const RowMaskFn& mask);
 
   // Speculative decoding with a drafter loaded into the runner (DFlash). When one is,
   // forward() also keeps the target features the drafter reads and writes the drafter's

@@ -168,10 +168,11 @@ void TensorParallelRunner::forward(const ForwardBatch& batch, std::span<float> l
 }
 
 void TensorParallelRunner::forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows,
-                                           std::span<TokenId> tokens, std::span<float> host_logits) {
+                                           std::span<TokenId> tokens, std::span<float> host_logits,
+                                           const RowMaskFn& mask) {
   KVLM_CHECK(leader_, "forward_sampled on another node's ranks (they follow node 0)");
   remote([&] { remote_->forward(batch); });
-  run([&](ModelRunner& m) { m.forward_sampled(batch, rows, tokens, host_logits); },
+  run([&](ModelRunner& m) { m.forward_sampled(batch, rows, tokens, host_logits, mask); },
       [&](ModelRunner& m) { m.forward_follower(batch); });
 }
 

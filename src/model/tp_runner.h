@@ -62,7 +62,7 @@ class TensorParallelRunner final : public ModelRunner {
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
   bool samples_on_device() const override { return ranks_[0]->samples_on_device(); }
   void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
-                       std::span<float> host_logits) override;
+                       std::span<float> host_logits, const RowMaskFn& mask) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
   // Another node's ranks: every local rank follows.
   void forward_follower(const ForwardBatch& batch) override;

@@ -1,11 +1,18 @@
 #include "sampling/sampler.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
 #include "core/error.h"
 #include "core/philox.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+inline int omp_in_parallel() { return 0; }
+#endif
 
 namespace kvlm {
 
@@ -234,16 +241,49 @@ TokenId sample_gumbel(std::span<const float> logits, const SamplingParams& p, ui
       i = j;
     }
   }
-  float best = -std::numeric_limits<float>::infinity();
+  // Gumbel-max over the kept tokens. The noise is a non-decreasing function of its 32 random
+  // bits, so a token whose score could not reach the best so far even with the largest noise
+  // of its bits' top byte is passed over without its two logarithms; the bound carries a
+  // margin far above float rounding, so the token drawn is exactly the full scan's (and the
+  // GPU kernel's). Masked tokens (-inf) cannot win and cost nothing.
+  static const std::array<float, 256> noise_bound = [] {
+    std::array<float, 256> b{};
+    for (uint32_t t = 0; t < 256; ++t) b[t] = rng::gumbel_noise((t << 24) | 0xFFFFFFu) + 1e-3f;
+    return b;
+  }();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  auto scan = [&](size_t begin, size_t end, float& best, size_t& idx) {
+    for (size_t i = begin; i < end; ++i) {
+      const float x = logits[i];
+      if (!(x >= lo) || x == kNegInf) continue;
+      const uint32_t bits = rng::random_u32(seed, counter, uint32_t(i));
+      const float xs = x * g.inv_temperature;
+      if (xs + noise_bound[bits >> 24] < best) continue;
+      const float score = xs + rng::gumbel_noise(bits);
+      if (score > best || (score == best && i < idx)) {
+        best = score;
+        idx = i;
+      }
+    }
+  };
+  // The most likely token first: its score is a bound most others cannot reach.
+  const size_t top = size_t(argmax(logits));
+  float best = kNegInf;
   size_t idx = v;
-  for (size_t i = 0; i < v; ++i) {
-    if (!(logits[i] >= lo)) continue;
-    const float score = logits[i] * g.inv_temperature + rng::gumbel_noise(rng::random_u32(seed, counter, uint32_t(i)));
-    if (score > best || (score == best && i < idx)) {
-      best = score;
+  scan(top, top + 1, best, idx);
+  constexpr size_t kPiece = size_t(1) << 14;
+  const auto pieces = int64_t((v + kPiece - 1) / kPiece);
+  std::vector<std::pair<float, size_t>> found(size_t(pieces), {best, idx});
+#pragma omp parallel for schedule(static) if (pieces > 1 && !omp_in_parallel())
+  for (int64_t k = 0; k < pieces; ++k) {
+    auto& [b, i] = found[size_t(k)];
+    scan(size_t(k) * kPiece, std::min(v, size_t(k + 1) * kPiece), b, i);
+  }
+  for (const auto& [b, i] : found)
+    if (b > best || (b == best && i < idx)) {
+      best = b;
       idx = i;
     }
-  }
   return TokenId(idx < v ? idx : argmax(logits));
 }
 

@@ -96,6 +96,9 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   w.counter("kvlm:grammar_deferred_tokens_total",
             "Structured-output tokens drawn late because their grammar mask was still being computed.",
             double(s.grammar_deferred_tokens_total));
+  w.counter("kvlm:grammar_late_masks_total",
+            "Grammar masks not ready when the GPU sampled their step: the row's logits came back to the host.",
+            double(s.grammar_late_masks_total));
   w.counter("kvlm:spec_decode_num_drafts_total", "Speculative drafts verified (one per sequence and step).",
             double(s.spec_drafts_total));
   w.counter("kvlm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", double(s.spec_draft_tokens_total));

@@ -26,6 +26,7 @@
 // first near-tie (a position whose margin is below twice the CUDA logit error there).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -794,6 +795,99 @@ TEST(CudaRunner, GreedyOnGpuMatchesHostArgmax) {
       if (l[row * size_t(V) + i] > l[row * size_t(V) + best]) best = i;
     EXPECT_EQ(got[1][row], TokenId(best)) << "row " << row;
   }
+}
+
+// forward_sampled with every kind of row in one step: a row sampled on the GPU, a host row, a
+// masked row whose mask comes while the forward pass runs (sampled on the GPU within it), and
+// a masked row whose mask is late (its logits come back in its slot, token -1). The tokens
+// are sample_gumbel's over forward's logits (-inf outside the mask).
+TEST(CudaRunner, SampledRowsWithMasks) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const fs::path dir = golden_dir() / "models" / "qwen3-mixed";
+  auto ce = load(dir, KVCacheDType::Fp8PerTokenHead, Device::Cuda);
+  CudaModelRunner& r = cuda_of(*ce);
+  const int V = ce->config().vocab_size, bs = ce->block_size();
+  const int S = 4, L = 6;
+  std::vector<TokenId> toks;
+  std::vector<Position> pos;
+  std::vector<SlotId> slots;
+  std::vector<std::vector<BlockId>> tables(S);
+  std::vector<AttnSeq> seqs;
+  std::vector<int32_t> rows;
+  for (int s = 0; s < S; ++s) {
+    for (int b = 0; b * bs < L; ++b) tables[size_t(s)].push_back(BlockId(s * 4 + b));
+    for (int i = 0; i < L; ++i) {
+      toks.push_back(TokenId((s * 53 + i * 17 + 3) % V));
+      pos.push_back(i);
+      slots.push_back(SlotId(tables[size_t(s)][size_t(i / bs)]) * bs + i % bs);
+    }
+    seqs.push_back({.q_begin = s * L, .q_len = L, .kv_len = L, .block_table = tables[size_t(s)]});
+    rows.push_back(s * L + L - 1);
+  }
+  const ForwardBatch fb{.tokens = toks, .positions = pos, .slots = slots, .seqs = seqs, .logit_rows = rows};
+  r.allocate_kv(S * 4, bs);
+  std::vector<float> l(size_t(S) * size_t(V));
+  r.forward(fb, l);
+
+  const SamplingParams hot{.temperature = 1.0f}, greedy{.temperature = 0.0f};
+  const std::vector<RowSampling> rs{
+      {.on_device = true, .params = hot, .seed = 7, .counter = 3},
+      {.on_device = false},
+      {.on_device = true, .masked = true, .params = hot, .seed = 8, .counter = 5},
+      {.on_device = true, .masked = true, .params = greedy, .seed = 9, .counter = 1},
+  };
+  // Row 2's mask: every third token and the row's least likely one (a mask the unmasked
+  // argmax would leave).
+  const auto row = [&](int i) { return std::span<const float>(l).subspan(size_t(i) * size_t(V), size_t(V)); };
+  const TokenId worst = TokenId(std::ranges::min_element(row(2)) - row(2).begin());
+  std::vector<uint64_t> m2(size_t(V + 63) / 64, 0);
+  for (int t = 0; t < V; ++t)
+    if (t % 3 == 1 || t == worst) m2[size_t(t) / 64] |= uint64_t(1) << (t % 64);
+  std::vector<size_t> asked;
+  const RowMaskFn mask = [&](size_t i, std::span<uint64_t> words) {
+    asked.push_back(i);
+    if (i != 2) return false;  // row 3: late
+    std::ranges::copy(m2, words.begin());
+    return true;
+  };
+  r.allocate_kv(S * 4, bs);
+  std::vector<TokenId> tokens(S, -2);
+  std::vector<float> host(3 * size_t(V), std::nanf(""));
+  r.forward_sampled(fb, rs, tokens, host, mask);
+
+  std::ranges::sort(asked);
+  asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
+  EXPECT_EQ(asked, (std::vector<size_t>{2, 3}));
+  EXPECT_EQ(tokens[0], sample_gumbel(row(0), hot, 7, 3));
+  std::vector<float> masked(row(2).begin(), row(2).end());
+  for (int t = 0; t < V; ++t)
+    if (!((m2[size_t(t) / 64] >> (t % 64)) & 1)) masked[size_t(t)] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(tokens[2], sample_gumbel(masked, hot, 8, 5));
+  EXPECT_TRUE((m2[size_t(tokens[2]) / 64] >> (tokens[2] % 64)) & 1) << "token " << tokens[2] << " is outside its mask";
+  EXPECT_EQ(tokens[3], TokenId(-1)) << "a late mask's row must come back";
+  const auto slot = [&](int k) { return std::span<const float>(host).subspan(size_t(k) * size_t(V), size_t(V)); };
+  EXPECT_TRUE(std::ranges::equal(slot(0), row(1))) << "the host row's logits";
+  EXPECT_TRUE(std::ranges::all_of(slot(1), [](float x) { return std::isnan(x); })) << "the sampled masked row's slot was written";
+  EXPECT_TRUE(std::ranges::equal(slot(2), row(3))) << "the late row's logits";
+
+  // Every mask in time: only the host row's logits come back, into the first slot (the two
+  // masked rows' slots stay unwritten).
+  const RowMaskFn in_time = [&](size_t, std::span<uint64_t> words) {
+    std::ranges::copy(m2, words.begin());
+    return true;
+  };
+  r.allocate_kv(S * 4, bs);
+  std::ranges::fill(tokens, -2);
+  std::ranges::fill(host, std::nanf(""));
+  r.forward_sampled(fb, rs, tokens, host, in_time);
+  EXPECT_EQ(tokens[2], sample_gumbel(masked, hot, 8, 5));
+  std::vector<float> masked3(row(3).begin(), row(3).end());
+  for (int t = 0; t < V; ++t)
+    if (!((m2[size_t(t) / 64] >> (t % 64)) & 1)) masked3[size_t(t)] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(tokens[3], sample_gumbel(masked3, greedy, 9, 1));
+  EXPECT_TRUE(std::ranges::equal(slot(0), row(1))) << "the host row's logits";
+  EXPECT_TRUE(std::ranges::all_of(host.begin() + V, host.end(), [](float x) { return std::isnan(x); }))
+      << "a sampled masked row's slot was written";
 }
 
 TEST(CudaRunner, ClearErrors) {

@@ -480,6 +480,8 @@ TEST(CudaModelOps, ArgmaxRows) {
 // The sampling kernel against its CPU reference sample_gumbel, row by row: the same token,
 // except where two kept tokens' Gumbel scores are within float rounding of each other
 // (GPU and host logf differ in the last bit), which the test reports and checks is rare.
+// Every fourth row has a token mask (a grammar's: a handful of tokens, or most of them), whose
+// reference is sample_gumbel over the row with -inf outside the mask.
 TEST(CudaModelOps, SampleRowsMatchesTheReference) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(11);
@@ -511,24 +513,46 @@ TEST(CudaModelOps, SampleRowsMatchesTheReference) {
     const size_t nrows = static_cast<size_t>(rows);
     std::vector<cuda::SampleRowParams> params(nrows);
     std::vector<SamplingParams> sp(nrows);
+    const size_t words = size_t(cuda::mask_words(vocab));
+    std::vector<uint64_t> masks;
+    std::vector<float> masked_l = l;  // the reference's rows: -inf outside the mask
     for (int r = 0; r < rows; ++r) {
       sp[size_t(r)] = cases[size_t(r) % cases.size()];
       const GumbelParams g = gumbel_params(sp[size_t(r)]);
       params[size_t(r)] = {.inv_temperature = g.inv_temperature, .top_k = g.top_k, .top_p = g.top_p,
                            .min_p_offset = g.min_p_offset, .seed = 1000u + uint64_t(r), .counter = uint64_t(r) * 7u,
                            .skip = r == rows - 1 ? 1 : 0};
+      if (r % 4 != 3) continue;
+      // Sparse (a few tokens, as inside a JSON key) or dense (most tokens, as inside a string).
+      // Token `keep` is always allowed, and finite in every row (the -inf rows above hit every
+      // third token from 0): a mask must leave something to draw.
+      const bool sparse = (r / 4) % 2 == 0;
+      const int keep = vocab / 2 - (vocab / 2) % 3 + 1;
+      std::vector<uint64_t> m(words, 0);
+      float* row = masked_l.data() + size_t(r) * size_t(vocab);
+      for (int i = 0; i < vocab; ++i) {
+        const bool on = i == keep || (sparse ? rng() % 997 == 0 : rng() % 8 != 0);
+        if (on) m[size_t(i) / 64] |= uint64_t(1) << (i % 64);
+        else row[i] = -std::numeric_limits<float>::infinity();
+      }
+      params[size_t(r)].mask_row = int32_t(masks.size() / words);
+      masks.insert(masks.end(), m.begin(), m.end());
     }
     Dev<float> dl(l);
     Dev<cuda::SampleRowParams> dp(params);
+    Dev<uint64_t> dm(masks);
     Dev<TokenId> dout(nrows);
     dout.poison();
-    cuda::sample_rows(dl.p, rows, vocab, dp.p, dout.p, nullptr);
+    cuda::sample_rows(dl.p, rows, vocab, dp.p, dm.p, dout.p, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got = dout.download();
     EXPECT_EQ(got[size_t(rows - 1)], TokenId(-1)) << "a skipped row was written";
     for (int r = 0; r + 1 < rows; ++r) {
-      const std::span<const float> row(l.data() + size_t(r) * size_t(vocab), size_t(vocab));
+      const std::span<const float> row(masked_l.data() + size_t(r) * size_t(vocab), size_t(vocab));
       const auto& p = params[size_t(r)];
+      if (p.mask_row >= 0 && got[size_t(r)] >= 0 && got[size_t(r)] < vocab)
+        EXPECT_TRUE(std::isfinite(row[size_t(got[size_t(r)])]))
+            << "vocab " << vocab << " row " << r << ": token " << got[size_t(r)] << " is outside the row's mask";
       const TokenId want = sample_gumbel(row, sp[size_t(r)], p.seed, p.counter);
       const TokenId have = got[size_t(r)];
       ++rows_checked;

@@ -1,15 +1,18 @@
 // What the serving-engine tests share: the stories260K checkpoint, the exact-page check,
 // loading a checkpoint with a KV cache dtype, a request whose outputs are collected, random
-// prompts, one request run alone, and running an engine until it is idle.
+// prompts, one request run alone, a runner that samples "on its device", and running an
+// engine until it is idle.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/block_manager.h"
@@ -85,6 +88,58 @@ inline std::vector<TokenId> one_at_a_time(LoadedModel& e, const std::vector<Toke
   g.ignore_eos = true;
   return generate(e, g).tokens;
 }
+
+// A runner that says it samples on its device: the base ModelRunner::forward_sampled (host
+// sample_gumbel), so the engine's split between rows sampled by the runner and rows whose
+// logits come back is exercised on the CPU. Counts what it was asked for. With
+// patient_masks, it asks for a masked row's mask until it comes (as if the forward pass took
+// as long as the mask), so that no mask is late; without, a mask not ready after the forward
+// pass is late, as on a GPU.
+class DeviceSamplingRunner final : public ModelRunner {
+ public:
+  explicit DeviceSamplingRunner(std::unique_ptr<ModelRunner> inner) : inner_(std::move(inner)) {}
+  const ModelConfig& config() const override { return inner_->config(); }
+  Device device() const override { return inner_->device(); }
+  size_t num_parameters() const override { return inner_->num_parameters(); }
+  size_t weight_bytes() const override { return inner_->weight_bytes(); }
+  void allocate_kv(int num_blocks, int block_size, int num_exact_pages) override {
+    inner_->allocate_kv(num_blocks, block_size, num_exact_pages);
+  }
+  int kv_num_blocks() const override { return inner_->kv_num_blocks(); }
+  size_t kv_bytes() const override { return inner_->kv_bytes(); }
+  void forward(const ForwardBatch& b, std::span<float> logits) override {
+    ++plain_forwards;
+    inner_->forward(b, logits);
+  }
+  void copy_blocks(std::span<const PageCopy> copies) override { inner_->copy_blocks(copies); }
+  bool samples_on_device() const override { return true; }
+  void forward_sampled(const ForwardBatch& b, std::span<const RowSampling> rows, std::span<TokenId> tokens,
+                       std::span<float> host_logits, const RowMaskFn& mask) override {
+    int dev = 0, host = 0;
+    for (const RowSampling& r : rows) {
+      ++(r.on_device ? dev : host);
+      masked_rows += r.masked;
+    }
+    device_rows += dev;
+    host_rows += host;
+    mixed_steps += dev > 0 && host > 0;
+    const RowMaskFn patient = [&](size_t row, std::span<uint64_t> words) {
+      for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+           std::chrono::steady_clock::now() < until; std::this_thread::sleep_for(std::chrono::milliseconds(1)))
+        if (mask(row, words)) return true;
+      return false;
+    };
+    ModelRunner::forward_sampled(b, rows, tokens, host_logits, patient_masks ? patient : mask);
+    for (size_t i = 0; i < rows.size(); ++i) late_masks += rows[i].masked && tokens[i] < 0;
+    --plain_forwards;  // the base implementation's own forward()
+  }
+  void reset_counters() { device_rows = host_rows = mixed_steps = plain_forwards = masked_rows = late_masks = 0; }
+  int device_rows = 0, host_rows = 0, mixed_steps = 0, plain_forwards = 0, masked_rows = 0, late_masks = 0;
+  bool patient_masks = false;
+
+ private:
+  std::unique_ptr<ModelRunner> inner_;
+};
 
 inline void run_to_end(LLMEngine& le) {
   for (int guard = 0; le.has_work(); ++guard) {

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -202,6 +204,70 @@ TEST(GumbelSampler, GreedyAndSingleCandidate) {
     EXPECT_EQ(sample_gumbel(std::vector<float>{0, 5, 1, 4.9f}, {.temperature = 2.0f, .top_k = 1}, 3, c), 1);
   }
   EXPECT_THROW(sample_gumbel(l, {.temperature = 1.0f, .repetition_penalty = 1.2f}, 1, 0), std::exception);
+}
+
+// sample_gumbel passes over tokens whose score cannot reach the best even with their bits'
+// largest noise, and splits a large row over threads: the token is exactly that of the plain
+// scan (every kept token's score, the largest, ties to the lowest id) — on wide and narrow
+// logit ranges, coarse values with ties, masked rows, and every threshold kind.
+TEST(GumbelSampler, SkippingTokensChangesNothing) {
+  std::mt19937 rng(17);
+  const std::vector<SamplingParams> cases{{.temperature = 1.0f},       {.temperature = 0.3f},
+                                          {.temperature = 2.0f, .top_k = 40}, {.temperature = 0.8f, .top_p = 0.9f},
+                                          {.temperature = 1.0f, .min_p = 0.02f}};
+  int checked = 0;
+  for (const size_t v : {size_t(5), size_t(1000), size_t(40000), size_t(151936)}) {
+    for (int r = 0; r < 8; ++r) {
+      std::normal_distribution<float> nd(0.0f, r % 2 ? 8.0f : 1.0f);  // wide (a trained model's) and narrow ranges
+      std::vector<float> l(v);
+      for (float& x : l) x = nd(rng);
+      if (r % 4 == 2)
+        for (float& x : l) x = std::round(x);  // ties
+      if (r % 4 == 3)  // a grammar's mask: most tokens at -inf
+        for (size_t i = 0; i < v; ++i)
+          if (i % 7 != 3) l[i] = -INFINITY;
+      for (const SamplingParams& p : cases) {
+        const GumbelParams g = gumbel_params(p);
+        // The plain scan over the kept set sample_gumbel computes (its thresholds are tested
+        // above); only the scan's shortcut is under test here.
+        float lo = -INFINITY;
+        const float m = *std::ranges::max_element(l);
+        if (p.min_p > 0) lo = m + g.min_p_offset;
+        std::vector<float> k;
+        for (float x : l)
+          if (x >= lo) k.push_back(x);
+        std::ranges::sort(k, std::greater<>());
+        if (p.top_k > 0 && k.size() > size_t(p.top_k)) lo = k[size_t(p.top_k) - 1];
+        if (p.top_p < 1) {
+          uint64_t z = 0, acc = 0;
+          for (float x : k) z += gumbel_fixed_weight(x, m, g.inv_temperature);
+          for (size_t i = 0; i < k.size();) {
+            size_t j = i;
+            while (j < k.size() && k[j] == k[i]) acc += gumbel_fixed_weight(k[j++], m, g.inv_temperature);
+            if (double(acc) >= double(p.top_p) * double(z)) {
+              lo = k[i];
+              break;
+            }
+            i = j;
+          }
+        }
+        const uint64_t seed = rng(), counter = rng() % 1000;
+        float best = -INFINITY;
+        size_t want = v;
+        for (size_t i = 0; i < v; ++i) {
+          if (!(l[i] >= lo)) continue;
+          const float score = l[i] * g.inv_temperature + rng::gumbel_noise(rng::random_u32(seed, counter, uint32_t(i)));
+          if (score > best || (score == best && i < want)) {
+            best = score;
+            want = i;
+          }
+        }
+        ASSERT_EQ(sample_gumbel(l, p, seed, counter), TokenId(want)) << "vocab " << v << " row " << r << " T " << p.temperature;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 4 * 8 * 5);
 }
 
 TEST(GumbelSampler, CounterBasedAndReproducible) {

@@ -20,48 +20,6 @@ using namespace kvlm::testing;
 
 namespace {
 
-namespace {
-
-// A runner that says it samples on its device: the base ModelRunner::forward_sampled (host
-// sample_gumbel), so the engine's split between rows sampled by the runner and rows whose
-// logits come back is exercised on the CPU. Counts what it was asked for.
-class DeviceSamplingRunner final : public ModelRunner {
- public:
-  explicit DeviceSamplingRunner(std::unique_ptr<ModelRunner> inner) : inner_(std::move(inner)) {}
-  const ModelConfig& config() const override { return inner_->config(); }
-  Device device() const override { return inner_->device(); }
-  size_t num_parameters() const override { return inner_->num_parameters(); }
-  size_t weight_bytes() const override { return inner_->weight_bytes(); }
-  void allocate_kv(int num_blocks, int block_size, int num_exact_pages) override {
-    inner_->allocate_kv(num_blocks, block_size, num_exact_pages);
-  }
-  int kv_num_blocks() const override { return inner_->kv_num_blocks(); }
-  size_t kv_bytes() const override { return inner_->kv_bytes(); }
-  void forward(const ForwardBatch& b, std::span<float> logits) override {
-    ++plain_forwards;
-    inner_->forward(b, logits);
-  }
-  void copy_blocks(std::span<const PageCopy> copies) override { inner_->copy_blocks(copies); }
-  bool samples_on_device() const override { return true; }
-  void forward_sampled(const ForwardBatch& b, std::span<const RowSampling> rows, std::span<TokenId> tokens,
-                       std::span<float> host_logits) override {
-    int dev = 0, host = 0;
-    for (const RowSampling& r : rows) ++(r.on_device ? dev : host);
-    device_rows += dev;
-    host_rows += host;
-    mixed_steps += dev > 0 && host > 0;
-    ModelRunner::forward_sampled(b, rows, tokens, host_logits);
-    --plain_forwards;  // the base implementation's own forward()
-  }
-  void reset_counters() { device_rows = host_rows = mixed_steps = plain_forwards = 0; }
-  int device_rows = 0, host_rows = 0, mixed_steps = 0, plain_forwards = 0;
-
- private:
-  std::unique_ptr<ModelRunner> inner_;
-};
-
-}  // namespace
-
 // With a runner that samples where the logits are, plain sampled requests draw their tokens
 // there (the Gumbel sampler, reproducible from the seed and the token position), while rows
 // with logprobs, penalties or prompt logprobs still come back to the host — in the same steps.
@@ -126,6 +84,52 @@ TEST(Scheduler, RunnerSideSamplingAndHostRowsShareSteps) {
   EXPECT_GT(st.forward_seconds_total, 0.0);
   EXPECT_GE(st.sample_seconds_total, 0.0);
   EXPECT_GT(st.schedule_seconds_total, 0.0);
+}
+
+// min_tokens under runner-side sampling: the rows before min_tokens go to the runner with a
+// mask that holds back EOS and the stop tokens (no host round trip), and the outputs are
+// those of host sampling (greedy), or the draws sample_gumbel makes from the masked rows.
+TEST(Scheduler, RunnerSideMasksHoldBackStopTokens) {
+  const std::vector<TokenId> prompt{1, 403, 407, 261, 378};
+  const int n = 8, min_tokens = 3;
+  std::map<std::string, Collected> host_out, dev_out;
+  int masked_rows = 0;
+  for (const bool device : {false, true}) {
+    auto e = load(kStories, KVCacheDType::Auto, 8);
+    const auto greedy = one_at_a_time(*e, prompt, n);
+    DeviceSamplingRunner* runner = nullptr;
+    if (device)
+      e->wrap_model([&](std::unique_ptr<ModelRunner> inner) {
+        auto r = std::make_unique<DeviceSamplingRunner>(std::move(inner));
+        runner = r.get();
+        return r;
+      });
+    auto& out = device ? dev_out : host_out;
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 256,
+                                     .enable_prefix_caching = true, .num_blocks = 64});
+    auto g = make("greedy", prompt, n, out);
+    g.stop_token_ids = {greedy[0], greedy[1]};
+    g.min_tokens = min_tokens;
+    auto sampled = make("sampled", prompt, n, out);
+    sampled.sampling.temperature = 1.5f;
+    sampled.seed = 21;
+    sampled.stop_token_ids = {greedy[0]};
+    sampled.min_tokens = n;  // never stops early
+    le.add_request(std::move(g));
+    le.add_request(std::move(sampled));
+    run_to_end(le);
+    ASSERT_GE(out["greedy"].tokens.size(), size_t(min_tokens));
+    for (int i = 0; i < min_tokens; ++i) {
+      EXPECT_NE(out["greedy"].tokens[size_t(i)], greedy[0]) << i;
+      EXPECT_NE(out["greedy"].tokens[size_t(i)], greedy[1]) << i;
+    }
+    ASSERT_EQ(out["sampled"].tokens.size(), size_t(n));
+    for (TokenId t : out["sampled"].tokens) EXPECT_NE(t, greedy[0]);
+    if (runner) masked_rows = runner->masked_rows;
+    EXPECT_EQ(le.blocks().num_used(), 0);
+  }
+  EXPECT_EQ(dev_out["greedy"].tokens, host_out["greedy"].tokens);
+  EXPECT_EQ(masked_rows, min_tokens + n) << "every row before min_tokens, and only those, should carry a mask";
 }
 
 namespace {

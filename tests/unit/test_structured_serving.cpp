@@ -93,89 +93,120 @@ TEST(StructuredOutputs, ConstrainedBesideUnconstrained) {
 // their end while it waits, and every output is what it is when masks are instant (the late
 // token is drawn from the same logits with the same generator) — also when a small pool
 // preempts sequences whose token is waiting (it is drawn again from the recomputed logits).
+// With a runner that samples on its device, the masks travel to it and it draws the
+// constrained tokens; a late mask's row comes back and is drawn on the host by the same
+// Gumbel sampler, so the outputs are again those of instant masks.
 TEST(StructuredOutputs, LateMasksDoNotHoldUpTheBatch) {
-  const fs::path tiny = fs::path(KVLM_TEST_DATA) / ".." / "models" / "kvlm-tiny";
-  auto e = load(tiny, KVCacheDType::Auto, 8);
-  const Tokenizer tok = Tokenizer::load(tiny / "tokenizer.json");
-  const int vocab = e->config().vocab_size;
-  const auto tv = std::make_shared<const grammar::TokenVocab>(tok, vocab);
-  std::mt19937 rng(5);
-  std::vector<std::vector<TokenId>> plain_prompts;
-  for (int i = 0; i < 2; ++i) plain_prompts.push_back(random_prompt(rng, 12 + 5 * i, vocab));
-  struct Run {
-    std::map<std::string, Collected> out;
-    EngineStats stats;
-    size_t constrained_tokens_while_held = 0;
-  };
-  const auto run = [&](bool hold, int num_blocks) {
-    Run r;
-    // A grammar of its own, so that no mask is cached from another run.
-    auto regex = std::make_shared<const grammar::CompiledGrammar>(grammar::regex_grammar("[0-9]{2,3}-[a-c]{1,3}"), tv);
-    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 8, .max_num_batched_tokens = 64, .max_model_len = 64,
-                                     .enable_prefix_caching = false, .num_blocks = num_blocks});
-    // Released by the test, or after a minute by a watchdog: an engine that waited for the
-    // mask fails the checks below instead of hanging.
-    std::promise<void> release;
-    const std::shared_future<void> gate = release.get_future().share();
-    std::once_flag released;
-    const auto let_go = [&] { std::call_once(released, [&] { release.set_value(); }); };
-    std::mutex watch_mu;
-    std::condition_variable watch_cv;
-    bool done = false;
-    std::thread watchdog([&] {
-      std::unique_lock lock(watch_mu);
-      if (!watch_cv.wait_for(lock, std::chrono::seconds(60), [&] { return done; })) let_go();
-    });
-    for (int i = 0; i < 2; ++i) le.add_request(make("plain" + std::to_string(i), plain_prompts[size_t(i)], 12, r.out));
-    for (int i = 0; i < 3; ++i) {
-      EngineRequest q = make("code" + std::to_string(i), tok.encode("Code " + std::to_string(i) + ":"), 40, r.out);
-      q.sampling.temperature = 1.0f;
-      q.seed = uint64_t(40 + i);
-      q.ignore_eos = false;
-      q.constraint = std::make_shared<grammar::Constraint>(regex);
-      if (hold) q.constraint->hold_prefetch_for_testing(gate);
-      le.add_request(std::move(q));
-    }
-    if (hold) {
-      // No constrained request can draw a token: the plain ones still run to their end.
-      const auto plain_done = [&] { return r.out["plain0"].finishes + r.out["plain1"].finishes == 2; };
-      for (int guard = 0; !plain_done(); ++guard) {
-        if (guard == 1000) {
-          ADD_FAILURE() << "the plain requests waited for a mask";
-          break;
-        }
-        le.step();
+  for (const bool device : {false, true}) {
+    SCOPED_TRACE(device ? "runner-side sampling" : "host sampling");
+    const fs::path tiny = fs::path(KVLM_TEST_DATA) / ".." / "models" / "kvlm-tiny";
+    auto e = load(tiny, KVCacheDType::Auto, 8);
+    DeviceSamplingRunner* runner = nullptr;
+    if (device)
+      e->wrap_model([&](std::unique_ptr<ModelRunner> inner) {
+        auto r = std::make_unique<DeviceSamplingRunner>(std::move(inner));
+        runner = r.get();
+        return r;
+      });
+    const Tokenizer tok = Tokenizer::load(tiny / "tokenizer.json");
+    const int vocab = e->config().vocab_size;
+    const auto tv = std::make_shared<const grammar::TokenVocab>(tok, vocab);
+    std::mt19937 rng(5);
+    std::vector<std::vector<TokenId>> plain_prompts;
+    for (int i = 0; i < 2; ++i) plain_prompts.push_back(random_prompt(rng, 12 + 5 * i, vocab));
+    struct Run {
+      std::map<std::string, Collected> out;
+      EngineStats stats;
+      size_t constrained_tokens_while_held = 0;
+      int masked_rows = 0, late_masks = 0;  // runner-side sampling
+    };
+    const auto run = [&](bool hold, int num_blocks) {
+      Run r;
+      if (runner) {
+        runner->reset_counters();
+        runner->patient_masks = !hold;  // instant: the runner gets every mask
       }
-      for (int i = 0; i < 3; ++i) r.constrained_tokens_while_held += r.out["code" + std::to_string(i)].tokens.size();
+      // A grammar of its own, so that no mask is cached from another run.
+      auto regex =
+          std::make_shared<const grammar::CompiledGrammar>(grammar::regex_grammar("[0-9]{2,3}-[a-c]{1,3}"), tv);
+      LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 8, .max_num_batched_tokens = 64, .max_model_len = 64,
+                                       .enable_prefix_caching = false, .num_blocks = num_blocks});
+      // Released by the test, or after a minute by a watchdog: an engine that waited for the
+      // mask fails the checks below instead of hanging.
+      std::promise<void> release;
+      const std::shared_future<void> gate = release.get_future().share();
+      std::once_flag released;
+      const auto let_go = [&] { std::call_once(released, [&] { release.set_value(); }); };
+      std::mutex watch_mu;
+      std::condition_variable watch_cv;
+      bool done = false;
+      std::thread watchdog([&] {
+        std::unique_lock lock(watch_mu);
+        if (!watch_cv.wait_for(lock, std::chrono::seconds(60), [&] { return done; })) let_go();
+      });
+      for (int i = 0; i < 2; ++i)
+        le.add_request(make("plain" + std::to_string(i), plain_prompts[size_t(i)], 12, r.out));
+      for (int i = 0; i < 3; ++i) {
+        EngineRequest q = make("code" + std::to_string(i), tok.encode("Code " + std::to_string(i) + ":"), 40, r.out);
+        q.sampling.temperature = 1.0f;
+        q.seed = uint64_t(40 + i);
+        q.ignore_eos = false;
+        q.constraint = std::make_shared<grammar::Constraint>(regex);
+        if (hold) q.constraint->hold_prefetch_for_testing(gate);
+        le.add_request(std::move(q));
+      }
+      if (hold) {
+        // No constrained request can draw a token: the plain ones still run to their end.
+        const auto plain_done = [&] { return r.out["plain0"].finishes + r.out["plain1"].finishes == 2; };
+        for (int guard = 0; !plain_done(); ++guard) {
+          if (guard == 1000) {
+            ADD_FAILURE() << "the plain requests waited for a mask";
+            break;
+          }
+          le.step();
+        }
+        for (int i = 0; i < 3; ++i) r.constrained_tokens_while_held += r.out["code" + std::to_string(i)].tokens.size();
+      }
+      let_go();
+      {
+        std::lock_guard lock(watch_mu);
+        done = true;
+      }
+      watch_cv.notify_one();
+      watchdog.join();
+      run_to_end(le);
+      r.stats = le.stats();
+      if (runner) {
+        r.masked_rows = runner->masked_rows;
+        r.late_masks = runner->late_masks;
+      }
+      EXPECT_EQ(le.blocks().num_used(), 0) << "pages leaked";
+      return r;
+    };
+    const Run instant = run(false, 64), late = run(true, 64), squeezed = run(true, 8);
+    for (const Run* other : {&late, &squeezed}) {
+      for (const auto& [id, c] : instant.out) {
+        EXPECT_EQ(other->out.at(id).tokens, c.tokens) << id;
+        EXPECT_EQ(other->out.at(id).reason, c.reason) << id;
+        EXPECT_EQ(other->out.at(id).finishes, 1) << id;
+      }
+      EXPECT_EQ(other->constrained_tokens_while_held, 0u);
+      EXPECT_GE(other->stats.grammar_deferred_tokens_total, 3u);
     }
-    let_go();
-    {
-      std::lock_guard lock(watch_mu);
-      done = true;
+    EXPECT_GT(squeezed.stats.preemptions_total, 0u);
+    for (int i = 0; i < 3; ++i) {
+      const Collected& c = instant.out.at("code" + std::to_string(i));
+      std::string text;
+      for (TokenId t : c.tokens) text += tok.token_bytes(t);
+      EXPECT_TRUE(std::regex_match(text, std::regex("[0-9]{2,3}-[a-c]{1,3}"))) << text;
+      EXPECT_EQ(c.reason, FinishReason::Stop) << text;
     }
-    watch_cv.notify_one();
-    watchdog.join();
-    run_to_end(le);
-    r.stats = le.stats();
-    EXPECT_EQ(le.blocks().num_used(), 0) << "pages leaked";
-    return r;
-  };
-  const Run instant = run(false, 64), late = run(true, 64), squeezed = run(true, 8);
-  for (const Run* other : {&late, &squeezed}) {
-    for (const auto& [id, c] : instant.out) {
-      EXPECT_EQ(other->out.at(id).tokens, c.tokens) << id;
-      EXPECT_EQ(other->out.at(id).reason, c.reason) << id;
-      EXPECT_EQ(other->out.at(id).finishes, 1) << id;
+    if (device) {
+      EXPECT_GT(instant.masked_rows, 6) << "the constrained rows should go to the runner with their masks";
+      EXPECT_EQ(instant.late_masks, 0);
+      EXPECT_EQ(instant.stats.grammar_late_masks_total, 0u);
+      EXPECT_GE(late.late_masks, 3) << "held masks should reach the runner late";
+      EXPECT_EQ(late.stats.grammar_late_masks_total, uint64_t(late.late_masks));
     }
-    EXPECT_EQ(other->constrained_tokens_while_held, 0u);
-    EXPECT_GE(other->stats.grammar_deferred_tokens_total, 3u);
-  }
-  EXPECT_GT(squeezed.stats.preemptions_total, 0u);
-  for (int i = 0; i < 3; ++i) {
-    const Collected& c = instant.out.at("code" + std::to_string(i));
-    std::string text;
-    for (TokenId t : c.tokens) text += tok.token_bytes(t);
-    EXPECT_TRUE(std::regex_match(text, std::regex("[0-9]{2,3}-[a-c]{1,3}"))) << text;
-    EXPECT_EQ(c.reason, FinishReason::Stop) << text;
   }
 }

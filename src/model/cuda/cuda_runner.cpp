@@ -40,11 +40,14 @@
 #include "model/cuda/cuda_runner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -211,6 +214,8 @@ struct CudaModelRunner::Impl {
   bool poison = false;
   TokenId* ids = nullptr;                   // the last step's argmax / sampled ids
   cuda::SampleRowParams* sample = nullptr;  // the last step's per-row sampling parameters
+  DeviceBuffer masks;                       // the last step's token masks (forward_sampled's masked rows)
+  cudaEvent_t forward_done = nullptr;       // forward_sampled: the forward pass has run
   std::vector<cudaEvent_t> copy_events;     // forward's chunked logits copy
   bool graphs_on = true;
   struct Graph {
@@ -228,6 +233,7 @@ struct CudaModelRunner::Impl {
   ~Impl() {
     clear_graphs();
     for (cudaEvent_t e : copy_events) cudaEventDestroy(e);
+    if (forward_done) cudaEventDestroy(forward_done);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -486,6 +492,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
   m.def = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp.world) : cfg_);
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  KVLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.forward_done, cudaEventDisableTiming));
   WeightUploader up(m, m.weights);
   // The checkpoint's shapes are the whole model's: the list comes from its definition.
   const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(cfg_) : nullptr;
@@ -899,11 +906,13 @@ void CudaModelRunner::forward_follower(const ForwardBatch& b) {
   KVLM_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
-void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out) {
+void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out,
+                                      std::span<const int32_t> slots) {
   Impl& m = *impl_;
   KVLM_CHECK(m.comm->rank() == 0, "only tensor-parallel rank 0 forms logits; the other ranks run forward_follower");
   const size_t R = rows.size(), V = size_t(cfg_.vocab_size);
-  KVLM_CHECK(out.size() == R * V, "logits buffer size");
+  KVLM_CHECK(slots.empty() ? out.size() == R * V : slots.size() == R, "logits buffer size");
+  for (const int32_t slot : slots) KVLM_CHECK(slot >= 0 && (size_t(slot) + 1) * V <= out.size(), "logits slot out of range");
   if (R == 0) {
     KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
     return;
@@ -934,6 +943,13 @@ void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t>
   }
   for (size_t c = 0; c < chunks; ++c) {
     KVLM_CUDA_CHECK(cudaEventSynchronize(m.copy_events[c]));
+    if (!slots.empty()) {  // rows to scattered slots, one row per piece
+      const auto r0 = int64_t(c * rows_per_chunk), r1 = int64_t(std::min(R, (c + 1) * rows_per_chunk));
+#pragma omp parallel for schedule(static) if (r1 - r0 > 1)
+      for (int64_t i = r0; i < r1; ++i)
+        std::memcpy(out.data() + size_t(slots[size_t(i)]) * V, staging + size_t(i) * V, V * sizeof(float));
+      continue;
+    }
     const size_t r0 = c * rows_per_chunk, n = (std::min(R, r0 + rows_per_chunk) - r0) * V;
     const float* src = staging + r0 * V;
     float* dst = out.data() + r0 * V;
@@ -949,40 +965,104 @@ void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t>
 }
 
 void CudaModelRunner::forward_sampled(const ForwardBatch& b, std::span<const RowSampling> rows,
-                                      std::span<TokenId> tokens, std::span<float> host_logits) {
+                                      std::span<TokenId> tokens, std::span<float> host_logits, const RowMaskFn& mask) {
   KVLM_CHECK(impl_->comm->rank() == 0, "only tensor-parallel rank 0 samples; the other ranks run forward_follower");
   Impl& m = *impl_;
-  const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size);
+  const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size), W = size_t(cuda::mask_words(int(V)));
   KVLM_CHECK(rows.size() == R && tokens.size() == R, "forward_sampled: one RowSampling and one token per logit row");
-  std::vector<int32_t> host_rows;
-  for (size_t i = 0; i < R; ++i)
-    if (!rows[i].on_device) host_rows.push_back(int32_t(i));
-  KVLM_CHECK(host_logits.size() == host_rows.size() * V, "forward_sampled: host_logits must hold the host rows' logits");
+  std::vector<int32_t> host_rows, host_slots, masked_rows, masked_slots;
+  size_t slots = 0;
+  for (size_t i = 0; i < R; ++i) {
+    KVLM_CHECK(rows[i].on_device || !rows[i].masked, "forward_sampled: a masked row must be sampled by the runner");
+    KVLM_CHECK(!rows[i].on_device || !rows[i].params.has_penalties(), "forward_sampled: penalties are applied on the host");
+    if (rows[i].masked) {
+      masked_rows.push_back(int32_t(i));
+      masked_slots.push_back(int32_t(slots++));
+    } else if (!rows[i].on_device) {
+      host_rows.push_back(int32_t(i));
+      host_slots.push_back(int32_t(slots++));
+    }
+  }
+  KVLM_CHECK(host_logits.size() == slots * V, "forward_sampled: host_logits must hold a slot per host or masked row");
   const DeviceScope on(m.device);
   const float* dev = enqueue(b);
   const bool any_device = host_rows.size() < R;
   TokenId* ids_host = nullptr;
   if (any_device) {
-    // Parameters up, the sampling kernel, token ids down: all queued before the host rows'
-    // copy, whose final synchronization covers them.
-    uint8_t* pinned = m.sample_host.reserve(R * (sizeof(cuda::SampleRowParams) + sizeof(TokenId)));
+    // Parameters (and the rows' masks) up, the sampling kernel, token ids down: all queued
+    // before the host rows' copy, whose final synchronization covers them.
+    const size_t param_bytes = R * (sizeof(cuda::SampleRowParams) + sizeof(TokenId));
+    uint8_t* pinned = m.sample_host.reserve(param_bytes + masked_rows.size() * W * sizeof(uint64_t));
     auto* params = reinterpret_cast<cuda::SampleRowParams*>(pinned);
     ids_host = reinterpret_cast<TokenId*>(pinned + R * sizeof(cuda::SampleRowParams));
+    auto* mask_words = reinterpret_cast<uint64_t*>(pinned + param_bytes);  // 8-byte aligned: params are
     for (size_t i = 0; i < R; ++i) {
       const GumbelParams g = gumbel_params(rows[i].params);
-      KVLM_CHECK(!rows[i].on_device || !rows[i].params.has_penalties(), "forward_sampled: penalties are applied on the host");
       params[i] = cuda::SampleRowParams{.inv_temperature = g.inv_temperature, .top_k = g.top_k, .top_p = g.top_p,
                                         .min_p_offset = g.min_p_offset, .seed = rows[i].seed,
                                         .counter = rows[i].counter, .skip = rows[i].on_device ? 0 : 1};
     }
+    // The masks are gathered while the forward pass runs (a grammar's mask is computed on a
+    // host thread from the previous token); a row whose mask is not ready when the pass ends
+    // has its logits copied to the host instead.
+    int32_t num_masks = 0;
+    if (!masked_rows.empty()) {
+      KVLM_CUDA_CHECK(cudaEventRecord(m.forward_done, m.stream));
+      std::vector<int32_t> pending = masked_rows;
+      for (;;) {
+        std::erase_if(pending, [&](int32_t i) {
+          std::span<uint64_t> words(mask_words + size_t(num_masks) * W, W);
+          std::ranges::fill(words, 0);
+          if (!mask || !mask(size_t(i), words)) return false;
+          params[size_t(i)].mask_row = num_masks++;
+          return true;
+        });
+        if (pending.empty()) break;
+        const cudaError_t q = cudaEventQuery(m.forward_done);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) KVLM_CUDA_CHECK(q);
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      for (size_t k = 0; k < masked_rows.size(); ++k) {
+        const auto i = size_t(masked_rows[k]);
+        if (params[i].mask_row >= 0) continue;
+        params[i].skip = 1;  // its logits go to the host
+        host_rows.push_back(int32_t(i));
+        host_slots.push_back(masked_slots[k]);
+      }
+      if (num_masks > 0) {
+        const size_t bytes = size_t(num_masks) * W * sizeof(uint64_t);
+        if (bytes > m.masks.bytes()) {
+          KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // the previous step's sampling may read it
+          m.masks.allocate(std::max(bytes, 2 * m.masks.bytes()), "grammar masks");
+        }
+        KVLM_CUDA_CHECK(cudaMemcpyAsync(m.masks.data(), mask_words, bytes, cudaMemcpyHostToDevice, m.stream));
+      }
+    }
     KVLM_CUDA_CHECK(cudaMemcpyAsync(m.sample, params, R * sizeof(cuda::SampleRowParams), cudaMemcpyHostToDevice, m.stream));
-    cuda::sample_rows(dev, int(R), int(V), m.sample, m.ids, m.stream);
+    cuda::sample_rows(dev, int(R), int(V), m.sample, reinterpret_cast<const uint64_t*>(m.masks.data()), m.ids,
+                      m.stream);
     KVLM_CUDA_CHECK(cudaMemcpyAsync(ids_host, m.ids, R * sizeof(TokenId), cudaMemcpyDeviceToHost, m.stream));
   }
-  copy_logit_rows(dev, host_rows, host_logits);  // ends with a stream synchronization
+  // Host rows in slot order (a late mask's row joins them).
+  std::vector<size_t> order(host_rows.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::ranges::sort(order, {}, [&](size_t k) { return host_slots[k]; });
+  std::vector<int32_t> copy_rows(order.size()), copy_slots(order.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    copy_rows[k] = host_rows[order[k]];
+    copy_slots[k] = host_slots[order[k]];
+  }
+  bool in_place = true;  // slot k holds the k-th copied row: one contiguous copy
+  for (size_t k = 0; k < copy_slots.size(); ++k) in_place &= copy_slots[k] == int32_t(k);
+  if (in_place) copy_logit_rows(dev, copy_rows, host_logits.first(copy_rows.size() * V));
+  else copy_logit_rows(dev, copy_rows, host_logits, copy_slots);
+  // (copy_logit_rows ends with a stream synchronization: the sampled ids are here too)
   if (any_device)
     for (size_t i = 0; i < R; ++i)
       if (rows[i].on_device) tokens[i] = ids_host[i];
+  for (const int32_t i : copy_rows)
+    if (rows[size_t(i)].masked) tokens[size_t(i)] = -1;  // a late mask: sampled on the host
 }
 
 void CudaModelRunner::forward_greedy(const ForwardBatch& b, std::span<TokenId> tokens) {

@@ -67,7 +67,7 @@ class CudaModelRunner final : public ModelRunner {
   // that are not sampled there, cross to the host.
   bool samples_on_device() const override { return true; }
   void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
-                       std::span<float> host_logits) override;
+                       std::span<float> host_logits, const RowMaskFn& mask) override;
 
   // Optional extension (greedy sampling on the GPU): runs the batch as forward() does and
   // writes, per logit row, the token with the largest logit (ties: the lowest id, as the
@@ -98,9 +98,10 @@ class CudaModelRunner final : public ModelRunner {
   // Runs the target's step (and the drafter's context pass), or with `draft` the drafter's
   // blocks; returns the device logits of the logit rows.
   float* enqueue(const ForwardBatch& batch, bool draft = false);
-  // Copies the logits of `rows` (indices into the step's logit rows) to `out`, [rows][vocab],
-  // and waits for the stream.
-  void copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out);
+  // Copies the logits of `rows` (indices into the step's logit rows) to `out`, [rows][vocab]
+  // — or, given `slots`, rows[i] to out's row slots[i] — and waits for the stream.
+  void copy_logit_rows(const float* dev, std::span<const int32_t> rows, std::span<float> out,
+                       std::span<const int32_t> slots = {});
   // The argmax of the step's logit rows on the GPU, to `tokens` (one per row); waits.
   void argmax_to_host(const float* dev, std::span<TokenId> tokens);
 

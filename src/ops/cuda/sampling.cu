@@ -9,6 +9,8 @@
 //      weight from the top reaches the target;
 //   4. Gumbel-max over the kept tokens: argmax of logit/T + noise(seed, counter, token id).
 // A row with neither top-k nor top-p (the default of most clients) costs two passes.
+// A masked row (a grammar's allowed tokens) reads its 19 KB of bits beside its logits in every
+// pass and sees -inf for the tokens they exclude, exactly as its reference does.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -69,8 +71,17 @@ __device__ __forceinline__ unsigned long long fixed_weight(float x, float m, flo
 // The largest key t >= lo such that the weights of the kept tokens with key >= t add up to
 // at least `target` (kMass: fixed-point probability mass; else 1 per token). The caller
 // guarantees the kept tokens' total reaches the target.
+// Row r's logits as the sampler sees them: -inf outside its mask.
+struct Row {
+  const float* x;
+  const uint64_t* mask;  // null: every token
+  __device__ __forceinline__ float operator[](int i) const {
+    return (!mask || ((mask[i >> 6] >> (i & 63)) & 1ull)) ? x[i] : -INFINITY;
+  }
+};
+
 template <bool kMass>
-__device__ uint32_t select_threshold(const float* row, int vocab, uint32_t lo, double target, float m, float inv_t,
+__device__ uint32_t select_threshold(const Row row, int vocab, uint32_t lo, double target, float m, float inv_t,
                                      Shared& sh) {
   uint32_t prefix = 0;
   unsigned long long above = 0;
@@ -108,20 +119,23 @@ __device__ uint32_t select_threshold(const float* row, int vocab, uint32_t lo, d
 }
 
 __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int vocab, const SampleRowParams* params,
-                                                           TokenId* out) {
+                                                           const uint64_t* masks, TokenId* out) {
   __shared__ Shared sh;
   const SampleRowParams p = params[blockIdx.x];
   if (p.skip) return;
-  const float* row = logits + size_t(blockIdx.x) * size_t(vocab);
+  const Row row{logits + size_t(blockIdx.x) * size_t(vocab),
+                p.mask_row >= 0 ? masks + size_t(p.mask_row) * size_t((vocab + 63) / 64) : nullptr};  // mask_words
 
   if (p.inv_temperature == 0.0f) {  // greedy
     float best = -INFINITY;
     int idx = vocab;
-    for (int i = threadIdx.x; i < vocab; i += kThreads)
-      if (argmax_better(row[i], i, best, idx)) {
-        best = row[i];
+    for (int i = threadIdx.x; i < vocab; i += kThreads) {
+      const float x = row[i];
+      if (argmax_better(x, i, best, idx)) {
+        best = x;
         idx = i;
       }
+    }
     idx = block_argmax<kThreads>(best, idx);
     if (threadIdx.x == 0) out[blockIdx.x] = TokenId(idx < vocab ? idx : 0);
     return;
@@ -170,10 +184,11 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
 
 }  // namespace
 
-void sample_rows(const float* logits, int rows, int vocab, const SampleRowParams* params, TokenId* out, void* stream) {
+void sample_rows(const float* logits, int rows, int vocab, const SampleRowParams* params, const uint64_t* masks,
+                 TokenId* out, void* stream) {
   if (rows <= 0) return;
   if (vocab <= 0) throw Error("sample_rows: empty vocabulary");
-  sample_kernel<<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, vocab, params, out);
+  sample_kernel<<<unsigned(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, vocab, params, masks, out);
   KVLM_CUDA_CHECK_LAUNCH("sample_rows");
 }
 

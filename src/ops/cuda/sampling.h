@@ -19,11 +19,18 @@ struct SampleRowParams {
   uint64_t seed = 0;
   uint64_t counter = 0;          // the output position of the token being drawn
   int32_t skip = 0;              // 1: not sampled here (out[r] is left unwritten)
-  int32_t pad_ = 0;
+  int32_t mask_row = -1;         // >= 0: only the tokens of that row of `masks` may be drawn
 };
 
+// Words of one token mask: bit t of word t / 64 set = token t allowed (grammar::TokenMask's
+// layout).
+inline int mask_words(int vocab) { return (vocab + 63) / 64; }
+
 // out[r] = the token of row r of logits [rows][vocab] (device), for every row whose params
-// (device, [rows]) have skip == 0.
-void sample_rows(const float* logits, int rows, int vocab, const SampleRowParams* params, TokenId* out, void* stream);
+// (device, [rows]) have skip == 0. A row with mask_row >= 0 is sampled as if every token
+// outside masks[mask_row] ([*][mask_words(vocab)], device) had logit -inf — its mask must
+// allow at least one token. masks may be null when no row has one.
+void sample_rows(const float* logits, int rows, int vocab, const SampleRowParams* params, const uint64_t* masks,
+                 TokenId* out, void* stream);
 
 }  // namespace kvlm::cuda
