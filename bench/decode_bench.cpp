@@ -557,6 +557,11 @@ int main(int argc, char** argv) {
                                            : cuda::KernelSwitches::Fp8Weights::Auto;
       cuda::set_kernel_switches(sw);
     }
+    else if (a == "--no-fp8-gemm") {
+      auto sw = cuda::kernel_switches();
+      sw.fp8_gemm = false;
+      cuda::set_kernel_switches(sw);
+    }
     else if (a == "--no-pdl") {
       auto sw = cuda::kernel_switches();
       sw.pdl = false;
@@ -565,7 +570,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]] [--tp N]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--draft DIR [--spec-tokens K]] [--tp N]\n");
       return 2;
     }
   }

@@ -4,7 +4,9 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/model_ops.h"
 
 namespace kvlm {
@@ -37,7 +39,7 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   step_ = step;
   carver_ = carver;
   measure_ = measure;
-  attn_bf16_ = glu_act_ = nullptr;
+  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = nullptr;
   features_ = Tensor{};
   // The split-KV workspace: the largest any layer's format needs for this shape.
   attn_ws_ = nullptr;
@@ -109,7 +111,30 @@ void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Ten
 
 void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m) {
   const cuda::Fp8Weight f{.codes = static_cast<const uint8_t*>(w.data), .scales = w.scales, .scale_block = w.scale_block};
-  if (m <= cuda::kGemvFp8MaxM && gemm_.small_m_kernel(1)) {  // small-m kernels on (--no-gemv: off)
+  const int n = int(w.rows), k = int(w.cols);
+  const bool gemv = m <= cuda::kGemvFp8MaxM && gemm_.small_m_kernel(1);  // small-m kernels on (--no-gemv: off)
+  if (!gemv && fp8_max_cols_ > 0 && cuda::fp8_gemm_fits(n, k, w.scale_block)) {
+    // (carved whether or not the GEMM runs, so that measuring and running carve the same)
+    KVLM_CHECK(m <= step_.T && k <= fp8_max_cols_, "an FP8 GEMM larger than its step buffers");
+    auto* codes = static_cast<uint8_t*>(step_buffer(fp8_x_, size_t(step_.T) * size_t(fp8_max_cols_)));
+    auto* scales = static_cast<float*>(step_buffer(fp8_x_scales_, size_t(step_.T) * sizeof(float)));
+    if (measure_) return;
+  }
+  if (!gemv && fp8_gemm_ && fp8_x_ && cuda::fp8_gemm_fits(n, k, w.scale_block) && cuda::kernel_switches().fp8_gemm) {
+    auto* codes = static_cast<uint8_t*>(fp8_x_);
+    auto* scales = static_cast<float*>(fp8_x_scales_);
+    cuda::quantize_rows_fp8(act_, x, codes, scales, m, k, stream_);
+    try {
+      gemm_.linear_fp8(out, codes, scales, f, bias.data, y, m, n, k, stream_);
+      return;
+    } catch (const Error& e) {  // on its first use (eager): this GPU's cuBLASLt has none
+      fp8_gemm_ = false;
+      log::warn(std::string("the FP8 tensor-core GEMM is not available here (") + e.what() +
+                "); FP8 weights are dequantized for GEMMs of more than " + std::to_string(cuda::kGemvFp8MaxM) + " rows");
+    }
+  }
+  if (measure_) return;
+  if (gemv) {
     // One pass over the FP8 bytes for all m rows (the tensor-core kernel from m = 2).
     cuda::gemv_fp8(act_, out, x, f, bias.data, y, m, int(w.rows), int(w.cols), stream_);
     return;
@@ -120,8 +145,8 @@ void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, voi
 }
 
 void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {
-  if (measure_) return;
   if (w.dtype == DType::F8E4M3) return fp8_linear(x.data, w, bias, y.data, y.dtype, int(x.rows));
+  if (measure_) return;
   gemm_.linear(act_, y.dtype, x.data, w.data, bias.data, y.data, int(x.rows), int(w.rows), int(x.cols), stream_);
 }
 
@@ -129,15 +154,15 @@ void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight
   const int T = int(gu.rows), I = int(gu.cols / 2), H = int(w.rows);
   // Carved whether or not it is used, so that measuring and running carve the same.
   void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
-  if (measure_) return;
   if (w.dtype == DType::F8E4M3) {
     // Not fused at batch 1: the FP8 GEMV's warps own 2 rows each, so a fused SiLU-and-mul would
     // be recomputed by every warp (2048 times per element at down_proj's 4096 rows), ~0.4 ms of a
     // Qwen3-8B step; one glu pass costs a launch.
-    cuda::glu(act_, f, gu.data, act, T, I, stream_);
+    if (!measure_) cuda::glu(act_, f, gu.data, act, T, I, stream_);
     fp8_linear(act, w, bias, y.data, act_, T);
     return;
   }
+  if (measure_) return;
   if (f == GluActivation::Silu && T == 1 && gemm_.small_m_kernel(T) && cuda::gemv_fits(T, I, gu.data, w.data)) {
     // batch 1: SiLU-and-mul fused into the GEMV's input
     cuda::gemv_small_m(act_, act_, gu.data, w.data, bias.data, y.data, T, H, I, stream_, 0, /*glu_input=*/true);

@@ -108,9 +108,14 @@ class CudaOps final : public Ops {
   void all_reduce_sum(Tensor x) override;
   void capture(int layer, Tensor x) override;
 
-  // Where an FP8 weight is dequantized for a GEMM of more rows than the FP8 GEMV takes (the
-  // runner's buffer of its largest FP8 weight; null: the model has none).
-  void set_fp8_scratch(void* p) { fp8_scratch_ = p; }
+  // Where an FP8 weight is dequantized for a GEMM of more rows than the FP8 GEMV takes and
+  // the FP8 GEMM does not (the runner's buffer of its largest FP8 weight; null: the model has
+  // none), and the largest input size of its FP8 weights (the per-token quantized
+  // activations' buffer).
+  void set_fp8_scratch(void* p, int max_cols) {
+    fp8_scratch_ = p;
+    fp8_max_cols_ = max_cols;
+  }
 
   // A drafter's features: slot_of[layer] >= 0 for the target layers it reads (empty: none).
   // features() is the step's [T][slots * hidden] Hidden tensor, carved at the first capture.
@@ -122,7 +127,10 @@ class CudaOps final : public Ops {
   // A buffer the ops need inside the step, carved once per step at its first use.
   void* step_buffer(void*& slot, size_t bytes);
   // y = x . w^T (+ bias) for an FP8 weight: gemv_fp8 at m <= 16 (one pass over the codes; the
-  // tensor-core kernel from m = 2), else dequantized into the scratch buffer and the 16-bit GEMM.
+  // tensor-core kernel from m = 2); above, with one scale per weight row, x quantized per token
+  // and the FP8 tensor-core GEMM (cuBLASLt), else (block scales, or a GPU whose cuBLASLt has no
+  // such GEMM) the weight dequantized into the scratch buffer and the 16-bit GEMM. Carves its
+  // step buffers also when measuring.
   void fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m);
 
   DType act_;
@@ -137,6 +145,10 @@ class CudaOps final : public Ops {
   bool measure_ = false;
   void* attn_ws_ = nullptr;
   void* fp8_scratch_ = nullptr;
+  int fp8_max_cols_ = 0;
+  bool fp8_gemm_ = true;         // off once cuBLASLt had no FP8 GEMM (then the dequantizing path)
+  void* fp8_x_ = nullptr;        // the step's activations quantized per token, [T][fp8_max_cols_]
+  void* fp8_x_scales_ = nullptr;  // their scales, [T]
   size_t attn_ws_bytes_ = 0;
   void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
   void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused

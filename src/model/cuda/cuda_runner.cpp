@@ -203,7 +203,8 @@ struct CudaModelRunner::Impl {
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   std::vector<Weight> w;
   size_t num_params = 0, weight_bytes = 0;
-  size_t fp8_scratch_elems = 0;  // the largest FP8 weight: its dequantized copy for GEMMs of m > 8
+  size_t fp8_scratch_elems = 0;  // the largest FP8 weight: its dequantized copy for GEMMs of m > 16
+  int fp8_max_cols = 0;          // the largest input size of an FP8 weight (the FP8 GEMM's activations)
   bool fp8_policy_said = false;  // the startup line about where FP8 weights live, once
   DeviceBuffer fp8_scratch;
   std::vector<CudaKVLayer> lkv;
@@ -327,29 +328,40 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     int cc = 0;
     const auto gpus = cuda_devices();
     if (m_.device >= 0 && m_.device < int(gpus.size())) cc = gpus[size_t(m_.device)].compute_capability;
-    // FP8 on the GPU halves the weights' memory and speeds up decode up to batch 16 (gemv_fp8),
-    // but larger batches and prefill dequantize each weight before a 16-bit GEMM (no FP8
-    // tensor-core GEMM yet) and are slower than 16-bit weights: by default the weights stay FP8
-    // only where their 16-bit copy would take more than half of the GPU.
-    size_t dense = 0, fp8_specs = 0;
+    // FP8 on the GPU halves the weights' memory and speeds up decode up to batch 16 (gemv_fp8).
+    // Above it and in prefill, a weight with one scale per row runs the FP8 tensor-core GEMM on
+    // activations quantized per token (Gemm::linear_fp8: Hopper's cuBLASLt), faster than a
+    // 16-bit weight; a block-scaled one (128 x 128) is dequantized before a 16-bit GEMM, slower
+    // than a 16-bit weight. By default the weights stay FP8 on Hopper when every one has one
+    // scale per row, and anywhere their 16-bit copy would take more than half of the GPU.
+    size_t dense = 0, fp8_specs = 0, fp8_rowwise = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
       dense += size_t(specs[i].rows() * specs[i].cols()) * dtype_size(gpu_weight_dtype(specs[i].role, m_.act));
       fp8_specs += quant[i].fp8;
+      fp8_rowwise +=
+          quant[i].fp8 && cuda::fp8_gemm_fits(int(specs[i].rows()), int(specs[i].cols()), quant[i].scale_block);
     }
     using Policy = cuda::KernelSwitches::Fp8Weights;
     const Policy policy = cuda::kernel_switches().fp8_weights;
     const auto mem = cuda_memory_info(m_.device);
     const bool large = mem && dense > mem->total / 2;
-    const bool want_fp8 = policy == Policy::Keep || (policy == Policy::Auto && large);
+    const bool gemm = cc >= 90 && fp8_rowwise == fp8_specs;
+    const bool want_fp8 = policy == Policy::Keep || (policy == Policy::Auto && (large || gemm));
     if (fp8_specs > 0 && cuda::fp8_weights_supported(cc) && !m_.fp8_policy_said) {
+      const std::string act(dtype_name(m_.act));
       log::info(want_fp8 ? "FP8 weights stay FP8 on the GPU" +
-                               std::string(policy == Policy::Keep ? "" : " (their " + std::string(dtype_name(m_.act)) +
-                                                                          " copy would take more than half of its memory)") +
-                               ": half the memory, faster up to batch 16, slower than " +
-                               std::string(dtype_name(m_.act)) + " weights above it and in prefill for now"
-                         : "FP8 weights are dequantized to " + std::string(dtype_name(m_.act)) +
-                               " at load: they fit, and until kvlm has FP8 tensor-core GEMMs that is faster above "
-                               "batch 16 and in prefill (weights that would not fit in half of the GPU stay FP8)");
+                               std::string(policy == Policy::Keep ? ""
+                                           : gemm ? ""
+                                                  : " (their " + act + " copy would take more than half of its memory)") +
+                               (gemm ? ": half the memory; batches above 16 and prefill quantize activations per "
+                                       "token for FP8 tensor-core GEMMs"
+                                     : ": half the memory, faster up to batch 16, slower than " + act +
+                                           " weights above it and in prefill (block scales: dequantized per GEMM)")
+                         : "FP8 weights are dequantized to " + act +
+                               " at load: they fit, and with " +
+                               (cc >= 90 ? std::string("block scales") : std::string("this GPU")) +
+                               " that is faster above batch 16 and in prefill (weights that would not fit in half of "
+                               "the GPU stay FP8)");
       m_.fp8_policy_said = true;
     }
     size_t total = 0;
@@ -373,6 +385,7 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
         blocks_.push_back(quant[i].scale_block);
         total += align_up(size_t(s.rows() * s.cols())) + align_up(size_t(s.rows()) * nb * sizeof(float));
         m_.fp8_scratch_elems = std::max(m_.fp8_scratch_elems, size_t(s.rows() * s.cols()));
+        m_.fp8_max_cols = std::max(m_.fp8_max_cols, int(s.cols()));
       } else {
         blocks_.push_back(0);
         total += align_up(size_t(s.rows() * s.cols()) * dtype_size(gpu_weight_dtype(s.role, m_.act)));
@@ -554,7 +567,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   m.ops = std::make_unique<CudaOps>(m.act, m.stream, m.gemm, *m.comm, /*logits=*/tp.rank == 0);
   if (m.fp8_scratch_elems > 0) {
     m.fp8_scratch.allocate(m.fp8_scratch_elems * dtype_size(m.act), "the FP8 weights' dequantization buffer");
-    m.ops->set_fp8_scratch(m.fp8_scratch.data());
+    m.ops->set_fp8_scratch(m.fp8_scratch.data(), m.fp8_max_cols);
   }
   m.ops->set_kv(m.lkv, 0, 0);
   if (m.draft_def) m.ops->set_capture(std::move(slot_of), cfg_.hidden_size);

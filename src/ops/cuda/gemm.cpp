@@ -53,10 +53,17 @@ struct Gemm::Impl {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   bool gemv = true;
-  // (ab, out, bias, m, n, k) -> plan
+  // (ab, out, bias, m, n, k) -> plan; ab = DType::F8E4M3: the scaled FP8 GEMM (linear_fp8)
   std::map<std::tuple<int, int, bool, int, int, int>, std::unique_ptr<Plan>> plans;
   // (ab, out, bias, power-of-two bucket of m, n, k) -> the algorithm timed fastest
   std::map<std::tuple<int, int, bool, int, int, int>, cublasLtMatmulAlgo_t> tuned;
+
+  static void set_scales(Plan& p, const float* w_scales, const float* x_scales) {
+    KVLM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales, sizeof(w_scales)));
+    KVLM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales, sizeof(x_scales)));
+  }
 
   cublasStatus_t run(Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, void* y, cudaStream_t st) {
     const float alpha = 1.0f, beta = 0.0f;
@@ -101,16 +108,30 @@ struct Gemm::Impl {
     return best;
   }
 
+  // The plan of a shape, created (and for m <= kTuneMaxM timed) on its first use. An FP8 plan
+  // (ab = F8E4M3) scales A (the weight) per row and B (x) per token: the scale pointers are
+  // set on the descriptor before each run, and here before the timing.
   Plan& plan(DType ab, DType out, const void* bias, int m, int n, int k, const void* x, const void* w, void* y,
-             cudaStream_t st) {
+             cudaStream_t st, const float* w_scales = nullptr, const float* x_scales = nullptr) {
     const auto key = std::make_tuple(int(ab), int(out), bias != nullptr, m, n, k);
     if (auto it = plans.find(key); it != plans.end()) return *it->second;
     auto p = std::make_unique<Plan>();
-    const cudaDataType_t tab = cuda_type(ab), tout = cuda_type(out);
+    const bool fp8 = ab == DType::F8E4M3;
+    const cudaDataType_t tab = fp8 ? CUDA_R_8F_E4M3 : cuda_type(ab), tout = cuda_type(out);
     KVLM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
     KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    if (fp8) {
+      // (FAST_ACCUM stays 0, its default: the MMA's narrower accumulator is promoted to fp32
+      // periodically.)
+      const int8_t fast = 0;
+      KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+      const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof(outer)));
+      KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof(outer)));
+      set_scales(*p, w_scales, x_scales);
+    }
     if (bias) {
       const cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
       KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof(ep)));
@@ -142,7 +163,8 @@ struct Gemm::Impl {
     if (status == CUBLAS_STATUS_SUCCESS)
       status = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->c, pref, kMaxAlgos, res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
-    KVLM_CUBLAS_CHECK(status);
+    if (fp8 && (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) found = 0;
+    else KVLM_CUBLAS_CHECK(status);
     if (found == 0)
       throw Error("cuBLASLt has no algorithm for a " + std::string(dtype_name(ab)) + " GEMM m=" + std::to_string(m) +
                   " n=" + std::to_string(n) + " k=" + std::to_string(k) + " with " + std::string(dtype_name(out)) +
@@ -213,6 +235,26 @@ void Gemm::linear(DType ab, DType out, const void* x, const void* w, const void*
   if (bias)
     KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   KVLM_CUBLAS_CHECK(impl_->run(p, p.algo, x, w, y, st));
+}
+
+bool fp8_gemm_fits(int n, int k, int scale_block) {
+  return n > 0 && k > 0 && n % 16 == 0 && k % 16 == 0 && scale_block >= k;
+}
+
+void Gemm::linear_fp8(DType out, const uint8_t* x, const float* x_scales, const Fp8Weight& w, const void* bias, void* y,
+                      int m, int n, int k, void* stream) {
+  if (m <= 0) return;
+  if (!fp8_gemm_fits(n, k, w.scale_block))
+    throw Error("CUDA FP8 GEMM: needs one scale per weight row and n, k multiples of 16 (n=" + std::to_string(n) +
+                ", k=" + std::to_string(k) + ", scale block " + std::to_string(w.scale_block) + ")");
+  if (out != DType::BF16 && out != DType::F16 && out != DType::F32)
+    throw Error("CUDA FP8 GEMM: output must be bfloat16, float16 or float32");
+  const auto st = static_cast<cudaStream_t>(stream);
+  Plan& p = impl_->plan(DType::F8E4M3, out, bias, m, n, k, x, w.codes, y, st, w.scales, x_scales);
+  Impl::set_scales(p, w.scales, x_scales);
+  if (bias)
+    KVLM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  KVLM_CUBLAS_CHECK(impl_->run(p, p.algo, x, w.codes, y, st));
 }
 
 }  // namespace kvlm::cuda

@@ -72,6 +72,14 @@ void gemv_fp8(DType ab, DType out, const void* x, const Fp8Weight& w, const void
 std::string gemv_fp8_last_launch();
 // The weight in the compute type (bf16 / f16) into out [n][k], for the GEMM at larger m.
 void dequantize_fp8(DType to, const Fp8Weight& w, void* out, int n, int k, void* stream);
+// Per-token activation quantization for the FP8 GEMM: each row of x [m][k] (bf16 / f16) gets
+// scale = max |x| / 448 (1 for an all-zero row) into scales[m] and its E4M3 codes
+// (core/numeric.h's f32_to_e4m3 of x / scale: round to nearest even, saturating) into
+// codes [m][k]. Needs k % 8 == 0 and 16-byte aligned x and codes.
+void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream);
+// Whether Gemm::linear_fp8 takes a weight of n rows, k columns and this scale block: one
+// scale per row, and k, n multiples of 16 (cuBLASLt's FP8 leading dimensions).
+bool fp8_gemm_fits(int n, int k, int scale_block);
 
 class Gemm {
  public:
@@ -88,6 +96,13 @@ class Gemm {
   // ab: DType::BF16 or DType::F16; out: the same or DType::F32. bias may be null.
   void linear(DType ab, DType out, const void* x, const void* w, const void* bias, void* y, int m, int n, int k,
               void* stream);
+  // y[m][n] = (x[m][k] * x_scales[m]) . (w.codes[n][k] * w.scales[n])^T (+ bias): FP8 E4M3 on
+  // the tensor cores (sm_89+; fp32 accumulation), the activation scaled per token
+  // (quantize_rows_fp8) and the weight per row, both applied by cuBLASLt's outer-vector
+  // scaling. Needs fp8_gemm_fits. out: bf16, f16 or f32; the bias (out's type, as linear's)
+  // may be null. Throws kvlm::Error when cuBLASLt has no algorithm for it.
+  void linear_fp8(DType out, const uint8_t* x, const float* x_scales, const Fp8Weight& w, const void* bias, void* y,
+                  int m, int n, int k, void* stream);
 
  private:
   struct Impl;

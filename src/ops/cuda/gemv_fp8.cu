@@ -14,9 +14,10 @@
 //   multiply-adds per weight, so it slows down as m grows, and above 4 rows it takes several
 //   passes over the weight (the fallback for layouts the tensor-core kernel does not take).
 // - The tensor-core kernel (m <= 16, one pass): see gemv_fp8_mma_kernel below.
-// Larger m: dequantize_fp8 writes the weight in the compute type into a scratch buffer and the
-// 16-bit GEMM runs on it (the caller's choice: at prefill sizes the GEMM's FLOPs dwarf the
-// extra pass over the weight).
+// Larger m: quantize_rows_fp8 quantizes the activations per token for the FP8 tensor-core GEMM
+// (Gemm::linear_fp8, cuBLASLt) where the weight has one scale per row; for block scales
+// dequantize_fp8 writes the weight in the compute type into a scratch buffer and the 16-bit
+// GEMM runs on it.
 #include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
@@ -24,6 +25,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/numeric.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv_common.cuh"
@@ -637,7 +639,68 @@ __global__ void dequantize_fp8_kernel(const uint4* codes, const float* scales, i
   out[2 * size_t(i) + 1] = make_uint4(p[4], p[5], p[6], p[7]);
 }
 
+// quantize_rows_fp8: one CTA per row of x; the row's absolute maximum (16-byte loads), then its
+// codes (the row is in L1/L2 by then), with the CPU reference's arithmetic (x / scale, then
+// f32_to_e4m3), so the codes are bit-exact.
+constexpr int kQuantThreads = 256;
+template <bool kBF>
+__global__ void __launch_bounds__(kQuantThreads) quantize_rows_fp8_kernel(const uint4* x, uint2* codes, float* scales,
+                                                                           int k8) {
+  __shared__ float red[kQuantThreads / 32];
+  const size_t row = blockIdx.x;
+  const uint4* xr = x + row * size_t(k8);
+  auto unpack = [](const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = kBF ? __uint_as_float(w[i] << 16) : __half2float(__ushort_as_half(uint16_t(w[i])));
+      f[2 * i + 1] = kBF ? __uint_as_float(w[i] & 0xffff0000u) : __half2float(__ushort_as_half(uint16_t(w[i] >> 16)));
+    }
+  };
+  float amax = 0.0f;
+  for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
+    float f[8];
+    unpack(xr[i], f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = red[0];
+#pragma unroll
+  for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, red[w]);
+  const float scale = amax > 0.0f ? amax / num::kE4M3Max : 1.0f;
+  if (threadIdx.x == 0) scales[row] = scale;
+  for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
+    float f[8];
+    unpack(xr[i], f);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      lo |= uint32_t(num::f32_to_e4m3(f[e] / scale)) << (8 * e);
+      hi |= uint32_t(num::f32_to_e4m3(f[4 + e] / scale)) << (8 * e);
+    }
+    codes[row * size_t(k8) + size_t(i)] = make_uint2(lo, hi);
+  }
+}
+
 }  // namespace
+
+void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream) {
+  if (m <= 0) return;
+  if (k <= 0 || k % 8 != 0) throw Error("quantize_rows_fp8: needs k % 8 == 0 (k " + std::to_string(k) + ")");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(codes) % 16 != 0)
+    throw Error("quantize_rows_fp8: x and the codes must be 16-byte aligned");
+  const auto st = static_cast<cudaStream_t>(stream);
+  const auto* xv = static_cast<const uint4*>(x);
+  auto* cv = reinterpret_cast<uint2*>(codes);
+  if (ab == DType::BF16) quantize_rows_fp8_kernel<true><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
+  else if (ab == DType::F16) quantize_rows_fp8_kernel<false><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
+  else throw Error("quantize_rows_fp8: x must be bfloat16 or float16");
+  KVLM_CUDA_CHECK(cudaGetLastError());
+}
 
 bool fp8_weights_supported(int compute_capability) { return compute_capability >= 89; }
 

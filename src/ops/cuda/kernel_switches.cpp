@@ -5,7 +5,7 @@
 namespace kvlm::cuda {
 
 namespace {
-std::atomic<bool> g_pdl{true}, g_wgmma{true}, g_fp8_tc_carveout{true};
+std::atomic<bool> g_pdl{true}, g_wgmma{true}, g_fp8_tc_carveout{true}, g_fp8_gemm{true};
 std::atomic<KernelSwitches::Fp8Weights> g_fp8{KernelSwitches::Fp8Weights::Auto};
 std::atomic<int> g_fp8_tc_tiles{0}, g_fp8_tc_splits{0}, g_fp8_fma_max_m{1};
 }  // namespace
@@ -18,6 +18,7 @@ void set_kernel_switches(const KernelSwitches& s) {
   g_fp8_tc_splits.store(s.fp8_tc_splits);
   g_fp8_tc_carveout.store(s.fp8_tc_carveout);
   g_fp8_fma_max_m.store(s.fp8_fma_max_m);
+  g_fp8_gemm.store(s.fp8_gemm);
 }
 
 KernelSwitches kernel_switches() {
@@ -27,7 +28,8 @@ KernelSwitches kernel_switches() {
           .fp8_tc_tiles = g_fp8_tc_tiles.load(),
           .fp8_tc_splits = g_fp8_tc_splits.load(),
           .fp8_tc_carveout = g_fp8_tc_carveout.load(),
-          .fp8_fma_max_m = g_fp8_fma_max_m.load()};
+          .fp8_fma_max_m = g_fp8_fma_max_m.load(),
+          .fp8_gemm = g_fp8_gemm.load()};
 }
 
 }  // namespace kvlm::cuda

@@ -12,9 +12,10 @@ struct KernelSwitches {
   // The warp-specialised wgmma prefill kernel where sm_90a code runs; off: the mma.sync
   // tiled kernel (what sm_80 / sm_89 and head 256 run).
   bool wgmma = true;
-  // FP8 weights on the GPU (model/cuda/cuda_runner.cpp): Auto keeps them FP8 when their copy in
-  // the compute dtype would take more than half of the GPU's memory, else dequantizes them at
-  // load (faster above batch 16 and in prefill until FP8 tensor-core GEMMs exist); Keep /
+  // FP8 weights on the GPU (model/cuda/cuda_runner.cpp): Auto keeps them FP8 on Hopper when
+  // every one has one scale per row (m > 16 then runs the FP8 tensor-core GEMM), and anywhere
+  // their copy in the compute dtype would take more than half of the GPU's memory, else
+  // dequantizes them at load (block scales: faster above batch 16 and in prefill); Keep /
   // Dequantize force it.
   enum class Fp8Weights { Auto, Keep, Dequantize } fp8_weights = Fp8Weights::Auto;
   // gemv_fp8's tensor-core kernel (for the lab): 16-row tiles per CTA (0: automatic, 1, 2 or 4)
@@ -27,6 +28,10 @@ struct KernelSwitches {
   // The largest m gemv_fp8 runs on its FMA kernels (one pass per 4 rows) rather than the
   // tensor-core kernel, where both fit (automatic choice; 1 by default).
   int fp8_fma_max_m = 1;
+  // FP8 weights (one scale per row) at m > 16: the FP8 tensor-core GEMM on activations
+  // quantized per token; off: the weight dequantized before the 16-bit GEMM (weight-only
+  // FP8, for measurements and tests).
+  bool fp8_gemm = true;
 };
 
 void set_kernel_switches(const KernelSwitches& s);
