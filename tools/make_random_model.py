@@ -4,13 +4,17 @@
     python3 tools/make_random_model.py --shape qwen3-8b --out /dev/shm/qwen3-8b-random
     python3 tools/make_random_model.py --shape qwen3-8b-dflash --out /dev/shm/qwen3-8b-dflash-random
     python3 tools/make_random_model.py --shape llama3-70b --layers 40 --out /dev/shm/llama3-70b-40l
+    python3 tools/make_random_model.py --shape qwen3-8b --fp8-block --out /dev/shm/qwen3-8b-fp8-block
 
 Writes config.json (the shape's Hugging Face config) and model-0000N-of-0000M.safetensors
 shards with a model.safetensors.index.json, in bfloat16: linear weights ~ N(0, 0.02^2), norm
 weights 1. Weights are drawn on the GPU when one is present (seconds), else on the CPU. The
 output is ~16 GB for qwen3-8b: write it on the GPU machine (a RAM disk such as /dev/shm is
 fastest) and never commit it. The tensors' values do not matter to a timing; the shapes,
-dtype and names do.
+dtype and names do. --fp8-block writes the decoder's linear weights as the block-wise FP8 of
+Qwen3-*-FP8 / DeepSeek-V3 instead (float8_e4m3fn codes and a float32 weight_scale_inv per 128 x
+128 block, quantization_config {quant_method fp8, weight_block_size [128, 128], activation_scheme
+dynamic}; embedding, norms and lm_head stay bfloat16).
 """
 
 import argparse
@@ -120,6 +124,7 @@ def main():
     ap.add_argument("--shard-gb", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, help="write this many decoder layers instead of the shape's")
+    ap.add_argument("--fp8-block", action="store_true", help="decoder linear weights as block-wise FP8 (128 x 128)")
     args = ap.parse_args()
 
     import torch
@@ -130,6 +135,9 @@ def main():
         cfg["num_hidden_layers"] = args.layers
         if "max_window_layers" in cfg:
             cfg["max_window_layers"] = args.layers
+    if args.fp8_block:
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -158,6 +166,18 @@ def main():
                 t = torch.ones(shape, dtype=torch.bfloat16, device=dev)
             else:
                 t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+            if args.fp8_block and kind == "linear" and ".layers." in name:
+                rows, cols = shape
+                assert rows % 128 == 0 and cols % 128 == 0, name
+                blocks = t.float().abs().reshape(rows // 128, 128, cols // 128, 128).amax(dim=(1, 3)) / 448.0
+                blocks = blocks.clamp(min=1e-12)
+                full = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+                codes = (t.float() / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                out[name] = codes.cpu()
+                out[name + "_scale_inv"] = blocks.cpu()
+                weight_map[name] = weight_map[name + "_scale_inv"] = fname
+                total += codes.numel() + blocks.numel() * 4
+                continue
             out[name] = t.cpu()
             weight_map[name] = fname
             total += t.numel() * 2

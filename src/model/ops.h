@@ -46,6 +46,9 @@ struct Weight {
   int64_t rows = 0, cols = 0;
   const float* scales = nullptr;  // F8E4M3: [rows][cols / scale_block]
   int scale_block = 0;
+  // F8E4M3 with 128 x 128 blocks (scale_block 128): one scale per block, [ceil(rows / 128)]
+  // [ceil(cols / 128)] (the FP8 GEMM's layout); null when the blocks do not align.
+  const float* block_scales = nullptr;
   explicit operator bool() const { return data != nullptr; }
   int64_t numel() const { return rows * cols; }
 };

@@ -377,7 +377,8 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
           if (bias && out == DType::F32) continue;
           Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
           dy.poison();
-          gemm.linear_fp8(out, dxc.p, dxs.p, w, bias ? db.p : nullptr, dy.p, m, n, k, nullptr);
+          ASSERT_TRUE(gemm.linear_fp8(out, dxc.p, dxs.p, w, bias ? db.p : nullptr, dy.p, m, n, k, nullptr))
+              << "no FP8 GEMM for m " << m << " n " << n << " k " << k;
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           const auto raw = dy.download();
           size_t bad = 0;
@@ -415,6 +416,83 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
         }
     }
   std::printf("[fp8-gemm] %zu outputs, worst error %.2e of sum |x w|\n", checked, worst_rel);
+
+  // The block-scaled format (Qwen3-FP8, DeepSeek-V3): the weight per 128 x 128 block, the
+  // activations per token and 128-value group ([k / 128][m], token fastest), rows in
+  // multiples of 4 (fp8_gemm_rows; CudaOps runs the rest through gemv_fp8).
+  EXPECT_EQ(cuda::fp8_gemm_rows(33, 1024, 128), 32);
+  EXPECT_EQ(cuda::fp8_gemm_rows(33, 1024, 1024), 33);
+  EXPECT_TRUE(cuda::fp8_gemm_fits(384, 1024, 128));
+  EXPECT_FALSE(cuda::fp8_gemm_fits(400, 1024, 128));
+  EXPECT_FALSE(cuda::fp8_gemm_fits(384, 1040, 128));
+  double block_worst = 0;
+  for (DType ab : kActs)
+    for (auto [m, n, k] : {std::tuple{36, 256, 1024}, {132, 384, 512}}) {
+      const int kb = k / 128, nbk = n / 128;
+      auto x = random_act(ab, size_t(m) * k, rng, 2.0f);
+      x[size_t(k) + 200] = act_round(ab, 300.0f);  // an outlier in row 1, group 1
+      std::vector<uint8_t> xc(size_t(m) * k);
+      std::vector<float> xs(size_t(kb) * m);
+      for (int r = 0; r < m; ++r)
+        for (int g = 0; g < kb; ++g) {
+          float amax = 0;
+          for (int i = g * 128; i < (g + 1) * 128; ++i) amax = std::max(amax, std::fabs(x[size_t(r) * k + i]));
+          const float s = amax > 0 ? amax / num::kE4M3Max : 1.0f;
+          xs[size_t(g) * m + r] = s;
+          for (int i = g * 128; i < (g + 1) * 128; ++i) xc[size_t(r) * k + i] = num::f32_to_e4m3(x[size_t(r) * k + i] / s);
+        }
+      Dev<uint16_t> dx(codes(ab, x));
+      Dev<uint8_t> dxc(size_t(m) * k);
+      Dev<float> dxs(xs.size());
+      cuda::quantize_rows_fp8(ab, dx.p, dxc.p, dxs.p, m, k, nullptr, 128);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(dxs.download(), xs) << "group scales, " << dtype_name(ab) << " m " << m << " k " << k;
+      ASSERT_EQ(dxc.download(), xc) << "group codes, " << dtype_name(ab) << " m " << m << " k " << k;
+      std::vector<uint8_t> wc(size_t(n) * k);
+      for (auto& c : wc) {
+        do c = uint8_t(rng());
+        while ((c & 0x7f) == 0x7f);
+      }
+      std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+      std::vector<float> blocks(size_t(nbk) * kb), rows(size_t(n) * kb);
+      for (auto& v : blocks) v = ud(rng);
+      for (int j = 0; j < n; ++j)
+        for (int g = 0; g < kb; ++g) rows[size_t(j) * kb + g] = blocks[size_t(j / 128) * kb + g];
+      Dev<uint8_t> dwc(wc);
+      Dev<float> dws(rows), dwb(blocks);
+      const cuda::Fp8Weight w{.codes = dwc.p, .scales = dws.p, .scale_block = 128, .block_scales = dwb.p};
+      Dev<uint8_t> dy(size_t(m) * n * 2);
+      dy.poison();
+      ASSERT_TRUE(gemm.linear_fp8(ab, dxc.p, dxs.p, w, nullptr, dy.p, m, n, k, nullptr))
+          << "no block-scaled FP8 GEMM for m " << m << " n " << n << " k " << k;
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto raw = dy.download();
+      size_t bad = 0;
+      double case_worst = 0;
+      for (int r = 0; r < m; ++r)
+        for (int j = 0; j < n; ++j) {
+          double ref = 0, mag = 0;
+          for (int g = 0; g < kb; ++g) {
+            const double s = double(xs[size_t(g) * m + r]) * double(blocks[size_t(j / 128) * kb + g]);
+            for (int i = g * 128; i < (g + 1) * 128; ++i) {
+              const double p = double(num::e4m3_to_f32(xc[size_t(r) * k + i])) * double(num::e4m3_to_f32(wc[size_t(j) * k + i])) * s;
+              ref += p;
+              mag += std::fabs(p);
+            }
+          }
+          uint16_t c;
+          std::memcpy(&c, raw.data() + 2 * (size_t(r) * n + j), 2);
+          const float got = act_value(ab, c);
+          const double e = std::fabs(double(got) - ref);
+          if (mag > 0) case_worst = std::max(case_worst, e / mag);
+          bad += std::isnan(got) || e > act_rel_tol(ab) * std::fabs(ref) + 4e-3 * mag;
+        }
+      EXPECT_EQ(bad, 0u) << "block-scaled " << dtype_name(ab) << " m " << m << " n " << n << " k " << k;
+      std::printf("[fp8-gemm] block-scaled %s m %d n %d k %d: worst %.2e of sum |x w|\n", dtype_name(ab).data(), m, n, k,
+                  case_worst);
+      block_worst = std::max(block_worst, case_worst);
+    }
+  std::printf("[fp8-gemm] block-scaled worst %.2e\n", block_worst);
 }
 
 TEST(CudaModelOps, Fp8GemvAndDequantize) {

@@ -110,28 +110,38 @@ void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Ten
 }
 
 void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m) {
-  const cuda::Fp8Weight f{.codes = static_cast<const uint8_t*>(w.data), .scales = w.scales, .scale_block = w.scale_block};
+  const cuda::Fp8Weight f{.codes = static_cast<const uint8_t*>(w.data), .scales = w.scales,
+                          .scale_block = w.scale_block, .block_scales = w.block_scales};
   const int n = int(w.rows), k = int(w.cols);
   const bool gemv = m <= cuda::kGemvFp8MaxM && gemm_.small_m_kernel(1);  // small-m kernels on (--no-gemv: off)
-  if (!gemv && fp8_max_cols_ > 0 && cuda::fp8_gemm_fits(n, k, w.scale_block)) {
+  // Block-scaled weights quantize the activations per 128-value group, the others per token.
+  const bool block = w.scale_block < k;
+  const bool gemm_fits = cuda::fp8_gemm_fits(n, k, w.scale_block) && (!block || w.block_scales);
+  if (!gemv && fp8_max_cols_ > 0 && gemm_fits) {
     // (carved whether or not the GEMM runs, so that measuring and running carve the same)
     KVLM_CHECK(m <= step_.T && k <= fp8_max_cols_, "an FP8 GEMM larger than its step buffers");
-    auto* codes = static_cast<uint8_t*>(step_buffer(fp8_x_, size_t(step_.T) * size_t(fp8_max_cols_)));
-    auto* scales = static_cast<float*>(step_buffer(fp8_x_scales_, size_t(step_.T) * sizeof(float)));
+    step_buffer(fp8_x_, size_t(step_.T) * size_t(fp8_max_cols_));
+    step_buffer(fp8_x_scales_, size_t(step_.T) * size_t(std::max(1, fp8_max_cols_ / 128)) * sizeof(float));
     if (measure_) return;
   }
-  if (!gemv && fp8_gemm_ && fp8_x_ && cuda::fp8_gemm_fits(n, k, w.scale_block) && cuda::kernel_switches().fp8_gemm) {
+  if (!gemv && fp8_x_ && gemm_fits && cuda::kernel_switches().fp8_gemm) {
     auto* codes = static_cast<uint8_t*>(fp8_x_);
     auto* scales = static_cast<float*>(fp8_x_scales_);
-    cuda::quantize_rows_fp8(act_, x, codes, scales, m, k, stream_);
-    try {
-      gemm_.linear_fp8(out, codes, scales, f, bias.data, y, m, n, k, stream_);
+    // The GEMM's rows (block scales: a multiple of 4), then the rest (< 4) through gemv_fp8.
+    const int mg = cuda::fp8_gemm_rows(m, k, w.scale_block);
+    cuda::quantize_rows_fp8(act_, x, codes, scales, mg, k, stream_, block ? 128 : 0);
+    if (gemm_.linear_fp8(out, codes, scales, f, bias.data, y, mg, n, k, stream_)) {
+      if (mg < m) {
+        const size_t out_bytes = dtype_size(out);
+        cuda::gemv_fp8(act_, out, static_cast<const uint8_t*>(x) + size_t(mg) * size_t(k) * dtype_size(act_), f,
+                       bias.data, static_cast<uint8_t*>(y) + size_t(mg) * size_t(n) * out_bytes, m - mg, n, k, stream_);
+      }
       return;
-    } catch (const Error& e) {  // on its first use (eager): this GPU's cuBLASLt has none
-      fp8_gemm_ = false;
-      log::warn(std::string("the FP8 tensor-core GEMM is not available here (") + e.what() +
-                "); FP8 weights are dequantized for GEMMs of more than " + std::to_string(cuda::kGemvFp8MaxM) + " rows");
     }
+    // No algorithm for this shape (found on its first, eager use): the dequantizing path.
+    log::warn_once("fp8-gemm-shape", "cuBLASLt has no FP8 GEMM for some shapes here (first: m=" + std::to_string(mg) +
+                                         " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                         "); those dequantize the weight for a 16-bit GEMM");
   }
   if (measure_) return;
   if (gemv) {

@@ -146,7 +146,6 @@ class CudaOps final : public Ops {
   void* attn_ws_ = nullptr;
   void* fp8_scratch_ = nullptr;
   int fp8_max_cols_ = 0;
-  bool fp8_gemm_ = true;         // off once cuBLASLt had no FP8 GEMM (then the dequantizing path)
   void* fp8_x_ = nullptr;        // the step's activations quantized per token, [T][fp8_max_cols_]
   void* fp8_x_scales_ = nullptr;  // their scales, [T]
   size_t attn_ws_bytes_ = 0;

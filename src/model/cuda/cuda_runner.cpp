@@ -76,6 +76,23 @@ constexpr size_t kMaxGraphs = 512;
 
 size_t align_up(size_t n) { return Carver::align_up(n); }
 
+// Scales of a kept FP8 weight's 128 x 128 blocks (the FP8 GEMM's layout), or 0: not
+// block-scaled, or a shape the block-scaled GEMM does not take, or pieces whose rows do not
+// start on a block row.
+size_t block_scale_count(const WeightSpec& s, int scale_block) {
+  if (scale_block != 128 || scale_block >= s.cols() || !cuda::fp8_gemm_fits(int(s.rows()), int(s.cols()), scale_block))
+    return 0;
+  for (const WeightPiece& p : s.pieces)
+    if (p.shape.empty() || p.shape[0] % 128 != 0) return 0;
+  return size_t((s.rows() + 127) / 128) * size_t((s.cols() + 127) / 128);
+}
+
+// Whether an FP8 weight with this scale block runs the FP8 GEMM above m = 16.
+bool fp8_gemm_takes(const WeightSpec& s, int scale_block) {
+  if (scale_block >= s.cols()) return cuda::fp8_gemm_fits(int(s.rows()), int(s.cols()), scale_block);
+  return block_scale_count(s, scale_block) > 0;
+}
+
 std::string gib(size_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(size_t(1) << 30));
@@ -329,23 +346,23 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     const auto gpus = cuda_devices();
     if (m_.device >= 0 && m_.device < int(gpus.size())) cc = gpus[size_t(m_.device)].compute_capability;
     // FP8 on the GPU halves the weights' memory and speeds up decode up to batch 16 (gemv_fp8).
-    // Above it and in prefill, a weight with one scale per row runs the FP8 tensor-core GEMM on
-    // activations quantized per token (Gemm::linear_fp8: Hopper's cuBLASLt), faster than a
-    // 16-bit weight; a block-scaled one (128 x 128) is dequantized before a 16-bit GEMM, slower
-    // than a 16-bit weight. By default the weights stay FP8 on Hopper when every one has one
-    // scale per row, and anywhere their 16-bit copy would take more than half of the GPU.
-    size_t dense = 0, fp8_specs = 0, fp8_rowwise = 0;
+    // Above it and in prefill, a weight with one scale per row, or with 128 x 128 blocks that
+    // its pieces' rows align with, runs the FP8 tensor-core GEMM on activations quantized per
+    // token (Gemm::linear_fp8: Hopper's cuBLASLt), faster than a 16-bit weight; any other is
+    // dequantized before a 16-bit GEMM, slower than a 16-bit weight. By default the weights
+    // stay FP8 on Hopper when every one takes the GEMM, and anywhere their 16-bit copy would
+    // take more than half of the GPU.
+    size_t dense = 0, fp8_specs = 0, fp8_gemm_ok = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
       dense += size_t(specs[i].rows() * specs[i].cols()) * dtype_size(gpu_weight_dtype(specs[i].role, m_.act));
       fp8_specs += quant[i].fp8;
-      fp8_rowwise +=
-          quant[i].fp8 && cuda::fp8_gemm_fits(int(specs[i].rows()), int(specs[i].cols()), quant[i].scale_block);
+      fp8_gemm_ok += quant[i].fp8 && fp8_gemm_takes(specs[i], quant[i].scale_block);
     }
     using Policy = cuda::KernelSwitches::Fp8Weights;
     const Policy policy = cuda::kernel_switches().fp8_weights;
     const auto mem = cuda_memory_info(m_.device);
     const bool large = mem && dense > mem->total / 2;
-    const bool gemm = cc >= 90 && fp8_rowwise == fp8_specs;
+    const bool gemm = cc >= 90 && fp8_gemm_ok == fp8_specs;
     const bool want_fp8 = policy == Policy::Keep || (policy == Policy::Auto && (large || gemm));
     if (fp8_specs > 0 && cuda::fp8_weights_supported(cc) && !m_.fp8_policy_said) {
       const std::string act(dtype_name(m_.act));
@@ -383,7 +400,8 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
       if (keep) {
         const size_t nb = size_t((s.cols() + quant[i].scale_block - 1) / quant[i].scale_block);
         blocks_.push_back(quant[i].scale_block);
-        total += align_up(size_t(s.rows() * s.cols())) + align_up(size_t(s.rows()) * nb * sizeof(float));
+        total += align_up(size_t(s.rows() * s.cols())) + align_up(size_t(s.rows()) * nb * sizeof(float)) +
+                 align_up(block_scale_count(s, quant[i].scale_block) * sizeof(float));
         m_.fp8_scratch_elems = std::max(m_.fp8_scratch_elems, size_t(s.rows() * s.cols()));
         m_.fp8_max_cols = std::max(m_.fp8_max_cols, int(s.cols()));
       } else {
@@ -464,8 +482,27 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     KVLM_CHECK(scales.size() == size_t(s.rows()) * nb, "one scale row per weight row");
     KVLM_CUDA_CHECK(cudaMemcpy(scales_dev, scales.data(), scales.size() * sizeof(float), cudaMemcpyHostToDevice));
     m_.weight_bytes += size_t(s.rows() * cols) + scales.size() * sizeof(float);
+    // 128 x 128 blocks: one scale per block for the FP8 GEMM, when every block's rows share
+    // their scales (each piece starts on a block row).
+    const float* block_dev = nullptr;
+    if (const size_t count = block_scale_count(s, scale_block); count > 0) {
+      const size_t rb = size_t((s.rows() + 127) / 128);
+      std::vector<float> blocks(rb * nb);
+      bool same = true;
+      for (size_t r = 0; r < size_t(s.rows()); ++r)
+        for (size_t c = 0; c < nb; ++c) {
+          const float v = scales[r * nb + c];
+          if (r % 128 == 0) blocks[(r / 128) * nb + c] = v;
+          else same &= v == blocks[(r / 128) * nb + c];
+        }
+      if (same) {
+        auto* dst = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(scales_dev) + align_up(scales.size() * sizeof(float)));
+        KVLM_CUDA_CHECK(cudaMemcpy(dst, blocks.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+        block_dev = dst;
+      }
+    }
     return Weight{.data = base, .dtype = DType::F8E4M3, .rows = s.rows(), .cols = cols, .scales = scales_dev,
-                  .scale_block = scale_block};
+                  .scale_block = scale_block, .block_scales = block_dev};
   }
 
   Impl& m_;

@@ -49,6 +49,9 @@ struct Fp8Weight {
   const uint8_t* codes = nullptr;
   const float* scales = nullptr;
   int scale_block = 0;
+  // scale_block 128: the scales once per 128 x 128 block, [ceil(n / 128)][ceil(k / 128)]
+  // (linear_fp8's block-scaled GEMM); may be null.
+  const float* block_scales = nullptr;
 };
 // Whether GPUs of this compute capability run FP8 weights (sm_89+: the cvt instructions);
 // older ones get the weights dequantized at load.
@@ -72,14 +75,22 @@ void gemv_fp8(DType ab, DType out, const void* x, const Fp8Weight& w, const void
 std::string gemv_fp8_last_launch();
 // The weight in the compute type (bf16 / f16) into out [n][k], for the GEMM at larger m.
 void dequantize_fp8(DType to, const Fp8Weight& w, void* out, int n, int k, void* stream);
-// Per-token activation quantization for the FP8 GEMM: each row of x [m][k] (bf16 / f16) gets
-// scale = max |x| / 448 (1 for an all-zero row) into scales[m] and its E4M3 codes
-// (core/numeric.h's f32_to_e4m3 of x / scale: round to nearest even, saturating) into
-// codes [m][k]. Needs k % 8 == 0 and 16-byte aligned x and codes.
-void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream);
+// Per-token activation quantization for the FP8 GEMM: each row of x [m][k] (bf16 / f16), or
+// with group = 128 each 128-value group of a row, gets scale = max |x| / 448 (1 when all
+// zero) and its E4M3 codes (core/numeric.h's f32_to_e4m3 of x / scale: round to nearest even,
+// saturating) into codes [m][k]. scales: [m] per row; per group [k / 128][m] (token fastest:
+// cuBLASLt's VEC128 layout). Needs k % 8 == 0 (group: k % 128 == 0) and 16-byte aligned x and
+// codes.
+void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream,
+                       int group = 0);
 // Whether Gemm::linear_fp8 takes a weight of n rows, k columns and this scale block: one
-// scale per row, and k, n multiples of 16 (cuBLASLt's FP8 leading dimensions).
+// scale per row with k, n multiples of 16 (cuBLASLt's FP8 leading dimensions), or 128 x 128
+// blocks with k, n multiples of 128 (the activations then quantized per 128-value group).
 bool fp8_gemm_fits(int n, int k, int scale_block);
+// The rows of m that Gemm::linear_fp8 takes for a weight with this scale block (the first
+// ones; the caller runs the rest, fewer than 4, through gemv_fp8): all of them with row
+// scales, a multiple of 4 with block scales.
+int fp8_gemm_rows(int m, int k, int scale_block);
 
 class Gemm {
  public:
@@ -99,9 +110,12 @@ class Gemm {
   // y[m][n] = (x[m][k] * x_scales[m]) . (w.codes[n][k] * w.scales[n])^T (+ bias): FP8 E4M3 on
   // the tensor cores (sm_89+; fp32 accumulation), the activation scaled per token
   // (quantize_rows_fp8) and the weight per row, both applied by cuBLASLt's outer-vector
-  // scaling. Needs fp8_gemm_fits. out: bf16, f16 or f32; the bias (out's type, as linear's)
-  // may be null. Throws kvlm::Error when cuBLASLt has no algorithm for it.
-  void linear_fp8(DType out, const uint8_t* x, const float* x_scales, const Fp8Weight& w, const void* bias, void* y,
+  // scaling; for a block-scaled weight (scale_block 128, block_scales set) the activation per
+  // token and 128-value group and the weight per 128 x 128 block (cuBLASLt's VEC128 /
+  // BLK128x128 scaling). Needs fp8_gemm_fits. out: bf16, f16 or f32; the bias (out's type, as
+  // linear's) may be null. Returns false (launching nothing) when cuBLASLt has no algorithm
+  // for the shape — found on its first use, remembered after.
+  bool linear_fp8(DType out, const uint8_t* x, const float* x_scales, const Fp8Weight& w, const void* bias, void* y,
                   int m, int n, int k, void* stream);
 
  private:

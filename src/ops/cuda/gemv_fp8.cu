@@ -686,19 +686,62 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_rows_fp8_kernel(const 
   }
 }
 
+// Per 128-value group: a half-warp per group (16 lanes x 8 values), its scale at
+// scales[group * m + row] (token fastest).
+template <bool kBF>
+__global__ void __launch_bounds__(kQuantThreads) quantize_groups_fp8_kernel(const uint4* x, uint2* codes, float* scales,
+                                                                             int k8, int m) {
+  const size_t row = blockIdx.x;
+  const int half = int(threadIdx.x) / 16, lane = int(threadIdx.x) % 16;
+  const int groups = k8 / 16;
+  for (int g = half; g < groups; g += kQuantThreads / 16) {
+    const size_t i = row * size_t(k8) + size_t(g) * 16 + size_t(lane);
+    const uint4 v = x[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      f[2 * e] = kBF ? __uint_as_float(w[e] << 16) : __half2float(__ushort_as_half(uint16_t(w[e])));
+      f[2 * e + 1] = kBF ? __uint_as_float(w[e] & 0xffff0000u) : __half2float(__ushort_as_half(uint16_t(w[e] >> 16)));
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0.0f ? amax / num::kE4M3Max : 1.0f;
+    if (lane == 0) scales[size_t(g) * size_t(m) + row] = scale;
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      lo |= uint32_t(num::f32_to_e4m3(f[e] / scale)) << (8 * e);
+      hi |= uint32_t(num::f32_to_e4m3(f[4 + e] / scale)) << (8 * e);
+    }
+    codes[i] = make_uint2(lo, hi);
+  }
+}
+
 }  // namespace
 
-void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream) {
+void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream, int group) {
   if (m <= 0) return;
   if (k <= 0 || k % 8 != 0) throw Error("quantize_rows_fp8: needs k % 8 == 0 (k " + std::to_string(k) + ")");
+  if (group != 0 && group != k && (group != 128 || k % 128 != 0))
+    throw Error("quantize_rows_fp8: a group is a whole row or 128 values of a row whose length is a multiple of 128");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(codes) % 16 != 0)
     throw Error("quantize_rows_fp8: x and the codes must be 16-byte aligned");
+  if (ab != DType::BF16 && ab != DType::F16) throw Error("quantize_rows_fp8: x must be bfloat16 or float16");
   const auto st = static_cast<cudaStream_t>(stream);
   const auto* xv = static_cast<const uint4*>(x);
   auto* cv = reinterpret_cast<uint2*>(codes);
-  if (ab == DType::BF16) quantize_rows_fp8_kernel<true><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
-  else if (ab == DType::F16) quantize_rows_fp8_kernel<false><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
-  else throw Error("quantize_rows_fp8: x must be bfloat16 or float16");
+  const bool bf = ab == DType::BF16;
+  if (group == 128 && k > 128) {
+    if (bf) quantize_groups_fp8_kernel<true><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8, m);
+    else quantize_groups_fp8_kernel<false><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8, m);
+  } else {  // one group per row (k = 128 included: the layouts agree)
+    if (bf) quantize_rows_fp8_kernel<true><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
+    else quantize_rows_fp8_kernel<false><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
+  }
   KVLM_CUDA_CHECK(cudaGetLastError());
 }
 
