@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
-#include <limits>
 
 #include "core/error.h"
 
@@ -143,8 +142,7 @@ std::string OutputProcessor::masked_row(const Sequence& s, int output_index, std
   if (!s.req.constraint && output_index >= s.req.min_tokens) return {};  // nothing to mask
   std::vector<uint64_t> words((raw.size() + 63) / 64);
   if (std::string error = allowed_tokens(s, output_index, raw.size(), words); !error.empty()) return error;
-  for (size_t t = 0; t < out.size(); ++t)
-    if (!((words[t / 64] >> (t % 64)) & 1)) out[t] = -std::numeric_limits<float>::infinity();
+  apply_token_mask(out, words);
   return {};
 }
 

@@ -1,7 +1,6 @@
 #include "model/model_runner.h"
 
 #include <algorithm>
-#include <limits>
 #include <vector>
 
 #include "core/error.h"
@@ -26,8 +25,7 @@ void ModelRunner::forward_sampled(const ForwardBatch& batch, std::span<const Row
       std::ranges::fill(words, 0);
       if (mask && mask(i, words)) {
         masked.assign(row.begin(), row.end());
-        for (size_t t = 0; t < v; ++t)
-          if (!((words[t / 64] >> (t % 64)) & 1)) masked[t] = -std::numeric_limits<float>::infinity();
+        apply_token_mask(masked, words);
         tokens[i] = sample_gumbel(masked, rows[i].params, rows[i].seed, rows[i].counter);
       } else {
         tokens[i] = -1;

@@ -200,6 +200,12 @@ GumbelParams gumbel_params(const SamplingParams& p) {
   return g;
 }
 
+void apply_token_mask(std::span<float> logits, std::span<const uint64_t> words) {
+  KVLM_CHECK(words.size() * 64 >= logits.size(), "a token mask shorter than the vocabulary");
+  for (size_t t = 0; t < logits.size(); ++t)
+    if (!((words[t / 64] >> (t % 64)) & 1)) logits[t] = -std::numeric_limits<float>::infinity();
+}
+
 TokenId sample_gumbel(std::span<const float> logits, const SamplingParams& p, uint64_t seed, uint64_t counter) {
   KVLM_CHECK(!logits.empty(), "empty logits");
   KVLM_CHECK(!p.has_penalties(), "sample_gumbel does not apply penalties");

@@ -72,6 +72,10 @@ inline uint64_t gumbel_fixed_weight(float logit, float max_logit, float inv_temp
   return uint64_t(std::exp((logit - max_logit) * inv_temperature) * 4294967296.0f);
 }
 TokenId sample_gumbel(std::span<const float> logits, const SamplingParams& p, uint64_t seed, uint64_t counter);
+// A token mask (a grammar's allowed tokens): bit t of words[t / 64] set = token t may be drawn
+// (grammar::TokenMask's layout, and the GPU sampler's). Sets every other logit of the row to
+// -inf, as the GPU sampler reads a masked row.
+void apply_token_mask(std::span<float> logits, std::span<const uint64_t> words);
 
 // A sampled token's log-probability and the top-K alternatives, most likely first.
 struct TokenLogprobs {

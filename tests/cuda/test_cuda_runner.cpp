@@ -879,10 +879,12 @@ TEST(CudaRunner, SampledRowsWithMasks) {
   asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
   EXPECT_EQ(asked, (std::vector<size_t>{2, 3}));
   EXPECT_EQ(tokens[0], sample_gumbel(row(0), hot, 7, 3));
-  std::vector<float> masked(row(2).begin(), row(2).end());
-  for (int t = 0; t < V; ++t)
-    if (!((m2[size_t(t) / 64] >> (t % 64)) & 1)) masked[size_t(t)] = -std::numeric_limits<float>::infinity();
-  EXPECT_EQ(tokens[2], sample_gumbel(masked, hot, 8, 5));
+  const auto masked_row = [&](int i) {  // the reference's row: -inf outside m2
+    std::vector<float> v(row(i).begin(), row(i).end());
+    apply_token_mask(v, m2);
+    return v;
+  };
+  EXPECT_EQ(tokens[2], sample_gumbel(masked_row(2), hot, 8, 5));
   EXPECT_TRUE((m2[size_t(tokens[2]) / 64] >> (tokens[2] % 64)) & 1) << "token " << tokens[2] << " is outside its mask";
   EXPECT_EQ(tokens[3], TokenId(-1)) << "a late mask's row must come back";
   const auto slot = [&](int k) { return std::span<const float>(host).subspan(size_t(k) * size_t(V), size_t(V)); };
@@ -900,11 +902,8 @@ TEST(CudaRunner, SampledRowsWithMasks) {
   std::ranges::fill(tokens, -2);
   std::ranges::fill(host, std::nanf(""));
   r.forward_sampled(fb, rs, tokens, host, in_time);
-  EXPECT_EQ(tokens[2], sample_gumbel(masked, hot, 8, 5));
-  std::vector<float> masked3(row(3).begin(), row(3).end());
-  for (int t = 0; t < V; ++t)
-    if (!((m2[size_t(t) / 64] >> (t % 64)) & 1)) masked3[size_t(t)] = -std::numeric_limits<float>::infinity();
-  EXPECT_EQ(tokens[3], sample_gumbel(masked3, greedy, 9, 1));
+  EXPECT_EQ(tokens[2], sample_gumbel(masked_row(2), hot, 8, 5));
+  EXPECT_EQ(tokens[3], sample_gumbel(masked_row(3), greedy, 9, 1));
   EXPECT_TRUE(std::ranges::equal(slot(0), row(1))) << "the host row's logits";
   EXPECT_TRUE(std::ranges::all_of(host.begin() + V, host.end(), [](float x) { return std::isnan(x); }))
       << "a sampled masked row's slot was written";

@@ -141,6 +141,17 @@ class DeviceSamplingRunner final : public ModelRunner {
   std::unique_ptr<ModelRunner> inner_;
 };
 
+// Puts a DeviceSamplingRunner around `e`'s runner; the wrapper, for its counters.
+inline DeviceSamplingRunner* sample_on_device(LoadedModel& e) {
+  DeviceSamplingRunner* runner = nullptr;
+  e.wrap_model([&](std::unique_ptr<ModelRunner> inner) {
+    auto r = std::make_unique<DeviceSamplingRunner>(std::move(inner));
+    runner = r.get();
+    return r;
+  });
+  return runner;
+}
+
 inline void run_to_end(LLMEngine& le) {
   for (int guard = 0; le.has_work(); ++guard) {
     ASSERT_LT(guard, 100000) << "the scheduler made no progress";

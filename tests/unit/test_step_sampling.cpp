@@ -25,12 +25,7 @@ namespace {
 // with logprobs, penalties or prompt logprobs still come back to the host — in the same steps.
 TEST(Scheduler, RunnerSideSamplingAndHostRowsShareSteps) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
-  DeviceSamplingRunner* runner = nullptr;
-  e->wrap_model([&](std::unique_ptr<ModelRunner> inner) {
-    auto r = std::make_unique<DeviceSamplingRunner>(std::move(inner));
-    runner = r.get();
-    return r;
-  });
+  DeviceSamplingRunner* runner = sample_on_device(*e);
   const std::vector<TokenId> prompt{1, 403, 407, 261, 378, 324, 434, 412, 281, 266, 397};
   const SamplingParams sp{.temperature = 0.9f, .top_k = 40, .top_p = 0.95f};
   // The reference: teacher-forced logits of the sampled continuation, drawn by sample_gumbel.
@@ -97,13 +92,7 @@ TEST(Scheduler, RunnerSideMasksHoldBackStopTokens) {
   for (const bool device : {false, true}) {
     auto e = load(kStories, KVCacheDType::Auto, 8);
     const auto greedy = one_at_a_time(*e, prompt, n);
-    DeviceSamplingRunner* runner = nullptr;
-    if (device)
-      e->wrap_model([&](std::unique_ptr<ModelRunner> inner) {
-        auto r = std::make_unique<DeviceSamplingRunner>(std::move(inner));
-        runner = r.get();
-        return r;
-      });
+    DeviceSamplingRunner* runner = device ? sample_on_device(*e) : nullptr;
     auto& out = device ? dev_out : host_out;
     LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 256,
                                      .enable_prefix_caching = true, .num_blocks = 64});
@@ -172,8 +161,7 @@ TEST(Scheduler, SpeculativeStepsGiveThePlainOutputs) {
     SCOPED_TRACE(std::string(device_sampling ? "runner-side sampling" : "host sampling") +
                  (exact ? ", int4 with exact sink 2 / recent 6 tokens" : ""));
     auto e = exact ? load(kStories, KVCacheDType::Int4PerTokenHead, 8, 2, 6) : load(kStories, KVCacheDType::Auto, 8);
-    if (device_sampling)
-      e->wrap_model([](std::unique_ptr<ModelRunner> inner) { return std::make_unique<DeviceSamplingRunner>(std::move(inner)); });
+    if (device_sampling) sample_on_device(*e);
     std::mt19937 rng(3);
     const int vocab = e->config().vocab_size;
     std::vector<std::vector<TokenId>> prompts;

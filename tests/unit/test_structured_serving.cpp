@@ -101,13 +101,7 @@ TEST(StructuredOutputs, LateMasksDoNotHoldUpTheBatch) {
     SCOPED_TRACE(device ? "runner-side sampling" : "host sampling");
     const fs::path tiny = fs::path(KVLM_TEST_DATA) / ".." / "models" / "kvlm-tiny";
     auto e = load(tiny, KVCacheDType::Auto, 8);
-    DeviceSamplingRunner* runner = nullptr;
-    if (device)
-      e->wrap_model([&](std::unique_ptr<ModelRunner> inner) {
-        auto r = std::make_unique<DeviceSamplingRunner>(std::move(inner));
-        runner = r.get();
-        return r;
-      });
+    DeviceSamplingRunner* runner = device ? sample_on_device(*e) : nullptr;
     const Tokenizer tok = Tokenizer::load(tiny / "tokenizer.json");
     const int vocab = e->config().vocab_size;
     const auto tv = std::make_shared<const grammar::TokenVocab>(tok, vocab);

@@ -54,12 +54,15 @@ struct Gemm::Impl {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   bool gemv = true;
-  // (ab, out, bias, m, n, k) -> plan; ab = DType::F8E4M3: the scaled FP8 GEMM (linear_fp8)
-  std::map<std::tuple<int, int, bool, int, int, int>, std::unique_ptr<Plan>> plans;
-  // FP8 shapes cuBLASLt has no algorithm for (linear_fp8 returns false for them at once)
-  std::set<std::tuple<int, int, bool, int, int, int>> no_fp8_algo;
-  // (ab, out, bias, power-of-two bucket of m, n, k) -> the algorithm timed fastest
-  std::map<std::tuple<int, int, bool, int, int, int>, cublasLtMatmulAlgo_t> tuned;
+  // A problem: (kind, out, bias, m, n, k), kind telling the inputs and, for FP8 (linear_fp8),
+  // the scaling (row / token, or 128 x 128 blocks / 128-value groups).
+  using Key = std::tuple<int, int, bool, int, int, int>;
+  static Key key(DType ab, DType out, const void* bias, int m, int n, int k, bool block) {
+    return {int(ab) * 2 + (block ? 1 : 0), int(out), bias != nullptr, m, n, k};
+  }
+  std::map<Key, std::unique_ptr<Plan>> plans;
+  std::set<Key> no_fp8_algo;  // FP8 problems cuBLASLt has no algorithm for (linear_fp8: false at once)
+  std::map<Key, cublasLtMatmulAlgo_t> tuned;  // m replaced by its power-of-two bucket -> the fastest
 
   static void set_scales(Plan& p, const float* w_scales, const float* x_scales) {
     KVLM_CUBLAS_CHECK(
@@ -116,10 +119,8 @@ struct Gemm::Impl {
   // set on the descriptor before each run, and here before the timing.
   Plan& plan(DType ab, DType out, const void* bias, int m, int n, int k, const void* x, const void* w, void* y,
              cudaStream_t st, const float* w_scales = nullptr, const float* x_scales = nullptr, bool block = false) {
-    // (an FP8 plan's key tells its scaling: row / token, or 128 x 128 blocks / 128-value groups)
-    const int kind = int(ab) * 2 + (block ? 1 : 0);
-    const auto key = std::make_tuple(kind, int(out), bias != nullptr, m, n, k);
-    if (auto it = plans.find(key); it != plans.end()) return *it->second;
+    const Key pkey = key(ab, out, bias, m, n, k, block);
+    if (auto it = plans.find(pkey); it != plans.end()) return *it->second;
     auto p = std::make_unique<Plan>();
     const bool fp8 = ab == DType::F8E4M3;
     const cudaDataType_t tab = fp8 ? CUDA_R_8F_E4M3 : cuda_type(ab), tout = cuda_type(out);
@@ -182,7 +183,7 @@ struct Gemm::Impl {
     if (found > 1 && m <= kTuneMaxM) {
       int bucket = 1;
       while (bucket < m) bucket *= 2;
-      const auto tkey = std::make_tuple(kind, int(out), bias != nullptr, bucket, n, k);
+      const Key tkey = key(ab, out, bias, bucket, n, k, block);
       cublasLtMatmulHeuristicResult_t check{};
       if (auto t = tuned.find(tkey); t != tuned.end() &&
                                      cublasLtMatmulAlgoCheck(handle, p->desc, p->a, p->b, p->c, p->c, &t->second, &check) ==
@@ -201,7 +202,7 @@ struct Gemm::Impl {
         }
       }
     }
-    return *plans.emplace(key, std::move(p)).first->second;
+    return *plans.emplace(pkey, std::move(p)).first->second;
   }
 };
 
@@ -261,13 +262,13 @@ bool Gemm::linear_fp8(DType out, const uint8_t* x, const float* x_scales, const 
     throw Error("CUDA FP8 GEMM: output must be bfloat16, float16 or float32");
   const auto st = static_cast<cudaStream_t>(stream);
   const float* w_scales = block ? w.block_scales : w.scales;
-  const auto key = std::make_tuple(int(block), int(out), bias != nullptr, m, n, k);
-  if (impl_->no_fp8_algo.contains(key)) return false;
+  const Impl::Key pkey = Impl::key(DType::F8E4M3, out, bias, m, n, k, block);
+  if (impl_->no_fp8_algo.contains(pkey)) return false;
   Plan* p = nullptr;
   try {
     p = &impl_->plan(DType::F8E4M3, out, bias, m, n, k, x, w.codes, y, st, w_scales, x_scales, block);
-  } catch (const Error&) {
-    impl_->no_fp8_algo.insert(key);
+  } catch (const Error&) {  // no algorithm, or scales this cuBLASLt does not take
+    impl_->no_fp8_algo.insert(pkey);
     return false;
   }
   Impl::set_scales(*p, w_scales, x_scales);

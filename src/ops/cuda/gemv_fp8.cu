@@ -639,28 +639,32 @@ __global__ void dequantize_fp8_kernel(const uint4* codes, const float* scales, i
   out[2 * size_t(i) + 1] = make_uint4(p[4], p[5], p[6], p[7]);
 }
 
-// quantize_rows_fp8: one CTA per row of x; the row's absolute maximum (16-byte loads), then its
-// codes (the row is in L1/L2 by then), with the CPU reference's arithmetic (x / scale, then
-// f32_to_e4m3), so the codes are bit-exact.
+// quantize_rows_fp8: the CPU reference's arithmetic (x / scale, then f32_to_e4m3), so the codes
+// are bit-exact. Eight values of x (one 16-byte vector) to their eight codes.
+__device__ __forceinline__ uint2 encode8_e4m3(const float* f, float scale) {
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    lo |= uint32_t(num::f32_to_e4m3(f[e] / scale)) << (8 * e);
+    hi |= uint32_t(num::f32_to_e4m3(f[4 + e] / scale)) << (8 * e);
+  }
+  return make_uint2(lo, hi);
+}
+__device__ __forceinline__ float e4m3_scale(float amax) { return amax > 0.0f ? amax / num::kE4M3Max : 1.0f; }
+
+// One CTA per row: the row's absolute maximum (16-byte loads), then its codes (the row is in
+// L1/L2 by then).
 constexpr int kQuantThreads = 256;
-template <bool kBF>
+template <class V>
 __global__ void __launch_bounds__(kQuantThreads) quantize_rows_fp8_kernel(const uint4* x, uint2* codes, float* scales,
                                                                            int k8) {
   __shared__ float red[kQuantThreads / 32];
   const size_t row = blockIdx.x;
   const uint4* xr = x + row * size_t(k8);
-  auto unpack = [](const uint4& v, float* f) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = kBF ? __uint_as_float(w[i] << 16) : __half2float(__ushort_as_half(uint16_t(w[i])));
-      f[2 * i + 1] = kBF ? __uint_as_float(w[i] & 0xffff0000u) : __half2float(__ushort_as_half(uint16_t(w[i] >> 16)));
-    }
-  };
   float amax = 0.0f;
   for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
     float f[8];
-    unpack(xr[i], f);
+    V::decode8(xr[i], f);
 #pragma unroll
     for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
   }
@@ -671,53 +675,34 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_rows_fp8_kernel(const 
   amax = red[0];
 #pragma unroll
   for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, red[w]);
-  const float scale = amax > 0.0f ? amax / num::kE4M3Max : 1.0f;
+  const float scale = e4m3_scale(amax);
   if (threadIdx.x == 0) scales[row] = scale;
   for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
     float f[8];
-    unpack(xr[i], f);
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      lo |= uint32_t(num::f32_to_e4m3(f[e] / scale)) << (8 * e);
-      hi |= uint32_t(num::f32_to_e4m3(f[4 + e] / scale)) << (8 * e);
-    }
-    codes[row * size_t(k8) + size_t(i)] = make_uint2(lo, hi);
+    V::decode8(xr[i], f);
+    codes[row * size_t(k8) + size_t(i)] = encode8_e4m3(f, scale);
   }
 }
 
 // Per 128-value group: a half-warp per group (16 lanes x 8 values), its scale at
 // scales[group * m + row] (token fastest).
-template <bool kBF>
+template <class V>
 __global__ void __launch_bounds__(kQuantThreads) quantize_groups_fp8_kernel(const uint4* x, uint2* codes, float* scales,
                                                                              int k8, int m) {
   const size_t row = blockIdx.x;
   const int half = int(threadIdx.x) / 16, lane = int(threadIdx.x) % 16;
-  const int groups = k8 / 16;
-  for (int g = half; g < groups; g += kQuantThreads / 16) {
+  for (int g = half; g < k8 / 16; g += kQuantThreads / 16) {
     const size_t i = row * size_t(k8) + size_t(g) * 16 + size_t(lane);
-    const uint4 v = x[i];
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     float f[8];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      f[2 * e] = kBF ? __uint_as_float(w[e] << 16) : __half2float(__ushort_as_half(uint16_t(w[e])));
-      f[2 * e + 1] = kBF ? __uint_as_float(w[e] & 0xffff0000u) : __half2float(__ushort_as_half(uint16_t(w[e] >> 16)));
-    }
+    V::decode8(x[i], f);
     float amax = 0.0f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax > 0.0f ? amax / num::kE4M3Max : 1.0f;
+    const float scale = e4m3_scale(amax);
     if (lane == 0) scales[size_t(g) * size_t(m) + row] = scale;
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      lo |= uint32_t(num::f32_to_e4m3(f[e] / scale)) << (8 * e);
-      hi |= uint32_t(num::f32_to_e4m3(f[4 + e] / scale)) << (8 * e);
-    }
-    codes[i] = make_uint2(lo, hi);
+    codes[i] = encode8_e4m3(f, scale);
   }
 }
 
@@ -734,14 +719,14 @@ void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, i
   const auto st = static_cast<cudaStream_t>(stream);
   const auto* xv = static_cast<const uint4*>(x);
   auto* cv = reinterpret_cast<uint2*>(codes);
-  const bool bf = ab == DType::BF16;
-  if (group == 128 && k > 128) {
-    if (bf) quantize_groups_fp8_kernel<true><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8, m);
-    else quantize_groups_fp8_kernel<false><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8, m);
-  } else {  // one group per row (k = 128 included: the layouts agree)
-    if (bf) quantize_rows_fp8_kernel<true><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
-    else quantize_rows_fp8_kernel<false><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
-  }
+  const auto launch = [&]<class V>(V) {
+    if (group == 128 && k > 128)
+      quantize_groups_fp8_kernel<V><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8, m);
+    else  // one group per row (k = 128 included: the layouts agree)
+      quantize_rows_fp8_kernel<V><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
+  };
+  if (ab == DType::BF16) launch(VecBF16{});
+  else launch(VecF16{});
   KVLM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,0 +1,349 @@
+// FP8 weights on the GPU (ops/cuda/gemm.h): gemv_fp8 and dequantize_fp8 (decode at batch
+// 1-16), and above that the per-token activation quantization and the FP8 tensor-core GEMM
+// (Gemm::linear_fp8, row and 128 x 128 block scales), each against its definition in double.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "act_test_util.h"
+#include "core/error.h"
+#include "core/numeric.h"
+#include "cuda_test_util.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/kernel_switches.h"
+
+using namespace kvlm;
+using kvlm::test::Dev;
+using namespace kvlm::test::act;
+
+namespace {
+
+// Random E4M3 codes, none of them NaN (a NaN code is not a weight).
+std::vector<uint8_t> random_fp8_codes(size_t n, std::mt19937& rng) {
+  std::vector<uint8_t> c(n);
+  for (auto& v : c) {
+    do v = uint8_t(rng());
+    while ((v & 0x7f) == 0x7f);
+  }
+  return c;
+}
+
+// quantize_rows_fp8 as documented: per row of x [m][k] (group = k) or per 128-value group,
+// scale = max |x| / 448 (1 when all zero), codes f32_to_e4m3(x / scale); scales [k / group][m].
+std::pair<std::vector<uint8_t>, std::vector<float>> quantize_reference(const std::vector<float>& x, int m, int k,
+                                                                       int group) {
+  const int groups = k / group;
+  std::vector<uint8_t> codes(size_t(m) * size_t(k));
+  std::vector<float> scales(size_t(groups) * size_t(m));
+  for (int r = 0; r < m; ++r)
+    for (int g = 0; g < groups; ++g) {
+      const size_t b = size_t(r) * size_t(k) + size_t(g) * size_t(group);
+      float amax = 0;
+      for (int i = 0; i < group; ++i) amax = std::max(amax, std::fabs(x[b + size_t(i)]));
+      const float s = amax > 0 ? amax / num::kE4M3Max : 1.0f;
+      scales[size_t(g) * size_t(m) + size_t(r)] = s;
+      for (int i = 0; i < group; ++i) codes[b + size_t(i)] = num::f32_to_e4m3(x[b + size_t(i)] / s);
+    }
+  return {codes, scales};
+}
+
+}  // namespace
+
+// FP8 weights (gemm.h gemv_fp8, dequantize_fp8) against the definition. gemv_fp8's kernels
+// (variants 1 and 3: FMA, rows and split k, kGemvMaxM rows of x per pass; variant 2: tensor
+// cores, one pass, with CTAs of
+// 64, 32 and 16 rows and k split over clusters of 1, 2, 4 and 8 CTAs) over m = 1..16, odd n
+// (not multiples of the 16-row tiles or the CTAs' rows) and k (not multiples of the 64-wide
+// rounds or of 128), every scaling kind (one scale per row: scale_block = k; 128-column blocks
+// with a partial last block; 16-column blocks, which only the FMA kernels take), bias and
+// float32 output. The reference sums code * scale * x in double over the same 16-bit x; the GPU
+// sums fp32 and rounds once, so the bound is the 16-bit rounding (none for float32 output) plus
+// 1e-4 of sum |w x|; rows of y past m must stay unwritten. dequantize_fp8 is code * scale
+// rounded once to the compute type: bit-exact.
+TEST(CudaModelOps, Fp8GemvAndDequantize) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda::fp8_weights_supported(test::compute_capability())) GTEST_SKIP() << "no FP8 instructions on this GPU";
+  std::mt19937 rng(27);
+  {  // misuse is an error, not a wrong answer
+    Dev<uint8_t> dc(size_t(16) * 48);
+    Dev<float> ds(16 * 3);
+    Dev<uint16_t> dx(48 * 17), dy(16 * 17);
+    const cuda::Fp8Weight bad{.codes = dc.p, .scales = ds.p, .scale_block = 24};
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 1, 16, 24, nullptr), Error);
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 5, 16, 24, nullptr), Error);
+    const cuda::Fp8Weight b16{.codes = dc.p, .scales = ds.p, .scale_block = 16};
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, b16, nullptr, dy.p, 17, 16, 48, nullptr), Error);
+    EXPECT_FALSE(cuda::gemv_fp8_mma_fits(48, 16));
+    EXPECT_THROW(cuda::gemv_fp8(DType::BF16, DType::BF16, dx.p, b16, nullptr, dy.p, 4, 16, 48, nullptr, 2), Error);
+    EXPECT_TRUE(cuda::gemv_fp8_mma_fits(48, 48));
+    EXPECT_TRUE(cuda::gemv_fp8_mma_fits(272, 128));
+  }
+  struct Shape {
+    int n, k, block;
+  };
+  const Shape shapes[] = {{1, 16, 16},     {7, 48, 48},       {33, 272, 272},  {300, 272, 128}, {129, 4096, 128},
+                          {61, 1040, 16},  {1000, 1552, 1552}, {70, 8320, 128}, {97, 4160, 4160}, {50, 2496, 128}};
+  constexpr int kM = cuda::kGemvFp8MaxM;
+  const cuda::KernelSwitches saved = cuda::kernel_switches();
+  size_t checked = 0, dequantized = 0;
+  for (DType ab : kActs)
+    for (const Shape& sh : shapes) {
+      const int n = sh.n, k = sh.k, nb = (k + sh.block - 1) / sh.block;
+      const std::vector<uint8_t> codes8 = random_fp8_codes(size_t(n) * k, rng);
+      std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+      std::vector<float> sc(size_t(n) * nb);
+      for (auto& x : sc) x = ud(rng);
+      const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);  // up to kM input rows; m takes the first m
+      const auto b = random_act(ab, size_t(n), rng, 0.5f);
+      // The reference without the bias, and sum |w x|, for every row of x.
+      std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
+      {
+        std::vector<double> wrow(static_cast<size_t>(k));
+        for (int j = 0; j < n; ++j) {
+          for (int i = 0; i < k; ++i)
+            wrow[size_t(i)] = double(num::e4m3_to_f32(codes8[size_t(j) * k + i])) * sc[size_t(j) * nb + i / sh.block];
+          for (int r = 0; r < kM; ++r) {
+            double acc = 0, a = 0;
+            const float* xp = xr.data() + size_t(r) * k;
+            for (int i = 0; i < k; ++i) {
+              const double p = wrow[size_t(i)] * xp[i];
+              acc += p;
+              a += std::fabs(p);
+            }
+            ref[size_t(r) * n + j] = acc;
+            mag[size_t(r) * n + j] = a;
+          }
+        }
+      }
+      Dev<uint8_t> dc(codes8);
+      Dev<float> ds(sc);
+      Dev<uint16_t> dx(codes(ab, xr)), db(codes(ab, b));
+      Dev<uint16_t> dy16(size_t(kM) * n);
+      Dev<float> dy32(size_t(kM) * n);
+      const cuda::Fp8Weight w{.codes = dc.p, .scales = ds.p, .scale_block = sh.block};
+      const bool mma = cuda::gemv_fp8_mma_fits(k, sh.block);
+      for (int m = 1; m <= kM; ++m)
+        for (int mode = 0; mode < 2; ++mode)  // 0: 16-bit out + bias, 1: float32 out
+          // 1, 7: the rows and split FMA kernels; 2-6: the tensor-core kernel with CTAs of 64 / 32 /
+          // 16 rows / 32 rows split 4 ways / 64 rows split 8 ways (clusters), whatever the launcher
+          // would choose.
+          for (int variant = 1; variant <= 7; ++variant) {
+            if (!mma && variant >= 2 && variant <= 6) continue;
+            const bool f32 = mode == 1, bias = mode == 0;
+            dy16.poison();
+            dy32.poison();
+            cuda::KernelSwitches sw = saved;
+            const int tiles[] = {0, 0, 4, 2, 1, 2, 4, 0}, splits[] = {0, 0, 0, 0, 0, 4, 8, 0};
+            sw.fp8_tc_tiles = tiles[variant];
+            sw.fp8_tc_splits = splits[variant];
+            cuda::set_kernel_switches(sw);
+            cuda::gemv_fp8(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr,
+                           f32 ? static_cast<void*>(dy32.p) : dy16.p, m, n, k, nullptr, variant == 7 ? 3 : std::min(variant, 2));
+            cuda::set_kernel_switches(saved);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            std::vector<float> got(size_t(kM) * n);
+            if (f32) {
+              got = dy32.download();
+            } else {
+              const auto raw = dy16.download();
+              for (size_t i = 0; i < got.size(); ++i) got[i] = act_value(ab, raw[i]);
+            }
+            size_t bad = 0;
+            double worst = 0;
+            for (int r = 0; r < m; ++r)
+              for (int j = 0; j < n; ++j) {
+                const size_t at = size_t(r) * n + j;
+                const double want = ref[at] + (bias ? double(b[size_t(j)]) : 0.0);
+                const double g = got[at], e = std::isnan(g) ? 1e30 : std::fabs(g - want);
+                worst = std::max(worst, e);
+                bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(want) + 1e-4 * (mag[at] + (bias ? std::fabs(b[size_t(j)]) : 0.0));
+                ++checked;
+              }
+            // Rows past m stay as poisoned (NaN): nothing is written outside y[m][n].
+            size_t outside = 0;
+            for (size_t i = size_t(m) * n; i < got.size(); ++i) outside += !std::isnan(got[i]);
+            EXPECT_EQ(bad, 0u) << dtype_name(ab) << " n=" << n << " k=" << k << " block=" << sh.block << " m=" << m
+                               << " mode " << mode << " variant " << variant << " max err " << worst;
+            EXPECT_EQ(outside, 0u) << dtype_name(ab) << " n=" << n << " k=" << k << " m=" << m << " variant " << variant;
+          }
+      Dev<uint16_t> dd(size_t(n) * k);
+      dd.poison();
+      cuda::dequantize_fp8(ab, w, dd.p, n, k, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto deq = dd.download();
+      size_t diff = 0;
+      std::string first;
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < k; ++i) {
+          const size_t at = size_t(j) * k + i;
+          const uint16_t want = act_code(ab, num::e4m3_to_f32(codes8[at]) * sc[size_t(j) * nb + i / sh.block]);
+          if (deq[at] != want && ++diff <= 3)
+            first += " (" + std::to_string(j) + "," + std::to_string(i) + "): code " + std::to_string(codes8[at]) +
+                     " got " + std::to_string(act_value(ab, deq[at])) + " want " + std::to_string(act_value(ab, want));
+        }
+      EXPECT_EQ(diff, 0u) << "dequantize_fp8 " << dtype_name(ab) << " n=" << n << " k=" << k << first;
+      dequantized += deq.size();
+    }
+  std::printf("[cuda-fp8] gemv_fp8: %zu outputs within bounds (m = 1..%d, both FMA kernels and five tensor-core CTA shapes); dequantize_fp8 "
+              "bit-exact (%zu values)\n",
+              checked, kM, dequantized);
+}
+
+// Per-token activation quantization (bit-exact against the CPU arithmetic it documents) and
+// the FP8 tensor-core GEMM over it (cuBLASLt, outer-vector scales) against a double reference
+// on the quantized operands: m above the GEMV's 16, n and k multiples of 16 that are not of
+// 64 or 128, with and without a bias, 16-bit and fp32 outputs. Hopper's FP8 MMA adds its
+// products in a narrower accumulator than fp32 between cuBLASLt's promotions: the first H100
+// run measured a worst error of 3.0e-3 of sum |x w| (a few outputs in 622,080 above 5e-4), so
+// the allowance is 4e-3 of it on top of the output's rounding; each case's worst is printed.
+TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda::fp8_weights_supported(test::compute_capability())) GTEST_SKIP() << "no FP8 instructions on this GPU";
+  std::mt19937 rng(31);
+  cuda::Gemm gemm;
+  Dev<uint8_t> ws(cuda::kGemmWorkspaceBytes);
+  gemm.set_workspace(ws.p, ws.n);
+  EXPECT_TRUE(cuda::fp8_gemm_fits(400, 1040, 1040));
+  EXPECT_FALSE(cuda::fp8_gemm_fits(400, 1040, 128)) << "block scales take the dequantizing path";
+  EXPECT_FALSE(cuda::fp8_gemm_fits(401, 1040, 1040));
+  EXPECT_FALSE(cuda::fp8_gemm_fits(400, 1048, 1048));
+  double worst_rel = 0;
+  size_t checked = 0;
+  for (DType ab : kActs)
+    for (auto [m, n, k] : {std::tuple{17, 384, 256}, {64, 400, 1040}, {200, 112, 4096}, {512, 96, 176}}) {
+      auto x = random_act(ab, size_t(m) * k, rng, 2.0f);
+      for (int i = 0; i < k; ++i) x[size_t(5 % m) * k + i] = 0.0f;  // an all-zero row: scale 1
+      x[size_t(k) + 3] = act_round(ab, 300.0f);                      // an outlier in row 1
+      const auto [want_codes, want_scales] = quantize_reference(x, m, k, k);
+      Dev<uint16_t> dx(codes(ab, x));
+      Dev<uint8_t> dxc(size_t(m) * k);
+      Dev<float> dxs(static_cast<size_t>(m));
+      cuda::quantize_rows_fp8(ab, dx.p, dxc.p, dxs.p, m, k, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(dxs.download(), want_scales) << dtype_name(ab) << " m " << m << " k " << k;
+      ASSERT_EQ(dxc.download(), want_codes) << dtype_name(ab) << " m " << m << " k " << k;
+
+      const std::vector<uint8_t> wc = random_fp8_codes(size_t(n) * k, rng);
+      std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+      std::vector<float> wsc(static_cast<size_t>(n));
+      for (auto& v : wsc) v = ud(rng);
+      const auto b = random_act(ab, size_t(n), rng, 0.5f);
+      Dev<uint8_t> dwc(wc);
+      Dev<float> dws(wsc);
+      Dev<uint16_t> db(codes(ab, b));
+      const cuda::Fp8Weight w{.codes = dwc.p, .scales = dws.p, .scale_block = k};
+      for (DType out : {ab, DType::F32})
+        for (bool bias : {false, true}) {
+          if (bias && out == DType::F32) continue;
+          Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
+          dy.poison();
+          ASSERT_TRUE(gemm.linear_fp8(out, dxc.p, dxs.p, w, bias ? db.p : nullptr, dy.p, m, n, k, nullptr))
+              << "no FP8 GEMM for m " << m << " n " << n << " k " << k;
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const auto raw = dy.download();
+          size_t bad = 0;
+          double case_worst = 0;
+          for (int r = 0; r < m; ++r)
+            for (int j = 0; j < n; ++j) {
+              double acc = 0, mag = 0;
+              for (int i = 0; i < k; ++i) {
+                const double p = double(num::e4m3_to_f32(want_codes[size_t(r) * k + i])) *
+                                 double(num::e4m3_to_f32(wc[size_t(j) * k + i]));
+                acc += p;
+                mag += std::fabs(p);
+              }
+              const double scale = double(want_scales[size_t(r)]) * double(wsc[size_t(j)]);
+              const double ref = acc * scale + (bias ? double(b[size_t(j)]) : 0.0);
+              mag = mag * scale + (bias ? std::fabs(double(b[size_t(j)])) : 0.0);
+              float got;
+              if (out == DType::F32) {
+                std::memcpy(&got, raw.data() + 4 * (size_t(r) * n + j), 4);
+              } else {
+                uint16_t c;
+                std::memcpy(&c, raw.data() + 2 * (size_t(r) * n + j), 2);
+                got = act_value(ab, c);
+              }
+              const double e = std::fabs(double(got) - ref);
+              if (mag > 0) case_worst = std::max(case_worst, e / mag);
+              bad += std::isnan(got) || e > (out == DType::F32 ? 0.0 : act_rel_tol(ab)) * std::fabs(ref) + 4e-3 * mag;
+              ++checked;
+            }
+          EXPECT_EQ(bad, 0u) << dtype_name(ab) << " -> " << dtype_name(out) << (bias ? " + bias" : "") << " m " << m
+                             << " n " << n << " k " << k;
+          std::printf("[fp8-gemm] %s -> %s%s m %d n %d k %d: worst %.2e of sum |x w|\n", dtype_name(ab).data(),
+                      dtype_name(out).data(), bias ? " + bias" : "", m, n, k, case_worst);
+          worst_rel = std::max(worst_rel, case_worst);
+        }
+    }
+  std::printf("[fp8-gemm] %zu outputs, worst error %.2e of sum |x w|\n", checked, worst_rel);
+
+  // The block-scaled format (Qwen3-FP8, DeepSeek-V3): the weight per 128 x 128 block, the
+  // activations per token and 128-value group ([k / 128][m], token fastest), rows in
+  // multiples of 4 (fp8_gemm_rows; CudaOps runs the rest through gemv_fp8).
+  EXPECT_EQ(cuda::fp8_gemm_rows(33, 1024, 128), 32);
+  EXPECT_EQ(cuda::fp8_gemm_rows(33, 1024, 1024), 33);
+  EXPECT_TRUE(cuda::fp8_gemm_fits(384, 1024, 128));
+  EXPECT_FALSE(cuda::fp8_gemm_fits(400, 1024, 128));
+  EXPECT_FALSE(cuda::fp8_gemm_fits(384, 1040, 128));
+  double block_worst = 0;
+  for (DType ab : kActs)
+    for (auto [m, n, k] : {std::tuple{36, 256, 1024}, {132, 384, 512}}) {
+      const int kb = k / 128, nbk = n / 128;
+      auto x = random_act(ab, size_t(m) * k, rng, 2.0f);
+      x[size_t(k) + 200] = act_round(ab, 300.0f);  // an outlier in row 1, group 1
+      const auto [xc, xs] = quantize_reference(x, m, k, 128);
+      Dev<uint16_t> dx(codes(ab, x));
+      Dev<uint8_t> dxc(size_t(m) * k);
+      Dev<float> dxs(xs.size());
+      cuda::quantize_rows_fp8(ab, dx.p, dxc.p, dxs.p, m, k, nullptr, 128);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(dxs.download(), xs) << "group scales, " << dtype_name(ab) << " m " << m << " k " << k;
+      ASSERT_EQ(dxc.download(), xc) << "group codes, " << dtype_name(ab) << " m " << m << " k " << k;
+      const std::vector<uint8_t> wc = random_fp8_codes(size_t(n) * k, rng);
+      std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+      std::vector<float> blocks(size_t(nbk) * kb), rows(size_t(n) * kb);
+      for (auto& v : blocks) v = ud(rng);
+      for (int j = 0; j < n; ++j)
+        for (int g = 0; g < kb; ++g) rows[size_t(j) * kb + g] = blocks[size_t(j / 128) * kb + g];
+      Dev<uint8_t> dwc(wc);
+      Dev<float> dws(rows), dwb(blocks);
+      const cuda::Fp8Weight w{.codes = dwc.p, .scales = dws.p, .scale_block = 128, .block_scales = dwb.p};
+      Dev<uint8_t> dy(size_t(m) * n * 2);
+      dy.poison();
+      ASSERT_TRUE(gemm.linear_fp8(ab, dxc.p, dxs.p, w, nullptr, dy.p, m, n, k, nullptr))
+          << "no block-scaled FP8 GEMM for m " << m << " n " << n << " k " << k;
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto raw = dy.download();
+      size_t bad = 0;
+      double case_worst = 0;
+      for (int r = 0; r < m; ++r)
+        for (int j = 0; j < n; ++j) {
+          double ref = 0, mag = 0;
+          for (int g = 0; g < kb; ++g) {
+            const double s = double(xs[size_t(g) * m + r]) * double(blocks[size_t(j / 128) * kb + g]);
+            for (int i = g * 128; i < (g + 1) * 128; ++i) {
+              const double p = double(num::e4m3_to_f32(xc[size_t(r) * k + i])) * double(num::e4m3_to_f32(wc[size_t(j) * k + i])) * s;
+              ref += p;
+              mag += std::fabs(p);
+            }
+          }
+          uint16_t c;
+          std::memcpy(&c, raw.data() + 2 * (size_t(r) * n + j), 2);
+          const float got = act_value(ab, c);
+          const double e = std::fabs(double(got) - ref);
+          if (mag > 0) case_worst = std::max(case_worst, e / mag);
+          bad += std::isnan(got) || e > act_rel_tol(ab) * std::fabs(ref) + 4e-3 * mag;
+        }
+      EXPECT_EQ(bad, 0u) << "block-scaled " << dtype_name(ab) << " m " << m << " n " << n << " k " << k;
+      std::printf("[fp8-gemm] block-scaled %s m %d n %d k %d: worst %.2e of sum |x w|\n", dtype_name(ab).data(), m, n, k,
+                  case_worst);
+      block_worst = std::max(block_worst, case_worst);
+    }
+  std::printf("[fp8-gemm] block-scaled worst %.2e\n", block_worst);
+}
