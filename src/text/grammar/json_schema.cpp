@@ -325,7 +325,10 @@ class SchemaConverter {
       }
       for (const std::string& t : types) alts.push_back(typed(s, t, path, hint, depth));
     }
-    if (s.value("nullable", false)) alts.push_back(rule("null", {lit("null")}));
+    if (const auto nullable = s.find("nullable"); nullable != s.end()) {  // OpenAPI's spelling of "or null"
+      if (!nullable->is_boolean()) fail(path + "/nullable", "must be true or false");
+      if (nullable->get<bool>()) alts.push_back(rule("null", {lit("null")}));
+    }
     if (alts.size() == 1) return alts[0];
     std::vector<Sequence> seqs;
     for (uint32_t a : alts) seqs.push_back({Symbol::ref(a)});
