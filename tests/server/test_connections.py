@@ -146,7 +146,13 @@ try:
     check(metric(m, "kvlm:http_responses_total", status="503") >= 1 and metric(m, "kvlm:http_responses_total", status="408") >= 2,
           f"refusals counted in /metrics: { {k: v for k, v in m.items() if k[0] == 'kvlm:http_responses_total'} }")
 
-    # Access log: one line per request, with tokens for a generation.
+    # Access log: one line per request, with tokens for a generation. The holders' 408 lines are
+    # written by their own workers and read from the server's stderr by a thread: wait for both,
+    # so that they cannot land among the lines this request is checked by.
+    deadline = time.time() + 5
+    while time.time() < deadline and sum('"POST /v1/completions" 408' in l for l in srv.log) < 2:
+        time.sleep(0.05)
+    check(sum('"POST /v1/completions" 408' in l for l in srv.log) == 2, f"access log of the 408s: {srv.log[-6:]}")
     before = len(srv.log)
     st, _ = srv.post("/v1/completions", {"prompt": "Once upon", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     time.sleep(0.3)
