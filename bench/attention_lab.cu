@@ -8,7 +8,8 @@
 // over bf16 of the same shape.
 //
 //   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--head N] [--shapes BxC,...]
-//                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--trace DIR] [--no-wgmma] [--no-pdl]
+//                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--decode-layout N] [--trace DIR]
+//                 [--no-wgmma] [--no-pdl]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
@@ -17,6 +18,8 @@
 // --max-splits caps the decode split count (PagedAttentionParams::max_splits), to explore it;
 // --split-lengths sets PagedAttentionParams::split_lengths (0 automatic, 1 equal, 2 decreasing);
 // column `splits` marks decreasing lengths with "d".
+// --decode-layout sets PagedAttentionParams::decode_layout (0 automatic, 1 query rows in the mma's
+// M, 2 keys in M); column `splits` marks the keys-in-M layout with "k".
 // --trace DIR (a build with -DKVLM_ATTN_TRACE=ON) writes the per-CTA timeline of each decode
 // row's last timed call to DIR/trace-MODE-BxC.bin: per CTA four little-endian uint64 (start,
 // first tile, end in globaltimer ns; SM); tools/attn_trace.py summarises them.
@@ -252,7 +255,7 @@ double copy_bandwidth(void* a, void* b, size_t bytes) {
 int main(int argc, char** argv) {
   bool quick = false, prefill = false, prefill_only = false;
   std::string shapes_arg, modes_arg, trace_dir;
-  int max_splits = 0, split_lengths = 0;
+  int max_splits = 0, split_lengths = 0, decode_layout = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--prefill")) prefill = true;
@@ -263,6 +266,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) modes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--max-splits") && i + 1 < argc) max_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--split-lengths") && i + 1 < argc) split_lengths = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--decode-layout") && i + 1 < argc) decode_layout = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
     if (!std::strcmp(argv[i], "--no-wgmma")) {
       auto sw = cuda::kernel_switches();
@@ -388,7 +392,7 @@ int main(int argc, char** argv) {
               .v_token_scale = scales + scale_elems, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
               .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dtables + size_t(c) * B * nb,
               .workspace = ws, .workspace_bytes = ws_bytes, .max_splits = max_splits,
-              .split_lengths = split_lengths};
+              .split_lengths = split_lengths, .decode_layout = decode_layout};
         };
         const auto p0 = params(0);
         const cuda::PagedAttentionChoice choice = cuda::paged_attention_choice(p0);
@@ -434,8 +438,8 @@ int main(int argc, char** argv) {
         const double floor_us = bytes / copy_bw * 1e6;
         char vs[32] = "-";
         if (bf16_us[bi][ci] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_us[bi][ci] / us);
-        std::printf("| %s | %d | %d | %d%s | %s (%.1e) | %.1f | %.1f | %.0f | %.0f%% | %s |\n", mode.name, B, C, splits,
-                    choice.decreasing_splits ? "d" : "",
+        std::printf("| %s | %d | %d | %d%s%s | %s (%.1e) | %.1f | %.1f | %.0f | %.0f%% | %s |\n", mode.name, B, C, splits,
+                    choice.decreasing_splits ? "d" : "", choice.keys_in_m ? "k" : "",
                     ok ? "ok" : "FAIL", max_err, us, floor_us, gbs, 100.0 * gbs * 1e9 / copy_bw, vs);
         std::fflush(stdout);
         cudaFree(dtables);

@@ -102,6 +102,7 @@ struct Stats {
   size_t bad = 0, checked = 0;
   size_t page_mismatch = 0;
   int runs[4] = {0, 0, 0, 0};  // batches per kernel (1 CUDA cores, 2 decode mma, 3 tiled prefill)
+  int keys_in_m = 0;           // decode mma batches in the keys-in-M layout
 };
 
 struct SeqShape {
@@ -109,13 +110,14 @@ struct SeqShape {
 };
 
 // One batch: store all tokens on both backends, compare pages, attend on both, compare.
-// split_lengths: PagedAttentionParams (2 = decreasing split lengths in the decode kernel).
+// split_lengths, decode_layout: PagedAttentionParams (2 = decreasing split lengths in the decode
+// kernel; 1 / 2 = the decode kernel's query-rows-in-M / keys-in-M layout, 0 = automatic).
 // mag scales K and V (and Q by 1 / mag, so the scores keep their size): small K/V rows give
 // per-token-head scales below f16's normal range, which reach the decode kernel's f16 P (times
 // the V scale and 2^8) and the prefill kernels' per-key factors; the absolute error floor
 // scales with mag.
 void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed, int max_splits, int kernel, Stats& st,
-               int split_lengths = 0, float mag = 1.0f) {
+               int split_lengths = 0, float mag = 1.0f, int decode_layout = 0) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int d = c.head_dim, kvh = c.kv_heads, nh = c.q_heads, bs = c.block_size;
@@ -292,7 +294,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
                                .cu_q_lens = dcu.p, .kv_lens = dkvl.p, .block_tables = dtab.p,
                                .exact_k = keep ? dek.p : nullptr, .exact_v = dev_.p, .exact_tables = detab.p,
                                .keep_sink = c.keep_sink, .keep_recent = c.keep_recent, .max_splits = max_splits,
-                               .split_lengths = split_lengths, .kernel = kernel};
+                               .split_lengths = split_lengths, .kernel = kernel, .decode_layout = decode_layout};
   const size_t ws_bytes = cuda::paged_attention_workspace_bytes(p);
   Dev<uint8_t> ws(ws_bytes);
   p.workspace = ws.p;
@@ -311,6 +313,8 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   const int ran = choice.kernel;
   if (kernel != 0) EXPECT_EQ(ran, kernel);
   if (split_lengths == 2 && choice.splits > 1) EXPECT_TRUE(choice.decreasing_splits);
+  if (ran == 2 && decode_layout != 0) EXPECT_EQ(choice.keys_in_m, decode_layout == 2);
+  st.keys_in_m += ran == 2 && choice.keys_in_m;
   double abs_floor = 1e-4 * mag;
   int p_exponent = 0;  // log2(u) of the P rounding, 0 = none
   if (ran == 3) p_exponent = spec.storage == DType::BF16 ? -9 : -11;
@@ -386,11 +390,17 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
         if (mma_fits) {
           run_batch(c, decode, seed++, 0, 2, st, 2);
           if (!reduced()) run_batch(c, mixed, seed++, 4, 2, st, 2);
+          // Both layouts of the decode kernel on the same shapes: decode rows (keys in M by
+          // default at GQA <= 8) with query rows in M, and multi-token rows (query rows in M by
+          // default) with keys in M, 8 / group rows per CTA.
+          run_batch(c, decode, seed++, 0, 2, st, 0, 1.0f, 1);
+          if (!reduced() && gqa <= 8) run_batch(c, mixed, seed++, 0, 2, st, 0, 1.0f, 2);
         }
         // Small rows (per-token-head scales ~1e-6, under f16's normal range).
         if (!reduced() && (dt == KVCacheDType::Fp8PerTokenHead || dt == KVCacheDType::Int8PerTokenHead || int4)) {
           run_batch(c, prefill, seed++, 0, 0, st, 0, 0x1p-12f);
           run_batch(c, mixed, seed++, 0, 0, st, 0, 0x1p-12f);
+          run_batch(c, decode, seed++, 0, 0, st, 0, 0x1p-12f);
         }
         ++cases;
         EXPECT_EQ(st.page_mismatch, 0u) << "kv_store pages differ: hd " << hd << " " << attention_kind_name(kind) << " gqa " << gqa;
@@ -402,15 +412,17 @@ TEST_P(CudaAttention, MatchesCpuBackend) {
         total.bad += st.bad;
         total.page_mismatch += st.page_mismatch;
         for (int k = 0; k < 4; ++k) total.runs[k] += st.runs[k];
+        total.keys_in_m += st.keys_in_m;
       }
     }
   }
-  std::printf("[cuda-attention] %-20s cases=%d batches rows/mma/tiled=%d/%d/%d outputs=%zu max_abs_err=%.3e "
-              "max_rel_err=%.3e out_of_tol=%zu page_byte_mismatches=%zu\n",
-              std::string(kv_cache_dtype_name(dt)).c_str(), cases, total.runs[1], total.runs[2], total.runs[3], total.checked,
-              total.max_abs, total.max_rel, total.bad, total.page_mismatch);
+  std::printf("[cuda-attention] %-20s cases=%d batches rows/mma(keys in M)/tiled=%d/%d(%d)/%d outputs=%zu "
+              "max_abs_err=%.3e max_rel_err=%.3e out_of_tol=%zu page_byte_mismatches=%zu\n",
+              std::string(kv_cache_dtype_name(dt)).c_str(), cases, total.runs[1], total.runs[2], total.keys_in_m,
+              total.runs[3], total.checked, total.max_abs, total.max_rel, total.bad, total.page_mismatch);
   EXPECT_GT(total.runs[3], 0) << "the tiled prefill kernel never ran";
-  EXPECT_GT(total.runs[2], 0) << "the decode tensor-core kernel never ran";
+  EXPECT_GT(total.keys_in_m, 0) << "the decode tensor-core kernel never ran with keys in M";
+  EXPECT_GT(total.runs[2], total.keys_in_m) << "the decode tensor-core kernel never ran with query rows in M";
 }
 
 INSTANTIATE_TEST_SUITE_P(KV, CudaAttention, ::testing::ValuesIn(kFormats),
@@ -486,6 +498,20 @@ TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {
   p.split_lengths = 3;
   EXPECT_THROW(cuda::paged_attention_choice(p), Error);
   p.split_lengths = 0;
+  p.block_size = 16;
+  p.decode_layout = 3;
+  EXPECT_THROW(cuda::paged_attention_choice(p), Error);
+  p.decode_layout = 2;
+  p.num_q_heads = 16;  // GQA 16 does not fit N = 8
+  EXPECT_THROW(cuda::paged_attention_choice(p), Error);
+  p.decode_layout = 0;
+  if (have_gpu()) {  // the decode kernel's plan asks the device for its occupancy
+    EXPECT_EQ(cuda::paged_attention_choice(p).kernel, 2);
+    EXPECT_FALSE(cuda::paged_attention_choice(p).keys_in_m);  // GQA 16: query rows in M
+    p.num_q_heads = 1;
+    EXPECT_TRUE(cuda::paged_attention_choice(p).keys_in_m);  // decode at GQA 1: keys in M
+  }
+  p.num_q_heads = 1;
   cuda::KVStoreParams s{.storage = DType::F8E5M2, .quant = KVQuantMode::Fp8PerTokenHead, .num_tokens = 1, .num_kv_heads = 1,
                         .head_dim = 64, .block_size = 16, .num_blocks = 1};
   EXPECT_THROW(cuda::kv_store(s, nullptr), Error);

@@ -115,6 +115,11 @@ struct PagedAttentionParams {
   // 2 = tensor-core decode, 3 = tiled prefill (kvlm::Error if the shape does not fit). For
   // tests and the lab.
   int kernel = 0;
+  // Operand layout of the tensor-core decode kernel (2): 0 = automatic (keys in M wherever the
+  // CTA's (query row, head) pairs fit the mma's N = 8, i.e. max_q_len * group <= 8), 1 = query
+  // rows in M (up to 16 pairs), 2 = keys in M (kvlm::Error when the GQA group exceeds 8). For
+  // tests and the lab.
+  int decode_layout = 0;
 };
 // Bytes of workspace `paged_attention(p)` needs (0 when no split is used). Depends on
 // num_tokens, num_q_heads, head_dim, max_kv_len, max_splits and the current device.
@@ -129,6 +134,7 @@ struct PagedAttentionChoice {
   int kernel = 1;
   int splits = 1;
   bool decreasing_splits = false;
+  bool keys_in_m = false;  // the decode kernel's layout (decode_layout 2)
 };
 PagedAttentionChoice paged_attention_choice(const PagedAttentionParams& p);
 

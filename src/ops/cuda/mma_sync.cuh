@@ -23,6 +23,15 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
   }
 }
 
+// The transpose of an 8x8 matrix of 16-bit values held as a warp's fragment (thread lane holds
+// row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1, low half first): after the call it
+// holds the same positions of the transpose (movmatrix, sm_75+).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
 // 16 bytes global -> shared (cp.async.cg: through L2 only); src_bytes < 16 zero-fills the rest
 // (0: the source is not read). dst is a shared-memory address (__cvta_generic_to_shared).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {

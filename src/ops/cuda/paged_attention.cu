@@ -40,19 +40,20 @@ int sm_count() {
   });
 }
 
-// Resident CTAs per SM of the tensor-core kernel for (Fmt, HD), from the occupancy API
+// Resident CTAs per SM of the tensor-core kernel for (Fmt, HD, layout), from the occupancy API
 // (bounded by its shared-memory ring and registers); also opts the kernel in to > 48 KB
 // of dynamic shared memory. Computed once per instantiation and device.
-template <class Fmt, int HD>
+template <class Fmt, int HD, bool kT>
 int mma_ctas_per_sm() {
   static PerDevice<int> n;
   return n.get([] {
     constexpr size_t smem = mma::mma_smem_bytes<Fmt, HD>();
-    if (cudaFuncSetAttribute(mma::attn_mma_kernel<Fmt, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) !=
-        cudaSuccess)
+    if (cudaFuncSetAttribute(mma::attn_mma_kernel<Fmt, HD, kT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(smem)) != cudaSuccess)
       throw Error("CUDA paged attention: cannot reserve " + std::to_string(smem) + " bytes of shared memory");
     int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, mma::attn_mma_kernel<Fmt, HD>, mma::kMmaWarps * 32, smem) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, mma::attn_mma_kernel<Fmt, HD, kT>, mma::kMmaWarps * 32,
+                                                      smem) !=
             cudaSuccess ||
         blocks <= 0) {
       cudaGetLastError();
@@ -71,6 +72,7 @@ struct Plan {
   int64_t ctas_per_split = 1;
   bool decreasing_splits = false;  // decode tensor-core kernel (RowsArgs::decreasing_splits)
   bool exact_pass = false;  // exact tokens on the decode tensor-core kernel: splits - 1 key splits + the exact pass
+  bool keys_in_m = false;   // decode tensor-core kernel: keys in M, (row, head) pairs in N (decode_layout)
 };
 
 Plan make_plan(const PagedAttentionParams& p) {
@@ -86,6 +88,10 @@ Plan make_plan(const PagedAttentionParams& p) {
     throw Error("CUDA paged attention: the tiled prefill kernel needs head_dim 64, 128 or 256, block_size % 16 == 0 "
                 "and a GQA group that fits its M tile");
   if (p.kernel < 0 || p.kernel > 3) throw Error("CUDA paged attention: kernel must be 0 (automatic), 1, 2 or 3");
+  if (p.decode_layout < 0 || p.decode_layout > 2)
+    throw Error("CUDA paged attention: decode_layout must be 0 (automatic), 1 (query rows in M) or 2 (keys in M)");
+  if (p.decode_layout == 2 && pl.group > 8)
+    throw Error("CUDA paged attention: the keys-in-M decode layout holds at most 8 query heads per kv head");
   if (p.exact_k && p.kernel == 3)
     throw Error("CUDA paged attention: the tiled prefill kernel (3) does not read exact sink / recent tokens; use 1 or 2");
   // Automatic: the tiled kernel once the rows of a sequence exceed one mma M tile (16 (row,
@@ -102,7 +108,11 @@ Plan make_plan(const PagedAttentionParams& p) {
     pl.row_groups = (p.max_q_len + pl.rows_per_cta - 1) / pl.rows_per_cta;
     pl.ctas_per_split = int64_t(p.num_seqs) * pl.row_groups * p.num_kv_heads;
   } else if (pl.mma) {
-    pl.rows_per_cta = 16 / pl.group;
+    // Keys in M: a CTA's (query row, head) pairs are the mma's N = 8 (decode at GQA <= 8; more
+    // rows of a sequence take more CTAs, each streaming the keys again, so multi-token rows
+    // keep the query-rows-in-M layout, which holds 16 pairs, unless a test forces it).
+    pl.keys_in_m = p.decode_layout == 2 || (p.decode_layout == 0 && int64_t(p.max_q_len) * pl.group <= 8);
+    pl.rows_per_cta = (pl.keys_in_m ? 8 : 16) / pl.group;
     pl.row_groups = (p.max_q_len + pl.rows_per_cta - 1) / pl.rows_per_cta;
     pl.ctas_per_split = int64_t(p.num_seqs) * pl.row_groups * p.num_kv_heads;
     pl.head_chunks = (pl.group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;  // the exact pass's CUDA-core grid
@@ -126,7 +136,8 @@ Plan make_plan(const PagedAttentionParams& p) {
   } else if (pl.mma) {
     dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
       using Fmt = decltype(fmt);
-      per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64>() : mma_ctas_per_sm<Fmt, 128>();
+      if (pl.keys_in_m) per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64, true>() : mma_ctas_per_sm<Fmt, 128, true>();
+      else per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64, false>() : mma_ctas_per_sm<Fmt, 128, false>();
     });
   }
   const int64_t slots = int64_t(sm_count()) * per_sm;
@@ -163,20 +174,26 @@ Plan make_plan(const PagedAttentionParams& p) {
   return pl;
 }
 
+template <class Fmt, int HD, bool kT>
+void launch_mma(const RowsArgs& a, cudaStream_t st) {
+  const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.range_splits));
+  constexpr size_t smem = mma::mma_smem_bytes<Fmt, HD>();
+  mma_ctas_per_sm<Fmt, HD, kT>();  // sets the shared-memory attribute (once)
+  // Launched with PDL (pdl.cuh): the kernel reads the step's metadata, then waits for the
+  // kernel before (which wrote Q and this step's K/V rows).
+  cuda_check(launch_pdl<mma::attn_mma_kernel<Fmt, HD, kT>>(grid, dim3(mma::kMmaWarps * 32), smem, st, a),
+             "paged_attention launch");
+#ifdef KVLM_ATTN_TRACE
+  g_last_mma_ctas = int64_t(grid.x) * grid.y * grid.z;
+#endif
+}
+
 template <class Fmt, int HD>
 void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
   if constexpr (HD <= 128) {
     if (use_mma) {
-      const dim3 grid(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.range_splits));
-      constexpr size_t smem = mma::mma_smem_bytes<Fmt, HD>();
-      mma_ctas_per_sm<Fmt, HD>();  // sets the shared-memory attribute (once)
-      // Launched with PDL (pdl.cuh): the kernel reads the step's metadata, then waits for the
-      // kernel before (which wrote Q and this step's K/V rows).
-      cuda_check(launch_pdl<mma::attn_mma_kernel<Fmt, HD>>(grid, dim3(mma::kMmaWarps * 32), smem, st, a),
-                 "paged_attention launch");
-#ifdef KVLM_ATTN_TRACE
-      g_last_mma_ctas = int64_t(grid.x) * grid.y * grid.z;
-#endif
+      if (a.keys_in_m) launch_mma<Fmt, HD, true>(a, st);
+      else launch_mma<Fmt, HD, false>(a, st);
       if (a.p.exact_k) {  // the exact keys: the CUDA-core kernel's exact pass, then the reduction
         RowsArgs e = a;
         e.exact_pass = true;
@@ -221,7 +238,8 @@ std::vector<AttnCtaTrace> paged_attention_last_trace() {
 PagedAttentionChoice paged_attention_choice(const PagedAttentionParams& p) {
   validate(p);
   const Plan pl = make_plan(p);
-  return {.kernel = pl.kernel, .splits = pl.splits - (pl.exact_pass ? 1 : 0), .decreasing_splits = pl.decreasing_splits};
+  return {.kernel = pl.kernel, .splits = pl.splits - (pl.exact_pass ? 1 : 0), .decreasing_splits = pl.decreasing_splits,
+          .keys_in_m = pl.keys_in_m};
 }
 
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
@@ -242,7 +260,8 @@ void paged_attention(const PagedAttentionParams& p, void* stream) {
     const Plan pl = make_plan(p);
     RowsArgs a{.p = p, .group = pl.group, .head_chunks = pl.head_chunks, .rows_per_cta = pl.rows_per_cta,
                .row_groups = pl.row_groups, .num_splits = pl.splits, .part_o = nullptr, .part_ml = nullptr,
-               .decreasing_splits = pl.decreasing_splits, .range_splits = pl.splits - (pl.exact_pass ? 1 : 0)};
+               .decreasing_splits = pl.decreasing_splits, .range_splits = pl.splits - (pl.exact_pass ? 1 : 0),
+               .keys_in_m = pl.keys_in_m};
     if (a.num_splits > 1) {
       const size_t need = paged_attention_workspace_bytes(p);
       if (!p.workspace || p.workspace_bytes < need)

@@ -6,10 +6,12 @@
 // instruction and needs no shuffles.
 //
 // The 16 rows of the mma's M dimension are (query row, head of the GQA group) pairs:
-// m = r * group + h, r < rows_per_cta = 16 / group. Decode uses one row (GQA 4: 12 of 16 M
-// rows idle — acceptable for bf16, which streams at copy bandwidth; part of what bounds FP8
-// at short contexts, see docs/results/kernel-lab.md); multi-token rows of one sequence
-// share each K/V load between 16 / group query rows.
+// m = r * group + h, r < rows_per_cta = 16 / group. Decode at GQA <= 8 takes the transposed
+// layout instead (kT below: keys in M, the pairs in N = 8), as this one leaves 12 of 16 M rows
+// idle at GQA 4 — acceptable for bf16, which streams at copy bandwidth, but twice the mmas and
+// accumulators of the 1-byte and 4-bit tiles, which are bound by instructions
+// (docs/results/kernel-lab.md); multi-token rows of one sequence share each K/V load between
+// 16 / group query rows here.
 //
 // Operand layouts come from the mma fragment definitions (PTX ISA, m16n8k16): thread
 // (g = lane / 4, t = lane % 4) holds B[k = 2t, 2t+1, 2t+8, 2t+9][n = g] and A rows g, g+8.
@@ -218,7 +220,57 @@ constexpr size_t mma_smem_bytes() {
   return ring > merge ? ring : merge;
 }
 
-template <class Fmt, int HD>
+// int4 V rows as the A fragments of O^T = V^T P^T (the keys-in-M layout), straight from the
+// codes: the 4 keys' words (keys 2t, 2t+1, 2t+8, 2t+9 of the tile, this thread's HD / 8 dims)
+// are paired byte by byte (one permute per 4 bytes of two keys), and each pair of nibbles at
+// bits 0 / 16 (low nibbles) or 4 / 20 (high) goes under exponent 0x64 with one LOP3; one
+// subtraction of 1024 (low) or one FMA by 1/16 - 64 (high, which sits at 1024 + 16 code)
+// finishes (exact). M-tile mt, half h holds element (mt / 4) * 8 + mt % 4 + 4 h of the
+// thread's dims (kT_vdim). 2.5 instructions per register, against 3.75 for expanding each key
+// and then pairing the keys.
+template <int VW>
+__device__ __forceinline__ void int4_v_fragments(const uint32_t (*w)[VW], uint32_t (*va)[4]) {
+  const __half2 k1024 = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+  const __half2 k16th = __halves2half2(__ushort_as_half(0x2c00), __ushort_as_half(0x2c00));   // 1/16
+  const __half2 km64 = __halves2half2(__ushort_as_half(0xd400), __ushort_as_half(0xd400));    // -64
+#pragma unroll
+  for (int wi = 0; wi < VW; ++wi)
+#pragma unroll
+    for (int kp = 0; kp < 2; ++kp) {
+      const uint32_t x[2] = {__byte_perm(w[2 * kp][wi], w[2 * kp + 1][wi], 0x5410),
+                             __byte_perm(w[2 * kp][wi], w[2 * kp + 1][wi], 0x7632)};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t src = x[q >> 1] >> (8 * (q & 1));
+        const uint32_t lo = (src & 0x000f000fu) | 0x64006400u, hi = (src & 0x00f000f0u) | 0x64006400u;
+        __half2 hl, hh;
+        memcpy(&hl, &lo, 4);
+        memcpy(&hh, &hi, 4);
+        hl = __hsub2(hl, k1024);
+        hh = __hfma2(hh, k16th, km64);
+        memcpy(&va[wi * 4 + q][2 * kp], &hl, 4);
+        memcpy(&va[wi * 4 + q][2 * kp + 1], &hh, 4);
+      }
+    }
+}
+
+// Keys in M: the output dim (within the thread's HD / 8) of m-tile mt, half h (rows g / g + 8).
+template <class Fmt>
+__device__ __forceinline__ constexpr int kT_vdim(int mt, int h) {
+  if constexpr (kIsInt4<Fmt>) return (mt / 4) * 8 + mt % 4 + 4 * h;
+  else return 2 * mt + h;
+}
+
+// kT (RowsArgs::keys_in_m): the transposed products for decode at GQA <= 8, where the layout
+// above leaves 12 of 16 M rows idle (GQA 4): S^T = K Q^T (M = the tile's 16 keys, N = 8 (query
+// row, head) pairs) and O^T = V^T P^T (M = 16 output dims, N = the pairs). The K and V
+// fragments a thread needs are the same bytes as above (K rows g, g + 8; V rows 2t, 2t + 1,
+// 2t + 8, 2t + 9 over dims [g HD / 8, (g + 1) HD / 8)), so the ring and its swizzle are shared;
+// the tile costs half the mmas (8 + 8 at head 128 instead of 16 + 16), half the accumulators,
+// and two movmatrix transposes carry P from the S^T accumulators (key g, pairs 2t, 2t + 1) to
+// the B fragments of P^T (keys 2t.., pair g). A row's softmax state then lives in the 8
+// threads of one t: max and sums reduce over lanes 4 apart.
+template <class Fmt, int HD, bool kT = false>
 __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs a) {
   allow_dependents();
 #ifdef KVLM_ATTN_TRACE
@@ -248,6 +300,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   constexpr int VPAIRS = HD / 16;          // pairs per V row per thread
   constexpr int KCH = HD / 16;             // k-chunks of Q.K^T
   constexpr int NT = HD / 8;               // n-tiles of P.V
+  constexpr int MT = HD / 16;              // kT: m-tiles of V^T P^T
+  constexpr int NO = kT ? MT : NT;         // accumulator tiles of the output
   // P precision: 16-bit caches get P as hi + lo halves (~16 bits, two mmas); 1-byte caches
   // get one f16 P (11 bits, relative error 2^-12 per weight): their codes carry 2^-4 (fp8)
   // to 2^-8 (int8) relative error already, and the saved mma is ~1/3 of the tile's tensor
@@ -289,11 +343,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   int t0, t1;
   split_range<16>(lo_all, hi_all, a.range_splits, split, a.decreasing_splits, t0, t1);
 
-  // This thread's two M rows (g, g + 8): query row, head, visible range within [t0, t1).
+  // This thread's two (query row, head) pairs — M rows g, g + 8, or with kT the N columns 2t,
+  // 2t + 1: query row, head, visible range within [t0, t1).
   int mlo[2], mhi[2], mrow[2], mhead[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int m = g + 8 * i;
+    const int m = kT ? 2 * t + i : g + 8 * i;
     mrow[i] = m / G;
     mhead[i] = m % G;
     mlo[i] = 0;
@@ -402,14 +457,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 
   // Q A-fragments, permuted like the K slices (element x of this thread's list sits at
   // physical dim (x / VB) * 4 * VB + t * VB + x % VB).
-  uint32_t qa[KCH][4];
+  // kT: Q is the B fragment of S^T, the pair g alone (qa[c][0..1]).
+  constexpr int NQ = kT ? 1 : 2;
+  uint32_t qa[KCH][2 * NQ];
   float qsum[2] = {0.0f, 0.0f};
   {
-    uint32_t qp[2][KPAIRS];
+    uint32_t qp[NQ][KPAIRS];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const bool ok = mrow[i] < nrows;
-      const uint16_t* qrow = p.q + (size_t(q_begin + r0 + (ok ? mrow[i] : 0)) * p.num_q_heads + kvh * G + mhead[i]) * HD;
+    for (int i = 0; i < NQ; ++i) {
+      const int m = g + 8 * i, qm = m / G;
+      const bool ok = qm < nrows;
+      const uint16_t* qrow = p.q + (size_t(q_begin + r0 + (ok ? qm : 0)) * p.num_q_heads + kvh * G + m % G) * HD;
 #pragma unroll
       for (int c = 0; c < KLOADS; ++c) {
 #pragma unroll
@@ -427,16 +485,21 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     }
 #pragma unroll
     for (int c = 0; c < KCH; ++c) {
-      qa[c][0] = qp[0][2 * c];
-      qa[c][1] = qp[1][2 * c];
-      qa[c][2] = qp[0][2 * c + 1];
-      qa[c][3] = qp[1][2 * c + 1];
+      if constexpr (kT) {
+        qa[c][0] = qp[0][2 * c];
+        qa[c][1] = qp[0][2 * c + 1];
+      } else {
+        qa[c][0] = qp[0][2 * c];
+        qa[c][1] = qp[NQ - 1][2 * c];
+        qa[c][2] = qp[0][2 * c + 1];
+        qa[c][3] = qp[NQ - 1][2 * c + 1];
+      }
     }
     // int4: sum(q) of each M row, from the same 16-bit values the mma reads (the row's 4
-    // threads hold all of it between them).
+    // threads hold all of it between them); kT: of pair g, then fetched for pairs 2t, 2t + 1.
     if constexpr (kI4) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < NQ; ++i) {
         float sq = 0.0f;
 #pragma unroll
         for (int j = 0; j < KPAIRS; ++j) {
@@ -446,6 +509,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
         sq += __shfl_xor_sync(0xffffffffu, sq, 1);
         sq += __shfl_xor_sync(0xffffffffu, sq, 2);
         qsum[i] = sq;
+      }
+      if constexpr (kT) {
+        const float sg = qsum[0];
+        qsum[0] = __shfl_sync(0xffffffffu, sg, 8 * t);
+        qsum[1] = __shfl_sync(0xffffffffu, sg, 8 * t + 4);
       }
     }
   }
@@ -459,9 +527,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // subnormals, an error far below the step itself.
   constexpr float kPScale = kIsInt4<Fmt> ? 16.0f : Fmt::kScale == Scale::PerTokenHead ? 256.0f : 1.0f;
 
-  float o[NT][4];
+  float o[NO][4];
 #pragma unroll
-  for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  for (int i = 0; i < NO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
   float zacc[2] = {0.0f, 0.0f};  // int4: sum over keys of weight * V's zero point (x kPScale)
 
@@ -491,7 +559,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     // (tile_swz reads row bits 0-2: rows g and g + 8 share theirs.)
     constexpr int kVr = VBYTES >= 16 ? VBYTES / 16 : 1;
     uint4 vraw[4][kVr];
-    float ksc[4], vsc[4], kz[4], vz[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int off = 2 * t + (j & 1) + 8 * (j >> 1);  // keys 2t, 2t+1, 2t+8, 2t+9
@@ -510,6 +577,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           vraw[j][0] = make_uint4(*reinterpret_cast<const uint32_t*>(at), 0u, 0u, 0u);
         }
       }
+    }
+    // Scales of the keys whose scores this thread holds: 2t, 2t+1, 2t+8, 2t+9 (S's columns), or
+    // with kT g and g + 8 (S^T's rows).
+    constexpr int NS = kT ? 2 : 4;
+    float ksc[NS], vsc[NS], kz[NS], vz[NS];
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      const int off = kT ? g + 8 * j : 2 * t + (j & 1) + 8 * (j >> 1);
       ksc[j] = vsc[j] = 1.0f;
       kz[j] = vz[j] = 0.0f;
       if constexpr (kPTH) {
@@ -529,91 +604,191 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       }
     }
 
-    // S = Q K^T for the two 8-key halves of the tile.
-    float s[2][4];
+    if constexpr (kT) {
+      // S^T = K Q^T: s[2j + e] is key base + g + 8j, pair 2t + e.
+      uint32_t kp[2][KPAIRS];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      uint32_t kp[KPAIRS];
-      to_pairs<Fmt, KBYTES>(kraw[j], kp);
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      for (int j = 0; j < 2; ++j) to_pairs<Fmt, KBYTES>(kraw[j], kp[j]);
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int c = 0; c < KCH; ++c) mma16816<kBF>(s[j], qa[c], kp[2 * c], kp[2 * c + 1]);
-    }
-    // Online softmax. s[j][e]: row g (e < 2) or g + 8 (e >= 2), key base + 8j + 2t + (e & 1).
-    float pr[2][4] = {};
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      // M rows g + 8 exist only when the CTA has > 8 (row, head) pairs (not in GQA <= 8
-      // decode): a CTA-uniform branch skips their softmax and rescaling.
-      if (i == 1 && mrows <= 8) continue;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kj = 2 * j + e;  // index into ksc/vsc: key 2t + e + 8j
-          const int tok = base + 8 * j + 2 * t + e;
-          float& x = s[j][2 * i + e];
-          // int4: q . (codes * step + zero) = step * (q . codes) + zero * sum(q)
-          const float sc = kI4 ? fmaf(x, ksc[kj], kz[kj] * qsum[i]) : x * ksc[kj];
-          x = (tok >= mlo[i] && tok < mhi[i]) ? sc * sscale : -INFINITY;
-          mx = fmaxf(mx, x);
-        }
-      const float m_use = online_max(mx, m_run[i], l_run[i], o, i, kI4 ? &zacc[i] : nullptr);
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(s[j][2 * i + e] - m_use);
-          l_run[i] += pe;
-          pr[j][2 * i + e] = pe * (vsc[2 * j + e] * kPScale);
-          if constexpr (kI4) zacc[i] = fmaf(pe, vz[2 * j + e] * kPScale, zacc[i]);
-        }
-    }
-    // P as A fragments (hi and lo parts): reg0 row g keys 2t.., reg1 row g+8, reg2 row g keys
-    // 2t+8.., reg3 row g+8 keys 2t+8.. — exactly the S accumulator layout.
-    uint32_t ph[4], pl[4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t hi = pack2<kBF>(pr[j][2 * i], pr[j][2 * i + 1]);
-        const float2 hf = unpack2<kBF>(hi);
-        ph[2 * j + i] = hi;
-        pl[2 * j + i] = kSplitP ? pack2<kBF>(pr[j][2 * i] - hf.x, pr[j][2 * i + 1] - hf.y) : 0u;
+      for (int c = 0; c < KCH; ++c) {
+        const uint32_t ka[4] = {kp[0][2 * c], kp[1][2 * c], kp[0][2 * c + 1], kp[1][2 * c + 1]};
+        mma16816<kBF>(s, ka, qa[c][0], qa[c][1]);
       }
-    // O += P V. V rows of keys 2t, 2t+1, 2t+8, 2t+9 as 16-bit pairs over this thread's dims.
-    uint32_t vp[4][VPAIRS];
+      // Online softmax of pairs 2t, 2t + 1: the 16 keys of a pair are in the 8 lanes of one t.
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) to_pairs<Fmt, VBYTES>(vraw[j], vp[j]);
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const uint32_t sel = (nt & 1) ? 0x7632u : 0x5410u;  // high or low halves of two words
-      const uint32_t b0 = __byte_perm(vp[0][nt / 2], vp[1][nt / 2], sel);
-      const uint32_t b1 = __byte_perm(vp[2][nt / 2], vp[3][nt / 2], sel);
-      mma16816<kBF>(o[nt], ph, b0, b1);
-      if constexpr (kSplitP) mma16816<kBF>(o[nt], pl, b0, b1);
+        for (int e = 0; e < 2; ++e) {
+          const int tok = base + g + 8 * j;
+          float& x = s[2 * j + e];
+          const float sc = kI4 ? fmaf(x, ksc[j], kz[j] * qsum[e]) : x * ksc[j];
+          x = (tok >= mlo[e] && tok < mhi[e]) ? sc * sscale : -INFINITY;
+          mx[e] = fmaxf(mx[e], x);
+        }
+      float m_use[2], corr[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = mx[e];
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+        const float m_new = fmaxf(m_run[e], v);
+        m_use[e] = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
+        corr[e] = exp2f(m_run[e] - m_use[e]);
+        m_run[e] = m_new;
+        l_run[e] *= corr[e];
+        zacc[e] *= corr[e];
+      }
+      if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          o[mt][0] *= corr[0];
+          o[mt][1] *= corr[1];
+          o[mt][2] *= corr[0];
+          o[mt][3] *= corr[1];
+        }
+      }
+      // P^T: the S^T accumulators (key g / g + 8; pairs 2t, 2t + 1) packed, then transposed
+      // into the B fragments (keys 2t, 2t + 1 / 2t + 8, 2t + 9; pair g).
+      uint32_t pb[2], plb[2] = {0u, 0u};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float pe[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = exp2f(s[2 * j + e] - m_use[e]);
+          l_run[e] += x;
+          pe[e] = x * (vsc[j] * kPScale);
+          if constexpr (kI4) zacc[e] = fmaf(x, vz[j] * kPScale, zacc[e]);
+        }
+        const uint32_t hi = pack2<kBF>(pe[0], pe[1]);
+        pb[j] = movmatrix_trans(hi);
+        if constexpr (kSplitP) {
+          const float2 hf = unpack2<kBF>(hi);
+          plb[j] = movmatrix_trans(pack2<kBF>(pe[0] - hf.x, pe[1] - hf.y));
+        }
+      }
+      // O^T += V^T P^T: A fragment of m-tile mt = {dim h = 0, keys 2t.. ; h = 1, keys 2t..;
+      // h = 0, keys 2t+8..; h = 1, keys 2t+8..}, dims by kT_vdim.
+      uint32_t va[MT][4];
+      if constexpr (kI4) {
+        constexpr int VW = VBYTES / 4;
+        uint32_t vw[4][VW];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int wi = 0; wi < VW; ++wi) vw[j][wi] = reinterpret_cast<const uint32_t*>(&vraw[j][0])[wi];
+        int4_v_fragments<VW>(vw, va);
+      } else {
+        uint32_t vp[4][VPAIRS];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) to_pairs<Fmt, VBYTES>(vraw[j], vp[j]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          va[mt][0] = __byte_perm(vp[0][mt], vp[1][mt], 0x5410);
+          va[mt][1] = __byte_perm(vp[0][mt], vp[1][mt], 0x7632);
+          va[mt][2] = __byte_perm(vp[2][mt], vp[3][mt], 0x5410);
+          va[mt][3] = __byte_perm(vp[2][mt], vp[3][mt], 0x7632);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<kBF>(o[mt], va[mt], pb[0], pb[1]);
+        if constexpr (kSplitP) mma16816<kBF>(o[mt], va[mt], plb[0], plb[1]);
+      }
+    } else {
+      // S = Q K^T for the two 8-key halves of the tile.
+      float s[2][4];
+  #pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t kp[KPAIRS];
+        to_pairs<Fmt, KBYTES>(kraw[j], kp);
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+  #pragma unroll
+        for (int c = 0; c < KCH; ++c) mma16816<kBF>(s[j], qa[c], kp[2 * c], kp[2 * c + 1]);
+      }
+      // Online softmax. s[j][e]: row g (e < 2) or g + 8 (e >= 2), key base + 8j + 2t + (e & 1).
+      float pr[2][4] = {};
+  #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        // M rows g + 8 exist only when the CTA has > 8 (row, head) pairs (not in GQA <= 8
+        // decode): a CTA-uniform branch skips their softmax and rescaling.
+        if (i == 1 && mrows <= 8) continue;
+        float mx = -INFINITY;
+  #pragma unroll
+        for (int j = 0; j < 2; ++j)
+  #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kj = 2 * j + e;  // index into ksc/vsc: key 2t + e + 8j
+            const int tok = base + 8 * j + 2 * t + e;
+            float& x = s[j][2 * i + e];
+            // int4: q . (codes * step + zero) = step * (q . codes) + zero * sum(q)
+            const float sc = kI4 ? fmaf(x, ksc[kj], kz[kj] * qsum[i]) : x * ksc[kj];
+            x = (tok >= mlo[i] && tok < mhi[i]) ? sc * sscale : -INFINITY;
+            mx = fmaxf(mx, x);
+          }
+        const float m_use = online_max(mx, m_run[i], l_run[i], o, i, kI4 ? &zacc[i] : nullptr);
+  #pragma unroll
+        for (int j = 0; j < 2; ++j)
+  #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = exp2f(s[j][2 * i + e] - m_use);
+            l_run[i] += pe;
+            pr[j][2 * i + e] = pe * (vsc[2 * j + e] * kPScale);
+            if constexpr (kI4) zacc[i] = fmaf(pe, vz[2 * j + e] * kPScale, zacc[i]);
+          }
+      }
+      // P as A fragments (hi and lo parts): reg0 row g keys 2t.., reg1 row g+8, reg2 row g keys
+      // 2t+8.., reg3 row g+8 keys 2t+8.. — exactly the S accumulator layout.
+      uint32_t ph[4], pl[4];
+  #pragma unroll
+      for (int j = 0; j < 2; ++j)
+  #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t hi = pack2<kBF>(pr[j][2 * i], pr[j][2 * i + 1]);
+          const float2 hf = unpack2<kBF>(hi);
+          ph[2 * j + i] = hi;
+          pl[2 * j + i] = kSplitP ? pack2<kBF>(pr[j][2 * i] - hf.x, pr[j][2 * i + 1] - hf.y) : 0u;
+        }
+      // O += P V. V rows of keys 2t, 2t+1, 2t+8, 2t+9 as 16-bit pairs over this thread's dims.
+      uint32_t vp[4][VPAIRS];
+  #pragma unroll
+      for (int j = 0; j < 4; ++j) to_pairs<Fmt, VBYTES>(vraw[j], vp[j]);
+  #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint32_t sel = (nt & 1) ? 0x7632u : 0x5410u;  // high or low halves of two words
+        const uint32_t b0 = __byte_perm(vp[0][nt / 2], vp[1][nt / 2], sel);
+        const uint32_t b1 = __byte_perm(vp[2][nt / 2], vp[3][nt / 2], sel);
+        mma16816<kBF>(o[nt], ph, b0, b1);
+        if constexpr (kSplitP) mma16816<kBF>(o[nt], pl, b0, b1);
+      }
     }
     __syncwarp();  // every lane is done with this slot before it is refilled
   }
   asm volatile("cp.async.wait_all;\n" ::);
 
-  // Row sums: each thread summed its keys; add the 4 threads of the row.
+  // Row sums: each thread summed its keys; add the 4 threads of the row (kT: the 8 threads of
+  // the pair's t). int4: V's zero points reach every output dimension of the row with the same
+  // weight.
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
-    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
-  }
-  // int4: V's zero points reach every output dimension of the row with the same weight.
-  if constexpr (kI4) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      zacc[i] += __shfl_xor_sync(0xffffffffu, zacc[i], 1);
-      zacc[i] += __shfl_xor_sync(0xffffffffu, zacc[i], 2);
+    for (int x = kT ? 4 : 1; x <= (kT ? 16 : 2); x *= 2) {
+      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], x);
+      if constexpr (kI4) zacc[i] += __shfl_xor_sync(0xffffffffu, zacc[i], x);
+    }
+    if constexpr (kI4) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        o[nt][2 * i] += zacc[i];
-        o[nt][2 * i + 1] += zacc[i];
+      for (int n = 0; n < NO; ++n) {
+        if constexpr (kT) {  // o[mt][h * 2 + e]: pair 2t + e
+          o[n][i] += zacc[i];
+          o[n][2 + i] += zacc[i];
+        } else {  // o[nt][2i + e]: M row g + 8i
+          o[n][2 * i] += zacc[i];
+          o[n][2 * i + 1] += zacc[i];
+        }
       }
     }
   }
@@ -628,27 +803,42 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   constexpr int kRow = HD + kMergePad;
   auto sm_o = reinterpret_cast<float(*)[16][kRow]>(smem);
   auto sm_ml = reinterpret_cast<float(*)[16][2]>(smem + sizeof(float) * kMmaWarps * 16 * kRow);
+  if constexpr (kT) {  // stored by output dim: o[mt][2h + e] is pair 2t + e, dim g HD / 8 + kT_vdim(mt, h)
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (8 * i >= mrows) continue;  // CTA-uniform
-    if (g + 8 * i < mrows) {
+    for (int e = 0; e < 2; ++e) {
+      if (2 * t + e >= mrows) continue;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float2 v = make_float2(o[nt][2 * i], o[nt][2 * i + 1]);  // e = 0, 1: adjacent
-        *reinterpret_cast<float2*>(&sm_o[warp][g + 8 * i][nt * 8 + 2 * t]) = v;
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sm_o[warp][2 * t + e][g * (HD / 8) + kT_vdim<Fmt>(mt, h)] = o[mt][2 * h + e];
+      if (g == 0) {
+        sm_ml[warp][2 * t + e][0] = m_run[e];
+        sm_ml[warp][2 * t + e][1] = l_run[e];
       }
-      if (t == 0) {
-        sm_ml[warp][g + 8 * i][0] = m_run[i];
-        sm_ml[warp][g + 8 * i][1] = l_run[i];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (8 * i >= mrows) continue;  // CTA-uniform
+      if (g + 8 * i < mrows) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float2 v = make_float2(o[nt][2 * i], o[nt][2 * i + 1]);  // e = 0, 1: adjacent
+          *reinterpret_cast<float2*>(&sm_o[warp][g + 8 * i][nt * 8 + 2 * t]) = v;
+        }
+        if (t == 0) {
+          sm_ml[warp][g + 8 * i][0] = m_run[i];
+          sm_ml[warp][g + 8 * i][1] = l_run[i];
+        }
       }
     }
   }
   __syncthreads();
   // Threads walk the stored order (conflict-free reads); position s = nt * 8 + (2t + e) is
-  // output dim (2t + e) * NT + nt.
+  // output dim (2t + e) * NT + nt (kT: s is the dim).
   for (int idx = threadIdx.x; idx < mrows * HD; idx += kMmaWarps * 32) {
     const int m = idx / HD, s = idx % HD;
-    const int d = (s % 8) * NT + s / 8;
+    const int d = kT ? s : (s % 8) * NT + s / 8;
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) mm = fmaxf(mm, sm_ml[w][m][0]);

@@ -44,6 +44,9 @@ struct RowsArgs {
   // merges all num_splits = range_splits + 1. Otherwise range_splits = num_splits.
   int range_splits = 1;
   bool exact_pass = false;
+  // Tensor-core decode kernel: keys in the mma's M dimension and the CTA's (query row, head)
+  // pairs in N (rows_per_cta = 8 / group; paged_attention_mma.cuh, kT).
+  bool keys_in_m = false;
 };
 
 namespace {
