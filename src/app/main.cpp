@@ -15,7 +15,7 @@
 #endif
 
 int main(int argc, char** argv) {
-  CLI::App app{"kvlm: LLM inference with a KV cache in any precision, chosen per layer"};
+  CLI::App app{"kvlm: LLM inference with a KV cache in any precision, chosen per layer", "kvlm"};
   app.set_version_flag("--version", KVLM_VERSION);
   app.require_subcommand(1);
   bool verbose = false, quiet = false;
