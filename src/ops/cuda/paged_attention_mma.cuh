@@ -701,25 +701,25 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     } else {
       // S = Q K^T for the two 8-key halves of the tile.
       float s[2][4];
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 2; ++j) {
         uint32_t kp[KPAIRS];
         to_pairs<Fmt, KBYTES>(kraw[j], kp);
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-  #pragma unroll
+#pragma unroll
         for (int c = 0; c < KCH; ++c) mma16816<kBF>(s[j], qa[c], kp[2 * c], kp[2 * c + 1]);
       }
       // Online softmax. s[j][e]: row g (e < 2) or g + 8 (e >= 2), key base + 8j + 2t + (e & 1).
       float pr[2][4] = {};
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < 2; ++i) {
         // M rows g + 8 exist only when the CTA has > 8 (row, head) pairs (not in GQA <= 8
         // decode): a CTA-uniform branch skips their softmax and rescaling.
         if (i == 1 && mrows <= 8) continue;
         float mx = -INFINITY;
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < 2; ++j)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int kj = 2 * j + e;  // index into ksc/vsc: key 2t + e + 8j
             const int tok = base + 8 * j + 2 * t + e;
@@ -730,9 +730,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
             mx = fmaxf(mx, x);
           }
         const float m_use = online_max(mx, m_run[i], l_run[i], o, i, kI4 ? &zacc[i] : nullptr);
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < 2; ++j)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float pe = exp2f(s[j][2 * i + e] - m_use);
             l_run[i] += pe;
@@ -743,9 +743,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       // P as A fragments (hi and lo parts): reg0 row g keys 2t.., reg1 row g+8, reg2 row g keys
       // 2t+8.., reg3 row g+8 keys 2t+8.. — exactly the S accumulator layout.
       uint32_t ph[4], pl[4];
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 2; ++j)
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < 2; ++i) {
           const uint32_t hi = pack2<kBF>(pr[j][2 * i], pr[j][2 * i + 1]);
           const float2 hf = unpack2<kBF>(hi);
@@ -754,9 +754,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
         }
       // O += P V. V rows of keys 2t, 2t+1, 2t+8, 2t+9 as 16-bit pairs over this thread's dims.
       uint32_t vp[4][VPAIRS];
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 4; ++j) to_pairs<Fmt, VBYTES>(vraw[j], vp[j]);
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const uint32_t sel = (nt & 1) ? 0x7632u : 0x5410u;  // high or low halves of two words
         const uint32_t b0 = __byte_perm(vp[0][nt / 2], vp[1][nt / 2], sel);
