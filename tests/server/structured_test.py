@@ -72,7 +72,8 @@ SCHEMAS = {
         "properties": {
             "id": {"type": "string", "format": "uuid"},
             "day": {"type": "string", "format": "date"},
-            "score": {"type": "number"},
+            "score": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            "temp": {"type": "number", "minimum": -40.5, "maximum": 50},
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
         },
         "required": ["id", "day", "score"],
@@ -167,7 +168,7 @@ with ThreadPoolExecutor(8) as pool:
 # --- bad constraints are 400s naming the field ---------------------------------------------
 for body, param in [
     ({"guided_regex": "(a"}, "guided_regex"),
-    ({"guided_json": {"type": "number", "minimum": 1}}, "guided_json"),
+    ({"guided_json": {"type": "number", "multipleOf": 0.5}}, "guided_json"),
     ({"structured_outputs": {"grammar": "root ::= root \"a\""}}, "structured_outputs.grammar"),
     ({"guided_regex": "b", "guided_choice": ["a"]}, "guided_choice"),
 ]:

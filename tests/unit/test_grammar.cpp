@@ -157,6 +157,94 @@ TEST(Grammar, IntegerRangesAreExact) {
   EXPECT_THROW(json_schema_grammar({{"type", "integer"}, {"minimum", 5}, {"maximum", 4}}), Error);
 }
 
+// Bounded numbers: every probe (sign, up to 3 integer digits, up to 5 fraction digits, trailing
+// zeros included) is matched exactly when it is a JSON number without an exponent whose double
+// lies within the bounds (-0 only where negatives are allowed); long decimals next to an exclusive bound are matched only when they
+// read back as a double beyond it; prefixes that can still reach the range stay viable.
+TEST(Grammar, NumberRangesAreExact) {
+  struct Case {
+    Json schema;
+    double lo, hi;
+    bool lo_open, hi_open;
+  };
+  const double inf = INFINITY;
+  const std::vector<Case> cases = {
+      {{{"type", "number"}, {"minimum", 0}, {"maximum", 1}}, 0, 1, false, false},
+      {{{"type", "number"}, {"minimum", -2.5}, {"maximum", 3.25}}, -2.5, 3.25, false, false},
+      {{{"type", "number"}, {"exclusiveMinimum", 0.1}, {"exclusiveMaximum", 0.9}}, 0.1, 0.9, true, true},
+      {{{"type", "number"}, {"minimum", 0.15}}, 0.15, inf, false, false},
+      {{{"type", "number"}, {"maximum", -1.05}}, -inf, -1.05, false, false},
+      {{{"type", "number"}, {"minimum", -0.001}, {"maximum", 0.001}}, -0.001, 0.001, false, false},
+      {{{"type", "number"}, {"minimum", 10}, {"maximum", 10}}, 10, 10, false, false},
+      {{{"type", "number"}, {"exclusiveMinimum", -1}, {"maximum", 0}}, -1, 0, true, false},
+      {{{"type", "number"}, {"minimum", 12.5}, {"exclusiveMaximum", 130}}, 12.5, 130, false, true},
+      {{{"type", "number"}, {"minimum", -300.75}, {"maximum", -7}}, -300.75, -7, false, false},
+  };
+  const std::regex json_number("-?(0|[1-9][0-9]*)(\\.[0-9]+)?");
+  std::mt19937 rng(7);
+  std::vector<std::string> probes = {"0", "-0", "0.0", "-0.0", "1", "1.0", "0.1", "0.9", "0.10", "0.15", "0.149",
+                                     "10", "10.0", "10.00001", "9.99999", "130", "129.9999", "12.5", "12.4999",
+                                     "-1", "-1.0", "-0.9999", "-1.05", "-1.0500", "-1.04999", "3.25", "3.250", "3.2501",
+                                     "-2.5", "-2.50001", "0.001", "-0.001", "0.0011", "-300.75", "-300.76", "-7",
+                                     "-6.99999", "01", "1.", ".5", "+1", "1e2", "-", "", "1.5e0", "00.5"};
+  for (int i = 0; i < 2000; ++i) {
+    std::string p = rng() % 2 ? "-" : "";
+    p += std::to_string(rng() % 4 == 0 ? rng() % 400 : rng() % 12);
+    if (rng() % 3) {
+      p += ".";
+      for (int d = 1 + rng() % 5; d > 0; --d) p += char('0' + rng() % 10);
+    }
+    probes.push_back(p);
+  }
+  for (const auto& c : cases) {
+    const Grammar g = json_schema_grammar(c.schema);
+    for (const auto& p : probes) {
+      bool want = std::regex_match(p, json_number);
+      if (want) {
+        const double v = std::stod(p);
+        want = (c.lo_open ? v > c.lo : v >= c.lo) && (c.hi_open ? v < c.hi : v <= c.hi);
+        if (p[0] == '-' && v == 0) want = want && c.lo < 0;  // a minus sign only where negatives are allowed
+      }
+      EXPECT_EQ(matches(g, p), want) << c.schema.dump() << " " << p;
+    }
+  }
+  // Beside an exclusive bound, the decimal must read back as a double beyond it: 0.1 + 1e-17
+  // is a larger decimal but reads as the double 0.1.
+  const Grammar above = json_schema_grammar({{"type", "number"}, {"exclusiveMinimum", 0.1}});
+  EXPECT_FALSE(matches(above, "0.1"));
+  EXPECT_FALSE(matches(above, "0.10000000000000001"));
+  EXPECT_TRUE(matches(above, "0.10000000000000002"));
+  EXPECT_TRUE(matches(above, "0.1000000000000001"));
+  EXPECT_TRUE(matches(above, "9999999999999999.5"));    // an unbounded side: 16 integer digits
+  EXPECT_FALSE(matches(above, "10000000000000000"));
+  // Prefixes that can still reach the range are viable, others are not.
+  const Grammar mid = json_schema_grammar({{"type", "number"}, {"minimum", 0.15}, {"maximum", 0.5}});
+  EXPECT_TRUE(judge(mid, "0.1").prefix);
+  EXPECT_FALSE(judge(mid, "0.1").complete);
+  EXPECT_FALSE(judge(mid, "0.0").prefix);
+  EXPECT_FALSE(judge(mid, "0.6").prefix);
+  EXPECT_FALSE(judge(mid, "1").prefix);
+  EXPECT_TRUE(matches(mid, "0.5000"));
+  EXPECT_FALSE(matches(mid, "0.5001"));
+  // A bound finer than 32 fraction digits is moved inwards; tiny ranges still work.
+  const Grammar tiny = json_schema_grammar({{"type", "number"}, {"minimum", 1e-40}, {"maximum", 1e-3}});
+  EXPECT_FALSE(matches(tiny, "0"));
+  EXPECT_TRUE(matches(tiny, "0.001"));
+  EXPECT_TRUE(matches(tiny, "0.00000000000000000000000000000001"));
+  // Impossible or unsupported bounds are errors naming the schema's place.
+  for (const Json& bad : {Json{{"type", "number"}, {"minimum", 2}, {"maximum", 1}},
+                          Json{{"type", "number"}, {"exclusiveMinimum", 1}, {"exclusiveMaximum", 1}},
+                          Json{{"type", "number"}, {"minimum", 1e17}}, Json{{"type", "number"}, {"maximum", "1"}},
+                          Json{{"type", "number"}, {"minimum", 1e-40}, {"maximum", 2e-40}}}) {
+    try {
+      json_schema_grammar(bad);
+      ADD_FAILURE() << "accepted " << bad.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("JSON schema at '#"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Grammar, JsonSchemaObjectsArraysStrings) {
   const Json schema = Json::parse(R"({
     "type": "object",
@@ -233,7 +321,7 @@ TEST(Grammar, JsonObjectAcceptsAnyObject) {
 }
 
 TEST(Grammar, JsonSchemaRefusesWhatItCannotEnforce) {
-  for (const char* s : {R"({"type":"number","minimum":0})", R"({"not":{"type":"string"}})", R"({"type":"array","uniqueItems":true})",
+  for (const char* s : {R"({"type":"number","multipleOf":0.5})", R"({"not":{"type":"string"}})", R"({"type":"array","uniqueItems":true})",
                         R"({"type":"string","format":"hostname"})", R"({"$ref":"#/$defs/missing"})",
                         R"({"$ref":"https://example.com/s.json"})", R"({"allOf":[{"type":"string"},{"maxLength":2}]})",
                         R"({"type":"object","properties":{"a":{}},"required":["b"]})", R"({"type":"frob"})", "false",

@@ -1,7 +1,10 @@
 #include "text/grammar/json_schema.h"
 
+#include <algorithm>
+#include <charconv>
 #include <climits>
 #include <cmath>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -216,6 +219,166 @@ class SchemaConverter {
     return rule("integer", std::move(alts));
   }
 
+  // ---- numbers in a range ----
+  // A bounded 'number' is written without an exponent: an optional minus, an integer part of
+  // at most 16 digits and an optional fraction, whose decimal value lies in [lo, hi]. The
+  // bounds are the shortest decimals that read back as the schema's doubles, with an exclusive
+  // bound moved to the next double inwards; reading is monotone, so every decimal the grammar
+  // allows reads back (as a double, as any JSON validator compares) within the bounds.
+  static constexpr int kFracDigits = 16;  // fraction digits beyond the bounds' own
+  static constexpr int kMaxFracDigits = 32;
+
+  struct Dec {  // a non-negative decimal: integer part, fraction digits without trailing zeros
+    uint64_t ip = 0;
+    std::string frac;
+  };
+  // |v| as a decimal, |v| < 1e16; a fraction longer than kMaxFracDigits is cut there, rounded
+  // up (`up`) or down.
+  static void to_dec(double v, bool up, Dec& d) {
+    char buf[512];  // the fixed form of the smallest double has 324 fraction digits
+    const auto r = std::to_chars(buf, buf + sizeof buf, std::fabs(v), std::chars_format::fixed);
+    const std::string t(buf, r.ptr);
+    const size_t dot = t.find('.');
+    d.ip = std::stoull(t.substr(0, dot));
+    d.frac = dot == std::string::npos ? "" : t.substr(dot + 1);
+    if (int(d.frac.size()) > kMaxFracDigits) {
+      d.frac.resize(kMaxFracDigits);
+      if (up) {  // + 10^-kMaxFracDigits, carrying into the integer part
+        int i = kMaxFracDigits - 1;
+        while (i >= 0 && d.frac[i] == '9') d.frac[i--] = '0';
+        if (i >= 0) ++d.frac[i];
+        else ++d.ip;
+      }
+    }
+    while (!d.frac.empty() && d.frac.back() == '0') d.frac.pop_back();
+  }
+  static bool dec_less(const Dec& a, const Dec& b) {
+    if (a.ip != b.ip) return a.ip < b.ip;
+    for (size_t i = 0; i < std::max(a.frac.size(), b.frac.size()); ++i) {  // missing digits are zeros
+      const char x = i < a.frac.size() ? a.frac[i] : '0', y = i < b.frac.size() ? b.frac[i] : '0';
+      if (x != y) return x < y;
+    }
+    return false;
+  }
+
+  // Fraction digit strings s (the digits after the point) of at most n digits, at least one
+  // when `need`, compared as 0.s: any; all zeros; 0.s >= 0.r (r has no trailing zeros and is
+  // not empty); 0.s <= 0.r; 0.a <= 0.s <= 0.b (0.a < 0.b).
+  uint32_t frac_any(int n, bool need) {
+    const int key = 2 * n + need;
+    if (auto it = frac_any_.find(key); it != frac_any_.end()) return it->second;
+    std::vector<Sequence> alts;
+    if (!need) alts.push_back({});
+    if (n > 0) alts.push_back({digit_range('0', '9'), Symbol::ref(frac_any(n - 1, false))});
+    return frac_any_[key] = rule("frac", std::move(alts));
+  }
+  uint32_t frac_ge(std::string_view r, int n) {
+    std::vector<Sequence> alts;
+    const char d = r[0];
+    if (d < '9') alts.push_back({digit_range(char(d + 1), '9'), Symbol::ref(frac_any(n - 1, false))});
+    alts.push_back({digit_range(d, d), Symbol::ref(r.size() > 1 ? frac_ge(r.substr(1), n - 1) : frac_any(n - 1, false))});
+    return rule("frac-ge", std::move(alts));
+  }
+  uint32_t frac_le(std::string_view r, int n, bool need) {
+    std::vector<Sequence> alts;
+    if (!need) alts.push_back({});  // 0.s ends here: the rest are zeros, <= 0.r
+    if (n > 0) {
+      if (r.empty()) {
+        alts.push_back({digit_range('0', '0'), Symbol::ref(frac_le(r, n - 1, false))});
+      } else {
+        if (r[0] > '0') alts.push_back({digit_range('0', char(r[0] - 1)), Symbol::ref(frac_any(n - 1, false))});
+        alts.push_back({digit_range(r[0], r[0]), Symbol::ref(frac_le(r.substr(1), n - 1, false))});
+      }
+    }
+    return rule("frac-le", std::move(alts));
+  }
+  uint32_t frac_between(std::string_view a, std::string_view b, int n, bool need) {
+    if (a.empty()) return frac_le(b, n, need);
+    if (a[0] == b[0]) return rule("frac-in", {{digit_range(a[0], a[0]), Symbol::ref(frac_between(a.substr(1), b.substr(1), n - 1, false))}});
+    std::vector<Sequence> alts;
+    alts.push_back({digit_range(a[0], a[0]), Symbol::ref(a.size() > 1 ? frac_ge(a.substr(1), n - 1) : frac_any(n - 1, false))});
+    if (a[0] + 1 < b[0]) alts.push_back({digit_range(char(a[0] + 1), char(b[0] - 1)), Symbol::ref(frac_any(n - 1, false))});
+    alts.push_back({digit_range(b[0], b[0]), Symbol::ref(frac_le(b.substr(1), n - 1, false))});
+    return rule("frac-in", std::move(alts));
+  }
+
+  // Integer part `ip` (a rule or a literal), then the fraction: none (value ip) or "." and at
+  // least one digit, bounded below by a (0.a, "" = none) and above by b (nullopt: no bound).
+  void with_fraction(std::vector<Sequence>& out, Sequence ip, const std::string& a, const std::optional<std::string>& b,
+                     int n) {
+    if (!a.empty()) {  // a fraction is needed: the integer alone is below the bound
+      Grammar::append_literal(ip, ".");
+      ip.push_back(Symbol::ref(b ? frac_between(a, *b, n, true) : frac_ge(a, n)));
+      out.push_back(std::move(ip));
+      return;
+    }
+    Sequence frac = lit(".");
+    frac.push_back(Symbol::ref(b ? frac_le(*b, n, true) : frac_any(n, true)));
+    g_.append_repeat(ip, frac, 0, 1, "fraction");
+    out.push_back(std::move(ip));
+  }
+
+  // Non-negative decimals from lo to hi (nullopt: up to 16 integer digits), after `prefix`.
+  void nonneg_decimals(std::vector<Sequence>& out, const Sequence& prefix, const Dec& lo, const std::optional<Dec>& hi, int n) {
+    constexpr uint64_t kMaxInt = 9999999999999999;  // 16 digits
+    const auto with = [&](const std::string& digits) {
+      Sequence q = prefix;
+      Grammar::append_literal(q, digits);
+      return q;
+    };
+    if (hi && hi->ip == lo.ip) {
+      with_fraction(out, with(std::to_string(lo.ip)), lo.frac, hi->frac, n);
+      return;
+    }
+    with_fraction(out, with(std::to_string(lo.ip)), lo.frac, std::nullopt, n);
+    const uint64_t mid_hi = hi ? hi->ip - 1 : kMaxInt;
+    if (lo.ip + 1 <= mid_hi) {
+      std::vector<Sequence> ints;
+      nonneg(ints, {}, lo.ip + 1, mid_hi);
+      Sequence q = prefix;
+      q.push_back(Symbol::ref(rule("integral", std::move(ints))));
+      with_fraction(out, std::move(q), "", std::nullopt, n);
+    }
+    if (hi) with_fraction(out, with(std::to_string(hi->ip)), "", hi->frac, n);
+  }
+
+  uint32_t bounded_number_rule(const Json& s, const std::string& path) {
+    const auto bound = [&](const char* key) -> std::optional<double> {
+      auto it = s.find(key);
+      if (it == s.end()) return std::nullopt;
+      if (!it->is_number()) fail(path + "/" + key, "must be a number");
+      const double v = it->get<double>();
+      if (!std::isfinite(v)) fail(path + "/" + key, "must be finite");
+      return v;
+    };
+    double lo = -INFINITY, hi = INFINITY;  // inclusive; infinite: no bound
+    if (auto v = bound("minimum")) lo = *v;
+    if (auto v = bound("exclusiveMinimum")) lo = std::max(lo, std::nextafter(*v, INFINITY));
+    if (auto v = bound("maximum")) hi = *v;
+    if (auto v = bound("exclusiveMaximum")) hi = std::min(hi, std::nextafter(*v, -INFINITY));
+    constexpr double kLimit = 1e16;  // 16 integer digits
+    if (lo >= kLimit) fail(path, "a minimum of 1e16 or more is not supported (numbers have up to 16 integer digits)");
+    if (hi <= -kLimit) fail(path, "a maximum of -1e16 or less is not supported (numbers have up to 16 integer digits)");
+    if (lo <= -kLimit) lo = -INFINITY;
+    if (hi >= kLimit) hi = INFINITY;
+    if (lo > hi) fail(path, "no number lies between its minimum and maximum");
+    const bool has_lo = std::isfinite(lo), has_hi = std::isfinite(hi);
+    // Magnitudes: [a, b] on each side of zero, the fraction cut (inwards) at 32 digits.
+    std::vector<Sequence> alts;
+    Dec lo_d, hi_d;
+    if (has_lo) to_dec(lo, lo >= 0, lo_d);
+    if (has_hi) to_dec(hi, hi < 0, hi_d);
+    const int n = std::max({kFracDigits, int(lo_d.frac.size()), int(hi_d.frac.size())});
+    const auto side = [&](const Sequence& sign, const Dec& from, const std::optional<Dec>& to) {
+      if (to && dec_less(*to, from)) fail(path, "no number kvlm can write (32 fraction digits) lies between its bounds");
+      nonneg_decimals(alts, sign, from, to, n);
+    };
+    // Negatives: -m for m in [max(0, -hi), -lo]; non-negatives in [max(0, lo), hi].
+    if (lo < 0) side(lit("-"), hi < 0 ? hi_d : Dec{}, has_lo ? std::optional<Dec>(lo_d) : std::nullopt);
+    if (hi >= 0) side({}, lo >= 0 ? lo_d : Dec{}, has_hi ? std::optional<Dec>(hi_d) : std::nullopt);
+    return rule("number", std::move(alts));
+  }
+
   uint32_t any_value() {
     if (any_) return *any_;
     any_ = g_.add_rule("any");
@@ -371,8 +534,7 @@ class SchemaConverter {
     if (t == "integer") return integer_rule(s, path);
     if (t == "number") {
       for (const char* k : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
-        if (s.contains(k))
-          fail(path + "/" + k, std::string("bounds on a 'number' cannot be enforced by a grammar; use 'integer', or drop '") + k + "'");
+        if (s.contains(k)) return bounded_number_rule(s, path);
       return number_rule();
     }
     if (t == "string") return string_schema(s, path);
@@ -555,6 +717,7 @@ class SchemaConverter {
   Grammar g_;
   uint32_t ws_ = 0;
   std::optional<uint32_t> char_, number_, any_, any_object_;
+  std::unordered_map<int, uint32_t> frac_any_;  // frac_any(n, need) by 2n + need
   std::unordered_map<std::string, uint32_t> refs_;
 };
 

@@ -10,10 +10,13 @@
 //   string: minLength, maxLength (code points), pattern (regex.h, whole-string match),
 //     format date / time / date-time / uuid / email / ipv4;
 //   integer: minimum, maximum, exclusiveMinimum, exclusiveMaximum (exact ranges);
-//   number: no bounds (refused).
+//   number: the same four bounds (exact in decimal: every number written reads back, as a
+//     double, within them).
 // Numbers are written with at most 16 digits before and after the point and a 3-digit
-// exponent (a double's precision and range), integers without a bound with at most 18
-// digits: every output stays valid, and a model cannot write digits until max_tokens.
+// exponent (a double's precision and range); bounded ones without an exponent, with up to 16
+// integer digits and up to 16 fraction digits, or as many as a bound has (at most 32);
+// integers without a bound with at most 18 digits: every output stays valid, and a model
+// cannot write digits until max_tokens.
 // Annotations (title, description, default, examples, $schema, $id, $comment, deprecated,
 // readOnly, writeOnly, strict) are ignored. Between tokens the grammar allows nothing, one
 // space, or a line break and up to 24 tabs or spaces of indentation: compact and
