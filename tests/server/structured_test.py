@@ -74,6 +74,7 @@ SCHEMAS = {
             "day": {"type": "string", "format": "date"},
             "score": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
             "temp": {"type": "number", "minimum": -40.5, "maximum": 50},
+            "addr": {"type": "string", "format": "ipv6"},
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
         },
         "required": ["id", "day", "score"],

@@ -34,7 +34,24 @@ const std::unordered_map<std::string, std::string>& formats() {
     const std::string time = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
     const std::string octet = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
     const std::string label = "[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?";
+    // A hostname of at most 4 labels of at most 62 characters: within RFC 1123's 253.
+    const std::string short_label = "[a-zA-Z0-9]([a-zA-Z0-9-]{0,60}[a-zA-Z0-9])?";
+    // IPv6 in RFC 4291's text forms: 8 groups, or fewer around one "::" (no embedded IPv4, no zone).
+    const std::string h = "[0-9a-fA-F]{1,4}";
+    const std::string ipv6 = "((" + h + ":){7}" + h + "|(" + h + ":){1,7}:|(" + h + ":){1,6}:" + h + "|(" + h + ":){1,5}(:" + h +
+                             "){1,2}|(" + h + ":){1,4}(:" + h + "){1,3}|(" + h + ":){1,3}(:" + h + "){1,4}|(" + h + ":){1,2}(:" +
+                             h + "){1,5}|" + h + ":(:" + h + "){1,6}|:((:" + h + "){1,7}|:))";
+    // RFC 3339's duration (appendix A): P with date parts and/or T time parts, or weeks; at most
+    // 9 digits a part.
+    const std::string n = "[0-9]{1,9}";
+    const std::string sec = n + "S", mins = n + "M(" + sec + ")?", hour = n + "H(" + mins + ")?";
+    const std::string dtime = "T(" + hour + "|" + mins + "|" + sec + ")";
+    const std::string day = n + "D", month = n + "M(" + day + ")?", year = n + "Y(" + month + ")?";
+    const std::string duration = "P((" + day + "|" + month + "|" + year + ")(" + dtime + ")?|" + dtime + "|" + n + "W)";
     return std::unordered_map<std::string, std::string>{
+        {"hostname", short_label + "(\\." + short_label + "){0,3}"},
+        {"ipv6", ipv6},
+        {"duration", duration},
         {"date", date},
         {"time", time},
         {"date-time", date + "T" + time},
@@ -564,7 +581,8 @@ class SchemaConverter {
       const auto known = formats().find(f->get<std::string>());
       if (known == formats().end())
         fail(path + "/format", "the format '" + f->get<std::string>() +
-                                   "' is not supported (supported: date, time, date-time, uuid, email, ipv4); use a pattern");
+                                   "' is not supported (supported: date, time, date-time, duration, uuid, email, hostname, "
+                                   "ipv4, ipv6); use a pattern");
       pattern = known->second;
     } else {
       return string_rule(min, max);

@@ -8,7 +8,7 @@
 //     no other keys are generated);
 //   array: items, prefixItems, minItems, maxItems;
 //   string: minLength, maxLength (code points), pattern (regex.h, whole-string match),
-//     format date / time / date-time / uuid / email / ipv4;
+//     format date / time / date-time / duration / uuid / email / hostname / ipv4 / ipv6;
 //   integer: minimum, maximum, exclusiveMinimum, exclusiveMaximum (exact ranges);
 //   number: the same four bounds (exact in decimal: every number written reads back, as a
 //     double, within them).
