@@ -207,13 +207,20 @@ class SchemaConverter {
     }
   }
 
+  // The schema's numeric keyword `key` (minimum, ...), if any: a finite number.
+  static std::optional<double> numeric_bound(const Json& s, const char* key, const std::string& path) {
+    auto it = s.find(key);
+    if (it == s.end()) return std::nullopt;
+    if (!it->is_number()) fail(path + "/" + key, "must be a number");
+    const double v = it->get<double>();
+    if (!std::isfinite(v)) fail(path + "/" + key, "must be finite");
+    return v;
+  }
+
   uint32_t integer_rule(const Json& s, const std::string& path) {
-    const auto bound = [&](const char* key) -> std::optional<double> {
-      auto it = s.find(key);
-      if (it == s.end()) return std::nullopt;
-      if (!it->is_number()) fail(path + "/" + key, "must be a number");
-      const double v = it->get<double>();
-      if (!std::isfinite(v) || std::fabs(v) > 1e18) fail(path + "/" + key, "must be within +-1e18");
+    const auto bound = [&](const char* key) {
+      const auto v = numeric_bound(s, key, path);
+      if (v && std::fabs(*v) > 1e18) fail(path + "/" + key, "must be within +-1e18");
       return v;
     };
     std::optional<int64_t> lo, hi;
@@ -360,14 +367,7 @@ class SchemaConverter {
   }
 
   uint32_t bounded_number_rule(const Json& s, const std::string& path) {
-    const auto bound = [&](const char* key) -> std::optional<double> {
-      auto it = s.find(key);
-      if (it == s.end()) return std::nullopt;
-      if (!it->is_number()) fail(path + "/" + key, "must be a number");
-      const double v = it->get<double>();
-      if (!std::isfinite(v)) fail(path + "/" + key, "must be finite");
-      return v;
-    };
+    const auto bound = [&](const char* key) { return numeric_bound(s, key, path); };
     double lo = -INFINITY, hi = INFINITY;  // inclusive; infinite: no bound
     if (auto v = bound("minimum")) lo = *v;
     if (auto v = bound("exclusiveMinimum")) lo = std::max(lo, std::nextafter(*v, INFINITY));
