@@ -53,6 +53,18 @@ std::pair<std::vector<uint8_t>, std::vector<float>> quantize_reference(const std
   return {codes, scales};
 }
 
+// One Gemm::linear_fp8 into a poisoned output of `out`'s type, downloaded into `raw` (call
+// under ASSERT_NO_FATAL_FAILURE: a shape without an algorithm fails the test).
+void run_linear_fp8(cuda::Gemm& gemm, DType out, const uint8_t* x, const float* x_scales, const cuda::Fp8Weight& w,
+                    const void* bias, int m, int n, int k, std::vector<uint8_t>& raw) {
+  Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
+  dy.poison();
+  ASSERT_TRUE(gemm.linear_fp8(out, x, x_scales, w, bias, dy.p, m, n, k, nullptr))
+      << "no FP8 GEMM (" << (w.block_scales ? "block" : "row") << " scales) for m " << m << " n " << n << " k " << k;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  raw = dy.download();
+}
+
 }  // namespace
 
 // FP8 weights (gemm.h gemv_fp8, dequantize_fp8) against the definition. gemv_fp8's kernels
@@ -241,12 +253,8 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
       for (DType out : {ab, DType::F32})
         for (bool bias : {false, true}) {
           if (bias && out == DType::F32) continue;
-          Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
-          dy.poison();
-          ASSERT_TRUE(gemm.linear_fp8(out, dxc.p, dxs.p, w, bias ? db.p : nullptr, dy.p, m, n, k, nullptr))
-              << "no FP8 GEMM for m " << m << " n " << n << " k " << k;
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          const auto raw = dy.download();
+          std::vector<uint8_t> raw;
+          ASSERT_NO_FATAL_FAILURE(run_linear_fp8(gemm, out, dxc.p, dxs.p, w, bias ? db.p : nullptr, m, n, k, raw));
           size_t bad = 0;
           double case_worst = 0;
           for (int r = 0; r < m; ++r)
@@ -314,12 +322,8 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
       Dev<uint8_t> dwc(wc);
       Dev<float> dws(rows), dwb(blocks);
       const cuda::Fp8Weight w{.codes = dwc.p, .scales = dws.p, .scale_block = 128, .block_scales = dwb.p};
-      Dev<uint8_t> dy(size_t(m) * n * 2);
-      dy.poison();
-      ASSERT_TRUE(gemm.linear_fp8(ab, dxc.p, dxs.p, w, nullptr, dy.p, m, n, k, nullptr))
-          << "no block-scaled FP8 GEMM for m " << m << " n " << n << " k " << k;
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const auto raw = dy.download();
+      std::vector<uint8_t> raw;
+      ASSERT_NO_FATAL_FAILURE(run_linear_fp8(gemm, ab, dxc.p, dxs.p, w, nullptr, m, n, k, raw));
       size_t bad = 0;
       double case_worst = 0;
       for (int r = 0; r < m; ++r)
