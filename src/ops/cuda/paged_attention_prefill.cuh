@@ -36,7 +36,7 @@
 #include <type_traits>
 
 #include "ops/cuda/paged_attention_rows.cuh"  // first: the formats and types the mma helpers use
-#include "ops/cuda/paged_attention_mma.cuh"
+#include "ops/cuda/mma_operands.cuh"
 #include "ops/cuda/per_device.cuh"
 
 namespace kvlm::cuda {
