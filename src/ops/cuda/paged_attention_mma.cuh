@@ -70,9 +70,11 @@ constexpr int mma_stages() {
   constexpr int tile = 32 * HD * Fmt::kBits / 8;
   // 1-byte codes: 4 stages (64 KB per CTA), so 3 CTAs fit per SM for more warps to overlap
   // the per-tile math; 16-bit head 128: 3 x 8 KB (96 KB per CTA, 2 CTAs per SM); 4-bit codes
-  // (2 KB tiles at head 128): 8 stages, to keep as many bytes in flight per warp as 1-byte
-  // codes do with 4.
-  return tile >= 8192 ? 3 : Fmt::kBits == 4 ? 8 : 4;
+  // (2.1 KB tiles at head 128): 6 stages, 52 KB per CTA, so that 4 CTAs fit per SM (127
+  // registers): the int4 tile is bound by instruction issue, and the 4th CTA's warps hide more
+  // of it than the 2 extra tiles in flight that 8 stages (3 CTAs) kept per warp (H200, 64 x 4k:
+  // 121 -> 106 us; docs/results/kernel-lab.md).
+  return tile >= 8192 ? 3 : Fmt::kBits == 4 ? 6 : 4;
 }
 template <class Fmt, int HD>
 constexpr size_t mma_smem_bytes() {
@@ -82,19 +84,68 @@ constexpr size_t mma_smem_bytes() {
   return ring > merge ? ring : merge;
 }
 
+// Two 4-bit codes of a word as one f16 pair (exact): the codes at bits [0, 4) and [16, 20)
+// (lo) or [4, 8) and [20, 24) (hi) go under exponent 0x64 with one LOP3 (written out: the
+// compiler splits (x & mask) | 0x64006400 into two, both constants being immediates), giving
+// 1024 + code (lo) or 1024 + 16 code (hi); one HSUB2 of 1024 or one HFMA2 by 1/16 - 64
+// finishes.
+__device__ __forceinline__ uint32_t i4_lo_pair(uint32_t x) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;\n" : "=r"(r) : "r"(x), "r"(0x64006400u));  // (a & b) | c
+  __half2 h;
+  memcpy(&h, &r, 4);
+  h = __hsub2(h, __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));  // 1024
+  memcpy(&r, &h, 4);
+  return r;
+}
+__device__ __forceinline__ uint32_t i4_hi_pair(uint32_t x) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, 0x00f000f0, %2, 0xea;\n" : "=r"(r) : "r"(x), "r"(0x64006400u));
+  __half2 h;
+  memcpy(&h, &r, 4);
+  h = __hfma2(h, __halves2half2(__ushort_as_half(0x2c00), __ushort_as_half(0x2c00)),   // 1/16
+              __halves2half2(__ushort_as_half(0xd400), __ushort_as_half(0xd400)));     // -64
+  memcpy(&r, &h, 4);
+  return r;
+}
+
+// int4 K words as f16 pairs in the keys-in-M layout, where the order of head dims is free (Q is
+// permuted to match: i4_q_order): a word's elements (byte i: element i in the low nibble, i + 4
+// in the high) come out as pairs (0, 2), (4, 6), (1, 3), (5, 7) — 9 instructions per word of 8
+// codes, against 11 for consecutive pairs (MmaCodec<FmtI4>::expand4).
+template <int NBYTES>
+__device__ __forceinline__ void int4_k_pairs(const uint4* raw, uint32_t* pairs) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
+#pragma unroll
+  for (int i = 0; i < NBYTES / 4; ++i) {
+    const uint32_t w8 = w[i] >> 8;
+    pairs[4 * i] = i4_lo_pair(w[i]);
+    pairs[4 * i + 1] = i4_hi_pair(w[i]);
+    pairs[4 * i + 2] = i4_lo_pair(w8);
+    pairs[4 * i + 3] = i4_hi_pair(w8);
+  }
+}
+// Q's 16-bit pairs of consecutive elements, 4 per 8 elements, into int4_k_pairs' order.
+template <int N>
+__device__ __forceinline__ void i4_q_order(uint32_t (&q)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const uint32_t a = q[i], b = q[i + 1], c = q[i + 2], d = q[i + 3];  // (0,1) (2,3) (4,5) (6,7)
+    q[i] = __byte_perm(a, b, 0x5410);
+    q[i + 1] = __byte_perm(c, d, 0x5410);
+    q[i + 2] = __byte_perm(a, b, 0x7632);
+    q[i + 3] = __byte_perm(c, d, 0x7632);
+  }
+}
+
 // int4 V rows as the A fragments of O^T = V^T P^T (the keys-in-M layout), straight from the
 // codes: the 4 keys' words (keys 2t, 2t+1, 2t+8, 2t+9 of the tile, this thread's HD / 8 dims)
-// are paired byte by byte (one permute per 4 bytes of two keys), and each pair of nibbles at
-// bits 0 / 16 (low nibbles) or 4 / 20 (high) goes under exponent 0x64 with one LOP3; one
-// subtraction of 1024 (low) or one FMA by 1/16 - 64 (high, which sits at 1024 + 16 code)
-// finishes (exact). M-tile mt, half h holds element (mt / 4) * 8 + mt % 4 + 4 h of the
-// thread's dims (kT_vdim). 2.5 instructions per register, against 3.75 for expanding each key
+// are paired byte by byte (one permute per 4 bytes of two keys), and each register is one
+// i4_lo_pair / i4_hi_pair. M-tile mt, half h holds element (mt / 4) * 8 + mt % 4 + 4 h of the
+// thread's dims (kT_vdim). 2.25 instructions per register, against 3.75 for expanding each key
 // and then pairing the keys.
 template <int VW>
 __device__ __forceinline__ void int4_v_fragments(const uint32_t (*w)[VW], uint32_t (*va)[4]) {
-  const __half2 k1024 = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
-  const __half2 k16th = __halves2half2(__ushort_as_half(0x2c00), __ushort_as_half(0x2c00));   // 1/16
-  const __half2 km64 = __halves2half2(__ushort_as_half(0xd400), __ushort_as_half(0xd400));    // -64
 #pragma unroll
   for (int wi = 0; wi < VW; ++wi)
 #pragma unroll
@@ -104,14 +155,8 @@ __device__ __forceinline__ void int4_v_fragments(const uint32_t (*w)[VW], uint32
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const uint32_t src = x[q >> 1] >> (8 * (q & 1));
-        const uint32_t lo = (src & 0x000f000fu) | 0x64006400u, hi = (src & 0x00f000f0u) | 0x64006400u;
-        __half2 hl, hh;
-        memcpy(&hl, &lo, 4);
-        memcpy(&hh, &hi, 4);
-        hl = __hsub2(hl, k1024);
-        hh = __hfma2(hh, k16th, km64);
-        memcpy(&va[wi * 4 + q][2 * kp], &hl, 4);
-        memcpy(&va[wi * 4 + q][2 * kp + 1], &hh, 4);
+        va[wi * 4 + q][2 * kp] = i4_lo_pair(src);
+        va[wi * 4 + q][2 * kp + 1] = i4_hi_pair(src);
       }
     }
 }
@@ -345,6 +390,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
         }
       }
     }
+    if constexpr (kT && kI4) i4_q_order(qp[0]);  // the order of int4_k_pairs
 #pragma unroll
     for (int c = 0; c < KCH; ++c) {
       if constexpr (kT) {
@@ -470,7 +516,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       // S^T = K Q^T: s[2j + e] is key base + g + 8j, pair 2t + e.
       uint32_t kp[2][KPAIRS];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) to_pairs<Fmt, KBYTES>(kraw[j], kp[j]);
+      for (int j = 0; j < 2; ++j) {
+        if constexpr (kI4) int4_k_pairs<KBYTES>(kraw[j], kp[j]);
+        else to_pairs<Fmt, KBYTES>(kraw[j], kp[j]);
+      }
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int c = 0; c < KCH; ++c) {
@@ -498,7 +547,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
         const float m_new = fmaxf(m_run[e], v);
         m_use[e] = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
-        corr[e] = exp2f(m_run[e] - m_use[e]);
+        corr[e] = exp2_approx(m_run[e] - m_use[e]);  // MUFU.EX2 alone: weights below 2^-126 flush to 0
         m_run[e] = m_new;
         l_run[e] *= corr[e];
         zacc[e] *= corr[e];
@@ -520,7 +569,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
         float pe[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float x = exp2f(s[2 * j + e] - m_use[e]);
+          const float x = exp2_approx(s[2 * j + e] - m_use[e]);
           l_run[e] += x;
           pe[e] = x * (vsc[j] * kPScale);
           if constexpr (kI4) zacc[e] = fmaf(x, vz[j] * kPScale, zacc[e]);
