@@ -23,6 +23,16 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
   }
 }
 
+// c += a . b, mma.sync m16n8k32 over 8-bit integers with exact int32 accumulation: a (A
+// fragment, 4 registers of 4 unsigned bytes: rows g / g + 8, k = 4t.. and 16 + 4t..), b0, b1
+// (B fragment, 4 signed bytes each: k = 4t.. and 16 + 4t.., n = g).
+__device__ __forceinline__ void imma16832_u8s8(int* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // The transpose of an 8x8 matrix of 16-bit values held as a warp's fragment (thread lane holds
 // row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1, low half first): after the call it
 // holds the same positions of the transpose (movmatrix, sm_75+).

@@ -109,33 +109,17 @@ __device__ __forceinline__ uint32_t i4_hi_pair(uint32_t x) {
   return r;
 }
 
-// int4 K words as f16 pairs in the keys-in-M layout, where the order of head dims is free (Q is
-// permuted to match: i4_q_order): a word's elements (byte i: element i in the low nibble, i + 4
-// in the high) come out as pairs (0, 2), (4, 6), (1, 3), (5, 7) — 9 instructions per word of 8
-// codes, against 11 for consecutive pairs (MmaCodec<FmtI4>::expand4).
-template <int NBYTES>
-__device__ __forceinline__ void int4_k_pairs(const uint4* raw, uint32_t* pairs) {
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
-#pragma unroll
-  for (int i = 0; i < NBYTES / 4; ++i) {
-    const uint32_t w8 = w[i] >> 8;
-    pairs[4 * i] = i4_lo_pair(w[i]);
-    pairs[4 * i + 1] = i4_hi_pair(w[i]);
-    pairs[4 * i + 2] = i4_lo_pair(w8);
-    pairs[4 * i + 3] = i4_hi_pair(w8);
-  }
-}
-// Q's 16-bit pairs of consecutive elements, 4 per 8 elements, into int4_k_pairs' order.
-template <int N>
-__device__ __forceinline__ void i4_q_order(uint32_t (&q)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; i += 4) {
-    const uint32_t a = q[i], b = q[i + 1], c = q[i + 2], d = q[i + 3];  // (0,1) (2,3) (4,5) (6,7)
-    q[i] = __byte_perm(a, b, 0x5410);
-    q[i + 1] = __byte_perm(c, d, 0x5410);
-    q[i + 2] = __byte_perm(a, b, 0x7632);
-    q[i + 3] = __byte_perm(c, d, 0x7632);
-  }
+// int4 K rows as the A fragments of S^T = K Q^T over 8-bit integers (the keys-in-M layout,
+// imma16832_u8s8): word w of a thread's row (byte i: element 8w + i in the low nibble, 8w + i + 4
+// in the high) gives elements 8w .. 8w + 3 as 4 unsigned bytes (one LOP3) and 8w + 4 .. 8w + 7
+// (a shift and a LOP3); k-chunk c of 32 takes word c of rows g (a0, a2) and g + 8 (a1, a3), and
+// Q's bytes follow the same order (3 instructions per 8 codes, against 9 to expand them to f16).
+template <int KW>
+__device__ __forceinline__ void int4_k_bytes(const uint32_t (&w0)[KW], const uint32_t (&w1)[KW], int c, uint32_t (&a)[4]) {
+  a[0] = w0[c] & 0x0f0f0f0fu;
+  a[1] = w1[c] & 0x0f0f0f0fu;
+  a[2] = (w0[c] >> 4) & 0x0f0f0f0fu;
+  a[3] = (w1[c] >> 4) & 0x0f0f0f0fu;
 }
 
 // int4 V rows as the A fragments of O^T = V^T P^T (the keys-in-M layout), straight from the
@@ -198,6 +182,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   constexpr bool kBF = MmaCodec<Fmt>::kBF16;
   constexpr int BITS = Fmt::kBits;
   constexpr bool kI4 = kIsInt4<Fmt>;       // codes * step + zero: see the zero-point terms below
+  // int4 with keys in M: S^T = K Q^T on the integer tensor cores, the codes as unsigned bytes
+  // and Q as two signed-byte parts (int4_k_bytes); the f16 expansion of K was a third of the
+  // tile's instructions.
+  constexpr bool kQ8 = kT && kI4;
   constexpr int KBYTES = HD * BITS / 32;   // bytes of one K row held by a thread
   constexpr int KG = KBYTES < 16 ? KBYTES : 16;  // bytes per K load (8 for int4 at head 64)
   constexpr int KLOADS = KBYTES / KG;      // K loads per row per thread
@@ -368,8 +356,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   constexpr int NQ = kT ? 1 : 2;
   uint32_t qa[KCH][2 * NQ];
   float qsum[2] = {0.0f, 0.0f};
+  // kQ8 (int4, keys in M): Q as signed bytes for the integer mma, hi and lo parts (below), and
+  // each of pairs 2t, 2t + 1's score unit.
+  uint32_t q8[2][kQ8 ? KPAIRS / 2 : 1];
+  float qstep[2] = {1.0f, 1.0f};
   {
     uint32_t qp[NQ][KPAIRS];
+    float qf[kQ8 ? 2 * KPAIRS : 1];  // kQ8: pair g's elements, in the thread's list order
 #pragma unroll
     for (int i = 0; i < NQ; ++i) {
       const int m = g + 8 * i, qm = m / G;
@@ -386,11 +379,51 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
             const int pi = c * (VB / 2) + h * 4 + j;
             if constexpr (kBF) qp[i][pi] = w[j];
             else qp[i][pi] = pack2<false>(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xffff0000u));
+            if constexpr (kQ8) {
+              qf[2 * pi] = __uint_as_float(w[j] << 16);
+              qf[2 * pi + 1] = __uint_as_float(w[j] & 0xffff0000u);
+            }
           }
         }
       }
     }
-    if constexpr (kT && kI4) i4_q_order(qp[0]);  // the order of int4_k_pairs
+    if constexpr (kQ8) {
+      // Pair g's Q as qstep * (hi + lo / 256), hi and lo signed bytes: qstep = max|q| / 127
+      // over the head (the 4 threads t of g hold it between them), hi = round(q / qstep), lo
+      // the rounded remainder in 256ths. Error <= max|q| / 65024 per element, below the f16
+      // Q of the other paths (2^-12 relative), and the products with the codes sum exactly in
+      // int32. sum(q) of the zero-point term is the same integers' sum, so the score is exactly
+      // that of the stored Q; NaN in Q is not carried (a model with NaN queries has diverged).
+      float amax = 0.0f;
+#pragma unroll
+      for (int x = 0; x < 2 * KPAIRS; ++x) amax = fmaxf(amax, fabsf(qf[x]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int isum = 0;
+#pragma unroll
+      for (int r = 0; r < KPAIRS / 2; ++r) {
+        uint32_t hw = 0, lw = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const float x = qf[4 * r + b] * inv;
+          const float h = rintf(x);
+          const int ih = int(h), il = int(fminf(rintf((x - h) * 256.0f), 127.0f));
+          isum += ih * 256 + il;
+          hw |= uint32_t(ih & 0xff) << (8 * b);
+          lw |= uint32_t(il & 0xff) << (8 * b);
+        }
+        q8[0][r] = hw;
+        q8[1][r] = lw;
+      }
+      isum += __shfl_xor_sync(0xffffffffu, isum, 1);
+      isum += __shfl_xor_sync(0xffffffffu, isum, 2);
+      const float step = amax / (127.0f * 256.0f);  // score units of the int32 sums
+      qsum[0] = float(__shfl_sync(0xffffffffu, isum, 8 * t));  // exact: |isum| < 2^24 at head 256
+      qsum[1] = float(__shfl_sync(0xffffffffu, isum, 8 * t + 4));
+      qstep[0] = __shfl_sync(0xffffffffu, step, 8 * t);
+      qstep[1] = __shfl_sync(0xffffffffu, step, 8 * t + 4);
+    }
 #pragma unroll
     for (int c = 0; c < KCH; ++c) {
       if constexpr (kT) {
@@ -405,7 +438,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     }
     // int4: sum(q) of each M row, from the same 16-bit values the mma reads (the row's 4
     // threads hold all of it between them); kT: of pair g, then fetched for pairs 2t, 2t + 1.
-    if constexpr (kI4) {
+    if constexpr (kI4 && !kQ8) {
 #pragma unroll
       for (int i = 0; i < NQ; ++i) {
         float sq = 0.0f;
@@ -428,6 +461,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 
   float sscale, vscale;
   score_scales<Fmt>(p, kvh, sscale, vscale);
+  const float ssc[2] = {sscale * qstep[0], sscale * qstep[1]};  // kT: pairs 2t, 2t + 1
   // Per-token-head V scales ride on P (p * v_scale), carried in f16 times 2^8 so that rows
   // with V absmax in ~[1e-4, 3e4] stay in f16's range; undone at the end. int4 steps go up to
   // 65504 / 15 (the f16 zero point's own limit): 2^4 there, so P * step * 16 stays finite for
@@ -514,17 +548,33 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 
     if constexpr (kT) {
       // S^T = K Q^T: s[2j + e] is key base + g + 8j, pair 2t + e.
-      uint32_t kp[2][KPAIRS];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if constexpr (kI4) int4_k_pairs<KBYTES>(kraw[j], kp[j]);
-        else to_pairs<Fmt, KBYTES>(kraw[j], kp[j]);
-      }
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if constexpr (kQ8) {
+        constexpr int KW = KBYTES / 4;  // words of codes per row and thread = k-chunks of 32
+        uint32_t w[2][KW];
 #pragma unroll
-      for (int c = 0; c < KCH; ++c) {
-        const uint32_t ka[4] = {kp[0][2 * c], kp[1][2 * c], kp[0][2 * c + 1], kp[1][2 * c + 1]};
-        mma16816<kBF>(s, ka, qa[c][0], qa[c][1]);
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int x = 0; x < KW; ++x) w[j][x] = reinterpret_cast<const uint32_t*>(&kraw[j][x / 4])[x % 4];
+        int shi[4] = {0, 0, 0, 0}, slo[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int c = 0; c < KW; ++c) {
+          uint32_t ka[4];
+          int4_k_bytes<KW>(w[0], w[1], c, ka);
+          imma16832_u8s8(shi, ka, q8[0][2 * c], q8[0][2 * c + 1]);
+          imma16832_u8s8(slo, ka, q8[1][2 * c], q8[1][2 * c + 1]);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s[k] = float(shi[k] * 256 + slo[k]);  // < 2^31 at head 256
+      } else {
+        uint32_t kp[2][KPAIRS];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) to_pairs<Fmt, KBYTES>(kraw[j], kp[j]);
+#pragma unroll
+        for (int c = 0; c < KCH; ++c) {
+          const uint32_t ka[4] = {kp[0][2 * c], kp[1][2 * c], kp[0][2 * c + 1], kp[1][2 * c + 1]};
+          mma16816<kBF>(s, ka, qa[c][0], qa[c][1]);
+        }
       }
       // Online softmax of pairs 2t, 2t + 1: the 16 keys of a pair are in the 8 lanes of one t.
       float mx[2] = {-INFINITY, -INFINITY};
@@ -535,7 +585,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           const int tok = base + g + 8 * j;
           float& x = s[2 * j + e];
           const float sc = kI4 ? fmaf(x, ksc[j], kz[j] * qsum[e]) : x * ksc[j];
-          x = (tok >= mlo[e] && tok < mhi[e]) ? sc * sscale : -INFINITY;
+          x = (tok >= mlo[e] && tok < mhi[e]) ? sc * ssc[e] : -INFINITY;
           mx[e] = fmaxf(mx[e], x);
         }
       float m_use[2], corr[2];
