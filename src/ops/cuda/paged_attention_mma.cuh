@@ -70,11 +70,11 @@ constexpr int mma_stages() {
   constexpr int tile = 32 * HD * Fmt::kBits / 8;
   // 1-byte codes: 4 stages (64 KB per CTA), so 3 CTAs fit per SM for more warps to overlap
   // the per-tile math; 16-bit head 128: 3 x 8 KB (96 KB per CTA, 2 CTAs per SM); 4-bit codes
-  // (2.1 KB tiles at head 128): 6 stages, 52 KB per CTA, so that 4 CTAs fit per SM (127
-  // registers): the int4 tile is bound by instruction issue, and the 4th CTA's warps hide more
-  // of it than the 2 extra tiles in flight that 8 stages (3 CTAs) kept per warp (H200, 64 x 4k:
-  // 121 -> 106 us; docs/results/kernel-lab.md).
-  return tile >= 8192 ? 3 : Fmt::kBits == 4 ? 6 : 4;
+  // (2.1 KB tiles at head 128): 4 stages too, 35 KB per CTA, so that registers (< 128) alone
+  // bound the CTAs per SM, at 4. The int4 tile is bound by instruction issue: a 4th CTA's warps
+  // hide more of it than deeper rings (8 stages, 3 CTAs per SM, was 23% slower at 64 x 4k on
+  // the H200; 6 stages, 4 CTAs, 4% slower, its slot modulo costing instructions; kernel-lab.md).
+  return tile >= 8192 ? 3 : 4;
 }
 template <class Fmt, int HD>
 constexpr size_t mma_smem_bytes() {
