@@ -17,6 +17,7 @@
 #include "cuda_test_util.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
+#include "ops/cuda/model_ops.h"
 
 using namespace kvlm;
 using kvlm::test::Dev;
@@ -350,4 +351,37 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
       block_worst = std::max(block_worst, case_worst);
     }
   std::printf("[fp8-gemm] block-scaled worst %.2e\n", block_worst);
+}
+
+// The down projection's quantizer with the gated MLP's product fused in: its codes and scales
+// equal glu() then quantize_rows_fp8 (whose arithmetic the test above checks against the CPU),
+// per row and per 128-value group, bf16 / f16, SiLU and GELU-tanh, gates large enough to
+// reach the activation's tails, an all-zero row and m above the GEMV's 16.
+TEST(CudaModelOps, Fp8QuantizeFusesTheGatedProduct) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(47);
+  size_t values = 0;
+  for (DType ab : kActs)
+    for (GluActivation f : {GluActivation::Silu, GluActivation::GeluTanh})
+      for (auto [m, k, group] : {std::tuple{17, 256, 0}, {64, 1040, 0}, {5, 12288, 0}, {36, 1024, 128}, {3, 128, 128}}) {
+        auto gu = random_act(ab, size_t(m) * 2 * k, rng, 6.0f);
+        for (int i = 0; i < 2 * k; ++i) gu[size_t(2 % m) * 2 * k + i] = 0.0f;  // an all-zero row: scale 1
+        Dev<uint16_t> dgu(codes(ab, gu)), dact(size_t(m) * k);
+        const int groups = group == 0 ? 1 : k / group;
+        Dev<uint8_t> want_c(size_t(m) * k), got_c(size_t(m) * k);
+        Dev<float> want_s(size_t(groups) * m), got_s(size_t(groups) * m);
+        cuda::glu(ab, f, dgu.p, dact.p, m, k, nullptr);
+        cuda::quantize_rows_fp8(ab, dact.p, want_c.p, want_s.p, m, k, nullptr, group);
+        cudaMemset(got_c.p, 0xff, got_c.n);
+        cuda::quantize_glu_rows_fp8(ab, f, dgu.p, got_c.p, got_s.p, m, k, nullptr, group);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::string what = std::string(dtype_name(ab)) + (f == GluActivation::Silu ? " silu" : " gelu") +
+                                 " m " + std::to_string(m) + " k " + std::to_string(k) + " group " + std::to_string(group);
+        ASSERT_EQ(got_s.download(), want_s.download()) << what;
+        ASSERT_EQ(got_c.download(), want_c.download()) << what;
+        values += size_t(m) * k;
+      }
+  std::printf("[fp8-gemm] quantize_glu_rows_fp8: %zu codes equal to glu + quantize_rows_fp8\n", values);
+  EXPECT_THROW(cuda::quantize_glu_rows_fp8(DType::BF16, GluActivation::Silu, nullptr, nullptr, nullptr, 1, 12, nullptr),
+               Error);
 }

@@ -109,7 +109,7 @@ void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Ten
                     stream_);
 }
 
-void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m) {
+void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, DType out, int m, const GluSource* glu) {
   const cuda::Fp8Weight f{.codes = static_cast<const uint8_t*>(w.data), .scales = w.scales,
                           .scale_block = w.scale_block, .block_scales = w.block_scales};
   const int n = int(w.rows), k = int(w.cols);
@@ -129,10 +129,14 @@ void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, voi
     auto* scales = static_cast<float*>(fp8_x_scales_);
     // The GEMM's rows (block scales: a multiple of 4), then the rest (< 4) through gemv_fp8.
     const int mg = cuda::fp8_gemm_rows(m, k, w.scale_block);
-    cuda::quantize_rows_fp8(act_, x, codes, scales, mg, k, stream_, block ? 128 : 0);
+    if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, mg, k, stream_, block ? 128 : 0);
+    else cuda::quantize_rows_fp8(act_, x, codes, scales, mg, k, stream_, block ? 128 : 0);
     if (gemm_.linear_fp8(out, codes, scales, f, bias.data, y, mg, n, k, stream_)) {
       if (mg < m) {
         const size_t out_bytes = dtype_size(out);
+        if (glu)  // the rows past the GEMM's need f(gate) * up written
+          cuda::glu(act_, glu->f, static_cast<const uint8_t*>(glu->gu) + size_t(mg) * size_t(2 * k) * dtype_size(act_),
+                    static_cast<uint8_t*>(x) + size_t(mg) * size_t(k) * dtype_size(act_), m - mg, k, stream_);
         cuda::gemv_fp8(act_, out, static_cast<const uint8_t*>(x) + size_t(mg) * size_t(k) * dtype_size(act_), f,
                        bias.data, static_cast<uint8_t*>(y) + size_t(mg) * size_t(n) * out_bytes, m - mg, n, k, stream_);
       }
@@ -144,6 +148,7 @@ void CudaOps::fp8_linear(const void* x, const Weight& w, const Weight& bias, voi
                                          "); those dequantize the weight for a 16-bit GEMM");
   }
   if (measure_) return;
+  if (glu) cuda::glu(act_, glu->f, glu->gu, x, m, k, stream_);
   if (gemv) {
     // One pass over the FP8 bytes for all m rows (the tensor-core kernel from m = 2).
     cuda::gemv_fp8(act_, out, x, f, bias.data, y, m, int(w.rows), int(w.cols), stream_);
@@ -165,11 +170,13 @@ void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight
   // Carved whether or not it is used, so that measuring and running carve the same.
   void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
   if (w.dtype == DType::F8E4M3) {
-    // Not fused at batch 1: the FP8 GEMV's warps own 2 rows each, so a fused SiLU-and-mul would
-    // be recomputed by every warp (2048 times per element at down_proj's 4096 rows), ~0.4 ms of a
-    // Qwen3-8B step; one glu pass costs a launch.
-    if (!measure_) cuda::glu(act_, f, gu.data, act, T, I, stream_);
-    fp8_linear(act, w, bias, y.data, act_, T);
+    // Above the GEMV's rows the FP8 GEMM's activation quantizer computes f(gate) * up itself
+    // (one read of gu instead of glu's write and the quantizer's read). Not fused into the GEMV
+    // at batch 1: its warps own 2 rows each, so a fused SiLU-and-mul would be recomputed by every
+    // warp (2048 times per element at down_proj's 4096 rows), ~0.4 ms of a Qwen3-8B step; there
+    // fp8_linear runs one glu pass.
+    const GluSource src{.f = f, .gu = gu.data};
+    fp8_linear(act, w, bias, y.data, act_, T, &src);
     return;
   }
   if (measure_) return;

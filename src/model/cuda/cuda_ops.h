@@ -131,7 +131,14 @@ class CudaOps final : public Ops {
   // and the FP8 tensor-core GEMM (cuBLASLt), else (block scales, or a GPU whose cuBLASLt has no
   // such GEMM) the weight dequantized into the scratch buffer and the 16-bit GEMM. Carves its
   // step buffers also when measuring.
-  void fp8_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m);
+  // The gated MLP's input of an FP8 down projection: f(gate) * up of gu, into act where a path
+  // needs it written (the FP8 GEMM's quantizer computes it instead: quantize_glu_rows_fp8).
+  struct GluSource {
+    GluActivation f;
+    const void* gu;
+  };
+  // y = x . w^T for an FP8 weight; with glu, x is where f(gate) * up goes, computed here.
+  void fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, DType out, int m, const GluSource* glu = nullptr);
 
   DType act_;
   void* stream_;

@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 
+#include "config/model_config.h"  // GluActivation
 #include "core/dtype.h"
 
 namespace kvlm::cuda {
@@ -83,6 +84,12 @@ void dequantize_fp8(DType to, const Fp8Weight& w, void* out, int n, int k, void*
 // codes.
 void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream,
                        int group = 0);
+// quantize_rows_fp8 of x = f(gate) * up for the gated MLP's gu = [gate | up] ([m][2k]), x's
+// values rounded to ab exactly as model_ops.h's glu writes them, but never written: the down
+// projection's FP8 GEMM reads its input once (the codes) instead of three times (glu's write,
+// the quantizer's read, the codes). The codes and scales equal those of glu + quantize_rows_fp8.
+void quantize_glu_rows_fp8(DType ab, GluActivation f, const void* gu, uint8_t* codes, float* scales, int m, int k,
+                           void* stream, int group = 0);
 // Whether Gemm::linear_fp8 takes a weight of n rows, k columns and this scale block: one
 // scale per row with k, n multiples of 16 (cuBLASLt's FP8 leading dimensions), or 128 x 128
 // blocks with k, n multiples of 128 (the activations then quantized per 128-value group).

@@ -14,6 +14,7 @@
 #include "core/hadamard.h"
 #include "ops/cuda/block_argmax.cuh"
 #include "ops/cuda/cuda_check.cuh"
+#include "ops/cuda/glu.cuh"
 #include "ops/cuda/kv_codec.cuh"
 #include "ops/cuda/model_ops.h"
 #include "ops/cuda/pdl.cuh"
@@ -382,13 +383,7 @@ __global__ void glu_kernel(const uint16_t* gu, uint16_t* out, int rows, int inte
     const size_t r = i / size_t(inter), c = i % size_t(inter);
     const float g = A::load(gu[r * 2 * size_t(inter) + c]);
     const float u = A::load(gu[r * 2 * size_t(inter) + size_t(inter) + c]);
-    float a;
-    if constexpr (F == GluActivation::Silu) {
-      a = g / (1.0f + expf(-g));
-    } else {
-      a = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
-    }
-    out[i] = A::store(a * u);
+    out[i] = A::store(glu_gate<F>(g) * u);
   }
 }
 

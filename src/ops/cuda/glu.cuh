@@ -1,0 +1,18 @@
+// The gated MLP's activation of the gate, f(gate) (its product with up follows), shared by
+// every kernel that computes f(gate) * up — model_ops.cu's glu and gemv_fp8.cu's fused
+// quantizer — so that they agree bit for bit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "config/model_config.h"  // GluActivation
+
+namespace kvlm::cuda {
+
+template <GluActivation F>
+__device__ __forceinline__ float glu_gate(float g) {
+  if constexpr (F == GluActivation::Silu) return g / (1.0f + expf(-g));
+  else return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));  // gelu_pytorch_tanh
+}
+
+}  // namespace kvlm::cuda
