@@ -14,10 +14,10 @@
 //   multiply-adds per weight, so it slows down as m grows, and above 4 rows it takes several
 //   passes over the weight (the fallback for layouts the tensor-core kernel does not take).
 // - The tensor-core kernel (m <= 16, one pass): see gemv_fp8_mma_kernel below.
-// Larger m: quantize_rows_fp8 quantizes the activations per token for the FP8 tensor-core GEMM
-// (Gemm::linear_fp8, cuBLASLt) where the weight has one scale per row; for block scales
-// dequantize_fp8 writes the weight in the compute type into a scratch buffer and the 16-bit
-// GEMM runs on it.
+// Larger m: fp8_quantize.cu quantizes the activations per token (per 128-value group for block
+// scales) for the FP8 tensor-core GEMM (Gemm::linear_fp8, cuBLASLt); where that GEMM does not
+// fit, dequantize_fp8 writes the weight in the compute type into a scratch buffer and the
+// 16-bit GEMM runs on it.
 #include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
@@ -29,7 +29,6 @@
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv_common.cuh"
-#include "ops/cuda/glu.cuh"
 #include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/kv_codec.cuh"
 #include "ops/cuda/mma_sync.cuh"
@@ -640,193 +639,7 @@ __global__ void dequantize_fp8_kernel(const uint4* codes, const float* scales, i
   out[2 * size_t(i) + 1] = make_uint4(p[4], p[5], p[6], p[7]);
 }
 
-// quantize_rows_fp8: the CPU reference's arithmetic (x / scale, then f32_to_e4m3), so the codes
-// are bit-exact. Eight values of x (one 16-byte vector) to their eight codes.
-__device__ __forceinline__ uint2 encode8_e4m3(const float* f, float scale) {
-  uint32_t lo = 0, hi = 0;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    lo |= uint32_t(num::f32_to_e4m3(f[e] / scale)) << (8 * e);
-    hi |= uint32_t(num::f32_to_e4m3(f[4 + e] / scale)) << (8 * e);
-  }
-  return make_uint2(lo, hi);
-}
-__device__ __forceinline__ float e4m3_scale(float amax) { return amax > 0.0f ? amax / num::kE4M3Max : 1.0f; }
-
-// One CTA per row: the row's absolute maximum (16-byte loads), then its codes (the row is in
-// L1/L2 by then).
-constexpr int kQuantThreads = 256;
-template <class V>
-__global__ void __launch_bounds__(kQuantThreads) quantize_rows_fp8_kernel(const uint4* x, uint2* codes, float* scales,
-                                                                           int k8) {
-  __shared__ float red[kQuantThreads / 32];
-  const size_t row = blockIdx.x;
-  const uint4* xr = x + row * size_t(k8);
-  float amax = 0.0f;
-  for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
-    float f[8];
-    V::decode8(xr[i], f);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = red[0];
-#pragma unroll
-  for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, red[w]);
-  const float scale = e4m3_scale(amax);
-  if (threadIdx.x == 0) scales[row] = scale;
-  for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
-    float f[8];
-    V::decode8(xr[i], f);
-    codes[row * size_t(k8) + size_t(i)] = encode8_e4m3(f, scale);
-  }
-}
-
-// Per 128-value group: a half-warp per group (16 lanes x 8 values), its scale at
-// scales[group * m + row] (token fastest).
-template <class V>
-__global__ void __launch_bounds__(kQuantThreads) quantize_groups_fp8_kernel(const uint4* x, uint2* codes, float* scales,
-                                                                             int k8, int m) {
-  const size_t row = blockIdx.x;
-  const int half = int(threadIdx.x) / 16, lane = int(threadIdx.x) % 16;
-  for (int g = half; g < k8 / 16; g += kQuantThreads / 16) {
-    const size_t i = row * size_t(k8) + size_t(g) * 16 + size_t(lane);
-    float f[8];
-    V::decode8(x[i], f);
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = e4m3_scale(amax);
-    if (lane == 0) scales[size_t(g) * size_t(m) + row] = scale;
-    codes[i] = encode8_e4m3(f, scale);
-  }
-}
-
-// quantize_glu_rows_fp8: 8 values of f(gate) * up (vector i of a row of gu = [gate | up], k8
-// vectors per half), each rounded to the activation type as glu_kernel stores it.
-template <class V, GluActivation F>
-__device__ __forceinline__ void glu8(const uint4* gur, int k8, int i, float* f) {
-  float g[8], u[8];
-  V::decode8(gur[i], g);
-  V::decode8(gur[k8 + i], u);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = V::load(V::store(glu_gate<F>(g[e]) * u[e]));
-}
-
-// quantize_rows_fp8_kernel over f(gate) * up: the values are computed twice (for the row's
-// maximum, then for the codes; gu's row is in L1/L2 the second time) and never written.
-template <class V, GluActivation F>
-__global__ void __launch_bounds__(kQuantThreads) quantize_glu_rows_fp8_kernel(const uint4* gu, uint2* codes,
-                                                                               float* scales, int k8) {
-  __shared__ float red[kQuantThreads / 32];
-  pdl_wait();
-  const size_t row = blockIdx.x;
-  const uint4* gur = gu + row * 2 * size_t(k8);
-  float amax = 0.0f;
-  for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
-    float f[8];
-    glu8<V, F>(gur, k8, i, f);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = red[0];
-#pragma unroll
-  for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, red[w]);
-  const float scale = e4m3_scale(amax);
-  if (threadIdx.x == 0) scales[row] = scale;
-  for (int i = int(threadIdx.x); i < k8; i += kQuantThreads) {
-    float f[8];
-    glu8<V, F>(gur, k8, i, f);
-    codes[row * size_t(k8) + size_t(i)] = encode8_e4m3(f, scale);
-  }
-}
-
-// quantize_groups_fp8_kernel over f(gate) * up.
-template <class V, GluActivation F>
-__global__ void __launch_bounds__(kQuantThreads) quantize_glu_groups_fp8_kernel(const uint4* gu, uint2* codes,
-                                                                                 float* scales, int k8, int m) {
-  pdl_wait();
-  const size_t row = blockIdx.x;
-  const uint4* gur = gu + row * 2 * size_t(k8);
-  const int half = int(threadIdx.x) / 16, lane = int(threadIdx.x) % 16;
-  for (int g = half; g < k8 / 16; g += kQuantThreads / 16) {
-    const int i = g * 16 + lane;
-    float f[8];
-    glu8<V, F>(gur, k8, i, f);
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = e4m3_scale(amax);
-    if (lane == 0) scales[size_t(g) * size_t(m) + row] = scale;
-    codes[row * size_t(k8) + size_t(i)] = encode8_e4m3(f, scale);
-  }
-}
-
-// The checks quantize_rows_fp8 and quantize_glu_rows_fp8 share.
-void check_quantize_args(const char* what, DType ab, const void* x, const uint8_t* codes, int k, int group) {
-  const std::string w(what);
-  if (k <= 0 || k % 8 != 0) throw Error(w + ": needs k % 8 == 0 (k " + std::to_string(k) + ")");
-  if (group != 0 && group != k && (group != 128 || k % 128 != 0))
-    throw Error(w + ": a group is a whole row or 128 values of a row whose length is a multiple of 128");
-  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(codes) % 16 != 0)
-    throw Error(w + ": x and the codes must be 16-byte aligned");
-  if (ab != DType::BF16 && ab != DType::F16) throw Error(w + ": x must be bfloat16 or float16");
-}
-
 }  // namespace
-
-void quantize_glu_rows_fp8(DType ab, GluActivation f, const void* gu, uint8_t* codes, float* scales, int m, int k,
-                           void* stream, int group) {
-  if (m <= 0) return;
-  check_quantize_args("quantize_glu_rows_fp8", ab, gu, codes, k, group);
-  const auto st = static_cast<cudaStream_t>(stream);
-  const auto* gv = static_cast<const uint4*>(gu);
-  auto* cv = reinterpret_cast<uint2*>(codes);
-  const auto launch = [&]<class V, GluActivation F>() {
-    if (group == 128 && k > 128)
-      KVLM_CUDA_CHECK(launch_pdl<quantize_glu_groups_fp8_kernel<V, F>>(dim3(unsigned(m)), dim3(kQuantThreads), 0, st,
-                                                                        gv, cv, scales, k / 8, m));
-    else
-      KVLM_CUDA_CHECK(launch_pdl<quantize_glu_rows_fp8_kernel<V, F>>(dim3(unsigned(m)), dim3(kQuantThreads), 0, st, gv,
-                                                                      cv, scales, k / 8));
-  };
-  const bool silu = f == GluActivation::Silu;
-  if (ab == DType::BF16) {
-    if (silu) launch.template operator()<VecBF16, GluActivation::Silu>();
-    else launch.template operator()<VecBF16, GluActivation::GeluTanh>();
-  } else {
-    if (silu) launch.template operator()<VecF16, GluActivation::Silu>();
-    else launch.template operator()<VecF16, GluActivation::GeluTanh>();
-  }
-}
-
-void quantize_rows_fp8(DType ab, const void* x, uint8_t* codes, float* scales, int m, int k, void* stream, int group) {
-  if (m <= 0) return;
-  check_quantize_args("quantize_rows_fp8", ab, x, codes, k, group);
-  const auto st = static_cast<cudaStream_t>(stream);
-  const auto* xv = static_cast<const uint4*>(x);
-  auto* cv = reinterpret_cast<uint2*>(codes);
-  const auto launch = [&]<class V>(V) {
-    if (group == 128 && k > 128)
-      quantize_groups_fp8_kernel<V><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8, m);
-    else  // one group per row (k = 128 included: the layouts agree)
-      quantize_rows_fp8_kernel<V><<<unsigned(m), kQuantThreads, 0, st>>>(xv, cv, scales, k / 8);
-  };
-  if (ab == DType::BF16) launch(VecBF16{});
-  else launch(VecF16{});
-  KVLM_CUDA_CHECK(cudaGetLastError());
-}
 
 bool fp8_weights_supported(int compute_capability) { return compute_capability >= 89; }
 
