@@ -377,11 +377,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int pi = c * (VB / 2) + h * 4 + j;
-            if constexpr (kBF) qp[i][pi] = w[j];
-            else qp[i][pi] = pack2<false>(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xffff0000u));
-            if constexpr (kQ8) {
+            if constexpr (kQ8) {  // the integer parts are made below, from fp32
               qf[2 * pi] = __uint_as_float(w[j] << 16);
               qf[2 * pi + 1] = __uint_as_float(w[j] & 0xffff0000u);
+            } else if constexpr (kBF) {
+              qp[i][pi] = w[j];
+            } else {
+              qp[i][pi] = pack2<false>(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xffff0000u));
             }
           }
         }
@@ -425,7 +427,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       qstep[1] = __shfl_sync(0xffffffffu, step, 8 * t + 4);
     }
 #pragma unroll
-    for (int c = 0; c < KCH; ++c) {
+    for (int c = 0; c < (kQ8 ? 0 : KCH); ++c) {  // (kQ8 reads q8 instead)
       if constexpr (kT) {
         qa[c][0] = qp[0][2 * c];
         qa[c][1] = qp[0][2 * c + 1];
