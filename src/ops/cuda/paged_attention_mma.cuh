@@ -27,6 +27,8 @@
 //    bits: a single bf16 P would add ~2^-9 relative error per weight (see kSplitP).
 #pragma once
 
+#include <cfloat>
+
 #include "ops/cuda/mma_operands.cuh"
 
 namespace kvlm::cuda::mma {
@@ -84,30 +86,18 @@ constexpr size_t mma_smem_bytes() {
   return ring > merge ? ring : merge;
 }
 
-// Two 4-bit codes of a word as one f16 pair (exact): the codes at bits [0, 4) and [16, 20)
-// (lo) or [4, 8) and [20, 24) (hi) go under exponent 0x64 with one LOP3 (written out: the
-// compiler splits (x & mask) | 0x64006400 into two, both constants being immediates), giving
-// 1024 + code (lo) or 1024 + 16 code (hi); one HSUB2 of 1024 or one HFMA2 by 1/16 - 64
-// finishes.
-__device__ __forceinline__ uint32_t i4_lo_pair(uint32_t x) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;\n" : "=r"(r) : "r"(x), "r"(0x64006400u));  // (a & b) | c
-  __half2 h;
-  memcpy(&h, &r, 4);
-  h = __hsub2(h, __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));  // 1024
-  memcpy(&r, &h, 4);
-  return r;
-}
-__device__ __forceinline__ uint32_t i4_hi_pair(uint32_t x) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, 0x00f000f0, %2, 0xea;\n" : "=r"(r) : "r"(x), "r"(0x64006400u));
-  __half2 h;
-  memcpy(&h, &r, 4);
-  h = __hfma2(h, __halves2half2(__ushort_as_half(0x2c00), __ushort_as_half(0x2c00)),   // 1/16
-              __halves2half2(__ushort_as_half(0xd400), __ushort_as_half(0xd400)));     // -64
-  memcpy(&r, &h, 4);
-  return r;
-}
+// Two 4-bit codes of a word as one f16 pair (exact) in one AND, as subnormals: the codes at
+// bits [0, 4) and [16, 20) (lo) are the f16 values code * 2^-24, those at [4, 8) and [20, 24)
+// (hi) 16 code * 2^-24. The tensor cores read f16 subnormals as they are (the attention sweep
+// of the CUDA tests checks it), and every product with P stays far inside fp32's range, so the
+// accumulators only carry the powers of two, taken off at the end (kI4VLo, kI4VHi). Codes
+// under exponent 0x64 (1024 + code, one LOP3 and one HSUB2 or HFMA2) cost twice the
+// instructions; folding that 1024 into the zero-point sum instead loses ~7 bits to the tensor
+// cores' truncating accumulation (docs/results/kernel-lab.md).
+__device__ __forceinline__ uint32_t i4_lo_pair(uint32_t x) { return x & 0x000f000fu; }
+__device__ __forceinline__ uint32_t i4_hi_pair(uint32_t x) { return x & 0x00f000f0u; }
+constexpr float kI4VLo = 16777216.0f;  // 2^24: o of the lo-nibble dims (M rows g)
+constexpr float kI4VHi = 1048576.0f;   // 2^20: the hi-nibble dims (M rows g + 8)
 
 // int4 K rows as the A fragments of S^T = K Q^T over 8-bit integers (the keys-in-M layout,
 // imma16832_u8s8): word w of a thread's row (byte i: element 8w + i in the low nibble, 8w + i + 4
@@ -126,8 +116,9 @@ __device__ __forceinline__ void int4_k_bytes(const uint32_t (&w0)[KW], const uin
 // codes: the 4 keys' words (keys 2t, 2t+1, 2t+8, 2t+9 of the tile, this thread's HD / 8 dims)
 // are paired byte by byte (one permute per 4 bytes of two keys), and each register is one
 // i4_lo_pair / i4_hi_pair. M-tile mt, half h holds element (mt / 4) * 8 + mt % 4 + 4 h of the
-// thread's dims (kT_vdim). 2.25 instructions per register, against 3.75 for expanding each key
-// and then pairing the keys.
+// thread's dims (kT_vdim): the lo nibbles are M rows g (h = 0), the hi nibbles rows g + 8.
+// 1.5 instructions per register, against 3.75 for expanding each key to 1024 + code and then
+// pairing the keys.
 template <int VW>
 __device__ __forceinline__ void int4_v_fragments(const uint32_t (*w)[VW], uint32_t (*va)[4]) {
 #pragma unroll
@@ -212,7 +203,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   const int r0 = (blockIdx.x % a.row_groups) * qr;  // first query row (within the sequence)
   const int kvh = blockIdx.y;
   const int split = blockIdx.z;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // The thread index through an empty asm: otherwise the compiler re-reads it in the tile loop
+  // and recomputes every shared-memory address derived from it, each iteration (~20
+  // instructions per tile at int4 head 128 once the max reduction became a branch).
+  int tid = threadIdx.x;
+  asm("" : "+r"(tid));
+  const int lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
 
   const int q_begin = p.cu_q_lens[seq], q_len = p.cu_q_lens[seq + 1] - q_begin;
@@ -474,7 +470,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   float o[NO][4];
 #pragma unroll
   for (int i = 0; i < NO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  // kT starts the running max at -FLT_MAX, not -inf: every finite score exceeds it, so the
+  // weights can be taken against m_run itself (no -inf - -inf to guard), and exp2(-FLT_MAX - m)
+  // is 0 as exp2(-inf) was; it is -inf again before the merge.
+  constexpr float kNoMax = kT ? -FLT_MAX : -INFINITY;
+  float m_run[2] = {kNoMax, kNoMax}, l_run[2] = {0.0f, 0.0f};
   float zacc[2] = {0.0f, 0.0f};  // int4: sum over keys of weight * V's zero point (x kPScale)
 
   for (int i = 0; i < my_tiles; ++i) {
@@ -534,13 +534,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       if constexpr (kPTH) {
         const int tok = base + off;
         const bool ok = tok >= t0 && tok < t1;  // stale scales of skipped keys may be NaN
-        if constexpr (kI4) {  // the packed {f16 step, f16 zero} slots
-          if (ok) {
-            FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB)[off], ksc[j], kz[j]);
-            FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB + 64)[off], vsc[j], vz[j]);
-          } else {
-            ksc[j] = vsc[j] = 0.0f;
-          }
+        if constexpr (kI4) {  // the packed {f16 step, f16 zero} slots, read whether or not ok (no branch)
+          float vs, vzero;
+          FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB)[off], ksc[j], kz[j]);  // masked below if !ok
+          FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB + 64)[off], vs, vzero);
+          vsc[j] = ok ? vs : 0.0f;
+          vz[j] = ok ? vzero : 0.0f;
         } else {
           ksc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB)[off] : 0.0f;
           vsc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB + 64)[off] : 0.0f;
@@ -590,27 +589,32 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           x = (tok >= mlo[e] && tok < mhi[e]) ? sc * ssc[e] : -INFINITY;
           mx[e] = fmaxf(mx[e], x);
         }
-      float m_use[2], corr[2];
+      // The running max moves only when a tile holds a new maximum of its pair's keys so far,
+      // which gets rare a few tiles in; while no lane's score exceeds its pairs' running max, the
+      // max over 8 lanes (three dependent shuffles), the correction factors and the rescale are
+      // skipped, with the same result (m_run, the sums and o as they were).
+      if (__any_sync(0xffffffffu, mx[0] > m_run[0] || mx[1] > m_run[1])) {
+        float corr[2];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = mx[e];
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-        const float m_new = fmaxf(m_run[e], v);
-        m_use[e] = m_new == -INFINITY ? 0.0f : m_new;  // no NaN from -inf - -inf
-        corr[e] = exp2_approx(m_run[e] - m_use[e]);  // MUFU.EX2 alone: weights below 2^-126 flush to 0
-        m_run[e] = m_new;
-        l_run[e] *= corr[e];
-        zacc[e] *= corr[e];
-      }
-      if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+        for (int e = 0; e < 2; ++e) {
+          float v = mx[e];
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+          const float m_new = fmaxf(m_run[e], v);
+          corr[e] = exp2_approx(m_run[e] - m_new);  // MUFU.EX2 alone: weights below 2^-126 flush to 0
+          m_run[e] = m_new;
+          l_run[e] *= corr[e];
+          zacc[e] *= corr[e];
+        }
+        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          o[mt][0] *= corr[0];
-          o[mt][1] *= corr[1];
-          o[mt][2] *= corr[0];
-          o[mt][3] *= corr[1];
+          for (int mt = 0; mt < MT; ++mt) {
+            o[mt][0] *= corr[0];
+            o[mt][1] *= corr[1];
+            o[mt][2] *= corr[0];
+            o[mt][3] *= corr[1];
+          }
         }
       }
       // P^T: the S^T accumulators (key g / g + 8; pairs 2t, 2t + 1) packed, then transposed
@@ -621,7 +625,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
         float pe[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float x = exp2_approx(s[2 * j + e] - m_use[e]);
+          const float x = exp2_approx(s[2 * j + e] - m_run[e]);
           l_run[e] += x;
           pe[e] = x * (vsc[j] * kPScale);
           if constexpr (kI4) zacc[e] = fmaf(x, vz[j] * kPScale, zacc[e]);
@@ -745,7 +749,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     if constexpr (kI4) {
 #pragma unroll
       for (int n = 0; n < NO; ++n) {
-        if constexpr (kT) {  // o[mt][h * 2 + e]: pair 2t + e
+        if constexpr (kT) {  // o[mt][h * 2 + e]: pair 2t + e; the V codes' powers of two first (i4_lo_pair)
+          o[n][i] *= kI4VLo;
+          o[n][2 + i] *= kI4VHi;
           o[n][i] += zacc[i];
           o[n][2 + i] += zacc[i];
         } else {  // o[nt][2i + e]: M row g + 8i
@@ -770,6 +776,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       if (2 * t + e >= mrows) continue;
+      if (m_run[e] == kNoMax) m_run[e] = -INFINITY;  // no score: the merge's and the partials' marker
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
