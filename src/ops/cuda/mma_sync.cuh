@@ -50,6 +50,10 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src, src_bytes);
 }
+// 4 bytes global -> shared (cp.async.ca; 4-byte aligned).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
 // A whole 16-byte copy at constant offsets from a shared-memory address and a global pointer
 // held in registers: the offsets go into the instruction, so a run of copies costs one
 // instruction each (no per-copy address arithmetic, no source-size operand).

@@ -255,7 +255,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 
   const char* kbase = static_cast<const char*>(p.k_cache);
   const char* vbase = static_cast<const char*>(p.v_cache);
-  const PageRows pr(p, seq, kvh);
+  PageRows pr(p, seq, kvh);
+  if constexpr (kT) {  // the sequence's page table as one pointer (the compiler otherwise re-adds seq's offset per lookup)
+    uint64_t tb = reinterpret_cast<uint64_t>(pr.table);
+    asm("" : "+l"(tb));
+    pr.table = reinterpret_cast<const BlockId*>(tb);
+  }
 
   // 16-key tiles aligned to 16 absolute positions: with block_size % 16 == 0 a tile never
   // straddles pages, so one block-table lookup serves 16 keys, and the tile's K (and V) rows
@@ -289,6 +294,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     return ring_0 + uint32_t(((lane / NC) * NC + ((lane % NC) ^ tile_swz<NC, kI4>(r))) * 16);
   };
   const uint32_t ring_s = lane_dst(0), ring_s1 = lane_dst(1);
+  // Per-token-head scales: lane l copies the 4-byte scale of row l % 16, K's (l < 16) or V's, so
+  // every lane issues one copy and no lane waits out a branch of the others'.
+  const float* const sbase = kPTH ? (lane < 16 ? p.k_token_scale : p.v_token_scale) + lane % 16 : nullptr;
+  const uint32_t ring_sc = ring_0 + 32 * RB + lane * 4;
   auto issue = [&](int i) {
     if (i < my_tiles) {
       const int base = first + i * kMmaWarps * 16;
@@ -304,6 +313,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           (cp_async16_at<U * 512, U * 512>((U & 1) ? d1 : d, ks), ...);
           (cp_async16_at<16 * RB + U * 512, U * 512>((U & 1) ? d1 : d, vs), ...);
         }(std::make_integer_sequence<int, RB / 32>{});
+        if constexpr (kPTH) cp_async4(ring_sc + slot, sbase + tile_row);  // (in each branch: one run of copies)
       } else {
         char* dst = ring + slot;
 #pragma unroll
@@ -314,12 +324,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           cp_async16(dst + dc * 16, kbase + off + c * 16, n);
           cp_async16(dst + 16 * RB + dc * 16, vbase + off + c * 16, n);
         }
-      }
-      if constexpr (kPTH) {
-        if (lane < 8) {  // 16 K scales then 16 V scales, 64 B each
-          const float* src = (lane < 4 ? p.k_token_scale : p.v_token_scale) + tile_row + (lane % 4) * 4;
-          cp_async16(ring + slot + 32 * RB + lane * 16, src, 16);
-        }
+        if constexpr (kPTH) cp_async4(ring_sc + slot, sbase + tile_row);  // 16 K scales then 16 V scales, 4 B a lane
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);
