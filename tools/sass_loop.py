@@ -10,9 +10,13 @@ its static instruction count, split into the instructions every iteration runs a
 inside forward branches within the loop (the rarely taken rescale, partial tiles: an upper
 bound on what an iteration may add), with the opcode histogram of the every-iteration part.
 Given two inputs (before / after), it also prints the change per kernel present in both.
+With --taken, it also counts the instructions of one iteration's path, jumping at the
+conditional branches named (hex addresses, as printed) and falling through the others: the
+number a tile really costs when the common case takes some forward branches (a full tile, no
+new maximum) and skips others.
 
   python3 tools/sass_loop.py --kernel 'attn_mma_kernel<kvlm::cuda::FmtI4, 128' \\
-      build-sm90/CMakeFiles/kvlm_core.dir/src/ops/cuda/paged_attention.cu.o
+      build-sm90/CMakeFiles/kvlm_core.dir/src/ops/cuda/paged_attention.cu.o [--taken 0x83c0,0x9220]
 
 Inputs are object files or executables (disassembled with cuobjdump -sass; scripts/fetch-cuda-tools
 puts cuobjdump in .whl/cuda-tools where it is not installed) or text files of cuobjdump's output.
@@ -61,19 +65,28 @@ def demangle(names):
     return {n: (out[i] if r.returncode == 0 and i < len(out) and out[i] else n) for i, n in enumerate(names)}
 
 
+PRED_RE = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+
 def parse(text):
-    """{mangled name: [(address, instruction text without the predicate)]}, in order."""
-    funcs, cur = {}, None
+    """{mangled name: [(address, instruction text without the predicate)]}, in order, and the
+    addresses of the predicated (conditional) instructions."""
+    funcs, predicated, cur = {}, {}, None
     for line in text.splitlines():
         m = FUNC_RE.match(line)
         if m:
-            cur = funcs.setdefault(m.group(1), [])
+            cur = m.group(1)
+            funcs.setdefault(cur, [])
+            predicated.setdefault(cur, set())
             continue
         m = INS_RE.match(line)
         if m and cur is not None:
-            ins = re.sub(r"^@!?U?P[T0-9]+\s+", "", m.group(2).strip())
-            cur.append((int(m.group(1), 16), ins))
-    return funcs
+            raw = m.group(2).strip()
+            ins = PRED_RE.sub("", raw)
+            if ins != raw and not raw.startswith("@PT "):
+                predicated[cur].add(int(m.group(1), 16))
+            funcs[cur].append((int(m.group(1), 16), ins))
+    return funcs, predicated
 
 
 def opcode(ins):
@@ -118,8 +131,38 @@ def loop_stats(ins, lo, hi):
     return {"total": hi - lo + 1, "every": len(every), "cond": sum(cond), "hist": hist}
 
 
+def taken_path(ins, lo, hi, conditional, taken):
+    """The instructions one iteration runs from the loop's head to its back edge when the
+    conditional branches at the addresses in `taken` jump and the others fall through
+    (unconditional ones always jump): (count, opcode histogram, [(address, target, taken)]
+    for every conditional branch met), or an error string."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    i, n, hist, met = lo, 0, collections.Counter(), []
+    while True:
+        if n > 4 * (hi - lo + 1):
+            return "the path does not reach the back edge (a loop inside the loop?)"
+        addr, text = ins[i]
+        n += 1
+        hist[opcode(text)] += 1
+        if i == hi:
+            return n, hist, met
+        m = BRA_RE.search(text) if opcode(text) == "BRA" else None
+        if m:
+            target = int(m.group(1), 16)
+            jump = True
+            if addr in conditional:
+                jump = addr in taken
+                met.append((addr, target, jump))
+            if jump:
+                if target not in index or not lo <= index[target] <= hi:
+                    return f"the branch at {addr:#x} leaves the loop"
+                i = index[target]
+                continue
+        i += 1
+
+
 def analyse(path, args, cuobjdump):
-    funcs = parse(sass_text(path, cuobjdump))
+    funcs, predicated = parse(sass_text(path, cuobjdump))
     if not funcs:
         sys.exit(f"sass_loop: {path}: no SASS functions found (is it CUDA code compiled for a real architecture?)")
     names = demangle(list(funcs))
@@ -131,6 +174,8 @@ def analyse(path, args, cuobjdump):
             continue
         loop = hot_loop(ins, args.opcode)
         out[name] = loop_stats(ins, *loop) if loop else None
+        if loop and args.taken is not None:
+            out[name]["path"] = taken_path(ins, *loop, predicated[mangled], args.taken)
     return out
 
 
@@ -141,9 +186,19 @@ def main():
     ap.add_argument("--opcode", default="HMMA", help="an opcode the hot loop holds (default HMMA)")
     ap.add_argument("--top", type=int, default=12, help="opcodes shown per kernel (default 12)")
     ap.add_argument("--cuobjdump", help="path of cuobjdump")
+    ap.add_argument("--taken", metavar="ADDR,...",
+                    help="also count one iteration's path: the conditional branches at these hex addresses "
+                         "jump, the others fall through ('' for none); one input only")
     args = ap.parse_args()
     if len(args.inputs) > 2:
         sys.exit("sass_loop: give one input, or two to compare (before, after)")
+    if args.taken is not None:
+        if len(args.inputs) != 1:
+            sys.exit("sass_loop: --taken needs exactly one input (branch addresses differ between builds)")
+        try:
+            args.taken = {int(a, 16) for a in args.taken.split(",") if a.strip()}
+        except ValueError:
+            sys.exit(f"sass_loop: --taken wants hex addresses separated by commas, e.g. 0x8530,0x9170; got {args.taken!r}")
     cuobjdump = find_cuobjdump(args.cuobjdump)
     runs = [analyse(p, args, cuobjdump) for p in args.inputs]
     for path, res in zip(args.inputs, runs):
@@ -158,6 +213,16 @@ def main():
                 continue
             top = ", ".join(f"{k} {v}" for k, v in st["hist"].most_common(args.top))
             print(f"| {name} | {st['total']} | {st['every']} | {st['cond']} | {top} |")
+        for name, st in sorted(res.items()):
+            if not st or "path" not in st:
+                continue
+            if isinstance(st["path"], str):
+                print(f"path of {name}: {st['path']}")
+                continue
+            n, hist, met = st["path"]
+            top = ", ".join(f"{k} {v}" for k, v in hist.most_common(args.top))
+            branches = ", ".join(f"{a:#x}->{t:#x} {'taken' if j else 'not taken'}" for a, t, j in met)
+            print(f"path of {name}: {n} instructions per iteration ({top}); conditional branches: {branches or 'none'}")
     if len(runs) == 2:
         both = sorted(set(runs[0]) & set(runs[1]))
         print(f"\n== change, {args.inputs[0]} -> {args.inputs[1]} (every-iteration instructions)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """tools/sass_loop.py on synthetic cuobjdump text whose loop counts are known by hand: the
 innermost loop holding the opcode is found (not an outer loop, not a loop without it), forward
-branches inside it are counted apart, two inputs give the change, and input with no SASS is
-refused with a message, not a traceback."""
+branches inside it are counted apart, one iteration's path follows the branches named taken,
+two inputs give the change, and input with no SASS is refused with a message, not a traceback."""
 import os
 import subprocess
 import sys
@@ -62,6 +62,17 @@ def main():
         r = run("--kernel", "kernel", a, b)
         assert r.returncode == 0, r.stderr
         assert "kernel(): 7 -> 7 (+0): LOP3 +1, PRMT -1" in r.stdout, r.stdout
+        # One iteration's path: the forward branch at 0x40 taken skips 5-7 (7 instructions),
+        # not taken runs all 10; the back edge is unconditional within the loop's count.
+        r = run("--kernel", "kernel", a, "--taken", "0x40")
+        assert r.returncode == 0, r.stderr
+        assert "path of kernel(): 7 instructions per iteration" in r.stdout and "0x40->0x80 taken" in r.stdout, r.stdout
+        r = run("--kernel", "kernel", a, "--taken", "")
+        assert "path of kernel(): 10 instructions per iteration" in r.stdout and "0x40->0x80 not taken" in r.stdout, r.stdout
+        r = run("--kernel", "kernel", a, b, "--taken", "0x40")
+        assert r.returncode != 0 and "exactly one input" in r.stderr, r.stderr
+        r = run("--kernel", "kernel", a, "--taken", "zz")
+        assert r.returncode != 0 and "hex addresses" in r.stderr and "Traceback" not in r.stderr, r.stderr
         # A function whose loops hold no HMMA.
         r = run("--kernel", "other", a)
         assert r.returncode == 0 and "| other() | no loop with HMMA |" in r.stdout, r.stdout + r.stderr
