@@ -15,7 +15,8 @@
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode);
 // then gemv_fp8's kernels (FMA rows / split at m = 1 and 4, tensor cores at m = 1-16, per-row
-// and 128-block scales) and dequantize_fp8, and the tensor-core kernel's CTA shapes.
+// and 128-block scales) and dequantize_fp8, and the tensor-core kernel's CTA shapes; last the
+// W8A8 path of m = 32, 64 and 256 (per-token quantization and the FP8 GEMM, alone and together).
 //
 // For each KV dtype the model is loaded once; for each shape (batch x context) the pool is
 // sized for it and every sequence decodes `steps` tokens after 3 warm-up steps, starting at
@@ -417,6 +418,82 @@ void gemv_lab(double bw) {
                   2.0 * m * sh.n * sh.k / (us * 1e-6) / 1e12);
       std::fflush(stdout);
     }
+  }
+  // Above m = 16 FP8 weights run W8A8: x quantized per token (per 128-value group for block
+  // scales), then the FP8 tensor-core GEMM (cuBLASLt, outer-vector or 128-block scaling). Each
+  // part timed alone and both in sequence, as a decode step at batch m runs them.
+  std::printf("\n# batched FP8 GEMMs (W8A8, cuBLASLt): µs per call; %% of copy on the FP8 weight bytes\n");
+  std::printf("| m | matrix | FP8 MB | floor µs | row: quantize µs | GEMM µs | both µs | %% of copy | b128: quantize µs | "
+              "GEMM µs | both µs | %% of copy |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& sh : shapes) {
+    if (sh.f32) continue;  // the LM head stays 16-bit
+    const size_t nk = size_t(sh.n) * size_t(sh.k);
+    const int copies = int(std::max<size_t>(2, (size_t(200) << 20) / nk + 1)), nb = (sh.k + 127) / 128;
+    std::vector<void*> codes(static_cast<size_t>(copies));
+    {
+      std::vector<uint8_t> host(nk);
+      std::mt19937 rng(7);
+      for (auto& c : host) {
+        do c = uint8_t(rng());
+        while ((c & 0x7f) == 0x7f);
+      }
+      for (auto& p : codes) {
+        ck(cudaMalloc(&p, nk), "cudaMalloc");
+        ck(cudaMemcpy(p, host.data(), nk, cudaMemcpyHostToDevice), "cudaMemcpy");
+      }
+    }
+    void *rs = nullptr, *bs = nullptr, *bsc = nullptr, *x = nullptr, *xq = nullptr, *xs = nullptr, *y = nullptr;
+    auto fill = [&](void*& p, size_t count) {
+      const std::vector<float> h(count, 1e-3f);
+      ck(cudaMalloc(&p, count * 4), "cudaMalloc");
+      ck(cudaMemcpy(p, h.data(), count * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    };
+    fill(rs, size_t(sh.n));                                  // one scale per row
+    fill(bs, size_t(sh.n) * size_t(nb));                     // block scales, one row per weight row
+    fill(bsc, size_t((sh.n + 127) / 128) * size_t(nb));      // ... and once per 128 x 128 block
+    constexpr int kMaxM = 256;
+    ck(cudaMalloc(&x, size_t(kMaxM) * sh.k * 2), "cudaMalloc");
+    ck(cudaMemset(x, 0x3c, size_t(kMaxM) * sh.k * 2), "cudaMemset");
+    ck(cudaMalloc(&xq, size_t(kMaxM) * sh.k), "cudaMalloc");
+    ck(cudaMalloc(&xs, size_t(kMaxM) * nb * 4), "cudaMalloc");
+    ck(cudaMalloc(&y, size_t(kMaxM) * sh.n * 2), "cudaMalloc");
+    for (int m : {32, 64, 256}) {
+      std::string cells;
+      for (bool block : {false, true}) {
+        auto wf = [&](int i) {
+          return cuda::Fp8Weight{.codes = static_cast<const uint8_t*>(codes[size_t(i % copies)]),
+                                 .scales = static_cast<const float*>(block ? bs : rs),
+                                 .scale_block = block ? 128 : sh.k,
+                                 .block_scales = block ? static_cast<const float*>(bsc) : nullptr};
+        };
+        auto quant = [&] {
+          cuda::quantize_rows_fp8(DType::BF16, x, static_cast<uint8_t*>(xq), static_cast<float*>(xs), m, sh.k, nullptr,
+                                  block ? 128 : 0);
+        };
+        bool ok = true;
+        auto gemm_fp8 = [&](int i) {
+          ok = gemm.linear_fp8(DType::BF16, static_cast<const uint8_t*>(xq), static_cast<const float*>(xs), wf(i), nullptr,
+                               y, m, sh.n, sh.k, nullptr) && ok;
+        };
+        const double q = time_us([&](int) { quant(); });
+        const double g = time_us(gemm_fp8);
+        const double both = time_us([&](int i) {
+          quant();
+          gemm_fp8(i);
+        });
+        char buf[128];
+        if (ok)
+          std::snprintf(buf, sizeof buf, " %.1f | %.1f | %.1f | %.0f%% |", q, g, both, 100.0 * double(nk) / bw / (both * 1e-6));
+        else
+          std::snprintf(buf, sizeof buf, " %.1f | - | - | - |", q);
+        cells += buf;
+      }
+      std::printf("| %d | %s | %.0f | %.1f |%s\n", m, sh.name, double(nk) / 1e6, double(nk) / bw * 1e6, cells.c_str());
+      std::fflush(stdout);
+    }
+    for (auto p : codes) cudaFree(p);
+    for (void* p : {rs, bs, bsc, x, xq, xs, y}) cudaFree(p);
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
