@@ -310,6 +310,29 @@ void gemv_lab(double bw) {
               "kernels, tc: the tensor-core kernel); dequantize_fp8 µs and GB/s (read + write)\n");
   const int fp8_cols[][2] = {{1, 1}, {1, 3}, {1, 2}, {2, 1}, {2, 3}, {2, 2}, {4, 1}, {4, 3}, {4, 2}, {8, 2}, {16, 2}};  // (m, variant)
   std::string sweep;  // the tensor-core kernel's CTA shapes, printed after the table
+  // Copies of one random FP8 weight of nk codes (no NaN) totalling > 200 MB, so that every call
+  // reads HBM; and device buffers of `count` floats set to v (the scales).
+  auto fp8_copies = [&](size_t nk) {
+    std::vector<void*> copies(std::max<size_t>(2, (size_t(200) << 20) / nk + 1));
+    std::vector<uint8_t> host(nk);
+    std::mt19937 rng(5);
+    for (auto& c : host) {
+      do c = uint8_t(rng());
+      while ((c & 0x7f) == 0x7f);
+    }
+    for (auto& p : copies) {
+      ck(cudaMalloc(&p, nk), "cudaMalloc");
+      ck(cudaMemcpy(p, host.data(), nk, cudaMemcpyHostToDevice), "cudaMemcpy");
+    }
+    return copies;
+  };
+  auto device_floats = [&](size_t count, float v) {
+    void* p = nullptr;
+    const std::vector<float> h(count, v);
+    ck(cudaMalloc(&p, count * 4), "cudaMalloc");
+    ck(cudaMemcpy(p, h.data(), count * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    return p;
+  };
   std::printf("| matrix | scales | n x k | FP8 MB |");
   for (const auto& c : fp8_cols) std::printf(" m=%d %s µs | GB/s |", c[0], c[1] == 1 ? "rows" : c[1] == 3 ? "split" : "tc");
   std::printf(" dequantize µs | GB/s |\n|---|---|---|---|");
@@ -317,27 +340,11 @@ void gemv_lab(double bw) {
   std::printf("---|---|\n");
   for (const Shape& sh : shapes) {
     const size_t nk = size_t(sh.n) * size_t(sh.k);
-    const int copies = int(std::max<size_t>(2, (size_t(200) << 20) / nk + 1));
-    std::vector<void*> codes(static_cast<size_t>(copies));
-    {
-      std::vector<uint8_t> host(nk);
-      std::mt19937 rng(5);
-      for (auto& c : host) {
-        do c = uint8_t(rng());
-        while ((c & 0x7f) == 0x7f);
-      }
-      for (auto& p : codes) {
-        ck(cudaMalloc(&p, nk), "cudaMalloc");
-        ck(cudaMemcpy(p, host.data(), nk, cudaMemcpyHostToDevice), "cudaMemcpy");
-      }
-    }
+    const std::vector<void*> codes = fp8_copies(nk);
+    const int copies = int(codes.size());
     const int nb128 = (sh.k + 127) / 128;
-    void *scales = nullptr, *x = nullptr, *y = nullptr, *deq = nullptr;
-    {
-      const std::vector<float> hs(size_t(sh.n) * size_t(nb128), 1e-3f);
-      ck(cudaMalloc(&scales, hs.size() * 4), "cudaMalloc");
-      ck(cudaMemcpy(scales, hs.data(), hs.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-    }
+    void* const scales = device_floats(size_t(sh.n) * size_t(nb128), 1e-3f);
+    void *x = nullptr, *y = nullptr, *deq = nullptr;
     ck(cudaMalloc(&x, size_t(16) * sh.k * 2), "cudaMalloc");
     ck(cudaMemset(x, 0x3c, size_t(16) * sh.k * 2), "cudaMemset");
     ck(cudaMalloc(&y, size_t(16) * sh.n * 4), "cudaMalloc");
@@ -429,29 +436,12 @@ void gemv_lab(double bw) {
   for (const Shape& sh : shapes) {
     if (sh.f32) continue;  // the LM head stays 16-bit
     const size_t nk = size_t(sh.n) * size_t(sh.k);
-    const int copies = int(std::max<size_t>(2, (size_t(200) << 20) / nk + 1)), nb = (sh.k + 127) / 128;
-    std::vector<void*> codes(static_cast<size_t>(copies));
-    {
-      std::vector<uint8_t> host(nk);
-      std::mt19937 rng(7);
-      for (auto& c : host) {
-        do c = uint8_t(rng());
-        while ((c & 0x7f) == 0x7f);
-      }
-      for (auto& p : codes) {
-        ck(cudaMalloc(&p, nk), "cudaMalloc");
-        ck(cudaMemcpy(p, host.data(), nk, cudaMemcpyHostToDevice), "cudaMemcpy");
-      }
-    }
-    void *rs = nullptr, *bs = nullptr, *bsc = nullptr, *x = nullptr, *xq = nullptr, *xs = nullptr, *y = nullptr;
-    auto fill = [&](void*& p, size_t count) {
-      const std::vector<float> h(count, 1e-3f);
-      ck(cudaMalloc(&p, count * 4), "cudaMalloc");
-      ck(cudaMemcpy(p, h.data(), count * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-    };
-    fill(rs, size_t(sh.n));                                  // one scale per row
-    fill(bs, size_t(sh.n) * size_t(nb));                     // block scales, one row per weight row
-    fill(bsc, size_t((sh.n + 127) / 128) * size_t(nb));      // ... and once per 128 x 128 block
+    const std::vector<void*> codes = fp8_copies(nk);
+    const int copies = int(codes.size()), nb = (sh.k + 127) / 128;
+    void* const rs = device_floats(size_t(sh.n), 1e-3f);                       // one scale per row
+    void* const bs = device_floats(size_t(sh.n) * size_t(nb), 1e-3f);          // block scales, one row per weight row
+    void* const bsc = device_floats(size_t((sh.n + 127) / 128) * size_t(nb), 1e-3f);  // ... once per 128 x 128 block
+    void *x = nullptr, *xq = nullptr, *xs = nullptr, *y = nullptr;
     constexpr int kMaxM = 256;
     ck(cudaMalloc(&x, size_t(kMaxM) * sh.k * 2), "cudaMalloc");
     ck(cudaMemset(x, 0x3c, size_t(kMaxM) * sh.k * 2), "cudaMemset");
