@@ -4,19 +4,23 @@
 //   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64] [--shapes 1x512,64x4096]
 //                [--steps 32] [--gemv-lab]
 //                [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
-//                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--draft DIR [--spec-tokens K]] [--tp N]
+//                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
+//                [--draft DIR [--spec-tokens K]] [--tp N]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
 // the GPU (the FP8 GEMV; auto, the default, dequantizes weights that fit in half of the GPU),
 // and the weights-read bound counts the bytes actually held. --fp8-tc-no-carveout launches the
 // FP8 tensor-core GEMV without asking for the largest shared-memory carve-out, --fp8-fma-max-m M
-// runs FP8 GEMMs of up to M rows on the FMA kernels instead (KernelSwitches; both for comparison).
+// runs FP8 GEMMs of up to M rows on the FMA kernels instead, --no-fp8-gemm dequantizes FP8
+// weights for the 16-bit GEMM above m = 16 (weight-only), --no-fp8-small-gemm runs cuBLASLt's
+// FP8 GEMM instead of kvlm's at m = 17-64 (KernelSwitches; all for comparison).
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode);
 // then gemv_fp8's kernels (FMA rows / split at m = 1 and 4, tensor cores at m = 1-16, per-row
 // and 128-block scales) and dequantize_fp8, and the tensor-core kernel's CTA shapes; last the
-// W8A8 path of m = 32, 64 and 256 (per-token quantization and the FP8 GEMM, alone and together).
+// W8A8 path of m = 32, 64 and 256 (per-token quantization, cuBLASLt's FP8 GEMM and kvlm's
+// gemm_fp8_small, alone and together).
 //
 // For each KV dtype the model is loaded once; for each shape (batch x context) the pool is
 // sized for it and every sequence decodes `steps` tokens after 3 warm-up steps, starting at
@@ -427,12 +431,14 @@ void gemv_lab(double bw) {
     }
   }
   // Above m = 16 FP8 weights run W8A8: x quantized per token (per 128-value group for block
-  // scales), then the FP8 tensor-core GEMM (cuBLASLt, outer-vector or 128-block scaling). Each
-  // part timed alone and both in sequence, as a decode step at batch m runs them.
-  std::printf("\n# batched FP8 GEMMs (W8A8, cuBLASLt): µs per call; %% of copy on the FP8 weight bytes\n");
-  std::printf("| m | matrix | FP8 MB | floor µs | row: quantize µs | GEMM µs | both µs | %% of copy | b128: quantize µs | "
-              "GEMM µs | both µs | %% of copy |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  // scales), then an FP8 tensor-core GEMM: kvlm's gemm_fp8_small up to m = 64, cuBLASLt's
+  // (outer-vector or 128-block scaling) above. Each part timed alone, and the quantization with
+  // the GEMM the engine runs at that m in sequence, as a decode step at batch m runs them.
+  std::printf("\n# batched FP8 GEMMs (W8A8): µs per call; %% of copy on the FP8 weight bytes; 'both' = quantize + "
+              "the GEMM the engine runs (kvlm's at m <= %d)\n", cuda::kGemmFp8SmallMaxM);
+  std::printf("| m | matrix | FP8 MB | floor µs | row: quantize µs | cuBLASLt µs | kvlm µs | both µs | %% of copy | "
+              "b128: quantize µs | cuBLASLt µs | kvlm µs | both µs | %% of copy |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& sh : shapes) {
     if (sh.f32) continue;  // the LM head stays 16-bit
     const size_t nk = size_t(sh.n) * size_t(sh.k);
@@ -462,22 +468,28 @@ void gemv_lab(double bw) {
                                   block ? 128 : 0);
         };
         bool ok = true;
-        auto gemm_fp8 = [&](int i) {
+        auto cublas = [&](int i) {
           ok = gemm.linear_fp8(DType::BF16, static_cast<const uint8_t*>(xq), static_cast<const float*>(xs), wf(i), nullptr,
                                y, m, sh.n, sh.k, nullptr) && ok;
         };
+        const bool small = cuda::gemm_fp8_small_available() && cuda::gemm_fp8_small_fits(m, sh.k, block ? 128 : sh.k);
+        auto ours = [&](int i) {
+          cuda::gemm_fp8_small(DType::BF16, static_cast<const uint8_t*>(xq), static_cast<const float*>(xs), wf(i),
+                               nullptr, y, m, sh.n, sh.k, nullptr);
+        };
         const double q = time_us([&](int) { quant(); });
-        const double g = time_us(gemm_fp8);
+        const double g = time_us(cublas);
+        const double o = small ? time_us(ours) : 0.0;
         const double both = time_us([&](int i) {
           quant();
-          gemm_fp8(i);
+          small ? ours(i) : cublas(i);
         });
-        char buf[128];
-        if (ok)
-          std::snprintf(buf, sizeof buf, " %.1f | %.1f | %.1f | %.0f%% |", q, g, both, 100.0 * double(nk) / bw / (both * 1e-6));
-        else
-          std::snprintf(buf, sizeof buf, " %.1f | - | - | - |", q);
-        cells += buf;
+        char qs[32], gs[32] = " - |", os[32] = " - |", bs_[64] = " - | - |";
+        std::snprintf(qs, sizeof qs, " %.1f |", q);
+        if (ok) std::snprintf(gs, sizeof gs, " %.1f |", g);
+        if (small) std::snprintf(os, sizeof os, " %.1f |", o);
+        if (ok || small) std::snprintf(bs_, sizeof bs_, " %.1f | %.0f%% |", both, 100.0 * double(nk) / bw / (both * 1e-6));
+        cells += std::string(qs) + gs + os + bs_;
       }
       std::printf("| %d | %s | %.0f | %.1f |%s\n", m, sh.name, double(nk) / 1e6, double(nk) / bw * 1e6, cells.c_str());
       std::fflush(stdout);
@@ -629,6 +641,11 @@ int main(int argc, char** argv) {
       sw.fp8_gemm = false;
       cuda::set_kernel_switches(sw);
     }
+    else if (a == "--no-fp8-small-gemm") {
+      auto sw = cuda::kernel_switches();
+      sw.fp8_small_gemm = false;
+      cuda::set_kernel_switches(sw);
+    }
     else if (a == "--no-pdl") {
       auto sw = cuda::kernel_switches();
       sw.pdl = false;
@@ -637,7 +654,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--draft DIR [--spec-tokens K]] [--tp N]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--draft DIR [--spec-tokens K]] [--tp N]\n");
       return 2;
     }
   }

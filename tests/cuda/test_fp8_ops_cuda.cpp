@@ -1,6 +1,7 @@
 // FP8 weights on the GPU (ops/cuda/gemm.h): gemv_fp8 and dequantize_fp8 (decode at batch
-// 1-16), and above that the per-token activation quantization and the FP8 tensor-core GEMM
-// (Gemm::linear_fp8, row and 128 x 128 block scales), each against its definition in double.
+// 1-16), and above that the per-token activation quantization and the FP8 tensor-core GEMMs
+// (gemm_fp8_small for decode batches of row-scaled weights, Gemm::linear_fp8 otherwise; row
+// and 128 x 128 block scales), each against its definition in double.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -229,7 +230,7 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
   double worst_rel = 0;
   size_t checked = 0;
   for (DType ab : kActs)
-    for (auto [m, n, k] : {std::tuple{17, 384, 256}, {64, 400, 1040}, {200, 112, 4096}, {512, 96, 176}}) {
+    for (auto [m, n, k] : {std::tuple{17, 384, 256}, {64, 400, 1040}, {200, 112, 4096}, {512, 96, 176}, {20, 64, 8192}}) {
       auto x = random_act(ab, size_t(m) * k, rng, 2.0f);
       for (int i = 0; i < k; ++i) x[size_t(5 % m) * k + i] = 0.0f;  // an all-zero row: scale 1
       x[size_t(k) + 3] = act_round(ab, 300.0f);                      // an outlier in row 1
@@ -351,6 +352,99 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
       block_worst = std::max(block_worst, case_worst);
     }
   std::printf("[fp8-gemm] block-scaled worst %.2e\n", block_worst);
+}
+
+// gemm_fp8_small (decode batches; CudaOps runs it for 17..64 rows of row-scaled weights)
+// against the definition in double: E4M3 codes of x with per-token scales, m = 1..64 (both
+// x-tile widths, rows past the tile's used ones), n not a multiple of the 128-row CTAs or of 8,
+// k not a multiple of the 128-wide rounds, every cluster split of k (1-8, including CTAs left
+// without a round), bias, float32 output, an all-zero x row. Products of two E4M3 values are
+// exact in fp32; the bound is the output's rounding plus the FP8 GEMM's allowance above (4e-3
+// of sum |x w|), the worst figure printed.
+TEST(CudaModelOps, Fp8SmallBatchGemm) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda::gemm_fp8_small_available()) GTEST_SKIP() << "no sm_90a code for this GPU (the kernel is Hopper's wgmma)";
+  EXPECT_TRUE(cuda::gemm_fp8_small_fits(64, 1040, 1040));
+  EXPECT_FALSE(cuda::gemm_fp8_small_fits(65, 1040, 1040));
+  EXPECT_FALSE(cuda::gemm_fp8_small_fits(8, 1048, 1048));
+  EXPECT_FALSE(cuda::gemm_fp8_small_fits(8, 1024, 128)) << "block scales stay on cuBLASLt";
+  std::mt19937 rng(53);
+  double worst = 0;
+  size_t checked = 0;
+  for (auto [m, n, k] : {std::tuple{17, 200, 1040}, {32, 136, 176}, {33, 1000, 528}, {64, 384, 4096}, {1, 72, 256},
+                         {5, 130, 2048}, {48, 130, 384}}) {
+    const std::vector<uint8_t> xc = random_fp8_codes(size_t(m) * k, rng), wc = random_fp8_codes(size_t(n) * k, rng);
+    std::vector<uint8_t> xz = xc;
+    for (int i = 0; i < k; ++i) xz[size_t(3 % m) * k + i] = 0;  // an all-zero row (its scale stays)
+    std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+    std::vector<float> xs(static_cast<size_t>(m)), ws(static_cast<size_t>(n));
+    for (auto& v : xs) v = ud(rng) * 100.0f;
+    for (auto& v : ws) v = ud(rng);
+    // ref[r][j] and sum |x w| in double
+    std::vector<double> ref(size_t(m) * n), mag(size_t(m) * n);
+    for (int r = 0; r < m; ++r)
+      for (int j = 0; j < n; ++j) {
+        double d = 0, dm = 0;
+        for (int i = 0; i < k; ++i) {
+          const double p = double(num::e4m3_to_f32(xz[size_t(r) * k + i])) * double(num::e4m3_to_f32(wc[size_t(j) * k + i]));
+          d += p;
+          dm += std::fabs(p);
+        }
+        const double sc = double(xs[size_t(r)]) * double(ws[size_t(j)]);
+        ref[size_t(r) * n + j] = d * sc;
+        mag[size_t(r) * n + j] = dm * sc;
+      }
+    Dev<uint8_t> dxc(xz), dwc(wc);
+    Dev<float> dxs(xs), dws(ws);
+    const cuda::Fp8Weight w{.codes = dwc.p, .scales = dws.p, .scale_block = k};
+    for (DType ab : kActs) {
+      const auto bv = random_act(ab, size_t(n), rng, 0.5f);
+      Dev<uint16_t> db(codes(ab, bv));
+      for (DType out : {ab, DType::F32})
+        for (bool bias : {false, true})
+          for (int splits : {0, 1, 2, 4, 8}) {
+            if (bias && out == DType::F32) continue;
+            Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
+            dy.poison();
+            cuda::gemm_fp8_small(out, dxc.p, dxs.p, w, bias ? db.p : nullptr, dy.p, m, n, k, nullptr, splits);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const std::vector<uint8_t> raw = dy.download();
+            size_t bad = 0;
+            double case_worst = 0;
+            for (int r = 0; r < m; ++r)
+              for (int j = 0; j < n; ++j) {
+                const size_t o = size_t(r) * n + j;
+                const double want = ref[o] + (bias ? double(bv[size_t(j)]) : 0.0);
+                const double mg = mag[o] + (bias ? std::fabs(double(bv[size_t(j)])) : 0.0);
+                float got;
+                if (out == DType::F32) {
+                  std::memcpy(&got, raw.data() + 4 * o, 4);
+                } else {
+                  uint16_t c;
+                  std::memcpy(&c, raw.data() + 2 * o, 2);
+                  got = act_value(ab, c);
+                }
+                const double e = std::fabs(double(got) - want);
+                if (mg > 0) case_worst = std::max(case_worst, e / mg);
+                bad += std::isnan(got) || e > (out == DType::F32 ? 0.0 : act_rel_tol(ab)) * std::fabs(want) + 4e-3 * mg;
+                ++checked;
+              }
+            EXPECT_EQ(bad, 0u) << dtype_name(ab) << " -> " << dtype_name(out)
+                               << (bias ? " + bias" : "") << " m " << m << " n " << n << " k " << k << " splits "
+                               << splits << " (" << cuda::gemm_fp8_small_last_launch() << ")";
+            worst = std::max(worst, case_worst);
+          }
+    }
+  }
+  std::printf("[fp8-small-gemm] %zu outputs, worst error %.2e of sum |x w|\n", checked, worst);
+  EXPECT_THROW(cuda::gemm_fp8_small(DType::BF16, nullptr, nullptr, cuda::Fp8Weight{.scale_block = 256}, nullptr,
+                                    nullptr, 65, 128, 256, nullptr),
+               Error)
+      << "65 rows";
+  EXPECT_THROW(cuda::gemm_fp8_small(DType::BF16, nullptr, nullptr, cuda::Fp8Weight{.scale_block = 128}, nullptr,
+                                    nullptr, 8, 128, 256, nullptr),
+               Error)
+      << "block scales";
 }
 
 // The down projection's quantizer with the gated MLP's product fused in: its codes and scales

@@ -127,7 +127,16 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
   if (!gemv && fp8_x_ && gemm_fits && cuda::kernel_switches().fp8_gemm) {
     auto* codes = static_cast<uint8_t*>(fp8_x_);
     auto* scales = static_cast<float*>(fp8_x_scales_);
-    // The GEMM's rows (block scales: a multiple of 4), then the rest (< 4) through gemv_fp8.
+    if (cuda::kernel_switches().fp8_small_gemm && cuda::gemm_fp8_small_available() &&
+        cuda::gemm_fp8_small_fits(m, k, w.scale_block) &&
+        (out != DType::F32 || !bias.data)) {
+      // Decode batches with row-scaled weights: kvlm's kernel, one pass over the codes.
+      if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, m, k, stream_);
+      else cuda::quantize_rows_fp8(act_, x, codes, scales, m, k, stream_);
+      cuda::gemm_fp8_small(out, codes, scales, f, bias.data, y, m, n, k, stream_);
+      return;
+    }
+    // cuBLASLt: the GEMM's rows (block scales: a multiple of 4), then the rest (< 4) through gemv_fp8.
     const int mg = cuda::fp8_gemm_rows(m, k, w.scale_block);
     if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, mg, k, stream_, block ? 128 : 0);
     else cuda::quantize_rows_fp8(act_, x, codes, scales, mg, k, stream_, block ? 128 : 0);

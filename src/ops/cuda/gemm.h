@@ -99,6 +99,25 @@ bool fp8_gemm_fits(int n, int k, int scale_block);
 // scales, a multiple of 4 with block scales.
 int fp8_gemm_rows(int m, int k, int scale_block);
 
+inline constexpr int kGemmFp8SmallMaxM = 64;  // gemm_fp8_small's rows of x
+// Whether gemm_fp8_small runs here: a compute capability 9.0 GPU and sm_90a code in the build
+// (it is built on Hopper's FP8 warpgroup MMAs).
+bool gemm_fp8_small_available();
+// Whether gemm_fp8_small takes m rows and a weight of k columns with this scale block: 1 <= m
+// <= kGemmFp8SmallMaxM, k % 16 == 0 and one scale per weight row (scale_block >= k; block-scaled
+// weights stay on Gemm::linear_fp8, whose 128 x 128 kernels were faster).
+bool gemm_fp8_small_fits(int m, int k, int scale_block);
+// Gemm::linear_fp8's product for decode batches, by a kernel of kvlm's own (gemm_fp8_small.cu:
+// one pass over the weight's codes, FP8 wgmma, fp32 sums): x [m][k] E4M3 codes with per-token
+// x_scales [m] (quantize_rows_fp8's layout) times w's codes with their row scales. Needs
+// gemm_fp8_small_available and gemm_fp8_small_fits. out: bf16, f16 or f32 (the bias, of out's
+// type, needs a 16-bit out). splits > 0 forces the cluster split of k (1, 2, 4 or 8; for tests
+// and the lab).
+void gemm_fp8_small(DType out, const uint8_t* x, const float* x_scales, const Fp8Weight& w, const void* bias, void* y,
+                    int m, int n, int k, void* stream, int splits = 0);
+// The last gemm_fp8_small launch's shape (N, cluster split, grid, resident CTAs), for the lab.
+std::string gemm_fp8_small_last_launch();
+
 class Gemm {
  public:
   Gemm();  // creates the cuBLASLt handle; throws kvlm::Error on failure

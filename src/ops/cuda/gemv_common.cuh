@@ -1,13 +1,20 @@
-// What the small-m linear kernels share (gemv.cu: 16-bit weights, gemv_fp8.cu: FP8 weights):
-// the streaming load of weights, the 16-bit activation types, the input row (optionally
-// SiLU-and-mul of a fused gate/up projection) and the output store.
+// What the small-m linear kernels share (gemv.cu: 16-bit weights, gemv_fp8.cu and
+// gemm_fp8_small.cu: FP8 weights): the streaming load of weights, the 16-bit activation types,
+// the input row (optionally SiLU-and-mul of a fused gate/up projection), the output store, and
+// the split of k over a thread-block cluster.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "ops/cuda/cuda_check.cuh"
+#include "ops/cuda/kernel_switches.h"
+#include "ops/cuda/per_device.cuh"
 
 namespace kvlm::cuda {
 namespace {
@@ -73,6 +80,65 @@ __device__ __forceinline__ void store_out(void* y, int n, int col, int r, float 
   if (bias) v += V::load(bias[col]);
   if constexpr (kF32Out) static_cast<float*>(y)[size_t(r) * size_t(n) + size_t(col)] = v;
   else static_cast<uint16_t*>(y)[size_t(r) * size_t(n) + size_t(col)] = V::store(v);
+}
+
+// The small-m FP8 kernels split k over the CTAs of a thread-block cluster and add their sums
+// through distributed shared memory. Clusters exist from sm_90 on; before Hopper the launches
+// ask for one CTA per cluster, so a "cluster" is the CTA itself (these compile for sm_80 /
+// sm_89 too).
+__device__ __forceinline__ void cluster_sync(int splits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (splits > 1) {
+    cooperative_groups::this_cluster().sync();
+    return;
+  }
+#endif
+  (void)splits;
+  __syncthreads();
+}
+__device__ __forceinline__ int cluster_rank(int splits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (splits > 1) return int(cooperative_groups::this_cluster().block_rank());
+#endif
+  (void)splits;
+  return 0;
+}
+__device__ __forceinline__ float* cluster_peer(float* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#else
+  (void)rank;
+  return p;
+#endif
+}
+
+// The CTAs of Kernel that fit on the GPU at once (its occupancy times the SMs), after opting it
+// in to kSmem bytes of shared memory (once per kernel and device; every launch calls this first).
+template <auto Kernel, int kSmem>
+int resident_ctas() {
+  static PerDevice<int> slots;
+  return slots.get([] {
+    KVLM_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    // Ask for the whole carve-out for shared memory (the default may leave room for one CTA).
+    if (kernel_switches().fp8_tc_carveout)
+      KVLM_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    int per_sm = 0;
+    KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kGemvThreads, kSmem));
+    return std::max(1, per_sm) * sm_count();
+  });
+}
+
+// Whether the current device runs thread-block clusters (sm_90 and later).
+inline bool clusters_supported() {
+  static PerDevice<bool> on;
+  return on.get([] {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major >= 9;
+  });
 }
 
 }  // namespace

@@ -18,7 +18,6 @@
 // scales) for the FP8 tensor-core GEMM (Gemm::linear_fp8, cuBLASLt); where that GEMM does not
 // fit, dequantize_fp8 writes the weight in the compute type into a scratch buffer and the
 // 16-bit GEMM runs on it.
-#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -269,33 +268,6 @@ constexpr int kTcRound = 64;     // k per round
 constexpr int kTcWarps = kGemvThreads / 32;
 constexpr int kTcMaxSplits = 8;  // the portable cluster size
 
-// Thread-block clusters exist from sm_90 on; before Hopper tc_splits() is always 1, so a
-// "cluster" is the CTA itself (these compile for sm_80 / sm_89 too).
-__device__ __forceinline__ void cluster_sync(int splits) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (splits > 1) {
-    cooperative_groups::this_cluster().sync();
-    return;
-  }
-#endif
-  (void)splits;
-  __syncthreads();
-}
-__device__ __forceinline__ int cluster_rank(int splits) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (splits > 1) return int(cooperative_groups::this_cluster().block_rank());
-#endif
-  (void)splits;
-  return 0;
-}
-__device__ __forceinline__ float* cluster_peer(float* p, int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
-#else
-  (void)rank;
-  return p;
-#endif
-}
 // RT 16-row tiles per CTA (4: 64 rows, 3 ring stages of 4 KB per warp, 2 CTAs per SM; 2: 32
 // rows, 4 stages of 2 KB, 3 CTAs per SM; 1: 16 rows, 4 stages of 1 KB, 4 CTAs per SM).
 template <int RT>
@@ -498,38 +470,10 @@ __global__ void __launch_bounds__(kGemvThreads, tc_min_blocks(RT, NT))
   if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
 }
 
-int sm_count() {
-  static PerDevice<int> n;
-  return n.get([] {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, current_device()) != cudaSuccess) {
-      cudaGetLastError();
-      return 132;
-    }
-    return v;
-  });
-}
-
 struct TcLaunch {
   int tiles = 0, splits = 0, slots = 0, row_blocks = 0;
 };
 thread_local TcLaunch g_last_tc;  // this thread's last tensor-core launch (gemv_fp8_last_launch, for the lab)
-
-// The CTAs of kernel that fit on the GPU at once (its occupancy times the SMs), after opting it
-// in to kSmem bytes of shared memory (once per kernel and device; every launch calls this first).
-template <auto Kernel, int kSmem>
-int tc_slots() {
-  static PerDevice<int> slots;
-  return slots.get([] {
-    KVLM_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    // Ask for the whole carve-out for shared memory (the default may leave room for one CTA).
-    if (kernel_switches().fp8_tc_carveout)
-      KVLM_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    int per_sm = 0;
-    KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kGemvThreads, kSmem));
-    return std::max(1, per_sm) * sm_count();
-  });
-}
 
 // The cluster split for n x k (KernelSwitches::fp8_tc_splits forces one). Measured on an H200
 // (docs/results/kernel-lab.md, "FP8 tensor-core GEMV"), a split costs more than the idle SMs
@@ -537,16 +481,7 @@ int tc_slots() {
 // and even the 64 x 4096-row blocks of o / down ran best split 2 ways, not 4. So: 2 where the
 // grid has fewer row blocks than SMs and each warp keeps at least 2 rounds, else 1.
 int tc_splits(int rows_per_cta, int n, int k) {
-  static PerDevice<bool> clusters;  // sm_90 and later
-  if (!clusters.get([] {
-        int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()) != cudaSuccess) {
-          cudaGetLastError();
-          return false;
-        }
-        return major >= 9;
-      }))
-    return 1;
+  if (!clusters_supported()) return 1;
   if (const int forced = kernel_switches().fp8_tc_splits; forced > 0) return std::min(forced, kTcMaxSplits);
   const int blocks = (n + rows_per_cta - 1) / rows_per_cta, kr = (k + kTcRound - 1) / kTcRound;
   return blocks < sm_count() && kr >= 2 * kTcWarps * 2 ? 2 : 1;
@@ -556,39 +491,13 @@ template <class V, int NT, int RT, bool kF32Out, bool kBlock>
 void launch_fp8_mma(const void* x, const Fp8Weight& w, const void* bias, void* y, int m, int n, int k, cudaStream_t st) {
   using Cfg = TcCfg<RT>;
   constexpr auto kernel = gemv_fp8_mma_kernel<V, NT, RT, kF32Out, kBlock>;
-  const int slots = tc_slots<kernel, Cfg::kSmem>();  // also opts the kernel in to its shared memory
+  const int slots = resident_ctas<kernel, Cfg::kSmem>();  // also opts the kernel in to its shared memory
   const int splits = tc_splits(Cfg::kRows, n, k);
-  static PerDevice<bool> pdl;  // once per instantiation and device
-  const bool pdl_on = pdl.get([] {
-    int ptx = 0;
-    const bool ok = pdl_supported(reinterpret_cast<const void*>(kernel), &ptx);
-    if (!ok) note_pdl_off(ptx);
-    return ok;
-  });
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
-  cfg.blockDim = dim3(kGemvThreads);
-  cfg.dynamicSmemBytes = Cfg::kSmem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[2]{};
-  unsigned na = 0;
-  if (splits > 1) {
-    attr[na].id = cudaLaunchAttributeClusterDimension;
-    attr[na].val.clusterDim.x = 1;
-    attr[na].val.clusterDim.y = unsigned(splits);
-    attr[na].val.clusterDim.z = 1;
-    ++na;
-  }
-  if (pdl_on && kernel_switches().pdl) {
-    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = na;
-  KVLM_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<const uint16_t*>(x), w.codes, w.scales, w.scale_block,
-                                     static_cast<const uint16_t*>(bias), y, m, n, k));
-  g_last_tc = {RT, splits, slots, int(cfg.gridDim.x)};
+  const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
+  KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits,
+                                             static_cast<const uint16_t*>(x), w.codes, w.scales, w.scale_block,
+                                             static_cast<const uint16_t*>(bias), y, m, n, k));
+  g_last_tc = {RT, splits, slots, int(grid.x)};
 }
 
 template <class V>

@@ -32,6 +32,10 @@ struct KernelSwitches {
   // quantized per token; off: the weight dequantized before the 16-bit GEMM (weight-only
   // FP8, for measurements and tests).
   bool fp8_gemm = true;
+  // ... and at m = 17..kGemmFp8SmallMaxM, for weights with one scale per row on Hopper, that
+  // GEMM is gemm_fp8_small (kvlm's kernel); off: cuBLASLt's (Gemm::linear_fp8), for
+  // measurements.
+  bool fp8_small_gemm = true;
 };
 
 void set_kernel_switches(const KernelSwitches& s);

@@ -28,18 +28,6 @@ namespace {
 int64_t g_last_mma_ctas = 0;  // grid size of the last decode tensor-core launch (for the trace)
 #endif
 
-int sm_count() {
-  static PerDevice<int> n;
-  return n.get([] {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, current_device()) != cudaSuccess) {
-      cudaGetLastError();
-      return 132;
-    }
-    return v;
-  });
-}
-
 // Resident CTAs per SM of the tensor-core kernel for (Fmt, HD, layout), from the occupancy API
 // (bounded by its shared-memory ring and registers); also opts the kernel in to > 48 KB
 // of dynamic shared memory. Computed once per instantiation and device.

@@ -65,9 +65,10 @@ inline void note_pdl_off(int ptx) {
 // launch_pdl<kernel>(grid, block, smem, stream, args...): kernel<<<grid, block, smem,
 // stream>>>(args...), with programmatic stream serialization where pdl_supported(kernel)
 // (decided once per kernel and device). The kernel must call pdl_wait() as the rule above says.
-// Returns the launch's error, for the caller's check.
+// Returns the launch's error, for the caller's check. launch_pdl_cluster also groups the CTAs
+// along y into thread-block clusters of cluster_y (sm_90+; 1: no cluster attribute).
 template <auto Kernel, class... Args>
-cudaError_t launch_pdl(dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+cudaError_t launch_pdl_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t st, int cluster_y, Args&&... args) {
   static PerDevice<bool> decided;  // once per kernel and device
   const bool on = decided.get([] {
     int ptx = 0;
@@ -80,12 +81,27 @@ cudaError_t launch_pdl(dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = on && kernel_switches().pdl ? 1 : 0;
+  cudaLaunchAttribute attr[2]{};
+  unsigned na = 0;
+  if (cluster_y > 1) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = 1;
+    attr[na].val.clusterDim.y = unsigned(cluster_y);
+    attr[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  if (on && kernel_switches().pdl) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = na;
   return cudaLaunchKernelEx(&cfg, Kernel, std::forward<Args>(args)...);
+}
+template <auto Kernel, class... Args>
+cudaError_t launch_pdl(dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  return launch_pdl_cluster<Kernel>(grid, block, smem, st, 1, std::forward<Args>(args)...);
 }
 
 }  // namespace kvlm::cuda

@@ -45,4 +45,17 @@ class PerDevice {
   std::array<T, kMaxDevices> values_{};
 };
 
+// The current device's streaming multiprocessors (132 if CUDA cannot say).
+inline int sm_count() {
+  static PerDevice<int> n;
+  return n.get([] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, current_device()) != cudaSuccess) {
+      cudaGetLastError();
+      return 132;
+    }
+    return v;
+  });
+}
+
 }  // namespace kvlm::cuda

@@ -1,5 +1,5 @@
 // Hopper warpgroup MMA (wgmma, sm_90a only) wrappers for the tiled prefill kernel
-// (paged_attention_prefill.cu). Callers compile them only where __CUDA_ARCH_FEAT_SM90_ALL is
+// (paged_attention_prefill_wgmma.cu) and the small-batch FP8 GEMM (gemm_fp8_small.cu). Callers compile them only where __CUDA_ARCH_FEAT_SM90_ALL is
 // defined (sm_90a code); the PTX is in the PTX ISA's "Asynchronous Warpgroup Level Matrix
 // Multiply-Accumulate" chapter.
 //
@@ -45,18 +45,21 @@ __device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "
 // bf16 (kBF) or f16. ss: A and B from shared memory through descriptors, B K-major (the K
 // tile: keys x dims). rs: A from registers (the P fragments), B MN-major through a transposed
 // descriptor (the V tile: keys x dims, dims contiguous). scale_d = 0 overwrites D.
-// The accumulator operand lists, %0 .. %31 or %0 .. %63:
-#define KVLM_WGMMA_D32                                                                                                 \
+// The accumulator operand lists, %0 .. %15, %0 .. %31 or %0 .. %63:
+#define KVLM_WGMMA_D16                                                                                                 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),          \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),          \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define KVLM_WGMMA_D32                                                                                                 \
+  KVLM_WGMMA_D16, "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),         \
+      "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),         \
+      "+f"(d[31])
 #define KVLM_WGMMA_D64                                                                                                 \
   KVLM_WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]),         \
       "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),         \
       "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),         \
       "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),         \
       "+f"(d[63])
+#define KVLM_WGMMA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define KVLM_WGMMA_R32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define KVLM_WGMMA_R64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 // One instruction as PTX text: SHAPE (m64nNk16), TYPE (bf16 / f16), R the accumulators'
@@ -93,11 +96,29 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t d
   }
 }
 
+// D[64 x N] (+)= A[64 x 32] B[32 x N] over FP8 E4M3 codes, fp32 accumulators (N / 2 per
+// thread, laid out as for 16-bit operands): A and B both K-major in shared memory (FP8 wgmma
+// takes no transposed operand; rows of 128 codes, 128-byte swizzle), scale_d = 0 overwrites D.
+template <int N>
+__device__ __forceinline__ void wgmma_ss_e4m3(float* d, uint64_t da, uint64_t db, int scale_d) {
+  static_assert(N == 32 || N == 64, "x tiles of 32 or 64 rows");
+  if constexpr (N == 32)
+    asm volatile(KVLM_WGMMA("m64n32k32", "e4m3", KVLM_WGMMA_R16, "%18", "%16, %17, p, 1, 1")
+                 : KVLM_WGMMA_D16
+                 : "l"(da), "l"(db), "r"(scale_d));
+  else
+    asm volatile(KVLM_WGMMA("m64n64k32", "e4m3", KVLM_WGMMA_R32, "%34", "%32, %33, p, 1, 1")
+                 : KVLM_WGMMA_D32
+                 : "l"(da), "l"(db), "r"(scale_d));
+}
+
 #undef KVLM_WGMMA_TYPED
 #undef KVLM_WGMMA
 #undef KVLM_WGMMA_R64
 #undef KVLM_WGMMA_R32
+#undef KVLM_WGMMA_R16
 #undef KVLM_WGMMA_D64
 #undef KVLM_WGMMA_D32
+#undef KVLM_WGMMA_D16
 
 }  // namespace kvlm::cuda::wgmma
