@@ -15,9 +15,9 @@
 //   passes over the weight (the fallback for layouts the tensor-core kernel does not take).
 // - The tensor-core kernel (m <= 16, one pass): see gemv_fp8_mma_kernel below.
 // Larger m: fp8_quantize.cu quantizes the activations per token (per 128-value group for block
-// scales) for the FP8 tensor-core GEMM (Gemm::linear_fp8, cuBLASLt); where that GEMM does not
-// fit, dequantize_fp8 writes the weight in the compute type into a scratch buffer and the
-// 16-bit GEMM runs on it.
+// scales) for an FP8 tensor-core GEMM (gemm_fp8_small.cu up to m = 64 for row-scaled weights on
+// Hopper, else Gemm::linear_fp8, cuBLASLt); where neither fits, dequantize_fp8 writes the weight
+// in the compute type into a scratch buffer and the 16-bit GEMM runs on it.
 #include <cuda_fp8.h>
 
 #include <algorithm>
