@@ -445,6 +445,10 @@ TEST(CudaModelOps, Fp8SmallBatchGemm) {
                                     nullptr, 8, 128, 256, nullptr),
                Error)
       << "block scales";
+  EXPECT_THROW(cuda::gemm_fp8_small(DType::BF16, nullptr, nullptr, cuda::Fp8Weight{.scale_block = 256}, nullptr,
+                                    nullptr, 8, 128, 256, nullptr, 3),
+               Error)
+      << "a split of k that does not divide the CTA's rows";
 }
 
 // The down projection's quantizer with the gated MLP's product fused in: its codes and scales

@@ -111,8 +111,8 @@ bool gemm_fp8_small_fits(int m, int k, int scale_block);
 // one pass over the weight's codes, FP8 wgmma, fp32 sums): x [m][k] E4M3 codes with per-token
 // x_scales [m] (quantize_rows_fp8's layout) times w's codes with their row scales. Needs
 // gemm_fp8_small_available and gemm_fp8_small_fits. out: bf16, f16 or f32 (the bias, of out's
-// type, needs a 16-bit out). splits > 0 forces the cluster split of k (1, 2, 4 or 8; for tests
-// and the lab).
+// type, needs a 16-bit out). splits > 0 forces the cluster split of k (1, 2, 4 or 8, else an
+// Error; for tests and the lab).
 void gemm_fp8_small(DType out, const uint8_t* x, const float* x_scales, const Fp8Weight& w, const void* bias, void* y,
                     int m, int n, int k, void* stream, int splits = 0);
 // The last gemm_fp8_small launch's shape (N, cluster split, grid, resident CTAs), for the lab.

@@ -188,13 +188,16 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 #endif
 }
 
-thread_local std::string g_last;  // this thread's last launch (gemm_fp8_small_last_launch, for the lab)
+struct SgLaunch {
+  int n_tile = 0, splits = 0, grid = 0, resident = 0;
+};
+thread_local SgLaunch g_last;  // this thread's last launch (gemm_fp8_small_last_launch, for tests and the lab)
 
 // The cluster split: the largest of 1, 2, 4, 8 whose CTAs fit on the GPU at once with at least
 // 2 rounds each (Qwen3-8B at 2 CTAs per SM of an H200: o and down 8, qkv 4, gate_up 1).
 int sg_splits(int slots, int n, int k, int forced) {
-  if (!clusters_supported()) return 1;
-  if (forced > 0) return std::min(forced, kSgMaxSplits);
+  if (compute_capability() < 90) return 1;  // no thread-block clusters
+  if (forced > 0) return forced;  // 1, 2, 4 or 8 (gemm_fp8_small checks)
   const int blocks = (n + kSgRows - 1) / kSgRows, kr = (k + kSgRound - 1) / kSgRound;
   int s = 1;
   while (s < kSgMaxSplits && blocks * s * 2 <= slots && kr >= 2 * s * 2) s *= 2;
@@ -211,8 +214,7 @@ void launch_sg(const uint8_t* x, const float* xs, const Fp8Weight& w, const void
   const dim3 grid(unsigned((n + kSgRows - 1) / kSgRows), unsigned(splits));
   KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits, x, xs, w.codes,
                                              w.scales, static_cast<const uint16_t*>(bias), y, m, n, k));
-  g_last = "N " + std::to_string(N) + ", split " + std::to_string(splits) + ", grid " +
-           std::to_string(grid.x * grid.y) + ", resident " + std::to_string(slots);
+  g_last = {N, splits, int(grid.x * grid.y), slots};
 }
 
 template <class V>
@@ -230,20 +232,11 @@ void launch_sg_any(bool f32, const uint8_t* x, const float* xs, const Fp8Weight&
 }  // namespace
 
 bool gemm_fp8_small_available() {
-  static PerDevice<bool> on;
-  return on.get([] {
 #if defined(KVLM_CUDA_SM90A)
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, current_device()) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return major == 9 && minor == 0;
+  return compute_capability() == 90;  // the only GPUs that load sm_90a code
 #else
-    return false;  // built without sm_90a code
+  return false;  // built without sm_90a code
 #endif
-  });
 }
 
 bool gemm_fp8_small_fits(int m, int k, int scale_block) {
@@ -262,11 +255,17 @@ void gemm_fp8_small(DType out, const uint8_t* x, const float* x_scales, const Fp
   if (out != DType::BF16 && out != DType::F16 && out != DType::F32)
     throw Error("CUDA FP8 small-batch GEMM: output must be bfloat16, float16 or float32");
   if (out == DType::F32 && bias) throw Error("CUDA FP8 small-batch GEMM: a bias needs a 16-bit output (its type)");
+  if (splits != 0 && splits != 1 && splits != 2 && splits != 4 && splits != 8)
+    throw Error("CUDA FP8 small-batch GEMM: a forced split of k is 1, 2, 4 or 8 CTAs (a divisor of the CTA's " +
+                std::to_string(kSgRows) + " rows), not " + std::to_string(splits));
   const auto st = static_cast<cudaStream_t>(stream);
   if (out == DType::F16) launch_sg_any<VecF16>(false, x, x_scales, w, bias, y, m, n, k, splits, st);
   else launch_sg_any<VecBF16>(out == DType::F32, x, x_scales, w, bias, y, m, n, k, splits, st);
 }
 
-std::string gemm_fp8_small_last_launch() { return g_last; }
+std::string gemm_fp8_small_last_launch() {
+  return "N " + std::to_string(g_last.n_tile) + ", split " + std::to_string(g_last.splits) + ", grid " +
+         std::to_string(g_last.grid) + ", resident " + std::to_string(g_last.resident);
+}
 
 }  // namespace kvlm::cuda

@@ -128,18 +128,5 @@ int resident_ctas() {
   });
 }
 
-// Whether the current device runs thread-block clusters (sm_90 and later).
-inline bool clusters_supported() {
-  static PerDevice<bool> on;
-  return on.get([] {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return major >= 9;
-  });
-}
-
 }  // namespace
 }  // namespace kvlm::cuda

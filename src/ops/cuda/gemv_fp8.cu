@@ -481,7 +481,7 @@ thread_local TcLaunch g_last_tc;  // this thread's last tensor-core launch (gemv
 // and even the 64 x 4096-row blocks of o / down ran best split 2 ways, not 4. So: 2 where the
 // grid has fewer row blocks than SMs and each warp keeps at least 2 rounds, else 1.
 int tc_splits(int rows_per_cta, int n, int k) {
-  if (!clusters_supported()) return 1;
+  if (compute_capability() < 90) return 1;  // no thread-block clusters
   if (const int forced = kernel_switches().fp8_tc_splits; forced > 0) return std::min(forced, kTcMaxSplits);
   const int blocks = (n + rows_per_cta - 1) / rows_per_cta, kr = (k + kTcRound - 1) / kTcRound;
   return blocks < sm_count() && kr >= 2 * kTcWarps * 2 ? 2 : 1;

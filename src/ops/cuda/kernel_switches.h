@@ -22,8 +22,8 @@ struct KernelSwitches {
   // and CTAs per cluster splitting k (0: automatic, 1, 2, 4 or 8).
   int fp8_tc_tiles = 0;
   int fp8_tc_splits = 0;
-  // ... and whether it asks for the largest shared-memory carve-out (read once per kernel and
-  // device, at its first launch).
+  // ... and whether it (and gemm_fp8_small) asks for the largest shared-memory carve-out (read
+  // once per kernel and device, at its first launch: resident_ctas).
   bool fp8_tc_carveout = true;
   // The largest m gemv_fp8 runs on its FMA kernels (one pass per 4 rows) rather than the
   // tensor-core kernel, where both fit (automatic choice; 1 by default).

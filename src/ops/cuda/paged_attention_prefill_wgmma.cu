@@ -368,20 +368,11 @@ void dispatch_wgmma_hd(int head_dim, F&& f) {
 // (the mma.sync kernel runs instead; for comparisons and as an escape hatch).
 bool prefill_wgmma_available() {
   if (!kernel_switches().wgmma) return false;
-  static PerDevice<bool> on;
-  return on.get([] {
 #if defined(KVLM_CUDA_SM90A)
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return major == 9 && minor == 0;
+  return compute_capability() == 90;
 #else
-    return false;
+  return false;
 #endif
-  });
 }
 
 int prefill_wgmma_ctas_per_sm(const PagedAttentionParams& p) {

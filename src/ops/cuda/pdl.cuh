@@ -43,15 +43,13 @@ __device__ __forceinline__ void pdl_wait() {
 // inputs before the producer wrote them. `ptx` (if given) receives the PTX version of the
 // loaded code, for the caller's message. (kernel_switches().pdl turns PDL off everywhere.)
 inline bool pdl_supported(const void* kernel, int* ptx = nullptr) {
-  int dev = 0, major = 0;
   cudaFuncAttributes fa{};
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   if (ptx) *ptx = fa.ptxVersion;
-  return major >= 9 && fa.ptxVersion >= 90;
+  return compute_capability() >= 90 && fa.ptxVersion >= 90;
 }
 
 // Says once per process that kernels run without PDL, and why that may be.

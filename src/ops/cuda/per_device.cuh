@@ -45,6 +45,20 @@ class PerDevice {
   std::array<T, kMaxDevices> values_{};
 };
 
+// The current device's compute capability as major * 10 + minor (0 if CUDA cannot say).
+inline int compute_capability() {
+  static PerDevice<int> cc;
+  return cc.get([] {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, current_device()) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, current_device()) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return 10 * major + minor;
+  });
+}
+
 // The current device's streaming multiprocessors (132 if CUDA cannot say).
 inline int sm_count() {
   static PerDevice<int> n;
