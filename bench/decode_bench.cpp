@@ -5,7 +5,7 @@
 //                [--steps 32] [--gemv-lab]
 //                [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
 //                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
-//                [--draft DIR [--spec-tokens K]] [--tp N]
+//                [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
@@ -14,7 +14,8 @@
 // FP8 tensor-core GEMV without asking for the largest shared-memory carve-out, --fp8-fma-max-m M
 // runs FP8 GEMMs of up to M rows on the FMA kernels instead, --no-fp8-gemm dequantizes FP8
 // weights for the 16-bit GEMM above m = 16 (weight-only), --no-fp8-small-gemm runs cuBLASLt's
-// FP8 GEMM instead of kvlm's at m = 17-64 (KernelSwitches; all for comparison).
+// FP8 GEMM instead of kvlm's at m = 17-64, --no-fp8-norm-codes has the FP8 GEMMs quantize their
+// input themselves instead of the RMSNorm before them (KernelSwitches; all for comparison).
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode);
 // then gemv_fp8's kernels (FMA rows / split at m = 1 and 4, tensor cores at m = 1-16, per-row
@@ -435,10 +436,10 @@ void gemv_lab(double bw) {
   // (outer-vector or 128-block scaling) above. Each part timed alone, and the quantization with
   // the GEMM the engine runs at that m in sequence, as a decode step at batch m runs them.
   std::printf("\n# batched FP8 GEMMs (W8A8): µs per call; %% of copy on the FP8 weight bytes; 'both' = quantize + "
-              "the GEMM the engine runs (kvlm's for row scales at m <= %d)\n", cuda::kGemmFp8SmallMaxM);
+              "the GEMM the engine runs (kvlm's at m <= %d)\n", cuda::kGemmFp8SmallMaxM);
   std::printf("| m | matrix | FP8 MB | floor µs | row: quantize µs | cuBLASLt µs | kvlm µs | both µs | %% of copy | "
-              "b128: quantize µs | cuBLASLt µs | both µs | %% of copy |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "b128: quantize µs | cuBLASLt µs | kvlm µs | both µs | %% of copy |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& sh : shapes) {
     if (sh.f32) continue;  // the LM head stays 16-bit
     const size_t nk = size_t(sh.n) * size_t(sh.k);
@@ -489,7 +490,7 @@ void gemv_lab(double bw) {
         if (ok) std::snprintf(gs, sizeof gs, " %.1f |", g);
         if (small) std::snprintf(os, sizeof os, " %.1f |", o);
         if (ok || small) std::snprintf(bs_, sizeof bs_, " %.1f | %.0f%% |", both, 100.0 * double(nk) / bw / (both * 1e-6));
-        cells += std::string(qs) + gs + (block ? "" : os) + bs_;  // (block scales never take kvlm's kernel)
+        cells += std::string(qs) + gs + os + bs_;
       }
       std::printf("| %d | %s | %.0f | %.1f |%s\n", m, sh.name, double(nk) / 1e6, double(nk) / bw * 1e6, cells.c_str());
       std::fflush(stdout);
@@ -646,6 +647,11 @@ int main(int argc, char** argv) {
       sw.fp8_small_gemm = false;
       cuda::set_kernel_switches(sw);
     }
+    else if (a == "--no-fp8-norm-codes") {
+      auto sw = cuda::kernel_switches();
+      sw.fp8_norm_codes = false;
+      cuda::set_kernel_switches(sw);
+    }
     else if (a == "--no-pdl") {
       auto sw = cuda::kernel_switches();
       sw.pdl = false;
@@ -654,7 +660,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--draft DIR [--spec-tokens K]] [--tp N]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N]\n");
       return 2;
     }
   }

@@ -484,7 +484,9 @@ double max_abs_diff(const std::vector<std::vector<float>>& a, const std::vector<
 // models average over few values: its own bounds, measured on the first H100 run (mean KLD
 // 3.5e-3 to 9.1e-3, max 4.3e-2), with every decision still equal. (kvlm's small-batch kernel
 // and cuBLASLt's gave the same statistics on these models; the block-scaled checkpoint takes
-// cuBLASLt's both times.)
+// cuBLASLt's both times.) Each W8A8 run is repeated with the GEMMs quantizing their own inputs
+// instead of the RMSNorms before them (KernelSwitches::fp8_norm_codes): the logits must be
+// identical, bit for bit.
 TEST(CudaRunner, Fp8WeightsKeptOnTheGpu) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!cuda::fp8_weights_supported(test::compute_capability())) GTEST_SKIP() << "no FP8 instructions on this GPU";
@@ -510,7 +512,13 @@ TEST(CudaRunner, Fp8WeightsKeptOnTheGpu) {
       path.fp8_gemm = w8a8;
       path.fp8_small_gemm = gemm == Small;
       cuda::set_kernel_switches(path);
-      const Stats st = compare(g.logits, teacher_forced(*e, all, chunk), g.vocab, g.prompt.size() - 1);
+      const std::vector<float> logits = teacher_forced(*e, all, chunk);
+      if (w8a8) {  // the norms quantize the GEMMs' inputs (add_rmsnorm's codes) exactly as the GEMMs would
+        path.fp8_norm_codes = false;
+        cuda::set_kernel_switches(path);
+        EXPECT_EQ(teacher_forced(*e, all, chunk), logits) << name << ": the GEMMs' own quantization differs";
+      }
+      const Stats st = compare(g.logits, logits, g.vocab, g.prompt.size() - 1);
       cuda::set_kernel_switches(saved);
       std::printf("[cuda-fp8] %-24s chunk %2d%s  weights %zu B (dequantized: %zu)  max|dlogit|=%.3e mean_kld=%.2e "
                   "max_kld=%.2e decisions %d/%d\n",

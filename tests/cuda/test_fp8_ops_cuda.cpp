@@ -303,7 +303,8 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
   EXPECT_FALSE(cuda::fp8_gemm_fits(384, 1040, 128));
   double block_worst = 0;
   for (DType ab : kActs)
-    for (auto [m, n, k] : {std::tuple{36, 256, 1024}, {132, 384, 512}}) {
+    // (k = 4608: 36 groups a row, over 3 CTAs of the group quantizer, the last one partial)
+    for (auto [m, n, k] : {std::tuple{36, 256, 1024}, {132, 384, 512}, {20, 128, 4608}}) {
       const int kb = k / 128, nbk = n / 128;
       auto x = random_act(ab, size_t(m) * k, rng, 2.0f);
       x[size_t(k) + 200] = act_round(ab, 300.0f);  // an outlier in row 1, group 1
@@ -354,101 +355,187 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
   std::printf("[fp8-gemm] block-scaled worst %.2e\n", block_worst);
 }
 
-// gemm_fp8_small (decode batches; CudaOps runs it for 17..64 rows of row-scaled weights)
-// against the definition in double: E4M3 codes of x with per-token scales, m = 1..64 (both
-// x-tile widths, rows past the tile's used ones), n not a multiple of the 128-row CTAs or of 8,
-// k not a multiple of the 128-wide rounds, every cluster split of k (1-8, including CTAs left
-// without a round), bias, float32 output, an all-zero x row. Products of two E4M3 values are
-// exact in fp32; the bound is the output's rounding plus the FP8 GEMM's allowance above (4e-3
-// of sum |x w|), the worst figure printed.
+// gemm_fp8_small (decode batches; CudaOps runs it for 17..64 rows) against the definition in
+// double: E4M3 codes of x with per-token scales times row-scaled weights, and with per-(token,
+// 128-group) scales times 128 x 128 block-scaled weights (Qwen3-FP8's layout: group scales
+// that differ by 100x between groups, so a round scaled with its neighbour's scale fails);
+// m = 1..64 (both x-tile widths, rows past the tile's used ones), n not a multiple of the
+// 128-row CTAs or of 8, k not a multiple of the 128-wide rounds (row scales), every cluster
+// split of k (1-8, including CTAs left without a round), bias, float32 output, an all-zero x
+// row. Products of two E4M3 values are exact in fp32; the bound is the output's rounding plus
+// the FP8 GEMM's allowance above (4e-3 of sum |x w|), the worst figure printed.
 TEST(CudaModelOps, Fp8SmallBatchGemm) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!cuda::gemm_fp8_small_available()) GTEST_SKIP() << "no sm_90a code for this GPU (the kernel is Hopper's wgmma)";
   EXPECT_TRUE(cuda::gemm_fp8_small_fits(64, 1040, 1040));
   EXPECT_FALSE(cuda::gemm_fp8_small_fits(65, 1040, 1040));
   EXPECT_FALSE(cuda::gemm_fp8_small_fits(8, 1048, 1048));
-  EXPECT_FALSE(cuda::gemm_fp8_small_fits(8, 1024, 128)) << "block scales stay on cuBLASLt";
+  EXPECT_TRUE(cuda::gemm_fp8_small_fits(8, 1024, 128));
+  EXPECT_FALSE(cuda::gemm_fp8_small_fits(8, 1040, 128)) << "block scales need whole 128-column blocks";
+  EXPECT_FALSE(cuda::gemm_fp8_small_fits(8, 1024, 64)) << "a round is one 128-column block";
   std::mt19937 rng(53);
-  double worst = 0;
-  size_t checked = 0;
-  for (auto [m, n, k] : {std::tuple{17, 200, 1040}, {32, 136, 176}, {33, 1000, 528}, {64, 384, 4096}, {1, 72, 256},
-                         {5, 130, 2048}, {48, 130, 384}}) {
-    const std::vector<uint8_t> xc = random_fp8_codes(size_t(m) * k, rng), wc = random_fp8_codes(size_t(n) * k, rng);
-    std::vector<uint8_t> xz = xc;
-    for (int i = 0; i < k; ++i) xz[size_t(3 % m) * k + i] = 0;  // an all-zero row (its scale stays)
-    std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
-    std::vector<float> xs(static_cast<size_t>(m)), ws(static_cast<size_t>(n));
-    for (auto& v : xs) v = ud(rng) * 100.0f;
-    for (auto& v : ws) v = ud(rng);
-    // ref[r][j] and sum |x w| in double
-    std::vector<double> ref(size_t(m) * n), mag(size_t(m) * n);
-    for (int r = 0; r < m; ++r)
-      for (int j = 0; j < n; ++j) {
-        double d = 0, dm = 0;
-        for (int i = 0; i < k; ++i) {
-          const double p = double(num::e4m3_to_f32(xz[size_t(r) * k + i])) * double(num::e4m3_to_f32(wc[size_t(j) * k + i]));
-          d += p;
-          dm += std::fabs(p);
-        }
-        const double sc = double(xs[size_t(r)]) * double(ws[size_t(j)]);
-        ref[size_t(r) * n + j] = d * sc;
-        mag[size_t(r) * n + j] = dm * sc;
-      }
-    Dev<uint8_t> dxc(xz), dwc(wc);
-    Dev<float> dxs(xs), dws(ws);
-    const cuda::Fp8Weight w{.codes = dwc.p, .scales = dws.p, .scale_block = k};
-    for (DType ab : kActs) {
-      const auto bv = random_act(ab, size_t(n), rng, 0.5f);
-      Dev<uint16_t> db(codes(ab, bv));
-      for (DType out : {ab, DType::F32})
-        for (bool bias : {false, true})
-          for (int splits : {0, 1, 2, 4, 8}) {
-            if (bias && out == DType::F32) continue;
-            Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
-            dy.poison();
-            cuda::gemm_fp8_small(out, dxc.p, dxs.p, w, bias ? db.p : nullptr, dy.p, m, n, k, nullptr, splits);
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            const std::vector<uint8_t> raw = dy.download();
-            size_t bad = 0;
-            double case_worst = 0;
-            for (int r = 0; r < m; ++r)
-              for (int j = 0; j < n; ++j) {
-                const size_t o = size_t(r) * n + j;
-                const double want = ref[o] + (bias ? double(bv[size_t(j)]) : 0.0);
-                const double mg = mag[o] + (bias ? std::fabs(double(bv[size_t(j)])) : 0.0);
-                float got;
-                if (out == DType::F32) {
-                  std::memcpy(&got, raw.data() + 4 * o, 4);
-                } else {
-                  uint16_t c;
-                  std::memcpy(&c, raw.data() + 2 * o, 2);
-                  got = act_value(ab, c);
-                }
-                const double e = std::fabs(double(got) - want);
-                if (mg > 0) case_worst = std::max(case_worst, e / mg);
-                bad += std::isnan(got) || e > (out == DType::F32 ? 0.0 : act_rel_tol(ab)) * std::fabs(want) + 4e-3 * mg;
-                ++checked;
-              }
-            EXPECT_EQ(bad, 0u) << dtype_name(ab) << " -> " << dtype_name(out)
-                               << (bias ? " + bias" : "") << " m " << m << " n " << n << " k " << k << " splits "
-                               << splits << " (" << cuda::gemm_fp8_small_last_launch() << ")";
-            worst = std::max(worst, case_worst);
+  double worst[2] = {0, 0};
+  size_t checked[2] = {0, 0};
+  for (bool block : {false, true})
+    for (auto [m, n, k] : {std::tuple{17, 200, 1040}, {32, 136, 176}, {33, 1000, 528}, {64, 384, 4096}, {1, 72, 256},
+                           {5, 130, 2048}, {48, 130, 384}}) {
+      if (block) k = (k + 127) / 128 * 128;
+      const int groups = block ? k / 128 : 1, rblocks = (n + 127) / 128;
+      const std::vector<uint8_t> xc = random_fp8_codes(size_t(m) * k, rng), wc = random_fp8_codes(size_t(n) * k, rng);
+      std::vector<uint8_t> xz = xc;
+      for (int i = 0; i < k; ++i) xz[size_t(3 % m) * k + i] = 0;  // an all-zero row (its scale stays)
+      std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
+      // x scales [groups][m]; weight scales per row [n] or per block [rblocks][groups]
+      std::vector<float> xs(size_t(groups) * size_t(m)), ws(block ? size_t(rblocks) * size_t(groups) : size_t(n));
+      for (size_t i = 0; i < xs.size(); ++i) xs[i] = ud(rng) * (block && (i / size_t(m)) % 2 ? 1e4f : 100.0f);
+      for (auto& v : ws) v = ud(rng);
+      auto wscale = [&](int j, int gi) { return block ? ws[size_t(j / 128) * groups + size_t(gi)] : ws[size_t(j)]; };
+      // ref[r][j] and sum |x w| in double
+      std::vector<double> ref(size_t(m) * n), mag(size_t(m) * n);
+      for (int r = 0; r < m; ++r)
+        for (int j = 0; j < n; ++j) {
+          double d = 0, dm = 0;
+          for (int gi = 0; gi < groups; ++gi) {
+            const int len = k / groups;
+            double gd = 0, gm = 0;
+            for (int i = gi * len; i < (gi + 1) * len; ++i) {
+              const double p =
+                  double(num::e4m3_to_f32(xz[size_t(r) * k + i])) * double(num::e4m3_to_f32(wc[size_t(j) * k + i]));
+              gd += p;
+              gm += std::fabs(p);
+            }
+            const double sc = double(xs[size_t(gi) * m + size_t(r)]) * double(wscale(j, gi));
+            d += gd * sc;
+            dm += gm * sc;
           }
+          ref[size_t(r) * n + j] = d;
+          mag[size_t(r) * n + j] = dm;
+        }
+      Dev<uint8_t> dxc(xz), dwc(wc);
+      Dev<float> dxs(xs), dws(ws);
+      // Row scales: one per row (the kernel reads .scales). Blocks: .block_scales, and .scales
+      // (one row per weight row) left null, which the kernel must not read.
+      const cuda::Fp8Weight w = block ? cuda::Fp8Weight{.codes = dwc.p, .scale_block = 128, .block_scales = dws.p}
+                                      : cuda::Fp8Weight{.codes = dwc.p, .scales = dws.p, .scale_block = k};
+      for (DType ab : kActs) {
+        const auto bv = random_act(ab, size_t(n), rng, 0.5f);
+        Dev<uint16_t> db(codes(ab, bv));
+        for (DType out : {ab, DType::F32})
+          for (bool bias : {false, true})
+            for (int splits : {0, 1, 2, 4, 8}) {
+              if (bias && out == DType::F32) continue;
+              Dev<uint8_t> dy(size_t(m) * n * (out == DType::F32 ? 4 : 2));
+              dy.poison();
+              cuda::gemm_fp8_small(out, dxc.p, dxs.p, w, bias ? db.p : nullptr, dy.p, m, n, k, nullptr, splits);
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              const std::vector<uint8_t> raw = dy.download();
+              size_t bad = 0;
+              double case_worst = 0;
+              for (int r = 0; r < m; ++r)
+                for (int j = 0; j < n; ++j) {
+                  const size_t o = size_t(r) * n + j;
+                  const double want = ref[o] + (bias ? double(bv[size_t(j)]) : 0.0);
+                  const double mg = mag[o] + (bias ? std::fabs(double(bv[size_t(j)])) : 0.0);
+                  float got;
+                  if (out == DType::F32) {
+                    std::memcpy(&got, raw.data() + 4 * o, 4);
+                  } else {
+                    uint16_t c;
+                    std::memcpy(&c, raw.data() + 2 * o, 2);
+                    got = act_value(ab, c);
+                  }
+                  const double e = std::fabs(double(got) - want);
+                  if (mg > 0) case_worst = std::max(case_worst, e / mg);
+                  bad += std::isnan(got) || e > (out == DType::F32 ? 0.0 : act_rel_tol(ab)) * std::fabs(want) + 4e-3 * mg;
+                  ++checked[block];
+                }
+              EXPECT_EQ(bad, 0u) << (block ? "128 x 128 blocks " : "row scales ") << dtype_name(ab) << " -> "
+                                 << dtype_name(out) << (bias ? " + bias" : "") << " m " << m << " n " << n << " k " << k
+                                 << " splits " << splits << " (" << cuda::gemm_fp8_small_last_launch() << ")";
+              worst[block] = std::max(worst[block], case_worst);
+            }
+      }
     }
-  }
-  std::printf("[fp8-small-gemm] %zu outputs, worst error %.2e of sum |x w|\n", checked, worst);
+  std::printf("[fp8-small-gemm] row scales: %zu outputs, worst error %.2e of sum |x w|; 128 x 128 blocks: %zu, %.2e\n",
+              checked[0], worst[0], checked[1], worst[1]);
   EXPECT_THROW(cuda::gemm_fp8_small(DType::BF16, nullptr, nullptr, cuda::Fp8Weight{.scale_block = 256}, nullptr,
                                     nullptr, 65, 128, 256, nullptr),
                Error)
       << "65 rows";
+  EXPECT_THROW(cuda::gemm_fp8_small(DType::BF16, nullptr, nullptr, cuda::Fp8Weight{.scale_block = 64}, nullptr,
+                                    nullptr, 8, 128, 256, nullptr),
+               Error)
+      << "64-column scale blocks";
   EXPECT_THROW(cuda::gemm_fp8_small(DType::BF16, nullptr, nullptr, cuda::Fp8Weight{.scale_block = 128}, nullptr,
                                     nullptr, 8, 128, 256, nullptr),
                Error)
-      << "block scales";
+      << "128-column blocks without the per-block scales";
   EXPECT_THROW(cuda::gemm_fp8_small(DType::BF16, nullptr, nullptr, cuda::Fp8Weight{.scale_block = 256}, nullptr,
                                     nullptr, 8, 128, 256, nullptr, 3),
                Error)
       << "a split of k that does not divide the CTA's rows";
+}
+
+// The RMSNorm that quantizes its output for the FP8 GEMM after it (add_rmsnorm's codes): the
+// output unchanged, and codes and scales equal to quantize_rows_fp8 of that output, per row
+// and per 128-value group, bf16 / f16, hidden sizes that take 4, 8 and 16 values per thread and
+// CTAs of 128 to 1,024 threads, an outlier (so a group's scale differs from its row's), an
+// all-zero row; rmsnorm_fp8_fits refuses the shapes whose groups would straddle warps.
+TEST(CudaModelOps, Fp8NormQuantizesItsOutput) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  EXPECT_TRUE(cuda::rmsnorm_fp8_fits(4096, 128));
+  EXPECT_TRUE(cuda::rmsnorm_fp8_fits(896, 0));
+  EXPECT_FALSE(cuda::rmsnorm_fp8_fits(896, 128)) << "224 threads a row: a 128-value group would straddle warps";
+  EXPECT_FALSE(cuda::rmsnorm_fp8_fits(1000, 128)) << "not whole groups";
+  EXPECT_FALSE(cuda::rmsnorm_fp8_fits(4100, 0)) << "the quantizer's k % 8";
+  EXPECT_FALSE(cuda::rmsnorm_fp8_fits(4096, 64));
+  std::mt19937 rng(61);
+  size_t values = 0;
+  for (DType ab : kActs)
+    for (auto [m, H, group] : {std::tuple{17, 4096, 0}, {33, 4096, 128}, {20, 2048, 128}, {5, 5120, 128}, {3, 896, 0},
+                               {19, 16384, 128}, {24, 12288, 0}, {2, 512, 128}}) {
+      ASSERT_TRUE(cuda::rmsnorm_fp8_fits(H, group)) << H << " / " << group;
+      auto delta = random_act(ab, size_t(m) * H, rng, 2.0f);
+      delta[size_t(H) + 7] = act_round(ab, 200.0f);                      // an outlier in row 1
+      for (int i = 0; i < H; ++i) delta[size_t(2 % m) * H + i] = 0.0f;  // an all-zero row
+      std::vector<float> w(static_cast<size_t>(H));
+      for (auto& v : w) v = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
+      Dev<uint16_t> ddelta(codes(ab, delta)), plain(size_t(m) * H), fused(size_t(m) * H);
+      Dev<float> dw(w);
+      const int groups = group ? H / group : 1;
+      Dev<uint8_t> got_c(size_t(m) * H), want_c(size_t(m) * H);
+      Dev<float> got_s(size_t(groups) * m), want_s(size_t(groups) * m);
+      got_c.poison();
+      got_s.poison();
+      const cuda::AddRmsNormParams p{.act = ab, .rows = m, .hidden = H, .delta = ddelta.p, .weight = dw.p, .eps = 1e-6f,
+                                     .out = plain.p};
+      cuda::add_rmsnorm(p, nullptr);
+      cuda::AddRmsNormParams q = p;
+      q.out = fused.p;
+      q.codes = got_c.p;
+      q.code_scales = got_s.p;
+      q.code_group = group;
+      cuda::add_rmsnorm(q, nullptr);
+      cuda::quantize_rows_fp8(ab, plain.p, want_c.p, want_s.p, m, H, nullptr, group);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::string what = std::string(dtype_name(ab)) + " m " + std::to_string(m) + " H " + std::to_string(H) +
+                               " group " + std::to_string(group);
+      ASSERT_EQ(fused.download(), plain.download()) << what;
+      ASSERT_EQ(got_s.download(), want_s.download()) << what;
+      ASSERT_EQ(got_c.download(), want_c.download()) << what;
+      values += size_t(m) * H;
+    }
+  std::printf("[fp8-gemm] add_rmsnorm's codes: %zu equal to quantize_rows_fp8 of its output\n", values);
+  uint8_t* c = reinterpret_cast<uint8_t*>(16);
+  EXPECT_THROW(cuda::add_rmsnorm({.rows = 1, .hidden = 896, .delta = c, .weight = reinterpret_cast<float*>(16),
+                                  .out = c, .codes = c, .code_scales = reinterpret_cast<float*>(16), .code_group = 128},
+                                 nullptr),
+               Error);
+  EXPECT_THROW(cuda::add_rmsnorm({.rows = 1, .hidden = 512, .delta = c, .weight = reinterpret_cast<float*>(16),
+                                  .out = c, .codes = c},
+                                 nullptr),
+               Error)
+      << "codes without scales";
 }
 
 // The down projection's quantizer with the gated MLP's product fused in: its codes and scales

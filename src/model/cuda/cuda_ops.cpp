@@ -40,6 +40,7 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   carver_ = carver;
   measure_ = measure;
   attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = nullptr;
+  fp8_norm_codes_ = {};
   features_ = Tensor{};
   // The split-KV workspace: the largest any layer's format needs for this shape.
   attn_ws_ = nullptr;
@@ -83,25 +84,52 @@ Tensor CudaOps::alloc(ActRole role, int64_t rows, int64_t cols) {
 }
 
 void CudaOps::embed(const Weight& table, float scale, Tensor x) {
+  fp8_norm_codes_ = {};
   if (measure_) return;
   cuda::embed_rows(act_, table.data, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
 }
 
+void CudaOps::norm_codes(cuda::AddRmsNormParams& p, const Tensor& out) {
+  fp8_norm_codes_ = {};
+  const int m = int(out.rows), k = int(out.cols);
+  // Where fp8_linear will quantize this output for an FP8 GEMM: above the GEMV's rows, every
+  // FP8 weight quantizing its input alike, an input no larger than the buffers'. Decode batches
+  // only (m <= 64): there the norm's CTA per row has time to spare and the quantizer's launch
+  // is what costs (24-64 x 4k steps 1-2% faster on an H200), while for 4096-row batches the
+  // norm quantizing its 4096 rows made the step 4.5% slower (97.4 vs 93.2 ms) than the
+  // quantizer's own pass.
+  if (fp8_norm_group_ < 0 || m <= cuda::kGemvFp8MaxM || m > cuda::kGemmFp8SmallMaxM || m > step_.T ||
+      k > fp8_max_cols_ ||
+      !cuda::rmsnorm_fp8_fits(k, fp8_norm_group_) || !cuda::kernel_switches().fp8_gemm ||
+      !cuda::kernel_switches().fp8_norm_codes)
+    return;
+  step_buffer(fp8_x_, size_t(step_.T) * size_t(fp8_max_cols_));  // (the sizes fp8_linear carves)
+  step_buffer(fp8_x_scales_, size_t(step_.T) * size_t(std::max(1, fp8_max_cols_ / 128)) * sizeof(float));
+  p.codes = static_cast<uint8_t*>(fp8_x_);
+  p.code_scales = static_cast<float*>(fp8_x_scales_);
+  p.code_group = fp8_norm_group_;
+  fp8_norm_codes_ = {.x = out.data, .m = m, .k = k, .group = fp8_norm_group_};
+}
+
 void CudaOps::add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) {
+  cuda::AddRmsNormParams p{.act = act_, .rows = int(x.rows), .hidden = int(x.cols), .x = static_cast<float*>(x.data),
+                           .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps,
+                           .out = out.data};
+  norm_codes(p, out);
   if (measure_) return;
-  cuda::add_rmsnorm({.act = act_, .rows = int(x.rows), .hidden = int(x.cols), .x = static_cast<float*>(x.data),
-                     .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data},
-                    stream_);
+  cuda::add_rmsnorm(p, stream_);
 }
 
 void CudaOps::rmsnorm(Tensor x, const Weight& w, float eps, Tensor out) {
+  cuda::AddRmsNormParams p{.act = act_, .rows = int(x.rows), .hidden = int(x.cols), .x = nullptr, .delta = x.data,
+                           .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data};
+  norm_codes(p, out);
   if (measure_) return;
-  cuda::add_rmsnorm({.act = act_, .rows = int(x.rows), .hidden = int(x.cols), .x = nullptr, .delta = x.data,
-                     .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data},
-                    stream_);
+  cuda::add_rmsnorm(p, stream_);
 }
 
 void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) {
+  fp8_norm_codes_ = {};
   if (measure_) return;
   cuda::add_rmsnorm({.act = act_, .rows = int(out.rows), .hidden = int(x.cols), .x = static_cast<float*>(x.data),
                      .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data,
@@ -117,6 +145,11 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
   // Block-scaled weights quantize the activations per 128-value group, the others per token.
   const bool block = w.scale_block < k;
   const bool gemm_fits = cuda::fp8_gemm_fits(n, k, w.scale_block) && (!block || w.block_scales);
+  // x quantized by the norm that wrote it (norm_codes), as this GEMM quantizes it: kept for the
+  // next GEMM on the same x; any other FP8 linear clears it (its quantization, if any, writes fp8_x_).
+  const Fp8NormCodes ready = fp8_norm_codes_;
+  const bool have_codes = !glu && ready.x == x && ready.m == m && ready.k == k && ready.group == (block ? 128 : 0);
+  if (!have_codes) fp8_norm_codes_ = {};
   if (!gemv && fp8_max_cols_ > 0 && gemm_fits) {
     // (carved whether or not the GEMM runs, so that measuring and running carve the same)
     KVLM_CHECK(m <= step_.T && k <= fp8_max_cols_, "an FP8 GEMM larger than its step buffers");
@@ -127,19 +160,22 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
   if (!gemv && fp8_x_ && gemm_fits && cuda::kernel_switches().fp8_gemm) {
     auto* codes = static_cast<uint8_t*>(fp8_x_);
     auto* scales = static_cast<float*>(fp8_x_scales_);
+    // Block-scaled weights above 32 rows stay on cuBLASLt's 128 x 128 kernels, which beat
+    // kvlm's N = 64 tile there (a Qwen3-8B layer 88 vs 96 µs at m = 64; at m = 32 kvlm's 79 vs
+    // 88; H200, docs/results/kernel-lab.md).
     if (cuda::kernel_switches().fp8_small_gemm && cuda::gemm_fp8_small_available() &&
-        cuda::gemm_fp8_small_fits(m, k, w.scale_block) &&
+        cuda::gemm_fp8_small_fits(m, k, w.scale_block) && (!block || m <= 32) &&
         (out != DType::F32 || !bias.data)) {
-      // Decode batches with row-scaled weights: kvlm's kernel, one pass over the codes.
-      if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, m, k, stream_);
-      else cuda::quantize_rows_fp8(act_, x, codes, scales, m, k, stream_);
+      // Decode batches: kvlm's kernel, one pass over the codes.
+      if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, m, k, stream_, block ? 128 : 0);
+      else if (!have_codes) cuda::quantize_rows_fp8(act_, x, codes, scales, m, k, stream_, block ? 128 : 0);
       cuda::gemm_fp8_small(out, codes, scales, f, bias.data, y, m, n, k, stream_);
       return;
     }
     // cuBLASLt: the GEMM's rows (block scales: a multiple of 4), then the rest (< 4) through gemv_fp8.
     const int mg = cuda::fp8_gemm_rows(m, k, w.scale_block);
     if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, mg, k, stream_, block ? 128 : 0);
-    else cuda::quantize_rows_fp8(act_, x, codes, scales, mg, k, stream_, block ? 128 : 0);
+    else if (!have_codes) cuda::quantize_rows_fp8(act_, x, codes, scales, mg, k, stream_, block ? 128 : 0);
     if (gemm_.linear_fp8(out, codes, scales, f, bias.data, y, mg, n, k, stream_)) {
       if (mg < m) {
         const size_t out_bytes = dtype_size(out);
@@ -170,11 +206,13 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
 
 void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {
   if (w.dtype == DType::F8E4M3) return fp8_linear(x.data, w, bias, y.data, y.dtype, int(x.rows));
+  fp8_norm_codes_ = {};
   if (measure_) return;
   gemm_.linear(act_, y.dtype, x.data, w.data, bias.data, y.data, int(x.rows), int(w.rows), int(x.cols), stream_);
 }
 
 void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) {
+  fp8_norm_codes_ = {};
   const int T = int(gu.rows), I = int(gu.cols / 2), H = int(w.rows);
   // Carved whether or not it is used, so that measuring and running carve the same.
   void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
@@ -199,6 +237,7 @@ void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight
 }
 
 void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) {
+  fp8_norm_codes_ = {};
   if (measure_) return;
   const CudaKVLayer& L = layers_[size_t(layer)];
   cuda::qkv_rope_store({.act = act_, .storage = L.storage, .quant = L.quant, .num_tokens = int(qkv.rows),
@@ -216,6 +255,7 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
 }
 
 void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale) {
+  fp8_norm_codes_ = {};
   // The kernels write bf16; a float16 model converts for the o projection.
   void* bf16_out = out.data;
   if (act_ != DType::BF16) bf16_out = step_buffer(attn_bf16_, size_t(out.numel()) * 2);
@@ -233,6 +273,7 @@ void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale) {
 }
 
 void CudaOps::all_reduce_sum(Tensor x) {
+  fp8_norm_codes_ = {};
   if (measure_ || comm_.world_size() == 1) return;
   comm_.all_reduce_sum(x.data, x.dtype, size_t(x.numel()), stream_);
 }

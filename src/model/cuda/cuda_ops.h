@@ -25,6 +25,10 @@
 #include "model/ops.h"
 #include "ops/cuda/attention_ops.h"
 
+namespace kvlm::cuda {
+struct AddRmsNormParams;
+}
+
 namespace kvlm {
 
 namespace cuda {
@@ -110,11 +114,14 @@ class CudaOps final : public Ops {
 
   // Where an FP8 weight is dequantized for a GEMM of more rows than the FP8 GEMV takes and
   // the FP8 GEMM does not (the runner's buffer of its largest FP8 weight; null: the model has
-  // none), and the largest input size of its FP8 weights (the per-token quantized
-  // activations' buffer).
-  void set_fp8_scratch(void* p, int max_cols) {
+  // none), the largest input size of its FP8 weights (the per-token quantized activations'
+  // buffer), and how the FP8 GEMMs quantize their activations when every FP8 weight does it
+  // alike (0: per token, 128: per 128-value group; -1: mixed or none), so that the norms
+  // before them can quantize their output on the way (rmsnorm_fp8_fits).
+  void set_fp8_scratch(void* p, int max_cols, int act_group) {
     fp8_scratch_ = p;
     fp8_max_cols_ = max_cols;
+    fp8_norm_group_ = act_group;
   }
 
   // A drafter's features: slot_of[layer] >= 0 for the target layers it reads (empty: none).
@@ -127,10 +134,12 @@ class CudaOps final : public Ops {
   // A buffer the ops need inside the step, carved once per step at its first use.
   void* step_buffer(void*& slot, size_t bytes);
   // y = x . w^T (+ bias) for an FP8 weight: gemv_fp8 at m <= 16 (one pass over the codes; the
-  // tensor-core kernel from m = 2); above, with one scale per weight row, x quantized per token
-  // and the FP8 tensor-core GEMM (cuBLASLt), else (block scales, or a GPU whose cuBLASLt has no
-  // such GEMM) the weight dequantized into the scratch buffer and the 16-bit GEMM. Carves its
-  // step buffers also when measuring.
+  // tensor-core kernel from m = 2); above, with one scale per weight row or 128 x 128 blocks,
+  // x quantized per token (per 128-value group for blocks; by the norm before, where it did:
+  // norm_codes) and an FP8 tensor-core GEMM (kvlm's gemm_fp8_small for decode batches on
+  // Hopper, else cuBLASLt's), else (other scale blocks, or a GPU whose cuBLASLt has no such
+  // GEMM) the weight dequantized into the scratch buffer and the 16-bit GEMM. Carves its step
+  // buffers also when measuring.
   // The gated MLP's input of an FP8 down projection: f(gate) * up of gu, into act where a path
   // needs it written (the FP8 GEMM's quantizer computes it instead: quantize_glu_rows_fp8).
   struct GluSource {
@@ -139,6 +148,17 @@ class CudaOps final : public Ops {
   };
   // y = x . w^T for an FP8 weight; with glu, x is where f(gate) * up goes, computed here.
   void fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, DType out, int m, const GluSource* glu = nullptr);
+  // A norm's output quantized for the FP8 GEMM by the norm itself (add_rmsnorm's codes): the
+  // FP8 GEMMs that read x = `x` (m rows of k, activations quantized in `group`s) take fp8_x_
+  // as it is. Valid until any op other than such a GEMM runs (each clears it: an op may write
+  // the tensor, and any other FP8 GEMM overwrites fp8_x_).
+  struct Fp8NormCodes {
+    const void* x = nullptr;
+    int m = 0, k = 0, group = -1;
+  };
+  // The norm params' codes for an output of rows x cols when the FP8 GEMM after it will want
+  // them (carving fp8_x_ as fp8_linear does); sets or clears fp8_norm_codes_.
+  void norm_codes(cuda::AddRmsNormParams& p, const Tensor& out);
 
   DType act_;
   void* stream_;
@@ -155,6 +175,8 @@ class CudaOps final : public Ops {
   int fp8_max_cols_ = 0;
   void* fp8_x_ = nullptr;        // the step's activations quantized per token, [T][fp8_max_cols_]
   void* fp8_x_scales_ = nullptr;  // their scales, [T]
+  int fp8_norm_group_ = -1;
+  Fp8NormCodes fp8_norm_codes_;
   size_t attn_ws_bytes_ = 0;
   void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
   void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused

@@ -135,6 +135,8 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
                  align_up(block_scale_count(s, quant[i].scale_block) * sizeof(float));
         m_.fp8_scratch_elems = std::max(m_.fp8_scratch_elems, size_t(s.rows() * s.cols()));
         m_.fp8_max_cols = std::max(m_.fp8_max_cols, int(s.cols()));
+        const int group = quant[i].scale_block >= s.cols() ? 0 : quant[i].scale_block == 128 ? 128 : -1;
+        m_.fp8_act_group = !m_.fp8_act_group || *m_.fp8_act_group == group ? group : -1;
       } else {
         blocks_.push_back(0);
         total += align_up(size_t(s.rows() * s.cols()) * dtype_size(gpu_weight_dtype(s.role, m_.act)));
@@ -335,7 +337,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   m.ops = std::make_unique<CudaOps>(m.act, m.stream, m.gemm, *m.comm, /*logits=*/tp.rank == 0);
   if (m.fp8_scratch_elems > 0) {
     m.fp8_scratch.allocate(m.fp8_scratch_elems * dtype_size(m.act), "the FP8 weights' dequantization buffer");
-    m.ops->set_fp8_scratch(m.fp8_scratch.data(), m.fp8_max_cols);
+    m.ops->set_fp8_scratch(m.fp8_scratch.data(), m.fp8_max_cols, m.fp8_act_group.value_or(-1));
   }
   m.ops->set_kv(m.lkv, 0, 0);
   if (m.draft_def) m.ops->set_capture(std::move(slot_of), cfg_.hidden_size);

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -174,6 +175,9 @@ struct CudaModelRunner::Impl {
   size_t num_params = 0, weight_bytes = 0;
   size_t fp8_scratch_elems = 0;  // the largest FP8 weight: its dequantized copy for GEMMs of m > 16
   int fp8_max_cols = 0;          // the largest input size of an FP8 weight (the FP8 GEMM's activations)
+  // How the FP8 GEMMs quantize their activations when every FP8 weight kept does it alike (0:
+  // per token, 128: per 128-value group, -1: mixed; none: no FP8 weight): CudaOps::set_fp8_scratch.
+  std::optional<int> fp8_act_group;
   bool fp8_policy_said = false;  // the startup line about where FP8 weights live, once
   DeviceBuffer fp8_scratch;
   std::vector<CudaKVLayer> lkv;

@@ -3,6 +3,7 @@
 // arithmetic (x / scale, then f32_to_e4m3), so they are bit-exact. A row's values come either
 // from x itself or, for the gated MLP's down projection, from f(gate) * up computed on the fly
 // (rounded to the activation type exactly as glu() stores it), so that input is never written.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -83,7 +84,10 @@ __global__ void __launch_bounds__(T) quantize_rows_fp8_kernel(const uint4* in, u
 }
 
 // Per 128-value group: a half-warp per group (16 lanes x 8 values), its scale at
-// scales[group * m + row] (token fastest).
+// scales[group * m + row] (token fastest). A row's groups are spread over gridDim.y CTAs, one
+// group per half-warp: with one CTA per row, each half-warp walked 6 of a 12,288-wide row's
+// groups one after the other (load, reduce, encode), 7.8 µs at m = 32 against 4.5 for the
+// per-row kernel on an H200.
 template <class Src>
 __global__ void __launch_bounds__(kQuantThreads) quantize_groups_fp8_kernel(const uint4* in, uint2* codes, float* scales,
                                                                              int k8, int m) {
@@ -91,7 +95,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_fp8_kernel(cons
   const size_t row = blockIdx.x;
   const uint4* r = in + row * Src::kWidth * size_t(k8);
   const int half = int(threadIdx.x) / 16, lane = int(threadIdx.x) % 16;
-  for (int g = half; g < k8 / 16; g += kQuantThreads / 16) {
+  for (int g = int(blockIdx.y) * (kQuantThreads / 16) + half; g < k8 / 16; g += int(gridDim.y) * (kQuantThreads / 16)) {
     const int i = g * 16 + lane;
     float f[8];
     Src::load8(r, k8, i, f);
@@ -122,9 +126,11 @@ void launch_quantize(const char* what, DType ab, const void* in, uint8_t* codes,
   const auto st = static_cast<cudaStream_t>(stream);
   const auto* iv = static_cast<const uint4*>(in);
   auto* cv = reinterpret_cast<uint2*>(codes);
-  if (group == 128 && k > 128)
-    KVLM_CUDA_CHECK(launch_pdl<quantize_groups_fp8_kernel<Src>>(dim3(unsigned(m)), dim3(kQuantThreads), 0, st, iv, cv,
-                                                                 scales, k / 8, m));
+  if (group == 128 && k > 128) {
+    const unsigned per_row = unsigned(std::min(65535, (k / 128 + kQuantThreads / 16 - 1) / (kQuantThreads / 16)));
+    KVLM_CUDA_CHECK(launch_pdl<quantize_groups_fp8_kernel<Src>>(dim3(unsigned(m), per_row), dim3(kQuantThreads), 0, st,
+                                                                 iv, cv, scales, k / 8, m));
+  }
   else if (k >= 8192)
     KVLM_CUDA_CHECK(launch_pdl<quantize_rows_fp8_kernel<Src, kQuantWideThreads>>(
         dim3(unsigned(m)), dim3(kQuantWideThreads), 0, st, iv, cv, scales, k / 8));

@@ -104,12 +104,13 @@ inline constexpr int kGemmFp8SmallMaxM = 64;  // gemm_fp8_small's rows of x
 // (it is built on Hopper's FP8 warpgroup MMAs).
 bool gemm_fp8_small_available();
 // Whether gemm_fp8_small takes m rows and a weight of k columns with this scale block: 1 <= m
-// <= kGemmFp8SmallMaxM, k % 16 == 0 and one scale per weight row (scale_block >= k; block-scaled
-// weights stay on Gemm::linear_fp8, whose 128 x 128 kernels were faster).
+// <= kGemmFp8SmallMaxM, k % 16 == 0, and one scale per weight row (scale_block >= k) or 128 x
+// 128 blocks (scale_block 128, k % 128 == 0; the weight must carry block_scales).
 bool gemm_fp8_small_fits(int m, int k, int scale_block);
 // Gemm::linear_fp8's product for decode batches, by a kernel of kvlm's own (gemm_fp8_small.cu:
-// one pass over the weight's codes, FP8 wgmma, fp32 sums): x [m][k] E4M3 codes with per-token
-// x_scales [m] (quantize_rows_fp8's layout) times w's codes with their row scales. Needs
+// one pass over the weight's codes, FP8 wgmma, fp32 sums): x [m][k] E4M3 codes with
+// quantize_rows_fp8's scales times w's codes with theirs — per token [m] with row scales, per
+// token and 128-value group [k / 128][m] with 128 x 128 blocks (w.block_scales). Needs
 // gemm_fp8_small_available and gemm_fp8_small_fits. out: bf16, f16 or f32 (the bias, of out's
 // type, needs a 16-bit out). splits > 0 forces the cluster split of k (1, 2, 4 or 8, else an
 // Error; for tests and the lab).

@@ -26,9 +26,12 @@
 //    what the 16-byte cp.async copies write directly.
 //  - The CTAs of a thread-block cluster along y (1, 2, 4 or 8) split the rounds into
 //    contiguous ranges, and add their sums through distributed shared memory (as the GEMV's).
-//  - Scales: one per weight row and one per token multiply the finished sum. (Block scales took
-//    a scale product per round and element, and ran slower than cuBLASLt's 128 x 128 block
-//    kernels, which those weights keep; kernel-lab.md.)
+//  - Scales: one per weight row and one per token multiply the finished sum. With 128 x 128
+//    block scales (Qwen3-FP8, DeepSeek) a round is exactly one block column and a CTA exactly
+//    one block row, so a round's sums take one weight scale and one per-(token, 128-group) x
+//    scale per column: the round's wgmmas write a second set of accumulators, added into the
+//    first times those scales once they land. The scales ride in the ring with their round
+//    (a small ring beside it), so reading them costs no latency after the wgmma wait.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,12 +53,15 @@ constexpr int kSgRows = 128;                 // weight rows per CTA: 64 per warp
 constexpr int kSgStages = 4;                 // ring depth: 3 rounds in flight
 constexpr int kSgMaxSplits = 8;              // the portable cluster size
 
-template <int N>
+template <int N, bool kBlock>
 struct SgCfg {
   static constexpr int kWBytes = kSgRows * kSgRound;  // a round's weights
   static constexpr int kXBytes = N * kSgRound;        // a round's x
   static constexpr int kStageBytes = kWBytes + kXBytes;
-  static constexpr int kSmem = kSgStages * kStageBytes + 1024;  // + the slack to align to 1024 B
+  // Block scales: per stage N x scales (one per x row) then the weight block's scale.
+  static constexpr int kScaleSlot = N + 4;  // floats (16-byte aligned slots)
+  static constexpr int kScaleBytes = kBlock ? kSgStages * kScaleSlot * int(sizeof(float)) : 0;
+  static constexpr int kSmem = kSgStages * kStageBytes + kScaleBytes + 1024;  // + the slack to align to 1024 B
   static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle's 1024-B alignment");
   static_assert(kSgRows * N * int(sizeof(float)) <= kSgStages * kStageBytes, "the CTA's sums fit in the ring");
 };
@@ -63,12 +69,14 @@ struct SgCfg {
 // Row r's 16-byte chunk c (0..7) of a round's tile in shared memory (128-byte rows, swizzled).
 __device__ __forceinline__ uint32_t sg_offset(int r, int c) { return uint32_t(r * kSgRound + ((c ^ (r & 7)) << 4)); }
 
-template <class V, int N, bool kF32Out>
+// ws: kBlock ? the block scales [ceil(n / 128)][k / 128] : one per row [n]; xs: kBlock ? per
+// (128-group, token) [k / 128][m] : per token [m].
+template <class V, int N, bool kF32Out, bool kBlock>
 __global__ void __launch_bounds__(kGemvThreads, 2)
     gemm_fp8_small_kernel(const uint8_t* x, const float* xs, const uint8_t* w, const float* ws, const uint16_t* bias,
                           void* y, int m, int n, int k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = SgCfg<N>;
+  using Cfg = SgCfg<N, kBlock>;
   constexpr int S = kSgStages, XJ = N / 32;
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg = warp / 4, wl = warp % 4;
@@ -80,6 +88,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(sg_smem));
   char* const smem = reinterpret_cast<char*>(sg_smem) + ((1024 - (raw_s & 1023)) & 1023);  // the swizzle's alignment
   const uint32_t smem_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  float* const scale_ring = reinterpret_cast<float*>(smem + kSgStages * Cfg::kStageBytes);  // kBlock only
+  const uint32_t scale_s = smem_s + uint32_t(kSgStages * Cfg::kStageBytes);
 
   // Copies: thread copies chunk tid % 8 of rows tid / 8 + 32 j, so a warp instruction reads 4
   // whole 128-byte lines (4 L2 requests; 32-byte pieces of 16 rows took 16 and left L2's
@@ -111,6 +121,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       const bool ok = won[j] && in;
       mma::cp_async16(st + j * 32 * kSgRound, wsrc[j] + (ok ? k0 : 0), ok ? 16 : 0);
     }
+    if (kBlock && tid == 0)  // the block's scale (k % 128 == 0: kr block columns)
+      mma::cp_async4(scale_s + uint32_t(((i % S) * Cfg::kScaleSlot + N) * 4), ws + size_t(blockIdx.x) * kr + first + i);
   };
   auto issue_x = [&](int i) {
     if (i >= rounds) return;
@@ -122,6 +134,9 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       const bool ok = xon[j] && in;
       mma::cp_async16(st + j * 32 * kSgRound, xsrc[j] + (ok ? k0 : 0), ok ? 16 : 0);
     }
+    if (kBlock && tid < N)  // x's scales of this group (rows past m: row m - 1's, times zero codes)
+      mma::cp_async4(scale_s + uint32_t(((i % S) * Cfg::kScaleSlot + tid) * 4),
+                     xs + size_t(first + i) * size_t(m) + min(tid, m - 1));
   };
   auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
 #pragma unroll
@@ -140,6 +155,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 
   // d[4 j + e]: weight row 64 wg + 16 wl + g + 8 (e >> 1), x row 8 j + 2 t + (e & 1).
   float acc[N / 2] = {};
+  [[maybe_unused]] float part[kBlock ? N / 2 : 1];  // kBlock: the round's sums before its scales
   const int wrow = 64 * wg + 16 * wl + g;
   for (int i = 0; i < rounds; ++i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
@@ -152,13 +168,32 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
     const uint64_t da = wgmma::desc_sw128(stage + wg * 64 * kSgRound, 16, 1024);
     const uint64_t db = wgmma::desc_sw128(stage + Cfg::kWBytes, 16, 1024);
     wgmma::fence();
+    if constexpr (kBlock) {
 #pragma unroll
-    for (int kk = 0; kk < kSgRound / 32; ++kk)  // 32 codes further into the 128-byte rows per step
-      wgmma::wgmma_ss_e4m3<N>(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
+      for (int kk = 0; kk < kSgRound / 32; ++kk)  // the first step overwrites the round's sums
+        wgmma::wgmma_ss_e4m3<N>(part, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kk > 0);
+      wgmma::commit();
+      wgmma::wait<0>();
 #pragma unroll
-    for (int e = 0; e < N / 2; ++e) wgmma::fence_operand(acc[e]);
+      for (int e = 0; e < N / 2; ++e) wgmma::fence_operand(part[e]);
+      const float* const sc = scale_ring + (i % S) * Cfg::kScaleSlot;
+      const float wsc = sc[N];
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        const float2 xsc = *reinterpret_cast<const float2*>(sc + 8 * j + 2 * t);
+        const float s0 = wsc * xsc.x, s1 = wsc * xsc.y;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[4 * j + e] = fmaf(part[4 * j + e], (e & 1) ? s1 : s0, acc[4 * j + e]);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kSgRound / 32; ++kk)  // 32 codes further into the 128-byte rows per step
+        wgmma::wgmma_ss_e4m3<N>(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), 1);
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int e = 0; e < N / 2; ++e) wgmma::fence_operand(acc[e]);
+    }
   }
   asm volatile("cp.async.wait_all;\n" ::);
   allow_dependents();  // the weights are read
@@ -179,7 +214,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
     float v = red[r * kSgRows + rr];
     for (int s = 0; s < splits; ++s)
       if (s != rank) v += cluster_peer(red, s)[r * kSgRows + rr];
-    v *= __ldg(xs + r) * __ldg(ws + row);
+    if constexpr (!kBlock) v *= __ldg(xs + r) * __ldg(ws + row);  // (block scales: applied per round)
     store_out<V, 1, kF32Out>(y, n, row, r, v, bias);
   }
   if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
@@ -190,6 +225,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 
 struct SgLaunch {
   int n_tile = 0, splits = 0, grid = 0, resident = 0;
+  bool block = false;
 };
 thread_local SgLaunch g_last;  // this thread's last launch (gemm_fp8_small_last_launch, for tests and the lab)
 
@@ -204,26 +240,33 @@ int sg_splits(int slots, int n, int k, int forced) {
   return s;
 }
 
-template <class V, int N, bool kF32Out>
+template <class V, int N, bool kF32Out, bool kBlock>
 void launch_sg(const uint8_t* x, const float* xs, const Fp8Weight& w, const void* bias, void* y, int m, int n, int k,
                int forced_splits, cudaStream_t st) {
-  using Cfg = SgCfg<N>;
-  constexpr auto kernel = gemm_fp8_small_kernel<V, N, kF32Out>;
+  using Cfg = SgCfg<N, kBlock>;
+  constexpr auto kernel = gemm_fp8_small_kernel<V, N, kF32Out, kBlock>;
   const int slots = resident_ctas<kernel, Cfg::kSmem>();  // also opts the kernel in to its shared memory
   const int splits = sg_splits(slots, n, k, forced_splits);
   const dim3 grid(unsigned((n + kSgRows - 1) / kSgRows), unsigned(splits));
   KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits, x, xs, w.codes,
-                                             w.scales, static_cast<const uint16_t*>(bias), y, m, n, k));
-  g_last = {N, splits, int(grid.x * grid.y), slots};
+                                             kBlock ? w.block_scales : w.scales, static_cast<const uint16_t*>(bias), y,
+                                             m, n, k));
+  g_last = {N, splits, int(grid.x * grid.y), slots, kBlock};
 }
 
 template <class V>
 void launch_sg_any(bool f32, const uint8_t* x, const float* xs, const Fp8Weight& w, const void* bias, void* y, int m,
                    int n, int k, int splits, cudaStream_t st) {
+  const bool block = w.scale_block < k;
   auto go = [&](auto nt) {
     constexpr int N = decltype(nt)::value;
-    if (f32) launch_sg<V, N, true>(x, xs, w, bias, y, m, n, k, splits, st);
-    else launch_sg<V, N, false>(x, xs, w, bias, y, m, n, k, splits, st);
+    if (block) {
+      if (f32) launch_sg<V, N, true, true>(x, xs, w, bias, y, m, n, k, splits, st);
+      else launch_sg<V, N, false, true>(x, xs, w, bias, y, m, n, k, splits, st);
+    } else {
+      if (f32) launch_sg<V, N, true, false>(x, xs, w, bias, y, m, n, k, splits, st);
+      else launch_sg<V, N, false, false>(x, xs, w, bias, y, m, n, k, splits, st);
+    }
   };
   if (m <= 32) go(std::integral_constant<int, 32>{});
   else go(std::integral_constant<int, 64>{});
@@ -240,7 +283,8 @@ bool gemm_fp8_small_available() {
 }
 
 bool gemm_fp8_small_fits(int m, int k, int scale_block) {
-  return m >= 1 && m <= kGemmFp8SmallMaxM && k > 0 && k % 16 == 0 && scale_block >= k;
+  return m >= 1 && m <= kGemmFp8SmallMaxM && k > 0 && k % 16 == 0 &&
+         (scale_block >= k || (scale_block == kSgRound && k % kSgRound == 0));
 }
 
 void gemm_fp8_small(DType out, const uint8_t* x, const float* x_scales, const Fp8Weight& w, const void* bias, void* y,
@@ -250,8 +294,11 @@ void gemm_fp8_small(DType out, const uint8_t* x, const float* x_scales, const Fp
     throw Error("CUDA FP8 small-batch GEMM: needs a Hopper GPU (compute capability 9.0) and kvlm built for sm_90a");
   if (!gemm_fp8_small_fits(m, k, w.scale_block))
     throw Error("CUDA FP8 small-batch GEMM: needs 1 <= m <= " + std::to_string(kGemmFp8SmallMaxM) +
-                ", k a multiple of 16 and one scale per weight row (m=" + std::to_string(m) + ", k=" + std::to_string(k) + ", scale block " +
-                std::to_string(w.scale_block) + ")");
+                ", k a multiple of 16, and one scale per weight row or 128 x 128 blocks with k a multiple of 128 (m=" +
+                std::to_string(m) + ", k=" + std::to_string(k) + ", scale block " + std::to_string(w.scale_block) + ")");
+  if (w.scale_block < k && !w.block_scales)
+    throw Error("CUDA FP8 small-batch GEMM: 128-column scale blocks need the scales once per 128 x 128 block "
+                "(Fp8Weight::block_scales: every block's rows share their scales)");
   if (out != DType::BF16 && out != DType::F16 && out != DType::F32)
     throw Error("CUDA FP8 small-batch GEMM: output must be bfloat16, float16 or float32");
   if (out == DType::F32 && bias) throw Error("CUDA FP8 small-batch GEMM: a bias needs a 16-bit output (its type)");
@@ -264,8 +311,9 @@ void gemm_fp8_small(DType out, const uint8_t* x, const float* x_scales, const Fp
 }
 
 std::string gemm_fp8_small_last_launch() {
-  return "N " + std::to_string(g_last.n_tile) + ", split " + std::to_string(g_last.splits) + ", grid " +
-         std::to_string(g_last.grid) + ", resident " + std::to_string(g_last.resident);
+  return "N " + std::to_string(g_last.n_tile) + (g_last.block ? ", 128 x 128 blocks" : ", row scales") + ", split " +
+         std::to_string(g_last.splits) + ", grid " + std::to_string(g_last.grid) + ", resident " +
+         std::to_string(g_last.resident);
 }
 
 }  // namespace kvlm::cuda

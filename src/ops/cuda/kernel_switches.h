@@ -13,10 +13,10 @@ struct KernelSwitches {
   // tiled kernel (what sm_80 / sm_89 and head 256 run).
   bool wgmma = true;
   // FP8 weights on the GPU (model/cuda/cuda_runner.cpp): Auto keeps them FP8 on Hopper when
-  // every one has one scale per row (m > 16 then runs the FP8 tensor-core GEMM), and anywhere
-  // their copy in the compute dtype would take more than half of the GPU's memory, else
-  // dequantizes them at load (block scales: faster above batch 16 and in prefill); Keep /
-  // Dequantize force it.
+  // the FP8 tensor-core GEMM takes every one above m = 16 (one scale per row, or 128 x 128
+  // blocks that each block's rows share), and anywhere their copy in the compute dtype would
+  // take more than half of the GPU's memory, else dequantizes them at load (faster above batch
+  // 16 and in prefill than a dequantize per GEMM); Keep / Dequantize force it.
   enum class Fp8Weights { Auto, Keep, Dequantize } fp8_weights = Fp8Weights::Auto;
   // gemv_fp8's tensor-core kernel (for the lab): 16-row tiles per CTA (0: automatic, 1, 2 or 4)
   // and CTAs per cluster splitting k (0: automatic, 1, 2, 4 or 8).
@@ -32,10 +32,14 @@ struct KernelSwitches {
   // quantized per token; off: the weight dequantized before the 16-bit GEMM (weight-only
   // FP8, for measurements and tests).
   bool fp8_gemm = true;
-  // ... and at m = 17..kGemmFp8SmallMaxM, for weights with one scale per row on Hopper, that
+  // ... and at m = 17..kGemmFp8SmallMaxM on Hopper (block-scaled weights: up to 32), that
   // GEMM is gemm_fp8_small (kvlm's kernel); off: cuBLASLt's (Gemm::linear_fp8), for
   // measurements.
   bool fp8_small_gemm = true;
+  // ... and at m = 17..kGemmFp8SmallMaxM the RMSNorm before such a GEMM quantizes its output
+  // for it (add_rmsnorm's codes), sparing the GEMM its own quantization pass; off: the GEMM
+  // quantizes, for measurements.
+  bool fp8_norm_codes = true;
 };
 
 void set_kernel_switches(const KernelSwitches& s);

@@ -1,6 +1,8 @@
 // The decoder's non-GEMM kernels (model_ops.h). All are memory-bound and small next to the
 // GEMMs; what matters is one pass over each tensor and no extra launches:
-//  - add_rmsnorm: residual add + norm in one CTA per row, the row held in registers;
+//  - add_rmsnorm: residual add + norm in one CTA per row, the row held in registers (and, for
+//    an FP8 GEMM after it, the output's FP8 codes and scales, sparing that GEMM its own
+//    quantization pass);
 //  - qkv_rope_store: one warp per (token, head) reads its slice of the fused QKV output once
 //    and writes bf16 q, or quantized K and V straight into their pages — no separate q/k
 //    norm, RoPE or KV-store pass;
@@ -12,6 +14,7 @@
 #include <cuda_fp16.h>
 
 #include "core/hadamard.h"
+#include "core/numeric.h"
 #include "ops/cuda/block_argmax.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/glu.cuh"
@@ -112,6 +115,46 @@ __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddR
   for (int c = 0; c < PER; ++c) {
     const int i = tid + c * nt;
     if (i < H) out[i] = A::store(wt[c] * (v[c] * inv));
+  }
+  if (!p.codes) return;
+  // quantize_rows_fp8 of the stored row: the absolute maximum of the rounded values per row (or
+  // per 128-value group: for each c, 128 consecutive threads, i.e. 4 whole warps), scale =
+  // amax / 448 (1 when all zero), code = f32_to_e4m3(value / scale).
+  float y[PER], wmax[PER];
+#pragma unroll
+  for (int c = 0; c < PER; ++c) {
+    y[c] = tid + c * nt < H ? A::load(A::store(wt[c] * (v[c] * inv))) : 0.0f;
+    wmax[c] = warp_max(fabsf(y[c]));
+  }
+  __shared__ float gmax[16][kNormMaxThreads / 32];  // [c][warp]
+  const int warp = tid / 32, warps = nt / 32;
+  if (tid % 32 == 0)
+#pragma unroll
+    for (int c = 0; c < PER; ++c) gmax[c][warp] = wmax[c];
+  __syncthreads();
+  uint8_t* codes = p.codes + size_t(r) * size_t(H);
+  auto scale_of = [](float amax) { return amax > 0.0f ? amax / num::kE4M3Max : 1.0f; };
+  if (p.code_group == 0) {
+    float amax = 0.0f;
+    for (int w = 0; w < warps; ++w)
+#pragma unroll
+      for (int c = 0; c < PER; ++c) amax = fmaxf(amax, gmax[c][w]);
+    const float scale = scale_of(amax);
+    if (tid == 0) p.code_scales[r] = scale;
+#pragma unroll
+    for (int c = 0; c < PER; ++c)
+      if (tid + c * nt < H) codes[tid + c * nt] = num::f32_to_e4m3(y[c] / scale);
+  } else {
+    const int w0 = warp & ~3;  // the group's 4 warps
+#pragma unroll
+    for (int c = 0; c < PER; ++c) {
+      const int i = tid + c * nt;
+      if (i >= H) continue;  // (H % 128 == 0 and nt % 128 == 0: a group is all in or all out)
+      const float amax = fmaxf(fmaxf(gmax[c][w0], gmax[c][w0 + 1]), fmaxf(gmax[c][w0 + 2], gmax[c][w0 + 3]));
+      const float scale = scale_of(amax);
+      if (tid % 128 == 0) p.code_scales[size_t(i / 128) * size_t(p.rows) + size_t(r)] = scale;
+      codes[i] = num::f32_to_e4m3(y[c] / scale);
+    }
   }
 }
 
@@ -466,6 +509,20 @@ void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, i
   });
 }
 
+namespace {
+// The norm kernel's values per thread and threads for a row of `hidden`.
+int norm_per(int hidden) { return hidden <= kNormMaxThreads * 4 ? 4 : hidden <= kNormMaxThreads * 8 ? 8 : 16; }
+int norm_threads(int hidden) {
+  const int per = norm_per(hidden);
+  return std::min(kNormMaxThreads, ((hidden + per - 1) / per + 31) / 32 * 32);
+}
+}  // namespace
+
+bool rmsnorm_fp8_fits(int hidden, int group) {
+  if (hidden <= 0 || hidden > kNormMaxThreads * 16 || hidden % 8 != 0) return false;  // (quantize_rows_fp8's k % 8)
+  return group == 0 || (group == 128 && hidden % 128 == 0 && norm_threads(hidden) % 128 == 0);
+}
+
 void add_rmsnorm(const AddRmsNormParams& p, void* stream) {
   if (p.rows <= 0) return;
   if (p.hidden <= 0 || (!p.x && !p.delta) || !p.weight || !p.out)
@@ -473,8 +530,12 @@ void add_rmsnorm(const AddRmsNormParams& p, void* stream) {
   if (p.hidden > kNormMaxThreads * 16)
     throw Error("the CUDA RMSNorm handles hidden sizes up to " + std::to_string(kNormMaxThreads * 16) + ", got " +
                 std::to_string(p.hidden));
-  const int per = p.hidden <= kNormMaxThreads * 4 ? 4 : p.hidden <= kNormMaxThreads * 8 ? 8 : 16;
-  const int threads = std::min(kNormMaxThreads, ((p.hidden + per - 1) / per + 31) / 32 * 32);
+  if (p.codes && (!p.code_scales || p.row_map || !rmsnorm_fp8_fits(p.hidden, p.code_group)))
+    throw Error("add_rmsnorm: FP8 codes need their scales, no row map, and a row of " + std::to_string(p.hidden) +
+                " values that the norm quantizes in groups of " + std::to_string(p.code_group) +
+                " (rmsnorm_fp8_fits)");
+  const int per = norm_per(p.hidden);
+  const int threads = norm_threads(p.hidden);
   dispatch_act(p.act, [&](auto a) {
     using A = decltype(a);
     const auto st = static_cast<cudaStream_t>(stream);

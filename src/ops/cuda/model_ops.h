@@ -38,8 +38,19 @@ struct AddRmsNormParams {
   float eps = 1e-6f;
   void* out = nullptr;               // act [rows][hidden]
   const int32_t* row_map = nullptr;  // [rows] or null
+  // Optionally also out quantized for the FP8 GEMM, exactly as quantize_rows_fp8 (gemm.h) would
+  // quantize it (codes [rows][hidden]; code_group 0: scales [rows], 128: [hidden / 128][rows]):
+  // the GEMM after the norm then reads these instead of running its own quantization pass.
+  // Needs rmsnorm_fp8_fits and no row_map.
+  uint8_t* codes = nullptr;
+  float* code_scales = nullptr;
+  int code_group = 0;
 };
 void add_rmsnorm(const AddRmsNormParams& p, void* stream);
+// Whether add_rmsnorm quantizes rows of this size in these groups (0: per row; 128: the norm's
+// CTA shape must put each group in whole warps, true for hidden sizes that are multiples of 512
+// among others).
+bool rmsnorm_fp8_fits(int hidden, int group);
 
 // The attention prologue in one pass over the fused QKV projection:
 //   q heads: [Qwen3 q RMSNorm] -> RoPE -> bf16 q (the paged attention kernels' input);
