@@ -447,7 +447,7 @@ void gemv_lab(double bw) {
     const int copies = int(codes.size()), nb = (sh.k + 127) / 128;
     void* const rs = device_floats(size_t(sh.n), 1e-3f);                       // one scale per row
     void* const bs = device_floats(size_t(sh.n) * size_t(nb), 1e-3f);          // block scales, one row per weight row
-    void* const bsc = device_floats(size_t((sh.n + 127) / 128) * size_t(nb), 1e-3f);  // ... once per 128 x 128 block
+    void* const bsc = device_floats(size_t((sh.n + 127) / 128) * size_t(cuda::fp8_block_scale_ld(sh.k)), 1e-3f);  // ... once per 128 x 128 block
     void *x = nullptr, *xq = nullptr, *xs = nullptr, *y = nullptr;
     constexpr int kMaxM = 256;
     ck(cudaMalloc(&x, size_t(kMaxM) * sh.k * 2), "cudaMalloc");

@@ -303,9 +303,10 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
   EXPECT_FALSE(cuda::fp8_gemm_fits(384, 1040, 128));
   double block_worst = 0;
   for (DType ab : kActs)
-    // (k = 4608: 36 groups a row, over 3 CTAs of the group quantizer, the last one partial)
-    for (auto [m, n, k] : {std::tuple{36, 256, 1024}, {132, 384, 512}, {20, 128, 4608}}) {
-      const int kb = k / 128, nbk = n / 128;
+    // (k = 4608: 36 groups a row, over 3 CTAs of the group quantizer, the last one partial; k =
+    // 384 and 640: rows of 3 and 5 blocks, which cuBLASLt reads padded to 4 and 8)
+    for (auto [m, n, k] : {std::tuple{36, 256, 1024}, {132, 384, 512}, {20, 128, 4608}, {36, 640, 384}, {24, 256, 640}}) {
+      const int kb = k / 128, nbk = n / 128, ld = cuda::fp8_block_scale_ld(k);
       auto x = random_act(ab, size_t(m) * k, rng, 2.0f);
       x[size_t(k) + 200] = act_round(ab, 300.0f);  // an outlier in row 1, group 1
       const auto [xc, xs] = quantize_reference(x, m, k, 128);
@@ -318,10 +319,11 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
       ASSERT_EQ(dxc.download(), xc) << "group codes, " << dtype_name(ab) << " m " << m << " k " << k;
       const std::vector<uint8_t> wc = random_fp8_codes(size_t(n) * k, rng);
       std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
-      std::vector<float> blocks(size_t(nbk) * kb), rows(size_t(n) * kb);
-      for (auto& v : blocks) v = ud(rng);
+      std::vector<float> blocks(size_t(nbk) * ld, 1e30f), rows(size_t(n) * kb);  // (padding: never read)
+      for (int bj = 0; bj < nbk; ++bj)
+        for (int g = 0; g < kb; ++g) blocks[size_t(bj) * ld + g] = ud(rng);
       for (int j = 0; j < n; ++j)
-        for (int g = 0; g < kb; ++g) rows[size_t(j) * kb + g] = blocks[size_t(j / 128) * kb + g];
+        for (int g = 0; g < kb; ++g) rows[size_t(j) * kb + g] = blocks[size_t(j / 128) * ld + g];
       Dev<uint8_t> dwc(wc);
       Dev<float> dws(rows), dwb(blocks);
       const cuda::Fp8Weight w{.codes = dwc.p, .scales = dws.p, .scale_block = 128, .block_scales = dwb.p};
@@ -333,7 +335,7 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
         for (int j = 0; j < n; ++j) {
           double ref = 0, mag = 0;
           for (int g = 0; g < kb; ++g) {
-            const double s = double(xs[size_t(g) * m + r]) * double(blocks[size_t(j / 128) * kb + g]);
+            const double s = double(xs[size_t(g) * m + r]) * double(blocks[size_t(j / 128) * ld + g]);
             for (int i = g * 128; i < (g + 1) * 128; ++i) {
               const double p = double(num::e4m3_to_f32(xc[size_t(r) * k + i])) * double(num::e4m3_to_f32(wc[size_t(j) * k + i])) * s;
               ref += p;
@@ -380,16 +382,16 @@ TEST(CudaModelOps, Fp8SmallBatchGemm) {
     for (auto [m, n, k] : {std::tuple{17, 200, 1040}, {32, 136, 176}, {33, 1000, 528}, {64, 384, 4096}, {1, 72, 256},
                            {5, 130, 2048}, {48, 130, 384}}) {
       if (block) k = (k + 127) / 128 * 128;
-      const int groups = block ? k / 128 : 1, rblocks = (n + 127) / 128;
+      const int groups = block ? k / 128 : 1, rblocks = (n + 127) / 128, ld = cuda::fp8_block_scale_ld(k);
       const std::vector<uint8_t> xc = random_fp8_codes(size_t(m) * k, rng), wc = random_fp8_codes(size_t(n) * k, rng);
       std::vector<uint8_t> xz = xc;
       for (int i = 0; i < k; ++i) xz[size_t(3 % m) * k + i] = 0;  // an all-zero row (its scale stays)
       std::uniform_real_distribution<float> ud(1e-4f, 2e-3f);
       // x scales [groups][m]; weight scales per row [n] or per block [rblocks][groups]
-      std::vector<float> xs(size_t(groups) * size_t(m)), ws(block ? size_t(rblocks) * size_t(groups) : size_t(n));
+      std::vector<float> xs(size_t(groups) * size_t(m)), ws(block ? size_t(rblocks) * size_t(ld) : size_t(n));
       for (size_t i = 0; i < xs.size(); ++i) xs[i] = ud(rng) * (block && (i / size_t(m)) % 2 ? 1e4f : 100.0f);
-      for (auto& v : ws) v = ud(rng);
-      auto wscale = [&](int j, int gi) { return block ? ws[size_t(j / 128) * groups + size_t(gi)] : ws[size_t(j)]; };
+      for (size_t i = 0; i < ws.size(); ++i) ws[i] = !block || int(i % size_t(ld)) < groups ? ud(rng) : 1e30f;
+      auto wscale = [&](int j, int gi) { return block ? ws[size_t(j / 128) * ld + size_t(gi)] : ws[size_t(j)]; };
       // ref[r][j] and sum |x w| in double
       std::vector<double> ref(size_t(m) * n), mag(size_t(m) * n);
       for (int r = 0; r < m; ++r)

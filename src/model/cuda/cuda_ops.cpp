@@ -160,6 +160,17 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
   if (!gemv && fp8_x_ && gemm_fits && cuda::kernel_switches().fp8_gemm) {
     auto* codes = static_cast<uint8_t*>(fp8_x_);
     auto* scales = static_cast<float*>(fp8_x_scales_);
+    // x's codes and scales for the GEMM's first `rows` rows. The norm's serve where their layout
+    // is the GEMM's: per token any prefix of rows; per group, whose scales are [k / 128][rows],
+    // only all m rows.
+    auto quantize = [&](int rows) {
+      if (glu) {
+        cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, rows, k, stream_, block ? 128 : 0);
+      } else if (!have_codes || (block && rows != m)) {
+        cuda::quantize_rows_fp8(act_, x, codes, scales, rows, k, stream_, block ? 128 : 0);
+        fp8_norm_codes_ = {};  // fp8_x_ holds this quantization now
+      }
+    };
     // Block-scaled weights above 32 rows stay on cuBLASLt's 128 x 128 kernels, which beat
     // kvlm's N = 64 tile there (a Qwen3-8B layer 88 vs 96 µs at m = 64; at m = 32 kvlm's 79 vs
     // 88; H200, docs/results/kernel-lab.md).
@@ -167,15 +178,13 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
         cuda::gemm_fp8_small_fits(m, k, w.scale_block) && (!block || m <= 32) &&
         (out != DType::F32 || !bias.data)) {
       // Decode batches: kvlm's kernel, one pass over the codes.
-      if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, m, k, stream_, block ? 128 : 0);
-      else if (!have_codes) cuda::quantize_rows_fp8(act_, x, codes, scales, m, k, stream_, block ? 128 : 0);
+      quantize(m);
       cuda::gemm_fp8_small(out, codes, scales, f, bias.data, y, m, n, k, stream_);
       return;
     }
     // cuBLASLt: the GEMM's rows (block scales: a multiple of 4), then the rest (< 4) through gemv_fp8.
     const int mg = cuda::fp8_gemm_rows(m, k, w.scale_block);
-    if (glu) cuda::quantize_glu_rows_fp8(act_, glu->f, glu->gu, codes, scales, mg, k, stream_, block ? 128 : 0);
-    else if (!have_codes) cuda::quantize_rows_fp8(act_, x, codes, scales, mg, k, stream_, block ? 128 : 0);
+    quantize(mg);
     if (gemm_.linear_fp8(out, codes, scales, f, bias.data, y, mg, n, k, stream_)) {
       if (mg < m) {
         const size_t out_bytes = dtype_size(out);

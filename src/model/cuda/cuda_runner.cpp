@@ -51,7 +51,7 @@ size_t block_scale_count(const WeightSpec& s, int scale_block) {
     return 0;
   for (const WeightPiece& p : s.pieces)
     if (p.shape.empty() || p.shape[0] % 128 != 0) return 0;
-  return size_t((s.rows() + 127) / 128) * size_t((s.cols() + 127) / 128);
+  return size_t((s.rows() + 127) / 128) * size_t(cuda::fp8_block_scale_ld(int(s.cols())));
 }
 
 // Whether an FP8 weight with this scale block runs the FP8 GEMM above m = 16.
@@ -219,14 +219,14 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     // their scales (each piece starts on a block row).
     const float* block_dev = nullptr;
     if (const size_t count = block_scale_count(s, scale_block); count > 0) {
-      const size_t rb = size_t((s.rows() + 127) / 128);
-      std::vector<float> blocks(rb * nb);
+      const size_t rb = size_t((s.rows() + 127) / 128), ld = size_t(cuda::fp8_block_scale_ld(int(cols)));
+      std::vector<float> blocks(rb * ld, 0.0f);  // (padding: never a block's scale)
       bool same = true;
       for (size_t r = 0; r < size_t(s.rows()); ++r)
         for (size_t c = 0; c < nb; ++c) {
           const float v = scales[r * nb + c];
-          if (r % 128 == 0) blocks[(r / 128) * nb + c] = v;
-          else same &= v == blocks[(r / 128) * nb + c];
+          if (r % 128 == 0) blocks[(r / 128) * ld + c] = v;
+          else same &= v == blocks[(r / 128) * ld + c];
         }
       if (same) {
         auto* dst = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(scales_dev) + align_up(scales.size() * sizeof(float)));

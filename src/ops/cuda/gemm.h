@@ -50,10 +50,13 @@ struct Fp8Weight {
   const uint8_t* codes = nullptr;
   const float* scales = nullptr;
   int scale_block = 0;
-  // scale_block 128: the scales once per 128 x 128 block, [ceil(n / 128)][ceil(k / 128)]
-  // (linear_fp8's block-scaled GEMM); may be null.
+  // scale_block 128: the scales once per 128 x 128 block, [ceil(n / 128)][fp8_block_scale_ld(k)]
+  // (a row's ceil(k / 128) blocks padded to a multiple of 4: cuBLASLt's layout for its 128 x 128
+  // block scaling, which read unpadded rows of 3 as if they were 4); may be null.
   const float* block_scales = nullptr;
 };
+// The row stride of Fp8Weight::block_scales for k input columns.
+inline constexpr int fp8_block_scale_ld(int k) { return ((k + 127) / 128 + 3) / 4 * 4; }
 // Whether GPUs of this compute capability run FP8 weights (sm_89+: the cvt instructions);
 // older ones get the weights dequantized at load.
 bool fp8_weights_supported(int compute_capability);

@@ -69,7 +69,7 @@ struct SgCfg {
 // Row r's 16-byte chunk c (0..7) of a round's tile in shared memory (128-byte rows, swizzled).
 __device__ __forceinline__ uint32_t sg_offset(int r, int c) { return uint32_t(r * kSgRound + ((c ^ (r & 7)) << 4)); }
 
-// ws: kBlock ? the block scales [ceil(n / 128)][k / 128] : one per row [n]; xs: kBlock ? per
+// ws: kBlock ? the block scales [ceil(n / 128)][fp8_block_scale_ld(k)] : one per row [n]; xs: kBlock ? per
 // (128-group, token) [k / 128][m] : per token [m].
 template <class V, int N, bool kF32Out, bool kBlock>
 __global__ void __launch_bounds__(kGemvThreads, 2)
@@ -121,8 +121,9 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       const bool ok = won[j] && in;
       mma::cp_async16(st + j * 32 * kSgRound, wsrc[j] + (ok ? k0 : 0), ok ? 16 : 0);
     }
-    if (kBlock && tid == 0)  // the block's scale (k % 128 == 0: kr block columns)
-      mma::cp_async4(scale_s + uint32_t(((i % S) * Cfg::kScaleSlot + N) * 4), ws + size_t(blockIdx.x) * kr + first + i);
+    if (kBlock && tid == 0)  // the block's scale (rows of kr block columns padded to a multiple of 4)
+      mma::cp_async4(scale_s + uint32_t(((i % S) * Cfg::kScaleSlot + N) * 4),
+                     ws + size_t(blockIdx.x) * size_t((kr + 3) & ~3) + first + i);
   };
   auto issue_x = [&](int i) {
     if (i >= rounds) return;
