@@ -17,6 +17,10 @@ function), except the first SINK keys and, for each query, the RECENT most recen
 including its own position, which stay exact: what `--kv-cache-keep-sink` / `--kv-cache-keep-recent`
 would buy. One KLD per (setting, mode).
 
+--weights fp8 measures kvlm's `--quantization fp8` the same way instead: every linear weight of
+the decoder layers (not the embedding or the LM head) fake-quantized to FP8 E4M3 with one scale
+per output channel (absmax / 448, round to nearest even), the KV cache left alone. One KLD.
+
 Needs torch, transformers, gguf (as tools/make_gguf_real_goldens.py). Runs on the CPU in about
 a minute per model. docs/results/accuracy-real.md compares it with kvlm's own measurement.
 """
@@ -137,6 +141,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--modes", default="int8,fp8,int4")
     ap.add_argument("--keep", default="", help="SINK:RECENT,... (see above)")
+    ap.add_argument("--weights", default="", choices=["", "fp8"], help="fp8: the weights experiment (see above)")
     ap.add_argument("--rotation-signs", default="0",
                     help="the rotation's +-1 signs: 'kvlm' (core/hadamard.h's), a torch seed (default 0), or "
                          "'layerK' (--keep only: seed K + the layer's index, other signs in every layer)")
@@ -153,6 +158,19 @@ def main():
     rot = hadamard(hd, 0)
     with torch.no_grad():
         base = torch.log_softmax(model(ids).logits.float(), -1)
+    if args.weights:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for lin in layer.modules():
+                    if isinstance(lin, torch.nn.Linear):
+                        w = lin.weight.float()
+                        s = (w.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-30)
+                        lin.weight.copy_(((w / s).to(torch.float8_e4m3fn).float() * s).to(lin.weight.dtype))
+            lp = torch.log_softmax(model(ids).logits.float(), -1)
+        half = ids.shape[1] // 2
+        kld = float((base.exp() * (base - lp)).sum(-1)[0, half:].mean())
+        print(f"| {f} | FP8 E4M3 linear weights, per output channel | mean KLD {kld:.2e} |")
+        return
     if args.keep:
         settings = [tuple(int(x) for x in kv.split(":")) for kv in args.keep.split(",")]
         keep_experiment(model, ids, base, hd, args.modes.split(","), settings)
