@@ -136,9 +136,20 @@ try:
         err = json.loads(rs[0][2])["error"]
         check("--max-connections" in err["message"] and err["code"] == "too_many_connections", f"503 body: {err}")
     # The body deadline (--read-timeout 2): the holders get 408 and their connections close.
+    # Their workers free their slots just before closing, after the 408 is out: wait for the
+    # close (EOF), or a request sent the moment the 408 arrives can still meet both slots taken
+    # (an ASan CI run did: 503).
     for h in holders:
         rs = read_responses(h, 1, 6)
         check(rs and rs[0][0] == 408 and "did not arrive within 2 s" in rs[0][2], f"body deadline: {rs}")
+        h.settimeout(5)
+        try:
+            while h.recv(4096):
+                pass
+        except socket.timeout:
+            check(False, "the holder's connection did not close within 5 s of its 408")
+        except ConnectionResetError:
+            pass  # closed too (with unread bytes the kernel resets instead)
         h.close()
     st, took = get_health(srv.port)
     check(st == 200, f"served again once the holders are gone: {st}")
