@@ -67,6 +67,18 @@ void run_linear_fp8(cuda::Gemm& gemm, DType out, const uint8_t* x, const float* 
   raw = dy.download();
 }
 
+// Element o of a downloaded output of type `out` (fp32, or the 16-bit activation type ab).
+float output_at(DType ab, DType out, const std::vector<uint8_t>& raw, size_t o) {
+  if (out == DType::F32) {
+    float v;
+    std::memcpy(&v, raw.data() + 4 * o, 4);
+    return v;
+  }
+  uint16_t c;
+  std::memcpy(&c, raw.data() + 2 * o, 2);
+  return act_value(ab, c);
+}
+
 }  // namespace
 
 // FP8 weights (gemm.h gemv_fp8, dequantize_fp8) against the definition. gemv_fp8's kernels
@@ -271,14 +283,7 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
               const double scale = double(want_scales[size_t(r)]) * double(wsc[size_t(j)]);
               const double ref = acc * scale + (bias ? double(b[size_t(j)]) : 0.0);
               mag = mag * scale + (bias ? std::fabs(double(b[size_t(j)])) : 0.0);
-              float got;
-              if (out == DType::F32) {
-                std::memcpy(&got, raw.data() + 4 * (size_t(r) * n + j), 4);
-              } else {
-                uint16_t c;
-                std::memcpy(&c, raw.data() + 2 * (size_t(r) * n + j), 2);
-                got = act_value(ab, c);
-              }
+              const float got = output_at(ab, out, raw, size_t(r) * n + j);
               const double e = std::fabs(double(got) - ref);
               if (mag > 0) case_worst = std::max(case_worst, e / mag);
               bad += std::isnan(got) || e > (out == DType::F32 ? 0.0 : act_rel_tol(ab)) * std::fabs(ref) + 4e-3 * mag;
@@ -342,9 +347,7 @@ TEST(CudaModelOps, Fp8GemmOverPerTokenActivations) {
               mag += std::fabs(p);
             }
           }
-          uint16_t c;
-          std::memcpy(&c, raw.data() + 2 * (size_t(r) * n + j), 2);
-          const float got = act_value(ab, c);
+          const float got = output_at(ab, ab, raw, size_t(r) * n + j);
           const double e = std::fabs(double(got) - ref);
           if (mag > 0) case_worst = std::max(case_worst, e / mag);
           bad += std::isnan(got) || e > act_rel_tol(ab) * std::fabs(ref) + 4e-3 * mag;
@@ -438,14 +441,7 @@ TEST(CudaModelOps, Fp8SmallBatchGemm) {
                   const size_t o = size_t(r) * n + j;
                   const double want = ref[o] + (bias ? double(bv[size_t(j)]) : 0.0);
                   const double mg = mag[o] + (bias ? std::fabs(double(bv[size_t(j)])) : 0.0);
-                  float got;
-                  if (out == DType::F32) {
-                    std::memcpy(&got, raw.data() + 4 * o, 4);
-                  } else {
-                    uint16_t c;
-                    std::memcpy(&c, raw.data() + 2 * o, 2);
-                    got = act_value(ab, c);
-                  }
+                  const float got = output_at(ab, out, raw, o);
                   const double e = std::fabs(double(got) - want);
                   if (mg > 0) case_worst = std::max(case_worst, e / mg);
                   bad += std::isnan(got) || e > (out == DType::F32 ? 0.0 : act_rel_tol(ab)) * std::fabs(want) + 4e-3 * mg;

@@ -71,6 +71,11 @@ void* CudaOps::step_buffer(void*& slot, size_t bytes) {
   return slot;
 }
 
+void CudaOps::carve_fp8_x() {
+  step_buffer(fp8_x_, size_t(step_.T) * size_t(fp8_max_cols_));
+  step_buffer(fp8_x_scales_, size_t(step_.T) * size_t(std::max(1, fp8_max_cols_ / 128)) * sizeof(float));
+}
+
 Tensor CudaOps::alloc(ActRole role, int64_t rows, int64_t cols) {
   DType t = DType::F32;
   switch (role) {
@@ -103,8 +108,7 @@ void CudaOps::norm_codes(cuda::AddRmsNormParams& p, const Tensor& out) {
       !cuda::rmsnorm_fp8_fits(k, fp8_norm_group_) || !cuda::kernel_switches().fp8_gemm ||
       !cuda::kernel_switches().fp8_norm_codes)
     return;
-  step_buffer(fp8_x_, size_t(step_.T) * size_t(fp8_max_cols_));  // (the sizes fp8_linear carves)
-  step_buffer(fp8_x_scales_, size_t(step_.T) * size_t(std::max(1, fp8_max_cols_ / 128)) * sizeof(float));
+  carve_fp8_x();
   p.codes = static_cast<uint8_t*>(fp8_x_);
   p.code_scales = static_cast<float*>(fp8_x_scales_);
   p.code_group = fp8_norm_group_;
@@ -153,8 +157,7 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
   if (!gemv && fp8_max_cols_ > 0 && gemm_fits) {
     // (carved whether or not the GEMM runs, so that measuring and running carve the same)
     KVLM_CHECK(m <= step_.T && k <= fp8_max_cols_, "an FP8 GEMM larger than its step buffers");
-    step_buffer(fp8_x_, size_t(step_.T) * size_t(fp8_max_cols_));
-    step_buffer(fp8_x_scales_, size_t(step_.T) * size_t(std::max(1, fp8_max_cols_ / 128)) * sizeof(float));
+    carve_fp8_x();
     if (measure_) return;
   }
   if (!gemv && fp8_x_ && gemm_fits && cuda::kernel_switches().fp8_gemm) {

@@ -133,6 +133,8 @@ class CudaOps final : public Ops {
   cuda::PagedAttentionParams attn_params(const CudaKVLayer& L, float softmax_scale) const;
   // A buffer the ops need inside the step, carved once per step at its first use.
   void* step_buffer(void*& slot, size_t bytes);
+  // fp8_x_ and fp8_x_scales_ (per-token or per-128-group scales of the step's largest FP8 input).
+  void carve_fp8_x();
   // y = x . w^T (+ bias) for an FP8 weight: gemv_fp8 at m <= 16 (one pass over the codes; the
   // tensor-core kernel from m = 2); above, with one scale per weight row or 128 x 128 blocks,
   // x quantized per token (per 128-value group for blocks; by the norm before, where it did:

@@ -69,12 +69,12 @@ struct SgCfg {
 // Row r's 16-byte chunk c (0..7) of a round's tile in shared memory (128-byte rows, swizzled).
 __device__ __forceinline__ uint32_t sg_offset(int r, int c) { return uint32_t(r * kSgRound + ((c ^ (r & 7)) << 4)); }
 
-// ws: kBlock ? the block scales [ceil(n / 128)][fp8_block_scale_ld(k)] : one per row [n]; xs: kBlock ? per
+// ws: kBlock ? the block scales [ceil(n / 128)][ws_ld] : one per row [n]; xs: kBlock ? per
 // (128-group, token) [k / 128][m] : per token [m].
 template <class V, int N, bool kF32Out, bool kBlock>
 __global__ void __launch_bounds__(kGemvThreads, 2)
-    gemm_fp8_small_kernel(const uint8_t* x, const float* xs, const uint8_t* w, const float* ws, const uint16_t* bias,
-                          void* y, int m, int n, int k) {
+    gemm_fp8_small_kernel(const uint8_t* x, const float* xs, const uint8_t* w, const float* ws, int ws_ld,
+                          const uint16_t* bias, void* y, int m, int n, int k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = SgCfg<N, kBlock>;
   constexpr int S = kSgStages, XJ = N / 32;
@@ -121,9 +121,9 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       const bool ok = won[j] && in;
       mma::cp_async16(st + j * 32 * kSgRound, wsrc[j] + (ok ? k0 : 0), ok ? 16 : 0);
     }
-    if (kBlock && tid == 0)  // the block's scale (rows of kr block columns padded to a multiple of 4)
+    if (kBlock && tid == 0)  // the block's scale
       mma::cp_async4(scale_s + uint32_t(((i % S) * Cfg::kScaleSlot + N) * 4),
-                     ws + size_t(blockIdx.x) * size_t((kr + 3) & ~3) + first + i);
+                     ws + size_t(blockIdx.x) * size_t(ws_ld) + first + i);
   };
   auto issue_x = [&](int i) {
     if (i >= rounds) return;
@@ -250,8 +250,8 @@ void launch_sg(const uint8_t* x, const float* xs, const Fp8Weight& w, const void
   const int splits = sg_splits(slots, n, k, forced_splits);
   const dim3 grid(unsigned((n + kSgRows - 1) / kSgRows), unsigned(splits));
   KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits, x, xs, w.codes,
-                                             kBlock ? w.block_scales : w.scales, static_cast<const uint16_t*>(bias), y,
-                                             m, n, k));
+                                             kBlock ? w.block_scales : w.scales, fp8_block_scale_ld(k),
+                                             static_cast<const uint16_t*>(bias), y, m, n, k));
   g_last = {N, splits, int(grid.x * grid.y), slots, kBlock};
 }
 

@@ -111,10 +111,12 @@ __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddR
   for (int w = 0; w < nt / 32; ++w) total += part[w];
   const float inv = 1.0f / sqrtf(total / float(H) + p.eps);
   uint16_t* out = static_cast<uint16_t*>(p.out) + size_t(r) * size_t(H);
+  uint16_t o[PER];  // the stored row (the codes below quantize exactly these values)
 #pragma unroll
   for (int c = 0; c < PER; ++c) {
     const int i = tid + c * nt;
-    if (i < H) out[i] = A::store(wt[c] * (v[c] * inv));
+    o[c] = A::store(wt[c] * (v[c] * inv));
+    if (i < H) out[i] = o[c];
   }
   if (!p.codes) return;
   // quantize_rows_fp8 of the stored row: the absolute maximum of the rounded values per row (or
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddR
   float y[PER], wmax[PER];
 #pragma unroll
   for (int c = 0; c < PER; ++c) {
-    y[c] = tid + c * nt < H ? A::load(A::store(wt[c] * (v[c] * inv))) : 0.0f;
+    y[c] = tid + c * nt < H ? A::load(o[c]) : 0.0f;
     wmax[c] = warp_max(fabsf(y[c]));
   }
   __shared__ float gmax[16][kNormMaxThreads / 32];  // [c][warp]
