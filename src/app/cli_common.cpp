@@ -195,6 +195,14 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
                  "(default: none)");
   cmd.add_option("--max-logprobs", max_logprobs, "the most logprobs / top_logprobs a request may ask for")
       ->capture_default_str();
+  cmd.add_option("--max-seqs-per-request", max_seqs_per_request,
+                 "the most sequences one request may ask for (prompts x n); the scheduler also shares the running "
+                 "set fairly between requests, so a large one cannot hold up the rest")
+      ->capture_default_str();
+  cmd.add_option("--grammar-compile-timeout", grammar_compile_timeout,
+                 "seconds a structured output (JSON schema, regex, grammar, choice) may take to compile, its first "
+                 "token mask included; past it the request gets 400")
+      ->capture_default_str();
   cmd.add_option("--tool-call-parser", tool_call_parser,
                  "the format the model writes tool calls in: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, "
                  "3.2), none (default: found in the chat template)");

@@ -62,6 +62,8 @@ struct ServeExtraFlags {
   std::string log_level;         // --uvicorn-log-level
   std::string allowed_origins;   // JSON list (vLLM) or comma-separated
   int max_logprobs = 20;
+  int max_seqs_per_request = 256;    // prompts x n of one request
+  double grammar_compile_timeout = 10;  // seconds a structured output's grammar may take to compile
   std::string tool_call_parser;  // hermes | llama3_json | none; empty: found in the chat template
   bool enable_auto_tool_choice = false;  // vLLM's switch; kvlm parses calls whenever it knows the format
   bool disable_log_requests = false;

@@ -399,6 +399,10 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
     if (v < 1) throw Error(std::string(name) + " must be at least 1 second, got " + std::to_string(v));
   if (!(x.log_stats_interval > 0)) throw Error("--log-stats-interval must be positive");
   if (x.max_logprobs < 0) throw Error("--max-logprobs must be >= 0, got " + std::to_string(x.max_logprobs));
+  if (x.max_seqs_per_request < 1)
+    throw Error("--max-seqs-per-request must be at least 1, got " + std::to_string(x.max_seqs_per_request));
+  if (!(x.grammar_compile_timeout > 0) || x.grammar_compile_timeout > 3600)
+    throw Error("--grammar-compile-timeout must be between 0 and 3600 seconds");
   const fs::path tokenizer_dir = x.tokenizer.empty() ? opts.model_dir : fs::path(x.tokenizer);
   if (!x.tokenizer.empty() && !TextProcessor::available(tokenizer_dir))
     throw Error("--tokenizer '" + x.tokenizer + "' has no tokenizer.json (nor a .gguf file)");
@@ -426,6 +430,8 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   so.allowed_origins = parse_origins(x.allowed_origins);
   so.seed = x.seed;
   so.limits.max_logprobs = x.max_logprobs;
+  so.limits.max_choices = x.max_seqs_per_request;
+  so.grammar_compile_s = x.grammar_compile_timeout;
   server::raise_descriptor_limit();  // one descriptor per connection: the default 1024 is few
   if (so.api_key.empty() && so.host != "127.0.0.1" && so.host != "localhost" && so.host != "::1")
     log::warn("serving on " + so.host + " without an API key: anyone who can reach the port can use the model; "
@@ -512,7 +518,6 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   if (text)
     if (auto eos = text->eos_id(); eos && std::ranges::find(sm.eos_token_ids, *eos) == sm.eos_token_ids.end())
       sm.eos_token_ids.push_back(*eos);
-  sm.root = opts.model_dir.string();
   {
     server::Json layers = server::Json::array();
     for (const auto& l : engine->plan().layers) layers.push_back(server::Json(kv_layer_json(l)));

@@ -45,6 +45,10 @@ using OutputCallback = std::function<bool(const RequestOutput&)>;
 
 struct EngineRequest {
   std::string id;                 // unique among live requests
+  // Requests of one group (an API request's choices) share the running set fairly with other
+  // groups: a waiting sequence of the group with the fewest running goes first. Empty: a
+  // group of its own.
+  std::string group;
   std::vector<TokenId> prompt;
   SamplingParams sampling;
   uint64_t seed = 0;

@@ -70,6 +70,11 @@ class Scheduler {
 
  private:
   bool ensure_pages(Sequence& s, int tokens);  // pages for `tokens` positions
+  // The index in waiting_ of the sequence to admit next (EngineRequest::group).
+  size_t next_waiting() const;
+  // Preempts one sequence for a request that has none running while the running set is
+  // full (see scheduler.cpp); true when it did.
+  bool make_room();
   void admit_prefix(Sequence& s);
   void preempt(Sequence& s);
   // Exact tokens (kv_plan.h's kv_key_exact): the sequence's first sink_pages_ pages and

@@ -5,7 +5,9 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <malloc.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -13,6 +15,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -100,12 +104,19 @@ class ConnStream final : public httplib::Stream {
 
   void begin_request(Clock::time_point deadline) {
     deadline_ = deadline;
+    in_body_ = false;
     timed_out_ = false;
     close_ = false;
     started_ = Clock::now();
   }
-  // The headers are read: the body gets read_timeout from now.
-  void body_phase() { deadline_ = after(lim_.read_timeout_s); }
+  // The headers are read: the body gets read_timeout from now, and must keep up
+  // min_body_rate after body_grace_s.
+  void body_phase() {
+    deadline_ = after(lim_.read_timeout_s);
+    body_start_ = Clock::now();
+    body_bytes_ = 0;
+    in_body_ = true;
+  }
   bool buffered() const { return off_ < len_; }
   bool timed_out() const { return timed_out_; }
   void close_after() { close_ = true; }
@@ -115,7 +126,13 @@ class ConnStream final : public httplib::Stream {
   bool is_readable() const override {
     if (buffered()) return true;
     const int per_read = int(lim_.read_timeout_s * 1000);
-    const int left = ms_until(deadline_);
+    int left = ms_until(deadline_);
+    if (in_body_ && lim_.min_body_rate > 0) {
+      // What has arrived buys time at the minimum rate: a trickle runs out of it.
+      const auto owed = body_start_ + std::chrono::microseconds(int64_t(
+                                          (lim_.body_grace_s + double(body_bytes_) / lim_.min_body_rate) * 1e6));
+      left = std::min(left, ms_until(owed));
+    }
     pollfd p{fd_, POLLIN, 0};
     int n;
     do n = ::poll(&p, 1, std::min(per_read, left));
@@ -143,6 +160,7 @@ class ConnStream final : public httplib::Stream {
     const size_t k = std::min(size, len_ - off_);
     std::memcpy(ptr, buf_.data() + off_, k);
     off_ += k;
+    body_bytes_ += k;
     return ssize_t(k);
   }
   ssize_t write(const char* ptr, size_t size) override {
@@ -169,7 +187,9 @@ class ConnStream final : public httplib::Stream {
   const ConnectionLimits& lim_;
   std::array<char, 16384> buf_;
   size_t off_ = 0, len_ = 0;
-  Clock::time_point deadline_{}, started_{};
+  Clock::time_point deadline_{}, started_{}, body_start_{};
+  size_t body_bytes_ = 0;  // read since body_phase()
+  bool in_body_ = false;
   mutable bool timed_out_ = false;
   bool close_ = false;
 };
@@ -178,6 +198,7 @@ thread_local ConnStream* t_stream = nullptr;
 
 const char* reason_phrase(int status) {
   switch (status) {
+    case 400: return "Bad Request";
     case 408: return "Request Timeout";
     case 431: return "Request Header Fields Too Large";
     case 503: return "Service Unavailable";
@@ -186,6 +207,110 @@ const char* reason_phrase(int status) {
 }
 
 }  // namespace
+
+namespace {
+
+bool ieq(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i]))) return false;
+  return true;
+}
+
+std::string_view trim_ows(std::string_view v) {
+  while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+  while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
+  return v;
+}
+
+// RFC 9110's tchar: what a header name is made of.
+bool token_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+// Hands freed memory back to the system once enough of it has piled up (glibc keeps what a
+// spike allocated; a large grammar or body would otherwise stay resident for good). At most
+// once a second, from the worker that finished a request.
+void trim_free_memory() {
+  static std::atomic<int64_t> last{0};
+  const int64_t now = Clock::now().time_since_epoch() / std::chrono::milliseconds(1);
+  int64_t prev = last.load(std::memory_order_relaxed);
+  if (now - prev < 1000 || !last.compare_exchange_strong(prev, now)) return;
+  const struct mallinfo2 mi = ::mallinfo2();
+  if (mi.fordblks >= (size_t(64) << 20)) ::malloc_trim(0);
+}
+
+}  // namespace
+
+RequestFraming parse_framing(std::string_view head) {
+  RequestFraming f;
+  const size_t end = head.find("\r\n\r\n");
+  if (end == std::string_view::npos) {
+    f.error = "the request's header block does not end with an empty line (CRLF CRLF)";
+    return f;
+  }
+  f.header_bytes = end + 4;
+  const std::string_view block = head.substr(0, end + 2);  // every line with its CRLF
+  int cl_count = 0, te_count = 0;
+  std::string_view cl, te;
+  size_t pos = 0;
+  for (int line_no = 0; pos < block.size(); ++line_no) {
+    const size_t eol = block.find("\r\n", pos);
+    const std::string_view line = block.substr(pos, eol - pos);
+    pos = eol + 2;
+    for (char c : line) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u == 0 || u == '\r' || u == '\n' || (u < 0x20 && u != '\t') || u == 0x7F) {
+        f.error = "the request's headers hold a control character (NUL, a bare CR or LF, ...)";
+        return f;
+      }
+    }
+    if (line_no == 0) continue;  // the request line: httplib parses it
+    if (line.empty() || line.front() == ' ' || line.front() == '\t') {
+      f.error = "folded header lines (a line starting with a space or tab) are not accepted";
+      return f;
+    }
+    const size_t colon = line.find(':');
+    if (colon == std::string_view::npos) {
+      f.error = "a header line without a colon";
+      return f;
+    }
+    const std::string_view name = line.substr(0, colon);
+    if (name.empty() || !std::all_of(name.begin(), name.end(), token_char)) {
+      f.error = "a malformed header name (no spaces are allowed before the colon)";
+      return f;
+    }
+    const std::string_view value = trim_ows(line.substr(colon + 1));
+    if (ieq(name, "Content-Length")) {
+      if (value.empty() || value.size() > 18 || !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+        f.error = "Content-Length must be a decimal number of bytes (digits only)";
+        return f;
+      }
+      if (cl_count++ && value != cl) {
+        f.error = "two Content-Length headers that disagree";
+        return f;
+      }
+      cl = value;
+    } else if (ieq(name, "Transfer-Encoding")) {
+      ++te_count;
+      te = value;
+    }
+  }
+  if (te_count) {
+    if (cl_count) {
+      f.error = "both Content-Length and Transfer-Encoding: send one of them";
+      return f;
+    }
+    if (te_count > 1 || !ieq(te, "chunked")) {
+      f.error = "unsupported Transfer-Encoding '" + std::string(te.substr(0, 40)) + "' (only chunked is accepted)";
+      return f;
+    }
+    f.chunked = true;
+  } else if (cl_count) {
+    f.content_length = std::strtoull(std::string(cl).c_str(), nullptr, 10);
+  }
+  return f;
+}
 
 bool Listener::process_and_close_socket(socket_t sock) {
   if (mgr_) {
@@ -301,6 +426,15 @@ void ConnectionManager::on_readable(int fd, Conn& c, bool hangup) {
       return;
     }
   }
+  if (c.body_needed) {  // the headers are checked: is the body all here?
+    int avail = 0;
+    if (::ioctl(fd, FIONREAD, &avail) == 0 && size_t(avail) >= c.body_needed) {
+      dispatch(fd, false);
+    } else if (hangup) {
+      close_now(fd);
+    }
+    return;
+  }
   // Waiting: has the request's header block arrived? Peeked, so the worker's parser reads
   // it all from the start.
   thread_local std::string peek;
@@ -321,8 +455,19 @@ void ConnectionManager::on_readable(int fd, Conn& c, bool hangup) {
     c.first_byte = Clock::now();
   }
   const std::string_view got(peek.data(), size_t(n));
-  if (got.find("\r\n\r\n") != std::string_view::npos) {
-    dispatch(fd);
+  if (const size_t end = got.find("\r\n\r\n"); end != std::string_view::npos) {
+    const RequestFraming f = parse_framing(got.substr(0, end + 4));
+    if (!f.error.empty()) {
+      refuse(fd, 400, "malformed HTTP request: " + f.error, "", false);
+      return;
+    }
+    if (f.chunked || f.content_length == 0 || f.content_length > lim_.poll_body_bytes) {
+      dispatch(fd, f.chunked || f.content_length > 0);
+      return;
+    }
+    c.body_needed = f.header_bytes + size_t(f.content_length);
+    c.headers_at = Clock::now();
+    on_readable(fd, c, hangup);  // the body may be here already
   } else if (size_t(n) > lim_.max_header_bytes) {
     refuse(fd, 431, "the request line and headers are larger than " + std::to_string(lim_.max_header_bytes) + " bytes",
            "", false);
@@ -331,7 +476,7 @@ void ConnectionManager::on_readable(int fd, Conn& c, bool hangup) {
   }
 }
 
-void ConnectionManager::dispatch(int fd) {
+void ConnectionManager::dispatch(int fd, bool partial) {
   if (int(busy_.size()) >= lim_.max_busy) {
     refuse(fd, 503,
            "the server is serving its maximum of " + std::to_string(lim_.max_busy) +
@@ -339,10 +484,18 @@ void ConnectionManager::dispatch(int fd) {
            "too_many_connections", true);
     return;
   }
+  // Requests whose bodies are still coming may hold half of the workers: the rest stay for
+  // requests that arrived whole.
+  if (partial && 2 * (partial_busy_ + 1) > std::max(lim_.max_busy, 2)) {
+    refuse(fd, 503, "the server is reading its maximum of large request bodies at once; retry later",
+           "too_many_connections", true);
+    return;
+  }
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
   conns_.erase(fd);
   busy_.insert(fd);
-  workers_.enqueue([this, fd] { serve(fd); });
+  if (partial) ++partial_busy_;
+  workers_.enqueue([this, fd, partial] { serve(fd, partial); });
 }
 
 void ConnectionManager::sweep(Clock::time_point now) {
@@ -350,6 +503,8 @@ void ConnectionManager::sweep(Clock::time_point now) {
   for (const auto& [fd, c] : conns_) {
     if (c.state == State::Closing) {
       if (now - c.since > std::chrono::seconds(2)) expired.emplace_back(fd, 0);
+    } else if (c.body_needed) {
+      if (now - c.headers_at > std::chrono::microseconds(int64_t(lim_.read_timeout_s * 1e6))) expired.emplace_back(fd, 2);
     } else if (c.has_first_byte) {
       if (now - c.first_byte > std::chrono::microseconds(int64_t(lim_.header_timeout_s * 1e6))) expired.emplace_back(fd, 1);
     } else if (now - c.since > std::chrono::microseconds(int64_t(lim_.keep_alive_timeout_s * 1e6))) {
@@ -358,8 +513,11 @@ void ConnectionManager::sweep(Clock::time_point now) {
   }
   for (const auto& [fd, what] : expired) {
     if (what == 0) close_now(fd);
-    else
+    else if (what == 1)
       refuse(fd, 408, "the request's headers did not arrive within " + std::to_string(int(lim_.header_timeout_s)) + " s",
+             "request_timeout", false);
+    else
+      refuse(fd, 408, "the request body did not arrive within " + std::to_string(int(lim_.read_timeout_s)) + " s",
              "request_timeout", false);
   }
 }
@@ -390,7 +548,7 @@ void ConnectionManager::poll_loop() {
   }
 }
 
-void ConnectionManager::serve(int fd) {
+void ConnectionManager::serve(int fd, bool partial) {
   ConnStream strm(fd, lim_);
   t_stream = &strm;
   bool keep = false;
@@ -406,6 +564,12 @@ void ConnectionManager::serve(int fd) {
     bool closed = false;
     const bool close = count == 1 || stopping;
     const bool ok = svr_.serve_request(strm, close, closed);
+    if (partial) {  // only the first request of the connection came in early
+      partial = false;
+      std::lock_guard lock(mu_);
+      --partial_busy_;
+    }
+    trim_free_memory();
     if (!ok || closed || close || strm.closing()) break;
     if (!strm.buffered()) {
       keep = true;
@@ -414,6 +578,7 @@ void ConnectionManager::serve(int fd) {
   }
   t_stream = nullptr;
   std::lock_guard lock(mu_);
+  if (partial) --partial_busy_;
   busy_.erase(fd);
   if (keep && !stopping_) {
     hand_back(fd);

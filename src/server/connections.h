@@ -9,11 +9,19 @@
 //     (seen with MSG_PEEK: nothing is consumed), then goes to a worker; one whose headers do
 //     not finish within header_timeout of its first byte gets 408 and is closed (slowloris),
 //     one idle longer than keep_alive_timeout is closed, one over max_open gets 503.
+//     Before a worker takes it, the header block's framing is checked strictly (parse_framing:
+//     a malformed or ambiguous Content-Length or Transfer-Encoding, a header line without a
+//     colon, a folded line or a control byte gets 400 and the connection closes: a proxy in
+//     front may frame the bytes otherwise, and the difference smuggles requests). A body of
+//     up to poll_body_bytes also arrives here, holding no thread (within read_timeout of the
+//     headers, else 408): a client trickling its body cannot take a worker.
 //   worker (GrowingPool, at most max_busy threads) --> process_request() per request, on a
 //     stream whose buffer lives as long as the connection, so pipelined requests are answered
-//     in order; the body must arrive within read_timeout of the headers. With more than
-//     max_busy requests in progress the next one gets 503 with Retry-After. After a response
-//     an empty buffer hands the connection back to the poller.
+//     in order. A larger body is read on the worker, within read_timeout and at min_body_rate
+//     after a short grace (else 408); such requests may hold at most half of the workers, the
+//     rest being kept for requests that arrived whole. With more than max_busy requests in
+//     progress the next one gets 503 with Retry-After. After a response an empty buffer hands
+//     the connection back to the poller.
 //
 // Linux-specific (epoll; sockets found among /proc/self/fd by their addresses as a fallback).
 #pragma once
@@ -24,6 +32,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -92,7 +101,19 @@ struct ConnectionLimits {
   double keep_alive_timeout_s = 30;  // an idle connection
   size_t keep_alive_max_count = 1000;  // requests on one connection
   size_t max_header_bytes = 64 << 10;  // request line and headers; more gets 431
+  size_t poll_body_bytes = 32 << 10;   // bodies up to this arrive in the poller (see above)
+  double min_body_rate = 16 << 10;     // bytes/s a body read on a worker must keep up, on average,
+  double body_grace_s = 2;             // after this long
 };
+
+// The framing of a request, read off its header block (up to and including the blank line).
+struct RequestFraming {
+  std::string error;  // non-empty: why the request is refused (400, connection closed)
+  size_t header_bytes = 0;
+  bool chunked = false;
+  uint64_t content_length = 0;  // when not chunked
+};
+RequestFraming parse_framing(std::string_view head);
 
 // What a connection-level refusal (408, 431, 503) carries as its JSON body: (status, message,
 // code). Called once per refusal.
@@ -137,17 +158,20 @@ class ConnectionManager {
     std::chrono::steady_clock::time_point since;        // waiting since / closing since
     std::chrono::steady_clock::time_point first_byte{};  // of a request not yet complete
     bool has_first_byte = false;
+    size_t body_needed = 0;  // headers checked; waiting until this many bytes are in the socket
+    std::chrono::steady_clock::time_point headers_at{};
   };
   void poll_loop();
   void on_readable(int fd, Conn& c, bool hangup);  // under mu_
   void sweep(std::chrono::steady_clock::time_point now);  // under mu_
-  void dispatch(int fd);  // under mu_: to a worker or a 503
+  // Under mu_: to a worker or a 503. `partial`: its body has not all arrived.
+  void dispatch(int fd, bool partial);
   // Answers with a short error, then lets the client read it: half-closes and drains until
   // the client closes or 2 s pass (closing with unread input would reset the connection
   // and could lose the answer). Under mu_.
   void refuse(int fd, int status, const std::string& message, const std::string& code, bool retry_after);
   void close_now(int fd);  // under mu_: a connection the poller holds
-  void serve(int fd);      // a worker
+  void serve(int fd, bool partial);  // a worker
   void hand_back(int fd);  // a worker, after a response: the connection waits again
 
   Listener& svr_;
@@ -159,6 +183,7 @@ class ConnectionManager {
   mutable std::mutex mu_;
   std::unordered_map<int, Conn> conns_;  // held by the poller (waiting or closing)
   std::unordered_set<int> busy_;         // being served by a worker
+  int partial_busy_ = 0;                 // of them, dispatched before their body had arrived
   int open_ = 0;
   bool stopping_ = false;
   bool started_ = false;

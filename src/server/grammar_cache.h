@@ -1,12 +1,30 @@
 // The server's compiled grammars for structured outputs: the model's vocabulary as the
-// matcher sees it (built once, on the first constrained request), and the last grammars
-// compiled, by request key, so that requests with the same schema share their cached masks.
+// matcher sees it (built once, on the first constrained request), and the grammars compiled
+// recently, by request key, so that requests with the same schema share their cached masks.
+//
+// A grammar is the client's text, so compiling one is bounded like any other work a request
+// asks for: the front ends cap its size (grammar.h's limits); the compile runs on the cache's
+// own threads at a lower scheduling priority (it never takes a core from the engine's step);
+// and it must finish — tables, initial state (where an ambiguous grammar fails) and first
+// mask — within a time budget counted from when it is asked for (waiting behind other compiles
+// included), or the request gets a 400
+// before it reaches the engine. A failed compile is not kept. The cache holds grammars up to
+// a count and a byte budget that counts each grammar's tables and cached masks, evicting the
+// least recently used (grammars in use live on with their requests).
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "text/grammar/matcher.h"
 
@@ -16,19 +34,52 @@ class Tokenizer;
 
 namespace kvlm::server {
 
+struct GrammarCacheLimits {
+  double compile_seconds = 10;           // a compile's budget, from the request's arrival
+  size_t max_grammars = 64;              // kept for reuse
+  size_t max_bytes = size_t(256) << 20;  // kept for reuse: tables and cached masks
+  int threads = 0;                       // compile threads; 0: max(2, cores / 8)
+};
+
 class GrammarCache {
  public:
-  // Throws kvlm::Error when the grammar cannot be compiled.
-  std::shared_ptr<const grammar::CompiledGrammar> get(const Tokenizer& tok, int vocab_size, const grammar::Grammar& g,
-                                                      const std::string& key);
+  explicit GrammarCache(GrammarCacheLimits lim = {});
+  ~GrammarCache();
+  GrammarCache(const GrammarCache&) = delete;
+  GrammarCache& operator=(const GrammarCache&) = delete;
+
+  // The compiled grammar for `key` (compiled now, or found). Throws kvlm::Error when the
+  // grammar cannot be compiled or the budget runs out.
+  std::shared_ptr<const grammar::CompiledGrammar> get(const Tokenizer& tok, int vocab_size,
+                                                      std::shared_ptr<const grammar::Grammar> g, const std::string& key);
+
+  // For tests and /metrics.
+  size_t size() const;
+  size_t bytes() const;
+  const GrammarCacheLimits& limits() const { return lim_; }
 
  private:
-  // At either limit the cache starts over (grammars in use live on with their requests).
-  static constexpr size_t kMaxGrammars = 64;
-  static constexpr size_t kMaxBytes = size_t(512) << 20;  // their cached masks
-  std::mutex mu_;
+  using Compiled = std::shared_ptr<const grammar::CompiledGrammar>;
+  struct Job;
+  void work();
+  Compiled compile(const Job& job);
+  void keep(const std::string& key, const Compiled& cg);  // under mu_
+
+  GrammarCacheLimits lim_;
+  std::mutex vocab_mu_;
   std::shared_ptr<const grammar::TokenVocab> vocab_;
-  std::unordered_map<std::string, std::shared_ptr<const grammar::CompiledGrammar>> compiled_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::list<std::string> lru_;  // most recently used first
+  struct Entry {
+    Compiled cg;
+    std::list<std::string>::iterator pos;
+  };
+  std::unordered_map<std::string, Entry> compiled_;
+  std::unordered_map<std::string, std::shared_future<Compiled>> pending_;  // being compiled, by key
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::vector<std::thread> threads_;
+  bool stopping_ = false;
 };
 
 }  // namespace kvlm::server

@@ -133,6 +133,7 @@ struct HttpServer::Impl {
 
   explicit Impl(ServerOptions o)
       : opts(std::move(o)),
+        grammars(GrammarCacheLimits{.compile_seconds = opts.grammar_compile_s}),
         seed_rng(opts.seed ? *opts.seed : std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)) {}
 
   const ServedModel* served(httplib::Response& res) const {
@@ -262,7 +263,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
   std::shared_ptr<const grammar::CompiledGrammar> compiled;
   if (gen.grammar) {
     try {
-      compiled = grammars.get(m->text->tokenizer(), m->info.vocab_size, *gen.grammar, gen.grammar_key);
+      compiled = grammars.get(m->text->tokenizer(), m->info.vocab_size, gen.grammar, gen.grammar_key);
     } catch (const Error& e) {
       throw ApiError(400, std::string("the request's output constraint cannot be compiled: ") + e.what(), "response_format");
     }
@@ -275,6 +276,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       meta.push_back({.prompt_index = int(p), .prompt_ids = prompts[p], .echo_text = echo_texts[p]});
       EngineRequest er;
       er.id = id + "-" + std::to_string(c);
+      er.group = id;
       er.prompt = prompts[p];
       er.sampling = gen.sampling;
       er.seed = gen.seed ? *gen.seed + uint64_t(i) : random_seed();
@@ -509,8 +511,17 @@ void HttpServer::Impl::install_routes() {
         return httplib::Server::HandlerResponse::Handled;
       }
     }
+    // An API server serves no byte ranges: httplib would build every range a Range header
+    // lists (overlapping ones too) into one response in memory, ~4,000x an 8 KB header on a
+    // page anyone may load. The request is httplib's own (non-const) object; it parsed the
+    // ranges before routing and applies them after the handler.
+    const_cast<httplib::Request&>(req).ranges.clear();
     if (opts.api_key.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    if (req.path != "/v1" && req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+    // The key guards the API and every route that reads a body (/tokenize compiles
+    // structured outputs and renders chat templates): only GET /, /health and /metrics
+    // answer without it.
+    const bool needs_key = req.method == "POST" || req.path == "/v1" || req.path.rfind("/v1/", 0) == 0;
+    if (!needs_key) return httplib::Server::HandlerResponse::Unhandled;
     const std::string auth = req.get_header_value("Authorization");
     constexpr std::string_view kBearer = "Bearer ";
     const bool ok = auth.size() > kBearer.size() && auth.compare(0, kBearer.size(), kBearer) == 0 &&
@@ -561,11 +572,14 @@ void HttpServer::Impl::install_routes() {
     reply_internal(res, what);
   });
 
+  // Responses are counted before they are written (httplib calls this just before the status
+  // line goes out; its logger runs after the client has the answer, so a client's next
+  // request, on another connection, could read /metrics before the count).
+  svr.set_post_routing_handler([this](const httplib::Request&, httplib::Response& res) {
+    std::lock_guard lock(stats_mu);
+    ++by_status[res.status];
+  });
   svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
-    {
-      std::lock_guard lock(stats_mu);
-      ++by_status[res.status];
-    }
     // Health checks and scrapes come every few seconds from probes: logged with -v only.
     const bool probe = req.path == "/health" || req.path == "/metrics";
     if (opts.log_requests && log::level() >= (probe ? log::Level::Info : log::Level::Warn)) access_log(req, res);
@@ -596,7 +610,7 @@ void HttpServer::Impl::install_routes() {
     model["object"] = "model";
     model["created"] = created;
     model["owned_by"] = "kvlm";
-    model["root"] = m.root;
+    model["root"] = m.info.name;  // the served name: a path would tell clients about the server's disk
     model["parent"] = nullptr;
     model["max_model_len"] = m.info.max_model_len;
     model["vocab_size"] = m.info.vocab_size;  // kvlm's addition (kvlm bench serve's synthetic prompts)

@@ -78,6 +78,7 @@ struct ServerOptions {
   // the same order sample the same. Unset: from the system's entropy.
   std::optional<uint64_t> seed;
   ApiLimits limits;
+  double grammar_compile_s = 10;       // a structured output's compile budget (400 past it)
 };
 
 struct ServedModel {
@@ -85,7 +86,6 @@ struct ServedModel {
   const TextProcessor* text = nullptr;  // null: the model has no tokenizer (token ids only)
   ModelInfo info;
   std::vector<TokenId> eos_token_ids;   // the model's and the tokenizer's EOS ids
-  std::string root;                     // the model directory, shown by /v1/models
   Json kv_plan = Json::object();        // {"summary", "layers": [...]}: GET /v1/kvlm/plan, the chat page
 };
 

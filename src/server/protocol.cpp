@@ -319,7 +319,7 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
 void check_choices(const GenParams& g, size_t prompts, const ApiLimits& lim) {
   if (uint64_t(g.n) * prompts > uint64_t(lim.max_choices))
     bad(std::to_string(prompts) + " prompts x n=" + std::to_string(g.n) + " asks for more than " +
-            std::to_string(lim.max_choices) + " completions in one request; split it",
+            std::to_string(lim.max_choices) + " completions in one request, this server's limit (--max-seqs-per-request); split it",
         "n");
 }
 

@@ -51,7 +51,7 @@ std::string_view error_type_for_status(int status);
 // Limits a request must stay within; the defaults are the server's (see README "Serving").
 struct ApiLimits {
   int max_n = 128;                 // OpenAI's documented maximum for `n`
-  int max_choices = 1024;          // prompts x n in one request
+  int max_choices = 256;           // prompts x n in one request (--max-seqs-per-request)
   int max_stop = 16;               // stop strings
   size_t max_stop_bytes = 1024;    // bytes of one stop string
   int max_stop_token_ids = 256;

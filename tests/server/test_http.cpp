@@ -17,7 +17,11 @@
 #include <thread>
 
 #include "core/error.h"
+#include "io/tokenizer/tokenizer.h"
+#include "server/connections.h"
+#include "server/grammar_cache.h"
 #include "server/http_server.h"
+#include "text/grammar/grammar.h"
 
 using namespace kvlm;
 using namespace kvlm::server;
@@ -440,4 +444,43 @@ TEST_F(HttpTest, Metrics) {
   EXPECT_NE(r->get_header_value("Content-Type").find("text/plain"), std::string::npos);
   EXPECT_NE(r->body.find("kvlm:generation_tokens_total{model_name=\"tiny\"} 3\n"), std::string::npos) << r->body;
   EXPECT_NE(r->body.find("kvlm:http_responses_total{model_name=\"tiny\",status=\"400\"} 1\n"), std::string::npos) << r->body;
+}
+
+// The poller's strict reading of a header block (connections.h: parse_framing).
+TEST(Framing, StrictContentLengthAndTransferEncoding) {
+  const auto f = [](const std::string& headers) { return parse_framing("POST /x HTTP/1.1\r\nHost: h\r\n" + headers + "\r\n"); };
+  EXPECT_EQ(f("Content-Length: 15\r\n").error, "");
+  EXPECT_EQ(f("Content-Length: 15\r\n").content_length, 15u);
+  EXPECT_EQ(f("content-length:\t7 \r\nContent-Length: 7\r\n").content_length, 7u);  // OWS, an equal repeat
+  EXPECT_TRUE(f("Transfer-Encoding: Chunked\r\n").chunked);
+  EXPECT_EQ(f("").content_length, 0u);
+  for (const char* bad : {"Content-Length: abc\r\n", "Content-Length: 15abc\r\n", "Content-Length: +15\r\n",
+                          "Content-Length: -1\r\n", "Content-Length:\r\n", "Content-Length: 1 5\r\n",
+                          "Content-Length: 99999999999999999999\r\n", "Content-Length: 15\r\nContent-Length: 16\r\n",
+                          "Content-Length: 15\r\nTransfer-Encoding: chunked\r\n", "Transfer-Encoding: xchunked\r\n",
+                          "Transfer-Encoding: gzip, chunked\r\n", "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+                          "X-No-Colon\r\n", "X-A: 1\r\n folded\r\n", "Content-Length : 5\r\n", "X-A: a\nb\r\n"})
+    EXPECT_NE(f(bad).error, "") << bad;
+  EXPECT_NE(parse_framing(std::string("GET / HTTP/1.1\r\nX-A: a\0b\r\n\r\n", 31)).error, "");
+  EXPECT_NE(parse_framing("GET / HTTP/1.1\r\nHost: h\r\n").error, "");  // no blank line
+}
+
+// The grammar cache: a failed compile is not kept; the budget is counted from the ask.
+TEST(GrammarCacheTest, FailedCompilesAreNotKeptAndTheBudgetHolds) {
+  const Tokenizer tok = Tokenizer::load(std::filesystem::path(KVLM_TEST_DATA) / "models/tiny-chat/tokenizer.json");
+  GrammarCache cache(GrammarCacheLimits{.compile_seconds = 5});
+  auto ok = std::make_shared<const grammar::Grammar>(grammar::parse_gbnf("root ::= [a-z]+\n"));
+  EXPECT_NE(cache.get(tok, tok.vocab_size(), ok, "a"), nullptr);
+  EXPECT_EQ(cache.get(tok, tok.vocab_size(), ok, "a"), cache.get(tok, tok.vocab_size(), ok, "a"));
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_GT(cache.bytes(), 0u);
+  // Too ambiguous to start: 5,000 alternatives that all begin alike, each a rule of its own.
+  std::string amb = "root ::= a0";
+  for (int i = 1; i < 5000; ++i) amb += " | a" + std::to_string(i);
+  amb += "\n";
+  for (int i = 0; i < 5000; ++i) amb += "a" + std::to_string(i) + " ::= \"x\" [0-9]\n";
+  auto bad = std::make_shared<const grammar::Grammar>(grammar::parse_gbnf(amb));
+  EXPECT_THROW(cache.get(tok, tok.vocab_size(), bad, "b"), Error);
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_EQ(cache.size(), 1u);
 }

@@ -1,6 +1,8 @@
 // Structured outputs' grammar engine: GBNF, regexes and JSON schemas become grammars; the
 // matcher accepts exactly their sentences, byte by byte and token by token; the token mask
 // equals trying every token; the tokenizers' token bytes are what decoding writes.
+#include <chrono>
+#include <functional>
 #include <random>
 #include <regex>
 
@@ -501,6 +503,117 @@ TEST(Grammar, TokenBytesSpellTheText) {
     if (joined.starts_with(' ') && !text.starts_with(' ')) joined.erase(0, 1);
     EXPECT_EQ(joined, text) << dir;
   }
+}
+
+
+// ---- limits: what a client's grammar may cost (issue 47's attacks) ----------------------
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(GrammarLimits, NestingIsRefusedNotRecursedInto) {
+  const int deep = 20000;  // crashed the server (stack overflow) before the limit
+  const std::string regex = std::string(deep, '(') + "a" + std::string(deep, ')');
+  EXPECT_NE(error_of([&] { regex_grammar(regex); }).find("nested deeper than 256"), std::string::npos);
+  const std::string gbnf = "root ::= " + std::string(deep, '(') + "\"a\"" + std::string(deep, ')') + "\n";
+  EXPECT_NE(error_of([&] { parse_gbnf(gbnf); }).find("nested deeper than 256"), std::string::npos);
+  const Json schema = {{"type", "string"}, {"pattern", regex}};
+  EXPECT_NE(error_of([&] { json_schema_grammar(schema); }).find("nested deeper than 256"), std::string::npos);
+  // Within the limit, nesting works; and a long regex is not quoted whole in the message.
+  EXPECT_TRUE(matches(regex_grammar(std::string(200, '(') + "a" + std::string(200, ')')), "a"));
+  EXPECT_LT(error_of([&] { regex_grammar(regex); }).size(), 400u);
+}
+
+TEST(GrammarLimits, ALongChainOfRulesCompilesInLinearTimeAndFailsCleanly) {
+  // r0 ::= r1 "x", r1 ::= r2 "x", ...: each rule starts with the next. The fixed points took
+  // N^2 (22 s at 60,000), and expanding the chain recursed once per rule (a crash).
+  const int n = 60000;
+  std::string text = "root ::= r0\n";
+  for (int i = 0; i < n; ++i) text += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " \"x\"\n";
+  text += "r" + std::to_string(n) + " ::= \"y\"\n";
+  const auto t0 = std::chrono::steady_clock::now();
+  const Grammar g = parse_gbnf(text);
+  auto cg = std::make_shared<const CompiledGrammar>(g, toy_vocab());
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 10.0);  // a generous bound for a sanitizer build: it is ~0.1 s here
+  // The initial state would hold a stack 60,000 entries deep: refused, not a crash.
+  EXPECT_NE(error_of([&] { cg->initial(); }).find("nests deeper than"), std::string::npos);
+  // A chain within the stack limit matches what it should.
+  std::string small = "root ::= r0\n";
+  for (int i = 0; i < 500; ++i) small += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " \"x\"\n";
+  small += "r500 ::= \"y\"\n";
+  EXPECT_TRUE(matches(parse_gbnf(small), "y" + std::string(500, 'x')));
+  EXPECT_FALSE(matches(parse_gbnf(small), "y" + std::string(499, 'x')));
+}
+
+TEST(GrammarLimits, NullableChainsAndRunsAreLinear) {
+  // r_i ::= r_{i+1} | "a": every rule nullable only through the whole chain.
+  const int n = 50000;
+  std::string text = "root ::= r0 \"!\"\n";
+  for (int i = 0; i < n; ++i) text += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " | \"a\"\n";
+  text += "r" + std::to_string(n) + " ::= \"\"\n";
+  Grammar g = parse_gbnf(text);
+  const std::vector<char> nullable = g.nullable_rules();
+  EXPECT_TRUE(nullable[g.rule_named("r0")]);
+  EXPECT_TRUE(nullable[g.rule_named("r25000")]);
+  EXPECT_FALSE(nullable[g.root()]);
+  // A run of 100,000 nullable references in one alternative (FOLLOW's suffixes, once N^2).
+  std::string run = "root ::= ";
+  for (int i = 0; i < 100000; ++i) run += "e ";
+  run += "\"z\"\ne ::= \"q\"?\n";
+  const auto t0 = std::chrono::steady_clock::now();
+  const Grammar rg = parse_gbnf(run);
+  CompiledGrammar cg(rg, toy_vocab());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
+}
+
+TEST(GrammarLimits, SizeIsCappedBeforeTheMemoryIsTaken) {
+  // A choice list of 10,000 long strings grew the heap by ~1 GB before.
+  std::vector<std::string> many(10000, std::string(1000, 'a'));
+  for (size_t i = 0; i < many.size(); ++i) many[i] += std::to_string(i);
+  EXPECT_NE(error_of([&] { choice_grammar(many); }).find("characters in all"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              Sequence s;
+              Grammar::append_literal(s, std::string(kMaxSymbols + 1, 'x'));
+            }).find("longer than"),
+            std::string::npos);
+  // A GBNF text that repeats its way past the symbol budget.
+  EXPECT_NE(error_of([&] { parse_gbnf("root ::= (\"abcdefgh\"){100000} (\"ijk\"){100000} (\"x\"){100000}\n"); }).find("symbols"), std::string::npos);
+}
+
+TEST(GrammarLimits, ChoicesShareTheirPrefixes) {
+  // 10,000 choices: one parse per distinct next character (the matcher refused more than
+  // 4,096 parses at once, so a long choice list was "too ambiguous").
+  std::vector<std::string> labels;
+  for (int i = 0; i < 10000; ++i) labels.push_back("label-" + std::to_string(i));
+  labels.push_back("label");
+  labels.push_back("");
+  labels.push_back("label-7");  // a duplicate
+  const Grammar g = choice_grammar(labels);
+  auto cg = std::make_shared<const CompiledGrammar>(g, toy_vocab());
+  EXPECT_LE(cg->initial().num_stacks(), 2u);
+  for (const char* ok : {"label-0", "label-9999", "label-42", "label", ""}) EXPECT_TRUE(matches(g, ok)) << ok;
+  for (const char* no : {"label-10000", "label-", "labe", "label-0a", "x"}) EXPECT_FALSE(matches(g, no)) << no;
+  EXPECT_TRUE(judge(g, "label-99").prefix);
+  // Shared prefixes and one choice a prefix of another.
+  const Grammar h = choice_grammar({"ab", "abc", "abd", "b", "abcde"});
+  for (const char* ok : {"ab", "abc", "abd", "b", "abcde"}) EXPECT_TRUE(matches(h, ok)) << ok;
+  for (const char* no : {"a", "abcd", "abde", "bb", ""}) EXPECT_FALSE(matches(h, no)) << no;
+}
+
+TEST(GrammarLimits, MaskDeadlineThrowsGrammarTimeout) {
+  auto cg = std::make_shared<const CompiledGrammar>(parse_gbnf("root ::= [a-z]+\n"), toy_vocab());
+  cg->set_deadline(std::chrono::steady_clock::now() - std::chrono::seconds(1));
+  EXPECT_THROW(cg->mask(cg->initial()), GrammarTimeout);
+  cg->set_deadline(std::nullopt);
+  EXPECT_GT(cg->mask(cg->initial())->count(), 0);
+  EXPECT_GT(cg->table_bytes(), 0u);
 }
 
 }  // namespace

@@ -8,12 +8,6 @@
 
 namespace kvlm::grammar {
 
-namespace {
-// Rules the matcher can hold (rule ids travel in 32-bit stack entries; this bounds the
-// memory a request's grammar can take: ~100 bytes per rule).
-constexpr size_t kMaxRules = 200000;
-}  // namespace
-
 Symbol Symbol::chars(std::vector<CharRange> ranges, bool negated) {
   Symbol s;
   s.kind = Kind::Chars;
@@ -50,17 +44,31 @@ uint32_t Grammar::add_rule(std::string_view name) {
   return uint32_t(rules_.size() - 1);
 }
 
+void Grammar::count_symbols(size_t n) {
+  symbols_ += n;
+  if (symbols_ > kMaxSymbols)
+    throw Error("the grammar is larger than " + std::to_string(kMaxSymbols) +
+                " symbols (characters and rule references); simplify it (long literals and choice lists add one per "
+                "character)");
+}
+
 uint32_t Grammar::rule_named(std::string_view name) {
   if (auto it = by_name_.find(std::string(name)); it != by_name_.end()) return it->second;
   return add_rule(name);
 }
 
 void Grammar::append_literal(Sequence& s, std::string_view utf8) {
-  for (size_t i = 0; i < utf8.size();) s.push_back(Symbol::ch(next_code_point(utf8, i, "a literal")));
+  // Checked as the symbols are made: the sequence joins a grammar, which counts it then.
+  for (size_t i = 0; i < utf8.size();) {
+    if (s.size() >= kMaxSymbols)
+      throw Error("a literal of the grammar is longer than " + std::to_string(kMaxSymbols) + " characters");
+    s.push_back(Symbol::ch(next_code_point(utf8, i, "a literal")));
+  }
 }
 
 void Grammar::append_group(Sequence& s, std::vector<Sequence> alts, std::string_view hint) {
   const uint32_t r = add_rule(hint);
+  for (const Sequence& a : alts) count_symbols(a.size());
   rules_[r].alts = std::move(alts);
   s.push_back(Symbol::ref(r));
 }
@@ -74,15 +82,16 @@ void Grammar::append_repeat(Sequence& s, const Sequence& item, int min, int max,
     one = item[0];
   } else {
     const uint32_t r = add_rule(hint);
-    rules_[r].alts.push_back(item);
+    add_alt(r, item);
     one = Symbol::ref(r);
   }
+  if (s.size() + size_t(min) > kMaxSymbols) count_symbols(s.size() + size_t(min));  // throws
   for (int i = 0; i < min; ++i) s.push_back(one);
   if (max < 0) {
     // star ::= one star | ε  (right recursion: the matcher's stacks do not grow with it)
     const uint32_t star = add_rule(std::string(hint) + "-star");
-    rules_[star].alts.push_back({one, Symbol::ref(star)});
-    rules_[star].alts.push_back({});
+    add_alt(star, {one, Symbol::ref(star)});
+    add_alt(star, {});
     s.push_back(Symbol::ref(star));
     return;
   }
@@ -92,8 +101,8 @@ void Grammar::append_repeat(Sequence& s, const Sequence& item, int min, int max,
     const uint32_t r = add_rule(std::string(hint) + "-opt");
     Sequence alt{one};
     if (inner != UINT32_MAX) alt.push_back(Symbol::ref(inner));
-    rules_[r].alts.push_back(std::move(alt));
-    rules_[r].alts.push_back({});
+    add_alt(r, std::move(alt));
+    add_alt(r, {});
     inner = r;
   }
   if (inner != UINT32_MAX) s.push_back(Symbol::ref(inner));
@@ -106,9 +115,43 @@ uint32_t Grammar::embed(const Grammar& other, std::string_view prefix) {
     for (Sequence alt : other.rules_[i].alts) {
       for (Symbol& s : alt)
         if (s.kind == Symbol::Kind::Ref) s.rule = ids[s.rule];
-      rules_[ids[i]].alts.push_back(std::move(alt));
+      add_alt(ids[i], std::move(alt));
     }
   return ids[other.root_];
+}
+
+std::vector<char> Grammar::nullable_rules() const {
+  // A worklist, not a fixed point over all rules: a chain of N rules each nullable through
+  // the next would take N passes of N rules (a 60,000-rule chain: minutes).
+  const size_t n = rules_.size();
+  std::vector<char> nullable(n, 0);
+  std::vector<uint32_t> left;                                     // per alternative: references not yet nullable
+  std::vector<uint32_t> alt_rule;                                 // per alternative: its rule
+  std::vector<std::vector<uint32_t>> users(n);                    // per rule: alternatives that reference it
+  std::vector<uint32_t> work;
+  for (uint32_t r = 0; r < n; ++r)
+    for (const Sequence& alt : rules_[r].alts) {
+      const bool only_refs = std::all_of(alt.begin(), alt.end(), [](const Symbol& s) { return s.kind == Symbol::Kind::Ref; });
+      if (!only_refs) continue;  // a character is never empty
+      const uint32_t a = uint32_t(left.size());
+      left.push_back(uint32_t(alt.size()));
+      alt_rule.push_back(r);
+      for (const Symbol& s : alt) users[s.rule].push_back(a);
+      if (alt.empty() && !nullable[r]) {
+        nullable[r] = 1;
+        work.push_back(r);
+      }
+    }
+  while (!work.empty()) {
+    const uint32_t b = work.back();
+    work.pop_back();
+    for (uint32_t a : users[b])  // (a rule twice in one alternative is listed, and counted, twice)
+      if (--left[a] == 0 && !nullable[alt_rule[a]]) {
+        nullable[alt_rule[a]] = 1;
+        work.push_back(alt_rule[a]);
+      }
+  }
+  return nullable;
 }
 
 void Grammar::validate() const {
@@ -116,23 +159,7 @@ void Grammar::validate() const {
   for (const Rule& r : rules_)
     if (r.alts.empty()) throw Error("the grammar's rule '" + r.name + "' is used but never defined");
   const size_t n = rules_.size();
-  // Nullable rules (can match the empty string), to a fixed point.
-  std::vector<char> nullable(n, 0);
-  for (bool changed = true; changed;) {
-    changed = false;
-    for (size_t i = 0; i < n; ++i) {
-      if (nullable[i]) continue;
-      for (const Sequence& alt : rules_[i].alts) {
-        const bool all = std::all_of(alt.begin(), alt.end(),
-                                     [&](const Symbol& s) { return s.kind == Symbol::Kind::Ref && nullable[s.rule]; });
-        if (all) {
-          nullable[i] = 1;
-          changed = true;
-          break;
-        }
-      }
-    }
-  }
+  const std::vector<char> nullable = nullable_rules();
   // Edges A -> B where B can start A without a character consumed; a cycle is left recursion.
   std::vector<std::vector<uint32_t>> first(n);
   for (size_t i = 0; i < n; ++i)
@@ -289,19 +316,62 @@ uint32_t parse_hex(std::string_view t, size_t& pos, int digits, const Fail& fail
     fail("an escape beyond U+10FFFF");
     throw Error("an escape beyond U+10FFFF");
   }
+  if (v >= 0xD800 && v <= 0xDFFF) {  // half of a UTF-16 pair: no UTF-8 text holds one
+    fail("an escape of a UTF-16 surrogate (U+D800..U+DFFF), which UTF-8 text cannot hold; escape the character itself");
+    throw Error("an escape of a UTF-16 surrogate");
+  }
   return v;
 }
 
 Grammar choice_grammar(const std::vector<std::string>& choices) {
   if (choices.empty()) throw Error("a choice needs at least one string");
+  // The choices as code points, sorted and unique: a trie node is a range of them sharing a
+  // prefix; where they part (or one ends) the node becomes a rule with one alternative per
+  // next character (and an empty one where a choice ends there).
+  std::vector<std::u32string> cs;
+  size_t total = 0;
+  for (const std::string& c : choices) {
+    total += c.size();
+    if (total > kMaxSymbols)
+      throw Error("the choices hold more than " + std::to_string(kMaxSymbols) + " characters in all; send fewer or shorter ones");
+    std::u32string u;
+    for (size_t i = 0; i < c.size();) u.push_back(char32_t(next_code_point(c, i, "a choice")));
+    cs.push_back(std::move(u));
+  }
+  std::sort(cs.begin(), cs.end());
+  cs.erase(std::unique(cs.begin(), cs.end()), cs.end());
   Grammar g;
   const uint32_t root = g.add_rule("root");
-  for (const std::string& c : choices) {
-    Sequence s;
-    Grammar::append_literal(s, c);
-    g.add_alt(root, std::move(s));
-  }
   g.set_root(root);
+  struct Node {
+    uint32_t rule;
+    size_t begin, end, depth;  // choices [begin, end) agree on their first `depth` code points
+  };
+  std::vector<Node> work{{root, 0, cs.size(), 0}};
+  while (!work.empty()) {
+    const Node nd = work.back();
+    work.pop_back();
+    for (size_t i = nd.begin; i < nd.end;) {
+      Sequence alt;
+      if (cs[i].size() == nd.depth) {  // a choice that ends here (sorted first)
+        g.add_alt(nd.rule, {});
+        ++i;
+        continue;
+      }
+      size_t j = i + 1;
+      while (j < nd.end && cs[j].size() > nd.depth && cs[j][nd.depth] == cs[i][nd.depth]) ++j;
+      // The characters every choice of [i, j) shares from here, then a rule where they part.
+      size_t d = nd.depth;
+      while (d < cs[i].size() && cs[j - 1].size() > d && cs[i][d] == cs[j - 1][d]) alt.push_back(Symbol::ch(uint32_t(cs[i][d++])));
+      if (j - i > 1 || d < cs[i].size()) {
+        const uint32_t r = g.add_rule("choice");
+        alt.push_back(Symbol::ref(r));
+        work.push_back({r, i, j, d});
+      }
+      g.add_alt(nd.rule, std::move(alt));
+      i = j;
+    }
+  }
   return g;
 }
 
@@ -432,8 +502,10 @@ class GbnfParser {
         ++pos_;
         seq.push_back(Symbol::chars({{'\n', '\n'}}, true));  // any character but a newline
       } else if (c == '(') {
+        if (++depth_ > kMaxNesting) fail("groups nested deeper than " + std::to_string(kMaxNesting) + " levels");
         ++pos_;
         std::vector<Sequence> alts = parse_alternatives(rule, true);
+        --depth_;
         skip_space(true);
         if (pos_ >= t_.size() || t_[pos_] != ')') fail("expected ')'");
         ++pos_;
@@ -507,6 +579,7 @@ class GbnfParser {
 
   std::string_view t_;
   size_t pos_ = 0;
+  int depth_ = 0;  // ( groups open
   Grammar g_;
 };
 

@@ -15,6 +15,14 @@
 
 namespace kvlm::grammar {
 
+// What any grammar may cost, whoever wrote it (a request's structured output is the client's
+// text): nesting of ( ) groups in a regex or GBNF text, symbols over all alternatives (each
+// ~100 bytes here and in the compiled grammar), and rules. Every front end refuses more with
+// a kvlm::Error naming the limit, before the memory is taken.
+constexpr int kMaxNesting = 256;
+constexpr size_t kMaxSymbols = size_t(1) << 18;
+constexpr size_t kMaxRules = 200000;
+
 struct CharRange {
   uint32_t lo, hi;  // inclusive code points
 };
@@ -39,7 +47,10 @@ class Grammar {
   // The rule called `name`, created (without alternatives) when there is none.
   uint32_t rule_named(std::string_view name);
   bool has_rule(std::string_view name) const { return by_name_.count(std::string(name)) > 0; }
-  void add_alt(uint32_t rule, Sequence alt) { rules_[rule].alts.push_back(std::move(alt)); }
+  void add_alt(uint32_t rule, Sequence alt) {
+    count_symbols(alt.size());
+    rules_[rule].alts.push_back(std::move(alt));
+  }
   void set_root(uint32_t rule) { root_ = rule; }
 
   uint32_t root() const { return root_; }
@@ -47,7 +58,9 @@ class Grammar {
   const std::string& name(uint32_t rule) const { return rules_[rule].name; }
   const std::vector<Sequence>& alts(uint32_t rule) const { return rules_[rule].alts; }
 
-  // Builders that append to a sequence.
+  size_t num_symbols() const { return symbols_; }
+
+  // Builders that append to a sequence (throwing kvlm::Error past kMaxSymbols).
   static void append_literal(Sequence& s, std::string_view utf8);
   // `item` repeated min..max times (max < 0: unbounded). Helper rules are named after `hint`.
   void append_repeat(Sequence& s, const Sequence& item, int min, int max, std::string_view hint);
@@ -57,6 +70,9 @@ class Grammar {
   // Copies `other`'s rules into this grammar (names prefixed) and returns the rule its root
   // became: grammars built separately (a tool's arguments schema) compose into one.
   uint32_t embed(const Grammar& other, std::string_view prefix);
+
+  // Per rule: whether it can match the empty string (linear in the grammar's size).
+  std::vector<char> nullable_rules() const;
 
   // Throws kvlm::Error naming the rule: a rule without alternatives (an undefined name),
   // a rule that can reach itself without consuming a character (left recursion, which a
@@ -70,9 +86,11 @@ class Grammar {
     std::string name;
     std::vector<Sequence> alts;
   };
+  void count_symbols(size_t n);
   std::vector<Rule> rules_;
   std::unordered_map<std::string, uint32_t> by_name_;
   uint32_t root_ = 0;
+  size_t symbols_ = 0;
 };
 
 // llama.cpp's GBNF: `name ::= alternatives` with "literals", [character classes], ., rule
@@ -80,7 +98,8 @@ class Grammar {
 // rule named `root` is the start. Throws kvlm::Error with the line and column of a mistake.
 Grammar parse_gbnf(std::string_view text);
 
-// One alternative per choice, each matched literally.
+// The choices matched literally, as a trie (choices sharing a prefix share its rule), so that
+// the matcher follows one parse per distinct next character, not one per choice.
 Grammar choice_grammar(const std::vector<std::string>& choices);
 
 // Pieces of syntax the GBNF and regex parsers share. `fail` throws kvlm::Error with the

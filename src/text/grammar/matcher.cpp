@@ -14,6 +14,10 @@
 #include <omp.h>
 #endif
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "core/error.h"
 #include "io/tokenizer/tokenizer.h"
 
@@ -23,6 +27,9 @@ namespace {
 // A state whose stacks outnumber this is an ambiguous grammar blowing up (e.g. (a|a)*
 // nested): the request fails rather than the engine thread stalling on it.
 constexpr size_t kMaxStacks = 4096;
+// Entries of one stack: how deep a recursive grammar's output may nest (a JSON value nested
+// 10,000 levels deep would otherwise grow every state, and its key, without bound).
+constexpr size_t kMaxStackDepth = 10000;
 // Masks kept per grammar (by state, and by position); at a limit that cache starts over.
 constexpr size_t kMaxCachedMasks = 4096;
 constexpr size_t kMaxCachedMaskBytes = size_t(16) << 20;
@@ -96,6 +103,7 @@ int TokenMask::count() const {
 CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocab> vocab, bool position_masks)
     : vocab_(std::move(vocab)), position_masks_(position_masks) {
   g.validate();
+  std::unordered_map<std::string, uint32_t> class_ids;
   alt_starts_.resize(g.num_rules());
   for (uint32_t r = 0; r < g.num_rules(); ++r)
     for (const Sequence& alt : g.alts(r)) {
@@ -104,10 +112,14 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
         if (s.kind == Symbol::Kind::Ref) {
           flat_.push_back({kRef, s.rule});
         } else {
+          // Classes are interned: most are one character, repeated all over a grammar.
           std::vector<CharRange> rs = s.ranges;
           std::sort(rs.begin(), rs.end(), [](const CharRange& a, const CharRange& b) { return a.lo < b.lo; });
-          classes_.push_back({s.negated, std::move(rs)});
-          flat_.push_back({kChars, uint32_t(classes_.size() - 1)});
+          std::string k(1, s.negated ? '^' : '=');
+          k.append(reinterpret_cast<const char*>(rs.data()), rs.size() * sizeof(CharRange));
+          const auto [it, added] = class_ids.emplace(std::move(k), uint32_t(classes_.size()));
+          if (added) classes_.push_back({s.negated, std::move(rs)});
+          flat_.push_back({kChars, it->second});
         }
       }
       flat_.push_back({kEnd, 0});
@@ -121,6 +133,9 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
       }
   root_ = g.root();
   compute_follow(g);
+  table_bytes_ = sizeof(Flat) * flat_.size() + 4 * (flat_.size() + rule_of_.size()) + sizeof(std::bitset<256>) * follow_.size() +
+                 (sizeof(std::vector<uint32_t>) + 4) * alt_starts_.size();
+  for (const Class& c : classes_) table_bytes_ += sizeof(Class) + sizeof(CharRange) * c.ranges.size();
 }
 
 // FOLLOW sets as in LL parsing, over lead bytes: first_[r] the bytes a sentence of r may
@@ -142,45 +157,70 @@ void CompiledGrammar::compute_follow(const Grammar& g) {
     }
     if (next <= 0x10FFFF) add_lead_bytes(lead[c], next, 0x10FFFF);
   }
-  std::vector<char> nullable(nr, 0);
-  // The bytes a sentence of flat_[p..] (to its alternative's end) may start with; returns
-  // whether it may be empty.
-  const auto seq_first = [&](uint32_t p, std::bitset<256>& f) {
-    for (; flat_[p].kind != kEnd; ++p) {
-      if (flat_[p].kind == kChars) {
-        f |= lead[flat_[p].arg];
-        return false;
-      }
-      f |= first[flat_[p].arg];
-      if (!nullable[flat_[p].arg]) return false;
-    }
-    return true;
-  };
-  for (bool changed = true; changed;) {
-    changed = false;
-    for (uint32_t r = 0; r < nr; ++r)
-      for (uint32_t start : alt_starts_[r]) {
-        std::bitset<256> f;
-        const bool n = seq_first(start, f);
-        if ((first[r] | f) != first[r]) first[r] |= f, changed = true;
-        if (n && !nullable[r]) nullable[r] = 1, changed = true;
-      }
-  }
-  follow_.assign(nr, {});
-  for (bool changed = true; changed;) {
-    changed = false;
-    for (uint32_t b = 0; b < nr; ++b)
-      for (uint32_t start : alt_starts_[b])
-        for (uint32_t p = start; flat_[p].kind != kEnd; ++p) {
-          if (flat_[p].kind != kRef) continue;
-          // After this reference: the rest of the alternative, and what follows b where the
-          // rest may be empty.
-          std::bitset<256> f;
-          if (seq_first(p + 1, f)) f |= follow_[b];
-          const uint32_t a = flat_[p].arg;
-          if ((follow_[a] | f) != follow_[a]) follow_[a] |= f, changed = true;
+  const std::vector<char> nullable = g.nullable_rules();
+  // Sets that include others (`into[a]`: the rules whose set includes a's), closed by a
+  // worklist: a rule is revisited only when its set grew, at most 256 times. (A fixed point
+  // over all rules takes one pass per link of a chain: N^2 for a chain of N rules.)
+  const auto close = [](std::vector<std::bitset<256>>& sets, const std::vector<std::vector<uint32_t>>& into) {
+    std::vector<uint32_t> work;
+    std::vector<char> queued(sets.size(), 0);
+    for (uint32_t r = 0; r < sets.size(); ++r)
+      if (sets[r].any() && !into[r].empty()) work.push_back(r), queued[r] = 1;
+    while (!work.empty()) {
+      const uint32_t a = work.back();
+      work.pop_back();
+      queued[a] = 0;
+      for (uint32_t b : into[a])
+        if ((sets[b] | sets[a]) != sets[b]) {
+          sets[b] |= sets[a];
+          if (!queued[b]) work.push_back(b), queued[b] = 1;
         }
-  }
+    }
+  };
+  // FIRST: a rule's alternatives' leading characters, and the FIRST of each reference up to
+  // and including the first one that cannot be empty.
+  std::vector<std::vector<uint32_t>> into(nr);
+  for (uint32_t r = 0; r < nr; ++r)
+    for (uint32_t start : alt_starts_[r])
+      for (uint32_t p = start; flat_[p].kind != kEnd; ++p) {
+        if (flat_[p].kind == kChars) {
+          first[r] |= lead[flat_[p].arg];
+          break;
+        }
+        into[flat_[p].arg].push_back(r);
+        if (!nullable[flat_[p].arg]) break;
+      }
+  close(first, into);
+  // FOLLOW of a reference: the FIRST of the rest of its alternative, and the FOLLOW of the
+  // rule that holds it where that rest may be empty.
+  // Each alternative is walked backwards with its suffix's FIRST, so that a long run of
+  // nullable references costs its length, not its square.
+  follow_.assign(nr, {});
+  for (auto& v : into) v.clear();
+  for (uint32_t b = 0; b < nr; ++b)
+    for (uint32_t start : alt_starts_[b]) {
+      uint32_t end = start;
+      while (flat_[end].kind != kEnd) ++end;
+      std::bitset<256> suffix;
+      bool suffix_empty = true;  // the rest may match nothing
+      for (uint32_t p = end; p-- > start;) {
+        const uint32_t x = flat_[p].arg;
+        if (flat_[p].kind == kChars) {
+          suffix = lead[x];
+          suffix_empty = false;
+          continue;
+        }
+        follow_[x] |= suffix;
+        if (suffix_empty) into[b].push_back(x);
+        if (nullable[x]) {
+          suffix |= first[x];
+        } else {
+          suffix = first[x];
+          suffix_empty = false;
+        }
+      }
+    }
+  close(follow_, into);
 }
 
 bool CompiledGrammar::matches(uint32_t cls, uint32_t cp) const {
@@ -215,36 +255,80 @@ bool CompiledGrammar::may_match(uint32_t cls, uint32_t lo, uint32_t hi) const {
 }
 
 void CompiledGrammar::expand(Stack& s, State& out) const {
-  // The grammar has no left recursion (validated), so expansion without a character
-  // consumed visits each rule at most once per path: the recursion is bounded by the rules.
-  if (s.empty()) {
-    out.push(s);
-    return;
-  }
-  const uint32_t p = s.back();
-  const Flat f = flat_[p];
-  if (f.kind == kChars) {
-    if (out.num_stacks() >= kMaxStacks)
-      throw Error("the grammar is too ambiguous to match (more than " + std::to_string(kMaxStacks) +
-                  " parses at once); make its alternatives start differently");
-    out.push(s);
-    return;
-  }
-  s.pop_back();
-  if (f.kind == kEnd) {
-    expand(s, out);
-  } else {
-    // A reference in tail position leaves nothing to return to.
-    const bool cont = flat_[p + 1].kind != kEnd;
-    if (cont) s.push_back(p + 1);
-    for (uint32_t start : alt_starts_[f.arg]) {
-      s.push_back(start);
-      expand(s, out);
+  // Depth first through the references until each top is a character class (or the stack is
+  // empty), as a loop with its own frames rather than a recursion: a chain of rules each
+  // starting with the next (60,000 of them in a client's GBNF), or a long run of rule ends
+  // to pop, would otherwise take one native stack frame each. The grammar has no left
+  // recursion (validated), so a path visits each rule at most once without a character
+  // consumed: the frames are bounded by the rules. Each frame undoes its change to `s` when
+  // left, so `s` is as it came when this returns.
+  struct Frame {
+    uint32_t p;    // the position popped off `s`
+    uint32_t alt;  // the next alternative of its rule to try; kEndFrame: p was a rule's end
+    bool cont;     // p + 1 was pushed (the rest of p's alternative)
+  };
+  constexpr uint32_t kEndFrame = UINT32_MAX;
+  thread_local std::vector<Frame> frames;
+  const size_t base = frames.size();
+  struct Unwind {  // on an exception too: the next expansion starts clean
+    size_t base;
+    ~Unwind() { frames.resize(base); }
+  } unwind{base};
+  for (;;) {
+    // Down: pop rule ends, enter first alternatives, until a leaf.
+    for (;;) {
+      if (s.empty() || flat_[s.back()].kind == kChars) {
+        if (!s.empty() && out.num_stacks() >= kMaxStacks)
+          throw Error("the grammar is too ambiguous to match (more than " + std::to_string(kMaxStacks) +
+                      " parses at once); make its alternatives start differently");
+        if (s.size() > kMaxStackDepth)
+          throw Error("the output nests deeper than " + std::to_string(kMaxStackDepth) + " levels of the grammar");
+        out.push(s);
+        break;
+      }
+      const uint32_t p = s.back();
       s.pop_back();
+      if (flat_[p].kind == kEnd) {
+        frames.push_back({p, kEndFrame, false});
+        continue;
+      }
+      // A reference in tail position leaves nothing to return to.
+      const bool cont = flat_[p + 1].kind != kEnd;
+      if (cont) s.push_back(p + 1);
+      frames.push_back({p, 1, cont});
+      s.push_back(alt_starts_[flat_[p].arg][0]);  // validated: every rule has an alternative
     }
-    if (cont) s.pop_back();
+    // Up: undo frames until one has an alternative left, then go down it.
+    for (;;) {
+      if (frames.size() == base) return;
+      Frame& f = frames.back();
+      if (f.alt == kEndFrame) {
+        s.push_back(f.p);
+        frames.pop_back();
+        continue;
+      }
+      s.pop_back();  // the alternative's start
+      const std::vector<uint32_t>& alts = alt_starts_[flat_[f.p].arg];
+      if (f.alt < alts.size()) {
+        s.push_back(alts[f.alt++]);
+        break;
+      }
+      if (f.cont) s.pop_back();
+      s.push_back(f.p);
+      frames.pop_back();
+    }
   }
-  s.push_back(p);
+}
+
+void CompiledGrammar::set_deadline(std::optional<std::chrono::steady_clock::time_point> t) const {
+  deadline_ns_.store(t ? std::max<int64_t>(1, t->time_since_epoch() / std::chrono::nanoseconds(1)) : 0,
+                     std::memory_order_relaxed);
+}
+
+void CompiledGrammar::check_deadline() const {
+  const int64_t d = deadline_ns_.load(std::memory_order_relaxed);
+  if (d && std::chrono::steady_clock::now().time_since_epoch() / std::chrono::nanoseconds(1) > d)
+    throw GrammarTimeout("the grammar's masks take longer to compute than this server's compile budget");
 }
 
 void CompiledGrammar::normalize(State& st) {
@@ -621,6 +705,7 @@ void CompiledGrammar::walk(const State& s, const Items& items, std::vector<uint6
   size_t alive = 0;
   const size_t n = items.size();
   for (size_t k = 0; k < n; ++k) {
+    if ((k & 1023) == 0) check_deadline();
     const TokenId id = v.order_[items.index(k)];
     const std::string& b = v.bytes_[size_t(id)];
     size_t d = std::min<size_t>(items.prefix(k), alive);
@@ -674,7 +759,10 @@ namespace {
 // mask, each with its own thread team for the walk (walk_chunks), could take every core from
 // the engine thread when many constrained requests run at once. An eighth of the cores (up
 // to half of them busy, with the walks' teams) is enough, since the engine does not wait
-// for a late mask (Sequence::deferred).
+// for a late mask (Sequence::deferred). The workers run at a lower scheduling priority
+// (lower_thread_priority): on a machine with few cores a costly grammar then takes the CPU
+// time the forward pass leaves, rather than a core the engine's thread team waits on (which
+// stalled every other request's step 25-50x on 2 cores).
 class MaskPool {
  public:
   using Task = std::packaged_task<std::shared_ptr<const TokenMask>()>;
@@ -697,6 +785,7 @@ class MaskPool {
   explicit MaskPool(unsigned n) {
     for (unsigned i = 0; i < n; ++i)
       std::thread([this] {
+        lower_thread_priority();
         for (;;) {
           Task t;
           {
@@ -715,6 +804,12 @@ class MaskPool {
 };
 
 }  // namespace
+
+void lower_thread_priority() {
+  // Linux's nice value is per thread (the id from gettid); best effort: nothing to do if
+  // the system refuses.
+  [[maybe_unused]] const int rc = ::setpriority(PRIO_PROCESS, id_t(::syscall(SYS_gettid)), kGrammarThreadNice);
+}
 
 std::shared_ptr<const TokenMask> Constraint::allowed() const {
   if (next_.valid()) {

@@ -28,8 +28,11 @@
 // walk over the dependent tokens alone, from the state's real stacks.
 #pragma once
 
+#include <atomic>
 #include <bitset>
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -37,6 +40,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/error.h"
 #include "core/index_types.h"
 #include "text/grammar/grammar.h"
 
@@ -45,6 +49,12 @@ class Tokenizer;
 }
 
 namespace kvlm::grammar {
+
+// A mask computation past a deadline set with CompiledGrammar::set_deadline.
+class GrammarTimeout : public Error {
+ public:
+  using Error::Error;
+};
 
 // The vocabulary as the matcher sees it: every token's bytes as they appear inside a text,
 // sorted. Special tokens and ids the tokenizer lacks have no bytes and are never allowed by
@@ -122,6 +132,11 @@ class CompiledGrammar {
   // benchmarks and the server's grammar cache budget).
   size_t num_position_masks() const;
   size_t cached_bytes() const;
+  // The compiled grammar's own tables (what it holds before any mask is cached).
+  size_t table_bytes() const { return table_bytes_; }
+  // While set, mask computations throw GrammarTimeout once the time passes (a compile's
+  // budget: see server/grammar_cache.h); a walk checks it every thousand tokens.
+  void set_deadline(std::optional<std::chrono::steady_clock::time_point> t) const;
 
  private:
   enum Kind : uint8_t { kChars, kRef, kEnd };
@@ -168,6 +183,7 @@ class CompiledGrammar {
   int walk_chunks() const;
   void compute_follow(const Grammar& g);
   static std::string key(const State& s);
+  void check_deadline() const;
 
   std::vector<Flat> flat_;
   std::vector<std::vector<uint32_t>> alt_starts_;
@@ -177,6 +193,8 @@ class CompiledGrammar {
   uint32_t root_;
   std::shared_ptr<const TokenVocab> vocab_;
   bool position_masks_;
+  size_t table_bytes_ = 0;
+  mutable std::atomic<int64_t> deadline_ns_{0};  // steady clock, 0: none
 
   mutable std::mutex mu_;
   mutable std::unordered_map<std::string, std::shared_ptr<const TokenMask>> cache_;
@@ -184,6 +202,11 @@ class CompiledGrammar {
   mutable std::unordered_map<std::string, std::shared_ptr<const PositionMask>> positions_;  // by top
   mutable size_t position_bytes_ = 0;
 };
+
+// Lowers the calling thread's scheduling priority to kGrammarThreadNice: the threads that
+// compile grammars and compute masks ahead give way to the engine's (see matcher.cpp).
+constexpr int kGrammarThreadNice = 10;
+void lower_thread_priority();
 
 // One generation's progress through a grammar (one per choice). Not thread-safe: the engine
 // uses it from one thread at a time.

@@ -47,7 +47,9 @@ class RegexParser {
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    throw Error("regex '" + std::string(p_) + "' at position " + std::to_string(pos_) + ": " + what);
+    // The pattern is the client's: quoted whole only when short.
+    const std::string shown = p_.size() <= 200 ? std::string(p_) : std::string(p_.substr(0, 200)) + "...";
+    throw Error("regex '" + shown + "' at position " + std::to_string(pos_) + ": " + what);
   }
 
   bool at_end_anchor() const { return pos_ + 1 == p_.size() && p_[pos_] == '$'; }
@@ -158,6 +160,7 @@ class RegexParser {
   void atom(Sequence& seq) {
     const char c = p_[pos_];
     if (c == '(') {
+      if (++depth_ > kMaxNesting) fail("groups nested deeper than " + std::to_string(kMaxNesting) + " levels");
       ++pos_;
       if (pos_ < p_.size() && p_[pos_] == '?') {
         ++pos_;
@@ -177,6 +180,7 @@ class RegexParser {
       std::vector<Sequence> alts = alternation();
       if (pos_ >= p_.size() || p_[pos_] != ')') fail("a '(' without its ')'");
       ++pos_;
+      --depth_;
       if (alts.size() == 1) {
         seq.insert(seq.end(), alts[0].begin(), alts[0].end());
         // A quantifier after the group applies to all of it: concat() passes the start.
@@ -268,6 +272,7 @@ class RegexParser {
   std::string name_;
   bool json_;
   size_t pos_ = 0;
+  int depth_ = 0;  // groups open
 };
 
 }  // namespace
