@@ -1,7 +1,8 @@
 # kvlm: the two commands of the README's quick start, plus their building blocks.
 #   make demo   install what is missing, build, run the bundled model (kvlm-tiny)
 #   make test   install, build (CUDA sources too when nvcc exists), run every CPU test
-#               under AddressSanitizer + UBSan, and short fuzzing runs of the safetensors and GGUF parsers and of the request parser
+#               under AddressSanitizer + UBSan, and short fuzzing runs of the safetensors and GGUF parsers, the request
+#               parser and the grammar front ends (regex, GBNF, JSON schema)
 
 BUILD       ?= build
 ASAN_BUILD  ?= build-asan
@@ -59,10 +60,11 @@ test-asan: deps
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVLM_FUZZ=ON \
 	  -DKVLM_CUDA=OFF -DKVLM_TESTS=OFF $(CMAKE_FLAGS)
-	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_gguf fuzz_request
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_safetensors fuzz_gguf fuzz_request fuzz_grammar
 	bash fuzz/run.sh $(FUZZ_BUILD)/fuzz/fuzz_safetensors $(FUZZ_SECONDS)
 	bash fuzz/run.sh $(FUZZ_BUILD)/fuzz/fuzz_gguf $(FUZZ_SECONDS)
 	bash fuzz/run.sh $(FUZZ_BUILD)/fuzz/fuzz_request $(FUZZ_SECONDS)
+	bash fuzz/run.sh $(FUZZ_BUILD)/fuzz/fuzz_grammar $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

@@ -56,6 +56,34 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    def __post_init__(self):
+        # Checked at construction, as vLLM's SamplingParams does, naming the argument.
+        def bad(what):
+            raise ValueError(what)
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be at least 1, got {self.n}.")
+        if not self.temperature >= 0:
+            bad(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}.")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad(f"logprobs must be non-negative, got {self.logprobs}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not self.repetition_penalty > 0:
+            bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+
     def _json(self, max_model_len: int, prompt_len: int) -> str:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_tokens if self.max_tokens is not None else max(1, max_model_len - prompt_len)

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "config/model_config.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -18,7 +19,7 @@
 namespace kvlm::app {
 
 void ModelFlags::add_to(CLI::App& cmd) {
-  cmd.add_option("--model,-m", model, "Hugging Face model directory (default: the bundled kvlm-tiny model)");
+  cmd.add_option("--model,-m", model, "the model: a Hugging Face model directory (config.json, safetensors) or a .gguf file (default: the bundled kvlm-tiny model)");
   cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache precision: auto, float16, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, "
                  "fp8_per_token_head, int8_per_token_head, int4_per_token_head")
@@ -95,7 +96,13 @@ std::filesystem::path default_model_dir() {
   throw Error("no --model given and the bundled model (models/kvlm-tiny) was not found; pass --model DIR");
 }
 
-std::filesystem::path ModelFlags::model_dir() const { return model.empty() ? default_model_dir() : std::filesystem::path(model); }
+std::filesystem::path ModelFlags::model_dir() const {
+  if (model.empty()) return default_model_dir();
+  // Said first, on every command: a missing path, a Hub id or a directory without a model
+  // would otherwise surface later as whatever the command looks for first (a tokenizer).
+  check_model_dir(model);
+  return std::filesystem::path(model);
+}
 
 CacheConfig ModelFlags::cache_config() const {
   CacheConfig c;

@@ -116,7 +116,9 @@ int run_generate(const GenerateFlags& f) {
   } else {
     req.prompt = text->encode_prompt(f.prompt);
   }
-  if (text)
+  // The tokenizer's end token ends a reply too, unless --ignore-eos (a GGUF file's
+  // <|im_end|> is the tokenizer's EOS, not the model's; vLLM's ignore_eos drops both).
+  if (text && !req.ignore_eos)
     if (auto eos = text->eos_id()) req.extra_eos.push_back(*eos);
   if (!f.sampling.stop.empty() && !text) throw Error("--stop needs the model's tokenizer.json (it matches text)");
 

@@ -433,8 +433,20 @@ void check_model_dir(const std::filesystem::path& dir) {
   if (std::filesystem::is_regular_file(dir, ec))
     throw Error("--model '" + dir.string() + "' is a file but not a .gguf file; point --model at a Hugging Face model "
                 "directory or a GGUF file");
+  if (!std::filesystem::exists(dir, ec)) {
+    // ORG/NAME that is not a local path is a Hugging Face Hub id: kvlm reads local files only.
+    const std::string p = dir.generic_string();
+    const auto slash = p.find('/');
+    const bool hub_id = dir.is_relative() && slash != std::string::npos && slash > 0 && slash + 1 < p.size() &&
+                        p.find('/', slash + 1) == std::string::npos && p[0] != '.';
+    if (hub_id)
+      throw Error("'" + p + "' is not a local path: kvlm does not download models. Fetch it first, e.g. "
+                  "`huggingface-cli download " + p + " --local-dir models/" + p.substr(slash + 1) +
+                  "`, then pass --model models/" + p.substr(slash + 1) + " (a .gguf file works too)");
+    throw Error("model '" + p + "' does not exist; give a Hugging Face model directory (with config.json) or a .gguf file");
+  }
   if (!std::filesystem::is_directory(dir, ec))
-    throw Error("model directory '" + dir.string() + "' does not exist or is not a directory");
+    throw Error("model '" + dir.string() + "' is not a directory or a .gguf file");
   if (!std::filesystem::exists(dir / "config.json", ec))
     throw Error("'" + dir.string() + "' has no config.json (nor a .gguf file); point --model at a Hugging Face model "
                 "directory or a GGUF file");

@@ -401,7 +401,7 @@ bool HttpServer::Impl::write_stream(StreamState& st, httplib::DataSink& sink) {
   return true;
 }
 
-void HttpServer::Impl::tokenize(const httplib::Request& req, const std::string& raw, httplib::Response& res) {
+void HttpServer::Impl::tokenize(const httplib::Request&, const std::string& raw, httplib::Response& res) {
   const ServedModel* m = served(res);
   if (!m) return;
   const Json body = parse_body(raw, opts.limits);
@@ -451,7 +451,7 @@ void HttpServer::Impl::tokenize(const httplib::Request& req, const std::string& 
   reply(res, 200, out);
 }
 
-void HttpServer::Impl::detokenize(const httplib::Request& req, const std::string& raw, httplib::Response& res) {
+void HttpServer::Impl::detokenize(const httplib::Request&, const std::string& raw, httplib::Response& res) {
   const ServedModel* m = served(res);
   if (!m) return;
   const Json body = parse_body(raw, opts.limits);

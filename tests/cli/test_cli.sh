@@ -163,6 +163,16 @@ expect_error 1 "--top-p must be in (0, 1]" -- generate --prompt-ids 1 --top-p 0
 expect_error 1 "give a prompt" -- generate --prompt-ids ""
 expect_error 1 "give a prompt: --prompt TEXT or --prompt-ids" -- generate
 expect_error 1 "does not exist" -- generate --model "$tmp/nope" --prompt-ids 1
+# The model path is checked first, on every command: text prompts on a missing path, a Hub id
+# or a directory without a model said "has no tokenizer.json ... give --prompt-ids".
+expect_error 1 "model '$tmp/nope' does not exist; give a Hugging Face model directory" -- generate --model "$tmp/nope" --prompt hi
+expect_error 1 "does not exist" -- chat --model "$tmp/nope"
+expect_error 1 "does not exist" -- inspect --model "$tmp/nope"
+expect_error 1 "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir models/SmolLM2-135M-Instruct" -- \
+  generate --model HuggingFaceTB/SmolLM2-135M-Instruct --prompt hi
+mkdir -p "$tmp/empty"
+expect_error 1 "has no config.json (nor a .gguf file)" -- generate --model "$tmp/empty" --prompt hi
+"$KVLM" generate --help >"$tmp/help" 2>&1; grep -q "or a .gguf file" "$tmp/help" && ok || bad "--model's help names GGUF files"
 # GGUF paths: a damaged .gguf, a file that is not one, a directory holding two, and text
 # on a GGUF model (whose tokenizer kvlm does not read yet).
 printf 'GGUF\003\000\000\000' > "$tmp/bad.gguf"

@@ -60,6 +60,14 @@ if [ -f "$smol" ]; then
   text "SmolLM2 text prompt" " Paris." --model "$smol" --prompt "The capital of France is"
   # The chat template from the file's tokenizer.chat_template (transformers' greedy answer).
   text "SmolLM2 chat" "The capital of France is Paris" --model "$smol" --chat --prompt "What is the capital of France?"
+  # --ignore-eos ignores the tokenizer's end token too (<|im_end|>, id 2, which a chat reply
+  # ends with here): all 48 tokens come, as transformers gives with EOS ignored.
+  out=$("$KVLM" -q generate --model "$smol" --chat --prompt "What is the capital of France?" --max-tokens 48 \
+    --temperature 0 --ignore-eos --json 2>"$work/err")
+  n=$(printf '%s' "$out" | python3 -c "import json,sys; print(len(json.load(sys.stdin)['token_ids']))" 2>/dev/null || echo 0)
+  ran=$((ran + 1))
+  if [ "$n" = 48 ]; then echo "ok: --ignore-eos on a GGUF chat reply gives 48 tokens"
+  else echo "FAIL: --ignore-eos on a GGUF chat reply gave $n of 48 tokens: $(cat "$work/err")"; failed=$((failed + 1)); fi
   # inspect names the metadata behind the config and the tokenizer
   inspect_out=$("$KVLM" inspect --model "$smol" 2>&1)  # (not piped into grep -q: SIGPIPE under pipefail)
   if ! grep -q "tokenizer.ggml.merges" <<<"$inspect_out" || ! grep -q "num_hidden_layers = 30  <- llama.block_count" <<<"$inspect_out"; then

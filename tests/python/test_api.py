@@ -246,3 +246,15 @@ def test_a_vllm_script_runs_with_only_the_import_changed(tmp_path):
                          env=dict(os.environ))
     assert out.returncode == 0, out.stderr
     assert "ok: 3 prompts" in out.stdout
+
+
+def test_sampling_params_are_checked_at_construction():
+    # As vLLM's: a bad value is a ValueError naming the argument, before any request runs.
+    for kwargs, name in [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                         ({"n": 0}, "n"), ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"),
+                         ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"), ({"logprobs": -1}, "logprobs"),
+                         ({"presence_penalty": 3.0}, "presence_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=None)  # the edges are fine

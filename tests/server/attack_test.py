@@ -17,6 +17,7 @@ from serverlib import Server  # noqa: E402
 KVLM, MODEL = sys.argv[1], sys.argv[2]
 failures = []
 passed = 0
+figures = []  # (attack, what was measured), printed at the end: the closing note's "after"
 KEY = "attack-test-key"
 AUTH = {"Authorization": "Bearer " + KEY}
 
@@ -96,6 +97,7 @@ try:
     st, body = srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"grammar": chain}},
                         headers=AUTH)
     check(st == 400 and time.time() - t0 < 10 and alive(srv), f"rule chain: {st} in {time.time() - t0:.1f} s {body[:200]}")
+    figures.append(("GBNF chain of 60,000 rules", f"{st} in {time.time() - t0:.2f} s"))
     # An unpaired surrogate in a grammar: 400, not 500.
     st, body = srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 4,
                                             "structured_outputs": {"grammar": "root ::= \"\\uD800\""}}, headers=AUTH)
@@ -107,6 +109,7 @@ try:
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": props}}}},
         headers=AUTH)
     check(st == 400 and time.time() - t0 < 15, f"10,000 optional properties: {st} in {time.time() - t0:.1f} s {body[:200]}")
+    figures.append(("schema with 10,000 optional properties", f"{st} in {time.time() - t0:.2f} s"))
 
     # --- 2. Range amplification: no byte ranges are served ----------------------------------
     rng = "bytes=" + ",".join(["0-"] * 2000)
@@ -122,6 +125,7 @@ try:
         s.close()
     check(status_of(resp) == 200, f"a Range request answers 200 (the whole page), not 206: {resp[:60]}")
     check(grown < 200, f"50 Range requests not read grew RSS by {grown:.0f} MB")
+    figures.append(("50 unread `Range: bytes=0-,0-,...` (8 KB) on GET /", f"{status_of(resp)}, RSS +{grown:.0f} MB"))
 
     # --- 3. the grammar cache: huge choice lists refused before they take memory ---------------
     rss_before = srv.rss_kib()
@@ -135,6 +139,7 @@ try:
     srv.get("/health")
     grown = (srv.rss_kib() - rss_before) / 1024
     check(grown < 200, f"four 10 MB choice lists grew RSS by {grown:.0f} MB")
+    figures.append(("four choice lists of 10,000 x 1 KB", f"400 each, RSS +{grown:.0f} MB"))
     # A long choice list within the limits works (a trie, not 10,000 parses at once).
     labels = [f"label-{i}" for i in range(10000)]
     st, body = srv.post("/v1/completions", {"prompt": "The label is", "max_tokens": 12, "temperature": 0,
@@ -159,6 +164,7 @@ try:
     busy = statistics.median(normal_latency(srv, AUTH) for _ in range(5))
     stop.set()
     check(busy <= max(2 * idle, 2.0), f"normal request beside heavy schemas: p50 {busy:.2f} s (idle {idle:.2f} s)")
+    figures.append(("8-token request beside 3 clients of a 2,000-property schema", f"p50 {busy:.3f} s (idle {idle:.3f} s)"))
     for h in hs:
         h.join(timeout=60)
 
@@ -171,6 +177,7 @@ try:
     time.sleep(0.5)
     lat = normal_latency(srv, AUTH)
     check(lat <= max(2 * idle, 2.0), f"a normal request beside 200 slow bodies: {lat:.2f} s")
+    figures.append(("8-token request beside 200 trickled bodies", f"{lat:.3f} s"))
     # A large body trickled on a worker: 408 once it falls behind the minimum rate / deadline.
     big = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
     big.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
@@ -187,6 +194,7 @@ try:
         pass
     big.close()
     check(status_of(got) == 408 and time.time() - t0 < 8, f"a trickled large body: {got[:80]} after {time.time() - t0:.1f} s")
+    figures.append(("a 1 MB body stalled after 40 KB", f"{status_of(got)} after {time.time() - t0:.1f} s"))
     for s in slow:
         s.close()
 
@@ -201,6 +209,7 @@ try:
     time.sleep(1.0)
     lat = normal_latency(srv, AUTH)
     check(lat <= max(2 * idle, 2.0), f"a normal request beside 256 queued sequences: {lat:.2f} s (idle {idle:.2f} s)")
+    figures.append(("8-token request beside one of 8 prompts x n=32 x 300 tokens", f"{lat:.3f} s"))
     hog_sock.close()  # the client goes: its sequences are aborted
 
     # --- 7. strict framing: 400 and close ------------------------------------------------------
@@ -240,5 +249,9 @@ finally:
     code = srv.stop()
     check(code == 0, f"clean exit after the attacks: {code}")
 
+print("| attack | after |")
+print("|---|---|")
+for what, fig in figures:
+    print(f"| {what} | {fig} |")
 print(f"{passed} checks passed, {len(failures)} failed")
 sys.exit(1 if failures else 0)

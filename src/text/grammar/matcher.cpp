@@ -30,6 +30,8 @@ constexpr size_t kMaxStacks = 4096;
 // Entries of one stack: how deep a recursive grammar's output may nest (a JSON value nested
 // 10,000 levels deep would otherwise grow every state, and its key, without bound).
 constexpr size_t kMaxStackDepth = 10000;
+// Entries of all of a state's stacks together (4 bytes each): many parses, each deep.
+constexpr size_t kMaxStateEntries = size_t(1) << 20;
 // Masks kept per grammar (by state, and by position); at a limit that cache starts over.
 constexpr size_t kMaxCachedMasks = 4096;
 constexpr size_t kMaxCachedMaskBytes = size_t(16) << 20;
@@ -283,6 +285,9 @@ void CompiledGrammar::expand(Stack& s, State& out) const {
                       " parses at once); make its alternatives start differently");
         if (s.size() > kMaxStackDepth)
           throw Error("the output nests deeper than " + std::to_string(kMaxStackDepth) + " levels of the grammar");
+        if (out.data.size() + s.size() > kMaxStateEntries)
+          throw Error("the grammar is too ambiguous to match (its parses hold more than " + std::to_string(kMaxStateEntries) +
+                      " positions at once); make its alternatives start differently");
         out.push(s);
         break;
       }
