@@ -15,6 +15,7 @@
 namespace kvlm::app {
 
 GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg);
+std::string describe_sampling(const SamplingParams& p, const ModelConfig& cfg);
 void print_summary(const GenerateResult& r, const LoadedModel& e);
 
 namespace {
@@ -52,6 +53,7 @@ int run_chat(const ChatFlags& f) {
   reset();
   std::fprintf(stderr, "kvlm chat with %s — /reset clears the conversation, /exit quits, Ctrl-C stops an answer\n",
                opts.model_dir.string().c_str());
+  std::fprintf(stderr, "%s\n", describe_sampling(make_request(f.sampling, engine->config()).sampling, engine->config()).c_str());
   std::string line;
   for (;;) {
     std::fputs("> ", stdout);

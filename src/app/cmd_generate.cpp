@@ -52,11 +52,20 @@ GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg) {
   req.sampling.temperature = s.temperature.value_or(cfg.default_temperature.value_or(1.0f));
   req.sampling.top_k = s.top_k.value_or(cfg.default_top_k.value_or(0));
   req.sampling.top_p = s.top_p.value_or(cfg.default_top_p.value_or(1.0f));
-  req.sampling.min_p = s.min_p.value_or(0.0f);
+  req.sampling.min_p = s.min_p.value_or(cfg.default_min_p.value_or(0.0f));
   req.sampling.repetition_penalty = s.repetition_penalty.value_or(1.0f);
   req.sampling.presence_penalty = s.presence_penalty.value_or(0.0f);
   req.sampling.frequency_penalty = s.frequency_penalty.value_or(0.0f);
   return req;
+}
+
+std::string describe_sampling(const SamplingParams& p, const ModelConfig& cfg) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "temperature %.2g, top_k %d, top_p %.2g, min_p %.2g", double(p.temperature), p.top_k,
+                double(p.top_p), double(p.min_p));
+  const bool defaults = cfg.default_temperature || cfg.default_top_k || cfg.default_top_p || cfg.default_min_p;
+  return std::string("sampling: ") + buf +
+         (defaults ? " (the model's generation defaults where no flag is given)" : " (no generation defaults in the model)");
 }
 
 void print_summary(const GenerateResult& r, const LoadedModel& e) {
@@ -107,6 +116,7 @@ int run_generate(const GenerateFlags& f) {
   auto engine = LoadedModel::load(opts);
   const ModelConfig& cfg = engine->config();
   GenerateRequest req = make_request(f.sampling, cfg);
+  log::info(describe_sampling(req.sampling, cfg));
   req.logprobs = f.logprobs;
   req.prefill_chunk = f.prefill_chunk;
   if (!f.prompt_ids.empty()) {

@@ -292,6 +292,7 @@ void read_generation_config(const fs::path& dir, server::ModelInfo& info) {
   info.default_temperature.reset();
   info.default_top_p.reset();
   info.default_top_k.reset();
+  info.default_min_p.reset();
   const auto sample = j.find("do_sample");
   if (sample == j.end() || !sample->is_boolean() || !sample->get<bool>()) return;
   auto number = [&](const char* key) -> std::optional<double> {
@@ -303,6 +304,7 @@ void read_generation_config(const fs::path& dir, server::ModelInfo& info) {
   if (auto v = number("temperature")) info.default_temperature = float(*v);
   if (auto v = number("top_p")) info.default_top_p = float(*v);
   if (auto v = number("top_k")) info.default_top_k = int(*v);
+  if (auto v = number("min_p")) info.default_min_p = float(*v);
 }
 
 // vLLM's periodic stats line: throughput since the last line, the queues, the KV cache;
@@ -496,14 +498,17 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   sm.info.default_temperature = cfg.default_temperature;
   sm.info.default_top_p = cfg.default_top_p;
   sm.info.default_top_k = cfg.default_top_k;
+  sm.info.default_min_p = cfg.default_min_p;
   if (x.generation_config == "vllm") {
     sm.info.default_temperature.reset();
     sm.info.default_top_p.reset();
     sm.info.default_top_k.reset();
+    sm.info.default_min_p.reset();
   } else if (x.generation_config != "auto") {
     sm.info.default_temperature = gen_defaults.default_temperature;
     sm.info.default_top_p = gen_defaults.default_top_p;
     sm.info.default_top_k = gen_defaults.default_top_k;
+    sm.info.default_min_p = gen_defaults.default_min_p;
   }
   // Tool calls: the flag's format, or the one the chat template writes.
   if (tool_parser) {

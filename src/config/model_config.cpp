@@ -388,6 +388,7 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
       if (auto t = jg::opt_number(*gen, "temperature", kGen)) m.default_temperature = float(*t);
       if (auto t = jg::opt_number(*gen, "top_p", kGen)) m.default_top_p = float(*t);
       if (auto t = jg::opt_int(*gen, "top_k", kGen)) m.default_top_k = int(*t);
+      if (auto t = jg::opt_number(*gen, "min_p", kGen)) m.default_min_p = float(*t);
     }
   }
   for (TokenId t : m.eos_token_ids)

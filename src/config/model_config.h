@@ -99,7 +99,7 @@ struct ModelConfig {
   std::optional<WeightQuantConfig> weight_quant;  // FP8 linear weights (or --quantization fp8)
   std::optional<DFlashConfig> dflash;   // Arch::DFlashDraft
   // Sampling defaults from generation_config.json, used when the user gives no flag.
-  std::optional<float> default_temperature, default_top_p;
+  std::optional<float> default_temperature, default_top_p, default_min_p;
   std::optional<int> default_top_k;
 };
 

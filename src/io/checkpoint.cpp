@@ -23,7 +23,7 @@ Checkpoint::Checkpoint(Checkpoint&&) noexcept = default;
 Checkpoint& Checkpoint::operator=(Checkpoint&&) noexcept = default;
 
 ModelConfig Checkpoint::model_config(const std::filesystem::path& dir) const {
-  return gguf_config_ ? parse_model_config(*gguf_config_, nullptr) : load_model_config(dir);
+  return gguf_config_ ? parse_model_config(*gguf_config_, gguf_gen_ ? &*gguf_gen_ : nullptr) : load_model_config(dir);
 }
 
 Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
@@ -34,6 +34,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
     GGUFModel m = map_gguf_model(c.gguf_file_->header(), gguf->string());
     add_rope_freq_factors(*c.gguf_file_, m);
     c.gguf_config_ = m.config;
+    c.gguf_gen_ = m.generation_config;
     c.gguf_notes_ = m.notes;
     c.gguf_infos_.reserve(m.tensors.size());
     c.gguf_sources_.reserve(m.tensors.size());

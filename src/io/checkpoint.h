@@ -60,6 +60,7 @@ class Checkpoint {
   // Safetensors tensors point into files_; GGUF ones (file nullptr) into gguf_infos_ / gguf_data_.
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>, std::less<>> tensors_;
   std::optional<nlohmann::json> gguf_config_;
+  std::optional<nlohmann::json> gguf_gen_;  // its generation_config.json (gguf_model.h)
   std::unique_ptr<GGUFFile> gguf_file_;
   std::vector<std::string> gguf_notes_;
   std::vector<TensorInfo> gguf_infos_;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <set>
 #include <string_view>
+#include <tuple>
 
 #include "core/error.h"
 #include "io/ggml_dequant.h"
@@ -80,6 +81,19 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
   };
   c["architectures"] = {info->hf_class};
   from("architectures", "general.architecture");
+  nlohmann::json& gen = m.generation_config;
+  gen["do_sample"] = true;
+  for (const auto& [field, key, dflt] : {std::tuple{"temperature", "general.sampling.temp", 0.8},
+                                         std::tuple{"top_k", "general.sampling.top_k", 40.0},
+                                         std::tuple{"top_p", "general.sampling.top_p", 0.95},
+                                         std::tuple{"min_p", "general.sampling.min_p", 0.05}}) {
+    const auto v = h.get_float(key);
+    const double x = v && std::isfinite(*v) ? *v : dflt;
+    if (std::string_view(field) == "top_k") gen[field] = int64_t(x);
+    else gen[field] = x;
+    m.notes.push_back(std::string("generation_config ") + field + " = " + gen[field].dump() + "  <- " +
+                      (v ? std::string(key) : std::string("llama.cpp's default (no ") + key + " in the file)"));
+  }
   c["model_type"] = info->model_type;
   const int64_t layers = need_int("num_hidden_layers", p + "block_count");
   const int64_t hidden = need_int("hidden_size", p + "embedding_length");

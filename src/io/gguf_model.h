@@ -29,6 +29,10 @@ struct GGUFTensorSource {
 
 struct GGUFModel {
   nlohmann::json config;  // a Hugging Face config.json
+  // Its generation_config.json: the file's general.sampling.* keys, else llama.cpp's defaults
+  // (a GGUF file carries no generation config; sampling at temperature 1.0 with no cut-off
+  // makes small chat models ramble).
+  nlohmann::json generation_config;
   std::map<std::string, GGUFTensorSource> tensors;  // Hugging Face name -> source
   std::vector<std::string> notes;  // where each config field came from (for `kvlm inspect`)
   // The tensor of per-frequency rope divisors (Llama 3.1-style scaling), if the file has one:

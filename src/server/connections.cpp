@@ -22,6 +22,7 @@
 #include <cstring>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace kvlm::server {
 
@@ -147,9 +148,32 @@ class ConnStream final : public httplib::Stream {
     while (n < 0 && errno == EINTR);
     return n > 0;
   }
+  // A pipelined request read ahead: reads until the buffer holds its whole header block (or
+  // it passes max_header_bytes, the deadline passes or the client closes) and returns the
+  // buffered bytes, for parse_framing. The parser then reads them from the buffer.
+  std::string_view buffer_headers() {
+    for (;;) {
+      const std::string_view have(buf_.data() + off_, len_ - off_);
+      if (have.find("\r\n\r\n") != std::string_view::npos || have.size() > lim_.max_header_bytes) return have;
+      if (off_ > 0) {  // compact, then make room
+        std::memmove(buf_.data(), buf_.data() + off_, len_ - off_);
+        len_ -= off_;
+        off_ = 0;
+      }
+      if (buf_.size() - len_ < 4096) buf_.resize(std::min(buf_.size() * 2, lim_.max_header_bytes + 8192));
+      if (len_ == buf_.size() || !is_readable()) return {buf_.data(), len_};
+      ssize_t n;
+      do n = ::recv(fd_, buf_.data() + len_, buf_.size() - len_, 0);
+      while (n < 0 && errno == EINTR);
+      if (n <= 0) return {buf_.data(), len_};
+      len_ += size_t(n);
+    }
+  }
+
   ssize_t read(char* ptr, size_t size) override {
     if (!buffered()) {
       if (!is_readable()) return -1;
+      if (buf_.size() > kReadBuffer) buf_.resize(kReadBuffer);  // (grown for a header block)
       ssize_t n;
       do n = ::recv(fd_, buf_.data(), buf_.size(), 0);
       while (n < 0 && errno == EINTR);
@@ -183,9 +207,10 @@ class ConnStream final : public httplib::Stream {
   socket_t socket() const override { return fd_; }
 
  private:
+  static constexpr size_t kReadBuffer = 16384;
   const int fd_;
   const ConnectionLimits& lim_;
-  std::array<char, 16384> buf_;
+  std::vector<char> buf_ = std::vector<char>(kReadBuffer);
   size_t off_ = 0, len_ = 0;
   Clock::time_point deadline_{}, started_{}, body_start_{};
   size_t body_bytes_ = 0;  // read since body_phase()
@@ -294,6 +319,13 @@ RequestFraming parse_framing(std::string_view head) {
     } else if (ieq(name, "Transfer-Encoding")) {
       ++te_count;
       te = value;
+    } else if (ieq(name, "Expect") && ieq(value, "100-continue")) {
+      f.expect_continue = true;
+    } else if (ieq(name, "Range") && value.size() > 64) {
+      // httplib parses a Range header with std::regex before any handler runs (~3 MB for an
+      // 8 KB list of ranges); the server serves no byte ranges, and a short header is ignored.
+      f.error = "this server serves no byte ranges: send no Range header";
+      return f;
     }
   }
   if (te_count) {
@@ -461,7 +493,9 @@ void ConnectionManager::on_readable(int fd, Conn& c, bool hangup) {
       refuse(fd, 400, "malformed HTTP request: " + f.error, "", false);
       return;
     }
-    if (f.chunked || f.content_length == 0 || f.content_length > lim_.poll_body_bytes) {
+    // A client that sent Expect: 100-continue waits for httplib's go-ahead, sent on a worker.
+    if (f.chunked || f.content_length == 0 || f.expect_continue ||
+        f.header_bytes + f.content_length > lim_.poll_body_bytes) {
       dispatch(fd, f.chunked || f.content_length > 0);
       return;
     }
@@ -560,6 +594,19 @@ void ConnectionManager::serve(int fd, bool partial) {
     {
       std::lock_guard lock(mu_);
       stopping = stopping_;
+    }
+    // A request after the first was read ahead by this worker, not peeked by the poller: its
+    // framing is checked here (a proxy pipelining clients' requests on one connection is
+    // where a smuggled one would hide).
+    if (count != lim_.keep_alive_max_count) {
+      const RequestFraming f = parse_framing(strm.buffer_headers());
+      if (!f.error.empty() && f.header_bytes > 0) {
+        const std::string body = body_ ? body_(400, "malformed HTTP request: " + f.error, "") : "{}";
+        const std::string msg = "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: " +
+                                std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+        [[maybe_unused]] const ssize_t n = strm.write(msg.data(), msg.size());
+        break;
+      }
     }
     bool closed = false;
     const bool close = count == 1 || stopping;

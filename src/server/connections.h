@@ -101,7 +101,10 @@ struct ConnectionLimits {
   double keep_alive_timeout_s = 30;  // an idle connection
   size_t keep_alive_max_count = 1000;  // requests on one connection
   size_t max_header_bytes = 64 << 10;  // request line and headers; more gets 431
-  size_t poll_body_bytes = 32 << 10;   // bodies up to this arrive in the poller (see above)
+  // Requests up to this many bytes, headers and body, arrive whole in the poller (see above):
+  // well under a fresh socket's receive window, since the poller only peeks (bytes it does
+  // not consume must all fit, or the client stops sending).
+  size_t poll_body_bytes = 32 << 10;
   double min_body_rate = 16 << 10;     // bytes/s a body read on a worker must keep up, on average,
   double body_grace_s = 2;             // after this long
 };
@@ -111,7 +114,8 @@ struct RequestFraming {
   std::string error;  // non-empty: why the request is refused (400, connection closed)
   size_t header_bytes = 0;
   bool chunked = false;
-  uint64_t content_length = 0;  // when not chunked
+  bool expect_continue = false;  // Expect: 100-continue (the client waits for our go-ahead)
+  uint64_t content_length = 0;   // when not chunked
 };
 RequestFraming parse_framing(std::string_view head);
 

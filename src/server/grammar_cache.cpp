@@ -1,6 +1,7 @@
 #include "server/grammar_cache.h"
 
 #include <algorithm>
+#include <system_error>
 
 #include "core/error.h"
 #include "io/tokenizer/tokenizer.h"
@@ -22,12 +23,15 @@ GrammarCache::GrammarCache(GrammarCacheLimits lim) : lim_(lim) {
 }
 
 GrammarCache::~GrammarCache() {
+  std::deque<std::shared_ptr<Job>> left;
   {
     std::lock_guard lock(mu_);
     stopping_ = true;
+    left.swap(queue_);
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
+  for (auto& job : left) job->done.set_exception(std::make_exception_ptr(GrammarCacheBusy("the server is stopping")));
 }
 
 size_t GrammarCache::size() const {
@@ -66,6 +70,20 @@ std::shared_ptr<const grammar::CompiledGrammar> GrammarCache::get(const Tokenize
     if (auto it = pending_.find(key); it != pending_.end()) {
       fut = it->second;  // the same grammar, being compiled for another request
     } else {
+      // Each waiting request holds an HTTP worker: past a few queued compiles, new ones are
+      // turned away at once (503) rather than piling up behind a client's heavy grammars.
+      if (queue_.size() >= lim_.max_queued)
+        throw GrammarCacheBusy("the server is compiling " + std::to_string(queue_.size()) +
+                               " output constraints already; retry shortly");
+      // A thread per queued job, up to the limit; they stay for the next ones. Started first,
+      // so that a job is never queued with no thread to run it.
+      if (threads_.size() < size_t(lim_.threads)) {
+        try {
+          threads_.emplace_back([this] { work(); });
+        } catch (const std::system_error&) {
+          if (threads_.empty()) throw GrammarCacheBusy("no thread could be started to compile the output constraint");
+        }
+      }
       auto job = std::make_shared<Job>();
       job->g = std::move(g);
       job->vocab = std::move(vocab);
@@ -74,8 +92,6 @@ std::shared_ptr<const grammar::CompiledGrammar> GrammarCache::get(const Tokenize
       fut = job->done.get_future().share();
       pending_.emplace(key, fut);
       queue_.push_back(job);
-      // Threads start as jobs come, up to the limit, and stay for the next ones.
-      if (threads_.size() < size_t(lim_.threads)) threads_.emplace_back([this] { work(); });
     }
   }
   cv_.notify_one();

@@ -26,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/error.h"
 #include "text/grammar/matcher.h"
 
 namespace kvlm {
@@ -34,11 +35,19 @@ class Tokenizer;
 
 namespace kvlm::server {
 
+// The cache cannot take a compile now (too many queued, or stopping): a 503, not the
+// request's fault.
+class GrammarCacheBusy : public Error {
+ public:
+  using Error::Error;
+};
+
 struct GrammarCacheLimits {
   double compile_seconds = 10;           // a compile's budget, from the request's arrival
   size_t max_grammars = 64;              // kept for reuse
   size_t max_bytes = size_t(256) << 20;  // kept for reuse: tables and cached masks
   int threads = 0;                       // compile threads; 0: max(2, cores / 8)
+  size_t max_queued = 16;                // compiles waiting for a thread; more get GrammarCacheBusy
 };
 
 class GrammarCache {

@@ -264,6 +264,8 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
   if (gen.grammar) {
     try {
       compiled = grammars.get(m->text->tokenizer(), m->info.vocab_size, gen.grammar, gen.grammar_key);
+    } catch (const GrammarCacheBusy& e) {
+      throw ApiError(503, e.what(), "", "server_busy");
     } catch (const Error& e) {
       throw ApiError(400, std::string("the request's output constraint cannot be compiled: ") + e.what(), "response_format");
     }
@@ -499,6 +501,8 @@ void HttpServer::Impl::install_routes() {
       // A CORS preflight: answered here, before the API key (browsers send none with it).
       if (req.method == "OPTIONS" && req.has_header("Origin") && req.has_header("Access-Control-Request-Method")) {
         if (!res.has_header("Access-Control-Allow-Origin")) {
+          res.set_header("Connection", "close");
+          ConnectionManager::close_after_response();
           reply(res, 403, error_json(403, "cross-origin requests from '" + req.get_header_value("Origin") +
                                               "' are not allowed (see --allowed-origins)"));
           return httplib::Server::HandlerResponse::Handled;
@@ -527,6 +531,10 @@ void HttpServer::Impl::install_routes() {
     const bool ok = auth.size() > kBearer.size() && auth.compare(0, kBearer.size(), kBearer) == 0 &&
                     constant_time_equal(auth.substr(kBearer.size()), opts.api_key);
     if (ok) return httplib::Server::HandlerResponse::Unhandled;
+    // Refused before its body was read: what follows on the connection cannot be trusted to
+    // start the next request (a body shaped like one would be answered as one).
+    res.set_header("Connection", "close");
+    ConnectionManager::close_after_response();
     res.set_header("WWW-Authenticate", "Bearer");
     reply(res, 401,
           error_json(401,

@@ -238,7 +238,7 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
   SamplingParams& s = g.sampling;
   s.temperature = number_in(b, "temperature", 0, 2, false, info.default_temperature.value_or(1.0f));
   s.top_p = number_in(b, "top_p", 0, 1, true, info.default_top_p.value_or(1.0f));
-  s.min_p = number_in(b, "min_p", 0, 1, false, 0.0f);
+  s.min_p = number_in(b, "min_p", 0, 1, false, info.default_min_p.value_or(0.0f));
   s.presence_penalty = number_in(b, "presence_penalty", -2, 2, false, 0.0f);
   s.frequency_penalty = number_in(b, "frequency_penalty", -2, 2, false, 0.0f);
   if (auto r = opt_number(b, "repetition_penalty")) {

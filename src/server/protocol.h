@@ -66,7 +66,7 @@ struct ModelInfo {
   int vocab_size = 0;
   bool has_tokenizer = false;
   bool has_chat_template = false;
-  std::optional<float> default_temperature, default_top_p;  // generation_config.json
+  std::optional<float> default_temperature, default_top_p, default_min_p;  // generation_config.json
   std::optional<int> default_top_k;
   // The format the model writes tool calls in (--tool-call-parser, or found in its chat
   // template); None: requests with tools are refused unless tool_choice is "none".

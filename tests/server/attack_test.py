@@ -113,6 +113,7 @@ try:
 
     # --- 2. Range amplification: no byte ranges are served ----------------------------------
     rng = "bytes=" + ",".join(["0-"] * 2000)
+    rss0 = srv.rss_kib()
     socks = []
     for _ in range(50):
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
@@ -123,7 +124,9 @@ try:
     resp = socks[0].recv(256)
     for s in socks:
         s.close()
-    check(status_of(resp) == 200, f"a Range request answers 200 (the whole page), not 206: {resp[:60]}")
+    check(status_of(resp) == 400, f"a long Range header is refused: {resp[:60]}")
+    got = raw(srv.port, b"GET / HTTP/1.1\r\nHost: x\r\nRange: bytes=0-10,5-20\r\nConnection: close\r\n\r\n", timeout=5)
+    check(status_of(got) == 200 and b"multipart/byteranges" not in got, f"a short Range header is ignored: {got[:120]}")
     check(grown < 200, f"50 Range requests not read grew RSS by {grown:.0f} MB")
     figures.append(("50 unread `Range: bytes=0-,0-,...` (8 KB) on GET /", f"{status_of(resp)}, RSS +{grown:.0f} MB"))
 
@@ -233,6 +236,31 @@ try:
         got = raw(srv.port, data, timeout=5)
         check(status_of(got) == 400 and got.count(b"HTTP/1.1") == 1 and b"onnection: close" in got,
               f"framing '{name}': {got[:120]}")
+    # A malformed request pipelined behind a valid one: checked too (on the worker).
+    got = raw(srv.port, req(b"Content-Length: 15\r\n") + req(b"Content-Length: 15\r\nTransfer-Encoding: chunked\r\n"), timeout=5)
+    check(got.count(b"HTTP/1.1 200") == 1 and got.count(b"HTTP/1.1 400") == 1, f"a pipelined smuggling attempt: {got[:300]}")
+    # A 401 before the body was read closes the connection: the body is never taken for a request.
+    got = raw(srv.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled,
+              timeout=5)
+    check(got.count(b"HTTP/1.1") == 1 and status_of(got) == 401, f"a body behind a 401: {got[:300]}")
+    # Expect: 100-continue with a small body is not held in the poller.
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    s.sendall(req(b"Content-Length: 15\r\nExpect: 100-continue\r\n", b""))
+    t0 = time.time()
+    first = s.recv(4096)
+    s.sendall(b'{"prompt":"hi"}')
+    rest = b""
+    try:
+        while b'"count"' not in rest:
+            c = s.recv(4096)
+            if not c:
+                break
+            rest += c
+    except socket.timeout:
+        pass
+    s.close()
+    check(first.startswith(b"HTTP/1.1 100") and time.time() - t0 < 2 and b"200 OK" in first + rest,
+          f"Expect: 100-continue: {first[:60]} {rest[:80]} after {time.time() - t0:.1f} s")
     # Well-framed requests still pass, chunked included.
     got = raw(srv.port, req(b"Content-Length: 15\r\n") + smuggled, timeout=5)
     check(got.count(b"HTTP/1.1 200") == 2, f"a valid request then a pipelined one: {got[:200]}")

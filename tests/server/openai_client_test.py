@@ -228,7 +228,7 @@ def n_choices():
 
 @test
 def prompt_forms():
-    ids = json.loads(srv.post("/tokenize", {"prompt": "Once upon a time"})[1])["tokens"]
+    ids = json.loads(srv.post("/tokenize", {"prompt": "Once upon a time"}, headers=AUTH)[1])["tokens"]
     by_text = complete(prompt="Once upon a time", max_tokens=8, temperature=0)
     by_ids = complete(prompt=ids, max_tokens=8, temperature=0)
     assert by_text.choices[0].text == by_ids.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
@@ -361,8 +361,8 @@ def chat_logprobs():
 @test
 def chat_template_kwargs_and_generation_prompt():
     msgs = [{"role": "user", "content": "hi"}]
-    with_prompt = json.loads(srv.post("/tokenize", {"messages": msgs})[1])["count"]
-    without = json.loads(srv.post("/tokenize", {"messages": msgs, "add_generation_prompt": False})[1])["count"]
+    with_prompt = json.loads(srv.post("/tokenize", {"messages": msgs}, headers=AUTH)[1])["count"]
+    without = json.loads(srv.post("/tokenize", {"messages": msgs, "add_generation_prompt": False}, headers=AUTH)[1])["count"]
     assert with_prompt > without
     r = chat(messages=msgs, max_tokens=2, temperature=0)
     assert r.usage.prompt_tokens == with_prompt, "the chat prompt is the rendered template"
@@ -372,14 +372,14 @@ def chat_template_kwargs_and_generation_prompt():
 
 @test
 def tokenize_detokenize():
-    status, body = srv.post("/tokenize", {"model": NAME, "prompt": "Hello world, 123", "return_token_strs": True})
+    status, body = srv.post("/tokenize", {"model": NAME, "prompt": "Hello world, 123", "return_token_strs": True}, headers=AUTH)
     assert status == 200, body
     t = json.loads(body)
     assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) and t["max_model_len"] == MAX_LEN
-    status, body = srv.post("/detokenize", {"tokens": t["tokens"]})
+    status, body = srv.post("/detokenize", {"tokens": t["tokens"]}, headers=AUTH)
     assert status == 200 and json.loads(body)["prompt"] == "Hello world, 123"
-    assert srv.post("/tokenize", {"model": "other", "prompt": "x"})[0] == 404
-    assert srv.post("/detokenize", {"tokens": [-1]})[0] == 400
+    assert srv.post("/tokenize", {"model": "other", "prompt": "x"}, headers=AUTH)[0] == 404
+    assert srv.post("/detokenize", {"tokens": [-1]}, headers=AUTH)[0] == 400
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -462,6 +462,9 @@ def api_key_required():
     status, _ = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
     assert status == 401
     assert srv.get("/health")[0] == 200, "/health needs no key"
+    # Every route that reads a body needs it (/tokenize compiles structured outputs).
+    assert srv.post("/tokenize", {"prompt": "x"})[0] == 401
+    assert srv.post("/detokenize", {"tokens": [1]})[0] == 401
 
 
 @test

@@ -459,7 +459,7 @@ TEST(Framing, StrictContentLengthAndTransferEncoding) {
                           "Content-Length: 99999999999999999999\r\n", "Content-Length: 15\r\nContent-Length: 16\r\n",
                           "Content-Length: 15\r\nTransfer-Encoding: chunked\r\n", "Transfer-Encoding: xchunked\r\n",
                           "Transfer-Encoding: gzip, chunked\r\n", "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
-                          "X-No-Colon\r\n", "X-A: 1\r\n folded\r\n", "Content-Length : 5\r\n", "X-A: a\nb\r\n"})
+                          "X-No-Colon\r\n", "Range: bytes=0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-,0-\r\n", "X-A: 1\r\n folded\r\n", "Content-Length : 5\r\n", "X-A: a\nb\r\n"})
     EXPECT_NE(f(bad).error, "") << bad;
   EXPECT_NE(parse_framing(std::string("GET / HTTP/1.1\r\nX-A: a\0b\r\n\r\n", 31)).error, "");
   EXPECT_NE(parse_framing("GET / HTTP/1.1\r\nHost: h\r\n").error, "");  // no blank line
