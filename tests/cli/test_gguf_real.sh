@@ -68,9 +68,15 @@ if [ -f "$smol" ]; then
   ran=$((ran + 1))
   if [ "$n" = 48 ]; then echo "ok: --ignore-eos on a GGUF chat reply gives 48 tokens"
   else echo "FAIL: --ignore-eos on a GGUF chat reply gave $n of 48 tokens: $(cat "$work/err")"; failed=$((failed + 1)); fi
+  # A GGUF file has no generation config: llama.cpp's sampling defaults apply, and chat says so.
+  chat_err=$(printf '/exit\n' | "$KVLM" chat --model "$smol" 2>&1 >/dev/null)
+  ran=$((ran + 1))
+  if grep -q "sampling: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05" <<<"$chat_err"; then echo "ok: chat shows the GGUF sampling defaults"
+  else echo "FAIL: chat does not show llama.cpp's sampling defaults for a GGUF file: $chat_err"; failed=$((failed + 1)); fi
   # inspect names the metadata behind the config and the tokenizer
   inspect_out=$("$KVLM" inspect --model "$smol" 2>&1)  # (not piped into grep -q: SIGPIPE under pipefail)
-  if ! grep -q "tokenizer.ggml.merges" <<<"$inspect_out" || ! grep -q "num_hidden_layers = 30  <- llama.block_count" <<<"$inspect_out"; then
+  if ! grep -q "tokenizer.ggml.merges" <<<"$inspect_out" || ! grep -q "num_hidden_layers = 30  <- llama.block_count" <<<"$inspect_out" ||
+     ! grep -q "generation_config min_p = 0.05  <- llama.cpp's default" <<<"$inspect_out"; then
     echo "FAIL: kvlm inspect does not say where the tokenizer came from"; failed=$((failed + 1))
   fi
 fi
