@@ -6,33 +6,17 @@
 // issue 47: deep nesting, rule chains, huge repetition counts.
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "grammar_walk.h"
 #include "text/grammar/grammar.h"
 #include "text/grammar/json_schema.h"
-#include "text/grammar/matcher.h"
 #include "text/grammar/regex.h"
 
 using namespace kvlm;
-
-namespace {
-
-std::shared_ptr<const grammar::TokenVocab> vocab() {
-  static const auto v = [] {
-    std::vector<std::string> t;
-    for (int c = 1; c < 128; ++c) t.emplace_back(1, char(c));
-    for (int c = 0x80; c < 0x100; ++c) t.emplace_back(1, char(c));
-    for (const char* s : {"{\"", "\": ", "\":", ", ", "true", "false", "null", "ab", "12", "\xC3\xA9"}) t.emplace_back(s);
-    return std::make_shared<const grammar::TokenVocab>(std::move(t));
-  }();
-  return v;
-}
-
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
@@ -48,15 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         g = grammar::json_schema_grammar(schema);
       }
     }
-    auto cg = std::make_shared<const grammar::CompiledGrammar>(g, vocab());
-    grammar::Constraint c(cg);
-    for (int step = 0; step < 8 && !c.terminated(); ++step) {  // the first allowed token each step
-      const auto m = c.allowed();
-      TokenId pick = -1;
-      for (TokenId t = 0; t < vocab()->size() && pick < 0; ++t)
-        if (m->test(t)) pick = t;
-      if (pick < 0 || !c.accept(pick)) break;
-    }
+    fuzz::walk_grammar(g);
   } catch (const Error&) {
   }
   return 0;

@@ -10,37 +10,15 @@
 #include <string_view>
 
 #include "core/error.h"
+#include "grammar_walk.h"
 #include "server/protocol.h"
-#include "text/grammar/matcher.h"
 
 using namespace kvlm;
 
 namespace {
 
-std::shared_ptr<const grammar::TokenVocab> vocab() {
-  static const auto v = [] {
-    std::vector<std::string> t;
-    for (int c = 1; c < 128; ++c) t.emplace_back(1, char(c));
-    for (int c = 0x80; c < 0x100; ++c) t.emplace_back(1, char(c));
-    for (const char* s : {"{\"", "\": ", "\":", ", ", "true", "false", "null", "<tool_call>", "</tool_call>", "ab", "12"})
-      t.emplace_back(s);
-    return std::make_shared<const grammar::TokenVocab>(std::move(t));
-  }();
-  return v;
-}
-
 void exercise(const server::GenParams& g) {
-  if (!g.grammar) return;
-  auto cg = std::make_shared<const grammar::CompiledGrammar>(*g.grammar, vocab());
-  grammar::Constraint c(cg);
-  // A deterministic walk: the first allowed token each step.
-  for (int step = 0; step < 8 && !c.terminated(); ++step) {
-    const auto m = c.allowed();
-    TokenId pick = -1;
-    for (TokenId t = 0; t < vocab()->size() && pick < 0; ++t)
-      if (m->test(t)) pick = t;
-    if (pick < 0 || !c.accept(pick)) break;
-  }
+  if (g.grammar) fuzz::walk_grammar(*g.grammar);
 }
 
 }  // namespace

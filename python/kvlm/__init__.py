@@ -24,8 +24,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
-from . import _core
-from ._core import Error
+# OpenMP's threads wait passively unless the user chose otherwise (as the kvlm binary does):
+# libgomp reads this once, when _core loads it, and spinning threads cost 10-20x on a CPU
+# shared with another busy process. (If torch or numpy loaded libgomp first, it is set already.)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from . import _core  # noqa: E402
+from ._core import Error  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "Tokenizer", "Error", "inspect",
            "perplexity", "__version__"]

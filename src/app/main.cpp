@@ -2,9 +2,12 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 #include <exception>
+
+#include <unistd.h>
 
 #include "app/commands.h"
 #include "core/error.h"
@@ -14,7 +17,22 @@
 #define KVLM_VERSION "0.1.0"
 #endif
 
+namespace {
+
+// OpenMP's threads wait passively (sleep, not spin) unless the user says otherwise: spinning
+// threads on a machine shared with another busy process took 10-20x the time (each barrier of
+// every step waited for a thread that had lost its core to a spinner). libgomp reads
+// OMP_WAIT_POLICY once, as it loads, before main: the process starts itself again with it set.
+void default_wait_policy(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY")) return;
+  ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  ::execv("/proc/self/exe", argv);  // returns only when it fails: go on spinning
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  default_wait_policy(argv);
   CLI::App app{"kvlm: LLM inference with a KV cache in any precision, chosen per layer", "kvlm"};
   app.set_version_flag("--version", KVLM_VERSION);
   app.require_subcommand(1);

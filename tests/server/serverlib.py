@@ -11,6 +11,25 @@ import urllib.error
 import urllib.request
 
 
+class Checks:
+    """Named checks that keep going after a failure; report() prints the tally, returns the exit code."""
+
+    def __init__(self):
+        self.passed = 0
+        self.failures = []
+
+    def check(self, cond, what):
+        if cond:
+            self.passed += 1
+        else:
+            self.failures.append(what)
+            print("FAIL:", what, flush=True)
+
+    def report(self):
+        print(f"{self.passed} checks passed, {len(self.failures)} failed")
+        return 1 if self.failures else 0
+
+
 class Server:
     """`kvlm serve` on 127.0.0.1 with --port 0; the port is read from its startup line."""
 

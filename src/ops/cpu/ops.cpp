@@ -2,23 +2,64 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "core/error.h"
 
 namespace kvlm::ops::cpu {
+
+namespace {
+
+// y[:, c0:c1] = x * w[c0:c1, :]^T on the calling thread. One row (decode at batch 1): a
+// matrix-vector product. OpenBLAS's sgemm with m = 1 packs the weights on some CPUs (its
+// SKYLAKEX kernels copy every matrix before multiplying), which reads them twice and writes
+// them once: sgemv streams them once, 1.2-3x faster from the embedding-sized LM heads down to
+// MLP matrices (tools/gguf_cpu_bench.py).
+void linear_columns(const float* x, int m, int k, const float* w, int c0, int c1, int n, float* y) {
+  const float* wc = w + size_t(c0) * size_t(k);
+  if (m == 1) cblas_sgemv(CblasRowMajor, CblasNoTrans, c1 - c0, k, 1.0f, wc, k, x, 1, 0.0f, y + c0, 1);
+  else cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, c1 - c0, k, 1.0f, x, k, wc, k, 0.0f, y + c0, n);
+}
+
+// OpenBLAS runs single-threaded and kvlm's OpenMP team splits the output columns instead: one
+// pool of threads, not two. OpenBLAS's own pthreads spin between calls, and beside the OpenMP
+// team on the same cores each pool waited for the other's spinning: on 2 cores beside one busy
+// process, decode fell to 5.6 tokens/s (139 with OpenBLAS on one thread).
+const bool kBlasSingleThreaded = [] {
+  openblas_set_num_threads(1);
+  return true;
+}();
+
+}  // namespace
 
 void linear(std::span<const float> x, int m, int k, std::span<const float> w, int n, std::span<const float> bias,
             std::span<float> y) {
   KVLM_CHECK(x.size() == size_t(m) * size_t(k) && w.size() == size_t(n) * size_t(k) && y.size() == size_t(m) * size_t(n),
              "linear: shape mismatch");
   if (m == 0) return;
-  // One row (decode at batch 1): a matrix-vector product. OpenBLAS's sgemm with m = 1 packs the
-  // weights on some CPUs (its SKYLAKEX kernels copy every matrix before multiplying), which
-  // reads them twice and writes them once: sgemv streams them once, 1.2-3x faster from the
-  // embedding-sized LM heads down to MLP matrices (tools/gguf_cpu_bench.py).
-  if (m == 1) cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w.data(), k, x.data(), 1, 0.0f, y.data(), 1);
-  else cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f, y.data(), n);
+  (void)kBlasSingleThreaded;
+  int teams = 1;
+#ifdef _OPENMP
+  // Small products stay on one thread (waking the team costs more); blocks of 64 columns.
+  if (!omp_in_parallel() && size_t(m) * size_t(n) * size_t(k) >= (size_t(1) << 18))
+    teams = std::clamp(std::min(omp_get_max_threads(), n / 64), 1, 64);
+#endif
+  if (teams == 1) {
+    linear_columns(x.data(), m, k, w.data(), 0, n, n, y.data());
+  } else {
+#pragma omp parallel for schedule(static) num_threads(teams)
+    for (int t = 0; t < teams; ++t) {
+      // Column blocks aligned to 16 (whole cache lines of y's rows) where the split allows.
+      const int c0 = t == 0 ? 0 : (int(int64_t(n) * t / teams) & ~15);
+      const int c1 = t == teams - 1 ? n : (int(int64_t(n) * (t + 1) / teams) & ~15);
+      if (c1 > c0) linear_columns(x.data(), m, k, w.data(), c0, c1, n, y.data());
+    }
+  }
   if (!bias.empty()) {
     KVLM_CHECK(bias.size() == size_t(n), "linear: bias size mismatch");
     for (int r = 0; r < m; ++r)
