@@ -83,7 +83,10 @@ def alive(srv):
 srv = Server(KVLM, MODEL, "--api-key", KEY, "--max-model-len", "512", "--max-num-seqs", "32",
              "--max-connections", "64", "--read-timeout", "5")
 try:
-    rss0 = srv.rss_kib()
+    # Under AddressSanitizer freed memory sits in its quarantine (256 MB) and malloc_trim does
+    # nothing: the RSS bounds are the release build's to check.
+    with open(f"/proc/{srv.proc.pid}/maps") as f:
+        sanitized = "libasan" in f.read()
 
     # --- 1. recursive front ends: 400 naming the limit, never a crash -------------------------
     deep = "(" * 20000 + "a" + ")" * 20000
@@ -137,7 +140,7 @@ try:
     check(status_of(resp) == 400, f"a long Range header is refused: {resp[:60]}")
     got = raw(srv.port, b"GET / HTTP/1.1\r\nHost: x\r\nRange: bytes=0-10,5-20\r\nConnection: close\r\n\r\n", timeout=5)
     check(status_of(got) == 200 and b"multipart/byteranges" not in got, f"a short Range header is ignored: {got[:120]}")
-    check(grown < 200, f"50 Range requests not read grew RSS by {grown:.0f} MB")
+    check(sanitized or grown < 200, f"50 Range requests not read grew RSS by {grown:.0f} MB")
     figures.append(("50 unread `Range: bytes=0-,0-,...` (8 KB) on GET /", f"{status_of(resp)}, RSS +{grown:.0f} MB"))
 
     # --- 3. the grammar cache: huge choice lists refused before they take memory ---------------
@@ -151,7 +154,7 @@ try:
     time.sleep(1.5)  # the allocator is trimmed at most once a second
     srv.get("/health")
     grown = (srv.rss_kib() - rss_before) / 1024
-    check(grown < 200, f"four 10 MB choice lists grew RSS by {grown:.0f} MB")
+    check(sanitized or grown < 200, f"four 10 MB choice lists grew RSS by {grown:.0f} MB")
     figures.append(("four choice lists of 10,000 x 1 KB", f"400 each, RSS +{grown:.0f} MB"))
     # A long choice list within the limits works (a trie, not 10,000 parses at once).
     labels = [f"label-{i}" for i in range(10000)]
