@@ -14,10 +14,6 @@
 
 namespace kvlm::app {
 
-GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg);
-std::string describe_sampling(const SamplingParams& p, const ModelConfig& cfg);
-void print_summary(const GenerateResult& r, const LoadedModel& e);
-
 namespace {
 std::atomic<bool> g_interrupted{false};
 extern "C" void on_sigint(int) { g_interrupted.store(true); }
@@ -53,7 +49,7 @@ int run_chat(const ChatFlags& f) {
   reset();
   std::fprintf(stderr, "kvlm chat with %s — /reset clears the conversation, /exit quits, Ctrl-C stops an answer\n",
                opts.model_dir.string().c_str());
-  std::fprintf(stderr, "%s\n", describe_sampling(make_request(f.sampling, engine->config()).sampling, engine->config()).c_str());
+  std::fprintf(stderr, "%s\n", describe_sampling(f.sampling.params(engine->config()), engine->config()).c_str());
   std::string line;
   for (;;) {
     std::fputs("> ", stdout);
@@ -76,7 +72,7 @@ int run_chat(const ChatFlags& f) {
     }
     if (line.empty()) continue;
     history.push_back({{"role", "user"}, {"content", line}});
-    GenerateRequest req = make_request(f.sampling, engine->config());
+    GenerateRequest req = f.sampling.request(engine->config());
     req.cancel = &g_interrupted;
     if (auto eos = text.eos_id()) req.extra_eos.push_back(*eos);
     try {

@@ -44,18 +44,24 @@ CLI::App* add_generate(CLI::App& app, GenerateFlags& f) {
   return cmd;
 }
 
-GenerateRequest make_request(const SamplingFlags& s, const ModelConfig& cfg) {
+SamplingParams SamplingFlags::params(const ModelConfig& cfg) const {
+  SamplingParams p;
+  p.temperature = temperature.value_or(cfg.default_temperature.value_or(1.0f));
+  p.top_k = top_k.value_or(cfg.default_top_k.value_or(0));
+  p.top_p = top_p.value_or(cfg.default_top_p.value_or(1.0f));
+  p.min_p = min_p.value_or(cfg.default_min_p.value_or(0.0f));
+  p.repetition_penalty = repetition_penalty.value_or(1.0f);
+  p.presence_penalty = presence_penalty.value_or(0.0f);
+  p.frequency_penalty = frequency_penalty.value_or(0.0f);
+  return p;
+}
+
+GenerateRequest SamplingFlags::request(const ModelConfig& cfg) const {
   GenerateRequest req;
-  req.max_tokens = s.max_tokens;
-  req.ignore_eos = s.ignore_eos;
-  req.seed = s.seed ? *s.seed : std::random_device{}() * 0x9e3779b97f4a7c15ull;
-  req.sampling.temperature = s.temperature.value_or(cfg.default_temperature.value_or(1.0f));
-  req.sampling.top_k = s.top_k.value_or(cfg.default_top_k.value_or(0));
-  req.sampling.top_p = s.top_p.value_or(cfg.default_top_p.value_or(1.0f));
-  req.sampling.min_p = s.min_p.value_or(cfg.default_min_p.value_or(0.0f));
-  req.sampling.repetition_penalty = s.repetition_penalty.value_or(1.0f);
-  req.sampling.presence_penalty = s.presence_penalty.value_or(0.0f);
-  req.sampling.frequency_penalty = s.frequency_penalty.value_or(0.0f);
+  req.max_tokens = max_tokens;
+  req.ignore_eos = ignore_eos;
+  req.seed = seed ? *seed : std::random_device{}() * 0x9e3779b97f4a7c15ull;
+  req.sampling = params(cfg);
   return req;
 }
 
@@ -115,7 +121,7 @@ int run_generate(const GenerateFlags& f) {
 
   auto engine = LoadedModel::load(opts);
   const ModelConfig& cfg = engine->config();
-  GenerateRequest req = make_request(f.sampling, cfg);
+  GenerateRequest req = f.sampling.request(cfg);
   log::info(describe_sampling(req.sampling, cfg));
   req.logprobs = f.logprobs;
   req.prefill_chunk = f.prefill_chunk;

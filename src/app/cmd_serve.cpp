@@ -105,7 +105,8 @@ CLI::App* add_serve(CLI::App& app, ServeFlags& f) {
                   "seconds to let requests in flight finish after SIGINT/SIGTERM before cancelling them")
       ->capture_default_str();
   cmd->add_option("--max-connections", f.max_connections,
-                  "requests in progress at once (one thread each); more get 503 with Retry-After (idle keep-alive "
+                  "requests in progress at once (one thread each); one more waits up to 0.5 s, then gets 503 with "
+                  "Retry-After (idle keep-alive "
                   "connections and connections still sending headers do not count)")
       ->capture_default_str();
   return cmd;
@@ -365,8 +366,11 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   // Everything that needs no model is checked before anything starts (the "listening" line
   // comes after every check).
   x.check_refused();
-  const std::optional<server::ToolParser> tool_parser =
-      x.tool_call_parser.empty() ? std::nullopt : std::optional(server::parse_tool_parser(x.tool_call_parser));
+  // Parsed now, so that a wrong name fails before the model loads. (A plain value and a flag:
+  // GCC 12 takes an optional enum read after the load for maybe-uninitialized.)
+  const bool tool_parser_given = !x.tool_call_parser.empty();
+  const server::ToolParser tool_parser =
+      tool_parser_given ? server::parse_tool_parser(x.tool_call_parser) : server::ToolParser::None;
   ServeFlags f = flags;
   if (!x.model_positional.empty()) {
     if (!f.model.model.empty() && f.model.model != x.model_positional)
@@ -511,8 +515,8 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
     sm.info.default_min_p = gen_defaults.default_min_p;
   }
   // Tool calls: the flag's format, or the one the chat template writes.
-  if (tool_parser) {
-    sm.info.tool_parser = *tool_parser;
+  if (tool_parser_given) {
+    sm.info.tool_parser = tool_parser;
   } else if (text && text->config().chat_template) {
     sm.info.tool_parser = server::detect_tool_parser(*text->config().chat_template);
     if (sm.info.tool_parser != server::ToolParser::None)

@@ -9,6 +9,7 @@
 #include "app/cli_common.h"
 #include "engine/async_engine.h"
 #include "engine/memory_plan.h"
+#include "offline/generate.h"
 
 namespace kvlm::app {
 
@@ -21,7 +22,15 @@ struct SamplingFlags {
   std::vector<std::string> stop;
   bool ignore_eos = false;
   void add_to(CLI::App& cmd);
+  // The sampling these flags ask for, the model's generation defaults filling the rest.
+  SamplingParams params(const ModelConfig& cfg) const;
+  // A request with them (the prompt still to set); a fresh random seed without --seed.
+  GenerateRequest request(const ModelConfig& cfg) const;
 };
+// One line for the user: the sampling in effect and where it came from.
+std::string describe_sampling(const SamplingParams& p, const ModelConfig& cfg);
+// The speeds and KV figures after a generation (stderr).
+void print_summary(const GenerateResult& r, const LoadedModel& e);
 
 struct GenerateFlags {
   ModelFlags model;

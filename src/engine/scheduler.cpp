@@ -153,21 +153,32 @@ void Scheduler::admit_prefix(Sequence& s) {
   if (!s.started) s.cached_prompt_tokens = std::min(computed, s.num_prompt);
 }
 
-bool Scheduler::make_room() {
+namespace {
+// The request a sequence belongs to, for fairness: its group (the n sequences of one API
+// request) or, alone, its id.
+std::string_view group_of(const Sequence& s) { return s.req.group.empty() ? s.req.id : s.req.group; }
+}  // namespace
+
+Scheduler::GroupCounts Scheduler::running_per_group() const {
+  GroupCounts running;
+  for (const auto& r : running_) ++running[group_of(*r)];
+  return running;
+}
+
+bool Scheduler::make_room(GroupCounts& running) {
   // A request with nothing running while the running set is full: the newest sequence of the
   // request with the most running makes room (preempted; its pages stay in the prefix cache),
   // so that one request of hundreds of sequences cannot hold everyone else out until it ends.
-  const auto group = [](const Sequence& s) -> std::string_view { return s.req.group.empty() ? s.req.id : s.req.group; };
-  std::unordered_map<std::string_view, int> running;
-  for (const auto& r : running_) ++running[group(*r)];
-  const bool starved = std::any_of(waiting_.begin(), waiting_.end(), [&](const auto& w) { return !w->finished && !running.count(group(*w)); });
+  const bool starved =
+      std::any_of(waiting_.begin(), waiting_.end(), [&](const auto& w) { return !w->finished && !running.count(group_of(*w)); });
   if (!starved) return false;
   const auto most = std::max_element(running.begin(), running.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
   if (most == running.end() || most->second < 2) return false;
   for (size_t i = running_.size(); i-- > 0;) {
-    if (group(*running_[i]) != most->first) continue;
+    if (group_of(*running_[i]) != most->first) continue;
     std::unique_ptr<Sequence> victim = std::move(running_[i]);
     running_.erase(running_.begin() + long(i));
+    --most->second;
     preempt(*victim);
     waiting_.push_back(std::move(victim));  // behind the request it made room for
     return true;
@@ -175,18 +186,15 @@ bool Scheduler::make_room() {
   return false;
 }
 
-size_t Scheduler::next_waiting() const {
-  const auto group = [](const Sequence& s) -> std::string_view { return s.req.group.empty() ? s.req.id : s.req.group; };
+size_t Scheduler::next_waiting(const GroupCounts& running) const {
   if (waiting_.size() < 2) return 0;
   // The usual case, one group waiting, costs one pass.
-  const std::string_view g0 = group(*waiting_.front());
-  if (std::all_of(waiting_.begin() + 1, waiting_.end(), [&](const auto& w) { return group(*w) == g0; })) return 0;
-  std::unordered_map<std::string_view, int> running;
-  for (const auto& r : running_) ++running[group(*r)];
+  const std::string_view g0 = group_of(*waiting_.front());
+  if (std::all_of(waiting_.begin() + 1, waiting_.end(), [&](const auto& w) { return group_of(*w) == g0; })) return 0;
   size_t best = 0;
   int best_running = INT32_MAX;
   for (size_t i = 0; i < waiting_.size() && best_running > 0; ++i) {
-    const auto it = running.find(group(*waiting_[i]));
+    const auto it = running.find(group_of(*waiting_[i]));
     const int n = it == running.end() ? 0 : it->second;
     if (n < best_running) best = i, best_running = n;
   }
@@ -235,7 +243,10 @@ std::vector<Sequence*> Scheduler::schedule() {
     return n;
   };
   bool preempted = false;
-  if (int(running_.size()) >= cfg_.max_num_seqs && !waiting_.empty()) preempted = make_room();
+  // Running sequences per request, for fair admission; kept true until anything is
+  // preempted below, after which nobody is admitted this step.
+  GroupCounts running = waiting_.empty() ? GroupCounts{} : running_per_group();
+  if (int(running_.size()) >= cfg_.max_num_seqs && !waiting_.empty()) preempted = make_room(running);
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence& s = *running_[i];
     if (s.deferred) {  // its token waits for its grammar mask: nothing to run yet
@@ -273,7 +284,7 @@ std::vector<Sequence*> Scheduler::schedule() {
     // Fair between requests: the next is the oldest waiting sequence of the group with the
     // fewest running (one request of 8 prompts x n = 128 would otherwise queue everyone
     // behind its 1,024 sequences).
-    const size_t pick = next_waiting();
+    const size_t pick = next_waiting(running);
     if (pick) std::rotate(waiting_.begin(), waiting_.begin() + long(pick), waiting_.begin() + long(pick) + 1);
     Sequence& s = *waiting_.front();
     s.draft.clear();  // drafts are proposed for running sequences only
@@ -292,6 +303,7 @@ std::vector<Sequence*> Scheduler::schedule() {
     s.scheduled = n;
     budget -= n;
     batch.push_back(&s);
+    ++running[group_of(s)];
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }

@@ -14,6 +14,8 @@
 #include <deque>
 #include <memory>
 #include <span>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/block_manager.h"
@@ -70,11 +72,16 @@ class Scheduler {
 
  private:
   bool ensure_pages(Sequence& s, int tokens);  // pages for `tokens` positions
-  // The index in waiting_ of the sequence to admit next (EngineRequest::group).
-  size_t next_waiting() const;
+  // Running sequences per request (EngineRequest::group, else the id), keyed by views of
+  // the sequences' own strings.
+  using GroupCounts = std::unordered_map<std::string_view, int>;
+  GroupCounts running_per_group() const;
+  // The index in waiting_ of the sequence to admit next: the oldest of the request with the
+  // fewest running.
+  size_t next_waiting(const GroupCounts& running) const;
   // Preempts one sequence for a request that has none running while the running set is
-  // full (see scheduler.cpp); true when it did.
-  bool make_room();
+  // full (see scheduler.cpp), updating `running`; true when it did.
+  bool make_room(GroupCounts& running);
   void admit_prefix(Sequence& s);
   void preempt(Sequence& s);
   // Exact tokens (kv_plan.h's kv_key_exact): the sequence's first sink_pages_ pages and

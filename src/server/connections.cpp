@@ -256,6 +256,17 @@ bool token_char(char c) {
 // Hands freed memory back to the system once enough of it has piled up (glibc keeps what a
 // spike allocated; a large grammar or body would otherwise stay resident for good). At most
 // once a second, from the worker that finished a request.
+// A connection-level error answer, complete, that closes the connection.
+std::string error_response(const ErrorBody& body_of, int status, const std::string& message, const std::string& code,
+                           bool retry_after) {
+  const std::string body = body_of ? body_of(status, message, code) : "{}";
+  std::string head = "HTTP/1.1 " + std::to_string(status) + " " + reason_phrase(status) +
+                     "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                     "\r\nConnection: close\r\n";
+  if (retry_after) head += "Retry-After: 1\r\n";
+  return head + "\r\n" + body;
+}
+
 void trim_free_memory() {
   static std::atomic<int64_t> last{0};
   const int64_t now = Clock::now().time_since_epoch() / std::chrono::milliseconds(1);
@@ -323,7 +334,8 @@ RequestFraming parse_framing(std::string_view head) {
       f.expect_continue = true;
     } else if (ieq(name, "Range") && value.size() > 64) {
       // httplib parses a Range header with std::regex before any handler runs (~3 MB for an
-      // 8 KB list of ranges); the server serves no byte ranges, and a short header is ignored.
+      // 8 KB list of ranges); the server serves no byte ranges, and a short header is ignored
+      // (http_server.cpp's pre-routing handler clears the ranges httplib parsed from it).
       f.error = "this server serves no byte ranges: send no Range header";
       return f;
     }
@@ -420,23 +432,20 @@ void ConnectionManager::adopt(int fd) {
 
 void ConnectionManager::close_now(int fd) {
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+  if (const auto it = conns_.find(fd); it != conns_.end() && it->second.state == State::Queued) std::erase(queued_, fd);
   conns_.erase(fd);
   ::close(fd);
   --open_;
 }
 
 void ConnectionManager::refuse(int fd, int status, const std::string& message, const std::string& code, bool retry_after) {
-  const std::string body = body_ ? body_(status, message, code) : "{}";
-  std::string head = "HTTP/1.1 " + std::to_string(status) + " " + reason_phrase(status) +
-                     "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-                     "\r\nConnection: close\r\n";
-  if (retry_after) head += "Retry-After: 1\r\n";
-  const std::string msg = head + "\r\n" + body;
+  const std::string msg = error_response(body_, status, message, code, retry_after);
   // A fresh socket's send buffer holds this at once; what does not fit is not waited for.
   [[maybe_unused]] const ssize_t n = ::send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
   ::shutdown(fd, SHUT_WR);
   auto it = conns_.find(fd);
   if (it == conns_.end()) it = conns_.emplace(fd, Conn{}).first;
+  if (it->second.state == State::Queued) std::erase(queued_, fd);
   it->second.state = State::Closing;
   it->second.since = Clock::now();
   epoll_event ev{};
@@ -447,6 +456,10 @@ void ConnectionManager::refuse(int fd, int status, const std::string& message, c
 }
 
 void ConnectionManager::on_readable(int fd, Conn& c, bool hangup) {
+  if (c.state == State::Queued) {  // the request is all here; more bytes wait for the worker
+    if (hangup) close_now(fd);
+    return;
+  }
   if (c.state == State::Closing) {
     char sink[4096];
     for (;;) {
@@ -510,21 +523,28 @@ void ConnectionManager::on_readable(int fd, Conn& c, bool hangup) {
   }
 }
 
-void ConnectionManager::dispatch(int fd, bool partial) {
-  if (int(busy_.size()) >= lim_.max_busy) {
-    refuse(fd, 503,
-           "the server is serving its maximum of " + std::to_string(lim_.max_busy) +
-               " requests at once (--max-connections); retry later",
-           "too_many_connections", true);
-    return;
-  }
+bool ConnectionManager::has_room(bool partial) const {
   // Requests whose bodies are still coming may hold half of the workers: the rest stay for
   // requests that arrived whole.
-  if (partial && 2 * (partial_busy_ + 1) > std::max(lim_.max_busy, 2)) {
-    refuse(fd, 503, "the server is reading its maximum of large request bodies at once; retry later",
-           "too_many_connections", true);
+  return int(busy_.size()) < lim_.max_busy && (!partial || 2 * (partial_busy_ + 1) <= std::max(lim_.max_busy, 2));
+}
+
+void ConnectionManager::dispatch(int fd, bool partial) {
+  Conn& c = conns_[fd];
+  if (!has_room(partial)) {
+    if (c.state != State::Queued) {
+      if (lim_.queue_wait_s <= 0) {
+        refuse_busy(fd);
+        return;
+      }
+      c.state = State::Queued;
+      c.since = Clock::now();
+      c.partial = partial;
+      queued_.push_back(fd);
+    }
     return;
   }
+  if (c.state == State::Queued) std::erase(queued_, fd);
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
   conns_.erase(fd);
   busy_.insert(fd);
@@ -532,11 +552,34 @@ void ConnectionManager::dispatch(int fd, bool partial) {
   workers_.enqueue([this, fd, partial] { serve(fd, partial); });
 }
 
+void ConnectionManager::admit_queued() {
+  // Oldest first; a large body that may not start yet lets a whole request behind it go.
+  for (size_t i = 0; i < queued_.size() && int(busy_.size()) < lim_.max_busy;) {
+    const int fd = queued_[i];
+    const bool partial = conns_[fd].partial;
+    if (has_room(partial)) dispatch(fd, partial);  // removes it from queued_
+    else ++i;
+  }
+}
+
+void ConnectionManager::refuse_busy(int fd) {
+  if (int(busy_.size()) >= lim_.max_busy)
+    refuse(fd, 503,
+           "the server is serving its maximum of " + std::to_string(lim_.max_busy) +
+               " requests at once (--max-connections); retry later",
+           "too_many_connections", true);
+  else
+    refuse(fd, 503, "the server is reading its maximum of large request bodies at once; retry later",
+           "too_many_connections", true);
+}
+
 void ConnectionManager::sweep(Clock::time_point now) {
-  std::vector<std::pair<int, int>> expired;  // fd, what to do: 0 close, 1 408
+  std::vector<std::pair<int, int>> expired;  // fd, what to do: 0 close, 1 408 headers, 2 408 body, 3 503
   for (const auto& [fd, c] : conns_) {
     if (c.state == State::Closing) {
       if (now - c.since > std::chrono::seconds(2)) expired.emplace_back(fd, 0);
+    } else if (c.state == State::Queued) {
+      if (now - c.since > std::chrono::microseconds(int64_t(lim_.queue_wait_s * 1e6))) expired.emplace_back(fd, 3);
     } else if (c.body_needed) {
       if (now - c.headers_at > std::chrono::microseconds(int64_t(lim_.read_timeout_s * 1e6))) expired.emplace_back(fd, 2);
     } else if (c.has_first_byte) {
@@ -547,6 +590,7 @@ void ConnectionManager::sweep(Clock::time_point now) {
   }
   for (const auto& [fd, what] : expired) {
     if (what == 0) close_now(fd);
+    else if (what == 3) refuse_busy(fd);
     else if (what == 1)
       refuse(fd, 408, "the request's headers did not arrive within " + std::to_string(int(lim_.header_timeout_s)) + " s",
              "request_timeout", false);
@@ -601,9 +645,7 @@ void ConnectionManager::serve(int fd, bool partial) {
     if (count != lim_.keep_alive_max_count) {
       const RequestFraming f = parse_framing(strm.buffer_headers());
       if (!f.error.empty() && f.header_bytes > 0) {
-        const std::string body = body_ ? body_(400, "malformed HTTP request: " + f.error, "") : "{}";
-        const std::string msg = "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: " +
-                                std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+        const std::string msg = error_response(body_, 400, "malformed HTTP request: " + f.error, "", false);
         [[maybe_unused]] const ssize_t n = strm.write(msg.data(), msg.size());
         break;
       }
@@ -615,8 +657,8 @@ void ConnectionManager::serve(int fd, bool partial) {
       partial = false;
       std::lock_guard lock(mu_);
       --partial_busy_;
+      admit_queued();
     }
-    trim_free_memory();
     if (!ok || closed || close || strm.closing()) break;
     if (!strm.buffered()) {
       keep = true;
@@ -624,16 +666,20 @@ void ConnectionManager::serve(int fd, bool partial) {
     }
   }
   t_stream = nullptr;
-  std::lock_guard lock(mu_);
-  if (partial) --partial_busy_;
-  busy_.erase(fd);
-  if (keep && !stopping_) {
-    hand_back(fd);
-    return;
+  {
+    std::lock_guard lock(mu_);
+    if (partial) --partial_busy_;
+    busy_.erase(fd);
+    if (!stopping_) admit_queued();
+    if (keep && !stopping_) {
+      hand_back(fd);
+    } else {
+      ::shutdown(fd, SHUT_RDWR);
+      ::close(fd);
+      --open_;
+    }
   }
-  ::shutdown(fd, SHUT_RDWR);
-  ::close(fd);
-  --open_;
+  trim_free_memory();  // after the slot is free: malloc_trim may take a while
 }
 
 void ConnectionManager::hand_back(int fd) {

@@ -107,6 +107,10 @@ struct ConnectionLimits {
   size_t poll_body_bytes = 32 << 10;
   double min_body_rate = 16 << 10;     // bytes/s a body read on a worker must keep up, on average,
   double body_grace_s = 2;             // after this long
+  // A request that arrives whole while every worker is busy waits this long for one (first
+  // come, first served) before it gets 503: a client that reconnects the moment its last
+  // answer arrived must not be refused by the worker that has not yet let go of it.
+  double queue_wait_s = 0.5;
 };
 
 // The framing of a request, read off its header block (up to and including the blank line).
@@ -156,20 +160,26 @@ class ConnectionManager {
   static void close_after_response();
 
  private:
-  enum class State { Waiting, Closing };
+  enum class State { Waiting, Queued, Closing };
   struct Conn {
     State state = State::Waiting;
-    std::chrono::steady_clock::time_point since;        // waiting since / closing since
+    std::chrono::steady_clock::time_point since;        // waiting / queued / closing since
     std::chrono::steady_clock::time_point first_byte{};  // of a request not yet complete
     bool has_first_byte = false;
     size_t body_needed = 0;  // headers checked; waiting until this many bytes are in the socket
     std::chrono::steady_clock::time_point headers_at{};
+    bool partial = false;  // queued before its body had all arrived
   };
   void poll_loop();
   void on_readable(int fd, Conn& c, bool hangup);  // under mu_
   void sweep(std::chrono::steady_clock::time_point now);  // under mu_
-  // Under mu_: to a worker or a 503. `partial`: its body has not all arrived.
+  // Under mu_: to a worker, or queued for one (a 503 once queue_wait_s has passed).
+  // `partial`: its body has not all arrived.
   void dispatch(int fd, bool partial);
+  bool has_room(bool partial) const;  // under mu_: a worker may take such a request now
+  void admit_queued();                // under mu_: queued requests to the workers freed
+  // Under mu_: the 503 of a request that waited in vain (or could not wait at all).
+  void refuse_busy(int fd);
   // Answers with a short error, then lets the client read it: half-closes and drains until
   // the client closes or 2 s pass (closing with unread input would reset the connection
   // and could lose the answer). Under mu_.
@@ -187,6 +197,7 @@ class ConnectionManager {
   mutable std::mutex mu_;
   std::unordered_map<int, Conn> conns_;  // held by the poller (waiting or closing)
   std::unordered_set<int> busy_;         // being served by a worker
+  std::deque<int> queued_;               // waiting for a worker, oldest first
   int partial_busy_ = 0;                 // of them, dispatched before their body had arrived
   int open_ = 0;
   bool stopping_ = false;

@@ -41,8 +41,14 @@ size_t GrammarCache::size() const {
 
 size_t GrammarCache::bytes() const {
   std::lock_guard lock(mu_);
+  return bytes_locked();
+}
+
+size_t GrammarCache::entry_bytes(const Compiled& cg) { return cg->table_bytes() + cg->cached_bytes(); }
+
+size_t GrammarCache::bytes_locked() const {
   size_t b = 0;
-  for (const auto& [_, e] : compiled_) b += e.cg->table_bytes() + e.cg->cached_bytes();
+  for (const auto& [_, e] : compiled_) b += entry_bytes(e.cg);
   return b;
 }
 
@@ -150,11 +156,10 @@ void GrammarCache::keep(const std::string& key, const Compiled& cg) {
   if (compiled_.count(key)) return;
   lru_.push_front(key);
   compiled_.emplace(key, Entry{cg, lru_.begin()});
-  size_t bytes = 0;
-  for (const auto& [_, e] : compiled_) bytes += e.cg->table_bytes() + e.cg->cached_bytes();
+  size_t bytes = bytes_locked();  // masks are cached as they are used: counted afresh
   while (!lru_.empty() && (compiled_.size() > lim_.max_grammars || bytes > lim_.max_bytes)) {
     auto it = compiled_.find(lru_.back());
-    bytes -= std::min(bytes, it->second.cg->table_bytes() + it->second.cg->cached_bytes());
+    bytes -= std::min(bytes, entry_bytes(it->second.cg));
     compiled_.erase(it);
     lru_.pop_back();
   }

@@ -73,6 +73,8 @@ class GrammarCache {
   void work();
   Compiled compile(const Job& job);
   void keep(const std::string& key, const Compiled& cg);  // under mu_
+  static size_t entry_bytes(const Compiled& cg);          // its tables and cached masks
+  size_t bytes_locked() const;                            // under mu_
 
   GrammarCacheLimits lim_;
   std::mutex vocab_mu_;

@@ -518,7 +518,9 @@ void HttpServer::Impl::install_routes() {
     // An API server serves no byte ranges: httplib would build every range a Range header
     // lists (overlapping ones too) into one response in memory, ~4,000x an 8 KB header on a
     // page anyone may load. The request is httplib's own (non-const) object; it parsed the
-    // ranges before routing and applies them after the handler.
+    // ranges before routing and applies them after the handler. This is the second of two
+    // guards: parse_framing (connections.cpp) already refused a Range header long enough to
+    // make that parse itself costly, so what reaches here is short and merely ignored.
     const_cast<httplib::Request&>(req).ranges.clear();
     if (opts.api_key.empty()) return httplib::Server::HandlerResponse::Unhandled;
     // The key guards the API and every route that reads a body (/tokenize compiles

@@ -202,7 +202,7 @@ srv = Server(KVLM, MODEL, "--max-model-len", "256", "--disable-log-requests", "-
 try:
     st, _ = srv.post("/v1/completions", {"prompt": "Once", "max_tokens": 2})
     # --max-connections 1: a large body in progress holds the one worker; the next request
-    # gets 503 with Retry-After at once, not a stall.
+    # gets 503 with Retry-After within a second (after its 0.5 s in the queue), not a stall.
     h = socket.create_connection(("127.0.0.1", srv.port))
     h.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b" " * 40000)
     time.sleep(0.3)
@@ -217,6 +217,23 @@ try:
         err = json.loads(rs[0][2])["error"]
         check("--max-connections" in err["message"] and err["code"] == "too_many_connections", f"503 body: {err}")
     h.close()
+    # A request that finds the one worker busy waits (up to 0.5 s) instead of a 503 at once:
+    # freed by a holder that gives up, the worker takes it.
+    time.sleep(0.5)
+    h = socket.create_connection(("127.0.0.1", srv.port))
+    h.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b" " * 40000)
+    time.sleep(0.3)
+    c = socket.create_connection(("127.0.0.1", srv.port))
+    c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    time.sleep(0.1)
+    h.close()
+    rs = read_responses(c, 1, 5)
+    c.close()
+    check(rs and rs[0][0] == 200, f"queued for the worker a holder freed: {rs}")
+    # A client that reconnects the moment its answer arrived is never refused by the worker
+    # that has not yet let go of it.
+    sts = [srv.get("/health")[0] for _ in range(50)]
+    check(sts == [200] * 50, f"back-to-back requests on --max-connections 1: {sts}")
     time.sleep(2.5)
     check(st == 200 and not any('"POST /v1/completions"' in l for l in srv.log), "no access log: " + "".join(srv.log))
     check(not any("Avg prompt throughput" in l for l in srv.log), "no stats line: " + "".join(srv.log))
