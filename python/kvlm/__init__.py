@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
@@ -157,6 +158,30 @@ class Tokenizer:
         return {"input_ids": self.encode(text, add_special_tokens)}
 
 
+_KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_keep_sink", "kv_cache_keep_recent",
+                  "device", "max_model_len", "gpu_memory_utilization", "kv_cache_memory", "tensor_parallel_size",
+                  "seed", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",
+                  "enable_prefix_caching", "attention_backend"}
+_ARGUMENTS = _KNOWN_OPTIONS | {"model", "kv_cache_dtype_skip_layers", "speculative_config"}
+
+
+def _python_names(message: str) -> str:
+    """The engine's messages name the CLI's flags (--kv-cache-dtype); in Python they are
+    arguments (kv_cache_dtype)."""
+    def name(m: "re.Match[str]") -> str:
+        arg = m.group(1).replace("-", "_")
+        return arg if arg in _ARGUMENTS else m.group(0)
+    return re.sub(r"--([a-z][a-z0-9-]*)", name, message)
+
+
+def _engine_call(fn, *args):
+    """fn(*args), a kvlm.Error's message in Python's argument names."""
+    try:
+        return fn(*args)
+    except Error as e:
+        raise Error(_python_names(str(e))) from None
+
+
 def _options(model: str, kwargs: Dict[str, Any]) -> dict:
     o: Dict[str, Any] = {"model": os.fspath(model)}
     skip = kwargs.pop("kv_cache_dtype_skip_layers", None)
@@ -165,10 +190,7 @@ def _options(model: str, kwargs: Dict[str, Any]) -> dict:
     spec = kwargs.pop("speculative_config", None)
     if spec is not None:
         o["speculative_config"] = dict(spec)
-    known = {"tokenizer", "dtype", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_keep_sink", "kv_cache_keep_recent",
-             "device", "max_model_len", "gpu_memory_utilization", "kv_cache_memory", "tensor_parallel_size", "seed",
-             "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",
-             "enable_prefix_caching", "attention_backend"}
+    known = _KNOWN_OPTIONS
     # vLLM options that change nothing here, accepted so that scripts run unchanged.
     ignored = {"trust_remote_code", "swap_space", "disable_log_stats", "tokenizer_mode", "revision", "load_format"}
     for k, v in kwargs.items():
@@ -205,7 +227,7 @@ class LLM:
         _core.set_log_level({"warning": "warn", "error": "quiet"}.get(log, log))
         seed = kwargs.get("seed")
         self._options = _options(model, dict(kwargs))
-        self._engine = _core.Engine(json.dumps(self._options))
+        self._engine = _engine_call(_core.Engine, json.dumps(self._options))
         self._info = json.loads(self._engine.info())
         self._seed = seed
         self._tokenizer = Tokenizer(self._engine.tokenizer_dir(), self._info) if self._engine.has_tokenizer() else None
@@ -259,6 +281,13 @@ class LLM:
                 for i in range(params.n)]
         return RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids, outputs=outs)
 
+    def _token_text(self, token_id: int) -> Optional[str]:
+        """A token's own text (Logprob.decoded_token, as vLLM's): special tokens included; a
+        token that is part of a UTF-8 sequence decodes to U+FFFD alone."""
+        if self._tokenizer is None:
+            return None
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _apply(self, r: RequestOutput, want_logprobs: bool) -> bool:
         """Applies the engine's new events to `r`; True once every choice has finished."""
         for ev in json.loads(self._engine.poll(r.request_id)):
@@ -267,9 +296,9 @@ class LLM:
             c.token_ids.extend(ev["tokens"])
             if want_logprobs and c.logprobs is not None:
                 for lp in ev["logprobs"]:
-                    d = {t: Logprob(v, rank=k + 1) for k, (t, v) in enumerate(lp["top"])}
+                    d = {t: Logprob(v, rank=k + 1, decoded_token=self._token_text(t)) for k, (t, v) in enumerate(lp["top"])}
                     if lp["token"] not in d:
-                        d[lp["token"]] = Logprob(lp["logprob"])
+                        d[lp["token"]] = Logprob(lp["logprob"], decoded_token=self._token_text(lp["token"]))
                     c.logprobs.append(d)
                     c.cumulative_logprob = (c.cumulative_logprob or 0.0) + lp["logprob"]
             r.num_cached_tokens = ev["cached_tokens"]
@@ -379,7 +408,7 @@ class LLM:
 def inspect(model: str, **kwargs: Any) -> List[dict]:
     """The per-layer KV plan ``LLM(model, **kwargs)`` would run with (``kvlm inspect --json``'s
     layers), without loading the weights: one dict per layer (kv_dtype, quant_mode, bytes_per_token...)."""
-    return json.loads(_core.inspect(json.dumps(_options(model, dict(kwargs)))))
+    return json.loads(_engine_call(_core.inspect, json.dumps(_options(model, dict(kwargs)))))
 
 
 from . import eval  # noqa: E402  (kvlm.eval.perplexity; it needs LLM above)

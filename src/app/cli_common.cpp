@@ -19,7 +19,10 @@
 namespace kvlm::app {
 
 void ModelFlags::add_to(CLI::App& cmd) {
-  cmd.add_option("--model,-m", model, "the model: a Hugging Face model directory (config.json, safetensors) or a .gguf file (default: the bundled kvlm-tiny model)");
+  cmd.add_option("MODEL", model_positional,
+                 "the model: a Hugging Face model directory (config.json, safetensors) or a .gguf file (default: "
+                 "the bundled kvlm-tiny model); the same as --model");
+  cmd.add_option("--model,-m", model, "the model, as MODEL above (vLLM's spelling)");
   cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache precision: auto, float16, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, "
                  "fp8_per_token_head, int8_per_token_head, int4_per_token_head")
@@ -96,12 +99,19 @@ std::filesystem::path default_model_dir() {
   throw Error("no --model given and the bundled model (models/kvlm-tiny) was not found; pass --model DIR");
 }
 
+std::string ModelFlags::model_arg() const {
+  if (!model_positional.empty() && !model.empty() && model != model_positional)
+    throw Error("two models given: '" + model_positional + "' and --model '" + model + "'; give one");
+  return model.empty() ? model_positional : model;
+}
+
 std::filesystem::path ModelFlags::model_dir() const {
-  if (model.empty()) return default_model_dir();
+  const std::string m = model_arg();
+  if (m.empty()) return default_model_dir();
   // Said first, on every command: a missing path, a Hub id or a directory without a model
   // would otherwise surface later as whatever the command looks for first (a tokenizer).
-  check_model_dir(model);
-  return std::filesystem::path(model);
+  check_model_dir(m);
+  return std::filesystem::path(m);
 }
 
 CacheConfig ModelFlags::cache_config() const {
@@ -182,7 +192,6 @@ ModelOptions ModelFlags::model_options() const {
 namespace kvlm::app {
 
 void ServeExtraFlags::add_to(CLI::App& cmd) {
-  cmd.add_option("model_tag", model_positional, "the model directory, as in `vllm serve MODEL` (the same as --model)");
   cmd.add_option("--chat-template", chat_template,
                  "the chat template: a file, or the Jinja template itself (default: the tokenizer's)");
   cmd.add_option("--tokenizer", tokenizer, "the directory of the tokenizer (default: the model's)");

@@ -36,10 +36,14 @@ struct ModelFlags {
   double distributed_timeout = 600;
   std::string speculative_config;  // JSON; empty: no drafting
 
+  std::string model_positional;  // `kvlm generate MODEL`, as `vllm serve MODEL`
+
   void add_to(CLI::App& cmd);
   // --speculative-config, for the commands that decode (generate, chat, serve, bench, eval
   // task, inspect).
   void add_speculative_to(CLI::App& cmd);
+  // The model asked for, positional or --model (both: they must agree); empty: none given.
+  std::string model_arg() const;
   std::filesystem::path model_dir() const;   // resolves the bundled default
   CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
   // All of the above, device resolved. On a follower node of several processes (--node-rank
@@ -54,7 +58,6 @@ struct ServeFlags;  // commands.h
 // connection layer's deadlines. docs/serving-flags.md lists every vLLM flag and what kvlm
 // does with it.
 struct ServeExtraFlags {
-  std::string model_positional;  // `kvlm serve MODEL`, as `vllm serve MODEL`
   std::string chat_template;     // a file, or the template itself
   std::string tokenizer;         // a directory other than the model's
   std::string generation_config = "auto";  // auto (the model's), vllm (none), or a directory

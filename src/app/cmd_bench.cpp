@@ -189,7 +189,7 @@ int run_throughput(const BenchThroughputFlags& f) {
   if (!f.dataset.empty()) {
     data = read_dataset(f.dataset, f.num_prompts);
     if (std::ranges::any_of(data, [](const DatasetEntry& d) { return d.text.has_value(); }))
-      text = TextProcessor::load(opts.model_dir);
+      text = TextProcessor::load(opts.model_dir, "give the dataset's prompts as prompt_token_ids");
   }
   auto engine = LoadedModel::load(opts);
   const MemoryPlan plan = plan_kv_memory(*engine, mem);

@@ -30,7 +30,8 @@ CLI::App* add_chat(CLI::App& app, ChatFlags& f) {
 
 int run_chat(const ChatFlags& f) {
   ModelOptions opts = f.model.model_options();
-  const TextProcessor text = TextProcessor::load(opts.model_dir);
+  const TextProcessor text =
+      TextProcessor::load(opts.model_dir, "chat needs one (`kvlm generate --prompt-ids` runs such a model on token ids)");
   if (!text.has_chat_template()) throw Error("this model has no chat template; use `kvlm generate --prompt` instead");
   auto engine = LoadedModel::load(opts);
 

@@ -371,20 +371,7 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   const bool tool_parser_given = !x.tool_call_parser.empty();
   const server::ToolParser tool_parser =
       tool_parser_given ? server::parse_tool_parser(x.tool_call_parser) : server::ToolParser::None;
-  ServeFlags f = flags;
-  if (!x.model_positional.empty()) {
-    if (!f.model.model.empty() && f.model.model != x.model_positional)
-      throw Error("two models given: '" + x.model_positional + "' and --model '" + f.model.model + "'; give one");
-    f.model.model = x.model_positional;
-  }
-  if (!f.model.model.empty()) {
-    std::error_code ec;
-    const std::string& m = f.model.model;
-    if (!fs::exists(m, ec) && m.find('/') != std::string::npos && m.front() != '/' && m.front() != '.' &&
-        std::count(m.begin(), m.end(), '/') == 1)
-      throw Error("'" + m + "' is not a local directory; kvlm does not download models from the Hugging Face Hub: "
-                  "fetch it first (huggingface-cli download " + m + " --local-dir DIR) and serve DIR");
-  }
+  const ServeFlags& f = flags;
   if (!x.log_level.empty()) {
     const std::string& l = x.log_level;
     log::set_level(l == "critical" || l == "error" ? log::Level::Quiet
@@ -393,7 +380,6 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
                                                    : log::Level::Debug);
   }
   ModelOptions opts = f.model.model_options();
-  check_model_dir(opts.model_dir);
   resolve_weight_quant(std::nullopt, opts.quantization);  // a bad --quantization fails now, not after loading
   if (opts.tensor_parallel_size != 1)  // so does a size that cannot split the model
     check_tensor_parallel(opts, Checkpoint::open(opts.model_dir).model_config(opts.model_dir));
@@ -468,25 +454,7 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   else if (TextProcessor::available(tokenizer_dir)) text = TextProcessor::load_if_usable(tokenizer_dir);
   else log::warn("'" + opts.model_dir.string() + "' has no tokenizer.json: prompts must be token ids and responses carry token ids, not text");
   engine = LoadedModel::load(opts);
-  MemoryPlan plan = plan_kv_memory(*engine, mem);
-  // A CPU server's default pool: enough for kCpuFullSequences sequences of --max-model-len
-  // (shorter requests run more at once; pages are taken as tokens come), not the planner's
-  // max_num_seqs of them up to 4 GiB: a CPU serves few long sequences at a useful speed, and
-  // the bundled model's 4 GiB pool took 7-20 s to start and 4.4 GB of memory.
-  constexpr int kCpuFullSequences = 16;
-  if (!mem.kv_cache_memory && opts.device == Device::Cpu) {
-    const uint64_t want = uint64_t(std::min(mem.max_num_seqs, kCpuFullSequences)) * uint64_t(plan.max_model_len) *
-                              plan.bytes_per_token + plan.exact_bytes;
-    if (want < plan.kv_bytes + plan.exact_bytes) {
-      MemoryOptions smaller = mem;
-      smaller.kv_cache_memory = std::max(want, uint64_t(plan.max_model_len + plan.block_size) * plan.bytes_per_token +
-                                                   plan.exact_bytes);
-      plan = plan_kv_memory(*engine, smaller);
-      const std::string from = "(--kv-cache-memory)", to = "(serve's CPU default: " + std::to_string(kCpuFullSequences) +
-                                                           " sequences of --max-model-len; set --kv-cache-memory to change)";
-      if (const size_t at = plan.summary.find(from); at != std::string::npos) plan.summary.replace(at, from.size(), to);
-    }
-  }
+  const MemoryPlan plan = plan_kv_memory(*engine, mem);
   async = std::make_unique<AsyncEngine>(*engine, f.serving.scheduler_config(plan));
   client = std::make_unique<server::AsyncEngineClient>(*async);
 

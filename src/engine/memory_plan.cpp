@@ -134,12 +134,17 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     budget = uint64_t(left);
     source = "--gpu-memory-utilization " + std::to_string(opts.gpu_memory_utilization).substr(0, 4);
   } else {
-    // CPU default (vLLM's CPU backend uses 4 GiB): 4 GiB, or less when max_num_seqs
-    // sequences of max_model_len tokens need less.
-    const uint64_t want =
-        uint64_t(std::max(opts.max_num_seqs, 1)) * uint64_t(mp.max_model_len) * mp.bytes_per_token + mp.exact_bytes;
+    // CPU default: enough for kCpuFullSequences sequences of max_model_len (fewer when
+    // max_num_seqs is lower), at most 4 GiB (vLLM's CPU backend's default). Shorter requests
+    // run more at once, since pages are taken as tokens come; a CPU serves few long sequences
+    // at a useful speed, and the bundled model's 4 GiB pool took 7-20 s to start and 4.4 GB.
+    constexpr int kCpuFullSequences = 16;
+    const uint64_t tokens = std::max(uint64_t(std::clamp(opts.max_num_seqs, 1, kCpuFullSequences)) * uint64_t(mp.max_model_len),
+                                     uint64_t(mp.max_model_len + mp.block_size));
+    const uint64_t want = tokens * mp.bytes_per_token + mp.exact_bytes;
     budget = std::min<uint64_t>(4 * kGiB, want);
-    source = "default (set --kv-cache-memory to change)";
+    source = "the CPU default: " + std::to_string(kCpuFullSequences) +
+             " sequences of --max-model-len; set --kv-cache-memory to change";
   }
   // The exact pages come out of the same budget.
   if (mp.exact_bytes > 0 && mp.exact_bytes + mp.bytes_per_block > budget) {

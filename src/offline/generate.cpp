@@ -73,7 +73,9 @@ GenerateResult generate(LoadedModel& engine, const GenerateRequest& req, const T
       llm.abort("generate");
       aborted = true;
     }
+    const bool decoding = t1.has_value();
     llm.step();
+    if (decoding) ++res.decode_steps;
   }
   if (res.finish_reason == "error") throw Error(error);
   const EngineStats st = llm.stats();

@@ -36,6 +36,9 @@ struct GenerateResult {
   size_t kv_bytes = 0;                  // bytes of the KV pool this request used
   // Speculative decoding (--speculative-config): drafts verified, their tokens, accepted ones.
   uint64_t drafts = 0, draft_tokens = 0, accepted_tokens = 0;
+  // Forward passes of the model after the first token: tokens - 1 without drafting, fewer
+  // with it (each verifies a draft and yields one or more tokens).
+  uint64_t decode_steps = 0;
 };
 
 // Validates the request (token ids, lengths, sampling values) with clear errors.

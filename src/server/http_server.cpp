@@ -226,6 +226,18 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
     gen = cr.gen;
     try {
       prompts.push_back(m->text->encode_chat(cr.messages, cr.add_generation_prompt, cr.template_kwargs));
+      if (cr.tools_must_reach_prompt) {
+        // A template that ignores `tools` renders the same prompt without them: the model
+        // would never learn of the tools, and tool_choice auto would quietly never call one.
+        Json without = cr.template_kwargs;
+        without.erase("tools");
+        if (m->text->encode_chat(cr.messages, cr.add_generation_prompt, without) == prompts.back())
+          throw ApiError(400,
+                         "this model's chat template does not render `tools`, so the model cannot see them and "
+                         "would never call one: send tool_choice \"required\" or a named function (the call is "
+                         "then forced), or serve with a --chat-template that renders tools",
+                         "tools");
+      }
     } catch (const Error& e) {
       throw ApiError(400, "the model's chat template cannot render these messages: " + without_paths(e.what()), "messages");
     }

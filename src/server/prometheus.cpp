@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 namespace kvlm::server {
 
@@ -34,38 +35,70 @@ std::string fmt(double v) {
   return std::strtod(shortbuf, nullptr) == v ? shortbuf : buf;
 }
 
+// kvlm metrics that mean what a vLLM metric means, written again under vLLM's names so that
+// dashboards and alerts built for vLLM (its Grafana dashboard, KEDA/HPA rules) work unchanged.
+// Some have two vLLM names (the V0 one a dashboard may still use).
+const std::map<std::string, std::vector<std::string>>& vllm_aliases() {
+  static const std::map<std::string, std::vector<std::string>> m{
+      {"kvlm:num_requests_running", {"vllm:num_requests_running"}},
+      {"kvlm:num_requests_waiting", {"vllm:num_requests_waiting"}},
+      {"kvlm:kv_cache_usage_perc", {"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}},
+      {"kvlm:prompt_tokens_total", {"vllm:prompt_tokens_total"}},
+      {"kvlm:generation_tokens_total", {"vllm:generation_tokens_total"}},
+      {"kvlm:num_preemptions_total", {"vllm:num_preemptions_total"}},
+      {"kvlm:prefix_cache_queries_total", {"vllm:prefix_cache_queries_total"}},
+      {"kvlm:prefix_cache_hits_total", {"vllm:prefix_cache_hits_total"}},
+      {"kvlm:request_success_total", {"vllm:request_success_total"}},
+      {"kvlm:spec_decode_num_drafts_total", {"vllm:spec_decode_num_drafts_total"}},
+      {"kvlm:spec_decode_num_draft_tokens_total", {"vllm:spec_decode_num_draft_tokens_total"}},
+      {"kvlm:spec_decode_num_accepted_tokens_total", {"vllm:spec_decode_num_accepted_tokens_total"}},
+      {"kvlm:time_to_first_token_seconds", {"vllm:time_to_first_token_seconds"}},
+      {"kvlm:inter_token_latency_seconds", {"vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"}},
+      {"kvlm:e2e_request_latency_seconds", {"vllm:e2e_request_latency_seconds"}},
+  };
+  return m;
+}
+
 class Writer {
  public:
   explicit Writer(const std::string& model) : labels_("model_name=\"" + escape_label(model) + "\"") {}
 
-  void header(const std::string& name, const char* type, const char* help) {
-    out_ += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  // A metric family under its name and its vLLM aliases: the header, then samples(name).
+  template <class F>
+  void family(const std::string& name, const char* type, const char* help, F&& samples) {
+    write_family(name, type, help, samples);
+    if (const auto it = vllm_aliases().find(name); it != vllm_aliases().end())
+      for (const std::string& alias : it->second) write_family(alias, type, help, samples);
   }
   void sample(const std::string& name, double v, const std::string& extra = {}) {
     out_ += name + "{" + labels_ + (extra.empty() ? "" : "," + extra) + "} " + fmt(v) + "\n";
   }
   void gauge(const std::string& name, const char* help, double v) {
-    header(name, "gauge", help);
-    sample(name, v);
+    family(name, "gauge", help, [&](const std::string& n) { sample(n, v); });
   }
   void counter(const std::string& name, const char* help, double v) {
-    header(name, "counter", help);
-    sample(name, v);
+    family(name, "counter", help, [&](const std::string& n) { sample(n, v); });
   }
   void histogram(const std::string& name, const char* help, const Histogram& h) {
-    header(name, "histogram", help);
-    uint64_t cum = 0;
-    for (size_t i = 0; i < h.bounds.size(); ++i) {
-      cum += i < h.counts.size() ? h.counts[i] : 0;
-      sample(name + "_bucket", double(cum), "le=\"" + fmt(h.bounds[i]) + "\"");
-    }
-    sample(name + "_bucket", double(h.count), "le=\"+Inf\"");
-    sample(name + "_sum", h.sum);
-    sample(name + "_count", double(h.count));
+    family(name, "histogram", help, [&](const std::string& n) {
+      uint64_t cum = 0;
+      for (size_t i = 0; i < h.bounds.size(); ++i) {
+        cum += i < h.counts.size() ? h.counts[i] : 0;
+        sample(n + "_bucket", double(cum), "le=\"" + fmt(h.bounds[i]) + "\"");
+      }
+      sample(n + "_bucket", double(h.count), "le=\"+Inf\"");
+      sample(n + "_sum", h.sum);
+      sample(n + "_count", double(h.count));
+    });
   }
   std::string take() { return std::move(out_); }
 
  private:
+  template <class F>
+  void write_family(const std::string& name, const char* type, const char* help, F& samples) {
+    out_ += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+    samples(name);
+  }
   std::string labels_;
   std::string out_;
 };
@@ -87,11 +120,12 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
             double(s.prefix_cache_queries_total));
   w.counter("kvlm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(s.prefix_cache_hits_total));
   w.counter("kvlm:requests_total", "Requests accepted by the engine.", double(s.requests_total));
-  w.header("kvlm:request_success_total", "counter", "Requests finished, by finish reason.");
   std::map<std::string, uint64_t> by_reason{{"stop", 0}, {"length", 0}, {"abort", 0}, {"error", 0}};
   for (const auto& [reason, n] : s.requests_finished_total) by_reason[reason] = n;
-  for (const auto& [reason, n] : by_reason)
-    w.sample("kvlm:request_success_total", double(n), "finished_reason=\"" + escape_label(reason) + "\"");
+  w.family("kvlm:request_success_total", "counter", "Requests finished, by finish reason.", [&](const std::string& n) {
+    for (const auto& [reason, count] : by_reason)
+      w.sample(n, double(count), "finished_reason=\"" + escape_label(reason) + "\"");
+  });
   w.counter("kvlm:engine_steps_total", "Scheduler steps run.", double(s.steps_total));
   w.counter("kvlm:grammar_deferred_tokens_total",
             "Structured-output tokens drawn late because their grammar mask was still being computed.",
@@ -104,22 +138,25 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   w.counter("kvlm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", double(s.spec_draft_tokens_total));
   w.counter("kvlm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target model.",
             double(s.spec_accepted_tokens_total));
-  w.header("kvlm:engine_seconds_total", "counter",
+  w.family("kvlm:engine_seconds_total", "counter",
            "Engine thread time by phase: schedule (and batch layout), draft (speculative proposals), forward (the "
-           "model, with sampling on the device), sample (on the host).");
-  w.sample("kvlm:engine_seconds_total", s.schedule_seconds_total, "phase=\"schedule\"");
-  w.sample("kvlm:engine_seconds_total", s.draft_seconds_total, "phase=\"draft\"");
-  w.sample("kvlm:engine_seconds_total", s.forward_seconds_total, "phase=\"forward\"");
-  w.sample("kvlm:engine_seconds_total", s.sample_seconds_total, "phase=\"sample\"");
+           "model, with sampling on the device), sample (on the host).",
+           [&](const std::string& n) {
+             w.sample(n, s.schedule_seconds_total, "phase=\"schedule\"");
+             w.sample(n, s.draft_seconds_total, "phase=\"draft\"");
+             w.sample(n, s.forward_seconds_total, "phase=\"forward\"");
+             w.sample(n, s.sample_seconds_total, "phase=\"sample\"");
+           });
   w.histogram("kvlm:time_to_first_token_seconds", "Time from arrival to the first generated token.", s.time_to_first_token);
   w.histogram("kvlm:inter_token_latency_seconds", "Time between consecutive tokens of a request.", s.inter_token_latency);
   w.histogram("kvlm:e2e_request_latency_seconds", "Time from arrival to the end of a request.", s.e2e_request_latency);
   if (http.resident_bytes) w.gauge("process_resident_memory_bytes", "Resident memory size in bytes.", double(http.resident_bytes));
   if (http.heap_bytes) w.gauge("kvlm:heap_in_use_bytes", "Bytes allocated with malloc and not yet freed.", double(http.heap_bytes));
   w.gauge("kvlm:http_requests_in_flight", "Generation requests the HTTP server is answering.", http.requests_in_flight);
-  w.header("kvlm:http_responses_total", "counter", "HTTP responses sent, by status code.");
-  for (const auto& [status, n] : http.responses_by_status)
-    w.sample("kvlm:http_responses_total", double(n), "status=\"" + std::to_string(status) + "\"");
+  w.family("kvlm:http_responses_total", "counter", "HTTP responses sent, by status code.", [&](const std::string& n) {
+    for (const auto& [status, count] : http.responses_by_status)
+      w.sample(n, double(count), "status=\"" + std::to_string(status) + "\"");
+  });
   return w.take();
 }
 

@@ -619,7 +619,10 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
         "hermes or llama3_json, or send tool_choice \"none\"",
         "tools");
   r.gen.tool_parser = info.tool_parser;
-  if (choice == "auto") return;
+  if (choice == "auto") {
+    r.tools_must_reach_prompt = true;
+    return;
+  }
   if (r.gen.grammar) bad("tool_choice \"" + choice + "\" and an output format cannot both constrain the reply", "tool_choice");
   Json chosen = Json::array();
   for (const Json& t : *tools)

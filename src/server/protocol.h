@@ -121,6 +121,9 @@ struct ChatRequest {
   Json messages;                      // content normalized to strings
   bool add_generation_prompt = true;
   Json template_kwargs = Json::object();  // chat_template_kwargs (enable_thinking, ...); `tools` too
+  // tool_choice "auto" with tools: the model must see them in its prompt to call one (the
+  // server checks that the chat template renders them).
+  bool tools_must_reach_prompt = false;
 };
 
 // Parses a request body. Throws ApiError 400 for malformed JSON, a non-object body, or

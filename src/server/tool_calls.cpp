@@ -261,7 +261,8 @@ grammar::Grammar tool_call_grammar(ToolParser p, const Json& tools, bool paralle
     Grammar::append_literal(body, Json(name).dump() + ",");
     body.insert(body.end(), sp.begin(), sp.end());
     Grammar::append_literal(body, "\"" + std::string(args_key) + "\":");
-    body.push_back(Symbol::ref(args));  // its root allows leading whitespace
+    body.insert(body.end(), sp.begin(), sp.end());
+    body.push_back(Symbol::ref(args));
     Grammar::append_literal(body, "}");
     if (p == ToolParser::Hermes) {
       Sequence wrapped;

@@ -25,7 +25,7 @@ std::optional<TextProcessor> TextProcessor::load_if_usable(const std::filesystem
   }
 }
 
-TextProcessor TextProcessor::load(const std::filesystem::path& dir) {
+TextProcessor TextProcessor::load(const std::filesystem::path& dir, std::string_view instead) {
   std::error_code ec;
   if (const auto gguf = find_gguf(dir)) {
     const GGUFFile f(*gguf);
@@ -35,8 +35,8 @@ TextProcessor TextProcessor::load(const std::filesystem::path& dir) {
     return p;
   }
   if (std::filesystem::is_regular_file(dir, ec) || !available(dir))
-    throw Error("'" + dir.string() + "' has no tokenizer.json (nor a .gguf file), so it cannot take text; give token ids "
-                "(--prompt-ids) instead");
+    throw Error("'" + dir.string() + "' has no tokenizer.json (nor a .gguf file), so it cannot take text" +
+                (instead.empty() ? std::string() : "; " + std::string(instead)));
   TextProcessor p(Tokenizer::load(dir), load_tokenizer_config(dir));
   if (p.cfg_.chat_template) p.tpl_ = ChatTemplate::parse(*p.cfg_.chat_template, (dir / "chat template").string());
   return p;

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -21,7 +22,9 @@ class TextProcessor {
   // Loads DIR/tokenizer.json (required), DIR/tokenizer_config.json and the chat template
   // (parsed now, so a template kvlm cannot render fails at load, with line and column), or
   // the tokenizer of a GGUF file (DIR itself, or the one .gguf file DIR holds).
-  static TextProcessor load(const std::filesystem::path& dir);
+  // Throws kvlm::Error when `dir` has no tokenizer, ending with `instead` (what the calling
+  // command can do without one, e.g. "give token ids (--prompt-ids) instead").
+  static TextProcessor load(const std::filesystem::path& dir, std::string_view instead = {});
   // The tokenizer where one is needed only for text: nullopt when DIR has none, and when a
   // GGUF file's tokenizer cannot be built (a warning says why; token ids still work). A
   // broken tokenizer.json still throws.

@@ -118,6 +118,21 @@ printf 'hello\n/reset\nhi again\n/exit\n' | "$KVLM" chat --model "$chat" --max-t
   && grep -q "(conversation cleared)" "$tmp/chat.txt" && [ "$(grep -c "prompt tokens" "$tmp/err")" = 2 ] && ok || bad "chat session: $(cat "$tmp/err")"
 expect_error 1 "has no tokenizer.json" -- generate --model "$stories" --prompt "hello"
 expect_error 1 "has no tokenizer.json" -- chat --model "$golden/qwen3-mixed"
+# chat has no --prompt-ids: its message points at generate, which does.
+"$KVLM" chat --model "$golden/qwen3-mixed" </dev/null >/dev/null 2>"$tmp/err"
+grep -q "kvlm generate --prompt-ids" "$tmp/err" && ok || bad "chat on a model without a tokenizer: $(cat "$tmp/err")"
+# MODEL is positional on every command that loads one (as `vllm serve MODEL`); with --model
+# too, they must agree.
+"$KVLM" generate "$chat" --prompt "Once upon a time" --max-tokens 4 --temperature 0 --ignore-eos --json >"$tmp/pos.json" 2>/dev/null \
+  && [ "$(json_get "$tmp/pos.json" "d['usage']['completion_tokens']")" = 4 ] && ok || bad "generate MODEL"
+"$KVLM" inspect "$chat" >"$tmp/pos.txt" 2>&1 && grep -q "tiny-chat" "$tmp/pos.txt" && ok || bad "inspect MODEL: $(cat "$tmp/pos.txt")"
+printf '/exit\n' | "$KVLM" chat "$chat" --max-tokens 2 >/dev/null 2>"$tmp/err" && ok || bad "chat MODEL: $(cat "$tmp/err")"
+"$KVLM" eval perplexity "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 1 >/dev/null 2>"$tmp/err" && ok \
+  || bad "eval perplexity MODEL: $(cat "$tmp/err")"
+"$KVLM" bench throughput "$chat" --num-prompts 2 --input-len 8 --output-len 4 >/dev/null 2>"$tmp/err" && ok \
+  || bad "bench throughput MODEL: $(cat "$tmp/err")"
+expect_error 1 "two models given" -- generate "$chat" --model "$golden/qwen3-mixed" --prompt-ids 1
+"$KVLM" generate --help >"$tmp/help" 2>&1; grep -q "^  MODEL" "$tmp/help" && ok || bad "generate's help shows MODEL"
 mkdir -p "$tmp/nochat" && cp "$chat"/config.json "$chat"/model.safetensors "$chat"/tokenizer.json "$tmp/nochat/"
 expect_error 1 "no chat template" -- chat --model "$tmp/nochat"
 expect_error 1 "no tokenizer.json" -- tokenize --tokenizer "$tmp" --text x
@@ -158,6 +173,22 @@ drafted=$("$KVLM" generate --prompt-ids 1,10,11,12,10,11,12,10,11 --max-tokens 2
 p_ids=$(printf '%s' "$plain" | python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])' 2>/dev/null || echo x)
 d_ids=$(printf '%s' "$drafted" | python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])' 2>/dev/null || echo y)
 [ "$p_ids" = "$d_ids" ] && ok || bad "n-gram drafting changed the greedy output: $p_ids vs $d_ids"
+# What drafting saves is forward passes: one per token after the first without it, fewer with
+# the bundled DFlash drafter on the question it was trained beside.
+q="A notebook costs 15 dollars and a candle costs 6 dollars. Selma buys 5 notebooks and 4 candles. How many dollars does Selma spend?"
+"$KVLM" generate --chat --prompt "$q" --max-tokens 60 --temperature 0 --ignore-eos --json >"$tmp/p.json" 2>/dev/null
+"$KVLM" generate --chat --prompt "$q" --max-tokens 60 --temperature 0 --ignore-eos --json \
+  --speculative-config '{"method":"dflash","model":"'"$here"'/../../models/kvlm-tiny-dflash","num_speculative_tokens":7}' \
+  >"$tmp/d.json" 2>"$tmp/spec.err"
+p_steps=$(json_get "$tmp/p.json" "d['timing']['decode_steps']" 2>/dev/null || echo x)
+d_steps=$(json_get "$tmp/d.json" "d['timing']['decode_steps']" 2>/dev/null || echo 99)
+[ "$p_steps" = 59 ] && [ "$d_steps" -lt 30 ] 2>/dev/null && ok || bad "decode steps: $p_steps plain (want 59), $d_steps drafted (want < 30)"
+[ "$(json_get "$tmp/p.json" "d['token_ids']")" = "$(json_get "$tmp/d.json" "d['token_ids']")" ] && ok || bad "DFlash changed the greedy text"
+"$KVLM" generate --chat --prompt "$q" --max-tokens 60 --temperature 0 --ignore-eos \
+  --speculative-config '{"method":"dflash","model":"'"$here"'/../../models/kvlm-tiny-dflash","num_speculative_tokens":7}' \
+  >/dev/null 2>"$tmp/spec.err"
+grep -q "59 tokens after the first took $d_steps forward passes of the model instead of 59" "$tmp/spec.err" && ok ||
+  bad "the drafting summary names the passes saved: $(cat "$tmp/spec.err")"
 expect_error 1 "--temperature must be" -- generate --prompt-ids 1 --temperature -1
 expect_error 1 "--top-p must be in (0, 1]" -- generate --prompt-ids 1 --top-p 0
 expect_error 1 "give a prompt" -- generate --prompt-ids ""

@@ -94,6 +94,9 @@ def test_n_choices_and_logprobs(llm):
             assert tok in lps
             assert all(isinstance(v, kvlm.Logprob) and v.logprob <= 0 for v in lps.values())
             assert len(lps) in (2, 3)  # the top 2, and the sampled token when it is not among them
+            # Each token's own text, as vLLM gives it.
+            for t, v in lps.items():
+                assert v.decoded_token == llm.get_tokenizer().decode([t], skip_special_tokens=False), (t, v)
         assert c.cumulative_logprob == pytest.approx(sum(lps[t].logprob for t, lps in zip(c.token_ids, c.logprobs)))
     assert llm.generate("Once upon a time", GREEDY)[0].outputs[0].logprobs is None
 
@@ -186,14 +189,35 @@ def test_tensor_parallel_on_the_cpu_equals_one_rank(llm):
         [o.outputs[0].token_ids for o in llm.generate(p, GREEDY)]
 
 
+def test_the_default_pool_fits_the_model_and_max_model_len():
+    # No kv_cache_memory on the CPU: 16 sequences of max_model_len (the server's default), not
+    # 4 GiB for an 11.7M-parameter model (7-16 s to start).
+    t0 = time.time()
+    small = LLM(model=TINY, max_model_len=256)
+    took = time.time() - t0
+    info = small.info
+    assert info["kv_cache_tokens"] == 16 * 256, info["summary"]
+    assert "the CPU default: 16 sequences of --max-model-len" in info["summary"], info["summary"]
+    assert small.generate("Hi", GREEDY)[0].finished
+    full = LLM(model=TINY)  # the model's whole context
+    assert full.info["kv_cache_tokens"] == 16 * full.info["max_model_len"], full.info["summary"]
+    assert full.info["kv_cache_tokens"] * full.info["kv_bytes_per_token"] < 4 << 30
+    print(f"LLM(kvlm-tiny, max_model_len=256) loaded in {took:.2f} s")
+
+
 def test_bad_arguments_raise_value_errors_with_the_cli_messages(llm):
-    with pytest.raises(ValueError, match="invalid --kv-cache-dtype 'fp9'"):
+    # The CLI's messages, in Python's argument names (kv_cache_dtype, not --kv-cache-dtype).
+    with pytest.raises(ValueError, match="invalid kv_cache_dtype 'fp9'") as e:
         LLM(model=TINY, kv_cache_dtype="fp9")
+    assert "--" not in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="block_size") as e:
+        LLM(model=TINY, block_size=3)
+    assert "--block-size" not in str(e.value), str(e.value)
     with pytest.raises(ValueError, match="unknown option 'kv_cache_type'"):
         LLM(model=TINY, kv_cache_type="fp8")
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model="/no/such/model")
-    with pytest.raises(kvlm.Error, match="tensor-parallel-size 4 cannot split this model"):
+    with pytest.raises(kvlm.Error, match="tensor_parallel_size 4 cannot split this model"):
         LLM(model=TINY, tensor_parallel_size=4)
     with pytest.raises(ValueError, match="top-p|top_p"):
         llm.generate("Hi", SamplingParams(top_p=0))
@@ -258,3 +282,17 @@ def test_sampling_params_are_checked_at_construction():
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
     SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=None)  # the edges are fine
+
+
+def test_the_first_example_of_docs_python_md_answers(tmp_path):
+    # docs/python.md opens with an example on the bundled model: it runs as written (from the
+    # repository's root) and its answers are the ones the comments show.
+    doc = (ROOT / "docs" / "python.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stdout
+    assert "The answer is 99." in lines[0] and lines[0].endswith("| stop"), lines[0]
+    assert lines[1] == "The answer is 42. | stop", lines[1]

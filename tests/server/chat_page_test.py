@@ -115,9 +115,13 @@ try:
     s = b.open(srv.base + "/?q=" + "12%2B35%3D")
     b.wait(s, "document.querySelectorAll('#plan tr').length > 1")
     check(b.js(s, "document.getElementById('model').textContent") == "kvlm-tiny", "the model's name is not shown")
-    layers = b.js(s, "document.querySelectorAll('#plan tbody tr').length")
+    # Consecutive layers with one plan share a row; the rows cover every layer, and the table
+    # fits the side panel (no horizontal scrolling).
+    layers = b.js(s, "[...document.querySelectorAll('#plan tbody tr')].reduce((n, r) => n + Number(r.dataset.layers), 0)")
+    rows = b.js(s, "document.querySelectorAll('#plan tbody tr').length")
     want = len(json.loads(srv.get("/v1/kvlm/plan")[1])["layers"])
-    check(layers == want, f"the KV plan shows {layers} layers, the model has {want}")
+    check(layers == want and rows == 1, f"the KV plan covers {layers} layers in {rows} rows; the model has {want}, one plan")
+    check(b.js(s, "const p = document.getElementById('plan'); p.scrollWidth <= p.clientWidth"), "the plan table is clipped")
     check("bytes/token" in (b.js(s, "document.getElementById('summary').textContent") or ""), "no KV summary")
     state = b.wait(s, f"['done', 'error'].includes({STATE}) && {STATE}")
     answer = b.js(s, ANSWER)

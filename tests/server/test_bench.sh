@@ -138,7 +138,7 @@ assert "The answer is 42." in r["choices"][0]["message"]["content"], r
 EOF
 # serve's CPU default pool: 16 sequences of --max-model-len (the planner's 256 of them, up to
 # 4 GiB, made the bundled model start in 7-20 s with 4.4 GB of memory).
-grep -q "serve's CPU default: 16 sequences of --max-model-len" "$tmp/d.err" \
+grep -q "the CPU default: 16 sequences of --max-model-len" "$tmp/d.err" \
   && grep -q "maximum concurrency for 256 tokens per request: 16.00x" "$tmp/d.err" && ok \
   || bad "serve's CPU default pool: $(cat "$tmp/d.err")"
 # Request bodies: JSON whatever the Content-Type (curl -d sends form-urlencoded; httplib alone
@@ -244,7 +244,7 @@ python3 "$here/test_connections.py" "$KVLM" "$model" >"$tmp/conn.out" 2>&1 && ok
 [ $? -eq 1 ] && grep -q "ssl-keyfile k.pem is not supported: kvlm serves plain HTTP" "$tmp/err" && ok \
   || bad "--ssl-keyfile: $(cat "$tmp/err")"
 "$KVLM" serve Qwen/Qwen3-8B >/dev/null 2>"$tmp/err"
-[ $? -eq 1 ] && grep -q "kvlm does not download models from the Hugging Face Hub" "$tmp/err" && ok \
+[ $? -eq 1 ] && grep -q "is not a local path: kvlm does not download models. Fetch it first, e.g. .huggingface-cli download Qwen/Qwen3-8B" "$tmp/err" && ok \
   || bad "serve a Hub id: $(cat "$tmp/err")"
 "$KVLM" serve "$model" --model "$tmp" >/dev/null 2>"$tmp/err"
 [ $? -eq 1 ] && grep -q "two models given" "$tmp/err" && ok || bad "two models: $(cat "$tmp/err")"

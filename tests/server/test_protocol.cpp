@@ -428,6 +428,16 @@ TEST(Prometheus, Format) {
   EXPECT_TRUE(has("kvlm:time_to_first_token_seconds_sum{" + L + "} 12.5"));
   EXPECT_TRUE(has("kvlm:time_to_first_token_seconds_count{" + L + "} 6"));
   EXPECT_TRUE(has("kvlm:http_responses_total{" + L + ",status=\"400\"} 1"));
+  // vLLM's names for the same figures, so that dashboards built for vLLM show them.
+  EXPECT_TRUE(has("vllm:num_requests_running{" + L + "} 3"));
+  EXPECT_TRUE(has("vllm:kv_cache_usage_perc{" + L + "} 0.25"));
+  EXPECT_TRUE(has("vllm:gpu_cache_usage_perc{" + L + "} 0.25"));
+  EXPECT_TRUE(has("# TYPE vllm:prompt_tokens_total counter"));
+  EXPECT_TRUE(has("vllm:generation_tokens_total{" + L + "} 50"));
+  EXPECT_TRUE(has("vllm:request_success_total{" + L + ",finished_reason=\"stop\"} 5"));
+  EXPECT_TRUE(has("vllm:time_to_first_token_seconds_bucket{" + L + ",le=\"1\"} 3"));
+  EXPECT_TRUE(has("vllm:time_per_output_token_seconds_count{" + L + "} 0"));
+  EXPECT_EQ(t.find("vllm:http_responses_total"), std::string::npos);  // kvlm's own: no alias
   // Every sample line: name{labels} value, and every name has HELP and TYPE.
   std::istringstream in(t);
   std::string line;

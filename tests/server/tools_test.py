@@ -152,6 +152,21 @@ for kw, param in [({"tool_choice": {"type": "function", "function": {"name": "no
         check(e.body.get("param") == param if isinstance(e.body, dict) else param in str(e), f"{kw}: {e}")
 
 srv.stop()
+
+# --- a chat template that does not render tools ----------------------------------------------
+# The bundled model's own template ignores `tools`: with tool_choice auto the model could never
+# call one, so the request is refused, saying why; a forced call (required) still works.
+srv = Server(KVLM, MODEL, "--served-model-name", "tiny", "--tool-call-parser", "hermes")
+client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=300)
+try:
+    client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice="auto", max_tokens=5)
+    check(False, "auto with a template that drops the tools was accepted")
+except openai.BadRequestError as e:
+    check("does not render `tools`" in str(e) and e.body.get("param") == "tools", f"tools dropped: {e}")
+r = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice="required", temperature=1.0,
+                                   seed=0, max_tokens=1500)
+check(r.choices[0].finish_reason == "tool_calls", f"required without the tools in the prompt: {r.choices[0]}")
+srv.stop()
 shutil.rmtree(work, ignore_errors=True)
 print(f"{len(failures)} failure(s)")
 sys.exit(1 if failures else 0)

@@ -346,6 +346,13 @@ TEST(Grammar, JsonObjectAcceptsAnyObject) {
   EXPECT_FALSE(judge(g, "{" + std::string(2, ' ')).prefix);
   EXPECT_FALSE(judge(g, "{\n\n").prefix);
   EXPECT_FALSE(judge(g, "{\n" + std::string(25, ' ')).prefix);
+  // The reply starts with the value: no leading whitespace, for json_object and schemas alike.
+  EXPECT_FALSE(judge(g, " ").prefix);
+  EXPECT_FALSE(judge(g, "\n").prefix);
+  const Grammar s = json_schema_grammar(Json::parse(R"({"type":"object","properties":{"a":{"type":"integer"}}})"));
+  EXPECT_FALSE(judge(s, " ").prefix);
+  EXPECT_FALSE(matches(s, " {\"a\":1}"));
+  EXPECT_TRUE(matches(s, "{\"a\":1}"));
 }
 
 TEST(Grammar, JsonSchemaRefusesWhatItCannotEnforce) {

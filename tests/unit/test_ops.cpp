@@ -4,6 +4,8 @@
 #include <numbers>
 #include <random>
 
+#include <omp.h>
+
 #include "model/rope.h"
 #include "ops/cpu/ops.h"
 
@@ -23,6 +25,30 @@ TEST(Ops, LinearMatchesNaive) {
       for (int t = 0; t < k; ++t) acc += double(x[size_t(i * k + t)]) * w[size_t(j * k + t)];
       EXPECT_NEAR(y[size_t(i * n + j)], acc, 1e-5);
     }
+}
+
+// The linear splits its output columns over the OpenMP team: any team size gives what one
+// thread gives, to rounding (OpenBLAS's kernels for a block's edge columns may sum in another
+// order). Set here, whatever OMP_NUM_THREADS the harness runs with (one per test under ctest -j).
+TEST(Ops, LinearSplitOverThreadsMatchesOneThread) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  const int m = 5, k = 256, n = 1000;  // m x n x k over the split's threshold, n not a multiple of 16
+  std::vector<float> x(size_t(m) * k), w(size_t(n) * k), b(n);
+  for (auto* v : {&x, &w, &b})
+    for (auto& e : *v) e = nd(rng);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  std::vector<float> one(size_t(m) * n);
+  ops::cpu::linear(x, m, k, w, n, b, one);
+  for (int threads : {2, 3, 7}) {
+    omp_set_num_threads(threads);
+    std::vector<float> split(size_t(m) * n, -1.0f);
+    ops::cpu::linear(x, m, k, w, n, b, split);
+    for (size_t i = 0; i < one.size(); ++i)
+      ASSERT_NEAR(split[i], one[i], 1e-4f * (1.0f + std::fabs(one[i]))) << threads << " threads, element " << i;
+  }
+  omp_set_num_threads(saved);
 }
 
 TEST(Ops, RmsNormSiluAdd) {

@@ -137,15 +137,26 @@ TEST(Tokenizer, StreamingNeverBreaksCharacters) {
   EXPECT_EQ(inc.push(11), "");
   EXPECT_EQ(inc.push(3), "\u00e9a");
   EXPECT_EQ(inc.push(10), "");
-  EXPECT_EQ(inc.flush(), "\xEF\xBF\xBD");  // the stream ended inside a character
+  IncrementalDecoder same = inc;
+  EXPECT_EQ(same.flush(true), "\xEF\xBF\xBD");  // the stream ended inside a character: decode()'s text
+  EXPECT_EQ(inc.flush(), "");                     // or, by default, the text ends before it (as vLLM's)
   // A run that turns invalid decodes as one U+FFFD per byte, even after a valid "é" —
   // streaming must agree with decoding everything at once.
   IncrementalDecoder inc2(t);
   std::string s = inc2.push(3);
   for (TokenId id : {10, 11, 10}) s += inc2.push(id);
-  s += inc2.flush();
+  IncrementalDecoder inc3 = inc2;
+  s += inc2.flush(true);
   EXPECT_EQ(s, t.decode(std::vector<TokenId>{3, 10, 11, 10}));
   EXPECT_EQ(s, "a\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
+  // Cut there, the text keeps the complete "é" and leaves out the byte after it.
+  EXPECT_EQ(inc3.flush(), "\u00e9");
+  // An invalid byte inside the text stays (U+FFFD), only the incomplete end goes.
+  IncrementalDecoder inc4(t);
+  std::string s4;
+  for (TokenId id : {3, 11, 3, 10}) s4 += inc4.push(id);
+  s4 += inc4.flush();
+  EXPECT_EQ(s4, "a\xEF\xBF\xBD" "a");
 }
 
 // A model's vocabulary may be padded past the tokenizer's (Qwen: 151,936 logits, 151,669

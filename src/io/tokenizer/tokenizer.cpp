@@ -293,8 +293,20 @@ std::string IncrementalDecoder::push(TokenId id) {
   return fresh;
 }
 
-std::string IncrementalDecoder::flush() {
-  const std::string full = tok_.decode(ids_, skip_, true);
+std::string IncrementalDecoder::flush(bool keep_incomplete) {
+  const std::span<const TokenId> all(ids_);
+  std::string full = tok_.decode(all, skip_, true);
+  // An incomplete character is at most 3 bytes, each perhaps its own token: the longest
+  // prefix of the ids, up to 4 shorter, whose text ends on a complete character. (A text
+  // that still ends in U+FFFD without them holds an invalid sequence, which stays.)
+  if (!keep_incomplete && full.ends_with(utf8::kReplacement))
+    for (size_t cut = 1; cut <= std::min<size_t>(4, ids_.size() - read_); ++cut) {
+      std::string shorter = tok_.decode(all.first(ids_.size() - cut), skip_, true);
+      if (!shorter.ends_with(utf8::kReplacement)) {
+        full = std::move(shorter);
+        break;
+      }
+    }
   std::string rest = full.compare(0, emitted_.size(), emitted_) == 0 ? full.substr(emitted_.size()) : std::string();
   emitted_ += rest;
   prefix_ = read_ = ids_.size();

@@ -88,12 +88,16 @@ class Tokenizer {
 };
 
 // Streams text for ids as they are generated: never a broken UTF-8 character, and the
-// concatenation of everything returned equals tokenizer.decode(all ids).
+// concatenation of everything returned equals tokenizer.decode(all ids) — except that by
+// default flush() leaves out an incomplete character at the very end (see there).
 class IncrementalDecoder {
  public:
   explicit IncrementalDecoder(const Tokenizer& t, bool skip_special_tokens = true) : tok_(t), skip_(skip_special_tokens) {}
   std::string push(TokenId id);
-  std::string flush();  // whatever is still held back (e.g. an incomplete character at the end)
+  // Whatever is still held back. The ids may end inside a character (max_tokens cut it):
+  // by default the text ends before it, as vLLM's does (its detokenizer never emits a
+  // trailing U+FFFD); keep_incomplete gives decode()'s U+FFFD instead.
+  std::string flush(bool keep_incomplete = false);
   const std::vector<TokenId>& ids() const { return ids_; }
 
  private:

@@ -66,8 +66,10 @@ struct SgCfg {
   static_assert(kSgRows * N * int(sizeof(float)) <= kSgStages * kStageBytes, "the CTA's sums fit in the ring");
 };
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // the one kernel that uses it (nvcc #177 elsewhere)
 // Row r's 16-byte chunk c (0..7) of a round's tile in shared memory (128-byte rows, swizzled).
 __device__ __forceinline__ uint32_t sg_offset(int r, int c) { return uint32_t(r * kSgRound + ((c ^ (r & 7)) << 4)); }
+#endif
 
 // ws: kBlock ? the block scales [ceil(n / 128)][ws_ld] : one per row [n]; xs: kBlock ? per
 // (128-group, token) [k / 128][m] : per token [m].

@@ -70,8 +70,9 @@ class SchemaConverter {
   Grammar convert() {
     ws_ = make_ws();
     const uint32_t start = g_.add_rule("root");
-    // Leading whitespace is allowed: a SentencePiece model's first token often carries a space.
-    g_.add_alt(start, {ws(), Symbol::ref(value(root_, "", "value", 0))});
+    // The reply is the value itself, as vLLM's engines give it: no leading whitespace (every
+    // vocabulary holds the bare "{" and "[", if only as byte tokens).
+    g_.add_alt(start, {Symbol::ref(value(root_, "", "value", 0))});
     g_.set_root(start);
     g_.validate();
     return std::move(g_);
@@ -80,7 +81,7 @@ class SchemaConverter {
   Grammar any_object() {
     ws_ = make_ws();
     const uint32_t start = g_.add_rule("root");
-    g_.add_alt(start, {ws(), Symbol::ref(any_object_rule())});
+    g_.add_alt(start, {Symbol::ref(any_object_rule())});
     g_.set_root(start);
     g_.validate();
     return std::move(g_);
