@@ -253,9 +253,6 @@ bool token_char(char c) {
   return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
 }
 
-// Hands freed memory back to the system once enough of it has piled up (glibc keeps what a
-// spike allocated; a large grammar or body would otherwise stay resident for good). At most
-// once a second, from the worker that finished a request.
 // A connection-level error answer, complete, that closes the connection.
 std::string error_response(const ErrorBody& body_of, int status, const std::string& message, const std::string& code,
                            bool retry_after) {
@@ -267,6 +264,9 @@ std::string error_response(const ErrorBody& body_of, int status, const std::stri
   return head + "\r\n" + body;
 }
 
+// Hands freed memory back to the system once enough of it has piled up (glibc keeps what a
+// spike allocated; a large grammar or body would otherwise stay resident for good). At most
+// once a second, from the worker that finished a request.
 void trim_free_memory() {
   static std::atomic<int64_t> last{0};
   const int64_t now = Clock::now().time_since_epoch() / std::chrono::milliseconds(1);
