@@ -286,13 +286,13 @@ def test_sampling_params_are_checked_at_construction():
 
 def test_the_first_example_of_docs_python_md_answers(tmp_path):
     # docs/python.md opens with an example on the bundled model: it runs as written (from the
-    # repository's root) and its answers are the ones the comments show.
+    # repository's root) and prints exactly what the comments under its print() show.
     doc = (ROOT / "docs" / "python.md").read_text()
     code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    shown = code[code.rindex("print("):].splitlines()[1:]
+    want = [l[2:] for l in shown if l.startswith("# ")]
+    assert len(want) >= 2, code
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ})
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 2, out.stdout
-    assert "The answer is 99." in lines[0] and lines[0].endswith("| stop"), lines[0]
-    assert lines[1] == "The answer is 42. | stop", lines[1]
+    assert out.stdout.splitlines() == want, out.stdout
