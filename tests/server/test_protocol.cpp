@@ -495,6 +495,26 @@ TEST_F(StreamTest, TextAddsUpToTheDecode) {
   EXPECT_EQ(evs.back().prompt_tokens, 3);
 }
 
+// max_tokens can cut a reply inside a character (a byte-level vocabulary spells 漢 in several
+// tokens): the text ends before it, as vLLM's does, never in U+FFFD; the ids keep every token.
+TEST_F(StreamTest, AReplyCutInsideACharacterEndsBeforeIt) {
+  const auto head = ids("Hello ");
+  const auto han = ids("漢");
+  ASSERT_GE(han.size(), 1u);
+  // The character's first byte alone: its byte-level token (GPT-2's alphabet maps 0xE6 to 'æ').
+  const auto first_byte = tok().token_to_id("\u00e6");
+  ASSERT_TRUE(first_byte.has_value());
+  std::vector<TokenId> toks = head;
+  toks.push_back(*first_byte);
+  RequestStream st(&tok(), {}, 1);
+  for (size_t i = 0; i < toks.size(); ++i) st.on_output(0, out({toks[i]}, i + 1 == toks.size(), FinishReason::Length));
+  std::vector<ChoiceEvent> evs;
+  EXPECT_EQ(all_text(st, &evs), "Hello ");
+  size_t n = 0;
+  for (const auto& e : evs) n += e.tokens.size();
+  EXPECT_EQ(n, toks.size());
+}
+
 TEST_F(StreamTest, StopStringIsNeverEmittedAndStopsTheEngine) {
   const auto toks = ids("The cat sat on the mat. END of story, more text after");
   TextOptions o;
