@@ -22,7 +22,7 @@ void ModelFlags::add_to(CLI::App& cmd) {
   cmd.add_option("MODEL", model_positional,
                  "the model: a Hugging Face model directory (config.json, safetensors) or a .gguf file (default: "
                  "the bundled kvlm-tiny model); the same as --model");
-  cmd.add_option("--model,-m", model, "the model, as MODEL above (vLLM's spelling)");
+  cmd.add_option("--model,-m", model, "the model, as MODEL above");
   cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache precision: auto, float16, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, "
                  "fp8_per_token_head, int8_per_token_head, int4_per_token_head")
