@@ -50,6 +50,11 @@ N_NEW = 16
 MIN_MARGIN = 1e-3
 MAX_TRIES = 40
 MIN_DISTINCT = 6  # random models: wanted distinct ids in the greedy continuation
+# Mixtures of experts: the smallest gap between a row's k-th and (k+1)-th router logit. A
+# nearer tie lets a cache's rounding (bf16 is 4e-3 relative) swap an expert, a jump in the
+# output that is the router's, not the KV format's: such seeds are rejected as near-tie
+# margins are.
+MIN_ROUTER_GAP = 0.02
 TIED_EMB_STD = 0.2  # tied models: embedding std (it is also the lm_head); see randomize()
 VOCAB = 256
 
@@ -176,6 +181,34 @@ def model_specs():
                   "embeddings scaled by sqrt(hidden), query_pre_attn_scalar 64 != head_dim, "
                   "untied lm_head (tied, the scaled embedding's own token wins every greedy "
                   "step: no seed gives 6 distinct ids), bf16"))
+    specs.append(dict(
+        name="qwen3-moe",
+        config=base_config("Qwen3MoeForCausalLM", "qwen3_moe", "bfloat16", num_hidden_layers=3,
+                           head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+                           num_experts=7, num_experts_per_tok=3, norm_topk_prob=False,
+                           decoder_sparse_step=1, mlp_only_layers=[0], attention_bias=False,
+                           use_sliding_window=False, rope_theta=1000000.0),
+        prompt_len=40, seed=10000, shards=1,
+        exercises="Qwen3-MoE: 7 experts (odd), top-3, expert width 32, router weights a softmax over "
+                  "all experts (norm_topk_prob false), layer 0 dense through mlp_only_layers "
+                  "(intermediate 96), q/k norms, per-expert tensors as the Hub stores them, bf16"))
+    specs.append(dict(
+        name="gpt-oss",
+        config=base_config("GptOssForCausalLM", "gpt_oss", "bfloat16", num_hidden_layers=4,
+                           head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=32, num_local_experts=5, num_experts_per_tok=2,
+                           sliding_window=8, attention_bias=True, swiglu_limit=1.5,
+                           rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=128,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 32}),
+        prompt_len=40, seed=11000, shards=1,
+        exercises="GPT-OSS: learned attention sinks (N(0, 1.5^2)), sliding window 8 on even layers "
+                  "(GptOssConfig's default layer_types) with 40-token prompts, YaRN (factor 4, "
+                  "original 32, truncate false: attention factor 1.139 on cos/sin), q/k/v/o biases, "
+                  "5 experts top-2 with a biased router (softmax over the top 2), biased experts "
+                  "with the clamped SwiGLU (limit 1.5, so the clamp acts), fused expert tensors "
+                  "[E][in][out] with gate/up interleaved, bf16"))
     return specs
 
 
@@ -285,6 +318,25 @@ def randomize(model, cfg, seed):
         done.add(id(p))
 
     for name, mod in model.named_modules():
+        # Mixtures of experts and sinks keep raw Parameters (no Linear): fan-in scaled like
+        # Linear weights; GPT-OSS's experts are [E][in][out] (x @ W), Qwen's [E][out][in].
+        if type(mod).__name__.endswith("Experts"):
+            x_at_w = type(mod).__name__.startswith("GptOss")
+            for pname in ("gate_up_proj", "down_proj"):
+                p = getattr(mod, pname)
+                fill(p, 1.0 / math.sqrt(p.shape[1] if x_at_w else p.shape[2]))
+            for pname in ("gate_up_proj_bias", "down_proj_bias"):
+                if getattr(mod, pname, None) is not None:
+                    fill(getattr(mod, pname), 0.5)
+            continue
+        if type(mod).__name__.endswith("TopKRouter"):
+            # Router logits with std 2: clear choices (no near-ties between experts).
+            fill(mod.weight, 2.0 / math.sqrt(mod.weight.shape[1]))
+            if getattr(mod, "bias", None) is not None:
+                fill(mod.bias, 0.5)
+            continue
+        if getattr(mod, "sinks", None) is not None and isinstance(mod.sinks, torch.nn.Parameter):
+            fill(mod.sinks, 1.5)
         if isinstance(mod, torch.nn.Embedding):
             fill(mod.weight, TIED_EMB_STD if tied else 1.0)
         elif isinstance(mod, torch.nn.Linear):
@@ -309,15 +361,40 @@ def randomize(model, cfg, seed):
         raise RuntimeError(f"parameters not randomized: {missed}")
 
 
+def hub_layout(tensors, cfg):
+    """The tensors as the Hub's checkpoints name them: Qwen3-MoE's experts one tensor per expert
+    and projection (transformers 5 holds them fused as [E][2I][H] and [E][H][I]); GPT-OSS keeps
+    its fused [E][in][out] tensors."""
+    if cfg.model_type != "qwen3_moe":
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, inter = name[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].contiguous().clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].contiguous().clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[:-len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous().clone()
+        else:
+            out[name] = t
+    return out
+
+
 def save_weights(model, cfg, dirpath, dtype, shards):
+    """Saves the model's parameters in `dtype` (hub_layout names); returns them by the model's
+    own parameter names, to compare with what from_pretrained reads back."""
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    tensors = {}
+    params = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if tied and name == "lm_head.weight":
             continue
-        if name in tensors:
+        if name in params:
             continue
-        tensors[name] = p.detach().to(DTYPES[dtype]).contiguous().clone()
+        params[name] = p.detach().to(DTYPES[dtype]).contiguous().clone()
+    tensors = hub_layout(params, cfg)
     names = list(tensors.keys())
     if shards == 1:
         save_file(tensors, os.path.join(dirpath, "model.safetensors"), metadata={"format": "pt"})
@@ -341,7 +418,7 @@ def save_weights(model, cfg, dirpath, dtype, shards):
         write_json(os.path.join(dirpath, "model.safetensors.index.json"),
                    {"metadata": {"total_size": total},
                     "weight_map": dict(sorted(weight_map.items()))})
-    return tensors
+    return params
 
 
 def load_hf(dirpath):
@@ -359,6 +436,29 @@ def load_hf(dirpath):
 def top2_margins(logits):
     top = torch.topk(logits, 2, dim=-1).values
     return top[..., 0] - top[..., 1]
+
+
+def min_router_gap(model, ids):
+    """The smallest k-th minus (k+1)-th router logit over every row and MoE layer of one
+    forward over `ids` (None for a dense model)."""
+    gaps, hooks = [], []
+
+    def hook(mod, inp, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        v = torch.topk(logits.float(), mod.top_k + 1, dim=-1).values
+        gaps.append(float((v[..., mod.top_k - 1] - v[..., mod.top_k]).min()))
+
+    for layer in model.model.layers:
+        router = getattr(layer.mlp, "router", None) or getattr(layer.mlp, "gate", None)
+        if router is not None and hasattr(router, "top_k") and router.top_k < getattr(router, "num_experts", 0):
+            hooks.append(router.register_forward_hook(hook))
+    if not hooks:
+        return None
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return min(gaps)
 
 
 def evaluate(model, prompt):
@@ -400,6 +500,7 @@ def evaluate(model, prompt):
     consistent = am == greedy
     gen_vs_fwd = float((gen_logits - logits[P - 1:T - 1]).abs().max())
     margin = min(float(top2_margins(logits).min()), float(top2_margins(gen_logits).min()))
+    router_gap = min_router_gap(model, full)
     # attention probe: how many kv positions each layer's last query row can see
     visible = None
     try:
@@ -413,7 +514,7 @@ def evaluate(model, prompt):
                 visible.append([len(nz), (min(nz) if nz else None)])
     except Exception as e:  # noqa: BLE001
         visible = f"error: {e!r}"
-    return dict(greedy=greedy, logits=logits, consistent=consistent, gen_vs_fwd=gen_vs_fwd,
+    return dict(greedy=greedy, logits=logits, consistent=consistent, gen_vs_fwd=gen_vs_fwd, router_gap=router_gap,
                 margin=margin, logit_std=float(logits.std()), visible=visible, source=source)
 
 
@@ -533,9 +634,11 @@ def build_model(spec, outdir):
         seed = spec["seed"] + attempt
         model, cfg, prompt, ev = build_once(spec, mdir, seed)
         distinct = len(set(ev["greedy"]))
-        valid = ev["margin"] >= MIN_MARGIN and ev["consistent"]
+        valid = ev["margin"] >= MIN_MARGIN and ev["consistent"] and (
+            ev["router_gap"] is None or ev["router_gap"] >= MIN_ROUTER_GAP)
         ok = valid and distinct >= MIN_DISTINCT
-        msg = (f"{name}: seed {seed}: margin {ev['margin']:.5f} consistent={ev['consistent']} "
+        msg = (f"{name}: seed {seed}: margin {ev['margin']:.5f} router gap {ev['router_gap']} "
+               f"consistent={ev['consistent']} "
                f"distinct={distinct} logit_std {ev['logit_std']:.3f}")
         print(("   " if ok else "   REJECT ") + msg)
         if ok:
@@ -554,7 +657,7 @@ def build_model(spec, outdir):
         model, cfg, prompt, ev = build_once(spec, mdir, seed)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     nparams = sum(p.numel() for p in model.parameters())
-    extra = {"seed": seed, "num_params": nparams, "exercises": spec["exercises"],
+    extra = {"seed": seed, "num_params": nparams, "exercises": spec["exercises"], "min_router_gap": ev["router_gap"],
              "hf_rms_norm_eps": float(cfg.rms_norm_eps), "tie_word_embeddings": tied}
     if notes:
         extra["seed_notes"] = notes

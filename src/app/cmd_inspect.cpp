@@ -31,7 +31,60 @@ namespace {
 std::string kind_str(const KVLayerSpec& l) {
   std::string s(attention_kind_name(l.attn.kind));
   if (l.attn.kind == AttentionKind::Sliding) s += "(" + std::to_string(l.attn.window) + ")";
+  if (l.attn.sinks) s += "+sinks";
   return s;
+}
+
+// Parameters from config.json's shapes: all of them, and those one token reads (attention,
+// its top_k experts and the router, the embedding row, the LM head). Per layer: the MLP's
+// total and per-token counts.
+struct ParamCounts {
+  int64_t total = 0, active = 0;
+  std::vector<int64_t> mlp_total, mlp_active;
+};
+ParamCounts count_params(const ModelConfig& c) {
+  ParamCounts p;
+  const int64_t H = c.hidden_size, d = c.head_dim, V = c.vocab_size;
+  const int64_t attn = H * d * (2 * int64_t(c.num_heads) + 2 * int64_t(c.num_kv_heads)) +
+                       (c.qkv_bias ? d * (c.num_heads + 2 * int64_t(c.num_kv_heads)) : 0) + (c.o_bias ? H : 0) +
+                       (c.qk_norm ? 2 * d : 0) + (c.attention_sinks ? c.num_heads : 0) + 2 * H;  // + the layer's norms
+  for (int i = 0; i < c.num_layers; ++i) {
+    int64_t total = 0, active = 0;
+    if (c.moe && c.moe_layers[size_t(i)]) {
+      const MoeConfig& m = *c.moe;
+      const int64_t router = int64_t(m.num_experts) * (H + (m.router_bias ? 1 : 0));
+      const int64_t expert = 3 * H * m.expert_size + (m.expert_bias ? 2 * int64_t(m.expert_size) + H : 0);
+      total = router + int64_t(m.num_experts) * expert;
+      active = router + int64_t(m.top_k) * expert;
+    } else {
+      total = active = 3 * H * c.intermediate_size + (c.mlp_bias ? 2 * int64_t(c.intermediate_size) + H : 0);
+    }
+    p.mlp_total.push_back(total);
+    p.mlp_active.push_back(active);
+    p.total += attn + total;
+    p.active += attn + active;
+  }
+  p.total += V * H * (c.tie_word_embeddings ? 1 : 2) + H;
+  p.active += H + V * H + H;  // the token's embedding row, the LM head, the final norm
+  return p;
+}
+
+// 212K, 3.3M, 30.5B: a parameter count in three digits or so.
+std::string human_count(int64_t n) {
+  std::ostringstream s;
+  const double v = double(n);
+  const auto [div, unit] = v >= 1e9 ? std::pair{1e9, "B"} : v >= 1e6 ? std::pair{1e6, "M"} : std::pair{1e3, "K"};
+  s << std::fixed << std::setprecision(v / div >= 100 ? 0 : 1) << v / div << unit;
+  return s.str();
+}
+
+// "dense 96" or "8 experts x 32, top 2 (1.3M of 4.8M per token)".
+std::string mlp_str(const ModelConfig& c, const ParamCounts& p, int layer) {
+  if (!c.moe || !c.moe_layers[size_t(layer)]) return "dense " + std::to_string(c.intermediate_size);
+  const MoeConfig& m = *c.moe;
+  return std::to_string(m.num_experts) + " experts x " + std::to_string(m.expert_size) + ", top " +
+         std::to_string(m.top_k) + " (" + human_count(p.mlp_active[size_t(layer)]) + " of " +
+         human_count(p.mlp_total[size_t(layer)]) + " per token)";
 }
 
 std::string scale_str(const KVLayerSpec& l) {
@@ -137,9 +190,23 @@ int run_inspect(const InspectFlags& f) {
     if (gguf)
       j["gguf"] = {{"file", gguf->file}, {"version", gguf->version}, {"bytes", gguf->bytes},
                    {"tensor_types", gguf->tensor_types}, {"config_from", gguf->config}, {"tokenizer_from", gguf->tokenizer}};
+    const ParamCounts params = count_params(cfg);
+    j["parameters"] = params.total;
+    j["parameters_per_token"] = params.active;
     nlohmann::json layers = nlohmann::json::array();
     for (const auto& l : plan.layers) {
       nlohmann::json e = kv_layer_json(l);
+      e["attention_sinks"] = l.attn.sinks;
+      if (l.attn.model == "target") {
+        const int i = l.attn.layer;
+        if (cfg.moe && cfg.moe_layers[size_t(i)])
+          e["mlp"] = {{"kind", "experts"}, {"experts", cfg.moe->num_experts}, {"top_k", cfg.moe->top_k},
+                      {"expert_size", cfg.moe->expert_size}, {"parameters", params.mlp_total[size_t(i)]},
+                      {"parameters_per_token", params.mlp_active[size_t(i)]}};
+        else
+          e["mlp"] = {{"kind", "dense"}, {"intermediate_size", cfg.intermediate_size},
+                      {"parameters", params.mlp_total[size_t(i)]}};
+      }
       layers.push_back(e);
     }
     j["layers"] = layers;
@@ -179,9 +246,15 @@ int run_inspect(const InspectFlags& f) {
     return 0;
   }
 
+  const ParamCounts params = count_params(cfg);
   std::cout << "model      " << dir.string() << "\n"
             << "           " << arch_name(cfg.arch) << ", " << cfg.num_layers << " layers, " << cfg.num_heads << " q heads / "
-            << cfg.num_kv_heads << " kv heads, head_dim " << cfg.head_dim << ", model dtype " << dtype_name(mp.dtype) << "\n";
+            << cfg.num_kv_heads << " kv heads, head_dim " << cfg.head_dim << ", model dtype " << dtype_name(mp.dtype) << "\n"
+            << "           " << human_count(params.total) << " parameters"
+            << (cfg.moe ? ", " + human_count(params.active) + " read per token (" + std::to_string(cfg.moe->top_k) + " of " +
+                              std::to_string(cfg.moe->num_experts) + " experts)"
+                        : std::string())
+            << "\n";
   if (gguf) {
     std::cout << "gguf       version " << gguf->version << ", " << gguf->bytes / 1000000 << " MB, tensors:";
     for (const auto& [type, n] : gguf->tensor_types) std::cout << " " << n << " " << type;
@@ -208,7 +281,7 @@ int run_inspect(const InspectFlags& f) {
             << ")\n\n";
   std::vector<std::vector<std::string>> rows{
       {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "rotation", "exact tokens", "backend",
-       "bytes/token"}};
+       "bytes/token", "mlp"}};
   for (const auto& l : plan.layers) {
     // Exact sink / recent tokens: "sink 4 + recent 64, bf16 256 B/token" (bytes of one exact token).
     std::string exact = "none";
@@ -218,15 +291,20 @@ int run_inspect(const InspectFlags& f) {
     rows.push_back({(l.attn.model == "target" ? "" : l.attn.model + ":") + std::to_string(l.attn.layer), kind_str(l),
                     std::string(dtype_name(l.storage)), std::string(kv_quant_mode_name(l.quant)),
                     std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.rotate ? "hadamard" : "none", exact,
-                    l.backend, std::to_string(l.bytes_per_token())});
+                    l.backend, std::to_string(l.bytes_per_token()),
+                    l.attn.model == "target" ? mlp_str(cfg, params, l.attn.layer) : std::string("dense")});
   }
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows)
     for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
   for (const auto& r : rows) {
     for (size_t c = 0; c < r.size(); ++c) {
-      const bool numeric = c == 0 || c + 1 == r.size();
-      std::cout << (numeric ? std::right : std::left) << std::setw(int(width[c])) << r[c] << (c + 1 < r.size() ? "  " : "\n");
+      const bool numeric = c == 0 || c + 2 == r.size();
+      if (c + 1 == r.size()) {  // the last column unpadded
+        std::cout << r[c] << "\n";
+        continue;
+      }
+      std::cout << (numeric ? std::right : std::left) << std::setw(int(width[c])) << r[c] << "  ";
     }
   }
   std::ostringstream ratio;

@@ -45,6 +45,9 @@ struct BackendCapabilities {
   bool non_causal = false;
   // Reads exact sink / recent tokens (KVLayerSpec::keep_sink / keep_recent) from the exact pages.
   bool exact_tokens = false;
+  // Adds learned attention sinks (AttentionLayerDesc::sinks, AttentionCall::sinks) to the
+  // softmax's denominator.
+  bool attention_sinks = false;
   int min_compute_capability = 0;       // e.g. 80 for sm_80; 0 = no requirement (CPU)
   int priority = 0;                     // higher wins among backends that fit
   std::string description;
@@ -71,6 +74,10 @@ struct AttentionCall {
   std::span<float> out;        // [num_tokens][num_q_heads][head_dim]
   std::span<const AttnSeq> seqs;
   float softmax_scale = 1.0f;  // usually head_dim^-0.5
+  // Layers with attention sinks: [num_q_heads] logits s_h (already in score units, not scaled
+  // by softmax_scale): out = sum_j exp(x_j - m) v_j / (sum_j exp(x_j - m) + exp(s_h - m)). Empty
+  // otherwise; -inf gives the plain softmax.
+  std::span<const float> sinks;
 };
 
 struct KVWrite {

@@ -28,6 +28,7 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
       .sliding_window = true,
       .non_causal = true,
       .exact_tokens = true,
+      .attention_sinks = true,
       .min_compute_capability = 0,
       .priority = 10,
       .description = "reference backend: every KV format, every mask, fp32 accumulation",
@@ -103,6 +104,8 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
   const int nh = s.attn.num_q_heads, kvh = s.attn.num_kv_heads, d = s.attn.head_dim, bs = c.block_size;
   const int group = nh / kvh;
   KVLM_CHECK(call.q.size() == call.out.size(), "query and output sizes differ");
+  KVLM_CHECK(call.sinks.empty() || call.sinks.size() == size_t(nh), "attention sinks: one per query head");
+  KVLM_CHECK(call.sinks.empty() == !s.attn.sinks, "attention sinks given for a layer without them, or missing");
   for (const AttnSeq& seq : call.seqs) {
     KVLM_CHECK(seq.q_len >= 0 && seq.q_len <= seq.kv_len, "more queries than cached tokens");
     KVLM_CHECK(size_t(seq.q_begin + seq.q_len) * size_t(nh * d) <= call.q.size(), "query rows out of range");
@@ -225,7 +228,11 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
               const int h = g * group + hg;
               const size_t r = size_t(t - t0) * size_t(group) + size_t(hg);
               float* out = call.out.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
-              const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+              // A sink joins the denominator only: exp(s_h - m), at the running max m (a sink above
+              // every score is exp of a positive number, as in transformers' softmax over the
+              // scores and the sink together).
+              const float denom = l[r] + (call.sinks.empty() ? 0.0f : std::exp(call.sinks[size_t(h)] - m[r]));
+              const float inv = denom > 0 ? 1.0f / denom : 0.0f;
               for (int x = 0; x < d; ++x) out[x] = acc[r * size_t(d) + size_t(x)] * inv;
             }
           }

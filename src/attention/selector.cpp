@@ -77,6 +77,8 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
       if (!c.non_causal) return std::string("does not support non-causal attention");
       break;
   }
+  if (l.attn.sinks && !c.attention_sinks)
+    return std::string("does not add learned attention sinks to its softmax (this model's attention needs them)");
   if (l.keeps_exact() && !c.exact_tokens)
     return std::string("cannot read exact sink / recent tokens (--kv-cache-keep-sink / --kv-cache-keep-recent); "
                        "drop those flags or choose a backend that can");

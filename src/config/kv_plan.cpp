@@ -19,7 +19,8 @@ std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std
                    .window = l.window,
                    .num_q_heads = m.num_heads,
                    .num_kv_heads = m.num_kv_heads,
-                   .head_dim = m.head_dim});
+                   .head_dim = m.head_dim,
+                   .sinks = m.attention_sinks});
   }
   return out;
 }

@@ -30,6 +30,7 @@ struct AttentionLayerDesc {
   int num_q_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
+  bool sinks = false;  // a learned logit per query head joins the softmax's denominator (GPT-OSS)
 };
 
 std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std::string& model_name = "target");

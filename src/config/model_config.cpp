@@ -1,7 +1,9 @@
 #include "config/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -14,22 +16,11 @@ namespace kvlm {
 using nlohmann::json;
 namespace jg = json_get;
 
-std::string_view arch_name(Arch a) {
-  switch (a) {
-    case Arch::Llama: return "LlamaForCausalLM";
-    case Arch::Qwen2: return "Qwen2ForCausalLM";
-    case Arch::Qwen3: return "Qwen3ForCausalLM";
-    case Arch::Mistral: return "MistralForCausalLM";
-    case Arch::Gemma3: return "Gemma3ForCausalLM";
-    case Arch::DFlashDraft: return "DFlashDraftModel";
-  }
-  return "?";
-}
-
 std::string_view glu_activation_name(GluActivation a) {
   switch (a) {
     case GluActivation::Silu: return "silu";
     case GluActivation::GeluTanh: return "gelu_pytorch_tanh";
+    case GluActivation::SwigluClamp: return "clamped swiglu";
   }
   return "?";
 }
@@ -39,6 +30,7 @@ std::string_view rope_type_name(RopeType t) {
     case RopeType::Default: return "default";
     case RopeType::Linear: return "linear";
     case RopeType::Llama3: return "llama3";
+    case RopeType::Yarn: return "yarn";
   }
   return "?";
 }
@@ -56,32 +48,38 @@ namespace {
 
 constexpr std::string_view kWhere = "config.json";
 
-Arch parse_arch(const json& cfg) {
+const ArchSpec* parse_arch(const json& cfg) {
   const auto* archs = jg::find(cfg, "architectures");
   std::string name;
   if (archs && archs->is_array() && !archs->empty() && (*archs)[0].is_string()) {
     name = (*archs)[0].get<std::string>();
+    for (const ArchSpec* a : architectures())
+      if (a->name == name) return a;
   } else if (auto mt = jg::opt_string(cfg, "model_type", kWhere)) {
     // Some configs carry only model_type.
-    if (*mt == "llama") return Arch::Llama;
-    if (*mt == "qwen2") return Arch::Qwen2;
-    if (*mt == "qwen3") return Arch::Qwen3;
-    if (*mt == "mistral") return Arch::Mistral;
-    if (*mt == "gemma3_text") return Arch::Gemma3;
+    for (const ArchSpec* a : architectures())
+      if (std::ranges::find(a->model_types, *mt) != a->model_types.end()) return a;
     name = "model_type " + *mt;
   } else {
     throw Error("config.json: no 'architectures' list and no 'model_type'; is this a Hugging Face model directory?");
   }
-  for (Arch a : {Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Mistral, Arch::Gemma3, Arch::DFlashDraft})
-    if (arch_name(a) == name) return a;
-  throw Error("config.json: unsupported architecture '" + name +
-              "'; kvlm supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
-              "Gemma3ForCausalLM (and DFlashDraftModel drafters)");
+  std::string known;
+  for (const ArchSpec* a : architectures())
+    if (a->make) known += (known.empty() ? "" : ", ") + std::string(a->name);
+  throw Error("config.json: unsupported architecture '" + name + "'; kvlm supports " + known +
+              " (and DFlashDraftModel drafters)");
 }
+
+}  // namespace
+
+std::string_view arch_name(const ArchSpec* a) { return a ? a->name : std::string_view("?"); }
+
+namespace arch_config {
 
 // `params`: transformers-5 rope_parameters (or one layer type's entry of it); else the Hub's
 // rope_theta (default `theta`) plus an optional rope_scaling object.
 RopeConfig parse_rope(const json& cfg, const json* params, double theta, const std::string& params_where) {
+  using namespace json_get;
   RopeConfig r;
   r.theta = theta;
   const json* scaling = jg::find(cfg, "rope_scaling");
@@ -116,8 +114,101 @@ RopeConfig parse_rope(const json& cfg, const json* params, double theta, const s
     if (r.original_max_position <= 0) throw Error(where + ": original_max_position_embeddings must be positive");
     return r;
   }
-  throw Error(where + ": rope type '" + type + "' is not supported; kvlm supports default, linear, llama3");
+  if (type == "yarn") {
+    r.type = RopeType::Yarn;
+    if (!factor || *factor <= 0) throw Error(where + ": yarn rope scaling needs a positive 'factor'");
+    r.factor = *factor;
+    r.beta_fast = jg::opt_number(*s, "beta_fast", where).value_or(32.0);
+    r.beta_slow = jg::opt_number(*s, "beta_slow", where).value_or(1.0);
+    r.truncate = jg::opt_bool(*s, "truncate", where).value_or(true);
+    // The length the model was trained at (required, as transformers 5 requires it).
+    const auto orig = jg::opt_int(*s, "original_max_position_embeddings", where);
+    if (!orig) throw Error(where + ": yarn rope scaling needs original_max_position_embeddings");
+    r.original_max_position = int(std::min<long long>(*orig, 1 << 30));
+    if (r.original_max_position <= 0) throw Error(where + ": original_max_position_embeddings must be positive");
+    // attention_factor, else 0.1 ln(factor) + 1 (1 for factor <= 1), or DeepSeek's ratio of
+    // two such terms when mscale and mscale_all_dim are both given.
+    auto mscale_of = [&](double m) { return r.factor <= 1.0 ? 1.0 : 0.1 * m * std::log(r.factor) + 1.0; };
+    const double ms = jg::opt_number(*s, "mscale", where).value_or(0.0);
+    const double ms_all = jg::opt_number(*s, "mscale_all_dim", where).value_or(0.0);
+    r.attention_factor = jg::opt_number(*s, "attention_factor", where)
+                             .value_or(ms != 0.0 && ms_all != 0.0 ? mscale_of(ms) / mscale_of(ms_all) : mscale_of(1.0));
+    if (!(r.attention_factor > 0)) throw Error(where + ": yarn's attention_factor must be positive");
+    if (!(r.beta_fast > 0) || !(r.beta_slow > 0)) throw Error(where + ": yarn's beta_fast and beta_slow must be positive");
+    return r;
+  }
+  throw Error(where + ": rope type '" + type + "' is not supported; kvlm supports default, linear, llama3, yarn");
 }
+
+void parse_standard_rope(const json& cfg, ModelConfig& m) {
+  m.rope = parse_rope(cfg, jg::find(cfg, "rope_parameters"), 10000.0, "config.json rope_parameters");
+  if (const json* ff = jg::find(cfg, "rope_freq_factors")) {
+    if (!ff->is_array() || ff->size() != size_t(m.head_dim / 2))
+      throw Error("config.json: rope_freq_factors must be a list of head_dim / 2 = " + std::to_string(m.head_dim / 2) +
+                  " numbers");
+    for (const json& f : *ff) {
+      if (!f.is_number() || !(f.get<double>() > 0) || !std::isfinite(f.get<double>()))
+        throw Error("config.json: rope_freq_factors must hold positive finite numbers");
+      m.rope.freq_factors.push_back(f.get<double>());
+    }
+  }
+}
+
+void require_silu(const json& cfg, std::string_view family) {
+  if (auto act = jg::opt_string(cfg, "hidden_act", kWhere); act && *act != "silu")
+    throw Error("config.json: hidden_act '" + *act + "' is not supported for " + std::string(family) +
+                "; kvlm supports silu");
+}
+
+int sliding_window(const json& cfg) {
+  const auto w = jg::opt_int(cfg, "sliding_window", kWhere);
+  if (!w) return 0;
+  if (*w <= 0) throw Error("config.json: sliding_window must be positive or null");
+  return int(std::min<long long>(*w, 1 << 30));
+}
+
+void set_layer_windows(const json& cfg, ModelConfig& m, int window, const std::function<bool(int)>& sliding_by_default) {
+  m.layers.assign(size_t(m.num_layers), LayerAttention{});
+  if (const json* lt = jg::find(cfg, "layer_types")) {
+    if (!lt->is_array() || lt->size() != size_t(m.num_layers))
+      throw Error("config.json: 'layer_types' must be a list with one entry per layer (" + std::to_string(m.num_layers) + ")");
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& t = (*lt)[i];
+      if (!t.is_string()) throw Error("config.json: layer_types[" + std::to_string(i) + "] must be a string");
+      const std::string s = t.get<std::string>();
+      if (s == "sliding_attention") {
+        if (window > 0) m.layers[i] = {AttentionKind::Sliding, window};
+      } else if (s != "full_attention") {
+        throw Error("config.json: layer_types[" + std::to_string(i) + "] is '" + s +
+                    "'; kvlm supports full_attention and sliding_attention");
+      }
+    }
+    return;
+  }
+  if (window > 0)
+    for (int i = 0; i < m.num_layers; ++i)
+      if (sliding_by_default(i)) m.layers[size_t(i)] = {AttentionKind::Sliding, window};
+}
+
+void set_qwen_layer_windows(const json& cfg, ModelConfig& m) {
+  const int window = jg::opt_bool(cfg, "use_sliding_window", kWhere).value_or(false) ? sliding_window(cfg) : 0;
+  const long long first_sliding = jg::opt_int(cfg, "max_window_layers", kWhere).value_or(m.num_layers);
+  set_layer_windows(cfg, m, window, [&](int i) { return i >= first_sliding; });
+}
+
+int positive_int(const json& cfg, std::string_view key, long long max, std::optional<int> fallback) {
+  if (fallback && !jg::find(cfg, key)) return *fallback;
+  const long long v = jg::req_int(cfg, key, kWhere);
+  if (v <= 0) throw Error("config.json: '" + std::string(key) + "' must be a positive integer, got " + std::to_string(v));
+  if (v > max)
+    throw Error("config.json: '" + std::string(key) + "' is " + std::to_string(v) + ", above the largest value kvlm accepts (" +
+                std::to_string(max) + "); is the file corrupt?");
+  return int(v);
+}
+
+}  // namespace arch_config
+
+namespace {
 
 std::optional<CheckpointKVScheme> parse_kv_scheme(const json& cfg) {
   const json* qc = jg::find(cfg, "quantization_config");
@@ -180,73 +271,21 @@ std::vector<TokenId> token_list(const json& obj, std::string_view key, std::stri
   return out;
 }
 
-// A positive integer field, capped at `max` so that a corrupt config cannot make kvlm try
-// to allocate absurd amounts before any tensor is checked.
-int positive(const json& cfg, std::string_view key, long long max = 1 << 30) {
-  const long long v = jg::req_int(cfg, key, kWhere);
-  if (v <= 0) throw Error("config.json: '" + std::string(key) + "' must be a positive integer, got " + std::to_string(v));
-  if (v > max)
-    throw Error("config.json: '" + std::string(key) + "' is " + std::to_string(v) + ", above the largest value kvlm accepts (" +
-                std::to_string(max) + "); is the file corrupt?");
-  return int(v);
-}
-
-// DFlash's fields; every drafter layer attends non-causally (the block sees itself whole and
-// the context before it). target_layer_ids default as the DFlash reference code builds them:
-// one layer for a 1-layer drafter (the middle one), else spread evenly over [1, N - 3].
-DFlashConfig parse_dflash(const json& cfg, ModelConfig& m) {
-  DFlashConfig d;
-  const std::string where = "config.json (DFlash drafter)";
-  d.block_size = int(jg::req_int(cfg, "block_size", where));
-  if (d.block_size < 2 || d.block_size > 64)
-    throw Error(where + ": block_size must be between 2 and 64, got " + std::to_string(d.block_size));
-  d.num_target_layers = int(jg::opt_int(cfg, "num_target_layers", where).value_or(0));
-  const json* dc = jg::find(cfg, "dflash_config");
-  if (!dc || !dc->is_object()) throw Error(where + ": 'dflash_config' (mask_token_id, target_layer_ids) is missing");
-  const auto mask = jg::opt_int(*dc, "mask_token_id", where + " dflash_config");
-  if (!mask) throw Error(where + ": dflash_config.mask_token_id is missing");
-  if (*mask < 0 || *mask >= m.vocab_size)
-    throw Error(where + ": dflash_config.mask_token_id " + std::to_string(*mask) + " is outside the vocabulary");
-  d.mask_token_id = TokenId(*mask);
-  if (const json* ids = jg::find(*dc, "target_layer_ids")) {
-    if (!ids->is_array() || ids->empty()) throw Error(where + ": dflash_config.target_layer_ids must be a non-empty list");
-    for (const json& v : *ids) {
-      if (!v.is_number_integer() || v.get<long long>() < 0)
-        throw Error(where + ": dflash_config.target_layer_ids must hold non-negative layer indices");
-      d.target_layer_ids.push_back(int(v.get<long long>()));
-    }
-  } else {
-    if (d.num_target_layers <= 0)
-      throw Error(where + ": dflash_config.target_layer_ids is missing and there is no num_target_layers to derive it");
-    const int n = d.num_target_layers, k = m.num_layers;
-    if (k == 1) {
-      d.target_layer_ids = {n / 2};
-    } else {
-      const double start = 1, span = double(n - 3) - start;
-      for (int i = 0; i < k; ++i) d.target_layer_ids.push_back(int(std::nearbyint(start + double(i) * span / double(k - 1))));  // Python's round: ties to even
-    }
-  }
-  for (const auto& l : m.layers)
-    if (l.kind == AttentionKind::Sliding)
-      throw Error(where + ": sliding-window drafter layers are not supported (a DFlash block attends to its whole context)");
-  for (auto& l : m.layers) l = {AttentionKind::NonCausal, 0};
-  return d;
-}
-
 }  // namespace
 
 ModelConfig parse_model_config(const json& cfg, const json* gen) {
+  using arch_config::positive_int;
   if (!cfg.is_object()) throw Error("config.json: the top level must be a JSON object");
   ModelConfig m;
   m.arch = parse_arch(cfg);
-  m.hidden_size = positive(cfg, "hidden_size", 1 << 17);
-  m.intermediate_size = positive(cfg, "intermediate_size", 1 << 20);
-  m.num_layers = positive(cfg, "num_hidden_layers", 1024);
-  m.num_heads = positive(cfg, "num_attention_heads", 1024);
-  m.num_kv_heads = jg::find(cfg, "num_key_value_heads") ? positive(cfg, "num_key_value_heads", 1024) : m.num_heads;
-  m.vocab_size = positive(cfg, "vocab_size", 1 << 24);
+  m.hidden_size = positive_int(cfg, "hidden_size", 1 << 17);
+  m.intermediate_size = positive_int(cfg, "intermediate_size", 1 << 20);
+  m.num_layers = positive_int(cfg, "num_hidden_layers", 1024);
+  m.num_heads = positive_int(cfg, "num_attention_heads", 1024);
+  m.num_kv_heads = positive_int(cfg, "num_key_value_heads", 1024, m.num_heads);
+  m.vocab_size = positive_int(cfg, "vocab_size", 1 << 24);
   if (jg::find(cfg, "head_dim")) {
-    m.head_dim = positive(cfg, "head_dim", 1024);
+    m.head_dim = positive_int(cfg, "head_dim", 1024);
   } else {
     if (m.hidden_size % m.num_heads != 0)
       throw Error("config.json: hidden_size " + std::to_string(m.hidden_size) + " is not divisible by num_attention_heads " +
@@ -257,122 +296,17 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
     throw Error("config.json: num_attention_heads " + std::to_string(m.num_heads) + " is not a multiple of num_key_value_heads " +
                 std::to_string(m.num_kv_heads));
   if (m.head_dim % 2 != 0) throw Error("config.json: head_dim must be even for rotary embeddings, got " + std::to_string(m.head_dim));
-  m.max_position_embeddings = jg::find(cfg, "max_position_embeddings") ? positive(cfg, "max_position_embeddings") : 2048;
+  m.max_position_embeddings = positive_int(cfg, "max_position_embeddings", 1 << 30, 2048);
   m.rms_norm_eps = jg::opt_number(cfg, "rms_norm_eps", kWhere).value_or(1e-6);
   if (!(m.rms_norm_eps >= 0)) throw Error("config.json: rms_norm_eps must be non-negative");
-  const bool gemma = m.arch == Arch::Gemma3;
-  // Gemma configs name the activation hidden_activation; the others hidden_act.
-  std::optional<std::string> act = jg::opt_string(cfg, gemma ? "hidden_activation" : "hidden_act", kWhere);
-  if (!act && gemma) act = jg::opt_string(cfg, "hidden_act", kWhere);
-  if (gemma) {
-    if (act && *act != "gelu_pytorch_tanh")
-      throw Error("config.json: hidden_activation '" + *act + "' is not supported for Gemma 3; kvlm supports gelu_pytorch_tanh");
-    m.hidden_act = GluActivation::GeluTanh;
-  } else if (act && *act != "silu") {
-    throw Error("config.json: hidden_act '" + *act + "' is not supported; kvlm supports silu");
-  }
-  const json* rope_params = jg::find(cfg, "rope_parameters");
-  if (gemma) {
-    // Global layers: rope_theta (default 1e6) with rope_scaling; sliding layers: plain RoPE
-    // with rope_local_base_freq (default 1e4). transformers 5 writes both as rope_parameters
-    // keyed by layer type.
-    const json* full = rope_params && rope_params->is_object() ? jg::find(*rope_params, "full_attention") : nullptr;
-    const json* local = rope_params && rope_params->is_object() ? jg::find(*rope_params, "sliding_attention") : nullptr;
-    m.rope = parse_rope(cfg, full ? full : (local ? nullptr : rope_params), 1e6, "config.json rope_parameters.full_attention");
-    RopeConfig l;
-    l.theta = jg::opt_number(cfg, "rope_local_base_freq", kWhere).value_or(1e4);
-    if (local) {
-      const json none = json::object();
-      l = parse_rope(none, local, l.theta, "config.json rope_parameters.sliding_attention");
-    }
-    if (!(l.theta > 0)) throw Error("config.json: rope_local_base_freq must be positive");
-    m.rope_local = l;
-    m.query_pre_attn_scalar = jg::opt_number(cfg, "query_pre_attn_scalar", kWhere).value_or(256.0);
-    if (!(*m.query_pre_attn_scalar > 0)) throw Error("config.json: query_pre_attn_scalar must be positive");
-    for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
-      if (jg::opt_number(cfg, cap, kWhere))
-        throw Error(std::string("config.json: ") + cap + " is set; kvlm does not implement logit soft-capping (Gemma 2)");
-  } else {
-    m.rope = parse_rope(cfg, rope_params, 10000.0, "config.json rope_parameters");
-    if (const json* ff = jg::find(cfg, "rope_freq_factors")) {
-      if (!ff->is_array() || ff->size() != size_t(m.head_dim / 2))
-        throw Error("config.json: rope_freq_factors must be a list of head_dim / 2 = " + std::to_string(m.head_dim / 2) +
-                    " numbers");
-      for (const json& f : *ff) {
-        if (!f.is_number() || !(f.get<double>() > 0) || !std::isfinite(f.get<double>()))
-          throw Error("config.json: rope_freq_factors must hold positive finite numbers");
-        m.rope.freq_factors.push_back(f.get<double>());
-      }
-    }
-  }
-  m.tie_word_embeddings = jg::opt_bool(cfg, "tie_word_embeddings", kWhere).value_or(gemma);
-  const bool attention_bias = jg::opt_bool(cfg, "attention_bias", kWhere).value_or(false);
-  switch (m.arch) {
-    case Arch::Qwen2:
-      m.qkv_bias = true;  // Qwen2 always has q/k/v biases and no o_proj bias.
-      break;
-    case Arch::Qwen3:
-    case Arch::DFlashDraft:
-      m.qk_norm = true;
-      m.qkv_bias = m.o_bias = attention_bias;
-      break;
-    case Arch::Llama:
-    case Arch::Mistral:
-      m.qkv_bias = m.o_bias = attention_bias;
-      m.mlp_bias = jg::opt_bool(cfg, "mlp_bias", kWhere).value_or(false);
-      break;
-    case Arch::Gemma3:
-      m.qk_norm = true;
-      m.qkv_bias = m.o_bias = attention_bias;
-      break;
-  }
+  m.tie_word_embeddings = jg::opt_bool(cfg, "tie_word_embeddings", kWhere).value_or(false);
   std::optional<std::string> dt = jg::opt_string(cfg, "torch_dtype", kWhere);
   if (!dt) dt = jg::opt_string(cfg, "dtype", kWhere);
   if (dt) {
     m.declared_dtype = dtype_from_torch_name(*dt);
     if (!m.declared_dtype) throw Error("config.json: torch_dtype '" + *dt + "' is not supported; kvlm loads bfloat16, float16 and float32");
   }
-
-  // Per-layer attention. Mirrors transformers: sliding_window is dropped unless
-  // use_sliding_window (Qwen2/Qwen3); layer_types, when absent, marks layers at or after
-  // max_window_layers as sliding (Qwen2/Qwen3) or every layer (Mistral).
-  int window = 0;  // 0: no sliding window
-  if (auto w = jg::opt_int(cfg, "sliding_window", kWhere)) {
-    if (*w <= 0) throw Error("config.json: sliding_window must be positive or null");
-    window = int(std::min<long long>(*w, 1 << 30));
-  }
-  const bool qwen = m.arch == Arch::Qwen2 || m.arch == Arch::Qwen3 || m.arch == Arch::DFlashDraft;
-  if (qwen && !jg::opt_bool(cfg, "use_sliding_window", kWhere).value_or(false)) window = 0;
-  if (m.arch == Arch::Llama) window = 0;
-  if (gemma && !jg::find(cfg, "sliding_window")) window = 4096;  // transformers' Gemma3TextConfig default
   m.layers.assign(size_t(m.num_layers), LayerAttention{});
-  if (const json* lt = jg::find(cfg, "layer_types")) {
-    if (!lt->is_array() || lt->size() != size_t(m.num_layers))
-      throw Error("config.json: 'layer_types' must be a list with one entry per layer (" + std::to_string(m.num_layers) + ")");
-    for (size_t i = 0; i < lt->size(); ++i) {
-      const json& t = (*lt)[i];
-      if (!t.is_string()) throw Error("config.json: layer_types[" + std::to_string(i) + "] must be a string");
-      const std::string s = t.get<std::string>();
-      if (s == "sliding_attention") {
-        if (window > 0) m.layers[i] = {AttentionKind::Sliding, window};
-      } else if (s != "full_attention") {
-        throw Error("config.json: layer_types[" + std::to_string(i) + "] is '" + s +
-                    "'; kvlm supports full_attention and sliding_attention");
-      }
-    }
-  } else if (gemma && window > 0) {
-    // No layer_types: every sliding_window_pattern-th layer is global, the others sliding.
-    std::optional<long long> pattern = jg::opt_int(cfg, "sliding_window_pattern", kWhere);
-    if (!pattern) pattern = jg::opt_int(cfg, "_sliding_window_pattern", kWhere);
-    const long long every = pattern.value_or(6);
-    if (every <= 0) throw Error("config.json: sliding_window_pattern must be positive");
-    for (int i = 0; i < m.num_layers; ++i)
-      if ((i + 1) % every != 0) m.layers[size_t(i)] = {AttentionKind::Sliding, window};
-  } else if (window > 0) {
-    const long long first_sliding = qwen ? jg::opt_int(cfg, "max_window_layers", kWhere).value_or(m.num_layers) : 0;
-    for (int i = 0; i < m.num_layers; ++i)
-      if (i >= first_sliding) m.layers[size_t(i)] = {AttentionKind::Sliding, window};
-  }
 
   const auto bos = token_list(cfg, "bos_token_id", kWhere);
   if (!bos.empty()) m.bos_token_id = bos.front();
@@ -395,7 +329,14 @@ ModelConfig parse_model_config(const json& cfg, const json* gen) {
     if (t >= m.vocab_size) throw Error("config.json: eos_token_id " + std::to_string(t) + " is outside the vocabulary");
   m.kv_scheme = parse_kv_scheme(cfg);
   m.weight_quant = parse_weight_quant(cfg);
-  if (m.arch == Arch::DFlashDraft) m.dflash = parse_dflash(cfg, m);
+  // What is particular to the architecture (model/arch/*.cpp): activation, RoPE, biases, q/k
+  // norms, per-layer attention, experts.
+  m.arch->parse(cfg, m);
+  if (m.moe) {
+    KVLM_CHECK(m.moe_layers.size() == size_t(m.num_layers), "an MoE architecture left moe_layers unset");
+  } else {
+    m.moe_layers.assign(size_t(m.num_layers), false);
+  }
   return m;
 }
 

@@ -10,18 +10,14 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "core/dtype.h"
+#include "config/arch_spec.h"
 #include "config/weight_quant.h"
+#include "core/dtype.h"
 #include "core/index_types.h"
 
 namespace kvlm {
 
-// DFlashDraft: a DFlash block drafter (Qwen3 decoder layers without an embedding or LM
-// head of their own); it runs only as a --speculative-config drafter.
-enum class Arch { Llama, Qwen2, Qwen3, Mistral, Gemma3, DFlashDraft };
-std::string_view arch_name(Arch a);  // the HF class name, e.g. "Qwen3ForCausalLM"
-
-enum class RopeType { Default, Linear, Llama3 };
+enum class RopeType { Default, Linear, Llama3, Yarn };
 std::string_view rope_type_name(RopeType t);
 
 struct RopeConfig {
@@ -30,7 +26,12 @@ struct RopeConfig {
   double factor = 1.0;             // linear, llama3
   double low_freq_factor = 1.0;    // llama3
   double high_freq_factor = 4.0;   // llama3
-  int original_max_position = 8192;  // llama3
+  int original_max_position = 8192;  // llama3, yarn
+  double beta_fast = 32.0, beta_slow = 1.0;  // yarn: the band of dimensions between extrapolation and interpolation
+  bool truncate = true;            // yarn: round the band's ends to whole dimensions
+  // yarn: cos and sin are multiplied by this (transformers' attention_factor; default
+  // 0.1 ln(factor) + 1), so attention scores by its square.
+  double attention_factor = 1.0;
   // Per-frequency divisors stored in a GGUF file (rope_freqs.weight, how llama.cpp carries
   // Llama 3.1-style scaling): inv_freq[i] /= freq_factors[i] after the type's own scaling.
   // config.json key "rope_freq_factors" (kvlm's own, written for GGUF models).
@@ -39,8 +40,9 @@ struct RopeConfig {
 
 // The gate activation of the gated MLP: out = f(gate) * up.
 enum class GluActivation : uint8_t {
-  Silu,      // Llama, Qwen, Mistral (hidden_act silu)
-  GeluTanh,  // Gemma (gelu_pytorch_tanh)
+  Silu,         // Llama, Qwen, Mistral (hidden_act silu)
+  GeluTanh,     // Gemma (gelu_pytorch_tanh)
+  SwigluClamp,  // GPT-OSS: gate, up clamped to `limit` (up to +-limit), gate * sigmoid(alpha gate) * (up + 1)
 };
 std::string_view glu_activation_name(GluActivation a);
 
@@ -70,8 +72,25 @@ struct DFlashConfig {
   int num_target_layers = 0;          // 0 when config.json does not say
 };
 
+// A mixture-of-experts MLP (config.json: num_experts / num_local_experts,
+// num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
+// mlp_only_layers, swiglu_limit). Each token's router logits (h Wr^T, + bias) choose its top_k
+// experts; their weights are a softmax over the top_k logits (norm_topk: Qwen3-MoE with
+// norm_topk_prob, GPT-OSS) or over all experts' (Qwen3-MoE without); the token's output is the
+// weighted sum of its experts' gated MLPs.
+struct MoeConfig {
+  int num_experts = 0;
+  int top_k = 0;
+  int expert_size = 0;          // each expert's intermediate size
+  bool norm_topk = true;
+  bool router_bias = false;     // GPT-OSS
+  bool expert_bias = false;     // GPT-OSS: gate/up and down biases per expert
+  GluActivation act = GluActivation::Silu;
+  float swiglu_alpha = 1.702f, swiglu_limit = 7.0f;  // SwigluClamp
+};
+
 struct ModelConfig {
-  Arch arch = Arch::Llama;
+  const ArchSpec* arch = nullptr;
   int hidden_size = 0;
   int intermediate_size = 0;
   int num_layers = 0;
@@ -97,7 +116,10 @@ struct ModelConfig {
   std::vector<TokenId> eos_token_ids;   // generation_config.json wins over config.json
   std::optional<CheckpointKVScheme> kv_scheme;
   std::optional<WeightQuantConfig> weight_quant;  // FP8 linear weights (or --quantization fp8)
-  std::optional<DFlashConfig> dflash;   // Arch::DFlashDraft
+  std::optional<DFlashConfig> dflash;   // a DFlash drafter (DFlashDraftModel)
+  std::optional<MoeConfig> moe;         // a mixture-of-experts model
+  std::vector<bool> moe_layers;         // per layer: its MLP is the mixture (else the dense intermediate_size MLP)
+  bool attention_sinks = false;         // GPT-OSS: a learned logit per head joins each softmax's denominator
   // Sampling defaults from generation_config.json, used when the user gives no flag.
   std::optional<float> default_temperature, default_top_p, default_min_p;
   std::optional<int> default_top_k;

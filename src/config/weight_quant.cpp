@@ -198,6 +198,11 @@ std::optional<WeightQuantConfig> parse_weight_quant(const json& cfg) {
   if (method == "modelopt") return parse_modelopt(*qc, where);
   if (method == "fp8") return parse_fp8(*qc, where);
   if (method.empty()) return std::nullopt;
+  if (method == "mxfp4")
+    throw Error(where + ": quant_method 'mxfp4' (MXFP4 expert weights, as GPT-OSS is released) is not supported yet; "
+                "4-bit weights come with kvlm's 4-bit weight kernels. Use a 16-bit copy of the checkpoint (e.g. "
+                "unsloth/gpt-oss-20b-BF16), or dequantize it with transformers (Mxfp4Config(dequantize=True)) and "
+                "save_pretrained");
   throw Error(where + ": quant_method '" + method + "' is not supported; " + kWhat);
 }
 

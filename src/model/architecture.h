@@ -4,8 +4,8 @@
 // memory, the ops' kernels and how a step is launched, never the layer order, the weight
 // names or the fusions.
 //
-// Each architecture lives in one file under model/arch/ and is registered in
-// architecture.cpp.
+// Each architecture lives in one file under model/arch/, which defines its ArchSpec
+// (config/arch_spec.h): its config.json fields and how to make its definition.
 #pragma once
 
 #include <cstdint>
@@ -63,9 +63,6 @@ class DraftDefinition : public ModelDefinition {
 // not define.
 std::unique_ptr<ModelDefinition> make_model_definition(const ModelConfig& cfg);
 
-// Architectures (model/arch/*.cpp).
-std::unique_ptr<ModelDefinition> make_llama_family(const ModelConfig& cfg);  // Llama, Qwen2, Qwen3, Mistral
-std::unique_ptr<ModelDefinition> make_gemma3(const ModelConfig& cfg);        // Gemma3ForCausalLM
 // A DFlash drafter (DFlashDraftModel) whose tensors are named `prefix` + "layers.0...."
 // ("" in the published checkpoints, "model." in some conversions) and whose layers are the
 // KV plan's layers first_layer, first_layer + 1, ...

@@ -70,13 +70,17 @@ void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig
   if (!std::filesystem::is_directory(dir, ec))
     throw Error(where + " is not a directory; give the DFlash drafter's model directory");
   ModelConfig d = load_model_config(dir);
-  if (d.arch != Arch::DFlashDraft)
+  if (!d.dflash)
     throw Error(where + " is a " + std::string(arch_name(d.arch)) +
                 ", not a DFlash drafter (config.json architectures [\"DFlashDraftModel\"])");
   const ModelConfig& t = mp.config;
-  if (t.arch == Arch::Gemma3)
-    throw Error(where + ": DFlash drafting is defined for Llama-family targets (Llama, Qwen2, Qwen3, Mistral), not " +
+  if (!t.arch->dflash_target) {
+    std::string targets;
+    for (const ArchSpec* a : architectures())
+      if (a->dflash_target) targets += (targets.empty() ? "" : ", ") + std::string(a->name);
+    throw Error(where + ": DFlash drafting reads target layer outputs kvlm forms for " + targets + ", not " +
                 std::string(arch_name(t.arch)));
+  }
   if (d.hidden_size != t.hidden_size)
     throw Error(where + ": the drafter's hidden_size " + std::to_string(d.hidden_size) + " differs from the target's " +
                 std::to_string(t.hidden_size) + "; it was trained for another model");

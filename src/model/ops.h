@@ -62,6 +62,15 @@ struct PrologueWeights {
   float eps = 1e-6f;      // of the q/k norms
 };
 
+// A mixture-of-experts MLP's weights (MoeConfig says how they combine). Expert e's rows of
+// gate_up are [e * 2I, e * 2I + I) for the gate and the next I for up (I = the expert width,
+// per rank under tensor parallelism); its rows of down are [e * H, (e + 1) * H).
+struct MoeWeights {
+  Weight router, router_bias;   // [E][H], [E] or empty
+  Weight gate_up, gate_up_bias; // [E * 2I][H], [E * 2I] or empty
+  Weight down, down_bias;       // [E * H][I], [E * H] or empty
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -91,7 +100,11 @@ class Ops {
   // (normed, rotated) into `q`, K and V into the layer's pages at the step's slots.
   virtual void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) = 0;
   // Paged attention of `q` over layer `layer`'s KV with the layer's mask -> out (Hidden).
-  virtual void attention(int layer, Tensor q, Tensor out, float softmax_scale) = 0;
+  // `sinks`: the layer's learned attention sinks, fp32 [num_q_heads], or empty (AttentionCall).
+  virtual void attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) = 0;
+  // y = the mixture of experts `c` over x (Hidden rows): each row's router picks its top_k
+  // experts, whose gated MLPs' outputs (+ biases) are summed with the router's weights.
+  virtual void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) = 0;
   // A drafter's conditioning (DFlash): `x`, the residual stream [num_tokens][hidden], holds
   // the output of layer `layer` (Hugging Face's hidden_states[layer + 1]); the step keeps it
   // when the drafter reads that layer. Definitions call this as soon as a layer's output

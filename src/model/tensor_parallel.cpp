@@ -1,5 +1,7 @@
 #include "model/tensor_parallel.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace kvlm {
@@ -13,8 +15,13 @@ std::string split_problem(const ModelConfig& c, int world) {
     return "num_attention_heads " + std::to_string(c.num_heads) + " is not divisible by " + n;
   if (c.num_kv_heads % world != 0 && world % c.num_kv_heads != 0)
     return "num_key_value_heads " + std::to_string(c.num_kv_heads) + " neither divides nor is divisible by " + n;
-  if (c.intermediate_size % world != 0)
+  const bool dense_layers = std::ranges::find(c.moe_layers, false) != c.moe_layers.end() || c.moe_layers.empty();
+  if (dense_layers && c.intermediate_size % world != 0)
     return "intermediate_size " + std::to_string(c.intermediate_size) + " is not divisible by " + n;
+  // Experts split tensor-parallel inside each expert: every rank holds its share of every
+  // expert's width.
+  if (c.moe && c.moe->expert_size % world != 0)
+    return "the experts' width " + std::to_string(c.moe->expert_size) + " (moe_intermediate_size) is not divisible by " + n;
   return {};
 }
 
@@ -47,6 +54,7 @@ ModelConfig shard_config(const ModelConfig& c, int world) {
   r.num_heads = t.q_heads;
   r.num_kv_heads = t.kv_heads;
   r.intermediate_size = int(t.intermediate);
+  if (r.moe) r.moe->expert_size /= world;
   return r;
 }
 

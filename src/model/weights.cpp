@@ -13,17 +13,35 @@
 
 namespace kvlm {
 
+std::vector<int64_t> WeightPiece::held_shape() const {
+  switch (layout) {
+    case PieceLayout::Plain: return shape;
+    case PieceLayout::ExpertsTransposed:
+    case PieceLayout::ExpertsTransposedInterleaved:
+      KVLM_CHECK(shape.size() == 3, "a fused expert tensor is [experts][in][out]");
+      return {shape[0] * shape[2], shape[1]};
+    case PieceLayout::ExpertsInterleaved:
+      KVLM_CHECK(shape.size() == 2, "a fused expert bias is [experts][out]");
+      return {shape[0] * shape[1]};
+  }
+  return shape;
+}
+
 int64_t WeightSpec::rows() const {
   if (pieces.empty()) return int64_t(constant.size());
   int64_t r = 0;
-  for (const auto& p : pieces) r += p.shape.empty() ? 1 : p.shape[0];
+  for (const auto& p : pieces) {
+    const auto s = p.held_shape();
+    r += s.empty() ? 1 : s[0];
+  }
   return r;
 }
 
 int64_t WeightSpec::cols() const {
-  if (pieces.empty() || pieces[0].shape.size() < 2) return 1;
+  if (pieces.empty()) return 1;
+  const auto s = pieces[0].held_shape();
   int64_t c = 1;
-  for (size_t i = 1; i < pieces[0].shape.size(); ++i) c *= pieces[0].shape[i];
+  for (size_t i = 1; i < s.size(); ++i) c *= s[i];
   return c;
 }
 
@@ -173,11 +191,21 @@ struct LocalPiece {
 // remaining dims) of `v`, into `info` (its shape reduced) and `out` (a subspan of v's bytes
 // for rows, a copy in `owned` for columns).
 void slice_tensor(const TensorView& v, int dim, int64_t begin, int64_t count, TensorInfo& info,
-                  std::vector<uint8_t>& owned, std::span<const uint8_t>& out) {
+                  std::vector<uint8_t>& owned, std::span<const uint8_t>& out, int64_t groups = 1) {
   const TensorInfo& t = *v.info;
   const int64_t rows = t.shape.empty() ? 1 : t.shape[0], cols = rows ? t.numel() / rows : 0;
   const size_t es = dtype_size(t.dtype);
   info = t;
+  if (dim == 0 && groups > 1) {  // rows [begin, begin + count) of every group of rows / groups
+    const int64_t per = rows / groups;
+    info.shape[0] = groups * count;
+    owned.resize(size_t(groups * count * cols) * es);
+    for (int64_t g = 0; g < groups; ++g)
+      std::memcpy(owned.data() + size_t(g * count * cols) * es, v.bytes.data() + size_t((g * per + begin) * cols) * es,
+                  size_t(count * cols) * es);
+    out = owned;
+    return;
+  }
   if (dim == 0) {
     info.shape[0] = count;
     out = v.bytes.subspan(size_t(begin * cols) * es, size_t(count * cols) * es);
@@ -196,26 +224,31 @@ void slice_tensor(const TensorView& v, int dim, int64_t begin, int64_t count, Te
 // `name` when the piece does not split over tp.world ranks.
 struct PieceSlice {
   int dim = 0;
-  int64_t begin = 0, count = 0;
+  int64_t begin = 0, count = 0;  // within each group of rows
+  int64_t groups = 1;
 };
 PieceSlice piece_slice(const WeightPiece& p, const WeightSpec& s, TpRank tp, const std::string& name) {
   const int dim = s.shard == Shard::Rows ? 0 : 1;
-  const int64_t size = p.shape[size_t(dim)];
+  const int64_t groups = dim == 0 && p.row_groups > 1 ? p.row_groups : 1;
+  if (p.shape[size_t(dim)] % groups != 0)
+    throw Error("tensor " + name + ": its rows do not form " + std::to_string(groups) + " equal groups");
+  const int64_t size = p.shape[size_t(dim)] / groups;
   const int64_t units = p.shard_units > 0 ? p.shard_units : size;
   if (size % units != 0 || (units % tp.world != 0 && tp.world % units != 0))
     throw Error("tensor " + name + ": its " + (dim == 0 ? "rows" : "columns") + " (" + std::to_string(size) +
                 ") cannot be split over --tensor-parallel-size " + std::to_string(tp.world));
   const UnitRange u = shard_units(units, tp);
   const int64_t unit = size / units;
-  return {dim, u.begin * unit, u.count * unit};
+  return {dim, u.begin * unit, u.count * unit, groups};
 }
 
 // Rank tp's slice of piece `v` (quantized as `q`) of spec `s` (piece_slice), scales included.
 void slice_piece(const Checkpoint& ckpt, const WeightPiece& p, const WeightSpec& s, const TensorView& v,
                  const PieceQuant& q, TpRank tp, LocalPiece& out) {
-  const auto [dim, begin, count] = piece_slice(p, s, tp, ckpt.describe(p.name));
+  const auto [dim, begin, count, groups] = piece_slice(p, s, tp, ckpt.describe(p.name));
+  KVLM_CHECK(groups == 1 || !q.fp8(), "FP8 scales of a grouped piece");
   std::span<const uint8_t> bytes;
-  slice_tensor(v, dim, begin, count, out.info, out.bytes, bytes);
+  slice_tensor(v, dim, begin, count, out.info, out.bytes, bytes, groups);
   out.view = TensorView{&out.info, bytes};
   out.quant = q;
   if (!q.fp8()) return;
@@ -245,14 +278,48 @@ void slice_piece(const Checkpoint& ckpt, const WeightPiece& p, const WeightSpec&
   }
 }
 
+// `v` (laid out as `layout`) rearranged as the device holds it (WeightPiece::held_shape) into
+// `out`: its info (shape `held`) and bytes.
+void relayout_piece(const TensorView& v, PieceLayout layout, const std::vector<int64_t>& held, LocalPiece& out) {
+  const TensorInfo& t = *v.info;
+  const size_t es = dtype_size(t.dtype);
+  out.info = t;
+  out.info.shape = held;
+  out.bytes.resize(v.bytes.size());
+  const uint8_t* src = v.bytes.data();
+  uint8_t* dst = out.bytes.data();
+  // Row r of an expert's gate/up output: column r of the gate (even columns) or of up (odd).
+  auto interleaved_col = [](int64_t r, int64_t half) { return r < half ? 2 * r : 2 * (r - half) + 1; };
+  if (layout == PieceLayout::ExpertsInterleaved) {
+    const int64_t E = t.shape[0], n = t.shape[1];
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(dst + size_t(e * n + r) * es, src + size_t(e * n + interleaved_col(r, n / 2)) * es, es);
+  } else {
+    const int64_t E = t.shape[0], in = t.shape[1], n = t.shape[2];
+    const bool interleaved = layout == PieceLayout::ExpertsTransposedInterleaved;
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t c = interleaved ? interleaved_col(r, n / 2) : r;
+        uint8_t* d = dst + size_t((e * n + r) * in) * es;
+        const uint8_t* s = src + size_t(e * in * n + c) * es;
+        for (int64_t i = 0; i < in; ++i) std::memcpy(d + size_t(i) * es, s + size_t(i * n) * es, es);
+      }
+  }
+  out.view = TensorView{&out.info, out.bytes};
+}
+
 // The spec rank tp holds: pieces with the rank's shapes (RankZero on another rank: no rows).
 WeightSpec local_spec(const WeightSpec& s, TpRank tp) {
   WeightSpec l = s;
   if (tp.world == 1) return l;
   for (WeightPiece& p : l.pieces) {
+    p.shape = p.held_shape();  // what the sink receives: rearranged, then sliced
+    p.layout = PieceLayout::Plain;
     if (s.shard == Shard::Rows || s.shard == Shard::Cols) {
       const PieceSlice sl = piece_slice(p, s, tp, "'" + p.name + "'");
-      p.shape[size_t(sl.dim)] = sl.count;
+      p.shape[size_t(sl.dim)] = sl.count * sl.groups;
     } else if (s.shard == Shard::RankZero && tp.rank != 0) {
       p.shape[0] = 0;
     }
@@ -343,9 +410,18 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       }
       used.insert(p.name);
       done += t.end - t.begin;
-      const TensorView v = ckpt.view(p.name);
+      TensorView v = ckpt.view(p.name);
+      WeightPiece held = p;  // the piece as the device holds it
+      if (p.layout != PieceLayout::Plain) {
+        if (t.dtype == DType::F8E4M3)
+          throw Error("tensor " + ckpt.describe(t.name) + ": fused expert tensors in FP8 are not supported yet");
+        relayout_piece(v, p.layout, p.held_shape(), local.emplace_back());
+        v = local.back().view;
+        held.shape = p.held_shape();
+        held.layout = PieceLayout::Plain;
+      }
       if (sliced) {
-        slice_piece(ckpt, p, s, v, pq.back(), tp, local.emplace_back());
+        slice_piece(ckpt, held, s, v, pq.back(), tp, local.emplace_back());
         views.push_back(local.back().view);
         pq.back() = local.back().quant;
       } else {

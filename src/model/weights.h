@@ -47,13 +47,30 @@ enum class Shard : uint8_t {
                // untied LM head (only rank 0 forms logits)
 };
 
+// How a checkpoint lays out a piece when not as the device holds it ([rows][cols], rows
+// concatenated): the fused expert tensors of GPT-OSS's checkpoints, [E][in][out] (x . W, not
+// PyTorch Linear's [out][in]) with gate and up interleaved column by column. The loader
+// rearranges them into the MoeWeights layout (ops.h): [E * out][in], gate rows before up rows.
+enum class PieceLayout : uint8_t {
+  Plain,
+  ExpertsTransposed,             // [E][in][out] -> [E * out][in]
+  ExpertsTransposedInterleaved,  // [E][in][2I] with gate, up alternating -> [E * 2I][in], per expert I gate rows then I up
+  ExpertsInterleaved,            // a bias [E][2I], gate and up alternating -> [E * 2I], per expert I gate then I up
+};
+
 struct WeightPiece {
   std::string name;             // checkpoint tensor name
-  std::vector<int64_t> shape;   // as config.json implies it
+  std::vector<int64_t> shape;   // as config.json implies it, in the checkpoint's layout
   // Rows / Cols: the split dimension is this many equal units (heads: a rank takes whole
   // heads, and a KV head is replicated when there are fewer than ranks); 0 = every row or
   // column is a unit.
   int64_t shard_units = 0;
+  PieceLayout layout = PieceLayout::Plain;
+  // Rows: the held rows are this many equal groups (a fused expert tensor: each expert's gate
+  // and up), and a rank takes its share of every group. 0 or 1: one group.
+  int64_t row_groups = 0;
+  // The shape the device holds: `shape` rearranged by `layout`.
+  std::vector<int64_t> held_shape() const;
 };
 
 struct WeightSpec {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -38,6 +39,8 @@ struct Case {
   bool rotate = false;  // as CpuOps does for a rotated layer: R q, R k, R v in, R^T on the output
   int keep_sink = 0, keep_recent = 0;  // exact sink / recent tokens
   bool exact_bf16 = false;             // exact copies in bfloat16 (else the fp32 model dtype)
+  bool sinks = false;                  // learned attention sinks, one per query head (GPT-OSS)
+  float sink_fill = NAN;               // with sinks: every head's sink (NaN: random, head 0 at -inf)
 };
 
 // Bound on rms(out - ref) / rms(ref) against attention over the unquantized K/V.
@@ -77,7 +80,7 @@ std::pair<int, int> visible(const Case& c, int pos, int kv_len) {
 
 // Attention in double for one (token, head): rows k/v are [kv_len][d] fp32.
 void ref_attend(const Case& c, const float* q, const std::vector<float>& k, const std::vector<float>& v, int pos, int kv_len,
-                int d, float scale, double* out) {
+                int d, float scale, double* out, double sink = -INFINITY) {
   auto [lo, hi] = visible(c, pos, kv_len);
   std::vector<double> s(size_t(hi - lo));
   double m = -1e300;
@@ -87,7 +90,7 @@ void ref_attend(const Case& c, const float* q, const std::vector<float>& k, cons
     s[size_t(j - lo)] = dot * scale;
     m = std::max(m, s[size_t(j - lo)]);
   }
-  double sum = 0;
+  double sum = std::exp(sink - m);  // a sink joins the denominator only (transformers: a column of the softmax)
   for (auto& e : s) sum += (e = std::exp(e - m));
   for (int x = 0; x < d; ++x) {
     double acc = 0;
@@ -101,7 +104,7 @@ struct Result {
   double quant_err = 0;  // rms(out - unquantized reference) / rms(unquantized reference)
 };
 
-Result run_case(const Case& c, uint32_t seed) {
+Result run_case(const Case& c, uint32_t seed, std::vector<float>* output = nullptr) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const std::vector<SeqShape> shapes{{37, 5}, {1, 1}, {70, 70}, {18, 3}};
@@ -111,7 +114,8 @@ Result run_case(const Case& c, uint32_t seed) {
   cc.kv_cache_dtype = c.dtype;
   cc.keep_sink = c.keep_sink;
   cc.keep_recent = c.keep_recent;
-  const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
+  const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh,
+                                .head_dim = d, .sinks = c.sinks};
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::F32, std::nullopt, {});
   if (plan.layers[0].quant == KVQuantMode::Fp8PerTensor) {
     plan.layers[0].k_scale = {0.5f};  // a non-trivial static scale
@@ -186,6 +190,13 @@ Result run_case(const Case& c, uint32_t seed) {
   }
   std::vector<float> q(size_t(total_q) * size_t(nh) * size_t(d));
   for (auto& x : q) x = nd(rng);
+  // Sinks from well below to above the scores, and one head without (-inf).
+  std::vector<float> sinks;
+  if (c.sinks) {
+    for (int h = 0; h < nh; ++h) sinks.push_back(3.0f * nd(rng));
+    sinks[0] = -std::numeric_limits<float>::infinity();
+    if (!std::isnan(c.sink_fill)) std::ranges::fill(sinks, c.sink_fill);
+  }
   std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
   std::vector<AttnSeq> seqs;
   int row = 0;
@@ -198,8 +209,9 @@ Result run_case(const Case& c, uint32_t seed) {
   std::vector<float> qa = q;  // what the backend sees: rotated queries for a rotated layer
   if (c.rotate)
     for (size_t r = 0; r < qa.size() / size_t(d); ++r) num::hadamard_rotate(qa.data() + r * size_t(d), d);
-  be.attend(cache.layer(0), AttentionCall{.q = qa, .out = out, .seqs = seqs, .softmax_scale = scale});
+  be.attend(cache.layer(0), AttentionCall{.q = qa, .out = out, .seqs = seqs, .softmax_scale = scale, .sinks = sinks});
   std::vector<float> out_rot = out;  // the backend's own output (rotated space)
+  if (output) *output = out;
   if (c.rotate)
     for (size_t r = 0; r < out.size() / size_t(d); ++r) num::hadamard_rotate(out.data() + r * size_t(d), d, true);
 
@@ -255,8 +267,9 @@ Result run_case(const Case& c, uint32_t seed) {
               std::copy_n(ke.begin() + ptrdiff_t(j) * d, d, kq.begin() + ptrdiff_t(j) * d);
               std::copy_n(ve.begin() + ptrdiff_t(j) * d, d, vq.begin() + ptrdiff_t(j) * d);
             }
-          ref_attend(c, qa.data() + at, kq, vq, pos, s.kv_len, d, scale, e.data());
-          ref_attend(c, q.data() + at, ko, vo, pos, s.kv_len, d, scale, o.data());
+          const double sink = c.sinks ? double(sinks[size_t(h)]) : -INFINITY;
+          ref_attend(c, qa.data() + at, kq, vq, pos, s.kv_len, d, scale, e.data(), sink);
+          ref_attend(c, q.data() + at, ko, vo, pos, s.kv_len, d, scale, o.data(), sink);
           for (int x = 0; x < d; ++x) {
             const double got = out[at + size_t(x)];
             if (std::isnan(got)) return {1e9, 1e9};
@@ -286,12 +299,20 @@ TEST_P(AttentionAllFormats, MatchesReferences) {
       {dt, AttentionKind::NonCausal, 0, 64, 8, 2, 16},
       {dt, AttentionKind::NonCausal, 0, 256, 4, 1, 16},
       {dt, AttentionKind::Full, 0, 8, 8, 4, 1},  // stories260K-like head, block size 1
+      // GPT-OSS: learned sinks, on full and sliding layers (head_dim 64, 8 q / 2 kv heads here).
+      {.dtype = dt, .kind = AttentionKind::Full, .window = 0, .head_dim = 64, .q_heads = 8, .kv_heads = 2,
+       .block_size = 16, .sinks = true},
+      {.dtype = dt, .kind = AttentionKind::Sliding, .window = 8, .head_dim = 64, .q_heads = 8, .kv_heads = 2,
+       .block_size = 16, .sinks = true},
+      {.dtype = dt, .kind = AttentionKind::NonCausal, .window = 0, .head_dim = 32, .q_heads = 4, .kv_heads = 4,
+       .block_size = 8, .sinks = true},
   };
   uint32_t seed = 1;
   for (const Case& c : shapes) {
     const Result r = run_case(c, seed++);
-    std::printf("[attention] %-20s %-10s hd=%-3d heads=%d/%d bs=%-2d exact=%.2e vs-unquantized=%.3e (bound %.1e)\n",
-                std::string(kv_cache_dtype_name(dt)).c_str(), std::string(attention_kind_name(c.kind)).c_str(), c.head_dim,
+    std::printf("[attention] %-20s %-10s%s hd=%-3d heads=%d/%d bs=%-2d exact=%.2e vs-unquantized=%.3e (bound %.1e)\n",
+                std::string(kv_cache_dtype_name(dt)).c_str(), std::string(attention_kind_name(c.kind)).c_str(),
+                c.sinks ? " sinks" : "", c.head_dim,
                 c.q_heads, c.kv_heads, c.block_size, r.exact_err, r.quant_err, bound(dt));
     EXPECT_LT(r.exact_err, 2e-5) << attention_kind_name(c.kind) << " hd " << c.head_dim;
     EXPECT_LT(r.quant_err, bound(dt)) << attention_kind_name(c.kind) << " hd " << c.head_dim;
@@ -337,7 +358,9 @@ TEST(Attention, RotationHelpsQuantizedFormats) {
 TEST(Attention, ExactSinkAndRecentTokens) {
   for (KVCacheDType dt : {KVCacheDType::Int4PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Fp8}) {
     for (const Case& base : {Case{dt, AttentionKind::Full, 0, 64, 8, 2, 16}, Case{dt, AttentionKind::Sliding, 20, 32, 6, 3, 8},
-                             Case{dt, AttentionKind::NonCausal, 0, 128, 4, 1, 16}, Case{dt, AttentionKind::Full, 0, 8, 8, 4, 1}}) {
+                             Case{dt, AttentionKind::NonCausal, 0, 128, 4, 1, 16}, Case{dt, AttentionKind::Full, 0, 8, 8, 4, 1},
+                             Case{.dtype = dt, .kind = AttentionKind::Sliding, .window = 8, .head_dim = 64, .q_heads = 8,
+                                  .kv_heads = 2, .block_size = 16, .sinks = true}}) {
       const Result plain = run_case(base, 11);
       for (auto [sink, recent, rotate, bf16] : {std::tuple{4, 8, false, false}, std::tuple{0, 16, true, false},
                                                 std::tuple{3, 0, false, true}, std::tuple{2, 5, true, true}}) {
@@ -360,6 +383,26 @@ TEST(Attention, ExactSinkAndRecentTokens) {
       const Result r = run_case(all, 11);
       EXPECT_LT(r.exact_err, 2e-5);
       EXPECT_LT(r.quant_err, bound(KVCacheDType::Auto)) << kv_cache_dtype_name(dt) << " " << attention_kind_name(base.kind);
+    }
+  }
+}
+
+// A sink of -inf adds exp(-inf) = 0 to the denominator: the output is bit for bit the plain
+// softmax's, in every format (GPT-OSS's sinks must cost nothing where they are absent).
+TEST(Attention, SinkOfMinusInfinityIsThePlainSoftmax) {
+  for (KVCacheDType dt : {KVCacheDType::Auto, KVCacheDType::BFloat16, KVCacheDType::Fp8PerTokenHead,
+                          KVCacheDType::Int4PerTokenHead}) {
+    for (AttentionKind kind : {AttentionKind::Full, AttentionKind::Sliding, AttentionKind::NonCausal}) {
+      const Case plain{dt, kind, 8, 64, 8, 2, 16};
+      Case sunk = plain;
+      sunk.sinks = true;
+      sunk.sink_fill = -std::numeric_limits<float>::infinity();
+      std::vector<float> a, b;
+      run_case(plain, 5, &a);
+      run_case(sunk, 5, &b);
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+          << kv_cache_dtype_name(dt) << " " << attention_kind_name(kind);
     }
   }
 }

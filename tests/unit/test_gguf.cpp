@@ -347,7 +347,7 @@ TEST(GGUFModel, LlamaBecomesAHuggingFaceModel) {
     const GGUFFile f(path);
     const GGUFModel m = map_gguf_model(f.header(), "llama.gguf");
     const ModelConfig c = parse_model_config(m.config, nullptr);
-    EXPECT_EQ(c.arch, Arch::Llama);
+    EXPECT_EQ(arch_name(c.arch), "LlamaForCausalLM");
     EXPECT_EQ(c.num_layers, 2);
     EXPECT_EQ(c.hidden_size, hidden);
     EXPECT_EQ(c.num_heads, heads);
@@ -472,7 +472,7 @@ TEST(GGUFModel, Gemma3NormsAndSlidingLayers) {
     const GGUFFile f(path);
     const GGUFModel m = map_gguf_model(f.header(), "gemma.gguf");
     const ModelConfig c = parse_model_config(m.config, nullptr);
-    EXPECT_EQ(c.arch, Arch::Gemma3);
+    EXPECT_EQ(arch_name(c.arch), "Gemma3ForCausalLM");
     EXPECT_EQ(c.hidden_act, GluActivation::GeluTanh);
     ASSERT_EQ(c.layers.size(), size_t(layers));
     for (int l = 0; l < layers; ++l) {
@@ -552,7 +552,7 @@ TEST(GGUFModel, Qwen2AndQwen3LoadAndRun) {
       const GGUFFile f(path);
       const GGUFModel m = map_gguf_model(f.header(), "q.gguf");
       const ModelConfig c = parse_model_config(m.config, nullptr);
-      EXPECT_EQ(c.arch, arch == "qwen2" ? Arch::Qwen2 : Arch::Qwen3);
+      EXPECT_EQ(arch_name(c.arch), arch == "qwen2" ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM");
       EXPECT_EQ(c.qkv_bias, arch == "qwen2");
       EXPECT_EQ(c.qk_norm, arch == "qwen3");
       EXPECT_EQ(c.eos_token_ids, (std::vector<TokenId>{5}));

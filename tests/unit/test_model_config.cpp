@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "config/model_config.h"
@@ -30,7 +32,7 @@ std::string error_of(const json& j) {
 
 TEST(ModelConfig, Llama) {
   const ModelConfig m = parse_model_config(llama(), nullptr);
-  EXPECT_EQ(m.arch, Arch::Llama);
+  EXPECT_EQ(arch_name(m.arch), "LlamaForCausalLM");
   EXPECT_EQ(m.head_dim, 16);
   EXPECT_EQ(m.num_kv_heads, 2);
   EXPECT_EQ(m.declared_dtype, DType::BF16);
@@ -93,9 +95,14 @@ TEST(ModelConfig, RopeLegacyAndTransformers5Forms) {
   legacy_type["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
   EXPECT_EQ(parse_model_config(legacy_type, nullptr).rope.type, RopeType::Linear);
 
-  json yarn = llama();
+  json yarn = llama();  // YaRN needs the length it extends (transformers 5 requires it too)
   yarn["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-  EXPECT_NE(error_of(yarn).find("'yarn' is not supported"), std::string::npos);
+  EXPECT_NE(error_of(yarn).find("needs original_max_position_embeddings"), std::string::npos) << error_of(yarn);
+  yarn["rope_scaling"]["original_max_position_embeddings"] = 32768;
+  EXPECT_EQ(parse_model_config(yarn, nullptr).rope.type, RopeType::Yarn);
+  json longrope = llama();
+  longrope["rope_scaling"] = {{"rope_type", "longrope"}, {"factor", 4.0}};
+  EXPECT_NE(error_of(longrope).find("'longrope' is not supported"), std::string::npos) << error_of(longrope);
 }
 
 TEST(ModelConfig, Qwen2SlidingFollowsMaxWindowLayers) {
@@ -233,7 +240,7 @@ json gemma3() {
 
 TEST(ModelConfig, Gemma3) {
   const ModelConfig m = parse_model_config(gemma3(), nullptr);
-  EXPECT_EQ(m.arch, Arch::Gemma3);
+  EXPECT_EQ(arch_name(m.arch), "Gemma3ForCausalLM");
   EXPECT_EQ(m.hidden_act, GluActivation::GeluTanh);
   EXPECT_TRUE(m.qk_norm);
   EXPECT_TRUE(m.tie_word_embeddings);  // Gemma's default
@@ -294,4 +301,150 @@ TEST(ModelConfig, Gemma3Refusals) {
   j = gemma3();
   j["architectures"] = {"Gemma3ForConditionalGeneration"};
   EXPECT_NE(error_of(j).find("unsupported architecture 'Gemma3ForConditionalGeneration'"), std::string::npos);
+}
+
+namespace {
+
+json qwen3_moe() {
+  json j = llama();
+  j["architectures"] = {"Qwen3MoeForCausalLM"};
+  j["num_experts"] = 8;
+  j["num_experts_per_tok"] = 2;
+  j["moe_intermediate_size"] = 32;
+  j["norm_topk_prob"] = true;
+  return j;
+}
+
+json gpt_oss() {
+  json j = llama();
+  j["architectures"] = {"GptOssForCausalLM"};
+  j.erase("rms_norm_eps");
+  j["head_dim"] = 16;
+  j["num_local_experts"] = 4;
+  j["num_experts_per_tok"] = 2;
+  j["rope_theta"] = 150000.0;
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 32.0}, {"beta_fast", 32.0}, {"beta_slow", 1.0},
+                       {"truncate", false}, {"original_max_position_embeddings", 4096}};
+  return j;
+}
+
+}  // namespace
+
+// Qwen3-MoE: the Hub's num_experts or transformers 5's num_local_experts; the dense layers of
+// mlp_only_layers and decoder_sparse_step; Qwen3's q/k norms.
+TEST(ModelConfig, Qwen3Moe) {
+  ModelConfig m = parse_model_config(qwen3_moe(), nullptr);
+  EXPECT_EQ(arch_name(m.arch), "Qwen3MoeForCausalLM");
+  ASSERT_TRUE(m.moe.has_value());
+  EXPECT_EQ(m.moe->num_experts, 8);
+  EXPECT_EQ(m.moe->top_k, 2);
+  EXPECT_EQ(m.moe->expert_size, 32);
+  EXPECT_TRUE(m.moe->norm_topk);
+  EXPECT_FALSE(m.moe->router_bias);
+  EXPECT_EQ(m.moe->act, GluActivation::Silu);
+  EXPECT_TRUE(m.qk_norm);
+  EXPECT_EQ(m.moe_layers, std::vector<bool>(4, true));
+  json j = qwen3_moe();
+  j.erase("num_experts");
+  j.erase("norm_topk_prob");
+  j["num_local_experts"] = 6;
+  j["mlp_only_layers"] = {0, 3};
+  m = parse_model_config(j, nullptr);
+  EXPECT_EQ(m.moe->num_experts, 6);
+  EXPECT_FALSE(m.moe->norm_topk);  // transformers' default
+  EXPECT_EQ(m.moe_layers, (std::vector<bool>{false, true, true, false}));
+  j.erase("mlp_only_layers");
+  j["decoder_sparse_step"] = 2;  // layers 1 and 3 sparse
+  EXPECT_EQ(parse_model_config(j, nullptr).moe_layers, (std::vector<bool>{false, true, false, true}));
+  j = qwen3_moe();
+  j["num_experts_per_tok"] = 9;
+  EXPECT_NE(error_of(j).find("num_experts_per_tok 9 exceeds the 8 experts"), std::string::npos) << error_of(j);
+  j = qwen3_moe();
+  j["mlp_only_layers"] = {4};
+  EXPECT_NE(error_of(j).find("mlp_only_layers holds 4"), std::string::npos) << error_of(j);
+  j = qwen3_moe();
+  j.erase("moe_intermediate_size");
+  EXPECT_NE(error_of(j).find("moe_intermediate_size"), std::string::npos) << error_of(j);
+  j = qwen3_moe();
+  j["shared_expert_intermediate_size"] = 64;
+  EXPECT_NE(error_of(j).find("no shared expert"), std::string::npos) << error_of(j);
+  // A dense model has no experts and every layer dense.
+  EXPECT_FALSE(parse_model_config(llama(), nullptr).moe.has_value());
+  EXPECT_EQ(parse_model_config(llama(), nullptr).moe_layers, std::vector<bool>(4, false));
+}
+
+// GPT-OSS: sinks, biases, alternate sliding layers by default, YaRN, the clamped SwiGLU, and
+// the released MXFP4 checkpoints refused by name.
+TEST(ModelConfig, GptOss) {
+  ModelConfig m = parse_model_config(gpt_oss(), nullptr);
+  EXPECT_EQ(arch_name(m.arch), "GptOssForCausalLM");
+  EXPECT_TRUE(m.attention_sinks);
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_TRUE(m.o_bias);
+  EXPECT_FALSE(m.qk_norm);
+  EXPECT_DOUBLE_EQ(m.rms_norm_eps, 1e-5);
+  ASSERT_TRUE(m.moe.has_value());
+  EXPECT_EQ(m.moe->num_experts, 4);
+  EXPECT_EQ(m.moe->expert_size, 128);  // intermediate_size
+  EXPECT_TRUE(m.moe->norm_topk && m.moe->router_bias && m.moe->expert_bias);
+  EXPECT_EQ(m.moe->act, GluActivation::SwigluClamp);
+  EXPECT_FLOAT_EQ(m.moe->swiglu_limit, 7.0f);
+  EXPECT_FLOAT_EQ(m.moe->swiglu_alpha, 1.702f);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(m.layers[size_t(i)].kind, i % 2 == 0 ? AttentionKind::Sliding : AttentionKind::Full) << i;
+    if (i % 2 == 0) EXPECT_EQ(m.layers[size_t(i)].window, 128);
+  }
+  EXPECT_EQ(m.rope.type, RopeType::Yarn);
+  EXPECT_DOUBLE_EQ(m.rope.theta, 150000.0);
+  EXPECT_DOUBLE_EQ(m.rope.factor, 32.0);
+  EXPECT_FALSE(m.rope.truncate);
+  EXPECT_EQ(m.rope.original_max_position, 4096);
+  EXPECT_NEAR(m.rope.attention_factor, 0.1 * std::log(32.0) + 1.0, 1e-12);
+  // transformers 5's rope_parameters, layer_types and swiglu_limit.
+  json j = gpt_oss();
+  j.erase("rope_scaling");
+  j.erase("rope_theta");
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 8.0}, {"rope_theta", 1e4},
+                          {"original_max_position_embeddings", 512}, {"attention_factor", 1.5}};
+  j["layer_types"] = {"full_attention", "sliding_attention", "full_attention", "sliding_attention"};
+  j["sliding_window"] = 64;
+  j["swiglu_limit"] = 3.5;
+  m = parse_model_config(j, nullptr);
+  EXPECT_DOUBLE_EQ(m.rope.factor, 8.0);
+  EXPECT_DOUBLE_EQ(m.rope.theta, 1e4);
+  EXPECT_TRUE(m.rope.truncate);
+  EXPECT_DOUBLE_EQ(m.rope.attention_factor, 1.5);
+  EXPECT_EQ(m.layers[1].kind, AttentionKind::Sliding);
+  EXPECT_EQ(m.layers[1].window, 64);
+  EXPECT_EQ(m.layers[0].kind, AttentionKind::Full);
+  EXPECT_FLOAT_EQ(m.moe->swiglu_limit, 3.5f);
+  j = gpt_oss();
+  j["quantization_config"] = {{"quant_method", "mxfp4"}, {"modules_to_not_convert", {"lm_head"}}};
+  EXPECT_NE(error_of(j).find("MXFP4"), std::string::npos) << error_of(j);
+  j = gpt_oss();
+  j["rope_scaling"].erase("original_max_position_embeddings");
+  EXPECT_NE(error_of(j).find("original_max_position_embeddings"), std::string::npos) << error_of(j);
+  j = gpt_oss();
+  j["rope_scaling"]["factor"] = -1;
+  EXPECT_NE(error_of(j).find("positive 'factor'"), std::string::npos) << error_of(j);
+}
+
+// Every architecture registers its names; model_type alone finds it, and an unknown one lists
+// the architectures kvlm runs.
+TEST(ModelConfig, ArchitectureRegistry) {
+  for (const ArchSpec* a : architectures()) {
+    EXPECT_FALSE(a->name.empty());
+    EXPECT_NE(a->parse, nullptr) << a->name;
+    EXPECT_TRUE(a->make != nullptr || !a->not_a_model.empty()) << a->name;
+  }
+  json j = qwen3_moe();
+  j.erase("architectures");
+  j["model_type"] = "qwen3_moe";
+  EXPECT_EQ(arch_name(parse_model_config(j, nullptr).arch), "Qwen3MoeForCausalLM");
+  j = llama();
+  j["architectures"] = {"DeepseekV3ForCausalLM"};
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("unsupported architecture 'DeepseekV3ForCausalLM'"), std::string::npos) << e;
+  EXPECT_NE(e.find("Qwen3MoeForCausalLM"), std::string::npos) << e;
+  EXPECT_NE(e.find("GptOssForCausalLM"), std::string::npos) << e;
 }

@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <numbers>
+#include <numeric>
 #include <random>
 
 #include <omp.h>
@@ -123,4 +125,63 @@ TEST(Rope, InvFreqPerType) {
   EXPECT_NEAR(a[1], (1 - smooth) * b[1] / 8 + smooth * b[1], 1e-7);
   EXPECT_NEAR(a[1] / b[1], 0.409, 1e-3);  // transformers 5.17 gives 0.409 for this band
   for (size_t i = 2; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i] / 8, 1e-9);
+}
+
+// YaRN: transformers 5.24's _compute_yarn_parameters for head_dim 16, theta 1.5e5, factor 4,
+// original length 32, beta 32 / 1, with and without truncation (GPT-OSS's truncate false);
+// attention_factor 0.1 ln 4 + 1 reaches the scores squared.
+TEST(Rope, Yarn) {
+  RopeConfig y{.type = RopeType::Yarn, .theta = 150000, .factor = 4, .original_max_position = 32, .beta_fast = 32,
+               .beta_slow = 1, .truncate = false, .attention_factor = 0.1 * std::log(4.0) + 1.0};
+  const double hf[] = {1.0, 0.07069291174411774, 0.012703318148851395, 0.0028635566122829914,
+                       0.0006454972317442298, 0.00014550669584423304, 3.2799827749840915e-05, 7.3936716944444925e-06};
+  auto a = rope_inv_freq(y, 16);
+  ASSERT_EQ(a.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a[i], hf[i], 1e-6 * hf[i]) << i;
+  y.truncate = true;
+  a = rope_inv_freq(y, 16);
+  EXPECT_NEAR(a[1], 0.14088624715805054, 1e-6 * 0.14);
+  EXPECT_NEAR(a[2], hf[2], 1e-6 * hf[2]);
+  EXPECT_NEAR(rope_score_scale(y), 1.138629436111989 * 1.138629436111989, 1e-6);
+  y.type = RopeType::Llama3;
+  EXPECT_EQ(rope_score_scale(y), 1.0f);
+}
+
+// GPT-OSS's clamped SwiGLU: gate clamped above at the limit, up to +-limit, then
+// g sigmoid(alpha g) (u + 1).
+TEST(Ops, SwigluClamp) {
+  const std::vector<float> gate{-3.0f, 0.5f, 9.0f, 2.0f}, up{0.25f, -8.0f, 1.0f, 20.0f};
+  std::vector<float> out(4);
+  ops::cpu::glu(GluActivation::SwigluClamp, gate, up, out, 1.702f, 7.0f);
+  auto ref = [](double g, double u) {
+    g = std::min(g, 7.0);
+    u = std::clamp(u, -7.0, 7.0);
+    return g / (1 + std::exp(-1.702 * g)) * (u + 1);
+  };
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(out[i], ref(gate[i], up[i]), 1e-5) << i;
+}
+
+// The router: top k by logit (the lower index on ties), weights a softmax over the k chosen
+// (norm_topk) or over every expert.
+TEST(Ops, MoeRoute) {
+  const std::vector<float> logits{0.5f, 2.0f, -1.0f, 2.0f, 1.0f,   // a tie between experts 1 and 3
+                                  -3.0f, -2.0f, -1.0f, 0.0f, 4.0f};
+  std::vector<int32_t> ids(6);
+  std::vector<float> w(6);
+  ops::cpu::moe_route(logits, 2, 5, 3, /*norm_topk=*/true, ids, w);
+  EXPECT_EQ(ids, (std::vector<int32_t>{1, 3, 4, 4, 3, 2}));
+  const double s0 = 2 * std::exp(2.0) + std::exp(1.0);
+  EXPECT_NEAR(w[0], std::exp(2.0) / s0, 1e-6);
+  EXPECT_NEAR(w[2], std::exp(1.0) / s0, 1e-6);
+  EXPECT_NEAR(w[3] + w[4] + w[5], 1.0, 1e-6);
+  ops::cpu::moe_route(logits, 2, 5, 3, /*norm_topk=*/false, ids, w);
+  double all = 0;
+  for (int e = 5; e < 10; ++e) all += std::exp(double(logits[size_t(e)]));
+  EXPECT_NEAR(w[3], std::exp(4.0) / all, 1e-6);
+  EXPECT_LT(w[3] + w[4] + w[5], 1.0);
+  // top_k = experts: every expert, weights summing to 1 either way.
+  std::vector<int32_t> all_ids(5);
+  std::vector<float> all_w(5);
+  ops::cpu::moe_route(std::span<const float>(logits).first(5), 1, 5, 5, false, all_ids, all_w);
+  EXPECT_NEAR(std::accumulate(all_w.begin(), all_w.end(), 0.0), 1.0, 1e-6);
 }

@@ -91,6 +91,19 @@ TEST(Selector, ReasonsAreSpecific) {
             std::string::npos);
 }
 
+// A layer with learned attention sinks (GPT-OSS) goes only to a backend that declares them:
+// a kernel that would drop them silently never gets the layer.
+TEST(Selector, AttentionSinksAreACapability) {
+  auto sunk = spec(DType::BF16, KVQuantMode::None, AttentionKind::Sliding, 128);
+  sunk.attn.sinks = true;
+  const auto why = rejection_reason(fake_fast(), sunk, {});
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("attention sinks"), std::string::npos) << *why;
+  EXPECT_FALSE(rejection_reason(CpuAttentionBackend::capabilities(), sunk, {}).has_value());
+  const std::vector<BackendCapabilities> backends{CpuAttentionBackend::capabilities(), fake_fast()};
+  EXPECT_EQ(select_backend(sunk, backends, {}).name, "cpu");
+}
+
 TEST(Selector, ForcedBackend) {
   const std::vector<BackendCapabilities> backends{CpuAttentionBackend::capabilities(), fake_fast()};
   const auto bf16 = spec(DType::BF16, KVQuantMode::None, AttentionKind::Full, 128);

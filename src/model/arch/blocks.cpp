@@ -1,5 +1,7 @@
 #include "model/arch/blocks.h"
 
+#include <cmath>
+
 #include "model/rope.h"
 
 namespace kvlm::arch {
@@ -59,6 +61,8 @@ AttentionWeights add_attention(WeightList& list, const ModelConfig& c, const std
     a.q_norm = add_norm(list, p + "self_attn.q_norm.weight", d, norm_add_one);
     a.k_norm = add_norm(list, p + "self_attn.k_norm.weight", d, norm_add_one);
   }
+  if (c.attention_sinks)  // fp32 (a norm's role), split by query heads
+    a.sinks = add(list, {{p + "self_attn.sinks", {nh}, nh}}, WeightRole::Norm, Shard::Rows);
   return a;
 }
 
@@ -75,6 +79,51 @@ MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::stri
   return m;
 }
 
+MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const std::string& p) {
+  const MoeConfig& m = *c.moe;
+  const int64_t hd = c.hidden_size, inter = m.expert_size, E = m.num_experts;
+  MoeLayerWeights w;
+  w.router = add(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  std::vector<WeightPiece> gate_up, down;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+    gate_up.push_back({x + "gate_proj.weight", {inter, hd}});
+    gate_up.push_back({x + "up_proj.weight", {inter, hd}});
+    down.push_back({x + "down_proj.weight", {hd, inter}});
+  }
+  // Tensor parallel inside each expert: a rank holds its share of every expert's rows (gate,
+  // up) and columns (down).
+  w.gate_up = add(list, std::move(gate_up), WeightRole::Matrix, Shard::Rows);
+  w.down = add(list, std::move(down), WeightRole::Matrix, Shard::Cols);
+  return w;
+}
+
+MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std::string& p) {
+  const MoeConfig& m = *c.moe;
+  const int64_t hd = c.hidden_size, inter = m.expert_size, E = m.num_experts;
+  MoeLayerWeights w;
+  w.router = add(list, {{p + "mlp.router.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  if (m.router_bias) w.router_bias = add(list, {{p + "mlp.router.bias", {E}}}, WeightRole::Bias, Shard::Replicated);
+  const std::string x = p + "mlp.experts.";
+  // Held as [E * 2I][hidden] (PieceLayout), each expert's gate and up rows a group of which
+  // every tensor-parallel rank takes its share.
+  w.gate_up = add(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, 0, PieceLayout::ExpertsTransposedInterleaved, 2 * E}},
+                  WeightRole::Matrix, Shard::Rows);
+  w.down = add(list, {{x + "down_proj", {E, inter, hd}, 0, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix, Shard::Cols);
+  if (m.expert_bias) {
+    w.gate_up_bias = add(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, 0, PieceLayout::ExpertsInterleaved, 2 * E}},
+                         WeightRole::Bias, Shard::Rows);
+    w.down_bias = add(list, {{x + "down_proj_bias", {E, hd}}}, WeightRole::Bias, Shard::RankZero);
+  }
+  return w;
+}
+
+MoeWeights moe_weights(std::span<const Weight> w, const MoeLayerWeights& m) {
+  auto W = [&](size_t i) { return weight_or_empty(w, i); };
+  return MoeWeights{.router = W(m.router), .router_bias = W(m.router_bias), .gate_up = W(m.gate_up),
+                    .gate_up_bias = W(m.gate_up_bias), .down = W(m.down), .down_bias = W(m.down_bias)};
+}
+
 PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, const std::string& p) {
   PreNormLayerWeights L;
   L.in_norm = add_norm(list, p + "input_layernorm.weight", c.hidden_size);
@@ -82,6 +131,37 @@ PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, c
   L.attn = add_attention(list, c, p);
   L.mlp = add_gated_mlp(list, c, p);
   return L;
+}
+
+float softmax_scale(const ModelConfig& c, const RopeConfig& rope) {
+  return float(1.0 / std::sqrt(c.query_pre_attn_scalar.value_or(double(c.head_dim)))) * rope_score_scale(rope);
+}
+
+PreNormDecoder::PreNormDecoder(const ModelConfig& c, const LayerMlpAdder& mlp) : cfg_(c) {
+  emb_ = add_embedding(weights_, c);
+  embedding_ = emb_.embed;
+  lm_head_ = emb_.lm_head;
+  final_norm_ = add_norm(weights_, "model.norm.weight", c.hidden_size);
+  inv_freq_ = add_rope(weights_, c.rope, c.head_dim);
+  for (int i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    PreNormLayerWeights L;
+    L.in_norm = add_norm(weights_, p + "input_layernorm.weight", c.hidden_size);
+    L.post_norm = add_norm(weights_, p + "post_attention_layernorm.weight", c.hidden_size);
+    L.attn = add_attention(weights_, c, p);
+    mlp(weights_, p, i, L);
+    layers_.push_back(L);
+  }
+}
+
+Tensor PreNormDecoder::forward(Ops& ops, std::span<const Weight> w) const {
+  const float scale = softmax_scale(cfg_, cfg_.rope);
+  const DecoderActivations a = alloc_decoder_activations(ops, cfg_);
+  ops.embed(w[emb_.embed], 1.0f, a.x);
+  Tensor pending;  // the last layer's MLP output, added by the next norm
+  for (size_t li = 0; li < layers_.size(); ++li)
+    pending = pre_norm_layer(ops, cfg_, a, w, layers_[li], int(li), pending, w[inv_freq_], scale, int(li) - 1);
+  return final_logits(ops, cfg_, a.x, pending, w[final_norm_], w[emb_.lm_head]);
 }
 
 Tensor pre_norm_layer(Ops& ops, const ModelConfig& c, const DecoderActivations& a, std::span<const Weight> w,
@@ -94,12 +174,16 @@ Tensor pre_norm_layer(Ops& ops, const ModelConfig& c, const DecoderActivations& 
   ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
   ops.attention_prologue(kv_layer, a.qkv,
                          {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = inv_freq, .eps = eps}, a.q);
-  ops.attention(kv_layer, a.q, a.attn, softmax_scale);
+  ops.attention(kv_layer, a.q, a.attn, softmax_scale, W(L.attn.sinks));
   ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
   ops.all_reduce_sum(a.delta);
   ops.add_rmsnorm(a.x, a.delta, w[L.post_norm], eps, a.h);
-  ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
-  ops.mlp_down(c.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
+  if (L.moe) {
+    ops.moe(a.h, *c.moe, moe_weights(w, *L.moe), a.delta);
+  } else {
+    ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
+    ops.mlp_down(c.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
+  }
   ops.all_reduce_sum(a.delta);
   return a.delta;
 }

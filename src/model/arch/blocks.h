@@ -5,11 +5,15 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "config/model_config.h"
+#include "model/architecture.h"
 #include "model/ops.h"
 #include "model/weights.h"
 
@@ -34,9 +38,11 @@ size_t add_rope(WeightList& list, const RopeConfig& rope, int head_dim);
 
 // `prefix`self_attn.{q,k,v}_proj fused along dim 0 (column-parallel) with their biases when
 // cfg.qkv_bias; o_proj (row-parallel) with its bias when cfg.o_bias; q_norm / k_norm when
-// cfg.qk_norm (norm_add_one: Gemma's).
+// cfg.qk_norm (norm_add_one: Gemma's); the learned sinks (self_attn.sinks, one per query
+// head) when cfg.attention_sinks.
 struct AttentionWeights {
-  size_t qkv = kNoWeight, bqkv = kNoWeight, o = kNoWeight, bo = kNoWeight, q_norm = kNoWeight, k_norm = kNoWeight;
+  size_t qkv = kNoWeight, bqkv = kNoWeight, o = kNoWeight, bo = kNoWeight, q_norm = kNoWeight, k_norm = kNoWeight,
+         sinks = kNoWeight;
 };
 AttentionWeights add_attention(WeightList& list, const ModelConfig& c, const std::string& prefix, bool norm_add_one = false);
 
@@ -47,12 +53,26 @@ struct MlpWeights {
 };
 MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::string& prefix);
 
-// A pre-norm decoder layer's weights (Llama, Qwen, Mistral; a DFlash drafter's layers):
-// `prefix`input_layernorm, self_attn.*, post_attention_layernorm, mlp.*.
+// A mixture-of-experts MLP's weights (MoeWeights, ops.h), in either checkpoint layout:
+// per expert (Qwen3-MoE: `prefix`mlp.experts.E.{gate,up,down}_proj.weight, the router
+// `prefix`mlp.gate.weight) or fused (GPT-OSS: `prefix`mlp.experts.{gate_up_proj,down_proj}
+// [E][in][out] with their biases, the router `prefix`mlp.router.{weight,bias}).
+struct MoeLayerWeights {
+  size_t router = kNoWeight, router_bias = kNoWeight, gate_up = kNoWeight, gate_up_bias = kNoWeight,
+         down = kNoWeight, down_bias = kNoWeight;
+};
+MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const std::string& prefix);
+MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std::string& prefix);
+MoeWeights moe_weights(std::span<const Weight> w, const MoeLayerWeights& m);
+
+// A pre-norm decoder layer's weights (Llama, Qwen, Mistral, Qwen3-MoE, GPT-OSS; a DFlash
+// drafter's layers): `prefix`input_layernorm, self_attn.*, post_attention_layernorm, and the
+// dense MLP or (moe) the mixture of experts.
 struct PreNormLayerWeights {
   size_t in_norm = kNoWeight, post_norm = kNoWeight;
   AttentionWeights attn;
   MlpWeights mlp;
+  std::optional<MoeLayerWeights> moe;
 };
 PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, const std::string& prefix);
 
@@ -72,6 +92,26 @@ struct DecoderActivations {
   Tensor x, h, qkv, q, attn, delta, gu;
 };
 DecoderActivations alloc_decoder_activations(Ops& ops, const ModelConfig& c);
+
+// The softmax scale of a layer with `rope`: head_dim^-0.5 (or query_pre_attn_scalar^-0.5)
+// times what the rope type multiplies scores by (YaRN's attention factor, squared).
+float softmax_scale(const ModelConfig& c, const RopeConfig& rope);
+
+// A pre-norm decoder: embedding, one pre_norm_layer per layer, final norm and LM head. The
+// Llama family, Qwen3-MoE and GPT-OSS are this with their own layers: `mlp(list, prefix,
+// layer)` adds a layer's MLP (dense or mixture) to the layer's weights.
+using LayerMlpAdder = std::function<void(WeightList& list, const std::string& prefix, int layer, PreNormLayerWeights& L)>;
+class PreNormDecoder : public ModelDefinition {
+ public:
+  PreNormDecoder(const ModelConfig& c, const LayerMlpAdder& mlp);
+  Tensor forward(Ops& ops, std::span<const Weight> w) const override;
+
+ private:
+  ModelConfig cfg_;
+  EmbeddingWeights emb_;
+  size_t final_norm_ = kNoWeight, inv_freq_ = kNoWeight;
+  std::vector<PreNormLayerWeights> layers_;
+};
 
 // The final norm of the logit rows (x + pending, the last layer's output not yet added) and
 // the LM head: [num_logit_rows][vocab] logits, or an empty tensor when no row wants them.

@@ -15,6 +15,9 @@
 #include <cmath>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "config/json_get.h"
 #include "core/error.h"
 #include "model/arch/blocks.h"
 #include "model/architecture.h"
@@ -60,7 +63,7 @@ class DFlashDraft final : public DraftDefinition {
   }
 
   Tensor forward(Ops& ops, std::span<const Weight> w) const override {
-    const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
+    const float scale = softmax_scale(cfg_, cfg_.rope);
     const Weight embed = w[weights_.specs.size()], lm_head = w[weights_.specs.size() + 1];
     const DecoderActivations a = alloc_decoder_activations(ops, cfg_);
     ops.embed(embed, 1.0f, a.x);
@@ -78,7 +81,66 @@ class DFlashDraft final : public DraftDefinition {
   std::vector<PreNormLayerWeights> layers_;
 };
 
+// DFlash's fields; every drafter layer attends non-causally (the block sees itself whole and
+// the context before it). target_layer_ids default as the DFlash reference code builds them:
+// one layer for a 1-layer drafter (the middle one), else spread evenly over [1, N - 3].
+DFlashConfig parse_dflash(const nlohmann::json& cfg, ModelConfig& m) {
+  DFlashConfig d;
+  const std::string where = "config.json (DFlash drafter)";
+  d.block_size = int(json_get::req_int(cfg, "block_size", where));
+  if (d.block_size < 2 || d.block_size > 64)
+    throw Error(where + ": block_size must be between 2 and 64, got " + std::to_string(d.block_size));
+  d.num_target_layers = int(json_get::opt_int(cfg, "num_target_layers", where).value_or(0));
+  const nlohmann::json* dc = json_get::find(cfg, "dflash_config");
+  if (!dc || !dc->is_object()) throw Error(where + ": 'dflash_config' (mask_token_id, target_layer_ids) is missing");
+  const auto mask = json_get::opt_int(*dc, "mask_token_id", where + " dflash_config");
+  if (!mask) throw Error(where + ": dflash_config.mask_token_id is missing");
+  if (*mask < 0 || *mask >= m.vocab_size)
+    throw Error(where + ": dflash_config.mask_token_id " + std::to_string(*mask) + " is outside the vocabulary");
+  d.mask_token_id = TokenId(*mask);
+  if (const nlohmann::json* ids = json_get::find(*dc, "target_layer_ids")) {
+    if (!ids->is_array() || ids->empty()) throw Error(where + ": dflash_config.target_layer_ids must be a non-empty list");
+    for (const nlohmann::json& v : *ids) {
+      if (!v.is_number_integer() || v.get<long long>() < 0)
+        throw Error(where + ": dflash_config.target_layer_ids must hold non-negative layer indices");
+      d.target_layer_ids.push_back(int(v.get<long long>()));
+    }
+  } else {
+    if (d.num_target_layers <= 0)
+      throw Error(where + ": dflash_config.target_layer_ids is missing and there is no num_target_layers to derive it");
+    const int n = d.num_target_layers, k = m.num_layers;
+    if (k == 1) {
+      d.target_layer_ids = {n / 2};
+    } else {
+      const double start = 1, span = double(n - 3) - start;
+      for (int i = 0; i < k; ++i) d.target_layer_ids.push_back(int(std::nearbyint(start + double(i) * span / double(k - 1))));  // Python's round: ties to even
+    }
+  }
+  for (const auto& l : m.layers)
+    if (l.kind == AttentionKind::Sliding)
+      throw Error(where + ": sliding-window drafter layers are not supported (a DFlash block attends to its whole context)");
+  for (auto& l : m.layers) l = {AttentionKind::NonCausal, 0};
+  return d;
+}
+
+void parse(const nlohmann::json& cfg, ModelConfig& m) {
+  arch_config::require_silu(cfg, "DFlash drafters");
+  arch_config::parse_standard_rope(cfg, m);
+  m.qk_norm = true;
+  m.qkv_bias = m.o_bias = json_get::opt_bool(cfg, "attention_bias", "config.json").value_or(false);
+  arch_config::set_qwen_layer_windows(cfg, m);
+  m.dflash = parse_dflash(cfg, m);
+}
+
 }  // namespace
+
+namespace arch_specs {
+extern const ArchSpec dflash{
+    .name = "DFlashDraftModel",
+    .parse = parse,
+    .not_a_model = "this is a DFlash drafter (DFlashDraftModel), not a model that generates on its own; use it as "
+                   "--speculative-config '{\"method\":\"dflash\",\"model\":DIR,...}' next to its target model"};
+}  // namespace arch_specs
 
 std::unique_ptr<DraftDefinition> make_dflash_draft(const ModelConfig& cfg, const std::string& prefix, int first_layer) {
   KVLM_CHECK(cfg.dflash.has_value(), "make_dflash_draft for a config without dflash fields");

@@ -12,6 +12,10 @@
 #include <cmath>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "config/json_get.h"
+#include "core/error.h"
 #include "core/numeric.h"
 #include "model/arch/blocks.h"
 #include "model/architecture.h"
@@ -50,7 +54,7 @@ class Gemma3 final : public ModelDefinition {
   Tensor forward(Ops& ops, std::span<const Weight> w) const override {
     auto W = [&](size_t i) { return weight_or_empty(w, i); };
     const float eps = float(cfg_.rms_norm_eps);
-    const float scale = float(1.0 / std::sqrt(cfg_.query_pre_attn_scalar.value_or(double(cfg_.head_dim))));
+    const float scale_global = softmax_scale(cfg_, cfg_.rope), scale_local = softmax_scale(cfg_, *cfg_.rope_local);
     const DecoderActivations a = alloc_decoder_activations(ops, cfg_);
     ops.embed(w[emb_.embed], embed_scale(w[emb_.embed].dtype), a.x);
     Tensor pending;  // the last layer's normed MLP output, added by the next norm
@@ -65,7 +69,7 @@ class Gemma3 final : public ModelDefinition {
                               .inv_freq = w[L.sliding ? rope_local_ : rope_global_],
                               .eps = eps},
                              a.q);
-      ops.attention(int(li), a.q, a.attn, scale);
+      ops.attention(int(li), a.q, a.attn, L.sliding ? scale_local : scale_global, Weight{});
       ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
       ops.all_reduce_sum(a.delta);
       ops.rmsnorm(a.delta, w[L.post_attn_norm], eps, a.delta);
@@ -101,8 +105,57 @@ class Gemma3 final : public ModelDefinition {
   std::vector<Layer> layers_;
 };
 
+std::unique_ptr<ModelDefinition> make(const ModelConfig& cfg) { return std::make_unique<Gemma3>(cfg); }
+
+void parse(const nlohmann::json& cfg, ModelConfig& m) {
+  namespace jg = json_get;
+  constexpr std::string_view kWhere = "config.json";
+  // Gemma configs name the activation hidden_activation (older ones hidden_act).
+  std::optional<std::string> act = jg::opt_string(cfg, "hidden_activation", kWhere);
+  if (!act) act = jg::opt_string(cfg, "hidden_act", kWhere);
+  if (act && *act != "gelu_pytorch_tanh")
+    throw Error("config.json: hidden_activation '" + *act + "' is not supported for Gemma 3; kvlm supports gelu_pytorch_tanh");
+  m.hidden_act = GluActivation::GeluTanh;
+  // Global layers: rope_theta (default 1e6) with rope_scaling; sliding layers: plain RoPE with
+  // rope_local_base_freq (default 1e4). transformers 5 writes both as rope_parameters keyed by
+  // layer type.
+  const nlohmann::json* rope_params = jg::find(cfg, "rope_parameters");
+  const nlohmann::json* full = rope_params && rope_params->is_object() ? jg::find(*rope_params, "full_attention") : nullptr;
+  const nlohmann::json* local = rope_params && rope_params->is_object() ? jg::find(*rope_params, "sliding_attention") : nullptr;
+  m.rope = arch_config::parse_rope(cfg, full ? full : (local ? nullptr : rope_params), 1e6,
+                                   "config.json rope_parameters.full_attention");
+  RopeConfig l;
+  l.theta = jg::opt_number(cfg, "rope_local_base_freq", kWhere).value_or(1e4);
+  if (local) {
+    const nlohmann::json none = nlohmann::json::object();
+    l = arch_config::parse_rope(none, local, l.theta, "config.json rope_parameters.sliding_attention");
+  }
+  if (!(l.theta > 0)) throw Error("config.json: rope_local_base_freq must be positive");
+  m.rope_local = l;
+  m.query_pre_attn_scalar = jg::opt_number(cfg, "query_pre_attn_scalar", kWhere).value_or(256.0);
+  if (!(*m.query_pre_attn_scalar > 0)) throw Error("config.json: query_pre_attn_scalar must be positive");
+  for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
+    if (jg::opt_number(cfg, cap, kWhere))
+      throw Error(std::string("config.json: ") + cap + " is set; kvlm does not implement logit soft-capping (Gemma 2)");
+  m.tie_word_embeddings = jg::opt_bool(cfg, "tie_word_embeddings", kWhere).value_or(true);
+  m.qk_norm = true;
+  m.qkv_bias = m.o_bias = jg::opt_bool(cfg, "attention_bias", kWhere).value_or(false);
+  // Without layer_types, every sliding_window_pattern-th layer is global and the others slide
+  // (window default 4096, transformers' Gemma3TextConfig default).
+  const int window = jg::find(cfg, "sliding_window") ? arch_config::sliding_window(cfg) : 4096;
+  std::optional<long long> pattern = jg::opt_int(cfg, "sliding_window_pattern", kWhere);
+  if (!pattern) pattern = jg::opt_int(cfg, "_sliding_window_pattern", kWhere);
+  const long long every = pattern.value_or(6);
+  if (every <= 0) throw Error("config.json: sliding_window_pattern must be positive");
+  arch_config::set_layer_windows(cfg, m, window, [&](int i) { return (i + 1) % every != 0; });
+}
+
+constexpr std::string_view kModelTypes[] = {"gemma3_text"};
+
 }  // namespace
 
-std::unique_ptr<ModelDefinition> make_gemma3(const ModelConfig& cfg) { return std::make_unique<Gemma3>(cfg); }
+namespace arch_specs {
+extern const ArchSpec gemma3{.name = "Gemma3ForCausalLM", .model_types = kModelTypes, .parse = parse, .make = make};
+}  // namespace arch_specs
 
 }  // namespace kvlm

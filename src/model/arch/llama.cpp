@@ -10,6 +10,9 @@
 #include <cmath>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "config/json_get.h"
 #include "model/arch/blocks.h"
 #include "model/architecture.h"
 
@@ -19,37 +22,58 @@ namespace {
 
 using namespace arch;
 
-class LlamaFamily final : public ModelDefinition {
- public:
-  explicit LlamaFamily(const ModelConfig& c) : cfg_(c) {
-    emb_ = add_embedding(weights_, c);
-    embedding_ = emb_.embed;
-    lm_head_ = emb_.lm_head;
-    final_norm_ = add_norm(weights_, "model.norm.weight", c.hidden_size);
-    inv_freq_ = add_rope(weights_, c.rope, c.head_dim);
-    for (int i = 0; i < c.num_layers; ++i)
-      layers_.push_back(add_pre_norm_layer(weights_, c, "model.layers." + std::to_string(i) + "."));
-  }
+std::unique_ptr<ModelDefinition> make(const ModelConfig& c) {
+  return std::make_unique<PreNormDecoder>(
+      c, [&c](WeightList& list, const std::string& p, int, PreNormLayerWeights& L) { L.mlp = add_gated_mlp(list, c, p); });
+}
 
-  Tensor forward(Ops& ops, std::span<const Weight> w) const override {
-    const float scale = 1.0f / std::sqrt(float(cfg_.head_dim));
-    const DecoderActivations a = alloc_decoder_activations(ops, cfg_);
-    ops.embed(w[emb_.embed], 1.0f, a.x);
-    Tensor pending;  // the last layer's MLP output, added by the next norm
-    for (size_t li = 0; li < layers_.size(); ++li)
-      pending = pre_norm_layer(ops, cfg_, a, w, layers_[li], int(li), pending, w[inv_freq_], scale, int(li) - 1);
-    return final_logits(ops, cfg_, a.x, pending, w[final_norm_], w[emb_.lm_head]);
-  }
+bool attention_bias(const nlohmann::json& cfg) {
+  return json_get::opt_bool(cfg, "attention_bias", "config.json").value_or(false);
+}
 
- private:
-  ModelConfig cfg_;
-  EmbeddingWeights emb_;
-  size_t final_norm_ = kNoWeight, inv_freq_ = kNoWeight;
-  std::vector<PreNormLayerWeights> layers_;
-};
+void parse_llama(const nlohmann::json& cfg, ModelConfig& m) {
+  arch_config::require_silu(cfg, "Llama");
+  arch_config::parse_standard_rope(cfg, m);
+  m.qkv_bias = m.o_bias = attention_bias(cfg);
+  m.mlp_bias = json_get::opt_bool(cfg, "mlp_bias", "config.json").value_or(false);
+  arch_config::set_layer_windows(cfg, m, 0, [](int) { return false; });  // Llama has no sliding window
+}
+
+void parse_mistral(const nlohmann::json& cfg, ModelConfig& m) {
+  parse_llama(cfg, m);
+  // Without layer_types Mistral's window applies to every layer.
+  arch_config::set_layer_windows(cfg, m, arch_config::sliding_window(cfg), [](int) { return true; });
+}
+
+void parse_qwen2(const nlohmann::json& cfg, ModelConfig& m) {
+  arch_config::require_silu(cfg, "Qwen2");
+  arch_config::parse_standard_rope(cfg, m);
+  m.qkv_bias = true;  // Qwen2 always has q/k/v biases and no o_proj bias
+  arch_config::set_qwen_layer_windows(cfg, m);
+}
+
+void parse_qwen3(const nlohmann::json& cfg, ModelConfig& m) {
+  arch_config::require_silu(cfg, "Qwen3");
+  arch_config::parse_standard_rope(cfg, m);
+  m.qk_norm = true;
+  m.qkv_bias = m.o_bias = attention_bias(cfg);
+  arch_config::set_qwen_layer_windows(cfg, m);
+}
+
+constexpr std::string_view kLlamaTypes[] = {"llama"}, kMistralTypes[] = {"mistral"}, kQwen2Types[] = {"qwen2"},
+                           kQwen3Types[] = {"qwen3"};
 
 }  // namespace
 
-std::unique_ptr<ModelDefinition> make_llama_family(const ModelConfig& cfg) { return std::make_unique<LlamaFamily>(cfg); }
+namespace arch_specs {
+extern const ArchSpec llama{.name = "LlamaForCausalLM", .model_types = kLlamaTypes, .parse = parse_llama, .make = make,
+                            .dflash_target = true};
+extern const ArchSpec qwen2{.name = "Qwen2ForCausalLM", .model_types = kQwen2Types, .parse = parse_qwen2, .make = make,
+                            .dflash_target = true};
+extern const ArchSpec qwen3{.name = "Qwen3ForCausalLM", .model_types = kQwen3Types, .parse = parse_qwen3, .make = make,
+                            .dflash_target = true};
+extern const ArchSpec mistral{.name = "MistralForCausalLM", .model_types = kMistralTypes, .parse = parse_mistral,
+                              .make = make, .dflash_target = true};
+}  // namespace arch_specs
 
 }  // namespace kvlm

@@ -161,14 +161,62 @@ class CpuOps final : public Ops {
                                       KVWrite{.k = k_, .v = v_, .slots = b_.slots, .exact_slots = b_.exact_slots});
   }
 
-  void attention(int layer, Tensor q, Tensor out, float softmax_scale) override {
+  void attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) override {
     backends_[size_t(layer)]->attend(cache_.layer(size_t(layer)),
-                                     AttentionCall{.q = f32(q), .out = f32(out), .seqs = b_.seqs, .softmax_scale = softmax_scale});
+                                     AttentionCall{.q = f32(q), .out = f32(out), .seqs = b_.seqs,
+                                                   .softmax_scale = softmax_scale, .sinks = f32(sinks)});
     const KVLayerSpec& s = *cache_.layer(size_t(layer)).spec;
     if (s.rotate) {  // the output is a sum of rotated V rows: R^T brings it back
       const auto o = f32(out);
       const size_t d = size_t(s.attn.head_dim);
       for (size_t r = 0; r < o.size() / d; ++r) num::hadamard_rotate(o.data() + r * d, int(d), /*inverse=*/true);
+    }
+  }
+
+  void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) override {
+    const int T = int(x.rows), H = int(x.cols), E = c.num_experts, K = c.top_k;
+    const int64_t I = w.gate_up.rows / (2 * int64_t(E));
+    KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(E) * H && w.down.cols == I && y.cols == H,
+               "moe: weight shapes");
+    // The router: logits, then each row's experts and weights.
+    route_logits_.resize(size_t(T) * size_t(E));
+    cpu::linear(f32(x), T, H, f32(w.router), E, f32(w.router_bias), route_logits_);
+    route_ids_.resize(size_t(T) * size_t(K));
+    route_weights_.resize(route_ids_.size());
+    cpu::moe_route(route_logits_, T, E, K, c.norm_topk, route_ids_, route_weights_);
+    // Each expert's rows, in row order; experts in ascending order (transformers' order of sums).
+    std::vector<std::vector<std::pair<int, float>>> rows_of(static_cast<size_t>(E));
+    for (int t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) {
+        const size_t i = size_t(t) * size_t(K) + size_t(k);
+        rows_of[size_t(route_ids_[i])].push_back({t, route_weights_[i]});
+      }
+    const auto xs = f32(x), ys = f32(y);
+    std::fill(ys.begin(), ys.end(), 0.0f);
+    const auto gu_w = f32(w.gate_up), gu_b = f32(w.gate_up_bias), dn_w = f32(w.down), dn_b = f32(w.down_bias);
+    const size_t gu_rows = size_t(2 * I), h = size_t(H), inter = size_t(I);
+    for (int e = 0; e < E; ++e) {
+      const auto& rows = rows_of[size_t(e)];
+      if (rows.empty()) continue;  // an expert no row chose costs nothing
+      const size_t n = rows.size();
+      expert_x_.resize(n * h);
+      for (size_t r = 0; r < n; ++r) std::copy_n(xs.data() + size_t(rows[r].first) * h, h, expert_x_.data() + r * h);
+      expert_gu_.resize(n * gu_rows);
+      cpu::linear(expert_x_, int(n), H, gu_w.subspan(size_t(e) * gu_rows * h, gu_rows * h), int(gu_rows),
+                  gu_b.empty() ? gu_b : gu_b.subspan(size_t(e) * gu_rows, gu_rows), expert_gu_);
+      act_.resize(n * inter);
+      for (size_t r = 0; r < n; ++r)
+        cpu::glu(c.act, std::span<const float>(expert_gu_).subspan(r * gu_rows, inter),
+                 std::span<const float>(expert_gu_).subspan(r * gu_rows + inter, inter),
+                 std::span<float>(act_).subspan(r * inter, inter), c.swiglu_alpha, c.swiglu_limit);
+      expert_y_.resize(n * h);
+      cpu::linear(act_, int(n), int(I), dn_w.subspan(size_t(e) * h * inter, h * inter), H,
+                  dn_b.empty() ? dn_b : dn_b.subspan(size_t(e) * h, h), expert_y_);
+      for (size_t r = 0; r < n; ++r) {
+        float* out = ys.data() + size_t(rows[r].first) * h;
+        const float wt = rows[r].second;
+        for (size_t i = 0; i < h; ++i) out[i] += wt * expert_y_[r * h + i];
+      }
     }
   }
 
@@ -185,6 +233,8 @@ class CpuOps final : public Ops {
   bool logits_ = true;
   std::deque<std::vector<float>> arena_;
   std::vector<float> k_, v_, act_;
+  std::vector<float> route_logits_, route_weights_, expert_x_, expert_gu_, expert_y_;
+  std::vector<int32_t> route_ids_;
   std::span<const int> slot_of_;
   std::vector<float>* features_ = nullptr;
   int64_t hidden_ = 0, slots_ = 0;

@@ -266,8 +266,10 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
                        stream_);
 }
 
-void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale) {
+void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) {
   fp8_norm_codes_ = {};
+  // The selector gives the CUDA backend no layer with sinks until its kernels add them.
+  KVLM_CHECK(!sinks, "attention sinks on the CUDA backend");
   // The kernels write bf16; a float16 model converts for the o projection.
   void* bf16_out = out.data;
   if (act_ != DType::BF16) bf16_out = step_buffer(attn_bf16_, size_t(out.numel()) * 2);
@@ -282,6 +284,10 @@ void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale) {
                          stream_);
   else if (act_ != DType::BF16)
     cuda::bf16_to_act(act_, static_cast<const uint16_t*>(bf16_out), out.data, size_t(out.numel()), stream_);
+}
+
+void CudaOps::moe(Tensor, const MoeConfig&, const MoeWeights&, Tensor) {
+  KVLM_CHECK(false, "a mixture of experts on the CUDA runner (refused when it was built)");
 }
 
 void CudaOps::all_reduce_sum(Tensor x) {

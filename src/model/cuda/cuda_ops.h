@@ -108,7 +108,8 @@ class CudaOps final : public Ops {
   void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) override;
   void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override;
   void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override;
-  void attention(int layer, Tensor q, Tensor out, float softmax_scale) override;
+  void attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) override;
+  void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) override;
   void all_reduce_sum(Tensor x) override;
   void capture(int layer, Tensor x) override;
 

@@ -270,6 +270,9 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     if (l.backend != "cuda")
       throw Error("the CUDA runner runs every layer on the 'cuda' attention backend, but " + describe_layer(l) +
                   " was assigned '" + l.backend + "'");
+  if (cfg_.moe)
+    throw Error(std::string(arch_name(cfg_.arch)) + ": mixtures of experts run on the CPU for now (--device cpu); "
+                "the CUDA expert kernels are not in this build yet");
   if (opts.comm) m.comm = opts.comm;
   const TpRank tp{m.comm->rank(), m.comm->world_size()};
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -96,12 +98,49 @@ void gelu_tanh_mul(std::span<const float> gate, std::span<const float> up, std::
   }
 }
 
-void glu(GluActivation f, std::span<const float> gate, std::span<const float> up, std::span<float> out) {
+void swiglu_clamp_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out, float alpha,
+                      float limit) {
+  KVLM_CHECK(gate.size() == up.size() && out.size() == up.size(), "swiglu_clamp_mul: shape mismatch");
+  for (size_t i = 0; i < out.size(); ++i) {
+    const float g = std::min(gate[i], limit), u = std::clamp(up[i], -limit, limit);
+    out[i] = g / (1.0f + std::exp(-alpha * g)) * (u + 1.0f);
+  }
+}
+
+void glu(GluActivation f, std::span<const float> gate, std::span<const float> up, std::span<float> out, float alpha,
+         float limit) {
   switch (f) {
     case GluActivation::Silu: return silu_mul(gate, up, out);
     case GluActivation::GeluTanh: return gelu_tanh_mul(gate, up, out);
+    case GluActivation::SwigluClamp: return swiglu_clamp_mul(gate, up, out, alpha, limit);
   }
   KVLM_CHECK(false, "glu: unknown activation");
+}
+
+void moe_route(std::span<const float> logits, int rows, int experts, int top_k, bool norm_topk, std::span<int32_t> ids,
+               std::span<float> weights) {
+  KVLM_CHECK(top_k >= 1 && top_k <= experts, "moe_route: top_k outside 1..experts");
+  KVLM_CHECK(logits.size() == size_t(rows) * size_t(experts) && ids.size() == size_t(rows) * size_t(top_k) &&
+                 weights.size() == ids.size(),
+             "moe_route: shape mismatch");
+  std::vector<int32_t> order(static_cast<size_t>(experts));
+  for (int r = 0; r < rows; ++r) {
+    const float* l = logits.data() + size_t(r) * size_t(experts);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    const float mx = l[order[0]];
+    float sum = 0.0f;
+    if (norm_topk) {
+      for (int k = 0; k < top_k; ++k) sum += std::exp(l[order[size_t(k)]] - mx);
+    } else {
+      for (int e = 0; e < experts; ++e) sum += std::exp(l[e] - mx);
+    }
+    for (int k = 0; k < top_k; ++k) {
+      ids[size_t(r) * size_t(top_k) + size_t(k)] = order[size_t(k)];
+      weights[size_t(r) * size_t(top_k) + size_t(k)] = std::exp(l[order[size_t(k)]] - mx) / sum;
+    }
+  }
 }
 
 void rope(std::span<float> x, int tokens, int heads, int head_dim, std::span<const Position> positions,

@@ -2,6 +2,7 @@
 // shape of every argument is in its comment.
 #pragma once
 
+#include <cstdint>
 #include <span>
 
 #include "config/model_config.h"  // GluActivation
@@ -23,8 +24,21 @@ void silu_mul(std::span<const float> gate, std::span<const float> up, std::span<
 // (PyTorch's gelu(approximate="tanh")). In place allowed.
 void gelu_tanh_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out);
 
-// The gated MLP's activation f(gate) * up, f chosen by `f`.
-void glu(GluActivation f, std::span<const float> gate, std::span<const float> up, std::span<float> out);
+// GPT-OSS's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+// out = g * sigmoid(alpha g) * (u + 1). In place allowed.
+void swiglu_clamp_mul(std::span<const float> gate, std::span<const float> up, std::span<float> out, float alpha,
+                      float limit);
+
+// The gated MLP's activation f(gate) * up, f chosen by `f` (alpha, limit: SwigluClamp's).
+void glu(GluActivation f, std::span<const float> gate, std::span<const float> up, std::span<float> out,
+         float alpha = 1.702f, float limit = 7.0f);
+
+// A mixture-of-experts router: for each of `rows` rows of logits [rows][experts], the top_k
+// experts by logit (ties: the lower index first) in descending order into ids [rows][top_k],
+// and their weights into weights [rows][top_k]: exp(l - max) over the sum of exp(l - max) of
+// the top_k (norm_topk) or of every expert.
+void moe_route(std::span<const float> logits, int rows, int experts, int top_k, bool norm_topk, std::span<int32_t> ids,
+               std::span<float> weights);
 
 // Rotary embedding, rotate-half convention (Hugging Face): x[t][h][0:d/2] and x[t][h][d/2:d]
 // are the two halves of each rotated pair. x: [tokens][heads][head_dim], in place.
