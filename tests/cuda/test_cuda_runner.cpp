@@ -63,6 +63,7 @@ struct Golden {
   std::vector<TokenId> prompt, greedy;
   std::vector<float> logits;  // [T][V]
   int vocab = 0;
+  nlohmann::json meta;
 };
 
 fs::path golden_dir() { return test::repo_root() / "tests" / "golden"; }
@@ -71,7 +72,8 @@ Golden load_golden(const std::string& name) {
   Golden g;
   g.name = name;
   std::ifstream in(golden_dir() / "expected" / (name + ".json"));
-  const auto meta = nlohmann::json::parse(in);
+  g.meta = nlohmann::json::parse(in);
+  const auto& meta = g.meta;
   g.prompt = meta["prompt_ids"].get<std::vector<TokenId>>();
   g.greedy = meta["greedy_ids"].get<std::vector<TokenId>>();
   g.model_dir = name == "stories260K" ? test::repo_root() / "models" / "stories260K" : golden_dir() / "models" / name;
@@ -195,21 +197,44 @@ const KVCacheDType kModes[] = {KVCacheDType::Auto,           KVCacheDType::BFloa
                                KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead};
 
 // The CPU golden test's KL bounds (tests/golden/test_golden.cpp), per mode.
+// Mixtures of experts: the CPU test's own FP8 bounds (routing swaps; test_golden.cpp says why).
 struct Bounds {
   KVCacheDType dt;
   double mean_kld, max_kld, trained_mean_kld, trained_max_kld;
+  double moe_mean_kld = 0, moe_max_kld = 0;
 };
 const Bounds kBounds[] = {
     {KVCacheDType::Float16, 5e-7, 2e-6, 1e-5, 4e-5},
     {KVCacheDType::BFloat16, 3e-5, 1.2e-4, 4e-4, 2e-3},
-    {KVCacheDType::Fp8E4M3, 6e-3, 3e-2, 0.12, 0.6},
-    {KVCacheDType::Fp8E5M2, 2.5e-2, 0.25, 0.5, 2.0},
-    {KVCacheDType::Fp8PerTokenHead, 5e-3, 2.5e-2, 0.08, 0.55},
+    {KVCacheDType::Fp8E4M3, 6e-3, 3e-2, 0.12, 0.6, 8e-3, 0.1},
+    {KVCacheDType::Fp8E5M2, 2.5e-2, 0.25, 0.5, 2.0, 7e-2, 1.8},
+    {KVCacheDType::Fp8PerTokenHead, 5e-3, 2.5e-2, 0.08, 0.55, 1.2e-2, 0.25},
     {KVCacheDType::Int8PerTokenHead, 3e-4, 1.5e-3, 1.5e-3, 5e-3},
     // int4 max_kld: 0.196 on the CPU and 0.314 on CUDA (bf16 compute) for qwen3-mixed-fp8-block's prompt
     // (one row of 86; session 19), the largest seen: 0.6 is ~2x it.
     {KVCacheDType::Int4PerTokenHead, 5e-2, 0.6, 0.25, 1.5},
 };
+
+// {mean, max} KL bounds of `b` for golden `g`.
+std::pair<double, double> kld_bounds(const Bounds& b, const Golden& g) {
+  if (g.name == "stories260K") return {b.trained_mean_kld, b.trained_max_kld};
+  if (g.meta.contains("min_router_gap") && !g.meta["min_router_gap"].is_null() && b.moe_max_kld > 0)
+    return {b.moe_mean_kld, b.moe_max_kld};
+  return {b.mean_kld, b.max_kld};
+}
+
+// A model whose attention has learned sinks: the CUDA kernels do not add them yet, so loading
+// it on the GPU must fail naming them (never run without them). True when it did.
+bool refused_for_sinks(const Golden& g) {
+  if (!load_model_config(g.model_dir).attention_sinks) return false;
+  try {
+    load(g.model_dir, KVCacheDType::Auto, Device::Cuda);
+    ADD_FAILURE() << g.name << ": the CUDA runner loaded a model with attention sinks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("attention sinks"), std::string::npos) << e.what();
+  }
+  return true;
+}
 
 bool reduced_model(const std::string& name) { return name == "qwen3-mixed" || name == "llama-mqa-hd"; }
 bool reduced_mode(KVCacheDType dt) {
@@ -225,6 +250,7 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
   const Golden g = load_golden(GetParam());
+  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : kModes) {
@@ -247,7 +273,17 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
                 "max|cpu-hf|=%.3e bound %.3e\n",
                 g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), std::string(dtype_name(ce->dtype())).c_str(),
                 d.max_abs, 100 * d.max_abs / d.scale, d.scale, d.mean_kld, q.max_abs, bound);
-    EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt);
+    const auto moe = std::ranges::find(kBounds, dt, &Bounds::dt);
+    if (moe != std::end(kBounds) && moe->moe_max_kld > 0 && kld_bounds(*moe, g).first == moe->moe_mean_kld) {
+      // A mixture of experts in an FP8 mode: bf16 and fp32 compute quantize some K/V rows to
+      // neighbouring codes, and where that moves a router logit past another expert's the
+      // row's output jumps (measured: max|cuda-cpu| 7.4% of the largest logit with
+      // fp8_per_token_head, KLD 1.3e-3). The distributions must stay as close as the mode's
+      // MoE bound to transformers.
+      EXPECT_LT(d.mean_kld, moe->moe_mean_kld) << g.name << " " << kv_cache_dtype_name(dt);
+    } else {
+      EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt);
+    }
   }
 }
 
@@ -258,6 +294,7 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerWithExactTokens) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
   const Golden g = load_golden(GetParam());
+  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : {KVCacheDType::Int4PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Fp8E4M3}) {
@@ -290,6 +327,7 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced()) GTEST_SKIP() << "reduced run (same code paths as MatchesCpuRunnerEveryKVMode)";
   const Golden g = load_golden(GetParam());
+  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   const size_t first = g.prompt.size() - 1;
@@ -324,8 +362,8 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   for (const Bounds& b : kBounds) {
     auto eq = load(g.model_dir, b.dt, Device::Cuda);
     const Stats s = compare(g.logits, teacher_forced(*eq, all, 16), g.vocab, first);
-    const double mean_bound = (trained ? b.trained_mean_kld : b.mean_kld) + 4 * s0.mean_kld;
-    const double max_bound = (trained ? b.trained_max_kld : b.max_kld) + 4 * s0.max_kld;
+    const double mean_bound = kld_bounds(b, g).first + 4 * s0.mean_kld;
+    const double max_bound = kld_bounds(b, g).second + 4 * s0.max_kld;
     std::printf("[cuda-golden] %-12s %-20s max|dlogit|=%.3e mean_kld=%.2e (bound %.1e) max_kld=%.2e (bound %.1e) "
                 "decisions %d/%d\n",
                 g.name.c_str(), std::string(kv_cache_dtype_name(b.dt)).c_str(), s.max_abs, s.mean_kld, mean_bound,
@@ -346,6 +384,7 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
   const int gpus = int(cuda_devices().size());
   if (gpus < 2) GTEST_SKIP() << "tensor parallelism needs 2 GPUs, " << gpus << " visible";
   const Golden g = load_golden(GetParam());
+  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   const ModelConfig cfg = load(g.model_dir, KVCacheDType::Auto, Device::Cpu)->config();
@@ -388,8 +427,8 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
           // rounding edge (stories260K, trained: up to 7.7% of the largest logit): the group
           // keeps one GPU's bounds to transformers (MatchesTransformers).
           const Bounds& b = *std::ranges::find(kBounds, dt, &Bounds::dt);
-          EXPECT_LT(h.mean_kld, (trained ? b.trained_mean_kld : b.mean_kld) + 4 * s0.mean_kld) << g.name << " tp=" << n;
-          EXPECT_LT(h.max_kld, (trained ? b.trained_max_kld : b.max_kld) + 4 * s0.max_kld) << g.name << " tp=" << n;
+          EXPECT_LT(h.mean_kld, kld_bounds(b, g).first + 4 * s0.mean_kld) << g.name << " tp=" << n;
+          EXPECT_LT(h.max_kld, kld_bounds(b, g).second + 4 * s0.max_kld) << g.name << " tp=" << n;
           EXPECT_EQ(h.decisions_failed, 0) << g.name << " tp=" << n << " " << kv_cache_dtype_name(dt);
         }
       }

@@ -8,6 +8,7 @@
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/model_ops.h"
+#include "ops/cuda/moe.h"
 
 namespace kvlm {
 
@@ -39,7 +40,7 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   step_ = step;
   carver_ = carver;
   measure_ = measure;
-  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = nullptr;
+  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = moe_logits_ = moe_ws_ = nullptr;
   fp8_norm_codes_ = {};
   features_ = Tensor{};
   // The split-KV workspace: the largest any layer's format needs for this shape.
@@ -286,8 +287,21 @@ void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale, co
     cuda::bf16_to_act(act_, static_cast<const uint16_t*>(bf16_out), out.data, size_t(out.numel()), stream_);
 }
 
-void CudaOps::moe(Tensor, const MoeConfig&, const MoeWeights&, Tensor) {
-  KVLM_CHECK(false, "a mixture of experts on the CUDA runner (refused when it was built)");
+void CudaOps::moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) {
+  fp8_norm_codes_ = {};
+  const int T = int(x.rows), H = int(x.cols), E = c.num_experts;
+  const int I = int(w.gate_up.rows / (2 * int64_t(E)));
+  KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(E) * H && w.down.cols == I && y.cols == H, "moe: weight shapes");
+  // Carved whether or not it runs, so that measuring and running carve the same.
+  auto* logits = static_cast<float*>(step_buffer(moe_logits_, size_t(T) * size_t(E) * sizeof(float)));
+  void* ws = step_buffer(moe_ws_, cuda::moe_workspace_bytes(act_, T, H, I, E, c.top_k));
+  if (measure_) return;
+  gemm_.linear(act_, DType::F32, x.data, w.router.data, nullptr, logits, T, E, H, stream_);
+  cuda::moe({.act = act_, .rows = T, .hidden = H, .inter = I, .config = c, .logits = logits,
+             .router_bias = w.router_bias.data, .x = x.data, .gate_up = w.gate_up.data,
+             .gate_up_bias = w.gate_up_bias.data, .down = w.down.data, .down_bias = w.down_bias.data, .y = y.data,
+             .workspace = ws},
+            stream_);
 }
 
 void CudaOps::all_reduce_sum(Tensor x) {

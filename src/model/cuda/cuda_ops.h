@@ -183,6 +183,8 @@ class CudaOps final : public Ops {
   size_t attn_ws_bytes_ = 0;
   void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
   void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused
+  void* moe_logits_ = nullptr;  // the router's fp32 logits [T][E] (every MoE layer of a step has the same shape)
+  void* moe_ws_ = nullptr;      // the MoE kernels' workspace (cuda/moe.h)
   std::vector<int> slot_of_;
   int slots_ = 0, hidden_ = 0;
   Tensor features_;

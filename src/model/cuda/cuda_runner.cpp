@@ -270,9 +270,14 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     if (l.backend != "cuda")
       throw Error("the CUDA runner runs every layer on the 'cuda' attention backend, but " + describe_layer(l) +
                   " was assigned '" + l.backend + "'");
-  if (cfg_.moe)
-    throw Error(std::string(arch_name(cfg_.arch)) + ": mixtures of experts run on the CPU for now (--device cpu); "
-                "the CUDA expert kernels are not in this build yet");
+  if (cfg_.moe) {
+    const int world = opts.comm ? opts.comm->world_size() : 1;
+    const int inter = cfg_.moe->expert_size / world;
+    if (!cuda::moe_fits(cfg_.hidden_size, inter, cfg_.moe->num_experts, cfg_.moe->top_k))
+      throw Error(std::string(arch_name(cfg_.arch)) + ": the CUDA expert kernels need hidden_size (" +
+                  std::to_string(cfg_.hidden_size) + ") and each rank's expert width (" + std::to_string(inter) +
+                  ") to be multiples of 32 and at most 16 of 1024 experts per token; run it with --device cpu");
+  }
   if (opts.comm) m.comm = opts.comm;
   const TpRank tp{m.comm->rank(), m.comm->world_size()};
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");

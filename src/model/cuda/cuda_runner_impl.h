@@ -31,6 +31,7 @@
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/model_ops.h"
+#include "ops/cuda/moe.h"
 #include "ops/cuda/sampling.h"
 
 namespace kvlm {

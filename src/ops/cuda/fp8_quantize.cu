@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/error.h"
 #include "core/numeric.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
@@ -143,6 +144,7 @@ template <class V>
 void launch_quantize_glu(DType ab, GluActivation f, const void* gu, uint8_t* codes, float* scales, int m, int k,
                          void* stream, int group) {
   constexpr const char* what = "quantize_glu_rows_fp8";
+  KVLM_CHECK(f == GluActivation::Silu || f == GluActivation::GeluTanh, "quantize_glu_rows_fp8: SiLU or GELU only");
   if (f == GluActivation::Silu)
     launch_quantize<FromGatedProduct<V, GluActivation::Silu>>(what, ab, gu, codes, scales, m, k, stream, group);
   else

@@ -588,6 +588,7 @@ void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int 
 
 void glu(DType act, GluActivation f, const void* gu, void* out, int rows, int inter, void* stream) {
   if (rows <= 0) return;
+  KVLM_CHECK(f == GluActivation::Silu || f == GluActivation::GeluTanh, "glu: the dense MLP's activation is SiLU or GELU");
   dispatch_act(act, [&](auto a) {
     using A = decltype(a);
     const dim3 grid(grid_for(size_t(rows) * size_t(inter), 256)), block(256);

@@ -1,0 +1,141 @@
+// The mixture-of-experts kernels (ops/cuda/moe.h) alone, on one layer of a real model's shape
+// with random weights: time per call (CUDA events, median of 20 after 3 warm-ups), the weight
+// bytes the call must read (the experts its rows chose, counted from its own routing, plus the
+// router's logits and the activations), and the bandwidth that makes. Decode batches should
+// run near the GPU's copy bandwidth; prefill batches are compute-bound and report TFLOP/s
+// (2 x rows x top_k x 3 x hidden x width). Results: docs/results/moe.md.
+//
+//   moe_lab [--shape qwen3-30b-a3b|gpt-oss-20b] [--rows 1,8,64,512,4096]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/numeric.h"
+#include "ops/cuda/moe.h"
+
+using namespace kvlm;
+
+namespace {
+
+#define CHECK(x)                                                                                     \
+  do {                                                                                               \
+    cudaError_t e_ = (x);                                                                            \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                                 \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+struct Shape {
+  std::string name;
+  int hidden, inter, experts, top_k;
+  GluActivation act;
+  bool biases;
+};
+
+template <class T>
+T* device_random(size_t n, std::mt19937& rng, float stddev) {
+  std::vector<uint16_t> h(n);
+  std::normal_distribution<float> nd(0.0f, stddev);
+  for (auto& v : h) v = num::f32_to_bf16(nd(rng));
+  T* d = nullptr;
+  CHECK(cudaMalloc(&d, n * 2));
+  CHECK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<Shape> shapes{{"qwen3-30b-a3b", 2048, 768, 128, 8, GluActivation::Silu, false},
+                            {"gpt-oss-20b", 2880, 2880, 32, 4, GluActivation::SwigluClamp, true}};
+  std::string only;
+  std::vector<int> rows_list{1, 8, 16, 64, 512, 4096};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--shape") {
+      only = v;
+    } else if (a == "--rows") {
+      rows_list.clear();
+      std::stringstream ss(v);
+      for (std::string t; std::getline(ss, t, ',');) rows_list.push_back(std::stoi(t));
+    } else {
+      std::fprintf(stderr, "usage: moe_lab [--shape qwen3-30b-a3b|gpt-oss-20b] [--rows 1,8,64]\n");
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("moe_lab on %s\n", prop.name);
+  std::printf("%-14s %6s %10s %12s %10s %10s %8s\n", "shape", "rows", "us/call", "weight MB", "GB/s", "TFLOP/s",
+              "experts");
+  std::mt19937 rng(1);
+  for (const Shape& s : shapes) {
+    if (!only.empty() && s.name != only) continue;
+    const int H = s.hidden, I = s.inter, E = s.experts, K = s.top_k;
+    const int max_rows = *std::max_element(rows_list.begin(), rows_list.end());
+    auto* gate_up = device_random<uint16_t>(size_t(E) * 2 * I * H, rng, 1.0f / std::sqrt(float(H)));
+    auto* down = device_random<uint16_t>(size_t(E) * H * I, rng, 1.0f / std::sqrt(float(I)));
+    uint16_t* gub = s.biases ? device_random<uint16_t>(size_t(E) * 2 * I, rng, 0.5f) : nullptr;
+    uint16_t* db = s.biases ? device_random<uint16_t>(size_t(E) * H, rng, 0.5f) : nullptr;
+    auto* x = device_random<uint16_t>(size_t(max_rows) * H, rng, 1.0f);
+    uint16_t* y = nullptr;
+    CHECK(cudaMalloc(&y, size_t(max_rows) * H * 2));
+    std::vector<float> logits(size_t(max_rows) * E);
+    std::normal_distribution<float> nd(0.0f, 2.0f);
+    for (auto& l : logits) l = nd(rng);
+    float* dlogits = nullptr;
+    CHECK(cudaMalloc(&dlogits, logits.size() * 4));
+    CHECK(cudaMemcpy(dlogits, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
+    for (int T : rows_list) {
+      void* ws = nullptr;
+      const size_t wsb = cuda::moe_workspace_bytes(DType::BF16, T, H, I, E, K);
+      CHECK(cudaMalloc(&ws, wsb));
+      MoeConfig cfg{.num_experts = E, .top_k = K, .expert_size = I, .norm_topk = true, .router_bias = false,
+                    .expert_bias = s.biases, .act = s.act};
+      const cuda::MoeParams p{.act = DType::BF16, .rows = T, .hidden = H, .inter = I, .config = cfg, .logits = dlogits,
+                              .x = x, .gate_up = gate_up, .gate_up_bias = gub, .down = down, .down_bias = db, .y = y,
+                              .workspace = ws};
+      // The experts this batch's rows chose (the routing is the workspace's first array).
+      for (int i = 0; i < 3; ++i) cuda::moe(p, nullptr);
+      CHECK(cudaDeviceSynchronize());
+      std::vector<int32_t> ids(size_t(T) * K);
+      CHECK(cudaMemcpy(ids.data(), ws, ids.size() * 4, cudaMemcpyDeviceToHost));
+      const std::set<int32_t> used(ids.begin(), ids.end());
+      cudaEvent_t a, b;
+      CHECK(cudaEventCreate(&a));
+      CHECK(cudaEventCreate(&b));
+      std::vector<float> ms;
+      for (int i = 0; i < 20; ++i) {
+        CHECK(cudaEventRecord(a));
+        cuda::moe(p, nullptr);
+        CHECK(cudaEventRecord(b));
+        CHECK(cudaEventSynchronize(b));
+        float t = 0;
+        CHECK(cudaEventElapsedTime(&t, a, b));
+        ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      const double sec = ms[ms.size() / 2] * 1e-3;
+      const double weight_bytes = double(used.size()) * 3.0 * H * I * 2;
+      const double bytes = weight_bytes + double(T) * E * 4 + 2.0 * T * H * 2;
+      const double flops = 2.0 * T * K * 3.0 * H * I;
+      std::printf("%-14s %6d %10.1f %12.1f %10.0f %10.1f %5zu/%d\n", s.name.c_str(), T, sec * 1e6, weight_bytes / 1e6,
+                  bytes / sec / 1e9, flops / sec / 1e12, used.size(), E);
+      CHECK(cudaFree(ws));
+    }
+    for (void* ptr : {static_cast<void*>(gate_up), static_cast<void*>(down), static_cast<void*>(gub), static_cast<void*>(db),
+                      static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(dlogits)})
+      if (ptr) CHECK(cudaFree(ptr));
+  }
+  return 0;
+}
