@@ -120,6 +120,7 @@ inline BackendCapabilities make_cuda_attention_capabilities(std::string_view arc
       .sliding_window = true,
       .non_causal = true,
       .exact_tokens = true,  // the CUDA-core kernel (paged_attention_rows.cuh) reads them
+      .attention_sinks = true,  // every kernel's normalization and the split reduction (sink_term)
       .min_compute_capability = 80,
       .priority = 100,  // above cpu (10)
       .description = "paged CUDA kernels: split-KV decode, per-row multi-token path; bf16 queries, fp32 accumulation",

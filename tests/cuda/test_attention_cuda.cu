@@ -95,6 +95,7 @@ struct Case {
   int q_heads, kv_heads;
   int block_size;
   int keep_sink = 0, keep_recent = 0;  // exact sink / recent tokens (every page gets an exact page)
+  bool sinks = false;                  // learned attention sinks (GPT-OSS), one per query head
 };
 
 struct Stats {
@@ -126,7 +127,8 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   cc.kv_cache_dtype = c.dtype;
   cc.keep_sink = c.keep_sink;
   cc.keep_recent = c.keep_recent;
-  const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
+  const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh,
+                                .head_dim = d, .sinks = c.sinks};
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::BF16, std::nullopt, {});
   KVLayerSpec& spec = plan.layers[0];
   const bool keep = spec.keeps_exact();
@@ -276,7 +278,14 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     kv_lens.push_back(shapes[si].kv_len);
   }
   const float scale = 1.0f / std::sqrt(float(d));
-  cpu.attend(L, AttentionCall{.q = qf, .out = ref, .seqs = seqs, .softmax_scale = scale});
+  // Sinks from below the scores to above them (an 8: most of a row's weight), head 0 without.
+  std::vector<float> sinks;
+  if (c.sinks) {
+    for (int h = 0; h < nh; ++h) sinks.push_back(h % 5 == 3 ? 8.0f : 3.0f * nd(rng));
+    sinks[0] = -std::numeric_limits<float>::infinity();
+  }
+  cpu.attend(L, AttentionCall{.q = qf, .out = ref, .seqs = seqs, .softmax_scale = scale, .sinks = sinks});
+  Dev<float> dsinks(sinks.empty() ? std::vector<float>{0.0f} : sinks);
 
   std::vector<uint16_t> qb(qf.size());
   for (size_t i = 0; i < qf.size(); ++i) qb[i] = num::f32_to_bf16(qf[i]);
@@ -295,6 +304,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
                                .exact_k = keep ? dek.p : nullptr, .exact_v = dev_.p, .exact_tables = detab.p,
                                .keep_sink = c.keep_sink, .keep_recent = c.keep_recent, .max_splits = max_splits,
                                .split_lengths = split_lengths, .kernel = kernel, .decode_layout = decode_layout};
+  p.sinks = c.sinks ? dsinks.p : nullptr;
   const size_t ws_bytes = cuda::paged_attention_workspace_bytes(p);
   Dev<uint8_t> ws(ws_bytes);
   p.workspace = ws.p;
@@ -474,6 +484,59 @@ TEST(CudaAttentionExact, MatchesCpuBackend) {
   const Case c{KVCacheDType::Int4PerTokenHead, AttentionKind::Full, 0, 64, 8, 2, 16, 4, 9};
   Stats st;
   EXPECT_THROW(run_batch(c, mixed, 1, 0, 3, st), Error);
+}
+
+// Learned attention sinks (GPT-OSS) in every kernel's normalization: each kernel's own epilogue
+// (one split) and the split-KV reduction (several, and the exact tokens' extra pass), every
+// format, mask and a spread of head sizes and GQA ratios, against the CPU backend.
+TEST(CudaAttentionSinks, MatchesCpuBackend) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<SeqShape> decode{{1, 1}, {37, 1}, {300, 1}, {4200, 1}};
+  const std::vector<SeqShape> mixed{{37, 5}, {1, 1}, {70, 70}, {200, 1}, {150, 33}};
+  const std::vector<SeqShape> prefill{{300, 260}, {64, 64}, {129, 100}, {5, 5}};
+  Stats total;
+  uint32_t seed = 5000;
+  for (KVCacheDType dt : kFormats) {
+    for (int hd : {16, 64, 128}) {
+      for (AttentionKind kind : {AttentionKind::Full, AttentionKind::Sliding, AttentionKind::NonCausal}) {
+        for (int gqa : {1, 8}) {
+          if (reduced() && !(hd == 64 && gqa == 8)) continue;
+          const int kvh = 2;
+          Case c{dt, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, 16};
+          c.sinks = true;
+          Stats st;
+          run_batch(c, decode, seed++, 0, 0, st);  // automatic: split decode, reduction
+          run_batch(c, decode, seed++, 1, 0, st);  // one split: the kernel's own epilogue
+          run_batch(c, mixed, seed++, 0, 1, st);   // CUDA cores
+          run_batch(c, mixed, seed++, 1, 1, st);
+          run_batch(c, prefill, seed++, 0, 0, st);  // tiled prefill (head 64 / 128)
+          run_batch(c, prefill, seed++, 1, 0, st);
+          if (hd != 16) {
+            run_batch(c, mixed, seed++, 1, 2, st);  // the decode tensor-core kernel, unsplit and split
+            run_batch(c, decode, seed++, 4, 2, st);
+          }
+          if (dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16) {  // with exact tokens: one more pass
+            Case e = c;
+            e.keep_sink = 4;
+            e.keep_recent = 9;
+            run_batch(e, decode, seed++, 0, 0, st);
+            run_batch(e, mixed, seed++, 1, 1, st);
+          }
+          EXPECT_EQ(st.bad, 0u) << kv_cache_dtype_name(dt) << " hd " << hd << " " << attention_kind_name(kind) << " gqa "
+                                << gqa << " max abs err " << st.max_abs;
+          total.max_abs = std::max(total.max_abs, st.max_abs);
+          total.checked += st.checked;
+          total.bad += st.bad;
+          for (int k = 0; k < 4; ++k) total.runs[k] += st.runs[k];
+        }
+      }
+    }
+  }
+  std::printf("[cuda-attention] sinks: batches rows/mma/tiled=%d/%d/%d outputs=%zu max_abs_err=%.3e out_of_tol=%zu\n",
+              total.runs[1], total.runs[2], total.runs[3], total.checked, total.max_abs, total.bad);
+  EXPECT_GT(total.runs[1], 0);
+  EXPECT_GT(total.runs[2], 0);
+  EXPECT_GT(total.runs[3], 0);
 }
 
 // Unsupported formats and head sizes are clear errors, before anything is launched.

@@ -223,17 +223,17 @@ std::pair<double, double> kld_bounds(const Bounds& b, const Golden& g) {
   return {b.mean_kld, b.max_kld};
 }
 
-// A model whose attention has learned sinks: the CUDA kernels do not add them yet, so loading
-// it on the GPU must fail naming them (never run without them). True when it did.
-bool refused_for_sinks(const Golden& g) {
-  if (!load_model_config(g.model_dir).attention_sinks) return false;
-  try {
-    load(g.model_dir, KVCacheDType::Auto, Device::Cuda);
-    ADD_FAILURE() << g.name << ": the CUDA runner loaded a model with attention sinks";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("attention sinks"), std::string::npos) << e.what();
-  }
-  return true;
+// A mixture of experts with a quantized cache: bf16 (CUDA) and fp32 (CPU) compute quantize some
+// K/V rows to neighbouring codes, and where that moves a router logit past another expert's the
+// row's output jumps (measured: max|cuda-cpu| 7.4% of the largest logit on qwen3-moe with
+// fp8_per_token_head, 9% on gpt-oss with int4 and exact tokens; KLD 1e-3). There the two
+// runners' distributions must agree within the mode's mean KLD bound to transformers instead.
+bool moe_quantized(const Golden& g, KVCacheDType dt) {
+  const bool moe = g.meta.contains("min_router_gap") && !g.meta["min_router_gap"].is_null();
+  return moe && dt != KVCacheDType::Auto && dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16;
+}
+double mean_kld_bound(const Golden& g, KVCacheDType dt) {
+  return kld_bounds(*std::ranges::find(kBounds, dt, &Bounds::dt), g).first;
 }
 
 bool reduced_model(const std::string& name) { return name == "qwen3-mixed" || name == "llama-mqa-hd"; }
@@ -250,7 +250,6 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
   const Golden g = load_golden(GetParam());
-  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : kModes) {
@@ -273,14 +272,8 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
                 "max|cpu-hf|=%.3e bound %.3e\n",
                 g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), std::string(dtype_name(ce->dtype())).c_str(),
                 d.max_abs, 100 * d.max_abs / d.scale, d.scale, d.mean_kld, q.max_abs, bound);
-    const auto moe = std::ranges::find(kBounds, dt, &Bounds::dt);
-    if (moe != std::end(kBounds) && moe->moe_max_kld > 0 && kld_bounds(*moe, g).first == moe->moe_mean_kld) {
-      // A mixture of experts in an FP8 mode: bf16 and fp32 compute quantize some K/V rows to
-      // neighbouring codes, and where that moves a router logit past another expert's the
-      // row's output jumps (measured: max|cuda-cpu| 7.4% of the largest logit with
-      // fp8_per_token_head, KLD 1.3e-3). The distributions must stay as close as the mode's
-      // MoE bound to transformers.
-      EXPECT_LT(d.mean_kld, moe->moe_mean_kld) << g.name << " " << kv_cache_dtype_name(dt);
+    if (moe_quantized(g, dt)) {
+      EXPECT_LT(d.mean_kld, mean_kld_bound(g, dt)) << g.name << " " << kv_cache_dtype_name(dt);
     } else {
       EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt);
     }
@@ -294,7 +287,6 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerWithExactTokens) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
   const Golden g = load_golden(GetParam());
-  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : {KVCacheDType::Int4PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Fp8E4M3}) {
@@ -315,7 +307,10 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerWithExactTokens) {
                   "KLD to the CPU with exact tokens %.2e, without %.2e\n",
                   g.name.c_str(), std::string(kv_cache_dtype_name(dt)).c_str(), chunk, d.max_abs, bound, d.mean_kld,
                   dp.mean_kld);
-      EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt) << " chunk " << chunk;
+      if (moe_quantized(g, dt))
+        EXPECT_LT(d.mean_kld, mean_kld_bound(g, dt)) << g.name << " " << kv_cache_dtype_name(dt) << " chunk " << chunk;
+      else
+        EXPECT_LT(d.max_abs, bound) << g.name << " " << kv_cache_dtype_name(dt) << " chunk " << chunk;
       // A runner that ignored the exact tokens would sit nearer the CPU without them.
       EXPECT_LT(d.mean_kld, dp.mean_kld) << g.name << " " << kv_cache_dtype_name(dt) << " chunk " << chunk;
     }
@@ -327,7 +322,6 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced()) GTEST_SKIP() << "reduced run (same code paths as MatchesCpuRunnerEveryKVMode)";
   const Golden g = load_golden(GetParam());
-  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   const size_t first = g.prompt.size() - 1;
@@ -384,7 +378,6 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
   const int gpus = int(cuda_devices().size());
   if (gpus < 2) GTEST_SKIP() << "tensor parallelism needs 2 GPUs, " << gpus << " visible";
   const Golden g = load_golden(GetParam());
-  if (refused_for_sinks(g)) return;
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   const ModelConfig cfg = load(g.model_dir, KVCacheDType::Auto, Device::Cpu)->config();

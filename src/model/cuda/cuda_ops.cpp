@@ -269,8 +269,6 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
 
 void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) {
   fp8_norm_codes_ = {};
-  // The selector gives the CUDA backend no layer with sinks until its kernels add them.
-  KVLM_CHECK(!sinks, "attention sinks on the CUDA backend");
   // The kernels write bf16; a float16 model converts for the o projection.
   void* bf16_out = out.data;
   if (act_ != DType::BF16) bf16_out = step_buffer(attn_bf16_, size_t(out.numel()) * 2);
@@ -279,6 +277,7 @@ void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale, co
   cuda::PagedAttentionParams p = attn_params(L, softmax_scale);
   p.q = static_cast<const uint16_t*>(q.data);
   p.out = static_cast<uint16_t*>(bf16_out);
+  p.sinks = static_cast<const float*>(sinks.data);  // fp32 [heads] (a norm's role), or null
   cuda::paged_attention(p, stream_);
   if (L.rotate)  // the output is a sum of rotated V rows: R^T per head, converted to act on the way
     cuda::unrotate_heads(act_, static_cast<const uint16_t*>(bf16_out), out.data, out.numel() / L.head_dim, L.head_dim,

@@ -77,6 +77,11 @@ struct PagedAttentionParams {
   AttentionKind mask = AttentionKind::Full;
   int window = 0;              // Sliding only
   float softmax_scale = 1.0f;  // usually head_dim^-0.5
+  // Learned attention sinks (GPT-OSS), fp32 [num_q_heads] or null: head h's softmax denominator
+  // gains exp(sinks[h] - max), sinks in score units (after softmax_scale), as the CPU backend's
+  // AttentionCall::sinks. Every kernel adds it where it normalizes: its own epilogue with one
+  // split, the split-KV reduction otherwise (sink_term).
+  const float* sinks = nullptr;
   const uint16_t* q = nullptr;          // bf16 [num_tokens][num_q_heads][head_dim], RoPE applied
   uint16_t* out = nullptr;              // bf16 [num_tokens][num_q_heads][head_dim]
   const void* k_cache = nullptr;        // [num_blocks][num_kv_heads][block_size][head_dim] storage

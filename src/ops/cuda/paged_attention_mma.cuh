@@ -829,6 +829,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     const int row = q_begin + r0 + m / G, h = kvh * G + m % G;
     O *= 1.0f / kPScale;
     if (a.num_splits == 1) {
+      L += sink_term(p, h, mm);
       const float r = L > 0.0f ? O * vscale / L : 0.0f;
       p.out[(size_t(row) * p.num_q_heads + h) * HD + d] = __bfloat16_as_ushort(__float2bfloat16_rn(r));
     } else {

@@ -345,6 +345,7 @@ __device__ __forceinline__ void store_rows(const RowsArgs& a, const float (&o)[H
     const size_t row = row0 + size_t(m / G);
     const int h = kvh * G + m % G;
     if (a.num_splits == 1) {
+      L += sink_term(p, h, m_run[i]);
       const float inv = L > 0.0f ? vscale / (p_scale * L) : 0.0f;
       uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + (row * p.num_q_heads + h) * HD);
 #pragma unroll

@@ -20,6 +20,13 @@ constexpr int kWarps = 4;  // 128 threads: 4 CTAs/SM fit at ~128 registers, enou
 constexpr int kVec = 8;    // elements per lane per row: 16 B (bf16/fp16) or 8 B (fp8/int8) loads
 constexpr float kLog2e = 1.4426950408889634f;
 
+// What a learned sink adds to the softmax denominator of query head h whose scores' running
+// max is m (log2 domain, as every kernel's softmax): 2^(sink log2(e) - m); 0 without sinks.
+// m = -inf (no visible key) gives +inf, and the output o / inf = 0, as without the sink.
+__device__ __forceinline__ float sink_term(const PagedAttentionParams& p, int h, float m) {
+  return p.sinks ? exp2f(fmaf(p.sinks[h], kLog2e, -m)) : 0.0f;
+}
+
 // 2^x in one MUFU.EX2 (flushing results below 2^-126 to 0, which a softmax weight can lose):
 // exp2f without fast math adds a range test and two multiplies around it.
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -419,6 +426,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
     }
     const int h = h0 + g;
     if (a.num_splits == 1) {
+      L += sink_term(p, h, mm);
       const float r = L > 0.0f ? O * vscale / L : 0.0f;  // no visible key: 0, as the CPU backend
       p.out[(size_t(row) * p.num_q_heads + h) * HD + d] = __bfloat16_as_ushort(__float2bfloat16_rn(r));
     } else {
@@ -461,7 +469,10 @@ __global__ void attn_reduce_kernel(const RowsArgs a) {
       }
     }
     L = Ld;  // the same for every d
-    if (R == 1) out[d] = __bfloat16_as_ushort(__float2bfloat16_rn(L > 0.0f ? O / L : 0.0f));
+    if (R == 1) {
+      const float Ls = L + sink_term(a.p, h, mm);
+      out[d] = __bfloat16_as_ushort(__float2bfloat16_rn(Ls > 0.0f ? O / Ls : 0.0f));
+    }
     else s_o[r][d] = O;
   }
   if (R == 1) return;
@@ -482,6 +493,7 @@ __global__ void attn_reduce_kernel(const RowsArgs a) {
         O += s_o[k][d] * c;
       }
     }
+    Lt += sink_term(a.p, h, M);
     out[d] = __bfloat16_as_ushort(__float2bfloat16_rn(Lt > 0.0f ? O / Lt : 0.0f));
   }
 }
