@@ -221,7 +221,7 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
       ->capture_default_str();
   cmd.add_option("--tool-call-parser", tool_call_parser,
                  "the format the model writes tool calls in: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, "
-                 "3.2), none (default: found in the chat template)");
+                 "3.2), harmony (GPT-OSS: also its reasoning), none (default: found in the chat template)");
   cmd.add_flag("--enable-auto-tool-choice", enable_auto_tool_choice,
                "accepted as in vLLM: tool_choice auto works whenever the tool-call format is known");
   cmd.add_flag("--disable-log-requests", disable_log_requests, "no access-log line per request on stderr");

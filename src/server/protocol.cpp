@@ -611,6 +611,12 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
     if (choice != "none" && names.empty()) bad("tool_choice \"" + choice + "\" needs tools", "tool_choice");
   }
   const bool parallel = opt_bool(b, "parallel_tool_calls").value_or(true);
+  // Harmony (GPT-OSS) parses every reply: reasoning apart from the answer, calls when there
+  // are tools. Its markers are special tokens the parser must see.
+  if (parses_every_reply(info.tool_parser)) {
+    r.gen.tool_parser = info.tool_parser;
+    r.gen.skip_special_tokens = false;
+  }
   if (!tools || tools->empty()) return;
   r.template_kwargs["tools"] = *tools;  // rendered by the template whatever the choice
   if (choice == "none") return;
@@ -624,6 +630,10 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
     return;
   }
   if (r.gen.grammar) bad("tool_choice \"" + choice + "\" and an output format cannot both constrain the reply", "tool_choice");
+  if (info.tool_parser == ToolParser::Harmony)
+    bad("tool_choice \"" + choice + "\" is not supported with the harmony format yet (its calls are written between "
+        "special tokens a grammar cannot force); use \"auto\"",
+        "tool_choice");
   Json chosen = Json::array();
   for (const Json& t : *tools)
     if (choice == "required" || t["function"]["name"] == named) chosen.push_back(t);

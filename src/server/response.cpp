@@ -123,7 +123,7 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
     }
     const bool new_tokens = gen_.return_token_ids && r.tokens.size() > mk.tokens;
     // Chat with tools: the text goes through the tool-call parser (calls whole, in one delta).
-    std::string content = text;
+    std::string content = text, reasoning;
     Json calls = Json::array();
     Record& rw = recs_[size_t(ci)];
     if (ep_ == Endpoint::Chat && gen_.tool_parser != ToolParser::None) {
@@ -135,19 +135,21 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
         for (auto& c : f.calls) o.calls.push_back(std::move(c));
       }
       content = std::move(o.content);
+      reasoning = std::move(o.reasoning);
       for (const ToolCall& call : o.calls)
         calls.push_back(Json{{"index", rw.tool_calls_sent++},
                              {"id", call.id},
                              {"type", "function"},
                              {"function", Json{{"name", call.name}, {"arguments", call.arguments}}}});
     }
-    if (content.empty() && calls.empty() && lp.is_null() && !ok_finish && !new_tokens) continue;
+    if (content.empty() && reasoning.empty() && calls.empty() && lp.is_null() && !ok_finish && !new_tokens) continue;
     Json c = Json::object();
     c["index"] = ci;
     if (ep_ == Endpoint::Completions) {
       c["text"] = content;
     } else {
       Json delta = Json::object();
+      if (!reasoning.empty()) delta["reasoning_content"] = reasoning;
       if (!content.empty()) delta["content"] = content;
       if (!calls.empty()) delta["tool_calls"] = std::move(calls);
       c["delta"] = std::move(delta);
@@ -218,6 +220,8 @@ Json ResponseAssembler::response() const {
       bool made_calls = false;
       if (gen_.tool_parser != ToolParser::None) {
         ExtractedCalls x = extract_tool_calls(gen_.tool_parser, r.text);
+        if (!x.reasoning.empty()) msg["reasoning_content"] = x.reasoning;
+        if (parses_every_reply(gen_.tool_parser) && x.calls.empty()) msg["content"] = x.content;
         if (!x.calls.empty()) {
           made_calls = true;
           msg["content"] = x.content.empty() ? Json(nullptr) : Json(x.content);

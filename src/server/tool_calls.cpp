@@ -90,6 +90,35 @@ std::optional<std::vector<ToolCall>> llama_calls(std::string_view text) {
   return calls;
 }
 
+// Harmony's markers (special tokens of GPT-OSS's tokenizer, kept in the text it parses).
+constexpr std::string_view kMessage = "<|message|>", kChannel = "<|channel|>", kConstrain = "<|constrain|>";
+constexpr std::string_view kBodyEnds[] = {"<|end|>", "<|call|>", "<|return|>", "<|start|>"};
+constexpr std::string_view kMarkers[] = {"<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                                         "<|call|>", "<|return|>", "<|constrain|>"};
+
+// A harmony call's arguments: its body, as compact JSON when it is a JSON object, else as
+// written (the client sees what the model sent).
+std::string harmony_arguments(std::string_view body) {
+  body = trim(body);
+  try {
+    const Json j = Json::parse(body);
+    if (j.is_object()) return j.dump();
+  } catch (const Json::parse_error&) {
+  }
+  return std::string(body);
+}
+
+// The word after `key` in a harmony header ("" when absent): up to a space, a marker or the end.
+std::string header_word(std::string_view header, std::string_view key) {
+  const size_t at = header.find(key);
+  if (at == std::string_view::npos) return {};
+  std::string_view rest = header.substr(at + key.size());
+  const size_t b = rest.find_first_not_of(' ');
+  if (b == std::string_view::npos) return {};
+  rest = rest.substr(b);
+  return std::string(rest.substr(0, std::min(rest.find(' '), rest.find('<'))));
+}
+
 // The length of the longest suffix of `s` that is a proper prefix of `tag`.
 size_t partial_tag(std::string_view s, std::string_view tag) {
   for (size_t n = std::min(s.size(), tag.size() - 1); n > 0; --n)
@@ -102,20 +131,25 @@ size_t partial_tag(std::string_view s, std::string_view tag) {
 ToolParser parse_tool_parser(std::string_view name) {
   if (name == "hermes" || name == "qwen" || name == "qwen3") return ToolParser::Hermes;
   if (name == "llama3_json" || name == "llama3" || name == "llama4_json") return ToolParser::Llama3Json;
+  if (name == "harmony" || name == "openai" || name == "gpt_oss") return ToolParser::Harmony;
   if (name == "none") return ToolParser::None;
   throw Error("--tool-call-parser '" + std::string(name) +
-              "' is not one kvlm has; valid: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, 3.2), none");
+              "' is not one kvlm has; valid: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, 3.2), "
+              "harmony (GPT-OSS; vLLM's openai), none");
 }
 
 std::string_view tool_parser_name(ToolParser p) {
   switch (p) {
     case ToolParser::Hermes: return "hermes";
     case ToolParser::Llama3Json: return "llama3_json";
+    case ToolParser::Harmony: return "harmony";
     default: return "none";
   }
 }
 
 ToolParser detect_tool_parser(std::string_view tpl) {
+  if (tpl.find("<|channel|>") != std::string_view::npos && tpl.find("<|message|>") != std::string_view::npos)
+    return ToolParser::Harmony;
   if (tpl.find("<tool_call>") != std::string_view::npos) return ToolParser::Hermes;
   if (tpl.find("\"parameters\"") != std::string_view::npos && tpl.find("ipython") != std::string_view::npos)
     return ToolParser::Llama3Json;
@@ -129,22 +163,94 @@ ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text) {
     else out.content = std::string(text);
     return out;
   }
-  if (p != ToolParser::Hermes) {
+  if (p != ToolParser::Hermes && p != ToolParser::Harmony) {
     out.content = std::string(text);
     return out;
   }
   ToolCallStream s(p);
   ToolCallStream::Out a = s.push(text), b = s.finish();
   out.content = a.content + b.content;
+  out.reasoning = a.reasoning + b.reasoning;
   out.calls = std::move(a.calls);
   for (auto& c : b.calls) out.calls.push_back(std::move(c));
   if (!out.calls.empty()) out.content = std::string(trim(out.content));
   return out;
 }
 
+ToolCallStream::Out ToolCallStream::push_harmony(bool end) {
+  Out out;
+  for (;;) {
+    if (!in_body_) {
+      // A header runs to <|message|>: [<|start|>ROLE][ to=RECIPIENT]<|channel|>CHANNEL[ to=...][ <|constrain|>json]
+      const size_t at = pending_.find(kMessage);
+      if (at == std::string::npos) {
+        if (!end) break;
+        // The reply ended without another message: text that holds no marker is the model
+        // answering outside the format (content); a header cut short is dropped.
+        std::string rest = header_ + pending_;
+        bool marked = false;
+        for (std::string_view m : kMarkers) marked |= rest.find(m) != std::string::npos;
+        if (!marked) out.content += rest;
+        header_.clear();
+        pending_.clear();
+        break;
+      }
+      header_ += pending_.substr(0, at);
+      pending_.erase(0, at + kMessage.size());
+      channel_ = header_word(header_, kChannel);
+      recipient_ = header_word(header_, "to=");
+      (void)kConstrain;  // <|constrain|>json only says the body is JSON
+      header_.clear();
+      in_body_ = true;
+      continue;
+    }
+    size_t stop = std::string::npos, stop_len = 0;
+    for (std::string_view m : kBodyEnds)
+      if (const size_t p = pending_.find(m); p != std::string::npos && p < stop) {
+        stop = p;
+        stop_len = m.size();
+      }
+    const bool call = !recipient_.empty();
+    std::string piece;
+    if (stop != std::string::npos) {
+      piece = pending_.substr(0, stop);
+      // The marker ends this body (<|start|> also opens the next header: its role follows).
+      pending_.erase(0, stop + stop_len);
+    } else if (end) {
+      piece = std::move(pending_);
+      pending_.clear();
+    } else if (call) {
+      break;  // a call's arguments are sent whole
+    } else {
+      size_t hold = 0;
+      for (std::string_view m : kMarkers) hold = std::max(hold, partial_tag(pending_, m));
+      piece = pending_.substr(0, pending_.size() - hold);
+      pending_.erase(0, pending_.size() - hold);
+    }
+    if (call) {
+      header_ += piece;  // the call's body so far (header_ is free inside a body)
+      if (stop == std::string::npos && !end) break;
+      const std::string name = recipient_.starts_with("functions.") ? recipient_.substr(10) : recipient_;
+      out.calls.push_back(ToolCall{call_id(), name, harmony_arguments(header_)});
+      ++calls_;
+      header_.clear();
+    } else if (channel_ == "analysis") {
+      out.reasoning += piece;
+    } else {
+      out.content += piece;  // final, and commentary without a recipient (a preamble)
+    }
+    if (stop == std::string::npos) break;
+    in_body_ = false;
+    channel_.clear();
+    recipient_.clear();
+  }
+  return out;
+}
+
 ToolCallStream::Out ToolCallStream::push(std::string_view text) {
   Out out;
   pending_ += text;
+  if (p_ == ToolParser::Harmony) return push_harmony(false);
   if (p_ == ToolParser::Llama3Json) {
     // A reply is a call when it starts with '{' (or the python tag): held to the end.
     if (!decided_) {
@@ -201,6 +307,11 @@ ToolCallStream::Out ToolCallStream::push(std::string_view text) {
 }
 
 ToolCallStream::Out ToolCallStream::finish() {
+  if (p_ == ToolParser::Harmony) {
+    Out out = push_harmony(true);
+    in_body_ = false;
+    return out;
+  }
   Out out;
   if (p_ == ToolParser::Llama3Json) {
     if (in_call_ || !decided_) {

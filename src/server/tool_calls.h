@@ -1,11 +1,18 @@
-// Tool calling: the model's tool-call text pulled out of a chat completion into OpenAI's
-// `tool_calls`, whole or streamed, and the grammar that forces a call when the request's
-// tool_choice is "required" or names a function. Two formats, chosen by --tool-call-parser
-// as in vLLM:
+// The parser seam of chat replies: the model's text split into OpenAI's `content`,
+// `reasoning_content` and `tool_calls`, whole or streamed, and the grammar that forces a call
+// when the request's tool_choice is "required" or names a function. The formats, chosen by
+// --tool-call-parser as in vLLM or found in the chat template:
 //   hermes       Hermes / Qwen 2.5 / Qwen 3: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>,
 //                one block per call, text around them is content;
 //   llama3_json  Llama 3.1 / 3.2: the whole reply is {"name": ..., "parameters": {...}}
-//                (optionally after <|python_tag|>), calls separated by ";".
+//                (optionally after <|python_tag|>), calls separated by ";";
+//   harmony      GPT-OSS: messages <|channel|>CHANNEL[ to=functions.NAME][ <|constrain|>json]
+//                <|message|>BODY<|end|> (<|call|> after a call; <|start|>assistant between
+//                messages): the analysis channel is reasoning, final is content, a
+//                commentary message to functions.NAME is a call (BODY its arguments), and one
+//                without a recipient (a preamble) is content. Harmony parses every chat reply
+//                of the model, with tools or without (the markers are special tokens, kept in
+//                the text the parser reads).
 // A reply that does not hold a well-formed call is content, unchanged.
 #pragma once
 
@@ -20,7 +27,10 @@
 
 namespace kvlm::server {
 
-enum class ToolParser { None, Hermes, Llama3Json };
+enum class ToolParser { None, Hermes, Llama3Json, Harmony };
+
+// Whether the format carries reasoning apart from the answer (every reply is parsed).
+inline bool parses_every_reply(ToolParser p) { return p == ToolParser::Harmony; }
 
 // "hermes", "llama3_json" (vLLM's names; "qwen" and "llama3" are accepted too); throws
 // kvlm::Error naming the valid values.
@@ -39,6 +49,7 @@ struct ToolCall {
 struct ExtractedCalls {
   std::string content;         // the text that is not a call (trimmed when there are calls)
   std::vector<ToolCall> calls;
+  std::string reasoning;       // harmony's analysis channel
 };
 ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text);
 
@@ -50,17 +61,24 @@ class ToolCallStream {
   struct Out {
     std::string content;
     std::vector<ToolCall> calls;
+    std::string reasoning;
   };
   Out push(std::string_view text);  // new text of the reply
   Out finish();                     // the reply ended: what was held back
   bool any_calls() const { return calls_ > 0; }
 
  private:
+  Out push_harmony(bool end);
+
   ToolParser p_;
   std::string pending_;
   bool in_call_ = false;
   bool decided_ = false;  // llama3_json: whether the reply is a call (starts with '{')
   int calls_ = 0;
+  // harmony: in a message's header (up to <|message|>) or its body; the header read so far
+  // and what it made the body (its channel and recipient).
+  bool in_body_ = false;
+  std::string header_, channel_, recipient_;
 };
 
 // The grammar of a reply that is one or more calls (parallel: more than one allowed) of the

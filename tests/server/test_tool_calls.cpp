@@ -84,10 +84,63 @@ TEST(ToolCalls, Llama3JsonCallsAreTheWholeReply) {
   expect_stream_equals_whole(ToolParser::Llama3Json, "Plain words {\"name\": \"f\"}");
 }
 
+// Harmony (GPT-OSS): the analysis channel is reasoning, final is content, a commentary
+// message to functions.NAME is a call; the text as the model writes it after the template's
+// "<|start|>assistant", with the stop tokens (<|return|>, <|call|>) already cut off.
+TEST(ToolCalls, HarmonySplitsReasoningAnswerAndCalls) {
+  using kvlm::server::extract_tool_calls;
+  const std::string answer =
+      "<|channel|>analysis<|message|>The user greets; reply briefly.<|end|><|start|>assistant<|channel|>final"
+      "<|message|>Hello! How can I help?";
+  ExtractedCalls x = extract_tool_calls(ToolParser::Harmony, answer);
+  EXPECT_EQ(x.reasoning, "The user greets; reply briefly.");
+  EXPECT_EQ(x.content, "Hello! How can I help?");
+  EXPECT_TRUE(x.calls.empty());
+  // A call: the recipient in the header after the channel, or before it; <|constrain|>json.
+  for (const std::string call : {std::string("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"),
+                                 std::string(" to=functions.get_weather<|channel|>commentary json<|message|>")}) {
+    const std::string text = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant" + call +
+                             "{\"city\": \"Paris\"}";
+    x = extract_tool_calls(ToolParser::Harmony, text);
+    EXPECT_EQ(x.reasoning, "Need the weather.") << text;
+    ASSERT_EQ(x.calls.size(), 1u) << text;
+    EXPECT_EQ(x.calls[0].name, "get_weather");
+    EXPECT_EQ(Json::parse(x.calls[0].arguments), Json::parse(R"({"city": "Paris"})"));
+    EXPECT_TRUE(x.content.empty());
+    expect_stream_equals_whole(ToolParser::Harmony, text);
+  }
+  // A preamble on commentary is content; a call's body that is not JSON is passed on as written.
+  x = extract_tool_calls(ToolParser::Harmony,
+                         "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+                         "to=functions.lookup<|message|>not json");
+  EXPECT_EQ(x.content, "Checking.");
+  ASSERT_EQ(x.calls.size(), 1u);
+  EXPECT_EQ(x.calls[0].arguments, "not json");
+  // Text outside the format is content; a reply cut inside a header loses only the header.
+  EXPECT_EQ(extract_tool_calls(ToolParser::Harmony, "plain words").content, "plain words");
+  x = extract_tool_calls(ToolParser::Harmony, "<|channel|>analysis<|message|>thinking<|end|><|start|>assistant<|chan");
+  EXPECT_EQ(x.reasoning, "thinking");
+  EXPECT_TRUE(x.content.empty());
+  // Streamed in pieces split anywhere (inside markers too), reasoning and content arrive as
+  // they are written: no piece of a marker leaks into either.
+  for (size_t cut = 0; cut <= answer.size(); ++cut) {
+    ToolCallStream s(ToolParser::Harmony);
+    auto a = s.push(answer.substr(0, cut));
+    auto b = s.push(answer.substr(cut));
+    auto c = s.finish();
+    EXPECT_EQ(a.reasoning + b.reasoning + c.reasoning, "The user greets; reply briefly.") << cut;
+    EXPECT_EQ(a.content + b.content + c.content, "Hello! How can I help?") << cut;
+  }
+  expect_stream_equals_whole(ToolParser::Harmony, answer);
+}
+
 TEST(ToolCalls, ParsersAreNamedAndDetected) {
   EXPECT_EQ(kvlm::server::parse_tool_parser("hermes"), ToolParser::Hermes);
   EXPECT_EQ(kvlm::server::parse_tool_parser("llama3_json"), ToolParser::Llama3Json);
+  EXPECT_EQ(kvlm::server::parse_tool_parser("openai"), ToolParser::Harmony);  // vLLM's name for GPT-OSS's
   EXPECT_THROW(kvlm::server::parse_tool_parser("mistral"), kvlm::Error);
+  EXPECT_EQ(kvlm::server::detect_tool_parser("{{- '<|start|>assistant<|channel|>final<|message|>' + m.content }}"),
+            ToolParser::Harmony);
   const fs::path tpl = fs::path(KVLM_TEST_DATA) / ".." / ".." / "shared" / "data" / "chat-templates";
   if (!fs::exists(tpl)) GTEST_SKIP() << "../shared/data is not beside the repository";
   const auto read = [&](const char* f) {

@@ -2,13 +2,13 @@
 //
 // The grouped GEMM, C[pair][n] = A[row(pair)] . B[expert][n]^T (+ bias[expert][n]): a CTA of
 // 4 warps takes one 16-row tile of one expert's pairs and 64 output columns (16 per warp, two
-// m16n8k16 fragments). Each lane streams the expert's weight rows with 16-byte loads, 8
+// m16n8k16 fragments; decode batches: 32 columns, one fragment, more loads in flight). Each lane streams the expert's weight rows with 16-byte loads, 8
 // consecutive k of one row n: for the mma, k is permuted inside each 32-wide chunk (logical
 // k 2t, 2t+1 of step s are physical 8t + 4s, +1; 2t+8, 2t+9 are 8t + 4s + 2, +3), the same
 // permutation on A, so the sum is the same and every weight byte arrives in a full 16-byte
 // load. A's 16 rows (gathered token rows, zero past the tile's pairs) sit in shared memory,
 // a chunk of K at a time. A decode step's tiles are one row each: the weights stream at
-// memory speed and each routed expert is read once per 64 columns; prefill tiles fill 16
+// memory speed and each routed expert's weights are read once; prefill tiles fill 16
 // rows and the CTAs of one expert and column block run side by side, sharing its weights in L2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,7 +27,6 @@ namespace kvlm::cuda {
 namespace {
 
 constexpr int kTileRows = 16;    // pairs per CTA tile (one m16 fragment)
-constexpr int kTileCols = 64;    // output columns per CTA (4 warps x 16)
 constexpr int kChunkK = 512;     // A's columns staged in shared memory at a time
 constexpr int kAStride = kChunkK + 8;  // halves per staged row (+16 bytes against bank conflicts)
 constexpr int kMaxExperts = 1024;
@@ -177,8 +176,12 @@ __global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int expe
 }
 
 // The grouped GEMM (top of file). a: act [*][K]; a_rows: the pair's row of a (null: the
-// pair's position); b: act [E][N][K]; bias: act [E][N] or null; c: act [P][N].
-template <class A>
+// pair's position); b: act [E][N][K]; bias: act [E][N] or null; c: act [P][N]. NF: n8
+// fragments per warp (the CTA's columns: 32 NF); KU: 32-wide k steps whose weight loads are
+// issued before their mmas (NF x KU 16-byte loads in flight per lane). Decode-sized batches
+// take NF 1, KU 8: twice the CTAs and four times the bytes in flight of NF 2, KU 2, which
+// prefill tiles (16 real rows) use to share each weight load between two fragments.
+template <class A, int NF, int KU>
 __global__ void __launch_bounds__(128) grouped_gemm_kernel(const uint16_t* __restrict__ a, const int32_t* __restrict__ a_rows,
                                                            const uint16_t* __restrict__ b, const uint16_t* __restrict__ bias,
                                                            uint16_t* __restrict__ c, int N, int K, int experts,
@@ -198,9 +201,16 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(const uint16_t* __res
   const int first = offsets[e] + (tile - tile_offsets[e]) * kTileRows;
   const int count = min(kTileRows, offsets[e + 1] - first);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t4 = lane % 4;
-  const int n_base = int(blockIdx.y) * kTileCols + warp * 16;
+  const int n_base = (int(blockIdx.y) * 4 + warp) * 8 * NF;
   const uint16_t* be = b + size_t(e) * size_t(N) * size_t(K);
-  float acc[2][4] = {};
+  // This lane's weight rows (n >= N: row 0, loaded but never stored).
+  const uint16_t* brow[NF];
+#pragma unroll
+  for (int f = 0; f < NF; ++f) {
+    const int n = n_base + f * 8 + g;
+    brow[f] = be + size_t(n < N ? n : 0) * size_t(K) + size_t(t4 * 8);
+  }
+  float acc[NF][4] = {};
   for (int k0 = 0; k0 < K; k0 += kChunkK) {
     const int kc = min(kChunkK, K - k0);
     // Stage A's rows [first, first + 16) x [k0, k0 + kc) (zeros past count), 16 bytes a thread.
@@ -215,30 +225,34 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(const uint16_t* __res
       *reinterpret_cast<uint4*>(sa + r * kAStride + col) = v;
     }
     __syncthreads();
-#pragma unroll 2
-    for (int k = 0; k < kc; k += 32) {
-      uint4 bw[2];
+    for (int k = 0; k < kc; k += 32 * KU) {
+      const int steps = min(KU, (kc - k) / 32);
+      uint4 bw[KU][NF];
 #pragma unroll
-      for (int f = 0; f < 2; ++f) {
-        const int n = n_base + f * 8 + g;
-        bw[f] = n < N ? __ldg(reinterpret_cast<const uint4*>(be + size_t(n) * size_t(K) + size_t(k0 + k + t4 * 8)))
-                      : make_uint4(0, 0, 0, 0);
-      }
+      for (int u = 0; u < KU; ++u)
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int col = k + t4 * 8 + 4 * s;
-        const uint2 lo_row = *reinterpret_cast<const uint2*>(sa + g * kAStride + col);
-        const uint2 hi_row = *reinterpret_cast<const uint2*>(sa + (g + 8) * kAStride + col);
-        const uint32_t af[4] = {lo_row.x, hi_row.x, lo_row.y, hi_row.y};
+        for (int f = 0; f < NF; ++f)
+          bw[u][f] = u < steps ? __ldg(reinterpret_cast<const uint4*>(brow[f] + size_t(k0 + k + 32 * u)))
+                               : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int f = 0; f < 2; ++f)
-          mma::mma16816<A::kBF16>(acc[f], af, s == 0 ? bw[f].x : bw[f].z, s == 0 ? bw[f].y : bw[f].w);
+      for (int u = 0; u < KU; ++u) {
+        if (u >= steps) break;
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const int col = k + 32 * u + t4 * 8 + 4 * s;
+          const uint2 lo_row = *reinterpret_cast<const uint2*>(sa + g * kAStride + col);
+          const uint2 hi_row = *reinterpret_cast<const uint2*>(sa + (g + 8) * kAStride + col);
+          const uint32_t af[4] = {lo_row.x, hi_row.x, lo_row.y, hi_row.y};
+#pragma unroll
+          for (int f = 0; f < NF; ++f)
+            mma::mma16816<A::kBF16>(acc[f], af, s == 0 ? bw[u][f].x : bw[u][f].z, s == 0 ? bw[u][f].y : bw[u][f].w);
+        }
       }
     }
   }
   // C fragment: c0, c1 at (g, 2 t4 + {0, 1}), c2, c3 at (g + 8, the same columns).
 #pragma unroll
-  for (int f = 0; f < 2; ++f) {
+  for (int f = 0; f < NF; ++f) {
     const int n = n_base + f * 8 + 2 * t4;
     if (n >= N) continue;
     const float b0 = bias ? A::load(bias[size_t(e) * size_t(N) + size_t(n)]) : 0.0f;
@@ -293,11 +307,16 @@ __global__ void combine_kernel(const uint16_t* __restrict__ out, const int32_t* 
 
 template <class A>
 void launch_gemm(const uint16_t* a, const int32_t* a_rows, const void* b, const void* bias, uint16_t* c, int N, int K,
-                 int experts, int max_tiles, const Workspace& w, cudaStream_t st) {
-  const dim3 grid(unsigned(max_tiles), unsigned((N + kTileCols - 1) / kTileCols));
-  grouped_gemm_kernel<A><<<grid, 128, 0, st>>>(a, a_rows, static_cast<const uint16_t*>(b),
-                                               static_cast<const uint16_t*>(bias), c, N, K, experts, w.offsets,
-                                               w.tile_offsets);
+                 int experts, int max_tiles, bool decode, const Workspace& w, cudaStream_t st) {
+  const auto* bw = static_cast<const uint16_t*>(b);
+  const auto* bb = static_cast<const uint16_t*>(bias);
+  if (decode) {
+    const dim3 grid(unsigned(max_tiles), unsigned((N + 31) / 32));
+    grouped_gemm_kernel<A, 1, 8><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, experts, w.offsets, w.tile_offsets);
+  } else {
+    const dim3 grid(unsigned(max_tiles), unsigned((N + 63) / 64));
+    grouped_gemm_kernel<A, 2, 2><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, experts, w.offsets, w.tile_offsets);
+  }
   KVLM_CUDA_CHECK_LAUNCH("moe grouped_gemm_kernel");
 }
 
@@ -329,6 +348,8 @@ void moe(const MoeParams& p, void* stream) {
   // Tiles: at most one partial tile per expert that has pairs, and no more experts with pairs
   // than pairs.
   const int max_tiles = (P + kTileRows - 1) / kTileRows + std::min(E, P);
+  // Fewer than 8 pairs per expert on average: the weights are the cost (decode batches).
+  const bool decode = P < 8 * E;
   dispatch_act(p.act, [&](auto a) {
     using A = decltype(a);
     route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, static_cast<const uint16_t*>(p.router_bias), T, E, K,
@@ -337,12 +358,12 @@ void moe(const MoeParams& p, void* stream) {
     sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, E, K, w.pair_of, w.pair_row, w.offsets, w.tile_offsets);
     KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
     launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, E, max_tiles,
-                   w, st);
+                   decode, w, st);
     const size_t n = size_t(P) * size_t(I);
     glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
                                                                                        c.swiglu_alpha, c.swiglu_limit);
     KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
-    launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, E, max_tiles, w, st);
+    launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, E, max_tiles, decode, w, st);
     combine_kernel<A><<<unsigned(T), 256, 0, st>>>(w.out, w.pair_of, w.weights, K, H, static_cast<uint16_t*>(p.y));
     KVLM_CUDA_CHECK_LAUNCH("moe combine_kernel");
   });
