@@ -1,5 +1,9 @@
 // kvlm chat: an interactive multi-turn conversation using the model's chat template.
-// /reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops the current answer.
+// /reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops the current answer. A
+// model that writes harmony (GPT-OSS) has its reasoning shown apart (dimmed on a terminal)
+// and kept out of the history, as its template expects.
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
 #include <iostream>
@@ -9,6 +13,7 @@
 #include "app/commands.h"
 #include "core/error.h"
 #include "offline/generate.h"
+#include "server/tool_calls.h"
 #include "text/stop.h"
 #include "text/text_processor.h"
 
@@ -51,6 +56,8 @@ int run_chat(const ChatFlags& f) {
   std::fprintf(stderr, "kvlm chat with %s — /reset clears the conversation, /exit quits, Ctrl-C stops an answer\n",
                opts.model_dir.string().c_str());
   std::fprintf(stderr, "%s\n", describe_sampling(f.sampling.params(engine->config()), engine->config()).c_str());
+  const bool harmony = server::detect_tool_parser(*text.config().chat_template) == server::ToolParser::Harmony;
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
   std::string line;
   for (;;) {
     std::fputs("> ", stdout);
@@ -86,12 +93,33 @@ int run_chat(const ChatFlags& f) {
       std::fprintf(stderr, "kvlm: error: %s\n", e.what());
       continue;
     }
-    IncrementalDecoder dec(text.tokenizer(), true);
+    IncrementalDecoder dec(text.tokenizer(), /*skip_special_tokens=*/!harmony);  // harmony's markers are special tokens
     StopMatcher stops(f.sampling.stop);
     std::string answer;
-    auto emit = [&](const std::string& s) {
-      answer += s;
-      std::fwrite(s.data(), 1, s.size(), stdout);
+    server::ToolCallStream channels(server::ToolParser::Harmony);
+    bool reasoning_shown = false, answer_started = false;
+    auto print = [](const std::string& s) { std::fwrite(s.data(), 1, s.size(), stdout); };
+    auto emit = [&](const std::string& s, bool end = false) {
+      if (!harmony) {
+        answer += s;
+        print(s);
+      } else {
+        // reasoning first (dimmed on a terminal, "thinking:" otherwise), then the answer
+        const server::ToolCallStream::Out o = end ? channels.finish() : channels.push(s);
+        if (!o.reasoning.empty()) {
+          if (!reasoning_shown) print(tty ? "\033[2m" : "thinking: ");
+          reasoning_shown = true;
+          print(o.reasoning);
+        }
+        std::string shown = o.content;
+        for (const auto& call : o.calls) shown += "[call " + call.name + " " + call.arguments + "]";
+        if (!shown.empty()) {
+          if (reasoning_shown && !answer_started) print(tty ? "\033[0m\n" : "\n");
+          answer_started = true;
+          answer += o.content;
+          print(shown);
+        }
+      }
       std::fflush(stdout);
     };
     const GenerateResult r = generate(*engine, req, [&](TokenId id) {
@@ -99,6 +127,8 @@ int run_chat(const ChatFlags& f) {
       return !stops.stopped();
     });
     if (!stops.stopped()) emit(stops.feed(dec.flush()) + stops.flush());
+    if (harmony) emit("", /*end=*/true);  // what the parser held back
+    if (harmony && tty && reasoning_shown && !answer_started) std::fputs("\033[0m", stdout);
     std::fputs(r.finish_reason == "abort" ? " [stopped]\n" : "\n", stdout);
     history.push_back({{"role", "assistant"}, {"content", answer}});
     print_summary(r, *engine);

@@ -28,8 +28,11 @@ struct Drafter {
   TokenId mask = 5;
 };
 
-inline Drafter make_drafter(const std::string& name, nlohmann::json overrides = nlohmann::json::object(), bool prefix = false) {
-  Drafter D;
+// `shape`: the drafter's sizes (another target than kvlm-tiny: pass its vocab_size and
+// num_target_layers in `overrides` too).
+inline Drafter make_drafter(const std::string& name, nlohmann::json overrides = nlohmann::json::object(), bool prefix = false,
+                            Drafter shape = {}) {
+  Drafter D = std::move(shape);
   D.dir = std::filesystem::temp_directory_path() / ("kvlm-dflash-" + name + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(D.dir);
   std::filesystem::create_directories(D.dir);

@@ -298,5 +298,45 @@ TEST(DFlash, GreedyOutputIsThePlainOutputInEveryKVMode) {
   fs::remove_all(D.dir);
 }
 
+// A dense drafter over a mixture-of-experts target (the golden Qwen3-MoE, bf16 weights,
+// computed in fp32): drafting leaves the greedy output as it is, in a 16-bit and a quantized
+// cache; the drafter reads the target's layer outputs through the MoE layers.
+TEST(DFlash, DenseDrafterOverAMixtureOfExpertsTarget) {
+  const fs::path target = fs::path(KVLM_TEST_DATA) / "golden" / "models" / "qwen3-moe";
+  Drafter shape;
+  shape.hidden = 64;
+  shape.nh = 4;
+  shape.kvh = 2;
+  shape.d = 16;
+  shape.inter = 96;
+  shape.ids = {0, 1};
+  shape.mask = 3;
+  const Drafter D = make_drafter("moe", {{"vocab_size", 256}, {"num_target_layers", 3}}, false, shape);
+  const std::vector<TokenId> prompt{1, 206, 206, 114, 177, 120, 195, 176, 186, 43, 27, 99};
+  for (const KVCacheDType dt : {KVCacheDType::Auto, KVCacheDType::Int8PerTokenHead}) {
+    ModelOptions o;
+    o.model_dir = target;
+    o.cache.kv_cache_dtype = dt;
+    o.dtype = DType::F32;
+    auto plain = LoadedModel::load(o);
+    o.speculative = parse_speculative_config(R"({"method":"dflash","model":")" + D.dir.string() +
+                                             R"(","num_speculative_tokens":4})");
+    auto spec = LoadedModel::load(o);
+    GenerateRequest g;
+    g.prompt = prompt;
+    g.max_tokens = 20;
+    g.sampling.temperature = 0;
+    g.ignore_eos = true;
+    const GenerateResult b = generate(*spec, g);
+    g.logprobs = 2;
+    const GenerateResult a = generate(*plain, g);
+    // fp32 KV: the same tokens; a quantized cache may part where the plain run's top two tie.
+    const bool parted = test::expect_same_greedy(a, b, std::string(kv_cache_dtype_name(dt)));
+    if (dt == KVCacheDType::Auto) EXPECT_FALSE(parted);
+    EXPECT_GT(b.drafts, 0u);
+  }
+  fs::remove_all(D.dir);
+}
+
 }  // namespace
 }  // namespace kvlm
