@@ -5,6 +5,8 @@
     python3 tools/make_random_model.py --shape qwen3-8b-dflash --out /dev/shm/qwen3-8b-dflash-random
     python3 tools/make_random_model.py --shape llama3-70b --layers 40 --out /dev/shm/llama3-70b-40l
     python3 tools/make_random_model.py --shape qwen3-8b --fp8-block --out /dev/shm/qwen3-8b-fp8-block
+    python3 tools/make_random_model.py --shape qwen3-30b-a3b --out /dev/shm/qwen3-30b-a3b-random
+    python3 tools/make_random_model.py --shape gpt-oss-20b --out /dev/shm/gpt-oss-20b-random
 
 Writes config.json (the shape's Hugging Face config) and model-0000N-of-0000M.safetensors
 shards with a model.safetensors.index.json, in bfloat16: linear weights ~ N(0, 0.02^2), norm
@@ -84,6 +86,75 @@ SHAPES["qwen3-8b-dflash"] = dict(
     num_target_layers=36,
     dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
 )
+# Qwen/Qwen3-30B-A3B config.json (architecture fields only): 128 experts of width 768, top 8,
+# every layer sparse; ~61 GB in bfloat16.
+SHAPES["qwen3-30b-a3b"] = dict(
+    SHAPES["qwen3-8b"],
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_window_layers=48,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+# openai/gpt-oss-20b config.json (architecture fields only), its experts in bfloat16 (the
+# release's MXFP4 dequantized, as unsloth/gpt-oss-20b-BF16 ships them): ~42 GB.
+SHAPES["gpt-oss-20b"] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "eos_token_id": 200002,
+    "torch_dtype": "bfloat16",
+}
+
+
+def mlp_tensors(cfg, p):
+    """A layer's MLP: dense, Qwen3-MoE's per-expert tensors or GPT-OSS's fused ones."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    if cfg["model_type"] == "qwen3_moe":
+        e, w = cfg["num_experts"], cfg["moe_intermediate_size"]
+        out = [(p + "mlp.gate.weight", (e, h), "linear")]
+        for x in range(e):
+            out += [(p + f"mlp.experts.{x}.gate_proj.weight", (w, h), "linear"),
+                    (p + f"mlp.experts.{x}.up_proj.weight", (w, h), "linear"),
+                    (p + f"mlp.experts.{x}.down_proj.weight", (h, w), "linear")]
+        return out
+    if cfg["model_type"] == "gpt_oss":
+        e = cfg["num_local_experts"]
+        return [(p + "mlp.router.weight", (e, h), "linear"), (p + "mlp.router.bias", (e,), "bias"),
+                (p + "mlp.experts.gate_up_proj", (e, h, 2 * i), "linear"),
+                (p + "mlp.experts.gate_up_proj_bias", (e, 2 * i), "bias"),
+                (p + "mlp.experts.down_proj", (e, i, h), "linear"),
+                (p + "mlp.experts.down_proj_bias", (e, h), "bias")]
+    return [(p + "mlp.gate_proj.weight", (i, h), "linear"), (p + "mlp.up_proj.weight", (i, h), "linear"),
+            (p + "mlp.down_proj.weight", (h, i), "linear")]
 
 
 def tensors(cfg):
@@ -105,11 +176,13 @@ def tensors(cfg):
             (p + "self_attn.v_proj.weight", (kvh * d, h), "linear"),
             (p + "self_attn.o_proj.weight", (h, nh * d), "linear"),
             (p + "post_attention_layernorm.weight", (h,), "norm"),
-            (p + "mlp.gate_proj.weight", (i, h), "linear"),
-            (p + "mlp.up_proj.weight", (i, h), "linear"),
-            (p + "mlp.down_proj.weight", (h, i), "linear"),
-        ]
-        if cfg["model_type"] == "qwen3":
+        ] + mlp_tensors(cfg, p)
+        if cfg.get("attention_bias"):
+            out += [(p + f"self_attn.{x}_proj.bias", (n,), "bias")
+                    for x, n in (("q", nh * d), ("k", kvh * d), ("v", kvh * d), ("o", h))]
+        if cfg["model_type"] == "gpt_oss":
+            out.append((p + "self_attn.sinks", (nh,), "bias"))
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
     out.append(("norm.weight" if drafter else "model.norm.weight", (h,), "norm"))
     if not cfg["tie_word_embeddings"] and not drafter:
@@ -135,6 +208,8 @@ def main():
         cfg["num_hidden_layers"] = args.layers
         if "max_window_layers" in cfg:
             cfg["max_window_layers"] = args.layers
+        if "layer_types" in cfg:
+            cfg["layer_types"] = cfg["layer_types"][:args.layers]
     if args.fp8_block:
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
@@ -164,9 +239,11 @@ def main():
         for name, shape, kind in shard:
             if kind == "norm":
                 t = torch.ones(shape, dtype=torch.bfloat16, device=dev)
+            elif kind == "bias":
+                t = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
             else:
                 t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
-            if args.fp8_block and kind == "linear" and ".layers." in name:
+            if args.fp8_block and kind == "linear" and ".layers." in name and len(shape) == 2 and "experts" not in name:
                 rows, cols = shape
                 assert rows % 128 == 0 and cols % 128 == 0, name
                 blocks = t.float().abs().reshape(rows // 128, 128, cols // 128, 128).amax(dim=(1, 3)) / 448.0
