@@ -91,7 +91,7 @@ std::optional<std::vector<ToolCall>> llama_calls(std::string_view text) {
 }
 
 // Harmony's markers (special tokens of GPT-OSS's tokenizer, kept in the text it parses).
-constexpr std::string_view kMessage = "<|message|>", kChannel = "<|channel|>", kConstrain = "<|constrain|>";
+constexpr std::string_view kMessage = "<|message|>", kChannel = "<|channel|>";
 constexpr std::string_view kBodyEnds[] = {"<|end|>", "<|call|>", "<|return|>", "<|start|>"};
 constexpr std::string_view kMarkers[] = {"<|start|>", "<|channel|>", "<|message|>", "<|end|>",
                                          "<|call|>", "<|return|>", "<|constrain|>"};
@@ -198,8 +198,7 @@ ToolCallStream::Out ToolCallStream::push_harmony(bool end) {
       header_ += pending_.substr(0, at);
       pending_.erase(0, at + kMessage.size());
       channel_ = header_word(header_, kChannel);
-      recipient_ = header_word(header_, "to=");
-      (void)kConstrain;  // <|constrain|>json only says the body is JSON
+      recipient_ = header_word(header_, "to=");  // (<|constrain|>json only says the body is JSON)
       header_.clear();
       in_body_ = true;
       continue;
