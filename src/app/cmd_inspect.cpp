@@ -13,6 +13,7 @@
 #include "io/gguf.h"
 #include "io/checkpoint.h"
 #include "io/gguf_tokenizer.h"
+#include "model/architecture.h"
 #include "model/loaded_model.h"
 #include "model/tensor_parallel.h"
 
@@ -35,19 +36,21 @@ std::string kind_str(const KVLayerSpec& l) {
   return s;
 }
 
-// Parameters from config.json's shapes: all of them, and those one token reads (attention,
-// its top_k experts and the router, the embedding row, the LM head). Per layer: the MLP's
-// total and per-token counts.
+// Parameters: all of them (every weight the architecture's definition loads, as shaped by
+// config.json), and those one token reads: all but the experts its router leaves out and, when
+// the LM head has its own matrix, all but one row of the embedding table. Per layer: the
+// MLP's total and per-token counts.
 struct ParamCounts {
   int64_t total = 0, active = 0;
   std::vector<int64_t> mlp_total, mlp_active;
 };
 ParamCounts count_params(const ModelConfig& c) {
   ParamCounts p;
-  const int64_t H = c.hidden_size, d = c.head_dim, V = c.vocab_size;
-  const int64_t attn = H * d * (2 * int64_t(c.num_heads) + 2 * int64_t(c.num_kv_heads)) +
-                       (c.qkv_bias ? d * (c.num_heads + 2 * int64_t(c.num_kv_heads)) : 0) + (c.o_bias ? H : 0) +
-                       (c.qk_norm ? 2 * d : 0) + (c.attention_sinks ? c.num_heads : 0) + 2 * H;  // + the layer's norms
+  const std::unique_ptr<ModelDefinition> def = make_model_definition(c);
+  for (const WeightSpec& s : def->weights().specs)
+    if (!s.pieces.empty()) p.total += s.rows() * s.cols();
+  const int64_t H = c.hidden_size;
+  p.active = p.total - (c.tie_word_embeddings ? 0 : (int64_t(c.vocab_size) - 1) * H);
   for (int i = 0; i < c.num_layers; ++i) {
     int64_t total = 0, active = 0;
     if (c.moe && c.moe_layers[size_t(i)]) {
@@ -61,11 +64,8 @@ ParamCounts count_params(const ModelConfig& c) {
     }
     p.mlp_total.push_back(total);
     p.mlp_active.push_back(active);
-    p.total += attn + total;
-    p.active += attn + active;
+    p.active -= total - active;
   }
-  p.total += V * H * (c.tie_word_embeddings ? 1 : 2) + H;
-  p.active += H + V * H + H;  // the token's embedding row, the LM head, the final norm
   return p;
 }
 

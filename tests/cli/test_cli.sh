@@ -77,6 +77,23 @@ done
   && [ "$(json_get "$tmp/i4.json" "sorted(set(l['rotation'] for l in d['layers']))")" = "['hadamard']" ] && ok || bad "inspect int4 --json"
 "$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype int4_per_token_head --kv-cache-rotation none >"$tmp/out" 2>&1 \
   && grep -q "int4      int4_per_token_head  explicit    per-token-head dynamic, zero point  none" "$tmp/out" && ok || bad "inspect int4 unrotated: $(cat "$tmp/out")"
+# Parameters: every golden model's count is transformers' own (num_params in its expected/
+# json); the mixtures of experts also say what one token reads and, per layer, their experts.
+for m in "$golden"/*/; do
+  name=$(basename "$m")
+  "$KVLM" inspect --model "$m" --json >"$tmp/p.json" 2>/dev/null \
+    && [ "$(json_get "$tmp/p.json" "d['parameters']")" = "$(json_get "$here/../golden/expected/$name.json" "d['num_params']")" ] \
+    && ok || bad "inspect parameters of $name"
+done
+"$KVLM" inspect --model "$golden/qwen3-moe" --json >"$tmp/moe.json" \
+  && [ "$(json_get "$tmp/moe.json" "d['parameters_per_token']")" = 147008 ] \
+  && [ "$(json_get "$tmp/moe.json" "[l['mlp']['kind'] for l in d['layers']]")" = "['dense', 'experts', 'experts']" ] \
+  && [ "$(json_get "$tmp/moe.json" "d['layers'][1]['mlp']['experts'], d['layers'][1]['mlp']['top_k']")" = "7 3" ] \
+  && ok || bad "inspect qwen3-moe --json: $(cat "$tmp/moe.json")"
+"$KVLM" inspect --model "$golden/gpt-oss" >"$tmp/out" 2>&1 \
+  && grep -q "210K parameters, 118K read per token (2 of 5 experts)" "$tmp/out" \
+  && grep -q "sliding(8)+sinks" "$tmp/out" && grep -q "full+sinks" "$tmp/out" \
+  && grep -q "5 experts x 32, top 2 (12.9K of 31.7K per token)" "$tmp/out" && ok || bad "inspect gpt-oss: $(cat "$tmp/out")"
 "$KVLM" generate --prompt-ids $ids --max-tokens 4 --temperature 0 --kv-cache-dtype int8_per_token_head --kv-cache-rotation hadamard --json -q >/dev/null \
   && ok || bad "generate int8 rotated"
 # Exact sink / recent tokens: per layer in the plan, with the bytes of one exact token (bf16:
