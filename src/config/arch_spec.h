@@ -22,6 +22,7 @@ namespace kvlm {
 class ModelDefinition;  // model/architecture.h
 struct ModelConfig;
 struct RopeConfig;
+struct MoeConfig;
 
 struct ArchSpec {
   std::string_view name;                          // config.json architectures[0], e.g. "Qwen3MoeForCausalLM"
@@ -63,6 +64,10 @@ void set_layer_windows(const nlohmann::json& cfg, ModelConfig& m, int window,
 // The Qwen rule (transformers' Qwen2/Qwen3 configs): sliding_window counts only with
 // use_sliding_window, and without layer_types the layers from max_window_layers on slide.
 void set_qwen_layer_windows(const nlohmann::json& cfg, ModelConfig& m);
+// A mixture of experts' counts: num_experts or num_local_experts (the Hub and transformers 5
+// write either; `preferred` first), num_experts_per_tok no larger than the experts. The other
+// MoeConfig fields are the architecture's.
+void parse_expert_counts(const nlohmann::json& cfg, std::string_view preferred, MoeConfig& e);
 // A positive integer field no larger than `max` (a corrupt config cannot make kvlm allocate
 // absurd amounts); `fallback` when absent (nullopt: the field is required).
 int positive_int(const nlohmann::json& cfg, std::string_view key, long long max, std::optional<int> fallback = {});

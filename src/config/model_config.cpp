@@ -196,6 +196,15 @@ void set_qwen_layer_windows(const json& cfg, ModelConfig& m) {
   set_layer_windows(cfg, m, window, [&](int i) { return i >= first_sliding; });
 }
 
+void parse_expert_counts(const json& cfg, std::string_view preferred, MoeConfig& e) {
+  const std::string_view other = preferred == "num_experts" ? "num_local_experts" : "num_experts";
+  e.num_experts = positive_int(cfg, jg::find(cfg, preferred) ? preferred : other, 1 << 12);
+  e.top_k = positive_int(cfg, "num_experts_per_tok", 1 << 12);
+  if (e.top_k > e.num_experts)
+    throw Error("config.json: num_experts_per_tok " + std::to_string(e.top_k) + " exceeds the " +
+                std::to_string(e.num_experts) + " experts");
+}
+
 int positive_int(const json& cfg, std::string_view key, long long max, std::optional<int> fallback) {
   if (fallback && !jg::find(cfg, key)) return *fallback;
   const long long v = jg::req_int(cfg, key, kWhere);

@@ -227,12 +227,11 @@ ToolCallStream::Out ToolCallStream::push_harmony(bool end) {
       pending_.erase(0, pending_.size() - hold);
     }
     if (call) {
-      header_ += piece;  // the call's body so far (header_ is free inside a body)
-      if (stop == std::string::npos && !end) break;
+      call_body_ += piece;
       const std::string name = recipient_.starts_with("functions.") ? recipient_.substr(10) : recipient_;
-      out.calls.push_back(ToolCall{call_id(), name, harmony_arguments(header_)});
+      out.calls.push_back(ToolCall{call_id(), name, harmony_arguments(call_body_)});
       ++calls_;
-      header_.clear();
+      call_body_.clear();
     } else if (channel_ == "analysis") {
       out.reasoning += piece;
     } else {

@@ -75,10 +75,10 @@ class ToolCallStream {
   bool in_call_ = false;
   bool decided_ = false;  // llama3_json: whether the reply is a call (starts with '{')
   int calls_ = 0;
-  // harmony: in a message's header (up to <|message|>) or its body; the header read so far
-  // and what it made the body (its channel and recipient).
+  // harmony: in a message's header (up to <|message|>) or its body; the header read so far,
+  // what it made the body (its channel and recipient), and a call's body so far.
   bool in_body_ = false;
-  std::string header_, channel_, recipient_;
+  std::string header_, channel_, recipient_, call_body_;
 };
 
 // The grammar of a reply that is one or more calls (parallel: more than one allowed) of the

@@ -177,7 +177,7 @@ class HttpTest : public ::testing::Test {
     port_ = server_->bind();
     server_->start();
   }
-  void ready() {
+  void ready(ToolParser tools = ToolParser::None) {
     ServedModel m;
     m.engine = engine_.get();
     m.text = &*text_;
@@ -186,6 +186,7 @@ class HttpTest : public ::testing::Test {
     m.info.vocab_size = text_->tokenizer().vocab_size();
     m.info.has_tokenizer = true;
     m.info.has_chat_template = text_->has_chat_template();
+    m.info.tool_parser = tools;
     m.eos_token_ids = {*text_->eos_id()};
     server_->set_ready(m);
   }
@@ -529,20 +530,7 @@ class HarmonyTest : public HttpTest {
     server_ = std::make_unique<HttpServer>(ServerOptions{.port = 0});
     port_ = server_->bind();
     server_->start();
-    ready();
-  }
-  void ready() {
-    ServedModel m;
-    m.engine = engine_.get();
-    m.text = &*text_;
-    m.info.name = "tiny";
-    m.info.max_model_len = 256;
-    m.info.vocab_size = text_->tokenizer().vocab_size();
-    m.info.has_tokenizer = true;
-    m.info.has_chat_template = true;
-    m.info.tool_parser = detect_tool_parser(*text_->config().chat_template);
-    m.eos_token_ids = {*text_->eos_id()};
-    server_->set_ready(m);
+    ready(detect_tool_parser(*text_->config().chat_template));
   }
   void TearDown() override {
     HttpTest::TearDown();

@@ -124,11 +124,16 @@ MoeWeights moe_weights(std::span<const Weight> w, const MoeLayerWeights& m) {
                     .gate_up_bias = W(m.gate_up_bias), .down = W(m.down), .down_bias = W(m.down_bias)};
 }
 
-PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, const std::string& p) {
+PreNormLayerWeights add_pre_norm_attention(WeightList& list, const ModelConfig& c, const std::string& p) {
   PreNormLayerWeights L;
   L.in_norm = add_norm(list, p + "input_layernorm.weight", c.hidden_size);
   L.post_norm = add_norm(list, p + "post_attention_layernorm.weight", c.hidden_size);
   L.attn = add_attention(list, c, p);
+  return L;
+}
+
+PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, const std::string& p) {
+  PreNormLayerWeights L = add_pre_norm_attention(list, c, p);
   L.mlp = add_gated_mlp(list, c, p);
   return L;
 }
@@ -145,10 +150,7 @@ PreNormDecoder::PreNormDecoder(const ModelConfig& c, const LayerMlpAdder& mlp) :
   inv_freq_ = add_rope(weights_, c.rope, c.head_dim);
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    PreNormLayerWeights L;
-    L.in_norm = add_norm(weights_, p + "input_layernorm.weight", c.hidden_size);
-    L.post_norm = add_norm(weights_, p + "post_attention_layernorm.weight", c.hidden_size);
-    L.attn = add_attention(weights_, c, p);
+    PreNormLayerWeights L = add_pre_norm_attention(weights_, c, p);
     mlp(weights_, p, i, L);
     layers_.push_back(L);
   }

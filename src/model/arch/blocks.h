@@ -75,6 +75,8 @@ struct PreNormLayerWeights {
   std::optional<MoeLayerWeights> moe;
 };
 PreNormLayerWeights add_pre_norm_layer(WeightList& list, const ModelConfig& c, const std::string& prefix);
+// The same without the MLP (the caller adds the dense one or the experts).
+PreNormLayerWeights add_pre_norm_attention(WeightList& list, const ModelConfig& c, const std::string& prefix);
 
 struct DecoderActivations;
 // One pre-norm decoder layer on KV layer `kv_layer`: h = RMSNorm(x += pending) (then, when

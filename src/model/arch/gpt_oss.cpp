@@ -37,7 +37,6 @@ std::unique_ptr<ModelDefinition> make(const ModelConfig& c) {
 }
 
 void parse(const nlohmann::json& cfg, ModelConfig& m) {
-  using arch_config::positive_int;
   // hidden_act says silu, but the experts' activation is the clamped SwiGLU below.
   if (jg::find(cfg, "rope_parameters") || jg::find(cfg, "rope_scaling")) {
     m.rope = arch_config::parse_rope(cfg, jg::find(cfg, "rope_parameters"), 150000.0, "config.json rope_parameters");
@@ -53,12 +52,7 @@ void parse(const nlohmann::json& cfg, ModelConfig& m) {
   const int window = jg::find(cfg, "sliding_window") ? arch_config::sliding_window(cfg) : 128;
   arch_config::set_layer_windows(cfg, m, window, [](int i) { return (i + 1) % 2 != 0; });
   MoeConfig e;
-  e.num_experts = jg::find(cfg, "num_local_experts") ? positive_int(cfg, "num_local_experts", 1 << 12)
-                                                     : positive_int(cfg, "num_experts", 1 << 12);
-  e.top_k = positive_int(cfg, "num_experts_per_tok", 1 << 12);
-  if (e.top_k > e.num_experts)
-    throw Error("config.json: num_experts_per_tok " + std::to_string(e.top_k) + " exceeds the " +
-                std::to_string(e.num_experts) + " experts");
+  arch_config::parse_expert_counts(cfg, "num_local_experts", e);
   e.expert_size = m.intermediate_size;  // GPT-OSS's intermediate_size is each expert's width
   e.norm_topk = true;                    // softmax over the top k logits
   e.router_bias = e.expert_bias = true;

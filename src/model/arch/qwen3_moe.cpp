@@ -47,13 +47,7 @@ void parse(const nlohmann::json& cfg, ModelConfig& m) {
     throw Error("config.json: shared_expert_intermediate_size is set, but Qwen3-MoE has no shared expert (is this a "
                 "Qwen2-MoE or Qwen3-Next checkpoint with the wrong architectures entry?)");
   MoeConfig e;
-  // Hub configs write num_experts; transformers 5 saves it as num_local_experts.
-  e.num_experts = jg::find(cfg, "num_experts") ? positive_int(cfg, "num_experts", 1 << 12)
-                                               : positive_int(cfg, "num_local_experts", 1 << 12);
-  e.top_k = positive_int(cfg, "num_experts_per_tok", 1 << 12);
-  if (e.top_k > e.num_experts)
-    throw Error("config.json: num_experts_per_tok " + std::to_string(e.top_k) + " exceeds the " +
-                std::to_string(e.num_experts) + " experts");
+  arch_config::parse_expert_counts(cfg, "num_experts", e);  // transformers 5 saves num_local_experts
   e.expert_size = positive_int(cfg, "moe_intermediate_size", 1 << 20);
   e.norm_topk = jg::opt_bool(cfg, "norm_topk_prob", kWhere).value_or(false);
   e.act = GluActivation::Silu;

@@ -13,8 +13,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <utility>
+
 #include "core/hadamard.h"
 #include "core/numeric.h"
+#include "ops/cuda/act_types.cuh"
 #include "ops/cuda/block_argmax.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/glu.cuh"
@@ -26,20 +29,9 @@ namespace kvlm::cuda {
 
 namespace {
 
-struct ActBF16 {
-  static __device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
-  static __device__ __forceinline__ uint16_t store(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
-};
-struct ActF16 {
-  static __device__ __forceinline__ float load(uint16_t x) { return __half2float(__ushort_as_half(x)); }
-  static __device__ __forceinline__ uint16_t store(float x) { return __half_as_ushort(__float2half_rn(x)); }
-};
-
 template <class F>
 void dispatch_act(DType act, F&& f) {
-  if (act == DType::BF16) return f(ActBF16{});
-  if (act == DType::F16) return f(ActF16{});
-  throw Error("CUDA model kernels: activations must be bfloat16 or float16, not " + std::string(dtype_name(act)));
+  act::dispatch(act, "CUDA model kernels", std::forward<F>(f));
 }
 
 unsigned grid_for(size_t n, int threads) {
@@ -323,8 +315,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
     for (int c = 0; c < kPairsPerLane; ++c) {
       const int j = lane + 32 * c;
       if (j < half) {
-        q[j] = ActBF16::store(a[c]);
-        q[j + half] = ActBF16::store(b[c]);
+        q[j] = act::BF16::store(a[c]);
+        q[j + half] = act::BF16::store(b[c]);
       }
     }
     return;
@@ -360,7 +352,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
       exact_v_row = p.exact_v + e * size_t(d);
     }
   }
-  using ExactFmt = std::conditional_t<std::is_same_v<A, ActBF16>, FmtBF16, FmtF16>;  // the act dtype, unscaled
+  using ExactFmt = std::conditional_t<std::is_same_v<A, act::BF16>, FmtBF16, FmtF16>;  // the act dtype, unscaled
   auto store_exact = [&](uint16_t* dst) {
     if (dst) store_head<ExactFmt>(a, b, half, lane, dst, nullptr, 1.0f);
   };
@@ -402,8 +394,8 @@ __global__ void __launch_bounds__(kRopeWarps * 32) unrotate_heads_kernel(const u
 #pragma unroll
   for (int c = 0; c < kPairsPerLane; ++c) {
     const int j = lane + 32 * c;
-    a[c] = j < half ? ActBF16::load(src[j]) : 0.0f;
-    b[c] = j < half ? ActBF16::load(src[j + half]) : 0.0f;
+    a[c] = j < half ? act::BF16::load(src[j]) : 0.0f;
+    b[c] = j < half ? act::BF16::load(src[j + half]) : 0.0f;
   }
   hadamard_head(a, b, half, lane, true);
   uint16_t* dst = static_cast<uint16_t*>(out) + size_t(r) * size_t(d);
@@ -437,7 +429,7 @@ __global__ void bf16_to_act_kernel(const uint16_t* in, uint16_t* out, size_t n) 
   allow_dependents();
   pdl_wait();
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = A::store(ActBF16::load(in[i]));
+    out[i] = A::store(act::BF16::load(in[i]));
 }
 
 template <class A>

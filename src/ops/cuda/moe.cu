@@ -16,8 +16,10 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "core/error.h"
+#include "ops/cuda/act_types.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/moe.h"
@@ -31,22 +33,9 @@ constexpr int kChunkK = 512;     // A's columns staged in shared memory at a tim
 constexpr int kAStride = kChunkK + 8;  // halves per staged row (+16 bytes against bank conflicts)
 constexpr int kMaxExperts = 1024;
 
-struct ActBF16 {
-  static constexpr bool kBF16 = true;
-  static __device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
-  static __device__ __forceinline__ uint16_t store(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
-};
-struct ActF16 {
-  static constexpr bool kBF16 = false;
-  static __device__ __forceinline__ float load(uint16_t x) { return __half2float(__ushort_as_half(x)); }
-  static __device__ __forceinline__ uint16_t store(float x) { return __half_as_ushort(__float2half_rn(x)); }
-};
-
 template <class F>
 void dispatch_act(DType act, F&& f) {
-  if (act == DType::BF16) return f(ActBF16{});
-  if (act == DType::F16) return f(ActF16{});
-  throw Error("CUDA MoE kernels: activations must be bfloat16 or float16, not " + std::string(dtype_name(act)));
+  act::dispatch(act, "CUDA MoE kernels", std::forward<F>(f));
 }
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
