@@ -49,11 +49,13 @@
 //
 // Floors, from the same run's device-to-device copy bandwidth (read + write bytes / time):
 //   weights-read bound: every weight but the embedding table (a decode step reads B rows of
-//   it) is read once per step; tokens/s bound at batch B = B / (bytes / bandwidth).
+//   it) is read once per step, and of a mixture of experts the experts B rows choose (their
+//   expectation under uniform routing); tokens/s bound at batch B = B / (bytes / bandwidth).
 //   step floor: weights read + the KV bytes the step's attention reads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -708,7 +710,19 @@ int main(int argc, char** argv) {
       const ModelConfig& c = e->config();
       const double embed = double(c.vocab_size) * c.hidden_size * 2;
       // Rank 0 reads the most (it alone holds an untied LM head): its bytes bound the step.
-      const double wread = double(ranks[0]->weight_bytes()) - (c.tie_word_embeddings ? 0.0 : embed);
+      const double wheld = double(ranks[0]->weight_bytes()) - (c.tie_word_embeddings ? 0.0 : embed);
+      // A mixture of experts reads only the experts its rows chose. Random weights route about
+      // uniformly, so B rows choose E (1 - (1 - k/E)^B) distinct experts per MoE layer in
+      // expectation (exactly k at B = 1); the others' bytes are not read.
+      const auto weights_read = [&](int batch) {
+        if (!c.moe) return wheld;
+        const MoeConfig& m = *c.moe;
+        const double E = m.num_experts, I = double(m.expert_size) / tp, H = c.hidden_size;
+        const double per_expert = (3 * H * I + (m.expert_bias ? 2 * I + H : 0.0)) * 2;  // 16-bit weights
+        const double chosen = E * (1 - std::pow(1 - double(m.top_k) / E, batch));
+        const double moe_layers = double(std::ranges::count(c.moe_layers, true));
+        return wheld - moe_layers * (E - chosen) * per_expert;
+      };
       std::fprintf(stderr, "loaded %s with a %s cache in %.1f s (%.2f GB of weights%s)\n", model.c_str(), kv.c_str(),
                    load_s, double(r.weight_bytes()) / 1e9,
                    tp > 1 ? (", " + std::to_string(tp) + " GPUs, rank 0 holds " +
@@ -724,6 +738,7 @@ int main(int argc, char** argv) {
         double kv_read = 0;  // average over the timed steps, per GPU
         for (const auto& l : e->rank_plan().layers)
           kv_read += double(batch) * (context + 3 + steps / 2.0) * double(l.bytes_per_token());
+        const double wread = weights_read(batch);
         const double floor_ms = (wread + kv_read) / bw * 1e3;
         for (bool logits : {true, false}) {
           for (bool graphs : {false, true}) {

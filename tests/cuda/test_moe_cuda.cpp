@@ -1,8 +1,9 @@
 // The CUDA mixture-of-experts kernels (ops/cuda/moe.h) against the CPU reference
 // (ops::cpu::moe_route and the expert loop of CpuOps::moe), for both activation dtypes: odd
 // expert counts, top k from 1 to 8, experts no row chooses, every row routed to one expert,
-// decode-sized (1 row) and prefill-sized batches, SiLU and GPT-OSS's clamped SwiGLU with
-// router and expert biases, and both router normalizations.
+// decode-sized batches (1-4 rows: the expert GEMV) and larger ones (the grouped GEMM),
+// SiLU and GPT-OSS's clamped SwiGLU with router and expert biases, and both router
+// normalizations.
 //
 // The reference rounds where the kernels round — the gate/up projection, the activation and
 // each expert's output to the activation dtype, the combined output once — so what remains is
@@ -134,6 +135,11 @@ TEST(CudaMoe, MatchesTheCpuReference) {
       {.rows = 40, .hidden = 128, .inter = 64, .experts = 6, .top_k = 1, .force_expert = 3},  // every row to expert 3
       {.rows = 17, .hidden = 2880, .inter = 64, .experts = 4, .top_k = 2, .act = GluActivation::SwigluClamp,
        .biases = true},  // GPT-OSS's hidden: A staged in 6 chunks
+      // Batches of up to 4 rows take the expert GEMV (one kernel for 1 row, one for 2-4).
+      {.rows = 3, .hidden = 2880, .inter = 96, .experts = 32, .top_k = 4, .act = GluActivation::SwigluClamp,
+       .biases = true},  // GPT-OSS's shape: 360 16-byte vectors per weight row, not a multiple of the warp's stride
+      {.rows = 16, .hidden = 128, .inter = 96, .experts = 6, .top_k = 2, .force_expert = 1},  // 16 rows on one expert
+      {.rows = 2, .hidden = 96, .inter = 32, .experts = 3, .top_k = 3, .norm_topk = false},  // every expert, both rows
   };
   uint32_t seed = 1;
   for (DType act : kActs)

@@ -1,13 +1,15 @@
-// The mixture-of-experts kernels (moe.h): route, sort, the grouped expert GEMM, glu, combine.
+// The mixture-of-experts kernels (moe.h): route, sort, the expert GEMV (decode batches), the
+// grouped expert GEMM, glu, combine.
 //
 // The grouped GEMM, C[pair][n] = A[row(pair)] . B[expert][n]^T (+ bias[expert][n]): a CTA of
 // 4 warps takes one 16-row tile of one expert's pairs and 64 output columns (16 per warp, two
-// m16n8k16 fragments; decode batches: 32 columns, one fragment, more loads in flight). Each lane streams the expert's weight rows with 16-byte loads, 8
+// m16n8k16 fragments; batches with fewer than 8 pairs per expert: 32 columns, one fragment,
+// more loads in flight). Each lane streams the expert's weight rows with 16-byte loads, 8
 // consecutive k of one row n: for the mma, k is permuted inside each 32-wide chunk (logical
 // k 2t, 2t+1 of step s are physical 8t + 4s, +1; 2t+8, 2t+9 are 8t + 4s + 2, +3), the same
 // permutation on A, so the sum is the same and every weight byte arrives in a full 16-byte
 // load. A's 16 rows (gathered token rows, zero past the tile's pairs) sit in shared memory,
-// a chunk of K at a time. A decode step's tiles are one row each: the weights stream at
+// a chunk of K at a time. A small batch's tiles hold a row or a few: the weights stream at
 // memory speed and each routed expert's weights are read once; prefill tiles fill 16
 // rows and the CTAs of one expert and column block run side by side, sharing its weights in L2.
 #include <cuda_bf16.h>
@@ -15,14 +17,18 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/act_types.cuh"
 #include "ops/cuda/cuda_check.cuh"
+#include "ops/cuda/gemv_common.cuh"
 #include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace kvlm::cuda {
 
@@ -32,6 +38,13 @@ constexpr int kTileRows = 16;    // pairs per CTA tile (one m16 fragment)
 constexpr int kChunkK = 512;     // A's columns staged in shared memory at a time
 constexpr int kAStride = kChunkK + 8;  // halves per staged row (+16 bytes against bank conflicts)
 constexpr int kMaxExperts = 1024;
+// Batches of at most this many rows take the expert GEMV (below); from 8 rows its FMA work per
+// weight made it slower than the grouped GEMM (H200, the Qwen3-30B-A3B shape: 8 rows 295 us
+// against 182; 4-5 rows about even, 133 and 138 us). Prefetching a warp's next item into L2
+// while its current loads are in flight made 1 row slower (40.7 -> 44.5 us): not done.
+constexpr int kGemvMaxRows = 4;
+constexpr int kGemvWarps = 8;
+constexpr int kGemvMaxTiles = kGemvMaxRows * 16;  // top_k <= 16: the pairs of a GEMV batch at most
 
 template <class F>
 void dispatch_act(DType act, F&& f) {
@@ -40,14 +53,29 @@ void dispatch_act(DType act, F&& f) {
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
+// The pairs in expert order, cut into tiles of at most kTileRows pairs of one expert (written
+// by the sort; a decode batch's tiles are its routed experts, one each).
+struct Tiles {
+  int32_t* expert;  // the tile's expert
+  int32_t* first;   // its first position
+  int32_t* count;   // its pairs, 1..kTileRows
+  int32_t* n;       // [1] the tiles
+};
+
+// Tiles the sort can make: at most one partial tile per expert that has pairs, and no more
+// experts with pairs than pairs.
+int max_tiles(int rows, int experts, int top_k) {
+  const int P = rows * top_k;
+  return (P + kTileRows - 1) / kTileRows + std::min(experts, P);
+}
+
 // The workspace, carved in this order.
 struct Workspace {
   int32_t* ids;          // [T * K] expert of each pair (row-major: row t's k-th choice)
   float* weights;        // [T * K]
   int32_t* pair_of;      // [T * K] the pair's position in expert order
   int32_t* pair_row;     // [P] the token row of the pair at each position
-  int32_t* offsets;      // [E + 1] first position of each expert
-  int32_t* tile_offsets; // [E + 1] first 16-row tile of each expert
+  Tiles tiles;           // [max_tiles] each, and the count
   uint16_t* gu;          // act [P][2I]
   uint16_t* h;           // act [P][I]
   uint16_t* out;         // act [P][H]
@@ -67,8 +95,11 @@ Workspace carve(void* base, DType act, int rows, int hidden, int inter, int expe
   w.weights = static_cast<float*>(take(P * 4));
   w.pair_of = static_cast<int32_t*>(take(P * 4));
   w.pair_row = static_cast<int32_t*>(take(P * 4));
-  w.offsets = static_cast<int32_t*>(take(size_t(experts + 1) * 4));
-  w.tile_offsets = static_cast<int32_t*>(take(size_t(experts + 1) * 4));
+  const size_t tiles = max_tiles(rows, experts, top_k);
+  w.tiles.expert = static_cast<int32_t*>(take(tiles * 4));
+  w.tiles.first = static_cast<int32_t*>(take(tiles * 4));
+  w.tiles.count = static_cast<int32_t*>(take(tiles * 4));
+  w.tiles.n = static_cast<int32_t*>(take(4));
   w.gu = static_cast<uint16_t*>(take(P * size_t(2 * inter) * 2));
   w.h = static_cast<uint16_t*>(take(P * size_t(inter) * 2));
   w.out = static_cast<uint16_t*>(take(P * size_t(hidden) * 2));
@@ -76,92 +107,284 @@ Workspace carve(void* base, DType act, int rows, int hidden, int inter, int expe
 }
 
 // One warp per row: the top k experts by logit (+ bias), in descending order, lower index
-// first on ties, and their weights.
+// first on ties, and their weights. Each lane holds its experts' logits (lane + 32 j) in
+// registers and a bitmask of those already taken; a round is a lane's best untaken, then a
+// warp argmax. Lane k keeps the k-th choice, so nothing is indexed by a runtime value (no
+// local memory).
 template <class A>
-__global__ void route_kernel(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int rows, int experts,
-                             int top_k, bool norm_topk, int32_t* __restrict__ ids, float* __restrict__ weights) {
-  const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  if (warp >= rows) return;
-  const float* l = logits + size_t(warp) * size_t(experts);
-  auto logit = [&](int e) { return l[e] + (bias ? A::load(bias[e]) : 0.0f); };
-  // Chosen experts so far (k <= experts <= 1024: a bitmask of 32 words per lane's strip is
-  // too much; k is small, so a linear check of the chosen list).
-  int chosen[16];
-  float chosen_logit[16];
+__device__ void route_row(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int row, int experts,
+                          int top_k, bool norm_topk, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  constexpr int kPer = kMaxExperts / 32;
+  const int lane = int(threadIdx.x) % 32;
+  const float* l = logits + size_t(row) * size_t(experts);
+  float v[kPer];
+  uint32_t taken = 0;  // bit j: expert lane + 32 j is chosen or does not exist
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < experts ? l[e] + (bias ? A::load(bias[e]) : 0.0f) : 0.0f;
+    if (e >= experts) taken |= 1u << j;
+  }
+  int mine = 0;        // lane k < top_k: the k-th choice
+  float mine_v = 0.0f;
   for (int k = 0; k < top_k; ++k) {
     float best = -INFINITY;
-    int best_e = experts;
-    for (int e = lane; e < experts; e += 32) {
-      bool taken = false;
-      for (int j = 0; j < k; ++j) taken |= chosen[j] == e;
-      const float v = logit(e);
-      if (!taken && (v > best || (v == best && e < best_e))) {
-        best = v;
-        best_e = e;
+    int best_j = -1;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)  // ascending j: the lower index wins a tie within the lane
+      if (!(taken >> j & 1u) && (best_j < 0 || v[j] > best)) {
+        best = v[j];
+        best_j = j;
       }
-    }
+    int best_e = best_j < 0 ? INT_MAX : lane + 32 * best_j;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, best, o);
       const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-      if (ov > best || (ov == best && oe < best_e)) {
+      if (oe != INT_MAX && (best_e == INT_MAX || ov > best || (ov == best && oe < best_e))) {
         best = ov;
         best_e = oe;
       }
     }
-    chosen[k] = best_e;
-    chosen_logit[k] = best;
+    if (best_e % 32 == lane) taken |= 1u << (best_e / 32);
+    if (lane == k) {
+      mine = best_e;
+      mine_v = best;
+    }
   }
-  const float mx = chosen_logit[0];
+  const float mx = __shfl_sync(0xffffffffu, mine_v, 0);
   float sum = 0.0f;
   if (norm_topk) {
-    for (int k = 0; k < top_k; ++k) sum += expf(chosen_logit[k] - mx);
+    sum = lane < top_k ? expf(mine_v - mx) : 0.0f;
   } else {
-    for (int e = lane; e < experts; e += 32) sum += expf(logit(e) - mx);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int j = 0; j < kPer; ++j)
+      if (lane + 32 * j < experts) sum += expf(v[j] - mx);
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   if (lane < top_k) {
-    int e = 0;
-    float v = 0.0f;
-    for (int k = 0; k < top_k; ++k)  // registers indexed by a lane-dependent k: select
-      if (k == lane) {
-        e = chosen[k];
-        v = chosen_logit[k];
-      }
-    ids[size_t(warp) * size_t(top_k) + size_t(lane)] = e;
-    weights[size_t(warp) * size_t(top_k) + size_t(lane)] = expf(v - mx) / sum;
+    ids[size_t(row) * size_t(top_k) + size_t(lane)] = mine;
+    weights[size_t(row) * size_t(top_k) + size_t(lane)] = expf(mine_v - mx) / sum;
   }
 }
 
-// One CTA: count the pairs of each expert, the offsets and tile offsets (a scan), then place
-// each pair (positions within an expert follow atomics: any order gives each pair the same
-// result, as the GEMM's rows are independent).
-__global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int experts, int top_k, int32_t* __restrict__ pair_of,
-                            int32_t* __restrict__ pair_row, int32_t* __restrict__ offsets, int32_t* __restrict__ tile_offsets) {
+template <class A>
+__global__ void route_kernel(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int rows, int experts,
+                             int top_k, bool norm_topk, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32;
+  if (warp < rows) route_row<A>(logits, bias, warp, experts, top_k, norm_topk, ids, weights);
+}
+
+// One CTA: count the pairs of each expert, the offsets and tile offsets (a block-wide scan:
+// each thread a run of consecutive experts, then warp scans), then place each pair (positions
+// within an expert follow atomics: any order gives each pair the same result, as the GEMM's
+// rows are independent).
+__device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int experts, int top_k, int32_t* __restrict__ pair_of,
+                           int32_t* __restrict__ pair_row, Tiles tl) {
   __shared__ int count[kMaxExperts], cursor[kMaxExperts];
-  for (int e = int(threadIdx.x); e < experts; e += int(blockDim.x)) count[e] = 0;
+  __shared__ int warp_pairs[32], warp_tiles[32];
+  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32, warps = int(blockDim.x) / 32;
+  for (int e = tid; e < experts; e += int(blockDim.x)) count[e] = 0;
   __syncthreads();
-  for (int p = int(threadIdx.x); p < pairs; p += int(blockDim.x)) atomicAdd(&count[ids[p]], 1);
+  for (int p = tid; p < pairs; p += int(blockDim.x)) atomicAdd(&count[ids[p]], 1);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int at = 0, tiles = 0;
-    for (int e = 0; e < experts; ++e) {
-      offsets[e] = at;
-      tile_offsets[e] = tiles;
-      cursor[e] = at;
-      at += count[e];
-      tiles += (count[e] + kTileRows - 1) / kTileRows;
+  const int per = (experts + int(blockDim.x) - 1) / int(blockDim.x), e0 = tid * per;
+  int my_pairs = 0, my_tiles = 0;
+  for (int e = e0; e < min(e0 + per, experts); ++e) {
+    my_pairs += count[e];
+    my_tiles += (count[e] + kTileRows - 1) / kTileRows;
+  }
+  int inc_pairs = my_pairs, inc_tiles = my_tiles;  // inclusive scans within the warp
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(0xffffffffu, inc_pairs, o), b = __shfl_up_sync(0xffffffffu, inc_tiles, o);
+    if (lane >= o) {
+      inc_pairs += a;
+      inc_tiles += b;
     }
-    offsets[experts] = at;
-    tile_offsets[experts] = tiles;
+  }
+  if (lane == 31) {
+    warp_pairs[warp] = inc_pairs;
+    warp_tiles[warp] = inc_tiles;
   }
   __syncthreads();
-  for (int p = int(threadIdx.x); p < pairs; p += int(blockDim.x)) {
+  if (warp == 0) {
+    int wp = lane < warps ? warp_pairs[lane] : 0, wt = lane < warps ? warp_tiles[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, wp, o), b = __shfl_up_sync(0xffffffffu, wt, o);
+      if (lane >= o) {
+        wp += a;
+        wt += b;
+      }
+    }
+    if (lane < warps) {
+      warp_pairs[lane] = wp;
+      warp_tiles[lane] = wt;
+    }
+  }
+  __syncthreads();
+  int at = inc_pairs - my_pairs + (warp > 0 ? warp_pairs[warp - 1] : 0);
+  int tiles = inc_tiles - my_tiles + (warp > 0 ? warp_tiles[warp - 1] : 0);
+  for (int e = e0; e < min(e0 + per, experts); ++e) {
+    cursor[e] = at;
+    for (int r = 0; r < count[e]; r += kTileRows, ++tiles) {
+      tl.expert[tiles] = e;
+      tl.first[tiles] = at + r;
+      tl.count[tiles] = min(kTileRows, count[e] - r);
+    }
+    at += count[e];
+  }
+  if (tid == 0) *tl.n = warp_tiles[warps - 1];
+  __syncthreads();
+  for (int p = tid; p < pairs; p += int(blockDim.x)) {
     const int pos = atomicAdd(&cursor[ids[p]], 1);
     pair_of[p] = pos;
     pair_row[pos] = p / top_k;
   }
+}
+
+__global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int experts, int top_k, int32_t* __restrict__ pair_of,
+                            int32_t* __restrict__ pair_row, Tiles tiles) {
+  sort_pairs(ids, pairs, experts, top_k, pair_of, pair_row, tiles);
+}
+
+// Both in one CTA, for batches of at most kGemvMaxRows rows (a warp per row): one launch
+// where a decode step had two. Launched with PDL: the logits are the router GEMM's output.
+template <class A>
+__global__ void route_sort_kernel(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int rows, int experts,
+                                  int top_k, bool norm_topk, int32_t* __restrict__ ids, float* __restrict__ weights,
+                                  int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tiles) {
+  pdl_wait();
+  allow_dependents();  // one CTA: the expert GEMV's CTAs may launch now and wait for this one
+  const int warp = int(threadIdx.x) / 32;
+  if (warp < rows) route_row<A>(logits, bias, warp, experts, top_k, norm_topk, ids, weights);
+  __syncthreads();  // the ids, in global memory, are visible to the whole CTA past the barrier
+  sort_pairs(ids, rows * top_k, experts, top_k, pair_of, pair_row, tiles);
+}
+
+// f(gate) * up: SiLU, GPT-OSS's clamped SwiGLU, or GELU (tanh).
+__device__ __forceinline__ float glu_value(GluActivation f, float g, float u, float alpha, float limit) {
+  if (f == GluActivation::SwigluClamp) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+  }
+  if (f == GluActivation::Silu) return g / (1.0f + expf(-g)) * u;
+  return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * u;
+}
+
+// The expert GEMV (batches of at most kGemvMaxRows rows, so at most one 16-row tile per
+// expert: a tile is a routed expert): out[pos][n] = a[row(pos)] . W[e][n]^T (+ bias) for the
+// pairs at positions [first, first + count) of expert e. An item is R output columns of one
+// routed expert; each warp takes items grid-stride (the launch sizes the grid so that every
+// warp takes the same number of them: a decode step's experts are few, and a second partial
+// wave of CTAs would leave most of the GPU idle), streaming the item's weight rows whole,
+// lane by lane 16 bytes at a time, U loads per row in flight (ld.global.nc.L1::no_allocate:
+// read once), as gemv.cu's rows kernel streams a dense layer; the activation rows (at most M,
+// a few KB) come through L1. With kGlu, W is [2N][K] (gate rows, then up rows): the item
+// streams gate row n and up row N + n together and writes f(gate) * up, each rounded to the
+// activation dtype first as the grouped path's separate pass rounds them. Everything depends
+// on the routing, so the kernel waits for its producer first; it lets the next kernel launch
+// once its weights are read.
+template <class A, int M, int R, int U, bool kGlu>
+__global__ void __launch_bounds__(kGemvWarps * 32) expert_gemv_kernel(
+    const uint16_t* __restrict__ a, const int32_t* __restrict__ a_rows, const uint16_t* __restrict__ w,
+    const uint16_t* __restrict__ bias, uint16_t* __restrict__ out, int N, int K, int pairs, Tiles tiles,
+    GluActivation f, float alpha, float limit) {
+  constexpr int S = kGlu ? 2 * R : R;
+  using V = std::conditional_t<A::kBF16, VecBF16, VecF16>;
+  // The tiles (routed experts) and their rows, staged once per CTA: an item then starts its
+  // weight loads with no dependent global load before them.
+  __shared__ int s_expert[kGemvMaxTiles], s_first[kGemvMaxTiles], s_count[kGemvMaxTiles];
+  __shared__ int s_row[kGemvMaxTiles];  // pairs <= kGemvMaxRows x 16
+  pdl_wait();
+  const int n_tiles = *tiles.n;
+  for (int i = int(threadIdx.x); i < n_tiles; i += int(blockDim.x)) {
+    s_expert[i] = tiles.expert[i];
+    s_first[i] = tiles.first[i];
+    s_count[i] = tiles.count[i];
+  }
+  if (a_rows)
+    for (int i = int(threadIdx.x); i < pairs; i += int(blockDim.x)) s_row[i] = a_rows[i];
+  __syncthreads();
+  const int lane = int(threadIdx.x) % 32, kv = K / 8;
+  const int groups = (N + R - 1) / R, items = n_tiles * groups;
+  const size_t rows_e = kGlu ? 2 * size_t(N) : size_t(N);
+  const int stride = int(gridDim.x) * kGemvWarps;
+  // Weight row s of an item (rows past N: the item's last, loaded and never stored).
+  auto row_of = [&](int item, int s) {
+    const int n0 = (item % groups) * R, nrows = min(R, N - n0);
+    const int row = (s < R ? 0 : N) + n0 + min(s % R, nrows - 1);
+    return w + (size_t(s_expert[item / groups]) * rows_e + size_t(row)) * size_t(K);
+  };
+  const int item0 = int(blockIdx.x) * kGemvWarps + int(threadIdx.x) / 32;
+  for (int item = item0; item < items; item += stride) {
+    const int tile = item / groups, e = s_expert[tile];
+    const int n0 = (item % groups) * R, nrows = min(R, N - n0);
+    const int first = s_first[tile], count = min(M, s_count[tile]);
+    const uint4* wr[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) wr[s] = reinterpret_cast<const uint4*>(row_of(item, s));
+    int xrow[M];  // the activation row of each pair
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int pos = first + min(m, count - 1);
+      xrow[m] = a_rows ? s_row[pos] : pos;
+    }
+    float acc[S][M] = {};
+    for (int base = lane; base < kv; base += 32 * U) {
+      uint4 wv[U][S];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int s = 0; s < S; ++s) wv[u][s] = base + u * 32 < kv ? ld_stream(wr[s] + base + u * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * 32;
+        if (i >= kv) break;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          if (m >= count) break;
+          float xf[8];
+          V::decode8(__ldg(reinterpret_cast<const uint4*>(a + size_t(xrow[m]) * size_t(K)) + i), xf);
+#pragma unroll
+          for (int s = 0; s < S; ++s) {
+            float wf[8];
+            V::decode8(wv[u][s], wf);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[s][m] = fmaf(wf[q], xf[q], acc[s][m]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (m >= count) break;
+#pragma unroll
+      for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[s][m] += __shfl_xor_sync(0xffffffffu, acc[s][m], o);
+    }
+    // Lane j * M + m stores column n0 + j of pair m.
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if (lane != (j * M + m) % 32 || j >= nrows || m >= count) continue;
+        const int n = n0 + j;
+        const uint16_t* be = bias ? bias + size_t(e) * rows_e : nullptr;
+        float v = acc[j][m] + (be ? A::load(be[n]) : 0.0f);
+        if constexpr (kGlu) {
+          const float g = A::load(A::store(v));
+          const float u = A::load(A::store(acc[R + j][m] + (be ? A::load(be[N + n]) : 0.0f)));
+          v = glu_value(f, g, u, alpha, limit);
+        }
+        out[size_t(first + m) * size_t(N) + size_t(n)] = A::store(v);
+      }
+  }
+  allow_dependents();  // this CTA's weights are read
 }
 
 // The grouped GEMM (top of file). a: act [*][K]; a_rows: the pair's row of a (null: the
@@ -173,22 +396,11 @@ __global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int expe
 template <class A, int NF, int KU>
 __global__ void __launch_bounds__(128) grouped_gemm_kernel(const uint16_t* __restrict__ a, const int32_t* __restrict__ a_rows,
                                                            const uint16_t* __restrict__ b, const uint16_t* __restrict__ bias,
-                                                           uint16_t* __restrict__ c, int N, int K, int experts,
-                                                           const int32_t* __restrict__ offsets,
-                                                           const int32_t* __restrict__ tile_offsets) {
+                                                           uint16_t* __restrict__ c, int N, int K, Tiles tiles) {
   __shared__ __align__(16) uint16_t sa[kTileRows * kAStride];
   const int tile = int(blockIdx.x);
-  if (tile >= tile_offsets[experts]) return;
-  // The expert whose tiles hold this one: the last e with tile_offsets[e] <= tile.
-  int lo = 0, hi = experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tile_offsets[mid] <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  const int e = lo;
-  const int first = offsets[e] + (tile - tile_offsets[e]) * kTileRows;
-  const int count = min(kTileRows, offsets[e + 1] - first);
+  if (tile >= *tiles.n) return;
+  const int e = tiles.expert[tile], first = tiles.first[tile], count = tiles.count[tile];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t4 = lane % 4;
   const int n_base = (int(blockIdx.y) * 4 + warp) * 8 * NF;
   const uint16_t* be = b + size_t(e) * size_t(N) * size_t(K);
@@ -263,48 +475,74 @@ __global__ void glu_kernel(const uint16_t* __restrict__ gu, uint16_t* __restrict
   const size_t n = pairs * size_t(inter);
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const size_t p = i / size_t(inter), j = i % size_t(inter);
-    float g = A::load(gu[p * size_t(2 * inter) + j]);
-    float u = A::load(gu[p * size_t(2 * inter) + size_t(inter) + j]);
-    float v;
-    if (f == GluActivation::SwigluClamp) {
-      g = fminf(g, limit);
-      u = fminf(fmaxf(u, -limit), limit);
-      v = g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
-    } else if (f == GluActivation::Silu) {
-      v = g / (1.0f + expf(-g)) * u;
-    } else {
-      v = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * u;
-    }
-    h[i] = A::store(v);
+    const float g = A::load(gu[p * size_t(2 * inter) + j]);
+    const float u = A::load(gu[p * size_t(2 * inter) + size_t(inter) + j]);
+    h[i] = A::store(glu_value(f, g, u, alpha, limit));
   }
 }
 
-// y[t][:] = sum_k weights[t][k] * out[pair_of[t][k]][:], in fp32.
+// y[t][:] = sum_k weights[t][k] * out[pair_of[t][k]][:], in fp32: a thread per 8 columns of
+// a row, its k loads of the pairs' outputs issued before any sum.
 template <class A>
 __global__ void combine_kernel(const uint16_t* __restrict__ out, const int32_t* __restrict__ pair_of,
                                const float* __restrict__ weights, int top_k, int hidden, uint16_t* __restrict__ y) {
-  const int t = int(blockIdx.x);
-  for (int j = int(threadIdx.x); j < hidden; j += int(blockDim.x)) {
-    float s = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-      const size_t pk = size_t(t) * size_t(top_k) + size_t(k);
-      s += weights[pk] * A::load(out[size_t(pair_of[pk]) * size_t(hidden) + size_t(j)]);
-    }
-    y[size_t(t) * size_t(hidden) + size_t(j)] = A::store(s);
+  using V = std::conditional_t<A::kBF16, VecBF16, VecF16>;
+  pdl_wait();  // launched with PDL after the expert GEMMs
+  const int t = int(blockIdx.y), v8 = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (v8 >= hidden / 8) return;
+  constexpr int kMaxK = 16;
+  uint4 o[kMaxK];
+  float wk[kMaxK];
+#pragma unroll
+  for (int k = 0; k < kMaxK; ++k) {
+    if (k >= top_k) break;
+    const size_t pk = size_t(t) * size_t(top_k) + size_t(k);
+    wk[k] = weights[pk];
+    o[k] = *reinterpret_cast<const uint4*>(out + size_t(pair_of[pk]) * size_t(hidden) + size_t(v8) * 8);
   }
+  float s[8] = {};
+#pragma unroll
+  for (int k = 0; k < kMaxK; ++k) {
+    if (k >= top_k) break;
+    float f[8];
+    V::decode8(o[k], f);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) s[q] += wk[k] * f[q];
+  }
+  uint4 r;
+  uint32_t* rw = &r.x;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) rw[q] = uint32_t(A::store(s[2 * q])) | (uint32_t(A::store(s[2 * q + 1])) << 16);
+  *reinterpret_cast<uint4*>(y + size_t(t) * size_t(hidden) + size_t(v8) * 8) = r;
+}
+
+// CTAs for an expert GEMV of (at most) `items` warp items: as many as fit on the GPU at once
+// or fewer, so that every warp takes the same number of items (a partial last round of
+// items, not a partial wave of CTAs).
+template <auto Kernel>
+unsigned gemv_ctas(int items) {
+  static PerDevice<int> resident;
+  const int warps = resident.get([] {
+    int per_sm = 0;
+    KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kGemvWarps * 32, 0));
+    return std::max(1, per_sm) * sm_count() * kGemvWarps;
+  });
+  const int rounds = (items + warps - 1) / warps;
+  const int per_round = (items + rounds - 1) / rounds;
+  return unsigned(std::max(1, (per_round + kGemvWarps - 1) / kGemvWarps));
 }
 
 template <class A>
 void launch_gemm(const uint16_t* a, const int32_t* a_rows, const void* b, const void* bias, uint16_t* c, int N, int K,
-                 int experts, int max_tiles, bool decode, const Workspace& w, cudaStream_t st) {
+                 int max_tiles, bool decode, const Workspace& w, cudaStream_t st) {
   const auto* bw = static_cast<const uint16_t*>(b);
   const auto* bb = static_cast<const uint16_t*>(bias);
   if (decode) {
     const dim3 grid(unsigned(max_tiles), unsigned((N + 31) / 32));
-    grouped_gemm_kernel<A, 1, 8><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, experts, w.offsets, w.tile_offsets);
+    grouped_gemm_kernel<A, 1, 8><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
   } else {
     const dim3 grid(unsigned(max_tiles), unsigned((N + 63) / 64));
-    grouped_gemm_kernel<A, 2, 2><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, experts, w.offsets, w.tile_offsets);
+    grouped_gemm_kernel<A, 2, 2><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
   }
   KVLM_CUDA_CHECK_LAUNCH("moe grouped_gemm_kernel");
 }
@@ -319,7 +557,8 @@ bool moe_fits(int hidden, int inter, int experts, int top_k) {
 size_t moe_workspace_bytes(DType act, int rows, int hidden, int inter, int experts, int top_k) {
   (void)act;
   const size_t P = size_t(rows) * size_t(top_k);
-  return 4 * align256(P * 4) + 2 * align256(size_t(experts + 1) * 4) + align256(P * size_t(2 * inter) * 2) +
+  return 4 * align256(P * 4) + 3 * align256(size_t(max_tiles(rows, experts, top_k)) * 4) + align256(4) +
+         align256(P * size_t(2 * inter) * 2) +
          align256(P * size_t(inter) * 2) + align256(P * size_t(hidden) * 2);
 }
 
@@ -334,27 +573,54 @@ void moe(const MoeParams& p, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
   const Workspace w = carve(p.workspace, p.act, T, H, I, E, K);
   const int P = T * K;
-  // Tiles: at most one partial tile per expert that has pairs, and no more experts with pairs
-  // than pairs.
-  const int max_tiles = (P + kTileRows - 1) / kTileRows + std::min(E, P);
+  const int tiles = max_tiles(T, E, K);
   // Fewer than 8 pairs per expert on average: the weights are the cost (decode batches).
   const bool decode = P < 8 * E;
   dispatch_act(p.act, [&](auto a) {
     using A = decltype(a);
-    route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, static_cast<const uint16_t*>(p.router_bias), T, E, K,
-                                                           c.norm_topk, w.ids, w.weights);
-    KVLM_CUDA_CHECK_LAUNCH("moe route_kernel");
-    sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, E, K, w.pair_of, w.pair_row, w.offsets, w.tile_offsets);
-    KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
-    launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, E, max_tiles,
-                   decode, w, st);
-    const size_t n = size_t(P) * size_t(I);
-    glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
-                                                                                       c.swiglu_alpha, c.swiglu_limit);
-    KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
-    launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, E, max_tiles, decode, w, st);
-    combine_kernel<A><<<unsigned(T), 256, 0, st>>>(w.out, w.pair_of, w.weights, K, H, static_cast<uint16_t*>(p.y));
-    KVLM_CUDA_CHECK_LAUNCH("moe combine_kernel");
+    const auto* rbias = static_cast<const uint16_t*>(p.router_bias);
+    auto* y = static_cast<uint16_t*>(p.y);
+    if (T <= kGemvMaxRows) {
+      // A decode batch: route and sort in one CTA, then the expert GEMV over each routed
+      // expert (one tile each), the activation fused into the gate/up pass, then combine;
+      // chained with PDL so that each launch overlaps the kernel before it.
+      KVLM_CUDA_CHECK(launch_pdl<route_sort_kernel<A>>(dim3(1), dim3(kGemvMaxRows * 32), 0, st, p.logits, rbias, T, E, K,
+                                                       c.norm_topk, w.ids, w.weights, w.pair_of, w.pair_row, w.tiles));
+      const int slots = std::min(E, P);  // routed experts: one tile each
+      auto gemv = [&](auto m_tag) {
+        constexpr int M = decltype(m_tag)::value;
+        // Gate/up: an item is one column (its gate and up rows), 8 loads per row in flight;
+        // down: four columns, 4 loads each (a row of I = 768 is 3 vectors per lane).
+        constexpr auto gate_up = expert_gemv_kernel<A, M, 1, 8, true>;
+        constexpr auto down = expert_gemv_kernel<A, M, 4, 4, false>;
+        KVLM_CUDA_CHECK(launch_pdl<gate_up>(dim3(gemv_ctas<gate_up>(slots * I)), dim3(kGemvWarps * 32), 0, st,
+                                            static_cast<const uint16_t*>(p.x), static_cast<const int32_t*>(w.pair_row),
+                                            static_cast<const uint16_t*>(p.gate_up),
+                                            static_cast<const uint16_t*>(p.gate_up_bias), w.h, I, H, P, w.tiles, c.act, c.swiglu_alpha, c.swiglu_limit));
+        KVLM_CUDA_CHECK(launch_pdl<down>(dim3(gemv_ctas<down>(slots * ((H + 3) / 4))), dim3(kGemvWarps * 32), 0, st,
+                                         static_cast<const uint16_t*>(w.h), static_cast<const int32_t*>(nullptr),
+                                         static_cast<const uint16_t*>(p.down), static_cast<const uint16_t*>(p.down_bias),
+                                         w.out, H, I, P, w.tiles, c.act, c.swiglu_alpha, c.swiglu_limit));
+      };
+      // An expert holds at most T of the batch's pairs (a row chooses it at most once).
+      if (T == 1) gemv(std::integral_constant<int, 1>{});
+      else gemv(std::integral_constant<int, kGemvMaxRows>{});
+    } else {
+      route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, rbias, T, E, K, c.norm_topk, w.ids, w.weights);
+      KVLM_CUDA_CHECK_LAUNCH("moe route_kernel");
+      sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, E, K, w.pair_of, w.pair_row, w.tiles);
+      KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
+      launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, tiles,
+                     decode, w, st);
+      const size_t n = size_t(P) * size_t(I);
+      glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
+                                                                                         c.swiglu_alpha, c.swiglu_limit);
+      KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
+      launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, tiles, decode, w, st);
+    }
+    KVLM_CUDA_CHECK(launch_pdl<combine_kernel<A>>(dim3(unsigned((H / 8 + 127) / 128), unsigned(T)), dim3(128), 0, st,
+                                                  static_cast<const uint16_t*>(w.out), static_cast<const int32_t*>(w.pair_of),
+                                                  static_cast<const float*>(w.weights), K, H, y));
   });
 }
 

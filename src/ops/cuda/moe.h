@@ -4,13 +4,13 @@
 //
 //   route    each row's top_k experts by logit (+ router bias; ties: the lower index) and
 //            their weights (softmax over the k, or over every expert): ops::cpu::moe_route
-//   sort     the rows x top_k (row, expert) pairs grouped by expert (counts, offsets, and
-//            each expert's 16-row tiles)
-//   gate_up  per pair, x[row] . W_gate_up[expert]^T + b: a grouped GEMM whose CTAs each take
-//            one expert's 16-row tile and 64 output columns, streaming that expert's weights
-//            once per tile (a decode step reads only the routed experts)
-//   glu      f(gate) * up per pair (SiLU, or GPT-OSS's clamped SwiGLU)
-//   down     per pair, the same grouped GEMM over W_down[expert] (+ b)
+//   sort     the rows x top_k (row, expert) pairs grouped by expert and cut into tiles of at
+//            most 16 pairs of one expert
+//   experts  batches of at most 4 rows (decode): the expert GEMV, per routed expert the
+//            gate/up rows streamed once with f(gate) * up in the epilogue, then the down rows;
+//            larger batches: a grouped GEMM whose CTAs each take one tile and 32-64 output
+//            columns, the activation (SiLU, or GPT-OSS's clamped SwiGLU) as its own pass, and
+//            the grouped GEMM over W_down (+ b). A step reads only the routed experts.
 //   combine  y[row] = sum over its k pairs of weight * down output, in fp32, rounded once
 //
 // Activations and weights are `act` (bfloat16 or float16); logits and routing weights fp32.
