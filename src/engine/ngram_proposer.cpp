@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/host_threads.h"
+
 namespace kvlm {
 
 std::vector<TokenId> ngram_lookup(std::span<const TokenId> tokens, int min_n, int max_n, int k) {
@@ -28,7 +30,7 @@ std::vector<TokenId> ngram_lookup(std::span<const TokenId> tokens, int min_n, in
 
 void NgramProposer::propose(std::span<Sequence* const> seqs, std::span<const int> max_draft) {
   const int n = int(seqs.size());
-#pragma omp parallel for schedule(dynamic, 4) if (n > 8)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(host_threads::team()) if (n > 8)
   for (int i = 0; i < n; ++i) {
     Sequence& s = *seqs[size_t(i)];
     s.draft = ngram_lookup(s.tokens, min_n_, max_n_, std::min(k_, max_draft[size_t(i)]));

@@ -5,6 +5,7 @@
 #include <exception>
 
 #include "core/error.h"
+#include "core/host_threads.h"
 
 namespace kvlm {
 
@@ -151,7 +152,7 @@ void OutputProcessor::draw(std::span<Sequence* const> seqs, const StepBatch& bat
   drawn_.resize(seqs.size());
   may_defer_ = nb > 1;  // alone in its step, a late mask holds nobody else up
   std::vector<std::exception_ptr> failed(seqs.size());
-#pragma omp parallel for schedule(dynamic, 1) if (nb > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(host_threads::team()) if (nb > 1)
   for (int i = 0; i < nb; ++i) {
     try {
       draw_one(*seqs[size_t(i)], batch, drawn_[size_t(i)]);

@@ -6,7 +6,7 @@ namespace kvlm {
 
 TensorParallelRunner::TensorParallelRunner(std::vector<Communicator*> comms, const Make& make, bool parallel_load,
                                            int first_rank)
-    : comms_(std::move(comms)), leader_(first_rank == 0) {
+    : comms_(std::move(comms)), leader_(first_rank == 0), busy_cores_(comms_.size() > 1 ? 2 * int(comms_.size()) : 0) {
   const int world = int(comms_.size());
   KVLM_CHECK(world >= 1, "a tensor-parallel runner needs a rank");
   ranks_.resize(size_t(world));

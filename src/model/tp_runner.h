@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/host_threads.h"
 #include "model/communicator.h"
 #include "model/distributed.h"
 #include "model/model_runner.h"
@@ -82,6 +83,9 @@ class TensorParallelRunner final : public ModelRunner {
   bool leader_ = true;             // local rank 0 is global rank 0
   DistCommands* remote_ = nullptr;  // the other nodes, when this is node 0 of several
   std::vector<std::thread> threads_;  // ranks 1..world-1
+  // Cores the ranks' threads keep busy during a step (a follower spins in its stream wait, the
+  // communicator runs its own threads): host-side loops leave them alone (core/host_threads.h).
+  host_threads::Reservation busy_cores_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   const std::function<void(ModelRunner&)>* job_ = nullptr;

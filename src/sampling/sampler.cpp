@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/host_threads.h"
 #include "core/philox.h"
 
 #ifdef _OPENMP
@@ -280,7 +281,7 @@ TokenId sample_gumbel(std::span<const float> logits, const SamplingParams& p, ui
   constexpr size_t kPiece = size_t(1) << 14;
   const auto pieces = int64_t((v + kPiece - 1) / kPiece);
   std::vector<std::pair<float, size_t>> found(size_t(pieces), {best, idx});
-#pragma omp parallel for schedule(static) if (pieces > 1 && !omp_in_parallel())
+#pragma omp parallel for schedule(static) num_threads(host_threads::team()) if (pieces > 1 && !omp_in_parallel())
   for (int64_t k = 0; k < pieces; ++k) {
     auto& [b, i] = found[size_t(k)];
     scan(size_t(k) * kPiece, std::min(v, size_t(k + 1) * kPiece), b, i);

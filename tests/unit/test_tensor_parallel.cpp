@@ -4,12 +4,18 @@
 // tests/golden/test_golden.cpp's TensorParallelMatchesOneRank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <thread>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include "config/model_config.h"
 #include "core/error.h"
+#include "core/host_threads.h"
 #include "model/communicator.h"
 #include "model/distributed.h"
 #include "model/loaded_model.h"
@@ -227,6 +233,29 @@ TEST(TensorParallel, ARankThatFailsFailsTheGroupInsteadOfHanging) {
   std::vector<float> logits(4);
   EXPECT_ERROR_CONTAINS(tp.forward(ForwardBatch{}, logits), "rank 2 is broken");
   EXPECT_ERROR_CONTAINS(tp.forward(ForwardBatch{}, logits), "failed earlier (rank 2 is broken)");
+}
+
+// Host-side loops of a step take a small team, less the cores a tensor-parallel group keeps
+// busy while it lives (core/host_threads.h: a full team stalled host-sampled steps under TP).
+TEST(TensorParallel, HostLoopsLeaveTheRanksCoresAlone) {
+#if defined(_OPENMP)
+  const int max = omp_get_max_threads();
+#else
+  const int max = 1;
+#endif
+  const int alone = host_threads::team();
+  EXPECT_EQ(alone, std::clamp(max, 1, host_threads::kMaxTeam));
+  {
+    HostGroup g(3);
+    std::vector<Communicator*> comms{&g.rank(0), &g.rank(1), &g.rank(2)};
+    TensorParallelRunner tp(comms, [&](int r) { return std::make_unique<FakeRank>(*comms[size_t(r)], false); });
+    EXPECT_EQ(host_threads::team(), std::clamp(max - 6, 1, host_threads::kMaxTeam));  // 2 cores per rank
+    {
+      host_threads::Reservation more(1000);  // more than the machine: still one thread
+      EXPECT_EQ(host_threads::team(), 1);
+    }
+  }
+  EXPECT_EQ(host_threads::team(), alone);  // released with the group
 }
 
 TEST(TensorParallel, ALoadErrorOfOneRankIsTheLoadError) {

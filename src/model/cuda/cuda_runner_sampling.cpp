@@ -2,6 +2,7 @@
 // rank's part (forward_follower), tokens sampled on the GPU with the rows that come back to the
 // host (forward_sampled, with grammar masks gathered while the forward pass runs), greedy ids,
 // and the DFlash drafter's passes. The step itself is enqueued by cuda_runner.cpp.
+#include "core/host_threads.h"
 #include "model/cuda/cuda_runner_impl.h"
 
 namespace kvlm {
@@ -62,7 +63,7 @@ void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t>
     KVLM_CUDA_CHECK(cudaEventSynchronize(m.copy_events[c]));
     if (!slots.empty()) {  // rows to scattered slots, one row per piece
       const auto r0 = int64_t(c * rows_per_chunk), r1 = int64_t(std::min(R, (c + 1) * rows_per_chunk));
-#pragma omp parallel for schedule(static) if (r1 - r0 > 1)
+#pragma omp parallel for schedule(static) num_threads(host_threads::team()) if (r1 - r0 > 1)
       for (int64_t i = r0; i < r1; ++i)
         std::memcpy(out.data() + size_t(slots[size_t(i)]) * V, staging + size_t(i) * V, V * sizeof(float));
       continue;
@@ -72,7 +73,7 @@ void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t>
     float* dst = out.data() + r0 * V;
     constexpr size_t kPiece = size_t(1) << 16;  // floats per parallel piece (256 KB)
     const int64_t pieces = int64_t((n + kPiece - 1) / kPiece);
-#pragma omp parallel for schedule(static) if (pieces > 1)
+#pragma omp parallel for schedule(static) num_threads(host_threads::team()) if (pieces > 1)
     for (int64_t i = 0; i < pieces; ++i) {
       const size_t o = size_t(i) * kPiece;
       std::memcpy(dst + o, src + o, std::min(kPiece, n - o) * sizeof(float));
