@@ -238,6 +238,10 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
                          "then forced), or serve with a --chat-template that renders tools",
                          "tools");
       }
+      if (!gen.reply_prefix.empty()) {  // the reply's first tokens, written for the model
+        const std::vector<TokenId> more = m->text->tokenizer().encode(gen.reply_prefix, {.add_special_tokens = false});
+        prompts.back().insert(prompts.back().end(), more.begin(), more.end());
+      }
     } catch (const Error& e) {
       throw ApiError(400, "the model's chat template cannot render these messages: " + without_paths(e.what()), "messages");
     }

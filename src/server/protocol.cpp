@@ -630,13 +630,27 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
     return;
   }
   if (r.gen.grammar) bad("tool_choice \"" + choice + "\" and an output format cannot both constrain the reply", "tool_choice");
-  if (info.tool_parser == ToolParser::Harmony)
-    bad("tool_choice \"" + choice + "\" is not supported with the harmony format yet (its calls are written between "
-        "special tokens a grammar cannot force); use \"auto\"",
-        "tool_choice");
   Json chosen = Json::array();
   for (const Json& t : *tools)
     if (choice == "required" || t["function"]["name"] == named) chosen.push_back(t);
+  if (info.tool_parser == ToolParser::Harmony) {
+    // The call's header goes after the prompt and the grammar covers its arguments, so the
+    // function must be known before the reply starts.
+    if (chosen.size() != 1)
+      bad("tool_choice \"required\" with several tools is not supported with the harmony format yet (a call's header "
+          "is written between special tokens a grammar cannot force, so kvlm writes it for the model and must know the "
+          "function): name one with {\"type\": \"function\", \"function\": {\"name\": ...}}, or use \"auto\"",
+          "tool_choice");
+    try {
+      ForcedCall f = harmony_forced_call(chosen[0]);
+      r.gen.reply_prefix = std::move(f.prefix);
+      r.gen.grammar = std::make_shared<const grammar::Grammar>(std::move(f.args));
+    } catch (const Error& e) {
+      bad(e.what(), "tools");
+    }
+    r.gen.grammar_key = "harmony call\n" + chosen.dump();
+    return;
+  }
   try {
     r.gen.grammar = std::make_shared<const grammar::Grammar>(tool_call_grammar(info.tool_parser, chosen, parallel && choice == "required"));
   } catch (const Error& e) {

@@ -104,6 +104,9 @@ struct GenParams {
   std::string grammar_key;
   // Chat with tools: the replies' tool calls are pulled out of the text in this format.
   ToolParser tool_parser = ToolParser::None;
+  // Text the reply continues (harmony's forced call header): appended to the prompt's tokens,
+  // read by the tool-call parser before the model's text, never returned itself.
+  std::string reply_prefix;
 };
 
 struct Prompt {

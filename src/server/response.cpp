@@ -127,7 +127,10 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
     Json calls = Json::array();
     Record& rw = recs_[size_t(ci)];
     if (ep_ == Endpoint::Chat && gen_.tool_parser != ToolParser::None) {
-      if (!rw.tools) rw.tools.emplace(gen_.tool_parser);
+      if (!rw.tools) {
+        rw.tools.emplace(gen_.tool_parser);
+        rw.tools->push(gen_.reply_prefix);  // a forced call's header: nothing to send yet
+      }
       ToolCallStream::Out o = rw.tools->push(text);
       if (finished_now) {
         ToolCallStream::Out f = rw.tools->finish();
@@ -219,7 +222,7 @@ Json ResponseAssembler::response() const {
       Json msg = Json{{"role", "assistant"}, {"content", r.text}};
       bool made_calls = false;
       if (gen_.tool_parser != ToolParser::None) {
-        ExtractedCalls x = extract_tool_calls(gen_.tool_parser, r.text);
+        ExtractedCalls x = extract_tool_calls(gen_.tool_parser, gen_.reply_prefix + r.text);
         if (!x.reasoning.empty()) msg["reasoning_content"] = x.reasoning;
         if (parses_every_reply(gen_.tool_parser) && x.calls.empty()) msg["content"] = x.content;
         if (!x.calls.empty()) {

@@ -342,6 +342,18 @@ ToolCallStream::Out ToolCallStream::finish() {
   return out;
 }
 
+ForcedCall harmony_forced_call(const Json& tool) {
+  const Json& fn = tool.at("function");
+  const std::string name = fn.at("name").get<std::string>();
+  const Json params = fn.contains("parameters") && !fn["parameters"].is_null() ? fn["parameters"] : Json{{"type", "object"}};
+  try {
+    return {"<|channel|>commentary to=functions." + name + " <|constrain|>json<|message|>",
+            grammar::json_schema_grammar(params)};
+  } catch (const Error& e) {
+    throw Error("the tool '" + name + "' parameters: " + e.what());
+  }
+}
+
 grammar::Grammar tool_call_grammar(ToolParser p, const Json& tools, bool parallel) {
   using grammar::Grammar;
   using grammar::Sequence;

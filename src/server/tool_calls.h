@@ -87,4 +87,17 @@ class ToolCallStream {
 // the tool whose schema cannot be enforced.
 grammar::Grammar tool_call_grammar(ToolParser p, const nlohmann::ordered_json& tools, bool parallel);
 
+// Harmony's forced call (tool_choice naming a function, or "required" with one tool): the
+// header the reply starts with — <|channel|>commentary to=functions.NAME <|constrain|>json
+// <|message|>, whose markers are special tokens a grammar cannot write, so the server appends
+// it to the prompt and the parser reads it before the model's text — and the grammar of the
+// arguments the model then writes (the function's parameters schema). The model's analysis
+// channel is skipped: the reply is the call. Throws kvlm::Error naming the tool whose schema
+// cannot be enforced.
+struct ForcedCall {
+  std::string prefix;
+  grammar::Grammar args;
+};
+ForcedCall harmony_forced_call(const nlohmann::ordered_json& tool);
+
 }  // namespace kvlm::server

@@ -54,6 +54,8 @@ class FakeEngine : public EngineClient {
     if (!r.prompt.empty() && r.prompt[0] == 999) throw Error("the fake engine refuses this prompt");
     std::lock_guard lock(mu_);
     ++accepted_;
+    last_prompt_ = r.prompt;
+    last_constrained_ = r.constraint != nullptr;
     live_.push_back({std::move(r), 0});
     cv_.notify_all();
   }
@@ -82,6 +84,15 @@ class FakeEngine : public EngineClient {
   int live() const {
     std::lock_guard lock(mu_);
     return int(live_.size());
+  }
+  // The prompt of the last request added, and whether a grammar constrained it.
+  std::vector<TokenId> last_prompt() const {
+    std::lock_guard lock(mu_);
+    return last_prompt_;
+  }
+  bool last_constrained() const {
+    std::lock_guard lock(mu_);
+    return last_constrained_;
   }
 
  private:
@@ -159,6 +170,8 @@ class FakeEngine : public EngineClient {
   std::vector<Live> live_;
   std::set<std::string> aborted_;
   uint64_t accepted_ = 0, generated_ = 0;
+  std::vector<TokenId> last_prompt_;
+  bool last_constrained_ = false;
   bool quit_ = false;
   std::thread thread_;
 };
@@ -609,8 +622,53 @@ TEST_F(HarmonyTest, ToolCallsFromTheCommentaryChannel) {
   EXPECT_EQ(s.content, "");
   EXPECT_EQ(s.calls, "get_weather{\"city\":\"Paris\"}");
   EXPECT_EQ(s.finish, "tool_calls");
-  // A forced call cannot be written through a grammar in harmony: refused, naming what works.
-  r = c.Post("/v1/chat/completions", req + R"(, "tool_choice": "required"})", "application/json");
+}
+
+// tool_choice naming a function (or "required" with one tool): kvlm writes the call's header
+// after the prompt — its markers are special tokens a grammar cannot write — and a grammar
+// holds the model to the function's parameters; the reply is the call. "required" among
+// several tools cannot know the header, and is refused naming what works.
+TEST_F(HarmonyTest, ForcedCallsWriteTheHeaderForTheModel) {
+  start_with("{\"city\": \"Oslo\"}");  // the model writes only the arguments
+  auto c = client();
+  const std::string tool =
+      R"({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})";
+  const std::string other = R"({"type": "function", "function": {"name": "get_time"}})";
+  const std::string msgs = R"({"messages": [{"role": "user", "content": "weather in Oslo?"}], "max_tokens": 100, )";
+  const std::vector<TokenId> header = text_->tokenizer().encode(
+      "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>", {.add_special_tokens = false});
+  for (const std::string& choice : {std::string(R"("tool_choice": {"type": "function", "function": {"name": "get_weather"}})"),
+                                    std::string(R"("tool_choice": "required")")}) {
+    const std::string tools = choice.find("required") != std::string::npos ? "[" + tool + "]" : "[" + other + ", " + tool + "]";
+    const std::string req = msgs + R"("tools": )" + tools + ", " + choice;
+    for (bool stream : {false, true}) {
+      auto r = c.Post("/v1/chat/completions", req + (stream ? R"(, "stream": true})" : "}"), "application/json");
+      ASSERT_EQ(r->status, 200) << choice << ": " << r->body;
+      const std::vector<TokenId> prompt = engine_->last_prompt();
+      ASSERT_GE(prompt.size(), header.size());
+      EXPECT_TRUE(std::equal(header.begin(), header.end(), prompt.end() - std::ptrdiff_t(header.size())))
+          << "the prompt must end with the call's header";
+      EXPECT_TRUE(engine_->last_constrained());
+      if (stream) {
+        const Streamed s = join(r->body);
+        EXPECT_EQ(s.calls, "get_weather{\"city\":\"Oslo\"}") << r->body;
+        EXPECT_EQ(s.content, "");
+        EXPECT_EQ(s.reasoning, "");
+        EXPECT_EQ(s.finish, "tool_calls");
+        continue;
+      }
+      const Json ch = body_of(r)["choices"][0];
+      EXPECT_EQ(ch["finish_reason"], "tool_calls") << r->body;
+      EXPECT_TRUE(ch["message"]["content"].is_null()) << r->body;
+      EXPECT_FALSE(ch["message"].contains("reasoning_content"));
+      ASSERT_EQ(ch["message"]["tool_calls"].size(), 1u) << r->body;
+      EXPECT_EQ(ch["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+      EXPECT_EQ(Json::parse(ch["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+                Json({{"city", "Oslo"}}));
+    }
+  }
+  auto r = c.Post("/v1/chat/completions", msgs + R"("tools": [)" + tool + ", " + other + R"(], "tool_choice": "required"})",
+                  "application/json");
   expect_error_shape(r, 400);
-  EXPECT_NE(r->body.find("harmony"), std::string::npos) << r->body;
+  EXPECT_NE(r->body.find("name one"), std::string::npos) << r->body;
 }
