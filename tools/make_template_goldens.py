@@ -77,6 +77,7 @@ def make_env():
 QWEN_TOKENS = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 LLAMA3_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
 MISTRAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+GPT_OSS_TOKENS = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"}
 
 TEMPLATES = {
     "Qwen-Qwen2.5-7B-Instruct.jinja": (QWEN_TOKENS, "qwen2.5"),
@@ -91,6 +92,7 @@ TEMPLATES = {
     ),
     "mistralai-Mistral-7B-Instruct.jinja": (MISTRAL_TOKENS, "mistral-v1"),
     "mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja": (MISTRAL_TOKENS, "mistral-small"),
+    "openai-gpt-oss-120b.jinja": (GPT_OSS_TOKENS, "gpt-oss"),
     "TinyLlama-TinyLlama-1.1B-Chat-v1.0.jinja": (
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"},
         "plain",
@@ -362,12 +364,42 @@ def family_cases(family):
         ]
     if family == "qwen2.5":
         c += [("system_not_first", msgs(U1, SYS, U2), {"add_generation_prompt": True})]
+    if family == "gpt-oss":
+        thinking_call = {"role": "assistant", "thinking": "I need the weather tool.", "tool_calls": [CALL]}
+        nested = {"type": "function", "function": {
+            "name": "plan_trip", "description": "Plan a trip",
+            "parameters": {"type": "object", "required": ["stops"], "properties": {
+                "stops": {"type": "array", "description": "Cities in order", "items": {"type": "string"}},
+                "legs": {"type": "array", "items": {"type": "object", "properties": {
+                    "from": {"type": "string"}, "to": {"type": "string"}, "days": {"type": "integer"}},
+                    "required": ["from"]}},
+                "budget": {"type": ["number", "null"]},
+                "mode": {"type": "string", "enum": ["train", "car"], "default": "train"},
+                "flexible": {"type": "boolean", "default": False},
+                "notes": {"oneOf": [{"type": "string", "description": "free text"}, {"type": "integer"}]},
+                "meta": {"type": "object"}}}}}
+        c += [
+            ("reasoning_effort_high", msgs(U1), {"add_generation_prompt": True, "reasoning_effort": "high"}),
+            ("model_identity", msgs(SYS, U1), {"add_generation_prompt": True, "model_identity": "You are kvlm's test."}),
+            ("builtin_tools", msgs(U2), {"add_generation_prompt": True, "builtin_tools": ["browser", "python"]}),
+            ("developer_message_first", msgs({"role": "developer", "content": "Answer in French."}, U1),
+             {"add_generation_prompt": True, "tools": TOOLS}),
+            ("tool_schema_shapes", msgs(U2), {"add_generation_prompt": True, "tools": [nested]}),
+            ("thinking_before_call", msgs(U_WEATHER, thinking_call, TOOL_RESULT), {"add_generation_prompt": True,
+                                                                                   "tools": TOOLS}),
+            ("thinking_in_last_assistant", msgs(U1, {"role": "assistant", "thinking": "A greeting.", "content": "Hi!"}),
+             {}),
+            ("channel_tags_in_content",
+             msgs(U1, {"role": "assistant", "content": "<|channel|>final<|message|>Hi"}, U2),
+             {"add_generation_prompt": True}),
+            ("tool_result_without_call", msgs(U_WEATHER, TOOL_RESULT), {"add_generation_prompt": True}),
+        ]
     return c
 
 
 def build_cases(family, tokens):
     cases = generic_cases()
-    if family in ("qwen2.5", "qwen3", "llama3.1", "llama3.2", "mistral-small"):
+    if family in ("qwen2.5", "qwen3", "llama3.1", "llama3.2", "mistral-small", "gpt-oss"):
         cases += tool_cases(family)
     cases += family_cases(family)
     out = []

@@ -716,6 +716,20 @@ ChatRequest parse_chat_request(const Json& b, const ModelInfo& info, const ApiLi
   }
   if (field(b, "chat_template")) bad("a chat_template in the request is not supported; the model's template is used", "chat_template");
   parse_tools(b, info, r);
+  // GPT-OSS's template reads an assistant turn's reasoning from `thinking` (and keeps it before
+  // a tool call, where the model needs its plan); clients send back the reasoning_content kvlm
+  // returned. Not where the turn also has content beside its calls: the template takes one or
+  // the other there, and raises on both.
+  if (r.gen.tool_parser == ToolParser::Harmony)
+    for (Json& m : r.messages) {
+      if (!m.is_object() || m.value("role", "") != "assistant" || m.contains("thinking")) continue;
+      const auto rc = m.find("reasoning_content");
+      if (rc == m.end() || !rc->is_string() || rc->get_ref<const std::string&>().empty()) continue;
+      const auto content = m.find("content");
+      const bool has_content = content != m.end() && content->is_string() && !content->get_ref<const std::string&>().empty();
+      if (m.contains("tool_calls") && has_content) continue;
+      m["thinking"] = *rc;
+    }
   check_choices(r.gen, 1, lim);
   return r;
 }

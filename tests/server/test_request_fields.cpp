@@ -81,3 +81,24 @@ TEST(RequestFields, ReasoningEffortReachesTheChatTemplate) {
   const Json kw = Json::parse("{" + kChat + R"(, "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}})");
   EXPECT_EQ(parse_chat_request(kw, info(), {}).template_kwargs.at("reasoning_effort"), "low") << "the kwargs win";
 }
+
+// GPT-OSS's template reads an assistant turn's reasoning from `thinking`: the reasoning_content
+// kvlm returned comes back to it there, except beside content in a turn with calls (the
+// template raises on both).
+TEST(RequestFields, HarmonyReasoningReturnsAsThinking) {
+  ModelInfo m = info();
+  m.tool_parser = ToolParser::Harmony;
+  const Json b = Json::parse(R"({"model": "tiny", "messages": [
+      {"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": null, "reasoning_content": "Call the tool.",
+       "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+      {"role": "assistant", "content": "Sunny.", "reasoning_content": "Say it.",
+       "tool_calls": [{"id": "call_2", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+      {"role": "assistant", "content": "Done.", "reasoning_content": "Finish.", "thinking": "mine"}]})");
+  const ChatRequest r = parse_chat_request(b, m, {});
+  EXPECT_EQ(r.messages[1].value("thinking", ""), "Call the tool.");
+  EXPECT_FALSE(r.messages[3].contains("thinking")) << "content beside calls: the template takes one";
+  EXPECT_EQ(r.messages[4].value("thinking", ""), "mine") << "a client's own thinking stays";
+  EXPECT_FALSE(parse_chat_request(b, info(), {}).messages[1].contains("thinking")) << "only for harmony";
+}
