@@ -1,7 +1,8 @@
 """Tool calling end to end with the official `openai` client: the bundled model served with
 Qwen 2.5's chat template (Hermes <tool_call> format, found in the template), tool_choice
 required / named / auto / none, streamed tool-call deltas, a multi-turn history with the
-assistant's calls and the tool's answers, and the errors. The bundled model does not know
+assistant's calls and the tool's answers, and the errors; then with GPT-OSS's chat template
+(harmony): forced calls, streamed and not, and a history through that template. The bundled model does not know
 the tools, so "required" and named calls are what the grammar forces: their arguments must
 still validate against each function's parameters.
 
@@ -166,6 +167,63 @@ except openai.BadRequestError as e:
 r = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice="required", temperature=1.0,
                                    seed=0, max_tokens=1500)
 check(r.choices[0].finish_reason == "tool_calls", f"required without the tools in the prompt: {r.choices[0]}")
+srv.stop()
+
+# --- harmony: GPT-OSS's own chat template --------------------------------------------------
+# The format is found from the template's <|channel|> / <|message|> markers. A named function
+# (or "required" with one tool) is forced: kvlm writes the call's header after the prompt and
+# the grammar holds the arguments, so the bundled model's reply is a valid call; "required"
+# among several tools is refused; the call and the tool's answer go back through the template.
+GPT_OSS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "chat-templates", "openai-gpt-oss-120b.jinja")
+cfg["chat_template"] = open(GPT_OSS).read()
+json.dump(cfg, open(os.path.join(work, "tokenizer_config.json"), "w"))
+srv = Server(KVLM, work, "--served-model-name", "tiny")
+client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=300)
+named = {"type": "function", "function": {"name": "add"}}
+for seed in range(4):
+    r = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice=named, temperature=1.0,
+                                       seed=seed, max_tokens=200)
+    ch = r.choices[0]
+    check(ch.finish_reason == "tool_calls", f"harmony named: finish_reason {ch.finish_reason}")
+    check(len(ch.message.tool_calls or []) == 1, f"harmony named: {ch.message}")
+    for call in ch.message.tool_calls or []:
+        valid_call(call, ["add"])
+r = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS[:1], tool_choice="required", temperature=1.0,
+                                   seed=1, max_tokens=200)
+check([c.function.name for c in r.choices[0].message.tool_calls or []] == ["get_weather"],
+      f"harmony required with one tool: {r.choices[0].message}")
+for call in r.choices[0].message.tool_calls or []:
+    valid_call(call, ["get_weather"])
+stream = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice=named, stream=True,
+                                        temperature=1.0, seed=5, max_tokens=200)
+calls, reason = {}, None
+for chunk in stream:
+    if not chunk.choices:
+        continue
+    for tc in chunk.choices[0].delta.tool_calls or []:
+        c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+        if tc.function:
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+    reason = chunk.choices[0].finish_reason or reason
+check(reason == "tool_calls" and [c["name"] for c in calls.values()] == ["add"], f"harmony stream: {reason} {calls}")
+for c in calls.values():
+    if c["name"] == "add":
+        jsonschema.validate(json.loads(c["arguments"]), SCHEMAS["add"])
+try:
+    client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice="required", max_tokens=5)
+    check(False, "harmony: required among several tools was accepted")
+except openai.BadRequestError as e:
+    check(e.body.get("param") == "tool_choice" and "name one" in str(e), f"harmony required: {e}")
+first = r.choices[0].message
+history = user + [first.model_dump(exclude_none=True)]
+for call in first.tool_calls or []:
+    history.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})})
+final = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS[:1], temperature=0, max_tokens=20)
+check(final.choices[0].finish_reason in ("stop", "length", "tool_calls"), f"harmony history: {final.choices[0]}")
+if TRANSCRIPT:
+    print("harmony named ->", ch.message.model_dump_json(exclude_none=True))
+    print("harmony final ->", final.choices[0].message.model_dump_json(exclude_none=True))
 srv.stop()
 shutil.rmtree(work, ignore_errors=True)
 print(f"{len(failures)} failure(s)")
