@@ -4,7 +4,9 @@
 // bytes the call must read (the experts its rows chose, counted from its own routing, plus the
 // router's logits and the activations), and the bandwidth that makes. Decode batches should
 // run near the GPU's copy bandwidth; prefill batches are compute-bound and report TFLOP/s
-// (2 x rows x top_k x 3 x hidden x width). Results: docs/results/moe.md.
+// (2 x rows x top_k x 3 x hidden x width). From 512 rows it also times the same FLOPs as two
+// dense bf16 GEMMs through cuBLASLt (one expert's shapes, rows x top_k rows: [P][H] . [2I][H]^T
+// and [P][I] . [H][I]^T), the rate a grouped GEMM should approach. Results: docs/results/moe.md.
 //
 //   moe_lab [--shape qwen3-30b-a3b|gpt-oss-20b] [--rows 1,8,64,512,4096]
 #include <cuda_runtime.h>
@@ -21,6 +23,7 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
 
 using namespace kvlm;
@@ -77,8 +80,12 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("moe_lab on %s\n", prop.name);
-  std::printf("%-14s %6s %10s %12s %10s %10s %8s\n", "shape", "rows", "us/call", "weight MB", "GB/s", "TFLOP/s",
-              "experts");
+  std::printf("%-14s %6s %10s %12s %10s %10s %8s %14s\n", "shape", "rows", "us/call", "weight MB", "GB/s", "TFLOP/s",
+              "experts", "dense TFLOP/s");
+  cuda::Gemm gemm;
+  void* gemm_ws = nullptr;
+  CHECK(cudaMalloc(&gemm_ws, cuda::kGemmWorkspaceBytes));
+  gemm.set_workspace(gemm_ws, cuda::kGemmWorkspaceBytes);
   std::mt19937 rng(1);
   // Written before each timed call: a layer's weights read by the call before it would
   // otherwise partly still sit in L2 (50 MB), where a model's 48 layers never leave them.
@@ -149,8 +156,56 @@ int main(int argc, char** argv) {
       const double weight_bytes = double(used.size()) * 3.0 * H * I * 2;
       const double bytes = weight_bytes + double(T) * E * 4 + 2.0 * T * H * 2;
       const double flops = 2.0 * T * K * 3.0 * H * I;
-      std::printf("%-14s %6d %10.1f %12.1f %10.0f %10.1f %5zu/%d\n", s.name.c_str(), T, sec * 1e6, weight_bytes / 1e6,
-                  bytes / sec / 1e9, flops / sec / 1e12, used.size(), E);
+      // The same FLOPs as dense GEMMs (gate/up then down over P = T x top_k rows), graph-timed
+      // the same way.
+      std::string dense = "-";
+      if (T >= 512) {
+        const int P = T * K;
+        uint16_t *a = nullptr, *h = nullptr, *o = nullptr;
+        CHECK(cudaMalloc(&a, size_t(P) * H * 2));
+        CHECK(cudaMalloc(&h, size_t(P) * 2 * I * 2));
+        CHECK(cudaMalloc(&o, size_t(P) * H * 2));
+        CHECK(cudaMemset(a, 0x3c, size_t(P) * H * 2));
+        CHECK(cudaMemset(h, 0x3c, size_t(P) * 2 * I * 2));
+        cudaStream_t ds;
+        CHECK(cudaStreamCreateWithFlags(&ds, cudaStreamNonBlocking));
+        auto run_dense = [&] {
+          gemm.linear(DType::BF16, DType::BF16, a, gate_up, nullptr, h, P, 2 * I, H, ds);
+          gemm.linear(DType::BF16, DType::BF16, h, down, nullptr, o, P, H, I, ds);
+        };
+        run_dense();  // cuBLASLt's heuristics and workspace, outside the capture
+        CHECK(cudaStreamSynchronize(ds));
+        cudaGraph_t dg;
+        cudaGraphExec_t dx;
+        CHECK(cudaStreamBeginCapture(ds, cudaStreamCaptureModeGlobal));
+        run_dense();
+        CHECK(cudaStreamEndCapture(ds, &dg));
+        CHECK(cudaGraphInstantiate(&dx, dg, 0));
+        cudaEvent_t da, db;
+        CHECK(cudaEventCreate(&da));
+        CHECK(cudaEventCreate(&db));
+        std::vector<float> dms;
+        for (int i = 0; i < 13; ++i) {
+          CHECK(cudaMemsetAsync(flush, i, flush_bytes, ds));
+          CHECK(cudaEventRecord(da, ds));
+          CHECK(cudaGraphLaunch(dx, ds));
+          CHECK(cudaEventRecord(db, ds));
+          CHECK(cudaEventSynchronize(db));
+          float t = 0;
+          CHECK(cudaEventElapsedTime(&t, da, db));
+          if (i >= 3) dms.push_back(t);
+        }
+        std::sort(dms.begin(), dms.end());
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.1f", flops / (dms[dms.size() / 2] * 1e-3) / 1e12);
+        dense = buf;
+        CHECK(cudaGraphExecDestroy(dx));
+        CHECK(cudaGraphDestroy(dg));
+        CHECK(cudaStreamDestroy(ds));
+        for (void* ptr : {static_cast<void*>(a), static_cast<void*>(h), static_cast<void*>(o)}) CHECK(cudaFree(ptr));
+      }
+      std::printf("%-14s %6d %10.1f %12.1f %10.0f %10.1f %5zu/%d %14s\n", s.name.c_str(), T, sec * 1e6, weight_bytes / 1e6,
+                  bytes / sec / 1e9, flops / sec / 1e12, used.size(), E, dense.c_str());
       CHECK(cudaFree(ws));
     }
     for (void* ptr : {static_cast<void*>(gate_up), static_cast<void*>(down), static_cast<void*>(gub), static_cast<void*>(db),
@@ -158,5 +213,6 @@ int main(int argc, char** argv) {
       if (ptr) CHECK(cudaFree(ptr));
   }
   CHECK(cudaFree(flush));
+  CHECK(cudaFree(gemm_ws));
   return 0;
 }
