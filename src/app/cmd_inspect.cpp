@@ -149,15 +149,18 @@ int run_inspect(const InspectFlags& f) {
     throw Error("--tensor-parallel-size " + std::to_string(tp) + ": DFlash drafting runs on one GPU for now");
   struct RankShare {
     int q0, q1, kv0, kv1;  // [first, last] query and KV heads
-    int64_t m0, m1;        // MLP columns [first, last]
+    int64_t m0, m1;        // dense MLP columns [first, last]
+    int64_t e0, e1;        // every expert's columns [first, last] (a mixture of experts)
     size_t kv_bytes;       // KV bytes per token the rank holds
   };
+  const bool dense_mlp = !cfg.moe || std::ranges::find(cfg.moe_layers, false) != cfg.moe_layers.end();
+  const int64_t expert_cols = cfg.moe ? cfg.moe->expert_size / tp : 0;
   std::vector<RankShare> shares;
   for (int r = 0; r < tp && tp > 1; ++r) {
     const UnitRange kv = shard_units(cfg.num_kv_heads, {r, tp});
     shares.push_back({r * layout.q_heads, (r + 1) * layout.q_heads - 1, int(kv.begin), int(kv.begin + kv.count - 1),
-                      r * layout.intermediate, (r + 1) * layout.intermediate - 1,
-                      shard_kv_plan(plan, {r, tp}).bytes_per_token()});
+                      r * layout.intermediate, (r + 1) * layout.intermediate - 1, r * expert_cols,
+                      (r + 1) * expert_cols - 1, shard_kv_plan(plan, {r, tp}).bytes_per_token()});
   }
   // The same model with an unquantized cache in the model dtype, for the capacity ratio.
   size_t baseline = 0;
@@ -217,7 +220,9 @@ int run_inspect(const InspectFlags& f) {
     if (tp > 1) {
       nlohmann::json ranks = nlohmann::json::array();
       for (const RankShare& r : shares)
-        ranks.push_back({{"q_heads", {r.q0, r.q1}}, {"kv_heads", {r.kv0, r.kv1}}, {"mlp_columns", {r.m0, r.m1}},
+        ranks.push_back({{"q_heads", {r.q0, r.q1}}, {"kv_heads", {r.kv0, r.kv1}},
+                         {"mlp_columns", dense_mlp ? nlohmann::json{r.m0, r.m1} : nlohmann::json(nullptr)},
+                         {"expert_columns", cfg.moe ? nlohmann::json{r.e0, r.e1} : nlohmann::json(nullptr)},
                          {"kv_bytes_per_token", r.kv_bytes}});
       j["tensor_parallel"] = {{"size", tp}, {"kv_head_replicas", layout.kv_replicas}, {"ranks", ranks}};
     }
@@ -326,7 +331,9 @@ int run_inspect(const InspectFlags& f) {
     for (size_t r = 0; r < shares.size(); ++r) {
       const RankShare& x = shares[r];
       std::cout << "  rank " << r << ": q heads " << x.q0 << "-" << x.q1 << ", kv heads " << x.kv0 << "-" << x.kv1
-                << ", MLP columns " << x.m0 << "-" << x.m1 << ", " << x.kv_bytes << " KV bytes per token"
+                << (dense_mlp ? ", MLP columns " + std::to_string(x.m0) + "-" + std::to_string(x.m1) : "")
+                << (cfg.moe ? ", columns " + std::to_string(x.e0) + "-" + std::to_string(x.e1) + " of every expert" : "")
+                << ", " << x.kv_bytes << " KV bytes per token"
                 << (r == 0 ? " (and the LM head)" : "") << "\n";
     }
   }

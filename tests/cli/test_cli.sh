@@ -498,6 +498,15 @@ two=$("$KVLM" generate --device cpu -tp 2 --prompt "Once upon a time" --max-toke
 "$KVLM" inspect --json -tp 2 >"$tmp/i.json" 2>"$tmp/err" \
   && [ "$(json_get "$tmp/i.json" "d['tensor_parallel']['ranks'][1]['kv_heads']")" = "[1, 1]" ] && ok \
   || bad "inspect --json -tp 2: $(cat "$tmp/err")"
+# A mixture of experts: each rank holds its columns of every expert (and of the dense MLP of
+# Qwen3-MoE's mlp_only_layers); GPT-OSS has no dense MLP.
+"$KVLM" inspect --model "$golden/qwen3-moe" -tp 2 >"$tmp/out" 2>"$tmp/err" \
+  && grep -q "rank 1: q heads 2-3, kv heads 1-1, MLP columns 48-95, columns 16-31 of every expert" "$tmp/out" && ok \
+  || bad "inspect qwen3-moe -tp 2: $(cat "$tmp/out" "$tmp/err")"
+"$KVLM" inspect --model "$golden/gpt-oss" --json -tp 2 >"$tmp/i.json" 2>"$tmp/err" \
+  && [ "$(json_get "$tmp/i.json" "d['tensor_parallel']['ranks'][1]['expert_columns']")" = "[16, 31]" ] \
+  && [ "$(json_get "$tmp/i.json" "d['tensor_parallel']['ranks'][1]['mlp_columns']")" = "None" ] && ok \
+  || bad "inspect gpt-oss --json -tp 2: $(cat "$tmp/err")"
 
 echo "cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
