@@ -57,6 +57,9 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "split every layer over N GPUs (GPUs 0..N-1, or from --device cuda:K on), each holding 1/N of the "
                  "weights and of the KV cache, as vLLM's -tp N (which kvlm also takes); on the CPU, N threads")
       ->capture_default_str();
+  cmd.add_flag("--enable-expert-parallel", expert_parallel,
+               "a mixture of experts under --tensor-parallel-size N: each rank holds whole experts (1/N of them) "
+               "instead of 1/N of every expert's width, as vLLM's flag of that name; the experts must divide over N");
   const std::string dist = "Tensor parallelism over several processes or hosts (docs/multi-node.md)";
   cmd.add_option("--nnodes", nnodes, "processes (nodes) that share the tensor-parallel ranks (default: WORLD_SIZE, else 1)")
       ->group(dist);
@@ -160,6 +163,7 @@ ModelOptions ModelFlags::model_options() const {
   o.enforce_eager = enforce_eager;
   o.quantization = quantization;
   o.tensor_parallel_size = tensor_parallel_size;
+  o.expert_parallel = expert_parallel;
   if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
   o.dist = resolve_dist_config(nnodes, node_rank, distributed_init, distributed_timeout);
   if (o.dist.enabled()) {

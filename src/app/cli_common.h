@@ -30,6 +30,7 @@ struct ModelFlags {
   int block_size = 16;
   bool enforce_eager = false;
   int tensor_parallel_size = 1;  // --tensor-parallel-size / -tp
+  bool expert_parallel = false;  // --enable-expert-parallel
   int nnodes = 0;                 // --nnodes (0: WORLD_SIZE, else 1)
   int node_rank = -1;             // --node-rank (-1: RANK, else 0)
   std::string distributed_init;   // --distributed-init tcp://HOST:PORT (empty: MASTER_ADDR/MASTER_PORT)

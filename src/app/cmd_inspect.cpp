@@ -134,8 +134,9 @@ int run_inspect(const InspectFlags& f) {
   const DeviceChoice dc = resolve_device(f.model.device);
   const Device device = dc.device;
   const Checkpoint ckpt = Checkpoint::open(dir);
-  const ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
-                                  parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr, f.model.quantization);
+  ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
+                            parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr, f.model.quantization);
+  apply_expert_parallel(mp.config, f.model.expert_parallel);
   const KVPlan& plan = mp.plan;
   const std::optional<GGUFProvenance> gguf = gguf_provenance(ckpt);
   size_t draft_bytes = 0;  // of the bytes per token, the drafter's layers'
@@ -150,11 +151,12 @@ int run_inspect(const InspectFlags& f) {
   struct RankShare {
     int q0, q1, kv0, kv1;  // [first, last] query and KV heads
     int64_t m0, m1;        // dense MLP columns [first, last]
-    int64_t e0, e1;        // every expert's columns [first, last] (a mixture of experts)
+    int64_t e0, e1;        // every expert's columns [first, last], or with expert parallelism its experts
     size_t kv_bytes;       // KV bytes per token the rank holds
   };
   const bool dense_mlp = !cfg.moe || std::ranges::find(cfg.moe_layers, false) != cfg.moe_layers.end();
-  const int64_t expert_cols = cfg.moe ? cfg.moe->expert_size / tp : 0;
+  const bool ep = cfg.moe && cfg.moe->expert_parallel;
+  const int64_t expert_cols = cfg.moe ? (ep ? cfg.moe->num_experts : cfg.moe->expert_size) / tp : 0;
   std::vector<RankShare> shares;
   for (int r = 0; r < tp && tp > 1; ++r) {
     const UnitRange kv = shard_units(cfg.num_kv_heads, {r, tp});
@@ -222,7 +224,7 @@ int run_inspect(const InspectFlags& f) {
       for (const RankShare& r : shares)
         ranks.push_back({{"q_heads", {r.q0, r.q1}}, {"kv_heads", {r.kv0, r.kv1}},
                          {"mlp_columns", dense_mlp ? nlohmann::json{r.m0, r.m1} : nlohmann::json(nullptr)},
-                         {"expert_columns", cfg.moe ? nlohmann::json{r.e0, r.e1} : nlohmann::json(nullptr)},
+                         {ep ? "experts" : "expert_columns", cfg.moe ? nlohmann::json{r.e0, r.e1} : nlohmann::json(nullptr)},
                          {"kv_bytes_per_token", r.kv_bytes}});
       j["tensor_parallel"] = {{"size", tp}, {"kv_head_replicas", layout.kv_replicas}, {"ranks", ranks}};
     }
@@ -323,6 +325,8 @@ int run_inspect(const InspectFlags& f) {
   if (tp > 1) {
     std::cout << "tensor parallel: " << tp << " ranks (one GPU each); attention and MLP split by heads and columns, "
               << "o and down summed by an all-reduce"
+              << (ep ? "; whole experts per rank (--enable-expert-parallel), their outputs summed by the same all-reduce"
+                     : "")
               << (layout.kv_replicas > 1 ? "; " + std::to_string(cfg.num_kv_heads) + " KV heads for " +
                                                std::to_string(tp) + " ranks: each KV head held by " +
                                                std::to_string(layout.kv_replicas) + " ranks"
@@ -332,7 +336,9 @@ int run_inspect(const InspectFlags& f) {
       const RankShare& x = shares[r];
       std::cout << "  rank " << r << ": q heads " << x.q0 << "-" << x.q1 << ", kv heads " << x.kv0 << "-" << x.kv1
                 << (dense_mlp ? ", MLP columns " + std::to_string(x.m0) + "-" + std::to_string(x.m1) : "")
-                << (cfg.moe ? ", columns " + std::to_string(x.e0) + "-" + std::to_string(x.e1) + " of every expert" : "")
+                << (!cfg.moe ? std::string()
+                    : ep     ? ", experts " + std::to_string(x.e0) + "-" + std::to_string(x.e1)
+                             : ", columns " + std::to_string(x.e0) + "-" + std::to_string(x.e1) + " of every expert")
                 << ", " << x.kv_bytes << " KV bytes per token"
                 << (r == 0 ? " (and the LM head)" : "") << "\n";
     }

@@ -87,6 +87,14 @@ struct MoeConfig {
   bool expert_bias = false;     // GPT-OSS: gate/up and down biases per expert
   GluActivation act = GluActivation::Silu;
   float swiglu_alpha = 1.702f, swiglu_limit = 7.0f;  // SwigluClamp
+  // Tensor parallelism: each rank holds its share of every expert's width, or with
+  // expert_parallel (--enable-expert-parallel) whole experts: rank r of W holds experts
+  // [expert_begin, expert_begin + local_experts) = [r E / W, (r + 1) E / W), routes every token
+  // over all E, and sums only its experts' outputs (the block's all-reduce adds the ranks').
+  bool expert_parallel = false;
+  int expert_begin = 0;
+  int local_experts = 0;        // 0: all of them (one rank, or tensor parallel inside experts)
+  int held_experts() const { return local_experts > 0 ? local_experts : num_experts; }
 };
 
 struct ModelConfig {

@@ -163,6 +163,14 @@ SelectionContext selection_context(Device device, int gpu, const CacheConfig& ca
   return c;
 }
 
+void apply_expert_parallel(ModelConfig& config, bool enabled) {
+  if (!enabled) return;
+  if (!config.moe)
+    throw Error("--enable-expert-parallel: " + std::string(arch_name(config.arch)) +
+                " is not a mixture of experts (it has no experts to split); drop the flag");
+  config.moe->expert_parallel = true;
+}
+
 void check_tensor_parallel(const ModelOptions& opts, const ModelConfig& config) {
   const int n = opts.tensor_parallel_size;
   const std::string flag = "--tensor-parallel-size " + std::to_string(n);
@@ -201,6 +209,7 @@ std::string fingerprint(const ModelOptions& opts, const ModelPlan& mp, const KVP
   return std::string(arch_name(c.arch)) + " " + std::to_string(c.num_layers) + "x" + std::to_string(c.hidden_size) +
          " vocab " + std::to_string(c.vocab_size) + ", " + std::string(dtype_name(mp.dtype)) + " on " +
          std::string(device_name(opts.device)) + ", --tensor-parallel-size " + std::to_string(opts.tensor_parallel_size) +
+         (opts.expert_parallel ? " --enable-expert-parallel" : "") +
          ", KV " + std::to_string(rank_plan.bytes_per_token()) + " B/token per rank, block size " +
          std::to_string(opts.cache.block_size);
 }
@@ -282,6 +291,7 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   const SpeculativeConfig* spec = opts.speculative ? &*opts.speculative : nullptr;
   e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype, spec,
                                                     opts.quantization));
+  apply_expert_parallel(e->plan_->config, opts.expert_parallel);
   const ModelPlan& mp = *e->plan_;
   check_tensor_parallel(opts, mp.config);
   std::optional<Checkpoint> dckpt;

@@ -72,10 +72,15 @@ struct ModelOptions {
   // --tensor-parallel-size: ranks (GPUs gpu, gpu + 1, ...; on the CPU, threads) that each hold
   // a slice of every layer (model/tensor_parallel.h).
   int tensor_parallel_size = 1;
+  // --enable-expert-parallel: a mixture of experts splits whole experts over the ranks.
+  bool expert_parallel = false;
   // Several processes (model/distributed.h): this process is node dist.node_rank of
   // dist.nnodes, driving tensor_parallel_size / nnodes ranks.
   DistConfig dist;
 };
+
+// --enable-expert-parallel on the model's config; throws when it is not a mixture of experts.
+void apply_expert_parallel(ModelConfig& config, bool enabled);
 
 // Checks --tensor-parallel-size against the model and the machine before anything loads:
 // the size splits the model (tp_layout), enough GPUs are visible, NCCL is built in, no DFlash

@@ -19,8 +19,11 @@ std::string split_problem(const ModelConfig& c, int world) {
   if (dense_layers && c.intermediate_size % world != 0)
     return "intermediate_size " + std::to_string(c.intermediate_size) + " is not divisible by " + n;
   // Experts split tensor-parallel inside each expert: every rank holds its share of every
-  // expert's width.
-  if (c.moe && c.moe->expert_size % world != 0)
+  // expert's width; or whole experts per rank (expert parallelism).
+  if (c.moe && c.moe->expert_parallel && c.moe->num_experts % world != 0)
+    return "its " + std::to_string(c.moe->num_experts) + " experts do not divide over " + n +
+           " ranks (--enable-expert-parallel holds whole experts per rank)";
+  if (c.moe && !c.moe->expert_parallel && c.moe->expert_size % world != 0)
     return "the experts' width " + std::to_string(c.moe->expert_size) + " (moe_intermediate_size) is not divisible by " + n;
   return {};
 }
@@ -48,13 +51,19 @@ TpLayout tp_layout(const ModelConfig& c, int world) {
   return t;
 }
 
-ModelConfig shard_config(const ModelConfig& c, int world) {
+ModelConfig shard_config(const ModelConfig& c, TpRank rank) {
+  const int world = rank.world;
   const TpLayout t = tp_layout(c, world);
   ModelConfig r = c;
   r.num_heads = t.q_heads;
   r.num_kv_heads = t.kv_heads;
   r.intermediate_size = int(t.intermediate);
-  if (r.moe) r.moe->expert_size /= world;
+  if (r.moe && r.moe->expert_parallel) {
+    r.moe->local_experts = r.moe->num_experts / world;
+    r.moe->expert_begin = rank.rank * r.moe->local_experts;
+  } else if (r.moe) {
+    r.moe->expert_size /= world;
+  }
   return r;
 }
 

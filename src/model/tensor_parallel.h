@@ -49,9 +49,10 @@ TpLayout tp_layout(const ModelConfig& c, int world);
 // The sizes world > 1 tensor-parallel sizes that split `c` (for error messages): "1, 2, 4".
 std::string valid_tp_sizes(const ModelConfig& c, int max_world = 8);
 
-// The config one rank computes with: its heads, KV heads and MLP width (hidden size,
-// vocabulary and everything else unchanged).
-ModelConfig shard_config(const ModelConfig& c, int world);
+// The config rank r computes with: its heads, KV heads and MLP width, and of a mixture of
+// experts its share of every expert's width or (MoeConfig::expert_parallel) its experts
+// (hidden size, vocabulary and everything else unchanged).
+ModelConfig shard_config(const ModelConfig& c, TpRank r);
 
 // The KV plan of rank r: every layer with the rank's query and KV heads, per-KV-head scales
 // reduced to the rank's heads. Bytes per token are per rank.

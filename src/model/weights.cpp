@@ -228,6 +228,18 @@ struct PieceSlice {
   int64_t groups = 1;
 };
 PieceSlice piece_slice(const WeightPiece& p, const WeightSpec& s, TpRank tp, const std::string& name) {
+  if (s.shard == Shard::Experts) {  // whole experts: the rank's run of them
+    KVLM_CHECK(p.shard_units > 0, "an expert-parallel piece without its expert count");
+    const UnitRange u = shard_units(p.shard_units, tp);
+    if (p.expert >= 0) {
+      const bool mine = p.expert >= u.begin && p.expert < u.begin + u.count;
+      return {0, 0, mine ? p.shape[0] : 0, 1};
+    }
+    if (p.shape[0] % p.shard_units != 0)
+      throw Error("tensor " + name + ": its rows do not form " + std::to_string(p.shard_units) + " equal experts");
+    const int64_t unit = p.shape[0] / p.shard_units;
+    return {0, u.begin * unit, u.count * unit, 1};
+  }
   const int dim = s.shard == Shard::Rows ? 0 : 1;
   const int64_t groups = dim == 0 && p.row_groups > 1 ? p.row_groups : 1;
   if (p.shape[size_t(dim)] % groups != 0)
@@ -317,7 +329,7 @@ WeightSpec local_spec(const WeightSpec& s, TpRank tp) {
   for (WeightPiece& p : l.pieces) {
     p.shape = p.held_shape();  // what the sink receives: rearranged, then sliced
     p.layout = PieceLayout::Plain;
-    if (s.shard == Shard::Rows || s.shard == Shard::Cols) {
+    if (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts) {
       const PieceSlice sl = piece_slice(p, s, tp, "'" + p.name + "'");
       p.shape[size_t(sl.dim)] = sl.count * sl.groups;
     } else if (s.shard == Shard::RankZero && tp.rank != 0) {
@@ -390,7 +402,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       continue;
     }
     const WeightSpec& ls = held[next_held++];
-    const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols);
+    const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
     views.clear();
     pq.clear();
     local.clear();

@@ -45,6 +45,9 @@ enum class Shard : uint8_t {
   Vocab,       // the embedding table: replicated (a lookup reads one row per token)
   RankZero,    // rank 0 alone: a row-parallel projection's bias (added once, before the sum) and an
                // untied LM head (only rank 0 forms logits)
+  Experts,     // whole experts per rank (expert parallelism): a piece of one expert (WeightPiece::expert)
+               // is held whole by the rank owning that expert and not at all by the others; a fused
+               // piece splits along dim 0 into shard_units experts, the rank taking its run of them
 };
 
 // How a checkpoint lays out a piece when not as the device holds it ([rows][cols], rows
@@ -69,6 +72,8 @@ struct WeightPiece {
   // Rows: the held rows are this many equal groups (a fused expert tensor: each expert's gate
   // and up), and a rank takes its share of every group. 0 or 1: one group.
   int64_t row_groups = 0;
+  // Experts: the expert this piece belongs to (-1: a fused piece of every expert).
+  int expert = -1;
   // The shape the device holds: `shape` rearranged by `layout`.
   std::vector<int64_t> held_shape() const;
 };

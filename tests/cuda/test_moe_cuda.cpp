@@ -2,8 +2,8 @@
 // (ops::cpu::moe_route and the expert loop of CpuOps::moe), for both activation dtypes: odd
 // expert counts, top k from 1 to 8, experts no row chooses, every row routed to one expert,
 // decode-sized batches (1-4 rows: the expert GEMV) and larger ones (the grouped GEMM),
-// SiLU and GPT-OSS's clamped SwiGLU with router and expert biases, and both router
-// normalizations.
+// SiLU and GPT-OSS's clamped SwiGLU with router and expert biases, both router normalizations,
+// and one rank's run of experts under expert parallelism.
 //
 // The reference rounds where the kernels round — the gate/up projection, the activation and
 // each expert's output to the activation dtype, the combined output once — so what remains is
@@ -38,6 +38,9 @@ struct MoeCase {
   GluActivation act = GluActivation::Silu;
   bool biases = false;
   int force_expert = -1;  // a router bias that sends every row to this expert first
+  // Expert parallelism: the kernels hold experts [first, first + held) only (held 0: all) and
+  // sum only their pairs; the reference sums the same.
+  int first = 0, held = 0;
 };
 
 void run(DType act, const MoeCase& c, uint32_t seed) {
@@ -57,7 +60,9 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
   std::vector<float> logits(size_t(T) * E);
   for (auto& l : logits) l = nd(rng);
   MoeConfig cfg{.num_experts = E, .top_k = K, .expert_size = I, .norm_topk = c.norm_topk, .router_bias = !router_bias.empty(),
-                .expert_bias = c.biases, .act = c.act, .swiglu_alpha = 1.702f, .swiglu_limit = 1.5f};
+                .expert_bias = c.biases, .act = c.act, .swiglu_alpha = 1.702f, .swiglu_limit = 1.5f,
+                .expert_parallel = c.held > 0, .expert_begin = c.first, .local_experts = c.held};
+  const int held = cfg.held_experts(), first = cfg.expert_begin;
 
   // CPU reference, rounding where the kernels round.
   std::vector<float> biased = logits;
@@ -73,6 +78,7 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
     std::vector<double> acc(static_cast<size_t>(H), 0.0);
     for (int k = 0; k < K; ++k) {
       const int e = ids[size_t(t) * K + size_t(k)];
+      if (e < first || e >= first + held) continue;  // another rank's expert
       ops::cpu::linear(std::span<const float>(x).subspan(size_t(t) * H, size_t(H)), 1, H,
                        std::span<const float>(gate_up).subspan(size_t(e) * 2 * I * H, size_t(2 * I) * H), 2 * I,
                        gu_bias.empty() ? std::span<const float>{} : std::span<const float>(gu_bias).subspan(size_t(e) * 2 * I, size_t(2 * I)),
@@ -89,11 +95,17 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
     for (int j = 0; j < H; ++j) ref[size_t(t) * H + size_t(j)] = float(acc[size_t(j)]);
   }
 
-  Dev<uint16_t> dx(codes(act, x)), dgu(codes(act, gate_up)), ddown(codes(act, down)), dy(size_t(T) * H);
+  // The device holds the held experts' weights only.
+  auto held_part = [&](const std::vector<float>& v) {
+    const size_t per = v.size() / size_t(E);
+    return std::vector<float>(v.begin() + std::ptrdiff_t(size_t(first) * per), v.begin() + std::ptrdiff_t(size_t(first + held) * per));
+  };
+  Dev<uint16_t> dx(codes(act, x)), dgu(codes(act, held_part(gate_up))), ddown(codes(act, held_part(down))),
+      dy(size_t(T) * H);
   Dev<float> dlogits(logits);
   std::optional<Dev<uint16_t>> dgub, ddb, drb;
-  if (!gu_bias.empty()) dgub.emplace(codes(act, gu_bias));
-  if (!down_bias.empty()) ddb.emplace(codes(act, down_bias));
+  if (!gu_bias.empty()) dgub.emplace(codes(act, held_part(gu_bias)));
+  if (!down_bias.empty()) ddb.emplace(codes(act, held_part(down_bias)));
   if (!router_bias.empty()) drb.emplace(codes(act, router_bias));
   Dev<uint8_t> ws(cuda::moe_workspace_bytes(act, T, H, I, E, K));
   dy.poison();
@@ -145,6 +157,15 @@ TEST(CudaMoe, MatchesTheCpuReference) {
   for (DType act : kActs)
     for (const MoeCase& c : cases) run(act, c, seed++);
   for (int k = 1; k <= 8; ++k) run(DType::BF16, {.rows = 9, .hidden = 64, .inter = 32, .experts = 11, .top_k = k}, 100 + k);
+  // Expert parallelism: one rank's run of experts, in the GEMV (1-4 rows) and grouped paths,
+  // with biases; a rank none of whose experts a row chose gives zeros for that row.
+  for (const MoeCase& c : {MoeCase{.rows = 1, .hidden = 256, .inter = 64, .experts = 128, .top_k = 8, .first = 64, .held = 32},
+                           MoeCase{.rows = 3, .hidden = 96, .inter = 64, .experts = 8, .top_k = 2,
+                                   .act = GluActivation::SwigluClamp, .biases = true, .first = 4, .held = 4},
+                           MoeCase{.rows = 70, .hidden = 256, .inter = 96, .experts = 128, .top_k = 8, .first = 0, .held = 64},
+                           MoeCase{.rows = 33, .hidden = 96, .inter = 64, .experts = 6, .top_k = 2,
+                                   .act = GluActivation::SwigluClamp, .biases = true, .first = 3, .held = 3}})
+    for (DType act : kActs) run(act, c, seed++);
 }
 
 TEST(CudaMoe, RefusesShapesItCannotRun) {

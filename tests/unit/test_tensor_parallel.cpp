@@ -4,10 +4,16 @@
 // tests/golden/test_golden.cpp's TensorParallelMatchesOneRank.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <filesystem>
+#include <fstream>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -16,11 +22,14 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "core/host_threads.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
 #include "model/communicator.h"
 #include "model/distributed.h"
 #include "model/loaded_model.h"
 #include "model/tensor_parallel.h"
 #include "model/tp_runner.h"
+#include "offline/score.h"
 #include "test_util.h"
 
 using namespace kvlm;
@@ -85,7 +94,7 @@ TEST(TensorParallel, LayoutOfEveryGoldenConfig) {
         EXPECT_GE(first_q / group, kv.begin) << e.path() << " n=" << n << " r=" << r;
         EXPECT_LT(last_q / group, kv.begin + kv.count) << e.path() << " n=" << n << " r=" << r;
       }
-      const ModelConfig s = shard_config(c, n);
+      const ModelConfig s = shard_config(c, {0, n});
       EXPECT_EQ(s.num_heads, t.q_heads);
       EXPECT_EQ(s.num_kv_heads, t.kv_heads);
       EXPECT_EQ(s.hidden_size, c.hidden_size);
@@ -104,6 +113,93 @@ TEST(TensorParallel, ErrorsNameTheFieldAndTheSizesThatWork) {
   EXPECT_ERROR_CONTAINS(tp_layout(config(4, 4, 90), 4), "intermediate_size 90 is not divisible by 4");
   EXPECT_ERROR_CONTAINS(tp_layout(c, 0), "at least 1");
   EXPECT_EQ(valid_tp_sizes(config(64, 8, 28672)), "1, 2, 4, 8");
+}
+
+// Expert parallelism needs the experts to divide over the ranks (as the heads must), and a
+// mixture of experts to split.
+TEST(TensorParallel, ExpertParallelSizesMustDivideTheExperts) {
+  ModelConfig c = config(8, 8, 64);
+  c.moe = MoeConfig{.num_experts = 6, .top_k = 2, .expert_size = 96};
+  c.moe_layers.assign(size_t(c.num_layers), true);
+  EXPECT_NO_THROW(tp_layout(c, 4)) << "inside the experts: 96 columns over 4";
+  c.moe->expert_parallel = true;
+  EXPECT_ERROR_CONTAINS(tp_layout(c, 4), "its 6 experts do not divide over 4 ranks (--enable-expert-parallel");
+  EXPECT_ERROR_CONTAINS(tp_layout(c, 4), "sizes that work: 1, 2");
+  const ModelConfig r1 = shard_config(c, {1, 2});
+  EXPECT_EQ(r1.moe->expert_begin, 3);
+  EXPECT_EQ(r1.moe->held_experts(), 3);
+  EXPECT_EQ(r1.moe->expert_size, 96) << "whole experts";
+  ModelConfig dense = config(8, 8, 64);
+  EXPECT_ERROR_CONTAINS(apply_expert_parallel(dense, true), "is not a mixture of experts");
+}
+
+namespace {
+
+// A copy of golden model `name` (a mixture of experts) that keeps only its first `keep`
+// experts and their router rows, so that they divide over the ranks.
+fs::path with_experts(const std::string& name, int keep) {
+  const fs::path src = fs::path(KVLM_TEST_DATA) / "golden" / "models" / name;
+  const fs::path dst = fs::temp_directory_path() / ("kvlm-ep-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(src / "config.json"));
+  const int E = cfg.contains("num_local_experts") ? cfg["num_local_experts"].get<int>() : cfg["num_experts"].get<int>();
+  cfg[cfg.contains("num_local_experts") ? "num_local_experts" : "num_experts"] = keep;
+  std::ofstream(dst / "config.json") << cfg.dump(2);
+  fs::copy_file(src / "generation_config.json", dst / "generation_config.json");
+  const Checkpoint ck = Checkpoint::open(src);
+  std::vector<TensorToWrite> out;
+  for (const std::string& n : ck.names()) {
+    const TensorView v = ck.view(n);
+    TensorToWrite t{n, v.info->dtype, v.info->shape, v.bytes};
+    const size_t experts_at = n.find("mlp.experts.");
+    const bool router = n.find("mlp.gate.") != std::string::npos || n.find("mlp.router.") != std::string::npos;
+    if (experts_at != std::string::npos && std::isdigit(static_cast<unsigned char>(n[experts_at + 12]))) {
+      if (std::stoi(n.substr(experts_at + 12)) >= keep) continue;  // one expert's tensor
+    } else if (experts_at != std::string::npos || router) {  // [E][...] fused experts, or the router
+      EXPECT_EQ(t.shape[0], E) << n;
+      t.shape[0] = keep;
+      t.bytes = v.bytes.first(v.bytes.size() / size_t(E) * size_t(keep));
+    }
+    out.push_back(t);
+  }
+  write_safetensors(dst / "model.safetensors", out);
+  return dst;
+}
+
+}  // namespace
+
+// Whole experts per rank give one rank's logits, as splitting every expert's width does: per
+// expert tensors (Qwen3-MoE, with a dense layer) and fused ones with biases (GPT-OSS), at 2 and
+// 4 ranks; a rank holds only its experts.
+TEST(TensorParallel, ExpertParallelMatchesOneRank) {
+  for (const std::string name : {"qwen3-moe", "gpt-oss"}) {
+    const fs::path dir = with_experts(name, 4);
+    auto load = [&](int tp, bool ep) {
+      return LoadedModel::load(ModelOptions{
+          .model_dir = dir, .dtype = DType::F32, .tensor_parallel_size = tp, .expert_parallel = ep});
+    };
+    std::vector<TokenId> tokens;
+    for (int i = 0; i < 24; ++i) tokens.push_back(TokenId((i * 37 + 11) % 200 + 3));
+    const std::vector<float> one = all_logits(*load(1, false), tokens, 5);
+    double scale = 0;
+    for (float x : one) scale = std::max(scale, double(std::fabs(x)));
+    for (const auto& [tp, ep] : {std::pair{2, false}, std::pair{2, true}, std::pair{4, true}}) {
+      auto e = load(tp, ep);
+      const std::vector<float> got = all_logits(*e, tokens, 5);
+      ASSERT_EQ(got.size(), one.size());
+      double max_abs = 0;
+      for (size_t i = 0; i < got.size(); ++i) max_abs = std::max(max_abs, double(std::fabs(got[i] - one[i])));
+      EXPECT_LT(max_abs, 4e-6 * std::max(1.0, scale)) << name << " tp=" << tp << (ep ? " with" : " without")
+                                                      << " expert parallelism";
+      if (ep) {  // each rank holds 4 / tp of the experts: fewer weights than inside-expert splitting's rank
+        auto* r = dynamic_cast<TensorParallelRunner*>(&e->model());
+        ASSERT_NE(r, nullptr);
+        EXPECT_EQ(e->config().moe->expert_parallel, true);
+      }
+    }
+    fs::remove_all(dir);
+  }
 }
 
 TEST(TensorParallel, RankPlanHoldsTheRanksHeadsAndScales) {

@@ -85,16 +85,18 @@ MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const
   MoeLayerWeights w;
   w.router = add(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
   std::vector<WeightPiece> gate_up, down;
+  const int ep = m.expert_parallel ? int(E) : 0;  // Experts: the pieces' expert count and expert
   for (int64_t e = 0; e < E; ++e) {
     const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-    gate_up.push_back({x + "gate_proj.weight", {inter, hd}});
-    gate_up.push_back({x + "up_proj.weight", {inter, hd}});
-    down.push_back({x + "down_proj.weight", {hd, inter}});
+    const int id = m.expert_parallel ? int(e) : -1;
+    gate_up.push_back({.name = x + "gate_proj.weight", .shape = {inter, hd}, .shard_units = ep, .expert = id});
+    gate_up.push_back({.name = x + "up_proj.weight", .shape = {inter, hd}, .shard_units = ep, .expert = id});
+    down.push_back({.name = x + "down_proj.weight", .shape = {hd, inter}, .shard_units = ep, .expert = id});
   }
   // Tensor parallel inside each expert: a rank holds its share of every expert's rows (gate,
-  // up) and columns (down).
-  w.gate_up = add(list, std::move(gate_up), WeightRole::Matrix, Shard::Rows);
-  w.down = add(list, std::move(down), WeightRole::Matrix, Shard::Cols);
+  // up) and columns (down); or with expert parallelism its experts whole.
+  w.gate_up = add(list, std::move(gate_up), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Rows);
+  w.down = add(list, std::move(down), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Cols);
   return w;
 }
 
@@ -105,6 +107,18 @@ MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std:
   w.router = add(list, {{p + "mlp.router.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
   if (m.router_bias) w.router_bias = add(list, {{p + "mlp.router.bias", {E}}}, WeightRole::Bias, Shard::Replicated);
   const std::string x = p + "mlp.experts.";
+  if (m.expert_parallel) {  // whole experts per rank: each fused tensor split into E runs of rows
+    w.gate_up = add(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, E, PieceLayout::ExpertsTransposedInterleaved}},
+                    WeightRole::Matrix, Shard::Experts);
+    w.down = add(list, {{x + "down_proj", {E, inter, hd}, E, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix,
+                 Shard::Experts);
+    if (m.expert_bias) {
+      w.gate_up_bias = add(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, E, PieceLayout::ExpertsInterleaved}},
+                           WeightRole::Bias, Shard::Experts);
+      w.down_bias = add(list, {{x + "down_proj_bias", {E, hd}, E}}, WeightRole::Bias, Shard::Experts);
+    }
+    return w;
+  }
   // Held as [E * 2I][hidden] (PieceLayout), each expert's gate and up rows a group of which
   // every tensor-parallel rank takes its share.
   w.gate_up = add(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, 0, PieceLayout::ExpertsTransposedInterleaved, 2 * E}},

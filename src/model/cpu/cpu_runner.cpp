@@ -175,8 +175,11 @@ class CpuOps final : public Ops {
 
   void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) override {
     const int T = int(x.rows), H = int(x.cols), E = c.num_experts, K = c.top_k;
-    const int64_t I = w.gate_up.rows / (2 * int64_t(E));
-    KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(E) * H && w.down.cols == I && y.cols == H,
+    // The experts this rank holds: all of them, or under expert parallelism its run of them
+    // (routing still chooses among all E; the others' rows are another rank's to sum).
+    const int held = c.held_experts(), first = c.expert_begin;
+    const int64_t I = w.gate_up.rows / (2 * int64_t(held));
+    KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(held) * H && w.down.cols == I && y.cols == H,
                "moe: weight shapes");
     // The router: logits, then each row's experts and weights.
     route_logits_.resize(size_t(T) * size_t(E));
@@ -195,23 +198,24 @@ class CpuOps final : public Ops {
     std::fill(ys.begin(), ys.end(), 0.0f);
     const auto gu_w = f32(w.gate_up), gu_b = f32(w.gate_up_bias), dn_w = f32(w.down), dn_b = f32(w.down_bias);
     const size_t gu_rows = size_t(2 * I), h = size_t(H), inter = size_t(I);
-    for (int e = 0; e < E; ++e) {
+    for (int e = first; e < first + held; ++e) {
       const auto& rows = rows_of[size_t(e)];
       if (rows.empty()) continue;  // an expert no row chose costs nothing
+      const size_t le = size_t(e - first);  // its place among the held experts' weights
       const size_t n = rows.size();
       expert_x_.resize(n * h);
       for (size_t r = 0; r < n; ++r) std::copy_n(xs.data() + size_t(rows[r].first) * h, h, expert_x_.data() + r * h);
       expert_gu_.resize(n * gu_rows);
-      cpu::linear(expert_x_, int(n), H, gu_w.subspan(size_t(e) * gu_rows * h, gu_rows * h), int(gu_rows),
-                  gu_b.empty() ? gu_b : gu_b.subspan(size_t(e) * gu_rows, gu_rows), expert_gu_);
+      cpu::linear(expert_x_, int(n), H, gu_w.subspan(le * gu_rows * h, gu_rows * h), int(gu_rows),
+                  gu_b.empty() ? gu_b : gu_b.subspan(le * gu_rows, gu_rows), expert_gu_);
       act_.resize(n * inter);
       for (size_t r = 0; r < n; ++r)
         cpu::glu(c.act, std::span<const float>(expert_gu_).subspan(r * gu_rows, inter),
                  std::span<const float>(expert_gu_).subspan(r * gu_rows + inter, inter),
                  std::span<float>(act_).subspan(r * inter, inter), c.swiglu_alpha, c.swiglu_limit);
       expert_y_.resize(n * h);
-      cpu::linear(act_, int(n), int(I), dn_w.subspan(size_t(e) * h * inter, h * inter), H,
-                  dn_b.empty() ? dn_b : dn_b.subspan(size_t(e) * h, h), expert_y_);
+      cpu::linear(act_, int(n), int(I), dn_w.subspan(le * h * inter, h * inter), H,
+                  dn_b.empty() ? dn_b : dn_b.subspan(le * h, h), expert_y_);
       for (size_t r = 0; r < n; ++r) {
         float* out = ys.data() + size_t(rows[r].first) * h;
         const float wt = rows[r].second;
@@ -249,7 +253,7 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
   if (comm) comm_ = comm;
   const TpRank tp{comm_->rank(), comm_->world_size()};
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
-  def_ = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp.world) : cfg_);
+  def_ = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp) : cfg_);
   const size_t draft_layers = drafter ? size_t(drafter->config.num_layers) : 0;
   KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + draft_layers && backends_.size() == plan.layers.size(),
              "one KV spec and one backend per layer");

@@ -288,9 +288,10 @@ void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale, co
 
 void CudaOps::moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) {
   fp8_norm_codes_ = {};
-  const int T = int(x.rows), H = int(x.cols), E = c.num_experts;
-  const int I = int(w.gate_up.rows / (2 * int64_t(E)));
-  KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(E) * H && w.down.cols == I && y.cols == H, "moe: weight shapes");
+  const int T = int(x.rows), H = int(x.cols), E = c.num_experts, held = c.held_experts();
+  const int I = int(w.gate_up.rows / (2 * int64_t(held)));
+  KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(held) * H && w.down.cols == I && y.cols == H,
+             "moe: weight shapes");
   // Carved whether or not it runs, so that measuring and running carve the same.
   auto* logits = static_cast<float*>(step_buffer(moe_logits_, size_t(T) * size_t(E) * sizeof(float)));
   void* ws = step_buffer(moe_ws_, cuda::moe_workspace_bytes(act_, T, H, I, E, c.top_k));

@@ -272,7 +272,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
                   " was assigned '" + l.backend + "'");
   if (cfg_.moe) {
     const int world = opts.comm ? opts.comm->world_size() : 1;
-    const int inter = cfg_.moe->expert_size / world;
+    const int inter = cfg_.moe->expert_parallel ? cfg_.moe->expert_size : cfg_.moe->expert_size / world;
     if (!cuda::moe_fits(cfg_.hidden_size, inter, cfg_.moe->num_experts, cfg_.moe->top_k))
       throw Error(std::string(arch_name(cfg_.arch)) + ": the CUDA expert kernels need hidden_size (" +
                   std::to_string(cfg_.hidden_size) + ") and each rank's expert width (" + std::to_string(inter) +
@@ -281,7 +281,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   if (opts.comm) m.comm = opts.comm;
   const TpRank tp{m.comm->rank(), m.comm->world_size()};
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
-  m.def = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp.world) : cfg_);
+  m.def = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp) : cfg_);
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   KVLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.forward_done, cudaEventDisableTiming));
   WeightUploader up(m, m.weights);

@@ -176,18 +176,20 @@ __global__ void route_kernel(const float* __restrict__ logits, const uint16_t* _
   if (warp < rows) route_row<A>(logits, bias, warp, experts, top_k, norm_topk, ids, weights);
 }
 
-// One CTA: count the pairs of each expert, the offsets and tile offsets (a block-wide scan:
-// each thread a run of consecutive experts, then warp scans), then place each pair (positions
-// within an expert follow atomics: any order gives each pair the same result, as the GEMM's
-// rows are independent).
-__device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int experts, int top_k, int32_t* __restrict__ pair_of,
-                           int32_t* __restrict__ pair_row, Tiles tl) {
+// One CTA: count the pairs of each held expert (global ids [first, first + experts); a pair of
+// another rank's expert gets pair_of -1 and no position), the offsets and tile offsets (a
+// block-wide scan: each thread a run of consecutive experts, then warp scans), then place each
+// pair (positions within an expert follow atomics: any order gives each pair the same result,
+// as the GEMM's rows are independent). Tiles name held experts (0-based).
+__device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int first, int experts, int top_k,
+                           int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tl) {
   __shared__ int count[kMaxExperts], cursor[kMaxExperts];
   __shared__ int warp_pairs[32], warp_tiles[32];
   const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32, warps = int(blockDim.x) / 32;
   for (int e = tid; e < experts; e += int(blockDim.x)) count[e] = 0;
   __syncthreads();
-  for (int p = tid; p < pairs; p += int(blockDim.x)) atomicAdd(&count[ids[p]], 1);
+  for (int p = tid; p < pairs; p += int(blockDim.x))
+    if (const int e = ids[p] - first; e >= 0 && e < experts) atomicAdd(&count[e], 1);
   __syncthreads();
   const int per = (experts + int(blockDim.x) - 1) / int(blockDim.x), e0 = tid * per;
   int my_pairs = 0, my_tiles = 0;
@@ -239,29 +241,35 @@ __device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int exper
   if (tid == 0) *tl.n = warp_tiles[warps - 1];
   __syncthreads();
   for (int p = tid; p < pairs; p += int(blockDim.x)) {
-    const int pos = atomicAdd(&cursor[ids[p]], 1);
+    const int e = ids[p] - first;
+    if (e < 0 || e >= experts) {
+      pair_of[p] = -1;  // another rank's expert (expert parallelism)
+      continue;
+    }
+    const int pos = atomicAdd(&cursor[e], 1);
     pair_of[p] = pos;
     pair_row[pos] = p / top_k;
   }
 }
 
-__global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int experts, int top_k, int32_t* __restrict__ pair_of,
-                            int32_t* __restrict__ pair_row, Tiles tiles) {
-  sort_pairs(ids, pairs, experts, top_k, pair_of, pair_row, tiles);
+__global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int first, int held, int top_k,
+                            int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tiles) {
+  sort_pairs(ids, pairs, first, held, top_k, pair_of, pair_row, tiles);
 }
 
 // Both in one CTA, for batches of at most kGemvMaxRows rows (a warp per row): one launch
 // where a decode step had two. Launched with PDL: the logits are the router GEMM's output.
 template <class A>
 __global__ void route_sort_kernel(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int rows, int experts,
-                                  int top_k, bool norm_topk, int32_t* __restrict__ ids, float* __restrict__ weights,
-                                  int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tiles) {
+                                  int top_k, bool norm_topk, int first, int held, int32_t* __restrict__ ids,
+                                  float* __restrict__ weights, int32_t* __restrict__ pair_of,
+                                  int32_t* __restrict__ pair_row, Tiles tiles) {
   pdl_wait();
   allow_dependents();  // one CTA: the expert GEMV's CTAs may launch now and wait for this one
   const int warp = int(threadIdx.x) / 32;
   if (warp < rows) route_row<A>(logits, bias, warp, experts, top_k, norm_topk, ids, weights);
   __syncthreads();  // the ids, in global memory, are visible to the whole CTA past the barrier
-  sort_pairs(ids, rows * top_k, experts, top_k, pair_of, pair_row, tiles);
+  sort_pairs(ids, rows * top_k, first, held, top_k, pair_of, pair_row, tiles);
 }
 
 // f(gate) * up: SiLU, GPT-OSS's clamped SwiGLU, or GELU (tanh).
@@ -497,8 +505,10 @@ __global__ void combine_kernel(const uint16_t* __restrict__ out, const int32_t* 
   for (int k = 0; k < kMaxK; ++k) {
     if (k >= top_k) break;
     const size_t pk = size_t(t) * size_t(top_k) + size_t(k);
-    wk[k] = weights[pk];
-    o[k] = *reinterpret_cast<const uint4*>(out + size_t(pair_of[pk]) * size_t(hidden) + size_t(v8) * 8);
+    const int pos = pair_of[pk];
+    wk[k] = pos < 0 ? 0.0f : weights[pk];  // another rank's expert adds nothing here
+    o[k] = pos < 0 ? make_uint4(0, 0, 0, 0)
+                   : *reinterpret_cast<const uint4*>(out + size_t(pos) * size_t(hidden) + size_t(v8) * 8);
   }
   float s[8] = {};
 #pragma unroll
@@ -573,7 +583,10 @@ void moe(const MoeParams& p, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
   const Workspace w = carve(p.workspace, p.act, T, H, I, E, K);
   const int P = T * K;
-  const int tiles = max_tiles(T, E, K);
+  // The experts this rank holds: all, or under expert parallelism its run [first, first + held)
+  // (routing chooses among all E; the weights hold only these, indexed from 0).
+  const int held = c.held_experts(), first = c.expert_begin;
+  const int tiles = max_tiles(T, held, K);
   // Fewer than 8 pairs per expert on average: the weights are the cost (decode batches).
   const bool decode = P < 8 * E;
   dispatch_act(p.act, [&](auto a) {
@@ -585,8 +598,9 @@ void moe(const MoeParams& p, void* stream) {
       // expert (one tile each), the activation fused into the gate/up pass, then combine;
       // chained with PDL so that each launch overlaps the kernel before it.
       KVLM_CUDA_CHECK(launch_pdl<route_sort_kernel<A>>(dim3(1), dim3(kGemvMaxRows * 32), 0, st, p.logits, rbias, T, E, K,
-                                                       c.norm_topk, w.ids, w.weights, w.pair_of, w.pair_row, w.tiles));
-      const int slots = std::min(E, P);  // routed experts: one tile each
+                                                       c.norm_topk, first, held, w.ids, w.weights, w.pair_of, w.pair_row,
+                                                       w.tiles));
+      const int slots = std::min(held, P);  // routed experts: one tile each
       auto gemv = [&](auto m_tag) {
         constexpr int M = decltype(m_tag)::value;
         // Gate/up: an item is one column (its gate and up rows), 8 loads per row in flight;
@@ -608,7 +622,7 @@ void moe(const MoeParams& p, void* stream) {
     } else {
       route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, rbias, T, E, K, c.norm_topk, w.ids, w.weights);
       KVLM_CUDA_CHECK_LAUNCH("moe route_kernel");
-      sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, E, K, w.pair_of, w.pair_row, w.tiles);
+      sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, first, held, K, w.pair_of, w.pair_row, w.tiles);
       KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
       launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, tiles,
                      decode, w, st);

@@ -30,11 +30,12 @@ struct MoeParams {
   int rows = 0;                 // T
   int hidden = 0;               // H
   int inter = 0;                // I, each expert's width (per rank under tensor parallelism)
-  MoeConfig config;             // experts, top_k, norm_topk, activation (router_bias: given below)
+  MoeConfig config;             // experts, top_k, norm_topk, activation (router_bias: given below); under
+                                // expert parallelism the held experts (expert_begin, local_experts)
   const float* logits = nullptr;        // fp32 [T][E], the router's x . Wr^T
   const void* router_bias = nullptr;    // act [E] or null
   const void* x = nullptr;              // act [T][H]
-  const void* gate_up = nullptr;        // act [E][2I][H]
+  const void* gate_up = nullptr;        // act [E][2I][H] (E: the held experts)
   const void* gate_up_bias = nullptr;   // act [E][2I] or null
   const void* down = nullptr;           // act [E][H][I]
   const void* down_bias = nullptr;      // act [E][H] or null
