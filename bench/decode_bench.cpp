@@ -5,7 +5,7 @@
 //                [--steps 32] [--gemv-lab]
 //                [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
 //                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
-//                [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N]
+//                [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
@@ -42,7 +42,8 @@
 // is (draft + verify) / plain; a drafting step yields tau tokens where a plain step yields
 // one, so the predicted speedup at mean acceptance length tau is tau / cost.
 //
-// --tp N runs the model tensor-parallel over GPUs 0..N-1 (model/tensor_parallel.h): the floors
+// --tp N runs the model tensor-parallel over GPUs 0..N-1 (model/tensor_parallel.h; with
+// --enable-expert-parallel a mixture of experts puts whole experts on each GPU): the floors
 // are one GPU's (rank 0's weights, its share of the KV), and after each shape's GPU-greedy
 // graph run the all-reduces of a step are timed alone (2 per layer, [batch][hidden], as one
 // CUDA graph on every rank at once) to give their share of the step.
@@ -604,6 +605,7 @@ double allreduce_ms(TensorParallelRunner& tp, int batch, int hidden, int layers,
 int main(int argc, char** argv) {
   std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096", draft, quantization;
   int steps = 32, spec_tokens = 15, tp = 1;
+  bool expert_parallel = false;
   bool lab = false, gemv = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -620,6 +622,7 @@ int main(int argc, char** argv) {
     else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
     else if (a == "--tp") tp = std::stoi(next());
+    else if (a == "--enable-expert-parallel") expert_parallel = true;
     else if (a == "--fp8-fma-max-m") {
       auto sw = cuda::kernel_switches();
       sw.fp8_fma_max_m = std::stoi(next());
@@ -662,7 +665,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--no-gemv] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]\n");
       return 2;
     }
   }
@@ -701,6 +704,7 @@ int main(int argc, char** argv) {
       o.device = Device::Cuda;
       o.quantization = quantization;  // fp8: the linear weights in FP8 (the weights-read bound follows)
       o.tensor_parallel_size = tp;
+      o.expert_parallel = expert_parallel;
       const auto t0 = std::chrono::steady_clock::now();
       auto e = LoadedModel::load(o);
       const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -716,12 +720,14 @@ int main(int argc, char** argv) {
       // expectation (exactly k at B = 1); the others' bytes are not read.
       const auto weights_read = [&](int batch) {
         if (!c.moe) return wheld;
+        // Rank 0 holds 1/tp of every expert's width, or with expert parallelism E/tp whole experts.
         const MoeConfig& m = *c.moe;
-        const double E = m.num_experts, I = double(m.expert_size) / tp, H = c.hidden_size;
+        const double E = m.num_experts, H = c.hidden_size, ep = expert_parallel ? tp : 1;
+        const double I = double(m.expert_size) / (expert_parallel ? 1 : tp), held = E / ep;
         const double per_expert = (3 * H * I + (m.expert_bias ? 2 * I + H : 0.0)) * 2;  // 16-bit weights
-        const double chosen = E * (1 - std::pow(1 - double(m.top_k) / E, batch));
+        const double chosen = held * (1 - std::pow(1 - double(m.top_k) / E, batch));
         const double moe_layers = double(std::ranges::count(c.moe_layers, true));
-        return wheld - moe_layers * (E - chosen) * per_expert;
+        return wheld - moe_layers * (held - chosen) * per_expert;
       };
       std::fprintf(stderr, "loaded %s with a %s cache in %.1f s (%.2f GB of weights%s)\n", model.c_str(), kv.c_str(),
                    load_s, double(r.weight_bytes()) / 1e9,
