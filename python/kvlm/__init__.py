@@ -160,6 +160,7 @@ class Tokenizer:
 
 _KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_keep_sink", "kv_cache_keep_recent",
                   "device", "max_model_len", "gpu_memory_utilization", "kv_cache_memory", "tensor_parallel_size",
+                  "enable_expert_parallel",
                   "seed", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",
                   "enable_prefix_caching", "attention_backend"}
 _ARGUMENTS = _KNOWN_OPTIONS | {"model", "kv_cache_dtype_skip_layers", "speculative_config"}

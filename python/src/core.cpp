@@ -83,6 +83,7 @@ ModelOptions model_options(const json& o) {
   m.quantization = get_or<std::string>(o, "quantization", "");
   resolve_weight_quant(std::nullopt, m.quantization);
   m.tensor_parallel_size = get_or<int>(o, "tensor_parallel_size", 1);
+  m.expert_parallel = get_or<bool>(o, "enable_expert_parallel", false);
   if (o.contains("speculative_config") && !o["speculative_config"].is_null())
     m.speculative = parse_speculative_config(o["speculative_config"].dump());
   return m;
@@ -321,8 +322,9 @@ std::string inspect(const std::string& options_json) {
   const json o = json::parse(options_json);
   const ModelOptions mo = model_options(o);
   const Checkpoint ckpt = Checkpoint::open(mo.model_dir);
-  const ModelPlan mp = plan_model(mo.model_dir, ckpt, mo.cache, selection_context(mo.device, mo.gpu, mo.cache), mo.dtype,
-                                  mo.speculative ? &*mo.speculative : nullptr, mo.quantization);
+  ModelPlan mp = plan_model(mo.model_dir, ckpt, mo.cache, selection_context(mo.device, mo.gpu, mo.cache), mo.dtype,
+                            mo.speculative ? &*mo.speculative : nullptr, mo.quantization);
+  apply_expert_parallel(mp.config, mo.expert_parallel);
   const int tp = mo.tensor_parallel_size;
   tp_layout(mp.config, tp);
   json layers = json::array();

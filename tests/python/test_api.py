@@ -187,6 +187,9 @@ def test_tensor_parallel_on_the_cpu_equals_one_rank(llm):
     p = ["Once upon a time", "The pass key is"]
     assert [o.outputs[0].token_ids for o in two.generate(p, GREEDY)] == \
         [o.outputs[0].token_ids for o in llm.generate(p, GREEDY)]
+    # Expert parallelism needs experts: refused on this dense model, in Python's names.
+    with pytest.raises(kvlm.Error, match="enable_expert_parallel: .* is not a mixture of experts"):
+        LLM(model=TINY, tensor_parallel_size=2, enable_expert_parallel=True, kv_cache_memory="64MiB")
 
 
 def test_the_default_pool_fits_the_model_and_max_model_len():
