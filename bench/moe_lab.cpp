@@ -57,6 +57,42 @@ T* device_random(size_t n, std::mt19937& rng, float stddev) {
   return d;
 }
 
+// Median ms of `enqueue` captured as one CUDA graph, as the runner's decode steps run (no launch
+// gaps): `runs` timed launches after 3 warm-ups, each after `flush` is written (the call's
+// weights out of L2, as in a real step).
+template <class F>
+double graph_ms(F&& enqueue, void* flush, size_t flush_bytes, int runs) {
+  cudaStream_t st;
+  CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  enqueue(st);
+  CHECK(cudaStreamEndCapture(st, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < runs + 3; ++i) {
+    CHECK(cudaMemsetAsync(flush, i, flush_bytes, st));
+    CHECK(cudaEventRecord(a, st));
+    CHECK(cudaGraphLaunch(exec, st));
+    CHECK(cudaEventRecord(b, st));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (i >= 3) ms.push_back(t);
+  }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  CHECK(cudaStreamDestroy(st));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -124,35 +160,7 @@ int main(int argc, char** argv) {
       std::vector<int32_t> ids(size_t(T) * K);
       CHECK(cudaMemcpy(ids.data(), ws, ids.size() * 4, cudaMemcpyDeviceToHost));
       const std::set<int32_t> used(ids.begin(), ids.end());
-      // Timed as a CUDA graph of one call, as the runner's decode steps run (no launch gaps), with
-      // L2 flushed before each call.
-      cudaStream_t st;
-      CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      cuda::moe(p, st);
-      CHECK(cudaStreamEndCapture(st, &graph));
-      CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      cudaEvent_t a, b;
-      CHECK(cudaEventCreate(&a));
-      CHECK(cudaEventCreate(&b));
-      std::vector<float> ms;
-      for (int i = 0; i < 23; ++i) {
-        CHECK(cudaMemsetAsync(flush, i, flush_bytes, st));  // the call's weights out of L2, as in a real step
-        CHECK(cudaEventRecord(a, st));
-        CHECK(cudaGraphLaunch(exec, st));
-        CHECK(cudaEventRecord(b, st));
-        CHECK(cudaEventSynchronize(b));
-        float t = 0;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        if (i >= 3) ms.push_back(t);
-      }
-      CHECK(cudaGraphExecDestroy(exec));
-      CHECK(cudaGraphDestroy(graph));
-      CHECK(cudaStreamDestroy(st));
-      std::sort(ms.begin(), ms.end());
-      const double sec = ms[ms.size() / 2] * 1e-3;
+      const double sec = graph_ms([&](cudaStream_t st) { cuda::moe(p, st); }, flush, flush_bytes, 20) * 1e-3;
       const double weight_bytes = double(used.size()) * 3.0 * H * I * 2;
       const double bytes = weight_bytes + double(T) * E * 4 + 2.0 * T * H * 2;
       const double flops = 2.0 * T * K * 3.0 * H * I;
@@ -167,41 +175,15 @@ int main(int argc, char** argv) {
         CHECK(cudaMalloc(&o, size_t(P) * H * 2));
         CHECK(cudaMemset(a, 0x3c, size_t(P) * H * 2));
         CHECK(cudaMemset(h, 0x3c, size_t(P) * 2 * I * 2));
-        cudaStream_t ds;
-        CHECK(cudaStreamCreateWithFlags(&ds, cudaStreamNonBlocking));
-        auto run_dense = [&] {
+        auto run_dense = [&](cudaStream_t ds) {
           gemm.linear(DType::BF16, DType::BF16, a, gate_up, nullptr, h, P, 2 * I, H, ds);
           gemm.linear(DType::BF16, DType::BF16, h, down, nullptr, o, P, H, I, ds);
         };
-        run_dense();  // cuBLASLt's heuristics and workspace, outside the capture
-        CHECK(cudaStreamSynchronize(ds));
-        cudaGraph_t dg;
-        cudaGraphExec_t dx;
-        CHECK(cudaStreamBeginCapture(ds, cudaStreamCaptureModeGlobal));
-        run_dense();
-        CHECK(cudaStreamEndCapture(ds, &dg));
-        CHECK(cudaGraphInstantiate(&dx, dg, 0));
-        cudaEvent_t da, db;
-        CHECK(cudaEventCreate(&da));
-        CHECK(cudaEventCreate(&db));
-        std::vector<float> dms;
-        for (int i = 0; i < 13; ++i) {
-          CHECK(cudaMemsetAsync(flush, i, flush_bytes, ds));
-          CHECK(cudaEventRecord(da, ds));
-          CHECK(cudaGraphLaunch(dx, ds));
-          CHECK(cudaEventRecord(db, ds));
-          CHECK(cudaEventSynchronize(db));
-          float t = 0;
-          CHECK(cudaEventElapsedTime(&t, da, db));
-          if (i >= 3) dms.push_back(t);
-        }
-        std::sort(dms.begin(), dms.end());
+        run_dense(nullptr);  // cuBLASLt's heuristics and workspace, outside the capture
+        CHECK(cudaDeviceSynchronize());
         char buf[32];
-        std::snprintf(buf, sizeof buf, "%.1f", flops / (dms[dms.size() / 2] * 1e-3) / 1e12);
+        std::snprintf(buf, sizeof buf, "%.1f", flops / (graph_ms(run_dense, flush, flush_bytes, 10) * 1e-3) / 1e12);
         dense = buf;
-        CHECK(cudaGraphExecDestroy(dx));
-        CHECK(cudaGraphDestroy(dg));
-        CHECK(cudaStreamDestroy(ds));
         for (void* ptr : {static_cast<void*>(a), static_cast<void*>(h), static_cast<void*>(o)}) CHECK(cudaFree(ptr));
       }
       std::printf("%-14s %6d %10.1f %12.1f %10.0f %10.1f %5zu/%d %14s\n", s.name.c_str(), T, sec * 1e6, weight_bytes / 1e6,

@@ -176,6 +176,18 @@ __global__ void route_kernel(const float* __restrict__ logits, const uint16_t* _
   if (warp < rows) route_row<A>(logits, bias, warp, experts, top_k, norm_topk, ids, weights);
 }
 
+// Two inclusive prefix sums over the warp's lanes at once.
+__device__ __forceinline__ void warp_inclusive_scan(int& x, int& y, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(0xffffffffu, x, o), b = __shfl_up_sync(0xffffffffu, y, o);
+    if (lane >= o) {
+      x += a;
+      y += b;
+    }
+  }
+}
+
 // One CTA: count the pairs of each held expert (global ids [first, first + experts); a pair of
 // another rank's expert gets pair_of -1 and no position), the offsets and tile offsets (a
 // block-wide scan: each thread a run of consecutive experts, then warp scans), then place each
@@ -198,14 +210,7 @@ __device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int first
     my_tiles += (count[e] + kTileRows - 1) / kTileRows;
   }
   int inc_pairs = my_pairs, inc_tiles = my_tiles;  // inclusive scans within the warp
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int a = __shfl_up_sync(0xffffffffu, inc_pairs, o), b = __shfl_up_sync(0xffffffffu, inc_tiles, o);
-    if (lane >= o) {
-      inc_pairs += a;
-      inc_tiles += b;
-    }
-  }
+  warp_inclusive_scan(inc_pairs, inc_tiles, lane);
   if (lane == 31) {
     warp_pairs[warp] = inc_pairs;
     warp_tiles[warp] = inc_tiles;
@@ -213,14 +218,7 @@ __device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int first
   __syncthreads();
   if (warp == 0) {
     int wp = lane < warps ? warp_pairs[lane] : 0, wt = lane < warps ? warp_tiles[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int a = __shfl_up_sync(0xffffffffu, wp, o), b = __shfl_up_sync(0xffffffffu, wt, o);
-      if (lane >= o) {
-        wp += a;
-        wt += b;
-      }
-    }
+    warp_inclusive_scan(wp, wt, lane);
     if (lane < warps) {
       warp_pairs[lane] = wp;
       warp_tiles[lane] = wt;
