@@ -9,7 +9,7 @@
 //
 //   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--head N] [--shapes BxC,...]
 //                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--decode-layout N] [--trace DIR]
-//                 [--no-wgmma] [--no-pdl]
+//                 [--no-wgmma] [--no-pdl] [--sinks]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
@@ -20,6 +20,8 @@
 // column `splits` marks decreasing lengths with "d".
 // --decode-layout sets PagedAttentionParams::decode_layout (0 automatic, 1 query rows in the mma's
 // M, 2 keys in M); column `splits` marks the keys-in-M layout with "k".
+// --sinks gives every q head a learned attention sink (GPT-OSS), values in [-2, 4) in score
+// units, checked by the reference too: run with and without it to see what sinks cost.
 // --trace DIR (a build with -DKVLM_ATTN_TRACE=ON) writes the per-CTA timeline of each decode
 // row's last timed call to DIR/trace-MODE-BxC.bin: per CTA four little-endian uint64 (start,
 // first tile, end in globaltimer ns; SM); tools/attn_trace.py summarises them.
@@ -58,6 +60,7 @@ namespace {
 constexpr int kQHeads = 32, kKVHeads = 8;
 int kHead = 128;  // --head N
 int kBlock = 16;  // --block N
+float* g_sinks = nullptr;  // --sinks: fp32 [kQHeads] on the device
 constexpr double kL2 = 60e6;
 
 struct Mode {
@@ -186,6 +189,7 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items
   }
   __syncthreads();
   l = red[0];
+  if (p.sinks) l += expf(p.sinks[h] - m);  // the sink joins the denominator only
   for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
     float o = 0;
     for (int j = 0; j < n; ++j) {
@@ -253,7 +257,7 @@ double copy_bandwidth(void* a, void* b, size_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, prefill = false, prefill_only = false;
+  bool quick = false, prefill = false, prefill_only = false, sinks = false;
   std::string shapes_arg, modes_arg, trace_dir;
   int max_splits = 0, split_lengths = 0, decode_layout = 0;
   for (int i = 1; i < argc; ++i) {
@@ -268,6 +272,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--split-lengths") && i + 1 < argc) split_lengths = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--decode-layout") && i + 1 < argc) decode_layout = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
+    if (!std::strcmp(argv[i], "--sinks")) sinks = true;
     if (!std::strcmp(argv[i], "--no-wgmma")) {
       auto sw = cuda::kernel_switches();
       sw.wgmma = false;
@@ -303,8 +308,9 @@ int main(int argc, char** argv) {
   const size_t copy_bytes = size_t(1) << 30;
   const double copy_bw = copy_bandwidth(arena, arena + copy_bytes, copy_bytes);
   std::printf("# attention_lab on %s (%d SMs, L2 %.0f MB), copy bandwidth %.0f GB/s (D2D memcpy, read+write), block size %d, "
-              "head size %d\n\n",
-              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9, kBlock, kHead);
+              "head size %d%s\n\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9, kBlock, kHead,
+              sinks ? ", learned sinks" : "");
   std::printf("| mode | batch | context | splits | valid (max err) | µs | floor µs | GB/s | %% of copy | vs bf16 |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
@@ -317,6 +323,12 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&tensor_scales, 2 * sizeof(float)));
   const float ts_host[2] = {0.5f, 0.25f};
   CK(cudaMemcpy(tensor_scales, ts_host, sizeof ts_host, cudaMemcpyHostToDevice));
+  if (sinks) {
+    std::vector<float> hs(kQHeads);
+    for (int h = 0; h < kQHeads; ++h) hs[size_t(h)] = -2.0f + 6.0f * float(hash32(uint64_t(h) + 31) % 1000) / 1000.0f;
+    CK(cudaMalloc(&g_sinks, hs.size() * sizeof(float)));
+    CK(cudaMemcpy(g_sinks, hs.data(), hs.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
   const size_t ws_bytes = size_t(512) << 20;
   void* ws = nullptr;
   CK(cudaMalloc(&ws, ws_bytes));
@@ -388,7 +400,7 @@ int main(int argc, char** argv) {
               .storage = mode.storage, .quant = mode.quant, .num_seqs = B, .num_tokens = B, .num_q_heads = kQHeads,
               .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock, .max_blocks_per_seq = nb, .max_q_len = 1,
               .max_kv_len = C, .mask = AttentionKind::Full, .softmax_scale = 1.0f / std::sqrt(float(kHead)),
-              .q = dq + qn * c, .out = dout + qn * c, .k_cache = K, .v_cache = V, .k_token_scale = scales,
+              .sinks = g_sinks, .q = dq + qn * c, .out = dout + qn * c, .k_cache = K, .v_cache = V, .k_token_scale = scales,
               .v_token_scale = scales + scale_elems, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
               .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dtables + size_t(c) * B * nb,
               .workspace = ws, .workspace_bytes = ws_bytes, .max_splits = max_splits,
@@ -502,8 +514,9 @@ int main(int argc, char** argv) {
         const cuda::PagedAttentionParams p{
             .storage = mode.storage, .quant = mode.quant, .num_seqs = 1, .num_tokens = Lq, .num_q_heads = kQHeads,
             .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock, .max_blocks_per_seq = nb, .max_q_len = Lq,
-            .max_kv_len = C, .mask = AttentionKind::Full, .softmax_scale = 1.0f / std::sqrt(float(kHead)), .q = dq,
-            .out = dout, .k_cache = K, .v_cache = V, .k_token_scale = scales, .v_token_scale = scales + scale_elems,
+            .max_kv_len = C, .mask = AttentionKind::Full, .softmax_scale = 1.0f / std::sqrt(float(kHead)),
+            .sinks = g_sinks, .q = dq, .out = dout, .k_cache = K, .v_cache = V, .k_token_scale = scales,
+            .v_token_scale = scales + scale_elems,
             .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1, .num_tensor_scales = 1, .cu_q_lens = dcu,
             .kv_lens = dkvl, .block_tables = dt, .workspace = ws, .workspace_bytes = ws_bytes};
         CK(cudaMemset(dout, 0xff, qn * 2));
