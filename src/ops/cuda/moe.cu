@@ -45,11 +45,6 @@ constexpr int kMaxExperts = 1024;
 constexpr int kGemvMaxRows = 4;
 constexpr int kGemvWarps = 8;
 constexpr int kGemvMaxTiles = kGemvMaxRows * 16;  // top_k <= 16: the pairs of a GEMV batch at most
-// The activation rows an expert GEMV stages in shared memory at most (gate/up: rows x H, down:
-// rows x top_k x I, 16-bit): two CTAs of kGemvWarps warps still fit an SM. Batches of up to
-// kGemvMaxRows rows whose rows exceed it take the grouped path (Qwen3-235B-A22B's 4 rows x 8 x
-// 1536 would; 1-3 rows fit).
-constexpr int kGemvSmemMax = 100 * 1024;
 
 template <class F>
 void dispatch_act(DType act, F&& f) {
@@ -115,14 +110,11 @@ Workspace carve(void* base, DType act, int rows, int hidden, int inter, int expe
 // first on ties, and their weights. Each lane holds its experts' logits (lane + 32 j) in
 // registers and a bitmask of those already taken; a round is a lane's best untaken, then a
 // warp argmax. Lane k keeps the k-th choice, so nothing is indexed by a runtime value (no
-// local memory). kPer: the logits a lane holds (experts <= 32 kPer).
-//
-// The logits are read through L2 (ld.global.cg): the down GEMV reads them before its PDL wait
-// (expert_down_kernel), where nothing may come from a stale L1 line.
-template <class A, int kPer = kMaxExperts / 32>
+// local memory).
+template <class A>
 __device__ void route_row(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int row, int experts,
                           int top_k, bool norm_topk, int32_t* __restrict__ ids, float* __restrict__ weights) {
-  static_assert(kPer * 32 <= kMaxExperts);
+  constexpr int kPer = kMaxExperts / 32;
   const int lane = int(threadIdx.x) % 32;
   const float* l = logits + size_t(row) * size_t(experts);
   float v[kPer];
@@ -130,7 +122,7 @@ __device__ void route_row(const float* __restrict__ logits, const uint16_t* __re
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < experts ? __ldcg(l + e) + (bias ? A::load(bias[e]) : 0.0f) : 0.0f;
+    v[j] = e < experts ? l[e] + (bias ? A::load(bias[e]) : 0.0f) : 0.0f;
     if (e >= experts) taken |= 1u << j;
   }
   int mine = 0;        // lane k < top_k: the k-th choice
@@ -263,6 +255,21 @@ __global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int firs
   sort_pairs(ids, pairs, first, held, top_k, pair_of, pair_row, tiles);
 }
 
+// Both in one CTA, for batches of at most kGemvMaxRows rows (a warp per row): one launch
+// where a decode step had two. Launched with PDL: the logits are the router GEMM's output.
+template <class A>
+__global__ void route_sort_kernel(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int rows, int experts,
+                                  int top_k, bool norm_topk, int first, int held, int32_t* __restrict__ ids,
+                                  float* __restrict__ weights, int32_t* __restrict__ pair_of,
+                                  int32_t* __restrict__ pair_row, Tiles tiles) {
+  pdl_wait();
+  allow_dependents();  // one CTA: the expert GEMV's CTAs may launch now and wait for this one
+  const int warp = int(threadIdx.x) / 32;
+  if (warp < rows) route_row<A>(logits, bias, warp, experts, top_k, norm_topk, ids, weights);
+  __syncthreads();  // the ids, in global memory, are visible to the whole CTA past the barrier
+  sort_pairs(ids, rows * top_k, first, held, top_k, pair_of, pair_row, tiles);
+}
+
 // f(gate) * up: SiLU, GPT-OSS's clamped SwiGLU, or GELU (tanh).
 __device__ __forceinline__ float glu_value(GluActivation f, float g, float u, float alpha, float limit) {
   if (f == GluActivation::SwigluClamp) {
@@ -274,262 +281,116 @@ __device__ __forceinline__ float glu_value(GluActivation f, float g, float u, fl
   return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * u;
 }
 
-// The routing of a GEMV batch (at most kGemvMaxRows rows, so at most kGemvMaxTiles pairs),
-// in shared memory. Every CTA of both expert GEMVs computes it from the router logits for
-// itself — the same fp32 logits and the same steps give every CTA the same map — so no route
-// kernel, with its launch, its single CTA and its round trip through global memory, stands
-// between the router GEMM and the expert weights' stream. Positions are the held pairs in
-// (expert, pair) order; a tile is one routed expert's positions.
-struct GemvRouting {
-  int n_tiles;                                     // routed experts this rank holds
-  int n_pos;                                       // their pairs
-  int expert[kGemvMaxTiles];                       // tile -> held expert (0-based)
-  int first[kGemvMaxTiles], count[kGemvMaxTiles];  // tile -> its positions
-  int row[kGemvMaxTiles];                          // position -> token row
-  float weight[kGemvMaxTiles];                     // position -> routing weight
-  int pos_expert[kGemvMaxTiles];                   // position -> held expert
-  int32_t id[kGemvMaxTiles];                       // route_row's output, row-major pairs
-  float w[kGemvMaxTiles];
-  uint32_t present[kMaxExperts / 32];              // bit e: some pair chose held expert e
-};
-
-// Fills r (the whole CTA calls it; it ends with a barrier). A pair's position counts the held
-// pairs before it in (expert, pair) order; a tile's index counts the routed experts below its
-// own (a popcount over the `present` bitmap): no atomics decide an order.
-template <class A, int kPer>
-__device__ void route_gemv_batch(const float* __restrict__ logits, const uint16_t* __restrict__ bias, int rows,
-                                 int experts, int top_k, bool norm_topk, int first, int held, GemvRouting& r) {
-  const int tid = int(threadIdx.x), P = rows * top_k;
-  for (int i = tid; i < kMaxExperts / 32; i += int(blockDim.x)) r.present[i] = 0;
-  if (tid / 32 < rows) route_row<A, kPer>(logits, bias, tid / 32, experts, top_k, norm_topk, r.id, r.w);
-  __syncthreads();
-  int e = -1;  // this thread's pair's held expert (thread p: pair p)
-  if (tid < P) {
-    e = r.id[tid] - first;
-    if (e >= held) e = -1;
-  }
-  if (e >= 0) atomicOr(&r.present[e / 32], 1u << (e % 32));
-  const int n_pos = __syncthreads_count(e >= 0);
-  if (e >= 0) {
-    int pos = 0, before = 0, same = 0;
-    for (int q = 0; q < P; ++q) {
-      const int eq = r.id[q] - first;
-      if (eq < 0 || eq >= held) continue;
-      pos += eq < e || (eq == e && q < tid);
-      before += eq == e && q < tid;
-      same += eq == e;
-    }
-    r.row[pos] = tid / top_k;
-    r.weight[pos] = r.w[tid];
-    r.pos_expert[pos] = e;
-    if (before == 0) {  // the expert's first pair writes its tile
-      int tile = __popc(r.present[e / 32] & ((1u << (e % 32)) - 1u));
-      for (int i = 0; i < e / 32; ++i) tile += __popc(r.present[i]);
-      r.expert[tile] = e;
-      r.first[tile] = pos;
-      r.count[tile] = same;
-    }
-  }
-  if (tid == 0) {
-    int n = 0;
-    for (int i = 0; i < (held + 31) / 32; ++i) n += __popc(r.present[i]);
-    r.n_tiles = n;
-    r.n_pos = n_pos;
-  }
-  __syncthreads();
-}
-
-// The expert GEMVs (batches of at most kGemvMaxRows rows: an expert holds at most M of the
-// batch's pairs). Each warp takes items grid-stride (the launch sizes the grid so that every
-// warp takes the same number: a decode step's experts are few, and a second partial wave of
-// CTAs would leave most of the GPU idle) and streams their weight rows whole, lane by lane 16
-// bytes at a time, U loads in flight (ld.global.nc.L1::no_allocate: read once), as gemv.cu's
-// rows kernel streams a dense layer. The activation rows (a few KB to gemv_smem_limit) are
-// staged in shared memory once per CTA: read from global memory inside the compute loop,
-// each would be a dependent round trip between a warp's batches of weight loads (measured:
-// the down GEMV took 30 us at 18% of DRAM that way).
-//
-// Gate/up: an item is column n of one routed expert, its gate row n and up row N + n of W
-// [2N][K] streamed together; h[pos][n] = f(gate) * up, each rounded to the activation dtype
-// first as the grouped path's separate pass rounds them. Everything here depends on the
-// logits, so the kernel waits first, then lets the down GEMV launch at once (it routes for
-// itself and requests its first weights before its own wait). CTA 0 also writes the routing
-// (ids, weights) to the workspace, where tests and moe_lab read it.
-template <class A, int M, int U, int kPer>
-__global__ void __launch_bounds__(kGemvWarps * 32) expert_gate_up_kernel(
-    const float* __restrict__ logits, const uint16_t* __restrict__ rbias, int rows, int experts, int top_k,
-    bool norm_topk, int first_e, int held, const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
-    const uint16_t* __restrict__ bias, uint16_t* __restrict__ h, int N, int K, GluActivation f, float alpha,
-    float limit, int32_t* __restrict__ g_ids, float* __restrict__ g_weights) {
+// The expert GEMV (batches of at most kGemvMaxRows rows, so at most one 16-row tile per
+// expert: a tile is a routed expert): out[pos][n] = a[row(pos)] . W[e][n]^T (+ bias) for the
+// pairs at positions [first, first + count) of expert e. An item is R output columns of one
+// routed expert; each warp takes items grid-stride (the launch sizes the grid so that every
+// warp takes the same number of them: a decode step's experts are few, and a second partial
+// wave of CTAs would leave most of the GPU idle), streaming the item's weight rows whole,
+// lane by lane 16 bytes at a time, U loads per row in flight (ld.global.nc.L1::no_allocate:
+// read once), as gemv.cu's rows kernel streams a dense layer; the activation rows (at most M,
+// a few KB) come through L1. With kGlu, W is [2N][K] (gate rows, then up rows): the item
+// streams gate row n and up row N + n together and writes f(gate) * up, each rounded to the
+// activation dtype first as the grouped path's separate pass rounds them. Everything depends
+// on the routing, so the kernel waits for its producer first; it lets the next kernel launch
+// once its weights are read.
+template <class A, int M, int R, int U, bool kGlu>
+__global__ void __launch_bounds__(kGemvWarps * 32) expert_gemv_kernel(
+    const uint16_t* __restrict__ a, const int32_t* __restrict__ a_rows, const uint16_t* __restrict__ w,
+    const uint16_t* __restrict__ bias, uint16_t* __restrict__ out, int N, int K, int pairs, Tiles tiles,
+    GluActivation f, float alpha, float limit) {
+  constexpr int S = kGlu ? 2 * R : R;
   using V = std::conditional_t<A::kBF16, VecBF16, VecF16>;
-  extern __shared__ uint4 s_act[];  // x [rows][K / 8]
-  __shared__ GemvRouting r;
-  const int lane = int(threadIdx.x) % 32, kv = K / 8;
+  // The tiles (routed experts) and their rows, staged once per CTA: an item then starts its
+  // weight loads with no dependent global load before them.
+  __shared__ int s_expert[kGemvMaxTiles], s_first[kGemvMaxTiles], s_count[kGemvMaxTiles];
+  __shared__ int s_row[kGemvMaxTiles];  // pairs <= kGemvMaxRows x 16
   pdl_wait();
-  allow_dependents();
-  for (int i = int(threadIdx.x); i < rows * kv; i += int(blockDim.x)) s_act[i] = reinterpret_cast<const uint4*>(x)[i];
-  route_gemv_batch<A, kPer>(logits, rbias, rows, experts, top_k, norm_topk, first_e, held, r);  // (ends with a barrier)
-  if (blockIdx.x == 0)
-    for (int i = int(threadIdx.x); i < rows * top_k; i += int(blockDim.x)) {
-      g_ids[i] = r.id[i];
-      g_weights[i] = r.w[i];
+  const int n_tiles = *tiles.n;
+  for (int i = int(threadIdx.x); i < n_tiles; i += int(blockDim.x)) {
+    s_expert[i] = tiles.expert[i];
+    s_first[i] = tiles.first[i];
+    s_count[i] = tiles.count[i];
+  }
+  if (a_rows)
+    for (int i = int(threadIdx.x); i < pairs; i += int(blockDim.x)) s_row[i] = a_rows[i];
+  __syncthreads();
+  const int lane = int(threadIdx.x) % 32, kv = K / 8;
+  const int groups = (N + R - 1) / R, items = n_tiles * groups;
+  const size_t rows_e = kGlu ? 2 * size_t(N) : size_t(N);
+  const int stride = int(gridDim.x) * kGemvWarps;
+  // Weight row s of an item (rows past N: the item's last, loaded and never stored).
+  auto row_of = [&](int item, int s) {
+    const int n0 = (item % groups) * R, nrows = min(R, N - n0);
+    const int row = (s < R ? 0 : N) + n0 + min(s % R, nrows - 1);
+    return w + (size_t(s_expert[item / groups]) * rows_e + size_t(row)) * size_t(K);
+  };
+  const int item0 = int(blockIdx.x) * kGemvWarps + int(threadIdx.x) / 32;
+  for (int item = item0; item < items; item += stride) {
+    const int tile = item / groups, e = s_expert[tile];
+    const int n0 = (item % groups) * R, nrows = min(R, N - n0);
+    const int first = s_first[tile], count = min(M, s_count[tile]);
+    const uint4* wr[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) wr[s] = reinterpret_cast<const uint4*>(row_of(item, s));
+    int xrow[M];  // the activation row of each pair
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int pos = first + min(m, count - 1);
+      xrow[m] = a_rows ? s_row[pos] : pos;
     }
-  const int items = r.n_tiles * N, stride = int(gridDim.x) * kGemvWarps;
-  for (int item = int(blockIdx.x) * kGemvWarps + int(threadIdx.x) / 32; item < items; item += stride) {
-    const int tile = item / N, n = item % N, e = r.expert[tile];
-    const int first = r.first[tile], count = min(M, r.count[tile]);
-    const auto* wg = reinterpret_cast<const uint4*>(w + (size_t(e) * 2 * size_t(N) + size_t(n)) * size_t(K));
-    const auto* wu = wg + size_t(N) * size_t(kv);
-    const uint4* xr[M];  // the activation row of each pair
-#pragma unroll
-    for (int m = 0; m < M; ++m) xr[m] = s_act + r.row[first + min(m, count - 1)] * kv;
-    float ag[M] = {}, au[M] = {};
+    float acc[S][M] = {};
     for (int base = lane; base < kv; base += 32 * U) {
-      uint4 vg[U], vu[U];
+      uint4 wv[U][S];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool in = base + u * 32 < kv;
-        vg[u] = in ? ld_stream(wg + base + u * 32) : make_uint4(0, 0, 0, 0);
-        vu[u] = in ? ld_stream(wu + base + u * 32) : make_uint4(0, 0, 0, 0);
-      }
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int s = 0; s < S; ++s) wv[u][s] = base + u * 32 < kv ? ld_stream(wr[s] + base + u * 32) : make_uint4(0, 0, 0, 0);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = base + u * 32;
         if (i >= kv) break;
-        float gf[8], uf[8];
-        V::decode8(vg[u], gf);
-        V::decode8(vu[u], uf);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           if (m >= count) break;
           float xf[8];
-          V::decode8(xr[m][i], xf);
+          V::decode8(__ldg(reinterpret_cast<const uint4*>(a + size_t(xrow[m]) * size_t(K)) + i), xf);
 #pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            ag[m] = fmaf(gf[q], xf[q], ag[m]);
-            au[m] = fmaf(uf[q], xf[q], au[m]);
+          for (int s = 0; s < S; ++s) {
+            float wf[8];
+            V::decode8(wv[u][s], wf);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[s][m] = fmaf(wf[q], xf[q], acc[s][m]);
           }
         }
       }
     }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        ag[m] += __shfl_xor_sync(0xffffffffu, ag[m], o);
-        au[m] += __shfl_xor_sync(0xffffffffu, au[m], o);
-      }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      if (lane != m || m >= count) continue;
-      const uint16_t* be = bias ? bias + size_t(e) * 2 * size_t(N) : nullptr;
-      const float g = A::load(A::store(ag[m] + (be ? A::load(be[n]) : 0.0f)));
-      const float u = A::load(A::store(au[m] + (be ? A::load(be[N + n]) : 0.0f)));
-      h[size_t(first + m) * size_t(N) + size_t(n)] = A::store(glu_value(f, g, u, alpha, limit));
+      if (m >= count) break;
+#pragma unroll
+      for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[s][m] += __shfl_xor_sync(0xffffffffu, acc[s][m], o);
     }
-  }
-}
-
-// Down with the combine folded in: an item is R output columns n of y, over every routed
-// expert: y[row][n] = sum over the row's held pairs of weight * (W_down[e][n] . h[pos] +
-// b[e][n]), in fp32 and rounded once (an expert's output is not rounded on its own, as the
-// grouped path's is: half a step closer to fp32). The item's steps run over (tile, 32-vector
-// slice of a weight row), U at a time, so an expert whose rows are short (I = 768: three
-// vectors a lane) does not leave the loads of the next one waiting.
-//
-// The routing is computed, and each warp's first U steps of weights requested, before the PDL
-// wait: the logits are complete by then, because the gate/up kernel lets this grid launch
-// only after its own wait for the router GEMM (an exception to pdl.cuh's rule, which this pair
-// of kernels keeps by construction; the logits are read through L2). Then h (the gate/up
-// kernel's output, [n_pos][K]) is staged in shared memory.
-template <class A, int M, int R, int U, int kPer>
-__global__ void __launch_bounds__(kGemvWarps * 32) expert_down_kernel(
-    const float* __restrict__ logits, const uint16_t* __restrict__ rbias, int rows, int experts, int top_k,
-    bool norm_topk, int first_e, int held, const uint16_t* __restrict__ h, const uint16_t* __restrict__ w,
-    const uint16_t* __restrict__ bias, uint16_t* __restrict__ y, int N, int K) {
-  using V = std::conditional_t<A::kBF16, VecBF16, VecF16>;
-  static_assert(R * M <= 32, "a lane stores each (column, row)");
-  extern __shared__ uint4 s_act[];  // h [n_pos][K / 8]
-  __shared__ GemvRouting r;
-  route_gemv_batch<A, kPer>(logits, rbias, rows, experts, top_k, norm_topk, first_e, held, r);
-  const int lane = int(threadIdx.x) % 32, kv = K / 8, vpl = (kv + 31) / 32;
-  const int steps = r.n_tiles * vpl, items = (N + R - 1) / R, stride = int(gridDim.x) * kGemvWarps;
-  uint4 wv[U][R];
-  // Requests steps [s0, s0 + U) of item `item` (rows past N: the item's last, never stored).
-  auto request = [&](int item, int s0) {
-    const int n0 = item * R, nrows = min(R, N - n0);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int s = s0 + u, t = s / vpl, i = lane + 32 * (s - t * vpl);
-      const bool in = s < steps && i < kv;
-      const size_t e = in ? size_t(r.expert[t]) : 0;
-#pragma unroll
-      for (int j = 0; j < R; ++j)
-        wv[u][j] = in ? ld_stream(reinterpret_cast<const uint4*>(w + (e * size_t(N) + size_t(n0 + min(j, nrows - 1))) * size_t(K)) + i)
-                      : make_uint4(0, 0, 0, 0);
-    }
-  };
-  int item = int(blockIdx.x) * kGemvWarps + int(threadIdx.x) / 32;
-  bool requested = item < items && steps > 0;
-  if (requested) request(item, 0);
-  pdl_wait();  // every thread, before h is read and y written
-  for (int i = int(threadIdx.x); i < r.n_pos * kv; i += int(blockDim.x)) s_act[i] = reinterpret_cast<const uint4*>(h)[i];
-  __syncthreads();
-  for (; item < items; item += stride) {
-    const int n0 = item * R, nrows = min(R, N - n0);
-    float acc[R][M] = {};  // by column and token row
-    for (int s0 = 0; s0 < steps; s0 += U) {
-      if (!requested) request(item, s0);
-      requested = false;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int s = s0 + u, t = s / vpl, i = lane + 32 * (s - t * vpl);
-        if (s >= steps) break;
-        if (i >= kv) continue;
-        const int pf = r.first[t], count = min(M, r.count[t]);
-        float wf[R][8];
-#pragma unroll
-        for (int j = 0; j < R; ++j) V::decode8(wv[u][j], wf[j]);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          if (m >= count) break;
-          const int pos = pf + m, row = M == 1 ? 0 : r.row[pos];
-          const float wt = r.weight[pos];
-          float xf[8];
-          V::decode8(s_act[pos * kv + i], xf);
-#pragma unroll
-          for (int j = 0; j < R; ++j) {
-            float d = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 8; ++q) d = fmaf(wf[j][q], xf[q], d);
-#pragma unroll
-            for (int rr = 0; rr < M; ++rr)
-              if (rr == row) acc[j][rr] = fmaf(wt, d, acc[j][rr]);
-          }
-        }
-      }
-    }
+    // Lane j * M + m stores column n0 + j of pair m.
 #pragma unroll
     for (int j = 0; j < R; ++j)
 #pragma unroll
-      for (int rr = 0; rr < M; ++rr)
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[j][rr] += __shfl_xor_sync(0xffffffffu, acc[j][rr], o);
-    // Lane j * M + rr stores column n0 + j of token row rr.
-#pragma unroll
-    for (int j = 0; j < R; ++j)
-#pragma unroll
-      for (int rr = 0; rr < M; ++rr) {
-        if (lane != j * M + rr || j >= nrows || rr >= rows) continue;
+      for (int m = 0; m < M; ++m) {
+        if (lane != (j * M + m) % 32 || j >= nrows || m >= count) continue;
         const int n = n0 + j;
-        float v = acc[j][rr];
-        if (bias)
-          for (int pos = 0; pos < r.n_pos; ++pos)
-            if (r.row[pos] == rr) v += r.weight[pos] * A::load(bias[size_t(r.pos_expert[pos]) * size_t(N) + size_t(n)]);
-        y[size_t(rr) * size_t(N) + size_t(n)] = A::store(v);
+        const uint16_t* be = bias ? bias + size_t(e) * rows_e : nullptr;
+        float v = acc[j][m] + (be ? A::load(be[n]) : 0.0f);
+        if constexpr (kGlu) {
+          const float g = A::load(A::store(v));
+          const float u = A::load(A::store(acc[R + j][m] + (be ? A::load(be[N + n]) : 0.0f)));
+          v = glu_value(f, g, u, alpha, limit);
+        }
+        out[size_t(first + m) * size_t(N) + size_t(n)] = A::store(v);
       }
   }
-  allow_dependents();
+  allow_dependents();  // this CTA's weights are read
 }
 
 // The grouped GEMM (top of file). a: act [*][K]; a_rows: the pair's row of a (null: the
@@ -665,16 +526,13 @@ __global__ void combine_kernel(const uint16_t* __restrict__ out, const int32_t* 
 
 // CTAs for an expert GEMV of (at most) `items` warp items: as many as fit on the GPU at once
 // or fewer, so that every warp takes the same number of items (a partial last round of
-// items, not a partial wave of CTAs). Residency is taken at kGemvSmemMax of staged rows, the
-// most a launch asks (registers allow two CTAs per SM anyway); the first call per device also
-// opts the kernel in to that much shared memory.
+// items, not a partial wave of CTAs).
 template <auto Kernel>
 unsigned gemv_ctas(int items) {
   static PerDevice<int> resident;
   const int warps = resident.get([] {
-    KVLM_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemMax));
     int per_sm = 0;
-    KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kGemvWarps * 32, kGemvSmemMax));
+    KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kGemvWarps * 32, 0));
     return std::max(1, per_sm) * sm_count() * kGemvWarps;
   });
   const int rounds = (items + warps - 1) / warps;
@@ -733,55 +591,45 @@ void moe(const MoeParams& p, void* stream) {
     using A = decltype(a);
     const auto* rbias = static_cast<const uint16_t*>(p.router_bias);
     auto* y = static_cast<uint16_t*>(p.y);
-    const size_t gu_smem = size_t(T) * size_t(H) * 2, down_smem = size_t(P) * size_t(I) * 2;
-    if (T <= kGemvMaxRows && std::max(gu_smem, down_smem) <= size_t(kGemvSmemMax)) {
-      // A decode batch: two kernels chained with PDL, each routing for itself (GemvRouting):
-      // the gate/up GEMV with the activation in its epilogue, then the down GEMV with the
-      // combine folded in.
-      const int slots = std::min(held, P);  // routed experts: a tile each
-      auto gemv = [&](auto m_tag, auto per_tag) {
-        constexpr int M = decltype(m_tag)::value, kPer = decltype(per_tag)::value;
+    if (T <= kGemvMaxRows) {
+      // A decode batch: route and sort in one CTA, then the expert GEMV over each routed
+      // expert (one tile each), the activation fused into the gate/up pass, then combine;
+      // chained with PDL so that each launch overlaps the kernel before it.
+      KVLM_CUDA_CHECK(launch_pdl<route_sort_kernel<A>>(dim3(1), dim3(kGemvMaxRows * 32), 0, st, p.logits, rbias, T, E, K,
+                                                       c.norm_topk, first, held, w.ids, w.weights, w.pair_of, w.pair_row,
+                                                       w.tiles));
+      const int slots = std::min(held, P);  // routed experts: one tile each
+      auto gemv = [&](auto m_tag) {
+        constexpr int M = decltype(m_tag)::value;
         // Gate/up: an item is one column (its gate and up rows), 8 loads per row in flight;
-        // down: one column over every routed expert, 16 steps in flight.
-        constexpr auto gate_up = expert_gate_up_kernel<A, M, 8, kPer>;
-        constexpr auto down = expert_down_kernel<A, M, 1, 16, kPer>;
-        KVLM_CUDA_CHECK(launch_pdl<gate_up>(dim3(gemv_ctas<gate_up>(slots * I)), dim3(kGemvWarps * 32), gu_smem, st, p.logits,
-                                            rbias, T, E, K, c.norm_topk, first, held, static_cast<const uint16_t*>(p.x),
+        // down: four columns, 4 loads each (a row of I = 768 is 3 vectors per lane).
+        constexpr auto gate_up = expert_gemv_kernel<A, M, 1, 8, true>;
+        constexpr auto down = expert_gemv_kernel<A, M, 4, 4, false>;
+        KVLM_CUDA_CHECK(launch_pdl<gate_up>(dim3(gemv_ctas<gate_up>(slots * I)), dim3(kGemvWarps * 32), 0, st,
+                                            static_cast<const uint16_t*>(p.x), static_cast<const int32_t*>(w.pair_row),
                                             static_cast<const uint16_t*>(p.gate_up),
-                                            static_cast<const uint16_t*>(p.gate_up_bias), w.h, I, H, c.act,
-                                            c.swiglu_alpha, c.swiglu_limit, w.ids, w.weights));
-        KVLM_CUDA_CHECK(launch_pdl<down>(dim3(gemv_ctas<down>(H)), dim3(kGemvWarps * 32), down_smem, st, p.logits, rbias,
-                                         T, E, K, c.norm_topk, first, held, static_cast<const uint16_t*>(w.h),
+                                            static_cast<const uint16_t*>(p.gate_up_bias), w.h, I, H, P, w.tiles, c.act, c.swiglu_alpha, c.swiglu_limit));
+        KVLM_CUDA_CHECK(launch_pdl<down>(dim3(gemv_ctas<down>(slots * ((H + 3) / 4))), dim3(kGemvWarps * 32), 0, st,
+                                         static_cast<const uint16_t*>(w.h), static_cast<const int32_t*>(nullptr),
                                          static_cast<const uint16_t*>(p.down), static_cast<const uint16_t*>(p.down_bias),
-                                         y, H, I));
+                                         w.out, H, I, P, w.tiles, c.act, c.swiglu_alpha, c.swiglu_limit));
       };
-      // An expert holds at most T of the batch's pairs (a row chooses it at most once); up to
-      // 128 experts a lane of the routing warp holds 4 logits.
-      using One = std::integral_constant<int, 1>;
-      using Few = std::integral_constant<int, kGemvMaxRows>;
-      using Per4 = std::integral_constant<int, 4>;
-      using Per32 = std::integral_constant<int, kMaxExperts / 32>;
-      if (E <= 128) {
-        if (T == 1) gemv(One{}, Per4{});
-        else gemv(Few{}, Per4{});
-      } else {
-        if (T == 1) gemv(One{}, Per32{});
-        else gemv(Few{}, Per32{});
-      }
-      return;
+      // An expert holds at most T of the batch's pairs (a row chooses it at most once).
+      if (T == 1) gemv(std::integral_constant<int, 1>{});
+      else gemv(std::integral_constant<int, kGemvMaxRows>{});
+    } else {
+      route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, rbias, T, E, K, c.norm_topk, w.ids, w.weights);
+      KVLM_CUDA_CHECK_LAUNCH("moe route_kernel");
+      sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, first, held, K, w.pair_of, w.pair_row, w.tiles);
+      KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
+      launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, tiles,
+                     decode, w, st);
+      const size_t n = size_t(P) * size_t(I);
+      glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
+                                                                                         c.swiglu_alpha, c.swiglu_limit);
+      KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
+      launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, tiles, decode, w, st);
     }
-    // Larger batches: route, sort, the grouped GEMMs, glu and combine.
-    route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, rbias, T, E, K, c.norm_topk, w.ids, w.weights);
-    KVLM_CUDA_CHECK_LAUNCH("moe route_kernel");
-    sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, first, held, K, w.pair_of, w.pair_row, w.tiles);
-    KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
-    launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, tiles,
-                   decode, w, st);
-    const size_t n = size_t(P) * size_t(I);
-    glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
-                                                                                       c.swiglu_alpha, c.swiglu_limit);
-    KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
-    launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, tiles, decode, w, st);
     KVLM_CUDA_CHECK(launch_pdl<combine_kernel<A>>(dim3(unsigned((H / 8 + 127) / 128), unsigned(T)), dim3(128), 0, st,
                                                   static_cast<const uint16_t*>(w.out), static_cast<const int32_t*>(w.pair_of),
                                                   static_cast<const float*>(w.weights), K, H, y));

@@ -6,11 +6,8 @@
 //            their weights (softmax over the k, or over every expert): ops::cpu::moe_route
 //   sort     the rows x top_k (row, expert) pairs grouped by expert and cut into tiles of at
 //            most 16 pairs of one expert
-//   experts  batches of at most 4 rows (decode): two expert GEMV kernels, each of whose CTAs
-//            routes and sorts the batch's few pairs for itself in shared memory (no route or
-//            sort kernel): per routed expert the gate/up rows streamed once with f(gate) * up
-//            in the epilogue, then the down rows of every routed expert with the combine
-//            folded in (the down kernel requests its first weights before its PDL wait);
+//   experts  batches of at most 4 rows (decode): the expert GEMV, per routed expert the
+//            gate/up rows streamed once with f(gate) * up in the epilogue, then the down rows;
 //            larger batches: a grouped GEMM whose CTAs each take one tile and 32-64 output
 //            columns, the activation (SiLU, or GPT-OSS's clamped SwiGLU) as its own pass, and
 //            the grouped GEMM over W_down (+ b). A step reads only the routed experts.
