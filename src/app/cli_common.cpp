@@ -226,6 +226,10 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--tool-call-parser", tool_call_parser,
                  "the format the model writes tool calls in: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, "
                  "3.2), harmony (GPT-OSS: also its reasoning), none (default: found in the chat template)");
+  cmd.add_option("--reasoning-parser", reasoning_parser,
+                 "return a thinking model's reasoning as reasoning_content, apart from the answer: qwen3 or deepseek_r1 "
+                 "(<think> ... </think>; where the reply starts is read from the prompt), gpt_oss (harmony, which "
+                 "GPT-OSS's format does already)");
   cmd.add_flag("--enable-auto-tool-choice", enable_auto_tool_choice,
                "accepted as in vLLM: tool_choice auto works whenever the tool-call format is known");
   cmd.add_flag("--disable-log-requests", disable_log_requests, "no access-log line per request on stderr");

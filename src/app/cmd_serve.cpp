@@ -371,6 +371,8 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   const bool tool_parser_given = !x.tool_call_parser.empty();
   const server::ToolParser tool_parser =
       tool_parser_given ? server::parse_tool_parser(x.tool_call_parser) : server::ToolParser::None;
+  const server::ReasoningParser reasoning_parser =
+      x.reasoning_parser.empty() ? server::ReasoningParser::None : server::parse_reasoning_parser(x.reasoning_parser);
   const ServeFlags& f = flags;
   if (!x.log_level.empty()) {
     const std::string& l = x.log_level;
@@ -490,6 +492,19 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
     if (sm.info.tool_parser != server::ToolParser::None)
       say("tool calls: " + std::string(server::tool_parser_name(sm.info.tool_parser)) +
           " (the chat template's format; --tool-call-parser to change)");
+  }
+  // Reasoning: harmony splits it in its own format; <think> tags need a tokenizer and a chat.
+  if (reasoning_parser == server::ReasoningParser::Harmony && sm.info.tool_parser != server::ToolParser::Harmony)
+    throw Error("--reasoning-parser " + x.reasoning_parser +
+                " reads GPT-OSS's harmony format, which this model's chat template does not write; for <think> "
+                "tags use qwen3 or deepseek_r1");
+  if (reasoning_parser == server::ReasoningParser::ThinkTags) {
+    if (sm.info.tool_parser == server::ToolParser::Harmony)
+      throw Error("--reasoning-parser " + x.reasoning_parser +
+                  " splits <think> tags, but this model writes harmony, whose reasoning kvlm splits already: drop the "
+                  "flag (or use gpt_oss)");
+    sm.info.reasoning_parser = reasoning_parser;
+    say("reasoning: <think> ... </think> returned as reasoning_content (--reasoning-parser " + x.reasoning_parser + ")");
   }
   sm.eos_token_ids = cfg.eos_token_ids;
   if (text)

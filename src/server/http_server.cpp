@@ -238,6 +238,18 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
                          "then forced), or serve with a --chat-template that renders tools",
                          "tools");
       }
+      if (gen.reasoning) {  // does the prompt leave a <think> block open for the reply?
+        const std::vector<TokenId>& ids = prompts.back();
+        const size_t tail = std::min<size_t>(ids.size(), 64);
+        gen.reply_in_reasoning = prompt_opens_reasoning(m->text->tokenizer().decode(
+            std::span<const TokenId>(ids).last(tail), /*skip_special_tokens=*/false, true));
+        if (gen.reply_in_reasoning && gen.grammar)
+          throw ApiError(400,
+                         "this prompt starts the reply inside a <think> block, and kvlm constrains a reply (structured "
+                         "outputs, a forced tool call) from its first token, where the model must reason first: send "
+                         "chat_template_kwargs {\"enable_thinking\": false} or drop the constraint",
+                         gen.grammar_key.starts_with("tools") ? "tool_choice" : "response_format");
+      }
       if (!gen.reply_prefix.empty()) {  // the reply's first tokens, written for the model
         const std::vector<TokenId> more = m->text->tokenizer().encode(gen.reply_prefix, {.add_special_tokens = false});
         prompts.back().insert(prompts.back().end(), more.begin(), more.end());

@@ -690,6 +690,7 @@ ChatRequest parse_chat_request(const Json& b, const ModelInfo& info, const ApiLi
   ChatRequest r;
   r.messages = normalize_messages(b);
   r.gen = parse_common(b, info, lim, true);
+  r.gen.reasoning = info.reasoning_parser == ReasoningParser::ThinkTags;
   const bool lp = opt_bool(b, "logprobs").value_or(false);
   const auto top = opt_int(b, "top_logprobs");
   if (top) {

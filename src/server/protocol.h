@@ -21,6 +21,7 @@
 #include "sampling/sampler.h"  // TokenLogprobs
 #include "text/grammar/grammar.h"
 #include "engine/request.h"    // FinishReason
+#include "server/reasoning.h"
 #include "server/tool_calls.h"
 
 namespace kvlm::server {
@@ -71,6 +72,8 @@ struct ModelInfo {
   // The format the model writes tool calls in (--tool-call-parser, or found in its chat
   // template); None: requests with tools are refused unless tool_choice is "none".
   ToolParser tool_parser = ToolParser::None;
+  // --reasoning-parser: ThinkTags splits chat replies at <think> ... </think> (reasoning.h).
+  ReasoningParser reasoning_parser = ReasoningParser::None;
 };
 
 // The generation parameters shared by both endpoints, validated.
@@ -107,6 +110,10 @@ struct GenParams {
   // Text the reply continues (harmony's forced call header): appended to the prompt's tokens,
   // read by the tool-call parser before the model's text, never returned itself.
   std::string reply_prefix;
+  // Chat with --reasoning-parser qwen3 / deepseek_r1: the reply is split at <think> tags, and
+  // whether it starts inside the reasoning (read from the rendered prompt by the server).
+  bool reasoning = false;
+  bool reply_in_reasoning = false;
 };
 
 struct Prompt {

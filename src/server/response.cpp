@@ -122,23 +122,35 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
       }
     }
     const bool new_tokens = gen_.return_token_ids && r.tokens.size() > mk.tokens;
-    // Chat with tools: the text goes through the tool-call parser (calls whole, in one delta).
+    // Chat with --reasoning-parser: the text is split at <think> tags first; then, with tools,
+    // the answer goes through the tool-call parser (calls whole, in one delta).
     std::string content = text, reasoning;
     Json calls = Json::array();
     Record& rw = recs_[size_t(ci)];
+    if (ep_ == Endpoint::Chat && gen_.reasoning) {
+      if (!rw.reasoning) rw.reasoning.emplace(gen_.reply_in_reasoning);
+      ReasoningSplit s = rw.reasoning->push(text);
+      if (finished_now) {
+        ReasoningSplit f = rw.reasoning->finish();
+        s.reasoning += f.reasoning;
+        s.content += f.content;
+      }
+      content = std::move(s.content);
+      reasoning = std::move(s.reasoning);
+    }
     if (ep_ == Endpoint::Chat && gen_.tool_parser != ToolParser::None) {
       if (!rw.tools) {
         rw.tools.emplace(gen_.tool_parser);
         rw.tools->push(gen_.reply_prefix);  // a forced call's header: nothing to send yet
       }
-      ToolCallStream::Out o = rw.tools->push(text);
+      ToolCallStream::Out o = rw.tools->push(content);
       if (finished_now) {
         ToolCallStream::Out f = rw.tools->finish();
         o.content += f.content;
         for (auto& c : f.calls) o.calls.push_back(std::move(c));
       }
       content = std::move(o.content);
-      reasoning = std::move(o.reasoning);
+      reasoning += o.reasoning;
       for (const ToolCall& call : o.calls)
         calls.push_back(Json{{"index", rw.tool_calls_sent++},
                              {"id", call.id},
@@ -220,9 +232,16 @@ Json ResponseAssembler::response() const {
       c["finish_reason"] = finish_reason_str(r.reason);
     } else {
       Json msg = Json{{"role", "assistant"}, {"content", r.text}};
+      std::string answer = r.text;
+      if (gen_.reasoning) {  // --reasoning-parser: <think> ... </think> apart from the answer
+        ReasoningSplit s = split_reasoning(r.text, gen_.reply_in_reasoning);
+        if (!s.reasoning.empty()) msg["reasoning_content"] = s.reasoning;
+        msg["content"] = s.content;
+        answer = std::move(s.content);
+      }
       bool made_calls = false;
       if (gen_.tool_parser != ToolParser::None) {
-        ExtractedCalls x = extract_tool_calls(gen_.tool_parser, gen_.reply_prefix + r.text);
+        ExtractedCalls x = extract_tool_calls(gen_.tool_parser, gen_.reply_prefix + answer);
         if (!x.reasoning.empty()) msg["reasoning_content"] = x.reasoning;
         if (parses_every_reply(gen_.tool_parser) && x.calls.empty()) msg["content"] = x.content;
         if (!x.calls.empty()) {

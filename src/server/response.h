@@ -52,6 +52,7 @@ class ResponseAssembler {
     FinishReason reason = FinishReason::None;
     Json stop_reason = nullptr;
     int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+    std::optional<ReasoningStream> reasoning;  // streaming chat with --reasoning-parser
     std::optional<ToolCallStream> tools;  // streaming chat with tools
     int tool_calls_sent = 0;
   };

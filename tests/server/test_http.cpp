@@ -190,7 +190,7 @@ class HttpTest : public ::testing::Test {
     port_ = server_->bind();
     server_->start();
   }
-  void ready(ToolParser tools = ToolParser::None) {
+  void ready(ToolParser tools = ToolParser::None, ReasoningParser reasoning = ReasoningParser::None) {
     ServedModel m;
     m.engine = engine_.get();
     m.text = &*text_;
@@ -200,6 +200,7 @@ class HttpTest : public ::testing::Test {
     m.info.has_tokenizer = true;
     m.info.has_chat_template = text_->has_chat_template();
     m.info.tool_parser = tools;
+    m.info.reasoning_parser = reasoning;
     m.eos_token_ids = {*text_->eos_id()};
     server_->set_ready(m);
   }
@@ -671,4 +672,117 @@ TEST_F(HarmonyTest, ForcedCallsWriteTheHeaderForTheModel) {
                   "application/json");
   expect_error_shape(r, 400);
   EXPECT_NE(r->body.find("name one"), std::string::npos) << r->body;
+}
+
+// --reasoning-parser qwen3 over a chat template in Qwen3's manner: <think> and </think> are
+// added (non-special) tokens; enable_thinking false closes an empty block in the prompt, and
+// `open_think` (standing in for DeepSeek-R1's template) leaves one open.
+class ThinkTest : public HarmonyTest {
+ protected:
+  void start_with(const std::string& reply, ToolParser tools = ToolParser::None) {
+    dir_ = std::filesystem::temp_directory_path() / ("kvlm-think-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    for (const char* f : {"config.json", "generation_config.json", "model.safetensors"})
+      std::filesystem::copy_file(kTinyChat / f, dir_ / f);
+    Json tok = Json::parse(std::ifstream(kTinyChat / "tokenizer.json"));
+    int id = int(tok["model"]["vocab"].size()) + int(tok["added_tokens"].size());
+    for (const char* m : {"<think>", "</think>"})
+      tok["added_tokens"].push_back(Json{{"id", id++}, {"content", m}, {"single_word", false}, {"lstrip", false},
+                                         {"rstrip", false}, {"normalized", false}, {"special", false}});
+    std::ofstream(dir_ / "tokenizer.json") << tok.dump();
+    Json cfg = Json::parse(std::ifstream(kTinyChat / "tokenizer_config.json"));
+    cfg.erase("added_tokens_decoder");
+    cfg["chat_template"] =
+        "{%- if tools %}[tools]{% for t in tools %} {{ t.function.name }}{% endfor %}\n{%- endif %}"
+        "{%- for m in messages %}[{{ m.role }}] {{ m.content }}\n{%- endfor %}"
+        "{%- if add_generation_prompt %}[assistant] {%- if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{%- elif open_think is defined and open_think %}<think>\n{%- endif %}{%- endif %}";
+    std::ofstream(dir_ / "tokenizer_config.json") << cfg.dump();
+    text_.emplace(TextProcessor::load(dir_));
+    const auto script = text_->tokenizer().encode(reply, {.add_special_tokens = false});
+    engine_ = std::make_unique<FakeEngine>(script, 1ms, /*stop_at_end=*/true);
+    server_ = std::make_unique<HttpServer>(ServerOptions{.port = 0});
+    port_ = server_->bind();
+    server_->start();
+    ready(tools, ReasoningParser::ThinkTags);
+  }
+  // The reply to `req` whole and streamed: reasoning_content (absent: "-") and content.
+  void expect_reply(const std::string& req, const std::string& reasoning, const std::string& content) {
+    auto c = client();
+    auto r = c.Post("/v1/chat/completions", req + "}", "application/json");
+    ASSERT_EQ(r->status, 200) << r->body;
+    const Json msg = body_of(r)["choices"][0]["message"];
+    EXPECT_EQ(msg.contains("reasoning_content") ? msg["reasoning_content"].get<std::string>() : "-", reasoning) << r->body;
+    EXPECT_EQ(msg["content"], content) << r->body;
+    r = c.Post("/v1/chat/completions", req + R"(, "stream": true})", "application/json");
+    ASSERT_EQ(r->status, 200) << r->body;
+    const Streamed s = join(r->body);
+    EXPECT_EQ(s.reasoning.empty() ? "-" : s.reasoning, reasoning.empty() ? "-" : reasoning) << r->body;
+    EXPECT_EQ(s.content, content) << r->body;
+    EXPECT_EQ(s.finish, "stop");
+  }
+};
+
+TEST_F(ThinkTest, ReasoningAndAnswerApart) {
+  start_with("<think>\nThe user says hello.\n</think>\n\nHello there.");
+  EXPECT_EQ(text_->tokenizer().decode(text_->tokenizer().encode("<think>", {.add_special_tokens = false}), true), "<think>");
+  expect_reply(R"({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 100)", "\nThe user says hello.\n",
+               "Hello there.");
+}
+
+TEST_F(ThinkTest, APromptThatOpensTheBlockStartsTheReplyInIt) {
+  start_with("The user says hello.</think>Hello there.");
+  expect_reply(R"({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 100,)"
+               R"( "chat_template_kwargs": {"open_think": true})",
+               "The user says hello.", "Hello there.");
+  // Without the open block the same text has no reasoning: the stray </think> is answer text.
+  expect_reply(R"({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 100)", "-",
+               "The user says hello.</think>Hello there.");
+}
+
+TEST_F(ThinkTest, ThinkingOffIsAllAnswer) {
+  start_with("Hello there.");
+  expect_reply(R"({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 100,)"
+               R"( "chat_template_kwargs": {"enable_thinking": false})",
+               "-", "Hello there.");
+}
+
+TEST_F(ThinkTest, ToolCallsAfterTheReasoning) {
+  start_with("<think>I should call f.</think>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>",
+             ToolParser::Hermes);
+  auto c = client();
+  const std::string req = R"({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 100,)"
+                          R"( "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])";
+  auto r = c.Post("/v1/chat/completions", req + "}", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const Json ch = body_of(r)["choices"][0];
+  EXPECT_EQ(ch["message"]["reasoning_content"], "I should call f.") << r->body;
+  ASSERT_EQ(ch["message"]["tool_calls"].size(), 1u) << r->body;
+  EXPECT_EQ(ch["message"]["tool_calls"][0]["function"]["name"], "f");
+  EXPECT_EQ(ch["finish_reason"], "tool_calls");
+  r = c.Post("/v1/chat/completions", req + R"(, "stream": true})", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const Streamed s = join(r->body);
+  EXPECT_EQ(s.reasoning, "I should call f.");
+  EXPECT_EQ(s.calls, R"(f{"x":1})");
+  EXPECT_EQ(s.finish, "tool_calls");
+}
+
+TEST_F(ThinkTest, AConstraintWhereTheReplyMustReasonFirstIsRefused) {
+  start_with("{}");
+  auto c = client();
+  auto r = c.Post("/v1/chat/completions",
+                  R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},)"
+                  R"( "chat_template_kwargs": {"open_think": true}})",
+                  "application/json");
+  expect_error_shape(r, 400);
+  EXPECT_NE(r->body.find("enable_thinking"), std::string::npos) << r->body;
+  // With the block closed by the template the constraint applies from the first token.
+  r = c.Post("/v1/chat/completions",
+             R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},)"
+             R"( "chat_template_kwargs": {"enable_thinking": false}})",
+             "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(body_of(r)["choices"][0]["message"]["content"], "{}");
 }
