@@ -620,11 +620,16 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
   if (!tools || tools->empty()) return;
   r.template_kwargs["tools"] = *tools;  // rendered by the template whatever the choice
   if (choice == "none") return;
-  if (info.tool_parser == ToolParser::None)
-    bad("this model's chat template has no tool-call format kvlm knows; start the server with --tool-call-parser "
-        "hermes or llama3_json, or send tool_choice \"none\"",
+  // A model whose tool-call format is unknown can still be made to call: "required" and a
+  // named function are forced through structured outputs alone, as vLLM does, in the plain JSON
+  // form {"name": ..., "parameters": {...}} (calls separated by "; "), which the llama3_json
+  // parser reads back. Only "auto" needs the model's own format, to tell a call from an answer.
+  if (info.tool_parser == ToolParser::None && choice == "auto")
+    bad("this model's chat template has no tool-call format kvlm knows, so a call cannot be told from an answer: "
+        "start the server with --tool-call-parser hermes or llama3_json, or send tool_choice \"required\" or a "
+        "named function (forced through structured outputs), or \"none\"",
         "tools");
-  r.gen.tool_parser = info.tool_parser;
+  r.gen.tool_parser = info.tool_parser == ToolParser::None ? ToolParser::Llama3Json : info.tool_parser;
   if (choice == "auto") {
     r.tools_must_reach_prompt = true;
     return;
@@ -652,11 +657,11 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
     return;
   }
   try {
-    r.gen.grammar = std::make_shared<const grammar::Grammar>(tool_call_grammar(info.tool_parser, chosen, parallel && choice == "required"));
+    r.gen.grammar = std::make_shared<const grammar::Grammar>(tool_call_grammar(r.gen.tool_parser, chosen, parallel && choice == "required"));
   } catch (const Error& e) {
     bad(e.what(), "tools");
   }
-  r.gen.grammar_key = "tools\n" + std::string(tool_parser_name(info.tool_parser)) + "\n" + choice + "\n" +
+  r.gen.grammar_key = "tools\n" + std::string(tool_parser_name(r.gen.tool_parser)) + "\n" + choice + "\n" +
                       (parallel ? "1" : "0") + chosen.dump();
 }
 

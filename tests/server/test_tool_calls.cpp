@@ -234,11 +234,30 @@ TEST(ToolCalls, ChatRequestsWithTools) {
     EXPECT_EQ(o.status, 400) << b;
     EXPECT_EQ(o.param, param) << b << " -> " << o.message;
   }
-  // A model without a tool-call format: tools with "auto" are refused (with what to do).
+  // A model without a tool-call format: tools with "auto" are refused (with what to do) ...
   const Outcome none = outcome([&] { parse_chat_request(body(""), info(), {}); });
   EXPECT_EQ(none.param, "tools");
   EXPECT_NE(none.message.find("--tool-call-parser"), std::string::npos);
+  EXPECT_NE(none.message.find("required"), std::string::npos);
   EXPECT_EQ(parse_chat_request(body(R"(, "tool_choice": "none")"), info(), {}).gen.tool_parser, ToolParser::None);
+  // ... while "required" and a named function are forced through structured outputs, as plain
+  // JSON calls that the llama3_json parser reads back.
+  const auto fr = parse_chat_request(body(R"(, "tool_choice": "required")"), info(), {});
+  ASSERT_TRUE(fr.gen.grammar);
+  EXPECT_EQ(fr.gen.tool_parser, ToolParser::Llama3Json);
+  const std::string jw = R"({"name": "get_weather", "parameters": {"city": "Paris"}})";
+  const std::string ja = R"({"name": "add", "parameters": {"a": 1, "b": 2}})";
+  EXPECT_TRUE(accepts(*fr.gen.grammar, jw));
+  EXPECT_TRUE(accepts(*fr.gen.grammar, jw + "; " + ja));
+  EXPECT_FALSE(accepts(*fr.gen.grammar, "Sure."));
+  EXPECT_FALSE(accepts(*fr.gen.grammar, R"({"name": "add", "parameters": {"a": 1}})"));  // b is required
+  const auto fn = parse_chat_request(body(R"(, "tool_choice": {"type": "function", "function": {"name": "add"}})"), info(), {});
+  EXPECT_TRUE(accepts(*fn.gen.grammar, ja));
+  EXPECT_FALSE(accepts(*fn.gen.grammar, jw));
+  const ExtractedCalls fx = kvlm::server::extract_tool_calls(fr.gen.tool_parser, jw + "; " + ja);
+  ASSERT_EQ(fx.calls.size(), 2u);
+  EXPECT_EQ(fx.calls[0].name, "get_weather");
+  EXPECT_EQ(fx.calls[1].arguments, R"({"a":1,"b":2})");
 }
 
 }  // namespace tools_test

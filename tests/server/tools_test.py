@@ -169,6 +169,40 @@ r = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, too
 check(r.choices[0].finish_reason == "tool_calls", f"required without the tools in the prompt: {r.choices[0]}")
 srv.stop()
 
+# --- no tool-call format at all ----------------------------------------------------------------
+# Without --tool-call-parser the bundled model's template writes no call format: "auto" is
+# refused (a call could not be told from an answer), while "required" and a named function are
+# forced through structured outputs alone, as vLLM does, streamed and not.
+srv = Server(KVLM, MODEL, "--served-model-name", "tiny")
+client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=300)
+try:
+    client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice="auto", max_tokens=5)
+    check(False, "auto without a tool-call format was accepted")
+except openai.BadRequestError as e:
+    check(e.body.get("param") == "tools" and "required" in str(e), f"auto without a format: {e}")
+r = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice="required", temperature=1.0,
+                                   seed=2, max_tokens=1500)
+check(r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls,
+      f"required without a format: {r.choices[0]}")
+for call in r.choices[0].message.tool_calls or []:
+    valid_call(call, [t["function"]["name"] for t in TOOLS])
+stream = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, stream=True, temperature=1.0, seed=3,
+                                        tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=1500)
+calls, reason = {}, None
+for chunk in stream:
+    if not chunk.choices:
+        continue
+    for tc in chunk.choices[0].delta.tool_calls or []:
+        c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+        if tc.function:
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+    reason = chunk.choices[0].finish_reason or reason
+check(reason == "tool_calls" and [c["name"] for c in calls.values()] == ["add"], f"named without a format: {reason} {calls}")
+for c in calls.values():
+    jsonschema.validate(json.loads(c["arguments"]), SCHEMAS["add"])
+srv.stop()
+
 # --- harmony: GPT-OSS's own chat template --------------------------------------------------
 # The format is found from the template's <|channel|> / <|message|> markers. A named function
 # (or "required" with one tool) is forced: kvlm writes the call's header after the prompt and
