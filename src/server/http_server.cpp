@@ -243,12 +243,11 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
         const size_t tail = std::min<size_t>(ids.size(), 64);
         gen.reply_in_reasoning = prompt_opens_reasoning(m->text->tokenizer().decode(
             std::span<const TokenId>(ids).last(tail), /*skip_special_tokens=*/false, true));
-        if (gen.reply_in_reasoning && gen.grammar)
-          throw ApiError(400,
-                         "this prompt starts the reply inside a <think> block, and kvlm constrains a reply (structured "
-                         "outputs, a forced tool call) from its first token, where the model must reason first: send "
-                         "chat_template_kwargs {\"enable_thinking\": false} or drop the constraint",
-                         gen.grammar_key.starts_with("tools") ? "tool_choice" : "response_format");
+        if (gen.grammar) {  // the constraint binds the answer, after the reasoning
+          gen.grammar = std::make_shared<const grammar::Grammar>(reasoning_then(*gen.grammar, gen.reply_in_reasoning));
+          gen.grammar_key = std::string(gen.reply_in_reasoning ? "after reasoning\n" : "after optional reasoning\n") +
+                            gen.grammar_key;
+        }
       }
       if (!gen.reply_prefix.empty()) {  // the reply's first tokens, written for the model
         const std::vector<TokenId> more = m->text->tokenizer().encode(gen.reply_prefix, {.add_special_tokens = false});

@@ -1,6 +1,7 @@
 #include "server/reasoning.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "core/error.h"
 
@@ -85,6 +86,49 @@ ReasoningSplit ReasoningStream::finish() {
   else if (state_ != State::AfterReasoning) out.content = std::move(held_);
   held_.clear();
   return out;
+}
+
+grammar::Grammar reasoning_then(const grammar::Grammar& answer, bool in_reasoning) {
+  using grammar::CharRange;
+  using grammar::Grammar;
+  using grammar::Sequence;
+  using grammar::Symbol;
+  Grammar g;
+  const uint32_t root = g.add_rule("root");
+  const uint32_t ws = g.add_rule("think-ws");  // whitespace, possibly none
+  const uint32_t after = g.add_rule("after-think");
+  // q[i]: inside the reasoning, the last i characters read being the first i of </think>. The
+  // tag's only '<' is its first character, so a '<' anywhere restarts it and any other
+  // mismatch returns to q[0].
+  std::vector<uint32_t> q;
+  for (size_t i = 0; i < kClose.size(); ++i) q.push_back(g.add_rule("think-" + std::to_string(i)));
+  for (size_t i = 0; i < kClose.size(); ++i) {
+    const uint32_t c = uint32_t(kClose[i]);
+    g.add_alt(q[i], {Symbol::ch(c), Symbol::ref(i + 1 < kClose.size() ? q[i + 1] : after)});
+    std::vector<CharRange> other{{c, c}};
+    if (c != '<') {
+      g.add_alt(q[i], {Symbol::ch('<'), Symbol::ref(q[1])});
+      other.push_back({'<', '<'});
+    }
+    g.add_alt(q[i], {Symbol::chars(std::move(other), /*negated=*/true), Symbol::ref(q[0])});
+  }
+  const Symbol space = Symbol::chars({{' ', ' '}, {'\t', '\t'}, {'\n', '\n'}, {'\r', '\r'}});
+  g.add_alt(ws, {space, Symbol::ref(ws)});
+  g.add_alt(ws, {});
+  const uint32_t ans = g.embed(answer, "answer-");
+  g.add_alt(after, {Symbol::ref(ws), Symbol::ref(ans)});
+  if (in_reasoning) {
+    g.add_alt(root, {Symbol::ref(q[0])});
+  } else {
+    Sequence open{Symbol::ref(ws)};
+    Grammar::append_literal(open, kOpen);
+    open.push_back(Symbol::ref(q[0]));
+    g.add_alt(root, std::move(open));
+    g.add_alt(root, {Symbol::ref(ans)});
+  }
+  g.set_root(root);
+  g.validate();
+  return g;
 }
 
 ReasoningSplit split_reasoning(std::string_view text, bool in_reasoning) {

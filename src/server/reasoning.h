@@ -20,6 +20,8 @@
 #include <string>
 #include <string_view>
 
+#include "text/grammar/grammar.h"
+
 namespace kvlm::server {
 
 enum class ReasoningParser { None, ThinkTags, Harmony };
@@ -53,5 +55,13 @@ class ReasoningStream {
 
 // The whole reply at once (the same as one push and finish).
 ReasoningSplit split_reasoning(std::string_view text, bool in_reasoning);
+
+// A constraint on the answer of a reply that may reason first (structured outputs, a forced
+// tool call), as vLLM applies it: free text up to </think>, whitespace, then `answer`. A
+// reply that starts inside the block (in_reasoning) begins in the free text; otherwise it
+// either opens a block with <think> (after whitespace) or is the answer from its first token.
+// The free text is a rule per character of </think> matched so far (the tag's automaton), so
+// the reasoning is any text that does not contain the tag.
+grammar::Grammar reasoning_then(const grammar::Grammar& answer, bool in_reasoning);
 
 }  // namespace kvlm::server

@@ -769,20 +769,10 @@ TEST_F(ThinkTest, ToolCallsAfterTheReasoning) {
   EXPECT_EQ(s.finish, "tool_calls");
 }
 
-TEST_F(ThinkTest, AConstraintWhereTheReplyMustReasonFirstIsRefused) {
-  start_with("{}");
-  auto c = client();
-  auto r = c.Post("/v1/chat/completions",
-                  R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},)"
-                  R"( "chat_template_kwargs": {"open_think": true}})",
-                  "application/json");
-  expect_error_shape(r, 400);
-  EXPECT_NE(r->body.find("enable_thinking"), std::string::npos) << r->body;
-  // With the block closed by the template the constraint applies from the first token.
-  r = c.Post("/v1/chat/completions",
-             R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},)"
-             R"( "chat_template_kwargs": {"enable_thinking": false}})",
-             "application/json");
-  ASSERT_EQ(r->status, 200) << r->body;
-  EXPECT_EQ(body_of(r)["choices"][0]["message"]["content"], "{}");
+TEST_F(ThinkTest, AConstraintBindsTheAnswerAfterTheReasoning) {
+  start_with("The user wants JSON.</think>\n{}");
+  expect_reply(R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},)"
+               R"( "chat_template_kwargs": {"open_think": true})",
+               "The user wants JSON.", "{}");
+  EXPECT_TRUE(engine_->last_constrained());
 }

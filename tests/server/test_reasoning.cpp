@@ -7,6 +7,8 @@
 
 #include "core/error.h"
 #include "server/reasoning.h"
+#include "text/grammar/json_schema.h"
+#include "text/grammar/matcher.h"
 
 using namespace kvlm;
 using namespace kvlm::server;
@@ -77,6 +79,27 @@ TEST(ReasoningSplit, WhereTheReplyStartsComesFromThePrompt) {
   EXPECT_FALSE(prompt_opens_reasoning(""));
   // An earlier turn's closed block does not count; the last one decides.
   EXPECT_TRUE(prompt_opens_reasoning("<think>a</think>b<|im_start|>assistant\n<think>"));
+}
+
+TEST(ReasoningSplit, ConstraintsBindTheAnswerOnly) {
+  const grammar::Grammar answer = grammar::json_schema_grammar(
+      nlohmann::ordered_json::parse(R"({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})"));
+  auto vocab = std::make_shared<const grammar::TokenVocab>(std::vector<std::string>{"x"});
+  const auto accepts = [&](bool in_reasoning, const std::string& text) {
+    grammar::Constraint c(std::make_shared<const grammar::CompiledGrammar>(reasoning_then(answer, in_reasoning), vocab));
+    return c.accept_text(text) && c.can_end();
+  };
+  // The prompt opened the block: any text without the tag, then the answer.
+  EXPECT_TRUE(accepts(true, "Let me see: < and </ and </thin> are text.</think>\n\n{\"a\": 1}"));
+  EXPECT_TRUE(accepts(true, "<</think>{\"a\": 2}"));  // a '<' right before the tag
+  EXPECT_FALSE(accepts(true, "thinking</think>{\"b\": 1}"));  // the answer must follow the schema
+  EXPECT_FALSE(accepts(true, "{\"a\": 1}"));                    // the reasoning must close first
+  EXPECT_FALSE(accepts(true, "done</think>{\"a\": 1}</think>"));
+  // Otherwise the reply may open a block, or be the answer at once.
+  EXPECT_TRUE(accepts(false, "{\"a\": 3}"));
+  EXPECT_TRUE(accepts(false, "\n<think>plan</think>{\"a\": 3}"));
+  EXPECT_FALSE(accepts(false, "plan</think>{\"a\": 3}"));
+  EXPECT_FALSE(accepts(false, "<think>never closed {\"a\": 3}"));
 }
 
 TEST(ReasoningSplit, ParserNames) {
