@@ -619,6 +619,7 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
   }
   if (!tools || tools->empty()) return;
   r.template_kwargs["tools"] = *tools;  // rendered by the template whatever the choice
+  r.gen.tools = std::make_shared<const Json>(*tools);
   if (choice == "none") return;
   // A model whose tool-call format is unknown can still be made to call: "required" and a
   // named function are forced through structured outputs alone, as vLLM does, in the plain JSON
@@ -626,7 +627,7 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
   // parser reads back. Only "auto" needs the model's own format, to tell a call from an answer.
   if (info.tool_parser == ToolParser::None && choice == "auto")
     bad("this model's chat template has no tool-call format kvlm knows, so a call cannot be told from an answer: "
-        "start the server with --tool-call-parser hermes or llama3_json, or send tool_choice \"required\" or a "
+        "start the server with --tool-call-parser hermes, qwen3_coder or llama3_json, or send tool_choice \"required\" or a "
         "named function (forced through structured outputs), or \"none\"",
         "tools");
   r.gen.tool_parser = info.tool_parser == ToolParser::None ? ToolParser::Llama3Json : info.tool_parser;

@@ -105,8 +105,10 @@ struct GenParams {
   // cache of compiled grammars. Null: unconstrained.
   std::shared_ptr<const grammar::Grammar> grammar;
   std::string grammar_key;
-  // Chat with tools: the replies' tool calls are pulled out of the text in this format.
+  // Chat with tools: the replies' tool calls are pulled out of the text in this format, with
+  // the request's tools (qwen3_coder types argument values by their schemas).
   ToolParser tool_parser = ToolParser::None;
+  std::shared_ptr<const Json> tools;
   // Text the reply continues (harmony's forced call header): appended to the prompt's tokens,
   // read by the tool-call parser before the model's text, never returned itself.
   std::string reply_prefix;

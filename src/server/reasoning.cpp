@@ -1,7 +1,6 @@
 #include "server/reasoning.h"
 
 #include <algorithm>
-#include <vector>
 
 #include "core/error.h"
 
@@ -89,40 +88,24 @@ ReasoningSplit ReasoningStream::finish() {
 }
 
 grammar::Grammar reasoning_then(const grammar::Grammar& answer, bool in_reasoning) {
-  using grammar::CharRange;
   using grammar::Grammar;
   using grammar::Sequence;
   using grammar::Symbol;
   Grammar g;
   const uint32_t root = g.add_rule("root");
   const uint32_t ws = g.add_rule("think-ws");  // whitespace, possibly none
-  const uint32_t after = g.add_rule("after-think");
-  // q[i]: inside the reasoning, the last i characters read being the first i of </think>. The
-  // tag's only '<' is its first character, so a '<' anywhere restarts it and any other
-  // mismatch returns to q[0].
-  std::vector<uint32_t> q;
-  for (size_t i = 0; i < kClose.size(); ++i) q.push_back(g.add_rule("think-" + std::to_string(i)));
-  for (size_t i = 0; i < kClose.size(); ++i) {
-    const uint32_t c = uint32_t(kClose[i]);
-    g.add_alt(q[i], {Symbol::ch(c), Symbol::ref(i + 1 < kClose.size() ? q[i + 1] : after)});
-    std::vector<CharRange> other{{c, c}};
-    if (c != '<') {
-      g.add_alt(q[i], {Symbol::ch('<'), Symbol::ref(q[1])});
-      other.push_back({'<', '<'});
-    }
-    g.add_alt(q[i], {Symbol::chars(std::move(other), /*negated=*/true), Symbol::ref(q[0])});
-  }
   const Symbol space = Symbol::chars({{' ', ' '}, {'\t', '\t'}, {'\n', '\n'}, {'\r', '\r'}});
   g.add_alt(ws, {space, Symbol::ref(ws)});
   g.add_alt(ws, {});
   const uint32_t ans = g.embed(answer, "answer-");
-  g.add_alt(after, {Symbol::ref(ws), Symbol::ref(ans)});
+  // The reasoning: any text up to </think>, then whitespace and the answer.
+  const uint32_t think = g.add_text_until(kClose, {Symbol::ref(ws), Symbol::ref(ans)}, "think");
   if (in_reasoning) {
-    g.add_alt(root, {Symbol::ref(q[0])});
+    g.add_alt(root, {Symbol::ref(think)});
   } else {
     Sequence open{Symbol::ref(ws)};
     Grammar::append_literal(open, kOpen);
-    open.push_back(Symbol::ref(q[0]));
+    open.push_back(Symbol::ref(think));
     g.add_alt(root, std::move(open));
     g.add_alt(root, {Symbol::ref(ans)});
   }

@@ -140,7 +140,7 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
     }
     if (ep_ == Endpoint::Chat && gen_.tool_parser != ToolParser::None) {
       if (!rw.tools) {
-        rw.tools.emplace(gen_.tool_parser);
+        rw.tools.emplace(gen_.tool_parser, gen_.tools.get());
         rw.tools->push(gen_.reply_prefix);  // a forced call's header: nothing to send yet
       }
       ToolCallStream::Out o = rw.tools->push(content);
@@ -241,7 +241,7 @@ Json ResponseAssembler::response() const {
       }
       bool made_calls = false;
       if (gen_.tool_parser != ToolParser::None) {
-        ExtractedCalls x = extract_tool_calls(gen_.tool_parser, gen_.reply_prefix + answer);
+        ExtractedCalls x = extract_tool_calls(gen_.tool_parser, gen_.reply_prefix + answer, gen_.tools.get());
         if (!x.reasoning.empty()) msg["reasoning_content"] = x.reasoning;
         if (parses_every_reply(gen_.tool_parser) && x.calls.empty()) msg["content"] = x.content;
         if (!x.calls.empty()) {

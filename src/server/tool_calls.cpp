@@ -1,5 +1,6 @@
 #include "server/tool_calls.h"
 
+#include <algorithm>
 #include <random>
 
 #include "core/error.h"
@@ -90,6 +91,80 @@ std::optional<std::vector<ToolCall>> llama_calls(std::string_view text) {
   return calls;
 }
 
+// A qwen3_coder value as the tool's schema types it (`schema` may be null): a string as
+// written; integer, number, boolean, object, array or null read as JSON (as written when it
+// does not parse); without a type, JSON where it parses, else as written.
+Json coder_value(std::string_view v, const Json* schema) {
+  Json parsed;
+  bool ok = false;
+  try {
+    parsed = Json::parse(v);
+    ok = true;
+  } catch (const Json::parse_error&) {
+  }
+  if (schema && schema->is_object()) {
+    const auto t = schema->find("type");
+    const auto is = [&](std::string_view name) {
+      if (t == schema->end()) return false;
+      if (t->is_string()) return t->get_ref<const std::string&>() == name;
+      if (t->is_array())
+        for (const Json& e : *t)
+          if (e.is_string() && e.get_ref<const std::string&>() == name) return true;
+      return false;
+    };
+    const bool text = is("string");
+    const bool other = is("integer") || is("number") || is("boolean") || is("object") || is("array") || is("null");
+    if (other && ok && !parsed.is_string()) return parsed;  // (a union with string prefers the JSON value)
+    if (text || other) return Json(std::string(v));
+  }
+  return ok ? parsed : Json(std::string(v));  // untyped: JSON where it parses
+}
+
+// A qwen3_coder block body: <function=NAME> (<parameter=KEY>\nVALUE\n</parameter>)*
+// </function>; nullopt when it is not one.
+std::optional<ToolCall> coder_call(std::string_view body, const Json& tools) {
+  constexpr std::string_view kFn = "<function=", kFnEnd = "</function>", kPar = "<parameter=", kParEnd = "</parameter>";
+  body = trim(body);
+  if (!body.starts_with(kFn)) return std::nullopt;
+  size_t gt = body.find('>');
+  if (gt == std::string_view::npos) return std::nullopt;
+  const std::string name(trim(body.substr(kFn.size(), gt - kFn.size())));
+  std::string_view rest = body.substr(gt + 1);
+  const size_t end = rest.rfind(kFnEnd);
+  if (name.empty() || end == std::string_view::npos || !trim(rest.substr(end + kFnEnd.size())).empty()) return std::nullopt;
+  rest = rest.substr(0, end);
+  const Json* props = nullptr;  // the function's parameters' properties
+  if (tools.is_array())
+    for (const Json& t : tools) {
+      const auto fn = t.find("function");
+      if (fn == t.end() || !fn->is_object() || fn->value("name", "") != name) continue;
+      const auto params = fn->find("parameters");
+      if (params != fn->end() && params->is_object())
+        if (const auto p = params->find("properties"); p != params->end() && p->is_object()) props = &*p;
+    }
+  Json args = Json::object();
+  for (;;) {
+    rest = rest.substr(std::min(rest.size(), rest.find_first_not_of(" \t\r\n")));
+    if (rest.empty()) break;
+    if (!rest.starts_with(kPar)) return std::nullopt;
+    gt = rest.find('>');
+    if (gt == std::string_view::npos) return std::nullopt;
+    const std::string key(trim(rest.substr(kPar.size(), gt - kPar.size())));
+    rest = rest.substr(gt + 1);
+    const size_t vend = rest.find(kParEnd);
+    if (key.empty() || vend == std::string_view::npos) return std::nullopt;
+    std::string_view v = rest.substr(0, vend);
+    if (v.starts_with('\n')) v.remove_prefix(1);
+    if (v.ends_with('\n')) v.remove_suffix(1);
+    const Json* schema = nullptr;
+    if (props)
+      if (const auto s = props->find(key); s != props->end()) schema = &*s;
+    args[key] = coder_value(v, schema);
+    rest = rest.substr(vend + kParEnd.size());
+  }
+  return ToolCall{call_id(), name, args.dump()};
+}
+
 // Harmony's markers (special tokens of GPT-OSS's tokenizer, kept in the text it parses).
 constexpr std::string_view kMessage = "<|message|>", kChannel = "<|channel|>";
 constexpr std::string_view kBodyEnds[] = {"<|end|>", "<|call|>", "<|return|>", "<|start|>"};
@@ -132,10 +207,11 @@ ToolParser parse_tool_parser(std::string_view name) {
   if (name == "hermes" || name == "qwen" || name == "qwen3") return ToolParser::Hermes;
   if (name == "llama3_json" || name == "llama3" || name == "llama4_json") return ToolParser::Llama3Json;
   if (name == "harmony" || name == "openai" || name == "gpt_oss") return ToolParser::Harmony;
+  if (name == "qwen3_coder" || name == "qwen3_xml") return ToolParser::Qwen3Coder;
   if (name == "none") return ToolParser::None;
   throw Error("--tool-call-parser '" + std::string(name) +
-              "' is not one kvlm has; valid: hermes (Hermes, Qwen 2.5, Qwen 3), llama3_json (Llama 3.1, 3.2), "
-              "harmony (GPT-OSS; vLLM's openai), none");
+              "' is not one kvlm has; valid: hermes (Hermes, Qwen 2.5, Qwen 3), qwen3_coder (Qwen3-Coder, Qwen3.5), "
+              "llama3_json (Llama 3.1, 3.2), harmony (GPT-OSS; vLLM's openai), none");
 }
 
 std::string_view tool_parser_name(ToolParser p) {
@@ -143,6 +219,7 @@ std::string_view tool_parser_name(ToolParser p) {
     case ToolParser::Hermes: return "hermes";
     case ToolParser::Llama3Json: return "llama3_json";
     case ToolParser::Harmony: return "harmony";
+    case ToolParser::Qwen3Coder: return "qwen3_coder";
     default: return "none";
   }
 }
@@ -150,24 +227,26 @@ std::string_view tool_parser_name(ToolParser p) {
 ToolParser detect_tool_parser(std::string_view tpl) {
   if (tpl.find("<|channel|>") != std::string_view::npos && tpl.find("<|message|>") != std::string_view::npos)
     return ToolParser::Harmony;
+  if (tpl.find("<function=") != std::string_view::npos && tpl.find("<parameter=") != std::string_view::npos)
+    return ToolParser::Qwen3Coder;
   if (tpl.find("<tool_call>") != std::string_view::npos) return ToolParser::Hermes;
   if (tpl.find("\"parameters\"") != std::string_view::npos && tpl.find("ipython") != std::string_view::npos)
     return ToolParser::Llama3Json;
   return ToolParser::None;
 }
 
-ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text) {
+ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text, const Json* tools) {
   ExtractedCalls out;
   if (p == ToolParser::Llama3Json) {
     if (auto calls = llama_calls(text)) out.calls = std::move(*calls);
     else out.content = std::string(text);
     return out;
   }
-  if (p != ToolParser::Hermes && p != ToolParser::Harmony) {
+  if (p != ToolParser::Hermes && p != ToolParser::Harmony && p != ToolParser::Qwen3Coder) {
     out.content = std::string(text);
     return out;
   }
-  ToolCallStream s(p);
+  ToolCallStream s(p, tools);
   ToolCallStream::Out a = s.push(text), b = s.finish();
   out.content = a.content + b.content;
   out.reasoning = a.reasoning + b.reasoning;
@@ -269,7 +348,7 @@ ToolCallStream::Out ToolCallStream::push(std::string_view text) {
     }
     return out;
   }
-  if (p_ != ToolParser::Hermes) {
+  if (p_ != ToolParser::Hermes && p_ != ToolParser::Qwen3Coder) {
     out.content = std::move(pending_);
     pending_.clear();
     return out;
@@ -290,7 +369,7 @@ ToolCallStream::Out ToolCallStream::push(std::string_view text) {
     }
     const size_t end = pending_.find(kClose);
     if (end == std::string::npos) break;
-    if (auto call = call_of(trim(std::string_view(pending_).substr(0, end)))) {
+    if (auto call = block_call(std::string_view(pending_).substr(0, end))) {
       out.calls.push_back(std::move(*call));
       ++calls_;
     } else {
@@ -327,7 +406,7 @@ ToolCallStream::Out ToolCallStream::finish() {
   }
   if (in_call_) {
     // The reply ended inside a call (EOS before </tool_call>): a call if the JSON is whole.
-    if (auto call = call_of(trim(pending_))) {
+    if (auto call = block_call(pending_)) {
       out.calls.push_back(std::move(*call));
       ++calls_;
     } else {
@@ -342,6 +421,10 @@ ToolCallStream::Out ToolCallStream::finish() {
   return out;
 }
 
+std::optional<ToolCall> ToolCallStream::block_call(std::string_view body) const {
+  return p_ == ToolParser::Qwen3Coder ? coder_call(body, tools_) : call_of(trim(body));
+}
+
 ForcedCall harmony_forced_call(const Json& tool) {
   const Json& fn = tool.at("function");
   const std::string name = fn.at("name").get<std::string>();
@@ -353,6 +436,53 @@ ForcedCall harmony_forced_call(const Json& tool) {
     throw Error("the tool '" + name + "' parameters: " + e.what());
   }
 }
+
+namespace {
+
+// One qwen3_coder call of `name` whose arguments follow `params`: each property in the
+// schema's order (the required ones always, the others optionally) as <parameter=KEY>, a
+// string's value free text up to </parameter>, any other value the JSON its schema allows.
+// A string's other constraints (enum, pattern, lengths) are not enforced: the format writes
+// strings unquoted, and the JSON-schema grammars describe quoted ones. (Left for the serving
+// issue; a schema that needs them is better forced in another format.)
+grammar::Sequence coder_call_grammar(grammar::Grammar& g, const std::string& name, const Json& params,
+                                     const std::string& prefix) {
+  using grammar::Grammar;
+  using grammar::Sequence;
+  using grammar::Symbol;
+  Sequence body;
+  Grammar::append_literal(body, "<tool_call>\n<function=" + name + ">\n");
+  const auto props = params.find("properties");
+  std::vector<std::string> required;
+  if (const auto r = params.find("required"); r != params.end() && r->is_array())
+    for (const Json& k : *r)
+      if (k.is_string()) required.push_back(k.get<std::string>());
+  if (props != params.end() && props->is_object())
+    for (const auto& [key, schema] : props->items()) {
+      Sequence one;
+      Grammar::append_literal(one, "<parameter=" + key + ">\n");
+      Sequence close;
+      Grammar::append_literal(close, "\n</parameter>\n");
+      if (schema.is_object() && schema.value("type", Json()) == "string") {
+        Sequence nl;  // the value runs to </parameter>; its last newline is the format's
+        Grammar::append_literal(nl, "\n");
+        one.push_back(Symbol::ref(g.add_text_until("</parameter>", nl, prefix + key + "-text")));
+      } else {
+        try {
+          one.push_back(Symbol::ref(g.embed(grammar::json_schema_grammar(schema), prefix + key + "-")));
+        } catch (const Error& e) {
+          throw Error("tool '" + name + "' parameter '" + key + "': " + e.what());
+        }
+        one.insert(one.end(), close.begin(), close.end());
+      }
+      const bool needed = std::ranges::find(required, key) != required.end();
+      g.append_repeat(body, one, needed ? 1 : 0, 1, prefix + key);
+    }
+  Grammar::append_literal(body, "</function>\n</tool_call>");
+  return body;
+}
+
+}  // namespace
 
 grammar::Grammar tool_call_grammar(ToolParser p, const Json& tools, bool parallel) {
   using grammar::Grammar;
@@ -369,6 +499,10 @@ grammar::Grammar tool_call_grammar(ToolParser p, const Json& tools, bool paralle
     const Json& fn = tools[i].at("function");
     const std::string name = fn.at("name").get<std::string>();
     Json params = fn.contains("parameters") && !fn["parameters"].is_null() ? fn["parameters"] : Json{{"type", "object"}};
+    if (p == ToolParser::Qwen3Coder) {
+      g.add_alt(call, coder_call_grammar(g, name, params, "t" + std::to_string(i) + "-"));
+      continue;
+    }
     uint32_t args;
     try {
       args = g.embed(grammar::json_schema_grammar(params), "t" + std::to_string(i) + "-");
@@ -398,7 +532,7 @@ grammar::Grammar tool_call_grammar(ToolParser p, const Json& tools, bool paralle
   Sequence r{Symbol::ref(call)};
   if (parallel) {
     Sequence more;
-    Grammar::append_literal(more, p == ToolParser::Hermes ? "\n" : "; ");
+    Grammar::append_literal(more, p == ToolParser::Llama3Json ? "; " : "\n");
     more.push_back(Symbol::ref(call));
     g.append_repeat(r, more, 0, 7, "calls");  // at most 8 calls in one reply
   }

@@ -4,6 +4,10 @@
 // --tool-call-parser as in vLLM or found in the chat template:
 //   hermes       Hermes / Qwen 2.5 / Qwen 3: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>,
 //                one block per call, text around them is content;
+//   qwen3_coder  Qwen3-Coder / Qwen3.5: the same blocks around XML, <function=NAME> then
+//                <parameter=KEY>\nVALUE\n</parameter> per argument and </function>; a value is
+//                typed by the tool's parameters schema (a string as written, other types read
+//                as JSON; without a schema, JSON where it parses);
 //   llama3_json  Llama 3.1 / 3.2: the whole reply is {"name": ..., "parameters": {...}}
 //                (optionally after <|python_tag|>), calls separated by ";";
 //   harmony      GPT-OSS: messages <|channel|>CHANNEL[ to=functions.NAME][ <|constrain|>json]
@@ -27,12 +31,12 @@
 
 namespace kvlm::server {
 
-enum class ToolParser { None, Hermes, Llama3Json, Harmony };
+enum class ToolParser { None, Hermes, Llama3Json, Harmony, Qwen3Coder };
 
 // Whether the format carries reasoning apart from the answer (every reply is parsed).
 inline bool parses_every_reply(ToolParser p) { return p == ToolParser::Harmony; }
 
-// "hermes", "llama3_json" (vLLM's names; "qwen" and "llama3" are accepted too); throws
+// "hermes", "llama3_json", "qwen3_coder", "harmony" (vLLM's names; "qwen" and "llama3" are accepted too); throws
 // kvlm::Error naming the valid values.
 ToolParser parse_tool_parser(std::string_view name);
 std::string_view tool_parser_name(ToolParser p);
@@ -51,13 +55,15 @@ struct ExtractedCalls {
   std::vector<ToolCall> calls;
   std::string reasoning;       // harmony's analysis channel
 };
-ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text);
+// `tools`: the request's tools (qwen3_coder types its values by their schemas), or null.
+ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text, const nlohmann::ordered_json* tools = nullptr);
 
 // The same while streaming: text in, content and completed calls out. Text that may begin a
 // call is held back until it is known (a call is sent whole, in one delta, once parsed).
 class ToolCallStream {
  public:
-  explicit ToolCallStream(ToolParser p) : p_(p) {}
+  explicit ToolCallStream(ToolParser p, const nlohmann::ordered_json* tools = nullptr)
+      : p_(p), tools_(tools ? *tools : nlohmann::ordered_json()) {}
   struct Out {
     std::string content;
     std::vector<ToolCall> calls;
@@ -69,8 +75,11 @@ class ToolCallStream {
 
  private:
   Out push_harmony(bool end);
+  // The call a <tool_call> block's body holds (hermes: JSON, qwen3_coder: XML), if any.
+  std::optional<ToolCall> block_call(std::string_view body) const;
 
   ToolParser p_;
+  nlohmann::ordered_json tools_;  // qwen3_coder: the request's tools, for their schemas
   std::string pending_;
   bool in_call_ = false;
   bool decided_ = false;  // llama3_json: whether the reply is a call (starts with '{')

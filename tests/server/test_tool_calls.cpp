@@ -160,6 +160,73 @@ const char* kTools = R"([
   {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}])";
 
+// Qwen3-Coder / Qwen3.5's XML calls: values typed by the tools' schemas, streamed the same.
+TEST(ToolCalls, Qwen3CoderCallsAreTypedByTheSchemas) {
+  const Json tools = Json::parse(R"([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+      "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"},
+      "opts": {"type": "object"}, "tags": {"type": ["array", "null"]}}}}}])");
+  const std::string text =
+      "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\nCity\n</parameter>\n"
+      "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n01234\n</parameter>\n"
+      "<parameter=opts>\n{\"metric\": true}\n</parameter>\n<parameter=tags>\nnull\n</parameter>\n"
+      "</function>\n</tool_call>";
+  const ExtractedCalls x = kvlm::server::extract_tool_calls(ToolParser::Qwen3Coder, text, &tools);
+  ASSERT_EQ(x.calls.size(), 1u);
+  EXPECT_EQ(x.calls[0].name, "get_weather");
+  EXPECT_EQ(Json::parse(x.calls[0].arguments),
+            Json::parse(R"({"city": "New York\nCity", "days": 3, "zip": "01234", "opts": {"metric": true}, "tags": null})"));
+  EXPECT_EQ(x.content, "Let me check.");
+  // Without the schemas a value is JSON where it parses.
+  const ExtractedCalls u = kvlm::server::extract_tool_calls(ToolParser::Qwen3Coder, text);
+  ASSERT_EQ(u.calls.size(), 1u);
+  EXPECT_EQ(Json::parse(u.calls[0].arguments)["days"], 3);
+  EXPECT_EQ(Json::parse(u.calls[0].arguments)["city"], "New York\nCity");
+  expect_stream_equals_whole(ToolParser::Qwen3Coder, text);
+  expect_stream_equals_whole(ToolParser::Qwen3Coder, text + "\n" + text);
+  // Not a call: text, unchanged.
+  for (const std::string bad : {"<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",
+                                "<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "<tool_call><function=>\n</function></tool_call>"}) {
+    const ExtractedCalls b = kvlm::server::extract_tool_calls(ToolParser::Qwen3Coder, bad, &tools);
+    EXPECT_TRUE(b.calls.empty()) << bad;
+    EXPECT_EQ(b.content, bad);
+  }
+  EXPECT_EQ(kvlm::server::parse_tool_parser("qwen3_coder"), ToolParser::Qwen3Coder);
+  EXPECT_EQ(kvlm::server::detect_tool_parser(
+                "{{- '<tool_call>\\n<function=' + tc.name + '>\\n' }}{{- '<parameter=' + k + '>\\n' }}"),
+            ToolParser::Qwen3Coder);
+
+  // Forced calls: the grammar writes the format, values as their schemas say.
+  ModelInfo m = info();
+  m.tool_parser = ToolParser::Qwen3Coder;
+  const auto r = parse_chat_request(J(std::string(R"({"messages": [{"role": "user", "content": "x"}], "tools": )") +
+                                      kTools + R"(, "tool_choice": "required"})"),
+                                    m, {});
+  ASSERT_TRUE(r.gen.grammar);
+  auto vocab = std::make_shared<const kvlm::grammar::TokenVocab>(std::vector<std::string>{"x"});
+  const auto accepts = [&](const std::string& t) {
+    kvlm::grammar::Constraint c(std::make_shared<const kvlm::grammar::CompiledGrammar>(*r.gen.grammar, vocab));
+    return c.accept_text(t) && c.can_end();
+  };
+  const std::string w = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <3\n</parameter>\n"
+                        "</function>\n</tool_call>";
+  const std::string add = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n-2\n</parameter>\n"
+                          "</function>\n</tool_call>";
+  EXPECT_TRUE(accepts(w));
+  EXPECT_TRUE(accepts(add));
+  EXPECT_TRUE(accepts(w + "\n" + add));  // parallel calls
+  EXPECT_TRUE(accepts("<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n<parameter=unit>\n\"C\"\n"
+                      "</parameter>\n</function>\n</tool_call>"));
+  EXPECT_FALSE(accepts("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"));  // b
+  EXPECT_FALSE(accepts("<tool_call>\n<function=add>\n<parameter=a>\none\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
+                       "</function>\n</tool_call>"));
+  EXPECT_FALSE(accepts("Sure."));
+  const ExtractedCalls fx = kvlm::server::extract_tool_calls(ToolParser::Qwen3Coder, w + "\n" + add, r.gen.tools.get());
+  ASSERT_EQ(fx.calls.size(), 2u);
+  EXPECT_EQ(fx.calls[0].arguments, R"({"city":"Paris <3"})");
+  EXPECT_EQ(fx.calls[1].arguments, R"({"a":1,"b":-2})");
+}
+
 TEST(ToolCalls, ChatRequestsWithTools) {
   ModelInfo m = info();
   m.tool_parser = ToolParser::Hermes;

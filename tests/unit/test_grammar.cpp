@@ -62,6 +62,34 @@ ws   ::= [ \t\n]*
   EXPECT_FALSE(judge(g, "[1,,").prefix);
 }
 
+// add_text_until: any text without the tag, the tag, then what follows — also for a tag that
+// overlaps itself, where a naive "restart on mismatch" automaton would miss "aabab".
+TEST(Grammar, TextUntilATag) {
+  for (const std::string tag : {"</p>", "abab", "aab"}) {
+    Grammar g;
+    const uint32_t root = g.add_rule("root");
+    Sequence then;
+    Grammar::append_literal(then, "!");
+    g.add_alt(root, {Symbol::ref(g.add_text_until(tag, then, "until"))});
+    g.set_root(root);
+    g.validate();
+    EXPECT_TRUE(matches(g, tag + "!")) << tag;
+    EXPECT_TRUE(matches(g, "x y z " + tag + "!")) << tag;
+    EXPECT_TRUE(matches(g, tag.substr(0, 1) + tag + "!")) << tag;  // the tag's start just before it
+    EXPECT_TRUE(matches(g, tag.substr(0, tag.size() - 1) + "x" + tag + "!")) << tag;
+    EXPECT_FALSE(matches(g, "text!")) << tag;
+    EXPECT_FALSE(matches(g, tag + tag + "!")) << tag;  // the first tag ends the text
+    EXPECT_FALSE(matches(g, "x" + tag)) << tag;
+  }
+  Grammar g;
+  const uint32_t root = g.add_rule("root");
+  g.add_alt(root, {Symbol::ref(g.add_text_until("abab", {Symbol::ch('!')}, "until"))});
+  g.set_root(root);
+  EXPECT_TRUE(matches(g, "aabab!"));
+  EXPECT_TRUE(matches(g, "abaabab!"));
+  EXPECT_FALSE(matches(g, "ababab!"));  // "abab" already ended at the 4th character
+}
+
 TEST(Grammar, GbnfMultiLineAlternativesAndDot) {
   const Grammar g = parse_gbnf("root ::= \"a\"\n  | \"b\" rest\nrest ::= . .\n");
   EXPECT_TRUE(matches(g, "a"));

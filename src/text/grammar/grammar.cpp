@@ -73,6 +73,40 @@ void Grammar::append_group(Sequence& s, std::vector<Sequence> alts, std::string_
   s.push_back(Symbol::ref(r));
 }
 
+uint32_t Grammar::add_text_until(std::string_view tag, const Sequence& then, std::string_view hint) {
+  KVLM_CHECK(!tag.empty(), "add_text_until: empty tag");
+  for (char c : tag) KVLM_CHECK(uint8_t(c) < 0x80, "add_text_until: the tag must be ASCII");
+  const size_t n = tag.size();
+  // fail[i]: the longest proper border of tag[0, i).
+  std::vector<size_t> fail(n + 1, 0);
+  for (size_t i = 1; i < n; ++i) {
+    size_t k = fail[i];
+    while (k > 0 && tag[i] != tag[k]) k = fail[k];
+    fail[i + 1] = tag[i] == tag[k] ? k + 1 : 0;
+  }
+  const auto next = [&](size_t i, char c) {  // matched i characters, read c
+    while (i > 0 && tag[i] != c) i = fail[i];
+    return tag[i] == c ? i + 1 : 0;
+  };
+  std::vector<uint32_t> q;
+  for (size_t i = 0; i < n; ++i) q.push_back(add_rule(std::string(hint) + "-" + std::to_string(i)));
+  const uint32_t done = add_rule(std::string(hint) + "-after");
+  add_alt(done, then);
+  std::string chars;  // the tag's distinct characters
+  for (char c : tag)
+    if (chars.find(c) == std::string::npos) chars += c;
+  std::vector<CharRange> in_tag;
+  for (char c : chars) in_tag.push_back({uint32_t(uint8_t(c)), uint32_t(uint8_t(c))});
+  for (size_t i = 0; i < n; ++i) {
+    for (char c : chars) {
+      const size_t j = next(i, c);
+      add_alt(q[i], {Symbol::ch(uint8_t(c)), Symbol::ref(j == n ? done : q[j])});
+    }
+    add_alt(q[i], {Symbol::chars(in_tag, /*negated=*/true), Symbol::ref(q[0])});
+  }
+  return q[0];
+}
+
 void Grammar::append_repeat(Sequence& s, const Sequence& item, int min, int max, std::string_view hint) {
   KVLM_CHECK(min >= 0 && (max < 0 || max >= min), "append_repeat: bad bounds");
   if (max == 0) return;

@@ -66,6 +66,10 @@ class Grammar {
   void append_repeat(Sequence& s, const Sequence& item, int min, int max, std::string_view hint);
   // A rule with the given alternatives, referenced from `s`.
   void append_group(Sequence& s, std::vector<Sequence> alts, std::string_view hint);
+  // Any text that does not contain `tag` (ASCII), then the tag, then `then`: the tag's
+  // matching automaton (Knuth-Morris-Pratt) as one rule per state, so a reasoning block or
+  // an XML value is free text up to its closing tag. Returns the start rule.
+  uint32_t add_text_until(std::string_view tag, const Sequence& then, std::string_view hint);
 
   // Copies `other`'s rules into this grammar (names prefixed) and returns the rule its root
   // became: grammars built separately (a tool's arguments schema) compose into one.
