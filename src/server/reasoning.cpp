@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "server/tool_calls.h"  // partial_tag
 
 namespace kvlm::server {
 
@@ -11,13 +12,6 @@ namespace {
 constexpr std::string_view kOpen = "<think>", kClose = "</think>";
 
 bool space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
-
-// The longest suffix of `s` that is a proper prefix of `tag` (it may yet become the tag).
-size_t partial_tag(std::string_view s, std::string_view tag) {
-  for (size_t n = std::min(s.size(), tag.size() - 1); n > 0; --n)
-    if (s.substr(s.size() - n) == tag.substr(0, n)) return n;
-  return 0;
-}
 
 }  // namespace
 

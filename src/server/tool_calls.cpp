@@ -194,14 +194,14 @@ std::string header_word(std::string_view header, std::string_view key) {
   return std::string(rest.substr(0, std::min(rest.find(' '), rest.find('<'))));
 }
 
-// The length of the longest suffix of `s` that is a proper prefix of `tag`.
+
+}  // namespace
+
 size_t partial_tag(std::string_view s, std::string_view tag) {
   for (size_t n = std::min(s.size(), tag.size() - 1); n > 0; --n)
     if (s.substr(s.size() - n) == tag.substr(0, n)) return n;
   return 0;
 }
-
-}  // namespace
 
 ToolParser parse_tool_parser(std::string_view name) {
   if (name == "hermes" || name == "qwen" || name == "qwen3") return ToolParser::Hermes;

@@ -33,6 +33,10 @@ namespace kvlm::server {
 
 enum class ToolParser { None, Hermes, Llama3Json, Harmony, Qwen3Coder };
 
+// The length of the longest suffix of `s` that is a proper prefix of `tag`: text a streaming
+// parser holds back because it may yet become the tag.
+size_t partial_tag(std::string_view s, std::string_view tag);
+
 // Whether the format carries reasoning apart from the answer (every reply is parsed).
 inline bool parses_every_reply(ToolParser p) { return p == ToolParser::Harmony; }
 

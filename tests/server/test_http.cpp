@@ -518,25 +518,24 @@ TEST(GrammarCacheTest, FailedCompilesAreNotKeptAndTheBudgetHolds) {
 // and not, the markers never in the text.
 class HarmonyTest : public HttpTest {
  protected:
-  void start_with(const std::string& reply) {
-    dir_ = std::filesystem::temp_directory_path() / ("kvlm-harmony-" + std::to_string(::getpid()));
+  // The tiny model with `tokens` added to its tokenizer (special or not), `chat_template`, and
+  // a scripted engine that replies `reply`; the server ready with these parsers.
+  void start_tiny(const std::string& reply, std::initializer_list<const char*> tokens, bool special,
+                  const std::string& chat_template, ToolParser tools, ReasoningParser reasoning) {
+    dir_ = std::filesystem::temp_directory_path() / ("kvlm-parsers-" + std::to_string(::getpid()));
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
     for (const char* f : {"config.json", "generation_config.json", "model.safetensors"})
       std::filesystem::copy_file(kTinyChat / f, dir_ / f);
     Json tok = Json::parse(std::ifstream(kTinyChat / "tokenizer.json"));
     int id = int(tok["model"]["vocab"].size()) + int(tok["added_tokens"].size());
-    for (const char* m : {"<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"})
+    for (const char* m : tokens)
       tok["added_tokens"].push_back(Json{{"id", id++}, {"content", m}, {"single_word", false}, {"lstrip", false},
-                                         {"rstrip", false}, {"normalized", false}, {"special", true}});
+                                         {"rstrip", false}, {"normalized", false}, {"special", special}});
     std::ofstream(dir_ / "tokenizer.json") << tok.dump();
     Json cfg = Json::parse(std::ifstream(kTinyChat / "tokenizer_config.json"));
     cfg.erase("added_tokens_decoder");
-    cfg["chat_template"] =
-        "{%- if tools %}<|start|>developer<|message|># Tools{% for t in tools %} {{ t.function.name }}{% endfor %}"
-        "<|end|>{%- endif %}{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
-        "<|message|>{{ m.content }}<|end|>{%- endfor %}"
-        "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}";
+    cfg["chat_template"] = chat_template;
     std::ofstream(dir_ / "tokenizer_config.json") << cfg.dump();
     text_.emplace(TextProcessor::load(dir_));
     const auto script = text_->tokenizer().encode(reply, {.add_special_tokens = false});
@@ -544,7 +543,16 @@ class HarmonyTest : public HttpTest {
     server_ = std::make_unique<HttpServer>(ServerOptions{.port = 0});
     port_ = server_->bind();
     server_->start();
-    ready(detect_tool_parser(*text_->config().chat_template));
+    ready(tools, reasoning);
+  }
+  void start_with(const std::string& reply) {
+    const std::string tpl =
+        "{%- if tools %}<|start|>developer<|message|># Tools{% for t in tools %} {{ t.function.name }}{% endfor %}"
+        "<|end|>{%- endif %}{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+        "<|message|>{{ m.content }}<|end|>{%- endfor %}"
+        "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}";
+    start_tiny(reply, {"<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"},
+               /*special=*/true, tpl, detect_tool_parser(tpl), ReasoningParser::None);
   }
   void TearDown() override {
     HttpTest::TearDown();
@@ -680,32 +688,12 @@ TEST_F(HarmonyTest, ForcedCallsWriteTheHeaderForTheModel) {
 class ThinkTest : public HarmonyTest {
  protected:
   void start_with(const std::string& reply, ToolParser tools = ToolParser::None) {
-    dir_ = std::filesystem::temp_directory_path() / ("kvlm-think-" + std::to_string(::getpid()));
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-    for (const char* f : {"config.json", "generation_config.json", "model.safetensors"})
-      std::filesystem::copy_file(kTinyChat / f, dir_ / f);
-    Json tok = Json::parse(std::ifstream(kTinyChat / "tokenizer.json"));
-    int id = int(tok["model"]["vocab"].size()) + int(tok["added_tokens"].size());
-    for (const char* m : {"<think>", "</think>"})
-      tok["added_tokens"].push_back(Json{{"id", id++}, {"content", m}, {"single_word", false}, {"lstrip", false},
-                                         {"rstrip", false}, {"normalized", false}, {"special", false}});
-    std::ofstream(dir_ / "tokenizer.json") << tok.dump();
-    Json cfg = Json::parse(std::ifstream(kTinyChat / "tokenizer_config.json"));
-    cfg.erase("added_tokens_decoder");
-    cfg["chat_template"] =
-        "{%- if tools %}[tools]{% for t in tools %} {{ t.function.name }}{% endfor %}\n{%- endif %}"
-        "{%- for m in messages %}[{{ m.role }}] {{ m.content }}\n{%- endfor %}"
-        "{%- if add_generation_prompt %}[assistant] {%- if enable_thinking is defined and enable_thinking is false %}"
-        "<think>\n\n</think>\n\n{%- elif open_think is defined and open_think %}<think>\n{%- endif %}{%- endif %}";
-    std::ofstream(dir_ / "tokenizer_config.json") << cfg.dump();
-    text_.emplace(TextProcessor::load(dir_));
-    const auto script = text_->tokenizer().encode(reply, {.add_special_tokens = false});
-    engine_ = std::make_unique<FakeEngine>(script, 1ms, /*stop_at_end=*/true);
-    server_ = std::make_unique<HttpServer>(ServerOptions{.port = 0});
-    port_ = server_->bind();
-    server_->start();
-    ready(tools, ReasoningParser::ThinkTags);
+    start_tiny(reply, {"<think>", "</think>"}, /*special=*/false,
+               "{%- if tools %}[tools]{% for t in tools %} {{ t.function.name }}{% endfor %}\n{%- endif %}"
+               "{%- for m in messages %}[{{ m.role }}] {{ m.content }}\n{%- endfor %}"
+               "{%- if add_generation_prompt %}[assistant] {%- if enable_thinking is defined and enable_thinking is false %}"
+               "<think>\n\n</think>\n\n{%- elif open_think is defined and open_think %}<think>\n{%- endif %}{%- endif %}",
+               tools, ReasoningParser::ThinkTags);
   }
   // The reply to `req` whole and streamed: reasoning_content (absent: "-") and content.
   void expect_reply(const std::string& req, const std::string& reasoning, const std::string& content) {

@@ -62,6 +62,22 @@ def check(cond, what):
         print("FAIL:", what, flush=True)
 
 
+def streamed_calls(stream):
+    """The tool calls a stream's deltas build ({index: {id, name, arguments}}) and its finish reason."""
+    calls, reason = {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            c["id"] = tc.id or c["id"]
+            if tc.function:
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return calls, reason
+
+
 def valid_call(call, allowed):
     check(call.type == "function", f"call type {call.type}")
     check(call.id.startswith("call_"), f"call id {call.id}")
@@ -98,18 +114,7 @@ for seed in range(6):
 # --- streaming: the deltas build the same kind of calls ---------------------------------
 stream = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice="required", stream=True,
                                         temperature=1.0, seed=3, max_tokens=1500)
-calls, reason = {}, None
-for chunk in stream:
-    if not chunk.choices:
-        continue
-    d = chunk.choices[0].delta
-    for tc in d.tool_calls or []:
-        c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-        c["id"] = tc.id or c["id"]
-        if tc.function:
-            c["name"] += tc.function.name or ""
-            c["arguments"] += tc.function.arguments or ""
-    reason = chunk.choices[0].finish_reason or reason
+calls, reason = streamed_calls(stream)
 check(reason == "tool_calls", f"stream: finish_reason {reason}")
 check(len(calls) >= 1, "stream: no tool-call deltas")
 for c in calls.values():
@@ -188,16 +193,7 @@ for call in r.choices[0].message.tool_calls or []:
     valid_call(call, [t["function"]["name"] for t in TOOLS])
 stream = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, stream=True, temperature=1.0, seed=3,
                                         tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=1500)
-calls, reason = {}, None
-for chunk in stream:
-    if not chunk.choices:
-        continue
-    for tc in chunk.choices[0].delta.tool_calls or []:
-        c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-        if tc.function:
-            c["name"] += tc.function.name or ""
-            c["arguments"] += tc.function.arguments or ""
-    reason = chunk.choices[0].finish_reason or reason
+calls, reason = streamed_calls(stream)
 check(reason == "tool_calls" and [c["name"] for c in calls.values()] == ["add"], f"named without a format: {reason} {calls}")
 for c in calls.values():
     jsonschema.validate(json.loads(c["arguments"]), SCHEMAS["add"])
@@ -230,16 +226,7 @@ for call in r.choices[0].message.tool_calls or []:
     valid_call(call, ["get_weather"])
 stream = client.chat.completions.create(model="tiny", messages=user, tools=TOOLS, tool_choice=named, stream=True,
                                         temperature=1.0, seed=5, max_tokens=200)
-calls, reason = {}, None
-for chunk in stream:
-    if not chunk.choices:
-        continue
-    for tc in chunk.choices[0].delta.tool_calls or []:
-        c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-        if tc.function:
-            c["name"] += tc.function.name or ""
-            c["arguments"] += tc.function.arguments or ""
-    reason = chunk.choices[0].finish_reason or reason
+calls, reason = streamed_calls(stream)
 check(reason == "tool_calls" and [c["name"] for c in calls.values()] == ["add"], f"harmony stream: {reason} {calls}")
 for c in calls.values():
     if c["name"] == "add":
