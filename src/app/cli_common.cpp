@@ -225,8 +225,8 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
       ->capture_default_str();
   cmd.add_option("--tool-call-parser", tool_call_parser,
                  "the format the model writes tool calls in: hermes (Hermes, Qwen 2.5, Qwen 3), qwen3_coder (Qwen3-Coder, "
-                 "Qwen3.5: XML), llama3_json (Llama 3.1, 3.2), harmony (GPT-OSS: also its reasoning), none (default: found "
-                 "in the chat template)");
+                 "Qwen3.5: XML), llama3_json (Llama 3.1, 3.2), pythonic (Llama 3.2, 4), harmony (GPT-OSS: also its "
+                 "reasoning), none (default: found in the chat template)");
   cmd.add_option("--reasoning-parser", reasoning_parser,
                  "return a thinking model's reasoning as reasoning_content, apart from the answer: qwen3 or deepseek_r1 "
                  "(<think> ... </think>; where the reply starts is read from the prompt), gpt_oss (harmony, which "

@@ -657,6 +657,8 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
     r.gen.grammar_key = "harmony call\n" + chosen.dump();
     return;
   }
+  // Pythonic calls have no grammar of their own: a forced one is written as a plain JSON call.
+  if (r.gen.tool_parser == ToolParser::Pythonic) r.gen.tool_parser = ToolParser::Llama3Json;
   try {
     r.gen.grammar = std::make_shared<const grammar::Grammar>(tool_call_grammar(r.gen.tool_parser, chosen, parallel && choice == "required"));
   } catch (const Error& e) {

@@ -1,6 +1,8 @@
 #include "server/tool_calls.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cstring>
 #include <random>
 
 #include "core/error.h"
@@ -165,6 +167,181 @@ std::optional<ToolCall> coder_call(std::string_view body, const Json& tools) {
   return ToolCall{call_id(), name, args.dump()};
 }
 
+// Pythonic calls: [NAME(KEY=VALUE, ...), ...], VALUE a Python literal (str, int, float,
+// True / False / None, list, tuple, dict) or JSON's true / false / null. A recursive-descent
+// reader over the text; nullopt when the text is anything else.
+class PythonicReader {
+ public:
+  explicit PythonicReader(std::string_view t) : t_(t) {}
+  std::optional<std::vector<ToolCall>> calls() {
+    std::vector<ToolCall> out;
+    if (!eat('[')) return std::nullopt;
+    if (!eat(']')) {
+      do {
+        auto c = call();
+        if (!c) return std::nullopt;
+        out.push_back(std::move(*c));
+      } while (eat(','));
+      if (!eat(']')) return std::nullopt;
+    }
+    skip();
+    if (i_ != t_.size() || out.empty()) return std::nullopt;
+    return out;
+  }
+
+ private:
+  void skip() {
+    while (i_ < t_.size() && (t_[i_] == ' ' || t_[i_] == '\n' || t_[i_] == '\t' || t_[i_] == '\r')) ++i_;
+  }
+  bool eat(char c) {
+    skip();
+    if (i_ < t_.size() && t_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  std::string ident() {
+    skip();
+    const size_t b = i_;
+    while (i_ < t_.size() && (std::isalnum(uint8_t(t_[i_])) || t_[i_] == '_' || (i_ > b && t_[i_] == '.'))) ++i_;
+    if (i_ > b && std::isdigit(uint8_t(t_[b]))) i_ = b;
+    return std::string(t_.substr(b, i_ - b));
+  }
+  std::optional<ToolCall> call() {
+    const std::string name = ident();
+    if (name.empty() || !eat('(')) return std::nullopt;
+    Json args = Json::object();
+    if (!eat(')')) {
+      do {
+        skip();
+        if (i_ < t_.size() && t_[i_] == ')') break;  // a trailing comma
+        const std::string key = ident();
+        if (key.empty() || !eat('=')) return std::nullopt;
+        auto v = value(0);
+        if (!v) return std::nullopt;
+        args[key] = std::move(*v);
+      } while (eat(','));
+      if (!eat(')')) return std::nullopt;
+    }
+    return ToolCall{call_id(), name, args.dump()};
+  }
+  std::optional<Json> value(int depth) {
+    if (depth > 64) return std::nullopt;
+    skip();
+    if (i_ >= t_.size()) return std::nullopt;
+    const char c = t_[i_];
+    if (c == '"' || c == '\'') return str();
+    if (c == '[' || c == '(') {
+      const char close = c == '[' ? ']' : ')';
+      ++i_;
+      Json a = Json::array();
+      if (eat(close)) return a;
+      do {
+        skip();
+        if (i_ < t_.size() && t_[i_] == close) break;
+        auto v = value(depth + 1);
+        if (!v) return std::nullopt;
+        a.push_back(std::move(*v));
+      } while (eat(','));
+      if (!eat(close)) return std::nullopt;
+      return a;
+    }
+    if (c == '{') {
+      ++i_;
+      Json o = Json::object();
+      if (eat('}')) return o;
+      do {
+        skip();
+        if (i_ < t_.size() && t_[i_] == '}') break;
+        auto k = value(depth + 1);
+        if (!k || !k->is_string() || !eat(':')) return std::nullopt;
+        auto v = value(depth + 1);
+        if (!v) return std::nullopt;
+        o[k->get<std::string>()] = std::move(*v);
+      } while (eat(','));
+      if (!eat('}')) return std::nullopt;
+      return o;
+    }
+    const std::string word = ident();
+    if (word == "True" || word == "true") return Json(true);
+    if (word == "False" || word == "false") return Json(false);
+    if (word == "None" || word == "null") return Json(nullptr);
+    if (!word.empty()) return std::nullopt;
+    // A number: JSON's grammar (Python's literals beyond it — 0x, 1_000 — are not read).
+    const size_t b = i_;
+    while (i_ < t_.size() && std::strchr("+-0123456789.eE", t_[i_])) ++i_;
+    try {
+      return Json::parse(t_.substr(b, i_ - b));
+    } catch (const Json::parse_error&) {
+      return std::nullopt;
+    }
+  }
+  std::optional<Json> str() {
+    const char q = t_[i_++];
+    std::string s;
+    while (i_ < t_.size() && t_[i_] != q) {
+      char c = t_[i_++];
+      if (c == '\\') {
+        if (i_ >= t_.size()) return std::nullopt;
+        c = t_[i_++];
+        switch (c) {
+          case 'n': s += '\n'; break;
+          case 't': s += '\t'; break;
+          case 'r': s += '\r'; break;
+          case '0': s += '\0'; break;
+          case 'u': {  // \uXXXX (a BMP code point, as UTF-8)
+            if (i_ + 4 > t_.size()) return std::nullopt;
+            unsigned cp = 0;
+            for (int k = 0; k < 4; ++k) {
+              const char h = t_[i_++];
+              if (!std::isxdigit(uint8_t(h))) return std::nullopt;
+              cp = cp * 16 + unsigned(std::isdigit(uint8_t(h)) ? h - '0' : std::tolower(h) - 'a' + 10);
+            }
+            if (cp < 0x80) {
+              s += char(cp);
+            } else if (cp < 0x800) {
+              s += char(0xC0 | (cp >> 6));
+              s += char(0x80 | (cp & 0x3F));
+            } else {
+              s += char(0xE0 | (cp >> 12));
+              s += char(0x80 | ((cp >> 6) & 0x3F));
+              s += char(0x80 | (cp & 0x3F));
+            }
+            break;
+          }
+          default: s += c;  // \\ \' \" and anything else as itself
+        }
+      } else {
+        s += c;
+      }
+    }
+    if (i_ >= t_.size()) return std::nullopt;
+    ++i_;
+    return Json(std::move(s));
+  }
+
+  std::string_view t_;
+  size_t i_ = 0;
+};
+
+constexpr std::string_view kPythonStart = "<|python_start|>", kPythonEnd = "<|python_end|>";
+
+std::optional<std::vector<ToolCall>> pythonic_calls(std::string_view text) {
+  text = trim(text);
+  if (text.starts_with(kPythonStart)) {
+    text.remove_prefix(kPythonStart.size());
+    text = trim(text);
+    if (text.ends_with(kPythonEnd)) text.remove_suffix(kPythonEnd.size());
+  }
+  return PythonicReader(text).calls();
+}
+
+// Formats whose calls are the whole reply: the calls, or nullopt when the reply is an answer.
+std::optional<std::vector<ToolCall>> whole_reply_calls(ToolParser p, std::string_view text) {
+  return p == ToolParser::Pythonic ? pythonic_calls(text) : llama_calls(text);
+}
+
 // Harmony's markers (special tokens of GPT-OSS's tokenizer, kept in the text it parses).
 constexpr std::string_view kMessage = "<|message|>", kChannel = "<|channel|>";
 constexpr std::string_view kBodyEnds[] = {"<|end|>", "<|call|>", "<|return|>", "<|start|>"};
@@ -208,10 +385,11 @@ ToolParser parse_tool_parser(std::string_view name) {
   if (name == "llama3_json" || name == "llama3" || name == "llama4_json") return ToolParser::Llama3Json;
   if (name == "harmony" || name == "openai" || name == "gpt_oss") return ToolParser::Harmony;
   if (name == "qwen3_coder" || name == "qwen3_xml") return ToolParser::Qwen3Coder;
+  if (name == "pythonic" || name == "llama4_pythonic") return ToolParser::Pythonic;
   if (name == "none") return ToolParser::None;
   throw Error("--tool-call-parser '" + std::string(name) +
               "' is not one kvlm has; valid: hermes (Hermes, Qwen 2.5, Qwen 3), qwen3_coder (Qwen3-Coder, Qwen3.5), "
-              "llama3_json (Llama 3.1, 3.2), harmony (GPT-OSS; vLLM's openai), none");
+              "llama3_json (Llama 3.1, 3.2), pythonic (Llama 3.2, 4: [f(a=1)]), harmony (GPT-OSS; vLLM's openai), none");
 }
 
 std::string_view tool_parser_name(ToolParser p) {
@@ -220,6 +398,7 @@ std::string_view tool_parser_name(ToolParser p) {
     case ToolParser::Llama3Json: return "llama3_json";
     case ToolParser::Harmony: return "harmony";
     case ToolParser::Qwen3Coder: return "qwen3_coder";
+    case ToolParser::Pythonic: return "pythonic";
     default: return "none";
   }
 }
@@ -237,8 +416,8 @@ ToolParser detect_tool_parser(std::string_view tpl) {
 
 ExtractedCalls extract_tool_calls(ToolParser p, std::string_view text, const Json* tools) {
   ExtractedCalls out;
-  if (p == ToolParser::Llama3Json) {
-    if (auto calls = llama_calls(text)) out.calls = std::move(*calls);
+  if (p == ToolParser::Llama3Json || p == ToolParser::Pythonic) {
+    if (auto calls = whole_reply_calls(p, text)) out.calls = std::move(*calls);
     else out.content = std::string(text);
     return out;
   }
@@ -328,14 +507,16 @@ ToolCallStream::Out ToolCallStream::push(std::string_view text) {
   Out out;
   pending_ += text;
   if (p_ == ToolParser::Harmony) return push_harmony(false);
-  if (p_ == ToolParser::Llama3Json) {
-    // A reply is a call when it starts with '{' (or the python tag): held to the end.
+  if (p_ == ToolParser::Llama3Json || p_ == ToolParser::Pythonic) {
+    // A reply is a call when it starts with '{' (pythonic: '[') or the python tag: held to
+    // the end.
     if (!decided_) {
       const std::string_view t = trim(pending_);
       if (t.empty()) return out;
-      if (t.front() == '{' || t.starts_with(kPythonTag)) {
+      const std::string_view tag = p_ == ToolParser::Pythonic ? kPythonStart : kPythonTag;
+      if (t.front() == (p_ == ToolParser::Pythonic ? '[' : '{') || t.starts_with(tag)) {
         in_call_ = true;
-      } else if (!std::string_view(kPythonTag).starts_with(t)) {
+      } else if (!tag.starts_with(t)) {
         in_call_ = false;
       } else {
         return out;  // may still become the python tag
@@ -390,9 +571,9 @@ ToolCallStream::Out ToolCallStream::finish() {
     return out;
   }
   Out out;
-  if (p_ == ToolParser::Llama3Json) {
+  if (p_ == ToolParser::Llama3Json || p_ == ToolParser::Pythonic) {
     if (in_call_ || !decided_) {
-      if (auto calls = llama_calls(pending_)) {
+      if (auto calls = whole_reply_calls(p_, pending_)) {
         out.calls = std::move(*calls);
         calls_ += int(out.calls.size());
       } else {
@@ -488,7 +669,8 @@ grammar::Grammar tool_call_grammar(ToolParser p, const Json& tools, bool paralle
   using grammar::Grammar;
   using grammar::Sequence;
   using grammar::Symbol;
-  if (p == ToolParser::None) throw Error("no tool-call format to constrain to");
+  if (p == ToolParser::None || p == ToolParser::Pythonic)
+    throw Error(std::string("no grammar for the ") + (p == ToolParser::None ? "missing" : "pythonic") + " tool-call format");
   Grammar g;
   const uint32_t root = g.add_rule("root");
   const uint32_t call = g.add_rule("call");

@@ -10,6 +10,9 @@
 //                as JSON; without a schema, JSON where it parses);
 //   llama3_json  Llama 3.1 / 3.2: the whole reply is {"name": ..., "parameters": {...}}
 //                (optionally after <|python_tag|>), calls separated by ";";
+//   pythonic     Llama 3.2 / 4 and others: the whole reply is a Python list of calls with
+//                keyword arguments, [f(a=1, b="x"), g()] (optionally between <|python_start|>
+//                and <|python_end|>), values Python literals (JSON's true / false / null too);
 //   harmony      GPT-OSS: messages <|channel|>CHANNEL[ to=functions.NAME][ <|constrain|>json]
 //                <|message|>BODY<|end|> (<|call|> after a call; <|start|>assistant between
 //                messages): the analysis channel is reasoning, final is content, a
@@ -31,7 +34,7 @@
 
 namespace kvlm::server {
 
-enum class ToolParser { None, Hermes, Llama3Json, Harmony, Qwen3Coder };
+enum class ToolParser { None, Hermes, Llama3Json, Harmony, Qwen3Coder, Pythonic };
 
 // The length of the longest suffix of `s` that is a proper prefix of `tag`: text a streaming
 // parser holds back because it may yet become the tag.
@@ -40,7 +43,7 @@ size_t partial_tag(std::string_view s, std::string_view tag);
 // Whether the format carries reasoning apart from the answer (every reply is parsed).
 inline bool parses_every_reply(ToolParser p) { return p == ToolParser::Harmony; }
 
-// "hermes", "llama3_json", "qwen3_coder", "harmony" (vLLM's names; "qwen" and "llama3" are accepted too); throws
+// "hermes", "llama3_json", "qwen3_coder", "pythonic", "harmony" (vLLM's names; "qwen" and "llama3" are accepted too); throws
 // kvlm::Error naming the valid values.
 ToolParser parse_tool_parser(std::string_view name);
 std::string_view tool_parser_name(ToolParser p);
@@ -95,7 +98,7 @@ class ToolCallStream {
 };
 
 // The grammar of a reply that is one or more calls (parallel: more than one allowed) of the
-// given tools ({"type": "function", "function": {name, parameters}}), in the parser's format;
+// given tools (hermes, qwen3_coder, llama3_json; pythonic calls are forced as llama3_json's) ({"type": "function", "function": {name, parameters}}), in the parser's format;
 // each call's arguments follow its function's parameters schema. Throws kvlm::Error naming
 // the tool whose schema cannot be enforced.
 grammar::Grammar tool_call_grammar(ToolParser p, const nlohmann::ordered_json& tools, bool parallel);

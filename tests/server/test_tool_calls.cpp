@@ -227,6 +227,49 @@ TEST(ToolCalls, Qwen3CoderCallsAreTypedByTheSchemas) {
   EXPECT_EQ(fx.calls[1].arguments, R"({"a":1,"b":-2})");
 }
 
+// Pythonic calls (Llama 3.2 / 4): the whole reply is a list of calls with Python literals.
+TEST(ToolCalls, PythonicCallsAreTheWholeReply) {
+  const std::string text =
+      "[get_weather(city='San Francisco', days=3, metric=True, note=\"it's \\\"fine\\\"\\n\", extra=None),"
+      " add(a=-1.5e2, b=[1, (2, 3), {'k': false}],), noop()]";
+  const ExtractedCalls x = kvlm::server::extract_tool_calls(ToolParser::Pythonic, text);
+  ASSERT_EQ(x.calls.size(), 3u) << x.content;
+  EXPECT_EQ(x.calls[0].name, "get_weather");
+  EXPECT_EQ(Json::parse(x.calls[0].arguments),
+            Json::parse(R"({"city": "San Francisco", "days": 3, "metric": true, "note": "it's \"fine\"\n", "extra": null})"));
+  EXPECT_EQ(Json::parse(x.calls[1].arguments), Json::parse(R"({"a": -150.0, "b": [1, [2, 3], {"k": false}]})"));
+  EXPECT_EQ(x.calls[2].name, "noop");
+  EXPECT_EQ(x.calls[2].arguments, "{}");
+  EXPECT_TRUE(x.content.empty());
+  // Llama 4 wraps them in <|python_start|> ... <|python_end|>.
+  const ExtractedCalls w = kvlm::server::extract_tool_calls(ToolParser::Pythonic, "<|python_start|>[f(x='\\u00e9')]<|python_end|>");
+  ASSERT_EQ(w.calls.size(), 1u);
+  EXPECT_EQ(Json::parse(w.calls[0].arguments)["x"], "\u00e9");
+  expect_stream_equals_whole(ToolParser::Pythonic, text);
+  expect_stream_equals_whole(ToolParser::Pythonic, "  [f(a=1)]");
+  // Anything else is the answer, unchanged (streamed as it comes when it cannot be a call).
+  for (const std::string answer : {"The weather is fine.", "[1, 2, 3]", "[f(1)]", "[f(a=)]", "[f(a='x)]", "[]",
+                                   "[f(a=1)] and more", "[link](http://x)"}) {
+    const ExtractedCalls a = kvlm::server::extract_tool_calls(ToolParser::Pythonic, answer);
+    EXPECT_TRUE(a.calls.empty()) << answer;
+    EXPECT_EQ(a.content, answer);
+    expect_stream_equals_whole(ToolParser::Pythonic, answer);
+  }
+  EXPECT_EQ(kvlm::server::parse_tool_parser("pythonic"), ToolParser::Pythonic);
+  // A forced call is written as a plain JSON call.
+  ModelInfo m = info();
+  m.tool_parser = ToolParser::Pythonic;
+  const auto r = parse_chat_request(J(std::string(R"({"messages": [{"role": "user", "content": "x"}], "tools": )") +
+                                      kTools + R"(, "tool_choice": "required"})"),
+                                    m, {});
+  ASSERT_TRUE(r.gen.grammar);
+  EXPECT_EQ(r.gen.tool_parser, ToolParser::Llama3Json);
+  const auto a = parse_chat_request(J(std::string(R"({"messages": [{"role": "user", "content": "x"}], "tools": )") + kTools + "}"),
+                                    m, {});
+  EXPECT_EQ(a.gen.tool_parser, ToolParser::Pythonic);
+  EXPECT_FALSE(a.gen.grammar);
+}
+
 TEST(ToolCalls, ChatRequestsWithTools) {
   ModelInfo m = info();
   m.tool_parser = ToolParser::Hermes;
