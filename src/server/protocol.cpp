@@ -621,16 +621,14 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
   r.template_kwargs["tools"] = *tools;  // rendered by the template whatever the choice
   r.gen.tools = std::make_shared<const Json>(*tools);
   if (choice == "none") return;
-  // A model whose tool-call format is unknown can still be made to call: "required" and a
-  // named function are forced through structured outputs alone, as vLLM does, in the plain JSON
-  // form {"name": ..., "parameters": {...}} (calls separated by "; "), which the llama3_json
-  // parser reads back. Only "auto" needs the model's own format, to tell a call from an answer.
+  // Only "auto" needs the model's own format, to tell a call from an answer; a forced call is
+  // written in forced_call_format's (any model can be made to call).
   if (info.tool_parser == ToolParser::None && choice == "auto")
     bad("this model's chat template has no tool-call format kvlm knows, so a call cannot be told from an answer: "
         "start the server with --tool-call-parser hermes, qwen3_coder or llama3_json, or send tool_choice \"required\" or a "
         "named function (forced through structured outputs), or \"none\"",
         "tools");
-  r.gen.tool_parser = info.tool_parser == ToolParser::None ? ToolParser::Llama3Json : info.tool_parser;
+  r.gen.tool_parser = info.tool_parser;
   if (choice == "auto") {
     r.tools_must_reach_prompt = true;
     return;
@@ -657,8 +655,7 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
     r.gen.grammar_key = "harmony call\n" + chosen.dump();
     return;
   }
-  // Pythonic calls have no grammar of their own: a forced one is written as a plain JSON call.
-  if (r.gen.tool_parser == ToolParser::Pythonic) r.gen.tool_parser = ToolParser::Llama3Json;
+  r.gen.tool_parser = forced_call_format(info.tool_parser);
   try {
     r.gen.grammar = std::make_shared<const grammar::Grammar>(tool_call_grammar(r.gen.tool_parser, chosen, parallel && choice == "required"));
   } catch (const Error& e) {
@@ -769,84 +766,6 @@ int resolve_max_tokens(const GenParams& gen, int prompt_len, int max_model_len, 
             " tokens this prompt leaves for the completion",
         "min_tokens");
   return max_tokens;
-}
-
-double json_logprob(float v) { return std::isfinite(v) ? double(v) : -9999.0; }
-
-size_t utf8_length(std::string_view s) {
-  size_t n = 0;
-  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
-  return n;
-}
-
-void CompletionLogprobs::add_prompt(std::span<const TokenId> prompt, std::span<const TokenLogprobs> lps, int k,
-                                    const TokenText& text) {
-  // The engine reports prompt logprobs for the prompt's last lps.size() tokens (the first
-  // token has no predecessor, so at most prompt.size() - 1).
-  const size_t skip = prompt.size() > lps.size() ? prompt.size() - lps.size() : 0;
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    if (i < skip) {
-      const std::string t = text(prompt[i]);
-      tokens.push_back(t);
-      token_logprobs.push_back(nullptr);
-      top_logprobs.push_back(nullptr);
-      text_offset.push_back(offset);
-      offset += utf8_length(t);
-    } else {
-      add(lps[i - skip], k, text);
-    }
-  }
-}
-
-void CompletionLogprobs::add(const TokenLogprobs& lp, int k, const TokenText& text) {
-  const std::string t = text(lp.token);
-  tokens.push_back(t);
-  token_logprobs.push_back(json_logprob(lp.logprob));
-  Json top = Json::object();
-  for (size_t i = 0; i < lp.top.size() && int(i) < k; ++i) {
-    const std::string s = text(lp.top[i].first);
-    if (!top.contains(s)) top[s] = json_logprob(lp.top[i].second);
-  }
-  if (!top.contains(t)) top[t] = json_logprob(lp.logprob);  // the chosen token is always listed
-  top_logprobs.push_back(std::move(top));
-  text_offset.push_back(offset);
-  offset += utf8_length(t);
-}
-
-Json CompletionLogprobs::to_json() const {
-  Json j = Json::object();
-  j["tokens"] = tokens;
-  j["token_logprobs"] = token_logprobs;
-  j["top_logprobs"] = top_logprobs;
-  j["text_offset"] = text_offset;
-  return j;
-}
-
-namespace {
-Json bytes_of(const std::string& s) {
-  Json b = Json::array();
-  for (unsigned char c : s) b.push_back(int(c));
-  return b;
-}
-}  // namespace
-
-Json chat_logprob_entry(const TokenLogprobs& lp, int k, const TokenText& text) {
-  const std::string t = text(lp.token);
-  Json e = Json::object();
-  e["token"] = t;
-  e["logprob"] = json_logprob(lp.logprob);
-  e["bytes"] = bytes_of(t);
-  Json top = Json::array();
-  for (size_t i = 0; i < lp.top.size() && int(i) < k; ++i) {
-    const std::string s = text(lp.top[i].first);
-    Json te = Json::object();
-    te["token"] = s;
-    te["logprob"] = json_logprob(lp.top[i].second);
-    te["bytes"] = bytes_of(s);
-    top.push_back(std::move(te));
-  }
-  e["top_logprobs"] = std::move(top);
-  return e;
 }
 
 std::string finish_reason_str(FinishReason r) {

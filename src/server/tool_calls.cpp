@@ -270,7 +270,7 @@ class PythonicReader {
     if (!word.empty()) return std::nullopt;
     // A number: JSON's grammar (Python's literals beyond it — 0x, 1_000 — are not read).
     const size_t b = i_;
-    while (i_ < t_.size() && std::strchr("+-0123456789.eE", t_[i_])) ++i_;
+    while (i_ < t_.size() && t_[i_] != '\0' && std::strchr("+-0123456789.eE", t_[i_])) ++i_;
     try {
       return Json::parse(t_.substr(b, i_ - b));
     } catch (const Json::parse_error&) {
@@ -290,24 +290,16 @@ class PythonicReader {
           case 't': s += '\t'; break;
           case 'r': s += '\r'; break;
           case '0': s += '\0'; break;
-          case 'u': {  // \uXXXX (a BMP code point, as UTF-8)
-            if (i_ + 4 > t_.size()) return std::nullopt;
-            unsigned cp = 0;
-            for (int k = 0; k < 4; ++k) {
-              const char h = t_[i_++];
-              if (!std::isxdigit(uint8_t(h))) return std::nullopt;
-              cp = cp * 16 + unsigned(std::isdigit(uint8_t(h)) ? h - '0' : std::tolower(h) - 'a' + 10);
+          case 'u':  // \u and 4 hex digits, \U and 8: a code point, written as UTF-8
+          case 'U': {
+            uint32_t cp = 0;
+            try {
+              cp = grammar::parse_hex(t_, i_, c == 'u' ? 4 : 8, [](const std::string&) {});
+            } catch (const Error&) {  // truncated, not hex, or past U+10FFFF: not a literal
+              return std::nullopt;
             }
-            if (cp < 0x80) {
-              s += char(cp);
-            } else if (cp < 0x800) {
-              s += char(0xC0 | (cp >> 6));
-              s += char(0x80 | (cp & 0x3F));
-            } else {
-              s += char(0xE0 | (cp >> 12));
-              s += char(0x80 | ((cp >> 6) & 0x3F));
-              s += char(0x80 | (cp & 0x3F));
-            }
+            if (cp >= 0xD800 && cp < 0xE000) return std::nullopt;  // a surrogate: not a scalar value
+            grammar::append_utf8(s, cp);
             break;
           }
           default: s += c;  // \\ \' \" and anything else as itself
@@ -600,6 +592,10 @@ ToolCallStream::Out ToolCallStream::finish() {
   in_call_ = false;
   if (calls_ > 0 && trim(out.content).empty()) out.content.clear();
   return out;
+}
+
+ToolParser forced_call_format(ToolParser p) {
+  return p == ToolParser::None || p == ToolParser::Pythonic ? ToolParser::Llama3Json : p;
 }
 
 std::optional<ToolCall> ToolCallStream::block_call(std::string_view body) const {

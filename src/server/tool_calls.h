@@ -97,6 +97,13 @@ class ToolCallStream {
   std::string header_, channel_, recipient_, call_body_;
 };
 
+// The format a forced call (tool_choice "required" or named) is written in for a model whose
+// own format is `p`: its own where kvlm has a grammar for it (hermes, qwen3_coder,
+// llama3_json); otherwise — no known format, or pythonic — llama3_json's plain JSON calls,
+// forced through structured outputs alone as vLLM does, which that parser reads back.
+// (Harmony's forced call is harmony_forced_call.)
+ToolParser forced_call_format(ToolParser p);
+
 // The grammar of a reply that is one or more calls (parallel: more than one allowed) of the
 // given tools (hermes, qwen3_coder, llama3_json; pythonic calls are forced as llama3_json's) ({"type": "function", "function": {name, parameters}}), in the parser's format;
 // each call's arguments follow its function's parameters schema. Throws kvlm::Error naming

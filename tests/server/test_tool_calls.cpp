@@ -23,6 +23,13 @@ using kvlm::server::ExtractedCalls;
 using kvlm::server::ToolCallStream;
 using kvlm::server::ToolParser;
 
+// Whether `text` is a whole sentence of `g`.
+bool accepts(const kvlm::grammar::Grammar& g, const std::string& text) {
+  static const auto vocab = std::make_shared<const kvlm::grammar::TokenVocab>(std::vector<std::string>{"x"});
+  kvlm::grammar::Constraint c(std::make_shared<const kvlm::grammar::CompiledGrammar>(g, vocab));
+  return c.accept_text(text) && c.can_end();
+}
+
 // Streaming the text in pieces split anywhere gives the calls and content of the whole.
 void expect_stream_equals_whole(ToolParser p, const std::string& text) {
   const ExtractedCalls whole = kvlm::server::extract_tool_calls(p, text);
@@ -203,11 +210,7 @@ TEST(ToolCalls, Qwen3CoderCallsAreTypedByTheSchemas) {
                                       kTools + R"(, "tool_choice": "required"})"),
                                     m, {});
   ASSERT_TRUE(r.gen.grammar);
-  auto vocab = std::make_shared<const kvlm::grammar::TokenVocab>(std::vector<std::string>{"x"});
-  const auto accepts = [&](const std::string& t) {
-    kvlm::grammar::Constraint c(std::make_shared<const kvlm::grammar::CompiledGrammar>(*r.gen.grammar, vocab));
-    return c.accept_text(t) && c.can_end();
-  };
+  const auto accepts = [&](const std::string& t) { return tools_test::accepts(*r.gen.grammar, t); };
   const std::string w = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <3\n</parameter>\n"
                         "</function>\n</tool_call>";
   const std::string add = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n-2\n</parameter>\n"
@@ -245,6 +248,10 @@ TEST(ToolCalls, PythonicCallsAreTheWholeReply) {
   const ExtractedCalls w = kvlm::server::extract_tool_calls(ToolParser::Pythonic, "<|python_start|>[f(x='\\u00e9')]<|python_end|>");
   ASSERT_EQ(w.calls.size(), 1u);
   EXPECT_EQ(Json::parse(w.calls[0].arguments)["x"], "\u00e9");
+  const ExtractedCalls e = kvlm::server::extract_tool_calls(ToolParser::Pythonic, "[f(x='\\U0001F600')]");
+  ASSERT_EQ(e.calls.size(), 1u);
+  EXPECT_EQ(Json::parse(e.calls[0].arguments)["x"], "\xF0\x9F\x98\x80");
+  EXPECT_TRUE(kvlm::server::extract_tool_calls(ToolParser::Pythonic, "[f(x='\\ud800')]").calls.empty());  // a surrogate
   expect_stream_equals_whole(ToolParser::Pythonic, text);
   expect_stream_equals_whole(ToolParser::Pythonic, "  [f(a=1)]");
   // Anything else is the answer, unchanged (streamed as it comes when it cannot be a call).
@@ -289,11 +296,6 @@ TEST(ToolCalls, ChatRequestsWithTools) {
   ASSERT_TRUE(r.gen.grammar);
   const auto named = parse_chat_request(body(R"(, "tool_choice": {"type": "function", "function": {"name": "add"}})"), m, {});
   ASSERT_TRUE(named.gen.grammar);
-  auto vocab = std::make_shared<const kvlm::grammar::TokenVocab>(std::vector<std::string>{"x"});
-  const auto accepts = [&](const kvlm::grammar::Grammar& g, const std::string& text) {
-    kvlm::grammar::Constraint c(std::make_shared<const kvlm::grammar::CompiledGrammar>(g, vocab));
-    return c.accept_text(text) && c.can_end();
-  };
   const std::string w = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
   const std::string add = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": -2}}\n</tool_call>";
   EXPECT_TRUE(accepts(*r.gen.grammar, w));
