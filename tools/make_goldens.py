@@ -161,6 +161,18 @@ def model_specs():
         prompt_len=40, seed=6000, shards=1,
         exercises="Mistral: sliding window 8 on every layer, MQA (1 kv head), linear rope "
                   "scaling factor 4, fp32 weights"))
+    specs.append(dict(
+        name="qwen3-yarn",
+        config=base_config("Qwen3ForCausalLM", "qwen3", "bfloat16", num_hidden_layers=2,
+                           head_dim=32, attention_bias=False, rope_theta=1000000.0,
+                           max_position_embeddings=256,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 32}),
+        prompt_len=60, seed=12000, shards=1,
+        exercises="Qwen3 with YaRN as Qwen's long-context instructions write it (factor 4, "
+                  "original_max_position_embeddings 32, beta_fast/beta_slow and truncate left to "
+                  "their defaults: attention factor 0.1 ln 4 + 1 on cos/sin), a 60-token prompt "
+                  "and 16 generated tokens, all past the original 32 positions, bf16"))
     gemma = base_config("Gemma3ForCausalLM", "gemma3_text", "bfloat16", num_hidden_layers=6,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                         intermediate_size=96, tie_word_embeddings=False, sliding_window=8,
