@@ -51,6 +51,11 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "fp8: quantize a 16-bit checkpoint's linear weights to FP8 E4M3 at load, one scale per output "
                  "channel (the embedding and LM head stay as they are); FP8 checkpoints (compressed-tensors, "
                  "modelopt, fp8) run without it");
+  cmd.add_option("--runner", runner,
+                 "what the model runs as: generate (text), pooling (an embedding model: `kvlm serve` answers "
+                 "/v1/embeddings), or auto (pooling when the model directory holds sentence-transformers' "
+                 "modules.json, else generate), as vLLM's --runner")
+      ->capture_default_str();
   cmd.add_option("--block-size", block_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
   cmd.add_flag("--enforce-eager", enforce_eager, "CUDA: launch every decode step's kernels one by one, no CUDA graphs");
   cmd.add_option("--tensor-parallel-size,--tp", tensor_parallel_size,
@@ -162,6 +167,7 @@ ModelOptions ModelFlags::model_options() const {
   o.dtype = parse_model_dtype(dtype);
   o.enforce_eager = enforce_eager;
   o.quantization = quantization;
+  o.runner = runner;
   o.tensor_parallel_size = tensor_parallel_size;
   o.expert_parallel = expert_parallel;
   if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);

@@ -36,6 +36,7 @@ struct ModelFlags {
   std::string distributed_init;   // --distributed-init tcp://HOST:PORT (empty: MASTER_ADDR/MASTER_PORT)
   double distributed_timeout = 600;
   std::string speculative_config;  // JSON; empty: no drafting
+  std::string runner = "auto";     // --runner: auto | generate | pooling
 
   std::string model_positional;  // `kvlm generate MODEL`, as `vllm serve MODEL`
 

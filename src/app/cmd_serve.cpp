@@ -519,6 +519,14 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   }
   say("model '" + name + "': " + std::string(arch_name(cfg.arch)) + ", " + std::to_string(cfg.num_layers) +
       " layers; KV cache " + kv_summary(*engine));
+  if (const auto& pc = engine->pooling()) {
+    sm.pooling = *pc;
+    sm.hidden_size = cfg.hidden_size;
+    const char* how = pc->type == PoolingType::Last ? "the last token" : pc->type == PoolingType::Mean ? "the mean over tokens" : "the first (CLS) token";
+    say("embedding model (--runner pooling): /v1/embeddings pools by " + std::string(how) + (pc->normalize ? ", normalized" : "") +
+        ", " + std::to_string(cfg.hidden_size) + " dimensions" + (pc->matryoshka ? " (Matryoshka: `dimensions` cuts them)" : "") +
+        " [" + pc->source + "]; the generation endpoints refuse");
+  }
   for (size_t start = 0; start <= plan.summary.size();) {
     const size_t nl = plan.summary.find('\n', start);
     say(plan.summary.substr(start, nl == std::string::npos ? std::string::npos : nl - start));

@@ -70,6 +70,9 @@ void LLMEngine::check_request(const EngineRequest& req) const {
     if (t < 0 || t >= mc.vocab_size)
       throw Error("stop token id " + std::to_string(t) + " is outside the model's vocabulary");
   if (req.max_tokens < 0) throw Error("max_tokens must not be negative, got " + std::to_string(req.max_tokens));
+  if (model_.model().pooling() && (req.max_tokens > 0 || !req.prompt_logits || req.prompt_logprobs >= 0))
+    throw Error("this model runs as an embedding model (--runner pooling): it pools prompts into vectors "
+                "(/v1/embeddings) and does not generate; serve it with --runner generate to generate text");
   if (req.min_tokens < 0 || req.min_tokens > req.max_tokens)
     throw Error("min_tokens must be between 0 and max_tokens, got " + std::to_string(req.min_tokens));
   if (req.logprobs < 0 || req.logprobs > mc.vocab_size)
@@ -166,8 +169,9 @@ bool LLMEngine::step() {
   const std::vector<Sequence*> seqs = scheduler_.schedule();
   if (seqs.empty()) return draw_deferred(true) || !scheduler_.empty();
   stats_.peak_running = std::max(stats_.peak_running, scheduler_.num_running());
-  batch_.build(seqs, model_.block_size(), model_.model().samples_on_device(), outputs_.has_eos(),
-               size_t(model_.config().vocab_size), scheduler_.blocks().exact_map());
+  const ModelRunner& runner = model_.model();
+  batch_.build(seqs, model_.block_size(), runner.samples_on_device() && !runner.pooling(), outputs_.has_eos(),
+               size_t(runner.output_width()), scheduler_.blocks().exact_map());
   const auto t_forward = Clock::now();
   stats_.schedule_seconds_total += seconds(t_forward - t_step);
   try {

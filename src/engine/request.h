@@ -27,7 +27,8 @@ struct RequestOutput {
   std::vector<TokenLogprobs> prompt_logprobs;  // once, before the first token, when asked
   // prompt_logits requests: fp32 next-token logits [rows][vocab] of prompt rows
   // [prompt_logits_begin, prompt_logits_begin + rows) computed this step (row p follows
-  // token p). Valid only during the callback.
+  // token p) — a pooling runner's hidden states [rows][hidden] instead. Valid only during the
+  // callback.
   std::span<const float> prompt_logits;
   int prompt_logits_begin = 0;
   bool finished = false;
@@ -58,7 +59,10 @@ struct EngineRequest {
   int logprobs = 0;               // top-K log-probabilities per generated token (0 = none)
   int prompt_logprobs = -1;       // -1 = none; K >= 0: the chosen token's plus top-K per prompt token
   std::vector<TokenId> stop_token_ids;  // stop tokens beyond the model's EOS ids
-  bool prompt_logits = false;     // deliver every prompt row's logits (teacher forcing: eval, goldens)
+  // Deliver every prompt row's logits (teacher forcing: eval, goldens) — or, from a pooling
+  // runner (ModelRunner::set_pooling), its final-normed hidden states (embeddings).
+  bool prompt_logits = false;
+  bool last_prompt_row = false;   // (prompt_logits) only the last prompt row's: last-token pooling
   std::vector<std::pair<TokenId, float>> logit_bias;  // added to the logits before sampling
   // Structured outputs: the tokens drawn keep the output inside this grammar (masked before
   // sampling; EOS only where the text is complete), and the request stops with "stop" once

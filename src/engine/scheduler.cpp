@@ -86,7 +86,10 @@ void Scheduler::release_pages(Sequence& s) {
 // A sequence about to be scheduled for the first time (or again after preemption) takes
 // the pages the prefix cache holds for its leading tokens.
 void Scheduler::admit_prefix(Sequence& s) {
-  if (!blocks_.prefix_caching() || s.prompt_rows_end() > s.prompt_rows_begin() || !s.pages.empty()) return;
+  // Rows whose outputs are wanted must be computed; a hit can serve every prompt token but
+  // the last (match_prefix leaves it), so a request that wants only the last row still hits.
+  const bool rows_wanted = s.prompt_rows_end() > s.prompt_rows_begin() && s.prompt_rows_begin() < s.num_prompt - 1;
+  if (!blocks_.prefix_caching() || rows_wanted || !s.pages.empty()) return;
   const int bs = blocks_.block_size();
   const int total = int(s.tokens.size());
   int found = blocks_.match_prefix(s.tokens, s.pages, s.serials);

@@ -70,7 +70,10 @@ struct Sequence {
   // Prompt rows whose logits this request still wants, [prompt_rows_begin, prompt_rows_end):
   // every prompt row for prompt_logits; all but the last for prompt log-probabilities (row p
   // scores token p + 1).
-  int prompt_rows_begin() const { return req.prompt_logits ? prompt_logits_sent : 0; }
+  int prompt_rows_begin() const {
+    if (!req.prompt_logits) return 0;
+    return req.last_prompt_row ? std::max(prompt_logits_sent, num_prompt - 1) : prompt_logits_sent;
+  }
   int prompt_rows_end() const {
     if (req.prompt_logits) return num_prompt;
     return wants_prompt_logprobs() ? num_prompt - 1 : 0;

@@ -1,5 +1,7 @@
 #include "io/checkpoint.h"
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 #include "config/model_config.h"
@@ -85,6 +87,16 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
   } else {
     throw Error("'" + dir.string() + "' has neither model.safetensors nor model.safetensors.index.json; kvlm loads safetensors checkpoints");
   }
+  // A bare base model (saved from Qwen3Model and its kind, as Qwen3-Embedding ships): its
+  // tensors lack the "model." prefix that the ...ForCausalLM names carry. transformers loads
+  // it under the prefix; so does kvlm, which then finds no lm_head (embedding models have none).
+  if (!c.tensors_.contains("model.embed_tokens.weight") && c.tensors_.contains("embed_tokens.weight") &&
+      std::ranges::none_of(c.tensors_, [](const auto& e) { return e.first.starts_with("model."); })) {
+    decltype(c.tensors_) prefixed;
+    for (auto& [name, where] : c.tensors_) prefixed.emplace(name == "lm_head.weight" ? name : "model." + name, where);
+    c.tensors_ = std::move(prefixed);
+    c.bare_base_model_ = true;
+  }
   return c;
 }
 
@@ -112,6 +124,8 @@ std::string Checkpoint::describe(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it != tensors_.end() && !it->second.first)
     s += " (GGUF tensor '" + gguf_sources_[size_t(it->second.second - gguf_infos_.data())].gguf_name + "')";
+  else if (it != tensors_.end() && bare_base_model_ && it->second.second->name != name)
+    s += " (stored as '" + it->second.second->name + "')";
   return s;
 }
 

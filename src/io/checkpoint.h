@@ -47,6 +47,9 @@ class Checkpoint {
   void release(std::string_view name) const;
   std::vector<std::string> names() const;
   size_t num_files() const { return files_.size(); }
+  // The tensors were stored as a bare base model's ("embed_tokens.weight", "layers.0...."): they
+  // are found here under the "model." names every architecture uses.
+  bool bare_base_model() const { return bare_base_model_; }
   size_t total_bytes() const;  // all tensors' data
   // dtype of the first floating-point weight (embed_tokens), when config.json has none.
   std::optional<DType> dtype_of(std::string_view name) const;
@@ -63,6 +66,7 @@ class Checkpoint {
   std::optional<nlohmann::json> gguf_gen_;  // its generation_config.json (gguf_model.h)
   std::unique_ptr<GGUFFile> gguf_file_;
   std::vector<std::string> gguf_notes_;
+  bool bare_base_model_ = false;  // tensors stored without the "model." prefix (open() adds it)
   std::vector<TensorInfo> gguf_infos_;
   std::vector<GGUFTensorSource> gguf_sources_;
   mutable std::vector<std::vector<float>> gguf_data_;  // dequantized on view(), freed by release()

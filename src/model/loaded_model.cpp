@@ -282,16 +282,43 @@ int LoadedModel::follow() {
   return dist_follow(*dist_follower_, *model_, comms);
 }
 
+std::optional<PoolingConfig> resolve_runner(std::string_view runner, const std::filesystem::path& dir) {
+  if (runner == "generate") return std::nullopt;
+  if (runner == "pooling") return resolve_pooling(dir);
+  if (runner == "auto" || runner.empty()) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(dir, ec) && std::filesystem::exists(dir / "modules.json", ec)) {
+      PoolingConfig pc = resolve_pooling(dir);
+      pc.source = "sentence-transformers' modules.json, so --runner auto chose pooling; --runner generate to generate text";
+      return pc;
+    }
+    return std::nullopt;
+  }
+  throw Error("--runner must be auto, generate or pooling, got '" + std::string(runner) + "'");
+}
+
 std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   validate_block_size(opts.cache.block_size);
 
   auto e = std::unique_ptr<LoadedModel>(new LoadedModel());
+  e->pooling_ = resolve_runner(opts.runner, opts.model_dir);
+  if (e->pooling_ && opts.speculative)
+    throw Error("--speculative-config drafts tokens, and an embedding model (--runner pooling) generates none; "
+                "drop one of them");
   const Checkpoint ckpt = Checkpoint::open(opts.model_dir);
   const SelectionContext ctx = selection_context(opts.device, opts.gpu, opts.cache);
   const SpeculativeConfig* spec = opts.speculative ? &*opts.speculative : nullptr;
   e->plan_ = std::make_unique<ModelPlan>(plan_model(opts.model_dir, ckpt, opts.cache, ctx, opts.dtype, spec,
                                                     opts.quantization));
   apply_expert_parallel(e->plan_->config, opts.expert_parallel);
+  if (!e->plan_->config.tie_word_embeddings && !ckpt.find("lm_head.weight")) {
+    // Embedding checkpoints (Qwen3-Embedding-4B/8B) say untied and ship no LM head: a pooling
+    // runner never applies it, so the embedding stands in for it (no memory of its own).
+    if (e->pooling_) e->plan_->config.tie_word_embeddings = true;
+    else if (ckpt.bare_base_model())
+      throw Error("the checkpoint is a bare base model with no LM head (tensors without the 'model.' prefix, as "
+                  "embedding models ship); it cannot generate text: serve it with --runner pooling for /v1/embeddings");
+  }
   const ModelPlan& mp = *e->plan_;
   check_tensor_parallel(opts, mp.config);
   std::optional<Checkpoint> dckpt;
@@ -317,6 +344,7 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
     e->model_ = std::make_unique<CpuModelRunner>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends),
                                                  drafter ? &*drafter : nullptr);
   }
+  if (e->pooling_) e->model_->set_pooling(true);
   e->block_size_ = opts.cache.block_size;
   e->gpu_ = opts.gpu;
   e->tp_ = opts.tensor_parallel_size;

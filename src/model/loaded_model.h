@@ -12,6 +12,7 @@
 #include "config/cache_config.h"
 #include "config/kv_plan.h"
 #include "config/model_config.h"
+#include "config/pooling_config.h"
 #include "config/speculative_config.h"
 #include "io/checkpoint.h"
 #include "model/communicator.h"
@@ -77,7 +78,15 @@ struct ModelOptions {
   // Several processes (model/distributed.h): this process is node dist.node_rank of
   // dist.nnodes, driving tensor_parallel_size / nnodes ranks.
   DistConfig dist;
+  // --runner, as vLLM's: generate (next-token logits), pooling (an embedding model: the
+  // runner hands back final hidden states, ModelRunner::set_pooling), or auto — pooling when
+  // the directory holds sentence-transformers' modules.json, else generate.
+  std::string runner = "auto";
 };
+
+// Resolves --runner for `dir`: the pooling configuration when the model runs as an embedding
+// model, nullopt when it generates. Throws with the valid values.
+std::optional<PoolingConfig> resolve_runner(std::string_view runner, const std::filesystem::path& dir);
 
 // --enable-expert-parallel on the model's config; throws when it is not a mixture of experts.
 void apply_expert_parallel(ModelConfig& config, bool enabled);
@@ -110,6 +119,8 @@ class LoadedModel {
   const std::optional<SpeculativeConfig>& speculative() const { return speculative_; }
   // The DFlash drafter loaded next to the model (method dflash), if any.
   const std::optional<ModelConfig>& drafter_config() const { return plan_->drafter; }
+  // An embedding model (--runner pooling): how its prompts become vectors; nullopt: it generates.
+  const std::optional<PoolingConfig>& pooling() const { return pooling_; }
   ModelRunner& model() { return *model_; }
   const ModelRunner& model() const { return *model_; }
   // Puts `wrap(current runner)` in its place (tests: a runner that decorates the real one).
@@ -133,6 +144,7 @@ class LoadedModel {
   int block_size_ = 16;
   int gpu_ = 0;
   std::optional<SpeculativeConfig> speculative_;
+  std::optional<PoolingConfig> pooling_;
 };
 
 }  // namespace kvlm

@@ -71,8 +71,17 @@ class ModelRunner {
   virtual size_t kv_bytes() const = 0;
 
   // Runs the batch, storing its K/V in the pool; writes fp32 logits
-  // [logit_rows.size()][vocab] to host memory.
+  // [logit_rows.size()][vocab] to host memory — or, in a pooling runner, the rows' final-normed
+  // hidden states [logit_rows.size()][hidden] (output_width() values per row).
   virtual void forward(const ForwardBatch& batch, std::span<float> logits) = 0;
+
+  // A pooling runner (an embedding model: --runner pooling) hands back each logit row's
+  // hidden state after the final norm, fp32, instead of its logits: what embeddings pool. Set
+  // before the first step (it changes what a step computes, CUDA graphs included).
+  virtual void set_pooling(bool on) { pooling_ = on; }
+  bool pooling() const { return pooling_; }
+  // Values per logit row that forward() writes: the vocabulary, or the hidden size when pooling.
+  int output_width() const { return pooling_ ? config().hidden_size : config().vocab_size; }
 
   // Sampling where the logits are (sampling/sampler.h's sample_gumbel), so that a GPU runner
   // returns token ids instead of [rows][vocab] logits. Runs the batch as forward() does; for
@@ -111,6 +120,9 @@ class ModelRunner {
   // exact_src onto exact_dst where both are given: the copy-on-write of a shared prefix page
   // that a sequence is about to write into.
   virtual void copy_blocks(std::span<const PageCopy> copies) = 0;
+
+ private:
+  bool pooling_ = false;
 };
 
 }  // namespace kvlm

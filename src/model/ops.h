@@ -78,6 +78,9 @@ class Ops {
   // The step: number of token rows, and of rows whose logits are wanted.
   virtual int num_tokens() const = 0;
   virtual int num_logit_rows() const = 0;
+  // A pooling step (ModelRunner::set_pooling): the logit rows' final-normed hidden states are
+  // the step's output (fp32, ActRole::Logits), and no LM head runs.
+  virtual bool pooling() const { return false; }
 
   // An activation that lives until the step ends.
   virtual Tensor alloc(ActRole role, int64_t rows, int64_t cols) = 0;

@@ -61,6 +61,10 @@ class TensorParallelRunner final : public ModelRunner {
   int kv_num_blocks() const override { return ranks_[0]->kv_num_blocks(); }
   size_t kv_bytes() const override;  // over all ranks
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
+  void set_pooling(bool on) override {  // rank 0 forms the output
+    ModelRunner::set_pooling(on);
+    ranks_[0]->set_pooling(on);
+  }
   bool samples_on_device() const override { return ranks_[0]->samples_on_device(); }
   void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
                        std::span<float> host_logits, const RowMaskFn& mask) override;

@@ -22,6 +22,7 @@
 #include "server/prometheus.h"
 #include "server/request_stream.h"
 #include "server/response.h"
+#include "offline/embed.h"
 
 namespace kvlm::server {
 
@@ -181,6 +182,11 @@ struct HttpServer::Impl {
 
   // POST handlers: `body` is the request body as post() read it (see there).
   void generate(const httplib::Request& req, const std::string& body, httplib::Response& res, Endpoint ep);
+  void embed(const httplib::Request& req, const std::string& body, httplib::Response& res);
+  // Registers a request's engine requests as live (cancel_all reaches them); throws 503 once
+  // the server drains.
+  std::shared_ptr<Flight> begin_flight(const std::string& id, const std::shared_ptr<RequestStream>& stream,
+                                       std::vector<EngineRequest>& reqs, EngineClient* engine);
   void tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   template <class F>
@@ -207,6 +213,12 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
     return;
   }
   const bool chat = ep == Endpoint::Chat;
+  if (m->pooling)
+    throw ApiError(400,
+                   "this server runs '" + m->info.name +
+                       "' as an embedding model (--runner pooling): it answers /v1/embeddings and does not generate; "
+                       "serve it with --runner generate to generate text",
+                   "", "model_not_supported");
   const Json body = parse_body(raw, opts.limits);
   GenParams gen;
   std::vector<std::vector<TokenId>> prompts;
@@ -320,31 +332,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       er.on_output = [stream, c](const RequestOutput& out) { return stream->on_output(c, out); };
       reqs.push_back(std::move(er));
     }
-  auto flight = std::make_shared<Flight>();
-  flight->id = id;
-  flight->stream = stream;
-  flight->engine = m->engine;
-  for (const auto& r : reqs) flight->engine_ids.push_back(r.id);
-  {
-    std::lock_guard lock(live_mu);
-    // Checked under the lock begin_drain() takes, so once draining starts the set of
-    // requests in flight can only shrink.
-    if (draining.load())
-      throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
-    live[id] = Live{stream, flight->engine_ids, m->engine};
-  }
-  flight->unregister = [this](const std::string& fid) { unregister(fid); };  // from here on
-  for (size_t c = 0; c < reqs.size(); ++c) {
-    try {
-      m->engine->add_request(std::move(reqs[c]));
-    } catch (const std::exception& e) {
-      for (size_t j = 0; j < c; ++j) m->engine->abort(flight->engine_ids[j]);
-      for (size_t j = c; j < reqs.size(); ++j) stream->fail(int(j), FinishReason::Abort, e.what());
-      if (dynamic_cast<const EngineShutDown*>(&e) || draining.load())
-        throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
-      throw ApiError(400, without_paths(e.what()));
-    }
-  }
+  const std::shared_ptr<Flight> flight = begin_flight(id, stream, reqs, m->engine);
 
   ResponseAssembler asmb(ep, id, std::time(nullptr), m->info.name, gen, std::move(meta),
                          [this](TokenId t) { return token_text(t); });
@@ -397,6 +385,127 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
         } catch (...) {
         }
       });
+}
+
+std::shared_ptr<Flight> HttpServer::Impl::begin_flight(const std::string& id, const std::shared_ptr<RequestStream>& stream,
+                                                       std::vector<EngineRequest>& reqs, EngineClient* engine) {
+  auto flight = std::make_shared<Flight>();
+  flight->id = id;
+  flight->stream = stream;
+  flight->engine = engine;
+  for (const auto& r : reqs) flight->engine_ids.push_back(r.id);
+  {
+    std::lock_guard lock(live_mu);
+    // Checked under the lock begin_drain() takes, so once draining starts the set of
+    // requests in flight can only shrink.
+    if (draining.load())
+      throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
+    live[id] = Live{stream, flight->engine_ids, engine};
+  }
+  flight->unregister = [this](const std::string& fid) { unregister(fid); };  // from here on
+  for (size_t c = 0; c < reqs.size(); ++c) {
+    try {
+      engine->add_request(std::move(reqs[c]));
+    } catch (const std::exception& e) {
+      for (size_t j = 0; j < c; ++j) engine->abort(flight->engine_ids[j]);
+      for (size_t j = c; j < reqs.size(); ++j) stream->fail(int(j), FinishReason::Abort, e.what());
+      if (dynamic_cast<const EngineShutDown*>(&e) || draining.load())
+        throw ApiError(503, "the server is shutting down and takes no new requests", "", "server_shutting_down");
+      throw ApiError(400, without_paths(e.what()));
+    }
+  }
+  return flight;
+}
+
+void HttpServer::Impl::embed(const httplib::Request& req, const std::string& raw, httplib::Response& res) {
+  const ServedModel* m = served(res);
+  if (!m) return;
+  if (draining.load()) {
+    reply(res, 503, error_json(503, "the server is shutting down and takes no new requests", "", "server_shutting_down"));
+    return;
+  }
+  if (!m->pooling)
+    throw ApiError(400,
+                   "this server runs '" + m->info.name +
+                       "' as a generative model; embeddings need an embedding model served with --runner pooling "
+                       "(the default for a directory with sentence-transformers' modules.json)",
+                   "", "model_not_supported");
+  const Json body = parse_body(raw, opts.limits);
+  EmbeddingRequest er = parse_embedding_request(body, m->info, opts.limits);
+  try {
+    check_dimensions(*m->pooling, m->hidden_size, er.dimensions);
+  } catch (const Error& e) {
+    throw ApiError(400, e.what(), "dimensions");
+  }
+  std::vector<std::vector<TokenId>> prompts;
+  int64_t prompt_tokens = 0;
+  for (size_t i = 0; i < er.inputs.size(); ++i) {
+    Prompt& p = er.inputs[i];
+    std::vector<TokenId> ids = !p.text ? std::move(p.ids)
+                               : er.add_special_tokens ? m->text->encode_prompt(*p.text)
+                                                       : m->text->tokenizer().encode(*p.text, {.add_special_tokens = false});
+    if (er.truncate_prompt_tokens && int(ids.size()) > *er.truncate_prompt_tokens)
+      ids.erase(ids.begin(), ids.end() - *er.truncate_prompt_tokens);  // vLLM keeps the last tokens
+    if (ids.empty()) throw ApiError(400, "input " + std::to_string(i) + " is empty (it has no tokens after tokenization)", "input");
+    if (int(ids.size()) > m->info.max_model_len)
+      throw ApiError(400,
+                     "input " + std::to_string(i) + " has " + std::to_string(ids.size()) +
+                         " tokens; this model's maximum context length is " + std::to_string(m->info.max_model_len) +
+                         " (send truncate_prompt_tokens to keep the last tokens)",
+                     "input", "context_length_exceeded");
+    prompt_tokens += int64_t(ids.size());
+    prompts.push_back(std::move(ids));
+  }
+  const std::string id = make_request_id("embd-");
+  if (!er.ignored_fields.empty()) {
+    std::string list;
+    for (const auto& f : er.ignored_fields) list += (list.empty() ? "" : ", ") + f;
+    log::warn("request " + id + ": fields ignored (not OpenAI's or vLLM's): " + list);
+  }
+  TextOptions to;
+  to.pooling = TextOptions::Pooling{.type = m->pooling->type, .width = m->hidden_size,
+                                    .normalize = er.normalize.value_or(m->pooling->normalize), .dimensions = er.dimensions};
+  auto stream = std::make_shared<RequestStream>(nullptr, to, int(prompts.size()));
+  std::vector<EngineRequest> reqs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest r = embedding_request(id + "-" + std::to_string(i), std::move(prompts[i]), m->pooling->type);
+    r.group = id;
+    const int c = int(i);
+    r.on_output = [stream, c](const RequestOutput& out) { return stream->on_output(c, out); };
+    reqs.push_back(std::move(r));
+  }
+  const std::shared_ptr<Flight> flight = begin_flight(id, stream, reqs, m->engine);
+  std::vector<std::vector<float>> vectors(reqs.size());
+  ConnectionProbe probe(req);
+  auto next_probe = Clock::now() + 1s;
+  std::vector<ChoiceEvent> evs;
+  while (!stream->done()) {
+    evs.clear();
+    stream->wait(evs, 100ms);
+    for (ChoiceEvent& ev : evs) {
+      if (!ev.finished) continue;
+      if (ev.reason == FinishReason::Error || ev.reason == FinishReason::Abort || ev.embedding.empty()) {
+        flight->abort_unfinished();
+        const std::string why = ev.error.empty() ? "the request was aborted" : ev.error;
+        if (ev.reason == FinishReason::Abort)
+          throw ApiError(503, "input " + std::to_string(ev.choice) + ": " + why, "", "server_busy");
+        throw ApiError(500, "input " + std::to_string(ev.choice) + ": " + why, "", "internal_error");
+      }
+      vectors[size_t(ev.choice)] = std::move(ev.embedding);
+    }
+    const auto now = Clock::now();
+    if (now >= next_probe) {
+      next_probe = now + 250ms;
+      if (probe.client_gone()) {
+        flight->abort_unfinished();
+        log::info("request " + id + ": the client disconnected; aborted");
+        res.status = 499;
+        return;
+      }
+    }
+  }
+  reply(res, 200, embedding_response(m->info.name, vectors, er.base64, prompt_tokens));
+  record_usage(Json{{"prompt_tokens", prompt_tokens}});
 }
 
 // One turn of a streaming response: wait (briefly) for events, write their chunks, end the
@@ -687,6 +796,9 @@ void HttpServer::Impl::install_routes() {
   });
   post("/v1/completions", [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
     generate(req, body, res, Endpoint::Completions);
+  });
+  post("/v1/embeddings", [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
+    embed(req, body, res);
   });
   post("/v1/chat/completions", [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
     generate(req, body, res, Endpoint::Chat);

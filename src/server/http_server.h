@@ -1,5 +1,5 @@
 // The OpenAI-compatible HTTP server (cpp-httplib): /v1/completions, /v1/chat/completions,
-// /v1/models, /health, /metrics, /tokenize, /detokenize.
+// /v1/embeddings (an embedding model), /v1/models, /health, /metrics, /tokenize, /detokenize.
 //
 // Lifecycle: bind() and start() first, so /health answers 503 while the model loads; then
 // set_ready() with the engine; at shutdown begin_drain() (new generation requests get 503),
@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "config/pooling_config.h"
 #include "text/text_processor.h"
 #include "engine/metrics.h"
 #include "engine/request.h"
@@ -87,6 +88,10 @@ struct ServedModel {
   ModelInfo info;
   std::vector<TokenId> eos_token_ids;   // the model's and the tokenizer's EOS ids
   Json kv_plan = Json::object();        // {"summary", "layers": [...]}: GET /v1/kvlm/plan, the chat page
+  // An embedding model (--runner pooling): /v1/embeddings pools with this, and the generation
+  // endpoints refuse; nullopt: the reverse.
+  std::optional<PoolingConfig> pooling;
+  int hidden_size = 0;
 };
 
 class HttpServer {

@@ -138,6 +138,23 @@ struct ChatRequest {
   bool tools_must_reach_prompt = false;
 };
 
+// /v1/embeddings (OpenAI's fields, and vLLM's truncate_prompt_tokens, add_special_tokens,
+// normalize): validated; whether the model pools, and `dimensions` against the model, are the
+// server's to check.
+struct EmbeddingRequest {
+  std::vector<Prompt> inputs;
+  bool base64 = false;                       // encoding_format "base64": little-endian float32 bytes
+  int dimensions = 0;                        // 0: the model's
+  std::optional<int> truncate_prompt_tokens; // keep each input's last N tokens
+  bool add_special_tokens = true;            // text inputs: the tokenizer's BOS/EOS
+  std::optional<bool> normalize;             // nullopt: the model's pooling config
+  std::vector<std::string> ignored_fields;
+};
+EmbeddingRequest parse_embedding_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);
+// {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}.
+Json embedding_response(const std::string& model, const std::vector<std::vector<float>>& vectors, bool base64,
+                        int64_t prompt_tokens);
+
 // Parses a request body. Throws ApiError 400 for malformed JSON, a non-object body, or
 // JSON nested deeper than limits.max_json_depth.
 Json parse_body(std::string_view body, const ApiLimits& limits);

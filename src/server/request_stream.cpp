@@ -14,7 +14,8 @@ RequestStream::RequestStream(const Tokenizer* tok, TextOptions opts, int num_cho
   choices_.reserve(size_t(num_choices));
   for (int i = 0; i < num_choices; ++i) {
     Choice c{.dec = std::nullopt, .stops = StopMatcher(tok_ ? opts_.stop : std::vector<std::string>{})};
-    if (tok_) c.dec.emplace(*tok_, opts_.skip_special_tokens);
+    if (tok_ && !opts_.pooling) c.dec.emplace(*tok_, opts_.skip_special_tokens);
+    if (opts_.pooling) c.pooler.emplace(opts_.pooling->type, opts_.pooling->width);
     choices_.push_back(std::move(c));
   }
 }
@@ -43,6 +44,7 @@ bool RequestStream::on_output(int choice, const RequestOutput& out) noexcept {
     ChoiceEvent ev;
     ev.choice = choice;
     ev.prompt_logprobs = out.prompt_logprobs;
+    if (c.pooler && !out.prompt_logits.empty()) c.pooler->add(out.prompt_logits, out.prompt_logits_begin);
     const bool stopped_by_token = out.finished && out.finish_reason == FinishReason::Stop;
     for (size_t i = 0; i < out.new_tokens.size(); ++i) {
       const TokenId t = out.new_tokens[i];
@@ -74,6 +76,14 @@ bool RequestStream::on_output(int choice, const RequestOutput& out) noexcept {
         if (contains(opts_.stop_token_ids, t)) ev.stop_token = t;
       }
       if (ev.reason == FinishReason::Stop || ev.reason == FinishReason::Length) finish_text(c, ev);
+      if (c.pooler && (ev.reason == FinishReason::Stop || ev.reason == FinishReason::Length)) {  // the prompt ran
+        if (c.pooler->rows_seen() == 0) {
+          ev.reason = FinishReason::Error;
+          ev.error = "the engine returned no hidden states for the input";
+        } else {
+          ev.embedding = c.pooler->finish(opts_.pooling->normalize, opts_.pooling->dimensions);
+        }
+      }
     }
     ev.prompt_tokens = out.prompt_tokens;
     ev.cached_tokens = out.cached_prompt_tokens;

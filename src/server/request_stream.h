@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "config/pooling_config.h"
 #include "text/stop.h"
 #include "io/tokenizer/tokenizer.h"
 #include "engine/request.h"
@@ -23,6 +24,15 @@ struct TextOptions {
   std::vector<TokenId> eos_token_ids;    // the model's EOS tokens (empty with ignore_eos)
   bool include_stop_str_in_output = false;
   bool skip_special_tokens = true;
+  // Embeddings: each choice's prompt rows (a pooling runner's hidden states, RequestOutput::
+  // prompt_logits) are pooled into ChoiceEvent::embedding when it finishes.
+  struct Pooling {
+    PoolingType type = PoolingType::Last;
+    int width = 0;  // the hidden size
+    bool normalize = true;
+    int dimensions = 0;  // 0: all; else a Matryoshka cut
+  };
+  std::optional<Pooling> pooling;
 };
 
 // What one engine output meant for one choice.
@@ -38,6 +48,7 @@ struct ChoiceEvent {
   std::optional<TokenId> stop_token;         // or the stop token (not EOS) that ended it
   std::string error;
   int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;  // running totals
+  std::vector<float> embedding;              // TextOptions::pooling: the pooled vector, when finished
 };
 
 class RequestStream {
@@ -65,6 +76,7 @@ class RequestStream {
     StopMatcher stops;
     bool finished = false;
     int completion_tokens = 0;
+    std::optional<Pooler> pooler;
   };
   void finish_text(Choice& c, ChoiceEvent& ev);
   bool is_stop_token(TokenId t) const;

@@ -41,6 +41,7 @@
 #include "core/error.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
+#include "offline/embed.h"
 #include "offline/generate.h"
 #include "offline/score.h"
 #include "attention/registry.h"
@@ -1082,4 +1083,49 @@ TEST(CudaRunner, ClearErrors) {
   // A token outside the vocabulary.
   const std::vector<TokenId> bad{1, 100000};
   EXPECT_THROW(all_logits(*e, bad, 8), Error);
+}
+
+// An embedding model (--runner pooling) on the GPU: the final norm writes fp32 rows and the
+// runner hands them back instead of logits; last-token and mean pooling, prefilled whole and in
+// chunks, through CUDA graphs and eagerly, against transformers' vectors (tests/golden/embed)
+// within bf16 compute (cosine), and against the CPU runner with the same bf16 KV cache.
+TEST(CudaRunner, PoolingReturnsHiddenStates) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const fs::path dir = golden_dir() / "embed" / "model";
+  std::ifstream in(golden_dir() / "embed" / "expected.json");
+  const auto g = nlohmann::json::parse(in);
+  std::vector<std::vector<TokenId>> inputs;
+  for (const auto& x : g["inputs"]) inputs.push_back(x["ids"].get<std::vector<TokenId>>());
+  auto ce = load(dir, KVCacheDType::Auto, Device::Cuda);
+  auto he = load(dir, KVCacheDType::Auto, Device::Cpu);
+  ASSERT_TRUE(ce->pooling() && ce->model().pooling());
+  const auto cosine = [](const std::vector<float>& a, const nlohmann::json& b) {
+    double d = 0;
+    for (size_t i = 0; i < a.size(); ++i) d += double(a[i]) * b[i].get<double>();
+    return d;
+  };
+  for (const int chunk : {2048, 6}) {
+    const auto got = embed_prompts(*ce, inputs, EmbedOptions{.max_num_batched_tokens = chunk});
+    const auto cpu = embed_prompts(*he, inputs, EmbedOptions{.max_num_batched_tokens = chunk});
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const double c = cosine(got[i], g["inputs"][i]["last"]);
+      float d = 0;
+      for (size_t k = 0; k < got[i].size(); ++k) d = std::max(d, std::abs(got[i][k] - cpu[i][k]));
+      std::printf("[pooling] input %zu chunk %d: cosine vs transformers %.6f, max|cuda - cpu| %.2e\n", i, chunk, c, d);
+      EXPECT_GT(c, 0.999) << i;
+      EXPECT_LT(d, 0.02f) << i;
+    }
+  }
+  cuda_of(*ce).set_cuda_graphs(false);
+  const auto eager = embed_prompts(*ce, inputs, EmbedOptions{.dimensions = 16});
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_GT(cosine(eager[i], g["inputs"][i]["last16"]), 0.999) << i;
+  // Mean pooling: every prompt row comes back (row map over all rows).
+  const fs::path mean = fs::temp_directory_path() / ("kvlm_cuda_mean_" + std::to_string(::getpid()));
+  fs::remove_all(mean);
+  fs::copy(dir, mean, fs::copy_options::recursive);
+  std::ofstream(mean / "1_Pooling" / "config.json") << R"({"pooling_mode_mean_tokens": true})";
+  auto me = load(mean, KVCacheDType::Auto, Device::Cuda);
+  const auto got = embed_prompts(*me, inputs, EmbedOptions{.max_num_batched_tokens = 9});
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_GT(cosine(got[i], g["inputs"][i]["mean"]), 0.999) << i;
+  fs::remove_all(mean);
 }

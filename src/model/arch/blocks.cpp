@@ -219,6 +219,11 @@ DecoderActivations alloc_decoder_activations(Ops& ops, const ModelConfig& c) {
 Tensor final_logits(Ops& ops, const ModelConfig& c, Tensor x, Tensor pending, const Weight& norm, const Weight& head) {
   const int64_t R = ops.num_logit_rows();
   if (R == 0) return {};
+  if (ops.pooling()) {  // an embedding model's output: the normed hidden states themselves
+    const Tensor pooled = ops.alloc(ActRole::Logits, R, c.hidden_size);
+    ops.final_norm(x, pending, norm, float(c.rms_norm_eps), pooled);
+    return pooled;
+  }
   const Tensor hl = ops.alloc(ActRole::Hidden, R, c.hidden_size);
   const Tensor logits = ops.alloc(ActRole::Logits, R, c.vocab_size);
   ops.final_norm(x, pending, norm, float(c.rms_norm_eps), hl);

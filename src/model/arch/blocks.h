@@ -116,7 +116,8 @@ class PreNormDecoder : public ModelDefinition {
 };
 
 // The final norm of the logit rows (x + pending, the last layer's output not yet added) and
-// the LM head: [num_logit_rows][vocab] logits, or an empty tensor when no row wants them.
+// the LM head: [num_logit_rows][vocab] logits, or an empty tensor when no row wants them. A
+// pooling step (Ops::pooling) returns the normed rows instead ([num_logit_rows][hidden], fp32).
 Tensor final_logits(Ops& ops, const ModelConfig& c, Tensor x, Tensor pending, const Weight& norm, const Weight& head);
 
 }  // namespace kvlm::arch

@@ -78,6 +78,8 @@ class CpuOps final : public Ops {
 
   int num_tokens() const override { return int(b_.tokens.size()); }
   int num_logit_rows() const override { return logits_ ? int(b_.logit_rows.size()) : 0; }
+  bool pooling() const override { return pooling_; }
+  void set_pooling(bool on) { pooling_ = on; }
 
   Tensor alloc(ActRole, int64_t rows, int64_t cols) override {
     auto& v = arena_.emplace_back(size_t(rows * cols));
@@ -235,6 +237,7 @@ class CpuOps final : public Ops {
   Communicator& comm_;
   const CpuModelRunner::KVObserver& observer_;
   bool logits_ = true;
+  bool pooling_ = false;
   std::deque<std::vector<float>> arena_;
   std::vector<float> k_, v_, act_;
   std::vector<float> route_logits_, route_weights_, expert_x_, expert_gu_, expert_y_;
@@ -296,9 +299,10 @@ void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");
   const size_t T = b.tokens.size();
   KVLM_CHECK(b.positions.size() == T && b.slots.size() == T, "batch arrays differ in length");
-  KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(cfg_.vocab_size), "logits buffer size");
+  KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(output_width()), "logits buffer size");
   KVLM_CHECK(cache_->num_layers() == plan_->layers.size(), "KV cache built for another plan");
   CpuOps ops(b, *cache_, backends_, *comm_, observer_);
+  ops.set_pooling(pooling());
   if (draft_def_) ops.set_capture(feature_slot_, &features_, cfg_.hidden_size);
   const Tensor out = def_->forward(ops, weights_);
   if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());

@@ -136,9 +136,11 @@ void CudaOps::rmsnorm(Tensor x, const Weight& w, float eps, Tensor out) {
 void CudaOps::final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) {
   fp8_norm_codes_ = {};
   if (measure_) return;
+  const bool f32 = out.dtype == DType::F32;  // a pooling step's output
   cuda::add_rmsnorm({.act = act_, .rows = int(out.rows), .hidden = int(x.cols), .x = static_cast<float*>(x.data),
-                     .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps, .out = out.data,
-                     .row_map = step_.logit_rows},
+                     .delta = delta.data, .weight = static_cast<const float*>(w.data), .eps = eps,
+                     .out = f32 ? nullptr : out.data, .row_map = step_.logit_rows,
+                     .out_f32 = f32 ? static_cast<float*>(out.data) : nullptr},
                     stream_);
 }
 

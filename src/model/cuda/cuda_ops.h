@@ -100,6 +100,8 @@ class CudaOps final : public Ops {
 
   int num_tokens() const override { return step_.T; }
   int num_logit_rows() const override { return logits_ ? step_.R : 0; }
+  bool pooling() const override { return pooling_; }
+  void set_pooling(bool on) { pooling_ = on; }
   Tensor alloc(ActRole role, int64_t rows, int64_t cols) override;
   void embed(const Weight& table, float scale, Tensor x) override;
   void add_rmsnorm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override;
@@ -168,6 +170,7 @@ class CudaOps final : public Ops {
   cuda::Gemm& gemm_;
   Communicator& comm_;
   bool logits_ = true;
+  bool pooling_ = false;
   std::span<const CudaKVLayer> layers_;
   int block_size_ = 0, num_blocks_ = 0, num_exact_ = 0;
   CudaStep step_;

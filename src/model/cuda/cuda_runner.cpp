@@ -379,6 +379,15 @@ void CudaModelRunner::set_small_m_gemv(bool on) {
 void CudaModelRunner::set_poison_scratch(bool on) { impl_->poison = on; }
 int CudaModelRunner::num_cuda_graphs() const { return int(impl_->graphs.size()); }
 
+void CudaModelRunner::set_pooling(bool on) {
+  KVLM_CHECK(!on || !has_drafter(), "a pooling runner with a drafter");
+  const DeviceScope dev(impl_->device);
+  KVLM_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  ModelRunner::set_pooling(on);
+  impl_->ops->set_pooling(on);
+  impl_->clear_graphs();  // they were captured computing logits
+}
+
 void CudaModelRunner::set_cuda_graphs(bool on) {
   const DeviceScope dev(impl_->device);
   KVLM_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));

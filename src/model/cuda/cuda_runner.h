@@ -84,6 +84,7 @@ class CudaModelRunner final : public ModelRunner {
   // CUDA graphs for decode steps (CudaRunnerOptions::cuda_graphs at construction). Off:
   // every step launches its kernels one by one.
   void set_cuda_graphs(bool on);
+  void set_pooling(bool on) override;
   int num_cuda_graphs() const;  // captured so far
   // The small-m GEMV kernels (CudaRunnerOptions::small_m_gemv at construction).
   void set_small_m_gemv(bool on);

@@ -8,7 +8,7 @@
 namespace kvlm {
 
 void CudaModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
-  const size_t R = b.logit_rows.size(), V = size_t(cfg_.vocab_size);
+  const size_t R = b.logit_rows.size(), V = size_t(output_width());
   KVLM_CHECK(logits.size() == R * V, "logits buffer size");
   const DeviceScope on(impl_->device);
   const float* dev = enqueue(b);
@@ -28,7 +28,7 @@ void CudaModelRunner::copy_logit_rows(const float* dev, std::span<const int32_t>
                                       std::span<const int32_t> slots) {
   Impl& m = *impl_;
   KVLM_CHECK(m.comm->rank() == 0, "only tensor-parallel rank 0 forms logits; the other ranks run forward_follower");
-  const size_t R = rows.size(), V = size_t(cfg_.vocab_size);
+  const size_t R = rows.size(), V = size_t(output_width());  // logits, or a pooling step's hidden states
   KVLM_CHECK(slots.empty() ? out.size() == R * V : slots.size() == R, "logits buffer size");
   for (const int32_t slot : slots) KVLM_CHECK(slot >= 0 && (size_t(slot) + 1) * V <= out.size(), "logits slot out of range");
   if (R == 0) {

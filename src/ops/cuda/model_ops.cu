@@ -102,13 +102,16 @@ __global__ void __launch_bounds__(kNormMaxThreads) add_rmsnorm_kernel(const AddR
   float total = 0.0f;
   for (int w = 0; w < nt / 32; ++w) total += part[w];
   const float inv = 1.0f / sqrtf(total / float(H) + p.eps);
-  uint16_t* out = static_cast<uint16_t*>(p.out) + size_t(r) * size_t(H);
+  uint16_t* out = p.out ? static_cast<uint16_t*>(p.out) + size_t(r) * size_t(H) : nullptr;
+  float* out_f32 = p.out_f32 ? p.out_f32 + size_t(r) * size_t(H) : nullptr;
   uint16_t o[PER];  // the stored row (the codes below quantize exactly these values)
 #pragma unroll
   for (int c = 0; c < PER; ++c) {
     const int i = tid + c * nt;
-    o[c] = A::store(wt[c] * (v[c] * inv));
-    if (i < H) out[i] = o[c];
+    const float y = wt[c] * (v[c] * inv);
+    o[c] = A::store(y);
+    if (i < H && out) out[i] = o[c];
+    if (i < H && out_f32) out_f32[i] = y;
   }
   if (!p.codes) return;
   // quantize_rows_fp8 of the stored row: the absolute maximum of the rounded values per row (or
@@ -519,7 +522,7 @@ bool rmsnorm_fp8_fits(int hidden, int group) {
 
 void add_rmsnorm(const AddRmsNormParams& p, void* stream) {
   if (p.rows <= 0) return;
-  if (p.hidden <= 0 || (!p.x && !p.delta) || !p.weight || !p.out)
+  if (p.hidden <= 0 || (!p.x && !p.delta) || !p.weight || (!p.out && !p.out_f32) || (p.codes && !p.out))
     throw Error("add_rmsnorm: missing buffers or hidden size");
   if (p.hidden > kNormMaxThreads * 16)
     throw Error("the CUDA RMSNorm handles hidden sizes up to " + std::to_string(kNormMaxThreads * 16) + ", got " +

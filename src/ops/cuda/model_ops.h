@@ -45,6 +45,9 @@ struct AddRmsNormParams {
   uint8_t* codes = nullptr;
   float* code_scales = nullptr;
   int code_group = 0;
+  // Optionally the rows in fp32 instead of (or beside) `out`: weight * s / rms, unrounded (an
+  // embedding model's pooled output). out may then be null.
+  float* out_f32 = nullptr;
 };
 void add_rmsnorm(const AddRmsNormParams& p, void* stream);
 // Whether add_rmsnorm quantizes rows of this size in these groups (0: per row; 128: the norm's
