@@ -229,6 +229,10 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
                  "seconds a structured output (JSON schema, regex, grammar, choice) may take to compile, its first "
                  "token mask included; past it the request gets 400")
       ->capture_default_str();
+  cmd.add_option("--responses-store-size", responses_store_size,
+                 "/v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} (the newest, "
+                 "within 256 MiB); 0 keeps none (stateless)")
+      ->capture_default_str();
   cmd.add_option("--tool-call-parser", tool_call_parser,
                  "the format the model writes tool calls in: hermes (Hermes, Qwen 2.5, Qwen 3), qwen3_coder (Qwen3-Coder, "
                  "Qwen3.5: XML), llama3_json (Llama 3.1, 3.2), pythonic (Llama 3.2, 4), harmony (GPT-OSS: also its "

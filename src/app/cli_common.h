@@ -69,6 +69,7 @@ struct ServeExtraFlags {
   int max_logprobs = 20;
   int max_seqs_per_request = 256;    // prompts x n of one request
   double grammar_compile_timeout = 10;  // seconds a structured output's grammar may take to compile
+  int responses_store_size = 1000;      // /v1/responses kept for previous_response_id (0: none)
   std::string tool_call_parser;  // hermes | qwen3_coder | llama3_json | pythonic | harmony | none; empty: the chat template's
   std::string reasoning_parser;  // qwen3 | deepseek_r1 | gpt_oss; empty: none
   bool enable_auto_tool_choice = false;  // vLLM's switch; kvlm parses calls whenever it knows the format

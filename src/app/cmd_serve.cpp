@@ -426,6 +426,9 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   so.limits.max_logprobs = x.max_logprobs;
   so.limits.max_choices = x.max_seqs_per_request;
   so.grammar_compile_s = x.grammar_compile_timeout;
+  if (x.responses_store_size < 0)
+    throw Error("--responses-store-size must be >= 0, got " + std::to_string(x.responses_store_size));
+  so.responses_store_size = size_t(x.responses_store_size);
   server::raise_descriptor_limit();  // one descriptor per connection: the default 1024 is few
   if (so.api_key.empty() && so.host != "127.0.0.1" && so.host != "localhost" && so.host != "::1")
     log::warn("serving on " + so.host + " without an API key: anyone who can reach the port can use the model; "

@@ -22,6 +22,7 @@
 #include "server/prometheus.h"
 #include "server/request_stream.h"
 #include "server/response.h"
+#include "server/responses.h"
 #include "offline/embed.h"
 
 namespace kvlm::server {
@@ -124,6 +125,7 @@ struct HttpServer::Impl {
   mutable std::mutex stats_mu;
   std::map<int, uint64_t> by_status;
   GrammarCache grammars;  // structured outputs
+  ResponseStore response_store;  // /v1/responses with store: previous_response_id, GET /v1/responses/{id}
 
   std::mutex seed_mu;
   std::mt19937_64 seed_rng;
@@ -135,6 +137,7 @@ struct HttpServer::Impl {
   explicit Impl(ServerOptions o)
       : opts(std::move(o)),
         grammars(GrammarCacheLimits{.compile_seconds = opts.grammar_compile_s}),
+        response_store(opts.responses_store_size, opts.responses_store_bytes),
         seed_rng(opts.seed ? *opts.seed : std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)) {}
 
   const ServedModel* served(httplib::Response& res) const {
@@ -177,11 +180,15 @@ struct HttpServer::Impl {
     ResponseAssembler asmb;
     std::vector<ChoiceEvent> evs;
     bool begun = false;
+    std::shared_ptr<ResponsesStream> responses;  // /v1/responses: its events instead of chat chunks
+    std::function<void(const Json&)> store_with;  // and where the finished response is kept
   };
   static bool write_stream(StreamState& st, httplib::DataSink& sink);
 
   // POST handlers: `body` is the request body as post() read it (see there).
-  void generate(const httplib::Request& req, const std::string& body, httplib::Response& res, Endpoint ep);
+  // `responses`: /v1/responses, a chat request underneath (server/responses.h).
+  void generate(const httplib::Request& req, const std::string& body, httplib::Response& res, Endpoint ep,
+                bool responses = false);
   void embed(const httplib::Request& req, const std::string& body, httplib::Response& res);
   // Registers a request's engine requests as live (cancel_all reaches them); throws 503 once
   // the server drains.
@@ -205,7 +212,8 @@ Flight::~Flight() {
   if (unregister) unregister(id);
 }
 
-void HttpServer::Impl::generate(const httplib::Request& req, const std::string& raw, httplib::Response& res, Endpoint ep) {
+void HttpServer::Impl::generate(const httplib::Request& req, const std::string& raw, httplib::Response& res, Endpoint ep,
+                                bool responses) {
   const ServedModel* m = served(res);
   if (!m) return;
   if (draining.load()) {
@@ -220,6 +228,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
                        "serve it with --runner generate to generate text",
                    "", "model_not_supported");
   const Json body = parse_body(raw, opts.limits);
+  std::optional<ResponsesRequest> rr;
   GenParams gen;
   std::vector<std::vector<TokenId>> prompts;
   std::vector<std::string> echo_texts;
@@ -234,7 +243,8 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       prompts.push_back(std::move(ids));
     }
   } else {
-    ChatRequest cr = parse_chat_request(body, m->info, opts.limits);
+    if (responses) rr = parse_responses_request(body, response_store);
+    ChatRequest cr = parse_chat_request(rr ? rr->chat : body, m->info, opts.limits);
     gen = cr.gen;
     try {
       prompts.push_back(m->text->encode_chat(cr.messages, cr.add_generation_prompt, cr.template_kwargs));
@@ -279,7 +289,8 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
   }
 
   // One engine request per choice: prompt p, sample i -> choice p * n + i.
-  const std::string id = make_request_id(chat ? "chatcmpl-" : "cmpl-");
+  const std::string id = make_request_id(rr ? "resp_" : chat ? "chatcmpl-" : "cmpl-");
+  if (rr) gen.ignored_fields.insert(gen.ignored_fields.end(), rr->ignored_fields.begin(), rr->ignored_fields.end());
   if (!gen.ignored_fields.empty()) {
     std::string list;
     for (const auto& f : gen.ignored_fields) list += (list.empty() ? "" : ", ") + f;
@@ -362,12 +373,25 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       reply_error(res, *asmb.failure());
       return;
     }
-    reply(res, 200, asmb.response());
+    if (rr) {
+      const Json resp = response_from_chat(ResponseMeta{id, std::time(nullptr), m->info.name, rr->echo}, asmb.response());
+      if (rr->store) response_store.put(id, resp, rr->input_items, rr->previous_response_id);
+      reply(res, 200, resp);
+    } else {
+      reply(res, 200, asmb.response());
+    }
     record_usage(asmb.usage());
     return;
   }
 
   auto st = std::make_shared<StreamState>(StreamState{flight, std::move(asmb), {}, false});
+  if (rr) {
+    st->responses = std::make_shared<ResponsesStream>(ResponseMeta{id, std::time(nullptr), m->info.name, rr->echo});
+    if (rr->store)
+      st->store_with = [this, id, input = rr->input_items, prev = rr->previous_response_id](const Json& resp) {
+        response_store.put(id, resp, input, prev);
+      };
+  }
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Accel-Buffering", "no");
   res.set_chunked_content_provider(
@@ -513,21 +537,31 @@ void HttpServer::Impl::embed(const httplib::Request& req, const std::string& raw
 bool HttpServer::Impl::write_stream(StreamState& st, httplib::DataSink& sink) {
   RequestStream& s = *st.flight->stream;
   std::string out;
+  ResponsesStream* rs = st.responses.get();
   if (!st.begun) {
     st.begun = true;
-    out = st.asmb.begin();
+    out = rs ? rs->begin() : st.asmb.begin();
   }
   st.evs.clear();
   s.wait(st.evs, out.empty() ? 100ms : 0ms);
-  out += st.asmb.chunks(st.evs);
+  out += rs ? rs->events(st.asmb.chunk_objects(st.evs)) : st.asmb.chunks(st.evs);
   const bool failed = st.asmb.failure().has_value();
   const bool finished = failed || s.done();
   if (failed) {
     st.flight->abort_unfinished();
-    out += sse_event(error_json(*st.asmb.failure()));
-    out += kSseDone;
+    if (rs) {
+      out += rs->failed(*st.asmb.failure());
+    } else {
+      out += sse_event(error_json(*st.asmb.failure()));
+      out += kSseDone;
+    }
   } else if (finished) {
-    out += st.asmb.end();
+    if (rs) {
+      out += rs->end(st.asmb.usage());
+      if (st.store_with) st.store_with(rs->final_response());
+    } else {
+      out += st.asmb.end();
+    }
     record_usage(st.asmb.usage());
   }
   if (!out.empty()) {
@@ -802,6 +836,21 @@ void HttpServer::Impl::install_routes() {
   });
   post("/v1/chat/completions", [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
     generate(req, body, res, Endpoint::Chat);
+  });
+  post("/v1/responses", [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
+    generate(req, body, res, Endpoint::Chat, /*responses=*/true);
+  });
+  // A stored response (store: true), and its deletion.
+  svr.Get(R"(/v1/responses/([A-Za-z0-9_\-]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!served(res)) return;
+    if (const auto r = response_store.response(req.matches[1])) reply(res, 200, *r);
+    else reply(res, 404, error_json(404, "Response with id '" + std::string(req.matches[1]) + "' not found", "response_id", "response_not_found"));
+  });
+  svr.Delete(R"(/v1/responses/([A-Za-z0-9_\-]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!served(res)) return;
+    const std::string id = req.matches[1];
+    if (response_store.erase(id)) reply(res, 200, Json{{"id", id}, {"object", "response"}, {"deleted", true}});
+    else reply(res, 404, error_json(404, "Response with id '" + id + "' not found", "response_id", "response_not_found"));
   });
   post("/tokenize", [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
     tokenize(req, body, res);

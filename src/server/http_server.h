@@ -1,5 +1,5 @@
 // The OpenAI-compatible HTTP server (cpp-httplib): /v1/completions, /v1/chat/completions,
-// /v1/embeddings (an embedding model), /v1/models, /health, /metrics, /tokenize, /detokenize.
+// /v1/responses, /v1/embeddings (an embedding model), /v1/models, /health, /metrics, /tokenize, /detokenize.
 //
 // Lifecycle: bind() and start() first, so /health answers 503 while the model loads; then
 // set_ready() with the engine; at shutdown begin_drain() (new generation requests get 503),
@@ -80,6 +80,9 @@ struct ServerOptions {
   std::optional<uint64_t> seed;
   ApiLimits limits;
   double grammar_compile_s = 10;       // a structured output's compile budget (400 past it)
+  // /v1/responses with store: the newest responses kept for previous_response_id (0: none).
+  size_t responses_store_size = 1000;
+  size_t responses_store_bytes = size_t(256) << 20;
 };
 
 struct ServedModel {

@@ -85,6 +85,12 @@ std::string ResponseAssembler::begin() {
 }
 
 std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
+  std::string out;
+  for (const Json& j : chunk_objects(events)) out += sse_event(j);
+  return out;
+}
+
+std::vector<Json> ResponseAssembler::chunk_objects(const std::vector<ChoiceEvent>& events) {
   struct Mark {
     size_t text = 0, tokens = 0, lp = 0;
     bool was_finished = false;
@@ -101,7 +107,7 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
     }
     fold(ev);
   }
-  std::string out;
+  std::vector<Json> out;
   for (int ci : order) {
     const Record& r = recs_[size_t(ci)];
     const Mark& mk = marks[ci];
@@ -178,7 +184,7 @@ std::string ResponseAssembler::chunks(const std::vector<ChoiceEvent>& events) {
     }
     Json j = chunk_base();
     j["choices"] = Json::array({std::move(c)});
-    out += sse_event(j);
+    out.push_back(std::move(j));
   }
   return out;
 }

@@ -29,6 +29,9 @@ class ResponseAssembler {
   // choice that has news in `events`; end(): the usage chunk when asked, then [DONE].
   std::string begin();
   std::string chunks(const std::vector<ChoiceEvent>& events);
+  // The same chunks as JSON objects, before SSE framing (the Responses API's events are made
+  // from them: server/responses.h).
+  std::vector<Json> chunk_objects(const std::vector<ChoiceEvent>& events);
   std::string end();
 
   // Non-streaming: fold events, then the response body.
