@@ -33,38 +33,20 @@ import transformers  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModel  # noqa: E402
 
-VOCAB = 256
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_goldens import VOCAB, base_config  # noqa: E402
+
 SEED = 21000
 LENGTHS = [1, 5, 17, 40]
 
 
 def config():
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "hidden_act": "silu",
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": True,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "torch_dtype": "bfloat16",
-        # Matryoshka: the model's leading dimensions are an embedding of their own, so a
-        # request's `dimensions` may cut the vector (vLLM reads the same field).
-        "is_matryoshka": True,
-    }
+    cfg = base_config("Qwen3ForCausalLM", "qwen3", "bfloat16", head_dim=32, tie_word_embeddings=True,
+                      rope_theta=1000000.0, attention_bias=False, use_sliding_window=False)
+    # Matryoshka: the model's leading dimensions are an embedding of their own, so a request's
+    # `dimensions` may cut the vector (vLLM reads the same field).
+    cfg["is_matryoshka"] = True
+    return cfg
 
 
 def write_json(path, obj):

@@ -60,6 +60,19 @@ struct AccessRecord {
 };
 thread_local AccessRecord t_access;
 
+// An endpoint of the other runner (--runner): a 400 that says which one the server runs.
+void require_runner(const ServedModel& m, bool pooling) {
+  if (bool(m.pooling) == pooling) return;
+  throw ApiError(400,
+                 pooling ? "this server runs '" + m.info.name +
+                               "' as a generative model; embeddings need an embedding model served with --runner "
+                               "pooling (the default for a directory with sentence-transformers' modules.json)"
+                         : "this server runs '" + m.info.name +
+                               "' as an embedding model (--runner pooling): it answers /v1/embeddings and does not "
+                               "generate; serve it with --runner generate to generate text",
+                 "", "model_not_supported");
+}
+
 void record_usage(const Json& usage) {
   if (!usage.is_object()) return;
   if (auto it = usage.find("prompt_tokens"); it != usage.end() && it->is_number_integer()) t_access.prompt_tokens = it->get<int64_t>();
@@ -192,6 +205,10 @@ struct HttpServer::Impl {
   void embed(const httplib::Request& req, const std::string& body, httplib::Response& res);
   // Registers a request's engine requests as live (cancel_all reaches them); throws 503 once
   // the server drains.
+  // A non-streamed request: hands each batch of events to `take` (false: stop waiting) until
+  // every choice has finished. False when the client went away (its requests aborted, 499).
+  bool await_all(const httplib::Request& req, httplib::Response& res, Flight& flight,
+                 const std::function<bool(std::vector<ChoiceEvent>&)>& take);
   std::shared_ptr<Flight> begin_flight(const std::string& id, const std::shared_ptr<RequestStream>& stream,
                                        std::vector<EngineRequest>& reqs, EngineClient* engine);
   void tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
@@ -221,12 +238,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
     return;
   }
   const bool chat = ep == Endpoint::Chat;
-  if (m->pooling)
-    throw ApiError(400,
-                   "this server runs '" + m->info.name +
-                       "' as an embedding model (--runner pooling): it answers /v1/embeddings and does not generate; "
-                       "serve it with --runner generate to generate text",
-                   "", "model_not_supported");
+  require_runner(*m, /*pooling=*/false);
   const Json body = parse_body(raw, opts.limits);
   std::optional<ResponsesRequest> rr;
   GenParams gen;
@@ -348,26 +360,11 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
   ResponseAssembler asmb(ep, id, std::time(nullptr), m->info.name, gen, std::move(meta),
                          [this](TokenId t) { return token_text(t); });
   if (!gen.stream) {
-    ConnectionProbe probe(req);
-    const auto t0 = Clock::now();
-    auto next_probe = t0 + 1s;
-    std::vector<ChoiceEvent> evs;
-    while (!stream->done()) {
-      evs.clear();
-      stream->wait(evs, 100ms);
+    const bool present = await_all(req, res, *flight, [&](std::vector<ChoiceEvent>& evs) {
       asmb.add(evs);
-      if (asmb.failure()) break;
-      const auto now = Clock::now();
-      if (now >= next_probe) {
-        next_probe = now + 250ms;
-        if (probe.client_gone()) {
-          flight->abort_unfinished();
-          log::info("request " + id + ": the client disconnected; aborted");
-          res.status = 499;  // nginx's "client closed request", for the logs and /metrics
-          return;
-        }
-      }
-    }
+      return !asmb.failure();
+    });
+    if (!present) return;
     if (asmb.failure()) {
       flight->abort_unfinished();
       reply_error(res, *asmb.failure());
@@ -411,6 +408,29 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       });
 }
 
+bool HttpServer::Impl::await_all(const httplib::Request& req, httplib::Response& res, Flight& flight,
+                                 const std::function<bool(std::vector<ChoiceEvent>&)>& take) {
+  ConnectionProbe probe(req);
+  auto next_probe = Clock::now() + 1s;
+  std::vector<ChoiceEvent> evs;
+  while (!flight.stream->done()) {
+    evs.clear();
+    flight.stream->wait(evs, 100ms);
+    if (!take(evs)) break;
+    const auto now = Clock::now();
+    if (now >= next_probe) {
+      next_probe = now + 250ms;
+      if (probe.client_gone()) {
+        flight.abort_unfinished();
+        log::info("request " + flight.id + ": the client disconnected; aborted");
+        res.status = 499;  // nginx's "client closed request", for the logs and /metrics
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 std::shared_ptr<Flight> HttpServer::Impl::begin_flight(const std::string& id, const std::shared_ptr<RequestStream>& stream,
                                                        std::vector<EngineRequest>& reqs, EngineClient* engine) {
   auto flight = std::make_shared<Flight>();
@@ -448,12 +468,7 @@ void HttpServer::Impl::embed(const httplib::Request& req, const std::string& raw
     reply(res, 503, error_json(503, "the server is shutting down and takes no new requests", "", "server_shutting_down"));
     return;
   }
-  if (!m->pooling)
-    throw ApiError(400,
-                   "this server runs '" + m->info.name +
-                       "' as a generative model; embeddings need an embedding model served with --runner pooling "
-                       "(the default for a directory with sentence-transformers' modules.json)",
-                   "", "model_not_supported");
+  require_runner(*m, /*pooling=*/true);
   const Json body = parse_body(raw, opts.limits);
   EmbeddingRequest er = parse_embedding_request(body, m->info, opts.limits);
   try {
@@ -500,12 +515,7 @@ void HttpServer::Impl::embed(const httplib::Request& req, const std::string& raw
   }
   const std::shared_ptr<Flight> flight = begin_flight(id, stream, reqs, m->engine);
   std::vector<std::vector<float>> vectors(reqs.size());
-  ConnectionProbe probe(req);
-  auto next_probe = Clock::now() + 1s;
-  std::vector<ChoiceEvent> evs;
-  while (!stream->done()) {
-    evs.clear();
-    stream->wait(evs, 100ms);
+  const bool present = await_all(req, res, *flight, [&](std::vector<ChoiceEvent>& evs) {
     for (ChoiceEvent& ev : evs) {
       if (!ev.finished) continue;
       if (ev.reason == FinishReason::Error || ev.reason == FinishReason::Abort || ev.embedding.empty()) {
@@ -517,17 +527,9 @@ void HttpServer::Impl::embed(const httplib::Request& req, const std::string& raw
       }
       vectors[size_t(ev.choice)] = std::move(ev.embedding);
     }
-    const auto now = Clock::now();
-    if (now >= next_probe) {
-      next_probe = now + 250ms;
-      if (probe.client_gone()) {
-        flight->abort_unfinished();
-        log::info("request " + id + ": the client disconnected; aborted");
-        res.status = 499;
-        return;
-      }
-    }
-  }
+    return true;
+  });
+  if (!present) return;
   reply(res, 200, embedding_response(m->info.name, vectors, er.base64, prompt_tokens));
   record_usage(Json{{"prompt_tokens", prompt_tokens}});
 }

@@ -14,13 +14,12 @@ usage: python responses_test.py KVLM_BINARY MODEL_DIR QWEN_TEMPLATE.jinja
 import json
 import os
 import sys
-import tempfile
 
 import jsonschema
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serverlib import Checks, Server  # noqa: E402
+from serverlib import Checks, Server, model_with_template  # noqa: E402
 
 KVLM, MODEL, TEMPLATE = sys.argv[1], sys.argv[2], sys.argv[3]
 if not os.path.exists(TEMPLATE):
@@ -38,13 +37,7 @@ ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -100
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
          {"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}]
 
-work = tempfile.mkdtemp(prefix="kvlm-responses-")
-for f in os.listdir(MODEL):
-    if f != "tokenizer_config.json" and os.path.isfile(os.path.join(MODEL, f)):
-        os.symlink(os.path.abspath(os.path.join(MODEL, f)), os.path.join(work, f))
-cfg = json.load(open(os.path.join(MODEL, "tokenizer_config.json")))
-cfg["chat_template"] = open(TEMPLATE).read()
-json.dump(cfg, open(os.path.join(work, "tokenizer_config.json"), "w"))
+work = model_with_template(MODEL, TEMPLATE, "kvlm-responses-")
 
 
 def expect_error(call, status, text, what):

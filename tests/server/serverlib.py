@@ -5,10 +5,24 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+
+
+def model_with_template(model, template, prefix="kvlm-template-"):
+    """A temporary model directory: `model`'s files linked, its tokenizer_config.json's chat
+    template replaced by the file `template`."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    for f in os.listdir(model):
+        if f != "tokenizer_config.json" and os.path.isfile(os.path.join(model, f)):
+            os.symlink(os.path.abspath(os.path.join(model, f)), os.path.join(work, f))
+    cfg = json.load(open(os.path.join(model, "tokenizer_config.json")))
+    cfg["chat_template"] = open(template).read()
+    json.dump(cfg, open(os.path.join(work, "tokenizer_config.json"), "w"))
+    return work
 
 
 class Checks:

@@ -12,13 +12,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import jsonschema
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serverlib import Server  # noqa: E402
+from serverlib import Server, model_with_template  # noqa: E402
 
 KVLM, MODEL, TEMPLATE = sys.argv[1], sys.argv[2], sys.argv[3]
 TRANSCRIPT = "--transcript" in sys.argv
@@ -43,13 +42,7 @@ TOOLS = [
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 # The bundled model with Qwen 2.5's template (tools, <tool_call> blocks, role tool turns).
-work = tempfile.mkdtemp(prefix="kvlm-tools-")
-for f in os.listdir(MODEL):
-    if f != "tokenizer_config.json" and os.path.isfile(os.path.join(MODEL, f)):
-        os.symlink(os.path.abspath(os.path.join(MODEL, f)), os.path.join(work, f))
-cfg = json.load(open(os.path.join(MODEL, "tokenizer_config.json")))
-cfg["chat_template"] = open(TEMPLATE).read()
-json.dump(cfg, open(os.path.join(work, "tokenizer_config.json"), "w"))
+work = model_with_template(MODEL, TEMPLATE, "kvlm-tools-")
 
 srv = Server(KVLM, work, "--served-model-name", "tiny")
 client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=300)
@@ -205,9 +198,8 @@ srv.stop()
 # the grammar holds the arguments, so the bundled model's reply is a valid call; "required"
 # among several tools is refused; the call and the tool's answer go back through the template.
 GPT_OSS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "chat-templates", "openai-gpt-oss-120b.jinja")
-cfg["chat_template"] = open(GPT_OSS).read()
-json.dump(cfg, open(os.path.join(work, "tokenizer_config.json"), "w"))
-srv = Server(KVLM, work, "--served-model-name", "tiny")
+harmony_dir = model_with_template(MODEL, GPT_OSS, "kvlm-tools-harmony-")
+srv = Server(KVLM, harmony_dir, "--served-model-name", "tiny")
 client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=300)
 named = {"type": "function", "function": {"name": "add"}}
 for seed in range(4):
@@ -247,5 +239,6 @@ if TRANSCRIPT:
     print("harmony final ->", final.choices[0].message.model_dump_json(exclude_none=True))
 srv.stop()
 shutil.rmtree(work, ignore_errors=True)
+shutil.rmtree(harmony_dir, ignore_errors=True)
 print(f"{len(failures)} failure(s)")
 sys.exit(1 if failures else 0)

@@ -17,6 +17,8 @@
 #include "engine/llm_engine.h"
 #include "offline/embed.h"
 
+#include "../support/error_text.h"
+
 using namespace kvlm;
 namespace fs = std::filesystem;
 
@@ -62,14 +64,7 @@ std::vector<std::vector<TokenId>> golden_inputs(const nlohmann::json& g) {
   return v;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 }  // namespace
 

@@ -16,6 +16,8 @@
 #include "text/grammar/matcher.h"
 #include "text/grammar/regex.h"
 
+#include "../support/error_text.h"
+
 namespace kvlm::grammar {
 namespace {
 
@@ -543,14 +545,7 @@ TEST(Grammar, TokenBytesSpellTheText) {
 
 // ---- limits: what a client's grammar may cost (issue 47's attacks) ----------------------
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(GrammarLimits, NestingIsRefusedNotRecursedInto) {
   const int deep = 20000;  // crashed the server (stack overflow) before the limit
