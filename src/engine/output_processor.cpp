@@ -26,7 +26,7 @@ void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) co
       if (p + 1 >= s.num_prompt) break;
       const TokenId next = s.tokens[size_t(p + 1)];
       const auto row = batch.logits(s, r);
-      s.prompt_lp.push_back({next, logprob_of(row, next), top_logprobs(row, k)});
+      s.prompt_lp.push_back({next, logprob_of(row, next), top_logprobs(row, k), rank_of(row, next)});
     }
   }
   std::vector<TokenId> history;  // output tokens so far, accepted draft tokens included

@@ -71,6 +71,13 @@ float logprob_of(std::span<const float> logits, TokenId token) {
   return logits[size_t(token)] - log_sum_exp(logits);
 }
 
+int rank_of(std::span<const float> logits, TokenId token) {
+  const float v = logits[size_t(token)];
+  int higher = 0;
+  for (const float x : logits) higher += x > v;
+  return higher + 1;
+}
+
 std::vector<std::pair<TokenId, float>> top_logprobs(std::span<const float> logits, int k) {
   const float lse = log_sum_exp(logits);
   std::vector<std::pair<TokenId, float>> all;

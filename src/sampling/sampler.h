@@ -82,12 +82,15 @@ struct TokenLogprobs {
   TokenId token = 0;
   float logprob = 0;
   std::vector<std::pair<TokenId, float>> top;
+  int rank = 0;  // prompt log-probabilities: 1 + the tokens more likely than `token` (vLLM's rank); 0 = not computed
 };
 
 // log(sum(exp(logits))), accumulated in double.
 float log_sum_exp(std::span<const float> logits);
 // log_softmax(logits)[token]
 float logprob_of(std::span<const float> logits, TokenId token);
+// 1 + the number of tokens whose logit is higher than `token`'s.
+int rank_of(std::span<const float> logits, TokenId token);
 // The k most likely tokens of log_softmax(logits), most likely first.
 std::vector<std::pair<TokenId, float>> top_logprobs(std::span<const float> logits, int k);
 

@@ -348,7 +348,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       er.min_tokens = gen.min_tokens;
       er.ignore_eos = gen.ignore_eos;
       er.logprobs = gen.logprobs ? std::max(*gen.logprobs, 1) : 0;
-      er.prompt_logprobs = gen.echo && gen.logprobs ? *gen.logprobs : -1;
+      er.prompt_logprobs = std::max(gen.echo && gen.logprobs ? *gen.logprobs : -1, gen.prompt_logprobs.value_or(-1));
       er.stop_token_ids = engine_stops;
       er.logit_bias = gen.logit_bias;
       if (compiled) er.constraint = std::make_shared<grammar::Constraint>(compiled);

@@ -86,3 +86,22 @@ Json chat_logprob_entry(const TokenLogprobs& lp, int k, const TokenText& text) {
 }
 
 }  // namespace kvlm::server
+
+namespace kvlm::server {
+
+Json prompt_logprobs_json(std::span<const TokenLogprobs> lps, int k, const TokenText& text) {
+  Json out = Json::array({nullptr});  // the first prompt token has no context to be scored in
+  for (const TokenLogprobs& lp : lps) {
+    Json e = Json::object();
+    const auto entry = [&](TokenId t, float logprob, int rank) {
+      e[std::to_string(t)] = Json{{"logprob", json_logprob(logprob)}, {"rank", rank}, {"decoded_token", text(t)}};
+    };
+    entry(lp.token, lp.logprob, lp.rank);
+    for (size_t i = 0; i < lp.top.size() && int(i) < k; ++i)
+      if (lp.top[i].first != lp.token) entry(lp.top[i].first, lp.top[i].second, int(i) + 1);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+}  // namespace kvlm::server

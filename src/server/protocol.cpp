@@ -314,6 +314,14 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
       g.logit_bias.emplace_back(TokenId(id), float(it->get<double>()));
     }
   }
+  if (const auto plp = opt_int(b, "prompt_logprobs")) {
+    if (*plp < 0 || *plp > lim.max_logprobs)
+      bad("prompt_logprobs must be between 0 and " + std::to_string(lim.max_logprobs) + " (--max-logprobs), got " +
+              std::to_string(*plp),
+          "prompt_logprobs");
+    if (g.stream) bad("prompt_logprobs cannot be streamed; send stream: false", "prompt_logprobs");
+    g.prompt_logprobs = int(*plp);
+  }
   parse_structured(b, g, info);
   return g;
 }

@@ -94,6 +94,9 @@ struct GenParams {
   // Completions: `logprobs` K; chat: `top_logprobs` K when `logprobs` is true. nullopt = none.
   std::optional<int> logprobs;
   bool echo = false;                  // completions only
+  // vLLM's prompt_logprobs K: each prompt token's log-probability with its rank, and the top K
+  // (the first token has none). Not streamed.
+  std::optional<int> prompt_logprobs;
   bool stream = false;
   bool include_usage = false;         // stream_options.include_usage
   bool return_token_ids = false;      // vLLM's extension: token ids in each choice
@@ -187,6 +190,9 @@ struct CompletionLogprobs {
 };
 // Chat: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}.
 Json chat_logprob_entry(const TokenLogprobs& lp, int k, const TokenText& text);
+// vLLM's prompt_logprobs: [null, then per prompt token {"<id>": {"logprob", "rank",
+// "decoded_token"}} for the token itself and the top k].
+Json prompt_logprobs_json(std::span<const TokenLogprobs> lps, int k, const TokenText& text);
 
 // A logprob as JSON: finite values as they are, -inf / NaN as -9999.0 (vLLM's choice;
 // JSON has no infinity).

@@ -35,6 +35,7 @@ void ResponseAssembler::fold(const ChoiceEvent& ev) {
     r.text += m.echo_text;
     if (want_lp) r.lp.add_prompt(m.prompt_ids, ev.prompt_logprobs, k, token_text_);
   }
+  if (gen_.prompt_logprobs && !ev.prompt_logprobs.empty()) r.prompt_lp = ev.prompt_logprobs;
   r.text += ev.text;
   r.tokens.insert(r.tokens.end(), ev.tokens.begin(), ev.tokens.end());
   if (want_lp)
@@ -236,6 +237,7 @@ Json ResponseAssembler::response() const {
       c["text"] = r.text;
       c["logprobs"] = gen_.logprobs ? r.lp.to_json() : Json(nullptr);
       c["finish_reason"] = finish_reason_str(r.reason);
+      if (gen_.prompt_logprobs) c["prompt_logprobs"] = prompt_logprobs_json(r.prompt_lp, *gen_.prompt_logprobs, token_text_);
     } else {
       Json msg = Json{{"role", "assistant"}, {"content", r.text}};
       std::string answer = r.text;
@@ -274,6 +276,9 @@ Json ResponseAssembler::response() const {
   }
   j["choices"] = std::move(choices);
   j["usage"] = usage();
+  // Chat: one prompt, so vLLM puts its log-probabilities beside the choices.
+  if (ep_ == Endpoint::Chat && gen_.prompt_logprobs && !recs_.empty())
+    j["prompt_logprobs"] = prompt_logprobs_json(recs_[0].prompt_lp, *gen_.prompt_logprobs, token_text_);
   return j;
 }
 

@@ -49,6 +49,7 @@ class ResponseAssembler {
     std::string text;
     std::vector<TokenId> tokens;
     CompletionLogprobs lp;       // completions
+    std::vector<TokenLogprobs> prompt_lp;  // prompt_logprobs
     Json chat_lp = Json::array();  // chat
     bool echoed = false;
     bool finished = false;

@@ -277,6 +277,33 @@ def echo():
 
 
 @test
+def prompt_logprobs():
+    # vLLM's field: [None, then per prompt token {id: {logprob, rank, decoded_token}}], the
+    # prompt token's own entry (with its rank) and the top K; the same numbers as echo's.
+    prompt = "Once upon a time"
+    r = complete(prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=2, extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    lp = r.choices[0].logprobs
+    n = r.usage.prompt_tokens
+    assert len(plp) == n and plp[0] is None, plp[:2]
+    for i in range(1, n):
+        entries = plp[i]
+        assert 1 <= len(entries) <= 3, entries
+        own = [e for e in entries.values() if e["decoded_token"] == lp.tokens[i]]
+        assert own and abs(own[0]["logprob"] - lp.token_logprobs[i]) < 1e-5, (entries, lp.tokens[i], lp.token_logprobs[i])
+        best = max(entries.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1 and all(e["rank"] >= 1 for e in entries.values())
+    c = chat(max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    cp = c.model_extra["prompt_logprobs"]
+    assert len(cp) == c.usage.prompt_tokens and cp[0] is None and all(len(e) == 1 for e in cp[1:])
+    try:
+        complete(prompt=prompt, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+        raise AssertionError("prompt_logprobs with stream was accepted")
+    except openai.BadRequestError as e:
+        assert "cannot be streamed" in str(e)
+
+
+@test
 def stop_strings():
     full = greedy("Once upon a time", 40)
     stop = None

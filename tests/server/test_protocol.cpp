@@ -812,3 +812,20 @@ TEST(Assembler, FailuresBecomeErrors) {
   b.add({e});
   EXPECT_EQ(b.failure()->status(), 503);
 }
+
+TEST(Logprobs, PromptLogprobsAreVllmsShape) {
+  const TokenText text = [](TokenId t) { return "t" + std::to_string(t); };
+  // Token 5 ranked 3rd (its own entry and the top 2); token 7 is the top token (one entry).
+  const std::vector<TokenLogprobs> lps = {TokenLogprobs{5, -2.5f, {{9, -0.5f}, {8, -1.0f}, {5, -2.5f}}, 3},
+                                          TokenLogprobs{7, -0.1f, {{7, -0.1f}, {4, -3.0f}}, 1}};
+  const Json j = prompt_logprobs_json(lps, 2, text);
+  ASSERT_EQ(j.size(), 3u);
+  EXPECT_TRUE(j[0].is_null());
+  EXPECT_EQ(j[1].size(), 3u);
+  EXPECT_EQ(j[1]["5"], (Json{{"logprob", -2.5}, {"rank", 3}, {"decoded_token", "t5"}}));
+  EXPECT_EQ(j[1]["9"]["rank"], 1);
+  EXPECT_EQ(j[1]["8"]["rank"], 2);
+  EXPECT_EQ(j[2].size(), 2u);
+  EXPECT_EQ(j[2]["7"]["rank"], 1);
+  EXPECT_EQ(prompt_logprobs_json({}, 2, text), Json::array({nullptr}));  // a one-token prompt
+}

@@ -43,7 +43,6 @@ TEST(RequestFields, UnimplementedFieldsAreRefusedByName) {
       {R"("allowed_token_ids": [1, 2])", "allowed_token_ids"},
       {R"("bad_words": ["x"])", "bad_words"},
       {R"("truncate_prompt_tokens": 10)", "truncate_prompt_tokens"},
-      {R"("prompt_logprobs": 1)", "prompt_logprobs"},
       {R"("documents": [{"text": "x"}])", "documents"},
   };
   for (const bool chat : {false, true})
