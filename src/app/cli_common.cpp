@@ -294,7 +294,6 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
   add("--enable-lora", false, "kvlm has no LoRA adapters");
   add("--lora-modules", true, "kvlm has no LoRA adapters");
   add("--preemption-mode", true, "kvlm preempts by recomputing (only recompute is accepted)", only({"recompute"}));
-  add("--scheduling-policy", true, "kvlm schedules first come, first served (only fcfs is accepted)", only({"fcfs"}));
   add("--limit-mm-per-prompt", true, "kvlm serves text-only models");
   add("--kv-cache-memory-bytes", true, "kvlm's flag is --kv-cache-memory (bytes, or sizes like 2GiB)");
   add("--config", true, "kvlm takes its flags on the command line only");

@@ -49,6 +49,10 @@ void ServingFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--gpu-memory-utilization", gpu_memory_utilization,
                  "fraction of the GPU's memory this server may use (weights, activations, KV pool)")
       ->capture_default_str();
+  cmd.add_option("--scheduling-policy", scheduling_policy,
+                 "fcfs (first come, first served) or priority: requests' `priority` field orders admission, lower "
+                 "first, and a worse priority is preempted first (vLLM's convention)")
+      ->capture_default_str();
 }
 
 MemoryOptions ServingFlags::memory_options() const {
@@ -62,6 +66,8 @@ MemoryOptions ServingFlags::memory_options() const {
     throw Error("--max-num-batched-tokens must be at least 1, got " + std::to_string(max_num_batched_tokens));
   m.max_num_seqs = max_num_seqs;
   m.max_num_batched_tokens = max_num_batched_tokens;
+  if (scheduling_policy != "fcfs" && scheduling_policy != "priority")
+    throw Error("--scheduling-policy must be fcfs or priority, got '" + scheduling_policy + "'");
   return m;
 }
 
@@ -72,6 +78,7 @@ SchedulerConfig ServingFlags::scheduler_config(const MemoryPlan& plan) const {
   c.max_model_len = plan.max_model_len;
   c.enable_prefix_caching = enable_prefix_caching;
   c.num_blocks = plan.num_blocks;
+  c.priority = scheduling_policy == "priority";
   return c;
 }
 
@@ -425,6 +432,7 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
   so.seed = x.seed;
   so.limits.max_logprobs = x.max_logprobs;
   so.limits.max_choices = x.max_seqs_per_request;
+  so.limits.priority_scheduling = f.serving.scheduling_policy == "priority";
   so.grammar_compile_s = x.grammar_compile_timeout;
   if (x.responses_store_size < 0)
     throw Error("--responses-store-size must be >= 0, got " + std::to_string(x.responses_store_size));

@@ -111,6 +111,7 @@ struct ServingFlags {
   bool enable_prefix_caching = true;
   std::string kv_cache_memory;  // bytes, e.g. 2GiB; empty = the planner's default
   double gpu_memory_utilization = 0.9;
+  std::string scheduling_policy = "fcfs";  // fcfs | priority (EngineRequest::priority)
   void add_to(CLI::App& cmd);
   MemoryOptions memory_options() const;  // parses and validates; throws kvlm::Error
   SchedulerConfig scheduler_config(const MemoryPlan& plan) const;

@@ -72,7 +72,7 @@ void LLMEngine::check_request(const EngineRequest& req) const {
   if (req.max_tokens < 0) throw Error("max_tokens must not be negative, got " + std::to_string(req.max_tokens));
   if (model_.model().pooling() && (req.max_tokens > 0 || !req.prompt_logits || req.prompt_logprobs >= 0))
     throw Error("this model runs as an embedding model (--runner pooling): it pools prompts into vectors "
-                "(/v1/embeddings) and does not generate; serve it with --runner generate to generate text");
+                "(/v1/embeddings) and does not generate; pass --runner generate to generate text with it");
   if (req.min_tokens < 0 || req.min_tokens > req.max_tokens)
     throw Error("min_tokens must be between 0 and max_tokens, got " + std::to_string(req.min_tokens));
   if (req.logprobs < 0 || req.logprobs > mc.vocab_size)

@@ -51,6 +51,9 @@ struct EngineRequest {
   // group of its own.
   std::string group;
   std::vector<TokenId> prompt;
+  // --scheduling-policy priority: lower values are admitted first and preempted last (vLLM's
+  // convention); equal priorities go first come, first served.
+  int priority = 0;
   SamplingParams sampling;
   uint64_t seed = 0;
   int max_tokens = 16;            // 0 = run the prompt only (scoring, calibration)

@@ -191,12 +191,19 @@ bool Scheduler::make_room(GroupCounts& running) {
 
 size_t Scheduler::next_waiting(const GroupCounts& running) const {
   if (waiting_.size() < 2) return 0;
+  // Priority: only the sequences of the best (lowest) priority value compete below.
+  int best_priority = INT32_MAX;
+  if (cfg_.priority)
+    for (const auto& w : waiting_) best_priority = std::min(best_priority, w->req.priority);
+  const auto eligible = [&](const Sequence& s) { return !cfg_.priority || s.req.priority == best_priority; };
   // The usual case, one group waiting, costs one pass.
   const std::string_view g0 = group_of(*waiting_.front());
-  if (std::all_of(waiting_.begin() + 1, waiting_.end(), [&](const auto& w) { return group_of(*w) == g0; })) return 0;
+  if (!cfg_.priority && std::all_of(waiting_.begin() + 1, waiting_.end(), [&](const auto& w) { return group_of(*w) == g0; }))
+    return 0;
   size_t best = 0;
   int best_running = INT32_MAX;
   for (size_t i = 0; i < waiting_.size() && best_running > 0; ++i) {
+    if (!eligible(*waiting_[i])) continue;
     const auto it = running.find(group_of(*waiting_[i]));
     const int n = it == running.end() ? 0 : it->second;
     if (n < best_running) best = i, best_running = n;
@@ -307,7 +314,13 @@ std::vector<Sequence*> Scheduler::schedule() {
     budget -= n;
     batch.push_back(&s);
     ++running[group_of(s)];
-    running_.push_back(std::move(waiting_.front()));
+    if (cfg_.priority) {  // after every sequence of its priority or better: the back is the first to go
+      const auto at = std::upper_bound(running_.begin(), running_.end(), s.req.priority,
+                                       [](int p, const auto& r) { return p < r->req.priority; });
+      running_.insert(at, std::move(waiting_.front()));
+    } else {
+      running_.push_back(std::move(waiting_.front()));
+    }
     waiting_.pop_front();
   }
   return batch;

@@ -8,6 +8,10 @@
 //      cache, mostly from cache);
 //   2. then waiting sequences, first come first served, while tokens, pages and
 //      --max-num-seqs allow; a new sequence first takes what the prefix cache holds.
+// With --scheduling-policy priority the running set is kept in (priority, admission) order
+// and the waiting head is the lowest priority value: a request of a better priority is
+// scheduled, and keeps its pages, before any of a worse one; the one preempted is the
+// newest of the worst priority.
 #pragma once
 
 #include <algorithm>
@@ -37,6 +41,7 @@ struct SchedulerConfig {
   int keep_sink = 0;
   int keep_recent = 0;
   int num_exact_pages = 0;
+  bool priority = false;  // --scheduling-policy priority (EngineRequest::priority); false: fcfs
 };
 
 class Scheduler {

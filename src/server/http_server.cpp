@@ -342,6 +342,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
       er.id = id + "-" + std::to_string(c);
       er.group = id;
       er.prompt = prompts[p];
+      er.priority = gen.priority;
       er.sampling = gen.sampling;
       er.seed = gen.seed ? *gen.seed + uint64_t(i) : random_seed();
       er.max_tokens = max_tokens[p];
@@ -509,6 +510,7 @@ void HttpServer::Impl::embed(const httplib::Request& req, const std::string& raw
   for (size_t i = 0; i < prompts.size(); ++i) {
     EngineRequest r = embedding_request(id + "-" + std::to_string(i), std::move(prompts[i]), m->pooling->type);
     r.group = id;
+    r.priority = er.priority;
     const int c = int(i);
     r.on_output = [stream, c](const RequestOutput& out) { return stream->on_output(c, out); };
     reqs.push_back(std::move(r));

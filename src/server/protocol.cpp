@@ -214,6 +214,17 @@ void parse_structured(const Json& b, GenParams& g, const ModelInfo& info) {
 }
 
 // The parameters both endpoints share.
+// vLLM's `priority`: an integer, lower first; anything but 0 needs --scheduling-policy priority.
+int parse_priority(const Json& b, const ApiLimits& lim) {
+  const auto p = opt_int(b, "priority");
+  if (!p || *p == 0) return 0;
+  if (!lim.priority_scheduling)
+    bad("priority needs a server started with --scheduling-policy priority (this one schedules first come, first served)",
+        "priority");
+  if (*p < INT32_MIN || *p > INT32_MAX) bad("priority is out of range", "priority");
+  return int(*p);
+}
+
 GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& lim, bool chat) {
   refuse_unimplemented_fields(b, chat);
   GenParams g;
@@ -322,6 +333,7 @@ GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& li
     if (g.stream) bad("prompt_logprobs cannot be streamed; send stream: false", "prompt_logprobs");
     g.prompt_logprobs = int(*plp);
   }
+  g.priority = parse_priority(b, lim);
   parse_structured(b, g, info);
   return g;
 }
@@ -747,6 +759,7 @@ EmbeddingRequest parse_embedding_request(const Json& b, const ModelInfo& info, c
     r.truncate_prompt_tokens = *t == -1 ? info.max_model_len : int(std::min<int64_t>(*t, INT32_MAX));
   }
   r.add_special_tokens = opt_bool(b, "add_special_tokens").value_or(true);
+  r.priority = parse_priority(b, lim);
   r.normalize = opt_bool(b, "normalize");
   if (const Json* e = field(b, "embed_dtype"); e && *e != "float32")
     bad("embed_dtype: kvlm returns float32 embeddings", "embed_dtype");

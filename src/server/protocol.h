@@ -58,6 +58,7 @@ struct ApiLimits {
   int max_stop_token_ids = 256;
   int max_logprobs = 20;           // vLLM's default --max-logprobs; OpenAI's top_logprobs maximum
   int max_json_depth = 64;         // nesting of the request body
+  bool priority_scheduling = false;  // --scheduling-policy priority: `priority` may be set
 };
 
 // What the model brings to validation and defaults.
@@ -94,6 +95,7 @@ struct GenParams {
   // Completions: `logprobs` K; chat: `top_logprobs` K when `logprobs` is true. nullopt = none.
   std::optional<int> logprobs;
   bool echo = false;                  // completions only
+  int priority = 0;                   // vLLM's `priority` (--scheduling-policy priority; lower first)
   // vLLM's prompt_logprobs K: each prompt token's log-probability with its rank, and the top K
   // (the first token has none). Not streamed.
   std::optional<int> prompt_logprobs;
@@ -151,6 +153,7 @@ struct EmbeddingRequest {
   std::optional<int> truncate_prompt_tokens; // keep each input's last N tokens
   bool add_special_tokens = true;            // text inputs: the tokenizer's BOS/EOS
   std::optional<bool> normalize;             // nullopt: the model's pooling config
+  int priority = 0;
   std::vector<std::string> ignored_fields;
 };
 EmbeddingRequest parse_embedding_request(const Json& body, const ModelInfo& info, const ApiLimits& limits);

@@ -32,7 +32,7 @@ const std::set<std::string> kCommon = {
     "repetition_penalty", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
     "include_stop_str_in_output", "return_token_ids", "stream", "stream_options", "logit_bias", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
-    "structural_tag", "logprobs", "echo", "user", "metadata", "service_tier", "prompt_logprobs"};
+    "structural_tag", "logprobs", "echo", "user", "metadata", "service_tier", "prompt_logprobs", "priority"};
 const std::set<std::string> kCompletions = {"prompt", "suffix", "best_of"};
 const std::set<std::string> kChat = {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                      "continue_final_message", "chat_template", "chat_template_kwargs", "tools",

@@ -368,7 +368,7 @@ ResponsesRequest parse_responses_request(const Json& b, const ResponseStore& sto
                         // vLLM's sampling extensions, as on its chat endpoint
                         "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                         "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens", "chat_template_kwargs",
-                        "structured_outputs", "logit_bias"})
+                        "structured_outputs", "logit_bias", "priority"})
     if (const Json* v = field(b, k)) chat[k] = *v;
   chat["stream"] = r.stream;
   r.chat = std::move(chat);

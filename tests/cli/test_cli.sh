@@ -149,6 +149,10 @@ printf '/exit\n' | "$KVLM" chat "$chat" --max-tokens 2 >/dev/null 2>"$tmp/err" &
 "$KVLM" bench throughput "$chat" --num-prompts 2 --input-len 8 --output-len 4 >/dev/null 2>"$tmp/err" && ok \
   || bad "bench throughput MODEL: $(cat "$tmp/err")"
 expect_error 1 "two models given" -- generate "$chat" --model "$golden/qwen3-mixed" --prompt-ids 1
+# Flags checked before anything loads.
+expect_error 1 "--scheduling-policy must be fcfs or priority" -- serve "$chat" --scheduling-policy lottery --port 0
+expect_error 1 "--runner must be auto, generate or pooling" -- generate "$chat" --runner embed --prompt-ids 1
+expect_error 1 "embedding model (--runner pooling)" -- generate "$golden/../embed/model" --prompt-ids 1,2
 "$KVLM" generate --help >"$tmp/help" 2>&1; grep -q "^  MODEL" "$tmp/help" && ok || bad "generate's help shows MODEL"
 mkdir -p "$tmp/nochat" && cp "$chat"/config.json "$chat"/model.safetensors "$chat"/tokenizer.json "$tmp/nochat/"
 expect_error 1 "no chat template" -- chat --model "$tmp/nochat"

@@ -304,6 +304,17 @@ def prompt_logprobs():
 
 
 @test
+def priority_needs_the_policy():
+    # This server schedules fcfs: priority 0 is fine, another value says which flag it needs.
+    complete(prompt="x", max_tokens=1, extra_body={"priority": 0})
+    try:
+        complete(prompt="x", max_tokens=1, extra_body={"priority": 3})
+        raise AssertionError("priority without --scheduling-policy priority was accepted")
+    except openai.BadRequestError as e:
+        assert "--scheduling-policy priority" in str(e)
+
+
+@test
 def stop_strings():
     full = greedy("Once upon a time", 40)
     stop = None

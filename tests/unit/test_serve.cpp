@@ -401,6 +401,52 @@ TEST(Scheduler, PeakRunningCountsOneBusyPeriod) {
   EXPECT_EQ(le.stats().peak_running, 1) << "the next busy period counts from zero";
 }
 
+// --scheduling-policy priority: the lowest priority value is admitted first, and when pages
+// run out the worst priority is preempted even when it is the older request; fcfs does the
+// opposite on both counts.
+TEST(Scheduler, PriorityOrdersAdmissionAndPreemption) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  for (const bool priority : {false, true}) {
+    std::map<std::string, Collected> out;
+    std::vector<std::string> first_token, finished;
+    const auto tracked = [&](const std::string& id, int prio, int max_tokens) {
+      EngineRequest r = make(id, {1, 2, 3, TokenId(4 + int(id.size()))}, max_tokens, out);
+      r.priority = prio;
+      auto inner = r.on_output;
+      r.on_output = [&, id, inner](const RequestOutput& o) {
+        if (!o.new_tokens.empty() && std::ranges::find(first_token, id) == first_token.end()) first_token.push_back(id);
+        if (o.finished) finished.push_back(id);
+        return inner(o);
+      };
+      return r;
+    };
+    {  // admission: one sequence at a time
+      LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 1, .max_num_batched_tokens = 64, .max_model_len = 64,
+                                       .enable_prefix_caching = false, .num_blocks = 32, .priority = priority});
+      le.add_request(tracked("low-a", 5, 2));
+      le.add_request(tracked("low-b", 5, 2));
+      le.add_request(tracked("high", -1, 2));
+      run_to_end(le);
+      EXPECT_EQ(first_token, priority ? (std::vector<std::string>{"high", "low-a", "low-b"})
+                                      : (std::vector<std::string>{"low-a", "low-b", "high"}));
+    }
+    finished.clear();
+    {  // preemption: 6 pages of 8 tokens cannot hold both 34-token sequences
+      LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 64, .max_model_len = 40,
+                                       .enable_prefix_caching = false, .num_blocks = 6, .priority = priority});
+      le.add_request(tracked("low", 3, 30));
+      le.step();
+      le.step();
+      le.add_request(tracked("urgent", 0, 30));
+      run_to_end(le);
+      EXPECT_GT(le.stats().preemptions_total, 0u);
+      EXPECT_EQ(finished, priority ? (std::vector<std::string>{"urgent", "low"}) : (std::vector<std::string>{"low", "urgent"}));
+      EXPECT_EQ(out["low"].tokens.size(), 30u);
+      EXPECT_EQ(out["urgent"].tokens.size(), 30u);
+    }
+  }
+}
+
 TEST(Scheduler, AbortAndStopCallbackFreePages) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   std::map<std::string, Collected> out;
