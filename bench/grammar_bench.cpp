@@ -20,7 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 #include "text/grammar/json_schema.h"
 #include "text/grammar/matcher.h"
 #include "text/grammar/regex.h"

@@ -14,8 +14,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/tokenizer/tokenizer.h"
-#include "io/tokenizer/unicode.h"
+#include "text/tokenizer/tokenizer.h"
+#include "text/tokenizer/unicode.h"
 
 using namespace kvlm;
 

@@ -11,7 +11,7 @@
 #include "core/error.h"
 #include "io/gguf.h"
 #include "io/gguf_model.h"
-#include "io/gguf_tokenizer.h"
+#include "text/gguf_tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

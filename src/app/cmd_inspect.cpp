@@ -12,7 +12,7 @@
 #include "core/error.h"
 #include "io/gguf.h"
 #include "io/checkpoint.h"
-#include "io/gguf_tokenizer.h"
+#include "text/gguf_tokenizer.h"
 #include "model/architecture.h"
 #include "model/loaded_model.h"
 #include "model/tensor_parallel.h"

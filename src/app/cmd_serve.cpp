@@ -25,7 +25,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "config/weight_quant.h"
-#include "io/chat_template.h"
+#include "text/chat_template.h"
 #include "server/tool_calls.h"
 #include "text/text_processor.h"
 #include "engine/async_engine.h"

@@ -4,7 +4,7 @@
 #include <system_error>
 
 #include "core/error.h"
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 
 namespace kvlm::server {
 

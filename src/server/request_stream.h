@@ -13,7 +13,7 @@
 
 #include "config/pooling_config.h"
 #include "text/stop.h"
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 #include "engine/request.h"
 
 namespace kvlm::server {

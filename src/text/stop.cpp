@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "io/tokenizer/unicode.h"
+#include "text/tokenizer/unicode.h"
 
 namespace kvlm {
 

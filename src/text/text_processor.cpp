@@ -4,7 +4,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "io/gguf.h"
-#include "io/gguf_tokenizer.h"
+#include "text/gguf_tokenizer.h"
 
 namespace kvlm {
 

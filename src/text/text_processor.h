@@ -1,5 +1,5 @@
 // Text in, ids out and back: a model directory's tokenizer.json, tokenizer_config.json and
-// chat template — or a GGUF file's tokenizer metadata (io/gguf_tokenizer) — used the way
+// chat template — or a GGUF file's tokenizer metadata (text/gguf_tokenizer) — used the way
 // transformers uses them. Shared by the CLI and the server.
 #pragma once
 
@@ -11,9 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/chat_template.h"
-#include "io/tokenizer/tokenizer.h"
-#include "io/tokenizer/tokenizer_config.h"
+#include "text/chat_template.h"
+#include "text/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer_config.h"
 
 namespace kvlm {
 

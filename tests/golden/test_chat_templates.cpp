@@ -20,7 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "io/chat_template.h"
+#include "text/chat_template.h"
 
 using namespace kvlm;
 namespace fs = std::filesystem;

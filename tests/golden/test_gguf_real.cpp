@@ -20,7 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/tokenizer/unicode.h"
+#include "text/tokenizer/unicode.h"
 #include "model/loaded_model.h"
 #include "offline/generate.h"
 #include "text/text_processor.h"

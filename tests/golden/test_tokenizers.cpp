@@ -12,8 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/tokenizer/tokenizer.h"
-#include "io/tokenizer/unicode.h"
+#include "text/tokenizer/tokenizer.h"
+#include "text/tokenizer/unicode.h"
 #include "../support/tokenizer_corpus.h"
 
 using namespace kvlm;

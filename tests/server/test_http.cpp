@@ -18,7 +18,7 @@
 #include <thread>
 
 #include "core/error.h"
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 #include "server/connections.h"
 #include "server/grammar_cache.h"
 #include "server/http_server.h"

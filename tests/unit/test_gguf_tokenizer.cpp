@@ -1,4 +1,4 @@
-// Tokenizers built from GGUF metadata (io/gguf_tokenizer.h): small GGUF files written by
+// Tokenizers built from GGUF metadata (text/gguf_tokenizer.h): small GGUF files written by
 // llama.cpp's `gguf` package, one per way of building (SentencePiece with merges recovered
 // from scores, Gemma's variant, byte-level BPE with a known and an unknown split regex), give
 // the ids, decodings and prompts Hugging Face transformers gives for the same files
@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "io/gguf_tokenizer.h"
+#include "text/gguf_tokenizer.h"
 #include "text/text_processor.h"
 #include "../support/gguf_writer.h"
 

@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 #include "text/grammar/grammar.h"
 #include "text/grammar/json_schema.h"
 #include "text/grammar/matcher.h"

@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "io/chat_template.h"
-#include "io/jinja/value.h"
+#include "text/chat_template.h"
+#include "text/jinja/value.h"
 #include "test_util.h"
 
 using namespace kvlm;

@@ -24,7 +24,7 @@
 #include "engine/block_manager.h"
 #include "engine/llm_engine.h"
 #include "engine/memory_plan.h"
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 #include "text/grammar/matcher.h"
 #include "text/grammar/regex.h"
 #include "serve_test_util.h"

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "engine/llm_engine.h"
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 #include "text/grammar/grammar.h"
 #include "text/grammar/matcher.h"
 #include "text/grammar/regex.h"

@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "io/tokenizer/tokenizer.h"
-#include "io/tokenizer/unicode.h"
+#include "text/tokenizer/tokenizer.h"
+#include "text/tokenizer/unicode.h"
 #include "test_util.h"
 
 using namespace kvlm;

@@ -4,7 +4,7 @@
 #include <cstdio>
 
 #include "core/error.h"
-#include "io/tokenizer/unicode.h"
+#include "text/tokenizer/unicode.h"
 
 namespace kvlm::grammar {
 

@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
-#include "io/tokenizer/tokenizer.h"
+#include "text/tokenizer/tokenizer.h"
 
 namespace kvlm::grammar {
 
