@@ -14,7 +14,7 @@
 #include "core/error.h"
 #include "offline/generate.h"
 #include "server/tool_calls.h"
-#include "text/stop.h"
+#include "text/text_output.h"
 #include "text/text_processor.h"
 
 namespace kvlm::app {
@@ -93,8 +93,7 @@ int run_chat(const ChatFlags& f) {
       std::fprintf(stderr, "kvlm: error: %s\n", e.what());
       continue;
     }
-    IncrementalDecoder dec(text.tokenizer(), /*skip_special_tokens=*/!harmony);  // harmony's markers are special tokens
-    StopMatcher stops(f.sampling.stop);
+    TextOutput tout(text.tokenizer(), f.sampling.stop, /*skip_special_tokens=*/!harmony);  // harmony's markers are special tokens
     std::string answer;
     server::ToolCallStream channels(server::ToolParser::Harmony);
     bool reasoning_shown = false, answer_started = false;
@@ -123,10 +122,10 @@ int run_chat(const ChatFlags& f) {
       std::fflush(stdout);
     };
     const GenerateResult r = generate(*engine, req, [&](TokenId id) {
-      emit(stops.feed(dec.push(id)));
-      return !stops.stopped();
+      emit(tout.push(id));
+      return !tout.stopped();
     });
-    if (!stops.stopped()) emit(stops.feed(dec.flush()) + stops.flush());
+    emit(tout.finish());
     if (harmony) emit("", /*end=*/true);  // what the parser held back
     if (harmony && tty && reasoning_shown && !answer_started) std::fputs("\033[0m", stdout);
     std::fputs(r.finish_reason == "abort" ? " [stopped]\n" : "\n", stdout);

@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "offline/generate.h"
-#include "text/stop.h"
+#include "text/text_output.h"
 #include "text/text_processor.h"
 
 namespace kvlm::app {
@@ -149,10 +149,9 @@ int run_generate(const GenerateFlags& f) {
 
   // Streaming: decode incrementally, hold back what could be the start of a stop string.
   std::string out_text;
-  std::optional<IncrementalDecoder> dec;
-  StopMatcher stops(f.sampling.stop);
+  std::optional<TextOutput> tout;
   const bool stream = text && !f.json;
-  if (text) dec.emplace(text->tokenizer(), true);
+  if (text) tout.emplace(text->tokenizer(), f.sampling.stop);
   auto emit = [&](const std::string& s) {
     out_text += s;
     if (stream && !s.empty()) {
@@ -161,11 +160,11 @@ int run_generate(const GenerateFlags& f) {
     }
   };
   const GenerateResult r = generate(*engine, req, [&](TokenId id) {
-    if (!dec) return true;
-    emit(stops.feed(dec->push(id)));
-    return !stops.stopped();
+    if (!tout) return true;
+    emit(tout->push(id));
+    return !tout->stopped();
   });
-  if (dec && !stops.stopped()) emit(stops.feed(dec->flush()) + stops.flush());
+  if (tout) emit(tout->finish());
   if (stream) std::fputs("\n", stdout);
 
   if (f.json) {
@@ -177,7 +176,7 @@ int run_generate(const GenerateFlags& f) {
     j["token_ids"] = r.tokens;
     if (text) j["text"] = out_text;
     j["finish_reason"] = r.finish_reason;
-    if (stops.stopped()) j["stop_reason"] = stops.matched();
+    if (tout && tout->stopped()) j["stop_reason"] = tout->matched();
     j["seed"] = req.seed;
     j["sampling"] = {{"temperature", req.sampling.temperature}, {"top_k", req.sampling.top_k}, {"top_p", req.sampling.top_p},
                      {"min_p", req.sampling.min_p}, {"repetition_penalty", req.sampling.repetition_penalty},

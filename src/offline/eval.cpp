@@ -14,7 +14,7 @@
 #include "core/error.h"
 #include "sampling/sampler.h"
 #include "offline/score.h"
-#include "text/stop.h"
+#include "text/text_output.h"
 #include "engine/async_engine.h"
 #include "engine/memory_plan.h"
 
@@ -255,11 +255,7 @@ TaskResult eval_task(LoadedModel& engine, const TextProcessor& text, const std::
 
   TaskResult r;
   r.outcomes.resize(n);
-  struct Live {
-    std::unique_ptr<IncrementalDecoder> dec;
-    std::unique_ptr<StopMatcher> stop;
-  };
-  std::vector<Live> live(n);
+  std::vector<std::unique_ptr<TextOutput>> live(n);
   std::mutex mu;
   std::condition_variable cv;
   size_t done = 0;
@@ -272,8 +268,7 @@ TaskResult eval_task(LoadedModel& engine, const TextProcessor& text, const std::
                                            .enable_prefix_caching = true,
                                            .num_blocks = mp.num_blocks});
     for (size_t i = 0; i < n; ++i) {
-      live[i].dec = std::make_unique<IncrementalDecoder>(text.tokenizer(), true);
-      live[i].stop = std::make_unique<StopMatcher>(all_items[i].stop);
+      live[i] = std::make_unique<TextOutput>(text.tokenizer(), all_items[i].stop);
       EngineRequest req;
       req.id = "task-" + std::to_string(i);
       req.prompt = prompts[i];
@@ -284,15 +279,11 @@ TaskResult eval_task(LoadedModel& engine, const TextProcessor& text, const std::
                     " tokens) fills the model's context of " + std::to_string(ctx) + " tokens");
       req.on_output = [&, i](const RequestOutput& o) {
         TaskOutcome& out = r.outcomes[i];
-        Live& l = live[i];
-        bool keep = true;
-        for (TokenId t : o.new_tokens) {
-          if (l.stop->stopped()) break;
-          out.completion += l.stop->feed(l.dec->push(t));
-          keep = !l.stop->stopped();
-        }
+        TextOutput& l = *live[i];
+        for (TokenId t : o.new_tokens) out.completion += l.push(t);
+        const bool keep = !l.stopped();
         if (o.finished) {
-          if (!l.stop->stopped()) out.completion += l.stop->feed(l.dec->flush()) + l.stop->flush();
+          out.completion += l.finish();
           out.prompt_tokens = o.prompt_tokens;
           out.completion_tokens = o.completion_tokens;
           std::lock_guard lock(mu);

@@ -13,8 +13,8 @@ bool RequestStream::is_stop_token(TokenId t) const { return contains(opts_.stop_
 RequestStream::RequestStream(const Tokenizer* tok, TextOptions opts, int num_choices) : tok_(tok), opts_(std::move(opts)) {
   choices_.reserve(size_t(num_choices));
   for (int i = 0; i < num_choices; ++i) {
-    Choice c{.dec = std::nullopt, .stops = StopMatcher(tok_ ? opts_.stop : std::vector<std::string>{})};
-    if (tok_ && !opts_.pooling) c.dec.emplace(*tok_, opts_.skip_special_tokens);
+    Choice c;
+    if (tok_ && !opts_.pooling) c.text.emplace(*tok_, opts_.stop, opts_.skip_special_tokens);
     if (opts_.pooling) c.pooler.emplace(opts_.pooling->type, opts_.pooling->width);
     choices_.push_back(std::move(c));
   }
@@ -22,15 +22,13 @@ RequestStream::RequestStream(const Tokenizer* tok, TextOptions opts, int num_cho
 
 // The end of a choice's text: what the decoder and the stop matcher still hold.
 void RequestStream::finish_text(Choice& c, ChoiceEvent& ev) {
-  if (!c.dec) return;
-  ev.text += c.stops.feed(c.dec->flush());
-  if (c.stops.stopped()) {
+  if (!c.text) return;
+  ev.text += c.text->finish();
+  if (c.text->stopped()) {
     ev.reason = FinishReason::Stop;
-    ev.stop_string = c.stops.matched();
+    ev.stop_string = c.text->matched();
     ev.stop_token.reset();
-    if (opts_.include_stop_str_in_output) ev.text += c.stops.matched();
-  } else {
-    ev.text += c.stops.flush();
+    if (opts_.include_stop_str_in_output) ev.text += c.text->matched();
   }
 }
 
@@ -51,12 +49,12 @@ bool RequestStream::on_output(int choice, const RequestOutput& out) noexcept {
       ++c.completion_tokens;
       ev.tokens.push_back(t);
       if (i < out.new_logprobs.size()) ev.logprobs.push_back(out.new_logprobs[i]);
-      if (!c.dec) continue;
+      if (!c.text) continue;
       // The token that ended the choice (EOS or a stop token) is not part of its text.
       const bool last = i + 1 == out.new_tokens.size();
       if (last && stopped_by_token && !opts_.include_stop_str_in_output && is_stop_token(t)) continue;
-      ev.text += c.stops.feed(c.dec->push(t));
-      if (c.stops.stopped()) {
+      ev.text += c.text->push(t);
+      if (c.text->stopped()) {
         keep_going = false;
         break;
       }
@@ -64,8 +62,8 @@ bool RequestStream::on_output(int choice, const RequestOutput& out) noexcept {
     if (!keep_going) {
       ev.finished = true;
       ev.reason = FinishReason::Stop;
-      ev.stop_string = c.stops.matched();
-      if (opts_.include_stop_str_in_output) ev.text += c.stops.matched();
+      ev.stop_string = c.text->matched();
+      if (opts_.include_stop_str_in_output) ev.text += c.text->matched();
     } else if (out.finished) {
       ev.finished = true;
       ev.reason = out.finish_reason == FinishReason::None ? FinishReason::Stop : out.finish_reason;

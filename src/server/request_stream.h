@@ -12,8 +12,7 @@
 #include <vector>
 
 #include "config/pooling_config.h"
-#include "text/stop.h"
-#include "text/tokenizer/tokenizer.h"
+#include "text/text_output.h"
 #include "engine/request.h"
 
 namespace kvlm::server {
@@ -72,8 +71,7 @@ class RequestStream {
 
  private:
   struct Choice {
-    std::optional<IncrementalDecoder> dec;
-    StopMatcher stops;
+    std::optional<TextOutput> text;  // none without a tokenizer (token ids only) or when pooling
     bool finished = false;
     int completion_tokens = 0;
     std::optional<Pooler> pooler;

@@ -64,9 +64,9 @@ TEST(RequestFields, NeutralValuesAndLabelsAreAccepted) {
 }
 
 TEST(RequestFields, OtherFieldsAreListedForTheLog) {
-  const Json c = Json::parse(R"({"prompt": "hi", "frobnicate": 1, "priority": 2, "max_tokens": 3})");
-  const auto got = parse_completion_request(c, info(), {}).gen.ignored_fields;
-  EXPECT_EQ(got, (std::vector<std::string>{"frobnicate", "priority"}));
+  const Json c = Json::parse(R"({"prompt": "hi", "frobnicate": 1, "priority": 2, "max_tokens": 3, "zap": null})");
+  const auto got = parse_completion_request(c, info(), ApiLimits{.priority_scheduling = true}).gen.ignored_fields;
+  EXPECT_EQ(got, (std::vector<std::string>{"frobnicate", "zap"}));  // priority is read now
   // A chat-only field sent to completions is listed there, and the other way round.
   EXPECT_EQ(parse_completion_request(Json::parse(R"({"prompt": "hi", "tools": []})"), info(), {}).gen.ignored_fields,
             std::vector<std::string>{"tools"});
