@@ -33,7 +33,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from . import _core  # noqa: E402
 from ._core import Error  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "Tokenizer", "Error", "inspect",
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "Tokenizer", "Error", "inspect",
            "perplexity", "__version__"]
 __version__ = "0.1.0"
 
@@ -126,6 +127,27 @@ class CompletionOutput:
 
 
 @dataclass
+class PoolingParams:
+    """vLLM's PoolingParams for LLM.embed(): `dimensions` cuts a Matryoshka model's vector,
+    `normalize` overrides the model's pooling configuration."""
+    dimensions: Optional[int] = None
+    normalize: Optional[bool] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: List[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: List[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: Optional[str]
@@ -162,7 +184,7 @@ _KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "kv_cache_rotation", "
                   "device", "max_model_len", "gpu_memory_utilization", "kv_cache_memory", "tensor_parallel_size",
                   "enable_expert_parallel",
                   "seed", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",
-                  "enable_prefix_caching", "attention_backend"}
+                  "enable_prefix_caching", "attention_backend", "runner", "scheduling_policy"}
 _ARGUMENTS = _KNOWN_OPTIONS | {"model", "kv_cache_dtype_skip_layers", "speculative_config"}
 
 
@@ -367,6 +389,29 @@ class LLM:
             raise
         self._run(requests, params, use_tqdm)
         return requests
+
+    def embed(self, prompts: Union[str, Sequence[Any], Any], pooling_params: Optional[PoolingParams] = None,
+              use_tqdm: bool = True) -> List[EmbeddingRequestOutput]:
+        """Embeddings of every prompt (text, token-id lists, or {"prompt_token_ids": [...]}), as
+        vLLM's LLM.embed(): an embedding model (runner="pooling", chosen by itself for a directory
+        with sentence-transformers' modules.json) pools each prompt's final hidden states as its
+        pooling configuration says."""
+        if self._info.get("pooling") is None:
+            raise Error("this model was loaded to generate; load it with LLM(model, runner=\"pooling\") to embed")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        ids = []
+        for p in prompts:
+            _, toks = self._prompt_ids(p)
+            if not toks:
+                raise ValueError("a prompt is empty")
+            ids.append(toks)
+        pp = pooling_params or PoolingParams()
+        normalize = -1 if pp.normalize is None else int(bool(pp.normalize))
+        vectors = _engine_call(self._engine.embed, ids, pp.dimensions or 0, normalize)
+        return [EmbeddingRequestOutput(request_id=str(next(_ids)), prompt_token_ids=t, outputs=EmbeddingOutput(v))
+                for t, v in zip(ids, vectors)]
 
     def chat(self, messages: Union[List[dict], List[List[dict]]], sampling_params: Optional[SamplingParams] = None,
              use_tqdm: bool = True, chat_template_kwargs: Optional[dict] = None, add_generation_prompt: bool = True,

@@ -29,11 +29,13 @@
 #include "config/weight_quant.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/engine_args.h"
 #include "engine/llm_engine.h"
 #include "engine/memory_plan.h"
 #include "io/checkpoint.h"
 #include "model/loaded_model.h"
 #include "model/tensor_parallel.h"
+#include "offline/embed.h"
 #include "offline/eval.h"
 #include "server/request_stream.h"
 #include "text/text_processor.h"
@@ -55,38 +57,49 @@ T get_or(const json& j, const char* key, T fallback) {
   }
 }
 
-// The CLI's flags, from the options the Python LLM(...) was given (same names as vLLM's).
+// LLM(...)'s keywords (vLLM's names) into the engine's arguments; defaults and checks are
+// engine/engine_args.h's, the same as the command line's.
+ModelArgs model_args(const json& o) {
+  ModelArgs a;
+  a.kv_cache_dtype = get_or(o, "kv_cache_dtype", a.kv_cache_dtype);
+  a.kv_cache_dtype_skip_layers = get_or(o, "kv_cache_dtype_skip_layers", a.kv_cache_dtype_skip_layers);
+  a.kv_cache_rotation = get_or(o, "kv_cache_rotation", a.kv_cache_rotation);
+  a.kv_cache_keep_sink = get_or(o, "kv_cache_keep_sink", a.kv_cache_keep_sink);
+  a.kv_cache_keep_recent = get_or(o, "kv_cache_keep_recent", a.kv_cache_keep_recent);
+  a.block_size = get_or(o, "block_size", a.block_size);
+  a.attention_backend = get_or(o, "attention_backend", a.attention_backend);
+  a.device = get_or(o, "device", a.device);
+  a.dtype = get_or(o, "dtype", a.dtype);
+  a.enforce_eager = get_or(o, "enforce_eager", a.enforce_eager);
+  a.quantization = get_or(o, "quantization", a.quantization);
+  a.tensor_parallel_size = get_or(o, "tensor_parallel_size", a.tensor_parallel_size);
+  a.enable_expert_parallel = get_or(o, "enable_expert_parallel", a.enable_expert_parallel);
+  a.runner = get_or(o, "runner", a.runner);
+  if (o.contains("speculative_config") && !o["speculative_config"].is_null()) a.speculative_config = o["speculative_config"].dump();
+  return a;
+}
+
+ServingArgs serving_args(const json& o) {
+  ServingArgs a;
+  if (o.contains("kv_cache_memory") && !o["kv_cache_memory"].is_null())
+    a.kv_cache_memory = o["kv_cache_memory"].is_string() ? o["kv_cache_memory"].get<std::string>()
+                                                         : std::to_string(o["kv_cache_memory"].get<uint64_t>());
+  a.gpu_memory_utilization = get_or(o, "gpu_memory_utilization", a.gpu_memory_utilization);
+  a.max_model_len = get_or(o, "max_model_len", a.max_model_len);
+  a.max_num_seqs = get_or(o, "max_num_seqs", a.max_num_seqs);
+  a.max_num_batched_tokens = get_or(o, "max_num_batched_tokens", a.max_num_batched_tokens);
+  a.enable_prefix_caching = get_or(o, "enable_prefix_caching", a.enable_prefix_caching);
+  a.scheduling_policy = get_or(o, "scheduling_policy", a.scheduling_policy);
+  return a;
+}
+
 ModelOptions model_options(const json& o) {
-  ModelOptions m;
   const std::string model = get_or<std::string>(o, "model", "");
   if (model.empty()) throw Error("model: give a Hugging Face model directory (or a GGUF file's directory)");
-  m.model_dir = model;
   std::error_code ec;
-  if (!std::filesystem::exists(m.model_dir, ec))
+  if (!std::filesystem::exists(model, ec))
     throw Error("model '" + model + "' does not exist; give a local model directory (kvlm does not download from the Hub)");
-  CacheConfig& c = m.cache;
-  c.kv_cache_dtype = parse_kv_cache_dtype(get_or<std::string>(o, "kv_cache_dtype", "auto"));
-  c.skip_layers = parse_skip_layers(get_or<std::string>(o, "kv_cache_dtype_skip_layers", ""));
-  c.rotation = parse_kv_rotation(get_or<std::string>(o, "kv_cache_rotation", "auto"));
-  c.keep_sink = get_or<int>(o, "kv_cache_keep_sink", 0);
-  c.keep_recent = get_or<int>(o, "kv_cache_keep_recent", 0);
-  validate_keep_tokens(c.keep_sink, "kv_cache_keep_sink");
-  validate_keep_tokens(c.keep_recent, "kv_cache_keep_recent");
-  c.block_size = get_or<int>(o, "block_size", 16);
-  validate_block_size(c.block_size);
-  if (const auto b = get_or<std::string>(o, "attention_backend", ""); !b.empty()) c.attention_backend = b;
-  const DeviceChoice d = resolve_device(get_or<std::string>(o, "device", "auto"));
-  m.device = d.device;
-  m.gpu = d.gpu;
-  m.dtype = parse_model_dtype(get_or<std::string>(o, "dtype", "auto"));
-  m.enforce_eager = get_or<bool>(o, "enforce_eager", false);
-  m.quantization = get_or<std::string>(o, "quantization", "");
-  resolve_weight_quant(std::nullopt, m.quantization);
-  m.tensor_parallel_size = get_or<int>(o, "tensor_parallel_size", 1);
-  m.expert_parallel = get_or<bool>(o, "enable_expert_parallel", false);
-  if (o.contains("speculative_config") && !o["speculative_config"].is_null())
-    m.speculative = parse_speculative_config(o["speculative_config"].dump());
-  return m;
+  return model_args(o).model_options(model, ArgStyle::Keyword);
 }
 
 json logprobs_json(const TokenLogprobs& l) {
@@ -106,22 +119,10 @@ class Engine {
     const std::string tok = get_or<std::string>(o, "tokenizer", "");
     tokenizer_dir_ = tok.empty() ? mo.model_dir.string() : tok;
     text_ = TextProcessor::load_if_usable(tokenizer_dir_);
-    MemoryOptions mem;
-    if (o.contains("kv_cache_memory") && !o["kv_cache_memory"].is_null())
-      mem.kv_cache_memory = o["kv_cache_memory"].is_string() ? parse_byte_size(o["kv_cache_memory"].get<std::string>())
-                                                             : o["kv_cache_memory"].get<uint64_t>();
-    mem.gpu_memory_utilization = get_or<double>(o, "gpu_memory_utilization", 0.9);
-    mem.max_model_len = get_or<int>(o, "max_model_len", 0);
-    mem.max_num_seqs = get_or<int>(o, "max_num_seqs", 256);
-    mem.max_num_batched_tokens = get_or<int>(o, "max_num_batched_tokens", 2048);
-    if (mem.max_num_seqs < 1) throw Error("max_num_seqs must be at least 1");
-    if (mem.max_num_batched_tokens < 1) throw Error("max_num_batched_tokens must be at least 1");
+    const ServingArgs serving = serving_args(o);
+    const MemoryOptions mem = serving.memory_options(ArgStyle::Keyword);
     plan_ = plan_kv_memory(*model_, mem);
-    SchedulerConfig sc{.max_num_seqs = mem.max_num_seqs,
-                       .max_num_batched_tokens = mem.max_num_batched_tokens,
-                       .max_model_len = plan_.max_model_len,
-                       .enable_prefix_caching = get_or<bool>(o, "enable_prefix_caching", true),
-                       .num_blocks = plan_.num_blocks};
+    const SchedulerConfig sc = serving.scheduler_config(plan_);
     sched_ = sc;
     engine_ = std::make_unique<LLMEngine>(*model_, sc);
     eos_ = model_->config().eos_token_ids;
@@ -241,8 +242,21 @@ class Engine {
                 {"default_temperature", c.default_temperature ? json(*c.default_temperature) : json(nullptr)},
                 {"default_top_p", c.default_top_p ? json(*c.default_top_p) : json(nullptr)},
                 {"default_top_k", c.default_top_k ? json(*c.default_top_k) : json(nullptr)},
-                {"summary", plan_.summary}}
+                {"summary", plan_.summary},
+                {"pooling", model_->pooling() ? json{{"type", std::string(pooling_type_name(model_->pooling()->type))},
+                                                     {"normalize", model_->pooling()->normalize},
+                                                     {"matryoshka", model_->pooling()->matryoshka},
+                                                     {"hidden_size", c.hidden_size}}
+                                              : json(nullptr)}}
         .dump();
+  }
+
+  // Embeddings of `prompts` (token ids) through this LLM's engine, as LLM.embed(); normalize:
+  // -1 the model's pooling configuration, 0 no, 1 yes.
+  std::vector<std::vector<float>> embed(const std::vector<std::vector<TokenId>>& prompts, int dimensions, int normalize) {
+    if (!streams_.empty()) throw Error("embed() needs the LLM idle; finish or abort its requests first");
+    return embed_prompts(eng(), *model_, prompts, dimensions,
+                         normalize < 0 ? std::nullopt : std::optional<bool>(normalize > 0));
   }
 
   // Perplexity (and KL divergence against a saved run) of `tokens`, as `kvlm eval perplexity`.
@@ -373,5 +387,6 @@ PYBIND11_MODULE(_core, m) {
       .def("has_tokenizer", &Engine::has_tokenizer)
       .def("tokenizer_dir", &Engine::tokenizer_dir)
       .def("info", &Engine::info)
-      .def("perplexity", &Engine::perplexity, py::call_guard<py::gil_scoped_release>());
+      .def("perplexity", &Engine::perplexity, py::call_guard<py::gil_scoped_release>())
+      .def("embed", &Engine::embed, py::call_guard<py::gil_scoped_release>());
 }

@@ -31,15 +31,15 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "rotate q/K/V of quantized layers by a fixed randomized Hadamard transform before K/V are "
                  "stored (spreads outlier channels; scores are unchanged): auto (4-bit layers only), none, hadamard")
       ->capture_default_str();
-  cmd.add_option("--kv-cache-keep-sink", keep_sink,
+  cmd.add_option("--kv-cache-keep-sink", kv_cache_keep_sink,
                  "quantized layers also hold the first N tokens of every sequence in the model dtype, and every "
                  "query reads them exact (attention sinks; 4 is the measured setting)")
       ->capture_default_str();
-  cmd.add_option("--kv-cache-keep-recent", keep_recent,
+  cmd.add_option("--kv-cache-keep-recent", kv_cache_keep_recent,
                  "quantized layers also hold each sequence's latest W tokens in the model dtype, and every query "
                  "reads its W latest keys exact (64 is the measured setting)")
       ->capture_default_str();
-  cmd.add_option("--kv-cache-dtype-skip-layers", skip_layers,
+  cmd.add_option("--kv-cache-dtype-skip-layers", kv_cache_dtype_skip_layers,
                  "layers that keep the model dtype: indices and/or 'sliding_window', e.g. 0,27,sliding_window");
   cmd.add_option("--attention-backend", attention_backend, "force an attention backend by name (see `kvlm inspect`)");
   cmd.add_option("--device", device, "auto, cpu, cuda or cuda:N (auto: the first GPU when one is usable; N: a GPU's index)")->capture_default_str();
@@ -62,7 +62,7 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "split every layer over N GPUs (GPUs 0..N-1, or from --device cuda:K on), each holding 1/N of the "
                  "weights and of the KV cache, as vLLM's -tp N (which kvlm also takes); on the CPU, N threads")
       ->capture_default_str();
-  cmd.add_flag("--enable-expert-parallel", expert_parallel,
+  cmd.add_flag("--enable-expert-parallel", enable_expert_parallel,
                "a mixture of experts under --tensor-parallel-size N: each rank holds whole experts (1/N of them) "
                "instead of 1/N of every expert's width, as vLLM's flag of that name; the experts must divide over N");
   const std::string dist = "Tensor parallelism over several processes or hosts (docs/multi-node.md)";
@@ -122,21 +122,6 @@ std::filesystem::path ModelFlags::model_dir() const {
   return std::filesystem::path(m);
 }
 
-CacheConfig ModelFlags::cache_config() const {
-  CacheConfig c;
-  c.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
-  c.skip_layers = parse_skip_layers(skip_layers);
-  c.rotation = parse_kv_rotation(kv_cache_rotation);
-  validate_keep_tokens(keep_sink, "--kv-cache-keep-sink");
-  validate_keep_tokens(keep_recent, "--kv-cache-keep-recent");
-  c.keep_sink = keep_sink;
-  c.keep_recent = keep_recent;
-  validate_block_size(block_size);
-  c.block_size = block_size;
-  if (!attention_backend.empty()) c.attention_backend = attention_backend;
-  return c;
-}
-
 std::vector<TokenId> parse_token_ids(std::string_view text) {
   std::vector<TokenId> out;
   auto sep = [](char c) { return c == ',' || c == '[' || c == ']' || std::isspace(static_cast<unsigned char>(c)); };
@@ -158,19 +143,7 @@ std::vector<TokenId> parse_token_ids(std::string_view text) {
 }
 
 ModelOptions ModelFlags::model_options() const {
-  ModelOptions o;
-  o.model_dir = model_dir();
-  o.cache = cache_config();
-  const DeviceChoice d = resolve_device(device);
-  o.device = d.device;
-  o.gpu = d.gpu;
-  o.dtype = parse_model_dtype(dtype);
-  o.enforce_eager = enforce_eager;
-  o.quantization = quantization;
-  o.runner = runner;
-  o.tensor_parallel_size = tensor_parallel_size;
-  o.expert_parallel = expert_parallel;
-  if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
+  ModelOptions o = ModelArgs::model_options(model_dir(), ArgStyle::Flag);
   o.dist = resolve_dist_config(nnodes, node_rank, distributed_init, distributed_timeout);
   if (o.dist.enabled()) {
     // torchrun starts a process per GPU and tells each its GPU (LOCAL_RANK).

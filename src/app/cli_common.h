@@ -11,32 +11,19 @@
 #include <nlohmann/json.hpp>
 
 #include "config/cache_config.h"
+#include "engine/engine_args.h"
 #include "model/loaded_model.h"
 
 namespace kvlm::app {
 
-// Flags that pick the model and shape its KV cache, as vLLM names them.
-struct ModelFlags {
+// Flags that pick the model and shape its KV cache, as vLLM names them: ModelArgs
+// (engine/engine_args.h, shared with the Python package) and what only the command line has.
+struct ModelFlags : ModelArgs {
   std::string model;  // empty: the bundled default model
-  std::string kv_cache_dtype = "auto";
-  std::string kv_cache_rotation = "auto";
-  int keep_sink = 0;
-  int keep_recent = 0;
-  std::string skip_layers;
-  std::string attention_backend;
-  std::string device = "auto";
-  std::string dtype = "auto";
-  std::string quantization;  // --quantization: "" or fp8
-  int block_size = 16;
-  bool enforce_eager = false;
-  int tensor_parallel_size = 1;  // --tensor-parallel-size / -tp
-  bool expert_parallel = false;  // --enable-expert-parallel
   int nnodes = 0;                 // --nnodes (0: WORLD_SIZE, else 1)
   int node_rank = -1;             // --node-rank (-1: RANK, else 0)
   std::string distributed_init;   // --distributed-init tcp://HOST:PORT (empty: MASTER_ADDR/MASTER_PORT)
   double distributed_timeout = 600;
-  std::string speculative_config;  // JSON; empty: no drafting
-  std::string runner = "auto";     // --runner: auto | generate | pooling
 
   std::string model_positional;  // `kvlm generate MODEL`, as `vllm serve MODEL`
 
@@ -47,7 +34,7 @@ struct ModelFlags {
   // The model asked for, positional or --model (both: they must agree); empty: none given.
   std::string model_arg() const;
   std::filesystem::path model_dir() const;   // resolves the bundled default
-  CacheConfig cache_config() const;          // parses and validates; throws kvlm::Error
+  CacheConfig cache_config() const { return ModelArgs::cache_config(ArgStyle::Flag); }
   // All of the above, device resolved. On a follower node of several processes (--node-rank
   // > 0) it does not return: the process loads its ranks, runs node 0's commands until node 0
   // stops, and exits (model/distributed.h) — so every command that loads a model follows.

@@ -136,7 +136,7 @@ int run_inspect(const InspectFlags& f) {
   const Checkpoint ckpt = Checkpoint::open(dir);
   ModelPlan mp = plan_model(dir, ckpt, cache, selection_context(dc.device, dc.gpu, cache),
                             parse_model_dtype(f.model.dtype), spec ? &*spec : nullptr, f.model.quantization);
-  apply_expert_parallel(mp.config, f.model.expert_parallel);
+  apply_expert_parallel(mp.config, f.model.enable_expert_parallel);
   const KVPlan& plan = mp.plan;
   const std::optional<GGUFProvenance> gguf = gguf_provenance(ckpt);
   size_t draft_bytes = 0;  // of the bytes per token, the drafter's layers'

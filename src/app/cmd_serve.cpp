@@ -55,33 +55,6 @@ void ServingFlags::add_to(CLI::App& cmd) {
       ->capture_default_str();
 }
 
-MemoryOptions ServingFlags::memory_options() const {
-  MemoryOptions m;
-  if (!kv_cache_memory.empty()) m.kv_cache_memory = parse_byte_size(kv_cache_memory);
-  m.gpu_memory_utilization = gpu_memory_utilization;
-  if (max_model_len < 0) throw Error("--max-model-len must be positive, got " + std::to_string(max_model_len));
-  m.max_model_len = max_model_len;
-  if (max_num_seqs < 1) throw Error("--max-num-seqs must be at least 1, got " + std::to_string(max_num_seqs));
-  if (max_num_batched_tokens < 1)
-    throw Error("--max-num-batched-tokens must be at least 1, got " + std::to_string(max_num_batched_tokens));
-  m.max_num_seqs = max_num_seqs;
-  m.max_num_batched_tokens = max_num_batched_tokens;
-  if (scheduling_policy != "fcfs" && scheduling_policy != "priority")
-    throw Error("--scheduling-policy must be fcfs or priority, got '" + scheduling_policy + "'");
-  return m;
-}
-
-SchedulerConfig ServingFlags::scheduler_config(const MemoryPlan& plan) const {
-  SchedulerConfig c;
-  c.max_num_seqs = max_num_seqs;
-  c.max_num_batched_tokens = max_num_batched_tokens;
-  c.max_model_len = plan.max_model_len;
-  c.enable_prefix_caching = enable_prefix_caching;
-  c.num_blocks = plan.num_blocks;
-  c.priority = scheduling_policy == "priority";
-  return c;
-}
-
 std::string kv_summary(const LoadedModel& e) {
   const KVStorage& kv = e.plan().resolution.storage;
   std::string s = std::string(dtype_name(kv.storage));
@@ -389,7 +362,6 @@ int run_serve(const ServeFlags& flags, const ServeExtraFlags& x) {
                                                    : log::Level::Debug);
   }
   ModelOptions opts = f.model.model_options();
-  resolve_weight_quant(std::nullopt, opts.quantization);  // a bad --quantization fails now, not after loading
   if (opts.tensor_parallel_size != 1)  // so does a size that cannot split the model
     check_tensor_parallel(opts, Checkpoint::open(opts.model_dir).model_config(opts.model_dir));
   const MemoryOptions mem = f.serving.memory_options();

@@ -103,18 +103,11 @@ struct EvalFlags {
 CLI::App* add_eval(CLI::App& app, EvalFlags& f);
 int run_eval(CLI::App& eval_cmd, const EvalFlags& f);
 
-// The serving engine's flags (vLLM's names), shared by serve and bench throughput.
-struct ServingFlags {
-  int max_model_len = 0;  // 0 = the model's context
-  int max_num_seqs = 256;
-  int max_num_batched_tokens = 2048;
-  bool enable_prefix_caching = true;
-  std::string kv_cache_memory;  // bytes, e.g. 2GiB; empty = the planner's default
-  double gpu_memory_utilization = 0.9;
-  std::string scheduling_policy = "fcfs";  // fcfs | priority (EngineRequest::priority)
+// The serving engine's flags (vLLM's names), shared by serve and bench throughput: ServingArgs
+// (engine/engine_args.h, shared with the Python package) bound to the command line.
+struct ServingFlags : ServingArgs {
   void add_to(CLI::App& cmd);
-  MemoryOptions memory_options() const;  // parses and validates; throws kvlm::Error
-  SchedulerConfig scheduler_config(const MemoryPlan& plan) const;
+  MemoryOptions memory_options() const { return ServingArgs::memory_options(ArgStyle::Flag); }
 };
 
 struct ServeFlags {

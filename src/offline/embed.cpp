@@ -36,31 +36,36 @@ void check_dimensions(const PoolingConfig& pc, int hidden, int dimensions) {
   }
 }
 
-std::vector<std::vector<float>> embed_prompts(LoadedModel& model, std::span<const std::vector<TokenId>> prompts,
-                                              const EmbedOptions& opts) {
+namespace {
+
+const PoolingConfig& pooling_of(const LoadedModel& model) {
   if (!model.pooling())
     throw Error("this model runs as a generative model; load it with --runner pooling (runner=\"pooling\") to embed");
-  const PoolingConfig& pc = *model.pooling();
-  const int hidden = model.config().hidden_size;
-  check_dimensions(pc, hidden, opts.dimensions);
-  std::vector<std::vector<float>> out(prompts.size());
-  if (prompts.empty()) return out;
-  const int max_len = model.config().max_position_embeddings;
+  return *model.pooling();
+}
+
+// Checks the prompts; returns the longest.
+int check_prompts(const LoadedModel& model, std::span<const std::vector<TokenId>> prompts, int max_len) {
   int longest = 1;
   for (const auto& p : prompts) {
     if (p.empty()) throw Error("an input to embed is empty (no tokens)");
     if (int(p.size()) > max_len)
-      throw Error("an input has " + std::to_string(p.size()) + " tokens; the model takes at most " +
-                  std::to_string(max_len));
+      throw Error("an input has " + std::to_string(p.size()) + " tokens; the model takes at most " + std::to_string(max_len));
     longest = std::max(longest, int(p.size()));
   }
-  const int bs = model.block_size();
-  const int seqs = std::clamp(int(prompts.size()), 1, std::max(1, opts.max_num_seqs));
-  LLMEngine llm(model, SchedulerConfig{.max_num_seqs = seqs,
-                                       .max_num_batched_tokens = std::max(opts.max_num_batched_tokens, 1),
-                                       .max_model_len = longest,
-                                       .enable_prefix_caching = false,
-                                       .num_blocks = seqs * ((longest + bs - 1) / bs)});
+  (void)model;
+  return longest;
+}
+
+}  // namespace
+
+std::vector<std::vector<float>> embed_prompts(LLMEngine& llm, const LoadedModel& model,
+                                              std::span<const std::vector<TokenId>> prompts, int dimensions,
+                                              std::optional<bool> normalize) {
+  const PoolingConfig& pc = pooling_of(model);
+  const int hidden = model.config().hidden_size;
+  check_dimensions(pc, hidden, dimensions);
+  if (llm.has_work()) throw Error("embedding needs the engine idle; finish or abort its requests first");
   std::vector<std::optional<Pooler>> poolers(prompts.size());
   std::string error;
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -71,12 +76,34 @@ std::vector<std::vector<float>> embed_prompts(LoadedModel& model, std::span<cons
       if (o.finish_reason == FinishReason::Error && error.empty()) error = o.error;
       return true;
     };
-    llm.add_request(std::move(r));
+    try {
+      llm.add_request(std::move(r));
+    } catch (...) {
+      for (size_t j = 0; j < i; ++j) llm.abort("embed-" + std::to_string(j));
+      while (llm.has_work()) llm.step();
+      throw;
+    }
   }
   while (llm.has_work()) llm.step();
   if (!error.empty()) throw Error(error);
-  for (size_t i = 0; i < prompts.size(); ++i) out[i] = poolers[i]->finish(pc.normalize, opts.dimensions);
+  std::vector<std::vector<float>> out(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) out[i] = poolers[i]->finish(normalize.value_or(pc.normalize), dimensions);
   return out;
+}
+
+std::vector<std::vector<float>> embed_prompts(LoadedModel& model, std::span<const std::vector<TokenId>> prompts,
+                                              const EmbedOptions& opts) {
+  check_dimensions(pooling_of(model), model.config().hidden_size, opts.dimensions);
+  if (prompts.empty()) return {};
+  const int longest = check_prompts(model, prompts, model.config().max_position_embeddings);
+  const int bs = model.block_size();
+  const int seqs = std::clamp(int(prompts.size()), 1, std::max(1, opts.max_num_seqs));
+  LLMEngine llm(model, SchedulerConfig{.max_num_seqs = seqs,
+                                       .max_num_batched_tokens = std::max(opts.max_num_batched_tokens, 1),
+                                       .max_model_len = longest,
+                                       .enable_prefix_caching = false,
+                                       .num_blocks = seqs * ((longest + bs - 1) / bs)});
+  return embed_prompts(llm, model, prompts, opts.dimensions);
 }
 
 }  // namespace kvlm

@@ -4,6 +4,7 @@
 // as serving. The server's /v1/embeddings makes its requests with embedding_request() too.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -13,6 +14,8 @@
 #include "model/loaded_model.h"
 
 namespace kvlm {
+
+class LLMEngine;
 
 // The engine request that computes `prompt`'s rows for `type` pooling: nothing generated; only
 // the last row for last-token pooling (a prefix-cache hit then serves the rest), every row
@@ -32,5 +35,10 @@ void check_dimensions(const PoolingConfig& pc, int hidden, int dimensions);
 // One vector per prompt, in order. `model` must be a pooling model (LoadedModel::pooling).
 std::vector<std::vector<float>> embed_prompts(LoadedModel& model, std::span<const std::vector<TokenId>> prompts,
                                               const EmbedOptions& opts = {});
+// The same through an engine that exists (the Python LLM's), which must be idle; `normalize`
+// overrides the model's pooling configuration.
+std::vector<std::vector<float>> embed_prompts(LLMEngine& llm, const LoadedModel& model,
+                                              std::span<const std::vector<TokenId>> prompts, int dimensions,
+                                              std::optional<bool> normalize = std::nullopt);
 
 }  // namespace kvlm

@@ -299,3 +299,33 @@ def test_the_first_example_of_docs_python_md_answers(tmp_path):
                          env={**os.environ})
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == want, out.stdout
+
+
+def test_embed_equals_transformers_and_shares_the_cli_defaults():
+    # The golden embedding model (Qwen3-Embedding's layout): runner auto finds modules.json.
+    embed = ROOT / "tests" / "golden" / "embed"
+    golden = json.loads((embed / "expected.json").read_text())
+    e = LLM(model=str(embed / "model"), dtype="float32", kv_cache_memory="16MiB")
+    assert e.info["pooling"]["type"] == "last" and e.info["pooling"]["matryoshka"]
+    inputs = [g["ids"] for g in golden["inputs"]]
+    outs = e.embed([{"prompt_token_ids": ids} for ids in inputs])
+    for out, g in zip(outs, golden["inputs"]):
+        assert max(abs(a - b) for a, b in zip(out.outputs.embedding, g["last"])) < 2e-5
+    cut = e.embed(inputs[2], pooling_params=kvlm.PoolingParams(dimensions=16))[0].outputs.embedding
+    assert max(abs(a - b) for a, b in zip(cut, golden["inputs"][2]["last16"])) < 2e-5
+    raw = e.embed(inputs[1], pooling_params=kvlm.PoolingParams(normalize=False))[0].outputs.embedding
+    assert abs(sum(x * x for x in raw) ** 0.5 - 1) > 0.1
+    with pytest.raises(kvlm.Error, match="between 1 and the model's 64"):
+        e.embed(inputs[0], pooling_params=kvlm.PoolingParams(dimensions=65))
+    with pytest.raises(kvlm.Error, match="embedding model"):
+        e.generate({"prompt_token_ids": [1, 2]}, GREEDY)
+    # One set of defaults and checks with the CLI (engine/engine_args.h), named as Python names them.
+    with pytest.raises(kvlm.Error, match="scheduling_policy must be fcfs or priority"):
+        LLM(model=str(embed / "model"), scheduling_policy="lottery")
+    with pytest.raises(kvlm.Error, match="kv_cache_keep_sink"):
+        LLM(model=str(embed / "model"), kv_cache_keep_sink=-1)
+
+
+def test_embed_refuses_a_generative_model(llm):
+    with pytest.raises(kvlm.Error, match='runner="pooling"'):
+        llm.embed("hello")

@@ -1,0 +1,84 @@
+#include "engine/engine_args.h"
+
+#include <algorithm>
+
+#include "config/speculative_config.h"
+#include "config/weight_quant.h"
+#include "core/error.h"
+
+namespace kvlm {
+
+std::string arg_name(ArgStyle style, std::string_view dashed) {
+  std::string s(dashed);
+  if (style == ArgStyle::Flag) return "--" + s;
+  std::ranges::replace(s, '-', '_');
+  return s;
+}
+
+CacheConfig ModelArgs::cache_config(ArgStyle style) const {
+  CacheConfig c;
+  c.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+  c.skip_layers = parse_skip_layers(kv_cache_dtype_skip_layers);
+  c.rotation = parse_kv_rotation(kv_cache_rotation);
+  validate_keep_tokens(kv_cache_keep_sink, arg_name(style, "kv-cache-keep-sink"));
+  validate_keep_tokens(kv_cache_keep_recent, arg_name(style, "kv-cache-keep-recent"));
+  c.keep_sink = kv_cache_keep_sink;
+  c.keep_recent = kv_cache_keep_recent;
+  validate_block_size(block_size);
+  c.block_size = block_size;
+  if (!attention_backend.empty()) c.attention_backend = attention_backend;
+  return c;
+}
+
+ModelOptions ModelArgs::model_options(const std::filesystem::path& dir, ArgStyle style) const {
+  ModelOptions o;
+  o.model_dir = dir;
+  o.cache = cache_config(style);
+  const DeviceChoice d = resolve_device(device);
+  o.device = d.device;
+  o.gpu = d.gpu;
+  o.dtype = parse_model_dtype(dtype);
+  o.enforce_eager = enforce_eager;
+  resolve_weight_quant(std::nullopt, quantization);  // an unknown method fails here, not after loading
+  o.quantization = quantization;
+  o.runner = runner;
+  if (tensor_parallel_size < 1)
+    throw Error(arg_name(style, "tensor-parallel-size") + " must be at least 1, got " + std::to_string(tensor_parallel_size));
+  o.tensor_parallel_size = tensor_parallel_size;
+  o.expert_parallel = enable_expert_parallel;
+  if (!speculative_config.empty()) o.speculative = parse_speculative_config(speculative_config);
+  return o;
+}
+
+MemoryOptions ServingArgs::memory_options(ArgStyle style) const {
+  MemoryOptions m;
+  if (!kv_cache_memory.empty()) m.kv_cache_memory = parse_byte_size(kv_cache_memory);
+  m.gpu_memory_utilization = gpu_memory_utilization;
+  const auto at_least = [&](int v, int lo, const char* name) {
+    if (v < lo)
+      throw Error(arg_name(style, name) + " must be " + (lo == 0 ? "positive" : "at least " + std::to_string(lo)) +
+                  ", got " + std::to_string(v));
+  };
+  at_least(max_model_len, 0, "max-model-len");
+  at_least(max_num_seqs, 1, "max-num-seqs");
+  at_least(max_num_batched_tokens, 1, "max-num-batched-tokens");
+  m.max_model_len = max_model_len;
+  m.max_num_seqs = max_num_seqs;
+  m.max_num_batched_tokens = max_num_batched_tokens;
+  if (scheduling_policy != "fcfs" && scheduling_policy != "priority")
+    throw Error(arg_name(style, "scheduling-policy") + " must be fcfs or priority, got '" + scheduling_policy + "'");
+  return m;
+}
+
+SchedulerConfig ServingArgs::scheduler_config(const MemoryPlan& plan) const {
+  SchedulerConfig c;
+  c.max_num_seqs = max_num_seqs;
+  c.max_num_batched_tokens = max_num_batched_tokens;
+  c.max_model_len = plan.max_model_len;
+  c.enable_prefix_caching = enable_prefix_caching;
+  c.num_blocks = plan.num_blocks;
+  c.priority = scheduling_policy == "priority";
+  return c;
+}
+
+}  // namespace kvlm
