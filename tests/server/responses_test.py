@@ -7,7 +7,8 @@ completion of the whole conversation (the first turn's reply included). Streamin
 deltas add up to the final response's text, sequence numbers count up, the item events pair.
 Tools: forced calls (required and named) come back as function_call items whose arguments
 validate against the schema, streamed too, and a function_call_output continues the chain.
-text.format json_schema, retrieve / delete, store false, and the errors.
+text.format json_schema, retrieve / delete, store false, and the errors. Reasoning with
+--reasoning-parser deepseek_r1: chat's reasoning_content, the reasoning item, streamed.
 
 usage: python responses_test.py KVLM_BINARY MODEL_DIR QWEN_TEMPLATE.jinja
 """
@@ -157,6 +158,35 @@ try:
     check(status == 200, "healthy after the errors")
 finally:
     srv.stop()
+
+# Reasoning (--reasoning-parser deepseek_r1) with a template that opens <think> for the reply, as
+# DeepSeek-R1's and Qwen3's thinking templates do: the reply up to </think> (all of it, for a
+# model that never closes the block) is reasoning — chat's reasoning_content, the Responses
+# API's reasoning item, streamed as reasoning_text events.
+think = os.path.join(work, "think.jinja")
+with open(think, "w") as f:
+    f.write("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+            "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+            "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+reasoner = Server(KVLM, model_with_template(MODEL, think, "kvlm-think-"), "--served-model-name", "tiny",
+                  "--reasoning-parser", "deepseek_r1")
+try:
+    client = openai.OpenAI(base_url=reasoner.base + "/v1", api_key="none", max_retries=0)
+    # ignore_eos: the bundled model ends a <think> block's reply at once; 12 tokens of it it is.
+    go = {"ignore_eos": True}
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2 + 3?"}], temperature=0.0,
+                                       max_completion_tokens=12, extra_body=go)
+    reasoning = c.choices[0].message.model_extra.get("reasoning_content")
+    check(bool(reasoning) and not c.choices[0].message.content, f"chat: the open block is reasoning_content ({reasoning!r})")
+    r = client.responses.create(model="tiny", input="2 + 3?", temperature=0.0, max_output_tokens=12, extra_body=go)
+    check(r.output[0].type == "reasoning" and r.output[0].content[0].text == reasoning,
+          f"responses: a reasoning item with the same text ({[o.type for o in r.output]})")
+    ev = list(client.responses.create(model="tiny", input="2 + 3?", temperature=0.0, max_output_tokens=12, stream=True,
+                                      extra_body=go))
+    streamed = "".join(e.delta for e in ev if e.type == "response.reasoning_text.delta")
+    check(streamed == reasoning, "responses stream: reasoning_text deltas add up to the reasoning")
+finally:
+    reasoner.stop()
 
 stateless = Server(KVLM, work, "--served-model-name", "tiny", "--responses-store-size", "0")
 try:

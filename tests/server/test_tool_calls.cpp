@@ -30,18 +30,26 @@ bool accepts(const kvlm::grammar::Grammar& g, const std::string& text) {
   return c.accept_text(text) && c.can_end();
 }
 
-// Streaming the text in pieces split anywhere gives the calls and content of the whole.
+// Streaming the text in two pieces split at every byte, and one byte at a time, gives the calls
+// and content of the whole.
 void expect_stream_equals_whole(ToolParser p, const std::string& text) {
   const ExtractedCalls whole = kvlm::server::extract_tool_calls(p, text);
-  for (size_t cut = 0; cut <= text.size(); cut += 3) {
+  for (size_t cut = 0; cut <= text.size() + 1; ++cut) {
     ToolCallStream s(p);
-    auto a = s.push(text.substr(0, cut));
-    auto b = s.push(text.substr(cut));
-    auto c = s.finish();
-    std::string content = a.content + b.content + c.content;
+    std::vector<ToolCallStream::Out> outs;
+    if (cut <= text.size()) {
+      outs.push_back(s.push(text.substr(0, cut)));
+      outs.push_back(s.push(text.substr(cut)));
+    } else {  // byte by byte
+      for (const char ch : text) outs.push_back(s.push(std::string(1, ch)));
+    }
+    outs.push_back(s.finish());
+    std::string content;
     std::vector<std::string> names;
-    for (const auto* o : {&a, &b, &c})
-      for (const auto& call : o->calls) names.push_back(call.name + call.arguments);
+    for (const auto& o : outs) {
+      content += o.content;
+      for (const auto& call : o.calls) names.push_back(call.name + call.arguments);
+    }
     std::vector<std::string> want;
     for (const auto& call : whole.calls) want.push_back(call.name + call.arguments);
     EXPECT_EQ(names, want) << text << " cut " << cut;
