@@ -92,6 +92,14 @@ try:
     expect_error(lambda: client.embeddings.create(model=name, input=[1, 300]), 400, "outside the model's vocabulary",
                  "token id out of range")
     expect_error(lambda: client.embeddings.create(model="other", input=[1, 2]), 404, "does not exist", "another model")
+    # Bad bodies get the limits every POST route has: malformed JSON, nesting past the depth
+    # limit, a body past --max-body (16 MiB): 400, 400, 413.
+    st, body = srv.post("/v1/embeddings", raw=b'{"input": [1, 2')
+    check(st == 400 and "JSON" in body, f"malformed JSON: {st} {body[:120]}")
+    st, body = srv.post("/v1/embeddings", raw=b'{"input": ' + b"[" * 200 + b"1" + b"]" * 200 + b"}")
+    check(st == 400, f"deep nesting: {st} {body[:120]}")
+    st, body = srv.post("/v1/embeddings", raw=b'{"input": "' + b"a" * (17 << 20) + b'"}')
+    check(st == 413, f"a 17 MiB body: {st}")
     status, _ = srv.get("/health")
     check(status == 200, "healthy after the errors")
 finally:

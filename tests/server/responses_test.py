@@ -154,6 +154,12 @@ try:
                  "not found", "an unknown previous_response_id")
     expect_error(lambda: client.responses.create(model="tiny", input="x", background=True), 400, "background", "background")
     expect_error(lambda: client.responses.create(model="tiny", input=[]), 400, "at least one item", "empty input")
+    st, body = srv.post("/v1/responses", raw=b'{"input": "x", ')
+    check(st == 400 and "JSON" in body, f"malformed JSON: {st} {body[:120]}")
+    st, body = srv.post("/v1/responses", {"input": [{"type": "function_call", "name": "f"}]})
+    check(st == 400 and "call_id" in body, f"a function_call item without call_id: {st} {body[:160]}")
+    st, body = srv.post("/v1/responses", {"input": "x", "tools": [{"type": "function"}], "tool_choice": "required"})
+    check(st == 400, f"a function tool without a name: {st} {body[:160]}")
     status, _ = srv.get("/health")
     check(status == 200, "healthy after the errors")
 finally:
