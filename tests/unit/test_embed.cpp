@@ -180,6 +180,21 @@ TEST(Embed, MeanAndClsPoolingMatchTransformersInEveryKVFormat) {
   fs::remove_all(cls_dir);
 }
 
+// Tensor parallelism (CPU ranks): rank 0 hands back the hidden states, equal to one rank's.
+TEST(Embed, TensorParallelPoolsAsOneRank) {
+  const auto g = golden();
+  const auto inputs = golden_inputs(g);
+  ModelOptions o;
+  o.model_dir = kEmbed / "model";
+  o.dtype = DType::F32;
+  const auto one = embed_prompts(*LoadedModel::load(o), inputs, EmbedOptions{.max_num_batched_tokens = 9});
+  o.tensor_parallel_size = 2;
+  auto tp = LoadedModel::load(o);
+  ASSERT_EQ(tp->tensor_parallel_size(), 2);
+  const auto two = embed_prompts(*tp, inputs, EmbedOptions{.max_num_batched_tokens = 9});
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_LT(max_diff(two[i], nlohmann::json(one[i])), 1e-5f) << i;
+}
+
 TEST(Embed, RunnerFlagAndBareCheckpointsSayWhatToDo) {
   ModelOptions o;
   o.model_dir = kEmbed / "model";
