@@ -45,6 +45,7 @@
 #include "offline/generate.h"
 #include "offline/score.h"
 #include "attention/registry.h"
+#include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "model/cpu/cpu_runner.h"
 #include "model/cuda/cuda_runner.h"
@@ -793,8 +794,15 @@ TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
     ~Restore() { cuda::set_kernel_switches(s); }
   } restore{saved};
   std::vector<std::pair<std::string, fs::path>> models;
-  for (const std::string& n : golden_names())
-    models.emplace_back(n, n == "stories260K" ? test::repo_root() / "models" / n : golden_dir() / "models" / n);
+  for (const std::string& n : golden_names()) {
+    const fs::path dir = n == "stories260K" ? test::repo_root() / "models" / n : golden_dir() / "models" / n;
+    // Not the mixtures of experts: on these random tokens some router's top-k is a near tie,
+    // and bf16 compute picks another expert than fp32 — a jump no rounding bound covers. Their
+    // cross-device checks use the golden prompts, whose router gaps were checked at seed
+    // selection (CudaRunnerGolden.MatchesCpuRunnerEveryKVMode), and CudaMoe the op itself.
+    if (Checkpoint::open(dir).model_config(dir).moe) continue;
+    models.emplace_back(n, dir);
+  }
   models.emplace_back("kvlm-tiny", test::repo_root() / "models" / "kvlm-tiny");
   const int bs = 16, nb = 48;
   for (const auto& [name, dir] : models) {
