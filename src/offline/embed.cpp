@@ -45,7 +45,7 @@ const PoolingConfig& pooling_of(const LoadedModel& model) {
 }
 
 // Checks the prompts; returns the longest.
-int check_prompts(const LoadedModel& model, std::span<const std::vector<TokenId>> prompts, int max_len) {
+int check_prompts(std::span<const std::vector<TokenId>> prompts, int max_len) {
   int longest = 1;
   for (const auto& p : prompts) {
     if (p.empty()) throw Error("an input to embed is empty (no tokens)");
@@ -53,7 +53,6 @@ int check_prompts(const LoadedModel& model, std::span<const std::vector<TokenId>
       throw Error("an input has " + std::to_string(p.size()) + " tokens; the model takes at most " + std::to_string(max_len));
     longest = std::max(longest, int(p.size()));
   }
-  (void)model;
   return longest;
 }
 
@@ -95,7 +94,7 @@ std::vector<std::vector<float>> embed_prompts(LoadedModel& model, std::span<cons
                                               const EmbedOptions& opts) {
   check_dimensions(pooling_of(model), model.config().hidden_size, opts.dimensions);
   if (prompts.empty()) return {};
-  const int longest = check_prompts(model, prompts, model.config().max_position_embeddings);
+  const int longest = check_prompts(prompts, model.config().max_position_embeddings);
   const int bs = model.block_size();
   const int seqs = std::clamp(int(prompts.size()), 1, std::max(1, opts.max_num_seqs));
   LLMEngine llm(model, SchedulerConfig{.max_num_seqs = seqs,

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "server/request_fields.h"
+#include "server/request_json.h"
 #include "text/grammar/json_schema.h"
 #include "text/grammar/regex.h"
 
@@ -18,99 +19,6 @@ namespace kvlm::server {
 
 namespace {
 
-[[noreturn]] void bad(const std::string& message, const std::string& param, const std::string& code = {}) {
-  throw ApiError(400, message, param, code);
-}
-
-std::string kind(const Json& v) {
-  switch (v.type()) {
-    case Json::value_t::string: return "a string";
-    case Json::value_t::boolean: return "a boolean";
-    case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned: return "an integer";
-    case Json::value_t::number_float: return "a number";
-    case Json::value_t::array: return "an array";
-    case Json::value_t::object: return "an object";
-    default: return "null";
-  }
-}
-
-// The value of `key`, or nullptr when it is absent or null (OpenAI treats null as unset).
-const Json* field(const Json& body, const char* key) {
-  auto it = body.find(key);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-std::optional<bool> opt_bool(const Json& body, const char* key) {
-  const Json* v = field(body, key);
-  if (!v) return std::nullopt;
-  if (!v->is_boolean()) bad(std::string(key) + " must be a boolean, got " + kind(*v), key);
-  return v->get<bool>();
-}
-
-std::optional<double> opt_number(const Json& body, const char* key) {
-  const Json* v = field(body, key);
-  if (!v) return std::nullopt;
-  if (!v->is_number()) bad(std::string(key) + " must be a number, got " + kind(*v), key);
-  const double d = v->get<double>();
-  if (!std::isfinite(d)) bad(std::string(key) + " must be a finite number", key);
-  return d;
-}
-
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
-
-// An integer (an integral float such as 2.0 is accepted, as pydantic accepts it).
-std::optional<int64_t> opt_int(const Json& body, const char* key) {
-  const Json* v = field(body, key);
-  if (!v) return std::nullopt;
-  if (v->is_number_unsigned()) {
-    const uint64_t u = v->get<uint64_t>();
-    if (u > uint64_t(INT64_MAX)) bad(std::string(key) + " is too large", key);
-    return int64_t(u);
-  }
-  if (v->is_number_integer()) return v->get<int64_t>();
-  if (v->is_number_float()) {
-    const double d = v->get<double>();
-    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) return int64_t(d);
-    // 2^64 and beyond parse as floats: an integer, but out of range.
-    if (std::isfinite(d) && d == std::floor(d)) bad(std::string(key) + " is out of range (" + num(d) + ")", key);
-  }
-  bad(std::string(key) + " must be an integer, got " + kind(*v), key);
-}
-
-
-float number_in(const Json& body, const char* key, double lo, double hi, bool lo_open, float dflt) {
-  const auto v = opt_number(body, key);
-  if (!v) return dflt;
-  const bool ok = (lo_open ? *v > lo : *v >= lo) && *v <= hi;
-  if (!ok)
-    bad(std::string(key) + " must be in " + (lo_open ? "(" : "[") + num(lo) + ", " + num(hi) + "], got " + num(*v), key);
-  return float(*v);
-}
-
-void check_model(const Json& body, const ModelInfo& info) {
-  const Json* m = field(body, "model");
-  if (!m) return;  // vLLM serves the one model when none is named
-  if (!m->is_string()) bad("model must be a string, got " + kind(*m), "model");
-  if (m->get_ref<const std::string&>() != info.name)
-    throw ApiError(404, "The model '" + m->get<std::string>() + "' does not exist; this server serves '" + info.name + "'",
-                   "model", "model_not_found");
-}
-
-TokenId token_id(const Json& v, const ModelInfo& info, const char* param, const char* what) {
-  if (!v.is_number_integer() && !v.is_number_unsigned())
-    bad(std::string(param) + " must hold integer token ids, got " + kind(v), param);
-  if (v.is_number_unsigned() ? v.get<uint64_t>() >= uint64_t(info.vocab_size)
-                             : (v.get<int64_t>() < 0 || v.get<int64_t>() >= info.vocab_size))
-    bad(std::string(what) + " " + v.dump() + " is outside the model's vocabulary (0.." + std::to_string(info.vocab_size - 1) + ")",
-        param);
-  return TokenId(v.get<int64_t>());
-}
 
 // The JSON schema of a json_schema / guided_json / structured_outputs.json field: an object,
 // or a string holding one (vLLM accepts both).
@@ -214,16 +122,6 @@ void parse_structured(const Json& b, GenParams& g, const ModelInfo& info) {
 }
 
 // The parameters both endpoints share.
-// vLLM's `priority`: an integer, lower first; anything but 0 needs --scheduling-policy priority.
-int parse_priority(const Json& b, const ApiLimits& lim) {
-  const auto p = opt_int(b, "priority");
-  if (!p || *p == 0) return 0;
-  if (!lim.priority_scheduling)
-    bad("priority needs a server started with --scheduling-policy priority (this one schedules first come, first served)",
-        "priority");
-  if (*p < INT32_MIN || *p > INT32_MAX) bad("priority is out of range", "priority");
-  return int(*p);
-}
 
 GenParams parse_common(const Json& b, const ModelInfo& info, const ApiLimits& lim, bool chat) {
   refuse_unimplemented_fields(b, chat);
@@ -345,53 +243,6 @@ void check_choices(const GenParams& g, size_t prompts, const ApiLimits& lim) {
         "n");
 }
 
-std::vector<TokenId> token_list(const Json& arr, const ModelInfo& info, const char* key) {
-  if (arr.empty()) bad(std::string("a token-id ") + key + " must not be empty", key);
-  std::vector<TokenId> ids;
-  ids.reserve(arr.size());
-  const std::string what = std::string(key) + " token id";
-  for (const auto& v : arr) ids.push_back(token_id(v, info, key, what.c_str()));
-  return ids;
-}
-
-// `key` ("prompt", or "input" for embeddings): a string, a list of strings, a list of token
-// ids, or a list of token-id lists.
-std::vector<Prompt> parse_prompts(const Json& b, const ModelInfo& info, const char* key = "prompt") {
-  const std::string k = key;
-  const Json* p = field(b, key);
-  if (!p) bad(k + " is required", key);
-  const std::string shapes = k + " must be a string, a list of strings, a list of token ids, or a list of token-id lists";
-  std::vector<Prompt> out;
-  auto text = [&](const Json& s) {
-    if (!info.has_tokenizer)
-      bad("this model has no tokenizer (tokenizer.json), so " + k + "s must be token ids, e.g. \"" + k + "\": [1, 2, 3]", key);
-    out.push_back({.text = s.get<std::string>(), .ids = {}});
-  };
-  if (p->is_string()) {
-    text(*p);
-  } else if (p->is_array()) {
-    if (p->empty()) bad(k + " must not be an empty list", key);
-    const Json& first = p->front();
-    if (first.is_string()) {
-      for (const auto& s : *p) {
-        if (!s.is_string()) bad(shapes + " (found a list mixing strings and " + kind(s) + ")", key);
-        text(s);
-      }
-    } else if (first.is_number()) {
-      out.push_back({.text = std::nullopt, .ids = token_list(*p, info, key)});
-    } else if (first.is_array()) {
-      for (const auto& l : *p) {
-        if (!l.is_array()) bad(shapes + " (found a list mixing lists and " + kind(l) + ")", key);
-        out.push_back({.text = std::nullopt, .ids = token_list(l, info, key)});
-      }
-    } else {
-      bad(shapes + ", got a list of " + kind(first) + "s", key);
-    }
-  } else {
-    bad(shapes + ", got " + kind(*p), key);
-  }
-  return out;
-}
 
 Json normalize_messages(const Json& b) {
   const Json* msgs = field(b, "messages");
@@ -714,83 +565,6 @@ CompletionRequest parse_completion_request(const Json& b, const ModelInfo& info,
   return r;
 }
 
-namespace {
-
-// RFC 4648 base64 with padding.
-std::string base64_encode(std::string_view in) {
-  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  out.reserve((in.size() + 2) / 3 * 4);
-  for (size_t i = 0; i < in.size(); i += 3) {
-    const uint32_t b0 = uint8_t(in[i]), b1 = i + 1 < in.size() ? uint8_t(in[i + 1]) : 0,
-                   b2 = i + 2 < in.size() ? uint8_t(in[i + 2]) : 0;
-    const uint32_t v = b0 << 16 | b1 << 8 | b2;
-    out += kAlphabet[v >> 18 & 63];
-    out += kAlphabet[v >> 12 & 63];
-    out += i + 1 < in.size() ? kAlphabet[v >> 6 & 63] : '=';
-    out += i + 2 < in.size() ? kAlphabet[v & 63] : '=';
-  }
-  return out;
-}
-
-}  // namespace
-
-EmbeddingRequest parse_embedding_request(const Json& b, const ModelInfo& info, const ApiLimits& lim) {
-  check_model(b, info);
-  if (field(b, "messages"))
-    bad("chat-style embedding inputs (messages) are not supported by kvlm; send the text as input", "messages");
-  EmbeddingRequest r;
-  r.inputs = parse_prompts(b, info, "input");
-  if (r.inputs.size() > size_t(lim.max_choices))
-    bad(std::to_string(r.inputs.size()) + " inputs are more than " + std::to_string(lim.max_choices) +
-            " in one request, this server's limit (--max-seqs-per-request); split it",
-        "input");
-  if (const Json* f = field(b, "encoding_format")) {
-    if (!f->is_string() || (*f != "float" && *f != "base64"))
-      bad("encoding_format must be \"float\" or \"base64\", got " + f->dump().substr(0, 40), "encoding_format");
-    r.base64 = *f == "base64";
-  }
-  if (const auto d = opt_int(b, "dimensions")) {
-    if (*d < 1) bad("dimensions must be a positive integer, got " + std::to_string(*d), "dimensions");
-    r.dimensions = int(std::min<int64_t>(*d, INT32_MAX));
-  }
-  if (const auto t = opt_int(b, "truncate_prompt_tokens")) {
-    if (*t < -1 || *t == 0) bad("truncate_prompt_tokens must be -1 (the model's context) or a positive count", "truncate_prompt_tokens");
-    r.truncate_prompt_tokens = *t == -1 ? info.max_model_len : int(std::min<int64_t>(*t, INT32_MAX));
-  }
-  r.add_special_tokens = opt_bool(b, "add_special_tokens").value_or(true);
-  r.priority = parse_priority(b, lim);
-  r.normalize = opt_bool(b, "normalize");
-  if (const Json* e = field(b, "embed_dtype"); e && *e != "float32")
-    bad("embed_dtype: kvlm returns float32 embeddings", "embed_dtype");
-  static const std::set<std::string> known = {"input", "model", "encoding_format", "dimensions", "user",
-                                              "truncate_prompt_tokens", "add_special_tokens", "normalize",
-                                              "embed_dtype", "messages", "request_id", "priority"};
-  for (auto it = b.begin(); it != b.end(); ++it)
-    if (!known.count(it.key())) r.ignored_fields.push_back(it.key().substr(0, 64));
-  return r;
-}
-
-Json embedding_response(const std::string& model, const std::vector<std::vector<float>>& vectors, bool base64,
-                        int64_t prompt_tokens) {
-  Json data = Json::array();
-  for (size_t i = 0; i < vectors.size(); ++i) {
-    Json e = {{"object", "embedding"}, {"index", i}};
-    if (base64) {
-      // OpenAI's base64 form: the float32 values' little-endian bytes (numpy frombuffer).
-      std::string bytes(vectors[i].size() * sizeof(float), '\0');
-      std::memcpy(bytes.data(), vectors[i].data(), bytes.size());
-      e["embedding"] = base64_encode(bytes);
-    } else {
-      e["embedding"] = vectors[i];
-    }
-    data.push_back(std::move(e));
-  }
-  return {{"object", "list"},
-          {"data", std::move(data)},
-          {"model", model},
-          {"usage", {{"prompt_tokens", prompt_tokens}, {"total_tokens", prompt_tokens}}}};
-}
 
 ChatRequest parse_chat_request(const Json& b, const ModelInfo& info, const ApiLimits& lim) {
   check_model(b, info);

@@ -2,27 +2,11 @@
 
 #include <set>
 
+#include "server/request_json.h"
+
 namespace kvlm::server {
 
 namespace {
-
-[[noreturn]] void bad(const std::string& msg, const std::string& param) { throw ApiError(400, msg, param); }
-
-const Json* field(const Json& b, const char* key) {
-  const auto it = b.find(key);
-  return it == b.end() || it->is_null() ? nullptr : &*it;
-}
-
-std::string kind(const Json& v) {
-  switch (v.type()) {
-    case Json::value_t::string: return "a string";
-    case Json::value_t::array: return "a list";
-    case Json::value_t::object: return "an object";
-    case Json::value_t::boolean: return "a boolean";
-    case Json::value_t::null: return "null";
-    default: return "a number";
-  }
-}
 
 // A message's content (a string, or parts of text) as one string.
 std::string content_text(const Json& content, const std::string& where) {
