@@ -5,9 +5,10 @@ against llama.cpp's own `llama-bench` on the same file, where a llama.cpp build 
 
 For each model and engine: load time, peak resident memory (kvlm's from /usr/bin/time), prompt
 tokens/s over a 128-token prompt and decode tokens/s over 128 generated tokens (greedy, EOS
-ignored), best of --repeat runs. kvlm and transformers compute in float32 (dequantized
-weights); llama.cpp computes on the quantized blocks themselves, which is why its figure is a
-different kind of number (what keeping the blocks would buy; see docs/results/gguf.md).
+ignored), best of --repeat runs. kvlm runs twice: as it loads by default (the quantized
+matrices kept in their blocks: int8 activations for decode, fp32 tiles for prompts; ops/cpu/
+quant_matmul.h) and with --dequantize-weights (everything float32, the old path).
+transformers computes in float32 on dequantized weights; llama.cpp on its blocks.
 
 usage: python3 tools/gguf_cpu_bench.py --kvlm build/kvlm GGUF... [--python VENV/bin/python]
                                         [--llama-bench PATH] [--repeat 3] [--threads 2]
@@ -57,12 +58,12 @@ print(json.dumps({"load": load, "prompt_tps": best_p, "decode_tps": best_d,
 '''
 
 
-def kvlm_run(kvlm, model, ids, n_gen, threads):
+def kvlm_run(kvlm, model, ids, n_gen, threads, extra):
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
         p = subprocess.run(["/usr/bin/time", "-f", "%M %e", "-o", tf.name, kvlm, "-q", "generate", "--model", model,
                             "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(n_gen), "--ignore-eos",
-                            "--temperature", "0", "--json", "--prefill-chunk", "512"],
+                            "--temperature", "0", "--json", "--prefill-chunk", "512", *extra],
                            capture_output=True, text=True, env=env)
         if p.returncode != 0:
             sys.exit(f"kvlm failed: {p.stderr}")
@@ -88,15 +89,17 @@ def main():
         tok = subprocess.run([args.kvlm, "-q", "tokenize", "--tokenizer", model, "--text", PROMPT * 4, "--json",
                               "--add-special-tokens"], capture_output=True, text=True, check=True)
         ids = json.loads(tok.stdout)["ids"][:args.prompt_tokens]
-        best = None
-        for _ in range(args.repeat):
-            j, rss, wall = kvlm_run(args.kvlm, model, ids, args.gen_tokens, args.threads)
-            t = j["timing"]
-            load = wall - t["prefill_seconds"] - t["decode_seconds"]
-            cur = (len(ids) / t["prefill_seconds"], t["decode_tokens_per_second"], load, rss)
-            best = cur if best is None else (max(best[0], cur[0]), max(best[1], cur[1]), min(best[2], cur[2]), max(best[3], cur[3]))
-        rows.append((name, "kvlm (fp32, OpenBLAS)", *best))
-        print(f"{name}: kvlm {best}", file=sys.stderr, flush=True)
+        for label, extra in (("kvlm (blocks kept)", []), ("kvlm --dequantize-weights (float32)", ["--dequantize-weights"])):
+            best = None
+            for _ in range(args.repeat):
+                j, rss, wall = kvlm_run(args.kvlm, model, ids, args.gen_tokens, args.threads, extra)
+                t = j["timing"]
+                load = wall - t["prefill_seconds"] - t["decode_seconds"]
+                cur = (len(ids) / t["prefill_seconds"], t["decode_tokens_per_second"], load, rss)
+                best = cur if best is None else (max(best[0], cur[0]), max(best[1], cur[1]), min(best[2], cur[2]),
+                                                 max(best[3], cur[3]))
+            rows.append((name, label, *best))
+            print(f"{name}: {label} {best}", file=sys.stderr, flush=True)
         if args.python:
             p = subprocess.run([args.python, "-c", HF, model, str(args.prompt_tokens), str(args.gen_tokens),
                                 str(args.repeat), str(args.threads), PROMPT * 4], capture_output=True, text=True)

@@ -184,6 +184,7 @@ _KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "kv_cache_rotation", "
                   "device", "max_model_len", "gpu_memory_utilization", "kv_cache_memory", "tensor_parallel_size",
                   "enable_expert_parallel",
                   "seed", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",
+                  "dequantize_weights",
                   "enable_prefix_caching", "attention_backend", "runner", "scheduling_policy"}
 _ARGUMENTS = _KNOWN_OPTIONS | {"model", "kv_cache_dtype_skip_layers", "speculative_config"}
 

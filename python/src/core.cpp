@@ -71,6 +71,7 @@ ModelArgs model_args(const json& o) {
   a.device = get_or(o, "device", a.device);
   a.dtype = get_or(o, "dtype", a.dtype);
   a.enforce_eager = get_or(o, "enforce_eager", a.enforce_eager);
+  a.dequantize_weights = get_or(o, "dequantize_weights", a.dequantize_weights);
   a.quantization = get_or(o, "quantization", a.quantization);
   a.tensor_parallel_size = get_or(o, "tensor_parallel_size", a.tensor_parallel_size);
   a.enable_expert_parallel = get_or(o, "enable_expert_parallel", a.enable_expert_parallel);

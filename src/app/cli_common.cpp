@@ -51,6 +51,9 @@ void ModelFlags::add_to(CLI::App& cmd) {
                  "fp8: quantize a 16-bit checkpoint's linear weights to FP8 E4M3 at load, one scale per output "
                  "channel (the embedding and LM head stay as they are); FP8 checkpoints (compressed-tensors, "
                  "modelopt, fp8) run without it");
+  cmd.add_flag("--dequantize-weights", dequantize_weights,
+               "GGUF: dequantize the quantized blocks at load (float32 on the CPU) instead of computing from them "
+               "as stored: 4-8x the memory, for comparison (on CUDA the blocks are always dequantized, for now)");
   cmd.add_option("--runner", runner,
                  "what the model runs as: generate (text), pooling (an embedding model: `kvlm serve` answers "
                  "/v1/embeddings), or auto (pooling when the model directory holds sentence-transformers' "

@@ -1,6 +1,7 @@
 // kvlm inspect: print the resolved per-layer KV plan without loading weights.
 #include <iomanip>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <iostream>
 #include <sstream>
@@ -16,6 +17,8 @@
 #include "model/architecture.h"
 #include "model/loaded_model.h"
 #include "model/tensor_parallel.h"
+#include "model/weights.h"
+#include "ops/cpu/quant_matmul.h"
 
 namespace kvlm::app {
 
@@ -123,6 +126,63 @@ std::optional<GGUFProvenance> gguf_provenance(const Checkpoint& ckpt) {
   return g;
 }
 
+// How the device would hold the weights: per layer (-1: the embedding, LM head and final norm)
+// the bytes of each format, and for a GGUF file which of its quantized tensors keep their
+// blocks (the CPU reads Q4_0 .. Q6_K as stored) and which are dequantized at load.
+struct HeldWeights {
+  std::map<int, std::map<std::string, size_t>> layers;
+  std::map<std::string, int> kept, dequantized;  // GGUF tensor type -> tensors
+  size_t bytes = 0;
+  std::map<std::string, size_t> layer(int i) const {
+    const auto it = layers.find(i);
+    return it == layers.end() ? std::map<std::string, size_t>{} : it->second;
+  }
+};
+HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device device, DType dtype, bool keep_blocks,
+                         int tp) {
+  HeldWeights h;
+  const std::unique_ptr<ModelDefinition> def = make_model_definition(cfg);
+  for (const WeightSpec& s : def->weights().specs) {
+    const bool sliced = tp > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+    for (const WeightPiece& p : s.pieces) {
+      int layer = -1;
+      if (p.name.starts_with("model.layers.")) layer = std::atoi(p.name.c_str() + 13);
+      const int64_t numel = std::accumulate(p.shape.begin(), p.shape.end(), int64_t(1), std::multiplies<>());
+      const auto b = s.role == WeightRole::Matrix ? ckpt.blocks(p.name) : std::nullopt;
+      std::string format;
+      size_t bytes = 0;
+      if (b && device == Device::Cpu && keep_blocks && !sliced && p.layout == PieceLayout::Plain &&
+          ops::cpu::block_kernels_support(b->type)) {
+        format = ggml_type_name(b->type);
+        bytes = size_t(b->rows) * b->row_bytes;
+        ++h.kept[format];
+      } else {
+        DType held = DType::F32;
+        if (device == Device::Cuda && (s.role == WeightRole::Matrix || s.role == WeightRole::Bias))
+          held = cfg.weight_quant && s.linear ? DType::F8E4M3 : dtype;
+        format = std::string(dtype_name(held));
+        bytes = size_t(numel) * dtype_size(held);
+        if (b) ++h.dequantized[ggml_type_name(b->type)];
+      }
+      h.layers[layer][format] += bytes;
+      h.bytes += bytes;
+    }
+  }
+  return h;
+}
+
+// "Q4_K 1.2 MB + float32 5.1 KB" (decimal units, as the file sizes above).
+std::string formats_str(const std::map<std::string, size_t>& f) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(1);
+  for (const auto& [format, bytes] : f) {
+    s << (s.tellp() > 0 ? " + " : "") << format << " ";
+    if (bytes >= 100000) s << double(bytes) / 1e6 << " MB";
+    else s << double(bytes) / 1e3 << " KB";
+  }
+  return s.str();
+}
+
 }  // namespace
 
 int run_inspect(const InspectFlags& f) {
@@ -164,6 +224,7 @@ int run_inspect(const InspectFlags& f) {
                       r * layout.intermediate, (r + 1) * layout.intermediate - 1, r * expert_cols,
                       (r + 1) * expert_cols - 1, shard_kv_plan(plan, {r, tp}).bytes_per_token()});
   }
+  const HeldWeights held = held_weights(cfg, ckpt, device, mp.dtype, !f.model.dequantize_weights, tp);
   // The same model with an unquantized cache in the model dtype, for the capacity ratio.
   size_t baseline = 0;
   for (const auto& l : plan.layers) baseline += 2 * size_t(l.attn.num_kv_heads) * size_t(l.attn.head_dim) * dtype_size(mp.dtype);
@@ -192,9 +253,13 @@ int run_inspect(const InspectFlags& f) {
     } else {
       j["weights"] = {{"format", std::string(dtype_name(mp.dtype))}};
     }
+    j["weights"]["bytes"] = held.bytes;
+    j["weights"]["outside_layers"] = held.layer(-1);
     if (gguf)
       j["gguf"] = {{"file", gguf->file}, {"version", gguf->version}, {"bytes", gguf->bytes},
-                   {"tensor_types", gguf->tensor_types}, {"config_from", gguf->config}, {"tokenizer_from", gguf->tokenizer}};
+                   {"tensor_types", gguf->tensor_types}, {"kept_in_blocks", held.kept},
+                   {"dequantized_at_load", held.dequantized}, {"config_from", gguf->config},
+                   {"tokenizer_from", gguf->tokenizer}};
     const ParamCounts params = count_params(cfg);
     j["parameters"] = params.total;
     j["parameters_per_token"] = params.active;
@@ -204,6 +269,7 @@ int run_inspect(const InspectFlags& f) {
       e["attention_sinks"] = l.attn.sinks;
       if (l.attn.model == "target") {
         const int i = l.attn.layer;
+        e["weights"] = held.layer(i);
         if (cfg.moe && cfg.moe_layers[size_t(i)])
           e["mlp"] = {{"kind", "experts"}, {"experts", cfg.moe->num_experts}, {"top_k", cfg.moe->top_k},
                       {"expert_size", cfg.moe->expert_size}, {"parameters", params.mlp_total[size_t(i)]},
@@ -265,7 +331,16 @@ int run_inspect(const InspectFlags& f) {
   if (gguf) {
     std::cout << "gguf       version " << gguf->version << ", " << gguf->bytes / 1000000 << " MB, tensors:";
     for (const auto& [type, n] : gguf->tensor_types) std::cout << " " << n << " " << type;
-    std::cout << " (dequantized at load)\n           config.json fields from the metadata:\n";
+    std::cout << "\n           kept in their blocks:";
+    for (const auto& [type, n] : held.kept) std::cout << " " << n << " " << type;
+    if (held.kept.empty()) std::cout << " none";
+    std::cout << "; dequantized at load:";
+    for (const auto& [type, n] : held.dequantized) std::cout << " " << n << " " << type;
+    if (held.dequantized.empty()) std::cout << " none";
+    std::cout << (device == Device::Cuda && !held.dequantized.empty() ? " (the CUDA runner has no block kernels yet)"
+                  : f.model.dequantize_weights                       ? " (--dequantize-weights)"
+                                                                     : "")
+              << "\n           config.json fields from the metadata:\n";
     for (const auto& n : gguf->config) std::cout << "             " << n << "\n";
     std::cout << "           tokenizer and chat template from:";
     for (const auto& n : gguf->tokenizer) std::cout << " " << n;
@@ -281,6 +356,8 @@ int run_inspect(const InspectFlags& f) {
   } else {
     std::cout << "weights    " << dtype_name(mp.dtype) << "\n";
   }
+  std::cout << "           " << std::fixed << std::setprecision(1) << double(held.bytes) / 1e6 << " MB as "
+            << device_name(device) << " holds them; outside the layers: " << formats_str(held.layer(-1)) << "\n";
   if (cfg.kv_scheme) std::cout << "checkpoint declares " << cfg.kv_scheme->origin << "\n";
   std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtype_name(plan.requested) << " -> "
             << dtype_name(plan.resolution.storage.storage) << " / " << kv_quant_mode_name(plan.resolution.storage.mode) << " ("
@@ -288,7 +365,7 @@ int run_inspect(const InspectFlags& f) {
             << ")\n\n";
   std::vector<std::vector<std::string>> rows{
       {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "rotation", "exact tokens", "backend",
-       "bytes/token", "mlp"}};
+       "bytes/token", "mlp", "weights"}};
   for (const auto& l : plan.layers) {
     // Exact sink / recent tokens: "sink 4 + recent 64, bf16 256 B/token" (bytes of one exact token).
     std::string exact = "none";
@@ -299,14 +376,15 @@ int run_inspect(const InspectFlags& f) {
                     std::string(dtype_name(l.storage)), std::string(kv_quant_mode_name(l.quant)),
                     std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.rotate ? "hadamard" : "none", exact,
                     l.backend, std::to_string(l.bytes_per_token()),
-                    l.attn.model == "target" ? mlp_str(cfg, params, l.attn.layer) : std::string("dense")});
+                    l.attn.model == "target" ? mlp_str(cfg, params, l.attn.layer) : std::string("dense"),
+                    l.attn.model == "target" ? formats_str(held.layer(l.attn.layer)) : std::string("-")});
   }
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows)
     for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
   for (const auto& r : rows) {
     for (size_t c = 0; c < r.size(); ++c) {
-      const bool numeric = c == 0 || c + 2 == r.size();
+      const bool numeric = c == 0 || c + 3 == r.size();
       if (c + 1 == r.size()) {  // the last column unpadded
         std::cout << r[c] << "\n";
         continue;

@@ -203,7 +203,10 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
                 float pmax = -std::numeric_limits<float>::infinity();
                 for (int j = a; j < b; ++j) {
                   const float* k = key_row(kpage, kexact, j);
+                  // Vector lanes of partial sums (a strict left-to-right sum does not vectorize:
+                  // attention took 40% of the linears' time on a 128-token Gemma 3 prefill).
                   float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
                   for (int x = 0; x < d; ++x) dot += q[x] * k[x];
                   score[size_t(j - a)] = dot * call.softmax_scale;
                   pmax = std::max(pmax, score[size_t(j - a)]);

@@ -39,6 +39,7 @@ ModelOptions ModelArgs::model_options(const std::filesystem::path& dir, ArgStyle
   o.gpu = d.gpu;
   o.dtype = parse_model_dtype(dtype);
   o.enforce_eager = enforce_eager;
+  o.dequantize_weights = dequantize_weights;
   resolve_weight_quant(std::nullopt, quantization);  // an unknown method fails here, not after loading
   o.quantization = quantization;
   o.runner = runner;

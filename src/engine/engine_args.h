@@ -30,6 +30,7 @@ struct ModelArgs {
   std::string device = "auto";
   std::string dtype = "auto";
   std::string quantization;       // "" or fp8
+  bool dequantize_weights = false;  // GGUF: dequantize the blocks at load (the old path)
   int block_size = 16;
   bool enforce_eager = false;
   int tensor_parallel_size = 1;

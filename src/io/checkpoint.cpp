@@ -49,8 +49,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
       c.gguf_sources_.push_back(src);
       c.tensors_.emplace(name, std::make_pair(nullptr, &c.gguf_infos_.back()));
     }
-    log::info("opened " + gguf->string() + ": " + std::to_string(m.tensors.size()) +
-              " tensors, dequantized to float32 one at a time as the weights load");
+    log::info("opened " + gguf->string() + ": " + std::to_string(m.tensors.size()) + " tensors");
     return c;
   }
   if (std::filesystem::is_regular_file(dir, ec)) check_model_dir(dir);  // says what a file --model must be
@@ -117,6 +116,18 @@ TensorView Checkpoint::view(std::string_view name) const {
     return {t, {reinterpret_cast<const uint8_t*>(data.data()), data.size() * sizeof(float)}};
   }
   return it->second.first->view(*it->second.second);
+}
+
+std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end() || it->second.first) return std::nullopt;
+  const GGUFTensorSource& src = gguf_sources_[size_t(it->second.second - gguf_infos_.data())];
+  const GGUFTensorInfo* t = gguf_file_->header().find_tensor(src.gguf_name);
+  const auto traits = ggml_type_traits(t->type);
+  if (!traits || traits->block == 1 || src.minus_one || t->ne.size() != 2) return std::nullopt;
+  const int64_t cols = t->ne[0], rows = t->ne[1];
+  return Blocks{.type = t->type, .bytes = gguf_file_->data(*t), .rows = rows, .cols = cols,
+                .row_bytes = size_t(cols / traits->block * traits->block_bytes), .unpermute_heads = src.unpermute_heads};
 }
 
 std::string Checkpoint::describe(std::string_view name) const {

@@ -43,6 +43,19 @@ class Checkpoint {
   TensorView view(std::string_view name) const;  // throws when missing
   // 'name' for messages, with the GGUF tensor it comes from where it does.
   std::string describe(std::string_view name) const;
+  // A GGUF tensor stored in quantization blocks (Q4_0 .. Q6_K: not F32/F16/BF16), as stored:
+  // [rows][cols] with each row whole blocks. `unpermute_heads` > 0: the rows are Llama q/k rows
+  // in GGUF's order (llama_head_source_row says where each Hugging Face row is). nullopt for a
+  // safetensors tensor, a float GGUF tensor, or one whose values the loader changes (Gemma's
+  // norms). view() still dequantizes such a tensor.
+  struct Blocks {
+    uint32_t type = 0;  // ggml type (io/gguf.h)
+    std::span<const uint8_t> bytes;
+    int64_t rows = 0, cols = 0;
+    size_t row_bytes = 0;
+    int unpermute_heads = 0;
+  };
+  std::optional<Blocks> blocks(std::string_view name) const;
   // The caller is done with the tensor's view: a GGUF tensor's dequantized copy is freed.
   void release(std::string_view name) const;
   std::vector<std::string> names() const;

@@ -147,7 +147,7 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
   c["tie_word_embeddings"] = tied;
   from("tie_word_embeddings", tied ? "no output.weight tensor" : "an output.weight tensor");
   c["torch_dtype"] = "bfloat16";  // the weights are dequantized; bf16 is the compute dtype GGUF models come from
-  from("torch_dtype", "GGUF weights are dequantized; bf16 compute on the GPU, fp32 on the CPU");
+  from("torch_dtype", "the compute dtype: bf16 on the GPU, fp32 on the CPU (where quantized matrices stay in their blocks)");
   if (const auto bos = h.get_int("tokenizer.ggml.bos_token_id")) {
     c["bos_token_id"] = *bos;
     from("bos_token_id", "tokenizer.ggml.bos_token_id");
@@ -213,19 +213,20 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
   return m;
 }
 
+int64_t llama_head_source_row(int64_t row, int heads, int64_t rows) {
+  const int64_t hd = rows / heads, half = hd / 2, h = row / hd, j = row % hd;
+  return h * hd + (j < half ? 2 * j : 2 * (j - half) + 1);  // Hugging Face's halves from GGUF's pairs
+}
+
 void unpermute_llama_heads(std::vector<float>& w, int heads, int64_t rows, int64_t cols) {
   if (heads <= 0 || rows % heads != 0 || (rows / heads) % 2 != 0 || int64_t(w.size()) != rows * cols)
     throw Error("unpermute_llama_heads: " + std::to_string(rows) + " rows are not " + std::to_string(heads) +
                 " heads of an even size");
-  const int64_t hd = rows / heads, half = hd / 2;
   std::vector<float> out(w.size());
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t i = 0; i < half; ++i)
-      for (int64_t a = 0; a < 2; ++a) {
-        const float* src = w.data() + (h * hd + 2 * i + a) * cols;   // GGUF: interleaved pairs
-        float* dst = out.data() + (h * hd + a * half + i) * cols;    // Hugging Face: two halves
-        std::copy(src, src + cols, dst);
-      }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = w.data() + llama_head_source_row(r, heads, rows) * cols;
+    std::copy(src, src + cols, out.data() + r * cols);
+  }
   w.swap(out);
 }
 

@@ -52,5 +52,8 @@ std::vector<float> load_gguf_tensor(const GGUFFile& f, const GGUFTensorSource& s
 // The inverse of convert_hf_to_gguf.py's Llama `permute` on a [heads * head_dim][cols] matrix
 // (rows of each head: pairs (2i, 2i + 1) back to (i, i + head_dim / 2)). In place.
 void unpermute_llama_heads(std::vector<float>& w, int heads, int64_t rows, int64_t cols);
+// Row `row` of the Hugging Face layout is this row of the GGUF tensor (`rows` rows of `heads`
+// heads): what unpermute_llama_heads moves, for a loader that moves whole rows of blocks.
+int64_t llama_head_source_row(int64_t row, int heads, int64_t rows);
 
 }  // namespace kvlm

@@ -203,6 +203,11 @@ void check_tensor_parallel(const ModelOptions& opts, const ModelConfig& config) 
 
 namespace {
 
+// GGUF blocks stay as stored unless --dequantize-weights; --dtype float32 reads them in fp32.
+CpuRunnerOptions cpu_options(const ModelOptions& opts) {
+  return CpuRunnerOptions{.keep_blocks = !opts.dequantize_weights, .exact_blocks = opts.dtype == DType::F32};
+}
+
 // What every node must agree on, compared when a node joins.
 std::string fingerprint(const ModelOptions& opts, const ModelPlan& mp, const KVPlan& rank_plan) {
   const ModelConfig& c = mp.config;
@@ -255,7 +260,8 @@ void LoadedModel::load_tensor_parallel(const ModelOptions& opts, const Checkpoin
     }
     std::vector<const AttentionBackend*> backends;
     for (const auto& l : rp.layers) backends.push_back(&backend_by_name(l.backend));
-    return std::make_unique<CpuModelRunner>(mp.config, ckpt, rp, std::move(backends), nullptr, comms[size_t(i)]);
+    return std::make_unique<CpuModelRunner>(mp.config, ckpt, rp, std::move(backends), nullptr, comms[size_t(i)],
+                                            cpu_options(opts));
   };
   // A GGUF checkpoint's tensors are dequantized into memory the loader frees as it goes: one
   // rank at a time there.
@@ -341,8 +347,13 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   } else {
     std::vector<const AttentionBackend*> backends;
     for (const auto& l : e->plan_->plan.layers) backends.push_back(&backend_by_name(l.backend));
-    e->model_ = std::make_unique<CpuModelRunner>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends),
-                                                 drafter ? &*drafter : nullptr);
+    auto cpu = std::make_unique<CpuModelRunner>(e->plan_->config, ckpt, e->plan_->plan, std::move(backends),
+                                                drafter ? &*drafter : nullptr, nullptr, cpu_options(opts));
+    if (ckpt.gguf_file())
+      log::info("weights: " + std::to_string(cpu->weight_bytes() >> 20) + " MiB; " +
+                std::to_string(cpu->block_tensors()) + " GGUF tensors kept in their quantization blocks" +
+                (opts.dequantize_weights ? " (--dequantize-weights)" : "") + ", the rest float32");
+    e->model_ = std::move(cpu);
   }
   if (e->pooling_) e->model_->set_pooling(true);
   e->block_size_ = opts.cache.block_size;

@@ -38,6 +38,15 @@ struct Tensor {
   int64_t numel() const { return rows * cols; }
 };
 
+// Rows [row0, row0 + rows) of a matrix kept in a GGUF file's quantization blocks, all of ggml
+// type `type` (io/gguf.h): row r of the part is the `row_bytes` at data + r * row_bytes.
+struct WeightBlocks {
+  int64_t row0 = 0, rows = 0;
+  uint32_t type = 0;
+  const uint8_t* data = nullptr;
+  size_t row_bytes = 0;
+};
+
 // A weight on the ops' device: a matrix [rows][cols] in PyTorch's Linear layout
 // ([out][in]), or a vector (cols = 1). Empty (null) for an absent optional weight.
 struct Weight {
@@ -49,6 +58,10 @@ struct Weight {
   // F8E4M3 with 128 x 128 blocks (scale_block 128): one scale per block, [ceil(rows / 128)]
   // [ceil(cols / 128)] (the FP8 GEMM's layout); null when the blocks do not align.
   const float* block_scales = nullptr;
+  // A matrix the device keeps in its GGUF blocks (WeightSink::keeps_blocks): its rows in parts
+  // of one block type each (a fused q/k/v whose parts the file stores in different types);
+  // `data` is the first part's. Empty for every other weight.
+  std::span<const WeightBlocks> blocks;
   explicit operator bool() const { return data != nullptr; }
   int64_t numel() const { return rows * cols; }
 };

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/numeric.h"
+#include "io/gguf_model.h"
 
 namespace kvlm {
 
@@ -341,6 +342,25 @@ WeightSpec local_spec(const WeightSpec& s, TpRank tp) {
 
 }  // namespace
 
+Weight WeightSink::store_blocks(const WeightSpec& spec, std::span<const Checkpoint::Blocks> pieces) {
+  (void)pieces;
+  throw Error("this device does not keep GGUF blocks (weight '" + spec.pieces.at(0).name + "')");
+}
+
+void copy_block_rows(const Checkpoint::Blocks& p, uint8_t* out) {
+  if (p.unpermute_heads <= 0) {
+    std::memcpy(out, p.bytes.data(), size_t(p.rows) * p.row_bytes);
+    return;
+  }
+  const int heads = p.unpermute_heads;
+  if (p.rows % heads != 0 || (p.rows / heads) % 2 != 0)
+    throw Error("a GGUF q/k matrix of " + std::to_string(p.rows) + " rows is not " + std::to_string(heads) +
+                " heads of an even size");
+  for (int64_t r = 0; r < p.rows; ++r)
+    std::memcpy(out + size_t(r) * p.row_bytes,
+                p.bytes.data() + size_t(llama_head_source_row(r, p.unpermute_heads, p.rows)) * p.row_bytes, p.row_bytes);
+}
+
 LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, WeightSink& sink,
                            const std::optional<WeightQuantConfig>& quant, TpRank tp) {
   std::set<std::string> used(list.known_unused.begin(), list.known_unused.end());
@@ -403,6 +423,31 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
     }
     const WeightSpec& ls = held[next_held++];
     const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+    // A matrix stored in GGUF blocks the device keeps: handed over as the blocks, never
+    // dequantized. (Tensor-parallel slices and expert layouts take the dequantized path.)
+    if (s.role == WeightRole::Matrix && !sliced && !s.pieces.empty()) {
+      std::vector<Checkpoint::Blocks> bp;
+      for (const WeightPiece& p : s.pieces) {
+        auto b = p.layout == PieceLayout::Plain ? ckpt.blocks(p.name) : std::nullopt;
+        if (!b || !sink.keeps_blocks(b->type)) break;
+        const TensorInfo& t = *ckpt.find(p.name);
+        if (!std::ranges::equal(t.shape, p.shape))
+          throw Error("tensor " + ckpt.describe(t.name) + " has shape " + shape_str(t.shape) +
+                      " but the GGUF metadata implies " + shape_str(p.shape));
+        bp.push_back(*b);
+      }
+      if (bp.size() == s.pieces.size()) {
+        for (const WeightPiece& p : s.pieces) {
+          used.insert(p.name);
+          done += ckpt.find(p.name)->end - ckpt.find(p.name)->begin;
+        }
+        for (const auto& b : bp) out.num_params += size_t(b.rows * b.cols);
+        out.block_tensors += bp.size();
+        out.weights.push_back(sink.store_blocks(ls, bp));
+        progress.update(done);
+        continue;
+      }
+    }
     views.clear();
     pq.clear();
     local.clear();

@@ -153,12 +153,26 @@ class WeightSink {
   // values (`values`, with add_one applied).
   virtual Weight store(const WeightSpec& spec, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
                        std::span<const float> values) = 0;
+  // Whether the device keeps a matrix stored in GGUF blocks of ggml type `type` as blocks
+  // (store_blocks) rather than taking its dequantized values (store). Default: never.
+  virtual bool keeps_blocks(uint32_t type) const {
+    (void)type;
+    return false;
+  }
+  // A matrix whose every piece is GGUF blocks of a kept type (`pieces` in spec order, each with
+  // its rows as the checkpoint stores them: Checkpoint::Blocks::unpermute_heads says how they
+  // map). The sink copies what it keeps.
+  virtual Weight store_blocks(const WeightSpec& spec, std::span<const Checkpoint::Blocks> pieces);
 };
 
 struct LoadedWeights {
   std::vector<Weight> weights;  // one per spec, in order
   size_t num_params = 0;        // elements read from the checkpoint
+  size_t block_tensors = 0;     // GGUF tensors handed to the sink as blocks (store_blocks)
 };
+
+// The rows of one GGUF block piece in Hugging Face order, copied into `out` (row_bytes each).
+void copy_block_rows(const Checkpoint::Blocks& piece, uint8_t* out);
 
 // Loads every weight of `list` from `ckpt` into `sink`. Throws kvlm::Error naming the tensor
 // for a missing tensor, a wrong shape, a dtype kvlm cannot load, or an FP8 tensor whose scale

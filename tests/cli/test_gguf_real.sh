@@ -58,8 +58,10 @@ text() {  # text NAME EXPECTED_PREFIX KVLM_ARGS...: greedy text through the file
 if [ -f "$smol" ]; then
   check "SmolLM2-135M-Instruct Q4_1" "$smol" 504,3575,282,4649,314 7042,30
   text "SmolLM2 text prompt" " Paris." --model "$smol" --prompt "The capital of France is"
-  # The chat template from the file's tokenizer.chat_template (transformers' greedy answer).
-  text "SmolLM2 chat" "The capital of France is Paris" --model "$smol" --chat --prompt "What is the capital of France?"
+  # The chat template from the file's tokenizer.chat_template (transformers' greedy answer, in
+  # float32: the reply's first token is a near tie, 0.08 apart, which int8 activations turn).
+  text "SmolLM2 chat" "The capital of France is Paris" --model "$smol" --chat --prompt "What is the capital of France?" \
+    --dtype float32
   # --ignore-eos ignores the tokenizer's end token too (<|im_end|>, id 2, which a chat reply
   # ends with here): all 48 tokens come, as transformers gives with EOS ignored.
   out=$("$KVLM" -q generate --model "$smol" --chat --prompt "What is the capital of France?" --max-tokens 48 \
@@ -79,6 +81,19 @@ if [ -f "$smol" ]; then
      ! grep -q "generation_config min_p = 0.05  <- llama.cpp's default" <<<"$inspect_out"; then
     echo "FAIL: kvlm inspect does not say where the tokenizer came from"; failed=$((failed + 1))
   fi
+  # ... and which tensors keep their blocks on the CPU (all 211 quantized ones), which do not
+  # with --dequantize-weights, and the bytes each layer holds.
+  ran=$((ran + 1))
+  if grep -q "kept in their blocks: 210 Q4_1 1 Q8_0; dequantized at load: none" <<<"$inspect_out" &&
+     grep -q "Q4_1 2.2 MB + float32 4.6 KB" <<<"$inspect_out"; then echo "ok: inspect shows the blocks kept and each layer's bytes"
+  else echo "FAIL: inspect does not show the GGUF blocks kept: $inspect_out"; failed=$((failed + 1)); fi
+  inspect_out=$("$KVLM" inspect --model "$smol" --dequantize-weights 2>&1)
+  ran=$((ran + 1))
+  if grep -q "kept in their blocks: none; dequantized at load: 210 Q4_1 1 Q8_0 (--dequantize-weights)" <<<"$inspect_out"
+  then echo "ok: inspect --dequantize-weights"
+  else echo "FAIL: inspect --dequantize-weights: $inspect_out"; failed=$((failed + 1)); fi
+  # The old path still runs and answers the same.
+  text "SmolLM2 --dequantize-weights" " Paris." --model "$smol" --prompt "The capital of France is" --dequantize-weights
 fi
 if [ -f "$gemma" ]; then
   check "Gemma 3 270M Q4_K_M" "$gemma" 2,818,5279,529,7001,563 506,5279

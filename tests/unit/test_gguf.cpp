@@ -13,6 +13,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,7 @@
 #include "model/loaded_model.h"
 #include "offline/generate.h"
 #include "model/rope.h"
+#include "../support/ggml_blocks.h"
 #include "../support/gguf_writer.h"
 
 namespace kvlm {
@@ -268,6 +271,10 @@ struct F32Tensor {
   std::string name;
   std::vector<uint64_t> ne;
   std::vector<float> values;
+  // A quantized tensor instead: its blocks (values unused).
+  GGMLType type = GGMLType::F32;
+  std::vector<uint8_t> raw;
+  size_t bytes() const { return raw.empty() ? values.size() * 4 : raw.size(); }
 };
 std::vector<uint8_t> model_file(uint64_t n_kv, const std::function<void(Writer&)>& meta, const std::vector<F32Tensor>& ts) {
   Writer w;
@@ -276,12 +283,13 @@ std::vector<uint8_t> model_file(uint64_t n_kv, const std::function<void(Writer&)
   meta(w);
   uint64_t off = 0;
   for (const auto& t : ts) {
-    w.tensor(t.name, t.ne, GGMLType::F32, off);
-    off += (t.values.size() * 4 + 31) / 32 * 32;
+    w.tensor(t.name, t.ne, t.raw.empty() ? GGMLType::F32 : t.type, off);
+    off += (t.bytes() + 31) / 32 * 32;
   }
   w.pad_to(32);
   for (const auto& t : ts) {
     for (float v : t.values) w.pod<float>(v);
+    w.b.insert(w.b.end(), t.raw.begin(), t.raw.end());
     w.pad_to(32);
   }
   return w.b;
@@ -572,6 +580,91 @@ TEST(GGUFModel, Qwen2AndQwen3LoadAndRun) {
     EXPECT_EQ(generate(*model, g).tokens.size(), 3u);
     std::filesystem::remove(path);
   }
+}
+
+// A Llama whose matrices are every block type (mixed inside the fused q/k/v and gate/up, as
+// Q4_K_M files mix them): the CPU keeps them as blocks, and what it computes equals the
+// dequantize-at-load path: exactly enough for greedy tokens with --dtype float32 (fp32 products
+// of the same values), within int8 activation rounding otherwise.
+TEST(GGUFModel, QuantizedBlocksStayResidentAndMatchTheDequantizedPath) {
+  const int hidden = 256, heads = 4, kvh = 2, hd = 64, ffn = 512, vocab = 40;
+  std::mt19937 rng(7);
+  auto blocks = [&](const std::string& name, uint64_t cols, uint64_t rows, GGMLType type) {
+    return F32Tensor{name, {cols, rows}, {}, type, test::random_ggml_blocks(type, int64_t(cols * rows), rng)};
+  };
+  std::vector<F32Tensor> ts{blocks("token_embd.weight", hidden, vocab, GGMLType::Q8_0),
+                            {"output_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)}};
+  const GGMLType types[2][7] = {
+      {GGMLType::Q4_K, GGMLType::Q5_K, GGMLType::Q6_K, GGMLType::Q8_0, GGMLType::Q4_0, GGMLType::Q5_1, GGMLType::Q2_K},
+      {GGMLType::Q3_K, GGMLType::Q4_1, GGMLType::Q5_0, GGMLType::Q6_K, GGMLType::Q4_K, GGMLType::Q4_K, GGMLType::Q6_K}};
+  size_t block_bytes = ts[0].raw.size();
+  for (int l = 0; l < 2; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    const GGMLType* t = types[l];
+    ts.push_back({b + "attn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
+    ts.push_back(blocks(b + "attn_q.weight", hidden, heads * hd, t[0]));
+    ts.push_back(blocks(b + "attn_k.weight", hidden, kvh * hd, t[1]));
+    ts.push_back(blocks(b + "attn_v.weight", hidden, kvh * hd, t[2]));
+    ts.push_back(blocks(b + "attn_output.weight", heads * hd, hidden, t[3]));
+    ts.push_back({b + "ffn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
+    ts.push_back(blocks(b + "ffn_gate.weight", hidden, ffn, t[4]));
+    ts.push_back(blocks(b + "ffn_up.weight", hidden, ffn, t[5]));
+    ts.push_back(blocks(b + "ffn_down.weight", ffn, hidden, t[6]));
+    for (size_t i = ts.size() - 8; i < ts.size(); ++i) block_bytes += ts[i].raw.size();
+  }
+  auto meta = [&](Writer& w) {
+    w.key("general.architecture", GGUFType::String).str("llama");
+    w.key("llama.block_count", GGUFType::Uint32).pod<uint32_t>(2);
+    w.key("llama.context_length", GGUFType::Uint32).pod<uint32_t>(512);
+    w.key("llama.embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(hidden));
+    w.key("llama.feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(ffn));
+    w.key("llama.attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(heads));
+    w.key("llama.attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(kvh));
+    w.key("llama.attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-5f);
+    w.key("llama.rope.freq_base", GGUFType::Float32).pod<float>(10000.0f);
+    w.key("tokenizer.ggml.tokens", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(uint64_t(vocab));
+    for (int i = 0; i < vocab; ++i) w.str("t" + std::to_string(i));
+    w.key("tokenizer.ggml.bos_token_id", GGUFType::Uint32).pod<uint32_t>(1);
+    w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(2);
+  };
+  const auto bytes = model_file(12, meta, ts);
+  const auto path = std::filesystem::temp_directory_path() / ("kvlm-blocks-" + std::to_string(::getpid()) + ".gguf");
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  auto load = [&](bool dequantize, std::optional<DType> dtype) {
+    ModelOptions o;
+    o.model_dir = path;
+    o.dequantize_weights = dequantize;
+    o.dtype = dtype;
+    return LoadedModel::load(o);
+  };
+  auto greedy = [&](LoadedModel& m) {
+    GenerateRequest g;
+    g.prompt = {1, 5, 9, 14, 3, 22, 7, 31, 12, 8, 19, 25};  // 12 rows: the batched kernels too
+    g.max_tokens = 12;
+    g.ignore_eos = true;
+    g.sampling.temperature = 0;
+    g.logprobs = 2;
+    return generate(m, g);
+  };
+  const auto dequantized = load(true, DType::F32), exact = load(false, DType::F32), fast = load(false, std::nullopt);
+  const size_t norms = size_t(5 * hidden + hd / 2) * sizeof(float);  // and RoPE's inverse frequencies
+  EXPECT_EQ(dequantized->model().weight_bytes(), size_t(2 * (hidden * (heads + 2 * kvh) * hd + hd * heads * hidden +
+                                                             3 * hidden * ffn) + vocab * hidden) * sizeof(float) + norms);
+  EXPECT_EQ(exact->model().weight_bytes(), block_bytes + norms);  // the file's blocks, not 4-8x them
+  const auto want = greedy(*dequantized), got = greedy(*exact), approx = greedy(*fast);
+  EXPECT_EQ(got.tokens, want.tokens);
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < want.logprobs.size(); ++i) {
+    EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, 1e-4) << i;
+    // Int8 activations: the same tokens while the reference's top two are well apart.
+    if (i < approx.tokens.size() && approx.tokens[i] != want.tokens[i]) {
+      const auto& top = want.logprobs[i].top;
+      ASSERT_GE(top.size(), 2u);
+      EXPECT_LT(top[0].second - top[1].second, 0.05) << "int8 activations changed token " << i << " at a clear margin";
+      break;
+    }
+  }
+  std::filesystem::remove(path);
 }
 
 }  // namespace

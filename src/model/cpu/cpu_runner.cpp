@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/hadamard.h"
 #include "ops/cpu/ops.h"
+#include "ops/cpu/quant_matmul.h"
 
 namespace kvlm {
 
@@ -16,13 +17,54 @@ namespace {
 
 std::span<float> f32(const Tensor& t) { return {static_cast<float*>(t.data), size_t(t.numel())}; }
 std::span<const float> f32(const Weight& w) {
+  KVLM_CHECK(w.blocks.empty(), "an fp32 view of a weight kept in GGUF blocks (this op does not read blocks)");
   return w ? std::span<const float>(static_cast<const float*>(w.data), size_t(w.numel())) : std::span<const float>{};
 }
 
-// Holds every weight in fp32.
+// y = x . w^T (+ bias) for fp32 weights and GGUF blocks alike.
+void linear_any(std::span<const float> x, int m, int k, const Weight& w, const Weight& bias, std::span<float> y,
+                cpu::BlockMath math) {
+  if (w.blocks.empty()) return cpu::linear(x, m, k, f32(w), int(w.rows), f32(bias), y);
+  KVLM_CHECK(w.cols == k && x.size() == size_t(m) * size_t(k) && y.size() == size_t(m) * size_t(w.rows),
+             "linear: shape mismatch");
+  for (const WeightBlocks& p : w.blocks)
+    cpu::block_linear(x.data(), m, k,
+                      cpu::BlockMatrix{.type = p.type, .data = p.data, .row_bytes = p.row_bytes, .rows = p.rows, .cols = k},
+                      y.data() + p.row0, w.rows, math);
+  if (bias) {
+    const auto b = f32(bias);
+    KVLM_CHECK(b.size() == size_t(w.rows), "linear: bias size mismatch");
+    for (int r = 0; r < m; ++r)
+      for (size_t c = 0; c < b.size(); ++c) y[size_t(r) * b.size() + c] += b[c];
+  }
+}
+
+// Holds every weight in fp32, and GGUF matrices in their blocks where the kernels read them.
 class HostWeightSink final : public WeightSink {
  public:
-  explicit HostWeightSink(std::vector<std::vector<float>>& storage) : storage_(storage) {}
+  HostWeightSink(std::vector<std::vector<float>>& storage, std::deque<std::vector<uint8_t>>& block_storage,
+                 std::deque<std::vector<WeightBlocks>>& block_parts, bool keep_blocks, size_t& bytes)
+      : storage_(storage), block_storage_(block_storage), block_parts_(block_parts), keep_blocks_(keep_blocks),
+        bytes_(bytes) {}
+  bool keeps_blocks(uint32_t type) const override { return keep_blocks_ && cpu::block_kernels_support(type); }
+  Weight store_blocks(const WeightSpec& s, std::span<const Checkpoint::Blocks> pieces) override {
+    size_t total = 0;
+    for (const auto& p : pieces) total += size_t(p.rows) * p.row_bytes;
+    auto& bytes = block_storage_.emplace_back(total);
+    auto& parts = block_parts_.emplace_back();
+    size_t off = 0;
+    int64_t row = 0;
+    for (const auto& p : pieces) {
+      copy_block_rows(p, bytes.data() + off);
+      parts.push_back(WeightBlocks{.row0 = row, .rows = p.rows, .type = p.type, .data = bytes.data() + off,
+                                   .row_bytes = p.row_bytes});
+      off += size_t(p.rows) * p.row_bytes;
+      row += p.rows;
+    }
+    KVLM_CHECK(row == s.rows() && pieces.front().cols == s.cols(), "GGUF block pieces do not make the weight's shape");
+    bytes_ += total;
+    return Weight{.data = bytes.data(), .dtype = DType::U8, .rows = s.rows(), .cols = s.cols(), .blocks = parts};
+  }
   void reserve(std::span<const WeightSpec> specs, std::span<const SpecQuant>) override { storage_.reserve(specs.size()); }
   Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
                std::span<const float> values) override {
@@ -39,11 +81,16 @@ class HostWeightSink final : public WeightSink {
       }
     }
     storage_.push_back(std::move(data));
+    bytes_ += storage_.back().size() * sizeof(float);
     return Weight{.data = storage_.back().data(), .dtype = DType::F32, .rows = s.rows(), .cols = s.cols()};
   }
 
  private:
   std::vector<std::vector<float>>& storage_;
+  std::deque<std::vector<uint8_t>>& block_storage_;
+  std::deque<std::vector<WeightBlocks>>& block_parts_;
+  bool keep_blocks_;
+  size_t& bytes_;
 };
 
 // The reference ops: fp32 everywhere, the attention through each layer's backend.
@@ -51,8 +98,8 @@ class CpuOps final : public Ops {
  public:
   // `logits` false: a tensor-parallel follower's step, which forms no logits.
   CpuOps(const ForwardBatch& b, KVCache& cache, std::span<const AttentionBackend* const> backends, Communicator& comm,
-         const CpuModelRunner::KVObserver& observer, bool logits = true)
-      : b_(b), cache_(cache), backends_(backends), comm_(comm), observer_(observer), logits_(logits) {}
+         const CpuModelRunner::KVObserver& observer, cpu::BlockMath math, bool logits = true)
+      : b_(b), cache_(cache), backends_(backends), comm_(comm), observer_(observer), logits_(logits), math_(math) {}
 
   // Keeps the outputs of the layers with a slot (slot_of[layer] >= 0) in `features`
   // ([num_tokens][slots * hidden]).
@@ -88,13 +135,21 @@ class CpuOps final : public Ops {
 
   void embed(const Weight& table, float scale, Tensor x) override {
     const int64_t hd = x.cols, vocab = table.rows;
-    const auto tab = f32(table);
     const auto out = f32(x);
     for (size_t t = 0; t < b_.tokens.size(); ++t) {
       const TokenId id = b_.tokens[t];
       if (id < 0 || id >= vocab)
         throw Error("token id " + std::to_string(id) + " is outside the vocabulary (0.." + std::to_string(vocab - 1) + ")");
-      for (int64_t i = 0; i < hd; ++i) out[t * size_t(hd) + size_t(i)] = tab[size_t(id * hd + i)] * scale;
+      float* row = out.data() + t * size_t(hd);
+      if (table.blocks.empty()) {
+        std::copy_n(f32(table).data() + size_t(id * hd), hd, row);
+      } else {  // the row's blocks, dequantized
+        const auto p = std::ranges::find_if(table.blocks, [&](const WeightBlocks& b) { return id < b.row0 + b.rows; });
+        cpu::block_dequantize_row(cpu::BlockMatrix{.type = p->type, .data = p->data, .row_bytes = p->row_bytes,
+                                                   .rows = p->rows, .cols = hd},
+                                  id - p->row0, row);
+      }
+      for (int64_t i = 0; i < hd; ++i) row[i] *= scale;
     }
   }
 
@@ -120,7 +175,7 @@ class CpuOps final : public Ops {
   }
 
   void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) override {
-    cpu::linear(f32(x), int(x.rows), int(x.cols), f32(w), int(w.rows), f32(bias), f32(y));
+    linear_any(f32(x), int(x.rows), int(x.cols), w, bias, f32(y), math_);
   }
 
   void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override {
@@ -130,7 +185,7 @@ class CpuOps final : public Ops {
     for (size_t r = 0; r < rows; ++r)
       cpu::glu(f, g.subspan(r * 2 * inter, inter), g.subspan(r * 2 * inter + inter, inter),
                std::span<float>(act_).subspan(r * inter, inter));
-    cpu::linear(act_, int(rows), int(inter), f32(w), int(w.rows), f32(bias), f32(y));
+    linear_any(act_, int(rows), int(inter), w, bias, f32(y), math_);
   }
 
   void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override {
@@ -238,6 +293,7 @@ class CpuOps final : public Ops {
   const CpuModelRunner::KVObserver& observer_;
   bool logits_ = true;
   bool pooling_ = false;
+  cpu::BlockMath math_;
   std::deque<std::vector<float>> arena_;
   std::vector<float> k_, v_, act_;
   std::vector<float> route_logits_, route_weights_, expert_x_, expert_gu_, expert_y_;
@@ -251,8 +307,8 @@ class CpuOps final : public Ops {
 
 CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
                                std::vector<const AttentionBackend*> backends, const DrafterSource* drafter,
-                               Communicator* comm)
-    : cfg_(std::move(config)), plan_(&plan), backends_(std::move(backends)) {
+                               Communicator* comm, CpuRunnerOptions options)
+    : cfg_(std::move(config)), plan_(&plan), backends_(std::move(backends)), options_(options) {
   if (comm) comm_ = comm;
   const TpRank tp{comm_->rank(), comm_->world_size()};
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
@@ -260,12 +316,13 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
   const size_t draft_layers = drafter ? size_t(drafter->config.num_layers) : 0;
   KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + draft_layers && backends_.size() == plan.layers.size(),
              "one KV spec and one backend per layer");
-  HostWeightSink sink(storage_);
+  HostWeightSink sink(storage_, block_storage_, block_parts_, options_.keep_blocks, weight_bytes_);
   // The checkpoint's shapes are the whole model's: the list comes from its definition.
   const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(cfg_) : nullptr;
   LoadedWeights lw = load_weights((whole ? *whole : *def_).weights(), ckpt, sink, cfg_.weight_quant, tp);
   weights_ = std::move(lw.weights);
   num_params_ = lw.num_params;
+  block_tensors_ = lw.block_tensors;
   if (drafter) {
     draft_def_ = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
     LoadedWeights dw = load_weights(draft_def_->weights(), *drafter->checkpoint, sink, drafter->config.weight_quant);
@@ -273,6 +330,7 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
     draft_weights_.push_back(weights_[def_->embedding_index()]);
     draft_weights_.push_back(weights_[def_->lm_head_index()]);
     num_params_ += dw.num_params;
+    block_tensors_ += dw.block_tensors;
     feature_slot_.assign(size_t(cfg_.num_layers), -1);
     int slot = 0;
     for (int l : draft_def_->feature_layers()) feature_slot_[size_t(l)] = slot++;
@@ -280,6 +338,10 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
 }
 
 CpuModelRunner::~CpuModelRunner() = default;
+
+cpu::BlockMath CpuModelRunner::block_math() const {
+  return options_.exact_blocks ? cpu::BlockMath::Exact : cpu::BlockMath::Int8;
+}
 
 void CpuModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_pages) {
   cache_.reset();  // release the old pool before allocating the new one
@@ -301,7 +363,7 @@ void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   KVLM_CHECK(b.positions.size() == T && b.slots.size() == T, "batch arrays differ in length");
   KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(output_width()), "logits buffer size");
   KVLM_CHECK(cache_->num_layers() == plan_->layers.size(), "KV cache built for another plan");
-  CpuOps ops(b, *cache_, backends_, *comm_, observer_);
+  CpuOps ops(b, *cache_, backends_, *comm_, observer_, block_math());
   ops.set_pooling(pooling());
   if (draft_def_) ops.set_capture(feature_slot_, &features_, cfg_.hidden_size);
   const Tensor out = def_->forward(ops, weights_);
@@ -313,7 +375,7 @@ void CpuModelRunner::forward_follower(const ForwardBatch& b) {
   KVLM_CHECK(comm_->world_size() > 1, "forward_follower on a runner that is not a tensor-parallel rank");
   KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");
   KVLM_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(), "batch arrays differ in length");
-  CpuOps ops(b, *cache_, backends_, *comm_, observer_, /*logits=*/false);
+  CpuOps ops(b, *cache_, backends_, *comm_, observer_, block_math(), /*logits=*/false);
   def_->forward(ops, weights_);
 }
 
@@ -322,7 +384,7 @@ void CpuModelRunner::draft(const ForwardBatch& b, std::span<float> logits) {
   KVLM_CHECK(cache_ != nullptr, "draft before allocate_kv");
   KVLM_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(), "batch arrays differ in length");
   KVLM_CHECK(logits.size() == b.logit_rows.size() * size_t(cfg_.vocab_size), "logits buffer size");
-  CpuOps ops(b, *cache_, backends_, *comm_, observer_);
+  CpuOps ops(b, *cache_, backends_, *comm_, observer_, block_math());
   const Tensor out = draft_def_->forward(ops, draft_weights_);
   if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());
 }

@@ -2,9 +2,12 @@
 // ops in fp32 (model/cpu/cpu_runner.cpp), with the KV cache on the host in whatever each
 // layer's KVLayerSpec says, stored and read through the layer's attention backend.
 //
-// Weights are held in fp32 (converted once at load from bf16/fp16/fp32).
+// Weights are held in fp32 (converted once at load from bf16/fp16/fp32/FP8), except a GGUF
+// file's quantized matrices, which stay in their ggml blocks (ops/cpu/quant_matmul.h) unless
+// CpuRunnerOptions says otherwise.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <span>
@@ -18,8 +21,18 @@
 #include "model/architecture.h"
 #include "model/communicator.h"
 #include "model/model_runner.h"
+#include "ops/cpu/quant_matmul.h"
 
 namespace kvlm {
+
+struct CpuRunnerOptions {
+  // GGUF matrices stay in their quantization blocks; false (--dequantize-weights): fp32 at load.
+  bool keep_blocks = true;
+  // Blocks meet the activations in fp32, dequantized as they are read (the reference,
+  // --dtype float32); otherwise small batches quantize the activations to int8 per 32 values
+  // and use integer dot products, as llama.cpp does.
+  bool exact_blocks = false;
+};
 
 class CpuModelRunner final : public ModelRunner {
  public:
@@ -32,13 +45,15 @@ class CpuModelRunner final : public ModelRunner {
   // through `comm`, which must outlive it.
   CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const KVPlan& plan,
                  std::vector<const AttentionBackend*> backends, const DrafterSource* drafter = nullptr,
-                 Communicator* comm = nullptr);
+                 Communicator* comm = nullptr, CpuRunnerOptions options = {});
   ~CpuModelRunner() override;
 
   const ModelConfig& config() const override { return cfg_; }
   Device device() const override { return Device::Cpu; }
   size_t num_parameters() const override { return num_params_; }
-  size_t weight_bytes() const override { return num_params_ * sizeof(float); }
+  size_t weight_bytes() const override { return weight_bytes_; }
+  // GGUF tensors kept in their blocks (0 for safetensors, or with keep_blocks off).
+  size_t block_tensors() const { return block_tensors_; }
 
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
   int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }
@@ -63,13 +78,18 @@ class CpuModelRunner final : public ModelRunner {
   KVCache* kv_cache() { return cache_.get(); }
 
  private:
+  ops::cpu::BlockMath block_math() const;
+
   ModelConfig cfg_;  // the whole model's (a tensor-parallel rank computes with shard_config's)
   const KVPlan* plan_;
   std::vector<const AttentionBackend*> backends_;
   std::unique_ptr<ModelDefinition> def_;
+  CpuRunnerOptions options_;
   std::vector<std::vector<float>> storage_;  // the weights' fp32 data
+  std::deque<std::vector<uint8_t>> block_storage_;       // GGUF matrices' blocks
+  std::deque<std::vector<WeightBlocks>> block_parts_;    // and their parts (Weight::blocks)
   std::vector<Weight> weights_;
-  size_t num_params_ = 0;
+  size_t num_params_ = 0, weight_bytes_ = 0, block_tensors_ = 0;
   std::unique_ptr<KVCache> cache_;
   SingleProcessCommunicator single_;
   Communicator* comm_ = &single_;

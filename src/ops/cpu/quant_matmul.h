@@ -1,0 +1,64 @@
+// Products with weight matrices kept in ggml's quantization blocks (GGUF tensors as stored,
+// io/ggml_dequant.h documents the layouts), so a quantized model holds its weights in their
+// file size instead of four bytes per value, and decode reads the blocks once per token.
+//
+// Two kinds of arithmetic (BlockMath):
+//   Exact: tiles of W rows dequantized to fp32 (io/ggml_dequant's values, bit for bit) and
+//          multiplied by OpenBLAS. Equals dequantize-then-sgemm up to fp32 summation order.
+//   Int8:  for m <= kBlockInt8MaxRows rows of x (decode, speculative verification). Each run
+//          of 32 values of an x row is quantized to int8 codes with one fp32 scale:
+//              d = absmax / 127,  q_i = round_half_even(x_i / d)  (all 0 when d is 0),
+//          and W's codes meet them in integer dot products. Every block type is, per run of
+//          16 or 32 values, w_i = a q_i + b with integer q_i, so a run contributes
+//          d (a sum(q x_q) + b sum(x_q)). The only error beyond fp32 rounding is x's
+//          quantization, at most d / 2 per value of x. Larger m takes Exact.
+// Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256).
+// AVX2 kernels where the CPU has AVX2, FMA and F16C (chosen at run time; the build has no
+// -march), portable scalar ones otherwise.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvlm::ops::cpu {
+
+// A matrix [rows][cols] (PyTorch Linear layout [out][in]) kept in ggml blocks: row r is
+// cols / block_elements consecutive blocks starting at data + r * row_bytes.
+struct BlockMatrix {
+  uint32_t type = 0;  // ggml type id (io/gguf.h GGMLType)
+  const uint8_t* data = nullptr;
+  size_t row_bytes = 0;
+  int64_t rows = 0, cols = 0;
+};
+
+// Whether `type` has kernels here (the ten types above).
+bool block_kernels_support(uint32_t type);
+
+// Bytes of one row of `cols` elements; throws kvlm::Error for a type without kernels here or
+// when cols is not a multiple of the block.
+size_t block_row_bytes(uint32_t type, int64_t cols);
+
+// How the activations meet the blocks.
+enum class BlockMath : uint8_t {
+  Exact,  // the reference: weights dequantized to fp32 (exactly io/ggml_dequant's values), fp32 products
+  Int8,   // activations quantized per 32 values to int8 with an fp32 scale, integer dot products
+};
+
+// The most rows of x that BlockMath::Int8 takes through the integer kernels; more take Exact.
+inline constexpr int kBlockInt8MaxRows = 16;
+
+// y[r * ldy + j] = sum_i x[r * k + i] * W[j][i]   for r < m, j < w.rows   (k == w.cols).
+// Writes exactly those entries (the caller places the part's columns: y may point at column
+// offset c0 of a wider row with ldy = its width). Splits W's rows over the OpenMP team when
+// the product is big enough and no team is running (omp_in_parallel()), otherwise runs on the
+// calling thread.
+void block_linear(const float* x, int m, int64_t k, const BlockMatrix& w, float* y, int64_t ldy, BlockMath math);
+
+// fp32 values of row `row` (the embedding lookup), exactly io/ggml_dequant's.
+void block_dequantize_row(const BlockMatrix& w, int64_t row, float* out);
+
+// Testing: force the portable scalar kernels even where AVX2 is available (false = pick at
+// run time). Process-wide; not for use while products run on other threads.
+void set_block_kernels_scalar(bool scalar);
+
+}  // namespace kvlm::ops::cpu
