@@ -11,6 +11,16 @@
 
 namespace kvlm {
 
+void ggml_k4_scale_min(const uint8_t* q, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
 namespace {
 
 constexpr int QK = 32, QK_K = 256;
@@ -109,16 +119,6 @@ void q3_k(const uint8_t* b, float* y) {
   }
 }
 
-// Q4_K / Q5_K: scale and min j (0-7) from 12 bytes of 6-bit values.
-void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
 
 void q45_k(const uint8_t* b, float* y, bool five) {
   const float d = half(b), dmin = half(b + 2);
@@ -127,8 +127,8 @@ void q45_k(const uint8_t* b, float* y, bool five) {
   const uint8_t* ql = five ? b + 48 : b + 16;
   for (int j = 0, is = 0; j < QK_K; j += 64, is += 2) {
     int sc1, m1, sc2, m2;
-    scale_min_k4(is, scales, sc1, m1);
-    scale_min_k4(is + 1, scales, sc2, m2);
+    ggml_k4_scale_min(scales, is, sc1, m1);
+    ggml_k4_scale_min(scales, is + 1, sc2, m2);
     const float d1 = d * float(sc1), dm1 = dmin * float(m1), d2 = d * float(sc2), dm2 = dmin * float(m2);
     const int bit = j / 32;  // Q5_K: high bits of this pair of sub-blocks are bits `bit` and `bit + 1`
     for (int l = 0; l < 32; ++l) {

@@ -12,6 +12,7 @@
 // Each model's tests skip when its file is not in the cache.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -123,6 +124,43 @@ TEST_P(GGUFReal, PromptsAndChatTemplateMatchTransformers) {
   }
 }
 
+// Greedy tokens of `model` against the goldens, up to `max_cases` prompts: each must equal them
+// up to its first divergence, which must come where transformers' own top-2 logit gap is below
+// `tie` (a near tie: summation order or rounding, not a bug).
+struct GreedyAgreement {
+  int cases = 0, ties = 0;
+  size_t same = 0, total = 0;  // tokens before the first divergence, of all
+  double widest = 0;           // the widest gap a divergence came at
+};
+GreedyAgreement compare_greedy(LoadedModel& model, const nlohmann::json& greedy, size_t max_cases, double tie) {
+  GreedyAgreement a;
+  for (const auto& c : greedy) {
+    if (size_t(a.cases) >= max_cases) break;
+    const auto want = c["tokens"].get<std::vector<TokenId>>();
+    const auto gaps = c["gaps"].get<std::vector<double>>();
+    GenerateRequest req;
+    req.prompt = c["prompt_ids"].get<std::vector<TokenId>>();
+    req.sampling.temperature = 0;
+    req.max_tokens = int(want.size());
+    const auto got = generate(model, req).tokens;
+    size_t same = 0;
+    while (same < got.size() && same < want.size() && got[same] == want[same]) ++same;
+    ++a.cases;
+    a.same += same;
+    a.total += want.size();
+    if (same == want.size() && got.size() == want.size()) continue;
+    if (same >= gaps.size()) {
+      ADD_FAILURE() << c["name"] << ": kvlm generated " << got.size() << " tokens, transformers " << want.size();
+      continue;
+    }
+    EXPECT_LT(gaps[same], tie) << c["name"] << ": diverges at token " << same << " where transformers' top-2 gap is "
+                               << gaps[same];
+    a.widest = std::max(a.widest, gaps[same]);
+    ++a.ties;
+  }
+  return a;
+}
+
 TEST_P(GGUFReal, GreedyTokensMatchTransformersInFloat32) {
   const auto g = load_golden(GetParam());
   if (!g) GTEST_SKIP() << "the model file is not in " << model_cache();
@@ -135,76 +173,31 @@ TEST_P(GGUFReal, GreedyTokensMatchTransformersInFloat32) {
 #endif
   ModelOptions o;
   o.model_dir = g->path;
-  o.dtype = DType::F32;
+  o.dtype = DType::F32;  // the quantized blocks meet fp32 activations: transformers' arithmetic
   o.device = Device::Cpu;
   auto model = LoadedModel::load(o);
-  int cases = 0, ties = 0;
-  for (const auto& c : g->j["greedy"]) {
-    if (size_t(cases) >= max_cases) break;
-    const auto want = c["tokens"].get<std::vector<TokenId>>();
-    const auto gaps = c["gaps"].get<std::vector<double>>();
-    GenerateRequest req;
-    req.prompt = c["prompt_ids"].get<std::vector<TokenId>>();
-    req.sampling.temperature = 0;
-    req.max_tokens = int(want.size());
-    const auto got = generate(*model, req).tokens;
-    size_t same = 0;
-    while (same < got.size() && same < want.size() && got[same] == want[same]) ++same;
-    ++cases;
-    if (same == want.size() && got.size() == want.size()) continue;
-    ASSERT_LT(same, gaps.size()) << c["name"] << ": kvlm generated " << got.size() << " tokens, transformers " << want.size();
-    // A divergence at a near tie of the reference is summation order, not a bug.
-    EXPECT_LT(gaps[same], 0.01) << c["name"] << ": diverges at token " << same << " where transformers' top-2 gap is "
-                                << gaps[same];
-    std::printf("[gguf-real] %s %s: same for %zu of %zu tokens, then a near tie (gap %.4f)\n", GetParam().c_str(),
-                c["name"].get<std::string>().c_str(), same, want.size(), gaps[same]);
-    ++ties;
-  }
-  std::printf("[gguf-real] %s: %d prompts, %d identical, %d diverging at a near tie\n", GetParam().c_str(), cases,
-              cases - ties, ties);
+  const GreedyAgreement a = compare_greedy(*model, g->j["greedy"], max_cases, 0.01);
+  std::printf("[gguf-real] %s: %d prompts, %d identical, %d diverging at a near tie (widest gap %.4f)\n",
+              GetParam().c_str(), a.cases, a.cases - a.ties, a.ties, a.widest);
 }
 
 // The default CPU path: the blocks meet int8-quantized activations (llama.cpp's arithmetic), not
-// an fp32 product, so a greedy token may turn where transformers' own top two are close. Each
-// prompt must equal the goldens up to its first such near tie (top-2 logit gap below
-// kInt8Tie, measured: the widest gap the int8 path turned on these prompts is printed).
+// an fp32 product, so a greedy token may turn where transformers' own top two are close
+// (measured on these two models: gaps up to 0.22; docs/results/weights-4bit.md).
 TEST_P(GGUFReal, Int8ActivationsMatchTransformersUpToNearTies) {
   const auto g = load_golden(GetParam());
   if (!g) GTEST_SKIP() << "the model file is not in " << model_cache();
 #ifdef KVLM_SANITIZED
   GTEST_SKIP() << "the release build runs it";
 #endif
-  constexpr double kInt8Tie = 0.25;
   ModelOptions o;
   o.model_dir = g->path;
   o.device = Device::Cpu;  // dtype auto: int8 activations
   auto model = LoadedModel::load(o);
-  int cases = 0, ties = 0;
-  size_t same_total = 0, want_total = 0;
-  double widest = 0;
-  for (const auto& c : g->j["greedy"]) {
-    const auto want = c["tokens"].get<std::vector<TokenId>>();
-    const auto gaps = c["gaps"].get<std::vector<double>>();
-    GenerateRequest req;
-    req.prompt = c["prompt_ids"].get<std::vector<TokenId>>();
-    req.sampling.temperature = 0;
-    req.max_tokens = int(want.size());
-    const auto got = generate(*model, req).tokens;
-    size_t same = 0;
-    while (same < got.size() && same < want.size() && got[same] == want[same]) ++same;
-    ++cases;
-    same_total += same;
-    want_total += want.size();
-    if (same == want.size() && got.size() == want.size()) continue;
-    ASSERT_LT(same, gaps.size()) << c["name"] << ": kvlm generated " << got.size() << " tokens, transformers " << want.size();
-    EXPECT_LT(gaps[same], kInt8Tie) << c["name"] << ": int8 activations diverge at token " << same
-                                    << " where transformers' top-2 gap is " << gaps[same];
-    widest = std::max(widest, gaps[same]);
-    ++ties;
-  }
-  std::printf("[gguf-real] %s int8 activations: %d prompts, %d identical, %d diverging at a near tie (widest gap %.4f); "
-              "%zu of %zu tokens before the first divergence\n",
-              GetParam().c_str(), cases, cases - ties, ties, widest, same_total, want_total);
+  const GreedyAgreement a = compare_greedy(*model, g->j["greedy"], SIZE_MAX, 0.25);
+  std::printf("[gguf-real] %s int8 activations: %d prompts, %d identical, %d diverging at a near tie (widest gap "
+              "%.4f); %zu of %zu tokens before the first divergence\n",
+              GetParam().c_str(), a.cases, a.cases - a.ties, a.ties, a.widest, a.same, a.total);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, GGUFReal, ::testing::ValuesIn(golden_names()),

@@ -295,6 +295,27 @@ std::vector<uint8_t> model_file(uint64_t n_kv, const std::function<void(Writer&)
   return w.b;
 }
 
+// A two-layer Llama's metadata (12 keys): its shape, a vocabulary t0, t1, ..., BOS 1 and EOS 2.
+struct LlamaDims {
+  int hidden, heads, kv_heads, ffn, vocab, context;
+  float rope_theta;
+};
+void llama_metadata(Writer& w, const LlamaDims& d) {
+  w.key("general.architecture", GGUFType::String).str("llama");
+  w.key("llama.block_count", GGUFType::Uint32).pod<uint32_t>(2);
+  w.key("llama.context_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.context));
+  w.key("llama.embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.hidden));
+  w.key("llama.feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.ffn));
+  w.key("llama.attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.heads));
+  w.key("llama.attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.kv_heads));
+  w.key("llama.attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-5f);
+  w.key("llama.rope.freq_base", GGUFType::Float32).pod<float>(d.rope_theta);
+  w.key("tokenizer.ggml.tokens", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(uint64_t(d.vocab));
+  for (int i = 0; i < d.vocab; ++i) w.str("t" + std::to_string(i));
+  w.key("tokenizer.ggml.bos_token_id", GGUFType::Uint32).pod<uint32_t>(1);
+  w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(2);
+}
+
 // What convert_hf_to_gguf.py does to a Llama q/k matrix: within each head, row a * hd/2 + i
 // (a in {0, 1}) goes to row 2 i + a.
 std::vector<float> permute_like_llama_cpp(const std::vector<float>& hf, int heads, int rows, int cols) {
@@ -333,21 +354,7 @@ TEST(GGUFModel, LlamaBecomesAHuggingFaceModel) {
     ts.push_back({b + "ffn_up.weight", {uint64_t(hidden), uint64_t(ffn)}, iota_values(size_t(ffn * hidden), 1.0f)});
     ts.push_back({b + "ffn_down.weight", {uint64_t(ffn), uint64_t(hidden)}, iota_values(size_t(ffn * hidden), 1.0f)});
   }
-  auto meta = [&](Writer& w) {
-    w.key("general.architecture", GGUFType::String).str("llama");
-    w.key("llama.block_count", GGUFType::Uint32).pod<uint32_t>(2);
-    w.key("llama.context_length", GGUFType::Uint32).pod<uint32_t>(2048);
-    w.key("llama.embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(hidden));
-    w.key("llama.feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(ffn));
-    w.key("llama.attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(heads));
-    w.key("llama.attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(kvh));
-    w.key("llama.attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-5f);
-    w.key("llama.rope.freq_base", GGUFType::Float32).pod<float>(100000.0f);
-    w.key("tokenizer.ggml.tokens", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(uint64_t(vocab));
-    for (int i = 0; i < vocab; ++i) w.str("t" + std::to_string(i));
-    w.key("tokenizer.ggml.bos_token_id", GGUFType::Uint32).pod<uint32_t>(1);
-    w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(2);
-  };
+  auto meta = [&](Writer& w) { llama_metadata(w, {hidden, heads, kvh, ffn, vocab, 2048, 100000.0f}); };
   const auto bytes = model_file(12, meta, ts);
   const auto path = std::filesystem::temp_directory_path() / ("kvlm-llama-" + std::to_string(::getpid()) + ".gguf");
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
@@ -612,21 +619,7 @@ TEST(GGUFModel, QuantizedBlocksStayResidentAndMatchTheDequantizedPath) {
     ts.push_back(blocks(b + "ffn_down.weight", ffn, hidden, t[6]));
     for (size_t i = ts.size() - 8; i < ts.size(); ++i) block_bytes += ts[i].raw.size();
   }
-  auto meta = [&](Writer& w) {
-    w.key("general.architecture", GGUFType::String).str("llama");
-    w.key("llama.block_count", GGUFType::Uint32).pod<uint32_t>(2);
-    w.key("llama.context_length", GGUFType::Uint32).pod<uint32_t>(512);
-    w.key("llama.embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(hidden));
-    w.key("llama.feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(ffn));
-    w.key("llama.attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(heads));
-    w.key("llama.attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(kvh));
-    w.key("llama.attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-5f);
-    w.key("llama.rope.freq_base", GGUFType::Float32).pod<float>(10000.0f);
-    w.key("tokenizer.ggml.tokens", GGUFType::Array).pod<uint32_t>(uint32_t(GGUFType::String)).pod<uint64_t>(uint64_t(vocab));
-    for (int i = 0; i < vocab; ++i) w.str("t" + std::to_string(i));
-    w.key("tokenizer.ggml.bos_token_id", GGUFType::Uint32).pod<uint32_t>(1);
-    w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(2);
-  };
+  auto meta = [&](Writer& w) { llama_metadata(w, {hidden, heads, kvh, ffn, vocab, 512, 10000.0f}); };
   const auto bytes = model_file(12, meta, ts);
   const auto path = std::filesystem::temp_directory_path() / ("kvlm-blocks-" + std::to_string(::getpid()) + ".gguf");
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));

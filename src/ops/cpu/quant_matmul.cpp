@@ -218,17 +218,6 @@ void unpack_q3_k(const uint8_t* blk, Unpacked& u) {
   }
 }
 
-// Q4_K / Q5_K: scale and min of sub-block j (0-7) from the 12 bytes of 6-bit values.
-void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // Q4_K / Q5_K: 64 values per 32 bytes, sub-block 2c in the low nibbles and 2c + 1 in the
 // high ones; Q5_K's fifth bit of element e is bit e / 32 of high-bit byte e % 32.
 template <bool kFive>
@@ -243,7 +232,7 @@ void unpack_q45_k(const uint8_t* blk, Unpacked& u) {
   }
   for (int j = 0; j < 8; ++j) {
     int sc, mn;
-    k4_scale_min(blk + 4, j, sc, mn);
+    ggml_k4_scale_min(blk + 4, j, sc, mn);
     u.a[2 * j] = u.a[2 * j + 1] = d * float(sc);
     u.b[2 * j] = u.b[2 * j + 1] = -(dmin * float(mn));
   }
