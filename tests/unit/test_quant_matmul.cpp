@@ -1,5 +1,6 @@
 // Products with ggml blocks (ops/cpu/quant_matmul.h) against io/ggml_dequant's values and a
-// dot product in double: every type, both kinds of arithmetic, scalar and AVX2 kernels.
+// dot product in double: every type, both kinds of arithmetic, scalar, AVX2 and (where the CPU
+// has it) AVX-512 VNNI kernels.
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -95,21 +96,29 @@ void reference(const std::vector<X>& x, int m, int64_t k, const std::vector<floa
 }
 
 struct Restore {
-  ~Restore() { ops::cpu::set_block_kernels_scalar(false); }
+  ~Restore() { ops::cpu::set_block_kernels(ops::cpu::BlockKernels::Fastest); }
 };
+
+using ops::cpu::BlockKernels;
+const BlockKernels kKernelSets[] = {BlockKernels::Scalar, BlockKernels::Avx2, BlockKernels::Fastest};
+
+const char* kernels_name(BlockKernels k) {
+  return k == BlockKernels::Scalar ? " scalar" : k == BlockKernels::Avx2 ? " avx2" : " fastest";
+}
 
 constexpr float kSentinel = -7777.0f;
 
 class QuantMatmulType : public ::testing::TestWithParam<GGMLType> {};
 
-// Every shape of the brief through both kinds of arithmetic and both kernel sets. y is a
+// Every shape of the brief through both kinds of arithmetic and every kernel set (Fastest
+// takes m > 16 through the VNNI kernels where the CPU has them, else through Exact). y is a
 // window (column offset 2, row stride rows + 5) into a larger buffer: only the window's entries
 // may change.
 TEST_P(QuantMatmulType, MatchesDequantizedReference) {
   const GGMLType t = GetParam();
   const int64_t blk = block_of(t);
   const std::vector<int64_t> ks = blk == 256 ? std::vector<int64_t>{256, 512, 768} : std::vector<int64_t>{32, 96, 576};
-  const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 31, 64, 129};
+  const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 23, 31, 33, 64, 129, 200};
   std::mt19937 rng(uint32_t(t) * 7919u + 1);
   std::normal_distribution<float> nd;
   Restore restore;
@@ -127,29 +136,31 @@ TEST_P(QuantMatmulType, MatchesDequantizedReference) {
         reference(x, m, k, w, rows, ref, mag);
         reference(int8_activations(x), m, k, w, rows, ref8, mag8);
         const int64_t ldy = rows + 5;
-        for (const bool scalar : {true, false}) {
-          ops::cpu::set_block_kernels_scalar(scalar);
+        for (const BlockKernels kernels : kKernelSets) {
+          ops::cpu::set_block_kernels(kernels);
           for (const BlockMath math : {BlockMath::Exact, BlockMath::Int8}) {
             std::vector<float> ybuf(size_t(m * ldy + 8), kSentinel);
             float* y = ybuf.data() + 2;
             ops::cpu::block_linear(x.data(), m, k, bm, y, ldy, math);
-            const bool int8 = math == BlockMath::Int8 && m <= ops::cpu::kBlockInt8MaxRows;
+            const bool int8 = math == BlockMath::Int8 && m <= ops::cpu::block_int8_max_rows();
             for (size_t i = 0; i < ybuf.size(); ++i) {
               const int64_t p = int64_t(i) - 2, r = p / ldy, j = p % ldy;
-              const std::string where = ggml_type_name(uint32_t(t)) + (scalar ? " scalar" : " simd") +
-                                        (math == BlockMath::Int8 ? " int8" : " exact") + " m=" + std::to_string(m) +
-                                        " rows=" + std::to_string(rows) + " k=" + std::to_string(k) +
-                                        " r=" + std::to_string(r) + " j=" + std::to_string(j);
+              const auto where = [&] {  // built only for a failure's message
+                return ggml_type_name(uint32_t(t)) + kernels_name(kernels) +
+                       (math == BlockMath::Int8 ? " int8" : " exact") + " m=" + std::to_string(m) +
+                       " rows=" + std::to_string(rows) + " k=" + std::to_string(k) + " r=" + std::to_string(r) +
+                       " j=" + std::to_string(j);
+              };
               if (p < 0 || r >= m || j >= rows) {
-                ASSERT_EQ(ybuf[i], kSentinel) << where << ": written outside the window";
+                ASSERT_EQ(ybuf[i], kSentinel) << where() << ": written outside the window";
                 continue;
               }
               const size_t o = size_t(r * rows + j);
               if (int8) {
-                ASSERT_NEAR(y[p], ref8[o], 1e-5 * mag8[o] + 1e-30) << where;
-                ASSERT_NEAR(y[p], ref[o], 1e-2 * mag[o] + 1e-30) << where << " (against unquantized x)";
+                ASSERT_NEAR(y[p], ref8[o], 1e-5 * mag8[o] + 1e-30) << where();
+                ASSERT_NEAR(y[p], ref[o], 1e-2 * mag[o] + 1e-30) << where() << " (against unquantized x)";
               } else {
-                ASSERT_NEAR(y[p], ref[o], 1e-5 * mag[o] + 1e-30) << where;
+                ASSERT_NEAR(y[p], ref[o], 1e-5 * mag[o] + 1e-30) << where();
               }
             }
           }
@@ -191,23 +202,24 @@ TEST_P(QuantMatmulType, PaddedRows) {
   const auto w = dequantized(t, dense, rows * k);
   const BlockMatrix bm{uint32_t(t), padded.data(), rb + pad, rows, k};
   std::normal_distribution<float> nd;
-  const int m = 3;
-  std::vector<float> x(size_t(m * k));
-  for (auto& v : x) v = nd(rng);
-  std::vector<double> ref, mag;
-  reference(x, m, k, w, rows, ref, mag);
   Restore restore;
-  for (const bool scalar : {true, false}) {
-    ops::cpu::set_block_kernels_scalar(scalar);
-    for (const BlockMath math : {BlockMath::Exact, BlockMath::Int8}) {
-      std::vector<float> y(size_t(m * rows));
-      ops::cpu::block_linear(x.data(), m, k, bm, y.data(), rows, math);
-      for (size_t i = 0; i < y.size(); ++i)
-        ASSERT_NEAR(y[i], ref[i], (math == BlockMath::Exact ? 1e-5 : 1e-2) * mag[i]) << i;
+  for (const int m : {3, 40}) {
+    std::vector<float> x(size_t(m * k));
+    for (auto& v : x) v = nd(rng);
+    std::vector<double> ref, mag;
+    reference(x, m, k, w, rows, ref, mag);
+    for (const BlockKernels kernels : kKernelSets) {
+      ops::cpu::set_block_kernels(kernels);
+      for (const BlockMath math : {BlockMath::Exact, BlockMath::Int8}) {
+        std::vector<float> y(size_t(m * rows));
+        ops::cpu::block_linear(x.data(), m, k, bm, y.data(), rows, math);
+        for (size_t i = 0; i < y.size(); ++i)
+          ASSERT_NEAR(y[i], ref[i], (math == BlockMath::Exact ? 1e-5 : 1e-2) * mag[i]) << kernels_name(kernels) << " " << i;
+      }
+      std::vector<float> out(static_cast<size_t>(k));
+      ops::cpu::block_dequantize_row(bm, rows - 1, out.data());
+      ASSERT_EQ(std::memcmp(out.data(), w.data() + (rows - 1) * k, size_t(k) * 4), 0);
     }
-    std::vector<float> out(static_cast<size_t>(k));
-    ops::cpu::block_dequantize_row(bm, rows - 1, out.data());
-    ASSERT_EQ(std::memcmp(out.data(), w.data() + (rows - 1) * k, size_t(k) * 4), 0);
   }
 }
 
@@ -258,7 +270,8 @@ TEST(QuantMatmul, Int8RoundsHalfToEven) {
 
 // Products big enough to split W's rows over the team: the same values as on one thread
 // (bit for bit for Int8, whose outputs do not depend on the split; to rounding for Exact,
-// whose sgemm tiles do).
+// whose sgemm tiles do: each within 1e-5 of sum |x w|). m = 40 and 100 take the VNNI kernels
+// where the CPU has them.
 TEST(QuantMatmul, SplitOverThreadsMatchesOneThread) {
   const int saved = omp_get_max_threads();
   std::mt19937 rng(5);
@@ -267,9 +280,12 @@ TEST(QuantMatmul, SplitOverThreadsMatchesOneThread) {
     const int64_t rows = 1000, k = block_of(t) == 256 ? 768 : 576;
     const auto data = random_blocks(t, rows, k, rng);
     const BlockMatrix bm{uint32_t(t), data.data(), ops::cpu::block_row_bytes(uint32_t(t), k), rows, k};
-    for (const int m : {1, 5, 16, 40}) {
+    const auto w = dequantized(t, data, rows * k);
+    for (const int m : {1, 5, 16, 40, 100}) {
       std::vector<float> x(size_t(m * k));
       for (auto& v : x) v = nd(rng);
+      std::vector<double> ref, mag;
+      reference(x, m, k, w, rows, ref, mag);
       for (const BlockMath math : {BlockMath::Exact, BlockMath::Int8}) {
         omp_set_num_threads(1);
         std::vector<float> one(size_t(m * rows));
@@ -279,10 +295,11 @@ TEST(QuantMatmul, SplitOverThreadsMatchesOneThread) {
           std::vector<float> split(size_t(m * rows), kSentinel);
           ops::cpu::block_linear(x.data(), m, k, bm, split.data(), rows, math);
           for (size_t i = 0; i < one.size(); ++i) {
-            if (math == BlockMath::Int8 && m <= ops::cpu::kBlockInt8MaxRows)
+            if (math == BlockMath::Int8 && m <= ops::cpu::block_int8_max_rows())
               ASSERT_EQ(split[i], one[i]) << threads << " threads, element " << i;
             else
-              ASSERT_NEAR(split[i], one[i], 1e-4f * (1.0f + std::fabs(one[i]))) << threads << " threads, element " << i;
+              ASSERT_NEAR(split[i], one[i], 2e-5 * mag[i])
+                  << (math == BlockMath::Int8 ? "int8 " : "exact ") << "m=" << m << ", " << threads << " threads, element " << i;
           }
         }
       }

@@ -5,16 +5,20 @@
 // Two kinds of arithmetic (BlockMath):
 //   Exact: tiles of W rows dequantized to fp32 (io/ggml_dequant's values, bit for bit) and
 //          multiplied by OpenBLAS. Equals dequantize-then-sgemm up to fp32 summation order.
-//   Int8:  for m <= kBlockInt8MaxRows rows of x (decode, speculative verification). Each run
-//          of 32 values of an x row is quantized to int8 codes with one fp32 scale:
+//   Int8:  every m where the CPU has AVX-512 VNNI (decode, speculative verification and
+//          prompts alike), else m <= kBlockInt8MaxRows. Each run of 32 values of an x row is
+//          quantized to int8 codes with one fp32 scale:
 //              d = absmax / 127,  q_i = round_half_even(x_i / d)  (all 0 when d is 0),
 //          and W's codes meet them in integer dot products. Every block type is, per run of
 //          16 or 32 values, w_i = a q_i + b with integer q_i, so a run contributes
 //          d (a sum(q x_q) + b sum(x_q)). The only error beyond fp32 rounding is x's
-//          quantization, at most d / 2 per value of x. Larger m takes Exact.
+//          quantization, at most d / 2 per value of x. Without VNNI, larger m takes Exact
+//          (there the AVX2 integer kernels lose to sgemm).
 // Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256).
-// AVX2 kernels where the CPU has AVX2, FMA and F16C (chosen at run time; the build has no
-// -march), portable scalar ones otherwise.
+// Kernels are chosen at run time (the build has no -march): AVX-512 VNNI ones for m >= 8 where
+// the CPU has AVX-512 F/BW/VL/VNNI (vpdpbusd on tiles of W unpacked once per product: ~3x the
+// Exact path's GFLOP/s at m = 128 on a Zen 4 core); AVX2 ones where it has AVX2, FMA and F16C;
+// portable scalar ones otherwise.
 #pragma once
 
 #include <cstddef>
@@ -44,8 +48,14 @@ enum class BlockMath : uint8_t {
   Int8,   // activations quantized per 32 values to int8 with an fp32 scale, integer dot products
 };
 
-// The most rows of x that BlockMath::Int8 takes through the integer kernels; more take Exact.
+// Where the CPU lacks AVX-512 VNNI (or set_block_kernels leaves it out): the most rows of x
+// that BlockMath::Int8 takes through the integer kernels; more take Exact. With VNNI, Int8
+// takes every m through integer kernels.
 inline constexpr int kBlockInt8MaxRows = 16;
+
+// The most rows of x that BlockMath::Int8 takes through integer kernels on this CPU with the
+// kernels set now: kBlockInt8MaxRows, or INT_MAX with AVX-512 VNNI.
+int block_int8_max_rows();
 
 // y[r * ldy + j] = sum_i x[r * k + i] * W[j][i]   for r < m, j < w.rows   (k == w.cols).
 // Writes exactly those entries (the caller places the part's columns: y may point at column
@@ -57,8 +67,12 @@ void block_linear(const float* x, int m, int64_t k, const BlockMatrix& w, float*
 // fp32 values of row `row` (the embedding lookup), exactly io/ggml_dequant's.
 void block_dequantize_row(const BlockMatrix& w, int64_t row, float* out);
 
-// Testing: force the portable scalar kernels even where AVX2 is available (false = pick at
-// run time). Process-wide; not for use while products run on other threads.
+// Testing: which kernels run. Fastest picks at run time (AVX-512 VNNI, else AVX2, else
+// scalar); Avx2 leaves VNNI out; Scalar forces the portable kernels. Process-wide; not for use
+// while products run on other threads.
+enum class BlockKernels : uint8_t { Fastest, Avx2, Scalar };
+void set_block_kernels(BlockKernels kernels);
+// set_block_kernels(scalar ? Scalar : Fastest).
 void set_block_kernels_scalar(bool scalar);
 
 }  // namespace kvlm::ops::cpu
