@@ -410,6 +410,11 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
   std::vector<float> values, conv;
   const bool on_the_fly = quant && quant->on_the_fly;
   std::deque<LocalPiece> local;  // this spec's slices (stable addresses: the views point into them)
+  auto check_shape = [&](const TensorInfo& t, const WeightPiece& p) {
+    if (!std::ranges::equal(t.shape, p.shape))
+      throw Error("tensor " + ckpt.describe(t.name) + " has shape " + shape_str(t.shape) + " but " +
+                  (ckpt.embedded_config() ? "the GGUF metadata implies " : "config.json implies ") + shape_str(p.shape));
+  };
   size_t next_held = 0;
   for (size_t si = 0; si < list.specs.size(); ++si) {
     const WeightSpec& s = list.specs[si];
@@ -430,10 +435,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       for (const WeightPiece& p : s.pieces) {
         auto b = p.layout == PieceLayout::Plain ? ckpt.blocks(p.name) : std::nullopt;
         if (!b || !sink.keeps_blocks(b->type)) break;
-        const TensorInfo& t = *ckpt.find(p.name);
-        if (!std::ranges::equal(t.shape, p.shape))
-          throw Error("tensor " + ckpt.describe(t.name) + " has shape " + shape_str(t.shape) +
-                      " but the GGUF metadata implies " + shape_str(p.shape));
+        check_shape(*ckpt.find(p.name), p);
         bp.push_back(*b);
       }
       if (bp.size() == s.pieces.size()) {
@@ -452,10 +454,8 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
     pq.clear();
     local.clear();
     for (const WeightPiece& p : s.pieces) {
-      const TensorInfo& t = *ckpt.find(p.name);  // checked before the view: a GGUF view dequantizes
-      if (!std::ranges::equal(t.shape, p.shape))
-        throw Error("tensor " + ckpt.describe(t.name) + " has shape " + shape_str(t.shape) + " but " +
-                    (ckpt.embedded_config() ? "the GGUF metadata implies " : "config.json implies ") + shape_str(p.shape));
+      const TensorInfo& t = *ckpt.find(p.name);
+      check_shape(t, p);  // before the view: a GGUF view dequantizes
       if (t.dtype == DType::F8E4M3) {
         pq.push_back(fp8_piece(ckpt, t, s, quant, used));
       } else if (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16) {

@@ -358,12 +358,19 @@ bool HttpServer::Impl::write_stream(StreamState& st, httplib::DataSink& sink) {
   return true;
 }
 
-void HttpServer::Impl::tokenize(const httplib::Request&, const std::string& raw, httplib::Response& res) {
+const ServedModel* HttpServer::Impl::text_request(const std::string& raw, httplib::Response& res, Json& body) {
   const ServedModel* m = served(res);
-  if (!m) return;
-  const Json body = parse_body(raw, opts.limits);
+  if (!m) return nullptr;
+  body = parse_body(raw, opts.limits);
   check_model(body, m->info);
   if (!m->text) throw ApiError(400, "this model has no tokenizer (tokenizer.json)");
+  return m;
+}
+
+void HttpServer::Impl::tokenize(const httplib::Request&, const std::string& raw, httplib::Response& res) {
+  Json body;
+  const ServedModel* m = text_request(raw, res, body);
+  if (!m) return;
   auto flag = [&](const char* key, bool dflt) { return opt_bool(body, key).value_or(dflt); };
   std::vector<TokenId> ids;
   if (body.contains("messages")) {
@@ -402,11 +409,9 @@ void HttpServer::Impl::tokenize(const httplib::Request&, const std::string& raw,
 }
 
 void HttpServer::Impl::detokenize(const httplib::Request&, const std::string& raw, httplib::Response& res) {
-  const ServedModel* m = served(res);
+  Json body;
+  const ServedModel* m = text_request(raw, res, body);
   if (!m) return;
-  const Json body = parse_body(raw, opts.limits);
-  check_model(body, m->info);
-  if (!m->text) throw ApiError(400, "this model has no tokenizer (tokenizer.json)");
   const auto it = body.find("tokens");
   if (it == body.end() || !it->is_array()) throw ApiError(400, "tokens (a list of token ids) is required", "tokens");
   std::vector<TokenId> ids;

@@ -166,6 +166,9 @@ struct HttpServer::Impl {
                  const std::function<bool(std::vector<ChoiceEvent>&)>& take);
   std::shared_ptr<Flight> begin_flight(const std::string& id, const std::shared_ptr<RequestStream>& stream,
                                        std::vector<EngineRequest>& reqs, EngineClient* engine);
+  // /tokenize and /detokenize: the served model (null: answered already), its checked body, and
+  // a 400 when the model has no tokenizer.
+  const ServedModel* text_request(const std::string& raw, httplib::Response& res, Json& body);
   void tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   template <class F>
