@@ -12,6 +12,7 @@
 #include "attention/registry.h"
 #include "core/error.h"
 #include "io/gguf.h"
+#include "io/grouped_codes.h"
 #include "io/checkpoint.h"
 #include "text/gguf_tokenizer.h"
 #include "model/architecture.h"
@@ -128,7 +129,8 @@ std::optional<GGUFProvenance> gguf_provenance(const Checkpoint& ckpt) {
 
 // How the device would hold the weights: per layer (-1: the embedding, LM head and final norm)
 // the bytes of each format, and for a GGUF file which of its quantized tensors keep their
-// blocks (the CPU reads Q4_0 .. Q6_K as stored) and which are dequantized at load.
+// blocks (the CPU reads Q4_0 .. Q6_K as stored; a GPU converts them to 4- or 8-bit grouped
+// codes, io/grouped_codes.h) and which are dequantized at load.
 struct HeldWeights {
   std::map<int, std::map<std::string, size_t>> layers;
   std::map<std::string, int> kept, dequantized;  // GGUF tensor type -> tensors
@@ -156,6 +158,11 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
         format = ggml_type_name(b->type);
         bytes = size_t(b->rows) * b->row_bytes;
         ++h.kept[format];
+      } else if (const auto l = b ? grouped_layout_of_ggml(b->type) : std::nullopt;
+                 l && device == Device::Cuda && keep_blocks && !sliced && p.layout == PieceLayout::Plain) {
+        format = ggml_type_name(b->type) + " as " + std::to_string(l->bits) + "-bit codes";
+        bytes = size_t(b->rows) * (grouped_code_bytes(*l, b->cols) + size_t(grouped_groups(*l, b->cols)) * 4);
+        ++h.kept[ggml_type_name(b->type)];
       } else {
         DType held = DType::F32;
         if (device == Device::Cuda && (s.role == WeightRole::Matrix || s.role == WeightRole::Bias))
@@ -331,15 +338,13 @@ int run_inspect(const InspectFlags& f) {
   if (gguf) {
     std::cout << "gguf       version " << gguf->version << ", " << gguf->bytes / 1000000 << " MB, tensors:";
     for (const auto& [type, n] : gguf->tensor_types) std::cout << " " << n << " " << type;
-    std::cout << "\n           kept in their blocks:";
+    std::cout << (device == Device::Cuda ? "\n           kept quantized (grouped codes):" : "\n           kept in their blocks:");
     for (const auto& [type, n] : held.kept) std::cout << " " << n << " " << type;
     if (held.kept.empty()) std::cout << " none";
     std::cout << "; dequantized at load:";
     for (const auto& [type, n] : held.dequantized) std::cout << " " << n << " " << type;
     if (held.dequantized.empty()) std::cout << " none";
-    std::cout << (device == Device::Cuda && !held.dequantized.empty() ? " (the CUDA runner has no block kernels yet)"
-                  : f.model.dequantize_weights                       ? " (--dequantize-weights)"
-                                                                     : "")
+    std::cout << (f.model.dequantize_weights ? " (--dequantize-weights)" : "")
               << "\n           config.json fields from the metadata:\n";
     for (const auto& n : gguf->config) std::cout << "             " << n << "\n";
     std::cout << "           tokenizer and chat template from:";

@@ -255,7 +255,8 @@ void LoadedModel::load_tensor_parallel(const ModelOptions& opts, const Checkpoin
 #ifdef KVLM_WITH_CUDA
       return std::make_unique<CudaModelRunner>(
           mp.config, ckpt, rp, mp.dtype,
-          CudaRunnerOptions{.device = devices[size_t(i)], .cuda_graphs = !opts.enforce_eager, .comm = comms[size_t(i)]});
+          CudaRunnerOptions{.device = devices[size_t(i)], .cuda_graphs = !opts.enforce_eager,
+                            .keep_blocks = !opts.dequantize_weights, .comm = comms[size_t(i)]});
 #endif
     }
     std::vector<const AttentionBackend*> backends;
@@ -338,9 +339,20 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
     e->load_tensor_parallel(opts, ckpt);
   } else if (opts.device == Device::Cuda) {
 #ifdef KVLM_WITH_CUDA
-    e->model_ = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype,
-                                                  CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager},
-                                                  drafter ? &*drafter : nullptr);
+    auto gpu = std::make_unique<CudaModelRunner>(e->plan_->config, ckpt, e->plan_->plan, e->plan_->dtype,
+                                                 CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager,
+                                                                   .keep_blocks = !opts.dequantize_weights},
+                                                 drafter ? &*drafter : nullptr);
+    if (ckpt.gguf_file())
+      log::info("weights: " + std::to_string(gpu->weight_bytes() >> 20) + " MiB on the GPU; " +
+                std::to_string(gpu->block_tensors()) + " GGUF tensors kept quantized (4- and 8-bit grouped codes)" +
+                (opts.dequantize_weights ? " (--dequantize-weights)" : "") + ", the rest " +
+                std::string(dtype_name(e->plan_->dtype)) +
+                (gpu->block_tensors() > 0 ? ". Kept codes decode faster up to ~4 sequences at a time; with more, "
+                                            "or for long prompts, --dequantize-weights is faster (until kvlm has a "
+                                            "grouped-code GEMM)"
+                                          : ""));
+    e->model_ = std::move(gpu);
 #else
     throw Error("--device cuda: this kvlm was built without CUDA (KVLM_CUDA=OFF); use --device cpu");
 #endif

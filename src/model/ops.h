@@ -47,6 +47,16 @@ struct WeightBlocks {
   size_t row_bytes = 0;
 };
 
+// Rows [row0, row0 + rows) of a matrix a GPU keeps as grouped integer codes
+// (io/grouped_codes.h, ops/cuda/gemm.h IntWeight), all of one layout: codes [rows][cols * bits
+// / 8], then one 32-bit (scale, offset) pair per group of `group` columns, [rows][cols / group].
+struct WeightCodes {
+  int64_t row0 = 0, rows = 0;
+  int bits = 0, group = 0;
+  const uint8_t* codes = nullptr;
+  const uint32_t* params = nullptr;
+};
+
 // A weight on the ops' device: a matrix [rows][cols] in PyTorch's Linear layout
 // ([out][in]), or a vector (cols = 1). Empty (null) for an absent optional weight.
 struct Weight {
@@ -62,6 +72,10 @@ struct Weight {
   // of one block type each (a fused q/k/v whose parts the file stores in different types);
   // `data` is the first part's. Empty for every other weight.
   std::span<const WeightBlocks> blocks;
+  // A matrix a GPU keeps as grouped integer codes (GGUF blocks converted at load): its rows in
+  // parts of one layout each (Q4_K rows become 4-bit codes, Q6_K rows 8-bit ones); `data` is
+  // the first part's codes. Empty for every other weight.
+  std::span<const WeightCodes> codes;
   explicit operator bool() const { return data != nullptr; }
   int64_t numel() const { return rows * cols; }
 };

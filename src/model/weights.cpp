@@ -400,6 +400,25 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       sq[i] = SpecQuant{.fp8 = true, .scale_block = block};
     }
   }
+  // Which matrices come as GGUF blocks the device keeps: every piece of a kept block type, and
+  // not sliced (tensor-parallel slices and expert layouts take the dequantized path).
+  {
+    size_t h = 0;
+    for (size_t si = 0; si < list.specs.size(); ++si) {
+      if (skip[si]) continue;
+      const WeightSpec& s = list.specs[si];
+      const size_t i = h++;
+      const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+      if (s.role != WeightRole::Matrix || sliced || s.pieces.empty()) continue;
+      std::vector<uint32_t> types;
+      for (const WeightPiece& p : s.pieces) {
+        auto b = p.layout == PieceLayout::Plain ? ckpt.blocks(p.name) : std::nullopt;
+        if (!b || !sink.keeps_blocks(b->type)) break;
+        types.push_back(b->type);
+      }
+      if (types.size() == s.pieces.size()) sq[i].block_types = std::move(types);
+    }
+  }
   sink.reserve(held, sq);
   // Large checkpoints show a progress line while loading (small ones would only flicker).
   log::Progress progress("loading weights", tensor_bytes >= (size_t(256) << 20) ? tensor_bytes : 0);
@@ -426,29 +445,23 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       }
       continue;
     }
-    const WeightSpec& ls = held[next_held++];
+    const size_t hi = next_held++;
+    const WeightSpec& ls = held[hi];
     const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
-    // A matrix stored in GGUF blocks the device keeps: handed over as the blocks, never
-    // dequantized. (Tensor-parallel slices and expert layouts take the dequantized path.)
-    if (s.role == WeightRole::Matrix && !sliced && !s.pieces.empty()) {
+    // A matrix stored in GGUF blocks the device keeps: handed over as the blocks, never dequantized.
+    if (!sq[hi].block_types.empty()) {
       std::vector<Checkpoint::Blocks> bp;
       for (const WeightPiece& p : s.pieces) {
-        auto b = p.layout == PieceLayout::Plain ? ckpt.blocks(p.name) : std::nullopt;
-        if (!b || !sink.keeps_blocks(b->type)) break;
         check_shape(*ckpt.find(p.name), p);
-        bp.push_back(*b);
+        bp.push_back(*ckpt.blocks(p.name));
+        used.insert(p.name);
+        done += ckpt.find(p.name)->end - ckpt.find(p.name)->begin;
       }
-      if (bp.size() == s.pieces.size()) {
-        for (const WeightPiece& p : s.pieces) {
-          used.insert(p.name);
-          done += ckpt.find(p.name)->end - ckpt.find(p.name)->begin;
-        }
-        for (const auto& b : bp) out.num_params += size_t(b.rows * b.cols);
-        out.block_tensors += bp.size();
-        out.weights.push_back(sink.store_blocks(ls, bp));
-        progress.update(done);
-        continue;
-      }
+      for (const auto& b : bp) out.num_params += size_t(b.rows * b.cols);
+      out.block_tensors += bp.size();
+      out.weights.push_back(sink.store_blocks(ls, bp));
+      progress.update(done);
+      continue;
     }
     views.clear();
     pq.clear();

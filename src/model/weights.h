@@ -138,6 +138,9 @@ std::vector<float> fp8_round_trip_rows(std::span<float> w, int64_t rows, int64_t
 struct SpecQuant {
   bool fp8 = false;
   int scale_block = 0;
+  // A matrix that comes as GGUF blocks (WeightSink::store_blocks): each piece's ggml type, in
+  // spec order; empty for every other weight.
+  std::vector<uint32_t> block_types;
 };
 
 // Where a device puts the weights.

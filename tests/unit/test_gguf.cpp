@@ -22,7 +22,9 @@
 
 #include "config/model_config.h"
 #include "core/error.h"
+#include "core/device.h"
 #include "io/ggml_dequant.h"
+#include "io/grouped_codes.h"
 #include "io/gguf.h"
 #include "io/checkpoint.h"
 #include "io/gguf_model.h"
@@ -590,74 +592,124 @@ TEST(GGUFModel, Qwen2AndQwen3LoadAndRun) {
 }
 
 // A Llama whose matrices are every block type (mixed inside the fused q/k/v and gate/up, as
-// Q4_K_M files mix them): the CPU keeps them as blocks, and what it computes equals the
-// dequantize-at-load path: exactly enough for greedy tokens with --dtype float32 (fp32 products
-// of the same values), within int8 activation rounding otherwise.
-TEST(GGUFModel, QuantizedBlocksStayResidentAndMatchTheDequantizedPath) {
-  const int hidden = 256, heads = 4, kvh = 2, hd = 64, ffn = 512, vocab = 40;
-  std::mt19937 rng(7);
-  auto blocks = [&](const std::string& name, uint64_t cols, uint64_t rows, GGMLType type) {
-    return F32Tensor{name, {cols, rows}, {}, type, test::random_ggml_blocks(type, int64_t(cols * rows), rng)};
-  };
-  std::vector<F32Tensor> ts{blocks("token_embd.weight", hidden, vocab, GGMLType::Q8_0),
-                            {"output_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)}};
-  const GGMLType types[2][7] = {
-      {GGMLType::Q4_K, GGMLType::Q5_K, GGMLType::Q6_K, GGMLType::Q8_0, GGMLType::Q4_0, GGMLType::Q5_1, GGMLType::Q2_K},
-      {GGMLType::Q3_K, GGMLType::Q4_1, GGMLType::Q5_0, GGMLType::Q6_K, GGMLType::Q4_K, GGMLType::Q4_K, GGMLType::Q6_K}};
-  size_t block_bytes = ts[0].raw.size();
-  for (int l = 0; l < 2; ++l) {
-    const std::string b = "blk." + std::to_string(l) + ".";
-    const GGMLType* t = types[l];
-    ts.push_back({b + "attn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
-    ts.push_back(blocks(b + "attn_q.weight", hidden, heads * hd, t[0]));
-    ts.push_back(blocks(b + "attn_k.weight", hidden, kvh * hd, t[1]));
-    ts.push_back(blocks(b + "attn_v.weight", hidden, kvh * hd, t[2]));
-    ts.push_back(blocks(b + "attn_output.weight", heads * hd, hidden, t[3]));
-    ts.push_back({b + "ffn_norm.weight", {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
-    ts.push_back(blocks(b + "ffn_gate.weight", hidden, ffn, t[4]));
-    ts.push_back(blocks(b + "ffn_up.weight", hidden, ffn, t[5]));
-    ts.push_back(blocks(b + "ffn_down.weight", ffn, hidden, t[6]));
-    for (size_t i = ts.size() - 8; i < ts.size(); ++i) block_bytes += ts[i].raw.size();
+// Q4_K_M files mix them; a tied Q8_0 embedding), written to a temporary file.
+struct BlockLlama {
+  static constexpr int hidden = 256, heads = 4, kvh = 2, hd = 64, ffn = 512, vocab = 40;
+  std::filesystem::path path;
+  size_t block_bytes = 0;     // the file's blocks
+  size_t grouped_bytes = 0;   // the same matrices as grouped codes (io/grouped_codes.h)
+  BlockLlama() {
+    std::mt19937 rng(7);
+    std::vector<F32Tensor> ts;
+    auto blocks = [&](const std::string& name, uint64_t cols, uint64_t rows, GGMLType type) {
+      ts.push_back(F32Tensor{name, {cols, rows}, {}, type, test::random_ggml_blocks(type, int64_t(cols * rows), rng)});
+      block_bytes += ts.back().raw.size();
+      const GroupedLayout l = *grouped_layout_of_ggml(uint32_t(type));
+      grouped_bytes += size_t(rows) * (grouped_code_bytes(l, int64_t(cols)) + size_t(cols) / size_t(l.group) * 4);
+    };
+    auto norm = [&](const std::string& name) {
+      ts.push_back({name, {uint64_t(hidden)}, std::vector<float>(size_t(hidden), 1.0f)});
+    };
+    blocks("token_embd.weight", hidden, vocab, GGMLType::Q8_0);
+    norm("output_norm.weight");
+    const GGMLType types[2][7] = {
+        {GGMLType::Q4_K, GGMLType::Q5_K, GGMLType::Q6_K, GGMLType::Q8_0, GGMLType::Q4_0, GGMLType::Q5_1, GGMLType::Q2_K},
+        {GGMLType::Q3_K, GGMLType::Q4_1, GGMLType::Q5_0, GGMLType::Q6_K, GGMLType::Q4_K, GGMLType::Q4_K, GGMLType::Q6_K}};
+    for (int l = 0; l < 2; ++l) {
+      const std::string b = "blk." + std::to_string(l) + ".";
+      const GGMLType* t = types[l];
+      norm(b + "attn_norm.weight");
+      blocks(b + "attn_q.weight", hidden, heads * hd, t[0]);
+      blocks(b + "attn_k.weight", hidden, kvh * hd, t[1]);
+      blocks(b + "attn_v.weight", hidden, kvh * hd, t[2]);
+      blocks(b + "attn_output.weight", heads * hd, hidden, t[3]);
+      norm(b + "ffn_norm.weight");
+      blocks(b + "ffn_gate.weight", hidden, ffn, t[4]);
+      blocks(b + "ffn_up.weight", hidden, ffn, t[5]);
+      blocks(b + "ffn_down.weight", ffn, hidden, t[6]);
+    }
+    auto meta = [&](Writer& w) { llama_metadata(w, {hidden, heads, kvh, ffn, vocab, 512, 10000.0f}); };
+    const auto bytes = model_file(12, meta, ts);
+    path = std::filesystem::temp_directory_path() / ("kvlm-blocks-" + std::to_string(::getpid()) + ".gguf");
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
   }
-  auto meta = [&](Writer& w) { llama_metadata(w, {hidden, heads, kvh, ffn, vocab, 512, 10000.0f}); };
-  const auto bytes = model_file(12, meta, ts);
-  const auto path = std::filesystem::temp_directory_path() / ("kvlm-blocks-" + std::to_string(::getpid()) + ".gguf");
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-  auto load = [&](bool dequantize, std::optional<DType> dtype) {
+  ~BlockLlama() { std::filesystem::remove(path); }
+  std::unique_ptr<LoadedModel> load(bool dequantize, std::optional<DType> dtype, Device device = Device::Cpu) const {
     ModelOptions o;
     o.model_dir = path;
     o.dequantize_weights = dequantize;
     o.dtype = dtype;
+    o.device = device;
     return LoadedModel::load(o);
-  };
-  auto greedy = [&](LoadedModel& m) {
+  }
+  // Greedy tokens with the top-2 log-probabilities; `rows` prompt tokens (12: the CPU's batched
+  // kernels; on a GPU 12 and 40 the grouped-code GEMV in one and three passes, 80 the
+  // dequantize-and-GEMM path).
+  static GenerateResult greedy(LoadedModel& m, int rows = 12) {
     GenerateRequest g;
-    g.prompt = {1, 5, 9, 14, 3, 22, 7, 31, 12, 8, 19, 25};  // 12 rows: the batched kernels too
+    const TokenId ids[] = {1, 5, 9, 14, 3, 22, 7, 31, 12, 8, 19, 25};
+    for (int i = 0; i < rows; ++i) g.prompt.push_back(i < 12 ? ids[i] : TokenId((i * 7 + 3) % vocab));
     g.max_tokens = 12;
     g.ignore_eos = true;
     g.sampling.temperature = 0;
     g.logprobs = 2;
     return generate(m, g);
-  };
-  const auto dequantized = load(true, DType::F32), exact = load(false, DType::F32), fast = load(false, std::nullopt);
+  }
+};
+
+// `got` follows `want` token for token until the reference's top two are within `margin` (a
+// near tie the other arithmetic may break the other way); log-probabilities agree within `tol`
+// up to there.
+void expect_greedy_until_near_tie(const GenerateResult& got, const GenerateResult& want, double margin, double tol,
+                                  const std::string& what) {
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  for (size_t i = 0; i < want.logprobs.size(); ++i) {
+    if (got.tokens[i] != want.tokens[i]) {
+      const auto& top = want.logprobs[i].top;
+      ASSERT_GE(top.size(), 2u);
+      EXPECT_LT(top[0].second - top[1].second, margin) << what << " changed token " << i << " at a clear margin";
+      return;
+    }
+    EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, tol) << what << ", token " << i;
+  }
+}
+
+// The CPU keeps the blocks, and what it computes equals the dequantize-at-load path: exactly
+// enough for greedy tokens with --dtype float32 (fp32 products of the same values), within int8
+// activation rounding otherwise.
+TEST(GGUFModel, QuantizedBlocksStayResidentAndMatchTheDequantizedPath) {
+  const BlockLlama f;
+  constexpr int hidden = BlockLlama::hidden, heads = BlockLlama::heads, kvh = BlockLlama::kvh, hd = BlockLlama::hd,
+                ffn = BlockLlama::ffn, vocab = BlockLlama::vocab;
+  const auto dequantized = f.load(true, DType::F32), exact = f.load(false, DType::F32), fast = f.load(false, std::nullopt);
   const size_t norms = size_t(5 * hidden + hd / 2) * sizeof(float);  // and RoPE's inverse frequencies
   EXPECT_EQ(dequantized->model().weight_bytes(), size_t(2 * (hidden * (heads + 2 * kvh) * hd + hd * heads * hidden +
                                                              3 * hidden * ffn) + vocab * hidden) * sizeof(float) + norms);
-  EXPECT_EQ(exact->model().weight_bytes(), block_bytes + norms);  // the file's blocks, not 4-8x them
-  const auto want = greedy(*dequantized), got = greedy(*exact), approx = greedy(*fast);
+  EXPECT_EQ(exact->model().weight_bytes(), f.block_bytes + norms);  // the file's blocks, not 4-8x them
+  const auto want = BlockLlama::greedy(*dequantized), got = BlockLlama::greedy(*exact),
+             approx = BlockLlama::greedy(*fast);
   EXPECT_EQ(got.tokens, want.tokens);
   ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
-  for (size_t i = 0; i < want.logprobs.size(); ++i) {
-    EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, 1e-4) << i;
-    // Int8 activations: the same tokens while the reference's top two are well apart.
-    if (i < approx.tokens.size() && approx.tokens[i] != want.tokens[i]) {
-      const auto& top = want.logprobs[i].top;
-      ASSERT_GE(top.size(), 2u);
-      EXPECT_LT(top[0].second - top[1].second, 0.05) << "int8 activations changed token " << i << " at a clear margin";
-      break;
-    }
+  for (size_t i = 0; i < want.logprobs.size(); ++i) EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, 1e-4) << i;
+  // Int8 activations: the same tokens while the reference's top two are well apart.
+  expect_greedy_until_near_tie(approx, want, 0.05, 1.0, "int8 activations");
+}
+
+// On a GPU the same matrices stay quantized as grouped codes (4-bit and 8-bit parts inside the
+// fused projections, the tied Q8_0 embedding and LM head), and what it computes follows the
+// dequantize-at-load path on the same GPU: decode and 12- and 40-row prompts through the
+// grouped-code GEMV, 80-row prompts through the dequantize-and-GEMM path.
+TEST(GGUFModel, CudaKeepsBlocksAsGroupedCodes) {
+  if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  const BlockLlama f;
+  const auto dequantized = f.load(true, DType::BF16, Device::Cuda), kept = f.load(false, DType::BF16, Device::Cuda);
+  const size_t norms = size_t(5 * BlockLlama::hidden) * sizeof(float);
+  EXPECT_EQ(kept->model().weight_bytes(), f.grouped_bytes + norms);
+  for (int rows : {12, 40, 80}) {
+    const auto want = BlockLlama::greedy(*dequantized, rows), got = BlockLlama::greedy(*kept, rows);
+    // Both round each weight to bf16 once; the kept codes' scales are rounded to bf16 first.
+    expect_greedy_until_near_tie(got, want, 0.1, 0.05, "grouped codes, " + std::to_string(rows) + "-token prompt");
   }
-  std::filesystem::remove(path);
 }
 
 }  // namespace

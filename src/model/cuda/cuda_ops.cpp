@@ -92,6 +92,13 @@ Tensor CudaOps::alloc(ActRole role, int64_t rows, int64_t cols) {
 void CudaOps::embed(const Weight& table, float scale, Tensor x) {
   fp8_norm_codes_ = {};
   if (measure_) return;
+  if (!table.codes.empty()) {
+    KVLM_CHECK(table.codes.size() == 1, "an embedding table of grouped codes in one part");
+    const WeightCodes& c = table.codes[0];
+    cuda::embed_rows_int(act_, {.codes = c.codes, .params = c.params, .bits = c.bits, .group = c.group}, step_.tokens,
+                         int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
+    return;
+  }
   cuda::embed_rows(act_, table.data, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
 }
 
@@ -219,8 +226,40 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
   gemm_.linear(act_, out, x, fp8_scratch_, bias.data, y, m, int(w.rows), int(w.cols), stream_);
 }
 
+// Grouped integer codes: the GEMV part by part into its rows of y, in passes of 16 rows of x
+// up to kIntGemvPasses passes; above that each part dequantized into its rows of the scratch and
+// one 16-bit GEMM. A pass reads 0.56-1.13 bytes per weight (4-bit / 8-bit codes with their
+// parameters); the GEMM path reads those, writes 2 and reads 2 again, so up to ~7 passes (4-bit)
+// or ~4 (8-bit) read fewer bytes: 4 passes (m <= 64, decode batches) take the GEMV.
+void CudaOps::int_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m) {
+  if (measure_) return;
+  constexpr int kIntGemvPasses = 4;
+  const int n = int(w.rows), k = int(w.cols);
+  const bool gemv = m <= kIntGemvPasses * cuda::kGemvIntMaxM;
+  KVLM_CHECK(gemv || fp8_scratch_ != nullptr, "a weight of grouped codes without the runner's dequantization buffer");
+  for (const WeightCodes& p : w.codes) {
+    const cuda::IntWeight iw{.codes = p.codes, .params = p.params, .bits = p.bits, .group = p.group};
+    if (gemv) {
+      // biases are in the compute dtype (gpu_weight_dtype)
+      const void* b = bias ? static_cast<const uint8_t*>(bias.data) + size_t(p.row0) * dtype_size(act_) : nullptr;
+      for (int r0 = 0; r0 < m; r0 += cuda::kGemvIntMaxM)
+        cuda::gemv_int(act_, out, static_cast<const uint8_t*>(x) + size_t(r0) * size_t(k) * dtype_size(act_), iw, b,
+                       static_cast<uint8_t*>(y) + (size_t(r0) * size_t(n) + size_t(p.row0)) * dtype_size(out), n,
+                       std::min(cuda::kGemvIntMaxM, m - r0), int(p.rows), k, stream_);
+    } else {
+      cuda::dequantize_int(act_, iw, static_cast<uint8_t*>(fp8_scratch_) + size_t(p.row0) * size_t(k) * dtype_size(act_),
+                           int(p.rows), k, stream_);
+    }
+  }
+  if (!gemv) gemm_.linear(act_, out, x, fp8_scratch_, bias.data, y, m, n, k, stream_);
+}
+
 void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {
   if (w.dtype == DType::F8E4M3) return fp8_linear(x.data, w, bias, y.data, y.dtype, int(x.rows));
+  if (!w.codes.empty()) {
+    fp8_norm_codes_ = {};
+    return int_linear(x.data, w, bias, y.data, y.dtype, int(x.rows));
+  }
   fp8_norm_codes_ = {};
   if (measure_) return;
   gemm_.linear(act_, y.dtype, x.data, w.data, bias.data, y.data, int(x.rows), int(w.rows), int(x.cols), stream_);
@@ -242,6 +281,10 @@ void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight
     return;
   }
   if (measure_) return;
+  if (!w.codes.empty()) {
+    cuda::glu(act_, f, gu.data, act, T, I, stream_);
+    return int_linear(act, w, bias, y.data, act_, T);
+  }
   if (f == GluActivation::Silu && T == 1 && gemm_.small_m_kernel(T) && cuda::gemv_fits(T, I, gu.data, w.data)) {
     // batch 1: SiLU-and-mul fused into the GEMV's input
     cuda::gemv_small_m(act_, act_, gu.data, w.data, bias.data, y.data, T, H, I, stream_, 0, /*glu_input=*/true);

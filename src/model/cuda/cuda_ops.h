@@ -153,6 +153,8 @@ class CudaOps final : public Ops {
   };
   // y = x . w^T for an FP8 weight; with glu, x is where f(gate) * up goes, computed here.
   void fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, DType out, int m, const GluSource* glu = nullptr);
+  // y = x . w^T (+ bias) for a weight of grouped integer codes (Weight::codes).
+  void int_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m);
   // A norm's output quantized for the FP8 GEMM by the norm itself (add_rmsnorm's codes): the
   // FP8 GEMMs that read x = `x` (m rows of k, activations quantized in `group`s) take fp8_x_
   // as it is. Valid until any op other than such a GEMM runs (each clears it: an op may write

@@ -39,6 +39,8 @@
 // first.
 #include "model/cuda/cuda_runner_impl.h"
 
+#include "io/grouped_codes.h"
+
 namespace kvlm {
 
 namespace {
@@ -62,20 +64,54 @@ bool fp8_gemm_takes(const WeightSpec& s, int scale_block) {
 
 }  // namespace
 
+// A matrix kept as grouped codes is held in parts, one per run of consecutive pieces whose
+// block types share a layout (a fused q/k/v of Q4_K and Q6_K pieces: two parts): each part's
+// codes [rows][cols * bits / 8], then its (scale, offset) words [rows][cols / group].
+struct CodeRun {
+  GroupedLayout layout;
+  size_t first = 0, count = 0;  // pieces
+  int64_t rows = 0;
+};
+std::vector<CodeRun> code_runs(std::span<const uint32_t> types, std::span<const int64_t> piece_rows) {
+  std::vector<CodeRun> runs;
+  for (size_t i = 0; i < types.size(); ++i) {
+    const GroupedLayout l = *grouped_layout_of_ggml(types[i]);
+    if (runs.empty() || !(runs.back().layout == l)) runs.push_back(CodeRun{.layout = l, .first = i});
+    runs.back().count++;
+    runs.back().rows += piece_rows[i];
+  }
+  return runs;
+}
+size_t code_bytes(const CodeRun& r, int64_t cols) { return align_up(size_t(r.rows) * grouped_code_bytes(r.layout, cols)); }
+size_t param_bytes(const CodeRun& r, int64_t cols) {
+  return align_up(size_t(r.rows) * size_t(grouped_groups(r.layout, cols)) * sizeof(uint32_t));
+}
+std::vector<int64_t> piece_rows(const WeightSpec& s) {
+  std::vector<int64_t> rows;
+  for (const auto& p : s.pieces) rows.push_back(p.held_shape().at(0));
+  return rows;
+}
+
 // Puts the weights in one device allocation, each in its role's type (matrices and biases in
 // the compute dtype, norms and constants in fp32), converting on the host where the
 // checkpoint's dtype differs. FP8 projections (SpecQuant::fp8) stay FP8 where the GPU runs
 // FP8 weights (sm_89+) and the layout fits the kernels: codes [rows][cols], then fp32 scales
 // [rows][ceil(cols / scale_block)] (per-tensor and per-channel scales become one per row,
 // block scales one per row and column block); elsewhere they are dequantized to the compute
-// dtype here, with a warning.
+// dtype here, with a warning. GGUF matrices whose block type has a grouped-code layout stay
+// quantized (CudaRunnerOptions::keep_blocks): their blocks become grouped codes here, scales
+// and offsets in the compute dtype (store_blocks).
 class CudaModelRunner::WeightUploader final : public WeightSink {
  public:
-  WeightUploader(Impl& m, DeviceBuffer& into) : m_(m), into_(into) {}
-  void reserve(std::span<const WeightSpec> specs, std::span<const SpecQuant> quant) override {
-    int cc = 0;
+  WeightUploader(Impl& m, DeviceBuffer& into) : m_(m), into_(into) {
     const auto gpus = cuda_devices();
-    if (m_.device >= 0 && m_.device < int(gpus.size())) cc = gpus[size_t(m_.device)].compute_capability;
+    if (m_.device >= 0 && m_.device < int(gpus.size())) cc_ = gpus[size_t(m_.device)].compute_capability;
+  }
+  bool keeps_blocks(uint32_t type) const override {
+    return m_.keep_blocks && cc_ >= 80 && grouped_layout_of_ggml(type).has_value();
+  }
+  void reserve(std::span<const WeightSpec> specs, std::span<const SpecQuant> quant) override {
+    const int cc = cc_;
     // FP8 on the GPU halves the weights' memory and speeds up decode up to batch 16 (gemv_fp8).
     // Above it and in prefill, a weight with one scale per row, or with 128 x 128 blocks that
     // its pieces' rows align with, runs the FP8 tensor-core GEMM on activations quantized per
@@ -116,6 +152,14 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
     for (size_t i = 0; i < specs.size(); ++i) {
       const WeightSpec& s = specs[i];
       offsets_.push_back(total);
+      if (!quant[i].block_types.empty()) {  // grouped codes (store_blocks)
+        keep_.push_back(false);
+        blocks_.push_back(0);
+        for (const CodeRun& r : code_runs(quant[i].block_types, piece_rows(s)))
+          total += code_bytes(r, s.cols()) + param_bytes(r, s.cols());
+        m_.fp8_scratch_elems = std::max(m_.fp8_scratch_elems, size_t(s.rows() * s.cols()));
+        continue;
+      }
       const bool fits = quant[i].fp8 && cuda::fp8_layout_fits(int(s.cols()), quant[i].scale_block);
       const bool keep = want_fp8 && fits && cuda::fp8_weights_supported(cc);
       keep_.push_back(keep);
@@ -143,6 +187,52 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
       }
     }
     into_.allocate(total, "the model weights");
+  }
+  Weight store_blocks(const WeightSpec& s, std::span<const Checkpoint::Blocks> pieces) override {
+    const size_t index = next_++;
+    uint8_t* at = into_.data() + offsets_[index];
+    const int64_t cols = s.cols();
+    std::vector<uint32_t> types;
+    for (const auto& p : pieces) types.push_back(p.type);
+    auto& parts = m_.weight_codes.emplace_back();
+    std::vector<uint8_t> rows_in, codes;
+    std::vector<uint32_t> params;
+    std::vector<float> sc, off;
+    int64_t row0 = 0;
+    for (const CodeRun& r : code_runs(types, piece_rows(s))) {
+      const size_t cb = grouped_code_bytes(r.layout, cols), ng = size_t(grouped_groups(r.layout, cols));
+      codes.resize(size_t(r.rows) * cb);
+      params.resize(size_t(r.rows) * ng);
+      sc.resize(ng);
+      off.resize(ng);
+      int64_t row = 0;
+      for (size_t pi = r.first; pi < r.first + r.count; ++pi) {
+        const Checkpoint::Blocks& p = pieces[pi];
+        rows_in.resize(size_t(p.rows) * p.row_bytes);
+        copy_block_rows(p, rows_in.data());  // Hugging Face's row order
+        for (int64_t i = 0; i < p.rows; ++i, ++row) {
+          ggml_row_to_grouped(p.type, rows_in.data() + size_t(i) * p.row_bytes, cols, codes.data() + size_t(row) * cb,
+                              sc.data(), off.data());
+          for (size_t g = 0; g < ng; ++g) {
+            try {
+              params[size_t(row) * ng + g] = grouped_param(m_.act, sc[g], off[g]);
+            } catch (const Error& e) {
+              throw Error("tensor '" + s.pieces[pi].name + "': " + e.what() +
+                          "; run it with --dtype bfloat16 or --dequantize-weights");
+            }
+          }
+        }
+      }
+      const size_t cbytes = code_bytes(r, cols);
+      KVLM_CUDA_CHECK(cudaMemcpy(at, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+      KVLM_CUDA_CHECK(cudaMemcpy(at + cbytes, params.data(), params.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
+      parts.push_back(WeightCodes{.row0 = row0, .rows = r.rows, .bits = r.layout.bits, .group = r.layout.group,
+                                  .codes = at, .params = reinterpret_cast<const uint32_t*>(at + cbytes)});
+      m_.weight_bytes += codes.size() + params.size() * sizeof(uint32_t);
+      at += cbytes + param_bytes(r, cols);
+      row0 += r.rows;
+    }
+    return Weight{.data = parts.front().codes, .dtype = DType::U8, .rows = s.rows(), .cols = cols, .codes = parts};
   }
   Weight store(const WeightSpec& s, std::span<const TensorView> pieces, std::span<const PieceQuant> quant,
                std::span<const float> values) override {
@@ -247,6 +337,7 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
   std::vector<uint16_t> conv16_;
   std::vector<float> conv32_;
   bool warned_fp8_ = false;
+  int cc_ = 0;
 };
 
 // ---- loading ------------------------------------------------------------------------------
@@ -258,6 +349,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   impl_ = std::make_unique<Impl>();  // its cuBLASLt handle belongs to the current device
   Impl& m = *impl_;
   m.device = opts.device;
+  m.keep_blocks = opts.keep_blocks;
   m.cfg = cfg_;
   if (compute != DType::BF16 && compute != DType::F16)
     throw Error("the CUDA runner computes in bfloat16 or float16, not " + std::string(dtype_name(compute)) +
@@ -290,6 +382,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   LoadedWeights lw = load_weights((whole ? *whole : *m.def).weights(), ckpt, up, cfg_.weight_quant, tp);
   m.w = std::move(lw.weights);
   m.num_params = lw.num_params;
+  m.block_tensors = lw.block_tensors;
   std::vector<int> slot_of;
   if (drafter) {
     m.draft_def = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
@@ -344,7 +437,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   // A rank other than 0 forms no logits (it has no LM head: model/tensor_parallel.h).
   m.ops = std::make_unique<CudaOps>(m.act, m.stream, m.gemm, *m.comm, /*logits=*/tp.rank == 0);
   if (m.fp8_scratch_elems > 0) {
-    m.fp8_scratch.allocate(m.fp8_scratch_elems * dtype_size(m.act), "the FP8 weights' dequantization buffer");
+    m.fp8_scratch.allocate(m.fp8_scratch_elems * dtype_size(m.act), "the quantized weights' dequantization buffer");
     m.ops->set_fp8_scratch(m.fp8_scratch.data(), m.fp8_max_cols, m.fp8_act_group.value_or(-1));
   }
   m.ops->set_kv(m.lkv, 0, 0);
@@ -364,6 +457,15 @@ CudaModelRunner::~CudaModelRunner() {
 }
 
 size_t CudaModelRunner::num_parameters() const { return impl_->num_params; }
+size_t CudaModelRunner::block_tensors() const { return impl_->block_tensors; }
+size_t CudaModelRunner::embedding_bytes() const {
+  const Weight& e = impl_->w[impl_->def->embedding_index()];
+  if (e.codes.empty()) return size_t(e.numel()) * dtype_size(e.dtype);
+  size_t n = 0;
+  for (const WeightCodes& c : e.codes)
+    n += size_t(c.rows) * (size_t(e.cols) * size_t(c.bits) / 8 + size_t(e.cols / c.group) * sizeof(uint32_t));
+  return n;
+}
 size_t CudaModelRunner::weight_bytes() const { return impl_->weight_bytes; }
 int CudaModelRunner::kv_num_blocks() const { return impl_->num_blocks; }
 size_t CudaModelRunner::kv_bytes() const { return impl_->kv_bytes; }

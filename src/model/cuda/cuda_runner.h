@@ -33,6 +33,10 @@ struct CudaRunnerOptions {
   int device = 0;            // the CUDA device index the runner's memory, stream and kernels live on
   bool cuda_graphs = true;   // decode steps as CUDA graphs (--enforce-eager: off)
   bool small_m_gemv = true;  // the small-m GEMV kernels for m <= 8 (off: cuBLASLt for every m; measurements)
+  // GGUF matrices stay quantized on the GPU as grouped integer codes (io/grouped_codes.h) where
+  // their block type has a layout (Q4_0 .. Q8_0, Q2_K .. Q6_K) and the GPU has bf16 tensor
+  // cores (sm_80+); off (--dequantize-weights): dequantized to the compute dtype at load.
+  bool keep_blocks = true;
   // Tensor parallelism (model/tensor_parallel.h): the runner is rank comm->rank() of
   // comm->world_size(), loads that rank's slice of the weights (the constructor's config is
   // the whole model's, its plan the rank's: shard_kv_plan) and all-reduces through `comm`
@@ -54,6 +58,8 @@ class CudaModelRunner final : public ModelRunner {
   const ModelConfig& config() const override { return cfg_; }
   Device device() const override { return Device::Cuda; }
   size_t num_parameters() const override;
+  size_t block_tensors() const;
+  size_t embedding_bytes() const;  // of the embedding table as held (grouped codes or 16-bit)  // GGUF tensors kept quantized (grouped codes), not dequantized
   size_t weight_bytes() const override;
 
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;

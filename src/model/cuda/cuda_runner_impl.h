@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -174,7 +175,12 @@ struct CudaModelRunner::Impl {
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   std::vector<Weight> w;
   size_t num_params = 0, weight_bytes = 0;
-  size_t fp8_scratch_elems = 0;  // the largest FP8 weight: its dequantized copy for GEMMs of m > 16
+  size_t block_tensors = 0;  // GGUF tensors kept as grouped codes
+  bool keep_blocks = true;       // CudaRunnerOptions::keep_blocks
+  // The parts of the matrices held as grouped integer codes (Weight::codes points into them).
+  std::deque<std::vector<WeightCodes>> weight_codes;
+  // The largest FP8 or grouped-code weight: its dequantized copy for GEMMs of m > 16.
+  size_t fp8_scratch_elems = 0;
   int fp8_max_cols = 0;          // the largest input size of an FP8 weight (the FP8 GEMM's activations)
   // How the FP8 GEMMs quantize their activations when every FP8 weight kept does it alike (0:
   // per token, 128: per 128-value group, -1: mixed; none: no FP8 weight): CudaOps::set_fp8_scratch.

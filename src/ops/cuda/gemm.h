@@ -24,6 +24,7 @@
 
 #include "config/model_config.h"  // GluActivation
 #include "core/dtype.h"
+#include "core/index_types.h"
 
 namespace kvlm::cuda {
 
@@ -121,6 +122,36 @@ void gemm_fp8_small(DType out, const uint8_t* x, const float* x_scales, const Fp
                     int m, int n, int k, void* stream, int splits = 0);
 // The last gemm_fp8_small launch's shape (N, cluster split, grid, resident CTAs), for the lab.
 std::string gemm_fp8_small_last_launch();
+
+// A weight held as grouped integer codes (io/grouped_codes.h): w[r][c] = s * code + b, where
+// (s, b) are group c / group of row r, two values of the compute type in one 32-bit word (s in
+// the low half), params [n][k / group]; codes [n][k * bits / 8], 4-bit codes 0..15 two per byte
+// (the lower column in the low nibble) or 8-bit codes signed. GGUF's block types convert to
+// it at load; every 4-bit and 8-bit weight format is to map onto it.
+struct IntWeight {
+  const uint8_t* codes = nullptr;
+  const uint32_t* params = nullptr;
+  int bits = 0;   // 4 or 8
+  int group = 0;  // columns per (s, b)
+};
+// Whether the kernels take grouped codes of `bits` in groups of `group` for rows of k: a
+// lane's 16 bytes of codes must lie in one group (4-bit: k and group multiples of 32; 8-bit:
+// of 16) and the groups must tile the row.
+bool int_layout_fits(int k, int bits, int group);
+inline constexpr int kGemvIntMaxM = 16;  // gemv_int's rows of x
+// y[r][c] (row stride ldy >= n) = x[m][k] . w^T (+ bias[n]), 1 <= m <= kGemvIntMaxM
+// (gemv_int.cu: one pass over the codes, decoded in registers for the tensor cores). x, bias
+// and out as gemv_small_m's; the weight's values are s * code + b rounded to the compute type.
+// ldy lets the parts of a fused weight held in different layouts write their rows of one y.
+void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
+              int n, int k, void* stream);
+// The weight in the compute type (bf16 / f16), the GEMV's values, into out [n][k]: the larger
+// m run the 16-bit GEMM on it.
+void dequantize_int(DType to, const IntWeight& w, void* out, int n, int k, void* stream);
+// x[r][:] = w[tokens[r]][:] * scale in fp32 (an embedding table held as grouped codes; s * code
+// + b in fp32). Token ids must be in range.
+void embed_rows_int(DType act, const IntWeight& w, const TokenId* tokens, int rows, int hidden, float* x,
+                    void* stream, float scale = 1.0f);
 
 class Gemm {
  public:

@@ -1,0 +1,58 @@
+// Grouped integer codes: the one layout of quantized weights the GPU's kernels read
+// (ops/cuda/gemm.h IntWeight), and its conversion from GGUF's ggml blocks.
+//
+// A matrix [rows][cols] of `bits`-bit codes (4 or 8) in groups of `group` consecutive columns
+// of a row; each group has a scale s and an offset b, and the value at (r, c) is
+//     w = s * code + b
+// with 4-bit codes unsigned (0..15) and 8-bit codes signed (-128..127). Every format kvlm keeps
+// 4-bit or 8-bit on the GPU maps onto it without loss beyond rounding s and b to 16 bits:
+// ggml's scales and minimums (Q4_K: s = d sc, b = -dmin m per 32 values), zero points
+// (s (q - z): b = -s z), symmetric codes (Q4_0: b = -8 d; Q8_0 and Q6_K: b = 0). One layout
+// means one kernel family, and the kernels decode a code to the compute type with two
+// instructions instead of each block type's own bit layout.
+//
+// ggml types: Q4_0, Q4_1, Q4_K -> 4-bit codes in groups of 32; Q5_0, Q5_1, Q5_K, Q8_0 -> 8-bit
+// codes in groups of 32; Q6_K, Q2_K, Q3_K -> 8-bit codes in groups of 16 (their scales cover
+// 16 values; Q2_K and Q3_K would fit 4 bits, but the 4-bit kernels take groups of 32 and more).
+// So a Q4_K matrix takes 5 bits per weight (its file 4.5), Q6_K 10 (6.56), Q8_0 10 (8.5).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "core/dtype.h"
+
+namespace kvlm {
+
+struct GroupedLayout {
+  int bits = 0;   // 4 or 8
+  int group = 0;  // columns per (scale, offset)
+  bool operator==(const GroupedLayout&) const = default;
+};
+
+// The layout a ggml type's blocks convert to; nullopt for F32/F16/BF16 and unknown types.
+std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type);
+
+// Bytes of one row's codes (cols * bits / 8) and its number of groups.
+inline size_t grouped_code_bytes(GroupedLayout l, int64_t cols) { return size_t(cols) * size_t(l.bits) / 8; }
+inline int64_t grouped_groups(GroupedLayout l, int64_t cols) { return cols / l.group; }
+
+// One row of `cols` values of ggml type `type` (its blocks, row_bytes of them) as codes
+// (`grouped_code_bytes`: 4-bit codes two per byte, the lower column in the low nibble; 8-bit
+// codes one signed byte each) and the fp32 scale and offset of each group (`grouped_groups`
+// of each). Throws kvlm::Error for a type without a layout or cols not a whole number of blocks.
+void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uint8_t* codes, float* scales,
+                         float* offsets);
+
+// One group's scale and offset in a 16-bit type (bf16 or f16, `type`) as the kernels read
+// them: one 32-bit word, the scale in the low half. Rounds to nearest even; throws kvlm::Error
+// when either is not finite in that type (an f16 overflow).
+uint32_t grouped_param(DType type, float scale, float offset);
+
+// The reference the kernels are tested against: a row of grouped codes with its 32-bit
+// parameters (grouped_param) as fp32 values, s * code + b in fp32.
+void grouped_dequantize_row(GroupedLayout l, DType param_type, const uint8_t* codes, const uint32_t* params,
+                            int64_t cols, std::span<float> out);
+
+}  // namespace kvlm

@@ -1,0 +1,466 @@
+// Linear layers over grouped integer codes (gemm.h IntWeight; io/grouped_codes.h): 4-bit and
+// 8-bit weights, w = s * code + b per group of columns of a row.
+//
+// At batch 1-16 a decode step is the weight stream, so the kernel that matters is the GEMV
+// below: it reads each code once, decodes it to the compute type in registers and feeds the
+// tensor cores. A Q4_K matrix streams 5 bits per weight instead of a bf16 copy's 16.
+//
+// The tensor-core GEMV (m = 1-16 in one pass over the codes) has gemv_fp8.cu's structure, its
+// layout of work measured there on an H200: y^T = w . x^T as mma.sync m16n8k16, 16-row tiles of
+// the weight as A and the rows of x as B (one 8-column B tile for m <= 8, two for m <= 16),
+// fp32 accumulators; a CTA owns RT tiles (x's fragments serve all of them), its 8 warps and the
+// CTAs of a thread-block cluster along gridDim.y split k in rounds; each warp streams its rounds
+// through a cp.async ring in shared memory, each lane copying (and reading back) 16 bytes of its
+// two rows per tile per round. 16 bytes are 32 4-bit codes or 16 8-bit ones, so a round is 128
+// or 64 columns, and a lane's 16 bytes lie in one group (groups of 32 or more for 4-bit codes,
+// 16 or more for 8-bit ones): one (s, b) per row per round, loaded a round ahead.
+//
+// Decoding, exact up to the one rounding of s * code + b to the compute type (as a 16-bit copy
+// of the dequantized weight would hold it), with the parameters broadcast to both halves of a
+// pair:
+//  - 4-bit: a 32-bit word holds codes 0-7 of 8 consecutive columns; (word >> 4j) & 0x000f000f
+//    puts codes j and j + 4 in the low bits of the two halves, OR-ed into the bits of 128.0
+//    (bf16) or 1024.0 (f16) that is 128 + code exactly; one fma subtracts 128 (exact), a second
+//    forms s * code + b in the compute type: 2 instructions per pair of weights, plus the
+//    shift-and-mask. A dot product is invariant under a permutation of k applied to both sides,
+//    so the pairs (0, 4), (1, 5) go to one MMA's k slots and (2, 6), (3, 7) to the next, with x
+//    paired to match by byte permutes of its 16-byte loads.
+//  - 8-bit: a byte permute puts bytes (0, 2) or (1, 3) of a word in the low bytes of a pair
+//    (paired as in gemv_fp8.cu), bit tricks of the same kind give the code exactly (int8x4_to_pairs
+//    says how for bf16, whose 8 significant bits no single magic number covers), and one fma
+//    forms s * code + b: 4-5 instructions per pair.
+// Larger m: dequantize_int writes the weight in the compute type into a scratch buffer for
+// the 16-bit GEMM (as FP8 weights with block scales do); a mixed-input tensor-core GEMM is the
+// next step (docs/results/weights-4bit.md).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_check.cuh"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/gemv_common.cuh"
+#include "ops/cuda/mma_sync.cuh"
+#include "ops/cuda/pdl.cuh"
+#include "ops/cuda/per_device.cuh"
+
+namespace kvlm::cuda {
+
+namespace {
+
+constexpr int kIntWarps = kGemvThreads / 32;
+constexpr int kIntMaxSplits = 8;  // the portable cluster size
+
+// RT 16-row tiles per CTA; as gemv_fp8.cu's TcCfg (4 KB of ring per warp and round at RT = 4).
+template <int RT>
+struct IntCfg {
+  static constexpr int kRows = 16 * RT, kStages = RT >= 4 ? 3 : 4, kStageBytes = RT * 2 * 32 * 16;
+  static constexpr int kSmem = kIntWarps * kStages * kStageBytes;
+};
+// CTAs per SM the register budget is cut for: 2 (128 registers). The 4-bit decode and x's 32
+// columns per lane and round spill below that; 2 CTAs of 8 warps keep 2-3 rounds of 1-4 KB per
+// warp in flight, more than an SM's share of the bandwidth-latency product.
+constexpr int int_min_blocks(int, int) { return 2; }
+
+// 8 4-bit codes (code j in bits 4j..4j+3) -> the weights of codes (0, 4), (1, 5), (2, 6), (3, 7)
+// as 16-bit pairs, s * code + b with s2 = (s, s) and b2 = (b, b) in the compute type.
+template <bool kBF16>
+__device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t s2, uint32_t b2, uint32_t (&p)[4]) {
+  constexpr uint32_t kMagic = kBF16 ? 0x43004300u : 0x64006400u;  // 128.0 / 1024.0 in both halves
+  constexpr uint32_t kOne = kBF16 ? 0x3f803f80u : 0x3c003c00u;
+  constexpr uint32_t kNegMagic = kBF16 ? 0xc300c300u : 0xe400e400u;
+  // (w >> 4j) & mask | magic as one LOP3: written out, because LOP3 takes one immediate and
+  // ptxas otherwise splits the mask-and-or of two constants into two instructions.
+  const uint32_t magic = kMagic;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(w >> (4 * j)), "n"(0x000f000f), "r"(magic));
+    uint32_t q;
+    if constexpr (kBF16) {
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(kNegMagic));
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(q), "r"(s2), "r"(b2));
+    } else {
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(kNegMagic));
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(q), "r"(s2), "r"(b2));
+    }
+  }
+}
+
+// 4 signed 8-bit codes (code 0 in the low byte) -> the weights of codes (0, 2) and (1, 3) as
+// 16-bit pairs, s * code + b with s2 = (s, s) and b2 = (b, b) in the compute type. A byte goes
+// to the low byte of a 16-bit half (one PRMT per pair), then:
+//  - bf16 (8 significant bits: no magic number covers 256 codes): (half & 0x7f) | bits of
+//    128.0 is 128 + (code & 127), (half & 0x80) | bits of 128.0 is 128 or 256 (the sign bit),
+//    and their difference is the code, exact;
+//  - f16: the byte of code ^ 0x80 under the bits of 1024.0 is 1024 + code + 128, minus 1152.
+template <bool kBF16>
+__device__ __forceinline__ void int8x4_to_pairs(uint32_t w, uint32_t s2, uint32_t b2, uint32_t& even, uint32_t& odd) {
+  uint32_t* out[2] = {&even, &odd};
+  if constexpr (kBF16) {
+    const uint32_t magic = 0x43004300u, neg_one = 0xbf80bf80u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t x = __byte_perm(w, 0, h ? 0x4341 : 0x4240);  // bytes h, h + 2 in the halves' low bytes
+      uint32_t v, c, q;
+      asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(x), "n"(0x007f007f), "r"(magic));
+      asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(c) : "r"(x), "n"(0x00800080), "r"(magic));
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(c), "r"(neg_one), "r"(v));
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(*out[h]) : "r"(q), "r"(s2), "r"(b2));
+    }
+  } else {
+    const uint32_t u = w ^ 0x80808080u, one = 0x3c003c00u, neg = 0xe480e480u;  // -1152.0
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t v = __byte_perm(u, 0x64646464u, h ? 0x4341 : 0x4240);
+      uint32_t q;
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(one), "r"(neg));
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(*out[h]) : "r"(q), "r"(s2), "r"(b2));
+    }
+  }
+}
+
+template <class V>
+__device__ __forceinline__ float param_lo(uint32_t p) {
+  return V::load(uint16_t(p & 0xffffu));
+}
+template <class V>
+__device__ __forceinline__ float param_hi(uint32_t p) {
+  return V::load(uint16_t(p >> 16));
+}
+
+template <class V, int BITS, int NT, int RT, bool kF32Out>
+__global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
+    gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group, const uint16_t* bias,
+                    void* y, int ldy, int m, int n, int k) {
+  using Cfg = IntCfg<RT>;
+  constexpr int S = Cfg::kStages, NW = kIntWarps, C = NT * 8, kRows = Cfg::kRows, kStageBytes = Cfg::kStageBytes;
+  constexpr int C16 = 128 / BITS;   // codes in a lane's 16 bytes
+  constexpr int kRound = 4 * C16;   // columns per round
+  constexpr int XW = C16 / 2;       // 32-bit words of x per lane, row of x and round
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row0 = int(blockIdx.x) * kRows;
+  const int splits = int(gridDim.y), workers = splits * NW, worker = int(blockIdx.y) * NW + warp;
+  const int kr = (k + kRound - 1) / kRound;
+  const int rounds = worker < kr ? (kr - worker + workers - 1) / workers : 0;
+  const size_t row_bytes = size_t(k) * BITS / 8;
+  const int ng = k / group;
+  extern __shared__ uint4 gemv_int_smem[];
+  char* const ring = reinterpret_cast<char*>(gemv_int_smem) + warp * S * kStageBytes;
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
+  int rows[RT][2];  // the lane's weight rows (clamped to n - 1: rows past n are read, never stored)
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rows[j][h] = min(row0 + 16 * j + 8 * h + g, n - 1);
+  const uint8_t* src[RT][2];
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) src[j][h] = codes + size_t(rows[j][h]) * row_bytes + min(size_t(16 * t), row_bytes - 16);
+  auto issue = [&](int i) {
+    if (i < rounds) {
+      const int k0 = (worker + i * workers) * kRound;
+      const bool ok = k0 + C16 * t < k;  // k % C16 == 0: a lane's codes are all in or all out
+      const int off = ok ? k0 * BITS / 8 : 0;
+      const uint32_t dst = ring_s + (i % S) * kStageBytes;
+#pragma unroll
+      for (int j = 0; j < RT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma::cp_async16(dst + (2 * j + h) * 512, src[j][h] + off, ok ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  pdl_wait();  // x is the previous kernel's output; the codes are not
+  const uint16_t* xr[NT];
+  bool xon[NT];
+#pragma unroll
+  for (int q = 0; q < NT; ++q) {
+    xon[q] = g + 8 * q < m;
+    xr[q] = x + size_t(min(g + 8 * q, m - 1)) * size_t(k) + C16 * t;
+  }
+  // x at the lane's columns of round i, already paired as the codes decode (the top of the
+  // file): B fragment b of word v is xw[q][2 (MMA of the word) + b], loaded a round ahead with
+  // the (s, b) of the lane's rows.
+  auto load_x = [&](int i, uint32_t (&xw)[NT][XW]) {
+    const int k0 = (worker + i * workers) * kRound;
+    const bool ok = i < rounds && k0 + C16 * t < k;
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int u = 0; u < XW / 4; ++u) {
+        uint4 a = make_uint4(0, 0, 0, 0);
+        if (xon[q] && ok) a = __ldg(reinterpret_cast<const uint4*>(xr[q] + k0) + u);
+        if constexpr (BITS == 4) {  // x0..x7 -> (x0, x4) (x1, x5) (x2, x6) (x3, x7)
+          xw[q][4 * u] = __byte_perm(a.x, a.z, 0x5410), xw[q][4 * u + 1] = __byte_perm(a.x, a.z, 0x7632);
+          xw[q][4 * u + 2] = __byte_perm(a.y, a.w, 0x5410), xw[q][4 * u + 3] = __byte_perm(a.y, a.w, 0x7632);
+        } else {  // (x0, x2) (x1, x3) (x4, x6) (x5, x7)
+          xw[q][4 * u] = __byte_perm(a.x, a.y, 0x5410), xw[q][4 * u + 1] = __byte_perm(a.x, a.y, 0x7632);
+          xw[q][4 * u + 2] = __byte_perm(a.z, a.w, 0x5410), xw[q][4 * u + 3] = __byte_perm(a.z, a.w, 0x7632);
+        }
+      }
+  };
+  auto load_p = [&](int i, uint32_t (&pr)[RT][2]) {
+    const int k0 = (worker + i * workers) * kRound;
+    const int gi = i < rounds && k0 + C16 * t < k ? (k0 + C16 * t) / group : 0;
+#pragma unroll
+    for (int j = 0; j < RT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) pr[j][h] = __ldg(params + size_t(rows[j][h]) * size_t(ng) + size_t(gi));
+  };
+  float acc[RT][NT][4] = {};
+  uint32_t xw[NT][XW], pr[RT][2];
+  load_x(0, xw);
+  load_p(0, pr);
+  for (int i = 0; i < rounds; ++i) {
+    uint32_t xn[NT][XW], pn[RT][2];
+    load_x(i + 1, xn);
+    load_p(i + 1, pn);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
+    __syncwarp();
+    issue(i + S - 1);  // refills the slot read in round i - 1
+    const char* slot = ring + (i % S) * kStageBytes + lane * 16;
+#pragma unroll
+    for (int j = 0; j < RT; ++j) {
+      const uint4 lo = *reinterpret_cast<const uint4*>(slot + (2 * j) * 512);
+      const uint4 hi = *reinterpret_cast<const uint4*>(slot + (2 * j + 1) * 512);
+      const uint32_t lw[4] = {lo.x, lo.y, lo.z, lo.w}, hw[4] = {hi.x, hi.y, hi.z, hi.w};
+      if constexpr (BITS == 4) {
+        const uint32_t sl = __byte_perm(pr[j][0], 0, 0x1010), bl = __byte_perm(pr[j][0], 0, 0x3232);
+        const uint32_t sh = __byte_perm(pr[j][1], 0, 0x1010), bh = __byte_perm(pr[j][1], 0, 0x3232);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          uint32_t pl[4], ph[4];
+          int4x8_to_pairs<V::kBF16>(lw[v], sl, bl, pl);
+          int4x8_to_pairs<V::kBF16>(hw[v], sh, bh, ph);
+          const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
+#pragma unroll
+          for (int q = 0; q < NT; ++q) {
+            mma::mma16816<V::kBF16>(acc[j][q], a0, xw[q][4 * v], xw[q][4 * v + 1]);
+            mma::mma16816<V::kBF16>(acc[j][q], a1, xw[q][4 * v + 2], xw[q][4 * v + 3]);
+          }
+        }
+      } else {
+        const uint32_t sl = __byte_perm(pr[j][0], 0, 0x1010), bl = __byte_perm(pr[j][0], 0, 0x3232);
+        const uint32_t sh = __byte_perm(pr[j][1], 0, 0x1010), bh = __byte_perm(pr[j][1], 0, 0x3232);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          uint32_t a[4];  // A fragment: row g (pair 0, 2), row g + 8, row g (pair 1, 3), row g + 8
+          int8x4_to_pairs<V::kBF16>(lw[v], sl, bl, a[0], a[2]);
+          int8x4_to_pairs<V::kBF16>(hw[v], sh, bh, a[1], a[3]);
+#pragma unroll
+          for (int q = 0; q < NT; ++q) mma::mma16816<V::kBF16>(acc[j][q], a, xw[q][2 * v], xw[q][2 * v + 1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int e = 0; e < XW; ++e) xw[q][e] = xn[q][e];
+#pragma unroll
+    for (int j = 0; j < RT; ++j) pr[j][0] = pn[j][0], pr[j][1] = pn[j][1];
+    __syncwarp();  // every lane has read this slot before it is refilled
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  allow_dependents();  // the codes are read
+  // acc[j][q][e]: weight row 16 j + g + 8 (e >> 1), x row 8 q + 2 t + (e & 1). The warps'
+  // partial tiles reuse the ring, then their sum goes to red [kRows][C].
+  __syncthreads();
+  float* const part = reinterpret_cast<float*>(gemv_int_smem);
+  float* const red = part + NW * kRows * C;
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        part[(warp * kRows + 16 * j + g + 8 * (e >> 1)) * C + 8 * q + 2 * t + (e & 1)] = acc[j][q][e];
+  __syncthreads();
+  for (int idx = int(threadIdx.x); idx < kRows * C; idx += kGemvThreads) {
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < NW; ++wi) v += part[wi * kRows * C + idx];
+    red[idx] = v;
+  }
+  cluster_sync(splits);  // every CTA's sums are in its shared memory
+  const int rank = cluster_rank(splits), per = kRows / splits;
+  for (int idx = int(threadIdx.x); idx < per * m; idx += kGemvThreads) {
+    const int rr = rank * per + idx / m, r = idx % m, row = row0 + rr;
+    if (row >= n) continue;
+    float v = red[rr * C + r];
+    for (int s = 0; s < splits; ++s)
+      if (s != rank) v += cluster_peer(red, s)[rr * C + r];
+    store_out<V, 1, kF32Out>(y, ldy, row, r, v, bias);
+  }
+  if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
+}
+
+// The cluster split (as gemv_fp8.cu's tc_splits, measured there): 2 where the grid has fewer
+// row blocks than SMs and each warp keeps at least 2 rounds, else 1.
+int int_splits(int rows_per_cta, int n, int k, int round) {
+  if (compute_capability() < 90) return 1;  // no thread-block clusters
+  const int blocks = (n + rows_per_cta - 1) / rows_per_cta, kr = (k + round - 1) / round;
+  return blocks < sm_count() && kr >= 2 * kIntWarps * 2 ? 2 : 1;
+}
+
+template <class V, int BITS, int NT, int RT, bool kF32Out>
+void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n, int k,
+                cudaStream_t st) {
+  using Cfg = IntCfg<RT>;
+  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out>;
+  resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
+  const int splits = std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, 4 * 128 / BITS));
+  const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
+  KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits,
+                                             static_cast<const uint16_t*>(x), w.codes, w.params, w.group,
+                                             static_cast<const uint16_t*>(bias), y, ldy, m, n, k));
+}
+
+template <class V, int BITS>
+void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
+                    int k, cudaStream_t st) {
+  auto go = [&](auto nt, auto rt) {
+    constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+    if (f32) launch_int<V, BITS, NT, RT, true>(x, w, bias, y, ldy, m, n, k, st);
+    else launch_int<V, BITS, NT, RT, false>(x, w, bias, y, ldy, m, n, k, st);
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  // As gemv_fp8.cu: 32-row CTAs where they give 1.4 CTAs per SM or more, else 64-row CTAs.
+  const bool small = (n + 31) / 32 >= sm_count() * 7 / 5;
+  // 4-bit codes at m > 8 (two B tiles of 32 columns of x per lane) spill at 64 rows.
+  if (m <= 8) small ? go(I1{}, I2{}) : go(I1{}, I4{});
+  else if constexpr (BITS == 4) go(I2{}, I2{});
+  else small ? go(I2{}, I2{}) : go(I2{}, I4{});
+}
+
+// One thread per 16 bytes of codes (C16 values of one group): out = s * code + b, rounded to the
+// compute type as the GEMV's decode rounds it.
+template <class V, int BITS>
+__global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params, int group, int ng, uint4* out,
+                                      int total, int vpr) {
+  constexpr int C16 = 128 / BITS;
+  const int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
+  if (i >= total) return;
+  const int row = i / vpr, c0 = (i - row * vpr) * C16;
+  const uint32_t p = params[size_t(row) * size_t(ng) + size_t(c0 / group)];
+  const uint4 c = codes[i];
+  const uint32_t cw[4] = {c.x, c.y, c.z, c.w};
+  uint32_t o[C16 / 2];
+  if constexpr (BITS == 4) {
+    const uint32_t s2 = __byte_perm(p, 0, 0x1010), b2 = __byte_perm(p, 0, 0x3232);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      uint32_t pr[4];  // codes (0, 4), (1, 5), (2, 6), (3, 7) of the word
+      int4x8_to_pairs<V::kBF16>(cw[v], s2, b2, pr);
+      // back to column order: (0, 1) (2, 3) (4, 5) (6, 7)
+      o[4 * v] = __byte_perm(pr[0], pr[1], 0x5410);
+      o[4 * v + 1] = __byte_perm(pr[2], pr[3], 0x5410);
+      o[4 * v + 2] = __byte_perm(pr[0], pr[1], 0x7632);
+      o[4 * v + 3] = __byte_perm(pr[2], pr[3], 0x7632);
+    }
+  } else {
+    const uint32_t s2 = __byte_perm(p, 0, 0x1010), b2 = __byte_perm(p, 0, 0x3232);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      uint32_t even, odd;  // codes (0, 2), (1, 3)
+      int8x4_to_pairs<V::kBF16>(cw[v], s2, b2, even, odd);
+      o[2 * v] = __byte_perm(even, odd, 0x5410);
+      o[2 * v + 1] = __byte_perm(even, odd, 0x7632);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < C16 / 8; ++u)
+    out[size_t(i) * (C16 / 8) + size_t(u)] = make_uint4(o[4 * u], o[4 * u + 1], o[4 * u + 2], o[4 * u + 3]);
+}
+
+template <class V>
+__global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, int bits, int group,
+                                 const TokenId* tokens, int hidden, float* x, float scale) {
+  const int r = blockIdx.x;
+  const size_t tok = size_t(tokens[r]);
+  const uint8_t* c = codes + tok * size_t(hidden) * size_t(bits) / 8;
+  const uint32_t* p = params + tok * size_t(hidden / group);
+  float* dst = x + size_t(r) * size_t(hidden);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const int code = bits == 4 ? (c[i / 2] >> (4 * (i % 2))) & 0x0f : int(int8_t(c[i]));
+    const uint32_t pg = p[i / group];
+    dst[i] = (param_lo<V>(pg) * float(code) + param_hi<V>(pg)) * scale;
+  }
+}
+
+void check_int(const char* what, DType ab, const IntWeight& w, int k) {
+  if (!int_layout_fits(k, w.bits, w.group))
+    throw Error(std::string(what) + ": grouped codes of " + std::to_string(w.bits) + " bits in groups of " +
+                std::to_string(w.group) + " do not fit a row of " + std::to_string(k) +
+                " (4-bit: groups and rows multiples of 32; 8-bit: of 16)");
+  if (ab != DType::BF16 && ab != DType::F16) throw Error(std::string(what) + ": the compute type must be bf16 or f16");
+  if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || reinterpret_cast<uintptr_t>(w.params) % 4 != 0)
+    throw Error(std::string(what) + ": the codes must be 16-byte aligned, the parameters 4-byte aligned");
+}
+
+}  // namespace
+
+bool int_layout_fits(int k, int bits, int group) {
+  const int c16 = bits == 4 ? 32 : bits == 8 ? 16 : 0;
+  return c16 > 0 && k > 0 && group > 0 && k % c16 == 0 && group % c16 == 0 && k % group == 0;
+}
+
+void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
+              int n, int k, void* stream) {
+  if (m <= 0 || n <= 0) return;
+  if (m > kGemvIntMaxM)
+    throw Error("gemv_int: takes m <= " + std::to_string(kGemvIntMaxM) + " (dequantize_int + the GEMM above)");
+  check_int("gemv_int", ab, w, k);
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int: x must be 16-byte aligned");
+  if (out != ab && out != DType::F32) throw Error("gemv_int: output must be the input type or float32");
+  if (ldy < n) throw Error("gemv_int: the output's row stride is shorter than its rows");
+  const auto st = static_cast<cudaStream_t>(stream);
+  const bool f32 = out == DType::F32;
+  if (ab == DType::BF16) {
+    if (w.bits == 4) launch_int_any<VecBF16, 4>(f32, x, w, bias, y, ldy, m, n, k, st);
+    else launch_int_any<VecBF16, 8>(f32, x, w, bias, y, ldy, m, n, k, st);
+  } else {
+    if (w.bits == 4) launch_int_any<VecF16, 4>(f32, x, w, bias, y, ldy, m, n, k, st);
+    else launch_int_any<VecF16, 8>(f32, x, w, bias, y, ldy, m, n, k, st);
+  }
+}
+
+void dequantize_int(DType to, const IntWeight& w, void* out, int n, int k, void* stream) {
+  check_int("dequantize_int", to, w, k);
+  const int vpr = k * w.bits / 8 / 16;  // 16-byte vectors of codes per row
+  const size_t vectors = size_t(n) * size_t(vpr);
+  if (vectors == 0) return;
+  if (vectors > size_t(INT32_MAX)) throw Error("dequantize_int: the weight is too large");
+  const unsigned blocks = unsigned((vectors + 255) / 256);
+  const auto st = static_cast<cudaStream_t>(stream);
+  const auto* c = reinterpret_cast<const uint4*>(w.codes);
+  auto* o = static_cast<uint4*>(out);
+  const int ng = k / w.group;
+  auto go = [&](auto kernel) {
+    kernel<<<blocks, 256, 0, st>>>(c, w.params, w.group, ng, o, int(vectors), vpr);
+    KVLM_CUDA_CHECK(cudaGetLastError());
+  };
+  if (to == DType::BF16) w.bits == 4 ? go(dequantize_int_kernel<VecBF16, 4>) : go(dequantize_int_kernel<VecBF16, 8>);
+  else w.bits == 4 ? go(dequantize_int_kernel<VecF16, 4>) : go(dequantize_int_kernel<VecF16, 8>);
+}
+
+void embed_rows_int(DType act, const IntWeight& w, const TokenId* tokens, int rows, int hidden, float* x,
+                    void* stream, float scale) {
+  if (rows <= 0) return;
+  check_int("embed_rows_int", act, w, hidden);
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (act == DType::BF16)
+    embed_int_kernel<VecBF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, tokens, hidden, x, scale);
+  else
+    embed_int_kernel<VecF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, tokens, hidden, x, scale);
+  KVLM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kvlm::cuda

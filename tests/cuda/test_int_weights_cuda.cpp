@@ -1,0 +1,219 @@
+// Grouped integer codes on the GPU (ops/cuda/gemm.h IntWeight): gemv_int, dequantize_int and
+// embed_rows_int against their definition, over every ggml block type's layout (converted by
+// io/grouped_codes.h, as the runner converts them at load) and the zero-point layouts of
+// 4-bit checkpoints (groups of 64 and 128, whole rows).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "act_test_util.h"
+#include "core/error.h"
+#include "core/numeric.h"
+#include "cuda_test_util.h"
+#include "io/gguf.h"
+#include "io/grouped_codes.h"
+#include "ops/cuda/gemm.h"
+#include "../support/ggml_blocks.h"
+
+using namespace kvlm;
+using kvlm::test::Dev;
+using namespace kvlm::test::act;
+
+namespace {
+
+// A weight [n][k] as grouped codes with its (s, b) words for compute type ab, and the values
+// the kernels compute with: s * code + b rounded once to ab.
+struct Grouped {
+  GroupedLayout layout;
+  std::vector<uint8_t> codes;
+  std::vector<uint32_t> params;
+  std::vector<float> values;  // [n][k]
+  std::string name;
+};
+
+Grouped from_ggml(DType ab, GGMLType type, int n, int k, std::mt19937& rng) {
+  Grouped g;
+  g.layout = *grouped_layout_of_ggml(uint32_t(type));
+  g.name = ggml_type_name(uint32_t(type));
+  const auto tr = *ggml_type_traits(uint32_t(type));
+  const auto blocks = test::random_ggml_blocks(type, int64_t(n) * k, rng);
+  const size_t row_bytes = size_t(k / tr.block * tr.block_bytes), cb = grouped_code_bytes(g.layout, k);
+  const size_t ng = size_t(grouped_groups(g.layout, k));
+  g.codes.resize(size_t(n) * cb);
+  g.params.resize(size_t(n) * ng);
+  std::vector<float> s(ng), b(ng);
+  for (int r = 0; r < n; ++r) {
+    ggml_row_to_grouped(uint32_t(type), blocks.data() + size_t(r) * row_bytes, k, g.codes.data() + size_t(r) * cb,
+                        s.data(), b.data());
+    for (size_t i = 0; i < ng; ++i) g.params[size_t(r) * ng + i] = grouped_param(ab, s[i], b[i]);
+  }
+  return g;
+}
+
+// A 4-bit zero-point layout (AWQ / GPTQ style: s (q - z), b = -s z), random codes.
+Grouped zero_point(DType ab, int group, int n, int k, std::mt19937& rng) {
+  Grouped g;
+  g.layout = {4, group};
+  g.name = "4-bit zero point, group " + std::to_string(group);
+  g.codes.resize(size_t(n) * size_t(k) / 2);
+  for (auto& c : g.codes) c = uint8_t(rng());
+  std::uniform_real_distribution<float> us(2e-3f, 1e-2f);
+  std::uniform_int_distribution<int> uz(0, 15);
+  g.params.resize(size_t(n) * size_t(k / group));
+  for (auto& p : g.params) {
+    const float s = us(rng);
+    p = grouped_param(ab, s, -s * float(uz(rng)));
+  }
+  return g;
+}
+
+void fill_values(DType ab, int n, int k, Grouped& g) {
+  g.values.resize(size_t(n) * size_t(k));
+  const size_t cb = grouped_code_bytes(g.layout, k), ng = size_t(k / g.layout.group);
+  std::vector<float> row(static_cast<size_t>(k));
+  for (int r = 0; r < n; ++r) {
+    grouped_dequantize_row(g.layout, ab, g.codes.data() + size_t(r) * cb, g.params.data() + size_t(r) * ng, k, row);
+    for (int c = 0; c < k; ++c) g.values[size_t(r) * k + c] = act_round(ab, row[size_t(c)]);
+  }
+}
+
+}  // namespace
+
+// Misuse is an error, not a wrong answer.
+TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  EXPECT_TRUE(cuda::int_layout_fits(256, 4, 32));
+  EXPECT_TRUE(cuda::int_layout_fits(256, 8, 16));
+  EXPECT_TRUE(cuda::int_layout_fits(4096, 4, 128));
+  EXPECT_FALSE(cuda::int_layout_fits(256, 4, 16));  // a lane's 32 codes would span two groups
+  EXPECT_FALSE(cuda::int_layout_fits(48, 4, 48));   // k not a multiple of 32
+  EXPECT_FALSE(cuda::int_layout_fits(256, 3, 32));
+  EXPECT_FALSE(cuda::int_layout_fits(320, 4, 128));  // groups do not tile the row
+  Dev<uint8_t> dc(4096);
+  Dev<uint32_t> dp(256);
+  Dev<uint16_t> dx(17 * 256), dy(17 * 64);
+  const cuda::IntWeight bad{.codes = dc.p, .params = dp.p, .bits = 4, .group = 16};
+  EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 16, 1, 16, 256, nullptr), Error);
+  const cuda::IntWeight ok{.codes = dc.p, .params = dp.p, .bits = 4, .group = 32};
+  EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 16, 17, 16, 256, nullptr), Error);
+  EXPECT_THROW(cuda::gemv_int(DType::F32, DType::F32, dx.p, ok, nullptr, dy.p, 16, 1, 16, 256, nullptr), Error);
+  EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 8, 1, 16, 256, nullptr), Error);
+}
+
+// gemv_int over m = 1..16 (one and two B tiles; 32- and 64-row CTAs, cluster splits where the
+// launcher picks them), odd n, k not a multiple of the 128- or 64-column rounds, bias, float32
+// output, and a y row stride wider than n (a part of a fused weight): against the sum in double
+// of x times the kernels' weight values. The GPU sums fp32 and rounds once, so the bound is the
+// 16-bit rounding (none for float32) plus 1e-4 of sum |w x|; nothing outside y[m][0..n) is
+// written. dequantize_int writes those weight values exactly; embed_rows_int gathers
+// s * code + b in fp32.
+TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (test::compute_capability() < 80) GTEST_SKIP() << "bf16 tensor cores need sm_80";
+  std::mt19937 rng(41);
+  struct Case {
+    GGMLType type;  // Q4_0 .. Q6_K, or F32 for a zero-point layout of `group`
+    int group, n, k;
+  };
+  const Case cases[] = {
+      {GGMLType::Q4_K, 0, 300, 768},  {GGMLType::Q6_K, 0, 129, 4352}, {GGMLType::Q4_0, 0, 7, 96},
+      {GGMLType::Q4_1, 0, 1000, 1056}, {GGMLType::Q5_0, 0, 33, 160},   {GGMLType::Q5_1, 0, 61, 2080},
+      {GGMLType::Q8_0, 0, 97, 4128},  {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q2_K, 0, 50, 512},
+      {GGMLType::Q3_K, 0, 17, 1280},  {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
+      {GGMLType::F32, 2048, 9000, 2048}};
+  constexpr int kM = cuda::kGemvIntMaxM;
+  size_t checked = 0;
+  for (DType ab : kActs)
+    for (const Case& c : cases) {
+      const int n = c.n, k = c.k;
+      Grouped g = c.type == GGMLType::F32 ? zero_point(ab, c.group, n, k, rng) : from_ggml(ab, c.type, n, k, rng);
+      fill_values(ab, n, k, g);
+      SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" + std::to_string(k));
+      const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
+      const auto b = random_act(ab, size_t(n), rng, 0.5f);
+      std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
+      for (int j = 0; j < n; ++j)
+        for (int r = 0; r < kM; ++r) {
+          double acc = 0, a = 0;
+          for (int i = 0; i < k; ++i) {
+            const double p = double(g.values[size_t(j) * k + i]) * xr[size_t(r) * k + i];
+            acc += p;
+            a += std::fabs(p);
+          }
+          ref[size_t(r) * n + j] = acc;
+          mag[size_t(r) * n + j] = a;
+        }
+      Dev<uint8_t> dc(g.codes);
+      Dev<uint32_t> dp(g.params);
+      Dev<uint16_t> dx(codes(ab, xr)), db(codes(ab, b));
+      const int ldy = n + 3;  // wider than n: only columns [0, n) of each row are written
+      Dev<uint16_t> dy16(size_t(kM) * ldy);
+      Dev<float> dy32(size_t(kM) * ldy);
+      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group};
+      ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
+      for (int m = 1; m <= kM; ++m)
+        for (int mode = 0; mode < 2; ++mode) {  // 0: 16-bit out + bias, 1: float32 out
+          const bool f32 = mode == 1, bias = mode == 0;
+          dy16.poison();
+          dy32.poison();
+          cuda::gemv_int(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr,
+                         f32 ? static_cast<void*>(dy32.p) : dy16.p, ldy, m, n, k, nullptr);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          std::vector<float> got(size_t(kM) * ldy);
+          if (f32) {
+            got = dy32.download();
+          } else {
+            const auto raw = dy16.download();
+            for (size_t i = 0; i < got.size(); ++i) got[i] = act_value(ab, raw[i]);
+          }
+          size_t bad = 0, outside = 0;
+          double worst = 0;
+          for (int r = 0; r < kM; ++r)
+            for (int j = 0; j < ldy; ++j) {
+              const float v = got[size_t(r) * ldy + j];
+              if (r >= m || j >= n) {
+                outside += !std::isnan(v);
+                continue;
+              }
+              const size_t at = size_t(r) * n + j;
+              const double want = ref[at] + (bias ? double(b[size_t(j)]) : 0.0);
+              const double e = std::isnan(v) ? 1e30 : std::fabs(v - want);
+              worst = std::max(worst, e);
+              bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(want) + 1e-4 * (mag[at] + (bias ? std::fabs(b[size_t(j)]) : 0.0));
+              ++checked;
+            }
+          EXPECT_EQ(bad, 0u) << "m=" << m << " mode " << mode << " max err " << worst;
+          EXPECT_EQ(outside, 0u) << "m=" << m << " mode " << mode << ": written outside y[m][n]";
+        }
+      // dequantize_int: the kernels' values, to one rounding (the host rounds s * code + b from
+      // fp32, the 4-bit decode from the exact value).
+      Dev<uint16_t> dw(size_t(n) * k);
+      cuda::dequantize_int(ab, w, dw.p, n, k, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto raw = dw.download();
+      size_t off = 0;
+      for (size_t i = 0; i < raw.size(); ++i)
+        off += std::fabs(act_value(ab, raw[i]) - g.values[i]) > 2 * act_rel_tol(ab) * std::fabs(g.values[i]) + 1e-30;
+      EXPECT_EQ(off, 0u) << "dequantize_int values off by more than one rounding";
+      // embed_rows_int: rows gathered by token id, s * code + b in fp32, times the scale.
+      const std::vector<TokenId> tokens = {TokenId(n - 1), 0, TokenId(n / 2), TokenId(n - 1)};
+      Dev<TokenId> dt(tokens);
+      Dev<float> de(tokens.size() * size_t(k));
+      cuda::embed_rows_int(ab, w, dt.p, int(tokens.size()), k, de.p, nullptr, 2.0f);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto emb = de.download();
+      std::vector<float> row(static_cast<size_t>(k));
+      const size_t cb = grouped_code_bytes(g.layout, k), ng = size_t(k / g.layout.group);
+      for (size_t t = 0; t < tokens.size(); ++t) {
+        grouped_dequantize_row(g.layout, ab, g.codes.data() + size_t(tokens[t]) * cb,
+                               g.params.data() + size_t(tokens[t]) * ng, k, row);
+        for (int i = 0; i < k; ++i)
+          ASSERT_NEAR(emb[t * size_t(k) + size_t(i)], 2.0f * row[size_t(i)], 1e-6 * std::fabs(row[size_t(i)]) + 1e-9)
+              << "token " << tokens[t] << " column " << i;
+      }
+    }
+  EXPECT_GT(checked, 1000000u);
+}

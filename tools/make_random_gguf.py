@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Writes a Llama-architecture GGUF file of random quantized weights, for benchmarks of the
+shapes people run (a Qwen3-8B-sized Q4_K_M by default) on machines with no network.
+
+    make_random_gguf.py OUT.gguf [--layers 36 --hidden 4096 --heads 32 --kv-heads 8 --ffn 12288
+                                  --vocab 151936] [--mix q4_k_m | q4_0 | q8_0 | q6_k]
+
+--mix q4_k_m follows llama.cpp's recipe for that name: Q4_K everywhere, Q6_K for the output
+matrix and for attn_v and ffn_down in the layers llama.cpp gives more bits (the first and last
+eighth, and every third layer between). Other mixes use one type for every matrix. Codes are
+random bytes; each block's fp16 scales are set so that values come out around 0.01-0.1, as a
+trained model's weights do (the same sizes as tests/support/ggml_blocks.h). Norms are 1. The
+tokenizer is a plain list of tokens (decode benchmarks need no text). Needs only numpy.
+"""
+import argparse
+import struct
+import sys
+
+import numpy as np
+
+# ggml type: (id, values per block, bytes per block, [(byte offset of an fp16 scale, size)])
+TYPES = {
+    "q4_0": (2, 32, 18, [(0, 6e-3)]),
+    "q8_0": (8, 32, 34, [(0, 4e-4)]),
+    "q4_k": (12, 256, 144, [(0, 1e-4), (2, 1e-4)]),
+    "q6_k": (14, 256, 210, [(208, 1.5e-5)]),
+}
+F32 = 0
+ALIGN = 32
+
+
+def gguf_string(s):
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def kv_u32(key, v):
+    return gguf_string(key) + struct.pack("<II", 4, v)
+
+
+def kv_f32(key, v):
+    return gguf_string(key) + struct.pack("<If", 6, v)
+
+
+def kv_str(key, v):
+    return gguf_string(key) + struct.pack("<I", 8) + gguf_string(v)
+
+
+def kv_str_array(key, items):
+    out = gguf_string(key) + struct.pack("<IIQ", 9, 8, len(items))
+    return out + b"".join(gguf_string(s) for s in items)
+
+
+def random_blocks(kind, n_values, rng):
+    tid, per, nbytes, scales = TYPES[kind]
+    blocks = n_values // per
+    data = rng.integers(0, 256, size=(blocks, nbytes), dtype=np.uint8)
+    for off, size in scales:
+        d = (size * rng.uniform(0.5, 1.5, size=blocks)).astype(np.float16)
+        data[:, off:off + 2] = d.view(np.uint8).reshape(blocks, 2)
+    if kind == "q6_k":  # int8 sub-block scales: keep them positive and moderate
+        data[:, 192:208] = rng.integers(8, 64, size=(blocks, 16), dtype=np.uint8)
+    return tid, data.tobytes()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=12288)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--context", type=int, default=40960)
+    ap.add_argument("--mix", choices=["q4_k_m", "q4_0", "q8_0", "q6_k"], default="q4_k_m")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    hd = a.hidden // a.heads
+    if a.hidden % a.heads or hd % 2:
+        sys.exit("--hidden must be --heads heads of an even size")
+    rng = np.random.default_rng(a.seed)
+    n = a.layers
+
+    def more_bits(i):  # llama.cpp's use_more_bits
+        return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+    def kind(name, layer):
+        if a.mix != "q4_k_m":
+            return a.mix
+        if name == "output":
+            return "q6_k"
+        if name in ("attn_v", "ffn_down") and more_bits(layer):
+            return "q6_k"
+        return "q4_k"
+
+    # (name, ggml dims: cols first, kind or None for fp32 ones)
+    tensors = [("token_embd.weight", (a.hidden, a.vocab), kind("token_embd", -1)),
+               ("output_norm.weight", (a.hidden,), None), ("output.weight", (a.hidden, a.vocab), kind("output", -1))]
+    for i in range(n):
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (a.hidden,), None),
+                    (b + "attn_q.weight", (a.hidden, a.heads * hd), kind("attn_q", i)),
+                    (b + "attn_k.weight", (a.hidden, a.kv_heads * hd), kind("attn_k", i)),
+                    (b + "attn_v.weight", (a.hidden, a.kv_heads * hd), kind("attn_v", i)),
+                    (b + "attn_output.weight", (a.heads * hd, a.hidden), kind("attn_output", i)),
+                    (b + "ffn_norm.weight", (a.hidden,), None),
+                    (b + "ffn_gate.weight", (a.hidden, a.ffn), kind("ffn_gate", i)),
+                    (b + "ffn_up.weight", (a.hidden, a.ffn), kind("ffn_up", i)),
+                    (b + "ffn_down.weight", (a.ffn, a.hidden), kind("ffn_down", i))]
+    meta = [kv_str("general.architecture", "llama"), kv_str("general.name", f"random {a.mix}"),
+            kv_u32("llama.block_count", n), kv_u32("llama.context_length", a.context),
+            kv_u32("llama.embedding_length", a.hidden), kv_u32("llama.feed_forward_length", a.ffn),
+            kv_u32("llama.attention.head_count", a.heads), kv_u32("llama.attention.head_count_kv", a.kv_heads),
+            kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-6), kv_f32("llama.rope.freq_base", 1e6),
+            kv_str_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(a.vocab)]),
+            kv_u32("tokenizer.ggml.bos_token_id", 1), kv_u32("tokenizer.ggml.eos_token_id", 2)]
+    infos, offset, sizes = [], 0, []
+    for name, dims, k in tensors:
+        count = int(np.prod(dims))
+        if k is None:
+            tid, size = F32, 4 * count
+        else:
+            tid, per, nbytes, _ = TYPES[k]
+            if dims[0] % per:
+                sys.exit(f"{name}: a row of {dims[0]} is not whole {k} blocks")
+            size = count // per * nbytes
+        infos.append(gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) +
+                     struct.pack("<IQ", tid, offset))
+        sizes.append(size)
+        offset += (size + ALIGN - 1) // ALIGN * ALIGN
+    with open(a.out, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta)))
+        f.write(b"".join(meta) + b"".join(infos))
+        f.write(b"\0" * (-f.tell() % ALIGN))
+        for (name, dims, k), size in zip(tensors, sizes):
+            if k is None:
+                f.write(np.ones(int(np.prod(dims)), dtype=np.float32).tobytes())
+            else:
+                f.write(random_blocks(k, int(np.prod(dims)), rng)[1])
+            f.write(b"\0" * (-size % ALIGN))
+    print(f"wrote {a.out}: {len(tensors)} tensors, {offset / 1e9:.2f} GB of data ({a.mix})")
+
+
+if __name__ == "__main__":
+    main()
