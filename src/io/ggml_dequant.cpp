@@ -21,15 +21,17 @@ void ggml_k4_scale_min(const uint8_t* q, int j, int& sc, int& m) {
   }
 }
 
-namespace {
-
-constexpr int QK = 32, QK_K = 256;
-
-float half(const uint8_t* p) {
+float ggml_half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return num::f16_to_f32(h);
 }
+
+namespace {
+
+constexpr int QK = 32, QK_K = 256;
+
+float half(const uint8_t* p) { return ggml_half(p); }
 
 void q4_0(const uint8_t* b, float* y) {
   const float d = half(b);

@@ -28,5 +28,7 @@ void dequantize_ggml(uint32_t type, std::span<const uint8_t> src, std::span<floa
 
 // Q4_K / Q5_K: scale and min of sub-block j (0-7) from a block's 12 bytes of 6-bit values.
 void ggml_k4_scale_min(const uint8_t* scales, int j, int& sc, int& m);
+// A block's IEEE half at p (unaligned), as fp32.
+float ggml_half(const uint8_t* p);
 
 }  // namespace kvlm

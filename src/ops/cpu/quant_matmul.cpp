@@ -1,8 +1,8 @@
 // Kernels for products with ggml blocks (quant_matmul.h). Layout of this file:
 //   1. types and the Int8 activations (x quantized once per call, per run of 32 values);
 //   2. scalar kernels: every type unpacks a block into int8 codes plus, per 16 values, a scale
-//      and an offset (w = a q + b); one scalar dot serves them all (the fallback, and what the
-//      tests hold the AVX2 kernels to);
+//      and an offset (w = a q + b: io/ggml_unpack.h); one scalar dot serves them all (the
+//      fallback, and what the tests hold the AVX2 kernels to);
 //   3. AVX2 kernels: every type unpacks in registers, one kernel over groups of 256 values takes
 //      four weight rows against one x row or two against up to four x rows; AVX2
 //      dequantization (the Exact path), bit-exact with io/ggml_dequant;
@@ -32,6 +32,7 @@
 #include "core/error.h"
 #include "core/numeric.h"
 #include "io/ggml_dequant.h"
+#include "io/ggml_unpack.h"
 #include "io/gguf.h"
 
 #define KVLM_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -54,12 +55,6 @@ bool supported(uint32_t type) {
     default:
       return false;
   }
-}
-
-float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return num::f16_to_f32(h);
 }
 
 // x quantized for the Int8 kernels: per row, runs of 32 codes with a scale d; per run and
@@ -161,105 +156,7 @@ void quantize_acts(const float* x, int m, int64_t k, QActs& a, bool avx2) {
 
 // ---- 2. scalar kernels -------------------------------------------------------------------
 
-// One block as codes and, per 16 values, w = a q + b: codes in [0, 63], Q8_0's signed.
-struct Unpacked {
-  alignas(32) int8_t q[QK_K];
-  alignas(32) float a[QK_K / 16];
-  alignas(32) float b[QK_K / 16];
-};
-
-template <bool kWithMin, bool kFive>
-void unpack_q45(const uint8_t* blk, Unpacked& u) {
-  const float d = half(blk);
-  const uint8_t* p = blk + (kWithMin ? 4 : 2);
-  uint32_t qh = 0;
-  if (kFive) {
-    std::memcpy(&qh, p, 4);
-    p += 4;
-  }
-  for (int j = 0; j < 16; ++j) {
-    u.q[j] = int8_t((p[j] & 0x0F) | (kFive ? ((qh >> j) & 1) << 4 : 0));
-    u.q[j + 16] = int8_t((p[j] >> 4) | (kFive ? ((qh >> (j + 16)) & 1) << 4 : 0));
-  }
-  u.a[0] = u.a[1] = d;
-  u.b[0] = u.b[1] = kWithMin ? half(blk + 2) : (kFive ? -16.0f : -8.0f) * d;
-}
-
-void unpack_q8_0(const uint8_t* blk, Unpacked& u) {
-  std::memcpy(u.q, blk + 2, QK);
-  u.a[0] = u.a[1] = half(blk);
-  u.b[0] = u.b[1] = 0.0f;
-}
-
-// Q2_K: element e is bits 2 ((e % 128) / 32) of byte 32 (e / 128) + e % 32; scale byte e / 16
-// holds the scale in its low nibble and the min in its high one.
-void unpack_q2_k(const uint8_t* blk, Unpacked& u) {
-  const uint8_t* qs = blk + 16;
-  const float d = half(blk + 80), dmin = half(blk + 82);
-  for (int e = 0; e < QK_K; ++e) u.q[e] = int8_t((qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3);
-  for (int g = 0; g < 16; ++g) {
-    u.a[g] = d * float(blk[g] & 0x0F);
-    u.b[g] = -(dmin * float(blk[g] >> 4));
-  }
-}
-
-// Q3_K: code = 2 low bits (as Q2_K) + 4 when the mask bit 4 (e / 128) + (e % 128) / 32 of
-// byte e % 32 is set, value (code - 4) scale; sixteen 6-bit scales biased by 32.
-void unpack_q3_k(const uint8_t* blk, Unpacked& u) {
-  const uint8_t* hm = blk;
-  const uint8_t* qs = blk + 32;
-  const uint8_t* s = blk + 96;
-  const float d = half(blk + 108);
-  for (int e = 0; e < QK_K; ++e) {
-    const int n = e / 128, j = (e % 128) / 32, l = e % 32;
-    u.q[e] = int8_t(((qs[32 * n + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * n + j)) & 1) << 2));
-  }
-  for (int g = 0; g < 16; ++g) {
-    const int lo = (s[g % 8] >> (4 * (g / 8))) & 0x0F, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-    u.a[g] = d * float((lo | hi << 4) - 32);
-    u.b[g] = -4.0f * u.a[g];
-  }
-}
-
-// Q4_K / Q5_K: 64 values per 32 bytes, sub-block 2c in the low nibbles and 2c + 1 in the
-// high ones; Q5_K's fifth bit of element e is bit e / 32 of high-bit byte e % 32.
-template <bool kFive>
-void unpack_q45_k(const uint8_t* blk, Unpacked& u) {
-  const float d = half(blk), dmin = half(blk + 2);
-  const uint8_t* qh = blk + 16;
-  const uint8_t* ql = blk + (kFive ? 48 : 16);
-  for (int e = 0; e < QK_K; ++e) {
-    const int c = e / 64, hi = (e % 64) / 32, l = e % 32;
-    const int nib = hi ? ql[32 * c + l] >> 4 : ql[32 * c + l] & 0x0F;
-    u.q[e] = int8_t(nib | (kFive ? ((qh[l] >> (e / 32)) & 1) << 4 : 0));
-  }
-  for (int j = 0; j < 8; ++j) {
-    int sc, mn;
-    ggml_k4_scale_min(blk + 4, j, sc, mn);
-    u.a[2 * j] = u.a[2 * j + 1] = d * float(sc);
-    u.b[2 * j] = u.b[2 * j + 1] = -(dmin * float(mn));
-  }
-}
-
-// Q6_K: per 128 values n, quarter qd takes the low (qd < 2) or high nibble of ql byte
-// 64 n + 32 (qd % 2) + l and bits 2 qd of qh byte 32 n + l; value (code - 32) d sc[e / 16].
-void unpack_q6_k(const uint8_t* blk, Unpacked& u) {
-  const uint8_t* ql = blk;
-  const uint8_t* qh = blk + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-  const float d = half(blk + 208);
-  for (int e = 0; e < QK_K; ++e) {
-    const int n = e / 128, qd = (e % 128) / 32, l = e % 32;
-    const uint8_t lb = ql[64 * n + 32 * (qd & 1) + l];
-    u.q[e] = int8_t((qd >= 2 ? lb >> 4 : lb & 0x0F) | (((qh[32 * n + l] >> (2 * qd)) & 3) << 4));
-  }
-  for (int g = 0; g < 16; ++g) {
-    u.a[g] = d * float(sc[g]);
-    u.b[g] = -32.0f * u.a[g];
-  }
-}
-
-using UnpackFn = void (*)(const uint8_t*, Unpacked&);
+using Unpacked = GgmlUnpacked;
 
 struct Layout {
   int block, bytes;
@@ -275,7 +172,7 @@ Layout layout(uint32_t type) {
 // through all m rows.
 using Int8Fn = void (*)(const BlockMatrix& w, int64_t j0, int64_t j1, const QActs& x, float* y, int64_t ldy);
 
-template <UnpackFn kUnpack, int kBlock, int kBytes>
+template <GgmlUnpackFn kUnpack, int kBlock, int kBytes>
 void int8_rows_scalar(const BlockMatrix& w, int64_t j0, int64_t j1, const QActs& x, float* y, int64_t ldy) {
   const int64_t nb = x.k / kBlock;
   Unpacked u;
@@ -304,16 +201,16 @@ void int8_rows_scalar(const BlockMatrix& w, int64_t j0, int64_t j1, const QActs&
 
 Int8Fn scalar_int8_kernel(uint32_t type) {
   switch (GGMLType(type)) {
-    case T::Q4_0: return int8_rows_scalar<unpack_q45<false, false>, QK, 18>;
-    case T::Q4_1: return int8_rows_scalar<unpack_q45<true, false>, QK, 20>;
-    case T::Q5_0: return int8_rows_scalar<unpack_q45<false, true>, QK, 22>;
-    case T::Q5_1: return int8_rows_scalar<unpack_q45<true, true>, QK, 24>;
-    case T::Q8_0: return int8_rows_scalar<unpack_q8_0, QK, 34>;
-    case T::Q2_K: return int8_rows_scalar<unpack_q2_k, QK_K, 84>;
-    case T::Q3_K: return int8_rows_scalar<unpack_q3_k, QK_K, 110>;
-    case T::Q4_K: return int8_rows_scalar<unpack_q45_k<false>, QK_K, 144>;
-    case T::Q5_K: return int8_rows_scalar<unpack_q45_k<true>, QK_K, 176>;
-    case T::Q6_K: return int8_rows_scalar<unpack_q6_k, QK_K, 210>;
+    case T::Q4_0: return int8_rows_scalar<ggml_unpack_q4_0, QK, 18>;
+    case T::Q4_1: return int8_rows_scalar<ggml_unpack_q4_1, QK, 20>;
+    case T::Q5_0: return int8_rows_scalar<ggml_unpack_q5_0, QK, 22>;
+    case T::Q5_1: return int8_rows_scalar<ggml_unpack_q5_1, QK, 24>;
+    case T::Q8_0: return int8_rows_scalar<ggml_unpack_q8_0, QK, 34>;
+    case T::Q2_K: return int8_rows_scalar<ggml_unpack_q2_k, QK_K, 84>;
+    case T::Q3_K: return int8_rows_scalar<ggml_unpack_q3_k, QK_K, 110>;
+    case T::Q4_K: return int8_rows_scalar<ggml_unpack_q4_k, QK_K, 144>;
+    case T::Q5_K: return int8_rows_scalar<ggml_unpack_q5_k, QK_K, 176>;
+    case T::Q6_K: return int8_rows_scalar<ggml_unpack_q6_k, QK_K, 210>;
     default: return nullptr;
   }
 }
