@@ -358,6 +358,10 @@ int run_inspect(const InspectFlags& f) {
       for (const auto& n : q->ignore) std::cout << " " << n;
     }
     std::cout << "\n";
+  } else if (const auto& s = ckpt.int4_scheme()) {
+    std::cout << "weights    " << s->describe() << ": " << ckpt.int4_modules() << " modules, dequantized to "
+              << (device == Device::Cuda ? dtype_name(mp.dtype) : std::string_view("float32"))
+              << " at load (4-bit kernels for them come next)\n";
   } else {
     std::cout << "weights    " << dtype_name(mp.dtype) << "\n";
   }

@@ -188,6 +188,48 @@ std::optional<WeightQuantConfig> parse_fp8(const json& qc, const std::string& wh
 
 }  // namespace
 
+std::string Int4Scheme::describe() const {
+  return std::string(kind == Kind::Awq ? "AWQ" : zeros_minus_one ? "GPTQ" : "GPTQ v2") + " 4-bit, " +
+         (group ? "groups of " + std::to_string(group) : std::string("one scale per output row"));
+}
+
+std::optional<Int4Scheme> parse_int4_scheme(const json& config) {
+  const json* qc = jg::find(config, "quantization_config");
+  if (!qc || !qc->is_object()) return std::nullopt;
+  const std::string where = "config.json quantization_config";
+  const std::string method = jg::opt_string(*qc, "quant_method", where).value_or("");
+  if (method != "awq" && method != "gptq") return std::nullopt;
+  Int4Scheme s;
+  s.kind = method == "awq" ? Int4Scheme::Kind::Awq : Int4Scheme::Kind::Gptq;
+  const std::string what = "kvlm runs 4-bit AWQ (GEMM layout, zero points) and 4-bit GPTQ checkpoints";
+  const long long bits = jg::opt_int(*qc, method == "awq" ? (jg::find(*qc, "w_bit") ? "w_bit" : "bits") : "bits", where)
+                             .value_or(4);
+  if (bits != 4)
+    throw Error(where + ": " + std::to_string(bits) + "-bit " + (method == "awq" ? "AWQ" : "GPTQ") +
+                " weights are not supported; " + what + " (or a 16-bit copy of the model)");
+  const long long group =
+      jg::opt_int(*qc, method == "awq" && jg::find(*qc, "q_group_size") ? "q_group_size" : "group_size", where)
+          .value_or(128);
+  if (group != -1 && (group <= 0 || group % 8 != 0))
+    throw Error(where + ": group_size " + std::to_string(group) + " is not a positive multiple of 8 (or -1)");
+  s.group = group == -1 ? 0 : int(group);
+  if (s.kind == Int4Scheme::Kind::Awq) {
+    const std::string version = jg::opt_string(*qc, "version", where).value_or("gemm");
+    if (version != "gemm" && version != "GEMM")
+      throw Error(where + ": AWQ version '" + version + "' packs its weights differently; " + what +
+                  " (version \"gemm\", the layout AutoAWQ and vLLM use)");
+    if (!jg::opt_bool(*qc, "zero_point", where).value_or(true))
+      throw Error(where + ": AWQ without zero points is not supported; " + what);
+  } else {
+    const std::string format = jg::opt_string(*qc, "checkpoint_format", where).value_or("gptq");
+    if (format != "gptq" && format != "gptq_v2")
+      throw Error(where + ": GPTQ checkpoint_format '" + format + "' is not supported; " + what +
+                  " (checkpoint_format gptq or gptq_v2)");
+    s.zeros_minus_one = format == "gptq";
+  }
+  return s;
+}
+
 std::optional<WeightQuantConfig> parse_weight_quant(const json& cfg) {
   const json* qc = jg::find(cfg, "quantization_config");
   if (!qc) return std::nullopt;
@@ -198,6 +240,12 @@ std::optional<WeightQuantConfig> parse_weight_quant(const json& cfg) {
   if (method == "modelopt") return parse_modelopt(*qc, where);
   if (method == "fp8") return parse_fp8(*qc, where);
   if (method.empty()) return std::nullopt;
+  // 4-bit AWQ / GPTQ: the checkpoint dequantizes them (io/int4_checkpoint.h); checked here too,
+  // so that what kvlm cannot run is refused with the config, before any tensor is read.
+  if (method == "awq" || method == "gptq") {
+    parse_int4_scheme(cfg);
+    return std::nullopt;
+  }
   if (method == "mxfp4")
     throw Error(where + ": quant_method 'mxfp4' (MXFP4 expert weights, as GPT-OSS is released) is not supported yet; "
                 "4-bit weights come with kvlm's 4-bit weight kernels. Use a 16-bit copy of the checkpoint (e.g. "

@@ -55,6 +55,19 @@ struct WeightQuantConfig {
 // scheme kvlm cannot run, naming the field and what would work.
 std::optional<WeightQuantConfig> parse_weight_quant(const nlohmann::json& config);
 
+// 4-bit integer weights (AWQ's GEMM layout, GPTQ): io/int4_checkpoint.h reads them.
+struct Int4Scheme {
+  enum class Kind : uint8_t { Awq, Gptq } kind = Kind::Awq;
+  int group = 0;            // input columns per scale; 0: the whole row (group_size -1)
+  bool zeros_minus_one = false;  // GPTQ checkpoint_format gptq: stored zero points are z - 1
+  std::string describe() const;  // "AWQ 4-bit, groups of 128"
+};
+
+// The scheme of config.json's quantization_config when it is AWQ or GPTQ; nullopt for any
+// other quant_method or none. Throws kvlm::Error for what kvlm cannot run (another bit width,
+// AWQ's GEMV layout or no zero points), naming the field and what would work.
+std::optional<Int4Scheme> parse_int4_scheme(const nlohmann::json& config);
+
 // --quantization: "" (none asked) or "fp8". With "fp8", a checkpoint without FP8 weights gets
 // per-channel FP8 quantized at load (`on_the_fly`), one that has them keeps its own scheme.
 // Throws for any other value.

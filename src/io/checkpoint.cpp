@@ -96,7 +96,52 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
     c.tensors_ = std::move(prefixed);
     c.bare_base_model_ = true;
   }
+  c.open_int4(dir);
   return c;
+}
+
+void Checkpoint::open_int4(const std::filesystem::path& dir) {
+  // Only a checkpoint with packed modules reads its config here (the model config's own parse
+  // reports a malformed config.json, as for any checkpoint).
+  std::vector<std::string> bases;
+  for (const auto& [name, where] : tensors_)
+    if (name.ends_with(".qweight")) bases.push_back(name.substr(0, name.size() - 8));
+  std::error_code ec;
+  const auto cfg = dir / "config.json";
+  if (bases.empty() || !std::filesystem::exists(cfg, ec)) return;
+  int4_scheme_ = parse_int4_scheme(read_json_file(cfg));
+  if (!int4_scheme_) return;
+  int4_infos_.reserve(bases.size());  // stable addresses: tensors_ points at them
+  int4_sources_.reserve(bases.size());
+  int4_data_.resize(bases.size());
+  auto take = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const TensorInfo*> {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) return {nullptr, nullptr};
+    auto v = it->second;
+    tensors_.erase(it);
+    return v;
+  };
+  for (const std::string& b : bases) {
+    if (tensors_.contains(b + ".weight"))
+      throw Error("the checkpoint has both '" + b + ".weight' and '" + b + ".qweight'; it is not a valid " +
+                  int4_scheme_->describe() + " checkpoint");
+    Int4Source src{.base = b, .qweight = take(b + ".qweight"), .qzeros = take(b + ".qzeros"), .scales = take(b + ".scales"),
+                   .g_idx = take(b + ".g_idx")};
+    src.module = check_int4_module(*int4_scheme_, b, src.qweight.second, src.qzeros.second, src.scales.second,
+                                   src.g_idx.second);
+    const int64_t rows = src.module.rows, cols = src.module.cols;
+    int4_infos_.push_back(TensorInfo{.name = b + ".weight", .dtype = DType::F32, .shape = {rows, cols}, .begin = 0,
+                                     .end = uint64_t(rows * cols) * sizeof(float)});
+    int4_sources_.push_back(std::move(src));
+    tensors_.emplace(b + ".weight", std::make_pair(nullptr, &int4_infos_.back()));
+  }
+  log::info("opened " + std::to_string(bases.size()) + " " + int4_scheme_->describe() +
+            " modules (dequantized at load for now)");
+}
+
+ptrdiff_t Checkpoint::int4_index(const TensorInfo* t) const {
+  if (int4_infos_.empty() || t < int4_infos_.data() || t >= int4_infos_.data() + int4_infos_.size()) return -1;
+  return t - int4_infos_.data();
 }
 
 const TensorInfo* Checkpoint::find(std::string_view name) const {
@@ -107,6 +152,18 @@ const TensorInfo* Checkpoint::find(std::string_view name) const {
 TensorView Checkpoint::view(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) throw Error("the checkpoint is missing tensor '" + std::string(name) + "'");
+  if (const ptrdiff_t q = it->second.first ? -1 : int4_index(it->second.second); q >= 0) {  // AWQ / GPTQ
+    const Int4Source& s = int4_sources_[size_t(q)];
+    std::lock_guard lock(*gguf_mu_);
+    auto& data = int4_data_[size_t(q)];
+    if (data.empty()) {
+      auto view_of = [](const std::pair<const SafetensorsFile*, const TensorInfo*>& p) { return p.first->view(*p.second); };
+      const TensorView gi = s.g_idx.first ? view_of(s.g_idx) : TensorView{};
+      data = dequantize_int4(*int4_scheme_, s.module, view_of(s.qweight), view_of(s.qzeros), view_of(s.scales),
+                             s.g_idx.first ? &gi : nullptr);
+    }
+    return {it->second.second, {reinterpret_cast<const uint8_t*>(data.data()), data.size() * sizeof(float)}};
+  }
   if (!it->second.first) {  // GGUF: dequantized now, held until release()
     const TensorInfo* t = it->second.second;
     const size_t i = size_t(t - gguf_infos_.data());
@@ -120,7 +177,7 @@ TensorView Checkpoint::view(std::string_view name) const {
 
 std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) const {
   auto it = tensors_.find(name);
-  if (it == tensors_.end() || it->second.first) return std::nullopt;
+  if (it == tensors_.end() || it->second.first || int4_index(it->second.second) >= 0) return std::nullopt;
   const GGUFTensorSource& src = gguf_sources_[size_t(it->second.second - gguf_infos_.data())];
   const GGUFTensorInfo* t = gguf_file_->header().find_tensor(src.gguf_name);
   const auto traits = ggml_type_traits(t->type);
@@ -133,7 +190,10 @@ std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) cons
 std::string Checkpoint::describe(std::string_view name) const {
   std::string s = "'" + std::string(name) + "'";
   auto it = tensors_.find(name);
-  if (it != tensors_.end() && !it->second.first)
+  if (it != tensors_.end() && !it->second.first && int4_index(it->second.second) >= 0)
+    s += " (" + int4_scheme_->describe() + ", from '" + int4_sources_[size_t(int4_index(it->second.second))].base +
+         ".qweight')";
+  else if (it != tensors_.end() && !it->second.first)
     s += " (GGUF tensor '" + gguf_sources_[size_t(it->second.second - gguf_infos_.data())].gguf_name + "')";
   else if (it != tensors_.end() && bare_base_model_ && it->second.second->name != name)
     s += " (stored as '" + it->second.second->name + "')";
@@ -144,6 +204,10 @@ void Checkpoint::release(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end() || it->second.first) return;
   std::lock_guard lock(*gguf_mu_);
+  if (const ptrdiff_t q = int4_index(it->second.second); q >= 0) {
+    std::vector<float>().swap(int4_data_[size_t(q)]);
+    return;
+  }
   std::vector<float>().swap(gguf_data_[size_t(it->second.second - gguf_infos_.data())]);
 }
 

@@ -20,6 +20,7 @@
 #include "config/kv_plan.h"
 #include "config/model_config.h"
 #include "io/gguf_model.h"
+#include "io/int4_checkpoint.h"
 #include "io/safetensors.h"
 
 namespace kvlm {
@@ -30,6 +31,11 @@ class Checkpoint {
   ~Checkpoint();
   Checkpoint(Checkpoint&&) noexcept;
   Checkpoint& operator=(Checkpoint&&) noexcept;
+
+  // An AWQ or GPTQ checkpoint's scheme (io/int4_checkpoint.h): its quantized modules appear as
+  // float32 `.weight` tensors, dequantized when viewed and held until release().
+  const std::optional<Int4Scheme>& int4_scheme() const { return int4_scheme_; }
+  size_t int4_modules() const { return int4_infos_.size(); }
 
   // A GGUF model: the config.json its metadata describes (nullptr for safetensors), the open
   // file, and where each config field came from (GGUFModel::notes).
@@ -84,6 +90,20 @@ class Checkpoint {
   std::vector<GGUFTensorSource> gguf_sources_;
   mutable std::vector<std::vector<float>> gguf_data_;  // dequantized on view(), freed by release()
   std::unique_ptr<std::mutex> gguf_mu_ = std::make_unique<std::mutex>();
+  // AWQ / GPTQ modules: the virtual `.weight` tensors (file nullptr, like GGUF's), their packed
+  // tensors (taken out of tensors_) and their values while viewed.
+  struct Int4Source {
+    std::string base;
+    Int4Module module;
+    std::pair<const SafetensorsFile*, const TensorInfo*> qweight, qzeros, scales, g_idx;
+  };
+  std::optional<Int4Scheme> int4_scheme_;
+  std::vector<TensorInfo> int4_infos_;
+  std::vector<Int4Source> int4_sources_;
+  mutable std::vector<std::vector<float>> int4_data_;
+  // The index of a virtual tensor in int4_infos_, or -1 (a GGUF one).
+  ptrdiff_t int4_index(const TensorInfo* t) const;
+  void open_int4(const std::filesystem::path& dir);
 };
 
 // Per-tensor KV scales for one layer, under the names vLLM-compatible checkpoints use:

@@ -128,9 +128,31 @@ TEST(WeightQuant, ModelOptAndFp8AndOthers) {
   EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "fp8"}, {"weight_block_size", {128}}}}})
                 .find("two positive integers"),
             std::string::npos);
-  EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "awq"}, {"bits", 4}}}})
-                .find("quant_method 'awq' is not supported"),
+  // 4-bit AWQ / GPTQ are the checkpoint's to read (io/int4_checkpoint.h): no FP8 scheme, and
+  // what kvlm cannot run is refused here, before any tensor is read.
+  EXPECT_FALSE(parse_weight_quant(json{{"quantization_config", {{"quant_method", "awq"}, {"bits", 4}}}}));
+  EXPECT_FALSE(parse_weight_quant(json{{"quantization_config", {{"quant_method", "gptq"}, {"bits", 4}}}}));
+  EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "awq"}, {"bits", 8}}}}).find("8-bit AWQ"),
             std::string::npos);
+  EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "gptq"}, {"bits", 3}}}}).find("3-bit GPTQ"),
+            std::string::npos);
+  EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "awq"}, {"version", "gemv"}}}})
+                .find("AWQ version 'gemv'"),
+            std::string::npos);
+  EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "awq"}, {"zero_point", false}}}})
+                .find("without zero points"),
+            std::string::npos);
+  EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "gptq"}, {"checkpoint_format", "marlin"}}}})
+                .find("checkpoint_format 'marlin'"),
+            std::string::npos);
+  EXPECT_NE(error_of(json{{"quantization_config", {{"quant_method", "gptq"}, {"group_size", 12}}}})
+                .find("group_size 12"),
+            std::string::npos);
+  const auto s = parse_int4_scheme(json{{"quantization_config", {{"quant_method", "gptq"}, {"group_size", -1}}}});
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->group, 0);
+  EXPECT_TRUE(s->zeros_minus_one);
+  EXPECT_EQ(s->describe(), "GPTQ 4-bit, one scale per output row");
 }
 
 TEST(WeightQuant, QuantizationFlag) {

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Writes 4-bit AWQ and GPTQ checkpoints of a small safetensors model, laid out as AutoAWQ and
+AutoGPTQ / GPTQModel write them, each beside a float32 twin holding exactly the weights they
+encode, so that a loader's tokens on each can be compared with its twin's (io/int4_checkpoint.h).
+
+    make_int4_checkpoints.py SRC_DIR OUT_DIR [--group 32]
+
+writes OUT_DIR/{awq, gptq, gptq_v2}/ and OUT_DIR/twin/. Every q/k/v/o and gate/up/down
+projection is quantized per group of --group input columns (asymmetric: a scale and a zero
+point per group and output row; GPTQ also with desc_act, input rows assigned to groups in a
+shuffled order through g_idx, and GPTQ's symmetric zero point 8 on the MLP); the twin holds
+(q - z) * scale in float32, which is exact (fp16 scales times integers), so a loader that
+reads the layouts right gives the twin's logits bit for bit. Norms, embeddings and the LM head
+are copied as they are. Needs numpy only.
+
+  AWQ (GEMM):  qweight int32 [in][out/8], nibble i of column c = output 8c + (0,2,4,6,1,3,5,7)[i];
+               qzeros int32 [in/g][out/8] the same; scales fp16 [in/g][out]
+  GPTQ:        qweight int32 [in/8][out], nibble j of row r = input 8r + j; qzeros int32
+               [groups][out/8], nibble j = output 8c + j, holding z - 1 (checkpoint_format gptq)
+               or z (gptq_v2); scales fp16 [groups][out]; g_idx int32 [in]
+"""
+import argparse
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+
+DT = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "BF16": np.uint16, "I64": np.int64, "U8": np.uint8}
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        arr = np.frombuffer(data[a:b], dtype=DT[t["dtype"]]).reshape(t["shape"])
+        out[name] = (t["dtype"], arr)
+    return out
+
+
+def write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, (dtype, arr) in tensors.items():
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def to_f32(dtype, arr):
+    if dtype == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
+
+
+def quantize(w, group, sym, rng, g_idx=None, min_zero=0):
+    """w [out][in] -> codes [out][in], zeros and fp16 scales [groups][out], g_idx [in]."""
+    out, n_in = w.shape
+    groups = n_in // group
+    if g_idx is None:
+        g_idx = np.arange(n_in) // group
+    scales = np.zeros((groups, out), np.float16)
+    zeros = np.zeros((groups, out), np.int64)
+    codes = np.zeros((out, n_in), np.int64)
+    for g in range(groups):
+        cols = np.nonzero(g_idx == g)[0]
+        wg = w[:, cols]
+        if sym:
+            s = (np.abs(wg).max(axis=1) / 7.5).astype(np.float16)
+            z = np.full(out, 8)
+        else:
+            lo, hi = wg.min(axis=1), wg.max(axis=1)
+            s = ((hi - lo) / 15).astype(np.float16)
+            s[s == 0] = np.float16(1e-3)
+            z = np.clip(np.round(-lo / s.astype(np.float32)), min_zero, 15).astype(np.int64)
+        s[s == 0] = np.float16(1e-3)
+        scales[g], zeros[g] = s, z
+        codes[:, cols] = np.clip(np.round(wg / s.astype(np.float32)[:, None]) + z[:, None], 0, 15)
+    deq = (codes - zeros[g_idx].T) * scales[g_idx].T.astype(np.float32)  # [out][in], exact
+    return codes, zeros, scales, g_idx.astype(np.int32), deq.astype(np.float32)
+
+
+def pack_columns(v, order):
+    """[rows][cols] nibbles -> int32 [rows][cols / 8], nibble i of word c = column 8c + order[i]."""
+    rows, cols = v.shape
+    out = np.zeros((rows, cols // 8), np.uint32)
+    for i, c in enumerate(order):
+        out |= (v[:, c::8].astype(np.uint32) & 0xF) << np.uint32(4 * i)
+    return out.view(np.int32)
+
+
+def pack_rows(v):
+    """[rows][cols] nibbles -> int32 [rows / 8][cols], nibble j of word r = row 8r + j."""
+    rows, cols = v.shape
+    out = np.zeros((rows // 8, cols), np.uint32)
+    for j in range(8):
+        out |= (v[j::8].astype(np.uint32) & 0xF) << np.uint32(4 * j)
+    return out.view(np.int32)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src")
+    ap.add_argument("out")
+    ap.add_argument("--group", type=int, default=32)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    files = sorted(f for f in os.listdir(a.src) if f.endswith(".safetensors"))
+    tensors = {}
+    for f in files:
+        tensors.update(read_safetensors(os.path.join(a.src, f)))
+    config = json.load(open(os.path.join(a.src, "config.json")))
+    variants = {
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": a.group, "zero_point": True, "version": "gemm"},
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": a.group, "desc_act": True, "sym": False,
+                 "checkpoint_format": "gptq"},
+        "gptq_v2": {"quant_method": "gptq", "bits": 4, "group_size": a.group, "desc_act": False, "sym": False,
+                    "checkpoint_format": "gptq_v2"},
+    }
+    twins = {}
+    for name, qc in variants.items():
+        out = {}
+        twin = {}
+        for tname, (dtype, arr) in tensors.items():
+            base = tname[:-len(".weight")]
+            if not (tname.endswith(".weight") and base.split(".")[-1] in PROJ):
+                out[tname] = twin[tname] = (dtype, arr)
+                continue
+            w = to_f32(dtype, arr)
+            n_in = w.shape[1]
+            mlp = base.split(".")[-1] in ("gate_proj", "up_proj", "down_proj")
+            if name == "awq":
+                codes, zeros, scales, _, deq = quantize(w, a.group, False, rng)
+                out[base + ".qweight"] = ("I32", pack_columns(codes.T, AWQ_ORDER))
+                out[base + ".qzeros"] = ("I32", pack_columns(zeros, AWQ_ORDER))
+                out[base + ".scales"] = ("F16", scales)
+            else:
+                # desc_act: input rows take groups in a shuffled order; GPTQ's symmetric zero
+                # point (8) on the MLP, asymmetric on attention; format gptq stores z - 1, so its
+                # zero points stay >= 1 (a stored -1 would decode as 16, as GPTQ's kernels do).
+                g_idx = rng.permutation(n_in) // a.group if qc["desc_act"] else None
+                codes, zeros, scales, g_idx, deq = quantize(w, a.group, mlp, rng, g_idx,
+                                                            min_zero=1 if name == "gptq" else 0)
+                out[base + ".qweight"] = ("I32", pack_rows(codes.T))
+                out[base + ".qzeros"] = ("I32", pack_columns(zeros - (1 if name == "gptq" else 0), range(8)))
+                out[base + ".scales"] = ("F16", scales)
+                out[base + ".g_idx"] = ("I32", g_idx)
+            twin[tname] = ("F32", deq)
+        d = os.path.join(a.out, name)
+        os.makedirs(d, exist_ok=True)
+        write_safetensors(os.path.join(d, "model.safetensors"), out)
+        c = dict(config, quantization_config=qc)
+        json.dump(c, open(os.path.join(d, "config.json"), "w"), indent=2)
+        for extra in ("generation_config.json",):
+            if os.path.exists(os.path.join(a.src, extra)):
+                shutil.copy(os.path.join(a.src, extra), d)
+        twins[name] = twin
+    for name, twin in twins.items():
+        d = os.path.join(a.out, name + "_twin")
+        os.makedirs(d, exist_ok=True)
+        write_safetensors(os.path.join(d, "model.safetensors"), twin)
+        json.dump(config, open(os.path.join(d, "config.json"), "w"), indent=2)
+        if os.path.exists(os.path.join(a.src, "generation_config.json")):
+            shutil.copy(os.path.join(a.src, "generation_config.json"), d)
+    print("wrote", ", ".join(sorted(os.listdir(a.out))), "in", a.out)
+
+
+if __name__ == "__main__":
+    main()
