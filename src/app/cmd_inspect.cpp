@@ -145,7 +145,7 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
   HeldWeights h;
   const std::unique_ptr<ModelDefinition> def = make_model_definition(cfg);
   for (const WeightSpec& s : def->weights().specs) {
-    const bool sliced = tp > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+    const bool sliced = sliced_by_tp(s, tp);
     for (const WeightPiece& p : s.pieces) {
       int layer = -1;
       if (p.name.starts_with("model.layers.")) layer = std::atoi(p.name.c_str() + 13);
@@ -161,7 +161,7 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
       } else if (const auto l = b ? grouped_layout_of_ggml(b->type) : std::nullopt;
                  l && device == Device::Cuda && keep_blocks && !sliced && p.layout == PieceLayout::Plain) {
         format = ggml_type_name(b->type) + " as " + std::to_string(l->bits) + "-bit codes";
-        bytes = size_t(b->rows) * (grouped_code_bytes(*l, b->cols) + size_t(grouped_groups(*l, b->cols)) * 4);
+        bytes = size_t(b->rows) * grouped_row_bytes(*l, b->cols);
         ++h.kept[ggml_type_name(b->type)];
       } else {
         DType held = DType::F32;

@@ -37,6 +37,10 @@ std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type);
 // Bytes of one row's codes (cols * bits / 8) and its number of groups.
 inline size_t grouped_code_bytes(GroupedLayout l, int64_t cols) { return size_t(cols) * size_t(l.bits) / 8; }
 inline int64_t grouped_groups(GroupedLayout l, int64_t cols) { return cols / l.group; }
+// Bytes one row holds on a device: its codes and a 32-bit (scale, offset) word per group.
+inline size_t grouped_row_bytes(GroupedLayout l, int64_t cols) {
+  return grouped_code_bytes(l, cols) + size_t(grouped_groups(l, cols)) * sizeof(uint32_t);
+}
 
 // One row of `cols` values of ggml type `type` (its blocks, row_bytes of them) as codes
 // (`grouped_code_bytes`: 4-bit codes two per byte, the lower column in the low nibble; 8-bit

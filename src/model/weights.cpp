@@ -400,6 +400,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       sq[i] = SpecQuant{.fp8 = true, .scale_block = block};
     }
   }
+  auto sliced = [&](const WeightSpec& s) { return sliced_by_tp(s, tp.world); };
   // Which matrices come as GGUF blocks the device keeps: every piece of a kept block type, and
   // not sliced (tensor-parallel slices and expert layouts take the dequantized path).
   {
@@ -408,8 +409,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       if (skip[si]) continue;
       const WeightSpec& s = list.specs[si];
       const size_t i = h++;
-      const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
-      if (s.role != WeightRole::Matrix || sliced || s.pieces.empty()) continue;
+      if (s.role != WeightRole::Matrix || sliced(s) || s.pieces.empty()) continue;
       std::vector<uint32_t> types;
       for (const WeightPiece& p : s.pieces) {
         auto b = p.layout == PieceLayout::Plain ? ckpt.blocks(p.name) : std::nullopt;
@@ -447,7 +447,6 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
     }
     const size_t hi = next_held++;
     const WeightSpec& ls = held[hi];
-    const bool sliced = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
     // A matrix stored in GGUF blocks the device keeps: handed over as the blocks, never dequantized.
     if (!sq[hi].block_types.empty()) {
       std::vector<Checkpoint::Blocks> bp;
@@ -490,7 +489,7 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
         held.shape = p.held_shape();
         held.layout = PieceLayout::Plain;
       }
-      if (sliced) {
+      if (sliced(s)) {
         slice_piece(ckpt, held, s, v, pq.back(), tp, local.emplace_back());
         views.push_back(local.back().view);
         pq.back() = local.back().quant;

@@ -143,6 +143,12 @@ struct SpecQuant {
   std::vector<uint32_t> block_types;
 };
 
+// Whether a rank of `world` holds a slice of the spec's tensors rather than the tensors
+// themselves (column/row-parallel splits, whole experts): such weights take the dequantized path.
+inline bool sliced_by_tp(const WeightSpec& s, int world) {
+  return world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+}
+
 // Where a device puts the weights.
 class WeightSink {
  public:

@@ -462,8 +462,7 @@ size_t CudaModelRunner::embedding_bytes() const {
   const Weight& e = impl_->w[impl_->def->embedding_index()];
   if (e.codes.empty()) return size_t(e.numel()) * dtype_size(e.dtype);
   size_t n = 0;
-  for (const WeightCodes& c : e.codes)
-    n += size_t(c.rows) * (size_t(e.cols) * size_t(c.bits) / 8 + size_t(e.cols / c.group) * sizeof(uint32_t));
+  for (const WeightCodes& c : e.codes) n += size_t(c.rows) * grouped_row_bytes({c.bits, c.group}, e.cols);
   return n;
 }
 size_t CudaModelRunner::weight_bytes() const { return impl_->weight_bytes; }
