@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Writes 4-bit AWQ and GPTQ checkpoints of a small safetensors model, laid out as AutoAWQ and
-AutoGPTQ / GPTQModel write them, each beside a float32 twin holding exactly the weights they
-encode, so that a loader's tokens on each can be compared with its twin's (io/int4_checkpoint.h).
+"""Writes 4-bit AWQ, GPTQ and compressed-tensors checkpoints of a small safetensors model, laid
+out as AutoAWQ, AutoGPTQ / GPTQModel and llm-compressor write them, each beside a twin holding
+exactly the weights they encode, so that a loader's tokens on each can be compared with its
+twin's (io/int4_checkpoint.h).
 
     make_int4_checkpoints.py SRC_DIR OUT_DIR [--group 32]
 
-writes OUT_DIR/{awq, gptq, gptq_v2}/ and OUT_DIR/twin/. Every q/k/v/o and gate/up/down
+writes OUT_DIR/{awq, gptq, gptq_v2, ct_w4a16, ct_asym_actorder, ct_channel}/, each with a
+NAME_twin/ beside it. Every q/k/v/o and gate/up/down
 projection is quantized per group of --group input columns (asymmetric: a scale and a zero
 point per group and output row; GPTQ also with desc_act, input rows assigned to groups in a
 shuffled order through g_idx, and GPTQ's symmetric zero point 8 on the MLP); the twin holds
@@ -13,11 +15,23 @@ shuffled order through g_idx, and GPTQ's symmetric zero point 8 on the MLP); the
 reads the layouts right gives the twin's logits bit for bit. Norms, embeddings and the LM head
 are copied as they are. Needs numpy only.
 
+compressed-tensors (pack-quantized, W4A16) codes are signed (-8..7) and stored + 8; its scales
+are bfloat16 as llm-compressor writes them for a bf16 model, here rounded to 4 significant bits
+so that (q - z) * scale is exact in bfloat16 too (transformers dequantizes in the scales' dtype),
+and its twins are bfloat16: ct_w4a16 is the common recipe (symmetric, groups of --group),
+ct_asym_actorder has zero points and actorder "group" (a shuffled weight_g_idx, as
+llm-compressor wrote it before dropping that option), ct_channel one scale and zero point per
+output row.
+
   AWQ (GEMM):  qweight int32 [in][out/8], nibble i of column c = output 8c + (0,2,4,6,1,3,5,7)[i];
                qzeros int32 [in/g][out/8] the same; scales fp16 [in/g][out]
   GPTQ:        qweight int32 [in/8][out], nibble j of row r = input 8r + j; qzeros int32
                [groups][out/8], nibble j = output 8c + j, holding z - 1 (checkpoint_format gptq)
                or z (gptq_v2); scales fp16 [groups][out]; g_idx int32 [in]
+  compressed-tensors: weight_packed int32 [out][in/8], nibble j of word c = input 8c + j, code + 8;
+               weight_scale bf16 [out][groups]; weight_zero_point int32 [out/8][groups], packed
+               along the output, z + 8 (absent when symmetric); weight_shape int64 [2];
+               weight_g_idx int32 [in] (actorder group)
 """
 import argparse
 import json
@@ -93,6 +107,47 @@ def quantize(w, group, sym, rng, g_idx=None, min_zero=0):
     return codes, zeros, scales, g_idx.astype(np.int32), deq.astype(np.float32)
 
 
+def round_bits(x, bits):
+    """x rounded to `bits` significant bits (exactly representable in bfloat16 for bits <= 8)."""
+    m, e = np.frexp(x.astype(np.float32))
+    return np.ldexp(np.round(m * (1 << bits)) / (1 << bits), e).astype(np.float32)
+
+
+def quantize_ct(w, group, sym, g_idx=None):
+    """llm-compressor's min-max observer: w [out][in] -> signed codes [out][in], signed zero
+    points and scales [out][groups] (scales with 4 significant bits), the dequantized weight."""
+    out, n_in = w.shape
+    group = group or n_in
+    groups = n_in // group
+    if g_idx is None:
+        g_idx = np.arange(n_in) // group
+    scales = np.zeros((out, groups), np.float32)
+    zeros = np.zeros((out, groups), np.int64)
+    codes = np.zeros((out, n_in), np.int64)
+    for g in range(groups):
+        cols = np.nonzero(g_idx == g)[0]
+        wg = w[:, cols]
+        lo, hi = np.minimum(wg.min(axis=1), 0), np.maximum(wg.max(axis=1), 0)
+        if sym:
+            s = round_bits(np.maximum(-lo, hi) / 7.5, 4)
+            s[s == 0] = 2.0 ** -10
+            z = np.zeros(out, np.int64)
+        else:
+            s = round_bits((hi - lo) / 15, 4)
+            s[s == 0] = 2.0 ** -10
+            z = np.clip(np.round(-8 - lo / s), -8, 7).astype(np.int64)
+        scales[:, g], zeros[:, g] = s, z
+        codes[:, cols] = np.clip(np.round(wg / s[:, None]) + z[:, None], -8, 7)
+    deq = (codes - zeros[:, g_idx]) * scales[:, g_idx]  # exact in float32 and in bfloat16
+    return codes, zeros, scales, g_idx.astype(np.int32), deq.astype(np.float32)
+
+
+def to_bf16(x):
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    assert not (bits & 0xFFFF).any(), "not exactly representable in bfloat16"
+    return (bits >> 16).astype(np.uint16)
+
+
 def pack_columns(v, order):
     """[rows][cols] nibbles -> int32 [rows][cols / 8], nibble i of word c = column 8c + order[i]."""
     rows, cols = v.shape
@@ -130,6 +185,22 @@ def main():
         "gptq_v2": {"quant_method": "gptq", "bits": 4, "group_size": a.group, "desc_act": False, "sym": False,
                     "checkpoint_format": "gptq_v2"},
     }
+    ct_group = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                "format": "pack-quantized"}
+    ct_weights = {"num_bits": 4, "type": "int", "dynamic": False, "observer": "minmax", "observer_kwargs": {},
+                  "block_structure": None}
+
+    def ct_config(sym, strategy, actorder):
+        w = dict(ct_weights, symmetric=sym, strategy=strategy, actorder=actorder,
+                 group_size=a.group if strategy == "group" else None)
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": dict(ct_group, weights=w)}, "ignore": ["lm_head"],
+                "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
+                "global_compression_ratio": None, "version": "0.12.2"}
+
+    variants["ct_w4a16"] = ct_config(True, "group", None)
+    variants["ct_asym_actorder"] = ct_config(False, "group", "group")
+    variants["ct_channel"] = ct_config(False, "channel", None)
     twins = {}
     for name, qc in variants.items():
         out = {}
@@ -142,6 +213,20 @@ def main():
             w = to_f32(dtype, arr)
             n_in = w.shape[1]
             mlp = base.split(".")[-1] in ("gate_proj", "up_proj", "down_proj")
+            if name.startswith("ct_"):
+                wc = qc["config_groups"]["group_0"]["weights"]
+                group = a.group if wc["strategy"] == "group" else 0
+                g_idx = rng.permutation(n_in) // a.group if wc["actorder"] == "group" else None
+                codes, zeros, scales, g_idx, deq = quantize_ct(w, group, wc["symmetric"], g_idx)
+                out[base + ".weight_packed"] = ("I32", pack_columns(codes + 8, range(8)))
+                out[base + ".weight_scale"] = ("BF16", to_bf16(scales))
+                out[base + ".weight_shape"] = ("I64", np.array(w.shape, np.int64))
+                if not wc["symmetric"]:
+                    out[base + ".weight_zero_point"] = ("I32", np.ascontiguousarray(pack_columns(zeros.T + 8, range(8)).T))
+                if wc["actorder"] == "group":
+                    out[base + ".weight_g_idx"] = ("I32", g_idx)
+                twin[tname] = ("BF16", to_bf16(deq))
+                continue
             if name == "awq":
                 codes, zeros, scales, _, deq = quantize(w, a.group, False, rng)
                 out[base + ".qweight"] = ("I32", pack_columns(codes.T, AWQ_ORDER))

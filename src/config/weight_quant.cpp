@@ -39,8 +39,9 @@ std::string WeightQuantConfig::describe() const {
 
 namespace {
 
-const std::string kWhat = "kvlm runs FP8 E4M3 weights (compressed-tensors float-quantized, modelopt FP8, fp8) "
-                          "and bfloat16/float16/float32 checkpoints";
+const std::string kWhat = "kvlm runs FP8 E4M3 weights (compressed-tensors float-quantized, modelopt FP8, fp8), "
+                          "4-bit weights (AWQ, GPTQ, compressed-tensors pack-quantized W4A16, MXFP4) and "
+                          "bfloat16/float16/float32 checkpoints";
 
 std::vector<std::string> string_list(const json& obj, std::string_view key, const std::string& where) {
   std::vector<std::string> out;
@@ -189,15 +190,77 @@ std::optional<WeightQuantConfig> parse_fp8(const json& qc, const std::string& wh
 }  // namespace
 
 std::string Int4Scheme::describe() const {
-  return std::string(kind == Kind::Awq ? "AWQ" : zeros_minus_one ? "GPTQ" : "GPTQ v2") + " 4-bit, " +
-         (group ? "groups of " + std::to_string(group) : std::string("one scale per output row"));
+  const std::string groups = group ? "groups of " + std::to_string(group) : std::string("one scale per output row");
+  if (kind == Kind::Mxfp4) return "MXFP4 (E2M1 codes, an E8M0 scale per 32)";
+  if (kind == Kind::CompressedTensors)
+    return "compressed-tensors W4A16, " + groups + (symmetric ? ", symmetric" : ", zero points");
+  return std::string(kind == Kind::Awq ? "AWQ" : zeros_minus_one ? "GPTQ" : "GPTQ v2") + " 4-bit, " + groups;
 }
+
+namespace {
+
+// compressed-tensors' pack-quantized format: integer weights packed 8 to an int32 along the
+// input (llm-compressor's W4A16 recipes). nullopt when no config group is pack-quantized (an
+// FP8 checkpoint, or one that only declares the KV cache).
+std::optional<Int4Scheme> parse_ct_int4(const json& qc, const std::string& where) {
+  const json* groups = jg::find(qc, "config_groups");
+  if (!groups || !groups->is_object() || groups->empty()) return std::nullopt;
+  const std::string top = jg::opt_string(qc, "format", where).value_or("");
+  const std::string what = "kvlm runs compressed-tensors pack-quantized 4-bit integer weights with 16-bit "
+                           "activations (W4A16: group or channel strategy, symmetric or with zero points)";
+  std::optional<Int4Scheme> out;
+  std::string first;
+  size_t packed = 0;
+  for (auto it = groups->begin(); it != groups->end(); ++it)
+    if (jg::opt_string(it.value(), "format", where).value_or(top) == "pack-quantized") ++packed;
+  if (packed == 0) return std::nullopt;
+  if (packed != groups->size())
+    throw Error(where + ": config groups in different formats (pack-quantized beside others) are not supported; " +
+                what);
+  for (auto it = groups->begin(); it != groups->end(); ++it) {
+    const std::string gw = where + ".config_groups." + it.key();
+    const json* w = jg::find(it.value(), "weights");
+    if (!w || !w->is_object()) throw Error(gw + ": 'weights' must be an object describing the weight quantization");
+    const std::string ww = gw + ".weights";
+    const auto bits = jg::opt_int(*w, "num_bits", ww).value_or(8);
+    const auto type = jg::opt_string(*w, "type", ww).value_or("int");
+    if (type != "int" || bits != 4)
+      throw Error(ww + ": num_bits " + std::to_string(bits) + " type '" + type + "' is not supported; " + what +
+                  " (or a 16-bit copy of the model)");
+    if (jg::opt_bool(*w, "dynamic", ww).value_or(false))
+      throw Error(ww + ": dynamic weight scales are not supported; " + what);
+    if (jg::find(it.value(), "input_activations") || jg::find(it.value(), "output_activations"))
+      throw Error(gw + ": quantized activations beside 4-bit weights (e.g. W4A8) are not supported; " + what +
+                  " (input_activations null)");
+    Int4Scheme s;
+    s.kind = Int4Scheme::Kind::CompressedTensors;
+    s.symmetric = jg::opt_bool(*w, "symmetric", ww).value_or(true);
+    const std::string strategy = jg::opt_string(*w, "strategy", ww).value_or("");
+    if (strategy == "group") {
+      const long long g = jg::opt_int(*w, "group_size", ww).value_or(0);
+      if (g <= 0) throw Error(ww + ": strategy 'group' needs a positive group_size; got " + std::to_string(g));
+      s.group = int(g);
+    } else if (strategy != "channel") {
+      throw Error(ww + ": strategy '" + strategy + "' is not supported; " + what);
+    }
+    if (out && (out->group != s.group || out->symmetric != s.symmetric))
+      throw Error(where + ": config groups with different weight schemes ('" + it.key() + "' differs from '" + first +
+                  "') are not supported; " + what + ", one scheme per checkpoint");
+    if (!out) first = it.key();
+    out = s;
+  }
+  return out;
+}
+
+}  // namespace
 
 std::optional<Int4Scheme> parse_int4_scheme(const json& config) {
   const json* qc = jg::find(config, "quantization_config");
   if (!qc || !qc->is_object()) return std::nullopt;
   const std::string where = "config.json quantization_config";
   const std::string method = jg::opt_string(*qc, "quant_method", where).value_or("");
+  if (method == "compressed-tensors") return parse_ct_int4(*qc, where);
+  if (method == "mxfp4") return Int4Scheme{.kind = Int4Scheme::Kind::Mxfp4, .group = 32};
   if (method != "awq" && method != "gptq") return std::nullopt;
   Int4Scheme s;
   s.kind = method == "awq" ? Int4Scheme::Kind::Awq : Int4Scheme::Kind::Gptq;
@@ -236,21 +299,20 @@ std::optional<WeightQuantConfig> parse_weight_quant(const json& cfg) {
   if (!qc->is_object()) throw Error("config.json: 'quantization_config' must be an object");
   const std::string where = "config.json quantization_config";
   const std::string method = jg::opt_string(*qc, "quant_method", where).value_or("");
-  if (method == "compressed-tensors") return parse_compressed_tensors(*qc, where);
+  if (method == "compressed-tensors") {
+    // 4-bit integer weights are the checkpoint's to read (io/int4_checkpoint.h).
+    if (parse_ct_int4(*qc, where)) return std::nullopt;
+    return parse_compressed_tensors(*qc, where);
+  }
   if (method == "modelopt") return parse_modelopt(*qc, where);
   if (method == "fp8") return parse_fp8(*qc, where);
   if (method.empty()) return std::nullopt;
-  // 4-bit AWQ / GPTQ: the checkpoint dequantizes them (io/int4_checkpoint.h); checked here too,
-  // so that what kvlm cannot run is refused with the config, before any tensor is read.
-  if (method == "awq" || method == "gptq") {
+  // 4-bit AWQ / GPTQ / MXFP4: the checkpoint dequantizes them (io/int4_checkpoint.h); checked
+  // here too, so that what kvlm cannot run is refused with the config, before any tensor is read.
+  if (method == "awq" || method == "gptq" || method == "mxfp4") {
     parse_int4_scheme(cfg);
     return std::nullopt;
   }
-  if (method == "mxfp4")
-    throw Error(where + ": quant_method 'mxfp4' (MXFP4 expert weights, as GPT-OSS is released) is not supported yet; "
-                "4-bit weights come with kvlm's 4-bit weight kernels. Use a 16-bit copy of the checkpoint (e.g. "
-                "unsloth/gpt-oss-20b-BF16), or dequantize it with transformers (Mxfp4Config(dequantize=True)) and "
-                "save_pretrained");
   throw Error(where + ": quant_method '" + method + "' is not supported; " + kWhat);
 }
 

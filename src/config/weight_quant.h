@@ -55,17 +55,21 @@ struct WeightQuantConfig {
 // scheme kvlm cannot run, naming the field and what would work.
 std::optional<WeightQuantConfig> parse_weight_quant(const nlohmann::json& config);
 
-// 4-bit integer weights (AWQ's GEMM layout, GPTQ): io/int4_checkpoint.h reads them.
+// 4-bit weights (AWQ's GEMM layout, GPTQ, compressed-tensors pack-quantized W4A16: integer codes;
+// MXFP4: E2M1 codes with an E8M0 scale per 32): io/int4_checkpoint.h reads them.
 struct Int4Scheme {
-  enum class Kind : uint8_t { Awq, Gptq } kind = Kind::Awq;
-  int group = 0;            // input columns per scale; 0: the whole row (group_size -1)
+  enum class Kind : uint8_t { Awq, Gptq, CompressedTensors, Mxfp4 } kind = Kind::Awq;
+  int group = 0;            // input columns per scale; 0: the whole row (group_size -1, strategy channel)
   bool zeros_minus_one = false;  // GPTQ checkpoint_format gptq: stored zero points are z - 1
+  bool symmetric = false;   // compressed-tensors without weight_zero_point: codes centred on 8
   std::string describe() const;  // "AWQ 4-bit, groups of 128"
 };
 
-// The scheme of config.json's quantization_config when it is AWQ or GPTQ; nullopt for any
-// other quant_method or none. Throws kvlm::Error for what kvlm cannot run (another bit width,
-// AWQ's GEMV layout or no zero points), naming the field and what would work.
+// The scheme of config.json's quantization_config when it is AWQ, GPTQ, compressed-tensors
+// pack-quantized integer weights or MXFP4; nullopt for any other quant_method (or compressed-tensors'
+// FP8 formats) or none. Throws kvlm::Error for what kvlm cannot run (another bit width, AWQ's
+// GEMV layout or no zero points, quantized activations beside 4-bit weights), naming the field
+// and what would work.
 std::optional<Int4Scheme> parse_int4_scheme(const nlohmann::json& config);
 
 // --quantization: "" (none asked) or "fp8". With "fp8", a checkpoint without FP8 weights gets

@@ -103,17 +103,41 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
 void Checkpoint::open_int4(const std::filesystem::path& dir) {
   // Only a checkpoint with packed modules reads its config here (the model config's own parse
   // reports a malformed config.json, as for any checkpoint).
-  std::vector<std::string> bases;
-  for (const auto& [name, where] : tensors_)
-    if (name.ends_with(".qweight")) bases.push_back(name.substr(0, name.size() - 8));
+  auto bases_of = [&](Int4Scheme::Kind k) {
+    const Int4TensorNames& n = int4_tensor_names(k);
+    const std::string suffix = n.sep + std::string(n.packed);
+    std::vector<std::string> out;
+    for (const auto& [name, where] : tensors_)
+      if (name.size() > suffix.size() && name.ends_with(suffix)) out.push_back(name.substr(0, name.size() - suffix.size()));
+    return out;
+  };
+  using K = Int4Scheme::Kind;
+  const std::pair<K, std::vector<std::string>> found[] = {
+      {K::Awq, bases_of(K::Awq)}, {K::CompressedTensors, bases_of(K::CompressedTensors)}, {K::Mxfp4, bases_of(K::Mxfp4)}};
   std::error_code ec;
   const auto cfg = dir / "config.json";
-  if (bases.empty() || !std::filesystem::exists(cfg, ec)) return;
+  if (std::ranges::all_of(found, [](const auto& f) { return f.second.empty(); }) || !std::filesystem::exists(cfg, ec))
+    return;
   int4_scheme_ = parse_int4_scheme(read_json_file(cfg));
   if (!int4_scheme_) return;
-  int4_infos_.reserve(bases.size());  // stable addresses: tensors_ points at them
-  int4_sources_.reserve(bases.size());
-  int4_data_.resize(bases.size());
+  const Int4TensorNames& n = int4_tensor_names(int4_scheme_->kind);
+  const K packing = int4_scheme_->kind == K::Gptq ? K::Awq : int4_scheme_->kind;  // AWQ and GPTQ: .qweight
+  const std::vector<std::string>* bases = nullptr;
+  for (const auto& [k, b] : found) {
+    if (k == packing) {
+      bases = &b;
+    } else if (!b.empty()) {
+      const Int4TensorNames& o = int4_tensor_names(k);
+      throw Error("tensor '" + b.front() + o.sep + o.packed + "' is packed as " +
+                  (k == K::Awq ? "AWQ or GPTQ lay it out" : k == K::Mxfp4 ? "MXFP4 lays it out"
+                                                                          : "compressed-tensors lays it out") +
+                  ", but config.json declares " + int4_scheme_->describe() +
+                  "; the checkpoint's tensors and its quantization_config disagree");
+    }
+  }
+  int4_infos_.reserve(bases->size());  // stable addresses: tensors_ points at them
+  int4_sources_.reserve(bases->size());
+  int4_data_.resize(bases->size());
   auto take = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const TensorInfo*> {
     auto it = tensors_.find(name);
     if (it == tensors_.end()) return {nullptr, nullptr};
@@ -121,22 +145,29 @@ void Checkpoint::open_int4(const std::filesystem::path& dir) {
     tensors_.erase(it);
     return v;
   };
-  for (const std::string& b : bases) {
-    if (tensors_.contains(b + ".weight"))
-      throw Error("the checkpoint has both '" + b + ".weight' and '" + b + ".qweight'; it is not a valid " +
+  auto named = [&](const std::string& b, const char* suffix) { return *suffix ? b + n.sep + suffix : std::string(); };
+  for (const std::string& b : *bases) {
+    const std::string weight = b + n.weight;
+    if (tensors_.contains(weight))
+      throw Error("the checkpoint has both '" + weight + "' and '" + named(b, n.packed) + "'; it is not a valid " +
                   int4_scheme_->describe() + " checkpoint");
-    Int4Source src{.base = b, .qweight = take(b + ".qweight"), .qzeros = take(b + ".qzeros"), .scales = take(b + ".scales"),
-                   .g_idx = take(b + ".g_idx")};
+    Int4Source src{.base = b, .qweight = take(named(b, n.packed)), .qzeros = take(named(b, n.zeros)),
+                   .scales = take(named(b, n.scales)), .g_idx = take(named(b, n.g_idx))};
+    const auto shape = take(named(b, n.shape));
+    const TensorView shape_view = shape.first ? shape.first->view(*shape.second) : TensorView{};
     src.module = check_int4_module(*int4_scheme_, b, src.qweight.second, src.qzeros.second, src.scales.second,
-                                   src.g_idx.second);
-    const int64_t rows = src.module.rows, cols = src.module.cols;
-    int4_infos_.push_back(TensorInfo{.name = b + ".weight", .dtype = DType::F32, .shape = {rows, cols}, .begin = 0,
-                                     .end = uint64_t(rows * cols) * sizeof(float)});
+                                   src.g_idx.second, shape.first ? &shape_view : nullptr);
+    const Int4Module& m = src.module;
+    std::vector<int64_t> dims = m.experts ? std::vector<int64_t>{m.experts, m.cols, m.rows}
+                                          : std::vector<int64_t>{m.rows, m.cols};
+    const uint64_t numel = uint64_t(m.rows * m.cols * std::max<int64_t>(m.experts, 1));
+    int4_infos_.push_back(
+        TensorInfo{.name = weight, .dtype = DType::F32, .shape = std::move(dims), .begin = 0, .end = numel * sizeof(float)});
     int4_sources_.push_back(std::move(src));
-    tensors_.emplace(b + ".weight", std::make_pair(nullptr, &int4_infos_.back()));
+    tensors_.emplace(weight, std::make_pair(nullptr, &int4_infos_.back()));
   }
-  log::info("opened " + std::to_string(bases.size()) + " " + int4_scheme_->describe() +
-            " modules (dequantized at load for now)");
+  log::info("opened " + std::to_string(bases->size()) + " " + int4_scheme_->describe() +
+            " tensors (dequantized at load for now)");
 }
 
 ptrdiff_t Checkpoint::int4_index(const TensorInfo* t) const {
@@ -152,15 +183,16 @@ const TensorInfo* Checkpoint::find(std::string_view name) const {
 TensorView Checkpoint::view(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) throw Error("the checkpoint is missing tensor '" + std::string(name) + "'");
-  if (const ptrdiff_t q = it->second.first ? -1 : int4_index(it->second.second); q >= 0) {  // AWQ / GPTQ
+  if (const ptrdiff_t q = it->second.first ? -1 : int4_index(it->second.second); q >= 0) {  // 4-bit modules
     const Int4Source& s = int4_sources_[size_t(q)];
     std::lock_guard lock(*gguf_mu_);
     auto& data = int4_data_[size_t(q)];
     if (data.empty()) {
       auto view_of = [](const std::pair<const SafetensorsFile*, const TensorInfo*>& p) { return p.first->view(*p.second); };
       const TensorView gi = s.g_idx.first ? view_of(s.g_idx) : TensorView{};
-      data = dequantize_int4(*int4_scheme_, s.module, view_of(s.qweight), view_of(s.qzeros), view_of(s.scales),
-                             s.g_idx.first ? &gi : nullptr);
+      const TensorView qz = s.qzeros.first ? view_of(s.qzeros) : TensorView{};
+      data = dequantize_int4(*int4_scheme_, s.module, view_of(s.qweight), s.qzeros.first ? &qz : nullptr,
+                             view_of(s.scales), s.g_idx.first ? &gi : nullptr);
     }
     return {it->second.second, {reinterpret_cast<const uint8_t*>(data.data()), data.size() * sizeof(float)}};
   }
@@ -192,7 +224,7 @@ std::string Checkpoint::describe(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it != tensors_.end() && !it->second.first && int4_index(it->second.second) >= 0)
     s += " (" + int4_scheme_->describe() + ", from '" + int4_sources_[size_t(int4_index(it->second.second))].base +
-         ".qweight')";
+         int4_tensor_names(int4_scheme_->kind).sep + int4_tensor_names(int4_scheme_->kind).packed + "')";
   else if (it != tensors_.end() && !it->second.first)
     s += " (GGUF tensor '" + gguf_sources_[size_t(it->second.second - gguf_infos_.data())].gguf_name + "')";
   else if (it != tensors_.end() && bare_base_model_ && it->second.second->name != name)

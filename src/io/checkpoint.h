@@ -32,8 +32,9 @@ class Checkpoint {
   Checkpoint(Checkpoint&&) noexcept;
   Checkpoint& operator=(Checkpoint&&) noexcept;
 
-  // An AWQ or GPTQ checkpoint's scheme (io/int4_checkpoint.h): its quantized modules appear as
-  // float32 `.weight` tensors, dequantized when viewed and held until release().
+  // An AWQ, GPTQ or compressed-tensors W4A16 checkpoint's scheme (io/int4_checkpoint.h): its
+  // quantized modules appear as float32 `.weight` tensors, dequantized when viewed and held
+  // until release().
   const std::optional<Int4Scheme>& int4_scheme() const { return int4_scheme_; }
   size_t int4_modules() const { return int4_infos_.size(); }
 
@@ -90,7 +91,7 @@ class Checkpoint {
   std::vector<GGUFTensorSource> gguf_sources_;
   mutable std::vector<std::vector<float>> gguf_data_;  // dequantized on view(), freed by release()
   std::unique_ptr<std::mutex> gguf_mu_ = std::make_unique<std::mutex>();
-  // AWQ / GPTQ modules: the virtual `.weight` tensors (file nullptr, like GGUF's), their packed
+  // 4-bit modules: the virtual `.weight` tensors (file nullptr, like GGUF's), their packed
   // tensors (taken out of tensors_) and their values while viewed.
   struct Int4Source {
     std::string base;

@@ -1,5 +1,6 @@
 #include "io/int4_checkpoint.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
@@ -17,7 +18,7 @@ std::string shape_of(const TensorInfo& t) {
 
 void expect(const TensorInfo* t, const std::string& name, std::initializer_list<int64_t> shape, bool int32,
             const std::string& why) {
-  if (!t) throw Error("the checkpoint has '" + name.substr(0, name.rfind('.')) + ".qweight' but no '" + name + "'");
+  if (!t) throw Error("the checkpoint's 4-bit module '" + name.substr(0, name.rfind('.')) + "' has no '" + name + "'");
   const bool dtype_ok = int32 ? t->dtype == DType::I32
                               : (t->dtype == DType::F16 || t->dtype == DType::BF16 || t->dtype == DType::F32);
   if (!dtype_ok)
@@ -58,14 +59,69 @@ int nibble(int32_t word, int j) { return int((uint32_t(word) >> (4 * j)) & 0xF);
 
 }  // namespace
 
+const Int4TensorNames& int4_tensor_names(Int4Scheme::Kind k) {
+  static constexpr Int4TensorNames kAwq{"qweight", "qzeros", "scales", "", "", '.', ".weight"};
+  static constexpr Int4TensorNames kGptq{"qweight", "qzeros", "scales", "g_idx", "", '.', ".weight"};
+  static constexpr Int4TensorNames kCt{"weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx",
+                                       "weight_shape", '.', ".weight"};
+  static constexpr Int4TensorNames kMx{"blocks", "", "scales", "", "", '_', ""};
+  switch (k) {
+    case Int4Scheme::Kind::Awq: return kAwq;
+    case Int4Scheme::Kind::Gptq: return kGptq;
+    case Int4Scheme::Kind::CompressedTensors: return kCt;
+    case Int4Scheme::Kind::Mxfp4: return kMx;
+  }
+  return kAwq;
+}
+
 Int4Module check_int4_module(const Int4Scheme& s, const std::string& base, const TensorInfo* qweight,
-                             const TensorInfo* qzeros, const TensorInfo* scales, const TensorInfo* g_idx) {
+                             const TensorInfo* qzeros, const TensorInfo* scales, const TensorInfo* g_idx,
+                             const TensorView* shape) {
   Int4Module m{.qweight = qweight, .qzeros = qzeros, .scales = scales, .g_idx = g_idx};
-  const std::string qw = base + ".qweight";
+  const Int4TensorNames& n = int4_tensor_names(s.kind);
+  const std::string qw = base + n.sep + n.packed;
+  if (s.kind == Int4Scheme::Kind::Mxfp4) {  // blocks [E][out][in / 32][16], scales [E][out][in / 32], both uint8
+    const auto& b = qweight->shape;
+    if (qweight->dtype != DType::U8 || b.size() != 4 || b[3] != 16 || b[0] <= 0 || b[1] <= 0 || b[2] <= 0)
+      throw Error("tensor '" + qw + "' has dtype " + std::string(dtype_name(qweight->dtype)) + " and shape " +
+                  shape_of(*qweight) + "; MXFP4 experts are uint8 [experts][rows][columns / 32][16]");
+    m.experts = b[0];
+    m.rows = b[1];
+    m.cols = b[2] * 32;
+    const std::string sn = base + n.sep + n.scales;
+    if (!scales) throw Error("the checkpoint's MXFP4 tensor '" + qw + "' has no '" + sn + "'");
+    if (scales->dtype != DType::U8 || scales->shape != std::vector<int64_t>{b[0], b[1], b[2]})
+      throw Error("tensor '" + sn + "' has dtype " + std::string(dtype_name(scales->dtype)) + " and shape " +
+                  shape_of(*scales) + "; expected uint8 [" + std::to_string(b[0]) + ", " + std::to_string(b[1]) +
+                  ", " + std::to_string(b[2]) + "] (one E8M0 exponent per block of '" + qw + "')");
+    return m;
+  }
   if (qweight->dtype != DType::I32 || qweight->shape.size() != 2)
     throw Error("tensor '" + qw + "' has dtype " + std::string(dtype_name(qweight->dtype)) + " and shape " +
                 shape_of(*qweight) + "; " + s.describe() + " packs codes as a 2-D int32 tensor");
-  if (s.kind == Int4Scheme::Kind::Awq) {
+  const bool ct = s.kind == Int4Scheme::Kind::CompressedTensors;
+  if (ct) {
+    const std::string sn = base + "." + n.shape;
+    if (!shape) throw Error("the checkpoint has '" + qw + "' but no '" + sn + "'");
+    const TensorInfo& si = *shape->info;
+    if ((si.dtype != DType::I64 && si.dtype != DType::I32) || si.shape.size() != 1 || si.shape[0] != 2)
+      throw Error("tensor '" + sn + "' has dtype " + std::string(dtype_name(si.dtype)) + " and shape " + shape_of(si) +
+                  "; expected the weight's [out, in] as 2 integers");
+    int64_t v[2];
+    for (int i = 0; i < 2; ++i) {
+      if (si.dtype == DType::I64) std::memcpy(&v[i], shape->bytes.data() + 8 * i, 8);
+      else v[i] = i32_at(*shape, size_t(i));
+    }
+    if (v[0] <= 0 || v[1] <= 0 || v[0] > (int64_t(1) << 24) || v[1] > (int64_t(1) << 24))
+      throw Error("tensor '" + sn + "' holds [" + std::to_string(v[0]) + ", " + std::to_string(v[1]) +
+                  "], which is not the shape of a weight");
+    m.rows = v[0];
+    m.cols = v[1];
+    if (qweight->shape[0] != m.rows || qweight->shape[1] != (m.cols + 7) / 8)
+      throw Error("tensor '" + qw + "' has shape " + shape_of(*qweight) + "; expected [" + std::to_string(m.rows) +
+                  ", " + std::to_string((m.cols + 7) / 8) + "] for the " + std::to_string(m.rows) + " x " +
+                  std::to_string(m.cols) + " weight '" + sn + "' gives");
+  } else if (s.kind == Int4Scheme::Kind::Awq) {
     m.cols = qweight->shape[0];
     m.rows = qweight->shape[1] * 8;
   } else {
@@ -79,32 +135,75 @@ Int4Module check_int4_module(const Int4Scheme& s, const std::string& base, const
   const int64_t groups = m.cols / g;
   const std::string why = "expected for a " + std::to_string(m.rows) + " x " + std::to_string(m.cols) + " weight (" +
                           s.describe() + ")";
-  expect(qzeros, base + ".qzeros", {groups, m.rows / 8}, true, why);
-  expect(scales, base + ".scales", {groups, m.rows}, false, why);
+  if (ct) {
+    if (qzeros || !s.symmetric) expect(qzeros, base + "." + n.zeros, {(m.rows + 7) / 8, groups}, true, why);
+    expect(scales, base + "." + n.scales, {m.rows, groups}, false, why);
+  } else {
+    expect(qzeros, base + "." + n.zeros, {groups, m.rows / 8}, true, why);
+    expect(scales, base + "." + n.scales, {groups, m.rows}, false, why);
+  }
   if (g_idx) {
-    if (s.kind == Int4Scheme::Kind::Awq) throw Error("tensor '" + base + ".g_idx': AWQ checkpoints have no g_idx");
-    expect(g_idx, base + ".g_idx", {m.cols}, true, why);
+    if (!*n.g_idx) throw Error("tensor '" + base + ".g_idx': AWQ checkpoints have no g_idx");
+    expect(g_idx, base + "." + n.g_idx, {m.cols}, true, why);
   }
   return m;
 }
 
+namespace {
+
+// [E][out][in] MXFP4 blocks -> [E][in][out] floats.
+std::vector<float> dequantize_mxfp4(const Int4Module& m, const TensorView& blocks, const TensorView& scales) {
+  static constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const int64_t E = m.experts, rows = m.rows, cols = m.cols, nb = cols / 32;
+  std::vector<float> w(size_t(E * rows * cols));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < rows; ++o)
+      for (int64_t bi = 0; bi < nb; ++bi) {
+        const size_t blk = size_t((e * rows + o) * nb + bi);
+        const float scale = std::ldexp(1.0f, int(scales.bytes[blk]) - 127);
+        const uint8_t* q = blocks.bytes.data() + blk * 16;
+        float* out = w.data() + size_t(e * cols + bi * 32) * size_t(rows) + size_t(o);
+        for (int b = 0; b < 16; ++b) {
+          out[size_t(2 * b) * size_t(rows)] = kE2M1[q[b] & 0xF] * scale;
+          out[size_t(2 * b + 1) * size_t(rows)] = kE2M1[q[b] >> 4] * scale;
+        }
+      }
+  return w;
+}
+
+}  // namespace
+
 std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
-                                   const TensorView& qzeros, const TensorView& scales, const TensorView* g_idx) {
+                                   const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx) {
+  if (s.kind == Int4Scheme::Kind::Mxfp4) return dequantize_mxfp4(m, qweight, scales);
   const int64_t rows = m.rows, cols = m.cols, g = s.group ? s.group : cols, groups = cols / g;
   std::vector<float> w(size_t(rows * cols));
-  // z and s of (group, output row), unpacked once.
-  std::vector<int> z(size_t(groups * rows));
+  // z (in unsigned code units) and s of (group, output row), unpacked once.
+  std::vector<int> z(size_t(groups * rows), 8);  // compressed-tensors symmetric: signed 0
   std::vector<float> sc(size_t(groups * rows));
   static constexpr int kAwqColumn[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble i -> column 8 c + this
-  for (int64_t gi = 0; gi < groups; ++gi)
-    for (int64_t c = 0; c < rows / 8; ++c) {
-      const int32_t word = i32_at(qzeros, size_t(gi * (rows / 8) + c));
-      for (int i = 0; i < 8; ++i) {
-        const int64_t o = 8 * c + (s.kind == Int4Scheme::Kind::Awq ? kAwqColumn[i] : i);
-        z[size_t(gi * rows + o)] = nibble(word, i) + (s.zeros_minus_one ? 1 : 0);
+  const bool ct = s.kind == Int4Scheme::Kind::CompressedTensors;
+  if (ct) {  // zeros [ceil(rows / 8)][groups], packed along the rows; scales [rows][groups]
+    if (qzeros)
+      for (int64_t r = 0; r < (rows + 7) / 8; ++r)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const int32_t word = i32_at(*qzeros, size_t(r * groups + gi));
+          for (int j = 0; j < 8 && 8 * r + j < rows; ++j) z[size_t(gi * rows + 8 * r + j)] = nibble(word, j);
+        }
+    for (int64_t o = 0; o < rows; ++o)
+      for (int64_t gi = 0; gi < groups; ++gi) sc[size_t(gi * rows + o)] = float_at(scales, size_t(o * groups + gi));
+  } else {
+    for (int64_t gi = 0; gi < groups; ++gi)
+      for (int64_t c = 0; c < rows / 8; ++c) {
+        const int32_t word = i32_at(*qzeros, size_t(gi * (rows / 8) + c));
+        for (int i = 0; i < 8; ++i) {
+          const int64_t o = 8 * c + (s.kind == Int4Scheme::Kind::Awq ? kAwqColumn[i] : i);
+          z[size_t(gi * rows + o)] = nibble(word, i) + (s.zeros_minus_one ? 1 : 0);
+        }
       }
-    }
-  for (size_t i = 0; i < sc.size(); ++i) sc[i] = float_at(scales, i);
+    for (size_t i = 0; i < sc.size(); ++i) sc[i] = float_at(scales, i);
+  }
   std::vector<int64_t> group_of(static_cast<size_t>(cols));
   for (int64_t i = 0; i < cols; ++i) {
     group_of[size_t(i)] = g_idx ? i32_at(*g_idx, size_t(i)) : i / g;
@@ -116,7 +215,14 @@ std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, con
     const size_t gz = size_t(group_of[size_t(i)] * rows + o);
     w[size_t(o * cols + i)] = float(q - z[gz]) * sc[gz];
   };
-  if (s.kind == Int4Scheme::Kind::Awq) {  // qweight [in][out / 8]
+  if (ct) {  // qweight [rows][ceil(cols / 8)]
+    const int64_t words = (cols + 7) / 8;
+    for (int64_t o = 0; o < rows; ++o)
+      for (int64_t c = 0; c < words; ++c) {
+        const int32_t word = i32_at(qweight, size_t(o * words + c));
+        for (int j = 0; j < 8 && 8 * c + j < cols; ++j) put(o, 8 * c + j, nibble(word, j));
+      }
+  } else if (s.kind == Int4Scheme::Kind::Awq) {  // qweight [in][out / 8]
     for (int64_t i = 0; i < cols; ++i)
       for (int64_t c = 0; c < rows / 8; ++c) {
         const int32_t word = i32_at(qweight, size_t(i * (rows / 8) + c));

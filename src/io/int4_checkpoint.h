@@ -1,7 +1,8 @@
-// 4-bit integer weight checkpoints from Hugging Face's quantizers: AutoAWQ's GEMM layout and
-// GPTQ (AutoGPTQ / GPTQModel, checkpoint_format gptq and gptq_v2, with or without desc_act).
-// config.json's quantization_config says which; each quantized Linear `m` then has no
-// `m.weight` but packed int32 codes, zero points and fp16 scales:
+// 4-bit integer weight checkpoints from Hugging Face's quantizers: AutoAWQ's GEMM layout, GPTQ
+// (AutoGPTQ / GPTQModel, checkpoint_format gptq and gptq_v2, with or without desc_act) and
+// llm-compressor's compressed-tensors pack-quantized W4A16. config.json's quantization_config
+// says which; each quantized Linear `m` then has no `m.weight` but packed int32 codes, zero
+// points and 16-bit scales:
 //
 //   AWQ   m.qweight [in][out / 8]   8 output columns per int32, nibble i holding column
 //                                   8 c + (0, 2, 4, 6, 1, 3, 5, 7)[i]
@@ -15,10 +16,26 @@
 //         m.scales  [groups][out]
 //         m.g_idx   [in]            input row i's group (desc_act: any order; else i / g)
 //         w[o][i] = (q - z) s of group g_idx[i]
+//   compressed-tensors pack-quantized
+//         m.weight_packed     [out][ceil(in / 8)] 8 input columns per int32, nibble j holding
+//                             column 8 c + j, stored as the signed code + 8
+//         m.weight_shape      [2] int64 (or int32): out, in
+//         m.weight_scale      [out][groups] (groups = 1 for strategy channel)
+//         m.weight_zero_point [ceil(out / 8)][groups] int32, packed along the output (nibble j
+//                             of word r: row 8 r + j), signed + 8; absent when symmetric
+//         m.weight_g_idx      [in] (older llm-compressor with actorder "group"), as GPTQ's
+//         w[o][i] = (q - z) s with q and z the signed codes
+//   MXFP4 (GPT-OSS's experts; quant_method mxfp4): a fused expert tensor `t` [E][in][out] is
+//         t_blocks [E][out][in / 32][16] uint8, byte b of a block holding columns 2 b (low
+//                  nibble) and 2 b + 1 (high), each an E2M1 code (sign, 2-bit exponent, 1-bit
+//                  mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6)
+//         t_scales [E][out][in / 32] uint8, an E8M0 exponent e: the block's codes times 2^(e - 127)
+//         t = the transpose of that [E][out][in], as transformers' convert_moe_packed_tensors lays it
 //
 // The checkpoint (io/checkpoint.h) shows each such module as a float32 `m.weight` of shape
-// [out][in], dequantized when viewed, and hides the packed tensors, so every architecture loads
-// AWQ and GPTQ checkpoints with no change (the GPU then holds the values in its compute dtype).
+// [out][in] (MXFP4: `t` of shape [E][in][out]), dequantized when viewed, and hides the packed
+// tensors, so every architecture loads these checkpoints with no change (the GPU then holds
+// the values in its compute dtype).
 #pragma once
 
 #include <cstdint>
@@ -31,21 +48,35 @@
 
 namespace kvlm {
 
+// The names of one module's tensors under a scheme: base + sep + "qweight" ..., "" where it has
+// none; the dequantized tensor is base + weight.
+struct Int4TensorNames {
+  const char *packed, *zeros, *scales, *g_idx, *shape;
+  char sep;
+  const char* weight;
+};
+const Int4TensorNames& int4_tensor_names(Int4Scheme::Kind k);
+
 // The tensors of one quantized module (`base` + ".qweight" ...), checked against each other.
 struct Int4Module {
   const TensorInfo* qweight = nullptr;
-  const TensorInfo* qzeros = nullptr;
+  const TensorInfo* qzeros = nullptr;  // may be absent for a symmetric compressed-tensors scheme
   const TensorInfo* scales = nullptr;
-  const TensorInfo* g_idx = nullptr;  // GPTQ; may be absent
-  int64_t rows = 0, cols = 0;         // the weight's [out][in]
+  const TensorInfo* g_idx = nullptr;   // GPTQ, compressed-tensors; may be absent
+  int64_t rows = 0, cols = 0;          // the weight's [out][in]
+  int64_t experts = 0;                 // MXFP4: E (the weight is [E][in][out]); else 0
 };
 // Shapes and dtypes of a module's tensors for `s`: throws kvlm::Error naming the tensor and
-// what it should be.
+// what it should be. `shape` is compressed-tensors' weight_shape (its packed tensor rounds the
+// input up to whole words), nullptr for AWQ and GPTQ.
 Int4Module check_int4_module(const Int4Scheme& s, const std::string& base, const TensorInfo* qweight,
-                             const TensorInfo* qzeros, const TensorInfo* scales, const TensorInfo* g_idx);
+                             const TensorInfo* qzeros, const TensorInfo* scales, const TensorInfo* g_idx,
+                             const TensorView* shape = nullptr);
 
-// The module's weight [rows][cols] in fp32: (q - z) s exactly (fp16 scales times integers).
+// The module's weight [rows][cols] in fp32: (q - z) s exactly (16-bit scales times integers;
+// MXFP4: [experts][cols][rows], E2M1 values times powers of two). `qzeros` may be null where
+// check_int4_module allowed it.
 std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
-                                   const TensorView& qzeros, const TensorView& scales, const TensorView* g_idx);
+                                   const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx);
 
 }  // namespace kvlm

@@ -71,7 +71,7 @@ struct ModelOptions {
   std::optional<SpeculativeConfig> speculative;  // --speculative-config
   std::string quantization;    // --quantization: "" or "fp8" (quantize 16-bit linear weights at load)
   // --dequantize-weights: a GGUF file's quantized matrices are dequantized at load (fp32 on the
-  // CPU) instead of staying in their blocks. The CUDA runner always dequantizes them for now.
+  // CPU, the compute dtype on CUDA) instead of staying in their blocks (CUDA: grouped codes).
   bool dequantize_weights = false;
   // --tensor-parallel-size: ranks (GPUs gpu, gpu + 1, ...; on the CPU, threads) that each hold
   // a slice of every layer (model/tensor_parallel.h).

@@ -1,8 +1,10 @@
-// AWQ and GPTQ checkpoints (io/int4_checkpoint.h) against their float32 twins: tests/data/int4
-// holds the golden Llama quantized by tools/make_int4_checkpoints.py as AutoAWQ (GEMM) and
-// GPTQ (checkpoint_format gptq with desc_act, and gptq_v2) lay their tensors out, each beside a
-// twin of exactly the weights it encodes. Reading a layout right gives the twin's weights bit
-// for bit, so the same tokens and the same log-probabilities, to the last bit.
+// AWQ, GPTQ and compressed-tensors checkpoints (io/int4_checkpoint.h) against their twins:
+// tests/data/int4 holds the golden Llama quantized by tools/make_int4_checkpoints.py as AutoAWQ
+// (GEMM), GPTQ (checkpoint_format gptq with desc_act, and gptq_v2) and llm-compressor's
+// pack-quantized W4A16 (symmetric groups; zero points with actorder group; per channel) lay
+// their tensors out, each beside a twin of exactly the weights it encodes. Reading a layout
+// right gives the twin's weights bit for bit, so the same tokens and the same
+// log-probabilities, to the last bit.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -14,7 +16,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/device.h"
 #include "core/error.h"
+#include "core/numeric.h"
 #include "io/checkpoint.h"
 #include "io/int4_checkpoint.h"
 #include "model/loaded_model.h"
@@ -25,9 +29,11 @@ namespace {
 
 const std::filesystem::path kData = std::filesystem::path(KVLM_TEST_DATA) / "data" / "int4";
 
-GenerateResult greedy(const std::filesystem::path& dir) {
+GenerateResult greedy(const std::filesystem::path& dir, Device device = Device::Cpu) {
   ModelOptions o;
   o.model_dir = dir;
+  o.device = device;
+  if (device == Device::Cuda) o.dtype = DType::BF16;
   auto m = LoadedModel::load(o);
   GenerateRequest g;
   g.prompt = {1, 5, 9, 14, 3, 22, 7, 31, 12, 8, 19, 25, 40, 77, 120};
@@ -38,23 +44,83 @@ GenerateResult greedy(const std::filesystem::path& dir) {
   return generate(*m, g);
 }
 
+// A tensor's values as float32 (the twins are float32 or bfloat16).
+std::vector<float> values(const TensorView& v) {
+  std::vector<float> out(size_t(v.info->numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (v.info->dtype == DType::BF16) {
+      uint16_t h;
+      std::memcpy(&h, v.bytes.data() + 2 * i, 2);
+      out[i] = num::bf16_to_f32(h);
+    } else {
+      std::memcpy(&out[i], v.bytes.data() + 4 * i, 4);
+    }
+  }
+  return out;
+}
+
 TEST(Int4Checkpoint, EveryLayoutEqualsItsTwin) {
-  for (const std::string v : {"awq", "gptq", "gptq_v2"}) {
+  for (const std::string v : {"awq", "gptq", "gptq_v2", "ct_w4a16", "ct_asym_actorder", "ct_channel"}) {
     SCOPED_TRACE(v);
     // The modules' weights, as the checkpoint shows them, are the twin's exactly.
     const Checkpoint q = Checkpoint::open(kData / v), t = Checkpoint::open(kData / (v + "_twin"));
     ASSERT_TRUE(q.int4_scheme());
     EXPECT_EQ(q.int4_modules(), 21u);  // 3 layers x 7 projections
-    EXPECT_EQ(q.find("model.layers.0.self_attn.q_proj.qweight"), nullptr);  // hidden behind the .weight
+    const std::string packed = int4_tensor_names(q.int4_scheme()->kind).packed;
+    EXPECT_EQ(q.find("model.layers.0.self_attn.q_proj." + packed), nullptr);  // hidden behind the .weight
+    EXPECT_EQ(q.find("model.layers.0.self_attn.q_proj.weight_shape"), nullptr);
     for (const std::string name : {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                                    "model.layers.2.mlp.down_proj.weight", "model.layers.2.mlp.gate_proj.weight"}) {
       const TensorView a = q.view(name), b = t.view(name);
       ASSERT_EQ(a.info->shape, b.info->shape) << name;
-      ASSERT_EQ(a.bytes.size(), b.bytes.size()) << name;
-      EXPECT_EQ(std::memcmp(a.bytes.data(), b.bytes.data(), a.bytes.size()), 0) << name << " differs from the twin's";
+      const std::vector<float> x = values(a), y = values(b);
+      size_t differ = 0;
+      for (size_t i = 0; i < x.size(); ++i) differ += x[i] != y[i];
+      EXPECT_EQ(differ, 0u) << name << " differs from the twin's";
       q.release(name);
     }
     const GenerateResult got = greedy(kData / v), want = greedy(kData / (v + "_twin"));
+    EXPECT_EQ(got.tokens, want.tokens);
+    ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+    for (size_t i = 0; i < got.logprobs.size(); ++i) EXPECT_EQ(got.logprobs[i].logprob, want.logprobs[i].logprob) << i;
+  }
+}
+
+// GPT-OSS's MXFP4 experts (tools/make_mxfp4_checkpoint.py on the golden GPT-OSS, laid out as
+// gpt-oss-20b is released): every expert tensor as kvlm reads it equals the twin's, transposed
+// back to [E][in][out], and so do tokens and log-probabilities.
+TEST(Int4Checkpoint, Mxfp4ExpertsEqualTheirTwin) {
+  const Checkpoint q = Checkpoint::open(kData / "mxfp4"), t = Checkpoint::open(kData / "mxfp4_twin");
+  ASSERT_TRUE(q.int4_scheme());
+  EXPECT_EQ(q.int4_scheme()->kind, Int4Scheme::Kind::Mxfp4);
+  EXPECT_EQ(q.int4_modules(), 8u);  // 4 layers x gate_up, down
+  EXPECT_EQ(q.find("model.layers.0.mlp.experts.gate_up_proj_blocks"), nullptr);
+  EXPECT_EQ(q.find("model.layers.0.mlp.experts.gate_up_proj_scales"), nullptr);
+  EXPECT_NE(q.describe("model.layers.1.mlp.experts.down_proj").find("from 'model.layers.1.mlp.experts.down_proj_blocks'"),
+            std::string::npos);
+  for (const std::string name : {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj"}) {
+    const TensorView a = q.view(name), b = t.view(name);
+    ASSERT_EQ(a.info->shape, b.info->shape) << name;
+    const std::vector<float> x = values(a), y = values(b);
+    size_t differ = 0, nonzero = 0;
+    for (size_t i = 0; i < x.size(); ++i) differ += x[i] != y[i], nonzero += x[i] != 0;
+    EXPECT_EQ(differ, 0u) << name << " differs from the twin's";
+    EXPECT_GT(nonzero, x.size() / 2) << name;
+  }
+  const GenerateResult got = greedy(kData / "mxfp4"), want = greedy(kData / "mxfp4_twin");
+  EXPECT_EQ(got.tokens, want.tokens);
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < got.logprobs.size(); ++i) EXPECT_EQ(got.logprobs[i].logprob, want.logprobs[i].logprob) << i;
+}
+
+// On CUDA (bf16 weights) every layout holds its twin's values exactly: both are exact in bf16
+// (AWQ / GPTQ: their float32 twins round the same way), so the tokens and log-probabilities
+// are the twin's to the last bit there too.
+TEST(Int4Checkpoint, CudaEqualsTheTwin) {
+  if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  for (const std::string v : {"awq", "gptq", "gptq_v2", "ct_w4a16", "ct_asym_actorder", "ct_channel", "mxfp4"}) {
+    SCOPED_TRACE(v);
+    const GenerateResult got = greedy(kData / v, Device::Cuda), want = greedy(kData / (v + "_twin"), Device::Cuda);
     EXPECT_EQ(got.tokens, want.tokens);
     ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
     for (size_t i = 0; i < got.logprobs.size(); ++i) EXPECT_EQ(got.logprobs[i].logprob, want.logprobs[i].logprob) << i;
@@ -103,6 +169,67 @@ TEST(Int4Checkpoint, RefusesMismatchedModules) {
   const TensorInfo gq_ok = info("m.qweight", DType::I32, {16, 64});
   EXPECT_NE(error([&] { check_int4_module(gptq, "m", &gq_ok, &qz, &sc, &gi_bad); }).find("'m.g_idx' has shape [100]"),
             std::string::npos);
+  // compressed-tensors [out][ceil(in / 8)], the shape from weight_shape: a 64 x 96 weight
+  const Int4Scheme ct{.kind = Int4Scheme::Kind::CompressedTensors, .group = 32, .symmetric = true};
+  const int64_t dims[2] = {64, 96};
+  const TensorInfo shp = info("m.weight_shape", DType::I64, {2});
+  const TensorView shape{&shp, {reinterpret_cast<const uint8_t*>(dims), sizeof dims}};
+  const TensorInfo cq = info("m.weight_packed", DType::I32, {64, 12}), cs = info("m.weight_scale", DType::BF16, {64, 3});
+  const Int4Module cok = check_int4_module(ct, "m", &cq, nullptr, &cs, nullptr, &shape);
+  EXPECT_EQ(cok.rows, 64);
+  EXPECT_EQ(cok.cols, 96);
+  EXPECT_NE(error([&] { check_int4_module(ct, "m", &cq, nullptr, &cs, nullptr, nullptr); }).find("no 'm.weight_shape'"),
+            std::string::npos);
+  const TensorInfo cq_bad = info("m.weight_packed", DType::I32, {64, 13});
+  EXPECT_NE(error([&] { check_int4_module(ct, "m", &cq_bad, nullptr, &cs, nullptr, &shape); }).find("expected [64, 12]"),
+            std::string::npos);
+  const Int4Scheme ct_asym{.kind = Int4Scheme::Kind::CompressedTensors, .group = 32};
+  EXPECT_NE(error([&] { check_int4_module(ct_asym, "m", &cq, nullptr, &cs, nullptr, &shape); })
+                .find("has no 'm.weight_zero_point'"),
+            std::string::npos);
+  const TensorInfo cz_bad = info("m.weight_zero_point", DType::I32, {3, 8});  // [groups][out / 8]: transposed
+  EXPECT_NE(error([&] { check_int4_module(ct_asym, "m", &cq, &cz_bad, &cs, nullptr, &shape); })
+                .find("'m.weight_zero_point' has shape [3, 8]"),
+            std::string::npos);
+  // MXFP4: blocks [E][out][in / 32][16] and scales [E][out][in / 32], uint8
+  const Int4Scheme mx{.kind = Int4Scheme::Kind::Mxfp4, .group = 32};
+  const TensorInfo mb = info("t_blocks", DType::U8, {2, 64, 3, 16}), ms = info("t_scales", DType::U8, {2, 64, 3});
+  const Int4Module mok = check_int4_module(mx, "t", &mb, nullptr, &ms, nullptr);
+  EXPECT_EQ(mok.experts, 2);
+  EXPECT_EQ(mok.rows, 64);
+  EXPECT_EQ(mok.cols, 96);
+  const TensorInfo mb_bad = info("t_blocks", DType::U8, {2, 64, 3, 8});
+  EXPECT_NE(error([&] { check_int4_module(mx, "t", &mb_bad, nullptr, &ms, nullptr); }).find("uint8 [experts][rows]"),
+            std::string::npos);
+  EXPECT_NE(error([&] { check_int4_module(mx, "t", &mb, nullptr, nullptr, nullptr); }).find("no 't_scales'"),
+            std::string::npos);
+  const TensorInfo ms_bad = info("t_scales", DType::U8, {2, 3, 64});
+  EXPECT_NE(error([&] { check_int4_module(mx, "t", &mb, nullptr, &ms_bad, nullptr); }).find("expected uint8 [2, 64, 3]"),
+            std::string::npos);
+  const int64_t huge[2] = {64, -96};
+  const TensorView bad_shape{&shp, {reinterpret_cast<const uint8_t*>(huge), sizeof huge}};
+  EXPECT_NE(error([&] { check_int4_module(ct, "m", &cq, nullptr, &cs, nullptr, &bad_shape); })
+                .find("not the shape of a weight"),
+            std::string::npos);
+}
+
+// Tensors packed one way under a config that declares another are refused, not misread.
+TEST(Int4Checkpoint, RefusesTensorsTheConfigDoesNotDescribe) {
+  const auto dir = std::filesystem::temp_directory_path() / ("kvlm-int4-mix-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(kData / "ct_w4a16" / "model.safetensors", dir / "model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(kData / "awq" / "config.json", dir / "config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  try {
+    Checkpoint::open(dir);
+    ADD_FAILURE() << "compressed-tensors tensors opened as AWQ";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is packed as compressed-tensors lays it out, but config.json declares AWQ"),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // A config that declares AWQ over a checkpoint without packed tensors is a dense checkpoint

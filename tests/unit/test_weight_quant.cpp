@@ -87,7 +87,9 @@ TEST(WeightQuant, CompressedTensorsRefusals) {
   EXPECT_NE(error_of(ct(fp8w("channel"), static_token)).find("strategy 'token' static is not supported"), std::string::npos);
   json packed = ct(fp8w("channel"));
   packed["quantization_config"]["format"] = "pack-quantized";
-  EXPECT_NE(error_of(packed).find("format 'pack-quantized' is not supported"), std::string::npos);
+  EXPECT_NE(error_of(packed).find("num_bits 8 type 'float' is not supported; kvlm runs compressed-tensors "
+                                  "pack-quantized 4-bit"),
+            std::string::npos);
   json two = ct(fp8w("channel"));
   two["quantization_config"]["config_groups"]["group_1"] = {{"targets", {"Linear"}}, {"weights", fp8w("tensor")}};
   EXPECT_NE(error_of(two).find("different schemes"), std::string::npos);
@@ -153,6 +155,62 @@ TEST(WeightQuant, ModelOptAndFp8AndOthers) {
   EXPECT_EQ(s->group, 0);
   EXPECT_TRUE(s->zeros_minus_one);
   EXPECT_EQ(s->describe(), "GPTQ 4-bit, one scale per output row");
+}
+
+// compressed-tensors pack-quantized W4A16 (llm-compressor): the checkpoint reads it
+// (io/int4_checkpoint.h), so no FP8 scheme; its scheme, and what kvlm cannot run, come from
+// parse_int4_scheme.
+TEST(WeightQuant, CompressedTensorsW4A16) {
+  auto w4 = [](json extra) {
+    json w = {{"num_bits", 4}, {"type", "int"}, {"symmetric", true}, {"strategy", "group"}, {"group_size", 128},
+              {"dynamic", false}, {"actorder", nullptr}};
+    if (extra.is_object()) w.update(extra);
+    json c = ct(w, nullptr);
+    c["quantization_config"]["format"] = "pack-quantized";
+    return c;
+  };
+  EXPECT_FALSE(parse_weight_quant(w4({})));
+  auto s = parse_int4_scheme(w4({}));
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->kind, Int4Scheme::Kind::CompressedTensors);
+  EXPECT_EQ(s->group, 128);
+  EXPECT_TRUE(s->symmetric);
+  EXPECT_EQ(s->describe(), "compressed-tensors W4A16, groups of 128, symmetric");
+  s = parse_int4_scheme(w4({{"strategy", "channel"}, {"symmetric", false}, {"group_size", nullptr}}));
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->group, 0);
+  EXPECT_EQ(s->describe(), "compressed-tensors W4A16, one scale per output row, zero points");
+  // The format may be given per group ("mixed-precision" at the top).
+  json per_group = w4({});
+  per_group["quantization_config"]["format"] = "mixed-precision";
+  per_group["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized";
+  EXPECT_TRUE(parse_int4_scheme(per_group));
+  // An FP8 compressed-tensors checkpoint is not a 4-bit one.
+  EXPECT_FALSE(parse_int4_scheme(ct(fp8w("channel"))));
+  auto int4_error = [](const json& c) {
+    try {
+      parse_int4_scheme(c);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(int4_error(w4({{"num_bits", 8}})).find("num_bits 8 type 'int' is not supported"), std::string::npos);
+  EXPECT_NE(error_of(w4({{"num_bits", 8}})).find("num_bits 8 type 'int' is not supported"), std::string::npos);
+  EXPECT_NE(int4_error(w4({{"strategy", "tensor"}})).find("strategy 'tensor' is not supported"), std::string::npos);
+  EXPECT_NE(int4_error(w4({{"group_size", 0}})).find("positive group_size"), std::string::npos);
+  EXPECT_NE(int4_error(w4({{"dynamic", true}})).find("dynamic weight scales"), std::string::npos);
+  json w4a8 = w4({});
+  w4a8["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+      {"num_bits", 8}, {"type", "int"}, {"strategy", "token"}, {"dynamic", true}};
+  EXPECT_NE(int4_error(w4a8).find("W4A8"), std::string::npos);
+  json two = w4({});
+  two["quantization_config"]["config_groups"]["group_1"] = two["quantization_config"]["config_groups"]["group_0"];
+  two["quantization_config"]["config_groups"]["group_1"]["weights"]["group_size"] = 32;
+  EXPECT_NE(int4_error(two).find("different weight schemes ('group_1' differs from 'group_0')"), std::string::npos);
+  json mixed = w4({});
+  mixed["quantization_config"]["config_groups"]["group_1"] = {{"weights", fp8w("channel")}, {"format", "float-quantized"}};
+  EXPECT_NE(int4_error(mixed).find("different formats"), std::string::npos);
 }
 
 TEST(WeightQuant, QuantizationFlag) {

@@ -13,7 +13,8 @@
 // The checkpoint fuses the experts: mlp.experts.gate_up_proj [E][hidden][2I] (gate and up
 // alternating column by column) and down_proj [E][I][hidden], with biases; the loader lays
 // them out as MoeWeights (PieceLayout). The released checkpoints hold these in MXFP4
-// (quantization_config quant_method mxfp4), which kvlm refuses until 4-bit weights land.
+// (quantization_config quant_method mxfp4): the checkpoint shows them as these tensors
+// (io/int4_checkpoint.h).
 #include <string>
 
 #include <nlohmann/json.hpp>
