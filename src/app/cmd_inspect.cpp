@@ -160,16 +160,17 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
         ++h.kept[format];
       } else if (const auto l = b ? grouped_layout_of_ggml(b->type) : std::nullopt;
                  l && device == Device::Cuda && keep_blocks && !sliced && p.layout == PieceLayout::Plain) {
-        format = ggml_type_name(b->type) + " as " + std::to_string(l->bits) + "-bit codes";
+        format = is_grouped_rows_type(b->type) ? block_type_name(b->type) + " codes"
+                                                : ggml_type_name(b->type) + " as " + std::to_string(l->bits) + "-bit codes";
         bytes = size_t(b->rows) * grouped_row_bytes(*l, b->cols);
-        ++h.kept[ggml_type_name(b->type)];
+        ++h.kept[block_type_name(b->type)];
       } else {
         DType held = DType::F32;
         if (device == Device::Cuda && (s.role == WeightRole::Matrix || s.role == WeightRole::Bias))
           held = cfg.weight_quant && s.linear ? DType::F8E4M3 : dtype;
         format = std::string(dtype_name(held));
         bytes = size_t(numel) * dtype_size(held);
-        if (b) ++h.dequantized[ggml_type_name(b->type)];
+        if (b) ++h.dequantized[block_type_name(b->type)];
       }
       h.layers[layer][format] += bytes;
       h.bytes += bytes;
@@ -359,9 +360,13 @@ int run_inspect(const InspectFlags& f) {
     }
     std::cout << "\n";
   } else if (const auto& s = ckpt.int4_scheme()) {
-    std::cout << "weights    " << s->describe() << ": " << ckpt.int4_modules() << " modules, dequantized to "
-              << (device == Device::Cuda ? dtype_name(mp.dtype) : std::string_view("float32"))
-              << " at load (4-bit kernels for them come next)\n";
+    std::cout << "weights    " << s->describe() << ": " << ckpt.int4_modules() << " modules, "
+              << (device == Device::Cuda && !f.model.dequantize_weights
+                      ? "kept as 4-bit grouped codes where their groups fit the kernels (\"4-bit gN codes\" below), "
+                        "else dequantized to " + std::string(dtype_name(mp.dtype)) + " at load\n"
+                      : "dequantized to " +
+                            std::string(device == Device::Cuda ? dtype_name(mp.dtype) : std::string_view("float32")) +
+                            " at load\n");
   } else {
     std::cout << "weights    " << dtype_name(mp.dtype) << "\n";
   }

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "io/gguf.h"
+#include "io/grouped_codes.h"
 #include "io/gguf_model.h"
 
 namespace kvlm {
@@ -209,7 +210,22 @@ TensorView Checkpoint::view(std::string_view name) const {
 
 std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) const {
   auto it = tensors_.find(name);
-  if (it == tensors_.end() || it->second.first || int4_index(it->second.second) >= 0) return std::nullopt;
+  if (it == tensors_.end() || it->second.first) return std::nullopt;
+  if (const ptrdiff_t q = int4_index(it->second.second); q >= 0) {  // a 4-bit module as grouped rows, if it fits
+    const Int4Source& s = int4_sources_[size_t(q)];
+    auto view_of = [](const std::pair<const SafetensorsFile*, const TensorInfo*>& p) { return p.first->view(*p.second); };
+    const TensorView gi = s.g_idx.first ? view_of(s.g_idx) : TensorView{};
+    const int group = int4_grouped_group(*int4_scheme_, s.module, s.g_idx.first ? &gi : nullptr);
+    if (!group) return std::nullopt;
+    return Blocks{.type = grouped_rows_type(group), .rows = s.module.rows, .cols = s.module.cols,
+                  .row_bytes = grouped_rows_bytes(group, s.module.cols),
+                  .fill = [this, &s, group, view_of](uint8_t* out) {
+                    const TensorView gi = s.g_idx.first ? view_of(s.g_idx) : TensorView{};
+                    const TensorView qz = s.qzeros.first ? view_of(s.qzeros) : TensorView{};
+                    int4_to_grouped_rows(*int4_scheme_, s.module, view_of(s.qweight), s.qzeros.first ? &qz : nullptr,
+                                         view_of(s.scales), s.g_idx.first ? &gi : nullptr, group, out);
+                  }};
+  }
   const GGUFTensorSource& src = gguf_sources_[size_t(it->second.second - gguf_infos_.data())];
   const GGUFTensorInfo* t = gguf_file_->header().find_tensor(src.gguf_name);
   const auto traits = ggml_type_traits(t->type);

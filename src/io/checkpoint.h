@@ -7,6 +7,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,11 +57,14 @@ class Checkpoint {
   // safetensors tensor, a float GGUF tensor, or one whose values the loader changes (Gemma's
   // norms). view() still dequantizes such a tensor.
   struct Blocks {
-    uint32_t type = 0;  // ggml type (io/gguf.h)
+    uint32_t type = 0;  // ggml type (io/gguf.h), or io/grouped_codes.h's grouped_rows_type
     std::span<const uint8_t> bytes;
     int64_t rows = 0, cols = 0;
     size_t row_bytes = 0;
     int unpermute_heads = 0;
+    // Rows formed on request instead of `bytes` (a 4-bit checkpoint's module as grouped rows):
+    // writes rows * row_bytes bytes.
+    std::function<void(uint8_t*)> fill;
   };
   std::optional<Blocks> blocks(std::string_view name) const;
   // The caller is done with the tensor's view: a GGUF tensor's dequantized copy is freed.

@@ -12,6 +12,7 @@
 namespace kvlm {
 
 std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type) {
+  if (is_grouped_rows_type(type)) return GroupedLayout{4, int(type & 0xFFFFu)};
   switch (GGMLType(type)) {
     case GGMLType::Q4_0:
     case GGMLType::Q4_1:
@@ -27,8 +28,25 @@ std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type) {
   }
 }
 
+std::string block_type_name(uint32_t type) {
+  if (is_grouped_rows_type(type)) return "4-bit g" + std::to_string(type & 0xFFFFu);
+  return ggml_type_name(type);
+}
+
 void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uint8_t* codes, float* scales,
                          float* offsets) {
+  if (is_grouped_rows_type(type)) {  // codes, then (s, b) per group as fp32
+    const int group = int(type & 0xFFFFu);
+    if (group <= 0 || cols % group != 0 || cols % 2 != 0)
+      throw Error("a row of " + std::to_string(cols) + " values is not whole groups of " + std::to_string(group));
+    const size_t cb = size_t(cols) / 2;
+    std::memcpy(codes, blocks, cb);
+    for (int64_t g = 0; g < cols / group; ++g) {
+      std::memcpy(&scales[g], blocks + cb + size_t(8 * g), 4);
+      std::memcpy(&offsets[g], blocks + cb + size_t(8 * g + 4), 4);
+    }
+    return;
+  }
   const auto layout = grouped_layout_of_ggml(type);
   const auto traits = ggml_type_traits(type);
   if (!layout || !traits) throw Error("ggml type " + ggml_type_name(type) + " has no grouped-code layout");

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 
 #include "core/dtype.h"
 
@@ -31,8 +32,21 @@ struct GroupedLayout {
   bool operator==(const GroupedLayout&) const = default;
 };
 
-// The layout a ggml type's blocks convert to; nullopt for F32/F16/BF16 and unknown types.
+// kvlm's own block type beside ggml's, for rows that are already grouped codes: 4-bit codes
+// (grouped_code_bytes) followed by each group's fp32 scale and offset, `grouped_rows_bytes` a
+// row. 4-bit integer checkpoints (AWQ, GPTQ, compressed-tensors: w = (q - z) s, so s and
+// b = -z s) hand their modules over as these (io/int4_checkpoint.h), and the weight loaders
+// take them as any kept block type. Its ids lie above every ggml type's.
+constexpr uint32_t kGroupedRowsType = 0x4B560000u;
+inline uint32_t grouped_rows_type(int group) { return kGroupedRowsType | uint32_t(group); }
+inline bool is_grouped_rows_type(uint32_t type) { return (type & 0xFFFF0000u) == kGroupedRowsType; }
+inline size_t grouped_rows_bytes(int group, int64_t cols) { return size_t(cols) / 2 + size_t(cols / group) * 8; }
+
+// The layout a ggml type's blocks (or a grouped_rows_type's rows) convert to; nullopt for
+// F32/F16/BF16 and unknown types.
 std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type);
+// A block type's name: ggml's ("Q4_K"), or "4-bit g128" for a grouped_rows_type.
+std::string block_type_name(uint32_t type);
 
 // Bytes of one row's codes (cols * bits / 8) and its number of groups.
 inline size_t grouped_code_bytes(GroupedLayout l, int64_t cols) { return size_t(cols) * size_t(l.bits) / 8; }

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
+#include "io/grouped_codes.h"
 
 namespace kvlm {
 
@@ -174,14 +175,24 @@ std::vector<float> dequantize_mxfp4(const Int4Module& m, const TensorView& block
 
 }  // namespace
 
-std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
-                                   const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx) {
-  if (s.kind == Int4Scheme::Kind::Mxfp4) return dequantize_mxfp4(m, qweight, scales);
+namespace {
+
+// A module's codes (unsigned, [rows][cols]), its zero points (in the codes' units) and scales
+// per (group, row), and each input column's group.
+struct Unpacked {
+  std::vector<uint8_t> q;
+  std::vector<int> z;
+  std::vector<float> sc;
+  std::vector<int64_t> group_of;
+};
+
+Unpacked unpack_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight, const TensorView* qzeros,
+                     const TensorView& scales, const TensorView* g_idx) {
   const int64_t rows = m.rows, cols = m.cols, g = s.group ? s.group : cols, groups = cols / g;
-  std::vector<float> w(size_t(rows * cols));
-  // z (in unsigned code units) and s of (group, output row), unpacked once.
-  std::vector<int> z(size_t(groups * rows), 8);  // compressed-tensors symmetric: signed 0
-  std::vector<float> sc(size_t(groups * rows));
+  Unpacked u;
+  u.q.resize(size_t(rows * cols));
+  u.z.assign(size_t(groups * rows), 8);  // compressed-tensors symmetric: signed 0
+  u.sc.resize(size_t(groups * rows));
   static constexpr int kAwqColumn[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble i -> column 8 c + this
   const bool ct = s.kind == Int4Scheme::Kind::CompressedTensors;
   if (ct) {  // zeros [ceil(rows / 8)][groups], packed along the rows; scales [rows][groups]
@@ -189,32 +200,29 @@ std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, con
       for (int64_t r = 0; r < (rows + 7) / 8; ++r)
         for (int64_t gi = 0; gi < groups; ++gi) {
           const int32_t word = i32_at(*qzeros, size_t(r * groups + gi));
-          for (int j = 0; j < 8 && 8 * r + j < rows; ++j) z[size_t(gi * rows + 8 * r + j)] = nibble(word, j);
+          for (int j = 0; j < 8 && 8 * r + j < rows; ++j) u.z[size_t(gi * rows + 8 * r + j)] = nibble(word, j);
         }
     for (int64_t o = 0; o < rows; ++o)
-      for (int64_t gi = 0; gi < groups; ++gi) sc[size_t(gi * rows + o)] = float_at(scales, size_t(o * groups + gi));
+      for (int64_t gi = 0; gi < groups; ++gi) u.sc[size_t(gi * rows + o)] = float_at(scales, size_t(o * groups + gi));
   } else {
     for (int64_t gi = 0; gi < groups; ++gi)
       for (int64_t c = 0; c < rows / 8; ++c) {
         const int32_t word = i32_at(*qzeros, size_t(gi * (rows / 8) + c));
         for (int i = 0; i < 8; ++i) {
           const int64_t o = 8 * c + (s.kind == Int4Scheme::Kind::Awq ? kAwqColumn[i] : i);
-          z[size_t(gi * rows + o)] = nibble(word, i) + (s.zeros_minus_one ? 1 : 0);
+          u.z[size_t(gi * rows + o)] = nibble(word, i) + (s.zeros_minus_one ? 1 : 0);
         }
       }
-    for (size_t i = 0; i < sc.size(); ++i) sc[i] = float_at(scales, i);
+    for (size_t i = 0; i < u.sc.size(); ++i) u.sc[i] = float_at(scales, i);
   }
-  std::vector<int64_t> group_of(static_cast<size_t>(cols));
+  u.group_of.resize(size_t(cols));
   for (int64_t i = 0; i < cols; ++i) {
-    group_of[size_t(i)] = g_idx ? i32_at(*g_idx, size_t(i)) : i / g;
-    if (group_of[size_t(i)] < 0 || group_of[size_t(i)] >= groups)
+    u.group_of[size_t(i)] = g_idx ? i32_at(*g_idx, size_t(i)) : i / g;
+    if (u.group_of[size_t(i)] < 0 || u.group_of[size_t(i)] >= groups)
       throw Error("tensor '" + g_idx->info->name + "': input row " + std::to_string(i) + " names group " +
-                  std::to_string(group_of[size_t(i)]) + " of " + std::to_string(groups));
+                  std::to_string(u.group_of[size_t(i)]) + " of " + std::to_string(groups));
   }
-  auto put = [&](int64_t o, int64_t i, int q) {
-    const size_t gz = size_t(group_of[size_t(i)] * rows + o);
-    w[size_t(o * cols + i)] = float(q - z[gz]) * sc[gz];
-  };
+  auto put = [&](int64_t o, int64_t i, int q) { u.q[size_t(o * cols + i)] = uint8_t(q); };
   if (ct) {  // qweight [rows][ceil(cols / 8)]
     const int64_t words = (cols + 7) / 8;
     for (int64_t o = 0; o < rows; ++o)
@@ -235,7 +243,53 @@ std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, con
         for (int j = 0; j < 8; ++j) put(o, 8 * r + j, nibble(word, j));
       }
   }
+  return u;
+}
+
+}  // namespace
+
+std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
+                                   const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx) {
+  if (s.kind == Int4Scheme::Kind::Mxfp4) return dequantize_mxfp4(m, qweight, scales);
+  const Unpacked u = unpack_int4(s, m, qweight, qzeros, scales, g_idx);
+  const int64_t rows = m.rows, cols = m.cols;
+  std::vector<float> w(size_t(rows * cols));
+  for (int64_t o = 0; o < rows; ++o)
+    for (int64_t i = 0; i < cols; ++i) {
+      const size_t gz = size_t(u.group_of[size_t(i)] * rows + o);
+      w[size_t(o * cols + i)] = float(int(u.q[size_t(o * cols + i)]) - u.z[gz]) * u.sc[gz];
+    }
   return w;
+}
+
+int int4_grouped_group(const Int4Scheme& s, const Int4Module& m, const TensorView* g_idx) {
+  if (s.kind == Int4Scheme::Kind::Mxfp4) return 0;  // E2M1 codes are not affine
+  const int64_t g = s.group ? s.group : m.cols;
+  if (g % 32 != 0 || g > 0xFFFF || m.cols % g != 0) return 0;
+  if (g_idx)  // desc_act / actorder: only the trivial order keeps consecutive groups
+    for (int64_t i = 0; i < m.cols; ++i)
+      if (i32_at(*g_idx, size_t(i)) != i / g) return 0;
+  return int(g);
+}
+
+void int4_to_grouped_rows(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
+                          const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx, int group,
+                          uint8_t* out) {
+  KVLM_CHECK(group > 0 && m.cols % group == 0 && m.cols % 2 == 0, "int4_to_grouped_rows: a group that does not fit");
+  const Unpacked u = unpack_int4(s, m, qweight, qzeros, scales, g_idx);
+  const int64_t rows = m.rows, cols = m.cols, groups = cols / group;
+  const size_t cb = size_t(cols) / 2, rb = grouped_rows_bytes(group, cols);
+  for (int64_t o = 0; o < rows; ++o) {
+    uint8_t* row = out + size_t(o) * rb;
+    const uint8_t* q = u.q.data() + size_t(o * cols);
+    for (int64_t i = 0; i < cols; i += 2) row[i / 2] = uint8_t(q[i] | q[i + 1] << 4);
+    for (int64_t gi = 0; gi < groups; ++gi) {  // w = (q - z) s = s q + (-z s)
+      const size_t gz = size_t(gi * rows + o);
+      const float sc = u.sc[gz], off = -float(u.z[gz]) * sc;
+      std::memcpy(row + cb + size_t(8 * gi), &sc, 4);
+      std::memcpy(row + cb + size_t(8 * gi + 4), &off, 4);
+    }
+  }
 }
 
 }  // namespace kvlm

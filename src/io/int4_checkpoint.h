@@ -79,4 +79,16 @@ Int4Module check_int4_module(const Int4Scheme& s, const std::string& base, const
 std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
                                    const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx);
 
+// The group a module keeps as grouped codes (io/grouped_codes.h grouped_rows_type): its
+// scheme's group, or the whole row for per-channel scales; 0 where it cannot: MXFP4 (E2M1
+// values are not affine in the code), an act-order g_idx (columns not in consecutive groups) or
+// a group the 4-bit kernels do not take (not a multiple of 32).
+int int4_grouped_group(const Int4Scheme& s, const Int4Module& m, const TensorView* g_idx);
+
+// The module as m.rows grouped rows (grouped_rows_bytes(group, m.cols) bytes each) into `out`:
+// the codes q, and per group s and b = -z s, so that s q + b = (q - z) s.
+void int4_to_grouped_rows(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
+                          const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx, int group,
+                          uint8_t* out);
+
 }  // namespace kvlm

@@ -348,6 +348,11 @@ Weight WeightSink::store_blocks(const WeightSpec& spec, std::span<const Checkpoi
 }
 
 void copy_block_rows(const Checkpoint::Blocks& p, uint8_t* out) {
+  if (p.fill) {
+    KVLM_CHECK(p.unpermute_heads <= 0, "copy_block_rows: formed rows are in Hugging Face's order already");
+    p.fill(out);
+    return;
+  }
   if (p.unpermute_heads <= 0) {
     std::memcpy(out, p.bytes.data(), size_t(p.rows) * p.row_bytes);
     return;

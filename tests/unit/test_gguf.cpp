@@ -33,6 +33,7 @@
 #include "model/rope.h"
 #include "../support/ggml_blocks.h"
 #include "../support/gguf_writer.h"
+#include "test_util.h"
 
 namespace kvlm {
 namespace {
@@ -657,23 +658,6 @@ struct BlockLlama {
   }
 };
 
-// `got` follows `want` token for token until the reference's top two are within `margin` (a
-// near tie the other arithmetic may break the other way); log-probabilities agree within `tol`
-// up to there.
-void expect_greedy_until_near_tie(const GenerateResult& got, const GenerateResult& want, double margin, double tol,
-                                  const std::string& what) {
-  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
-  for (size_t i = 0; i < want.logprobs.size(); ++i) {
-    if (got.tokens[i] != want.tokens[i]) {
-      const auto& top = want.logprobs[i].top;
-      ASSERT_GE(top.size(), 2u);
-      EXPECT_LT(top[0].second - top[1].second, margin) << what << " changed token " << i << " at a clear margin";
-      return;
-    }
-    EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, tol) << what << ", token " << i;
-  }
-}
-
 // The CPU keeps the blocks, and what it computes equals the dequantize-at-load path: exactly
 // enough for greedy tokens with --dtype float32 (fp32 products of the same values), within int8
 // activation rounding otherwise.
@@ -692,7 +676,7 @@ TEST(GGUFModel, QuantizedBlocksStayResidentAndMatchTheDequantizedPath) {
   ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
   for (size_t i = 0; i < want.logprobs.size(); ++i) EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, 1e-4) << i;
   // Int8 activations: the same tokens while the reference's top two are well apart.
-  expect_greedy_until_near_tie(approx, want, 0.05, 1.0, "int8 activations");
+  test::expect_greedy_until_near_tie(approx, want, 0.05, 1.0, "int8 activations");
 }
 
 // On a GPU the same matrices stay quantized as grouped codes (4-bit and 8-bit parts inside the
@@ -708,7 +692,7 @@ TEST(GGUFModel, CudaKeepsBlocksAsGroupedCodes) {
   for (int rows : {12, 40, 80}) {
     const auto want = BlockLlama::greedy(*dequantized, rows), got = BlockLlama::greedy(*kept, rows);
     // Both round each weight to bf16 once; the kept codes' scales are rounded to bf16 first.
-    expect_greedy_until_near_tie(got, want, 0.1, 0.05, "grouped codes, " + std::to_string(rows) + "-token prompt");
+    test::expect_greedy_until_near_tie(got, want, 0.1, 0.05, "grouped codes, " + std::to_string(rows) + "-token prompt");
   }
 }
 

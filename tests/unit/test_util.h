@@ -9,7 +9,27 @@
 
 #include <gtest/gtest.h>
 
+#include "offline/generate.h"
+
 namespace kvlm::test {
+
+// `got` follows `want` token for token until the reference's top two are within `margin` (a
+// near tie the other arithmetic may break the other way); log-probabilities agree within `tol`
+// up to there.
+inline void expect_greedy_until_near_tie(const GenerateResult& got, const GenerateResult& want, double margin, double tol,
+                                  const std::string& what) {
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  for (size_t i = 0; i < want.logprobs.size(); ++i) {
+    if (got.tokens[i] != want.tokens[i]) {
+      const auto& top = want.logprobs[i].top;
+      ASSERT_GE(top.size(), 2u);
+      EXPECT_LT(top[0].second - top[1].second, margin) << what << " changed token " << i << " at a clear margin";
+      return;
+    }
+    EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, tol) << what << ", token " << i;
+  }
+}
+
 
 // A fresh directory under the system temp dir, removed when the object dies.
 class TempDir {
