@@ -431,8 +431,13 @@ void gemv_lab(double bw, bool int_only) {
   std::vector<Shape> int_shapes(std::begin(shapes), std::end(shapes));
   int_shapes.push_back({"long k", 8192, 16384, false});  // 4x the rounds per warp of the 4096-column ones
   for (const Shape& sh : int_shapes)
-    for (const auto& lay : {std::pair{4, 32}, std::pair{4, 128}, std::pair{8, 32}, std::pair{8, 16}}) {
-      const auto [bits, group] = lay;
+    for (const auto& lay : {std::tuple{4, 32, true}, std::tuple{4, 128, true}, std::tuple{4, 128, false},
+                            std::tuple{8, 32, true}, std::tuple{8, 16, true}}) {
+      // sam: bf16 4-bit codes in groups of 128 scale after the MMA; false: the per-weight decode
+      const auto [bits, group, sam] = lay;
+      auto sw = cuda::kernel_switches();
+      sw.int_scale_after_mma = sam;
+      cuda::set_kernel_switches(sw);
       const size_t cb = size_t(sh.n) * size_t(sh.k) * size_t(bits) / 8, pb = size_t(sh.n) * size_t(sh.k / group) * 4;
       const size_t bytes = cb + pb;
       std::vector<void*> copies(std::max<size_t>(2, (size_t(200) << 20) / bytes + 1));
@@ -467,14 +472,16 @@ void gemv_lab(double bw, bool int_only) {
         cells += buf;
       }
       const double dus = time_us([&](int i) { cuda::dequantize_int(DType::BF16, wi(i), deq, sh.n, sh.k, nullptr); });
-      std::printf("| %s | %d-bit, groups of %d | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name, bits, group, sh.n, sh.k,
-                  double(bytes) / 1e6, cells.c_str(), dus,
+      std::printf("| %s | %d-bit, groups of %d%s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name, bits, group,
+                  sam ? "" : " (decode per weight)", sh.n, sh.k, double(bytes) / 1e6, cells.c_str(), dus,
                   (double(bytes) + 2.0 * sh.n * sh.k) / (dus * 1e-6) / 1e9);
       std::fflush(stdout);
       for (auto c : copies) cudaFree(c);
       cudaFree(x);
       cudaFree(y);
       cudaFree(deq);
+      sw.int_scale_after_mma = true;
+      cuda::set_kernel_switches(sw);
     }
   if (!int_only) {
     // Batched decode from m = 17 runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w

@@ -16,6 +16,7 @@
 #include "io/gguf.h"
 #include "io/grouped_codes.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/kernel_switches.h"
 #include "../support/ggml_blocks.h"
 
 using namespace kvlm;
@@ -30,7 +31,8 @@ struct Grouped {
   GroupedLayout layout;
   std::vector<uint8_t> codes;
   std::vector<uint32_t> params;
-  std::vector<float> values;  // [n][k]
+  std::vector<float> values;  // [n][k], s * code + b rounded to the compute type
+  std::vector<float> exact;   // [n][k], s * code + b in fp32
   std::string name;
 };
 
@@ -72,11 +74,15 @@ Grouped zero_point(DType ab, int group, int n, int k, std::mt19937& rng) {
 
 void fill_values(DType ab, int n, int k, Grouped& g) {
   g.values.resize(size_t(n) * size_t(k));
+  g.exact.resize(size_t(n) * size_t(k));
   const size_t cb = grouped_code_bytes(g.layout, k), ng = size_t(k / g.layout.group);
   std::vector<float> row(static_cast<size_t>(k));
   for (int r = 0; r < n; ++r) {
     grouped_dequantize_row(g.layout, ab, g.codes.data() + size_t(r) * cb, g.params.data() + size_t(r) * ng, k, row);
-    for (int c = 0; c < k; ++c) g.values[size_t(r) * k + c] = act_round(ab, row[size_t(c)]);
+    for (int c = 0; c < k; ++c) {
+      g.values[size_t(r) * k + c] = act_round(ab, row[size_t(c)]);
+      g.exact[size_t(r) * k + c] = row[size_t(c)];
+    }
   }
 }
 
@@ -108,7 +114,8 @@ TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
 // output, and a y row stride wider than n (a part of a fused weight): against the sum in double
 // of x times the kernels' weight values. The GPU sums fp32 and rounds once, so the bound is the
 // 16-bit rounding (none for float32) plus 1e-4 of sum |w x|; nothing outside y[m][0..n) is
-// written. dequantize_int writes those weight values exactly; embed_rows_int gathers
+// written. Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
+// held to the unrounded weights, and the same layouts run once more with the switch off. dequantize_int writes those weight values exactly; embed_rows_int gathers
 // s * code + b in fp32.
 TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -126,20 +133,30 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       {GGMLType::F32, 2048, 9000, 2048}};
   constexpr int kM = cuda::kGemvIntMaxM;
   size_t checked = 0;
+  const auto saved = cuda::kernel_switches();
+  for (const bool sam : {true, false})
   for (DType ab : kActs)
     for (const Case& c : cases) {
       const int n = c.n, k = c.k;
+      if (!sam && !(ab == DType::BF16 && c.type == GGMLType::F32 && c.group % 128 == 0)) continue;
+      auto sw = saved;
+      sw.int_scale_after_mma = sam;
+      cuda::set_kernel_switches(sw);
       Grouped g = c.type == GGMLType::F32 ? zero_point(ab, c.group, n, k, rng) : from_ggml(ab, c.type, n, k, rng);
       fill_values(ab, n, k, g);
-      SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" + std::to_string(k));
+      SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                   (sam ? "" : " (scale after the MMA off)"));
       const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
       const auto b = random_act(ab, size_t(n), rng, 0.5f);
       std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
+      // Scaling after the MMA, the GEMV computes with s * code + b unrounded.
+      const std::vector<float>& wv =
+          cuda::gemv_int_scales_after_mma(ab, g.layout.bits, g.layout.group) ? g.exact : g.values;
       for (int j = 0; j < n; ++j)
         for (int r = 0; r < kM; ++r) {
           double acc = 0, a = 0;
           for (int i = 0; i < k; ++i) {
-            const double p = double(g.values[size_t(j) * k + i]) * xr[size_t(r) * k + i];
+            const double p = double(wv[size_t(j) * k + i]) * xr[size_t(r) * k + i];
             acc += p;
             a += std::fabs(p);
           }
@@ -215,5 +232,6 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
               << "token " << tokens[t] << " column " << i;
       }
     }
+  cuda::set_kernel_switches(saved);
   EXPECT_GT(checked, 1000000u);
 }

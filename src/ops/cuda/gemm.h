@@ -139,9 +139,14 @@ struct IntWeight {
 // of 16) and the groups must tile the row.
 bool int_layout_fits(int k, int bits, int group);
 inline constexpr int kGemvIntMaxM = 16;  // gemv_int's rows of x
+// Whether gemv_int applies the scale after the MMA for this layout (bf16 4-bit codes in groups
+// of a multiple of 128, unless KernelSwitches::int_scale_after_mma is off): its weight values
+// are then s * code + b exact, not rounded to the compute type.
+bool gemv_int_scales_after_mma(DType ab, int bits, int group);
 // y[r][c] (row stride ldy >= n) = x[m][k] . w^T (+ bias[n]), 1 <= m <= kGemvIntMaxM
 // (gemv_int.cu: one pass over the codes, decoded in registers for the tensor cores). x, bias
-// and out as gemv_small_m's; the weight's values are s * code + b rounded to the compute type.
+// and out as gemv_small_m's; the weight's values are s * code + b rounded to the compute type
+// (or exact: gemv_int_scales_after_mma).
 // ldy lets the parts of a fused weight held in different layouts write their rows of one y.
 void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
               int n, int k, void* stream);

@@ -43,6 +43,7 @@
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv_common.cuh"
+#include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/pdl.cuh"
 #include "ops/cuda/per_device.cuh"
@@ -90,6 +91,14 @@ __device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t s2, uint32_
   }
 }
 
+// 8 4-bit codes -> 128 + code as bf16 pairs, codes (0, 4), (1, 5), (2, 6), (3, 7): the scale-
+// after-MMA decode (groups of 128 and more), one LOP3 per pair.
+__device__ __forceinline__ void int4x8_to_biased_pairs(uint32_t w, uint32_t (&p)[4]) {
+  const uint32_t magic = 0x43004300u;  // 128.0 in both halves
+#pragma unroll
+  for (int j = 0; j < 4; ++j) asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(p[j]) : "r"(w >> (4 * j)), "n"(0x000f000f), "r"(magic));
+}
+
 // 4 signed 8-bit codes (code 0 in the low byte) -> the weights of codes (0, 2) and (1, 3) as
 // 16-bit pairs, s * code + b with s2 = (s, s) and b2 = (b, b) in the compute type. A byte goes
 // to the low byte of a 16-bit half (one PRMT per pair), then:
@@ -132,7 +141,7 @@ __device__ __forceinline__ float param_hi(uint32_t p) {
   return V::load(uint16_t(p >> 16));
 }
 
-template <class V, int BITS, int NT, int RT, bool kF32Out>
+template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM>
 __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group, const uint16_t* bias,
                     void* y, int ldy, int m, int n, int k) {
@@ -225,12 +234,55 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     __syncwarp();
     issue(i + S - 1);  // refills the slot read in round i - 1
     const char* slot = ring + (i % S) * kStageBytes + lane * 16;
+    // Scale after the MMA: a round's 128 columns lie in one group of every row, so the MMA takes
+    // 128 + q as decoded (exact in bf16) and sum (128 + q) x becomes s (that - 128 sum x) + b sum x
+    // in fp32, per row; sum x over the round comes from one MMA of ones per B fragment.
+    float sx[NT][4];
+    if constexpr (SAM) {
+      constexpr uint32_t kOnes = 0x3f803f80u;
+      const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+#pragma unroll
+      for (int q = 0; q < NT; ++q) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sx[q][e] = 0.0f;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          mma::mma16816<true>(sx[q], ones, xw[q][4 * v], xw[q][4 * v + 1]);
+          mma::mma16816<true>(sx[q], ones, xw[q][4 * v + 2], xw[q][4 * v + 3]);
+        }
+      }
+    }
 #pragma unroll
     for (int j = 0; j < RT; ++j) {
       const uint4 lo = *reinterpret_cast<const uint4*>(slot + (2 * j) * 512);
       const uint4 hi = *reinterpret_cast<const uint4*>(slot + (2 * j + 1) * 512);
       const uint32_t lw[4] = {lo.x, lo.y, lo.z, lo.w}, hw[4] = {hi.x, hi.y, hi.z, hi.w};
-      if constexpr (BITS == 4) {
+      if constexpr (SAM) {
+        float raw[NT][4] = {};
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          uint32_t pl[4], ph[4];
+          int4x8_to_biased_pairs(lw[v], pl);
+          int4x8_to_biased_pairs(hw[v], ph);
+          const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
+#pragma unroll
+          for (int q = 0; q < NT; ++q) {
+            mma::mma16816<true>(raw[q], a0, xw[q][4 * v], xw[q][4 * v + 1]);
+            mma::mma16816<true>(raw[q], a1, xw[q][4 * v + 2], xw[q][4 * v + 3]);
+          }
+        }
+        float sc[2], off[2];  // rows g and g + 8: s, and b - 128 s
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sc[h] = param_lo<V>(pr[j][h]);
+          off[h] = fmaf(-128.0f, sc[h], param_hi<V>(pr[j][h]));
+        }
+#pragma unroll
+        for (int q = 0; q < NT; ++q)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc[j][q][e] = fmaf(sc[e >> 1], raw[q][e], fmaf(off[e >> 1], sx[q][e], acc[j][q][e]));
+      } else if constexpr (BITS == 4) {
         const uint32_t sl = __byte_perm(pr[j][0], 0, 0x1010), bl = __byte_perm(pr[j][0], 0, 0x3232);
         const uint32_t sh = __byte_perm(pr[j][1], 0, 0x1010), bh = __byte_perm(pr[j][1], 0, 0x3232);
 #pragma unroll
@@ -308,11 +360,11 @@ int int_splits(int rows_per_cta, int n, int k, int round) {
   return blocks < sm_count() && kr >= 2 * kIntWarps * 2 ? 2 : 1;
 }
 
-template <class V, int BITS, int NT, int RT, bool kF32Out>
+template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM>
 void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n, int k,
                 cudaStream_t st) {
   using Cfg = IntCfg<RT>;
-  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out>;
+  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM>;
   resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
   const int splits = std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, 4 * 128 / BITS));
   const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
@@ -324,10 +376,17 @@ void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, in
 template <class V, int BITS>
 void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
                     int k, cudaStream_t st) {
+  const bool sam = gemv_int_scales_after_mma(V::kBF16 ? DType::BF16 : DType::F16, BITS, w.group);
   auto go = [&](auto nt, auto rt) {
     constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
-    if (f32) launch_int<V, BITS, NT, RT, true>(x, w, bias, y, ldy, m, n, k, st);
-    else launch_int<V, BITS, NT, RT, false>(x, w, bias, y, ldy, m, n, k, st);
+    constexpr bool kSam = BITS == 4 && V::kBF16;
+    if (kSam && sam) {
+      if (f32) launch_int<V, BITS, NT, RT, true, kSam>(x, w, bias, y, ldy, m, n, k, st);
+      else launch_int<V, BITS, NT, RT, false, kSam>(x, w, bias, y, ldy, m, n, k, st);
+      return;
+    }
+    if (f32) launch_int<V, BITS, NT, RT, true, false>(x, w, bias, y, ldy, m, n, k, st);
+    else launch_int<V, BITS, NT, RT, false, false>(x, w, bias, y, ldy, m, n, k, st);
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
@@ -406,6 +465,11 @@ void check_int(const char* what, DType ab, const IntWeight& w, int k) {
 }
 
 }  // namespace
+
+bool gemv_int_scales_after_mma(DType ab, int bits, int group) {
+  // f16's magic number is 1024: the cancellation of 1024 sum x would cost more than it saves.
+  return ab == DType::BF16 && bits == 4 && group % 128 == 0 && kernel_switches().int_scale_after_mma;
+}
 
 bool int_layout_fits(int k, int bits, int group) {
   const int c16 = bits == 4 ? 32 : bits == 8 ? 16 : 0;

@@ -40,6 +40,9 @@ struct KernelSwitches {
   // for it (add_rmsnorm's codes), sparing the GEMM its own quantization pass; off: the GEMM
   // quantizes, for measurements.
   bool fp8_norm_codes = true;
+  // gemv_int: bf16 4-bit codes in groups of 128 or more apply the scale after the MMA (one
+  // instruction per pair of codes instead of three); off: the per-weight decode, for the lab.
+  bool int_scale_after_mma = true;
 };
 
 void set_kernel_switches(const KernelSwitches& s);
