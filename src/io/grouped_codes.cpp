@@ -12,7 +12,7 @@
 namespace kvlm {
 
 std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type) {
-  if (is_grouped_rows_type(type)) return GroupedLayout{4, int(type & 0xFFFFu)};
+  if (is_grouped_rows_type(type)) return GroupedLayout{4, int(type & 0xFFFFu), true};
   switch (GGMLType(type)) {
     case GGMLType::Q4_0:
     case GGMLType::Q4_1:
@@ -35,7 +35,7 @@ std::string block_type_name(uint32_t type) {
 
 void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uint8_t* codes, float* scales,
                          float* offsets) {
-  if (is_grouped_rows_type(type)) {  // codes, then (s, b) per group as fp32
+  if (is_grouped_rows_type(type)) {  // codes, then (s, z) per group as fp32
     const int group = int(type & 0xFFFFu);
     if (group <= 0 || cols % group != 0 || cols % 2 != 0)
       throw Error("a row of " + std::to_string(cols) + " values is not whole groups of " + std::to_string(group));
@@ -90,17 +90,27 @@ uint32_t grouped_param(DType type, float scale, float offset) {
   return s | b << 16;
 }
 
+uint32_t grouped_param_zero_point(DType type, float scale, int zero) {
+  // 16: GPTQ's format stores z - 1, and a stored 15 (-1) decodes as 16, as its kernels do
+  if (zero < 0 || zero > 16) throw Error("a 4-bit zero point of " + std::to_string(zero) + " is outside 0..16");
+  const float magic = type == DType::BF16 ? 128.0f : 1024.0f;
+  return grouped_param(type, scale, -(magic + float(zero)));  // exact in either type
+}
+
 void grouped_dequantize_row(GroupedLayout l, DType param_type, const uint8_t* codes, const uint32_t* params,
                             int64_t cols, std::span<float> out) {
-  KVLM_CHECK(out.size() == size_t(cols) && cols % l.group == 0 && (l.bits == 4 || l.bits == 8),
+  KVLM_CHECK(out.size() == size_t(cols) && cols % l.group == 0 && (l.bits == 4 || l.bits == 8) &&
+                 (!l.zero_point || l.bits == 4),
              "grouped_dequantize_row: bad shape");
   auto f = [&](uint32_t h) {
     return param_type == DType::BF16 ? num::bf16_to_f32(uint16_t(h)) : num::f16_to_f32(uint16_t(h));
   };
+  const float magic = param_type == DType::BF16 ? 128.0f : 1024.0f;
   for (int64_t c = 0; c < cols; ++c) {
     const uint32_t p = params[c / l.group];
     const int code = l.bits == 4 ? (codes[c / 2] >> (4 * (c % 2))) & 0x0F : int(int8_t(codes[c]));
-    out[size_t(c)] = f(p & 0xFFFF) * float(code) + f(p >> 16);
+    out[size_t(c)] = l.zero_point ? f(p & 0xFFFF) * (float(code) + magic + f(p >> 16))  // s (code - z)
+                                  : f(p & 0xFFFF) * float(code) + f(p >> 16);
   }
 }
 

@@ -6,8 +6,10 @@
 //     w = s * code + b
 // with 4-bit codes unsigned (0..15) and 8-bit codes signed (-128..127). Every format kvlm keeps
 // 4-bit or 8-bit on the GPU maps onto it without loss beyond rounding s and b to 16 bits:
-// ggml's scales and minimums (Q4_K: s = d sc, b = -dmin m per 32 values), zero points
-// (s (q - z): b = -s z), symmetric codes (Q4_0: b = -8 d; Q8_0 and Q6_K: b = 0). One layout
+// ggml's scales and minimums (Q4_K: s = d sc, b = -dmin m per 32 values), symmetric codes
+// (Q4_0: b = -8 d; Q8_0 and Q6_K: b = 0); zero points (s (q - z): AWQ, GPTQ) take the
+// zero-point variant of the 4-bit layout, whose groups hold z in place of b so that the decode
+// subtracts it exactly (b = -s z rounded to 16 bits would shift a whole group). One layout
 // means one kernel family, and the kernels decode a code to the compute type with two
 // instructions instead of each block type's own bit layout.
 //
@@ -29,14 +31,17 @@ namespace kvlm {
 struct GroupedLayout {
   int bits = 0;   // 4 or 8
   int group = 0;  // columns per (scale, offset)
+  // 4-bit only: each group holds a zero point z instead of an offset, w = s * (code - z), so
+  // that the decode subtracts it exactly (AWQ / GPTQ / compressed-tensors; grouped_param_zero_point)
+  bool zero_point = false;
   bool operator==(const GroupedLayout&) const = default;
 };
 
-// kvlm's own block type beside ggml's, for rows that are already grouped codes: 4-bit codes
-// (grouped_code_bytes) followed by each group's fp32 scale and offset, `grouped_rows_bytes` a
-// row. 4-bit integer checkpoints (AWQ, GPTQ, compressed-tensors: w = (q - z) s, so s and
-// b = -z s) hand their modules over as these (io/int4_checkpoint.h), and the weight loaders
-// take them as any kept block type. Its ids lie above every ggml type's.
+// kvlm's own block type beside ggml's, for rows that are already grouped codes of a zero-point
+// layout: 4-bit codes (grouped_code_bytes) followed by each group's fp32 scale and zero point,
+// `grouped_rows_bytes` a row. 4-bit integer checkpoints (AWQ, GPTQ, compressed-tensors:
+// w = (q - z) s) hand their modules over as these (io/int4_checkpoint.h), and the weight
+// loaders take them as any kept block type. Its ids lie above every ggml type's.
 constexpr uint32_t kGroupedRowsType = 0x4B560000u;
 inline uint32_t grouped_rows_type(int group) { return kGroupedRowsType | uint32_t(group); }
 inline bool is_grouped_rows_type(uint32_t type) { return (type & 0xFFFF0000u) == kGroupedRowsType; }
@@ -59,7 +64,7 @@ inline size_t grouped_row_bytes(GroupedLayout l, int64_t cols) {
 // One row of `cols` values of ggml type `type` (its blocks, row_bytes of them) as codes
 // (`grouped_code_bytes`: 4-bit codes two per byte, the lower column in the low nibble; 8-bit
 // codes one signed byte each) and the fp32 scale and offset of each group (`grouped_groups`
-// of each). Throws kvlm::Error for a type without a layout or cols not a whole number of blocks.
+// of each; for a zero-point layout, the zero point in place of the offset). Throws kvlm::Error for a type without a layout or cols not a whole number of blocks.
 void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uint8_t* codes, float* scales,
                          float* offsets);
 
@@ -67,6 +72,10 @@ void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uin
 // them: one 32-bit word, the scale in the low half. Rounds to nearest even; throws kvlm::Error
 // when either is not finite in that type (an f16 overflow).
 uint32_t grouped_param(DType type, float scale, float offset);
+// A zero-point layout's word: the scale, and -(M + z) where M is the 4-bit decode's magic
+// number (128 in bf16, 1024 in f16), which the decode's first fma adds to M + code: code - z
+// exactly, then times s, one rounding. z in 0..16 (GPTQ's stored z - 1 of 15 decodes as 16).
+uint32_t grouped_param_zero_point(DType type, float scale, int zero);
 
 // The reference the kernels are tested against: a row of grouped codes with its 32-bit
 // parameters (grouped_param) as fp32 values, s * code + b in fp32.

@@ -283,11 +283,11 @@ void int4_to_grouped_rows(const Int4Scheme& s, const Int4Module& m, const Tensor
     uint8_t* row = out + size_t(o) * rb;
     const uint8_t* q = u.q.data() + size_t(o * cols);
     for (int64_t i = 0; i < cols; i += 2) row[i / 2] = uint8_t(q[i] | q[i + 1] << 4);
-    for (int64_t gi = 0; gi < groups; ++gi) {  // w = (q - z) s = s q + (-z s)
+    for (int64_t gi = 0; gi < groups; ++gi) {  // w = (q - z) s
       const size_t gz = size_t(gi * rows + o);
-      const float sc = u.sc[gz], off = -float(u.z[gz]) * sc;
+      const float sc = u.sc[gz], z = float(u.z[gz]);
       std::memcpy(row + cb + size_t(8 * gi), &sc, 4);
-      std::memcpy(row + cb + size_t(8 * gi + 4), &off, 4);
+      std::memcpy(row + cb + size_t(8 * gi + 4), &z, 4);
     }
   }
 }

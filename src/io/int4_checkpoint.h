@@ -86,7 +86,7 @@ std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, con
 int int4_grouped_group(const Int4Scheme& s, const Int4Module& m, const TensorView* g_idx);
 
 // The module as m.rows grouped rows (grouped_rows_bytes(group, m.cols) bytes each) into `out`:
-// the codes q, and per group s and b = -z s, so that s q + b = (q - z) s.
+// the codes q, and per group s and z (w = (q - z) s), in the zero-point layout.
 void int4_to_grouped_rows(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
                           const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx, int group,
                           uint8_t* out);

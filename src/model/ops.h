@@ -53,6 +53,7 @@ struct WeightBlocks {
 struct WeightCodes {
   int64_t row0 = 0, rows = 0;
   int bits = 0, group = 0;
+  bool zero_point = false;  // params hold (s, z) in the form grouped_param_zero_point writes
   const uint8_t* codes = nullptr;
   const uint32_t* params = nullptr;
 };

@@ -55,19 +55,23 @@ Grouped from_ggml(DType ab, GGMLType type, int n, int k, std::mt19937& rng) {
   return g;
 }
 
-// A 4-bit zero-point layout (AWQ / GPTQ style: s (q - z), b = -s z), random codes.
-Grouped zero_point(DType ab, int group, int n, int k, std::mt19937& rng) {
+// A 4-bit zero-point layout (AWQ / GPTQ style: s (q - z)), random codes: as an offset
+// b = -s z rounded to the compute type (`exact_zero` false), or as the zero-point layout that
+// subtracts z exactly (grouped_param_zero_point; z up to 16, as GPTQ's format can decode).
+Grouped zero_point(DType ab, int group, int n, int k, std::mt19937& rng, bool exact_zero) {
   Grouped g;
-  g.layout = {4, group};
-  g.name = "4-bit zero point, group " + std::to_string(group);
+  g.layout = {4, group, exact_zero};
+  g.name = std::string(exact_zero ? "4-bit zero-point layout" : "4-bit zero point as offsets") + ", group " +
+           std::to_string(group);
   g.codes.resize(size_t(n) * size_t(k) / 2);
   for (auto& c : g.codes) c = uint8_t(rng());
   std::uniform_real_distribution<float> us(2e-3f, 1e-2f);
-  std::uniform_int_distribution<int> uz(0, 15);
+  std::uniform_int_distribution<int> uz(0, 16);
   g.params.resize(size_t(n) * size_t(k / group));
   for (auto& p : g.params) {
     const float s = us(rng);
-    p = grouped_param(ab, s, -s * float(uz(rng)));
+    const int z = uz(rng);
+    p = exact_zero ? grouped_param_zero_point(ab, s, z) : grouped_param(ab, s, -s * float(z));
   }
   return g;
 }
@@ -103,6 +107,8 @@ TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
   Dev<uint16_t> dx(17 * 256), dy(17 * 64);
   const cuda::IntWeight bad{.codes = dc.p, .params = dp.p, .bits = 4, .group = 16};
   EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 16, 1, 16, 256, nullptr), Error);
+  const cuda::IntWeight zp8{.codes = dc.p, .params = dp.p, .bits = 8, .group = 16, .zero_point = true};
+  EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, zp8, nullptr, dy.p, 16, 1, 16, 256, nullptr), Error);
   const cuda::IntWeight ok{.codes = dc.p, .params = dp.p, .bits = 4, .group = 32};
   EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 16, 17, 16, 256, nullptr), Error);
   EXPECT_THROW(cuda::gemv_int(DType::F32, DType::F32, dx.p, ok, nullptr, dy.p, 16, 1, 16, 256, nullptr), Error);
@@ -122,7 +128,8 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
   if (test::compute_capability() < 80) GTEST_SKIP() << "bf16 tensor cores need sm_80";
   std::mt19937 rng(41);
   struct Case {
-    GGMLType type;  // Q4_0 .. Q6_K, or F32 for a zero-point layout of `group`
+    GGMLType type;  // Q4_0 .. Q6_K, or F32 for a zero-point layout of `group` (GGMLType::F16: the
+                    // exact zero-point layout)
     int group, n, k;
   };
   const Case cases[] = {
@@ -130,7 +137,8 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       {GGMLType::Q4_1, 0, 1000, 1056}, {GGMLType::Q5_0, 0, 33, 160},   {GGMLType::Q5_1, 0, 61, 2080},
       {GGMLType::Q8_0, 0, 97, 4128},  {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q2_K, 0, 50, 512},
       {GGMLType::Q3_K, 0, 17, 1280},  {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
-      {GGMLType::F32, 2048, 9000, 2048}};
+      {GGMLType::F32, 2048, 9000, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
+      {GGMLType::F16, 64, 33, 2112}};
   constexpr int kM = cuda::kGemvIntMaxM;
   size_t checked = 0;
   const auto saved = cuda::kernel_switches();
@@ -138,11 +146,13 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
   for (DType ab : kActs)
     for (const Case& c : cases) {
       const int n = c.n, k = c.k;
-      if (!sam && !(ab == DType::BF16 && c.type == GGMLType::F32 && c.group % 128 == 0)) continue;
+      const bool zp_case = c.type == GGMLType::F32 || c.type == GGMLType::F16;
+      if (!sam && !(ab == DType::BF16 && zp_case && c.group % 128 == 0)) continue;
       auto sw = saved;
       sw.int_scale_after_mma = sam;
       cuda::set_kernel_switches(sw);
-      Grouped g = c.type == GGMLType::F32 ? zero_point(ab, c.group, n, k, rng) : from_ggml(ab, c.type, n, k, rng);
+      Grouped g = zp_case ? zero_point(ab, c.group, n, k, rng, c.type == GGMLType::F16)
+                          : from_ggml(ab, c.type, n, k, rng);
       fill_values(ab, n, k, g);
       SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                    (sam ? "" : " (scale after the MMA off)"));
@@ -169,7 +179,8 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       const int ldy = n + 3;  // wider than n: only columns [0, n) of each row are written
       Dev<uint16_t> dy16(size_t(kM) * ldy);
       Dev<float> dy32(size_t(kM) * ldy);
-      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group};
+      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
+                              .zero_point = g.layout.zero_point};
       ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
       for (int m = 1; m <= kM; ++m)
         for (int mode = 0; mode < 2; ++mode) {  // 0: 16-bit out + bias, 1: float32 out

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/numeric.h"
 #include "io/ggml_dequant.h"
 #include "io/gguf.h"
 #include "io/grouped_codes.h"
@@ -69,6 +70,40 @@ TEST(GroupedCodes, RefusesWhatHasNoLayout) {
   EXPECT_THROW(grouped_param(DType::F16, 1e6f, 0.0f), Error);  // past f16's range
   EXPECT_THROW(grouped_param(DType::F32, 1.0f, 0.0f), Error);
   EXPECT_NO_THROW(grouped_param(DType::BF16, 1e6f, 0.0f));
+}
+
+}  // namespace
+}  // namespace kvlm
+
+namespace kvlm {
+namespace {
+
+// The zero-point layout's word holds the scale and -(M + z), M the 4-bit decode's magic number:
+// exact in bf16 and f16 for every z in 0..16, and its values are s (code - z) exactly.
+TEST(GroupedCodes, ZeroPointLayoutSubtractsTheZeroExactly) {
+  const GroupedLayout l{4, 32, true};
+  std::vector<uint8_t> codes(16);
+  for (int c = 0; c < 32; c += 2) codes[size_t(c / 2)] = uint8_t((c / 2) | (15 - c / 2) << 4);
+  for (DType t : {DType::BF16, DType::F16})
+    for (int z = 0; z <= 16; ++z) {
+      const float s = 0.0078125f;  // exact in both types
+      const uint32_t p = grouped_param_zero_point(t, s, z);
+      const float hi = t == DType::BF16 ? num::bf16_to_f32(uint16_t(p >> 16)) : num::f16_to_f32(uint16_t(p >> 16));
+      EXPECT_EQ(hi, -((t == DType::BF16 ? 128.0f : 1024.0f) + float(z)));
+      std::vector<float> out(32);
+      grouped_dequantize_row(l, t, codes.data(), &p, 32, out);
+      for (int c = 0; c < 32; ++c) {
+        const int code = c % 2 ? 15 - c / 2 : c / 2;
+        EXPECT_EQ(out[size_t(c)], s * float(code - z)) << dtype_name(t) << " z=" << z << " column " << c;
+      }
+    }
+  EXPECT_THROW(grouped_param_zero_point(DType::BF16, 1.0f, 17), Error);
+  EXPECT_THROW(grouped_param_zero_point(DType::BF16, 1.0f, -1), Error);
+  // Rows of kvlm's own block type (4-bit checkpoints) carry (s, z) and take the zero-point layout.
+  const auto rows = grouped_layout_of_ggml(grouped_rows_type(128));
+  ASSERT_TRUE(rows);
+  EXPECT_EQ(*rows, (GroupedLayout{4, 128, true}));
+  EXPECT_FALSE(grouped_layout_of_ggml(uint32_t(GGMLType::Q4_1))->zero_point);
 }
 
 }  // namespace

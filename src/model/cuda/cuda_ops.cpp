@@ -95,8 +95,9 @@ void CudaOps::embed(const Weight& table, float scale, Tensor x) {
   if (!table.codes.empty()) {
     KVLM_CHECK(table.codes.size() == 1, "an embedding table of grouped codes in one part");
     const WeightCodes& c = table.codes[0];
-    cuda::embed_rows_int(act_, {.codes = c.codes, .params = c.params, .bits = c.bits, .group = c.group}, step_.tokens,
-                         int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
+    const cuda::IntWeight w{.codes = c.codes, .params = c.params, .bits = c.bits, .group = c.group,
+                            .zero_point = c.zero_point};
+    cuda::embed_rows_int(act_, w, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
     return;
   }
   cuda::embed_rows(act_, table.data, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
@@ -238,7 +239,8 @@ void CudaOps::int_linear(const void* x, const Weight& w, const Weight& bias, voi
   const bool gemv = m <= kIntGemvPasses * cuda::kGemvIntMaxM;
   KVLM_CHECK(gemv || fp8_scratch_ != nullptr, "a weight of grouped codes without the runner's dequantization buffer");
   for (const WeightCodes& p : w.codes) {
-    const cuda::IntWeight iw{.codes = p.codes, .params = p.params, .bits = p.bits, .group = p.group};
+    const cuda::IntWeight iw{.codes = p.codes, .params = p.params, .bits = p.bits, .group = p.group,
+                             .zero_point = p.zero_point};
     if (gemv) {
       // biases are in the compute dtype (gpu_weight_dtype)
       const void* b = bias ? static_cast<const uint8_t*>(bias.data) + size_t(p.row0) * dtype_size(act_) : nullptr;

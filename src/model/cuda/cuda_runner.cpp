@@ -215,7 +215,8 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
                               sc.data(), off.data());
           for (size_t g = 0; g < ng; ++g) {
             try {
-              params[size_t(row) * ng + g] = grouped_param(m_.act, sc[g], off[g]);
+              params[size_t(row) * ng + g] = r.layout.zero_point ? grouped_param_zero_point(m_.act, sc[g], int(off[g]))
+                                                                 : grouped_param(m_.act, sc[g], off[g]);
             } catch (const Error& e) {
               throw Error("tensor '" + s.pieces[pi].name + "': " + e.what() +
                           "; run it with --dtype bfloat16 or --dequantize-weights");
@@ -227,7 +228,8 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
       KVLM_CUDA_CHECK(cudaMemcpy(at, codes.data(), codes.size(), cudaMemcpyHostToDevice));
       KVLM_CUDA_CHECK(cudaMemcpy(at + cbytes, params.data(), params.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
       parts.push_back(WeightCodes{.row0 = row0, .rows = r.rows, .bits = r.layout.bits, .group = r.layout.group,
-                                  .codes = at, .params = reinterpret_cast<const uint32_t*>(at + cbytes)});
+                                  .zero_point = r.layout.zero_point, .codes = at,
+                                  .params = reinterpret_cast<const uint32_t*>(at + cbytes)});
       m_.weight_bytes += codes.size() + params.size() * sizeof(uint32_t);
       at += cbytes + param_bytes(r, cols);
       row0 += r.rows;

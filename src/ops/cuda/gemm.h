@@ -133,6 +133,9 @@ struct IntWeight {
   const uint32_t* params = nullptr;
   int bits = 0;   // 4 or 8
   int group = 0;  // columns per (s, b)
+  // 4-bit: the words hold (s, -(M + z)) (io/grouped_codes.h grouped_param_zero_point) and
+  // w = s * (code - z), the zero point subtracted exactly
+  bool zero_point = false;
 };
 // Whether the kernels take grouped codes of `bits` in groups of `group` for rows of k: a
 // lane's 16 bytes of codes must lie in one group (4-bit: k and group multiples of 32; 8-bit:

@@ -66,13 +66,27 @@ struct IntCfg {
 // warp in flight, more than an SM's share of the bandwidth-latency product.
 constexpr int int_min_blocks(int, int) { return 2; }
 
-// 8 4-bit codes (code j in bits 4j..4j+3) -> the weights of codes (0, 4), (1, 5), (2, 6), (3, 7)
-// as 16-bit pairs, s * code + b with s2 = (s, s) and b2 = (b, b) in the compute type.
 template <bool kBF16>
-__device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t s2, uint32_t b2, uint32_t (&p)[4]) {
+inline constexpr uint32_t kNegMagic2 = kBF16 ? 0xc300c300u : 0xe400e400u;  // -128.0 / -1024.0 in both halves
+
+// A 4-bit group's word as the decode's three pairs: a2 the first fma's addend (minus the magic
+// number, or -(magic + z) for a zero-point layout), s2 the scale, b2 the offset (0 for a
+// zero-point layout).
+template <bool kBF16>
+__device__ __forceinline__ void int4_param_pairs(uint32_t p, bool zp, uint32_t& a2, uint32_t& s2, uint32_t& b2) {
+  s2 = __byte_perm(p, 0, 0x1010);
+  const uint32_t hi = __byte_perm(p, 0, 0x3232);
+  a2 = zp ? hi : kNegMagic2<kBF16>;
+  b2 = zp ? 0u : hi;
+}
+
+// 8 4-bit codes (code j in bits 4j..4j+3) -> the weights of codes (0, 4), (1, 5), (2, 6), (3, 7)
+// as 16-bit pairs, (code + magic + a) s + b with a2, s2 and b2 from int4_param_pairs: s code + b,
+// or s (code - z), each rounded once.
+template <bool kBF16>
+__device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t a2, uint32_t s2, uint32_t b2, uint32_t (&p)[4]) {
   constexpr uint32_t kMagic = kBF16 ? 0x43004300u : 0x64006400u;  // 128.0 / 1024.0 in both halves
   constexpr uint32_t kOne = kBF16 ? 0x3f803f80u : 0x3c003c00u;
-  constexpr uint32_t kNegMagic = kBF16 ? 0xc300c300u : 0xe400e400u;
   // (w >> 4j) & mask | magic as one LOP3: written out, because LOP3 takes one immediate and
   // ptxas otherwise splits the mask-and-or of two constants into two instructions.
   const uint32_t magic = kMagic;
@@ -82,10 +96,10 @@ __device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t s2, uint32_
     asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(w >> (4 * j)), "n"(0x000f000f), "r"(magic));
     uint32_t q;
     if constexpr (kBF16) {
-      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(kNegMagic));
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(a2));
       asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(q), "r"(s2), "r"(b2));
     } else {
-      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(kNegMagic));
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(a2));
       asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(q), "r"(s2), "r"(b2));
     }
   }
@@ -141,10 +155,13 @@ __device__ __forceinline__ float param_hi(uint32_t p) {
   return V::load(uint16_t(p >> 16));
 }
 
-template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM>
+// ZP: a zero-point layout (IntWeight::zero_point), a template parameter because a runtime
+// choice costs the m = 9-16 variants 20 more bytes of spills and 12-25% of their time.
+template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
 __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
-    gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group, const uint16_t* bias,
-                    void* y, int ldy, int m, int n, int k) {
+    gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
+                    const uint16_t* bias, void* y, int ldy, int m, int n, int k) {
+  constexpr bool zp = ZP;
   using Cfg = IntCfg<RT>;
   constexpr int S = Cfg::kStages, NW = kIntWarps, C = NT * 8, kRows = Cfg::kRows, kStageBytes = Cfg::kStageBytes;
   constexpr int C16 = 128 / BITS;   // codes in a lane's 16 bytes
@@ -271,11 +288,12 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
             mma::mma16816<true>(raw[q], a1, xw[q][4 * v + 2], xw[q][4 * v + 3]);
           }
         }
-        float sc[2], off[2];  // rows g and g + 8: s, and b - 128 s
+        float sc[2], off[2];  // rows g and g + 8: s, and b - 128 s (zero point: -(128 + z) s)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           sc[h] = param_lo<V>(pr[j][h]);
-          off[h] = fmaf(-128.0f, sc[h], param_hi<V>(pr[j][h]));
+          const float hi = param_hi<V>(pr[j][h]);
+          off[h] = zp ? hi * sc[h] : fmaf(-128.0f, sc[h], hi);
         }
 #pragma unroll
         for (int q = 0; q < NT; ++q)
@@ -283,13 +301,14 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
           for (int e = 0; e < 4; ++e)
             acc[j][q][e] = fmaf(sc[e >> 1], raw[q][e], fmaf(off[e >> 1], sx[q][e], acc[j][q][e]));
       } else if constexpr (BITS == 4) {
-        const uint32_t sl = __byte_perm(pr[j][0], 0, 0x1010), bl = __byte_perm(pr[j][0], 0, 0x3232);
-        const uint32_t sh = __byte_perm(pr[j][1], 0, 0x1010), bh = __byte_perm(pr[j][1], 0, 0x3232);
+        uint32_t al, sl, bl, ah, sh, bh;
+        int4_param_pairs<V::kBF16>(pr[j][0], zp, al, sl, bl);
+        int4_param_pairs<V::kBF16>(pr[j][1], zp, ah, sh, bh);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
           uint32_t pl[4], ph[4];
-          int4x8_to_pairs<V::kBF16>(lw[v], sl, bl, pl);
-          int4x8_to_pairs<V::kBF16>(hw[v], sh, bh, ph);
+          int4x8_to_pairs<V::kBF16>(lw[v], al, sl, bl, pl);
+          int4x8_to_pairs<V::kBF16>(hw[v], ah, sh, bh, ph);
           const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
 #pragma unroll
           for (int q = 0; q < NT; ++q) {
@@ -360,11 +379,11 @@ int int_splits(int rows_per_cta, int n, int k, int round) {
   return blocks < sm_count() && kr >= 2 * kIntWarps * 2 ? 2 : 1;
 }
 
-template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM>
+template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
 void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n, int k,
                 cudaStream_t st) {
   using Cfg = IntCfg<RT>;
-  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM>;
+  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM, ZP>;
   resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
   const int splits = std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, 4 * 128 / BITS));
   const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
@@ -377,16 +396,22 @@ template <class V, int BITS>
 void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
                     int k, cudaStream_t st) {
   const bool sam = gemv_int_scales_after_mma(V::kBF16 ? DType::BF16 : DType::F16, BITS, w.group);
-  auto go = [&](auto nt, auto rt) {
+  auto launch = [&](auto nt, auto rt, auto zp) {
     constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
-    constexpr bool kSam = BITS == 4 && V::kBF16;
+    constexpr bool ZP = decltype(zp)::value, kSam = BITS == 4 && V::kBF16;
     if (kSam && sam) {
-      if (f32) launch_int<V, BITS, NT, RT, true, kSam>(x, w, bias, y, ldy, m, n, k, st);
-      else launch_int<V, BITS, NT, RT, false, kSam>(x, w, bias, y, ldy, m, n, k, st);
+      if (f32) launch_int<V, BITS, NT, RT, true, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st);
+      else launch_int<V, BITS, NT, RT, false, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st);
       return;
     }
-    if (f32) launch_int<V, BITS, NT, RT, true, false>(x, w, bias, y, ldy, m, n, k, st);
-    else launch_int<V, BITS, NT, RT, false, false>(x, w, bias, y, ldy, m, n, k, st);
+    if (f32) launch_int<V, BITS, NT, RT, true, false, ZP>(x, w, bias, y, ldy, m, n, k, st);
+    else launch_int<V, BITS, NT, RT, false, false, ZP>(x, w, bias, y, ldy, m, n, k, st);
+  };
+  auto go = [&](auto nt, auto rt) {
+    if constexpr (BITS == 4) {
+      if (w.zero_point) return launch(nt, rt, std::true_type{});
+    }
+    launch(nt, rt, std::false_type{});
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
@@ -402,8 +427,8 @@ void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bia
 // One thread per 16 bytes of codes (C16 values of one group): out = s * code + b, rounded to the
 // compute type as the GEMV's decode rounds it.
 template <class V, int BITS>
-__global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params, int group, int ng, uint4* out,
-                                      int total, int vpr) {
+__global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params, int group, int ng, bool zp,
+                                      uint4* out, int total, int vpr) {
   constexpr int C16 = 128 / BITS;
   const int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
   if (i >= total) return;
@@ -413,11 +438,12 @@ __global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params
   const uint32_t cw[4] = {c.x, c.y, c.z, c.w};
   uint32_t o[C16 / 2];
   if constexpr (BITS == 4) {
-    const uint32_t s2 = __byte_perm(p, 0, 0x1010), b2 = __byte_perm(p, 0, 0x3232);
+    uint32_t a2, s2, b2;
+    int4_param_pairs<V::kBF16>(p, zp, a2, s2, b2);
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       uint32_t pr[4];  // codes (0, 4), (1, 5), (2, 6), (3, 7) of the word
-      int4x8_to_pairs<V::kBF16>(cw[v], s2, b2, pr);
+      int4x8_to_pairs<V::kBF16>(cw[v], a2, s2, b2, pr);
       // back to column order: (0, 1) (2, 3) (4, 5) (6, 7)
       o[4 * v] = __byte_perm(pr[0], pr[1], 0x5410);
       o[4 * v + 1] = __byte_perm(pr[2], pr[3], 0x5410);
@@ -440,7 +466,7 @@ __global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params
 }
 
 template <class V>
-__global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, int bits, int group,
+__global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, int bits, int group, bool zp,
                                  const TokenId* tokens, int hidden, float* x, float scale) {
   const int r = blockIdx.x;
   const size_t tok = size_t(tokens[r]);
@@ -450,7 +476,10 @@ __global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, i
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
     const int code = bits == 4 ? (c[i / 2] >> (4 * (i % 2))) & 0x0f : int(int8_t(c[i]));
     const uint32_t pg = p[i / group];
-    dst[i] = (param_lo<V>(pg) * float(code) + param_hi<V>(pg)) * scale;
+    const float magic = V::kBF16 ? 128.0f : 1024.0f;  // zero point: hi = -(magic + z)
+    dst[i] = (zp ? param_lo<V>(pg) * (float(code) + magic + param_hi<V>(pg))
+                 : param_lo<V>(pg) * float(code) + param_hi<V>(pg)) *
+             scale;
   }
 }
 
@@ -460,6 +489,7 @@ void check_int(const char* what, DType ab, const IntWeight& w, int k) {
                 std::to_string(w.group) + " do not fit a row of " + std::to_string(k) +
                 " (4-bit: groups and rows multiples of 32; 8-bit: of 16)");
   if (ab != DType::BF16 && ab != DType::F16) throw Error(std::string(what) + ": the compute type must be bf16 or f16");
+  if (w.zero_point && w.bits != 4) throw Error(std::string(what) + ": zero-point layouts are 4-bit");
   if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || reinterpret_cast<uintptr_t>(w.params) % 4 != 0)
     throw Error(std::string(what) + ": the codes must be 16-byte aligned, the parameters 4-byte aligned");
 }
@@ -508,7 +538,7 @@ void dequantize_int(DType to, const IntWeight& w, void* out, int n, int k, void*
   auto* o = static_cast<uint4*>(out);
   const int ng = k / w.group;
   auto go = [&](auto kernel) {
-    kernel<<<blocks, 256, 0, st>>>(c, w.params, w.group, ng, o, int(vectors), vpr);
+    kernel<<<blocks, 256, 0, st>>>(c, w.params, w.group, ng, w.zero_point, o, int(vectors), vpr);
     KVLM_CUDA_CHECK(cudaGetLastError());
   };
   if (to == DType::BF16) w.bits == 4 ? go(dequantize_int_kernel<VecBF16, 4>) : go(dequantize_int_kernel<VecBF16, 8>);
@@ -521,9 +551,11 @@ void embed_rows_int(DType act, const IntWeight& w, const TokenId* tokens, int ro
   check_int("embed_rows_int", act, w, hidden);
   const auto st = static_cast<cudaStream_t>(stream);
   if (act == DType::BF16)
-    embed_int_kernel<VecBF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, tokens, hidden, x, scale);
+    embed_int_kernel<VecBF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, w.zero_point, tokens,
+                                                               hidden, x, scale);
   else
-    embed_int_kernel<VecF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, tokens, hidden, x, scale);
+    embed_int_kernel<VecF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, w.zero_point, tokens,
+                                                              hidden, x, scale);
   KVLM_CUDA_CHECK(cudaGetLastError());
 }
 
