@@ -80,31 +80,43 @@ def to_f32(dtype, arr):
     return arr.astype(np.float32)
 
 
-def quantize(w, group, sym, rng, g_idx=None, min_zero=0):
-    """w [out][in] -> codes [out][in], zeros and fp16 scales [groups][out], g_idx [in]."""
+def quantize_groups(w, group, g_idx, scale_zero, lo_code, hi_code):
+    """w [out][in] in groups of input columns (g_idx [in], default i / group): scale_zero(wg)
+    gives each group's scales and zero points per output row; returns codes [out][in] in
+    lo_code..hi_code, scales and zeros [groups][out], g_idx and the exact dequantized weight."""
     out, n_in = w.shape
     groups = n_in // group
     if g_idx is None:
         g_idx = np.arange(n_in) // group
-    scales = np.zeros((groups, out), np.float16)
+    scales = np.zeros((groups, out), np.float32)
     zeros = np.zeros((groups, out), np.int64)
     codes = np.zeros((out, n_in), np.int64)
     for g in range(groups):
         cols = np.nonzero(g_idx == g)[0]
-        wg = w[:, cols]
+        s, z = scale_zero(w[:, cols])
+        scales[g], zeros[g] = s, z
+        codes[:, cols] = np.clip(np.round(w[:, cols] / s[:, None]) + z[:, None], lo_code, hi_code)
+    deq = (codes - zeros[g_idx].T) * scales[g_idx].T  # [out][in], exact
+    return codes, zeros, scales, g_idx.astype(np.int32), deq.astype(np.float32)
+
+
+def quantize(w, group, sym, rng, g_idx=None, min_zero=0):
+    """AWQ / GPTQ: w [out][in] -> codes 0..15 [out][in], zeros and fp16 scales [groups][out],
+    g_idx [in], the dequantized weight."""
+    def scale_zero(wg):
         if sym:
             s = (np.abs(wg).max(axis=1) / 7.5).astype(np.float16)
-            z = np.full(out, 8)
+            z = np.full(wg.shape[0], 8)
         else:
             lo, hi = wg.min(axis=1), wg.max(axis=1)
             s = ((hi - lo) / 15).astype(np.float16)
             s[s == 0] = np.float16(1e-3)
             z = np.clip(np.round(-lo / s.astype(np.float32)), min_zero, 15).astype(np.int64)
         s[s == 0] = np.float16(1e-3)
-        scales[g], zeros[g] = s, z
-        codes[:, cols] = np.clip(np.round(wg / s.astype(np.float32)[:, None]) + z[:, None], 0, 15)
-    deq = (codes - zeros[g_idx].T) * scales[g_idx].T.astype(np.float32)  # [out][in], exact
-    return codes, zeros, scales, g_idx.astype(np.int32), deq.astype(np.float32)
+        return s.astype(np.float32), z
+
+    codes, zeros, scales, g_idx, deq = quantize_groups(w, group, g_idx, scale_zero, 0, 15)
+    return codes, zeros, scales.astype(np.float16), g_idx, deq
 
 
 def round_bits(x, bits):
@@ -114,32 +126,20 @@ def round_bits(x, bits):
 
 
 def quantize_ct(w, group, sym, g_idx=None):
-    """llm-compressor's min-max observer: w [out][in] -> signed codes [out][in], signed zero
-    points and scales [out][groups] (scales with 4 significant bits), the dequantized weight."""
-    out, n_in = w.shape
-    group = group or n_in
-    groups = n_in // group
-    if g_idx is None:
-        g_idx = np.arange(n_in) // group
-    scales = np.zeros((out, groups), np.float32)
-    zeros = np.zeros((out, groups), np.int64)
-    codes = np.zeros((out, n_in), np.int64)
-    for g in range(groups):
-        cols = np.nonzero(g_idx == g)[0]
-        wg = w[:, cols]
+    """llm-compressor's min-max observer: w [out][in] -> signed codes -8..7 [out][in], signed
+    zero points and scales [out][groups] (scales with 4 significant bits), the dequantized weight."""
+    def scale_zero(wg):
         lo, hi = np.minimum(wg.min(axis=1), 0), np.maximum(wg.max(axis=1), 0)
         if sym:
             s = round_bits(np.maximum(-lo, hi) / 7.5, 4)
             s[s == 0] = 2.0 ** -10
-            z = np.zeros(out, np.int64)
-        else:
-            s = round_bits((hi - lo) / 15, 4)
-            s[s == 0] = 2.0 ** -10
-            z = np.clip(np.round(-8 - lo / s), -8, 7).astype(np.int64)
-        scales[:, g], zeros[:, g] = s, z
-        codes[:, cols] = np.clip(np.round(wg / s[:, None]) + z[:, None], -8, 7)
-    deq = (codes - zeros[:, g_idx]) * scales[:, g_idx]  # exact in float32 and in bfloat16
-    return codes, zeros, scales, g_idx.astype(np.int32), deq.astype(np.float32)
+            return s, np.zeros(wg.shape[0], np.int64)
+        s = round_bits((hi - lo) / 15, 4)
+        s[s == 0] = 2.0 ** -10
+        return s, np.clip(np.round(-8 - lo / s), -8, 7).astype(np.int64)
+
+    codes, zeros, scales, g_idx, deq = quantize_groups(w, group or w.shape[1], g_idx, scale_zero, -8, 7)
+    return codes, zeros.T, scales.T, g_idx, deq
 
 
 def to_bf16(x):
