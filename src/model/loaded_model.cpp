@@ -343,9 +343,10 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
                                                  CudaRunnerOptions{.device = opts.gpu, .cuda_graphs = !opts.enforce_eager,
                                                                    .keep_blocks = !opts.dequantize_weights},
                                                  drafter ? &*drafter : nullptr);
-    if (ckpt.gguf_file())
+    if (ckpt.gguf_file() || ckpt.int4_scheme())
       log::info("weights: " + std::to_string(gpu->weight_bytes() >> 20) + " MiB on the GPU; " +
-                std::to_string(gpu->block_tensors()) + " GGUF tensors kept quantized (4- and 8-bit grouped codes)" +
+                std::to_string(gpu->block_tensors()) + (ckpt.gguf_file() ? " GGUF" : " 4-bit") +
+                " tensors kept quantized (grouped codes)" +
                 (opts.dequantize_weights ? " (--dequantize-weights)" : "") + ", the rest " +
                 std::string(dtype_name(e->plan_->dtype)) +
                 (gpu->block_tensors() > 0 ? ". Kept codes decode faster up to ~4 sequences at a time; with more, "
