@@ -154,9 +154,11 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
       std::string format;
       size_t bytes = 0;
       if (b && device == Device::Cpu && keep_blocks && !sliced && p.layout == PieceLayout::Plain &&
-          ops::cpu::block_kernels_support(b->type)) {
-        format = ggml_type_name(b->type);
-        bytes = size_t(b->rows) * b->row_bytes;
+          (ops::cpu::block_kernels_support(b->type) || is_grouped_rows_type(b->type))) {
+        // a 4-bit checkpoint's grouped rows become Q4_1 blocks (cpu_runner.cpp)
+        const bool rows = is_grouped_rows_type(b->type);
+        format = rows ? block_type_name(b->type) + " as Q4_1" : ggml_type_name(b->type);
+        bytes = size_t(b->rows) * (rows ? size_t(b->cols / 32 * 20) : b->row_bytes);
         ++h.kept[format];
       } else if (const auto l = b ? grouped_layout_of_ggml(b->type) : std::nullopt;
                  l && device == Device::Cuda && keep_blocks && !sliced && p.layout == PieceLayout::Plain) {
@@ -360,13 +362,14 @@ int run_inspect(const InspectFlags& f) {
     }
     std::cout << "\n";
   } else if (const auto& s = ckpt.int4_scheme()) {
+    const std::string held(device == Device::Cuda ? dtype_name(mp.dtype) : std::string_view("float32"));
     std::cout << "weights    " << s->describe() << ": " << ckpt.int4_modules() << " modules, "
-              << (device == Device::Cuda && !f.model.dequantize_weights
+              << (f.model.dequantize_weights ? "dequantized to " + held + " at load (--dequantize-weights)\n"
+                  : device == Device::Cuda
                       ? "kept as 4-bit grouped codes where their groups fit the kernels (\"4-bit gN codes\" below), "
-                        "else dequantized to " + std::string(dtype_name(mp.dtype)) + " at load\n"
-                      : "dequantized to " +
-                            std::string(device == Device::Cuda ? dtype_name(mp.dtype) : std::string_view("float32")) +
-                            " at load\n");
+                        "else dequantized to " + held + " at load\n"
+                      : "kept 4-bit as Q4_1 blocks where their groups fit the kernels (\"4-bit gN as Q4_1\" below), "
+                        "else dequantized to " + held + " at load\n");
   } else {
     std::cout << "weights    " << dtype_name(mp.dtype) << "\n";
   }

@@ -74,6 +74,26 @@ void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uin
   }
 }
 
+bool grouped_row_to_q4_1(int group, const uint8_t* row, int64_t cols, uint8_t* out) {
+  KVLM_CHECK(group > 0 && group % 32 == 0 && cols % group == 0, "grouped_row_to_q4_1: groups that are not whole blocks");
+  const size_t cb = size_t(cols) / 2;
+  for (int64_t blk = 0; blk < cols / 32; ++blk) {
+    const int64_t g = blk * 32 / group;
+    float sc, z;
+    std::memcpy(&sc, row + cb + size_t(8 * g), 4);
+    std::memcpy(&z, row + cb + size_t(8 * g + 4), 4);
+    const uint16_t d = num::f32_to_f16(sc), m = num::f32_to_f16(-z * sc);
+    if (num::f16_to_f32(d) != sc || !std::isfinite(num::f16_to_f32(m))) return false;
+    uint8_t* b = out + size_t(blk) * 20;
+    std::memcpy(b, &d, 2);
+    std::memcpy(b + 2, &m, 2);
+    const uint8_t* q = row + size_t(blk) * 16;  // columns 32 blk + 2 i (low), + 2 i + 1 (high)
+    auto code = [&](int c) { return (q[c / 2] >> (4 * (c % 2))) & 0x0F; };
+    for (int j = 0; j < 16; ++j) b[4 + j] = uint8_t(code(j) | code(j + 16) << 4);  // ggml: j and j + 16
+  }
+  return true;
+}
+
 uint32_t grouped_param(DType type, float scale, float offset) {
   auto to16 = [&](float v) -> uint32_t {
     if (type == DType::BF16) return num::f32_to_bf16(v);

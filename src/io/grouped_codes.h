@@ -47,6 +47,12 @@ inline uint32_t grouped_rows_type(int group) { return kGroupedRowsType | uint32_
 inline bool is_grouped_rows_type(uint32_t type) { return (type & 0xFFFF0000u) == kGroupedRowsType; }
 inline size_t grouped_rows_bytes(int group, int64_t cols) { return size_t(cols) / 2 + size_t(cols / group) * 8; }
 
+// One grouped_rows_type row (zero-point layout, groups a multiple of 32) as ggml Q4_1 blocks
+// (d = s, m = -z s as fp16: w = d q + m), what the CPU's block kernels read. m is rounded to
+// fp16 (at most 2^-12 of z s, shared by the block's 32 weights); returns false, leaving `out`
+// unspecified, when a scale is not exact in fp16 (a bf16 scale below fp16's normal range).
+bool grouped_row_to_q4_1(int group, const uint8_t* row, int64_t cols, uint8_t* out);
+
 // The layout a ggml type's blocks (or a grouped_rows_type's rows) convert to; nullopt for
 // F32/F16/BF16 and unknown types.
 std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type);

@@ -6,6 +6,8 @@
 
 #include "core/error.h"
 #include "core/hadamard.h"
+#include "io/gguf.h"
+#include "io/grouped_codes.h"
 #include "ops/cpu/ops.h"
 #include "ops/cpu/quant_matmul.h"
 
@@ -46,19 +48,38 @@ class HostWeightSink final : public WeightSink {
                  std::deque<std::vector<WeightBlocks>>& block_parts, bool keep_blocks, size_t& bytes)
       : storage_(storage), block_storage_(block_storage), block_parts_(block_parts), keep_blocks_(keep_blocks),
         bytes_(bytes) {}
-  bool keeps_blocks(uint32_t type) const override { return keep_blocks_ && cpu::block_kernels_support(type); }
+  // GGUF blocks the kernels read, and 4-bit checkpoints' grouped rows as Q4_1 blocks.
+  bool keeps_blocks(uint32_t type) const override {
+    return keep_blocks_ && (cpu::block_kernels_support(type) || is_grouped_rows_type(type));
+  }
   Weight store_blocks(const WeightSpec& s, std::span<const Checkpoint::Blocks> pieces) override {
+    const auto q4_1 = uint32_t(GGMLType::Q4_1);
+    auto held_bytes = [&](const Checkpoint::Blocks& p) {
+      return is_grouped_rows_type(p.type) ? size_t(p.cols / 32 * 20) : p.row_bytes;
+    };
     size_t total = 0;
-    for (const auto& p : pieces) total += size_t(p.rows) * p.row_bytes;
+    for (const auto& p : pieces) total += size_t(p.rows) * held_bytes(p);
     auto& bytes = block_storage_.emplace_back(total);
     auto& parts = block_parts_.emplace_back();
     size_t off = 0;
     int64_t row = 0;
+    std::vector<uint8_t> grouped;
     for (const auto& p : pieces) {
-      copy_block_rows(p, bytes.data() + off);
-      parts.push_back(WeightBlocks{.row0 = row, .rows = p.rows, .type = p.type, .data = bytes.data() + off,
-                                   .row_bytes = p.row_bytes});
-      off += size_t(p.rows) * p.row_bytes;
+      const size_t rb = held_bytes(p);
+      if (is_grouped_rows_type(p.type)) {
+        grouped.resize(size_t(p.rows) * p.row_bytes);
+        copy_block_rows(p, grouped.data());
+        for (int64_t r = 0; r < p.rows; ++r)
+          if (!grouped_row_to_q4_1(int(p.type & 0xFFFFu), grouped.data() + size_t(r) * p.row_bytes, p.cols,
+                                   bytes.data() + off + size_t(r) * rb))
+            throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the "
+                        "CPU's 4-bit kernels need; run it with --dequantize-weights");
+      } else {
+        copy_block_rows(p, bytes.data() + off);
+      }
+      parts.push_back(WeightBlocks{.row0 = row, .rows = p.rows, .type = is_grouped_rows_type(p.type) ? q4_1 : p.type,
+                                   .data = bytes.data() + off, .row_bytes = rb});
+      off += size_t(p.rows) * rb;
       row += p.rows;
     }
     KVLM_CHECK(row == s.rows() && pieces.front().cols == s.cols(), "GGUF block pieces do not make the weight's shape");
