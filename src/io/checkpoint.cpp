@@ -167,8 +167,7 @@ void Checkpoint::open_int4(const std::filesystem::path& dir) {
     int4_sources_.push_back(std::move(src));
     tensors_.emplace(weight, std::make_pair(nullptr, &int4_infos_.back()));
   }
-  log::info("opened " + std::to_string(bases->size()) + " " + int4_scheme_->describe() +
-            " tensors (dequantized at load for now)");
+  log::info("opened " + std::to_string(bases->size()) + " " + int4_scheme_->describe() + " tensors");
 }
 
 ptrdiff_t Checkpoint::int4_index(const TensorInfo* t) const {

@@ -409,7 +409,28 @@ c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pac
     "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}}
 json.dump(c, open(sys.argv[1], "w"))
 PY
-expect_error 1 "format 'pack-quantized' is not supported" -- inspect --model "$bl"
+# a W4A16 config over FP8 tensors: the packed tensors decide (there are none), and FP8 tensors
+# without an FP8 scheme to scale them are refused
+expect_error 1 "is float8_e4m3fn, but config.json declares no FP8 quantization_config" -- generate --model "$bl" --prompt-ids 1
+
+# --- 4-bit checkpoints (tests/data/int4): inspect names the scheme and each module's path;
+# what kvlm cannot run is refused by field --------------------------------------------------
+int4="$here/../data/int4"
+"$KVLM" inspect --model "$int4/ct_w4a16" >"$tmp/out" 2>&1 && grep -q "compressed-tensors W4A16, groups of 32, symmetric" "$tmp/out" \
+  && grep -q "4-bit g32 as Q4_1" "$tmp/out" && ok || bad "inspect shows a compressed-tensors W4A16 checkpoint: $(cat "$tmp/out")"
+"$KVLM" inspect --model "$int4/mxfp4" >"$tmp/out" 2>&1 && grep -q "MXFP4 (E2M1 codes, an E8M0 scale per 32): 8 modules" "$tmp/out" \
+  && ok || bad "inspect shows an MXFP4 GPT-OSS: $(cat "$tmp/out")"
+"$KVLM" generate --model "$int4/awq" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && ok \
+  || bad "an AWQ checkpoint generates: $(cat "$tmp/out")"
+w4a8="$tmp/w4a8"
+mkdir -p "$w4a8" && cp "$int4/ct_w4a16"/* "$w4a8/"
+python3 - "$w4a8/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+json.dump(c, open(sys.argv[1], "w"))
+PY
+expect_error 1 "quantized activations beside 4-bit weights (e.g. W4A8) are not supported" -- generate --model "$w4a8" --prompt-ids 1
 
 # --- the bundled model: kvlm-tiny, trained by tools/train, answers arithmetic -------------
 "$KVLM" inspect >"$tmp/out" 2>&1 && grep -q "models/kvlm-tiny" "$tmp/out" && ok || bad "the bundled default is kvlm-tiny"
