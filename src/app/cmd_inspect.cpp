@@ -158,7 +158,7 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
         // a 4-bit checkpoint's grouped rows become Q4_1 blocks (cpu_runner.cpp)
         const bool rows = is_grouped_rows_type(b->type);
         format = rows ? block_type_name(b->type) + " as Q4_1" : ggml_type_name(b->type);
-        bytes = size_t(b->rows) * (rows ? size_t(b->cols / 32 * 20) : b->row_bytes);
+        bytes = size_t(b->rows) * (rows ? ops::cpu::block_row_bytes(uint32_t(GGMLType::Q4_1), b->cols) : b->row_bytes);
         ++h.kept[format];
       } else if (const auto l = b ? grouped_layout_of_ggml(b->type) : std::nullopt;
                  l && device == Device::Cuda && keep_blocks && !sliced && p.layout == PieceLayout::Plain) {

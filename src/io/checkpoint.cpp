@@ -158,6 +158,7 @@ void Checkpoint::open_int4(const std::filesystem::path& dir) {
     const TensorView shape_view = shape.first ? shape.first->view(*shape.second) : TensorView{};
     src.module = check_int4_module(*int4_scheme_, b, src.qweight.second, src.qzeros.second, src.scales.second,
                                    src.g_idx.second, shape.first ? &shape_view : nullptr);
+    src.group = int4_grouped_group(*int4_scheme_, src.module, Int4Views(src).index());
     const Int4Module& m = src.module;
     std::vector<int64_t> dims = m.experts ? std::vector<int64_t>{m.experts, m.cols, m.rows}
                                           : std::vector<int64_t>{m.rows, m.cols};
@@ -168,6 +169,16 @@ void Checkpoint::open_int4(const std::filesystem::path& dir) {
     tensors_.emplace(weight, std::make_pair(nullptr, &int4_infos_.back()));
   }
   log::info("opened " + std::to_string(bases->size()) + " " + int4_scheme_->describe() + " tensors");
+}
+
+Checkpoint::Int4Views::Int4Views(const Int4Source& s) {
+  auto view_of = [](const std::pair<const SafetensorsFile*, const TensorInfo*>& p) {
+    return p.first ? p.first->view(*p.second) : TensorView{};
+  };
+  qweight = view_of(s.qweight);
+  qzeros = view_of(s.qzeros);
+  scales = view_of(s.scales);
+  g_idx = view_of(s.g_idx);
 }
 
 ptrdiff_t Checkpoint::int4_index(const TensorInfo* t) const {
@@ -188,11 +199,8 @@ TensorView Checkpoint::view(std::string_view name) const {
     std::lock_guard lock(*gguf_mu_);
     auto& data = int4_data_[size_t(q)];
     if (data.empty()) {
-      auto view_of = [](const std::pair<const SafetensorsFile*, const TensorInfo*>& p) { return p.first->view(*p.second); };
-      const TensorView gi = s.g_idx.first ? view_of(s.g_idx) : TensorView{};
-      const TensorView qz = s.qzeros.first ? view_of(s.qzeros) : TensorView{};
-      data = dequantize_int4(*int4_scheme_, s.module, view_of(s.qweight), s.qzeros.first ? &qz : nullptr,
-                             view_of(s.scales), s.g_idx.first ? &gi : nullptr);
+      const Int4Views v(s);
+      data = dequantize_int4(*int4_scheme_, s.module, v.qweight, v.zeros(), v.scales, v.index());
     }
     return {it->second.second, {reinterpret_cast<const uint8_t*>(data.data()), data.size() * sizeof(float)}};
   }
@@ -212,17 +220,12 @@ std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) cons
   if (it == tensors_.end() || it->second.first) return std::nullopt;
   if (const ptrdiff_t q = int4_index(it->second.second); q >= 0) {  // a 4-bit module as grouped rows, if it fits
     const Int4Source& s = int4_sources_[size_t(q)];
-    auto view_of = [](const std::pair<const SafetensorsFile*, const TensorInfo*>& p) { return p.first->view(*p.second); };
-    const TensorView gi = s.g_idx.first ? view_of(s.g_idx) : TensorView{};
-    const int group = int4_grouped_group(*int4_scheme_, s.module, s.g_idx.first ? &gi : nullptr);
-    if (!group) return std::nullopt;
-    return Blocks{.type = grouped_rows_type(group), .rows = s.module.rows, .cols = s.module.cols,
-                  .row_bytes = grouped_rows_bytes(group, s.module.cols),
-                  .fill = [this, &s, group, view_of](uint8_t* out) {
-                    const TensorView gi = s.g_idx.first ? view_of(s.g_idx) : TensorView{};
-                    const TensorView qz = s.qzeros.first ? view_of(s.qzeros) : TensorView{};
-                    int4_to_grouped_rows(*int4_scheme_, s.module, view_of(s.qweight), s.qzeros.first ? &qz : nullptr,
-                                         view_of(s.scales), s.g_idx.first ? &gi : nullptr, group, out);
+    if (!s.group) return std::nullopt;
+    return Blocks{.type = grouped_rows_type(s.group), .rows = s.module.rows, .cols = s.module.cols,
+                  .row_bytes = grouped_rows_bytes(s.group, s.module.cols), .fill = [this, &s](uint8_t* out) {
+                    const Int4Views v(s);
+                    int4_to_grouped_rows(*int4_scheme_, s.module, v.qweight, v.zeros(), v.scales, v.index(), s.group,
+                                         out);
                   }};
   }
   const GGUFTensorSource& src = gguf_sources_[size_t(it->second.second - gguf_infos_.data())];

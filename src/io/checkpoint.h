@@ -101,6 +101,14 @@ class Checkpoint {
     std::string base;
     Int4Module module;
     std::pair<const SafetensorsFile*, const TensorInfo*> qweight, qzeros, scales, g_idx;
+    int group = 0;  // the group blocks() hands it over in (int4_grouped_group), 0: none
+  };
+  // A module's tensors as views; zeros() and index() are null where it has none.
+  struct Int4Views {
+    explicit Int4Views(const Int4Source& s);
+    TensorView qweight, qzeros, scales, g_idx;
+    const TensorView* zeros() const { return qzeros.info ? &qzeros : nullptr; }
+    const TensorView* index() const { return g_idx.info ? &g_idx : nullptr; }
   };
   std::optional<Int4Scheme> int4_scheme_;
   std::vector<TensorInfo> int4_infos_;

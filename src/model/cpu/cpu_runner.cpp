@@ -55,7 +55,7 @@ class HostWeightSink final : public WeightSink {
   Weight store_blocks(const WeightSpec& s, std::span<const Checkpoint::Blocks> pieces) override {
     const auto q4_1 = uint32_t(GGMLType::Q4_1);
     auto held_bytes = [&](const Checkpoint::Blocks& p) {
-      return is_grouped_rows_type(p.type) ? size_t(p.cols / 32 * 20) : p.row_bytes;
+      return is_grouped_rows_type(p.type) ? cpu::block_row_bytes(q4_1, p.cols) : p.row_bytes;
     };
     size_t total = 0;
     for (const auto& p : pieces) total += size_t(p.rows) * held_bytes(p);
@@ -69,8 +69,9 @@ class HostWeightSink final : public WeightSink {
       if (is_grouped_rows_type(p.type)) {
         grouped.resize(size_t(p.rows) * p.row_bytes);
         copy_block_rows(p, grouped.data());
+        const int group = grouped_layout_of_ggml(p.type)->group;
         for (int64_t r = 0; r < p.rows; ++r)
-          if (!grouped_row_to_q4_1(int(p.type & 0xFFFFu), grouped.data() + size_t(r) * p.row_bytes, p.cols,
+          if (!grouped_row_to_q4_1(group, grouped.data() + size_t(r) * p.row_bytes, p.cols,
                                    bytes.data() + off + size_t(r) * rb))
             throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the "
                         "CPU's 4-bit kernels need; run it with --dequantize-weights");
