@@ -41,6 +41,50 @@ void linear_any(std::span<const float> x, int m, int k, const Weight& w, const W
   }
 }
 
+// linear_any one sequence's rows at a time, in fixed blocks of 64 output columns, so that a row's
+// result depends on its own sequence alone and not on what else shares the step: a pooling
+// model then gives the same text the same vector in any batch. OpenBLAS's sgemm computes a row
+// differently by its place in the call (its micro-kernels take rows in tiles, 12 on Zen, with
+// the tail apart) and the same text twice in one batch came back 1e-5 apart. A block of W stays
+// in cache while the sequences take their turns, so W is still read from memory about once.
+// The threads split the blocks (fixed: they do not depend on the rows either). Rows outside
+// every sequence are not computed: `seqs` must cover all of x's rows.
+void linear_per_sequence(std::span<const float> x, int k, const Weight& w, const Weight& bias, std::span<float> y,
+                         cpu::BlockMath math, std::span<const AttnSeq> seqs) {
+  const int64_t n = w.rows;
+  KVLM_CHECK(w.cols == k && y.size() * size_t(k) == x.size() * size_t(n), "linear: shape mismatch");
+  constexpr int64_t kCols = 64;
+  const int64_t nblocks = (n + kCols - 1) / kCols;
+  const double work = double(x.size()) * double(n);
+#pragma omp parallel for schedule(static) if (work >= double(1 << 18))
+  for (int64_t cb = 0; cb < nblocks; ++cb) {
+    const int64_t c0 = cb * kCols, c1 = std::min(n, c0 + kCols);
+    for (const AttnSeq& s : seqs) {
+      if (s.q_len == 0) continue;
+      const float* xs = x.data() + size_t(s.q_begin) * size_t(k);
+      float* ys = y.data() + size_t(s.q_begin) * size_t(n);
+      if (w.blocks.empty()) {
+        cpu::linear_columns(xs, s.q_len, k, f32(w).data(), int(c0), int(c1), int(n), ys);
+        continue;
+      }
+      for (const WeightBlocks& p : w.blocks) {
+        const int64_t r0 = std::max(c0, p.row0), r1 = std::min(c1, p.row0 + p.rows);
+        if (r0 >= r1) continue;
+        cpu::block_linear(xs, s.q_len, k,
+                          cpu::BlockMatrix{.type = p.type, .data = p.data + size_t(r0 - p.row0) * p.row_bytes,
+                                           .row_bytes = p.row_bytes, .rows = r1 - r0, .cols = k},
+                          ys + r0, n, math);
+      }
+    }
+  }
+  if (bias) {
+    const auto b = f32(bias);
+    KVLM_CHECK(b.size() == size_t(n), "linear: bias size mismatch");
+    for (size_t r = 0; r < y.size() / size_t(n); ++r)
+      for (size_t c = 0; c < b.size(); ++c) y[r * b.size() + c] += b[c];
+  }
+}
+
 // Holds every weight in fp32, and GGUF matrices in their blocks where the kernels read them.
 class HostWeightSink final : public WeightSink {
  public:
@@ -197,7 +241,7 @@ class CpuOps final : public Ops {
   }
 
   void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) override {
-    linear_any(f32(x), int(x.rows), int(x.cols), w, bias, f32(y), math_);
+    linear_rows(f32(x), int(x.rows), int(x.cols), w, bias, f32(y));
   }
 
   void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override {
@@ -207,7 +251,7 @@ class CpuOps final : public Ops {
     for (size_t r = 0; r < rows; ++r)
       cpu::glu(f, g.subspan(r * 2 * inter, inter), g.subspan(r * 2 * inter + inter, inter),
                std::span<float>(act_).subspan(r * inter, inter));
-    linear_any(act_, int(rows), int(inter), w, bias, f32(y), math_);
+    linear_rows(act_, int(rows), int(inter), w, bias, f32(y));
   }
 
   void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override {
@@ -308,6 +352,22 @@ class CpuOps final : public Ops {
   }
 
  private:
+  // A pooling model's rows go sequence by sequence (linear_per_sequence), one sequence alone
+  // too (its column blocks must be those of a batch), wherever the rows are the sequences'.
+  void linear_rows(std::span<const float> x, int m, int k, const Weight& w, const Weight& bias, std::span<float> y) {
+    if (pooling_ && m == int(b_.tokens.size()) && rows_are_sequences())
+      return linear_per_sequence(x, k, w, bias, y, math_, b_.seqs);
+    linear_any(x, m, k, w, bias, y, math_);
+  }
+  bool rows_are_sequences() const {
+    int next = 0;
+    for (const AttnSeq& s : b_.seqs) {
+      if (s.q_begin != next) return false;
+      next += s.q_len;
+    }
+    return next == int(b_.tokens.size());
+  }
+
   const ForwardBatch& b_;
   KVCache& cache_;
   std::span<const AttentionBackend* const> backends_;

@@ -18,17 +18,6 @@ namespace kvlm::ops::cpu {
 
 namespace {
 
-// y[:, c0:c1] = x * w[c0:c1, :]^T on the calling thread. One row (decode at batch 1): a
-// matrix-vector product. OpenBLAS's sgemm with m = 1 packs the weights on some CPUs (its
-// SKYLAKEX kernels copy every matrix before multiplying), which reads them twice and writes
-// them once: sgemv streams them once, 1.2-3x faster from the embedding-sized LM heads down to
-// MLP matrices (tools/gguf_cpu_bench.py).
-void linear_columns(const float* x, int m, int k, const float* w, int c0, int c1, int n, float* y) {
-  const float* wc = w + size_t(c0) * size_t(k);
-  if (m == 1) cblas_sgemv(CblasRowMajor, CblasNoTrans, c1 - c0, k, 1.0f, wc, k, x, 1, 0.0f, y + c0, 1);
-  else cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, c1 - c0, k, 1.0f, x, k, wc, k, 0.0f, y + c0, n);
-}
-
 // OpenBLAS runs single-threaded and kvlm's OpenMP team splits the output columns instead: one
 // pool of threads, not two. OpenBLAS's own pthreads spin between calls, and beside the OpenMP
 // team on the same cores each pool waited for the other's spinning: on 2 cores beside one busy
@@ -39,6 +28,17 @@ const bool kBlasSingleThreaded = [] {
 }();
 
 }  // namespace
+
+// One row (decode at batch 1): a matrix-vector product. OpenBLAS's sgemm with m = 1 packs the
+// weights on some CPUs (its SKYLAKEX kernels copy every matrix before multiplying), which reads
+// them twice and writes them once: sgemv streams them once, 1.2-3x faster from the
+// embedding-sized LM heads down to MLP matrices (tools/gguf_cpu_bench.py).
+void linear_columns(const float* x, int m, int k, const float* w, int c0, int c1, int n, float* y) {
+  (void)kBlasSingleThreaded;
+  const float* wc = w + size_t(c0) * size_t(k);
+  if (m == 1) cblas_sgemv(CblasRowMajor, CblasNoTrans, c1 - c0, k, 1.0f, wc, k, x, 1, 0.0f, y + c0, 1);
+  else cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, c1 - c0, k, 1.0f, x, k, wc, k, 0.0f, y + c0, n);
+}
 
 void linear(std::span<const float> x, int m, int k, std::span<const float> w, int n, std::span<const float> bias,
             std::span<float> y) {

@@ -14,6 +14,10 @@ namespace kvlm::ops::cpu {
 void linear(std::span<const float> x, int m, int k, std::span<const float> w, int n, std::span<const float> bias,
             std::span<float> y);
 
+// y[r][c0:c1] = x[r][:] . w[c0:c1][:]^T for r < m, y's rows n apart, no bias, on the calling
+// thread: linear's unit of work, for callers that split the product their own way.
+void linear_columns(const float* x, int m, int k, const float* w, int c0, int c1, int n, float* y);
+
 // out[r][:] = x[r][:] / sqrt(mean(x[r]^2) + eps) * w[:], for `rows` rows of `dim`. In place allowed.
 void rmsnorm(std::span<const float> x, int rows, int dim, std::span<const float> w, float eps, std::span<float> out);
 
