@@ -114,11 +114,14 @@ class HostWeightSink final : public WeightSink {
         grouped.resize(size_t(p.rows) * p.row_bytes);
         copy_block_rows(p, grouped.data());
         const int group = grouped_layout_of_ggml(p.type)->group;
+        bool exact = true;
+#pragma omp parallel for schedule(static) reduction(&& : exact)
         for (int64_t r = 0; r < p.rows; ++r)
-          if (!grouped_row_to_q4_1(group, grouped.data() + size_t(r) * p.row_bytes, p.cols,
-                                   bytes.data() + off + size_t(r) * rb))
-            throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the "
-                        "CPU's 4-bit kernels need; run it with --dequantize-weights");
+          exact = grouped_row_to_q4_1(group, grouped.data() + size_t(r) * p.row_bytes, p.cols,
+                                      bytes.data() + off + size_t(r) * rb) && exact;
+        if (!exact)
+          throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the "
+                      "CPU's 4-bit kernels need; run it with --dequantize-weights");
       } else {
         copy_block_rows(p, bytes.data() + off);
       }
