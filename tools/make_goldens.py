@@ -221,6 +221,38 @@ def model_specs():
                   "5 experts top-2 with a biased router (softmax over the top 2), biased experts "
                   "with the clamped SwiGLU (limit 1.5, so the clamp acts), fused expert tensors "
                   "[E][in][out] with gate/up interleaved, bf16"))
+    def transformers5(cfg):  # rope_parameters (transformers 5) instead of rope_theta / rope_scaling
+        for k in ("rope_theta", "rope_scaling"):
+            cfg.pop(k, None)
+        return cfg
+
+    hybrid = dict(head_dim=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=24, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention",
+                               "linear_attention"],
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    specs.append(dict(
+        name="qwen3.5",
+        config=transformers5(base_config("Qwen3_5ForCausalLM", "qwen3_5_text", "bfloat16", num_hidden_layers=5,
+                                         **hybrid)),
+        prompt_len=80, seed=12000, shards=1,
+        exercises="Qwen3.5 (dense hybrid): Gated DeltaNet layers (2 key / 4 value heads of 16 / 24, conv "
+                  "kernel 4, separate in_proj_qkv / z / b / a) before and after a gated full-attention "
+                  "layer (q_proj twice as wide: query and sigmoid gate per head; partial rotary 0.25; "
+                  "(1 + w) RMSNorms), an 80-token prompt (two delta-rule chunks), bf16"))
+    specs.append(dict(
+        name="qwen3-next",
+        config=transformers5(base_config("Qwen3NextForCausalLM", "qwen3_next", "bfloat16", num_hidden_layers=5,
+                                         num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                                         mlp_only_layers=[], norm_topk_prob=True, **hybrid)),
+        prompt_len=80, seed=13000, shards=1, router_std=16.0,
+        exercises="Qwen3-Next (hybrid MoE): the Gated DeltaNet layers with Qwen3-Next's interleaved "
+                  "in_proj_qkvz / in_proj_ba, the gated full-attention layer, and in every layer 6 experts "
+                  "top-2 (renormalized) plus a shared expert scaled by sigmoid(shared_expert_gate), "
+                  "router logits of std 16 (96 rows x 5 layers: std 2 left a near tie between "
+                  "experts in every seed), an 80-token prompt, bf16"))
     return specs
 
 
@@ -301,7 +333,7 @@ def layer_types_of(model, cfg):
     # No layer_types on the config: derive it from what the attention modules / model do.
     res = []
     for layer in model.model.layers:
-        sw = getattr(layer.self_attn, "sliding_window", None)
+        sw = getattr(getattr(layer, "self_attn", None), "sliding_window", None)
         res.append("sliding_attention" if sw else "full_attention")
     if all(t == "full_attention" for t in res) and getattr(cfg, "sliding_window", None):
         # e.g. Mistral: mask built with create_sliding_window_causal_mask for every layer
@@ -310,7 +342,7 @@ def layer_types_of(model, cfg):
     return res, "derived from attention modules"
 
 
-def randomize(model, cfg, seed):
+def randomize(model, cfg, seed, router_std=2.0):
     """Overwrite every parameter: emb N(0,1), Linear N(0,1/fan_in), lm_head
     N(0,(3/sqrt(hidden))^2), biases N(0,0.5^2), RMSNorm 1 + 0.1 N(0,1) (Gemma's, which scale by
     1 + w: 0.1 N(0,1)).
@@ -342,10 +374,21 @@ def randomize(model, cfg, seed):
                     fill(getattr(mod, pname), 0.5)
             continue
         if type(mod).__name__.endswith("TopKRouter"):
-            # Router logits with std 2: clear choices (no near-ties between experts).
-            fill(mod.weight, 2.0 / math.sqrt(mod.weight.shape[1]))
+            # Router logits with std 2 (or the spec's router_std): clear choices (no near-ties
+            # between experts).
+            fill(mod.weight, router_std / math.sqrt(mod.weight.shape[1]))
             if getattr(mod, "bias", None) is not None:
                 fill(mod.bias, 0.5)
+            continue
+        if type(mod).__name__.endswith("GatedDeltaNet"):
+            # Decays exp(g) = exp(-exp(A_log) softplus(a + dt_bias)): A in [1, 16) as the
+            # model's own init draws it; dt_bias around 0.
+            fill(mod.A_log, 0.0)
+            with torch.no_grad():
+                mod.A_log.copy_(torch.log(torch.rand(mod.A_log.shape, generator=g) * 15 + 1))
+            fill(mod.dt_bias, 0.5)
+        if isinstance(mod, torch.nn.Conv1d):
+            fill(mod.weight, 1.0 / math.sqrt(mod.weight.shape[-1]))
             continue
         if getattr(mod, "sinks", None) is not None and isinstance(mod.sinks, torch.nn.Parameter):
             fill(mod.sinks, 1.5)
@@ -361,8 +404,11 @@ def randomize(model, cfg, seed):
             if mod.bias is not None:
                 fill(mod.bias, 0.5)
         elif "RMSNorm" in type(mod).__name__ and getattr(mod, "weight", None) is not None:
-            # Gemma's RMSNorm scales by (1 + w): centre w on 0, the others' w on 1.
-            fill(mod.weight, 0.1, 0.0 if type(mod).__name__.startswith("Gemma") else 1.0)
+            # Gemma's and Qwen3-Next's / Qwen3.5's RMSNorms scale by (1 + w): centre w on 0, the
+            # others' w (the gated norm's too) on 1.
+            tn = type(mod).__name__
+            one_plus = tn.startswith("Gemma") or (tn.startswith(("Qwen3Next", "Qwen3_5")) and "Gated" not in tn)
+            fill(mod.weight, 0.1, 0.0 if one_plus else 1.0)
     if tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         print("   note: lm_head not shared with embed_tokens after from_config; copying")
         with torch.no_grad():
@@ -377,7 +423,7 @@ def hub_layout(tensors, cfg):
     """The tensors as the Hub's checkpoints name them: Qwen3-MoE's experts one tensor per expert
     and projection (transformers 5 holds them fused as [E][2I][H] and [E][H][I]); GPT-OSS keeps
     its fused [E][in][out] tensors."""
-    if cfg.model_type != "qwen3_moe":
+    if cfg.model_type not in ("qwen3_moe", "qwen3_next"):
         return tensors
     out = {}
     for name, t in tensors.items():
@@ -609,7 +655,7 @@ def build_once(spec, mdir, seed):
     cfg = AutoConfig.from_pretrained(mdir)
     torch.manual_seed(seed)
     m0 = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    randomize(m0, cfg, seed)
+    randomize(m0, cfg, seed, spec.get("router_std", 2.0))
     saved = save_weights(m0, cfg, mdir, wdtype, spec["shards"])
     del m0
     model, info = load_hf(mdir)
@@ -682,7 +728,7 @@ def build_model(spec, outdir):
         notes.append(f"qwen2 biases present: q={b.q_proj.bias is not None} "
                      f"k={b.k_proj.bias is not None} v={b.v_proj.bias is not None} "
                      f"o={b.o_proj.bias is not None}")
-    sws = [getattr(layer.self_attn, "sliding_window", "n/a") for layer in model.model.layers]
+    sws = [getattr(getattr(layer, "self_attn", None), "sliding_window", "n/a") for layer in model.model.layers]
     notes.append(f"per-layer self_attn.sliding_window attr: {sws}")
     if not (1.0 <= ev["logit_std"] <= 6.0):
         notes.append(f"WARNING logit std {ev['logit_std']:.3f} outside [1, 6]")
