@@ -291,6 +291,15 @@ int run_inspect(const InspectFlags& f) {
       layers.push_back(e);
     }
     j["layers"] = layers;
+    if (const auto& la = cfg.linear_attention) {  // hybrid models: the layers without KV
+      nlohmann::json lin = nlohmann::json::array();
+      for (int i = 0; i < cfg.num_layers; ++i)
+        if (cfg.is_linear_layer(i))
+          lin.push_back({{"layer", i}, {"kind", "gated_deltanet"}, {"state_bytes_per_sequence", la->state_values() * 4},
+                         {"weights", held.layer(i)}});
+      j["linear_layers"] = lin;
+      j["linear_state_bytes_per_sequence"] = la->state_values() * 4 * size_t(cfg.num_linear_layers());
+    }
     j["kv_bytes_per_token"] = plan.bytes_per_token();
     j["exact_bytes_per_token"] = plan.exact_bytes_per_token();
     j["model_dtype_kv_bytes_per_token"] = baseline;
@@ -383,7 +392,19 @@ int run_inspect(const InspectFlags& f) {
   std::vector<std::vector<std::string>> rows{
       {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "rotation", "exact tokens", "backend",
        "bytes/token", "mlp", "weights"}};
+  // Rows in layer order: a hybrid model's Gated DeltaNet layers (no KV: a state per sequence)
+  // between its attention layers; a drafter's layers after the target's.
+  const size_t state_bytes = cfg.linear_attention ? cfg.linear_attention->state_values() * sizeof(float) : 0;
+  size_t next_linear = 0;
+  auto linear_rows_before = [&](int layer) {
+    for (; next_linear < size_t(cfg.num_layers) && int(next_linear) < layer; ++next_linear)
+      if (cfg.is_linear_layer(int(next_linear)))
+        rows.push_back({std::to_string(next_linear), "linear (Gated DeltaNet)", "-", "-", "-", "-", "-", "-", "cpu",
+                        "0 (" + std::to_string(state_bytes) + " B/seq)", mlp_str(cfg, params, int(next_linear)),
+                        formats_str(held.layer(int(next_linear)))});
+  };
   for (const auto& l : plan.layers) {
+    linear_rows_before(l.attn.model == "target" ? l.attn.layer : cfg.num_layers);
     // Exact sink / recent tokens: "sink 4 + recent 64, bf16 256 B/token" (bytes of one exact token).
     std::string exact = "none";
     if (l.keeps_exact())
@@ -396,6 +417,7 @@ int run_inspect(const InspectFlags& f) {
                     l.attn.model == "target" ? mlp_str(cfg, params, l.attn.layer) : std::string("dense"),
                     l.attn.model == "target" ? formats_str(held.layer(l.attn.layer)) : std::string("-")});
   }
+  linear_rows_before(cfg.num_layers);
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows)
     for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
@@ -413,6 +435,10 @@ int run_inspect(const InspectFlags& f) {
   ratio << std::fixed << std::setprecision(2) << double(baseline) / double(plan.bytes_per_token());
   std::cout << "\ntotal KV bytes per token: " << plan.bytes_per_token() << " (" << dtype_name(mp.dtype) << " cache: " << baseline
             << ", " << ratio.str() << "x the tokens in the same memory)\n";
+  if (state_bytes > 0)
+    std::cout << "linear-attention state: " << state_bytes * size_t(cfg.num_linear_layers()) << " bytes per running sequence ("
+              << cfg.num_linear_layers() << " Gated DeltaNet layers x " << state_bytes
+              << ": conv window and delta-rule matrices, fp32), allocated for every --max-num-seqs slot\n";
   if (plan.exact_bytes_per_token() > 0)
     std::cout << "exact sink / recent tokens: " << plan.exact_bytes_per_token()
               << " bytes per exact token, on top, for the first " << plan.keep_sink() << " and the latest "

@@ -62,6 +62,9 @@ struct AttnSeq {
   int32_t q_begin = 0;  // first row in the query / output buffers
   int32_t q_len = 0;
   int32_t kv_len = 0;   // tokens cached for this sequence, including the new ones
+  // Hybrid models: the sequence's slot among its Gated DeltaNet layers' states
+  // (ModelRunner::allocate_states), -1 when the model has none.
+  int32_t state_slot = -1;
   std::span<const BlockId> block_table;  // [ceil(kv_len / block_size)] page ids
   // Layers with exact sink / recent tokens: per entry of block_table, the exact page that
   // holds the same tokens in the model dtype, or -1 where no query of this call reads one

@@ -36,6 +36,10 @@ struct ArchSpec {
   std::unique_ptr<ModelDefinition> (*make)(const ModelConfig& m) = nullptr;
   std::string_view not_a_model;
   bool dflash_target = false;  // a DFlash drafter can read its layers' outputs
+  // Multimodal wrappers (e.g. "Qwen3_5ForConditionalGeneration") whose language model this is:
+  // config.json's text_config holds its config, and the checkpoint its tensors under
+  // model.language_model. (or language_model.model.); the vision tower is skipped.
+  std::span<const std::string_view> wrappers;
 };
 
 // Every architecture, in the order messages list them.

@@ -12,6 +12,7 @@ std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std
   std::vector<AttentionLayerDesc> out;
   out.reserve(m.layers.size());
   for (int i = 0; i < m.num_layers; ++i) {
+    if (m.is_linear_layer(i)) continue;  // a Gated DeltaNet layer holds a state, not K/V
     const auto& l = m.layers[size_t(i)];
     out.push_back({.model = model_name,
                    .layer = i,

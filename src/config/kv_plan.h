@@ -33,6 +33,8 @@ struct AttentionLayerDesc {
   bool sinks = false;  // a learned logit per query head joins the softmax's denominator (GPT-OSS)
 };
 
+// Hybrid models' Gated DeltaNet layers (ModelConfig::linear_layers) are not among them: the plan
+// and the pool hold the attention layers only, in order (KV layer i is the i-th of them).
 std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std::string& model_name = "target");
 
 enum class DTypeSource : uint8_t { Explicit, CheckpointScheme, ModelDType, SkipRule };

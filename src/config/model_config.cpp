@@ -282,9 +282,40 @@ std::vector<TokenId> token_list(const json& obj, std::string_view key, std::stri
 
 }  // namespace
 
+namespace {
+
+// A multimodal checkpoint whose language model kvlm runs (ArchSpec::wrappers): that model's
+// config, text_config, named by the text architecture, with what the wrapper keeps at its top
+// level (tied embeddings, dtype, token ids, quantization) where text_config leaves it out.
+std::optional<json> wrapped_text_config(const json& cfg) {
+  const json* archs = jg::find(cfg, "architectures");
+  if (!archs || !archs->is_array() || archs->empty() || !(*archs)[0].is_string()) return std::nullopt;
+  const std::string name = (*archs)[0].get<std::string>();
+  for (const ArchSpec* a : architectures()) {
+    if (std::ranges::find(a->wrappers, name) == a->wrappers.end()) continue;
+    const json* text = jg::find(cfg, "text_config");
+    if (!text || !text->is_object())
+      throw Error("config.json: " + name + " keeps its language model's config in 'text_config', which is missing");
+    json t = *text;
+    t["architectures"] = json::array({std::string(a->name)});
+    for (const char* k : {"tie_word_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
+                          "quantization_config", "max_position_embeddings"})
+      if (!t.contains(k) && cfg.contains(k)) t[k] = cfg[k];
+    return t;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 ModelConfig parse_model_config(const json& cfg, const json* gen) {
   using arch_config::positive_int;
   if (!cfg.is_object()) throw Error("config.json: the top level must be a JSON object");
+  if (const std::optional<json> text = wrapped_text_config(cfg)) {
+    ModelConfig m = parse_model_config(*text, gen);
+    m.wrapper = jg::find(cfg, "architectures")->at(0).get<std::string>();
+    return m;
+  }
   ModelConfig m;
   m.arch = parse_arch(cfg);
   m.hidden_size = positive_int(cfg, "hidden_size", 1 << 17);

@@ -3,6 +3,8 @@
 // `rope_theta`, `rope_scaling`) and transformers-5 fields (`dtype`, `rope_parameters`).
 #pragma once
 
+#include <algorithm>
+
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -36,6 +38,9 @@ struct RopeConfig {
   // Llama 3.1-style scaling): inv_freq[i] /= freq_factors[i] after the type's own scaling.
   // config.json key "rope_freq_factors" (kvlm's own, written for GGUF models).
   std::vector<double> freq_factors;
+  // Partial rotary embedding (Qwen3-Next, Qwen3.5: partial_rotary_factor 0.25): only the first
+  // rotary_dim dimensions of each head rotate (rotate-half within them); 0 = the whole head.
+  int rotary_dim = 0;
 };
 
 // The gate activation of the gated MLP: out = f(gate) * up.
@@ -97,6 +102,27 @@ struct MoeConfig {
   int held_experts() const { return local_experts > 0 ? local_experts : num_experts; }
 };
 
+// Gated DeltaNet layers (Qwen3-Next, Qwen3.5: config.json linear_num_key_heads,
+// linear_num_value_heads, linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim).
+// Such a layer holds no KV cache but a state per sequence: the causal conv's last
+// conv_kernel - 1 inputs of q | k | v, and a [key dim][value dim] matrix per value head
+// (ops/cpu/linear_attention.h).
+struct LinearAttentionConfig {
+  int k_heads = 0, v_heads = 0;  // v_heads a multiple of k_heads
+  int k_dim = 0, v_dim = 0;      // per head
+  int conv_kernel = 0;
+  int key_dim() const { return k_heads * k_dim; }
+  int value_dim() const { return v_heads * v_dim; }
+  int conv_dim() const { return 2 * key_dim() + value_dim(); }  // q | k | v
+  // The fused input projection's width: q | k | v, the output gate z, b, a.
+  int in_proj_dim() const { return conv_dim() + value_dim() + 2 * v_heads; }
+  // One sequence's state in one layer, in values: conv window, then the delta rule's matrices.
+  size_t conv_state_values() const { return size_t(conv_kernel - 1) * size_t(conv_dim()); }
+  size_t state_values() const {
+    return conv_state_values() + size_t(v_heads) * size_t(k_dim) * size_t(v_dim);
+  }
+};
+
 struct ModelConfig {
   const ArchSpec* arch = nullptr;
   int hidden_size = 0;
@@ -128,6 +154,18 @@ struct ModelConfig {
   std::optional<MoeConfig> moe;         // a mixture-of-experts model
   std::vector<bool> moe_layers;         // per layer: its MLP is the mixture (else the dense intermediate_size MLP)
   bool attention_sinks = false;         // GPT-OSS: a learned logit per head joins each softmax's denominator
+  // Qwen3-Next / Qwen3.5: q_proj gives each head its query, then as many gate values; the
+  // attention output is multiplied by sigmoid(gate) before o_proj.
+  bool attn_output_gate = false;
+  // A multimodal checkpoint's class (Qwen3_5ForConditionalGeneration) when kvlm runs its
+  // language model (ArchSpec::wrappers), else empty.
+  std::string wrapper;
+  std::optional<LinearAttentionConfig> linear_attention;  // hybrid models' Gated DeltaNet layers
+  std::vector<bool> linear_layers;      // per layer: a Gated DeltaNet layer (no KV cache), else attention
+  bool is_linear_layer(int i) const { return !linear_layers.empty() && linear_layers[size_t(i)]; }
+  int num_linear_layers() const { return int(std::count(linear_layers.begin(), linear_layers.end(), true)); }
+  // Layers with a KV cache (attention_layers): all but the Gated DeltaNet ones.
+  int num_kv_layers() const { return num_layers - num_linear_layers(); }
   // Sampling defaults from generation_config.json, used when the user gives no flag.
   std::optional<float> default_temperature, default_top_p, default_min_p;
   std::optional<int> default_top_k;

@@ -21,6 +21,7 @@ Scheduler::Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& ru
       blocks_(cfg.num_blocks, block_size, cfg.enable_prefix_caching, cfg.num_exact_pages),
       runner_(runner),
       stats_(stats) {
+  for (int i = cfg.max_num_seqs; i-- > 0;) free_state_slots_.push_back(i);
   KVLM_CHECK(cfg.num_exact_pages == 0 || cfg.keep_sink > 0 || cfg.keep_recent > 0, "exact pages without exact tokens");
 }
 
@@ -80,6 +81,8 @@ void Scheduler::release_pages(Sequence& s) {
   s.pages.clear();
   s.serials.clear();
   s.num_computed = 0;
+  if (s.state_slot >= 0) free_state_slots_.push_back(s.state_slot);
+  s.state_slot = -1;
   s.exact_from = window_page(0);
 }
 
@@ -310,6 +313,9 @@ std::vector<Sequence*> Scheduler::schedule() {
       stats_.prefix_cache_queries_total += uint64_t(s.num_prompt);
       stats_.prefix_cache_hits_total += uint64_t(s.cached_prompt_tokens);
     }
+    KVLM_CHECK(!free_state_slots_.empty(), "more running sequences than --max-num-seqs state slots");
+    s.state_slot = free_state_slots_.back();
+    free_state_slots_.pop_back();
     s.scheduled = n;
     budget -= n;
     batch.push_back(&s);

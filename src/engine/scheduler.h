@@ -100,6 +100,10 @@ class Scheduler {
 
   SchedulerConfig cfg_;
   int sink_pages_ = 0;
+  // Recurrent-state slots (hybrid models' Gated DeltaNet layers; ModelRunner::allocate_states):
+  // one per running sequence, max_num_seqs in all, taken at admission and given back with the
+  // pages. Unused otherwise (the runner ignores AttnSeq::state_slot).
+  std::vector<int> free_state_slots_;
   BlockManager blocks_;
   ModelRunner& runner_;
   EngineStats& stats_;

@@ -56,7 +56,8 @@ void StepBatch::build(std::span<Sequence* const> seqs, int block_size, bool devi
       slots_.push_back(SlotId(s->pages[size_t(p / bs)]) * bs + p % bs);
       exact_.add_token(s->pages[size_t(p / bs)], p % bs);
     }
-    attn_.push_back(AttnSeq{.q_begin = q0, .q_len = s->scheduled, .kv_len = end, .block_table = s->pages});
+    attn_.push_back(AttnSeq{
+        .q_begin = q0, .q_len = s->scheduled, .kv_len = end, .state_slot = s->state_slot, .block_table = s->pages});
     exact_.add_sequence(s->pages);
     // Row p of the step follows token p: prompt rows first, then the rows that draw tokens.
     s->logit_row = int(logit_rows_.size());

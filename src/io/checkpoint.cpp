@@ -97,6 +97,23 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
     c.tensors_ = std::move(prefixed);
     c.bare_base_model_ = true;
   }
+  // A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model's tensors
+  // under model.language_model. (transformers 5) or language_model.model. (4.x), which kvlm
+  // finds under the causal model's names; the vision tower's keep theirs (unused: skipped).
+  if (std::ranges::any_of(c.tensors_, [](const auto& e) {
+        return e.first.starts_with("model.language_model.") || e.first.starts_with("language_model.model.");
+      })) {
+    decltype(c.tensors_) renamed;
+    for (auto& [name, where] : c.tensors_) {
+      std::string n = name;
+      for (const std::string_view p : {"model.language_model.", "language_model.model."})
+        if (n.starts_with(p)) n = "model." + n.substr(p.size());
+      if (n == "language_model.lm_head.weight") n = "lm_head.weight";
+      renamed.emplace(std::move(n), where);
+    }
+    c.tensors_ = std::move(renamed);
+    c.renamed_ = true;
+  }
   c.open_int4(dir);
   return c;
 }
@@ -245,7 +262,7 @@ std::string Checkpoint::describe(std::string_view name) const {
          int4_tensor_names(int4_scheme_->kind).sep + int4_tensor_names(int4_scheme_->kind).packed + "')";
   else if (it != tensors_.end() && !it->second.first)
     s += " (GGUF tensor '" + gguf_sources_[size_t(it->second.second - gguf_infos_.data())].gguf_name + "')";
-  else if (it != tensors_.end() && bare_base_model_ && it->second.second->name != name)
+  else if (it != tensors_.end() && (bare_base_model_ || renamed_) && it->second.second->name != name)
     s += " (stored as '" + it->second.second->name + "')";
   return s;
 }

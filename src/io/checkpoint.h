@@ -91,6 +91,7 @@ class Checkpoint {
   std::unique_ptr<GGUFFile> gguf_file_;
   std::vector<std::string> gguf_notes_;
   bool bare_base_model_ = false;  // tensors stored without the "model." prefix (open() adds it)
+  bool renamed_ = false;          // a multimodal checkpoint's language model, found under the causal names
   std::vector<TensorInfo> gguf_infos_;
   std::vector<GGUFTensorSource> gguf_sources_;
   mutable std::vector<std::vector<float>> gguf_data_;  // dequantized on view(), freed by release()

@@ -171,6 +171,17 @@ void apply_expert_parallel(ModelConfig& config, bool enabled) {
   config.moe->expert_parallel = true;
 }
 
+// Hybrid linear-attention models (Qwen3.5): what runs so far is the CPU, one rank, no drafting.
+void check_hybrid(const ModelOptions& opts, const ModelConfig& config) {
+  if (!config.linear_attention) return;
+  const std::string name = std::string(arch_name(config.arch)) + "'s Gated DeltaNet layers";
+  if (opts.device == Device::Cuda) throw Error(name + " run on the CPU only so far; use --device cpu");
+  if (opts.tensor_parallel_size > 1) throw Error(name + " run on one rank so far; use --tensor-parallel-size 1");
+  if (opts.speculative)
+    throw Error(name + " keep a recurrent state that a rejected draft would have to roll back, which kvlm does not "
+                "do yet; drop --speculative-config");
+}
+
 void check_tensor_parallel(const ModelOptions& opts, const ModelConfig& config) {
   const int n = opts.tensor_parallel_size;
   const std::string flag = "--tensor-parallel-size " + std::to_string(n);
@@ -327,6 +338,7 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
                   "embedding models ship); it cannot generate text: serve it with --runner pooling for /v1/embeddings");
   }
   const ModelPlan& mp = *e->plan_;
+  check_hybrid(opts, mp.config);
   check_tensor_parallel(opts, mp.config);
   std::optional<Checkpoint> dckpt;
   std::optional<DrafterSource> drafter;

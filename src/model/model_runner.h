@@ -68,6 +68,10 @@ class ModelRunner {
   // discarded.
   virtual void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) = 0;
   virtual int kv_num_blocks() const = 0;
+  // Hybrid models (ModelConfig::linear_attention): `slots` recurrent states in every Gated
+  // DeltaNet layer, one per running sequence (AttnSeq::state_slot; a sequence whose first row
+  // of a step is position 0 starts its state from zeros). Runners of other models ignore it.
+  virtual void allocate_states(int slots) { (void)slots; }
   virtual size_t kv_bytes() const = 0;
 
   // Runs the batch, storing its K/V in the pool; writes fp32 logits

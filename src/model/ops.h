@@ -18,6 +18,7 @@
 
 #include "config/model_config.h"  // GluActivation
 #include "core/dtype.h"
+#include "core/error.h"
 
 namespace kvlm {
 
@@ -99,6 +100,14 @@ struct MoeWeights {
   Weight down, down_bias;       // [E * H][I], [E * H] or empty
 };
 
+// A Gated DeltaNet layer's own weights beside its projections (LinearAttentionConfig says the
+// sizes): the causal conv's [conv_dim][kernel] taps, A_log and dt_bias per value head, and the
+// gated RMSNorm's [v_dim], all fp32.
+struct GatedDeltaNetWeights {
+  Weight conv, a_log, dt_bias, norm;
+  float eps = 1e-6f;  // of the gated norm
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -136,6 +145,17 @@ class Ops {
   // y = the mixture of experts `c` over x (Hidden rows): each row's router picks its top_k
   // experts, whose gated MLPs' outputs (+ biases) are summed with the router's weights.
   virtual void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) = 0;
+  // Gated DeltaNet's token mixer (ops/cpu/linear_attention.h) for Gated DeltaNet layer
+  // `linear_layer` (its index among the model's linear layers, which picks its states): mixed =
+  // the input projection [num_tokens][q | k | v | z | b | a] (LinearAttentionConfig::in_proj_dim)
+  // -> out [num_tokens][value_dim], the gated-normed output before out_proj. Each sequence of the
+  // step reads and updates its state in the layer (a sequence whose first row is position 0
+  // starts from zeros). A device without the kernels throws.
+  virtual void gated_delta_net(int linear_layer, const LinearAttentionConfig& c, Tensor mixed,
+                               const GatedDeltaNetWeights& w, Tensor out);
+  // x[r][i] *= sigmoid(src[r][col0 + i]) for i < x.cols (a gated attention output, the gate
+  // taken from the fused projection's columns after q | k | v). A device without it throws.
+  virtual void sigmoid_gate(Tensor x, Tensor src, int64_t col0);
   // A drafter's conditioning (DFlash): `x`, the residual stream [num_tokens][hidden], holds
   // the output of layer `layer` (Hugging Face's hidden_states[layer + 1]); the step keeps it
   // when the drafter reads that layer. Definitions call this as soon as a layer's output
@@ -148,5 +168,12 @@ class Ops {
   // after a projection whose input dimension is split across ranks. One rank: nothing.
   virtual void all_reduce_sum(Tensor x) = 0;
 };
+
+inline void Ops::gated_delta_net(int, const LinearAttentionConfig&, Tensor, const GatedDeltaNetWeights&, Tensor) {
+  throw Error("Gated DeltaNet layers (Qwen3.5, Qwen3-Next) run on the CPU only so far; use --device cpu");
+}
+inline void Ops::sigmoid_gate(Tensor, Tensor, int64_t) {
+  throw Error("gated attention outputs (Qwen3.5, Qwen3-Next) run on the CPU only so far; use --device cpu");
+}
 
 }  // namespace kvlm

@@ -9,6 +9,7 @@
 namespace kvlm {
 
 std::vector<float> rope_inv_freq(const RopeConfig& r, int head_dim) {
+  if (r.rotary_dim > 0) head_dim = r.rotary_dim;  // partial rotary: the frequencies of the rotated dimensions
   std::vector<float> inv(size_t(head_dim / 2));
   for (size_t i = 0; i < inv.size(); ++i) {
     const float exponent = float(2 * i) / float(head_dim);  // fp32, as transformers does

@@ -9,7 +9,7 @@
 
 namespace kvlm {
 
-// inv_freq[i] for i < head_dim / 2.
+// inv_freq[i] for i < head_dim / 2 (rope.rotary_dim / 2 under partial rotary).
 std::vector<float> rope_inv_freq(const RopeConfig& rope, int head_dim);
 
 // What the rope type multiplies attention scores by: YaRN's attention_factor scales cos and

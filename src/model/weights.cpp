@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <numeric>
 #include <set>
 
@@ -24,6 +25,11 @@ std::vector<int64_t> WeightPiece::held_shape() const {
     case PieceLayout::ExpertsInterleaved:
       KVLM_CHECK(shape.size() == 2, "a fused expert bias is [experts][out]");
       return {shape[0] * shape[1]};
+    case PieceLayout::HeadsFirstHalf:
+    case PieceLayout::HeadsSecondHalf:
+      KVLM_CHECK(shape.size() == 2 && shard_units > 0 && shape[0] % (2 * shard_units) == 0,
+                 "a gated q_proj is [heads * 2 * head_dim][in]");
+      return {shape[0] / 2, shape[1]};
   }
   return shape;
 }
@@ -293,16 +299,25 @@ void slice_piece(const Checkpoint& ckpt, const WeightPiece& p, const WeightSpec&
 
 // `v` (laid out as `layout`) rearranged as the device holds it (WeightPiece::held_shape) into
 // `out`: its info (shape `held`) and bytes.
-void relayout_piece(const TensorView& v, PieceLayout layout, const std::vector<int64_t>& held, LocalPiece& out) {
+void relayout_piece(const TensorView& v, PieceLayout layout, const std::vector<int64_t>& held, int64_t heads,
+                    LocalPiece& out) {
   const TensorInfo& t = *v.info;
   const size_t es = dtype_size(t.dtype);
   out.info = t;
   out.info.shape = held;
-  out.bytes.resize(v.bytes.size());
+  out.bytes.resize(size_t(std::accumulate(held.begin(), held.end(), int64_t(1), std::multiplies<>())) * es);
   const uint8_t* src = v.bytes.data();
   uint8_t* dst = out.bytes.data();
   // Row r of an expert's gate/up output: column r of the gate (even columns) or of up (odd).
   auto interleaved_col = [](int64_t r, int64_t half) { return r < half ? 2 * r : 2 * (r - half) + 1; };
+  if (layout == PieceLayout::HeadsFirstHalf || layout == PieceLayout::HeadsSecondHalf) {
+    // Rows [2 d h + off, 2 d h + off + d) of every head h (off = 0, or d for the second half).
+    const int64_t in = t.shape[1], d = t.shape[0] / (2 * heads), off = layout == PieceLayout::HeadsSecondHalf ? d : 0;
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + size_t(h * d * in) * es, src + size_t((2 * d * h + off) * in) * es, size_t(d * in) * es);
+    out.view = TensorView{&out.info, out.bytes};
+    return;
+  }
   if (layout == PieceLayout::ExpertsInterleaved) {
     const int64_t E = t.shape[0], n = t.shape[1];
     for (int64_t e = 0; e < E; ++e)
@@ -488,8 +503,9 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       WeightPiece held = p;  // the piece as the device holds it
       if (p.layout != PieceLayout::Plain) {
         if (t.dtype == DType::F8E4M3)
-          throw Error("tensor " + ckpt.describe(t.name) + ": fused expert tensors in FP8 are not supported yet");
-        relayout_piece(v, p.layout, p.held_shape(), local.emplace_back());
+          throw Error("tensor " + ckpt.describe(t.name) + ": fused expert tensors and gated q_proj in FP8 are not "
+                      "supported yet");
+        relayout_piece(v, p.layout, p.held_shape(), p.shard_units, local.emplace_back());
         v = local.back().view;
         held.shape = p.held_shape();
         held.layout = PieceLayout::Plain;
@@ -520,8 +536,18 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
     for (const WeightPiece& p : s.pieces) ckpt.release(p.name);  // a GGUF tensor's dequantized copy
   }
   std::vector<std::string> extra;
-  for (const auto& n : ckpt.names())
-    if (!used.count(n) && !n.ends_with("_scale") && !n.ends_with("rotary_emb.inv_freq")) extra.push_back(n);
+  size_t vision = 0;  // a multimodal checkpoint's vision tower and projector: skipped, said once
+  for (const auto& n : ckpt.names()) {
+    if (used.count(n) || n.ends_with("_scale") || n.ends_with("rotary_emb.inv_freq")) continue;
+    const bool is_vision = n.starts_with("model.visual.") || n.starts_with("visual.") || n.starts_with("vision_tower.") ||
+                           n.starts_with("model.vision_tower.") || n.starts_with("multi_modal_projector.") ||
+                           n.starts_with("model.multi_modal_projector.");
+    if (is_vision) ++vision;
+    else extra.push_back(n);
+  }
+  if (vision > 0)
+    log::info("skipping the vision tower (" + std::to_string(vision) +
+              " tensors): kvlm runs the language model, and requests with images are refused");
   if (quant && quant->on_the_fly)
     log::info("--quantization fp8: linear weights quantized to FP8 E4M3 at load, one scale per output channel");
   if (!extra.empty())

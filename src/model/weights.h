@@ -59,6 +59,10 @@ enum class PieceLayout : uint8_t {
   ExpertsTransposed,             // [E][in][out] -> [E * out][in]
   ExpertsTransposedInterleaved,  // [E][in][2I] with gate, up alternating -> [E * 2I][in], per expert I gate rows then I up
   ExpertsInterleaved,            // a bias [E][2I], gate and up alternating -> [E * 2I], per expert I gate then I up
+  // A projection whose rows are shard_units heads of 2d rows each (Qwen3-Next's gated q_proj:
+  // a head's query, then its gate): the first (or second) d rows of every head -> [heads * d][in].
+  HeadsFirstHalf,
+  HeadsSecondHalf,
 };
 
 struct WeightPiece {

@@ -103,8 +103,14 @@ std::vector<std::string> golden_names() {
   std::vector<std::string> out;
   const fs::path dir = golden_dir() / "expected";
   if (!fs::exists(dir)) return out;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().extension() == ".json") out.push_back(e.path().stem().string());
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() != ".json") continue;
+    // Not the hybrid linear-attention models (Qwen3.5): their Gated DeltaNet layers run on the
+    // CPU only so far, and LoadedModel refuses them on CUDA (issue 51).
+    const fs::path model = golden_dir() / "models" / e.path().stem();
+    if (fs::exists(model / "config.json") && load_model_config(model).linear_attention) continue;
+    out.push_back(e.path().stem().string());
+  }
   std::sort(out.begin(), out.end());
   return out;
 }

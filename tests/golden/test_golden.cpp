@@ -201,6 +201,7 @@ TEST_P(Goldens, UnquantizedMatchesTransformers) {
   const auto& hf = g.meta["hf_layer_types"];
   ASSERT_EQ(hf.size(), e->config().layers.size());
   for (size_t i = 0; i < hf.size(); ++i) {
+    EXPECT_EQ(e->config().is_linear_layer(int(i)), hf[i] == "linear_attention") << "layer " << i;
     const bool sliding = hf[i] == "sliding_attention";
     EXPECT_EQ(e->config().layers[i].kind == AttentionKind::Sliding, sliding) << "layer " << i;
     if (sliding) EXPECT_EQ(e->config().layers[i].window, g.meta["hf_sliding_window"].get<int>());
@@ -239,6 +240,10 @@ TEST_P(Goldens, QuantizedModesStayClose) {
 TEST_P(Goldens, TensorParallelMatchesOneRank) {
   const Golden g = load_golden(GetParam());
   const ModelConfig cfg = LoadedModel::load(ModelOptions{.model_dir = g.model_dir})->config();
+  if (cfg.linear_attention) {  // refused at load (check_hybrid): one rank so far
+    EXPECT_THROW(load(g, KVCacheDType::Auto, DType::F32, 2), Error);
+    GTEST_SKIP() << g.name << ": hybrid linear-attention models run on one rank so far (issue 51)";
+  }
   int sizes = 0;
   for (const int n : {2, 4, 8}) {
     try {

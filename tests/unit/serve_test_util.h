@@ -105,6 +105,7 @@ class DeviceSamplingRunner final : public ModelRunner {
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages) override {
     inner_->allocate_kv(num_blocks, block_size, num_exact_pages);
   }
+  void allocate_states(int slots) override { inner_->allocate_states(slots); }
   int kv_num_blocks() const override { return inner_->kv_num_blocks(); }
   size_t kv_bytes() const override { return inner_->kv_bytes(); }
   void forward(const ForwardBatch& b, std::span<float> logits) override {

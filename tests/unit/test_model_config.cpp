@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/kv_plan.h"
 #include "config/model_config.h"
 #include "core/error.h"
 
@@ -449,4 +450,75 @@ TEST(ModelConfig, ArchitectureRegistry) {
   EXPECT_NE(e.find("unsupported architecture 'DeepseekV3ForCausalLM'"), std::string::npos) << e;
   EXPECT_NE(e.find("Qwen3MoeForCausalLM"), std::string::npos) << e;
   EXPECT_NE(e.find("GptOssForCausalLM"), std::string::npos) << e;
+}
+
+// Qwen3.5 (hybrid): which layers are Gated DeltaNet layers (layer_types, or every
+// full_attention_interval-th layer full), their sizes, partial rotary from rope_parameters
+// or the top level, the gated q_proj and (1 + w) q/k norms; what it refuses, by field.
+TEST(ModelConfig, Qwen35Hybrid) {
+  json j = llama();
+  j["architectures"] = {"Qwen3_5ForCausalLM"};
+  j["head_dim"] = 32;
+  j["num_hidden_layers"] = 8;
+  j["linear_num_key_heads"] = 2;
+  j["linear_num_value_heads"] = 4;
+  j["linear_key_head_dim"] = 16;
+  j["linear_value_head_dim"] = 24;
+  j["linear_conv_kernel_dim"] = 4;
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e7}, {"partial_rotary_factor", 0.25},
+                          {"mrope_section", {11, 11, 10}}, {"mrope_interleaved", true}};
+  ModelConfig m = parse_model_config(j, nullptr);
+  EXPECT_EQ(arch_name(m.arch), "Qwen3_5ForCausalLM");
+  ASSERT_TRUE(m.linear_attention.has_value());
+  const LinearAttentionConfig& l = *m.linear_attention;
+  EXPECT_EQ(l.conv_dim(), 2 * 2 * 16 + 4 * 24);
+  EXPECT_EQ(l.in_proj_dim(), l.conv_dim() + 4 * 24 + 2 * 4);
+  EXPECT_EQ(l.state_values(), size_t(3 * l.conv_dim() + 4 * 16 * 24));
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(m.is_linear_layer(i), (i + 1) % 4 != 0) << i;  // full_attention_interval 4
+  EXPECT_EQ(m.num_kv_layers(), 2);
+  EXPECT_EQ(attention_layers(m).size(), 2u);
+  EXPECT_EQ(attention_layers(m)[1].layer, 7);
+  EXPECT_EQ(m.rope.rotary_dim, 8);
+  EXPECT_DOUBLE_EQ(m.rope.theta, 1e7);
+  EXPECT_TRUE(m.attn_output_gate && m.qk_norm);
+  j["full_attention_interval"] = 2;
+  EXPECT_EQ(parse_model_config(j, nullptr).num_kv_layers(), 4);
+  json lt = j;
+  lt["layer_types"] = {"full_attention", "linear_attention", "linear_attention", "linear_attention",
+                       "full_attention", "linear_attention", "linear_attention", "full_attention"};
+  m = parse_model_config(lt, nullptr);
+  EXPECT_FALSE(m.is_linear_layer(0));
+  EXPECT_TRUE(m.is_linear_layer(1));
+  EXPECT_EQ(m.num_kv_layers(), 3);
+  // The top-level partial_rotary_factor (older configs), and the whole head.
+  json top = j;
+  top["rope_parameters"].erase("partial_rotary_factor");
+  top["partial_rotary_factor"] = 0.5;
+  EXPECT_EQ(parse_model_config(top, nullptr).rope.rotary_dim, 16);
+  top["partial_rotary_factor"] = 1.0;
+  EXPECT_EQ(parse_model_config(top, nullptr).rope.rotary_dim, 0);
+
+  auto refused = [&](json bad, const std::string& what) {
+    const std::string e = error_of(bad);
+    EXPECT_NE(e.find(what), std::string::npos) << e;
+  };
+  json bad = lt;
+  bad["layer_types"][2] = "mamba";
+  refused(bad, "layer_types[2] is 'mamba'");
+  bad = j;
+  bad["layer_types"] = json::array();
+  for (int i = 0; i < 8; ++i) bad["layer_types"].push_back("linear_attention");
+  refused(bad, "at least one full_attention layer");
+  bad = j;
+  bad["linear_num_value_heads"] = 3;
+  refused(bad, "must be a multiple of linear_num_key_heads");
+  bad = j;
+  bad.erase("linear_key_head_dim");
+  refused(bad, "linear_key_head_dim");
+  bad = j;
+  bad["rope_parameters"]["partial_rotary_factor"] = 0.3;
+  refused(bad, "partial_rotary_factor");
+  bad = j;
+  bad["attention_bias"] = true;
+  refused(bad, "attention_bias");
 }

@@ -3,12 +3,14 @@
 // copy-on-write, aborts, stop callbacks, prompt logprobs) and the async wrapper — checked
 // against single-request generation on real checkpoints.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <map>
 #include <mutex>
@@ -24,6 +26,9 @@
 #include "engine/block_manager.h"
 #include "engine/llm_engine.h"
 #include "engine/memory_plan.h"
+#include "io/safetensors.h"
+#include "config/model_config.h"
+#include <nlohmann/json.hpp>
 #include "text/tokenizer/tokenizer.h"
 #include "text/grammar/matcher.h"
 #include "text/grammar/regex.h"
@@ -37,6 +42,7 @@ namespace {
 
 const fs::path kTests = KVLM_TEST_DATA;
 const fs::path kQwen3Mixed = kTests / "golden" / "models" / "qwen3-mixed";
+const fs::path kQwen35 = kTests / "golden" / "models" / "qwen3.5";
 
 std::vector<TokenId> tokens_of(std::span<const TokenId> s) { return {s.begin(), s.end()}; }
 
@@ -258,6 +264,58 @@ TEST(Scheduler, BatchedEqualsSequentialUnderPreemption) {
 }
 TEST(Scheduler, BatchedEqualsSequentialSlidingAndFullLayersFp8) {
   check_batched_equals_sequential(kQwen3Mixed, KVCacheDType::Fp8PerTokenHead, 16, 23);
+}
+// A hybrid model (Qwen3.5: Gated DeltaNet layers around a full-attention layer): each running
+// sequence carries its recurrent state in its own slot through chunked prefill (budget 23 cuts
+// prompts anywhere), batching and preemption (a preempted sequence recomputes from a fresh
+// state in whatever slot it gets next); prefix caching, asked for, is turned off for it.
+TEST(Scheduler, BatchedEqualsSequentialHybridLinearAttention) {
+  check_batched_equals_sequential(kQwen35, KVCacheDType::Auto, 200, 23);
+}
+TEST(Scheduler, BatchedEqualsSequentialHybridLinearAttentionUnderPreemption) {
+  check_batched_equals_sequential(kQwen35, KVCacheDType::Int8PerTokenHead, 16, 23);
+}
+// The released Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration): the
+// language model's config in text_config (tied embeddings and dtype at the top), its tensors
+// under model.language_model., a vision tower beside it. kvlm runs the language model: the
+// same tokens as the causal checkpoint of the same weights.
+TEST(Scheduler, Qwen35ConditionalGenerationRunsItsLanguageModel) {
+  const fs::path dir = fs::temp_directory_path() / ("kvlm_qwen35_vl_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  nlohmann::json text = read_json_file(kQwen35 / "config.json");
+  text.erase("architectures");
+  text["model_type"] = "qwen3_5_text";
+  nlohmann::json cfg = {{"architectures", {"Qwen3_5ForConditionalGeneration"}},
+                        {"model_type", "qwen3_5"},
+                        {"tie_word_embeddings", text["tie_word_embeddings"]},
+                        {"torch_dtype", text["torch_dtype"]},
+                        {"vision_config", {{"depth", 1}, {"hidden_size", 8}}},
+                        {"text_config", text}};
+  cfg["text_config"].erase("tie_word_embeddings");
+  cfg["text_config"].erase("torch_dtype");
+  std::ofstream(dir / "config.json") << cfg.dump(2);
+  fs::copy_file(kQwen35 / "generation_config.json", dir / "generation_config.json");
+  const SafetensorsFile src(kQwen35 / "model.safetensors");
+  std::vector<TensorToWrite> out;
+  for (const TensorInfo& t : src.header().tensors) {
+    const TensorView v = src.view(t);
+    const std::string name = t.name.starts_with("model.") ? "model.language_model." + t.name.substr(6) : t.name;
+    out.push_back({name, t.dtype, t.shape, v.bytes});
+  }
+  const std::vector<float> patch(2 * 3 * 4, 0.5f);
+  out.push_back({"model.visual.patch_embed.proj.weight", DType::F32, {2, 3, 4},
+                 {reinterpret_cast<const uint8_t*>(patch.data()), patch.size() * 4}});
+  write_safetensors(dir / "model.safetensors", out);
+
+  auto plain = load(kQwen35);
+  auto wrapped = load(dir);
+  EXPECT_EQ(wrapped->config().wrapper, "Qwen3_5ForConditionalGeneration");
+  EXPECT_EQ(wrapped->config().num_linear_layers(), plain->config().num_linear_layers());
+  std::mt19937 rng(3);
+  const auto prompt = random_prompt(rng, 70, plain->config().vocab_size);
+  EXPECT_EQ(one_at_a_time(*wrapped, prompt, 12), one_at_a_time(*plain, prompt, 12));
+  fs::remove_all(dir);
 }
 
 // Exact sink / recent tokens: which keys a query reads exact depends on its position only

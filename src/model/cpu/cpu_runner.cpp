@@ -8,6 +8,7 @@
 #include "core/hadamard.h"
 #include "io/gguf.h"
 #include "io/grouped_codes.h"
+#include "ops/cpu/linear_attention.h"
 #include "ops/cpu/ops.h"
 #include "ops/cpu/quant_matmul.h"
 
@@ -172,6 +173,11 @@ class CpuOps final : public Ops {
 
   // Keeps the outputs of the layers with a slot (slot_of[layer] >= 0) in `features`
   // ([num_tokens][slots * hidden]).
+  void set_states(std::vector<std::vector<float>>* states, int slots) {
+    states_ = states;
+    state_slots_ = slots;
+  }
+
   void set_capture(std::span<const int> slot_of, std::vector<float>* features, int64_t hidden) {
     slot_of_ = slot_of;
     features_ = features;
@@ -299,6 +305,64 @@ class CpuOps final : public Ops {
     }
   }
 
+  void gated_delta_net(int linear_layer, const LinearAttentionConfig& c, Tensor mixed, const GatedDeltaNetWeights& w,
+                       Tensor out) override {
+    KVLM_CHECK(states_ != nullptr && linear_layer >= 0 && size_t(linear_layer) < states_->size(),
+               "Gated DeltaNet layer without states (allocate_states)");
+    const size_t T = size_t(mixed.rows), W = size_t(c.in_proj_dim()), CD = size_t(c.conv_dim()),
+                 VD = size_t(c.value_dim()), HV = size_t(c.v_heads), KD = size_t(c.key_dim());
+    KVLM_CHECK(mixed.cols == int64_t(W) && out.rows == int64_t(T) && out.cols == int64_t(VD),
+               "gated_delta_net: shape mismatch");
+    std::vector<float>& layer = (*states_)[size_t(linear_layer)];
+    const size_t per = c.state_values(), conv_n = c.conv_state_values();
+    const auto m = f32(mixed), o = f32(out);
+    const cpu::DeltaRuleShape shape{c.k_heads, c.v_heads, c.k_dim, c.v_dim};
+    for (const AttnSeq& s : b_.seqs) {
+      if (s.q_len == 0) continue;
+      KVLM_CHECK(s.state_slot >= 0 && s.state_slot < state_slots_, "a sequence without a state slot");
+      const std::span<float> st(layer.data() + size_t(s.state_slot) * per, per);
+      if (s.kv_len == s.q_len) std::fill(st.begin(), st.end(), 0.0f);  // its first rows: a fresh state
+      const size_t n = size_t(s.q_len), r0 = size_t(s.q_begin);
+      gdn_qkv_.resize(n * CD);
+      gdn_z_.resize(n * VD);
+      gdn_g_.resize(n * HV);
+      gdn_beta_.resize(n * HV);
+      for (size_t r = 0; r < n; ++r) {
+        const float* row = m.data() + (r0 + r) * W;
+        std::copy_n(row, CD, gdn_qkv_.data() + r * CD);
+        std::copy_n(row + CD, VD, gdn_z_.data() + r * VD);
+        std::copy_n(row + CD + VD, HV, gdn_beta_.data() + r * HV);  // b, then a
+        std::copy_n(row + CD + VD + HV, HV, gdn_g_.data() + r * HV);
+      }
+      cpu::causal_conv_silu(int(n), int(CD), c.conv_kernel, gdn_qkv_, f32(w.conv), st.first(conv_n), gdn_qkv_);
+      cpu::delta_rule_gates(int(n), int(HV), f32(w.a_log), f32(w.dt_bias), gdn_g_, gdn_beta_);
+      gdn_q_.resize(n * KD);
+      gdn_k_.resize(n * KD);
+      gdn_v_.resize(n * VD);
+      for (size_t r = 0; r < n; ++r) {
+        const float* row = gdn_qkv_.data() + r * CD;
+        std::copy_n(row, KD, gdn_q_.data() + r * KD);
+        std::copy_n(row + KD, KD, gdn_k_.data() + r * KD);
+        std::copy_n(row + 2 * KD, VD, gdn_v_.data() + r * VD);
+      }
+      const std::span<float> core = o.subspan(r0 * VD, n * VD);
+      const std::span<float> rec = st.subspan(conv_n);
+      if (n == 1)
+        cpu::delta_rule_recurrent(shape, 1, gdn_q_, gdn_k_, gdn_v_, gdn_g_, gdn_beta_, rec, core);
+      else
+        cpu::delta_rule_chunked(shape, int(n), gdn_q_, gdn_k_, gdn_v_, gdn_g_, gdn_beta_, rec, core);
+      cpu::rmsnorm_gated(core, gdn_z_, int(n * HV), c.v_dim, f32(w.norm), w.eps, core);
+    }
+  }
+
+  void sigmoid_gate(Tensor x, Tensor src, int64_t col0) override {
+    KVLM_CHECK(x.rows == src.rows && col0 >= 0 && col0 + x.cols <= src.cols, "sigmoid_gate: shape mismatch");
+    const auto xs = f32(x), gs = f32(src);
+    for (size_t r = 0; r < size_t(x.rows); ++r)
+      for (size_t i = 0; i < size_t(x.cols); ++i)
+        xs[r * size_t(x.cols) + i] /= 1.0f + std::exp(-gs[r * size_t(src.cols) + size_t(col0) + i]);
+  }
+
   void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) override {
     const int T = int(x.rows), H = int(x.cols), E = c.num_experts, K = c.top_k;
     // The experts this rank holds: all of them, or under expert parallelism its run of them
@@ -383,6 +447,9 @@ class CpuOps final : public Ops {
   std::vector<float> k_, v_, act_;
   std::vector<float> route_logits_, route_weights_, expert_x_, expert_gu_, expert_y_;
   std::vector<int32_t> route_ids_;
+  std::vector<float> gdn_qkv_, gdn_z_, gdn_g_, gdn_beta_, gdn_q_, gdn_k_, gdn_v_;
+  std::vector<std::vector<float>>* states_ = nullptr;
+  int state_slots_ = 0;
   std::span<const int> slot_of_;
   std::vector<float>* features_ = nullptr;
   int64_t hidden_ = 0, slots_ = 0;
@@ -399,7 +466,7 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
   def_ = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp) : cfg_);
   const size_t draft_layers = drafter ? size_t(drafter->config.num_layers) : 0;
-  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + draft_layers && backends_.size() == plan.layers.size(),
+  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_kv_layers()) + draft_layers && backends_.size() == plan.layers.size(),
              "one KV spec and one backend per layer");
   HostWeightSink sink(storage_, block_storage_, block_parts_, options_.keep_blocks, weight_bytes_);
   // The checkpoint's shapes are the whole model's: the list comes from its definition.
@@ -409,7 +476,7 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
   num_params_ = lw.num_params;
   block_tensors_ = lw.block_tensors;
   if (drafter) {
-    draft_def_ = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
+    draft_def_ = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_kv_layers());
     LoadedWeights dw = load_weights(draft_def_->weights(), *drafter->checkpoint, sink, drafter->config.weight_quant);
     draft_weights_ = std::move(dw.weights);
     draft_weights_.push_back(weights_[def_->embedding_index()]);
@@ -433,6 +500,15 @@ void CpuModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_p
   cache_ = std::make_unique<KVCache>(*plan_, num_blocks, block_size, num_exact_pages);
 }
 
+void CpuModelRunner::allocate_states(int slots) {
+  states_.clear();
+  state_slots_ = 0;
+  if (!cfg_.linear_attention || slots <= 0) return;
+  const size_t per = cfg_.linear_attention->state_values() * size_t(slots);
+  states_.assign(size_t(cfg_.num_linear_layers()), std::vector<float>(per, 0.0f));
+  state_slots_ = slots;
+}
+
 void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
   KVLM_CHECK(cache_ != nullptr, "copy_blocks before allocate_kv");
   for (const PageCopy& c : copies) {
@@ -450,6 +526,7 @@ void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   KVLM_CHECK(cache_->num_layers() == plan_->layers.size(), "KV cache built for another plan");
   CpuOps ops(b, *cache_, backends_, *comm_, observer_, block_math());
   ops.set_pooling(pooling());
+  ops.set_states(&states_, state_slots_);
   if (draft_def_) ops.set_capture(feature_slot_, &features_, cfg_.hidden_size);
   const Tensor out = def_->forward(ops, weights_);
   if (!b.logit_rows.empty()) std::ranges::copy(f32(out), logits.begin());

@@ -56,6 +56,7 @@ class CpuModelRunner final : public ModelRunner {
   size_t block_tensors() const { return block_tensors_; }
 
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
+  void allocate_states(int slots) override;
   int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }
   size_t kv_bytes() const override { return cache_ ? cache_->bytes() : 0; }
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
@@ -91,6 +92,9 @@ class CpuModelRunner final : public ModelRunner {
   std::vector<Weight> weights_;
   size_t num_params_ = 0, weight_bytes_ = 0, block_tensors_ = 0;
   std::unique_ptr<KVCache> cache_;
+  // Gated DeltaNet layers' states: per linear layer, slots x LinearAttentionConfig::state_values.
+  std::vector<std::vector<float>> states_;
+  int state_slots_ = 0;
   SingleProcessCommunicator single_;
   Communicator* comm_ = &single_;
   KVObserver observer_;

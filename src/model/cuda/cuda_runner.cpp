@@ -358,7 +358,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
                 "; use --dtype bfloat16 or float16 (or --device cpu)");
   m.act = compute;
   m.plan = &plan;
-  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_layers) + (drafter ? size_t(drafter->config.num_layers) : 0),
+  KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_kv_layers()) + (drafter ? size_t(drafter->config.num_layers) : 0),
              "one KV spec per layer");
   for (const auto& l : plan.layers)
     if (l.backend != "cuda")
@@ -387,7 +387,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   m.block_tensors = lw.block_tensors;
   std::vector<int> slot_of;
   if (drafter) {
-    m.draft_def = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_layers);
+    m.draft_def = make_dflash_draft(drafter->config, drafter->prefix, cfg_.num_kv_layers());
     WeightUploader dup(m, m.draft_weights);
     LoadedWeights dw = load_weights(m.draft_def->weights(), *drafter->checkpoint, dup, drafter->config.weight_quant);
     m.draft_w = std::move(dw.weights);

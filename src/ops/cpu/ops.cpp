@@ -182,9 +182,9 @@ void moe_route(std::span<const float> logits, int rows, int experts, int top_k, 
 
 void rope(std::span<float> x, int tokens, int heads, int head_dim, std::span<const Position> positions,
           std::span<const float> inv_freq) {
-  const int half = head_dim / 2;
+  const int half = int(inv_freq.size());  // head_dim / 2, or fewer: partial rotary
   KVLM_CHECK(x.size() == size_t(tokens) * size_t(heads) * size_t(head_dim) && positions.size() == size_t(tokens) &&
-                 inv_freq.size() == size_t(half),
+                 half >= 1 && 2 * half <= head_dim,
              "rope: shape mismatch");
   for (int t = 0; t < tokens; ++t) {
     for (int i = 0; i < half; ++i) {

@@ -46,7 +46,8 @@ void moe_route(std::span<const float> logits, int rows, int experts, int top_k, 
 
 // Rotary embedding, rotate-half convention (Hugging Face): x[t][h][0:d/2] and x[t][h][d/2:d]
 // are the two halves of each rotated pair. x: [tokens][heads][head_dim], in place.
-// inv_freq: [head_dim / 2]; angle = positions[t] * inv_freq[i] in fp32.
+// inv_freq: [head_dim / 2]; angle = positions[t] * inv_freq[i] in fp32. Partial rotary: a
+// shorter inv_freq [r / 2] rotates the first r dimensions (pairs i, i + r / 2) and leaves the rest.
 void rope(std::span<float> x, int tokens, int heads, int head_dim, std::span<const Position> positions,
           std::span<const float> inv_freq);
 
