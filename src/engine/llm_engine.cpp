@@ -30,7 +30,7 @@ SchedulerConfig checked(SchedulerConfig cfg, const LoadedModel& model) {
   // models run without it (until states are snapshotted at page boundaries).
   if (mc.linear_attention && cfg.enable_prefix_caching) {
     cfg.enable_prefix_caching = false;
-    log::info("prefix caching is off: " + std::string(arch_name(mc.arch)) +
+    log::warn("prefix caching is off: " + std::string(arch_name(mc.arch)) +
               "'s Gated DeltaNet layers keep a state that a cache hit cannot restore yet");
   }
   const KVPlan& plan = model.plan();

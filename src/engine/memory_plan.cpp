@@ -105,6 +105,11 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
 
   mp.num_exact_pages = exact_pages_needed(plan, mp.block_size, opts.max_num_seqs, opts.max_num_batched_tokens);
   mp.exact_bytes = uint64_t(mp.num_exact_pages) * uint64_t(mp.block_size) * plan.exact_bytes_per_token();
+  // A hybrid model's recurrent states: one per --max-num-seqs slot in every Gated DeltaNet
+  // layer (ModelRunner::allocate_states), fp32, out of the same budget as the pages.
+  if (mc.linear_attention)
+    mp.state_bytes = mc.linear_attention->state_values() * sizeof(float) * uint64_t(mc.num_linear_layers()) *
+                     uint64_t(std::max(opts.max_num_seqs, 1));
   std::string source;
   uint64_t budget = 0;
   if (opts.kv_cache_memory) {
@@ -142,7 +147,7 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     const uint64_t tokens = std::max(uint64_t(std::clamp(opts.max_num_seqs, 1, kCpuFullSequences)) * uint64_t(mp.max_model_len),
                                      uint64_t(mp.max_model_len + mp.block_size));
     const uint64_t want = tokens * mp.bytes_per_token + mp.exact_bytes;
-    budget = std::min<uint64_t>(4 * kGiB, want);
+    budget = std::min<uint64_t>(4 * kGiB, want) + mp.state_bytes;  // the states on top of the pages' default
     source = "the CPU default: " + std::to_string(kCpuFullSequences) +
              " sequences of --max-model-len; set --kv-cache-memory to change";
   }
@@ -157,6 +162,12 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     throw Error(why + source + "; lower --max-num-seqs or the kept tokens, or give the cache more memory");
   }
   budget -= mp.exact_bytes;
+  if (mp.state_bytes > 0 && mp.state_bytes + mp.bytes_per_block > budget)
+    throw Error("the linear-attention states of " + std::to_string(opts.max_num_seqs) + " sequences (--max-num-seqs) need " +
+                human_bytes(mp.state_bytes) + " (" + human_bytes(mp.state_bytes / uint64_t(std::max(opts.max_num_seqs, 1))) +
+                " each), more than the " + human_bytes(budget) + " from " + source +
+                " leaves; lower --max-num-seqs or give the cache more memory");
+  budget -= mp.state_bytes;
   mp.num_blocks = int(std::min<uint64_t>(budget / mp.bytes_per_block, uint64_t(1) << 30));
   mp.kv_bytes = uint64_t(mp.num_blocks) * mp.bytes_per_block;
   mp.capacity_tokens = int64_t(mp.num_blocks) * mp.block_size;
@@ -179,6 +190,12 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   if (tp > 1) {
     std::snprintf(line, sizeof line, "\n(per rank: each of the %d tensor-parallel ranks holds this pool for its KV heads; "
                   "%s of KV memory in all)", tp, human_bytes(mp.kv_bytes * uint64_t(tp)).c_str());
+    mp.summary += line;
+  }
+  if (mp.state_bytes > 0) {
+    std::snprintf(line, sizeof line, "\nlinear-attention states: %s for %d sequences (--max-num-seqs), %s each",
+                  human_bytes(mp.state_bytes).c_str(), opts.max_num_seqs,
+                  human_bytes(mp.state_bytes / uint64_t(std::max(opts.max_num_seqs, 1))).c_str());
     mp.summary += line;
   }
   if (mp.num_exact_pages > 0) {

@@ -22,6 +22,7 @@ struct MemoryPlan {
   int num_blocks = 0;
   int num_exact_pages = 0;          // exact sink / recent tokens (exact_pages_needed)
   uint64_t exact_bytes = 0;         // their pool, all keeping layers
+  uint64_t state_bytes = 0;         // hybrid models: the Gated DeltaNet states of max_num_seqs sequences
   int block_size = 16;
   uint64_t kv_bytes = 0;            // the pool
   uint64_t bytes_per_block = 0;     // all layers

@@ -208,6 +208,28 @@ TEST(MemoryPlan, ExactTokensComeOutOfTheBudget) {
   EXPECT_EQ(exact_pages_needed(plain->plan(), 16, 8, 512), 0);
 }
 
+// A hybrid model's recurrent states (Qwen3.5 golden: 4 Gated DeltaNet layers of 2016 fp32
+// values per sequence) come out of the same budget, one per --max-num-seqs slot; the pages
+// count only the attention layer's K/V (256 bytes per token in bf16).
+TEST(MemoryPlan, LinearAttentionStatesComeOutOfTheBudget) {
+  auto e = load(kQwen35);
+  MemoryOptions o;
+  o.kv_cache_memory = 1 << 22;
+  o.max_num_seqs = 8;
+  const MemoryPlan mp = plan_kv_memory(*e, o);
+  EXPECT_EQ(mp.bytes_per_token, 256u);
+  EXPECT_EQ(mp.state_bytes, 8u * 4u * 2016u * 4u);
+  EXPECT_EQ(mp.num_blocks, int(((1 << 22) - mp.state_bytes) / mp.bytes_per_block));
+  EXPECT_NE(mp.summary.find("linear-attention states"), std::string::npos) << mp.summary;
+  o.max_num_seqs = 200;  // 25.8 MB of states in a 4 MiB budget
+  try {
+    plan_kv_memory(*e, o);
+    FAIL() << "expected an error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("lower --max-num-seqs"), std::string::npos) << err.what();
+  }
+}
+
 // ---------------------------------------------------------------- scheduler
 
 
