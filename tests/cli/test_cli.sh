@@ -432,6 +432,18 @@ json.dump(c, open(sys.argv[1], "w"))
 PY
 expect_error 1 "quantized activations beside 4-bit weights (e.g. W4A8) are not supported" -- generate --model "$w4a8" --prompt-ids 1
 
+# --- a hybrid linear-attention model (Qwen3.5 golden): CPU, one rank, no drafting ----------
+q35="$golden/qwen3.5"
+"$KVLM" inspect --model "$q35" >"$tmp/out" 2>&1 && grep -q "linear (Gated DeltaNet)" "$tmp/out" \
+  && grep -q "linear-attention state: 32256 bytes per running sequence" "$tmp/out" && ok \
+  || bad "inspect lists Qwen3.5's Gated DeltaNet layers and their state: $(cat "$tmp/out")"
+"$KVLM" generate --model "$q35" --prompt-ids 1,54,232,73 --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && ok \
+  || bad "a Qwen3.5 checkpoint generates on the CPU: $(cat "$tmp/out")"
+expect_error 1 "keep a recurrent state that a rejected draft would have to roll back" -- generate --model "$q35" \
+  --prompt-ids 1,2 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
+expect_error 1 "run on one rank so far; use --tensor-parallel-size 1" -- generate --model "$q35" --prompt-ids 1,2 \
+  --tensor-parallel-size 2
+
 # --- the bundled model: kvlm-tiny, trained by tools/train, answers arithmetic -------------
 "$KVLM" inspect >"$tmp/out" 2>&1 && grep -q "models/kvlm-tiny" "$tmp/out" && ok || bad "the bundled default is kvlm-tiny"
 "$KVLM" generate --chat --prompt "Ada has 12 apples. She buys 7 more apples. She gives 5 apples to Ben. How many apples does Ada have now?" \
