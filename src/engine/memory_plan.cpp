@@ -107,9 +107,9 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   mp.exact_bytes = uint64_t(mp.num_exact_pages) * uint64_t(mp.block_size) * plan.exact_bytes_per_token();
   // A hybrid model's recurrent states: one per --max-num-seqs slot in every Gated DeltaNet
   // layer (ModelRunner::allocate_states), fp32, out of the same budget as the pages.
-  if (mc.linear_attention)
-    mp.state_bytes = mc.linear_attention->state_values() * sizeof(float) * uint64_t(mc.num_linear_layers()) *
-                     uint64_t(std::max(opts.max_num_seqs, 1));
+  const uint64_t state_per_seq =
+      mc.linear_attention ? mc.linear_attention->state_values() * sizeof(float) * uint64_t(mc.num_linear_layers()) : 0;
+  mp.state_bytes = state_per_seq * uint64_t(std::max(opts.max_num_seqs, 1));
   std::string source;
   uint64_t budget = 0;
   if (opts.kv_cache_memory) {
@@ -164,8 +164,7 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   budget -= mp.exact_bytes;
   if (mp.state_bytes > 0 && mp.state_bytes + mp.bytes_per_block > budget)
     throw Error("the linear-attention states of " + std::to_string(opts.max_num_seqs) + " sequences (--max-num-seqs) need " +
-                human_bytes(mp.state_bytes) + " (" + human_bytes(mp.state_bytes / uint64_t(std::max(opts.max_num_seqs, 1))) +
-                " each), more than the " + human_bytes(budget) + " from " + source +
+                human_bytes(mp.state_bytes) + " (" + human_bytes(state_per_seq) + " each), more than the " + human_bytes(budget) + " from " + source +
                 " leaves; lower --max-num-seqs or give the cache more memory");
   budget -= mp.state_bytes;
   mp.num_blocks = int(std::min<uint64_t>(budget / mp.bytes_per_block, uint64_t(1) << 30));
@@ -194,8 +193,7 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   }
   if (mp.state_bytes > 0) {
     std::snprintf(line, sizeof line, "\nlinear-attention states: %s for %d sequences (--max-num-seqs), %s each",
-                  human_bytes(mp.state_bytes).c_str(), opts.max_num_seqs,
-                  human_bytes(mp.state_bytes / uint64_t(std::max(opts.max_num_seqs, 1))).c_str());
+                  human_bytes(mp.state_bytes).c_str(), opts.max_num_seqs, human_bytes(state_per_seq).c_str());
     mp.summary += line;
   }
   if (mp.num_exact_pages > 0) {

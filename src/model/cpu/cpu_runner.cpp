@@ -24,6 +24,15 @@ std::span<const float> f32(const Weight& w) {
   return w ? std::span<const float>(static_cast<const float*>(w.data), size_t(w.numel())) : std::span<const float>{};
 }
 
+// y[r] += bias for every row of y (a matrix of bias.size() columns); nothing without a bias.
+void add_bias(const Weight& bias, std::span<float> y) {
+  if (!bias) return;
+  const auto b = f32(bias);
+  KVLM_CHECK(!b.empty() && y.size() % b.size() == 0, "linear: bias size mismatch");
+  for (size_t r = 0; r < y.size() / b.size(); ++r)
+    for (size_t c = 0; c < b.size(); ++c) y[r * b.size() + c] += b[c];
+}
+
 // y = x . w^T (+ bias) for fp32 weights and GGUF blocks alike.
 void linear_any(std::span<const float> x, int m, int k, const Weight& w, const Weight& bias, std::span<float> y,
                 cpu::BlockMath math) {
@@ -34,12 +43,8 @@ void linear_any(std::span<const float> x, int m, int k, const Weight& w, const W
     cpu::block_linear(x.data(), m, k,
                       cpu::BlockMatrix{.type = p.type, .data = p.data, .row_bytes = p.row_bytes, .rows = p.rows, .cols = k},
                       y.data() + p.row0, w.rows, math);
-  if (bias) {
-    const auto b = f32(bias);
-    KVLM_CHECK(b.size() == size_t(w.rows), "linear: bias size mismatch");
-    for (int r = 0; r < m; ++r)
-      for (size_t c = 0; c < b.size(); ++c) y[size_t(r) * b.size() + c] += b[c];
-  }
+  KVLM_CHECK(!bias || bias.numel() == w.rows, "linear: bias size mismatch");
+  add_bias(bias, y);
 }
 
 // linear_any one sequence's rows at a time, in fixed blocks of 64 output columns, so that a row's
@@ -78,12 +83,8 @@ void linear_per_sequence(std::span<const float> x, int k, const Weight& w, const
       }
     }
   }
-  if (bias) {
-    const auto b = f32(bias);
-    KVLM_CHECK(b.size() == size_t(n), "linear: bias size mismatch");
-    for (size_t r = 0; r < y.size() / size_t(n); ++r)
-      for (size_t c = 0; c < b.size(); ++c) y[r * b.size() + c] += b[c];
-  }
+  KVLM_CHECK(!bias || bias.numel() == n, "linear: bias size mismatch");
+  add_bias(bias, y);
 }
 
 // Holds every weight in fp32, and GGUF matrices in their blocks where the kernels read them.
