@@ -1,7 +1,8 @@
 // The CUDA mixture-of-experts kernels (ops/cuda/moe.h) against the CPU reference
 // (ops::cpu::moe_route and the expert loop of CpuOps::moe), for both activation dtypes: odd
 // expert counts, top k from 1 to 8, experts no row chooses, every row routed to one expert,
-// decode-sized batches (1-4 rows: the expert GEMV) and larger ones (the grouped GEMM),
+// decode-sized batches (1-4 rows: the expert GEMV), larger ones (the grouped GEMM) and
+// prefill-sized ones (>= 48 pairs per expert: the wide grouped GEMM, tiles of 128 pairs),
 // SiLU and GPT-OSS's clamped SwiGLU with router and expert biases, both router normalizations,
 // and one rank's run of experts under expert parallelism.
 //
@@ -152,6 +153,13 @@ TEST(CudaMoe, MatchesTheCpuReference) {
        .biases = true},  // GPT-OSS's shape: 360 16-byte vectors per weight row, not a multiple of the warp's stride
       {.rows = 16, .hidden = 128, .inter = 96, .experts = 6, .top_k = 2, .force_expert = 1},  // 16 rows on one expert
       {.rows = 2, .hidden = 96, .inter = 32, .experts = 3, .top_k = 3, .norm_topk = false},  // every expert, both rows
+      // The wide grouped GEMM: columns not a multiple of its 128, K from one 32-wide step (down
+      // over inter 32) to 90 (hidden 2880), an expert with 300 pairs (tiles of 128, 128, 44).
+      {.rows = 600, .hidden = 160, .inter = 96, .experts = 5, .top_k = 2},
+      {.rows = 400, .hidden = 2880, .inter = 64, .experts = 4, .top_k = 2, .act = GluActivation::SwigluClamp,
+       .biases = true},
+      {.rows = 300, .hidden = 128, .inter = 64, .experts = 6, .top_k = 2, .force_expert = 2},
+      {.rows = 200, .hidden = 64, .inter = 32, .experts = 3, .top_k = 1},
   };
   uint32_t seed = 1;
   for (DType act : kActs)
@@ -164,7 +172,8 @@ TEST(CudaMoe, MatchesTheCpuReference) {
                                    .act = GluActivation::SwigluClamp, .biases = true, .first = 4, .held = 4},
                            MoeCase{.rows = 70, .hidden = 256, .inter = 96, .experts = 128, .top_k = 8, .first = 0, .held = 64},
                            MoeCase{.rows = 33, .hidden = 96, .inter = 64, .experts = 6, .top_k = 2,
-                                   .act = GluActivation::SwigluClamp, .biases = true, .first = 3, .held = 3}})
+                                   .act = GluActivation::SwigluClamp, .biases = true, .first = 3, .held = 3},
+                           MoeCase{.rows = 256, .hidden = 128, .inter = 64, .experts = 8, .top_k = 2, .first = 4, .held = 4}})
     for (DType act : kActs) run(act, c, seed++);
 }
 

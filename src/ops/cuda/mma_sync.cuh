@@ -62,4 +62,20 @@ __device__ __forceinline__ void cp_async16_at(uint32_t dst, const char* src) {
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF));
 }
 
+// Four 8x8 matrices of 16-bit values from shared memory (ldmatrix .x4): lanes 8i..8i+7 give
+// the 16-byte rows of matrix i, and register i receives matrix i as an mma fragment (lane l:
+// row l / 4, values 2 (l % 4) and 2 (l % 4) + 1). _trans: each matrix transposed.
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 }  // namespace kvlm::cuda::mma

@@ -10,8 +10,9 @@
 // permutation on A, so the sum is the same and every weight byte arrives in a full 16-byte
 // load. A's 16 rows (gathered token rows, zero past the tile's pairs) sit in shared memory,
 // a chunk of K at a time. A small batch's tiles hold a row or a few: the weights stream at
-// memory speed and each routed expert's weights are read once; prefill tiles fill 16
-// rows and the CTAs of one expert and column block run side by side, sharing its weights in L2.
+// memory speed and each routed expert's weights are read once. Batches with at least 48 pairs
+// per expert (prefill) take the wide grouped GEMM instead: tiles of 128 pairs by 128 columns
+// through a cp.async pipeline and ldmatrix, each weight tile read once per 128 pairs.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -35,6 +36,11 @@ namespace kvlm::cuda {
 namespace {
 
 constexpr int kTileRows = 16;    // pairs per CTA tile (one m16 fragment)
+// Prefill-sized batches (at least kWideMinPairs pairs per held expert on average) take tiles of
+// kWideRows pairs: the wide grouped GEMM below, whose CTA reads each weight tile once for 128
+// pairs instead of 16.
+constexpr int kWideRows = 128;
+constexpr int kWideMinPairs = 48;
 constexpr int kChunkK = 512;     // A's columns staged in shared memory at a time
 constexpr int kAStride = kChunkK + 8;  // halves per staged row (+16 bytes against bank conflicts)
 constexpr int kMaxExperts = 1024;
@@ -58,15 +64,15 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 struct Tiles {
   int32_t* expert;  // the tile's expert
   int32_t* first;   // its first position
-  int32_t* count;   // its pairs, 1..kTileRows
+  int32_t* count;   // its pairs, 1..kTileRows (1..kWideRows for the wide GEMM's tiles)
   int32_t* n;       // [1] the tiles
 };
 
 // Tiles the sort can make: at most one partial tile per expert that has pairs, and no more
 // experts with pairs than pairs.
-int max_tiles(int rows, int experts, int top_k) {
+int max_tiles(int rows, int experts, int top_k, int tile_rows = kTileRows) {
   const int P = rows * top_k;
-  return (P + kTileRows - 1) / kTileRows + std::min(experts, P);
+  return (P + tile_rows - 1) / tile_rows + std::min(experts, P);
 }
 
 // The workspace, carved in this order.
@@ -194,7 +200,7 @@ __device__ __forceinline__ void warp_inclusive_scan(int& x, int& y, int lane) {
 // pair (positions within an expert follow atomics: any order gives each pair the same result,
 // as the GEMM's rows are independent). Tiles name held experts (0-based).
 __device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int first, int experts, int top_k,
-                           int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tl) {
+                           int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tl, int tile_rows) {
   __shared__ int count[kMaxExperts], cursor[kMaxExperts];
   __shared__ int warp_pairs[32], warp_tiles[32];
   const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32, warps = int(blockDim.x) / 32;
@@ -207,7 +213,7 @@ __device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int first
   int my_pairs = 0, my_tiles = 0;
   for (int e = e0; e < min(e0 + per, experts); ++e) {
     my_pairs += count[e];
-    my_tiles += (count[e] + kTileRows - 1) / kTileRows;
+    my_tiles += (count[e] + tile_rows - 1) / tile_rows;
   }
   int inc_pairs = my_pairs, inc_tiles = my_tiles;  // inclusive scans within the warp
   warp_inclusive_scan(inc_pairs, inc_tiles, lane);
@@ -229,10 +235,10 @@ __device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int first
   int tiles = inc_tiles - my_tiles + (warp > 0 ? warp_tiles[warp - 1] : 0);
   for (int e = e0; e < min(e0 + per, experts); ++e) {
     cursor[e] = at;
-    for (int r = 0; r < count[e]; r += kTileRows, ++tiles) {
+    for (int r = 0; r < count[e]; r += tile_rows, ++tiles) {
       tl.expert[tiles] = e;
       tl.first[tiles] = at + r;
-      tl.count[tiles] = min(kTileRows, count[e] - r);
+      tl.count[tiles] = min(tile_rows, count[e] - r);
     }
     at += count[e];
   }
@@ -251,8 +257,8 @@ __device__ void sort_pairs(const int32_t* __restrict__ ids, int pairs, int first
 }
 
 __global__ void sort_kernel(const int32_t* __restrict__ ids, int pairs, int first, int held, int top_k,
-                            int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tiles) {
-  sort_pairs(ids, pairs, first, held, top_k, pair_of, pair_row, tiles);
+                            int32_t* __restrict__ pair_of, int32_t* __restrict__ pair_row, Tiles tiles, int tile_rows) {
+  sort_pairs(ids, pairs, first, held, top_k, pair_of, pair_row, tiles, tile_rows);
 }
 
 // Both in one CTA, for batches of at most kGemvMaxRows rows (a warp per row): one launch
@@ -267,7 +273,7 @@ __global__ void route_sort_kernel(const float* __restrict__ logits, const uint16
   const int warp = int(threadIdx.x) / 32;
   if (warp < rows) route_row<A>(logits, bias, warp, experts, top_k, norm_topk, ids, weights);
   __syncthreads();  // the ids, in global memory, are visible to the whole CTA past the barrier
-  sort_pairs(ids, rows * top_k, first, held, top_k, pair_of, pair_row, tiles);
+  sort_pairs(ids, rows * top_k, first, held, top_k, pair_of, pair_row, tiles, kTileRows);
 }
 
 // f(gate) * up: SiLU, GPT-OSS's clamped SwiGLU, or GELU (tanh).
@@ -474,6 +480,118 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(const uint16_t* __res
   }
 }
 
+// The wide grouped GEMM, for prefill-sized batches: C[pair][n] = A[row(pair)] . B[e][n]^T
+// (+ bias[e][n]) over tiles of up to 128 pairs of one expert and 128 output columns, k in steps
+// of 32 through a kWideStages-deep cp.async pipeline in shared memory (A's rows gathered by
+// a_rows, zero past the tile's pairs; B's rows past N zero). 8 warps, 2 x 4, each 64 pairs x
+// 32 columns: per 16-wide k step 4 ldmatrix.x4 of A, 2 of B and 16 m16n8k16 mmas. A row of a
+// stage is 32 halves padded to 40 (80 bytes), so the 8 rows an ldmatrix phase reads fall on
+// 8 distinct 16-byte bank groups. Same contract as grouped_gemm_kernel: K % 32 == 0, N even.
+constexpr int kWideCols = 128, kWideK = 32, kWideStride = 40, kWideStages = 4, kWideThreads = 256;
+constexpr size_t kWideStageBytes = size_t(kWideRows + kWideCols) * kWideStride * 2;
+constexpr size_t kWideSmem = kWideStages * kWideStageBytes;
+
+template <class A>
+__global__ void __launch_bounds__(kWideThreads) wide_gemm_kernel(const uint16_t* __restrict__ a,
+                                                                 const int32_t* __restrict__ a_rows,
+                                                                 const uint16_t* __restrict__ b,
+                                                                 const uint16_t* __restrict__ bias,
+                                                                 uint16_t* __restrict__ c, int N, int K, Tiles tiles) {
+  extern __shared__ __align__(16) uint16_t smem[];
+  const int tile = int(blockIdx.x);
+  if (tile >= *tiles.n) return;
+  const int e = tiles.expert[tile], first = tiles.first[tile], count = tiles.count[tile];
+  const int n0 = int(blockIdx.y) * kWideCols;
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  // This thread's copies: 16-byte chunk tid % 4 of rows tid / 4 and tid / 4 + 64, of A and of B.
+  const int chunk = tid % 4, r0 = tid / 4;
+  const uint16_t* asrc[2];
+  const uint16_t* bsrc[2];
+  int abytes[2], bbytes[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 64 * h;
+    const int row = r < count ? (a_rows ? a_rows[first + r] : first + r) : 0;
+    asrc[h] = a + size_t(row) * size_t(K) + size_t(chunk * 8);
+    abytes[h] = r < count ? 16 : 0;
+    const int n = n0 + r;
+    bsrc[h] = b + (size_t(e) * size_t(N) + size_t(n < N ? n : 0)) * size_t(K) + size_t(chunk * 8);
+    bbytes[h] = n < N ? 16 : 0;
+  }
+  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  auto stage_a = [&](int st) { return sbase + uint32_t(st * kWideStageBytes); };
+  auto stage_b = [&](int st) { return stage_a(st) + uint32_t(kWideRows * kWideStride * 2); };
+  const int ksteps = K / kWideK;
+  auto load = [&](int ks) {
+    const int st = ks % kWideStages;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t off = uint32_t(((r0 + 64 * h) * kWideStride + chunk * 8) * 2);
+      mma::cp_async16(stage_a(st) + off, asrc[h] + size_t(ks) * kWideK, abytes[h]);
+      mma::cp_async16(stage_b(st) + off, bsrc[h] + size_t(ks) * kWideK, bbytes[h]);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kWideStages - 1; ++s) {
+    if (s < ksteps) load(s);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  const int wm = warp / 4, wn = warp % 4;  // this warp's pairs [64 wm, +64), columns [32 wn, +32)
+  float acc[4][4][4] = {};
+  // ldmatrix lane addresses (in halves within a stage). A, matrix i = lane / 8: rows +8 for
+  // odd i, k +8 for i >= 2. B, per pair of n8 fragments: n +8 for i >= 2, k +8 for odd i.
+  const int a_off = (wm * 64 + (lane % 16)) * kWideStride + (lane / 16) * 8;
+  const int b_off = (wn * 32 + (lane % 8) + (lane / 16) * 8) * kWideStride + ((lane / 8) % 2) * 8;
+  for (int ks = 0; ks < ksteps; ++ks) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kWideStages - 2));
+    __syncthreads();  // stage ks is in; every warp is done with the stage the next load refills
+    if (ks + kWideStages - 1 < ksteps) load(ks + kWideStages - 1);
+    asm volatile("cp.async.commit_group;\n" ::);
+    const int st = ks % kWideStages;
+    const uint16_t* sa = smem + size_t(st) * (kWideStageBytes / 2);
+    const uint16_t* sb = sa + kWideRows * kWideStride;
+#pragma unroll
+    for (int kk = 0; kk < kWideK; kk += 16) {
+      uint32_t af[4][4], bf[4][2];
+#pragma unroll
+      for (int mf = 0; mf < 4; ++mf) mma::ldsm_x4(af[mf], sa + a_off + mf * 16 * kWideStride + kk);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t r[4];
+        mma::ldsm_x4(r, sb + b_off + np * 16 * kWideStride + kk);
+        bf[2 * np][0] = r[0];
+        bf[2 * np][1] = r[1];
+        bf[2 * np + 1][0] = r[2];
+        bf[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mf = 0; mf < 4; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < 4; ++nf) mma::mma16816<A::kBF16>(acc[mf][nf], af[mf], bf[nf][0], bf[nf][1]);
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  // C fragment: c0, c1 at (g, 2 t4 + {0, 1}), c2, c3 at (g + 8, the same columns).
+  const int g = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int nf = 0; nf < 4; ++nf) {
+    const int n = n0 + wn * 32 + nf * 8 + 2 * t4;
+    if (n >= N) continue;
+    const float b0 = bias ? A::load(bias[size_t(e) * size_t(N) + size_t(n)]) : 0.0f;
+    const float b1 = bias ? A::load(bias[size_t(e) * size_t(N) + size_t(n) + 1]) : 0.0f;
+#pragma unroll
+    for (int mf = 0; mf < 4; ++mf)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wm * 64 + mf * 16 + g + 8 * half;
+        if (r >= count) continue;
+        const uint32_t packed = uint32_t(A::store(acc[mf][nf][2 * half] + b0)) |
+                                (uint32_t(A::store(acc[mf][nf][2 * half + 1] + b1)) << 16);
+        *reinterpret_cast<uint32_t*>(c + size_t(first + r) * size_t(N) + size_t(n)) = packed;
+      }
+  }
+}
+
 // h[p][i] = f(gate) * up for the pair rows of gu [P][2I].
 template <class A>
 __global__ void glu_kernel(const uint16_t* __restrict__ gu, uint16_t* __restrict__ h, size_t pairs, int inter,
@@ -540,12 +658,26 @@ unsigned gemv_ctas(int items) {
   return unsigned(std::max(1, (per_round + kGemvWarps - 1) / kGemvWarps));
 }
 
+// How a grouped batch's tiles are cut and multiplied.
+enum class GemmPath { Decode, Prefill16, Wide };
+
 template <class A>
 void launch_gemm(const uint16_t* a, const int32_t* a_rows, const void* b, const void* bias, uint16_t* c, int N, int K,
-                 int max_tiles, bool decode, const Workspace& w, cudaStream_t st) {
+                 int max_tiles, GemmPath path, const Workspace& w, cudaStream_t st) {
   const auto* bw = static_cast<const uint16_t*>(b);
   const auto* bb = static_cast<const uint16_t*>(bias);
-  if (decode) {
+  if (path == GemmPath::Wide) {
+    static PerDevice<bool> attr;
+    attr.get([] {
+      KVLM_CUDA_CHECK(cudaFuncSetAttribute(wide_gemm_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWideSmem)));
+      return true;
+    });
+    const dim3 grid(unsigned(max_tiles), unsigned((N + kWideCols - 1) / kWideCols));
+    wide_gemm_kernel<A><<<grid, kWideThreads, kWideSmem, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
+    KVLM_CUDA_CHECK_LAUNCH("moe wide_gemm_kernel");
+    return;
+  }
+  if (path == GemmPath::Decode) {
     const dim3 grid(unsigned(max_tiles), unsigned((N + 31) / 32));
     grouped_gemm_kernel<A, 1, 8><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
   } else {
@@ -584,9 +716,11 @@ void moe(const MoeParams& p, void* stream) {
   // The experts this rank holds: all, or under expert parallelism its run [first, first + held)
   // (routing chooses among all E; the weights hold only these, indexed from 0).
   const int held = c.held_experts(), first = c.expert_begin;
-  const int tiles = max_tiles(T, held, K);
-  // Fewer than 8 pairs per expert on average: the weights are the cost (decode batches).
-  const bool decode = P < 8 * E;
+  // Fewer than 8 pairs per expert on average: the weights are the cost (decode batches); from
+  // kWideMinPairs, tiles of 128 pairs (prefill).
+  const GemmPath path = P < 8 * E ? GemmPath::Decode : P >= kWideMinPairs * held ? GemmPath::Wide : GemmPath::Prefill16;
+  const int tile_rows = path == GemmPath::Wide ? kWideRows : kTileRows;
+  const int tiles = max_tiles(T, held, K, tile_rows);
   dispatch_act(p.act, [&](auto a) {
     using A = decltype(a);
     const auto* rbias = static_cast<const uint16_t*>(p.router_bias);
@@ -620,15 +754,15 @@ void moe(const MoeParams& p, void* stream) {
     } else {
       route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, rbias, T, E, K, c.norm_topk, w.ids, w.weights);
       KVLM_CUDA_CHECK_LAUNCH("moe route_kernel");
-      sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, first, held, K, w.pair_of, w.pair_row, w.tiles);
+      sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, first, held, K, w.pair_of, w.pair_row, w.tiles, tile_rows);
       KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
       launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, tiles,
-                     decode, w, st);
+                     path, w, st);
       const size_t n = size_t(P) * size_t(I);
       glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
                                                                                          c.swiglu_alpha, c.swiglu_limit);
       KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
-      launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, tiles, decode, w, st);
+      launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, tiles, path, w, st);
     }
     KVLM_CUDA_CHECK(launch_pdl<combine_kernel<A>>(dim3(unsigned((H / 8 + 127) / 128), unsigned(T)), dim3(128), 0, st,
                                                   static_cast<const uint16_t*>(w.out), static_cast<const int32_t*>(w.pair_of),

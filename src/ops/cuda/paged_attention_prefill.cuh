@@ -37,6 +37,7 @@
 
 #include "ops/cuda/paged_attention_rows.cuh"  // first: the formats and types the mma helpers use
 #include "ops/cuda/mma_operands.cuh"
+#include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/per_device.cuh"
 
 namespace kvlm::cuda {
@@ -66,18 +67,8 @@ struct PrefillSmem {
   static constexpr size_t total = q + 2 * stage + conv + qsum;
 };
 
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
+using mma::ldsm_x4;
+using mma::ldsm_x4_trans;
 
 // 16-bit tiles in shared memory: row r holds HD values as HD / 8 chunks of 16 B, chunk c
 // stored at position c ^ (r % 8), so the 8 rows an ldmatrix phase reads at one column hit 8
