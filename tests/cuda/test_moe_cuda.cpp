@@ -8,12 +8,15 @@
 //
 // The reference rounds where the kernels round — the gate/up projection, the activation and
 // each expert's output to the activation dtype, the combined output once — so what remains is
-// fp32 summation order, which can put a value on the other side of a rounding edge: an
-// expert's output one 16-bit step off (weighted) plus the final rounding, up to two steps of
-// the output (measured 1.4 steps, 4 of 48,960 values, at hidden 2880 in bf16). Outputs must
-// agree within 4 x 2^-8 (bf16) / 4 x 2^-10 (fp16) relative, at least two steps at any
-// magnitude, plus a small absolute floor. Routing is compared exactly (ids and fp32 weights), since both sides read
-// the same fp32 logits.
+// fp32 summation order, which can put a value on the other side of a rounding edge. At the
+// output that is one or two 16-bit steps (an expert's output, weighted, plus the final
+// rounding: measured 1.4 steps, 4 of 48,960 values, at hidden 2880 in bf16); inside, an
+// element of gate/up that rounds the other way moves h by one step, and the down projection
+// carries that into the output as up to one step of the sum of its terms' magnitudes, which
+// near an output of zero is many of the output's steps (seen: 31 of 1,152,000 values at 400
+// rows, hidden 2880). So an output must agree within 4 steps of itself (4 x 2^-8 relative in
+// bf16, 4 x 2^-10 in fp16) plus one step of its terms' magnitude plus 2e-3. Routing is
+// compared exactly (ids and fp32 weights), since both sides read the same fp32 logits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -74,6 +77,11 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
   std::vector<float> wts(ids.size());
   ops::cpu::moe_route(biased, T, E, K, c.norm_topk, ids, wts);
   std::vector<float> ref(size_t(T) * H, 0.0f);
+  // mag: the sum of the absolute values of the terms each output adds up. The kernels round
+  // gate_up's output and h to the activation type as the reference does, but their fp32 sums
+  // run in another order, so an element that lies near a rounding boundary can round the other
+  // way: one ulp of h, which moves an output by up to rel * mag.
+  std::vector<double> mag(size_t(T) * H, 0.0);
   std::vector<float> gu(size_t(2 * I)), h(static_cast<size_t>(I)), out(static_cast<size_t>(H));
   for (int t = 0; t < T; ++t) {
     std::vector<double> acc(static_cast<size_t>(H), 0.0);
@@ -91,7 +99,14 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
       ops::cpu::linear(h, 1, I, std::span<const float>(down).subspan(size_t(e) * H * I, size_t(H) * I), H,
                        down_bias.empty() ? std::span<const float>{} : std::span<const float>(down_bias).subspan(size_t(e) * H, size_t(H)),
                        out);
-      for (int j = 0; j < H; ++j) acc[size_t(j)] += double(wts[size_t(t) * K + size_t(k)]) * act_round(act, out[size_t(j)]);
+      const double wk = wts[size_t(t) * K + size_t(k)];
+      for (int j = 0; j < H; ++j) {
+        acc[size_t(j)] += wk * act_round(act, out[size_t(j)]);
+        const float* dr = down.data() + (size_t(e) * H + size_t(j)) * size_t(I);
+        double m = down_bias.empty() ? 0.0 : std::fabs(down_bias[size_t(e) * H + size_t(j)]);
+        for (int i = 0; i < I; ++i) m += std::fabs(double(h[size_t(i)]) * dr[i]);
+        mag[size_t(t) * H + size_t(j)] += wk * m;
+      }
     }
     for (int j = 0; j < H; ++j) ref[size_t(t) * H + size_t(j)] = float(acc[size_t(j)]);
   }
@@ -117,13 +132,19 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> got;
   for (uint16_t v : dy.download()) got.push_back(act_value(act, v));
-  const Cmp cmp = compare(got, ref, 4 * act_rel_tol(act), 2e-3);
-  size_t worst = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (std::fabs(got[i] - ref[i]) > std::fabs(got[worst] - ref[worst])) worst = i;
-  EXPECT_EQ(cmp.bad, 0u) << dtype_name(act) << " T=" << T << " E=" << E << " k=" << K << " H=" << H << " I=" << I
-                         << " max err " << cmp.max_err << " at " << worst << " (got " << got[worst] << ", reference "
-                         << ref[worst] << ")";
+  const double rel = act_rel_tol(act), abs = 2e-3;
+  auto tol = [&](size_t i) { return 4 * rel * std::fabs(double(ref[i])) + rel * mag[i] + abs; };
+  auto excess = [&](size_t i) { return std::isnan(got[i]) ? 1e30 : std::fabs(double(got[i]) - ref[i]) / tol(i); };
+  // Report the element furthest beyond its tolerance, not the largest error (which may be within it).
+  size_t worst = 0, bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    bad += excess(i) > 1.0;
+    if (excess(i) > excess(worst)) worst = i;
+  }
+  EXPECT_EQ(bad, 0u) << dtype_name(act) << " T=" << T << " E=" << E << " k=" << K << " H=" << H << " I=" << I
+                         << ": " << bad << " of " << got.size() << " beyond tolerance; worst at row " << worst / size_t(H)
+                         << " column " << worst % size_t(H) << " (got " << got[worst] << ", reference " << ref[worst]
+                         << ", " << excess(worst) << "x the tolerance)";
   // The routing itself: the kernel's ids and weights (the workspace's first two arrays).
   std::vector<uint8_t> w = ws.download();
   const auto* gids = reinterpret_cast<const int32_t*>(w.data());

@@ -498,10 +498,14 @@ __global__ void __launch_bounds__(kWideThreads) wide_gemm_kernel(const uint16_t*
                                                                  const uint16_t* __restrict__ bias,
                                                                  uint16_t* __restrict__ c, int N, int K, Tiles tiles) {
   extern __shared__ __align__(16) uint16_t smem[];
-  const int tile = int(blockIdx.x);
+  // Column blocks run fastest: the CTAs of one tile follow one another, so its 128 gathered A
+  // rows are read from DRAM once and from L2 for the other column blocks (with tiles fastest,
+  // all of A streamed through DRAM once per column block: 12 times for Qwen3-30B-A3B's
+  // gate_up, 0.67 of its 1.08 ms at 4096 rows).
+  const int tile = int(blockIdx.y);
   if (tile >= *tiles.n) return;
   const int e = tiles.expert[tile], first = tiles.first[tile], count = tiles.count[tile];
-  const int n0 = int(blockIdx.y) * kWideCols;
+  const int n0 = int(blockIdx.x) * kWideCols;
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
   // This thread's copies: 16-byte chunk tid % 4 of rows tid / 4 and tid / 4 + 64, of A and of B.
   const int chunk = tid % 4, r0 = tid / 4;
@@ -672,7 +676,8 @@ void launch_gemm(const uint16_t* a, const int32_t* a_rows, const void* b, const 
       KVLM_CUDA_CHECK(cudaFuncSetAttribute(wide_gemm_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWideSmem)));
       return true;
     });
-    const dim3 grid(unsigned(max_tiles), unsigned((N + kWideCols - 1) / kWideCols));
+    KVLM_CHECK(max_tiles <= 65535, "moe: " + std::to_string(max_tiles) + " tiles exceed the grid's y dimension");
+    const dim3 grid(unsigned((N + kWideCols - 1) / kWideCols), unsigned(max_tiles));
     wide_gemm_kernel<A><<<grid, kWideThreads, kWideSmem, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
     KVLM_CUDA_CHECK_LAUNCH("moe wide_gemm_kernel");
     return;
