@@ -253,6 +253,18 @@ def model_specs():
                   "top-2 (renormalized) plus a shared expert scaled by sigmoid(shared_expert_gate), "
                   "router logits of std 16 (96 rows x 5 layers: std 2 left a near tie between "
                   "experts in every seed), an 80-token prompt, bf16"))
+    specs.append(dict(
+        name="qwen3.5-moe",
+        config=transformers5(base_config("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "bfloat16",
+                                         num_hidden_layers=5, num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                         **hybrid)),
+        prompt_len=80, seed=14000, shards=1, router_std=16.0,
+        exercises="Qwen3.5-MoE (hybrid MoE): Qwen3.5's Gated DeltaNet layers (separate in_proj_qkv / z / "
+                  "b / a) and gated full attention, and in every layer 6 experts top-2 (always "
+                  "renormalized) stored fused as transformers 5 and the Hub hold them ([E][2I][H] gate "
+                  "rows then up rows, [E][H][I]) plus a shared expert scaled by "
+                  "sigmoid(shared_expert_gate), router logits of std 16, an 80-token prompt, bf16"))
     return specs
 
 

@@ -61,8 +61,9 @@ ParamCounts count_params(const ModelConfig& c) {
       const MoeConfig& m = *c.moe;
       const int64_t router = int64_t(m.num_experts) * (H + (m.router_bias ? 1 : 0));
       const int64_t expert = 3 * H * m.expert_size + (m.expert_bias ? 2 * int64_t(m.expert_size) + H : 0);
-      total = router + int64_t(m.num_experts) * expert;
-      active = router + int64_t(m.top_k) * expert;
+      const int64_t shared = m.shared_expert_size > 0 ? 3 * H * m.shared_expert_size + H : 0;  // with its gate
+      total = router + int64_t(m.num_experts) * expert + shared;
+      active = router + int64_t(m.top_k) * expert + shared;
     } else {
       total = active = 3 * H * c.intermediate_size + (c.mlp_bias ? 2 * int64_t(c.intermediate_size) + H : 0);
     }
@@ -82,12 +83,14 @@ std::string human_count(int64_t n) {
   return s.str();
 }
 
-// "dense 96" or "8 experts x 32, top 2 (1.3M of 4.8M per token)".
+// "dense 96", "8 experts x 32, top 2 (1.3M of 4.8M per token)" or, with a shared expert,
+// "6 experts x 32, top 2 + shared 48 (22K of 47K per token)".
 std::string mlp_str(const ModelConfig& c, const ParamCounts& p, int layer) {
   if (!c.moe || !c.moe_layers[size_t(layer)]) return "dense " + std::to_string(c.intermediate_size);
   const MoeConfig& m = *c.moe;
   return std::to_string(m.num_experts) + " experts x " + std::to_string(m.expert_size) + ", top " +
-         std::to_string(m.top_k) + " (" + human_count(p.mlp_active[size_t(layer)]) + " of " +
+         std::to_string(m.top_k) + (m.shared_expert_size > 0 ? " + shared " + std::to_string(m.shared_expert_size) : "") +
+         " (" + human_count(p.mlp_active[size_t(layer)]) + " of " +
          human_count(p.mlp_total[size_t(layer)]) + " per token)";
 }
 
@@ -282,7 +285,8 @@ int run_inspect(const InspectFlags& f) {
         e["weights"] = held.layer(i);
         if (cfg.moe && cfg.moe_layers[size_t(i)])
           e["mlp"] = {{"kind", "experts"}, {"experts", cfg.moe->num_experts}, {"top_k", cfg.moe->top_k},
-                      {"expert_size", cfg.moe->expert_size}, {"parameters", params.mlp_total[size_t(i)]},
+                      {"expert_size", cfg.moe->expert_size}, {"shared_expert_size", cfg.moe->shared_expert_size},
+                      {"parameters", params.mlp_total[size_t(i)]},
                       {"parameters_per_token", params.mlp_active[size_t(i)]}};
         else
           e["mlp"] = {{"kind", "dense"}, {"intermediate_size", cfg.intermediate_size},

@@ -72,6 +72,9 @@ void set_qwen_layer_windows(const nlohmann::json& cfg, ModelConfig& m);
 // write either; `preferred` first), num_experts_per_tok no larger than the experts. The other
 // MoeConfig fields are the architecture's.
 void parse_expert_counts(const nlohmann::json& cfg, std::string_view preferred, MoeConfig& e);
+// Which layers hold the experts (m.moe_layers), as Qwen's MoE configs say: every
+// decoder_sparse_step-th layer (default 1: all) except those of mlp_only_layers.
+void set_sparse_layers(const nlohmann::json& cfg, ModelConfig& m);
 // A positive integer field no larger than `max` (a corrupt config cannot make kvlm allocate
 // absurd amounts); `fallback` when absent (nullopt: the field is required).
 int positive_int(const nlohmann::json& cfg, std::string_view key, long long max, std::optional<int> fallback = {});

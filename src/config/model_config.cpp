@@ -205,6 +205,22 @@ void parse_expert_counts(const json& cfg, std::string_view preferred, MoeConfig&
                 std::to_string(e.num_experts) + " experts");
 }
 
+void set_sparse_layers(const json& cfg, ModelConfig& m) {
+  const int step = positive_int(cfg, "decoder_sparse_step", 1024, 1);
+  std::vector<bool> dense(size_t(m.num_layers), false);
+  if (const json* d = jg::find(cfg, "mlp_only_layers"); d && !d->is_null()) {
+    if (!d->is_array()) throw Error("config.json: mlp_only_layers must be a list of layer indices");
+    for (const json& v : *d) {
+      if (!v.is_number_integer() || v.get<long long>() < 0 || v.get<long long>() >= m.num_layers)
+        throw Error("config.json: mlp_only_layers holds " + v.dump() + ", not a layer index below " +
+                    std::to_string(m.num_layers));
+      dense[size_t(v.get<long long>())] = true;
+    }
+  }
+  m.moe_layers.assign(size_t(m.num_layers), false);
+  for (int i = 0; i < m.num_layers; ++i) m.moe_layers[size_t(i)] = !dense[size_t(i)] && (i + 1) % step == 0;
+}
+
 int positive_int(const json& cfg, std::string_view key, long long max, std::optional<int> fallback) {
   if (fallback && !jg::find(cfg, key)) return *fallback;
   const long long v = jg::req_int(cfg, key, kWhere);

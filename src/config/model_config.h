@@ -92,6 +92,9 @@ struct MoeConfig {
   bool expert_bias = false;     // GPT-OSS: gate/up and down biases per expert
   GluActivation act = GluActivation::Silu;
   float swiglu_alpha = 1.702f, swiglu_limit = 7.0f;  // SwigluClamp
+  // Qwen3-Next / Qwen3.5-MoE: a shared expert, a gated MLP of this width that every row runs,
+  // its output scaled by sigmoid(x . shared_gate) and added to the routed experts'. 0: none.
+  int shared_expert_size = 0;
   // Tensor parallelism: each rank holds its share of every expert's width, or with
   // expert_parallel (--enable-expert-parallel) whole experts: rank r of W holds experts
   // [expert_begin, expert_begin + local_experts) = [r E / W, (r + 1) E / W), routes every token

@@ -98,6 +98,9 @@ struct MoeWeights {
   Weight router, router_bias;   // [E][H], [E] or empty
   Weight gate_up, gate_up_bias; // [E * 2I][H], [E * 2I] or empty
   Weight down, down_bias;       // [E * H][I], [E * H] or empty
+  // The shared expert (MoeConfig::shared_expert_size S > 0): [2S][H] gate then up, [H][S], and
+  // the gate's [1][H]; empty otherwise.
+  Weight shared_gate_up, shared_down, shared_gate;
 };
 
 // A Gated DeltaNet layer's own weights beside its projections (LinearAttentionConfig says the
@@ -143,7 +146,8 @@ class Ops {
   // `sinks`: the layer's learned attention sinks, fp32 [num_q_heads], or empty (AttentionCall).
   virtual void attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) = 0;
   // y = the mixture of experts `c` over x (Hidden rows): each row's router picks its top_k
-  // experts, whose gated MLPs' outputs (+ biases) are summed with the router's weights.
+  // experts, whose gated MLPs' outputs (+ biases) are summed with the router's weights; with a
+  // shared expert (c.shared_expert_size), plus sigmoid(x . shared_gate) times its gated MLP.
   virtual void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) = 0;
   // Gated DeltaNet's token mixer (ops/cpu/linear_attention.h) for Gated DeltaNet layer
   // `linear_layer` (its index among the model's linear layers, which picks its states): mixed =

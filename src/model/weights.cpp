@@ -25,11 +25,14 @@ std::vector<int64_t> WeightPiece::held_shape() const {
     case PieceLayout::ExpertsInterleaved:
       KVLM_CHECK(shape.size() == 2, "a fused expert bias is [experts][out]");
       return {shape[0] * shape[1]};
-    case PieceLayout::HeadsFirstHalf:
-    case PieceLayout::HeadsSecondHalf:
-      KVLM_CHECK(shape.size() == 2 && shard_units > 0 && shape[0] % (2 * shard_units) == 0,
-                 "a gated q_proj is [heads * 2 * head_dim][in]");
-      return {shape[0] / 2, shape[1]};
+    case PieceLayout::ExpertsStacked:
+      KVLM_CHECK(shape.size() == 3, "a stacked expert tensor is [experts][out][in]");
+      return {shape[0] * shape[1], shape[2]};
+    case PieceLayout::GroupRows:
+      KVLM_CHECK(shape.size() == 2 && shard_units > 0 && shape[0] % shard_units == 0 && group_begin >= 0 &&
+                     group_rows > 0 && group_begin + group_rows <= shape[0] / shard_units,
+                 "a GroupRows piece takes rows [begin, begin + rows) of each of its [groups][rows per group][in]");
+      return {shard_units * group_rows, shape[1]};
   }
   return shape;
 }
@@ -299,22 +302,27 @@ void slice_piece(const Checkpoint& ckpt, const WeightPiece& p, const WeightSpec&
 
 // `v` (laid out as `layout`) rearranged as the device holds it (WeightPiece::held_shape) into
 // `out`: its info (shape `held`) and bytes.
-void relayout_piece(const TensorView& v, PieceLayout layout, const std::vector<int64_t>& held, int64_t heads,
-                    LocalPiece& out) {
+void relayout_piece(const TensorView& v, const WeightPiece& p, LocalPiece& out) {
+  const PieceLayout layout = p.layout;
+  const std::vector<int64_t> held = p.held_shape();
   const TensorInfo& t = *v.info;
   const size_t es = dtype_size(t.dtype);
   out.info = t;
   out.info.shape = held;
+  if (layout == PieceLayout::ExpertsStacked) {  // a reshape: the view keeps the checkpoint's bytes
+    out.bytes.clear();
+    out.view = TensorView{&out.info, v.bytes};
+    return;
+  }
   out.bytes.resize(size_t(std::accumulate(held.begin(), held.end(), int64_t(1), std::multiplies<>())) * es);
   const uint8_t* src = v.bytes.data();
   uint8_t* dst = out.bytes.data();
   // Row r of an expert's gate/up output: column r of the gate (even columns) or of up (odd).
   auto interleaved_col = [](int64_t r, int64_t half) { return r < half ? 2 * r : 2 * (r - half) + 1; };
-  if (layout == PieceLayout::HeadsFirstHalf || layout == PieceLayout::HeadsSecondHalf) {
-    // Rows [2 d h + off, 2 d h + off + d) of every head h (off = 0, or d for the second half).
-    const int64_t in = t.shape[1], d = t.shape[0] / (2 * heads), off = layout == PieceLayout::HeadsSecondHalf ? d : 0;
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(dst + size_t(h * d * in) * es, src + size_t((2 * d * h + off) * in) * es, size_t(d * in) * es);
+  if (layout == PieceLayout::GroupRows) {  // rows [per g + begin, + rows) of every group g
+    const int64_t in = t.shape[1], groups = p.shard_units, per = t.shape[0] / groups, n = p.group_rows;
+    for (int64_t g = 0; g < groups; ++g)
+      std::memcpy(dst + size_t(g * n * in) * es, src + size_t((per * g + p.group_begin) * in) * es, size_t(n * in) * es);
     out.view = TensorView{&out.info, out.bytes};
     return;
   }
@@ -503,9 +511,9 @@ LoadedWeights load_weights(const WeightList& list, const Checkpoint& ckpt, Weigh
       WeightPiece held = p;  // the piece as the device holds it
       if (p.layout != PieceLayout::Plain) {
         if (t.dtype == DType::F8E4M3)
-          throw Error("tensor " + ckpt.describe(t.name) + ": fused expert tensors and gated q_proj in FP8 are not "
+          throw Error("tensor " + ckpt.describe(t.name) + ": FP8 codes in a tensor kvlm rearranges at load (fused experts, gated q_proj, Qwen3-Next's in_proj) are not "
                       "supported yet");
-        relayout_piece(v, p.layout, p.held_shape(), p.shard_units, local.emplace_back());
+        relayout_piece(v, p, local.emplace_back());
         v = local.back().view;
         held.shape = p.held_shape();
         held.layout = PieceLayout::Plain;

@@ -59,10 +59,12 @@ enum class PieceLayout : uint8_t {
   ExpertsTransposed,             // [E][in][out] -> [E * out][in]
   ExpertsTransposedInterleaved,  // [E][in][2I] with gate, up alternating -> [E * 2I][in], per expert I gate rows then I up
   ExpertsInterleaved,            // a bias [E][2I], gate and up alternating -> [E * 2I], per expert I gate then I up
-  // A projection whose rows are shard_units heads of 2d rows each (Qwen3-Next's gated q_proj:
-  // a head's query, then its gate): the first (or second) d rows of every head -> [heads * d][in].
-  HeadsFirstHalf,
-  HeadsSecondHalf,
+  ExpertsStacked,                // [E][out][in] (transformers 5's fused Qwen experts) -> [E * out][in]: the same bytes
+  // A projection whose rows are shard_units equal groups, of which the piece takes rows
+  // [group_begin, group_begin + group_rows) of every group -> [groups * group_rows][in]: the
+  // gated q_proj of Qwen3.5 / Qwen3-Next (per head its query, then its gate), Qwen3-Next's
+  // in_proj_qkvz / in_proj_ba (per key head q, k, its value heads' v, then z; b, then a).
+  GroupRows,
 };
 
 struct WeightPiece {
@@ -78,6 +80,8 @@ struct WeightPiece {
   int64_t row_groups = 0;
   // Experts: the expert this piece belongs to (-1: a fused piece of every expert).
   int expert = -1;
+  // GroupRows: the rows taken from each of the shard_units groups.
+  int64_t group_begin = 0, group_rows = 0;
   // The shape the device holds: `shape` rearranged by `layout`.
   std::vector<int64_t> held_shape() const;
 };

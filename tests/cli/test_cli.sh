@@ -443,6 +443,12 @@ expect_error 1 "keep a recurrent state that a rejected draft would have to roll 
   --prompt-ids 1,2 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
 expect_error 1 "run on one rank so far; use --tensor-parallel-size 1" -- generate --model "$q35" --prompt-ids 1,2 \
   --tensor-parallel-size 2
+# Qwen3-Next: interleaved DeltaNet projections, experts with a shared expert
+"$KVLM" inspect --model "$golden/qwen3-next" >"$tmp/out" 2>&1 \
+  && grep -q "6 experts x 32, top 2 + shared 48" "$tmp/out" && ok \
+  || bad "inspect shows Qwen3-Next's shared expert: $(cat "$tmp/out")"
+"$KVLM" generate --model "$golden/qwen3-next" --prompt-ids 1,54,232,73 --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && ok \
+  || bad "a Qwen3-Next checkpoint generates on the CPU: $(cat "$tmp/out")"
 
 # --- the bundled model: kvlm-tiny, trained by tools/train, answers arithmetic -------------
 "$KVLM" inspect >"$tmp/out" 2>&1 && grep -q "models/kvlm-tiny" "$tmp/out" && ok || bad "the bundled default is kvlm-tiny"

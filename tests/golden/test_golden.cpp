@@ -211,11 +211,24 @@ TEST_P(Goldens, UnquantizedMatchesTransformers) {
   const Stats s = compare(g, got);
   double scale = 0;
   for (float x : g.logits) scale = std::max(scale, double(std::fabs(x)));
-  std::printf("[golden] %-12s %-20s max|dlogit|=%.2e (max|logit| %.1f) kld=%.1e top1=%.3f\n", g.name.c_str(), "fp32 KV",
-              s.max_abs, scale, s.max_kld, s.top1);
-  // fp32 vs fp32 with different summation orders: relative error ~1e-6 per op, grown
-  // through a few layers; 2e-5 of the logit range is ~20x the measured values.
-  EXPECT_LT(s.max_abs, 2e-5 * std::max(1.0, scale));
+  scale = std::max(1.0, scale);
+  // The same logits prefilled one token at a time and in one piece: how far kvlm's own
+  // summation orders move this model on this input.
+  double spread = 0;
+  for (int chunk : {1, int(g.prompt.size() + g.greedy.size())}) {
+    const auto other = teacher_forced(*e, g, chunk);
+    for (size_t i = 0; i < got.size(); ++i) spread = std::max(spread, double(std::fabs(other[i] - got[i])));
+  }
+  std::printf("[golden] %-12s %-20s max|dlogit|=%.2e (max|logit| %.1f) kld=%.1e top1=%.3f chunking spread %.1e\n",
+              g.name.c_str(), "fp32 KV", s.max_abs, scale, s.max_kld, s.top1, spread);
+  // fp32 vs fp32 with different summation orders: relative error ~1e-6 per op, grown through a
+  // few layers; 2e-5 of the logit range is ~20x the values measured on most goldens. Some
+  // models amplify that noise far more: the hybrid MoE goldens (Gated DeltaNet layers, router
+  // logits of std 16) move by 1-2e-3 between kvlm's own chunkings, and transformers' forward and
+  // cached generate differ by 1.7e-4 on them. Such a model is held to 4x its own spread — while
+  // the spread itself (a chunking-dependent result) must stay under 5e-4 of the logit range.
+  EXPECT_LT(spread, 5e-4 * scale) << "the logits depend on how the prompt is chunked";
+  EXPECT_LT(s.max_abs, std::max(2e-5 * scale, 4 * spread));
   EXPECT_EQ(s.top1, 1.0);
 
   const GenerateRequest req = greedy_request(g);

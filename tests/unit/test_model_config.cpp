@@ -521,4 +521,66 @@ TEST(ModelConfig, Qwen35Hybrid) {
   bad = j;
   bad["attention_bias"] = true;
   refused(bad, "attention_bias");
+  // Neither rope_parameters nor the top level says: transformers' default for the family, 0.25.
+  json none = j;
+  none["rope_parameters"].erase("partial_rotary_factor");
+  EXPECT_EQ(parse_model_config(none, nullptr).rope.rotary_dim, 8);
+  // rope_parameters' factor wins over a stale top-level one.
+  json both = j;
+  both["partial_rotary_factor"] = 1.0;
+  EXPECT_EQ(parse_model_config(both, nullptr).rope.rotary_dim, 8);
+}
+
+// The hybrid MoE models: Qwen3-Next's experts follow decoder_sparse_step / mlp_only_layers and
+// norm_topk_prob (default true); Qwen3.5-MoE's are in every layer and always renormalized. Both
+// have a shared expert, which a plain Qwen3-MoE refuses.
+TEST(ModelConfig, HybridMixturesOfExperts) {
+  json j = llama();
+  j["architectures"] = {"Qwen3NextForCausalLM"};
+  j["head_dim"] = 32;
+  j["num_hidden_layers"] = 4;
+  j["linear_num_key_heads"] = 2;
+  j["linear_num_value_heads"] = 4;
+  j["linear_key_head_dim"] = 16;
+  j["linear_value_head_dim"] = 24;
+  j["linear_conv_kernel_dim"] = 4;
+  j["num_experts"] = 6;
+  j["num_experts_per_tok"] = 2;
+  j["moe_intermediate_size"] = 32;
+  j["shared_expert_intermediate_size"] = 48;
+  j["mlp_only_layers"] = {1};
+  j["decoder_sparse_step"] = 1;
+  ModelConfig m = parse_model_config(j, nullptr);
+  EXPECT_EQ(arch_name(m.arch), "Qwen3NextForCausalLM");
+  ASSERT_TRUE(m.moe && m.linear_attention);
+  EXPECT_EQ(m.moe->shared_expert_size, 48);
+  EXPECT_TRUE(m.moe->norm_topk);
+  EXPECT_EQ(m.moe_layers, (std::vector<bool>{true, false, true, true}));
+  EXPECT_EQ(m.rope.rotary_dim, 8);  // no partial_rotary_factor anywhere: 0.25
+  EXPECT_EQ(m.num_kv_layers(), 1);
+  j["norm_topk_prob"] = false;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = nullptr;
+  m = parse_model_config(j, nullptr);
+  EXPECT_FALSE(m.moe->norm_topk);
+  EXPECT_EQ(m.moe_layers, (std::vector<bool>{false, true, false, true}));
+  json bad = j;
+  bad.erase("shared_expert_intermediate_size");
+  EXPECT_NE(error_of(bad).find("shared_expert_intermediate_size"), std::string::npos) << error_of(bad);
+
+  json q = j;
+  q["architectures"] = {"Qwen3_5MoeForCausalLM"};
+  q["norm_topk_prob"] = false;  // not a Qwen3.5-MoE field: its router always renormalizes
+  m = parse_model_config(q, nullptr);
+  EXPECT_EQ(arch_name(m.arch), "Qwen3_5MoeForCausalLM");
+  EXPECT_TRUE(m.moe->norm_topk);
+  EXPECT_EQ(m.moe_layers, std::vector<bool>(4, true));
+  EXPECT_EQ(m.moe->shared_expert_size, 48);
+  // The multimodal wrapper reads text_config.
+  json w = {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}}, {"text_config", q}};
+  w["text_config"].erase("architectures");
+  w["text_config"]["model_type"] = "qwen3_5_moe_text";
+  m = parse_model_config(w, nullptr);
+  EXPECT_EQ(arch_name(m.arch), "Qwen3_5MoeForCausalLM");
+  EXPECT_EQ(m.wrapper, "Qwen3_5MoeForConditionalGeneration");
 }

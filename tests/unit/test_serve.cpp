@@ -43,6 +43,7 @@ namespace {
 const fs::path kTests = KVLM_TEST_DATA;
 const fs::path kQwen3Mixed = kTests / "golden" / "models" / "qwen3-mixed";
 const fs::path kQwen35 = kTests / "golden" / "models" / "qwen3.5";
+const fs::path kQwen3Next = kTests / "golden" / "models" / "qwen3-next";
 
 std::vector<TokenId> tokens_of(std::span<const TokenId> s) { return {s.begin(), s.end()}; }
 
@@ -296,6 +297,11 @@ TEST(Scheduler, BatchedEqualsSequentialHybridLinearAttention) {
 }
 TEST(Scheduler, BatchedEqualsSequentialHybridLinearAttentionUnderPreemption) {
   check_batched_equals_sequential(kQwen35, KVCacheDType::Int8PerTokenHead, 16, 23);
+}
+// Qwen3-Next: the states beside mixtures of experts with a shared expert, batched and preempted.
+TEST(Scheduler, BatchedEqualsSequentialHybridMixtureOfExperts) {
+  check_batched_equals_sequential(kQwen3Next, KVCacheDType::Auto, 200, 23);
+  check_batched_equals_sequential(kQwen3Next, KVCacheDType::Fp8E4M3, 16, 23);
 }
 // The released Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration): the
 // language model's config in text_config (tied embeddings and dtype at the top), its tensors

@@ -132,10 +132,43 @@ MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std:
   return w;
 }
 
+MoeLayerWeights add_moe_stacked(WeightList& list, const ModelConfig& c, const std::string& p) {
+  const MoeConfig& m = *c.moe;
+  const int64_t hd = c.hidden_size, inter = m.expert_size, E = m.num_experts;
+  MoeLayerWeights w;
+  w.router = add(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  const std::string x = p + "mlp.experts.";
+  // Held as [E * 2I][H] and [E * H][I]: the same bytes. Expert parallelism: each tensor split
+  // into E runs of rows; tensor parallelism inside experts: every expert's gate and up rows a
+  // group of which each rank takes its share, down's columns split.
+  if (m.expert_parallel) {
+    w.gate_up = add(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
+                    Shard::Experts);
+    w.down = add(list, {{x + "down_proj", {E, hd, inter}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
+                 Shard::Experts);
+    return w;
+  }
+  w.gate_up = add(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, 0, PieceLayout::ExpertsStacked, 2 * E}},
+                  WeightRole::Matrix, Shard::Rows);
+  w.down = add(list, {{x + "down_proj", {E, hd, inter}, 0, PieceLayout::ExpertsStacked}}, WeightRole::Matrix, Shard::Cols);
+  return w;
+}
+
+void add_shared_expert(WeightList& list, const ModelConfig& c, const std::string& p, MoeLayerWeights& m) {
+  const int64_t hd = c.hidden_size, s = c.moe->shared_expert_size;
+  const std::string x = p + "mlp.shared_expert.";
+  m.shared_gate_up =
+      add_linear(list, {{x + "gate_proj.weight", {s, hd}}, {x + "up_proj.weight", {s, hd}}}, Shard::Rows);
+  m.shared_down = add_linear(list, {{x + "down_proj.weight", {hd, s}}}, Shard::Cols);
+  m.shared_gate = add(list, {{p + "mlp.shared_expert_gate.weight", {1, hd}}}, WeightRole::Matrix, Shard::Replicated);
+}
+
 MoeWeights moe_weights(std::span<const Weight> w, const MoeLayerWeights& m) {
   auto W = [&](size_t i) { return weight_or_empty(w, i); };
   return MoeWeights{.router = W(m.router), .router_bias = W(m.router_bias), .gate_up = W(m.gate_up),
-                    .gate_up_bias = W(m.gate_up_bias), .down = W(m.down), .down_bias = W(m.down_bias)};
+                    .gate_up_bias = W(m.gate_up_bias), .down = W(m.down), .down_bias = W(m.down_bias),
+                    .shared_gate_up = W(m.shared_gate_up), .shared_down = W(m.shared_down),
+                    .shared_gate = W(m.shared_gate)};
 }
 
 PreNormLayerWeights add_pre_norm_attention(WeightList& list, const ModelConfig& c, const std::string& p) {

@@ -60,9 +60,17 @@ MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::stri
 struct MoeLayerWeights {
   size_t router = kNoWeight, router_bias = kNoWeight, gate_up = kNoWeight, gate_up_bias = kNoWeight,
          down = kNoWeight, down_bias = kNoWeight;
+  size_t shared_gate_up = kNoWeight, shared_down = kNoWeight, shared_gate = kNoWeight;
 };
 MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const std::string& prefix);
 MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std::string& prefix);
+// Fused as transformers 5 holds Qwen-style experts (Qwen3.5-MoE's checkpoints):
+// `prefix`mlp.experts.gate_up_proj [E][2I][H] (each expert's gate rows, then its up rows) and
+// down_proj [E][H][I], the router `prefix`mlp.gate.weight.
+MoeLayerWeights add_moe_stacked(WeightList& list, const ModelConfig& c, const std::string& prefix);
+// The shared expert of c.moe->shared_expert_size: `prefix`mlp.shared_expert.{gate,up,down}_proj
+// (sharded as a dense MLP) and `prefix`mlp.shared_expert_gate.weight [1][H] (replicated).
+void add_shared_expert(WeightList& list, const ModelConfig& c, const std::string& prefix, MoeLayerWeights& m);
 MoeWeights moe_weights(std::span<const Weight> w, const MoeLayerWeights& m);
 
 // A pre-norm decoder layer's weights (Llama, Qwen, Mistral, Qwen3-MoE, GPT-OSS; a DFlash

@@ -9,7 +9,6 @@
 //
 // The checkpoint keeps each expert's projections as its own tensors
 // (mlp.experts.E.{gate,up,down}_proj.weight) and the router as mlp.gate.weight.
-#include <algorithm>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -51,21 +50,8 @@ void parse(const nlohmann::json& cfg, ModelConfig& m) {
   e.expert_size = positive_int(cfg, "moe_intermediate_size", 1 << 20);
   e.norm_topk = jg::opt_bool(cfg, "norm_topk_prob", kWhere).value_or(false);
   e.act = GluActivation::Silu;
-  const int step = positive_int(cfg, "decoder_sparse_step", 1024, 1);
-  std::vector<int> dense;
-  if (const nlohmann::json* d = jg::find(cfg, "mlp_only_layers")) {
-    if (!d->is_array()) throw Error("config.json: mlp_only_layers must be a list of layer indices");
-    for (const nlohmann::json& v : *d) {
-      if (!v.is_number_integer() || v.get<long long>() < 0 || v.get<long long>() >= m.num_layers)
-        throw Error("config.json: mlp_only_layers holds " + v.dump() + ", not a layer index below " +
-                    std::to_string(m.num_layers));
-      dense.push_back(int(v.get<long long>()));
-    }
-  }
-  m.moe_layers.assign(size_t(m.num_layers), false);
-  for (int i = 0; i < m.num_layers; ++i)
-    m.moe_layers[size_t(i)] = std::ranges::find(dense, i) == dense.end() && (i + 1) % step == 0;
   m.moe = e;
+  arch_config::set_sparse_layers(cfg, m);
 }
 
 constexpr std::string_view kModelTypes[] = {"qwen3_moe"};

@@ -413,6 +413,27 @@ class CpuOps final : public Ops {
         for (size_t i = 0; i < h; ++i) out[i] += wt * expert_y_[r * h + i];
       }
     }
+    if (c.shared_expert_size > 0) {  // every row: y += sigmoid(x . w_gate) * down(silu(gate x) * up x)
+      const int64_t S = w.shared_down.cols;
+      KVLM_CHECK(w.shared_gate_up.rows == 2 * S && w.shared_gate_up.cols == H && w.shared_down.rows == H &&
+                     w.shared_gate.rows == 1 && w.shared_gate.cols == H,
+                 "moe: shared expert weight shapes");
+      expert_gu_.resize(size_t(T) * size_t(2 * S));
+      linear_any(xs, T, H, w.shared_gate_up, Weight{}, expert_gu_, math_);
+      act_.resize(size_t(T) * size_t(S));
+      for (size_t r = 0; r < size_t(T); ++r)
+        cpu::glu(GluActivation::Silu, std::span<const float>(expert_gu_).subspan(r * size_t(2 * S), size_t(S)),
+                 std::span<const float>(expert_gu_).subspan(r * size_t(2 * S) + size_t(S), size_t(S)),
+                 std::span<float>(act_).subspan(r * size_t(S), size_t(S)), c.swiglu_alpha, c.swiglu_limit);
+      expert_y_.resize(size_t(T) * h);
+      linear_any(act_, T, int(S), w.shared_down, Weight{}, expert_y_, math_);
+      route_logits_.resize(size_t(T));
+      linear_any(xs, T, H, w.shared_gate, Weight{}, route_logits_, math_);
+      for (size_t r = 0; r < size_t(T); ++r) {
+        const float g = 1.0f / (1.0f + std::exp(-route_logits_[r]));
+        for (size_t i = 0; i < h; ++i) ys[r * h + i] += g * expert_y_[r * h + i];
+      }
+    }
   }
 
   void all_reduce_sum(Tensor x) override {

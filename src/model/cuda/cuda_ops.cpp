@@ -339,6 +339,9 @@ void CudaOps::moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) {
   const int I = int(w.gate_up.rows / (2 * int64_t(held)));
   KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(held) * H && w.down.cols == I && y.cols == H,
              "moe: weight shapes");
+  if (c.shared_expert_size > 0)  // LoadedModel refuses the models that have one (hybrids) before this
+    throw Error("a mixture of experts with a shared expert (Qwen3-Next, Qwen3.5-MoE) runs on the CPU only for now; "
+                "use --device cpu");
   // Carved whether or not it runs, so that measuring and running carve the same.
   auto* logits = static_cast<float*>(step_buffer(moe_logits_, size_t(T) * size_t(E) * sizeof(float)));
   void* ws = step_buffer(moe_ws_, cuda::moe_workspace_bytes(act_, T, H, I, E, c.top_k));
