@@ -174,10 +174,10 @@ class Ops {
 };
 
 inline void Ops::gated_delta_net(int, const LinearAttentionConfig&, Tensor, const GatedDeltaNetWeights&, Tensor) {
-  throw Error("Gated DeltaNet layers (Qwen3.5, Qwen3-Next) run on the CPU only so far; use --device cpu");
+  throw Error("this device has no Gated DeltaNet kernels (Qwen3.5, Qwen3-Next); use --device cpu or cuda");
 }
 inline void Ops::sigmoid_gate(Tensor, Tensor, int64_t) {
-  throw Error("gated attention outputs (Qwen3.5, Qwen3-Next) run on the CPU only so far; use --device cpu");
+  throw Error("this device has no gated attention output (Qwen3.5, Qwen3-Next); use --device cpu or cuda");
 }
 
 }  // namespace kvlm

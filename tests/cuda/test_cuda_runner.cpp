@@ -105,10 +105,13 @@ std::vector<std::string> golden_names() {
   if (!fs::exists(dir)) return out;
   for (const auto& e : fs::directory_iterator(dir)) {
     if (e.path().extension() != ".json") continue;
-    // Not the hybrid linear-attention models (Qwen3.5): their Gated DeltaNet layers run on the
-    // CPU only so far, and LoadedModel refuses them on CUDA (issue 51).
+    // Not the hybrid mixtures of experts (Qwen3-Next, Qwen3.5-MoE): LoadedModel refuses them on
+    // CUDA until their shared expert's CUDA path is checked (issue 51).
     const fs::path model = golden_dir() / "models" / e.path().stem();
-    if (fs::exists(model / "config.json") && load_model_config(model).linear_attention) continue;
+    if (fs::exists(model / "config.json")) {
+      const ModelConfig c = load_model_config(model);
+      if (c.linear_attention && c.moe) continue;
+    }
     out.push_back(e.path().stem().string());
   }
   std::sort(out.begin(), out.end());
@@ -244,6 +247,16 @@ double mean_kld_bound(const Golden& g, KVCacheDType dt) {
   return kld_bounds(*std::ranges::find(kBounds, dt, &Bounds::dt), g).first;
 }
 
+// The compute dtype a golden's CUDA runs use: the model's, except for the hybrid linear-attention
+// goldens, which amplify rounding so much (CudaRunnerHybrid.ErrorShrinksWithTheComputePrecision:
+// qwen3.5 in bf16 6.6% of the largest logit from the CPU's fp32, KLD 1.3e-3; in fp16 0.7%, KLD
+// 1.8e-5; the MoE hybrids' routers, of std 16, swap experts under bf16's rounding) that bf16
+// would measure the model's conditioning, not the kernels. fp16 holds them to the others' bounds.
+std::optional<DType> compute_for(const Golden& g) {
+  if (load_model_config(g.model_dir).linear_attention) return DType::F16;
+  return std::nullopt;
+}
+
 bool reduced_model(const std::string& name) { return name == "qwen3-mixed" || name == "llama-mqa-hd"; }
 bool reduced_mode(KVCacheDType dt) {
   return dt == KVCacheDType::Auto || dt == KVCacheDType::Fp8E4M3 || dt == KVCacheDType::Fp8PerTokenHead;
@@ -262,7 +275,7 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : kModes) {
     if (test::reduced() && !reduced_mode(dt)) continue;
-    auto ce = load(g.model_dir, dt, Device::Cuda);
+    auto ce = load(g.model_dir, dt, Device::Cuda, compute_for(g));
     cuda_of(*ce).set_poison_scratch(true);
     auto pe = load(g.model_dir, dt, Device::Cpu, ce->dtype());
     ASSERT_EQ(pe->plan().layers.size(), ce->plan().layers.size());
@@ -288,6 +301,31 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
   }
 }
 
+// The hybrid Qwen3.5 golden amplifies rounding ~10x more than the other goldens (its fp32 logits
+// move by 6e-5 between the CPU's own chunkings, against 5-8e-6: test_golden.cpp), so its bf16
+// CUDA run sits further from the CPU than the 3% the others keep. That must be the compute's
+// rounding and nothing else: with fp16 compute (3 more mantissa bits) the error shrinks by
+// several times, which a wrong kernel (a misplaced rotary pair, a lost state) would not do.
+TEST(CudaRunnerHybrid, ErrorShrinksWithTheComputePrecision) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Golden g = load_golden("qwen3.5");
+  std::vector<TokenId> all = g.prompt;
+  all.insert(all.end(), g.greedy.begin(), g.greedy.end());
+  const auto cpu = teacher_forced(*load(g.model_dir, KVCacheDType::Float16, Device::Cpu, DType::F32), all, 7);
+  double err[2] = {}, kld[2] = {};
+  for (int i = 0; i < 2; ++i) {
+    const DType dt = i == 0 ? DType::BF16 : DType::F16;
+    auto ce = load(g.model_dir, KVCacheDType::Float16, Device::Cuda, dt);
+    const Stats d = compare(cpu, teacher_forced(*ce, all, 7), g.vocab);
+    err[i] = d.max_abs;
+    kld[i] = d.mean_kld;
+    std::printf("[cuda-hybrid] qwen3.5 compute %-8s max|cuda-cpu fp32|=%.3e (%.2f%% of max|logit| %.1f) kld=%.2e\n",
+                std::string(dtype_name(dt)).c_str(), d.max_abs, 100 * d.max_abs / d.scale, d.scale, d.mean_kld);
+  }
+  EXPECT_LT(err[1], err[0] / 3);
+  EXPECT_LT(kld[1], kld[0] / 9);
+}
+
 // Exact sink / recent tokens through the engine (exact pages, tables and slots uploaded per
 // step, the prologue's exact copies, the CUDA-core kernel reading them): CUDA vs CPU runner,
 // prefill chunks of 7 and one token at a time (CUDA graphs), within the same bound as above.
@@ -298,7 +336,7 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerWithExactTokens) {
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : {KVCacheDType::Int4PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Fp8E4M3}) {
-    auto ce = load(g.model_dir, dt, Device::Cuda, std::nullopt, 16, 3, 10);
+    auto ce = load(g.model_dir, dt, Device::Cuda, compute_for(g), 16, 3, 10);
     cuda_of(*ce).set_poison_scratch(true);
     auto pe = load(g.model_dir, dt, Device::Cpu, ce->dtype(), 16, 3, 10);
     auto plain = load(g.model_dir, dt, Device::Cpu, ce->dtype(), 16);  // the same cache without exact tokens
@@ -335,7 +373,7 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   const size_t first = g.prompt.size() - 1;
   const bool trained = g.name == "stories260K";
 
-  auto e = load(g.model_dir, KVCacheDType::Auto, Device::Cuda);
+  auto e = load(g.model_dir, KVCacheDType::Auto, Device::Cuda, compute_for(g));
   const Stats s0 = compare(g.logits, teacher_forced(*e, all, 7), g.vocab, first);
   std::printf("[cuda-golden] %-12s %-20s max|dlogit|=%.3e mean_kld=%.2e max_kld=%.2e decisions %d/%d\n", g.name.c_str(),
               ("auto(" + std::string(dtype_name(e->plan().layers[0].storage)) + ")").c_str(), s0.max_abs, s0.mean_kld,
@@ -362,7 +400,7 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   }
 
   for (const Bounds& b : kBounds) {
-    auto eq = load(g.model_dir, b.dt, Device::Cuda);
+    auto eq = load(g.model_dir, b.dt, Device::Cuda, compute_for(g));
     const Stats s = compare(g.logits, teacher_forced(*eq, all, 16), g.vocab, first);
     const double mean_bound = kld_bounds(b, g).first + 4 * s0.mean_kld;
     const double max_bound = kld_bounds(b, g).second + 4 * s0.max_kld;
@@ -389,6 +427,7 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   const ModelConfig cfg = load(g.model_dir, KVCacheDType::Auto, Device::Cpu)->config();
+  if (cfg.linear_attention) GTEST_SKIP() << "hybrid linear-attention models run on one rank so far (issue 51)";
   const bool trained = g.name == "stories260K";
   Stats s0;  // the group's bf16-KV run vs transformers (the compute's own share of the KLD)
   for (const int n : {2, 4, 8}) {
@@ -806,7 +845,10 @@ TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
     // and bf16 compute picks another expert than fp32 — a jump no rounding bound covers. Their
     // cross-device checks use the golden prompts, whose router gaps were checked at seed
     // selection (CudaRunnerGolden.MatchesCpuRunnerEveryKVMode), and CudaMoe the op itself.
-    if (Checkpoint::open(dir).model_config(dir).moe) continue;
+    // Nor the hybrids: their Gated DeltaNet states need the scheduler's state slots, which
+    // this test's hand-built batches do not give (CudaRunnerGolden runs them through the engine).
+    const ModelConfig mc = Checkpoint::open(dir).model_config(dir);
+    if (mc.moe || mc.linear_attention) continue;
     models.emplace_back(n, dir);
   }
   models.emplace_back("kvlm-tiny", test::repo_root() / "models" / "kvlm-tiny");

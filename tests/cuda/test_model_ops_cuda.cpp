@@ -400,6 +400,9 @@ struct RopeCase {
   int head_dim;
   bool qk_norm;
   bool rotate = false;  // --kv-cache-rotation hadamard: q, K, V rotated after RoPE (core/hadamard.h)
+  // Qwen3.5 / Qwen3-Next: RoPE on the first `rotary` dims only (0: all), and a gate of
+  // gate_cols columns after v in each row of the projection (the rows' stride grows).
+  int rotary = 0, gate_cols = 0;
 };
 
 // One fused prologue against CPU rmsnorm + rope + CpuAttentionBackend::store_kv.
@@ -434,8 +437,8 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   rc.low_freq_factor = 1.0;
   rc.high_freq_factor = 4.0;
   rc.original_max_position = 8192;
-  const auto inv_freq = rope_inv_freq(rc, d);
-  const int W = (nh + 2 * kvh) * d;
+  const auto inv_freq = rope_inv_freq(rc, c.rotary ? c.rotary : d);
+  const int W = (nh + 2 * kvh) * d + c.gate_cols;
   auto qkv = random_act(act, size_t(T) * W, rng, 2.0f);
   for (size_t i = 0; i < qkv.size(); i += 53) qkv[i] = act_round(act, qkv[i] * 12.0f);  // outliers
   std::vector<float> qn(static_cast<size_t>(d)), kn(static_cast<size_t>(d));
@@ -490,8 +493,9 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
     cudaMemset(dvs.p, 0, dvs.n * 4);
   }
   cuda::qkv_rope_store({.act = act, .storage = spec.storage, .quant = spec.quant, .num_tokens = T, .num_q_heads = nh,
-                        .num_kv_heads = kvh, .head_dim = d, .qkv = dqkv.p, .q_norm = c.qk_norm ? dqn.p : nullptr,
-                        .k_norm = c.qk_norm ? dkn.p : nullptr, .eps = eps, .positions = dpos.p, .inv_freq = dfreq.p,
+                        .num_kv_heads = kvh, .head_dim = d, .qkv = dqkv.p, .qkv_stride = W,
+                        .q_norm = c.qk_norm ? dqn.p : nullptr, .k_norm = c.qk_norm ? dkn.p : nullptr, .eps = eps,
+                        .positions = dpos.p, .inv_freq = dfreq.p, .rotary_dim = c.rotary,
                         .q_out = dq.p, .slots = dslots.p, .block_size = bs, .num_blocks = cache.num_blocks(),
                         .k_cache = dk.p, .v_cache = dv.p, .k_token_scale = dks.p, .v_token_scale = dvs.p,
                         .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size()),
@@ -499,7 +503,8 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
                        nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::string what = std::string(kv_cache_dtype_name(c.dt)) + " act " + std::string(dtype_name(act)) + " hd " +
-                           std::to_string(d) + (c.qk_norm ? " qk_norm" : "") + (c.rotate ? " rotated" : "");
+                           std::to_string(d) + (c.qk_norm ? " qk_norm" : "") + (c.rotate ? " rotated" : "") +
+                           (c.rotary ? " rotary " + std::to_string(c.rotary) : "");
 
   // q: bf16 of the reference (rounding: 2^-9, a boundary flip: 2^-8).
   std::vector<float> gq;
@@ -607,6 +612,10 @@ TEST(CudaModelOps, QkvRopeStoreMatchesCpu) {
           if (dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16 && act == DType::BF16 && !qk)
             run_rope_store({dt, act, hd, qk, true}, seed++);
         }
+  // Partial rotary (a quarter of the head, as Qwen3.5 and Qwen3-Next) with the gated
+  // attention's gate columns after v.
+  for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int8PerTokenHead})
+    for (int hd : {64, 128, 256}) run_rope_store({dt, DType::BF16, hd, true, false, hd / 4, 4 * hd}, seed++);
 }
 
 // unrotate_heads: R^T per head row on the GPU equals num::hadamard_rotate(.., inverse) on the

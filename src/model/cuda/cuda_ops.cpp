@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "ops/cuda/gated_deltanet.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/model_ops.h"
@@ -40,8 +41,9 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   step_ = step;
   carver_ = carver;
   measure_ = measure;
-  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = moe_logits_ = moe_ws_ = nullptr;
+  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = moe_logits_ = moe_ws_ = gdn_qkv_ = gdn_core_ = nullptr;
   fp8_norm_codes_ = {};
+  glu_act_bytes_ = 0;
   features_ = Tensor{};
   // The split-KV workspace: the largest any layer's format needs for this shape.
   attn_ws_ = nullptr;
@@ -271,7 +273,12 @@ void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight
   fp8_norm_codes_ = {};
   const int T = int(gu.rows), I = int(gu.cols / 2), H = int(w.rows);
   // Carved whether or not it is used, so that measuring and running carve the same.
-  void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
+  const size_t act_bytes = size_t(T) * size_t(I) * dtype_size(act_);
+  if (act_bytes > glu_act_bytes_) {  // a wider MLP than the step's earlier ones: a larger buffer
+    glu_act_ = nullptr;
+    glu_act_bytes_ = act_bytes;
+  }
+  void* act = step_buffer(glu_act_, act_bytes);
   if (w.dtype == DType::F8E4M3) {
     // Above the GEMV's rows the FP8 GEMM's activation quantizer computes f(gate) * up itself
     // (one read of gu instead of glu's write and the quantizer's read). Not fused into the GEMV
@@ -302,9 +309,11 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
   const CudaKVLayer& L = layers_[size_t(layer)];
   cuda::qkv_rope_store({.act = act_, .storage = L.storage, .quant = L.quant, .num_tokens = int(qkv.rows),
                         .num_q_heads = L.num_q_heads, .num_kv_heads = L.num_kv_heads, .head_dim = L.head_dim,
-                        .qkv = qkv.data, .q_norm = static_cast<const float*>(w.q_norm.data),
+                        .qkv = qkv.data, .qkv_stride = qkv.cols,
+                        .q_norm = static_cast<const float*>(w.q_norm.data),
                         .k_norm = static_cast<const float*>(w.k_norm.data), .eps = w.eps,
                         .positions = step_.positions, .inv_freq = static_cast<const float*>(w.inv_freq.data),
+                        .rotary_dim = int(2 * w.inv_freq.rows),
                         .q_out = static_cast<uint16_t*>(q.data), .slots = step_.slots, .block_size = block_size_,
                         .num_blocks = num_blocks_, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
                         .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale,
@@ -339,19 +348,56 @@ void CudaOps::moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) {
   const int I = int(w.gate_up.rows / (2 * int64_t(held)));
   KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(held) * H && w.down.cols == I && y.cols == H,
              "moe: weight shapes");
-  if (c.shared_expert_size > 0)  // LoadedModel refuses the models that have one (hybrids) before this
-    throw Error("a mixture of experts with a shared expert (Qwen3-Next, Qwen3.5-MoE) runs on the CPU only for now; "
-                "use --device cpu");
   // Carved whether or not it runs, so that measuring and running carve the same.
   auto* logits = static_cast<float*>(step_buffer(moe_logits_, size_t(T) * size_t(E) * sizeof(float)));
   void* ws = step_buffer(moe_ws_, cuda::moe_workspace_bytes(act_, T, H, I, E, c.top_k));
+  if (!measure_) {
+    gemm_.linear(act_, DType::F32, x.data, w.router.data, nullptr, logits, T, E, H, stream_);
+    cuda::moe({.act = act_, .rows = T, .hidden = H, .inter = I, .config = c, .logits = logits,
+               .router_bias = w.router_bias.data, .x = x.data, .gate_up = w.gate_up.data,
+               .gate_up_bias = w.gate_up_bias.data, .down = w.down.data, .down_bias = w.down_bias.data, .y = y.data,
+               .workspace = ws},
+              stream_);
+  }
+  if (c.shared_expert_size > 0) {  // y += sigmoid(x . w_gate) * down(silu(gate x) * up x), through the dense ops
+    const int64_t S = w.shared_down.cols;
+    KVLM_CHECK(w.shared_gate_up.rows == 2 * S && w.shared_down.rows == H && w.shared_gate.rows == 1,
+               "moe: shared expert weight shapes");
+    const Tensor gu = alloc(ActRole::Hidden, T, 2 * S), s = alloc(ActRole::Hidden, T, H), g = alloc(ActRole::Logits, T, 1);
+    linear(x, w.shared_gate_up, Weight{}, gu);
+    mlp_down(GluActivation::Silu, gu, w.shared_down, Weight{}, s);
+    linear(x, w.shared_gate, Weight{}, g);
+    if (!measure_) cuda::add_gated_rows(act_, y.data, s.data, static_cast<const float*>(g.data), T, H, stream_);
+  }
+}
+
+void CudaOps::gated_delta_net(int linear_layer, const LinearAttentionConfig& c, Tensor mixed,
+                              const GatedDeltaNetWeights& w, Tensor out) {
+  fp8_norm_codes_ = {};
+  const int T = int(mixed.rows);
+  KVLM_CHECK(mixed.cols == c.in_proj_dim() && out.rows == T && out.cols == c.value_dim(), "gated_delta_net: shape mismatch");
+  auto* qkv = static_cast<float*>(step_buffer(gdn_qkv_, size_t(T) * size_t(c.conv_dim()) * sizeof(float)));
+  auto* core = static_cast<float*>(step_buffer(gdn_core_, size_t(T) * size_t(c.value_dim()) * sizeof(float)));
   if (measure_) return;
-  gemm_.linear(act_, DType::F32, x.data, w.router.data, nullptr, logits, T, E, H, stream_);
-  cuda::moe({.act = act_, .rows = T, .hidden = H, .inter = I, .config = c, .logits = logits,
-             .router_bias = w.router_bias.data, .x = x.data, .gate_up = w.gate_up.data,
-             .gate_up_bias = w.gate_up_bias.data, .down = w.down.data, .down_bias = w.down_bias.data, .y = y.data,
-             .workspace = ws},
-            stream_);
+  KVLM_CHECK(linear_layer >= 0 && size_t(linear_layer) < states_.size() && states_[size_t(linear_layer)] &&
+                 step_.state_slots,
+             "Gated DeltaNet layer without states (allocate_states)");
+  cuda::gated_delta_net({.act = act_, .num_tokens = T, .num_seqs = step_.S, .k_heads = c.k_heads, .v_heads = c.v_heads,
+                         .dk = c.k_dim, .dv = c.v_dim, .conv_kernel = c.conv_kernel, .cu_q_lens = step_.cu_q_lens,
+                         .kv_lens = step_.kv_lens, .state_slots = step_.state_slots, .mixed = mixed.data,
+                         .conv_w = static_cast<const float*>(w.conv.data),
+                         .a_log = static_cast<const float*>(w.a_log.data),
+                         .dt_bias = static_cast<const float*>(w.dt_bias.data),
+                         .norm_w = static_cast<const float*>(w.norm.data), .eps = w.eps,
+                         .states = states_[size_t(linear_layer)], .qkv = qkv, .core = core, .out = out.data},
+                        stream_);
+}
+
+void CudaOps::sigmoid_gate(Tensor x, Tensor src, int64_t col0) {
+  fp8_norm_codes_ = {};
+  KVLM_CHECK(x.rows == src.rows && col0 >= 0 && col0 + x.cols <= src.cols, "sigmoid_gate: shape mismatch");
+  if (measure_) return;
+  cuda::sigmoid_gate(act_, x.data, src.data, int(x.rows), int(x.cols), src.cols, col0, stream_);
 }
 
 void CudaOps::all_reduce_sum(Tensor x) {

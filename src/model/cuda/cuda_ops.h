@@ -84,6 +84,7 @@ struct CudaStep {
   const int32_t* logit_rows = nullptr;
   const SlotId* exact_slots = nullptr;    // exact sink / recent tokens (null: none)
   const BlockId* exact_tables = nullptr;
+  const int32_t* state_slots = nullptr;   // [S] Gated DeltaNet state slots (< 0: a padding sequence); null: none
 };
 
 class CudaOps final : public Ops {
@@ -112,7 +113,12 @@ class CudaOps final : public Ops {
   void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override;
   void attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) override;
   void moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) override;
+  void gated_delta_net(int linear_layer, const LinearAttentionConfig& c, Tensor mixed, const GatedDeltaNetWeights& w,
+                       Tensor out) override;
+  void sigmoid_gate(Tensor x, Tensor src, int64_t col0) override;
   void all_reduce_sum(Tensor x) override;
+  // Each Gated DeltaNet layer's states ([slots][state_values] fp32, device), by linear layer.
+  void set_states(std::vector<float*> per_layer) { states_ = std::move(per_layer); }
   void capture(int layer, Tensor x) override;
 
   // Where an FP8 weight is dequantized for a GEMM of more rows than the FP8 GEMV takes and
@@ -188,8 +194,12 @@ class CudaOps final : public Ops {
   size_t attn_ws_bytes_ = 0;
   void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
   void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused
+  size_t glu_act_bytes_ = 0;   // its size: a step's MLPs may differ (a shared expert beside dense layers)
   void* moe_logits_ = nullptr;  // the router's fp32 logits [T][E] (every MoE layer of a step has the same shape)
   void* moe_ws_ = nullptr;      // the MoE kernels' workspace (cuda/moe.h)
+  void* gdn_qkv_ = nullptr;     // Gated DeltaNet: the conv's fp32 output [T][conv_dim]
+  void* gdn_core_ = nullptr;    // and the delta rule's [T][value_dim]
+  std::vector<float*> states_;
   std::vector<int> slot_of_;
   int slots_ = 0, hidden_ = 0;
   Tensor features_;

@@ -38,6 +38,7 @@
 // is captured the second time; at most 512 graphs are kept, the least recently used dropped
 // first.
 #include "model/cuda/cuda_runner_impl.h"
+#include "ops/cuda/gated_deltanet.h"
 
 #include "io/grouped_codes.h"
 
@@ -434,6 +435,9 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     }
     m.lkv.push_back(L);
   }
+  if (const auto& la = cfg_.linear_attention; la && !cuda::gated_delta_net_fits(la->k_dim, la->v_dim, la->conv_kernel))
+    throw Error("this model's Gated DeltaNet layers (key heads of " + std::to_string(la->k_dim) + ", a conv kernel of " +
+                std::to_string(la->conv_kernel) + " taps) are larger than the CUDA kernels take (128 and 8); use --device cpu");
   m.gemm_ws.allocate(cuda::kGemmWorkspaceBytes, "the GEMM workspace");
   m.gemm.set_workspace(m.gemm_ws.data(), m.gemm_ws.bytes());
   // A rank other than 0 forms no logits (it has no LM head: model/tensor_parallel.h).
@@ -577,6 +581,25 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
   m.num_blocks = num_blocks;
   m.block_size = block_size;
   m.ops->set_kv(m.lkv, block_size, num_blocks, m.num_exact);
+}
+
+void CudaModelRunner::allocate_states(int slots) {
+  Impl& m = *impl_;
+  const DeviceScope dev(m.device);
+  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.clear_graphs();
+  m.states.reset();
+  m.state_slots = 0;
+  std::vector<float*> per_layer;
+  if (cfg_.linear_attention && slots > 0) {
+    const size_t per = cfg_.linear_attention->state_values() * size_t(slots), layers = size_t(cfg_.num_linear_layers());
+    m.states.allocate(per * layers * sizeof(float), "the Gated DeltaNet states of " + std::to_string(slots) + " sequences");
+    KVLM_CUDA_CHECK(cudaMemsetAsync(m.states.data(), 0, m.states.bytes(), m.stream));
+    KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    for (size_t l = 0; l < layers; ++l) per_layer.push_back(reinterpret_cast<float*>(m.states.data()) + l * per);
+    m.state_slots = slots;
+  }
+  m.ops->set_states(std::move(per_layer));
 }
 
 void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
@@ -730,6 +753,15 @@ float* CudaModelRunner::enqueue(const ForwardBatch& b, bool draft) {
         KVLM_CHECK(q.exact_table[i] >= -1 && q.exact_table[i] < m.num_exact, "exact page id outside the exact pages");
         h_et[size_t(s) * size_t(shape.MB) + i] = q.exact_table[i];
       }
+    }
+  }
+  if (m.cfg.linear_attention) {  // each sequence's state slot; padding sequences none (-1)
+    int32_t* h_ss = reinterpret_cast<int32_t*>(host + lay.state_slots);
+    std::fill_n(h_ss, size_t(shape.S), -1);
+    for (int s = 0; s < S; ++s) {
+      const int slot = b.seqs[size_t(s)].state_slot;
+      KVLM_CHECK(slot >= 0 && slot < m.state_slots, "a sequence of a hybrid model without a state slot (allocate_states)");
+      h_ss[s] = slot;
     }
   }
   std::copy(b.tokens.begin(), b.tokens.end(), h_tokens);

@@ -129,6 +129,7 @@ struct StepShape {
 struct StepLayout {
   size_t tokens = 0, positions = 0, slots = 0, cu = 0, kv_lens = 0, tables = 0, logit_rows = 0, meta_bytes = 0;
   size_t exact_slots = 0, exact_tables = 0;  // exact sink / recent tokens (a runner with exact pages)
+  size_t state_slots = 0;                    // hybrid models: each sequence's Gated DeltaNet state slot
   size_t ids = 0, sample = 0, ops_begin = 0;
   size_t logits = SIZE_MAX;  // SIZE_MAX: no logit rows
   size_t total = 0;
@@ -171,7 +172,8 @@ struct CudaModelRunner::Impl {
   std::unique_ptr<DraftDefinition> draft_def;  // a DFlash drafter, if loaded
   std::vector<Weight> draft_w;                 // its weights, then the target's embedding and LM head
   std::unique_ptr<CudaOps> ops;
-  DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch, exact;
+  DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch, exact, states;
+  int state_slots = 0;  // allocate_states
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   std::vector<Weight> w;
   size_t num_params = 0, weight_bytes = 0;
@@ -235,7 +237,8 @@ struct CudaModelRunner::Impl {
                     .block_tables = reinterpret_cast<const BlockId*>(base + l.tables),
                     .logit_rows = reinterpret_cast<const int32_t*>(base + l.logit_rows),
                     .exact_slots = num_exact ? reinterpret_cast<const SlotId*>(base + l.exact_slots) : nullptr,
-                    .exact_tables = num_exact ? reinterpret_cast<const BlockId*>(base + l.exact_tables) : nullptr};
+                    .exact_tables = num_exact ? reinterpret_cast<const BlockId*>(base + l.exact_tables) : nullptr,
+                    .state_slots = cfg.linear_attention ? reinterpret_cast<const int32_t*>(base + l.state_slots) : nullptr};
   }
 
   // Measures the step's layout: the metadata, then the forward run by the ops in measuring
@@ -264,6 +267,7 @@ struct CudaModelRunner::Impl {
       l.exact_slots = take(size_t(s.T) * sizeof(SlotId));
       l.exact_tables = take(size_t(s.S) * size_t(s.MB) * sizeof(BlockId));
     }
+    if (cfg.linear_attention) l.state_slots = take(size_t(s.S) * sizeof(int32_t));
     l.meta_bytes = c.off;
     l.ids = take(size_t(std::max(s.R, 1)) * sizeof(TokenId));
     l.sample = take(size_t(std::max(s.R, 1)) * sizeof(cuda::SampleRowParams));

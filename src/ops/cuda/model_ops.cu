@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
   const int64_t t = item / heads;
   const int h = int(item % heads);  // < nh: q head h; else k head h - nh
   const int d = p.head_dim, half = d / 2;
-  const size_t row_elems = size_t(p.num_q_heads + 2 * p.num_kv_heads) * size_t(d);
+  const size_t row_elems = p.qkv_stride > 0 ? size_t(p.qkv_stride) : size_t(p.num_q_heads + 2 * p.num_kv_heads) * size_t(d);
   const uint16_t* row = static_cast<const uint16_t*>(p.qkv) + size_t(t) * row_elems;
   const uint16_t* src = row + size_t(h) * size_t(d);
   const bool is_q = h < p.num_q_heads;
@@ -300,15 +300,48 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
     }
   }
   const float pos = float(p.positions[t]);
+  if (p.rotary_dim > 0 && p.rotary_dim < d) {
+    // Partial rotary: the pairs are (j, j + rotary_dim / 2) for j < rotary_dim / 2, not the
+    // registers' (j, j + half); the head goes through this warp's row of shared memory.
+    __shared__ float row_buf[kRopeWarps][2 * 32 * kPairsPerLane];
+    float* x = row_buf[threadIdx.x / 32];
 #pragma unroll
-  for (int c = 0; c < kPairsPerLane; ++c) {
-    const int j = lane + 32 * c;
-    if (j < half) {
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      if (j < half) {
+        x[j] = a[c];
+        x[j + half] = b[c];
+      }
+    }
+    __syncwarp();
+    const int rh = p.rotary_dim / 2;
+    for (int j = lane; j < rh; j += 32) {
       float s, co;
       sincosf(pos * p.inv_freq[j], &s, &co);
-      const float x0 = a[c], x1 = b[c];
-      a[c] = x0 * co - x1 * s;
-      b[c] = x1 * co + x0 * s;
+      const float x0 = x[j], x1 = x[j + rh];
+      x[j] = x0 * co - x1 * s;
+      x[j + rh] = x1 * co + x0 * s;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      if (j < half) {
+        a[c] = x[j];
+        b[c] = x[j + half];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < kPairsPerLane; ++c) {
+      const int j = lane + 32 * c;
+      if (j < half) {
+        float s, co;
+        sincosf(pos * p.inv_freq[j], &s, &co);
+        const float x0 = a[c], x1 = b[c];
+        a[c] = x0 * co - x1 * s;
+        b[c] = x1 * co + x0 * s;
+      }
     }
   }
   if (p.rotate) hadamard_head(a, b, half, lane, false);
@@ -549,6 +582,10 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
     throw Error("qkv_rope_store: head_dim must be even and at most 256, got " + std::to_string(p.head_dim));
   if (p.num_q_heads <= 0 || p.num_kv_heads <= 0 || p.block_size <= 0)
     throw Error("qkv_rope_store: head counts and block_size must be positive");
+  if (p.rotary_dim < 0 || p.rotary_dim > p.head_dim || p.rotary_dim % 2 != 0)
+    throw Error("qkv_rope_store: rotary_dim must be even and at most head_dim, got " + std::to_string(p.rotary_dim));
+  if (p.qkv_stride != 0 && p.qkv_stride < int64_t(p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim)
+    throw Error("qkv_rope_store: a row of qkv_stride " + std::to_string(p.qkv_stride) + " cannot hold q, k and v");
   dispatch_act(p.act, [&](auto a) {
     using A = decltype(a);
     dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {

@@ -72,12 +72,17 @@ struct QkvRopeStoreParams {
   int num_q_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;                  // even, <= 256
-  const void* qkv = nullptr;         // act [num_tokens][(nh + 2 * kvh) * head_dim]: q, k, v heads
+  const void* qkv = nullptr;         // act [num_tokens][qkv_stride]: q, k, v heads first
+  int64_t qkv_stride = 0;            // elements per row; 0: (nh + 2 * kvh) * head_dim (a gated
+                                     // attention's projection has its gate columns after v)
   const float* q_norm = nullptr;     // [head_dim] or null (no q/k norm)
   const float* k_norm = nullptr;     // [head_dim] or null
   float eps = 1e-6f;
   const Position* positions = nullptr;  // [num_tokens]
-  const float* inv_freq = nullptr;      // [head_dim / 2]
+  const float* inv_freq = nullptr;      // [rotary_dim / 2]
+  // Partial rotary (Qwen3.5 / Qwen3-Next): RoPE rotates the first rotary_dim dims (rotate-half
+  // within them) and leaves the rest; 0 or head_dim: all of them.
+  int rotary_dim = 0;
   uint16_t* q_out = nullptr;            // bf16 [num_tokens][nh][head_dim]
   const SlotId* slots = nullptr;        // [num_tokens]
   int block_size = 0;
