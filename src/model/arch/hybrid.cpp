@@ -193,4 +193,15 @@ void parse_hybrid(const nlohmann::json& cfg, ModelConfig& m, std::string_view fa
   parse_layer_kinds(cfg, m, family);
 }
 
+MoeConfig parse_hybrid_experts(const nlohmann::json& cfg, bool norm_topk) {
+  using arch_config::positive_int;
+  MoeConfig e;
+  arch_config::parse_expert_counts(cfg, "num_experts", e);
+  e.expert_size = positive_int(cfg, "moe_intermediate_size", 1 << 20);
+  e.shared_expert_size = positive_int(cfg, "shared_expert_intermediate_size", 1 << 20);
+  e.norm_topk = norm_topk;
+  e.act = GluActivation::Silu;
+  return e;
+}
+
 }  // namespace kvlm::arch

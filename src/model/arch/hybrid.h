@@ -71,5 +71,9 @@ class HybridDecoder : public ModelDefinition {
 // full_attention_interval-th layer, default 4, is full attention). `family` names the model in
 // errors.
 void parse_hybrid(const nlohmann::json& cfg, ModelConfig& m, std::string_view family);
+// The family's experts (Qwen3-Next, Qwen3.5-MoE): num_experts, num_experts_per_tok,
+// moe_intermediate_size and the shared expert's shared_expert_intermediate_size, SiLU;
+// `norm_topk` is the architecture's (a config field, or always on).
+MoeConfig parse_hybrid_experts(const nlohmann::json& cfg, bool norm_topk);
 
 }  // namespace kvlm::arch

@@ -37,15 +37,8 @@ std::unique_ptr<ModelDefinition> make_moe(const ModelConfig& c) {
 }
 
 void parse_moe(const nlohmann::json& cfg, ModelConfig& m) {
-  using arch_config::positive_int;
   parse_hybrid(cfg, m, "Qwen3.5-MoE");
-  MoeConfig e;
-  arch_config::parse_expert_counts(cfg, "num_experts", e);
-  e.expert_size = positive_int(cfg, "moe_intermediate_size", 1 << 20);
-  e.shared_expert_size = positive_int(cfg, "shared_expert_intermediate_size", 1 << 20);
-  e.norm_topk = true;  // Qwen3.5-MoE's router always renormalizes (it has no norm_topk_prob)
-  e.act = GluActivation::Silu;
-  m.moe = e;
+  m.moe = parse_hybrid_experts(cfg, /*norm_topk=*/true);  // its router always renormalizes (no norm_topk_prob)
   m.moe_layers.assign(size_t(m.num_layers), true);
 }
 

@@ -29,15 +29,8 @@ std::unique_ptr<ModelDefinition> make(const ModelConfig& c) {
 }
 
 void parse(const nlohmann::json& cfg, ModelConfig& m) {
-  using arch_config::positive_int;
   parse_hybrid(cfg, m, "Qwen3-Next");
-  MoeConfig e;
-  arch_config::parse_expert_counts(cfg, "num_experts", e);
-  e.expert_size = positive_int(cfg, "moe_intermediate_size", 1 << 20);
-  e.shared_expert_size = positive_int(cfg, "shared_expert_intermediate_size", 1 << 20);
-  e.norm_topk = json_get::opt_bool(cfg, "norm_topk_prob", "config.json").value_or(true);
-  e.act = GluActivation::Silu;
-  m.moe = e;
+  m.moe = parse_hybrid_experts(cfg, json_get::opt_bool(cfg, "norm_topk_prob", "config.json").value_or(true));
   arch_config::set_sparse_layers(cfg, m);
 }
 
