@@ -149,6 +149,7 @@ Result run(ModelRunner& r, int batch, int context, int steps, bool host_logits, 
       pos[size_t(s)] = p;
       slots[size_t(s)] = SlotId(tables[size_t(s)][size_t(p / bs)]) * bs + p % bs;
       seqs[size_t(s)] = {.q_begin = s, .q_len = 1, .kv_len = p + 1, .block_table = tables[size_t(s)]};
+      if (r.config().linear_attention) seqs[size_t(s)].state_slot = s;  // a hybrid's Gated DeltaNet state
       if (exact) seqs[size_t(s)].exact_table = tables[size_t(s)];  // every page has its exact page, same id
     }
     const ForwardBatch fb{.tokens = tokens, .positions = pos, .slots = slots,
@@ -755,7 +756,7 @@ int main(int argc, char** argv) {
     std::printf("# decode_bench: %s, %s, copy bandwidth %.0f GB/s (1 GiB device-to-device, read + write)\n", model.c_str(),
                 prop.name, bw / 1e9);
     if (!draft.empty()) return spec_table(model, draft, spec_tokens, kvs, shapes, steps, gemv);
-    std::printf("| kv cache | batch | context | graphs | sampling | ms/step | tokens/s | weights read GB | KV read GB "
+    std::printf("| kv cache | batch | context | graphs | sampling | ms/step | tokens/s | weights read GB | KV (+ state) read GB "
                 "| floor ms | %% of floor | weights-read bound tok/s | %% of bound |\n");
     std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     std::vector<std::tuple<std::string, int, int, double>> best;  // kv, batch, context, tokens/s (graphs, logits)
@@ -815,9 +816,14 @@ int main(int argc, char** argv) {
         const int per_seq = (context + 3 + steps + 1 + bs - 1) / bs;
         const bool exact = e->plan().exact_bytes_per_token() > 0;
         r.allocate_kv(batch * per_seq, bs, exact ? batch * per_seq : 0);
+        r.allocate_states(batch);  // hybrid models: a recurrent state per sequence (others ignore it)
         double kv_read = 0;  // average over the timed steps, per GPU
         for (const auto& l : e->rank_plan().layers)
           kv_read += double(batch) * (context + 3 + steps / 2.0) * double(l.bytes_per_token());
+        // A hybrid's Gated DeltaNet layers read and write each sequence's fp32 state once a step:
+        // counted with the KV, as what the step must move besides the weights.
+        if (const auto& la = c.linear_attention)
+          kv_read += 2.0 * double(batch) * double(la->state_values() * sizeof(float)) * double(c.num_linear_layers());
         const double wread = weights_read(batch);
         const double floor_ms = (wread + kv_read) / bw * 1e3;
         for (bool logits : {true, false}) {

@@ -7,6 +7,7 @@
     python3 tools/make_random_model.py --shape qwen3-8b --fp8-block --out /dev/shm/qwen3-8b-fp8-block
     python3 tools/make_random_model.py --shape qwen3-30b-a3b --out /dev/shm/qwen3-30b-a3b-random
     python3 tools/make_random_model.py --shape gpt-oss-20b --out /dev/shm/gpt-oss-20b-random
+    python3 tools/make_random_model.py --shape qwen3.5-default --out /dev/shm/qwen3.5-random
 
 Writes config.json (the shape's Hugging Face config) and model-0000N-of-0000M.safetensors
 shards with a model.safetensors.index.json, in bfloat16: linear weights ~ N(0, 0.02^2), norm
@@ -134,6 +135,54 @@ SHAPES["gpt-oss-20b"] = {
     "torch_dtype": "bfloat16",
 }
 
+# transformers' default Qwen3_5TextConfig (5.24), the issue's reference shape: 32 layers, three
+# Gated DeltaNet layers before each full-attention one (24 + 8), hidden 4096: ~18 GB.
+SHAPES["qwen3.5-default"] = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(32)],
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+    "eos_token_id": 248044,
+    "torch_dtype": "bfloat16",
+}
+
+
+def attention_tensors(cfg, layer, p):
+    """A layer's token mixer: softmax attention, or a hybrid's Gated DeltaNet layer."""
+    h, d, nh, kvh = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if cfg.get("layer_types", [None] * (layer + 1))[layer] == "linear_attention":
+        kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+        hv = cfg["linear_num_value_heads"]
+        vd = hv * cfg["linear_value_head_dim"]
+        q = p + "linear_attn."
+        return [(q + "in_proj_qkv.weight", (2 * kd + vd, h), "linear"), (q + "in_proj_z.weight", (vd, h), "linear"),
+                (q + "in_proj_b.weight", (hv, h), "linear"), (q + "in_proj_a.weight", (hv, h), "linear"),
+                (q + "conv1d.weight", (2 * kd + vd, 1, cfg["linear_conv_kernel_dim"]), "linear"),
+                (q + "dt_bias", (hv,), "norm"), (q + "A_log", (hv,), "bias"),
+                (q + "norm.weight", (cfg["linear_value_head_dim"],), "norm"),
+                (q + "out_proj.weight", (h, vd), "linear")]
+    gated = cfg["model_type"] == "qwen3_5_text"  # q_proj holds each head's query and gate
+    return [(p + "self_attn.q_proj.weight", ((2 if gated else 1) * nh * d, h), "linear"),
+            (p + "self_attn.k_proj.weight", (kvh * d, h), "linear"),
+            (p + "self_attn.v_proj.weight", (kvh * d, h), "linear"),
+            (p + "self_attn.o_proj.weight", (h, nh * d), "linear")]
+
 
 def mlp_tensors(cfg, p):
     """A layer's MLP: dense, Qwen3-MoE's per-expert tensors or GPT-OSS's fused ones."""
@@ -169,20 +218,15 @@ def tensors(cfg):
         out = [("model.embed_tokens.weight", (v, h), "linear")]
     for layer in range(cfg["num_hidden_layers"]):
         p = f"layers.{layer}." if drafter else f"model.layers.{layer}."
-        out += [
-            (p + "input_layernorm.weight", (h,), "norm"),
-            (p + "self_attn.q_proj.weight", (nh * d, h), "linear"),
-            (p + "self_attn.k_proj.weight", (kvh * d, h), "linear"),
-            (p + "self_attn.v_proj.weight", (kvh * d, h), "linear"),
-            (p + "self_attn.o_proj.weight", (h, nh * d), "linear"),
-            (p + "post_attention_layernorm.weight", (h,), "norm"),
-        ] + mlp_tensors(cfg, p)
+        linear = cfg.get("layer_types", [None] * (layer + 1))[layer] == "linear_attention"
+        out += ([(p + "input_layernorm.weight", (h,), "norm")] + attention_tensors(cfg, layer, p) +
+                [(p + "post_attention_layernorm.weight", (h,), "norm")] + mlp_tensors(cfg, p))
         if cfg.get("attention_bias"):
             out += [(p + f"self_attn.{x}_proj.bias", (n,), "bias")
                     for x, n in (("q", nh * d), ("k", kvh * d), ("v", kvh * d), ("o", h))]
         if cfg["model_type"] == "gpt_oss":
             out.append((p + "self_attn.sinks", (nh,), "bias"))
-        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
+        if cfg["model_type"] in ("qwen3", "qwen3_moe", "qwen3_5_text") and not linear:
             out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
     out.append(("norm.weight" if drafter else "model.norm.weight", (h,), "norm"))
     if not cfg["tie_word_embeddings"] and not drafter:

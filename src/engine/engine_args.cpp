@@ -66,6 +66,7 @@ MemoryOptions ServingArgs::memory_options(ArgStyle style) const {
   m.max_model_len = max_model_len;
   m.max_num_seqs = max_num_seqs;
   m.max_num_batched_tokens = max_num_batched_tokens;
+  m.prefix_caching = enable_prefix_caching;
   if (scheduling_policy != "fcfs" && scheduling_policy != "priority")
     throw Error(arg_name(style, "scheduling-policy") + " must be fcfs or priority, got '" + scheduling_policy + "'");
   return m;
@@ -78,6 +79,7 @@ SchedulerConfig ServingArgs::scheduler_config(const MemoryPlan& plan) const {
   c.max_model_len = plan.max_model_len;
   c.enable_prefix_caching = enable_prefix_caching;
   c.num_blocks = plan.num_blocks;
+  c.state_snapshots = plan.state_snapshots;
   c.priority = scheduling_policy == "priority";
   return c;
 }

@@ -26,12 +26,14 @@ SchedulerConfig checked(SchedulerConfig cfg, const LoadedModel& model) {
                 std::to_string(mc.max_position_embeddings) + " tokens (max_position_embeddings)");
   if (cfg.max_num_seqs < 1) throw Error("--max-num-seqs must be at least 1");
   if (cfg.max_num_batched_tokens < 1) throw Error("--max-num-batched-tokens must be at least 1");
-  // A prefix-cache hit would skip the rows that build a Gated DeltaNet layer's state, so hybrid
-  // models run without it (until states are snapshotted at page boundaries).
-  if (mc.linear_attention && cfg.enable_prefix_caching) {
+  // A prefix-cache hit skips the rows that build a Gated DeltaNet layer's state: a hybrid model
+  // resumes from the state snapshots the scheduler keeps, and without any, computes everything.
+  if (!mc.linear_attention || !cfg.enable_prefix_caching) cfg.state_snapshots = 0;
+  else if (cfg.state_snapshots < 0) cfg.state_snapshots = cfg.max_num_seqs;
+  if (mc.linear_attention && cfg.enable_prefix_caching && cfg.state_snapshots == 0) {
     cfg.enable_prefix_caching = false;
-    log::warn("prefix caching is off: " + std::string(arch_name(mc.arch)) +
-              "'s Gated DeltaNet layers keep a state that a cache hit cannot restore yet");
+    log::warn("prefix caching is off: no state snapshots were given for " + std::string(arch_name(mc.arch)) +
+              "'s Gated DeltaNet layers, which a cache hit must resume from");
   }
   const KVPlan& plan = model.plan();
   cfg.keep_sink = plan.keep_sink();
@@ -52,7 +54,7 @@ LLMEngine::LLMEngine(LoadedModel& model, SchedulerConfig cfg)
       scheduler_(cfg_, model.block_size(), model.model(), stats_),
       outputs_(model.config().eos_token_ids, cfg_.max_model_len, scheduler_, stats_) {
   model.model().allocate_kv(cfg_.num_blocks, model.block_size(), cfg_.num_exact_pages);
-  model.model().allocate_states(cfg_.max_num_seqs);
+  model.model().allocate_states(cfg_.max_num_seqs + cfg_.state_snapshots);
   if (const auto& spec = model.speculative(); spec && spec->method == SpecMethod::Ngram) {
     proposer_ = std::make_unique<NgramProposer>(spec->num_speculative_tokens, spec->prompt_lookup_min,
                                                 spec->prompt_lookup_max);

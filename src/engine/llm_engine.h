@@ -57,6 +57,7 @@ class LLMEngine {
   void set_stats_listener(std::function<void(const EngineStats&)> f) { listener_ = std::move(f); }
   const SchedulerConfig& config() const { return cfg_; }
   const BlockManager& blocks() const { return scheduler_.blocks(); }
+  const StateSnapshots& snapshots() const { return scheduler_.snapshots(); }
   LoadedModel& model() { return model_; }
 
  private:

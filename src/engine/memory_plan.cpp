@@ -106,10 +106,13 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   mp.num_exact_pages = exact_pages_needed(plan, mp.block_size, opts.max_num_seqs, opts.max_num_batched_tokens);
   mp.exact_bytes = uint64_t(mp.num_exact_pages) * uint64_t(mp.block_size) * plan.exact_bytes_per_token();
   // A hybrid model's recurrent states: one per --max-num-seqs slot in every Gated DeltaNet
-  // layer (ModelRunner::allocate_states), fp32, out of the same budget as the pages.
+  // layer (ModelRunner::allocate_states), fp32, and as many snapshots for prefix-cache hits
+  // (engine/state_snapshots.h), out of the same budget as the pages.
   const uint64_t state_per_seq =
       mc.linear_attention ? mc.linear_attention->state_values() * sizeof(float) * uint64_t(mc.num_linear_layers()) : 0;
-  mp.state_bytes = state_per_seq * uint64_t(std::max(opts.max_num_seqs, 1));
+  const int seqs = std::max(opts.max_num_seqs, 1);
+  mp.state_snapshots = mc.linear_attention && opts.prefix_caching ? seqs : 0;
+  mp.state_bytes = state_per_seq * uint64_t(seqs + mp.state_snapshots);
   std::string source;
   uint64_t budget = 0;
   if (opts.kv_cache_memory) {
@@ -163,9 +166,12 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   }
   budget -= mp.exact_bytes;
   if (mp.state_bytes > 0 && mp.state_bytes + mp.bytes_per_block > budget)
-    throw Error("the linear-attention states of " + std::to_string(opts.max_num_seqs) + " sequences (--max-num-seqs) need " +
-                human_bytes(mp.state_bytes) + " (" + human_bytes(state_per_seq) + " each), more than the " + human_bytes(budget) + " from " + source +
-                " leaves; lower --max-num-seqs or give the cache more memory");
+    throw Error("the linear-attention states of " + std::to_string(opts.max_num_seqs) + " sequences (--max-num-seqs)" +
+                (mp.state_snapshots > 0 ? " and as many prefix-cache snapshots" : "") + " need " +
+                human_bytes(mp.state_bytes) + " (" + human_bytes(state_per_seq) + " each), more than the " + human_bytes(budget) +
+                " from " + source + " leaves; lower --max-num-seqs" +
+                (mp.state_snapshots > 0 ? ", turn prefix caching off (--no-enable-prefix-caching)," : "") +
+                " or give the cache more memory");
   budget -= mp.state_bytes;
   mp.num_blocks = int(std::min<uint64_t>(budget / mp.bytes_per_block, uint64_t(1) << 30));
   mp.kv_bytes = uint64_t(mp.num_blocks) * mp.bytes_per_block;
@@ -192,8 +198,9 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     mp.summary += line;
   }
   if (mp.state_bytes > 0) {
-    std::snprintf(line, sizeof line, "\nlinear-attention states: %s for %d sequences (--max-num-seqs), %s each",
-                  human_bytes(mp.state_bytes).c_str(), opts.max_num_seqs, human_bytes(state_per_seq).c_str());
+    std::snprintf(line, sizeof line, "\nlinear-attention states: %s for %d sequences (--max-num-seqs)%s, %s each",
+                  human_bytes(mp.state_bytes).c_str(), seqs,
+                  mp.state_snapshots > 0 ? " and as many prefix-cache snapshots" : "", human_bytes(state_per_seq).c_str());
     mp.summary += line;
   }
   if (mp.num_exact_pages > 0) {

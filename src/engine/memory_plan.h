@@ -16,13 +16,15 @@ struct MemoryOptions {
   int max_model_len = 0;                    // 0 = the model's context
   int max_num_seqs = 256;
   int max_num_batched_tokens = 2048;
+  bool prefix_caching = true;  // hybrid models: the prefix cache's state snapshots count too
 };
 
 struct MemoryPlan {
   int num_blocks = 0;
   int num_exact_pages = 0;          // exact sink / recent tokens (exact_pages_needed)
   uint64_t exact_bytes = 0;         // their pool, all keeping layers
-  uint64_t state_bytes = 0;         // hybrid models: the Gated DeltaNet states of max_num_seqs sequences
+  uint64_t state_bytes = 0;         // hybrid models: the Gated DeltaNet states of max_num_seqs sequences and the snapshots
+  int state_snapshots = 0;          // hybrid models with prefix caching: snapshots kept (SchedulerConfig::state_snapshots)
   int block_size = 16;
   uint64_t kv_bytes = 0;            // the pool
   uint64_t bytes_per_block = 0;     // all layers

@@ -18,6 +18,7 @@ int pages_for(int tokens, int block_size) { return (tokens + block_size - 1) / b
 Scheduler::Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& runner, EngineStats& stats)
     : cfg_(cfg),
       sink_pages_(cfg.num_exact_pages > 0 ? pages_for(cfg.keep_sink, block_size) : 0),
+      snapshots_(cfg.max_num_seqs, std::max(cfg.state_snapshots, 0)),
       blocks_(cfg.num_blocks, block_size, cfg.enable_prefix_caching, cfg.num_exact_pages),
       runner_(runner),
       stats_(stats) {
@@ -83,6 +84,7 @@ void Scheduler::release_pages(Sequence& s) {
   s.num_computed = 0;
   if (s.state_slot >= 0) free_state_slots_.push_back(s.state_slot);
   s.state_slot = -1;
+  s.snapshot_at = -1;
   s.exact_from = window_page(0);
 }
 
@@ -116,6 +118,12 @@ void Scheduler::admit_prefix(Sequence& s) {
     }
   };
   settle();
+  // A hybrid model resumes only where a snapshot of its recurrent state was kept, and short of
+  // the last token (whose row must run, and the state after it is not kept).
+  while (snapshots_on() && found > 0 && (found * bs >= total || !snapshots_.contains(s.serials[size_t(found - 1)]))) {
+    drop_last();
+    settle();
+  }
   if (found == 0) return;
   // Hold the pages the next query reads exact now, before a copy-on-write page is allocated:
   // the exact page taken back for the copy must not be one of theirs.
@@ -214,6 +222,17 @@ size_t Scheduler::next_waiting(const GroupCounts& running) const {
   return best;
 }
 
+void Scheduler::admit_state(Sequence& s) {
+  if (!snapshots_on()) return;
+  const int bs = blocks_.block_size();
+  if (s.num_computed > 0) {  // a prefix hit: the state where it ends (admit_prefix checked it is kept)
+    KVLM_CHECK(s.num_computed % bs == 0, "a hybrid model's prefix hit ends inside a page");
+    const StateCopy c{.src = snapshots_.find(s.serials[size_t(s.num_computed / bs - 1)]), .dst = s.state_slot};
+    KVLM_CHECK(c.src >= 0, "a prefix hit without its state snapshot");
+    runner_.copy_states({&c, 1});
+  }
+}
+
 void Scheduler::preempt(Sequence& s) {
   release_pages(s);
   s.draft.clear();
@@ -242,6 +261,16 @@ void Scheduler::register_full_pages(Sequence& s) {
     s.serials.push_back(
         blocks_.register_full(s.pages[size_t(i)], parent, std::span(s.tokens).subspan(size_t(i) * size_t(bs), size_t(bs))));
   }
+  if (s.snapshot_at < 0 || s.num_computed < s.snapshot_at) return;
+  // The sequence's recurrent state is that of its first snapshot_at tokens (take() ended a
+  // step there): keep a copy under the serial of the page it ends with, unless one is kept.
+  KVLM_CHECK(s.num_computed == s.snapshot_at && s.state_slot >= 0, "a state snapshot point was stepped over");
+  const uint64_t serial = s.serials[size_t(s.snapshot_at / bs - 1)];
+  if (snapshots_.find(serial) < 0) {
+    const StateCopy c{.src = s.state_slot, .dst = snapshots_.insert(serial)};
+    runner_.copy_states({&c, 1});
+  }
+  s.snapshot_at = -1;
 }
 
 std::vector<Sequence*> Scheduler::schedule() {
@@ -250,7 +279,8 @@ std::vector<Sequence*> Scheduler::schedule() {
   // The rows a sequence runs now: what is pending, within the budget; a draft that does not
   // fit is shortened rather than left to split the verification over two steps.
   auto take = [&](Sequence& s) {
-    const int n = std::min(s.num_pending(), budget);
+    int n = std::min(s.num_pending(), budget);
+    if (s.snapshot_at > s.num_computed) n = std::min(n, s.snapshot_at - s.num_computed);  // end the step there
     const int uncomputed = int(s.tokens.size()) - s.num_computed;
     if (n < s.num_pending()) s.draft.resize(size_t(std::max(0, n - uncomputed)));
     return n;
@@ -302,6 +332,10 @@ std::vector<Sequence*> Scheduler::schedule() {
     Sequence& s = *waiting_.front();
     s.draft.clear();  // drafts are proposed for running sequences only
     admit_prefix(s);
+    // A hybrid model's state is kept where the sequence's last full page ends: the furthest a
+    // later hit on these tokens (or on a prompt that extends them) can resume from.
+    const int snap = (int(s.tokens.size()) - 1) / blocks_.block_size() * blocks_.block_size();
+    s.snapshot_at = snapshots_on() && snap > s.num_computed ? snap : -1;
     const int n = take(s);
     if (!ensure_pages(s, s.num_computed + n)) {
       release_pages(s);  // do not sit on cached pages while waiting (they stay cached)
@@ -316,6 +350,7 @@ std::vector<Sequence*> Scheduler::schedule() {
     KVLM_CHECK(!free_state_slots_.empty(), "more running sequences than --max-num-seqs state slots");
     s.state_slot = free_state_slots_.back();
     free_state_slots_.pop_back();
+    admit_state(s);
     s.scheduled = n;
     budget -= n;
     batch.push_back(&s);

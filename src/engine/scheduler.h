@@ -25,6 +25,7 @@
 #include "engine/block_manager.h"
 #include "engine/metrics.h"
 #include "engine/sequence.h"
+#include "engine/state_snapshots.h"
 
 namespace kvlm {
 
@@ -42,6 +43,11 @@ struct SchedulerConfig {
   int keep_recent = 0;
   int num_exact_pages = 0;
   bool priority = false;  // --scheduling-policy priority (EngineRequest::priority); false: fcfs
+  // Hybrid models with prefix caching: the recurrent-state snapshots that prefix hits resume
+  // from (engine/state_snapshots.h), in runner slots max_num_seqs and up; -1 = one per
+  // --max-num-seqs slot (MemoryPlan::state_snapshots), 0 = none, which turns prefix caching
+  // off for them. LLMEngine resolves it (0 for models without recurrent layers).
+  int state_snapshots = -1;
 };
 
 class Scheduler {
@@ -68,8 +74,10 @@ class Scheduler {
   bool reserve(Sequence& s, int positions) { return ensure_pages(s, positions); }
   // Returns the pages past those `s` needs for its tokens (a rejected draft's tail).
   void trim_pages(Sequence& s);
-  // Registers the pages `s` has filled with computed tokens in the prefix cache.
+  // Registers the pages `s` has filled with computed tokens in the prefix cache, and, on a
+  // hybrid model, snapshots its recurrent state when it has just reached its snapshot point.
   void register_full_pages(Sequence& s);
+  const StateSnapshots& snapshots() const { return snapshots_; }
   const BlockManager& blocks() const { return blocks_; }
   // After a step moved s.num_computed on: the pages that left every future query's recent
   // window give up their exact copies.
@@ -88,6 +96,10 @@ class Scheduler {
   // full (see scheduler.cpp), updating `running`; true when it did.
   bool make_room(GroupCounts& running);
   void admit_prefix(Sequence& s);
+  // Hybrid models: after admission, the state `s` resumes from (the snapshot a prefix hit
+  // ends with) and where its next snapshot is due.
+  void admit_state(Sequence& s);
+  bool snapshots_on() const { return snapshots_.capacity() > 0; }
   void preempt(Sequence& s);
   // Exact tokens (kv_plan.h's kv_key_exact): the sequence's first sink_pages_ pages and
   // every page from window_page(next) on, `next` being its next query's position.
@@ -104,6 +116,7 @@ class Scheduler {
   // one per running sequence, max_num_seqs in all, taken at admission and given back with the
   // pages. Unused otherwise (the runner ignores AttnSeq::state_slot).
   std::vector<int> free_state_slots_;
+  StateSnapshots snapshots_;
   BlockManager blocks_;
   ModelRunner& runner_;
   EngineStats& stats_;

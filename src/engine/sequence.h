@@ -23,6 +23,7 @@ struct Sequence {
   int num_computed = 0;         // leading tokens whose K/V is in the pages
   std::vector<BlockId> pages;
   int state_slot = -1;            // hybrid models: its recurrent-state slot while it runs (Scheduler)
+  int snapshot_at = -1;           // hybrid models: the position whose state the prefix cache keeps (Scheduler)
   std::vector<uint64_t> serials;  // prefix-cache serials of the leading registered pages
   int exact_from = 0;             // exact tokens: first non-sink page it holds exact (Scheduler)
   int cached_prompt_tokens = 0;

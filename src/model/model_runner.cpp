@@ -45,6 +45,10 @@ void ModelRunner::forward_follower(const ForwardBatch&) {
   throw Error("forward_follower on a runner that is not a tensor-parallel rank");
 }
 
+void ModelRunner::copy_states(std::span<const StateCopy> copies) {
+  KVLM_CHECK(copies.empty(), "copy_states on a runner without recurrent states");
+}
+
 void ModelRunner::draft(const ForwardBatch&, std::span<float>) {
   throw Error("this model runner has no drafter loaded");
 }

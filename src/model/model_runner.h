@@ -37,6 +37,12 @@ struct PageCopy {
   BlockId exact_src = -1, exact_dst = -1;  // exact pages, -1 = none
 };
 
+// One recurrent-state copy (copy_states): every Gated DeltaNet layer's state of slot src
+// onto slot dst.
+struct StateCopy {
+  int src = -1, dst = -1;
+};
+
 // How forward_sampled treats one logit row.
 struct RowSampling {
   bool on_device = false;  // false: the row's logits are copied to the host instead
@@ -72,6 +78,10 @@ class ModelRunner {
   // DeltaNet layer, one per running sequence (AttnSeq::state_slot; a sequence whose first row
   // of a step is position 0 starts its state from zeros). Runners of other models ignore it.
   virtual void allocate_states(int slots) { (void)slots; }
+  // Copies whole states between slots, in order, after the work already issued and before the
+  // next step: the prefix cache's snapshots of hybrid models (engine/state_snapshots.h).
+  // Runners of models without states accept no copies.
+  virtual void copy_states(std::span<const StateCopy> copies);
   virtual size_t kv_bytes() const = 0;
 
   // Runs the batch, storing its K/V in the pool; writes fp32 logits

@@ -266,7 +266,8 @@ TaskResult eval_task(LoadedModel& engine, const TextProcessor& text, const std::
                                            .max_num_batched_tokens = opts.max_num_batched_tokens,
                                            .max_model_len = max_len,
                                            .enable_prefix_caching = true,
-                                           .num_blocks = mp.num_blocks});
+                                           .num_blocks = mp.num_blocks,
+                                           .state_snapshots = mp.state_snapshots});
     for (size_t i = 0; i < n; ++i) {
       live[i] = std::make_unique<TextOutput>(text.tokenizer(), all_items[i].stop);
       EngineRequest req;

@@ -41,6 +41,7 @@
 #include "core/error.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
+#include "runner_test_util.h"
 #include "offline/embed.h"
 #include "offline/generate.h"
 #include "offline/score.h"
@@ -55,37 +56,10 @@
 #include "ops/cuda/kernel_switches.h"
 
 using namespace kvlm;
+using namespace kvlm::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct Golden {
-  std::string name;
-  fs::path model_dir;
-  std::vector<TokenId> prompt, greedy;
-  std::vector<float> logits;  // [T][V]
-  int vocab = 0;
-  nlohmann::json meta;
-};
-
-fs::path golden_dir() { return test::repo_root() / "tests" / "golden"; }
-
-Golden load_golden(const std::string& name) {
-  Golden g;
-  g.name = name;
-  std::ifstream in(golden_dir() / "expected" / (name + ".json"));
-  g.meta = nlohmann::json::parse(in);
-  const auto& meta = g.meta;
-  g.prompt = meta["prompt_ids"].get<std::vector<TokenId>>();
-  g.greedy = meta["greedy_ids"].get<std::vector<TokenId>>();
-  g.model_dir = name == "stories260K" ? test::repo_root() / "models" / "stories260K" : golden_dir() / "models" / name;
-  SafetensorsFile f(golden_dir() / "expected" / (name + ".logits.safetensors"));
-  const TensorInfo* t = f.find("logits");
-  g.vocab = int(t->shape[1]);
-  g.logits.resize(size_t(t->numel()));
-  convert_to_f32(t->dtype, f.view(*t).bytes, g.logits);
-  return g;
-}
 
 // The golden run's greedy request: its prompt, as many tokens as transformers generated,
 // prefilled in chunks of 5.
@@ -105,92 +79,10 @@ std::vector<std::string> golden_names() {
   if (!fs::exists(dir)) return out;
   for (const auto& e : fs::directory_iterator(dir)) {
     if (e.path().extension() != ".json") continue;
-    // Not the hybrid mixtures of experts (Qwen3-Next, Qwen3.5-MoE): LoadedModel refuses them on
-    // CUDA until their shared expert's CUDA path is checked (issue 51).
-    const fs::path model = golden_dir() / "models" / e.path().stem();
-    if (fs::exists(model / "config.json")) {
-      const ModelConfig c = load_model_config(model);
-      if (c.linear_attention && c.moe) continue;
-    }
     out.push_back(e.path().stem().string());
   }
   std::sort(out.begin(), out.end());
   return out;
-}
-
-std::unique_ptr<LoadedModel> load(const fs::path& dir, KVCacheDType dt, Device dev, std::optional<DType> dtype = std::nullopt,
-                             int block_size = 16, int keep_sink = 0, int keep_recent = 0) {
-  ModelOptions o;
-  o.model_dir = dir;
-  o.cache.kv_cache_dtype = dt;
-  o.cache.block_size = block_size;
-  o.cache.keep_sink = keep_sink;
-  o.cache.keep_recent = keep_recent;
-  o.device = dev;
-  o.dtype = dtype;
-  return LoadedModel::load(o);
-}
-
-CudaModelRunner& cuda_of(LoadedModel& e) {
-  auto* r = dynamic_cast<CudaModelRunner*>(&e.model());
-  if (!r) throw std::runtime_error("not a CUDA runner");
-  return *r;
-}
-
-// Teacher-forced logits over `tokens`, prefilled in chunks of `chunk`.
-std::vector<float> teacher_forced(LoadedModel& e, const std::vector<TokenId>& all, int chunk) {
-  return all_logits(e, all, chunk);
-}
-
-struct Stats {
-  double max_abs = 0, scale = 0, mean_kld = 0, max_kld = 0;
-  std::vector<double> row_err;
-  int decisions_checked = 0, decisions_failed = 0;
-};
-
-// `ref` vs `got`, [T][V] each. Decisions are checked on rows >= first_decision.
-Stats compare(const std::vector<float>& ref, const std::vector<float>& got, int V, size_t first_decision = 0) {
-  Stats s;
-  const size_t T = ref.size() / size_t(V);
-  for (size_t t = 0; t < T; ++t) {
-    const float* a = ref.data() + t * size_t(V);
-    const float* b = got.data() + t * size_t(V);
-    double err = 0, ma = -1e30, mb = -1e30;
-    for (int i = 0; i < V; ++i) {
-      err = std::max(err, std::isnan(b[i]) ? 1e30 : std::fabs(double(a[i]) - b[i]));
-      ma = std::max(ma, double(a[i]));
-      mb = std::max(mb, double(b[i]));
-      s.scale = std::max(s.scale, std::fabs(double(a[i])));
-    }
-    s.row_err.push_back(err);
-    s.max_abs = std::max(s.max_abs, err);
-    double za = 0, zb = 0;
-    for (int i = 0; i < V; ++i) {
-      za += std::exp(a[i] - ma);
-      zb += std::exp(b[i] - mb);
-    }
-    double kld = 0;
-    for (int i = 0; i < V; ++i) {
-      const double lpa = a[i] - ma - std::log(za), lpb = b[i] - mb - std::log(zb);
-      kld += std::exp(lpa) * (lpa - lpb);
-    }
-    s.mean_kld += kld / double(T);
-    s.max_kld = std::max(s.max_kld, kld);
-    if (t < first_decision) continue;
-    int ia = 0, ib = 0;
-    for (int i = 1; i < V; ++i) {
-      if (a[i] > a[ia]) ia = i;
-      if (b[i] > b[ib]) ib = i;
-    }
-    double second = -1e30;
-    for (int i = 0; i < V; ++i)
-      if (i != ia) second = std::max(second, double(a[i]));
-    if (a[ia] - second > 2 * err) {
-      ++s.decisions_checked;
-      s.decisions_failed += ia != ib;
-    }
-  }
-  return s;
 }
 
 double top2_margin(const float* row, int V) {
@@ -243,6 +135,17 @@ bool moe_quantized(const Golden& g, KVCacheDType dt) {
   const bool moe = g.meta.contains("min_router_gap") && !g.meta["min_router_gap"].is_null();
   return moe && dt != KVCacheDType::Auto && dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16;
 }
+
+// The hybrid mixtures of experts (Qwen3-Next, Qwen3.5-MoE) swap experts in every mode, even in
+// fp16: their routers' logits (std ~16) sit closer than any compute's rounding (the best of 80
+// seeds left a gap of 0.10), and a swap moves the logits by 10-17% (KLD 1e-3 to 7e-3 against
+// the CPU). Their goldens are compared to the CPU with the routing fixed instead
+// (CudaRunnerHybrid.MixturesOfExpertsMatchTheCpuWithTheRoutingFixed, every KV mode); against
+// transformers, the greedy tokens and the decisions their margins allow still hold.
+bool routing_swaps(const Golden& g) {
+  const bool moe = g.meta.contains("min_router_gap") && !g.meta["min_router_gap"].is_null();
+  return moe && load_model_config(g.model_dir).linear_attention.has_value();
+}
 double mean_kld_bound(const Golden& g, KVCacheDType dt) {
   return kld_bounds(*std::ranges::find(kBounds, dt, &Bounds::dt), g).first;
 }
@@ -271,6 +174,7 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
   const Golden g = load_golden(GetParam());
+  if (routing_swaps(g)) GTEST_SKIP() << "routers that swap experts under rounding: compared with the routing fixed (CudaRunnerHybrid)";
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : kModes) {
@@ -301,31 +205,6 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
   }
 }
 
-// The hybrid Qwen3.5 golden amplifies rounding ~10x more than the other goldens (its fp32 logits
-// move by 6e-5 between the CPU's own chunkings, against 5-8e-6: test_golden.cpp), so its bf16
-// CUDA run sits further from the CPU than the 3% the others keep. That must be the compute's
-// rounding and nothing else: with fp16 compute (3 more mantissa bits) the error shrinks by
-// several times, which a wrong kernel (a misplaced rotary pair, a lost state) would not do.
-TEST(CudaRunnerHybrid, ErrorShrinksWithTheComputePrecision) {
-  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const Golden g = load_golden("qwen3.5");
-  std::vector<TokenId> all = g.prompt;
-  all.insert(all.end(), g.greedy.begin(), g.greedy.end());
-  const auto cpu = teacher_forced(*load(g.model_dir, KVCacheDType::Float16, Device::Cpu, DType::F32), all, 7);
-  double err[2] = {}, kld[2] = {};
-  for (int i = 0; i < 2; ++i) {
-    const DType dt = i == 0 ? DType::BF16 : DType::F16;
-    auto ce = load(g.model_dir, KVCacheDType::Float16, Device::Cuda, dt);
-    const Stats d = compare(cpu, teacher_forced(*ce, all, 7), g.vocab);
-    err[i] = d.max_abs;
-    kld[i] = d.mean_kld;
-    std::printf("[cuda-hybrid] qwen3.5 compute %-8s max|cuda-cpu fp32|=%.3e (%.2f%% of max|logit| %.1f) kld=%.2e\n",
-                std::string(dtype_name(dt)).c_str(), d.max_abs, 100 * d.max_abs / d.scale, d.scale, d.mean_kld);
-  }
-  EXPECT_LT(err[1], err[0] / 3);
-  EXPECT_LT(kld[1], kld[0] / 9);
-}
-
 // Exact sink / recent tokens through the engine (exact pages, tables and slots uploaded per
 // step, the prologue's exact copies, the CUDA-core kernel reading them): CUDA vs CPU runner,
 // prefill chunks of 7 and one token at a time (CUDA graphs), within the same bound as above.
@@ -333,6 +212,7 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerWithExactTokens) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::reduced() && !reduced_model(GetParam())) GTEST_SKIP() << "reduced run";
   const Golden g = load_golden(GetParam());
+  if (routing_swaps(g)) GTEST_SKIP() << "routers that swap experts under rounding: compared with the routing fixed (CudaRunnerHybrid)";
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   for (KVCacheDType dt : {KVCacheDType::Int4PerTokenHead, KVCacheDType::Int8PerTokenHead, KVCacheDType::Fp8E4M3}) {
@@ -378,8 +258,10 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   std::printf("[cuda-golden] %-12s %-20s max|dlogit|=%.3e mean_kld=%.2e max_kld=%.2e decisions %d/%d\n", g.name.c_str(),
               ("auto(" + std::string(dtype_name(e->plan().layers[0].storage)) + ")").c_str(), s0.max_abs, s0.mean_kld,
               s0.max_kld, s0.decisions_checked - s0.decisions_failed, s0.decisions_checked);
-  EXPECT_LT(s0.mean_kld, trained ? 5e-3 : 5e-4);
-  EXPECT_LT(s0.max_kld, trained ? 2e-2 : 2e-3);
+  if (!routing_swaps(g)) {  // there the compute floor is the routing's
+    EXPECT_LT(s0.mean_kld, trained ? 5e-3 : 5e-4);
+    EXPECT_LT(s0.max_kld, trained ? 2e-2 : 2e-3);
+  }
   EXPECT_EQ(s0.decisions_failed, 0);
 
   const GenerateRequest req = greedy_request(g);

@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -73,6 +75,22 @@ inline EngineRequest make(const std::string& id, std::vector<TokenId> prompt, in
   return r;
 }
 
+// The request asking for its tokens' log-probabilities.
+inline EngineRequest with_logprobs(EngineRequest r) {
+  r.logprobs = 1;
+  return r;
+}
+
+// The largest difference between two runs' log-probabilities of their tokens (with_logprobs);
+// infinite when they differ in length or are empty.
+inline double max_logprob_diff(const Collected& a, const Collected& b) {
+  if (a.logprobs.size() != b.logprobs.size() || a.logprobs.empty()) return INFINITY;
+  double worst = 0;
+  for (size_t i = 0; i < a.logprobs.size(); ++i)
+    worst = std::max(worst, double(std::abs(a.logprobs[i].logprob - b.logprobs[i].logprob)));
+  return worst;
+}
+
 inline std::vector<TokenId> random_prompt(std::mt19937& rng, int len, int vocab) {
   std::uniform_int_distribution<int> d(3, vocab - 1);
   std::vector<TokenId> p(static_cast<size_t>(len));
@@ -106,6 +124,7 @@ class DeviceSamplingRunner final : public ModelRunner {
     inner_->allocate_kv(num_blocks, block_size, num_exact_pages);
   }
   void allocate_states(int slots) override { inner_->allocate_states(slots); }
+  void copy_states(std::span<const StateCopy> copies) override { inner_->copy_states(copies); }
   int kv_num_blocks() const override { return inner_->kv_num_blocks(); }
   size_t kv_bytes() const override { return inner_->kv_bytes(); }
   void forward(const ForwardBatch& b, std::span<float> logits) override {

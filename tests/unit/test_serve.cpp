@@ -144,6 +144,25 @@ TEST(BlockManager, DuplicateRegistrationKeepsOneCopy) {
 }
 
 // ---------------------------------------------------------------- helpers
+// State snapshots (hybrid models' prefix cache): slots of their own range, found by serial,
+// the least recently used given up first.
+TEST(StateSnapshots, KeepsTheMostRecentlyUsed) {
+  StateSnapshots s(4, 2);  // slots 4 and 5
+  EXPECT_EQ(s.find(7), -1);
+  const int a = s.insert(7), b = s.insert(9);
+  EXPECT_NE(a, b);
+  EXPECT_TRUE(a >= 4 && a <= 5 && b >= 4 && b <= 5);
+  EXPECT_EQ(s.find(7), a);     // 7 is now the most recent
+  EXPECT_EQ(s.insert(11), b);  // so 9 gives its slot up
+  EXPECT_FALSE(s.contains(9));
+  EXPECT_TRUE(s.contains(7) && s.contains(11));
+  EXPECT_EQ(s.size(), 2);
+  EXPECT_THROW(s.insert(7), std::exception);  // a serial is kept once
+  StateSnapshots none(4, 0);
+  EXPECT_EQ(none.find(7), -1);
+  EXPECT_THROW(none.insert(7), std::exception);
+}
+
 TEST(Metrics, HistogramBucketsAreUpperBounds) {
   Histogram h({0.1, 1.0});
   h.observe(0.1);
@@ -210,18 +229,29 @@ TEST(MemoryPlan, ExactTokensComeOutOfTheBudget) {
 }
 
 // A hybrid model's recurrent states (Qwen3.5 golden: 4 Gated DeltaNet layers of 2016 fp32
-// values per sequence) come out of the same budget, one per --max-num-seqs slot; the pages
-// count only the attention layer's K/V (256 bytes per token in bf16).
+// values per sequence) come out of the same budget, one per --max-num-seqs slot and, with
+// prefix caching, as many snapshots; the pages count only the attention layer's K/V (256
+// bytes per token in bf16).
 TEST(MemoryPlan, LinearAttentionStatesComeOutOfTheBudget) {
   auto e = load(kQwen35);
   MemoryOptions o;
   o.kv_cache_memory = 1 << 22;
   o.max_num_seqs = 8;
-  const MemoryPlan mp = plan_kv_memory(*e, o);
+  o.prefix_caching = false;
+  MemoryPlan mp = plan_kv_memory(*e, o);
   EXPECT_EQ(mp.bytes_per_token, 256u);
   EXPECT_EQ(mp.state_bytes, 8u * 4u * 2016u * 4u);
+  EXPECT_EQ(mp.state_snapshots, 0);
   EXPECT_EQ(mp.num_blocks, int(((1 << 22) - mp.state_bytes) / mp.bytes_per_block));
   EXPECT_NE(mp.summary.find("linear-attention states"), std::string::npos) << mp.summary;
+  o.prefix_caching = true;
+  mp = plan_kv_memory(*e, o);
+  EXPECT_EQ(mp.state_snapshots, 8);
+  EXPECT_EQ(mp.state_bytes, 16u * 4u * 2016u * 4u);
+  EXPECT_EQ(mp.num_blocks, int(((1 << 22) - mp.state_bytes) / mp.bytes_per_block));
+  EXPECT_NE(mp.summary.find("prefix-cache snapshots"), std::string::npos) << mp.summary;
+  auto dense = load(kStories);
+  EXPECT_EQ(plan_kv_memory(*dense, o).state_snapshots, 0);
   o.max_num_seqs = 200;  // 25.8 MB of states in a 4 MiB budget
   try {
     plan_kv_memory(*e, o);
@@ -290,8 +320,9 @@ TEST(Scheduler, BatchedEqualsSequentialSlidingAndFullLayersFp8) {
 }
 // A hybrid model (Qwen3.5: Gated DeltaNet layers around a full-attention layer): each running
 // sequence carries its recurrent state in its own slot through chunked prefill (budget 23 cuts
-// prompts anywhere), batching and preemption (a preempted sequence recomputes from a fresh
-// state in whatever slot it gets next); prefix caching, asked for, is turned off for it.
+// prompts anywhere), batching and preemption (a preempted sequence resumes from the state
+// snapshot its prefix hit ends with, or recomputes from a fresh state, in whatever slot it
+// gets next).
 TEST(Scheduler, BatchedEqualsSequentialHybridLinearAttention) {
   check_batched_equals_sequential(kQwen35, KVCacheDType::Auto, 200, 23);
 }
@@ -453,6 +484,90 @@ TEST(Scheduler, CopyOnWriteWithExactTokensKeepsTheWindowsCopies) {
   EXPECT_EQ(out["repeat"].cached, 31);
   EXPECT_EQ(out["repeat"].tokens, want);
   expect_exact_pages_released(le.blocks());
+}
+
+// Prefix caching on a hybrid model (Qwen3.5): a hit resumes from the recurrent-state snapshot
+// kept where an earlier prompt's last full page ended (32 of 40 tokens, pages of 8), and a
+// prompt that goes past it keeps its own (40 of 43); the tokens are those of a run without any
+// cache. With one snapshot slot, other traffic takes it, and the repeat computes everything.
+// The tokens' log-probabilities are checked too: a tiny random model's greedy tokens survive a
+// wrong state (a hit resuming from the slot's previous state moves the log-probabilities by
+// 0.12-0.29), other chunkings move them by at most 4e-5.
+TEST(Scheduler, PrefixCacheOnAHybridModelResumesFromStateSnapshots) {
+  auto e = load(kQwen35, KVCacheDType::Auto, 8);
+  std::mt19937 rng(5);
+  const int vocab = e->config().vocab_size;
+  const auto shared = random_prompt(rng, 40, vocab);  // 5 full pages
+  auto longer = shared;
+  longer.insert(longer.end(), {5, 6, 7});
+  auto longest = longer;
+  longest.insert(longest.end(), {9, 10, 11, 12, 13, 14, 15});
+  const auto want_shared = one_at_a_time(*e, shared, 6);
+  const auto want_longer = one_at_a_time(*e, longer, 6);
+  const auto want_longest = one_at_a_time(*e, longest, 6);
+  std::map<std::string, Collected> alone;  // each prompt without a cache
+  {
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 64, .max_model_len = 128,
+                                     .enable_prefix_caching = false, .num_blocks = 64});
+    for (const auto& [id, p] : {std::pair{"first", shared}, {"again", shared}, {"longer", longer}, {"longest", longest}}) {
+      le.add_request(with_logprobs(make(id, p, 6, alone)));
+      run_to_end(le);
+    }
+  }
+  for (const int budget : {64, 13}) {  // whole prompts, and chunks that straddle the snapshot points
+    std::map<std::string, Collected> out;
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = budget, .max_model_len = 128,
+                                     .enable_prefix_caching = true, .num_blocks = 64});
+    EXPECT_EQ(le.config().state_snapshots, 2);
+    le.add_request(with_logprobs(make("first", shared, 6, out)));
+    run_to_end(le);
+    le.add_request(with_logprobs(make("again", shared, 6, out)));
+    run_to_end(le);
+    le.add_request(with_logprobs(make("longer", longer, 6, out)));
+    run_to_end(le);
+    le.add_request(with_logprobs(make("longest", longest, 6, out)));
+    run_to_end(le);
+    for (const char* id : {"first", "again", "longer", "longest"})
+      EXPECT_LT(max_logprob_diff(out[id], alone[id]), 1e-3) << id << ", budget " << budget;
+    EXPECT_EQ(out["first"].cached, 0);
+    EXPECT_EQ(out["again"].cached, 32);
+    EXPECT_EQ(out["longer"].cached, 32);
+    EXPECT_EQ(out["longest"].cached, 40);
+    EXPECT_EQ(out["first"].tokens, want_shared) << "budget " << budget;
+    EXPECT_EQ(out["again"].tokens, want_shared) << "budget " << budget;
+    EXPECT_EQ(out["longer"].tokens, want_longer) << "budget " << budget;
+    EXPECT_EQ(out["longest"].tokens, want_longest) << "budget " << budget;
+    EXPECT_EQ(le.snapshots().size(), 2);
+    EXPECT_EQ(le.blocks().num_used(), 0);
+  }
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 64, .max_model_len = 128,
+                                   .enable_prefix_caching = true, .num_blocks = 64, .state_snapshots = 1});
+  le.add_request(make("first", shared, 6, out));
+  run_to_end(le);
+  le.add_request(make("other", random_prompt(rng, 30, vocab), 2, out));
+  run_to_end(le);
+  le.add_request(make("again", shared, 6, out));
+  run_to_end(le);
+  EXPECT_EQ(out["again"].cached, 0) << "its pages are cached, but its snapshot was given to another prompt";
+  EXPECT_EQ(out["again"].tokens, want_shared);
+}
+
+// Without state snapshots a hybrid model cannot resume from a hit: prefix caching is turned off.
+TEST(Scheduler, HybridModelWithoutSnapshotsComputesEverything) {
+  auto e = load(kQwen35, KVCacheDType::Auto, 8);
+  std::mt19937 rng(5);
+  const auto p = random_prompt(rng, 40, e->config().vocab_size);
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 64, .max_model_len = 128,
+                                   .enable_prefix_caching = true, .num_blocks = 64, .state_snapshots = 0});
+  EXPECT_FALSE(le.config().enable_prefix_caching);
+  le.add_request(make("a", p, 3, out));
+  run_to_end(le);
+  le.add_request(make("b", p, 3, out));
+  run_to_end(le);
+  EXPECT_EQ(out["b"].cached, 0);
+  EXPECT_EQ(out["a"].tokens, out["b"].tokens);
 }
 
 TEST(Scheduler, PrefixCachingOffComputesEverything) {

@@ -531,6 +531,16 @@ void CpuModelRunner::allocate_states(int slots) {
   state_slots_ = slots;
 }
 
+void CpuModelRunner::copy_states(std::span<const StateCopy> copies) {
+  if (copies.empty()) return;
+  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_values() : 0;
+  for (const StateCopy& c : copies) {
+    KVLM_CHECK(c.src >= 0 && c.src < state_slots_ && c.dst >= 0 && c.dst < state_slots_, "copy_states: slot out of range");
+    for (std::vector<float>& layer : states_)
+      std::copy_n(layer.begin() + ptrdiff_t(size_t(c.src) * per), per, layer.begin() + ptrdiff_t(size_t(c.dst) * per));
+  }
+}
+
 void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
   KVLM_CHECK(cache_ != nullptr, "copy_blocks before allocate_kv");
   for (const PageCopy& c : copies) {

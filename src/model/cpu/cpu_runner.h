@@ -57,6 +57,7 @@ class CpuModelRunner final : public ModelRunner {
 
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
   void allocate_states(int slots) override;
+  void copy_states(std::span<const StateCopy> copies) override;
   int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }
   size_t kv_bytes() const override { return cache_ ? cache_->bytes() : 0; }
   void forward(const ForwardBatch& batch, std::span<float> logits) override;

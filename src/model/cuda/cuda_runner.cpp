@@ -602,6 +602,21 @@ void CudaModelRunner::allocate_states(int slots) {
   m.ops->set_states(std::move(per_layer));
 }
 
+void CudaModelRunner::copy_states(std::span<const StateCopy> copies) {
+  if (copies.empty()) return;
+  Impl& m = *impl_;
+  const DeviceScope dev(m.device);
+  // Every layer's slot in one strided copy: the layers' states are [layers][slots][values].
+  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_values() * sizeof(float) : 0;
+  const size_t pitch = per * size_t(m.state_slots), layers = size_t(cfg_.num_linear_layers());
+  auto* base = static_cast<uint8_t*>(m.states.data());
+  for (const StateCopy& c : copies) {
+    KVLM_CHECK(c.src >= 0 && c.src < m.state_slots && c.dst >= 0 && c.dst < m.state_slots, "copy_states: slot out of range");
+    KVLM_CUDA_CHECK(cudaMemcpy2DAsync(base + size_t(c.dst) * per, pitch, base + size_t(c.src) * per, pitch, per, layers,
+                                      cudaMemcpyDeviceToDevice, m.stream));
+  }
+}
+
 void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);

@@ -65,6 +65,7 @@ class CudaModelRunner final : public ModelRunner {
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
   // Gated DeltaNet states (hybrid models): `slots` per linear layer, fp32, zeroed.
   void allocate_states(int slots) override;
+  void copy_states(std::span<const StateCopy> copies) override;
   int kv_num_blocks() const override;
   size_t kv_bytes() const override;
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
