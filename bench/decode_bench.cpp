@@ -679,6 +679,7 @@ int main(int argc, char** argv) {
   int steps = 32, spec_tokens = 15, tp = 1;
   bool expert_parallel = false;
   bool lab = false, int_lab = false, gemv = true, dequantize_weights = false;
+  DType state_dtype = DType::F32;  // --mamba-ssm-cache-dtype (hybrid models)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -695,6 +696,7 @@ int main(int argc, char** argv) {
     else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
     else if (a == "--dequantize-weights") dequantize_weights = true;
+    else if (a == "--mamba-ssm-cache-dtype") state_dtype = next() == "bfloat16" ? DType::BF16 : DType::F32;
     else if (a == "--tp") tp = std::stoi(next());
     else if (a == "--enable-expert-parallel") expert_parallel = true;
     else if (a == "--fp8-fma-max-m") {
@@ -739,7 +741,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--int-lab] [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
       return 2;
     }
   }
@@ -778,6 +780,7 @@ int main(int argc, char** argv) {
       o.device = Device::Cuda;
       o.quantization = quantization;  // fp8: the linear weights in FP8 (the weights-read bound follows)
       o.dequantize_weights = dequantize_weights;  // a GGUF file's blocks dequantized at load
+      o.cache.linear_state_dtype = state_dtype;   // hybrids: the Gated DeltaNet matrices in fp32 or bf16
       o.tensor_parallel_size = tp;
       o.expert_parallel = expert_parallel;
       const auto t0 = std::chrono::steady_clock::now();
@@ -820,10 +823,10 @@ int main(int argc, char** argv) {
         double kv_read = 0;  // average over the timed steps, per GPU
         for (const auto& l : e->rank_plan().layers)
           kv_read += double(batch) * (context + 3 + steps / 2.0) * double(l.bytes_per_token());
-        // A hybrid's Gated DeltaNet layers read and write each sequence's fp32 state once a step:
+        // A hybrid's Gated DeltaNet layers read and write each sequence's state once a step:
         // counted with the KV, as what the step must move besides the weights.
         if (const auto& la = c.linear_attention)
-          kv_read += 2.0 * double(batch) * double(la->state_values() * sizeof(float)) * double(c.num_linear_layers());
+          kv_read += 2.0 * double(batch) * double(la->state_bytes()) * double(c.num_linear_layers());
         const double wread = weights_read(batch);
         const double floor_ms = (wread + kv_read) / bw * 1e3;
         for (bool logits : {true, false}) {

@@ -185,7 +185,7 @@ _KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "kv_cache_rotation", "
                   "enable_expert_parallel",
                   "seed", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",
                   "dequantize_weights",
-                  "enable_prefix_caching", "attention_backend", "runner", "scheduling_policy"}
+                  "enable_prefix_caching", "attention_backend", "runner", "scheduling_policy", "mamba_ssm_cache_dtype"}
 _ARGUMENTS = _KNOWN_OPTIONS | {"model", "kv_cache_dtype_skip_layers", "speculative_config"}
 
 

@@ -76,6 +76,7 @@ ModelArgs model_args(const json& o) {
   a.tensor_parallel_size = get_or(o, "tensor_parallel_size", a.tensor_parallel_size);
   a.enable_expert_parallel = get_or(o, "enable_expert_parallel", a.enable_expert_parallel);
   a.runner = get_or(o, "runner", a.runner);
+  a.mamba_ssm_cache_dtype = get_or(o, "mamba_ssm_cache_dtype", a.mamba_ssm_cache_dtype);
   if (o.contains("speculative_config") && !o["speculative_config"].is_null()) a.speculative_config = o["speculative_config"].dump();
   return a;
 }

@@ -41,6 +41,10 @@ void ModelFlags::add_to(CLI::App& cmd) {
       ->capture_default_str();
   cmd.add_option("--kv-cache-dtype-skip-layers", kv_cache_dtype_skip_layers,
                  "layers that keep the model dtype: indices and/or 'sliding_window', e.g. 0,27,sliding_window");
+  cmd.add_option("--mamba-ssm-cache-dtype", mamba_ssm_cache_dtype,
+                 "hybrid linear-attention models (Qwen3.5, Qwen3-Next): the Gated DeltaNet layers' recurrent state "
+                 "in float32 (auto) or bfloat16 (half the state memory, at some accuracy), as vLLM's flag")
+      ->capture_default_str();
   cmd.add_option("--attention-backend", attention_backend, "force an attention backend by name (see `kvlm inspect`)");
   cmd.add_option("--device", device, "auto, cpu, cuda or cuda:N (auto: the first GPU when one is usable; N: a GPU's index)")->capture_default_str();
   cmd.add_option("--dtype", dtype,

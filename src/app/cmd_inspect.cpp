@@ -299,10 +299,11 @@ int run_inspect(const InspectFlags& f) {
       nlohmann::json lin = nlohmann::json::array();
       for (int i = 0; i < cfg.num_layers; ++i)
         if (cfg.is_linear_layer(i))
-          lin.push_back({{"layer", i}, {"kind", "gated_deltanet"}, {"state_bytes_per_sequence", la->state_values() * 4},
+          lin.push_back({{"layer", i}, {"kind", "gated_deltanet"}, {"state_bytes_per_sequence", la->state_bytes()},
+                         {"state_dtype", std::string(dtype_name(la->state_dtype))},
                          {"weights", held.layer(i)}});
       j["linear_layers"] = lin;
-      j["linear_state_bytes_per_sequence"] = la->state_values() * 4 * size_t(cfg.num_linear_layers());
+      j["linear_state_bytes_per_sequence"] = la->state_bytes() * size_t(cfg.num_linear_layers());
     }
     j["kv_bytes_per_token"] = plan.bytes_per_token();
     j["exact_bytes_per_token"] = plan.exact_bytes_per_token();
@@ -398,7 +399,7 @@ int run_inspect(const InspectFlags& f) {
        "bytes/token", "mlp", "weights"}};
   // Rows in layer order: a hybrid model's Gated DeltaNet layers (no KV: a state per sequence)
   // between its attention layers; a drafter's layers after the target's.
-  const size_t state_bytes = cfg.linear_attention ? cfg.linear_attention->state_values() * sizeof(float) : 0;
+  const size_t state_bytes = cfg.linear_attention ? cfg.linear_attention->state_bytes() : 0;
   size_t next_linear = 0;
   auto linear_rows_before = [&](int layer) {
     for (; next_linear < size_t(cfg.num_layers) && int(next_linear) < layer; ++next_linear)
@@ -442,7 +443,9 @@ int run_inspect(const InspectFlags& f) {
   if (state_bytes > 0)
     std::cout << "linear-attention state: " << state_bytes * size_t(cfg.num_linear_layers()) << " bytes per running sequence ("
               << cfg.num_linear_layers() << " Gated DeltaNet layers x " << state_bytes
-              << ": conv window and delta-rule matrices, fp32), allocated for every --max-num-seqs slot\n";
+              << ": an fp32 conv window and the delta-rule matrices in " << dtype_name(cfg.linear_attention->state_dtype)
+              << ", --mamba-ssm-cache-dtype), allocated for every --max-num-seqs slot and, with prefix caching, as many "
+                 "snapshots\n";
   if (plan.exact_bytes_per_token() > 0)
     std::cout << "exact sink / recent tokens: " << plan.exact_bytes_per_token()
               << " bytes per exact token, on top, for the first " << plan.keep_sink() << " and the latest "

@@ -40,6 +40,10 @@ struct ArchSpec {
   // config.json's text_config holds its config, and the checkpoint its tensors under
   // model.language_model. (or language_model.model.); the vision tower is skipped.
   std::span<const std::string_view> wrappers;
+  // Fills in what a wrapper's text_config may leave to the text config class's defaults (the
+  // released Gemma 3 4B-27B configs give only the sizes that differ from Gemma3TextConfig's):
+  // sets the keys `text` lacks, after the wrapper's top-level values. Null: none needed.
+  void (*text_defaults)(nlohmann::json& text) = nullptr;
 };
 
 // Every architecture, in the order messages list them.

@@ -39,6 +39,9 @@ struct CacheConfig {
   int keep_recent = 0;
   int block_size = 16;                       // tokens per KV page
   std::optional<std::string> attention_backend;  // --attention-backend: force one by name
+  // --mamba-ssm-cache-dtype (vLLM's name): hybrid models' Gated DeltaNet state matrices in fp32
+  // (the default) or bf16 (half the state memory; LinearAttentionConfig::state_dtype).
+  DType linear_state_dtype = DType::F32;
 };
 
 // Throws kvlm::Error unless 0 <= keep <= 65536 (`flag` names the option in the message).

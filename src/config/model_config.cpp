@@ -317,6 +317,7 @@ std::optional<json> wrapped_text_config(const json& cfg) {
     for (const char* k : {"tie_word_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
                           "quantization_config", "max_position_embeddings"})
       if (!t.contains(k) && cfg.contains(k)) t[k] = cfg[k];
+    if (a->text_defaults) a->text_defaults(t);
     return t;
   }
   return std::nullopt;

@@ -119,10 +119,18 @@ struct LinearAttentionConfig {
   int conv_dim() const { return 2 * key_dim() + value_dim(); }  // q | k | v
   // The fused input projection's width: q | k | v, the output gate z, b, a.
   int in_proj_dim() const { return conv_dim() + value_dim() + 2 * v_heads; }
-  // One sequence's state in one layer, in values: conv window, then the delta rule's matrices.
+  // The delta rule's matrices are held in state_dtype: fp32, or bf16 (--mamba-ssm-cache-dtype
+  // bfloat16, set at load from CacheConfig::linear_state_dtype); the conv window is fp32 always.
+  DType state_dtype = DType::F32;
+  // One sequence's state in one layer: conv window values, then the delta rule's matrices.
   size_t conv_state_values() const { return size_t(conv_kernel - 1) * size_t(conv_dim()); }
-  size_t state_values() const {
-    return conv_state_values() + size_t(v_heads) * size_t(k_dim) * size_t(v_dim);
+  size_t matrix_values() const { return size_t(v_heads) * size_t(k_dim) * size_t(v_dim); }
+  size_t state_values() const { return conv_state_values() + matrix_values(); }
+  // Its bytes, as a slot holds them: the fp32 window, then the matrices in state_dtype, rounded
+  // up to 16 (slots stay aligned for vector loads). Every runner and the memory plan use this.
+  size_t state_bytes() const {
+    const size_t b = conv_state_values() * sizeof(float) + matrix_values() * dtype_size(state_dtype);
+    return (b + 15) / 16 * 16;
   }
 };
 

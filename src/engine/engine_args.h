@@ -37,6 +37,7 @@ struct ModelArgs {
   bool enable_expert_parallel = false;
   std::string speculative_config;  // JSON; empty: no drafting
   std::string runner = "auto";     // auto | generate | pooling
+  std::string mamba_ssm_cache_dtype = "auto";  // auto | float32 | bfloat16 (hybrid models' recurrent state)
 
   // Parsed and validated; throws kvlm::Error naming the option as `style` writes it.
   CacheConfig cache_config(ArgStyle style) const;

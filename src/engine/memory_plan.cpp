@@ -106,10 +106,10 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   mp.num_exact_pages = exact_pages_needed(plan, mp.block_size, opts.max_num_seqs, opts.max_num_batched_tokens);
   mp.exact_bytes = uint64_t(mp.num_exact_pages) * uint64_t(mp.block_size) * plan.exact_bytes_per_token();
   // A hybrid model's recurrent states: one per --max-num-seqs slot in every Gated DeltaNet
-  // layer (ModelRunner::allocate_states), fp32, and as many snapshots for prefix-cache hits
+  // layer (ModelRunner::allocate_states), and as many snapshots for prefix-cache hits
   // (engine/state_snapshots.h), out of the same budget as the pages.
   const uint64_t state_per_seq =
-      mc.linear_attention ? mc.linear_attention->state_values() * sizeof(float) * uint64_t(mc.num_linear_layers()) : 0;
+      mc.linear_attention ? mc.linear_attention->state_bytes() * uint64_t(mc.num_linear_layers()) : 0;
   const int seqs = std::max(opts.max_num_seqs, 1);
   mp.state_snapshots = mc.linear_attention && opts.prefix_caching ? seqs : 0;
   mp.state_bytes = state_per_seq * uint64_t(seqs + mp.state_snapshots);

@@ -130,6 +130,7 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
   ModelPlan mp;
   mp.config = ckpt.model_config(dir);
   mp.config.weight_quant = resolve_weight_quant(mp.config.weight_quant, quantization);
+  if (auto& la = mp.config.linear_attention) la->state_dtype = cache.linear_state_dtype;  // --mamba-ssm-cache-dtype
   mp.dtype = dtype ? *dtype : model_dtype(mp.config, ckpt);
   // The CUDA runner computes in bfloat16 or float16: a float32 checkpoint is converted to
   // bfloat16 (and says so); an explicit --dtype float32 cannot be honoured there.

@@ -439,6 +439,15 @@ q35="$golden/qwen3.5"
   || bad "inspect lists Qwen3.5's Gated DeltaNet layers and their state: $(cat "$tmp/out")"
 "$KVLM" generate --model "$q35" --prompt-ids 1,54,232,73 --max-tokens 4 --temperature 0 >"$tmp/out" 2>&1 && ok \
   || bad "a Qwen3.5 checkpoint generates on the CPU: $(cat "$tmp/out")"
+# --mamba-ssm-cache-dtype bfloat16: the matrices in bf16 (4 layers x (1920 B window + 3072 B))
+"$KVLM" inspect --model "$q35" --mamba-ssm-cache-dtype bfloat16 >"$tmp/out" 2>&1 \
+  && grep -q "linear-attention state: 19968 bytes per running sequence" "$tmp/out" \
+  && grep -q "delta-rule matrices in bfloat16" "$tmp/out" && ok \
+  || bad "inspect counts a bf16 state: $(cat "$tmp/out")"
+"$KVLM" generate --model "$q35" --prompt-ids 1,54,232,73 --max-tokens 4 --temperature 0 \
+  --mamba-ssm-cache-dtype bfloat16 >"$tmp/out" 2>&1 && ok || bad "Qwen3.5 generates with a bf16 state: $(cat "$tmp/out")"
+expect_error 1 "--mamba-ssm-cache-dtype must be auto, float32 or bfloat16, got 'float16'" -- generate --model "$q35" \
+  --prompt-ids 1,2 --mamba-ssm-cache-dtype float16
 expect_error 1 "keep a recurrent state that a rejected draft would have to roll back" -- generate --model "$q35" \
   --prompt-ids 1,2 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
 expect_error 1 "run on one rank so far; use --tensor-parallel-size 1" -- generate --model "$q35" --prompt-ids 1,2 \

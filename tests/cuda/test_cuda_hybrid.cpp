@@ -104,6 +104,34 @@ TEST(CudaRunnerHybrid, MixturesOfExpertsMatchTheCpuWithTheRoutingFixed) {
   }
 }
 
+// --mamba-ssm-cache-dtype bfloat16 on CUDA: the delta-rule kernel reads and writes the matrices
+// as bf16 (the CPU rounds them the same way, once a step), within the bound fp32 states keep
+// (CudaRunnerGolden: 3% of the largest logit), prompts in chunks of 7 and one token at a time.
+TEST(CudaRunnerHybrid, Bfloat16StateMatchesTheCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Golden g = load_golden("qwen3.5");
+  std::vector<TokenId> all = g.prompt;
+  all.insert(all.end(), g.greedy.begin(), g.greedy.end());
+  const auto loaded = [&](Device dev, DType dtype) {
+    ModelOptions o;
+    o.model_dir = g.model_dir;
+    o.cache.kv_cache_dtype = KVCacheDType::Float16;
+    o.cache.linear_state_dtype = DType::BF16;
+    o.device = dev;
+    o.dtype = dtype;
+    return LoadedModel::load(o);
+  };
+  auto cpu = loaded(Device::Cpu, DType::F32);
+  auto gpu = loaded(Device::Cuda, DType::F16);
+  for (const int chunk : {7, 1}) {
+    const Stats d = compare(teacher_forced(*cpu, all, chunk), teacher_forced(*gpu, all, chunk), g.vocab);
+    std::printf("[cuda-hybrid] qwen3.5 bf16 state, compute float16, chunks of %d: max|cuda-cpu|=%.3e (%.2f%% of max|logit| "
+                "%.1f) kld=%.2e\n",
+                chunk, d.max_abs, 100 * d.max_abs / d.scale, d.scale, d.mean_kld);
+    EXPECT_LT(d.max_abs, 0.03 * d.scale) << "chunks of " << chunk;
+  }
+}
+
 // A prefix-cache hit on CUDA resumes from the state snapshot copied on the device. The repeat of
 // a prompt runs exactly the rows a run without a cache runs after the snapshot point (chunks
 // [0, 32) and [32, 40) for both), so its log-probabilities are those bits; a prompt extending it

@@ -299,9 +299,50 @@ TEST(ModelConfig, Gemma3Refusals) {
   j = gemma3();
   j["hidden_activation"] = "relu";
   EXPECT_NE(error_of(j).find("gelu_pytorch_tanh"), std::string::npos);
-  j = gemma3();
+  j = gemma3();  // the multimodal wrapper without its language model's config
   j["architectures"] = {"Gemma3ForConditionalGeneration"};
-  EXPECT_NE(error_of(j).find("unsupported architecture 'Gemma3ForConditionalGeneration'"), std::string::npos);
+  EXPECT_NE(error_of(j).find("'text_config', which is missing"), std::string::npos) << error_of(j);
+}
+
+// Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration. google/gemma-3-4b-it's config.json
+// (transformers 4.50): text_config names only what differs from Gemma3TextConfig, the rest is
+// the class's defaults (8 heads, 4 KV heads of 256, vocabulary 262208, tied embeddings, ...).
+TEST(ModelConfig, Gemma3ConditionalGenerationFillsTheTextConfigsDefaults) {
+  const json j = {{"architectures", {"Gemma3ForConditionalGeneration"}},
+                  {"model_type", "gemma3"},
+                  {"eos_token_id", {1, 106}},
+                  {"torch_dtype", "bfloat16"},
+                  {"image_token_index", 262144},
+                  {"mm_tokens_per_image", 256},
+                  {"text_config",
+                   {{"hidden_size", 2560}, {"intermediate_size", 10240}, {"model_type", "gemma3_text"},
+                    {"num_hidden_layers", 34}, {"rope_scaling", {{"factor", 8.0}, {"rope_type", "linear"}}},
+                    {"sliding_window", 1024}}},
+                  {"vision_config", {{"hidden_size", 1152}, {"model_type", "siglip_vision_model"}}}};
+  const ModelConfig m = parse_model_config(j, nullptr);
+  EXPECT_EQ(arch_name(m.arch), "Gemma3ForCausalLM");
+  EXPECT_EQ(m.wrapper, "Gemma3ForConditionalGeneration");
+  EXPECT_EQ(m.hidden_size, 2560);
+  EXPECT_EQ(m.intermediate_size, 10240);
+  EXPECT_EQ(m.num_layers, 34);
+  EXPECT_EQ(m.num_heads, 8);
+  EXPECT_EQ(m.num_kv_heads, 4);
+  EXPECT_EQ(m.head_dim, 256);
+  EXPECT_EQ(m.vocab_size, 262208);
+  EXPECT_EQ(m.max_position_embeddings, 131072);
+  EXPECT_TRUE(m.tie_word_embeddings);
+  EXPECT_EQ(m.eos_token_ids, (std::vector<TokenId>{1, 106}));  // the wrapper's, not the class default
+  EXPECT_EQ(m.query_pre_attn_scalar, 256.0);
+  EXPECT_EQ(m.rope.type, RopeType::Linear);
+  EXPECT_DOUBLE_EQ(m.rope.factor, 8.0);
+  EXPECT_DOUBLE_EQ(m.rope.theta, 1e6);
+  EXPECT_DOUBLE_EQ(m.rope_local->theta, 1e4);
+  ASSERT_EQ(m.layers.size(), 34u);
+  for (int i = 0; i < 34; ++i) {
+    const bool global = (i + 1) % 6 == 0;
+    EXPECT_EQ(m.layers[size_t(i)].kind, global ? AttentionKind::Full : AttentionKind::Sliding) << i;
+    if (!global) EXPECT_EQ(m.layers[size_t(i)].window, 1024);
+  }
 }
 
 namespace {
@@ -474,6 +515,12 @@ TEST(ModelConfig, Qwen35Hybrid) {
   EXPECT_EQ(l.conv_dim(), 2 * 2 * 16 + 4 * 24);
   EXPECT_EQ(l.in_proj_dim(), l.conv_dim() + 4 * 24 + 2 * 4);
   EXPECT_EQ(l.state_values(), size_t(3 * l.conv_dim() + 4 * 16 * 24));
+  // Bytes per slot: the fp32 window, the matrices in state_dtype, rounded up to 16.
+  EXPECT_EQ(l.state_dtype, DType::F32);
+  EXPECT_EQ(l.state_bytes(), (l.state_values() * 4 + 15) / 16 * 16);
+  LinearAttentionConfig half = l;
+  half.state_dtype = DType::BF16;
+  EXPECT_EQ(half.state_bytes(), (l.conv_state_values() * 4 + l.matrix_values() * 2 + 15) / 16 * 16);
   for (int i = 0; i < 8; ++i) EXPECT_EQ(m.is_linear_layer(i), (i + 1) % 4 != 0) << i;  // full_attention_interval 4
   EXPECT_EQ(m.num_kv_layers(), 2);
   EXPECT_EQ(attention_layers(m).size(), 2u);

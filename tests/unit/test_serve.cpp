@@ -25,6 +25,7 @@
 #include "engine/async_engine.h"
 #include "engine/block_manager.h"
 #include "engine/llm_engine.h"
+#include "engine/engine_args.h"
 #include "engine/memory_plan.h"
 #include "io/safetensors.h"
 #include "config/model_config.h"
@@ -334,19 +335,19 @@ TEST(Scheduler, BatchedEqualsSequentialHybridMixtureOfExperts) {
   check_batched_equals_sequential(kQwen3Next, KVCacheDType::Auto, 200, 23);
   check_batched_equals_sequential(kQwen3Next, KVCacheDType::Fp8E4M3, 16, 23);
 }
-// The released Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration): the
-// language model's config in text_config (tied embeddings and dtype at the top), its tensors
-// under model.language_model., a vision tower beside it. kvlm runs the language model: the
-// same tokens as the causal checkpoint of the same weights.
-TEST(Scheduler, Qwen35ConditionalGenerationRunsItsLanguageModel) {
-  const fs::path dir = fs::temp_directory_path() / ("kvlm_qwen35_vl_" + std::to_string(::getpid()));
+// A multimodal checkpoint around the language model in `src`, laid out as released: config.json
+// with the model's config as text_config (tied embeddings and dtype at the top level), the
+// tensors under `prefix` instead of "model." (lm_head under `head`), and a vision tower's tensor
+// (`vision`) beside them.
+fs::path wrap_multimodal(const fs::path& src, const std::string& arch, const std::string& model_type,
+                         const std::string& prefix, const std::string& head, const std::string& vision) {
+  const fs::path dir = fs::temp_directory_path() / ("kvlm_" + model_type + "_vl_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
-  nlohmann::json text = read_json_file(kQwen35 / "config.json");
+  nlohmann::json text = read_json_file(src / "config.json");
   text.erase("architectures");
-  text["model_type"] = "qwen3_5_text";
-  nlohmann::json cfg = {{"architectures", {"Qwen3_5ForConditionalGeneration"}},
-                        {"model_type", "qwen3_5"},
+  nlohmann::json cfg = {{"architectures", {arch}},
+                        {"model_type", model_type},
                         {"tie_word_embeddings", text["tie_word_embeddings"]},
                         {"torch_dtype", text["torch_dtype"]},
                         {"vision_config", {{"depth", 1}, {"hidden_size", 8}}},
@@ -354,25 +355,50 @@ TEST(Scheduler, Qwen35ConditionalGenerationRunsItsLanguageModel) {
   cfg["text_config"].erase("tie_word_embeddings");
   cfg["text_config"].erase("torch_dtype");
   std::ofstream(dir / "config.json") << cfg.dump(2);
-  fs::copy_file(kQwen35 / "generation_config.json", dir / "generation_config.json");
-  const SafetensorsFile src(kQwen35 / "model.safetensors");
+  fs::copy_file(src / "generation_config.json", dir / "generation_config.json");
+  const SafetensorsFile in(src / "model.safetensors");
   std::vector<TensorToWrite> out;
-  for (const TensorInfo& t : src.header().tensors) {
-    const TensorView v = src.view(t);
-    const std::string name = t.name.starts_with("model.") ? "model.language_model." + t.name.substr(6) : t.name;
+  for (const TensorInfo& t : in.header().tensors) {
+    const TensorView v = in.view(t);
+    const std::string name =
+        t.name.starts_with("model.") ? prefix + t.name.substr(6) : t.name == "lm_head.weight" ? head : t.name;
     out.push_back({name, t.dtype, t.shape, v.bytes});
   }
   const std::vector<float> patch(2 * 3 * 4, 0.5f);
-  out.push_back({"model.visual.patch_embed.proj.weight", DType::F32, {2, 3, 4},
-                 {reinterpret_cast<const uint8_t*>(patch.data()), patch.size() * 4}});
+  out.push_back({vision, DType::F32, {2, 3, 4}, {reinterpret_cast<const uint8_t*>(patch.data()), patch.size() * 4}});
   write_safetensors(dir / "model.safetensors", out);
+  return dir;
+}
 
+// The released Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration, tensors
+// under model.language_model. as transformers 5 writes them): kvlm runs the language model, with
+// the same tokens as the causal checkpoint of the same weights.
+TEST(Scheduler, Qwen35ConditionalGenerationRunsItsLanguageModel) {
+  const fs::path dir = wrap_multimodal(kQwen35, "Qwen3_5ForConditionalGeneration", "qwen3_5", "model.language_model.",
+                                       "lm_head.weight", "model.visual.patch_embed.proj.weight");
   auto plain = load(kQwen35);
   auto wrapped = load(dir);
   EXPECT_EQ(wrapped->config().wrapper, "Qwen3_5ForConditionalGeneration");
   EXPECT_EQ(wrapped->config().num_linear_layers(), plain->config().num_linear_layers());
   std::mt19937 rng(3);
   const auto prompt = random_prompt(rng, 70, plain->config().vocab_size);
+  EXPECT_EQ(one_at_a_time(*wrapped, prompt, 12), one_at_a_time(*plain, prompt, 12));
+  fs::remove_all(dir);
+}
+
+// Gemma 3 above 1B ships as Gemma3ForConditionalGeneration (transformers 4.5x: tensors under
+// language_model.model., the head under language_model.lm_head, a SigLIP vision tower): the same
+// tokens as the causal checkpoint (the text_config defaults: ModelConfig tests).
+TEST(Scheduler, Gemma3ConditionalGenerationRunsItsLanguageModel) {
+  const fs::path src = kTests / "golden" / "models" / "gemma3-swa";
+  const fs::path dir = wrap_multimodal(src, "Gemma3ForConditionalGeneration", "gemma3", "language_model.model.",
+                                       "language_model.lm_head.weight",
+                                       "vision_tower.vision_model.embeddings.patch_embedding.weight");
+  auto plain = load(src);
+  auto wrapped = load(dir);
+  EXPECT_EQ(wrapped->config().wrapper, "Gemma3ForConditionalGeneration");
+  std::mt19937 rng(4);
+  const auto prompt = random_prompt(rng, 40, plain->config().vocab_size);
   EXPECT_EQ(one_at_a_time(*wrapped, prompt, 12), one_at_a_time(*plain, prompt, 12));
   fs::remove_all(dir);
 }
@@ -551,6 +577,54 @@ TEST(Scheduler, PrefixCacheOnAHybridModelResumesFromStateSnapshots) {
   run_to_end(le);
   EXPECT_EQ(out["again"].cached, 0) << "its pages are cached, but its snapshot was given to another prompt";
   EXPECT_EQ(out["again"].tokens, want_shared);
+}
+
+// --mamba-ssm-cache-dtype bfloat16: the delta rule's matrices held in bf16 (half the state's
+// bytes, counted by the memory plan), rounded once a step; the logits move, but by much less
+// than a model's differences (teacher-forced over 90 tokens in chunks of 7 and one by one).
+TEST(Scheduler, HybridStateInBfloat16) {
+  ModelOptions o;
+  o.model_dir = kQwen35;
+  auto f32 = LoadedModel::load(o);
+  o.cache.linear_state_dtype = DType::BF16;
+  auto b16 = LoadedModel::load(o);
+  const LinearAttentionConfig& l = *b16->config().linear_attention;
+  EXPECT_EQ(l.state_dtype, DType::BF16);
+  EXPECT_EQ(l.state_bytes(), 1920u + 3072u);  // the fp32 window (3 x 160 values) + 4 x 16 x 24 bf16 values
+  EXPECT_EQ(f32->config().linear_attention->state_bytes(), 1920u + 6144u);
+  MemoryOptions mo;
+  mo.kv_cache_memory = 1 << 22;
+  mo.max_num_seqs = 8;
+  EXPECT_EQ(plan_kv_memory(*b16, mo).state_bytes, 16u * 4u * l.state_bytes());
+  std::mt19937 rng(8);
+  const int V = f32->config().vocab_size;
+  const auto prompt = random_prompt(rng, 90, V);
+  for (const int chunk : {7, 1}) {
+    const std::vector<float> a = all_logits(*f32, prompt, chunk), b = all_logits(*b16, prompt, chunk);
+    double kld = 0, max_abs = 0, scale = 0;
+    for (size_t t = 0; t < prompt.size(); ++t) {
+      const float* x = a.data() + t * size_t(V);
+      const float* y = b.data() + t * size_t(V);
+      const double lx = log_sum_exp({x, size_t(V)}), ly = log_sum_exp({y, size_t(V)});
+      for (int i = 0; i < V; ++i) {
+        kld += std::exp(x[i] - lx) * ((x[i] - lx) - (y[i] - ly)) / double(prompt.size());
+        max_abs = std::max(max_abs, double(std::fabs(x[i] - y[i])));
+        scale = std::max(scale, double(std::fabs(x[i])));
+      }
+    }
+    std::printf("[bf16 state] chunks of %d: max|dlogit| %.3e of %.1f, mean KLD %.2e\n", chunk, max_abs, scale, kld);
+    EXPECT_GT(max_abs, 0.0) << "the bf16 state changed nothing: is it applied?";
+    EXPECT_LT(kld, 1e-3);
+  }
+  ModelArgs args;
+  args.mamba_ssm_cache_dtype = "float16";
+  try {
+    args.cache_config(ArgStyle::Flag);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--mamba-ssm-cache-dtype must be auto, float32 or bfloat16"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Without state snapshots a hybrid model cannot resume from a hit: prefix caching is turned off.

@@ -6,20 +6,17 @@
 
 namespace kvlm::arch {
 
-namespace {
-size_t add(WeightList& list, std::vector<WeightPiece> pieces, WeightRole role, Shard shard) {
+size_t add_weight(WeightList& list, std::vector<WeightPiece> pieces, WeightRole role, Shard shard) {
   return list.add(WeightSpec{.pieces = std::move(pieces), .role = role, .shard = shard});
 }
-// A projection (q/k/v, o, gate/up, down): what --quantization fp8 quantizes.
 size_t add_linear(WeightList& list, std::vector<WeightPiece> pieces, Shard shard) {
   return list.add(WeightSpec{.pieces = std::move(pieces), .role = WeightRole::Matrix, .shard = shard, .linear = true});
 }
-}  // namespace
 
 EmbeddingWeights add_embedding(WeightList& list, const ModelConfig& c) {
   EmbeddingWeights e;
   const int64_t vocab = c.vocab_size, hd = c.hidden_size;
-  e.embed = add(list, {{"model.embed_tokens.weight", {vocab, hd}}}, WeightRole::Matrix, Shard::Vocab);
+  e.embed = add_weight(list, {{"model.embed_tokens.weight", {vocab, hd}}}, WeightRole::Matrix, Shard::Vocab);
   if (c.tie_word_embeddings) {
     e.lm_head = e.embed;
     list.known_unused.push_back("lm_head.weight");  // some tied checkpoints still carry a copy
@@ -50,19 +47,19 @@ AttentionWeights add_attention(WeightList& list, const ModelConfig& c, const std
                       {p + "self_attn.v_proj.weight", {kvh * d, hd}, kvh}},
                      Shard::Rows);
   if (c.qkv_bias)
-    a.bqkv = add(list,
+    a.bqkv = add_weight(list,
                  {{p + "self_attn.q_proj.bias", {nh * d}, nh},
                   {p + "self_attn.k_proj.bias", {kvh * d}, kvh},
                   {p + "self_attn.v_proj.bias", {kvh * d}, kvh}},
                  WeightRole::Bias, Shard::Rows);
   a.o = add_linear(list, {{p + "self_attn.o_proj.weight", {hd, nh * d}, nh}}, Shard::Cols);
-  if (c.o_bias) a.bo = add(list, {{p + "self_attn.o_proj.bias", {hd}}}, WeightRole::Bias, Shard::RankZero);
+  if (c.o_bias) a.bo = add_weight(list, {{p + "self_attn.o_proj.bias", {hd}}}, WeightRole::Bias, Shard::RankZero);
   if (c.qk_norm) {
     a.q_norm = add_norm(list, p + "self_attn.q_norm.weight", d, norm_add_one);
     a.k_norm = add_norm(list, p + "self_attn.k_norm.weight", d, norm_add_one);
   }
   if (c.attention_sinks)  // fp32 (a norm's role), split by query heads
-    a.sinks = add(list, {{p + "self_attn.sinks", {nh}, nh}}, WeightRole::Norm, Shard::Rows);
+    a.sinks = add_weight(list, {{p + "self_attn.sinks", {nh}, nh}}, WeightRole::Norm, Shard::Rows);
   return a;
 }
 
@@ -72,10 +69,10 @@ MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::stri
   m.gate_up = add_linear(list, {{p + "mlp.gate_proj.weight", {inter, hd}}, {p + "mlp.up_proj.weight", {inter, hd}}},
                          Shard::Rows);
   if (c.mlp_bias)
-    m.b_gate_up = add(list, {{p + "mlp.gate_proj.bias", {inter}}, {p + "mlp.up_proj.bias", {inter}}}, WeightRole::Bias,
+    m.b_gate_up = add_weight(list, {{p + "mlp.gate_proj.bias", {inter}}, {p + "mlp.up_proj.bias", {inter}}}, WeightRole::Bias,
                       Shard::Rows);
   m.down = add_linear(list, {{p + "mlp.down_proj.weight", {hd, inter}}}, Shard::Cols);
-  if (c.mlp_bias) m.b_down = add(list, {{p + "mlp.down_proj.bias", {hd}}}, WeightRole::Bias, Shard::RankZero);
+  if (c.mlp_bias) m.b_down = add_weight(list, {{p + "mlp.down_proj.bias", {hd}}}, WeightRole::Bias, Shard::RankZero);
   return m;
 }
 
@@ -83,7 +80,7 @@ MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const
   const MoeConfig& m = *c.moe;
   const int64_t hd = c.hidden_size, inter = m.expert_size, E = m.num_experts;
   MoeLayerWeights w;
-  w.router = add(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  w.router = add_weight(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
   std::vector<WeightPiece> gate_up, down;
   const int ep = m.expert_parallel ? int(E) : 0;  // Experts: the pieces' expert count and expert
   for (int64_t e = 0; e < E; ++e) {
@@ -95,8 +92,8 @@ MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const
   }
   // Tensor parallel inside each expert: a rank holds its share of every expert's rows (gate,
   // up) and columns (down); or with expert parallelism its experts whole.
-  w.gate_up = add(list, std::move(gate_up), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Rows);
-  w.down = add(list, std::move(down), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Cols);
+  w.gate_up = add_weight(list, std::move(gate_up), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Rows);
+  w.down = add_weight(list, std::move(down), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Cols);
   return w;
 }
 
@@ -104,30 +101,30 @@ MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std:
   const MoeConfig& m = *c.moe;
   const int64_t hd = c.hidden_size, inter = m.expert_size, E = m.num_experts;
   MoeLayerWeights w;
-  w.router = add(list, {{p + "mlp.router.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
-  if (m.router_bias) w.router_bias = add(list, {{p + "mlp.router.bias", {E}}}, WeightRole::Bias, Shard::Replicated);
+  w.router = add_weight(list, {{p + "mlp.router.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  if (m.router_bias) w.router_bias = add_weight(list, {{p + "mlp.router.bias", {E}}}, WeightRole::Bias, Shard::Replicated);
   const std::string x = p + "mlp.experts.";
   if (m.expert_parallel) {  // whole experts per rank: each fused tensor split into E runs of rows
-    w.gate_up = add(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, E, PieceLayout::ExpertsTransposedInterleaved}},
+    w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, E, PieceLayout::ExpertsTransposedInterleaved}},
                     WeightRole::Matrix, Shard::Experts);
-    w.down = add(list, {{x + "down_proj", {E, inter, hd}, E, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix,
+    w.down = add_weight(list, {{x + "down_proj", {E, inter, hd}, E, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix,
                  Shard::Experts);
     if (m.expert_bias) {
-      w.gate_up_bias = add(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, E, PieceLayout::ExpertsInterleaved}},
+      w.gate_up_bias = add_weight(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, E, PieceLayout::ExpertsInterleaved}},
                            WeightRole::Bias, Shard::Experts);
-      w.down_bias = add(list, {{x + "down_proj_bias", {E, hd}, E}}, WeightRole::Bias, Shard::Experts);
+      w.down_bias = add_weight(list, {{x + "down_proj_bias", {E, hd}, E}}, WeightRole::Bias, Shard::Experts);
     }
     return w;
   }
   // Held as [E * 2I][hidden] (PieceLayout), each expert's gate and up rows a group of which
   // every tensor-parallel rank takes its share.
-  w.gate_up = add(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, 0, PieceLayout::ExpertsTransposedInterleaved, 2 * E}},
+  w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, 0, PieceLayout::ExpertsTransposedInterleaved, 2 * E}},
                   WeightRole::Matrix, Shard::Rows);
-  w.down = add(list, {{x + "down_proj", {E, inter, hd}, 0, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix, Shard::Cols);
+  w.down = add_weight(list, {{x + "down_proj", {E, inter, hd}, 0, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix, Shard::Cols);
   if (m.expert_bias) {
-    w.gate_up_bias = add(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, 0, PieceLayout::ExpertsInterleaved, 2 * E}},
+    w.gate_up_bias = add_weight(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, 0, PieceLayout::ExpertsInterleaved, 2 * E}},
                          WeightRole::Bias, Shard::Rows);
-    w.down_bias = add(list, {{x + "down_proj_bias", {E, hd}}}, WeightRole::Bias, Shard::RankZero);
+    w.down_bias = add_weight(list, {{x + "down_proj_bias", {E, hd}}}, WeightRole::Bias, Shard::RankZero);
   }
   return w;
 }
@@ -136,21 +133,21 @@ MoeLayerWeights add_moe_stacked(WeightList& list, const ModelConfig& c, const st
   const MoeConfig& m = *c.moe;
   const int64_t hd = c.hidden_size, inter = m.expert_size, E = m.num_experts;
   MoeLayerWeights w;
-  w.router = add(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  w.router = add_weight(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
   const std::string x = p + "mlp.experts.";
   // Held as [E * 2I][H] and [E * H][I]: the same bytes. Expert parallelism: each tensor split
   // into E runs of rows; tensor parallelism inside experts: every expert's gate and up rows a
   // group of which each rank takes its share, down's columns split.
   if (m.expert_parallel) {
-    w.gate_up = add(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
+    w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
                     Shard::Experts);
-    w.down = add(list, {{x + "down_proj", {E, hd, inter}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
+    w.down = add_weight(list, {{x + "down_proj", {E, hd, inter}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
                  Shard::Experts);
     return w;
   }
-  w.gate_up = add(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, 0, PieceLayout::ExpertsStacked, 2 * E}},
+  w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, 0, PieceLayout::ExpertsStacked, 2 * E}},
                   WeightRole::Matrix, Shard::Rows);
-  w.down = add(list, {{x + "down_proj", {E, hd, inter}, 0, PieceLayout::ExpertsStacked}}, WeightRole::Matrix, Shard::Cols);
+  w.down = add_weight(list, {{x + "down_proj", {E, hd, inter}, 0, PieceLayout::ExpertsStacked}}, WeightRole::Matrix, Shard::Cols);
   return w;
 }
 
@@ -160,7 +157,7 @@ void add_shared_expert(WeightList& list, const ModelConfig& c, const std::string
   m.shared_gate_up =
       add_linear(list, {{x + "gate_proj.weight", {s, hd}}, {x + "up_proj.weight", {s, hd}}}, Shard::Rows);
   m.shared_down = add_linear(list, {{x + "down_proj.weight", {hd, s}}}, Shard::Cols);
-  m.shared_gate = add(list, {{p + "mlp.shared_expert_gate.weight", {1, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  m.shared_gate = add_weight(list, {{p + "mlp.shared_expert_gate.weight", {1, hd}}}, WeightRole::Matrix, Shard::Replicated);
 }
 
 MoeWeights moe_weights(std::span<const Weight> w, const MoeLayerWeights& m) {

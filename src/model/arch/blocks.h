@@ -28,6 +28,12 @@ inline Weight weight_or_empty(std::span<const Weight> w, size_t i) { return i ==
 struct EmbeddingWeights {
   size_t embed = kNoWeight, lm_head = kNoWeight;
 };
+// A weight of the given role and tensor-parallel split.
+size_t add_weight(WeightList& list, std::vector<WeightPiece> pieces, WeightRole role, Shard shard = Shard::Replicated);
+// A projection (q/k/v, o, gate/up, down, a linear-attention layer's in/out): what
+// --quantization fp8 quantizes.
+size_t add_linear(WeightList& list, std::vector<WeightPiece> pieces, Shard shard = Shard::Replicated);
+
 EmbeddingWeights add_embedding(WeightList& list, const ModelConfig& c);
 
 // An RMSNorm weight [dim] (add_one: stored as 1 + w, Gemma's convention).

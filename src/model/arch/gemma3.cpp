@@ -151,11 +151,28 @@ void parse(const nlohmann::json& cfg, ModelConfig& m) {
 }
 
 constexpr std::string_view kModelTypes[] = {"gemma3_text"};
+// Gemma 3 4B, 12B and 27B ship as the multimodal Gemma3ForConditionalGeneration, whose
+// text_config names only what differs from Gemma3TextConfig (4B: hidden and MLP sizes, layers,
+// the global layers' linear RoPE scaling, the window): the class's defaults (transformers 5.24)
+// fill the rest.
+constexpr std::string_view kWrappers[] = {"Gemma3ForConditionalGeneration"};
+void text_defaults(nlohmann::json& t) {
+  const nlohmann::json defaults = {
+      {"vocab_size", 262208},         {"hidden_size", 2304},        {"intermediate_size", 9216},
+      {"num_hidden_layers", 26},      {"num_attention_heads", 8},   {"num_key_value_heads", 4},
+      {"head_dim", 256},              {"hidden_activation", "gelu_pytorch_tanh"},
+      {"max_position_embeddings", 131072}, {"rms_norm_eps", 1e-6}, {"attention_bias", false},
+      {"query_pre_attn_scalar", 256}, {"sliding_window", 4096},     {"tie_word_embeddings", true},
+      {"bos_token_id", 2},            {"eos_token_id", 1}};
+  for (const auto& [k, v] : defaults.items())  // (parse() defaults the RoPE thetas itself)
+    if (!t.contains(k)) t[k] = v;
+}
 
 }  // namespace
 
 namespace arch_specs {
-extern const ArchSpec gemma3{.name = "Gemma3ForCausalLM", .model_types = kModelTypes, .parse = parse, .make = make};
+extern const ArchSpec gemma3{.name = "Gemma3ForCausalLM", .model_types = kModelTypes, .parse = parse, .make = make,
+                             .wrappers = kWrappers, .text_defaults = text_defaults};
 }  // namespace arch_specs
 
 }  // namespace kvlm

@@ -14,13 +14,6 @@ namespace {
 namespace jg = json_get;
 constexpr std::string_view kWhere = "config.json";
 
-size_t add(WeightList& list, std::vector<WeightPiece> pieces, WeightRole role) {
-  return list.add(WeightSpec{.pieces = std::move(pieces), .role = role});
-}
-size_t add_linear(WeightList& list, std::vector<WeightPiece> pieces) {
-  return list.add(WeightSpec{.pieces = std::move(pieces), .role = WeightRole::Matrix, .linear = true});
-}
-
 // The fused input projection [q | k | v | z | b | a] of Gated DeltaNet layer `a` (its prefix).
 size_t add_in_proj(WeightList& list, const ModelConfig& c, const LinearAttentionConfig& l, DeltaNetProjections proj,
                    const std::string& a) {
@@ -67,9 +60,9 @@ HybridDecoder::HybridDecoder(const ModelConfig& c, DeltaNetProjections projectio
       const int64_t cd = lin_.conv_dim(), vd = lin_.value_dim(), hv = lin_.v_heads;
       L.in_proj = add_in_proj(weights_, c, lin_, projections, a);
       L.out_proj = add_linear(weights_, {{a + "out_proj.weight", {H, vd}}});
-      L.conv = add(weights_, {{a + "conv1d.weight", {cd, 1, lin_.conv_kernel}}}, WeightRole::Norm);
-      L.a_log = add(weights_, {{a + "A_log", {hv}}}, WeightRole::Norm);
-      L.dt_bias = add(weights_, {{a + "dt_bias", {hv}}}, WeightRole::Norm);
+      L.conv = add_weight(weights_, {{a + "conv1d.weight", {cd, 1, lin_.conv_kernel}}}, WeightRole::Norm);
+      L.a_log = add_weight(weights_, {{a + "A_log", {hv}}}, WeightRole::Norm);
+      L.dt_bias = add_weight(weights_, {{a + "dt_bias", {hv}}}, WeightRole::Norm);
       L.gated_norm = add_norm(weights_, a + "norm.weight", lin_.v_dim);  // the gated norm: w, not 1 + w
     } else {
       const std::string a = p + "self_attn.";

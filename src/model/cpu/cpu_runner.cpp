@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/hadamard.h"
+#include "core/numeric.h"
 #include "io/gguf.h"
 #include "io/grouped_codes.h"
 #include "ops/cpu/linear_attention.h"
@@ -174,7 +175,7 @@ class CpuOps final : public Ops {
 
   // Keeps the outputs of the layers with a slot (slot_of[layer] >= 0) in `features`
   // ([num_tokens][slots * hidden]).
-  void set_states(std::vector<std::vector<float>>* states, int slots) {
+  void set_states(std::vector<std::vector<uint8_t>>* states, int slots) {
     states_ = states;
     state_slots_ = slots;
   }
@@ -314,15 +315,26 @@ class CpuOps final : public Ops {
                  VD = size_t(c.value_dim()), HV = size_t(c.v_heads), KD = size_t(c.key_dim());
     KVLM_CHECK(mixed.cols == int64_t(W) && out.rows == int64_t(T) && out.cols == int64_t(VD),
                "gated_delta_net: shape mismatch");
-    std::vector<float>& layer = (*states_)[size_t(linear_layer)];
-    const size_t per = c.state_values(), conv_n = c.conv_state_values();
+    std::vector<uint8_t>& layer = (*states_)[size_t(linear_layer)];
+    const size_t per = c.state_bytes(), conv_n = c.conv_state_values(), mat_n = c.matrix_values();
+    const bool bf16 = c.state_dtype == DType::BF16;
     const auto m = f32(mixed), o = f32(out);
     const cpu::DeltaRuleShape shape{c.k_heads, c.v_heads, c.k_dim, c.v_dim};
     for (const AttnSeq& s : b_.seqs) {
       if (s.q_len == 0) continue;
       KVLM_CHECK(s.state_slot >= 0 && s.state_slot < state_slots_, "a sequence without a state slot");
-      const std::span<float> st(layer.data() + size_t(s.state_slot) * per, per);
-      if (s.kv_len == s.q_len) std::fill(st.begin(), st.end(), 0.0f);  // its first rows: a fresh state
+      uint8_t* const st = layer.data() + size_t(s.state_slot) * per;
+      if (s.kv_len == s.q_len) std::fill_n(st, per, uint8_t(0));  // its first rows: a fresh state (+0 in fp32 and bf16)
+      // The slot: the fp32 conv window, then the matrices (fp32 in place; bf16 through fp32).
+      const std::span<float> conv_state(reinterpret_cast<float*>(st), conv_n);
+      uint8_t* const mat = st + conv_n * sizeof(float);
+      std::span<float> rec(reinterpret_cast<float*>(mat), mat_n);
+      if (bf16) {
+        gdn_matrix_.resize(mat_n);
+        const auto* h = reinterpret_cast<const uint16_t*>(mat);
+        for (size_t i = 0; i < mat_n; ++i) gdn_matrix_[i] = num::bf16_to_f32(h[i]);
+        rec = gdn_matrix_;
+      }
       const size_t n = size_t(s.q_len), r0 = size_t(s.q_begin);
       gdn_qkv_.resize(n * CD);
       gdn_z_.resize(n * VD);
@@ -335,7 +347,7 @@ class CpuOps final : public Ops {
         std::copy_n(row + CD + VD, HV, gdn_beta_.data() + r * HV);  // b, then a
         std::copy_n(row + CD + VD + HV, HV, gdn_g_.data() + r * HV);
       }
-      cpu::causal_conv_silu(int(n), int(CD), c.conv_kernel, gdn_qkv_, f32(w.conv), st.first(conv_n), gdn_qkv_);
+      cpu::causal_conv_silu(int(n), int(CD), c.conv_kernel, gdn_qkv_, f32(w.conv), conv_state, gdn_qkv_);
       cpu::delta_rule_gates(int(n), int(HV), f32(w.a_log), f32(w.dt_bias), gdn_g_, gdn_beta_);
       gdn_q_.resize(n * KD);
       gdn_k_.resize(n * KD);
@@ -347,11 +359,14 @@ class CpuOps final : public Ops {
         std::copy_n(row + 2 * KD, VD, gdn_v_.data() + r * VD);
       }
       const std::span<float> core = o.subspan(r0 * VD, n * VD);
-      const std::span<float> rec = st.subspan(conv_n);
       if (n == 1)
         cpu::delta_rule_recurrent(shape, 1, gdn_q_, gdn_k_, gdn_v_, gdn_g_, gdn_beta_, rec, core);
       else
         cpu::delta_rule_chunked(shape, int(n), gdn_q_, gdn_k_, gdn_v_, gdn_g_, gdn_beta_, rec, core);
+      if (bf16) {  // rounded once per step, as the CUDA kernels store it
+        auto* h = reinterpret_cast<uint16_t*>(mat);
+        for (size_t i = 0; i < mat_n; ++i) h[i] = num::f32_to_bf16(gdn_matrix_[i]);
+      }
       cpu::rmsnorm_gated(core, gdn_z_, int(n * HV), c.v_dim, f32(w.norm), w.eps, core);
     }
   }
@@ -470,7 +485,8 @@ class CpuOps final : public Ops {
   std::vector<float> route_logits_, route_weights_, expert_x_, expert_gu_, expert_y_;
   std::vector<int32_t> route_ids_;
   std::vector<float> gdn_qkv_, gdn_z_, gdn_g_, gdn_beta_, gdn_q_, gdn_k_, gdn_v_;
-  std::vector<std::vector<float>>* states_ = nullptr;
+  std::vector<float> gdn_matrix_;  // a bf16-held state's matrices in fp32 while a step runs
+  std::vector<std::vector<uint8_t>>* states_ = nullptr;
   int state_slots_ = 0;
   std::span<const int> slot_of_;
   std::vector<float>* features_ = nullptr;
@@ -526,17 +542,17 @@ void CpuModelRunner::allocate_states(int slots) {
   states_.clear();
   state_slots_ = 0;
   if (!cfg_.linear_attention || slots <= 0) return;
-  const size_t per = cfg_.linear_attention->state_values() * size_t(slots);
-  states_.assign(size_t(cfg_.num_linear_layers()), std::vector<float>(per, 0.0f));
+  const size_t per = cfg_.linear_attention->state_bytes() * size_t(slots);
+  states_.assign(size_t(cfg_.num_linear_layers()), std::vector<uint8_t>(per, uint8_t(0)));
   state_slots_ = slots;
 }
 
 void CpuModelRunner::copy_states(std::span<const StateCopy> copies) {
   if (copies.empty()) return;
-  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_values() : 0;
+  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_bytes() : 0;
   for (const StateCopy& c : copies) {
     KVLM_CHECK(c.src >= 0 && c.src < state_slots_ && c.dst >= 0 && c.dst < state_slots_, "copy_states: slot out of range");
-    for (std::vector<float>& layer : states_)
+    for (std::vector<uint8_t>& layer : states_)
       std::copy_n(layer.begin() + ptrdiff_t(size_t(c.src) * per), per, layer.begin() + ptrdiff_t(size_t(c.dst) * per));
   }
 }

@@ -94,7 +94,7 @@ class CpuModelRunner final : public ModelRunner {
   size_t num_params_ = 0, weight_bytes_ = 0, block_tensors_ = 0;
   std::unique_ptr<KVCache> cache_;
   // Gated DeltaNet layers' states: per linear layer, slots x LinearAttentionConfig::state_values.
-  std::vector<std::vector<float>> states_;
+  std::vector<std::vector<uint8_t>> states_;  // per Gated DeltaNet layer: [slots][state_bytes]
   int state_slots_ = 0;
   SingleProcessCommunicator single_;
   Communicator* comm_ = &single_;

@@ -41,9 +41,8 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   step_ = step;
   carver_ = carver;
   measure_ = measure;
-  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = moe_logits_ = moe_ws_ = gdn_qkv_ = gdn_core_ = nullptr;
+  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = moe_logits_ = moe_ws_ = gdn_qkv_ = gdn_core_ = StepBuffer{};
   fp8_norm_codes_ = {};
-  glu_act_bytes_ = 0;
   features_ = Tensor{};
   // The split-KV workspace: the largest any layer's format needs for this shape.
   attn_ws_ = nullptr;
@@ -69,9 +68,9 @@ void CudaOps::capture(int layer, Tensor x) {
                         static_cast<uint16_t*>(features_.data) + size_t(slot) * size_t(hidden_), slots_ * hidden_, stream_);
 }
 
-void* CudaOps::step_buffer(void*& slot, size_t bytes) {
-  if (!slot) slot = carver_.take_bytes(bytes);
-  return slot;
+void* CudaOps::step_buffer(StepBuffer& b, size_t bytes) {
+  if (!b.data || bytes > b.bytes) b = StepBuffer{.data = carver_.take_bytes(bytes), .bytes = bytes};
+  return b.data;
 }
 
 void CudaOps::carve_fp8_x() {
@@ -120,8 +119,8 @@ void CudaOps::norm_codes(cuda::AddRmsNormParams& p, const Tensor& out) {
       !cuda::kernel_switches().fp8_norm_codes)
     return;
   carve_fp8_x();
-  p.codes = static_cast<uint8_t*>(fp8_x_);
-  p.code_scales = static_cast<float*>(fp8_x_scales_);
+  p.codes = static_cast<uint8_t*>(fp8_x_.data);
+  p.code_scales = static_cast<float*>(fp8_x_scales_.data);
   p.code_group = fp8_norm_group_;
   fp8_norm_codes_ = {.x = out.data, .m = m, .k = k, .group = fp8_norm_group_};
 }
@@ -173,9 +172,9 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
     carve_fp8_x();
     if (measure_) return;
   }
-  if (!gemv && fp8_x_ && gemm_fits && cuda::kernel_switches().fp8_gemm) {
-    auto* codes = static_cast<uint8_t*>(fp8_x_);
-    auto* scales = static_cast<float*>(fp8_x_scales_);
+  if (!gemv && fp8_x_.data && gemm_fits && cuda::kernel_switches().fp8_gemm) {
+    auto* codes = static_cast<uint8_t*>(fp8_x_.data);
+    auto* scales = static_cast<float*>(fp8_x_scales_.data);
     // x's codes and scales for the GEMM's first `rows` rows. The norm's serve where their layout
     // is the GEMM's: per token any prefix of rows; per group, whose scales are [k / 128][rows],
     // only all m rows.
@@ -273,12 +272,7 @@ void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight
   fp8_norm_codes_ = {};
   const int T = int(gu.rows), I = int(gu.cols / 2), H = int(w.rows);
   // Carved whether or not it is used, so that measuring and running carve the same.
-  const size_t act_bytes = size_t(T) * size_t(I) * dtype_size(act_);
-  if (act_bytes > glu_act_bytes_) {  // a wider MLP than the step's earlier ones: a larger buffer
-    glu_act_ = nullptr;
-    glu_act_bytes_ = act_bytes;
-  }
-  void* act = step_buffer(glu_act_, act_bytes);
+  void* act = step_buffer(glu_act_, size_t(T) * size_t(I) * dtype_size(act_));
   if (w.dtype == DType::F8E4M3) {
     // Above the GEMV's rows the FP8 GEMM's activation quantizer computes f(gate) * up itself
     // (one read of gu instead of glu's write and the quantizer's read). Not fused into the GEMV
@@ -389,7 +383,8 @@ void CudaOps::gated_delta_net(int linear_layer, const LinearAttentionConfig& c, 
                          .a_log = static_cast<const float*>(w.a_log.data),
                          .dt_bias = static_cast<const float*>(w.dt_bias.data),
                          .norm_w = static_cast<const float*>(w.norm.data), .eps = w.eps,
-                         .states = states_[size_t(linear_layer)], .qkv = qkv, .core = core, .out = out.data},
+                         .states = states_[size_t(linear_layer)], .state_bytes = c.state_bytes(),
+                         .state_dtype = c.state_dtype, .qkv = qkv, .core = core, .out = out.data},
                         stream_);
 }
 

@@ -118,7 +118,7 @@ class CudaOps final : public Ops {
   void sigmoid_gate(Tensor x, Tensor src, int64_t col0) override;
   void all_reduce_sum(Tensor x) override;
   // Each Gated DeltaNet layer's states ([slots][state_values] fp32, device), by linear layer.
-  void set_states(std::vector<float*> per_layer) { states_ = std::move(per_layer); }
+  void set_states(std::vector<uint8_t*> per_layer) { states_ = std::move(per_layer); }
   void capture(int layer, Tensor x) override;
 
   // Where an FP8 weight is dequantized for a GEMM of more rows than the FP8 GEMV takes and
@@ -140,8 +140,14 @@ class CudaOps final : public Ops {
 
  private:
   cuda::PagedAttentionParams attn_params(const CudaKVLayer& L, float softmax_scale) const;
-  // A buffer the ops need inside the step, carved once per step at its first use.
-  void* step_buffer(void*& slot, size_t bytes);
+  // A buffer the ops need inside the step, carved at its first use and reused by the step's later
+  // calls; one that needs more than it holds (a step's layers may differ: a shared expert's MLP
+  // beside the dense ones) carves a larger one. Measuring and running carve alike.
+  struct StepBuffer {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  void* step_buffer(StepBuffer& b, size_t bytes);
   // fp8_x_ and fp8_x_scales_ (per-token or per-128-group scales of the step's largest FP8 input).
   void carve_fp8_x();
   // y = x . w^T (+ bias) for an FP8 weight: gemv_fp8 at m <= 16 (one pass over the codes; the
@@ -187,19 +193,18 @@ class CudaOps final : public Ops {
   void* attn_ws_ = nullptr;
   void* fp8_scratch_ = nullptr;
   int fp8_max_cols_ = 0;
-  void* fp8_x_ = nullptr;        // the step's activations quantized per token, [T][fp8_max_cols_]
-  void* fp8_x_scales_ = nullptr;  // their scales, [T]
+  StepBuffer fp8_x_;         // the step's activations quantized per token, [T][fp8_max_cols_]
+  StepBuffer fp8_x_scales_;  // their scales, [T]
   int fp8_norm_group_ = -1;
   Fp8NormCodes fp8_norm_codes_;
   size_t attn_ws_bytes_ = 0;
-  void* attn_bf16_ = nullptr;  // float16 models: the attention output before conversion
-  void* glu_act_ = nullptr;    // mlp_down's input when SiLU-and-mul is not fused
-  size_t glu_act_bytes_ = 0;   // its size: a step's MLPs may differ (a shared expert beside dense layers)
-  void* moe_logits_ = nullptr;  // the router's fp32 logits [T][E] (every MoE layer of a step has the same shape)
-  void* moe_ws_ = nullptr;      // the MoE kernels' workspace (cuda/moe.h)
-  void* gdn_qkv_ = nullptr;     // Gated DeltaNet: the conv's fp32 output [T][conv_dim]
-  void* gdn_core_ = nullptr;    // and the delta rule's [T][value_dim]
-  std::vector<float*> states_;
+  StepBuffer attn_bf16_;   // float16 models: the attention output before conversion
+  StepBuffer glu_act_;     // mlp_down's input when SiLU-and-mul is not fused
+  StepBuffer moe_logits_;  // the router's fp32 logits [T][E]
+  StepBuffer moe_ws_;      // the MoE kernels' workspace (cuda/moe.h)
+  StepBuffer gdn_qkv_;     // Gated DeltaNet: the conv's fp32 output [T][conv_dim]
+  StepBuffer gdn_core_;    // and the delta rule's [T][value_dim]
+  std::vector<uint8_t*> states_;  // per Gated DeltaNet layer: [slots][state_bytes]
   std::vector<int> slot_of_;
   int slots_ = 0, hidden_ = 0;
   Tensor features_;

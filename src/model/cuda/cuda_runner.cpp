@@ -590,13 +590,13 @@ void CudaModelRunner::allocate_states(int slots) {
   m.clear_graphs();
   m.states.reset();
   m.state_slots = 0;
-  std::vector<float*> per_layer;
+  std::vector<uint8_t*> per_layer;
   if (cfg_.linear_attention && slots > 0) {
-    const size_t per = cfg_.linear_attention->state_values() * size_t(slots), layers = size_t(cfg_.num_linear_layers());
-    m.states.allocate(per * layers * sizeof(float), "the Gated DeltaNet states of " + std::to_string(slots) + " sequences");
+    const size_t per = cfg_.linear_attention->state_bytes() * size_t(slots), layers = size_t(cfg_.num_linear_layers());
+    m.states.allocate(per * layers, "the Gated DeltaNet states of " + std::to_string(slots) + " sequences");
     KVLM_CUDA_CHECK(cudaMemsetAsync(m.states.data(), 0, m.states.bytes(), m.stream));
     KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-    for (size_t l = 0; l < layers; ++l) per_layer.push_back(reinterpret_cast<float*>(m.states.data()) + l * per);
+    for (size_t l = 0; l < layers; ++l) per_layer.push_back(static_cast<uint8_t*>(m.states.data()) + l * per);
     m.state_slots = slots;
   }
   m.ops->set_states(std::move(per_layer));
@@ -607,7 +607,7 @@ void CudaModelRunner::copy_states(std::span<const StateCopy> copies) {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   // Every layer's slot in one strided copy: the layers' states are [layers][slots][values].
-  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_values() * sizeof(float) : 0;
+  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_bytes() : 0;
   const size_t pitch = per * size_t(m.state_slots), layers = size_t(cfg_.num_linear_layers());
   auto* base = static_cast<uint8_t*>(m.states.data());
   for (const StateCopy& c : copies) {

@@ -11,6 +11,7 @@
 #include "ops/cuda/act_types.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gated_deltanet.h"
+#include "ops/cuda/kernel_util.cuh"
 
 namespace kvlm::cuda {
 
@@ -20,17 +21,24 @@ constexpr int kMaxConv = 8;  // conv kernel sizes the window registers hold (Qwe
 constexpr int kConvThreads = 128;
 constexpr int kNormWarps = 4;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // The sizes every kernel derives from the params.
 struct Dims {
   int kd, vd, cd, in_dim;
-  size_t conv_n, per;  // conv window values; a sequence's state values
+  size_t conv_n;  // conv window values (fp32) at the start of a slot; the matrices follow
+};
+
+// A state matrix element held as fp32 or bf16 (GatedDeltaNetParams::state_dtype).
+struct StateF32 {
+  using T = float;
+  static __device__ __forceinline__ float load(float x) { return x; }
+  static __device__ __forceinline__ float store(float x) { return x; }
+};
+struct StateBF16 {
+  using T = __nv_bfloat16;
+  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
 };
 Dims dims_of(const GatedDeltaNetParams& p) {
   Dims d{};
@@ -39,7 +47,6 @@ Dims dims_of(const GatedDeltaNetParams& p) {
   d.cd = 2 * d.kd + d.vd;
   d.in_dim = d.cd + d.vd + 2 * p.v_heads;
   d.conv_n = size_t(p.conv_kernel - 1) * size_t(d.cd);
-  d.per = d.conv_n + size_t(p.v_heads) * size_t(p.dk) * size_t(p.dv);
   return d;
 }
 
@@ -52,7 +59,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const GatedDeltaNetP
   if (c >= d.cd) return;
   const int r0 = p.cu_q_lens[s], n = p.cu_q_lens[s + 1] - r0, slot = p.state_slots[s], K = p.conv_kernel;
   const bool fresh = p.kv_lens[s] == n;
-  float* st = slot >= 0 ? p.states + size_t(slot) * d.per : nullptr;
+  float* st = slot >= 0 ? reinterpret_cast<float*>(p.states + size_t(slot) * p.state_bytes) : nullptr;
   float win[kMaxConv - 1], w[kMaxConv];
 #pragma unroll
   for (int jj = 0; jj < kMaxConv - 1; ++jj) {
@@ -88,18 +95,22 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const GatedDeltaNetP
 // A warp per (sequence, value head, 32 columns of the state): S[:, j] in registers, one lane
 // per column j, the rows of the sequence in order. q and k of the row's key head are
 // normalized by the warp and shared through shared memory. DK, the key head size, is a
-// template argument so that the column stays in registers.
-template <class A, int DK>
+// template argument so that the column stays in registers; S, how the matrix is held (fp32 or
+// bf16, computed in fp32 either way).
+template <class A, class S, int DK>
 __global__ void __launch_bounds__(32) delta_kernel(const GatedDeltaNetParams p, const Dims d) {
   constexpr int kPer = (DK + 31) / 32;  // q / k values per lane
   const int s = int(blockIdx.x), h = int(blockIdx.y), lane = int(threadIdx.x), j = int(blockIdx.z) * 32 + lane;
   const int dv = p.dv, kh = h / (p.v_heads / p.k_heads);
   const int r0 = p.cu_q_lens[s], n = p.cu_q_lens[s + 1] - r0, slot = p.state_slots[s];
   const bool fresh = p.kv_lens[s] == n, col = j < dv;
-  float* st = slot >= 0 ? p.states + size_t(slot) * d.per + d.conv_n + size_t(h) * size_t(DK) * size_t(dv) : nullptr;
-  float S[DK];
+  using T = typename S::T;
+  T* st = slot >= 0 ? reinterpret_cast<T*>(p.states + size_t(slot) * p.state_bytes + d.conv_n * sizeof(float)) +
+                          size_t(h) * size_t(DK) * size_t(dv)
+                    : nullptr;
+  float Sc[DK];  // column j of the head's matrix
 #pragma unroll
-  for (int i = 0; i < DK; ++i) S[i] = col && st && !fresh ? st[size_t(i) * size_t(dv) + size_t(j)] : 0.0f;
+  for (int i = 0; i < DK; ++i) Sc[i] = col && st && !fresh ? S::load(st[size_t(i) * size_t(dv) + size_t(j)]) : 0.0f;
   __shared__ float qs[DK], ks[DK];
   const float neg_a = -expf(p.a_log[h]), dt_bias = p.dt_bias[h], q_scale = 1.0f / sqrtf(float(DK));
   const auto* mixed = static_cast<const uint16_t*>(p.mixed);
@@ -137,22 +148,22 @@ __global__ void __launch_bounds__(32) delta_kernel(const GatedDeltaNetParams p, 
     float sk_dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < DK; ++i) {
-      S[i] *= decay;
-      sk_dot += S[i] * ks[i];
+      Sc[i] *= decay;
+      sk_dot += Sc[i] * ks[i];
     }
     const float delta = (v - sk_dot) * beta;
     __syncwarp();  // a memory barrier: ks is read again below, not kept in DK more registers
     float o = 0.0f;
 #pragma unroll
     for (int i = 0; i < DK; ++i) {
-      S[i] += ks[i] * delta;
-      o += S[i] * qs[i];
+      Sc[i] += ks[i] * delta;
+      o += Sc[i] * qs[i];
     }
     if (col) p.core[r * size_t(d.vd) + size_t(h) * size_t(dv) + size_t(j)] = o;
   }
   if (st && col)
 #pragma unroll
-    for (int i = 0; i < DK; ++i) st[size_t(i) * size_t(dv) + size_t(j)] = S[i];
+    for (int i = 0; i < DK; ++i) st[size_t(i) * size_t(dv) + size_t(j)] = S::store(Sc[i]);
 }
 
 // A warp per (row, value head): out = w * x / sqrt(mean(x^2) + eps) * silu(z).
@@ -190,10 +201,6 @@ __global__ void add_gated_rows_kernel(uint16_t* y, const uint16_t* s, const floa
     y[i] = A::store(A::load(y[i]) + sigmoidf(gate[i / size_t(cols)]) * A::load(s[i]));
 }
 
-unsigned grid_for(size_t n, int threads) {
-  return unsigned(std::min<size_t>((n + size_t(threads) - 1) / size_t(threads), 65535u * 8u));
-}
-
 }  // namespace
 
 bool gated_delta_net_fits(int dk, int dv, int conv_kernel) {
@@ -206,6 +213,7 @@ void gated_delta_net(const GatedDeltaNetParams& p, void* stream) {
              "gated_delta_net: key heads of 16, 32, 64 or 128 and conv kernels of at most " + std::to_string(kMaxConv) +
                  " taps");
   KVLM_CHECK(p.num_seqs <= 65535 && p.v_heads <= 65535, "gated_delta_net: grid too large");
+  KVLM_CHECK(p.state_dtype == DType::F32 || p.state_dtype == DType::BF16, "gated_delta_net: states are fp32 or bf16");
   const Dims d = dims_of(p);
   const auto st = static_cast<cudaStream_t>(stream);
   act::dispatch(p.act, "gated_delta_net", [&](auto a) {
@@ -214,12 +222,17 @@ void gated_delta_net(const GatedDeltaNetParams& p, void* stream) {
         p, d);
     KVLM_CUDA_CHECK_LAUNCH("gated_delta_net conv_kernel");
     const dim3 grid(unsigned(p.num_seqs), unsigned(p.v_heads), unsigned((p.dv + 31) / 32));
-    switch (p.dk) {
-      case 16: delta_kernel<A, 16><<<grid, 32, 0, st>>>(p, d); break;
-      case 32: delta_kernel<A, 32><<<grid, 32, 0, st>>>(p, d); break;
-      case 64: delta_kernel<A, 64><<<grid, 32, 0, st>>>(p, d); break;
-      default: delta_kernel<A, 128><<<grid, 32, 0, st>>>(p, d); break;
-    }
+    const auto launch = [&](auto s) {
+      using S = decltype(s);
+      switch (p.dk) {
+        case 16: delta_kernel<A, S, 16><<<grid, 32, 0, st>>>(p, d); break;
+        case 32: delta_kernel<A, S, 32><<<grid, 32, 0, st>>>(p, d); break;
+        case 64: delta_kernel<A, S, 64><<<grid, 32, 0, st>>>(p, d); break;
+        default: delta_kernel<A, S, 128><<<grid, 32, 0, st>>>(p, d); break;
+      }
+    };
+    if (p.state_dtype == DType::BF16) launch(StateBF16{});
+    else launch(StateF32{});
     KVLM_CUDA_CHECK_LAUNCH("gated_delta_net delta_kernel");
     const int64_t items = int64_t(p.num_tokens) * p.v_heads;
     norm_kernel<A><<<unsigned((items + kNormWarps - 1) / kNormWarps), kNormWarps * 32, 0, st>>>(p, d);

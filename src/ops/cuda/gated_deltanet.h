@@ -37,7 +37,11 @@ struct GatedDeltaNetParams {
   const float* dt_bias = nullptr;        // [v_heads]
   const float* norm_w = nullptr;         // [dv]
   float eps = 1e-6f;                     // of the gated norm
-  float* states = nullptr;               // this layer's [slots][state_values] (conv window, then [v_heads][dk][dv])
+  // This layer's states, [slots][state_bytes]: a slot holds the fp32 conv window, then the
+  // [v_heads][dk][dv] matrices in state_dtype (LinearAttentionConfig::state_bytes()).
+  uint8_t* states = nullptr;
+  size_t state_bytes = 0;
+  DType state_dtype = DType::F32;        // F32 or BF16
   float* qkv = nullptr;                  // scratch fp32 [T][conv_dim]
   float* core = nullptr;                 // scratch fp32 [T][v_heads * dv]
   void* out = nullptr;                   // act [T][v_heads * dv]

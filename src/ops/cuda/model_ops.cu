@@ -21,6 +21,7 @@
 #include "ops/cuda/block_argmax.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/glu.cuh"
+#include "ops/cuda/kernel_util.cuh"
 #include "ops/cuda/kv_codec.cuh"
 #include "ops/cuda/model_ops.h"
 #include "ops/cuda/pdl.cuh"
@@ -34,21 +35,6 @@ void dispatch_act(DType act, F&& f) {
   act::dispatch(act, "CUDA model kernels", std::forward<F>(f));
 }
 
-unsigned grid_for(size_t n, int threads) {
-  const size_t blocks = (n + size_t(threads) - 1) / size_t(threads);
-  return unsigned(std::min<size_t>(blocks, 65535u * 8u));
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
 // ---- embedding ------------------------------------------------------------------------
 
