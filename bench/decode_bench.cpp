@@ -696,7 +696,7 @@ int main(int argc, char** argv) {
     else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
     else if (a == "--dequantize-weights") dequantize_weights = true;
-    else if (a == "--mamba-ssm-cache-dtype") state_dtype = next() == "bfloat16" ? DType::BF16 : DType::F32;
+    else if (a == "--mamba-ssm-cache-dtype") state_dtype = parse_linear_state_dtype(next(), a);
     else if (a == "--tp") tp = std::stoi(next());
     else if (a == "--enable-expert-parallel") expert_parallel = true;
     else if (a == "--fp8-fma-max-m") {

@@ -404,7 +404,8 @@ int run_inspect(const InspectFlags& f) {
   auto linear_rows_before = [&](int layer) {
     for (; next_linear < size_t(cfg.num_layers) && int(next_linear) < layer; ++next_linear)
       if (cfg.is_linear_layer(int(next_linear)))
-        rows.push_back({std::to_string(next_linear), "linear (Gated DeltaNet)", "-", "-", "-", "-", "-", "-", "cpu",
+        rows.push_back({std::to_string(next_linear), "linear (Gated DeltaNet)", "-", "-", "-", "-", "-", "-",
+                        device == Device::Cuda ? "cuda" : "cpu",
                         "0 (" + std::to_string(state_bytes) + " B/seq)", mlp_str(cfg, params, int(next_linear)),
                         formats_str(held.layer(int(next_linear)))});
   };

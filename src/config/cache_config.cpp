@@ -46,6 +46,12 @@ KVRotation parse_kv_rotation(std::string_view s) {
               "'; valid values are: auto (Hadamard for 4-bit layers), none, hadamard (every quantized layer)");
 }
 
+DType parse_linear_state_dtype(std::string_view s, std::string_view flag) {
+  if (s == "auto" || s == "float32") return DType::F32;
+  if (s == "bfloat16") return DType::BF16;
+  throw Error(std::string(flag) + " must be auto, float32 or bfloat16, got '" + std::string(s) + "'");
+}
+
 void validate_block_size(int b) {
   if (b < 1 || b > 256 || (b & (b - 1)) != 0)
     throw Error("invalid --block-size " + std::to_string(b) + "; use a power of two between 1 and 256 (16 is the usual choice)");

@@ -29,6 +29,10 @@ std::string_view kv_rotation_name(KVRotation r);
 // "auto", "none" or "hadamard"; anything else is a kvlm::Error naming them.
 KVRotation parse_kv_rotation(std::string_view s);
 
+// --mamba-ssm-cache-dtype: "auto" or "float32" (F32), "bfloat16" (BF16); anything else is a
+// kvlm::Error naming them, the option spelled as `flag`.
+DType parse_linear_state_dtype(std::string_view s, std::string_view flag);
+
 struct CacheConfig {
   KVCacheDType kv_cache_dtype = KVCacheDType::Auto;
   SkipLayers skip_layers;

@@ -27,10 +27,7 @@ CacheConfig ModelArgs::cache_config(ArgStyle style) const {
   validate_block_size(block_size);
   c.block_size = block_size;
   if (!attention_backend.empty()) c.attention_backend = attention_backend;
-  if (mamba_ssm_cache_dtype == "bfloat16") c.linear_state_dtype = DType::BF16;
-  else if (mamba_ssm_cache_dtype != "auto" && mamba_ssm_cache_dtype != "float32")
-    throw Error(arg_name(style, "mamba-ssm-cache-dtype") + " must be auto, float32 or bfloat16, got '" +
-                mamba_ssm_cache_dtype + "'");
+  c.linear_state_dtype = parse_linear_state_dtype(mamba_ssm_cache_dtype, arg_name(style, "mamba-ssm-cache-dtype"));
   return c;
 }
 

@@ -96,8 +96,8 @@ class Scheduler {
   // full (see scheduler.cpp), updating `running`; true when it did.
   bool make_room(GroupCounts& running);
   void admit_prefix(Sequence& s);
-  // Hybrid models: after admission, the state `s` resumes from (the snapshot a prefix hit
-  // ends with) and where its next snapshot is due.
+  // Hybrid models: once `s` has its state slot, copies into it the snapshot its prefix hit
+  // ends with (schedule() has set where its next snapshot is due).
   void admit_state(Sequence& s);
   bool snapshots_on() const { return snapshots_.capacity() > 0; }
   void preempt(Sequence& s);
