@@ -25,19 +25,12 @@
 #include "core/numeric.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
+#include "lab_util.h"
 
 using namespace kvlm;
+using kvlm::lab::graph_ms;
 
 namespace {
-
-#define CHECK(x)                                                                                     \
-  do {                                                                                               \
-    cudaError_t e_ = (x);                                                                            \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                                 \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 struct Shape {
   std::string name;
@@ -55,42 +48,6 @@ T* device_random(size_t n, std::mt19937& rng, float stddev) {
   CHECK(cudaMalloc(&d, n * 2));
   CHECK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
   return d;
-}
-
-// Median ms of `enqueue` captured as one CUDA graph, as the runner's decode steps run (no launch
-// gaps): `runs` timed launches after 3 warm-ups, each after `flush` is written (the call's
-// weights out of L2, as in a real step).
-template <class F>
-double graph_ms(F&& enqueue, void* flush, size_t flush_bytes, int runs) {
-  cudaStream_t st;
-  CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  enqueue(st);
-  CHECK(cudaStreamEndCapture(st, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < runs + 3; ++i) {
-    CHECK(cudaMemsetAsync(flush, i, flush_bytes, st));
-    CHECK(cudaEventRecord(a, st));
-    CHECK(cudaGraphLaunch(exec, st));
-    CHECK(cudaEventRecord(b, st));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (i >= 3) ms.push_back(t);
-  }
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  CHECK(cudaStreamDestroy(st));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 }  // namespace

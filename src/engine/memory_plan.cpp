@@ -29,19 +29,24 @@ std::string with_commas(int64_t v) {
   return s;
 }
 
+}  // namespace
+
 // Activation memory of one step on the GPU, an upper estimate: the residual stream and its
 // normed copy, q/k/v, the attention output, the MLP's gate/up, in the model dtype, for
 // max_num_batched_tokens rows; fp32 logits for max_num_seqs rows; the split-KV workspace
-// and GEMM workspace as a flat allowance.
+// and GEMM workspace as a flat allowance. A hybrid's linear-attention layers add their fused
+// projection (model dtype) and fp32 working rows: the conv's output, the delta rule's, and the
+// chunked form's gates, W and U (ops/cuda/gated_deltanet.h).
 uint64_t activation_bytes(const ModelConfig& c, const MemoryOptions& o) {
   const uint64_t rows = uint64_t(std::max(o.max_num_batched_tokens, 1));
-  const uint64_t per_row = 2ull * (3ull * uint64_t(c.hidden_size) + uint64_t(c.num_heads + 2 * c.num_kv_heads) * uint64_t(c.head_dim) +
-                                   uint64_t(c.num_heads) * uint64_t(c.head_dim) + 2ull * uint64_t(c.intermediate_size));
+  uint64_t per_row = 2ull * (3ull * uint64_t(c.hidden_size) + uint64_t(c.num_heads + 2 * c.num_kv_heads) * uint64_t(c.head_dim) +
+                             uint64_t(c.num_heads) * uint64_t(c.head_dim) + 2ull * uint64_t(c.intermediate_size));
+  if (const auto& l = c.linear_attention)
+    per_row += 2ull * uint64_t(l->in_proj_dim()) +
+               4ull * (uint64_t(l->conv_dim()) + uint64_t(l->value_dim()) + uint64_t(l->v_heads) * uint64_t(2 + l->k_dim + l->v_dim));
   const uint64_t logits = 2ull * uint64_t(std::max(o.max_num_seqs, 1)) * uint64_t(c.vocab_size) * 4ull;
   return rows * per_row + logits + 512 * kMiB;
 }
-
-}  // namespace
 
 uint64_t parse_byte_size(std::string_view s) {
   const std::string what = "invalid size '" + std::string(s) +

@@ -46,6 +46,10 @@ int exact_pages_needed(const KVPlan& plan, int block_size, int max_num_seqs, int
 // sequence.
 MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts);
 
+// Activation memory one step of max_num_batched_tokens rows may take on the GPU, an upper
+// estimate (what plan_kv_memory reserves before the KV pool).
+uint64_t activation_bytes(const ModelConfig& c, const MemoryOptions& o);
+
 // Parses "4GiB", "512MiB", "2G", "1000000" into bytes; throws with the accepted forms.
 uint64_t parse_byte_size(std::string_view s);
 

@@ -1,6 +1,7 @@
 // The CUDA Gated DeltaNet kernels (ops/cuda/gated_deltanet.h) against the CPU reference
-// (ops/cpu/linear_attention.h), for both activation dtypes: sequences of 1 (decode), a few and
-// 150 rows (past two 64-row chunks of the CPU's prefill form) in one step, a sequence starting
+// (ops/cpu/linear_attention.h), for both activation dtypes and both forms of the delta rule
+// (recurrent, and chunked where a step holds a prompt): sequences of 1 (decode), a few, one
+// chunk, part of one and 259 rows (past four 64-row chunks) in one step, a sequence starting
 // fresh beside ones continuing from a state, a padding sequence (no state slot), the step run
 // twice so that the second reads the states the first left, Qwen3.5's head sizes (128) and a
 // small odd shape (key heads of 16 shared by 3 value heads of 24, conv kernel 3). Also the
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "act_test_util.h"
@@ -71,7 +73,11 @@ std::vector<float> unpack(const LinearAttentionConfig& l, const std::vector<uint
   return out;
 }
 
-void run(DType act, const GdnCase& c, uint32_t seed, DType state_dtype = DType::F32) {
+// chunked: give the kernels the prefill scratch, so that steps holding a prompt take the
+// chunked form (gated_delta_net_takes_chunks; else every step is recurrent).
+void run(DType act, const GdnCase& c, uint32_t seed, DType state_dtype, bool chunked) {
+  SCOPED_TRACE(std::string(dtype_name(act)) + (chunked ? " chunked" : " recurrent") + " state " +
+               std::string(dtype_name(state_dtype)) + " dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv));
   std::mt19937 rng(seed);
   LinearAttentionConfig l{.k_heads = c.k_heads, .v_heads = c.v_heads, .k_dim = c.dk, .v_dim = c.dv,
                           .conv_kernel = c.conv_kernel, .state_dtype = state_dtype};
@@ -100,6 +106,11 @@ void run(DType act, const GdnCase& c, uint32_t seed, DType state_dtype = DType::
   Dev<int32_t> d_cu(std::vector<int32_t>(cu.begin(), cu.end())), d_kv(kv_lens), d_slots(slot_ids);
   Dev<float> d_qkv(size_t(T) * size_t(CD)), d_core(size_t(T) * size_t(VD));
   Dev<uint16_t> d_out(size_t(T) * size_t(VD));
+  const int max_q = *std::max_element(c.q_lens.begin(), c.q_lens.end());
+  const size_t scratch_floats = chunked ? cuda::gated_delta_net_scratch_floats(T, max_q, HV, c.dk, c.dv) : 0;
+  // Every case's prompts are a large part of its step: they take the chunked form when offered.
+  EXPECT_EQ(scratch_floats > 0, chunked && max_q >= cuda::kGatedDeltaNetChunkedRows) << "which form runs";
+  Dev<float> d_scratch(std::max<size_t>(scratch_floats, 1));
 
   for (int step = 0; step < 2; ++step) {
     if (step == 1) {  // every sequence now continues from the state the first step left
@@ -113,7 +124,8 @@ void run(DType act, const GdnCase& c, uint32_t seed, DType state_dtype = DType::
                            .dv = c.dv, .conv_kernel = c.conv_kernel, .cu_q_lens = d_cu.p, .kv_lens = d_kv.p,
                            .state_slots = d_slots.p, .mixed = d_mixed.p, .conv_w = d_conv.p, .a_log = d_alog.p,
                            .dt_bias = d_dt.p, .norm_w = d_norm.p, .eps = 1e-6f, .states = d_states.p,
-                           .state_bytes = l.state_bytes(), .state_dtype = state_dtype, .qkv = d_qkv.p,
+                           .state_bytes = l.state_bytes(), .state_dtype = state_dtype, .max_q_len = max_q,
+                           .scratch = scratch_floats ? d_scratch.p : nullptr, .qkv = d_qkv.p,
                            .core = d_core.p, .out = d_out.p},
                           nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -201,10 +213,31 @@ TEST(CudaGatedDeltaNet, MatchesTheCpuReference) {
                     .q_lens = {1, 1, 70, 2}, .fresh = {false, true, false, false}, .slots = {1, 4, 0, 2}};
   const GdnCase decode{.k_heads = 1, .v_heads = 2, .dk = 64, .dv = 40, .conv_kernel = 4,
                        .q_lens = {1, 1, 1, 1, 1}, .fresh = {false, false, false, false, true}, .slots = {4, 3, 2, 1, 0}};
+  // Prompts for the chunked form: 5 chunks (the last of 3 rows) continuing a state, exactly one
+  // chunk, one partial chunk just past the threshold, beside decode rows and a padding sequence.
+  const GdnCase prompts{.k_heads = 1, .v_heads = 3, .dk = 128, .dv = 128, .conv_kernel = 4,
+                        .q_lens = {259, 1, 64, 16, 40}, .fresh = {false, false, true, false, true},
+                        .slots = {0, 1, 2, 3, -1}};
+  const GdnCase mid{.k_heads = 2, .v_heads = 4, .dk = 32, .dv = 64, .conv_kernel = 2,
+                    .q_lens = {97, 33}, .fresh = {true, false}, .slots = {1, 0}};
   uint32_t seed = 7;
-  for (DType act : kActs)
-    for (const GdnCase& c : {qwen, odd, decode}) run(act, c, seed++);
-  for (const GdnCase& c : {qwen, odd, decode}) run(DType::BF16, c, seed++, DType::BF16);  // bf16-held matrices
+  for (bool chunked : {true, false}) {
+    for (DType act : kActs)
+      for (const GdnCase& c : {qwen, odd, decode, prompts, mid}) run(act, c, seed++, DType::F32, chunked);
+    for (const GdnCase& c : {qwen, odd, decode, prompts}) run(DType::BF16, c, seed++, DType::BF16, chunked);  // bf16-held matrices
+  }
+}
+
+TEST(CudaGatedDeltaNet, TakesTheChunkedFormWherePromptsDominateTheStep) {
+  EXPECT_TRUE(cuda::gated_delta_net_takes_chunks(16384, 16384, 128, 128));   // one long prompt
+  EXPECT_TRUE(cuda::gated_delta_net_takes_chunks(2048 + 255, 2048, 128, 128));  // a prompt's chunk and 255 decode rows
+  EXPECT_TRUE(cuda::gated_delta_net_takes_chunks(4 * 4096, 4096, 128, 128));  // a few prompts
+  EXPECT_FALSE(cuda::gated_delta_net_takes_chunks(16 * 1024, 1024, 128, 128));  // many: the recurrent kernel is faster
+  EXPECT_FALSE(cuda::gated_delta_net_takes_chunks(256, 1, 128, 128));          // decode
+  EXPECT_FALSE(cuda::gated_delta_net_takes_chunks(20, 20, 128, 128));          // short
+  EXPECT_FALSE(cuda::gated_delta_net_takes_chunks(4096, 4096, 128, 256));      // value heads past the tiles
+  EXPECT_EQ(cuda::gated_delta_net_scratch_floats(256, 1, 32, 128, 128), 0u);
+  EXPECT_EQ(cuda::gated_delta_net_scratch_floats(100, 64, 32, 128, 128), size_t(100) * 32 * (2 + 128 + 128));
 }
 
 TEST(CudaGatedDeltaNet, RefusesSizesItCannotHold) {

@@ -183,6 +183,24 @@ TEST(MemoryPlan, ParsesByteSizes) {
   for (const char* bad : {"", "GiB", "-1", "12XB", "1e3", "0"}) EXPECT_THROW(parse_byte_size(bad), Error) << bad;
 }
 
+// A hybrid's step also holds its Gated DeltaNet rows: the fused projection (bf16) and fp32 conv
+// output, delta rule output and chunked-form scratch (gates, W, U) per row, counted for every
+// row of the step on top of the dense estimate.
+TEST(MemoryPlan, ActivationsCountTheLinearAttentionRows) {
+  ModelConfig dense;
+  dense.hidden_size = 256, dense.intermediate_size = 512, dense.num_heads = 4, dense.num_kv_heads = 2;
+  dense.head_dim = 64, dense.vocab_size = 1000;
+  ModelConfig hybrid = dense;
+  hybrid.linear_attention = LinearAttentionConfig{.k_heads = 2, .v_heads = 4, .k_dim = 32, .v_dim = 64, .conv_kernel = 4};
+  MemoryOptions o;
+  o.max_num_batched_tokens = 100;
+  const LinearAttentionConfig& l = *hybrid.linear_attention;
+  const uint64_t per_row = 2ull * uint64_t(l.in_proj_dim()) +
+                           4ull * uint64_t(l.conv_dim() + l.value_dim() + l.v_heads * (2 + l.k_dim + l.v_dim));
+  EXPECT_EQ(activation_bytes(hybrid, o) - activation_bytes(dense, o), 100 * per_row);
+  o.max_num_batched_tokens = 200;
+  EXPECT_EQ(activation_bytes(hybrid, o) - activation_bytes(dense, o), 200 * per_row);
+}
 
 TEST(MemoryPlan, CapacityFollowsThePerLayerPlan) {
   auto bf16 = load(kQwen3Mixed, KVCacheDType::BFloat16);

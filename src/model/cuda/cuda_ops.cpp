@@ -41,7 +41,8 @@ void CudaOps::begin_step(const CudaStep& step, Carver carver, bool measure) {
   step_ = step;
   carver_ = carver;
   measure_ = measure;
-  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = moe_logits_ = moe_ws_ = gdn_qkv_ = gdn_core_ = StepBuffer{};
+  attn_bf16_ = glu_act_ = fp8_x_ = fp8_x_scales_ = moe_logits_ = moe_ws_ = gdn_qkv_ = gdn_core_ = gdn_chunk_ =
+      StepBuffer{};
   fp8_norm_codes_ = {};
   features_ = Tensor{};
   // The split-KV workspace: the largest any layer's format needs for this shape.
@@ -372,6 +373,8 @@ void CudaOps::gated_delta_net(int linear_layer, const LinearAttentionConfig& c, 
   KVLM_CHECK(mixed.cols == c.in_proj_dim() && out.rows == T && out.cols == c.value_dim(), "gated_delta_net: shape mismatch");
   auto* qkv = static_cast<float*>(step_buffer(gdn_qkv_, size_t(T) * size_t(c.conv_dim()) * sizeof(float)));
   auto* core = static_cast<float*>(step_buffer(gdn_core_, size_t(T) * size_t(c.value_dim()) * sizeof(float)));
+  const size_t chunk_floats = cuda::gated_delta_net_scratch_floats(T, step_.max_q, c.v_heads, c.k_dim, c.v_dim);
+  auto* chunk = chunk_floats ? static_cast<float*>(step_buffer(gdn_chunk_, chunk_floats * sizeof(float))) : nullptr;
   if (measure_) return;
   KVLM_CHECK(linear_layer >= 0 && size_t(linear_layer) < states_.size() && states_[size_t(linear_layer)] &&
                  step_.state_slots,
@@ -384,7 +387,8 @@ void CudaOps::gated_delta_net(int linear_layer, const LinearAttentionConfig& c, 
                          .dt_bias = static_cast<const float*>(w.dt_bias.data),
                          .norm_w = static_cast<const float*>(w.norm.data), .eps = w.eps,
                          .states = states_[size_t(linear_layer)], .state_bytes = c.state_bytes(),
-                         .state_dtype = c.state_dtype, .qkv = qkv, .core = core, .out = out.data},
+                         .state_dtype = c.state_dtype, .max_q_len = step_.max_q, .scratch = chunk, .qkv = qkv,
+                         .core = core, .out = out.data},
                         stream_);
 }
 

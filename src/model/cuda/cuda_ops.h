@@ -204,6 +204,7 @@ class CudaOps final : public Ops {
   StepBuffer moe_ws_;      // the MoE kernels' workspace (cuda/moe.h)
   StepBuffer gdn_qkv_;     // Gated DeltaNet: the conv's fp32 output [T][conv_dim]
   StepBuffer gdn_core_;    // and the delta rule's [T][value_dim]
+  StepBuffer gdn_chunk_;   // and, for prompts, the chunked form's (gated_delta_net_scratch_floats)
   std::vector<uint8_t*> states_;  // per Gated DeltaNet layer: [slots][state_bytes]
   std::vector<int> slot_of_;
   int slots_ = 0, hidden_ = 0;

@@ -11,68 +11,56 @@
 #include "ops/cuda/act_types.cuh"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gated_deltanet.h"
+#include "ops/cuda/gated_deltanet_common.cuh"
 #include "ops/cuda/kernel_util.cuh"
 
 namespace kvlm::cuda {
 
 namespace {
 
+using gdn::Dims;
+using gdn::NormedQk;
+using gdn::sigmoidf;
+using gdn::StateBF16;
+using gdn::StateF32;
+
 constexpr int kMaxConv = 8;  // conv kernel sizes the window registers hold (Qwen: 4)
 constexpr int kConvThreads = 128;
+constexpr int kConvRows = 64;  // rows per conv thread (a long prompt's rows run in parallel blocks)
 constexpr int kNormWarps = 4;
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// The sizes every kernel derives from the params.
-struct Dims {
-  int kd, vd, cd, in_dim;
-  size_t conv_n;  // conv window values (fp32) at the start of a slot; the matrices follow
-};
-
-// A state matrix element held as fp32 or bf16 (GatedDeltaNetParams::state_dtype).
-struct StateF32 {
-  using T = float;
-  static __device__ __forceinline__ float load(float x) { return x; }
-  static __device__ __forceinline__ float store(float x) { return x; }
-};
-struct StateBF16 {
-  using T = __nv_bfloat16;
-  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
-};
-Dims dims_of(const GatedDeltaNetParams& p) {
-  Dims d{};
-  d.kd = p.k_heads * p.dk;
-  d.vd = p.v_heads * p.dv;
-  d.cd = 2 * d.kd + d.vd;
-  d.in_dim = d.cd + d.vd + 2 * p.v_heads;
-  d.conv_n = size_t(p.conv_kernel - 1) * size_t(d.cd);
-  return d;
-}
-
-// A thread per (channel, sequence). The window holds the last K - 1 inputs right-aligned in
-// kMaxConv - 1 registers (the taps right-aligned too, zeros on the left), so every index is a
-// compile-time one.
+// A thread per (channel, sequence, block of kConvRows rows). The window holds the last K - 1
+// inputs right-aligned in kMaxConv - 1 registers (the taps right-aligned too, zeros on the
+// left), so every index is a compile-time one; a block's window starts from the step's rows
+// before it, or from the conv state (zeros for a sequence whose step starts at position 0).
+// A sequence of one block leaves its window in the state; a longer one's state is written by
+// conv_state_kernel afterwards (its first block reads the old state while the last ends).
 template <class A>
 __global__ void __launch_bounds__(kConvThreads) conv_kernel(const GatedDeltaNetParams p, const Dims d) {
-  const int s = int(blockIdx.y), c = int(blockIdx.x) * kConvThreads + int(threadIdx.x);
+  const int s = int(blockIdx.y), c = int(blockIdx.x) * kConvThreads + int(threadIdx.x), t0 = int(blockIdx.z) * kConvRows;
   if (c >= d.cd) return;
   const int r0 = p.cu_q_lens[s], n = p.cu_q_lens[s + 1] - r0, slot = p.state_slots[s], K = p.conv_kernel;
+  if (t0 >= n) return;
   const bool fresh = p.kv_lens[s] == n;
   float* st = slot >= 0 ? reinterpret_cast<float*>(p.states + size_t(slot) * p.state_bytes) : nullptr;
+  const auto* mixed = static_cast<const uint16_t*>(p.mixed);
   float win[kMaxConv - 1], w[kMaxConv];
 #pragma unroll
   for (int jj = 0; jj < kMaxConv - 1; ++jj) {
-    const int j = jj - (kMaxConv - K);  // the state's row for this register, when >= 0
-    win[jj] = j >= 0 && st && !fresh ? st[size_t(j) * size_t(d.cd) + size_t(c)] : 0.0f;
+    const int j = jj - (kMaxConv - K);  // the window's row for this register, when >= 0
+    const int tt = t0 - (K - 1) + j;    // its row in the step (< 0: the state's row K - 1 + tt)
+    win[jj] = j < 0 ? 0.0f
+              : tt >= 0 ? A::load(mixed[size_t(r0 + tt) * size_t(d.in_dim) + size_t(c)])
+              : st && !fresh ? st[size_t(K - 1 + tt) * size_t(d.cd) + size_t(c)]
+                             : 0.0f;
   }
 #pragma unroll
   for (int jj = 0; jj < kMaxConv; ++jj) {
     const int j = jj - (kMaxConv - K);
     w[jj] = j >= 0 ? p.conv_w[size_t(c) * size_t(K) + size_t(j)] : 0.0f;
   }
-  const auto* mixed = static_cast<const uint16_t*>(p.mixed);
-  for (int t = 0; t < n; ++t) {
+  const int t1 = min(n, t0 + kConvRows);
+  for (int t = t0; t < t1; ++t) {
     const size_t r = size_t(r0 + t);
     const float x = A::load(mixed[r * size_t(d.in_dim) + size_t(c)]);
     float acc = 0.0f;
@@ -84,12 +72,25 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const GatedDeltaNetP
     for (int jj = 0; jj < kMaxConv - 2; ++jj) win[jj] = win[jj + 1];
     win[kMaxConv - 2] = x;
   }
-  if (st)
+  if (st && n <= kConvRows)
 #pragma unroll
     for (int jj = 0; jj < kMaxConv - 1; ++jj) {
       const int j = jj - (kMaxConv - K);
       if (j >= 0) st[size_t(j) * size_t(d.cd) + size_t(c)] = win[jj];
     }
+}
+
+// The conv state of sequences longer than one conv block: their last K - 1 inputs.
+template <class A>
+__global__ void __launch_bounds__(kConvThreads) conv_state_kernel(const GatedDeltaNetParams p, const Dims d) {
+  const int s = int(blockIdx.y), c = int(blockIdx.x) * kConvThreads + int(threadIdx.x);
+  if (c >= d.cd) return;
+  const int r0 = p.cu_q_lens[s], n = p.cu_q_lens[s + 1] - r0, slot = p.state_slots[s], K = p.conv_kernel;
+  if (n <= kConvRows || slot < 0) return;
+  float* st = reinterpret_cast<float*>(p.states + size_t(slot) * p.state_bytes);
+  const auto* mixed = static_cast<const uint16_t*>(p.mixed);
+  for (int j = 0; j < K - 1; ++j)
+    st[size_t(j) * size_t(d.cd) + size_t(c)] = A::load(mixed[size_t(r0 + n - (K - 1) + j) * size_t(d.in_dim) + size_t(c)]);
 }
 
 // A warp per (sequence, value head, 32 columns of the state): S[:, j] in registers, one lane
@@ -99,7 +100,6 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const GatedDeltaNetP
 // bf16, computed in fp32 either way).
 template <class A, class S, int DK>
 __global__ void __launch_bounds__(32) delta_kernel(const GatedDeltaNetParams p, const Dims d) {
-  constexpr int kPer = (DK + 31) / 32;  // q / k values per lane
   const int s = int(blockIdx.x), h = int(blockIdx.y), lane = int(threadIdx.x), j = int(blockIdx.z) * 32 + lane;
   const int dv = p.dv, kh = h / (p.v_heads / p.k_heads);
   const int r0 = p.cu_q_lens[s], n = p.cu_q_lens[s + 1] - r0, slot = p.state_slots[s];
@@ -112,38 +112,20 @@ __global__ void __launch_bounds__(32) delta_kernel(const GatedDeltaNetParams p, 
 #pragma unroll
   for (int i = 0; i < DK; ++i) Sc[i] = col && st && !fresh ? S::load(st[size_t(i) * size_t(dv) + size_t(j)]) : 0.0f;
   __shared__ float qs[DK], ks[DK];
-  const float neg_a = -expf(p.a_log[h]), dt_bias = p.dt_bias[h], q_scale = 1.0f / sqrtf(float(DK));
+  const float neg_a = -expf(p.a_log[h]), dt_bias = p.dt_bias[h];
   const auto* mixed = static_cast<const uint16_t*>(p.mixed);
   for (int t = 0; t < n; ++t) {
     const size_t r = size_t(r0 + t);
     const float* qrow = p.qkv + r * size_t(d.cd) + size_t(kh) * size_t(DK);
-    const float* krow = qrow + d.kd;
-    float qv[kPer], kv[kPer], sq = 0.0f, sk = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) {
-      const int i = lane + 32 * c;
-      qv[c] = i < DK ? qrow[i] : 0.0f;
-      kv[c] = i < DK ? krow[i] : 0.0f;
-      sq += qv[c] * qv[c];
-      sk += kv[c] * kv[c];
-    }
-    const float iq = q_scale / sqrtf(warp_sum(sq) + 1e-6f), ik = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
+    const NormedQk<DK> qk(qrow, qrow + d.kd, lane);
     __syncwarp();  // the previous row's reads of qs / ks are done
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) {
-      const int i = lane + 32 * c;
-      if (i < DK) {
-        qs[i] = qv[c] * iq;
-        ks[i] = kv[c] * ik;
-      }
-    }
+    qk.store(qs, ks, lane);
     __syncwarp();
-    // The gates: g = -exp(A_log) softplus(a + dt_bias) (PyTorch's softplus: x past 20 is x),
-    // beta = sigmoid(b); b and a are the projection's last 2 v_heads columns.
+    // The gates: beta = sigmoid(b), the decay exp(g); b and a are the projection's last 2
+    // v_heads columns.
     const uint16_t* mrow = mixed + r * size_t(d.in_dim) + size_t(d.cd + d.vd);
     const float beta = sigmoidf(A::load(mrow[h]));
-    const float xa = A::load(mrow[p.v_heads + h]) + dt_bias;
-    const float decay = expf(neg_a * (xa > 20.0f ? xa : log1pf(expf(xa))));
+    const float decay = expf(gdn::log_decay(neg_a, A::load(mrow[p.v_heads + h]), dt_bias));
     const float v = col ? p.qkv[r * size_t(d.cd) + size_t(2 * d.kd) + size_t(h) * size_t(dv) + size_t(j)] : 0.0f;
     float sk_dot = 0.0f;
 #pragma unroll
@@ -214,26 +196,38 @@ void gated_delta_net(const GatedDeltaNetParams& p, void* stream) {
                  " taps");
   KVLM_CHECK(p.num_seqs <= 65535 && p.v_heads <= 65535, "gated_delta_net: grid too large");
   KVLM_CHECK(p.state_dtype == DType::F32 || p.state_dtype == DType::BF16, "gated_delta_net: states are fp32 or bf16");
-  const Dims d = dims_of(p);
+  const Dims d = gdn::dims_of(p);
   const auto st = static_cast<cudaStream_t>(stream);
+  const int max_q = p.max_q_len > 0 ? std::min(p.max_q_len, p.num_tokens) : p.num_tokens;
+  const int conv_blocks = (max_q + kConvRows - 1) / kConvRows;
+  KVLM_CHECK(conv_blocks <= 65535, "gated_delta_net: sequence too long for the conv grid");
+  const bool chunked = p.scratch && gated_delta_net_takes_chunks(p.num_tokens, max_q, p.dk, p.dv);
   act::dispatch(p.act, "gated_delta_net", [&](auto a) {
     using A = decltype(a);
-    conv_kernel<A><<<dim3(unsigned((d.cd + kConvThreads - 1) / kConvThreads), unsigned(p.num_seqs)), kConvThreads, 0, st>>>(
-        p, d);
+    const unsigned channel_blocks = unsigned((d.cd + kConvThreads - 1) / kConvThreads);
+    conv_kernel<A><<<dim3(channel_blocks, unsigned(p.num_seqs), unsigned(conv_blocks)), kConvThreads, 0, st>>>(p, d);
     KVLM_CUDA_CHECK_LAUNCH("gated_delta_net conv_kernel");
-    const dim3 grid(unsigned(p.num_seqs), unsigned(p.v_heads), unsigned((p.dv + 31) / 32));
-    const auto launch = [&](auto s) {
-      using S = decltype(s);
-      switch (p.dk) {
-        case 16: delta_kernel<A, S, 16><<<grid, 32, 0, st>>>(p, d); break;
-        case 32: delta_kernel<A, S, 32><<<grid, 32, 0, st>>>(p, d); break;
-        case 64: delta_kernel<A, S, 64><<<grid, 32, 0, st>>>(p, d); break;
-        default: delta_kernel<A, S, 128><<<grid, 32, 0, st>>>(p, d); break;
-      }
-    };
-    if (p.state_dtype == DType::BF16) launch(StateBF16{});
-    else launch(StateF32{});
-    KVLM_CUDA_CHECK_LAUNCH("gated_delta_net delta_kernel");
+    if (max_q > kConvRows) {
+      conv_state_kernel<A><<<dim3(channel_blocks, unsigned(p.num_seqs)), kConvThreads, 0, st>>>(p, d);
+      KVLM_CUDA_CHECK_LAUNCH("gated_delta_net conv_state_kernel");
+    }
+    if (chunked) {
+      gdn::delta_rule_chunked(p, d, max_q, st);
+    } else {
+      const dim3 grid(unsigned(p.num_seqs), unsigned(p.v_heads), unsigned((p.dv + 31) / 32));
+      const auto launch = [&](auto s) {
+        using S = decltype(s);
+        switch (p.dk) {
+          case 16: delta_kernel<A, S, 16><<<grid, 32, 0, st>>>(p, d); break;
+          case 32: delta_kernel<A, S, 32><<<grid, 32, 0, st>>>(p, d); break;
+          case 64: delta_kernel<A, S, 64><<<grid, 32, 0, st>>>(p, d); break;
+          default: delta_kernel<A, S, 128><<<grid, 32, 0, st>>>(p, d); break;
+        }
+      };
+      if (p.state_dtype == DType::BF16) launch(StateBF16{});
+      else launch(StateF32{});
+      KVLM_CUDA_CHECK_LAUNCH("gated_delta_net delta_kernel");
+    }
     const int64_t items = int64_t(p.num_tokens) * p.v_heads;
     norm_kernel<A><<<unsigned((items + kNormWarps - 1) / kNormWarps), kNormWarps * 32, 0, st>>>(p, d);
     KVLM_CUDA_CHECK_LAUNCH("gated_delta_net norm_kernel");
