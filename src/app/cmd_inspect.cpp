@@ -146,13 +146,16 @@ struct HeldWeights {
 HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device device, DType dtype, bool keep_blocks,
                          int tp) {
   HeldWeights h;
-  const std::unique_ptr<ModelDefinition> def = make_model_definition(cfg);
+  ModelConfig split_cfg = cfg;
+  split_cfg.weight_split = tp;
+  const std::unique_ptr<ModelDefinition> def = make_model_definition(split_cfg);
   for (const WeightSpec& s : def->weights().specs) {
     const bool sliced = sliced_by_tp(s, tp);
     for (const WeightPiece& p : s.pieces) {
       int layer = -1;
       if (p.name.starts_with("model.layers.")) layer = std::atoi(p.name.c_str() + 13);
-      const int64_t numel = std::accumulate(p.shape.begin(), p.shape.end(), int64_t(1), std::multiplies<>());
+      const std::vector<int64_t> shape = p.held_shape();  // a section or group of rows: those rows
+      const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t(1), std::multiplies<>());
       const auto b = s.role == WeightRole::Matrix ? ckpt.blocks(p.name) : std::nullopt;
       std::string format;
       size_t bytes = 0;
@@ -453,7 +456,8 @@ int run_inspect(const InspectFlags& f) {
               << plan.keep_recent() << " tokens of every running sequence (see the KV cache line at startup)\n";
   if (tp > 1) {
     std::cout << "tensor parallel: " << tp << " ranks (one GPU each); attention and MLP split by heads and columns, "
-              << "o and down summed by an all-reduce"
+              << (cfg.linear_attention ? "Gated DeltaNet layers by key heads, " : "")
+              << "o" << (cfg.linear_attention ? ", out_proj" : "") << " and down summed by an all-reduce"
               << (ep ? "; whole experts per rank (--enable-expert-parallel), their outputs summed by the same all-reduce"
                      : "")
               << (layout.kv_replicas > 1 ? "; " + std::to_string(cfg.num_kv_heads) + " KV heads for " +
@@ -468,8 +472,15 @@ int run_inspect(const InspectFlags& f) {
                 << (!cfg.moe ? std::string()
                     : ep     ? ", experts " + std::to_string(x.e0) + "-" + std::to_string(x.e1)
                              : ", columns " + std::to_string(x.e0) + "-" + std::to_string(x.e1) + " of every expert")
-                << ", " << x.kv_bytes << " KV bytes per token"
-                << (r == 0 ? " (and the LM head)" : "") << "\n";
+                << ", " << x.kv_bytes << " KV bytes per token";
+      if (const auto& la = cfg.linear_attention) {  // Gated DeltaNet layers: by key heads, their value heads along
+        const int kh = la->k_heads / tp, vh = la->v_heads / tp;
+        std::cout << ", linear key heads " << int(r) * kh << "-" << (int(r) + 1) * kh - 1 << " (value heads "
+                  << int(r) * vh << "-" << (int(r) + 1) * vh - 1 << ", "
+                  << shard_config(cfg, {int(r), tp}).linear_attention->state_bytes() * size_t(cfg.num_linear_layers())
+                  << " state bytes per sequence)";
+      }
+      std::cout << (r == 0 ? " (and the LM head)" : "") << "\n";
     }
   }
   if (spec && spec->method == SpecMethod::Ngram) std::cout << "drafting   " << describe(*spec) << " (no drafter model: no draft KV)\n";

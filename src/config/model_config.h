@@ -172,6 +172,10 @@ struct ModelConfig {
   // language model (ArchSpec::wrappers), else empty.
   std::string wrapper;
   std::optional<LinearAttentionConfig> linear_attention;  // hybrid models' Gated DeltaNet layers
+  // The tensor-parallel ranks the weights are declared for: runners set it on the whole model's
+  // config they load a rank's slices with. Only then does an architecture cut a fused tensor
+  // into per-head sections (Qwen3.5's in_proj_qkv), which a single rank loads whole.
+  int weight_split = 1;
   std::vector<bool> linear_layers;      // per layer: a Gated DeltaNet layer (no KV cache), else attention
   bool is_linear_layer(int i) const { return !linear_layers.empty() && linear_layers[size_t(i)]; }
   int num_linear_layers() const { return int(std::count(linear_layers.begin(), linear_layers.end(), true)); }

@@ -7,6 +7,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "model/tensor_parallel.h"
 
 namespace kvlm {
 
@@ -113,8 +114,11 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   // A hybrid model's recurrent states: one per --max-num-seqs slot in every Gated DeltaNet
   // layer (ModelRunner::allocate_states), and as many snapshots for prefix-cache hits
   // (engine/state_snapshots.h), out of the same budget as the pages.
-  const uint64_t state_per_seq =
-      mc.linear_attention ? mc.linear_attention->state_bytes() * uint64_t(mc.num_linear_layers()) : 0;
+  // Per rank under tensor parallelism, as the pages are: a rank holds its key heads' states.
+  const std::optional<LinearAttentionConfig> rank_linear =
+      tp > 1 && mc.linear_attention ? shard_config(mc, TpRank{.rank = 0, .world = tp}).linear_attention
+                                    : mc.linear_attention;
+  const uint64_t state_per_seq = rank_linear ? rank_linear->state_bytes() * uint64_t(mc.num_linear_layers()) : 0;
   const int seqs = std::max(opts.max_num_seqs, 1);
   mp.state_snapshots = mc.linear_attention && opts.prefix_caching ? seqs : 0;
   mp.state_bytes = state_per_seq * uint64_t(seqs + mp.state_snapshots);

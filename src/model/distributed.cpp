@@ -31,6 +31,8 @@ enum MsgType : uint32_t {
   kForward = 11,
   kCopyBlocks = 12,
   kStop = 13,
+  kAllocateStates = 14,
+  kCopyStates = 15,
   kFailed = 20,    // follower -> leader: its error
   kSum = 30,       // TcpGroup's buffers, both ways
 };
@@ -515,6 +517,18 @@ void DistCommands::copy_blocks(std::span<const PageCopy> copies) {
   broadcast(kCopyBlocks, w.out);
 }
 
+void DistCommands::allocate_states(int slots) {
+  Writer w;
+  w.put<int32_t>(slots);
+  broadcast(kAllocateStates, w.out);
+}
+
+void DistCommands::copy_states(std::span<const StateCopy> copies) {
+  Writer w;
+  w.put_span(copies);
+  broadcast(kCopyStates, w.out);
+}
+
 void DistCommands::stop() {
   {
     std::lock_guard lock(mu_);
@@ -557,6 +571,14 @@ int dist_follow(DistSocket& leader, ModelRunner& ranks, const std::vector<Commun
         case kCopyBlocks: {
           const std::vector<PageCopy> c = r.get_vec<PageCopy>();
           ranks.copy_blocks(c);
+          break;
+        }
+        case kAllocateStates:
+          ranks.allocate_states(r.get<int32_t>());
+          break;
+        case kCopyStates: {
+          const std::vector<StateCopy> c = r.get_vec<StateCopy>();
+          ranks.copy_states(c);
           break;
         }
         default:

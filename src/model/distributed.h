@@ -109,6 +109,8 @@ class DistCommands {
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages);
   void forward(const ForwardBatch& batch);
   void copy_blocks(std::span<const PageCopy> copies);
+  void allocate_states(int slots);
+  void copy_states(std::span<const StateCopy> copies);
   void stop();
   // Throws the first node failure seen (the leader's step then fails with it).
   void check() const;

@@ -172,11 +172,10 @@ void apply_expert_parallel(ModelConfig& config, bool enabled) {
   config.moe->expert_parallel = true;
 }
 
-// Hybrid linear-attention models (Qwen3.5, Qwen3-Next): what runs so far is one rank, no drafting.
+// Hybrid linear-attention models (Qwen3.5, Qwen3-Next): no drafting yet.
 void check_hybrid(const ModelOptions& opts, const ModelConfig& config) {
   if (!config.linear_attention) return;
   const std::string name = std::string(arch_name(config.arch)) + "'s Gated DeltaNet layers";
-  if (opts.tensor_parallel_size > 1) throw Error(name + " run on one rank so far; use --tensor-parallel-size 1");
   if (opts.speculative)
     throw Error(name + " keep a recurrent state that a rejected draft would have to roll back, which kvlm does not "
                 "do yet; drop --speculative-config");

@@ -25,6 +25,12 @@ std::string split_problem(const ModelConfig& c, int world) {
            " ranks (--enable-expert-parallel holds whole experts per rank)";
   if (c.moe && !c.moe->expert_parallel && c.moe->expert_size % world != 0)
     return "the experts' width " + std::to_string(c.moe->expert_size) + " (moe_intermediate_size) is not divisible by " + n;
+  if (c.moe && c.moe->shared_expert_size % world != 0)
+    return "the shared expert's width " + std::to_string(c.moe->shared_expert_size) +
+           " (shared_expert_intermediate_size) is not divisible by " + n;
+  // Gated DeltaNet layers split by key heads: a rank holds whole key heads and their value heads.
+  if (c.linear_attention && c.linear_attention->k_heads % world != 0)
+    return "linear_num_key_heads " + std::to_string(c.linear_attention->k_heads) + " is not divisible by " + n;
   return {};
 }
 
@@ -63,6 +69,11 @@ ModelConfig shard_config(const ModelConfig& c, TpRank rank) {
     r.moe->expert_begin = rank.rank * r.moe->local_experts;
   } else if (r.moe) {
     r.moe->expert_size /= world;
+  }
+  if (r.moe) r.moe->shared_expert_size /= world;
+  if (r.linear_attention) {
+    r.linear_attention->k_heads /= world;
+    r.linear_attention->v_heads /= world;
   }
   return r;
 }

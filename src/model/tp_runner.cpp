@@ -182,6 +182,18 @@ void TensorParallelRunner::copy_blocks(std::span<const PageCopy> copies) {
   run(job, job);
 }
 
+void TensorParallelRunner::allocate_states(int slots) {
+  remote([&] { remote_->allocate_states(slots); });
+  const auto job = [&](ModelRunner& m) { m.allocate_states(slots); };
+  run(job, job);
+}
+
+void TensorParallelRunner::copy_states(std::span<const StateCopy> copies) {
+  remote([&] { remote_->copy_states(copies); });
+  const auto job = [&](ModelRunner& m) { m.copy_states(copies); };
+  run(job, job);
+}
+
 void TensorParallelRunner::forward_follower(const ForwardBatch& batch) {
   KVLM_CHECK(!leader_, "forward_follower on node 0's ranks");
   const auto job = [&](ModelRunner& m) { m.forward_follower(batch); };

@@ -69,6 +69,9 @@ class TensorParallelRunner final : public ModelRunner {
   void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
                        std::span<float> host_logits, const RowMaskFn& mask) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
+  // Hybrid models: every rank holds its key heads' states in the same slots.
+  void allocate_states(int slots) override;
+  void copy_states(std::span<const StateCopy> copies) override;
   // Another node's ranks: every local rank follows.
   void forward_follower(const ForwardBatch& batch) override;
   std::string broken() const override;

@@ -17,7 +17,15 @@ namespace kvlm {
 
 std::vector<int64_t> WeightPiece::held_shape() const {
   switch (layout) {
-    case PieceLayout::Plain: return shape;
+    case PieceLayout::Plain:
+      if (row_count <= 0) return shape;
+      {
+        KVLM_CHECK(!shape.empty() && row_begin >= 0 && row_begin + row_count <= shape[0],
+                   "a piece's rows [begin, begin + count) lie inside its tensor");
+        std::vector<int64_t> s = shape;
+        s[0] = row_count;
+        return s;
+      }
     case PieceLayout::ExpertsTransposed:
     case PieceLayout::ExpertsTransposedInterleaved:
       KVLM_CHECK(shape.size() == 3, "a fused expert tensor is [experts][in][out]");
@@ -238,6 +246,20 @@ struct PieceSlice {
   int64_t groups = 1;
 };
 PieceSlice piece_slice(const WeightPiece& p, const WeightSpec& s, TpRank tp, const std::string& name) {
+  const bool split = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+  if (p.row_count > 0) {  // a section of its tensor's rows: the rank's share of it
+    KVLM_CHECK(p.layout == PieceLayout::Plain && p.row_groups <= 1 && (!split || s.shard == Shard::Rows),
+               "a section of a tensor's rows splits by rows only");
+    if (!split) return {0, p.row_begin, p.row_count, 1};
+    const int64_t units = p.shard_units > 0 ? p.shard_units : p.row_count;
+    if (p.row_count % units != 0 || (units % tp.world != 0 && tp.world % units != 0))
+      throw Error("tensor " + name + ": its rows [" + std::to_string(p.row_begin) + ", " +
+                  std::to_string(p.row_begin + p.row_count) + ") cannot be split over --tensor-parallel-size " +
+                  std::to_string(tp.world));
+    const UnitRange u = shard_units(units, tp);
+    const int64_t unit = p.row_count / units;
+    return {0, p.row_begin + u.begin * unit, u.count * unit, 1};
+  }
   if (s.shard == Shard::Experts) {  // whole experts: the rank's run of them
     KVLM_CHECK(p.shard_units > 0, "an expert-parallel piece without its expert count");
     const UnitRange u = shard_units(p.shard_units, tp);
@@ -349,8 +371,13 @@ void relayout_piece(const TensorView& v, const WeightPiece& p, LocalPiece& out) 
 // The spec rank tp holds: pieces with the rank's shapes (RankZero on another rank: no rows).
 WeightSpec local_spec(const WeightSpec& s, TpRank tp) {
   WeightSpec l = s;
-  if (tp.world == 1) return l;
+  if (!sliced_by_tp(s, tp.world) && !(s.shard == Shard::RankZero && tp.world > 1)) return l;
   for (WeightPiece& p : l.pieces) {
+    if (p.row_count > 0) {  // a section of its tensor: the rank's rows of it
+      p.shape[0] = piece_slice(p, s, tp, "'" + p.name + "'").count;
+      p.row_begin = p.row_count = 0;
+      continue;
+    }
     p.shape = p.held_shape();  // what the sink receives: rearranged, then sliced
     p.layout = PieceLayout::Plain;
     if (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts) {

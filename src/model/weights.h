@@ -82,6 +82,11 @@ struct WeightPiece {
   int expert = -1;
   // GroupRows: the rows taken from each of the shard_units groups.
   int64_t group_begin = 0, group_rows = 0;
+  // Plain: the piece is rows [row_begin, row_begin + row_count) of its tensor (0: every row),
+  // split over the ranks in units of shard_units like a whole tensor: one section of a fused
+  // projection (Qwen3.5's in_proj_qkv: q, k, then v), cut from the checkpoint's bytes as a
+  // tensor-parallel slice is (FP8 scales included).
+  int64_t row_begin = 0, row_count = 0;
   // The shape the device holds: `shape` rearranged by `layout`.
   std::vector<int64_t> held_shape() const;
 };
@@ -154,6 +159,8 @@ struct SpecQuant {
 // Whether a rank of `world` holds a slice of the spec's tensors rather than the tensors
 // themselves (column/row-parallel splits, whole experts): such weights take the dequantized path.
 inline bool sliced_by_tp(const WeightSpec& s, int world) {
+  for (const WeightPiece& p : s.pieces)
+    if (p.row_count > 0) return true;  // a section of its tensor, at any world size
   return world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
 }
 

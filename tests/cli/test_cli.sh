@@ -450,8 +450,18 @@ expect_error 1 "--mamba-ssm-cache-dtype must be auto, float32 or bfloat16, got '
   --prompt-ids 1,2 --mamba-ssm-cache-dtype float16
 expect_error 1 "keep a recurrent state that a rejected draft would have to roll back" -- generate --model "$q35" \
   --prompt-ids 1,2 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
-expect_error 1 "run on one rank so far; use --tensor-parallel-size 1" -- generate --model "$q35" --prompt-ids 1,2 \
-  --tensor-parallel-size 2
+# Tensor parallelism splits the Gated DeltaNet layers by key heads: two ranks, one rank's tokens.
+"$KVLM" generate --model "$q35" --prompt-ids 1,54,232,73 --max-tokens 6 --temperature 0 --dtype float32 \
+  >"$tmp/tp1.out" 2>&1 \
+  && "$KVLM" generate --model "$q35" --prompt-ids 1,54,232,73 --max-tokens 6 --temperature 0 --dtype float32 \
+    --tensor-parallel-size 2 >"$tmp/tp2.out" 2>&1 \
+  && grep -q "^generated" "$tmp/tp1.out" && [ "$(grep "^generated" "$tmp/tp1.out")" = "$(grep "^generated" "$tmp/tp2.out")" ] \
+  && ok || bad "Qwen3.5 over 2 tensor-parallel ranks gives one rank's tokens: $(cat "$tmp/tp1.out" "$tmp/tp2.out")"
+"$KVLM" inspect --model "$q35" --tensor-parallel-size 2 >"$tmp/out" 2>&1 \
+  && grep -q "rank 1: .*linear key heads 1-1 (value heads 2-3, 16128 state bytes per sequence)" "$tmp/out" && ok \
+  || bad "inspect shows each rank's Gated DeltaNet heads: $(cat "$tmp/out")"
+expect_error 1 "linear_num_key_heads 2 is not divisible by 4" -- generate --model "$q35" --prompt-ids 1,2 \
+  --tensor-parallel-size 4
 # Qwen3-Next: interleaved DeltaNet projections, experts with a shared expert
 "$KVLM" inspect --model "$golden/qwen3-next" >"$tmp/out" 2>&1 \
   && grep -q "6 experts x 32, top 2 + shared 48" "$tmp/out" && ok \

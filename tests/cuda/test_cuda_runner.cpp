@@ -309,7 +309,6 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
   std::vector<TokenId> all = g.prompt;
   all.insert(all.end(), g.greedy.begin(), g.greedy.end());
   const ModelConfig cfg = load(g.model_dir, KVCacheDType::Auto, Device::Cpu)->config();
-  if (cfg.linear_attention) GTEST_SKIP() << "hybrid linear-attention models run on one rank so far (issue 51)";
   const bool trained = g.name == "stories260K";
   Stats s0;  // the group's bf16-KV run vs transformers (the compute's own share of the KLD)
   for (const int n : {2, 4, 8}) {

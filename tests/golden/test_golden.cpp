@@ -253,10 +253,6 @@ TEST_P(Goldens, QuantizedModesStayClose) {
 TEST_P(Goldens, TensorParallelMatchesOneRank) {
   const Golden g = load_golden(GetParam());
   const ModelConfig cfg = LoadedModel::load(ModelOptions{.model_dir = g.model_dir})->config();
-  if (cfg.linear_attention) {  // refused at load (check_hybrid): one rank so far
-    EXPECT_THROW(load(g, KVCacheDType::Auto, DType::F32, 2), Error);
-    GTEST_SKIP() << g.name << ": hybrid linear-attention models run on one rank so far (issue 51)";
-  }
   int sizes = 0;
   for (const int n : {2, 4, 8}) {
     try {
@@ -267,7 +263,8 @@ TEST_P(Goldens, TensorParallelMatchesOneRank) {
     ++sizes;
     for (const KVCacheDType dt : {KVCacheDType::Auto, KVCacheDType::Fp8E4M3, KVCacheDType::Fp8PerTokenHead,
                                   KVCacheDType::Int8PerTokenHead}) {
-      const auto one = teacher_forced(*load(g, dt, DType::F32), g, 7);
+      auto one_rank = load(g, dt, DType::F32);
+      const auto one = teacher_forced(*one_rank, g, 7);
       auto e = load(g, dt, DType::F32, n);
       ASSERT_EQ(e->tensor_parallel_size(), n);
       const auto got = teacher_forced(*e, g, 7);
@@ -280,12 +277,19 @@ TEST_P(Goldens, TensorParallelMatchesOneRank) {
       std::printf("[golden] %-12s tp=%d %-20s max|dlogit| vs one rank=%.2e (max|logit| %.1f)\n", g.name.c_str(), n,
                   std::string(kv_cache_dtype_name(dt)).c_str(), max_abs, scale);
       // The ranks sum o/down partial products in another order than one rank: fp32 rounding,
-      // ~1e-6 relative, grown through the layers (measured ≤ 2.9e-5 with max|logit| 19). A
+      // ~1e-6 relative, grown through the layers (measured ≤ 2.9e-5 with max|logit| 19). The
+      // hybrid MoE goldens amplify such noise (FP32MatchesTransformers): there the bound is 4x
+      // one rank's own spread between chunkings, a change of summation order as this is. A
       // quantized cache rounds K/V computed from those sums, and a value on a rounding edge
       // may land on the other code (measured up to 2.4e-2): there the run must stay as close
       // to transformers as one rank does, by the mode's bounds.
       if (dt == KVCacheDType::Auto) {
-        EXPECT_LT(max_abs, 4e-6 * std::max(1.0, scale));
+        double spread = 0;
+        for (int chunk : {1, int(g.prompt.size() + g.greedy.size())}) {
+          const auto other = teacher_forced(*one_rank, g, chunk);
+          for (size_t i = 0; i < one.size(); ++i) spread = std::max(spread, double(std::fabs(other[i] - one[i])));
+        }
+        EXPECT_LT(max_abs, std::max(4e-6 * std::max(1.0, scale), 4 * spread)) << "one rank's chunking spread " << spread;
       } else {
         const Stats st = compare(g, got);
         const Bounds& b = *std::ranges::find(kBounds, dt, &Bounds::dt);

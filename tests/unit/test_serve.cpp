@@ -597,6 +597,40 @@ TEST(Scheduler, PrefixCacheOnAHybridModelResumesFromStateSnapshots) {
   EXPECT_EQ(out["again"].tokens, want_shared);
 }
 
+// Two tensor-parallel ranks (each its key heads' Gated DeltaNet states, allocated and copied on
+// every rank): batched, chunked, with a prefix hit resuming from a snapshot, they give one
+// rank's tokens, log-probabilities within fp32 summation noise (the ranks sum out_proj's
+// partial products in another order).
+TEST(Scheduler, HybridOverTwoTensorParallelRanks) {
+  ModelOptions o;
+  o.model_dir = kQwen35;
+  o.cache.block_size = 8;
+  o.dtype = DType::F32;
+  auto one = LoadedModel::load(o);
+  o.tensor_parallel_size = 2;
+  auto two = LoadedModel::load(o);
+  ASSERT_EQ(two->tensor_parallel_size(), 2);
+  std::mt19937 rng(9);
+  const auto shared = random_prompt(rng, 40, one->config().vocab_size);
+  const auto other = random_prompt(rng, 21, one->config().vocab_size);
+  std::map<std::string, Collected> want, got;
+  for (auto* e : {one.get(), two.get()}) {
+    auto& out = e == one.get() ? want : got;
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 13, .max_model_len = 128,
+                                     .enable_prefix_caching = true, .num_blocks = 64});
+    le.add_request(with_logprobs(make("first", shared, 6, out)));
+    le.add_request(with_logprobs(make("other", other, 6, out)));
+    run_to_end(le);
+    le.add_request(with_logprobs(make("again", shared, 6, out)));
+    run_to_end(le);
+  }
+  EXPECT_EQ(got["again"].cached, 32) << "the repeat resumes from its snapshot on both ranks";
+  for (const char* id : {"first", "other", "again"}) {
+    EXPECT_EQ(got[id].tokens, want[id].tokens) << id;
+    EXPECT_LT(max_logprob_diff(got[id], want[id]), 1e-4) << id;
+  }
+}
+
 // --mamba-ssm-cache-dtype bfloat16: the delta rule's matrices held in bf16 (half the state's
 // bytes, counted by the memory plan), rounded once a step; the logits move, but by much less
 // than a model's differences (teacher-forced over 90 tokens in chunks of 7 and one by one).

@@ -77,7 +77,9 @@ TEST(TensorParallel, LayoutOfEveryGoldenConfig) {
     const ModelConfig c = load_model_config(e.path());
     for (const int n : {1, 2, 4, 8}) {
       const bool fits = c.num_heads % n == 0 && c.intermediate_size % n == 0 &&
-                        (c.num_kv_heads % n == 0 || n % c.num_kv_heads == 0);
+                        (c.num_kv_heads % n == 0 || n % c.num_kv_heads == 0) &&
+                        (!c.linear_attention || c.linear_attention->k_heads % n == 0) &&
+                        (!c.moe || c.moe->shared_expert_size % n == 0);
       if (!fits) {
         EXPECT_ERROR_CONTAINS(tp_layout(c, n), "cannot split this model");
         continue;
@@ -99,10 +101,27 @@ TEST(TensorParallel, LayoutOfEveryGoldenConfig) {
       EXPECT_EQ(s.num_kv_heads, t.kv_heads);
       EXPECT_EQ(s.hidden_size, c.hidden_size);
       EXPECT_EQ(s.vocab_size, c.vocab_size);
+      if (c.linear_attention) {  // Gated DeltaNet layers by key heads, each with its value heads
+        EXPECT_EQ(s.linear_attention->k_heads * n, c.linear_attention->k_heads);
+        EXPECT_EQ(s.linear_attention->v_heads * n, c.linear_attention->v_heads);
+        EXPECT_EQ(s.linear_attention->state_values() * size_t(n), c.linear_attention->state_values());
+      }
       ++checked;
     }
   }
   EXPECT_GE(checked, 20);
+}
+
+TEST(TensorParallel, HybridsSplitByLinearKeyHeads) {
+  ModelConfig c = load_model_config(fs::path(KVLM_TEST_DATA) / "golden" / "models" / "qwen3.5");
+  ASSERT_TRUE(c.linear_attention);
+  c.linear_attention->k_heads = 3;
+  c.linear_attention->v_heads = 6;
+  EXPECT_ERROR_CONTAINS(tp_layout(c, 2), "linear_num_key_heads 3 is not divisible by 2");
+  ModelConfig m = load_model_config(fs::path(KVLM_TEST_DATA) / "golden" / "models" / "qwen3-next");
+  ASSERT_TRUE(m.moe);
+  m.moe->shared_expert_size = 50;
+  EXPECT_ERROR_CONTAINS(tp_layout(m, 4), "shared_expert_intermediate_size");
 }
 
 TEST(TensorParallel, ErrorsNameTheFieldAndTheSizesThatWork) {

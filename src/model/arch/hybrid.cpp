@@ -14,27 +14,43 @@ namespace {
 namespace jg = json_get;
 constexpr std::string_view kWhere = "config.json";
 
-// The fused input projection [q | k | v | z | b | a] of Gated DeltaNet layer `a` (its prefix).
+// Rows [begin, begin + count) of tensor `name` (shape `shape`), split over the ranks by key heads.
+WeightPiece section(const std::string& name, const std::vector<int64_t>& shape, int64_t begin, int64_t count,
+                    int64_t key_heads) {
+  return WeightPiece{.name = name, .shape = shape, .shard_units = key_heads, .row_begin = begin, .row_count = count};
+}
+
+// The fused input projection [q | k | v | z | b | a] of Gated DeltaNet layer `a` (its prefix),
+// split by key heads under tensor parallelism: a rank holds its key heads' q and k rows and
+// their value heads' v, z, b and a rows.
 size_t add_in_proj(WeightList& list, const ModelConfig& c, const LinearAttentionConfig& l, DeltaNetProjections proj,
                    const std::string& a) {
-  const int64_t H = c.hidden_size, vd = l.value_dim(), hv = l.v_heads;
-  if (proj == DeltaNetProjections::Separate)
-    return add_linear(list, {{a + "in_proj_qkv.weight", {l.conv_dim(), H}},
-                             {a + "in_proj_z.weight", {vd, H}},
-                             {a + "in_proj_b.weight", {hv, H}},
-                             {a + "in_proj_a.weight", {hv, H}}});
+  const int64_t H = c.hidden_size, vd = l.value_dim(), hv = l.v_heads, kh = l.k_heads, kd = l.key_dim();
+  if (proj == DeltaNetProjections::Separate) {
+    const std::string qkv = a + "in_proj_qkv.weight";
+    const std::vector<int64_t> shape{l.conv_dim(), H};
+    std::vector<WeightPiece> pieces{{qkv, shape}};  // one rank: whole (a 4-bit checkpoint's blocks stay kept)
+    if (c.weight_split > 1)
+      pieces = {section(qkv, shape, 0, kd, kh), section(qkv, shape, kd, kd, kh), section(qkv, shape, 2 * kd, vd, kh)};
+    pieces.push_back({a + "in_proj_z.weight", {vd, H}, kh});
+    pieces.push_back({a + "in_proj_b.weight", {hv, H}, kh});
+    pieces.push_back({a + "in_proj_a.weight", {hv, H}, kh});
+    return add_linear(list, std::move(pieces), Shard::Rows);
+  }
   // Per key head g: q, k (k_dim rows each), then v and z of its r = v_heads / k_heads value
   // heads (r v_dim rows each); in_proj_ba per key head: b, then a (r rows each).
-  const int64_t kh = l.k_heads, dk = l.k_dim, r = l.v_heads / l.k_heads, rv = r * l.v_dim;
+  const int64_t dk = l.k_dim, r = l.v_heads / l.k_heads, rv = r * l.v_dim;
   const std::string qkvz = a + "in_proj_qkvz.weight", ba = a + "in_proj_ba.weight";
   const std::vector<int64_t> qkvz_shape{kh * (2 * dk + 2 * rv), H}, ba_shape{kh * 2 * r, H};
   auto slice = [&](const std::string& name, const std::vector<int64_t>& shape, int64_t begin, int64_t rows) {
     return WeightPiece{.name = name, .shape = shape, .shard_units = kh, .layout = PieceLayout::GroupRows,
                        .group_begin = begin, .group_rows = rows};
   };
-  return add_linear(list, {slice(qkvz, qkvz_shape, 0, dk), slice(qkvz, qkvz_shape, dk, dk),
-                           slice(qkvz, qkvz_shape, 2 * dk, rv), slice(qkvz, qkvz_shape, 2 * dk + rv, rv),
-                           slice(ba, ba_shape, 0, r), slice(ba, ba_shape, r, r)});
+  return add_linear(list,
+                    {slice(qkvz, qkvz_shape, 0, dk), slice(qkvz, qkvz_shape, dk, dk),
+                     slice(qkvz, qkvz_shape, 2 * dk, rv), slice(qkvz, qkvz_shape, 2 * dk + rv, rv),
+                     slice(ba, ba_shape, 0, r), slice(ba, ba_shape, r, r)},
+                    Shard::Rows);
 }
 
 }  // namespace
@@ -57,12 +73,19 @@ HybridDecoder::HybridDecoder(const ModelConfig& c, DeltaNetProjections projectio
     L.post_norm = add_norm(weights_, p + "post_attention_layernorm.weight", H, true);
     if (L.linear) {
       const std::string a = p + "linear_attn.";
-      const int64_t cd = lin_.conv_dim(), vd = lin_.value_dim(), hv = lin_.v_heads;
+      const int64_t cd = lin_.conv_dim(), vd = lin_.value_dim(), hv = lin_.v_heads, kh = lin_.k_heads,
+                    kd = lin_.key_dim();
       L.in_proj = add_in_proj(weights_, c, lin_, projections, a);
-      L.out_proj = add_linear(weights_, {{a + "out_proj.weight", {H, vd}}});
-      L.conv = add_weight(weights_, {{a + "conv1d.weight", {cd, 1, lin_.conv_kernel}}}, WeightRole::Norm);
-      L.a_log = add_weight(weights_, {{a + "A_log", {hv}}}, WeightRole::Norm);
-      L.dt_bias = add_weight(weights_, {{a + "dt_bias", {hv}}}, WeightRole::Norm);
+      L.out_proj = add_linear(weights_, {{a + "out_proj.weight", {H, vd}, kh}}, Shard::Cols);
+      const std::string conv = a + "conv1d.weight";
+      const std::vector<int64_t> conv_shape{cd, 1, lin_.conv_kernel};
+      std::vector<WeightPiece> conv_pieces{{conv, conv_shape}};
+      if (c.weight_split > 1)  // q, k and v channels, each by key heads
+        conv_pieces = {section(conv, conv_shape, 0, kd, kh), section(conv, conv_shape, kd, kd, kh),
+                       section(conv, conv_shape, 2 * kd, vd, kh)};
+      L.conv = add_weight(weights_, std::move(conv_pieces), WeightRole::Norm, Shard::Rows);
+      L.a_log = add_weight(weights_, {{a + "A_log", {hv}, kh}}, WeightRole::Norm, Shard::Rows);
+      L.dt_bias = add_weight(weights_, {{a + "dt_bias", {hv}, kh}}, WeightRole::Norm, Shard::Rows);
       L.gated_norm = add_norm(weights_, a + "norm.weight", lin_.v_dim);  // the gated norm: w, not 1 + w
     } else {
       const std::string a = p + "self_attn.";
@@ -71,8 +94,10 @@ HybridDecoder::HybridDecoder(const ModelConfig& c, DeltaNetProjections projectio
                           .layout = PieceLayout::GroupRows, .group_rows = d};
       WeightPiece gate = q;
       gate.group_begin = d;
-      L.attn.qkv = add_linear(weights_, {q, {a + "k_proj.weight", {kvh * d, H}, kvh}, {a + "v_proj.weight", {kvh * d, H}, kvh}, gate});
-      L.attn.o = add_linear(weights_, {{a + "o_proj.weight", {H, nh * d}, nh}});
+      L.attn.qkv = add_linear(
+          weights_, {q, {a + "k_proj.weight", {kvh * d, H}, kvh}, {a + "v_proj.weight", {kvh * d, H}, kvh}, gate},
+          Shard::Rows);
+      L.attn.o = add_linear(weights_, {{a + "o_proj.weight", {H, nh * d}, nh}}, Shard::Cols);
       L.attn.q_norm = add_norm(weights_, a + "q_norm.weight", d, true);
       L.attn.k_norm = add_norm(weights_, a + "k_norm.weight", d, true);
     }
@@ -103,6 +128,7 @@ Tensor HybridDecoder::forward(Ops& ops, std::span<const Weight> w) const {
                            .eps = eps},
                           core);
       ops.linear(core, w[L.out_proj], Weight{}, delta);
+      ops.all_reduce_sum(delta);
     } else {
       ops.linear(h, w[L.attn.qkv], Weight{}, qkvg);
       ops.attention_prologue(
@@ -110,6 +136,7 @@ Tensor HybridDecoder::forward(Ops& ops, std::span<const Weight> w) const {
       ops.attention(L.index, q, attn, scale, Weight{});
       ops.sigmoid_gate(attn, qkvg, (nh + 2 * kvh) * d);
       ops.linear(attn, w[L.attn.o], Weight{}, delta);
+      ops.all_reduce_sum(delta);
     }
     ops.add_rmsnorm(x, delta, w[L.post_norm], eps, h);
     if (L.moe) {
@@ -118,6 +145,7 @@ Tensor HybridDecoder::forward(Ops& ops, std::span<const Weight> w) const {
       ops.linear(h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), gu);
       ops.mlp_down(c.hidden_act, gu, w[L.mlp.down], W(L.mlp.b_down), delta);
     }
+    ops.all_reduce_sum(delta);
     pending = delta;
   }
   return final_logits(ops, c, x, pending, w[final_norm_], w[emb_.lm_head]);

@@ -502,13 +502,17 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
   if (comm) comm_ = comm;
   const TpRank tp{comm_->rank(), comm_->world_size()};
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
-  def_ = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp) : cfg_);
+  const ModelConfig rank_cfg = tp.world > 1 ? shard_config(cfg_, tp) : cfg_;
+  def_ = make_model_definition(rank_cfg);
+  if (rank_cfg.linear_attention) state_bytes_ = rank_cfg.linear_attention->state_bytes();  // the rank's heads
   const size_t draft_layers = drafter ? size_t(drafter->config.num_layers) : 0;
   KVLM_CHECK(plan.layers.size() == size_t(cfg_.num_kv_layers()) + draft_layers && backends_.size() == plan.layers.size(),
              "one KV spec and one backend per layer");
   HostWeightSink sink(storage_, block_storage_, block_parts_, options_.keep_blocks, weight_bytes_);
   // The checkpoint's shapes are the whole model's: the list comes from its definition.
-  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(cfg_) : nullptr;
+  ModelConfig split_cfg = cfg_;
+  split_cfg.weight_split = tp.world;
+  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(split_cfg) : nullptr;
   LoadedWeights lw = load_weights((whole ? *whole : *def_).weights(), ckpt, sink, cfg_.weight_quant, tp);
   weights_ = std::move(lw.weights);
   num_params_ = lw.num_params;
@@ -542,14 +546,14 @@ void CpuModelRunner::allocate_states(int slots) {
   states_.clear();
   state_slots_ = 0;
   if (!cfg_.linear_attention || slots <= 0) return;
-  const size_t per = cfg_.linear_attention->state_bytes() * size_t(slots);
+  const size_t per = state_bytes_ * size_t(slots);
   states_.assign(size_t(cfg_.num_linear_layers()), std::vector<uint8_t>(per, uint8_t(0)));
   state_slots_ = slots;
 }
 
 void CpuModelRunner::copy_states(std::span<const StateCopy> copies) {
   if (copies.empty()) return;
-  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_bytes() : 0;
+  const size_t per = state_bytes_;
   for (const StateCopy& c : copies) {
     KVLM_CHECK(c.src >= 0 && c.src < state_slots_ && c.dst >= 0 && c.dst < state_slots_, "copy_states: slot out of range");
     for (std::vector<uint8_t>& layer : states_)
@@ -586,6 +590,7 @@ void CpuModelRunner::forward_follower(const ForwardBatch& b) {
   KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");
   KVLM_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(), "batch arrays differ in length");
   CpuOps ops(b, *cache_, backends_, *comm_, observer_, block_math(), /*logits=*/false);
+  ops.set_states(&states_, state_slots_);
   def_->forward(ops, weights_);
 }
 

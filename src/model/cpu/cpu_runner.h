@@ -86,6 +86,7 @@ class CpuModelRunner final : public ModelRunner {
   const KVPlan* plan_;
   std::vector<const AttentionBackend*> backends_;
   std::unique_ptr<ModelDefinition> def_;
+  size_t state_bytes_ = 0;  // a Gated DeltaNet layer's state slot on this rank (its key heads)
   CpuRunnerOptions options_;
   std::vector<std::vector<float>> storage_;  // the weights' fp32 data
   std::deque<std::vector<uint8_t>> block_storage_;       // GGUF matrices' blocks

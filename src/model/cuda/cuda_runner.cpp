@@ -376,12 +376,16 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   if (opts.comm) m.comm = opts.comm;
   const TpRank tp{m.comm->rank(), m.comm->world_size()};
   KVLM_CHECK(tp.world == 1 || !drafter, "a drafter under tensor parallelism");
-  m.def = make_model_definition(tp.world > 1 ? shard_config(cfg_, tp) : cfg_);
+  const ModelConfig rank_cfg = tp.world > 1 ? shard_config(cfg_, tp) : cfg_;
+  m.def = make_model_definition(rank_cfg);
+  if (rank_cfg.linear_attention) m.state_bytes = rank_cfg.linear_attention->state_bytes();  // the rank's heads
   KVLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   KVLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.forward_done, cudaEventDisableTiming));
   WeightUploader up(m, m.weights);
   // The checkpoint's shapes are the whole model's: the list comes from its definition.
-  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(cfg_) : nullptr;
+  ModelConfig split_cfg = cfg_;
+  split_cfg.weight_split = tp.world;
+  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(split_cfg) : nullptr;
   LoadedWeights lw = load_weights((whole ? *whole : *m.def).weights(), ckpt, up, cfg_.weight_quant, tp);
   m.w = std::move(lw.weights);
   m.num_params = lw.num_params;
@@ -592,7 +596,7 @@ void CudaModelRunner::allocate_states(int slots) {
   m.state_slots = 0;
   std::vector<uint8_t*> per_layer;
   if (cfg_.linear_attention && slots > 0) {
-    const size_t per = cfg_.linear_attention->state_bytes() * size_t(slots), layers = size_t(cfg_.num_linear_layers());
+    const size_t per = m.state_bytes * size_t(slots), layers = size_t(cfg_.num_linear_layers());
     m.states.allocate(per * layers, "the Gated DeltaNet states of " + std::to_string(slots) + " sequences");
     KVLM_CUDA_CHECK(cudaMemsetAsync(m.states.data(), 0, m.states.bytes(), m.stream));
     KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
@@ -607,7 +611,7 @@ void CudaModelRunner::copy_states(std::span<const StateCopy> copies) {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   // Every layer's slot in one strided copy: the layers' states are [layers][slots][values].
-  const size_t per = cfg_.linear_attention ? cfg_.linear_attention->state_bytes() : 0;
+  const size_t per = m.state_bytes;
   const size_t pitch = per * size_t(m.state_slots), layers = size_t(cfg_.num_linear_layers());
   auto* base = static_cast<uint8_t*>(m.states.data());
   for (const StateCopy& c : copies) {

@@ -169,6 +169,7 @@ struct CudaModelRunner::Impl {
   SingleProcessCommunicator single;
   Communicator* comm = &single;  // a tensor-parallel rank's (CudaRunnerOptions::comm) or the single process's
   std::unique_ptr<ModelDefinition> def;
+  size_t state_bytes = 0;  // a Gated DeltaNet layer's state slot on this rank (its key heads)
   std::unique_ptr<DraftDefinition> draft_def;  // a DFlash drafter, if loaded
   std::vector<Weight> draft_w;                 // its weights, then the target's embedding and LM head
   std::unique_ptr<CudaOps> ops;
