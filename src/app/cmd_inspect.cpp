@@ -146,9 +146,7 @@ struct HeldWeights {
 HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device device, DType dtype, bool keep_blocks,
                          int tp) {
   HeldWeights h;
-  ModelConfig split_cfg = cfg;
-  split_cfg.weight_split = tp;
-  const std::unique_ptr<ModelDefinition> def = make_model_definition(split_cfg);
+  const std::unique_ptr<ModelDefinition> def = make_model_definition(weight_config(cfg, tp));
   for (const WeightSpec& s : def->weights().specs) {
     const bool sliced = sliced_by_tp(s, tp);
     for (const WeightPiece& p : s.pieces) {

@@ -78,6 +78,12 @@ ModelConfig shard_config(const ModelConfig& c, TpRank rank) {
   return r;
 }
 
+ModelConfig weight_config(const ModelConfig& c, int world) {
+  ModelConfig w = c;
+  w.weight_split = world;
+  return w;
+}
+
 UnitRange shard_units(int64_t units, TpRank r) {
   KVLM_CHECK(r.world >= 1 && r.rank >= 0 && r.rank < r.world, "shard_units: rank outside its group");
   if (units % r.world == 0) return {r.rank * (units / r.world), units / r.world};

@@ -53,6 +53,9 @@ std::string valid_tp_sizes(const ModelConfig& c, int max_world = 8);
 // experts its share of every expert's width or (MoeConfig::expert_parallel) its experts
 // (hidden size, vocabulary and everything else unchanged).
 ModelConfig shard_config(const ModelConfig& c, TpRank r);
+// The whole model's config to declare the weights `world` ranks load their slices from
+// (ModelConfig::weight_split): the checkpoint's shapes, fused tensors cut into per-head sections.
+ModelConfig weight_config(const ModelConfig& c, int world);
 
 // The KV plan of rank r: every layer with the rank's query and KV heads, per-KV-head scales
 // reduced to the rank's heads. Bytes per token are per rank.

@@ -246,7 +246,7 @@ struct PieceSlice {
   int64_t groups = 1;
 };
 PieceSlice piece_slice(const WeightPiece& p, const WeightSpec& s, TpRank tp, const std::string& name) {
-  const bool split = tp.world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+  const bool split = split_over_ranks(s.shard, tp.world);
   if (p.row_count > 0) {  // a section of its tensor's rows: the rank's share of it
     KVLM_CHECK(p.layout == PieceLayout::Plain && p.row_groups <= 1 && (!split || s.shard == Shard::Rows),
                "a section of a tensor's rows splits by rows only");

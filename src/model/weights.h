@@ -158,10 +158,14 @@ struct SpecQuant {
 
 // Whether a rank of `world` holds a slice of the spec's tensors rather than the tensors
 // themselves (column/row-parallel splits, whole experts): such weights take the dequantized path.
+// Whether `world` ranks each hold a part of a weight sharded as `s` (not all of it, or none).
+inline bool split_over_ranks(Shard s, int world) {
+  return world > 1 && (s == Shard::Rows || s == Shard::Cols || s == Shard::Experts);
+}
 inline bool sliced_by_tp(const WeightSpec& s, int world) {
   for (const WeightPiece& p : s.pieces)
     if (p.row_count > 0) return true;  // a section of its tensor, at any world size
-  return world > 1 && (s.shard == Shard::Rows || s.shard == Shard::Cols || s.shard == Shard::Experts);
+  return split_over_ranks(s.shard, world);
 }
 
 // Where a device puts the weights.

@@ -14,10 +14,17 @@ namespace {
 namespace jg = json_get;
 constexpr std::string_view kWhere = "config.json";
 
-// Rows [begin, begin + count) of tensor `name` (shape `shape`), split over the ranks by key heads.
-WeightPiece section(const std::string& name, const std::vector<int64_t>& shape, int64_t begin, int64_t count,
-                    int64_t key_heads) {
-  return WeightPiece{.name = name, .shape = shape, .shard_units = key_heads, .row_begin = begin, .row_count = count};
+// Tensor `name` (shape `shape`) whose rows are q | k | v of the Gated DeltaNet (in_proj_qkv,
+// conv1d): for tensor-parallel loading its three sections, each split by key heads; one rank
+// takes it whole (a 4-bit checkpoint's blocks stay kept).
+std::vector<WeightPiece> qkv_pieces(const ModelConfig& c, const LinearAttentionConfig& l, const std::string& name,
+                                    const std::vector<int64_t>& shape) {
+  if (c.weight_split <= 1) return {{name, shape}};
+  const int64_t kd = l.key_dim(), kh = l.k_heads;
+  auto section = [&](int64_t begin, int64_t count) {
+    return WeightPiece{.name = name, .shape = shape, .shard_units = kh, .row_begin = begin, .row_count = count};
+  };
+  return {section(0, kd), section(kd, kd), section(2 * kd, l.value_dim())};
 }
 
 // The fused input projection [q | k | v | z | b | a] of Gated DeltaNet layer `a` (its prefix),
@@ -25,13 +32,9 @@ WeightPiece section(const std::string& name, const std::vector<int64_t>& shape, 
 // their value heads' v, z, b and a rows.
 size_t add_in_proj(WeightList& list, const ModelConfig& c, const LinearAttentionConfig& l, DeltaNetProjections proj,
                    const std::string& a) {
-  const int64_t H = c.hidden_size, vd = l.value_dim(), hv = l.v_heads, kh = l.k_heads, kd = l.key_dim();
+  const int64_t H = c.hidden_size, vd = l.value_dim(), hv = l.v_heads, kh = l.k_heads;
   if (proj == DeltaNetProjections::Separate) {
-    const std::string qkv = a + "in_proj_qkv.weight";
-    const std::vector<int64_t> shape{l.conv_dim(), H};
-    std::vector<WeightPiece> pieces{{qkv, shape}};  // one rank: whole (a 4-bit checkpoint's blocks stay kept)
-    if (c.weight_split > 1)
-      pieces = {section(qkv, shape, 0, kd, kh), section(qkv, shape, kd, kd, kh), section(qkv, shape, 2 * kd, vd, kh)};
+    std::vector<WeightPiece> pieces = qkv_pieces(c, l, a + "in_proj_qkv.weight", {l.conv_dim(), H});
     pieces.push_back({a + "in_proj_z.weight", {vd, H}, kh});
     pieces.push_back({a + "in_proj_b.weight", {hv, H}, kh});
     pieces.push_back({a + "in_proj_a.weight", {hv, H}, kh});
@@ -73,17 +76,11 @@ HybridDecoder::HybridDecoder(const ModelConfig& c, DeltaNetProjections projectio
     L.post_norm = add_norm(weights_, p + "post_attention_layernorm.weight", H, true);
     if (L.linear) {
       const std::string a = p + "linear_attn.";
-      const int64_t cd = lin_.conv_dim(), vd = lin_.value_dim(), hv = lin_.v_heads, kh = lin_.k_heads,
-                    kd = lin_.key_dim();
+      const int64_t cd = lin_.conv_dim(), vd = lin_.value_dim(), hv = lin_.v_heads, kh = lin_.k_heads;
       L.in_proj = add_in_proj(weights_, c, lin_, projections, a);
       L.out_proj = add_linear(weights_, {{a + "out_proj.weight", {H, vd}, kh}}, Shard::Cols);
-      const std::string conv = a + "conv1d.weight";
-      const std::vector<int64_t> conv_shape{cd, 1, lin_.conv_kernel};
-      std::vector<WeightPiece> conv_pieces{{conv, conv_shape}};
-      if (c.weight_split > 1)  // q, k and v channels, each by key heads
-        conv_pieces = {section(conv, conv_shape, 0, kd, kh), section(conv, conv_shape, kd, kd, kh),
-                       section(conv, conv_shape, 2 * kd, vd, kh)};
-      L.conv = add_weight(weights_, std::move(conv_pieces), WeightRole::Norm, Shard::Rows);
+      L.conv = add_weight(weights_, qkv_pieces(c, lin_, a + "conv1d.weight", {cd, 1, lin_.conv_kernel}),
+                          WeightRole::Norm, Shard::Rows);
       L.a_log = add_weight(weights_, {{a + "A_log", {hv}, kh}}, WeightRole::Norm, Shard::Rows);
       L.dt_bias = add_weight(weights_, {{a + "dt_bias", {hv}, kh}}, WeightRole::Norm, Shard::Rows);
       L.gated_norm = add_norm(weights_, a + "norm.weight", lin_.v_dim);  // the gated norm: w, not 1 + w

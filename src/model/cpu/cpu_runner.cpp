@@ -510,9 +510,8 @@ CpuModelRunner::CpuModelRunner(ModelConfig config, const Checkpoint& ckpt, const
              "one KV spec and one backend per layer");
   HostWeightSink sink(storage_, block_storage_, block_parts_, options_.keep_blocks, weight_bytes_);
   // The checkpoint's shapes are the whole model's: the list comes from its definition.
-  ModelConfig split_cfg = cfg_;
-  split_cfg.weight_split = tp.world;
-  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(split_cfg) : nullptr;
+  const std::unique_ptr<ModelDefinition> whole =
+      tp.world > 1 ? make_model_definition(weight_config(cfg_, tp.world)) : nullptr;
   LoadedWeights lw = load_weights((whole ? *whole : *def_).weights(), ckpt, sink, cfg_.weight_quant, tp);
   weights_ = std::move(lw.weights);
   num_params_ = lw.num_params;

@@ -383,9 +383,8 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   KVLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.forward_done, cudaEventDisableTiming));
   WeightUploader up(m, m.weights);
   // The checkpoint's shapes are the whole model's: the list comes from its definition.
-  ModelConfig split_cfg = cfg_;
-  split_cfg.weight_split = tp.world;
-  const std::unique_ptr<ModelDefinition> whole = tp.world > 1 ? make_model_definition(split_cfg) : nullptr;
+  const std::unique_ptr<ModelDefinition> whole =
+      tp.world > 1 ? make_model_definition(weight_config(cfg_, tp.world)) : nullptr;
   LoadedWeights lw = load_weights((whole ? *whole : *m.def).weights(), ckpt, up, cfg_.weight_quant, tp);
   m.w = std::move(lw.weights);
   m.num_params = lw.num_params;
