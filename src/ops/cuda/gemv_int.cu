@@ -160,7 +160,7 @@ __device__ __forceinline__ float param_hi(uint32_t p) {
 template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
 __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
-                    const uint16_t* bias, void* y, int ldy, int m, int n, int k) {
+                    const uint16_t* bias, void* y, int ldy, int m, int n, int k, int g_step, int r_step) {
   constexpr bool zp = ZP;
   using Cfg = IntCfg<RT>;
   constexpr int S = Cfg::kStages, NW = kIntWarps, C = NT * 8, kRows = Cfg::kRows, kStageBytes = Cfg::kStageBytes;
@@ -210,18 +210,29 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     xon[q] = g + 8 * q < m;
     xr[q] = x + size_t(min(g + 8 * q, m - 1)) * size_t(k) + C16 * t;
   }
-  // x at the lane's columns of round i, already paired as the codes decode (the top of the
-  // file): B fragment b of word v is xw[q][2 (MMA of the word) + b], loaded a round ahead with
-  // the (s, b) of the lane's rows.
-  auto load_x = [&](int i, uint32_t (&xw)[NT][XW]) {
+  // x at the lane's columns of round i as loaded (16-byte words), a round ahead of its use, with
+  // the (s, b) of the lane's rows; pair_x permutes them as the codes decode (the top of the
+  // file) only when the round runs: B fragment b of word v is xw[q][2 (MMA of the word) + b].
+  // (Permuting at load time made every round wait for its successor's x: a third of the stall
+  // samples under Nsight Compute.)
+  constexpr int XU = XW / 4;
+  auto load_x = [&](int i, uint4 (&xa)[NT][XU]) {
     const int k0 = (worker + i * workers) * kRound;
     const bool ok = i < rounds && k0 + C16 * t < k;
 #pragma unroll
     for (int q = 0; q < NT; ++q)
 #pragma unroll
-      for (int u = 0; u < XW / 4; ++u) {
-        uint4 a = make_uint4(0, 0, 0, 0);
-        if (xon[q] && ok) a = __ldg(reinterpret_cast<const uint4*>(xr[q] + k0) + u);
+      for (int u = 0; u < XU; ++u) {
+        xa[q][u] = make_uint4(0, 0, 0, 0);
+        if (xon[q] && ok) xa[q][u] = __ldg(reinterpret_cast<const uint4*>(xr[q] + k0) + u);
+      }
+  };
+  auto pair_x = [&](const uint4 (&xa)[NT][XU], uint32_t (&xw)[NT][XW]) {
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int u = 0; u < XU; ++u) {
+        const uint4 a = xa[q][u];
         if constexpr (BITS == 4) {  // x0..x7 -> (x0, x4) (x1, x5) (x2, x6) (x3, x7)
           xw[q][4 * u] = __byte_perm(a.x, a.z, 0x5410), xw[q][4 * u + 1] = __byte_perm(a.x, a.z, 0x7632);
           xw[q][4 * u + 2] = __byte_perm(a.y, a.w, 0x5410), xw[q][4 * u + 3] = __byte_perm(a.y, a.w, 0x7632);
@@ -231,21 +242,37 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
         }
       }
   };
+  // load_p is called for rounds 0, 1, 2, ... in order: the group of the lane's first column in
+  // the next round it loads advances by a fixed quotient and remainder (an integer division by
+  // the runtime group every round was a tenth of the instructions), and each row's parameters
+  // start at a 32-bit offset (n * ng < 2^32: gemv_int checks). g_step, r_step: the quotient and
+  // remainder of (columns a round of all workers covers) / group, from the launch.
+  const int lane_col = worker * kRound + C16 * t;
+  int next_g = lane_col / group, next_r = lane_col % group;
+  uint32_t poff[RT][2];
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) poff[j][h] = uint32_t(rows[j][h]) * uint32_t(ng);
   auto load_p = [&](int i, uint32_t (&pr)[RT][2]) {
     const int k0 = (worker + i * workers) * kRound;
-    const int gi = i < rounds && k0 + C16 * t < k ? (k0 + C16 * t) / group : 0;
+    const uint32_t gi = i < rounds && k0 + C16 * t < k ? uint32_t(next_g) : 0u;
 #pragma unroll
     for (int j = 0; j < RT; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) pr[j][h] = __ldg(params + size_t(rows[j][h]) * size_t(ng) + size_t(gi));
+      for (int h = 0; h < 2; ++h) pr[j][h] = __ldg(params + (poff[j][h] + gi));
+    next_g += g_step, next_r += r_step;
+    if (next_r >= group) next_r -= group, ++next_g;
   };
   float acc[RT][NT][4] = {};
-  uint32_t xw[NT][XW], pr[RT][2];
-  load_x(0, xw);
+  uint4 xa[NT][XU];
+  uint32_t pr[RT][2];
+  load_x(0, xa);
   load_p(0, pr);
   for (int i = 0; i < rounds; ++i) {
-    uint32_t xn[NT][XW], pn[RT][2];
-    load_x(i + 1, xn);
+    uint32_t xw[NT][XW], pn[RT][2];
+    pair_x(xa, xw);
+    load_x(i + 1, xa);
     load_p(i + 1, pn);
     asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
     __syncwarp();
@@ -330,10 +357,6 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
       }
     }
 #pragma unroll
-    for (int q = 0; q < NT; ++q)
-#pragma unroll
-      for (int e = 0; e < XW; ++e) xw[q][e] = xn[q][e];
-#pragma unroll
     for (int j = 0; j < RT; ++j) pr[j][0] = pn[j][0], pr[j][1] = pn[j][1];
     __syncwarp();  // every lane has read this slot before it is refilled
   }
@@ -387,9 +410,11 @@ void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, in
   resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
   const int splits = std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, 4 * 128 / BITS));
   const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
+  const int stride = splits * kIntWarps * 4 * 128 / BITS;  // columns a round of every warp covers
   KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits,
                                              static_cast<const uint16_t*>(x), w.codes, w.params, w.group,
-                                             static_cast<const uint16_t*>(bias), y, ldy, m, n, k));
+                                             static_cast<const uint16_t*>(bias), y, ldy, m, n, k,
+                                             stride / w.group, stride % w.group));
 }
 
 template <class V, int BITS>
@@ -512,6 +537,9 @@ void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void
   if (m > kGemvIntMaxM)
     throw Error("gemv_int: takes m <= " + std::to_string(kGemvIntMaxM) + " (dequantize_int + the GEMM above)");
   check_int("gemv_int", ab, w, k);
+  if (int64_t(n) * (k / w.group) >= (int64_t(1) << 32))
+    throw Error("gemv_int: " + std::to_string(n) + " rows of " + std::to_string(k / w.group) +
+                " groups exceed the kernel's 32-bit parameter offsets");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int: x must be 16-byte aligned");
   if (out != ab && out != DType::F32) throw Error("gemv_int: output must be the input type or float32");
   if (ldy < n) throw Error("gemv_int: the output's row stride is shorter than its rows");
