@@ -34,6 +34,28 @@ struct Golden {
 
 inline std::filesystem::path golden_dir() { return test::repo_root() / "tests" / "golden"; }
 
+// The goldens' names (tests/golden/expected/*.json), sorted.
+inline std::vector<std::string> golden_names() {
+  std::vector<std::string> out;
+  const std::filesystem::path dir = golden_dir() / "expected";
+  if (!std::filesystem::exists(dir)) return out;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".json") out.push_back(e.path().stem().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Every KV cache mode the runners take.
+inline constexpr KVCacheDType kModes[] = {KVCacheDType::Auto,           KVCacheDType::BFloat16,        KVCacheDType::Float16,
+                                          KVCacheDType::Fp8E4M3,        KVCacheDType::Fp8E5M2,         KVCacheDType::Fp8PerTokenHead,
+                                          KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead};
+
+// The models and KV modes a reduced run (test::reduced()) keeps.
+inline bool reduced_model(const std::string& name) { return name == "qwen3-mixed" || name == "llama-mqa-hd"; }
+inline bool reduced_mode(KVCacheDType dt) {
+  return dt == KVCacheDType::Auto || dt == KVCacheDType::Fp8E4M3 || dt == KVCacheDType::Fp8PerTokenHead;
+}
+
 inline Golden load_golden(const std::string& name) {
   Golden g;
   g.name = name;

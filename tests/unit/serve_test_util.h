@@ -1,7 +1,7 @@
 // What the serving-engine tests share: the stories260K checkpoint, the exact-page check,
 // loading a checkpoint with a KV cache dtype, a request whose outputs are collected, random
-// prompts, one request run alone, a runner that samples "on its device", and running an
-// engine until it is idle.
+// prompts, one request run alone, a runner that samples "on its device", running an
+// engine until it is idle, and the batched-equals-sequential check.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -177,6 +177,48 @@ inline void run_to_end(LLMEngine& le) {
     ASSERT_LT(guard, 100000) << "the scheduler made no progress";
     le.step();
   }
+}
+
+// Greedy outputs of a continuously batched, chunk-prefilled, preempted run equal the
+// outputs of the same prompts run one at a time — per model, with mixed attention kinds.
+inline void check_batched_equals_sequential(const std::filesystem::path& model, KVCacheDType dt, int num_blocks, int budget, int keep_sink = 0,
+                                     int keep_recent = 0) {
+  auto e = load(model, dt, 8, keep_sink, keep_recent);
+  std::mt19937 rng(7);
+  const int vocab = e->config().vocab_size;
+  std::vector<std::vector<TokenId>> prompts;
+  std::vector<int> max_tokens;
+  for (int i = 0; i < 9; ++i) {
+    prompts.push_back(random_prompt(rng, 5 + int(rng() % 60), vocab));
+    max_tokens.push_back(4 + int(rng() % 20));
+  }
+  std::vector<std::vector<TokenId>> expected;
+  for (size_t i = 0; i < prompts.size(); ++i) expected.push_back(one_at_a_time(*e, prompts[i], max_tokens[i]));
+
+  std::map<std::string, Collected> out;
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 6, .max_num_batched_tokens = budget, .max_model_len = 128,
+                                   .enable_prefix_caching = true, .num_blocks = num_blocks});
+  for (size_t i = 0; i < prompts.size(); ++i) le.add_request(make("r" + std::to_string(i), prompts[i], max_tokens[i], out));
+  run_to_end(le);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const Collected& c = out["r" + std::to_string(i)];
+    EXPECT_EQ(c.tokens, expected[i]) << model << " request " << i;
+    EXPECT_EQ(c.reason, FinishReason::Length);
+    EXPECT_EQ(c.finishes, 1);
+  }
+  const EngineStats st = le.stats();
+  EXPECT_EQ(st.num_running, 0);
+  EXPECT_EQ(st.num_waiting, 0);
+  EXPECT_EQ(le.blocks().num_used(), 0) << "pages leaked";
+  expect_exact_pages_released(le.blocks());
+  EXPECT_EQ(le.blocks().num_exact_pages() > 0, keep_sink + keep_recent > 0);
+  EXPECT_EQ(st.requests_finished_total.at("length"), prompts.size());
+  uint64_t gen = 0;
+  for (int m : max_tokens) gen += uint64_t(m);
+  EXPECT_EQ(st.generation_tokens_total, gen);
+  // The small pools below force preemption; the large one must not preempt at all.
+  if (num_blocks < 40) EXPECT_GT(st.preemptions_total, 0u) << "the test meant to exercise preemption";
+  else EXPECT_EQ(st.preemptions_total, 0u);
 }
 
 }  // namespace kvlm::testing
