@@ -59,7 +59,7 @@ void ModelFlags::add_to(CLI::App& cmd) {
                "GGUF and 4-bit (AWQ, GPTQ, compressed-tensors) checkpoints: dequantize the quantized weights at "
                "load (float32 on the CPU, the compute dtype on CUDA) instead of computing from them as stored: "
                "4-8x the memory (the reference path: AWQ / GPTQ / compressed-tensors values exact); faster on CUDA "
-               "above ~4 concurrent sequences and for long prompts, until the 4-bit GEMM lands");
+               "above ~16 concurrent sequences, until the 4-bit GEMM lands");
   cmd.add_option("--runner", runner,
                  "what the model runs as: generate (text), pooling (an embedding model: `kvlm serve` answers "
                  "/v1/embeddings), or auto (pooling when the model directory holds sentence-transformers' "

@@ -360,8 +360,8 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
                 " tensors kept quantized (grouped codes)" +
                 (opts.dequantize_weights ? " (--dequantize-weights)" : "") + ", the rest " +
                 std::string(dtype_name(e->plan_->dtype)) +
-                (gpu->block_tensors() > 0 ? ". Kept codes decode faster up to ~4 sequences at a time; with more, "
-                                            "or for long prompts, --dequantize-weights is faster (until kvlm has a "
+                (gpu->block_tensors() > 0 ? ". Kept codes decode as fast or faster up to ~16 sequences at a time; "
+                                            "with more, --dequantize-weights is faster (until kvlm has a "
                                             "grouped-code GEMM)"
                                           : ""));
     e->model_ = std::move(gpu);
