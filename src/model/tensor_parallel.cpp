@@ -54,6 +54,7 @@ TpLayout tp_layout(const ModelConfig& c, int world) {
   t.kv_heads = c.num_kv_heads >= world ? c.num_kv_heads / world : 1;
   t.kv_replicas = c.num_kv_heads >= world ? 1 : world / c.num_kv_heads;
   t.intermediate = c.intermediate_size / world;
+  if (c.moe) t.expert_width = c.moe->expert_parallel ? c.moe->expert_size : c.moe->expert_size / world;
   return t;
 }
 
@@ -67,9 +68,8 @@ ModelConfig shard_config(const ModelConfig& c, TpRank rank) {
   if (r.moe && r.moe->expert_parallel) {
     r.moe->local_experts = r.moe->num_experts / world;
     r.moe->expert_begin = rank.rank * r.moe->local_experts;
-  } else if (r.moe) {
-    r.moe->expert_size /= world;
   }
+  if (r.moe) r.moe->expert_size = int(t.expert_width);
   if (r.moe) r.moe->shared_expert_size /= world;
   if (r.linear_attention) {
     r.linear_attention->k_heads /= world;

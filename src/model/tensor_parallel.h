@@ -39,6 +39,8 @@ struct TpLayout {
   int kv_heads = 0;        // KV heads per rank
   int kv_replicas = 1;     // ranks that hold each KV head (> 1 when the model has fewer KV heads than ranks)
   int64_t intermediate = 0;  // MLP width per rank
+  int64_t expert_width = 0;  // a mixture of experts' per-expert width per rank: the whole width
+                             // under expert parallelism (whole experts per rank), else a share
 };
 
 // Checks that `world` ranks can split `c` and says how; throws kvlm::Error naming the config

@@ -42,6 +42,7 @@
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "runner_test_util.h"
+#include "../golden/kld_bounds.h"
 #include "offline/embed.h"
 #include "offline/generate.h"
 #include "offline/score.h"
@@ -85,41 +86,13 @@ double top2_margin(const float* row, int V) {
   return row[ia] - second;
 }
 
-// The CPU golden test's KL bounds (tests/golden/test_golden.cpp), per mode.
-// Mixtures of experts: the CPU test's own FP8 bounds (routing swaps; test_golden.cpp says why).
-struct Bounds {
-  KVCacheDType dt;
-  double mean_kld, max_kld, trained_mean_kld, trained_max_kld;
-  double moe_mean_kld = 0, moe_max_kld = 0;
-};
-const Bounds kBounds[] = {
-    {KVCacheDType::Float16, 5e-7, 2e-6, 1e-5, 4e-5},
-    {KVCacheDType::BFloat16, 3e-5, 1.2e-4, 4e-4, 2e-3},
-    {KVCacheDType::Fp8E4M3, 6e-3, 3e-2, 0.12, 0.6, 8e-3, 0.1},
-    {KVCacheDType::Fp8E5M2, 2.5e-2, 0.25, 0.5, 2.0, 7e-2, 1.8},
-    {KVCacheDType::Fp8PerTokenHead, 5e-3, 2.5e-2, 0.08, 0.55, 1.2e-2, 0.25},
-    {KVCacheDType::Int8PerTokenHead, 3e-4, 1.5e-3, 1.5e-3, 5e-3},
-    // int4 max_kld: 0.196 on the CPU and 0.314 on CUDA (bf16 compute) for qwen3-mixed-fp8-block's prompt
-    // (one row of 86; session 19), the largest seen: 0.6 is ~2x it.
-    {KVCacheDType::Int4PerTokenHead, 5e-2, 0.6, 0.25, 1.5},
-};
-
-// {mean, max} KL bounds of `b` for golden `g`.
-std::pair<double, double> kld_bounds(const Bounds& b, const Golden& g) {
-  if (g.name == "stories260K") return {b.trained_mean_kld, b.trained_max_kld};
-  if (g.meta.contains("min_router_gap") && !g.meta["min_router_gap"].is_null() && b.moe_max_kld > 0)
-    return {b.moe_mean_kld, b.moe_max_kld};
-  return {b.mean_kld, b.max_kld};
-}
-
 // A mixture of experts with a quantized cache: bf16 (CUDA) and fp32 (CPU) compute quantize some
 // K/V rows to neighbouring codes, and where that moves a router logit past another expert's the
 // row's output jumps (measured: max|cuda-cpu| 7.4% of the largest logit on qwen3-moe with
 // fp8_per_token_head, 9% on gpt-oss with int4 and exact tokens; KLD 1e-3). There the two
 // runners' distributions must agree within the mode's mean KLD bound to transformers instead.
 bool moe_quantized(const Golden& g, KVCacheDType dt) {
-  const bool moe = g.meta.contains("min_router_gap") && !g.meta["min_router_gap"].is_null();
-  return moe && dt != KVCacheDType::Auto && dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16;
+  return is_moe(g.meta) && dt != KVCacheDType::Auto && dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16;
 }
 
 // The hybrid mixtures of experts (Qwen3-Next, Qwen3.5-MoE) swap experts in every mode, even in
@@ -129,11 +102,10 @@ bool moe_quantized(const Golden& g, KVCacheDType dt) {
 // (CudaRunnerHybrid.MixturesOfExpertsMatchTheCpuWithTheRoutingFixed, every KV mode); against
 // transformers, the greedy tokens and the decisions their margins allow still hold.
 bool routing_swaps(const Golden& g) {
-  const bool moe = g.meta.contains("min_router_gap") && !g.meta["min_router_gap"].is_null();
-  return moe && load_model_config(g.model_dir).linear_attention.has_value();
+  return is_moe(g.meta) && load_model_config(g.model_dir).linear_attention.has_value();
 }
 double mean_kld_bound(const Golden& g, KVCacheDType dt) {
-  return kld_bounds(*std::ranges::find(kBounds, dt, &Bounds::dt), g).first;
+  return kld_bounds(dt, g.name, g.meta).first;
 }
 
 // The compute dtype a golden's CUDA runs use: the model's, except for the hybrid linear-attention
@@ -263,11 +235,11 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
     EXPECT_LT(margin, 2 * s0.row_err[row]) << g.name << ": greedy diverged where the decision was not a near-tie";
   }
 
-  for (const Bounds& b : kBounds) {
+  for (const KldBounds& b : kKldBounds) {
     auto eq = load(g.model_dir, b.dt, Device::Cuda, compute_for(g));
     const Stats s = compare(g.logits, teacher_forced(*eq, all, 16), g.vocab, first);
-    const double mean_bound = kld_bounds(b, g).first + 4 * s0.mean_kld;
-    const double max_bound = kld_bounds(b, g).second + 4 * s0.max_kld;
+    const double mean_bound = kld_bounds(b, g.name, g.meta).first + 4 * s0.mean_kld;
+    const double max_bound = kld_bounds(b, g.name, g.meta).second + 4 * s0.max_kld;
     std::printf("[cuda-golden] %-12s %-20s max|dlogit|=%.3e mean_kld=%.2e (bound %.1e) max_kld=%.2e (bound %.1e) "
                 "decisions %d/%d\n",
                 g.name.c_str(), std::string(kv_cache_dtype_name(b.dt)).c_str(), s.max_abs, s.mean_kld, mean_bound,
@@ -297,13 +269,14 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
   std::string skipped;
   for (const int n : {2, 4, 8}) {
     if (n > gpus) break;
+    TpLayout layout;
     try {
-      tp_layout(cfg, n);
+      layout = tp_layout(cfg, n);
     } catch (const Error&) {
       continue;
     }
     if (cfg.moe) {  // the golden MoE models' experts (32 wide) split below the kernels' 32 columns
-      const int inter = cfg.moe->expert_parallel ? cfg.moe->expert_size : cfg.moe->expert_size / n;
+      const int inter = int(layout.expert_width);
       if (!cuda::moe_fits(cfg.hidden_size, inter, cfg.moe->num_experts, cfg.moe->top_k)) {
         std::printf("[cuda-tp] %-12s tp=%d not run: each rank's experts are %d wide, the CUDA expert kernels take "
                     "multiples of 32 (refused at load)\n", g.name.c_str(), n, inter);
@@ -356,9 +329,9 @@ TEST_P(CudaRunnerGolden, TensorParallelMatchesOneGpu) {
           // A quantized cache rounds K/V from those sums, so two valid runs differ by codes on a
           // rounding edge (stories260K, trained: up to 7.7% of the largest logit): the group
           // keeps one GPU's bounds to transformers (MatchesTransformers).
-          const Bounds& b = *std::ranges::find(kBounds, dt, &Bounds::dt);
-          EXPECT_LT(h.mean_kld, kld_bounds(b, g).first + 4 * s0.mean_kld) << g.name << " tp=" << n;
-          EXPECT_LT(h.max_kld, kld_bounds(b, g).second + 4 * s0.max_kld) << g.name << " tp=" << n;
+          const auto bound = kld_bounds(dt, g.name, g.meta);
+          EXPECT_LT(h.mean_kld, bound.first + 4 * s0.mean_kld) << g.name << " tp=" << n;
+          EXPECT_LT(h.max_kld, bound.second + 4 * s0.max_kld) << g.name << " tp=" << n;
           EXPECT_EQ(h.decisions_failed, 0) << g.name << " tp=" << n << " " << kv_cache_dtype_name(dt);
         }
       }

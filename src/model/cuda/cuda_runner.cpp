@@ -367,7 +367,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
                   " was assigned '" + l.backend + "'");
   if (cfg_.moe) {
     const int world = opts.comm ? opts.comm->world_size() : 1;
-    const int inter = cfg_.moe->expert_parallel ? cfg_.moe->expert_size : cfg_.moe->expert_size / world;
+    const int inter = int(tp_layout(cfg_, world).expert_width);
     if (!cuda::moe_fits(cfg_.hidden_size, inter, cfg_.moe->num_experts, cfg_.moe->top_k))
       throw Error(std::string(arch_name(cfg_.arch)) + ": the CUDA expert kernels need hidden_size (" +
                   std::to_string(cfg_.hidden_size) + ") and each rank's expert width (" + std::to_string(inter) +

@@ -157,6 +157,10 @@ __device__ __forceinline__ float param_hi(uint32_t p) {
 
 // ZP: a zero-point layout (IntWeight::zero_point), a template parameter because a runtime
 // choice costs the m = 9-16 variants 20 more bytes of spills and 12-25% of their time.
+// Columns of k one warp covers per round: each of a row's 4 lanes loads 16 bytes of codes.
+template <int BITS>
+constexpr int kIntRound = 4 * (128 / BITS);
+
 template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
 __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
@@ -165,7 +169,7 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
   using Cfg = IntCfg<RT>;
   constexpr int S = Cfg::kStages, NW = kIntWarps, C = NT * 8, kRows = Cfg::kRows, kStageBytes = Cfg::kStageBytes;
   constexpr int C16 = 128 / BITS;   // codes in a lane's 16 bytes
-  constexpr int kRound = 4 * C16;   // columns per round
+  constexpr int kRound = kIntRound<BITS>;
   constexpr int XW = C16 / 2;       // 32-bit words of x per lane, row of x and round
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int row0 = int(blockIdx.x) * kRows;
@@ -408,9 +412,9 @@ void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, in
   using Cfg = IntCfg<RT>;
   constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM, ZP>;
   resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
-  const int splits = std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, 4 * 128 / BITS));
+  const int splits = std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, kIntRound<BITS>));
   const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
-  const int stride = splits * kIntWarps * 4 * 128 / BITS;  // columns a round of every warp covers
+  const int stride = splits * kIntWarps * kIntRound<BITS>;  // columns a round of every warp covers
   KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits,
                                              static_cast<const uint16_t*>(x), w.codes, w.params, w.group,
                                              static_cast<const uint16_t*>(bias), y, ldy, m, n, k,
