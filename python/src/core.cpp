@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "attention/backend.h"
-#include "config/cache_config.h"
+#include "kv/cache_config.h"
 #include "config/speculative_config.h"
 #include "config/weight_quant.h"
 #include "core/error.h"

@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/cache_config.h"
+#include "kv/cache_config.h"
 #include "engine/engine_args.h"
 #include "model/loaded_model.h"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "core/index_types.h"
 #include "kv/kv_cache.h"
 

@@ -5,7 +5,7 @@
 #include <limits>
 #include <vector>
 
-#include "attention/kv_format.h"
+#include "kv/kv_format.h"
 #include "core/error.h"
 
 namespace kvlm {
@@ -14,14 +14,7 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
   static const BackendCapabilities caps{
       .name = "cpu",
       .device = Device::Cpu,
-      .kv_formats = {{DType::F32, KVQuantMode::None},
-                     {DType::F16, KVQuantMode::None},
-                     {DType::BF16, KVQuantMode::None},
-                     {DType::F8E4M3, KVQuantMode::Fp8PerTensor},
-                     {DType::F8E5M2, KVQuantMode::Fp8PerTensor},
-                     {DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
-                     {DType::I8, KVQuantMode::Int8PerTokenHead},
-                     {DType::I4, KVQuantMode::Int4PerTokenHead}},
+      .kv_formats = kv_formats_of(KVFormatSet::All),  // every format of the table
       .head_sizes = {},
       .max_head_size = 1024,
       .causal = true,
@@ -84,18 +77,7 @@ namespace {
 
 constexpr int kQueryTile = 16;  // queries sharing one decoded page
 
-struct Span {
-  int lo, hi;  // visible key positions [lo, hi)
-};
-
-Span visible(const KVLayerSpec& s, int pos, int kv_len) {
-  switch (s.attn.kind) {
-    case AttentionKind::Full: return {0, pos + 1};
-    case AttentionKind::Sliding: return {std::max(0, pos - s.attn.window + 1), pos + 1};
-    case AttentionKind::NonCausal: return {0, kv_len};
-  }
-  return {0, 0};
-}
+KeyRange visible(const KVLayerSpec& s, int pos, int kv_len) { return visible_keys(s.attn.kind, s.attn.window, pos, kv_len); }
 
 }  // namespace
 
@@ -122,15 +104,15 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
           KVLM_CHECK(seq.exact_table[size_t(bi)] >= 0, "a key read exact has no exact page (engine bookkeeping)");
       };
       for (int t = 0; t < seq.q_len; ++t) {
-        const Span sp = visible(s, first_pos + t, seq.kv_len);
-        const int qpos = s.attn.kind == AttentionKind::NonCausal ? seq.kv_len - 1 : first_pos + t;
+        const KeyRange sp = visible(s, first_pos + t, seq.kv_len);
+        const int qpos = exact_anchor(s.attn.kind, first_pos + t, seq.kv_len);
         covered(sp.lo, std::min(sp.hi, s.keep_sink));
         covered(std::max(sp.lo, qpos - s.keep_recent + 1), sp.hi);
       }
     }
   }
   // Exact sink / recent tokens: key j of the query at position p is read from the exact page
-  // when kv_key_exact(j, p, ...) (non-causal layers: p = the sequence's last position).
+  // when kv_key_exact(j, exact_anchor(...), ...) (kv/attention_mask.h).
   const bool exact = s.keeps_exact();
   const DType exact_dtype = exact ? s.exact_storage : DType::F32;
   kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
@@ -156,7 +138,7 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
           std::vector<float> score(static_cast<size_t>(bs));
           int lo = std::numeric_limits<int>::max(), hi = 0;
           for (int t = t0; t < t1; ++t) {
-            const Span sp = visible(s, first_pos + t, seq.kv_len);
+            const KeyRange sp = visible(s, first_pos + t, seq.kv_len);
             lo = std::min(lo, sp.lo);
             hi = std::max(hi, sp.hi);
           }
@@ -187,11 +169,11 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
               }
             }
             for (int t = t0; t < t1; ++t) {
-              const Span sp = visible(s, first_pos + t, seq.kv_len);
+              const KeyRange sp = visible(s, first_pos + t, seq.kv_len);
               const int a = std::max(j0, sp.lo), b = std::min(j1, sp.hi);
               if (a >= b) continue;
               // This query's rows of the page: exact where kv_key_exact says so.
-              const int qpos = s.attn.kind == AttentionKind::NonCausal ? seq.kv_len - 1 : first_pos + t;
+              const int qpos = exact_anchor(s.attn.kind, first_pos + t, seq.kv_len);
               auto key_row = [&](const std::vector<float>& quant, const std::vector<float>& ex, int j) {
                 const bool from_exact = exact && kv_key_exact(j, qpos, s.keep_sink, s.keep_recent);  // page checked above
                 return (from_exact ? ex.data() : quant.data()) + size_t(j - bi * bs) * size_t(d);

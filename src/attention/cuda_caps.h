@@ -13,6 +13,7 @@
 
 #include "attention/backend.h"
 #include "attention/selector.h"
+#include "kv/kv_formats.h"
 
 namespace kvlm {
 
@@ -107,13 +108,7 @@ inline BackendCapabilities make_cuda_attention_capabilities(std::string_view arc
   BackendCapabilities caps{
       .name = "cuda",
       .device = Device::Cuda,
-      .kv_formats = {{DType::F16, KVQuantMode::None},
-                     {DType::BF16, KVQuantMode::None},
-                     {DType::F8E4M3, KVQuantMode::Fp8PerTensor},
-                     {DType::F8E5M2, KVQuantMode::Fp8PerTensor},
-                     {DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
-                     {DType::I8, KVQuantMode::Int8PerTokenHead},
-                     {DType::I4, KVQuantMode::Int4PerTokenHead}},
+      .kv_formats = kv_formats_of(KVFormatSet::Cuda),
       .head_sizes = {8, 16, 32, 64, 128, 256},
       .max_head_size = 256,
       .causal = true,
@@ -125,9 +120,9 @@ inline BackendCapabilities make_cuda_attention_capabilities(std::string_view arc
       .priority = 100,  // above cpu (10)
       .description = "paged CUDA kernels: split-KV decode, per-row multi-token path; bf16 queries, fp32 accumulation",
   };
-  const std::vector<KVStorage> fp8{{DType::F8E4M3, KVQuantMode::Fp8PerTensor},
-                                   {DType::F8E5M2, KVQuantMode::Fp8PerTensor},
-                                   {DType::F8E4M3, KVQuantMode::Fp8PerTokenHead}};
+  std::vector<KVStorage> fp8;  // the formats whose codes are FP8
+  for (const KVStorage& kv : caps.kv_formats)
+    if (kv.storage == DType::F8E4M3 || kv.storage == DType::F8E5M2) fp8.push_back(kv);
   const auto entries = parse_archs(archs);
   bool open_ended = !entries;  // the last tier's code also runs on every later GPU
   auto tier_at = [&](int cc) -> std::optional<ComputeTier> {

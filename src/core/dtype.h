@@ -16,7 +16,7 @@
 
 namespace kvlm {
 
-// I4: 4-bit KV codes 0..15, two per byte (the int4 KV format: attention/kv_format.h's kvfmt::I4).
+// I4: 4-bit KV codes 0..15, two per byte (the int4 KV format: kv/kv_format.h's kvfmt::I4).
 enum class DType : uint8_t { F32, F16, BF16, F8E4M3, F8E5M2, I8, I32, I64, U8, Bool, F64, I4 };
 
 // Bytes of one element; an error for I4 (half a byte: use dtype_bits / dtype_bytes).

@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "config/cache_config.h"
+#include "kv/cache_config.h"
 #include "engine/memory_plan.h"
 #include "engine/scheduler.h"
 #include "model/loaded_model.h"

@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "model/loaded_model.h"
 
 namespace kvlm {

@@ -18,7 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "config/model_config.h"
 #include "io/gguf_model.h"
 #include "io/int4_checkpoint.h"

@@ -3,13 +3,15 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kv/kv_formats.h"
 
 namespace kvlm {
 
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size) {
   const size_t rows = size_t(spec.attn.num_kv_heads) * size_t(block_size);
-  return {.codes = dtype_bytes(spec.storage, rows * size_t(spec.attn.head_dim)),
-          .scales = is_per_token_head(spec.quant) ? rows * sizeof(float) : 0,
+  const KVStorage kv{spec.storage, spec.quant};
+  return {.codes = rows * kv_row_code_bytes(kv, spec.attn.head_dim),
+          .scales = rows * kv_row_scale_bytes(kv),
           .exact = spec.exact_bytes_per_token() / 2 * size_t(block_size)};
 }
 

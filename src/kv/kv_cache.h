@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "core/index_types.h"
 
 namespace kvlm {

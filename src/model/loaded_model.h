@@ -9,8 +9,8 @@
 #include <string>
 
 #include "attention/selector.h"
-#include "config/cache_config.h"
-#include "config/kv_plan.h"
+#include "kv/cache_config.h"
+#include "kv/kv_plan.h"
 #include "config/model_config.h"
 #include "config/pooling_config.h"
 #include "config/speculative_config.h"

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <string>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "config/model_config.h"
 
 namespace kvlm {

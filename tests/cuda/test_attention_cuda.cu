@@ -42,7 +42,8 @@
 #include "attention/cpu_backend.h"
 #include "attention/cuda_caps.h"
 #include "attention/selector.h"
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
+#include "kv/kv_formats.h"
 #include "core/error.h"
 #include "core/numeric.h"
 #include "ops/cuda/attention_ops.h"
@@ -548,7 +549,9 @@ TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {
     cuda::paged_attention(p, nullptr);
     FAIL() << "float32 pages accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("supported: bfloat16/float16"), std::string::npos) << e.what();
+    const std::string supported = "supported: " + describe_kv_formats(KVFormatSet::Cuda);
+    EXPECT_NE(std::string(e.what()).find(supported), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("float16/bfloat16 with none"), std::string::npos) << e.what();
   }
   p.storage = DType::BF16;
   p.head_dim = 96;

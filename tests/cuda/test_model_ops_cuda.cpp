@@ -21,8 +21,8 @@
 #include <tuple>
 
 #include "attention/cpu_backend.h"
-#include "attention/kv_format.h"
-#include "config/kv_plan.h"
+#include "kv/kv_format.h"
+#include "kv/kv_plan.h"
 #include "core/hadamard.h"
 #include "core/numeric.h"
 #include "act_test_util.h"

@@ -5,7 +5,7 @@ import os
 import re
 import sys
 
-LAYERS = ["core", "config", "io", "text", "kv", "attention", "ops", "sampling", "model", "engine", "offline", "server",
+LAYERS = ["core", "config", "kv", "io", "text", "attention", "ops", "sampling", "model", "engine", "offline", "server",
           "app"]
 
 

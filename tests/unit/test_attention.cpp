@@ -17,8 +17,8 @@
 #include <tuple>
 
 #include "attention/cpu_backend.h"
-#include "attention/kv_format.h"
-#include "config/kv_plan.h"
+#include "kv/kv_format.h"
+#include "kv/kv_plan.h"
 #include "core/hadamard.h"
 
 using namespace kvlm;

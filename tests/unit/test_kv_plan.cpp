@@ -2,7 +2,7 @@
 // sources, exact bytes per token, and one plan for target and draft layers alike.
 #include <gtest/gtest.h>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "core/error.h"
 
 using namespace kvlm;

@@ -1,4 +1,4 @@
-// Paged KV storage: exact per-layer sizes, quantize-on-write per format, block allocator.
+// Paged KV storage: exact per-layer sizes, quantize-on-write per format.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,9 +6,8 @@
 #include <random>
 
 #include "attention/cpu_backend.h"
-#include "attention/kv_format.h"
+#include "kv/kv_format.h"
 #include "core/numeric.h"
-#include "kv/block_allocator.h"
 #include "kv/kv_cache.h"
 
 using namespace kvlm;
@@ -153,17 +152,3 @@ TEST(KVCache, Int4EdgeRows) {
   EXPECT_EQ(slot >> 16, 0u) << "a -0 zero point is stored as +0";
 }
 
-TEST(BlockAllocator, AllocatesEveryBlockOnceAndReuses) {
-  BlockAllocator a(4);
-  std::vector<BlockId> got;
-  while (auto b = a.allocate()) got.push_back(*b);
-  EXPECT_EQ(got.size(), 4u);
-  std::sort(got.begin(), got.end());
-  EXPECT_EQ(got, (std::vector<BlockId>{0, 1, 2, 3}));
-  EXPECT_EQ(a.num_free(), 0);
-  a.free(2);
-  EXPECT_EQ(a.allocate(), BlockId(2));
-  EXPECT_THROW(a.free(7), Error);
-  a.free(1);
-  EXPECT_THROW(a.free(1), Error);
-}

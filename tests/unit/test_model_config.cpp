@@ -4,7 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "config/model_config.h"
 #include "core/error.h"
 

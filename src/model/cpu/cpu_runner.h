@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "attention/backend.h"
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "config/model_config.h"
 #include "io/checkpoint.h"
 #include "kv/kv_cache.h"

@@ -20,7 +20,7 @@
 
 #include <memory>
 
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 #include "io/checkpoint.h"
 #include "kv/kv_cache.h"
 #include "model/architecture.h"

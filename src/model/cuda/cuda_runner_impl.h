@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "attention/selector.h"
-#include "config/cache_config.h"
+#include "kv/cache_config.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"

@@ -5,7 +5,7 @@
 //   K, V pages   [num_blocks][num_kv_heads][block_size][head_dim] of the layer's storage type
 //   token scales [num_blocks][num_kv_heads][block_size] 32-bit slots (per-token-head modes only:
 //                fp32 scales; int4: {f16 step, f16 zero point}, kvfmt::I4)
-// A token's slot is block_id * block_size + offset. Quantization follows attention/kv_format.h
+// A token's slot is block_id * block_size + offset. Quantization follows kv/kv_format.h
 // bit for bit (code = convert(x / scale); per-token-head scale = max(absmax / qmax, 1e-6)).
 //
 // Supported (storage, quant mode) pairs — anything else throws kvlm::Error naming this set:
@@ -95,8 +95,8 @@ struct PagedAttentionParams {
   const int32_t* kv_lens = nullptr;       // [num_seqs] cached tokens incl. the new ones
   const BlockId* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq], padded
   // Exact sink / recent tokens (null exact_k: none): key j of the query at position pos is
-  // read from the exact pages when j < keep_sink or pos - j < keep_recent (kv_plan.h's
-  // kv_key_exact; non-causal: pos = kv_len - 1), through exact_tables (the block tables'
+  // read from the exact pages when j < keep_sink or pos - j < keep_recent
+  // (kv/attention_mask.h's kv_key_exact; non-causal: pos = kv_len - 1), through exact_tables (the block tables'
   // shape: the exact page of each page). The decode tensor-core kernel (2, chosen
   // automatically where it fits, also for multi-token rows) takes the quantized keys — one
   // interval per query — and the CUDA-core kernel an exact pass over the exact ones, one more

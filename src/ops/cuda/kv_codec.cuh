@@ -1,5 +1,6 @@
-// Device-side KV page formats: the CUDA twin of attention/kv_format.h. One struct per
-// (storage, quant mode) pair, each with
+// Device-side KV page formats: the CUDA twin of kv/kv_format.h. One struct per
+// (storage, quant mode) pair of the format table (kv/kv_formats.h) marked `cuda`, each with
+//   kKV            its (storage, quant mode) pair,
 //   Vec            the raw type of 8 consecutive elements (one 16, 8 or 4 B load),
 //   kBits          bits per code (16, 8; 4 for int4, which has no per-element Code type),
 //   decode8(v, f)  8 codes -> 8 floats, in registers, WITHOUT the scale (scales are folded
@@ -7,7 +8,7 @@
 //   encode(x)      one float (already divided by its scale) -> one code, bit-identical to the
 //                  CPU codec (kvfmt::*::encode), so pages written on either side are equal.
 // dispatch_cuda_kv() is the single (storage, mode) switch of the CUDA kernels; a pair
-// outside the set throws kvlm::Error naming the set.
+// outside the table's CUDA rows throws kvlm::Error naming them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/numeric.h"
+#include "kv/kv_formats.h"
 
 // FP8 conversions: sm_89 and later have instructions for them (cvt.rn.f16x2.e4m3x2,
 // cvt.rn.satfinite.e4m3x2.f32 / .e5m2x2.f32); sm_80 — also what compute capability 8.6 and
@@ -95,6 +97,7 @@ enum class Scale { None, PerTensor, PerTokenHead };
 
 struct FmtBF16 {
   using Vec = uint4;  // 8 x bf16
+  static constexpr KVStorage kKV{DType::BF16, KVQuantMode::None};
   using Code = uint16_t;
   static constexpr int kBits = 16;
   static constexpr Scale kScale = Scale::None;
@@ -113,6 +116,7 @@ struct FmtBF16 {
 
 struct FmtF16 {
   using Vec = uint4;
+  static constexpr KVStorage kKV{DType::F16, KVQuantMode::None};
   using Code = uint16_t;
   static constexpr int kBits = 16;
   static constexpr Scale kScale = Scale::None;
@@ -136,6 +140,7 @@ struct FmtF16 {
 template <Scale S>
 struct FmtE4M3 {
   using Vec = uint2;  // 8 x fp8
+  static constexpr KVStorage kKV{DType::F8E4M3, S == Scale::PerTensor ? KVQuantMode::Fp8PerTensor : KVQuantMode::Fp8PerTokenHead};
   using Code = uint8_t;
   static constexpr int kBits = 8;
   static constexpr Scale kScale = S;
@@ -163,6 +168,7 @@ struct FmtE4M3 {
 // same code on every architecture; only encode needs fp8::).
 struct FmtE5M2 {
   using Vec = uint2;
+  static constexpr KVStorage kKV{DType::F8E5M2, KVQuantMode::Fp8PerTensor};
   using Code = uint8_t;
   static constexpr int kBits = 8;
   static constexpr Scale kScale = Scale::PerTensor;
@@ -187,6 +193,7 @@ struct FmtE5M2 {
 
 struct FmtI8 {
   using Vec = uint2;
+  static constexpr KVStorage kKV{DType::I8, KVQuantMode::Int8PerTokenHead};
   using Code = uint8_t;
   static constexpr int kBits = 8;
   static constexpr Scale kScale = Scale::PerTokenHead;
@@ -204,7 +211,7 @@ struct FmtI8 {
   }
 };
 
-// INT4 with a step and a zero point per (token, kv head) (attention/kv_format.h: kvfmt::I4):
+// INT4 with a step and a zero point per (token, kv head) (kv/kv_format.h: kvfmt::I4):
 // 8 codes per 32-bit word, byte k = element k (low nibble) | element k + 4 (high nibble),
 // offset-binary 0..15; the row's scale slot holds {f16 step, f16 zero}. decode8 returns the
 // codes (0..15) as floats; a key's value is code * step + zero, which the kernels apply as
@@ -213,6 +220,7 @@ struct FmtI8 {
 // zero, exactly as the CPU codec computes them.
 struct FmtI4 {
   using Vec = uint32_t;  // 8 x int4
+  static constexpr KVStorage kKV{DType::I4, KVQuantMode::Int4PerTokenHead};
   static constexpr int kBits = 4;
   static constexpr Scale kScale = Scale::PerTokenHead;
   static constexpr float kLevels = 15.0f;
@@ -268,34 +276,15 @@ inline constexpr bool kIsInt4 = false;
 template <>
 inline constexpr bool kIsInt4<FmtI4> = true;
 
-inline constexpr const char* kSupportedCudaKV =
-    "bfloat16/float16 with none, fp8_e4m3/fp8_e5m2 with fp8_per_tensor, fp8_e4m3 with fp8_per_token_head, int8 "
-    "with int8_per_token_head, int4 with int4_per_token_head";
+// The CUDA codecs: the table's `cuda` rows (kv/kv_formats.h), checked here at compile time.
+using CudaCodecs = KVCodecList<FmtF16, FmtBF16, FmtE4M3<Scale::PerTensor>, FmtE5M2, FmtE4M3<Scale::PerTokenHead>, FmtI8,
+                               FmtI4>;
+static_assert(check_codecs(CudaCodecs{}, KVFormatSet::Cuda), "a CUDA row of kKVFormats without a codec, or a codec outside it");
 
 // The one (storage, mode) switch of the CUDA kernels.
 template <class F>
 void dispatch_cuda_kv(DType storage, KVQuantMode mode, F&& f) {
-  switch (mode) {
-    case KVQuantMode::None:
-      if (storage == DType::BF16) return f(FmtBF16{});
-      if (storage == DType::F16) return f(FmtF16{});
-      break;
-    case KVQuantMode::Fp8PerTensor:
-      if (storage == DType::F8E4M3) return f(FmtE4M3<Scale::PerTensor>{});
-      if (storage == DType::F8E5M2) return f(FmtE5M2{});
-      break;
-    case KVQuantMode::Fp8PerTokenHead:
-      if (storage == DType::F8E4M3) return f(FmtE4M3<Scale::PerTokenHead>{});
-      break;
-    case KVQuantMode::Int8PerTokenHead:
-      if (storage == DType::I8) return f(FmtI8{});
-      break;
-    case KVQuantMode::Int4PerTokenHead:
-      if (storage == DType::I4) return f(FmtI4{});
-      break;
-  }
-  throw Error("CUDA attention: unsupported KV format: storage " + std::string(dtype_name(storage)) + " with quant mode " +
-              std::string(kv_quant_mode_name(mode)) + "; supported: " + kSupportedCudaKV);
+  dispatch_kv_codec(CudaCodecs{}, KVStorage{storage, mode}, KVFormatSet::Cuda, "CUDA attention", f);
 }
 
 // A failed launch or API call: kvlm::Error with the CUDA error string.

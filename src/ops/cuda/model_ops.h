@@ -60,7 +60,7 @@ bool rmsnorm_fp8_fits(int hidden, int group);
 //   k heads: [Qwen3 k RMSNorm] -> RoPE -> quantize (per the layer's KV format) -> page slot;
 //   v heads:                              quantize -> page slot.
 // Quantization is kv_store's, from the fp32 values (no bf16 round trip): code =
-// encode(x / scale), per-token-head scale = max(absmax / qmax, 1e-6) (attention/kv_format.h).
+// encode(x / scale), per-token-head scale = max(absmax / qmax, 1e-6) (kv/kv_format.h).
 // RoPE is rotate-half with angle = float(position) * inv_freq[i] (model/rope.cpp computes
 // inv_freq for the default, linear and llama3 scalings). A negative slot (padding) stores
 // nothing; q is written for every row.

@@ -10,6 +10,7 @@
 #include <climits>
 #include <cmath>
 
+#include "kv/attention_mask.h"
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/kv_codec.cuh"
 #include "ops/cuda/pdl.cuh"
@@ -114,25 +115,21 @@ __device__ __forceinline__ V ldg_vec(const void* p) {
   return __ldg(static_cast<const V*>(p));
 }
 
+// The keys the query at `pos` sees (kv/attention_mask.h's visible_keys).
 __device__ __forceinline__ void visible_range(const PagedAttentionParams& p, int pos, int kv_len, int& lo, int& hi) {
-  if (p.mask == AttentionKind::NonCausal) {
-    lo = 0;
-    hi = kv_len;
-  } else {
-    hi = pos + 1;
-    lo = p.mask == AttentionKind::Sliding ? max(0, pos - p.window + 1) : 0;
-  }
+  const KeyRange r = visible_keys(p.mask, p.window, pos, kv_len);
+  lo = r.lo;
+  hi = r.hi;
 }
 
 // The keys the query at `pos` reads from the quantized pages when exact sink / recent tokens
-// are kept (kv_plan.h's kv_key_exact): its visible range minus the first keep_sink keys and
-// its keep_recent latest — still one interval (empty: lo >= hi).
+// are kept (kv/attention_mask.h's quantized_keys; empty: lo >= hi).
 __device__ __forceinline__ void quantized_range(const PagedAttentionParams& p, int pos, int kv_len, int& lo, int& hi) {
   visible_range(p, pos, kv_len, lo, hi);
   if (!p.exact_k) return;
-  const int qpos = p.mask == AttentionKind::NonCausal ? kv_len - 1 : pos;
-  lo = max(lo, p.keep_sink);
-  hi = min(hi, qpos - p.keep_recent + 1);
+  const KeyRange r = quantized_keys({lo, hi}, exact_anchor(p.mask, pos, kv_len), p.keep_sink, p.keep_recent);
+  lo = r.lo;
+  hi = r.hi;
 }
 
 // The keys [t0, t1) of split `split` of S over a CTA's range [lo, hi), cut at multiples of A
@@ -195,7 +192,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   int t0, t1;
   // exact_pass: the exact keys alone, as two intervals walked as one: [lo, sink_end), then
   // [win_lo, hi) — t in [0, n_sink + n_win) is key t + lo, then t - n_sink + win_lo.
-  const int qpos_all = p.mask == AttentionKind::NonCausal ? kv_len - 1 : pos;
+  const int qpos_all = exact_anchor(p.mask, pos, kv_len);
   const int sink_end = a.exact_pass ? max(lo, min(hi, p.keep_sink)) : 0;
   const int win_lo = a.exact_pass ? max(sink_end, qpos_all - p.keep_recent + 1) : 0;
   const int n_sink = sink_end - lo;
@@ -249,12 +246,12 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   const char* kbase = static_cast<const char*>(p.k_cache);
   const char* vbase = static_cast<const char*>(p.v_cache);
   const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
-  // Exact sink / recent tokens (kv_plan.h's kv_key_exact): such a key's row comes from the
+  // Exact sink / recent tokens (kv/attention_mask.h's kv_key_exact): such a key's row comes from the
   // exact pages in bf16 / f16, loaded when it is decoded (few rows: latency, not bandwidth).
   // Its scales undo what the quantized rows fold in: 1 / the per-tensor K scale on the score,
   // 1 / the V scale on the weight (vscale multiplies the whole output at the end).
   const bool keeps = p.exact_k != nullptr;
-  const int qpos = p.mask == AttentionKind::NonCausal ? kv_len - 1 : pos;
+  const int qpos = exact_anchor(p.mask, pos, kv_len);
   const BlockId* etable = keeps ? p.exact_tables + size_t(seq) * p.max_blocks_per_seq : nullptr;
   const float inv_ks = keeps ? p.softmax_scale * kLog2e / qscale : 1.0f, inv_vs = 1.0f / vscale;
   auto exact_row = [&](const uint16_t* pool, int t, float* f) {
@@ -278,7 +275,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
     for (int u = 0; u < U; ++u) {
       const int t = key_of(base + u * STEP + warp * RPW + rg);
       valid[u] = base + u * STEP + warp * RPW + rg < t1;
-      exact[u] = keeps && valid[u] && (a.exact_pass || t < p.keep_sink || qpos - t < p.keep_recent);
+      exact[u] = keeps && valid[u] && (a.exact_pass || kv_key_exact(t, qpos, p.keep_sink, p.keep_recent));
       ksc[u] = vsc[u] = 1.0f;
       kz[u] = vz[u] = 0.0f;
       if (exact[u]) {

@@ -1,10 +1,11 @@
-#include "config/kv_plan.h"
+#include "kv/kv_plan.h"
 
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
 #include "core/hadamard.h"
+#include "kv/kv_formats.h"
 
 namespace kvlm {
 
@@ -65,10 +66,8 @@ KVDTypeResolution resolve_kv_dtype(KVCacheDType requested, const std::optional<C
 }
 
 size_t KVLayerSpec::bytes_per_token() const {
-  const size_t elems = size_t(attn.num_kv_heads) * size_t(attn.head_dim);
-  size_t bytes = 2 * dtype_bytes(storage, elems);
-  if (is_per_token_head(quant)) bytes += 2 * size_t(attn.num_kv_heads) * sizeof(float);
-  return bytes;
+  const KVStorage kv{storage, quant};
+  return 2 * size_t(attn.num_kv_heads) * (kv_row_code_bytes(kv, attn.head_dim) + kv_row_scale_bytes(kv));
 }
 
 size_t KVLayerSpec::exact_bytes_per_token() const {

@@ -1,9 +1,9 @@
 // KV page formats: how one row (one token, one kv head, head_dim values) is encoded on
 // write and decoded on read, for every (storage dtype, quant mode) pair kvlm supports.
 //
-// dispatch_kv(storage, mode, f) calls f with the format type of that pair; a pair outside
-// the supported set is a clear runtime error naming the set — never a pass-through
-// (seed 003). Quantization follows the field's convention: code = convert(x / scale),
+// dispatch_kv(storage, mode, f) calls f with the format type of that pair; the pairs are the
+// table's (kv/kv_formats.h), and one outside it is a clear runtime error naming the set —
+// never a pass-through (seed 003). Quantization follows the field's convention: code = convert(x / scale),
 // x ~= code * scale; per-token-head scale = max(absmax / qmax, 1e-6), stored fp32.
 //
 // Codes are addressed by element index within a row: element i of a row of 1-, 2- or 4-byte
@@ -20,6 +20,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/numeric.h"
+#include "kv/kv_formats.h"
 
 namespace kvlm::kvfmt {
 
@@ -52,6 +53,7 @@ using F16 = Half<DType::F16, num::f16_to_f32, num::f32_to_f16>;
 using BF16 = Half<DType::BF16, num::bf16_to_f32, num::f32_to_bf16>;
 struct E4M3 {
   static constexpr DType kStorage = DType::F8E4M3;
+  static constexpr KVQuantMode kTokenHeadMode = KVQuantMode::Fp8PerTokenHead;
   static constexpr float kMax = num::kE4M3Max;
   static float decode(const uint8_t* p, size_t i) { return num::e4m3_to_f32(p[i]); }
   static void encode(uint8_t* p, size_t i, float x) { p[i] = num::f32_to_e4m3(x); }
@@ -64,6 +66,7 @@ struct E5M2 {
 };
 struct I8 {
   static constexpr DType kStorage = DType::I8;
+  static constexpr KVQuantMode kTokenHeadMode = KVQuantMode::Int8PerTokenHead;
   static constexpr float kMax = num::kInt8Max;
   static float decode(const uint8_t* p, size_t i) { return float(int8_t(p[i])); }
   static void encode(uint8_t* p, size_t i, float x) {
@@ -76,10 +79,22 @@ struct I8 {
 // A format = element codec + scale policy.
 enum class ScalePolicy { None, PerTensor, PerTokenHead };
 
+// The quant mode of a codec under a scale policy (the per-token-head codecs name theirs).
+template <class Codec, ScalePolicy P>
+constexpr KVQuantMode quant_mode_of() {
+  if constexpr (P == ScalePolicy::None)
+    return KVQuantMode::None;
+  else if constexpr (P == ScalePolicy::PerTensor)
+    return KVQuantMode::Fp8PerTensor;
+  else
+    return Codec::kTokenHeadMode;
+}
+
 template <class Codec, ScalePolicy P>
 struct Format {
   using codec = Codec;
   static constexpr ScalePolicy policy = P;
+  static constexpr KVStorage kKV{Codec::kStorage, quant_mode_of<Codec, P>()};
 
   // Encodes `x` (head_dim values) into `dst`. `tensor_scale` is used by PerTensor;
   // PerTokenHead computes the row's scale and returns it (else returns 1).
@@ -152,6 +167,7 @@ template <>
 struct Format<I4, ScalePolicy::PerTokenHead> {
   using codec = I4;
   static constexpr ScalePolicy policy = ScalePolicy::PerTokenHead;
+  static constexpr KVStorage kKV{DType::I4, KVQuantMode::Int4PerTokenHead};
   // Returns the packed (step, zero) slot.
   // The operations and their order are the GPU encoder's (ops/cuda/kv_codec.cuh: I4Encoder):
   // fmin / fmax skip NaN (a NaN value gets code 0, an all-infinite row the smallest step), and
@@ -178,33 +194,18 @@ struct Format<I4, ScalePolicy::PerTokenHead> {
   }
 };
 
-// The supported (storage, mode) set, in one place.
+// The CPU codecs: every format of the table (kv/kv_formats.h), checked here at compile time.
+using CpuCodecs = KVCodecList<Format<F32, ScalePolicy::None>, Format<F16, ScalePolicy::None>,
+                              Format<BF16, ScalePolicy::None>, Format<E4M3, ScalePolicy::PerTensor>,
+                              Format<E5M2, ScalePolicy::PerTensor>, Format<E4M3, ScalePolicy::PerTokenHead>,
+                              Format<I8, ScalePolicy::PerTokenHead>, Format<I4, ScalePolicy::PerTokenHead>>;
+static_assert(check_codecs(CpuCodecs{}, KVFormatSet::All), "a row of kKVFormats without a CPU codec, or a codec outside it");
+
+// Calls f(Format{}) with the format of (storage, mode); a pair outside the table is a
+// kvlm::Error naming the supported set — never a pass-through (seed 003).
 template <class F>
 decltype(auto) dispatch_kv(DType storage, KVQuantMode mode, F&& f) {
-  switch (mode) {
-    case KVQuantMode::None:
-      if (storage == DType::F32) return f(Format<F32, ScalePolicy::None>{});
-      if (storage == DType::F16) return f(Format<F16, ScalePolicy::None>{});
-      if (storage == DType::BF16) return f(Format<BF16, ScalePolicy::None>{});
-      break;
-    case KVQuantMode::Fp8PerTensor:
-      if (storage == DType::F8E4M3) return f(Format<E4M3, ScalePolicy::PerTensor>{});
-      if (storage == DType::F8E5M2) return f(Format<E5M2, ScalePolicy::PerTensor>{});
-      break;
-    case KVQuantMode::Fp8PerTokenHead:
-      if (storage == DType::F8E4M3) return f(Format<E4M3, ScalePolicy::PerTokenHead>{});
-      break;
-    case KVQuantMode::Int8PerTokenHead:
-      if (storage == DType::I8) return f(Format<I8, ScalePolicy::PerTokenHead>{});
-      break;
-    case KVQuantMode::Int4PerTokenHead:
-      if (storage == DType::I4) return f(Format<I4, ScalePolicy::PerTokenHead>{});
-      break;
-  }
-  throw Error("unsupported KV format: storage " + std::string(dtype_name(storage)) + " with quant mode " +
-              std::string(kv_quant_mode_name(mode)) +
-              "; supported: float32/float16/bfloat16 with none, fp8_e4m3/fp8_e5m2 with fp8_per_tensor, fp8_e4m3 with "
-              "fp8_per_token_head, int8 with int8_per_token_head, int4 with int4_per_token_head");
+  return dispatch_kv_codec(CpuCodecs{}, KVStorage{storage, mode}, KVFormatSet::All, "KV pages", f);
 }
 
 }  // namespace kvlm::kvfmt

@@ -15,8 +15,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/cache_config.h"
+#include "kv/cache_config.h"
 #include "config/model_config.h"
+#include "kv/attention_mask.h"
 #include "core/dtype.h"
 
 namespace kvlm {
@@ -77,7 +78,8 @@ struct KVLayerSpec {
   bool rotate = false;
   // Exact sink / recent tokens (quantized layers only; 0 = none): besides its quantized row,
   // every token a query may read exact is also held in `exact_storage` (the model dtype) in
-  // the exact pages (kv_cache.h), and a query reads key j exact when kv_key_exact says so.
+  // the exact pages (kv_cache.h), and a query reads key j exact when kv_key_exact
+  // (kv/attention_mask.h) says so.
   int keep_sink = 0;
   int keep_recent = 0;
   DType exact_storage = DType::BF16;
@@ -91,14 +93,6 @@ struct KVLayerSpec {
   float k_scale_for(int kv_head) const { return k_scale.size() == 1 ? k_scale[0] : k_scale[size_t(kv_head)]; }
   float v_scale_for(int kv_head) const { return v_scale.size() == 1 ? v_scale[0] : v_scale[size_t(kv_head)]; }
 };
-
-// Whether the query at position `query_pos` reads key `key` from its exact copy: the first
-// `sink` positions of the sequence and the query's `recent` latest keys (itself included).
-// Non-causal layers pass the sequence's last position as query_pos. The one rule every
-// backend and the engine's page bookkeeping follow.
-inline bool kv_key_exact(int key, int query_pos, int sink, int recent) {
-  return key < sink || query_pos - key < recent;
-}
 
 struct KVPlan {
   KVCacheDType requested = KVCacheDType::Auto;

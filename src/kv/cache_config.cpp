@@ -1,4 +1,4 @@
-#include "config/cache_config.h"
+#include "kv/cache_config.h"
 
 #include <charconv>
 
