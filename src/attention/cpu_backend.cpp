@@ -29,48 +29,67 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
   return caps;
 }
 
-void CpuAttentionBackend::store_kv(LayerKVCache& c, const KVWrite& w) const {
+namespace {
+
+enum class Side { K, V };
+
+// Quantizes one side's rows (K or V: [slot][kv head][head_dim]) into the slots' pages, with
+// their per-token-head scales. One format dispatch per call.
+void encode_rows(LayerKVCache& c, Side side, std::span<const float> x, std::span<const SlotId> slots) {
   const KVLayerSpec& s = *c.spec;
   const int kvh = s.attn.num_kv_heads, d = s.attn.head_dim;
-  const size_t n = w.slots.size();
-  KVLM_CHECK(w.k.size() == n * size_t(kvh * d) && w.v.size() == w.k.size(), "K/V rows do not match the slot count");
+  uint8_t* codes = (side == Side::K ? c.k : c.v).data();
+  std::vector<float>& row_scales = side == Side::K ? c.k_scale : c.v_scale;
   kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
     using Fmt = decltype(fmt);
-    for (size_t i = 0; i < n; ++i) {
-      const SlotId slot = w.slots[i];
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const SlotId slot = slots[i];
       KVLM_CHECK(slot >= 0 && slot < SlotId(c.num_blocks) * c.block_size, "slot out of range");
       const int64_t block = slot / c.block_size;
       const int off = int(slot % c.block_size);
       for (int g = 0; g < kvh; ++g) {
         const size_t src = (i * size_t(kvh) + size_t(g)) * size_t(d);
-        const size_t dst = c.row_byte(block, g, off);
-        const float ks = Fmt::encode_row(w.k.subspan(src, size_t(d)), c.k.data() + dst, s.k_scale_for(g));
-        const float vs = Fmt::encode_row(w.v.subspan(src, size_t(d)), c.v.data() + dst, s.v_scale_for(g));
-        if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
-          c.k_scale[c.scale_index(block, g, off)] = ks;
-          c.v_scale[c.scale_index(block, g, off)] = vs;
-        }
+        const float tensor_scale = side == Side::K ? s.k_scale_for(g) : s.v_scale_for(g);
+        const float r = Fmt::encode_row(x.subspan(src, size_t(d)), codes + c.row_byte(block, g, off), tensor_scale);
+        if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) row_scales[c.scale_index(block, g, off)] = r;
       }
     }
   });
-  if (!s.keeps_exact()) return;
-  KVLM_CHECK(w.exact_slots.size() == n, "a layer with exact tokens was written without exact slots");
-  kvfmt::dispatch_kv(s.exact_storage, KVQuantMode::None, [&](auto fmt) {
+}
+
+// The same rows into the exact pages (the model dtype); slots < 0 are skipped.
+void encode_exact_rows(LayerKVCache& c, Side side, std::span<const float> x, std::span<const SlotId> slots) {
+  const int kvh = c.spec->attn.num_kv_heads, d = c.spec->attn.head_dim;
+  uint8_t* codes = (side == Side::K ? c.ek : c.ev).data();
+  kvfmt::dispatch_kv(c.spec->exact_storage, KVQuantMode::None, [&](auto fmt) {
     using Exact = decltype(fmt);
-    for (size_t i = 0; i < n; ++i) {
-      const SlotId slot = w.exact_slots[i];
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const SlotId slot = slots[i];
       if (slot < 0) continue;
       KVLM_CHECK(slot < SlotId(c.num_exact) * c.block_size, "exact slot out of range");
       const int64_t page = slot / c.block_size;
       const int off = int(slot % c.block_size);
       for (int g = 0; g < kvh; ++g) {
         const size_t src = (i * size_t(kvh) + size_t(g)) * size_t(d);
-        const size_t dst = c.exact_row_byte(page, g, off);
-        Exact::encode_row(w.k.subspan(src, size_t(d)), c.ek.data() + dst, 1.0f);
-        Exact::encode_row(w.v.subspan(src, size_t(d)), c.ev.data() + dst, 1.0f);
+        Exact::encode_row(x.subspan(src, size_t(d)), codes + c.exact_row_byte(page, g, off), 1.0f);
       }
     }
   });
+}
+
+}  // namespace
+
+void CpuAttentionBackend::store_kv(LayerKVCache& c, const KVWrite& w) const {
+  const KVLayerSpec& s = *c.spec;
+  const size_t n = w.slots.size();
+  KVLM_CHECK(w.k.size() == n * size_t(s.attn.num_kv_heads * s.attn.head_dim) && w.v.size() == w.k.size(),
+             "K/V rows do not match the slot count");
+  encode_rows(c, Side::K, w.k, w.slots);
+  encode_rows(c, Side::V, w.v, w.slots);
+  if (!s.keeps_exact()) return;
+  KVLM_CHECK(w.exact_slots.size() == n, "a layer with exact tokens was written without exact slots");
+  encode_exact_rows(c, Side::K, w.k, w.exact_slots);
+  encode_exact_rows(c, Side::V, w.v, w.exact_slots);
 }
 
 namespace {
@@ -78,6 +97,37 @@ namespace {
 constexpr int kQueryTile = 16;  // queries sharing one decoded page
 
 KeyRange visible(const KVLayerSpec& s, int pos, int kv_len) { return visible_keys(s.attn.kind, s.attn.window, pos, kv_len); }
+
+// Decodes rows [off0, off1) of (page, head g) of one side into out (row `off` at off * head_dim),
+// scales applied. One format dispatch per call: the loops over keys below are format-free.
+void decode_rows(const LayerKVCache& c, Side side, BlockId page, int g, int off0, int off1, float* out) {
+  const KVLayerSpec& s = *c.spec;
+  const size_t d = size_t(s.attn.head_dim);
+  const uint8_t* codes = (side == Side::K ? c.k : c.v).data();
+  const std::vector<float>& row_scales = side == Side::K ? c.k_scale : c.v_scale;
+  kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    for (int off = off0; off < off1; ++off) {
+      float scale = 1.0f;
+      if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTensor)
+        scale = side == Side::K ? s.k_scale_for(g) : s.v_scale_for(g);
+      else if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead)
+        scale = row_scales[c.scale_index(page, g, off)];
+      Fmt::decode_row(codes + c.row_byte(page, g, off), scale, {out + size_t(off) * d, d});
+    }
+  });
+}
+
+// The same rows of one side's exact page (the model dtype, unscaled).
+void decode_exact_rows(const LayerKVCache& c, Side side, BlockId page, int g, int off0, int off1, float* out) {
+  const size_t d = size_t(c.spec->attn.head_dim);
+  const uint8_t* codes = (side == Side::K ? c.ek : c.ev).data();
+  kvfmt::dispatch_kv(c.spec->exact_storage, KVQuantMode::None, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    for (int off = off0; off < off1; ++off)
+      Fmt::decode_row(codes + c.exact_row_byte(page, g, off), 1.0f, {out + size_t(off) * d, d});
+  });
+}
 
 }  // namespace
 
@@ -114,118 +164,100 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
   // Exact sink / recent tokens: key j of the query at position p is read from the exact page
   // when kv_key_exact(j, exact_anchor(...), ...) (kv/attention_mask.h).
   const bool exact = s.keeps_exact();
-  const DType exact_dtype = exact ? s.exact_storage : DType::F32;
-  kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
-   kvfmt::dispatch_kv(exact_dtype, KVQuantMode::None, [&](auto exact_fmt) {
-    using Fmt = decltype(fmt);
-    using Exact = decltype(exact_fmt);
-    for (const AttnSeq& seq : call.seqs) {
-      const int first_pos = seq.kv_len - seq.q_len;
-      const int tiles = (seq.q_len + kQueryTile - 1) / kQueryTile;
-      // Threads only pay off for real work: waking a team costs more than attention over a
-      // short context (and its spinning workers then steal cycles from the BLAS threads).
-      const bool parallel = int64_t(seq.q_len) * seq.kv_len * nh * d > (int64_t(1) << 22);
+  // The formats are dispatched inside the parallel loop, which no exception may leave: check here.
+  if (!find_kv_format({s.storage, s.quant})) throw_unsupported_kv({s.storage, s.quant}, KVFormatSet::All, "KV pages");
+  if (exact && !find_kv_format({s.exact_storage, KVQuantMode::None}))
+    throw_unsupported_kv({s.exact_storage, KVQuantMode::None}, KVFormatSet::All, "exact KV pages");
+  for (const AttnSeq& seq : call.seqs) {
+    const int first_pos = seq.kv_len - seq.q_len;
+    const int tiles = (seq.q_len + kQueryTile - 1) / kQueryTile;
+    // Threads only pay off for real work: waking a team costs more than attention over a
+    // short context (and its spinning workers then steal cycles from the BLAS threads).
+    const bool parallel = int64_t(seq.q_len) * seq.kv_len * nh * d > (int64_t(1) << 22);
 #pragma omp parallel for collapse(2) schedule(dynamic) if (parallel)
-      for (int g = 0; g < kvh; ++g) {
-        for (int tile = 0; tile < tiles; ++tile) {
-          const int t0 = tile * kQueryTile, t1 = std::min(seq.q_len, t0 + kQueryTile);
-          const int rows = (t1 - t0) * group;
-          // Online-softmax state per (query, head of the group): running max, sum, output.
-          std::vector<float> m(size_t(rows), -std::numeric_limits<float>::infinity()), l(size_t(rows), 0.0f);
-          std::vector<float> acc(size_t(rows) * size_t(d), 0.0f);
-          std::vector<float> kpage(size_t(bs) * size_t(d)), vpage(size_t(bs) * size_t(d));
-          std::vector<float> kexact(exact ? size_t(bs) * size_t(d) : 0), vexact(kexact.size());
-          std::vector<float> score(static_cast<size_t>(bs));
-          int lo = std::numeric_limits<int>::max(), hi = 0;
+    for (int g = 0; g < kvh; ++g) {
+      for (int tile = 0; tile < tiles; ++tile) {
+        const int t0 = tile * kQueryTile, t1 = std::min(seq.q_len, t0 + kQueryTile);
+        const int rows = (t1 - t0) * group;
+        // Online-softmax state per (query, head of the group): running max, sum, output.
+        std::vector<float> m(size_t(rows), -std::numeric_limits<float>::infinity()), l(size_t(rows), 0.0f);
+        std::vector<float> acc(size_t(rows) * size_t(d), 0.0f);
+        std::vector<float> kpage(size_t(bs) * size_t(d)), vpage(size_t(bs) * size_t(d));
+        std::vector<float> kexact(exact ? size_t(bs) * size_t(d) : 0), vexact(kexact.size());
+        std::vector<float> score(static_cast<size_t>(bs));
+        int lo = std::numeric_limits<int>::max(), hi = 0;
+        for (int t = t0; t < t1; ++t) {
+          const KeyRange sp = visible(s, first_pos + t, seq.kv_len);
+          lo = std::min(lo, sp.lo);
+          hi = std::max(hi, sp.hi);
+        }
+        for (int bi = lo / bs; bi * bs < hi; ++bi) {
+          const BlockId page = seq.block_table[size_t(bi)];
+          const int j0 = std::max(lo, bi * bs), j1 = std::min(hi, (bi + 1) * bs);
+          const int off0 = j0 - bi * bs, off1 = j1 - bi * bs;
+          decode_rows(c, Side::K, page, g, off0, off1, kpage.data());
+          decode_rows(c, Side::V, page, g, off0, off1, vpage.data());
+          const BlockId exact_page = exact ? seq.exact_table[size_t(bi)] : -1;
+          if (exact_page >= 0) {
+            decode_exact_rows(c, Side::K, exact_page, g, off0, off1, kexact.data());
+            decode_exact_rows(c, Side::V, exact_page, g, off0, off1, vexact.data());
+          }
           for (int t = t0; t < t1; ++t) {
             const KeyRange sp = visible(s, first_pos + t, seq.kv_len);
-            lo = std::min(lo, sp.lo);
-            hi = std::max(hi, sp.hi);
-          }
-          for (int bi = lo / bs; bi * bs < hi; ++bi) {
-            const BlockId page = seq.block_table[size_t(bi)];
-            const int j0 = std::max(lo, bi * bs), j1 = std::min(hi, (bi + 1) * bs);
-            for (int j = j0; j < j1; ++j) {
-              const int off = j - bi * bs;
-              const size_t at = c.row_byte(page, g, off);
-              float ks = 1.0f, vs = 1.0f;
-              if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTensor) {
-                ks = s.k_scale_for(g);
-                vs = s.v_scale_for(g);
-              } else if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) {
-                ks = c.k_scale[c.scale_index(page, g, off)];
-                vs = c.v_scale[c.scale_index(page, g, off)];
-              }
-              Fmt::decode_row(c.k.data() + at, ks, {kpage.data() + size_t(off) * size_t(d), size_t(d)});
-              Fmt::decode_row(c.v.data() + at, vs, {vpage.data() + size_t(off) * size_t(d), size_t(d)});
-            }
-            const BlockId exact_page = exact ? seq.exact_table[size_t(bi)] : -1;
-            if (exact_page >= 0) {
-              for (int j = j0; j < j1; ++j) {
-                const int off = j - bi * bs;
-                const size_t at = c.exact_row_byte(exact_page, g, off);
-                Exact::decode_row(c.ek.data() + at, 1.0f, {kexact.data() + size_t(off) * size_t(d), size_t(d)});
-                Exact::decode_row(c.ev.data() + at, 1.0f, {vexact.data() + size_t(off) * size_t(d), size_t(d)});
-              }
-            }
-            for (int t = t0; t < t1; ++t) {
-              const KeyRange sp = visible(s, first_pos + t, seq.kv_len);
-              const int a = std::max(j0, sp.lo), b = std::min(j1, sp.hi);
-              if (a >= b) continue;
-              // This query's rows of the page: exact where kv_key_exact says so.
-              const int qpos = exact_anchor(s.attn.kind, first_pos + t, seq.kv_len);
-              auto key_row = [&](const std::vector<float>& quant, const std::vector<float>& ex, int j) {
-                const bool from_exact = exact && kv_key_exact(j, qpos, s.keep_sink, s.keep_recent);  // page checked above
-                return (from_exact ? ex.data() : quant.data()) + size_t(j - bi * bs) * size_t(d);
-              };
-              for (int hg = 0; hg < group; ++hg) {
-                const int h = g * group + hg;
-                const float* q = call.q.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
-                const size_t r = size_t(t - t0) * size_t(group) + size_t(hg);
-                float pmax = -std::numeric_limits<float>::infinity();
-                for (int j = a; j < b; ++j) {
-                  const float* k = key_row(kpage, kexact, j);
-                  // Vector lanes of partial sums (a strict left-to-right sum does not vectorize:
-                  // attention took 40% of the linears' time on a 128-token Gemma 3 prefill).
-                  float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                  for (int x = 0; x < d; ++x) dot += q[x] * k[x];
-                  score[size_t(j - a)] = dot * call.softmax_scale;
-                  pmax = std::max(pmax, score[size_t(j - a)]);
-                }
-                const float new_m = std::max(m[r], pmax);
-                const float correction = std::exp(m[r] - new_m);  // exp(-inf) = 0 on the first page
-                float* o = acc.data() + r * size_t(d);
-                for (int x = 0; x < d; ++x) o[x] *= correction;
-                l[r] *= correction;
-                for (int j = a; j < b; ++j) {
-                  const float p = std::exp(score[size_t(j - a)] - new_m);
-                  l[r] += p;
-                  const float* v = key_row(vpage, vexact, j);
-                  for (int x = 0; x < d; ++x) o[x] += p * v[x];
-                }
-                m[r] = new_m;
-              }
-            }
-          }
-          for (int t = t0; t < t1; ++t) {
+            const int a = std::max(j0, sp.lo), b = std::min(j1, sp.hi);
+            if (a >= b) continue;
+            // This query's rows of the page: exact where kv_key_exact says so.
+            const int qpos = exact_anchor(s.attn.kind, first_pos + t, seq.kv_len);
+            auto key_row = [&](const std::vector<float>& quant, const std::vector<float>& ex, int j) {
+              const bool from_exact = exact && kv_key_exact(j, qpos, s.keep_sink, s.keep_recent);  // page checked above
+              return (from_exact ? ex.data() : quant.data()) + size_t(j - bi * bs) * size_t(d);
+            };
             for (int hg = 0; hg < group; ++hg) {
               const int h = g * group + hg;
+              const float* q = call.q.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
               const size_t r = size_t(t - t0) * size_t(group) + size_t(hg);
-              float* out = call.out.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
-              // A sink joins the denominator only: exp(s_h - m), at the running max m (a sink above
-              // every score is exp of a positive number, as in transformers' softmax over the
-              // scores and the sink together).
-              const float denom = l[r] + (call.sinks.empty() ? 0.0f : std::exp(call.sinks[size_t(h)] - m[r]));
-              const float inv = denom > 0 ? 1.0f / denom : 0.0f;
-              for (int x = 0; x < d; ++x) out[x] = acc[r * size_t(d) + size_t(x)] * inv;
+              float pmax = -std::numeric_limits<float>::infinity();
+              for (int j = a; j < b; ++j) {
+                const float* k = key_row(kpage, kexact, j);
+                // Vector lanes of partial sums (a strict left-to-right sum does not vectorize:
+                // attention took 40% of the linears' time on a 128-token Gemma 3 prefill).
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int x = 0; x < d; ++x) dot += q[x] * k[x];
+                score[size_t(j - a)] = dot * call.softmax_scale;
+                pmax = std::max(pmax, score[size_t(j - a)]);
+              }
+              const float new_m = std::max(m[r], pmax);
+              const float correction = std::exp(m[r] - new_m);  // exp(-inf) = 0 on the first page
+              float* o = acc.data() + r * size_t(d);
+              for (int x = 0; x < d; ++x) o[x] *= correction;
+              l[r] *= correction;
+              for (int j = a; j < b; ++j) {
+                const float p = std::exp(score[size_t(j - a)] - new_m);
+                l[r] += p;
+                const float* v = key_row(vpage, vexact, j);
+                for (int x = 0; x < d; ++x) o[x] += p * v[x];
+              }
+              m[r] = new_m;
             }
+          }
+        }
+        for (int t = t0; t < t1; ++t) {
+          for (int hg = 0; hg < group; ++hg) {
+            const int h = g * group + hg;
+            const size_t r = size_t(t - t0) * size_t(group) + size_t(hg);
+            float* out = call.out.data() + (size_t(seq.q_begin + t) * size_t(nh) + size_t(h)) * size_t(d);
+            // A sink joins the denominator only: exp(s_h - m), at the running max m (a sink above
+            // every score is exp of a positive number, as in transformers' softmax over the
+            // scores and the sink together).
+            const float denom = l[r] + (call.sinks.empty() ? 0.0f : std::exp(call.sinks[size_t(h)] - m[r]));
+            const float inv = denom > 0 ? 1.0f / denom : 0.0f;
+            for (int x = 0; x < d; ++x) out[x] = acc[r * size_t(d) + size_t(x)] * inv;
           }
         }
       }
     }
-   });
-  });
+  }
 }
 
 }  // namespace kvlm
