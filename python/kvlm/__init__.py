@@ -180,7 +180,8 @@ class Tokenizer:
         return {"input_ids": self.encode(text, add_special_tokens)}
 
 
-_KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_keep_sink", "kv_cache_keep_recent",
+_KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "cache_type_k", "cache_type_v", "kv_cache_rotation",
+                  "kv_cache_keep_sink", "kv_cache_keep_recent",
                   "device", "max_model_len", "gpu_memory_utilization", "kv_cache_memory", "tensor_parallel_size",
                   "enable_expert_parallel",
                   "seed", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",

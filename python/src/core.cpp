@@ -62,6 +62,8 @@ T get_or(const json& j, const char* key, T fallback) {
 ModelArgs model_args(const json& o) {
   ModelArgs a;
   a.kv_cache_dtype = get_or(o, "kv_cache_dtype", a.kv_cache_dtype);
+  a.cache_type_k = get_or(o, "cache_type_k", a.cache_type_k);
+  a.cache_type_v = get_or(o, "cache_type_v", a.cache_type_v);
   a.kv_cache_dtype_skip_layers = get_or(o, "kv_cache_dtype_skip_layers", a.kv_cache_dtype_skip_layers);
   a.kv_cache_rotation = get_or(o, "kv_cache_rotation", a.kv_cache_rotation);
   a.kv_cache_keep_sink = get_or(o, "kv_cache_keep_sink", a.kv_cache_keep_sink);

@@ -101,7 +101,7 @@ int run_calibrate(const CalibrateFlags& f) {
     opts.device = Device::Cpu;
   }
   // Observe unquantized K/V: the cache follows the model dtype whatever the checkpoint says.
-  opts.cache.kv_cache_dtype = KVCacheDType::BFloat16;
+  opts.cache.set_kv_dtypes({KVCacheDType::BFloat16, std::nullopt});
   opts.cache.skip_layers = {};
   const std::optional<TextProcessor> text = TextProcessor::load_if_usable(opts.model_dir);
   const auto dataset = f.dataset.empty() ? default_dataset(opts.model_dir) : std::filesystem::path(f.dataset);

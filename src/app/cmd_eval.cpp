@@ -54,8 +54,9 @@ std::string weights_label(const LoadedModel& e) {
 
 std::string kv_label(const LoadedModel& e) {
   const KVPlan& p = e.plan();
-  std::string s(kv_cache_dtype_name(p.requested));
-  if (p.requested == KVCacheDType::Auto && !p.layers.empty()) s += " -> " + std::string(dtype_name(p.layers.front().storage));
+  std::string s = kv_cache_dtypes_text({p.requested, p.v_requested});
+  if ((p.requested == KVCacheDType::Auto || p.v_requested == KVCacheDType::Auto) && !p.layers.empty())
+    s += " -> " + describe_kv_format(p.layers.front());
   int skipped = 0;
   for (const auto& l : p.layers) skipped += l.dtype_source == DTypeSource::SkipRule;
   if (skipped) s += " (" + std::to_string(skipped) + " layers kept at the model dtype)";

@@ -79,7 +79,6 @@ void print_summary(const GenerateResult& r, const LoadedModel& e) {
   if (log::level() < log::Level::Warn) return;
   const double prefill_tps = r.prefill_seconds > 0 ? double(r.prompt.size()) / r.prefill_seconds : 0.0;
   const double decode_tps = r.decode_seconds > 0 && r.tokens.size() > 1 ? double(r.tokens.size() - 1) / r.decode_seconds : 0.0;
-  const KVStorage& kv = e.plan().resolution.storage;
   std::string exact;
   if (e.plan().exact_bytes_per_token() > 0)
     exact = ", exact sink " + std::to_string(e.plan().keep_sink()) + " + recent " + std::to_string(e.plan().keep_recent());
@@ -87,10 +86,9 @@ void print_summary(const GenerateResult& r, const LoadedModel& e) {
   if (e.tensor_parallel_size() > 1)
     weights += ", tensor parallel " + std::to_string(e.tensor_parallel_size()) + " (" +
                std::to_string(e.rank_plan().bytes_per_token()) + " KV B/token per rank)";
-  std::fprintf(stderr, "kvlm: %zu prompt tokens, %zu generated (%s), prefill %.1f tok/s, decode %.1f tok/s, KV %s%s (%zu B/token%s)%s\n",
+  std::fprintf(stderr, "kvlm: %zu prompt tokens, %zu generated (%s), prefill %.1f tok/s, decode %.1f tok/s, KV %s (%zu B/token%s)%s\n",
                r.prompt.size(), r.tokens.size(), r.finish_reason.c_str(), prefill_tps, decode_tps,
-               std::string(dtype_name(kv.storage)).c_str(),
-               kv.mode == KVQuantMode::None ? "" : (" " + std::string(kv_quant_mode_name(kv.mode))).c_str(), e.plan().bytes_per_token(),
+               describe_kv_resolution(e.plan()).c_str(), e.plan().bytes_per_token(),
                exact.c_str(), weights.c_str());
   if (e.speculative() && r.tokens.size() > 1) {
     // The saving drafting buys is forward passes of the target model; whether that shows in
@@ -171,7 +169,7 @@ int run_generate(const GenerateFlags& f) {
     nlohmann::json j;
     j["model"] = opts.model_dir.string();
     j["architecture"] = std::string(arch_name(cfg.arch));
-    j["kv_cache_dtype"] = std::string(kv_cache_dtype_name(opts.cache.kv_cache_dtype));
+    j["kv_cache_dtype"] = kv_cache_dtypes_text(opts.cache.kv_dtypes());
     j["prompt_token_ids"] = r.prompt;
     j["token_ids"] = r.tokens;
     if (text) j["text"] = out_text;

@@ -94,6 +94,12 @@ std::string mlp_str(const ModelConfig& c, const ParamCounts& p, int layer) {
          human_count(p.mlp_total[size_t(layer)]) + " per token)";
 }
 
+// One property of a layer's KV format: the same for K and V, or "k:A v:B".
+template <class F>
+std::string kv_side_str(const KVLayerSpec& l, F&& name) {
+  return l.k == l.v ? name(l.k) : "k:" + name(l.k) + " v:" + name(l.v);
+}
+
 std::string scale_str(const KVLayerSpec& l) {
   if (l.scale_source == ScaleSource::CheckpointTensor) {
     // Show the k tensor's name; the v tensor follows the same pattern.
@@ -101,7 +107,7 @@ std::string scale_str(const KVLayerSpec& l) {
     if (l.k_scale.size() > 1) s += " [" + std::to_string(l.k_scale.size()) + " heads]";
     return s;
   }
-  if (l.quant == KVQuantMode::Int4PerTokenHead) return "per-token-head dynamic, zero point";
+  if (l.k == l.v && l.k.mode == KVQuantMode::Int4PerTokenHead) return "per-token-head dynamic, zero point";
   return std::string(scale_source_name(l.scale_source));
 }
 
@@ -249,11 +255,15 @@ int run_inspect(const InspectFlags& f) {
     j["architecture"] = std::string(arch_name(cfg.arch));
     j["model_dtype"] = std::string(dtype_name(mp.dtype));
     j["device"] = std::string(device_name(device));
-    j["kv_cache_dtype"] = std::string(kv_cache_dtype_name(plan.requested));
-    j["resolved"] = {{"storage", std::string(dtype_name(plan.resolution.storage.storage))},
-                     {"quant_mode", std::string(kv_quant_mode_name(plan.resolution.storage.mode))},
-                     {"source", std::string(dtype_source_name(plan.resolution.source))},
-                     {"note", plan.resolution.note}};
+    j["kv_cache_dtype"] = kv_cache_dtypes_text({plan.requested, plan.v_requested});
+    auto resolved = [](const KVDTypeResolution& r) {
+      return nlohmann::json{{"storage", std::string(dtype_name(r.storage.storage))},
+                            {"quant_mode", std::string(kv_quant_mode_name(r.storage.mode))},
+                            {"source", std::string(dtype_source_name(r.source))},
+                            {"note", r.note}};
+    };
+    j["resolved"] = resolved(plan.resolution);  // K's (and V's unless v_resolved is present)
+    if (plan.v_requested) j["v_resolved"] = resolved(plan.v_resolution);
     if (cfg.kv_scheme) j["checkpoint_kv_scheme"] = cfg.kv_scheme->origin;
     if (const auto& q = cfg.weight_quant) {
       nlohmann::json w{{"format", "fp8_e4m3"},
@@ -391,10 +401,14 @@ int run_inspect(const InspectFlags& f) {
   std::cout << "           " << std::fixed << std::setprecision(1) << double(held.bytes) / 1e6 << " MB as "
             << device_name(device) << " holds them; outside the layers: " << formats_str(held.layer(-1)) << "\n";
   if (cfg.kv_scheme) std::cout << "checkpoint declares " << cfg.kv_scheme->origin << "\n";
-  std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtype_name(plan.requested) << " -> "
-            << dtype_name(plan.resolution.storage.storage) << " / " << kv_quant_mode_name(plan.resolution.storage.mode) << " ("
-            << dtype_source_name(plan.resolution.source) << (plan.resolution.note.empty() ? "" : "; " + plan.resolution.note)
-            << ")\n\n";
+  auto resolved = [](const KVDTypeResolution& r) {
+    return std::string(dtype_name(r.storage.storage)) + " / " + std::string(kv_quant_mode_name(r.storage.mode)) + " (" +
+           std::string(dtype_source_name(r.source)) + (r.note.empty() ? "" : "; " + r.note) + ")";
+  };
+  std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtypes_text({plan.requested, plan.v_requested}) << " -> "
+            << (plan.v_requested ? "K " + resolved(plan.resolution) + ", V " + resolved(plan.v_resolution)
+                                 : resolved(plan.resolution))
+            << "\n\n";
   std::vector<std::vector<std::string>> rows{
       {"layer", "attention", "kv dtype", "quant", "dtype from", "scale source", "rotation", "exact tokens", "backend",
        "bytes/token", "mlp", "weights"}};
@@ -418,7 +432,8 @@ int run_inspect(const InspectFlags& f) {
       exact = "sink " + std::to_string(l.keep_sink) + " + recent " + std::to_string(l.keep_recent) + ", " +
               std::string(dtype_name(l.exact_storage)) + " " + std::to_string(l.exact_bytes_per_token()) + " B/token";
     rows.push_back({(l.attn.model == "target" ? "" : l.attn.model + ":") + std::to_string(l.attn.layer), kind_str(l),
-                    std::string(dtype_name(l.storage)), std::string(kv_quant_mode_name(l.quant)),
+                    kv_side_str(l, [](const KVStorage& kv) { return std::string(dtype_name(kv.storage)); }),
+                    kv_side_str(l, [](const KVStorage& kv) { return std::string(kv_quant_mode_name(kv.mode)); }),
                     std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.rotate ? "hadamard" : "none", exact,
                     l.backend, std::to_string(l.bytes_per_token()),
                     l.attn.model == "target" ? mlp_str(cfg, params, l.attn.layer) : std::string("dense"),

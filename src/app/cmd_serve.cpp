@@ -56,10 +56,7 @@ void ServingFlags::add_to(CLI::App& cmd) {
 }
 
 std::string kv_summary(const LoadedModel& e) {
-  const KVStorage& kv = e.plan().resolution.storage;
-  std::string s = std::string(dtype_name(kv.storage));
-  if (kv.mode != KVQuantMode::None) s += " " + std::string(kv_quant_mode_name(kv.mode));
-  s += ", " + std::to_string(e.plan().bytes_per_token()) + " bytes/token";
+  std::string s = describe_kv_resolution(e.plan()) + ", " + std::to_string(e.plan().bytes_per_token()) + " bytes/token";
   if (e.tensor_parallel_size() > 1)
     s += " over " + std::to_string(e.tensor_parallel_size()) + " tensor-parallel ranks (" +
          std::to_string(e.rank_plan().bytes_per_token()) + " each), " +

@@ -36,8 +36,10 @@ struct ComputeTier {
 struct BackendCapabilities {
   std::string name;
   Device device = Device::Cpu;
-  // Whitelists: a layer fits only if its (storage, quant mode) pair is listed here.
+  // Whitelists: a layer fits only if its K's and its V's (storage, quant mode) pairs are listed here.
   std::vector<KVStorage> kv_formats;
+  // Holds K and V in different formats (KVLayerSpec::k != v); else only layers whose are equal.
+  bool split_kv_formats = false;
   std::vector<int> head_sizes;          // empty: any even head size up to max_head_size
   int max_head_size = 1024;
   bool causal = true;

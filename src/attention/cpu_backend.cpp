@@ -15,6 +15,7 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
       .name = "cpu",
       .device = Device::Cpu,
       .kv_formats = kv_formats_of(KVFormatSet::All),  // every format of the table
+      .split_kv_formats = true,
       .head_sizes = {},
       .max_head_size = 1024,
       .causal = true,
@@ -31,16 +32,15 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
 
 namespace {
 
-enum class Side { K, V };
-
 // Quantizes one side's rows (K or V: [slot][kv head][head_dim]) into the slots' pages, with
 // their per-token-head scales. One format dispatch per call.
-void encode_rows(LayerKVCache& c, Side side, std::span<const float> x, std::span<const SlotId> slots) {
+void encode_rows(LayerKVCache& c, KVSide side, std::span<const float> x, std::span<const SlotId> slots) {
   const KVLayerSpec& s = *c.spec;
   const int kvh = s.attn.num_kv_heads, d = s.attn.head_dim;
-  uint8_t* codes = (side == Side::K ? c.k : c.v).data();
-  std::vector<float>& row_scales = side == Side::K ? c.k_scale : c.v_scale;
-  kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
+  uint8_t* codes = (side == KVSide::K ? c.k : c.v).data();
+  std::vector<float>& row_scales = side == KVSide::K ? c.k_scale : c.v_scale;
+  const KVStorage kv = s.format(side);
+  kvfmt::dispatch_kv(kv.storage, kv.mode, [&](auto fmt) {
     using Fmt = decltype(fmt);
     for (size_t i = 0; i < slots.size(); ++i) {
       const SlotId slot = slots[i];
@@ -49,8 +49,8 @@ void encode_rows(LayerKVCache& c, Side side, std::span<const float> x, std::span
       const int off = int(slot % c.block_size);
       for (int g = 0; g < kvh; ++g) {
         const size_t src = (i * size_t(kvh) + size_t(g)) * size_t(d);
-        const float tensor_scale = side == Side::K ? s.k_scale_for(g) : s.v_scale_for(g);
-        const float r = Fmt::encode_row(x.subspan(src, size_t(d)), codes + c.row_byte(block, g, off), tensor_scale);
+        const float tensor_scale = side == KVSide::K ? s.k_scale_for(g) : s.v_scale_for(g);
+        const float r = Fmt::encode_row(x.subspan(src, size_t(d)), codes + c.row_byte(side, block, g, off), tensor_scale);
         if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead) row_scales[c.scale_index(block, g, off)] = r;
       }
     }
@@ -58,9 +58,9 @@ void encode_rows(LayerKVCache& c, Side side, std::span<const float> x, std::span
 }
 
 // The same rows into the exact pages (the model dtype); slots < 0 are skipped.
-void encode_exact_rows(LayerKVCache& c, Side side, std::span<const float> x, std::span<const SlotId> slots) {
+void encode_exact_rows(LayerKVCache& c, KVSide side, std::span<const float> x, std::span<const SlotId> slots) {
   const int kvh = c.spec->attn.num_kv_heads, d = c.spec->attn.head_dim;
-  uint8_t* codes = (side == Side::K ? c.ek : c.ev).data();
+  uint8_t* codes = (side == KVSide::K ? c.ek : c.ev).data();
   kvfmt::dispatch_kv(c.spec->exact_storage, KVQuantMode::None, [&](auto fmt) {
     using Exact = decltype(fmt);
     for (size_t i = 0; i < slots.size(); ++i) {
@@ -84,12 +84,12 @@ void CpuAttentionBackend::store_kv(LayerKVCache& c, const KVWrite& w) const {
   const size_t n = w.slots.size();
   KVLM_CHECK(w.k.size() == n * size_t(s.attn.num_kv_heads * s.attn.head_dim) && w.v.size() == w.k.size(),
              "K/V rows do not match the slot count");
-  encode_rows(c, Side::K, w.k, w.slots);
-  encode_rows(c, Side::V, w.v, w.slots);
+  encode_rows(c, KVSide::K, w.k, w.slots);
+  encode_rows(c, KVSide::V, w.v, w.slots);
   if (!s.keeps_exact()) return;
   KVLM_CHECK(w.exact_slots.size() == n, "a layer with exact tokens was written without exact slots");
-  encode_exact_rows(c, Side::K, w.k, w.exact_slots);
-  encode_exact_rows(c, Side::V, w.v, w.exact_slots);
+  encode_exact_rows(c, KVSide::K, w.k, w.exact_slots);
+  encode_exact_rows(c, KVSide::V, w.v, w.exact_slots);
 }
 
 namespace {
@@ -100,28 +100,29 @@ KeyRange visible(const KVLayerSpec& s, int pos, int kv_len) { return visible_key
 
 // Decodes rows [off0, off1) of (page, head g) of one side into out (row `off` at off * head_dim),
 // scales applied. One format dispatch per call: the loops over keys below are format-free.
-void decode_rows(const LayerKVCache& c, Side side, BlockId page, int g, int off0, int off1, float* out) {
+void decode_rows(const LayerKVCache& c, KVSide side, BlockId page, int g, int off0, int off1, float* out) {
   const KVLayerSpec& s = *c.spec;
   const size_t d = size_t(s.attn.head_dim);
-  const uint8_t* codes = (side == Side::K ? c.k : c.v).data();
-  const std::vector<float>& row_scales = side == Side::K ? c.k_scale : c.v_scale;
-  kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
+  const uint8_t* codes = (side == KVSide::K ? c.k : c.v).data();
+  const std::vector<float>& row_scales = side == KVSide::K ? c.k_scale : c.v_scale;
+  const KVStorage kv = s.format(side);
+  kvfmt::dispatch_kv(kv.storage, kv.mode, [&](auto fmt) {
     using Fmt = decltype(fmt);
     for (int off = off0; off < off1; ++off) {
       float scale = 1.0f;
       if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTensor)
-        scale = side == Side::K ? s.k_scale_for(g) : s.v_scale_for(g);
+        scale = side == KVSide::K ? s.k_scale_for(g) : s.v_scale_for(g);
       else if constexpr (Fmt::policy == kvfmt::ScalePolicy::PerTokenHead)
         scale = row_scales[c.scale_index(page, g, off)];
-      Fmt::decode_row(codes + c.row_byte(page, g, off), scale, {out + size_t(off) * d, d});
+      Fmt::decode_row(codes + c.row_byte(side, page, g, off), scale, {out + size_t(off) * d, d});
     }
   });
 }
 
 // The same rows of one side's exact page (the model dtype, unscaled).
-void decode_exact_rows(const LayerKVCache& c, Side side, BlockId page, int g, int off0, int off1, float* out) {
+void decode_exact_rows(const LayerKVCache& c, KVSide side, BlockId page, int g, int off0, int off1, float* out) {
   const size_t d = size_t(c.spec->attn.head_dim);
-  const uint8_t* codes = (side == Side::K ? c.ek : c.ev).data();
+  const uint8_t* codes = (side == KVSide::K ? c.ek : c.ev).data();
   kvfmt::dispatch_kv(c.spec->exact_storage, KVQuantMode::None, [&](auto fmt) {
     using Fmt = decltype(fmt);
     for (int off = off0; off < off1; ++off)
@@ -165,7 +166,8 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
   // when kv_key_exact(j, exact_anchor(...), ...) (kv/attention_mask.h).
   const bool exact = s.keeps_exact();
   // The formats are dispatched inside the parallel loop, which no exception may leave: check here.
-  if (!find_kv_format({s.storage, s.quant})) throw_unsupported_kv({s.storage, s.quant}, KVFormatSet::All, "KV pages");
+  for (const KVStorage& kv : {s.k, s.v})
+    if (!find_kv_format(kv)) throw_unsupported_kv(kv, KVFormatSet::All, "KV pages");
   if (exact && !find_kv_format({s.exact_storage, KVQuantMode::None}))
     throw_unsupported_kv({s.exact_storage, KVQuantMode::None}, KVFormatSet::All, "exact KV pages");
   for (const AttnSeq& seq : call.seqs) {
@@ -195,12 +197,12 @@ void CpuAttentionBackend::attend(const LayerKVCache& c, const AttentionCall& cal
           const BlockId page = seq.block_table[size_t(bi)];
           const int j0 = std::max(lo, bi * bs), j1 = std::min(hi, (bi + 1) * bs);
           const int off0 = j0 - bi * bs, off1 = j1 - bi * bs;
-          decode_rows(c, Side::K, page, g, off0, off1, kpage.data());
-          decode_rows(c, Side::V, page, g, off0, off1, vpage.data());
+          decode_rows(c, KVSide::K, page, g, off0, off1, kpage.data());
+          decode_rows(c, KVSide::V, page, g, off0, off1, vpage.data());
           const BlockId exact_page = exact ? seq.exact_table[size_t(bi)] : -1;
           if (exact_page >= 0) {
-            decode_exact_rows(c, Side::K, exact_page, g, off0, off1, kexact.data());
-            decode_exact_rows(c, Side::V, exact_page, g, off0, off1, vexact.data());
+            decode_exact_rows(c, KVSide::K, exact_page, g, off0, off1, kexact.data());
+            decode_exact_rows(c, KVSide::V, exact_page, g, off0, off1, vexact.data());
           }
           for (int t = t0; t < t1; ++t) {
             const KeyRange sp = visible(s, first_pos + t, seq.kv_len);

@@ -8,11 +8,18 @@ namespace kvlm {
 
 std::string_view device_name(Device d) { return d == Device::Cpu ? "cpu" : "cuda"; }
 
+std::string describe_kv_format(const KVLayerSpec& l) {
+  auto one = [](const KVStorage& kv) {
+    return std::string(dtype_name(kv.storage)) + "/" + std::string(kv_quant_mode_name(kv.mode));
+  };
+  return l.k == l.v ? one(l.k) : "K " + one(l.k) + ", V " + one(l.v);
+}
+
 std::string describe_layer(const KVLayerSpec& l) {
   std::string kind(attention_kind_name(l.attn.kind));
   if (l.attn.kind == AttentionKind::Sliding) kind += "(" + std::to_string(l.attn.window) + ")";
   return (l.attn.model == "target" ? "" : l.attn.model + " ") + "layer " + std::to_string(l.attn.layer) + " (" + kind +
-         ", KV " + std::string(dtype_name(l.storage)) + "/" + std::string(kv_quant_mode_name(l.quant)) + ", head_dim " +
+         ", KV " + describe_kv_format(l) + ", head_dim " +
          std::to_string(l.attn.head_dim) + ")";
 }
 
@@ -54,10 +61,14 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
     return "has no device code for compute capability " + compute_capability_name(ctx.compute_capability) +
            " in this build (it covers " + describe_compute_tiers(c) +
            "); rebuild with CMAKE_CUDA_ARCHITECTURES including an architecture this GPU runs";
-  const KVStorage fmt{l.storage, l.quant};
-  if (std::ranges::find(c.kv_formats, fmt) == c.kv_formats.end())
-    return "does not handle KV " + std::string(dtype_name(l.storage)) + " with quant mode " +
-           std::string(kv_quant_mode_name(l.quant));
+  for (const KVSide side : {KVSide::K, KVSide::V}) {
+    const KVStorage& fmt = l.format(side);
+    if (std::ranges::find(c.kv_formats, fmt) == c.kv_formats.end())
+      return "does not handle " + std::string(l.k == l.v ? "KV " : side == KVSide::K ? "K " : "V ") +
+             std::string(dtype_name(fmt.storage)) + " with quant mode " + std::string(kv_quant_mode_name(fmt.mode));
+  }
+  if (l.k != l.v && !c.split_kv_formats)
+    return "holds K and V in one format only (this layer: " + describe_kv_format(l) + ")";
   const int hd = l.attn.head_dim;
   if (c.head_sizes.empty() ? (hd % 2 != 0 || hd > c.max_head_size)
                            : std::ranges::find(c.head_sizes, hd) == c.head_sizes.end()) {
@@ -87,9 +98,9 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
 
 std::optional<std::string> selection_note(const BackendCapabilities& c, const KVLayerSpec& l, const SelectionContext& ctx) {
   const ComputeTier* t = find_compute_tier(c, ctx.compute_capability);
-  if (!t || std::ranges::find(t->software_fp8, KVStorage{l.storage, l.quant}) == t->software_fp8.end()) return std::nullopt;
-  return "the " + c.name + " backend converts FP8 in software for KV " + std::string(dtype_name(l.storage)) + "/" +
-         std::string(kv_quant_mode_name(l.quant)) + " on compute capability " +
+  auto soft = [&](const KVStorage& kv) { return std::ranges::find(t->software_fp8, kv) != t->software_fp8.end(); };
+  if (!t || (!soft(l.k) && !soft(l.v))) return std::nullopt;
+  return "the " + c.name + " backend converts FP8 in software for KV " + describe_kv_format(l) + " on compute capability " +
          compute_capability_name(ctx.compute_capability) + " (" + t->code + " code" +
          (t->software_fp8_why.empty() ? "" : ": " + t->software_fp8_why) +
          "): the same results as the conversion instructions, more work per key";

@@ -42,6 +42,8 @@ const BackendCapabilities& select_backend(const KVLayerSpec& layer, std::span<co
 // distinct selection_note is appended once to plan.warnings.
 void assign_backends(KVPlan& plan, std::span<const BackendCapabilities> backends, const SelectionContext& ctx);
 
+// A layer's KV format: "fp8_e4m3/fp8_per_tensor", or "K int8/int8_per_token_head, V int4/..." when apart.
+std::string describe_kv_format(const KVLayerSpec& layer);
 std::string describe_layer(const KVLayerSpec& layer);  // "layer 3 (sliding(8), fp8_e4m3/fp8_per_tensor, 4x128)"
 
 }  // namespace kvlm

@@ -103,12 +103,12 @@ std::span<const KVCacheDType> all_kv_cache_dtypes() { return kAllKV; }
 std::string_view kv_cache_dtype_name(KVCacheDType d) { return kv_info(d).name; }
 std::optional<KVStorage> kv_storage_of(KVCacheDType d) { return kv_info(d).storage; }
 
-KVCacheDType parse_kv_cache_dtype(std::string_view s) {
+KVCacheDType parse_kv_cache_dtype(std::string_view s, std::string_view option) {
   for (const auto& i : kKVDTypes)
     if (i.name == s) return i.dtype;
   std::string valid;
   for (const auto& i : kKVDTypes) valid += (valid.empty() ? "" : ", ") + std::string(i.name);
-  throw Error("invalid --kv-cache-dtype '" + std::string(s) + "'; valid values are: " + valid);
+  throw Error("invalid " + std::string(option) + " '" + std::string(s) + "'; valid values are: " + valid);
 }
 
 std::string_view kv_quant_mode_name(KVQuantMode m) {

@@ -47,8 +47,9 @@ enum class KVCacheDType : uint8_t {
 
 std::span<const KVCacheDType> all_kv_cache_dtypes();
 std::string_view kv_cache_dtype_name(KVCacheDType d);
-// Throws kvlm::Error naming every valid value when `s` is not one of them.
-KVCacheDType parse_kv_cache_dtype(std::string_view s);
+// Throws kvlm::Error naming every valid value when `s` is not one of them (`option` names the
+// flag or keyword the value came from).
+KVCacheDType parse_kv_cache_dtype(std::string_view s, std::string_view option = "--kv-cache-dtype");
 
 enum class KVQuantMode : uint8_t {
   None,              // stored in an unquantized float type (f32 / f16 / bf16)

@@ -17,7 +17,16 @@ std::string arg_name(ArgStyle style, std::string_view dashed) {
 
 CacheConfig ModelArgs::cache_config(ArgStyle style) const {
   CacheConfig c;
-  c.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
+  c.set_kv_dtypes(parse_kv_cache_dtypes(kv_cache_dtype, arg_name(style, "kv-cache-dtype")));
+  if (!cache_type_k.empty() || !cache_type_v.empty()) {
+    const std::string k_name = arg_name(style, "cache-type-k"), v_name = arg_name(style, "cache-type-v");
+    if (kv_cache_dtype != "auto")
+      throw Error(k_name + " / " + v_name + " set K's and V's dtypes; give them or " + arg_name(style, "kv-cache-dtype") +
+                  " (which takes k=A,v=B too), not both");
+    // A side not given keeps the default (auto), as in llama.cpp.
+    c.kv_cache_dtype = cache_type_k.empty() ? KVCacheDType::Auto : parse_kv_cache_dtype(cache_type_k, k_name);
+    c.v_cache_dtype = cache_type_v.empty() ? KVCacheDType::Auto : parse_kv_cache_dtype(cache_type_v, v_name);
+  }
   c.skip_layers = parse_skip_layers(kv_cache_dtype_skip_layers);
   c.rotation = parse_kv_rotation(kv_cache_rotation);
   validate_keep_tokens(kv_cache_keep_sink, arg_name(style, "kv-cache-keep-sink"));

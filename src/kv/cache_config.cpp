@@ -30,6 +30,39 @@ SkipLayers parse_skip_layers(std::string_view text) {
   return out;
 }
 
+KVCacheDTypes parse_kv_cache_dtypes(std::string_view text, std::string_view option) {
+  if (text.find('=') == std::string_view::npos) return {parse_kv_cache_dtype(text, option), std::nullopt};
+  const std::string form = "; write " + std::string(option) + " k=DTYPE,v=DTYPE (for example k=int8_per_token_head,"
+                           "v=int4_per_token_head; a side left out is auto) or one DTYPE for both";
+  KVCacheDTypes out;
+  bool seen_k = false, seen_v = false;
+  for (bool last = false; !last;) {  // every comma-separated entry, empty ones included
+    const size_t cut = text.find(',');
+    last = cut == std::string_view::npos;
+    const std::string_view item = text.substr(0, cut);
+    if (!last) text = text.substr(cut + 1);
+    const size_t eq = item.find('=');
+    const std::string_view key = item.substr(0, eq == std::string_view::npos ? item.size() : eq);
+    if (eq == std::string_view::npos || (key != "k" && key != "v"))
+      throw Error("invalid " + std::string(option) + " entry '" + std::string(item) + "'" + form);
+    bool& seen = key == "k" ? seen_k : seen_v;
+    if (seen) throw Error(std::string(option) + " sets " + std::string(key) + " twice" + form);
+    seen = true;
+    const KVCacheDType d = parse_kv_cache_dtype(item.substr(eq + 1), std::string(option) + " " + std::string(key) + "=");
+    if (key == "k")
+      out.k = d;
+    else
+      out.v = d;
+  }
+  if (!out.v) out.v = KVCacheDType::Auto;  // k=A alone: V keeps the default, as llama.cpp's --cache-type-k
+  return out;
+}
+
+std::string kv_cache_dtypes_text(const KVCacheDTypes& d) {
+  if (!d.v) return std::string(kv_cache_dtype_name(d.k));
+  return "k=" + std::string(kv_cache_dtype_name(d.k)) + ",v=" + std::string(kv_cache_dtype_name(*d.v));
+}
+
 std::string_view kv_rotation_name(KVRotation r) {
   switch (r) {
     case KVRotation::Auto: return "auto";

@@ -33,8 +33,30 @@ KVRotation parse_kv_rotation(std::string_view s);
 // kvlm::Error naming them, the option spelled as `flag`.
 DType parse_linear_state_dtype(std::string_view s, std::string_view flag);
 
+// The KV dtypes a user asked for: K's, and V's when it is set apart from K's.
+struct KVCacheDTypes {
+  KVCacheDType k = KVCacheDType::Auto;
+  std::optional<KVCacheDType> v;  // nullopt: the same as K's
+  bool operator==(const KVCacheDTypes&) const = default;
+};
+
+// --kv-cache-dtype's text: one dtype for K and V ("int8_per_token_head"), or K and V apart
+// ("k=int8_per_token_head,v=int4_per_token_head"; a side left out is `auto`). Throws
+// kvlm::Error naming the valid values and the form (`option` names the flag or keyword).
+KVCacheDTypes parse_kv_cache_dtypes(std::string_view text, std::string_view option = "--kv-cache-dtype");
+// The text parse_kv_cache_dtypes reads back: "auto", "fp8", "k=int8_per_token_head,v=auto".
+std::string kv_cache_dtypes_text(const KVCacheDTypes& d);
+
 struct CacheConfig {
+  // --kv-cache-dtype: K's dtype, and V's unless v_cache_dtype is set (`k=A,v=B`,
+  // --cache-type-k / --cache-type-v: K and V apart; each side resolves as one dtype would).
   KVCacheDType kv_cache_dtype = KVCacheDType::Auto;
+  std::optional<KVCacheDType> v_cache_dtype;
+  KVCacheDTypes kv_dtypes() const { return {kv_cache_dtype, v_cache_dtype}; }
+  void set_kv_dtypes(const KVCacheDTypes& d) {
+    kv_cache_dtype = d.k;
+    v_cache_dtype = d.v;
+  }
   SkipLayers skip_layers;
   KVRotation rotation = KVRotation::Auto;
   // --kv-cache-keep-sink / --kv-cache-keep-recent: tokens every quantized layer also holds in

@@ -9,9 +9,11 @@ namespace kvlm {
 
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size) {
   const size_t rows = size_t(spec.attn.num_kv_heads) * size_t(block_size);
-  const KVStorage kv{spec.storage, spec.quant};
-  return {.codes = rows * kv_row_code_bytes(kv, spec.attn.head_dim),
-          .scales = rows * kv_row_scale_bytes(kv),
+  const int d = spec.attn.head_dim;
+  return {.k_codes = rows * kv_row_code_bytes(spec.k, d),
+          .v_codes = rows * kv_row_code_bytes(spec.v, d),
+          .k_scales = rows * kv_row_scale_bytes(spec.k),
+          .v_scales = rows * kv_row_scale_bytes(spec.v),
           .exact = spec.exact_bytes_per_token() / 2 * size_t(block_size)};
 }
 
@@ -30,10 +32,10 @@ KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size, int num_exa
     l.block_size = block_size;
     const size_t tokens = size_t(num_blocks) * size_t(block_size);
     const KVPageBytes page = kv_page_bytes(spec, block_size);
-    l.k.assign(page.codes * size_t(num_blocks), 0);
-    l.v.assign(page.codes * size_t(num_blocks), 0);
-    l.k_scale.assign(page.scales / sizeof(float) * size_t(num_blocks), 0.0f);
-    l.v_scale.assign(page.scales / sizeof(float) * size_t(num_blocks), 0.0f);
+    l.k.assign(page.k_codes * size_t(num_blocks), 0);
+    l.v.assign(page.v_codes * size_t(num_blocks), 0);
+    l.k_scale.assign(page.k_scales / sizeof(float) * size_t(num_blocks), 0.0f);
+    l.v_scale.assign(page.v_scales / sizeof(float) * size_t(num_blocks), 0.0f);
     KVLM_CHECK(l.bytes() == tokens * spec.bytes_per_token(), "layer pool size disagrees with the plan's bytes per token");
     if (spec.keeps_exact()) {
       l.num_exact = num_exact_;

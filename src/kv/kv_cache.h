@@ -2,9 +2,10 @@
 // (no padding to a common page size: a bf16 layer and an fp8 layer differ by 2x in bytes).
 //
 // Layout per layer (HND per block):
-//   k, v     : [num_blocks][num_kv_heads][block_size][head_dim] elements of spec.storage
-//              (int4: head_dim / 2 bytes per row, kv_format.h's packing)
-//   k_scale, v_scale (per-token-head modes only): [num_blocks][num_kv_heads][block_size] fp32
+//   k, v     : [num_blocks][num_kv_heads][block_size][head_dim] elements of spec.k.storage
+//              and spec.v.storage (int4: head_dim / 2 bytes per row, kv_format.h's packing)
+//   k_scale, v_scale (a per-token-head side only): [num_blocks][num_kv_heads][block_size] 32-bit
+//              slots (fp32 scales; int4: an f16 step and zero point)
 // A token's slot is block_id * block_size + offset; the same block id is used in every layer.
 //
 // Layers with exact sink / recent tokens (KVLayerSpec::keeps_exact) also have exact pages:
@@ -22,12 +23,12 @@
 
 namespace kvlm {
 
-// One page of one layer, as every device lays it out: the bytes of its K (equally V) codes,
-// of its K (equally V) per-token-head scales (0 for modes without them), and of one K
-// (equally V) exact page (0 for layers without exact tokens).
+// One page of one layer, as every device lays it out: the bytes of its K and of its V codes,
+// of its K and V per-token-head scales (0 for a side without them), and of one K (equally V)
+// exact page (0 for layers without exact tokens).
 struct KVPageBytes {
-  size_t codes = 0;
-  size_t scales = 0;
+  size_t k_codes = 0, v_codes = 0;
+  size_t k_scales = 0, v_scales = 0;
   size_t exact = 0;
 };
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size);
@@ -47,8 +48,10 @@ struct LayerKVCache {
     return ((size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset)) *
            size_t(spec->attn.head_dim);
   }
-  // Byte offset of that row in k / v.
-  size_t row_byte(int64_t block, int head, int offset) const { return dtype_bytes(spec->storage, row(block, head, offset)); }
+  // Byte offset of that row in k (side K) or v (side V).
+  size_t row_byte(KVSide side, int64_t block, int head, int offset) const {
+    return dtype_bytes(spec->format(side).storage, row(block, head, offset));
+  }
   size_t scale_index(int64_t block, int head, int offset) const {
     return (size_t(block) * size_t(spec->attn.num_kv_heads) + size_t(head)) * size_t(block_size) + size_t(offset);
   }

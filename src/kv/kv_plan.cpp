@@ -66,8 +66,8 @@ KVDTypeResolution resolve_kv_dtype(KVCacheDType requested, const std::optional<C
 }
 
 size_t KVLayerSpec::bytes_per_token() const {
-  const KVStorage kv{storage, quant};
-  return 2 * size_t(attn.num_kv_heads) * (kv_row_code_bytes(kv, attn.head_dim) + kv_row_scale_bytes(kv));
+  const auto row = [&](const KVStorage& kv) { return kv_row_code_bytes(kv, attn.head_dim) + kv_row_scale_bytes(kv); };
+  return size_t(attn.num_kv_heads) * (row(k) + row(v));
 }
 
 size_t KVLayerSpec::exact_bytes_per_token() const {
@@ -117,7 +117,9 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
   validate_keep_tokens(cache.keep_sink, "--kv-cache-keep-sink");
   validate_keep_tokens(cache.keep_recent, "--kv-cache-keep-recent");
   plan.requested = cache.kv_cache_dtype;
+  plan.v_requested = cache.v_cache_dtype;
   plan.resolution = resolve_kv_dtype(cache.kv_cache_dtype, scheme, model_dtype);
+  plan.v_resolution = cache.v_cache_dtype ? resolve_kv_dtype(*cache.v_cache_dtype, scheme, model_dtype) : plan.resolution;
 
   int target_layers = 0;
   for (const auto& l : layers)
@@ -131,18 +133,17 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
   for (const auto& a : layers) {
     KVLayerSpec s;
     s.attn = a;
-    s.storage = plan.resolution.storage.storage;
-    s.quant = plan.resolution.storage.mode;
+    s.k = plan.resolution.storage;
+    s.v = plan.v_resolution.storage;
     s.dtype_source = plan.resolution.source;
     const bool skip_index = a.model == "target" && std::ranges::find(cache.skip_layers.indices, a.layer) !=
                                                        cache.skip_layers.indices.end();
     const bool skip_sliding = cache.skip_layers.sliding_window && a.kind == AttentionKind::Sliding;
-    if ((skip_index || skip_sliding) && s.quant != KVQuantMode::None) {
-      s.storage = model_dtype;
-      s.quant = KVQuantMode::None;
+    if ((skip_index || skip_sliding) && s.quantized()) {
+      s.k = s.v = KVStorage{model_dtype, KVQuantMode::None};
       s.dtype_source = DTypeSource::SkipRule;
     }
-    if (s.quant == KVQuantMode::Fp8PerTensor) {
+    if (s.k.mode == KVQuantMode::Fp8PerTensor || s.v.mode == KVQuantMode::Fp8PerTensor) {
       std::optional<CheckpointScales> found = scales ? scales(a) : std::nullopt;
       if (found) {
         check_scales(found->k, found->k_name, a);
@@ -156,15 +157,15 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
         s.scale_source = ScaleSource::Default;
         ++defaulted;
       }
-    } else if (is_per_token_head(s.quant)) {
+    } else if (is_per_token_head(s.k.mode) || is_per_token_head(s.v.mode)) {
       s.scale_source = ScaleSource::PerTokenHeadDynamic;
     }
-    if (s.storage == DType::I4 && a.head_dim % 8 != 0)
+    if ((s.k.storage == DType::I4 || s.v.storage == DType::I4) && a.head_dim % 8 != 0)
       throw Error("int4_per_token_head packs 8 values per 32-bit word; " + a.model + " layer " + std::to_string(a.layer) +
                   " has head_dim " + std::to_string(a.head_dim) +
                   ". Use int8_per_token_head or fp8_per_token_head for this model, or keep the layer unquantized with "
                   "--kv-cache-dtype-skip-layers");
-    if (s.quant != KVQuantMode::None) {
+    if (s.quantized()) {
       const bool pow2 = num::is_pow2(a.head_dim);
       if (cache.rotation == KVRotation::Hadamard) {
         if (!pow2)
@@ -176,7 +177,7 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
                       "): they were calibrated on unrotated K/V. Use a per-token-head --kv-cache-dtype with the "
                       "rotation, or --kv-cache-rotation none");
         s.rotate = true;
-      } else if (cache.rotation == KVRotation::Auto && s.storage == DType::I4) {
+      } else if (cache.rotation == KVRotation::Auto && (s.k.storage == DType::I4 || s.v.storage == DType::I4)) {
         s.rotate = pow2;
         if (!pow2) ++unrotated_int4;
       }
@@ -206,12 +207,22 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
   return plan;
 }
 
+std::string describe_kv_resolution(const KVPlan& plan) {
+  auto one = [](const KVStorage& kv) {
+    std::string s(dtype_name(kv.storage));
+    if (kv.mode != KVQuantMode::None) s += " " + std::string(kv_quant_mode_name(kv.mode));
+    return s;
+  };
+  const KVStorage &k = plan.resolution.storage, &v = plan.v_resolution.storage;
+  return k == v ? one(k) : "K " + one(k) + ", V " + one(v);
+}
+
 nlohmann::json kv_layer_json(const KVLayerSpec& l) {
   nlohmann::json e{{"model", l.attn.model},
                    {"layer", l.attn.layer},
                    {"attention", std::string(attention_kind_name(l.attn.kind))},
-                   {"kv_dtype", std::string(dtype_name(l.storage))},
-                   {"quant_mode", std::string(kv_quant_mode_name(l.quant))},
+                   {"kv_dtype", std::string(dtype_name(l.k.storage))},
+                   {"quant_mode", std::string(kv_quant_mode_name(l.k.mode))},
                    {"dtype_source", std::string(dtype_source_name(l.dtype_source))},
                    {"scale_source", std::string(scale_source_name(l.scale_source))},
                    {"rotation", l.rotate ? "hadamard" : "none"},
@@ -228,10 +239,12 @@ nlohmann::json kv_layer_json(const KVLayerSpec& l) {
     e["k_scale_tensor"] = l.k_scale_name;
     e["v_scale_tensor"] = l.v_scale_name;
   }
-  if (l.quant == KVQuantMode::Fp8PerTensor) {
-    e["k_scale"] = l.k_scale;
-    e["v_scale"] = l.v_scale;
+  if (l.k != l.v) {  // K and V apart: each side's format
+    e["v_dtype"] = std::string(dtype_name(l.v.storage));
+    e["v_quant_mode"] = std::string(kv_quant_mode_name(l.v.mode));
   }
+  if (l.k.mode == KVQuantMode::Fp8PerTensor) e["k_scale"] = l.k_scale;
+  if (l.v.mode == KVQuantMode::Fp8PerTensor) e["v_scale"] = l.v_scale;
   return e;
 }
 

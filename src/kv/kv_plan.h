@@ -64,10 +64,17 @@ struct CheckpointScales {
 };
 using ScaleLookup = std::function<std::optional<CheckpointScales>(const AttentionLayerDesc&)>;
 
+// K or V: the two halves of a layer's cache, which may be held in different formats.
+enum class KVSide : uint8_t { K, V };
+
 struct KVLayerSpec {
   AttentionLayerDesc attn;
-  DType storage = DType::BF16;
-  KVQuantMode quant = KVQuantMode::None;
+  // The formats of K's and V's pages (kv/kv_formats.h's table): equal unless the plan sets them
+  // apart.
+  KVStorage k{DType::BF16, KVQuantMode::None};
+  KVStorage v{DType::BF16, KVQuantMode::None};
+  const KVStorage& format(KVSide side) const { return side == KVSide::K ? k : v; }
+  bool quantized() const { return k.mode != KVQuantMode::None || v.mode != KVQuantMode::None; }
   DTypeSource dtype_source = DTypeSource::ModelDType;
   ScaleSource scale_source = ScaleSource::None;
   std::vector<float> k_scale{1.0f}, v_scale{1.0f};  // Fp8PerTensor only: 1 or num_kv_heads
@@ -87,16 +94,18 @@ struct KVLayerSpec {
   // Bytes of one token's exact K and V rows (0 without exact tokens).
   size_t exact_bytes_per_token() const;
 
-  // Bytes one token occupies in this layer: K and V codes, plus per-(token, head) fp32
-  // scales for the per-token-head modes.
+  // Bytes one token occupies in this layer: K and V codes, plus a 32-bit scale slot per
+  // (token, head) for each per-token-head side.
   size_t bytes_per_token() const;
   float k_scale_for(int kv_head) const { return k_scale.size() == 1 ? k_scale[0] : k_scale[size_t(kv_head)]; }
   float v_scale_for(int kv_head) const { return v_scale.size() == 1 ? v_scale[0] : v_scale[size_t(kv_head)]; }
 };
 
 struct KVPlan {
-  KVCacheDType requested = KVCacheDType::Auto;
-  KVDTypeResolution resolution;
+  KVCacheDType requested = KVCacheDType::Auto;  // K's (and V's unless v_requested)
+  std::optional<KVCacheDType> v_requested;      // V's, when set apart from K's
+  KVDTypeResolution resolution;                 // K's
+  KVDTypeResolution v_resolution;               // V's (= resolution unless v_requested)
   std::vector<KVLayerSpec> layers;
   std::vector<std::string> warnings;  // for the caller to print (the function stays pure)
 
@@ -107,6 +116,10 @@ struct KVPlan {
   int keep_recent() const;
   size_t exact_bytes_per_token() const;
 };
+
+// The plan's global KV format, for one-line summaries: "int8 int8_per_token_head", "bfloat16",
+// or "K int8 int8_per_token_head, V int4 int4_per_token_head" when K and V are apart.
+std::string describe_kv_resolution(const KVPlan& plan);
 
 KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,
                      const std::optional<CheckpointKVScheme>& scheme, const ScaleLookup& scales);

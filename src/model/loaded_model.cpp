@@ -107,7 +107,7 @@ void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig
   else throw Error(where + ": the checkpoint has no fc.weight (the drafter's feature projection); is it a DFlash drafter?");
   CacheConfig dc = cache;
   if (spec.kv_cache_dtype) {
-    dc.kv_cache_dtype = *spec.kv_cache_dtype;
+    dc.set_kv_dtypes({*spec.kv_cache_dtype, std::nullopt});  // the drafter's own dtype, for K and V
     dc.skip_layers = {};
   } else {
     dc.skip_layers.indices.clear();  // indices name target layers

@@ -107,6 +107,17 @@ done
   && grep -q "exact sink 4 + recent 8" "$tmp/err" && ok || bad "generate exact tokens: $(cat "$tmp/err")"
 "$KVLM" inspect --kv-cache-keep-sink 4 >"$tmp/out" 2>&1 && grep -q "have no effect: no layer's KV cache is quantized" "$tmp/out" \
   && ok || bad "exact tokens without a quantized layer warn: $(cat "$tmp/out")"
+# K and V apart (qwen3-mixed: 4 layers, 2 KV heads of 32): K bfloat16 128 B + V int4 2 x (16 + 4)
+# = 168 B per layer and token; the table shows both sides, generate's summary line too.
+"$KVLM" inspect --model "$golden/qwen3-mixed" --cache-type-k bfloat16 --cache-type-v int4_per_token_head --json >"$tmp/kv.json" \
+  && [ "$(json_get "$tmp/kv.json" "d['kv_bytes_per_token'], d['layers'][0]['kv_dtype'], d['layers'][0]['v_dtype']")" = "672 bfloat16 int4" ] \
+  && ok || bad "inspect K/V apart --json: $(cat "$tmp/kv.json")"
+"$KVLM" inspect --model "$golden/qwen3-mixed" --kv-cache-dtype k=int8_per_token_head,v=int4_per_token_head >"$tmp/out" 2>&1 \
+  && grep -q "k:int8 v:int4  k:int8_per_token_head v:int4_per_token_head" "$tmp/out" \
+  && grep -q -- "-> K int8 / int8_per_token_head (explicit), V int4 / int4_per_token_head (explicit)" "$tmp/out" \
+  && ok || bad "inspect K/V apart: $(cat "$tmp/out")"
+"$KVLM" generate --prompt-ids $ids --max-tokens 6 --temperature 0 --kv-cache-dtype k=int8_per_token_head,v=int4_per_token_head >/dev/null 2>"$tmp/err" \
+  && grep -q "KV K int8 int8_per_token_head, V int4 int4_per_token_head (1456 B/token" "$tmp/err" && ok || bad "generate K/V apart: $(cat "$tmp/err")"
 
 # --- text: tokenizer, chat template, streaming, stop strings, chat -------------------------
 chat="$here/../models/tiny-chat"
@@ -168,6 +179,13 @@ expect_error 1 "invalid --kv-cache-rotation 'walsh'; valid values are: auto" -- 
 expect_error 1 "invalid --kv-cache-keep-recent -3; give a token count between 0 and 65536" -- inspect --kv-cache-keep-recent -3
 expect_error 1 "invalid --kv-cache-keep-sink 100000" -- generate --prompt-ids 1 --kv-cache-dtype int4_per_token_head --kv-cache-keep-sink 100000
 expect_error 1 "invalid --kv-cache-dtype-skip-layers entry 'full'" -- inspect --kv-cache-dtype-skip-layers full
+# K and V apart: the k=,v= form and llama.cpp's --cache-type-k / --cache-type-v, with errors that
+# name the form and the valid values.
+expect_error 1 "invalid --kv-cache-dtype entry 'x=fp8'; write --kv-cache-dtype k=DTYPE,v=DTYPE" -- inspect --kv-cache-dtype k=fp8,x=fp8
+expect_error 1 "--kv-cache-dtype sets v twice" -- inspect --kv-cache-dtype v=fp8,v=int8_per_token_head
+expect_error 1 "invalid --kv-cache-dtype v= 'int3'; valid values are: auto" -- inspect --kv-cache-dtype k=fp8,v=int3
+expect_error 1 "invalid --cache-type-v 'q4_0'; valid values are: auto" -- inspect --cache-type-v q4_0
+expect_error 1 "give them or --kv-cache-dtype (which takes k=A,v=B too), not both" -- inspect --kv-cache-dtype fp8 --cache-type-k fp8
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
 expect_error 1 "a GPU is named cuda:N with N its index" -- generate --prompt-ids 1 --device cuda:x
@@ -304,6 +322,13 @@ PY
   && ok || bad "explicit bfloat16 beats the checkpoint's fp8 scheme"
 "$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --json >/dev/null 2>"$tmp/err" \
   && ! grep -q "without checkpoint scales" "$tmp/err" && ok || bad "generate with checkpoint scales"
+# K explicit, V auto: V still follows the checkpoint's scheme (with its scales), K does not.
+"$KVLM" inspect --model "$m" --kv-cache-dtype k=int8_per_token_head --json >"$tmp/ct3.json" \
+  && [ "$(json_get "$tmp/ct3.json" "(d['kv_cache_dtype'], d['resolved']['source'], d['v_resolved']['source'], d['layers'][0]['kv_dtype'], d['layers'][0]['v_dtype'], d['layers'][0]['v_scale'])")" = \
+       "('k=int8_per_token_head,v=auto', 'explicit', 'checkpoint scheme', 'int8', 'fp8_e4m3', [0.009999999776482582])" ] \
+  && ok || bad "K explicit, V from the checkpoint's scheme: $(cat "$tmp/ct3.json")"
+"$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --cache-type-k int8_per_token_head -q --json >/dev/null \
+  && ok || bad "generate with K int8 and the checkpoint's FP8 V"
 
 # --- FP8 checkpoints (tests/golden/models/*-fp8-*, tools/make_fp8_goldens.py) -------------
 fp8ct="$golden/llama-gqa-fp8-ct"

@@ -133,8 +133,8 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::BF16, std::nullopt, {});
   KVLayerSpec& spec = plan.layers[0];
   const bool keep = spec.keeps_exact();
-  if (spec.quant == KVQuantMode::Fp8PerTensor) {
-    if (spec.storage == DType::F8E4M3) {  // per-kv-head scales (compressed-tensors attn_head)
+  if (spec.k.mode == KVQuantMode::Fp8PerTensor) {
+    if (spec.k.storage == DType::F8E4M3) {  // per-kv-head scales (compressed-tensors attn_head)
       spec.k_scale.clear();
       spec.v_scale.clear();
       for (int g = 0; g < kvh; ++g) {
@@ -212,7 +212,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     cudaMemset(dek.p, 0, dek.n * 2);
     cudaMemset(dev_.p, 0, dev_.n * 2);
   }
-  cuda::kv_store({.storage = spec.storage, .quant = spec.quant, .num_tokens = total_kv, .num_kv_heads = kvh, .head_dim = d,
+  cuda::kv_store({.storage = spec.k.storage, .quant = spec.k.mode, .num_tokens = total_kv, .num_kv_heads = kvh, .head_dim = d,
                   .block_size = bs, .num_blocks = cache.num_blocks(), .k = dk.p, .v = dv.p, .slots = dslots.p,
                   .exact_slots = keep ? deslots.p : nullptr, .exact_k = dek.p, .exact_v = dev_.p,
                   .num_exact = cache.num_exact_pages(), .k_cache = dkc.p, .v_cache = dvc.p, .k_token_scale = dks.p,
@@ -242,7 +242,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     for (SlotId s : slots) written[size_t(s)] = 1;
     auto gk = dkc.download(), gv = dvc.download();
     auto gks = dks.download(), gvs = dvs.download();
-    const size_t row = dtype_bytes(spec.storage, size_t(d));
+    const size_t row = dtype_bytes(spec.k.storage, size_t(d));
     for (size_t b = 0; b < size_t(cache.num_blocks()); ++b)
       for (size_t h = 0; h < size_t(kvh); ++h)
         for (size_t s = 0; s < size_t(bs); ++s) {
@@ -294,7 +294,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   cudaMemset(dout.p, 0xff, dout.n * 2);  // 0xffff: a bf16 NaN in every output element
   Dev<int32_t> dcu(cu), dkvl(kv_lens);
   Dev<BlockId> dtab(tables), detab(etables);
-  cuda::PagedAttentionParams p{.storage = spec.storage, .quant = spec.quant, .num_seqs = int(shapes.size()),
+  cuda::PagedAttentionParams p{.storage = spec.k.storage, .quant = spec.k.mode, .num_seqs = int(shapes.size()),
                                .num_tokens = total_q, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d,
                                .block_size = bs, .max_blocks_per_seq = max_blocks, .max_q_len = max_q,
                                .max_kv_len = max_kv, .mask = c.kind, .window = c.window, .softmax_scale = scale,
@@ -328,12 +328,12 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   st.keys_in_m += ran == 2 && choice.keys_in_m;
   double abs_floor = 1e-4 * mag;
   int p_exponent = 0;  // log2(u) of the P rounding, 0 = none
-  if (ran == 3) p_exponent = spec.storage == DType::BF16 ? -9 : -11;
-  else if (ran == 2 && dtype_bits(spec.storage) <= 8) p_exponent = -11;
+  if (ran == 3) p_exponent = spec.k.storage == DType::BF16 ? -9 : -11;
+  else if (ran == 2 && dtype_bits(spec.k.storage) <= 8) p_exponent = -11;
   // int4 on the warp-specialised prefill kernel: its producer writes each K / V value as the f16
   // of code * step + zero, so V's rounding (u = 2^-11 of |V| <= max|V|) adds a second
   // u * max|V| to P's (and K's, relative 2^-11 per term of a score, is far inside the bf16 term).
-  if (ran == 3 && spec.storage == DType::I4) p_exponent = -10;
+  if (ran == 3 && spec.k.storage == DType::I4) p_exponent = -10;
   if (p_exponent != 0) {
     float vmax = 0;
     for (float x : vf) vmax = std::max(vmax, std::fabs(x));

@@ -139,8 +139,8 @@ TEST_P(CudaRunnerGolden, MatchesCpuRunnerEveryKVMode) {
     ASSERT_EQ(pe->plan().layers.size(), ce->plan().layers.size());
     for (size_t i = 0; i < pe->plan().layers.size(); ++i) {
       EXPECT_EQ(ce->plan().layers[i].backend, "cuda");
-      EXPECT_EQ(pe->plan().layers[i].storage, ce->plan().layers[i].storage);
-      EXPECT_EQ(pe->plan().layers[i].quant, ce->plan().layers[i].quant);
+      EXPECT_EQ(pe->plan().layers[i].k.storage, ce->plan().layers[i].k.storage);
+      EXPECT_EQ(pe->plan().layers[i].k.mode, ce->plan().layers[i].k.mode);
     }
     const auto got = teacher_forced(*ce, all, 7);
     const auto cpu = teacher_forced(*pe, all, 7);
@@ -210,7 +210,7 @@ TEST_P(CudaRunnerGolden, MatchesTransformers) {
   auto e = load(g.model_dir, KVCacheDType::Auto, Device::Cuda, compute_for(g));
   const Stats s0 = compare(g.logits, teacher_forced(*e, all, 7), g.vocab, first);
   std::printf("[cuda-golden] %-12s %-20s max|dlogit|=%.3e mean_kld=%.2e max_kld=%.2e decisions %d/%d\n", g.name.c_str(),
-              ("auto(" + std::string(dtype_name(e->plan().layers[0].storage)) + ")").c_str(), s0.max_abs, s0.mean_kld,
+              ("auto(" + std::string(dtype_name(e->plan().layers[0].k.storage)) + ")").c_str(), s0.max_abs, s0.mean_kld,
               s0.max_kld, s0.decisions_checked - s0.decisions_failed, s0.decisions_checked);
   if (!routing_swaps(g)) {  // there the compute floor is the routing's
     EXPECT_LT(s0.mean_kld, trained ? 5e-3 : 5e-4);

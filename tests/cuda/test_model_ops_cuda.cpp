@@ -415,7 +415,7 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   const AttentionLayerDesc desc{.layer = 0, .kind = AttentionKind::Full, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, act, std::nullopt, {});
   KVLayerSpec& spec = plan.layers[0];
-  if (spec.quant == KVQuantMode::Fp8PerTensor) {  // per-kv-head scales, K and V different
+  if (spec.k.mode == KVQuantMode::Fp8PerTensor) {  // per-kv-head scales, K and V different
     spec.k_scale = {0.5f, 1.75f};
     spec.v_scale = {0.25f, 0.125f};
   }
@@ -492,7 +492,7 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
     cudaMemset(dks.p, 0, dks.n * 4);
     cudaMemset(dvs.p, 0, dvs.n * 4);
   }
-  cuda::qkv_rope_store({.act = act, .storage = spec.storage, .quant = spec.quant, .num_tokens = T, .num_q_heads = nh,
+  cuda::qkv_rope_store({.act = act, .storage = spec.k.storage, .quant = spec.k.mode, .num_tokens = T, .num_q_heads = nh,
                         .num_kv_heads = kvh, .head_dim = d, .qkv = dqkv.p, .qkv_stride = W,
                         .q_norm = c.qk_norm ? dqn.p : nullptr, .k_norm = c.qk_norm ? dkn.p : nullptr, .eps = eps,
                         .positions = dpos.p, .inv_freq = dfreq.p, .rotary_dim = c.rotary,
@@ -517,7 +517,7 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   const auto gks = dks.download(), gvs = dvs.download();
   size_t diff_codes = 0, far = 0, total = 0;
   double worst_scale = 0;
-  kvfmt::dispatch_kv(spec.storage, spec.quant, [&](auto fmt) {
+  kvfmt::dispatch_kv(spec.k.storage, spec.k.mode, [&](auto fmt) {
     using Fmt = decltype(fmt);
     constexpr int mant = Fmt::codec::kStorage == DType::BF16     ? 7
                          : Fmt::codec::kStorage == DType::F16    ? 10
@@ -525,7 +525,7 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
                          : Fmt::codec::kStorage == DType::F8E5M2 ? 2
                                                                  : 0;
     constexpr bool int4 = Fmt::codec::kStorage == DType::I4;
-    const size_t bits = dtype_bits(spec.storage), esz = bits / 8;
+    const size_t bits = dtype_bits(spec.k.storage), esz = bits / 8;
     // Element i's code on either side (int4: its nibble).
     auto same_code = [&](const uint8_t* x, const uint8_t* y, size_t i) {
       if constexpr (int4) return kvfmt::I4::code(x, i) == kvfmt::I4::code(y, i);
@@ -541,7 +541,7 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
         for (int g = 0; g < kvh; ++g) {
           const int64_t blk = s / bs;
           const int off = int(s % bs);
-          const size_t row = L.row_byte(blk, g, off), si = L.scale_index(blk, g, off);
+          const size_t row = L.row_byte(side == 0 ? KVSide::K : KVSide::V, blk, g, off), si = L.scale_index(blk, g, off);
           float sa = 1.0f, sb = 1.0f, step = 0;
           if constexpr (int4) {  // the packed {f16 step, f16 zero}: one f16 rounding apart at most
             sa = gsc[si];
@@ -583,7 +583,7 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
     std::vector<char> used(L.k.size(), 0);
     for (SlotId s : cpu_slots)
       for (int g = 0; g < kvh; ++g)
-        std::fill_n(used.begin() + ptrdiff_t(L.row_byte(s / bs, g, int(s % bs))), dtype_bytes(spec.storage, size_t(d)), 1);
+        std::fill_n(used.begin() + ptrdiff_t(L.row_byte(KVSide::K, s / bs, g, int(s % bs))), dtype_bytes(spec.k.storage, size_t(d)), 1);
     for (size_t i = 0; i < used.size(); ++i) stray += !used[i] && (gk[i] != 0 || gv[i] != 0);
   }
   EXPECT_EQ(stray, 0u) << what << ": bytes written outside the stored rows";

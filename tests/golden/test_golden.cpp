@@ -159,7 +159,7 @@ class Goldens : public ::testing::TestWithParam<std::string> {};
 TEST_P(Goldens, UnquantizedMatchesTransformers) {
   const Golden g = load_golden(GetParam());
   auto e = load(g, KVCacheDType::Auto, DType::F32);
-  ASSERT_EQ(e->plan().layers[0].storage, DType::F32);
+  ASSERT_EQ(e->plan().layers[0].k.storage, DType::F32);
   // Attention kinds: kvlm's reading of config.json == transformers'.
   const auto& hf = g.meta["hf_layer_types"];
   ASSERT_EQ(hf.size(), e->config().layers.size());

@@ -7,12 +7,15 @@
 // Outputs are poisoned with NaN before each run, so an unwritten row fails.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <tuple>
 
@@ -41,6 +44,7 @@ struct Case {
   bool exact_bf16 = false;             // exact copies in bfloat16 (else the fp32 model dtype)
   bool sinks = false;                  // learned attention sinks, one per query head (GPT-OSS)
   float sink_fill = NAN;               // with sinks: every head's sink (NaN: random, head 0 at -inf)
+  std::optional<KVCacheDType> v_dtype;  // V in its own format (K: dtype)
 };
 
 // Bound on rms(out - ref) / rms(ref) against attention over the unquantized K/V.
@@ -117,7 +121,8 @@ Result run_case(const Case& c, uint32_t seed, std::vector<float>* output = nullp
   const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh,
                                 .head_dim = d, .sinks = c.sinks};
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, DType::F32, std::nullopt, {});
-  if (plan.layers[0].quant == KVQuantMode::Fp8PerTensor) {
+  if (c.v_dtype) plan.layers[0].v = *kv_storage_of(*c.v_dtype);
+  if (plan.layers[0].k.mode == KVQuantMode::Fp8PerTensor || plan.layers[0].v.mode == KVQuantMode::Fp8PerTensor) {
     plan.layers[0].k_scale = {0.5f};  // a non-trivial static scale
     plan.layers[0].v_scale = {0.25f};
   }
@@ -236,25 +241,26 @@ Result run_case(const Case& c, uint32_t seed, std::vector<float>* output = nullp
             Exact::decode_row(L.ev.data() + at, 1.0f, {ve.data() + size_t(p) * size_t(d), size_t(d)});
           }
         });
-      kvfmt::dispatch_kv(spec.storage, spec.quant, [&](auto fmt) {
-        using Fmt = decltype(fmt);
-        for (int p = 0; p < s.kv_len; ++p) {
-          const int64_t blk = tables[si][size_t(p / bs)];
-          const int off = p % bs;
-          const size_t at = L.row_byte(blk, g, off);
-          float ksc = spec.k_scale_for(g), vsc = spec.v_scale_for(g);
-          if (is_per_token_head(spec.quant)) {
-            ksc = L.k_scale[L.scale_index(blk, g, off)];
-            vsc = L.v_scale[L.scale_index(blk, g, off)];
+      for (const KVSide side : {KVSide::K, KVSide::V}) {  // each side in its own format
+        const KVStorage& kv = spec.format(side);
+        const bool is_k = side == KVSide::K;
+        kvfmt::dispatch_kv(kv.storage, kv.mode, [&](auto fmt) {
+          using Fmt = decltype(fmt);
+          for (int p = 0; p < s.kv_len; ++p) {
+            const int64_t blk = tables[si][size_t(p / bs)];
+            const int off = p % bs;
+            float sc = is_k ? spec.k_scale_for(g) : spec.v_scale_for(g);
+            if (is_per_token_head(kv.mode)) sc = (is_k ? L.k_scale : L.v_scale)[L.scale_index(blk, g, off)];
+            Fmt::decode_row((is_k ? L.k : L.v).data() + L.row_byte(side, blk, g, off), sc,
+                            {(is_k ? ks : vs).data() + size_t(p) * size_t(d), size_t(d)});
           }
-          Fmt::decode_row(L.k.data() + at, ksc, {ks.data() + size_t(p) * size_t(d), size_t(d)});
-          Fmt::decode_row(L.v.data() + at, vsc, {vs.data() + size_t(p) * size_t(d), size_t(d)});
-          for (int x = 0; x < d; ++x) {
-            ko[size_t(p) * size_t(d) + size_t(x)] = k_orig[si][(size_t(p) * size_t(kvh) + size_t(g)) * size_t(d) + size_t(x)];
-            vo[size_t(p) * size_t(d) + size_t(x)] = v_orig[si][(size_t(p) * size_t(kvh) + size_t(g)) * size_t(d) + size_t(x)];
-          }
+        });
+      }
+      for (int p = 0; p < s.kv_len; ++p)
+        for (int x = 0; x < d; ++x) {
+          ko[size_t(p) * size_t(d) + size_t(x)] = k_orig[si][(size_t(p) * size_t(kvh) + size_t(g)) * size_t(d) + size_t(x)];
+          vo[size_t(p) * size_t(d) + size_t(x)] = v_orig[si][(size_t(p) * size_t(kvh) + size_t(g)) * size_t(d) + size_t(x)];
         }
-      });
       for (int t = 0; t < s.q_len; ++t) {
         const int pos = s.kv_len - s.q_len + t;
         for (int hg = 0; hg < nh / kvh; ++hg) {
@@ -324,6 +330,33 @@ INSTANTIATE_TEST_SUITE_P(KV, AttentionAllFormats,
                                            KVCacheDType::Fp8E5M2, KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead,
                                            KVCacheDType::Int4PerTokenHead),
                          [](const auto& info) { return std::string(kv_cache_dtype_name(info.param)); });
+
+// K and V in different formats (KVLayerSpec::k != v): every useful pair, every mask, exact
+// tokens and sinks; each side decodes with its own codec, so the output matches attention over
+// the stored rows as closely as a uniform format's, and stays within the looser side's bound.
+TEST(Attention, SeparateKAndVFormats) {
+  uint32_t seed = 100;
+  for (const KVCacheDType k : {KVCacheDType::BFloat16, KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead})
+    for (const KVCacheDType v : {KVCacheDType::Fp8, KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead}) {
+      const Case shapes[] = {
+          {.dtype = k, .kind = AttentionKind::Full, .window = 0, .head_dim = 64, .q_heads = 8, .kv_heads = 2, .block_size = 16,
+           .v_dtype = v},
+          {.dtype = k, .kind = AttentionKind::Sliding, .window = 8, .head_dim = 32, .q_heads = 6, .kv_heads = 3,
+           .block_size = 8, .keep_sink = 2, .keep_recent = 4, .v_dtype = v},
+          {.dtype = k, .kind = AttentionKind::NonCausal, .window = 0, .head_dim = 64, .q_heads = 8, .kv_heads = 2,
+           .block_size = 16, .sinks = true, .v_dtype = v},
+      };
+      for (const Case& c : shapes) {
+        const Result r = run_case(c, seed++);
+        const double b = std::max(bound(k), bound(v));
+        std::printf("[attention] K %-19s V %-19s %-10s exact=%.2e vs-unquantized=%.3e (bound %.1e)\n",
+                    std::string(kv_cache_dtype_name(k)).c_str(), std::string(kv_cache_dtype_name(v)).c_str(),
+                    std::string(attention_kind_name(c.kind)).c_str(), r.exact_err, r.quant_err, b);
+        EXPECT_LT(r.exact_err, 2e-5) << kv_cache_dtype_name(k) << " / " << kv_cache_dtype_name(v);
+        EXPECT_LT(r.quant_err, b) << kv_cache_dtype_name(k) << " / " << kv_cache_dtype_name(v);
+      }
+    }
+}
 
 // The rotation (core/hadamard.h) on K with 8x outlier channels: every per-token-head format
 // stays exact against its own stored rows; the integer formats' error against unquantized

@@ -106,13 +106,13 @@ TEST(DFlash, DraftLayersJoinThePlanWithTheTargetsCacheOptions) {
     const ModelPlan mp = plan_model(kTiny, ckpt, o.cache, selection_context(Device::Cpu, 0, o.cache), std::nullopt,
                                     &*o.speculative);
     ASSERT_EQ(mp.plan.layers.size(), 8u);
-    EXPECT_EQ(mp.plan.layers[0].quant, KVQuantMode::None);  // the skip rule on target layer 0
+    EXPECT_EQ(mp.plan.layers[0].k.mode, KVQuantMode::None);  // the skip rule on target layer 0
     const KVLayerSpec& dl = mp.plan.layers[7];
     EXPECT_EQ(dl.attn.model, "draft");
     EXPECT_EQ(dl.attn.layer, 0);
     EXPECT_EQ(dl.attn.kind, AttentionKind::NonCausal);
     // Seed 000: the drafter gets the cache config (an index rule names a target layer).
-    EXPECT_EQ(dl.quant, own ? KVQuantMode::Int8PerTokenHead : KVQuantMode::Fp8PerTokenHead);
+    EXPECT_EQ(dl.k.mode, own ? KVQuantMode::Int8PerTokenHead : KVQuantMode::Fp8PerTokenHead);
     EXPECT_EQ(dl.backend, "cpu");
     EXPECT_GT(mp.plan.bytes_per_token(), 0u);
   }

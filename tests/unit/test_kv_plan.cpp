@@ -78,14 +78,14 @@ TEST(KVPlan, SkipSlidingWindowLayers) {
   ASSERT_EQ(p.layers.size(), 4u);
   for (const auto& l : p.layers) {
     if (l.attn.kind == AttentionKind::Sliding) {
-      EXPECT_EQ(l.storage, DType::BF16);
-      EXPECT_EQ(l.quant, KVQuantMode::None);
+      EXPECT_EQ(l.k.storage, DType::BF16);
+      EXPECT_EQ(l.k.mode, KVQuantMode::None);
       EXPECT_EQ(l.dtype_source, DTypeSource::SkipRule);
       EXPECT_EQ(l.scale_source, ScaleSource::None);
       EXPECT_EQ(l.bytes_per_token(), 2u * 2 * 32 * 2);
     } else {
-      EXPECT_EQ(l.storage, DType::F8E4M3);
-      EXPECT_EQ(l.quant, KVQuantMode::Fp8PerTensor);
+      EXPECT_EQ(l.k.storage, DType::F8E4M3);
+      EXPECT_EQ(l.k.mode, KVQuantMode::Fp8PerTensor);
       EXPECT_EQ(l.dtype_source, DTypeSource::Explicit);
       EXPECT_EQ(l.scale_source, ScaleSource::Default);
       EXPECT_EQ(l.bytes_per_token(), 2u * 2 * 32 * 1);
@@ -99,12 +99,12 @@ TEST(KVPlan, SkipSlidingWindowLayers) {
 TEST(KVPlan, SkipIndicesAndRangeCheck) {
   const auto layers = mixed_layers();
   const KVPlan p = build_kv_plan(with(KVCacheDType::Int8PerTokenHead, "0,3"), layers, DType::F16, std::nullopt, {});
-  EXPECT_EQ(p.layers[0].storage, DType::F16);
-  EXPECT_EQ(p.layers[1].storage, DType::I8);
+  EXPECT_EQ(p.layers[0].k.storage, DType::F16);
+  EXPECT_EQ(p.layers[1].k.storage, DType::I8);
   EXPECT_EQ(p.layers[1].scale_source, ScaleSource::PerTokenHeadDynamic);
   // int8 codes + one fp32 scale per (token, head) for K and for V.
   EXPECT_EQ(p.layers[1].bytes_per_token(), 2u * 2 * 32 + 2u * 2 * 4);
-  EXPECT_EQ(p.layers[3].storage, DType::F16);
+  EXPECT_EQ(p.layers[3].k.storage, DType::F16);
   try {
     build_kv_plan(with(KVCacheDType::Fp8, "4"), layers, DType::BF16, std::nullopt, {});
     FAIL();
@@ -143,7 +143,7 @@ TEST(KVPlan, CheckpointScalesAndSchemeFromCheckpoint) {
   // The same checkpoint with an explicit bfloat16: no scales used, nothing quantized.
   const KVPlan b = build_kv_plan(with(KVCacheDType::BFloat16), layers, DType::BF16, fp8_scheme(), scales);
   for (const auto& l : b.layers) {
-    EXPECT_EQ(l.storage, DType::BF16);
+    EXPECT_EQ(l.k.storage, DType::BF16);
     EXPECT_EQ(l.scale_source, ScaleSource::None);
   }
   // Malformed scales are rejected with the tensor's name.
@@ -166,10 +166,10 @@ TEST(KVPlan, DraftLayersShareThePlan) {
                       .head_dim = 32});
   const KVPlan p = build_kv_plan(with(KVCacheDType::Fp8PerTokenHead, "0"), layers, DType::BF16, std::nullopt, {});
   ASSERT_EQ(p.layers.size(), 6u);
-  EXPECT_EQ(p.layers[0].storage, DType::BF16);  // target layer 0 skipped
+  EXPECT_EQ(p.layers[0].k.storage, DType::BF16);  // target layer 0 skipped
   EXPECT_EQ(p.layers[4].attn.model, "dflash");
-  EXPECT_EQ(p.layers[4].storage, DType::F8E4M3);  // draft layer 0 is not the target's layer 0
-  EXPECT_EQ(p.layers[4].quant, KVQuantMode::Fp8PerTokenHead);
+  EXPECT_EQ(p.layers[4].k.storage, DType::F8E4M3);  // draft layer 0 is not the target's layer 0
+  EXPECT_EQ(p.layers[4].k.mode, KVQuantMode::Fp8PerTokenHead);
   EXPECT_EQ(p.layers[5].attn.kind, AttentionKind::NonCausal);
 }
 
@@ -181,7 +181,7 @@ TEST(KVPlan, Int4AndRotation) {
   const auto layers = mixed_layers();
   CacheConfig c = with(KVCacheDType::Int4PerTokenHead, "1");
   KVPlan p = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
-  EXPECT_EQ(p.layers[0].storage, DType::I4);
+  EXPECT_EQ(p.layers[0].k.storage, DType::I4);
   EXPECT_TRUE(p.layers[0].rotate);
   EXPECT_FALSE(p.layers[1].rotate);  // skipped: bf16
   EXPECT_EQ(p.layers[0].bytes_per_token(), 2u * 2 * 16 + 2u * 2 * 4);  // 32 codes in 16 bytes + a 4-byte slot, K and V
@@ -216,4 +216,57 @@ TEST(KVPlan, Int4AndRotation) {
   EXPECT_THROW(build_kv_plan(c, odd, DType::BF16, std::nullopt, {}), Error);
   EXPECT_EQ(parse_kv_rotation("hadamard"), KVRotation::Hadamard);
   EXPECT_THROW(parse_kv_rotation("walsh"), Error);
+}
+
+// K and V apart: the text forms, and each side resolving by the precedence rule on its own.
+TEST(KVCacheDTypes, ParsesOneDTypeOrKAndVApart) {
+  EXPECT_EQ(parse_kv_cache_dtypes("fp8"), (KVCacheDTypes{KVCacheDType::Fp8, std::nullopt}));
+  EXPECT_EQ(parse_kv_cache_dtypes("k=int8_per_token_head,v=int4_per_token_head"),
+            (KVCacheDTypes{KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead}));
+  EXPECT_EQ(parse_kv_cache_dtypes("v=int4_per_token_head,k=bfloat16"),
+            (KVCacheDTypes{KVCacheDType::BFloat16, KVCacheDType::Int4PerTokenHead}));
+  EXPECT_EQ(parse_kv_cache_dtypes("k=int8_per_token_head"), (KVCacheDTypes{KVCacheDType::Int8PerTokenHead, KVCacheDType::Auto}));
+  EXPECT_EQ(parse_kv_cache_dtypes("v=fp8"), (KVCacheDTypes{KVCacheDType::Auto, KVCacheDType::Fp8}));
+  for (const char* bad : {"k=", "k=int8", "q=fp8", "k=fp8,k=fp8", "k=fp8,", "=fp8", "k fp8", ""})
+    EXPECT_THROW(parse_kv_cache_dtypes(bad), Error) << bad;
+  for (const std::string t : {"auto", "fp8", "k=int8_per_token_head,v=auto", "k=bfloat16,v=int4_per_token_head"})
+    EXPECT_EQ(kv_cache_dtypes_text(parse_kv_cache_dtypes(t)), t);
+  try {
+    parse_kv_cache_dtypes("k=fp8,v=int3", "kv_cache_dtype");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("invalid kv_cache_dtype v= 'int3'; valid values are: auto"), std::string::npos) << e.what();
+  }
+}
+
+TEST(BuildKVPlan, KAndVResolveApart) {
+  const auto ls = mixed_layers();
+  CacheConfig c;
+  c.set_kv_dtypes({KVCacheDType::Int8PerTokenHead, KVCacheDType::Auto});
+  // V auto follows the checkpoint's FP8 scheme (and gets its per-tensor scales); K is explicit.
+  const ScaleLookup scales = [](const AttentionLayerDesc&) {
+    return std::optional(CheckpointScales{{0.5f}, {0.25f}, "k_scale", "v_scale"});
+  };
+  KVPlan p = build_kv_plan(c, ls, DType::BF16, fp8_scheme(), scales);
+  EXPECT_EQ(p.resolution.source, DTypeSource::Explicit);
+  EXPECT_EQ(p.v_resolution.source, DTypeSource::CheckpointScheme);
+  for (const auto& l : p.layers) {
+    EXPECT_EQ(l.k, (KVStorage{DType::I8, KVQuantMode::Int8PerTokenHead}));
+    EXPECT_EQ(l.v, (KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor}));
+    EXPECT_EQ(l.v_scale_for(1), 0.25f);
+    EXPECT_EQ(l.bytes_per_token(), size_t(2 * (32 + 4) + 2 * 32));
+  }
+  EXPECT_EQ(describe_kv_resolution(p), "K int8 int8_per_token_head, V fp8_e4m3 fp8_per_tensor");
+  EXPECT_EQ(kv_layer_json(p.layers[0])["v_dtype"], "fp8_e4m3");
+  // Without a scheme, V auto is the model dtype; the skip rule keeps both sides at it.
+  c = with(KVCacheDType::Auto, "0");
+  c.v_cache_dtype = KVCacheDType::Int4PerTokenHead;
+  p = build_kv_plan(c, ls, DType::BF16, std::nullopt, {});
+  EXPECT_EQ(p.layers[0].k, (KVStorage{DType::BF16, KVQuantMode::None}));
+  EXPECT_EQ(p.layers[0].v, (KVStorage{DType::BF16, KVQuantMode::None}));  // layer 0 skipped
+  EXPECT_EQ(p.layers[1].k, (KVStorage{DType::BF16, KVQuantMode::None}));
+  EXPECT_EQ(p.layers[1].v, (KVStorage{DType::I4, KVQuantMode::Int4PerTokenHead}));
+  EXPECT_TRUE(p.layers[1].rotate);  // auto rotates a layer with a 4-bit side
+  EXPECT_FALSE(kv_layer_json(p.layers[0]).contains("v_dtype"));
+  EXPECT_EQ(describe_kv_resolution(p), "K bfloat16, V int4 int4_per_token_head");
 }

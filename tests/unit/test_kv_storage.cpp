@@ -20,14 +20,22 @@ TEST(KVCache, EachLayerSizedForItsOwnSpec) {
   c.kv_cache_dtype = KVCacheDType::Fp8;
   c.skip_layers = parse_skip_layers("0");
   KVPlan plan = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
-  plan.layers[2].storage = DType::I8;  // a mixed plan, as a future per-layer policy could build
-  plan.layers[2].quant = KVQuantMode::Int8PerTokenHead;
+  plan.layers[2].k = plan.layers[2].v = KVStorage{DType::I8, KVQuantMode::Int8PerTokenHead};  // a mixed plan
   KVCache cache(plan, 10, 16);
   EXPECT_EQ(cache.layer(0).bytes(), 10u * 16 * 2 * 2 * 64 * 2);
   EXPECT_EQ(cache.layer(1).bytes(), 10u * 16 * 2 * 2 * 64 * 1);
   EXPECT_EQ(cache.layer(2).bytes(), 10u * 16 * (2 * 2 * 64 * 1 + 2 * 2 * 4));
   EXPECT_TRUE(cache.layer(1).k_scale.empty());
   EXPECT_EQ(cache.bytes(), 10u * 16 * plan.bytes_per_token());
+  // K and V apart: K int8 with its fp32 scales, V int4 (half the codes) with its step/zero slots.
+  plan.layers[2].v = KVStorage{DType::I4, KVQuantMode::Int4PerTokenHead};
+  KVCache split(plan, 10, 16);
+  EXPECT_EQ(split.layer(2).k.size(), 10u * 16 * 2 * 64);
+  EXPECT_EQ(split.layer(2).v.size(), 10u * 16 * 2 * 32);
+  EXPECT_EQ(split.layer(2).k_scale.size(), 10u * 16 * 2);
+  EXPECT_EQ(split.layer(2).v_scale.size(), 10u * 16 * 2);
+  EXPECT_EQ(plan.layers[2].bytes_per_token(), size_t(2 * (64 + 4) + 2 * (32 + 4)));
+  EXPECT_EQ(split.bytes(), 10u * 16 * plan.bytes_per_token());
 }
 
 TEST(KVCache, StoreQuantizesPerFormat) {
@@ -39,7 +47,7 @@ TEST(KVCache, StoreQuantizesPerFormat) {
     c.kv_cache_dtype = dt;
     const AttentionLayerDesc desc{.num_q_heads = 2, .num_kv_heads = 2, .head_dim = 16};
     KVPlan plan = build_kv_plan(c, {&desc, 1}, DType::BF16, std::nullopt, {});
-    if (plan.layers[0].quant == KVQuantMode::Fp8PerTensor) plan.layers[0].k_scale = {0.5f, 0.25f};  // per kv head
+    if (plan.layers[0].k.mode == KVQuantMode::Fp8PerTensor) plan.layers[0].k_scale = {0.5f, 0.25f};  // per kv head
     KVCache cache(plan, 4, 8);
     std::vector<float> k(3 * 2 * 16), v(k.size());
     for (auto& x : k) x = nd(rng);
@@ -61,28 +69,28 @@ TEST(KVCache, StoreQuantizesPerFormat) {
         }
         std::vector<float> row(16);
         float scale = s.k_scale_for(g), step = 0, zero = 0;
-        if (s.quant == KVQuantMode::Int4PerTokenHead) {
+        if (s.k.mode == KVQuantMode::Int4PerTokenHead) {
           scale = L.k_scale[L.scale_index(blk, g, off)];  // the packed {f16 step, f16 zero} slot
           kvfmt::I4::unpack(scale, step, zero);
           EXPECT_EQ(step, num::f16_to_f32(num::f32_to_f16((hi - lo) / 15)));
           EXPECT_EQ(zero, num::f16_to_f32(num::f32_to_f16(lo)));
-        } else if (is_per_token_head(s.quant)) {
+        } else if (is_per_token_head(s.k.mode)) {
           scale = L.k_scale[L.scale_index(blk, g, off)];
-          const float qmax = s.quant == KVQuantMode::Int8PerTokenHead ? 127.0f : 448.0f;
+          const float qmax = s.k.mode == KVQuantMode::Int8PerTokenHead ? 127.0f : 448.0f;
           EXPECT_FLOAT_EQ(scale, amax / qmax);  // absmax / qmax, stored fp32
         }
-        kvfmt::dispatch_kv(s.storage, s.quant, [&](auto fmt) {
-          decltype(fmt)::decode_row(L.k.data() + L.row_byte(blk, g, off), scale, row);
+        kvfmt::dispatch_kv(s.k.storage, s.k.mode, [&](auto fmt) {
+          decltype(fmt)::decode_row(L.k.data() + L.row_byte(KVSide::K, blk, g, off), scale, row);
         });
         for (int x = 0; x < 16; ++x) {
           const float e = std::fabs(row[size_t(x)] - src[x]);
-          switch (s.quant) {
+          switch (s.k.mode) {
             case KVQuantMode::None:
-              EXPECT_LE(e, std::fabs(src[x]) * (s.storage == DType::BF16 ? 1.0f / 256 : 1.0f / 2048)) << dtype_name(s.storage);
+              EXPECT_LE(e, std::fabs(src[x]) * (s.k.storage == DType::BF16 ? 1.0f / 256 : 1.0f / 2048)) << dtype_name(s.k.storage);
               break;
             case KVQuantMode::Fp8PerTensor:  // relative half-ulp, or half the subnormal step
-              EXPECT_LE(e, std::max(std::fabs(src[x]) * (s.storage == DType::F8E4M3 ? 1.0f / 16 : 1.0f / 8),
-                                    scale * (s.storage == DType::F8E4M3 ? std::ldexp(1.0f, -10) : std::ldexp(1.0f, -17))));
+              EXPECT_LE(e, std::max(std::fabs(src[x]) * (s.k.storage == DType::F8E4M3 ? 1.0f / 16 : 1.0f / 8),
+                                    scale * (s.k.storage == DType::F8E4M3 ? std::ldexp(1.0f, -10) : std::ldexp(1.0f, -17))));
               break;
             case KVQuantMode::Fp8PerTokenHead:
               EXPECT_LE(e, std::max(std::fabs(src[x]) / 16, scale * std::ldexp(1.0f, -10)));

@@ -36,12 +36,29 @@ KVLayerSpec spec(DType storage, KVQuantMode q, AttentionKind kind, int head_dim)
   KVLayerSpec s;
   s.attn = {.layer = 3, .kind = kind, .window = kind == AttentionKind::Sliding ? 128 : 0, .num_q_heads = 8, .num_kv_heads = 2,
             .head_dim = head_dim};
-  s.storage = storage;
-  s.quant = q;
+  s.k = s.v = KVStorage{storage, q};
   return s;
 }
 
 }  // namespace
+
+// K and V in different formats: the CPU reference reads them, a backend that holds one format
+// per layer (CUDA today) says so, and each side is checked against the whitelist.
+TEST(Selector, SeparateKAndVFormats) {
+  KVLayerSpec l = spec(DType::I8, KVQuantMode::Int8PerTokenHead, AttentionKind::Full, 128);
+  l.v = KVStorage{DType::I4, KVQuantMode::Int4PerTokenHead};
+  EXPECT_FALSE(rejection_reason(CpuAttentionBackend::capabilities(), l, {}).has_value());
+  const BackendCapabilities cuda = make_cuda_attention_capabilities("90a", false);
+  const auto why = rejection_reason(cuda, l, {.device = Device::Cuda, .compute_capability = 90});
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("holds K and V in one format only (this layer: K int8/int8_per_token_head, V int4/int4_per_token_head)"),
+            std::string::npos) << *why;
+  l.v = KVStorage{DType::F8E5M2, KVQuantMode::Fp8PerTokenHead};  // no such format
+  EXPECT_NE(rejection_reason(CpuAttentionBackend::capabilities(), l, {})->find("does not handle V fp8_e5m2"),
+            std::string::npos);
+  EXPECT_NE(describe_layer(spec(DType::BF16, KVQuantMode::None, AttentionKind::Full, 64)).find("KV bfloat16/none"),
+            std::string::npos);
+}
 
 TEST(Selector, PicksHighestPriorityThatFits) {
   const std::vector<BackendCapabilities> backends{CpuAttentionBackend::capabilities(), fake_fast(), fake_gpu()};

@@ -227,8 +227,7 @@ TEST(TensorParallel, RankPlanHoldsTheRanksHeadsAndScales) {
   l.attn.num_q_heads = 8;
   l.attn.num_kv_heads = 4;
   l.attn.head_dim = 16;
-  l.storage = DType::F8E4M3;
-  l.quant = KVQuantMode::Fp8PerTensor;
+  l.k = l.v = KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor};
   l.k_scale = {1, 2, 3, 4};
   l.v_scale = {5, 6, 7, 8};
   plan.layers.push_back(l);

@@ -408,7 +408,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   std::vector<size_t> scale_at(plan.layers.size(), SIZE_MAX);
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const KVLayerSpec& spec = plan.layers[i];
-    if (spec.quant != KVQuantMode::Fp8PerTensor) continue;
+    if (spec.k.mode != KVQuantMode::Fp8PerTensor) continue;
     KVLM_CHECK(spec.k_scale.size() == spec.v_scale.size(), "k and v scales differ in count");
     scale_at[i] = scales.size();
     scales.insert(scales.end(), spec.k_scale.begin(), spec.k_scale.end());
@@ -425,8 +425,10 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     L.num_q_heads = spec.attn.num_q_heads;
     L.num_kv_heads = spec.attn.num_kv_heads;
     L.head_dim = spec.attn.head_dim;
-    L.storage = spec.storage;
-    L.quant = spec.quant;
+    // The CUDA kernels hold K and V in one format (the selector refuses other layers for 'cuda').
+    KVLM_CHECK(spec.k == spec.v, "a CUDA layer with K and V in different formats");
+    L.storage = spec.k.storage;
+    L.quant = spec.k.mode;
     L.rotate = spec.rotate;
     L.kind = spec.attn.kind;
     L.window = spec.attn.window;
@@ -527,8 +529,8 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
   for (size_t i = 0; i < m.lkv.size(); ++i) {
     CudaKVLayer& L = m.lkv[i];
     const KVPageBytes page = kv_page_bytes(m.plan->layers[i], block_size);
-    L.page_bytes = page.codes;
-    L.scale_page_bytes = page.scales;
+    L.page_bytes = page.k_codes;  // = v_codes: one format for K and V on CUDA
+    L.scale_page_bytes = page.k_scales;
     for (size_t part : {L.page_bytes, L.page_bytes, L.scale_page_bytes, L.scale_page_bytes}) {
       offs.push_back(total);
       total += align_up(part * size_t(num_blocks));
