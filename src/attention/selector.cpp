@@ -68,7 +68,8 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
              std::string(dtype_name(fmt.storage)) + " with quant mode " + std::string(kv_quant_mode_name(fmt.mode));
   }
   if (l.k != l.v && !c.split_kv_formats)
-    return "holds K and V in one format only (this layer: " + describe_kv_format(l) + ")";
+    return "holds K and V in one format only (this layer: " + describe_kv_format(l) +
+           "); give K and V one --kv-cache-dtype, or run on the CPU backend";
   const int hd = l.attn.head_dim;
   if (c.head_sizes.empty() ? (hd % 2 != 0 || hd > c.max_head_size)
                            : std::ranges::find(c.head_sizes, hd) == c.head_sizes.end()) {

@@ -53,6 +53,7 @@ TEST(Selector, SeparateKAndVFormats) {
   ASSERT_TRUE(why.has_value());
   EXPECT_NE(why->find("holds K and V in one format only (this layer: K int8/int8_per_token_head, V int4/int4_per_token_head)"),
             std::string::npos) << *why;
+  EXPECT_NE(why->find("give K and V one --kv-cache-dtype, or run on the CPU backend"), std::string::npos) << *why;
   l.v = KVStorage{DType::F8E5M2, KVQuantMode::Fp8PerTokenHead};  // no such format
   EXPECT_NE(rejection_reason(CpuAttentionBackend::capabilities(), l, {})->find("does not handle V fp8_e5m2"),
             std::string::npos);
