@@ -54,8 +54,8 @@ std::string weights_label(const LoadedModel& e) {
 
 std::string kv_label(const LoadedModel& e) {
   const KVPlan& p = e.plan();
-  std::string s = kv_cache_dtypes_text({p.requested, p.v_requested});
-  if ((p.requested == KVCacheDType::Auto || p.v_requested == KVCacheDType::Auto) && !p.layers.empty())
+  std::string s = kv_cache_dtypes_text(p.requested);
+  if ((p.requested.k == KVCacheDType::Auto || p.requested.v == KVCacheDType::Auto) && !p.layers.empty())
     s += " -> " + describe_kv_format(p.layers.front());
   int skipped = 0;
   for (const auto& l : p.layers) skipped += l.dtype_source == DTypeSource::SkipRule;

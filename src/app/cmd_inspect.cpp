@@ -255,7 +255,7 @@ int run_inspect(const InspectFlags& f) {
     j["architecture"] = std::string(arch_name(cfg.arch));
     j["model_dtype"] = std::string(dtype_name(mp.dtype));
     j["device"] = std::string(device_name(device));
-    j["kv_cache_dtype"] = kv_cache_dtypes_text({plan.requested, plan.v_requested});
+    j["kv_cache_dtype"] = kv_cache_dtypes_text(plan.requested);
     auto resolved = [](const KVDTypeResolution& r) {
       return nlohmann::json{{"storage", std::string(dtype_name(r.storage.storage))},
                             {"quant_mode", std::string(kv_quant_mode_name(r.storage.mode))},
@@ -263,7 +263,7 @@ int run_inspect(const InspectFlags& f) {
                             {"note", r.note}};
     };
     j["resolved"] = resolved(plan.resolution);  // K's (and V's unless v_resolved is present)
-    if (plan.v_requested) j["v_resolved"] = resolved(plan.v_resolution);
+    if (plan.requested.v) j["v_resolved"] = resolved(plan.v_resolution);
     if (cfg.kv_scheme) j["checkpoint_kv_scheme"] = cfg.kv_scheme->origin;
     if (const auto& q = cfg.weight_quant) {
       nlohmann::json w{{"format", "fp8_e4m3"},
@@ -405,8 +405,8 @@ int run_inspect(const InspectFlags& f) {
     return std::string(dtype_name(r.storage.storage)) + " / " + std::string(kv_quant_mode_name(r.storage.mode)) + " (" +
            std::string(dtype_source_name(r.source)) + (r.note.empty() ? "" : "; " + r.note) + ")";
   };
-  std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtypes_text({plan.requested, plan.v_requested}) << " -> "
-            << (plan.v_requested ? "K " + resolved(plan.resolution) + ", V " + resolved(plan.v_resolution)
+  std::cout << "kv cache   --kv-cache-dtype " << kv_cache_dtypes_text(plan.requested) << " -> "
+            << (plan.requested.v ? "K " + resolved(plan.resolution) + ", V " + resolved(plan.v_resolution)
                                  : resolved(plan.resolution))
             << "\n\n";
   std::vector<std::vector<std::string>> rows{

@@ -3,17 +3,13 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kv/kv_formats.h"
 
 namespace kvlm {
 
 std::string_view device_name(Device d) { return d == Device::Cpu ? "cpu" : "cuda"; }
 
-std::string describe_kv_format(const KVLayerSpec& l) {
-  auto one = [](const KVStorage& kv) {
-    return std::string(dtype_name(kv.storage)) + "/" + std::string(kv_quant_mode_name(kv.mode));
-  };
-  return l.k == l.v ? one(l.k) : "K " + one(l.k) + ", V " + one(l.v);
-}
+std::string describe_kv_format(const KVLayerSpec& l) { return kv_pair_name(l.k, l.v, kv_format_name); }
 
 std::string describe_layer(const KVLayerSpec& l) {
   std::string kind(attention_kind_name(l.attn.kind));

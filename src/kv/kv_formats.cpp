@@ -35,6 +35,10 @@ void throw_unsupported_kv(KVStorage kv, KVFormatSet set, std::string_view who) {
               " with quant mode " + std::string(kv_quant_mode_name(kv.mode)) + "; supported: " + describe_kv_formats(set));
 }
 
+std::string kv_format_name(KVStorage kv) {
+  return std::string(dtype_name(kv.storage)) + "/" + std::string(kv_quant_mode_name(kv.mode));
+}
+
 size_t kv_row_code_bytes(KVStorage kv, int head_dim) {
   KVLM_CHECK(find_kv_format(kv) != nullptr, "kv_row_code_bytes of a format outside the table");
   return dtype_bytes(kv.storage, size_t(head_dim));

@@ -51,6 +51,14 @@ std::string describe_kv_formats(KVFormatSet set);
 // Throws kvlm::Error "<who>: unsupported KV format: storage X with quant mode Y; supported: ...".
 [[noreturn]] void throw_unsupported_kv(KVStorage kv, KVFormatSet set, std::string_view who);
 
+// "int8/int8_per_token_head": one format, as errors name it.
+std::string kv_format_name(KVStorage kv);
+// A K and a V format, each named by `name`: one name when equal, else "K <k>, V <v>".
+template <class Name>
+std::string kv_pair_name(const KVStorage& k, const KVStorage& v, Name&& name) {
+  return k == v ? name(k) : "K " + name(k) + ", V " + name(v);
+}
+
 // Bytes of one row (one token, one KV head) of `head_dim` codes, and of the row's scale slot:
 // 4 bytes for the per-token-head modes (an fp32 scale; int4: an f16 step and an f16 zero
 // point), 0 for the others (per-tensor scales live in the plan, not the pages).

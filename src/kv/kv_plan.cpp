@@ -116,8 +116,7 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
   KVPlan plan;
   validate_keep_tokens(cache.keep_sink, "--kv-cache-keep-sink");
   validate_keep_tokens(cache.keep_recent, "--kv-cache-keep-recent");
-  plan.requested = cache.kv_cache_dtype;
-  plan.v_requested = cache.v_cache_dtype;
+  plan.requested = cache.kv_dtypes();
   plan.resolution = resolve_kv_dtype(cache.kv_cache_dtype, scheme, model_dtype);
   plan.v_resolution = cache.v_cache_dtype ? resolve_kv_dtype(*cache.v_cache_dtype, scheme, model_dtype) : plan.resolution;
 
@@ -213,8 +212,7 @@ std::string describe_kv_resolution(const KVPlan& plan) {
     if (kv.mode != KVQuantMode::None) s += " " + std::string(kv_quant_mode_name(kv.mode));
     return s;
   };
-  const KVStorage &k = plan.resolution.storage, &v = plan.v_resolution.storage;
-  return k == v ? one(k) : "K " + one(k) + ", V " + one(v);
+  return kv_pair_name(plan.resolution.storage, plan.v_resolution.storage, one);
 }
 
 nlohmann::json kv_layer_json(const KVLayerSpec& l) {

@@ -102,10 +102,9 @@ struct KVLayerSpec {
 };
 
 struct KVPlan {
-  KVCacheDType requested = KVCacheDType::Auto;  // K's (and V's unless v_requested)
-  std::optional<KVCacheDType> v_requested;      // V's, when set apart from K's
-  KVDTypeResolution resolution;                 // K's
-  KVDTypeResolution v_resolution;               // V's (= resolution unless v_requested)
+  KVCacheDTypes requested;        // K's, and V's when set apart
+  KVDTypeResolution resolution;    // K's
+  KVDTypeResolution v_resolution;  // V's (= resolution unless requested.v)
   std::vector<KVLayerSpec> layers;
   std::vector<std::string> warnings;  // for the caller to print (the function stays pure)
 

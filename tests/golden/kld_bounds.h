@@ -2,6 +2,7 @@
 // mode: one table for the CPU goldens (test_golden.cpp) and the CUDA ones (test_cuda_golden.cpp).
 #pragma once
 
+#include <stdexcept>
 #include <string_view>
 #include <utility>
 
