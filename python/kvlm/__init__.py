@@ -181,6 +181,7 @@ class Tokenizer:
 
 
 _KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "cache_type_k", "cache_type_v", "kv_cache_rotation",
+                  "kv_cache_plan",
                   "kv_cache_keep_sink", "kv_cache_keep_recent",
                   "device", "max_model_len", "gpu_memory_utilization", "kv_cache_memory", "tensor_parallel_size",
                   "enable_expert_parallel",
@@ -228,7 +229,7 @@ def _options(model: str, kwargs: Dict[str, Any]) -> dict:
             continue
         if k == "dtype" and not isinstance(v, str):
             v = str(v).replace("torch.", "")
-        if k == "tokenizer":
+        if k in ("tokenizer", "kv_cache_plan"):
             v = os.fspath(v)
         o[k] = v
     return o

@@ -66,6 +66,7 @@ ModelArgs model_args(const json& o) {
   a.cache_type_v = get_or(o, "cache_type_v", a.cache_type_v);
   a.kv_cache_dtype_skip_layers = get_or(o, "kv_cache_dtype_skip_layers", a.kv_cache_dtype_skip_layers);
   a.kv_cache_rotation = get_or(o, "kv_cache_rotation", a.kv_cache_rotation);
+  a.kv_cache_plan = get_or(o, "kv_cache_plan", a.kv_cache_plan);
   a.kv_cache_keep_sink = get_or(o, "kv_cache_keep_sink", a.kv_cache_keep_sink);
   a.kv_cache_keep_recent = get_or(o, "kv_cache_keep_recent", a.kv_cache_keep_recent);
   a.block_size = get_or(o, "block_size", a.block_size);

@@ -30,6 +30,10 @@ void ModelFlags::add_to(CLI::App& cmd) {
       ->capture_default_str();
   cmd.add_option("--cache-type-k", cache_type_k, "K's dtype alone (llama.cpp's name; V: --cache-type-v, else auto)");
   cmd.add_option("--cache-type-v", cache_type_v, "V's dtype alone (llama.cpp's name; K: --cache-type-k, else auto)");
+  cmd.add_option("--kv-cache-plan", kv_cache_plan,
+                 "a KV plan file (JSON): per layer the K and V dtypes, rotation and its seed, exact sink/recent "
+                 "tokens; above every other KV option for the layers and sides it names (`kvlm calibrate "
+                 "--kld-budget` writes one, `kvlm inspect --write-kv-plan` too)");
   cmd.add_option("--kv-cache-rotation", kv_cache_rotation,
                  "rotate q/K/V of quantized layers by a fixed randomized Hadamard transform before K/V are "
                  "stored (spreads outlier channels; scores are unchanged): auto (4-bit layers only), none, hadamard")

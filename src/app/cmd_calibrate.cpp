@@ -1,5 +1,7 @@
 // kvlm calibrate: static FP8 KV scales from calibration text, written as a new model
-// directory (compressed-tensors kv_cache_scheme + k_scale/v_scale tensors).
+// directory (compressed-tensors kv_cache_scheme + k_scale/v_scale tensors); or, with
+// --kld-budget, the KV plan file with the fewest bytes per token within a KL divergence budget.
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <optional>
@@ -12,16 +14,36 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "offline/calibrate.h"
+#include "offline/kv_plan_search.h"
 #include "text/text_processor.h"
 
 namespace kvlm::app {
 
 CLI::App* add_calibrate(CLI::App& app, CalibrateFlags& f) {
-  auto* cmd = app.add_subcommand("calibrate",
-                                 "Compute static FP8 KV-cache scales and write a model directory that carries them");
+  auto* cmd = app.add_subcommand(
+      "calibrate",
+      "With --kld-budget: measure each layer's K and V sensitivity and write the KV plan file with the fewest bytes "
+      "per token within the budget. Without: compute static FP8 KV-cache scales and write a model directory that "
+      "carries them");
   f.model.add_to(*cmd);
-  cmd->add_option("--out,-o", f.out, "new model directory to write (must not exist or be empty)")->required();
-  cmd->add_option("--dataset", f.dataset,
+  cmd->add_option("--out,-o", f.out,
+                  "with --kld-budget: the plan file to write (JSON, for --kv-cache-plan); without: the new model "
+                  "directory (must not exist or be empty)")
+      ->required();
+  cmd->add_option("--kld-budget", f.kld_budget,
+                  "search the KV plan (per layer: K and V formats, rotation and its signs) with the fewest bytes per "
+                  "token whose KL divergence against a 16-bit cache stays within this (e.g. 1e-3) on the text");
+  cmd->add_option("--ctx", f.ctx, "--kld-budget: tokens per window (the second half of each is scored)")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 1 << 20));
+  cmd->add_option("--exact-tokens", f.exact_tokens,
+                  "--kld-budget: SINK,RECENT exact tokens an INT4 layer may keep (0,0: none), measured as options "
+                  "of their own; they cost (SINK + RECENT) exact rows per sequence, not bytes per token")
+      ->capture_default_str();
+  cmd->add_option("--windows", f.windows, "--kld-budget: windows of the text to measure on")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  cmd->add_option("--dataset,--text", f.dataset,
                   "calibration text: a .txt file (cut into windows) or .jsonl with a \"text\" or \"prompt\" field per "
                   "line (default: <model>/calibration.txt, else the model's eval/heldout.txt)");
   cmd->add_option("--num-samples", f.num_samples, "samples to run")->capture_default_str()->check(CLI::Range(1, 100000));
@@ -86,7 +108,118 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
 
 }  // namespace
 
+// "int8" for int8_per_token_head: the format's short name in the sensitivity table's header.
+static std::string short_name(KVCacheDType d) {
+  const std::string s(kv_cache_dtype_name(d));
+  return s.substr(0, s.find('_'));
+}
+
+static int run_plan_search(const CalibrateFlags& f) {
+  ModelOptions opts = f.model.model_options();
+  if (opts.tensor_parallel_size != 1 || opts.speculative)
+    throw Error("kvlm calibrate --kld-budget measures the model alone on one device; drop --tensor-parallel-size and "
+                "--speculative-config (the plan it writes serves them)");
+  // The baseline is a 16-bit cache (on the CPU the model computes in float32, on a GPU in its
+  // dtype); the search picks rotation signs on the CPU only.
+  opts.cache.set_kv_dtypes({KVCacheDType::BFloat16, std::nullopt});
+  opts.cache.skip_layers = {};
+  opts.cache.plan_file.reset();
+  opts.cache.keep_sink = opts.cache.keep_recent = 0;  // the plan's entries say which layers keep exact tokens
+  int sink = 0, recent = 0;
+  {
+    const auto comma = f.exact_tokens.find(',');
+    try {
+      if (comma == std::string::npos) throw std::invalid_argument("no comma");
+      size_t a = 0, b = 0;
+      sink = std::stoi(f.exact_tokens.substr(0, comma), &a);
+      recent = std::stoi(f.exact_tokens.substr(comma + 1), &b);
+      if (a != comma || b != f.exact_tokens.size() - comma - 1) throw std::invalid_argument("trailing text");
+    } catch (const std::exception&) {
+      throw Error("--exact-tokens takes SINK,RECENT (e.g. 4,64, or 0,0 for none), got '" + f.exact_tokens + "'");
+    }
+    validate_keep_tokens(sink, "--exact-tokens' SINK");
+    validate_keep_tokens(recent, "--exact-tokens' RECENT");
+  }
+  const std::optional<TextProcessor> text = TextProcessor::load_if_usable(opts.model_dir);
+  const auto dataset = f.dataset.empty() ? default_dataset(opts.model_dir) : std::filesystem::path(f.dataset);
+  std::vector<TokenId> tokens;
+  for (const auto& s : load_samples(dataset, text, 1 << 20, 1 << 20)) tokens.insert(tokens.end(), s.begin(), s.end());
+  auto engine = LoadedModel::load(opts);
+  PlanSearchOptions so{.kld_budget = f.kld_budget, .ctx = f.ctx, .max_windows = f.windows, .keep_sink = sink,
+                       .keep_recent = recent, .base = opts.cache};
+  // A search takes minutes: each stage says where it is (stderr, whatever the log level).
+  so.progress = [](const std::string& s) { std::fprintf(stderr, "kvlm: calibrate: %s\n", s.c_str()); };
+  const PlanSearchResult r = search_kv_plan(*engine, tokens, so);
+
+  std::printf("KV plan search on %s: %d windows of %d tokens (%lld scored), %d plans measured in %.0f s\n",
+              dataset.string().c_str(), r.windows, f.ctx, (long long)r.scored_tokens, r.plans_measured, r.seconds);
+  const auto units = [&](const LayerSensitivity& l) {
+    return r.split_kv ? std::vector<std::pair<const char*, const std::vector<SideOption>*>>{{"K", &l.k}, {"V", &l.v}}
+                      : std::vector<std::pair<const char*, const std::vector<SideOption>*>>{{"KV", &l.kv}};
+  };
+  std::printf("\nper layer, %s quantized at a time: KLD against the bfloat16 cache\n%6s %5s",
+              r.split_kv ? "one side" : "one layer (K and V in one format on this device)", "layer", "seed");
+  for (const auto& [side, options] : units(r.layers.front()))
+    for (const auto& o : *options)
+      if (o.dtype != KVCacheDType::BFloat16)
+        std::printf(" %11s", (std::string(side) + " " + short_name(o.dtype) + (o.rotate ? "+rot" : "") +
+                              (o.exact ? "+ex" : ""))
+                                 .c_str());
+  std::printf("\n");
+  for (const auto& l : r.layers) {
+    std::printf("%6d %5u", l.layer, l.seed);
+    for (const auto& [side, options] : units(l))
+      for (const auto& o : *options)
+        if (o.dtype != KVCacheDType::BFloat16) std::printf(" %11.2e", o.kld);
+    std::printf("\n");
+  }
+  std::printf("\ncandidates (budget %.3g: KLD + 2 standard errors within it); bfloat16: %zu B/token\n", f.kld_budget,
+              r.bf16_bytes_per_token);
+  std::printf("  %-38s %8s %7s %11s %9s %8s %8s\n", "plan", "B/token", "vs bf16", "exact B/seq", "KLD", "+-",
+              "same top");
+  for (size_t i = 0; i < r.candidates.size(); ++i) {
+    const auto& c = r.candidates[i];
+    std::printf("%s %-38s %8zu %6.2fx %11zu %9.2e %8.1e %7.2f%%%s\n", r.best == i ? "*" : " ", c.name.c_str(),
+                c.bytes_per_token, double(r.bf16_bytes_per_token) / double(c.bytes_per_token),
+                c.exact_bytes_per_sequence, c.kld, c.kld_err, 100 * c.same_top, c.within ? "" : "  over");
+  }
+  KVPlanFile out;
+  if (r.best) {
+    out = r.candidates[*r.best].file;
+  } else {
+    out = kv_plan_file_of(engine->plan(), std::string(arch_name(engine->config().arch)), engine->config().num_layers);
+    std::printf("\nno quantized plan fits within %.3g: every candidate's KLD is over; writing the bfloat16 plan. Raise "
+                "--kld-budget, or measure on more text (--windows) if the margins are the problem\n",
+                f.kld_budget);
+  }
+  const PlanCandidate* best = r.best ? &r.candidates[*r.best] : nullptr;
+  out.calibration = {{"kld_budget", f.kld_budget},
+                     {"plan", best ? best->name : "bfloat16"},
+                     {"kld", best ? best->kld : 0.0},
+                     {"kld_err", best ? best->kld_err : 0.0},
+                     {"same_top", best ? best->same_top : 1.0},
+                     {"bytes_per_token", engine->plan().bytes_per_token()},
+                     {"exact_bytes_per_sequence", best ? best->exact_bytes_per_sequence : 0},
+                     {"bf16_bytes_per_token", r.bf16_bytes_per_token},
+                     {"text", dataset.string()},
+                     {"ctx", f.ctx},
+                     {"windows", r.windows},
+                     {"scored_tokens", r.scored_tokens}};
+  std::ofstream file(f.out);
+  if (!(file << kv_plan_file_json(out).dump(2) << "\n")) throw Error("cannot write " + f.out);
+  std::printf("\nwrote %s (%zu B/token, %.2fx fewer than bfloat16): run with --kv-cache-plan %s; check it on other "
+              "text with `kvlm eval perplexity --kv-cache-plan %s --kl-divergence-base ...`\n",
+              f.out.c_str(), engine->plan().bytes_per_token(),
+              double(r.bf16_bytes_per_token) / double(engine->plan().bytes_per_token()), f.out.c_str(), f.out.c_str());
+  return 0;
+}
+
 int run_calibrate(const CalibrateFlags& f) {
+  if (!std::isnan(f.kld_budget)) {
+    if (!(f.kld_budget > 0 && f.kld_budget < 10))
+      throw Error("--kld-budget must be a KL divergence in (0, 10), e.g. 1e-3; got " + std::to_string(f.kld_budget));
+    return run_plan_search(f);
+  }
   ModelOptions opts = f.model.model_options();
   if (find_gguf(opts.model_dir))
     throw Error("kvlm calibrate writes a Hugging Face model directory with k/v scale tensors beside the input's "

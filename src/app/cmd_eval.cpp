@@ -54,6 +54,7 @@ std::string weights_label(const LoadedModel& e) {
 
 std::string kv_label(const LoadedModel& e) {
   const KVPlan& p = e.plan();
+  if (!p.plan_file.empty()) return describe_kv_resolution(p);
   std::string s = kv_cache_dtypes_text(p.requested);
   if ((p.requested.k == KVCacheDType::Auto || p.requested.v == KVCacheDType::Auto) && !p.layers.empty())
     s += " -> " + describe_kv_format(p.layers.front());

@@ -1,4 +1,5 @@
 // kvlm inspect: print the resolved per-layer KV plan without loading weights.
+#include <fstream>
 #include <iomanip>
 #include <map>
 #include <numeric>
@@ -11,6 +12,7 @@
 #include "app/commands.h"
 #include "attention/registry.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "io/gguf.h"
 #include "io/grouped_codes.h"
 #include "io/checkpoint.h"
@@ -28,6 +30,9 @@ CLI::App* add_inspect(CLI::App& app, InspectFlags& f) {
   f.model.add_to(*cmd);
   f.model.add_speculative_to(*cmd);
   cmd->add_flag("--json", f.json, "print the plan as JSON");
+  cmd->add_option("--write-kv-plan", f.write_kv_plan,
+                  "also write the resolved KV plan as a plan file (every layer's K and V format, rotation, exact "
+                  "tokens) to edit and pass back with --kv-cache-plan");
   return cmd;
 }
 
@@ -98,6 +103,19 @@ std::string mlp_str(const ModelConfig& c, const ParamCounts& p, int layer) {
 template <class F>
 std::string kv_side_str(const KVLayerSpec& l, F&& name) {
   return l.k == l.v ? name(l.k) : "k:" + name(l.k) + " v:" + name(l.v);
+}
+
+// Where the layer's formats came from: one source, or "k:plan file v:explicit".
+std::string source_str(const KVLayerSpec& l) {
+  const auto k = std::string(dtype_source_name(l.dtype_source)), v = std::string(dtype_source_name(l.v_dtype_source));
+  return k == v ? k : "k:" + k + " v:" + v;
+}
+
+// The rotation: "none", "hadamard", "hadamard_k" / "hadamard_v" (one side), with a non-default seed.
+std::string rotation_str(const KVLayerSpec& l) {
+  std::string s = kv_rotation_text(l);
+  if (l.rotates() && l.rotation_seed != 0) s += " seed " + std::to_string(l.rotation_seed);
+  return s;
 }
 
 std::string scale_str(const KVLayerSpec& l) {
@@ -249,6 +267,14 @@ int run_inspect(const InspectFlags& f) {
   size_t baseline = 0;
   for (const auto& l : plan.layers) baseline += 2 * size_t(l.attn.num_kv_heads) * size_t(l.attn.head_dim) * dtype_size(mp.dtype);
 
+  if (!f.write_kv_plan.empty()) {
+    const nlohmann::json pj = kv_plan_file_json(kv_plan_file_of(plan, std::string(arch_name(cfg.arch)), cfg.num_layers));
+    std::ofstream out(f.write_kv_plan);
+    if (!(out << pj.dump(2) << "\n"))
+      throw Error("cannot write --write-kv-plan file " + f.write_kv_plan);
+    log::info("wrote the KV plan of " + std::to_string(plan.layers.size()) + " layers to " + f.write_kv_plan +
+              " (pass it back with --kv-cache-plan)");
+  }
   if (f.json) {
     nlohmann::json j;
     j["model"] = dir.string();
@@ -434,7 +460,7 @@ int run_inspect(const InspectFlags& f) {
     rows.push_back({(l.attn.model == "target" ? "" : l.attn.model + ":") + std::to_string(l.attn.layer), kind_str(l),
                     kv_side_str(l, [](const KVStorage& kv) { return std::string(dtype_name(kv.storage)); }),
                     kv_side_str(l, [](const KVStorage& kv) { return std::string(kv_quant_mode_name(kv.mode)); }),
-                    std::string(dtype_source_name(l.dtype_source)), scale_str(l), l.rotate ? "hadamard" : "none", exact,
+                    source_str(l), scale_str(l), rotation_str(l), exact,
                     l.backend, std::to_string(l.bytes_per_token()),
                     l.attn.model == "target" ? mlp_str(cfg, params, l.attn.layer) : std::string("dense"),
                     l.attn.model == "target" ? formats_str(held.layer(l.attn.layer)) : std::string("-")});

@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <optional>
+#include <cmath>
 #include <string>
 
 #include "app/cli_common.h"
@@ -73,6 +74,7 @@ int run_render_template(const TemplateFlags& f);
 struct InspectFlags {
   ModelFlags model;
   bool json = false;
+  std::string write_kv_plan;  // --write-kv-plan FILE
 };
 CLI::App* add_inspect(CLI::App& app, InspectFlags& f);
 int run_inspect(const InspectFlags& f);
@@ -83,6 +85,12 @@ struct CalibrateFlags {
   int num_samples = 64;
   int max_length = 1024;
   bool per_head = false;
+  // --kld-budget: search the KV plan with the fewest bytes within this KL divergence instead
+  // (offline/kv_plan_search.h); --out is then the plan file.
+  double kld_budget = std::nan("");  // NaN: not given
+  int ctx = 512;
+  int windows = 4;
+  std::string exact_tokens = "4,64";  // SINK,RECENT an INT4 layer may keep
 };
 CLI::App* add_calibrate(CLI::App& app, CalibrateFlags& f);
 int run_calibrate(const CalibrateFlags& f);

@@ -28,6 +28,7 @@ CacheConfig ModelArgs::cache_config(ArgStyle style) const {
     c.v_cache_dtype = cache_type_v.empty() ? KVCacheDType::Auto : parse_kv_cache_dtype(cache_type_v, v_name);
   }
   c.skip_layers = parse_skip_layers(kv_cache_dtype_skip_layers);
+  if (!kv_cache_plan.empty()) c.plan_file = load_kv_plan_file(kv_cache_plan);
   c.rotation = parse_kv_rotation(kv_cache_rotation);
   validate_keep_tokens(kv_cache_keep_sink, arg_name(style, "kv-cache-keep-sink"));
   validate_keep_tokens(kv_cache_keep_recent, arg_name(style, "kv-cache-keep-recent"));

@@ -23,6 +23,7 @@ std::string arg_name(ArgStyle style, std::string_view dashed);
 struct ModelArgs {
   std::string kv_cache_dtype = "auto";  // one dtype, or K and V apart: "k=A,v=B"
   std::string cache_type_k, cache_type_v;  // llama.cpp's names for K's and V's dtypes ("": not given)
+  std::string kv_cache_plan;  // a plan file's path ("": none)
   std::string kv_cache_rotation = "auto";
   int kv_cache_keep_sink = 0;
   int kv_cache_keep_recent = 0;

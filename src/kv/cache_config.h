@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kv/kv_plan_file.h"
 
 namespace kvlm {
 
@@ -58,6 +59,9 @@ struct CacheConfig {
     v_cache_dtype = d.v;
   }
   SkipLayers skip_layers;
+  // --kv-cache-plan: per-layer formats, rotation and exact tokens, above every other rule
+  // (kv/kv_plan_file.h).
+  std::optional<KVPlanFile> plan_file;
   KVRotation rotation = KVRotation::Auto;
   // --kv-cache-keep-sink / --kv-cache-keep-recent: tokens every quantized layer also holds in
   // the model dtype (kv_plan.h's kv_key_exact says which keys a query reads exact).

@@ -29,6 +29,7 @@ std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std
 
 std::string_view dtype_source_name(DTypeSource s) {
   switch (s) {
+    case DTypeSource::PlanFile: return "plan file";
     case DTypeSource::Explicit: return "explicit";
     case DTypeSource::CheckpointScheme: return "checkpoint scheme";
     case DTypeSource::ModelDType: return "model dtype";
@@ -111,6 +112,63 @@ void check_scales(const std::vector<float>& s, const std::string& name, const At
 
 }  // namespace
 
+namespace {
+
+// The plan file's entries for the models among `layers` name layers that exist and hold a KV
+// cache, and its declared layer count is the target's.
+void check_plan_file(const KVPlanFile& f, std::span<const AttentionLayerDesc> layers, int target_layers) {
+  if (f.num_layers && target_layers > 0 && *f.num_layers != target_layers)
+    throw Error("KV plan file " + f.source + " was written for a model with " + std::to_string(*f.num_layers) +
+                " layers; this one has " + std::to_string(target_layers) +
+                ". Write a plan for this model (`kvlm calibrate --kld-budget`, or `kvlm inspect --write-kv-plan`)");
+  for (const auto& e : f.entries) {
+    const bool model_here = std::ranges::any_of(layers, [&](const auto& a) { return a.model == e.model; });
+    if (!model_here) continue;  // another model's entries (a drafter's): checked when its plan is built
+    if (std::ranges::none_of(layers, [&](const auto& a) { return a.model == e.model && a.layer == e.layer; })) {
+      int n = 0;
+      for (const auto& a : layers)
+        if (a.model == e.model) n = std::max(n, a.layer + 1);
+      throw Error("KV plan file " + f.source + " names " + e.where() + ", but " +
+                  (e.layer < n ? "that layer holds no KV cache (a linear-attention layer)"
+                               : "the " + e.model + " model has layers 0.." + std::to_string(n - 1)));
+    }
+  }
+}
+
+// Whether a side rotates: the plan file's choice for it, else the global rule (Hadamard: every
+// quantized side; Auto: the quantized sides of a layer with a 4-bit side).
+bool side_rotates(const CacheConfig& cache, const KVLayerSpec& s, KVSide side, const KVPlanEntry* entry,
+                  const std::string& where) {
+  const KVStorage& f = s.format(side);
+  const char* name = side == KVSide::K ? "K" : "V";
+  const std::optional<bool>& planned = !entry ? std::nullopt : side == KVSide::K ? entry->rotate_k : entry->rotate_v;
+  const bool pow2 = num::is_pow2(s.attn.head_dim);
+  if (planned) {
+    if (!*planned) return false;
+    if (f.mode == KVQuantMode::None)
+      throw Error(where + " asks for a Hadamard rotation of " + name + ", which is held in " +
+                  std::string(dtype_name(f.storage)) + "; only quantized sides rotate (give it \"none\")");
+    if (!pow2)
+      throw Error(where + " asks for a Hadamard rotation, which needs a power-of-two head_dim; the layer has " +
+                  std::to_string(s.attn.head_dim) + ". Give it \"rotation\": \"none\"");
+    return true;
+  }
+  if (f.mode == KVQuantMode::None) return false;
+  if (cache.rotation == KVRotation::Hadamard) {
+    if (!pow2)
+      throw Error("--kv-cache-rotation hadamard needs a power-of-two head_dim; " + s.attn.model + " layer " +
+                  std::to_string(s.attn.layer) + " has " + std::to_string(s.attn.head_dim) +
+                  ". Use --kv-cache-rotation none");
+    return true;
+  }
+  // Auto leaves per-tensor FP8 sides alone: their static scales (calibrated or 1.0) are of
+  // unrotated values.
+  return cache.rotation == KVRotation::Auto && (s.k.storage == DType::I4 || s.v.storage == DType::I4) && pow2 &&
+         f.mode != KVQuantMode::Fp8PerTensor;
+}
+
+}  // namespace
+
 KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,
                      const std::optional<CheckpointKVScheme>& scheme, const ScaleLookup& scales) {
   KVPlan plan;
@@ -127,6 +185,11 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
     if (idx >= target_layers)
       throw Error("--kv-cache-dtype-skip-layers names layer " + std::to_string(idx) + " but the model has " +
                   std::to_string(target_layers) + " layers (0.." + std::to_string(target_layers - 1) + ")");
+  const KVPlanFile* file = cache.plan_file ? &*cache.plan_file : nullptr;
+  if (file) {
+    check_plan_file(*file, layers, target_layers);
+    plan.plan_file = file->source;
+  }
 
   int defaulted = 0, unrotated_int4 = 0;
   for (const auto& a : layers) {
@@ -135,12 +198,20 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
     s.k = plan.resolution.storage;
     s.v = plan.v_resolution.storage;
     s.dtype_source = plan.resolution.source;
+    s.v_dtype_source = plan.v_resolution.source;
     const bool skip_index = a.model == "target" && std::ranges::find(cache.skip_layers.indices, a.layer) !=
                                                        cache.skip_layers.indices.end();
     const bool skip_sliding = cache.skip_layers.sliding_window && a.kind == AttentionKind::Sliding;
-    if ((skip_index || skip_sliding) && s.quantized()) {
-      s.k = s.v = KVStorage{model_dtype, KVQuantMode::None};
-      s.dtype_source = DTypeSource::SkipRule;
+    if (skip_index || skip_sliding) {
+      if (s.k.mode != KVQuantMode::None) s.k = KVStorage{model_dtype, KVQuantMode::None}, s.dtype_source = DTypeSource::SkipRule;
+      if (s.v.mode != KVQuantMode::None) s.v = KVStorage{model_dtype, KVQuantMode::None}, s.v_dtype_source = DTypeSource::SkipRule;
+    }
+    const KVPlanEntry* entry = file ? file->find(a.model, a.layer) : nullptr;
+    const std::string where = entry ? "KV plan file " + file->source + ": " + entry->where() : "";
+    if (entry) {
+      s.from_plan_file = true;
+      if (entry->k) s.k = *kv_storage_of(*entry->k), s.dtype_source = DTypeSource::PlanFile;
+      if (entry->v) s.v = *kv_storage_of(*entry->v), s.v_dtype_source = DTypeSource::PlanFile;
     }
     if (s.k.mode == KVQuantMode::Fp8PerTensor || s.v.mode == KVQuantMode::Fp8PerTensor) {
       std::optional<CheckpointScales> found = scales ? scales(a) : std::nullopt;
@@ -164,30 +235,31 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
                   " has head_dim " + std::to_string(a.head_dim) +
                   ". Use int8_per_token_head or fp8_per_token_head for this model, or keep the layer unquantized with "
                   "--kv-cache-dtype-skip-layers");
+    s.rotate_k = side_rotates(cache, s, KVSide::K, entry, where);
+    s.rotate_v = side_rotates(cache, s, KVSide::V, entry, where);
+    s.rotation_seed = entry && entry->rotation_seed ? *entry->rotation_seed : 0;
+    if (s.scale_source == ScaleSource::CheckpointTensor)
+      for (KVSide side : {KVSide::K, KVSide::V})
+        if (s.rotates(side) && s.format(side).mode == KVQuantMode::Fp8PerTensor)
+          throw Error((entry ? where + "'s rotation" : std::string("--kv-cache-rotation hadamard")) +
+                      " cannot use the checkpoint's per-tensor KV scales of " + a.model + " layer " +
+                      std::to_string(a.layer) + " (" + (side == KVSide::K ? s.k_scale_name : s.v_scale_name) +
+                      "): they were calibrated on unrotated K/V. Use a per-token-head dtype with the rotation, or "
+                      "no rotation");
+    if ((s.k.storage == DType::I4 || s.v.storage == DType::I4) && !num::is_pow2(a.head_dim)) ++unrotated_int4;
     if (s.quantized()) {
-      const bool pow2 = num::is_pow2(a.head_dim);
-      if (cache.rotation == KVRotation::Hadamard) {
-        if (!pow2)
-          throw Error("--kv-cache-rotation hadamard needs a power-of-two head_dim; " + a.model + " layer " +
-                      std::to_string(a.layer) + " has " + std::to_string(a.head_dim) + ". Use --kv-cache-rotation none");
-        if (s.scale_source == ScaleSource::CheckpointTensor)
-          throw Error("--kv-cache-rotation hadamard cannot use the checkpoint's per-tensor KV scales of " + a.model +
-                      " layer " + std::to_string(a.layer) + " (" + s.k_scale_name +
-                      "): they were calibrated on unrotated K/V. Use a per-token-head --kv-cache-dtype with the "
-                      "rotation, or --kv-cache-rotation none");
-        s.rotate = true;
-      } else if (cache.rotation == KVRotation::Auto && (s.k.storage == DType::I4 || s.v.storage == DType::I4)) {
-        s.rotate = pow2;
-        if (!pow2) ++unrotated_int4;
-      }
-      s.keep_sink = cache.keep_sink;
-      s.keep_recent = cache.keep_recent;
+      s.keep_sink = entry && entry->keep_sink ? *entry->keep_sink : cache.keep_sink;
+      s.keep_recent = entry && entry->keep_recent ? *entry->keep_recent : cache.keep_recent;
       s.exact_storage = model_dtype;
+    } else if (entry && (entry->keep_sink.value_or(0) > 0 || entry->keep_recent.value_or(0) > 0)) {
+      throw Error(where + " keeps exact sink / recent tokens, but its K and V are held unquantized (" +
+                  std::string(dtype_name(s.k.storage)) + "): every token is exact already. Drop keep_sink / keep_recent "
+                  "there, or quantize the layer");
     }
     plan.layers.push_back(std::move(s));
   }
   if (cache.rotation == KVRotation::Hadamard &&
-      std::ranges::none_of(plan.layers, [](const KVLayerSpec& l) { return l.rotate; }))
+      std::ranges::none_of(plan.layers, [](const KVLayerSpec& l) { return l.rotates(); }))
     plan.warnings.push_back("--kv-cache-rotation hadamard has no effect: no layer's KV cache is quantized "
                             "(the rotation applies to quantized layers only)");
   if ((cache.keep_sink > 0 || cache.keep_recent > 0) &&
@@ -206,13 +278,60 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
   return plan;
 }
 
+std::optional<KVCacheDType> kv_cache_dtype_of(const KVStorage& s) {
+  for (KVCacheDType d : all_kv_cache_dtypes())
+    if (d != KVCacheDType::Auto && d != KVCacheDType::Fp8 && kv_storage_of(d) == s) return d;
+  return std::nullopt;
+}
+
+KVPlanFile kv_plan_file_of(const KVPlan& plan, const std::string& architecture, int num_layers) {
+  KVPlanFile f;
+  f.architecture = architecture;
+  f.num_layers = num_layers;
+  for (const auto& l : plan.layers) {
+    KVPlanEntry e;
+    e.model = l.attn.model;
+    e.layer = l.attn.layer;
+    // A float32 side (a float32 model's unquantized cache) has no dtype name: it is left out,
+    // and resolves as the model dtype again unless other options say otherwise.
+    e.k = kv_cache_dtype_of(l.k);
+    e.v = kv_cache_dtype_of(l.v);
+    e.rotate_k = l.rotate_k;
+    e.rotate_v = l.rotate_v;
+    if (l.rotation_seed != 0) e.rotation_seed = l.rotation_seed;
+    if (l.quantized()) {
+      e.keep_sink = l.keep_sink;
+      e.keep_recent = l.keep_recent;
+    }
+    f.entries.push_back(std::move(e));
+  }
+  return f;
+}
+
 std::string describe_kv_resolution(const KVPlan& plan) {
   auto one = [](const KVStorage& kv) {
     std::string s(dtype_name(kv.storage));
     if (kv.mode != KVQuantMode::None) s += " " + std::string(kv_quant_mode_name(kv.mode));
     return s;
   };
-  return kv_pair_name(plan.resolution.storage, plan.v_resolution.storage, one);
+  if (plan.plan_file.empty()) return kv_pair_name(plan.resolution.storage, plan.v_resolution.storage, one);
+  // A plan file: how many layers hold each format, in the order they first appear.
+  std::vector<std::pair<std::string, int>> mix;
+  for (const auto& l : plan.layers) {
+    const std::string f = kv_pair_name(l.k, l.v, one);
+    auto it = std::ranges::find_if(mix, [&](const auto& m) { return m.first == f; });
+    if (it == mix.end()) mix.emplace_back(f, 1);
+    else ++it->second;
+  }
+  std::string s = "plan file " + plan.plan_file + " (";
+  for (size_t i = 0; i < mix.size(); ++i)
+    s += (i ? "; " : "") + std::to_string(mix[i].second) + (mix[i].second == 1 ? " layer " : " layers ") + mix[i].first;
+  return s + ")";
+}
+
+std::string kv_rotation_text(const KVLayerSpec& l) {
+  if (l.rotate_k == l.rotate_v) return l.rotate_k ? "hadamard" : "none";
+  return l.rotate_k ? "hadamard_k" : "hadamard_v";
 }
 
 nlohmann::json kv_layer_json(const KVLayerSpec& l) {
@@ -223,7 +342,7 @@ nlohmann::json kv_layer_json(const KVLayerSpec& l) {
                    {"quant_mode", std::string(kv_quant_mode_name(l.k.mode))},
                    {"dtype_source", std::string(dtype_source_name(l.dtype_source))},
                    {"scale_source", std::string(scale_source_name(l.scale_source))},
-                   {"rotation", l.rotate ? "hadamard" : "none"},
+                   {"rotation", kv_rotation_text(l)},
                    {"backend", l.backend},
                    {"num_kv_heads", l.attn.num_kv_heads},
                    {"head_dim", l.attn.head_dim},
@@ -241,6 +360,8 @@ nlohmann::json kv_layer_json(const KVLayerSpec& l) {
     e["v_dtype"] = std::string(dtype_name(l.v.storage));
     e["v_quant_mode"] = std::string(kv_quant_mode_name(l.v.mode));
   }
+  if (l.v_dtype_source != l.dtype_source) e["v_dtype_source"] = std::string(dtype_source_name(l.v_dtype_source));
+  if (l.rotation_seed != 0) e["rotation_seed"] = l.rotation_seed;
   if (l.k.mode == KVQuantMode::Fp8PerTensor) e["k_scale"] = l.k_scale;
   if (l.v.mode == KVQuantMode::Fp8PerTensor) e["v_scale"] = l.v_scale;
   return e;

@@ -38,7 +38,7 @@ struct AttentionLayerDesc {
 // and the pool hold the attention layers only, in order (KV layer i is the i-th of them).
 std::vector<AttentionLayerDesc> attention_layers(const ModelConfig& m, const std::string& model_name = "target");
 
-enum class DTypeSource : uint8_t { Explicit, CheckpointScheme, ModelDType, SkipRule };
+enum class DTypeSource : uint8_t { PlanFile, Explicit, CheckpointScheme, ModelDType, SkipRule };
 std::string_view dtype_source_name(DTypeSource s);
 
 enum class ScaleSource : uint8_t { None, CheckpointTensor, Default, PerTokenHeadDynamic };
@@ -75,14 +75,23 @@ struct KVLayerSpec {
   KVStorage v{DType::BF16, KVQuantMode::None};
   const KVStorage& format(KVSide side) const { return side == KVSide::K ? k : v; }
   bool quantized() const { return k.mode != KVQuantMode::None || v.mode != KVQuantMode::None; }
-  DTypeSource dtype_source = DTypeSource::ModelDType;
+  // Where each side's format came from (the precedence of kv/kv_plan_file.h).
+  DTypeSource dtype_source = DTypeSource::ModelDType;  // K's
+  DTypeSource v_dtype_source = DTypeSource::ModelDType;
+  DTypeSource source(KVSide side) const { return side == KVSide::K ? dtype_source : v_dtype_source; }
+  bool from_plan_file = false;  // the plan file has an entry for this layer
   ScaleSource scale_source = ScaleSource::None;
   std::vector<float> k_scale{1.0f}, v_scale{1.0f};  // Fp8PerTensor only: 1 or num_kv_heads
   std::string k_scale_name, v_scale_name;
   std::string backend;  // filled by the attention backend selector
-  // Hadamard: q, K and V are rotated by core/hadamard.h's R after RoPE (K and V stored
-  // rotated) and the attention output is rotated back; only quantized layers rotate.
-  bool rotate = false;
+  // Hadamard, per side (core/hadamard.h's R with `rotation_seed`'s signs, after RoPE): K's
+  // rotates q and K (scores unchanged), V's rotates V and, back, the attention output. Only
+  // quantized sides rotate.
+  bool rotate_k = false;
+  bool rotate_v = false;
+  uint32_t rotation_seed = 0;
+  bool rotates() const { return rotate_k || rotate_v; }
+  bool rotates(KVSide side) const { return side == KVSide::K ? rotate_k : rotate_v; }
   // Exact sink / recent tokens (quantized layers only; 0 = none): besides its quantized row,
   // every token a query may read exact is also held in `exact_storage` (the model dtype) in
   // the exact pages (kv_cache.h), and a query reads key j exact when kv_key_exact
@@ -105,6 +114,7 @@ struct KVPlan {
   KVCacheDTypes requested;        // K's, and V's when set apart
   KVDTypeResolution resolution;    // K's
   KVDTypeResolution v_resolution;  // V's (= resolution unless requested.v)
+  std::string plan_file;           // --kv-cache-plan's source, when one was given
   std::vector<KVLayerSpec> layers;
   std::vector<std::string> warnings;  // for the caller to print (the function stays pure)
 
@@ -117,11 +127,24 @@ struct KVPlan {
 };
 
 // The plan's global KV format, for one-line summaries: "int8 int8_per_token_head", "bfloat16",
-// or "K int8 int8_per_token_head, V int4 int4_per_token_head" when K and V are apart.
+// or "K int8 int8_per_token_head, V int4 int4_per_token_head" when K and V are apart; with a
+// plan file, its name and how many layers hold each format.
 std::string describe_kv_resolution(const KVPlan& plan);
 
 KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDesc> layers, DType model_dtype,
                      const std::optional<CheckpointKVScheme>& scheme, const ScaleLookup& scales);
+
+// The KVCacheDType that stores `s` (nullopt for a float32 cache, which no dtype names).
+std::optional<KVCacheDType> kv_cache_dtype_of(const KVStorage& s);
+
+// A complete plan file for `plan`: every layer's K and V format, rotation, seed and exact
+// tokens, so that --kv-cache-plan with it resolves to the same plan under any other options —
+// except a float32 side (no KV cache dtype names it), which is left out and so follows the
+// model dtype (float32) unless --kv-cache-dtype says otherwise.
+KVPlanFile kv_plan_file_of(const KVPlan& plan, const std::string& architecture, int num_layers);
+
+// A layer's rotation in one word: "none", "hadamard" (K and V), "hadamard_k" or "hadamard_v".
+std::string kv_rotation_text(const KVLayerSpec& l);
 
 // One layer of a KV plan as `kvlm inspect --json` writes it (the chat page and the Python
 // package's kvlm.inspect show the same).

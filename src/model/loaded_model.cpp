@@ -124,6 +124,16 @@ void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig
 
 }  // namespace
 
+// The target's k/v scale tensors as plan_model recorded them (ModelPlan::kv_scales).
+static ScaleLookup recorded_scales(const ModelPlan& mp) {
+  return [&mp](const AttentionLayerDesc& l) -> std::optional<CheckpointScales> {
+    const auto layers = attention_layers(mp.config);
+    for (size_t i = 0; i < layers.size() && i < mp.kv_scales.size(); ++i)
+      if (layers[i].layer == l.layer) return mp.kv_scales[i];
+    return std::nullopt;
+  };
+}
+
 ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, const CacheConfig& cache,
                      const SelectionContext& ctx, std::optional<DType> dtype, const SpeculativeConfig* spec,
                      std::string_view quantization) {
@@ -143,9 +153,19 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
     converted = true;
   }
   const auto layers = attention_layers(mp.config);
-  mp.plan = build_kv_plan(cache, layers, mp.dtype, mp.config.kv_scheme,
-                          [&](const AttentionLayerDesc& l) { return find_kv_scales(ckpt, l); });
+  for (const auto& l : layers) mp.kv_scales.push_back(find_kv_scales(ckpt, l));
+  mp.plan = build_kv_plan(cache, layers, mp.dtype, mp.config.kv_scheme, recorded_scales(mp));
   if (spec && spec->method == SpecMethod::DFlash) add_drafter(mp, *spec, cache);
+  if (const auto& f = cache.plan_file) {
+    for (const auto& e : f->entries)
+      if (std::ranges::none_of(mp.plan.layers, [&](const KVLayerSpec& l) { return l.attn.model == e.model; }))
+        throw Error("KV plan file " + f->source + " names " + e.where() + ", but " +
+                    (e.model == "draft" ? std::string("no DFlash drafter is loaded (--speculative-config)")
+                                        : "kvlm loads no model named '" + e.model + "' (the models are target and draft)"));
+    if (f->architecture && *f->architecture != arch_name(mp.config.arch))
+      mp.plan.warnings.push_back("KV plan file " + f->source + " was written for " + *f->architecture + "; this model is " +
+                                 std::string(arch_name(mp.config.arch)) + " (its layers are applied by index)");
+  }
   if (converted)
     mp.plan.warnings.push_back("the checkpoint is float32; on CUDA kvlm computes in bfloat16 (weights converted at load). "
                                "Pass --dtype float16 for float16, or --device cpu to compute in float32");
@@ -385,6 +405,21 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   e->tp_ = opts.tensor_parallel_size;
   e->speculative_ = opts.speculative;
   return e;
+}
+
+void LoadedModel::replan_kv(const CacheConfig& cache) {
+  if (tp_ != 1 || plan_->drafter)
+    throw Error("the KV plan of a loaded model can change with one rank and no drafter only");
+  KVPlan p = build_kv_plan(cache, attention_layers(plan_->config), plan_->dtype, plan_->config.kv_scheme,
+                           recorded_scales(*plan_));
+  assign_backends(p, builtin_backend_caps(), selection_context(model_->device(), gpu_, cache));
+  KVLM_CHECK(p.layers.size() == plan_->plan.layers.size(), "a new KV plan with another number of layers");
+  for (size_t i = 0; i < p.layers.size(); ++i)
+    if (p.layers[i].backend != plan_->plan.layers[i].backend)  // the runner holds a backend per layer
+      throw Error(describe_layer(p.layers[i]) + " would need attention backend '" + p.layers[i].backend +
+                  "', but the model was loaded with '" + plan_->plan.layers[i].backend + "'");
+  plan_->plan = std::move(p);  // the runner reads the plan through this object
+  model_->kv_plan_changed();
 }
 
 }  // namespace kvlm

@@ -39,6 +39,9 @@ struct ModelPlan {
   std::optional<ModelConfig> drafter;
   std::filesystem::path drafter_dir;
   std::string drafter_prefix;  // its tensors' name prefix ("" or "model.")
+  // The checkpoint's k/v scale tensors of the target's attention layers (by KV layer), so that
+  // the plan can be built again without the checkpoint (LoadedModel::replan_kv).
+  std::vector<std::optional<CheckpointScales>> kv_scales;
 };
 
 // config.json + checkpoint headers -> per-layer KV plan with backends assigned.
@@ -124,6 +127,11 @@ class LoadedModel {
   const std::optional<ModelConfig>& drafter_config() const { return plan_->drafter; }
   // An embedding model (--runner pooling): how its prompts become vectors; nullopt: it generates.
   const std::optional<PoolingConfig>& pooling() const { return pooling_; }
+  // Builds the target's KV plan again from `cache` (formats, rotation, exact tokens: a plan
+  // file, say) and holds the KV cache in it from the next request on (the runner's pool is
+  // reallocated by the next engine). For `kvlm calibrate`'s search: one rank, no drafter, no
+  // request running; throws kvlm::Error otherwise (and when a layer would need another backend).
+  void replan_kv(const CacheConfig& cache);
   ModelRunner& model() { return *model_; }
   const ModelRunner& model() const { return *model_; }
   // Puts `wrap(current runner)` in its place (tests: a runner that decorates the real one).

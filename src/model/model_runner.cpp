@@ -45,6 +45,10 @@ void ModelRunner::forward_follower(const ForwardBatch&) {
   throw Error("forward_follower on a runner that is not a tensor-parallel rank");
 }
 
+void ModelRunner::kv_plan_changed() {
+  throw Error("this model runner cannot change its KV plan after loading (the CPU and CUDA runners of one rank can)");
+}
+
 void ModelRunner::copy_states(std::span<const StateCopy> copies) {
   KVLM_CHECK(copies.empty(), "copy_states on a runner without recurrent states");
 }

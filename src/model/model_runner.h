@@ -73,6 +73,10 @@ class ModelRunner {
   // layer that keeps exact sink / recent tokens (kv/kv_cache.h). Previous contents are
   // discarded.
   virtual void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) = 0;
+  // The KV plan the runner was built with has been rebuilt in place (LoadedModel::replan_kv:
+  // same layers and backends, other formats, rotations or exact tokens): the KV pool is
+  // discarded, and the next allocate_kv sizes it for the new plan. Runners that cannot say so.
+  virtual void kv_plan_changed();
   virtual int kv_num_blocks() const = 0;
   // Hybrid models (ModelConfig::linear_attention): `slots` recurrent states in every Gated
   // DeltaNet layer, one per running sequence (AttnSeq::state_slot; a sequence whose first row

@@ -186,6 +186,45 @@ expect_error 1 "--kv-cache-dtype sets v twice" -- inspect --kv-cache-dtype v=fp8
 expect_error 1 "invalid --kv-cache-dtype v= 'int3'; valid values are: auto" -- inspect --kv-cache-dtype k=fp8,v=int3
 expect_error 1 "invalid --cache-type-v 'q4_0'; valid values are: auto" -- inspect --cache-type-v q4_0
 expect_error 1 "give them or --kv-cache-dtype (which takes k=A,v=B too), not both" -- inspect --kv-cache-dtype fp8 --cache-type-k fp8
+# Plan files: malformed ones, and entries that do not fit the model, name the file and the entry.
+echo '{"kvlm_kv_plan": 1, "layers": [{"layer": 9, "k": "fp8"}]}' >"$tmp/p9.json"
+expect_error 1 "names layer 9, but the target model has layers 0..4" -- inspect --model "$stories" --kv-cache-plan "$tmp/p9.json"
+echo '{"kvlm_kv_plan": 1, "layers": [{"layer": 1, "k": "int3"}]}' >"$tmp/pbad.json"
+expect_error 1 "pbad.json: layers[0] \"k\": invalid dtype 'int3'; valid values are: auto" -- inspect --kv-cache-plan "$tmp/pbad.json"
+echo '{"kvlm_kv_plan": 1, "layers": [{"layer": 1, "k": "fp8"' >"$tmp/ptrunc.json"
+expect_error 1 "is not valid JSON" -- generate --prompt-ids 1 --kv-cache-plan "$tmp/ptrunc.json"
+expect_error 1 "cannot read KV plan file $tmp/none.json" -- generate --prompt-ids 1 --kv-cache-plan "$tmp/none.json"
+echo '{"kvlm_kv_plan": 1, "layers": [{"model": "draft", "layer": 0, "k": "fp8"}]}' >"$tmp/pdraft.json"
+expect_error 1 "names draft layer 0, but no DFlash drafter is loaded" -- inspect --kv-cache-plan "$tmp/pdraft.json"
+echo '{"kvlm_kv_plan": 1, "layers": [{"layer": 0, "k": "bfloat16", "rotation": "hadamard"}]}' >"$tmp/prot.json"
+expect_error 1 "layer 0 asks for a Hadamard rotation of K, which is held in bfloat16" -- inspect --kv-cache-dtype int8_per_token_head --kv-cache-plan "$tmp/prot.json"
+# inspect --write-kv-plan writes the resolved plan; fed back alone it resolves to the same
+# formats and bytes, every side from the plan file.
+"$KVLM" inspect --model "$stories" --dtype bfloat16 --kv-cache-dtype k=int8_per_token_head,v=int4_per_token_head \
+  --kv-cache-dtype-skip-layers 0 --write-kv-plan "$tmp/w.json" --json >"$tmp/w1.json" 2>/dev/null \
+  && "$KVLM" inspect --model "$stories" --dtype bfloat16 --kv-cache-plan "$tmp/w.json" --json >"$tmp/w2.json" \
+  && [ "$(json_get "$tmp/w1.json" "d['kv_bytes_per_token'], [(l['kv_dtype'], l.get('v_dtype'), l['rotation']) for l in d['layers']]")" = \
+       "$(json_get "$tmp/w2.json" "d['kv_bytes_per_token'], [(l['kv_dtype'], l.get('v_dtype'), l['rotation']) for l in d['layers']]")" ] \
+  && [ "$(json_get "$tmp/w2.json" "sorted(set(l['dtype_source'] for l in d['layers']))")" = "['plan file']" ] \
+  && ok || bad "inspect --write-kv-plan round trip: $(cat "$tmp/w.json")"
+# kvlm calibrate --kld-budget on the bundled model: it measures, prints the candidates, writes a
+# plan that loads; the plan's KLD re-measured by eval perplexity on the same text is within
+# the budget (the search's acceptance: mean + 2 standard errors).
+tiny="$here/../../models/kvlm-tiny"
+if "$KVLM" calibrate --model "$tiny" --kld-budget 1e-3 --ctx 128 --windows 2 --text "$tiny/eval/heldout.txt" \
+     --out "$tmp/cal.json" >"$tmp/cal.out" 2>"$tmp/cal.err"; then
+  grep -q "uniform int8+rot" "$tmp/cal.out" && grep -q "^\*" "$tmp/cal.out" && ok || bad "calibrate table: $(cat "$tmp/cal.out")"
+  kld=$(json_get "$tmp/cal.json" "d['calibration']['kld']")
+  "$KVLM" eval perplexity --model "$tiny" --kv-cache-dtype bfloat16 --text "$tiny/eval/heldout.txt" --ctx 128 --max-chunks 2 \
+      --save-logits "$tmp/base.logits" >/dev/null 2>&1 \
+    && "$KVLM" eval perplexity --model "$tiny" --kv-cache-plan "$tmp/cal.json" --text "$tiny/eval/heldout.txt" --ctx 128 \
+      --max-chunks 2 --kl-divergence-base "$tmp/base.logits" --json "$tmp/cal-eval.json" >/dev/null 2>&1 \
+    && python3 -c "import json; d=json.load(open('$tmp/cal-eval.json')); k=d['kld_mean']; assert k <= 1e-3 and abs(k - $kld) <= 1e-9 + 1e-6 * $kld, (k, $kld)" \
+    && ok || bad "calibrated plan re-measured: $(cat "$tmp/cal-eval.json")"
+else
+  bad "calibrate --kld-budget: $(cat "$tmp/cal.err")"
+fi
+expect_error 1 "--kld-budget" -- calibrate --kld-budget -1 --out "$tmp/x.json"
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
 expect_error 1 "a GPU is named cuda:N with N its index" -- generate --prompt-ids 1 --device cuda:x
@@ -329,6 +368,22 @@ PY
   && ok || bad "K explicit, V from the checkpoint's scheme: $(cat "$tmp/ct3.json")"
 "$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --cache-type-k int8_per_token_head -q --json >/dev/null \
   && ok || bad "generate with K int8 and the checkpoint's FP8 V"
+# The plan file tops the precedence, side by side: layer 0's V from the plan beats the explicit
+# dtype and the checkpoint's scheme; layer 1 (not in the plan) keeps explicit K and the
+# checkpoint's FP8 V with its scales. Layer 0's K rotation is not in the plan: auto rotates it
+# (a quantized side of a layer with a 4-bit side), with the plan's seed.
+cat >"$tmp/plan.json" <<'JSON'
+{"kvlm_kv_plan": 1, "layers": [{"layer": 0, "v": "int4_per_token_head", "rotation": {"v": "hadamard"}, "rotation_seed": 3}]}
+JSON
+"$KVLM" inspect --model "$m" --kv-cache-dtype k=int8_per_token_head --kv-cache-plan "$tmp/plan.json" --json >"$tmp/ct4.json" \
+  && [ "$(json_get "$tmp/ct4.json" "[(l['kv_dtype'], l.get('v_dtype'), l['dtype_source'], l.get('v_dtype_source'), l['rotation'], l.get('rotation_seed')) for l in d['layers'][:2]]")" = \
+       "[('int8', 'int4', 'explicit', 'plan file', 'hadamard', 3), ('int8', 'fp8_e4m3', 'explicit', 'checkpoint scheme', 'none', None)]" ] \
+  && ok || bad "plan file > explicit > checkpoint scheme: $(cat "$tmp/ct4.json")"
+"$KVLM" inspect --model "$m" --kv-cache-plan "$tmp/plan.json" >"$tmp/out" 2>&1 \
+  && grep -q "k:checkpoint scheme v:plan file" "$tmp/out" && grep -q "hadamard_v seed 3" "$tmp/out" \
+  && ok || bad "inspect shows each side's source: $(cat "$tmp/out")"
+"$KVLM" generate --model "$m" --prompt-ids 1,5,9 --max-tokens 4 --temperature 0 --kv-cache-plan "$tmp/plan.json" -q --json >/dev/null \
+  && ok || bad "generate with a plan file over the checkpoint's scheme"
 
 # --- FP8 checkpoints (tests/golden/models/*-fp8-*, tools/make_fp8_goldens.py) -------------
 fp8ct="$golden/llama-gqa-fp8-ct"

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/hadamard.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "runner_test_util.h"
@@ -333,11 +334,9 @@ struct Built {
   std::unique_ptr<ModelRunner> runner;
 };
 
-Built build_runner(const fs::path& dir, KVCacheDType dt, Device dev, std::optional<DType> dtype, bool non_causal) {
+Built build_runner(const fs::path& dir, const CacheConfig& cache, Device dev, std::optional<DType> dtype, bool non_causal) {
   Built b;
   const Checkpoint ckpt = Checkpoint::open(dir);
-  CacheConfig cache;
-  cache.kv_cache_dtype = dt;
   b.mp = std::make_unique<ModelPlan>(plan_model(dir, ckpt, cache, selection_context(dev, 0, cache), dtype));
   if (non_causal)
     for (KVLayerSpec& l : b.mp->plan.layers) l.attn.kind = AttentionKind::NonCausal, l.attn.window = 0;
@@ -349,6 +348,35 @@ Built build_runner(const fs::path& dir, KVCacheDType dt, Device dev, std::option
     b.runner = std::make_unique<CpuModelRunner>(b.mp->config, ckpt, b.mp->plan, std::move(be));
   }
   return b;
+}
+
+Built build_runner(const fs::path& dir, KVCacheDType dt, Device dev, std::optional<DType> dtype, bool non_causal) {
+  CacheConfig cache;
+  cache.kv_cache_dtype = dt;
+  return build_runner(dir, cache, dev, dtype, non_causal);
+}
+
+// A per-layer plan file over `config`'s layers, cycling through formats and rotations: K and
+// V rotated apart (each side alone, both) with seeds other than the default, beside
+// unrotated and 16-bit layers — the plan-file path through both runners.
+CacheConfig mixed_plan(const ModelConfig& config) {
+  const int d = config.head_dim;
+  const bool rot = num::is_pow2(d), int4 = d % 8 == 0;
+  std::string layers;
+  for (int i = 0; i < config.num_layers; ++i) {
+    if (config.is_linear_layer(i)) continue;
+    std::string e = "{\"layer\": " + std::to_string(i);
+    switch (i % 4) {
+      case 0: e += R"(, "k": "int8_per_token_head", "v": "int8_per_token_head")" + std::string(rot ? R"(, "rotation": {"k": "hadamard"}, "rotation_seed": 3)" : ""); break;
+      case 1: e += int4 ? R"(, "k": "int4_per_token_head", "v": "int4_per_token_head", "rotation_seed": 7)" : R"(, "k": "fp8_e4m3", "v": "fp8_e4m3")"; break;
+      case 2: e += R"(, "k": "fp8_per_token_head", "v": "fp8_per_token_head")" + std::string(rot ? R"(, "rotation": {"v": "hadamard"}, "rotation_seed": 11)" : ""); break;
+      default: e += R"(, "k": "bfloat16", "v": "bfloat16")"; break;
+    }
+    layers += (layers.empty() ? "" : ", ") + e + "}";
+  }
+  CacheConfig cache;
+  cache.plan_file = parse_kv_plan_file(R"({"kvlm_kv_plan": 1, "layers": [)" + layers + "]}", "mixed.json");
+  return cache;
 }
 
 }  // namespace
@@ -403,11 +431,18 @@ TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
     std::mt19937 rng(seed);
     if (test::reduced() && !reduced_model(name)) continue;
     const bool trained = name == "stories260K" || name == "kvlm-tiny";
+    std::vector<std::pair<std::string, CacheConfig>> modes;
+    for (KVCacheDType dt : kModes) {
+      if (test::reduced() && !reduced_mode(dt)) continue;
+      CacheConfig c;
+      c.kv_cache_dtype = dt;
+      modes.emplace_back(kv_cache_dtype_name(dt), c);
+    }
+    modes.emplace_back("mixed plan file", mixed_plan(Checkpoint::open(dir).model_config(dir)));
     for (const bool non_causal : {false, true}) {
-      for (KVCacheDType dt : kModes) {
-        if (test::reduced() && !reduced_mode(dt)) continue;
-        Built cuda = build_runner(dir, dt, Device::Cuda, std::nullopt, non_causal);
-        Built cpu = build_runner(dir, dt, Device::Cpu, cuda.mp->dtype, non_causal);
+      for (const auto& [mode, cache] : modes) {
+        Built cuda = build_runner(dir, cache, Device::Cuda, std::nullopt, non_causal);
+        Built cpu = build_runner(dir, cache, Device::Cpu, cuda.mp->dtype, non_causal);
         Built exact = build_runner(dir, KVCacheDType::Auto, Device::Cpu, DType::F32, non_causal);
         const int V = cuda.mp->config.vocab_size;
         std::vector<SeqState> seqs(2);
@@ -429,11 +464,9 @@ TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
         const double d = max_abs_diff(ref, got, &scale);
         const double q = max_abs_diff(fp32, ref, nullptr);
         std::printf("[cross-device] %-12s %-10s %-20s max|cuda-cpu|=%.3e (%.2f%% of %.1f) max|cpu-fp32cache|=%.3e\n",
-                    name.c_str(), non_causal ? "non-causal" : "config", std::string(kv_cache_dtype_name(dt)).c_str(), d,
-                    100 * d / scale, scale, q);
+                    name.c_str(), non_causal ? "non-causal" : "config", mode.c_str(), d, 100 * d / scale, scale, q);
         const double compute = !trained ? 0.03 : non_causal ? 0.10 : 0.06;
-        EXPECT_LT(d, compute * scale + 2 * q)
-            << name << " " << kv_cache_dtype_name(dt) << (non_causal ? " non-causal" : "");
+        EXPECT_LT(d, compute * scale + 2 * q) << name << " " << mode << (non_causal ? " non-causal" : "");
       }
     }
   }

@@ -399,7 +399,9 @@ struct RopeCase {
   DType act;
   int head_dim;
   bool qk_norm;
-  bool rotate = false;  // --kv-cache-rotation hadamard: q, K, V rotated after RoPE (core/hadamard.h)
+  // The Hadamard rotation after RoPE (core/hadamard.h): of q and K, of V, with these signs.
+  bool rotate_k = false, rotate_v = false;
+  uint32_t rotation_seed = 0;
   // Qwen3.5 / Qwen3-Next: RoPE on the first `rotary` dims only (0: all), and a gate of
   // gate_cols columns after v in each row of the projection (the rows' stride grows).
   int rotary = 0, gate_cols = 0;
@@ -460,13 +462,12 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   }
   ops::cpu::rope(q, T, nh, d, pos, inv_freq);
   ops::cpu::rope(k, T, kvh, d, pos, inv_freq);
-  if (c.rotate) {  // as CpuOps::attention_prologue
-    for (size_t r = 0; r < q.size() / size_t(d); ++r) num::hadamard_rotate(q.data() + r * size_t(d), d);
-    for (size_t r = 0; r < k.size() / size_t(d); ++r) {
-      num::hadamard_rotate(k.data() + r * size_t(d), d);
-      num::hadamard_rotate(v.data() + r * size_t(d), d);
-    }
+  if (c.rotate_k) {  // as CpuOps::attention_prologue
+    for (size_t r = 0; r < q.size() / size_t(d); ++r) num::hadamard_rotate(q.data() + r * size_t(d), d, false, c.rotation_seed);
+    for (size_t r = 0; r < k.size() / size_t(d); ++r) num::hadamard_rotate(k.data() + r * size_t(d), d, false, c.rotation_seed);
   }
+  if (c.rotate_v)
+    for (size_t r = 0; r < v.size() / size_t(d); ++r) num::hadamard_rotate(v.data() + r * size_t(d), d, false, c.rotation_seed);
   std::vector<SlotId> cpu_slots;
   std::vector<float> ks, vs;
   for (int t = 0; t < T; ++t) {
@@ -499,11 +500,12 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
                         .q_out = dq.p, .slots = dslots.p, .block_size = bs, .num_blocks = cache.num_blocks(),
                         .k_cache = dk.p, .v_cache = dv.p, .k_token_scale = dks.p, .v_token_scale = dvs.p,
                         .k_tensor_scale = dkts.p, .v_tensor_scale = dvts.p, .num_tensor_scales = int(spec.k_scale.size()),
-                        .rotate = c.rotate},
+                        .rotate_k = c.rotate_k, .rotate_v = c.rotate_v, .rotation_seed = c.rotation_seed},
                        nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::string what = std::string(kv_cache_dtype_name(c.dt)) + " act " + std::string(dtype_name(act)) + " hd " +
-                           std::to_string(d) + (c.qk_norm ? " qk_norm" : "") + (c.rotate ? " rotated" : "") +
+                           std::to_string(d) + (c.qk_norm ? " qk_norm" : "") + (c.rotate_k ? " K rotated" : "") +
+                           (c.rotate_v ? " V rotated" : "") + (c.rotation_seed ? " seed " + std::to_string(c.rotation_seed) : "") +
                            (c.rotary ? " rotary " + std::to_string(c.rotary) : "");
 
   // q: bf16 of the reference (rounding: 2^-9, a boundary flip: 2^-8).
@@ -608,14 +610,18 @@ TEST(CudaModelOps, QkvRopeStoreMatchesCpu) {
         for (bool qk : {false, true}) {
           if (test::reduced() && !(hd == 64 && act == DType::BF16)) continue;
           run_rope_store({dt, act, hd, qk}, seed++);
-          // The rotation: every quantized format, one act and q/k-norm setting per head size.
-          if (dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16 && act == DType::BF16 && !qk)
-            run_rope_store({dt, act, hd, qk, true}, seed++);
+          // The rotation: every quantized format, one act and q/k-norm setting per head size;
+          // both sides, then each side alone with another seed's signs.
+          if (dt != KVCacheDType::BFloat16 && dt != KVCacheDType::Float16 && act == DType::BF16 && !qk) {
+            run_rope_store({dt, act, hd, qk, true, true}, seed++);
+            run_rope_store({dt, act, hd, qk, true, false, 7}, seed++);
+            run_rope_store({dt, act, hd, qk, false, true, 7}, seed++);
+          }
         }
   // Partial rotary (a quarter of the head, as Qwen3.5 and Qwen3-Next) with the gated
   // attention's gate columns after v.
   for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int8PerTokenHead})
-    for (int hd : {64, 128, 256}) run_rope_store({dt, DType::BF16, hd, true, false, hd / 4, 4 * hd}, seed++);
+    for (int hd : {64, 128, 256}) run_rope_store({dt, DType::BF16, hd, true, false, false, 0, hd / 4, 4 * hd}, seed++);
 }
 
 // unrotate_heads: R^T per head row on the GPU equals num::hadamard_rotate(.., inverse) on the
@@ -624,26 +630,27 @@ TEST(CudaModelOps, UnrotateHeadsMatchesCpu) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(77);
   for (DType act : kActs)
-    for (int d : {8, 16, 32, 64, 128, 256}) {
+    for (int d : {8, 16, 32, 64, 128, 256})
+      for (uint32_t rs : {0u, 5u}) {
       const int rows = 37;
       std::vector<float> x(size_t(rows) * size_t(d));
       for (auto& v : x) v = num::bf16_to_f32(num::f32_to_bf16(std::normal_distribution<float>(0.0f, 3.0f)(rng)));
       std::vector<uint16_t> xb(x.size());
       for (size_t i = 0; i < x.size(); ++i) xb[i] = num::f32_to_bf16(x[i]);
       Dev<uint16_t> din(xb), dout(xb.size());
-      cuda::unrotate_heads(act, din.p, dout.p, rows, d, nullptr);
+      cuda::unrotate_heads(act, din.p, dout.p, rows, d, rs, nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto got = dout.download();
       size_t bad = 0;
       for (int r = 0; r < rows; ++r) {
-        num::hadamard_rotate(x.data() + size_t(r) * size_t(d), d, /*inverse=*/true);
+        num::hadamard_rotate(x.data() + size_t(r) * size_t(d), d, /*inverse=*/true, rs);
         for (int i = 0; i < d; ++i) {
           const size_t at = size_t(r) * size_t(d) + size_t(i);
           const uint16_t want = act == DType::BF16 ? num::f32_to_bf16(x[at]) : num::f32_to_f16(x[at]);
           bad += got[at] != want;
         }
       }
-      EXPECT_EQ(bad, 0u) << dtype_name(act) << " head_dim " << d;
-    }
-  EXPECT_THROW(cuda::unrotate_heads(DType::BF16, nullptr, nullptr, 1, 96, nullptr), Error);
+      EXPECT_EQ(bad, 0u) << dtype_name(act) << " head_dim " << d << " seed " << rs;
+      }
+  EXPECT_THROW(cuda::unrotate_heads(DType::BF16, nullptr, nullptr, 1, 96, 0, nullptr), Error);
 }

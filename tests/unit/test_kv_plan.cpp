@@ -182,19 +182,19 @@ TEST(KVPlan, Int4AndRotation) {
   CacheConfig c = with(KVCacheDType::Int4PerTokenHead, "1");
   KVPlan p = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
   EXPECT_EQ(p.layers[0].k.storage, DType::I4);
-  EXPECT_TRUE(p.layers[0].rotate);
-  EXPECT_FALSE(p.layers[1].rotate);  // skipped: bf16
+  EXPECT_TRUE(p.layers[0].rotates());
+  EXPECT_FALSE(p.layers[1].rotates());  // skipped: bf16
   EXPECT_EQ(p.layers[0].bytes_per_token(), 2u * 2 * 16 + 2u * 2 * 4);  // 32 codes in 16 bytes + a 4-byte slot, K and V
   c.rotation = KVRotation::None;
   p = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
-  EXPECT_FALSE(p.layers[0].rotate);
+  EXPECT_FALSE(p.layers[0].rotates());
   // Explicit hadamard reaches the 8-bit formats; auto does not.
-  EXPECT_FALSE(build_kv_plan(with(KVCacheDType::Int8PerTokenHead), layers, DType::BF16, std::nullopt, {}).layers[0].rotate);
+  EXPECT_FALSE(build_kv_plan(with(KVCacheDType::Int8PerTokenHead), layers, DType::BF16, std::nullopt, {}).layers[0].rotates());
   c = with(KVCacheDType::Fp8PerTokenHead, "sliding_window");
   c.rotation = KVRotation::Hadamard;
   p = build_kv_plan(c, layers, DType::BF16, std::nullopt, {});
-  EXPECT_FALSE(p.layers[0].rotate);  // sliding: skipped, bf16
-  EXPECT_TRUE(p.layers[1].rotate);
+  EXPECT_FALSE(p.layers[0].rotates());  // sliding: skipped, bf16
+  EXPECT_TRUE(p.layers[1].rotates());
   // Per-tensor scales from the checkpoint were calibrated unrotated: refused with the rotation.
   c = with(KVCacheDType::Fp8);
   c.rotation = KVRotation::Hadamard;
@@ -208,7 +208,7 @@ TEST(KVPlan, Int4AndRotation) {
   EXPECT_THROW(build_kv_plan(with(KVCacheDType::Int4PerTokenHead), odd, DType::BF16, std::nullopt, {}), Error);
   for (auto& l : odd) l.head_dim = 40;
   p = build_kv_plan(with(KVCacheDType::Int4PerTokenHead), odd, DType::BF16, std::nullopt, {});
-  EXPECT_FALSE(p.layers[0].rotate);
+  EXPECT_FALSE(p.layers[0].rotates());
   ASSERT_EQ(p.warnings.size(), 1u);
   EXPECT_NE(p.warnings[0].find("not rotated"), std::string::npos);
   c = with(KVCacheDType::Int8PerTokenHead);
@@ -266,7 +266,10 @@ TEST(BuildKVPlan, KAndVResolveApart) {
   EXPECT_EQ(p.layers[0].v, (KVStorage{DType::BF16, KVQuantMode::None}));  // layer 0 skipped
   EXPECT_EQ(p.layers[1].k, (KVStorage{DType::BF16, KVQuantMode::None}));
   EXPECT_EQ(p.layers[1].v, (KVStorage{DType::I4, KVQuantMode::Int4PerTokenHead}));
-  EXPECT_TRUE(p.layers[1].rotate);  // auto rotates a layer with a 4-bit side
+  // auto rotates the quantized sides of a layer with a 4-bit side: V here, K is bf16
+  EXPECT_FALSE(p.layers[1].rotate_k);
+  EXPECT_TRUE(p.layers[1].rotate_v);
+  EXPECT_EQ(kv_layer_json(p.layers[1])["rotation"], "hadamard_v");
   EXPECT_FALSE(kv_layer_json(p.layers[0]).contains("v_dtype"));
   EXPECT_EQ(describe_kv_resolution(p), "K bfloat16, V int4 int4_per_token_head");
 }

@@ -284,13 +284,13 @@ class CpuOps final : public Ops {
     cpu::rope(qo, T, nh, d, b_.positions, f32(w.inv_freq));
     cpu::rope(k_, T, kvh, d, b_.positions, f32(w.inv_freq));
     if (observer_) observer_(size_t(layer), k_, v_);  // unrotated K/V, as stored without a rotation
-    if (cache_.layer(size_t(layer)).spec->rotate) {  // R q, R k, R v (core/hadamard.h)
-      for (size_t r = 0; r < size_t(T * nh); ++r) num::hadamard_rotate(qo.data() + r * size_t(d), d);
-      for (size_t r = 0; r < size_t(T * kvh); ++r) {
-        num::hadamard_rotate(k_.data() + r * size_t(d), d);
-        num::hadamard_rotate(v_.data() + r * size_t(d), d);
-      }
+    const KVLayerSpec& s = *cache_.layer(size_t(layer)).spec;
+    if (s.rotate_k) {  // R q, R k (core/hadamard.h): the scores are unchanged
+      for (size_t r = 0; r < size_t(T * nh); ++r) num::hadamard_rotate(qo.data() + r * size_t(d), d, false, s.rotation_seed);
+      for (size_t r = 0; r < size_t(T * kvh); ++r) num::hadamard_rotate(k_.data() + r * size_t(d), d, false, s.rotation_seed);
     }
+    if (s.rotate_v)  // R v; attention() rotates the output back
+      for (size_t r = 0; r < size_t(T * kvh); ++r) num::hadamard_rotate(v_.data() + r * size_t(d), d, false, s.rotation_seed);
     backends_[size_t(layer)]->store_kv(cache_.layer(size_t(layer)),
                                       KVWrite{.k = k_, .v = v_, .slots = b_.slots, .exact_slots = b_.exact_slots});
   }
@@ -300,10 +300,11 @@ class CpuOps final : public Ops {
                                      AttentionCall{.q = f32(q), .out = f32(out), .seqs = b_.seqs,
                                                    .softmax_scale = softmax_scale, .sinks = f32(sinks)});
     const KVLayerSpec& s = *cache_.layer(size_t(layer)).spec;
-    if (s.rotate) {  // the output is a sum of rotated V rows: R^T brings it back
+    if (s.rotate_v) {  // the output is a sum of rotated V rows: R^T brings it back
       const auto o = f32(out);
       const size_t d = size_t(s.attn.head_dim);
-      for (size_t r = 0; r < o.size() / d; ++r) num::hadamard_rotate(o.data() + r * d, int(d), /*inverse=*/true);
+      for (size_t r = 0; r < o.size() / d; ++r)
+        num::hadamard_rotate(o.data() + r * d, int(d), /*inverse=*/true, s.rotation_seed);
     }
   }
 

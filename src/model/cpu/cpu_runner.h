@@ -56,6 +56,7 @@ class CpuModelRunner final : public ModelRunner {
   size_t block_tensors() const { return block_tensors_; }
 
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
+  void kv_plan_changed() override { cache_.reset(); }
   void allocate_states(int slots) override;
   void copy_states(std::span<const StateCopy> copies) override;
   int kv_num_blocks() const override { return cache_ ? cache_->num_blocks() : 0; }

@@ -313,7 +313,8 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
                         .num_blocks = num_blocks_, .k_cache = L.k, .v_cache = L.v, .k_token_scale = L.k_scale,
                         .v_token_scale = L.v_scale, .k_tensor_scale = L.k_tensor_scale,
                         .v_tensor_scale = L.v_tensor_scale, .num_tensor_scales = L.num_tensor_scales,
-                        .rotate = L.rotate, .exact_slots = L.exact_k ? step_.exact_slots : nullptr,
+                        .rotate_k = L.rotate_k, .rotate_v = L.rotate_v, .rotation_seed = L.rotation_seed,
+                        .exact_slots = L.exact_k ? step_.exact_slots : nullptr,
                         .exact_k = L.exact_k, .exact_v = L.exact_v, .num_exact = num_exact_},
                        stream_);
 }
@@ -330,9 +331,9 @@ void CudaOps::attention(int layer, Tensor q, Tensor out, float softmax_scale, co
   p.out = static_cast<uint16_t*>(bf16_out);
   p.sinks = static_cast<const float*>(sinks.data);  // fp32 [heads] (a norm's role), or null
   cuda::paged_attention(p, stream_);
-  if (L.rotate)  // the output is a sum of rotated V rows: R^T per head, converted to act on the way
+  if (L.rotate_v)  // the output is a sum of rotated V rows: R^T per head, converted to act on the way
     cuda::unrotate_heads(act_, static_cast<const uint16_t*>(bf16_out), out.data, out.numel() / L.head_dim, L.head_dim,
-                         stream_);
+                         L.rotation_seed, stream_);
   else if (act_ != DType::BF16)
     cuda::bf16_to_act(act_, static_cast<const uint16_t*>(bf16_out), out.data, size_t(out.numel()), stream_);
 }

@@ -58,7 +58,8 @@ struct CudaKVLayer {
   int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;  // the layer's own (a drafter's may differ)
   DType storage = DType::BF16;
   KVQuantMode quant = KVQuantMode::None;
-  bool rotate = false;  // KVLayerSpec::rotate
+  bool rotate_k = false, rotate_v = false;  // KVLayerSpec::rotate_k / rotate_v, with rotation_seed's signs
+  uint32_t rotation_seed = 0;
   AttentionKind kind = AttentionKind::Full;
   int window = 0;
   const float *k_tensor_scale = nullptr, *v_tensor_scale = nullptr;  // device, fp8_per_tensor

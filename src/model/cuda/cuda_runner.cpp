@@ -403,43 +403,7 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     for (int l : m.draft_def->feature_layers()) slot_of[size_t(l)] = slot++;
   }
 
-  // Static FP8 scales (fp8_per_tensor layers), one small allocation.
-  std::vector<float> scales;
-  std::vector<size_t> scale_at(plan.layers.size(), SIZE_MAX);
-  for (size_t i = 0; i < plan.layers.size(); ++i) {
-    const KVLayerSpec& spec = plan.layers[i];
-    if (spec.k.mode != KVQuantMode::Fp8PerTensor) continue;
-    KVLM_CHECK(spec.k_scale.size() == spec.v_scale.size(), "k and v scales differ in count");
-    scale_at[i] = scales.size();
-    scales.insert(scales.end(), spec.k_scale.begin(), spec.k_scale.end());
-    scales.insert(scales.end(), spec.v_scale.begin(), spec.v_scale.end());
-  }
-  if (!scales.empty()) {
-    m.kv_tensor_scales.allocate(scales.size() * sizeof(float), "the KV scales");
-    KVLM_CUDA_CHECK(cudaMemcpy(m.kv_tensor_scales.data(), scales.data(), scales.size() * sizeof(float),
-                               cudaMemcpyHostToDevice));
-  }
-  for (size_t i = 0; i < plan.layers.size(); ++i) {
-    const KVLayerSpec& spec = plan.layers[i];
-    CudaKVLayer L;
-    L.num_q_heads = spec.attn.num_q_heads;
-    L.num_kv_heads = spec.attn.num_kv_heads;
-    L.head_dim = spec.attn.head_dim;
-    // The CUDA kernels hold K and V in one format (the selector refuses other layers for 'cuda').
-    KVLM_CHECK(spec.k == spec.v, "a CUDA layer with K and V in different formats");
-    L.storage = spec.k.storage;
-    L.quant = spec.k.mode;
-    L.rotate = spec.rotate;
-    L.kind = spec.attn.kind;
-    L.window = spec.attn.window;
-    if (scale_at[i] != SIZE_MAX) {
-      const float* s = reinterpret_cast<const float*>(m.kv_tensor_scales.data()) + scale_at[i];
-      L.num_tensor_scales = int(spec.k_scale.size());
-      L.k_tensor_scale = s;
-      L.v_tensor_scale = s + spec.k_scale.size();
-    }
-    m.lkv.push_back(L);
-  }
+  m.build_kv_layers();
   if (const auto& la = cfg_.linear_attention; la && !cuda::gated_delta_net_fits(la->k_dim, la->v_dim, la->conv_kernel))
     throw Error("this model's Gated DeltaNet layers (key heads of " + std::to_string(la->k_dim) + ", a conv kernel of " +
                 std::to_string(la->conv_kernel) + " taps) are larger than the CUDA kernels take (128 and 8); use --device cpu");
@@ -455,6 +419,50 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
   if (m.draft_def) m.ops->set_capture(std::move(slot_of), cfg_.hidden_size);
   m.graphs_on = opts.cuda_graphs;
   m.gemm.set_small_m_kernel(opts.small_m_gemv);
+}
+
+void CudaModelRunner::Impl::build_kv_layers() {
+  lkv.clear();
+  kv_tensor_scales.reset();
+  // Static FP8 scales (fp8_per_tensor layers), one small allocation.
+  std::vector<float> scales;
+  std::vector<size_t> scale_at(plan->layers.size(), SIZE_MAX);
+  for (size_t i = 0; i < plan->layers.size(); ++i) {
+    const KVLayerSpec& spec = plan->layers[i];
+    if (spec.k.mode != KVQuantMode::Fp8PerTensor) continue;
+    KVLM_CHECK(spec.k_scale.size() == spec.v_scale.size(), "k and v scales differ in count");
+    scale_at[i] = scales.size();
+    scales.insert(scales.end(), spec.k_scale.begin(), spec.k_scale.end());
+    scales.insert(scales.end(), spec.v_scale.begin(), spec.v_scale.end());
+  }
+  if (!scales.empty()) {
+    kv_tensor_scales.allocate(scales.size() * sizeof(float), "the KV scales");
+    KVLM_CUDA_CHECK(cudaMemcpy(kv_tensor_scales.data(), scales.data(), scales.size() * sizeof(float),
+                               cudaMemcpyHostToDevice));
+  }
+  for (size_t i = 0; i < plan->layers.size(); ++i) {
+    const KVLayerSpec& spec = plan->layers[i];
+    CudaKVLayer L;
+    L.num_q_heads = spec.attn.num_q_heads;
+    L.num_kv_heads = spec.attn.num_kv_heads;
+    L.head_dim = spec.attn.head_dim;
+    // The CUDA kernels hold K and V in one format (the selector refuses other layers for 'cuda').
+    KVLM_CHECK(spec.k == spec.v, "a CUDA layer with K and V in different formats");
+    L.storage = spec.k.storage;
+    L.quant = spec.k.mode;
+    L.rotate_k = spec.rotate_k;
+    L.rotate_v = spec.rotate_v;
+    L.rotation_seed = spec.rotation_seed;
+    L.kind = spec.attn.kind;
+    L.window = spec.attn.window;
+    if (scale_at[i] != SIZE_MAX) {
+      const float* s = reinterpret_cast<const float*>(kv_tensor_scales.data()) + scale_at[i];
+      L.num_tensor_scales = int(spec.k_scale.size());
+      L.k_tensor_scale = s;
+      L.v_tensor_scale = s + spec.k_scale.size();
+    }
+    lkv.push_back(L);
+  }
 }
 
 CudaModelRunner::~CudaModelRunner() {
@@ -508,6 +516,19 @@ void CudaModelRunner::set_cuda_graphs(bool on) {
 }
 
 // ---- the KV pool --------------------------------------------------------------------------
+
+void CudaModelRunner::kv_plan_changed() {
+  Impl& m = *impl_;
+  const DeviceScope dev(m.device);
+  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.clear_graphs();
+  m.kv.reset();
+  m.exact.reset();
+  m.num_blocks = m.block_size = m.num_exact = 0;
+  m.kv_bytes = 0;
+  m.build_kv_layers();
+  m.ops->set_kv(m.lkv, 0, 0);
+}
 
 void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_pages) {
   Impl& m = *impl_;

@@ -63,6 +63,7 @@ class CudaModelRunner final : public ModelRunner {
   size_t weight_bytes() const override;
 
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;
+  void kv_plan_changed() override;
   // Gated DeltaNet states (hybrid models): `slots` per linear layer, fp32, zeroed.
   void allocate_states(int slots) override;
   void copy_states(std::span<const StateCopy> copies) override;

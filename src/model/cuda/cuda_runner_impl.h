@@ -221,6 +221,10 @@ struct CudaModelRunner::Impl {
     if (stream) cudaStreamDestroy(stream);
   }
 
+  // The per-layer KV table (lkv) and the static FP8 scales from *plan (the pages come with
+  // allocate_kv).
+  void build_kv_layers();
+
   void clear_graphs() {
     for (auto& [k, g] : graphs) cudaGraphExecDestroy(g.exec);
     graphs.clear();

@@ -178,11 +178,11 @@ __device__ __forceinline__ void store_head(const float (&a)[kPairsPerLane], cons
 // butterflies of strides 1, 2, 4, ... (lanes below 32, registers c above, a/b at half), one
 // scale multiply — so the floats equal num::hadamard_rotate's. Warp-uniform call.
 __device__ __forceinline__ void hadamard_head(float (&a)[kPairsPerLane], float (&b)[kPairsPerLane], int half, int lane,
-                                              bool inverse) {
+                                              bool inverse, uint32_t seed) {
   auto sign = [&](float (&x)[kPairsPerLane], int off) {
 #pragma unroll
     for (int c = 0; c < kPairsPerLane; ++c)
-      if (num::hadamard_sign_negative(uint32_t(off + lane + 32 * c))) x[c] = -x[c];
+      if (num::hadamard_sign_negative(uint32_t(off + lane + 32 * c), seed)) x[c] = -x[c];
   };
   if (!inverse) {
     sign(a, 0);
@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
       }
     }
   }
-  if (p.rotate) hadamard_head(a, b, half, lane, false);
+  if (p.rotate_k) hadamard_head(a, b, half, lane, false, p.rotation_seed);  // q and K
   if (is_q) {
     uint16_t* q = p.q_out + (size_t(t) * size_t(p.num_q_heads) + size_t(h)) * size_t(d);
 #pragma unroll
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
         b[c] = A::load(vsrc[j + half]);
       }
     }
-    if (p.rotate) hadamard_head(a, b, half, lane, false);
+    if (p.rotate_v) hadamard_head(a, b, half, lane, false, p.rotation_seed);
   };
   // Exact sink / recent tokens: the row as it is about to be quantized, in the act dtype.
   uint16_t *exact_k_row = nullptr, *exact_v_row = nullptr;
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
 // out = R^T x per head row (the attention output of a rotated layer), bf16 in, act out.
 template <class A>
 __global__ void __launch_bounds__(kRopeWarps * 32) unrotate_heads_kernel(const uint16_t* in, void* out, int64_t rows,
-                                                                         int d) {
+                                                                         int d, uint32_t seed) {
   allow_dependents();
   pdl_wait();
   const int64_t r = int64_t(blockIdx.x) * kRopeWarps + threadIdx.x / 32;
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) unrotate_heads_kernel(const u
     a[c] = j < half ? act::BF16::load(src[j]) : 0.0f;
     b[c] = j < half ? act::BF16::load(src[j + half]) : 0.0f;
   }
-  hadamard_head(a, b, half, lane, true);
+  hadamard_head(a, b, half, lane, true, seed);
   uint16_t* dst = static_cast<uint16_t*>(out) + size_t(r) * size_t(d);
 #pragma unroll
   for (int c = 0; c < kPairsPerLane; ++c) {
@@ -582,7 +582,7 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
       if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
         throw Error("qkv_rope_store: per-token-head modes need the scale pages");
       if (kIsInt4<Fmt> && p.head_dim % 8 != 0) throw Error("qkv_rope_store: int4 rows need head_dim % 8 == 0");
-      if (p.rotate && !num::is_pow2(p.head_dim))
+      if ((p.rotate_k || p.rotate_v) && !num::is_pow2(p.head_dim))
         throw Error("qkv_rope_store: the Hadamard rotation needs a power-of-two head_dim, got " + std::to_string(p.head_dim));
       const int64_t items = int64_t(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);
       const unsigned grid = unsigned((items + kRopeWarps - 1) / kRopeWarps);
@@ -592,7 +592,7 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
   });
 }
 
-void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int head_dim, void* stream) {
+void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int head_dim, uint32_t seed, void* stream) {
   if (rows <= 0) return;
   if (!num::is_pow2(head_dim) || head_dim > 2 * 32 * kPairsPerLane)
     throw Error("unrotate_heads: head_dim must be a power of two up to 256, got " + std::to_string(head_dim));
@@ -600,7 +600,8 @@ void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int 
     using A = decltype(a);
     const unsigned grid = unsigned((rows + kRopeWarps - 1) / kRopeWarps);
     KVLM_CUDA_CHECK(launch_pdl<unrotate_heads_kernel<A>>(dim3(grid), dim3(kRopeWarps * 32), 0,
-                                                         static_cast<cudaStream_t>(stream), in, out, rows, head_dim));
+                                                         static_cast<cudaStream_t>(stream), in, out, rows, head_dim,
+                                                         seed));
   });
 }
 

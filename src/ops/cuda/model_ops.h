@@ -94,7 +94,11 @@ struct QkvRopeStoreParams {
   const float* k_tensor_scale = nullptr;  // fp8_per_tensor: 1 or kvh scales
   const float* v_tensor_scale = nullptr;
   int num_tensor_scales = 1;
-  bool rotate = false;  // q, K and V rotated by core/hadamard.h's R after RoPE (power-of-two head_dim)
+  // core/hadamard.h's R (signs of rotation_seed) after RoPE, power-of-two head_dim: rotate_k
+  // rotates q and K, rotate_v rotates V (KVLayerSpec::rotate_k / rotate_v).
+  bool rotate_k = false;
+  bool rotate_v = false;
+  uint32_t rotation_seed = 0;
   // Exact sink / recent tokens (null: none): K and V rows, as stored before quantizing (after
   // the rotation), also go to exact page slot exact_slots[t] (< 0: none) in the act dtype.
   const SlotId* exact_slots = nullptr;
@@ -106,7 +110,7 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream);
 
 // out[r] = R^T in[r] for each head row (core/hadamard.h; the attention output of a rotated
 // layer): bf16 [rows][head_dim] in, act out (may alias in when act is bf16).
-void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int head_dim, void* stream);
+void unrotate_heads(DType act, const uint16_t* in, void* out, int64_t rows, int head_dim, uint32_t seed, void* stream);
 
 // out[r][i] = f(gu[r][i]) * gu[r][inter + i]: the fused gate/up projection's halves, f SiLU or
 // tanh-approximated GELU (ops/cpu's silu_mul / gelu_tanh_mul in fp32).

@@ -1,0 +1,367 @@
+#include "offline/kv_plan_search.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "core/error.h"
+#include "attention/registry.h"
+#include "core/hadamard.h"
+#include "kv/kv_format.h"
+#include "kv/kv_formats.h"
+#include "model/cpu/cpu_runner.h"
+#include "offline/eval.h"
+
+namespace kvlm {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The formats a side may take, 16-bit first. FP8 and INT8 per-token-head cost the same
+// bytes; which is better depends on the layer, so both are measured, each in the rotation
+// that suits it on the real models measured (docs/results/accuracy-real.md: the rotation
+// rescues INT8, makes FP8 worse on Gemma 3, and INT4 needs it). INT4 also with the layer's
+// exact sink / recent tokens (PlanSearchOptions::keep_sink / keep_recent), which cost a fixed
+// number of exact rows per sequence, not bytes per token.
+struct Choice {
+  KVCacheDType dtype;
+  bool rotate;
+  bool exact = false;
+};
+constexpr Choice kChoices[] = {{KVCacheDType::BFloat16, false},
+                               {KVCacheDType::Int8PerTokenHead, true},
+                               {KVCacheDType::Fp8PerTokenHead, false},
+                               {KVCacheDType::Int4PerTokenHead, true},
+                               {KVCacheDType::Int4PerTokenHead, true, true}};
+
+// "int8+rot", "int4+rot+exact": a side's format, rotation and exact tokens, for names.
+std::string choice_name(KVCacheDType d, bool rotate, bool exact = false) {
+  const std::string s(kv_cache_dtype_name(d));
+  return s.substr(0, s.find('_')) + (rotate ? "+rot" : "") + (exact ? "+exact" : "");
+}
+
+size_t side_bytes(KVCacheDType d, const AttentionLayerDesc& a) {
+  const KVStorage s = *kv_storage_of(d);
+  return size_t(a.num_kv_heads) * (kv_row_code_bytes(s, a.head_dim) + kv_row_scale_bytes(s));
+}
+
+// A sample of one layer's K and V rows (after RoPE, unrotated), to choose rotation signs.
+struct RowSample {
+  std::vector<float> k, v;
+};
+constexpr size_t kSampleRows = 2048;
+
+// Relative squared error of int4 codes of `rows` (head_dim d) rotated with `seed`'s signs.
+double int4_error(const std::vector<float>& rows, int d, uint32_t seed) {
+  using F = kvfmt::Format<kvfmt::I4, kvfmt::ScalePolicy::PerTokenHead>;
+  const size_t dn = static_cast<size_t>(d);
+  std::vector<float> x(dn), y(dn);
+  std::vector<uint8_t> codes(dn / 2);
+  double err = 0, norm = 0;
+  for (size_t r = 0; r + size_t(d) <= rows.size(); r += size_t(d)) {
+    std::copy_n(rows.begin() + ptrdiff_t(r), d, x.begin());
+    num::hadamard_rotate(x.data(), d, false, seed);
+    const float slot = F::encode_row(x, codes.data(), 1.0f);
+    F::decode_row(codes.data(), slot, y);
+    for (int i = 0; i < d; ++i) {
+      err += double(x[size_t(i)] - y[size_t(i)]) * double(x[size_t(i)] - y[size_t(i)]);
+      norm += double(x[size_t(i)]) * double(x[size_t(i)]);
+    }
+  }
+  return norm > 0 ? err / norm : 0;
+}
+
+// Every layer's entry: K and V as given (16-bit where not), rotations per side, the layer's seed.
+struct LayerChoice {
+  KVCacheDType k = KVCacheDType::BFloat16, v = KVCacheDType::BFloat16;
+  bool rotate_k = false, rotate_v = false;
+  bool exact = false;  // the layer keeps exact sink / recent tokens
+};
+
+KVPlanFile plan_file(const std::vector<AttentionLayerDesc>& layers, const std::vector<LayerChoice>& choice,
+                     const std::vector<uint32_t>& seeds, const ModelConfig& cfg, const PlanSearchOptions& opts) {
+  KVPlanFile f;
+  f.source = "<calibrate>";
+  f.architecture = std::string(arch_name(cfg.arch));
+  f.num_layers = cfg.num_layers;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerChoice& c = choice[i];
+    KVPlanEntry e;
+    e.layer = layers[i].layer;
+    e.k = c.k;
+    e.v = c.v;
+    e.rotate_k = c.rotate_k;
+    e.rotate_v = c.rotate_v;
+    if ((c.rotate_k || c.rotate_v) && seeds[i] != 0) e.rotation_seed = seeds[i];
+    if (c.k != KVCacheDType::BFloat16 || c.v != KVCacheDType::BFloat16) {  // a quantized layer: its exact tokens
+      e.keep_sink = c.exact ? opts.keep_sink : 0;
+      e.keep_recent = c.exact ? opts.keep_recent : 0;
+    }
+    f.entries.push_back(e);
+  }
+  return f;
+}
+
+// Removes the baseline's log-probs file however the search ends.
+struct TempFile {
+  fs::path path;
+  ~TempFile() {
+    std::error_code ec;
+    fs::remove(path, ec);
+  }
+};
+
+}  // namespace
+
+PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& tokens, const PlanSearchOptions& opts) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!(opts.kld_budget > 0)) throw Error("--kld-budget must be positive");
+  // The CPU runner shows K and V as they are stored, for the rotation seeds; on another
+  // device every layer keeps the default signs.
+  auto* cpu = dynamic_cast<CpuModelRunner*>(&model.model());
+  const ModelConfig& cfg = model.config();
+  const auto layers = attention_layers(cfg);
+  if (layers.empty()) throw Error("the model has no attention layers: it holds no KV cache to plan");
+  const size_t n = layers.size();
+  auto say = [&](const std::string& s) {
+    if (opts.progress) opts.progress(s);
+  };
+
+  TempFile base_file{fs::temp_directory_path() / ("kvlm-calibrate-" + std::to_string(getpid()) + ".logits")};
+  PerplexityOptions po{.ctx = opts.ctx, .max_chunks = opts.max_windows};
+  PlanSearchResult res;
+  const std::vector<uint32_t> no_seeds(n, 0);
+  auto measure = [&](const std::string& name, const KVPlanFile& f) {
+    CacheConfig c = opts.base;
+    c.plan_file = f;
+    model.replan_kv(c);
+    PerplexityOptions p = po;
+    p.kld_base = base_file.path;
+    const PerplexityResult r = eval_perplexity(model, tokens, p);
+    ++res.plans_measured;
+    PlanCandidate pc{.name = name, .file = f, .bytes_per_token = model.plan().bytes_per_token(),
+                     .exact_bytes_per_sequence = size_t(model.plan().keep_sink() + model.plan().keep_recent()) *
+                                                 model.plan().exact_bytes_per_token(),
+                     .kld = r.kld_mean, .kld_err = r.kld_mean_err, .same_top = r.same_top};
+    pc.within = pc.kld + 2 * pc.kld_err <= opts.kld_budget;
+    return pc;
+  };
+
+  // 1. The 16-bit baseline, sampling K and V rows on the way.
+  std::vector<RowSample> samples(n);
+  {
+    CacheConfig c = opts.base;
+    c.plan_file = plan_file(layers, std::vector<LayerChoice>(n), no_seeds, cfg, opts);
+    model.replan_kv(c);
+    res.bf16_bytes_per_token = model.plan().bytes_per_token();
+    if (cpu)
+      cpu->set_kv_observer([&](size_t li, std::span<const float> k, std::span<const float> v) {
+        if (li >= n) return;
+        RowSample& s = samples[li];
+        const size_t d = size_t(layers[li].head_dim), room = kSampleRows * d - std::min(kSampleRows * d, s.k.size());
+        const size_t take = std::min(room, k.size());
+        s.k.insert(s.k.end(), k.begin(), k.begin() + ptrdiff_t(take));
+        s.v.insert(s.v.end(), v.begin(), v.begin() + ptrdiff_t(take));
+      });
+    struct Reset {
+      CpuModelRunner* m;
+      ~Reset() {
+        if (m) m->set_kv_observer({});
+      }
+    } reset{cpu};
+    PerplexityOptions p = po;
+    p.save_logits = base_file.path;
+    const PerplexityResult r = eval_perplexity(model, tokens, p);
+    res.windows = r.chunks;
+    res.scored_tokens = r.scored_tokens;
+    ++res.plans_measured;
+    say("baseline (K and V in bfloat16): " + std::to_string(r.chunks) + " windows of " + std::to_string(opts.ctx) +
+        " tokens, " + std::to_string(r.scored_tokens) + " scored, perplexity " + std::to_string(r.ppl));
+  }
+
+  // Whether the attention backends hold K and V apart; if not, a layer's K and V take one format
+  // (each side may still rotate on its own).
+  bool split = true;
+  for (const auto& l : model.plan().layers)
+    for (const auto& caps : builtin_backend_caps())
+      if (caps.name == l.backend) split &= caps.split_kv_formats;
+  res.split_kv = split;
+
+  // The rotation signs of each layer: the seed whose int4 codes hold its K and V rows best.
+  std::vector<uint32_t> seeds(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int d = layers[i].head_dim;
+    if (!cpu || !num::is_pow2(d) || d % 8 != 0) continue;
+    double best = INFINITY;
+    for (uint32_t s = 0; s < uint32_t(std::max(opts.num_seeds, 1)); ++s) {
+      const double e = int4_error(samples[i].k, d, s) + int4_error(samples[i].v, d, s);
+      if (e < best) best = e, seeds[i] = s;
+    }
+  }
+
+  // 2. Each layer's sides alone.
+  const bool pow2 = std::ranges::all_of(layers, [](const auto& a) { return num::is_pow2(a.head_dim); });
+  const bool int4_ok = std::ranges::all_of(layers, [](const auto& a) { return a.head_dim % 8 == 0; });
+  const bool exact_ok = opts.keep_sink > 0 || opts.keep_recent > 0;
+  // Each unit (a layer's K, its V, or with one format per layer both) and its options.
+  const std::vector<KVSide> kBoth{KVSide::K, KVSide::V};
+  for (size_t i = 0; i < n; ++i) {
+    LayerSensitivity ls{.layer = layers[i].layer, .seed = seeds[i]};
+    const std::vector<std::vector<KVSide>> units = split ? std::vector<std::vector<KVSide>>{{KVSide::K}, {KVSide::V}}
+                                                         : std::vector<std::vector<KVSide>>{kBoth};
+    for (const auto& sides : units) {
+      auto& opts_of = sides.size() == 2 ? ls.kv : sides[0] == KVSide::K ? ls.k : ls.v;
+      for (const Choice& ch : kChoices) {
+        if ((ch.rotate && !pow2) || (ch.dtype == KVCacheDType::Int4PerTokenHead && !int4_ok) || (ch.exact && !exact_ok))
+          continue;
+        SideOption o{.dtype = ch.dtype, .rotate = ch.rotate, .exact = ch.exact,
+                     .bytes = sides.size() * side_bytes(ch.dtype, layers[i])};
+        if (ch.dtype != KVCacheDType::BFloat16) {
+          std::vector<LayerChoice> c(n);
+          for (KVSide side : sides) {
+            (side == KVSide::K ? c[i].k : c[i].v) = ch.dtype;
+            (side == KVSide::K ? c[i].rotate_k : c[i].rotate_v) = ch.rotate;
+          }
+          c[i].exact = ch.exact;
+          const PlanCandidate pc = measure("", plan_file(layers, c, seeds, cfg, opts));
+          o.kld = pc.kld;
+          o.same_top = pc.same_top;
+        }
+        opts_of.push_back(o);
+      }
+    }
+    std::string line = "layer " + std::to_string(ls.layer) + " (seed " + std::to_string(ls.seed) + "):";
+    for (const auto* unit : {&ls.k, &ls.v, &ls.kv})
+      for (const SideOption& o : *unit)
+        if (o.dtype != KVCacheDType::BFloat16) {
+          char buf[96];
+          std::snprintf(buf, sizeof buf, " %s %s %.1e", unit == &ls.k ? "K" : unit == &ls.v ? "V" : "KV",
+                        choice_name(o.dtype, o.rotate, o.exact).c_str(), o.kld);
+          line += buf;
+        }
+    say(line);
+    res.layers.push_back(std::move(ls));
+  }
+
+  // 3. Uniform modes, for the comparison and as candidates of their own.
+  auto uniform = [&](KVCacheDType k, bool rk, KVCacheDType v, bool rv, bool exact = false) {
+    std::vector<LayerChoice> c(n, LayerChoice{k, v, rk, rv, exact});
+    const std::string name = k == v && rk == rv ? "uniform " + choice_name(k, rk, exact)
+                                                : "uniform K " + choice_name(k, rk) + " V " + choice_name(v, rv, exact);
+    res.candidates.push_back(measure(name, plan_file(layers, c, seeds, cfg, opts)));
+    say(name + ": KLD " + std::to_string(res.candidates.back().kld));
+  };
+  for (const Choice& ch : kChoices)
+    if (ch.dtype != KVCacheDType::BFloat16 && !(ch.rotate && !pow2) && !(ch.dtype == KVCacheDType::Int4PerTokenHead && !int4_ok) &&
+        !(ch.exact && !exact_ok))
+      uniform(ch.dtype, ch.rotate, ch.dtype, ch.rotate, ch.exact);
+  if (split && pow2 && int4_ok) {
+    uniform(KVCacheDType::Int8PerTokenHead, true, KVCacheDType::Int4PerTokenHead, true);
+    if (exact_ok) uniform(KVCacheDType::Int8PerTokenHead, true, KVCacheDType::Int4PerTokenHead, true, true);
+  }
+
+  // 4. Assembled plans: the greedy choice up to a KLD target, measured; the target bisected.
+  struct Item {
+    const std::vector<SideOption>* options;
+    size_t at = 0;  // the option taken
+    bool frozen = false;
+  };
+  // The plan up to `target`, and whether every side took its fewest bytes (a larger target
+  // cannot change it).
+  auto assemble = [&](double target) -> std::pair<KVPlanFile, bool> {
+    std::vector<Item> items;  // per layer: K's and V's, or the one of both
+    for (const auto& ls : res.layers) {
+      if (split) {
+        items.push_back({&ls.k});
+        items.push_back({&ls.v});
+      } else {
+        items.push_back({&ls.kv});
+      }
+    }
+    double total = 0;
+    for (;;) {
+      // The move with the most bytes saved per unit of KLD added, over every item.
+      double best_eff = -1;
+      size_t best_item = 0, best_opt = 0;
+      for (size_t it = 0; it < items.size(); ++it) {
+        Item& item = items[it];
+        if (item.frozen) continue;
+        const SideOption& cur = (*item.options)[item.at];
+        for (size_t o = 0; o < item.options->size(); ++o) {
+          const SideOption& nx = (*item.options)[o];
+          if (nx.bytes >= cur.bytes) continue;
+          const double dk = std::max(nx.kld - cur.kld, 1e-12);
+          const double eff = double(cur.bytes - nx.bytes) / dk;
+          if (eff > best_eff) best_eff = eff, best_item = it, best_opt = o;
+        }
+      }
+      if (best_eff < 0) break;
+      Item& item = items[best_item];
+      const double dk = (*item.options)[best_opt].kld - (*item.options)[item.at].kld;
+      if (total + dk > target) {
+        item.frozen = true;  // its next step does not fit; others' smaller steps may
+        continue;
+      }
+      total += dk;
+      item.at = best_opt;
+    }
+    std::vector<LayerChoice> c(n);
+    bool cheapest = true;
+    const size_t per = split ? 2 : 1;
+    for (size_t i = 0; i < n; ++i) {
+      const Item &ki = items[per * i], &vi = items[per * i + per - 1];
+      const SideOption &k = (*ki.options)[ki.at], &v = (*vi.options)[vi.at];
+      c[i] = {k.dtype, v.dtype, k.rotate, v.rotate, k.exact || v.exact};
+      for (const Item* it : {&ki, &vi})
+        for (const SideOption& o : *it->options) cheapest &= o.bytes >= (*it->options)[it->at].bytes;
+    }
+    return {plan_file(layers, c, seeds, cfg, opts), cheapest};
+  };
+  double lo = 0, hi = 0;  // targets: lo's plan within the budget (0: the 16-bit one), hi's not (0: none seen)
+  double target = opts.kld_budget;
+  for (int step = 0; step < opts.bisect_steps; ++step) {
+    char name[64];
+    std::snprintf(name, sizeof name, "assembled (target %.2g)", target);
+    auto [file, cheapest] = assemble(target);
+    // A plan measured before (a uniform one, or an earlier target's) is not measured again.
+    const std::string key = kv_plan_file_json(file)["layers"].dump();
+    const auto same = std::ranges::find_if(res.candidates, [&](const PlanCandidate& c) {
+      return kv_plan_file_json(c.file)["layers"].dump() == key;
+    });
+    bool within;
+    if (same != res.candidates.end()) {
+      within = same->within;
+      say(std::string(name) + ": the plan of " + same->name);
+    } else {
+      PlanCandidate pc = measure(name, file);
+      say(std::string(name) + ": " + std::to_string(pc.bytes_per_token) + " B/token, KLD " + std::to_string(pc.kld) +
+          (pc.within ? " (within)" : " (over)"));
+      within = pc.within;
+      res.candidates.push_back(std::move(pc));
+    }
+    if (within && cheapest) break;  // every side at its fewest bytes, and within: nothing is left to gain
+    if (within) lo = target;
+    else hi = target;
+    target = hi == 0 ? target * 2 : lo == 0 ? target / 2 : std::sqrt(lo * hi);
+  }
+
+  for (size_t i = 0; i < res.candidates.size(); ++i) {
+    const auto& c = res.candidates[i];
+    if (!c.within) continue;
+    if (!res.best || c.bytes_per_token < res.candidates[*res.best].bytes_per_token ||
+        (c.bytes_per_token == res.candidates[*res.best].bytes_per_token && c.kld < res.candidates[*res.best].kld))
+      res.best = i;
+  }
+  CacheConfig c = opts.base;
+  c.plan_file = res.best ? res.candidates[*res.best].file : plan_file(layers, std::vector<LayerChoice>(n), no_seeds, cfg, opts);
+  model.replan_kv(c);
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+}  // namespace kvlm
