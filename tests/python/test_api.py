@@ -181,6 +181,36 @@ def test_perplexity_and_kld_against_a_saved_run(tmp_path):
         "Once upon a time", GREEDY)[0].outputs[0].token_ids
 
 
+def test_a_kv_plan_file_runs_as_a_dtype_does(tmp_path):
+    # kv_cache_plan (a path): per-layer formats, K and V apart, one side rotated with a seed; the
+    # plan reaches inspect, generation and tensor parallelism, and a plan naming one dtype for
+    # every layer generates what that dtype does.
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kvlm_kv_plan": 1, "layers": [
+        {"layer": 0, "k": "bfloat16", "v": "int4_per_token_head"},
+        {"layer": 1, "k": "int8_per_token_head", "v": "int8_per_token_head", "rotation": {"k": "hadamard"},
+         "rotation_seed": 7}]}))
+    layers = kvlm.inspect(TINY, kv_cache_plan=plan, kv_cache_dtype="fp8_per_token_head")
+    assert (layers[0]["kv_dtype"], layers[0]["v_dtype"], layers[0]["dtype_source"]) == ("bfloat16", "int4", "plan file")
+    assert (layers[1]["rotation"], layers[1]["rotation_seed"]) == ("hadamard_k", 7)
+    assert (layers[2]["kv_dtype"], layers[2]["dtype_source"]) == ("fp8_e4m3", "explicit")
+    one = LLM(model=TINY, kv_cache_plan=plan, max_model_len=512, kv_cache_memory="64MiB")
+    two = LLM(model=TINY, kv_cache_plan=str(plan), tensor_parallel_size=2, max_model_len=512, kv_cache_memory="64MiB")
+    p = ["Once upon a time", "The pass key is"]
+    assert [o.outputs[0].token_ids for o in one.generate(p, GREEDY)] == \
+        [o.outputs[0].token_ids for o in two.generate(p, GREEDY)]
+    uniform = tmp_path / "int8.json"
+    uniform.write_text(json.dumps({"kvlm_kv_plan": 1, "layers": [
+        {"layer": i, "k": "int8_per_token_head", "v": "int8_per_token_head"} for i in range(len(layers))]}))
+    assert LLM(model=TINY, kv_cache_plan=uniform, kv_cache_memory="64MiB").generate(p, GREEDY)[0].outputs[0].token_ids == \
+        LLM(model=TINY, kv_cache_dtype="int8_per_token_head", kv_cache_memory="64MiB").generate(
+            p, GREEDY)[0].outputs[0].token_ids
+    with pytest.raises(kvlm.Error, match="names layer 99, but the target model has layers 0..6"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"kvlm_kv_plan": 1, "layers": [{"layer": 99}]}))
+        LLM(model=TINY, kv_cache_plan=bad, kv_cache_memory="64MiB")
+
+
 def test_tensor_parallel_on_the_cpu_equals_one_rank(llm):
     two = LLM(model=TINY, tensor_parallel_size=2, max_model_len=512, kv_cache_memory="64MiB")
     assert two.info["tensor_parallel_size"] == 2
