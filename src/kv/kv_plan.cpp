@@ -110,10 +110,6 @@ void check_scales(const std::vector<float>& s, const std::string& name, const At
       throw Error("checkpoint scale tensor '" + name + "' holds " + std::to_string(x) + "; KV scales must be positive and finite");
 }
 
-}  // namespace
-
-namespace {
-
 // The plan file's entries for the models among `layers` name layers that exist and hold a KV
 // cache, and its declared layer count is the target's.
 void check_plan_file(const KVPlanFile& f, std::span<const AttentionLayerDesc> layers, int target_layers) {
@@ -246,7 +242,9 @@ KVPlan build_kv_plan(const CacheConfig& cache, std::span<const AttentionLayerDes
                       std::to_string(a.layer) + " (" + (side == KVSide::K ? s.k_scale_name : s.v_scale_name) +
                       "): they were calibrated on unrotated K/V. Use a per-token-head dtype with the rotation, or "
                       "no rotation");
-    if ((s.k.storage == DType::I4 || s.v.storage == DType::I4) && !num::is_pow2(a.head_dim)) ++unrotated_int4;
+    if (cache.rotation == KVRotation::Auto && (s.k.storage == DType::I4 || s.v.storage == DType::I4) &&
+        !num::is_pow2(a.head_dim))
+      ++unrotated_int4;
     if (s.quantized()) {
       s.keep_sink = entry && entry->keep_sink ? *entry->keep_sink : cache.keep_sink;
       s.keep_recent = entry && entry->keep_recent ? *entry->keep_recent : cache.keep_recent;
