@@ -33,7 +33,10 @@ CLI::App* add_calibrate(CLI::App& app, CalibrateFlags& f) {
   cmd->add_option("--kld-budget", f.kld_budget,
                   "search the KV plan (per layer: K and V formats, rotation and its signs) with the fewest bytes per "
                   "token whose KL divergence against a 16-bit cache stays within this (e.g. 1e-3) on the text");
-  cmd->add_option("--ctx", f.ctx, "--kld-budget: tokens per window (the second half of each is scored)")
+  cmd->add_option("--ctx", f.ctx,
+                  "--kld-budget: tokens per window (the second half of each is scored). A quantized cache costs more "
+                  "the more keys a query reads: measure at the context you serve (Gemma 3 270M: a plan at 6.4e-4 on "
+                  "512-token windows measured 1.6e-3 on 1024-token ones)")
       ->capture_default_str()
       ->check(CLI::Range(16, 1 << 20));
   cmd->add_option("--exact-tokens", f.exact_tokens,

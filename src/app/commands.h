@@ -88,7 +88,7 @@ struct CalibrateFlags {
   // --kld-budget: search the KV plan with the fewest bytes within this KL divergence instead
   // (offline/kv_plan_search.h); --out is then the plan file.
   double kld_budget = std::nan("");  // NaN: not given
-  int ctx = 512;
+  int ctx = 1024;
   int windows = 4;
   std::string exact_tokens = "4,64";  // SINK,RECENT an INT4 layer may keep
 };

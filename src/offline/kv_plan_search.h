@@ -29,7 +29,7 @@ namespace kvlm {
 
 struct PlanSearchOptions {
   double kld_budget = 1e-3;
-  int ctx = 512;         // tokens per window (the second half of each is scored)
+  int ctx = 1024;        // tokens per window (the second half of each is scored)
   int max_windows = 4;   // windows of the calibration text used
   int bisect_steps = 6;  // end-to-end measurements of assembled plans
   int num_seeds = 16;    // rotation sign seeds tried per layer (on the sampled rows)
