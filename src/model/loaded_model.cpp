@@ -129,7 +129,10 @@ static ScaleLookup recorded_scales(const ModelPlan& mp) {
   return [&mp](const AttentionLayerDesc& l) -> std::optional<CheckpointScales> {
     const auto layers = attention_layers(mp.config);
     for (size_t i = 0; i < layers.size() && i < mp.kv_scales.size(); ++i)
-      if (layers[i].layer == l.layer) return mp.kv_scales[i];
+      if (layers[i].layer == l.layer) {
+        if (!mp.kv_scales[i].error.empty()) throw Error(mp.kv_scales[i].error);
+        return mp.kv_scales[i].scales;
+      }
     return std::nullopt;
   };
 }
@@ -153,7 +156,15 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
     converted = true;
   }
   const auto layers = attention_layers(mp.config);
-  for (const auto& l : layers) mp.kv_scales.push_back(find_kv_scales(ckpt, l));
+  // Each layer's scales, or why they cannot be read: an error only matters (and is thrown,
+  // as before) for a layer whose plan asks for per-tensor scales.
+  for (const auto& l : layers) {
+    try {
+      mp.kv_scales.push_back({find_kv_scales(ckpt, l), {}});
+    } catch (const Error& e) {
+      mp.kv_scales.push_back({std::nullopt, e.what()});
+    }
+  }
   mp.plan = build_kv_plan(cache, layers, mp.dtype, mp.config.kv_scheme, recorded_scales(mp));
   if (spec && spec->method == SpecMethod::DFlash) add_drafter(mp, *spec, cache);
   if (const auto& f = cache.plan_file) {

@@ -41,7 +41,11 @@ struct ModelPlan {
   std::string drafter_prefix;  // its tensors' name prefix ("" or "model.")
   // The checkpoint's k/v scale tensors of the target's attention layers (by KV layer), so that
   // the plan can be built again without the checkpoint (LoadedModel::replan_kv).
-  std::vector<std::optional<CheckpointScales>> kv_scales;
+  struct LayerScales {
+    std::optional<CheckpointScales> scales;
+    std::string error;  // why they could not be read (thrown when a plan asks for them)
+  };
+  std::vector<LayerScales> kv_scales;
 };
 
 // config.json + checkpoint headers -> per-layer KV plan with backends assigned.

@@ -36,7 +36,11 @@ struct KldBounds {
   double moe_mean_kld = 0, moe_max_kld = 0;  // random-weight MoE models; 0: the dense bounds
 };
 inline constexpr KldBounds kKldBounds[] = {
-    {KVCacheDType::Float16, 5e-7, 2e-6, 1e-5, 4e-5},
+    // MoE: qwen3.5-moe's max measured 1.5e-6 / 1.6e-6 / 2.0e-6 with OpenBLAS's Sandybridge /
+    // Haswell / SkylakeX kernels (the machine's CPU picks one; OPENBLAS_CORETYPE forces it):
+    // its routers amplify the GEMMs' rounding, and 2e-6 failed on an AVX-512 machine. 4e-6 is
+    // 2x the largest.
+    {KVCacheDType::Float16, 5e-7, 2e-6, 1e-5, 4e-5, 5e-7, 4e-6},
     {KVCacheDType::BFloat16, 3e-5, 1.2e-4, 4e-4, 2e-3},
     {KVCacheDType::Fp8E4M3, 6e-3, 3e-2, 0.12, 0.6, 8e-3, 0.1},
     {KVCacheDType::Fp8E5M2, 2.5e-2, 0.25, 0.5, 2.0, 7e-2, 1.8},
