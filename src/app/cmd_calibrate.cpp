@@ -111,12 +111,6 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
 
 }  // namespace
 
-// "int8" for int8_per_token_head: the format's short name in the sensitivity table's header.
-static std::string short_name(KVCacheDType d) {
-  const std::string s(kv_cache_dtype_name(d));
-  return s.substr(0, s.find('_'));
-}
-
 static int run_plan_search(const CalibrateFlags& f) {
   ModelOptions opts = f.model.model_options();
   if (opts.tensor_parallel_size != 1 || opts.speculative)
@@ -165,15 +159,13 @@ static int run_plan_search(const CalibrateFlags& f) {
   for (const auto& [side, options] : units(r.layers.front()))
     for (const auto& o : *options)
       if (o.dtype != KVCacheDType::BFloat16)
-        std::printf(" %11s", (std::string(side) + " " + short_name(o.dtype) + (o.rotate ? "+rot" : "") +
-                              (o.exact ? "+ex" : ""))
-                                 .c_str());
+        std::printf(" %17s", (std::string(side) + " " + choice_name(o.dtype, o.rotate, o.exact)).c_str());
   std::printf("\n");
   for (const auto& l : r.layers) {
     std::printf("%6d %5u", l.layer, l.seed);
     for (const auto& [side, options] : units(l))
       for (const auto& o : *options)
-        if (o.dtype != KVCacheDType::BFloat16) std::printf(" %11.2e", o.kld);
+        if (o.dtype != KVCacheDType::BFloat16) std::printf(" %17.2e", o.kld);
     std::printf("\n");
   }
   std::printf("\ncandidates (budget %.3g: KLD + 2 standard errors within it); bfloat16: %zu B/token\n", f.kld_budget,

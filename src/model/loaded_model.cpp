@@ -127,11 +127,10 @@ void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig
 // The target's k/v scale tensors as plan_model recorded them (ModelPlan::kv_scales).
 static ScaleLookup recorded_scales(const ModelPlan& mp) {
   return [&mp](const AttentionLayerDesc& l) -> std::optional<CheckpointScales> {
-    const auto layers = attention_layers(mp.config);
-    for (size_t i = 0; i < layers.size() && i < mp.kv_scales.size(); ++i)
-      if (layers[i].layer == l.layer) {
-        if (!mp.kv_scales[i].error.empty()) throw Error(mp.kv_scales[i].error);
-        return mp.kv_scales[i].scales;
+    for (const auto& r : mp.kv_scales)
+      if (r.layer == l.layer) {
+        if (!r.error.empty()) throw Error(r.error);
+        return r.scales;
       }
     return std::nullopt;
   };
@@ -160,9 +159,9 @@ ModelPlan plan_model(const std::filesystem::path& dir, const Checkpoint& ckpt, c
   // as before) for a layer whose plan asks for per-tensor scales.
   for (const auto& l : layers) {
     try {
-      mp.kv_scales.push_back({find_kv_scales(ckpt, l), {}});
+      mp.kv_scales.push_back({l.layer, find_kv_scales(ckpt, l), {}});
     } catch (const Error& e) {
-      mp.kv_scales.push_back({std::nullopt, e.what()});
+      mp.kv_scales.push_back({l.layer, std::nullopt, e.what()});
     }
   }
   mp.plan = build_kv_plan(cache, layers, mp.dtype, mp.config.kv_scheme, recorded_scales(mp));

@@ -42,6 +42,7 @@ struct ModelPlan {
   // The checkpoint's k/v scale tensors of the target's attention layers (by KV layer), so that
   // the plan can be built again without the checkpoint (LoadedModel::replan_kv).
   struct LayerScales {
+    int layer = 0;  // the attention layer's index in the model
     std::optional<CheckpointScales> scales;
     std::string error;  // why they could not be read (thrown when a plan asks for them)
   };

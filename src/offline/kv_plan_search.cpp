@@ -39,11 +39,6 @@ constexpr Choice kChoices[] = {{KVCacheDType::BFloat16, false},
                                {KVCacheDType::Int4PerTokenHead, true},
                                {KVCacheDType::Int4PerTokenHead, true, true}};
 
-// "int8+rot", "int4+rot+exact": a side's format, rotation and exact tokens, for names.
-std::string choice_name(KVCacheDType d, bool rotate, bool exact = false) {
-  const std::string s(kv_cache_dtype_name(d));
-  return s.substr(0, s.find('_')) + (rotate ? "+rot" : "") + (exact ? "+exact" : "");
-}
 
 size_t side_bytes(KVCacheDType d, const AttentionLayerDesc& a) {
   const KVStorage s = *kv_storage_of(d);
@@ -117,6 +112,11 @@ struct TempFile {
 };
 
 }  // namespace
+
+std::string choice_name(KVCacheDType d, bool rotate, bool exact) {
+  const std::string s(kv_cache_dtype_name(d));
+  return s.substr(0, s.find('_')) + (rotate ? "+rot" : "") + (exact ? "+exact" : "");
+}
 
 PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& tokens, const PlanSearchOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();

@@ -77,6 +77,9 @@ struct PlanSearchResult {
   double seconds = 0;
 };
 
+// "int8+rot", "int4+rot+exact": a format, its rotation and exact tokens, short, for tables.
+std::string choice_name(KVCacheDType d, bool rotate, bool exact = false);
+
 // Runs the search on `model` (one rank, no drafter; CPU or CUDA) over `tokens`. The
 // model's KV plan is left at the best candidate's (or bf16). Throws kvlm::Error when the text
 // is shorter than one window or the model cannot be replanned.

@@ -520,12 +520,7 @@ void CudaModelRunner::set_cuda_graphs(bool on) {
 void CudaModelRunner::kv_plan_changed() {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
-  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-  m.clear_graphs();
-  m.kv.reset();
-  m.exact.reset();
-  m.num_blocks = m.block_size = m.num_exact = 0;
-  m.kv_bytes = 0;
+  m.drop_kv();
   m.build_kv_layers();
   m.ops->set_kv(m.lkv, 0, 0);
 }
@@ -537,12 +532,7 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
   const bool keeps = std::ranges::any_of(m.plan->layers, [](const KVLayerSpec& l) { return l.keeps_exact(); });
   KVLM_CHECK(num_exact_pages >= 0 && (!keeps || num_exact_pages > 0), "layers keep exact tokens but no exact pages were given");
   validate_block_size(block_size);
-  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-  m.clear_graphs();
-  m.kv.reset();
-  m.exact.reset();
-  m.num_blocks = m.block_size = m.num_exact = 0;
-  m.kv_bytes = 0;
+  m.drop_kv();
   // kv/kv_cache.h's layout, per layer: K, V [num_blocks][kvh][block_size][head_dim] of the
   // layer's storage type; per-token-head modes add fp32 [num_blocks][kvh][block_size].
   size_t total = 0;

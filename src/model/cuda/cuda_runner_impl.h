@@ -224,6 +224,15 @@ struct CudaModelRunner::Impl {
   // The per-layer KV table (lkv) and the static FP8 scales from *plan (the pages come with
   // allocate_kv).
   void build_kv_layers();
+  // Waits for the stream, then frees the KV pool and exact pages (the graphs point into them).
+  void drop_kv() {
+    KVLM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    clear_graphs();
+    kv.reset();
+    exact.reset();
+    num_blocks = block_size = num_exact = 0;
+    kv_bytes = 0;
+  }
 
   void clear_graphs() {
     for (auto& [k, g] : graphs) cudaGraphExecDestroy(g.exec);
