@@ -36,6 +36,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,10 +64,15 @@ int kBlock = 16;  // --block N
 float* g_sinks = nullptr;  // --sinks: fp32 [kQHeads] on the device
 constexpr double kL2 = 60e6;
 
+// A KV mode: K's format, and V's where it differs (vstorage set: the K != V pairs).
 struct Mode {
   const char* name;
   DType storage;
   KVQuantMode quant;
+  std::optional<DType> vstorage = std::nullopt;
+  KVQuantMode vquant = KVQuantMode::None;
+  DType vst() const { return vstorage.value_or(storage); }
+  KVQuantMode vq() const { return vstorage ? vquant : quant; }
 };
 const Mode kModes[] = {
     {"bf16", DType::BF16, KVQuantMode::None},
@@ -76,6 +82,11 @@ const Mode kModes[] = {
     {"fp8_per_token_head", DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
     {"int8_per_token_head", DType::I8, KVQuantMode::Int8PerTokenHead},
     {"int4_per_token_head", DType::I4, KVQuantMode::Int4PerTokenHead},
+    // K and V apart (kv/kv_formats.h's CUDA pairs): K 16 / 8 bits beside V in 4 or 8.
+    {"k_bf16_v_int4", DType::BF16, KVQuantMode::None, DType::I4, KVQuantMode::Int4PerTokenHead},
+    {"k_int8_v_int4", DType::I8, KVQuantMode::Int8PerTokenHead, DType::I4, KVQuantMode::Int4PerTokenHead},
+    {"k_fp8_v_int4", DType::F8E4M3, KVQuantMode::Fp8PerTokenHead, DType::I4, KVQuantMode::Int4PerTokenHead},
+    {"k_bf16_v_int8", DType::BF16, KVQuantMode::None, DType::I8, KVQuantMode::Int8PerTokenHead},
 };
 size_t esize(DType t) { return (t == DType::BF16 || t == DType::F16) ? 2 : 1; }  // bytes filled per code (int4: a byte of two)
 size_t code_bytes(DType t, size_t elems) { return t == DType::I4 ? elems / 2 : elems * esize(t); }
@@ -141,17 +152,16 @@ __device__ float decode_sw(const uint8_t* base, size_t i, DType st) {
 // Simple reference: one CTA per (checked query row, q head). Row i is query row item.y of
 // sequence item.x seeing its first item.z keys (causal): scores in a global scratch (stride
 // max_keys), two-pass softmax, fp32 throughout, codes decoded in software.
-__global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items, int max_keys, float* scratch, float* out) {
+__global__ void reference_attend(cuda::PagedAttentionParams p, DType vst, KVQuantMode vq, const int3* items, int max_keys,
+                                 float* scratch, float* out) {
   const int ri = blockIdx.x, h = blockIdx.y, g = h / (p.num_q_heads / p.num_kv_heads);
   const int3 it = items[ri];
   const int seq = it.x, n = it.z;
   const uint8_t* K = static_cast<const uint8_t*>(p.k_cache);
   const uint8_t* V = static_cast<const uint8_t*>(p.v_cache);
   float ks = 1, vs = 1;
-  if (p.quant == KVQuantMode::Fp8PerTensor) {
-    ks = p.k_tensor_scale[0];
-    vs = p.v_tensor_scale[0];
-  }
+  if (p.quant == KVQuantMode::Fp8PerTensor) ks = p.k_tensor_scale[0];
+  if (vq == KVQuantMode::Fp8PerTensor) vs = p.v_tensor_scale[0];
   const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
   float* sc = scratch + (size_t(ri) * p.num_q_heads + h) * max_keys;
   const uint16_t* q = p.q + (size_t(it.y) * p.num_q_heads + h) * p.head_dim;
@@ -194,9 +204,8 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items
     float o = 0;
     for (int j = 0; j < n; ++j) {
       const size_t sidx = (size_t(table[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
-      o += sc[j] * (p.storage == DType::I4 ? int4_value(V, sidx, d, p.head_dim, p.v_token_scale)
-                                           : decode_sw(V, sidx * p.head_dim + d, p.storage) *
-                                                 (per_token(p.quant) ? p.v_token_scale[sidx] : vs));
+      o += sc[j] * (vst == DType::I4 ? int4_value(V, sidx, d, p.head_dim, p.v_token_scale)
+                                     : decode_sw(V, sidx * p.head_dim + d, vst) * (per_token(vq) ? p.v_token_scale[sidx] : vs));
     }
     out[(size_t(ri) * p.num_q_heads + h) * p.head_dim + d] = o / l;
   }
@@ -205,13 +214,14 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, const int3* items
 // Runs reference_attend over `items` into a device buffer of [items][q heads][head] floats
 // (the caller frees it).
 float* reference(const cuda::PagedAttentionParams& p, const std::vector<int3>& items, int max_keys) {
+  const KVStorage v = p.v_format.value_or(KVStorage{p.storage, p.quant});
   int3* ditems;
   float *scratch, *out;
   CK(cudaMalloc(&ditems, items.size() * sizeof(int3)));
   CK(cudaMemcpy(ditems, items.data(), items.size() * sizeof(int3), cudaMemcpyHostToDevice));
   CK(cudaMalloc(&scratch, items.size() * kQHeads * size_t(max_keys) * 4));
   CK(cudaMalloc(&out, items.size() * kQHeads * kHead * 4));
-  reference_attend<<<dim3(unsigned(items.size()), kQHeads), 256>>>(p, ditems, max_keys, scratch, out);
+  reference_attend<<<dim3(unsigned(items.size()), kQHeads), 256>>>(p, v.storage, v.mode, ditems, max_keys, scratch, out);
   CK(cudaDeviceSynchronize());
   cudaFree(ditems);
   cudaFree(scratch);
@@ -342,30 +352,33 @@ int main(int argc, char** argv) {
         const int B = batches[bi], C = contexts[ci];
         if (!shape_on(B, C)) continue;
         const size_t tokens = size_t(B) * C;
-        const size_t kv_bytes = code_bytes(mode.storage, tokens * kKVHeads * kHead);  // K (same for V)
-        const size_t scale_bytes = per_token(mode.quant) ? tokens * kKVHeads * 4 : 0;
-        const size_t per_copy = 2 * (kv_bytes + scale_bytes);
-        if (2 * kv_bytes > arena_bytes) {
+        const size_t k_bytes = code_bytes(mode.storage, tokens * kKVHeads * kHead);
+        const size_t v_bytes = code_bytes(mode.vst(), tokens * kKVHeads * kHead);
+        const size_t scale_bytes = ((per_token(mode.quant) ? 1 : 0) + (per_token(mode.vq()) ? 1 : 0)) * tokens * kKVHeads * 4;
+        const size_t per_copy = k_bytes + v_bytes + scale_bytes;
+        if (k_bytes + v_bytes > arena_bytes) {
           std::printf("| %s | %d | %d | - | skipped: %.1f GB of K+V exceeds the arena | | | | | |\n", mode.name, B, C,
-                      2 * kv_bytes / 1e9);
+                      (k_bytes + v_bytes) / 1e9);
           continue;
         }
-        const int copies =
-            int(std::clamp<size_t>(size_t(std::ceil(2.2 * kL2 / double(per_copy))), 1, std::min<size_t>(32, arena_bytes / (2 * kv_bytes))));
+        const int copies = int(std::clamp<size_t>(size_t(std::ceil(2.2 * kL2 / double(per_copy))), 1,
+                                                  std::min<size_t>(32, arena_bytes / (k_bytes + v_bytes))));
         const int nb = C / kBlock;
         const int num_blocks = copies * B * nb;
         uint8_t* K = arena;
         const size_t elems = size_t(num_blocks) * kBlock * kKVHeads * kHead;
         uint8_t* V = arena + code_bytes(mode.storage, elems);
-        const bool int4 = mode.storage == DType::I4;  // any byte is two valid codes
-        const int fmt = mode.storage == DType::BF16 ? 0 : mode.storage == DType::F16 ? 1 : mode.storage == DType::I8 || int4 ? 2 : 3;
-        fill_codes<<<4096, 256>>>(K, int4 ? elems / 2 : elems, int(esize(mode.storage)), fmt, 1);
-        fill_codes<<<4096, 256>>>(V, int4 ? elems / 2 : elems, int(esize(mode.storage)), fmt, 2);
+        // Codes of one side (int4: any byte is two valid codes).
+        const auto fill = [&](uint8_t* at, DType st, uint64_t seed) {
+          const bool i4 = st == DType::I4;
+          const int fmt = st == DType::BF16 ? 0 : st == DType::F16 ? 1 : st == DType::I8 || i4 ? 2 : 3;
+          fill_codes<<<4096, 256>>>(at, i4 ? elems / 2 : elems, int(esize(st)), fmt, seed);
+        };
+        fill(K, mode.storage, 1);
+        fill(V, mode.vst(), 2);
         const size_t ntok_all = size_t(num_blocks) * kBlock * kKVHeads;
-        if (per_token(mode.quant)) {
-          fill_scales<<<1024, 256>>>(scales, ntok_all, 3, int4);
-          fill_scales<<<1024, 256>>>(scales + scale_elems, ntok_all, 4, int4);
-        }
+        if (per_token(mode.quant)) fill_scales<<<1024, 256>>>(scales, ntok_all, 3, mode.storage == DType::I4);
+        if (per_token(mode.vq())) fill_scales<<<1024, 256>>>(scales + scale_elems, ntok_all, 4, mode.vst() == DType::I4);
         CK(cudaGetLastError());
         // Shuffled block tables: copy c owns pages [c*B*nb, (c+1)*B*nb) in a random order.
         std::vector<BlockId> tables(static_cast<size_t>(num_blocks));
@@ -397,7 +410,9 @@ int main(int argc, char** argv) {
         }
         auto params = [&](int c) {
           return cuda::PagedAttentionParams{
-              .storage = mode.storage, .quant = mode.quant, .num_seqs = B, .num_tokens = B, .num_q_heads = kQHeads,
+              .storage = mode.storage, .quant = mode.quant,
+              .v_format = mode.vstorage ? std::optional(KVStorage{mode.vst(), mode.vq()}) : std::nullopt,
+              .num_seqs = B, .num_tokens = B, .num_q_heads = kQHeads,
               .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock, .max_blocks_per_seq = nb, .max_q_len = 1,
               .max_kv_len = C, .mask = AttentionKind::Full, .softmax_scale = 1.0f / std::sqrt(float(kHead)),
               .sinks = g_sinks, .q = dq + qn * c, .out = dout + qn * c, .k_cache = K, .v_cache = V, .k_token_scale = scales,
@@ -444,7 +459,7 @@ int main(int argc, char** argv) {
             return 2;
           }
         }
-        const double bytes = double(2 * kv_bytes + 2 * scale_bytes + 2 * qn * 2);
+        const double bytes = double(k_bytes + v_bytes + scale_bytes + 2 * qn * 2);
         const double gbs = bytes / (us * 1e-6) / 1e9;
         if (mode.storage == DType::BF16) bf16_us[bi][ci] = us;
         const double floor_us = bytes / copy_bw * 1e6;
@@ -476,6 +491,7 @@ int main(int argc, char** argv) {
                                               : std::vector<PShape>{{4096, 4096}, {16384, 16384}, {1024, 16384}};
     std::vector<double> bf16_pus(pshapes.size(), 0);
     for (const Mode& mode : kModes) {
+      if (mode.vstorage) continue;  // K != V: the tiled prefill kernels read one format (the decode table has them)
       if (!mode_on(mode)) continue;
       for (size_t si = 0; si < pshapes.size(); ++si) {
         const int Lq = pshapes[si].q_len, C = pshapes[si].context, nb = C / kBlock;

@@ -1,7 +1,8 @@
 // End-to-end decode benchmark of the CUDA model runner, through the ModelRunner interface
 // the engines use (ForwardBatch in, fp32 logits on the host out).
 //
-//   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64] [--shapes 1x512,64x4096]
+//   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64,k=int8_per_token_head;v=int4_per_token_head,plan:FILE]
+//                [--shapes 1x512,64x4096]
 //                [--steps 32] [--gemv-lab] [--int-lab]
 //                [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
 //                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
@@ -69,6 +70,7 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
+#include "kv/kv_plan_file.h"
 #include "model/loaded_model.h"
 #include "model/cuda/cuda_runner.h"
 #include "model/tp_runner.h"
@@ -767,10 +769,20 @@ int main(int argc, char** argv) {
       o.model_dir = model;
       // "DTYPE[/ROTATION][@SINK:RECENT]": int4_per_token_head/none times the rotation's cost,
       // int4_per_token_head@4:64 exact sink / recent tokens (every page then has an exact page).
-      const auto at = kv.find('@');
+      // "plan:FILE": a plan file (--kv-cache-plan); "k=A;v=B": K and V apart (--kv-cache-dtype k=A,v=B).
+      const bool plan = kv.starts_with("plan:");  // (the path may hold '/' and '@')
+      const auto at = plan ? std::string::npos : kv.find('@');
       const std::string fmt = kv.substr(0, at);
-      const auto slash = fmt.find('/');
-      o.cache.kv_cache_dtype = parse_kv_cache_dtype(fmt.substr(0, slash));
+      const auto slash = plan ? std::string::npos : fmt.find('/');
+      if (plan) {
+        o.cache.plan_file = load_kv_plan_file(fmt.substr(5));
+      } else if (fmt.starts_with("k=")) {
+        std::string pair = fmt.substr(0, slash);
+        std::ranges::replace(pair, ';', ',');
+        o.cache.set_kv_dtypes(parse_kv_cache_dtypes(pair));
+      } else {
+        o.cache.kv_cache_dtype = parse_kv_cache_dtype(fmt.substr(0, slash));
+      }
       if (slash != std::string::npos) o.cache.rotation = parse_kv_rotation(fmt.substr(slash + 1));
       if (at != std::string::npos) {
         const std::string keep = kv.substr(at + 1);

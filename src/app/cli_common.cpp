@@ -26,7 +26,7 @@ void ModelFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache precision: auto, float16, bfloat16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, "
                  "fp8_per_token_head, int8_per_token_head, int4_per_token_head; or K and V apart: "
-                 "k=DTYPE,v=DTYPE (a side left out is auto; the CPU backend only, for now)")
+                 "k=DTYPE,v=DTYPE (a side left out is auto; on CUDA any two of bfloat16 and the per-token-head formats)")
       ->capture_default_str();
   cmd.add_option("--cache-type-k", cache_type_k, "K's dtype alone (llama.cpp's name; V: --cache-type-v, else auto)");
   cmd.add_option("--cache-type-v", cache_type_v, "V's dtype alone (llama.cpp's name; K: --cache-type-k, else auto)");

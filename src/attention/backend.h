@@ -5,6 +5,7 @@
 // only ever handed layers whose spec passed its capability check.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "kv/kv_plan.h"
 #include "core/index_types.h"
 #include "kv/kv_cache.h"
+#include "kv/kv_formats.h"
 
 namespace kvlm {
 
@@ -38,8 +40,12 @@ struct BackendCapabilities {
   Device device = Device::Cpu;
   // Whitelists: a layer fits only if its K's and its V's (storage, quant mode) pairs are listed here.
   std::vector<KVStorage> kv_formats;
-  // Holds K and V in different formats (KVLayerSpec::k != v); else only layers whose are equal.
-  bool split_kv_formats = false;
+  // K and V in different formats (KVLayerSpec::k != v): the pairs kv_pair_in(k, v, *kv_pairs)
+  // admits (kv/kv_formats.h); nullopt: only layers whose K and V formats are equal.
+  std::optional<KVFormatSet> kv_pairs;
+  bool holds_pair(const KVStorage& k, const KVStorage& v) const {
+    return k == v || (kv_pairs && kv_pair_in(k, v, *kv_pairs));
+  }
   std::vector<int> head_sizes;          // empty: any even head size up to max_head_size
   int max_head_size = 1024;
   bool causal = true;

@@ -15,7 +15,7 @@ const BackendCapabilities& CpuAttentionBackend::capabilities() {
       .name = "cpu",
       .device = Device::Cpu,
       .kv_formats = kv_formats_of(KVFormatSet::All),  // every format of the table
-      .split_kv_formats = true,
+      .kv_pairs = KVFormatSet::All,  // K and V in any two of them
       .head_sizes = {},
       .max_head_size = 1024,
       .causal = true,

@@ -109,6 +109,7 @@ inline BackendCapabilities make_cuda_attention_capabilities(std::string_view arc
       .name = "cuda",
       .device = Device::Cuda,
       .kv_formats = kv_formats_of(KVFormatSet::Cuda),
+      .kv_pairs = KVFormatSet::Cuda,  // the K != V pairs the kernels are compiled for
       .head_sizes = {8, 16, 32, 64, 128, 256},
       .max_head_size = 256,
       .causal = true,

@@ -63,9 +63,13 @@ std::optional<std::string> rejection_reason(const BackendCapabilities& c, const 
       return "does not handle " + std::string(l.k == l.v ? "KV " : side == KVSide::K ? "K " : "V ") +
              std::string(dtype_name(fmt.storage)) + " with quant mode " + std::string(kv_quant_mode_name(fmt.mode));
   }
-  if (l.k != l.v && !c.split_kv_formats)
-    return "holds K and V in one format only (this layer: " + describe_kv_format(l) +
-           "); give K and V one --kv-cache-dtype, or run on the CPU backend";
+  if (!c.holds_pair(l.k, l.v)) {
+    if (!c.kv_pairs)
+      return "holds K and V in one format only (this layer: " + describe_kv_format(l) +
+             "); give K and V one --kv-cache-dtype, or run on the CPU backend";
+    return "does not read " + describe_kv_format(l) + " (K and V apart it reads " + describe_kv_pairs(*c.kv_pairs) +
+           "); choose one of those pairs, give K and V one format, or run on the CPU backend";
+  }
   const int hd = l.attn.head_dim;
   if (c.head_sizes.empty() ? (hd % 2 != 0 || hd > c.max_head_size)
                            : std::ranges::find(c.head_sizes, hd) == c.head_sizes.end()) {

@@ -35,6 +35,13 @@ void throw_unsupported_kv(KVStorage kv, KVFormatSet set, std::string_view who) {
               " with quant mode " + std::string(kv_quant_mode_name(kv.mode)) + "; supported: " + describe_kv_formats(set));
 }
 
+std::string describe_kv_pairs(KVFormatSet set) {
+  if (set == KVFormatSet::All) return "any two of " + describe_kv_formats(set);
+  std::string s;
+  for (const KVStorage& kv : kCudaSplitFormats) s += (s.empty() ? "" : ", ") + kv_format_name(kv);
+  return "any two of " + s;
+}
+
 std::string kv_format_name(KVStorage kv) {
   return std::string(dtype_name(kv.storage)) + "/" + std::string(kv_quant_mode_name(kv.mode));
 }

@@ -43,6 +43,36 @@ constexpr const KVFormat* find_kv_format(KVStorage kv) {
   return nullptr;
 }
 
+// K and V in different formats (KVLayerSpec::k != v). The CPU reference reads any two of its
+// formats. The CUDA kernels are compiled for every pair they read, so they hold two of the four
+// below: bfloat16 (16-bit, the model dtype of most checkpoints) and the three per-token-head
+// formats. With these pairs a calibration can measure each side quantized alone (the other in
+// 16 bits) and assemble any mix of them (kvlm calibrate, docs/results/accuracy-real.md).
+// Every pair's kernels are instantiated from this list (ops/cuda/kv_codec.cuh's
+// dispatch_cuda_kv_pair) and the CUDA backend's capabilities quote it.
+inline constexpr KVStorage kCudaSplitFormats[] = {
+    {DType::BF16, KVQuantMode::None},
+    {DType::F8E4M3, KVQuantMode::Fp8PerTokenHead},
+    {DType::I8, KVQuantMode::Int8PerTokenHead},
+    {DType::I4, KVQuantMode::Int4PerTokenHead},
+};
+
+// Whether a device's kernels read K in `k` beside V in `v` (equal formats: the format's row).
+constexpr bool kv_pair_in(KVStorage k, KVStorage v, KVFormatSet set) {
+  const KVFormat* fk = find_kv_format(k);
+  const KVFormat* fv = find_kv_format(v);
+  if (!fk || !fv || !kv_format_in(*fk, set) || !kv_format_in(*fv, set)) return false;
+  if (k == v || set == KVFormatSet::All) return true;
+  bool k_listed = false, v_listed = false;
+  for (const KVStorage& x : kCudaSplitFormats) {
+    k_listed |= x == k;
+    v_listed |= x == v;
+  }
+  return k_listed && v_listed;
+}
+// "any two of bfloat16/none, ...": the K != V pairs of `set`, for error messages.
+std::string describe_kv_pairs(KVFormatSet set);
+
 // The (storage, mode) pairs of `set`, in table order: a backend's whitelist.
 std::vector<KVStorage> kv_formats_of(KVFormatSet set);
 // "float32/float16/bfloat16 with none, fp8_e4m3/fp8_e5m2 with fp8_per_tensor, ...": the pairs of

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <ranges>
 
 #include "core/error.h"
 #include "attention/registry.h"
@@ -186,11 +187,19 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
 
   // Whether the attention backends hold K and V apart; if not, a layer's K and V take one format
   // (each side may still rotate on its own).
+  // Which K != V pairs each layer's backend reads (the CUDA kernels: kv/kv_formats.h's list).
+  std::vector<const BackendCapabilities*> caps_of(n, nullptr);
+  for (size_t i = 0; i < n; ++i)
+    for (const auto& l : model.plan().layers)
+      if (l.attn.layer == layers[i].layer)
+        for (const auto& caps : builtin_backend_caps())
+          if (caps.name == l.backend) caps_of[i] = &caps;
   bool split = true;
-  for (const auto& l : model.plan().layers)
-    for (const auto& caps : builtin_backend_caps())
-      if (caps.name == l.backend) split &= caps.split_kv_formats;
+  for (const BackendCapabilities* caps : caps_of) split &= caps && caps->kv_pairs.has_value();
   res.split_kv = split;
+  auto holds = [&](size_t i, KVCacheDType k, KVCacheDType v) {
+    return !caps_of[i] || caps_of[i]->holds_pair(*kv_storage_of(k), *kv_storage_of(v));
+  };
 
   // The rotation signs of each layer: the seed whose int4 codes hold its K and V rows best.
   std::vector<uint32_t> seeds(n, 0);
@@ -260,7 +269,9 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
     if (ch.dtype != KVCacheDType::BFloat16 && !(ch.rotate && !pow2) && !(ch.dtype == KVCacheDType::Int4PerTokenHead && !int4_ok) &&
         !(ch.exact && !exact_ok))
       uniform(ch.dtype, ch.rotate, ch.dtype, ch.rotate, ch.exact);
-  if (split && pow2 && int4_ok) {
+  if (split && pow2 && int4_ok &&
+      std::ranges::all_of(std::views::iota(size_t(0), n),
+                          [&](size_t i) { return holds(i, KVCacheDType::Int8PerTokenHead, KVCacheDType::Int4PerTokenHead); })) {
     uniform(KVCacheDType::Int8PerTokenHead, true, KVCacheDType::Int4PerTokenHead, true);
     if (exact_ok) uniform(KVCacheDType::Int8PerTokenHead, true, KVCacheDType::Int4PerTokenHead, true, true);
   }
@@ -292,9 +303,15 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
         Item& item = items[it];
         if (item.frozen) continue;
         const SideOption& cur = (*item.options)[item.at];
+        // With K and V apart, the other side of the layer as it stands: the pair must be one
+        // the layer's backend reads.
+        const SideOption* other = nullptr;
+        if (split) other = &(*items[it ^ 1].options)[items[it ^ 1].at];
         for (size_t o = 0; o < item.options->size(); ++o) {
           const SideOption& nx = (*item.options)[o];
           if (nx.bytes >= cur.bytes) continue;
+          if (other && !holds(it / 2, it % 2 == 0 ? nx.dtype : other->dtype, it % 2 == 0 ? other->dtype : nx.dtype))
+            continue;
           const double dk = std::max(nx.kld - cur.kld, 1e-12);
           const double eff = double(cur.bytes - nx.bytes) / dk;
           if (eff > best_eff) best_eff = eff, best_item = it, best_opt = o;

@@ -37,7 +37,9 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
+#include <string>
 
 #include "attention/cpu_backend.h"
 #include "attention/cuda_caps.h"
@@ -97,6 +99,7 @@ struct Case {
   int block_size;
   int keep_sink = 0, keep_recent = 0;  // exact sink / recent tokens (every page gets an exact page)
   bool sinks = false;                  // learned attention sinks (GPT-OSS), one per query head
+  std::optional<KVCacheDType> v_dtype;  // V's format where it differs from K's (dtype)
 };
 
 struct Stats {
@@ -105,6 +108,7 @@ struct Stats {
   size_t page_mismatch = 0;
   int runs[4] = {0, 0, 0, 0};  // batches per kernel (1 CUDA cores, 2 decode mma, 3 tiled prefill)
   int keys_in_m = 0;           // decode mma batches in the keys-in-M layout
+  std::string first_bad;       // where the first output out of tolerance was, for the failure message
 };
 
 struct SeqShape {
@@ -126,6 +130,7 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
 
   CacheConfig cc;
   cc.kv_cache_dtype = c.dtype;
+  cc.v_cache_dtype = c.v_dtype;
   cc.keep_sink = c.keep_sink;
   cc.keep_recent = c.keep_recent;
   const AttentionLayerDesc desc{.layer = 0, .kind = c.kind, .window = c.window, .num_q_heads = nh, .num_kv_heads = kvh,
@@ -201,18 +206,17 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   cudaMemset(dkc.p, 0, dkc.n);
   cudaMemset(dvc.p, 0, dvc.n);
   Dev<float> dks(L.k_scale.size()), dvs(L.v_scale.size());
-  if (dks.n) {
-    cudaMemset(dks.p, 0, dks.n * 4);
-    cudaMemset(dvs.p, 0, dvs.n * 4);
-  }
+  if (dks.n) cudaMemset(dks.p, 0, dks.n * 4);
+  if (dvs.n) cudaMemset(dvs.p, 0, dvs.n * 4);
   Dev<float> dkts(spec.k_scale), dvts(spec.v_scale);
+  const std::optional<KVStorage> v_format = spec.v != spec.k ? std::optional(spec.v) : std::nullopt;
   Dev<SlotId> deslots(eslots);
   Dev<uint16_t> dek(L.ek.size() / 2), dev_(L.ev.size() / 2);
   if (keep) {
     cudaMemset(dek.p, 0, dek.n * 2);
     cudaMemset(dev_.p, 0, dev_.n * 2);
   }
-  cuda::kv_store({.storage = spec.k.storage, .quant = spec.k.mode, .num_tokens = total_kv, .num_kv_heads = kvh, .head_dim = d,
+  cuda::kv_store({.storage = spec.k.storage, .quant = spec.k.mode, .v_format = v_format, .num_tokens = total_kv, .num_kv_heads = kvh, .head_dim = d,
                   .block_size = bs, .num_blocks = cache.num_blocks(), .k = dk.p, .v = dv.p, .slots = dslots.p,
                   .exact_slots = keep ? deslots.p : nullptr, .exact_k = dek.p, .exact_v = dev_.p,
                   .num_exact = cache.num_exact_pages(), .k_cache = dkc.p, .v_cache = dvc.p, .k_token_scale = dks.p,
@@ -222,17 +226,16 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   {
     const auto gk = dkc.download(), gv = dvc.download();
-    for (size_t i = 0; i < gk.size(); ++i) st.page_mismatch += (gk[i] != L.k[i]) + (gv[i] != L.v[i]);
+    for (size_t i = 0; i < gk.size(); ++i) st.page_mismatch += gk[i] != L.k[i];
+    for (size_t i = 0; i < gv.size(); ++i) st.page_mismatch += gv[i] != L.v[i];
     if (keep) {  // the exact pages: bf16 copies of the same rows on both sides
       const auto gek = dek.download(), gev = dev_.download();
       st.page_mismatch += size_t(std::memcmp(gek.data(), L.ek.data(), L.ek.size()) != 0) +
                           size_t(std::memcmp(gev.data(), L.ev.data(), L.ev.size()) != 0);
     }
-    if (dks.n) {
-      const auto gks = dks.download(), gvs = dvs.download();
-      for (size_t i = 0; i < gks.size(); ++i)
-        st.page_mismatch += (std::memcmp(&gks[i], &L.k_scale[i], 4) != 0) + (std::memcmp(&gvs[i], &L.v_scale[i], 4) != 0);
-    }
+    const auto gks = dks.download(), gvs = dvs.download();
+    for (size_t i = 0; i < gks.size(); ++i) st.page_mismatch += std::memcmp(&gks[i], &L.k_scale[i], 4) != 0;
+    for (size_t i = 0; i < gvs.size(); ++i) st.page_mismatch += std::memcmp(&gvs[i], &L.v_scale[i], 4) != 0;
   }
   // Slots no sequence wrote now hold 0xff bytes — NaN in bf16, fp16, e4m3, e5m2 and in the
   // fp32 scales — as stale slots of a live cache may: no kernel may let them reach an output
@@ -242,25 +245,21 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     for (SlotId s : slots) written[size_t(s)] = 1;
     auto gk = dkc.download(), gv = dvc.download();
     auto gks = dks.download(), gvs = dvs.download();
-    const size_t row = dtype_bytes(spec.k.storage, size_t(d));
+    const size_t krow = dtype_bytes(spec.k.storage, size_t(d)), vrow = dtype_bytes(spec.v.storage, size_t(d));
     for (size_t b = 0; b < size_t(cache.num_blocks()); ++b)
       for (size_t h = 0; h < size_t(kvh); ++h)
         for (size_t s = 0; s < size_t(bs); ++s) {
           if (written[b * size_t(bs) + s]) continue;
           const size_t r = (b * size_t(kvh) + h) * size_t(bs) + s;
-          std::memset(gk.data() + r * row, 0xff, row);
-          std::memset(gv.data() + r * row, 0xff, row);
-          if (dks.n) {
-            std::memset(&gks[r], 0xff, 4);
-            std::memset(&gvs[r], 0xff, 4);
-          }
+          std::memset(gk.data() + r * krow, 0xff, krow);
+          std::memset(gv.data() + r * vrow, 0xff, vrow);
+          if (dks.n) std::memset(&gks[r], 0xff, 4);
+          if (dvs.n) std::memset(&gvs[r], 0xff, 4);
         }
     dkc.upload(gk);
     dvc.upload(gv);
-    if (dks.n) {
-      dks.upload(gks);
-      dvs.upload(gvs);
-    }
+    if (dks.n) dks.upload(gks);
+    if (dvs.n) dvs.upload(gvs);
   }
 
   // Queries and the CPU reference.
@@ -294,7 +293,8 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   cudaMemset(dout.p, 0xff, dout.n * 2);  // 0xffff: a bf16 NaN in every output element
   Dev<int32_t> dcu(cu), dkvl(kv_lens);
   Dev<BlockId> dtab(tables), detab(etables);
-  cuda::PagedAttentionParams p{.storage = spec.k.storage, .quant = spec.k.mode, .num_seqs = int(shapes.size()),
+  cuda::PagedAttentionParams p{.storage = spec.k.storage, .quant = spec.k.mode, .v_format = v_format,
+                               .num_seqs = int(shapes.size()),
                                .num_tokens = total_q, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d,
                                .block_size = bs, .max_blocks_per_seq = max_blocks, .max_q_len = max_q,
                                .max_kv_len = max_kv, .mask = c.kind, .window = c.window, .softmax_scale = scale,
@@ -329,15 +329,28 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
   double abs_floor = 1e-4 * mag;
   int p_exponent = 0;  // log2(u) of the P rounding, 0 = none
   if (ran == 3) p_exponent = spec.k.storage == DType::BF16 ? -9 : -11;
-  else if (ran == 2 && dtype_bits(spec.k.storage) <= 8) p_exponent = -11;
+  else if (ran == 2 && dtype_bits(spec.v.storage) <= 8) p_exponent = -11;  // P follows V's format
   // int4 on the warp-specialised prefill kernel: its producer writes each K / V value as the f16
   // of code * step + zero, so V's rounding (u = 2^-11 of |V| <= max|V|) adds a second
   // u * max|V| to P's (and K's, relative 2^-11 per term of a score, is far inside the bf16 term).
   if (ran == 3 && spec.k.storage == DType::I4) p_exponent = -10;
-  if (p_exponent != 0) {
-    float vmax = 0;
-    for (float x : vf) vmax = std::max(vmax, std::fabs(x));
-    abs_floor = std::max(abs_floor, std::ldexp(double(vmax), p_exponent));
+  float vmax = 0;
+  for (float x : vf) vmax = std::max(vmax, std::fabs(x));
+  if (p_exponent != 0) abs_floor = std::max(abs_floor, std::ldexp(double(vmax), p_exponent));
+  // int4 K on the decode kernel with keys in M: Q goes to the integer tensor cores as
+  // qstep * (hi + lo / 256), each element within max|q| / 65024 (paged_attention_mma.cuh, kQ8),
+  // so a score moves by up to max|q| 2^-16 sum|k| softmax_scale and an output by twice that
+  // times max|V| (o = sum w v / sum w). With a 1-byte or 4-bit V the P rounding above covers
+  // it; beside a 16-bit V it is the floor.
+  if (ran == 2 && choice.keys_in_m && spec.k.storage == DType::I4) {
+    double qmax = 0, kl1 = 0;
+    for (float x : qf) qmax = std::max(qmax, double(std::fabs(x)));
+    for (size_t r = 0; r < kf.size(); r += size_t(d)) {
+      double l1 = 0;
+      for (int i = 0; i < d; ++i) l1 += std::fabs(kf[r + size_t(i)]);
+      kl1 = std::max(kl1, l1 * 1.1);  // (the stored codes: within a step of each value)
+    }
+    abs_floor = std::max(abs_floor, 2.0 * std::ldexp(qmax * kl1 * scale * vmax, -16));
   }
   ++st.runs[ran];
   for (size_t i = 0; i < got.size(); ++i) {
@@ -345,7 +358,16 @@ void run_batch(const Case& c, const std::vector<SeqShape>& shapes, uint32_t seed
     const double err = std::isnan(g) ? 1e9 : std::fabs(g - r);
     st.max_abs = std::max(st.max_abs, err);
     st.max_rel = std::max(st.max_rel, err / (std::fabs(r) + 1e-3));
-    st.bad += err > std::ldexp(std::fabs(r), -8) + abs_floor;
+    const bool bad = err > std::ldexp(std::fabs(r), -8) + abs_floor;
+    if (bad && st.first_bad.empty()) {
+      const size_t row = i / (size_t(nh) * size_t(d)), h = i / size_t(d) % size_t(nh), dim = i % size_t(d);
+      st.first_bad = "row " + std::to_string(row) + " head " + std::to_string(h) + " dim " + std::to_string(dim) +
+                     ": got " + std::to_string(g) + ", want " + std::to_string(r) + " (kernel " + std::to_string(ran) +
+                     (ran == 2 ? choice.keys_in_m ? ", keys in M" : ", rows in M" : "") + ", " +
+                     std::to_string(choice.splits) + " splits, mag " + std::to_string(mag) + ", seed " +
+                     std::to_string(seed) + ")";
+    }
+    st.bad += bad;
     ++st.checked;
   }
 }
@@ -540,6 +562,80 @@ TEST(CudaAttentionSinks, MatchesCpuBackend) {
   EXPECT_GT(total.runs[3], 0);
 }
 
+// K and V in two formats (kv/kv_formats.h's kCudaSplitFormats; every pair, both ways round):
+// kv_store's pages byte for byte, and the decode tensor-core kernel (both operand layouts, split
+// and unsplit, multi-token rows too) and the CUDA-core kernel (every head size) against the CPU
+// backend, in every mask, GQA 1 / 4 / 8, with small rows, exact sink / recent tokens and
+// learned sinks. The tiled prefill kernels read one format: never chosen here, and refused
+// when forced; a pair outside the list is refused naming the list.
+TEST(CudaAttentionSplitKV, MatchesCpuBackend) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<SeqShape> decode{{1, 1}, {37, 1}, {300, 1}, {1000, 1}, {4200, 1}};
+  const std::vector<SeqShape> mixed{{37, 5}, {1, 1}, {70, 70}, {200, 1}, {18, 3}, {150, 33}};
+  const KVCacheDType formats[] = {KVCacheDType::BFloat16, KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead,
+                                  KVCacheDType::Int4PerTokenHead};
+  const AttentionKind kinds[] = {AttentionKind::Full, AttentionKind::Sliding, AttentionKind::NonCausal};
+  uint32_t seed = 7000;
+  int pairs = 0;
+  for (KVCacheDType kd : formats)
+    for (KVCacheDType vd : formats) {
+      if (kd == vd) continue;
+      ++pairs;
+      Stats st;
+      for (int hd : {16, 64, 128, 256})
+        for (AttentionKind kind : kinds)
+          for (int gqa : {1, 4, 8}) {
+            if (reduced() && !(hd == 128 && gqa == 4 && kind == AttentionKind::Full)) continue;
+            const int kvh = gqa == 8 ? 1 : 2;
+            Case c{kd, kind, kind == AttentionKind::Sliding ? 64 : 0, hd, kvh * gqa, kvh, hd == 128 ? 32 : hd == 64 ? 48 : 16};
+            c.v_dtype = vd;
+            const bool mma_fits = hd == 64 || hd == 128;
+            const Stats before = st;
+            run_batch(c, decode, seed++, 0, 0, st);  // automatic: the decode kernel where it fits, split
+            run_batch(c, mixed, seed++, 0, 0, st);   // multi-token rows: the decode kernel too
+            run_batch(c, mixed, seed++, 1, 1, st);   // CUDA cores, unsplit
+            if (!reduced()) run_batch(c, decode, seed++, 0, 1, st);
+            if (mma_fits) {
+              run_batch(c, decode, seed++, 1, 2, st, 0, 1.0f, 1);  // query rows in M, unsplit
+              if (!reduced()) run_batch(c, mixed, seed++, 4, 2, st, 2, 1.0f, 2);  // keys in M, decreasing splits
+            }
+            if (!reduced() && hd == 128) run_batch(c, mixed, seed++, 0, 0, st, 0, 0x1p-12f);  // scales under f16's normals
+            if (hd != 256 && gqa == 4) {  // exact sink / recent tokens (one more pass) and learned sinks
+              Case e = c;
+              e.keep_sink = 4;
+              e.keep_recent = 9;
+              e.sinks = true;
+              run_batch(e, decode, seed++, 0, 0, st);
+              run_batch(e, mixed, seed++, 1, 1, st);
+            }
+            EXPECT_EQ(st.bad, before.bad) << kv_cache_dtype_name(kd) << " / " << kv_cache_dtype_name(vd) << " hd " << hd
+                                          << " " << attention_kind_name(kind) << " gqa " << gqa << " max abs err "
+                                          << st.max_abs << "; first: " << st.first_bad;
+          }
+      const std::string name = "K " + std::string(kv_cache_dtype_name(kd)) + ", V " + std::string(kv_cache_dtype_name(vd));
+      EXPECT_EQ(st.page_mismatch, 0u) << name << ": kv_store pages differ";
+      EXPECT_EQ(st.runs[3], 0) << name << ": the tiled prefill kernel ran";
+      EXPECT_GT(st.runs[1], 0) << name;
+      EXPECT_GT(st.keys_in_m, 0) << name << ": the decode kernel never ran with keys in M";
+      EXPECT_GT(st.runs[2], st.keys_in_m) << name << ": the decode kernel never ran with query rows in M";
+      std::printf("[cuda-attention] split %-42s batches rows/mma(keys in M)=%d/%d(%d) outputs=%zu max_abs_err=%.3e "
+                  "out_of_tol=%zu page_byte_mismatches=%zu\n",
+                  name.c_str(), st.runs[1], st.runs[2], st.keys_in_m, st.checked, st.max_abs, st.bad, st.page_mismatch);
+    }
+  EXPECT_EQ(pairs, 12);
+  Stats st;
+  Case c{KVCacheDType::Int8PerTokenHead, AttentionKind::Full, 0, 64, 8, 2, 16};
+  c.v_dtype = KVCacheDType::Int4PerTokenHead;
+  EXPECT_THROW(run_batch(c, mixed, 1, 0, 3, st), Error);  // the tiled prefill kernel, forced
+  c.v_dtype = KVCacheDType::Fp8E4M3;  // per-tensor V: not a pair of the list
+  try {
+    run_batch(c, mixed, 2, 0, 0, st);
+    FAIL() << "K int8, V fp8 per tensor accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("they read " + describe_kv_pairs(KVFormatSet::Cuda)), std::string::npos) << e.what();
+  }
+}
+
 // Unsupported formats and head sizes are clear errors, before anything is launched.
 TEST(CudaAttentionErrors, UnsupportedFormatOrHeadSize) {
   cuda::PagedAttentionParams p{.storage = DType::F32, .quant = KVQuantMode::None, .num_seqs = 1, .num_tokens = 1,
@@ -592,6 +688,7 @@ TEST(CudaAttentionCaps, DeclaresWhatIsTested) {
   EXPECT_EQ(c.kv_formats.size(), 7u);
   EXPECT_EQ(c.head_sizes, (std::vector<int>{8, 16, 32, 64, 128, 256}));
   EXPECT_TRUE(c.causal && c.sliding_window && c.non_causal);
+  EXPECT_EQ(c.kv_pairs, KVFormatSet::Cuda);  // the K != V pairs CudaAttentionSplitKV runs
   // The tiers follow this build's CMAKE_CUDA_ARCHITECTURES (tests/unit/test_selector.cpp
   // checks them per architecture list): 8.0 in the default build, 9.0 in an sm_90a-only one.
   ASSERT_FALSE(c.compute_tiers.empty()) << c.description;

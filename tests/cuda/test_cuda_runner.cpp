@@ -379,6 +379,30 @@ CacheConfig mixed_plan(const ModelConfig& config) {
   return cache;
 }
 
+// K and V in two formats, per layer (kv/kv_formats.h's CUDA pairs, both ways round), rotated
+// where a side is quantized: the K != V path through both runners (prologue store, pages sized
+// per side, attention).
+CacheConfig split_plan(const ModelConfig& config) {
+  const int d = config.head_dim;
+  const bool rot = num::is_pow2(d), int4 = d % 8 == 0;
+  const std::string i4 = int4 ? "int4_per_token_head" : "fp8_per_token_head";
+  std::string layers;
+  for (int i = 0; i < config.num_layers; ++i) {
+    if (config.is_linear_layer(i)) continue;
+    std::string e = "{\"layer\": " + std::to_string(i);
+    switch (i % 4) {
+      case 0: e += R"(, "k": "bfloat16", "v": ")" + i4 + "\"" + (rot ? R"(, "rotation": {"v": "hadamard"}, "rotation_seed": 5)" : ""); break;
+      case 1: e += R"(, "k": "int8_per_token_head", "v": ")" + i4 + "\"" + (rot ? R"(, "rotation": "hadamard")" : ""); break;
+      case 2: e += R"(, "k": "fp8_per_token_head", "v": "int8_per_token_head")"; break;
+      default: e += R"(, "k": ")" + i4 + R"(", "v": "bfloat16")" + (rot ? R"(, "rotation": {"k": "hadamard"}, "rotation_seed": 9)" : ""); break;
+    }
+    layers += (layers.empty() ? "" : ", ") + e + "}";
+  }
+  CacheConfig cache;
+  cache.plan_file = parse_kv_plan_file(R"({"kvlm_kv_plan": 1, "layers": [)" + layers + "]}", "split.json");
+  return cache;
+}
+
 }  // namespace
 
 // The one model definition, executed by both runners: every golden model and the bundled
@@ -439,6 +463,7 @@ TEST(CudaRunner, OneDefinitionEveryModelModeAndMask) {
       modes.emplace_back(kv_cache_dtype_name(dt), c);
     }
     modes.emplace_back("mixed plan file", mixed_plan(Checkpoint::open(dir).model_config(dir)));
+    modes.emplace_back("K != V plan file", split_plan(Checkpoint::open(dir).model_config(dir)));
     for (const bool non_causal : {false, true}) {
       for (const auto& [mode, cache] : modes) {
         Built cuda = build_runner(dir, cache, Device::Cuda, std::nullopt, non_causal);

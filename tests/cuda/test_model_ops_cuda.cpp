@@ -17,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <tuple>
 
@@ -405,6 +406,7 @@ struct RopeCase {
   // Qwen3.5 / Qwen3-Next: RoPE on the first `rotary` dims only (0: all), and a gate of
   // gate_cols columns after v in each row of the projection (the rows' stride grows).
   int rotary = 0, gate_cols = 0;
+  std::optional<KVCacheDType> v_dt;  // V's format where it differs from K's (dt)
 };
 
 // One fused prologue against CPU rmsnorm + rope + CpuAttentionBackend::store_kv.
@@ -414,6 +416,7 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   const DType act = c.act;
   CacheConfig cc;
   cc.kv_cache_dtype = c.dt;
+  cc.v_cache_dtype = c.v_dt;
   const AttentionLayerDesc desc{.layer = 0, .kind = AttentionKind::Full, .num_q_heads = nh, .num_kv_heads = kvh, .head_dim = d};
   KVPlan plan = build_kv_plan(cc, {&desc, 1}, act, std::nullopt, {});
   KVLayerSpec& spec = plan.layers[0];
@@ -489,11 +492,10 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   // Pages start as the CPU's do (zero): padding rows and unused slots must stay untouched.
   cudaMemset(dk.p, 0, dk.n);
   cudaMemset(dv.p, 0, dv.n);
-  if (dks.n) {
-    cudaMemset(dks.p, 0, dks.n * 4);
-    cudaMemset(dvs.p, 0, dvs.n * 4);
-  }
-  cuda::qkv_rope_store({.act = act, .storage = spec.k.storage, .quant = spec.k.mode, .num_tokens = T, .num_q_heads = nh,
+  if (dks.n) cudaMemset(dks.p, 0, dks.n * 4);
+  if (dvs.n) cudaMemset(dvs.p, 0, dvs.n * 4);
+  cuda::qkv_rope_store({.act = act, .storage = spec.k.storage, .quant = spec.k.mode,
+                        .v_format = spec.v != spec.k ? std::optional(spec.v) : std::nullopt, .num_tokens = T, .num_q_heads = nh,
                         .num_kv_heads = kvh, .head_dim = d, .qkv = dqkv.p, .qkv_stride = W,
                         .q_norm = c.qk_norm ? dqn.p : nullptr, .k_norm = c.qk_norm ? dkn.p : nullptr, .eps = eps,
                         .positions = dpos.p, .inv_freq = dfreq.p, .rotary_dim = c.rotary,
@@ -503,7 +505,8 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
                         .rotate_k = c.rotate_k, .rotate_v = c.rotate_v, .rotation_seed = c.rotation_seed},
                        nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::string what = std::string(kv_cache_dtype_name(c.dt)) + " act " + std::string(dtype_name(act)) + " hd " +
+  const std::string what = std::string(kv_cache_dtype_name(c.dt)) +
+                           (c.v_dt ? " V " + std::string(kv_cache_dtype_name(*c.v_dt)) : "") + " act " + std::string(dtype_name(act)) + " hd " +
                            std::to_string(d) + (c.qk_norm ? " qk_norm" : "") + (c.rotate_k ? " K rotated" : "") +
                            (c.rotate_v ? " V rotated" : "") + (c.rotation_seed ? " seed " + std::to_string(c.rotation_seed) : "") +
                            (c.rotary ? " rotary " + std::to_string(c.rotary) : "");
@@ -519,7 +522,9 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
   const auto gks = dks.download(), gvs = dvs.download();
   size_t diff_codes = 0, far = 0, total = 0;
   double worst_scale = 0;
-  kvfmt::dispatch_kv(spec.k.storage, spec.k.mode, [&](auto fmt) {
+  for (int side = 0; side < 2; ++side) {
+   const KVStorage fs = spec.format(side == 0 ? KVSide::K : KVSide::V);
+   kvfmt::dispatch_kv(fs.storage, fs.mode, [&](auto fmt) {
     using Fmt = decltype(fmt);
     constexpr int mant = Fmt::codec::kStorage == DType::BF16     ? 7
                          : Fmt::codec::kStorage == DType::F16    ? 10
@@ -527,14 +532,18 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
                          : Fmt::codec::kStorage == DType::F8E5M2 ? 2
                                                                  : 0;
     constexpr bool int4 = Fmt::codec::kStorage == DType::I4;
-    const size_t bits = dtype_bits(spec.k.storage), esz = bits / 8;
+    // A one-step difference among subnormals is not relative to the value: e4m3's subnormal step
+    // is 2^-9 of the scale (a value under 2^-6 of it: per-token-head rows whose small elements sit
+    // far below the row's absmax, as a rotated row's can); 2^-16 covers the other formats'.
+    constexpr int sub_exp = Fmt::codec::kStorage == DType::F8E4M3 ? -9 : -16;
+    const size_t bits = dtype_bits(fs.storage), esz = bits / 8;
     // Element i's code on either side (int4: its nibble).
     auto same_code = [&](const uint8_t* x, const uint8_t* y, size_t i) {
       if constexpr (int4) return kvfmt::I4::code(x, i) == kvfmt::I4::code(y, i);
       else return std::memcmp(x + i * esz, y + i * esz, esz) == 0;
     };
     std::vector<float> a(static_cast<size_t>(d)), b(static_cast<size_t>(d));
-    for (int side = 0; side < 2; ++side) {
+    {
       const auto& gpu = side == 0 ? gk : gv;
       const auto& cpu = side == 0 ? L.k : L.v;
       const auto& gsc = side == 0 ? gks : gvs;
@@ -568,25 +577,28 @@ void run_rope_store(const RopeCase& c, uint32_t seed) {
             ++total;
             if (same_code(gpu.data() + row, cpu.data() + row, size_t(i))) continue;
             ++diff_codes;
-            // One step apart: relative 2^-mant for float codes (plus the subnormal step),
+            // One step apart: relative 2^-mant for float codes (or the subnormal step),
             // one integer step (= the scale) for int8, one step (+ the f16 zero's rounding) for int4.
             const double one = int4       ? step * 1.002 + std::ldexp(std::fabs(double(b[size_t(i)])), -10)
                                : mant > 0 ? std::ldexp(std::max(std::fabs(a[size_t(i)]), std::fabs(b[size_t(i)])), -mant) +
-                                                std::ldexp(double(sb), -16)
+                                                std::ldexp(double(sb), sub_exp)
                                           : double(sb) * 1.0001;
             far += std::fabs(double(a[size_t(i)]) - b[size_t(i)]) > one * 1.0001;
           }
         }
       }
     }
-  });
+   });
+  }
   size_t stray = 0;  // bytes the GPU wrote outside the stored rows
-  {
-    std::vector<char> used(L.k.size(), 0);
+  for (const KVSide side : {KVSide::K, KVSide::V}) {
+    const auto& gpu = side == KVSide::K ? gk : gv;
+    std::vector<char> used(gpu.size(), 0);
     for (SlotId s : cpu_slots)
       for (int g = 0; g < kvh; ++g)
-        std::fill_n(used.begin() + ptrdiff_t(L.row_byte(KVSide::K, s / bs, g, int(s % bs))), dtype_bytes(spec.k.storage, size_t(d)), 1);
-    for (size_t i = 0; i < used.size(); ++i) stray += !used[i] && (gk[i] != 0 || gv[i] != 0);
+        std::fill_n(used.begin() + ptrdiff_t(L.row_byte(side, s / bs, g, int(s % bs))),
+                    dtype_bytes(spec.format(side).storage, size_t(d)), 1);
+    for (size_t i = 0; i < used.size(); ++i) stray += !used[i] && gpu[i] != 0;
   }
   EXPECT_EQ(stray, 0u) << what << ": bytes written outside the stored rows";
   EXPECT_EQ(far, 0u) << what << ": codes more than one step from the CPU's";
@@ -618,6 +630,19 @@ TEST(CudaModelOps, QkvRopeStoreMatchesCpu) {
             run_rope_store({dt, act, hd, qk, false, true, 7}, seed++);
           }
         }
+  // K and V in two formats (kv/kv_formats.h's CUDA pairs), rotated apart, each side's pages
+  // against the CPU's.
+  const KVCacheDType split[] = {KVCacheDType::BFloat16, KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int8PerTokenHead,
+                                KVCacheDType::Int4PerTokenHead};
+  for (KVCacheDType k : split)
+    for (KVCacheDType v : split)
+      for (int hd : {32, 128}) {
+        if (k == v || (test::reduced() && hd != 128)) continue;
+        const bool rk = k != KVCacheDType::BFloat16, rv = v != KVCacheDType::BFloat16;
+        run_rope_store({.dt = k, .act = DType::BF16, .head_dim = hd, .qk_norm = true, .rotate_k = rk, .rotate_v = rv,
+                        .rotation_seed = 3, .v_dt = v},
+                       seed++);
+      }
   // Partial rotary (a quarter of the head, as Qwen3.5 and Qwen3-Next) with the gated
   // attention's gate columns after v.
   for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int8PerTokenHead})

@@ -2,8 +2,11 @@
 // than the CPU backend's (as a FlashAttention-like GPU kernel's would be).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "attention/cpu_backend.h"
 #include "attention/cuda_caps.h"
+#include "kv/kv_formats.h"
 #include "attention/registry.h"
 #include "attention/selector.h"
 #include "core/error.h"
@@ -42,18 +45,40 @@ KVLayerSpec spec(DType storage, KVQuantMode q, AttentionKind kind, int head_dim)
 
 }  // namespace
 
-// K and V in different formats: the CPU reference reads them, a backend that holds one format
-// per layer (CUDA today) says so, and each side is checked against the whitelist.
+// K and V in different formats: the CPU reference reads any two of its formats, CUDA the pairs
+// of kv/kv_formats.h's list (and says which where a layer asks for another), a backend that
+// holds one format per layer says so, and each side is checked against the whitelist.
 TEST(Selector, SeparateKAndVFormats) {
   KVLayerSpec l = spec(DType::I8, KVQuantMode::Int8PerTokenHead, AttentionKind::Full, 128);
   l.v = KVStorage{DType::I4, KVQuantMode::Int4PerTokenHead};
   EXPECT_FALSE(rejection_reason(CpuAttentionBackend::capabilities(), l, {}).has_value());
   const BackendCapabilities cuda = make_cuda_attention_capabilities("90a", false);
-  const auto why = rejection_reason(cuda, l, {.device = Device::Cuda, .compute_capability = 90});
+  const SelectionContext gpu{.device = Device::Cuda, .compute_capability = 90};
+  // Every pair of the list, both ways round, and nothing else.
+  const std::vector<KVStorage> listed(std::begin(kCudaSplitFormats), std::end(kCudaSplitFormats));
+  for (const KVStorage& k : kv_formats_of(KVFormatSet::Cuda))
+    for (const KVStorage& v : kv_formats_of(KVFormatSet::Cuda)) {
+      l.k = k;
+      l.v = v;
+      const bool held = k == v || (std::ranges::find(listed, k) != listed.end() && std::ranges::find(listed, v) != listed.end());
+      EXPECT_EQ(rejection_reason(cuda, l, gpu).has_value(), !held) << kv_format_name(k) << " " << kv_format_name(v);
+      EXPECT_FALSE(rejection_reason(CpuAttentionBackend::capabilities(), l, {}).has_value());
+    }
+  l.k = KVStorage{DType::I8, KVQuantMode::Int8PerTokenHead};
+  l.v = KVStorage{DType::F8E4M3, KVQuantMode::Fp8PerTensor};
+  const auto why = rejection_reason(cuda, l, gpu);
   ASSERT_TRUE(why.has_value());
-  EXPECT_NE(why->find("holds K and V in one format only (this layer: K int8/int8_per_token_head, V int4/int4_per_token_head)"),
+  EXPECT_NE(why->find("does not read K int8/int8_per_token_head, V fp8_e4m3/fp8_per_tensor (K and V apart it reads any two "
+                      "of bfloat16/none, fp8_e4m3/fp8_per_token_head, int8/int8_per_token_head, int4/int4_per_token_head)"),
             std::string::npos) << *why;
-  EXPECT_NE(why->find("give K and V one --kv-cache-dtype, or run on the CPU backend"), std::string::npos) << *why;
+  BackendCapabilities one_format = cuda;
+  one_format.kv_pairs.reset();
+  l.v = KVStorage{DType::I4, KVQuantMode::Int4PerTokenHead};
+  const auto why1 = rejection_reason(one_format, l, gpu);
+  ASSERT_TRUE(why1.has_value());
+  EXPECT_NE(why1->find("holds K and V in one format only (this layer: K int8/int8_per_token_head, V int4/int4_per_token_head)"),
+            std::string::npos) << *why1;
+  EXPECT_NE(why1->find("give K and V one --kv-cache-dtype, or run on the CPU backend"), std::string::npos) << *why1;
   l.v = KVStorage{DType::F8E5M2, KVQuantMode::Fp8PerTokenHead};  // no such format
   EXPECT_NE(rejection_reason(CpuAttentionBackend::capabilities(), l, {})->find("does not handle V fp8_e5m2"),
             std::string::npos);

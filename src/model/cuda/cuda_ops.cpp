@@ -25,7 +25,7 @@ void CudaOps::set_kv(std::span<const CudaKVLayer> layers, int block_size, int nu
 
 cuda::PagedAttentionParams CudaOps::attn_params(const CudaKVLayer& L, float softmax_scale) const {
   return cuda::PagedAttentionParams{
-      .storage = L.storage, .quant = L.quant, .num_seqs = step_.S, .num_tokens = step_.T,
+      .storage = L.storage, .quant = L.quant, .v_format = L.v_format, .num_seqs = step_.S, .num_tokens = step_.T,
       .num_q_heads = L.num_q_heads, .num_kv_heads = L.num_kv_heads, .head_dim = L.head_dim,
       .block_size = block_size_, .max_blocks_per_seq = step_.MB, .max_q_len = step_.max_q,
       .max_kv_len = step_.max_kv, .mask = L.kind, .window = L.window, .softmax_scale = softmax_scale,
@@ -302,7 +302,8 @@ void CudaOps::attention_prologue(int layer, Tensor qkv, const PrologueWeights& w
   fp8_norm_codes_ = {};
   if (measure_) return;
   const CudaKVLayer& L = layers_[size_t(layer)];
-  cuda::qkv_rope_store({.act = act_, .storage = L.storage, .quant = L.quant, .num_tokens = int(qkv.rows),
+  cuda::qkv_rope_store({.act = act_, .storage = L.storage, .quant = L.quant, .v_format = L.v_format,
+                        .num_tokens = int(qkv.rows),
                         .num_q_heads = L.num_q_heads, .num_kv_heads = L.num_kv_heads, .head_dim = L.head_dim,
                         .qkv = qkv.data, .qkv_stride = qkv.cols,
                         .q_norm = static_cast<const float*>(w.q_norm.data),

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -56,8 +57,9 @@ struct Carver {
 // One layer's KV as the CUDA kernels see it: its format, mask, static scales and pages.
 struct CudaKVLayer {
   int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;  // the layer's own (a drafter's may differ)
-  DType storage = DType::BF16;
+  DType storage = DType::BF16;  // K's format, and V's unless v_format is set
   KVQuantMode quant = KVQuantMode::None;
+  std::optional<KVStorage> v_format;  // V's where it differs (KVLayerSpec::v != k)
   bool rotate_k = false, rotate_v = false;  // KVLayerSpec::rotate_k / rotate_v, with rotation_seed's signs
   uint32_t rotation_seed = 0;
   AttentionKind kind = AttentionKind::Full;
@@ -66,7 +68,8 @@ struct CudaKVLayer {
   int num_tensor_scales = 1;
   uint8_t *k = nullptr, *v = nullptr;  // the pool's pages (allocate_kv)
   float *k_scale = nullptr, *v_scale = nullptr;
-  size_t page_bytes = 0, scale_page_bytes = 0;
+  size_t k_page_bytes = 0, v_page_bytes = 0;              // one page of codes
+  size_t k_scale_page_bytes = 0, v_scale_page_bytes = 0;  // one page of token scales (0: none)
   // Exact sink / recent tokens (KVLayerSpec::keeps_exact; null: none): exact pages in the act dtype.
   uint16_t *exact_k = nullptr, *exact_v = nullptr;
   int keep_sink = 0, keep_recent = 0;

@@ -37,6 +37,7 @@
 // time it is seen (warming cuBLASLt's heuristics and the kernels' one-time attributes) and
 // is captured the second time; at most 512 graphs are kept, the least recently used dropped
 // first.
+#include "kv/kv_formats.h"
 #include "model/cuda/cuda_runner_impl.h"
 #include "ops/cuda/gated_deltanet.h"
 
@@ -446,10 +447,11 @@ void CudaModelRunner::Impl::build_kv_layers() {
     L.num_q_heads = spec.attn.num_q_heads;
     L.num_kv_heads = spec.attn.num_kv_heads;
     L.head_dim = spec.attn.head_dim;
-    // The CUDA kernels hold K and V in one format (the selector refuses other layers for 'cuda').
-    KVLM_CHECK(spec.k == spec.v, "a CUDA layer with K and V in different formats");
+    // K and V in two formats: a pair the kernels read (the selector refused the others for 'cuda').
+    KVLM_CHECK(spec.k == spec.v || kv_pair_in(spec.k, spec.v, KVFormatSet::Cuda), "a CUDA layer with a K / V pair the kernels lack");
     L.storage = spec.k.storage;
     L.quant = spec.k.mode;
+    if (spec.v != spec.k) L.v_format = spec.v;
     L.rotate_k = spec.rotate_k;
     L.rotate_v = spec.rotate_v;
     L.rotation_seed = spec.rotation_seed;
@@ -540,9 +542,11 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
   for (size_t i = 0; i < m.lkv.size(); ++i) {
     CudaKVLayer& L = m.lkv[i];
     const KVPageBytes page = kv_page_bytes(m.plan->layers[i], block_size);
-    L.page_bytes = page.k_codes;  // = v_codes: one format for K and V on CUDA
-    L.scale_page_bytes = page.k_scales;
-    for (size_t part : {L.page_bytes, L.page_bytes, L.scale_page_bytes, L.scale_page_bytes}) {
+    L.k_page_bytes = page.k_codes;
+    L.v_page_bytes = page.v_codes;
+    L.k_scale_page_bytes = page.k_scales;
+    L.v_scale_page_bytes = page.v_scales;
+    for (size_t part : {L.k_page_bytes, L.v_page_bytes, L.k_scale_page_bytes, L.v_scale_page_bytes}) {
       offs.push_back(total);
       total += align_up(part * size_t(num_blocks));
       m.kv_bytes += part * size_t(num_blocks);
@@ -556,11 +560,12 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
     CudaKVLayer& L = m.lkv[i];
     L.k = m.kv.data() + offs[4 * i];
     L.v = m.kv.data() + offs[4 * i + 1];
-    L.k_scale = L.scale_page_bytes ? reinterpret_cast<float*>(m.kv.data() + offs[4 * i + 2]) : nullptr;
-    L.v_scale = L.scale_page_bytes ? reinterpret_cast<float*>(m.kv.data() + offs[4 * i + 3]) : nullptr;
+    L.k_scale = L.k_scale_page_bytes ? reinterpret_cast<float*>(m.kv.data() + offs[4 * i + 2]) : nullptr;
+    L.v_scale = L.v_scale_page_bytes ? reinterpret_cast<float*>(m.kv.data() + offs[4 * i + 3]) : nullptr;
     pools.push_back({.k = L.k, .v = L.v, .k_scale = reinterpret_cast<uint8_t*>(L.k_scale),
-                     .v_scale = reinterpret_cast<uint8_t*>(L.v_scale), .page_bytes = L.page_bytes,
-                     .scale_page_bytes = L.scale_page_bytes});
+                     .v_scale = reinterpret_cast<uint8_t*>(L.v_scale), .k_page_bytes = L.k_page_bytes,
+                     .v_page_bytes = L.v_page_bytes, .k_scale_page_bytes = L.k_scale_page_bytes,
+                     .v_scale_page_bytes = L.v_scale_page_bytes});
   }
   // Exact pages: [num_exact][kvh][block_size][head_dim] in the act dtype, K then V, for each
   // keeping layer (kv/kv_cache.h).
@@ -682,16 +687,18 @@ void CudaModelRunner::download_kv_layer(size_t layer, LayerKVCache& out) const {
   KVLM_CHECK(layer < m.lkv.size() && out.num_blocks == m.num_blocks && out.block_size == m.block_size,
              "download_kv_layer: pool shape differs");
   const CudaKVLayer& L = m.lkv[layer];
-  KVLM_CHECK(out.k.size() == L.page_bytes * size_t(m.num_blocks) &&
-                 out.k_scale.size() * sizeof(float) == L.scale_page_bytes * size_t(m.num_blocks),
+  const size_t nb = size_t(m.num_blocks);
+  KVLM_CHECK(out.k.size() == L.k_page_bytes * nb && out.v.size() == L.v_page_bytes * nb &&
+                 out.k_scale.size() * sizeof(float) == L.k_scale_page_bytes * nb &&
+                 out.v_scale.size() * sizeof(float) == L.v_scale_page_bytes * nb,
              "download_kv_layer: layer format differs");
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   KVLM_CUDA_CHECK(cudaMemcpy(out.k.data(), L.k, out.k.size(), cudaMemcpyDeviceToHost));
   KVLM_CUDA_CHECK(cudaMemcpy(out.v.data(), L.v, out.v.size(), cudaMemcpyDeviceToHost));
-  if (!out.k_scale.empty()) {
+  if (!out.k_scale.empty())
     KVLM_CUDA_CHECK(cudaMemcpy(out.k_scale.data(), L.k_scale, out.k_scale.size() * 4, cudaMemcpyDeviceToHost));
+  if (!out.v_scale.empty())
     KVLM_CUDA_CHECK(cudaMemcpy(out.v_scale.data(), L.v_scale, out.v_scale.size() * 4, cudaMemcpyDeviceToHost));
-  }
 }
 
 // ---- forward --------------------------------------------------------------------------------

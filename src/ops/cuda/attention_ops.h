@@ -13,6 +13,10 @@
 //   fp8_e4m3 with fp8_per_token_head; int8 with int8_per_token_head; int4 with
 //   int4_per_token_head (head_dim % 8 == 0; the tensor-core decode, mma.sync tiled and CUDA-core
 //   kernels).
+// K and V may be held in two different formats (v_format below): any two of bfloat16,
+// fp8_e4m3/fp8_per_token_head, int8 and int4 (kv/kv_formats.h's kCudaSplitFormats). Such a
+// layer's pages are sized per side; attention reads it with the decode tensor-core and the
+// CUDA-core kernels (multi-token rows too: not the tiled prefill kernels).
 // Head sizes: 64 and 128 (tensor-core decode and prefill kernels, also the CUDA-core one), 256
 // (tiled prefill kernel and CUDA-core kernel), 8, 16 and 32 (CUDA-core kernel); others throw
 // kvlm::Error naming the set. kv_store accepts any head size (int4: multiples of 8).
@@ -20,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "config/model_config.h"  // AttentionKind
@@ -30,8 +35,9 @@ namespace kvlm::cuda {
 
 // Quantize-and-scatter: rows of new K/V into the pages at their slots.
 struct KVStoreParams {
-  DType storage = DType::BF16;
+  DType storage = DType::BF16;  // K's format, and V's unless v_format is set
   KVQuantMode quant = KVQuantMode::None;
+  std::optional<KVStorage> v_format;  // V's format where it differs from K's
   int num_tokens = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
@@ -63,8 +69,9 @@ void kv_store(const KVStoreParams& p, void* stream);
 // at position kv_len - q_len + i. Masks: Full = causal (keys <= pos), Sliding = causal and
 // key > pos - window, NonCausal = all kv_len keys.
 struct PagedAttentionParams {
-  DType storage = DType::BF16;
+  DType storage = DType::BF16;  // K's format, and V's unless v_format is set
   KVQuantMode quant = KVQuantMode::None;
+  std::optional<KVStorage> v_format;  // V's format where it differs from K's
   int num_seqs = 0;
   int num_tokens = 0;          // total query rows (= cu_q_lens[num_seqs])
   int num_q_heads = 0;

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -285,6 +287,74 @@ static_assert(check_codecs(CudaCodecs{}, KVFormatSet::Cuda), "a CUDA row of kKVF
 template <class F>
 void dispatch_cuda_kv(DType storage, KVQuantMode mode, F&& f) {
   dispatch_kv_codec(CudaCodecs{}, KVStorage{storage, mode}, KVFormatSet::Cuda, "CUDA attention", f);
+}
+
+// K and V in two formats (kv/kv_formats.h's kCudaSplitFormats): the kernels take one format
+// parameter, either one codec (K and V alike: the instantiations of a uniform cache) or a
+// KVPair, and read K through KOf<F> and V through VOf<F>.
+template <class KF, class VF>
+struct KVPair {};
+template <class F>
+struct KVSides {
+  using K = F;
+  using V = F;
+};
+template <class KF, class VF>
+struct KVSides<KVPair<KF, VF>> {
+  using K = KF;
+  using V = VF;
+};
+template <class F>
+using KOf = typename KVSides<F>::K;
+template <class F>
+using VOf = typename KVSides<F>::V;
+
+// K's and V's formats of the params of kv_store, qkv_rope_store or paged_attention (storage and
+// quant: K's, and V's unless v_format is set).
+template <class P>
+KVStorage k_format_of(const P& p) {
+  return {p.storage, p.quant};
+}
+template <class P>
+KVStorage v_format_of(const P& p) {
+  return p.v_format.value_or(KVStorage{p.storage, p.quant});
+}
+
+// The (K, V) switch: f(Codec{}) where the formats are equal, f(KVPair<KF, VF>{}) for a pair of
+// the CUDA list; any other pair is a kvlm::Error naming `who` and the pairs that work.
+template <class F>
+void dispatch_cuda_kv_pair(KVStorage k, KVStorage v, std::string_view who, F&& f) {
+  if (k == v) return dispatch_kv_codec(CudaCodecs{}, k, KVFormatSet::Cuda, who, f);
+  auto refuse = [&] {
+    throw Error(std::string(who) + ": K " + kv_format_name(k) + " with V " + kv_format_name(v) +
+                " is not a pair the CUDA kernels read; they read " + describe_kv_pairs(KVFormatSet::Cuda) +
+                ", or K and V in one format");
+  };
+  if (!kv_pair_in(k, v, KVFormatSet::Cuda)) refuse();
+  dispatch_kv_codec(CudaCodecs{}, k, KVFormatSet::Cuda, who, [&](auto kf) {
+    dispatch_kv_codec(CudaCodecs{}, v, KVFormatSet::Cuda, who, [&](auto vf) {
+      using KF = std::remove_cvref_t<decltype(kf)>;
+      using VF = std::remove_cvref_t<decltype(vf)>;
+      if constexpr (!std::is_same_v<KF, VF> && kv_pair_in(KF::kKV, VF::kKV, KVFormatSet::Cuda)) f(KVPair<KF, VF>{});
+      else refuse();
+    });
+  });
+}
+
+// The scale pages and the head size each side's format needs, checked before a launch (for the
+// params of kv_store, qkv_rope_store and paged_attention alike).
+template <class Fmt, class P>
+void check_kv_pages(const P& p, std::string_view who) {
+  using KF = KOf<Fmt>;
+  using VF = VOf<Fmt>;
+  constexpr bool kk = KF::kScale == Scale::PerTensor, vk = VF::kScale == Scale::PerTensor;
+  if ((kk && !p.k_tensor_scale) || (vk && !p.v_tensor_scale) ||
+      ((kk || vk) && p.num_tensor_scales != 1 && p.num_tensor_scales != p.num_kv_heads))
+    throw Error(std::string(who) + ": fp8_per_tensor needs 1 or num_kv_heads K and V scales");
+  if ((KF::kScale == Scale::PerTokenHead && !p.k_token_scale) || (VF::kScale == Scale::PerTokenHead && !p.v_token_scale))
+    throw Error(std::string(who) + ": per-token-head modes need the scale pages");
+  if ((kIsInt4<KF> || kIsInt4<VF>) && p.head_dim % 8 != 0)
+    throw Error(std::string(who) + ": int4 rows need head_dim % 8 == 0");
 }
 
 // A failed launch or API call: kvlm::Error with the CUDA error string.

@@ -51,6 +51,22 @@ __device__ __forceinline__ void store_row_i4(const uint16_t* src, uint32_t* dst,
   }
 }
 
+// One side's row into its pages, in the side's format F.
+template <class F>
+__device__ __forceinline__ void store_side(const uint16_t* src, void* cache, float* token_scale, const float* tensor_scale,
+                                           const KVStoreParams& p, size_t sidx, int g, int lane) {
+  const size_t drow = sidx * size_t(p.head_dim);
+  if constexpr (kIsInt4<F>) {
+    store_row_i4(src, static_cast<uint32_t*>(cache) + drow / 8, reinterpret_cast<uint32_t*>(token_scale) + sidx,
+                 p.head_dim, lane);
+  } else {
+    float ts = 1.0f;
+    if constexpr (F::kScale == Scale::PerTensor) ts = tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+    store_row<F>(src, static_cast<typename F::Code*>(cache) + drow, token_scale + sidx, ts, p.head_dim, lane);
+  }
+}
+
+// Fmt: one codec (K and V alike) or a KVPair (kv_codec.cuh).
 template <class Fmt>
 __global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStoreParams p) {
   const int64_t row = int64_t(blockIdx.x) * kStoreWarps + threadIdx.x / 32;
@@ -77,22 +93,8 @@ __global__ void __launch_bounds__(kStoreWarps * 32) kv_store_kernel(const KVStor
     }
   }
   const size_t sidx = (size_t(block) * size_t(p.num_kv_heads) + size_t(g)) * size_t(p.block_size) + size_t(off);
-  const size_t drow = sidx * size_t(p.head_dim);
-  if constexpr (kIsInt4<Fmt>) {
-    store_row_i4(p.k + srow, static_cast<uint32_t*>(p.k_cache) + drow / 8, reinterpret_cast<uint32_t*>(p.k_token_scale) + sidx,
-                 p.head_dim, lane);
-    store_row_i4(p.v + srow, static_cast<uint32_t*>(p.v_cache) + drow / 8, reinterpret_cast<uint32_t*>(p.v_token_scale) + sidx,
-                 p.head_dim, lane);
-  } else {
-    using Code = typename Fmt::Code;
-    float ks = 1.0f, vs = 1.0f;
-    if constexpr (Fmt::kScale == Scale::PerTensor) {
-      ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
-      vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
-    }
-    store_row<Fmt>(p.k + srow, static_cast<Code*>(p.k_cache) + drow, p.k_token_scale + sidx, ks, p.head_dim, lane);
-    store_row<Fmt>(p.v + srow, static_cast<Code*>(p.v_cache) + drow, p.v_token_scale + sidx, vs, p.head_dim, lane);
-  }
+  store_side<KOf<Fmt>>(p.k + srow, p.k_cache, p.k_token_scale, p.k_tensor_scale, p, sidx, g, lane);
+  store_side<VOf<Fmt>>(p.v + srow, p.v_cache, p.v_token_scale, p.v_tensor_scale, p, sidx, g, lane);
 }
 
 }  // namespace
@@ -101,14 +103,9 @@ void kv_store(const KVStoreParams& p, void* stream) {
   if (p.num_tokens <= 0) return;
   if (p.head_dim <= 0 || p.num_kv_heads <= 0 || p.block_size <= 0)
     throw Error("kv_store: head_dim, num_kv_heads and block_size must be positive");
-  dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
+  dispatch_cuda_kv_pair(k_format_of(p), v_format_of(p), "kv_store", [&](auto fmt) {
     using Fmt = decltype(fmt);
-    if (Fmt::kScale == Scale::PerTensor && (!p.k_tensor_scale || !p.v_tensor_scale ||
-                                            (p.num_tensor_scales != 1 && p.num_tensor_scales != p.num_kv_heads)))
-      throw Error("kv_store: fp8_per_tensor needs 1 or num_kv_heads K and V scales");
-    if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
-      throw Error("kv_store: per-token-head modes need the scale pages");
-    if (kIsInt4<Fmt> && p.head_dim % 8 != 0) throw Error("kv_store: int4 rows need head_dim % 8 == 0");
+    check_kv_pages<Fmt>(p, "kv_store");
     const int64_t rows = int64_t(p.num_tokens) * p.num_kv_heads;
     const unsigned grid = unsigned((rows + kStoreWarps - 1) / kStoreWarps);
     kv_store_kernel<Fmt><<<grid, kStoreWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(p);

@@ -379,27 +379,25 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qkv_rope_store_kernel(const Q
     if (dst) store_head<ExactFmt>(a, b, half, lane, dst, nullptr, 1.0f);
   };
   store_exact(exact_k_row);
-  if constexpr (kIsInt4<Fmt>) {
-    __shared__ float stage[kRopeWarps][2 * 32 * kPairsPerLane];
-    float* st = stage[threadIdx.x / 32];
-    store_head_i4(a, b, half, lane, st, static_cast<uint32_t*>(p.k_cache) + sidx * size_t(d) / 8,
-                  reinterpret_cast<uint32_t*>(p.k_token_scale) + sidx);
-    load_v();
-    store_exact(exact_v_row);
-    store_head_i4(a, b, half, lane, st, static_cast<uint32_t*>(p.v_cache) + sidx * size_t(d) / 8,
-                  reinterpret_cast<uint32_t*>(p.v_token_scale) + sidx);
-  } else {
-    using Code = typename Fmt::Code;
-    float ks = 1.0f, vs = 1.0f;
-    if constexpr (Fmt::kScale == Scale::PerTensor) {
-      ks = p.k_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
-      vs = p.v_tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+  // One side's row (a, b) into its pages, in the side's format (K's and V's may differ).
+  using KF = KOf<Fmt>;
+  using VF = VOf<Fmt>;
+  __shared__ float stage[kRopeWarps][kIsInt4<KF> || kIsInt4<VF> ? 2 * 32 * kPairsPerLane : 1];
+  auto store_side = [&](auto fmt, void* cache, float* token_scale, const float* tensor_scale) {
+    using F = decltype(fmt);
+    if constexpr (kIsInt4<F>) {
+      store_head_i4(a, b, half, lane, stage[threadIdx.x / 32], static_cast<uint32_t*>(cache) + sidx * size_t(d) / 8,
+                    reinterpret_cast<uint32_t*>(token_scale) + sidx);
+    } else {
+      float ts = 1.0f;
+      if constexpr (F::kScale == Scale::PerTensor) ts = tensor_scale[p.num_tensor_scales == 1 ? 0 : g];
+      store_head<F>(a, b, half, lane, static_cast<typename F::Code*>(cache) + sidx * size_t(d), token_scale + sidx, ts);
     }
-    store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.k_cache) + sidx * size_t(d), p.k_token_scale + sidx, ks);
-    load_v();
-    store_exact(exact_v_row);
-    store_head<Fmt>(a, b, half, lane, static_cast<Code*>(p.v_cache) + sidx * size_t(d), p.v_token_scale + sidx, vs);
-  }
+  };
+  store_side(KF{}, p.k_cache, p.k_token_scale, p.k_tensor_scale);
+  load_v();
+  store_exact(exact_v_row);
+  store_side(VF{}, p.v_cache, p.v_token_scale, p.v_tensor_scale);
 }
 
 // out = R^T x per head row (the attention output of a rotated layer), bf16 in, act out.
@@ -493,10 +491,10 @@ __global__ void copy_pages_kernel(const KVPagePools* layers, const BlockId* pair
   uint8_t* base = nullptr;
   uint64_t bytes = 0;
   switch (blockIdx.z) {
-    case 0: base = L.k, bytes = L.page_bytes; break;
-    case 1: base = L.v, bytes = L.page_bytes; break;
-    case 2: base = L.k_scale, bytes = L.scale_page_bytes; break;
-    default: base = L.v_scale, bytes = L.scale_page_bytes; break;
+    case 0: base = L.k, bytes = L.k_page_bytes; break;
+    case 1: base = L.v, bytes = L.v_page_bytes; break;
+    case 2: base = L.k_scale, bytes = L.k_scale_page_bytes; break;
+    default: base = L.v_scale, bytes = L.v_scale_page_bytes; break;
   }
   if (!base || bytes == 0) return;
   const BlockId src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
@@ -574,14 +572,9 @@ void qkv_rope_store(const QkvRopeStoreParams& p, void* stream) {
     throw Error("qkv_rope_store: a row of qkv_stride " + std::to_string(p.qkv_stride) + " cannot hold q, k and v");
   dispatch_act(p.act, [&](auto a) {
     using A = decltype(a);
-    dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
+    dispatch_cuda_kv_pair(k_format_of(p), v_format_of(p), "qkv_rope_store", [&](auto fmt) {
       using Fmt = decltype(fmt);
-      if (Fmt::kScale == Scale::PerTensor && (!p.k_tensor_scale || !p.v_tensor_scale ||
-                                              (p.num_tensor_scales != 1 && p.num_tensor_scales != p.num_kv_heads)))
-        throw Error("qkv_rope_store: fp8_per_tensor needs 1 or num_kv_heads K and V scales");
-      if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
-        throw Error("qkv_rope_store: per-token-head modes need the scale pages");
-      if (kIsInt4<Fmt> && p.head_dim % 8 != 0) throw Error("qkv_rope_store: int4 rows need head_dim % 8 == 0");
+      check_kv_pages<Fmt>(p, "qkv_rope_store");
       if ((p.rotate_k || p.rotate_v) && !num::is_pow2(p.head_dim))
         throw Error("qkv_rope_store: the Hadamard rotation needs a power-of-two head_dim, got " + std::to_string(p.head_dim));
       const int64_t items = int64_t(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);

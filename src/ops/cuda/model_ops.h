@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "config/model_config.h"  // GluActivation
 #include "core/dtype.h"
@@ -66,8 +67,9 @@ bool rmsnorm_fp8_fits(int hidden, int group);
 // nothing; q is written for every row.
 struct QkvRopeStoreParams {
   DType act = DType::BF16;
-  DType storage = DType::BF16;
+  DType storage = DType::BF16;  // K's format, and V's unless v_format is set
   KVQuantMode quant = KVQuantMode::None;
+  std::optional<KVStorage> v_format;  // V's format where it differs from K's (attention_ops.h)
   int num_tokens = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
@@ -135,8 +137,8 @@ struct KVPagePools {
   uint8_t* v = nullptr;
   uint8_t* k_scale = nullptr;  // null without token scales
   uint8_t* v_scale = nullptr;
-  uint64_t page_bytes = 0;        // K (= V) bytes of one page
-  uint64_t scale_page_bytes = 0;  // one page of one scale pool; 0 without token scales
+  uint64_t k_page_bytes = 0, v_page_bytes = 0;              // bytes of one page of codes
+  uint64_t k_scale_page_bytes = 0, v_scale_page_bytes = 0;  // of one page of scales; 0 without token scales
 };
 void copy_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pairs, int num_pairs, void* stream);
 

@@ -82,11 +82,16 @@ Plan make_plan(const PagedAttentionParams& p) {
     throw Error("CUDA paged attention: the keys-in-M decode layout holds at most 8 query heads per kv head");
   if (p.exact_k && p.kernel == 3)
     throw Error("CUDA paged attention: the tiled prefill kernel (3) does not read exact sink / recent tokens; use 1 or 2");
+  const bool split_kv = k_format_of(p) != v_format_of(p);
+  if (split_kv && p.kernel == 3)
+    throw Error("CUDA paged attention: the tiled prefill kernel (3) reads K and V in one format; use 1 or 2");
   // Automatic: the tiled kernel once the rows of a sequence exceed one mma M tile (16 (row,
   // head) pairs: more than 4 query tokens at GQA 4), the decode kernel below that, the
   // CUDA-core kernel for what neither covers.
   if (p.kernel != 0) pl.kernel = p.kernel;
-  else if (p.exact_k) pl.kernel = mma_fits ? 2 : 1;  // exact tokens: not the tiled prefill kernel, for now
+  // Exact tokens and K != V: not the tiled prefill kernels, for now (the decode kernel takes
+  // multi-token rows too, 16 / group of them per CTA).
+  else if (p.exact_k || split_kv) pl.kernel = mma_fits ? 2 : 1;
   else if (tiled_fits && int64_t(p.max_q_len) * pl.group > 16) pl.kernel = 3;
   else if (mma_fits) pl.kernel = 2;
   else pl.kernel = 1;
@@ -122,7 +127,7 @@ Plan make_plan(const PagedAttentionParams& p) {
   if (pl.kernel == 3) {
     per_sm = prefill_ctas_per_sm(p);
   } else if (pl.mma) {
-    dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
+    dispatch_cuda_kv_pair(k_format_of(p), v_format_of(p), "CUDA paged attention", [&](auto fmt) {
       using Fmt = decltype(fmt);
       if (pl.keys_in_m) per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64, true>() : mma_ctas_per_sm<Fmt, 128, true>();
       else per_sm = p.head_dim == 64 ? mma_ctas_per_sm<Fmt, 64, false>() : mma_ctas_per_sm<Fmt, 128, false>();
@@ -238,13 +243,9 @@ size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
 
 void paged_attention(const PagedAttentionParams& p, void* stream) {
   validate(p);
-  dispatch_cuda_kv(p.storage, p.quant, [&](auto fmt) {
+  dispatch_cuda_kv_pair(k_format_of(p), v_format_of(p), "CUDA paged attention", [&](auto fmt) {
     using Fmt = decltype(fmt);
-    if (Fmt::kScale == Scale::PerTensor && (!p.k_tensor_scale || !p.v_tensor_scale ||
-                                            (p.num_tensor_scales != 1 && p.num_tensor_scales != p.num_kv_heads)))
-      throw Error("CUDA paged attention: fp8_per_tensor needs 1 or num_kv_heads K and V scales");
-    if (Fmt::kScale == Scale::PerTokenHead && (!p.k_token_scale || !p.v_token_scale))
-      throw Error("CUDA paged attention: per-token-head modes need the scale pages");
+    check_kv_pages<Fmt>(p, "CUDA paged attention");
     const Plan pl = make_plan(p);
     RowsArgs a{.p = p, .group = pl.group, .head_chunks = pl.head_chunks, .rows_per_cta = pl.rows_per_cta,
                .row_groups = pl.row_groups, .num_splits = pl.splits, .part_o = nullptr, .part_ml = nullptr,

@@ -66,10 +66,19 @@ __device__ __forceinline__ int tile_swz(int r) {
   else return 0;
 }
 
+// Bytes of one ring tile's codes: 16 K rows and 16 V rows (K's and V's formats may differ),
+// and of its scales (16 K and 16 V slots where either side has per-token-head scales).
+template <class Fmt, int HD>
+constexpr int mma_tile_codes() {
+  return 16 * HD * (KOf<Fmt>::kBits + VOf<Fmt>::kBits) / 8;
+}
+template <class Fmt>
+constexpr bool kTokenScales = KOf<Fmt>::kScale == Scale::PerTokenHead || VOf<Fmt>::kScale == Scale::PerTokenHead;
+
 // Ring depth per warp.
 template <class Fmt, int HD>
 constexpr int mma_stages() {
-  constexpr int tile = 32 * HD * Fmt::kBits / 8;
+  constexpr int tile = mma_tile_codes<Fmt, HD>();
   // 1-byte codes: 4 stages (64 KB per CTA), so 3 CTAs fit per SM for more warps to overlap
   // the per-tile math; 16-bit head 128: 3 x 8 KB (96 KB per CTA, 2 CTAs per SM); 4-bit codes
   // (2.1 KB tiles at head 128): 4 stages too, 35 KB per CTA, so that registers (< 128) alone
@@ -80,7 +89,7 @@ constexpr int mma_stages() {
 }
 template <class Fmt, int HD>
 constexpr size_t mma_smem_bytes() {
-  constexpr size_t tile = 32 * HD * Fmt::kBits / 8 + (Fmt::kScale == Scale::PerTokenHead ? 128 : 0);
+  constexpr size_t tile = mma_tile_codes<Fmt, HD>() + (kTokenScales<Fmt> ? 128 : 0);
   constexpr size_t ring = kMmaWarps * mma_stages<Fmt, HD>() * tile;
   constexpr size_t merge = sizeof(float) * kMmaWarps * 16 * (HD + kMergePad + 2);
   return ring > merge ? ring : merge;
@@ -136,10 +145,11 @@ __device__ __forceinline__ void int4_v_fragments(const uint32_t (*w)[VW], uint32
     }
 }
 
-// Keys in M: the output dim (within the thread's HD / 8) of m-tile mt, half h (rows g / g + 8).
-template <class Fmt>
+// Keys in M: the output dim (within the thread's HD / 8) of m-tile mt, half h (rows g / g + 8),
+// for V's format VF.
+template <class VF>
 __device__ __forceinline__ constexpr int kT_vdim(int mt, int h) {
-  if constexpr (kIsInt4<Fmt>) return (mt / 4) * 8 + mt % 4 + 4 * h;
+  if constexpr (kIsInt4<VF>) return (mt / 4) * 8 + mt % 4 + 4 * h;
   else return 2 * mt + h;
 }
 
@@ -170,18 +180,24 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
     }
   };
 #endif
-  constexpr bool kBF = MmaCodec<Fmt>::kBF16;
-  constexpr int BITS = Fmt::kBits;
-  constexpr bool kI4 = kIsInt4<Fmt>;       // codes * step + zero: see the zero-point terms below
+  // Fmt: one codec (K and V alike) or a KVPair (kv_codec.cuh): K's codes, Q and S = Q K^T
+  // follow KF; V's codes, P and O = P V follow VF.
+  using KF = KOf<Fmt>;
+  using VF = VOf<Fmt>;
+  constexpr bool kBF = MmaCodec<KF>::kBF16;   // the mma type of Q K^T
+  constexpr bool kBFV = MmaCodec<VF>::kBF16;  // of P V
+  constexpr int KBITS = KF::kBits, VBITS = VF::kBits;
+  constexpr bool kI4 = kIsInt4<KF>;   // K = codes * step + zero: see the zero-point terms below
+  constexpr bool kI4V = kIsInt4<VF>;  // V likewise
   // int4 with keys in M: S^T = K Q^T on the integer tensor cores, the codes as unsigned bytes
   // and Q as two signed-byte parts (int4_k_bytes); the f16 expansion of K was a third of the
   // tile's instructions.
   constexpr bool kQ8 = kT && kI4;
-  constexpr int KBYTES = HD * BITS / 32;   // bytes of one K row held by a thread
+  constexpr int KBYTES = HD * KBITS / 32;  // bytes of one K row held by a thread
   constexpr int KG = KBYTES < 16 ? KBYTES : 16;  // bytes per K load (8 for int4 at head 64)
   constexpr int KLOADS = KBYTES / KG;      // K loads per row per thread
-  constexpr int VB = KG * 8 / BITS;        // elements per K load
-  constexpr int VBYTES = HD * BITS / 64;   // bytes of one V row held by a thread
+  constexpr int VB = KG * 8 / KBITS;       // elements per K load
+  constexpr int VBYTES = HD * VBITS / 64;  // bytes of one V row held by a thread
   constexpr int KPAIRS = HD / 8;           // 16-bit pairs per K row per thread
   constexpr int VPAIRS = HD / 16;          // pairs per V row per thread
   constexpr int KCH = HD / 16;             // k-chunks of Q.K^T
@@ -192,7 +208,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // get one f16 P (11 bits, relative error 2^-12 per weight): their codes carry 2^-4 (fp8)
   // to 2^-8 (int8) relative error already, and the saved mma is ~1/3 of the tile's tensor
   // work, which is what bounds the FP8 decode (docs/results/kernel-lab.md).
-  constexpr bool kSplitP = BITS == 16;
+  constexpr bool kSplitP = VBITS == 16;
   static_assert((KBYTES % 16 == 0 || KBYTES == 8) && (VBYTES == 4 || VBYTES == 8 || VBYTES % 16 == 0),
                 "unsupported head size for the mma path");
 
@@ -272,9 +288,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // copy bandwidth at 64 x 4k). Warps never wait for each other (__syncwarp only).
   // Keys outside [t0, t1) are zero-filled (cp.async src-size 0), never read: stale rows of a
   // page may hold NaNs, and 0 * NaN in P.V would poison the output.
-  constexpr int RB = HD * BITS / 8;
-  constexpr bool kPTH = Fmt::kScale == Scale::PerTokenHead;
-  constexpr int TILE = 32 * RB + (kPTH ? 128 : 0);
+  constexpr int RB = HD * KBITS / 8;   // bytes of a K row
+  constexpr int RBV = HD * VBITS / 8;  // of a V row (after the tile's 16 K rows)
+  constexpr bool kPTH = kTokenScales<Fmt>;
+  constexpr bool kPTHK = KF::kScale == Scale::PerTokenHead, kPTHV = VF::kScale == Scale::PerTokenHead;
+  constexpr int CODES = 16 * (RB + RBV);  // the scales follow: 16 K slots, then 16 V slots
+  constexpr int TILE = CODES + (kPTH ? 128 : 0);
   constexpr int STAGES = mma_stages<Fmt, HD>();
   extern __shared__ uint4 smem_u4[];
   char* const smem = reinterpret_cast<char*>(smem_u4);
@@ -285,46 +304,79 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // one page lookup per tile (PageRows: a shift where block_size is a power of two), and a tile
   // wholly inside [t0, t1) — all but a split's first and last — copies at constant offsets from
   // one source and one destination register.
-  constexpr int NC = RB / 16;  // 16-byte chunks per row (tile_swz)
+  constexpr int NC = RB / 16;    // 16-byte chunks per K row (tile_swz)
+  constexpr int NCV = RBV / 16;  // per V row
+  constexpr bool kSameRows = RB == RBV && kI4 == kI4V;  // K's and V's rows alike (one swizzle)
   // A lane's constant-offset copies cover rows lane / NC + (32 / NC) * U; at NC = 16 the XOR
-  // then depends on U's parity only: one destination register for even U, one for odd.
+  // then depends on U's parity only: one destination register for even U, one for odd (the
+  // other swizzles do not depend on U at all).
   const uint32_t ring_0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const auto lane_dst = [&](int u) {
-    const int r = lane / NC + (32 / NC) * u;
-    return ring_0 + uint32_t(((lane / NC) * NC + ((lane % NC) ^ tile_swz<NC, kI4>(r))) * 16);
+  const auto lane_dst = [&]<int N, bool I4>(int u) {
+    const int r = lane / N + (32 / N) * u;
+    return uint32_t(((lane / N) * N + ((lane % N) ^ tile_swz<N, I4>(r))) * 16);
   };
-  const uint32_t ring_s = lane_dst(0), ring_s1 = lane_dst(1);
+  const uint32_t ring_s = ring_0 + lane_dst.template operator()<NC, kI4>(0);
+  const uint32_t ring_s1 = ring_0 + lane_dst.template operator()<NC, kI4>(1);
+  const uint32_t ring_v = ring_0 + 16 * RB + lane_dst.template operator()<NCV, kI4V>(0);
+  const uint32_t ring_v1 = ring_0 + 16 * RB + lane_dst.template operator()<NCV, kI4V>(1);
   // Per-token-head scales: lane l copies the 4-byte scale of row l % 16, K's (l < 16) or V's, so
-  // every lane issues one copy and no lane waits out a branch of the others'.
+  // every lane issues one copy and no lane waits out a branch of the others' (a side without
+  // token scales, in a K != V pair, copies none).
+  const bool copies_scale = lane < 16 ? kPTHK : kPTHV;
   const float* const sbase = kPTH ? (lane < 16 ? p.k_token_scale : p.v_token_scale) + lane % 16 : nullptr;
-  const uint32_t ring_sc = ring_0 + 32 * RB + lane * 4;
+  const uint32_t ring_sc = ring_0 + CODES + lane * 4;
   auto issue = [&](int i) {
     if (i < my_tiles) {
       const int base = first + i * kMmaWarps * 16;
       const int64_t tile_row = pr.row(base);  // the tile's 16 rows are consecutive in its page
-      const size_t off = size_t(tile_row) * RB;
       const int slot = (i % STAGES) * TILE;
       if (base >= t0 && base + 16 <= t1) {  // warp-uniform: every key of the tile is visible
-        const char* ks = kbase + off + lane * 16;
-        const char* vs = vbase + off + lane * 16;
+        const char* ks = kbase + size_t(tile_row) * RB + lane * 16;
+        const char* vs = vbase + size_t(tile_row) * RBV + lane * 16;
         const uint32_t d = ring_s + slot, d1 = ring_s1 + slot;
-        static_assert(RB % 32 == 0, "16 rows * RB bytes: RB / 32 chunks of 16 B per lane");
-        [&]<int... U>(std::integer_sequence<int, U...>) {
-          (cp_async16_at<U * 512, U * 512>((U & 1) ? d1 : d, ks), ...);
-          (cp_async16_at<16 * RB + U * 512, U * 512>((U & 1) ? d1 : d, vs), ...);
-        }(std::make_integer_sequence<int, RB / 32>{});
-        if constexpr (kPTH) cp_async4(ring_sc + slot, sbase + tile_row);  // (in each branch: one run of copies)
+        static_assert(RB % 32 == 0 && RBV % 32 == 0, "16 rows * RB bytes: RB / 32 chunks of 16 B per lane");
+        if constexpr (kSameRows) {  // V's rows land at K's offsets + 16 RB: the same two registers
+          [&]<int... U>(std::integer_sequence<int, U...>) {
+            (cp_async16_at<U * 512, U * 512>((U & 1) ? d1 : d, ks), ...);
+            (cp_async16_at<16 * RB + U * 512, U * 512>((U & 1) ? d1 : d, vs), ...);
+          }(std::make_integer_sequence<int, RB / 32>{});
+        } else {
+          const uint32_t dv = ring_v + slot, dv1 = ring_v1 + slot;
+          [&]<int... U>(std::integer_sequence<int, U...>) {
+            (cp_async16_at<U * 512, U * 512>((U & 1) ? d1 : d, ks), ...);
+          }(std::make_integer_sequence<int, RB / 32>{});
+          [&]<int... U>(std::integer_sequence<int, U...>) {
+            (cp_async16_at<U * 512, U * 512>((U & 1) ? dv1 : dv, vs), ...);
+          }(std::make_integer_sequence<int, RBV / 32>{});
+        }
+        if (kPTH && copies_scale) cp_async4(ring_sc + slot, sbase + tile_row);  // (in each branch: one run of copies)
       } else {
         char* dst = ring + slot;
+        const char* ksrc = kbase + size_t(tile_row) * RB;
+        const char* vsrc = vbase + size_t(tile_row) * RBV;
+        if constexpr (kSameRows) {
 #pragma unroll
-        for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
-          const int r = c / NC, tok = base + r;
-          const int n = tok >= t0 && tok < t1 ? 16 : 0;
-          const int dc = r * NC + ((c % NC) ^ tile_swz<NC, kI4>(r));
-          cp_async16(dst + dc * 16, kbase + off + c * 16, n);
-          cp_async16(dst + 16 * RB + dc * 16, vbase + off + c * 16, n);
+          for (int c = lane; c < RB; c += 32) {  // 16 rows * RB bytes = RB chunks of 16 B
+            const int r = c / NC, tok = base + r;
+            const int n = tok >= t0 && tok < t1 ? 16 : 0;
+            const int dc = r * NC + ((c % NC) ^ tile_swz<NC, kI4>(r));
+            cp_async16(dst + dc * 16, ksrc + c * 16, n);
+            cp_async16(dst + 16 * RB + dc * 16, vsrc + c * 16, n);
+          }
+        } else {
+#pragma unroll
+          for (int c = lane; c < RB; c += 32) {
+            const int r = c / NC, tok = base + r;
+            cp_async16(dst + (r * NC + ((c % NC) ^ tile_swz<NC, kI4>(r))) * 16, ksrc + c * 16, tok >= t0 && tok < t1 ? 16 : 0);
+          }
+#pragma unroll
+          for (int c = lane; c < RBV; c += 32) {
+            const int r = c / NCV, tok = base + r;
+            cp_async16(dst + 16 * RB + (r * NCV + ((c % NCV) ^ tile_swz<NCV, kI4V>(r))) * 16, vsrc + c * 16,
+                       tok >= t0 && tok < t1 ? 16 : 0);
+          }
         }
-        if constexpr (kPTH) cp_async4(ring_sc + slot, sbase + tile_row);  // 16 K scales then 16 V scales, 4 B a lane
+        if (kPTH && copies_scale) cp_async4(ring_sc + slot, sbase + tile_row);  // 16 K scales then 16 V scales, 4 B a lane
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);
@@ -470,7 +522,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
   // 65504 / 15 (the f16 zero point's own limit): 2^4 there, so P * step * 16 stays finite for
   // steps below 4096; at the smallest step (2^-14) only weights below 2^-10 reach f16's
   // subnormals, an error far below the step itself.
-  constexpr float kPScale = kIsInt4<Fmt> ? 16.0f : Fmt::kScale == Scale::PerTokenHead ? 256.0f : 1.0f;
+  constexpr float kPScale = kI4V ? 16.0f : VF::kScale == Scale::PerTokenHead ? 256.0f : 1.0f;
 
   float o[NO][4];
 #pragma unroll
@@ -511,14 +563,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int off = 2 * t + (j & 1) + 8 * (j >> 1);  // keys 2t, 2t+1, 2t+8, 2t+9
-      const char* vrow = tile + 16 * RB + off * RB;
+      const char* vrow = tile + 16 * RB + off * RBV;
       if constexpr (VBYTES >= 16) {
 #pragma unroll
         for (int c = 0; c < kVr; ++c)
-          vraw[j][c] = *reinterpret_cast<const uint4*>(vrow + ((g * kVr + c) ^ tile_swz<NC, kI4>(off)) * 16);
+          vraw[j][c] = *reinterpret_cast<const uint4*>(vrow + ((g * kVr + c) ^ tile_swz<NCV, kI4V>(off)) * 16);
       } else {
         const int b = g * VBYTES;
-        const char* at = vrow + ((b / 16) ^ tile_swz<NC, kI4>(off)) * 16 + b % 16;
+        const char* at = vrow + ((b / 16) ^ tile_swz<NCV, kI4V>(off)) * 16 + b % 16;
         if constexpr (VBYTES == 8) {
           const uint2 x = *reinterpret_cast<const uint2*>(at);
           vraw[j][0] = make_uint4(x.x, x.y, 0u, 0u);
@@ -536,19 +588,22 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       const int off = kT ? g + 8 * j : 2 * t + (j & 1) + 8 * (j >> 1);
       ksc[j] = vsc[j] = 1.0f;
       kz[j] = vz[j] = 0.0f;
-      if constexpr (kPTH) {
-        const int tok = base + off;
-        const bool ok = tok >= t0 && tok < t1;  // stale scales of skipped keys may be NaN
-        if constexpr (kI4) {  // the packed {f16 step, f16 zero} slots, read whether or not ok (no branch)
-          float vs, vzero;
-          FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB)[off], ksc[j], kz[j]);  // masked below if !ok
-          FmtI4::unpack(reinterpret_cast<const uint32_t*>(tile + 32 * RB + 64)[off], vs, vzero);
-          vsc[j] = ok ? vs : 0.0f;
-          vz[j] = ok ? vzero : 0.0f;
-        } else {
-          ksc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB)[off] : 0.0f;
-          vsc[j] = ok ? reinterpret_cast<const float*>(tile + 32 * RB + 64)[off] : 0.0f;
-        }
+      if constexpr (!kPTH) continue;
+      const int tok = base + off;
+      const bool ok = tok >= t0 && tok < t1;  // stale scales of skipped keys may be NaN
+      const char* sc = tile + CODES;  // 16 K slots, then 16 V slots
+      if constexpr (kI4) {  // the packed {f16 step, f16 zero} slot, read whether or not ok (no branch)
+        FmtI4::unpack(reinterpret_cast<const uint32_t*>(sc)[off], ksc[j], kz[j]);  // masked below if !ok
+      } else if constexpr (kPTHK) {
+        ksc[j] = ok ? reinterpret_cast<const float*>(sc)[off] : 0.0f;
+      }
+      if constexpr (kI4V) {
+        float vs, vzero;
+        FmtI4::unpack(reinterpret_cast<const uint32_t*>(sc + 64)[off], vs, vzero);
+        vsc[j] = ok ? vs : 0.0f;
+        vz[j] = ok ? vzero : 0.0f;
+      } else if constexpr (kPTHV) {
+        vsc[j] = ok ? reinterpret_cast<const float*>(sc + 64)[off] : 0.0f;
       }
     }
 
@@ -575,7 +630,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       } else {
         uint32_t kp[2][KPAIRS];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) to_pairs<Fmt, KBYTES>(kraw[j], kp[j]);
+        for (int j = 0; j < 2; ++j) to_pairs<KF, KBYTES>(kraw[j], kp[j]);
 #pragma unroll
         for (int c = 0; c < KCH; ++c) {
           const uint32_t ka[4] = {kp[0][2 * c], kp[1][2 * c], kp[0][2 * c + 1], kp[1][2 * c + 1]};
@@ -633,19 +688,19 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
           const float x = exp2_approx(s[2 * j + e] - m_run[e]);
           l_run[e] += x;
           pe[e] = x * (vsc[j] * kPScale);
-          if constexpr (kI4) zacc[e] = fmaf(x, vz[j] * kPScale, zacc[e]);
+          if constexpr (kI4V) zacc[e] = fmaf(x, vz[j] * kPScale, zacc[e]);
         }
-        const uint32_t hi = pack2<kBF>(pe[0], pe[1]);
+        const uint32_t hi = pack2<kBFV>(pe[0], pe[1]);
         pb[j] = movmatrix_trans(hi);
         if constexpr (kSplitP) {
-          const float2 hf = unpack2<kBF>(hi);
-          plb[j] = movmatrix_trans(pack2<kBF>(pe[0] - hf.x, pe[1] - hf.y));
+          const float2 hf = unpack2<kBFV>(hi);
+          plb[j] = movmatrix_trans(pack2<kBFV>(pe[0] - hf.x, pe[1] - hf.y));
         }
       }
       // O^T += V^T P^T: A fragment of m-tile mt = {dim h = 0, keys 2t.. ; h = 1, keys 2t..;
       // h = 0, keys 2t+8..; h = 1, keys 2t+8..}, dims by kT_vdim.
       uint32_t va[MT][4];
-      if constexpr (kI4) {
+      if constexpr (kI4V) {
         constexpr int VW = VBYTES / 4;
         uint32_t vw[4][VW];
 #pragma unroll
@@ -656,7 +711,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       } else {
         uint32_t vp[4][VPAIRS];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) to_pairs<Fmt, VBYTES>(vraw[j], vp[j]);
+        for (int j = 0; j < 4; ++j) to_pairs<VF, VBYTES>(vraw[j], vp[j]);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           va[mt][0] = __byte_perm(vp[0][mt], vp[1][mt], 0x5410);
@@ -667,8 +722,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        mma16816<kBF>(o[mt], va[mt], pb[0], pb[1]);
-        if constexpr (kSplitP) mma16816<kBF>(o[mt], va[mt], plb[0], plb[1]);
+        mma16816<kBFV>(o[mt], va[mt], pb[0], pb[1]);
+        if constexpr (kSplitP) mma16816<kBFV>(o[mt], va[mt], plb[0], plb[1]);
       }
     } else {
       // S = Q K^T for the two 8-key halves of the tile.
@@ -676,7 +731,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         uint32_t kp[KPAIRS];
-        to_pairs<Fmt, KBYTES>(kraw[j], kp);
+        to_pairs<KF, KBYTES>(kraw[j], kp);
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
         for (int c = 0; c < KCH; ++c) mma16816<kBF>(s[j], qa[c], kp[2 * c], kp[2 * c + 1]);
@@ -701,7 +756,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
             x = (tok >= mlo[i] && tok < mhi[i]) ? sc * sscale : -INFINITY;
             mx = fmaxf(mx, x);
           }
-        const float m_use = online_max(mx, m_run[i], l_run[i], o, i, kI4 ? &zacc[i] : nullptr);
+        const float m_use = online_max(mx, m_run[i], l_run[i], o, i, kI4V ? &zacc[i] : nullptr);
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -709,7 +764,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
             const float pe = exp2f(s[j][2 * i + e] - m_use);
             l_run[i] += pe;
             pr[j][2 * i + e] = pe * (vsc[2 * j + e] * kPScale);
-            if constexpr (kI4) zacc[i] = fmaf(pe, vz[2 * j + e] * kPScale, zacc[i]);
+            if constexpr (kI4V) zacc[i] = fmaf(pe, vz[2 * j + e] * kPScale, zacc[i]);
           }
       }
       // P as A fragments (hi and lo parts): reg0 row g keys 2t.., reg1 row g+8, reg2 row g keys
@@ -719,22 +774,22 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const uint32_t hi = pack2<kBF>(pr[j][2 * i], pr[j][2 * i + 1]);
-          const float2 hf = unpack2<kBF>(hi);
+          const uint32_t hi = pack2<kBFV>(pr[j][2 * i], pr[j][2 * i + 1]);
+          const float2 hf = unpack2<kBFV>(hi);
           ph[2 * j + i] = hi;
-          pl[2 * j + i] = kSplitP ? pack2<kBF>(pr[j][2 * i] - hf.x, pr[j][2 * i + 1] - hf.y) : 0u;
+          pl[2 * j + i] = kSplitP ? pack2<kBFV>(pr[j][2 * i] - hf.x, pr[j][2 * i + 1] - hf.y) : 0u;
         }
       // O += P V. V rows of keys 2t, 2t+1, 2t+8, 2t+9 as 16-bit pairs over this thread's dims.
       uint32_t vp[4][VPAIRS];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) to_pairs<Fmt, VBYTES>(vraw[j], vp[j]);
+      for (int j = 0; j < 4; ++j) to_pairs<VF, VBYTES>(vraw[j], vp[j]);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const uint32_t sel = (nt & 1) ? 0x7632u : 0x5410u;  // high or low halves of two words
         const uint32_t b0 = __byte_perm(vp[0][nt / 2], vp[1][nt / 2], sel);
         const uint32_t b1 = __byte_perm(vp[2][nt / 2], vp[3][nt / 2], sel);
-        mma16816<kBF>(o[nt], ph, b0, b1);
-        if constexpr (kSplitP) mma16816<kBF>(o[nt], pl, b0, b1);
+        mma16816<kBFV>(o[nt], ph, b0, b1);
+        if constexpr (kSplitP) mma16816<kBFV>(o[nt], pl, b0, b1);
       }
     }
     __syncwarp();  // every lane is done with this slot before it is refilled
@@ -749,9 +804,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
     for (int x = kT ? 4 : 1; x <= (kT ? 16 : 2); x *= 2) {
       l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], x);
-      if constexpr (kI4) zacc[i] += __shfl_xor_sync(0xffffffffu, zacc[i], x);
+      if constexpr (kI4V) zacc[i] += __shfl_xor_sync(0xffffffffu, zacc[i], x);
     }
-    if constexpr (kI4) {
+    if constexpr (kI4V) {
 #pragma unroll
       for (int n = 0; n < NO; ++n) {
         if constexpr (kT) {  // o[mt][h * 2 + e]: pair 2t + e; the V codes' powers of two first (i4_lo_pair)
@@ -785,7 +840,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_mma_kernel(const RowsArgs
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) sm_o[warp][2 * t + e][g * (HD / 8) + kT_vdim<Fmt>(mt, h)] = o[mt][2 * h + e];
+        for (int h = 0; h < 2; ++h) sm_o[warp][2 * t + e][g * (HD / 8) + kT_vdim<VF>(mt, h)] = o[mt][2 * h + e];
       if (g == 0) {
         sm_ml[warp][2 * t + e][0] = m_run[e];
         sm_ml[warp][2 * t + e][1] = l_run[e];

@@ -101,11 +101,9 @@ template <class Fmt>
 __device__ __forceinline__ void score_scales(const PagedAttentionParams& p, int kvh, float& sscale, float& vscale) {
   sscale = p.softmax_scale * kLog2e;
   vscale = 1.0f;
-  if constexpr (Fmt::kScale == Scale::PerTensor) {
-    const int si = p.num_tensor_scales == 1 ? 0 : kvh;
-    sscale *= p.k_tensor_scale[si];
-    vscale = p.v_tensor_scale[si];
-  }
+  const int si = p.num_tensor_scales == 1 ? 0 : kvh;
+  if constexpr (KOf<Fmt>::kScale == Scale::PerTensor) sscale *= p.k_tensor_scale[si];
+  if constexpr (VOf<Fmt>::kScale == Scale::PerTensor) vscale = p.v_tensor_scale[si];
 }
 
 // Loads that bypass L1 allocation hints are not used: the non-coherent read-only path
@@ -155,14 +153,19 @@ __device__ __forceinline__ void split_range(int lo, int hi, int S, int split, bo
 // TPR lanes hold one row (head_dim = TPR * 8); a warp covers RPW rows per step; each lane
 // group keeps U rows in flight (loads issued before any math) so that every SM has
 // >= 20 KB of loads outstanding — what HBM3e needs to reach its bandwidth.
+// Fmt: one codec (K and V alike) or a KVPair; K is read through KF, V through VF.
 template <class Fmt, int HD, int GMAX>
 __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a) {
   allow_dependents();
   pdl_wait();  // launched with PDL (launch_rows): Q and this step's K/V come from the kernel before
-  using Vec = typename Fmt::Vec;
+  using KF = KOf<Fmt>;
+  using VF = VOf<Fmt>;
+  using KVec = typename KF::Vec;
+  using VVec = typename VF::Vec;
   constexpr int TPR = HD / kVec;
   constexpr int RPW = 32 / TPR;
-  constexpr int U = sizeof(Vec) == 16 ? 4 : 8;  // same bytes in flight for 1- and 2-byte codes
+  // Same bytes in flight for 1- and 2-byte codes.
+  constexpr int U = sizeof(KVec) == 16 || sizeof(VVec) == 16 ? 4 : 8;
   constexpr int STEP = kWarps * RPW;            // rows per CTA per unrolled sub-step
   static_assert(TPR >= 1 && TPR <= 32 && 32 % TPR == 0, "head size must be 8..256, power of two");
 
@@ -220,8 +223,9 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
       for (int e = 0; e < kVec; ++e) q[g][e] = 0.0f;
     }
   }
-  // int4 keys are code * step + zero: score = step * (q . codes) + zero * sum(q).
-  constexpr bool kZero = kIsInt4<Fmt>;
+  // int4 keys are code * step + zero: score = step * (q . codes) + zero * sum(q); int4 values
+  // add weight * zero to every output dimension.
+  constexpr bool kZero = kIsInt4<KF>, kZeroV = kIsInt4<VF>;
   float qsum[GMAX], zacc[GMAX];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
@@ -267,7 +271,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
     else FmtBF16::decode8(raw, f);
   };
   for (int base = t0; base < t1; base += STEP * U) {
-    Vec kv[U], vv[U];
+    KVec kv[U];
+    VVec vv[U];
     float ksc[U], vsc[U], kz[U], vz[U];
     bool valid[U], exact[U];
     // Issue all U row loads before any math: memory-level parallelism is the whole game.
@@ -281,25 +286,22 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
       if (exact[u]) {
         ksc[u] = inv_ks;
         vsc[u] = inv_vs;
-        kv[u] = Vec{};
-        vv[u] = Vec{};
+        kv[u] = KVec{};
+        vv[u] = VVec{};
       } else if (valid[u]) {
         const BlockId page = table[t / p.block_size];
         const int off = t % p.block_size;
         const size_t sidx = (size_t(page) * p.num_kv_heads + kvh) * p.block_size + off;
-        const size_t at = (sidx * HD + sub * kVec) * Fmt::kBits / 8;
-        kv[u] = ldg_vec<Vec>(kbase + at);
-        vv[u] = ldg_vec<Vec>(vbase + at);
-        if constexpr (kZero) {
-          FmtI4::unpack(__ldg(reinterpret_cast<const uint32_t*>(p.k_token_scale) + sidx), ksc[u], kz[u]);
-          FmtI4::unpack(__ldg(reinterpret_cast<const uint32_t*>(p.v_token_scale) + sidx), vsc[u], vz[u]);
-        } else if constexpr (Fmt::kScale == Scale::PerTokenHead) {
-          ksc[u] = __ldg(p.k_token_scale + sidx);
-          vsc[u] = __ldg(p.v_token_scale + sidx);
-        }
+        const size_t at = sidx * HD + sub * kVec;
+        kv[u] = ldg_vec<KVec>(kbase + at * KF::kBits / 8);
+        vv[u] = ldg_vec<VVec>(vbase + at * VF::kBits / 8);
+        if constexpr (kZero) FmtI4::unpack(__ldg(reinterpret_cast<const uint32_t*>(p.k_token_scale) + sidx), ksc[u], kz[u]);
+        else if constexpr (KF::kScale == Scale::PerTokenHead) ksc[u] = __ldg(p.k_token_scale + sidx);
+        if constexpr (kZeroV) FmtI4::unpack(__ldg(reinterpret_cast<const uint32_t*>(p.v_token_scale) + sidx), vsc[u], vz[u]);
+        else if constexpr (VF::kScale == Scale::PerTokenHead) vsc[u] = __ldg(p.v_token_scale + sidx);
       } else {
-        kv[u] = Vec{};
-        vv[u] = Vec{};
+        kv[u] = KVec{};
+        vv[u] = VVec{};
       }
     }
     float s[U][GMAX];
@@ -307,7 +309,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
     for (int u = 0; u < U; ++u) {
       float kf[kVec];
       if (exact[u]) exact_row(p.exact_k, key_of(base + u * STEP + warp * RPW + rg), kf);
-      else Fmt::decode8(kv[u], kf);
+      else KF::decode8(kv[u], kf);
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         float d = 0.0f;
@@ -346,14 +348,14 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
         const float pr = exp2f(s[u][g] - m_new);
         l[g] += pr;
         s[u][g] = pr * vsc[u];
-        if constexpr (kZero) zacc[g] = fmaf(pr, vz[u], zacc[g]);  // V's zero point, on every dimension
+        if constexpr (kZeroV) zacc[g] = fmaf(pr, vz[u], zacc[g]);  // V's zero point, on every dimension
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float vf[kVec];
       if (exact[u]) exact_row(p.exact_v, key_of(base + u * STEP + warp * RPW + rg), vf);
-      else Fmt::decode8(vv[u], vf);
+      else VF::decode8(vv[u], vf);
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         if (m[g] == -INFINITY) continue;
@@ -363,7 +365,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
     }
   }
 
-  if constexpr (kZero) {
+  if constexpr (kZeroV) {
 #pragma unroll
     for (int g = 0; g < GMAX; ++g)
 #pragma unroll

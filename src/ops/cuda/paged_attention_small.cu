@@ -6,7 +6,7 @@
 namespace kvlm::cuda {
 
 void launch_rows_small_heads(const RowsArgs& a, cudaStream_t st) {
-  dispatch_cuda_kv(a.p.storage, a.p.quant, [&](auto fmt) {
+  dispatch_cuda_kv_pair(k_format_of(a.p), v_format_of(a.p), "CUDA paged attention", [&](auto fmt) {
     using Fmt = decltype(fmt);
     switch (a.p.head_dim) {
       case 8: launch_rows<Fmt, 8>(a, st); break;
