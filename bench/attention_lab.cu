@@ -461,7 +461,7 @@ int main(int argc, char** argv) {
         }
         const double bytes = double(k_bytes + v_bytes + scale_bytes + 2 * qn * 2);
         const double gbs = bytes / (us * 1e-6) / 1e9;
-        if (mode.storage == DType::BF16) bf16_us[bi][ci] = us;
+        if (mode.storage == DType::BF16 && !mode.vstorage) bf16_us[bi][ci] = us;  // the uniform bf16 row
         const double floor_us = bytes / copy_bw * 1e6;
         char vs[32] = "-";
         if (bf16_us[bi][ci] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_us[bi][ci] / us);

@@ -41,8 +41,13 @@ CLI::App* add_calibrate(CLI::App& app, CalibrateFlags& f) {
       ->check(CLI::Range(16, 1 << 20));
   cmd->add_option("--exact-tokens", f.exact_tokens,
                   "--kld-budget: SINK,RECENT exact tokens an INT4 layer may keep (0,0: none), measured as options "
-                  "of their own; they cost (SINK + RECENT) exact rows per sequence, not bytes per token")
+                  "of their own; they cost (SINK + RECENT) exact rows per sequence, counted at --context")
       ->capture_default_str();
+  cmd->add_option("--context", f.context,
+                  "--kld-budget: the context the plan serves, in tokens: plans are ranked by their bytes per token "
+                  "there, exact rows (a fixed cost per sequence) included; 0: exact rows not counted")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 24));
   cmd->add_option("--windows", f.windows, "--kld-budget: windows of the text to measure on")
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
@@ -143,7 +148,7 @@ static int run_plan_search(const CalibrateFlags& f) {
   for (const auto& s : load_samples(dataset, text, 1 << 20, 1 << 20)) tokens.insert(tokens.end(), s.begin(), s.end());
   auto engine = LoadedModel::load(opts);
   PlanSearchOptions so{.kld_budget = f.kld_budget, .ctx = f.ctx, .max_windows = f.windows, .keep_sink = sink,
-                       .keep_recent = recent, .base = opts.cache};
+                       .keep_recent = recent, .context = f.context, .base = opts.cache};
   // A search takes minutes: each stage says where it is (stderr, whatever the log level).
   so.progress = [](const std::string& s) { std::fprintf(stderr, "kvlm: calibrate: %s\n", s.c_str()); };
   const PlanSearchResult r = search_kv_plan(*engine, tokens, so);
@@ -168,15 +173,18 @@ static int run_plan_search(const CalibrateFlags& f) {
         if (o.dtype != KVCacheDType::BFloat16) std::printf(" %17.2e", o.kld);
     std::printf("\n");
   }
-  std::printf("\ncandidates (budget %.3g: KLD + 2 standard errors within it); bfloat16: %zu B/token\n", f.kld_budget,
+  std::printf("\ncandidates (budget %.3g: KLD + 2 standard errors within it; ranked by bytes per token at %s, exact "
+              "rows included); bfloat16: %zu B/token\n",
+              f.kld_budget, f.context > 0 ? (std::to_string(f.context) + " tokens of context").c_str() : "any context",
               r.bf16_bytes_per_token);
-  std::printf("  %-38s %8s %7s %11s %9s %8s %8s\n", "plan", "B/token", "vs bf16", "exact B/seq", "KLD", "+-",
-              "same top");
+  std::printf("  %-38s %8s %11s %10s %7s %9s %8s %8s\n", "plan", "B/token", "exact B/seq", "B/tok@ctx", "vs bf16", "KLD",
+              "+-", "same top");
   for (size_t i = 0; i < r.candidates.size(); ++i) {
     const auto& c = r.candidates[i];
-    std::printf("%s %-38s %8zu %6.2fx %11zu %9.2e %8.1e %7.2f%%%s\n", r.best == i ? "*" : " ", c.name.c_str(),
-                c.bytes_per_token, double(r.bf16_bytes_per_token) / double(c.bytes_per_token),
-                c.exact_bytes_per_sequence, c.kld, c.kld_err, 100 * c.same_top, c.within ? "" : "  over");
+    std::printf("%s %-38s %8zu %11zu %10.0f %6.2fx %9.2e %8.1e %7.2f%%%s\n", r.best == i ? "*" : " ", c.name.c_str(),
+                c.bytes_per_token, c.exact_bytes_per_sequence, c.bytes_at(f.context),
+                double(r.bf16_bytes_per_token) / c.bytes_at(f.context), c.kld, c.kld_err, 100 * c.same_top,
+                c.within ? "" : "  over");
   }
   KVPlanFile out;
   if (r.best) {
@@ -198,6 +206,7 @@ static int run_plan_search(const CalibrateFlags& f) {
                      {"bf16_bytes_per_token", r.bf16_bytes_per_token},
                      {"text", dataset.string()},
                      {"ctx", f.ctx},
+                     {"context", f.context},
                      {"windows", r.windows},
                      {"scored_tokens", r.scored_tokens}};
   std::ofstream file(f.out);

@@ -91,6 +91,7 @@ struct CalibrateFlags {
   int ctx = 1024;
   int windows = 4;
   std::string exact_tokens = "4,64";  // SINK,RECENT an INT4 layer may keep
+  int context = 4096;  // the served context, at which exact rows count as bytes per token
 };
 CLI::App* add_calibrate(CLI::App& app, CalibrateFlags& f);
 int run_calibrate(const CalibrateFlags& f);

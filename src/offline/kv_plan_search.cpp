@@ -240,6 +240,7 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
           const PlanCandidate pc = measure("", plan_file(layers, c, seeds, cfg, opts));
           o.kld = pc.kld;
           o.same_top = pc.same_top;
+          o.exact_bytes_per_sequence = pc.exact_bytes_per_sequence;
         }
         opts_of.push_back(o);
       }
@@ -294,6 +295,20 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
         items.push_back({&ls.kv});
       }
     }
+    const size_t per = split ? 2 : 1;
+    // A layer's bytes per token with item `moved` at option `opt` and its other item(s) as they
+    // stand: the sides' pages, and the exact rows at the served context, once per layer.
+    auto layer_bytes = [&](size_t moved, size_t opt) {
+      const size_t first = moved / per * per;
+      double bytes = 0;
+      size_t exact = 0;
+      for (size_t j = first; j < first + per; ++j) {
+        const SideOption& o = (*items[j].options)[j == moved ? opt : items[j].at];
+        bytes += double(o.bytes);
+        if (o.exact) exact = std::max(exact, o.exact_bytes_per_sequence);
+      }
+      return bytes + (opts.context > 0 ? double(exact) / opts.context : 0.0);
+    };
     double total = 0;
     for (;;) {
       // The move with the most bytes saved per unit of KLD added, over every item.
@@ -307,13 +322,15 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
         // the layer's backend reads.
         const SideOption* other = nullptr;
         if (split) other = &(*items[it ^ 1].options)[items[it ^ 1].at];
+        const double now = layer_bytes(it, item.at);
         for (size_t o = 0; o < item.options->size(); ++o) {
           const SideOption& nx = (*item.options)[o];
-          if (nx.bytes >= cur.bytes) continue;
+          const double saved = now - layer_bytes(it, o);
+          if (saved <= 0) continue;
           if (other && !holds(it / 2, it % 2 == 0 ? nx.dtype : other->dtype, it % 2 == 0 ? other->dtype : nx.dtype))
             continue;
           const double dk = std::max(nx.kld - cur.kld, 1e-12);
-          const double eff = double(cur.bytes - nx.bytes) / dk;
+          const double eff = saved / dk;
           if (eff > best_eff) best_eff = eff, best_item = it, best_opt = o;
         }
       }
@@ -329,13 +346,12 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
     }
     std::vector<LayerChoice> c(n);
     bool cheapest = true;
-    const size_t per = split ? 2 : 1;
     for (size_t i = 0; i < n; ++i) {
       const Item &ki = items[per * i], &vi = items[per * i + per - 1];
       const SideOption &k = (*ki.options)[ki.at], &v = (*vi.options)[vi.at];
       c[i] = {k.dtype, v.dtype, k.rotate, v.rotate, k.exact || v.exact};
-      for (const Item* it : {&ki, &vi})
-        for (const SideOption& o : *it->options) cheapest &= o.bytes >= (*it->options)[it->at].bytes;
+      for (size_t j = per * i; j < per * i + per; ++j)
+        for (size_t o = 0; o < items[j].options->size(); ++o) cheapest &= layer_bytes(j, o) >= layer_bytes(j, items[j].at);
     }
     return {plan_file(layers, c, seeds, cfg, opts), cheapest};
   };
@@ -370,9 +386,8 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
   for (size_t i = 0; i < res.candidates.size(); ++i) {
     const auto& c = res.candidates[i];
     if (!c.within) continue;
-    if (!res.best || c.bytes_per_token < res.candidates[*res.best].bytes_per_token ||
-        (c.bytes_per_token == res.candidates[*res.best].bytes_per_token && c.kld < res.candidates[*res.best].kld))
-      res.best = i;
+    const double b = c.bytes_at(opts.context), best = res.best ? res.candidates[*res.best].bytes_at(opts.context) : 0;
+    if (!res.best || b < best || (b == best && c.kld < res.candidates[*res.best].kld)) res.best = i;
   }
   CacheConfig c = opts.base;
   c.plan_file = res.best ? res.candidates[*res.best].file : plan_file(layers, std::vector<LayerChoice>(n), no_seeds, cfg, opts);

@@ -15,6 +15,9 @@
 //     2 standard errors) stays within the budget.
 //  4. The uniform modes are measured too; the answer is the candidate with the fewest bytes
 //     within the budget (none when no quantized plan fits: then the 16-bit one).
+// Bytes are counted at the served context (PlanSearchOptions::context): a plan's pages per
+// token plus its exact sink / recent rows, a fixed cost per sequence, spread over the context.
+// The assembly counts a layer's exact rows once, whichever of its sides took them.
 #pragma once
 
 #include <functional>
@@ -35,6 +38,9 @@ struct PlanSearchOptions {
   int num_seeds = 16;    // rotation sign seeds tried per layer (on the sampled rows)
   // Exact sink / recent tokens a layer's INT4 option may keep (0 and 0: no such options).
   int keep_sink = 4, keep_recent = 64;
+  // The context the plan serves: exact rows per sequence count as bytes per token over it
+  // (0: not counted, as if contexts were unbounded).
+  int context = 4096;
   CacheConfig base;      // other cache options every candidate keeps (block size, backend)
   std::function<void(const std::string&)> progress;  // one line per stage
 };
@@ -45,6 +51,7 @@ struct SideOption {
   bool rotate = false;
   bool exact = false;  // with the layer's exact sink / recent tokens
   size_t bytes = 0;  // per token, this side of this layer (all KV heads)
+  size_t exact_bytes_per_sequence = 0;  // `exact`: the layer's exact rows (K and V), per sequence
   double kld = 0, same_top = 1;
 };
 
@@ -52,7 +59,8 @@ struct LayerSensitivity {
   int layer = 0;
   uint32_t seed = 0;                 // the rotation signs chosen for the layer
   // [0] is 16-bit (KLD 0). K's and V's options apart, or — where the attention backend holds a
-  // layer's K and V in one format (CUDA today) — `kv`, both sides in each format (bytes of both).
+  // layer's K and V in one format only (BackendCapabilities::kv_pairs unset) — `kv`, both sides
+  // in each format (bytes of both).
   std::vector<SideOption> k, v, kv;
 };
 
@@ -63,12 +71,16 @@ struct PlanCandidate {
   size_t exact_bytes_per_sequence = 0;  // the exact sink / recent rows, a fixed cost per sequence
   double kld = 0, kld_err = 0, same_top = 0;
   bool within = false;  // kld + 2 * kld_err <= budget
+  // Bytes per token at `context` tokens: the pages' plus the exact rows' share (context 0: the pages').
+  double bytes_at(int context) const {
+    return double(bytes_per_token) + (context > 0 ? double(exact_bytes_per_sequence) / context : 0.0);
+  }
 };
 
 struct PlanSearchResult {
   std::vector<LayerSensitivity> layers;
   std::vector<PlanCandidate> candidates;
-  std::optional<size_t> best;  // index into candidates: the fewest bytes within the budget
+  std::optional<size_t> best;  // index into candidates: the fewest bytes (at the context) within the budget
   size_t bf16_bytes_per_token = 0;
   bool split_kv = true;  // the layers' K and V were chosen apart (LayerSensitivity::k, v) or together (kv)
   int windows = 0;

@@ -224,6 +224,14 @@ if "$KVLM" calibrate --model "$tiny" --kld-budget 1e-3 --ctx 128 --windows 2 --t
 else
   bad "calibrate --kld-budget: $(cat "$tmp/cal.err")"
 fi
+# --context: exact rows are a cost per sequence, counted over the served context; at 64 tokens
+# of context 4 + 64 exact rows cost more than a 16-bit layer, so no layer keeps them.
+"$KVLM" calibrate --model "$tiny" --kld-budget 1e-3 --ctx 128 --windows 2 --text "$tiny/eval/heldout.txt" --context 64 \
+    --out "$tmp/cal64.json" >"$tmp/cal64.out" 2>"$tmp/cal64.err" \
+  && grep -q "at 64 tokens of context" "$tmp/cal64.out" \
+  && [ "$(json_get "$tmp/cal64.json" "sum(l.get('keep_sink', 0) + l.get('keep_recent', 0) for l in d['layers'])")" = "0" ] \
+  && [ "$(json_get "$tmp/cal64.json" "d['calibration']['context']")" = "64" ] \
+  && ok || bad "calibrate --context 64: $(cat "$tmp/cal64.out" "$tmp/cal64.err")"
 expect_error 1 "--kld-budget" -- calibrate --kld-budget -1 --out "$tmp/x.json"
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
