@@ -339,4 +339,36 @@ std::string closest_flag(const CLI::App& cmd, const std::string& arg) {
 }
 
 
+CLI::Option* add_output_file(CLI::App& cmd, const std::string& name, std::string& into, const std::string& help) {
+  const std::string flag = name.substr(0, name.find(','));
+  return cmd.add_option(name, into, help)
+      ->check(CLI::Validator(
+          [flag](std::string& v) -> std::string {
+            if (v.starts_with("-"))
+              return "takes the FILE to write (e.g. " + flag + " results.json), not '" + v + "'";  // (CLI11 prefixes the flag)
+            return {};
+          },
+          "FILE"));
+}
+
+void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
+                                const std::vector<std::pair<std::string, std::string>>& inputs) {
+  namespace fs = std::filesystem;
+  auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec;
+    if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec);
+    return fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
+  };
+  for (const auto& [oname, out] : outputs)
+    for (const auto& [iname, in] : inputs)
+      if (!out.empty() && !in.empty() && same(out, in))
+        throw Error(oname + " " + out + " is the " + iname + " file this command reads; writing it would overwrite "
+                    "it: give " + oname + " another path");
+  for (size_t i = 0; i < outputs.size(); ++i)
+    for (size_t j = i + 1; j < outputs.size(); ++j)
+      if (!outputs[i].second.empty() && !outputs[j].second.empty() && same(outputs[i].second, outputs[j].second))
+        throw Error(outputs[i].first + " and " + outputs[j].first + " name one file (" + outputs[i].second +
+                    "): give them different paths");
+}
+
 }  // namespace kvlm::app

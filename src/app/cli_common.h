@@ -93,5 +93,16 @@ std::filesystem::path default_model_dir();
 // Parses "1,2,3" / "1 2 3" into token ids; throws kvlm::Error on anything else.
 std::vector<TokenId> parse_token_ids(std::string_view text);
 
+// An option naming a file to write (eval's and bench's --json FILE, --save-logits FILE): a value
+// that looks like an option is refused, naming what the option wants (`--json --kv-cache-dtype
+// bfloat16` otherwise took the next flag's place and left its value as a stray model name).
+CLI::Option* add_output_file(CLI::App& cmd, const std::string& name, std::string& into, const std::string& help);
+
+// Throws kvlm::Error when an output file (name, path; empty paths skipped) is one of the
+// command's inputs (name, path): writing it would destroy the input (a --json pointed at the
+// --kv-cache-plan file overwrote the plan).
+void check_outputs_spare_inputs(const std::vector<std::pair<std::string, std::string>>& outputs,
+                                const std::vector<std::pair<std::string, std::string>>& inputs);
+
 
 }  // namespace kvlm::app

@@ -117,6 +117,7 @@ std::vector<std::vector<TokenId>> load_samples(const std::filesystem::path& path
 }  // namespace
 
 static int run_plan_search(const CalibrateFlags& f) {
+  check_outputs_spare_inputs({{"--out", f.out}}, {{"--text", f.dataset}, {"--kv-cache-plan", f.model.kv_cache_plan}});
   ModelOptions opts = f.model.model_options();
   if (opts.tensor_parallel_size != 1 || opts.speculative)
     throw Error("kvlm calibrate --kld-budget measures the model alone on one device; drop --tensor-parallel-size and "

@@ -22,9 +22,9 @@ CLI::App* add_eval(CLI::App& app, EvalFlags& f) {
   txt->excludes(ids);
   ppl->add_option("--ctx", f.ctx, "tokens per window (the second half of each is scored)")->capture_default_str();
   ppl->add_option("--max-chunks", f.max_chunks, "score at most this many windows (0: all)")->capture_default_str();
-  ppl->add_option("--save-logits", f.save_logits, "save this run's log-probabilities (the baseline for --kl-divergence-base)");
+  add_output_file(*ppl, "--save-logits", f.save_logits, "save this run's log-probabilities (the baseline for --kl-divergence-base)");
   ppl->add_option("--kl-divergence-base", f.kld_base, "compare with a run saved by --save-logits: KLD, same-top %, delta PPL");
-  ppl->add_option("--json", f.json_out, "also write the results as JSON to this file");
+  add_output_file(*ppl, "--json", f.json_out, "also write the results as JSON to this file");
   auto* task = eval->add_subcommand("task", "Exact-match accuracy on a JSONL task file, through the batching engine");
   f.model.add_to(*task);
   f.model.add_speculative_to(*task);
@@ -33,7 +33,7 @@ CLI::App* add_eval(CLI::App& app, EvalFlags& f) {
   task->add_option("--limit", f.limit, "evaluate the first N items only (0: all)")->capture_default_str();
   task->add_option("--max-num-seqs", f.max_num_seqs, "items run concurrently")->capture_default_str();
   task->add_option("--log-samples", f.log_samples, "write every item's completion and verdict to this JSONL file");
-  task->add_option("--json", f.json_out, "also write the results as JSON to this file");
+  add_output_file(*task, "--json", f.json_out, "also write the results as JSON to this file");
   return eval;
 }
 
@@ -65,6 +65,9 @@ std::string kv_label(const LoadedModel& e) {
 }
 
 int run_perplexity(const EvalFlags& f) {
+  check_outputs_spare_inputs({{"--json", f.json_out}, {"--save-logits", f.save_logits}},
+                             {{"--kv-cache-plan", f.model.kv_cache_plan}, {"--kl-divergence-base", f.kld_base},
+                              {"--text", f.text_file}, {"--token-ids", f.token_ids_file}});
   const ModelOptions opts = f.model.model_options();
   if (f.text_file.empty() && f.token_ids_file.empty()) throw Error("give the text to score: --text FILE or --token-ids FILE");
   const std::string& file = f.text_file.empty() ? f.token_ids_file : f.text_file;
@@ -120,6 +123,8 @@ int run_perplexity(const EvalFlags& f) {
 }
 
 int run_task(const EvalFlags& f) {
+  check_outputs_spare_inputs({{"--json", f.json_out}, {"--log-samples", f.log_samples}},
+                             {{"--kv-cache-plan", f.model.kv_cache_plan}, {"--data", f.data}});
   const ModelOptions opts = f.model.model_options();
   if (!TextProcessor::available(opts.model_dir))
     throw Error("'" + opts.model_dir.string() + "' has no tokenizer.json; task evaluation reads text");

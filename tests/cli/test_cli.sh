@@ -233,6 +233,16 @@ fi
   && [ "$(json_get "$tmp/cal64.json" "d['calibration']['context']")" = "64" ] \
   && ok || bad "calibrate --context 64: $(cat "$tmp/cal64.out" "$tmp/cal64.err")"
 expect_error 1 "--kld-budget" -- calibrate --kld-budget -1 --out "$tmp/x.json"
+# An output file that is one of the command's inputs is refused before anything is written, and
+# a --json FILE that looks like an option says what --json wants.
+cp "$tmp/cal.json" "$tmp/keep.json"
+expect_error 1 "--json $tmp/keep.json is the --kv-cache-plan file this command reads" -- \
+  eval perplexity --model "$tiny" --text "$tiny/eval/heldout.txt" --ctx 64 --kv-cache-plan "$tmp/keep.json" --json "$tmp/keep.json"
+cmp -s "$tmp/cal.json" "$tmp/keep.json" && ok || bad "the plan file changed"
+expect_error 1 "--out $tiny/eval/heldout.txt is the --text file" -- \
+  calibrate --model "$tiny" --kld-budget 1e-3 --text "$tiny/eval/heldout.txt" --out "$tiny/eval/heldout.txt"
+expect_error 2 "--json: takes the FILE to write (e.g. --json results.json), not '--kv-cache-dtype'" -- \
+  eval perplexity --model "$tiny" --text "$tiny/eval/heldout.txt" --json --kv-cache-dtype bfloat16
 expect_error 1 "unknown --attention-backend 'flashinfer'; available backends: cpu" -- inspect --attention-backend flashinfer
 expect_error 1 "invalid --device 'tpu'" -- generate --prompt-ids 1 --device tpu
 expect_error 1 "a GPU is named cuda:N with N its index" -- generate --prompt-ids 1 --device cuda:x
