@@ -212,10 +212,12 @@ static int run_plan_search(const CalibrateFlags& f) {
                      {"scored_tokens", r.scored_tokens}};
   std::ofstream file(f.out);
   if (!(file << kv_plan_file_json(out).dump(2) << "\n")) throw Error("cannot write " + f.out);
-  std::printf("\nwrote %s (%zu B/token, %.2fx fewer than bfloat16): run with --kv-cache-plan %s; check it on other "
-              "text with `kvlm eval perplexity --kv-cache-plan %s --kl-divergence-base ...`\n",
-              f.out.c_str(), engine->plan().bytes_per_token(),
-              double(r.bf16_bytes_per_token) / double(engine->plan().bytes_per_token()), f.out.c_str(), f.out.c_str());
+  // The table's measure: bytes per token at --context, exact rows included.
+  const double bytes = best ? best->bytes_at(f.context) : double(engine->plan().bytes_per_token());
+  std::printf("\nwrote %s (%.0f B/token at %s, %.2fx fewer than bfloat16): run with --kv-cache-plan %s; check it on "
+              "other text with `kvlm eval perplexity --kv-cache-plan %s --kl-divergence-base ...`\n",
+              f.out.c_str(), bytes, f.context > 0 ? (std::to_string(f.context) + " tokens of context").c_str() : "any context",
+              double(r.bf16_bytes_per_token) / bytes, f.out.c_str(), f.out.c_str());
   return 0;
 }
 

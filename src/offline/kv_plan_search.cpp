@@ -185,9 +185,9 @@ PlanSearchResult search_kv_plan(LoadedModel& model, const std::vector<TokenId>& 
         " tokens, " + std::to_string(r.scored_tokens) + " scored, perplexity " + std::to_string(r.ppl));
   }
 
-  // Whether the attention backends hold K and V apart; if not, a layer's K and V take one format
-  // (each side may still rotate on its own).
-  // Which K != V pairs each layer's backend reads (the CUDA kernels: kv/kv_formats.h's list).
+  // Which K != V pairs each layer's backend reads (the CUDA kernels: kv/kv_formats.h's list). A
+  // backend without any makes the search choose one format per layer (each side may still rotate
+  // on its own).
   std::vector<const BackendCapabilities*> caps_of(n, nullptr);
   for (size_t i = 0; i < n; ++i)
     for (const auto& l : model.plan().layers)
