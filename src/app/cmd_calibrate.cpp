@@ -48,9 +48,16 @@ CLI::App* add_calibrate(CLI::App& app, CalibrateFlags& f) {
                   "there, exact rows (a fixed cost per sequence) included; 0: exact rows not counted")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 24));
-  cmd->add_option("--windows", f.windows, "--kld-budget: windows of the text to measure on")
+  cmd->add_option("--windows", f.windows,
+                  "--kld-budget: windows of the text the formats are chosen on (these and the check windows are spread "
+                  "evenly over the text)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
+  cmd->add_option("--check-windows", f.check_windows,
+                  "--kld-budget: other windows of the text, never used to choose: a plan is accepted only if its KLD "
+                  "there is within the budget too (0: no check; a plan can fit one passage of text and miss others)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100000));
   cmd->add_option("--dataset,--text", f.dataset,
                   "calibration text: a .txt file (cut into windows) or .jsonl with a \"text\" or \"prompt\" field per "
                   "line (default: <model>/calibration.txt, else the model's eval/heldout.txt)");
@@ -148,14 +155,17 @@ static int run_plan_search(const CalibrateFlags& f) {
   std::vector<TokenId> tokens;
   for (const auto& s : load_samples(dataset, text, 1 << 20, 1 << 20)) tokens.insert(tokens.end(), s.begin(), s.end());
   auto engine = LoadedModel::load(opts);
-  PlanSearchOptions so{.kld_budget = f.kld_budget, .ctx = f.ctx, .max_windows = f.windows, .keep_sink = sink,
+  PlanSearchOptions so{.kld_budget = f.kld_budget, .ctx = f.ctx, .max_windows = f.windows,
+                       .check_windows = f.check_windows, .keep_sink = sink,
                        .keep_recent = recent, .context = f.context, .base = opts.cache};
   // A search takes minutes: each stage says where it is (stderr, whatever the log level).
   so.progress = [](const std::string& s) { std::fprintf(stderr, "kvlm: calibrate: %s\n", s.c_str()); };
   const PlanSearchResult r = search_kv_plan(*engine, tokens, so);
 
-  std::printf("KV plan search on %s: %d windows of %d tokens (%lld scored), %d plans measured in %.0f s\n",
-              dataset.string().c_str(), r.windows, f.ctx, (long long)r.scored_tokens, r.plans_measured, r.seconds);
+  std::printf("KV plan search on %s: %d windows of %d tokens (%lld scored) and %d check windows, %d plans measured in "
+              "%.0f s\n",
+              dataset.string().c_str(), r.windows, f.ctx, (long long)r.scored_tokens, r.check_windows, r.plans_measured,
+              r.seconds);
   const auto units = [&](const LayerSensitivity& l) {
     return r.split_kv ? std::vector<std::pair<const char*, const std::vector<SideOption>*>>{{"K", &l.k}, {"V", &l.v}}
                       : std::vector<std::pair<const char*, const std::vector<SideOption>*>>{{"KV", &l.kv}};
@@ -174,26 +184,30 @@ static int run_plan_search(const CalibrateFlags& f) {
         if (o.dtype != KVCacheDType::BFloat16) std::printf(" %17.2e", o.kld);
     std::printf("\n");
   }
-  std::printf("\ncandidates (budget %.3g: KLD + 2 standard errors within it; ranked by bytes per token at %s, exact "
-              "rows included); bfloat16: %zu B/token\n",
+  std::printf("\ncandidates (budget %.3g: KLD + 2 standard errors within it on the search windows, then on the check "
+              "windows; ranked by bytes per token at %s, exact rows included); bfloat16: %zu B/token\n",
               f.kld_budget, f.context > 0 ? (std::to_string(f.context) + " tokens of context").c_str() : "any context",
               r.bf16_bytes_per_token);
-  std::printf("  %-38s %8s %11s %10s %7s %9s %8s %8s\n", "plan", "B/token", "exact B/seq", "B/tok@ctx", "vs bf16", "KLD",
-              "+-", "same top");
+  std::printf("  %-38s %8s %11s %10s %7s %9s %8s %8s %9s %8s\n", "plan", "B/token", "exact B/seq", "B/tok@ctx", "vs bf16",
+              "KLD", "+-", "same top", "check KLD", "+-");
   for (size_t i = 0; i < r.candidates.size(); ++i) {
     const auto& c = r.candidates[i];
-    std::printf("%s %-38s %8zu %11zu %10.0f %6.2fx %9.2e %8.1e %7.2f%%%s\n", r.best == i ? "*" : " ", c.name.c_str(),
+    char checked[40] = "";
+    if (c.checked) std::snprintf(checked, sizeof checked, " %9.2e %8.1e", c.check_kld, c.check_kld_err);
+    else std::snprintf(checked, sizeof checked, " %9s %8s", "-", "");
+    std::printf("%s %-38s %8zu %11zu %10.0f %6.2fx %9.2e %8.1e %7.2f%%%s%s\n", r.best == i ? "*" : " ", c.name.c_str(),
                 c.bytes_per_token, c.exact_bytes_per_sequence, c.bytes_at(f.context),
-                double(r.bf16_bytes_per_token) / c.bytes_at(f.context), c.kld, c.kld_err, 100 * c.same_top,
-                c.within ? "" : "  over");
+                double(r.bf16_bytes_per_token) / c.bytes_at(f.context), c.kld, c.kld_err, 100 * c.same_top, checked,
+                !c.within_search ? "  over" : c.checked && !c.within ? "  over on the check windows" : "");
   }
   KVPlanFile out;
   if (r.best) {
     out = r.candidates[*r.best].file;
   } else {
     out = kv_plan_file_of(engine->plan(), std::string(arch_name(engine->config().arch)), engine->config().num_layers);
-    std::printf("\nno quantized plan fits within %.3g: every candidate's KLD is over; writing the bfloat16 plan. Raise "
-                "--kld-budget, or measure on more text (--windows) if the margins are the problem\n",
+    std::printf("\nno quantized plan fits within %.3g: every candidate's KLD is over (on the search or the check "
+                "windows); writing the bfloat16 plan. Raise --kld-budget, or measure on more text (--windows) if the "
+                "margins are the problem\n",
                 f.kld_budget);
   }
   const PlanCandidate* best = r.best ? &r.candidates[*r.best] : nullptr;
@@ -201,6 +215,8 @@ static int run_plan_search(const CalibrateFlags& f) {
                      {"plan", best ? best->name : "bfloat16"},
                      {"kld", best ? best->kld : 0.0},
                      {"kld_err", best ? best->kld_err : 0.0},
+                     {"check_kld", best && best->checked ? nlohmann::json(best->check_kld) : nlohmann::json()},
+                     {"check_kld_err", best && best->checked ? nlohmann::json(best->check_kld_err) : nlohmann::json()},
                      {"same_top", best ? best->same_top : 1.0},
                      {"bytes_per_token", engine->plan().bytes_per_token()},
                      {"exact_bytes_per_sequence", best ? best->exact_bytes_per_sequence : 0},
@@ -209,6 +225,7 @@ static int run_plan_search(const CalibrateFlags& f) {
                      {"ctx", f.ctx},
                      {"context", f.context},
                      {"windows", r.windows},
+                     {"check_windows", r.check_windows},
                      {"scored_tokens", r.scored_tokens}};
   std::ofstream file(f.out);
   if (!(file << kv_plan_file_json(out).dump(2) << "\n")) throw Error("cannot write " + f.out);

@@ -117,6 +117,7 @@ int run_perplexity(const EvalFlags& f) {
     j["kld_p99"] = r.kld_p99;
     j["kld_max"] = r.kld_max;
     j["same_top"] = r.same_top;
+    j["kld_windows"] = r.kld_windows;  // each window's mean: how the divergence varies with the text
   }
   write_json(f.json_out, j);
   return 0;

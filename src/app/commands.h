@@ -90,6 +90,7 @@ struct CalibrateFlags {
   double kld_budget = std::nan("");  // NaN: not given
   int ctx = 1024;
   int windows = 4;
+  int check_windows = 2;  // windows after the search's that only check the chosen plan
   std::string exact_tokens = "4,64";  // SINK,RECENT an INT4 layer may keep
   int context = 4096;  // the served context, at which exact rows count as bytes per token
 };

@@ -65,7 +65,9 @@ struct EngineRequest {
   // Deliver every prompt row's logits (teacher forcing: eval, goldens) — or, from a pooling
   // runner (ModelRunner::set_pooling), its final-normed hidden states (embeddings).
   bool prompt_logits = false;
-  bool last_prompt_row = false;   // (prompt_logits) only the last prompt row's: last-token pooling
+  // (prompt_logits) the first prompt row wanted; rows before it get no logits (no LM head):
+  // num_prompt - 1 for last-token pooling, the first scored row for perplexity windows.
+  int prompt_logits_from = 0;
   std::vector<std::pair<TokenId, float>> logit_bias;  // added to the logits before sampling
   // Structured outputs: the tokens drawn keep the output inside this grammar (masked before
   // sampling; EOS only where the text is complete), and the request stops with "stop" once

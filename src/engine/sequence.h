@@ -70,11 +70,11 @@ struct Sequence {
   }
   bool wants_prompt_logprobs() const { return req.prompt_logprobs >= 0 && !prompt_lp_sent; }
   // Prompt rows whose logits this request still wants, [prompt_rows_begin, prompt_rows_end):
-  // every prompt row for prompt_logits; all but the last for prompt log-probabilities (row p
-  // scores token p + 1).
+  // for prompt_logits every row from req.prompt_logits_from on; all but the last for prompt
+  // log-probabilities (row p scores token p + 1).
   int prompt_rows_begin() const {
     if (!req.prompt_logits) return 0;
-    return req.last_prompt_row ? std::max(prompt_logits_sent, num_prompt - 1) : prompt_logits_sent;
+    return std::max(prompt_logits_sent, std::min(req.prompt_logits_from, num_prompt - 1));
   }
   int prompt_rows_end() const {
     if (req.prompt_logits) return num_prompt;

@@ -14,7 +14,7 @@ EngineRequest embedding_request(std::string id, std::vector<TokenId> prompt, Poo
   r.prompt = std::move(prompt);
   r.max_tokens = 0;
   r.prompt_logits = true;
-  r.last_prompt_row = type == PoolingType::Last;
+  r.prompt_logits_from = type == PoolingType::Last ? std::max(int(r.prompt.size()) - 1, 0) : 0;
   return r;
 }
 

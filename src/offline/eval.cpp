@@ -102,40 +102,67 @@ PerplexityResult eval_perplexity(LoadedModel& engine, const std::vector<TokenId>
   r.chunks = chunks;
   r.has_base = bool(opts.kld_base);
   std::vector<double> nll, base_nll, kld;
-  std::vector<float> lp(vocab), blp(vocab);
-  int same = 0;
   // Rows are scored as they arrive, so no window's [ctx][vocab] logits are held at once;
-  // steps of up to 256 MiB of logits.
+  // steps of up to 256 MiB of logits, scored in groups of kGroup rows across threads.
   const int step = int(std::clamp<size_t>((size_t(256) << 20) / (vocab * sizeof(float)), 16, size_t(ctx)));
+  constexpr int kGroup = 16;
+  std::vector<float> lp(kGroup * vocab), blp(r.has_base ? kGroup * vocab : 0);
+  struct RowScore {
+    double nll = 0, base_nll = 0, kld = 0;
+    bool same = false;
+  };
+  std::vector<RowScore> scores(kGroup);
+  int same = 0;
   for (int c = 0; c < chunks; ++c) {
     const auto win = window_tokens.subspan(size_t(c) * size_t(ctx), size_t(ctx));
-    score_tokens(engine, win, step, [&](int row0, std::span<const float> rows) {
-      // Row j: next-token logits after token j; token i is scored by row i - 1.
-      const int n = int(rows.size() / vocab);
-      for (int j = row0; j < row0 + n; ++j) {
-        const int i = j + 1;
-        if (i < first || i >= ctx) continue;
-        log_softmax(rows.subspan(size_t(j - row0) * vocab, vocab), lp);
-        const TokenId t = win[size_t(i)];
-        nll.push_back(-double(lp[size_t(t)]));
-        if (save.is_open()) save.write(reinterpret_cast<const char*>(lp.data()), std::streamsize(vocab * sizeof(float)));
-        if (base.is_open()) {
-          base.read(reinterpret_cast<char*>(blp.data()), std::streamsize(vocab * sizeof(float)));
+    const size_t kld_before = kld.size();
+    // Row j: next-token logits after token j; token i = j + 1 is scored by it. Rows before
+    // first - 1 need no logits.
+    auto score_rows = [&](int row0, std::span<const float> rows) {
+      const int j0 = std::max(row0, first - 1), j1 = std::min(row0 + int(rows.size() / vocab), ctx - 1);
+      for (int g0 = j0; g0 < j1; g0 += kGroup) {
+        const int g = std::min(kGroup, j1 - g0);
+        if (r.has_base) {
+          base.read(reinterpret_cast<char*>(blp.data()), std::streamsize(size_t(g) * vocab * sizeof(float)));
           if (!base) throw Error(opts.kld_base->string() + " is truncated");
+        }
+#pragma omp parallel for schedule(static)
+        for (int q = 0; q < g; ++q) {
+          const std::span<float> out = std::span(lp).subspan(size_t(q) * vocab, vocab);
+          log_softmax(rows.subspan(size_t(g0 + q - row0) * vocab, vocab), out);
+          const size_t t = size_t(win[size_t(g0 + q + 1)]);
+          RowScore& sc = scores[size_t(q)];
+          sc.nll = -double(out[t]);
+          if (!r.has_base) continue;
+          const std::span<const float> b = std::span(blp).subspan(size_t(q) * vocab, vocab);
           double k = 0;
           size_t top = 0, btop = 0;
           for (size_t v = 0; v < vocab; ++v) {
-            const double pb = std::exp(double(blp[v]));
-            k += pb * (double(blp[v]) - double(lp[v]));
-            if (lp[v] > lp[top]) top = v;
-            if (blp[v] > blp[btop]) btop = v;
+            k += double(std::exp(b[v])) * (double(b[v]) - double(out[v]));
+            if (out[v] > out[top]) top = v;
+            if (b[v] > b[btop]) btop = v;
           }
-          kld.push_back(std::max(k, 0.0));
-          same += top == btop;
-          base_nll.push_back(-double(blp[size_t(t)]));
+          sc.kld = std::max(k, 0.0);
+          sc.same = top == btop;
+          sc.base_nll = -double(b[t]);
         }
+        for (int q = 0; q < g; ++q) {
+          nll.push_back(scores[size_t(q)].nll);
+          if (!r.has_base) continue;
+          kld.push_back(scores[size_t(q)].kld);
+          base_nll.push_back(scores[size_t(q)].base_nll);
+          same += scores[size_t(q)].same;
+        }
+        if (save.is_open())
+          save.write(reinterpret_cast<const char*>(lp.data()), std::streamsize(size_t(g) * vocab * sizeof(float)));
       }
-    });
+    };
+    score_tokens(engine, win, step, score_rows, first - 1);
+    if (r.has_base) {
+      double w = 0;
+      for (size_t i = kld_before; i < kld.size(); ++i) w += kld[i];
+      r.kld_windows.push_back(w / double(kld.size() - kld_before));
+    }
     if (progress) progress(c + 1, chunks);
   }
   if (save.is_open() && !save.flush()) throw Error("cannot write --save-logits file " + opts.save_logits->string());

@@ -32,6 +32,7 @@ struct PerplexityResult {
   double delta_ppl = 0, delta_ppl_ci95 = 0;  // PPL - base PPL, and the half-width of its 95% CI
   double kld_mean = 0, kld_mean_err = 0, kld_median = 0, kld_p99 = 0, kld_max = 0;
   double same_top = 0;  // fraction of scored tokens whose most likely token is the baseline's
+  std::vector<double> kld_windows;  // each window's mean KLD (tokens within a window are not independent)
 };
 
 // Runs the windows of `tokens` through the engine. `progress(done, total)` after each window.

@@ -15,6 +15,13 @@
 //     2 standard errors) stays within the budget.
 //  4. The uniform modes are measured too; the answer is the candidate with the fewest bytes
 //     within the budget (none when no quantized plan fits: then the 16-bit one).
+// Windows: max_windows + check_windows of the text's, spread evenly over it (search and check
+// alternating). Check windows are never used to choose formats.
+// A plan within the budget on the search windows is measured again there and is accepted only if
+// it stays within the budget (the bisection of step 3 and the final choice both ask), so that a
+// plan fitted to one passage of text is caught before it ships. A bound is the mean KLD plus
+// two standard errors, the larger of the per-token one and the one across windows (the tokens of
+// one window are not independent: per-token errors alone under-stated the shift between texts).
 // Bytes are counted at the served context (PlanSearchOptions::context): a plan's pages per
 // token plus its exact sink / recent rows, a fixed cost per sequence, spread over the context.
 // The assembly counts a layer's exact rows once, whichever of its sides took them.
@@ -33,7 +40,8 @@ namespace kvlm {
 struct PlanSearchOptions {
   double kld_budget = 1e-3;
   int ctx = 1024;        // tokens per window (the second half of each is scored)
-  int max_windows = 4;   // windows of the calibration text used
+  int max_windows = 4;   // windows of the calibration text the formats are chosen on
+  int check_windows = 2; // other windows, which only check a chosen plan (0: none)
   int bisect_steps = 6;  // end-to-end measurements of assembled plans
   int num_seeds = 16;    // rotation sign seeds tried per layer (on the sampled rows)
   // Exact sink / recent tokens a layer's INT4 option may keep (0 and 0: no such options).
@@ -69,8 +77,13 @@ struct PlanCandidate {
   KVPlanFile file;
   size_t bytes_per_token = 0;
   size_t exact_bytes_per_sequence = 0;  // the exact sink / recent rows, a fixed cost per sequence
-  double kld = 0, kld_err = 0, same_top = 0;
-  bool within = false;  // kld + 2 * kld_err <= budget
+  double kld = 0, kld_err = 0, same_top = 0;  // on the search windows
+  bool within_search = false;  // kld + 2 * kld_err <= budget
+  // On the check windows, where measured (a candidate within on the search windows that was a
+  // contender: the bisection's, and the cheapest ones at the end).
+  bool checked = false;
+  double check_kld = 0, check_kld_err = 0;
+  bool within = false;  // within on the search windows and, when there are check windows, on them
   // Bytes per token at `context` tokens: the pages' plus the exact rows' share (context 0: the pages').
   double bytes_at(int context) const {
     return double(bytes_per_token) + (context > 0 ? double(exact_bytes_per_sequence) / context : 0.0);
@@ -83,7 +96,7 @@ struct PlanSearchResult {
   std::optional<size_t> best;  // index into candidates: the fewest bytes (at the context) within the budget
   size_t bf16_bytes_per_token = 0;
   bool split_kv = true;  // the layers' K and V were chosen apart (LayerSensitivity::k, v) or together (kv)
-  int windows = 0;
+  int windows = 0, check_windows = 0;
   int64_t scored_tokens = 0;
   int plans_measured = 0;
   double seconds = 0;

@@ -8,10 +8,12 @@
 
 namespace kvlm {
 
-void score_tokens(LoadedModel& model, std::span<const TokenId> tokens, int chunk, const LogitRows& rows) {
+void score_tokens(LoadedModel& model, std::span<const TokenId> tokens, int chunk, const LogitRows& rows,
+                  int from_row) {
   if (tokens.empty()) throw Error("nothing to score: the token sequence is empty");
   if (chunk < 1) throw Error("the scoring chunk must be at least 1 token");
   const int n = int(tokens.size()), bs = model.block_size();
+  KVLM_CHECK(from_row >= 0 && from_row < n, "the first scored row is outside the sequence");
   const int max_len = model.config().max_position_embeddings;
   if (n > max_len)
     throw Error("this sequence has " + std::to_string(n) + " tokens but the model supports " + std::to_string(max_len) +
@@ -24,9 +26,9 @@ void score_tokens(LoadedModel& model, std::span<const TokenId> tokens, int chunk
                                        .num_blocks = (len + bs - 1) / bs});
   std::string error;
   std::exception_ptr failure;
-  int next = 0;
+  int next = from_row;
   EngineRequest req{.id = "score", .prompt = {tokens.begin(), tokens.end()}, .max_tokens = 0,
-                    .prompt_logits = bool(rows)};
+                    .prompt_logits = bool(rows), .prompt_logits_from = from_row};
   req.on_output = [&](const RequestOutput& out) {
     if (!out.prompt_logits.empty()) {
       KVLM_CHECK(out.prompt_logits_begin == next, "prompt logits arrived out of order");

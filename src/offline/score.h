@@ -17,10 +17,12 @@ namespace kvlm {
 using LogitRows = std::function<void(int first, std::span<const float> rows)>;
 
 // Runs `tokens` through `model` in steps of at most `chunk` tokens (the runner's KV pool is
-// reallocated for exactly this sequence) and hands every row's logits to `rows`, in order;
-// row p follows token p. An empty `rows` runs the prompt without asking for logits (the KV
-// observer of calibration sees it). Throws kvlm::Error when the model cannot run it.
-void score_tokens(LoadedModel& model, std::span<const TokenId> tokens, int chunk, const LogitRows& rows);
+// reallocated for exactly this sequence) and hands the logits of rows [from_row, n) to `rows`,
+// in order; row p follows token p. Rows before `from_row` are run without the LM head (a
+// perplexity window's context half). An empty `rows` runs the prompt without asking for logits
+// (the KV observer of calibration sees it). Throws kvlm::Error when the model cannot run it.
+void score_tokens(LoadedModel& model, std::span<const TokenId> tokens, int chunk, const LogitRows& rows,
+                  int from_row = 0);
 
 // Every row's logits at once, [tokens][vocab].
 std::vector<float> all_logits(LoadedModel& model, std::span<const TokenId> tokens, int chunk);

@@ -208,21 +208,30 @@ expect_error 1 "layer 0 asks for a Hadamard rotation of K, which is held in bflo
   && [ "$(json_get "$tmp/w2.json" "sorted(set(l['dtype_source'] for l in d['layers']))")" = "['plan file']" ] \
   && ok || bad "inspect --write-kv-plan round trip: $(cat "$tmp/w.json")"
 # kvlm calibrate --kld-budget on the bundled model: it measures, prints the candidates, writes a
-# plan that loads; the plan's KLD re-measured by eval perplexity on the same text is within
-# the budget (the search's acceptance: mean + 2 standard errors).
+# plan that loads, checked on 2 windows the search did not use (--check-windows' default) and
+# within the budget there.
 tiny="$here/../../models/kvlm-tiny"
-if "$KVLM" calibrate --model "$tiny" --kld-budget 1e-3 --ctx 128 --windows 2 --text "$tiny/eval/heldout.txt" \
-     --out "$tmp/cal.json" >"$tmp/cal.out" 2>"$tmp/cal.err"; then
-  grep -q "uniform int8+rot" "$tmp/cal.out" && grep -q "^\*" "$tmp/cal.out" && ok || bad "calibrate table: $(cat "$tmp/cal.out")"
-  kld=$(json_get "$tmp/cal.json" "d['calibration']['kld']")
-  "$KVLM" eval perplexity --model "$tiny" --kv-cache-dtype bfloat16 --text "$tiny/eval/heldout.txt" --ctx 128 --max-chunks 2 \
+"$KVLM" calibrate --model "$tiny" --kld-budget 1e-3 --ctx 128 --windows 2 --text "$tiny/eval/heldout.txt" \
+    --out "$tmp/cal.json" >"$tmp/cal.out" 2>"$tmp/cal.err" \
+  && grep -q "uniform int8+rot" "$tmp/cal.out" && grep -q "^\*" "$tmp/cal.out" \
+  && grep -q "on the check windows: KLD" "$tmp/cal.err" \
+  && [ "$(json_get "$tmp/cal.json" "d['calibration']['check_windows']")" = "2" ] \
+  && python3 -c "import json; c=json.load(open('$tmp/cal.json'))['calibration']; assert c['check_kld'] + 2 * c['check_kld_err'] <= 1e-3, c" \
+  && ok || bad "calibrate --kld-budget: $(cat "$tmp/cal.out" "$tmp/cal.err")"
+# The search's KLD is what eval perplexity measures on the same windows: a text of exactly 2
+# windows of 128 tokens, searched on both (no check windows), re-measured by eval.
+head -c 1200 "$tiny/eval/heldout.txt" >"$tmp/short.txt"
+if "$KVLM" calibrate --model "$tiny" --kld-budget 1e-3 --ctx 128 --windows 2 --check-windows 0 --text "$tmp/short.txt" \
+     --out "$tmp/cal2.json" >"$tmp/cal2.out" 2>"$tmp/cal2.err"; then
+  kld=$(json_get "$tmp/cal2.json" "d['calibration']['kld']")
+  "$KVLM" eval perplexity --model "$tiny" --kv-cache-dtype bfloat16 --text "$tmp/short.txt" --ctx 128 --max-chunks 2 \
       --save-logits "$tmp/base.logits" >/dev/null 2>&1 \
-    && "$KVLM" eval perplexity --model "$tiny" --kv-cache-plan "$tmp/cal.json" --text "$tiny/eval/heldout.txt" --ctx 128 \
+    && "$KVLM" eval perplexity --model "$tiny" --kv-cache-plan "$tmp/cal2.json" --text "$tmp/short.txt" --ctx 128 \
       --max-chunks 2 --kl-divergence-base "$tmp/base.logits" --json "$tmp/cal-eval.json" >/dev/null 2>&1 \
-    && python3 -c "import json; d=json.load(open('$tmp/cal-eval.json')); k=d['kld_mean']; assert k <= 1e-3 and abs(k - $kld) <= 1e-9 + 1e-6 * $kld, (k, $kld)" \
+    && python3 -c "import json; d=json.load(open('$tmp/cal-eval.json')); k=d['kld_mean']; assert k <= 1e-3 and abs(k - $kld) <= 1e-9 + 1e-6 * $kld and len(d['kld_windows']) == 2, (k, $kld)" \
     && ok || bad "calibrated plan re-measured: $(cat "$tmp/cal-eval.json")"
 else
-  bad "calibrate --kld-budget: $(cat "$tmp/cal.err")"
+  bad "calibrate --check-windows 0: $(cat "$tmp/cal2.err")"
 fi
 # --context: exact rows are a cost per sequence, counted over the served context; at 64 tokens
 # of context 4 + 64 exact rows cost more than a 16-bit layer, so no layer keeps them.
@@ -232,6 +241,12 @@ fi
   && [ "$(json_get "$tmp/cal64.json" "sum(l.get('keep_sink', 0) + l.get('keep_recent', 0) for l in d['layers'])")" = "0" ] \
   && [ "$(json_get "$tmp/cal64.json" "d['calibration']['context']")" = "64" ] \
   && ok || bad "calibrate --context 64: $(cat "$tmp/cal64.out" "$tmp/cal64.err")"
+# A text too short for the check windows asked for: the search says so and how many it used.
+"$KVLM" calibrate --model "$tiny" --kld-budget 1e-3 --ctx 128 --windows 2 --check-windows 3 --text "$tmp/short.txt" \
+    --out "$tmp/cal-short.json" >"$tmp/cal-short.out" 2>"$tmp/cal-short.err" \
+  && grep -q "the text fills 2 windows of 128 tokens: 1 check window instead of 3; give more text" "$tmp/cal-short.err" \
+  && python3 -c "import json; c=json.load(open('$tmp/cal-short.json'))['calibration']; assert (c['windows'], c['check_windows']) == (1, 1), c" \
+  && ok || bad "calibrate on a short text: $(cat "$tmp/cal-short.out" "$tmp/cal-short.err")"
 expect_error 1 "--kld-budget" -- calibrate --kld-budget -1 --out "$tmp/x.json"
 # An output file that is one of the command's inputs is refused before anything is written, and
 # a --json FILE that looks like an option says what --json wants.
