@@ -95,6 +95,7 @@ ServingArgs serving_args(const json& o) {
   a.max_num_batched_tokens = get_or(o, "max_num_batched_tokens", a.max_num_batched_tokens);
   a.enable_prefix_caching = get_or(o, "enable_prefix_caching", a.enable_prefix_caching);
   a.scheduling_policy = get_or(o, "scheduling_policy", a.scheduling_policy);
+  a.kv_offload_gib = get_or(o, "kv_offload_gib", a.kv_offload_gib);
   return a;
 }
 

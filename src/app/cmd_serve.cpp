@@ -46,6 +46,11 @@ void ServingFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--kv-cache-memory", kv_cache_memory,
                  "bytes for the KV pool, e.g. 2GiB, 512MiB (CPU default: max-num-seqs sequences of max-model-len, "
                  "kvlm serve: 16 of them, up to 4GiB; GPU default: from --gpu-memory-utilization)");
+  cmd.add_option("--kv-offload-gib", kv_offload_gib,
+                 "GiB of host memory for a second tier of the prefix cache: pages the KV pool evicts are kept there in "
+                 "their stored format and copied back when a prompt's prefix reaches them, instead of recomputed "
+                 "(default 0: none)")
+      ->check(CLI::Range(0.0, 1e6));
   cmd.add_option("--gpu-memory-utilization", gpu_memory_utilization,
                  "fraction of the GPU's memory this server may use (weights, activations, KV pool)")
       ->capture_default_str();
@@ -315,11 +320,16 @@ class StatsLine {
       if (dp || dg || s.num_running || s.num_waiting) {
         const uint64_t dq = s.prefix_cache_queries_total - last.prefix_cache_queries_total;
         const uint64_t dh = s.prefix_cache_hits_total - last.prefix_cache_hits_total;
+        char tier[160] = "";
+        if (s.kv_offload_capacity > 0)
+          std::snprintf(tier, sizeof tier, ", Host tier: %d/%d pages, %llu tokens restored",
+                        s.kv_offload_pages, s.kv_offload_capacity,
+                        (unsigned long long)(s.kv_offload_hit_tokens_total - last.kv_offload_hit_tokens_total));
         std::fprintf(stderr,
                      "%s kvlm: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%\n",
+                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s\n",
                      utc_now().c_str(), double(dp) / dt, double(dg) / dt, s.num_running, s.num_waiting,
-                     100.0 * s.kv_usage, dq ? 100.0 * double(dh) / double(dq) : 0.0);
+                     100.0 * s.kv_usage, dq ? 100.0 * double(dh) / double(dq) : 0.0, tier);
         std::fflush(stderr);
       }
       last = s;

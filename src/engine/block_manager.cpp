@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "engine/host_kv_tier.h"
 
 namespace kvlm {
 
@@ -83,8 +84,11 @@ std::optional<BlockId> BlockManager::allocate() {
   if (head_ < 0) return std::nullopt;
   const BlockId id = head_;
   queue_remove(id);
-  uncache(id);  // evict: the least recently used cached page (or a never-cached one)
   Block& b = blocks_[size_t(id)];
+  if (tier_ && b.serial != 0)  // to the lower tier before its contents are replaced
+    tier_->keep(id, b.serial, b.parent_serial, b.key,
+                std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
+  uncache(id);  // evict: the least recently used cached page (or a never-cached one)
   KVLM_CHECK(b.exact_holds == 0, "a free page with exact holds");
   detach_exact(id);  // its tokens are about to be replaced
   b.refs = 1;
@@ -173,9 +177,30 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
         break;
       }
     }
-    if (found < 0) break;
-    Block& b = blocks_[size_t(found)];
-    if (b.refs++ == 0) queue_remove(found);
+    if (found < 0 && tier_) {  // past the pool's pages: the lower tier's, copied back
+      const int slot = tier_->find(key, parent, page);
+      if (slot < 0) break;
+      const std::optional<BlockId> fresh = allocate();
+      if (!fresh) {
+        tier_->unpin(slot);
+        break;
+      }
+      const auto [serial, parent_serial] = tier_->restore(slot, *fresh);
+      KVLM_CHECK(parent_serial == parent, "host tier: a restored page's parent differs");
+      Block& r = blocks_[size_t(*fresh)];
+      r.serial = serial;
+      r.parent_serial = parent_serial;
+      r.key = key;
+      std::ranges::copy(page, tokens_.begin() + ptrdiff_t(size_t(*fresh) * bs));
+      index_.emplace(key, *fresh);
+      tier_hits_ += bs;
+      found = *fresh;  // referenced once, by allocate()
+    } else if (found < 0) {
+      break;
+    } else if (blocks_[size_t(found)].refs++ == 0) {
+      queue_remove(found);
+    }
+    const Block& b = blocks_[size_t(found)];
     pages.push_back(found);
     serials.push_back(b.serial);
     hits_ += bs;

@@ -21,6 +21,10 @@
 // allocated afresh gives its up. A page whose exact copy is gone never gets one again (its
 // tokens are not written again), so a prefix hit stops before it (the scheduler's
 // admit_prefix).
+//
+// A lower tier (engine/host_kv_tier.h, --kv-offload-gib): a cached page about to be reused is
+// copied there first, and a prefix that runs out of cached pages goes on there: each page
+// found is copied back into a fresh page and registered again under its own serial.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +37,8 @@
 #include "core/index_types.h"
 
 namespace kvlm {
+
+class HostKVTier;
 
 class BlockManager {
  public:
@@ -52,7 +58,11 @@ class BlockManager {
   void release(BlockId id);
   int ref_count(BlockId id) const { return blocks_[size_t(id)].refs; }
 
-  // Longest run of cached full pages that `tokens` starts with. Each page found gains a
+  // The tier evicted cached pages go to and prefix hits are restored from (nullptr: none).
+  void set_lower_tier(HostKVTier* tier) { tier_ = tier; }
+
+  // Longest run of cached full pages that `tokens` starts with, in the pool or, past its
+  // pages, in the lower tier (copied back into fresh pages). Each page found gains a
   // reference and is appended to `pages`, its serial to `serials`; returns how many were
   // found. Only whole pages match; the caller decides how many of them to keep.
   int match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages, std::vector<uint64_t>& serials);
@@ -84,6 +94,7 @@ class BlockManager {
   // Statistics (tokens, in whole pages): looked up / found by match_prefix.
   uint64_t cache_queries() const { return queries_; }
   uint64_t cache_hits() const { return hits_; }
+  uint64_t lower_tier_hits() const { return tier_hits_; }  // of the hits, tokens restored from the lower tier
   int num_cached() const { return int(index_.size()); }
 
  private:
@@ -113,7 +124,8 @@ class BlockManager {
   BlockId head_ = -1, tail_ = -1;
   int num_free_ = 0;
   uint64_t next_serial_ = 1;
-  uint64_t queries_ = 0, hits_ = 0;
+  uint64_t queries_ = 0, hits_ = 0, tier_hits_ = 0;
+  HostKVTier* tier_ = nullptr;
   std::vector<int32_t> exact_of_;      // [num_blocks] exact page or -1
   std::vector<BlockId> exact_owner_;   // [num_exact_pages] page it is attached to, or -1
   std::vector<int32_t> exact_free_;    // unattached exact pages

@@ -78,6 +78,9 @@ MemoryOptions ServingArgs::memory_options(ArgStyle style) const {
   m.max_num_seqs = max_num_seqs;
   m.max_num_batched_tokens = max_num_batched_tokens;
   m.prefix_caching = enable_prefix_caching;
+  if (!(kv_offload_gib >= 0 && kv_offload_gib < 1e6))
+    throw Error(arg_name(style, "kv-offload-gib") + " must be a size in GiB, 0 or more, got " + std::to_string(kv_offload_gib));
+  m.kv_offload_bytes = uint64_t(kv_offload_gib * double(1ull << 30));
   if (scheduling_policy != "fcfs" && scheduling_policy != "priority")
     throw Error(arg_name(style, "scheduling-policy") + " must be fcfs or priority, got '" + scheduling_policy + "'");
   return m;
@@ -91,6 +94,7 @@ SchedulerConfig ServingArgs::scheduler_config(const MemoryPlan& plan) const {
   c.enable_prefix_caching = enable_prefix_caching;
   c.num_blocks = plan.num_blocks;
   c.state_snapshots = plan.state_snapshots;
+  c.kv_offload_pages = plan.offload_pages;
   c.priority = scheduling_policy == "priority";
   return c;
 }

@@ -56,6 +56,7 @@ struct ServingArgs {
   std::string kv_cache_memory;  // bytes, e.g. 2GiB; empty = the planner's default
   double gpu_memory_utilization = 0.9;
   std::string scheduling_policy = "fcfs";  // fcfs | priority
+  double kv_offload_gib = 0;  // the prefix cache's host tier (engine/host_kv_tier.h); 0 = none
 
   MemoryOptions memory_options(ArgStyle style) const;  // parses and validates; throws kvlm::Error
   SchedulerConfig scheduler_config(const MemoryPlan& plan) const;

@@ -298,6 +298,15 @@ EngineStats LLMEngine::stats() const {
   st.num_blocks = b.num_blocks();
   st.num_free_blocks = b.num_free();
   st.kv_usage = double(b.num_used()) / double(b.num_blocks());
+  if (const HostKVTier* t = scheduler_.host_tier()) {
+    st.kv_offload_pages = int(t->size());
+    st.kv_offload_capacity = int(t->capacity());
+    st.kv_offload_page_bytes = t->page_bytes();
+    st.kv_offload_stored_total = t->pages_kept();
+    st.kv_offload_restored_total = t->pages_restored();
+    st.kv_offload_evictions_total = t->evictions();
+    st.kv_offload_hit_tokens_total = b.lower_tier_hits();
+  }
   return st;
 }
 

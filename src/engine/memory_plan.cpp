@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 
 #include "core/device.h"
 #include "core/error.h"
@@ -28,6 +29,17 @@ std::string with_commas(int64_t v) {
   std::string s = std::to_string(v);
   for (int i = int(s.size()) - 3; i > (v < 0 ? 1 : 0); i -= 3) s.insert(size_t(i), ",");
   return s;
+}
+
+// The host memory the kernel says is available (MemAvailable), or 0 when it cannot tell.
+uint64_t host_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
 }
 
 }  // namespace
@@ -218,6 +230,28 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
                   "%d sequences",
                   human_bytes(mp.exact_bytes).c_str(), plan.keep_sink(), plan.keep_recent(),
                   plan.exact_bytes_per_token(), mp.num_exact_pages, opts.max_num_seqs);
+    mp.summary += line;
+  }
+  if (opts.kv_offload_bytes > 0) {
+    if (!opts.prefix_caching)
+      throw Error("--kv-offload-gib keeps the pages the prefix cache evicts: it needs prefix caching (drop "
+                  "--no-enable-prefix-caching)");
+    const size_t page = engine.model().kv_page_bytes(mp.block_size);
+    if (page == 0)
+      throw Error("--kv-offload-gib: this runner cannot copy its KV pages to host memory yet (tensor parallelism); "
+                  "drop --kv-offload-gib or --tensor-parallel-size");
+    mp.offload_pages = int64_t(opts.kv_offload_bytes / page);
+    mp.offload_bytes = uint64_t(mp.offload_pages) * page;
+    if (mp.offload_pages < 2)
+      throw Error("--kv-offload-gib: " + human_bytes(opts.kv_offload_bytes) + " holds fewer than 2 pages of " +
+                  human_bytes(page) + "; give the host tier more memory");
+    if (const uint64_t avail = host_available_bytes(); avail > 0 && mp.offload_bytes > avail)
+      throw Error("--kv-offload-gib: the host tier's " + human_bytes(mp.offload_bytes) + " is more than the " +
+                  human_bytes(avail) + " of host memory available; give it less");
+    std::snprintf(line, sizeof line, "\nhost tier (--kv-offload-gib): %s = %s pages = %s tokens, %.2fx the pool's",
+                  human_bytes(mp.offload_bytes).c_str(), with_commas(mp.offload_pages).c_str(),
+                  with_commas(mp.offload_pages * mp.block_size).c_str(),
+                  double(mp.offload_pages) / double(std::max(mp.num_blocks, 1)));
     mp.summary += line;
   }
   return mp;

@@ -17,6 +17,7 @@ struct MemoryOptions {
   int max_num_seqs = 256;
   int max_num_batched_tokens = 2048;
   bool prefix_caching = true;  // hybrid models: the prefix cache's state snapshots count too
+  uint64_t kv_offload_bytes = 0;  // --kv-offload-gib: the prefix cache's host tier (0: none)
 };
 
 struct MemoryPlan {
@@ -32,6 +33,8 @@ struct MemoryPlan {
   int64_t capacity_tokens = 0;      // num_blocks * block_size
   int max_model_len = 0;
   double max_concurrency = 0;       // capacity_tokens / max_model_len
+  int64_t offload_pages = 0;        // the host tier's pages (engine/host_kv_tier.h), 0 = none
+  uint64_t offload_bytes = 0;
   std::string summary;              // the startup log lines
 };
 

@@ -24,6 +24,10 @@ Scheduler::Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& ru
       stats_(stats) {
   for (int i = cfg.max_num_seqs; i-- > 0;) free_state_slots_.push_back(i);
   KVLM_CHECK(cfg.num_exact_pages == 0 || cfg.keep_sink > 0 || cfg.keep_recent > 0, "exact pages without exact tokens");
+  if (cfg.kv_offload_pages > 0 && cfg.enable_prefix_caching) {
+    tier_ = std::make_unique<HostKVTier>(runner, block_size, size_t(cfg.kv_offload_pages));
+    blocks_.set_lower_tier(tier_.get());
+  }
 }
 
 int Scheduler::window_page(int next) const {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "engine/block_manager.h"
+#include "engine/host_kv_tier.h"
 #include "engine/metrics.h"
 #include "engine/sequence.h"
 #include "engine/state_snapshots.h"
@@ -48,6 +49,9 @@ struct SchedulerConfig {
   // --max-num-seqs slot (MemoryPlan::state_snapshots), 0 = none, which turns prefix caching
   // off for them. LLMEngine resolves it (0 for models without recurrent layers).
   int state_snapshots = -1;
+  // The prefix cache's host tier (engine/host_kv_tier.h, --kv-offload-gib): pages of host
+  // memory evicted cached pages go to; 0 = none. Needs prefix caching.
+  int64_t kv_offload_pages = 0;
 };
 
 class Scheduler {
@@ -79,6 +83,7 @@ class Scheduler {
   void register_full_pages(Sequence& s);
   const StateSnapshots& snapshots() const { return snapshots_; }
   const BlockManager& blocks() const { return blocks_; }
+  const HostKVTier* host_tier() const { return tier_.get(); }
   // After a step moved s.num_computed on: the pages that left every future query's recent
   // window give up their exact copies.
   void advance_exact(Sequence& s);
@@ -117,6 +122,7 @@ class Scheduler {
   // pages. Unused otherwise (the runner ignores AttnSeq::state_slot).
   std::vector<int> free_state_slots_;
   StateSnapshots snapshots_;
+  std::unique_ptr<HostKVTier> tier_;
   BlockManager blocks_;
   ModelRunner& runner_;
   EngineStats& stats_;

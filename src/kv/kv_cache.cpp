@@ -1,6 +1,7 @@
 #include "kv/kv_cache.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/error.h"
 #include "kv/kv_formats.h"
@@ -17,8 +18,17 @@ KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size) {
           .exact = spec.exact_bytes_per_token() / 2 * size_t(block_size)};
 }
 
+size_t kv_page_bytes(const KVPlan& plan, int block_size) {
+  size_t total = 0;
+  for (const auto& spec : plan.layers) {
+    const KVPageBytes p = kv_page_bytes(spec, block_size);
+    total += p.k_codes + p.v_codes + p.k_scales + p.v_scales;
+  }
+  return total;
+}
+
 KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size, int num_exact_pages)
-    : num_blocks_(num_blocks), block_size_(block_size) {
+    : num_blocks_(num_blocks), block_size_(block_size), page_bytes_(kv_page_bytes(plan, block_size)) {
   KVLM_CHECK(num_blocks > 0 && block_size > 0, "empty KV cache");
   KVLM_CHECK(num_exact_pages >= 0, "negative exact page count");
   const bool any_exact = std::ranges::any_of(plan.layers, [](const KVLayerSpec& l) { return l.keeps_exact(); });
@@ -75,6 +85,39 @@ void KVCache::copy_exact_page(int32_t src, int32_t dst) {
     const size_t page = l.ek.size() / size_t(num_exact_);
     std::copy_n(l.ek.begin() + ptrdiff_t(size_t(src) * page), page, l.ek.begin() + ptrdiff_t(size_t(dst) * page));
     std::copy_n(l.ev.begin() + ptrdiff_t(size_t(src) * page), page, l.ev.begin() + ptrdiff_t(size_t(dst) * page));
+  }
+}
+
+
+void KVCache::save_page(BlockId id, std::span<uint8_t> out) const {
+  KVLM_CHECK(id >= 0 && id < num_blocks_ && out.size() == page_bytes(), "save_page: page id or buffer size");
+  uint8_t* o = out.data();
+  for (const auto& l : layers_) {
+    const KVPageBytes p = kv_page_bytes(*l.spec, block_size_);
+    const auto part = [&](const auto& pool, size_t page) {
+      std::memcpy(o, reinterpret_cast<const uint8_t*>(pool.data()) + size_t(id) * page, page);
+      o += page;
+    };
+    part(l.k, p.k_codes);
+    part(l.v, p.v_codes);
+    part(l.k_scale, p.k_scales);
+    part(l.v_scale, p.v_scales);
+  }
+}
+
+void KVCache::load_page(BlockId id, std::span<const uint8_t> in) {
+  KVLM_CHECK(id >= 0 && id < num_blocks_ && in.size() == page_bytes(), "load_page: page id or buffer size");
+  const uint8_t* i = in.data();
+  for (auto& l : layers_) {
+    const KVPageBytes p = kv_page_bytes(*l.spec, block_size_);
+    const auto part = [&](auto& pool, size_t page) {
+      std::memcpy(reinterpret_cast<uint8_t*>(pool.data()) + size_t(id) * page, i, page);
+      i += page;
+    };
+    part(l.k, p.k_codes);
+    part(l.v, p.v_codes);
+    part(l.k_scale, p.k_scales);
+    part(l.v_scale, p.v_scales);
   }
 }
 

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "kv/kv_plan.h"
@@ -32,6 +33,8 @@ struct KVPageBytes {
   size_t exact = 0;
 };
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size);
+// One page in every layer of `plan`: K and V codes and token scales (exact pages not included).
+size_t kv_page_bytes(const KVPlan& plan, int block_size);
 
 struct LayerKVCache {
   const KVLayerSpec* spec = nullptr;
@@ -77,9 +80,16 @@ class KVCache {
   void copy_block(BlockId src, BlockId dst);
   // Copies exact page `src` onto exact page `dst` in every layer that has exact pages.
   void copy_exact_page(int32_t src, int32_t dst);
+  // One page in every layer, serialized: per layer in order its K codes, V codes, K scales and
+  // V scales (kv_page_bytes; exact pages not included). save_page writes page_bytes() bytes,
+  // load_page reads them back.
+  size_t page_bytes() const { return page_bytes_; }
+  void save_page(BlockId id, std::span<uint8_t> out) const;
+  void load_page(BlockId id, std::span<const uint8_t> in);
 
  private:
   int num_blocks_, block_size_, num_exact_ = 0;
+  size_t page_bytes_ = 0;
   std::vector<LayerKVCache> layers_;
 };
 

@@ -49,6 +49,14 @@ void ModelRunner::kv_plan_changed() {
   throw Error("this model runner cannot change its KV plan after loading (the CPU and CUDA runners of one rank can)");
 }
 
+void ModelRunner::save_pages(std::span<const BlockId>, std::span<uint8_t>) {
+  throw Error("this model runner cannot copy its KV pages to host memory (--kv-offload-gib)");
+}
+
+void ModelRunner::load_pages(std::span<const BlockId>, std::span<const uint8_t>) {
+  throw Error("this model runner cannot copy KV pages from host memory (--kv-offload-gib)");
+}
+
 void ModelRunner::copy_states(std::span<const StateCopy> copies) {
   KVLM_CHECK(copies.empty(), "copy_states on a runner without recurrent states");
 }

@@ -139,6 +139,19 @@ class ModelRunner {
   // that a sequence is about to write into.
   virtual void copy_blocks(std::span<const PageCopy> copies) = 0;
 
+  // The prefix cache's host tier (engine/host_kv_tier.h): the bytes of one page of `block_size`
+  // tokens in every layer — K and V codes and token scales, kv/kv_cache.h's kv_page_bytes(plan),
+  // exact pages not included — or 0 when the runner cannot copy pages out (then
+  // --kv-offload-gib is refused). save_pages copies whole pages, one after the other, into
+  // `out` (pages.size() * kv_page_bytes bytes), after the work already issued; load_pages
+  // copies them back, before the next step.
+  virtual size_t kv_page_bytes(int block_size) const {
+    (void)block_size;
+    return 0;
+  }
+  virtual void save_pages(std::span<const BlockId> pages, std::span<uint8_t> out);
+  virtual void load_pages(std::span<const BlockId> pages, std::span<const uint8_t> in);
+
  private:
   bool pooling_ = false;
 };

@@ -119,6 +119,20 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   w.counter("kvlm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
             double(s.prefix_cache_queries_total));
   w.counter("kvlm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(s.prefix_cache_hits_total));
+  if (s.kv_offload_capacity > 0) {
+    w.gauge("kvlm:kv_offload_pages", "Pages held in the prefix cache's host tier (--kv-offload-gib).", s.kv_offload_pages);
+    w.gauge("kvlm:kv_offload_capacity_pages", "Pages the host tier can hold.", s.kv_offload_capacity);
+    w.counter("kvlm:kv_offload_stored_pages_total", "Pages evicted from the KV pool and copied to the host tier.",
+              double(s.kv_offload_stored_total));
+    w.counter("kvlm:kv_offload_restored_pages_total", "Pages copied back from the host tier for a prefix hit.",
+              double(s.kv_offload_restored_total));
+    w.counter("kvlm:kv_offload_restored_bytes_total", "Bytes copied back from the host tier.",
+              double(s.kv_offload_restored_total) * double(s.kv_offload_page_bytes));
+    w.counter("kvlm:kv_offload_evictions_total", "Host tier entries replaced (least recently used first).",
+              double(s.kv_offload_evictions_total));
+    w.counter("kvlm:kv_offload_hit_tokens_total", "Prompt tokens found in the host tier (restored, not recomputed).",
+              double(s.kv_offload_hit_tokens_total));
+  }
   w.counter("kvlm:requests_total", "Requests accepted by the engine.", double(s.requests_total));
   std::map<std::string, uint64_t> by_reason{{"stop", 0}, {"length", 0}, {"abort", 0}, {"error", 0}};
   for (const auto& [reason, n] : s.requests_finished_total) by_reason[reason] = n;

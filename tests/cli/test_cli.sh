@@ -160,6 +160,14 @@ printf '/exit\n' | "$KVLM" chat "$chat" --max-tokens 2 >/dev/null 2>"$tmp/err" &
 "$KVLM" bench throughput "$chat" --num-prompts 2 --input-len 8 --output-len 4 >/dev/null 2>"$tmp/err" && ok \
   || bad "bench throughput MODEL: $(cat "$tmp/err")"
 expect_error 1 "two models given" -- generate "$chat" --model "$golden/qwen3-mixed" --prompt-ids 1
+# The prefix cache's host tier: planned in whole pages and said at startup; refused where it
+# cannot work, before anything runs.
+"$KVLM" bench throughput "$chat" --num-prompts 2 --input-len 8 --output-len 4 --kv-offload-gib 0.01 >/dev/null 2>"$tmp/err" \
+  && grep -q "host tier (--kv-offload-gib): .* pages = .* tokens" "$tmp/err" && ok || bad "bench --kv-offload-gib: $(cat "$tmp/err")"
+expect_error 1 "--kv-offload-gib keeps the pages the prefix cache evicts: it needs prefix caching" -- \
+  bench throughput "$chat" --num-prompts 1 --kv-offload-gib 0.01 --no-enable-prefix-caching
+expect_error 1 "of host memory available; give it less" -- bench throughput "$chat" --num-prompts 1 --kv-offload-gib 900000
+expect_error 2 "--kv-offload-gib: Value -1 not in range" -- bench throughput "$chat" --num-prompts 1 --kv-offload-gib -1
 # Flags checked before anything loads.
 expect_error 1 "--scheduling-policy must be fcfs or priority" -- serve "$chat" --scheduling-policy lottery --port 0
 expect_error 1 "--runner must be auto, generate or pooling" -- generate "$chat" --runner embed --prompt-ids 1

@@ -222,6 +222,21 @@ def test_tensor_parallel_on_the_cpu_equals_one_rank(llm):
         LLM(model=TINY, tensor_parallel_size=2, enable_expert_parallel=True, kv_cache_memory="64MiB")
 
 
+def test_a_host_tier_keeps_evicted_prefixes_and_changes_no_token(llm):
+    # A pool of a few sequences and kv_offload_gib: prompts over a shared prefix, more than the
+    # pool holds, twice; the second round's prefixes come back from host memory, same tokens.
+    tiered = LLM(model=TINY, max_model_len=256, kv_cache_memory="1MiB", kv_offload_gib=0.05, max_num_seqs=2)
+    assert "host tier (--kv-offload-gib)" in tiered.info["summary"], tiered.info["summary"]
+    shared = "A red cart stopped near the barn and the farmer unloaded the apples one by one. "
+    prompts = [shared + tail for tail in ["Vera wrote", "Tom said", "The dog ran", "Anna gave", "It rained", "Hi"]]
+    first = [o.outputs[0].token_ids for o in tiered.generate(prompts, GREEDY, use_tqdm=False)]
+    second = [o.outputs[0].token_ids for o in tiered.generate(prompts, GREEDY, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert first == want and second == want
+    with pytest.raises(ValueError, match="kv_offload_gib keeps the pages the prefix cache evicts"):
+        LLM(model=TINY, kv_offload_gib=0.05, enable_prefix_caching=False, kv_cache_memory="1MiB", max_model_len=256)
+
+
 def test_the_default_pool_fits_the_model_and_max_model_len():
     # No kv_cache_memory on the CPU: 16 sequences of max_model_len (the server's default), not
     # 4 GiB for an 11.7M-parameter model (7-16 s to start).

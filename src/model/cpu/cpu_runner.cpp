@@ -569,6 +569,27 @@ void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
   }
 }
 
+// A tensor-parallel rank holds a share of the KV heads: the TP runner does not offer the
+// host tier yet, so a rank of a group reports none.
+size_t CpuModelRunner::kv_page_bytes(int block_size) const {
+  if (comm_->world_size() > 1) return 0;
+  return ::kvlm::kv_page_bytes(*plan_, block_size);
+}
+
+void CpuModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t> out) {
+  KVLM_CHECK(cache_ != nullptr, "save_pages before allocate_kv");
+  const size_t page = cache_->page_bytes();
+  KVLM_CHECK(out.size() == pages.size() * page, "save_pages: buffer size");
+  for (size_t i = 0; i < pages.size(); ++i) cache_->save_page(pages[i], out.subspan(i * page, page));
+}
+
+void CpuModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t> in) {
+  KVLM_CHECK(cache_ != nullptr, "load_pages before allocate_kv");
+  const size_t page = cache_->page_bytes();
+  KVLM_CHECK(in.size() == pages.size() * page, "load_pages: buffer size");
+  for (size_t i = 0; i < pages.size(); ++i) cache_->load_page(pages[i], in.subspan(i * page, page));
+}
+
 void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {
   KVLM_CHECK(comm_->rank() == 0, "only tensor-parallel rank 0 forms logits; the other ranks run forward_follower");
   KVLM_CHECK(cache_ != nullptr, "forward before allocate_kv");

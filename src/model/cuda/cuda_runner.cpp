@@ -541,7 +541,7 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
   std::vector<size_t> offs;
   for (size_t i = 0; i < m.lkv.size(); ++i) {
     CudaKVLayer& L = m.lkv[i];
-    const KVPageBytes page = kv_page_bytes(m.plan->layers[i], block_size);
+    const KVPageBytes page = ::kvlm::kv_page_bytes(m.plan->layers[i], block_size);
     L.k_page_bytes = page.k_codes;
     L.v_page_bytes = page.v_codes;
     L.k_scale_page_bytes = page.k_scales;
@@ -576,7 +576,7 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
       const KVLayerSpec& spec = m.plan->layers[i];
       KVLM_CHECK(!spec.keeps_exact() || spec.exact_storage == m.act, "exact pages in another dtype than the model's");
       CudaKVLayer& L = m.lkv[i];
-      L.exact_page_bytes = kv_page_bytes(spec, block_size).exact;
+      L.exact_page_bytes = ::kvlm::kv_page_bytes(spec, block_size).exact;
       L.keep_sink = spec.keep_sink;
       L.keep_recent = spec.keep_recent;
       eoffs.push_back(etotal);
@@ -679,6 +679,59 @@ void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
     for (size_t i = 0; i < pairs.size(); ++i) cuda::copy_kv_pages(layers, int(m.lkv.size()), dev_pairs + 2 * i, 1, m.stream);
   }
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // the pinned pairs may be reused next call
+}
+
+size_t CudaModelRunner::kv_page_bytes(int block_size) const { return ::kvlm::kv_page_bytes(*impl_->plan, block_size); }
+
+namespace {
+// One page's parts in every layer, in kv_page_bytes(plan)'s order: f(pool part of the page, bytes).
+template <typename F>
+void for_each_page_part(const std::vector<CudaKVLayer>& lkv, BlockId id, F&& f) {
+  for (const CudaKVLayer& L : lkv) {
+    const std::pair<uint8_t*, size_t> parts[] = {{L.k, L.k_page_bytes},
+                                                 {L.v, L.v_page_bytes},
+                                                 {reinterpret_cast<uint8_t*>(L.k_scale), L.k_scale_page_bytes},
+                                                 {reinterpret_cast<uint8_t*>(L.v_scale), L.v_scale_page_bytes}};
+    for (const auto& [pool, bytes] : parts)
+      if (bytes > 0) f(pool + size_t(id) * bytes, bytes);
+  }
+}
+}  // namespace
+
+// The host tier's copies: one async copy per layer and part on the runner's stream (after the
+// steps already issued), then a wait, so that the host buffer is complete (save) or free to
+// reuse (load) when the call returns. A batched gather kernel into pinned memory is the faster
+// form (docs/architecture.md: what the host tier does not do yet).
+void CudaModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t> out) {
+  Impl& m = *impl_;
+  const DeviceScope dev(m.device);
+  KVLM_CHECK(m.num_blocks > 0, "save_pages before allocate_kv");
+  KVLM_CHECK(out.size() == pages.size() * kv_page_bytes(m.block_size), "save_pages: buffer size");
+  uint8_t* o = out.data();
+  for (BlockId id : pages) {
+    KVLM_CHECK(id >= 0 && id < m.num_blocks, "save_pages: page id out of range");
+    for_each_page_part(m.lkv, id, [&](const uint8_t* part, size_t bytes) {
+      KVLM_CUDA_CHECK(cudaMemcpyAsync(o, part, bytes, cudaMemcpyDeviceToHost, m.stream));
+      o += bytes;
+    });
+  }
+  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+void CudaModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t> in) {
+  Impl& m = *impl_;
+  const DeviceScope dev(m.device);
+  KVLM_CHECK(m.num_blocks > 0, "load_pages before allocate_kv");
+  KVLM_CHECK(in.size() == pages.size() * kv_page_bytes(m.block_size), "load_pages: buffer size");
+  const uint8_t* i = in.data();
+  for (BlockId id : pages) {
+    KVLM_CHECK(id >= 0 && id < m.num_blocks, "load_pages: page id out of range");
+    for_each_page_part(m.lkv, id, [&](uint8_t* part, size_t bytes) {
+      KVLM_CUDA_CHECK(cudaMemcpyAsync(part, i, bytes, cudaMemcpyHostToDevice, m.stream));
+      i += bytes;
+    });
+  }
+  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
 void CudaModelRunner::download_kv_layer(size_t layer, LayerKVCache& out) const {
