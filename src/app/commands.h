@@ -163,11 +163,27 @@ struct BenchServeFlags {
   double timeout = 600;
   std::string json;
 };
+// kvlm bench multiturn: conversations over one shared system prompt, turn after turn, each
+// turn's prompt the whole history (what the prefix cache and its host tier serve).
+struct BenchMultiturnFlags {
+  ModelFlags model;
+  ServingFlags serving;
+  int conversations = 16;
+  int turns = 4;
+  int system_len = 1024;  // the shared system prompt's tokens
+  int user_len = 64;      // each turn's new user message
+  int output_len = 64;    // each answer (greedy, EOS ignored)
+  int max_concurrency = 0;  // turns in flight at once (0: one per conversation)
+  uint64_t seed = 0;
+  std::string json;
+};
 struct BenchFlags {
   BenchThroughputFlags throughput;
   BenchServeFlags serve;
+  BenchMultiturnFlags multiturn;
   CLI::App* throughput_cmd = nullptr;
   CLI::App* serve_cmd = nullptr;
+  CLI::App* multiturn_cmd = nullptr;
 };
 CLI::App* add_bench(CLI::App& app, BenchFlags& f);
 int run_bench(const BenchFlags& f);

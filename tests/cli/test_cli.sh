@@ -168,6 +168,14 @@ expect_error 1 "--kv-offload-gib keeps the pages the prefix cache evicts: it nee
   bench throughput "$chat" --num-prompts 1 --kv-offload-gib 0.01 --no-enable-prefix-caching
 expect_error 1 "of host memory available; give it less" -- bench throughput "$chat" --num-prompts 1 --kv-offload-gib 900000
 expect_error 2 "--kv-offload-gib: Value -1 not in range" -- bench throughput "$chat" --num-prompts 1 --kv-offload-gib -1
+# bench multiturn: conversations whose histories outgrow a small pool; with the tier, later
+# turns find their prefixes in host memory (tokens counted in the JSON), without it they cannot.
+"$KVLM" bench multiturn "$stories" --conversations 8 --turns 3 --system-len 64 --user-len 16 --output-len 8 \
+    --kv-cache-memory 400KiB --max-model-len 256 --kv-offload-gib 0.01 --json "$tmp/mt.json" >"$tmp/mt.out" 2>"$tmp/err" \
+  && grep -q "Time to First Token, later turns" "$tmp/mt.out" \
+  && python3 -c "import json; d=json.load(open('$tmp/mt.json')); h=d['host_tier']; assert d['failed_requests'] == 0 and h['hit_tokens'] > 0 and h['restored_pages'] > 0 and d['ttft_later_turns']['count'] == 16, d" \
+  && ok || bad "bench multiturn: $(cat "$tmp/mt.out" "$tmp/err")"
+expect_error 1 "the last turn's conversation holds 1536 tokens" -- bench multiturn "$stories" --turns 4 --max-model-len 512
 # Flags checked before anything loads.
 expect_error 1 "--scheduling-policy must be fcfs or priority" -- serve "$chat" --scheduling-policy lottery --port 0
 expect_error 1 "--runner must be auto, generate or pooling" -- generate "$chat" --runner embed --prompt-ids 1
