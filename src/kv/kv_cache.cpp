@@ -95,6 +95,7 @@ void KVCache::save_page(BlockId id, std::span<uint8_t> out) const {
   for (const auto& l : layers_) {
     const KVPageBytes p = kv_page_bytes(*l.spec, block_size_);
     const auto part = [&](const auto& pool, size_t page) {
+      if (page == 0) return;  // a side without token scales: its (empty) pool has no data
       std::memcpy(o, reinterpret_cast<const uint8_t*>(pool.data()) + size_t(id) * page, page);
       o += page;
     };
@@ -111,6 +112,7 @@ void KVCache::load_page(BlockId id, std::span<const uint8_t> in) {
   for (auto& l : layers_) {
     const KVPageBytes p = kv_page_bytes(*l.spec, block_size_);
     const auto part = [&](auto& pool, size_t page) {
+      if (page == 0) return;
       std::memcpy(reinterpret_cast<uint8_t*>(pool.data()) + size_t(id) * page, i, page);
       i += page;
     };
