@@ -187,5 +187,6 @@ struct BenchFlags {
 };
 CLI::App* add_bench(CLI::App& app, BenchFlags& f);
 int run_bench(const BenchFlags& f);
+int run_bench_multiturn(const BenchMultiturnFlags& f);  // cmd_bench_multiturn.cpp
 
 }  // namespace kvlm::app

@@ -160,6 +160,7 @@ void BlockManager::release(BlockId id) {
 int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages,
                                std::vector<uint64_t>& serials) {
   if (!caching_) return 0;
+  KVLM_CHECK(pending_.empty(), "match_prefix before the previous match's commit_restores");
   const size_t bs = size_t(block_size_);
   const size_t full = tokens.size() / bs;
   queries_ += full * bs;
@@ -177,7 +178,7 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
         break;
       }
     }
-    if (found < 0 && tier_) {  // past the pool's pages: the lower tier's, copied back
+    if (found < 0 && tier_) {  // past the pool's pages: the lower tier's, copied back by commit_restores
       const int slot = tier_->find(key, parent, page);
       if (slot < 0) break;
       const std::optional<BlockId> fresh = allocate();
@@ -185,7 +186,7 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
         tier_->unpin(slot);
         break;
       }
-      const auto [serial, parent_serial] = tier_->restore(slot, *fresh);
+      const auto [serial, parent_serial] = tier_->identity(slot);
       KVLM_CHECK(parent_serial == parent, "host tier: a restored page's parent differs");
       Block& r = blocks_[size_t(*fresh)];
       r.serial = serial;
@@ -193,7 +194,7 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
       r.key = key;
       std::ranges::copy(page, tokens_.begin() + ptrdiff_t(size_t(*fresh) * bs));
       index_.emplace(key, *fresh);
-      tier_hits_ += bs;
+      pending_.push_back({*fresh, slot});
       found = *fresh;  // referenced once, by allocate()
     } else if (found < 0) {
       break;
@@ -208,6 +209,28 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
     ++matched;
   }
   return matched;
+}
+
+void BlockManager::commit_restores() {
+  if (pending_.empty()) return;
+  std::vector<BlockId> ids;
+  std::vector<int> slots;
+  for (const auto& [id, slot] : pending_) {
+    if (blocks_[size_t(id)].refs > 0) {
+      ids.push_back(id);
+      slots.push_back(slot);
+      continue;
+    }
+    // Dropped by the caller before its contents arrived: forget its identity (the entry
+    // stays in the tier) and hand the page out first.
+    tier_->unpin(slot);
+    uncache(id);
+    queue_remove(id);
+    queue_push_front(id);
+  }
+  pending_.clear();
+  tier_->restore(slots, ids);
+  tier_hits_ += ids.size() * size_t(block_size_);
 }
 
 uint64_t BlockManager::register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens) {

@@ -24,7 +24,8 @@
 //
 // A lower tier (engine/host_kv_tier.h, --kv-offload-gib): a cached page about to be reused is
 // copied there first, and a prefix that runs out of cached pages goes on there: each page
-// found is copied back into a fresh page and registered again under its own serial.
+// found takes a fresh page, registered again under its own serial, and the pages the caller
+// keeps of the hit are copied back together (commit_restores).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,7 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/index_types.h"
@@ -65,7 +67,13 @@ class BlockManager {
   // pages, in the lower tier (copied back into fresh pages). Each page found gains a
   // reference and is appended to `pages`, its serial to `serials`; returns how many were
   // found. Only whole pages match; the caller decides how many of them to keep.
+  // Pages found in the lower tier are registered at once (the chain goes on through them) but
+  // copied back only by commit_restores(), which the caller runs before anything else uses
+  // the pool: after it has released the pages of the hit it does not keep.
   int match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages, std::vector<uint64_t>& serials);
+  // Copies the last match's lower-tier pages that are still referenced back into their pages,
+  // in one batch; the ones released meanwhile lose their identity and are not copied.
+  void commit_restores();
 
   // Registers the full page `id` holding `tokens` (block_size of them) after the page
   // whose serial is `parent_serial` (0 for the first page). Returns the page's serial. When
@@ -126,6 +134,7 @@ class BlockManager {
   uint64_t next_serial_ = 1;
   uint64_t queries_ = 0, hits_ = 0, tier_hits_ = 0;
   HostKVTier* tier_ = nullptr;
+  std::vector<std::pair<BlockId, int>> pending_;  // the last match's pages from the tier, and their slots
   std::vector<int32_t> exact_of_;      // [num_blocks] exact page or -1
   std::vector<BlockId> exact_owner_;   // [num_exact_pages] page it is attached to, or -1
   std::vector<int32_t> exact_free_;    // unattached exact pages

@@ -1,17 +1,39 @@
 #include "engine/host_kv_tier.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "model/model_runner.h"
 
 namespace kvlm {
 
-HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity)
-    : runner_(runner), block_size_(block_size), page_bytes_(runner.kv_page_bytes(block_size)) {
+namespace {
+size_t checked_page_bytes(const ModelRunner& runner, int block_size, size_t capacity) {
   KVLM_CHECK(block_size > 0 && capacity >= 2, "the host tier needs at least two pages");
-  KVLM_CHECK(page_bytes_ > 0, "the runner cannot copy its KV pages to host memory");
-  data_.reset(new uint8_t[capacity * page_bytes_]);  // uninitialized: touched as pages arrive
+  const size_t page = runner.kv_page_bytes(block_size);
+  KVLM_CHECK(page > 0, "the runner cannot copy its KV pages to host memory");
+  return page;
+}
+
+// The tier's memory; pinning tens of GiB takes seconds at start, so say how long.
+HostBytes allocate_logged(ModelRunner& runner, size_t bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  HostBytes p = runner.allocate_host(bytes);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  char line[160];
+  std::snprintf(line, sizeof line, "host tier: %.2f GiB of host memory allocated%s in %.1f s", double(bytes) / double(1ull << 30),
+                runner.device() == Device::Cuda ? " and pinned" : "", s);
+  log::info(line);
+  return p;
+}
+}  // namespace
+
+HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity)
+    : runner_(runner), block_size_(block_size), page_bytes_(checked_page_bytes(runner, block_size, capacity)),
+      data_(allocate_logged(runner, capacity * page_bytes_)) {  // uninitialized: written as pages arrive
   tokens_.resize(capacity * size_t(block_size));
   entries_.resize(capacity);
   for (size_t i = capacity; i-- > 0;) free_.push_back(int(i));
@@ -61,7 +83,8 @@ void HostKVTier::keep(BlockId id, uint64_t serial, uint64_t parent_serial, uint6
     by_serial_.erase(old.serial);
     ++evicted_;
   }
-  runner_.save_pages({&id, 1}, std::span(data_.get() + size_t(slot) * page_bytes_, page_bytes_));
+  uint8_t* const dst = slot_data(slot);
+  runner_.save_pages({&id, 1}, {&dst, 1});
   entries_[size_t(slot)] = Entry{.serial = serial, .parent_serial = parent_serial, .key = key};
   std::ranges::copy(tokens, tokens_of(slot).begin());
   index_.emplace(key, slot);
@@ -86,13 +109,25 @@ int HostKVTier::find(uint64_t key, uint64_t parent_serial, std::span<const Token
 
 void HostKVTier::unpin(int slot) { entries_[size_t(slot)].pinned = false; }
 
-std::pair<uint64_t, uint64_t> HostKVTier::restore(int slot, BlockId id) {
-  Entry& e = entries_[size_t(slot)];
-  KVLM_CHECK(e.serial != 0 && e.pinned, "host tier: restoring an entry that was not found");
-  runner_.load_pages({&id, 1}, std::span<const uint8_t>(data_.get() + size_t(slot) * page_bytes_, page_bytes_));
-  e.pinned = false;
-  ++restored_;
-  return {e.serial, e.parent_serial};
+void HostKVTier::restore(std::span<const int> slots, std::span<const BlockId> ids) {
+  KVLM_CHECK(slots.size() == ids.size(), "host tier: restore of mismatched lists");
+  if (slots.empty()) return;
+  // In slot order: a chain's pages were evicted last page first into slots taken in order, so
+  // sorted they sit next to each other and the runner moves them in fewer, larger copies.
+  std::vector<std::pair<int, BlockId>> order;
+  for (size_t i = 0; i < slots.size(); ++i) order.emplace_back(slots[i], ids[i]);
+  std::ranges::sort(order);
+  std::vector<const uint8_t*> src;
+  std::vector<BlockId> dst;
+  for (const auto& [slot, id] : order) {
+    Entry& e = entries_[size_t(slot)];
+    KVLM_CHECK(e.serial != 0 && e.pinned, "host tier: restoring an entry that was not found");
+    e.pinned = false;
+    src.push_back(slot_data(slot));
+    dst.push_back(id);
+  }
+  runner_.load_pages(dst, src);
+  restored_ += slots.size();
 }
 
 }  // namespace kvlm

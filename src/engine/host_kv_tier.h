@@ -16,9 +16,11 @@
 // exact copy, and the scheduler's admit_prefix ends a hit before a page a query must read
 // exact, as it does after any loss of an exact copy.
 //
-// The copies are synchronous, on the runner's stream (ModelRunner::save_pages / load_pages):
-// an eviction copies before the page is handed out again, a restore before the step that
-// reads it.
+// Host memory comes from the runner (pinned on a GPU). The copies are issued in the runner's
+// stream order and do not wait (ModelRunner::save_pages / load_pages): an eviction's copy is
+// ordered before the step that overwrites the page, a restore's before the step that reads
+// it, and a slot's later copies after its earlier ones; the host never touches the bytes.
+// The pages of one hit are restored in one batch (BlockManager::commit_restores).
 #pragma once
 
 #include <cstdint>
@@ -28,10 +30,9 @@
 #include <vector>
 
 #include "core/index_types.h"
+#include "model/model_runner.h"
 
 namespace kvlm {
-
-class ModelRunner;
 
 class HostKVTier {
  public:
@@ -49,9 +50,12 @@ class HostKVTier {
   // pinned — not replaced by keep() — until restore() or unpin().
   int find(uint64_t key, uint64_t parent_serial, std::span<const TokenId> tokens);
   void unpin(int slot);
-  // Copies entry `slot` into the pool's page `id` and unpins it; returns its serial and
-  // parent serial.
-  std::pair<uint64_t, uint64_t> restore(int slot, BlockId id);
+  // The serial and parent serial of entry `slot`.
+  std::pair<uint64_t, uint64_t> identity(int slot) const {
+    return {entries_[size_t(slot)].serial, entries_[size_t(slot)].parent_serial};
+  }
+  // Copies entries `slots[i]` into the pool's pages `ids[i]`, together, and unpins them.
+  void restore(std::span<const int> slots, std::span<const BlockId> ids);
 
   // Statistics: pages copied out and back, entries replaced.
   uint64_t pages_kept() const { return kept_; }
@@ -73,7 +77,9 @@ class HostKVTier {
   ModelRunner& runner_;
   int block_size_;
   size_t page_bytes_;
-  std::unique_ptr<uint8_t[]> data_;  // [capacity][page_bytes]
+  uint8_t* slot_data(int slot) { return data_.get() + size_t(slot) * page_bytes_; }
+
+  HostBytes data_;                   // [capacity][page_bytes], from runner.allocate_host
   std::vector<TokenId> tokens_;      // [capacity][block_size]
   std::vector<Entry> entries_;
   std::unordered_multimap<uint64_t, int> index_;  // key -> slot

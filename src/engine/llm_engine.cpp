@@ -301,7 +301,11 @@ EngineStats LLMEngine::stats() const {
   if (const HostKVTier* t = scheduler_.host_tier()) {
     st.kv_offload_pages = int(t->size());
     st.kv_offload_capacity = int(t->capacity());
-    st.kv_offload_page_bytes = t->page_bytes();
+    st.kv_offload_stored_bytes_total = t->pages_kept() * t->page_bytes();
+    st.kv_offload_restored_bytes_total = t->pages_restored() * t->page_bytes();
+    const ModelRunner::PageCopyTimes times = model_.model().page_copy_times();
+    st.kv_offload_store_seconds_total = times.save_seconds;
+    st.kv_offload_restore_seconds_total = times.load_seconds;
     st.kv_offload_stored_total = t->pages_kept();
     st.kv_offload_restored_total = t->pages_restored();
     st.kv_offload_evictions_total = t->evictions();

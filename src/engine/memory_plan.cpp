@@ -8,6 +8,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "model/model_runner.h"
 #include "model/tensor_parallel.h"
 
 namespace kvlm {
@@ -49,7 +50,8 @@ uint64_t host_available_bytes() {
 // max_num_batched_tokens rows; fp32 logits for max_num_seqs rows; the split-KV workspace
 // and GEMM workspace as a flat allowance. A hybrid's linear-attention layers add their fused
 // projection (model dtype) and fp32 working rows: the conv's output, the delta rule's, and the
-// chunked form's gates, W and U (ops/cuda/gated_deltanet.h).
+// chunked form's gates, W and U (ops/cuda/gated_deltanet.h). The host tier (--kv-offload-gib)
+// adds the staging buffer its copies pass through (model/model_runner.h's kPageStagingBytes).
 uint64_t activation_bytes(const ModelConfig& c, const MemoryOptions& o) {
   const uint64_t rows = uint64_t(std::max(o.max_num_batched_tokens, 1));
   uint64_t per_row = 2ull * (3ull * uint64_t(c.hidden_size) + uint64_t(c.num_heads + 2 * c.num_kv_heads) * uint64_t(c.head_dim) +
@@ -58,7 +60,8 @@ uint64_t activation_bytes(const ModelConfig& c, const MemoryOptions& o) {
     per_row += 2ull * uint64_t(l->in_proj_dim()) +
                4ull * (uint64_t(l->conv_dim()) + uint64_t(l->value_dim()) + uint64_t(l->v_heads) * uint64_t(2 + l->k_dim + l->v_dim));
   const uint64_t logits = 2ull * uint64_t(std::max(o.max_num_seqs, 1)) * uint64_t(c.vocab_size) * 4ull;
-  return rows * per_row + logits + 512 * kMiB;
+  const uint64_t staging = o.kv_offload_bytes > 0 ? kPageStagingBytes : 0;  // the host tier's copies in passing
+  return rows * per_row + logits + 512 * kMiB + staging;
 }
 
 uint64_t parse_byte_size(std::string_view s) {

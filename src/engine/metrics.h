@@ -37,9 +37,11 @@ struct EngineStats {
   uint64_t prefix_cache_queries_total = 0;  // prompt tokens looked up in the prefix cache
   uint64_t prefix_cache_hits_total = 0;     // of those, tokens found
   // The prefix cache's host tier (--kv-offload-gib; engine/host_kv_tier.h): pages held (gauge)
-  // and its capacity, pages copied there and back, entries replaced, tokens found there.
+  // and its capacity, pages and bytes copied there and back, entries replaced, tokens found there.
   int kv_offload_pages = 0, kv_offload_capacity = 0;
-  uint64_t kv_offload_page_bytes = 0;
+  uint64_t kv_offload_stored_bytes_total = 0, kv_offload_restored_bytes_total = 0;
+  // Time the copies took where they ran (ModelRunner::page_copy_times; the copies completed so far).
+  double kv_offload_store_seconds_total = 0, kv_offload_restore_seconds_total = 0;
   uint64_t kv_offload_stored_total = 0, kv_offload_restored_total = 0, kv_offload_evictions_total = 0;
   uint64_t kv_offload_hit_tokens_total = 0;
   uint64_t requests_total = 0;              // accepted

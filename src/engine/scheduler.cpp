@@ -128,6 +128,7 @@ void Scheduler::admit_prefix(Sequence& s) {
     drop_last();
     settle();
   }
+  blocks_.commit_restores();  // the host tier's pages of the hit that are kept, in one batch
   if (found == 0) return;
   // Hold the pages the next query reads exact now, before a copy-on-write page is allocated:
   // the exact page taken back for the copy must not be one of theirs.

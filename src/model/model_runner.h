@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -30,6 +32,12 @@ struct ForwardBatch {
   std::span<const AttnSeq> seqs;       // per sequence: rows, context length, block tables
   std::span<const int32_t> logit_rows; // rows of `tokens` whose next-token logits are wanted
 };
+
+// Host memory from ModelRunner::allocate_host (its deleter knows how it was allocated).
+using HostBytes = std::unique_ptr<uint8_t[], void (*)(uint8_t*)>;
+// Device memory a GPU runner sets aside for the host tier's copies in passing (pages are
+// packed there, then moved by DMA); the memory plan counts it.
+inline constexpr size_t kPageStagingBytes = size_t(64) << 20;
 
 // One page copy (copy_blocks).
 struct PageCopy {
@@ -140,17 +148,37 @@ class ModelRunner {
   virtual void copy_blocks(std::span<const PageCopy> copies) = 0;
 
   // The prefix cache's host tier (engine/host_kv_tier.h): the bytes of one page of `block_size`
-  // tokens in every layer — K and V codes and token scales, kv/kv_cache.h's kv_page_bytes(plan),
-  // exact pages not included — or 0 when the runner cannot copy pages out (then
-  // --kv-offload-gib is refused). save_pages copies whole pages, one after the other, into
-  // `out` (pages.size() * kv_page_bytes bytes), after the work already issued; load_pages
-  // copies them back, before the next step.
+  // tokens in every layer — K and V codes and token scales, kv/kv_cache.h's kv_page_bytes(plan)
+  // and KVCache::save_page's layout, exact pages not included — or 0 when the runner cannot
+  // copy pages out (then --kv-offload-gib is refused).
   virtual size_t kv_page_bytes(int block_size) const {
     (void)block_size;
     return 0;
   }
-  virtual void save_pages(std::span<const BlockId> pages, std::span<uint8_t> out);
-  virtual void load_pages(std::span<const BlockId> pages, std::span<const uint8_t> in);
+  // Host memory for those copies: pinned on a GPU runner, so that they run at the bus's speed
+  // without holding the host; plain memory on the CPU.
+  virtual HostBytes allocate_host(size_t bytes);
+  // save_pages copies page pages[i] to out[i], load_pages in[i] into page pages[i], each
+  // kv_page_bytes long. They are ordered after the work already issued and before any later
+  // step or copy, and may run asynchronously (a GPU runner): the host reads or writes those
+  // buffers itself only after wait_pages().
+  virtual void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out);
+  virtual void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in);
+  virtual void wait_pages() {}
+  // What those copies moved and how long they took where they ran (a GPU: from each call's
+  // first DMA to its last kernel, read from events once they have completed).
+  struct PageCopyTimes {
+    uint64_t saved_bytes = 0, loaded_bytes = 0;
+    double save_seconds = 0, load_seconds = 0;
+  };
+  virtual PageCopyTimes page_copy_times() { return page_times_; }
+  // The host-to-device bandwidth of pinned memory, bytes/s, measured now (the bench's
+  // reference for the tier's restores); 0 where there is no such copy (the CPU).
+  virtual double measure_host_to_device_bandwidth() { return 0; }
+
+ protected:
+  PageCopyTimes page_times_;
+
 
  private:
   bool pooling_ = false;

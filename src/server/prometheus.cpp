@@ -126,8 +126,14 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
               double(s.kv_offload_stored_total));
     w.counter("kvlm:kv_offload_restored_pages_total", "Pages copied back from the host tier for a prefix hit.",
               double(s.kv_offload_restored_total));
+    w.counter("kvlm:kv_offload_stored_bytes_total", "Bytes copied to the host tier.",
+              double(s.kv_offload_stored_bytes_total));
     w.counter("kvlm:kv_offload_restored_bytes_total", "Bytes copied back from the host tier.",
-              double(s.kv_offload_restored_total) * double(s.kv_offload_page_bytes));
+              double(s.kv_offload_restored_bytes_total));
+    w.counter("kvlm:kv_offload_store_seconds_total", "Time the copies to the host tier took on the device.",
+              s.kv_offload_store_seconds_total);
+    w.counter("kvlm:kv_offload_restore_seconds_total", "Time the copies back from the host tier took on the device.",
+              s.kv_offload_restore_seconds_total);
     w.counter("kvlm:kv_offload_evictions_total", "Host tier entries replaced (least recently used first).",
               double(s.kv_offload_evictions_total));
     w.counter("kvlm:kv_offload_hit_tokens_total", "Prompt tokens found in the host tier (restored, not recomputed).",

@@ -3,6 +3,8 @@
 // engine's greedy tokens with the tier equal those of a pool large enough to keep every page.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <random>
 
 #include "../unit/host_tier_test_util.h"
@@ -28,26 +30,42 @@ std::unique_ptr<LoadedModel> load_cuda(KVCacheDType dt, std::optional<KVPlanFile
 }  // namespace
 
 // save_pages then load_pages into other pages gives back the same bytes, and the pages moved
-// between hold what was written into them.
+// between hold what was written into them: through pinned memory (allocate_host) and plain
+// memory, more pages than one pass of the staging buffer holds, and pages in any order.
 TEST(CudaHostTier, PagesRoundTripThroughHostMemory) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Fp8PerTokenHead, KVCacheDType::Int4PerTokenHead}) {
     SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
     auto e = load_cuda(dt);
     ModelRunner& r = e->model();
-    r.allocate_kv(8, kvlm::testing::kTierBlock);
     const size_t page = r.kv_page_bytes(kvlm::testing::kTierBlock);
     ASSERT_EQ(page, kv_page_bytes(e->plan(), kvlm::testing::kTierBlock));
-    std::vector<uint8_t> a(3 * page), b(3 * page), c(3 * page);
+    // Enough pages that one copy takes several passes of the staging buffer.
+    const int n = int(std::min<size_t>(kPageStagingBytes / page + 3, 600));
+    r.allocate_kv(2 * n + 1, kvlm::testing::kTierBlock);
+    HostBytes a = r.allocate_host(size_t(n) * page), b = r.allocate_host(size_t(n) * page);
+    std::vector<uint8_t> c(size_t(n) * page);
     std::mt19937 rng(5);
-    for (auto& x : a) x = uint8_t(rng());
-    const BlockId src[] = {1, 4, 6}, dst[] = {0, 2, 7};
-    r.load_pages(src, a);
-    r.save_pages(src, b);
-    EXPECT_EQ(a, b);
-    r.load_pages(dst, b);
-    r.save_pages(dst, c);
-    EXPECT_EQ(a, c);
+    for (size_t i = 0; i < size_t(n) * page; ++i) a[i] = uint8_t(rng());
+    std::vector<BlockId> src, dst;
+    for (int i = 0; i < n; ++i) {
+      src.push_back(BlockId(2 * n - 2 * i));  // descending, every other page
+      dst.push_back(BlockId(2 * i + 1));
+    }
+    auto ptrs = [&](uint8_t* base) {
+      std::vector<uint8_t*> p;
+      for (int i = 0; i < n; ++i) p.push_back(base + size_t(i) * page);
+      return p;
+    };
+    const auto pa = ptrs(a.get()), pb = ptrs(b.get()), pc = ptrs(c.data());
+    const std::vector<const uint8_t*> ca(pa.begin(), pa.end()), cb(pb.begin(), pb.end());
+    r.load_pages(src, ca);
+    r.save_pages(src, pb);
+    r.load_pages(dst, cb);
+    r.save_pages(dst, pc);
+    r.wait_pages();
+    EXPECT_EQ(0, std::memcmp(a.get(), b.get(), size_t(n) * page));
+    EXPECT_EQ(0, std::memcmp(a.get(), c.data(), size_t(n) * page));
   }
 }
 

@@ -97,6 +97,8 @@ TEST(HostTier, EvictedPagesComeBackUnderTheirSerials) {
   std::vector<uint64_t> found_serials;
   ASSERT_EQ(bm.match_prefix(chain, found, found_serials), 3);
   EXPECT_EQ(found_serials, serials);
+  EXPECT_EQ(tier.pages_restored(), 0u) << "copied back only when the caller commits";
+  bm.commit_restores();
   EXPECT_EQ(bm.lower_tier_hits(), uint64_t(3 * kBs));
   EXPECT_EQ(tier.pages_restored(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(page_of(cache, found[size_t(i)]), want[size_t(i)]) << "page " << i;
@@ -120,7 +122,58 @@ TEST(HostTier, EvictedPagesComeBackUnderTheirSerials) {
   found.clear();
   found_serials.clear();
   EXPECT_EQ(bm.match_prefix(longer, found, found_serials), 0);
+  bm.commit_restores();
   EXPECT_EQ(tier.pages_restored(), 3u);
+}
+
+// Pages of a hit that the caller releases before commit_restores (admit_prefix ending a hit
+// early) are not copied back: they lose their identity, so no later match can find a page
+// whose contents never arrived, and their entries stay in the tier for the next match.
+TEST(HostTier, PagesDroppedBeforeTheCommitAreNotRestored) {
+  auto e = load(kStories, KVCacheDType::Int8PerTokenHead, kBs);
+  auto& runner = dynamic_cast<CpuModelRunner&>(e->model());
+  runner.allocate_kv(3, kBs);
+  KVCache& cache = *runner.kv_cache();
+  BlockManager bm(3, kBs, true);
+  HostKVTier tier(runner, kBs, 4);
+  bm.set_lower_tier(&tier);
+  const auto chain = chain_tokens(2, 40);
+  uint64_t parent = 0;
+  std::vector<BlockId> ids;
+  std::vector<std::vector<uint8_t>> want;
+  for (int i = 0; i < 2; ++i) {
+    ids.push_back(*bm.allocate());
+    fill_page(cache, ids.back(), uint8_t(9 + i));
+    want.push_back(page_of(cache, ids.back()));
+    parent = bm.register_full(ids.back(), parent, std::span(chain).subspan(size_t(i * kBs), kBs));
+  }
+  for (BlockId id : ids) bm.release(id);
+  std::vector<BlockId> fresh;
+  for (int i = 0; i < 3; ++i) fresh.push_back(*bm.allocate());  // both chain pages go to the tier
+  EXPECT_EQ(tier.size(), 2u);
+  for (BlockId id : fresh) {
+    fill_page(cache, id, 0xEE);
+    bm.release(id);
+  }
+
+  std::vector<BlockId> found;
+  std::vector<uint64_t> serials;
+  ASSERT_EQ(bm.match_prefix(chain, found, serials), 2);
+  bm.release(found.back());  // the caller keeps only the first page
+  bm.commit_restores();
+  EXPECT_EQ(tier.pages_restored(), 1u);
+  EXPECT_EQ(bm.lower_tier_hits(), uint64_t(kBs));
+  EXPECT_EQ(page_of(cache, found[0]), want[0]);
+  bm.release(found[0]);
+
+  // The dropped page is not findable in the pool; the next match restores it from the tier.
+  found.clear();
+  serials.clear();
+  ASSERT_EQ(bm.match_prefix(chain, found, serials), 2);
+  bm.commit_restores();
+  EXPECT_EQ(tier.pages_restored(), 2u) << "the first page was still in the pool";
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(page_of(cache, found[size_t(i)]), want[size_t(i)]) << "page " << i;
+  for (BlockId id : found) bm.release(id);
 }
 
 // A restore needs a pool page; with every page referenced the hit stops there and the entry
@@ -141,8 +194,10 @@ TEST(HostTier, NoFreePageEndsTheHit) {
   std::vector<BlockId> found;
   std::vector<uint64_t> serials;
   EXPECT_EQ(bm.match_prefix(chain, found, serials), 0);
+  bm.commit_restores();
   bm.release(x);
   EXPECT_EQ(bm.match_prefix(chain, found, serials), 1);
+  bm.commit_restores();
   EXPECT_EQ(tier.pages_restored(), 1u);
   bm.release(found[0]);
   bm.release(y);
@@ -164,7 +219,7 @@ TEST(HostTier, GreedyTokensUnchangedInEveryFormat) {
 // hit ends that way, even in the large pool: a turn's hit ends in the previous turn's last
 // pages, which its recent window reads exact, and their idle exact copies have been taken
 // back for other conversations by then — so the tier cannot save anything here (the tier does
-// not keep exact pages yet).
+// not keep exact pages yet), and copies nothing back that the hit would drop.
 TEST(HostTier, GreedyTokensUnchangedWithExactTokens) {
   auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kBs, 3, 11);
   check_tier_is_exact(*e, /*saves=*/false);
@@ -187,6 +242,130 @@ TEST(HostTier, GreedyTokensUnchangedWithAMixedPlan) {
   o.cache.plan_file = f;
   auto e = LoadedModel::load(o);
   check_tier_is_exact(*e);
+}
+
+// Preemption under the tier is a swap: a preempted sequence's full pages stay cached, go to the
+// tier when the pool needs them, and come back when it resumes; only its last, partial page
+// is computed again (without the tier, whatever the pool evicted meanwhile is). Greedy tokens are those of a pool large enough not to preempt.
+TEST(HostTier, PreemptedSequencesComeBackFromTheTier) {
+  for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int4PerTokenHead}) {
+    SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
+    auto e = load(kStories, dt, kBs);
+    const int vocab = e->config().vocab_size;
+    auto run = [&](int num_blocks, int64_t offload_pages) {
+      std::mt19937 rng(3);
+      LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 6, .max_num_batched_tokens = 64, .max_model_len = 128,
+                                       .enable_prefix_caching = true, .num_blocks = num_blocks,
+                                       .kv_offload_pages = offload_pages});
+      std::map<std::string, Collected> out;
+      for (int i = 0; i < 6; ++i) le.add_request(make("r" + std::to_string(i), random_prompt(rng, 20 + 3 * i, vocab), 40, out));
+      run_to_end(le);
+      std::vector<std::vector<TokenId>> tokens;
+      for (int i = 0; i < 6; ++i) {
+        const Collected& c = out["r" + std::to_string(i)];
+        EXPECT_EQ(c.reason, FinishReason::Length) << c.error;
+        tokens.push_back(c.tokens);
+      }
+      EXPECT_EQ(le.blocks().num_used(), 0);
+      // Tokens found cached, resumed sequences' included (EngineStats counts first admissions).
+      return std::tuple(tokens, le.stats(), le.blocks().cache_hits());
+    };
+    const auto [want, roomy, roomy_hits] = run(200, 0);
+    const auto [recomputed, alone, alone_hits] = run(24, 0);
+    const auto [swapped, tiered, tiered_hits] = run(24, 200);
+    EXPECT_EQ(roomy.preemptions_total, 0u);
+    ASSERT_GT(alone.preemptions_total, 0u) << "the small pool must preempt for this test to mean anything";
+    EXPECT_GT(tiered.preemptions_total, 0u);
+    EXPECT_EQ(recomputed, want);
+    EXPECT_EQ(swapped, want);
+    EXPECT_GT(tiered.kv_offload_restored_total, 0u);
+    // Tokens a resumed sequence found cached instead of computing them again.
+    EXPECT_GT(tiered_hits, alone_hits) << "resumed sequences should come back from the tier";
+    EXPECT_EQ(tiered.kv_offload_hit_tokens_total, tiered.kv_offload_restored_total * uint64_t(kBs));
+    std::printf("[preemption] %s: %llu / %llu preemptions; tokens found cached (resumes included): %llu without the tier, "
+                "%llu with it (%llu pages restored)\n",
+                std::string(kv_cache_dtype_name(dt)).c_str(), (unsigned long long)alone.preemptions_total,
+                (unsigned long long)tiered.preemptions_total, (unsigned long long)alone_hits,
+                (unsigned long long)tiered_hits, (unsigned long long)tiered.kv_offload_restored_total);
+  }
+}
+
+// A long randomized workload: conversations that grow turn after turn beside unrelated prompts,
+// requests arriving between steps, some aborted mid-way, a pool that preempts and a tier that
+// replaces entries all the time. Every page of every tier comes back (none leaked, none held by
+// a finished request), the tier never holds more than its capacity, and every request that ran
+// to its end gave the tokens it gives alone in a pool that evicts nothing.
+TEST(HostTier, RandomizedWorkloadLeaksNothingAndKeepsTokens) {
+  auto e = load(kStories, KVCacheDType::Int8PerTokenHead, kBs);
+  const int vocab = e->config().vocab_size;
+  for (uint32_t seed : {1u, 2u, 3u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 40, .max_model_len = 128,
+                                     .enable_prefix_caching = true, .num_blocks = 18, .kv_offload_pages = 10});
+    const auto system = random_prompt(rng, 2 * kBs + 3, vocab);
+    std::vector<std::vector<TokenId>> convs(4, system);
+    std::map<std::string, Collected> out;
+    std::map<std::string, std::pair<std::vector<TokenId>, int>> asked;  // id -> prompt, max_tokens
+    std::vector<std::string> live;
+    int next = 0, aborted = 0;
+    for (int step = 0; step < 400 && (next < 40 || le.has_work()); ++step) {
+      for (int k = int(rng() % 3); k > 0 && next < 40; --k, ++next) {
+        std::vector<TokenId> prompt;
+        if (rng() % 3 == 0) {
+          prompt = random_prompt(rng, 5 + int(rng() % 30), vocab);  // unrelated
+        } else {
+          auto& h = convs[rng() % convs.size()];
+          if (h.size() > 90) h = system;  // a new conversation in its place
+          const auto user = random_prompt(rng, 3 + int(rng() % 12), vocab);
+          h.insert(h.end(), user.begin(), user.end());
+          prompt = h;
+        }
+        const int max_tokens = 1 + int(rng() % 12);
+        const std::string id = "r" + std::to_string(next);
+        asked[id] = {prompt, max_tokens};
+        le.add_request(make(id, prompt, max_tokens, out));
+        live.push_back(id);
+      }
+      if (!live.empty() && rng() % 20 == 0) {
+        const size_t i = rng() % live.size();
+        if (out[live[i]].finishes == 0) {
+          le.abort(live[i]);
+          ++aborted;
+        }
+        live.erase(live.begin() + long(i));
+      }
+      if (le.has_work()) le.step();
+      const EngineStats st = le.stats();
+      ASSERT_LE(st.kv_offload_pages, st.kv_offload_capacity);
+    }
+    run_to_end(le);
+    const EngineStats st = le.stats();
+    EXPECT_EQ(le.blocks().num_used(), 0) << "a page is still referenced after every request ended";
+    EXPECT_EQ(le.blocks().num_free(), le.blocks().num_blocks());
+    EXPECT_LE(st.kv_offload_pages, st.kv_offload_capacity);
+    EXPECT_GT(st.kv_offload_evictions_total, 0u) << "the tier should have replaced entries";
+    EXPECT_GT(st.kv_offload_restored_total, 0u);
+    EXPECT_EQ(st.kv_offload_hit_tokens_total, st.kv_offload_restored_total * uint64_t(kBs));
+
+    LLMEngine ref(*e, SchedulerConfig{.max_num_seqs = 1, .max_num_batched_tokens = 128, .max_model_len = 128,
+                                      .enable_prefix_caching = false, .num_blocks = 64});
+    int checked = 0;
+    for (const auto& [id, c] : out) {
+      if (c.reason != FinishReason::Length) continue;
+      std::map<std::string, Collected> alone;
+      ref.add_request(make(id, asked[id].first, asked[id].second, alone));
+      run_to_end(ref);
+      EXPECT_EQ(c.tokens, alone[id].tokens) << id;
+      ++checked;
+    }
+    EXPECT_GT(checked, 25);
+    std::printf("[random] seed %u: %d requests checked, %d aborted, %llu preemptions; tier: %llu kept, %llu restored, "
+                "%llu replaced\n",
+                seed, checked, aborted, (unsigned long long)st.preemptions_total,
+                (unsigned long long)st.kv_offload_stored_total, (unsigned long long)st.kv_offload_restored_total,
+                (unsigned long long)st.kv_offload_evictions_total);
+  }
 }
 
 // --kv-offload-gib is planned in whole pages and refused where it cannot work.

@@ -1,6 +1,7 @@
 #include "model/cpu/cpu_runner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <deque>
 
@@ -576,18 +577,24 @@ size_t CpuModelRunner::kv_page_bytes(int block_size) const {
   return ::kvlm::kv_page_bytes(*plan_, block_size);
 }
 
-void CpuModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t> out) {
+void CpuModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) {
   KVLM_CHECK(cache_ != nullptr, "save_pages before allocate_kv");
+  KVLM_CHECK(out.size() == pages.size(), "save_pages: one buffer per page");
   const size_t page = cache_->page_bytes();
-  KVLM_CHECK(out.size() == pages.size() * page, "save_pages: buffer size");
-  for (size_t i = 0; i < pages.size(); ++i) cache_->save_page(pages[i], out.subspan(i * page, page));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < pages.size(); ++i) cache_->save_page(pages[i], {out[i], page});
+  page_times_.saved_bytes += pages.size() * page;
+  page_times_.save_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void CpuModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t> in) {
+void CpuModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) {
   KVLM_CHECK(cache_ != nullptr, "load_pages before allocate_kv");
+  KVLM_CHECK(in.size() == pages.size(), "load_pages: one buffer per page");
   const size_t page = cache_->page_bytes();
-  KVLM_CHECK(in.size() == pages.size() * page, "load_pages: buffer size");
-  for (size_t i = 0; i < pages.size(); ++i) cache_->load_page(pages[i], in.subspan(i * page, page));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < pages.size(); ++i) cache_->load_page(pages[i], {in[i], page});
+  page_times_.loaded_bytes += pages.size() * page;
+  page_times_.load_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void CpuModelRunner::forward(const ForwardBatch& b, std::span<float> logits) {

@@ -556,6 +556,7 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
                            " tokens; lower the context length or batch size)");
   KVLM_CUDA_CHECK(cudaMemsetAsync(m.kv.data(), 0, total, m.stream));
   std::vector<cuda::KVPagePools> pools;
+  uint64_t packed_offset = 0;  // the host tier's packed page (pack_kv_pages)
   for (size_t i = 0; i < m.lkv.size(); ++i) {
     CudaKVLayer& L = m.lkv[i];
     L.k = m.kv.data() + offs[4 * i];
@@ -565,7 +566,8 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
     pools.push_back({.k = L.k, .v = L.v, .k_scale = reinterpret_cast<uint8_t*>(L.k_scale),
                      .v_scale = reinterpret_cast<uint8_t*>(L.v_scale), .k_page_bytes = L.k_page_bytes,
                      .v_page_bytes = L.v_page_bytes, .k_scale_page_bytes = L.k_scale_page_bytes,
-                     .v_scale_page_bytes = L.v_scale_page_bytes});
+                     .v_scale_page_bytes = L.v_scale_page_bytes, .page_offset = packed_offset});
+    packed_offset += L.k_page_bytes + L.v_page_bytes + L.k_scale_page_bytes + L.v_scale_page_bytes;
   }
   // Exact pages: [num_exact][kvh][block_size][head_dim] in the act dtype, K then V, for each
   // keeping layer (kv/kv_cache.h).
@@ -636,102 +638,6 @@ void CudaModelRunner::copy_states(std::span<const StateCopy> copies) {
     KVLM_CUDA_CHECK(cudaMemcpy2DAsync(base + size_t(c.dst) * per, pitch, base + size_t(c.src) * per, pitch, per, layers,
                                       cudaMemcpyDeviceToDevice, m.stream));
   }
-}
-
-void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
-  Impl& m = *impl_;
-  const DeviceScope dev(m.device);
-  KVLM_CHECK(m.num_blocks > 0, "copy_blocks before allocate_kv");
-  if (pairs.empty()) return;
-  std::set<BlockId> srcs, dsts;
-  bool chained = false;
-  for (const auto& [s, d, es, ed] : pairs) {
-    if (es >= 0 && ed >= 0) {  // the exact pages: one async copy per keeping layer and part
-      KVLM_CHECK(es < m.num_exact && ed < m.num_exact, "copy_blocks: exact page id out of range");
-      for (const CudaKVLayer& L : m.lkv)
-        for (uint16_t* pool : {L.exact_k, L.exact_v})
-          if (pool)
-            KVLM_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<uint8_t*>(pool) + size_t(ed) * L.exact_page_bytes,
-                                            reinterpret_cast<uint8_t*>(pool) + size_t(es) * L.exact_page_bytes,
-                                            L.exact_page_bytes, cudaMemcpyDeviceToDevice, m.stream));
-    }
-    KVLM_CHECK(s >= 0 && s < m.num_blocks && d >= 0 && d < m.num_blocks, "copy_blocks: page id out of range");
-    srcs.insert(s);
-    chained |= !dsts.insert(d).second;  // a page written twice: order matters
-  }
-  for (BlockId d : dsts) chained |= srcs.count(d) > 0;
-  const size_t bytes = pairs.size() * 2 * sizeof(BlockId);
-  BlockId* host = reinterpret_cast<BlockId*>(m.pairs_host.reserve(bytes));
-  for (size_t i = 0; i < pairs.size(); ++i) {
-    host[2 * i] = pairs[i].src;
-    host[2 * i + 1] = pairs[i].dst;
-  }
-  if (bytes > m.pairs_dev.bytes()) {
-    KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-    m.pairs_dev.allocate(std::max(bytes, size_t(4096)), "copy_blocks");
-  }
-  KVLM_CUDA_CHECK(cudaMemcpyAsync(m.pairs_dev.data(), host, bytes, cudaMemcpyHostToDevice, m.stream));
-  const auto* layers = reinterpret_cast<const cuda::KVPagePools*>(m.kv_pools.data());
-  const auto* dev_pairs = reinterpret_cast<const BlockId*>(m.pairs_dev.data());
-  if (!chained) {
-    cuda::copy_kv_pages(layers, int(m.lkv.size()), dev_pairs, int(pairs.size()), m.stream);
-  } else {  // the CPU's sequential semantics: one pair after the other
-    for (size_t i = 0; i < pairs.size(); ++i) cuda::copy_kv_pages(layers, int(m.lkv.size()), dev_pairs + 2 * i, 1, m.stream);
-  }
-  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // the pinned pairs may be reused next call
-}
-
-size_t CudaModelRunner::kv_page_bytes(int block_size) const { return ::kvlm::kv_page_bytes(*impl_->plan, block_size); }
-
-namespace {
-// One page's parts in every layer, in kv_page_bytes(plan)'s order: f(pool part of the page, bytes).
-template <typename F>
-void for_each_page_part(const std::vector<CudaKVLayer>& lkv, BlockId id, F&& f) {
-  for (const CudaKVLayer& L : lkv) {
-    const std::pair<uint8_t*, size_t> parts[] = {{L.k, L.k_page_bytes},
-                                                 {L.v, L.v_page_bytes},
-                                                 {reinterpret_cast<uint8_t*>(L.k_scale), L.k_scale_page_bytes},
-                                                 {reinterpret_cast<uint8_t*>(L.v_scale), L.v_scale_page_bytes}};
-    for (const auto& [pool, bytes] : parts)
-      if (bytes > 0) f(pool + size_t(id) * bytes, bytes);
-  }
-}
-}  // namespace
-
-// The host tier's copies: one async copy per layer and part on the runner's stream (after the
-// steps already issued), then a wait, so that the host buffer is complete (save) or free to
-// reuse (load) when the call returns. A batched gather kernel into pinned memory is the faster
-// form (docs/architecture.md: what the host tier does not do yet).
-void CudaModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t> out) {
-  Impl& m = *impl_;
-  const DeviceScope dev(m.device);
-  KVLM_CHECK(m.num_blocks > 0, "save_pages before allocate_kv");
-  KVLM_CHECK(out.size() == pages.size() * kv_page_bytes(m.block_size), "save_pages: buffer size");
-  uint8_t* o = out.data();
-  for (BlockId id : pages) {
-    KVLM_CHECK(id >= 0 && id < m.num_blocks, "save_pages: page id out of range");
-    for_each_page_part(m.lkv, id, [&](const uint8_t* part, size_t bytes) {
-      KVLM_CUDA_CHECK(cudaMemcpyAsync(o, part, bytes, cudaMemcpyDeviceToHost, m.stream));
-      o += bytes;
-    });
-  }
-  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-}
-
-void CudaModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t> in) {
-  Impl& m = *impl_;
-  const DeviceScope dev(m.device);
-  KVLM_CHECK(m.num_blocks > 0, "load_pages before allocate_kv");
-  KVLM_CHECK(in.size() == pages.size() * kv_page_bytes(m.block_size), "load_pages: buffer size");
-  const uint8_t* i = in.data();
-  for (BlockId id : pages) {
-    KVLM_CHECK(id >= 0 && id < m.num_blocks, "load_pages: page id out of range");
-    for_each_page_part(m.lkv, id, [&](uint8_t* part, size_t bytes) {
-      KVLM_CUDA_CHECK(cudaMemcpyAsync(part, i, bytes, cudaMemcpyHostToDevice, m.stream));
-      i += bytes;
-    });
-  }
-  KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
 void CudaModelRunner::download_kv_layer(size_t layer, LayerKVCache& out) const {

@@ -73,8 +73,12 @@ class CudaModelRunner final : public ModelRunner {
   void forward_follower(const ForwardBatch& batch) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
   size_t kv_page_bytes(int block_size) const override;
-  void save_pages(std::span<const BlockId> pages, std::span<uint8_t> out) override;
-  void load_pages(std::span<const BlockId> pages, std::span<const uint8_t> in) override;
+  void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) override;
+  void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) override;
+  HostBytes allocate_host(size_t bytes) override;
+  void wait_pages() override;
+  PageCopyTimes page_copy_times() override;
+  double measure_host_to_device_bandwidth() override;
 
   // Sampling on the GPU (ops/cuda/sampling.h): only token ids, and the logits of the rows
   // that are not sampled there, cross to the host.

@@ -174,6 +174,28 @@ struct CudaModelRunner::Impl {
   std::vector<Weight> draft_w;                 // its weights, then the target's embedding and LM head
   std::unique_ptr<CudaOps> ops;
   DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch, exact, states;
+  DeviceBuffer page_staging;  // the host tier's packed pages in passing (cuda_runner_pages.cpp)
+  int staging_pages(size_t page_bytes);
+  // The host tier's copies in flight, timed: start and end events of one save_pages or
+  // load_pages call, until they complete (cuda_runner_pages.cpp).
+  struct CopyTiming {
+    cudaEvent_t start = nullptr, end = nullptr;
+    bool load = false;
+    size_t bytes = 0;
+  };
+  std::deque<CopyTiming> copy_timings;
+  std::vector<cudaEvent_t> spare_events;
+  cudaEvent_t take_event();
+  void harvest_copies(ModelRunner::PageCopyTimes& t);  // adds the completed copies to t
+  template <typename F>
+  void timed_copies(ModelRunner::PageCopyTimes& t, bool load, size_t bytes, F&& enqueue) {
+    harvest_copies(t);
+    const cudaEvent_t start = take_event(), end = take_event();
+    KVLM_CUDA_CHECK(cudaEventRecord(start, stream));
+    enqueue();
+    KVLM_CUDA_CHECK(cudaEventRecord(end, stream));
+    copy_timings.push_back({.start = start, .end = end, .load = load, .bytes = bytes});
+  }
   int state_slots = 0;  // allocate_states
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;
   std::vector<Weight> w;
@@ -217,6 +239,8 @@ struct CudaModelRunner::Impl {
   ~Impl() {
     clear_graphs();
     for (cudaEvent_t e : copy_events) cudaEventDestroy(e);
+    for (const CopyTiming& t : copy_timings) cudaEventDestroy(t.start), cudaEventDestroy(t.end);
+    for (cudaEvent_t e : spare_events) cudaEventDestroy(e);
     if (forward_done) cudaEventDestroy(forward_done);
     if (stream) cudaStreamDestroy(stream);
   }

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <string>
 #include <utility>
 
 #include "core/hadamard.h"
@@ -510,6 +511,42 @@ __global__ void copy_pages_kernel(const KVPagePools* layers, const BlockId* pair
   }
 }
 
+// Pages <-> the packed form the host tier keeps (one page after the other, each layer by layer:
+// K codes, V codes, K scales, V scales, the parts it has). blockIdx: (page of the list, layer,
+// part).
+__device__ __forceinline__ void page_part(const KVPagePools& L, unsigned part, uint8_t*& base, uint64_t& bytes,
+                                          uint64_t& offset) {
+  offset = L.page_offset;
+  switch (part) {
+    case 0: base = L.k, bytes = L.k_page_bytes; break;
+    case 1: base = L.v, bytes = L.v_page_bytes, offset += L.k_page_bytes; break;
+    case 2: base = L.k_scale, bytes = L.k_scale_page_bytes, offset += L.k_page_bytes + L.v_page_bytes; break;
+    default:
+      base = L.v_scale, bytes = L.v_scale_page_bytes;
+      offset += L.k_page_bytes + L.v_page_bytes + L.k_scale_page_bytes;
+      break;
+  }
+}
+
+template <bool kPack>
+__global__ void pack_pages_kernel(const KVPagePools* layers, PackedPageList list, uint8_t* packed, uint64_t page_bytes) {
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0, offset = 0;
+  page_part(layers[blockIdx.y], blockIdx.z, base, bytes, offset);
+  if (!base || bytes == 0) return;
+  uint8_t* pool = base + uint64_t(list.pages[blockIdx.x]) * bytes;
+  uint8_t* flat = packed + uint64_t(blockIdx.x) * page_bytes + offset;
+  const uint8_t* s = kPack ? pool : flat;
+  uint8_t* d = kPack ? flat : pool;
+  if (bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) % 16 == 0) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(s);
+    uint4* d4 = reinterpret_cast<uint4*>(d);
+    for (uint64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) d4[i] = s4[i];
+  } else {
+    for (uint64_t i = threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
+  }
+}
+
 }  // namespace
 
 void embed_rows(DType act, const void* table, const TokenId* tokens, int rows, int hidden, float* x, void* stream,
@@ -647,6 +684,32 @@ void copy_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pai
   copy_pages_kernel<<<dim3(unsigned(num_pairs), unsigned(num_layers), 4), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       layers, pairs);
   KVLM_CUDA_CHECK_LAUNCH("copy_kv_pages");
+}
+
+namespace {
+void launch_pack(bool pack, const KVPagePools* layers, int num_layers, const BlockId* pages, int num_pages, uint8_t* packed,
+                 uint64_t page_bytes, void* stream) {
+  if (num_pages <= 0 || num_layers <= 0) return;
+  if (num_pages > kMaxPackedPages || num_layers > 65535)
+    throw Error("pack_kv_pages: at most " + std::to_string(kMaxPackedPages) + " pages and 65535 layers per call");
+  PackedPageList list{};
+  for (int i = 0; i < num_pages; ++i) list.pages[i] = pages[i];
+  const dim3 grid(unsigned(num_pages), unsigned(num_layers), 4);
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (pack) pack_pages_kernel<true><<<grid, 256, 0, st>>>(layers, list, packed, page_bytes);
+  else pack_pages_kernel<false><<<grid, 256, 0, st>>>(layers, list, packed, page_bytes);
+  KVLM_CUDA_CHECK_LAUNCH(pack ? "pack_kv_pages" : "unpack_kv_pages");
+}
+}  // namespace
+
+void pack_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pages, int num_pages, uint8_t* packed,
+                   uint64_t page_bytes, void* stream) {
+  launch_pack(true, layers, num_layers, pages, num_pages, packed, page_bytes, stream);
+}
+
+void unpack_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pages, int num_pages, const uint8_t* packed,
+                     uint64_t page_bytes, void* stream) {
+  launch_pack(false, layers, num_layers, pages, num_pages, const_cast<uint8_t*>(packed), page_bytes, stream);
 }
 
 }  // namespace kvlm::cuda

@@ -139,7 +139,22 @@ struct KVPagePools {
   uint8_t* v_scale = nullptr;
   uint64_t k_page_bytes = 0, v_page_bytes = 0;              // bytes of one page of codes
   uint64_t k_scale_page_bytes = 0, v_scale_page_bytes = 0;  // of one page of scales; 0 without token scales
+  uint64_t page_offset = 0;  // where this layer's parts start in a packed page (pack_kv_pages)
 };
 void copy_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pairs, int num_pairs, void* stream);
+
+// The host tier's packed pages (engine/host_kv_tier.h; kv/kv_cache.h's KVCache::save_page
+// layout): pack_kv_pages writes page pages[i] of every layer to packed + i * page_bytes, each
+// layer at its page_offset as K codes, V codes, K scales, V scales (the parts it has);
+// unpack_kv_pages writes them back. `pages` is a host array (passed by value, at most
+// kMaxPackedPages); `packed` is device memory. Pages must be distinct for unpack.
+inline constexpr int kMaxPackedPages = 256;
+struct PackedPageList {
+  BlockId pages[kMaxPackedPages];
+};
+void pack_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pages, int num_pages, uint8_t* packed,
+                   uint64_t page_bytes, void* stream);
+void unpack_kv_pages(const KVPagePools* layers, int num_layers, const BlockId* pages, int num_pages, const uint8_t* packed,
+                     uint64_t page_bytes, void* stream);
 
 }  // namespace kvlm::cuda
