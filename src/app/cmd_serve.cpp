@@ -321,10 +321,15 @@ class StatsLine {
         const uint64_t dq = s.prefix_cache_queries_total - last.prefix_cache_queries_total;
         const uint64_t dh = s.prefix_cache_hits_total - last.prefix_cache_hits_total;
         char tier[160] = "";
-        if (s.kv_offload_capacity > 0)
-          std::snprintf(tier, sizeof tier, ", Host tier: %d/%d pages, %llu tokens restored",
-                        s.kv_offload_pages, s.kv_offload_capacity,
+        if (s.kv_offload_capacity > 0) {
+          const double bytes = double(s.kv_offload_restored_bytes_total - last.kv_offload_restored_bytes_total);
+          const double secs = s.kv_offload_restore_seconds_total - last.kv_offload_restore_seconds_total;
+          std::snprintf(tier, sizeof tier, ", Host tier: %d/%d pages, %llu tokens restored", s.kv_offload_pages,
+                        s.kv_offload_capacity,
                         (unsigned long long)(s.kv_offload_hit_tokens_total - last.kv_offload_hit_tokens_total));
+          if (secs > 0)
+            std::snprintf(tier + std::strlen(tier), sizeof tier - std::strlen(tier), " at %.1f GB/s", bytes / secs / 1e9);
+        }
         std::fprintf(stderr,
                      "%s kvlm: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                      "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s\n",

@@ -34,6 +34,7 @@ struct EngineStats {
   uint64_t prompt_tokens_total = 0;      // prompt tokens computed (cache hits excluded)
   uint64_t generation_tokens_total = 0;
   uint64_t preemptions_total = 0;
+  uint64_t recomputed_tokens_total = 0;  // tokens of preempted sequences computed again on resuming
   uint64_t prefix_cache_queries_total = 0;  // prompt tokens looked up in the prefix cache
   uint64_t prefix_cache_hits_total = 0;     // of those, tokens found
   // The prefix cache's host tier (--kv-offload-gib; engine/host_kv_tier.h): pages held (gauge)

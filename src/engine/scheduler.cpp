@@ -351,6 +351,8 @@ std::vector<Sequence*> Scheduler::schedule() {
       stats_.prompt_tokens_total += uint64_t(s.num_prompt - s.cached_prompt_tokens);
       stats_.prefix_cache_queries_total += uint64_t(s.num_prompt);
       stats_.prefix_cache_hits_total += uint64_t(s.cached_prompt_tokens);
+    } else {  // resumed after preemption: what was not found cached is computed again
+      stats_.recomputed_tokens_total += uint64_t(int(s.tokens.size()) - s.num_computed);
     }
     KVLM_CHECK(!free_state_slots_.empty(), "more running sequences than --max-num-seqs state slots");
     s.state_slot = free_state_slots_.back();

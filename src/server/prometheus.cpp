@@ -114,10 +114,13 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   w.gauge("kvlm:kv_cache_free_blocks", "KV-cache pages free or evictable (cached, unreferenced).", s.num_free_blocks);
   w.counter("kvlm:prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).", double(s.prompt_tokens_total));
   w.counter("kvlm:generation_tokens_total", "Tokens generated.", double(s.generation_tokens_total));
-  w.counter("kvlm:num_preemptions_total", "Requests preempted (pages released, recomputed later) for lack of KV pages.",
+  w.counter("kvlm:num_preemptions_total", "Requests preempted (pages released, recomputed or restored later) for lack of KV pages.",
             double(s.preemptions_total));
   w.counter("kvlm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
             double(s.prefix_cache_queries_total));
+  w.counter("kvlm:recomputed_tokens_total",
+            "Tokens of preempted sequences computed again when they resumed (not found in the prefix cache or its tiers).",
+            double(s.recomputed_tokens_total));
   w.counter("kvlm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(s.prefix_cache_hits_total));
   if (s.kv_offload_capacity > 0) {
     w.gauge("kvlm:kv_offload_pages", "Pages held in the prefix cache's host tier (--kv-offload-gib).", s.kv_offload_pages);

@@ -400,6 +400,11 @@ TEST(Prometheus, Format) {
   s.prompt_tokens_total = 100;
   s.generation_tokens_total = 50;
   s.preemptions_total = 4;
+  s.recomputed_tokens_total = 9;
+  s.kv_offload_capacity = 10;
+  s.kv_offload_pages = 3;
+  s.kv_offload_restored_bytes_total = 4096;
+  s.kv_offload_restore_seconds_total = 0.5;
   s.requests_finished_total["stop"] = 5;
   s.requests_finished_total["length"] = 2;
   s.time_to_first_token = Histogram({0.1, 1.0});
@@ -419,6 +424,11 @@ TEST(Prometheus, Format) {
   EXPECT_TRUE(has("kvlm:prompt_tokens_total{" + L + "} 100"));
   EXPECT_TRUE(has("kvlm:generation_tokens_total{" + L + "} 50"));
   EXPECT_TRUE(has("kvlm:num_preemptions_total{" + L + "} 4"));
+  EXPECT_TRUE(has("kvlm:recomputed_tokens_total{" + L + "} 9"));
+  EXPECT_TRUE(has("kvlm:kv_offload_pages{" + L + "} 3"));
+  EXPECT_TRUE(has("kvlm:kv_offload_capacity_pages{" + L + "} 10"));
+  EXPECT_TRUE(has("kvlm:kv_offload_restored_bytes_total{" + L + "} 4096"));
+  EXPECT_TRUE(has("kvlm:kv_offload_restore_seconds_total{" + L + "} 0.5"));
   EXPECT_TRUE(has("kvlm:request_success_total{" + L + ",finished_reason=\"stop\"} 5"));
   EXPECT_TRUE(has("kvlm:request_success_total{" + L + ",finished_reason=\"abort\"} 0"));  // always present
   EXPECT_TRUE(has("# TYPE kvlm:time_to_first_token_seconds histogram"));

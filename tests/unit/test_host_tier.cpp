@@ -281,12 +281,16 @@ TEST(HostTier, PreemptedSequencesComeBackFromTheTier) {
     EXPECT_GT(tiered.kv_offload_restored_total, 0u);
     // Tokens a resumed sequence found cached instead of computing them again.
     EXPECT_GT(tiered_hits, alone_hits) << "resumed sequences should come back from the tier";
+    EXPECT_GT(alone.recomputed_tokens_total, 0u);
+    EXPECT_LT(tiered.recomputed_tokens_total, alone.recomputed_tokens_total);
+    EXPECT_EQ(roomy.recomputed_tokens_total, 0u);
     EXPECT_EQ(tiered.kv_offload_hit_tokens_total, tiered.kv_offload_restored_total * uint64_t(kBs));
     std::printf("[preemption] %s: %llu / %llu preemptions; tokens found cached (resumes included): %llu without the tier, "
-                "%llu with it (%llu pages restored)\n",
+                "%llu with it (%llu pages restored); computed again on resuming: %llu without, %llu with\n",
                 std::string(kv_cache_dtype_name(dt)).c_str(), (unsigned long long)alone.preemptions_total,
                 (unsigned long long)tiered.preemptions_total, (unsigned long long)alone_hits,
-                (unsigned long long)tiered_hits, (unsigned long long)tiered.kv_offload_restored_total);
+                (unsigned long long)tiered_hits, (unsigned long long)tiered.kv_offload_restored_total,
+                (unsigned long long)alone.recomputed_tokens_total, (unsigned long long)tiered.recomputed_tokens_total);
   }
 }
 
