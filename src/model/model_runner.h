@@ -165,10 +165,9 @@ class ModelRunner {
   virtual void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out);
   virtual void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in);
   virtual void wait_pages() {}
-  // What those copies moved and how long they took where they ran (a GPU: from each call's
-  // first DMA to its last kernel, read from events once they have completed).
+  // How long those copies took where they ran (a GPU: from each call's first DMA to its last
+  // kernel, read from events once they have completed); the host tier counts their bytes.
   struct PageCopyTimes {
-    uint64_t saved_bytes = 0, loaded_bytes = 0;
     double save_seconds = 0, load_seconds = 0;
   };
   virtual PageCopyTimes page_copy_times() { return page_times_; }

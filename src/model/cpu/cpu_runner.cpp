@@ -583,7 +583,6 @@ void CpuModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_
   const size_t page = cache_->page_bytes();
   const auto t0 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < pages.size(); ++i) cache_->save_page(pages[i], {out[i], page});
-  page_times_.saved_bytes += pages.size() * page;
   page_times_.save_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -593,7 +592,6 @@ void CpuModelRunner::load_pages(std::span<const BlockId> pages, std::span<const 
   const size_t page = cache_->page_bytes();
   const auto t0 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < pages.size(); ++i) cache_->load_page(pages[i], {in[i], page});
-  page_times_.loaded_bytes += pages.size() * page;
   page_times_.load_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

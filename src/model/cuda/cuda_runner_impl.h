@@ -181,20 +181,19 @@ struct CudaModelRunner::Impl {
   struct CopyTiming {
     cudaEvent_t start = nullptr, end = nullptr;
     bool load = false;
-    size_t bytes = 0;
   };
   std::deque<CopyTiming> copy_timings;
   std::vector<cudaEvent_t> spare_events;
   cudaEvent_t take_event();
   void harvest_copies(ModelRunner::PageCopyTimes& t);  // adds the completed copies to t
   template <typename F>
-  void timed_copies(ModelRunner::PageCopyTimes& t, bool load, size_t bytes, F&& enqueue) {
+  void timed_copies(ModelRunner::PageCopyTimes& t, bool load, F&& enqueue) {
     harvest_copies(t);
     const cudaEvent_t start = take_event(), end = take_event();
     KVLM_CUDA_CHECK(cudaEventRecord(start, stream));
     enqueue();
     KVLM_CUDA_CHECK(cudaEventRecord(end, stream));
-    copy_timings.push_back({.start = start, .end = end, .load = load, .bytes = bytes});
+    copy_timings.push_back({.start = start, .end = end, .load = load});
   }
   int state_slots = 0;  // allocate_states
   PinnedBuffer meta_host, logits_host, pairs_host, sample_host;

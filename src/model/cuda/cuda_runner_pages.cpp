@@ -1,12 +1,12 @@
 // Page copies of the CUDA runner (cuda_runner.h): the copy-on-write of a shared prefix page
 // (copy_blocks), and the prefix cache's host tier (engine/host_kv_tier.h): pages packed into a
-// device staging buffer by one kernel and moved by one DMA per page to pinned host memory, and
-// back the same way, all on the runner's stream and in its order, without waiting.
+// device staging buffer by one kernel and moved by one DMA per run of adjacent host buffers to
+// pinned host memory, and back the same way, all on the runner's stream and in its order,
+// without waiting.
 #include <algorithm>
 #include <cstring>
 #include <set>
 
-#include "core/log.h"
 #include "kv/kv_cache.h"
 #include "model/cuda/cuda_runner_impl.h"
 #include "ops/cuda/model_ops.h"
@@ -100,7 +100,6 @@ void CudaModelRunner::Impl::harvest_copies(ModelRunner::PageCopyTimes& t) {
     KVLM_CUDA_CHECK(q);
     float ms = 0;
     KVLM_CUDA_CHECK(cudaEventElapsedTime(&ms, c.start, c.end));
-    (c.load ? t.loaded_bytes : t.saved_bytes) += c.bytes;
     (c.load ? t.load_seconds : t.save_seconds) += double(ms) / 1e3;
     spare_events.push_back(c.start);
     spare_events.push_back(c.end);
@@ -131,7 +130,7 @@ void CudaModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8
   const size_t pb = kv_page_bytes(m.block_size);
   const int per = m.staging_pages(pb);
   const auto* layers = reinterpret_cast<const cuda::KVPagePools*>(m.kv_pools.data());
-  m.timed_copies(page_times_, false, pages.size() * pb, [&] {
+  m.timed_copies(page_times_, false, [&] {
     for (size_t b = 0; b < pages.size(); b += size_t(per)) {
       const size_t n = std::min(pages.size() - b, size_t(per));
       cuda::pack_kv_pages(layers, int(m.lkv.size()), pages.data() + b, int(n), m.page_staging.data(), pb, m.stream);
@@ -153,7 +152,7 @@ void CudaModelRunner::load_pages(std::span<const BlockId> pages, std::span<const
   const size_t pb = kv_page_bytes(m.block_size);
   const int per = m.staging_pages(pb);
   const auto* layers = reinterpret_cast<const cuda::KVPagePools*>(m.kv_pools.data());
-  m.timed_copies(page_times_, true, pages.size() * pb, [&] {
+  m.timed_copies(page_times_, true, [&] {
     for (size_t b = 0; b < pages.size(); b += size_t(per)) {
       const size_t n = std::min(pages.size() - b, size_t(per));
       for_each_run(in.subspan(b, n), pb, [&](size_t i, size_t count) {
@@ -182,10 +181,7 @@ double CudaModelRunner::measure_host_to_device_bandwidth() {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   const size_t bytes = kPageStagingBytes;
-  if (m.page_staging.bytes() < bytes) {
-    KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-    m.page_staging.allocate(bytes, "the host tier's staging buffer");
-  }
+  m.staging_pages(bytes);  // the staging buffer, at least `bytes`
   HostBytes host = allocate_host(bytes);
   std::memset(host.get(), 0, bytes);
   const cudaEvent_t a = m.take_event(), b = m.take_event();
