@@ -188,7 +188,7 @@ _KNOWN_OPTIONS = {"tokenizer", "dtype", "kv_cache_dtype", "cache_type_k", "cache
                   "seed", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "block_size", "quantization",
                   "dequantize_weights",
                   "enable_prefix_caching", "attention_backend", "runner", "scheduling_policy", "mamba_ssm_cache_dtype",
-                  "kv_offload_gib"}
+                  "kv_offload_gib", "kv_offload_dir", "kv_offload_disk_gib"}
 _ARGUMENTS = _KNOWN_OPTIONS | {"model", "kv_cache_dtype_skip_layers", "speculative_config"}
 
 

@@ -96,6 +96,8 @@ ServingArgs serving_args(const json& o) {
   a.enable_prefix_caching = get_or(o, "enable_prefix_caching", a.enable_prefix_caching);
   a.scheduling_policy = get_or(o, "scheduling_policy", a.scheduling_policy);
   a.kv_offload_gib = get_or(o, "kv_offload_gib", a.kv_offload_gib);
+  a.kv_offload_dir = get_or(o, "kv_offload_dir", a.kv_offload_dir);
+  a.kv_offload_disk_gib = get_or(o, "kv_offload_disk_gib", a.kv_offload_disk_gib);
   return a;
 }
 

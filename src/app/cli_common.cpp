@@ -264,8 +264,10 @@ void ServeExtraFlags::add_to(CLI::App& cmd) {
   add("--data-parallel-size", true, one_device + " (only 1 is accepted)", only({"1"}));
   add("--distributed-executor-backend", true, one_device);
   auto any = [](const std::string&) { return true; };
-  add("--swap-space", true, "kvlm recomputes a preempted sequence instead of swapping its KV cache to CPU memory", any,
-      true);
+  add("--swap-space", true,
+      "kvlm's host memory for KV pages is --kv-offload-gib: the prefix cache's tier, where a preempted sequence's "
+      "pages go too",
+      any, true);
   add("--cpu-offload-gb", true, "kvlm keeps every weight on the device (only 0 is accepted)", only({"0"}));
   add("--download-dir", true, "kvlm does not download models: give a local directory (for example "
                               "`huggingface-cli download ORG/NAME --local-dir DIR`, then `kvlm serve DIR`)");

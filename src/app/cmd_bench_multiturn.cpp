@@ -1,6 +1,6 @@
 // kvlm bench multiturn: offline, conversations over a shared system prompt, turn after turn:
 // each turn's prompt is the whole conversation so far. TTFT / TPOT percentiles of first and
-// later turns, and what the prefix cache and its host tier (--kv-offload-gib) did: pages and
+// later turns, and what the prefix cache and its tiers (--kv-offload-gib, --kv-offload-dir) did: pages and
 // bytes moved, restore bandwidth against pinned host-to-device copies measured in the same run.
 #include <condition_variable>
 #include <deque>
@@ -189,6 +189,22 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
     rowi("Prompt tokens from the host tier:", int64_t(tier_tokens));
     rowi("Entries replaced:", int64_t(after.kv_offload_evictions_total - before.kv_offload_evictions_total));
   }
+  const uint64_t disk_written = after.kv_offload_disk_written_total - before.kv_offload_disk_written_total;
+  const uint64_t disk_read = after.kv_offload_disk_read_total - before.kv_offload_disk_read_total;
+  const double disk_read_s = after.kv_offload_disk_read_seconds_total - before.kv_offload_disk_read_seconds_total;
+  const double disk_write_s = after.kv_offload_disk_write_seconds_total - before.kv_offload_disk_write_seconds_total;
+  const double page_file = double(after.kv_offload_disk_bytes_per_page);
+  if (after.kv_offload_disk_capacity > 0) {
+    rule(" Disk tier (--kv-offload-dir) ");
+    rowi("Capacity (pages):", after.kv_offload_disk_capacity);
+    rowi("Pages held at the end:", after.kv_offload_disk_pages);
+    rowi("Pages written:", int64_t(disk_written));
+    rowd("Write bandwidth (GB/s):", gbps(double(disk_written) * page_file, disk_write_s));
+    rowi("Pages read back:", int64_t(disk_read));
+    rowd("Read time (ms):", disk_read_s * 1e3);
+    rowd("Read bandwidth (GB/s):", gbps(double(disk_read) * page_file, disk_read_s));
+    rowi("Damaged files ignored:", int64_t(after.kv_offload_disk_damaged_total));
+  }
   rule("", '=');
   std::fflush(stdout);
   if (!f.json.empty()) {
@@ -214,6 +230,15 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
                       {"store_seconds", store_s},
                       {"pinned_h2d_bytes_per_s", h2d},
                       {"hit_tokens", tier_tokens}};
+    if (after.kv_offload_disk_capacity > 0)
+      j["disk_tier"] = {{"capacity_pages", after.kv_offload_disk_capacity},
+                        {"pages", after.kv_offload_disk_pages},
+                        {"written_pages", disk_written},
+                        {"write_seconds", disk_write_s},
+                        {"read_pages", disk_read},
+                        {"read_seconds", disk_read_s},
+                        {"file_bytes", after.kv_offload_disk_bytes_per_page},
+                        {"damaged_files", after.kv_offload_disk_damaged_total}};
     write_json(f.json, j);
   }
   if (failed) throw Error(std::to_string(failed) + " turns failed; the first: " + first_error);

@@ -51,6 +51,12 @@ void ServingFlags::add_to(CLI::App& cmd) {
                  "their stored format and copied back when a prompt's prefix reaches them, instead of recomputed "
                  "(default 0: none)")
       ->check(CLI::Range(0.0, 1e6));
+  cmd.add_option("--kv-offload-dir", kv_offload_dir,
+                 "a directory on local disk for a third tier of the prefix cache: pages the host tier lets go of are "
+                 "written there and read back on a prefix hit, also after a restart with the same model and KV plan "
+                 "(needs --kv-offload-gib and --kv-offload-disk-gib)");
+  cmd.add_option("--kv-offload-disk-gib", kv_offload_disk_gib, "GiB of --kv-offload-dir the disk tier may fill")
+      ->check(CLI::Range(0.0, 1e9));
   cmd.add_option("--gpu-memory-utilization", gpu_memory_utilization,
                  "fraction of the GPU's memory this server may use (weights, activations, KV pool)")
       ->capture_default_str();
@@ -320,7 +326,7 @@ class StatsLine {
       if (dp || dg || s.num_running || s.num_waiting) {
         const uint64_t dq = s.prefix_cache_queries_total - last.prefix_cache_queries_total;
         const uint64_t dh = s.prefix_cache_hits_total - last.prefix_cache_hits_total;
-        char tier[160] = "";
+        char tier[256] = "";
         if (s.kv_offload_capacity > 0) {
           const double bytes = double(s.kv_offload_restored_bytes_total - last.kv_offload_restored_bytes_total);
           const double secs = s.kv_offload_restore_seconds_total - last.kv_offload_restore_seconds_total;
@@ -329,6 +335,10 @@ class StatsLine {
                         (unsigned long long)(s.kv_offload_hit_tokens_total - last.kv_offload_hit_tokens_total));
           if (secs > 0)
             std::snprintf(tier + std::strlen(tier), sizeof tier - std::strlen(tier), " at %.1f GB/s", bytes / secs / 1e9);
+          if (s.kv_offload_disk_capacity > 0)
+            std::snprintf(tier + std::strlen(tier), sizeof tier - std::strlen(tier), ", Disk tier: %d/%d pages, %llu read",
+                          s.kv_offload_disk_pages, s.kv_offload_disk_capacity,
+                          (unsigned long long)(s.kv_offload_disk_read_total - last.kv_offload_disk_read_total));
         }
         std::fprintf(stderr,
                      "%s kvlm: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "

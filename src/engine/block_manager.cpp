@@ -77,7 +77,9 @@ void BlockManager::uncache(BlockId id) {
       index_.erase(it);
       break;
     }
+  if (tier_) by_serial_.erase(b.serial);
   b.serial = b.parent_serial = b.key = 0;
+  b.chain = {};
 }
 
 std::optional<BlockId> BlockManager::allocate() {
@@ -86,8 +88,7 @@ std::optional<BlockId> BlockManager::allocate() {
   queue_remove(id);
   Block& b = blocks_[size_t(id)];
   if (tier_ && b.serial != 0)  // to the lower tier before its contents are replaced
-    tier_->keep(id, b.serial, b.parent_serial, b.key,
-                std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
+    tier_->keep(id, b.serial, b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
   uncache(id);  // evict: the least recently used cached page (or a never-cached one)
   KVLM_CHECK(b.exact_holds == 0, "a free page with exact holds");
   detach_exact(id);  // its tokens are about to be replaced
@@ -158,13 +159,14 @@ void BlockManager::release(BlockId id) {
 }
 
 int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages,
-                               std::vector<uint64_t>& serials) {
+                               std::vector<uint64_t>& serials, std::vector<PageHash>* chains) {
   if (!caching_) return 0;
   KVLM_CHECK(pending_.empty(), "match_prefix before the previous match's commit_restores");
   const size_t bs = size_t(block_size_);
   const size_t full = tokens.size() / bs;
   queries_ += full * bs;
   uint64_t parent = 0;
+  PageHash parent_chain;
   int matched = 0;
   for (size_t i = 0; i < full; ++i) {
     const auto page = tokens.subspan(i * bs, bs);
@@ -178,22 +180,34 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
         break;
       }
     }
+    // A pool page registered with a chain has its own; one registered without (a caller that
+    // keeps none) gets it here, so the chain goes on to the tier.
+    PageHash chain;
+    if (tier_) chain = found >= 0 && !blocks_[size_t(found)].chain.empty() ? blocks_[size_t(found)].chain
+                                                                          : chain_of(i == 0 ? nullptr : &parent_chain, page);
     if (found < 0 && tier_) {  // past the pool's pages: the lower tier's, copied back by commit_restores
-      const int slot = tier_->find(key, parent, page);
+      const int slot = tier_->find(chain, page);
       if (slot < 0) break;
       const std::optional<BlockId> fresh = allocate();
       if (!fresh) {
         tier_->unpin(slot);
         break;
       }
-      const auto [serial, parent_serial] = tier_->identity(slot);
-      KVLM_CHECK(parent_serial == parent, "host tier: a restored page's parent differs");
+      // The serial the page had, unless a pool page holds it (the same contents, reached by
+      // another parent serial) or it is unknown (a page from disk written by an earlier process).
+      uint64_t serial = tier_->serial(slot);
+      if (serial == 0 || by_serial_.count(serial)) {
+        serial = next_serial_++;
+        tier_->set_serial(slot, serial);
+      }
       Block& r = blocks_[size_t(*fresh)];
       r.serial = serial;
-      r.parent_serial = parent_serial;
+      r.parent_serial = parent;
       r.key = key;
+      r.chain = chain;
       std::ranges::copy(page, tokens_.begin() + ptrdiff_t(size_t(*fresh) * bs));
       index_.emplace(key, *fresh);
+      by_serial_.emplace(serial, *fresh);
       pending_.push_back({*fresh, slot});
       found = *fresh;  // referenced once, by allocate()
     } else if (found < 0) {
@@ -204,11 +218,25 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
     const Block& b = blocks_[size_t(found)];
     pages.push_back(found);
     serials.push_back(b.serial);
+    if (chains) chains->push_back(chain);
     hits_ += bs;
     parent = b.serial;
+    parent_chain = chain;
     ++matched;
   }
   return matched;
+}
+
+void BlockManager::offload_cached() {
+  if (!tier_) return;
+  auto keep = [&](BlockId id) {
+    const Block& b = blocks_[size_t(id)];
+    if (b.serial != 0)
+      tier_->keep(id, b.serial, b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
+  };
+  for (BlockId id = head_; id >= 0; id = blocks_[size_t(id)].next) keep(id);  // free pages, least recent first
+  for (BlockId id = 0; id < num_blocks_; ++id)
+    if (blocks_[size_t(id)].refs > 0) keep(id);  // then the pages in use
 }
 
 void BlockManager::commit_restores() {
@@ -233,7 +261,8 @@ void BlockManager::commit_restores() {
   tier_hits_ += ids.size() * size_t(block_size_);
 }
 
-uint64_t BlockManager::register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens) {
+uint64_t BlockManager::register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens,
+                                     const PageHash& chain) {
   KVLM_CHECK(id >= 0 && id < num_blocks_ && tokens.size() == size_t(block_size_), "register_full: bad page");
   if (!caching_) return 0;
   Block& b = blocks_[size_t(id)];
@@ -248,8 +277,10 @@ uint64_t BlockManager::register_full(BlockId id, uint64_t parent_serial, std::sp
   b.serial = next_serial_++;
   b.parent_serial = parent_serial;
   b.key = key;
+  b.chain = chain;
   std::copy(tokens.begin(), tokens.end(), tokens_.begin() + ptrdiff_t(size_t(id) * size_t(block_size_)));
   index_.emplace(key, id);
+  if (tier_) by_serial_.emplace(b.serial, id);
   return b.serial;
 }
 

@@ -24,8 +24,11 @@
 //
 // A lower tier (engine/host_kv_tier.h, --kv-offload-gib): a cached page about to be reused is
 // copied there first, and a prefix that runs out of cached pages goes on there: each page
-// found takes a fresh page, registered again under its own serial, and the pages the caller
-// keeps of the hit are copied back together (commit_restores).
+// found takes a fresh page, registered again under the serial the tier kept when no pool page
+// holds that serial (else a fresh one), and the pages the caller keeps of the hit are copied
+// back together (commit_restores). The tiers name pages by chain hash (engine/page_hash.h),
+// which outlives serials: with a tier, every registered page also carries its chain, and the
+// caller keeps the chains of its pages beside their serials (chain_of).
 #pragma once
 
 #include <cstdint>
@@ -37,6 +40,7 @@
 #include <vector>
 
 #include "core/index_types.h"
+#include "engine/page_hash.h"
 
 namespace kvlm {
 
@@ -60,17 +64,30 @@ class BlockManager {
   void release(BlockId id);
   int ref_count(BlockId id) const { return blocks_[size_t(id)].refs; }
 
-  // The tier evicted cached pages go to and prefix hits are restored from (nullptr: none).
-  void set_lower_tier(HostKVTier* tier) { tier_ = tier; }
+  // The tier evicted cached pages go to and prefix hits are restored from (nullptr: none), and
+  // the root of the chain hashes that name pages there (page_hash.h's kv_root).
+  void set_lower_tier(HostKVTier* tier, const PageHash& root) {
+    tier_ = tier;
+    root_ = root;
+  }
+  // The chain hash of a page holding `tokens` after the page whose chain is `parent` (nullptr:
+  // the first page). Empty without a lower tier (nothing needs it).
+  PageHash chain_of(const PageHash* parent, std::span<const TokenId> tokens) const {
+    return tier_ ? page_chain(parent ? *parent : root_, tokens) : PageHash{};
+  }
+  // Copies every cached page to the lower tier (a server stopping: its disk tier keeps them).
+  void offload_cached();
 
   // Longest run of cached full pages that `tokens` starts with, in the pool or, past its
   // pages, in the lower tier (copied back into fresh pages). Each page found gains a
   // reference and is appended to `pages`, its serial to `serials`; returns how many were
-  // found. Only whole pages match; the caller decides how many of them to keep.
+  // found; `chains`, when given, gets their chain hashes. Only whole pages match; the caller
+  // decides how many of them to keep.
   // Pages found in the lower tier are registered at once (the chain goes on through them) but
   // copied back only by commit_restores(), which the caller runs before anything else uses
   // the pool: after it has released the pages of the hit it does not keep.
-  int match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages, std::vector<uint64_t>& serials);
+  int match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages, std::vector<uint64_t>& serials,
+                   std::vector<PageHash>* chains = nullptr);
   // Copies the last match's lower-tier pages that are still referenced back into their pages,
   // in one batch; the ones released meanwhile lose their identity and are not copied.
   void commit_restores();
@@ -78,8 +95,9 @@ class BlockManager {
   // Registers the full page `id` holding `tokens` (block_size of them) after the page
   // whose serial is `parent_serial` (0 for the first page). Returns the page's serial. When
   // an identical page is already cached, `id` stays unregistered and that page's serial is
-  // returned, so the chain continues either way.
-  uint64_t register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens);
+  // returned, so the chain continues either way. `chain` is the page's chain hash (chain_of;
+  // with a lower tier, a page registered without one is not kept there).
+  uint64_t register_full(BlockId id, uint64_t parent_serial, std::span<const TokenId> tokens, const PageHash& chain = {});
 
   // --- exact pages ---
   int num_exact_pages() const { return int(exact_owner_.size()); }
@@ -111,6 +129,7 @@ class BlockManager {
     uint64_t serial = 0;         // cache identity; 0 = not cached
     uint64_t parent_serial = 0;
     uint64_t key = 0;
+    PageHash chain;              // with a lower tier: the name there
     BlockId prev = -1, next = -1;  // free-queue links
     bool in_queue = false;
     int exact_holds = 0;
@@ -129,11 +148,13 @@ class BlockManager {
   std::vector<Block> blocks_;
   std::vector<TokenId> tokens_;  // [num_blocks][block_size]: a cached page's tokens
   std::unordered_multimap<uint64_t, BlockId> index_;  // key -> cached pages
+  std::unordered_map<uint64_t, BlockId> by_serial_;   // serial -> cached page (with a lower tier)
   BlockId head_ = -1, tail_ = -1;
   int num_free_ = 0;
   uint64_t next_serial_ = 1;
   uint64_t queries_ = 0, hits_ = 0, tier_hits_ = 0;
   HostKVTier* tier_ = nullptr;
+  PageHash root_;
   std::vector<std::pair<BlockId, int>> pending_;  // the last match's pages from the tier, and their slots
   std::vector<int32_t> exact_of_;      // [num_blocks] exact page or -1
   std::vector<BlockId> exact_owner_;   // [num_exact_pages] page it is attached to, or -1

@@ -81,6 +81,19 @@ MemoryOptions ServingArgs::memory_options(ArgStyle style) const {
   if (!(kv_offload_gib >= 0 && kv_offload_gib < 1e6))
     throw Error(arg_name(style, "kv-offload-gib") + " must be a size in GiB, 0 or more, got " + std::to_string(kv_offload_gib));
   m.kv_offload_bytes = uint64_t(kv_offload_gib * double(1ull << 30));
+  if (!(kv_offload_disk_gib >= 0 && kv_offload_disk_gib < 1e9))
+    throw Error(arg_name(style, "kv-offload-disk-gib") + " must be a size in GiB, 0 or more, got " +
+                std::to_string(kv_offload_disk_gib));
+  if (kv_offload_dir.empty() != (kv_offload_disk_gib == 0))
+    throw Error(kv_offload_dir.empty()
+                    ? arg_name(style, "kv-offload-disk-gib") + " sizes the disk tier of " + arg_name(style, "kv-offload-dir") +
+                          ": give the directory too"
+                    : arg_name(style, "kv-offload-dir") + " needs " + arg_name(style, "kv-offload-disk-gib") +
+                          ": how much of the disk the tier may use");
+  if (!kv_offload_dir.empty() && kv_offload_gib == 0)
+    throw Error(arg_name(style, "kv-offload-dir") + ": pages reach the disk tier through the host tier; give " +
+                arg_name(style, "kv-offload-gib") + " too (a few GiB is enough)");
+  m.kv_offload_disk_bytes = uint64_t(kv_offload_disk_gib * double(1ull << 30));
   if (scheduling_policy != "fcfs" && scheduling_policy != "priority")
     throw Error(arg_name(style, "scheduling-policy") + " must be fcfs or priority, got '" + scheduling_policy + "'");
   return m;
@@ -95,6 +108,8 @@ SchedulerConfig ServingArgs::scheduler_config(const MemoryPlan& plan) const {
   c.num_blocks = plan.num_blocks;
   c.state_snapshots = plan.state_snapshots;
   c.kv_offload_pages = plan.offload_pages;
+  c.kv_offload_dir = kv_offload_dir;
+  c.kv_offload_disk_bytes = plan.offload_disk_bytes;
   c.priority = scheduling_policy == "priority";
   return c;
 }

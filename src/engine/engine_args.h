@@ -57,6 +57,8 @@ struct ServingArgs {
   double gpu_memory_utilization = 0.9;
   std::string scheduling_policy = "fcfs";  // fcfs | priority
   double kv_offload_gib = 0;  // the prefix cache's host tier (engine/host_kv_tier.h); 0 = none
+  std::string kv_offload_dir;    // its disk tier (engine/disk_kv_tier.h); "" = none
+  double kv_offload_disk_gib = 0;
 
   MemoryOptions memory_options(ArgStyle style) const;  // parses and validates; throws kvlm::Error
   SchedulerConfig scheduler_config(const MemoryPlan& plan) const;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -18,25 +19,40 @@ size_t checked_page_bytes(const ModelRunner& runner, int block_size, size_t capa
   return page;
 }
 
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // The tier's memory; pinning tens of GiB takes seconds at start, so say how long.
 HostBytes allocate_logged(ModelRunner& runner, size_t bytes) {
   const auto t0 = std::chrono::steady_clock::now();
   HostBytes p = runner.allocate_host(bytes);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   char line[160];
   std::snprintf(line, sizeof line, "host tier: %.2f GiB of host memory allocated%s in %.1f s", double(bytes) / double(1ull << 30),
-                runner.device() == Device::Cuda ? " and pinned" : "", s);
+                runner.device() == Device::Cuda ? " and pinned" : "", since(t0));
   log::info(line);
   return p;
 }
 }  // namespace
 
-HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity)
+HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std::unique_ptr<DiskKVTier> disk)
     : runner_(runner), block_size_(block_size), page_bytes_(checked_page_bytes(runner, block_size, capacity)),
-      data_(allocate_logged(runner, capacity * page_bytes_)) {  // uninitialized: written as pages arrive
+      data_(allocate_logged(runner, capacity * page_bytes_)),  // uninitialized: written as pages arrive
+      disk_(std::move(disk)) {
   tokens_.resize(capacity * size_t(block_size));
   entries_.resize(capacity);
   for (size_t i = capacity; i-- > 0;) free_.push_back(int(i));
+  // Each batch written to disk waits once for the copies in flight (which may include a
+  // step's): an eighth of the tier or 64 MiB, whichever is fewer pages.
+  demote_batch_ = std::clamp<size_t>(std::min(capacity / 8, kPageStagingBytes / page_bytes_), 1, capacity);
+}
+
+HostKVTier::~HostKVTier() {
+  try {
+    flush_to_disk();
+  } catch (const std::exception& e) {  // a failing runner at shutdown: the pages are lost, nothing else
+    log::warn(std::string("host tier: pages not written to disk at shutdown: ") + e.what());
+  }
 }
 
 void HostKVTier::unlink(int slot) {
@@ -54,57 +70,123 @@ void HostKVTier::push_back(int slot) {
   tail_ = slot;
 }
 
-void HostKVTier::keep(BlockId id, uint64_t serial, uint64_t parent_serial, uint64_t key, std::span<const TokenId> tokens) {
-  KVLM_CHECK(serial != 0 && tokens.size() == size_t(block_size_), "host tier: a page without a cache identity");
-  if (const auto it = by_serial_.find(serial); it != by_serial_.end()) {  // restored earlier: the same contents
-    unlink(it->second);
-    push_back(it->second);
-    return;
+void HostKVTier::drop(int slot) {
+  unlink(slot);
+  index_.erase(entries_[size_t(slot)].chain);
+  entries_[size_t(slot)] = Entry{};
+  free_.push_back(slot);
+}
+
+bool HostKVTier::demote() {
+  std::vector<DiskKVTier::WriteJob> jobs;
+  bool any = false;
+  for (int s = head_, n = 0; s >= 0 && size_t(n) < demote_batch_;) {
+    const int next = entries_[size_t(s)].next;
+    Entry& e = entries_[size_t(s)];
+    if (!e.pinned && !e.writing) {
+      ++n;
+      any = true;
+      if (e.on_disk) {  // on disk already (read from it, or written before): nothing to write
+        drop(s);
+        ++evicted_;
+      } else {
+        e.writing = true;
+        e.used = false;
+        const auto t = tokens_of(s);
+        jobs.push_back({e.chain, e.serial, std::vector<TokenId>(t.begin(), t.end()), slot_data(s), s});
+      }
+    }
+    s = next;
   }
-  int slot = -1;
-  if (!free_.empty()) {
-    slot = free_.back();
-    free_.pop_back();
-  } else {  // replace the least recently used entry that is not pinned
-    for (int s = head_; s >= 0; s = entries_[size_t(s)].next)
-      if (!entries_[size_t(s)].pinned) {
-        slot = s;
-        break;
-      }
-    if (slot < 0) return;  // every entry pinned (a restore in progress): this page is not kept
-    Entry& old = entries_[size_t(slot)];
-    unlink(slot);
-    auto [lo, hi] = index_.equal_range(old.key);
-    for (auto it = lo; it != hi; ++it)
-      if (it->second == slot) {
-        index_.erase(it);
-        break;
-      }
-    by_serial_.erase(old.serial);
+  if (!jobs.empty()) disk_->write_async(std::move(jobs), runner_.page_fence());
+  return any;
+}
+
+void HostKVTier::reclaim(bool wait) {
+  for (int s : disk_->take_written(wait)) {
+    Entry& e = entries_[size_t(s)];
+    KVLM_CHECK(e.writing, "host tier: a slot came back from the disk tier twice");
+    e.writing = false;
+    e.on_disk = true;  // or its write failed (logged): then it is lost once replaced
+    if (e.pinned || e.used) {  // a hit used it meanwhile: it stays, now also on disk
+      e.used = false;
+      continue;
+    }
+    drop(s);
     ++evicted_;
   }
+}
+
+int HostKVTier::take_slot() {
+  if (disk_) {
+    // Keep a batch of slots free ahead of need, written to disk in the background; wait for
+    // the writer only when nothing is free.
+    reclaim(false);
+    if (free_.size() < demote_batch_) demote();
+    while (free_.empty()) {
+      if (disk_->writes_in_flight() > 0) reclaim(true);
+      else if (!demote()) break;  // every entry pinned (a restore in progress)
+    }
+  } else if (free_.empty()) {  // the least recently used entry that is not pinned is replaced
+    int victim = -1;
+    for (int s = head_; s >= 0 && victim < 0; s = entries_[size_t(s)].next)
+      if (!entries_[size_t(s)].pinned) victim = s;
+    if (victim >= 0) {
+      drop(victim);
+      ++evicted_;
+    }
+  }
+  if (free_.empty()) return -1;
+  const int slot = free_.back();
+  free_.pop_back();
+  return slot;
+}
+
+void HostKVTier::keep(BlockId id, uint64_t serial, const PageHash& chain, std::span<const TokenId> tokens) {
+  KVLM_CHECK(serial != 0 && tokens.size() == size_t(block_size_), "host tier: a page without a cache identity");
+  if (chain.empty()) return;  // registered without a chain (no tier then): nothing names it here
+  if (const auto it = index_.find(chain); it != index_.end()) {  // restored earlier: the same contents
+    unlink(it->second);
+    push_back(it->second);
+    entries_[size_t(it->second)].used = true;
+    return;
+  }
+  const int slot = take_slot();
+  if (slot < 0) return;  // every entry pinned: this page is not kept
   uint8_t* const dst = slot_data(slot);
   runner_.save_pages({&id, 1}, {&dst, 1});
-  entries_[size_t(slot)] = Entry{.serial = serial, .parent_serial = parent_serial, .key = key};
+  entries_[size_t(slot)] = Entry{.serial = serial, .chain = chain};
   std::ranges::copy(tokens, tokens_of(slot).begin());
-  index_.emplace(key, slot);
-  by_serial_.emplace(serial, slot);
+  index_.emplace(chain, slot);
   push_back(slot);
   ++kept_;
 }
 
-int HostKVTier::find(uint64_t key, uint64_t parent_serial, std::span<const TokenId> tokens) {
-  auto [lo, hi] = index_.equal_range(key);
-  for (auto it = lo; it != hi; ++it) {
-    Entry& e = entries_[size_t(it->second)];
-    if (e.parent_serial == parent_serial && std::ranges::equal(tokens, tokens_of(it->second))) {
-      unlink(it->second);
-      push_back(it->second);
-      e.pinned = true;
-      return it->second;
-    }
+int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens) {
+  if (const auto it = index_.find(chain); it != index_.end()) {
+    if (!std::ranges::equal(tokens, tokens_of(it->second))) return -1;
+    unlink(it->second);
+    push_back(it->second);
+    entries_[size_t(it->second)].pinned = true;
+    entries_[size_t(it->second)].used = true;
+    return it->second;
   }
-  return -1;
+  if (!disk_ || !disk_->contains(chain)) return -1;
+  // From disk: into a slot here (one take_slot frees a batch, after waiting for the copies in
+  // flight, so the host writes no bytes a copy still reads).
+  const int slot = take_slot();
+  if (slot < 0) return -1;
+  uint64_t serial = 0;
+  if (!disk_->read(chain, tokens, slot_data(slot), serial)) {
+    free_.push_back(slot);
+    return -1;
+  }
+  entries_[size_t(slot)] = Entry{.serial = serial, .chain = chain, .pinned = true, .on_disk = true};
+  std::ranges::copy(tokens, tokens_of(slot).begin());
+  index_.emplace(chain, slot);
+  push_back(slot);
+  ++disk_hits_;
+  return slot;
 }
 
 void HostKVTier::unpin(int slot) { entries_[size_t(slot)].pinned = false; }
@@ -121,13 +203,35 @@ void HostKVTier::restore(std::span<const int> slots, std::span<const BlockId> id
   std::vector<BlockId> dst;
   for (const auto& [slot, id] : order) {
     Entry& e = entries_[size_t(slot)];
-    KVLM_CHECK(e.serial != 0 && e.pinned, "host tier: restoring an entry that was not found");
+    KVLM_CHECK(!e.chain.empty() && e.pinned, "host tier: restoring an entry that was not found");
     e.pinned = false;
     src.push_back(slot_data(slot));
     dst.push_back(id);
   }
   runner_.load_pages(dst, src);
   restored_ += slots.size();
+}
+
+void HostKVTier::flush_to_disk() {
+  if (!disk_ || index_.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<DiskKVTier::WriteJob> jobs;
+  for (int s = head_; s >= 0; s = entries_[size_t(s)].next) {  // least recent first: the newest files are the most recent
+    Entry& e = entries_[size_t(s)];
+    if (e.on_disk || e.writing) continue;
+    e.writing = true;
+    e.used = true;  // kept when it comes back
+    const auto t = tokens_of(s);
+    jobs.push_back({e.chain, e.serial, std::vector<TokenId>(t.begin(), t.end()), slot_data(s), s});
+  }
+  const size_t n = jobs.size();
+  if (n > 0) disk_->write_async(std::move(jobs), runner_.page_fence());
+  while (disk_->writes_in_flight() > 0) reclaim(/*wait=*/true);
+  if (n == 0) return;
+  char line[256];
+  std::snprintf(line, sizeof line, "disk tier: %zu pages (%.2f GiB) written to %s in %.2f s", n,
+                double(n * disk_->file_bytes()) / double(1ull << 30), disk_->directory().c_str(), since(t0));
+  log::info(line);
 }
 
 }  // namespace kvlm

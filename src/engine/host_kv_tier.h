@@ -4,13 +4,20 @@
 // instead of being computed again. Quantized pages are 2-3.8x smaller than bf16 ones, so the
 // same host memory holds that many more prefixes.
 //
-// An entry keeps the page's cache identity from the pool (engine/block_manager.h): its serial,
-// its parent's serial and its tokens. A restored page is registered again under the same
-// serial, so the pages after it — in the pool or here — still chain to it; a hit is confirmed
-// on the tokens and the parent serial, never on the hash alone. Serials are never reused, so
-// an entry is the page's exact contents for as long as it lives. A page restored and evicted
-// again is not copied twice (its serial is still here). Entries are replaced least recently
-// used first.
+// An entry is named by its page's chain hash (page_hash.h: the model and plan, then every
+// token up to the page's end) and holds its tokens, compared on every hit. It also keeps the
+// serial the page had in the pool, so that a restored page is registered under it again when
+// no pool page holds it (state snapshots, keyed by serial, stay usable); the block manager
+// gives it a fresh one otherwise. A page restored and evicted again is not copied twice (its
+// chain is still here). Entries are replaced least recently used first.
+//
+// With a disk tier (disk_kv_tier.h, --kv-offload-dir) entries are written there before they
+// are replaced: once fewer than a batch of slots is free, the least recently used batch goes to
+// the disk tier's writer thread (after a fence on the copies that filled them); their slots
+// stay findable until written, and come back free unless a hit used them meanwhile. A miss here
+// is looked up there: a page found is read into a slot here (checked whole) and restored from
+// it as any other. When the tier is destroyed (the
+// server stops), the pages it holds are written to disk, so that a restart finds them.
 //
 // Exact pages (layers with exact sink / recent tokens) are not kept: a restored page has no
 // exact copy, and the scheduler's admit_prefix ends a hit before a page a query must read
@@ -19,8 +26,10 @@
 // Host memory comes from the runner (pinned on a GPU). The copies are issued in the runner's
 // stream order and do not wait (ModelRunner::save_pages / load_pages): an eviction's copy is
 // ordered before the step that overwrites the page, a restore's before the step that reads
-// it, and a slot's later copies after its earlier ones; the host never touches the bytes.
-// The pages of one hit are restored in one batch (BlockManager::commit_restores).
+// it, and a slot's later copies after its earlier ones; the host reads a slot's bytes itself
+// (the disk tier's writer) only after a fence on them, and writes one (a disk read) only when
+// it is free, which a slot becomes only after its copies and writes are done. The pages of one hit are restored in one batch
+// (BlockManager::commit_restores).
 #pragma once
 
 #include <cstdint>
@@ -30,63 +39,82 @@
 #include <vector>
 
 #include "core/index_types.h"
+#include "engine/disk_kv_tier.h"
+#include "engine/page_hash.h"
 #include "model/model_runner.h"
 
 namespace kvlm {
 
 class HostKVTier {
  public:
-  // `capacity` pages of runner.kv_page_bytes(block_size) each (reserved, touched as pages arrive).
-  HostKVTier(ModelRunner& runner, int block_size, size_t capacity);
+  // `capacity` pages of runner.kv_page_bytes(block_size) each (reserved, touched as pages
+  // arrive), and the disk tier below it (nullptr: none).
+  HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std::unique_ptr<DiskKVTier> disk = nullptr);
+  ~HostKVTier();  // writes what it holds to the disk tier
+  HostKVTier(const HostKVTier&) = delete;
+  HostKVTier& operator=(const HostKVTier&) = delete;
 
   size_t capacity() const { return entries_.size(); }
   size_t size() const { return index_.size(); }
   size_t page_bytes() const { return page_bytes_; }
+  const DiskKVTier* disk() const { return disk_.get(); }
 
-  // The pool is about to reuse its page `id`, cached under (serial, parent_serial, key,
-  // tokens): keeps a copy unless this serial is here already.
-  void keep(BlockId id, uint64_t serial, uint64_t parent_serial, uint64_t key, std::span<const TokenId> tokens);
-  // The entry with that identity, or -1. A found entry becomes the most recently used and is
-  // pinned — not replaced by keep() — until restore() or unpin().
-  int find(uint64_t key, uint64_t parent_serial, std::span<const TokenId> tokens);
+  // The pool is about to reuse its page `id`, cached under `serial` with chain hash `chain`
+  // and `tokens`: keeps a copy unless this chain is here already (an empty chain: not kept).
+  void keep(BlockId id, uint64_t serial, const PageHash& chain, std::span<const TokenId> tokens);
+  // The entry of that chain and tokens — here, else read from the disk tier into a slot here
+  // — or -1. A found entry becomes the most recently used and is pinned — not replaced —
+  // until restore() or unpin().
+  int find(const PageHash& chain, std::span<const TokenId> tokens);
   void unpin(int slot);
-  // The serial and parent serial of entry `slot`.
-  std::pair<uint64_t, uint64_t> identity(int slot) const {
-    return {entries_[size_t(slot)].serial, entries_[size_t(slot)].parent_serial};
-  }
+  // The serial entry `slot` was kept under (0: none known, a page from an earlier process).
+  uint64_t serial(int slot) const { return entries_[size_t(slot)].serial; }
+  void set_serial(int slot, uint64_t serial) { entries_[size_t(slot)].serial = serial; }
   // Copies entries `slots[i]` into the pool's pages `ids[i]`, together, and unpins them.
   void restore(std::span<const int> slots, std::span<const BlockId> ids);
+  // Writes every entry the disk tier lacks to it (no-op without one).
+  void flush_to_disk();
 
-  // Statistics: pages copied out and back, entries replaced.
+  // Statistics: pages copied out and back, entries replaced (written to disk, with one).
   uint64_t pages_kept() const { return kept_; }
   uint64_t pages_restored() const { return restored_; }
   uint64_t evictions() const { return evicted_; }
+  uint64_t disk_hits() const { return disk_hits_; }  // pages find() read from the disk tier
 
  private:
   struct Entry {
-    uint64_t serial = 0, parent_serial = 0, key = 0;  // serial 0: empty
-    int prev = -1, next = -1;                         // LRU links (head: least recent)
+    uint64_t serial = 0;
+    PageHash chain;           // empty: a free slot
+    int prev = -1, next = -1;  // LRU links (head: least recent)
     bool pinned = false;
+    bool on_disk = false;  // the disk tier holds this page (read from it, or written)
+    bool writing = false;  // with the disk tier's writer: not free until it comes back
+    bool used = false;     // found or kept again since it was handed to the writer
   };
+  bool demote();              // hands a batch of LRU entries to the disk tier; false: none could go
+  void reclaim(bool wait);    // takes back the entries the writer is done with
   void unlink(int slot);
   void push_back(int slot);
+  // A free slot, replacing entries when none is (-1: every entry pinned).
+  int take_slot();
+  void drop(int slot);  // forgets the entry, frees the slot
   std::span<TokenId> tokens_of(int slot) {
     return std::span(tokens_).subspan(size_t(slot) * size_t(block_size_), size_t(block_size_));
   }
+  uint8_t* slot_data(int slot) { return data_.get() + size_t(slot) * page_bytes_; }
 
   ModelRunner& runner_;
   int block_size_;
   size_t page_bytes_;
-  uint8_t* slot_data(int slot) { return data_.get() + size_t(slot) * page_bytes_; }
-
   HostBytes data_;                   // [capacity][page_bytes], from runner.allocate_host
   std::vector<TokenId> tokens_;      // [capacity][block_size]
   std::vector<Entry> entries_;
-  std::unordered_multimap<uint64_t, int> index_;  // key -> slot
-  std::unordered_map<uint64_t, int> by_serial_;   // serial -> slot
+  std::unordered_map<PageHash, int, PageHashHasher> index_;  // chain -> slot
   std::vector<int> free_;
   int head_ = -1, tail_ = -1;
-  uint64_t kept_ = 0, restored_ = 0, evicted_ = 0;
+  std::unique_ptr<DiskKVTier> disk_;
+  size_t demote_batch_ = 1;  // entries written to disk per wait for the copies in flight
+  uint64_t kept_ = 0, restored_ = 0, evicted_ = 0, disk_hits_ = 0;
 };
 
 }  // namespace kvlm

@@ -35,6 +35,7 @@ SchedulerConfig checked(SchedulerConfig cfg, const LoadedModel& model) {
     log::warn("prefix caching is off: no state snapshots were given for " + std::string(arch_name(mc.arch)) +
               "'s Gated DeltaNet layers, which a cache hit must resume from");
   }
+  if (cfg.kv_offload_pages > 0) cfg.kv_identity = model.kv_identity();
   const KVPlan& plan = model.plan();
   cfg.keep_sink = plan.keep_sink();
   cfg.keep_recent = plan.keep_recent();
@@ -310,6 +311,17 @@ EngineStats LLMEngine::stats() const {
     st.kv_offload_restored_total = t->pages_restored();
     st.kv_offload_evictions_total = t->evictions();
     st.kv_offload_hit_tokens_total = b.lower_tier_hits();
+    if (const DiskKVTier* d = t->disk()) {
+      st.kv_offload_disk_pages = int(d->size());
+      st.kv_offload_disk_capacity = int(d->capacity());
+      st.kv_offload_disk_written_total = d->pages_written();
+      st.kv_offload_disk_read_total = d->pages_read();
+      st.kv_offload_disk_evictions_total = d->evictions();
+      st.kv_offload_disk_damaged_total = d->damaged();
+      st.kv_offload_disk_bytes_per_page = d->file_bytes();
+      st.kv_offload_disk_write_seconds_total = d->write_seconds();
+      st.kv_offload_disk_read_seconds_total = d->read_seconds();
+    }
   }
   return st;
 }

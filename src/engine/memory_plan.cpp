@@ -256,6 +256,14 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
                   with_commas(mp.offload_pages * mp.block_size).c_str(),
                   double(mp.offload_pages) / double(std::max(mp.num_blocks, 1)));
     mp.summary += line;
+    if (opts.kv_offload_disk_bytes > 0) {
+      mp.offload_disk_bytes = opts.kv_offload_disk_bytes;
+      const uint64_t disk_pages = opts.kv_offload_disk_bytes / page;  // about: each file adds a header
+      std::snprintf(line, sizeof line, "\ndisk tier (--kv-offload-disk-gib): %s = about %s pages = %s tokens",
+                    human_bytes(mp.offload_disk_bytes).c_str(), with_commas(int64_t(disk_pages)).c_str(),
+                    with_commas(int64_t(disk_pages) * mp.block_size).c_str());
+      mp.summary += line;
+    }
   }
   return mp;
 }

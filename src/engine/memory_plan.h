@@ -18,6 +18,7 @@ struct MemoryOptions {
   int max_num_batched_tokens = 2048;
   bool prefix_caching = true;  // hybrid models: the prefix cache's state snapshots count too
   uint64_t kv_offload_bytes = 0;  // --kv-offload-gib: the prefix cache's host tier (0: none)
+  uint64_t kv_offload_disk_bytes = 0;  // --kv-offload-disk-gib: its disk tier (0: none)
 };
 
 struct MemoryPlan {
@@ -35,6 +36,7 @@ struct MemoryPlan {
   double max_concurrency = 0;       // capacity_tokens / max_model_len
   int64_t offload_pages = 0;        // the host tier's pages (engine/host_kv_tier.h), 0 = none
   uint64_t offload_bytes = 0;
+  uint64_t offload_disk_bytes = 0;  // the disk tier's (engine/disk_kv_tier.h), 0 = none
   std::string summary;              // the startup log lines
 };
 

@@ -45,6 +45,13 @@ struct EngineStats {
   double kv_offload_store_seconds_total = 0, kv_offload_restore_seconds_total = 0;
   uint64_t kv_offload_stored_total = 0, kv_offload_restored_total = 0, kv_offload_evictions_total = 0;
   uint64_t kv_offload_hit_tokens_total = 0;
+  // Its disk tier (--kv-offload-dir; engine/disk_kv_tier.h): pages held (gauge) and its capacity,
+  // pages written and read back (read into the host tier, then restored from there), files
+  // replaced, damaged or foreign files ignored, and the time its writes and reads took.
+  int kv_offload_disk_pages = 0, kv_offload_disk_capacity = 0;
+  uint64_t kv_offload_disk_written_total = 0, kv_offload_disk_read_total = 0, kv_offload_disk_evictions_total = 0;
+  uint64_t kv_offload_disk_damaged_total = 0, kv_offload_disk_bytes_per_page = 0;
+  double kv_offload_disk_write_seconds_total = 0, kv_offload_disk_read_seconds_total = 0;
   uint64_t requests_total = 0;              // accepted
   std::map<std::string, uint64_t> requests_finished_total;  // by finish reason
   uint64_t steps_total = 0;

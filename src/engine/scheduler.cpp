@@ -1,12 +1,14 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <exception>
 #include <limits>
 #include <optional>
 #include <string_view>
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "model/model_runner.h"
 
 namespace kvlm {
@@ -25,8 +27,22 @@ Scheduler::Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& ru
   for (int i = cfg.max_num_seqs; i-- > 0;) free_state_slots_.push_back(i);
   KVLM_CHECK(cfg.num_exact_pages == 0 || cfg.keep_sink > 0 || cfg.keep_recent > 0, "exact pages without exact tokens");
   if (cfg.kv_offload_pages > 0 && cfg.enable_prefix_caching) {
-    tier_ = std::make_unique<HostKVTier>(runner, block_size, size_t(cfg.kv_offload_pages));
-    blocks_.set_lower_tier(tier_.get());
+    const PageHash root = kv_root(cfg.kv_identity);
+    std::unique_ptr<DiskKVTier> disk;
+    if (!cfg.kv_offload_dir.empty())
+      disk = std::make_unique<DiskKVTier>(cfg.kv_offload_dir, cfg.kv_offload_disk_bytes, root, cfg.kv_identity,
+                                          runner.kv_page_bytes(block_size), block_size);
+    tier_ = std::make_unique<HostKVTier>(runner, block_size, size_t(cfg.kv_offload_pages), std::move(disk));
+    blocks_.set_lower_tier(tier_.get(), root);
+  }
+}
+
+Scheduler::~Scheduler() {
+  if (!tier_ || !tier_->disk()) return;
+  try {
+    blocks_.offload_cached();  // the host tier's destructor writes them to disk
+  } catch (const std::exception& e) {
+    log::warn(std::string("prefix cache: pages not written to the disk tier at shutdown: ") + e.what());
   }
 }
 
@@ -261,10 +277,14 @@ void Scheduler::register_full_pages(Sequence& s) {
   if (!blocks_.prefix_caching()) return;
   const int bs = blocks_.block_size();
   const int full = std::min(s.num_computed, int(s.tokens.size())) / bs;
+  auto page_tokens = [&](size_t i) { return std::span(s.tokens).subspan(i * size_t(bs), size_t(bs)); };
   for (int i = int(s.serials.size()); i < full; ++i) {
     const uint64_t parent = i == 0 ? 0 : s.serials[size_t(i - 1)];
-    s.serials.push_back(
-        blocks_.register_full(s.pages[size_t(i)], parent, std::span(s.tokens).subspan(size_t(i) * size_t(bs), size_t(bs))));
+    if (tier_)
+      for (size_t j = s.chains.size(); j <= size_t(i); ++j)
+        s.chains.push_back(blocks_.chain_of(j == 0 ? nullptr : &s.chains[j - 1], page_tokens(j)));
+    s.serials.push_back(blocks_.register_full(s.pages[size_t(i)], parent, page_tokens(size_t(i)),
+                                              tier_ ? s.chains[size_t(i)] : PageHash{}));
   }
   if (s.snapshot_at < 0 || s.num_computed < s.snapshot_at) return;
   // The sequence's recurrent state is that of its first snapshot_at tokens (take() ended a

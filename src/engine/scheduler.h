@@ -18,6 +18,7 @@
 #include <deque>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
@@ -52,12 +53,20 @@ struct SchedulerConfig {
   // The prefix cache's host tier (engine/host_kv_tier.h, --kv-offload-gib): pages of host
   // memory evicted cached pages go to; 0 = none. Needs prefix caching.
   int64_t kv_offload_pages = 0;
+  // Its disk tier (engine/disk_kv_tier.h, --kv-offload-dir, --kv-offload-disk-gib): "" = none.
+  std::string kv_offload_dir;
+  uint64_t kv_offload_disk_bytes = 0;
+  // What the pages' bytes depend on (the model, its weights, the KV plan, the device: set by
+  // LLMEngine), the root of the chain hashes that name pages in the tiers (page_hash.h).
+  std::string kv_identity;
 };
 
 class Scheduler {
  public:
   // `runner` copies pages for copy-on-write; `stats` receives the scheduling counters.
   Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& runner, EngineStats& stats);
+  // With a disk tier, the cached pages go to it (through the host tier), for a restart.
+  ~Scheduler();
 
   void add(std::unique_ptr<Sequence> s) { waiting_.push_back(std::move(s)); }
   // The sequences of this step, each with `scheduled` set (a draft the budget cannot hold

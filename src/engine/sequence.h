@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/index_types.h"
+#include "engine/page_hash.h"
 #include "engine/request.h"
 #include "sampling/sampler.h"
 
@@ -25,6 +26,9 @@ struct Sequence {
   int state_slot = -1;            // hybrid models: its recurrent-state slot while it runs (Scheduler)
   int snapshot_at = -1;           // hybrid models: the position whose state the prefix cache keeps (Scheduler)
   std::vector<uint64_t> serials;  // prefix-cache serials of the leading registered pages
+  // With a lower tier: the chain hashes (engine/page_hash.h) of its leading full pages. They
+  // depend on the tokens alone, so unlike serials they survive preemption.
+  std::vector<PageHash> chains;
   int exact_from = 0;             // exact tokens: first non-sink page it holds exact (Scheduler)
   int cached_prompt_tokens = 0;
   bool started = false;           // scheduled at least once (prompt tokens counted)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <filesystem>
 
 #include "attention/registry.h"
 #include "attention/selector.h"
@@ -344,6 +345,46 @@ std::optional<PoolingConfig> resolve_runner(std::string_view runner, const std::
   throw Error("--runner must be auto, generate or pooling, got '" + std::string(runner) + "'");
 }
 
+namespace {
+// The weight files of a model (a GGUF file, or a directory's checkpoint and config files) as
+// lines of name, size and modification time: a changed file changes them.
+std::string weight_files_identity(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& de : fs::directory_iterator(path, ec)) {
+      const std::string ext = de.path().extension().string();
+      if (de.is_regular_file(ec) && (ext == ".safetensors" || ext == ".gguf" || ext == ".json" || ext == ".bin"))
+        files.push_back(de.path());
+    }
+  } else {
+    files.push_back(path);
+  }
+  std::ranges::sort(files);
+  std::string s;
+  for (const auto& f : files) {
+    const auto size = fs::file_size(f, ec);
+    const auto mtime = fs::last_write_time(f, ec).time_since_epoch().count();
+    s += "  " + f.filename().string() + " " + std::to_string(size) + " " + std::to_string(mtime) + "\n";
+  }
+  return s;
+}
+}  // namespace
+
+std::string LoadedModel::kv_identity() const {
+  std::string s = source_identity_;
+  s += "block size " + std::to_string(block_size_) + "\nKV plan:\n";
+  for (const auto& l : plan_->plan.layers) {
+    nlohmann::json j = kv_layer_json(l);
+    j.erase("dtype_source");  // where a format came from does not change its bytes
+    j.erase("v_dtype_source");
+    s += "  " + j.dump() + "\n";
+  }
+  s += "page bytes " + std::to_string(model_->kv_page_bytes(block_size_)) + "\n";
+  return s;
+}
+
 std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   validate_block_size(opts.cache.block_size);
 
@@ -414,6 +455,17 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   e->gpu_ = opts.gpu;
   e->tp_ = opts.tensor_parallel_size;
   e->speculative_ = opts.speculative;
+  // kv_identity: what the pages' bytes depend on besides the plan.
+  std::string id = "kvlm KV pages, layout 1\nmodel " + opts.model_dir.filename().string() + ":\n" +
+                   weight_files_identity(opts.model_dir);
+  if (mp.drafter) id += "drafter:\n" + weight_files_identity(mp.drafter_dir);
+  id += "dtype " + std::string(dtype_name(mp.dtype)) + ", quantization '" + opts.quantization + "'" +
+        (opts.dequantize_weights ? ", dequantized weights" : "") + "\n";
+  id += opts.device == Device::Cuda ? "device cuda, compute capability " + std::to_string(ctx.compute_capability)
+                                    : std::string("device cpu");
+  id += ", tensor parallel " + std::to_string(opts.tensor_parallel_size) + (opts.expert_parallel ? " (experts)" : "") +
+        ", nodes " + std::to_string(opts.dist.enabled() ? opts.dist.nnodes : 1) + "\n";
+  e->source_identity_ = std::move(id);
   return e;
 }
 

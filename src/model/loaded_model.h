@@ -139,6 +139,12 @@ class LoadedModel {
   void replan_kv(const CacheConfig& cache);
   ModelRunner& model() { return *model_; }
   const ModelRunner& model() const { return *model_; }
+  // What the bytes of a KV page depend on, as text: the model's and drafter's weight files
+  // (name, size, modification time), the compute dtype and weight options, the device, tensor
+  // parallelism and every layer's KV format — the root of the names the prefix cache's lower
+  // tiers give pages (engine/page_hash.h), so that a page on disk is never read by another
+  // model or plan.
+  std::string kv_identity() const;
   // Puts `wrap(current runner)` in its place (tests: a runner that decorates the real one).
   template <class F>
   void wrap_model(F&& wrap) {
@@ -161,6 +167,7 @@ class LoadedModel {
   int gpu_ = 0;
   std::optional<SpeculativeConfig> speculative_;
   std::optional<PoolingConfig> pooling_;
+  std::string source_identity_;  // kv_identity's part fixed at load
 };
 
 }  // namespace kvlm

@@ -165,6 +165,12 @@ class ModelRunner {
   virtual void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out);
   virtual void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in);
   virtual void wait_pages() {}
+  // A wait for the copies issued so far, callable later from any thread (the disk tier's
+  // writer): it returns once they have completed, whatever was issued after. The default
+  // waits for everything (wait_pages).
+  virtual std::function<void()> page_fence() {
+    return [this] { wait_pages(); };
+  }
   // How long those copies took where they ran (a GPU: from each call's first DMA to its last
   // kernel, read from events once they have completed); the host tier counts their bytes.
   struct PageCopyTimes {

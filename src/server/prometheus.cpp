@@ -142,6 +142,26 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
     w.counter("kvlm:kv_offload_hit_tokens_total", "Prompt tokens found in the host tier (restored, not recomputed).",
               double(s.kv_offload_hit_tokens_total));
   }
+  if (s.kv_offload_disk_capacity > 0) {
+    w.gauge("kvlm:kv_offload_disk_pages", "Pages held in the disk tier (--kv-offload-dir).", s.kv_offload_disk_pages);
+    w.gauge("kvlm:kv_offload_disk_capacity_pages", "Pages the disk tier can hold.", s.kv_offload_disk_capacity);
+    w.counter("kvlm:kv_offload_disk_written_pages_total", "Pages the host tier let go of, written to disk.",
+              double(s.kv_offload_disk_written_total));
+    w.counter("kvlm:kv_offload_disk_read_pages_total", "Pages read back from disk for a prefix hit.",
+              double(s.kv_offload_disk_read_total));
+    w.counter("kvlm:kv_offload_disk_written_bytes_total", "Bytes written to the disk tier.",
+              double(s.kv_offload_disk_written_total * s.kv_offload_disk_bytes_per_page));
+    w.counter("kvlm:kv_offload_disk_read_bytes_total", "Bytes read back from the disk tier.",
+              double(s.kv_offload_disk_read_total * s.kv_offload_disk_bytes_per_page));
+    w.counter("kvlm:kv_offload_disk_write_seconds_total", "Time the disk tier's writes took.",
+              s.kv_offload_disk_write_seconds_total);
+    w.counter("kvlm:kv_offload_disk_read_seconds_total", "Time the disk tier's reads (and checks) took.",
+              s.kv_offload_disk_read_seconds_total);
+    w.counter("kvlm:kv_offload_disk_evictions_total", "Disk tier files replaced (least recently used first).",
+              double(s.kv_offload_disk_evictions_total));
+    w.counter("kvlm:kv_offload_disk_damaged_total", "Damaged or foreign page files found, ignored and removed.",
+              double(s.kv_offload_disk_damaged_total));
+  }
   w.counter("kvlm:requests_total", "Requests accepted by the engine.", double(s.requests_total));
   std::map<std::string, uint64_t> by_reason{{"stop", 0}, {"length", 0}, {"abort", 0}, {"error", 0}};
   for (const auto& [reason, n] : s.requests_finished_total) by_reason[reason] = n;

@@ -176,6 +176,28 @@ expect_error 2 "--kv-offload-gib: Value -1 not in range" -- bench throughput "$c
   && python3 -c "import json; d=json.load(open('$tmp/mt.json')); h=d['host_tier']; assert d['failed_requests'] == 0 and h['hit_tokens'] > 0 and h['restored_pages'] > 0 and d['ttft_later_turns']['count'] == 16, d" \
   && ok || bad "bench multiturn: $(cat "$tmp/mt.out" "$tmp/err")"
 expect_error 1 "the last turn's conversation holds 1536 tokens" -- bench multiturn "$stories" --turns 4 --max-model-len 512
+# The disk tier: a second process on the same model and directory reads back the pages the
+# first left there (written when it stopped); flags that cannot work are refused first.
+for run in 1 2; do
+  "$KVLM" bench multiturn "$stories" --conversations 4 --turns 2 --system-len 64 --user-len 16 --output-len 8 \
+      --kv-cache-memory 400KiB --max-model-len 256 --kv-offload-gib 0.002 --kv-offload-dir "$tmp/kvdisk" \
+      --kv-offload-disk-gib 0.05 --json "$tmp/disk$run.json" >"$tmp/disk.out" 2>"$tmp/err" \
+    && grep -q "Disk tier (--kv-offload-dir)" "$tmp/disk.out" || bad "bench multiturn --kv-offload-dir: $(cat "$tmp/err")"
+done
+python3 -c "
+import json
+a, b = (json.load(open('$tmp/disk%d.json' % i)) for i in (1, 2))
+assert a['disk_tier']['read_pages'] == 0 and b['disk_tier']['read_pages'] > 0, (a['disk_tier'], b['disk_tier'])
+assert b['disk_tier']['damaged_files'] == 0 and b['cached_input_tokens'] > a['cached_input_tokens'], (a, b)
+" && ok || bad "the disk tier's pages were not found after a restart: $(cat "$tmp/disk.out")"
+expect_error 1 "--kv-offload-dir needs --kv-offload-disk-gib" -- \
+  bench throughput "$chat" --num-prompts 1 --kv-offload-gib 0.01 --kv-offload-dir "$tmp/kvdisk"
+expect_error 1 "--kv-offload-disk-gib sizes the disk tier of --kv-offload-dir: give the directory too" -- \
+  bench throughput "$chat" --num-prompts 1 --kv-offload-gib 0.01 --kv-offload-disk-gib 1
+expect_error 1 "pages reach the disk tier through the host tier; give --kv-offload-gib too" -- \
+  bench throughput "$chat" --num-prompts 1 --kv-offload-dir "$tmp/kvdisk" --kv-offload-disk-gib 1
+expect_error 1 "--kv-offload-dir: cannot create" -- bench throughput "$chat" --num-prompts 1 --kv-offload-gib 0.01 \
+  --kv-offload-dir "$tmp/disk1.json/sub" --kv-offload-disk-gib 1
 # Flags checked before anything loads.
 expect_error 1 "--scheduling-policy must be fcfs or priority" -- serve "$chat" --scheduling-policy lottery --port 0
 expect_error 1 "--runner must be auto, generate or pooling" -- generate "$chat" --runner embed --prompt-ids 1

@@ -237,6 +237,28 @@ def test_a_host_tier_keeps_evicted_prefixes_and_changes_no_token(llm):
         LLM(model=TINY, kv_offload_gib=0.05, enable_prefix_caching=False, kv_cache_memory="1MiB", max_model_len=256)
 
 
+def test_a_disk_tier_keeps_prefixes_for_the_next_engine(llm, tmp_path):
+    # kv_offload_dir: an engine that stops leaves its cached pages on disk; the next one on the
+    # same model and directory reads them back (the directory holds them), same tokens.
+    import gc
+    kw = dict(model=TINY, max_model_len=256, kv_cache_memory="1MiB", kv_offload_gib=0.01, max_num_seqs=2,
+              kv_offload_dir=str(tmp_path), kv_offload_disk_gib=0.1)
+    prompts = ["The farmer unloaded the apples one by one and " + tail for tail in ["Vera wrote", "Tom said", "Hi"]]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    first = LLM(**kw)
+    assert "disk tier (--kv-offload-disk-gib)" in first.info["summary"], first.info["summary"]
+    assert [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY, use_tqdm=False)] == want
+    del first
+    gc.collect()
+    assert list(tmp_path.glob("*/*.kvpage")), "the stopped engine left no pages on disk"
+    second = LLM(**kw)
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, GREEDY, use_tqdm=False)] == want
+    del second
+    gc.collect()
+    with pytest.raises(ValueError, match="kv_offload_dir needs kv_offload_disk_gib"):
+        LLM(model=TINY, kv_offload_gib=0.05, kv_offload_dir=str(tmp_path), kv_cache_memory="1MiB", max_model_len=256)
+
+
 def test_the_default_pool_fits_the_model_and_max_model_len():
     # No kv_cache_memory on the CPU: 16 sequences of max_model_len (the server's default), not
     # 4 GiB for an 11.7M-parameter model (7-16 s to start).

@@ -25,14 +25,17 @@ struct Workload {
 // Conversations over one shared system prefix, turn after turn: each turn's prompt is the
 // previous prompt, its answer and a new user message. The pool holds about two conversations,
 // so by the time a conversation's next turn comes its pages have been evicted.
-inline Workload run_conversations(LoadedModel& e, int num_blocks, int64_t offload_pages, int conversations, int turns) {
+// `disk_dir` / `disk_bytes`: a disk tier below the host tier ("": none).
+inline Workload run_conversations(LoadedModel& e, int num_blocks, int64_t offload_pages, int conversations, int turns,
+                                  const std::string& disk_dir = "", uint64_t disk_bytes = 0) {
   std::mt19937 rng(11);
   const int vocab = e.config().vocab_size;
   const auto system = random_prompt(rng, 3 * kTierBlock + 5, vocab);
   std::vector<std::vector<TokenId>> history(size_t(conversations), system);
   LLMEngine le(e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 32, .max_model_len = 128,
                                   .enable_prefix_caching = true, .num_blocks = num_blocks,
-                                  .kv_offload_pages = offload_pages});
+                                  .kv_offload_pages = offload_pages, .kv_offload_dir = disk_dir,
+                                  .kv_offload_disk_bytes = disk_bytes});
   Workload w;
   for (int t = 0; t < turns; ++t)
     for (int c = 0; c < conversations; ++c) {

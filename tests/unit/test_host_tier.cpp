@@ -5,6 +5,7 @@
 // restored ones.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <map>
 #include <random>
 
@@ -45,6 +46,18 @@ std::vector<uint8_t> page_of(const KVCache& c, BlockId id) {
   return out;
 }
 
+// The chain hash of page `i` of `tokens` (page_hash.h), as the scheduler keeps it.
+PageHash chain_at(const BlockManager& bm, std::span<const TokenId> tokens, int i) {
+  PageHash h;
+  for (int j = 0; j <= i; ++j) h = bm.chain_of(j == 0 ? nullptr : &h, tokens.subspan(size_t(j * kBs), kBs));
+  return h;
+}
+
+// Registers page `i` of `tokens` in page `id` after the page of serial `parent`, with its chain.
+uint64_t reg(BlockManager& bm, BlockId id, uint64_t parent, std::span<const TokenId> tokens, int i) {
+  return bm.register_full(id, parent, tokens.subspan(size_t(i * kBs), kBs), chain_at(bm, tokens, i));
+}
+
 std::vector<TokenId> chain_tokens(int pages, int first) {
   std::vector<TokenId> t(size_t(pages * kBs));
   for (size_t i = 0; i < t.size(); ++i) t[i] = TokenId(first + int(i));
@@ -68,7 +81,7 @@ TEST(HostTier, EvictedPagesComeBackUnderTheirSerials) {
   BlockManager bm(4, kBs, true);
   HostKVTier tier(runner, kBs, 3);
   EXPECT_EQ(tier.page_bytes(), cache.page_bytes());
-  bm.set_lower_tier(&tier);
+  bm.set_lower_tier(&tier, kv_root("test"));
 
   const auto chain = chain_tokens(3, 100);
   std::vector<BlockId> ids;
@@ -79,7 +92,7 @@ TEST(HostTier, EvictedPagesComeBackUnderTheirSerials) {
     const BlockId id = *bm.allocate();
     fill_page(cache, id, uint8_t(i + 1));
     want.push_back(page_of(cache, id));
-    parent = bm.register_full(id, parent, std::span(chain).subspan(size_t(i * kBs), kBs));
+    parent = reg(bm, id, parent, chain, i);
     ids.push_back(id);
     serials.push_back(parent);
   }
@@ -106,7 +119,7 @@ TEST(HostTier, EvictedPagesComeBackUnderTheirSerials) {
   // chain, registered now, chains to the restored serial.
   const auto longer = chain_tokens(4, 100);
   const BlockId fourth = *bm.allocate();
-  EXPECT_GT(bm.register_full(fourth, serials.back(), std::span(longer).subspan(3 * kBs, kBs)), serials.back());
+  EXPECT_GT(reg(bm, fourth, serials.back(), longer, 3), serials.back());
   for (BlockId id : found) bm.release(id);
   bm.release(fourth);
 
@@ -136,7 +149,7 @@ TEST(HostTier, PagesDroppedBeforeTheCommitAreNotRestored) {
   KVCache& cache = *runner.kv_cache();
   BlockManager bm(3, kBs, true);
   HostKVTier tier(runner, kBs, 4);
-  bm.set_lower_tier(&tier);
+  bm.set_lower_tier(&tier, kv_root("test"));
   const auto chain = chain_tokens(2, 40);
   uint64_t parent = 0;
   std::vector<BlockId> ids;
@@ -145,7 +158,7 @@ TEST(HostTier, PagesDroppedBeforeTheCommitAreNotRestored) {
     ids.push_back(*bm.allocate());
     fill_page(cache, ids.back(), uint8_t(9 + i));
     want.push_back(page_of(cache, ids.back()));
-    parent = bm.register_full(ids.back(), parent, std::span(chain).subspan(size_t(i * kBs), kBs));
+    parent = reg(bm, ids.back(), parent, chain, i);
   }
   for (BlockId id : ids) bm.release(id);
   std::vector<BlockId> fresh;
@@ -184,10 +197,10 @@ TEST(HostTier, NoFreePageEndsTheHit) {
   runner.allocate_kv(2, kBs);
   BlockManager bm(2, kBs, true);
   HostKVTier tier(runner, kBs, 4);
-  bm.set_lower_tier(&tier);
+  bm.set_lower_tier(&tier, kv_root("test"));
   const auto chain = chain_tokens(1, 7);
   const BlockId a = *bm.allocate();
-  bm.register_full(a, 0, chain);
+  reg(bm, a, 0, chain, 0);
   bm.release(a);
   const BlockId x = *bm.allocate(), y = *bm.allocate();  // a is evicted into the tier
   EXPECT_EQ(tier.size(), 1u);
@@ -299,14 +312,18 @@ TEST(HostTier, PreemptedSequencesComeBackFromTheTier) {
 // replaces entries all the time. Every page of every tier comes back (none leaked, none held by
 // a finished request), the tier never holds more than its capacity, and every request that ran
 // to its end gave the tokens it gives alone in a pool that evicts nothing.
-TEST(HostTier, RandomizedWorkloadLeaksNothingAndKeepsTokens) {
+// `disk_dir` ("": none): a disk tier of `disk_pages` pages below the host tier of 10.
+void randomized_workload(const std::string& disk_dir = "", int disk_pages = 0) {
   auto e = load(kStories, KVCacheDType::Int8PerTokenHead, kBs);
   const int vocab = e->config().vocab_size;
+  const uint64_t file = 56 + 4 * kBs + e->model().kv_page_bytes(kBs) + 8;
   for (uint32_t seed : {1u, 2u, 3u}) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     std::mt19937 rng(seed);
+    if (!disk_dir.empty()) std::filesystem::remove_all(disk_dir);
     LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 40, .max_model_len = 128,
-                                     .enable_prefix_caching = true, .num_blocks = 18, .kv_offload_pages = 10});
+                                     .enable_prefix_caching = true, .num_blocks = 18, .kv_offload_pages = 10,
+                                     .kv_offload_dir = disk_dir, .kv_offload_disk_bytes = file * uint64_t(disk_pages)});
     const auto system = random_prompt(rng, 2 * kBs + 3, vocab);
     std::vector<std::vector<TokenId>> convs(4, system);
     std::map<std::string, Collected> out;
@@ -342,6 +359,7 @@ TEST(HostTier, RandomizedWorkloadLeaksNothingAndKeepsTokens) {
       if (le.has_work()) le.step();
       const EngineStats st = le.stats();
       ASSERT_LE(st.kv_offload_pages, st.kv_offload_capacity);
+      ASSERT_LE(st.kv_offload_disk_pages, st.kv_offload_disk_capacity);
     }
     run_to_end(le);
     const EngineStats st = le.stats();
@@ -364,12 +382,29 @@ TEST(HostTier, RandomizedWorkloadLeaksNothingAndKeepsTokens) {
       ++checked;
     }
     EXPECT_GT(checked, 25);
+    if (!disk_dir.empty()) {
+      EXPECT_EQ(st.kv_offload_disk_capacity, disk_pages);
+      EXPECT_GT(st.kv_offload_disk_read_total, 0u) << "pages should have come back from disk";
+      EXPECT_GT(st.kv_offload_disk_evictions_total, 0u) << "the disk tier should have replaced files";
+      EXPECT_EQ(st.kv_offload_disk_damaged_total, 0u);
+      size_t files = 0;
+      for (const auto& d : std::filesystem::recursive_directory_iterator(disk_dir)) files += d.path().extension() == ".kvpage";
+      EXPECT_LE(files, size_t(disk_pages)) << "more page files than the disk tier's size";
+    }
     std::printf("[random] seed %u: %d requests checked, %d aborted, %llu preemptions; tier: %llu kept, %llu restored, "
-                "%llu replaced\n",
+                "%llu replaced; disk: %llu written, %llu read, %llu replaced\n",
                 seed, checked, aborted, (unsigned long long)st.preemptions_total,
                 (unsigned long long)st.kv_offload_stored_total, (unsigned long long)st.kv_offload_restored_total,
-                (unsigned long long)st.kv_offload_evictions_total);
+                (unsigned long long)st.kv_offload_evictions_total, (unsigned long long)st.kv_offload_disk_written_total,
+                (unsigned long long)st.kv_offload_disk_read_total, (unsigned long long)st.kv_offload_disk_evictions_total);
   }
+}
+
+TEST(HostTier, RandomizedWorkloadLeaksNothingAndKeepsTokens) { randomized_workload(); }
+
+// The same with a disk tier of 30 pages below: written in the background, read back, replaced.
+TEST(HostTier, RandomizedWorkloadThroughADiskTier) {
+  randomized_workload((std::filesystem::path(::testing::TempDir()) / "kvlm_random_disk").string(), 30);
 }
 
 // --kv-offload-gib is planned in whole pages and refused where it cannot work.

@@ -77,6 +77,7 @@ class CudaModelRunner final : public ModelRunner {
   void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) override;
   HostBytes allocate_host(size_t bytes) override;
   void wait_pages() override;
+  std::function<void()> page_fence() override;
   PageCopyTimes page_copy_times() override;
   double measure_host_to_device_bandwidth() override;
 

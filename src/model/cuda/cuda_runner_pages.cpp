@@ -169,6 +169,21 @@ void CudaModelRunner::wait_pages() {
   KVLM_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
+std::function<void()> CudaModelRunner::page_fence() {
+  const int device = impl_->device;
+  const DeviceScope dev(device);
+  cudaEvent_t e = nullptr;
+  KVLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  KVLM_CUDA_CHECK(cudaEventRecord(e, impl_->stream));
+  // Called once, on the disk tier's writer thread: the event is its own (not the runner's pool).
+  return [device, e] {
+    const DeviceScope scope(device);
+    const cudaError_t r = cudaEventSynchronize(e);
+    cudaEventDestroy(e);
+    KVLM_CUDA_CHECK(r);
+  };
+}
+
 ModelRunner::PageCopyTimes CudaModelRunner::page_copy_times() {
   const DeviceScope dev(impl_->device);
   impl_->harvest_copies(page_times_);

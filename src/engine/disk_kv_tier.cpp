@@ -1,0 +1,426 @@
+#include "engine/disk_kv_tier.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <system_error>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace kvlm {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kMagic[8] = {'K', 'V', 'L', 'M', 'P', 'A', 'G', 'E'};
+constexpr uint32_t kVersion = 1;
+constexpr const char* kExt = ".kvpage";
+
+void put_u32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = uint8_t(v >> (8 * i));
+}
+void put_u64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = uint8_t(v >> (8 * i));
+}
+uint32_t get_u32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = v << 8 | p[i];
+  return v;
+}
+uint64_t get_u64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = v << 8 | p[i];
+  return v;
+}
+void put_hash(uint8_t* p, const PageHash& h) {
+  put_u64(p, h.lo);
+  put_u64(p + 8, h.hi);
+}
+PageHash get_hash(const uint8_t* p) { return {get_u64(p), get_u64(p + 8)}; }
+
+// Header field offsets.
+constexpr size_t kOffVersion = 8, kOffBlock = 12, kOffPage = 16, kOffRoot = 24, kOffChain = 40, kOffTokens = 56;
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+bool read_all(int fd, uint8_t* p, size_t n) {
+  while (n > 0) {
+    const ssize_t r = ::read(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= size_t(r);
+  }
+  return true;
+}
+
+std::string human(uint64_t b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GiB", double(b) / double(1ull << 30));
+  return s;
+}
+
+}  // namespace
+
+uint64_t page_file_checksum(std::span<const uint8_t> bytes, uint64_t seed) {
+  // Four independent lanes over 32-byte stripes (so the multiplies overlap), folded and mixed.
+  constexpr uint64_t k1 = 0x9e3779b185ebca87ULL, k2 = 0xc2b2ae3d27d4eb4fULL;
+  uint64_t lane[4] = {k1 ^ seed, k2 + seed, ~k1 ^ seed, ~k2 - seed};
+  size_t i = 0;
+  for (; i + 32 <= bytes.size(); i += 32)
+    for (int l = 0; l < 4; ++l) {
+      uint64_t w;
+      std::memcpy(&w, bytes.data() + i + 8 * size_t(l), 8);
+      lane[l] = std::rotl(lane[l] + w * k2, 31) * k1;
+    }
+  uint64_t h = std::rotl(lane[0], 1) + std::rotl(lane[1], 7) + std::rotl(lane[2], 12) + std::rotl(lane[3], 18);
+  for (; i < bytes.size(); ++i) h = std::rotl(h ^ (uint64_t(bytes[i]) * k1), 11) * k2;
+  h ^= uint64_t(bytes.size());
+  h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL;
+  return h ^ (h >> 31);
+}
+
+DiskKVTier::DiskKVTier(const fs::path& dir, uint64_t capacity_bytes, const PageHash& root, const std::string& description,
+                       size_t page_bytes, int block_size)
+    : dir_(dir / root.hex()), root_(root), page_bytes_(page_bytes),
+      header_bytes_(kOffTokens + 4 * size_t(block_size)), file_bytes_(header_bytes_ + page_bytes + 8),
+      block_size_(block_size) {
+  KVLM_CHECK(page_bytes > 0 && block_size > 0, "disk tier: empty pages");
+  capacity_ = size_t(capacity_bytes / file_bytes_);
+  if (capacity_ < 1)
+    throw Error("--kv-offload-disk-gib: " + human(capacity_bytes) + " holds no page of " + std::to_string(file_bytes_) +
+                " bytes; give the disk tier more");
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec || !fs::is_directory(dir_))
+    throw Error("--kv-offload-dir: cannot create " + dir_.string() + " (" + ec.message() +
+                "); give a directory this process can write");
+  lock_fd_ = ::open((dir_ / "lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0)
+    throw Error("--kv-offload-dir: cannot write in " + dir_.string() + " (" + std::strerror(errno) +
+                "); give a directory this process can write");
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    ::close(lock_fd_);
+    throw Error("--kv-offload-dir: " + dir_.string() +
+                " is in use by another kvlm serving the same model; give each server a directory of its own");
+  }
+  {
+    std::ofstream about(dir_ / "model.txt", std::ios::trunc);
+    about << "kvlm KV pages of:\n" << description << "\n";
+  }
+  buf_.resize(header_bytes_ + 9);
+  scan();
+  writer_ = std::thread([this] { writer_loop(); });
+}
+
+DiskKVTier::~DiskKVTier() {
+  {
+    const std::lock_guard lock(mu_);
+    stop_ = true;  // the writer finishes what is queued first
+  }
+  work_cv_.notify_all();
+  writer_.join();
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
+}
+
+fs::path DiskKVTier::path_of(const PageHash& chain) const { return dir_ / (chain.hex() + kExt); }
+
+std::string DiskKVTier::check_header(std::span<const uint8_t> h, const PageHash* chain) const {
+  if (h.size() < header_bytes_ || std::memcmp(h.data(), kMagic, 8) != 0) return "not a kvlm page file";
+  if (get_u32(h.data() + kOffVersion) != kVersion) return "page file version " + std::to_string(get_u32(h.data() + kOffVersion));
+  if (get_hash(h.data() + kOffRoot) != root_) return "written for another model or KV plan";
+  if (get_u32(h.data() + kOffBlock) != uint32_t(block_size_) || get_u64(h.data() + kOffPage) != page_bytes_)
+    return "another block size or page layout";
+  if (chain && get_hash(h.data() + kOffChain) != *chain) return "its name and contents differ";
+  return {};
+}
+
+void DiskKVTier::drop_damaged(const fs::path& file, const std::string& why) {
+  log::warn("disk tier: ignored " + file.string() + ": " + why + "; removed");
+  std::error_code ec;
+  fs::remove(file, ec);
+  ++damaged_;
+}
+
+void DiskKVTier::scan() {
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Found {
+    fs::file_time_type mtime;
+    PageHash chain;
+    Entry entry;
+  };
+  std::vector<Found> found;
+  std::vector<uint8_t> header(header_bytes_);
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator(dir_, ec)) {
+    const fs::path p = de.path();
+    const std::string name = p.filename().string();
+    if (name.ends_with(".tmp")) {  // a write that never finished
+      fs::remove(p, ec);
+      continue;
+    }
+    if (!name.ends_with(kExt)) continue;
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    const bool got = read_all(fd, header.data(), header.size());
+    ::close(fd);
+    if (!got) {
+      drop_damaged(p, "truncated");
+      continue;
+    }
+    const PageHash chain = get_hash(header.data() + kOffChain);
+    std::string why = check_header(header, nullptr);
+    if (why.empty() && name != chain.hex() + kExt) why = "its name and contents differ";
+    if (why.empty() && de.file_size(ec) != file_bytes_) why = "truncated or overlong";
+    if (!why.empty()) {
+      drop_damaged(p, why);
+      continue;
+    }
+    Found f{de.last_write_time(ec), chain, {}};
+    for (int i = 0; i < block_size_; ++i) f.entry.tokens.push_back(TokenId(get_u32(header.data() + kOffTokens + 4 * size_t(i))));
+    found.push_back(std::move(f));
+  }
+  std::ranges::sort(found, {}, &Found::mtime);  // oldest first
+  for (auto& f : found) {
+    if (index_.count(f.chain)) continue;
+    f.entry.lru = lru_.insert(lru_.end(), f.chain);
+    index_.emplace(f.chain, std::move(f.entry));
+  }
+  while (index_.size() > capacity_) {  // a smaller --kv-offload-disk-gib than last time
+    remove(lru_.front());
+    ++evicted_;
+  }
+  loaded_ = index_.size();
+  char line[256];
+  std::snprintf(line, sizeof line, "disk tier: %zu pages of this model found in %s (%s of %s) in %.2f s", index_.size(),
+                dir_.c_str(), human(uint64_t(index_.size()) * file_bytes_).c_str(),
+                human(uint64_t(capacity_) * file_bytes_).c_str(), since(t0));
+  log::info(line);
+}
+
+void DiskKVTier::remove(const PageHash& chain) {
+  const auto it = index_.find(chain);
+  if (it == index_.end()) return;
+  lru_.erase(it->second.lru);
+  index_.erase(it);
+  std::error_code ec;
+  fs::remove(path_of(chain), ec);
+}
+
+bool DiskKVTier::read(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst, uint64_t& serial) {
+  const auto it = index_.find(chain);
+  if (it == index_.end() || !std::ranges::equal(it->second.tokens, tokens)) return false;
+  const auto t0 = std::chrono::steady_clock::now();
+  const fs::path p = path_of(chain);
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  std::string why;
+  if (fd < 0) {
+    why = std::string("cannot be opened: ") + std::strerror(errno);
+  } else {
+    // Header, page and checksum in one call, the page straight into `dst`; one byte more shows
+    // an overlong file.
+    uint8_t* const h = buf_.data();
+    iovec iov[3] = {{h, header_bytes_}, {dst, page_bytes_}, {h + header_bytes_, 9}};
+    size_t got = 0;
+    for (;;) {
+      const ssize_t r = ::preadv(fd, iov, 3, off_t(got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) break;
+      got += size_t(r);
+      // Short reads: move the vectors on (rare: regular files read whole).
+      size_t skip = size_t(r);
+      for (auto& v : iov) {
+        const size_t n = std::min(skip, v.iov_len);
+        v.iov_base = static_cast<uint8_t*>(v.iov_base) + n;
+        v.iov_len -= n;
+        skip -= n;
+      }
+      if (iov[2].iov_len == 0) break;
+    }
+    ::close(fd);
+    if (got != file_bytes_) why = "truncated or overlong";
+    else if (why = check_header(std::span(h, header_bytes_), &chain); !why.empty()) {
+    } else if (page_file_checksum(std::span(dst, page_bytes_), page_file_checksum(std::span(h, header_bytes_))) !=
+               get_u64(h + header_bytes_)) {
+      why = "checksum mismatch";
+    } else {
+      for (size_t i = 0; i < tokens.size() && why.empty(); ++i)
+        if (TokenId(get_u32(h + kOffTokens + 4 * i)) != tokens[i]) why = "its tokens differ from its index entry";
+    }
+  }
+  if (!why.empty()) {
+    lru_.erase(it->second.lru);
+    index_.erase(it);
+    drop_damaged(p, why);
+    return false;
+  }
+  ::utimensat(AT_FDCWD, p.c_str(), nullptr, 0);  // the modification time is the LRU order a restart finds
+  serial = it->second.serial;
+  lru_.splice(lru_.end(), lru_, it->second.lru);
+  ++read_;
+  read_s_ += since(t0);
+  return true;
+}
+
+void DiskKVTier::make_room(size_t pages) {
+  while (!lru_.empty() && index_.size() + in_flight_ + pages > capacity_) {
+    remove(lru_.front());
+    ++evicted_;
+  }
+}
+
+void DiskKVTier::write(const PageHash& chain, uint64_t serial, std::span<const TokenId> tokens, const uint8_t* src) {
+  write_async({WriteJob{chain, serial, std::vector<TokenId>(tokens.begin(), tokens.end()), src, -1}}, {});
+  while (in_flight_ > 0) take_written(/*wait=*/true);
+}
+
+void DiskKVTier::write_async(std::vector<WriteJob> jobs, std::function<void()> fence) {
+  std::vector<WriteJob> fresh;
+  for (WriteJob& j : jobs) {
+    KVLM_CHECK(j.tokens.size() == size_t(block_size_), "disk tier: a page of the wrong size");
+    if (const auto it = index_.find(j.chain); it != index_.end()) {  // here already: only more recent
+      lru_.splice(lru_.end(), lru_, it->second.lru);
+      if (it->second.serial == 0) it->second.serial = j.serial;
+      already_here_.push_back(j.tag);
+      continue;
+    }
+    fresh.push_back(std::move(j));
+  }
+  if (fresh.size() > capacity_) fresh.erase(fresh.begin(), fresh.end() - ptrdiff_t(capacity_));  // only the newest fit
+  make_room(fresh.size());
+  in_flight_ += fresh.size();
+  {
+    const std::lock_guard lock(mu_);
+    queue_.push_back(Batch{std::move(fresh), std::move(fence)});
+  }
+  work_cv_.notify_one();
+}
+
+std::vector<int> DiskKVTier::take_written(bool wait) {
+  std::vector<Done> done;
+  {
+    std::unique_lock lock(mu_);
+    if (wait && done_.empty() && already_here_.empty() && in_flight_ > 0) done_cv_.wait(lock, [&] { return !done_.empty(); });
+    done.swap(done_);
+  }
+  std::vector<int> tags;
+  tags.swap(already_here_);
+  for (Done& d : done) {
+    --in_flight_;
+    tags.push_back(d.tag);
+    if (!d.ok) continue;
+    if (index_.count(d.chain)) continue;  // written twice (two batches of one page): once is indexed
+    Entry e{std::move(d.tokens), d.serial, lru_.insert(lru_.end(), d.chain)};
+    index_.emplace(d.chain, std::move(e));
+    ++written_;
+    write_s_ += d.seconds;
+  }
+  return tags;
+}
+
+void DiskKVTier::writer_loop() {
+  std::vector<uint8_t> buf(file_bytes_);
+  for (;;) {
+    Batch b;
+    {
+      std::unique_lock lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      b = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    bool fenced = true;
+    try {
+      if (b.fence) b.fence();
+    } catch (const std::exception& e) {  // the copies failed: none of these pages can be trusted
+      log::warn(std::string("disk tier: pages not written, their copies failed: ") + e.what());
+      fenced = false;
+    }
+    for (WriteJob& j : b.jobs) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string err = fenced ? write_file(j, buf) : "copies failed";
+      Done d{j.tag, j.chain, j.serial, std::move(j.tokens), err.empty(), since(t0)};
+      if (!err.empty() && fenced) {
+        bool first = false;
+        {
+          const std::lock_guard lock(mu_);
+          first = !write_failed_;
+          write_failed_ = true;
+        }
+        if (first)  // once: a full disk would say it for every page
+          log::warn("disk tier: cannot write " + path_of(j.chain).string() + " (" + err +
+                    "); pages that do not fit are dropped until writes succeed again");
+      } else if (err.empty()) {
+        const std::lock_guard lock(mu_);
+        write_failed_ = false;
+      }
+      {
+        const std::lock_guard lock(mu_);
+        done_.push_back(std::move(d));
+      }
+      done_cv_.notify_all();
+    }
+  }
+}
+
+std::string DiskKVTier::write_file(const WriteJob& job, std::vector<uint8_t>& buf) const {
+  uint8_t* h = buf.data();
+  std::memset(h, 0, header_bytes_);
+  std::memcpy(h, kMagic, 8);
+  put_u32(h + kOffVersion, kVersion);
+  put_u32(h + kOffBlock, uint32_t(block_size_));
+  put_u64(h + kOffPage, page_bytes_);
+  put_hash(h + kOffRoot, root_);
+  put_hash(h + kOffChain, job.chain);
+  for (size_t i = 0; i < job.tokens.size(); ++i) put_u32(h + kOffTokens + 4 * i, uint32_t(job.tokens[i]));
+  put_u64(h + header_bytes_,
+          page_file_checksum(std::span(job.src, page_bytes_), page_file_checksum(std::span(h, header_bytes_))));
+  const fs::path p = path_of(job.chain);
+  const fs::path tmp = p.string() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return std::strerror(errno);
+  // Header, the page straight from the host tier's slot, checksum.
+  iovec iov[3] = {{h, header_bytes_}, {const_cast<uint8_t*>(job.src), page_bytes_}, {h + header_bytes_, 8}};
+  size_t put = 0;
+  std::string err;
+  while (put < file_bytes_) {
+    const ssize_t r = ::pwritev(fd, iov, 3, off_t(put));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      err = r < 0 ? std::strerror(errno) : "short write";
+      break;
+    }
+    put += size_t(r);
+    size_t skip = size_t(r);
+    for (auto& v : iov) {
+      const size_t n = std::min(skip, v.iov_len);
+      v.iov_base = static_cast<uint8_t*>(v.iov_base) + n;
+      v.iov_len -= n;
+      skip -= n;
+    }
+  }
+  if (::close(fd) != 0 && err.empty()) err = std::strerror(errno);
+  std::error_code ec;
+  if (err.empty()) fs::rename(tmp, p, ec);
+  if (err.empty() && ec) err = ec.message();
+  if (!err.empty()) fs::remove(tmp, ec);
+  return err;
+}
+
+}  // namespace kvlm

@@ -1,0 +1,312 @@
+// The prefix cache's disk tier (engine/disk_kv_tier.h, --kv-offload-dir): page files round-trip
+// byte for byte, survive a restart, and a damaged, truncated, misnamed or foreign file is never
+// read (logged, removed); pages named by chain hashes (engine/page_hash.h, SHA-256) reach it
+// through the host tier, and the serving engine's greedy tokens are the same with it, across a
+// restart of the engine too, while a different KV plan finds nothing of another's.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "core/error.h"
+#include "core/sha256.h"
+#include "engine/disk_kv_tier.h"
+#include "engine/llm_engine.h"
+#include "engine/page_hash.h"
+#include "host_tier_test_util.h"
+#include "serve_test_util.h"
+
+using namespace kvlm;
+using namespace kvlm::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string hex(const std::array<uint8_t, 32>& d) {
+  std::string s;
+  char b[3];
+  for (uint8_t x : d) {
+    std::snprintf(b, sizeof b, "%02x", x);
+    s += b;
+  }
+  return s;
+}
+
+std::array<uint8_t, 32> sha_of(std::string_view s) {
+  return sha256(std::span(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
+}
+
+// A fresh directory under the test's temporary directory.
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::path(::testing::TempDir()) / ("kvlm_disk_tier_" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+constexpr size_t kPage = 1000;  // not a multiple of the checksum's stripes
+constexpr int kTokens = 4;
+
+std::vector<uint8_t> page_bytes(uint8_t tag) {
+  std::vector<uint8_t> p(kPage);
+  for (size_t i = 0; i < p.size(); ++i) p[i] = uint8_t(tag * 37 + i * 7);
+  return p;
+}
+std::vector<TokenId> page_tokens(int tag) { return {tag, tag + 1, tag + 2, tag + 3}; }
+PageHash chain_for(const PageHash& root, int tag) { return page_chain(root, page_tokens(tag)); }
+
+uint64_t file_bytes() { return 56 + 4 * kTokens + kPage + 8; }
+
+}  // namespace
+
+TEST(Sha256, MatchesTheFipsExamples) {
+  EXPECT_EQ(hex(sha_of("")), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(hex(sha_of("abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(hex(sha_of("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  const std::string million(1000000, 'a');
+  EXPECT_EQ(hex(sha_of(million)), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  // Fed in uneven pieces, the same digest.
+  Sha256 s;
+  for (size_t i = 0, n = 1; i < million.size(); i += n, n = n * 3 % 131 + 1)
+    s.update(million.data() + i, std::min(n, million.size() - i));
+  EXPECT_EQ(hex(s.finish()), hex(sha_of(million)));
+}
+
+TEST(PageHash, ChainsDependOnEveryTokenAndTheRoot) {
+  const PageHash a = kv_root("model a"), b = kv_root("model b");
+  EXPECT_NE(a, b);
+  const std::vector<TokenId> t = {1, 2, 3, 4};
+  EXPECT_EQ(page_chain(a, t), page_chain(a, t));
+  EXPECT_NE(page_chain(a, t), page_chain(b, t));
+  EXPECT_NE(page_chain(a, t), page_chain(a, std::vector<TokenId>{1, 2, 3, 5}));
+  EXPECT_NE(page_chain(page_chain(a, t), t), page_chain(a, t)) << "the same tokens one page later";
+  EXPECT_EQ(page_chain(a, t).hex().size(), 32u);
+}
+
+TEST(DiskTier, PagesRoundTripAndSurviveARestart) {
+  const fs::path dir = fresh_dir("restart");
+  const PageHash root = kv_root("m");
+  {
+    DiskKVTier d(dir, 10 * file_bytes(), root, "m", kPage, kTokens);
+    EXPECT_EQ(d.capacity(), 10u);
+    EXPECT_EQ(d.size(), 0u);
+    for (int i = 0; i < 3; ++i) d.write(chain_for(root, i), uint64_t(100 + i), page_tokens(i), page_bytes(uint8_t(i)).data());
+    EXPECT_EQ(d.pages_written(), 3u);
+    std::vector<uint8_t> got(kPage);
+    uint64_t serial = 0;
+    ASSERT_TRUE(d.read(chain_for(root, 1), page_tokens(1), got.data(), serial));
+    EXPECT_EQ(got, page_bytes(1));
+    EXPECT_EQ(serial, 101u) << "written by this process: its serial comes back";
+    EXPECT_FALSE(d.read(chain_for(root, 1), page_tokens(2), got.data(), serial)) << "other tokens never match";
+    EXPECT_FALSE(d.read(chain_for(root, 7), page_tokens(7), got.data(), serial));
+    // A second tier on the same directory and model is refused while this one lives.
+    try {
+      DiskKVTier twin(dir, 10 * file_bytes(), root, "m", kPage, kTokens);
+      FAIL() << "two tiers shared a directory";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in use by another kvlm"), std::string::npos) << e.what();
+    }
+  }
+  DiskKVTier d(dir, 10 * file_bytes(), root, "m", kPage, kTokens);
+  EXPECT_EQ(d.loaded_at_start(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    std::vector<uint8_t> got(kPage);
+    uint64_t serial = 7;
+    ASSERT_TRUE(d.read(chain_for(root, i), page_tokens(i), got.data(), serial)) << i;
+    EXPECT_EQ(got, page_bytes(uint8_t(i)));
+    EXPECT_EQ(serial, 0u) << "an earlier process's serials mean nothing now";
+  }
+  // Another model or plan (another root) sees none of them.
+  DiskKVTier other(dir, 10 * file_bytes(), kv_root("n"), "n", kPage, kTokens);
+  EXPECT_EQ(other.size(), 0u);
+  EXPECT_TRUE(fs::exists(dir / root.hex() / "model.txt"));
+}
+
+TEST(DiskTier, ReplacesTheLeastRecentlyUsedAndKeepsWithinItsSize) {
+  const fs::path dir = fresh_dir("lru");
+  const PageHash root = kv_root("m");
+  {
+    DiskKVTier d(dir, 3 * file_bytes() + 5, root, "m", kPage, kTokens);
+    ASSERT_EQ(d.capacity(), 3u);
+    // Apart by more than the file system's clock tick (a few ms), so that the modification
+    // times a restart sorts by are apart too.
+    auto tick = [] { std::this_thread::sleep_for(std::chrono::milliseconds(20)); };
+    for (int i = 0; i < 3; ++i, tick()) d.write(chain_for(root, i), 1, page_tokens(i), page_bytes(uint8_t(i)).data());
+    std::vector<uint8_t> got(kPage);
+    uint64_t serial = 0;
+    ASSERT_TRUE(d.read(chain_for(root, 0), page_tokens(0), got.data(), serial));  // 0 is now the most recent
+    tick();
+    d.write(chain_for(root, 3), 1, page_tokens(3), page_bytes(3).data());
+    EXPECT_EQ(d.size(), 3u);
+    EXPECT_EQ(d.evictions(), 1u);
+    EXPECT_FALSE(d.contains(chain_for(root, 1))) << "the least recently used goes first";
+    EXPECT_TRUE(d.contains(chain_for(root, 0)));
+    d.write(chain_for(root, 3), 1, page_tokens(3), page_bytes(3).data());  // already there: not written again
+    EXPECT_EQ(d.pages_written(), 4u);
+  }
+  size_t files = 0;
+  for (const auto& de : fs::directory_iterator(dir / root.hex())) files += de.path().extension() == ".kvpage";
+  EXPECT_EQ(files, 3u) << "replaced pages' files are removed";
+  DiskKVTier smaller(dir, 2 * file_bytes(), root, "m", kPage, kTokens);  // a smaller size at restart
+  EXPECT_EQ(smaller.size(), 2u);
+  EXPECT_FALSE(smaller.contains(chain_for(root, 2))) << "the least recently used file goes";
+  EXPECT_TRUE(smaller.contains(chain_for(root, 0))) << "a read made it recent, also for a restart";
+}
+
+TEST(DiskTier, DamagedTruncatedMisnamedAndForeignFilesAreIgnored) {
+  const fs::path dir = fresh_dir("damaged");
+  const PageHash root = kv_root("m"), other = kv_root("other model");
+  const fs::path mine = dir / root.hex();
+  {
+    DiskKVTier d(dir, 20 * file_bytes(), root, "m", kPage, kTokens);
+    for (int i = 0; i < 6; ++i) d.write(chain_for(root, i), 1, page_tokens(i), page_bytes(uint8_t(i)).data());
+    DiskKVTier o(dir, 20 * file_bytes(), other, "other", kPage, kTokens);
+    o.write(chain_for(other, 9), 1, page_tokens(9), page_bytes(9).data());
+  }
+  auto file = [&](const PageHash& c) { return mine / (c.hex() + ".kvpage"); };
+  auto flip = [](const fs::path& p, size_t at) {
+    std::string bytes;
+    {
+      std::ifstream in(p, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    bytes[at] = char(bytes[at] ^ 0x20);
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+  };
+  // Found at start: 1 truncated; 2 renamed to another page's name; 3 replaced by another
+  // model's file (its header names the other root); a stray temporary; a junk file.
+  fs::resize_file(file(chain_for(root, 1)), file_bytes() - 9);
+  fs::rename(file(chain_for(root, 2)), file(chain_for(root, 42)));
+  fs::remove(file(chain_for(root, 3)));
+  fs::copy_file(dir / other.hex() / (chain_for(other, 9).hex() + ".kvpage"), file(chain_for(root, 3)));
+  std::ofstream(mine / "x.kvpage.tmp") << "half a page";
+  std::ofstream(file(chain_for(root, 44))) << "not a page at all";
+  // Found when read (false: the host tier frees the slot it read into, unread): 0 with a flipped byte in its page, 4 with a flipped token (its index
+  // entry, read at start, still names the right tokens), 5 with a flipped checksum.
+  flip(file(chain_for(root, 0)), 56 + 4 * kTokens + 500);
+
+  DiskKVTier d(dir, 20 * file_bytes(), root, "m", kPage, kTokens);
+  EXPECT_EQ(d.damaged(), 4u) << "truncated, misnamed, foreign, junk";
+  EXPECT_EQ(d.size(), 3u);
+  EXPECT_FALSE(fs::exists(mine / "x.kvpage.tmp"));
+  EXPECT_FALSE(fs::exists(file(chain_for(root, 1))));
+  EXPECT_TRUE(fs::exists(dir / other.hex() / (chain_for(other, 9).hex() + ".kvpage"))) << "other models' pages are left alone";
+  flip(file(chain_for(root, 4)), 56 + 4);
+  flip(file(chain_for(root, 5)), file_bytes() - 3);
+  std::vector<uint8_t> got(kPage, 0xcc);
+  uint64_t serial = 0;
+  for (int i : {0, 4, 5}) {
+    EXPECT_FALSE(d.read(chain_for(root, i), page_tokens(i), got.data(), serial)) << i;
+    EXPECT_FALSE(d.contains(chain_for(root, i)));
+    EXPECT_FALSE(fs::exists(file(chain_for(root, i))));
+  }
+  EXPECT_EQ(d.damaged(), 7u);
+  EXPECT_EQ(d.size(), 0u);
+}
+
+TEST(DiskTier, RefusesWhatCannotWork) {
+  const fs::path dir = fresh_dir("refuse");
+  try {
+    DiskKVTier d(dir, file_bytes() - 1, kv_root("m"), "m", kPage, kTokens);
+    FAIL() << "a tier smaller than a page";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds no page"), std::string::npos) << e.what();
+  }
+  std::ofstream(dir / "file") << "x";
+  try {
+    DiskKVTier d(dir / "file", 10 * file_bytes(), kv_root("m"), "m", kPage, kTokens);
+    FAIL() << "a directory under a file";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--kv-offload-dir: cannot create"), std::string::npos) << e.what();
+  }
+}
+
+// Through the engine: a host tier of 12 pages (a conversation's prompt has up to 8) over a disk tier, on the multi-turn workload whose
+// pool cannot keep the conversations: the tokens are the large pool's, pages come back from
+// disk, and the tier computes no more prompt tokens than the large pool.
+TEST(DiskTier, GreedyTokensUnchangedThroughTheDisk) {
+  for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int4PerTokenHead}) {
+    SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
+    auto e = load(kStories, dt, kTierBlock);
+    const fs::path dir = fresh_dir("engine");
+    const Workload all = run_conversations(*e, 400, 0, 6, 3);
+    const Workload disk = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);
+    EXPECT_EQ(disk.outputs, all.outputs);
+    EXPECT_GT(disk.stats.kv_offload_disk_written_total, 0u);
+    EXPECT_GT(disk.stats.kv_offload_disk_read_total, 0u) << "the host tier is too small: hits must come from disk";
+    EXPECT_EQ(disk.stats.kv_offload_disk_damaged_total, 0u);
+    EXPECT_EQ(disk.stats.prompt_tokens_total, all.stats.prompt_tokens_total) << "the tiers hold what the pool evicted";
+    EXPECT_LE(disk.stats.kv_offload_pages, 12);
+    std::printf("[disk tier] %s: %llu pages written, %llu read back; prompt tokens computed %llu (large pool %llu)\n",
+                std::string(kv_cache_dtype_name(dt)).c_str(), (unsigned long long)disk.stats.kv_offload_disk_written_total,
+                (unsigned long long)disk.stats.kv_offload_disk_read_total,
+                (unsigned long long)disk.stats.prompt_tokens_total, (unsigned long long)all.stats.prompt_tokens_total);
+  }
+}
+
+// A restart: an engine serves prompts and stops (its cached pages go to disk); a new engine on
+// the same model and directory finds them and computes only what is new, with the same tokens
+// as an engine without tiers; an engine with another KV plan finds none of them; a page file
+// damaged while the server was down is ignored and its tokens recomputed.
+TEST(DiskTier, PagesSurviveARestartForTheSameModelAndPlanOnly) {
+  auto e = load(kStories, KVCacheDType::Int8PerTokenHead, kTierBlock);
+  const int vocab = e->config().vocab_size;
+  const fs::path dir = fresh_dir("engine_restart");
+  std::mt19937 rng(5);
+  std::vector<std::vector<TokenId>> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back(random_prompt(rng, 5 * kTierBlock + 3, vocab));
+  struct Run {
+    std::vector<std::vector<TokenId>> tokens;
+    EngineStats stats;
+  };
+  auto serve = [&](LoadedModel& m, bool tiers) {
+    LLMEngine le(m, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 32, .max_model_len = 128,
+                                    .enable_prefix_caching = true, .num_blocks = 40,
+                                    .kv_offload_pages = tiers ? 8 : 0, .kv_offload_dir = tiers ? dir.string() : "",
+                                    .kv_offload_disk_bytes = tiers ? 64u << 20 : 0});
+    Run r;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      std::map<std::string, Collected> out;
+      le.add_request(make("p", prompts[i], 6, out));
+      run_to_end(le);
+      r.tokens.push_back(out["p"].tokens);
+    }
+    r.stats = le.stats();
+    return r;
+  };
+  const Run plain = serve(*e, false);
+  const Run first = serve(*e, true);  // stops: the pool's cached pages go to disk
+  EXPECT_EQ(first.tokens, plain.tokens);
+  EXPECT_EQ(first.stats.kv_offload_disk_read_total, 0u);
+  const Run second = serve(*e, true);
+  EXPECT_EQ(second.tokens, plain.tokens);
+  const uint64_t full_pages = uint64_t(prompts.size()) * 5;
+  EXPECT_EQ(second.stats.kv_offload_disk_read_total, full_pages) << "every full prompt page comes from disk";
+  EXPECT_EQ(second.stats.prompt_tokens_total + full_pages * kTierBlock, plain.stats.prompt_tokens_total);
+
+  // Another plan on the same directory: nothing of the first's is found.
+  auto other = load(kStories, KVCacheDType::Int4PerTokenHead, kTierBlock);
+  const Run foreign = serve(*other, true);
+  EXPECT_EQ(foreign.stats.kv_offload_disk_read_total, 0u);
+  EXPECT_EQ(foreign.stats.kv_offload_disk_damaged_total, 0u) << "another plan's pages are in a directory of their own";
+
+  // One damaged file: its page and those after it are computed; the tokens do not change.
+  const PageHash root = kv_root(e->kv_identity());
+  const fs::path victim = dir / root.hex() / (page_chain(root, std::span(prompts[0]).first(kTierBlock)).hex() + ".kvpage");
+  ASSERT_TRUE(fs::exists(victim));
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(200);
+    f.put('\x7f');
+    f.seekp(201);
+    f.put('\x01');
+  }
+  const Run third = serve(*e, true);
+  EXPECT_EQ(third.tokens, plain.tokens);
+  EXPECT_EQ(third.stats.kv_offload_disk_damaged_total, 1u);
+  EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5) << "the first prompt's chain starts at the damaged page";
+}
