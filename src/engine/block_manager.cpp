@@ -167,6 +167,7 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
   queries_ += full * bs;
   uint64_t parent = 0;
   PageHash parent_chain;
+  bool prefetched = false;
   int matched = 0;
   for (size_t i = 0; i < full; ++i) {
     const auto page = tokens.subspan(i * bs, bs);
@@ -186,6 +187,16 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
     if (tier_) chain = found >= 0 && !blocks_[size_t(found)].chain.empty() ? blocks_[size_t(found)].chain
                                                                           : chain_of(i == 0 ? nullptr : &parent_chain, page);
     if (found < 0 && tier_) {  // past the pool's pages: the lower tier's, copied back by commit_restores
+      if (!prefetched) {  // the run of pages the tiers hold from here, read from disk together
+        prefetched = true;
+        std::vector<PageHash> ahead;
+        for (size_t j = i; j < full; ++j) {
+          const PageHash c = j == i ? chain : chain_of(&ahead.back(), tokens.subspan(j * bs, bs));
+          if (!tier_->holds(c)) break;
+          ahead.push_back(c);
+        }
+        tier_->prefetch(ahead, tokens.subspan(i * bs, ahead.size() * bs));
+      }
       const int slot = tier_->find(chain, page);
       if (slot < 0) break;
       const std::optional<BlockId> fresh = allocate();
@@ -218,7 +229,7 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
     const Block& b = blocks_[size_t(found)];
     pages.push_back(found);
     serials.push_back(b.serial);
-    if (chains) chains->push_back(chain);
+    if (chains && tier_) chains->push_back(chain);
     hits_ += bs;
     parent = b.serial;
     parent_chain = chain;

@@ -111,7 +111,9 @@ DiskKVTier::DiskKVTier(const fs::path& dir, uint64_t capacity_bytes, const PageH
   if (ec || !fs::is_directory(dir_))
     throw Error("--kv-offload-dir: cannot create " + dir_.string() + " (" + ec.message() +
                 "); give a directory this process can write");
-  lock_fd_ = ::open((dir_ / "lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // The pages hold what users' prompts computed: readable by this user only.
+  fs::permissions(dir_, fs::perms::owner_all, fs::perm_options::replace, ec);
+  lock_fd_ = ::open((dir_ / "lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (lock_fd_ < 0)
     throw Error("--kv-offload-dir: cannot write in " + dir_.string() + " (" + std::strerror(errno) +
                 "); give a directory this process can write");
@@ -223,47 +225,46 @@ void DiskKVTier::remove(const PageHash& chain) {
   fs::remove(path_of(chain), ec);
 }
 
-bool DiskKVTier::read(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst, uint64_t& serial) {
-  const auto it = index_.find(chain);
-  if (it == index_.end() || !std::ranges::equal(it->second.tokens, tokens)) return false;
-  const auto t0 = std::chrono::steady_clock::now();
+std::string DiskKVTier::read_file(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst,
+                                  std::vector<uint8_t>& header) const {
   const fs::path p = path_of(chain);
   const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  std::string why;
-  if (fd < 0) {
-    why = std::string("cannot be opened: ") + std::strerror(errno);
-  } else {
-    // Header, page and checksum in one call, the page straight into `dst`; one byte more shows
-    // an overlong file.
-    uint8_t* const h = buf_.data();
-    iovec iov[3] = {{h, header_bytes_}, {dst, page_bytes_}, {h + header_bytes_, 9}};
-    size_t got = 0;
-    for (;;) {
-      const ssize_t r = ::preadv(fd, iov, 3, off_t(got));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) break;
-      got += size_t(r);
-      // Short reads: move the vectors on (rare: regular files read whole).
-      size_t skip = size_t(r);
-      for (auto& v : iov) {
-        const size_t n = std::min(skip, v.iov_len);
-        v.iov_base = static_cast<uint8_t*>(v.iov_base) + n;
-        v.iov_len -= n;
-        skip -= n;
-      }
-      if (iov[2].iov_len == 0) break;
+  if (fd < 0) return std::string("cannot be opened: ") + std::strerror(errno);
+  // Header, page and checksum in one call, the page straight into `dst`; one byte more shows an
+  // overlong file.
+  header.resize(header_bytes_ + 9);
+  uint8_t* const h = header.data();
+  iovec iov[3] = {{h, header_bytes_}, {dst, page_bytes_}, {h + header_bytes_, 9}};
+  size_t got = 0;
+  for (;;) {
+    const ssize_t r = ::preadv(fd, iov, 3, off_t(got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    got += size_t(r);
+    size_t skip = size_t(r);  // a short read: move the vectors on
+    for (auto& v : iov) {
+      const size_t n = std::min(skip, v.iov_len);
+      v.iov_base = static_cast<uint8_t*>(v.iov_base) + n;
+      v.iov_len -= n;
+      skip -= n;
     }
-    ::close(fd);
-    if (got != file_bytes_) why = "truncated or overlong";
-    else if (why = check_header(std::span(h, header_bytes_), &chain); !why.empty()) {
-    } else if (page_file_checksum(std::span(dst, page_bytes_), page_file_checksum(std::span(h, header_bytes_))) !=
-               get_u64(h + header_bytes_)) {
-      why = "checksum mismatch";
-    } else {
-      for (size_t i = 0; i < tokens.size() && why.empty(); ++i)
-        if (TokenId(get_u32(h + kOffTokens + 4 * i)) != tokens[i]) why = "its tokens differ from its index entry";
-    }
+    if (iov[2].iov_len == 0) break;
   }
+  ::close(fd);
+  if (got != file_bytes_) return "truncated or overlong";
+  if (std::string why = check_header(std::span(h, header_bytes_), &chain); !why.empty()) return why;
+  if (page_file_checksum(std::span(dst, page_bytes_), page_file_checksum(std::span(h, header_bytes_))) !=
+      get_u64(h + header_bytes_))
+    return "checksum mismatch";
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (TokenId(get_u32(h + kOffTokens + 4 * i)) != tokens[i]) return "its tokens differ from its index entry";
+  return {};
+}
+
+bool DiskKVTier::settle_read(const PageHash& chain, const std::string& why, uint64_t& serial) {
+  const auto it = index_.find(chain);
+  if (it == index_.end()) return false;
+  const fs::path p = path_of(chain);
   if (!why.empty()) {
     lru_.erase(it->second.lru);
     index_.erase(it);
@@ -274,8 +275,47 @@ bool DiskKVTier::read(const PageHash& chain, std::span<const TokenId> tokens, ui
   serial = it->second.serial;
   lru_.splice(lru_.end(), lru_, it->second.lru);
   ++read_;
-  read_s_ += since(t0);
   return true;
+}
+
+bool DiskKVTier::read(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst, uint64_t& serial) {
+  const auto it = index_.find(chain);
+  if (it == index_.end() || !std::ranges::equal(it->second.tokens, tokens)) return false;
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool ok = settle_read(chain, read_file(chain, tokens, dst, buf_), serial);
+  read_s_ += since(t0);
+  return ok;
+}
+
+void DiskKVTier::read_many(std::span<const ReadJob> jobs, std::vector<bool>& ok, std::vector<uint64_t>& serials) {
+  ok.assign(jobs.size(), false);
+  serials.assign(jobs.size(), 0);
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < jobs.size(); ++i)
+    if (const auto it = index_.find(jobs[i].chain); it != index_.end() && std::ranges::equal(it->second.tokens, jobs[i].tokens))
+      todo.push_back(i);
+  if (todo.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> why(jobs.size());
+  const size_t n = std::min<size_t>(todo.size(), kReaders);
+  auto work = [&](size_t t) {
+    std::vector<uint8_t> header;
+    for (size_t k = t; k < todo.size(); k += n) {
+      const ReadJob& j = jobs[todo[k]];
+      why[todo[k]] = read_file(j.chain, j.tokens, j.dst, header);
+    }
+  };
+  {
+    std::vector<std::jthread> readers;
+    for (size_t t = 1; t < n; ++t) readers.emplace_back(work, t);
+    work(0);
+  }  // joined
+  for (size_t i : todo) {
+    uint64_t serial = 0;
+    ok[i] = settle_read(jobs[i].chain, why[i], serial);
+    serials[i] = serial;
+  }
+  read_s_ += since(t0);
 }
 
 void DiskKVTier::make_room(size_t pages) {
@@ -302,7 +342,10 @@ void DiskKVTier::write_async(std::vector<WriteJob> jobs, std::function<void()> f
     }
     fresh.push_back(std::move(j));
   }
-  if (fresh.size() > capacity_) fresh.erase(fresh.begin(), fresh.end() - ptrdiff_t(capacity_));  // only the newest fit
+  if (fresh.size() > capacity_) {  // only the newest fit; the others' buffers go back unwritten
+    for (auto it = fresh.begin(); it != fresh.end() - ptrdiff_t(capacity_); ++it) already_here_.push_back(it->tag);
+    fresh.erase(fresh.begin(), fresh.end() - ptrdiff_t(capacity_));
+  }
   make_room(fresh.size());
   in_flight_ += fresh.size();
   {
@@ -393,7 +436,7 @@ std::string DiskKVTier::write_file(const WriteJob& job, std::vector<uint8_t>& bu
           page_file_checksum(std::span(job.src, page_bytes_), page_file_checksum(std::span(h, header_bytes_))));
   const fs::path p = path_of(job.chain);
   const fs::path tmp = p.string() + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return std::strerror(errno);
   // Header, the page straight from the host tier's slot, checksum.
   iovec iov[3] = {{h, header_bytes_}, {const_cast<uint8_t*>(job.src), page_bytes_}, {h + header_bytes_, 8}};

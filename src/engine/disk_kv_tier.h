@@ -16,7 +16,9 @@
 // name), files that fail are logged and removed, and the rest join the index in the LRU order
 // of their modification times (a read sets it, so the order survives a restart). A read checks the whole file again, checksum included:
 // a page that fails is logged, removed and treated as a miss — never given to the model.
-// A lock file keeps a second server from using the same directory for the same model.
+// A lock file keeps a second server from using the same directory for the same model. The
+// pages hold what users' prompts computed: the directory and files are the owner's only (0700,
+// 0600).
 //
 // Writes run on a writer thread of the tier's own (write_async): the caller hands over host
 // buffers with a fence for the copies filling them (ModelRunner::page_fence) and takes them back
@@ -62,6 +64,14 @@ class DiskKVTier {
   // whole. False when it is not here or its file is damaged (logged and removed). `serial` gets
   // the pool serial the page had when written by this process, 0 when from an earlier one.
   bool read(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst, uint64_t& serial);
+  // Several pages at once, on up to kReaders threads: ok[i] and serials[i] as read() gives them.
+  struct ReadJob {
+    PageHash chain;
+    std::span<const TokenId> tokens;
+    uint8_t* dst = nullptr;
+  };
+  static constexpr int kReaders = 4;
+  void read_many(std::span<const ReadJob> jobs, std::vector<bool>& ok, std::vector<uint64_t>& serials);
   // Writes page `chain` from `src`, replacing the least recently used files when full; a page
   // already here becomes the most recently used. An I/O error is logged and the page skipped.
   // Waits for it and every write in flight (tests; not for a caller of write_async, whose tags it
@@ -114,6 +124,12 @@ class DiskKVTier {
     std::function<void()> fence;
   };
   void writer_loop();
+  // Reads and checks one page file into dst (any thread; touches no index state; `header` is
+  // the caller's buffer). Empty when it is good, else why not.
+  std::string read_file(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst,
+                        std::vector<uint8_t>& header) const;
+  // After read_file: the index's side of a good or bad read.
+  bool settle_read(const PageHash& chain, const std::string& why, uint64_t& serial);
   // Writes one page file (the writer thread; touches no index state). Empty when written, else why not.
   std::string write_file(const WriteJob& job, std::vector<uint8_t>& buf) const;
   void make_room(size_t pages);  // removes least recently used files until `pages` more fit
@@ -132,7 +148,7 @@ class DiskKVTier {
   int lock_fd_ = -1;
   std::unordered_map<PageHash, Entry, PageHashHasher> index_;
   std::list<PageHash> lru_;  // least recently used first
-  std::vector<uint8_t> buf_;  // one file's header and checksum (reads, on the caller's thread)
+  std::vector<uint8_t> buf_;  // one file's header and checksum (read(), on the caller's thread)
   uint64_t written_ = 0, read_ = 0, evicted_ = 0, damaged_ = 0, loaded_ = 0;
   double write_s_ = 0, read_s_ = 0;
   bool write_failed_ = false;

@@ -191,6 +191,38 @@ int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens) {
 
 void HostKVTier::unpin(int slot) { entries_[size_t(slot)].pinned = false; }
 
+void HostKVTier::prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens) {
+  if (!disk_) return;
+  const size_t bs = size_t(block_size_);
+  std::vector<size_t> want;
+  for (size_t i = 0; i < chains.size() && want.size() < capacity() / 2; ++i)
+    if (!index_.count(chains[i]) && disk_->contains(chains[i])) want.push_back(i);
+  if (want.size() < 2) return;  // one page: find() reads it
+  std::vector<DiskKVTier::ReadJob> jobs;
+  std::vector<int> slots;
+  for (size_t i : want) {
+    const int slot = take_slot();
+    if (slot < 0) break;
+    slots.push_back(slot);
+    jobs.push_back({chains[i], tokens.subspan(i * bs, bs), slot_data(slot)});
+  }
+  std::vector<bool> ok;
+  std::vector<uint64_t> serials;
+  disk_->read_many(jobs, ok, serials);
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    const int slot = slots[k];
+    if (!ok[k]) {
+      free_.push_back(slot);
+      continue;
+    }
+    entries_[size_t(slot)] = Entry{.serial = serials[k], .chain = jobs[k].chain, .on_disk = true};
+    std::ranges::copy(jobs[k].tokens, tokens_of(slot).begin());
+    index_.emplace(jobs[k].chain, slot);
+    push_back(slot);
+    ++disk_hits_;
+  }
+}
+
 void HostKVTier::restore(std::span<const int> slots, std::span<const BlockId> ids) {
   KVLM_CHECK(slots.size() == ids.size(), "host tier: restore of mismatched lists");
   if (slots.empty()) return;

@@ -67,6 +67,12 @@ class HostKVTier {
   // until restore() or unpin().
   int find(const PageHash& chain, std::span<const TokenId> tokens);
   void unpin(int slot);
+  // Whether this tier or the disk tier below holds page `chain`.
+  bool holds(const PageHash& chain) const { return index_.count(chain) > 0 || (disk_ && disk_->contains(chain)); }
+  // The pages `chains[i]` (holding tokens[i * block_size, (i + 1) * block_size)) that only the
+  // disk tier holds are read into slots here at once, on several threads (a hit's pages ahead
+  // of the find() calls that take them), at most half the tier's slots.
+  void prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens);
   // The serial entry `slot` was kept under (0: none known, a page from an earlier process).
   uint64_t serial(int slot) const { return entries_[size_t(slot)].serial; }
   void set_serial(int slot, uint64_t serial) { entries_[size_t(slot)].serial = serial; }

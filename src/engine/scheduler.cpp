@@ -117,7 +117,8 @@ void Scheduler::admit_prefix(Sequence& s) {
   if (!blocks_.prefix_caching() || rows_wanted || !s.pages.empty()) return;
   const int bs = blocks_.block_size();
   const int total = int(s.tokens.size());
-  int found = blocks_.match_prefix(s.tokens, s.pages, s.serials);
+  // The chains of the pages found, when the sequence has none yet (they depend on tokens alone).
+  int found = blocks_.match_prefix(s.tokens, s.pages, s.serials, s.chains.empty() ? &s.chains : nullptr);
   auto drop_last = [&] {
     blocks_.release(s.pages.back());
     s.pages.pop_back();

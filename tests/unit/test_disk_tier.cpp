@@ -124,6 +124,11 @@ TEST(DiskTier, PagesRoundTripAndSurviveARestart) {
   DiskKVTier other(dir, 10 * file_bytes(), kv_root("n"), "n", kPage, kTokens);
   EXPECT_EQ(other.size(), 0u);
   EXPECT_TRUE(fs::exists(dir / root.hex() / "model.txt"));
+  EXPECT_EQ(fs::status(dir / root.hex()).permissions() & (fs::perms::group_all | fs::perms::others_all), fs::perms::none)
+      << "other users must not read what prompts computed";
+  for (const auto& de : fs::directory_iterator(dir / root.hex()))
+    if (de.path().extension() == ".kvpage")
+      EXPECT_EQ(de.status().permissions() & (fs::perms::group_all | fs::perms::others_all), fs::perms::none);
 }
 
 TEST(DiskTier, ReplacesTheLeastRecentlyUsedAndKeepsWithinItsSize) {
@@ -308,5 +313,42 @@ TEST(DiskTier, PagesSurviveARestartForTheSameModelAndPlanOnly) {
   const Run third = serve(*e, true);
   EXPECT_EQ(third.tokens, plain.tokens);
   EXPECT_EQ(third.stats.kv_offload_disk_damaged_total, 1u);
-  EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5) << "the first prompt's chain starts at the damaged page";
+  EXPECT_EQ(third.stats.kv_offload_disk_damaged_total, 1u);
+  // The first prompt's chain starts at the damaged page: all of it is computed. (Its pages 1-3
+  // were read anyway: a hit's pages are read together, up to half the host tier's 8 slots.)
+  EXPECT_EQ(third.stats.prompt_tokens_total + (full_pages - 5) * kTierBlock, plain.stats.prompt_tokens_total);
+  EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5 + 3);
+}
+
+// Several pages read at once on reader threads: each checked on its own, a damaged one (and one
+// the tier does not hold) reported without touching the others.
+TEST(DiskTier, ReadsManyPagesAtOnce) {
+  const fs::path dir = fresh_dir("many");
+  const PageHash root = kv_root("m");
+  DiskKVTier d(dir, 20 * file_bytes(), root, "m", kPage, kTokens);
+  for (int i = 0; i < 9; ++i) d.write(chain_for(root, i), uint64_t(50 + i), page_tokens(i), page_bytes(uint8_t(i)).data());
+  {
+    std::fstream f(dir / root.hex() / (chain_for(root, 3).hex() + ".kvpage"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300);
+    f.put('\x11');
+    f.put('\x22');
+  }
+  std::vector<std::vector<uint8_t>> bufs(10, std::vector<uint8_t>(kPage));
+  std::vector<std::vector<TokenId>> toks;
+  for (int i = 0; i < 10; ++i) toks.push_back(page_tokens(i));
+  std::vector<DiskKVTier::ReadJob> jobs;
+  for (int i = 0; i < 10; ++i) jobs.push_back({chain_for(root, i), toks[size_t(i)], bufs[size_t(i)].data()});  // 9: not held
+  std::vector<bool> ok;
+  std::vector<uint64_t> serials;
+  d.read_many(jobs, ok, serials);
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_EQ(ok[size_t(i)], i != 3 && i != 9) << i;
+    if (ok[size_t(i)]) {
+      EXPECT_EQ(bufs[size_t(i)], page_bytes(uint8_t(i))) << i;
+      EXPECT_EQ(serials[size_t(i)], uint64_t(50 + i));
+    }
+  }
+  EXPECT_EQ(d.pages_read(), 8u);
+  EXPECT_EQ(d.damaged(), 1u);
+  EXPECT_FALSE(d.contains(chain_for(root, 3)));
 }
