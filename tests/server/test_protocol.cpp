@@ -405,6 +405,11 @@ TEST(Prometheus, Format) {
   s.kv_offload_pages = 3;
   s.kv_offload_restored_bytes_total = 4096;
   s.kv_offload_restore_seconds_total = 0.5;
+  s.kv_offload_disk_capacity = 40;
+  s.kv_offload_disk_pages = 12;
+  s.kv_offload_disk_read_total = 3;
+  s.kv_offload_disk_bytes_per_page = 1000;
+  s.kv_offload_disk_damaged_total = 1;
   s.requests_finished_total["stop"] = 5;
   s.requests_finished_total["length"] = 2;
   s.time_to_first_token = Histogram({0.1, 1.0});
@@ -429,6 +434,11 @@ TEST(Prometheus, Format) {
   EXPECT_TRUE(has("kvlm:kv_offload_capacity_pages{" + L + "} 10"));
   EXPECT_TRUE(has("kvlm:kv_offload_restored_bytes_total{" + L + "} 4096"));
   EXPECT_TRUE(has("kvlm:kv_offload_restore_seconds_total{" + L + "} 0.5"));
+  EXPECT_TRUE(has("kvlm:kv_offload_disk_pages{" + L + "} 12"));
+  EXPECT_TRUE(has("kvlm:kv_offload_disk_capacity_pages{" + L + "} 40"));
+  EXPECT_TRUE(has("kvlm:kv_offload_disk_read_pages_total{" + L + "} 3"));
+  EXPECT_TRUE(has("kvlm:kv_offload_disk_read_bytes_total{" + L + "} 3000"));
+  EXPECT_TRUE(has("kvlm:kv_offload_disk_damaged_total{" + L + "} 1"));
   EXPECT_TRUE(has("kvlm:request_success_total{" + L + ",finished_reason=\"stop\"} 5"));
   EXPECT_TRUE(has("kvlm:request_success_total{" + L + ",finished_reason=\"abort\"} 0"));  // always present
   EXPECT_TRUE(has("# TYPE kvlm:time_to_first_token_seconds histogram"));
