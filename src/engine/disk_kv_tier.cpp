@@ -28,6 +28,8 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'L', 'M', 'P', 'A', 'G', 'E'};
 constexpr uint32_t kVersion = 1;
 constexpr const char* kExt = ".kvpage";
+// Marks a failed read that says nothing about the file (it is kept).
+constexpr const char* kTransient = "transient: ";
 
 void put_u32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = uint8_t(v >> (8 * i));
@@ -229,7 +231,7 @@ std::string DiskKVTier::read_file(const PageHash& chain, std::span<const TokenId
                                   std::vector<uint8_t>& header) const {
   const fs::path p = path_of(chain);
   const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::string("cannot be opened: ") + std::strerror(errno);
+  if (fd < 0) return std::string(kTransient) + "cannot be opened: " + std::strerror(errno);
   // Header, page and checksum in one call, the page straight into `dst`; one byte more shows an
   // overlong file.
   header.resize(header_bytes_ + 9);
@@ -265,6 +267,10 @@ bool DiskKVTier::settle_read(const PageHash& chain, const std::string& why, uint
   const auto it = index_.find(chain);
   if (it == index_.end()) return false;
   const fs::path p = path_of(chain);
+  if (why.starts_with(kTransient)) {  // not the file's fault (too many open files, say): a miss, kept
+    log::warn_once("disk tier read", "disk tier: " + p.string() + ": " + why.substr(std::strlen(kTransient)));
+    return false;
+  }
   if (!why.empty()) {
     lru_.erase(it->second.lru);
     index_.erase(it);
@@ -302,7 +308,11 @@ void DiskKVTier::read_many(std::span<const ReadJob> jobs, std::vector<bool>& ok,
     std::vector<uint8_t> header;
     for (size_t k = t; k < todo.size(); k += n) {
       const ReadJob& j = jobs[todo[k]];
-      why[todo[k]] = read_file(j.chain, j.tokens, j.dst, header);
+      try {
+        why[todo[k]] = read_file(j.chain, j.tokens, j.dst, header);
+      } catch (const std::exception& e) {  // never out of the thread: a miss
+        why[todo[k]] = std::string(kTransient) + e.what();
+      }
     }
   };
   {
@@ -316,6 +326,10 @@ void DiskKVTier::read_many(std::span<const ReadJob> jobs, std::vector<bool>& ok,
     serials[i] = serial;
   }
   read_s_ += since(t0);
+}
+
+void DiskKVTier::touch(const PageHash& chain) {
+  if (const auto it = index_.find(chain); it != index_.end()) lru_.splice(lru_.end(), lru_, it->second.lru);
 }
 
 void DiskKVTier::make_room(size_t pages) {
@@ -342,16 +356,21 @@ void DiskKVTier::write_async(std::vector<WriteJob> jobs, std::function<void()> f
     }
     fresh.push_back(std::move(j));
   }
-  if (fresh.size() > capacity_) {  // only the newest fit; the others' buffers go back unwritten
-    for (auto it = fresh.begin(); it != fresh.end() - ptrdiff_t(capacity_); ++it) already_here_.push_back(it->tag);
-    fresh.erase(fresh.begin(), fresh.end() - ptrdiff_t(capacity_));
-  }
   make_room(fresh.size());
-  in_flight_ += fresh.size();
+  // What still does not fit (writes in flight count): the newest go, the others' buffers come
+  // back unwritten. (An empty batch still goes: its fence is called once, as promised.)
+  const size_t room = capacity_ > index_.size() + in_flight_ ? capacity_ - index_.size() - in_flight_ : 0;
+  if (fresh.size() > room) {
+    const auto keep_from = fresh.end() - ptrdiff_t(room);
+    for (auto it = fresh.begin(); it != keep_from; ++it) already_here_.push_back(it->tag);
+    fresh.erase(fresh.begin(), keep_from);
+  }
+  const size_t n = fresh.size();
   {
     const std::lock_guard lock(mu_);
     queue_.push_back(Batch{std::move(fresh), std::move(fence)});
   }
+  in_flight_ += n;
   work_cv_.notify_one();
 }
 
@@ -378,7 +397,7 @@ std::vector<int> DiskKVTier::take_written(bool wait) {
 }
 
 void DiskKVTier::writer_loop() {
-  std::vector<uint8_t> buf(file_bytes_);
+  std::vector<uint8_t> buf(header_bytes_ + 8);  // the page goes from the caller's buffer
   for (;;) {
     Batch b;
     {
@@ -397,7 +416,14 @@ void DiskKVTier::writer_loop() {
     }
     for (WriteJob& j : b.jobs) {
       const auto t0 = std::chrono::steady_clock::now();
-      std::string err = fenced ? write_file(j, buf) : "copies failed";
+      std::string err = "copies failed";
+      if (fenced) {
+        try {
+          err = write_file(j, buf);
+        } catch (const std::exception& e) {  // never out of the thread: the page is just not written
+          err = e.what();
+        }
+      }
       Done d{j.tag, j.chain, j.serial, std::move(j.tokens), err.empty(), since(t0)};
       if (!err.empty() && fenced) {
         bool first = false;

@@ -60,6 +60,9 @@ class DiskKVTier {
   const std::filesystem::path& directory() const { return dir_; }
 
   bool contains(const PageHash& chain) const { return index_.count(chain) > 0; }
+  // Makes page `chain` the most recently used, if here (a read about to come: room made for
+  // writes meanwhile is not taken from it).
+  void touch(const PageHash& chain);
   // Reads the page `chain` holding `tokens` into `dst` (page_bytes) after checking the file
   // whole. False when it is not here or its file is damaged (logged and removed). `serial` gets
   // the pool serial the page had when written by this process, 0 when from an earlier one.

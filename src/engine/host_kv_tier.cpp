@@ -41,6 +41,7 @@ HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std
       disk_(std::move(disk)) {
   tokens_.resize(capacity * size_t(block_size));
   entries_.resize(capacity);
+  unfenced_.assign(capacity, false);
   for (size_t i = capacity; i-- > 0;) free_.push_back(int(i));
   // Each batch written to disk waits once for the copies in flight (which may include a
   // step's): an eighth of the tier or 64 MiB, whichever is fewer pages.
@@ -88,9 +89,11 @@ bool HostKVTier::demote() {
       any = true;
       if (e.on_disk) {  // on disk already (read from it, or written before): nothing to write
         drop(s);
+        unfenced_[size_t(s)] = true;  // a restore from it may be in flight
         ++evicted_;
       } else {
         e.writing = true;
+        ++writing_;
         e.used = false;
         const auto t = tokens_of(s);
         jobs.push_back({e.chain, e.serial, std::vector<TokenId>(t.begin(), t.end()), slot_data(s), s});
@@ -107,6 +110,7 @@ void HostKVTier::reclaim(bool wait) {
     Entry& e = entries_[size_t(s)];
     KVLM_CHECK(e.writing, "host tier: a slot came back from the disk tier twice");
     e.writing = false;
+    --writing_;
     e.on_disk = true;  // or its write failed (logged): then it is lost once replaced
     if (e.pinned || e.used) {  // a hit used it meanwhile: it stays, now also on disk
       e.used = false;
@@ -122,8 +126,10 @@ int HostKVTier::take_slot() {
     // Keep a batch of slots free ahead of need, written to disk in the background; wait for
     // the writer only when nothing is free.
     reclaim(false);
-    if (free_.size() < demote_batch_) demote();
+    if (free_.size() + writing_ < demote_batch_) demote();
     while (free_.empty()) {
+      reclaim(false);  // pages the disk tier had already come back at once
+      if (!free_.empty()) break;
       if (disk_->writes_in_flight() > 0) reclaim(true);
       else if (!demote()) break;  // every entry pinned (a restore in progress)
     }
@@ -142,6 +148,15 @@ int HostKVTier::take_slot() {
   return slot;
 }
 
+int HostKVTier::take_slot_for_host_write() {
+  const int slot = take_slot();
+  if (slot >= 0 && unfenced_[size_t(slot)]) {
+    runner_.wait_pages();  // every copy issued so far: no slot is read any more
+    unfenced_.assign(unfenced_.size(), false);
+  }
+  return slot;
+}
+
 void HostKVTier::keep(BlockId id, uint64_t serial, const PageHash& chain, std::span<const TokenId> tokens) {
   KVLM_CHECK(serial != 0 && tokens.size() == size_t(block_size_), "host tier: a page without a cache identity");
   if (chain.empty()) return;  // registered without a chain (no tier then): nothing names it here
@@ -154,7 +169,12 @@ void HostKVTier::keep(BlockId id, uint64_t serial, const PageHash& chain, std::s
   const int slot = take_slot();
   if (slot < 0) return;  // every entry pinned: this page is not kept
   uint8_t* const dst = slot_data(slot);
-  runner_.save_pages({&id, 1}, {&dst, 1});
+  try {
+    runner_.save_pages({&id, 1}, {&dst, 1});
+  } catch (...) {
+    free_.push_back(slot);
+    throw;
+  }
   entries_[size_t(slot)] = Entry{.serial = serial, .chain = chain};
   std::ranges::copy(tokens, tokens_of(slot).begin());
   index_.emplace(chain, slot);
@@ -172,9 +192,10 @@ int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens) {
     return it->second;
   }
   if (!disk_ || !disk_->contains(chain)) return -1;
-  // From disk: into a slot here (one take_slot frees a batch, after waiting for the copies in
-  // flight, so the host writes no bytes a copy still reads).
-  const int slot = take_slot();
+  // From disk: into a slot here. The page becomes the disk's most recently used first, so that
+  // room made for the writes take_slot may start is not taken from it.
+  disk_->touch(chain);
+  const int slot = take_slot_for_host_write();
   if (slot < 0) return -1;
   uint64_t serial = 0;
   if (!disk_->read(chain, tokens, slot_data(slot), serial)) {
@@ -198,10 +219,11 @@ void HostKVTier::prefetch(std::span<const PageHash> chains, std::span<const Toke
   for (size_t i = 0; i < chains.size() && want.size() < capacity() / 2; ++i)
     if (!index_.count(chains[i]) && disk_->contains(chains[i])) want.push_back(i);
   if (want.size() < 2) return;  // one page: find() reads it
+  for (size_t i : want) disk_->touch(chains[i]);  // not made room for by the writes take_slot may start
   std::vector<DiskKVTier::ReadJob> jobs;
   std::vector<int> slots;
   for (size_t i : want) {
-    const int slot = take_slot();
+    const int slot = take_slot_for_host_write();
     if (slot < 0) break;
     slots.push_back(slot);
     jobs.push_back({chains[i], tokens.subspan(i * bs, bs), slot_data(slot)});

@@ -27,8 +27,8 @@
 // stream order and do not wait (ModelRunner::save_pages / load_pages): an eviction's copy is
 // ordered before the step that overwrites the page, a restore's before the step that reads
 // it, and a slot's later copies after its earlier ones; the host reads a slot's bytes itself
-// (the disk tier's writer) only after a fence on them, and writes one (a disk read) only when
-// it is free, which a slot becomes only after its copies and writes are done. The pages of one hit are restored in one batch
+// (the disk tier's writer) only after a fence on the copies that filled it, and writes one (a
+// disk read) only once the copies that may still read it are done (take_slot_for_host_write). The pages of one hit are restored in one batch
 // (BlockManager::commit_restores).
 #pragma once
 
@@ -103,6 +103,9 @@ class HostKVTier {
   void push_back(int slot);
   // A free slot, replacing entries when none is (-1: every entry pinned).
   int take_slot();
+  // The same, for the host to write into (a disk read): first waits for the copies that may
+  // still read a slot freed without a fence.
+  int take_slot_for_host_write();
   void drop(int slot);  // forgets the entry, frees the slot
   std::span<TokenId> tokens_of(int slot) {
     return std::span(tokens_).subspan(size_t(slot) * size_t(block_size_), size_t(block_size_));
@@ -119,7 +122,11 @@ class HostKVTier {
   std::vector<int> free_;
   int head_ = -1, tail_ = -1;
   std::unique_ptr<DiskKVTier> disk_;
-  size_t demote_batch_ = 1;  // entries written to disk per wait for the copies in flight
+  size_t demote_batch_ = 1;  // entries handed to the disk tier's writer at a time
+  size_t writing_ = 0;       // entries with the writer now
+  // Slots freed without a fence (on-disk entries dropped at once): a restore issued earlier may
+  // still read them, so the host waits before writing into one.
+  std::vector<bool> unfenced_;
   uint64_t kept_ = 0, restored_ = 0, evicted_ = 0, disk_hits_ = 0;
 };
 

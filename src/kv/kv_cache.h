@@ -82,7 +82,10 @@ class KVCache {
   void copy_exact_page(int32_t src, int32_t dst);
   // One page in every layer, serialized: per layer in order its K codes, V codes, K scales and
   // V scales (kv_page_bytes; exact pages not included). save_page writes page_bytes() bytes,
-  // load_page reads them back.
+  // load_page reads them back. kPageLayoutVersion names this layout and the formats' encodings:
+  // pages on disk from another version are never read (the disk tier's root covers it), so bump
+  // it when either changes.
+  static constexpr int kPageLayoutVersion = 1;
   size_t page_bytes() const { return page_bytes_; }
   void save_page(BlockId id, std::span<uint8_t> out) const;
   void load_page(BlockId id, std::span<const uint8_t> in);

@@ -456,7 +456,7 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
   e->tp_ = opts.tensor_parallel_size;
   e->speculative_ = opts.speculative;
   // kv_identity: what the pages' bytes depend on besides the plan.
-  std::string id = "kvlm KV pages, layout 1\nmodel " + opts.model_dir.filename().string() + ":\n" +
+  std::string id = "kvlm KV pages, layout " + std::to_string(KVCache::kPageLayoutVersion) + "\nmodel " + opts.model_dir.filename().string() + ":\n" +
                    weight_files_identity(opts.model_dir);
   if (mp.drafter) id += "drafter:\n" + weight_files_identity(mp.drafter_dir);
   id += "dtype " + std::string(dtype_name(mp.dtype)) + ", quantization '" + opts.quantization + "'" +

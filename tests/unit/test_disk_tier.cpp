@@ -5,6 +5,7 @@
 // restart of the engine too, while a different KV plan finds nothing of another's.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -351,4 +352,34 @@ TEST(DiskTier, ReadsManyPagesAtOnce) {
   EXPECT_EQ(d.pages_read(), 8u);
   EXPECT_EQ(d.damaged(), 1u);
   EXPECT_FALSE(d.contains(chain_for(root, 3)));
+}
+
+// The writer thread: a batch larger than the tier writes its newest pages only and gives every
+// buffer back; the fence runs once, before any write; a page about to be read (touched) is
+// not the one room is made from.
+TEST(DiskTier, WritesInTheBackgroundWithinItsSize) {
+  const fs::path dir = fresh_dir("async");
+  const PageHash root = kv_root("m");
+  DiskKVTier d(dir, 3 * file_bytes(), root, "m", kPage, kTokens);
+  std::vector<std::vector<uint8_t>> src;
+  for (int i = 0; i < 5; ++i) src.push_back(page_bytes(uint8_t(i)));
+  std::vector<DiskKVTier::WriteJob> jobs;
+  for (int i = 0; i < 5; ++i) jobs.push_back({chain_for(root, i), 7, page_tokens(i), src[size_t(i)].data(), 100 + i});
+  std::atomic<int> fenced = 0;
+  d.write_async(std::move(jobs), [&] { ++fenced; });
+  std::vector<int> tags;
+  while (d.writes_in_flight() > 0 || tags.size() < 5)
+    for (int t : d.take_written(/*wait=*/true)) tags.push_back(t);
+  std::ranges::sort(tags);
+  EXPECT_EQ(tags, (std::vector<int>{100, 101, 102, 103, 104})) << "every buffer comes back";
+  EXPECT_EQ(fenced.load(), 1);
+  EXPECT_EQ(d.size(), 3u);
+  for (int i = 2; i < 5; ++i) EXPECT_TRUE(d.contains(chain_for(root, i))) << "the newest are kept: " << i;
+  d.touch(chain_for(root, 2));  // about to be read: 3 is the least recently used now
+  d.write(chain_for(root, 5), 7, page_tokens(5), page_bytes(5).data());
+  EXPECT_TRUE(d.contains(chain_for(root, 2)));
+  EXPECT_FALSE(d.contains(chain_for(root, 3)));
+  size_t files = 0;
+  for (const auto& de : fs::directory_iterator(dir / root.hex())) files += de.path().extension() == ".kvpage";
+  EXPECT_EQ(files, 3u);
 }
