@@ -43,9 +43,12 @@ HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std
   entries_.resize(capacity);
   unfenced_.assign(capacity, false);
   for (size_t i = capacity; i-- > 0;) free_.push_back(int(i));
-  // Each batch written to disk waits once for the copies in flight (which may include a
-  // step's): an eighth of the tier or 64 MiB, whichever is fewer pages.
+  // A batch handed to the disk tier's writer has one fence on the copies that filled it: an
+  // eighth of the tier or 64 MiB, whichever is fewer pages.
   demote_batch_ = std::clamp<size_t>(std::min(capacity / 8, kPageStagingBytes / page_bytes_), 1, capacity);
+  // Slots kept free or on their way to disk ahead of need: a hit that reads many pages from
+  // disk, or a burst of evictions, takes them without waiting for the writer.
+  reserve_ = std::max(demote_batch_, capacity / 8);
 }
 
 HostKVTier::~HostKVTier() {
@@ -126,7 +129,8 @@ int HostKVTier::take_slot() {
     // Keep a batch of slots free ahead of need, written to disk in the background; wait for
     // the writer only when nothing is free.
     reclaim(false);
-    if (free_.size() + writing_ < demote_batch_) demote();
+    while (free_.size() + writing_ < reserve_ && demote()) {
+    }
     while (free_.empty()) {
       reclaim(false);  // pages the disk tier had already come back at once
       if (!free_.empty()) break;

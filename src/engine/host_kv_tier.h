@@ -12,8 +12,8 @@
 // chain is still here). Entries are replaced least recently used first.
 //
 // With a disk tier (disk_kv_tier.h, --kv-offload-dir) entries are written there before they
-// are replaced: once fewer than a batch of slots is free, the least recently used batch goes to
-// the disk tier's writer thread (after a fence on the copies that filled them); their slots
+// are replaced: while fewer than an eighth of the slots are free or being written, the least
+// recently used batches go to the disk tier's writer thread (after a fence on the copies that filled them); their slots
 // stay findable until written, and come back free unless a hit used them meanwhile. A miss here
 // is looked up there: a page found is read into a slot here (checked whole) and restored from
 // it as any other. When the tier is destroyed (the
@@ -123,6 +123,7 @@ class HostKVTier {
   int head_ = -1, tail_ = -1;
   std::unique_ptr<DiskKVTier> disk_;
   size_t demote_batch_ = 1;  // entries handed to the disk tier's writer at a time
+  size_t reserve_ = 1;       // slots kept free or being written ahead of need
   size_t writing_ = 0;       // entries with the writer now
   // Slots freed without a fence (on-disk entries dropped at once): a restore issued earlier may
   // still read them, so the host waits before writing into one.
