@@ -218,7 +218,7 @@ void DiskKVTier::scan() {
   log::info(line);
 }
 
-void DiskKVTier::remove(const PageHash& chain) {
+void DiskKVTier::remove(PageHash chain) {  // by value: callers pass lru_.front(), which this erases
   const auto it = index_.find(chain);
   if (it == index_.end()) return;
   lru_.erase(it->second.lru);

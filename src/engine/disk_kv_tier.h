@@ -140,7 +140,7 @@ class DiskKVTier {
   // Empty when the header is a page of this root; else why not.
   std::string check_header(std::span<const uint8_t> header, const PageHash* chain) const;
   void scan();
-  void remove(const PageHash& chain);
+  void remove(PageHash chain);
   void drop_damaged(const std::filesystem::path& file, const std::string& why);
 
   std::filesystem::path dir_;
