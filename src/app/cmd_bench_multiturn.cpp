@@ -194,6 +194,7 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
   const double disk_read_s = after.kv_offload_disk_read_seconds_total - before.kv_offload_disk_read_seconds_total;
   const double disk_write_s = after.kv_offload_disk_write_seconds_total - before.kv_offload_disk_write_seconds_total;
   const double page_file = double(after.kv_offload_disk_bytes_per_page);
+  const uint64_t restoring = after.kv_offload_disk_restoring_total - before.kv_offload_disk_restoring_total;
   if (after.kv_offload_disk_capacity > 0) {
     rule(" Disk tier (--kv-offload-dir) ");
     rowi("Capacity (pages):", after.kv_offload_disk_capacity);
@@ -204,6 +205,7 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
     rowd("Read time (ms):", disk_read_s * 1e3);
     rowd("Read bandwidth (GB/s):", gbps(double(disk_read) * page_file, disk_read_s));
     rowi("Damaged files ignored:", int64_t(after.kv_offload_disk_damaged_total));
+    rowi("Turns that waited for disk reads:", int64_t(restoring));
   }
   rule("", '=');
   std::fflush(stdout);
@@ -238,7 +240,8 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
                         {"read_pages", disk_read},
                         {"read_seconds", disk_read_s},
                         {"file_bytes", after.kv_offload_disk_bytes_per_page},
-                        {"damaged_files", after.kv_offload_disk_damaged_total}};
+                        {"damaged_files", after.kv_offload_disk_damaged_total},
+                        {"restoring_turns", restoring}};
     write_json(f.json, j);
   }
   if (failed) throw Error(std::to_string(failed) + " turns failed; the first: " + first_error);

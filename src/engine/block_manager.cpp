@@ -158,6 +158,26 @@ void BlockManager::release(BlockId id) {
   else queue_push_front(id);               // nothing to keep: hand out first
 }
 
+BlockId BlockManager::find_cached(uint64_t parent, uint64_t key, std::span<const TokenId> page) const {
+  auto [lo, hi] = index_.equal_range(key);
+  for (auto it = lo; it != hi; ++it)
+    if (blocks_[size_t(it->second)].parent_serial == parent && same_tokens(it->second, page)) return it->second;
+  return -1;
+}
+
+const PageHash& BlockManager::chain_at(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t i,
+                                       BlockId pool_page) const {
+  const size_t bs = size_t(block_size_);
+  while (chains.size() <= i) {
+    const size_t j = chains.size();
+    // A pool page registered with its chain has it; the others are hashed.
+    const bool known = j == i && pool_page >= 0 && !blocks_[size_t(pool_page)].chain.empty();
+    chains.push_back(known ? blocks_[size_t(pool_page)].chain
+                           : chain_of(j == 0 ? nullptr : &chains[j - 1], tokens.subspan(j * bs, bs)));
+  }
+  return chains[i];
+}
+
 int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages,
                                std::vector<uint64_t>& serials, std::vector<PageHash>* chains) {
   if (!caching_) return 0;
@@ -165,37 +185,22 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
   const size_t bs = size_t(block_size_);
   const size_t full = tokens.size() / bs;
   queries_ += full * bs;
+  std::vector<PageHash> own;
+  std::vector<PageHash>& ch = chains ? *chains : own;
   uint64_t parent = 0;
-  PageHash parent_chain;
   bool prefetched = false;
   int matched = 0;
   for (size_t i = 0; i < full; ++i) {
     const auto page = tokens.subspan(i * bs, bs);
     const uint64_t key = key_of(parent, page);
-    BlockId found = -1;
-    auto [lo, hi] = index_.equal_range(key);
-    for (auto it = lo; it != hi; ++it) {
-      const Block& b = blocks_[size_t(it->second)];
-      if (b.parent_serial == parent && same_tokens(it->second, page)) {
-        found = it->second;
-        break;
-      }
-    }
-    // A pool page registered with a chain has its own; one registered without (a caller that
-    // keeps none) gets it here, so the chain goes on to the tier.
-    PageHash chain;
-    if (tier_) chain = found >= 0 && !blocks_[size_t(found)].chain.empty() ? blocks_[size_t(found)].chain
-                                                                          : chain_of(i == 0 ? nullptr : &parent_chain, page);
+    BlockId found = find_cached(parent, key, page);
+    const PageHash chain = tier_ ? chain_at(tokens, ch, i, found) : PageHash{};
     if (found < 0 && tier_) {  // past the pool's pages: the lower tier's, copied back by commit_restores
       if (!prefetched) {  // the run of pages the tiers hold from here, read from disk together
         prefetched = true;
-        std::vector<PageHash> ahead;
-        for (size_t j = i; j < full; ++j) {
-          const PageHash c = j == i ? chain : chain_of(&ahead.back(), tokens.subspan(j * bs, bs));
-          if (!tier_->holds(c)) break;
-          ahead.push_back(c);
-        }
-        tier_->prefetch(ahead, tokens.subspan(i * bs, ahead.size() * bs));
+        size_t n = 0;
+        while (i + n < full && n < tier_->max_fetch() && tier_->holds(chain_at(tokens, ch, i + n))) ++n;
+        tier_->prefetch(std::span(ch).subspan(i, n), tokens.subspan(i * bs, n * bs));
       }
       const int slot = tier_->find(chain, page);
       if (slot < 0) break;
@@ -229,13 +234,28 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
     const Block& b = blocks_[size_t(found)];
     pages.push_back(found);
     serials.push_back(b.serial);
-    if (chains && tier_) chains->push_back(chain);
     hits_ += bs;
     parent = b.serial;
-    parent_chain = chain;
     ++matched;
   }
   return matched;
+}
+
+size_t BlockManager::fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains) {
+  if (!caching_ || !tier_ || !tier_->disk()) return 0;
+  const size_t bs = size_t(block_size_);
+  const size_t full = tokens.size() / bs;
+  uint64_t parent = 0;
+  size_t i = 0;
+  for (; i < full; ++i) {  // the pool's pages
+    const auto page = tokens.subspan(i * bs, bs);
+    const BlockId found = find_cached(parent, key_of(parent, page), page);
+    if (found < 0) break;
+    parent = blocks_[size_t(found)].serial;
+  }
+  size_t n = 0;  // then the run the tiers hold
+  while (i + n < full && n < tier_->max_fetch() && tier_->holds(chain_at(tokens, chains, i + n))) ++n;
+  return n == 0 ? 0 : tier_->fetch(std::span(chains).subspan(i, n), tokens.subspan(i * bs, n * bs));
 }
 
 void BlockManager::offload_cached() {

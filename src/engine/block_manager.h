@@ -79,15 +79,20 @@ class BlockManager {
   void offload_cached();
 
   // Longest run of cached full pages that `tokens` starts with, in the pool or, past its
-  // pages, in the lower tier (copied back into fresh pages). Each page found gains a
-  // reference and is appended to `pages`, its serial to `serials`; returns how many were
-  // found; `chains`, when given, gets their chain hashes. Only whole pages match; the caller
-  // decides how many of them to keep.
+  // pages, in the lower tier (copied back into fresh pages; pages on disk are read first, and
+  // waited for). Each page found gains a reference and is appended to `pages`, its serial to
+  // `serials`; returns how many were found. `chains`, when given, holds the chain hashes of
+  // the first pages of `tokens` (the caller's, kept from an earlier call) and gets those this
+  // call computes. Only whole pages match; the caller decides how many of them to keep.
   // Pages found in the lower tier are registered at once (the chain goes on through them) but
   // copied back only by commit_restores(), which the caller runs before anything else uses
   // the pool: after it has released the pages of the hit it does not keep.
   int match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages, std::vector<uint64_t>& serials,
                    std::vector<PageHash>* chains = nullptr);
+  // Starts reading from the disk tier the pages past the pool's that a match_prefix of
+  // `tokens` would restore (HostKVTier::fetch; `chains` as there); returns how many are on
+  // their way (0: a match_prefix now waits for nothing).
+  size_t fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains);
   // Copies the last match's lower-tier pages that are still referenced back into their pages,
   // in one batch; the ones released meanwhile lose their identity and are not copied.
   void commit_restores();
@@ -137,6 +142,12 @@ class BlockManager {
   };
   void detach_exact(BlockId id);
   uint64_t key_of(uint64_t parent_serial, std::span<const TokenId> tokens) const;
+  // The cached pool page holding `page` after the page of serial `parent` (key: key_of), or -1.
+  BlockId find_cached(uint64_t parent, uint64_t key, std::span<const TokenId> page) const;
+  // chains[i], computing those before it that `chains` lacks (`pool_page`: page i in the pool,
+  // whose chain is taken when it has one).
+  const PageHash& chain_at(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t i,
+                           BlockId pool_page = -1) const;
   bool same_tokens(BlockId id, std::span<const TokenId> tokens) const;
   void queue_remove(BlockId id);
   void queue_push_front(BlockId id);

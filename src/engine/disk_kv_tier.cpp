@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/units.h"
 
 namespace kvlm {
 
@@ -56,8 +57,15 @@ PageHash get_hash(const uint8_t* p) { return {get_u64(p), get_u64(p + 8)}; }
 // Header field offsets.
 constexpr size_t kOffVersion = 8, kOffBlock = 12, kOffPage = 16, kOffRoot = 24, kOffChain = 40, kOffTokens = 56;
 
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+// Moves an I/O vector on by `done` bytes (a short preadv / pwritev continues from there).
+template <size_t N>
+void advance(iovec (&iov)[N], size_t done) {
+  for (auto& v : iov) {
+    const size_t n = std::min(done, v.iov_len);
+    v.iov_base = static_cast<uint8_t*>(v.iov_base) + n;
+    v.iov_len -= n;
+    done -= n;
+  }
 }
 
 bool read_all(int fd, uint8_t* p, size_t n) {
@@ -69,12 +77,6 @@ bool read_all(int fd, uint8_t* p, size_t n) {
     n -= size_t(r);
   }
   return true;
-}
-
-std::string human(uint64_t b) {
-  char s[32];
-  std::snprintf(s, sizeof s, "%.2f GiB", double(b) / double(1ull << 30));
-  return s;
 }
 
 }  // namespace
@@ -106,7 +108,7 @@ DiskKVTier::DiskKVTier(const fs::path& dir, uint64_t capacity_bytes, const PageH
   KVLM_CHECK(page_bytes > 0 && block_size > 0, "disk tier: empty pages");
   capacity_ = size_t(capacity_bytes / file_bytes_);
   if (capacity_ < 1)
-    throw Error("--kv-offload-disk-gib: " + human(capacity_bytes) + " holds no page of " + std::to_string(file_bytes_) +
+    throw Error("--kv-offload-disk-gib: " + human_bytes(capacity_bytes) + " holds no page of " + std::to_string(file_bytes_) +
                 " bytes; give the disk tier more");
   std::error_code ec;
   fs::create_directories(dir_, ec);
@@ -128,9 +130,9 @@ DiskKVTier::DiskKVTier(const fs::path& dir, uint64_t capacity_bytes, const PageH
     std::ofstream about(dir_ / "model.txt", std::ios::trunc);
     about << "kvlm KV pages of:\n" << description << "\n";
   }
-  buf_.resize(header_bytes_ + 9);
   scan();
   writer_ = std::thread([this] { writer_loop(); });
+  for (int i = 0; i < kReaders; ++i) readers_.emplace_back([this] { reader_loop(); });
 }
 
 DiskKVTier::~DiskKVTier() {
@@ -139,7 +141,9 @@ DiskKVTier::~DiskKVTier() {
     stop_ = true;  // the writer finishes what is queued first
   }
   work_cv_.notify_all();
+  read_cv_.notify_all();
   writer_.join();
+  for (std::thread& t : readers_) t.join();
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
 }
 
@@ -213,8 +217,8 @@ void DiskKVTier::scan() {
   loaded_ = index_.size();
   char line[256];
   std::snprintf(line, sizeof line, "disk tier: %zu pages of this model found in %s (%s of %s) in %.2f s", index_.size(),
-                dir_.c_str(), human(uint64_t(index_.size()) * file_bytes_).c_str(),
-                human(uint64_t(capacity_) * file_bytes_).c_str(), since(t0));
+                dir_.c_str(), human_bytes(uint64_t(index_.size()) * file_bytes_).c_str(),
+                human_bytes(uint64_t(capacity_) * file_bytes_).c_str(), seconds_since(t0));
   log::info(line);
 }
 
@@ -243,13 +247,7 @@ std::string DiskKVTier::read_file(const PageHash& chain, std::span<const TokenId
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) break;
     got += size_t(r);
-    size_t skip = size_t(r);  // a short read: move the vectors on
-    for (auto& v : iov) {
-      const size_t n = std::min(skip, v.iov_len);
-      v.iov_base = static_cast<uint8_t*>(v.iov_base) + n;
-      v.iov_len -= n;
-      skip -= n;
-    }
+    advance(iov, size_t(r));  // a short read: on from where it stopped
     if (iov[2].iov_len == 0) break;
   }
   ::close(fd);
@@ -284,48 +282,72 @@ bool DiskKVTier::settle_read(const PageHash& chain, const std::string& why, uint
   return true;
 }
 
-bool DiskKVTier::read(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst, uint64_t& serial) {
-  const auto it = index_.find(chain);
-  if (it == index_.end() || !std::ranges::equal(it->second.tokens, tokens)) return false;
-  const auto t0 = std::chrono::steady_clock::now();
-  const bool ok = settle_read(chain, read_file(chain, tokens, dst, buf_), serial);
-  read_s_ += since(t0);
-  return ok;
+void DiskKVTier::read_async(std::vector<ReadJob> jobs) {
+  size_t n = 0;
+  {
+    const std::lock_guard lock(mu_);
+    for (ReadJob& j : jobs) {
+      const auto it = index_.find(j.chain);
+      if (it == index_.end() || !std::ranges::equal(it->second.tokens, j.tokens)) {
+        missed_.push_back({j.tag, false, 0});
+        continue;
+      }
+      lru_.splice(lru_.end(), lru_, it->second.lru);
+      read_queue_.push_back(std::move(j));
+      ++n;
+    }
+  }
+  reads_in_flight_ += n;
+  if (n > 0) read_cv_.notify_all();
 }
 
-void DiskKVTier::read_many(std::span<const ReadJob> jobs, std::vector<bool>& ok, std::vector<uint64_t>& serials) {
-  ok.assign(jobs.size(), false);
-  serials.assign(jobs.size(), 0);
-  std::vector<size_t> todo;
-  for (size_t i = 0; i < jobs.size(); ++i)
-    if (const auto it = index_.find(jobs[i].chain); it != index_.end() && std::ranges::equal(it->second.tokens, jobs[i].tokens))
-      todo.push_back(i);
-  if (todo.empty()) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::string> why(jobs.size());
-  const size_t n = std::min<size_t>(todo.size(), kReaders);
-  auto work = [&](size_t t) {
-    std::vector<uint8_t> header;
-    for (size_t k = t; k < todo.size(); k += n) {
-      const ReadJob& j = jobs[todo[k]];
-      try {
-        why[todo[k]] = read_file(j.chain, j.tokens, j.dst, header);
-      } catch (const std::exception& e) {  // never out of the thread: a miss
-        why[todo[k]] = std::string(kTransient) + e.what();
-      }
-    }
-  };
+std::vector<DiskKVTier::ReadDone> DiskKVTier::take_read(bool wait) {
+  std::vector<ReadResult> done;
   {
-    std::vector<std::jthread> readers;
-    for (size_t t = 1; t < n; ++t) readers.emplace_back(work, t);
-    work(0);
-  }  // joined
-  for (size_t i : todo) {
-    uint64_t serial = 0;
-    ok[i] = settle_read(jobs[i].chain, why[i], serial);
-    serials[i] = serial;
+    std::unique_lock lock(mu_);
+    if (wait && read_done_.empty() && missed_.empty() && reads_in_flight_ > 0)
+      read_done_cv_.wait(lock, [&] { return !read_done_.empty(); });
+    done.swap(read_done_);
   }
-  read_s_ += since(t0);
+  std::vector<ReadDone> out;
+  out.swap(missed_);
+  for (ReadResult& d : done) {
+    --reads_in_flight_;
+    ReadDone r{.tag = d.job.tag};
+    r.ok = settle_read(d.job.chain, d.why, r.serial);
+    out.push_back(r);
+    // The time during which any read ran (the readers overlap): the bandwidth's denominator.
+    const auto from = std::max(d.start, read_busy_until_);
+    if (d.end > from) read_s_ += seconds(d.end - from);
+    read_busy_until_ = std::max(read_busy_until_, d.end);
+  }
+  return out;
+}
+
+void DiskKVTier::reader_loop() {
+  std::vector<uint8_t> header;
+  for (;;) {
+    ReadResult r;
+    {
+      std::unique_lock lock(mu_);
+      read_cv_.wait(lock, [&] { return stop_ || !read_queue_.empty(); });
+      if (stop_) return;  // reads still queued are dropped: nobody will take them
+      r.job = std::move(read_queue_.front());
+      read_queue_.pop_front();
+    }
+    r.start = std::chrono::steady_clock::now();
+    try {
+      r.why = read_file(r.job.chain, r.job.tokens, r.job.dst, header);
+    } catch (const std::exception& e) {  // never out of the thread: a miss
+      r.why = std::string(kTransient) + e.what();
+    }
+    r.end = std::chrono::steady_clock::now();
+    {
+      const std::lock_guard lock(mu_);
+      read_done_.push_back(std::move(r));
+    }
+    read_done_cv_.notify_all();
+  }
 }
 
 void DiskKVTier::touch(const PageHash& chain) {
@@ -424,7 +446,7 @@ void DiskKVTier::writer_loop() {
           err = e.what();
         }
       }
-      Done d{j.tag, j.chain, j.serial, std::move(j.tokens), err.empty(), since(t0)};
+      Done d{j.tag, j.chain, j.serial, std::move(j.tokens), err.empty(), seconds_since(t0)};
       if (!err.empty() && fenced) {
         bool first = false;
         {
@@ -476,13 +498,7 @@ std::string DiskKVTier::write_file(const WriteJob& job, std::vector<uint8_t>& bu
       break;
     }
     put += size_t(r);
-    size_t skip = size_t(r);
-    for (auto& v : iov) {
-      const size_t n = std::min(skip, v.iov_len);
-      v.iov_base = static_cast<uint8_t*>(v.iov_base) + n;
-      v.iov_len -= n;
-      skip -= n;
-    }
+    advance(iov, size_t(r));
   }
   if (::close(fd) != 0 && err.empty()) err = std::strerror(errno);
   std::error_code ec;

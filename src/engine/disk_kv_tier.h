@@ -22,9 +22,12 @@
 //
 // Writes run on a writer thread of the tier's own (write_async): the caller hands over host
 // buffers with a fence for the copies filling them (ModelRunner::page_fence) and takes them back
-// once written (take_written); the index changes only on the caller's thread.
+// once written (take_written). Reads run on reader threads (read_async, take_read), so that the
+// scheduler goes on with other requests while a prefix comes from disk. The index changes only
+// on the caller's thread.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -63,18 +66,28 @@ class DiskKVTier {
   // Makes page `chain` the most recently used, if here (a read about to come: room made for
   // writes meanwhile is not taken from it).
   void touch(const PageHash& chain);
-  // Reads the page `chain` holding `tokens` into `dst` (page_bytes) after checking the file
-  // whole. False when it is not here or its file is damaged (logged and removed). `serial` gets
-  // the pool serial the page had when written by this process, 0 when from an earlier one.
-  bool read(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst, uint64_t& serial);
-  // Several pages at once, on up to kReaders threads: ok[i] and serials[i] as read() gives them.
+  // Pages to read on the tier's reader threads (kReaders of them), each file checked whole
+  // and its page put into `dst` (page_bytes); `tag` is the caller's name for dst. The pages
+  // become the most recently used at once (room made for writes meanwhile is not taken from
+  // them). A page not here, or here with other tokens, is not read and comes back not ok.
   struct ReadJob {
     PageHash chain;
-    std::span<const TokenId> tokens;
+    std::vector<TokenId> tokens;
     uint8_t* dst = nullptr;
+    int tag = 0;
   };
   static constexpr int kReaders = 4;
-  void read_many(std::span<const ReadJob> jobs, std::vector<bool>& ok, std::vector<uint64_t>& serials);
+  void read_async(std::vector<ReadJob> jobs);
+  // The reads done since the last call. Not ok: a miss (a damaged file is logged and removed).
+  // `serial` is the pool serial the page had when written by this process, 0 when by an
+  // earlier one. `wait`: blocks until at least one is done when none is and some are in flight.
+  struct ReadDone {
+    int tag = 0;
+    bool ok = false;
+    uint64_t serial = 0;
+  };
+  std::vector<ReadDone> take_read(bool wait = false);
+  size_t reads_in_flight() const { return reads_in_flight_; }
   // Writes page `chain` from `src`, replacing the least recently used files when full; a page
   // already here becomes the most recently used. An I/O error is logged and the page skipped.
   // Waits for it and every write in flight (tests; not for a caller of write_async, whose tags it
@@ -126,7 +139,13 @@ class DiskKVTier {
     std::vector<WriteJob> jobs;
     std::function<void()> fence;
   };
+  struct ReadResult {
+    ReadJob job;
+    std::string why;  // empty: read and good
+    std::chrono::steady_clock::time_point start, end;
+  };
   void writer_loop();
+  void reader_loop();
   // Reads and checks one page file into dst (any thread; touches no index state; `header` is
   // the caller's buffer). Empty when it is good, else why not.
   std::string read_file(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst,
@@ -151,19 +170,24 @@ class DiskKVTier {
   int lock_fd_ = -1;
   std::unordered_map<PageHash, Entry, PageHashHasher> index_;
   std::list<PageHash> lru_;  // least recently used first
-  std::vector<uint8_t> buf_;  // one file's header and checksum (read(), on the caller's thread)
   uint64_t written_ = 0, read_ = 0, evicted_ = 0, damaged_ = 0, loaded_ = 0;
   double write_s_ = 0, read_s_ = 0;
   bool write_failed_ = false;
   size_t in_flight_ = 0;           // jobs handed to the writer and not yet taken back
   std::vector<int> already_here_;  // tags of jobs whose pages were here already
+  size_t reads_in_flight_ = 0;     // read jobs handed to the readers and not yet taken back
+  std::vector<ReadDone> missed_;   // read jobs refused at read_async
+  std::chrono::steady_clock::time_point read_busy_until_;  // read_s_ counts the time any read ran
 
-  std::mutex mu_;  // guards queue_, done_, stop_
-  std::condition_variable work_cv_, done_cv_;
+  std::mutex mu_;  // guards queue_, done_, read_queue_, read_done_, stop_
+  std::condition_variable work_cv_, done_cv_, read_cv_, read_done_cv_;
   std::deque<Batch> queue_;
   std::vector<Done> done_;
+  std::deque<ReadJob> read_queue_;
+  std::vector<ReadResult> read_done_;
   bool stop_ = false;
   std::thread writer_;  // last: started once everything above exists
+  std::vector<std::thread> readers_;
 };
 
 // The checksum of the page files: a 64-bit hash of `bytes` from `seed` (not cryptographic: it

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/units.h"
 #include "model/model_runner.h"
 
 namespace kvlm {
@@ -19,17 +20,13 @@ size_t checked_page_bytes(const ModelRunner& runner, int block_size, size_t capa
   return page;
 }
 
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // The tier's memory; pinning tens of GiB takes seconds at start, so say how long.
 HostBytes allocate_logged(ModelRunner& runner, size_t bytes) {
   const auto t0 = std::chrono::steady_clock::now();
   HostBytes p = runner.allocate_host(bytes);
   char line[160];
   std::snprintf(line, sizeof line, "host tier: %.2f GiB of host memory allocated%s in %.1f s", double(bytes) / double(1ull << 30),
-                runner.device() == Device::Cuda ? " and pinned" : "", since(t0));
+                runner.device() == Device::Cuda ? " and pinned" : "", seconds_since(t0));
   log::info(line);
   return p;
 }
@@ -187,66 +184,77 @@ void HostKVTier::keep(BlockId id, uint64_t serial, const PageHash& chain, std::s
 }
 
 int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens) {
-  if (const auto it = index_.find(chain); it != index_.end()) {
-    if (!std::ranges::equal(tokens, tokens_of(it->second))) return -1;
-    unlink(it->second);
-    push_back(it->second);
-    entries_[size_t(it->second)].pinned = true;
-    entries_[size_t(it->second)].used = true;
-    return it->second;
+  if (disk_ && !index_.count(chain) && (loading_.count(chain) || disk_->contains(chain))) {
+    // On disk (or on its way here): read it into a slot here first.
+    fetch({&chain, 1}, tokens);
+    wait_reads();
   }
-  if (!disk_ || !disk_->contains(chain)) return -1;
-  // From disk: into a slot here. The page becomes the disk's most recently used first, so that
-  // room made for the writes take_slot may start is not taken from it.
-  disk_->touch(chain);
-  const int slot = take_slot_for_host_write();
-  if (slot < 0) return -1;
-  uint64_t serial = 0;
-  if (!disk_->read(chain, tokens, slot_data(slot), serial)) {
-    free_.push_back(slot);
-    return -1;
-  }
-  entries_[size_t(slot)] = Entry{.serial = serial, .chain = chain, .pinned = true, .on_disk = true};
-  std::ranges::copy(tokens, tokens_of(slot).begin());
-  index_.emplace(chain, slot);
-  push_back(slot);
-  ++disk_hits_;
-  return slot;
+  const auto it = index_.find(chain);
+  if (it == index_.end() || !std::ranges::equal(tokens, tokens_of(it->second))) return -1;
+  unlink(it->second);
+  push_back(it->second);
+  entries_[size_t(it->second)].pinned = true;
+  entries_[size_t(it->second)].used = true;
+  return it->second;
 }
 
 void HostKVTier::unpin(int slot) { entries_[size_t(slot)].pinned = false; }
 
-void HostKVTier::prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens) {
-  if (!disk_) return;
+size_t HostKVTier::fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens) {
+  if (!disk_) return 0;
+  poll(false);
   const size_t bs = size_t(block_size_);
+  size_t loading = 0;
   std::vector<size_t> want;
-  for (size_t i = 0; i < chains.size() && want.size() < capacity() / 2; ++i)
-    if (!index_.count(chains[i]) && disk_->contains(chains[i])) want.push_back(i);
-  if (want.size() < 2) return;  // one page: find() reads it
-  for (size_t i : want) disk_->touch(chains[i]);  // not made room for by the writes take_slot may start
+  for (size_t i = 0; i < chains.size() && i < max_fetch(); ++i) {
+    if (loading_.count(chains[i])) ++loading;
+    else if (!index_.count(chains[i]) && disk_->contains(chains[i])) want.push_back(i);
+  }
+  // The pages about to be read become the disk's most recently used first, so that room made
+  // for the writes take_slot may start is not taken from them.
+  for (size_t i : want) disk_->touch(chains[i]);
   std::vector<DiskKVTier::ReadJob> jobs;
-  std::vector<int> slots;
   for (size_t i : want) {
     const int slot = take_slot_for_host_write();
     if (slot < 0) break;
-    slots.push_back(slot);
-    jobs.push_back({chains[i], tokens.subspan(i * bs, bs), slot_data(slot)});
+    const auto t = tokens.subspan(i * bs, bs);
+    entries_[size_t(slot)] = Entry{.chain = chains[i], .loading = true};
+    std::ranges::copy(t, tokens_of(slot).begin());
+    loading_.emplace(chains[i], slot);
+    jobs.push_back({chains[i], std::vector<TokenId>(t.begin(), t.end()), slot_data(slot), slot});
   }
-  std::vector<bool> ok;
-  std::vector<uint64_t> serials;
-  disk_->read_many(jobs, ok, serials);
-  for (size_t k = 0; k < jobs.size(); ++k) {
-    const int slot = slots[k];
-    if (!ok[k]) {
+  loading += jobs.size();
+  disk_->read_async(std::move(jobs));
+  return loading;
+}
+
+void HostKVTier::poll(bool wait) {
+  if (!disk_) return;
+  for (const DiskKVTier::ReadDone& d : disk_->take_read(wait)) {
+    const int slot = d.tag;
+    Entry& e = entries_[size_t(slot)];
+    KVLM_CHECK(e.loading, "host tier: a slot came back from the disk tier's readers twice");
+    loading_.erase(e.chain);
+    if (!d.ok || index_.count(e.chain)) {  // a miss, or kept from the pool meanwhile
+      e = Entry{};
       free_.push_back(slot);
       continue;
     }
-    entries_[size_t(slot)] = Entry{.serial = serials[k], .chain = jobs[k].chain, .on_disk = true};
-    std::ranges::copy(jobs[k].tokens, tokens_of(slot).begin());
-    index_.emplace(jobs[k].chain, slot);
+    e.loading = false;
+    e.serial = d.serial;
+    e.on_disk = true;
+    index_.emplace(e.chain, slot);
     push_back(slot);
     ++disk_hits_;
   }
+}
+
+void HostKVTier::wait_reads() {
+  while (!loading_.empty()) poll(/*wait=*/true);
+}
+
+void HostKVTier::prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens) {
+  if (fetch(chains, tokens) > 0) wait_reads();
 }
 
 void HostKVTier::restore(std::span<const int> slots, std::span<const BlockId> ids) {
@@ -278,17 +286,20 @@ void HostKVTier::flush_to_disk() {
     Entry& e = entries_[size_t(s)];
     if (e.on_disk || e.writing) continue;
     e.writing = true;
+    ++writing_;
     e.used = true;  // kept when it comes back
     const auto t = tokens_of(s);
     jobs.push_back({e.chain, e.serial, std::vector<TokenId>(t.begin(), t.end()), slot_data(s), s});
   }
-  const size_t n = jobs.size();
-  if (n > 0) disk_->write_async(std::move(jobs), runner_.page_fence());
+  const bool any = !jobs.empty();
+  const uint64_t before = disk_->pages_written();
+  if (any) disk_->write_async(std::move(jobs), runner_.page_fence());
   while (disk_->writes_in_flight() > 0) reclaim(/*wait=*/true);
-  if (n == 0) return;
+  if (!any) return;
+  const uint64_t n = disk_->pages_written() - before;  // failed writes were logged, not counted; batches in flight are
   char line[256];
-  std::snprintf(line, sizeof line, "disk tier: %zu pages (%.2f GiB) written to %s in %.2f s", n,
-                double(n * disk_->file_bytes()) / double(1ull << 30), disk_->directory().c_str(), since(t0));
+  std::snprintf(line, sizeof line, "disk tier: %llu pages (%s) written to %s in %.2f s", (unsigned long long)n,
+                human_bytes(n * disk_->file_bytes()).c_str(), disk_->directory().c_str(), seconds_since(t0));
   log::info(line);
 }
 

@@ -13,11 +13,13 @@
 //
 // With a disk tier (disk_kv_tier.h, --kv-offload-dir) entries are written there before they
 // are replaced: while fewer than an eighth of the slots are free or being written, the least
-// recently used batches go to the disk tier's writer thread (after a fence on the copies that filled them); their slots
-// stay findable until written, and come back free unless a hit used them meanwhile. A miss here
-// is looked up there: a page found is read into a slot here (checked whole) and restored from
-// it as any other. When the tier is destroyed (the
-// server stops), the pages it holds are written to disk, so that a restart finds them.
+// recently used batches go to the disk tier's writer thread (after a fence on the copies that
+// filled them); their slots stay findable until written, and come back free unless a hit used
+// them meanwhile. A miss here is looked up there: a page found is read into a slot here
+// (checked whole, on the disk tier's reader threads) and restored from it as any other. The
+// scheduler starts the reads of a waiting request's prefix (fetch) and schedules other requests
+// until they are done (the request is "restoring"). When the tier is destroyed (the server
+// stops), the pages it holds are written to disk, so that a restart finds them.
 //
 // Exact pages (layers with exact sink / recent tokens) are not kept: a restored page has no
 // exact copy, and the scheduler's admit_prefix ends a hit before a page a query must read
@@ -32,6 +34,7 @@
 // (BlockManager::commit_restores).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -63,15 +66,26 @@ class HostKVTier {
   // and `tokens`: keeps a copy unless this chain is here already (an empty chain: not kept).
   void keep(BlockId id, uint64_t serial, const PageHash& chain, std::span<const TokenId> tokens);
   // The entry of that chain and tokens — here, else read from the disk tier into a slot here
-  // — or -1. A found entry becomes the most recently used and is pinned — not replaced —
+  // (waiting for the read) — or -1. A found entry becomes the most recently used and is pinned — not replaced —
   // until restore() or unpin().
   int find(const PageHash& chain, std::span<const TokenId> tokens);
   void unpin(int slot);
-  // Whether this tier or the disk tier below holds page `chain`.
-  bool holds(const PageHash& chain) const { return index_.count(chain) > 0 || (disk_ && disk_->contains(chain)); }
-  // The pages `chains[i]` (holding tokens[i * block_size, (i + 1) * block_size)) that only the
-  // disk tier holds are read into slots here at once, on several threads (a hit's pages ahead
-  // of the find() calls that take them), at most half the tier's slots.
+  // Whether this tier or the disk tier below holds page `chain` (or it is on its way here).
+  bool holds(const PageHash& chain) const {
+    return index_.count(chain) > 0 || loading_.count(chain) > 0 || (disk_ && disk_->contains(chain));
+  }
+  // Starts reading into slots here the pages `chains[i]` (holding tokens[i * block_size,
+  // (i + 1) * block_size)) that only the disk tier holds, on its reader threads, at most the
+  // first half of the tier's slots of them; returns how many of those are on their way here
+  // (started now or before). They become entries, unpinned and most recently used, as poll()
+  // takes them (find() and fetch() poll too).
+  size_t fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens);
+  size_t max_fetch() const { return std::max<size_t>(capacity() / 2, 1); }  // pages one fetch reads at most
+  void poll(bool wait = false);
+  void wait_reads();  // until no page is on its way here
+  size_t loading() const { return loading_.size(); }
+  // fetch(), then waits for the reads (a hit's pages read together, ahead of the find() calls
+  // that take them).
   void prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens);
   // The serial entry `slot` was kept under (0: none known, a page from an earlier process).
   uint64_t serial(int slot) const { return entries_[size_t(slot)].serial; }
@@ -96,6 +110,7 @@ class HostKVTier {
     bool on_disk = false;  // the disk tier holds this page (read from it, or written)
     bool writing = false;  // with the disk tier's writer: not free until it comes back
     bool used = false;     // found or kept again since it was handed to the writer
+    bool loading = false;  // being read from the disk tier into the slot: not an entry yet
   };
   bool demote();              // hands a batch of LRU entries to the disk tier; false: none could go
   void reclaim(bool wait);    // takes back the entries the writer is done with
@@ -119,6 +134,7 @@ class HostKVTier {
   std::vector<TokenId> tokens_;      // [capacity][block_size]
   std::vector<Entry> entries_;
   std::unordered_map<PageHash, int, PageHashHasher> index_;  // chain -> slot
+  std::unordered_map<PageHash, int, PageHashHasher> loading_;  // chain -> slot, reads in flight
   std::vector<int> free_;
   int head_ = -1, tail_ = -1;
   std::unique_ptr<DiskKVTier> disk_;

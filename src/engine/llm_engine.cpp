@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/units.h"
 #include "engine/dflash_proposer.h"
 #include "engine/memory_plan.h"
 #include "engine/ngram_proposer.h"
@@ -15,8 +16,6 @@
 namespace kvlm {
 
 namespace {
-
-double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 SchedulerConfig checked(SchedulerConfig cfg, const LoadedModel& model) {
   const ModelConfig& mc = model.config();
@@ -295,6 +294,7 @@ EngineStats LLMEngine::stats() const {
   EngineStats st = stats_;
   st.num_running = scheduler_.num_running();
   st.num_waiting = scheduler_.num_waiting();
+  st.num_restoring = scheduler_.num_restoring();
   const BlockManager& b = scheduler_.blocks();
   st.num_blocks = b.num_blocks();
   st.num_free_blocks = b.num_free();

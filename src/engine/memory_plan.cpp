@@ -8,6 +8,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "core/units.h"
 #include "model/model_runner.h"
 #include "model/tensor_parallel.h"
 
@@ -17,14 +18,6 @@ namespace {
 
 constexpr uint64_t kGiB = 1ull << 30;
 constexpr uint64_t kMiB = 1ull << 20;
-
-std::string human_bytes(uint64_t b) {
-  char buf[64];
-  if (b >= kGiB) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(kGiB));
-  else if (b >= kMiB) std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(kMiB));
-  else std::snprintf(buf, sizeof buf, "%llu KiB", (unsigned long long)(b / 1024));
-  return buf;
-}
 
 std::string with_commas(int64_t v) {
   std::string s = std::to_string(v);

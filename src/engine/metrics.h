@@ -52,6 +52,10 @@ struct EngineStats {
   uint64_t kv_offload_disk_written_total = 0, kv_offload_disk_read_total = 0, kv_offload_disk_evictions_total = 0;
   uint64_t kv_offload_disk_damaged_total = 0, kv_offload_disk_bytes_per_page = 0;
   double kv_offload_disk_write_seconds_total = 0, kv_offload_disk_read_seconds_total = 0;
+  // Requests set aside while their prefix was read from disk (others were scheduled meanwhile),
+  // and those waiting so now (gauge).
+  uint64_t kv_offload_disk_restoring_total = 0;
+  int num_restoring = 0;
   uint64_t requests_total = 0;              // accepted
   std::map<std::string, uint64_t> requests_finished_total;  // by finish reason
   uint64_t steps_total = 0;

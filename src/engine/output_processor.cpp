@@ -6,12 +6,9 @@
 
 #include "core/error.h"
 #include "core/host_threads.h"
+#include "core/units.h"
 
 namespace kvlm {
-
-namespace {
-double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
-}  // namespace
 
 void OutputProcessor::draw_one(Sequence& s, const StepBatch& batch, Drawn& d) const {
   d.tokens.clear();

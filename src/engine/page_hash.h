@@ -57,17 +57,22 @@ inline PageHash kv_root(std::string_view description) {
 
 // The hash of a page holding `tokens` after the page hashed `parent` (the root for page 0).
 inline PageHash page_chain(const PageHash& parent, std::span<const TokenId> tokens) {
+  // The parent big-endian, then the tokens as little-endian int32 whatever the host, packed and
+  // hashed 64 tokens at a time.
   Sha256 s;
-  uint8_t p[16];
+  uint8_t b[4 * 64];
   for (int i = 0; i < 8; ++i) {
-    p[i] = uint8_t(parent.hi >> (56 - 8 * i));
-    p[8 + i] = uint8_t(parent.lo >> (56 - 8 * i));
+    b[i] = uint8_t(parent.hi >> (56 - 8 * i));
+    b[8 + i] = uint8_t(parent.lo >> (56 - 8 * i));
   }
-  s.update(p, sizeof p);
-  for (TokenId t : tokens) {  // little-endian int32, whatever the host
-    const auto u = uint32_t(t);
-    const uint8_t b[4] = {uint8_t(u), uint8_t(u >> 8), uint8_t(u >> 16), uint8_t(u >> 24)};
-    s.update(b, 4);
+  s.update(b, 16);
+  for (size_t i = 0; i < tokens.size();) {
+    size_t n = 0;
+    for (; n < 64 && i < tokens.size(); ++n, ++i) {
+      const auto u = uint32_t(tokens[i]);
+      for (int k = 0; k < 4; ++k) b[4 * n + size_t(k)] = uint8_t(u >> (8 * k));
+    }
+    s.update(b, 4 * n);
   }
   return page_hash_detail::from_digest(s.finish());
 }

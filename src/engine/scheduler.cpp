@@ -69,6 +69,9 @@ int Scheduler::num_running() const {
 int Scheduler::num_waiting() const {
   return int(std::ranges::count_if(waiting_, [](const auto& s) { return !s->finished; }));
 }
+int Scheduler::num_restoring() const {
+  return int(std::ranges::count_if(waiting_, [](const auto& s) { return !s->finished && s->restoring; }));
+}
 
 void Scheduler::drop_finished() {
   auto gone = [](const std::unique_ptr<Sequence>& s) { return s->finished; };
@@ -108,17 +111,29 @@ void Scheduler::release_pages(Sequence& s) {
   s.exact_from = window_page(0);
 }
 
-// A sequence about to be scheduled for the first time (or again after preemption) takes
-// the pages the prefix cache holds for its leading tokens.
-void Scheduler::admit_prefix(Sequence& s) {
+bool Scheduler::takes_prefix(const Sequence& s) const {
   // Rows whose outputs are wanted must be computed; a hit can serve every prompt token but
   // the last (match_prefix leaves it), so a request that wants only the last row still hits.
   const bool rows_wanted = s.prompt_rows_end() > s.prompt_rows_begin() && s.prompt_rows_begin() < s.num_prompt - 1;
-  if (!blocks_.prefix_caching() || rows_wanted || !s.pages.empty()) return;
+  return blocks_.prefix_caching() && !rows_wanted && s.pages.empty();
+}
+
+bool Scheduler::restoring(Sequence& s) {
+  if (!tier_ || !tier_->disk() || !takes_prefix(s)) return false;
+  const bool reading = blocks_.fetch_prefix(s.tokens, s.chains) > 0;
+  if (reading && !s.restoring) ++stats_.kv_offload_disk_restoring_total;
+  s.restoring = reading;
+  return reading;
+}
+
+// A sequence about to be scheduled for the first time (or again after preemption) takes
+// the pages the prefix cache holds for its leading tokens.
+void Scheduler::admit_prefix(Sequence& s) {
+  if (!takes_prefix(s)) return;
   const int bs = blocks_.block_size();
   const int total = int(s.tokens.size());
-  // The chains of the pages found, when the sequence has none yet (they depend on tokens alone).
-  int found = blocks_.match_prefix(s.tokens, s.pages, s.serials, s.chains.empty() ? &s.chains : nullptr);
+  // s.chains: its pages' chain hashes, kept (they depend on tokens alone) and extended here.
+  int found = blocks_.match_prefix(s.tokens, s.pages, s.serials, &s.chains);
   auto drop_last = [&] {
     blocks_.release(s.pages.back());
     s.pages.pop_back();
@@ -349,48 +364,68 @@ std::vector<Sequence*> Scheduler::schedule() {
     batch.push_back(&s);
     ++i;
   }
-  while (!preempted && budget > 0 && !waiting_.empty() && int(running_.size()) < cfg_.max_num_seqs) {
-    // Fair between requests: the next is the oldest waiting sequence of the group with the
-    // fewest running (one request of 8 prompts x n = 128 would otherwise queue everyone
-    // behind its 1,024 sequences).
-    const size_t pick = next_waiting(running);
-    if (pick) std::rotate(waiting_.begin(), waiting_.begin() + long(pick), waiting_.begin() + long(pick) + 1);
-    Sequence& s = *waiting_.front();
-    s.draft.clear();  // drafts are proposed for running sequences only
-    admit_prefix(s);
-    // A hybrid model's state is kept where the sequence's last full page ends: the furthest a
-    // later hit on these tokens (or on a prompt that extends them) can resume from.
-    const int snap = (int(s.tokens.size()) - 1) / blocks_.block_size() * blocks_.block_size();
-    s.snapshot_at = snapshots_on() && snap > s.num_computed ? snap : -1;
-    const int n = take(s);
-    if (!ensure_pages(s, s.num_computed + n)) {
-      release_pages(s);  // do not sit on cached pages while waiting (they stay cached)
-      break;             // first come, first served: nobody overtakes the head
+  // Sequences whose prefix is being read from disk, set aside while the others are admitted.
+  std::vector<std::unique_ptr<Sequence>> restoring_now;
+  const auto admit = [&](bool may_set_aside) {
+    while (!preempted && budget > 0 && !waiting_.empty() && int(running_.size()) < cfg_.max_num_seqs) {
+      // Fair between requests: the next is the oldest waiting sequence of the group with the
+      // fewest running (one request of 8 prompts x n = 128 would otherwise queue everyone
+      // behind its 1,024 sequences).
+      const size_t pick = next_waiting(running);
+      if (pick) std::rotate(waiting_.begin(), waiting_.begin() + long(pick), waiting_.begin() + long(pick) + 1);
+      Sequence& s = *waiting_.front();
+      if (may_set_aside && restoring(s)) {
+        restoring_now.push_back(std::move(waiting_.front()));
+        waiting_.pop_front();
+        continue;
+      }
+      s.restoring = false;
+      s.draft.clear();  // drafts are proposed for running sequences only
+      admit_prefix(s);
+      // A hybrid model's state is kept where the sequence's last full page ends: the furthest a
+      // later hit on these tokens (or on a prompt that extends them) can resume from.
+      const int snap = (int(s.tokens.size()) - 1) / blocks_.block_size() * blocks_.block_size();
+      s.snapshot_at = snapshots_on() && snap > s.num_computed ? snap : -1;
+      const int n = take(s);
+      if (!ensure_pages(s, s.num_computed + n)) {
+        release_pages(s);  // do not sit on cached pages while waiting (they stay cached)
+        break;             // first come, first served: nobody overtakes the head
+      }
+      if (!s.started) {
+        s.started = true;
+        stats_.prompt_tokens_total += uint64_t(s.num_prompt - s.cached_prompt_tokens);
+        stats_.prefix_cache_queries_total += uint64_t(s.num_prompt);
+        stats_.prefix_cache_hits_total += uint64_t(s.cached_prompt_tokens);
+      } else {  // resumed after preemption: what was not found cached is computed again
+        stats_.recomputed_tokens_total += uint64_t(int(s.tokens.size()) - s.num_computed);
+      }
+      KVLM_CHECK(!free_state_slots_.empty(), "more running sequences than --max-num-seqs state slots");
+      s.state_slot = free_state_slots_.back();
+      free_state_slots_.pop_back();
+      admit_state(s);
+      s.scheduled = n;
+      budget -= n;
+      batch.push_back(&s);
+      ++running[group_of(s)];
+      if (cfg_.priority) {  // after every sequence of its priority or better: the back is the first to go
+        const auto at = std::upper_bound(running_.begin(), running_.end(), s.req.priority,
+                                         [](int p, const auto& r) { return p < r->req.priority; });
+        running_.insert(at, std::move(waiting_.front()));
+      } else {
+        running_.push_back(std::move(waiting_.front()));
+      }
+      waiting_.pop_front();
     }
-    if (!s.started) {
-      s.started = true;
-      stats_.prompt_tokens_total += uint64_t(s.num_prompt - s.cached_prompt_tokens);
-      stats_.prefix_cache_queries_total += uint64_t(s.num_prompt);
-      stats_.prefix_cache_hits_total += uint64_t(s.cached_prompt_tokens);
-    } else {  // resumed after preemption: what was not found cached is computed again
-      stats_.recomputed_tokens_total += uint64_t(int(s.tokens.size()) - s.num_computed);
+  };
+  admit(/*may_set_aside=*/true);
+  if (!restoring_now.empty()) {
+    // Back at the head, in their order: admitted first once their pages are here.
+    for (auto it = restoring_now.rbegin(); it != restoring_now.rend(); ++it) waiting_.push_front(std::move(*it));
+    restoring_now.clear();
+    if (batch.empty()) {  // nothing else to run: wait for the reads here
+      tier_->wait_reads();
+      admit(/*may_set_aside=*/false);
     }
-    KVLM_CHECK(!free_state_slots_.empty(), "more running sequences than --max-num-seqs state slots");
-    s.state_slot = free_state_slots_.back();
-    free_state_slots_.pop_back();
-    admit_state(s);
-    s.scheduled = n;
-    budget -= n;
-    batch.push_back(&s);
-    ++running[group_of(s)];
-    if (cfg_.priority) {  // after every sequence of its priority or better: the back is the first to go
-      const auto at = std::upper_bound(running_.begin(), running_.end(), s.req.priority,
-                                       [](int p, const auto& r) { return p < r->req.priority; });
-      running_.insert(at, std::move(waiting_.front()));
-    } else {
-      running_.push_back(std::move(waiting_.front()));
-    }
-    waiting_.pop_front();
   }
   return batch;
 }

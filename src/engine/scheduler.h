@@ -7,7 +7,10 @@
 //      preempted (its pages released, its tokens kept, recomputed later — with the prefix
 //      cache, mostly from cache);
 //   2. then waiting sequences, first come first served, while tokens, pages and
-//      --max-num-seqs allow; a new sequence first takes what the prefix cache holds.
+//      --max-num-seqs allow; a new sequence first takes what the prefix cache holds. One
+//      whose prefix is on disk (the prefix cache's disk tier) is "restoring": its pages are
+//      read on the disk tier's threads while the sequences behind it are admitted, and it is
+//      admitted, ahead of them again, once they are here (or at once when nothing else runs).
 // With --scheduling-policy priority the running set is kept in (priority, admission) order
 // and the waiting head is the lowest priority value: a request of a better priority is
 // scheduled, and keeps its pages, before any of a worse one; the one preempted is the
@@ -77,6 +80,7 @@ class Scheduler {
   bool empty() const { return running_.empty() && waiting_.empty(); }
   int num_running() const;
   int num_waiting() const;
+  int num_restoring() const;  // of the waiting, those whose prefix is being read from disk
   const std::vector<std::unique_ptr<Sequence>>& running() const { return running_; }
 
   // Drops every page of `s` (last pages first, so its tail is evicted before its more
@@ -109,6 +113,11 @@ class Scheduler {
   // Preempts one sequence for a request that has none running while the running set is
   // full (see scheduler.cpp), updating `running`; true when it did.
   bool make_room(GroupCounts& running);
+  // Whether `s`, about to be admitted, would start from the prefix cache.
+  bool takes_prefix(const Sequence& s) const;
+  // Whether `s` must wait for pages of its prefix the disk tier is reading (starting the reads
+  // it needs): the scheduler admits others meanwhile.
+  bool restoring(Sequence& s);
   void admit_prefix(Sequence& s);
   // Hybrid models: once `s` has its state slot, copies into it the snapshot its prefix hit
   // ends with (schedule() has set where its next snapshot is due).

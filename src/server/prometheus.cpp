@@ -161,6 +161,11 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
               double(s.kv_offload_disk_evictions_total));
     w.counter("kvlm:kv_offload_disk_damaged_total", "Damaged or foreign page files found, ignored and removed.",
               double(s.kv_offload_disk_damaged_total));
+    w.gauge("kvlm:num_requests_restoring", "Waiting requests whose prefix is being read from the disk tier.",
+            s.num_restoring);
+    w.counter("kvlm:kv_offload_disk_restoring_total",
+              "Requests set aside while their prefix was read from disk (others were scheduled meanwhile).",
+              double(s.kv_offload_disk_restoring_total));
   }
   w.counter("kvlm:requests_total", "Requests accepted by the engine.", double(s.requests_total));
   std::map<std::string, uint64_t> by_reason{{"stop", 0}, {"length", 0}, {"abort", 0}, {"error", 0}};

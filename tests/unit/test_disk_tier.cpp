@@ -59,6 +59,18 @@ std::vector<uint8_t> page_bytes(uint8_t tag) {
 std::vector<TokenId> page_tokens(int tag) { return {tag, tag + 1, tag + 2, tag + 3}; }
 PageHash chain_for(const PageHash& root, int tag) { return page_chain(root, page_tokens(tag)); }
 
+// One page through the reader threads, waited for.
+bool read_one(DiskKVTier& d, const PageHash& chain, const std::vector<TokenId>& tokens, uint8_t* dst, uint64_t& serial) {
+  d.read_async({DiskKVTier::ReadJob{chain, tokens, dst, 7}});
+  std::vector<DiskKVTier::ReadDone> done;
+  while (done.empty()) done = d.take_read(/*wait=*/true);
+  EXPECT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].tag, 7);
+  EXPECT_EQ(d.reads_in_flight(), 0u);
+  serial = done[0].serial;
+  return done[0].ok;
+}
+
 uint64_t file_bytes() { return 56 + 4 * kTokens + kPage + 8; }
 
 }  // namespace
@@ -99,11 +111,11 @@ TEST(DiskTier, PagesRoundTripAndSurviveARestart) {
     EXPECT_EQ(d.pages_written(), 3u);
     std::vector<uint8_t> got(kPage);
     uint64_t serial = 0;
-    ASSERT_TRUE(d.read(chain_for(root, 1), page_tokens(1), got.data(), serial));
+    ASSERT_TRUE(read_one(d, chain_for(root, 1), page_tokens(1), got.data(), serial));
     EXPECT_EQ(got, page_bytes(1));
     EXPECT_EQ(serial, 101u) << "written by this process: its serial comes back";
-    EXPECT_FALSE(d.read(chain_for(root, 1), page_tokens(2), got.data(), serial)) << "other tokens never match";
-    EXPECT_FALSE(d.read(chain_for(root, 7), page_tokens(7), got.data(), serial));
+    EXPECT_FALSE(read_one(d, chain_for(root, 1), page_tokens(2), got.data(), serial)) << "other tokens never match";
+    EXPECT_FALSE(read_one(d, chain_for(root, 7), page_tokens(7), got.data(), serial));
     // A second tier on the same directory and model is refused while this one lives.
     try {
       DiskKVTier twin(dir, 10 * file_bytes(), root, "m", kPage, kTokens);
@@ -117,7 +129,7 @@ TEST(DiskTier, PagesRoundTripAndSurviveARestart) {
   for (int i = 0; i < 3; ++i) {
     std::vector<uint8_t> got(kPage);
     uint64_t serial = 7;
-    ASSERT_TRUE(d.read(chain_for(root, i), page_tokens(i), got.data(), serial)) << i;
+    ASSERT_TRUE(read_one(d, chain_for(root, i), page_tokens(i), got.data(), serial)) << i;
     EXPECT_EQ(got, page_bytes(uint8_t(i)));
     EXPECT_EQ(serial, 0u) << "an earlier process's serials mean nothing now";
   }
@@ -144,7 +156,7 @@ TEST(DiskTier, ReplacesTheLeastRecentlyUsedAndKeepsWithinItsSize) {
     for (int i = 0; i < 3; ++i, tick()) d.write(chain_for(root, i), 1, page_tokens(i), page_bytes(uint8_t(i)).data());
     std::vector<uint8_t> got(kPage);
     uint64_t serial = 0;
-    ASSERT_TRUE(d.read(chain_for(root, 0), page_tokens(0), got.data(), serial));  // 0 is now the most recent
+    ASSERT_TRUE(read_one(d, chain_for(root, 0), page_tokens(0), got.data(), serial));  // 0 is now the most recent
     tick();
     d.write(chain_for(root, 3), 1, page_tokens(3), page_bytes(3).data());
     EXPECT_EQ(d.size(), 3u);
@@ -206,7 +218,7 @@ TEST(DiskTier, DamagedTruncatedMisnamedAndForeignFilesAreIgnored) {
   std::vector<uint8_t> got(kPage, 0xcc);
   uint64_t serial = 0;
   for (int i : {0, 4, 5}) {
-    EXPECT_FALSE(d.read(chain_for(root, i), page_tokens(i), got.data(), serial)) << i;
+    EXPECT_FALSE(read_one(d, chain_for(root, i), page_tokens(i), got.data(), serial)) << i;
     EXPECT_FALSE(d.contains(chain_for(root, i)));
     EXPECT_FALSE(fs::exists(file(chain_for(root, i))));
   }
@@ -314,11 +326,74 @@ TEST(DiskTier, PagesSurviveARestartForTheSameModelAndPlanOnly) {
   const Run third = serve(*e, true);
   EXPECT_EQ(third.tokens, plain.tokens);
   EXPECT_EQ(third.stats.kv_offload_disk_damaged_total, 1u);
-  EXPECT_EQ(third.stats.kv_offload_disk_damaged_total, 1u);
   // The first prompt's chain starts at the damaged page: all of it is computed. (Its pages 1-3
   // were read anyway: a hit's pages are read together, up to half the host tier's 8 slots.)
   EXPECT_EQ(third.stats.prompt_tokens_total + (full_pages - 5) * kTierBlock, plain.stats.prompt_tokens_total);
   EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5 + 3);
+}
+
+// A request whose prefix is on disk is "restoring": the step that meets it starts its reads and
+// runs the others without it; it is admitted once its pages are here, with the tokens an engine
+// without tiers gives. With nothing else to run, the scheduler waits for the reads instead.
+TEST(DiskTier, ARequestWaitsForItsPagesFromDiskWhileOthersRun) {
+  auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kTierBlock);
+  const int vocab = e->config().vocab_size;
+  const fs::path dir = fresh_dir("engine_restoring");
+  std::mt19937 rng(11);
+  const std::vector<TokenId> cached = random_prompt(rng, 6 * kTierBlock + 2, vocab);
+  const std::vector<TokenId> other = random_prompt(rng, kTierBlock + 3, vocab);
+  auto engine = [&](bool tiers) {
+    return std::make_unique<LLMEngine>(
+        *e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 128,
+                            .enable_prefix_caching = true, .num_blocks = 40, .kv_offload_pages = tiers ? 16 : 0,
+                            .kv_offload_dir = tiers ? dir.string() : "", .kv_offload_disk_bytes = tiers ? 64u << 20 : 0});
+  };
+  std::map<std::string, Collected> plain;
+  {
+    auto le = engine(false);
+    le->add_request(make("c", cached, 8, plain));
+    le->add_request(make("o", other, 24, plain));
+    run_to_end(*le);
+  }
+  {
+    auto le = engine(true);  // writes the cached prompt's pages to disk when it stops
+    std::map<std::string, Collected> out;
+    le->add_request(make("c", cached, 8, out));
+    run_to_end(*le);
+    EXPECT_EQ(out["c"].tokens, plain["c"].tokens);
+  }
+  {
+  auto le = engine(true);
+  std::map<std::string, Collected> out;
+  le->add_request(make("o", other, 24, out));
+  ASSERT_TRUE(le->step());  // "o" prefills and runs
+  le->add_request(make("c", cached, 8, out));
+  const size_t before = out["o"].tokens.size();
+  ASSERT_TRUE(le->step());
+  EngineStats st = le->stats();
+  EXPECT_EQ(st.num_restoring, 1) << "its pages are being read: it waits";
+  EXPECT_EQ(st.kv_offload_disk_restoring_total, 1u);
+  EXPECT_EQ(out["o"].tokens.size(), before + 1) << "the other request's step did not wait for the disk";
+  EXPECT_TRUE(out["c"].tokens.empty());
+  run_to_end(*le);
+  st = le->stats();
+  EXPECT_EQ(out["c"].tokens, plain["c"].tokens);
+  EXPECT_EQ(out["o"].tokens, plain["o"].tokens);
+  EXPECT_EQ(st.num_restoring, 0);
+  EXPECT_EQ(st.kv_offload_disk_restoring_total, 1u) << "counted once per request";
+  EXPECT_EQ(st.kv_offload_disk_read_total, 6u) << "every full page of its prompt came from disk";
+  EXPECT_EQ(st.prefix_cache_hits_total, 6u * kTierBlock);
+  }
+
+  // Alone, it does not wait a step: the scheduler waits for the reads and admits it at once.
+  auto alone = engine(true);
+  std::map<std::string, Collected> out2;
+  alone->add_request(make("c", cached, 8, out2));
+  ASSERT_TRUE(alone->step());
+  EXPECT_EQ(out2["c"].tokens.size(), 1u) << "prefilled from its restored pages in the first step";
+  run_to_end(*alone);
+  EXPECT_EQ(out2["c"].tokens, plain["c"].tokens);
+  EXPECT_EQ(alone->stats().kv_offload_disk_restoring_total, 1u);
 }
 
 // Several pages read at once on reader threads: each checked on its own, a damaged one (and one
@@ -338,10 +413,23 @@ TEST(DiskTier, ReadsManyPagesAtOnce) {
   std::vector<std::vector<TokenId>> toks;
   for (int i = 0; i < 10; ++i) toks.push_back(page_tokens(i));
   std::vector<DiskKVTier::ReadJob> jobs;
-  for (int i = 0; i < 10; ++i) jobs.push_back({chain_for(root, i), toks[size_t(i)], bufs[size_t(i)].data()});  // 9: not held
-  std::vector<bool> ok;
-  std::vector<uint64_t> serials;
-  d.read_many(jobs, ok, serials);
+  for (int i = 0; i < 10; ++i) jobs.push_back({chain_for(root, i), toks[size_t(i)], bufs[size_t(i)].data(), 100 + i});  // 9: not held
+  d.read_async(jobs);
+  EXPECT_EQ(d.reads_in_flight(), 9u) << "the page the tier does not hold is not read";
+  std::vector<bool> ok(10, false), seen(10, false);
+  std::vector<uint64_t> serials(10, 0);
+  for (int got = 0; got < 10;)
+    for (const DiskKVTier::ReadDone& r : d.take_read(/*wait=*/true)) {
+      const size_t i = size_t(r.tag - 100);
+      ASSERT_LT(i, 10u);
+      EXPECT_FALSE(seen[i]) << "read " << i << " reported twice";
+      seen[i] = true;
+      ok[i] = r.ok;
+      serials[i] = r.serial;
+      ++got;
+    }
+  EXPECT_EQ(d.reads_in_flight(), 0u);
+  EXPECT_TRUE(d.take_read().empty());
   for (int i = 0; i < 10; ++i) {
     EXPECT_EQ(ok[size_t(i)], i != 3 && i != 9) << i;
     if (ok[size_t(i)]) {
