@@ -234,8 +234,8 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
                   "--no-enable-prefix-caching)");
     const size_t page = engine.model().kv_page_bytes(mp.block_size);
     if (page == 0)
-      throw Error("--kv-offload-gib: this runner cannot copy its KV pages to host memory yet (tensor parallelism); "
-                  "drop --kv-offload-gib or --tensor-parallel-size");
+      throw Error("--kv-offload-gib: the KV pages of ranks on other nodes cannot be copied to this host's memory; "
+                  "drop --kv-offload-gib or run tensor parallelism on one node");
     mp.offload_pages = int64_t(opts.kv_offload_bytes / page);
     mp.offload_bytes = uint64_t(mp.offload_pages) * page;
     if (mp.offload_pages < 2)

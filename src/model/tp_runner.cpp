@@ -1,5 +1,7 @@
 #include "model/tp_runner.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace kvlm {
@@ -159,6 +161,93 @@ void TensorParallelRunner::allocate_kv(int num_blocks, int block_size, int num_e
   remote([&] { remote_->allocate_kv(num_blocks, block_size, num_exact_pages); });
   const auto job = [&](ModelRunner& m) { m.allocate_kv(num_blocks, block_size, num_exact_pages); };
   run(job, job);
+  block_size_ = block_size;
+}
+
+size_t TensorParallelRunner::kv_page_bytes(int block_size) const {
+  if (remote_ != nullptr || !leader_) return 0;  // other nodes' parts are out of reach
+  size_t n = 0;
+  for (const auto& r : ranks_) {
+    const size_t b = r->kv_page_bytes(block_size);
+    if (b == 0) return 0;
+    n += b;
+  }
+  return n;
+}
+
+size_t TensorParallelRunner::page_offset(const ModelRunner& m) const {
+  size_t off = 0;
+  for (const auto& r : ranks_) {
+    if (r.get() == &m) return off;
+    off += r->kv_page_bytes(block_size_);
+  }
+  KVLM_CHECK(false, "page_offset of a runner that is not a rank");
+  return 0;
+}
+
+void TensorParallelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) {
+  KVLM_CHECK(kv_page_bytes(block_size_) > 0, "save_pages on ranks that cannot copy pages out");
+  const auto job = [&](ModelRunner& m) {
+    const size_t off = page_offset(m);
+    std::vector<uint8_t*> mine(out.begin(), out.end());
+    for (uint8_t*& p : mine) p += off;
+    m.save_pages(pages, mine);
+  };
+  run(job, job);
+}
+
+void TensorParallelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) {
+  KVLM_CHECK(kv_page_bytes(block_size_) > 0, "load_pages on ranks that cannot copy pages in");
+  const auto job = [&](ModelRunner& m) {
+    const size_t off = page_offset(m);
+    std::vector<const uint8_t*> mine(in.begin(), in.end());
+    for (const uint8_t*& p : mine) p += off;
+    m.load_pages(pages, mine);
+  };
+  run(job, job);
+}
+
+void TensorParallelRunner::wait_pages() {
+  const auto job = [](ModelRunner& m) { m.wait_pages(); };
+  run(job, job);
+}
+
+std::function<void()> TensorParallelRunner::page_fence() {
+  std::vector<std::function<void()>> fences;
+  for (const auto& r : ranks_) fences.push_back(r->page_fence());
+  return [fences = std::move(fences)] {
+    std::exception_ptr first;
+    for (const auto& f : fences) {  // every one, so that each rank's fence is released
+      try {
+        f();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  };
+}
+
+ModelRunner::PageCopyTimes TensorParallelRunner::page_copy_times() {
+  PageCopyTimes t;
+  for (const auto& r : ranks_) {
+    const PageCopyTimes x = r->page_copy_times();
+    t.save_seconds = std::max(t.save_seconds, x.save_seconds);
+    t.load_seconds = std::max(t.load_seconds, x.load_seconds);
+  }
+  return t;
+}
+
+double TensorParallelRunner::measure_host_to_device_bandwidth() {
+  std::vector<double> each(ranks_.size(), 0);
+  const auto job = [&](ModelRunner& m) {
+    for (size_t r = 0; r < ranks_.size(); ++r)
+      if (ranks_[r].get() == &m) each[r] = m.measure_host_to_device_bandwidth();
+  };
+  run(job, job);
+  double sum = 0;
+  for (double b : each) sum += b;
+  return sum;
 }
 
 void TensorParallelRunner::forward(const ForwardBatch& batch, std::span<float> logits) {

@@ -69,6 +69,17 @@ class TensorParallelRunner final : public ModelRunner {
   void forward_sampled(const ForwardBatch& batch, std::span<const RowSampling> rows, std::span<TokenId> tokens,
                        std::span<float> host_logits, const RowMaskFn& mask) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
+  // The prefix cache's tiers (engine/host_kv_tier.h): a page in host memory is every rank's part
+  // of it, rank after rank, each copied by its rank at once. One process only (several nodes:
+  // kv_page_bytes is 0, and --kv-offload-gib is refused).
+  size_t kv_page_bytes(int block_size) const override;
+  HostBytes allocate_host(size_t bytes) override { return ranks_[0]->allocate_host(bytes); }
+  void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) override;
+  void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) override;
+  void wait_pages() override;
+  std::function<void()> page_fence() override;
+  PageCopyTimes page_copy_times() override;  // the slowest rank's (they copy at once)
+  double measure_host_to_device_bandwidth() override;  // the ranks' together
   // Hybrid models: every rank holds its key heads' states in the same slots.
   void allocate_states(int slots) override;
   void copy_states(std::span<const StateCopy> copies) override;
@@ -84,11 +95,14 @@ class TensorParallelRunner final : public ModelRunner {
   // Sends a call to the other nodes (node 0 of several); a failure fails the group.
   void remote(const std::function<void()>& send);
   void fail(std::exception_ptr e);
+  // Where rank m's part of a page starts in the host tier's copy of it.
+  size_t page_offset(const ModelRunner& m) const;
 
   std::vector<Communicator*> comms_;
   std::vector<std::unique_ptr<ModelRunner>> ranks_;
   bool leader_ = true;             // local rank 0 is global rank 0
   DistCommands* remote_ = nullptr;  // the other nodes, when this is node 0 of several
+  int block_size_ = 0;             // the KV pool's (allocate_kv)
   std::vector<std::thread> threads_;  // ranks 1..world-1
   // Cores the ranks' threads keep busy during a step (a follower spins in its stream wait, the
   // communicator runs its own threads): host-side loops leave them alone (core/host_threads.h).

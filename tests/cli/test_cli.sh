@@ -176,6 +176,12 @@ expect_error 2 "--kv-offload-gib: Value -1 not in range" -- bench throughput "$c
   && python3 -c "import json; d=json.load(open('$tmp/mt.json')); h=d['host_tier']; assert d['failed_requests'] == 0 and h['hit_tokens'] > 0 and h['restored_pages'] > 0 and d['ttft_later_turns']['count'] == 16, d" \
   && ok || bad "bench multiturn: $(cat "$tmp/mt.out" "$tmp/err")"
 expect_error 1 "the last turn's conversation holds 1536 tokens" -- bench multiturn "$stories" --turns 4 --max-model-len 512
+# The same under tensor parallelism: each rank copies its heads' part of every page.
+"$KVLM" bench multiturn "$stories" --tensor-parallel-size 2 --conversations 8 --turns 3 --system-len 64 --user-len 16 \
+    --output-len 8 --kv-cache-memory 200KiB --max-model-len 256 --kv-offload-gib 0.01 --json "$tmp/mt2.json" \
+    >"$tmp/mt.out" 2>"$tmp/err" \
+  && python3 -c "import json; d=json.load(open('$tmp/mt2.json')); h=d['host_tier']; assert d['failed_requests'] == 0 and h['restored_pages'] > 0, d" \
+  && ok || bad "bench multiturn --tensor-parallel-size 2: $(cat "$tmp/mt.out" "$tmp/err")"
 # The disk tier: a second process on the same model and directory reads back the pages the
 # first left there (written when it stopped); flags that cannot work are refused first.
 for run in 1 2; do

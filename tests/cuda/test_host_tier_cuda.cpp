@@ -17,14 +17,24 @@ namespace {
 
 const std::filesystem::path kModel = std::filesystem::path(KVLM_TEST_DATA) / "golden" / "models" / "qwen3-mixed";
 
-std::unique_ptr<LoadedModel> load_cuda(KVCacheDType dt, std::optional<KVPlanFile> plan = std::nullopt) {
+std::unique_ptr<LoadedModel> load_cuda(KVCacheDType dt, std::optional<KVPlanFile> plan = std::nullopt, int tp = 1) {
   ModelOptions o;
   o.model_dir = kModel;
   o.device = Device::Cuda;
   o.cache.kv_cache_dtype = dt;
   o.cache.block_size = kvlm::testing::kTierBlock;
   o.cache.plan_file = std::move(plan);
+  o.tensor_parallel_size = tp;
   return LoadedModel::load(o);
+}
+
+int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
 }
 
 }  // namespace
@@ -116,6 +126,26 @@ TEST(CudaHostTier, PagesComeBackFromDiskAndAfterARestart) {
                 std::string(kv_cache_dtype_name(dt)).c_str(), (unsigned long long)disk.stats.kv_offload_disk_read_total,
                 (unsigned long long)again.stats.kv_offload_disk_read_total,
                 (unsigned long long)again.stats.prompt_tokens_total, (unsigned long long)disk.stats.prompt_tokens_total);
+    std::filesystem::remove_all(dir);
+  }
+}
+
+// Tensor parallelism over two GPUs: each rank copies its heads' part of every page into its
+// place in the same pinned host page (portable pinned memory), through a disk tier too; the
+// tokens equal those of a pool that keeps every page.
+TEST(CudaHostTier, TensorParallelRanksKeepTheirPartsOfEachPage) {
+  if (gpu_count() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int4PerTokenHead}) {
+    SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
+    auto e = load_cuda(dt, std::nullopt, 2);
+    kvlm::testing::check_tier_is_exact(*e, /*saves=*/true, /*recompute_equal=*/false);
+    const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "kvlm_cuda_tp_disk_tier";
+    std::filesystem::remove_all(dir);
+    using kvlm::testing::run_conversations;
+    const auto all = run_conversations(*e, 400, 0, 6, 3);
+    const auto disk = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);
+    EXPECT_EQ(disk.outputs, all.outputs);
+    EXPECT_GT(disk.stats.kv_offload_disk_read_total, 0u);
     std::filesystem::remove_all(dir);
   }
 }

@@ -227,6 +227,35 @@ TEST(HostTier, GreedyTokensUnchangedInEveryFormat) {
   }
 }
 
+// Tensor parallelism: a page in the tiers is each rank's part of it (its KV heads), rank after
+// rank, copied by every rank at once; tokens are those of a pool that keeps everything, also
+// through a disk tier and after a restart.
+TEST(HostTier, TensorParallelRanksKeepTheirPartsOfEachPage) {
+  for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int4PerTokenHead}) {
+    SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
+    ModelOptions o;
+    o.model_dir = kStories;
+    o.cache.kv_cache_dtype = dt;
+    o.cache.block_size = kBs;
+    o.tensor_parallel_size = 2;
+    auto e = LoadedModel::load(o);
+    ASSERT_EQ(e->tensor_parallel_size(), 2);
+    e->model().allocate_kv(4, kBs);
+    EXPECT_EQ(e->model().kv_page_bytes(kBs), kv_page_bytes(e->plan(), kBs)) << "the ranks' parts make the whole page";
+    check_tier_is_exact(*e);
+
+    const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "kvlm_tp_disk";
+    std::filesystem::remove_all(dir);
+    const Workload all = run_conversations(*e, 400, 0, 6, 3);
+    const Workload disk = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);
+    EXPECT_EQ(disk.outputs, all.outputs);
+    EXPECT_GT(disk.stats.kv_offload_disk_read_total, 0u);
+    const Workload again = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);  // a restart
+    EXPECT_EQ(again.outputs, all.outputs);
+    EXPECT_LT(again.stats.prompt_tokens_total, disk.stats.prompt_tokens_total) << "the first run's pages are found";
+  }
+}
+
 // Exact sink / recent tokens: restored pages come back without exact copies, so a hit stops
 // before a page a query must read exact; the tokens stay the same. In this workload every
 // hit ends that way, even in the large pool: a turn's hit ends in the previous turn's last

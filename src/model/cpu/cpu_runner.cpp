@@ -573,8 +573,7 @@ void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
 // A tensor-parallel rank holds a share of the KV heads: the TP runner does not offer the
 // host tier yet, so a rank of a group reports none.
 size_t CpuModelRunner::kv_page_bytes(int block_size) const {
-  if (comm_->world_size() > 1) return 0;
-  return ::kvlm::kv_page_bytes(*plan_, block_size);
+  return ::kvlm::kv_page_bytes(*plan_, block_size);  // a tensor-parallel rank's: its heads' part
 }
 
 void CpuModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) {

@@ -61,7 +61,9 @@ size_t CudaModelRunner::kv_page_bytes(int block_size) const { return ::kvlm::kv_
 HostBytes CudaModelRunner::allocate_host(size_t bytes) {
   const DeviceScope dev(impl_->device);
   void* p = nullptr;
-  if (const cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault); e != cudaSuccess) {
+  // Portable: pinned for every device's context, so that tensor-parallel ranks on other GPUs
+  // copy their parts of a page at the bus's speed too.
+  if (const cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable); e != cudaSuccess) {
     (void)cudaGetLastError();
     throw Error("cannot pin " + std::to_string(bytes >> 20) + " MiB of host memory for the KV cache's host tier (" +
                 cudaGetErrorString(e) + "); lower --kv-offload-gib");
