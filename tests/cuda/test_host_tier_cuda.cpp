@@ -76,6 +76,25 @@ TEST(CudaHostTier, PagesRoundTripThroughHostMemory) {
     r.wait_pages();
     EXPECT_EQ(0, std::memcmp(a.get(), b.get(), size_t(n) * page));
     EXPECT_EQ(0, std::memcmp(a.get(), c.data(), size_t(n) * page));
+    // Buffers a constant stride apart (a tensor-parallel rank's parts of consecutive slots move
+    // as one 2D copy), the stride changing halfway: the same bytes, and nothing between them touched.
+    const size_t wide = page + 192;
+    HostBytes w = r.allocate_host(size_t(n) * (wide + 64));
+    std::memset(w.get(), 0xA5, size_t(n) * (wide + 64));
+    std::vector<uint8_t*> pw;
+    for (int i = 0; i < n; ++i) pw.push_back(w.get() + size_t(i) * wide + (i >= n / 2 ? size_t(i - n / 2) * 64 : 0));
+    const std::vector<const uint8_t*> cw(pw.begin(), pw.end());
+    r.save_pages(src, pw);
+    r.load_pages(dst, cw);
+    r.save_pages(dst, pc);
+    r.wait_pages();
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(0, std::memcmp(pw[size_t(i)], a.get() + size_t(i) * page, page)) << "page " << i;
+      const uint8_t* gap = pw[size_t(i)] + page;
+      const uint8_t* next = i + 1 < n ? pw[size_t(i + 1)] : w.get() + size_t(n) * (wide + 64);
+      ASSERT_TRUE(std::all_of(gap, next, [](uint8_t x) { return x == 0xA5; })) << "between pages " << i << " and " << i + 1;
+    }
+    EXPECT_EQ(0, std::memcmp(a.get(), c.data(), size_t(n) * page));
   }
 }
 

@@ -110,14 +110,18 @@ void CudaModelRunner::Impl::harvest_copies(ModelRunner::PageCopyTimes& t) {
 }
 
 namespace {
-// Host buffers that follow each other in memory (tier slots taken in order) move as one DMA:
-// f(first index, pages) for each run of consecutive buffers, in order.
+// Host buffers evenly spaced in memory move as one DMA: consecutive ones (tier slots taken in
+// order) as one plain copy, ones a constant stride apart (a tensor-parallel rank's part of
+// consecutive slots) as one 2D copy. f(first index, pages, stride) for each run, in order.
 template <typename P, typename F>
 void for_each_run(std::span<P* const> bufs, size_t page_bytes, F&& f) {
   for (size_t i = 0; i < bufs.size();) {
-    size_t n = 1;
-    while (i + n < bufs.size() && bufs[i + n] == bufs[i + n - 1] + page_bytes) ++n;
-    f(i, n);
+    size_t n = 1, stride = page_bytes;
+    if (i + 1 < bufs.size() && bufs[i + 1] > bufs[i] && size_t(bufs[i + 1] - bufs[i]) >= page_bytes) {
+      stride = size_t(bufs[i + 1] - bufs[i]);
+      while (i + n < bufs.size() && bufs[i + n] > bufs[i + n - 1] && size_t(bufs[i + n] - bufs[i + n - 1]) == stride) ++n;
+    }
+    f(i, n, stride);
     i += n;
   }
 }
@@ -136,9 +140,12 @@ void CudaModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8
     for (size_t b = 0; b < pages.size(); b += size_t(per)) {
       const size_t n = std::min(pages.size() - b, size_t(per));
       cuda::pack_kv_pages(layers, int(m.lkv.size()), pages.data() + b, int(n), m.page_staging.data(), pb, m.stream);
-      for_each_run(out.subspan(b, n), pb, [&](size_t i, size_t count) {
-        KVLM_CUDA_CHECK(cudaMemcpyAsync(out[b + i], m.page_staging.data() + i * pb, count * pb, cudaMemcpyDeviceToHost,
-                                        m.stream));
+      for_each_run(out.subspan(b, n), pb, [&](size_t i, size_t count, size_t stride) {
+        const uint8_t* const src = m.page_staging.data() + i * pb;
+        if (stride == pb || count == 1)
+          KVLM_CUDA_CHECK(cudaMemcpyAsync(out[b + i], src, count * pb, cudaMemcpyDeviceToHost, m.stream));
+        else
+          KVLM_CUDA_CHECK(cudaMemcpy2DAsync(out[b + i], stride, src, pb, pb, count, cudaMemcpyDeviceToHost, m.stream));
       });
     }
   });
@@ -157,9 +164,12 @@ void CudaModelRunner::load_pages(std::span<const BlockId> pages, std::span<const
   m.timed_copies(page_times_, true, [&] {
     for (size_t b = 0; b < pages.size(); b += size_t(per)) {
       const size_t n = std::min(pages.size() - b, size_t(per));
-      for_each_run(in.subspan(b, n), pb, [&](size_t i, size_t count) {
-        KVLM_CUDA_CHECK(cudaMemcpyAsync(m.page_staging.data() + i * pb, in[b + i], count * pb, cudaMemcpyHostToDevice,
-                                        m.stream));
+      for_each_run(in.subspan(b, n), pb, [&](size_t i, size_t count, size_t stride) {
+        uint8_t* const dst = m.page_staging.data() + i * pb;
+        if (stride == pb || count == 1)
+          KVLM_CUDA_CHECK(cudaMemcpyAsync(dst, in[b + i], count * pb, cudaMemcpyHostToDevice, m.stream));
+        else
+          KVLM_CUDA_CHECK(cudaMemcpy2DAsync(dst, pb, in[b + i], stride, pb, count, cudaMemcpyHostToDevice, m.stream));
       });
       cuda::unpack_kv_pages(layers, int(m.lkv.size()), pages.data() + b, int(n), m.page_staging.data(), pb, m.stream);
     }
