@@ -27,6 +27,7 @@ SchedulerConfig checked(SchedulerConfig cfg, const LoadedModel& model) {
   if (cfg.max_num_batched_tokens < 1) throw Error("--max-num-batched-tokens must be at least 1");
   // A prefix-cache hit skips the rows that build a Gated DeltaNet layer's state: a hybrid model
   // resumes from the state snapshots the scheduler keeps, and without any, computes everything.
+  cfg.draft_states = mc.linear_attention && model.speculative() ? cfg.max_num_seqs : 0;
   if (!mc.linear_attention || !cfg.enable_prefix_caching) cfg.state_snapshots = 0;
   else if (cfg.state_snapshots < 0) cfg.state_snapshots = cfg.max_num_seqs;
   if (mc.linear_attention && cfg.enable_prefix_caching && cfg.state_snapshots == 0) {
@@ -54,7 +55,7 @@ LLMEngine::LLMEngine(LoadedModel& model, SchedulerConfig cfg)
       scheduler_(cfg_, model.block_size(), model.model(), stats_),
       outputs_(model.config().eos_token_ids, cfg_.max_model_len, scheduler_, stats_) {
   model.model().allocate_kv(cfg_.num_blocks, model.block_size(), cfg_.num_exact_pages);
-  model.model().allocate_states(cfg_.max_num_seqs + cfg_.state_snapshots);
+  model.model().allocate_states(cfg_.max_num_seqs + cfg_.state_snapshots + cfg_.draft_states);
   if (const auto& spec = model.speculative(); spec && spec->method == SpecMethod::Ngram) {
     proposer_ = std::make_unique<NgramProposer>(spec->num_speculative_tokens, spec->prompt_lookup_min,
                                                 spec->prompt_lookup_max);
@@ -186,6 +187,7 @@ bool LLMEngine::step() {
   const auto t_forward = Clock::now();
   stats_.schedule_seconds_total += seconds(t_forward - t_step);
   try {
+    scheduler_.save_draft_states(seqs);  // hybrid models: what a rejected draft rolls back to
     const size_t vocab = size_t(model_.config().vocab_size);
     batch_.run(model_.model(),
                [&](Sequence& s, int i, std::span<uint64_t> words) { return outputs_.fill_mask(s, i, vocab, words); });

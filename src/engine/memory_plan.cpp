@@ -129,7 +129,10 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   const uint64_t state_per_seq = rank_linear ? rank_linear->state_bytes() * uint64_t(mc.num_linear_layers()) : 0;
   const int seqs = std::max(opts.max_num_seqs, 1);
   mp.state_snapshots = mc.linear_attention && opts.prefix_caching ? seqs : 0;
-  mp.state_bytes = state_per_seq * uint64_t(seqs + mp.state_snapshots);
+  // Drafting keeps each sequence's state from before a verification, for a rejected draft to
+  // roll back to (Scheduler::save_draft_states).
+  mp.draft_states = mc.linear_attention && engine.speculative() ? seqs : 0;
+  mp.state_bytes = state_per_seq * uint64_t(seqs + mp.state_snapshots + mp.draft_states);
   std::string source;
   uint64_t budget = 0;
   if (opts.kv_cache_memory) {
@@ -184,7 +187,8 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
   budget -= mp.exact_bytes;
   if (mp.state_bytes > 0 && mp.state_bytes + mp.bytes_per_block > budget)
     throw Error("the linear-attention states of " + std::to_string(opts.max_num_seqs) + " sequences (--max-num-seqs)" +
-                (mp.state_snapshots > 0 ? " and as many prefix-cache snapshots" : "") + " need " +
+                (mp.state_snapshots > 0 ? " and as many prefix-cache snapshots" : "") +
+                (mp.draft_states > 0 ? " and as many copies for drafts to roll back to" : "") + " need " +
                 human_bytes(mp.state_bytes) + " (" + human_bytes(state_per_seq) + " each), more than the " + human_bytes(budget) +
                 " from " + source + " leaves; lower --max-num-seqs" +
                 (mp.state_snapshots > 0 ? ", turn prefix caching off (--no-enable-prefix-caching)," : "") +
@@ -215,9 +219,11 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     mp.summary += line;
   }
   if (mp.state_bytes > 0) {
-    std::snprintf(line, sizeof line, "\nlinear-attention states: %s for %d sequences (--max-num-seqs)%s, %s each",
+    std::snprintf(line, sizeof line, "\nlinear-attention states: %s for %d sequences (--max-num-seqs)%s%s, %s each",
                   human_bytes(mp.state_bytes).c_str(), seqs,
-                  mp.state_snapshots > 0 ? " and as many prefix-cache snapshots" : "", human_bytes(state_per_seq).c_str());
+                  mp.state_snapshots > 0 ? " and as many prefix-cache snapshots" : "",
+                  mp.draft_states > 0 ? " and as many copies for drafts to roll back to" : "",
+                  human_bytes(state_per_seq).c_str());
     mp.summary += line;
   }
   if (mp.num_exact_pages > 0) {

@@ -27,6 +27,7 @@ struct MemoryPlan {
   uint64_t exact_bytes = 0;         // their pool, all keeping layers
   uint64_t state_bytes = 0;         // hybrid models: the Gated DeltaNet states of max_num_seqs sequences and the snapshots
   int state_snapshots = 0;          // hybrid models with prefix caching: snapshots kept (SchedulerConfig::state_snapshots)
+  int draft_states = 0;             // hybrid models with drafting: states kept for rejected drafts (SchedulerConfig::draft_states)
   int block_size = 16;
   uint64_t kv_bytes = 0;            // the pool
   uint64_t bytes_per_block = 0;     // all layers

@@ -35,6 +35,9 @@ struct EngineStats {
   uint64_t generation_tokens_total = 0;
   uint64_t preemptions_total = 0;
   uint64_t recomputed_tokens_total = 0;  // tokens of preempted sequences computed again on resuming
+  // Hybrid models: drafts not wholly accepted, whose sequence's recurrent state was rolled back
+  // (Scheduler::rewind_draft) and its accepted tokens computed again.
+  uint64_t spec_state_rewinds_total = 0;
   uint64_t prefix_cache_queries_total = 0;  // prompt tokens looked up in the prefix cache
   uint64_t prefix_cache_hits_total = 0;     // of those, tokens found
   // The prefix cache's host tier (--kv-offload-gib; engine/host_kv_tier.h): pages held (gauge)

@@ -185,7 +185,11 @@ std::vector<std::pair<Sequence*, RequestOutput>> OutputProcessor::apply(std::spa
     const int draft = int(s.draft.size());
     // The step computed its uncomputed tokens; of the draft rows, those accepted.
     const int accepted = std::max(0, int(d.tokens.size()) - 1);
+    const int before = s.num_computed;
     s.num_computed += s.scheduled - draft + std::min(accepted, draft);
+    // A hybrid model's recurrent state went through the rejected draft tokens too: it goes back
+    // to the step's start, and the accepted tokens are computed again next step.
+    if (draft > 0 && accepted < draft && scheduler_.rewinds_drafts()) scheduler_.rewind_draft(s, before);
     if (draft > 0) {
       ++stats_.spec_drafts_total;
       stats_.spec_draft_tokens_total += uint64_t(draft);

@@ -270,6 +270,23 @@ void Scheduler::admit_state(Sequence& s) {
   }
 }
 
+void Scheduler::save_draft_states(std::span<Sequence* const> seqs) {
+  if (!rewinds_drafts()) return;
+  std::vector<StateCopy> copies;
+  for (const Sequence* s : seqs)
+    if (!s->draft.empty() && s->state_slot >= 0)
+      copies.push_back({.src = s->state_slot, .dst = draft_slot(s->state_slot)});
+  if (!copies.empty()) runner_.copy_states(copies);
+}
+
+void Scheduler::rewind_draft(Sequence& s, int before) {
+  KVLM_CHECK(rewinds_drafts() && s.state_slot >= 0 && before <= s.num_computed, "rewind_draft without a saved state");
+  const StateCopy c{.src = draft_slot(s.state_slot), .dst = s.state_slot};
+  runner_.copy_states({&c, 1});
+  s.num_computed = before;
+  ++stats_.spec_state_rewinds_total;
+}
+
 void Scheduler::preempt(Sequence& s) {
   release_pages(s);
   s.draft.clear();

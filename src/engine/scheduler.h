@@ -53,6 +53,11 @@ struct SchedulerConfig {
   // --max-num-seqs slot (MemoryPlan::state_snapshots), 0 = none, which turns prefix caching
   // off for them. LLMEngine resolves it (0 for models without recurrent layers).
   int state_snapshots = -1;
+  // Hybrid models with drafting: a copy of each drafting sequence's state from before its
+  // verification step, in runner slots max_num_seqs + state_snapshots and up, that a rejected
+  // draft rolls back to; -1 = one per --max-num-seqs slot when the model drafts, 0 = none.
+  // LLMEngine resolves it.
+  int draft_states = -1;
   // The prefix cache's host tier (engine/host_kv_tier.h, --kv-offload-gib): pages of host
   // memory evicted cached pages go to; 0 = none. Needs prefix caching.
   int64_t kv_offload_pages = 0;
@@ -100,6 +105,14 @@ class Scheduler {
   // After a step moved s.num_computed on: the pages that left every future query's recent
   // window give up their exact copies.
   void advance_exact(Sequence& s);
+  // Hybrid models with drafting (cfg.draft_states): before a step, keeps the recurrent state of
+  // every sequence in `seqs` that verifies a draft; after it, rewind_draft(s, before) puts back
+  // the state of a sequence whose draft was not wholly accepted (its state went through the
+  // rejected tokens) and sets s.num_computed to `before`, the step's start: the accepted tokens
+  // are computed again in its next step, as a short prefill.
+  bool rewinds_drafts() const { return cfg_.draft_states > 0; }
+  void save_draft_states(std::span<Sequence* const> seqs);
+  void rewind_draft(Sequence& s, int before);
 
  private:
   bool ensure_pages(Sequence& s, int tokens);  // pages for `tokens` positions
@@ -123,6 +136,8 @@ class Scheduler {
   // ends with (schedule() has set where its next snapshot is due).
   void admit_state(Sequence& s);
   bool snapshots_on() const { return snapshots_.capacity() > 0; }
+  // The runner slot holding running slot `slot`'s state from before its draft's verification.
+  int draft_slot(int slot) const { return cfg_.max_num_seqs + std::max(cfg_.state_snapshots, 0) + slot; }
   void preempt(Sequence& s);
   // Exact tokens (kv_plan.h's kv_key_exact): the sequence's first sink_pages_ pages and
   // every page from window_page(next) on, `next` being its next query's position.

@@ -65,6 +65,11 @@ namespace {
 // Opens the DFlash drafter of `spec`, checks it against the target of `mp`, and adds its
 // layers to the plan.
 void add_drafter(ModelPlan& mp, const SpeculativeConfig& spec, const CacheConfig& cache) {
+  // Hybrid models (Qwen3.5, Qwen3-Next) draft with n-grams, their recurrent state rolled back
+  // after a rejected draft (engine/scheduler.h); DFlash's drafter is not built for them.
+  if (mp.config.linear_attention)
+    throw Error(std::string(arch_name(mp.config.arch)) + ": DFlash drafting is not supported on models with Gated "
+                "DeltaNet layers; use {\"method\": \"ngram\", ...} in --speculative-config, or drop it");
   const std::filesystem::path dir = spec.model;
   const std::string where = "--speculative-config model '" + spec.model + "'";
   std::error_code ec;
@@ -201,15 +206,6 @@ void apply_expert_parallel(ModelConfig& config, bool enabled) {
     throw Error("--enable-expert-parallel: " + std::string(arch_name(config.arch)) +
                 " is not a mixture of experts (it has no experts to split); drop the flag");
   config.moe->expert_parallel = true;
-}
-
-// Hybrid linear-attention models (Qwen3.5, Qwen3-Next): no drafting yet.
-void check_hybrid(const ModelOptions& opts, const ModelConfig& config) {
-  if (!config.linear_attention) return;
-  const std::string name = std::string(arch_name(config.arch)) + "'s Gated DeltaNet layers";
-  if (opts.speculative)
-    throw Error(name + " keep a recurrent state that a rejected draft would have to roll back, which kvlm does not "
-                "do yet; drop --speculative-config");
 }
 
 void check_tensor_parallel(const ModelOptions& opts, const ModelConfig& config) {
@@ -408,7 +404,6 @@ std::unique_ptr<LoadedModel> LoadedModel::load(const ModelOptions& opts) {
                   "embedding models ship); it cannot generate text: serve it with --runner pooling for /v1/embeddings");
   }
   const ModelPlan& mp = *e->plan_;
-  check_hybrid(opts, mp.config);
   check_tensor_parallel(opts, mp.config);
   std::optional<Checkpoint> dckpt;
   std::optional<DrafterSource> drafter;

@@ -186,6 +186,10 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
   w.counter("kvlm:spec_decode_num_draft_tokens_total", "Draft tokens verified.", double(s.spec_draft_tokens_total));
   w.counter("kvlm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target model.",
             double(s.spec_accepted_tokens_total));
+  w.counter("kvlm:spec_decode_state_rewinds_total",
+            "Hybrid models: drafts not wholly accepted, whose recurrent state was rolled back and accepted tokens "
+            "computed again.",
+            double(s.spec_state_rewinds_total));
   w.family("kvlm:engine_seconds_total", "counter",
            "Engine thread time by phase: schedule (and batch layout), draft (speculative proposals), forward (the "
            "model, with sampling on the device), sample (on the host).",

@@ -589,7 +589,7 @@ json.dump(c, open(sys.argv[1], "w"))
 PY
 expect_error 1 "quantized activations beside 4-bit weights (e.g. W4A8) are not supported" -- generate --model "$w4a8" --prompt-ids 1
 
-# --- a hybrid linear-attention model (Qwen3.5 golden): CPU, one rank, no drafting ----------
+# --- a hybrid linear-attention model (Qwen3.5 golden): CPU, one rank, n-gram drafting ------
 q35="$golden/qwen3.5"
 "$KVLM" inspect --model "$q35" >"$tmp/out" 2>&1 && grep -q "linear (Gated DeltaNet)" "$tmp/out" \
   && grep -q "linear-attention state: 32256 bytes per running sequence" "$tmp/out" && ok \
@@ -605,8 +605,17 @@ q35="$golden/qwen3.5"
   --mamba-ssm-cache-dtype bfloat16 >"$tmp/out" 2>&1 && ok || bad "Qwen3.5 generates with a bf16 state: $(cat "$tmp/out")"
 expect_error 1 "--mamba-ssm-cache-dtype must be auto, float32 or bfloat16, got 'float16'" -- generate --model "$q35" \
   --prompt-ids 1,2 --mamba-ssm-cache-dtype float16
-expect_error 1 "keep a recurrent state that a rejected draft would have to roll back" -- generate --model "$q35" \
-  --prompt-ids 1,2 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
+# n-gram drafting: a rejected draft rolls the recurrent state back; the tokens are the plain run's.
+"$KVLM" generate --model "$q35" --prompt-ids 1,45,87,45,87,45,87,45 --max-tokens 12 --temperature 0 \
+  --dtype float32 >"$tmp/plain.out" 2>/dev/null \
+  && "$KVLM" generate --model "$q35" --prompt-ids 1,45,87,45,87,45,87,45 --max-tokens 12 --temperature 0 \
+    --dtype float32 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}' \
+    >"$tmp/spec.out" 2>"$tmp/err" \
+  && cmp -s "$tmp/plain.out" "$tmp/spec.out" && ok \
+  || bad "n-gram drafting on Qwen3.5 gives the plain tokens: $(cat "$tmp/plain.out" "$tmp/spec.out" "$tmp/err")"
+expect_error 1 "DFlash drafting is not supported on models with Gated DeltaNet layers" -- generate --model "$q35" \
+  --prompt-ids 1,2 --speculative-config \
+  '{"method":"dflash","model":"'"$here"'/../../models/kvlm-tiny-dflash","num_speculative_tokens":7}'
 # Tensor parallelism splits the Gated DeltaNet layers by key heads: two ranks, one rank's tokens.
 "$KVLM" generate --model "$q35" --prompt-ids 1,54,232,73 --max-tokens 6 --temperature 0 --dtype float32 \
   >"$tmp/tp1.out" 2>&1 \
