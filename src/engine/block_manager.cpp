@@ -189,6 +189,7 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
   std::vector<PageHash>& ch = chains ? *chains : own;
   uint64_t parent = 0;
   bool prefetched = false;
+  size_t window_end = 0;  // pages past it are not read from disk (a hit pins at most max_fetch of them)
   int matched = 0;
   for (size_t i = 0; i < full; ++i) {
     const auto page = tokens.subspan(i * bs, bs);
@@ -201,8 +202,9 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
         size_t n = 0;
         while (i + n < full && n < tier_->max_fetch() && tier_->holds(chain_at(tokens, ch, i + n))) ++n;
         tier_->prefetch(std::span(ch).subspan(i, n), tokens.subspan(i * bs, n * bs));
+        window_end = i + n;
       }
-      const int slot = tier_->find(chain, page);
+      const int slot = tier_->find(chain, page, /*from_disk=*/i < window_end);
       if (slot < 0) break;
       const std::optional<BlockId> fresh = allocate();
       if (!fresh) {
@@ -241,7 +243,8 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
   return matched;
 }
 
-size_t BlockManager::fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains) {
+size_t BlockManager::fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t* started) {
+  if (started) *started = 0;
   if (!caching_ || !tier_ || !tier_->disk()) return 0;
   const size_t bs = size_t(block_size_);
   const size_t full = tokens.size() / bs;
@@ -255,7 +258,7 @@ size_t BlockManager::fetch_prefix(std::span<const TokenId> tokens, std::vector<P
   }
   size_t n = 0;  // then the run the tiers hold
   while (i + n < full && n < tier_->max_fetch() && tier_->holds(chain_at(tokens, chains, i + n))) ++n;
-  return n == 0 ? 0 : tier_->fetch(std::span(chains).subspan(i, n), tokens.subspan(i * bs, n * bs));
+  return n == 0 ? 0 : tier_->fetch(std::span(chains).subspan(i, n), tokens.subspan(i * bs, n * bs), started);
 }
 
 void BlockManager::offload_cached() {

@@ -90,9 +90,10 @@ class BlockManager {
   int match_prefix(std::span<const TokenId> tokens, std::vector<BlockId>& pages, std::vector<uint64_t>& serials,
                    std::vector<PageHash>* chains = nullptr);
   // Starts reading from the disk tier the pages past the pool's that a match_prefix of
-  // `tokens` would restore (HostKVTier::fetch; `chains` as there); returns how many are on
-  // their way (0: a match_prefix now waits for nothing).
-  size_t fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains);
+  // `tokens` would restore (HostKVTier::fetch; `chains` as for match_prefix); returns how many
+  // are on their way (0: a match_prefix now waits for nothing), `started` how many of those
+  // this call started.
+  size_t fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t* started = nullptr);
   // Copies the last match's lower-tier pages that are still referenced back into their pages,
   // in one batch; the ones released meanwhile lose their identity and are not copied.
   void commit_restores();

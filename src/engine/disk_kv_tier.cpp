@@ -131,20 +131,30 @@ DiskKVTier::DiskKVTier(const fs::path& dir, uint64_t capacity_bytes, const PageH
     about << "kvlm KV pages of:\n" << description << "\n";
   }
   scan();
-  writer_ = std::thread([this] { writer_loop(); });
-  for (int i = 0; i < kReaders; ++i) readers_.emplace_back([this] { reader_loop(); });
+  try {
+    writer_ = std::thread([this] { writer_loop(); });
+    for (int i = 0; i < kReaders; ++i) readers_.emplace_back([this] { reader_loop(); });
+  } catch (...) {  // no thread to be had: stop the ones started, release the lock
+    stop_threads();
+    ::close(lock_fd_);
+    throw;
+  }
 }
 
 DiskKVTier::~DiskKVTier() {
+  stop_threads();
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
+}
+
+void DiskKVTier::stop_threads() {
   {
     const std::lock_guard lock(mu_);
     stop_ = true;  // the writer finishes what is queued first
   }
   work_cv_.notify_all();
   read_cv_.notify_all();
-  writer_.join();
+  if (writer_.joinable()) writer_.join();
   for (std::thread& t : readers_) t.join();
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
 }
 
 fs::path DiskKVTier::path_of(const PageHash& chain) const { return dir_ / (chain.hex() + kExt); }
@@ -235,7 +245,13 @@ std::string DiskKVTier::read_file(const PageHash& chain, std::span<const TokenId
                                   std::vector<uint8_t>& header) const {
   const fs::path p = path_of(chain);
   const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::string(kTransient) + "cannot be opened: " + std::strerror(errno);
+  if (fd < 0) {
+    // Out of descriptors or memory says nothing about the file (it is kept); anything else
+    // (gone, no permission) makes it unreadable for good.
+    const int e = errno;
+    const bool transient = e == EMFILE || e == ENFILE || e == ENOMEM || e == EAGAIN || e == EINTR;
+    return std::string(transient ? kTransient : "") + "cannot be opened: " + std::strerror(e);
+  }
   // Header, page and checksum in one call, the page straight into `dst`; one byte more shows an
   // overlong file.
   header.resize(header_bytes_ + 9);
@@ -311,6 +327,7 @@ std::vector<DiskKVTier::ReadDone> DiskKVTier::take_read(bool wait) {
   }
   std::vector<ReadDone> out;
   out.swap(missed_);
+  std::ranges::sort(done, {}, &ReadResult::start);  // the busy time below is a union of intervals
   for (ReadResult& d : done) {
     --reads_in_flight_;
     ReadDone r{.tag = d.job.tag};

@@ -146,6 +146,7 @@ class DiskKVTier {
   };
   void writer_loop();
   void reader_loop();
+  void stop_threads();
   // Reads and checks one page file into dst (any thread; touches no index state; `header` is
   // the caller's buffer). Empty when it is good, else why not.
   std::string read_file(const PageHash& chain, std::span<const TokenId> tokens, uint8_t* dst,

@@ -183,11 +183,11 @@ void HostKVTier::keep(BlockId id, uint64_t serial, const PageHash& chain, std::s
   ++kept_;
 }
 
-int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens) {
-  if (disk_ && !index_.count(chain) && (loading_.count(chain) || disk_->contains(chain))) {
-    // On disk (or on its way here): read it into a slot here first.
-    fetch({&chain, 1}, tokens);
-    wait_reads();
+int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens, bool from_disk) {
+  if (disk_ && !index_.count(chain) && (loading_.count(chain) || (from_disk && disk_->contains(chain)))) {
+    // On its way here (or, when allowed, on disk: read it first): wait for this page alone.
+    if (!loading_.count(chain)) fetch({&chain, 1}, tokens);
+    while (loading_.count(chain)) poll(/*wait=*/true);
   }
   const auto it = index_.find(chain);
   if (it == index_.end() || !std::ranges::equal(tokens, tokens_of(it->second))) return -1;
@@ -200,7 +200,8 @@ int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens) {
 
 void HostKVTier::unpin(int slot) { entries_[size_t(slot)].pinned = false; }
 
-size_t HostKVTier::fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens) {
+size_t HostKVTier::fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens, size_t* started) {
+  if (started) *started = 0;
   if (!disk_) return 0;
   poll(false);
   const size_t bs = size_t(block_size_);
@@ -214,16 +215,26 @@ size_t HostKVTier::fetch(std::span<const PageHash> chains, std::span<const Token
   // for the writes take_slot may start is not taken from them.
   for (size_t i : want) disk_->touch(chains[i]);
   std::vector<DiskKVTier::ReadJob> jobs;
-  for (size_t i : want) {
-    const int slot = take_slot_for_host_write();
-    if (slot < 0) break;
-    const auto t = tokens.subspan(i * bs, bs);
-    entries_[size_t(slot)] = Entry{.chain = chains[i], .loading = true};
-    std::ranges::copy(t, tokens_of(slot).begin());
-    loading_.emplace(chains[i], slot);
-    jobs.push_back({chains[i], std::vector<TokenId>(t.begin(), t.end()), slot_data(slot), slot});
+  try {
+    for (size_t i : want) {
+      const int slot = take_slot_for_host_write();
+      if (slot < 0) break;
+      const auto t = tokens.subspan(i * bs, bs);
+      entries_[size_t(slot)] = Entry{.chain = chains[i], .loading = true};
+      std::ranges::copy(t, tokens_of(slot).begin());
+      loading_.emplace(chains[i], slot);
+      jobs.push_back({chains[i], std::vector<TokenId>(t.begin(), t.end()), slot_data(slot), slot});
+    }
+  } catch (...) {  // a failed wait for the copies: none of these reads starts, their slots are free again
+    for (const auto& j : jobs) {
+      loading_.erase(j.chain);
+      entries_[size_t(j.tag)] = Entry{};
+      free_.push_back(j.tag);
+    }
+    throw;
   }
   loading += jobs.size();
+  if (started) *started = jobs.size();
   disk_->read_async(std::move(jobs));
   return loading;
 }
@@ -250,7 +261,10 @@ void HostKVTier::poll(bool wait) {
 }
 
 void HostKVTier::wait_reads() {
-  while (!loading_.empty()) poll(/*wait=*/true);
+  while (!loading_.empty()) {
+    KVLM_CHECK(disk_->reads_in_flight() > 0, "host tier: pages on their way from disk with no read in flight");
+    poll(/*wait=*/true);
+  }
 }
 
 void HostKVTier::prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens) {

@@ -65,22 +65,25 @@ class HostKVTier {
   // The pool is about to reuse its page `id`, cached under `serial` with chain hash `chain`
   // and `tokens`: keeps a copy unless this chain is here already (an empty chain: not kept).
   void keep(BlockId id, uint64_t serial, const PageHash& chain, std::span<const TokenId> tokens);
-  // The entry of that chain and tokens — here, else read from the disk tier into a slot here
-  // (waiting for the read) — or -1. A found entry becomes the most recently used and is pinned — not replaced —
-  // until restore() or unpin().
-  int find(const PageHash& chain, std::span<const TokenId> tokens);
+  // The entry of that chain and tokens — here, else (waiting for the read) on its way from the
+  // disk tier or, `from_disk`, read from it into a slot here — or -1. A found entry becomes the
+  // most recently used and is pinned — not replaced — until restore() or unpin().
+  int find(const PageHash& chain, std::span<const TokenId> tokens, bool from_disk = true);
   void unpin(int slot);
   // Whether this tier or the disk tier below holds page `chain` (or it is on its way here).
   bool holds(const PageHash& chain) const {
     return index_.count(chain) > 0 || loading_.count(chain) > 0 || (disk_ && disk_->contains(chain));
   }
   // Starts reading into slots here the pages `chains[i]` (holding tokens[i * block_size,
-  // (i + 1) * block_size)) that only the disk tier holds, on its reader threads, at most the
-  // first half of the tier's slots of them; returns how many of those are on their way here
+  // (i + 1) * block_size)) that only the disk tier holds, on its reader threads, among the
+  // first max_fetch() of them; returns how many of those are on their way here
   // (started now or before). They become entries, unpinned and most recently used, as poll()
   // takes them (find() and fetch() poll too).
-  size_t fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens);
-  size_t max_fetch() const { return std::max<size_t>(capacity() / 2, 1); }  // pages one fetch reads at most
+  // `started`: how many reads this call started.
+  size_t fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens, size_t* started = nullptr);
+  // Pages one hit reads from disk at most: all but an eighth of the slots (a hit pins the pages it
+  // restores until its commit, right after).
+  size_t max_fetch() const { return std::max<size_t>(capacity() - capacity() / 8, 1); }
   void poll(bool wait = false);
   void wait_reads();  // until no page is on its way here
   size_t loading() const { return loading_.size(); }

@@ -192,6 +192,7 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
                 human_bytes(mp.state_bytes) + " (" + human_bytes(state_per_seq) + " each), more than the " + human_bytes(budget) +
                 " from " + source + " leaves; lower --max-num-seqs" +
                 (mp.state_snapshots > 0 ? ", turn prefix caching off (--no-enable-prefix-caching)," : "") +
+                (mp.draft_states > 0 ? " drop --speculative-config," : "") +
                 " or give the cache more memory");
   budget -= mp.state_bytes;
   mp.num_blocks = int(std::min<uint64_t>(budget / mp.bytes_per_block, uint64_t(1) << 30));

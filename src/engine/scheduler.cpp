@@ -120,7 +120,15 @@ bool Scheduler::takes_prefix(const Sequence& s) const {
 
 bool Scheduler::restoring(Sequence& s) {
   if (!tier_ || !tier_->disk() || !takes_prefix(s)) return false;
-  const bool reading = blocks_.fetch_prefix(s.tokens, s.chains) > 0;
+  size_t started = 0;
+  const bool reading = blocks_.fetch_prefix(s.tokens, s.chains, &started) > 0;
+  // Its pages land in the host tier unpinned: under enough churn they are replaced before it is
+  // admitted and read again. After a few rounds it waits for them in admission instead.
+  constexpr int kMaxRestoreRounds = 3;
+  if (started > 0 && ++s.restore_rounds > kMaxRestoreRounds) {
+    s.restoring = false;
+    return false;
+  }
   if (reading && !s.restoring) ++stats_.kv_offload_disk_restoring_total;
   s.restoring = reading;
   return reading;
@@ -381,8 +389,10 @@ std::vector<Sequence*> Scheduler::schedule() {
     batch.push_back(&s);
     ++i;
   }
-  // Sequences whose prefix is being read from disk, set aside while the others are admitted.
+  // Sequences whose prefix is being read from disk, set aside while the others are admitted
+  // (with --scheduling-policy priority, only those of their priority or better).
   std::vector<std::unique_ptr<Sequence>> restoring_now;
+  int aside_priority = INT32_MAX;
   const auto admit = [&](bool may_set_aside) {
     while (!preempted && budget > 0 && !waiting_.empty() && int(running_.size()) < cfg_.max_num_seqs) {
       // Fair between requests: the next is the oldest waiting sequence of the group with the
@@ -391,12 +401,15 @@ std::vector<Sequence*> Scheduler::schedule() {
       const size_t pick = next_waiting(running);
       if (pick) std::rotate(waiting_.begin(), waiting_.begin() + long(pick), waiting_.begin() + long(pick) + 1);
       Sequence& s = *waiting_.front();
+      if (cfg_.priority && s.req.priority > aside_priority) break;  // a better one waits for its pages
       if (may_set_aside && restoring(s)) {
+        aside_priority = std::min(aside_priority, s.req.priority);
         restoring_now.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
         continue;
       }
       s.restoring = false;
+      s.restore_rounds = 0;
       s.draft.clear();  // drafts are proposed for running sequences only
       admit_prefix(s);
       // A hybrid model's state is kept where the sequence's last full page ends: the furthest a
@@ -406,7 +419,7 @@ std::vector<Sequence*> Scheduler::schedule() {
       const int n = take(s);
       if (!ensure_pages(s, s.num_computed + n)) {
         release_pages(s);  // do not sit on cached pages while waiting (they stay cached)
-        break;             // first come, first served: nobody overtakes the head
+        break;             // first come, first served: nobody overtakes the head (but a restoring one)
       }
       if (!s.started) {
         s.started = true;
@@ -434,13 +447,22 @@ std::vector<Sequence*> Scheduler::schedule() {
       waiting_.pop_front();
     }
   };
-  admit(/*may_set_aside=*/true);
-  if (!restoring_now.empty()) {
-    // Back at the head, in their order: admitted first once their pages are here.
+  // Back at the head, in their order: admitted first once their pages are here.
+  const auto put_back = [&] {
     for (auto it = restoring_now.rbegin(); it != restoring_now.rend(); ++it) waiting_.push_front(std::move(*it));
     restoring_now.clear();
+  };
+  try {
+    admit(/*may_set_aside=*/true);
+  } catch (...) {
+    put_back();  // not lost with the step
+    throw;
+  }
+  if (!restoring_now.empty()) {
+    put_back();
     if (batch.empty()) {  // nothing else to run: wait for the reads here
       tier_->wait_reads();
+      aside_priority = INT32_MAX;
       admit(/*may_set_aside=*/false);
     }
   }

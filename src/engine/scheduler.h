@@ -55,9 +55,8 @@ struct SchedulerConfig {
   int state_snapshots = -1;
   // Hybrid models with drafting: a copy of each drafting sequence's state from before its
   // verification step, in runner slots max_num_seqs + state_snapshots and up, that a rejected
-  // draft rolls back to; -1 = one per --max-num-seqs slot when the model drafts, 0 = none.
-  // LLMEngine resolves it.
-  int draft_states = -1;
+  // draft rolls back to. Set by LLMEngine: one per --max-num-seqs slot when the model drafts.
+  int draft_states = 0;
   // The prefix cache's host tier (engine/host_kv_tier.h, --kv-offload-gib): pages of host
   // memory evicted cached pages go to; 0 = none. Needs prefix caching.
   int64_t kv_offload_pages = 0;

@@ -29,8 +29,11 @@ struct Sequence {
   // With a lower tier: the chain hashes (engine/page_hash.h) of its leading full pages. They
   // depend on the tokens alone, so unlike serials they survive preemption.
   std::vector<PageHash> chains;
-  // Waiting while its prefix is read from the disk tier (Scheduler): others are scheduled meanwhile.
+  // Waiting while its prefix is read from the disk tier (Scheduler): others are scheduled
+  // meanwhile. restore_rounds: reads started for it (pages read for it that were replaced before
+  // it was admitted are read again, a bounded number of times).
   bool restoring = false;
+  int restore_rounds = 0;
   int exact_from = 0;             // exact tokens: first non-sink page it holds exact (Scheduler)
   int cached_prompt_tokens = 0;
   bool started = false;           // scheduled at least once (prompt tokens counted)

@@ -116,6 +116,12 @@ TEST(DiskTier, PagesRoundTripAndSurviveARestart) {
     EXPECT_EQ(serial, 101u) << "written by this process: its serial comes back";
     EXPECT_FALSE(read_one(d, chain_for(root, 1), page_tokens(2), got.data(), serial)) << "other tokens never match";
     EXPECT_FALSE(read_one(d, chain_for(root, 7), page_tokens(7), got.data(), serial));
+    // A file gone from under the tier is a miss, and leaves the index (only running out of
+    // descriptors or memory keeps a file that could not be opened).
+    fs::remove(dir / root.hex() / (chain_for(root, 2).hex() + ".kvpage"));
+    EXPECT_FALSE(read_one(d, chain_for(root, 2), page_tokens(2), got.data(), serial));
+    EXPECT_FALSE(d.contains(chain_for(root, 2)));
+    d.write(chain_for(root, 2), 102, page_tokens(2), page_bytes(2).data());
     // A second tier on the same directory and model is refused while this one lives.
     try {
       DiskKVTier twin(dir, 10 * file_bytes(), root, "m", kPage, kTokens);
@@ -326,10 +332,10 @@ TEST(DiskTier, PagesSurviveARestartForTheSameModelAndPlanOnly) {
   const Run third = serve(*e, true);
   EXPECT_EQ(third.tokens, plain.tokens);
   EXPECT_EQ(third.stats.kv_offload_disk_damaged_total, 1u);
-  // The first prompt's chain starts at the damaged page: all of it is computed. (Its pages 1-3
-  // were read anyway: a hit's pages are read together, up to half the host tier's 8 slots.)
+  // The first prompt's chain starts at the damaged page: all of it is computed. (Its pages 1-4
+  // were read anyway: a hit's pages are read together, up to 7 of the host tier's 8 slots.)
   EXPECT_EQ(third.stats.prompt_tokens_total + (full_pages - 5) * kTierBlock, plain.stats.prompt_tokens_total);
-  EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5 + 3);
+  EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5 + 4);
 }
 
 // A request whose prefix is on disk is "restoring": the step that meets it starts its reads and
@@ -383,6 +389,31 @@ TEST(DiskTier, ARequestWaitsForItsPagesFromDiskWhileOthersRun) {
   EXPECT_EQ(st.kv_offload_disk_restoring_total, 1u) << "counted once per request";
   EXPECT_EQ(st.kv_offload_disk_read_total, 6u) << "every full page of its prompt came from disk";
   EXPECT_EQ(st.prefix_cache_hits_total, 6u * kTierBlock);
+  }
+
+  // --scheduling-policy priority: while a request waits for its pages, no worse one is admitted.
+  {
+    auto le = std::make_unique<LLMEngine>(
+        *e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_model_len = 128,
+                            .enable_prefix_caching = true, .num_blocks = 40, .priority = true,
+                            .kv_offload_pages = 16, .kv_offload_dir = dir.string(), .kv_offload_disk_bytes = 64u << 20});
+    std::map<std::string, Collected> pout;
+    EngineRequest o = make("o", other, 24, pout);
+    o.priority = 0;
+    le->add_request(std::move(o));
+    ASSERT_TRUE(le->step());
+    EngineRequest c = make("c", cached, 8, pout);
+    c.priority = 0;
+    le->add_request(std::move(c));
+    EngineRequest w = make("w", random_prompt(rng, 10, vocab), 4, pout);
+    w.priority = 1;
+    le->add_request(std::move(w));
+    ASSERT_TRUE(le->step());
+    EXPECT_EQ(le->stats().num_restoring, 1);
+    EXPECT_TRUE(pout["w"].tokens.empty()) << "a worse priority went ahead of a request waiting for its pages";
+    run_to_end(*le);
+    EXPECT_EQ(pout["c"].tokens, plain["c"].tokens);
+    EXPECT_EQ(pout["w"].tokens.size(), 4u);
   }
 
   // Alone, it does not wait a step: the scheduler waits for the reads and admits it at once.

@@ -570,8 +570,8 @@ void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
   }
 }
 
-// A tensor-parallel rank holds a share of the KV heads: the TP runner does not offer the
-// host tier yet, so a rank of a group reports none.
+// A tensor-parallel rank holds a share of the KV heads: its part of each page (the TP runner
+// puts the ranks' parts side by side).
 size_t CpuModelRunner::kv_page_bytes(int block_size) const {
   return ::kvlm::kv_page_bytes(*plan_, block_size);  // a tensor-parallel rank's: its heads' part
 }

@@ -4,6 +4,7 @@
 // pinned host memory, and back the same way, all on the runner's stream and in its order,
 // without waiting.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <set>
 
@@ -113,11 +114,16 @@ namespace {
 // Host buffers evenly spaced in memory move as one DMA: consecutive ones (tier slots taken in
 // order) as one plain copy, ones a constant stride apart (a tensor-parallel rank's part of
 // consecutive slots) as one 2D copy. f(first index, pages, stride) for each run, in order.
+// Strides stay within kMaxRunStride pages (a rank's parts under tensor parallelism of up to 16
+// ranks; far below the copies' pitch limit, 2^31 - 1 bytes).
+constexpr size_t kMaxRunStride = 16;
 template <typename P, typename F>
 void for_each_run(std::span<P* const> bufs, size_t page_bytes, F&& f) {
+  const size_t max_stride = std::min(kMaxRunStride * page_bytes, size_t(INT32_MAX));
   for (size_t i = 0; i < bufs.size();) {
     size_t n = 1, stride = page_bytes;
-    if (i + 1 < bufs.size() && bufs[i + 1] > bufs[i] && size_t(bufs[i + 1] - bufs[i]) >= page_bytes) {
+    if (i + 1 < bufs.size() && bufs[i + 1] > bufs[i] && size_t(bufs[i + 1] - bufs[i]) >= page_bytes &&
+        size_t(bufs[i + 1] - bufs[i]) <= max_stride) {
       stride = size_t(bufs[i + 1] - bufs[i]);
       while (i + n < bufs.size() && bufs[i + n] > bufs[i + n - 1] && size_t(bufs[i + n] - bufs[i + n - 1]) == stride) ++n;
     }
