@@ -69,9 +69,6 @@ int Scheduler::num_running() const {
 int Scheduler::num_waiting() const {
   return int(std::ranges::count_if(waiting_, [](const auto& s) { return !s->finished; }));
 }
-int Scheduler::num_restoring() const {
-  return int(std::ranges::count_if(waiting_, [](const auto& s) { return !s->finished && s->restoring; }));
-}
 
 void Scheduler::drop_finished() {
   auto gone = [](const std::unique_ptr<Sequence>& s) { return s->finished; };
@@ -458,11 +455,13 @@ std::vector<Sequence*> Scheduler::schedule() {
     put_back();  // not lost with the step
     throw;
   }
+  restoring_ = int(restoring_now.size());
   if (!restoring_now.empty()) {
     put_back();
     if (batch.empty()) {  // nothing else to run: wait for the reads here
       tier_->wait_reads();
       aside_priority = INT32_MAX;
+      restoring_ = 0;
       admit(/*may_set_aside=*/false);
     }
   }

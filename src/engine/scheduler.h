@@ -84,7 +84,8 @@ class Scheduler {
   bool empty() const { return running_.empty() && waiting_.empty(); }
   int num_running() const;
   int num_waiting() const;
-  int num_restoring() const;  // of the waiting, those whose prefix is being read from disk
+  // Of the waiting, those the last schedule() set aside while their prefix was read from disk.
+  int num_restoring() const { return restoring_; }
   const std::vector<std::unique_ptr<Sequence>>& running() const { return running_; }
 
   // Drops every page of `s` (last pages first, so its tail is evicted before its more
@@ -160,6 +161,7 @@ class Scheduler {
   EngineStats& stats_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;  // admission order (oldest first)
+  int restoring_ = 0;  // set aside by the last schedule() (num_restoring)
 };
 
 }  // namespace kvlm
