@@ -268,7 +268,9 @@ void HostKVTier::wait_reads() {
 }
 
 void HostKVTier::prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens) {
-  if (fetch(chains, tokens) > 0) wait_reads();
+  if (fetch(chains, tokens) == 0) return;
+  for (const PageHash& c : chains)  // these pages' reads, not every one in flight
+    while (loading_.count(c)) poll(/*wait=*/true);
 }
 
 void HostKVTier::restore(std::span<const int> slots, std::span<const BlockId> ids) {

@@ -87,8 +87,8 @@ class HostKVTier {
   void poll(bool wait = false);
   void wait_reads();  // until no page is on its way here
   size_t loading() const { return loading_.size(); }
-  // fetch(), then waits for the reads (a hit's pages read together, ahead of the find() calls
-  // that take them).
+  // fetch(), then waits for those pages' reads (a hit's pages read together, ahead of the
+  // find() calls that take them).
   void prefetch(std::span<const PageHash> chains, std::span<const TokenId> tokens);
   // The serial entry `slot` was kept under (0: none known, a page from an earlier process).
   uint64_t serial(int slot) const { return entries_[size_t(slot)].serial; }

@@ -161,7 +161,9 @@ void TensorParallelRunner::allocate_kv(int num_blocks, int block_size, int num_e
   remote([&] { remote_->allocate_kv(num_blocks, block_size, num_exact_pages); });
   const auto job = [&](ModelRunner& m) { m.allocate_kv(num_blocks, block_size, num_exact_pages); };
   run(job, job);
-  block_size_ = block_size;
+  const size_t page = kv_page_bytes(block_size);
+  page_offsets_.assign(1, 0);
+  for (const auto& r : ranks_) page_offsets_.push_back(page > 0 ? page_offsets_.back() + r->kv_page_bytes(block_size) : 0);
 }
 
 size_t TensorParallelRunner::kv_page_bytes(int block_size) const {
@@ -176,17 +178,14 @@ size_t TensorParallelRunner::kv_page_bytes(int block_size) const {
 }
 
 size_t TensorParallelRunner::page_offset(const ModelRunner& m) const {
-  size_t off = 0;
-  for (const auto& r : ranks_) {
-    if (r.get() == &m) return off;
-    off += r->kv_page_bytes(block_size_);
-  }
+  for (size_t r = 0; r < ranks_.size(); ++r)
+    if (ranks_[r].get() == &m) return page_offsets_[r];
   KVLM_CHECK(false, "page_offset of a runner that is not a rank");
   return 0;
 }
 
 void TensorParallelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) {
-  KVLM_CHECK(kv_page_bytes(block_size_) > 0, "save_pages on ranks that cannot copy pages out");
+  KVLM_CHECK(!page_offsets_.empty() && page_offsets_.back() > 0, "save_pages on ranks that cannot copy pages out");
   const auto job = [&](ModelRunner& m) {
     const size_t off = page_offset(m);
     std::vector<uint8_t*> mine(out.begin(), out.end());
@@ -197,7 +196,7 @@ void TensorParallelRunner::save_pages(std::span<const BlockId> pages, std::span<
 }
 
 void TensorParallelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) {
-  KVLM_CHECK(kv_page_bytes(block_size_) > 0, "load_pages on ranks that cannot copy pages in");
+  KVLM_CHECK(!page_offsets_.empty() && page_offsets_.back() > 0, "load_pages on ranks that cannot copy pages in");
   const auto job = [&](ModelRunner& m) {
     const size_t off = page_offset(m);
     std::vector<const uint8_t*> mine(in.begin(), in.end());

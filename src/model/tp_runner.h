@@ -95,14 +95,15 @@ class TensorParallelRunner final : public ModelRunner {
   // Sends a call to the other nodes (node 0 of several); a failure fails the group.
   void remote(const std::function<void()>& send);
   void fail(std::exception_ptr e);
-  // Where rank m's part of a page starts in the host tier's copy of it.
-  size_t page_offset(const ModelRunner& m) const;
+  size_t page_offset(const ModelRunner& m) const;  // page_offsets_ of rank m
 
   std::vector<Communicator*> comms_;
   std::vector<std::unique_ptr<ModelRunner>> ranks_;
   bool leader_ = true;             // local rank 0 is global rank 0
   DistCommands* remote_ = nullptr;  // the other nodes, when this is node 0 of several
-  int block_size_ = 0;             // the KV pool's (allocate_kv)
+  // Where each rank's part of a page starts in the tiers' copy of it, and the page's end
+  // (allocate_kv; all 0 when the ranks cannot copy pages out).
+  std::vector<size_t> page_offsets_;
   std::vector<std::thread> threads_;  // ranks 1..world-1
   // Cores the ranks' threads keep busy during a step (a follower spins in its stream wait, the
   // communicator runs its own threads): host-side loops leave them alone (core/host_threads.h).

@@ -132,29 +132,35 @@ TEST(CudaHostTier, GreedyTokensUnchangedInEveryFormat) {
 // large pool's), and a second engine on the same directory — a restart — finds the pages the
 // first left there. (Its tokens are checked against the first's on the CPU, where recomputing
 // in other chunks rounds the same; here a prefill split differently may round differently.)
+namespace {
+void check_disk_tier(LoadedModel& e, const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / name;
+  std::filesystem::remove_all(dir);
+  using kvlm::testing::run_conversations;
+  const auto all = run_conversations(e, 400, 0, 6, 3);
+  const auto disk = run_conversations(e, 20, 12, 6, 3, dir.string(), 64 << 20);
+  EXPECT_EQ(disk.outputs, all.outputs);
+  EXPECT_GT(disk.stats.kv_offload_disk_read_total, 0u);
+  EXPECT_EQ(disk.stats.kv_offload_disk_damaged_total, 0u);
+  EXPECT_EQ(disk.stats.prompt_tokens_total, all.stats.prompt_tokens_total);
+  const auto again = run_conversations(e, 20, 12, 6, 3, dir.string(), 64 << 20);
+  EXPECT_GT(again.stats.kv_offload_disk_read_total, disk.stats.kv_offload_disk_read_total);
+  EXPECT_LT(again.stats.prompt_tokens_total, all.stats.prompt_tokens_total) << "the restart found nothing on disk";
+  std::printf("[cuda disk tier] %s: %llu pages read back from disk; after a restart %llu, prompt tokens computed %llu "
+              "(first run %llu)\n",
+              describe_kv_resolution(e.plan()).c_str(), (unsigned long long)disk.stats.kv_offload_disk_read_total,
+              (unsigned long long)again.stats.kv_offload_disk_read_total,
+              (unsigned long long)again.stats.prompt_tokens_total, (unsigned long long)disk.stats.prompt_tokens_total);
+  std::filesystem::remove_all(dir);
+}
+}  // namespace
+
 TEST(CudaHostTier, PagesComeBackFromDiskAndAfterARestart) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int4PerTokenHead}) {
     SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
     auto e = load_cuda(dt);
-    const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "kvlm_cuda_disk_tier";
-    std::filesystem::remove_all(dir);
-    using kvlm::testing::run_conversations;
-    const auto all = run_conversations(*e, 400, 0, 6, 3);
-    const auto disk = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);
-    EXPECT_EQ(disk.outputs, all.outputs);
-    EXPECT_GT(disk.stats.kv_offload_disk_read_total, 0u);
-    EXPECT_EQ(disk.stats.kv_offload_disk_damaged_total, 0u);
-    EXPECT_EQ(disk.stats.prompt_tokens_total, all.stats.prompt_tokens_total);
-    const auto again = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);
-    EXPECT_GT(again.stats.kv_offload_disk_read_total, disk.stats.kv_offload_disk_read_total);
-    EXPECT_LT(again.stats.prompt_tokens_total, all.stats.prompt_tokens_total) << "the restart found nothing on disk";
-    std::printf("[cuda disk tier] %s: %llu pages read back from disk; after a restart %llu, prompt tokens computed %llu "
-                "(first run %llu)\n",
-                std::string(kv_cache_dtype_name(dt)).c_str(), (unsigned long long)disk.stats.kv_offload_disk_read_total,
-                (unsigned long long)again.stats.kv_offload_disk_read_total,
-                (unsigned long long)again.stats.prompt_tokens_total, (unsigned long long)disk.stats.prompt_tokens_total);
-    std::filesystem::remove_all(dir);
+    check_disk_tier(*e, "kvlm_cuda_disk_tier");
   }
 }
 
@@ -167,13 +173,6 @@ TEST(CudaHostTier, TensorParallelRanksKeepTheirPartsOfEachPage) {
     SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
     auto e = load_cuda(dt, std::nullopt, 2);
     kvlm::testing::check_tier_is_exact(*e, /*saves=*/true, /*recompute_equal=*/false);
-    const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "kvlm_cuda_tp_disk_tier";
-    std::filesystem::remove_all(dir);
-    using kvlm::testing::run_conversations;
-    const auto all = run_conversations(*e, 400, 0, 6, 3);
-    const auto disk = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);
-    EXPECT_EQ(disk.outputs, all.outputs);
-    EXPECT_GT(disk.stats.kv_offload_disk_read_total, 0u);
-    std::filesystem::remove_all(dir);
+    check_disk_tier(*e, "kvlm_cuda_tp_disk_tier");
   }
 }
