@@ -188,6 +188,12 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
     rowd("Store bandwidth (GB/s):", gbps(double(stored_bytes), store_s));
     rowi("Prompt tokens from the host tier:", int64_t(tier_tokens));
     rowi("Entries replaced:", int64_t(after.kv_offload_evictions_total - before.kv_offload_evictions_total));
+    if (after.kv_offload_exact_capacity > 0) {
+      rowi("Exact pages (capacity):", after.kv_offload_exact_capacity);
+      rowi("Exact pages stored:", int64_t(after.kv_offload_exact_stored_total - before.kv_offload_exact_stored_total));
+      rowi("Exact pages restored:",
+           int64_t(after.kv_offload_exact_restored_total - before.kv_offload_exact_restored_total));
+    }
   }
   const uint64_t disk_written = after.kv_offload_disk_written_total - before.kv_offload_disk_written_total;
   const uint64_t disk_read = after.kv_offload_disk_read_total - before.kv_offload_disk_read_total;
@@ -231,7 +237,10 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
                       {"stored_bytes", stored_bytes},
                       {"store_seconds", store_s},
                       {"pinned_h2d_bytes_per_s", h2d},
-                      {"hit_tokens", tier_tokens}};
+                      {"hit_tokens", tier_tokens},
+                      {"exact_capacity_pages", after.kv_offload_exact_capacity},
+                      {"exact_restored_pages",
+                       after.kv_offload_exact_restored_total - before.kv_offload_exact_restored_total}};
     if (after.kv_offload_disk_capacity > 0)
       j["disk_tier"] = {{"capacity_pages", after.kv_offload_disk_capacity},
                         {"pages", after.kv_offload_disk_pages},

@@ -89,9 +89,9 @@ std::optional<BlockId> BlockManager::allocate() {
   Block& b = blocks_[size_t(id)];
   if (tier_ && b.serial != 0)  // to the lower tier before its contents are replaced
     tier_->keep(id, b.serial, b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
-  uncache(id);  // evict: the least recently used cached page (or a never-cached one)
   KVLM_CHECK(b.exact_holds == 0, "a free page with exact holds");
-  detach_exact(id);  // its tokens are about to be replaced
+  detach_exact(id);  // its tokens are about to be replaced (its exact copy kept first)
+  uncache(id);  // evict: the least recently used cached page (or a never-cached one)
   b.refs = 1;
   return id;
 }
@@ -100,6 +100,9 @@ void BlockManager::detach_exact(BlockId id) {
   Block& b = blocks_[size_t(id)];
   const int32_t e = exact_of_[size_t(id)];
   if (e < 0) return;
+  if (exact_tier_ && b.serial != 0 && !b.exact_stale)
+    exact_tier_->keep(e, b.serial, b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
+  b.exact_stale = false;
   if (b.exact_idle) {
     b.exact_idle = false;
     --num_idle_exact_;
@@ -131,7 +134,48 @@ void BlockManager::hold_exact(BlockId id, bool fresh) {
     b.exact_idle = false;
     --num_idle_exact_;
   }
+  b.exact_stale = false;
   ++b.exact_holds;
+}
+
+bool BlockManager::restore_exact(BlockId id, std::span<const BlockId> keep) {
+  KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
+  Block& b = blocks_[size_t(id)];
+  if (!exact_tier_ || b.serial == 0 || b.chain.empty() || exact_of_[size_t(id)] >= 0) return false;
+  KVLM_CHECK(b.refs > 0, "restore_exact of an unreferenced page");
+  const auto tokens = std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_));
+  const int slot = exact_tier_->find(b.chain, tokens);  // pinned: the keep() below cannot replace it
+  if (slot < 0) return false;
+  if (exact_free_.empty()) {  // an idle exact page taken back, least recently idle first, not the caller's
+    auto it = std::ranges::find_if(idle_exact_, [&](BlockId p) {
+      return blocks_[size_t(p)].exact_idle && std::ranges::find(keep, p) == keep.end();
+    });
+    if (it == idle_exact_.end()) {
+      exact_tier_->unpin(slot);
+      return false;
+    }
+    const BlockId victim = *it;
+    idle_exact_.erase(it);
+    detach_exact(victim);  // its copy kept in the exact tier
+  }
+  const int32_t e = exact_free_.back();
+  exact_free_.pop_back();
+  exact_of_[size_t(id)] = e;
+  exact_owner_[size_t(e)] = id;
+  b.exact_idle = true;
+  b.exact_stale = false;
+  ++num_idle_exact_;
+  idle_exact_.push_back(id);
+  const BlockId dst = e;
+  exact_tier_->restore({&slot, 1}, {&dst, 1});
+  ++exact_restores_;
+  return true;
+}
+
+void BlockManager::mark_exact_stale(BlockId id) {
+  KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
+  Block& b = blocks_[size_t(id)];
+  if (b.exact_holds == 0 && exact_of_[size_t(id)] >= 0) b.exact_stale = true;
 }
 
 void BlockManager::drop_exact(BlockId id) {
@@ -265,8 +309,10 @@ void BlockManager::offload_cached() {
   if (!tier_) return;
   auto keep = [&](BlockId id) {
     const Block& b = blocks_[size_t(id)];
-    if (b.serial != 0)
-      tier_->keep(id, b.serial, b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
+    if (b.serial == 0) return;
+    const auto tokens = std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_));
+    tier_->keep(id, b.serial, b.chain, tokens);
+    if (exact_tier_ && exact_of_[size_t(id)] >= 0) exact_tier_->keep(exact_of_[size_t(id)], b.serial, b.chain, tokens);
   };
   for (BlockId id = head_; id >= 0; id = blocks_[size_t(id)].next) keep(id);  // free pages, least recent first
   for (BlockId id = 0; id < num_blocks_; ++id)
@@ -284,8 +330,9 @@ void BlockManager::commit_restores() {
       continue;
     }
     // Dropped by the caller before its contents arrived: forget its identity (the entry
-    // stays in the tier) and hand the page out first.
+    // stays in the tier; so does an exact copy restored for it) and hand the page out first.
     tier_->unpin(slot);
+    detach_exact(id);
     uncache(id);
     queue_remove(id);
     queue_push_front(id);

@@ -28,7 +28,10 @@
 // holds that serial (else a fresh one), and the pages the caller keeps of the hit are copied
 // back together (commit_restores). The tiers name pages by chain hash (engine/page_hash.h),
 // which outlives serials: with a tier, every registered page also carries its chain, and the
-// caller keeps the chains of its pages beside their serials (chain_of).
+// caller keeps the chains of its pages beside their serials (chain_of). With exact tokens, an
+// exact tier beside it (HostKVTier of PageKind::Exact) keeps the exact copies cached pages
+// give up (evicted, or their idle exact page taken back), under the same chains; a hit whose
+// query must read a page exact that has lost its copy takes it back from there (restore_exact).
 #pragma once
 
 #include <cstdint>
@@ -64,11 +67,14 @@ class BlockManager {
   void release(BlockId id);
   int ref_count(BlockId id) const { return blocks_[size_t(id)].refs; }
 
+  const HostKVTier* exact_tier() const { return exact_tier_; }
   // The tier evicted cached pages go to and prefix hits are restored from (nullptr: none), and
-  // the root of the chain hashes that name pages there (page_hash.h's kv_root).
-  void set_lower_tier(HostKVTier* tier, const PageHash& root) {
+  // the root of the chain hashes that name pages there (page_hash.h's kv_root). `exact`: the
+  // tier of exact pages beside it (PageKind::Exact; nullptr: none), named by the same chains.
+  void set_lower_tier(HostKVTier* tier, const PageHash& root, HostKVTier* exact = nullptr) {
     tier_ = tier;
     root_ = root;
+    exact_tier_ = tier ? exact : nullptr;
   }
   // The chain hash of a page holding `tokens` after the page whose chain is `parent` (nullptr:
   // the first page). Empty without a lower tier (nothing needs it).
@@ -119,14 +125,28 @@ class BlockManager {
   // exact pool is exhausted (check num_exact_available first).
   void hold_exact(BlockId id, bool fresh);
   // Drops one hold. At zero the exact page stays attached, idle, until the pool needs it
-  // back or the page is allocated afresh.
+  // back or the page is allocated afresh. A cached page's exact copy is kept in the exact
+  // tier when it is given up (either way), unless it was marked stale since its last hold.
   void drop_exact(BlockId id);
+  // Page `id`'s idle exact copy is not worth keeping in the exact tier: a later hit reads
+  // exact its sinks and the recent window before the page boundary it ends on, and this page
+  // is behind the window of the last full page of the sequence that dropped it (the scheduler's
+  // advance_exact) — copying out every such page would move several times the pages' bytes.
+  // No effect on a held page, or one without an exact copy.
+  void mark_exact_stale(BlockId id);
+  // Page `id` (cached, referenced, without an exact copy) gets its exact copy back from the
+  // exact tier, attached idle: copied in, in stream order, before the next step. The exact
+  // page is a free one, or an idle one taken back from a page not in `keep` (the caller's
+  // pages, whose exact copies it still needs). Returns false (nothing changed) when the tier
+  // does not hold it or no exact page can be had.
+  bool restore_exact(BlockId id, std::span<const BlockId> keep);
   int exact_holds(BlockId id) const { return blocks_[size_t(id)].exact_holds; }
 
   // Statistics (tokens, in whole pages): looked up / found by match_prefix.
   uint64_t cache_queries() const { return queries_; }
   uint64_t cache_hits() const { return hits_; }
   uint64_t lower_tier_hits() const { return tier_hits_; }  // of the hits, tokens restored from the lower tier
+  uint64_t exact_restores() const { return exact_restores_; }  // exact pages restored from the exact tier
   int num_cached() const { return int(index_.size()); }
 
  private:
@@ -140,7 +160,9 @@ class BlockManager {
     bool in_queue = false;
     int exact_holds = 0;
     bool exact_idle = false;  // an exact page attached with no hold (counted in num_idle_exact_)
+    bool exact_stale = false;  // its idle exact copy is not kept in the exact tier (mark_exact_stale)
   };
+  // Frees page id's exact page; a cached page's goes to the exact tier first.
   void detach_exact(BlockId id);
   uint64_t key_of(uint64_t parent_serial, std::span<const TokenId> tokens) const;
   // The cached pool page holding `page` after the page of serial `parent` (key: key_of), or -1.
@@ -164,8 +186,9 @@ class BlockManager {
   BlockId head_ = -1, tail_ = -1;
   int num_free_ = 0;
   uint64_t next_serial_ = 1;
-  uint64_t queries_ = 0, hits_ = 0, tier_hits_ = 0;
+  uint64_t queries_ = 0, hits_ = 0, tier_hits_ = 0, exact_restores_ = 0;
   HostKVTier* tier_ = nullptr;
+  HostKVTier* exact_tier_ = nullptr;
   PageHash root_;
   std::vector<std::pair<BlockId, int>> pending_;  // the last match's pages from the tier, and their slots
   std::vector<int32_t> exact_of_;      // [num_blocks] exact page or -1

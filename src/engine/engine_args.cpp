@@ -110,6 +110,8 @@ SchedulerConfig ServingArgs::scheduler_config(const MemoryPlan& plan) const {
   c.kv_offload_pages = plan.offload_pages;
   c.kv_offload_dir = kv_offload_dir;
   c.kv_offload_disk_bytes = plan.offload_disk_bytes;
+  c.kv_offload_exact_pages = plan.offload_exact_pages;
+  c.kv_offload_exact_disk_bytes = plan.offload_exact_disk_bytes;
   c.priority = scheduling_policy == "priority";
   return c;
 }

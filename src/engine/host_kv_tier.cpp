@@ -13,28 +13,31 @@
 namespace kvlm {
 
 namespace {
-size_t checked_page_bytes(const ModelRunner& runner, int block_size, size_t capacity) {
+size_t checked_page_bytes(const ModelRunner& runner, int block_size, size_t capacity, PageKind kind) {
   KVLM_CHECK(block_size > 0 && capacity >= 2, "the host tier needs at least two pages");
-  const size_t page = runner.kv_page_bytes(block_size);
+  const size_t page = runner.kv_page_bytes(block_size, kind);
   KVLM_CHECK(page > 0, "the runner cannot copy its KV pages to host memory");
   return page;
 }
 
 // The tier's memory; pinning tens of GiB takes seconds at start, so say how long.
-HostBytes allocate_logged(ModelRunner& runner, size_t bytes) {
+HostBytes allocate_logged(ModelRunner& runner, size_t bytes, PageKind kind) {
   const auto t0 = std::chrono::steady_clock::now();
   HostBytes p = runner.allocate_host(bytes);
-  char line[160];
-  std::snprintf(line, sizeof line, "host tier: %.2f GiB of host memory allocated%s in %.1f s", double(bytes) / double(1ull << 30),
+  char line[200];
+  std::snprintf(line, sizeof line, "host tier%s: %.2f GiB of host memory allocated%s in %.1f s",
+                kind == PageKind::Exact ? " (exact pages)" : "", double(bytes) / double(1ull << 30),
                 runner.device() == Device::Cuda ? " and pinned" : "", seconds_since(t0));
   log::info(line);
   return p;
 }
 }  // namespace
 
-HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std::unique_ptr<DiskKVTier> disk)
-    : runner_(runner), block_size_(block_size), page_bytes_(checked_page_bytes(runner, block_size, capacity)),
-      data_(allocate_logged(runner, capacity * page_bytes_)),  // uninitialized: written as pages arrive
+HostKVTier::HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std::unique_ptr<DiskKVTier> disk,
+                       PageKind kind)
+    : runner_(runner), kind_(kind), block_size_(block_size),
+      page_bytes_(checked_page_bytes(runner, block_size, capacity, kind)),
+      data_(allocate_logged(runner, capacity * page_bytes_, kind)),  // uninitialized: written as pages arrive
       disk_(std::move(disk)) {
   tokens_.resize(capacity * size_t(block_size));
   entries_.resize(capacity);
@@ -171,7 +174,7 @@ void HostKVTier::keep(BlockId id, uint64_t serial, const PageHash& chain, std::s
   if (slot < 0) return;  // every entry pinned: this page is not kept
   uint8_t* const dst = slot_data(slot);
   try {
-    runner_.save_pages({&id, 1}, {&dst, 1});
+    runner_.save_pages({&id, 1}, {&dst, 1}, kind_);
   } catch (...) {
     free_.push_back(slot);
     throw;
@@ -290,7 +293,7 @@ void HostKVTier::restore(std::span<const int> slots, std::span<const BlockId> id
     src.push_back(slot_data(slot));
     dst.push_back(id);
   }
-  runner_.load_pages(dst, src);
+  runner_.load_pages(dst, src, kind_);
   restored_ += slots.size();
 }
 
@@ -314,7 +317,8 @@ void HostKVTier::flush_to_disk() {
   if (!any) return;
   const uint64_t n = disk_->pages_written() - before;  // failed writes were logged, not counted; batches in flight are
   char line[256];
-  std::snprintf(line, sizeof line, "disk tier: %llu pages (%s) written to %s in %.2f s", (unsigned long long)n,
+  std::snprintf(line, sizeof line, "disk tier: %llu %spages (%s) written to %s in %.2f s", (unsigned long long)n,
+                kind_ == PageKind::Exact ? "exact " : "",
                 human_bytes(n * disk_->file_bytes()).c_str(), disk_->directory().c_str(), seconds_since(t0));
   log::info(line);
 }

@@ -21,9 +21,10 @@
 // until they are done (the request is "restoring"). When the tier is destroyed (the server
 // stops), the pages it holds are written to disk, so that a restart finds them.
 //
-// Exact pages (layers with exact sink / recent tokens) are not kept: a restored page has no
-// exact copy, and the scheduler's admit_prefix ends a hit before a page a query must read
-// exact, as it does after any loss of an exact copy.
+// The same class holds exact pages (PageKind::Exact: layers with exact sink / recent tokens keep
+// their copies in the model dtype): a second tier beside the pages', whose entries are named by
+// their page's chain; ids given to keep and restore are then exact page ids (the block
+// manager's restore_exact and detach_exact).
 //
 // Host memory comes from the runner (pinned on a GPU). The copies are issued in the runner's
 // stream order and do not wait (ModelRunner::save_pages / load_pages): an eviction's copy is
@@ -50,9 +51,11 @@ namespace kvlm {
 
 class HostKVTier {
  public:
-  // `capacity` pages of runner.kv_page_bytes(block_size) each (reserved, touched as pages
-  // arrive), and the disk tier below it (nullptr: none).
-  HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std::unique_ptr<DiskKVTier> disk = nullptr);
+  // `capacity` pages of runner.kv_page_bytes(block_size, kind) each (reserved, touched as
+  // pages arrive), and the disk tier below it (nullptr: none). `kind`: the pool's pages (ids
+  // given to keep and restore are page ids), or exact pages (exact page ids).
+  HostKVTier(ModelRunner& runner, int block_size, size_t capacity, std::unique_ptr<DiskKVTier> disk = nullptr,
+             PageKind kind = PageKind::Pages);
   ~HostKVTier();  // writes what it holds to the disk tier
   HostKVTier(const HostKVTier&) = delete;
   HostKVTier& operator=(const HostKVTier&) = delete;
@@ -60,6 +63,7 @@ class HostKVTier {
   size_t capacity() const { return entries_.size(); }
   size_t size() const { return index_.size(); }
   size_t page_bytes() const { return page_bytes_; }
+  PageKind kind() const { return kind_; }
   const DiskKVTier* disk() const { return disk_.get(); }
 
   // The pool is about to reuse its page `id`, cached under `serial` with chain hash `chain`
@@ -131,6 +135,7 @@ class HostKVTier {
   uint8_t* slot_data(int slot) { return data_.get() + size_t(slot) * page_bytes_; }
 
   ModelRunner& runner_;
+  PageKind kind_;
   int block_size_;
   size_t page_bytes_;
   HostBytes data_;                   // [capacity][page_bytes], from runner.allocate_host

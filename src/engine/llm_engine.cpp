@@ -313,6 +313,14 @@ EngineStats LLMEngine::stats() const {
     st.kv_offload_restored_total = t->pages_restored();
     st.kv_offload_evictions_total = t->evictions();
     st.kv_offload_hit_tokens_total = b.lower_tier_hits();
+    if (const HostKVTier* x = scheduler_.exact_tier()) {
+      st.kv_offload_exact_pages = int(x->size());
+      st.kv_offload_exact_capacity = int(x->capacity());
+      st.kv_offload_exact_stored_total = x->pages_kept();
+      st.kv_offload_exact_restored_total = x->pages_restored();
+      st.kv_offload_stored_bytes_total += x->pages_kept() * x->page_bytes();
+      st.kv_offload_restored_bytes_total += x->pages_restored() * x->page_bytes();
+    }
     if (const DiskKVTier* d = t->disk()) {
       st.kv_offload_disk_pages = int(d->size());
       st.kv_offload_disk_capacity = int(d->capacity());

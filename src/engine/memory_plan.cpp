@@ -243,26 +243,48 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     if (page == 0)
       throw Error("--kv-offload-gib: the KV pages of ranks on other nodes cannot be copied to this host's memory; "
                   "drop --kv-offload-gib or run tensor parallelism on one node");
-    mp.offload_pages = int64_t(opts.kv_offload_bytes / page);
+    // Exact sink / recent tokens: exact pages get the share of the budget they have of the pool,
+    // so that a hit on pages from the tiers keeps the exact copies its query reads.
+    const size_t exact_page = mp.num_exact_pages > 0 ? engine.model().kv_page_bytes(mp.block_size, PageKind::Exact) : 0;
+    const double exact_share =
+        exact_page > 0 ? double(mp.exact_bytes) / double(mp.exact_bytes + uint64_t(mp.num_blocks) * mp.bytes_per_block) : 0;
+    mp.offload_exact_pages = exact_page > 0 ? int64_t(double(opts.kv_offload_bytes) * exact_share / double(exact_page)) : 0;
+    if (mp.offload_exact_pages < 2) mp.offload_exact_pages = 0;  // too little room: hits end before them, as without
+    mp.offload_exact_bytes = uint64_t(mp.offload_exact_pages) * exact_page;
+    mp.offload_pages = int64_t((opts.kv_offload_bytes - mp.offload_exact_bytes) / page);
     mp.offload_bytes = uint64_t(mp.offload_pages) * page;
     if (mp.offload_pages < 2)
       throw Error("--kv-offload-gib: " + human_bytes(opts.kv_offload_bytes) + " holds fewer than 2 pages of " +
                   human_bytes(page) + "; give the host tier more memory");
-    if (const uint64_t avail = host_available_bytes(); avail > 0 && mp.offload_bytes > avail)
-      throw Error("--kv-offload-gib: the host tier's " + human_bytes(mp.offload_bytes) + " is more than the " +
+    if (const uint64_t avail = host_available_bytes(); avail > 0 && mp.offload_bytes + mp.offload_exact_bytes > avail)
+      throw Error("--kv-offload-gib: the host tier's " + human_bytes(mp.offload_bytes + mp.offload_exact_bytes) +
+                  " is more than the " +
                   human_bytes(avail) + " of host memory available; give it less");
     std::snprintf(line, sizeof line, "\nhost tier (--kv-offload-gib): %s = %s pages = %s tokens, %.2fx the pool's",
                   human_bytes(mp.offload_bytes).c_str(), with_commas(mp.offload_pages).c_str(),
                   with_commas(mp.offload_pages * mp.block_size).c_str(),
                   double(mp.offload_pages) / double(std::max(mp.num_blocks, 1)));
     mp.summary += line;
+    if (exact_page > 0) {
+      std::snprintf(line, sizeof line, "; exact sink/recent tokens: %s = %s exact pages%s",
+                    human_bytes(mp.offload_exact_bytes).c_str(), with_commas(mp.offload_exact_pages).c_str(),
+                    mp.offload_exact_pages == 0 ? " (too little room: hits end before pages read exact)" : "");
+      mp.summary += line;
+    }
     if (opts.kv_offload_disk_bytes > 0) {
-      mp.offload_disk_bytes = opts.kv_offload_disk_bytes;
-      const uint64_t disk_pages = opts.kv_offload_disk_bytes / page;  // about: each file adds a header
+      mp.offload_exact_disk_bytes =
+          mp.offload_exact_pages > 0 ? uint64_t(double(opts.kv_offload_disk_bytes) * exact_share) : 0;
+      if (mp.offload_exact_disk_bytes < 2 * exact_page) mp.offload_exact_disk_bytes = 0;
+      mp.offload_disk_bytes = opts.kv_offload_disk_bytes - mp.offload_exact_disk_bytes;
+      const uint64_t disk_pages = mp.offload_disk_bytes / page;  // about: each file adds a header
       std::snprintf(line, sizeof line, "\ndisk tier (--kv-offload-disk-gib): %s = about %s pages = %s tokens",
                     human_bytes(mp.offload_disk_bytes).c_str(), with_commas(int64_t(disk_pages)).c_str(),
                     with_commas(int64_t(disk_pages) * mp.block_size).c_str());
       mp.summary += line;
+      if (mp.offload_exact_disk_bytes > 0) {
+        std::snprintf(line, sizeof line, "; exact pages: %s", human_bytes(mp.offload_exact_disk_bytes).c_str());
+        mp.summary += line;
+      }
     }
   }
   return mp;

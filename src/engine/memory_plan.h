@@ -38,6 +38,10 @@ struct MemoryPlan {
   int64_t offload_pages = 0;        // the host tier's pages (engine/host_kv_tier.h), 0 = none
   uint64_t offload_bytes = 0;
   uint64_t offload_disk_bytes = 0;  // the disk tier's (engine/disk_kv_tier.h), 0 = none
+  // With exact sink / recent tokens, the tiers' share for exact pages (the pool's share of its
+  // bytes; 0 = none: hits end before pages that lost their exact copies), out of the sizes above.
+  int64_t offload_exact_pages = 0;
+  uint64_t offload_exact_bytes = 0, offload_exact_disk_bytes = 0;
   std::string summary;              // the startup log lines
 };
 

@@ -48,6 +48,10 @@ struct EngineStats {
   double kv_offload_store_seconds_total = 0, kv_offload_restore_seconds_total = 0;
   uint64_t kv_offload_stored_total = 0, kv_offload_restored_total = 0, kv_offload_evictions_total = 0;
   uint64_t kv_offload_hit_tokens_total = 0;
+  // Its exact pages (exact sink / recent tokens): held (gauge) and capacity, kept and restored
+  // (their bytes are in the totals above, their copies' time too).
+  int kv_offload_exact_pages = 0, kv_offload_exact_capacity = 0;
+  uint64_t kv_offload_exact_stored_total = 0, kv_offload_exact_restored_total = 0;
   // Its disk tier (--kv-offload-dir; engine/disk_kv_tier.h): pages held (gauge) and its capacity,
   // pages written and read back (read into the host tier, then restored from there), files
   // replaced, damaged or foreign files ignored, and the time its writes and reads took.

@@ -33,7 +33,18 @@ Scheduler::Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& ru
       disk = std::make_unique<DiskKVTier>(cfg.kv_offload_dir, cfg.kv_offload_disk_bytes, root, cfg.kv_identity,
                                           runner.kv_page_bytes(block_size), block_size);
     tier_ = std::make_unique<HostKVTier>(runner, block_size, size_t(cfg.kv_offload_pages), std::move(disk));
-    blocks_.set_lower_tier(tier_.get(), root);
+    if (cfg.kv_offload_exact_pages > 0 && cfg.num_exact_pages > 0) {
+      // Exact pages on disk live under a root of their own (another directory, another lock).
+      const std::string identity = cfg.kv_identity + "\nexact sink / recent pages";
+      std::unique_ptr<DiskKVTier> exact_disk;
+      if (!cfg.kv_offload_dir.empty() && cfg.kv_offload_exact_disk_bytes > 0)
+        exact_disk = std::make_unique<DiskKVTier>(cfg.kv_offload_dir, cfg.kv_offload_exact_disk_bytes, kv_root(identity),
+                                                  identity, runner.kv_page_bytes(block_size, PageKind::Exact),
+                                                  block_size);
+      exact_tier_ = std::make_unique<HostKVTier>(runner, block_size, size_t(cfg.kv_offload_exact_pages),
+                                                 std::move(exact_disk), PageKind::Exact);
+    }
+    blocks_.set_lower_tier(tier_.get(), root, exact_tier_.get());
   }
 }
 
@@ -61,6 +72,18 @@ void Scheduler::advance_exact(Sequence& s) {
   for (int i = std::max(sink_pages_, s.exact_from); i < std::min(from, int(s.pages.size())); ++i)
     blocks_.drop_exact(s.pages[size_t(i)]);
   s.exact_from = from;
+  // The exact tier keeps the copies a later hit is likely to read exact: its sinks, and the
+  // windows before the two page boundaries hits end on most — the last full page of the prompt
+  // (the same prompt again) and of everything computed (the next turn of a conversation). The
+  // pages behind both are marked stale, their copies not kept.
+  if (!blocks_.exact_tier()) return;
+  const int bs = blocks_.block_size();
+  const int stale = std::min({window_page(s.num_computed / bs * bs), from, int(s.pages.size())});
+  const int prompt_end = std::min(s.num_prompt, s.num_computed) / bs;
+  const int prompt_window = window_page(prompt_end * bs);
+  for (int i = std::max(sink_pages_, s.exact_stale_from); i < stale; ++i)
+    if (i < prompt_window || i >= prompt_end) blocks_.mark_exact_stale(s.pages[size_t(i)]);
+  s.exact_stale_from = std::max(s.exact_stale_from, stale);
 }
 
 int Scheduler::num_running() const {
@@ -106,6 +129,7 @@ void Scheduler::release_pages(Sequence& s) {
   s.state_slot = -1;
   s.snapshot_at = -1;
   s.exact_from = window_page(0);
+  s.exact_stale_from = 0;
 }
 
 bool Scheduler::takes_prefix(const Sequence& s) const {
@@ -146,14 +170,19 @@ void Scheduler::admit_prefix(Sequence& s) {
     --found;
   };
   // With exact tokens, a hit ends where a page the next query reads exact (its sinks, its
-  // recent window) has lost its exact copy: those tokens are computed again instead.
+  // recent window) has lost its exact copy and the exact tier has none to give back: those
+  // tokens are computed again instead.
   auto settle = [&] {
     if (!keeps_exact()) return;
+    const auto exact = [&](int i) {
+      const BlockId id = s.pages[size_t(i)];
+      return blocks_.exact_of(id) >= 0 || blocks_.restore_exact(id, s.pages);
+    };
     for (;;) {
       const int next = std::min(found * bs, total - 1);
       bool ok = true;
-      for (int i = 0; i < std::min(found, sink_pages_) && ok; ++i) ok = blocks_.exact_of(s.pages[size_t(i)]) >= 0;
-      for (int i = std::min(found, window_page(next)); i < found && ok; ++i) ok = blocks_.exact_of(s.pages[size_t(i)]) >= 0;
+      for (int i = 0; i < std::min(found, sink_pages_) && ok; ++i) ok = exact(i);
+      for (int i = std::min(found, window_page(next)); i < found && ok; ++i) ok = exact(i);
       if (ok || found == 0) return;
       drop_last();
     }

@@ -63,6 +63,10 @@ struct SchedulerConfig {
   // Its disk tier (engine/disk_kv_tier.h, --kv-offload-dir, --kv-offload-disk-gib): "" = none.
   std::string kv_offload_dir;
   uint64_t kv_offload_disk_bytes = 0;
+  // With exact sink / recent tokens: a tier of exact pages beside them (the same HostKVTier,
+  // PageKind::Exact; 0 = none) and its disk tier's bytes (0 = none).
+  int64_t kv_offload_exact_pages = 0;
+  uint64_t kv_offload_exact_disk_bytes = 0;
   // What the pages' bytes depend on (the model, its weights, the KV plan, the device: set by
   // LLMEngine), the root of the chain hashes that name pages in the tiers (page_hash.h).
   std::string kv_identity;
@@ -102,6 +106,7 @@ class Scheduler {
   const StateSnapshots& snapshots() const { return snapshots_; }
   const BlockManager& blocks() const { return blocks_; }
   const HostKVTier* host_tier() const { return tier_.get(); }
+  const HostKVTier* exact_tier() const { return exact_tier_.get(); }
   // After a step moved s.num_computed on: the pages that left every future query's recent
   // window give up their exact copies.
   void advance_exact(Sequence& s);
@@ -156,6 +161,7 @@ class Scheduler {
   std::vector<int> free_state_slots_;
   StateSnapshots snapshots_;
   std::unique_ptr<HostKVTier> tier_;
+  std::unique_ptr<HostKVTier> exact_tier_;  // exact pages beside tier_ (exact sink / recent tokens)
   BlockManager blocks_;
   ModelRunner& runner_;
   EngineStats& stats_;

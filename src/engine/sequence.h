@@ -35,6 +35,7 @@ struct Sequence {
   bool restoring = false;
   int restore_rounds = 0;
   int exact_from = 0;             // exact tokens: first non-sink page it holds exact (Scheduler)
+  int exact_stale_from = 0;       // and the first whose idle exact copy it has not marked stale
   int cached_prompt_tokens = 0;
   bool started = false;           // scheduled at least once (prompt tokens counted)
   bool first_token_sent = false;

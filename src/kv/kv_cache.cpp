@@ -27,8 +27,15 @@ size_t kv_page_bytes(const KVPlan& plan, int block_size) {
   return total;
 }
 
+size_t kv_exact_page_bytes(const KVPlan& plan, int block_size) {
+  size_t total = 0;
+  for (const auto& spec : plan.layers) total += 2 * kv_page_bytes(spec, block_size).exact;
+  return total;
+}
+
 KVCache::KVCache(const KVPlan& plan, int num_blocks, int block_size, int num_exact_pages)
-    : num_blocks_(num_blocks), block_size_(block_size), page_bytes_(kv_page_bytes(plan, block_size)) {
+    : num_blocks_(num_blocks), block_size_(block_size), page_bytes_(kv_page_bytes(plan, block_size)),
+      exact_page_bytes_(kv_exact_page_bytes(plan, block_size)) {
   KVLM_CHECK(num_blocks > 0 && block_size > 0, "empty KV cache");
   KVLM_CHECK(num_exact_pages >= 0, "negative exact page count");
   const bool any_exact = std::ranges::any_of(plan.layers, [](const KVLayerSpec& l) { return l.keeps_exact(); });
@@ -120,6 +127,32 @@ void KVCache::load_page(BlockId id, std::span<const uint8_t> in) {
     part(l.v, p.v_codes);
     part(l.k_scale, p.k_scales);
     part(l.v_scale, p.v_scales);
+  }
+}
+
+void KVCache::save_exact_page(int32_t id, std::span<uint8_t> out) const {
+  KVLM_CHECK(id >= 0 && id < num_exact_ && out.size() == exact_page_bytes_, "save_exact_page: page id or buffer size");
+  uint8_t* o = out.data();
+  for (const auto& l : layers_) {
+    if (l.num_exact == 0) continue;
+    const size_t page = l.ek.size() / size_t(num_exact_);
+    for (const auto* pool : {&l.ek, &l.ev}) {
+      std::memcpy(o, pool->data() + size_t(id) * page, page);
+      o += page;
+    }
+  }
+}
+
+void KVCache::load_exact_page(int32_t id, std::span<const uint8_t> in) {
+  KVLM_CHECK(id >= 0 && id < num_exact_ && in.size() == exact_page_bytes_, "load_exact_page: page id or buffer size");
+  const uint8_t* i = in.data();
+  for (auto& l : layers_) {
+    if (l.num_exact == 0) continue;
+    const size_t page = l.ek.size() / size_t(num_exact_);
+    for (auto* pool : {&l.ek, &l.ev}) {
+      std::memcpy(pool->data() + size_t(id) * page, i, page);
+      i += page;
+    }
   }
 }
 

@@ -35,6 +35,8 @@ struct KVPageBytes {
 KVPageBytes kv_page_bytes(const KVLayerSpec& spec, int block_size);
 // One page in every layer of `plan`: K and V codes and token scales (exact pages not included).
 size_t kv_page_bytes(const KVPlan& plan, int block_size);
+// One exact page in every layer of `plan` that keeps exact tokens, K and V (0: none does).
+size_t kv_exact_page_bytes(const KVPlan& plan, int block_size);
 
 struct LayerKVCache {
   const KVLayerSpec* spec = nullptr;
@@ -89,10 +91,15 @@ class KVCache {
   size_t page_bytes() const { return page_bytes_; }
   void save_page(BlockId id, std::span<uint8_t> out) const;
   void load_page(BlockId id, std::span<const uint8_t> in);
+  // One exact page in every layer that has them, serialized: per such layer its K then V exact
+  // rows (exact_page_bytes() in all, 0 without such layers); the same version covers it.
+  size_t exact_page_bytes() const { return exact_page_bytes_; }
+  void save_exact_page(int32_t id, std::span<uint8_t> out) const;
+  void load_exact_page(int32_t id, std::span<const uint8_t> in);
 
  private:
   int num_blocks_, block_size_, num_exact_ = 0;
-  size_t page_bytes_ = 0;
+  size_t page_bytes_ = 0, exact_page_bytes_ = 0;
   std::vector<LayerKVCache> layers_;
 };
 

@@ -53,11 +53,11 @@ HostBytes ModelRunner::allocate_host(size_t bytes) {
   return HostBytes(new uint8_t[bytes], [](uint8_t* p) { delete[] p; });
 }
 
-void ModelRunner::save_pages(std::span<const BlockId>, std::span<uint8_t* const>) {
+void ModelRunner::save_pages(std::span<const BlockId>, std::span<uint8_t* const>, PageKind) {
   throw Error("this model runner cannot copy its KV pages to host memory (--kv-offload-gib)");
 }
 
-void ModelRunner::load_pages(std::span<const BlockId>, std::span<const uint8_t* const>) {
+void ModelRunner::load_pages(std::span<const BlockId>, std::span<const uint8_t* const>, PageKind) {
   throw Error("this model runner cannot copy KV pages from host memory (--kv-offload-gib)");
 }
 

@@ -45,6 +45,10 @@ struct PageCopy {
   BlockId exact_src = -1, exact_dst = -1;  // exact pages, -1 = none
 };
 
+// What the host tier's page copies move (kv_page_bytes, save_pages, load_pages): pages of the
+// KV pool, or exact pages (the copies of exact sink / recent tokens, kv/kv_cache.h).
+enum class PageKind : uint8_t { Pages, Exact };
+
 // One recurrent-state copy (copy_states): every Gated DeltaNet layer's state of slot src
 // onto slot dst.
 struct StateCopy {
@@ -148,22 +152,28 @@ class ModelRunner {
   virtual void copy_blocks(std::span<const PageCopy> copies) = 0;
 
   // The prefix cache's host tier (engine/host_kv_tier.h): the bytes of one page of `block_size`
-  // tokens in every layer — K and V codes and token scales, kv/kv_cache.h's kv_page_bytes(plan)
-  // and KVCache::save_page's layout, exact pages not included — or 0 when the runner cannot
-  // copy pages out (then --kv-offload-gib is refused).
-  virtual size_t kv_page_bytes(int block_size) const {
+  // tokens in every layer — PageKind::Pages: K and V codes and token scales, kv/kv_cache.h's
+  // kv_page_bytes(plan) and KVCache::save_page's layout; PageKind::Exact: one exact page (exact
+  // sink / recent tokens) in every layer that keeps them, KVCache::save_exact_page's layout, 0
+  // without such layers — or 0 when the runner cannot copy pages out (then --kv-offload-gib is
+  // refused).
+  virtual size_t kv_page_bytes(int block_size, PageKind kind = PageKind::Pages) const {
     (void)block_size;
+    (void)kind;
     return 0;
   }
   // Host memory for those copies: pinned on a GPU runner, so that they run at the bus's speed
   // without holding the host; plain memory on the CPU.
   virtual HostBytes allocate_host(size_t bytes);
   // save_pages copies page pages[i] to out[i], load_pages in[i] into page pages[i], each
-  // kv_page_bytes long. They are ordered after the work already issued and before any later
-  // step or copy, and may run asynchronously (a GPU runner): the host reads or writes those
-  // buffers itself only after wait_pages().
-  virtual void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out);
-  virtual void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in);
+  // kv_page_bytes(kind) long; with PageKind::Exact, pages[i] are exact page ids. They are
+  // ordered after the work already issued and before any later step or copy, and may run
+  // asynchronously (a GPU runner): the host reads or writes those buffers itself only after
+  // wait_pages().
+  virtual void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out,
+                          PageKind kind = PageKind::Pages);
+  virtual void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in,
+                          PageKind kind = PageKind::Pages);
   virtual void wait_pages() {}
   // A wait for the copies issued so far, callable later from any thread (the disk tier's
   // writer): it returns once they have completed, whatever was issued after. The default

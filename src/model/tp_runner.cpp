@@ -161,47 +161,57 @@ void TensorParallelRunner::allocate_kv(int num_blocks, int block_size, int num_e
   remote([&] { remote_->allocate_kv(num_blocks, block_size, num_exact_pages); });
   const auto job = [&](ModelRunner& m) { m.allocate_kv(num_blocks, block_size, num_exact_pages); };
   run(job, job);
-  const size_t page = kv_page_bytes(block_size);
-  page_offsets_.assign(1, 0);
-  for (const auto& r : ranks_) page_offsets_.push_back(page > 0 ? page_offsets_.back() + r->kv_page_bytes(block_size) : 0);
+  for (const PageKind kind : {PageKind::Pages, PageKind::Exact}) {
+    std::vector<size_t>& offs = kind == PageKind::Pages ? page_offsets_ : exact_offsets_;
+    const size_t page = kv_page_bytes(block_size, kind);
+    offs.assign(1, 0);
+    for (const auto& r : ranks_) offs.push_back(page > 0 ? offs.back() + r->kv_page_bytes(block_size, kind) : 0);
+  }
 }
 
-size_t TensorParallelRunner::kv_page_bytes(int block_size) const {
+size_t TensorParallelRunner::kv_page_bytes(int block_size, PageKind kind) const {
   if (remote_ != nullptr || !leader_) return 0;  // other nodes' parts are out of reach
   size_t n = 0;
   for (const auto& r : ranks_) {
-    const size_t b = r->kv_page_bytes(block_size);
+    const size_t b = r->kv_page_bytes(block_size, kind);
     if (b == 0) return 0;
     n += b;
   }
   return n;
 }
 
-size_t TensorParallelRunner::page_offset(const ModelRunner& m) const {
+void TensorParallelRunner::check_page_copies(PageKind kind) const {
+  const std::vector<size_t>& offs = kind == PageKind::Pages ? page_offsets_ : exact_offsets_;
+  KVLM_CHECK(!offs.empty() && offs.back() > 0, "page copies on ranks that cannot copy pages out");
+}
+
+size_t TensorParallelRunner::page_offset(const ModelRunner& m, PageKind kind) const {
+  const std::vector<size_t>& offs = kind == PageKind::Pages ? page_offsets_ : exact_offsets_;
   for (size_t r = 0; r < ranks_.size(); ++r)
-    if (ranks_[r].get() == &m) return page_offsets_[r];
+    if (ranks_[r].get() == &m) return offs[r];
   KVLM_CHECK(false, "page_offset of a runner that is not a rank");
   return 0;
 }
 
-void TensorParallelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) {
-  KVLM_CHECK(!page_offsets_.empty() && page_offsets_.back() > 0, "save_pages on ranks that cannot copy pages out");
+void TensorParallelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out, PageKind kind) {
+  check_page_copies(kind);
   const auto job = [&](ModelRunner& m) {
-    const size_t off = page_offset(m);
+    const size_t off = page_offset(m, kind);
     std::vector<uint8_t*> mine(out.begin(), out.end());
     for (uint8_t*& p : mine) p += off;
-    m.save_pages(pages, mine);
+    m.save_pages(pages, mine, kind);
   };
   run(job, job);
 }
 
-void TensorParallelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) {
-  KVLM_CHECK(!page_offsets_.empty() && page_offsets_.back() > 0, "load_pages on ranks that cannot copy pages in");
+void TensorParallelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in,
+                                      PageKind kind) {
+  check_page_copies(kind);
   const auto job = [&](ModelRunner& m) {
-    const size_t off = page_offset(m);
+    const size_t off = page_offset(m, kind);
     std::vector<const uint8_t*> mine(in.begin(), in.end());
     for (const uint8_t*& p : mine) p += off;
-    m.load_pages(pages, mine);
+    m.load_pages(pages, mine, kind);
   };
   run(job, job);
 }

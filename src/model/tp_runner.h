@@ -72,10 +72,12 @@ class TensorParallelRunner final : public ModelRunner {
   // The prefix cache's tiers (engine/host_kv_tier.h): a page in host memory is every rank's part
   // of it, rank after rank, each copied by its rank at once. One process only (several nodes:
   // kv_page_bytes is 0, and --kv-offload-gib is refused).
-  size_t kv_page_bytes(int block_size) const override;
+  size_t kv_page_bytes(int block_size, PageKind kind = PageKind::Pages) const override;
   HostBytes allocate_host(size_t bytes) override { return ranks_[0]->allocate_host(bytes); }
-  void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) override;
-  void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) override;
+  void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out,
+                  PageKind kind = PageKind::Pages) override;
+  void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in,
+                  PageKind kind = PageKind::Pages) override;
   void wait_pages() override;
   std::function<void()> page_fence() override;
   PageCopyTimes page_copy_times() override;  // the slowest rank's (they copy at once)
@@ -95,15 +97,16 @@ class TensorParallelRunner final : public ModelRunner {
   // Sends a call to the other nodes (node 0 of several); a failure fails the group.
   void remote(const std::function<void()>& send);
   void fail(std::exception_ptr e);
-  size_t page_offset(const ModelRunner& m) const;  // page_offsets_ of rank m
+  size_t page_offset(const ModelRunner& m, PageKind kind) const;  // page_offsets_ of rank m
+  void check_page_copies(PageKind kind) const;  // the ranks can copy pages of that kind out
 
   std::vector<Communicator*> comms_;
   std::vector<std::unique_ptr<ModelRunner>> ranks_;
   bool leader_ = true;             // local rank 0 is global rank 0
   DistCommands* remote_ = nullptr;  // the other nodes, when this is node 0 of several
-  // Where each rank's part of a page starts in the tiers' copy of it, and the page's end
-  // (allocate_kv; all 0 when the ranks cannot copy pages out).
-  std::vector<size_t> page_offsets_;
+  // Where each rank's part of a page (of an exact page) starts in the tiers' copy of it, and
+  // the page's end (allocate_kv; all 0 when the ranks cannot copy pages out).
+  std::vector<size_t> page_offsets_, exact_offsets_;
   std::vector<std::thread> threads_;  // ranks 1..world-1
   // Cores the ranks' threads keep busy during a step (a follower spins in its stream wait, the
   // communicator runs its own threads): host-side loops leave them alone (core/host_threads.h).

@@ -142,6 +142,15 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
     w.counter("kvlm:kv_offload_hit_tokens_total", "Prompt tokens found in the host tier (restored, not recomputed).",
               double(s.kv_offload_hit_tokens_total));
   }
+  if (s.kv_offload_exact_capacity > 0) {
+    w.gauge("kvlm:kv_offload_exact_pages", "Exact sink / recent pages held in the host tier.", s.kv_offload_exact_pages);
+    w.gauge("kvlm:kv_offload_exact_capacity_pages", "Exact pages the host tier can hold.", s.kv_offload_exact_capacity);
+    w.counter("kvlm:kv_offload_exact_stored_pages_total",
+              "Exact copies that cached pages gave up, copied to the host tier.", double(s.kv_offload_exact_stored_total));
+    w.counter("kvlm:kv_offload_exact_restored_pages_total",
+              "Exact copies copied back for a prefix hit whose query reads those pages exact.",
+              double(s.kv_offload_exact_restored_total));
+  }
   if (s.kv_offload_disk_capacity > 0) {
     w.gauge("kvlm:kv_offload_disk_pages", "Pages held in the disk tier (--kv-offload-dir).", s.kv_offload_disk_pages);
     w.gauge("kvlm:kv_offload_disk_capacity_pages", "Pages the disk tier can hold.", s.kv_offload_disk_capacity);

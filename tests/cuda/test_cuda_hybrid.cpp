@@ -1,7 +1,8 @@
 // Hybrid linear-attention models (Qwen3.5, Qwen3-Next, Qwen3.5-MoE) on the CUDA runner, beyond
 // the goldens' comparisons in test_cuda_runner.cpp: why their bf16 error is the models' own
 // conditioning, their mixtures of experts with the routing taken out of the comparison, and
-// prefix-cache hits that resume from recurrent-state snapshots (ModelRunner::copy_states).
+// prefix-cache hits that resume from recurrent-state snapshots (ModelRunner::copy_states), and
+// n-gram drafting that rolls the state back when a draft is rejected.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -171,4 +172,20 @@ TEST(CudaRunnerHybrid, PrefixHitResumesFromTheStateSnapshot) {
   EXPECT_EQ(out["longer"].tokens, alone["longer"].tokens);
   EXPECT_LT(again, 1e-5);
   EXPECT_LT(longer_err, 2e-2);
+}
+
+// n-gram drafting on the GPU: the state copies before a verification step and the rollback
+// after a partly rejected draft (ModelRunner::copy_states on the CUDA runner) keep greedy
+// tokens plain generation's. fp16 compute: a 1-row and a 5-row product round differently, so
+// near ties are those of a 16-bit computation (a lost or unrestored state parts the outputs
+// at margins of 0.8-3, as on the CPU).
+TEST(CudaRunnerHybrid, NgramDraftsRollTheStateBack) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  ModelOptions o;
+  o.model_dir = golden_dir() / "models" / "qwen3.5";
+  o.cache.kv_cache_dtype = KVCacheDType::Float16;
+  o.cache.block_size = 8;
+  o.device = Device::Cuda;
+  o.dtype = DType::F16;
+  check_hybrid_drafts(o, "cuda", 0.05);
 }

@@ -17,8 +17,11 @@ namespace {
 
 const std::filesystem::path kModel = std::filesystem::path(KVLM_TEST_DATA) / "golden" / "models" / "qwen3-mixed";
 
-std::unique_ptr<LoadedModel> load_cuda(KVCacheDType dt, std::optional<KVPlanFile> plan = std::nullopt, int tp = 1) {
+std::unique_ptr<LoadedModel> load_cuda(KVCacheDType dt, std::optional<KVPlanFile> plan = std::nullopt, int tp = 1,
+                                       int keep_sink = 0, int keep_recent = 0) {
   ModelOptions o;
+  o.cache.keep_sink = keep_sink;
+  o.cache.keep_recent = keep_recent;
   o.model_dir = kModel;
   o.device = Device::Cuda;
   o.cache.kv_cache_dtype = dt;
@@ -105,6 +108,54 @@ TEST(CudaHostTier, PagesRoundTripThroughHostMemory) {
     r.wait_pages();
     for (size_t i = 0; i < 8; ++i) EXPECT_EQ(0, std::memcmp(pf[i], a.get() + i * page, page)) << "page " << i;
   }
+}
+
+// Exact pages (exact sink / recent tokens) through host memory: their own page table, K then
+// V rows per keeping layer as the CPU lays them out; the same bytes come back, and the pool's
+// pages are not touched. In the serving engine they come back for hits whose queries read
+// them exact (the tokens are compared on the CPU: here the large pool recomputes what the
+// tier restores, which may round differently).
+TEST(CudaHostTier, ExactPagesRoundTripAndComeBack) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  constexpr int bs = kvlm::testing::kTierBlock;
+  auto e = load_cuda(KVCacheDType::Int4PerTokenHead, std::nullopt, 1, 3, 11);
+  ModelRunner& r = e->model();
+  const size_t epage = r.kv_page_bytes(bs, PageKind::Exact), page = r.kv_page_bytes(bs);
+  ASSERT_EQ(epage, kv_exact_page_bytes(e->plan(), bs));
+  ASSERT_GT(epage, 0u);
+  const int n = 6;
+  r.allocate_kv(4, bs, 2 * n);
+  HostBytes a = r.allocate_host(size_t(n) * epage), b = r.allocate_host(size_t(n) * epage);
+  HostBytes pool0 = r.allocate_host(4 * page), pool1 = r.allocate_host(4 * page);
+  std::mt19937 rng(9);
+  for (size_t i = 0; i < size_t(n) * epage; ++i) a[i] = uint8_t(rng());
+  std::vector<BlockId> src, dst;
+  std::vector<uint8_t*> pa, pb, p0, p1;
+  for (int i = 0; i < n; ++i) {
+    src.push_back(BlockId(2 * n - 1 - 2 * i));
+    dst.push_back(BlockId(2 * i));
+    pa.push_back(a.get() + size_t(i) * epage);
+    pb.push_back(b.get() + size_t(i) * epage);
+  }
+  for (int i = 0; i < 4; ++i) {
+    p0.push_back(pool0.get() + size_t(i) * page);
+    p1.push_back(pool1.get() + size_t(i) * page);
+  }
+  const std::vector<BlockId> pool_ids{0, 1, 2, 3};
+  r.save_pages(pool_ids, p0);
+  r.load_pages(src, std::vector<const uint8_t*>(pa.begin(), pa.end()), PageKind::Exact);
+  r.save_pages(src, pb, PageKind::Exact);
+  r.wait_pages();
+  EXPECT_EQ(0, std::memcmp(a.get(), b.get(), size_t(n) * epage));
+  std::memset(b.get(), 0, size_t(n) * epage);
+  r.load_pages(dst, std::vector<const uint8_t*>(pa.begin(), pa.end()), PageKind::Exact);
+  r.save_pages(dst, pb, PageKind::Exact);
+  r.save_pages(pool_ids, p1);
+  r.wait_pages();
+  EXPECT_EQ(0, std::memcmp(a.get(), b.get(), size_t(n) * epage));
+  EXPECT_EQ(0, std::memcmp(pool0.get(), pool1.get(), 4 * page)) << "exact copies wrote into the pool";
+  EXPECT_THROW(r.save_pages(std::vector<BlockId>{BlockId(2 * n)}, std::span(pb).first(1), PageKind::Exact), Error);
+  kvlm::testing::check_exact_pages_come_back(*e, /*tokens_equal=*/false);
 }
 
 TEST(CudaHostTier, GreedyTokensUnchangedInEveryFormat) {

@@ -25,9 +25,11 @@ struct Workload {
 // Conversations over one shared system prefix, turn after turn: each turn's prompt is the
 // previous prompt, its answer and a new user message. The pool holds about two conversations,
 // so by the time a conversation's next turn comes its pages have been evicted.
-// `disk_dir` / `disk_bytes`: a disk tier below the host tier ("": none).
+// `disk_dir` / `disk_bytes`: a disk tier below the host tier ("": none). `exact_pages`: the
+// tier's exact pages (exact sink / recent tokens), and `exact_disk_bytes` their disk tier's.
 inline Workload run_conversations(LoadedModel& e, int num_blocks, int64_t offload_pages, int conversations, int turns,
-                                  const std::string& disk_dir = "", uint64_t disk_bytes = 0) {
+                                  const std::string& disk_dir = "", uint64_t disk_bytes = 0, int64_t exact_pages = 0,
+                                  uint64_t exact_disk_bytes = 0) {
   std::mt19937 rng(11);
   const int vocab = e.config().vocab_size;
   const auto system = random_prompt(rng, 3 * kTierBlock + 5, vocab);
@@ -35,7 +37,8 @@ inline Workload run_conversations(LoadedModel& e, int num_blocks, int64_t offloa
   LLMEngine le(e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 32, .max_model_len = 128,
                                   .enable_prefix_caching = true, .num_blocks = num_blocks,
                                   .kv_offload_pages = offload_pages, .kv_offload_dir = disk_dir,
-                                  .kv_offload_disk_bytes = disk_bytes});
+                                  .kv_offload_disk_bytes = disk_bytes, .kv_offload_exact_pages = exact_pages,
+                                  .kv_offload_exact_disk_bytes = exact_disk_bytes});
   Workload w;
   for (int t = 0; t < turns; ++t)
     for (int c = 0; c < conversations; ++c) {
@@ -55,15 +58,17 @@ inline Workload run_conversations(LoadedModel& e, int num_blocks, int64_t offloa
   return w;
 }
 
-// `saves`: the tier must save recomputation (it cannot where exact tokens end every hit; see
-// GreedyTokensUnchangedWithExactTokens). The tier's tokens must equal the large pool's, which
-// reuses the same pages; `recompute_equal`: the small pool's, which recomputes them, too (on the
-// CPU; a GPU's chunked prefill may round differently from the steps that wrote the pages).
-inline void check_tier_is_exact(LoadedModel& e, bool saves = true, bool recompute_equal = true) {
+// `saves`: the tier must save recomputation (it cannot where exact tokens end every hit and it
+// keeps no exact pages; see GreedyTokensUnchangedWithExactTokens). The tier's tokens must equal
+// the large pool's, which reuses the same pages; `recompute_equal`: the small pool's, which
+// recomputes them, too (on the CPU; a GPU's chunked prefill may round differently from the steps
+// that wrote the pages). `exact_pages`: the tier's exact pages.
+inline void check_tier_is_exact(LoadedModel& e, bool saves = true, bool recompute_equal = true,
+                                int64_t exact_pages = 0) {
   // A pool large enough to keep everything, the small pool alone, the small pool and a tier.
   const Workload all = run_conversations(e, 400, 0, 6, 3);
   const Workload small = run_conversations(e, 20, 0, 6, 3);
-  const Workload tiered = run_conversations(e, 20, 200, 6, 3);
+  const Workload tiered = run_conversations(e, 20, 200, 6, 3, "", 0, exact_pages);
   if (recompute_equal) EXPECT_EQ(small.outputs, all.outputs);
   EXPECT_EQ(tiered.outputs, all.outputs);
   // Every page copied back serves a hit: pages of a hit that admit_prefix does not keep are
@@ -78,13 +83,46 @@ inline void check_tier_is_exact(LoadedModel& e, bool saves = true, bool recomput
   }
   EXPECT_LE(tiered.stats.kv_offload_pages, tiered.stats.kv_offload_capacity);
   std::printf("[host tier] %s: prompt tokens computed %llu (pool alone %llu, large pool %llu); tier: %llu pages kept, "
-              "%llu restored, %llu tokens hit\n",
+              "%llu restored, %llu tokens hit; exact pages: %llu kept, %llu restored\n",
               describe_kv_resolution(e.plan()).c_str(), (unsigned long long)tiered.stats.prompt_tokens_total,
               (unsigned long long)small.stats.prompt_tokens_total, (unsigned long long)all.stats.prompt_tokens_total,
               (unsigned long long)tiered.stats.kv_offload_stored_total,
               (unsigned long long)tiered.stats.kv_offload_restored_total,
-              (unsigned long long)tiered.stats.kv_offload_hit_tokens_total);
+              (unsigned long long)tiered.stats.kv_offload_hit_tokens_total,
+              (unsigned long long)tiered.stats.kv_offload_exact_stored_total,
+              (unsigned long long)tiered.stats.kv_offload_exact_restored_total);
 }
 
+
+// Exact sink / recent tokens with exact pages in the tier (PageKind::Exact beside the pages):
+// an exact copy a cached page gives up — its page evicted, or its idle exact page taken back
+// for another sequence — is kept there, and a hit whose query reads that page exact takes it
+// back. The hits that ended before the previous turn's last pages now go through them: fewer
+// prompt tokens are computed than with the large pool alone (whose idle exact copies are lost).
+// `tokens_equal`: and the tokens are the same (on the CPU; on a GPU, the large pool recomputes
+// what the tier restores, which may round differently).
+inline void check_exact_pages_come_back(LoadedModel& e, bool tokens_equal = true) {
+  const Workload all = run_conversations(e, 400, 0, 6, 3);
+  const Workload without = run_conversations(e, 20, 200, 6, 3);
+  const Workload with = run_conversations(e, 20, 200, 6, 3, "", 0, /*exact_pages=*/60);
+  if (tokens_equal) {
+    EXPECT_EQ(with.outputs, all.outputs);
+    EXPECT_EQ(without.outputs, all.outputs);
+  }
+  EXPECT_GT(with.stats.kv_offload_exact_stored_total, 0u);
+  EXPECT_GT(with.stats.kv_offload_exact_restored_total, 0u);
+  EXPECT_GT(with.stats.kv_offload_restored_total, 0u) << "pages restored with their exact copies";
+  EXPECT_LT(with.stats.prompt_tokens_total, without.stats.prompt_tokens_total);
+  EXPECT_LT(with.stats.prompt_tokens_total, all.stats.prompt_tokens_total);
+  EXPECT_EQ(with.stats.kv_offload_restored_total * uint64_t(kTierBlock), with.stats.kv_offload_hit_tokens_total);
+  EXPECT_LE(with.stats.kv_offload_exact_pages, with.stats.kv_offload_exact_capacity);
+  std::printf("[exact tier] %s: prompt tokens computed %llu (without exact pages %llu, large pool %llu); %llu pages and "
+              "%llu exact pages restored, %llu exact pages kept\n",
+              describe_kv_resolution(e.plan()).c_str(), (unsigned long long)with.stats.prompt_tokens_total,
+              (unsigned long long)without.stats.prompt_tokens_total, (unsigned long long)all.stats.prompt_tokens_total,
+              (unsigned long long)with.stats.kv_offload_restored_total,
+              (unsigned long long)with.stats.kv_offload_exact_restored_total,
+              (unsigned long long)with.stats.kv_offload_exact_stored_total);
+}
 
 }  // namespace kvlm::testing

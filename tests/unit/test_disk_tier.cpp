@@ -338,6 +338,70 @@ TEST(DiskTier, PagesSurviveARestartForTheSameModelAndPlanOnly) {
   EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5 + 4);
 }
 
+// Exact sink / recent tokens across a restart: the exact copies of each prompt's sinks and of
+// the window before its last full page go to a disk tier of their own (another root, another
+// directory) and come back with the pages, so the same prompts after a restart hit on all their
+// full pages; without exact pages in the tiers the hits end before those pages. A damaged exact
+// page file is ignored like any other: that prompt's hit ends before the page, tokens unchanged.
+TEST(DiskTier, ExactPagesSurviveARestart) {
+  auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kTierBlock, 3, 11);
+  const int vocab = e->config().vocab_size;
+  const fs::path dir = fresh_dir("engine_restart_exact");
+  std::mt19937 rng(6);
+  std::vector<std::vector<TokenId>> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back(random_prompt(rng, 5 * kTierBlock + 3, vocab));
+  auto serve = [&](bool tiers, int64_t exact_pages) {
+    LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 32, .max_model_len = 128,
+                                     .enable_prefix_caching = true, .num_blocks = 40,
+                                     .kv_offload_pages = tiers ? 8 : 0, .kv_offload_dir = tiers ? dir.string() : "",
+                                     .kv_offload_disk_bytes = tiers ? 64u << 20 : 0,
+                                     .kv_offload_exact_pages = exact_pages,
+                                     .kv_offload_exact_disk_bytes = exact_pages > 0 ? 64u << 20 : 0});
+    std::pair<std::vector<std::vector<TokenId>>, EngineStats> r;
+    for (const auto& p : prompts) {
+      std::map<std::string, Collected> out;
+      le.add_request(make("p", p, 6, out));
+      run_to_end(le);
+      r.first.push_back(out["p"].tokens);
+    }
+    r.second = le.stats();
+    return r;
+  };
+  const auto [plain, plain_st] = serve(false, 0);
+  const auto [first, first_st] = serve(true, 6);
+  EXPECT_EQ(first, plain);
+  const auto [second, second_st] = serve(true, 6);
+  EXPECT_EQ(second, plain);
+  const uint64_t full_pages = uint64_t(prompts.size()) * 5;
+  EXPECT_EQ(second_st.prompt_tokens_total + full_pages * kTierBlock, plain_st.prompt_tokens_total)
+      << "every full prompt page, and the exact copies its query reads, come from disk";
+  // Page 0 (sinks) and pages 3-4 (the window before token 40) of each prompt.
+  EXPECT_EQ(second_st.kv_offload_exact_restored_total, uint64_t(prompts.size()) * 3);
+  const PageHash exact_root = kv_root(e->kv_identity() + "\nexact sink / recent pages");
+  ASSERT_TRUE(fs::is_directory(dir / exact_root.hex())) << "exact pages in a directory of their own";
+
+  // Without exact pages in the tiers, the pages come back but every hit ends at once: page 0
+  // is read exact and has no exact copy.
+  const auto [bare, bare_st] = serve(true, 0);
+  EXPECT_EQ(bare, plain);
+  EXPECT_EQ(bare_st.prompt_tokens_total, plain_st.prompt_tokens_total);
+
+  // A damaged exact page file (prompt 0's page 0, its sinks): that hit ends at once.
+  const fs::path victim = dir / exact_root.hex() /
+                          (page_chain(kv_root(e->kv_identity()), std::span(prompts[0]).first(kTierBlock)).hex() + ".kvpage");
+  ASSERT_TRUE(fs::exists(victim)) << "prompt 0's page 0 has its exact copy on disk";
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300);
+    f.put('\x55');
+  }
+  const auto [third, third_st] = serve(true, 6);
+  EXPECT_EQ(third, plain);
+  EXPECT_EQ(third_st.kv_offload_disk_damaged_total, 0u) << "the pages' tier holds no damaged file";
+  EXPECT_EQ(third_st.prompt_tokens_total + (full_pages - 5) * kTierBlock, plain_st.prompt_tokens_total)
+      << "prompt 0's sinks have no exact copy: its hit ends at once";
+}
+
 // A request whose prefix is on disk is "restoring": the step that meets it starts its reads and
 // runs the others without it; it is admitted once its pages are here, with the tokens an engine
 // without tiers gives. With nothing else to run, the scheduler waits for the reads instead.

@@ -229,7 +229,7 @@ TEST(HostTier, GreedyTokensUnchangedInEveryFormat) {
 
 // Tensor parallelism: a page in the tiers is each rank's part of it (its KV heads), rank after
 // rank, copied by every rank at once; tokens are those of a pool that keeps everything, also
-// through a disk tier and after a restart.
+// through a disk tier and after a restart; exact pages likewise.
 TEST(HostTier, TensorParallelRanksKeepTheirPartsOfEachPage) {
   for (KVCacheDType dt : {KVCacheDType::BFloat16, KVCacheDType::Int4PerTokenHead}) {
     SCOPED_TRACE(std::string(kv_cache_dtype_name(dt)));
@@ -254,17 +254,39 @@ TEST(HostTier, TensorParallelRanksKeepTheirPartsOfEachPage) {
     EXPECT_EQ(again.outputs, all.outputs);
     EXPECT_LT(again.stats.prompt_tokens_total, disk.stats.prompt_tokens_total) << "the first run's pages are found";
   }
+  // Exact pages: each rank's part of an exact page too.
+  ModelOptions o;
+  o.model_dir = kStories;
+  o.cache.kv_cache_dtype = KVCacheDType::Int4PerTokenHead;
+  o.cache.block_size = kBs;
+  o.cache.keep_sink = 3;
+  o.cache.keep_recent = 11;
+  o.tensor_parallel_size = 2;
+  auto e = LoadedModel::load(o);
+  e->model().allocate_kv(4, kBs, 2);
+  EXPECT_EQ(e->model().kv_page_bytes(kBs, PageKind::Exact), kv_exact_page_bytes(e->plan(), kBs));
+  check_exact_pages_come_back(*e);
 }
 
-// Exact sink / recent tokens: restored pages come back without exact copies, so a hit stops
-// before a page a query must read exact; the tokens stay the same. In this workload every
-// hit ends that way, even in the large pool: a turn's hit ends in the previous turn's last
-// pages, which its recent window reads exact, and their idle exact copies have been taken
-// back for other conversations by then — so the tier cannot save anything here (the tier does
-// not keep exact pages yet), and copies nothing back that the hit would drop.
+// Exact sink / recent tokens without exact pages in the tier: restored pages come back without
+// exact copies, so a hit stops before a page a query must read exact; the tokens stay the same.
+// In this workload every hit ends that way, even in the large pool: a turn's hit ends in the
+// previous turn's last pages, which its recent window reads exact, and their idle exact copies
+// have been taken back for other conversations by then — so the tier saves nothing here, and
+// copies nothing back that the hit would drop.
 TEST(HostTier, GreedyTokensUnchangedWithExactTokens) {
   auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kBs, 3, 11);
   check_tier_is_exact(*e, /*saves=*/false);
+}
+
+// With exact pages in the tier (PageKind::Exact beside the pages): an exact copy a cached page
+// gives up — its page evicted, or its idle exact page taken back for another sequence — is kept
+// there, and a hit whose query reads that page exact takes it back. The hits that ended before
+// the previous turn's last pages now go through them: fewer prompt tokens are computed than
+// with the large pool alone (whose idle exact copies are lost), and the tokens are the same.
+TEST(HostTier, ExactPagesComeBackFromTheTier) {
+  auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kBs, 3, 11);
+  check_exact_pages_come_back(*e);
 }
 
 // A per-layer plan: K and V apart, rotations, formats that differ by layer.
@@ -342,17 +364,22 @@ TEST(HostTier, PreemptedSequencesComeBackFromTheTier) {
 // a finished request), the tier never holds more than its capacity, and every request that ran
 // to its end gave the tokens it gives alone in a pool that evicts nothing.
 // `disk_dir` ("": none): a disk tier of `disk_pages` pages below the host tier of 10.
-void randomized_workload(const std::string& disk_dir = "", int disk_pages = 0) {
-  auto e = load(kStories, KVCacheDType::Int8PerTokenHead, kBs);
+// `exact`: INT4 with exact sink / recent tokens, and 6 exact pages beside the tier's (their disk
+// tier as many pages as the pages').
+void randomized_workload(const std::string& disk_dir = "", int disk_pages = 0, bool exact = false) {
+  auto e = exact ? load(kStories, KVCacheDType::Int4PerTokenHead, kBs, 3, 11) : load(kStories, KVCacheDType::Int8PerTokenHead, kBs);
   const int vocab = e->config().vocab_size;
   const uint64_t file = 56 + 4 * kBs + e->model().kv_page_bytes(kBs) + 8;
+  const uint64_t exact_file = 56 + 4 * kBs + e->model().kv_page_bytes(kBs, PageKind::Exact) + 8;
   for (uint32_t seed : {1u, 2u, 3u}) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     std::mt19937 rng(seed);
     if (!disk_dir.empty()) std::filesystem::remove_all(disk_dir);
     LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 4, .max_num_batched_tokens = 40, .max_model_len = 128,
                                      .enable_prefix_caching = true, .num_blocks = 18, .kv_offload_pages = 10,
-                                     .kv_offload_dir = disk_dir, .kv_offload_disk_bytes = file * uint64_t(disk_pages)});
+                                     .kv_offload_dir = disk_dir, .kv_offload_disk_bytes = file * uint64_t(disk_pages),
+                                     .kv_offload_exact_pages = exact ? 6 : 0,
+                                     .kv_offload_exact_disk_bytes = exact ? exact_file * uint64_t(disk_pages) : 0});
     const auto system = random_prompt(rng, 2 * kBs + 3, vocab);
     std::vector<std::vector<TokenId>> convs(4, system);
     std::map<std::string, Collected> out;
@@ -389,6 +416,7 @@ void randomized_workload(const std::string& disk_dir = "", int disk_pages = 0) {
       const EngineStats st = le.stats();
       ASSERT_LE(st.kv_offload_pages, st.kv_offload_capacity);
       ASSERT_LE(st.kv_offload_disk_pages, st.kv_offload_disk_capacity);
+      ASSERT_LE(st.kv_offload_exact_pages, st.kv_offload_exact_capacity);
     }
     run_to_end(le);
     const EngineStats st = le.stats();
@@ -398,6 +426,11 @@ void randomized_workload(const std::string& disk_dir = "", int disk_pages = 0) {
     EXPECT_GT(st.kv_offload_evictions_total, 0u) << "the tier should have replaced entries";
     EXPECT_GT(st.kv_offload_restored_total, 0u);
     EXPECT_EQ(st.kv_offload_hit_tokens_total, st.kv_offload_restored_total * uint64_t(kBs));
+    if (exact) {
+      expect_exact_pages_released(le.blocks());
+      EXPECT_EQ(st.kv_offload_exact_capacity, 6);
+      EXPECT_GT(st.kv_offload_exact_restored_total, 0u) << "exact copies should have come back from the tier";
+    }
 
     LLMEngine ref(*e, SchedulerConfig{.max_num_seqs = 1, .max_num_batched_tokens = 128, .max_model_len = 128,
                                       .enable_prefix_caching = false, .num_blocks = 64});
@@ -418,13 +451,14 @@ void randomized_workload(const std::string& disk_dir = "", int disk_pages = 0) {
       EXPECT_EQ(st.kv_offload_disk_damaged_total, 0u);
       size_t files = 0;
       for (const auto& d : std::filesystem::recursive_directory_iterator(disk_dir)) files += d.path().extension() == ".kvpage";
-      EXPECT_LE(files, size_t(disk_pages)) << "more page files than the disk tier's size";
+      EXPECT_LE(files, size_t(exact ? 2 : 1) * size_t(disk_pages)) << "more page files than the disk tiers' sizes";
     }
-    std::printf("[random] seed %u: %d requests checked, %d aborted, %llu preemptions; tier: %llu kept, %llu restored, "
-                "%llu replaced; disk: %llu written, %llu read, %llu replaced\n",
-                seed, checked, aborted, (unsigned long long)st.preemptions_total,
+    std::printf("[random] seed %u%s: %d requests checked, %d aborted, %llu preemptions; tier: %llu kept, %llu restored, "
+                "%llu replaced; exact pages: %llu kept, %llu restored; disk: %llu written, %llu read, %llu replaced\n",
+                seed, exact ? " (exact tokens)" : "", checked, aborted, (unsigned long long)st.preemptions_total,
                 (unsigned long long)st.kv_offload_stored_total, (unsigned long long)st.kv_offload_restored_total,
-                (unsigned long long)st.kv_offload_evictions_total, (unsigned long long)st.kv_offload_disk_written_total,
+                (unsigned long long)st.kv_offload_evictions_total, (unsigned long long)st.kv_offload_exact_stored_total,
+                (unsigned long long)st.kv_offload_exact_restored_total, (unsigned long long)st.kv_offload_disk_written_total,
                 (unsigned long long)st.kv_offload_disk_read_total, (unsigned long long)st.kv_offload_disk_evictions_total);
   }
 }
@@ -434,6 +468,12 @@ TEST(HostTier, RandomizedWorkloadLeaksNothingAndKeepsTokens) { randomized_worklo
 // The same with a disk tier of 30 pages below: written in the background, read back, replaced.
 TEST(HostTier, RandomizedWorkloadThroughADiskTier) {
   randomized_workload((std::filesystem::path(::testing::TempDir()) / "kvlm_random_disk").string(), 30);
+}
+
+// Exact sink / recent tokens, with exact pages in the host tier and on disk.
+TEST(HostTier, RandomizedWorkloadWithExactPages) { randomized_workload("", 0, true); }
+TEST(HostTier, RandomizedWorkloadWithExactPagesThroughADiskTier) {
+  randomized_workload((std::filesystem::path(::testing::TempDir()) / "kvlm_random_exact_disk").string(), 30, true);
 }
 
 // --kv-offload-gib is planned in whole pages and refused where it cannot work.
@@ -462,4 +502,25 @@ TEST(HostTier, MemoryPlanCountsPagesAndRefusesWhatCannotWork) {
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("fewer than 2 pages"), std::string::npos) << err.what();
   }
+
+  // Exact sink / recent tokens: exact pages take the share of the host tier (and of the disk
+  // tier) that they have of the pool, out of the same sizes.
+  auto x = load(kStories, KVCacheDType::Int4PerTokenHead, kBs, 3, 11);
+  o.kv_offload_bytes = 4 << 20;
+  o.kv_offload_disk_bytes = 64 << 20;
+  o.max_num_seqs = 8;
+  o.kv_cache_memory = 16 << 20;
+  const MemoryPlan xp = plan_kv_memory(*x, o);
+  const size_t xpage = x->model().kv_page_bytes(kBs), epage = x->model().kv_page_bytes(kBs, PageKind::Exact);
+  ASSERT_GT(epage, 0u);
+  ASSERT_GT(xp.num_exact_pages, 0);
+  const double share = double(xp.exact_bytes) / double(xp.exact_bytes + uint64_t(xp.num_blocks) * xp.bytes_per_block);
+  EXPECT_EQ(xp.offload_exact_pages, int64_t(double(4 << 20) * share / double(epage)));
+  EXPECT_GT(xp.offload_exact_pages, 1);
+  EXPECT_EQ(xp.offload_pages, int64_t(((4 << 20) - uint64_t(xp.offload_exact_pages) * epage) / xpage));
+  EXPECT_LE(xp.offload_bytes + xp.offload_exact_bytes, uint64_t(4 << 20));
+  EXPECT_EQ(xp.offload_disk_bytes + xp.offload_exact_disk_bytes, uint64_t(64 << 20));
+  EXPECT_GT(xp.offload_exact_disk_bytes, 0u);
+  EXPECT_NE(xp.summary.find("exact pages"), std::string::npos) << xp.summary;
+  std::printf("[memory plan] %s\n", xp.summary.c_str());
 }

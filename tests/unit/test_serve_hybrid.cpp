@@ -186,79 +186,12 @@ TEST(Scheduler, PrefixCacheOnAHybridModelResumesFromStateSnapshots) {
   EXPECT_EQ(out["again"].tokens, want_shared);
 }
 
-// n-gram drafting on a hybrid model: a verification step runs the draft through the Gated
-// DeltaNet layers too, so a draft not wholly accepted rolls each sequence's recurrent state back
-// to the step's start (from the copy kept before it) and computes the accepted tokens again.
-// Greedy tokens are plain generation's, one request at a time and batched with chunked
-// prefill, prefix hits and drafts in the same steps (parting only after a near tie, as for
-// dense models: support/greedy_compare.h).
+// n-gram drafting on a hybrid model rolls the recurrent state back (serve_test_util.h).
 TEST(Scheduler, HybridDraftsRollTheRecurrentStateBack) {
   ModelOptions o;
   o.model_dir = kQwen35;
   o.cache.block_size = 8;
-  auto plain = LoadedModel::load(o);
-  // Prompts that end as they began, after the model's own continuation of that beginning: the
-  // n-gram proposer drafts that continuation again, which the model partly repeats (random
-  // weights do not continue repeated text as a trained model does).
-  std::vector<std::vector<TokenId>> prompts;
-  for (const std::vector<TokenId>& start : {std::vector<TokenId>{1, 45, 87, 45, 87, 45, 87, 45},
-                                            std::vector<TokenId>{1, 10, 11, 12, 13, 14, 10, 11, 12, 13, 14},
-                                            std::vector<TokenId>{1, 200, 31, 57, 99, 100, 150, 190, 57, 99, 100}}) {
-    std::vector<TokenId> p = start;
-    const std::vector<TokenId> cont = one_at_a_time(*plain, start, 12);
-    p.insert(p.end(), cont.begin(), cont.end());
-    p.insert(p.end(), start.begin() + 1, start.end());
-    prompts.push_back(p);
-  }
-  o.speculative = parse_speculative_config(
-      R"({"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":1,"prompt_lookup_max":4})");
-  auto spec = LoadedModel::load(o);
-  std::vector<GenerateResult> want;
-  int parted = 0;
-  uint64_t drafted = 0, accepted = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerateRequest g;
-    g.prompt = prompts[i];
-    g.max_tokens = 40;
-    g.sampling.temperature = 0;
-    g.ignore_eos = true;
-    const GenerateResult b = generate(*spec, g);
-    g.logprobs = 2;
-    want.push_back(generate(*plain, g));
-    parted += test::expect_same_greedy(want.back(), b, "prompt " + std::to_string(i) + " alone");
-    drafted += b.draft_tokens;
-    accepted += b.accepted_tokens;
-  }
-  std::printf("[hybrid drafts] one at a time: %llu draft tokens, %llu accepted\n", (unsigned long long)drafted,
-              (unsigned long long)accepted);
-  EXPECT_GT(accepted, 0u) << "no draft was accepted: the rollback is not exercised with accepted tokens";
-  EXPECT_GT(drafted, accepted) << "every draft was accepted: no state was rolled back";
-  for (const int budget : {64, 7}) {
-    std::map<std::string, Collected> out;
-    LLMEngine le(*spec, SchedulerConfig{.max_num_seqs = 3, .max_num_batched_tokens = budget, .max_model_len = 128,
-                                        .enable_prefix_caching = true, .num_blocks = 64});
-    EXPECT_EQ(le.config().draft_states, 3);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      EngineRequest r = make("p" + std::to_string(i), prompts[i], 40, out);
-      r.ignore_eos = true;
-      le.add_request(std::move(r));
-    }
-    run_to_end(le);
-    const EngineStats st = le.stats();
-    EXPECT_GT(st.spec_state_rewinds_total, 0u) << "budget " << budget;
-    EXPECT_GT(st.spec_accepted_tokens_total, 0u) << "budget " << budget;
-    std::printf("[hybrid drafts] budget %d: %llu drafts, %llu tokens, %llu accepted, %llu states rolled back\n", budget,
-                (unsigned long long)st.spec_drafts_total, (unsigned long long)st.spec_draft_tokens_total,
-                (unsigned long long)st.spec_accepted_tokens_total, (unsigned long long)st.spec_state_rewinds_total);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      GenerateResult got;
-      got.tokens = out["p" + std::to_string(i)].tokens;
-      parted += test::expect_same_greedy(want[i], got, "prompt " + std::to_string(i) + " batched, budget " +
-                                                           std::to_string(budget));
-    }
-    EXPECT_EQ(le.blocks().num_used(), 0);
-  }
-  EXPECT_LE(parted, 1) << "drafted and plain greedy outputs part (at near ties) for more than one of 9 runs";
+  check_hybrid_drafts(o, "cpu");
 }
 
 // DFlash's drafter is not built for hybrid models: refused before loading, naming what works.

@@ -572,25 +572,30 @@ void CpuModelRunner::copy_blocks(std::span<const PageCopy> copies) {
 
 // A tensor-parallel rank holds a share of the KV heads: its part of each page (the TP runner
 // puts the ranks' parts side by side).
-size_t CpuModelRunner::kv_page_bytes(int block_size) const {
-  return ::kvlm::kv_page_bytes(*plan_, block_size);  // a tensor-parallel rank's: its heads' part
+size_t CpuModelRunner::kv_page_bytes(int block_size, PageKind kind) const {
+  // A tensor-parallel rank's: its heads' part.
+  return kind == PageKind::Exact ? kv_exact_page_bytes(*plan_, block_size) : ::kvlm::kv_page_bytes(*plan_, block_size);
 }
 
-void CpuModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) {
+void CpuModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out, PageKind kind) {
   KVLM_CHECK(cache_ != nullptr, "save_pages before allocate_kv");
   KVLM_CHECK(out.size() == pages.size(), "save_pages: one buffer per page");
-  const size_t page = cache_->page_bytes();
+  const bool exact = kind == PageKind::Exact;
+  const size_t page = exact ? cache_->exact_page_bytes() : cache_->page_bytes();
   const auto t0 = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < pages.size(); ++i) cache_->save_page(pages[i], {out[i], page});
+  for (size_t i = 0; i < pages.size(); ++i)
+    exact ? cache_->save_exact_page(pages[i], {out[i], page}) : cache_->save_page(pages[i], {out[i], page});
   page_times_.save_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void CpuModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) {
+void CpuModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in, PageKind kind) {
   KVLM_CHECK(cache_ != nullptr, "load_pages before allocate_kv");
   KVLM_CHECK(in.size() == pages.size(), "load_pages: one buffer per page");
-  const size_t page = cache_->page_bytes();
+  const bool exact = kind == PageKind::Exact;
+  const size_t page = exact ? cache_->exact_page_bytes() : cache_->page_bytes();
   const auto t0 = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < pages.size(); ++i) cache_->load_page(pages[i], {in[i], page});
+  for (size_t i = 0; i < pages.size(); ++i)
+    exact ? cache_->load_exact_page(pages[i], {in[i], page}) : cache_->load_page(pages[i], {in[i], page});
   page_times_.load_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

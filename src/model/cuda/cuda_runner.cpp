@@ -588,14 +588,25 @@ void CudaModelRunner::allocate_kv(int num_blocks, int block_size, int num_exact_
     m.exact.allocate(etotal, "the exact sink / recent tokens (" + std::to_string(num_exact_pages) +
                                  " pages; lower --max-num-seqs or the kept tokens)");
     KVLM_CUDA_CHECK(cudaMemsetAsync(m.exact.data(), 0, etotal, m.stream));
+    // The host tier's table of them: K then V exact rows per keeping layer, no scales
+    // (KVCache::save_exact_page's layout).
+    std::vector<cuda::KVPagePools> epools;
+    uint64_t eoffset = 0;
     for (size_t i = 0; i < m.lkv.size(); ++i) {
       CudaKVLayer& L = m.lkv[i];
       if (L.exact_page_bytes == 0) continue;
       const size_t part = align_up(L.exact_page_bytes * size_t(num_exact_pages));
       L.exact_k = reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[i]);
       L.exact_v = reinterpret_cast<uint16_t*>(m.exact.data() + eoffs[i] + part);
+      epools.push_back({.k = reinterpret_cast<uint8_t*>(L.exact_k), .v = reinterpret_cast<uint8_t*>(L.exact_v),
+                        .k_page_bytes = L.exact_page_bytes, .v_page_bytes = L.exact_page_bytes, .page_offset = eoffset});
+      eoffset += 2 * L.exact_page_bytes;
     }
+    m.exact_pools.allocate(epools.size() * sizeof(cuda::KVPagePools), "the exact page table");
+    KVLM_CUDA_CHECK(cudaMemcpy(m.exact_pools.data(), epools.data(), epools.size() * sizeof(cuda::KVPagePools),
+                               cudaMemcpyHostToDevice));
     m.num_exact = num_exact_pages;
+    m.num_exact_layers = int(epools.size());
   }
   m.kv_pools.allocate(pools.size() * sizeof(cuda::KVPagePools), "the KV page table");
   KVLM_CUDA_CHECK(cudaMemcpy(m.kv_pools.data(), pools.data(), pools.size() * sizeof(cuda::KVPagePools),

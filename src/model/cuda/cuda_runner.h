@@ -72,9 +72,11 @@ class CudaModelRunner final : public ModelRunner {
   void forward(const ForwardBatch& batch, std::span<float> logits) override;
   void forward_follower(const ForwardBatch& batch) override;
   void copy_blocks(std::span<const PageCopy> copies) override;
-  size_t kv_page_bytes(int block_size) const override;
-  void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) override;
-  void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) override;
+  size_t kv_page_bytes(int block_size, PageKind kind = PageKind::Pages) const override;
+  void save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out,
+                  PageKind kind = PageKind::Pages) override;
+  void load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in,
+                  PageKind kind = PageKind::Pages) override;
   HostBytes allocate_host(size_t bytes) override;
   void wait_pages() override;
   std::function<void()> page_fence() override;

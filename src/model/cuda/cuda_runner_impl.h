@@ -173,9 +173,15 @@ struct CudaModelRunner::Impl {
   std::unique_ptr<DraftDefinition> draft_def;  // a DFlash drafter, if loaded
   std::vector<Weight> draft_w;                 // its weights, then the target's embedding and LM head
   std::unique_ptr<CudaOps> ops;
-  DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, pairs_dev, scratch, exact, states;
+  DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, exact_pools, pairs_dev, scratch, exact, states;
   DeviceBuffer page_staging;  // the host tier's packed pages in passing (cuda_runner_pages.cpp)
   int staging_pages(size_t page_bytes);
+  struct PageTable {
+    const cuda::KVPagePools* layers;
+    int num_layers;
+    int num_ids;  // valid page ids: [0, num_ids)
+  };
+  PageTable page_table(PageKind kind) const;
   // The host tier's copies in flight, timed: start and end events of one save_pages or
   // load_pages call, until they complete (cuda_runner_pages.cpp).
   struct CopyTiming {
@@ -214,6 +220,7 @@ struct CudaModelRunner::Impl {
   std::vector<CudaKVLayer> lkv;
   int num_blocks = 0, block_size = 0;
   int num_exact = 0;          // exact pages (layers with exact sink / recent tokens)
+  int num_exact_layers = 0;   // layers with exact pages: exact_pools' entries
   size_t exact_page_bytes = 0;  // of one layer's K (equally V) exact page, per keeping layer
   size_t kv_bytes = 0;
   bool poison = false;
@@ -253,7 +260,7 @@ struct CudaModelRunner::Impl {
     clear_graphs();
     kv.reset();
     exact.reset();
-    num_blocks = block_size = num_exact = 0;
+    num_blocks = block_size = num_exact = num_exact_layers = 0;
     kv_bytes = 0;
   }
 

@@ -1,5 +1,6 @@
 // Page copies of the CUDA runner (cuda_runner.h): the copy-on-write of a shared prefix page
-// (copy_blocks), and the prefix cache's host tier (engine/host_kv_tier.h): pages packed into a
+// (copy_blocks), and the prefix cache's host tier (engine/host_kv_tier.h): pages (or exact
+// pages, through a table of their own) packed into a
 // device staging buffer by one kernel and moved by one DMA per run of adjacent host buffers to
 // pinned host memory, and back the same way, all on the runner's stream and in its order,
 // without waiting.
@@ -57,7 +58,18 @@ void CudaModelRunner::copy_blocks(std::span<const PageCopy> pairs) {
   KVLM_CUDA_CHECK(cudaStreamSynchronize(m.stream));  // the pinned pairs may be reused next call
 }
 
-size_t CudaModelRunner::kv_page_bytes(int block_size) const { return ::kvlm::kv_page_bytes(*impl_->plan, block_size); }
+size_t CudaModelRunner::kv_page_bytes(int block_size, PageKind kind) const {
+  return kind == PageKind::Exact ? kv_exact_page_bytes(*impl_->plan, block_size)
+                                 : ::kvlm::kv_page_bytes(*impl_->plan, block_size);
+}
+
+// The page table that pack_kv_pages reads for `kind` (the pool's, or the exact pages'), its
+// layers and the ids it takes.
+CudaModelRunner::Impl::PageTable CudaModelRunner::Impl::page_table(PageKind kind) const {
+  if (kind == PageKind::Exact)
+    return {reinterpret_cast<const cuda::KVPagePools*>(exact_pools.data()), num_exact_layers, num_exact};
+  return {reinterpret_cast<const cuda::KVPagePools*>(kv_pools.data()), int(lkv.size()), num_blocks};
+}
 
 HostBytes CudaModelRunner::allocate_host(size_t bytes) {
   const DeviceScope dev(impl_->device);
@@ -133,19 +145,20 @@ void for_each_run(std::span<P* const> bufs, size_t page_bytes, F&& f) {
 }
 }  // namespace
 
-void CudaModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out) {
+void CudaModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8_t* const> out, PageKind kind) {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   KVLM_CHECK(m.num_blocks > 0, "save_pages before allocate_kv");
   KVLM_CHECK(out.size() == pages.size(), "save_pages: one buffer per page");
-  for (BlockId id : pages) KVLM_CHECK(id >= 0 && id < m.num_blocks, "save_pages: page id out of range");
-  const size_t pb = kv_page_bytes(m.block_size);
+  const Impl::PageTable t = m.page_table(kind);
+  for (BlockId id : pages) KVLM_CHECK(id >= 0 && id < t.num_ids, "save_pages: page id out of range");
+  const size_t pb = kv_page_bytes(m.block_size, kind);
+  KVLM_CHECK(pb > 0, "save_pages: no pages of that kind");
   const int per = m.staging_pages(pb);
-  const auto* layers = reinterpret_cast<const cuda::KVPagePools*>(m.kv_pools.data());
   m.timed_copies(page_times_, false, [&] {
     for (size_t b = 0; b < pages.size(); b += size_t(per)) {
       const size_t n = std::min(pages.size() - b, size_t(per));
-      cuda::pack_kv_pages(layers, int(m.lkv.size()), pages.data() + b, int(n), m.page_staging.data(), pb, m.stream);
+      cuda::pack_kv_pages(t.layers, t.num_layers, pages.data() + b, int(n), m.page_staging.data(), pb, m.stream);
       for_each_run(out.subspan(b, n), pb, [&](size_t i, size_t count, size_t stride) {
         const uint8_t* const src = m.page_staging.data() + i * pb;
         if (stride == pb || count == 1)
@@ -157,16 +170,17 @@ void CudaModelRunner::save_pages(std::span<const BlockId> pages, std::span<uint8
   });
 }
 
-void CudaModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in) {
+void CudaModelRunner::load_pages(std::span<const BlockId> pages, std::span<const uint8_t* const> in, PageKind kind) {
   Impl& m = *impl_;
   const DeviceScope dev(m.device);
   KVLM_CHECK(m.num_blocks > 0, "load_pages before allocate_kv");
   KVLM_CHECK(in.size() == pages.size(), "load_pages: one buffer per page");
-  for (BlockId id : pages) KVLM_CHECK(id >= 0 && id < m.num_blocks, "load_pages: page id out of range");
+  const Impl::PageTable t = m.page_table(kind);
+  for (BlockId id : pages) KVLM_CHECK(id >= 0 && id < t.num_ids, "load_pages: page id out of range");
   KVLM_CHECK(std::set<BlockId>(pages.begin(), pages.end()).size() == pages.size(), "load_pages: a page given twice");
-  const size_t pb = kv_page_bytes(m.block_size);
+  const size_t pb = kv_page_bytes(m.block_size, kind);
+  KVLM_CHECK(pb > 0, "load_pages: no pages of that kind");
   const int per = m.staging_pages(pb);
-  const auto* layers = reinterpret_cast<const cuda::KVPagePools*>(m.kv_pools.data());
   m.timed_copies(page_times_, true, [&] {
     for (size_t b = 0; b < pages.size(); b += size_t(per)) {
       const size_t n = std::min(pages.size() - b, size_t(per));
@@ -177,7 +191,7 @@ void CudaModelRunner::load_pages(std::span<const BlockId> pages, std::span<const
         else
           KVLM_CUDA_CHECK(cudaMemcpy2DAsync(dst, pb, in[b + i], stride, pb, count, cudaMemcpyHostToDevice, m.stream));
       });
-      cuda::unpack_kv_pages(layers, int(m.lkv.size()), pages.data() + b, int(n), m.page_staging.data(), pb, m.stream);
+      cuda::unpack_kv_pages(t.layers, t.num_layers, pages.data() + b, int(n), m.page_staging.data(), pb, m.stream);
     }
   });
 }
