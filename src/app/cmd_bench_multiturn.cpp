@@ -188,6 +188,8 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
     rowd("Store bandwidth (GB/s):", gbps(double(stored_bytes), store_s));
     rowi("Prompt tokens from the host tier:", int64_t(tier_tokens));
     rowi("Entries replaced:", int64_t(after.kv_offload_evictions_total - before.kv_offload_evictions_total));
+    rowd("Restore per page (ms):", after.kv_offload_restore_page_seconds * 1e3, 3);
+    rowd("Recompute per page (ms):", after.kv_offload_recompute_page_seconds * 1e3, 3);
     if (after.kv_offload_exact_capacity > 0) {
       rowi("Exact pages (capacity):", after.kv_offload_exact_capacity);
       rowi("Exact pages stored:", int64_t(after.kv_offload_exact_stored_total - before.kv_offload_exact_stored_total));
@@ -210,6 +212,7 @@ int run_bench_multiturn(const BenchMultiturnFlags& f) {
     rowi("Pages read back:", int64_t(disk_read));
     rowd("Read time (ms):", disk_read_s * 1e3);
     rowd("Read bandwidth (GB/s):", gbps(double(disk_read) * page_file, disk_read_s));
+    rowd("Read per page (ms):", after.kv_offload_disk_page_seconds * 1e3, 3);
     rowi("Damaged files ignored:", int64_t(after.kv_offload_disk_damaged_total));
     rowi("Turns that waited for disk reads:", int64_t(restoring));
   }

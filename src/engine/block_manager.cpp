@@ -100,8 +100,7 @@ void BlockManager::detach_exact(BlockId id) {
   Block& b = blocks_[size_t(id)];
   const int32_t e = exact_of_[size_t(id)];
   if (e < 0) return;
-  if (exact_tier_ && b.serial != 0 && !b.exact_stale)
-    exact_tier_->keep(e, b.serial, b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
+  const bool keep = exact_tier_ && b.serial != 0 && !b.exact_stale;
   b.exact_stale = false;
   if (b.exact_idle) {
     b.exact_idle = false;
@@ -110,6 +109,10 @@ void BlockManager::detach_exact(BlockId id) {
   exact_of_[size_t(id)] = -1;
   exact_owner_[size_t(e)] = -1;
   exact_free_.push_back(e);
+  // Freed first, so that a failing copy leaves the pool's books whole; the copy is issued
+  // before anything can write into the exact page again.
+  if (keep)
+    exact_tier_->keep(e, b.serial, b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_)));
 }
 
 void BlockManager::hold_exact(BlockId id, bool fresh) {
@@ -156,7 +159,12 @@ bool BlockManager::restore_exact(BlockId id, std::span<const BlockId> keep) {
     }
     const BlockId victim = *it;
     idle_exact_.erase(it);
-    detach_exact(victim);  // its copy kept in the exact tier
+    try {
+      detach_exact(victim);  // its copy kept in the exact tier
+    } catch (...) {
+      exact_tier_->unpin(slot);
+      throw;
+    }
   }
   const int32_t e = exact_free_.back();
   exact_free_.pop_back();
@@ -312,7 +320,8 @@ void BlockManager::offload_cached() {
     if (b.serial == 0) return;
     const auto tokens = std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_));
     tier_->keep(id, b.serial, b.chain, tokens);
-    if (exact_tier_ && exact_of_[size_t(id)] >= 0) exact_tier_->keep(exact_of_[size_t(id)], b.serial, b.chain, tokens);
+    if (exact_tier_ && exact_of_[size_t(id)] >= 0 && !b.exact_stale)
+      exact_tier_->keep(exact_of_[size_t(id)], b.serial, b.chain, tokens);
   };
   for (BlockId id = head_; id >= 0; id = blocks_[size_t(id)].next) keep(id);  // free pages, least recent first
   for (BlockId id = 0; id < num_blocks_; ++id)

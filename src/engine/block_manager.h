@@ -136,9 +136,9 @@ class BlockManager {
   void mark_exact_stale(BlockId id);
   // Page `id` (cached, referenced, without an exact copy) gets its exact copy back from the
   // exact tier, attached idle: copied in, in stream order, before the next step. The exact
-  // page is a free one, or an idle one taken back from a page not in `keep` (the caller's
-  // pages, whose exact copies it still needs). Returns false (nothing changed) when the tier
-  // does not hold it or no exact page can be had.
+  // page is a free one, or an idle one taken back from a page not in `keep` (the pages the
+  // caller's query reads exact). Returns false (nothing changed) when the tier does not hold it
+  // or no exact page can be had.
   bool restore_exact(BlockId id, std::span<const BlockId> keep);
   int exact_holds(BlockId id) const { return blocks_[size_t(id)].exact_holds; }
 

@@ -187,6 +187,8 @@ void HostKVTier::keep(BlockId id, uint64_t serial, const PageHash& chain, std::s
 }
 
 int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens, bool from_disk) {
+  if (!use_host_) return -1;
+  from_disk = from_disk && use_disk_;
   if (disk_ && !index_.count(chain) && (loading_.count(chain) || (from_disk && disk_->contains(chain)))) {
     // On its way here (or, when allowed, on disk: read it first): wait for this page alone.
     if (!loading_.count(chain)) fetch({&chain, 1}, tokens);
@@ -205,7 +207,7 @@ void HostKVTier::unpin(int slot) { entries_[size_t(slot)].pinned = false; }
 
 size_t HostKVTier::fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens, size_t* started) {
   if (started) *started = 0;
-  if (!disk_) return 0;
+  if (!disk_ || !use_host_ || !use_disk_) return 0;
   poll(false);
   const size_t bs = size_t(block_size_);
   size_t loading = 0;

@@ -74,9 +74,18 @@ class HostKVTier {
   // most recently used and is pinned — not replaced — until restore() or unpin().
   int find(const PageHash& chain, std::span<const TokenId> tokens, bool from_disk = true);
   void unpin(int slot);
-  // Whether this tier or the disk tier below holds page `chain` (or it is on its way here).
+  // Whether this tier or the disk tier below holds page `chain` (or it is on its way here) for
+  // a hit to take it: only the tiers in use count.
   bool holds(const PageHash& chain) const {
-    return index_.count(chain) > 0 || loading_.count(chain) > 0 || (disk_ && disk_->contains(chain));
+    if (!use_host_) return false;
+    return index_.count(chain) > 0 || loading_.count(chain) > 0 || (use_disk_ && disk_ && disk_->contains(chain));
+  }
+  // Which tiers hits take pages from (tier_costs.h: while restoring pays against computing the
+  // tokens again). Off, find() and holds() see no page of that tier and fetch() reads nothing;
+  // pages are still kept and written, and reads in flight land.
+  void set_use(bool host, bool disk) {
+    use_host_ = host;
+    use_disk_ = disk;
   }
   // Starts reading into slots here the pages `chains[i]` (holding tokens[i * block_size,
   // (i + 1) * block_size)) that only the disk tier holds, on its reader threads, among the
@@ -136,6 +145,7 @@ class HostKVTier {
 
   ModelRunner& runner_;
   PageKind kind_;
+  bool use_host_ = true, use_disk_ = true;
   int block_size_;
   size_t page_bytes_;
   HostBytes data_;                   // [capacity][page_bytes], from runner.allocate_host

@@ -207,6 +207,7 @@ bool LLMEngine::step() {
   stats_.grammar_late_masks_total += uint64_t(batch_.late_masks());
   const auto t_sample = Clock::now();
   stats_.forward_seconds_total += seconds(t_sample - t_forward);
+  scheduler_.note_step(seconds(t_sample - t_forward), batch_.num_rows());  // what recomputing costs
 
   outputs_.draw(seqs, batch_);
   stats_.sample_seconds_total += seconds(Clock::now() - t_sample);
@@ -313,6 +314,12 @@ EngineStats LLMEngine::stats() const {
     st.kv_offload_restored_total = t->pages_restored();
     st.kv_offload_evictions_total = t->evictions();
     st.kv_offload_hit_tokens_total = b.lower_tier_hits();
+    const TierCosts& costs = scheduler_.tier_costs();
+    st.kv_offload_recompute_page_seconds = costs.recompute_per_page().value_or(0);
+    st.kv_offload_restore_page_seconds = costs.restore_per_page(TierCosts::Tier::Host).value_or(0);
+    st.kv_offload_disk_page_seconds = costs.restore_per_page(TierCosts::Tier::Disk).value_or(0);
+    st.kv_offload_host_in_use = scheduler_.tiers_in_use().host;
+    st.kv_offload_disk_in_use = scheduler_.tiers_in_use().disk;
     if (const HostKVTier* x = scheduler_.exact_tier()) {
       st.kv_offload_exact_pages = int(x->size());
       st.kv_offload_exact_capacity = int(x->capacity());
@@ -320,6 +327,12 @@ EngineStats LLMEngine::stats() const {
       st.kv_offload_exact_restored_total = x->pages_restored();
       st.kv_offload_stored_bytes_total += x->pages_kept() * x->page_bytes();
       st.kv_offload_restored_bytes_total += x->pages_restored() * x->page_bytes();
+      if (const DiskKVTier* d = x->disk()) {
+        st.kv_offload_exact_disk_pages = int(d->size());
+        st.kv_offload_exact_disk_written_total = d->pages_written();
+        st.kv_offload_exact_disk_read_total = d->pages_read();
+        st.kv_offload_exact_disk_damaged_total = d->damaged();
+      }
     }
     if (const DiskKVTier* d = t->disk()) {
       st.kv_offload_disk_pages = int(d->size());

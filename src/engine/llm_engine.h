@@ -57,6 +57,8 @@ class LLMEngine {
   void set_stats_listener(std::function<void(const EngineStats&)> f) { listener_ = std::move(f); }
   const SchedulerConfig& config() const { return cfg_; }
   const BlockManager& blocks() const { return scheduler_.blocks(); }
+  // The lower tiers' cost model (whether restoring pays against recomputing).
+  TierCosts& tier_costs() { return scheduler_.tier_costs(); }
   const StateSnapshots& snapshots() const { return scheduler_.snapshots(); }
   LoadedModel& model() { return model_; }
 

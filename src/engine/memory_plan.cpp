@@ -255,7 +255,10 @@ MemoryPlan plan_kv_memory(const LoadedModel& engine, const MemoryOptions& opts) 
     mp.offload_bytes = uint64_t(mp.offload_pages) * page;
     if (mp.offload_pages < 2)
       throw Error("--kv-offload-gib: " + human_bytes(opts.kv_offload_bytes) + " holds fewer than 2 pages of " +
-                  human_bytes(page) + "; give the host tier more memory");
+                  human_bytes(page) +
+                  (mp.offload_exact_bytes > 0 ? " beside " + human_bytes(mp.offload_exact_bytes) + " of exact sink / recent pages"
+                                              : std::string()) +
+                  "; give the host tier more memory");
     if (const uint64_t avail = host_available_bytes(); avail > 0 && mp.offload_bytes + mp.offload_exact_bytes > avail)
       throw Error("--kv-offload-gib: the host tier's " + human_bytes(mp.offload_bytes + mp.offload_exact_bytes) +
                   " is more than the " +

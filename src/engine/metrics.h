@@ -52,6 +52,15 @@ struct EngineStats {
   // (their bytes are in the totals above, their copies' time too).
   int kv_offload_exact_pages = 0, kv_offload_exact_capacity = 0;
   uint64_t kv_offload_exact_stored_total = 0, kv_offload_exact_restored_total = 0;
+  // and their disk tier's (beside the pages' one, under another root).
+  int kv_offload_exact_disk_pages = 0;
+  uint64_t kv_offload_exact_disk_written_total = 0, kv_offload_exact_disk_read_total = 0;
+  uint64_t kv_offload_exact_disk_damaged_total = 0;
+  // What bringing a page back costs, from host memory and (the read alone) from disk, against
+  // computing its tokens again, measured (engine/tier_costs.h; 0: not yet), and whether hits
+  // take pages from each tier now (they do while it pays).
+  double kv_offload_restore_page_seconds = 0, kv_offload_disk_page_seconds = 0, kv_offload_recompute_page_seconds = 0;
+  bool kv_offload_host_in_use = true, kv_offload_disk_in_use = true;
   // Its disk tier (--kv-offload-dir; engine/disk_kv_tier.h): pages held (gauge) and its capacity,
   // pages written and read back (read into the host tier, then restored from there), files
   // replaced, damaged or foreign files ignored, and the time its writes and reads took.

@@ -21,6 +21,7 @@ Scheduler::Scheduler(const SchedulerConfig& cfg, int block_size, ModelRunner& ru
     : cfg_(cfg),
       sink_pages_(cfg.num_exact_pages > 0 ? pages_for(cfg.keep_sink, block_size) : 0),
       snapshots_(cfg.max_num_seqs, std::max(cfg.state_snapshots, 0)),
+      costs_(block_size),
       blocks_(cfg.num_blocks, block_size, cfg.enable_prefix_caching, cfg.num_exact_pages),
       runner_(runner),
       stats_(stats) {
@@ -80,7 +81,8 @@ void Scheduler::advance_exact(Sequence& s) {
   const int bs = blocks_.block_size();
   const int stale = std::min({window_page(s.num_computed / bs * bs), from, int(s.pages.size())});
   const int prompt_end = std::min(s.num_prompt, s.num_computed) / bs;
-  const int prompt_window = window_page(prompt_end * bs);
+  // A hit on the whole prompt again runs its last token: its query is at num_prompt - 1.
+  const int prompt_window = window_page(std::min(prompt_end * bs, s.num_prompt - 1));
   for (int i = std::max(sink_pages_, s.exact_stale_from); i < stale; ++i)
     if (i < prompt_window || i >= prompt_end) blocks_.mark_exact_stale(s.pages[size_t(i)]);
   s.exact_stale_from = std::max(s.exact_stale_from, stale);
@@ -174,12 +176,16 @@ void Scheduler::admit_prefix(Sequence& s) {
   // tokens are computed again instead.
   auto settle = [&] {
     if (!keeps_exact()) return;
+    std::vector<BlockId> needed;  // the pages this hit reads exact: their idle copies are not taken back
     const auto exact = [&](int i) {
       const BlockId id = s.pages[size_t(i)];
-      return blocks_.exact_of(id) >= 0 || blocks_.restore_exact(id, s.pages);
+      return blocks_.exact_of(id) >= 0 || blocks_.restore_exact(id, needed);
     };
     for (;;) {
       const int next = std::min(found * bs, total - 1);
+      needed.clear();
+      for (int i = 0; i < std::min(found, sink_pages_); ++i) needed.push_back(s.pages[size_t(i)]);
+      for (int i = std::min(found, window_page(next)); i < found; ++i) needed.push_back(s.pages[size_t(i)]);
       bool ok = true;
       for (int i = 0; i < std::min(found, sink_pages_) && ok; ++i) ok = exact(i);
       for (int i = std::min(found, window_page(next)); i < found && ok; ++i) ok = exact(i);
@@ -365,7 +371,21 @@ void Scheduler::register_full_pages(Sequence& s) {
   s.snapshot_at = -1;
 }
 
+// The tiers' restores so far, in pages' worth of bytes (exact pages are larger), and whether
+// each tier pays now.
+void Scheduler::decide_tiers() {
+  if (!tier_) return;
+  const double page = double(tier_->page_bytes());
+  double bytes = double(tier_->pages_restored()) * page;
+  if (exact_tier_) bytes += double(exact_tier_->pages_restored()) * double(exact_tier_->page_bytes());
+  costs_.note_restores(TierCosts::Tier::Host, runner_.page_copy_times().load_seconds, uint64_t(bytes / page));
+  if (const DiskKVTier* d = tier_->disk()) costs_.note_restores(TierCosts::Tier::Disk, d->read_seconds(), d->pages_read());
+  use_ = costs_.decide();
+  tier_->set_use(use_.host, use_.disk);
+}
+
 std::vector<Sequence*> Scheduler::schedule() {
+  decide_tiers();
   int budget = cfg_.max_num_batched_tokens;
   std::vector<Sequence*> batch;
   // The rows a sequence runs now: what is pending, within the budget; a draft that does not

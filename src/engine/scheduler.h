@@ -26,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/tier_costs.h"
 #include "engine/block_manager.h"
 #include "engine/host_kv_tier.h"
 #include "engine/metrics.h"
@@ -107,6 +108,12 @@ class Scheduler {
   const BlockManager& blocks() const { return blocks_; }
   const HostKVTier* host_tier() const { return tier_.get(); }
   const HostKVTier* exact_tier() const { return exact_tier_.get(); }
+  // The lower tiers' costs against recomputing (tier_costs.h): fed the steps' times here
+  // (LLMEngine::step) and the tiers' copy times by schedule(), which decides from them.
+  void note_step(double seconds, int rows) { costs_.note_step(seconds, rows); }
+  TierCosts& tier_costs() { return costs_; }
+  const TierCosts& tier_costs() const { return costs_; }
+  TierCosts::Use tiers_in_use() const { return use_; }
   // After a step moved s.num_computed on: the pages that left every future query's recent
   // window give up their exact copies.
   void advance_exact(Sequence& s);
@@ -162,6 +169,9 @@ class Scheduler {
   StateSnapshots snapshots_;
   std::unique_ptr<HostKVTier> tier_;
   std::unique_ptr<HostKVTier> exact_tier_;  // exact pages beside tier_ (exact sink / recent tokens)
+  TierCosts costs_;
+  TierCosts::Use use_;  // the last schedule's decision
+  void decide_tiers();
   BlockManager blocks_;
   ModelRunner& runner_;
   EngineStats& stats_;

@@ -141,6 +141,13 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
               double(s.kv_offload_evictions_total));
     w.counter("kvlm:kv_offload_hit_tokens_total", "Prompt tokens found in the host tier (restored, not recomputed).",
               double(s.kv_offload_hit_tokens_total));
+    w.gauge("kvlm:kv_offload_restore_page_seconds", "Measured time to copy one page back from the host tier (0: not yet).",
+            s.kv_offload_restore_page_seconds);
+    w.gauge("kvlm:kv_offload_recompute_page_seconds",
+            "Measured time to compute one page's tokens again in a prefill-sized step (0: not yet).",
+            s.kv_offload_recompute_page_seconds);
+    w.gauge("kvlm:kv_offload_host_in_use", "1 while prefix hits take pages from the host tier (restoring pays).",
+            s.kv_offload_host_in_use ? 1 : 0);
   }
   if (s.kv_offload_exact_capacity > 0) {
     w.gauge("kvlm:kv_offload_exact_pages", "Exact sink / recent pages held in the host tier.", s.kv_offload_exact_pages);
@@ -150,9 +157,23 @@ std::string format_prometheus(const EngineStats& s, const HttpStats& http, const
     w.counter("kvlm:kv_offload_exact_restored_pages_total",
               "Exact copies copied back for a prefix hit whose query reads those pages exact.",
               double(s.kv_offload_exact_restored_total));
+    if (s.kv_offload_disk_capacity > 0) {
+      w.gauge("kvlm:kv_offload_exact_disk_pages", "Exact pages held in the disk tier.", s.kv_offload_exact_disk_pages);
+      w.counter("kvlm:kv_offload_exact_disk_written_pages_total", "Exact pages written to the disk tier.",
+                double(s.kv_offload_exact_disk_written_total));
+      w.counter("kvlm:kv_offload_exact_disk_read_pages_total", "Exact pages read back from the disk tier.",
+                double(s.kv_offload_exact_disk_read_total));
+      w.counter("kvlm:kv_offload_exact_disk_damaged_total", "Damaged or foreign exact page files ignored and removed.",
+                double(s.kv_offload_exact_disk_damaged_total));
+    }
   }
   if (s.kv_offload_disk_capacity > 0) {
     w.gauge("kvlm:kv_offload_disk_pages", "Pages held in the disk tier (--kv-offload-dir).", s.kv_offload_disk_pages);
+    w.gauge("kvlm:kv_offload_disk_page_seconds", "Measured time to read one page from the disk tier (0: not yet).",
+            s.kv_offload_disk_page_seconds);
+    w.gauge("kvlm:kv_offload_disk_in_use",
+            "1 while prefix hits read pages from the disk tier (reading and restoring pays against computing them).",
+            s.kv_offload_disk_in_use ? 1 : 0);
     w.gauge("kvlm:kv_offload_disk_capacity_pages", "Pages the disk tier can hold.", s.kv_offload_disk_capacity);
     w.counter("kvlm:kv_offload_disk_written_pages_total", "Pages the host tier let go of, written to disk.",
               double(s.kv_offload_disk_written_total));

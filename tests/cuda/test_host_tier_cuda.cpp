@@ -110,11 +110,10 @@ TEST(CudaHostTier, PagesRoundTripThroughHostMemory) {
   }
 }
 
-// Exact pages (exact sink / recent tokens) through host memory: their own page table, K then
-// V rows per keeping layer as the CPU lays them out; the same bytes come back, and the pool's
-// pages are not touched. In the serving engine they come back for hits whose queries read
-// them exact (the tokens are compared on the CPU: here the large pool recomputes what the
-// tier restores, which may round differently).
+// Exact pages (exact sink / recent tokens) through host memory, by their own page table: the
+// same bytes come back, and the pool's pages are not touched. In the serving engine they come
+// back for hits whose queries read them exact, with the tokens of a pool whose exact pages
+// are never lost (host_tier_test_util.h).
 TEST(CudaHostTier, ExactPagesRoundTripAndComeBack) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   constexpr int bs = kvlm::testing::kTierBlock;
@@ -155,7 +154,7 @@ TEST(CudaHostTier, ExactPagesRoundTripAndComeBack) {
   EXPECT_EQ(0, std::memcmp(a.get(), b.get(), size_t(n) * epage));
   EXPECT_EQ(0, std::memcmp(pool0.get(), pool1.get(), 4 * page)) << "exact copies wrote into the pool";
   EXPECT_THROW(r.save_pages(std::vector<BlockId>{BlockId(2 * n)}, std::span(pb).first(1), PageKind::Exact), Error);
-  kvlm::testing::check_exact_pages_come_back(*e, /*tokens_equal=*/false);
+  kvlm::testing::check_exact_pages_come_back(*e, /*recompute_equal=*/false);
 }
 
 TEST(CudaHostTier, GreedyTokensUnchangedInEveryFormat) {

@@ -338,6 +338,80 @@ TEST(DiskTier, PagesSurviveARestartForTheSameModelAndPlanOnly) {
   EXPECT_EQ(third.stats.kv_offload_disk_read_total, full_pages - 5 + 4);
 }
 
+// The tiers' cost model (engine/tier_costs.h): unmeasured, both tiers are used; measured, a
+// tier is used while bringing a page back costs no more than computing its tokens (a disk page
+// pays its read and its copy back from host memory); steps of decode size do not count, and a
+// tier found not to pay is tried again every kProbeEvery decisions.
+TEST(DiskTier, TiersAreUsedWhileRestoringPays) {
+  TierCosts c(16);
+  using T = TierCosts::Tier;
+  EXPECT_TRUE(c.decide().host);
+  EXPECT_TRUE(c.decide().disk);
+  c.note_step(1.0, 64);  // decode-sized: ignored
+  EXPECT_FALSE(c.recompute_per_page());
+  c.note_step(0.5, 1000);  // 0.5 ms a row: 8 ms a page
+  ASSERT_TRUE(c.recompute_per_page());
+  EXPECT_DOUBLE_EQ(*c.recompute_per_page(), 0.008);
+  c.note_restores(T::Host, 1.0, 10);  // fewer than kMinPages: not believed yet
+  EXPECT_FALSE(c.restore_per_page(T::Host));
+  c.note_restores(T::Host, 0.016, 16);  // 1 ms a page
+  c.note_restores(T::Disk, 0.112, 16);  // 7 ms a page, + 1 ms from host = 8 ms: still pays
+  TierCosts::Use u = c.decide();
+  EXPECT_TRUE(u.host);
+  EXPECT_TRUE(u.disk);
+  c.note_restores(T::Disk, 0.2, 20);  // 10 ms + 1 ms > 8 ms
+  u = c.decide();
+  EXPECT_TRUE(u.host);
+  EXPECT_FALSE(u.disk);
+  int probes = 0;
+  for (uint64_t i = 0; i < 2 * TierCosts::kProbeEvery; ++i) probes += c.decide().disk ? 1 : 0;
+  EXPECT_EQ(probes, 2) << "a tier that does not pay is tried again every kProbeEvery decisions";
+  c.note_step(0.01, 1000);  // faster steps pull the moving average down: 0.8 * 0.5 + 0.2 * 0.01 ms a row
+  EXPECT_NEAR(*c.recompute_per_page(), 16 * (0.8 * 0.5e-3 + 0.2 * 0.01e-3), 1e-12);
+  c.assume(T::Host, 1.0);
+  EXPECT_FALSE(c.decide().host);
+  c.assume(T::Host, -1);
+  EXPECT_TRUE(c.decide().host);
+}
+
+// The serving engine follows the decision: with reading a page from disk assumed slower than
+// computing it, hits stop at the host tier's pages and read nothing from disk; with restores
+// from host memory assumed slower too, nothing is restored at all — and the tokens are the
+// same every way.
+TEST(DiskTier, HitsComputeWhatTheTiersCannotBringBackFasterThanARecompute) {
+  auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kTierBlock);
+  const fs::path dir = fresh_dir("engine_costs");
+  const Workload all = run_conversations(*e, 400, 0, 6, 3);
+  const Workload disk = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20);
+  fs::remove_all(dir);
+  const Workload slow_disk = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20, 0, 0, [](LLMEngine& le) {
+    le.tier_costs().assume_recompute(1e-3);
+    le.tier_costs().assume(TierCosts::Tier::Disk, 1.0);
+  });
+  fs::remove_all(dir);
+  const Workload slow_host = run_conversations(*e, 20, 12, 6, 3, dir.string(), 64 << 20, 0, 0, [](LLMEngine& le) {
+    le.tier_costs().assume_recompute(1e-3);
+    le.tier_costs().assume(TierCosts::Tier::Host, 1.0);
+  });
+  EXPECT_EQ(disk.outputs, all.outputs);
+  EXPECT_EQ(slow_disk.outputs, all.outputs);
+  EXPECT_EQ(slow_host.outputs, all.outputs);
+  EXPECT_GT(disk.stats.kv_offload_disk_read_total, 0u);
+  EXPECT_EQ(slow_disk.stats.kv_offload_disk_read_total, 0u) << "a disk slower than recomputing is not read";
+  EXPECT_FALSE(slow_disk.stats.kv_offload_disk_in_use);
+  EXPECT_TRUE(slow_disk.stats.kv_offload_host_in_use);
+  EXPECT_GT(slow_disk.stats.kv_offload_restored_total, 0u) << "the host tier's pages still come back";
+  EXPECT_GT(slow_disk.stats.prompt_tokens_total, disk.stats.prompt_tokens_total);
+  EXPECT_EQ(slow_host.stats.kv_offload_restored_total, 0u);
+  EXPECT_FALSE(slow_host.stats.kv_offload_host_in_use);
+  EXPECT_GT(slow_host.stats.prompt_tokens_total, slow_disk.stats.prompt_tokens_total);
+  EXPECT_GT(slow_host.stats.kv_offload_stored_total, 0u) << "pages are still kept, for when restoring pays again";
+  std::printf("[tier costs] prompt tokens computed: %llu with both tiers, %llu with a slow disk, %llu with slow restores "
+              "(large pool %llu)\n",
+              (unsigned long long)disk.stats.prompt_tokens_total, (unsigned long long)slow_disk.stats.prompt_tokens_total,
+              (unsigned long long)slow_host.stats.prompt_tokens_total, (unsigned long long)all.stats.prompt_tokens_total);
+}
+
 // Exact sink / recent tokens across a restart: the exact copies of each prompt's sinks and of
 // the window before its last full page go to a disk tier of their own (another root, another
 // directory) and come back with the pages, so the same prompts after a restart hit on all their
@@ -398,6 +472,8 @@ TEST(DiskTier, ExactPagesSurviveARestart) {
   const auto [third, third_st] = serve(true, 6);
   EXPECT_EQ(third, plain);
   EXPECT_EQ(third_st.kv_offload_disk_damaged_total, 0u) << "the pages' tier holds no damaged file";
+  EXPECT_EQ(third_st.kv_offload_exact_disk_damaged_total, 1u) << "the damaged exact page was found and removed";
+  EXPECT_GT(second_st.kv_offload_exact_disk_read_total, 0u);
   EXPECT_EQ(third_st.prompt_tokens_total + (full_pages - 5) * kTierBlock, plain_st.prompt_tokens_total)
       << "prompt 0's sinks have no exact copy: its hit ends at once";
 }
