@@ -176,6 +176,15 @@ expect_error 2 "--kv-offload-gib: Value -1 not in range" -- bench throughput "$c
   && python3 -c "import json; d=json.load(open('$tmp/mt.json')); h=d['host_tier']; assert d['failed_requests'] == 0 and h['hit_tokens'] > 0 and h['restored_pages'] > 0 and d['ttft_later_turns']['count'] == 16, d" \
   && ok || bad "bench multiturn: $(cat "$tmp/mt.out" "$tmp/err")"
 expect_error 1 "the last turn's conversation holds 1536 tokens" -- bench multiturn "$stories" --turns 4 --max-model-len 512
+# Exact sink / recent tokens: the tier keeps the exact copies hits read beside the pages, and
+# the startup line says how much of --kv-offload-gib they take.
+"$KVLM" bench multiturn "$stories" --conversations 8 --turns 3 --system-len 64 --user-len 16 --output-len 8 \
+    --kv-cache-memory 600KiB --max-model-len 256 --kv-offload-gib 0.01 --kv-cache-dtype int4_per_token_head \
+    --kv-cache-keep-sink 4 --kv-cache-keep-recent 16 --max-num-seqs 4 --max-num-batched-tokens 128 \
+    --json "$tmp/mtx.json" >"$tmp/mt.out" 2>"$tmp/err" \
+  && grep -q "host tier (--kv-offload-gib): .*; exact sink/recent tokens: .* exact pages" "$tmp/err" \
+  && python3 -c "import json; d=json.load(open('$tmp/mtx.json')); h=d['host_tier']; assert d['failed_requests'] == 0 and h['exact_capacity_pages'] > 0 and h['exact_restored_pages'] > 0 and h['restored_pages'] > 0, d" \
+  && ok || bad "bench multiturn with exact tokens and a host tier: $(cat "$tmp/mt.out" "$tmp/err")"
 # The same under tensor parallelism: each rank copies its heads' part of every page.
 "$KVLM" bench multiturn "$stories" --tensor-parallel-size 2 --conversations 8 --turns 3 --system-len 64 --user-len 16 \
     --output-len 8 --kv-cache-memory 200KiB --max-model-len 256 --kv-offload-gib 0.01 --json "$tmp/mt2.json" \
