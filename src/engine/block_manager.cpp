@@ -141,6 +141,11 @@ void BlockManager::hold_exact(BlockId id, bool fresh) {
   ++b.exact_holds;
 }
 
+bool BlockManager::exact_restorable(BlockId id) const {
+  const Block& b = blocks_[size_t(id)];
+  return exact_of_[size_t(id)] >= 0 || (exact_tier_ && b.serial != 0 && !b.chain.empty() && exact_tier_->holds(b.chain));
+}
+
 bool BlockManager::restore_exact(BlockId id, std::span<const BlockId> keep) {
   KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
   Block& b = blocks_[size_t(id)];

@@ -140,6 +140,8 @@ class BlockManager {
   // caller's query reads exact). Returns false (nothing changed) when the tier does not hold it
   // or no exact page can be had.
   bool restore_exact(BlockId id, std::span<const BlockId> keep);
+  // Whether page `id` has its exact copy, or the exact tier holds one for it.
+  bool exact_restorable(BlockId id) const;
   int exact_holds(BlockId id) const { return blocks_[size_t(id)].exact_holds; }
 
   // Statistics (tokens, in whole pages): looked up / found by match_prefix.

@@ -207,10 +207,14 @@ void HostKVTier::unpin(int slot) { entries_[size_t(slot)].pinned = false; }
 
 size_t HostKVTier::fetch(std::span<const PageHash> chains, std::span<const TokenId> tokens, size_t* started) {
   if (started) *started = 0;
-  if (!disk_ || !use_host_ || !use_disk_) return 0;
-  poll(false);
+  if (!disk_) return 0;
+  poll(false);  // reads in flight land whether or not the tiers are in use
   const size_t bs = size_t(block_size_);
   size_t loading = 0;
+  if (!use_host_ || !use_disk_) {  // no new reads; those started before are waited for as before
+    for (size_t i = 0; i < chains.size() && i < max_fetch(); ++i) loading += loading_.count(chains[i]);
+    return loading;
+  }
   std::vector<size_t> want;
   for (size_t i = 0; i < chains.size() && i < max_fetch(); ++i) {
     if (loading_.count(chains[i])) ++loading;

@@ -81,8 +81,9 @@ class HostKVTier {
     return index_.count(chain) > 0 || loading_.count(chain) > 0 || (use_disk_ && disk_ && disk_->contains(chain));
   }
   // Which tiers hits take pages from (tier_costs.h: while restoring pays against computing the
-  // tokens again). Off, find() and holds() see no page of that tier and fetch() reads nothing;
-  // pages are still kept and written, and reads in flight land.
+  // tokens again). Off, find() and holds() see no page of that tier and fetch() starts no read
+  // (it still counts the reads in flight, which land as before); pages are still kept and
+  // written.
   void set_use(bool host, bool disk) {
     use_host_ = host;
     use_disk_ = disk;

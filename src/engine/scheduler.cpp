@@ -177,18 +177,16 @@ void Scheduler::admit_prefix(Sequence& s) {
   auto settle = [&] {
     if (!keeps_exact()) return;
     std::vector<BlockId> needed;  // the pages this hit reads exact: their idle copies are not taken back
-    const auto exact = [&](int i) {
-      const BlockId id = s.pages[size_t(i)];
-      return blocks_.exact_of(id) >= 0 || blocks_.restore_exact(id, needed);
-    };
     for (;;) {
       const int next = std::min(found * bs, total - 1);
       needed.clear();
       for (int i = 0; i < std::min(found, sink_pages_); ++i) needed.push_back(s.pages[size_t(i)]);
       for (int i = std::min(found, window_page(next)); i < found; ++i) needed.push_back(s.pages[size_t(i)]);
-      bool ok = true;
-      for (int i = 0; i < std::min(found, sink_pages_) && ok; ++i) ok = exact(i);
-      for (int i = std::min(found, window_page(next)); i < found && ok; ++i) ok = exact(i);
+      // Every one has its copy or the exact tier holds one, before any is taken back: a copy
+      // taken back for a hit that then ends short would be lost for nothing.
+      bool ok = std::ranges::all_of(needed, [&](BlockId id) { return blocks_.exact_restorable(id); });
+      for (size_t j = 0; j < needed.size() && ok; ++j)
+        ok = blocks_.exact_of(needed[j]) >= 0 || blocks_.restore_exact(needed[j], needed);
       if (ok || found == 0) return;
       drop_last();
     }
@@ -379,9 +377,20 @@ void Scheduler::decide_tiers() {
   double bytes = double(tier_->pages_restored()) * page;
   if (exact_tier_) bytes += double(exact_tier_->pages_restored()) * double(exact_tier_->page_bytes());
   costs_.note_restores(TierCosts::Tier::Host, runner_.page_copy_times().load_seconds, uint64_t(bytes / page));
-  if (const DiskKVTier* d = tier_->disk()) costs_.note_restores(TierCosts::Tier::Disk, d->read_seconds(), d->pages_read());
+  if (const DiskKVTier* d = tier_->disk()) {  // the exact pages' reads too, in pages' worth of bytes
+    tier_->poll(false);  // reads done land, whichever tiers are in use
+    double seconds = d->read_seconds(), pages = double(d->pages_read());
+    if (const DiskKVTier* x = exact_tier_ ? exact_tier_->disk() : nullptr) {
+      seconds += x->read_seconds();
+      pages += double(x->pages_read()) * double(exact_tier_->page_bytes()) / page;
+    }
+    costs_.note_restores(TierCosts::Tier::Disk, seconds, uint64_t(pages));
+  }
   use_ = costs_.decide();
   tier_->set_use(use_.host, use_.disk);
+  // Exact copies come from host memory whatever it costs (without them the hit ends), but are
+  // read from disk only while the disk pays.
+  if (exact_tier_) exact_tier_->set_use(true, use_.disk);
 }
 
 std::vector<Sequence*> Scheduler::schedule() {

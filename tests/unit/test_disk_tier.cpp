@@ -340,8 +340,10 @@ TEST(DiskTier, PagesSurviveARestartForTheSameModelAndPlanOnly) {
 
 // The tiers' cost model (engine/tier_costs.h): unmeasured, both tiers are used; measured, a
 // tier is used while bringing a page back costs no more than computing its tokens (a disk page
-// pays its read and its copy back from host memory); steps of decode size do not count, and a
-// tier found not to pay is tried again every kProbeEvery decisions.
+// pays its read and its copy back from host memory), with a margin either way before the
+// decision flips; the figures are moving averages over increments of the totals; steps of
+// decode size do not count, and a tier found not to pay is tried again every kProbeEvery
+// decisions unless its figure is assumed.
 TEST(DiskTier, TiersAreUsedWhileRestoringPays) {
   TierCosts c(16);
   using T = TierCosts::Tier;
@@ -354,15 +356,22 @@ TEST(DiskTier, TiersAreUsedWhileRestoringPays) {
   EXPECT_DOUBLE_EQ(*c.recompute_per_page(), 0.008);
   c.note_restores(T::Host, 1.0, 10);  // fewer than kMinPages: not believed yet
   EXPECT_FALSE(c.restore_per_page(T::Host));
-  c.note_restores(T::Host, 0.016, 16);  // 1 ms a page
-  c.note_restores(T::Disk, 0.112, 16);  // 7 ms a page, + 1 ms from host = 8 ms: still pays
+  c.note_restores(T::Host, 0.016, 16);  // totals that went down: counted afresh, 1 ms a page
+  ASSERT_TRUE(c.restore_per_page(T::Host));
+  EXPECT_DOUBLE_EQ(*c.restore_per_page(T::Host), 0.001);
+  c.note_restores(T::Disk, 0.144, 16);  // 9 ms a page, + 1 ms from host = 10 ms: within the margin
   TierCosts::Use u = c.decide();
   EXPECT_TRUE(u.host);
   EXPECT_TRUE(u.disk);
-  c.note_restores(T::Disk, 0.2, 20);  // 10 ms + 1 ms > 8 ms
+  c.note_restores(T::Disk, 0.146, 18);  // 2 pages more: too few for a sample
+  EXPECT_DOUBLE_EQ(*c.restore_per_page(T::Disk), 0.009);
+  c.note_restores(T::Disk, 0.204, 20);  // 4 pages at 15 ms: 0.8 * 9 + 0.2 * 15 = 10.2 ms, + 1 > 1.25 * 8
+  EXPECT_NEAR(*c.restore_per_page(T::Disk), 0.0102, 1e-12);
   u = c.decide();
   EXPECT_TRUE(u.host);
   EXPECT_FALSE(u.disk);
+  c.note_restores(T::Disk, 0.232, 24);  // 4 pages at 7 ms: 9.56 ms, + 1 still above 0.8 * 8 ms
+  EXPECT_FALSE(c.decide().disk) << "back on only below the lower margin";
   int probes = 0;
   for (uint64_t i = 0; i < 2 * TierCosts::kProbeEvery; ++i) probes += c.decide().disk ? 1 : 0;
   EXPECT_EQ(probes, 2) << "a tier that does not pay is tried again every kProbeEvery decisions";
@@ -370,14 +379,17 @@ TEST(DiskTier, TiersAreUsedWhileRestoringPays) {
   EXPECT_NEAR(*c.recompute_per_page(), 16 * (0.8 * 0.5e-3 + 0.2 * 0.01e-3), 1e-12);
   c.assume(T::Host, 1.0);
   EXPECT_FALSE(c.decide().host);
+  probes = 0;
+  for (uint64_t i = 0; i < 2 * TierCosts::kProbeEvery; ++i) probes += c.decide().host ? 1 : 0;
+  EXPECT_EQ(probes, 0) << "an assumed figure is not probed";
   c.assume(T::Host, -1);
   EXPECT_TRUE(c.decide().host);
 }
 
 // The serving engine follows the decision: with reading a page from disk assumed slower than
 // computing it, hits stop at the host tier's pages and read nothing from disk; with restores
-// from host memory assumed slower too, nothing is restored at all — and the tokens are the
-// same every way.
+// from host memory assumed slow (every disk page passes through them), nothing is restored at
+// all — and the tokens are the same every way.
 TEST(DiskTier, HitsComputeWhatTheTiersCannotBringBackFasterThanARecompute) {
   auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kTierBlock);
   const fs::path dir = fresh_dir("engine_costs");
@@ -410,6 +422,15 @@ TEST(DiskTier, HitsComputeWhatTheTiersCannotBringBackFasterThanARecompute) {
               "(large pool %llu)\n",
               (unsigned long long)disk.stats.prompt_tokens_total, (unsigned long long)slow_disk.stats.prompt_tokens_total,
               (unsigned long long)slow_host.stats.prompt_tokens_total, (unsigned long long)all.stats.prompt_tokens_total);
+
+  // Unassumed, the engine measures recomputing from its prompt-sized steps.
+  LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 512, .max_model_len = 400,
+                                   .enable_prefix_caching = true, .num_blocks = 80, .kv_offload_pages = 8});
+  std::mt19937 rng(3);
+  std::map<std::string, Collected> out;
+  le.add_request(make("long", random_prompt(rng, 300, e->config().vocab_size), 2, out));
+  run_to_end(le);
+  EXPECT_GT(le.stats().kv_offload_recompute_page_seconds, 0) << "a 300-row prefill step is measured";
 }
 
 // Exact sink / recent tokens across a restart: the exact copies of each prompt's sinks and of
