@@ -178,10 +178,6 @@ bool LLMEngine::step() {
     stats_.draft_seconds_total += d;
     stats_.schedule_seconds_total -= d;  // counted once, as drafting
   }
-  // The page copies the step waits for (issued by schedule(), completing inside the forward
-  // pass) are taken out of its time before it counts as what recomputing costs.
-  const HostKVTier* tier = scheduler_.host_tier();
-  const ModelRunner::PageCopyTimes copies0 = tier ? model_.model().page_copy_times() : ModelRunner::PageCopyTimes{};
   const std::vector<Sequence*> seqs = scheduler_.schedule();
   if (seqs.empty()) return draw_deferred(true) || !scheduler_.empty();
   stats_.peak_running = std::max(stats_.peak_running, scheduler_.num_running());
@@ -211,11 +207,14 @@ bool LLMEngine::step() {
   stats_.grammar_late_masks_total += uint64_t(batch_.late_masks());
   const auto t_sample = Clock::now();
   stats_.forward_seconds_total += seconds(t_sample - t_forward);
-  if (tier) {  // what recomputing costs: a step mostly of prompt rows
+  // What recomputing costs: a step mostly of prompt rows, less the page copies it waited for
+  // (issued by schedule(), which read the copy times as it began; completed inside the forward).
+  if (scheduler_.host_tier()) {
     int prompt_rows = 0;
     for (const Sequence* s : seqs)
       if (s->scheduled > 1 + int(s->draft.size())) prompt_rows += s->scheduled;
     if (2 * prompt_rows >= batch_.num_rows()) {
+      const ModelRunner::PageCopyTimes& copies0 = scheduler_.copy_times();
       const ModelRunner::PageCopyTimes copies1 = model_.model().page_copy_times();
       const double copies = copies1.load_seconds + copies1.save_seconds - copies0.load_seconds - copies0.save_seconds;
       scheduler_.note_step(seconds(t_sample - t_forward) - copies, batch_.num_rows());

@@ -376,7 +376,8 @@ void Scheduler::decide_tiers() {
   const double page = double(tier_->page_bytes());
   double bytes = double(tier_->pages_restored()) * page;
   if (exact_tier_) bytes += double(exact_tier_->pages_restored()) * double(exact_tier_->page_bytes());
-  costs_.note_restores(TierCosts::Tier::Host, runner_.page_copy_times().load_seconds, uint64_t(bytes / page));
+  copy_times_ = runner_.page_copy_times();
+  costs_.note_restores(TierCosts::Tier::Host, copy_times_.load_seconds, uint64_t(bytes / page));
   if (const DiskKVTier* d = tier_->disk()) {  // the exact pages' reads too, in pages' worth of bytes
     tier_->poll(false);  // reads done land, whichever tiers are in use
     double seconds = d->read_seconds(), pages = double(d->pages_read());

@@ -114,6 +114,8 @@ class Scheduler {
   TierCosts& tier_costs() { return costs_; }
   const TierCosts& tier_costs() const { return costs_; }
   TierCosts::Use tiers_in_use() const { return use_; }
+  // The runner's page copy times as the last schedule() began (with a lower tier).
+  const ModelRunner::PageCopyTimes& copy_times() const { return copy_times_; }
   // After a step moved s.num_computed on: the pages that left every future query's recent
   // window give up their exact copies.
   void advance_exact(Sequence& s);
@@ -171,6 +173,7 @@ class Scheduler {
   std::unique_ptr<HostKVTier> exact_tier_;  // exact pages beside tier_ (exact sink / recent tokens)
   TierCosts costs_;
   TierCosts::Use use_;  // the last schedule's decision
+  ModelRunner::PageCopyTimes copy_times_;
   void decide_tiers();
   BlockManager blocks_;
   ModelRunner& runner_;

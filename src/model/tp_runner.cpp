@@ -181,12 +181,12 @@ size_t TensorParallelRunner::kv_page_bytes(int block_size, PageKind kind) const 
 }
 
 void TensorParallelRunner::check_page_copies(PageKind kind) const {
-  const std::vector<size_t>& offs = kind == PageKind::Pages ? page_offsets_ : exact_offsets_;
+  const std::vector<size_t>& offs = offsets(kind);
   KVLM_CHECK(!offs.empty() && offs.back() > 0, "page copies on ranks that cannot copy pages out");
 }
 
 size_t TensorParallelRunner::page_offset(const ModelRunner& m, PageKind kind) const {
-  const std::vector<size_t>& offs = kind == PageKind::Pages ? page_offsets_ : exact_offsets_;
+  const std::vector<size_t>& offs = offsets(kind);
   for (size_t r = 0; r < ranks_.size(); ++r)
     if (ranks_[r].get() == &m) return offs[r];
   KVLM_CHECK(false, "page_offset of a runner that is not a rank");

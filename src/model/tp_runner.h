@@ -99,6 +99,9 @@ class TensorParallelRunner final : public ModelRunner {
   void fail(std::exception_ptr e);
   size_t page_offset(const ModelRunner& m, PageKind kind) const;  // page_offsets_ of rank m
   void check_page_copies(PageKind kind) const;  // the ranks can copy pages of that kind out
+  const std::vector<size_t>& offsets(PageKind kind) const {
+    return kind == PageKind::Pages ? page_offsets_ : exact_offsets_;
+  }
 
   std::vector<Communicator*> comms_;
   std::vector<std::unique_ptr<ModelRunner>> ranks_;
