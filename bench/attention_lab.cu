@@ -9,7 +9,7 @@
 //
 //   attention_lab [--quick] [--prefill] [--prefill-only] [--block N] [--head N] [--shapes BxC,...]
 //                 [--modes NAME,...] [--max-splits N] [--split-lengths N] [--decode-layout N] [--trace DIR]
-//                 [--no-wgmma] [--no-pdl] [--sinks]
+//                 [--no-wgmma] [--no-pdl] [--sinks] [--exact S:R] [--kernel N]
 //
 // --prefill adds the prefill table (causal prompts of 4k and 16k tokens and a 1k chunk over a
 // 16k context, every KV mode: µs, TFLOP/s, speedup over bf16); --prefill-only skips decode.
@@ -22,6 +22,12 @@
 // M, 2 keys in M); column `splits` marks the keys-in-M layout with "k".
 // --sinks gives every q head a learned attention sink (GPT-OSS), values in [-2, 4) in score
 // units, checked by the reference too: run with and without it to see what sinks cost.
+// --exact S:R (prefill table) keeps the first S and the latest R keys of each query exact, as
+// --kv-cache-keep-sink / --kv-cache-keep-recent do: every quantized mode's rows then read them
+// from bf16 exact pages (random values of their own, which the reference reads too) through
+// the kernel's exact pass; bf16 / fp16 rows run without them, the baseline.
+// --kernel N forces PagedAttentionParams::kernel (1 CUDA cores, 2 decode tensor cores, 3 tiled
+// prefill) in both tables, to compare with the automatic choice (0).
 // --trace DIR (a build with -DKVLM_ATTN_TRACE=ON) writes the per-CTA timeline of each decode
 // row's last timed call to DIR/trace-MODE-BxC.bin: per CTA four little-endian uint64 (start,
 // first tile, end in globaltimer ns; SM); tools/attn_trace.py summarises them.
@@ -42,6 +48,7 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
+#include "kv/attention_mask.h"
 #include "ops/cuda/attention_ops.h"
 #include "ops/cuda/kernel_switches.h"
 
@@ -62,6 +69,8 @@ constexpr int kQHeads = 32, kKVHeads = 8;
 int kHead = 128;  // --head N
 int kBlock = 16;  // --block N
 float* g_sinks = nullptr;  // --sinks: fp32 [kQHeads] on the device
+int g_keep_sink = -1, g_keep_recent = -1;  // --exact S:R (prefill); -1: none
+int g_kernel = 0;                          // --kernel N
 constexpr double kL2 = 60e6;
 
 // A KV mode: K's format, and V's where it differs (vstorage set: the K != V pairs).
@@ -165,9 +174,20 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, DType vst, KVQuan
   const BlockId* table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
   float* sc = scratch + (size_t(ri) * p.num_q_heads + h) * max_keys;
   const uint16_t* q = p.q + (size_t(it.y) * p.num_q_heads + h) * p.head_dim;
+  // Exact sink / recent keys (causal: the query is at position n - 1) from the bf16 exact pages.
+  const BlockId* etable = p.exact_k ? p.exact_tables + size_t(seq) * p.max_blocks_per_seq : nullptr;
+  auto exact_at = [&](int j) -> size_t {
+    if (!p.exact_k || !kv_key_exact(j, n - 1, p.keep_sink, p.keep_recent)) return SIZE_MAX;
+    return ((size_t(etable[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size) * p.head_dim;
+  };
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const size_t sidx = (size_t(table[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
     float s = 0;
+    if (const size_t e = exact_at(j); e != SIZE_MAX) {
+      for (int d = 0; d < p.head_dim; ++d) s += kvlm::num::bf16_to_f32(q[d]) * kvlm::num::bf16_to_f32(p.exact_k[e + d]);
+      sc[j] = s * p.softmax_scale;
+      continue;
+    }
     if (p.storage == DType::I4) {
       for (int d = 0; d < p.head_dim; ++d) s += kvlm::num::bf16_to_f32(q[d]) * int4_value(K, sidx, d, p.head_dim, p.k_token_scale);
       sc[j] = s * p.softmax_scale;
@@ -204,6 +224,10 @@ __global__ void reference_attend(cuda::PagedAttentionParams p, DType vst, KVQuan
     float o = 0;
     for (int j = 0; j < n; ++j) {
       const size_t sidx = (size_t(table[j / p.block_size]) * p.num_kv_heads + g) * p.block_size + j % p.block_size;
+      if (const size_t e = exact_at(j); e != SIZE_MAX) {
+        o += sc[j] * kvlm::num::bf16_to_f32(p.exact_v[e + d]);
+        continue;
+      }
       o += sc[j] * (vst == DType::I4 ? int4_value(V, sidx, d, p.head_dim, p.v_token_scale)
                                      : decode_sw(V, sidx * p.head_dim + d, vst) * (per_token(vq) ? p.v_token_scale[sidx] : vs));
     }
@@ -283,6 +307,13 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--decode-layout") && i + 1 < argc) decode_layout = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) trace_dir = argv[++i];
     if (!std::strcmp(argv[i], "--sinks")) sinks = true;
+    if (!std::strcmp(argv[i], "--kernel") && i + 1 < argc) g_kernel = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--exact") && i + 1 < argc) {
+      if (std::sscanf(argv[++i], "%d:%d", &g_keep_sink, &g_keep_recent) != 2 || g_keep_sink < 0 || g_keep_recent < 0) {
+        std::fprintf(stderr, "attention_lab: --exact takes SINK:RECENT (two counts >= 0), e.g. 4:64\n");
+        return 2;
+      }
+    }
     if (!std::strcmp(argv[i], "--no-wgmma")) {
       auto sw = cuda::kernel_switches();
       sw.wgmma = false;
@@ -339,7 +370,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&g_sinks, hs.size() * sizeof(float)));
     CK(cudaMemcpy(g_sinks, hs.data(), hs.size() * sizeof(float), cudaMemcpyHostToDevice));
   }
-  const size_t ws_bytes = size_t(512) << 20;
+  const size_t ws_bytes = size_t(2) << 30;  // prefill with --exact: 16k rows x 32 heads x a few splits
   void* ws = nullptr;
   CK(cudaMalloc(&ws, ws_bytes));
 
@@ -419,7 +450,7 @@ int main(int argc, char** argv) {
               .v_token_scale = scales + scale_elems, .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1,
               .num_tensor_scales = 1, .cu_q_lens = dcu, .kv_lens = dkvl, .block_tables = dtables + size_t(c) * B * nb,
               .workspace = ws, .workspace_bytes = ws_bytes, .max_splits = max_splits,
-              .split_lengths = split_lengths, .decode_layout = decode_layout};
+              .split_lengths = split_lengths, .kernel = g_kernel, .decode_layout = decode_layout};
         };
         const auto p0 = params(0);
         const cuda::PagedAttentionChoice choice = cuda::paged_attention_choice(p0);
@@ -527,14 +558,34 @@ int main(int argc, char** argv) {
           for (size_t i = 0; i < hq.size(); ++i) hq[i] = num::f32_to_bf16(float(int32_t(hash32(i + 4242))) / 2147483648.0f * 2.0f);
           CK(cudaMemcpy(dq, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice));
         }
-        const cuda::PagedAttentionParams p{
+        // --exact: bf16 exact pages of their own (random values), the exact page of page i at tab[i].
+        const bool exact = g_keep_sink >= 0 && esize(mode.storage) == 1;
+        uint16_t *ek = nullptr, *ev = nullptr;
+        if (exact) {
+          CK(cudaMalloc(&ek, elems * 2));
+          CK(cudaMalloc(&ev, elems * 2));
+          fill_codes<<<4096, 256>>>(reinterpret_cast<uint8_t*>(ek), elems, 2, 0, 9);
+          fill_codes<<<4096, 256>>>(reinterpret_cast<uint8_t*>(ev), elems, 2, 0, 10);
+        }
+        cuda::PagedAttentionParams p{
             .storage = mode.storage, .quant = mode.quant, .num_seqs = 1, .num_tokens = Lq, .num_q_heads = kQHeads,
             .num_kv_heads = kKVHeads, .head_dim = kHead, .block_size = kBlock, .max_blocks_per_seq = nb, .max_q_len = Lq,
             .max_kv_len = C, .mask = AttentionKind::Full, .softmax_scale = 1.0f / std::sqrt(float(kHead)),
             .sinks = g_sinks, .q = dq, .out = dout, .k_cache = K, .v_cache = V, .k_token_scale = scales,
             .v_token_scale = scales + scale_elems,
             .k_tensor_scale = tensor_scales, .v_tensor_scale = tensor_scales + 1, .num_tensor_scales = 1, .cu_q_lens = dcu,
-            .kv_lens = dkvl, .block_tables = dt, .workspace = ws, .workspace_bytes = ws_bytes};
+            .kv_lens = dkvl, .block_tables = dt, .workspace = ws, .workspace_bytes = ws_bytes, .kernel = g_kernel};
+        if (exact) {
+          p.exact_k = ek;
+          p.exact_v = ev;
+          p.exact_tables = dt;
+          p.keep_sink = g_keep_sink;
+          p.keep_recent = g_keep_recent;
+        }
+        if (cuda::paged_attention_workspace_bytes(p) > ws_bytes) {
+          std::fprintf(stderr, "attention_lab: the prefill workspace exceeds %zu bytes\n", ws_bytes);
+          return 1;
+        }
         CK(cudaMemset(dout, 0xff, qn * 2));
         cuda::paged_attention(p, nullptr);
         // Validate rows 0, 1, 63, 64, Lq / 2 + 17 and Lq - 1 (every q head).
@@ -553,7 +604,8 @@ int main(int argc, char** argv) {
         if (per_token(mode.quant)) vmax *= 0.015;
         if (mode.storage == DType::I4) vmax = 7.5 * 0.015;
         // P is rounded to bf16 (bf16 cache) or f16 before P.V: |err| <= u * max|V| (see tests).
-        const double floor = std::ldexp(vmax, mode.storage == DType::BF16 ? -9 : -11) + 1e-4;
+        // (--exact: the exact passes read bf16 pages of values in [-1, 1), and round P to bf16.)
+        const double floor = std::ldexp(exact ? std::max(vmax, 1.0) : vmax, mode.storage == DType::BF16 || exact ? -9 : -11) + 1e-4;
         bool ok = true;
         for (size_t r = 0; r < rows.size(); ++r)
           for (int i = 0; i < kQHeads * kHead; ++i) {
@@ -573,10 +625,14 @@ int main(int argc, char** argv) {
         char vs[32] = "-";
         if (bf16_pus[si] > 0) std::snprintf(vs, sizeof vs, "%.2fx", bf16_pus[si] / us);
         const cuda::PagedAttentionChoice choice = cuda::paged_attention_choice(p);
-        std::printf("| %s | %d | %d | %d | %d | %s (%.1e) | %.0f | %.1f | %s |\n", mode.name, Lq, C, choice.kernel,
+        const std::string name = std::string(mode.name) +
+                                 (exact ? "@" + std::to_string(g_keep_sink) + ":" + std::to_string(g_keep_recent) : "");
+        std::printf("| %s | %d | %d | %d | %d | %s (%.1e) | %.0f | %.1f | %s |\n", name.c_str(), Lq, C, choice.kernel,
                     choice.splits, ok ? "ok" : "FAIL", max_err, us,
                     flops / (us * 1e-6) / 1e12, vs);
         std::fflush(stdout);
+        cudaFree(ek);
+        cudaFree(ev);
         cudaFree(dt);
         cudaFree(dcu);
         cudaFree(dkvl);

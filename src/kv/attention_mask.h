@@ -41,4 +41,17 @@ KVLM_HD KeyRange quantized_keys(KeyRange visible, int anchor, int sink, int rece
   return {lo, visible.hi < end ? visible.hi : end};
 }
 
+// And the visible keys it reads from the exact copies: the sinks, then the recent window, two
+// ranges (either may be empty) that are with quantized_keys' a partition of `visible`. Each
+// bound grows with the anchor, as visible_keys' grow with the position.
+struct ExactKeys {
+  KeyRange sinks, recent;
+};
+KVLM_HD ExactKeys exact_keys(KeyRange visible, int anchor, int sink, int recent) {
+  const int sink_hi = visible.hi < sink ? visible.hi : sink;
+  const int sink_end = visible.lo > sink_hi ? visible.lo : sink_hi;
+  const int win_lo = anchor - recent + 1 > sink_end ? anchor - recent + 1 : sink_end;
+  return {{visible.lo, sink_end}, {win_lo, visible.hi}};
+}
+
 }  // namespace kvlm

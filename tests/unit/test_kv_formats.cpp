@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/cpu_backend.h"
@@ -89,6 +90,9 @@ TEST(AttentionMask, RangesMatchTheKeyByKeyRule) {
               const int anchor = exact_anchor(kind, pos, kv_len);
               EXPECT_EQ(anchor, kind == AttentionKind::NonCausal ? kv_len - 1 : pos);
               const KeyRange quant = quantized_keys(vis, anchor, sink, recent);
+              const ExactKeys ex = exact_keys(vis, anchor, sink, recent);
+              EXPECT_LE(ex.sinks.lo, ex.sinks.hi);
+              EXPECT_LE(ex.sinks.hi, ex.recent.lo);
               for (int key = 0; key < kv_len; ++key) {
                 const bool visible = kind == AttentionKind::NonCausal ? true
                                      : kind == AttentionKind::Full    ? key <= pos
@@ -98,6 +102,37 @@ TEST(AttentionMask, RangesMatchTheKeyByKeyRule) {
                 EXPECT_EQ(kv_key_exact(key, anchor, sink, recent), exact);
                 EXPECT_EQ(key >= quant.lo && key < quant.hi, visible && !exact)
                     << "kind " << int(kind) << " pos " << pos << " key " << key << " sink " << sink << " recent " << recent;
+                const bool in_sinks = key >= ex.sinks.lo && key < ex.sinks.hi;
+                const bool in_recent = key >= ex.recent.lo && key < ex.recent.hi;
+                EXPECT_EQ(in_sinks || in_recent, visible && exact) << "pos " << pos << " key " << key;
+                EXPECT_EQ(in_sinks, visible && key < sink) << "pos " << pos << " key " << key;
               }
             }
+}
+
+// The CUDA tiled prefill kernels take the union of a CTA's rows' ranges as [lo(first row),
+// hi(last row)) for each pass: every bound grows with the position.
+TEST(AttentionMask, RangeBoundsGrowWithThePosition) {
+  for (const AttentionKind kind : {AttentionKind::Full, AttentionKind::Sliding, AttentionKind::NonCausal})
+    for (int kv_len = 1; kv_len <= 12; ++kv_len)
+      for (int window : {1, 3, 5})
+        for (int sink : {0, 2})
+          for (int recent : {0, 1, 4}) {
+            KeyRange pv{-1000, -1000}, pq{-1000, -1000};
+            ExactKeys pe{{-1000, -1000}, {-1000, -1000}};
+            for (int pos = 0; pos < kv_len; ++pos) {
+              const KeyRange v = visible_keys(kind, window, pos, kv_len);
+              const int anchor = exact_anchor(kind, pos, kv_len);
+              const KeyRange q = quantized_keys(v, anchor, sink, recent);
+              const ExactKeys e = exact_keys(v, anchor, sink, recent);
+              for (auto [now, before] : {std::pair{v, pv}, std::pair{q, pq}, std::pair{e.sinks, pe.sinks},
+                                         std::pair{e.recent, pe.recent}}) {
+                EXPECT_GE(now.lo, before.lo) << "kind " << int(kind) << " pos " << pos;
+                EXPECT_GE(now.hi, before.hi) << "kind " << int(kind) << " pos " << pos;
+              }
+              pv = v;
+              pq = q;
+              pe = e;
+            }
+          }
 }

@@ -104,11 +104,12 @@ struct PagedAttentionParams {
   // Exact sink / recent tokens (null exact_k: none): key j of the query at position pos is
   // read from the exact pages when j < keep_sink or pos - j < keep_recent
   // (kv/attention_mask.h's kv_key_exact; non-causal: pos = kv_len - 1), through exact_tables (the block tables'
-  // shape: the exact page of each page). The decode tensor-core kernel (2, chosen
-  // automatically where it fits, also for multi-token rows) takes the quantized keys — one
-  // interval per query — and the CUDA-core kernel an exact pass over the exact ones, one more
-  // split for the reduction; the CUDA-core kernel (1) alone reads both; the tiled prefill
-  // kernel (3) refuses.
+  // shape: the exact page of each page). A tensor-core kernel takes the quantized keys — one
+  // interval per query (kv/attention_mask.h's quantized_keys) — and the exact ones follow as
+  // more splits for the reduction: after the decode kernel (2) the CUDA-core kernel's exact
+  // pass, after the tiled prefill kernel (3) the same tiled kernel twice more over the exact
+  // pages (read as a 16-bit cache: the sinks, then the recent window, one range per query each,
+  // exact_keys). The CUDA-core kernel (1) alone reads both.
   const uint16_t* exact_k = nullptr;      // bf16 (f16 with exact_f16) [num_exact][num_kv_heads][block_size][head_dim]
   const uint16_t* exact_v = nullptr;
   const BlockId* exact_tables = nullptr;  // [num_seqs][max_blocks_per_seq]

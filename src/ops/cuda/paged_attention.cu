@@ -59,7 +59,10 @@ struct Plan {
   int group = 1, head_chunks = 1, rows_per_cta = 1, row_groups = 1, splits = 1;
   int64_t ctas_per_split = 1;
   bool decreasing_splits = false;  // decode tensor-core kernel (RowsArgs::decreasing_splits)
-  bool exact_pass = false;  // exact tokens on the decode tensor-core kernel: splits - 1 key splits + the exact pass
+  // Exact tokens on a tensor-core kernel: the partials after the quantized keys' splits — the
+  // decode kernel's one (the CUDA-core exact pass), the tiled kernel's one per exact pass it
+  // runs (sinks, recent window).
+  int exact_splits = 0;
   bool keys_in_m = false;   // decode tensor-core kernel: keys in M, (row, head) pairs in N (decode_layout)
 };
 
@@ -80,8 +83,6 @@ Plan make_plan(const PagedAttentionParams& p) {
     throw Error("CUDA paged attention: decode_layout must be 0 (automatic), 1 (query rows in M) or 2 (keys in M)");
   if (p.decode_layout == 2 && pl.group > 8)
     throw Error("CUDA paged attention: the keys-in-M decode layout holds at most 8 query heads per kv head");
-  if (p.exact_k && p.kernel == 3)
-    throw Error("CUDA paged attention: the tiled prefill kernel (3) does not read exact sink / recent tokens; use 1 or 2");
   const bool split_kv = k_format_of(p) != v_format_of(p);
   if (split_kv && p.kernel == 3)
     throw Error("CUDA paged attention: the tiled prefill kernel (3) reads K and V in one format; use 1 or 2");
@@ -89,13 +90,17 @@ Plan make_plan(const PagedAttentionParams& p) {
   // head) pairs: more than 4 query tokens at GQA 4), the decode kernel below that, the
   // CUDA-core kernel for what neither covers.
   if (p.kernel != 0) pl.kernel = p.kernel;
-  // Exact tokens and K != V: not the tiled prefill kernels, for now (the decode kernel takes
-  // multi-token rows too, 16 / group of them per CTA).
-  else if (p.exact_k || split_kv) pl.kernel = mma_fits ? 2 : 1;
+  // K != V: not the tiled prefill kernels, for now (the decode kernel takes multi-token rows
+  // too, 16 / group of them per CTA). Exact sink / recent tokens run on every kernel: the
+  // tensor-core ones take each query's quantized keys (one interval) and the exact keys
+  // follow as more splits (launch_hd).
+  else if (split_kv) pl.kernel = mma_fits ? 2 : 1;
   else if (tiled_fits && int64_t(p.max_q_len) * pl.group > 16) pl.kernel = 3;
   else if (mma_fits) pl.kernel = 2;
   else pl.kernel = 1;
   pl.mma = pl.kernel == 2;
+  // The CUDA-core kernel's heads per CTA (also its exact pass's, after a tensor-core kernel).
+  pl.head_chunks = (pl.group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;
   if (pl.kernel == 3) {
     pl.rows_per_cta = prefill_rows_per_cta(p.head_dim) / pl.group;
     pl.row_groups = (p.max_q_len + pl.rows_per_cta - 1) / pl.rows_per_cta;
@@ -108,9 +113,7 @@ Plan make_plan(const PagedAttentionParams& p) {
     pl.rows_per_cta = (pl.keys_in_m ? 8 : 16) / pl.group;
     pl.row_groups = (p.max_q_len + pl.rows_per_cta - 1) / pl.rows_per_cta;
     pl.ctas_per_split = int64_t(p.num_seqs) * pl.row_groups * p.num_kv_heads;
-    pl.head_chunks = (pl.group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;  // the exact pass's CUDA-core grid
   } else {
-    pl.head_chunks = (pl.group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;
     pl.ctas_per_split = int64_t(p.num_tokens) * p.num_kv_heads * pl.head_chunks;
   }
   // Split count: the grid runs in waves of `slots` resident CTAs, and a last, partial wave
@@ -159,11 +162,9 @@ Plan make_plan(const PagedAttentionParams& p) {
     throw Error("CUDA paged attention: split_lengths must be 0 (automatic), 1 (equal) or 2 (decreasing)");
   pl.decreasing_splits = pl.mma && pl.splits > 1 &&
                          (p.split_lengths == 2 || (p.split_lengths == 0 && pl.ctas_per_split * pl.splits > slots));
-  // Exact tokens on the decode tensor-core kernel: one more partial, the exact pass's.
-  if (pl.mma && p.exact_k) {
-    pl.exact_pass = true;
-    pl.splits += 1;
-  }
+  if (p.exact_k && pl.kernel == 2) pl.exact_splits = 1;
+  if (p.exact_k && pl.kernel == 3) pl.exact_splits = (p.keep_sink > 0) + (p.keep_recent > 0);
+  pl.splits += pl.exact_splits;
   return pl;
 }
 
@@ -181,10 +182,40 @@ void launch_mma(const RowsArgs& a, cudaStream_t st) {
 #endif
 }
 
+// The exact pages as a 16-bit cache of the same page layout, for the tiled kernel's exact passes.
+PagedAttentionParams exact_view(const PagedAttentionParams& p) {
+  PagedAttentionParams e = p;
+  e.storage = p.exact_f16 ? DType::F16 : DType::BF16;
+  e.quant = KVQuantMode::None;
+  e.v_format = std::nullopt;
+  e.k_cache = p.exact_k;
+  e.v_cache = p.exact_v;
+  e.k_token_scale = e.v_token_scale = nullptr;
+  e.block_tables = p.exact_tables;
+  return e;
+}
+
 template <class Fmt, int HD>
-void launch_hd(const RowsArgs& a, bool use_mma, cudaStream_t st) {
+void launch_hd(const RowsArgs& a, int kernel, cudaStream_t st) {
+  if (kernel == 3) {
+    launch_prefill(a, st);  // the quantized keys (all of them without exact tokens)
+    // Exact tokens: the sinks and the recent window are one range each per query row, which
+    // the same kernel takes over the exact pages (a CTA's window keys overlap its rows': one
+    // or two tiles), each pass one more partial.
+    if (a.p.exact_k) {
+      RowsArgs e = a;
+      e.p = exact_view(a.p);
+      for (int part : {1, 2}) {
+        if ((part == 1 ? a.p.keep_sink : a.p.keep_recent) == 0) continue;
+        e.exact_part = part;
+        launch_prefill(e, st);
+      }
+    }
+    if (a.num_splits > 1) launch_reduce(a, st);
+    return;
+  }
   if constexpr (HD <= 128) {
-    if (use_mma) {
+    if (kernel == 2) {
       if (a.keys_in_m) launch_mma<Fmt, HD, true>(a, st);
       else launch_mma<Fmt, HD, false>(a, st);
       if (a.p.exact_k) {  // the exact keys: the CUDA-core kernel's exact pass, then the reduction
@@ -231,7 +262,7 @@ std::vector<AttnCtaTrace> paged_attention_last_trace() {
 PagedAttentionChoice paged_attention_choice(const PagedAttentionParams& p) {
   validate(p);
   const Plan pl = make_plan(p);
-  return {.kernel = pl.kernel, .splits = pl.splits - (pl.exact_pass ? 1 : 0), .decreasing_splits = pl.decreasing_splits,
+  return {.kernel = pl.kernel, .splits = pl.splits - pl.exact_splits, .decreasing_splits = pl.decreasing_splits,
           .keys_in_m = pl.keys_in_m};
 }
 
@@ -249,7 +280,7 @@ void paged_attention(const PagedAttentionParams& p, void* stream) {
     const Plan pl = make_plan(p);
     RowsArgs a{.p = p, .group = pl.group, .head_chunks = pl.head_chunks, .rows_per_cta = pl.rows_per_cta,
                .row_groups = pl.row_groups, .num_splits = pl.splits, .part_o = nullptr, .part_ml = nullptr,
-               .decreasing_splits = pl.decreasing_splits, .range_splits = pl.splits - (pl.exact_pass ? 1 : 0),
+               .decreasing_splits = pl.decreasing_splits, .range_splits = pl.splits - pl.exact_splits,
                .keys_in_m = pl.keys_in_m};
     if (a.num_splits > 1) {
       const size_t need = paged_attention_workspace_bytes(p);
@@ -260,11 +291,10 @@ void paged_attention(const PagedAttentionParams& p, void* stream) {
       a.part_ml = a.part_o + size_t(p.num_tokens) * p.num_q_heads * a.num_splits * p.head_dim;
     }
     const auto st = static_cast<cudaStream_t>(stream);
-    if (pl.kernel == 3) return launch_prefill(a, st);
     switch (p.head_dim) {
-      case 64: launch_hd<Fmt, 64>(a, pl.mma, st); break;
-      case 128: launch_hd<Fmt, 128>(a, pl.mma, st); break;
-      case 256: launch_hd<Fmt, 256>(a, pl.mma, st); break;
+      case 64: launch_hd<Fmt, 64>(a, pl.kernel, st); break;
+      case 128: launch_hd<Fmt, 128>(a, pl.kernel, st); break;
+      case 256: launch_hd<Fmt, 256>(a, pl.kernel, st); break;
       default: launch_rows_small_heads(a, st); break;  // 8, 16, 32 (validated above)
     }
   });

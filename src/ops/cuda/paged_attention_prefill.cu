@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) attn_prefill_kernel(con
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
-  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int kvh = blockIdx.y, split = CtaWork::split(a);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   CtaWork w;
@@ -246,7 +246,6 @@ void launch_prefill(const RowsArgs& a, cudaStream_t st) {
     });
   }
   cuda_check(cudaGetLastError(), "paged_attention prefill launch");
-  if (a.num_splits > 1) launch_reduce(a, st);
 }
 
 }  // namespace kvlm::cuda

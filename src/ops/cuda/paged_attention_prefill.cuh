@@ -84,6 +84,7 @@ __device__ __forceinline__ int swz(int r, int c) {
 // prompt see the most keys), so the tail of the grid is short CTAs.
 struct CtaWork {
   int seq, r0, ntok, mrows, q_begin, kv_len, pos0;
+  int part;  // RowsArgs::exact_part
   int t0, t1;
   int lo_inner, hi_inner;  // a tile inside [lo_inner, hi_inner) is visible to every row: no mask
   // False when the sequence has fewer rows than this CTA's first (CTA-uniform: return).
@@ -98,26 +99,37 @@ struct CtaWork {
     mrows = ntok * a.group;
     kv_len = p.kv_lens[seq];
     pos0 = kv_len - q_len + r0;
-    // Visible ranges grow with the position (causal, sliding) or are all [0, kv_len): the
-    // union is [lo(first token), hi(last token)), split across blockIdx.z in 16-key multiples.
+    part = a.exact_part;
+    // The pass's ranges (pass_range: the visible keys, or with exact sink / recent tokens the
+    // quantized ones, the exact sinks or the exact window) grow with the position or are the
+    // same for every row (non-causal; kv/attention_mask.h): the union is [lo(first token),
+    // hi(last token)), split across blockIdx.z (range_splits of them; the exact passes are one
+    // split) in 16-key multiples. A first token with none of the pass's keys may have lo > hi:
+    // no tile then for it, and an empty union when the last token has none either.
     int lo_first, hi_first, lo_last, hi_last;
-    visible_range(p, pos0, kv_len, lo_first, hi_first);
-    visible_range(p, pos0 + ntok - 1, kv_len, lo_last, hi_last);
-    split_range<16>(lo_first, hi_last, a.num_splits, int(blockIdx.z), a.decreasing_splits, t0, t1);
+    pass_range(p, part, pos0, kv_len, lo_first, hi_first);
+    pass_range(p, part, pos0 + ntok - 1, kv_len, lo_last, hi_last);
+    split_range<16>(lo_first, max(lo_first, hi_last), part ? 1 : a.range_splits, part ? 0 : int(blockIdx.z),
+                    a.decreasing_splits, t0, t1);
     lo_inner = max(lo_last, t0);
     hi_inner = min(hi_first, t1);
     return true;
   }
-  // Visible keys of M row m within [t0, t1). Rows past the CTA's tokens compute on zero
+  // The pass's keys of M row m within [t0, t1). Rows past the CTA's tokens compute on zero
   // queries and are never stored: they get the whole range.
   __device__ void row_range(const PagedAttentionParams& p, int m, int G, int& lo, int& hi) const {
     lo = t0;
     hi = t1;
     if (m < mrows) {
-      visible_range(p, pos0 + m / G, kv_len, lo, hi);
+      pass_range(p, part, pos0 + m / G, kv_len, lo, hi);
       lo = max(lo, t0);
       hi = min(hi, t1);
     }
+  }
+  // The partial this CTA writes (store_rows): its split of the quantized keys, or the exact
+  // pass's slot after them.
+  __device__ static int split(const RowsArgs& a) {
+    return a.exact_part == 0 ? int(blockIdx.z) : a.range_splits + (a.exact_part == 2 && a.p.keep_sink > 0 ? 1 : 0);
   }
   // Tiles start at the 16-key run holding t0 (a run never straddles a page).
   __device__ int first_key() const { return t0 & ~15; }
@@ -383,9 +395,10 @@ void dispatch_prefill_hd(int head_dim, F&& f) {
               std::to_string(head_dim));
 }
 
-// One CTA per (sequence, row group) x KV head x split.
+// One CTA per (sequence, row group) x KV head x split of the pass's keys.
 inline dim3 prefill_grid(const RowsArgs& a) {
-  return dim3(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads), unsigned(a.num_splits));
+  return dim3(unsigned(a.p.num_seqs * a.row_groups), unsigned(a.p.num_kv_heads),
+              unsigned(a.exact_part ? 1 : a.range_splits));
 }
 
 }  // namespace

@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) attn_prefill_wgmma_kernel(const
 
   const PagedAttentionParams& p = a.p;
   const int G = a.group;
-  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int kvh = blockIdx.y, split = CtaWork::split(a);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wtid = tid & (WG - 1);
   CtaWork w;

@@ -46,12 +46,17 @@ struct RowsArgs {
   float* part_o;    // [num_tokens][num_q_heads][num_splits][head_dim]
   float* part_ml;   // [num_tokens][num_q_heads][num_splits][2]: running max (log2 domain), sum
   bool decreasing_splits = false;  // tensor-core decode kernel: splits shorten with their index
-  // Exact sink / recent tokens on the tensor-core decode kernel: it splits the quantized keys
-  // into range_splits splits (partials 0 .. range_splits - 1), and the CUDA-core kernel in
+  // Exact sink / recent tokens on a tensor-core kernel (decode or tiled prefill): it splits the
+  // quantized keys into range_splits splits (partials 0 .. range_splits - 1), and the CUDA-core kernel in
   // exact_pass mode attends over the exact keys alone as partial range_splits; the reduction
   // merges all num_splits = range_splits + 1. Otherwise range_splits = num_splits.
   int range_splits = 1;
   bool exact_pass = false;
+  // The tiled prefill kernel's passes: 0 the quantized keys (range_splits splits), 1 the exact
+  // sinks and 2 the exact recent window (one split each, the partials after range_splits; a
+  // pass whose count is 0 is not run), on a view of the exact pages as a 16-bit cache
+  // (paged_attention.cu's exact_view).
+  int exact_part = 0;
   // Tensor-core decode kernel: keys in the mma's M dimension and the CTA's (query row, head)
   // pairs in N (rows_per_cta = 8 / group; paged_attention_mma.cuh, kT).
   bool keys_in_m = false;
@@ -130,6 +135,18 @@ __device__ __forceinline__ void quantized_range(const PagedAttentionParams& p, i
   hi = r.hi;
 }
 
+// The keys the query at `pos` reads in pass `part` of the tiled prefill kernel (RowsArgs::
+// exact_part): 0 its quantized keys, 1 its exact sinks, 2 its exact recent window (empty: lo >= hi).
+__device__ __forceinline__ void pass_range(const PagedAttentionParams& p, int part, int pos, int kv_len, int& lo,
+                                           int& hi) {
+  if (part == 0) return quantized_range(p, pos, kv_len, lo, hi);
+  visible_range(p, pos, kv_len, lo, hi);
+  const ExactKeys e = exact_keys({lo, hi}, exact_anchor(p.mask, pos, kv_len), p.keep_sink, p.keep_recent);
+  const KeyRange r = part == 1 ? e.sinks : e.recent;
+  lo = r.lo;
+  hi = r.hi;
+}
+
 // The keys [t0, t1) of split `split` of S over a CTA's range [lo, hi), cut at multiples of A
 // keys from lo (A = 16 for the tensor-core kernels: a 16-key tile then never straddles two
 // splits): equal shares (the last shorter or empty), or, with `decreasing`, shares of the
@@ -195,9 +212,9 @@ __global__ void __launch_bounds__(kWarps * 32) attn_rows_kernel(const RowsArgs a
   int t0, t1;
   // exact_pass: the exact keys alone, as two intervals walked as one: [lo, sink_end), then
   // [win_lo, hi) — t in [0, n_sink + n_win) is key t + lo, then t - n_sink + win_lo.
-  const int qpos_all = exact_anchor(p.mask, pos, kv_len);
-  const int sink_end = a.exact_pass ? max(lo, min(hi, p.keep_sink)) : 0;
-  const int win_lo = a.exact_pass ? max(sink_end, qpos_all - p.keep_recent + 1) : 0;
+  const ExactKeys ex = exact_keys({lo, hi}, exact_anchor(p.mask, pos, kv_len), p.keep_sink, p.keep_recent);
+  const int sink_end = a.exact_pass ? ex.sinks.hi : 0;
+  const int win_lo = a.exact_pass ? ex.recent.lo : 0;
   const int n_sink = sink_end - lo;
   if (a.exact_pass) {
     t0 = 0;
@@ -532,13 +549,14 @@ void launch_rows(const RowsArgs& a, cudaStream_t st) {
 void launch_rows_small_heads(const RowsArgs& a, cudaStream_t st);
 
 // The tiled multi-token kernel (paged_attention_prefill.cu), head sizes 64/128/256: M rows
-// ((query token, head) pairs) per CTA, resident CTAs per SM, and the launch (+ reduction).
+// ((query token, head) pairs) per CTA, resident CTAs per SM, and the launch of its range_splits
+// splits (the caller reduces them, after the exact pass if any).
 int prefill_rows_per_cta(int head_dim);
 int prefill_ctas_per_sm(const PagedAttentionParams& p);
 void launch_prefill(const RowsArgs& a, cudaStream_t st);
 // The warp-specialised prefill kernel (paged_attention_prefill_wgmma.cu): whether it runs on
 // the current GPU (sm_90a code loaded, not switched off), and, for head sizes 64 and 128, its
-// resident CTAs per SM and its launch (launch_prefill does the checks and the reduction).
+// resident CTAs per SM and its launch (launch_prefill chooses it).
 bool prefill_wgmma_available();
 int prefill_wgmma_ctas_per_sm(const PagedAttentionParams& p);
 void launch_prefill_wgmma(const RowsArgs& a, cudaStream_t st);
