@@ -300,22 +300,42 @@ int BlockManager::match_prefix(std::span<const TokenId> tokens, std::vector<Bloc
   return matched;
 }
 
-size_t BlockManager::fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t* started) {
+size_t BlockManager::fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t* started,
+                                  const std::function<void(int, std::vector<int>&)>& exact_read) {
   if (started) *started = 0;
   if (!caching_ || !tier_ || !tier_->disk()) return 0;
   const size_t bs = size_t(block_size_);
   const size_t full = tokens.size() / bs;
   uint64_t parent = 0;
-  size_t i = 0;
-  for (; i < full; ++i) {  // the pool's pages
-    const auto page = tokens.subspan(i * bs, bs);
+  std::vector<BlockId> pool;  // the pool's pages
+  while (pool.size() < full) {
+    const auto page = tokens.subspan(pool.size() * bs, bs);
     const BlockId found = find_cached(parent, key_of(parent, page), page);
     if (found < 0) break;
     parent = blocks_[size_t(found)].serial;
+    pool.push_back(found);
   }
+  const size_t i = pool.size();
   size_t n = 0;  // then the run the tiers hold
   while (i + n < full && n < tier_->max_fetch() && tier_->holds(chain_at(tokens, chains, i + n))) ++n;
-  return n == 0 ? 0 : tier_->fetch(std::span(chains).subspan(i, n), tokens.subspan(i * bs, n * bs), started);
+  size_t loading = n == 0 ? 0 : tier_->fetch(std::span(chains).subspan(i, n), tokens.subspan(i * bs, n * bs), started);
+  // The exact copies that hit reads, where only the exact pages' disk tier has them.
+  if (exact_read && exact_tier_ && exact_tier_->disk() && i + n > 0) {
+    std::vector<int> read;
+    exact_read(int(i + n), read);
+    std::vector<PageHash> want;
+    std::vector<TokenId> want_tokens;
+    for (int p : read) {
+      if (p < 0 || size_t(p) >= i + n || (size_t(p) < i && exact_of_[size_t(pool[size_t(p)])] >= 0)) continue;
+      want.push_back(chain_at(tokens, chains, size_t(p), size_t(p) < i ? pool[size_t(p)] : -1));
+      const auto page = tokens.subspan(size_t(p) * bs, bs);
+      want_tokens.insert(want_tokens.end(), page.begin(), page.end());
+    }
+    size_t exact_started = 0;
+    if (!want.empty()) loading += exact_tier_->fetch(want, want_tokens, &exact_started);
+    if (started) *started += exact_started;
+  }
+  return loading;
 }
 
 void BlockManager::offload_cached() {

@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <span>
 #include <unordered_map>
@@ -98,8 +99,12 @@ class BlockManager {
   // Starts reading from the disk tier the pages past the pool's that a match_prefix of
   // `tokens` would restore (HostKVTier::fetch; `chains` as for match_prefix); returns how many
   // are on their way (0: a match_prefix now waits for nothing), `started` how many of those
-  // this call started.
-  size_t fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t* started = nullptr);
+  // this call started. `exact_read(found, pages)`, with exact pages in the tiers: lists the
+  // pages a hit of `found` pages reads exact; the exact copies of those the pool lacks are
+  // read from the exact pages' disk tier too (and counted), so that restore_exact finds them
+  // in host memory.
+  size_t fetch_prefix(std::span<const TokenId> tokens, std::vector<PageHash>& chains, size_t* started = nullptr,
+                      const std::function<void(int, std::vector<int>&)>& exact_read = {});
   // Copies the last match's lower-tier pages that are still referenced back into their pages,
   // in one batch; the ones released meanwhile lose their identity and are not copied.
   void commit_restores();

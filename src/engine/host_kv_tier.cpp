@@ -191,7 +191,10 @@ int HostKVTier::find(const PageHash& chain, std::span<const TokenId> tokens, boo
   from_disk = from_disk && use_disk_;
   if (disk_ && !index_.count(chain) && (loading_.count(chain) || (from_disk && disk_->contains(chain)))) {
     // On its way here (or, when allowed, on disk: read it first): wait for this page alone.
-    if (!loading_.count(chain)) fetch({&chain, 1}, tokens);
+    if (!loading_.count(chain)) {
+      fetch({&chain, 1}, tokens);
+      ++found_on_disk_;
+    }
     while (loading_.count(chain)) poll(/*wait=*/true);
   }
   const auto it = index_.find(chain);

@@ -116,7 +116,9 @@ class HostKVTier {
   uint64_t pages_kept() const { return kept_; }
   uint64_t pages_restored() const { return restored_; }
   uint64_t evictions() const { return evicted_; }
-  uint64_t disk_hits() const { return disk_hits_; }  // pages find() read from the disk tier
+  uint64_t disk_hits() const { return disk_hits_; }  // pages read from the disk tier
+  // Of those, the reads find() itself started and waited for (no fetch() had asked for them).
+  uint64_t reads_found_on_disk() const { return found_on_disk_; }
 
  private:
   struct Entry {
@@ -163,7 +165,7 @@ class HostKVTier {
   // Slots freed without a fence (on-disk entries dropped at once): a restore issued earlier may
   // still read them, so the host waits before writing into one.
   std::vector<bool> unfenced_;
-  uint64_t kept_ = 0, restored_ = 0, evicted_ = 0, disk_hits_ = 0;
+  uint64_t kept_ = 0, restored_ = 0, evicted_ = 0, disk_hits_ = 0, found_on_disk_ = 0;
 };
 
 }  // namespace kvlm

@@ -63,6 +63,13 @@ int Scheduler::window_page(int next) const {
   return std::max(0, next - cfg_.keep_recent + 1) / blocks_.block_size();
 }
 
+void Scheduler::exact_pages_read(int found, int total, std::vector<int>& pages) const {
+  const int sinks = std::min(found, sink_pages_);
+  for (int i = 0; i < sinks; ++i) pages.push_back(i);
+  for (int i = std::max(sinks, std::min(found, window_page(std::min(found * blocks_.block_size(), total - 1)))); i < found; ++i)
+    pages.push_back(i);
+}
+
 void Scheduler::drop_exact_at(Sequence& s, size_t page) {
   if (holds_exact(s, int(page))) blocks_.drop_exact(s.pages[page]);
 }
@@ -144,7 +151,11 @@ bool Scheduler::takes_prefix(const Sequence& s) const {
 bool Scheduler::restoring(Sequence& s) {
   if (!tier_ || !tier_->disk() || !takes_prefix(s)) return false;
   size_t started = 0;
-  const bool reading = blocks_.fetch_prefix(s.tokens, s.chains, &started) > 0;
+  const int total = int(s.tokens.size());
+  const bool reading =
+      blocks_.fetch_prefix(s.tokens, s.chains, &started,
+                           keeps_exact() ? [&](int found, std::vector<int>& pages) { exact_pages_read(found, total, pages); }
+                                         : std::function<void(int, std::vector<int>&)>{}) > 0;
   // Its pages land in the host tier unpinned: under enough churn they are replaced before it is
   // admitted and read again. After a few rounds it waits for them in admission instead.
   constexpr int kMaxRestoreRounds = 3;
@@ -176,12 +187,13 @@ void Scheduler::admit_prefix(Sequence& s) {
   // tokens are computed again instead.
   auto settle = [&] {
     if (!keeps_exact()) return;
+    std::vector<int> read;
     std::vector<BlockId> needed;  // the pages this hit reads exact: their idle copies are not taken back
     for (;;) {
-      const int next = std::min(found * bs, total - 1);
+      read.clear();
+      exact_pages_read(found, total, read);
       needed.clear();
-      for (int i = 0; i < std::min(found, sink_pages_); ++i) needed.push_back(s.pages[size_t(i)]);
-      for (int i = std::min(found, window_page(next)); i < found; ++i) needed.push_back(s.pages[size_t(i)]);
+      for (int i : read) needed.push_back(s.pages[size_t(i)]);
       // Every one has its copy or the exact tier holds one, before any is taken back: a copy
       // taken back for a hit that then ends short would be lost for nothing.
       bool ok = std::ranges::all_of(needed, [&](BlockId id) { return blocks_.exact_restorable(id); });

@@ -157,6 +157,9 @@ class Scheduler {
   // every page from window_page(next) on, `next` being its next query's position.
   bool keeps_exact() const { return cfg_.num_exact_pages > 0; }
   int window_page(int next) const;
+  // The pages a prefix hit of `found` full pages (of a sequence of `total` tokens) reads exact:
+  // its next query's sinks and recent window, each once, in order.
+  void exact_pages_read(int found, int total, std::vector<int>& pages) const;
   bool holds_exact(const Sequence& s, int page) const {
     return keeps_exact() && (page < sink_pages_ || page >= std::max(sink_pages_, s.exact_from));
   }

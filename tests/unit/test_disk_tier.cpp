@@ -445,7 +445,8 @@ TEST(DiskTier, ExactPagesSurviveARestart) {
   std::mt19937 rng(6);
   std::vector<std::vector<TokenId>> prompts;
   for (int i = 0; i < 4; ++i) prompts.push_back(random_prompt(rng, 5 * kTierBlock + 3, vocab));
-  auto serve = [&](bool tiers, int64_t exact_pages) {
+  // `found_on_disk`: exact pages read from disk in admission (find()), not ahead of it.
+  auto serve = [&](bool tiers, int64_t exact_pages, uint64_t* found_on_disk = nullptr) {
     LLMEngine le(*e, SchedulerConfig{.max_num_seqs = 2, .max_num_batched_tokens = 32, .max_model_len = 128,
                                      .enable_prefix_caching = true, .num_blocks = 40,
                                      .kv_offload_pages = tiers ? 8 : 0, .kv_offload_dir = tiers ? dir.string() : "",
@@ -460,18 +461,24 @@ TEST(DiskTier, ExactPagesSurviveARestart) {
       r.first.push_back(out["p"].tokens);
     }
     r.second = le.stats();
+    if (found_on_disk) *found_on_disk = le.blocks().exact_tier()->reads_found_on_disk();
     return r;
   };
   const auto [plain, plain_st] = serve(false, 0);
   const auto [first, first_st] = serve(true, 6);
   EXPECT_EQ(first, plain);
-  const auto [second, second_st] = serve(true, 6);
+  uint64_t found_on_disk = 1;
+  const auto [second, second_st] = serve(true, 6, &found_on_disk);
   EXPECT_EQ(second, plain);
   const uint64_t full_pages = uint64_t(prompts.size()) * 5;
   EXPECT_EQ(second_st.prompt_tokens_total + full_pages * kTierBlock, plain_st.prompt_tokens_total)
       << "every full prompt page, and the exact copies its query reads, come from disk";
   // Page 0 (sinks) and pages 3-4 (the window before token 40) of each prompt.
   EXPECT_EQ(second_st.kv_offload_exact_restored_total, uint64_t(prompts.size()) * 3);
+  // Read with the pages, while the request waited aside ("restoring"), not one by one when it
+  // was admitted.
+  EXPECT_EQ(second_st.kv_offload_exact_disk_read_total, uint64_t(prompts.size()) * 3);
+  EXPECT_EQ(found_on_disk, 0u) << "exact pages read from disk during admission";
   const PageHash exact_root = kv_root(e->kv_identity() + "\nexact sink / recent pages");
   ASSERT_TRUE(fs::is_directory(dir / exact_root.hex())) << "exact pages in a directory of their own";
 
