@@ -121,13 +121,7 @@ void BlockManager::hold_exact(BlockId id, bool fresh) {
   KVLM_CHECK(b.refs > 0, "exact hold on an unreferenced page");
   if (exact_of_[size_t(id)] < 0) {
     KVLM_CHECK(fresh, "a page whose exact copy is gone was held for exact reads");
-    if (exact_free_.empty()) {  // take an idle one back: the least recently idle
-      while (!idle_exact_.empty() && exact_free_.empty()) {
-        const BlockId victim = idle_exact_.front();
-        idle_exact_.pop_front();
-        if (blocks_[size_t(victim)].exact_idle) detach_exact(victim);
-      }
-    }
+    if (exact_free_.empty()) take_back_idle_exact({});
     KVLM_CHECK(!exact_free_.empty(), "the exact-token pool is exhausted (the scheduler checks num_exact_available)");
     const int32_t e = exact_free_.back();
     exact_free_.pop_back();
@@ -154,21 +148,17 @@ bool BlockManager::restore_exact(BlockId id, std::span<const BlockId> keep) {
   const auto tokens = std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_));
   const int slot = exact_tier_->find(b.chain, tokens);  // pinned: the keep() below cannot replace it
   if (slot < 0) return false;
-  if (exact_free_.empty()) {  // an idle exact page taken back, least recently idle first, not the caller's
-    auto it = std::ranges::find_if(idle_exact_, [&](BlockId p) {
-      return blocks_[size_t(p)].exact_idle && std::ranges::find(keep, p) == keep.end();
-    });
-    if (it == idle_exact_.end()) {
-      exact_tier_->unpin(slot);
-      return false;
-    }
-    const BlockId victim = *it;
-    idle_exact_.erase(it);
+  if (exact_free_.empty()) {  // an idle exact page taken back, not one the caller's query reads
+    bool taken = false;
     try {
-      detach_exact(victim);  // its copy kept in the exact tier
+      taken = take_back_idle_exact(keep);  // its copy kept in the exact tier unless stale
     } catch (...) {
       exact_tier_->unpin(slot);
       throw;
+    }
+    if (!taken) {
+      exact_tier_->unpin(slot);
+      return false;
     }
   }
   const int32_t e = exact_free_.back();
@@ -188,7 +178,33 @@ bool BlockManager::restore_exact(BlockId id, std::span<const BlockId> keep) {
 void BlockManager::mark_exact_stale(BlockId id) {
   KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
   Block& b = blocks_[size_t(id)];
-  if (b.exact_holds == 0 && exact_of_[size_t(id)] >= 0) b.exact_stale = true;
+  if (b.exact_holds > 0 || exact_of_[size_t(id)] < 0 || b.exact_stale) return;
+  b.exact_stale = true;
+  stale_exact_.push_back(id);
+  if (stale_exact_.size() > 2 * size_t(num_blocks_))  // drop the entries of pages held or taken back since
+    std::erase_if(stale_exact_, [&](BlockId p) { return !blocks_[size_t(p)].exact_idle || !blocks_[size_t(p)].exact_stale; });
+}
+
+bool BlockManager::take_back_idle_exact(std::span<const BlockId> keep) {
+  for (std::deque<BlockId>* q : {&stale_exact_, &idle_exact_}) {
+    const bool stale_only = q == &stale_exact_;
+    for (auto it = q->begin(); it != q->end();) {
+      const Block& b = blocks_[size_t(*it)];
+      if (!b.exact_idle || (stale_only && !b.exact_stale)) {  // an entry outdated by a hold or a take
+        it = q->erase(it);
+        continue;
+      }
+      if (std::ranges::find(keep, *it) != keep.end()) {
+        ++it;
+        continue;
+      }
+      const BlockId victim = *it;
+      q->erase(it);
+      detach_exact(victim);
+      return true;
+    }
+  }
+  return false;
 }
 
 void BlockManager::drop_exact(BlockId id) {

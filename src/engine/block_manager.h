@@ -130,14 +130,17 @@ class BlockManager {
   // exact pool is exhausted (check num_exact_available first).
   void hold_exact(BlockId id, bool fresh);
   // Drops one hold. At zero the exact page stays attached, idle, until the pool needs it
-  // back or the page is allocated afresh. A cached page's exact copy is kept in the exact
-  // tier when it is given up (either way), unless it was marked stale since its last hold.
+  // back or the page is allocated afresh. The pool takes back the stale idle copies first
+  // (mark_exact_stale), then the least recently idle. A cached page's exact copy is kept in
+  // the exact tier when it is given up (either way), unless it was marked stale since its
+  // last hold.
   void drop_exact(BlockId id);
-  // Page `id`'s idle exact copy is not worth keeping in the exact tier: a later hit reads
-  // exact its sinks and the recent window before the page boundary it ends on, and this page
-  // is behind the window of the last full page of the sequence that dropped it (the scheduler's
-  // advance_exact) — copying out every such page would move several times the pages' bytes.
-  // No effect on a held page, or one without an exact copy.
+  // Page `id`'s idle exact copy is not worth keeping: a later hit reads exact its sinks and
+  // the recent window before the page boundary it ends on, and this page is behind the windows
+  // of the boundaries hits are expected to end on (the scheduler's advance_exact). The pool
+  // takes it back before the copies that are not stale, and the exact tier does not keep it —
+  // copying out every such page would move several times the pages' bytes. No effect on a
+  // held page, or one without an exact copy.
   void mark_exact_stale(BlockId id);
   // Page `id` (cached, referenced, without an exact copy) gets its exact copy back from the
   // exact tier, attached idle: copied in, in stream order, before the next step. The exact
@@ -171,6 +174,9 @@ class BlockManager {
   };
   // Frees page id's exact page; a cached page's goes to the exact tier first.
   void detach_exact(BlockId id);
+  // Frees one idle exact page for another use: a stale one first, else the least recently
+  // idle; never the copy of one of `keep`'s pages. False when there is none.
+  bool take_back_idle_exact(std::span<const BlockId> keep);
   uint64_t key_of(uint64_t parent_serial, std::span<const TokenId> tokens) const;
   // The cached pool page holding `page` after the page of serial `parent` (key: key_of), or -1.
   BlockId find_cached(uint64_t parent, uint64_t key, std::span<const TokenId> page) const;
@@ -202,6 +208,7 @@ class BlockManager {
   std::vector<BlockId> exact_owner_;   // [num_exact_pages] page it is attached to, or -1
   std::vector<int32_t> exact_free_;    // unattached exact pages
   std::deque<BlockId> idle_exact_;     // pages whose exact page went idle, oldest first (checked when taken)
+  std::deque<BlockId> stale_exact_;    // of those, the ones marked stale, oldest first (likewise)
   int num_idle_exact_ = 0;
 };
 

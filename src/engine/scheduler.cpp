@@ -80,11 +80,11 @@ void Scheduler::advance_exact(Sequence& s) {
   for (int i = std::max(sink_pages_, s.exact_from); i < std::min(from, int(s.pages.size())); ++i)
     blocks_.drop_exact(s.pages[size_t(i)]);
   s.exact_from = from;
-  // The exact tier keeps the copies a later hit is likely to read exact: its sinks, and the
-  // windows before the two page boundaries hits end on most — the last full page of the prompt
-  // (the same prompt again) and of everything computed (the next turn of a conversation). The
-  // pages behind both are marked stale, their copies not kept.
-  if (!blocks_.exact_tier()) return;
+  // The copies a later hit is likely to read exact are its sinks, and the windows before the
+  // two page boundaries hits end on most — the last full page of the prompt (the same prompt
+  // again) and of everything computed (the next turn of a conversation). The pages behind both
+  // are marked stale: the pool takes their idle copies back first, and the exact tier does not
+  // keep them.
   const int bs = blocks_.block_size();
   const int stale = std::min({window_page(s.num_computed / bs * bs), from, int(s.pages.size())});
   const int prompt_end = std::min(s.num_prompt, s.num_computed) / bs;
