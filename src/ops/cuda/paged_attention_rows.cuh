@@ -46,10 +46,11 @@ struct RowsArgs {
   float* part_o;    // [num_tokens][num_q_heads][num_splits][head_dim]
   float* part_ml;   // [num_tokens][num_q_heads][num_splits][2]: running max (log2 domain), sum
   bool decreasing_splits = false;  // tensor-core decode kernel: splits shorten with their index
-  // Exact sink / recent tokens on a tensor-core kernel (decode or tiled prefill): it splits the
-  // quantized keys into range_splits splits (partials 0 .. range_splits - 1), and the CUDA-core kernel in
-  // exact_pass mode attends over the exact keys alone as partial range_splits; the reduction
-  // merges all num_splits = range_splits + 1. Otherwise range_splits = num_splits.
+  // Exact sink / recent tokens on a tensor-core kernel: it splits the quantized keys into
+  // range_splits splits (partials 0 .. range_splits - 1) and the exact keys take the partials
+  // after them — after the decode kernel one, the CUDA-core kernel in exact_pass mode; after
+  // the tiled prefill kernel one per exact pass it runs (exact_part below). The reduction
+  // merges all num_splits. Otherwise range_splits = num_splits.
   int range_splits = 1;
   bool exact_pass = false;
   // The tiled prefill kernel's passes: 0 the quantized keys (range_splits splits), 1 the exact
