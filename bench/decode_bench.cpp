@@ -74,6 +74,7 @@
 #include "model/loaded_model.h"
 #include "model/cuda/cuda_runner.h"
 #include "model/tp_runner.h"
+#include "io/grouped_codes.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
 
@@ -485,6 +486,83 @@ void gemv_lab(double bw, bool int_only) {
       cudaFree(deq);
       sw.int_scale_after_mma = true;
       cuda::set_kernel_switches(sw);
+    }
+  // Decode batches of grouped codes (m = 17-64, and 128 / 256 in passes of 64): gemm_int's two
+  // tiles against the paths it replaces (gemv_int in passes of 16; dequantize_int + the 16-bit
+  // GEMM) and against cuBLASLt on a bf16 weight of the same shape (what --dequantize-weights
+  // runs). GB/s: codes and parameters read by the best kept-codes path.
+  std::printf("\n# Grouped codes at decode batches: µs per call; kept/bf16 = bf16 cuBLASLt µs / best kept-codes µs\n"
+              "| matrix | layout | m | gemm_int 128 rows | gemm_int 256 rows | gemv_int passes | dequantize + GEMM | "
+              "bf16 cuBLASLt | best kept GB/s | kept/bf16 |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& sh : shapes)
+    for (const auto& lay : {std::tuple{4, 32, false}, std::tuple{4, 128, true}, std::tuple{8, 16, false}}) {
+      const auto [bits, group, zp] = lay;
+      const size_t cb = size_t(sh.n) * size_t(sh.k) * size_t(bits) / 8, pb = size_t(sh.n) * size_t(sh.k / group) * 4;
+      const size_t bytes = cb + pb;
+      std::vector<void*> copies(std::max<size_t>(2, (size_t(200) << 20) / bytes + 1));
+      {
+        std::vector<uint8_t> host(bytes);
+        std::mt19937 rng(9);
+        for (size_t i = 0; i < cb; ++i) host[i] = uint8_t(rng());
+        const uint32_t p = zp ? grouped_param_zero_point(DType::BF16, 1e-3f, 8) : grouped_param(DType::BF16, 1e-3f, -8e-3f);
+        for (size_t i = cb; i + 4 <= bytes; i += 4) std::memcpy(host.data() + i, &p, 4);
+        for (auto& c : copies) {
+          ck(cudaMalloc(&c, bytes), "cudaMalloc");
+          ck(cudaMemcpy(c, host.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+        }
+      }
+      auto wi = [&](int i) {
+        const auto* base = static_cast<const uint8_t*>(copies[size_t(i) % copies.size()]);
+        return cuda::IntWeight{.codes = base, .params = reinterpret_cast<const uint32_t*>(base + cb), .bits = bits,
+                               .group = group, .zero_point = zp};
+      };
+      const DType out = sh.f32 ? DType::F32 : DType::BF16;
+      const size_t ob = sh.f32 ? 4 : 2;
+      for (int m : {17, 32, 64, 128, 256}) {
+        const Operands o(m, sh);  // x, y and the bf16 weights
+        void* deq = nullptr;
+        ck(cudaMalloc(&deq, size_t(sh.n) * sh.k * 2), "cudaMalloc");
+        auto passes = [&](int i, int per, auto&& one) {
+          for (int r0 = 0; r0 < m; r0 += per)
+            one(static_cast<const uint8_t*>(o.x) + size_t(r0) * sh.k * 2,
+                static_cast<uint8_t*>(o.y) + size_t(r0) * sh.n * ob, std::min(per, m - r0), i);
+        };
+        double cell[5] = {-1, -1, -1, -1, -1};
+        for (int tile : {128, 256})
+          if (cuda::gemm_int_available(tile))
+            cell[tile / 128 - 1] = time_us([&](int i) {
+              passes(i, cuda::kGemmIntMaxM, [&](const void* x, void* y, int mm, int ii) {
+                cuda::gemm_int(DType::BF16, out, x, wi(ii), nullptr, y, sh.n, mm, sh.n, sh.k, nullptr, tile);
+              });
+            });
+        if (m <= 64)
+          cell[2] = time_us([&](int i) {
+            passes(i, cuda::kGemvIntMaxM, [&](const void* x, void* y, int mm, int ii) {
+              cuda::gemv_int(DType::BF16, out, x, wi(ii), nullptr, y, sh.n, mm, sh.n, sh.k, nullptr);
+            });
+          });
+        gemm.set_small_m_kernel(false);
+        cell[3] = time_us([&](int i) {
+          cuda::dequantize_int(DType::BF16, wi(i), deq, sh.n, sh.k, nullptr);
+          gemm.linear(DType::BF16, out, o.x, deq, nullptr, o.y, m, sh.n, sh.k, nullptr);
+        });
+        cell[4] = time_us([&](int i) { gemm.linear(DType::BF16, out, o.x, o.wi(i), nullptr, o.y, m, sh.n, sh.k, nullptr); });
+        gemm.set_small_m_kernel(true);
+        double best = 1e30;
+        for (int c = 0; c < 4; ++c)
+          if (cell[c] > 0) best = std::min(best, cell[c]);
+        std::string cells;
+        for (double c : cell) {
+          char buf[32];
+          std::snprintf(buf, sizeof buf, c > 0 ? " %.1f |" : " - |", c);
+          cells += buf;
+        }
+        std::printf("| %s | %d-bit g%d%s | %d |%s %.0f | %.2fx |\n", sh.name, bits, group, zp ? " zp" : "", m,
+                    cells.c_str(), double(bytes) / (best * 1e-6) / 1e9, cell[4] / best);
+        std::fflush(stdout);
+        cudaFree(deq);
+      }
+      for (auto c : copies) cudaFree(c);
     }
   if (!int_only) {
     // Batched decode from m = 17 runs cuBLASLt. At m <= 64 these GEMMs are bound by reading w

@@ -113,6 +113,14 @@ TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
   EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 16, 17, 16, 256, nullptr), Error);
   EXPECT_THROW(cuda::gemv_int(DType::F32, DType::F32, dx.p, ok, nullptr, dy.p, 16, 1, 16, 256, nullptr), Error);
   EXPECT_THROW(cuda::gemv_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 8, 1, 16, 256, nullptr), Error);
+  if (!cuda::gemm_int_available(128)) return;
+  EXPECT_THROW(cuda::gemm_int(DType::BF16, DType::BF16, dx.p, bad, nullptr, dy.p, 16, 17, 16, 256, nullptr), Error);
+  EXPECT_THROW(cuda::gemm_int(DType::BF16, DType::BF16, dx.p, zp8, nullptr, dy.p, 16, 17, 16, 256, nullptr), Error);
+  EXPECT_THROW(cuda::gemm_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 16, 65, 16, 256, nullptr), Error);
+  EXPECT_THROW(cuda::gemm_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 16, 17, 16, 256, nullptr, 64), Error);
+  EXPECT_THROW(cuda::gemm_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 16, 17, 16, 256, nullptr, 128, 9),
+               Error);
+  EXPECT_THROW(cuda::gemm_int(DType::BF16, DType::BF16, dx.p, ok, nullptr, dy.p, 8, 17, 16, 256, nullptr), Error);
 }
 
 // gemv_int over m = 1..16 (one and two B tiles; 32- and 64-row CTAs, cluster splits where the
@@ -244,5 +252,104 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       }
     }
   cuda::set_kernel_switches(saved);
+  EXPECT_GT(checked, 1000000u);
+}
+
+// gemm_int (decode batches of 17-64 rows) over the same layouts: m on both sides of its 32-row
+// and 64-row B tiles, both tiles (128 and 256 weight rows), cluster splits forced to 1, 3 and
+// 8 or left to the launcher, odd n, k not a multiple of its 128-column chunks (and shorter than
+// one), bias, float32 output and a wider y row stride; against the sum in double of x times the
+// per-weight decode's values (s * code + b rounded to the compute type), with gemv_int's bound,
+// and nothing outside y[m][0..n) written.
+TEST(CudaIntWeights, GemmMatchesTheDefinition) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda::gemm_int_available(128)) GTEST_SKIP() << "gemm_int needs sm_80 and its shared memory";
+  std::mt19937 rng(43);
+  struct Case {
+    GGMLType type;  // as in GemvDequantizeAndEmbedMatchTheDefinition
+    int group, n, k;
+  };
+  const Case cases[] = {
+      {GGMLType::Q4_K, 0, 300, 768},    {GGMLType::Q6_K, 0, 129, 4352}, {GGMLType::Q4_0, 0, 7, 96},
+      {GGMLType::Q8_0, 0, 97, 4128},    {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q3_K, 0, 17, 1280},
+      {GGMLType::Q4_1, 0, 530, 1056},   {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
+      {GGMLType::F32, 2048, 600, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
+      {GGMLType::F16, 64, 33, 2112}};
+  constexpr int kM = cuda::kGemmIntMaxM;
+  const int ms[] = {17, 24, 32, 33, 47, 64};
+  const int split_choices[] = {0, 1, 3, 8};
+  const bool big_tiles = cuda::gemm_int_available(256);
+  size_t checked = 0;
+  for (DType ab : kActs)
+    for (const Case& c : cases) {
+      const int n = c.n, k = c.k;
+      const bool zp_case = c.type == GGMLType::F32 || c.type == GGMLType::F16;
+      Grouped g = zp_case ? zero_point(ab, c.group, n, k, rng, c.type == GGMLType::F16)
+                          : from_ggml(ab, c.type, n, k, rng);
+      fill_values(ab, n, k, g);
+      SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" + std::to_string(k));
+      const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
+      const auto b = random_act(ab, size_t(n), rng, 0.5f);
+      std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
+      for (int j = 0; j < n; ++j)
+        for (int r = 0; r < kM; ++r) {
+          double acc = 0, a = 0;
+          for (int i = 0; i < k; ++i) {
+            const double p = double(g.values[size_t(j) * k + i]) * xr[size_t(r) * k + i];
+            acc += p;
+            a += std::fabs(p);
+          }
+          ref[size_t(r) * n + j] = acc;
+          mag[size_t(r) * n + j] = a;
+        }
+      Dev<uint8_t> dc(g.codes);
+      Dev<uint32_t> dp(g.params);
+      Dev<uint16_t> dx(codes(ab, xr)), db(codes(ab, b));
+      const int ldy = n + 5;
+      Dev<uint16_t> dy16(size_t(kM) * ldy);
+      Dev<float> dy32(size_t(kM) * ldy);
+      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
+                              .zero_point = g.layout.zero_point};
+      for (size_t mi = 0; mi < std::size(ms); ++mi)
+        for (const int tile : {128, 256}) {
+          if (tile == 256 && !big_tiles) continue;
+          const int m = ms[mi], splits = split_choices[(mi + size_t(tile / 128)) % std::size(split_choices)];
+          for (int mode = 0; mode < 2; ++mode) {  // 0: 16-bit out + bias, 1: float32 out
+            const bool f32 = mode == 1, bias = mode == 0;
+            dy16.poison();
+            dy32.poison();
+            cuda::gemm_int(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr,
+                           f32 ? static_cast<void*>(dy32.p) : dy16.p, ldy, m, n, k, nullptr, tile, splits);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            std::vector<float> got(size_t(kM) * ldy);
+            if (f32) {
+              got = dy32.download();
+            } else {
+              const auto raw = dy16.download();
+              for (size_t i = 0; i < got.size(); ++i) got[i] = act_value(ab, raw[i]);
+            }
+            size_t bad = 0, outside = 0;
+            double worst = 0;
+            for (int r = 0; r < kM; ++r)
+              for (int j = 0; j < ldy; ++j) {
+                const float v = got[size_t(r) * ldy + j];
+                if (r >= m || j >= n) {
+                  outside += !std::isnan(v);
+                  continue;
+                }
+                const size_t at = size_t(r) * n + j;
+                const double want = ref[at] + (bias ? double(b[size_t(j)]) : 0.0);
+                const double e = std::isnan(v) ? 1e30 : std::fabs(v - want);
+                worst = std::max(worst, e);
+                bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(want) +
+                               1e-4 * (mag[at] + (bias ? std::fabs(b[size_t(j)]) : 0.0));
+                ++checked;
+              }
+            EXPECT_EQ(bad, 0u) << "m=" << m << " tile " << tile << " splits " << splits << " mode " << mode
+                               << " max err " << worst;
+            EXPECT_EQ(outside, 0u) << "m=" << m << " tile " << tile << ": written outside y[m][n]";
+          }
+        }
+    }
   EXPECT_GT(checked, 1000000u);
 }

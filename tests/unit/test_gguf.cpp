@@ -644,8 +644,7 @@ struct BlockLlama {
     return LoadedModel::load(o);
   }
   // Greedy tokens with the top-2 log-probabilities; `rows` prompt tokens (12: the CPU's batched
-  // kernels; on a GPU 12 and 40 the grouped-code GEMV in one and three passes, 80 the
-  // dequantize-and-GEMM path).
+  // kernels; on a GPU 12 the grouped-code GEMV, 40 gemm_int, 80 the dequantize-and-GEMM path).
   static GenerateResult greedy(LoadedModel& m, int rows = 12) {
     GenerateRequest g;
     const TokenId ids[] = {1, 5, 9, 14, 3, 22, 7, 31, 12, 8, 19, 25};
@@ -681,8 +680,8 @@ TEST(GGUFModel, QuantizedBlocksStayResidentAndMatchTheDequantizedPath) {
 
 // On a GPU the same matrices stay quantized as grouped codes (4-bit and 8-bit parts inside the
 // fused projections, the tied Q8_0 embedding and LM head), and what it computes follows the
-// dequantize-at-load path on the same GPU: decode and 12- and 40-row prompts through the
-// grouped-code GEMV, 80-row prompts through the dequantize-and-GEMM path.
+// dequantize-at-load path on the same GPU: decode and 12-row prompts through the grouped-code
+// GEMV, 40 rows through gemm_int, 80 through the dequantize-and-GEMM path.
 TEST(GGUFModel, CudaKeepsBlocksAsGroupedCodes) {
   if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
   const BlockLlama f;

@@ -229,23 +229,29 @@ void CudaOps::fp8_linear(void* x, const Weight& w, const Weight& bias, void* y, 
   gemm_.linear(act_, out, x, fp8_scratch_, bias.data, y, m, int(w.rows), int(w.cols), stream_);
 }
 
-// Grouped integer codes: the GEMV part by part into its rows of y, in passes of 16 rows of x
-// up to kIntGemvPasses passes; above that each part dequantized into its rows of the scratch and
-// one 16-bit GEMM. A pass reads 0.56-1.13 bytes per weight (4-bit / 8-bit codes with their
-// parameters); the GEMM path reads those, writes 2 and reads 2 again, so up to ~7 passes (4-bit)
-// or ~4 (8-bit) read fewer bytes: 4 passes (m <= 64, decode batches) take the GEMV.
+// Grouped integer codes, part by part into its rows of y: up to 16 rows of x the GEMV, up to 64
+// gemm_int (one pass over the codes for all rows: 0.56-1.13 bytes per weight); above that each
+// part dequantized into its rows of the scratch and one 16-bit GEMM, which reads the codes,
+// writes 2 bytes per weight and reads them again but runs cuBLASLt's tiles: at 128 rows that
+// already beats two passes of gemm_int on most Qwen3-8B matrices (docs/results/weights-4bit.md).
+// GPUs without gemm_int's shared memory run the GEMV in passes of 16 up to 64 rows instead.
 void CudaOps::int_linear(const void* x, const Weight& w, const Weight& bias, void* y, DType out, int m) {
   if (measure_) return;
-  constexpr int kIntGemvPasses = 4;
   const int n = int(w.rows), k = int(w.cols);
-  const bool gemv = m <= kIntGemvPasses * cuda::kGemvIntMaxM;
-  KVLM_CHECK(gemv || fp8_scratch_ != nullptr, "a weight of grouped codes without the runner's dequantization buffer");
+  const bool direct = m <= cuda::kGemmIntMaxM;
+  const bool gemm_int = direct && m > cuda::kGemvIntMaxM && cuda::gemm_int_available(cuda::gemm_int_tile_rows(m, n));
+  KVLM_CHECK(direct || fp8_scratch_ != nullptr, "a weight of grouped codes without the runner's dequantization buffer");
   for (const WeightCodes& p : w.codes) {
     const cuda::IntWeight iw{.codes = p.codes, .params = p.params, .bits = p.bits, .group = p.group,
                              .zero_point = p.zero_point};
-    if (gemv) {
+    if (direct) {
       // biases are in the compute dtype (gpu_weight_dtype)
       const void* b = bias ? static_cast<const uint8_t*>(bias.data) + size_t(p.row0) * dtype_size(act_) : nullptr;
+      if (gemm_int) {
+        cuda::gemm_int(act_, out, x, iw, b, static_cast<uint8_t*>(y) + size_t(p.row0) * dtype_size(out), n, m,
+                       int(p.rows), k, stream_);
+        continue;
+      }
       for (int r0 = 0; r0 < m; r0 += cuda::kGemvIntMaxM)
         cuda::gemv_int(act_, out, static_cast<const uint8_t*>(x) + size_t(r0) * size_t(k) * dtype_size(act_), iw, b,
                        static_cast<uint8_t*>(y) + (size_t(r0) * size_t(n) + size_t(p.row0)) * dtype_size(out), n,
@@ -255,7 +261,7 @@ void CudaOps::int_linear(const void* x, const Weight& w, const Weight& bias, voi
                            int(p.rows), k, stream_);
     }
   }
-  if (!gemv) gemm_.linear(act_, out, x, fp8_scratch_, bias.data, y, m, n, k, stream_);
+  if (!direct) gemm_.linear(act_, out, x, fp8_scratch_, bias.data, y, m, n, k, stream_);
 }
 
 void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {

@@ -153,6 +153,19 @@ bool gemv_int_scales_after_mma(DType ab, int bits, int group);
 // ldy lets the parts of a fused weight held in different layouts write their rows of one y.
 void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
               int n, int k, void* stream);
+inline constexpr int kGemmIntMaxM = 64;  // gemm_int's rows of x
+// y[r][c] (row stride ldy >= n) = x[m][k] . w^T (+ bias[n]) for decode batches, 1 <= m <=
+// kGemmIntMaxM (gemm_int.cu: one pass over the codes for all m rows, x staged in shared
+// memory). Arguments and weight values as gemv_int's per-weight decode (s * code + b rounded to
+// the compute type). tile_rows: weight rows per CTA, 128 or 256 (0: gemm_int_tile_rows);
+// splits: the cluster split of k, 1-8 (0: the launcher's). Needs gemm_int_available.
+void gemm_int(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
+              int n, int k, void* stream, int tile_rows = 0, int splits = 0);
+// The tile gemm_int takes by default for m rows of x and n of the weight.
+int gemm_int_tile_rows(int m, int n);
+// Whether gemm_int runs here with tiles of tile_rows: tensor cores of sm_80+ and the shared
+// memory its largest stage ring needs (up to 168 KB at 256 rows, 108 KB at 128).
+bool gemm_int_available(int tile_rows);
 // The weight in the compute type (bf16 / f16), the GEMV's values, into out [n][k]: the larger
 // m run the 16-bit GEMM on it.
 void dequantize_int(DType to, const IntWeight& w, void* out, int n, int k, void* stream);

@@ -54,6 +54,10 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
+// The same with src_bytes 0 or 4: 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 // A whole 16-byte copy at constant offsets from a shared-memory address and a global pointer
 // held in registers: the offsets go into the instruction, so a run of copies costs one
 // instruction each (no per-copy address arithmetic, no source-size operand).

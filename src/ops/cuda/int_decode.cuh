@@ -1,0 +1,110 @@
+// The in-register decode of grouped integer codes (gemm.h IntWeight; io/grouped_codes.h) to
+// 16-bit pairs for the tensor cores, shared by gemv_int.cu (m <= 16) and gemm_int.cu (m <= 64).
+// gemv_int.cu's header comment says how each decode is exact up to the one rounding of
+// s * code + b, and how the pairs are ordered: 4-bit codes (j, j + 4) of a 32-bit word, 8-bit
+// codes (0, 2) and (1, 3); the kernels pair x's columns to match.
+#pragma once
+
+#include <cstdint>
+
+namespace kvlm::cuda {
+namespace {
+
+template <bool kBF16>
+inline constexpr uint32_t kNegMagic2 = kBF16 ? 0xc300c300u : 0xe400e400u;  // -128.0 / -1024.0 in both halves
+
+// A 4-bit group's word as the decode's three pairs: a2 the first fma's addend (minus the magic
+// number, or -(magic + z) for a zero-point layout), s2 the scale, b2 the offset (0 for a
+// zero-point layout).
+template <bool kBF16>
+__device__ __forceinline__ void int4_param_pairs(uint32_t p, bool zp, uint32_t& a2, uint32_t& s2, uint32_t& b2) {
+  s2 = __byte_perm(p, 0, 0x1010);
+  const uint32_t hi = __byte_perm(p, 0, 0x3232);
+  a2 = zp ? hi : kNegMagic2<kBF16>;
+  b2 = zp ? 0u : hi;
+}
+
+// 8 4-bit codes (code j in bits 4j..4j+3) -> the weights of codes (0, 4), (1, 5), (2, 6), (3, 7)
+// as 16-bit pairs, (code + magic + a) s + b with a2, s2 and b2 from int4_param_pairs: s code + b,
+// or s (code - z), each rounded once.
+template <bool kBF16>
+__device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t a2, uint32_t s2, uint32_t b2, uint32_t (&p)[4]) {
+  constexpr uint32_t kMagic = kBF16 ? 0x43004300u : 0x64006400u;  // 128.0 / 1024.0 in both halves
+  constexpr uint32_t kOne = kBF16 ? 0x3f803f80u : 0x3c003c00u;
+  // (w >> 4j) & mask | magic as one LOP3: written out, because LOP3 takes one immediate and
+  // ptxas otherwise splits the mask-and-or of two constants into two instructions.
+  const uint32_t magic = kMagic;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(w >> (4 * j)), "n"(0x000f000f), "r"(magic));
+    uint32_t q;
+    if constexpr (kBF16) {
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(a2));
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(q), "r"(s2), "r"(b2));
+    } else {
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(kOne), "r"(a2));
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(q), "r"(s2), "r"(b2));
+    }
+  }
+}
+
+// 4 signed 8-bit codes (code 0 in the low byte) -> the weights of codes (0, 2) and (1, 3) as
+// 16-bit pairs, s * code + b with s2 = (s, s) and b2 = (b, b) in the compute type. A byte goes
+// to the low byte of a 16-bit half (one PRMT per pair), then:
+//  - bf16 (8 significant bits: no magic number covers 256 codes): (half & 0x7f) | bits of
+//    128.0 is 128 + (code & 127), (half & 0x80) | bits of 128.0 is 128 or 256 (the sign bit),
+//    and their difference is the code, exact;
+//  - f16: the byte of code ^ 0x80 under the bits of 1024.0 is 1024 + code + 128, minus 1152.
+template <bool kBF16>
+__device__ __forceinline__ void int8x4_to_pairs(uint32_t w, uint32_t s2, uint32_t b2, uint32_t& even, uint32_t& odd) {
+  uint32_t* out[2] = {&even, &odd};
+  if constexpr (kBF16) {
+    const uint32_t magic = 0x43004300u, neg_one = 0xbf80bf80u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t x = __byte_perm(w, 0, h ? 0x4341 : 0x4240);  // bytes h, h + 2 in the halves' low bytes
+      uint32_t v, c, q;
+      asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(x), "n"(0x007f007f), "r"(magic));
+      asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(c) : "r"(x), "n"(0x00800080), "r"(magic));
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(c), "r"(neg_one), "r"(v));
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(*out[h]) : "r"(q), "r"(s2), "r"(b2));
+    }
+  } else {
+    const uint32_t u = w ^ 0x80808080u, one = 0x3c003c00u, neg = 0xe480e480u;  // -1152.0
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t v = __byte_perm(u, 0x64646464u, h ? 0x4341 : 0x4240);
+      uint32_t q;
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(one), "r"(neg));
+      asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(*out[h]) : "r"(q), "r"(s2), "r"(b2));
+    }
+  }
+}
+
+template <class V>
+__device__ __forceinline__ float param_lo(uint32_t p) {
+  return V::load(uint16_t(p & 0xffffu));
+}
+template <class V>
+__device__ __forceinline__ float param_hi(uint32_t p) {
+  return V::load(uint16_t(p >> 16));
+}
+
+// 8 consecutive columns of x (one 16-byte load) as B-fragment pairs in the decode's order:
+// 4-bit (x0, x4) (x1, x5) (x2, x6) (x3, x7), the pairs of one code word; 8-bit (x0, x2)
+// (x1, x3) (x4, x6) (x5, x7), those of two words. w[0], w[1] are one MMA's B fragment, w[2],
+// w[3] the next's.
+template <int BITS>
+__device__ __forceinline__ void pair_x8(const uint4& a, uint32_t* w) {
+  if constexpr (BITS == 4) {
+    w[0] = __byte_perm(a.x, a.z, 0x5410), w[1] = __byte_perm(a.x, a.z, 0x7632);
+    w[2] = __byte_perm(a.y, a.w, 0x5410), w[3] = __byte_perm(a.y, a.w, 0x7632);
+  } else {
+    w[0] = __byte_perm(a.x, a.y, 0x5410), w[1] = __byte_perm(a.x, a.y, 0x7632);
+    w[2] = __byte_perm(a.z, a.w, 0x5410), w[3] = __byte_perm(a.z, a.w, 0x7632);
+  }
+}
+
+}  // namespace
+}  // namespace kvlm::cuda
