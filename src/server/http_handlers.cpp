@@ -114,7 +114,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, const std::string& 
     } catch (const GrammarCacheBusy& e) {
       throw ApiError(503, e.what(), "", "server_busy");
     } catch (const Error& e) {
-      throw ApiError(400, std::string("the request's output constraint cannot be compiled: ") + e.what(), "response_format");
+      throw ApiError(400, std::string("the request's output constraint cannot be compiled: ") + e.what(), gen.grammar_field);
     }
   }
   std::vector<ChoiceMeta> meta;

@@ -515,21 +515,18 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
   for (const Json& t : *tools)
     if (choice == "required" || t["function"]["name"] == named) chosen.push_back(t);
   if (info.tool_parser == ToolParser::Harmony) {
-    // The call's header goes after the prompt and the grammar covers its arguments, so the
-    // function must be known before the reply starts.
-    if (chosen.size() != 1)
-      bad("tool_choice \"required\" with several tools is not supported with the harmony format yet (a call's header "
-          "is written between special tokens a grammar cannot force, so kvlm writes it for the model and must know the "
-          "function): name one with {\"type\": \"function\", \"function\": {\"name\": ...}}, or use \"auto\"",
-          "tool_choice");
+    // One function: its whole header goes after the prompt and the grammar covers the
+    // arguments. Several: the header up to the function's name goes after the prompt, and the
+    // grammar covers the name, the header's special tokens and the arguments.
     try {
-      ForcedCall f = harmony_forced_call(chosen[0]);
+      ForcedCall f = chosen.size() == 1 ? harmony_forced_call(chosen[0]) : harmony_required_call(chosen);
       r.gen.reply_prefix = std::move(f.prefix);
       r.gen.grammar = std::make_shared<const grammar::Grammar>(std::move(f.args));
     } catch (const Error& e) {
       bad(e.what(), "tools");
     }
     r.gen.grammar_key = "harmony call\n" + chosen.dump();
+    r.gen.grammar_field = "tool_choice";
     return;
   }
   r.gen.tool_parser = forced_call_format(info.tool_parser);
@@ -538,6 +535,7 @@ void parse_tools(const Json& b, const ModelInfo& info, ChatRequest& r) {
   } catch (const Error& e) {
     bad(e.what(), "tools");
   }
+  r.gen.grammar_field = "tool_choice";
   r.gen.grammar_key = "tools\n" + std::string(tool_parser_name(r.gen.tool_parser)) + "\n" + choice + "\n" +
                       (parallel ? "1" : "0") + chosen.dump();
 }

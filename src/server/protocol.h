@@ -110,6 +110,8 @@ struct GenParams {
   // cache of compiled grammars. Null: unconstrained.
   std::shared_ptr<const grammar::Grammar> grammar;
   std::string grammar_key;
+  // The request field the grammar comes from, for the error should it not compile.
+  std::string grammar_field = "response_format";
   // Chat with tools: the replies' tool calls are pulled out of the text in this format, with
   // the request's tools (qwen3_coder types argument values by their schemas).
   ToolParser tool_parser = ToolParser::None;

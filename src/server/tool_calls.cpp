@@ -614,6 +614,32 @@ ForcedCall harmony_forced_call(const Json& tool) {
   }
 }
 
+ForcedCall harmony_required_call(const Json& tools) {
+  grammar::Grammar g;
+  const uint32_t root = g.add_rule("root");
+  const uint32_t constrain = g.special_token("<|constrain|>"), message = g.special_token("<|message|>");
+  for (const Json& tool : tools) {
+    const Json& fn = tool.at("function");
+    const std::string name = fn.at("name").get<std::string>();
+    const Json params = fn.contains("parameters") && !fn["parameters"].is_null() ? fn["parameters"] : Json{{"type", "object"}};
+    grammar::Grammar args;
+    try {
+      args = grammar::json_schema_grammar(params);
+    } catch (const Error& e) {
+      throw Error("the tool '" + name + "' parameters: " + e.what());
+    }
+    grammar::Sequence call;
+    grammar::Grammar::append_literal(call, name + " ");
+    call.push_back(grammar::Symbol::ch(constrain));
+    grammar::Grammar::append_literal(call, "json");
+    call.push_back(grammar::Symbol::ch(message));
+    call.push_back(grammar::Symbol::ref(g.embed(args, name + "-")));
+    g.add_alt(root, std::move(call));
+  }
+  g.set_root(root);
+  return {"<|channel|>commentary to=functions.", std::move(g)};
+}
+
 namespace {
 
 // One qwen3_coder call of `name` whose arguments follow `params`: each property in the

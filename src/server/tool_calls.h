@@ -122,5 +122,11 @@ struct ForcedCall {
   grammar::Grammar args;
 };
 ForcedCall harmony_forced_call(const nlohmann::ordered_json& tool);
+// Harmony's forced call among several tools (tool_choice "required"): the header up to the
+// function's name after the prompt (<|channel|>commentary to=functions.), and a grammar over
+// the rest of the call — a listed function's name, " <|constrain|>json<|message|>" (special
+// tokens the grammar names: grammar::Grammar::special_token) and that function's arguments.
+// Throws kvlm::Error naming a tool whose schema cannot be enforced.
+ForcedCall harmony_required_call(const nlohmann::ordered_json& tools);
 
 }  // namespace kvlm::server

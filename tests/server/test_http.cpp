@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <filesystem>
@@ -24,6 +25,7 @@
 #include "server/http_server.h"
 #include "server/tool_calls.h"
 #include "text/grammar/grammar.h"
+#include "text/grammar/matcher.h"
 
 using namespace kvlm;
 using namespace kvlm::server;
@@ -56,6 +58,11 @@ class FakeEngine : public EngineClient {
     ++accepted_;
     last_prompt_ = r.prompt;
     last_constrained_ = r.constraint != nullptr;
+    if (r.constraint) {  // whether the grammar takes the scripted reply, token by token, to an end
+      grammar::Constraint probe = *r.constraint;
+      last_script_fits_ = std::all_of(script_.begin(), script_.end(), [&](TokenId t) { return probe.accept(t); }) &&
+                          probe.can_end();
+    }
     live_.push_back({std::move(r), 0});
     cv_.notify_all();
   }
@@ -93,6 +100,10 @@ class FakeEngine : public EngineClient {
   bool last_constrained() const {
     std::lock_guard lock(mu_);
     return last_constrained_;
+  }
+  bool last_script_fits() const {
+    std::lock_guard lock(mu_);
+    return last_script_fits_;
   }
 
  private:
@@ -171,7 +182,7 @@ class FakeEngine : public EngineClient {
   std::set<std::string> aborted_;
   uint64_t accepted_ = 0, generated_ = 0;
   std::vector<TokenId> last_prompt_;
-  bool last_constrained_ = false;
+  bool last_constrained_ = false, last_script_fits_ = false;
   bool quit_ = false;
   std::thread thread_;
 };
@@ -634,9 +645,10 @@ TEST_F(HarmonyTest, ToolCallsFromTheCommentaryChannel) {
 }
 
 // tool_choice naming a function (or "required" with one tool): kvlm writes the call's header
-// after the prompt — its markers are special tokens a grammar cannot write — and a grammar
-// holds the model to the function's parameters; the reply is the call. "required" among
-// several tools cannot know the header, and is refused naming what works.
+// after the prompt and a grammar holds the model to the function's parameters; the reply is
+// the call. "required" among several tools: the header up to the function's name goes after
+// the prompt, and the grammar covers a listed name, the header's special tokens and that
+// function's arguments (HarmonyRequiredAmongSeveralTools).
 TEST_F(HarmonyTest, ForcedCallsWriteTheHeaderForTheModel) {
   start_with("{\"city\": \"Oslo\"}");  // the model writes only the arguments
   auto c = client();
@@ -676,10 +688,63 @@ TEST_F(HarmonyTest, ForcedCallsWriteTheHeaderForTheModel) {
                 Json({{"city", "Oslo"}}));
     }
   }
-  auto r = c.Post("/v1/chat/completions", msgs + R"("tools": [)" + tool + ", " + other + R"(], "tool_choice": "required"})",
-                  "application/json");
-  expect_error_shape(r, 400);
-  EXPECT_NE(r->body.find("name one"), std::string::npos) << r->body;
+}
+
+// "required" among several tools: the model writes the function's name and the header's
+// special tokens (<|constrain|>, <|message|>) itself, under a grammar that allows exactly those
+// tokens there; the scripted reply below passes the grammar token by token, and comes back as
+// the call.
+TEST_F(HarmonyTest, HarmonyRequiredAmongSeveralTools) {
+  start_with("get_weather <|constrain|>json<|message|>{\"city\":\"Oslo\"}");
+  auto c = client();
+  const std::string tools =
+      R"([{"type": "function", "function": {"name": "get_time"}}, {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])";
+  const std::string req =
+      R"({"messages": [{"role": "user", "content": "weather in Oslo?"}], "max_tokens": 100, "tool_choice": "required", "tools": )" +
+      tools;
+  const std::vector<TokenId> header =
+      text_->tokenizer().encode("<|channel|>commentary to=functions.", {.add_special_tokens = false});
+  for (bool stream : {false, true}) {
+    auto r = c.Post("/v1/chat/completions", req + (stream ? R"(, "stream": true})" : "}"), "application/json");
+    ASSERT_EQ(r->status, 200) << r->body;
+    const std::vector<TokenId> prompt = engine_->last_prompt();
+    ASSERT_GE(prompt.size(), header.size());
+    EXPECT_TRUE(std::equal(header.begin(), header.end(), prompt.end() - std::ptrdiff_t(header.size())))
+        << "the prompt must end with the header up to the function's name";
+    EXPECT_TRUE(engine_->last_constrained());
+    EXPECT_TRUE(engine_->last_script_fits()) << "the grammar must take the name, <|constrain|>json<|message|> and the arguments";
+    if (stream) {
+      const Streamed s = join(r->body);
+      EXPECT_EQ(s.calls, "get_weather{\"city\":\"Oslo\"}") << r->body;
+      EXPECT_EQ(s.content, "");
+      EXPECT_EQ(s.finish, "tool_calls");
+      continue;
+    }
+    const Json ch = body_of(r)["choices"][0];
+    EXPECT_EQ(ch["finish_reason"], "tool_calls") << r->body;
+    ASSERT_EQ(ch["message"]["tool_calls"].size(), 1u) << r->body;
+    EXPECT_EQ(ch["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+    EXPECT_EQ(Json::parse(ch["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+              Json({{"city", "Oslo"}}));
+  }
+}
+
+// The grammar takes only listed names and the arguments their schemas allow: a reply naming
+// another function, or missing a required argument, does not pass it.
+TEST_F(HarmonyTest, HarmonyRequiredRefusesOtherNamesAndArguments) {
+  for (const char* reply : {"get_date <|constrain|>json<|message|>{}",
+                            "get_weather <|constrain|>json<|message|>{}",
+                            "get_weather json<|message|>{\"city\":\"Oslo\"}"}) {
+    if (engine_) TearDown();  // the previous reply's server
+    start_with(reply);
+    auto c = client();
+    auto r = c.Post("/v1/chat/completions",
+                    R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}, {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]})",
+                    "application/json");
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_TRUE(engine_->last_constrained());
+    EXPECT_FALSE(engine_->last_script_fits()) << reply;
+  }
 }
 
 // --reasoning-parser qwen3 over a chat template in Qwen3's manner: <think> and </think> are

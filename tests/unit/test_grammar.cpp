@@ -130,6 +130,80 @@ TEST(Grammar, TerminatedOnlyWhenNothingMayFollow) {
   EXPECT_TRUE(c.terminated());
 }
 
+// A special token a grammar names (a chat format's marker) is allowed exactly where the
+// grammar writes it, as a token of its own: never spelled by text, never by a negated class,
+// and no other special token with it; the position masks, the full walk and accepting agree,
+// and embedding a grammar carries its special tokens over. A token the vocabulary lacks is
+// an error at compile time.
+TEST(Grammar, SpecialTokensOnlyWhereTheGrammarNamesThem) {
+  // ids: 0 "a", 1 "b", 2 "ab", 3 "<|x|>" (special), 4 "<|y|>" (special), 5 "x", 6 "<", 7 "<|x|>" as text
+  const std::vector<std::string> bytes = {"a", "b", "ab", "", "", "x", "<", "<|x|>"};
+  const auto vocab = std::make_shared<const TokenVocab>(bytes, std::unordered_map<std::string, TokenId>{{"<|x|>", 3}, {"<|y|>", 4}});
+  Grammar g;
+  const uint32_t root = g.add_rule("root"), text = g.add_rule("text");
+  Sequence alt;
+  Grammar::append_literal(alt, "a");
+  alt.push_back(Symbol::ch(g.special_token("<|x|>")));
+  alt.push_back(Symbol::ref(text));
+  g.add_alt(root, alt);
+  g.add_alt(text, {Symbol::chars({{'z', 'z'}}, /*negated=*/true), Symbol::ref(text)});  // [^z]*
+  g.add_alt(text, {});
+  g.set_root(root);
+  EXPECT_NE(g.to_gbnf().find("<special <|x|>>"), std::string::npos) << g.to_gbnf();
+  for (bool position_masks : {true, false}) {
+    auto cg = std::make_shared<const CompiledGrammar>(g, vocab, position_masks);
+    const auto allowed = [&](const CompiledGrammar::State& st) {
+      std::vector<TokenId> ids;
+      const std::shared_ptr<const TokenMask> m = cg->mask(st), full = cg->full_walk_mask(st);
+      EXPECT_EQ(m->words, full->words);
+      for (TokenId t = 0; t < vocab->size(); ++t)
+        if (m->test(t)) ids.push_back(t);
+      return ids;
+    };
+    Constraint c(cg);
+    CompiledGrammar::State st = cg->initial(), next;
+    EXPECT_EQ(allowed(st), (std::vector<TokenId>{0}));  // "a"; not "ab", no special token
+    EXPECT_FALSE(c.accept(3));
+    ASSERT_TRUE(c.accept(0));
+    cg->step(st, 'a', next);
+    EXPECT_EQ(allowed(next), (std::vector<TokenId>{3}));  // only <|x|>: not <|y|>, not its text
+    EXPECT_FALSE(c.accept(4));
+    EXPECT_FALSE(c.accept(7));
+    EXPECT_FALSE(c.can_end());
+    ASSERT_TRUE(c.accept(3));
+    CompiledGrammar::State after;
+    ASSERT_TRUE(cg->step_special(next, 3, after));
+    EXPECT_FALSE(after.dead());
+    EXPECT_FALSE(cg->step_special(next, 4, after));  // a token the grammar never writes
+    // [^z]*: any text, but neither special token
+    EXPECT_EQ(allowed(after), (std::vector<TokenId>{0, 1, 2, 5, 6, 7}));
+    EXPECT_TRUE(c.can_end());
+    EXPECT_FALSE(c.accept(3));
+    EXPECT_FALSE(c.accept(4));
+    ASSERT_TRUE(c.accept(7));  // the marker's text is text
+  }
+  // Embedded into a grammar with a special token of its own: the indices are remapped.
+  Grammar outer;
+  const uint32_t o = outer.add_rule("root");
+  Sequence first = {Symbol::ch(outer.special_token("<|y|>"))};
+  first.push_back(Symbol::ref(outer.embed(g, "inner-")));
+  outer.add_alt(o, first);
+  outer.set_root(o);
+  ASSERT_EQ(outer.special_tokens(), (std::vector<std::string>{"<|y|>", "<|x|>"}));
+  Constraint c(std::make_shared<const CompiledGrammar>(outer, vocab));
+  EXPECT_FALSE(c.accept(3));
+  ASSERT_TRUE(c.accept(4));
+  ASSERT_TRUE(c.accept(0));
+  EXPECT_FALSE(c.accept(4));
+  EXPECT_TRUE(c.accept(3));
+  // A special token the vocabulary lacks.
+  Grammar missing;
+  const uint32_t m = missing.add_rule("root");
+  missing.add_alt(m, {Symbol::ch(missing.special_token("<|nope|>"))});
+  missing.set_root(m);
+  EXPECT_THROW(CompiledGrammar(missing, vocab), Error);
+}
+
 TEST(Grammar, ChoiceMatchesExactlyItsStrings) {
   const Grammar g = choice_grammar({"yes", "no", "maybe so"});
   for (const char* ok : {"yes", "no", "maybe so"}) EXPECT_TRUE(matches(g, ok));

@@ -145,13 +145,26 @@ void Grammar::append_repeat(Sequence& s, const Sequence& item, int min, int max,
 uint32_t Grammar::embed(const Grammar& other, std::string_view prefix) {
   std::vector<uint32_t> ids(other.rules_.size());
   for (size_t i = 0; i < other.rules_.size(); ++i) ids[i] = add_rule(std::string(prefix) + other.rules_[i].name);
+  std::vector<uint32_t> specials;  // other's special code points in this grammar
+  for (const std::string& t : other.specials_) specials.push_back(special_token(t));
   for (size_t i = 0; i < other.rules_.size(); ++i)
     for (Sequence alt : other.rules_[i].alts) {
-      for (Symbol& s : alt)
+      for (Symbol& s : alt) {
         if (s.kind == Symbol::Kind::Ref) s.rule = ids[s.rule];
+        else
+          for (CharRange& r : s.ranges)  // special tokens are single code points
+            if (r.lo >= kSpecialTokenBase) r.lo = r.hi = specials[r.lo - kSpecialTokenBase];
+      }
       add_alt(ids[i], std::move(alt));
     }
   return ids[other.root_];
+}
+
+uint32_t Grammar::special_token(std::string_view text) {
+  for (size_t i = 0; i < specials_.size(); ++i)
+    if (specials_[i] == text) return kSpecialTokenBase + uint32_t(i);
+  specials_.emplace_back(text);
+  return kSpecialTokenBase + uint32_t(specials_.size() - 1);
 }
 
 std::vector<char> Grammar::nullable_rules() const {
@@ -263,6 +276,9 @@ std::string Grammar::to_gbnf() const {
         out += ' ';
         if (s.kind == Symbol::Kind::Ref) {
           out += rules_[s.rule].name;
+        } else if (!s.negated && s.ranges.size() == 1 && s.ranges[0].lo >= kSpecialTokenBase &&
+                   s.ranges[0].lo == s.ranges[0].hi && s.ranges[0].lo - kSpecialTokenBase < specials_.size()) {
+          out += "<special " + specials_[s.ranges[0].lo - kSpecialTokenBase] + ">";  // not GBNF: for messages
         } else if (!s.negated && s.ranges.size() == 1 && s.ranges[0].lo == s.ranges[0].hi) {
           out += '"';
           gbnf_char(out, s.ranges[0].lo, false);

@@ -23,6 +23,14 @@ constexpr int kMaxNesting = 256;
 constexpr size_t kMaxSymbols = size_t(1) << 18;
 constexpr size_t kMaxRules = 200000;
 
+// Special tokens (a chat format's markers, such as harmony's <|constrain|> and <|message|>)
+// are not text that characters could spell. A grammar that must write one names it by its
+// text (Grammar::special_token), and it stands in the grammar as one code point past
+// Unicode's, kSpecialTokenBase + its index in the grammar's list; the compiled grammar finds
+// the token's id in its vocabulary and allows that token, and only it, there. Negated classes
+// never match these code points, and no UTF-8 text decodes to them.
+constexpr uint32_t kSpecialTokenBase = 0x110000;
+
 struct CharRange {
   uint32_t lo, hi;  // inclusive code points
 };
@@ -72,8 +80,14 @@ class Grammar {
   uint32_t add_text_until(std::string_view tag, const Sequence& then, std::string_view hint);
 
   // Copies `other`'s rules into this grammar (names prefixed) and returns the rule its root
-  // became: grammars built separately (a tool's arguments schema) compose into one.
+  // became: grammars built separately (a tool's arguments schema) compose into one. Its
+  // special tokens join this grammar's list.
   uint32_t embed(const Grammar& other, std::string_view prefix);
+
+  // The code point standing for the special token `text` (kSpecialTokenBase + its index,
+  // added on first use): Symbol::ch of it writes that token.
+  uint32_t special_token(std::string_view text);
+  const std::vector<std::string>& special_tokens() const { return specials_; }
 
   // Per rule: whether it can match the empty string (linear in the grammar's size).
   std::vector<char> nullable_rules() const;
@@ -93,6 +107,7 @@ class Grammar {
   void count_symbols(size_t n);
   std::vector<Rule> rules_;
   std::unordered_map<std::string, uint32_t> by_name_;
+  std::vector<std::string> specials_;  // special_token's texts, by index
   uint32_t root_ = 0;
   size_t symbols_ = 0;
 };

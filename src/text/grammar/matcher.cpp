@@ -72,10 +72,21 @@ struct ListItems {
 TokenVocab::TokenVocab(const Tokenizer& tok, int vocab_size) {
   bytes_.resize(size_t(std::max(vocab_size, 0)));
   for (int id = 0; id < vocab_size; ++id) bytes_[size_t(id)] = tok.token_bytes(id);
+  for (const AddedToken& a : tok.added_tokens())
+    if (a.special && a.id >= 0 && a.id < vocab_size) specials_.emplace(a.content, a.id);
   index();
 }
 
-TokenVocab::TokenVocab(std::vector<std::string> bytes) : bytes_(std::move(bytes)) { index(); }
+TokenVocab::TokenVocab(std::vector<std::string> bytes, std::unordered_map<std::string, TokenId> specials)
+    : bytes_(std::move(bytes)), specials_(std::move(specials)) {
+  index();
+}
+
+std::optional<TokenId> TokenVocab::special_id(const std::string& text) const {
+  const auto it = specials_.find(text);
+  if (it == specials_.end()) return std::nullopt;
+  return it->second;
+}
 
 void TokenVocab::index() {
   order_.clear();
@@ -105,6 +116,11 @@ int TokenMask::count() const {
 CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocab> vocab, bool position_masks)
     : vocab_(std::move(vocab)), position_masks_(position_masks) {
   g.validate();
+  for (const std::string& text : g.special_tokens()) {
+    const auto id = vocab_->special_id(text);
+    if (!id) throw Error("the grammar writes the special token " + text + ", which this model's tokenizer does not have");
+    special_ids_.push_back(*id);
+  }
   std::unordered_map<std::string, uint32_t> class_ids;
   alt_starts_.resize(g.num_rules());
   for (uint32_t r = 0; r < g.num_rules(); ++r)
@@ -233,7 +249,28 @@ bool CompiledGrammar::matches(uint32_t cls, uint32_t cp) const {
       in = true;
       break;
     }
-  return in != c.negated;
+  // Special tokens' code points (kSpecialTokenBase + i) match only a class that names them.
+  return c.negated ? !in && cp < kSpecialTokenBase : in;
+}
+
+bool CompiledGrammar::step_special(const State& in, TokenId t, State& out) const {
+  for (size_t i = 0; i < special_ids_.size(); ++i)
+    if (special_ids_[i] == t) {
+      out.clear();
+      if (!in.need) advance(in, kSpecialTokenBase + uint32_t(i), out);
+      return true;
+    }
+  return false;
+}
+
+void CompiledGrammar::add_special_tokens(const State& s, std::vector<uint64_t>& words) const {
+  if (s.dead() || s.need) return;
+  State out;
+  for (size_t i = 0; i < special_ids_.size(); ++i) {
+    advance(s, kSpecialTokenBase + uint32_t(i), out);
+    const TokenId t = special_ids_[i];
+    if (!out.dead() && size_t(t) < vocab_->bytes_.size()) words[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  }
 }
 
 bool CompiledGrammar::may_match(uint32_t cls, uint32_t lo, uint32_t hi) const {
@@ -544,6 +581,7 @@ std::shared_ptr<TokenMask> CompiledGrammar::full_walk_mask(const State& s) const
   if (failed) std::rethrow_exception(failed);
   for (const auto& w : words)
     for (size_t i = 0; i < w.size(); ++i) m->words[i] |= w[i];
+  add_special_tokens(s, m->words);
   return m;
 }
 
@@ -585,6 +623,7 @@ std::shared_ptr<TokenMask> CompiledGrammar::compute_mask(const State& s) const {
     }
     if (!group.dead() && !pm->dependent.empty()) walk(group, ListItems{pm->dependent, pm->dependent_lcp}, m->words);
   }
+  add_special_tokens(s, m->words);
   return m;
 }
 
@@ -848,7 +887,13 @@ void Constraint::wait() const {
 
 bool Constraint::accept(TokenId t) {
   const TokenVocab& v = g_->vocab();
-  if (t < 0 || t >= v.size() || v.bytes(t).empty()) return false;
+  if (t < 0 || t >= v.size()) return false;
+  if (v.bytes(t).empty()) {  // a special token: only where the grammar names it
+    if (!g_->step_special(state_, t, scratch_) || scratch_.dead()) return false;
+    std::swap(state_, scratch_);
+    next_ = {};
+    return true;
+  }
   return accept_text(v.bytes(t));
 }
 

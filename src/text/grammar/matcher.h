@@ -57,21 +57,25 @@ class GrammarTimeout : public Error {
 };
 
 // The vocabulary as the matcher sees it: every token's bytes as they appear inside a text,
-// sorted. Special tokens and ids the tokenizer lacks have no bytes and are never allowed by
-// a grammar (EOS is the engine's business: see Constraint::can_end).
+// sorted. Special tokens and ids the tokenizer lacks have no bytes: a grammar allows a special
+// token only where it names it (Grammar::special_token, found here by its text), and never
+// the others (EOS is the engine's business: see Constraint::can_end).
 class TokenVocab {
  public:
   // `vocab_size`: the model's (logits) vocabulary, which may exceed the tokenizer's.
   TokenVocab(const Tokenizer& tok, int vocab_size);
-  // For tests: token id i has bytes[i] (empty = never allowed).
-  explicit TokenVocab(std::vector<std::string> bytes);
+  // For tests: token id i has bytes[i] (empty = never allowed); `specials` by text.
+  explicit TokenVocab(std::vector<std::string> bytes, std::unordered_map<std::string, TokenId> specials = {});
   int size() const { return int(bytes_.size()); }
   const std::string& bytes(TokenId id) const { return bytes_[size_t(id)]; }
+  // The id of the special token `text`, if the tokenizer has one.
+  std::optional<TokenId> special_id(const std::string& text) const;
 
  private:
   friend class CompiledGrammar;
   void index();
   std::vector<std::string> bytes_;
+  std::unordered_map<std::string, TokenId> specials_;
   std::vector<TokenId> order_;  // ids with bytes, sorted by bytes
   std::vector<uint32_t> lcp_;   // common prefix length of order_[i] with order_[i - 1]
 };
@@ -120,6 +124,9 @@ class CompiledGrammar {
   void step(const State& in, uint8_t byte, State& out) const;
   static bool accepting(const State& s);   // a complete sentence (no partial character)
   static bool terminated(const State& s);  // complete, and nothing may follow
+  // The state after the special token `t` (out dead when the grammar cannot take it there);
+  // false when the grammar never writes `t`.
+  bool step_special(const State& in, TokenId t, State& out) const;
   // The tokens allowed after `s`, cached by state.
   std::shared_ptr<const TokenMask> mask(const State& s) const;
   bool cached(const State& s) const;
@@ -182,6 +189,8 @@ class CompiledGrammar {
   // Chunks of the sorted vocabulary walked in parallel (1 on small machines or vocabularies).
   int walk_chunks() const;
   void compute_follow(const Grammar& g);
+  // Sets the bits of the special tokens the grammar writes that `s` allows.
+  void add_special_tokens(const State& s, std::vector<uint64_t>& words) const;
   static std::string key(const State& s);
   void check_deadline() const;
 
@@ -189,6 +198,7 @@ class CompiledGrammar {
   std::vector<std::vector<uint32_t>> alt_starts_;
   std::vector<Class> classes_;
   std::vector<uint32_t> rule_of_;            // per position: the rule whose alternative holds it
+  std::vector<TokenId> special_ids_;         // the grammar's special tokens' ids, by index
   std::vector<std::bitset<256>> follow_;     // per rule: bytes that may start what follows it
   uint32_t root_;
   std::shared_ptr<const TokenVocab> vocab_;
