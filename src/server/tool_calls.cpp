@@ -602,16 +602,26 @@ std::optional<ToolCall> ToolCallStream::block_call(std::string_view body) const 
   return p_ == ToolParser::Qwen3Coder ? coder_call(body, tools_) : call_of(trim(body));
 }
 
-ForcedCall harmony_forced_call(const Json& tool) {
+namespace {
+
+// A tool's function name and the grammar of its arguments (its parameters schema; an object
+// when it has none), for harmony's forced calls.
+std::pair<std::string, grammar::Grammar> harmony_arguments(const Json& tool) {
   const Json& fn = tool.at("function");
-  const std::string name = fn.at("name").get<std::string>();
+  std::string name = fn.at("name").get<std::string>();
   const Json params = fn.contains("parameters") && !fn["parameters"].is_null() ? fn["parameters"] : Json{{"type", "object"}};
   try {
-    return {"<|channel|>commentary to=functions." + name + " <|constrain|>json<|message|>",
-            grammar::json_schema_grammar(params)};
+    return {name, grammar::json_schema_grammar(params)};
   } catch (const Error& e) {
     throw Error("the tool '" + name + "' parameters: " + e.what());
   }
+}
+
+}  // namespace
+
+ForcedCall harmony_forced_call(const Json& tool) {
+  auto [name, args] = harmony_arguments(tool);
+  return {"<|channel|>commentary to=functions." + name + " <|constrain|>json<|message|>", std::move(args)};
 }
 
 ForcedCall harmony_required_call(const Json& tools) {
@@ -619,15 +629,7 @@ ForcedCall harmony_required_call(const Json& tools) {
   const uint32_t root = g.add_rule("root");
   const uint32_t constrain = g.special_token("<|constrain|>"), message = g.special_token("<|message|>");
   for (const Json& tool : tools) {
-    const Json& fn = tool.at("function");
-    const std::string name = fn.at("name").get<std::string>();
-    const Json params = fn.contains("parameters") && !fn["parameters"].is_null() ? fn["parameters"] : Json{{"type", "object"}};
-    grammar::Grammar args;
-    try {
-      args = grammar::json_schema_grammar(params);
-    } catch (const Error& e) {
-      throw Error("the tool '" + name + "' parameters: " + e.what());
-    }
+    const auto [name, args] = harmony_arguments(tool);
     grammar::Sequence call;
     grammar::Grammar::append_literal(call, name + " ");
     call.push_back(grammar::Symbol::ch(constrain));

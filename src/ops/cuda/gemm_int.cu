@@ -394,14 +394,8 @@ void gemm_int(DType ab, DType out, const void* x, const IntWeight& w, const void
   if (m <= 0 || n <= 0) return;
   if (m > kGemmIntMaxM)
     throw Error("gemm_int: takes m <= " + std::to_string(kGemmIntMaxM) + " (run larger batches in passes)");
-  if (!int_layout_fits(k, w.bits, w.group))
-    throw Error("gemm_int: grouped codes of " + std::to_string(w.bits) + " bits in groups of " +
-                std::to_string(w.group) + " do not fit a row of " + std::to_string(k));
-  if (ab != DType::BF16 && ab != DType::F16) throw Error("gemm_int: the compute type must be bf16 or f16");
-  if (w.zero_point && w.bits != 4) throw Error("gemm_int: zero-point layouts are 4-bit");
-  if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || reinterpret_cast<uintptr_t>(w.params) % 4 != 0 ||
-      reinterpret_cast<uintptr_t>(x) % 16 != 0)
-    throw Error("gemm_int: x and the codes must be 16-byte aligned, the parameters 4-byte aligned");
+  check_int("gemm_int", ab, w, k);
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemm_int: x must be 16-byte aligned");
   if (out != ab && out != DType::F32) throw Error("gemm_int: output must be the input type or float32");
   if (ldy < n) throw Error("gemm_int: the output's row stride is shorter than its rows");
   if (tile_rows == 0) tile_rows = gemm_int_tile_rows(m, n);

@@ -423,17 +423,6 @@ __global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, i
   }
 }
 
-void check_int(const char* what, DType ab, const IntWeight& w, int k) {
-  if (!int_layout_fits(k, w.bits, w.group))
-    throw Error(std::string(what) + ": grouped codes of " + std::to_string(w.bits) + " bits in groups of " +
-                std::to_string(w.group) + " do not fit a row of " + std::to_string(k) +
-                " (4-bit: groups and rows multiples of 32; 8-bit: of 16)");
-  if (ab != DType::BF16 && ab != DType::F16) throw Error(std::string(what) + ": the compute type must be bf16 or f16");
-  if (w.zero_point && w.bits != 4) throw Error(std::string(what) + ": zero-point layouts are 4-bit");
-  if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || reinterpret_cast<uintptr_t>(w.params) % 4 != 0)
-    throw Error(std::string(what) + ": the codes must be 16-byte aligned, the parameters 4-byte aligned");
-}
-
 }  // namespace
 
 bool gemv_int_scales_after_mma(DType ab, int bits, int group) {

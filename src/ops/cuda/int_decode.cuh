@@ -2,13 +2,33 @@
 // 16-bit pairs for the tensor cores, shared by gemv_int.cu (m <= 16) and gemm_int.cu (m <= 64).
 // gemv_int.cu's header comment says how each decode is exact up to the one rounding of
 // s * code + b, and how the pairs are ordered: 4-bit codes (j, j + 4) of a 32-bit word, 8-bit
-// codes (0, 2) and (1, 3); the kernels pair x's columns to match.
+// codes (0, 2) and (1, 3); the kernels pair x's columns to match. Also the host's check of a
+// weight both kernels take.
 #pragma once
 
 #include <cstdint>
+#include <string>
+
+#include "core/error.h"
+#include "ops/cuda/gemm.h"
 
 namespace kvlm::cuda {
 namespace {
+
+// Throws kvlm::Error, prefixed with `what`, for a weight of grouped codes the kernels cannot
+// read: a layout that does not fit rows of k, a compute type other than bf16 / f16, an 8-bit
+// zero-point layout, or misaligned codes or parameters.
+void check_int(const char* what, DType ab, const IntWeight& w, int k) {
+  if (!int_layout_fits(k, w.bits, w.group))
+    throw Error(std::string(what) + ": grouped codes of " + std::to_string(w.bits) + " bits in groups of " +
+                std::to_string(w.group) + " do not fit a row of " + std::to_string(k) +
+                " (4-bit: groups and rows multiples of 32; 8-bit: of 16)");
+  if (ab != DType::BF16 && ab != DType::F16) throw Error(std::string(what) + ": the compute type must be bf16 or f16");
+  if (w.zero_point && w.bits != 4) throw Error(std::string(what) + ": zero-point layouts are 4-bit");
+  if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || reinterpret_cast<uintptr_t>(w.params) % 4 != 0)
+    throw Error(std::string(what) + ": the codes must be 16-byte aligned, the parameters 4-byte aligned");
+}
+
 
 template <bool kBF16>
 inline constexpr uint32_t kNegMagic2 = kBF16 ? 0xc300c300u : 0xe400e400u;  // -128.0 / -1024.0 in both halves
