@@ -892,9 +892,11 @@ int main(int argc, char** argv) {
         const MoeConfig& m = *c.moe;
         const double E = m.num_experts, H = c.hidden_size, ep = expert_parallel ? tp : 1;
         const double I = double(m.expert_size) / (expert_parallel ? 1 : tp), held = E / ep;
-        const double per_expert = (3 * H * I + (m.expert_bias ? 2 * I + H : 0.0)) * 2;  // 16-bit weights
-        const double chosen = held * (1 - std::pow(1 - double(m.top_k) / E, batch));
         const double moe_layers = double(std::ranges::count(c.moe_layers, true));
+        // An expert's matrices as held (16-bit, or 4-bit codes with their parameters), and its biases.
+        const double per_expert = double(ranks[0]->expert_bytes()) / (moe_layers * held) +
+                                  (m.expert_bias ? (2 * I + H) * 2 : 0.0);
+        const double chosen = held * (1 - std::pow(1 - double(m.top_k) / E, batch));
         return wheld - moe_layers * (held - chosen) * per_expert;
       };
       std::fprintf(stderr, "loaded %s with a %s cache in %.1f s (%.2f GB of weights%s)\n", model.c_str(), kv.c_str(),

@@ -6,9 +6,11 @@
 // run near the GPU's copy bandwidth; prefill batches are compute-bound and report TFLOP/s
 // (2 x rows x top_k x 3 x hidden x width). From 512 rows it also times the same FLOPs as two
 // dense bf16 GEMMs through cuBLASLt (one expert's shapes, rows x top_k rows: [P][H] . [2I][H]^T
-// and [P][I] . [H][I]^T), the rate a grouped GEMM should approach. Results: docs/results/moe.md.
+// and [P][I] . [H][I]^T), the rate a grouped GEMM should approach. --codes BITS:GROUP holds the
+// experts as grouped integer codes instead (4-bit AWQ / GPTQ-style experts: 4:128, GGUF's Q4_K:
+// 4:32), their bytes counted as codes and 32-bit parameters. Results: docs/results/moe.md.
 //
-//   moe_lab [--shape qwen3-30b-a3b|gpt-oss-20b] [--rows 1,8,64,512,4096]
+//   moe_lab [--shape qwen3-30b-a3b|gpt-oss-20b] [--rows 1,8,64,512,4096] [--codes 4:128]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
+#include "io/grouped_codes.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
 #include "lab_util.h"
@@ -50,6 +53,26 @@ T* device_random(size_t n, std::mt19937& rng, float stddev) {
   return d;
 }
 
+template <class T>
+T* device_copy(const std::vector<T>& h) {
+  T* d = nullptr;
+  CHECK(cudaMalloc(&d, h.size() * sizeof(T)));
+  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Random grouped codes for [rows][cols], scales about `stddev` / 4 (4-bit codes' spread) and
+// offsets centring them, as a quantizer's would.
+cuda::IntWeight device_codes(GroupedLayout l, int64_t rows, int64_t cols, std::mt19937& rng, float stddev) {
+  std::vector<uint8_t> codes(size_t(rows) * grouped_code_bytes(l, cols));
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : codes) b = uint8_t(byte(rng));
+  const float s = stddev / (l.bits == 4 ? 4.0f : 64.0f);
+  std::vector<uint32_t> params(size_t(rows) * size_t(grouped_groups(l, cols)),
+                               grouped_param(DType::BF16, s, l.bits == 4 ? -7.5f * s : 0.0f));
+  return {.codes = device_copy(codes), .params = device_copy(params), .bits = l.bits, .group = l.group};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,22 +80,27 @@ int main(int argc, char** argv) {
                             {"gpt-oss-20b", 2880, 2880, 32, 4, GluActivation::SwigluClamp, true}};
   std::string only;
   std::vector<int> rows_list{1, 8, 16, 64, 512, 4096};
+  GroupedLayout codes{};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--shape") {
       only = v;
+    } else if (a == "--codes" && std::sscanf(v.c_str(), "%d:%d", &codes.bits, &codes.group) == 2 &&
+               (codes.bits == 4 || codes.bits == 8)) {
     } else if (a == "--rows") {
       rows_list.clear();
       std::stringstream ss(v);
       for (std::string t; std::getline(ss, t, ',');) rows_list.push_back(std::stoi(t));
     } else {
-      std::fprintf(stderr, "usage: moe_lab [--shape qwen3-30b-a3b|gpt-oss-20b] [--rows 1,8,64]\n");
+      std::fprintf(stderr, "usage: moe_lab [--shape qwen3-30b-a3b|gpt-oss-20b] [--rows 1,8,64] [--codes 4:128]\n");
       return 2;
     }
   }
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("moe_lab on %s\n", prop.name);
+  std::printf("moe_lab on %s, experts %s\n", prop.name,
+              codes.bits ? (std::to_string(codes.bits) + "-bit codes in groups of " + std::to_string(codes.group)).c_str()
+                         : "bf16");
   std::printf("%-14s %6s %10s %12s %10s %10s %8s %14s\n", "shape", "rows", "us/call", "weight MB", "GB/s", "TFLOP/s",
               "experts", "dense TFLOP/s");
   cuda::Gemm gemm;
@@ -91,6 +119,17 @@ int main(int argc, char** argv) {
     const int max_rows = *std::max_element(rows_list.begin(), rows_list.end());
     auto* gate_up = device_random<uint16_t>(size_t(E) * 2 * I * H, rng, 1.0f / std::sqrt(float(H)));
     auto* down = device_random<uint16_t>(size_t(E) * H * I, rng, 1.0f / std::sqrt(float(I)));
+    cuda::IntWeight gu_codes, down_codes;
+    if (codes.bits) {
+      if (!cuda::moe_int_fits(H, I, codes.bits, codes.group)) {
+        std::printf("%-14s codes %d:%d do not tile its sizes\n", s.name.c_str(), codes.bits, codes.group);
+        continue;
+      }
+      gu_codes = device_codes(codes, int64_t(E) * 2 * I, H, rng, 1.0f / std::sqrt(float(H)));
+      down_codes = device_codes(codes, int64_t(E) * H, I, rng, 1.0f / std::sqrt(float(I)));
+    }
+    // Bytes a weight element takes: 2, or a code and its share of a 32-bit parameter word.
+    const double per_weight = codes.bits ? codes.bits / 8.0 + 4.0 / codes.group : 2.0;
     uint16_t* gub = s.biases ? device_random<uint16_t>(size_t(E) * 2 * I, rng, 0.5f) : nullptr;
     uint16_t* db = s.biases ? device_random<uint16_t>(size_t(E) * H, rng, 0.5f) : nullptr;
     auto* x = device_random<uint16_t>(size_t(max_rows) * H, rng, 1.0f);
@@ -104,13 +143,13 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(dlogits, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
     for (int T : rows_list) {
       void* ws = nullptr;
-      const size_t wsb = cuda::moe_workspace_bytes(DType::BF16, T, H, I, E, K);
+      const size_t wsb = cuda::moe_workspace_bytes(DType::BF16, T, H, I, E, K, codes.bits > 0);
       CHECK(cudaMalloc(&ws, wsb));
       MoeConfig cfg{.num_experts = E, .top_k = K, .expert_size = I, .norm_topk = true, .router_bias = false,
                     .expert_bias = s.biases, .act = s.act};
       const cuda::MoeParams p{.act = DType::BF16, .rows = T, .hidden = H, .inter = I, .config = cfg, .logits = dlogits,
                               .x = x, .gate_up = gate_up, .gate_up_bias = gub, .down = down, .down_bias = db, .y = y,
-                              .workspace = ws};
+                              .workspace = ws, .gate_up_codes = gu_codes, .down_codes = down_codes};
       // The experts this batch's rows chose (the routing is the workspace's first array).
       for (int i = 0; i < 3; ++i) cuda::moe(p, nullptr);
       CHECK(cudaDeviceSynchronize());
@@ -118,7 +157,7 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpy(ids.data(), ws, ids.size() * 4, cudaMemcpyDeviceToHost));
       const std::set<int32_t> used(ids.begin(), ids.end());
       const double sec = graph_ms([&](cudaStream_t st) { cuda::moe(p, st); }, flush, flush_bytes, 20) * 1e-3;
-      const double weight_bytes = double(used.size()) * 3.0 * H * I * 2;
+      const double weight_bytes = double(used.size()) * 3.0 * H * I * per_weight;
       const double bytes = weight_bytes + double(T) * E * 4 + 2.0 * T * H * 2;
       const double flops = 2.0 * T * K * 3.0 * H * I;
       // The same FLOPs as dense GEMMs (gate/up then down over P = T x top_k rows), graph-timed
@@ -148,7 +187,11 @@ int main(int argc, char** argv) {
       CHECK(cudaFree(ws));
     }
     for (void* ptr : {static_cast<void*>(gate_up), static_cast<void*>(down), static_cast<void*>(gub), static_cast<void*>(db),
-                      static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(dlogits)})
+                      static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(dlogits),
+                      static_cast<void*>(const_cast<uint8_t*>(gu_codes.codes)),
+                      static_cast<void*>(const_cast<uint32_t*>(gu_codes.params)),
+                      static_cast<void*>(const_cast<uint8_t*>(down_codes.codes)),
+                      static_cast<void*>(const_cast<uint32_t*>(down_codes.params))})
       if (ptr) CHECK(cudaFree(ptr));
   }
   CHECK(cudaFree(flush));

@@ -97,6 +97,7 @@ struct WeightSpec {
   Shard shard = Shard::Replicated;
   bool add_one = false;             // stored as 1 + w (Gemma's RMSNorm), in fp32
   bool linear = false;              // a projection --quantization fp8 quantizes (not the embedding / LM head)
+  bool experts = false;             // a mixture's experts' matrices stacked along dim 0 (MoeWeights), never one GEMM's
   std::vector<float> constant;      // Constant: the values
   std::string missing_hint;         // appended to the error when a piece is missing
 

@@ -4,7 +4,9 @@
 // decode-sized batches (1-4 rows: the expert GEMV), larger ones (the grouped GEMM) and
 // prefill-sized ones (>= 48 pairs per expert: the wide grouped GEMM, tiles of 128 pairs),
 // SiLU and GPT-OSS's clamped SwiGLU with router and expert biases, both router normalizations,
-// and one rank's run of experts under expert parallelism.
+// and one rank's run of experts under expert parallelism. Experts held as grouped integer
+// codes (4-bit with offsets or zero points, 8-bit) take the integer GEMV per tile and, on the
+// wide path, runs of dequantized experts; the reference then uses the codes' values.
 //
 // The reference rounds where the kernels round — the gate/up projection, the activation and
 // each expert's output to the activation dtype, the combined output once — so what remains is
@@ -27,6 +29,7 @@
 
 #include "act_test_util.h"
 #include "cuda_test_util.h"
+#include "io/grouped_codes.h"
 #include "ops/cpu/ops.h"
 #include "ops/cuda/moe.h"
 
@@ -45,14 +48,53 @@ struct MoeCase {
   // Expert parallelism: the kernels hold experts [first, first + held) only (held 0: all) and
   // sum only their pairs; the reference sums the same.
   int first = 0, held = 0;
+  // Experts as grouped codes (bits 4 or 8; 0: act weights), and experts per dequantized run on
+  // the wide path (0: the kernels' choice).
+  GroupedLayout codes{};
+  int run_experts = 0;
 };
 
+// Random grouped codes for [rows][cols] and their values as the kernels decode them (s * code + b,
+// or s (code - z), rounded to the compute type; the scale-after-MMA variant's unrounded values
+// differ by half a step of a weight, within the tolerance's one step of the terms).
+struct Codes {
+  std::vector<uint8_t> codes;
+  std::vector<uint32_t> params;
+  std::vector<float> values;
+};
+Codes random_codes(DType act, GroupedLayout l, int64_t rows, int64_t cols, float scale, std::mt19937& rng) {
+  Codes c;
+  const size_t cb = grouped_code_bytes(l, cols), ng = size_t(grouped_groups(l, cols));
+  c.codes.resize(size_t(rows) * cb);
+  c.params.resize(size_t(rows) * ng);
+  c.values.resize(size_t(rows * cols));
+  std::uniform_int_distribution<int> byte(0, 255), zero(0, 15);
+  std::uniform_real_distribution<float> s(0.5f, 1.5f);
+  const float step = scale / (l.bits == 4 ? 7.5f : 127.5f);  // a code's step: values about +-scale
+  for (auto& b : c.codes) b = uint8_t(byte(rng));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (size_t g = 0; g < ng; ++g) {
+      const float sg = step * s(rng);
+      c.params[size_t(r) * ng + g] = l.zero_point ? grouped_param_zero_point(act, sg, zero(rng))
+                                                  : grouped_param(act, sg, l.bits == 4 ? -8.0f * sg : 0.0f);
+    }
+    grouped_dequantize_row(l, act, c.codes.data() + size_t(r) * cb, c.params.data() + size_t(r) * ng, cols,
+                           std::span<float>(c.values).subspan(size_t(r * cols), size_t(cols)));
+  }
+  for (auto& v : c.values) v = act_round(act, v);
+  return c;
+}
 void run(DType act, const MoeCase& c, uint32_t seed) {
   std::mt19937 rng(seed);
   const int T = c.rows, H = c.hidden, I = c.inter, E = c.experts, K = c.top_k;
   const auto x = random_act(act, size_t(T) * H, rng);
-  const auto gate_up = random_act(act, size_t(E) * 2 * I * H, rng, 1.0f / std::sqrt(float(H)));
-  const auto down = random_act(act, size_t(E) * H * I, rng, 1.0f / std::sqrt(float(I)));
+  std::optional<Codes> gu_codes, down_codes;
+  if (c.codes.bits) {
+    gu_codes = random_codes(act, c.codes, int64_t(E) * 2 * I, H, 1.0f / std::sqrt(float(H)), rng);
+    down_codes = random_codes(act, c.codes, int64_t(E) * H, I, 1.0f / std::sqrt(float(I)), rng);
+  }
+  const auto gate_up = gu_codes ? gu_codes->values : random_act(act, size_t(E) * 2 * I * H, rng, 1.0f / std::sqrt(float(H)));
+  const auto down = down_codes ? down_codes->values : random_act(act, size_t(E) * H * I, rng, 1.0f / std::sqrt(float(I)));
   std::vector<float> gu_bias, down_bias, router_bias;
   if (c.biases) {
     gu_bias = random_act(act, size_t(E) * 2 * I, rng, 0.5f);
@@ -123,11 +165,31 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
   if (!gu_bias.empty()) dgub.emplace(codes(act, held_part(gu_bias)));
   if (!down_bias.empty()) ddb.emplace(codes(act, held_part(down_bias)));
   if (!router_bias.empty()) drb.emplace(codes(act, router_bias));
-  Dev<uint8_t> ws(cuda::moe_workspace_bytes(act, T, H, I, E, K));
+  Dev<uint8_t> ws(cuda::moe_workspace_bytes(act, T, H, I, E, K, c.codes.bits > 0));
+  // Codes: the held experts' rows of codes and params.
+  std::optional<Dev<uint8_t>> gu_c, dn_c;
+  std::optional<Dev<uint32_t>> gu_p, dn_p;
+  cuda::IntWeight gu_w, dn_w;
+  if (gu_codes) {
+    auto held_rows = [&](const auto& v) {
+      using T0 = typename std::decay_t<decltype(v)>::value_type;
+      const size_t per = v.size() / size_t(E);
+      return std::vector<T0>(v.begin() + std::ptrdiff_t(size_t(first) * per), v.begin() + std::ptrdiff_t(size_t(first + held) * per));
+    };
+    gu_c.emplace(held_rows(gu_codes->codes));
+    gu_p.emplace(held_rows(gu_codes->params));
+    dn_c.emplace(held_rows(down_codes->codes));
+    dn_p.emplace(held_rows(down_codes->params));
+    const cuda::IntWeight base{.bits = c.codes.bits, .group = c.codes.group, .zero_point = c.codes.zero_point};
+    gu_w = base, dn_w = base;
+    gu_w.codes = gu_c->p, gu_w.params = gu_p->p, dn_w.codes = dn_c->p, dn_w.params = dn_p->p;
+  }
   dy.poison();
   cuda::moe({.act = act, .rows = T, .hidden = H, .inter = I, .config = cfg, .logits = dlogits.p,
-             .router_bias = drb ? drb->p : nullptr, .x = dx.p, .gate_up = dgu.p, .gate_up_bias = dgub ? dgub->p : nullptr,
-             .down = ddown.p, .down_bias = ddb ? ddb->p : nullptr, .y = dy.p, .workspace = ws.p},
+             .router_bias = drb ? drb->p : nullptr, .x = dx.p, .gate_up = gu_codes ? nullptr : dgu.p,
+             .gate_up_bias = dgub ? dgub->p : nullptr, .down = gu_codes ? nullptr : ddown.p,
+             .down_bias = ddb ? ddb->p : nullptr, .y = dy.p, .workspace = ws.p, .gate_up_codes = gu_w,
+             .down_codes = dn_w, .int_run_experts = c.run_experts},
             nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> got;
@@ -142,6 +204,7 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
     if (excess(i) > excess(worst)) worst = i;
   }
   EXPECT_EQ(bad, 0u) << dtype_name(act) << " T=" << T << " E=" << E << " k=" << K << " H=" << H << " I=" << I
+                         << " codes " << c.codes.bits << "-bit g" << c.codes.group << (c.codes.zero_point ? " zp" : "")
                          << ": " << bad << " of " << got.size() << " beyond tolerance; worst at row " << worst / size_t(H)
                          << " column " << worst % size_t(H) << " (got " << got[worst] << ", reference " << ref[worst]
                          << ", " << excess(worst) << "x the tolerance)";
@@ -198,6 +261,36 @@ TEST(CudaMoe, MatchesTheCpuReference) {
     for (DType act : kActs) run(act, c, seed++);
 }
 
+// Experts held as grouped codes: the integer GEMV over the routing's tiles (1-4 rows, decode
+// batches, tiles of 16 pairs with several per expert), and the wide path's runs of dequantized
+// experts (one run, and runs of 2 and 3 experts that cut the tiles' experts), 4-bit with
+// offsets (g32) or zero points (g128: bf16 scales after the MMA), 8-bit (g32), expert parallelism.
+TEST(CudaMoe, GroupedCodeExpertsMatchTheCpuReference) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const GroupedLayout q4{.bits = 4, .group = 32}, zp{.bits = 4, .group = 128, .zero_point = true}, q8{.bits = 8, .group = 32};
+  const MoeCase cases[] = {
+      {.rows = 1, .hidden = 256, .inter = 128, .experts = 128, .top_k = 8, .codes = q4},
+      {.rows = 1, .hidden = 256, .inter = 128, .experts = 128, .top_k = 8, .codes = zp},
+      {.rows = 3, .hidden = 2880, .inter = 96, .experts = 32, .top_k = 4, .act = GluActivation::SwigluClamp,
+       .biases = true, .codes = q4},
+      {.rows = 2, .hidden = 96, .inter = 32, .experts = 3, .top_k = 3, .norm_topk = false, .codes = q8},
+      {.rows = 70, .hidden = 256, .inter = 128, .experts = 128, .top_k = 8, .codes = zp},
+      {.rows = 33, .hidden = 96, .inter = 64, .experts = 5, .top_k = 2, .act = GluActivation::SwigluClamp,
+       .biases = true, .codes = q4},  // 13 pairs an expert: tiles of 16 pairs, several per expert
+      {.rows = 40, .hidden = 128, .inter = 64, .experts = 6, .top_k = 1, .force_expert = 3, .codes = q8},
+      {.rows = 600, .hidden = 160, .inter = 96, .experts = 5, .top_k = 2, .codes = q4},
+      {.rows = 600, .hidden = 256, .inter = 128, .experts = 5, .top_k = 2, .codes = zp, .run_experts = 2},
+      {.rows = 400, .hidden = 2880, .inter = 64, .experts = 4, .top_k = 2, .act = GluActivation::SwigluClamp,
+       .biases = true, .codes = q4, .run_experts = 3},
+      {.rows = 1, .hidden = 256, .inter = 64, .experts = 128, .top_k = 8, .first = 64, .held = 32, .codes = q4},
+      {.rows = 256, .hidden = 128, .inter = 64, .experts = 8, .top_k = 2, .first = 4, .held = 4, .codes = q8,
+       .run_experts = 3},
+  };
+  uint32_t seed = 500;
+  for (DType act : kActs)
+    for (const MoeCase& c : cases) run(act, c, seed++);
+}
+
 TEST(CudaMoe, RefusesShapesItCannotRun) {
   EXPECT_FALSE(cuda::moe_fits(72, 32, 8, 2));  // hidden not a multiple of 32
   EXPECT_FALSE(cuda::moe_fits(64, 40, 8, 2));
@@ -205,4 +298,8 @@ TEST(CudaMoe, RefusesShapesItCannotRun) {
   EXPECT_FALSE(cuda::moe_fits(64, 32, 2048, 2));
   EXPECT_TRUE(cuda::moe_fits(2048, 768, 128, 8));
   EXPECT_TRUE(cuda::moe_fits(2880, 2880, 32, 4));
+  EXPECT_TRUE(cuda::moe_int_fits(2048, 768, 4, 128));
+  EXPECT_FALSE(cuda::moe_int_fits(2880, 2880, 4, 128));  // groups of 128 do not tile 2880
+  EXPECT_TRUE(cuda::moe_int_fits(2880, 2880, 4, 32));
+  EXPECT_FALSE(cuda::moe_int_fits(2048, 768, 4, 16));    // a lane's 32 codes would span two groups
 }

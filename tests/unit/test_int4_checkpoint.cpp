@@ -35,14 +35,14 @@ const std::filesystem::path kData = std::filesystem::path(KVLM_TEST_DATA) / "dat
 
 // Greedy tokens of the golden prompt. On the CPU the reference path by default: dequantized at
 // load, fp32 (`fast` keeps 4-bit modules as Q4_1 blocks; `dtype` then picks fp32 or int8
-// activations). On CUDA bf16, grouped codes unless `dequantize`.
+// activations). On CUDA bf16 (or `dtype`), grouped codes unless `dequantize`.
 GenerateResult greedy(const std::filesystem::path& dir, Device device = Device::Cpu, bool dequantize = false,
                       bool fast = false, std::optional<DType> dtype = std::nullopt, size_t* weight_bytes = nullptr) {
   ModelOptions o;
   o.model_dir = dir;
   o.device = device;
   o.dequantize_weights = dequantize || (device == Device::Cpu && !fast);
-  o.dtype = device == Device::Cuda ? std::optional(DType::BF16) : dtype;
+  o.dtype = dtype ? dtype : device == Device::Cuda ? std::optional(DType::BF16) : std::nullopt;
   auto m = LoadedModel::load(o);
   if (weight_bytes) *weight_bytes = m->model().weight_bytes();
   GenerateRequest g;
@@ -209,6 +209,44 @@ TEST(Int4Checkpoint, CudaRunsEveryLayout) {
       ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
       for (size_t i = 0; i < got.logprobs.size(); ++i) EXPECT_EQ(got.logprobs[i].logprob, want.logprobs[i].logprob) << i;
     }
+  }
+}
+
+// A mixture of experts whose experts are 4-bit: the golden Qwen3-MoE (7 experts of width 32,
+// top 3, a dense first layer) quantized as AutoAWQ lays it out (groups of 32, zero points, fp16
+// scales; `tools/make_int4_checkpoints.py tests/golden/models/qwen3-moe OUT`, its awq and
+// awq_twin), the router left unquantized as the quantizers leave it. The reference path equals the twin bit for bit; the experts kept 4-bit — Q4_1 blocks on
+// the CPU, grouped codes through the CUDA MoE kernels' integer GEMV (the prompt's 15 rows and
+// each decode step) — follow the twin until a near tie, in a fraction of its memory. On CUDA in
+// float16 (AWQ checkpoints' own dtype) the kept parameters are the fp16 scales exactly and the
+// per-weight decode rounds s (q - z) as the twin's fp16 copy does, so only summation order
+// differs (within 0.05, as the dense layouts). In bfloat16 each group's scale is rounded to bf16
+// (up to 2^-9 of it), which a dense model hardly notices but a router amplifies where two
+// experts' logits are near (a changed choice moves later tokens' log-probabilities by up to a
+// few tenths: 0.2 measured): held within 0.5, which a misread layout is far beyond. (Before,
+// the CPU stopped on an internal error and CUDA read the codes as bf16.)
+TEST(Int4Checkpoint, MoeExpertsStayFourBit) {
+  const std::string v = "qwen3_moe_awq";
+  size_t kept_bytes = 0, twin_bytes = 0;
+  const GenerateResult want = greedy(kData / (v + "_twin"), Device::Cpu, false, false, std::nullopt, &twin_bytes);
+  const GenerateResult ref = greedy(kData / v);
+  EXPECT_EQ(ref.tokens, want.tokens);
+  ASSERT_EQ(ref.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < ref.logprobs.size(); ++i) EXPECT_EQ(ref.logprobs[i].logprob, want.logprobs[i].logprob) << i;
+  const GenerateResult exact = greedy(kData / v, Device::Cpu, false, true, DType::F32, &kept_bytes);
+  EXPECT_LT(kept_bytes, twin_bytes / 2) << kept_bytes << " of " << twin_bytes;
+  test::expect_greedy_until_near_tie(exact, want, 0.1, 0.05, "Q4_1, fp32 activations");
+  test::expect_greedy_until_near_tie(greedy(kData / v, Device::Cpu, false, true), want, 0.1, 1.0,
+                                     "Q4_1, int8 activations");
+  if (cuda_devices().empty()) return;
+  for (const DType dt : {DType::F16, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    size_t gpu_kept = 0, gpu_twin = 0;
+    const GenerateResult gwant = greedy(kData / (v + "_twin"), Device::Cuda, false, false, dt, &gpu_twin);
+    test::expect_greedy_until_near_tie(greedy(kData / v, Device::Cuda, false, false, dt, &gpu_kept), gwant, 0.1,
+                                       dt == DType::F16 ? 0.05 : 0.5, "grouped codes on CUDA");
+    EXPECT_LT(gpu_kept, gpu_twin / 2) << gpu_kept << " of " << gpu_twin;
+    EXPECT_EQ(greedy(kData / v, Device::Cuda, true, false, dt).tokens, gwant.tokens);
   }
 }
 

@@ -12,6 +12,12 @@ size_t add_weight(WeightList& list, std::vector<WeightPiece> pieces, WeightRole 
 size_t add_linear(WeightList& list, std::vector<WeightPiece> pieces, Shard shard) {
   return list.add(WeightSpec{.pieces = std::move(pieces), .role = WeightRole::Matrix, .shard = shard, .linear = true});
 }
+namespace {
+// A mixture's stacked expert matrices (gate/up or down of every held expert).
+size_t add_experts(WeightList& list, std::vector<WeightPiece> pieces, Shard shard) {
+  return list.add(WeightSpec{.pieces = std::move(pieces), .role = WeightRole::Matrix, .shard = shard, .experts = true});
+}
+}  // namespace
 
 EmbeddingWeights add_embedding(WeightList& list, const ModelConfig& c) {
   EmbeddingWeights e;
@@ -92,8 +98,8 @@ MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const
   }
   // Tensor parallel inside each expert: a rank holds its share of every expert's rows (gate,
   // up) and columns (down); or with expert parallelism its experts whole.
-  w.gate_up = add_weight(list, std::move(gate_up), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Rows);
-  w.down = add_weight(list, std::move(down), WeightRole::Matrix, m.expert_parallel ? Shard::Experts : Shard::Cols);
+  w.gate_up = add_experts(list, std::move(gate_up), m.expert_parallel ? Shard::Experts : Shard::Rows);
+  w.down = add_experts(list, std::move(down), m.expert_parallel ? Shard::Experts : Shard::Cols);
   return w;
 }
 
@@ -105,10 +111,9 @@ MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std:
   if (m.router_bias) w.router_bias = add_weight(list, {{p + "mlp.router.bias", {E}}}, WeightRole::Bias, Shard::Replicated);
   const std::string x = p + "mlp.experts.";
   if (m.expert_parallel) {  // whole experts per rank: each fused tensor split into E runs of rows
-    w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, E, PieceLayout::ExpertsTransposedInterleaved}},
-                    WeightRole::Matrix, Shard::Experts);
-    w.down = add_weight(list, {{x + "down_proj", {E, inter, hd}, E, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix,
-                 Shard::Experts);
+    w.gate_up = add_experts(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, E, PieceLayout::ExpertsTransposedInterleaved}},
+                            Shard::Experts);
+    w.down = add_experts(list, {{x + "down_proj", {E, inter, hd}, E, PieceLayout::ExpertsTransposed}}, Shard::Experts);
     if (m.expert_bias) {
       w.gate_up_bias = add_weight(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, E, PieceLayout::ExpertsInterleaved}},
                            WeightRole::Bias, Shard::Experts);
@@ -118,9 +123,9 @@ MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std:
   }
   // Held as [E * 2I][hidden] (PieceLayout), each expert's gate and up rows a group of which
   // every tensor-parallel rank takes its share.
-  w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, hd, 2 * inter}, 0, PieceLayout::ExpertsTransposedInterleaved, 2 * E}},
-                  WeightRole::Matrix, Shard::Rows);
-  w.down = add_weight(list, {{x + "down_proj", {E, inter, hd}, 0, PieceLayout::ExpertsTransposed}}, WeightRole::Matrix, Shard::Cols);
+  w.gate_up = add_experts(
+      list, {{x + "gate_up_proj", {E, hd, 2 * inter}, 0, PieceLayout::ExpertsTransposedInterleaved, 2 * E}}, Shard::Rows);
+  w.down = add_experts(list, {{x + "down_proj", {E, inter, hd}, 0, PieceLayout::ExpertsTransposed}}, Shard::Cols);
   if (m.expert_bias) {
     w.gate_up_bias = add_weight(list, {{x + "gate_up_proj_bias", {E, 2 * inter}, 0, PieceLayout::ExpertsInterleaved, 2 * E}},
                          WeightRole::Bias, Shard::Rows);
@@ -139,15 +144,14 @@ MoeLayerWeights add_moe_stacked(WeightList& list, const ModelConfig& c, const st
   // into E runs of rows; tensor parallelism inside experts: every expert's gate and up rows a
   // group of which each rank takes its share, down's columns split.
   if (m.expert_parallel) {
-    w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
-                    Shard::Experts);
-    w.down = add_weight(list, {{x + "down_proj", {E, hd, inter}, E, PieceLayout::ExpertsStacked}}, WeightRole::Matrix,
-                 Shard::Experts);
+    w.gate_up =
+        add_experts(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, E, PieceLayout::ExpertsStacked}}, Shard::Experts);
+    w.down = add_experts(list, {{x + "down_proj", {E, hd, inter}, E, PieceLayout::ExpertsStacked}}, Shard::Experts);
     return w;
   }
-  w.gate_up = add_weight(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, 0, PieceLayout::ExpertsStacked, 2 * E}},
-                  WeightRole::Matrix, Shard::Rows);
-  w.down = add_weight(list, {{x + "down_proj", {E, hd, inter}, 0, PieceLayout::ExpertsStacked}}, WeightRole::Matrix, Shard::Cols);
+  w.gate_up =
+      add_experts(list, {{x + "gate_up_proj", {E, 2 * inter, hd}, 0, PieceLayout::ExpertsStacked, 2 * E}}, Shard::Rows);
+  w.down = add_experts(list, {{x + "down_proj", {E, hd, inter}, 0, PieceLayout::ExpertsStacked}}, Shard::Cols);
   return w;
 }
 

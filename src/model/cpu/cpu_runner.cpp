@@ -49,6 +49,36 @@ void linear_any(std::span<const float> x, int m, int k, const Weight& w, const W
   add_bias(bias, y);
 }
 
+// Elements [begin, begin + n) of an fp32 bias (one expert's part of a mixture's stacked biases,
+// which the checkpoint may shape [E][n]) as a vector; empty for an absent bias.
+Weight bias_slice(const Weight& b, int64_t begin, int64_t n) {
+  if (!b) return b;
+  KVLM_CHECK(b.blocks.empty() && begin >= 0 && begin + n <= b.numel(), "bias_slice: out of range");
+  return Weight{.data = static_cast<const float*>(b.data) + begin, .dtype = b.dtype, .rows = n, .cols = 1};
+}
+
+// Rows [row0, row0 + rows) of a matrix (one expert's part of a mixture's stacked weights), fp32
+// or kept in blocks; a kept matrix's parts go in `parts`, which must outlive the view.
+Weight row_slice(const Weight& w, int64_t row0, int64_t rows, std::vector<WeightBlocks>& parts) {
+  KVLM_CHECK(row0 >= 0 && row0 + rows <= w.rows, "row_slice: rows out of range");
+  Weight r = w;
+  r.rows = rows;
+  if (w.blocks.empty()) {
+    r.data = static_cast<const float*>(w.data) + size_t(row0) * size_t(w.cols);
+    return r;
+  }
+  parts.clear();
+  for (const WeightBlocks& p : w.blocks) {
+    const int64_t lo = std::max(row0, p.row0), hi = std::min(row0 + rows, p.row0 + p.rows);
+    if (lo >= hi) continue;
+    parts.push_back(WeightBlocks{.row0 = lo - row0, .rows = hi - lo, .type = p.type,
+                                 .data = p.data + size_t(lo - p.row0) * p.row_bytes, .row_bytes = p.row_bytes});
+  }
+  r.blocks = parts;
+  r.data = parts.front().data;
+  return r;
+}
+
 // linear_any one sequence's rows at a time, in fixed blocks of 64 output columns, so that a row's
 // result depends on its own sequence alone and not on what else shares the step: a pooling
 // model then gives the same text the same vector in any batch. OpenBLAS's sgemm computes a row
@@ -391,7 +421,7 @@ class CpuOps final : public Ops {
                "moe: weight shapes");
     // The router: logits, then each row's experts and weights.
     route_logits_.resize(size_t(T) * size_t(E));
-    cpu::linear(f32(x), T, H, f32(w.router), E, f32(w.router_bias), route_logits_);
+    linear_any(f32(x), T, H, w.router, w.router_bias, route_logits_, math_);
     route_ids_.resize(size_t(T) * size_t(K));
     route_weights_.resize(route_ids_.size());
     cpu::moe_route(route_logits_, T, E, K, c.norm_topk, route_ids_, route_weights_);
@@ -404,8 +434,8 @@ class CpuOps final : public Ops {
       }
     const auto xs = f32(x), ys = f32(y);
     std::fill(ys.begin(), ys.end(), 0.0f);
-    const auto gu_w = f32(w.gate_up), gu_b = f32(w.gate_up_bias), dn_w = f32(w.down), dn_b = f32(w.down_bias);
     const size_t gu_rows = size_t(2 * I), h = size_t(H), inter = size_t(I);
+    std::vector<WeightBlocks> gu_parts, dn_parts;  // an expert's rows of weights kept in blocks
     for (int e = first; e < first + held; ++e) {
       const auto& rows = rows_of[size_t(e)];
       if (rows.empty()) continue;  // an expert no row chose costs nothing
@@ -414,16 +444,16 @@ class CpuOps final : public Ops {
       expert_x_.resize(n * h);
       for (size_t r = 0; r < n; ++r) std::copy_n(xs.data() + size_t(rows[r].first) * h, h, expert_x_.data() + r * h);
       expert_gu_.resize(n * gu_rows);
-      cpu::linear(expert_x_, int(n), H, gu_w.subspan(le * gu_rows * h, gu_rows * h), int(gu_rows),
-                  gu_b.empty() ? gu_b : gu_b.subspan(le * gu_rows, gu_rows), expert_gu_);
+      linear_any(expert_x_, int(n), H, row_slice(w.gate_up, int64_t(le * gu_rows), int64_t(gu_rows), gu_parts),
+                 bias_slice(w.gate_up_bias, int64_t(le * gu_rows), int64_t(gu_rows)), expert_gu_, math_);
       act_.resize(n * inter);
       for (size_t r = 0; r < n; ++r)
         cpu::glu(c.act, std::span<const float>(expert_gu_).subspan(r * gu_rows, inter),
                  std::span<const float>(expert_gu_).subspan(r * gu_rows + inter, inter),
                  std::span<float>(act_).subspan(r * inter, inter), c.swiglu_alpha, c.swiglu_limit);
       expert_y_.resize(n * h);
-      cpu::linear(act_, int(n), int(I), dn_w.subspan(le * h * inter, h * inter), H,
-                  dn_b.empty() ? dn_b : dn_b.subspan(le * h, h), expert_y_);
+      linear_any(act_, int(n), int(I), row_slice(w.down, int64_t(le * h), int64_t(h), dn_parts),
+                 bias_slice(w.down_bias, int64_t(le * h), int64_t(h)), expert_y_, math_);
       for (size_t r = 0; r < n; ++r) {
         float* out = ys.data() + size_t(rows[r].first) * h;
         const float wt = rows[r].second;

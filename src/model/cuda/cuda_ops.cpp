@@ -351,15 +351,28 @@ void CudaOps::moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) {
   const int I = int(w.gate_up.rows / (2 * int64_t(held)));
   KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(held) * H && w.down.cols == I && y.cols == H,
              "moe: weight shapes");
+  // Experts kept as grouped codes (4-bit checkpoints, GGUF blocks): one layout for all of them.
+  auto int_weight = [&](const Weight& m, const char* what) {
+    if (m.codes.size() != 1)
+      throw Error(std::string("the experts' ") + what +
+                  " weights are not grouped codes of one layout, which the CUDA MoE kernels need when the "
+                  "experts are kept quantized; load with --dequantize-weights");
+    const WeightCodes& p = m.codes.front();
+    return cuda::IntWeight{.codes = p.codes, .params = p.params, .bits = p.bits, .group = p.group,
+                           .zero_point = p.zero_point};
+  };
+  const bool codes = !w.gate_up.codes.empty() || !w.down.codes.empty();
+  cuda::IntWeight gu_codes, down_codes;
+  if (codes) gu_codes = int_weight(w.gate_up, "gate/up"), down_codes = int_weight(w.down, "down");
   // Carved whether or not it runs, so that measuring and running carve the same.
   auto* logits = static_cast<float*>(step_buffer(moe_logits_, size_t(T) * size_t(E) * sizeof(float)));
-  void* ws = step_buffer(moe_ws_, cuda::moe_workspace_bytes(act_, T, H, I, E, c.top_k));
+  void* ws = step_buffer(moe_ws_, cuda::moe_workspace_bytes(act_, T, H, I, E, c.top_k, codes));
+  linear(x, w.router, Weight{}, Tensor{.data = logits, .dtype = DType::F32, .rows = T, .cols = E});  // any held form
   if (!measure_) {
-    gemm_.linear(act_, DType::F32, x.data, w.router.data, nullptr, logits, T, E, H, stream_);
     cuda::moe({.act = act_, .rows = T, .hidden = H, .inter = I, .config = c, .logits = logits,
                .router_bias = w.router_bias.data, .x = x.data, .gate_up = w.gate_up.data,
                .gate_up_bias = w.gate_up_bias.data, .down = w.down.data, .down_bias = w.down_bias.data, .y = y.data,
-               .workspace = ws},
+               .workspace = ws, .gate_up_codes = gu_codes, .down_codes = down_codes},
               stream_);
   }
   if (c.shared_expert_size > 0) {  // y += sigmoid(x . w_gate) * down(silu(gate x) * up x), through the dense ops

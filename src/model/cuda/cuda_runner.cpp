@@ -159,7 +159,8 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
         blocks_.push_back(0);
         for (const CodeRun& r : code_runs(quant[i].block_types, piece_rows(s)))
           total += code_bytes(r, s.cols()) + param_bytes(r, s.cols());
-        m_.fp8_scratch_elems = std::max(m_.fp8_scratch_elems, size_t(s.rows() * s.cols()));
+        // Stacked experts dequantize a run of experts into the MoE workspace instead (moe.h).
+        if (!s.experts) m_.fp8_scratch_elems = std::max(m_.fp8_scratch_elems, size_t(s.rows() * s.cols()));
         continue;
       }
       const bool fits = quant[i].fp8 && cuda::fp8_layout_fits(int(s.cols()), quant[i].scale_block);
@@ -479,11 +480,23 @@ CudaModelRunner::~CudaModelRunner() {
 
 size_t CudaModelRunner::num_parameters() const { return impl_->num_params; }
 size_t CudaModelRunner::block_tensors() const { return impl_->block_tensors; }
-size_t CudaModelRunner::embedding_bytes() const {
-  const Weight& e = impl_->w[impl_->def->embedding_index()];
-  if (e.codes.empty()) return size_t(e.numel()) * dtype_size(e.dtype);
+namespace {
+// A weight's bytes as held: grouped codes with their parameters, or its elements (FP8 codes
+// without their scales).
+size_t held_bytes(const Weight& w) {
+  if (w.codes.empty()) return size_t(w.numel()) * dtype_size(w.dtype);
   size_t n = 0;
-  for (const WeightCodes& c : e.codes) n += size_t(c.rows) * grouped_row_bytes({c.bits, c.group}, e.cols);
+  for (const WeightCodes& c : w.codes) n += size_t(c.rows) * grouped_row_bytes({c.bits, c.group}, w.cols);
+  return n;
+}
+}  // namespace
+
+size_t CudaModelRunner::embedding_bytes() const { return held_bytes(impl_->w[impl_->def->embedding_index()]); }
+size_t CudaModelRunner::expert_bytes() const {
+  const auto& specs = impl_->def->weights().specs;
+  size_t n = 0;
+  for (size_t i = 0; i < specs.size(); ++i)
+    if (specs[i].experts) n += held_bytes(impl_->w[i]);
   return n;
 }
 size_t CudaModelRunner::weight_bytes() const { return impl_->weight_bytes; }

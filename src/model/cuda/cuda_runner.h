@@ -59,7 +59,8 @@ class CudaModelRunner final : public ModelRunner {
   Device device() const override { return Device::Cuda; }
   size_t num_parameters() const override;
   size_t block_tensors() const;
-  size_t embedding_bytes() const;  // of the embedding table as held (grouped codes or 16-bit)  // GGUF tensors kept quantized (grouped codes), not dequantized
+  size_t embedding_bytes() const;  // of the embedding table as held (grouped codes or 16-bit)
+  size_t expert_bytes() const;     // of a mixture's stacked expert matrices (WeightSpec::experts) as held
   size_t weight_bytes() const override;
 
   void allocate_kv(int num_blocks, int block_size, int num_exact_pages = 0) override;

@@ -153,6 +153,26 @@ bool gemv_int_scales_after_mma(DType ab, int bits, int group);
 // ldy lets the parts of a fused weight held in different layouts write their rows of one y.
 void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
               int n, int k, void* stream);
+// A mixture's experts as one IntWeight (expert e's n rows after the previous experts', in codes
+// and params alike) and the routing's tiles (moe.cu's sort, device arrays): tile i multiplies
+// expert[i]'s rows by count[i] (1..kGemvIntMaxM) rows of x, x_rows[first[i] ...] (null:
+// rows first[i] ...), into rows first[i] ... of y [*][n]; *tiles of the max_tiles slots are
+// used. routed: about how many tiles a step has (sizes the launch; any value is correct).
+struct IntExpertTiles {
+  const int32_t* expert = nullptr;
+  const int32_t* first = nullptr;
+  const int32_t* count = nullptr;
+  const int32_t* tiles = nullptr;
+  const int32_t* x_rows = nullptr;
+  int max_tiles = 0;
+  int routed = 1;
+};
+// y = x . w_e^T (+ bias_e, bias [experts][n]) per tile, the GEMV's one pass over each routed
+// expert's codes (moe.cu's decode batches). The tiles come from the kernel before this one
+// (launched with PDL: it waits for them). max_m: the most rows a tile can hold (picks the
+// variant). y is in the compute type.
+void gemv_int_experts(DType ab, const void* x, const IntWeight& w, const void* bias, void* y, int max_m, int n, int k,
+                      const IntExpertTiles& tiles, void* stream);
 inline constexpr int kGemmIntMaxM = 64;  // gemm_int's rows of x
 // y[r][c] (row stride ldy >= n) = x[m][k] . w^T (+ bias[n]) for decode batches, 1 <= m <=
 // kGemmIntMaxM (gemm_int.cu: one pass over the codes for all m rows, x staged in shared

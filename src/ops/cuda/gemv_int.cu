@@ -84,8 +84,27 @@ constexpr int kIntRound = 4 * (128 / BITS);
 template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
 __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
-                    const uint16_t* bias, void* y, int ldy, int m, int n, int k, int g_step, int r_step) {
+                    const uint16_t* bias, void* y, int ldy, int m, int n, int k, int g_step, int r_step,
+                    IntExpertTiles ex) {
   constexpr bool zp = ZP;
+  // Experts (ex.expert set): CTA z takes tile z of the routing's tiles, whose expert's n rows
+  // follow the previous experts' in codes, params and bias; its m = count rows of x are
+  // x_rows[first ...] (or first ...), its rows of y first .... Everything depends on the
+  // routing, so the wait comes first. A cluster shares its tile, so it leaves whole.
+  int y_first = 0;
+  const int32_t* x_map = nullptr;
+  if (ex.expert) {
+    pdl_wait();
+    const int tile = int(blockIdx.z);
+    if (tile >= *ex.tiles) return;
+    const int e = ex.expert[tile];
+    y_first = ex.first[tile];
+    m = ex.count[tile];
+    x_map = ex.x_rows ? ex.x_rows + y_first : nullptr;
+    codes += size_t(e) * size_t(n) * (size_t(k) * BITS / 8);
+    params += size_t(e) * size_t(n) * size_t(k / group);
+    if (bias) bias += size_t(e) * size_t(n);
+  }
   using Cfg = IntCfg<RT>;
   constexpr int S = Cfg::kStages, NW = kIntWarps, C = NT * 8, kRows = Cfg::kRows, kStageBytes = Cfg::kStageBytes;
   constexpr int C16 = 128 / BITS;   // codes in a lane's 16 bytes
@@ -126,13 +145,14 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
   };
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) issue(i);
-  pdl_wait();  // x is the previous kernel's output; the codes are not
+  if (!ex.expert) pdl_wait();  // x is the previous kernel's output; the codes are not
   const uint16_t* xr[NT];
   bool xon[NT];
 #pragma unroll
   for (int q = 0; q < NT; ++q) {
     xon[q] = g + 8 * q < m;
-    xr[q] = x + size_t(min(g + 8 * q, m - 1)) * size_t(k) + C16 * t;
+    const int xi = min(g + 8 * q, m - 1);
+    xr[q] = x + size_t(x_map ? x_map[xi] : y_first + xi) * size_t(k) + C16 * t;
   }
   // x at the lane's columns of round i as loaded (16-byte words), a round ahead of its use, with
   // the (s, b) of the lane's rows; pair_x permutes them as the codes decode (the top of the
@@ -304,48 +324,52 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     float v = red[rr * C + r];
     for (int s = 0; s < splits; ++s)
       if (s != rank) v += cluster_peer(red, s)[rr * C + r];
-    store_out<V, 1, kF32Out>(y, ldy, row, r, v, bias);
+    store_out<V, 1, kF32Out>(y, ldy, row, y_first + r, v, bias);
   }
   if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
 }
 
 // The cluster split (as gemv_fp8.cu's tc_splits, measured there): 2 where the grid has fewer
 // row blocks than SMs and each warp keeps at least 2 rounds, else 1.
-int int_splits(int rows_per_cta, int n, int k, int round) {
+// copies: how many weights of n rows the launch multiplies (the experts a step routes to).
+int int_splits(int rows_per_cta, int n, int k, int round, int copies = 1) {
   if (compute_capability() < 90) return 1;  // no thread-block clusters
-  const int blocks = (n + rows_per_cta - 1) / rows_per_cta, kr = (k + round - 1) / round;
+  const int blocks = (n + rows_per_cta - 1) / rows_per_cta * copies, kr = (k + round - 1) / round;
   return blocks < sm_count() && kr >= 2 * kIntWarps * 2 ? 2 : 1;
 }
 
+// ex: the experts' tiles (gemv_int_experts), grid z over its max_tiles; else a plain GEMV.
 template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
 void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n, int k,
-                cudaStream_t st) {
+                cudaStream_t st, const IntExpertTiles& ex) {
   using Cfg = IntCfg<RT>;
   constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM, ZP>;
   resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
-  const int splits = std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, kIntRound<BITS>));
-  const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits));
+  const int splits =
+      std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, kIntRound<BITS>, ex.expert ? ex.routed : 1));
+  const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits),
+                  unsigned(ex.expert ? ex.max_tiles : 1));
   const int stride = splits * kIntWarps * kIntRound<BITS>;  // columns a round of every warp covers
   KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits,
                                              static_cast<const uint16_t*>(x), w.codes, w.params, w.group,
                                              static_cast<const uint16_t*>(bias), y, ldy, m, n, k,
-                                             stride / w.group, stride % w.group));
+                                             stride / w.group, stride % w.group, ex));
 }
 
 template <class V, int BITS>
 void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
-                    int k, cudaStream_t st) {
+                    int k, cudaStream_t st, const IntExpertTiles& ex) {
   const bool sam = gemv_int_scales_after_mma(V::kBF16 ? DType::BF16 : DType::F16, BITS, w.group);
   auto launch = [&](auto nt, auto rt, auto zp) {
     constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
     constexpr bool ZP = decltype(zp)::value, kSam = BITS == 4 && V::kBF16;
     if (kSam && sam) {
-      if (f32) launch_int<V, BITS, NT, RT, true, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st);
-      else launch_int<V, BITS, NT, RT, false, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st);
+      if (f32) launch_int<V, BITS, NT, RT, true, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
+      else launch_int<V, BITS, NT, RT, false, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
       return;
     }
-    if (f32) launch_int<V, BITS, NT, RT, true, false, ZP>(x, w, bias, y, ldy, m, n, k, st);
-    else launch_int<V, BITS, NT, RT, false, false, ZP>(x, w, bias, y, ldy, m, n, k, st);
+    if (f32) launch_int<V, BITS, NT, RT, true, false, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
+    else launch_int<V, BITS, NT, RT, false, false, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
   };
   auto go = [&](auto nt, auto rt) {
     if constexpr (BITS == 4) {
@@ -357,7 +381,7 @@ void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bia
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
   // As gemv_fp8.cu: 32-row CTAs where they give 1.4 CTAs per SM or more, else 64-row CTAs.
-  const bool small = (n + 31) / 32 >= sm_count() * 7 / 5;
+  const bool small = (n + 31) / 32 * (ex.expert ? ex.routed : 1) >= sm_count() * 7 / 5;
   // 4-bit codes at m > 8 (two B tiles of 32 columns of x per lane) spill at 64 rows.
   if (m <= 8) small ? go(I1{}, I2{}) : go(I1{}, I4{});
   else if constexpr (BITS == 4) go(I2{}, I2{});
@@ -423,6 +447,17 @@ __global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, i
   }
 }
 
+void launch_any(DType ab, bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
+                int k, cudaStream_t st, const IntExpertTiles& ex) {
+  if (ab == DType::BF16) {
+    if (w.bits == 4) launch_int_any<VecBF16, 4>(f32, x, w, bias, y, ldy, m, n, k, st, ex);
+    else launch_int_any<VecBF16, 8>(f32, x, w, bias, y, ldy, m, n, k, st, ex);
+  } else {
+    if (w.bits == 4) launch_int_any<VecF16, 4>(f32, x, w, bias, y, ldy, m, n, k, st, ex);
+    else launch_int_any<VecF16, 8>(f32, x, w, bias, y, ldy, m, n, k, st, ex);
+  }
+}
+
 }  // namespace
 
 bool gemv_int_scales_after_mma(DType ab, int bits, int group) {
@@ -447,15 +482,25 @@ void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int: x must be 16-byte aligned");
   if (out != ab && out != DType::F32) throw Error("gemv_int: output must be the input type or float32");
   if (ldy < n) throw Error("gemv_int: the output's row stride is shorter than its rows");
-  const auto st = static_cast<cudaStream_t>(stream);
-  const bool f32 = out == DType::F32;
-  if (ab == DType::BF16) {
-    if (w.bits == 4) launch_int_any<VecBF16, 4>(f32, x, w, bias, y, ldy, m, n, k, st);
-    else launch_int_any<VecBF16, 8>(f32, x, w, bias, y, ldy, m, n, k, st);
-  } else {
-    if (w.bits == 4) launch_int_any<VecF16, 4>(f32, x, w, bias, y, ldy, m, n, k, st);
-    else launch_int_any<VecF16, 8>(f32, x, w, bias, y, ldy, m, n, k, st);
-  }
+  launch_any(ab, out == DType::F32, x, w, bias, y, ldy, m, n, k, static_cast<cudaStream_t>(stream), {});
+}
+
+void gemv_int_experts(DType ab, const void* x, const IntWeight& w, const void* bias, void* y, int max_m, int n, int k,
+                      const IntExpertTiles& tiles, void* stream) {
+  if (tiles.max_tiles <= 0 || n <= 0) return;
+  if (max_m < 1 || max_m > kGemvIntMaxM)
+    throw Error("gemv_int_experts: a tile holds 1 to " + std::to_string(kGemvIntMaxM) + " rows of x");
+  if (!tiles.expert || !tiles.first || !tiles.count || !tiles.tiles)
+    throw Error("gemv_int_experts: the tiles' arrays are missing");
+  if (tiles.max_tiles > 65535) throw Error("gemv_int_experts: more than 65535 tiles exceed the grid's z dimension");
+  check_int("gemv_int_experts", ab, w, k);
+  if (int64_t(n) * (k / w.group) >= (int64_t(1) << 32))
+    throw Error("gemv_int_experts: an expert's " + std::to_string(n) + " rows of " + std::to_string(k / w.group) +
+                " groups exceed the kernel's 32-bit parameter offsets");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int_experts: x must be 16-byte aligned");
+  IntExpertTiles ex = tiles;
+  ex.routed = std::clamp(ex.routed, 1, ex.max_tiles);
+  launch_any(ab, false, x, w, bias, y, n, max_m, n, k, static_cast<cudaStream_t>(stream), ex);
 }
 
 void dequantize_int(DType to, const IntWeight& w, void* out, int n, int k, void* stream) {

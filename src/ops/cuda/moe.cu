@@ -62,10 +62,13 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 // The pairs in expert order, cut into tiles of at most kTileRows pairs of one expert (written
 // by the sort; a decode batch's tiles are its routed experts, one each).
 struct Tiles {
-  int32_t* expert;  // the tile's expert
-  int32_t* first;   // its first position
-  int32_t* count;   // its pairs, 1..kTileRows (1..kWideRows for the wide GEMM's tiles)
-  int32_t* n;       // [1] the tiles
+  int32_t* expert = nullptr;  // the tile's expert
+  int32_t* first = nullptr;   // its first position
+  int32_t* count = nullptr;   // its pairs, 1..kTileRows (1..kWideRows for the wide GEMM's tiles)
+  int32_t* n = nullptr;       // [1] the tiles
+  // The experts whose tiles a grouped GEMM launch takes, its weights starting at e_begin's
+  // (experts held as codes are dequantized a run of experts at a time).
+  int e_begin = 0, e_end = INT_MAX;
 };
 
 // Tiles the sort can make: at most one partial tile per expert that has pairs, and no more
@@ -85,9 +88,19 @@ struct Workspace {
   uint16_t* gu;          // act [P][2I]
   uint16_t* h;           // act [P][I]
   uint16_t* out;         // act [P][H]
+  uint16_t* deq;         // act, experts held as codes on the wide path: a run of them dequantized
 };
 
-Workspace carve(void* base, DType act, int rows, int hidden, int inter, int experts, int top_k) {
+// Experts held as codes, on the wide path: how many are dequantized at a time (about 256 MiB of
+// gate/up in the compute type, at least one), and whether a batch may take that path at all
+// (at least kWideMinPairs pairs for one held expert).
+int int_chunk_experts(int hidden, int inter, int experts) {
+  const size_t per = size_t(2 * inter) * size_t(hidden) * 2;
+  return int(std::clamp<size_t>((size_t(256) << 20) / per, 1, size_t(experts)));
+}
+bool may_take_wide(int rows, int top_k) { return size_t(rows) * size_t(top_k) >= size_t(kWideMinPairs); }
+
+Workspace carve(void* base, DType act, int rows, int hidden, int inter, int experts, int top_k, bool int_experts) {
   (void)act;
   auto* p = static_cast<uint8_t*>(base);
   const size_t P = size_t(rows) * size_t(top_k);
@@ -109,6 +122,10 @@ Workspace carve(void* base, DType act, int rows, int hidden, int inter, int expe
   w.gu = static_cast<uint16_t*>(take(P * size_t(2 * inter) * 2));
   w.h = static_cast<uint16_t*>(take(P * size_t(inter) * 2));
   w.out = static_cast<uint16_t*>(take(P * size_t(hidden) * 2));
+  w.deq = int_experts && may_take_wide(rows, top_k)
+              ? static_cast<uint16_t*>(take(size_t(int_chunk_experts(hidden, inter, experts)) * size_t(2 * inter) *
+                                            size_t(hidden) * 2))
+              : nullptr;
   return w;
 }
 
@@ -413,9 +430,10 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(const uint16_t* __res
   const int tile = int(blockIdx.x);
   if (tile >= *tiles.n) return;
   const int e = tiles.expert[tile], first = tiles.first[tile], count = tiles.count[tile];
+  if (e < tiles.e_begin || e >= tiles.e_end) return;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t4 = lane % 4;
   const int n_base = (int(blockIdx.y) * 4 + warp) * 8 * NF;
-  const uint16_t* be = b + size_t(e) * size_t(N) * size_t(K);
+  const uint16_t* be = b + size_t(e - tiles.e_begin) * size_t(N) * size_t(K);
   // This lane's weight rows (n >= N: row 0, loaded but never stored).
   const uint16_t* brow[NF];
 #pragma unroll
@@ -505,6 +523,7 @@ __global__ void __launch_bounds__(kWideThreads) wide_gemm_kernel(const uint16_t*
   const int tile = int(blockIdx.y);
   if (tile >= *tiles.n) return;
   const int e = tiles.expert[tile], first = tiles.first[tile], count = tiles.count[tile];
+  if (e < tiles.e_begin || e >= tiles.e_end) return;
   const int n0 = int(blockIdx.x) * kWideCols;
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
   // This thread's copies: 16-byte chunk tid % 4 of rows tid / 4 and tid / 4 + 64, of A and of B.
@@ -519,7 +538,7 @@ __global__ void __launch_bounds__(kWideThreads) wide_gemm_kernel(const uint16_t*
     asrc[h] = a + size_t(row) * size_t(K) + size_t(chunk * 8);
     abytes[h] = r < count ? 16 : 0;
     const int n = n0 + r;
-    bsrc[h] = b + (size_t(e) * size_t(N) + size_t(n < N ? n : 0)) * size_t(K) + size_t(chunk * 8);
+    bsrc[h] = b + (size_t(e - tiles.e_begin) * size_t(N) + size_t(n < N ? n : 0)) * size_t(K) + size_t(chunk * 8);
     bbytes[h] = n < N ? 16 : 0;
   }
   const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -665,9 +684,14 @@ unsigned gemv_ctas(int items) {
 // How a grouped batch's tiles are cut and multiplied.
 enum class GemmPath { Decode, Prefill16, Wide };
 
+// [e_begin, e_end): the experts whose tiles run, b holding e_begin's weights first.
 template <class A>
 void launch_gemm(const uint16_t* a, const int32_t* a_rows, const void* b, const void* bias, uint16_t* c, int N, int K,
-                 int max_tiles, GemmPath path, const Workspace& w, cudaStream_t st) {
+                 int max_tiles, GemmPath path, const Workspace& w, cudaStream_t st, int e_begin = 0,
+                 int e_end = INT_MAX) {
+  Tiles tiles = w.tiles;
+  tiles.e_begin = e_begin;
+  tiles.e_end = e_end;
   const auto* bw = static_cast<const uint16_t*>(b);
   const auto* bb = static_cast<const uint16_t*>(bias);
   if (path == GemmPath::Wide) {
@@ -678,16 +702,16 @@ void launch_gemm(const uint16_t* a, const int32_t* a_rows, const void* b, const 
     });
     KVLM_CHECK(max_tiles <= 65535, "moe: " + std::to_string(max_tiles) + " tiles exceed the grid's y dimension");
     const dim3 grid(unsigned((N + kWideCols - 1) / kWideCols), unsigned(max_tiles));
-    wide_gemm_kernel<A><<<grid, kWideThreads, kWideSmem, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
+    wide_gemm_kernel<A><<<grid, kWideThreads, kWideSmem, st>>>(a, a_rows, bw, bb, c, N, K, tiles);
     KVLM_CUDA_CHECK_LAUNCH("moe wide_gemm_kernel");
     return;
   }
   if (path == GemmPath::Decode) {
     const dim3 grid(unsigned(max_tiles), unsigned((N + 31) / 32));
-    grouped_gemm_kernel<A, 1, 8><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
+    grouped_gemm_kernel<A, 1, 8><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, tiles);
   } else {
     const dim3 grid(unsigned(max_tiles), unsigned((N + 63) / 64));
-    grouped_gemm_kernel<A, 2, 2><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, w.tiles);
+    grouped_gemm_kernel<A, 2, 2><<<grid, 128, 0, st>>>(a, a_rows, bw, bb, c, N, K, tiles);
   }
   KVLM_CUDA_CHECK_LAUNCH("moe grouped_gemm_kernel");
 }
@@ -699,12 +723,19 @@ bool moe_fits(int hidden, int inter, int experts, int top_k) {
          top_k >= 1 && top_k <= std::min(experts, 16);
 }
 
-size_t moe_workspace_bytes(DType act, int rows, int hidden, int inter, int experts, int top_k) {
+bool moe_int_fits(int hidden, int inter, int bits, int group) {
+  return int_layout_fits(hidden, bits, group) && int_layout_fits(inter, bits, group);
+}
+
+size_t moe_workspace_bytes(DType act, int rows, int hidden, int inter, int experts, int top_k, bool int_experts) {
   (void)act;
   const size_t P = size_t(rows) * size_t(top_k);
+  const size_t deq = int_experts && may_take_wide(rows, top_k)
+                         ? align256(size_t(int_chunk_experts(hidden, inter, experts)) * size_t(2 * inter) * size_t(hidden) * 2)
+                         : 0;
   return 4 * align256(P * 4) + 3 * align256(size_t(max_tiles(rows, experts, top_k)) * 4) + align256(4) +
          align256(P * size_t(2 * inter) * 2) +
-         align256(P * size_t(inter) * 2) + align256(P * size_t(hidden) * 2);
+         align256(P * size_t(inter) * 2) + align256(P * size_t(hidden) * 2) + deq;
 }
 
 void moe(const MoeParams& p, void* stream) {
@@ -715,8 +746,16 @@ void moe(const MoeParams& p, void* stream) {
     throw Error("CUDA MoE kernels: hidden " + std::to_string(H) + " and expert width " + std::to_string(I) +
                 " must be multiples of 32, with 1..16 of at most 1024 experts (got top " + std::to_string(K) + " of " +
                 std::to_string(E) + ")");
+  const bool int_w = p.gate_up_codes.codes != nullptr;
+  if (int_w != (p.down_codes.codes != nullptr))
+    throw Error("CUDA MoE kernels: gate/up and down must both be grouped codes, or neither");
+  if (int_w && !(moe_int_fits(H, I, p.gate_up_codes.bits, p.gate_up_codes.group) &&
+                 moe_int_fits(H, I, p.down_codes.bits, p.down_codes.group)))
+    throw Error("CUDA MoE kernels: experts of " + std::to_string(p.gate_up_codes.bits) + "-bit codes in groups of " +
+                std::to_string(p.gate_up_codes.group) + " do not tile hidden " + std::to_string(H) +
+                " and expert width " + std::to_string(I) + " (moe_int_fits); load with --dequantize-weights");
   const auto st = static_cast<cudaStream_t>(stream);
-  const Workspace w = carve(p.workspace, p.act, T, H, I, E, K);
+  const Workspace w = carve(p.workspace, p.act, T, H, I, E, K, int_w);
   const int P = T * K;
   // The experts this rank holds: all, or under expert parallelism its run [first, first + held)
   // (routing chooses among all E; the weights hold only these, indexed from 0).
@@ -730,6 +769,41 @@ void moe(const MoeParams& p, void* stream) {
     using A = decltype(a);
     const auto* rbias = static_cast<const uint16_t*>(p.router_bias);
     auto* y = static_cast<uint16_t*>(p.y);
+    // h = f(gate) * up over the pairs' gate/up rows (the grouped paths' own pass).
+    auto glu = [&] {
+      const size_t n = size_t(P) * size_t(I);
+      glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
+                                                                                         c.swiglu_alpha, c.swiglu_limit);
+      KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
+    };
+    // Experts held as grouped codes, batches short of the wide path: the integer GEMV over each
+    // tile (one pass over a routed expert's codes per 16 of its pairs), the activation, the
+    // GEMV over W_down.
+    auto int_gemv = [&] {
+      IntExpertTiles t{.expert = w.tiles.expert, .first = w.tiles.first, .count = w.tiles.count, .tiles = w.tiles.n,
+                       .x_rows = w.pair_row, .max_tiles = tiles, .routed = std::min(held, P)};
+      const int max_m = std::min(T, kTileRows);
+      gemv_int_experts(p.act, p.x, p.gate_up_codes, p.gate_up_bias, w.gu, max_m, 2 * I, H, t, st);
+      glu();
+      t.x_rows = nullptr;
+      gemv_int_experts(p.act, w.h, p.down_codes, p.down_bias, w.out, max_m, H, I, t, st);
+    };
+    // The wide path over codes: a run of experts at a time dequantized into w.deq, then the
+    // grouped GEMM over that run's tiles.
+    auto int_wide = [&](const IntWeight& codes, const uint16_t* a_in, const int32_t* a_rows, const void* bias,
+                        uint16_t* out, int N, int Kd) {
+      const int auto_run = int_chunk_experts(H, I, E);
+      const int chunk = p.int_run_experts > 0 ? std::min(p.int_run_experts, auto_run) : auto_run;
+      const size_t per_row_codes = size_t(Kd) * size_t(codes.bits) / 8, per_row_params = size_t(Kd / codes.group);
+      for (int e0 = 0; e0 < held; e0 += chunk) {
+        const int e1 = std::min(held, e0 + chunk);
+        IntWeight run = codes;
+        run.codes += size_t(e0) * size_t(N) * per_row_codes;
+        run.params += size_t(e0) * size_t(N) * per_row_params;
+        dequantize_int(p.act, run, w.deq, (e1 - e0) * N, Kd, st);
+        launch_gemm<A>(a_in, a_rows, w.deq, bias, out, N, Kd, tiles, path, w, st, e0, e1);
+      }
+    };
     if (T <= kGemvMaxRows) {
       // A decode batch: route and sort in one CTA, then the expert GEMV over each routed
       // expert (one tile each), the activation fused into the gate/up pass, then combine;
@@ -754,20 +828,24 @@ void moe(const MoeParams& p, void* stream) {
                                          w.out, H, I, P, w.tiles, c.act, c.swiglu_alpha, c.swiglu_limit));
       };
       // An expert holds at most T of the batch's pairs (a row chooses it at most once).
-      if (T == 1) gemv(std::integral_constant<int, 1>{});
+      if (int_w) int_gemv();
+      else if (T == 1) gemv(std::integral_constant<int, 1>{});
       else gemv(std::integral_constant<int, kGemvMaxRows>{});
     } else {
       route_kernel<A><<<unsigned((T + 3) / 4), 128, 0, st>>>(p.logits, rbias, T, E, K, c.norm_topk, w.ids, w.weights);
       KVLM_CUDA_CHECK_LAUNCH("moe route_kernel");
       sort_kernel<<<1, 1024, 0, st>>>(w.ids, P, first, held, K, w.pair_of, w.pair_row, w.tiles, tile_rows);
       KVLM_CUDA_CHECK_LAUNCH("moe sort_kernel");
-      launch_gemm<A>(static_cast<const uint16_t*>(p.x), w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, tiles,
-                     path, w, st);
-      const size_t n = size_t(P) * size_t(I);
-      glu_kernel<A><<<unsigned(std::min<size_t>((n + 255) / 256, 65535)), 256, 0, st>>>(w.gu, w.h, size_t(P), I, c.act,
-                                                                                         c.swiglu_alpha, c.swiglu_limit);
-      KVLM_CUDA_CHECK_LAUNCH("moe glu_kernel");
-      launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, tiles, path, w, st);
+      if (int_w && path != GemmPath::Wide) {
+        int_gemv();
+      } else {
+        const auto* x = static_cast<const uint16_t*>(p.x);
+        if (int_w) int_wide(p.gate_up_codes, x, w.pair_row, p.gate_up_bias, w.gu, 2 * I, H);
+        else launch_gemm<A>(x, w.pair_row, p.gate_up, p.gate_up_bias, w.gu, 2 * I, H, tiles, path, w, st);
+        glu();
+        if (int_w) int_wide(p.down_codes, w.h, nullptr, p.down_bias, w.out, H, I);
+        else launch_gemm<A>(w.h, nullptr, p.down, p.down_bias, w.out, H, I, tiles, path, w, st);
+      }
     }
     KVLM_CUDA_CHECK(launch_pdl<combine_kernel<A>>(dim3(unsigned((H / 8 + 127) / 128), unsigned(T)), dim3(128), 0, st,
                                                   static_cast<const uint16_t*>(w.out), static_cast<const int32_t*>(w.pair_of),

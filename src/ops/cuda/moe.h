@@ -16,12 +16,20 @@
 // Activations and weights are `act` (bfloat16 or float16); logits and routing weights fp32.
 // Layouts (ops.h MoeWeights): gate_up [E][2I][H] (I gate rows, then I up rows), down
 // [E][H][I], biases [E][2I] and [E][H]. Needs H % 32 == 0 and I % 32 == 0 (moe_fits).
+//
+// Experts may instead be held as grouped integer codes (gemm.h IntWeight, the same rows:
+// 4-bit AWQ / GPTQ / compressed-tensors experts, GGUF blocks). Batches short of the wide path
+// then run the integer GEMV per tile (gemv_int_experts: a routed expert's codes read once per
+// 16 of its pairs), with the activation as its own pass; prefill-sized batches dequantize a
+// run of experts at a time (about 256 MiB) into the workspace and run the wide grouped GEMM
+// over that run's tiles.
 #pragma once
 
 #include <cstddef>
 
 #include "config/model_config.h"  // MoeConfig
 #include "core/dtype.h"
+#include "ops/cuda/gemm.h"  // IntWeight
 
 namespace kvlm::cuda {
 
@@ -41,11 +49,19 @@ struct MoeParams {
   const void* down_bias = nullptr;      // act [E][H] or null
   void* y = nullptr;                    // act [T][H]
   void* workspace = nullptr;            // moe_workspace_bytes, 256-byte aligned
+  // Experts held as grouped codes (both set, or neither): used in place of gate_up and down.
+  IntWeight gate_up_codes, down_codes;
+  // The wide path over codes: experts dequantized at a time, at most the workspace's run (0:
+  // that run; tests set fewer to cut the experts into several runs).
+  int int_run_experts = 0;
 };
 
 // Whether the kernels take these sizes (H and I multiples of 32, 1 <= top_k <= experts <= 1024).
 bool moe_fits(int hidden, int inter, int experts, int top_k);
-size_t moe_workspace_bytes(DType act, int rows, int hidden, int inter, int experts, int top_k);
+// Whether experts of grouped codes in this layout run (int_layout_fits for both projections).
+bool moe_int_fits(int hidden, int inter, int bits, int group);
+// int_experts: the experts are grouped codes (adds the wide path's dequantized run).
+size_t moe_workspace_bytes(DType act, int rows, int hidden, int inter, int experts, int top_k, bool int_experts = false);
 void moe(const MoeParams& p, void* stream);
 
 }  // namespace kvlm::cuda
