@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
-"""Writes a Llama-architecture GGUF file of random quantized weights, for benchmarks of the
-shapes people run (a Qwen3-8B-sized Q4_K_M by default) on machines with no network.
+"""Writes a GGUF file of random quantized weights, for benchmarks of the shapes people run on
+machines with no network: a Llama-architecture Qwen3-8B-sized Q4_K_M by default, or with
+--experts a Qwen3-MoE (arch qwen3moe, as llama.cpp's converter writes it: per-head q/k norms,
+a float32 router ffn_gate_inp and the experts stacked in ffn_{gate,up,down}_exps).
 
     make_random_gguf.py OUT.gguf [--layers 36 --hidden 4096 --heads 32 --kv-heads 8 --ffn 12288
                                   --vocab 151936] [--mix q4_k_m | q4_0 | q8_0 | q6_k]
+    make_random_gguf.py OUT.gguf --shape qwen3-30b-a3b     (48 layers, hidden 2048, 32 q / 4 KV
+                                  heads of 128, 128 experts, top 8, expert width 768)
 
 --mix q4_k_m follows llama.cpp's recipe for that name: Q4_K everywhere, Q6_K for the output
-matrix and for attn_v and ffn_down in the layers llama.cpp gives more bits (the first and last
-eighth, and every third layer between). Other mixes use one type for every matrix. Codes are
+matrix and for attn_v and ffn_down (ffn_down_exps too) in the layers llama.cpp gives more bits
+(the first and last eighth, and every third layer between). Other mixes use one type for every matrix. Codes are
 random bytes; each block's fp16 scales are set so that values come out around 0.01-0.1, as a
-trained model's weights do (the same sizes as tests/support/ggml_blocks.h). Norms are 1. The
+trained model's weights do (the same sizes as tests/support/ggml_blocks.h). Norms are 1; the
+router is normal with standard deviation 0.05, so tokens choose different experts. The
 tokenizer is a plain list of tokens (decode benchmarks need no text). Needs only numpy.
 """
 import argparse
@@ -73,12 +78,24 @@ def main():
     ap.add_argument("--ffn", type=int, default=12288)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--context", type=int, default=40960)
+    ap.add_argument("--head-dim", type=int, default=0, help="default: hidden / heads")
+    ap.add_argument("--experts", type=int, default=0, help="a qwen3moe model of this many experts per layer")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--expert-ffn", type=int, default=768)
+    ap.add_argument("--shape", choices=["qwen3-30b-a3b"], help="set the dimensions of a real model")
     ap.add_argument("--mix", choices=["q4_k_m", "q4_0", "q8_0", "q6_k"], default="q4_k_m")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    hd = a.hidden // a.heads
-    if a.hidden % a.heads or hd % 2:
-        sys.exit("--hidden must be --heads heads of an even size")
+    if a.shape == "qwen3-30b-a3b":
+        a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim, a.ffn = 48, 2048, 32, 4, 128, 6144
+        a.experts, a.top_k, a.expert_ffn, a.context = 128, 8, 768, 40960
+    hd = a.head_dim or a.hidden // a.heads
+    if (not a.head_dim and a.hidden % a.heads) or hd % 2:
+        sys.exit("--hidden must be --heads heads of an even size (or give --head-dim)")
+    moe = a.experts > 0
+    if moe and not 1 <= a.top_k <= a.experts:
+        sys.exit("--top-k must be 1..--experts")
+    arch = "qwen3moe" if moe else "llama"
     rng = np.random.default_rng(a.seed)
     n = a.layers
 
@@ -90,7 +107,7 @@ def main():
             return a.mix
         if name == "output":
             return "q6_k"
-        if name in ("attn_v", "ffn_down") and more_bits(layer):
+        if name in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits(layer):
             return "q6_k"
         return "q4_k"
 
@@ -104,21 +121,34 @@ def main():
                     (b + "attn_k.weight", (a.hidden, a.kv_heads * hd), kind("attn_k", i)),
                     (b + "attn_v.weight", (a.hidden, a.kv_heads * hd), kind("attn_v", i)),
                     (b + "attn_output.weight", (a.heads * hd, a.hidden), kind("attn_output", i)),
-                    (b + "ffn_norm.weight", (a.hidden,), None),
-                    (b + "ffn_gate.weight", (a.hidden, a.ffn), kind("ffn_gate", i)),
-                    (b + "ffn_up.weight", (a.hidden, a.ffn), kind("ffn_up", i)),
-                    (b + "ffn_down.weight", (a.ffn, a.hidden), kind("ffn_down", i))]
-    meta = [kv_str("general.architecture", "llama"), kv_str("general.name", f"random {a.mix}"),
-            kv_u32("llama.block_count", n), kv_u32("llama.context_length", a.context),
-            kv_u32("llama.embedding_length", a.hidden), kv_u32("llama.feed_forward_length", a.ffn),
-            kv_u32("llama.attention.head_count", a.heads), kv_u32("llama.attention.head_count_kv", a.kv_heads),
-            kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-6), kv_f32("llama.rope.freq_base", 1e6),
+                    (b + "ffn_norm.weight", (a.hidden,), None)]
+        if not moe:
+            tensors += [(b + "ffn_gate.weight", (a.hidden, a.ffn), kind("ffn_gate", i)),
+                        (b + "ffn_up.weight", (a.hidden, a.ffn), kind("ffn_up", i)),
+                        (b + "ffn_down.weight", (a.ffn, a.hidden), kind("ffn_down", i))]
+            continue
+        E, I = a.experts, a.expert_ffn
+        tensors += [(b + "attn_q_norm.weight", (hd,), None), (b + "attn_k_norm.weight", (hd,), None),
+                    (b + "ffn_gate_inp.weight", (a.hidden, E), "router"),
+                    (b + "ffn_gate_exps.weight", (a.hidden, I, E), kind("ffn_gate_exps", i)),
+                    (b + "ffn_up_exps.weight", (a.hidden, I, E), kind("ffn_up_exps", i)),
+                    (b + "ffn_down_exps.weight", (I, a.hidden, E), kind("ffn_down_exps", i))]
+    meta = [kv_str("general.architecture", arch), kv_str("general.name", f"random {a.mix}"),
+            kv_u32(f"{arch}.block_count", n), kv_u32(f"{arch}.context_length", a.context),
+            kv_u32(f"{arch}.embedding_length", a.hidden), kv_u32(f"{arch}.feed_forward_length", a.ffn),
+            kv_u32(f"{arch}.attention.head_count", a.heads), kv_u32(f"{arch}.attention.head_count_kv", a.kv_heads),
+            kv_f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6), kv_f32(f"{arch}.rope.freq_base", 1e6),
             kv_str_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(a.vocab)]),
             kv_u32("tokenizer.ggml.bos_token_id", 1), kv_u32("tokenizer.ggml.eos_token_id", 2)]
+    if a.head_dim:
+        meta += [kv_u32(f"{arch}.attention.key_length", hd), kv_u32(f"{arch}.attention.value_length", hd)]
+    if moe:
+        meta += [kv_u32(f"{arch}.expert_count", a.experts), kv_u32(f"{arch}.expert_used_count", a.top_k),
+                 kv_u32(f"{arch}.expert_feed_forward_length", a.expert_ffn)]
     infos, offset, sizes = [], 0, []
     for name, dims, k in tensors:
         count = int(np.prod(dims))
-        if k is None:
+        if k is None or k == "router":
             tid, size = F32, 4 * count
         else:
             tid, per, nbytes, _ = TYPES[k]
@@ -136,10 +166,12 @@ def main():
         for (name, dims, k), size in zip(tensors, sizes):
             if k is None:
                 f.write(np.ones(int(np.prod(dims)), dtype=np.float32).tobytes())
+            elif k == "router":
+                f.write((rng.standard_normal(int(np.prod(dims))) * 0.05).astype(np.float32).tobytes())
             else:
                 f.write(random_blocks(k, int(np.prod(dims)), rng)[1])
             f.write(b"\0" * (-size % ALIGN))
-    print(f"wrote {a.out}: {len(tensors)} tensors, {offset / 1e9:.2f} GB of data ({a.mix})")
+    print(f"wrote {a.out}: {arch}, {len(tensors)} tensors, {offset / 1e9:.2f} GB of data ({a.mix})")
 
 
 if __name__ == "__main__":

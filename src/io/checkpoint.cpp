@@ -44,8 +44,8 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
     c.gguf_data_.resize(m.tensors.size());
     for (const auto& [name, src] : m.tensors) {
       const GGUFTensorInfo* t = c.gguf_file_->header().find_tensor(src.gguf_name);
-      TensorInfo info{.name = name, .dtype = DType::F32, .shape = t->shape, .begin = 0,
-                      .end = size_t(t->numel()) * sizeof(float)};
+      TensorInfo info{.name = name, .dtype = DType::F32, .shape = gguf_source_shape(*t, src), .begin = 0};
+      info.end = size_t(info.numel()) * sizeof(float);
       c.gguf_infos_.push_back(std::move(info));
       c.gguf_sources_.push_back(src);
       c.tensors_.emplace(name, std::make_pair(nullptr, &c.gguf_infos_.back()));
@@ -248,9 +248,9 @@ std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) cons
   const GGUFTensorSource& src = gguf_sources_[size_t(it->second.second - gguf_infos_.data())];
   const GGUFTensorInfo* t = gguf_file_->header().find_tensor(src.gguf_name);
   const auto traits = ggml_type_traits(t->type);
-  if (!traits || traits->block == 1 || src.minus_one || t->ne.size() != 2) return std::nullopt;
+  if (!traits || traits->block == 1 || src.minus_one || t->ne.size() != (src.expert >= 0 ? 3u : 2u)) return std::nullopt;
   const int64_t cols = t->ne[0], rows = t->ne[1];
-  return Blocks{.type = t->type, .bytes = gguf_file_->data(*t), .rows = rows, .cols = cols,
+  return Blocks{.type = t->type, .bytes = gguf_source_bytes(*gguf_file_, *t, src), .rows = rows, .cols = cols,
                 .row_bytes = size_t(cols / traits->block * traits->block_bytes), .unpermute_heads = src.unpermute_heads};
 }
 
@@ -261,7 +261,7 @@ std::string Checkpoint::describe(std::string_view name) const {
     s += " (" + int4_scheme_->describe() + ", from '" + int4_sources_[size_t(int4_index(it->second.second))].base +
          int4_tensor_names(int4_scheme_->kind).sep + int4_tensor_names(int4_scheme_->kind).packed + "')";
   else if (it != tensors_.end() && !it->second.first)
-    s += " (GGUF tensor '" + gguf_sources_[size_t(it->second.second - gguf_infos_.data())].gguf_name + "')";
+    s += " (" + gguf_source_label(gguf_sources_[size_t(it->second.second - gguf_infos_.data())]) + ")";
   else if (it != tensors_.end() && (bare_base_model_ || renamed_) && it->second.second->name != name)
     s += " (stored as '" + it->second.second->name + "')";
   return s;

@@ -21,6 +21,7 @@ constexpr ArchInfo kArchs[] = {
     {"llama", "LlamaForCausalLM", "llama"},
     {"qwen2", "Qwen2ForCausalLM", "qwen2"},
     {"qwen3", "Qwen3ForCausalLM", "qwen3"},
+    {"qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"},
     {"gemma3", "Gemma3ForCausalLM", "gemma3_text"},
 };
 
@@ -63,7 +64,7 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
     if (*arch == a.gguf) info = &a;
   if (!info)
     throw Error(label + ": GGUF architecture '" + *arch +
-                "' is not supported (kvlm runs llama, qwen2, qwen3 and gemma3 GGUF files)");
+                "' is not supported (kvlm runs llama, qwen2, qwen3, qwen3moe and gemma3 GGUF files)");
   const std::string p = *arch + ".";
   GGUFModel m;
   nlohmann::json& c = m.config;
@@ -183,11 +184,35 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
     from("query_pre_attn_scalar", "llama.cpp's gemma3: head_dim (hidden / heads for the 62-layer 27B)");
   }
 
+  const bool moe = *arch == "qwen3moe";
+  int64_t experts = 0;
+  if (moe) {
+    // llama.cpp's qwen3moe: softmax over every expert, the top expert_used_count of them, their
+    // weights renormalized (build_moe_ffn's norm_w, fixed to true; a file may say otherwise
+    // through expert_weights_norm). A layer without ffn_gate_inp is a dense MLP (Qwen3-MoE's
+    // mlp_only_layers; llama.cpp itself wants every layer sparse).
+    experts = need_int("num_experts", p + "expert_count");
+    const int64_t used = need_int("num_experts_per_tok", p + "expert_used_count");
+    if (used > experts)
+      throw Error(label + ": " + p + "expert_used_count " + std::to_string(used) + " exceeds expert_count " +
+                  std::to_string(experts));
+    need_int("moe_intermediate_size", p + "expert_feed_forward_length");
+    const auto norm = h.get_bool(p + "expert_weights_norm");
+    c["norm_topk_prob"] = norm.value_or(true);
+    from("norm_topk_prob", norm ? p + "expert_weights_norm" : "llama.cpp's qwen3moe: the top-k weights renormalized");
+    nlohmann::json dense = nlohmann::json::array();
+    for (int64_t i = 0; i < layers; ++i)
+      if (!h.find_tensor("blk." + std::to_string(i) + ".ffn_gate_inp.weight")) dense.push_back(i);
+    c["decoder_sparse_step"] = 1;
+    c["mlp_only_layers"] = dense;
+    from("mlp_only_layers", "the layers without a blk.N.ffn_gate_inp.weight (router) tensor");
+  }
+
   // Tensors.
-  auto add = [&](const std::string& hf, const std::string& gg, int unpermute = 0) {
+  auto add = [&](const std::string& hf, const std::string& gg, int unpermute = 0, int expert = -1) {
     if (!h.find_tensor(gg)) return;
     m.tensors[hf] = GGUFTensorSource{.gguf_name = gg, .unpermute_heads = unpermute,
-                                     .minus_one = gemma && gg.ends_with("norm.weight")};
+                                     .minus_one = gemma && gg.ends_with("norm.weight"), .expert = expert};
   };
   add("model.embed_tokens.weight", "token_embd.weight");
   add("model.norm.weight", "output_norm.weight");
@@ -201,6 +226,19 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
       if (*arch == "llama" && std::string_view(n.gguf).starts_with("attn_q.")) unpermute = int(heads);
       if (*arch == "llama" && std::string_view(n.gguf).starts_with("attn_k.")) unpermute = kv_heads;
       add(f + n.hf, g + n.gguf, unpermute);
+    }
+    if (!moe || !h.find_tensor(g + "ffn_gate_inp.weight")) continue;
+    add(f + "mlp.gate.weight", g + "ffn_gate_inp.weight");
+    for (const auto& [gg, hf] : {std::pair{"ffn_gate_exps.weight", "gate_proj.weight"},
+                                 std::pair{"ffn_up_exps.weight", "up_proj.weight"},
+                                 std::pair{"ffn_down_exps.weight", "down_proj.weight"}}) {
+      const GGUFTensorInfo* t = h.find_tensor(g + gg);
+      if (!t) throw Error(label + ": layer " + std::to_string(i) + " has a router but no " + g + gg);
+      if (t->ne.size() != 3 || t->ne[2] != experts)
+        throw Error(label + ": " + g + gg + " is not [" + std::to_string(experts) +
+                    " experts][rows][cols] (expert_count says " + std::to_string(experts) + ")");
+      for (int64_t e = 0; e < experts; ++e)
+        add(f + "mlp.experts." + std::to_string(e) + "." + hf, g + gg, 0, int(e));
     }
   }
   std::set<std::string_view> used;
@@ -238,11 +276,32 @@ void add_rope_freq_factors(const GGUFFile& f, GGUFModel& m) {
   m.config["rope_freq_factors"] = v;
 }
 
+std::string gguf_source_label(const GGUFTensorSource& src) {
+  const std::string t = "GGUF tensor '" + src.gguf_name + "'";
+  return src.expert < 0 ? t : "expert " + std::to_string(src.expert) + " of " + t;
+}
+
+std::vector<int64_t> gguf_source_shape(const GGUFTensorInfo& t, const GGUFTensorSource& src) {
+  if (src.expert < 0) return t.shape;
+  return {t.ne[1], t.ne[0]};
+}
+
+std::span<const uint8_t> gguf_source_bytes(const GGUFFile& f, const GGUFTensorInfo& t, const GGUFTensorSource& src) {
+  const std::span<const uint8_t> all = f.data(t);
+  if (src.expert < 0) return all;
+  if (t.ne.size() != 3 || src.expert >= t.ne[2])
+    throw Error(f.path().string() + ": GGUF tensor '" + t.name + "' has no expert " + std::to_string(src.expert));
+  const size_t per = all.size() / size_t(t.ne[2]);  // whole rows of blocks: the file's size check saw to it
+  return all.subspan(size_t(src.expert) * per, per);
+}
+
 std::vector<float> load_gguf_tensor(const GGUFFile& f, const GGUFTensorSource& src) {
   const GGUFTensorInfo* t = f.header().find_tensor(src.gguf_name);
   if (!t) throw Error(f.path().string() + ": no GGUF tensor '" + src.gguf_name + "'");
-  std::vector<float> v(size_t(t->numel()));
-  dequantize_ggml(t->type, f.data(*t), v);
+  int64_t n = 1;
+  for (int64_t d : gguf_source_shape(*t, src)) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  dequantize_ggml(t->type, gguf_source_bytes(f, *t, src), v);
   if (src.unpermute_heads > 0) {
     const int64_t cols = t->ne[0], rows = t->numel() / cols;
     if (t->ne.size() == 1) unpermute_llama_heads(v, src.unpermute_heads, t->ne[0], 1);  // a bias

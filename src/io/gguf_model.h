@@ -6,12 +6,17 @@
 //     rotate-half layout to interleaved pairs (its `permute`); kvlm's RoPE is rotate-half, so
 //     the rows are put back;
 //   * Gemma norms: the converter stores 1 + w (Gemma's RMSNorm scales by 1 + w); the 1 is
-//     taken off again.
-// Architectures: llama (Llama 2/3, SmolLM, Mistral), qwen2, qwen3, gemma3. Anything else is
-// refused by name.
+//     taken off again;
+//   * Qwen3-MoE experts: the converter stacks every expert's gate, up and down projection into
+//     one [experts][rows][cols] tensor per layer (ffn_{gate,up,down}_exps); each expert's
+//     Hugging Face tensor is its slice (whole rows of blocks, so quantized experts stay in
+//     their blocks).
+// Architectures: llama (Llama 2/3, SmolLM, Mistral), qwen2, qwen3, qwen3moe, gemma3. Anything
+// else is refused by name.
 #pragma once
 
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,7 +30,15 @@ struct GGUFTensorSource {
   std::string gguf_name;
   int unpermute_heads = 0;  // > 0: undo the Llama q/k row permutation over this many heads
   bool minus_one = false;   // Gemma norm: stored 1 + w
+  int expert = -1;          // >= 0: this expert's [rows][cols] slice of a 3-D [experts][rows][cols] tensor
 };
+
+// The bytes of `src`'s values inside its GGUF tensor `t` (its expert's slice, or all of it).
+std::span<const uint8_t> gguf_source_bytes(const GGUFFile& f, const GGUFTensorInfo& t, const GGUFTensorSource& src);
+// "GGUF tensor 'blk.0.attn_q.weight'", "expert 5 of GGUF tensor 'blk.3.ffn_up_exps.weight'".
+std::string gguf_source_label(const GGUFTensorSource& src);
+// Its shape as Hugging Face lays it out (outermost first; an expert's slice drops the expert axis).
+std::vector<int64_t> gguf_source_shape(const GGUFTensorInfo& t, const GGUFTensorSource& src);
 
 struct GGUFModel {
   nlohmann::json config;  // a Hugging Face config.json

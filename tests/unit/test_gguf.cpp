@@ -30,7 +30,10 @@
 #include "io/gguf_model.h"
 #include "model/loaded_model.h"
 #include "offline/generate.h"
+#include "offline/score.h"
+#include "io/safetensors.h"
 #include "model/rope.h"
+#include "../support/error_text.h"
 #include "../support/ggml_blocks.h"
 #include "../support/gguf_writer.h"
 #include "test_util.h"
@@ -691,6 +694,283 @@ TEST(GGUFModel, CudaKeepsBlocksAsGroupedCodes) {
   for (int rows : {12, 40, 80}) {
     const auto want = BlockLlama::greedy(*dequantized, rows), got = BlockLlama::greedy(*kept, rows);
     // Both round each weight to bf16 once; the kept codes' scales are rounded to bf16 first.
+    test::expect_greedy_until_near_tie(got, want, 0.1, 0.05, "grouped codes, " + std::to_string(rows) + "-token prompt");
+  }
+}
+
+
+// Qwen3-MoE as llama.cpp's convert_hf_to_gguf.py writes it (arch qwen3moe): every expert's
+// gate, up and down projections stacked into one [experts][rows][cols] tensor per layer, the
+// router as ffn_gate_inp, and the dense layer of mlp_only_layers as a plain MLP. Metadata keys
+// are the converter's; `norm` adds expert_weights_norm.
+struct Qwen3MoeDims {
+  int layers, hidden, heads, kv_heads, head_dim, ffn, experts, top_k, expert_ffn, vocab;
+};
+void qwen3moe_metadata(Writer& w, const Qwen3MoeDims& d, std::optional<bool> norm) {
+  const std::string a = "qwen3moe.";
+  w.key("general.architecture", GGUFType::String).str("qwen3moe");
+  w.key(a + "block_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.layers));
+  w.key(a + "context_length", GGUFType::Uint32).pod<uint32_t>(512);
+  w.key(a + "embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.hidden));
+  w.key(a + "feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.ffn));
+  w.key(a + "attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.heads));
+  w.key(a + "attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.kv_heads));
+  w.key(a + "attention.key_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.head_dim));
+  w.key(a + "attention.value_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.head_dim));
+  w.key(a + "attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-6f);
+  w.key(a + "rope.freq_base", GGUFType::Float32).pod<float>(1000000.0f);
+  w.key(a + "expert_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.experts));
+  w.key(a + "expert_used_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.top_k));
+  w.key(a + "expert_feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.expert_ffn));
+  if (norm) w.key(a + "expert_weights_norm", GGUFType::Bool).pod<uint8_t>(*norm ? 1 : 0);
+  std::vector<std::string> tokens;
+  for (int i = 0; i < d.vocab; ++i) tokens.push_back("t" + std::to_string(i));
+  w.strings("tokenizer.ggml.tokens", tokens);
+  w.key("tokenizer.ggml.bos_token_id", GGUFType::Uint32).pod<uint32_t>(1);
+  w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(2);
+}
+constexpr uint64_t kQwen3MoeKeys = 18;  // with expert_weights_norm
+
+std::filesystem::path write_temp(const std::vector<uint8_t>& bytes, const std::string& stem) {
+  const auto path = std::filesystem::temp_directory_path() / ("kvlm-" + stem + "-" + std::to_string(::getpid()) + ".gguf");
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  return path;
+}
+
+// The golden tiny Qwen3-MoE (tests/golden/models/qwen3-moe: 7 experts, top 3, a dense first
+// layer, norm_topk_prob false) converted to a qwen3moe GGUF of float32 tensors: kvlm reads
+// the stacked experts, the router and the dense layer back as the Hugging Face model, so its
+// logits equal those it computes from the safetensors bit for bit, and its greedy tokens are
+// transformers' (tests/golden/expected/qwen3-moe.json).
+TEST(GGUFModel, Qwen3MoeIsTheHuggingFaceModel) {
+  const std::filesystem::path golden = std::filesystem::path(KVLM_TEST_DATA) / "golden";
+  const auto dir = golden / "models" / "qwen3-moe";
+  const nlohmann::json cfg = nlohmann::json::parse(std::ifstream(dir / "config.json"));
+  const Qwen3MoeDims d{cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+                       cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"], cfg["num_experts"],
+                       cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], cfg["vocab_size"]};
+  ASSERT_EQ(cfg["mlp_only_layers"], nlohmann::json::array({0}));
+  ASSERT_FALSE(cfg["norm_topk_prob"].get<bool>());
+  SafetensorsFile st(dir / "model.safetensors");
+  auto values = [&](const std::string& name) {
+    const TensorInfo* t = st.find(name);
+    if (!t) throw Error("golden qwen3-moe has no " + name);
+    std::vector<float> v(size_t(t->numel()));
+    convert_to_f32(t->dtype, st.view(*t).bytes, v);
+    return v;
+  };
+  auto ne = [](const std::vector<int64_t>& shape) {  // ggml's order: innermost first
+    return std::vector<uint64_t>(shape.rbegin(), shape.rend());
+  };
+  std::vector<F32Tensor> ts;
+  auto plain = [&](const std::string& gg, const std::string& hf) {
+    ts.push_back({gg, ne(st.find(hf)->shape), values(hf)});
+  };
+  plain("token_embd.weight", "model.embed_tokens.weight");
+  plain("output_norm.weight", "model.norm.weight");
+  plain("output.weight", "lm_head.weight");
+  for (int l = 0; l < d.layers; ++l) {
+    const std::string g = "blk." + std::to_string(l) + ".", f = "model.layers." + std::to_string(l) + ".";
+    for (const auto& [gg, hf] : {std::pair{"attn_norm.weight", "input_layernorm.weight"},
+                                 std::pair{"attn_q.weight", "self_attn.q_proj.weight"},
+                                 std::pair{"attn_k.weight", "self_attn.k_proj.weight"},
+                                 std::pair{"attn_v.weight", "self_attn.v_proj.weight"},
+                                 std::pair{"attn_output.weight", "self_attn.o_proj.weight"},
+                                 std::pair{"attn_q_norm.weight", "self_attn.q_norm.weight"},
+                                 std::pair{"attn_k_norm.weight", "self_attn.k_norm.weight"},
+                                 std::pair{"ffn_norm.weight", "post_attention_layernorm.weight"}})
+      plain(g + gg, f + hf);
+    if (l == 0) {
+      plain(g + "ffn_gate.weight", f + "mlp.gate_proj.weight");
+      plain(g + "ffn_up.weight", f + "mlp.up_proj.weight");
+      plain(g + "ffn_down.weight", f + "mlp.down_proj.weight");
+      continue;
+    }
+    plain(g + "ffn_gate_inp.weight", f + "mlp.gate.weight");
+    for (const auto& [gg, hf] : {std::pair{"ffn_gate_exps.weight", "gate_proj.weight"},
+                                 std::pair{"ffn_up_exps.weight", "up_proj.weight"},
+                                 std::pair{"ffn_down_exps.weight", "down_proj.weight"}}) {
+      F32Tensor t{g + gg, {}, {}};
+      for (int e = 0; e < d.experts; ++e) {
+        const std::string name = f + "mlp.experts." + std::to_string(e) + "." + hf;
+        if (e == 0) t.ne = ne(st.find(name)->shape);
+        const auto v = values(name);
+        t.values.insert(t.values.end(), v.begin(), v.end());
+      }
+      t.ne.push_back(uint64_t(d.experts));
+      ts.push_back(std::move(t));
+    }
+  }
+  const auto path = write_temp(model_file(kQwen3MoeKeys, [&](Writer& w) { qwen3moe_metadata(w, d, false); }, ts),
+                               "qwen3moe");
+  {
+    const GGUFFile f(path);
+    const GGUFModel m = map_gguf_model(f.header(), "q.gguf");
+    const ModelConfig c = parse_model_config(m.config, nullptr);
+    EXPECT_EQ(arch_name(c.arch), "Qwen3MoeForCausalLM");
+    ASSERT_TRUE(c.moe);
+    EXPECT_EQ(c.moe->num_experts, d.experts);
+    EXPECT_EQ(c.moe->top_k, d.top_k);
+    EXPECT_EQ(c.moe->expert_size, d.expert_ffn);
+    EXPECT_FALSE(c.moe->norm_topk);
+    EXPECT_EQ(c.moe_layers, (std::vector<bool>{false, true, true}));
+    EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.2.mlp.experts.5.down_proj.weight")),
+              values("model.layers.2.mlp.experts.5.down_proj.weight"));
+  }
+  auto load = [](const std::filesystem::path& p) {
+    ModelOptions o;
+    o.model_dir = p;
+    o.dtype = DType::F32;
+    return LoadedModel::load(o);
+  };
+  const nlohmann::json want = nlohmann::json::parse(std::ifstream(golden / "expected" / "qwen3-moe.json"));
+  std::vector<TokenId> all = want["prompt_ids"].get<std::vector<TokenId>>();
+  const auto greedy = want["greedy_ids"].get<std::vector<TokenId>>();
+  all.insert(all.end(), greedy.begin(), greedy.end());
+  const auto from_gguf = load(path), from_hf = load(dir);
+  EXPECT_EQ(all_logits(*from_gguf, all, 7), all_logits(*from_hf, all, 7));
+  GenerateRequest g;
+  g.prompt = want["prompt_ids"].get<std::vector<TokenId>>();
+  g.max_tokens = int(greedy.size());
+  g.ignore_eos = true;
+  g.sampling.temperature = 0;
+  EXPECT_EQ(generate(*from_gguf, g).tokens, greedy);
+  std::filesystem::remove(path);
+}
+
+// Without expert_weights_norm a qwen3moe file renormalizes the top-k weights, as llama.cpp
+// does (and Qwen3-30B-A3B's norm_topk_prob); mismatched expert tensors are refused by name.
+TEST(GGUFModel, Qwen3MoeMetadataAndDamage) {
+  const Qwen3MoeDims d{1, 32, 2, 1, 16, 64, 3, 2, 32, 4};
+  auto tensors = [&](uint64_t experts) {
+    std::vector<F32Tensor> ts{{"token_embd.weight", {32, 4}, iota_values(128, 0.01f)},
+                              {"output_norm.weight", {32}, std::vector<float>(32, 1.0f)},
+                              {"blk.0.attn_norm.weight", {32}, std::vector<float>(32, 1.0f)},
+                              {"blk.0.attn_q.weight", {32, 32}, iota_values(32 * 32, 1e-3f)},
+                              {"blk.0.attn_k.weight", {32, 16}, iota_values(16 * 32, 1e-3f)},
+                              {"blk.0.attn_v.weight", {32, 16}, iota_values(16 * 32, 1e-3f)},
+                              {"blk.0.attn_output.weight", {32, 32}, iota_values(32 * 32, 1e-3f)},
+                              {"blk.0.attn_q_norm.weight", {16}, std::vector<float>(16, 1.0f)},
+                              {"blk.0.attn_k_norm.weight", {16}, std::vector<float>(16, 1.0f)},
+                              {"blk.0.ffn_norm.weight", {32}, std::vector<float>(32, 1.0f)},
+                              {"blk.0.ffn_gate_inp.weight", {32, 3}, iota_values(96, 1e-2f)},
+                              {"blk.0.ffn_gate_exps.weight", {32, 32, experts}, iota_values(size_t(1024 * experts), 1e-4f)},
+                              {"blk.0.ffn_up_exps.weight", {32, 32, experts}, iota_values(size_t(1024 * experts), 1e-4f)},
+                              {"blk.0.ffn_down_exps.weight", {32, 32, experts}, iota_values(size_t(1024 * experts), 1e-4f)}};
+    return ts;
+  };
+  {
+    const auto path = write_temp(model_file(kQwen3MoeKeys - 1, [&](Writer& w) { qwen3moe_metadata(w, d, std::nullopt); },
+                                            tensors(3)),
+                                 "qwen3moe-norm");
+    const GGUFFile f(path);
+    const GGUFModel m = map_gguf_model(f.header(), "q.gguf");
+    const ModelConfig c = parse_model_config(m.config, nullptr);
+    EXPECT_TRUE(c.moe->norm_topk);
+    EXPECT_EQ(c.moe_layers, std::vector<bool>{true});
+    EXPECT_EQ(m.tensors.at("model.layers.0.mlp.experts.2.up_proj.weight").expert, 2);
+    std::filesystem::remove(path);
+  }
+  const auto path = write_temp(model_file(kQwen3MoeKeys, [&](Writer& w) { qwen3moe_metadata(w, d, true); }, tensors(4)),
+                               "qwen3moe-bad");
+  const GGUFFile f(path);
+  EXPECT_NE(test::error_of([&] { map_gguf_model(f.header(), "q.gguf"); })
+                .find("blk.0.ffn_gate_exps.weight is not [3 experts][rows][cols]"),
+            std::string::npos);
+  std::filesystem::remove(path);
+}
+
+// A Qwen3-MoE whose experts come in the blocks Q4_K_M files use (Q4_K gate/up and Q6_K down in
+// one layer; Q4_0 and Q8_0 in the other) and Q8_0 attention: each expert's slice of the
+// stacked tensors stays in its blocks, and what kvlm computes from them equals the
+// dequantize-at-load path (CPU), or follows it on a GPU (grouped codes).
+struct BlockQwen3Moe {
+  static constexpr Qwen3MoeDims d{2, 256, 4, 2, 64, 512, 5, 2, 256, 40};
+  std::filesystem::path path;
+  size_t block_bytes = 0;     // the file's blocks
+  size_t grouped_bytes = 0;   // the same matrices as grouped codes (io/grouped_codes.h)
+  BlockQwen3Moe() {
+    std::mt19937 rng(11);
+    std::vector<F32Tensor> ts;
+    auto blocks = [&](const std::string& name, std::vector<uint64_t> ne, GGMLType type) {
+      int64_t n = 1;
+      for (uint64_t x : ne) n *= int64_t(x);
+      const int64_t cols = int64_t(ne[0]);
+      ts.push_back(F32Tensor{name, std::move(ne), {}, type, test::random_ggml_blocks(type, n, rng)});
+      block_bytes += ts.back().raw.size();
+      const GroupedLayout l = *grouped_layout_of_ggml(uint32_t(type));
+      grouped_bytes += size_t(n / cols) * (grouped_code_bytes(l, cols) + size_t(cols / l.group) * 4);
+    };
+    auto norm = [&](const std::string& name, int n) {
+      ts.push_back({name, {uint64_t(n)}, std::vector<float>(size_t(n), 1.0f)});
+    };
+    const uint64_t H = d.hidden, E = d.experts, I = d.expert_ffn, hd = d.head_dim;
+    blocks("token_embd.weight", {H, uint64_t(d.vocab)}, GGMLType::Q8_0);
+    norm("output_norm.weight", d.hidden);
+    const GGMLType experts[2][3] = {{GGMLType::Q4_K, GGMLType::Q4_K, GGMLType::Q6_K},
+                                    {GGMLType::Q4_0, GGMLType::Q4_0, GGMLType::Q8_0}};
+    for (int l = 0; l < d.layers; ++l) {
+      const std::string b = "blk." + std::to_string(l) + ".";
+      norm(b + "attn_norm.weight", d.hidden);
+      blocks(b + "attn_q.weight", {H, d.heads * hd}, GGMLType::Q8_0);
+      blocks(b + "attn_k.weight", {H, d.kv_heads * hd}, GGMLType::Q8_0);
+      blocks(b + "attn_v.weight", {H, d.kv_heads * hd}, GGMLType::Q8_0);
+      blocks(b + "attn_output.weight", {d.heads * hd, H}, GGMLType::Q8_0);
+      norm(b + "attn_q_norm.weight", d.head_dim);
+      norm(b + "attn_k_norm.weight", d.head_dim);
+      norm(b + "ffn_norm.weight", d.hidden);
+      // The router as llama.cpp keeps it: float32, a wide spread so that routing differs by token.
+      std::normal_distribution<float> n01(0.0f, 1.0f);
+      std::vector<float> router(size_t(E * H));
+      for (float& x : router) x = n01(rng) * 0.2f;
+      ts.push_back({b + "ffn_gate_inp.weight", {H, E}, router});
+      blocks(b + "ffn_gate_exps.weight", {H, I, E}, experts[l][0]);
+      blocks(b + "ffn_up_exps.weight", {H, I, E}, experts[l][1]);
+      blocks(b + "ffn_down_exps.weight", {I, H, E}, experts[l][2]);
+    }
+    path = write_temp(model_file(kQwen3MoeKeys, [&](Writer& w) { qwen3moe_metadata(w, d, true); }, ts), "qwen3moe-blocks");
+  }
+  ~BlockQwen3Moe() { std::filesystem::remove(path); }
+  std::unique_ptr<LoadedModel> load(bool dequantize, std::optional<DType> dtype, Device device = Device::Cpu) const {
+    ModelOptions o;
+    o.model_dir = path;
+    o.dequantize_weights = dequantize;
+    o.dtype = dtype;
+    o.device = device;
+    return LoadedModel::load(o);
+  }
+};
+
+TEST(GGUFModel, Qwen3MoeExpertsStayInTheirBlocks) {
+  const BlockQwen3Moe f;
+  const auto& d = BlockQwen3Moe::d;
+  const auto dequantized = f.load(true, DType::F32), exact = f.load(false, DType::F32), fast = f.load(false, std::nullopt);
+  // Kept: the file's blocks, plus the float32 routers, norms and RoPE's inverse frequencies.
+  const size_t rest = size_t(d.layers * (d.experts * d.hidden + 2 * d.hidden + 2 * d.head_dim) + d.hidden + d.head_dim / 2) *
+                      sizeof(float);
+  EXPECT_EQ(exact->model().weight_bytes(), f.block_bytes + rest);
+  EXPECT_GT(dequantized->model().weight_bytes(), 3 * exact->model().weight_bytes());
+  const auto want = BlockLlama::greedy(*dequantized), got = BlockLlama::greedy(*exact), approx = BlockLlama::greedy(*fast);
+  EXPECT_EQ(got.tokens, want.tokens);
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < want.logprobs.size(); ++i) EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, 1e-4) << i;
+  test::expect_greedy_until_near_tie(approx, want, 0.05, 1.0, "int8 activations");
+}
+
+// On a GPU the experts' blocks become grouped codes (4-bit from Q4_K / Q4_0, 8-bit from Q6_K
+// / Q8_0) for the MoE kernels' integer GEMV, and at 80 rows the dequantized runs.
+TEST(GGUFModel, CudaKeepsQwen3MoeExpertsAsGroupedCodes) {
+  if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  const BlockQwen3Moe f;
+  const auto dequantized = f.load(true, DType::BF16, Device::Cuda), kept = f.load(false, DType::BF16, Device::Cuda);
+  // The codes, plus the bf16 routers and the fp32 norms.
+  const auto& d = BlockQwen3Moe::d;
+  EXPECT_EQ(kept->model().weight_bytes(),
+            f.grouped_bytes + size_t(d.layers * d.experts * d.hidden) * 2 +
+                size_t(d.layers * (2 * d.hidden + 2 * d.head_dim) + d.hidden) * sizeof(float));
+  EXPECT_LT(kept->model().weight_bytes() * 2, dequantized->model().weight_bytes());
+  for (int rows : {1, 12, 40, 80}) {
+    const auto want = BlockLlama::greedy(*dequantized, rows), got = BlockLlama::greedy(*kept, rows);
     test::expect_greedy_until_near_tie(got, want, 0.1, 0.05, "grouped codes, " + std::to_string(rows) + "-token prompt");
   }
 }
