@@ -404,7 +404,7 @@ json read_json_file(const std::filesystem::path& path) {
   ss << in.rdbuf();
   try {
     return json::parse(ss.str());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e400
     throw Error(path.string() + " is not valid JSON: " + e.what());
   }
 }

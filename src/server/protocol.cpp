@@ -27,8 +27,8 @@ Json schema_of(const Json& v, const std::string& param) {
   if (v.is_string()) {
     try {
       return Json::parse(v.get_ref<const std::string&>());
-    } catch (const Json::parse_error&) {
-      bad(param + " holds a string that is not valid JSON; send the schema as an object", param);
+    } catch (const Json::exception&) {  // parse_error, or out_of_range for a number like 1e400
+      bad(param + " holds a string that is not valid JSON (or has a number out of range); send the schema as an object", param);
     }
   }
   bad(param + " must be a JSON schema (an object), got " + kind(v), param);
@@ -296,8 +296,8 @@ Json normalize_messages(const Json& b) {
           if (auto a = fn->find("arguments"); a != fn->end() && a->is_string()) {
             try {
               *a = Json::parse(a->get<std::string>());
-            } catch (const Json::parse_error&) {
-              bad(cw + ".function.arguments is not valid JSON", "messages");
+            } catch (const Json::exception&) {  // parse_error, or out_of_range for a number like 1e400
+              bad(cw + ".function.arguments is not valid JSON (or has a number out of range)", "messages");
             }
           }
         }

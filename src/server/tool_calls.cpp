@@ -35,7 +35,7 @@ std::optional<ToolCall> call_of(std::string_view text) {
   Json j;
   try {
     j = Json::parse(text);
-  } catch (const Json::parse_error&) {
+  } catch (const Json::exception&) {  // parse_error, or out_of_range for 1e400
     return std::nullopt;
   }
   if (!j.is_object()) return std::nullopt;
@@ -47,7 +47,7 @@ std::optional<ToolCall> call_of(std::string_view text) {
   if (a.is_string()) {  // some models write the arguments as a JSON string
     try {
       a = Json::parse(a.get<std::string>());
-    } catch (const Json::parse_error&) {
+    } catch (const Json::exception&) {  // parse_error, or out_of_range for 1e400
       return std::nullopt;
     }
   }
@@ -102,7 +102,7 @@ Json coder_value(std::string_view v, const Json* schema) {
   try {
     parsed = Json::parse(v);
     ok = true;
-  } catch (const Json::parse_error&) {
+  } catch (const Json::exception&) {  // parse_error, or out_of_range for 1e400
   }
   if (schema && schema->is_object()) {
     const auto t = schema->find("type");
@@ -273,7 +273,7 @@ class PythonicReader {
     while (i_ < t_.size() && t_[i_] != '\0' && std::strchr("+-0123456789.eE", t_[i_])) ++i_;
     try {
       return Json::parse(t_.substr(b, i_ - b));
-    } catch (const Json::parse_error&) {
+    } catch (const Json::exception&) {  // parse_error, or out_of_range for 1e400
       return std::nullopt;
     }
   }
@@ -347,7 +347,7 @@ std::string harmony_arguments(std::string_view body) {
   try {
     const Json j = Json::parse(body);
     if (j.is_object()) return j.dump();
-  } catch (const Json::parse_error&) {
+  } catch (const Json::exception&) {  // parse_error, or out_of_range for 1e400
   }
   return std::string(body);
 }

@@ -85,6 +85,34 @@ TEST(ToolCalls, HermesCallsAreParsedOutOfTheText) {
   EXPECT_EQ(kvlm::server::extract_tool_calls(ToolParser::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}").calls.size(), 1u);
 }
 
+// A model may write anything: a number past a double's range in a call is not a call (the
+// text stays content), in every parser, whole and streamed, and never an exception.
+TEST(ToolCalls, NumbersOutOfRangeAreNotCalls) {
+  const std::vector<std::pair<ToolParser, std::string>> cases = {
+      {ToolParser::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1e400}}\n</tool_call>"},
+      {ToolParser::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": \"1e400\"}\n</tool_call>"},
+      {ToolParser::Llama3Json, "{\"name\": \"f\", \"parameters\": {\"x\": -1e999}}"},
+      {ToolParser::Pythonic, "[f(x=1e400)]"},
+  };
+  for (const auto& [p, text] : cases) {
+    ExtractedCalls x;
+    EXPECT_NO_THROW(x = kvlm::server::extract_tool_calls(p, text)) << text;
+    EXPECT_TRUE(x.calls.empty()) << text;
+    expect_stream_equals_whole(p, text);
+  }
+  // Harmony and qwen3_coder keep such arguments as the model wrote them.
+  ExtractedCalls h;
+  EXPECT_NO_THROW(h = kvlm::server::extract_tool_calls(ToolParser::Harmony,
+                                                       "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"x\": 1e400}"));
+  ASSERT_EQ(h.calls.size(), 1u);
+  EXPECT_EQ(h.calls[0].arguments, "{\"x\": 1e400}");
+  ExtractedCalls c;
+  EXPECT_NO_THROW(c = kvlm::server::extract_tool_calls(
+                      ToolParser::Qwen3Coder, "<tool_call>\n<function=f>\n<parameter=x>\n1e400\n</parameter>\n</function>\n</tool_call>"));
+  ASSERT_EQ(c.calls.size(), 1u);
+  EXPECT_EQ(Json::parse(c.calls[0].arguments), Json::parse(R"({"x": "1e400"})"));
+}
+
 TEST(ToolCalls, Llama3JsonCallsAreTheWholeReply) {
   const std::string one = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}";
   const ExtractedCalls x = kvlm::server::extract_tool_calls(ToolParser::Llama3Json, one);
@@ -349,6 +377,10 @@ TEST(ToolCalls, ChatRequestsWithTools) {
            {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", "tool_choice"},
            {R"({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]})", "functions"},
            {R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]})", "messages"},
+           // A number past a double's range parses to an out_of_range error, not a parse error
+           // (the fuzzer's find: it escaped as an uncaught exception).
+           {R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "1e400"}}]}]})", "messages"},
+           {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": "{\"maximum\": 1e400}"}}})", "response_format"},
        }) {
     const Outcome o = outcome([&] { parse_chat_request(J(b), m, {}); });
     EXPECT_EQ(o.status, 400) << b;
