@@ -182,11 +182,11 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
       std::string format;
       size_t bytes = 0;
       if (b && device == Device::Cpu && keep_blocks && !sliced && p.layout == PieceLayout::Plain &&
-          (ops::cpu::block_kernels_support(b->type) || is_grouped_rows_type(b->type))) {
-        // a 4-bit checkpoint's grouped rows become Q4_1 blocks (cpu_runner.cpp)
-        const bool rows = is_grouped_rows_type(b->type);
-        format = rows ? block_type_name(b->type) + " as Q4_1" : ggml_type_name(b->type);
-        bytes = size_t(b->rows) * (rows ? ops::cpu::block_row_bytes(uint32_t(GGMLType::Q4_1), b->cols) : b->row_bytes);
+          ops::cpu::held_block_type(b->type) != 0) {
+        // a 4-bit checkpoint's grouped rows become Q4_1 blocks, MXFP4 Q8_0 ones (cpu_runner.cpp)
+        const uint32_t held = ops::cpu::held_block_type(b->type);
+        format = held != b->type ? block_type_name(b->type) + " as " + ggml_type_name(held) : ggml_type_name(b->type);
+        bytes = size_t(b->rows) * (held != b->type ? ops::cpu::block_row_bytes(held, b->cols) : b->row_bytes);
         ++h.kept[format];
       } else if (const auto l = b ? grouped_layout_of_ggml(b->type) : std::nullopt;
                  l && device == Device::Cuda && keep_blocks && !sliced && p.layout == PieceLayout::Plain) {

@@ -90,6 +90,10 @@ struct MoeConfig {
   bool norm_topk = true;
   bool router_bias = false;     // GPT-OSS
   bool expert_bias = false;     // GPT-OSS: gate/up and down biases per expert
+  // GPT-OSS from a GGUF file: one tensor per expert and projection (mlp.experts.E.{gate,up,
+  // down}_proj.{weight,bias}, as Qwen3-MoE's) instead of the fused, transposed tensors of the
+  // Hugging Face checkpoints. Set by the GGUF mapping (config key per_expert_tensors).
+  bool per_expert_tensors = false;
   GluActivation act = GluActivation::Silu;
   float swiglu_alpha = 1.702f, swiglu_limit = 7.0f;  // SwigluClamp
   // Qwen3-Next / Qwen3.5-MoE: a shared expert, a gated MLP of this width that every row runs,

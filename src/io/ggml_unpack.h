@@ -28,6 +28,8 @@ void ggml_unpack_q3_k(const uint8_t* block, GgmlUnpacked& u);
 void ggml_unpack_q4_k(const uint8_t* block, GgmlUnpacked& u);
 void ggml_unpack_q5_k(const uint8_t* block, GgmlUnpacked& u);
 void ggml_unpack_q6_k(const uint8_t* block, GgmlUnpacked& u);
+// MXFP4: q = 2 x the E2M1 value (an integer in -12..12), a = 2^(e - 128), b = 0: exact.
+void ggml_unpack_mxfp4(const uint8_t* block, GgmlUnpacked& u);
 
 // The unpacker of ggml type `type`; nullptr for F32/F16/BF16 and types kvlm does not read.
 GgmlUnpackFn ggml_unpacker(uint32_t type);

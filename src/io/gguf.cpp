@@ -203,6 +203,7 @@ std::optional<GGMLTypeTraits> ggml_type_traits(uint32_t type) {
     case GGMLType::Q4_K: return GGMLTypeTraits{"Q4_K", 256, 144};
     case GGMLType::Q5_K: return GGMLTypeTraits{"Q5_K", 256, 176};
     case GGMLType::Q6_K: return GGMLTypeTraits{"Q6_K", 256, 210};
+    case GGMLType::MXFP4: return GGMLTypeTraits{"MXFP4", 32, 17};
   }
   return std::nullopt;
 }

@@ -33,10 +33,12 @@ enum class GGUFType : uint32_t {
 std::string_view gguf_type_name(GGUFType t);
 
 // Tensor data types (ggml_type) kvlm reads: the ones weights are stored in (not ggml's
-// activation-only Q8_1 / Q8_K, nor the IQ and ternary types).
+// activation-only Q8_1 / Q8_K, nor the IQ and ternary types). MXFP4 is GPT-OSS's expert
+// format: per 32 values one E8M0 exponent byte e and 16 bytes of E2M1 codes (value j in the
+// low nibble of byte j, value j + 16 in the high one), each code times 2^(e - 127).
 enum class GGMLType : uint32_t {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39,
 };
 // Elements per block and bytes per block of a type; nullopt for a type id kvlm does not know.
 struct GGMLTypeTraits {

@@ -1,5 +1,6 @@
 #include "io/gguf_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <string_view>
@@ -23,6 +24,7 @@ constexpr ArchInfo kArchs[] = {
     {"qwen3", "Qwen3ForCausalLM", "qwen3"},
     {"qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"},
     {"gemma3", "Gemma3ForCausalLM", "gemma3_text"},
+    {"gpt-oss", "GptOssForCausalLM", "gpt_oss"},
 };
 
 // GGUF per-layer tensor names (after "blk.N.") and their Hugging Face names (after
@@ -53,6 +55,16 @@ constexpr NamePair kGemmaLayer[] = {
     {"ffn_gate.weight", "mlp.gate_proj.weight"},       {"ffn_up.weight", "mlp.up_proj.weight"},
     {"ffn_down.weight", "mlp.down_proj.weight"},
 };
+constexpr NamePair kGptOssLayer[] = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"post_attention_norm.weight", "post_attention_layernorm.weight"},
+    {"attn_q.weight", "self_attn.q_proj.weight"},     {"attn_q.bias", "self_attn.q_proj.bias"},
+    {"attn_k.weight", "self_attn.k_proj.weight"},     {"attn_k.bias", "self_attn.k_proj.bias"},
+    {"attn_v.weight", "self_attn.v_proj.weight"},     {"attn_v.bias", "self_attn.v_proj.bias"},
+    {"attn_output.weight", "self_attn.o_proj.weight"}, {"attn_output.bias", "self_attn.o_proj.bias"},
+    {"attn_sinks.weight", "self_attn.sinks"},
+    {"ffn_gate_inp.weight", "mlp.router.weight"},      {"ffn_gate_inp.bias", "mlp.router.bias"},
+};
 
 }  // namespace
 
@@ -64,7 +76,7 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
     if (*arch == a.gguf) info = &a;
   if (!info)
     throw Error(label + ": GGUF architecture '" + *arch +
-                "' is not supported (kvlm runs llama, qwen2, qwen3, qwen3moe and gemma3 GGUF files)");
+                "' is not supported (kvlm runs llama, qwen2, qwen3, qwen3moe, gemma3 and gpt-oss GGUF files)");
   const std::string p = *arch + ".";
   GGUFModel m;
   nlohmann::json& c = m.config;
@@ -124,12 +136,28 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
   c["rope_theta"] = theta.value_or(10000.0);
   from("rope_theta", theta ? p + "rope.freq_base" : "no " + p + "rope.freq_base: llama.cpp's default 10000");
   if (const auto scaling = h.get_string(p + "rope.scaling.type"); scaling && *scaling != "none") {
-    if (*scaling != "linear")
-      throw Error(label + ": rope scaling '" + *scaling + "' is not supported (kvlm reads none and linear)");
+    if (*scaling != "linear" && *scaling != "yarn")
+      throw Error(label + ": rope scaling '" + *scaling + "' is not supported (kvlm reads none, linear and yarn)");
     const auto factor = h.get_float(p + "rope.scaling.factor");
-    if (!factor) throw Error(label + ": linear rope scaling without " + p + "rope.scaling.factor");
-    c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", *factor}};
-    from("rope_scaling", p + "rope.scaling.type, " + p + "rope.scaling.factor");
+    if (!factor) throw Error(label + ": " + *scaling + " rope scaling without " + p + "rope.scaling.factor");
+    c["rope_scaling"] = {{"rope_type", *scaling}, {"factor", *factor}};
+    std::string keys = p + "rope.scaling.type, " + p + "rope.scaling.factor";
+    if (*scaling == "yarn") {
+      // YaRN as transformers computes it: the context the model was trained at, llama.cpp's
+      // beta defaults (32, 1) unless the file names them, and the frequency band's ends
+      // rounded to whole dimensions (transformers' truncate) except for GPT-OSS, whose
+      // config turns that off.
+      const auto orig = h.get_int(p + "rope.scaling.original_context_length");
+      if (!orig || *orig <= 0)
+        throw Error(label + ": yarn rope scaling without " + p + "rope.scaling.original_context_length");
+      c["rope_scaling"]["original_max_position_embeddings"] = *orig;
+      c["rope_scaling"]["beta_fast"] = h.get_float(p + "rope.scaling.yarn_beta_fast").value_or(32.0);
+      c["rope_scaling"]["beta_slow"] = h.get_float(p + "rope.scaling.yarn_beta_slow").value_or(1.0);
+      c["rope_scaling"]["truncate"] = *arch != "gpt-oss";
+      keys += ", " + p + "rope.scaling.original_context_length (beta_fast 32, beta_slow 1 unless the file has " + p +
+              "rope.scaling.yarn_beta_*; truncate " + (*arch != "gpt-oss" ? "true" : "false: GPT-OSS's config") + ")";
+    }
+    from("rope_scaling", keys);
   }
   if (const GGUFTensorInfo* rf = h.find_tensor("rope_freqs.weight")) {
     if (*arch != "llama")
@@ -156,15 +184,51 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
   std::vector<int64_t> eos;
   for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"})
     if (const auto e = h.get_int(key); e && std::ranges::find(eos, *e) == eos.end()) eos.push_back(*e);
+  std::string eos_from = "tokenizer.ggml.eos_token_id and tokenizer.ggml.eot_token_id";
+  if (*arch == "gpt-oss") {
+    // Harmony: a reply ends at <|return|> (the answer) or <|call|> (a tool call), as
+    // generation_config.json says for the safetensors; <|end|> closes each message (the
+    // analysis before the answer too), so it never stops generation.
+    auto id_of = [&](std::string_view text) -> int64_t {
+      const auto it = std::ranges::find(*tokens, text);
+      return it == tokens->end() ? -1 : int64_t(it - tokens->begin());
+    };
+    std::erase(eos, id_of("<|end|>"));
+    for (const char* t : {"<|return|>", "<|call|>"})
+      if (const int64_t id = id_of(t); id >= 0 && std::ranges::find(eos, id) == eos.end()) eos.push_back(id);
+    eos_from += ", and harmony's <|return|> and <|call|> (never <|end|>, which closes the analysis too)";
+  }
   if (!eos.empty()) {
     c["eos_token_id"] = eos;
-    from("eos_token_id", "tokenizer.ggml.eos_token_id and tokenizer.ggml.eot_token_id");
+    from("eos_token_id", eos_from);
   }
-  const bool gemma = *arch == "gemma3";
+  const bool gemma = *arch == "gemma3", gpt_oss = *arch == "gpt-oss";
   if (*arch == "llama") {
     c["attention_bias"] = h.find_tensor("blk.0.attn_q.bias") != nullptr;
     from("attention_bias", "whether a blk.0.attn_q.bias tensor exists");
     c["hidden_act"] = "silu";
+  } else if (gpt_oss) {
+    // llama.cpp's gpt-oss: every layer a mixture of experts with biased router and experts, the
+    // clamped SwiGLU at alpha 1.702 and limit 7 (constants in its graph; GptOssConfig's
+    // defaults), even layers sliding (its swa pattern 2, as GptOssConfig's layer_types), a sink
+    // logit per query head. The experts come per expert (slices of the stacked tensors).
+    const auto window = h.get_int(p + "attention.sliding_window");
+    if (!window || *window <= 0) throw Error(label + ": gpt-oss without " + p + "attention.sliding_window");
+    c["sliding_window"] = *window;
+    from("sliding_window", p + "attention.sliding_window (even layers slide: llama.cpp's gpt-oss)");
+    c["attention_bias"] = h.find_tensor("blk.0.attn_q.bias") != nullptr;
+    from("attention_bias", "whether a blk.0.attn_q.bias tensor exists");
+    c["hidden_act"] = "silu";
+    c["swiglu_alpha"] = 1.702;
+    c["swiglu_limit"] = 7.0;
+    from("swiglu_limit", "llama.cpp's gpt-oss: the clamped SwiGLU's limit 7 and alpha 1.702");
+    need_int("num_local_experts", p + "expert_count");
+    need_int("num_experts_per_tok", p + "expert_used_count");
+    if (c["num_experts_per_tok"].get<int64_t>() > c["num_local_experts"].get<int64_t>())
+      throw Error(label + ": " + p + "expert_used_count exceeds " + p + "expert_count");
+    if (h.find(p + "expert_feed_forward_length")) need_int("intermediate_size", p + "expert_feed_forward_length");
+    c["per_expert_tensors"] = true;
+    from("per_expert_tensors", "GGUF: each expert's weights are a slice of blk.N.ffn_{gate,up,down}_exps");
   } else if (!gemma) {
     c["hidden_act"] = "silu";
   } else {
@@ -220,12 +284,33 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
   const int kv_heads = c["num_key_value_heads"].get<int>();
   for (int64_t i = 0; i < layers; ++i) {
     const std::string g = "blk." + std::to_string(i) + ".", f = "model.layers." + std::to_string(i) + ".";
-    const auto& table = gemma ? std::span<const NamePair>(kGemmaLayer) : std::span<const NamePair>(kLlamaLayer);
+    const auto& table = gemma     ? std::span<const NamePair>(kGemmaLayer)
+                        : gpt_oss ? std::span<const NamePair>(kGptOssLayer)
+                                  : std::span<const NamePair>(kLlamaLayer);
     for (const NamePair& n : table) {
       int unpermute = 0;
       if (*arch == "llama" && std::string_view(n.gguf).starts_with("attn_q.")) unpermute = int(heads);
       if (*arch == "llama" && std::string_view(n.gguf).starts_with("attn_k.")) unpermute = kv_heads;
       add(f + n.hf, g + n.gguf, unpermute);
+    }
+    if (gpt_oss) {
+      if (h.find_tensor(g + "ffn_gate_up_exps.weight"))
+        throw Error(label + ": " + g + "ffn_gate_up_exps.weight (gate and up fused, convert_hf_to_gguf.py's "
+                    "--fuse-gate-up-exps) is not supported yet; convert without it (separate ffn_gate_exps / ffn_up_exps)");
+      const int64_t experts_here = c["num_local_experts"].get<int64_t>();
+      for (const auto& [gg, hf] : {std::pair{"ffn_gate_exps", "gate_proj"}, std::pair{"ffn_up_exps", "up_proj"},
+                                   std::pair{"ffn_down_exps", "down_proj"}}) {
+        for (const auto& [suffix, dims] : {std::pair{".weight", size_t(3)}, std::pair{".bias", size_t(2)}}) {
+          const GGUFTensorInfo* t = h.find_tensor(g + gg + suffix);
+          if (!t) throw Error(label + ": gpt-oss layer " + std::to_string(i) + " has no " + g + gg + suffix);
+          if (t->ne.size() != dims || t->ne.back() != experts_here)
+            throw Error(label + ": " + g + gg + suffix + " is not " + std::to_string(experts_here) + " experts' " +
+                        (dims == 3 ? "[rows][cols]" : "[rows]") + " (expert_count says " + std::to_string(experts_here) + ")");
+          for (int64_t e = 0; e < experts_here; ++e)
+            add(f + "mlp.experts." + std::to_string(e) + "." + hf + suffix, g + gg + suffix, 0, int(e));
+        }
+      }
+      continue;
     }
     if (!moe || !h.find_tensor(g + "ffn_gate_inp.weight")) continue;
     add(f + "mlp.gate.weight", g + "ffn_gate_inp.weight");
@@ -283,15 +368,15 @@ std::string gguf_source_label(const GGUFTensorSource& src) {
 
 std::vector<int64_t> gguf_source_shape(const GGUFTensorInfo& t, const GGUFTensorSource& src) {
   if (src.expert < 0) return t.shape;
-  return {t.ne[1], t.ne[0]};
+  return std::vector<int64_t>(t.shape.begin() + 1, t.shape.end());  // the expert axis is the outermost
 }
 
 std::span<const uint8_t> gguf_source_bytes(const GGUFFile& f, const GGUFTensorInfo& t, const GGUFTensorSource& src) {
   const std::span<const uint8_t> all = f.data(t);
   if (src.expert < 0) return all;
-  if (t.ne.size() != 3 || src.expert >= t.ne[2])
+  if (t.ne.size() < 2 || src.expert >= t.ne.back())
     throw Error(f.path().string() + ": GGUF tensor '" + t.name + "' has no expert " + std::to_string(src.expert));
-  const size_t per = all.size() / size_t(t.ne[2]);  // whole rows of blocks: the file's size check saw to it
+  const size_t per = all.size() / size_t(t.ne.back());  // whole rows of blocks: the file's size check saw to it
   return all.subspan(size_t(src.expert) * per, per);
 }
 

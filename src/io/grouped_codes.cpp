@@ -20,7 +20,8 @@ std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type) {
     case GGMLType::Q5_0:
     case GGMLType::Q5_1:
     case GGMLType::Q5_K:
-    case GGMLType::Q8_0: return GroupedLayout{8, 32};
+    case GGMLType::Q8_0:
+    case GGMLType::MXFP4: return GroupedLayout{8, 32};  // twice the E2M1 value, scale 2^(e - 128)
     case GGMLType::Q2_K:
     case GGMLType::Q3_K:
     case GGMLType::Q6_K: return GroupedLayout{8, 16};
@@ -90,6 +91,20 @@ bool grouped_row_to_q4_1(int group, const uint8_t* row, int64_t cols, uint8_t* o
     const uint8_t* q = row + size_t(blk) * 16;  // columns 32 blk + 2 i (low), + 2 i + 1 (high)
     auto code = [&](int c) { return (q[c / 2] >> (4 * (c % 2))) & 0x0F; };
     for (int j = 0; j < 16; ++j) b[4 + j] = uint8_t(code(j) | code(j + 16) << 4);  // ggml: j and j + 16
+  }
+  return true;
+}
+
+bool mxfp4_row_to_q8_0(const uint8_t* row, int64_t cols, uint8_t* out) {
+  KVLM_CHECK(cols % 32 == 0, "mxfp4_row_to_q8_0: a row that is not whole blocks");
+  GgmlUnpacked u;
+  for (int64_t blk = 0; blk < cols / 32; ++blk) {
+    ggml_unpack_mxfp4(row + size_t(blk) * 17, u);
+    const uint16_t d = num::f32_to_f16(u.a[0]);
+    if (num::f16_to_f32(d) != u.a[0]) return false;
+    uint8_t* b = out + size_t(blk) * 34;
+    std::memcpy(b, &d, 2);
+    std::memcpy(b + 2, u.q, 32);
   }
   return true;
 }

@@ -15,8 +15,11 @@
 //
 // ggml types: Q4_0, Q4_1, Q4_K -> 4-bit codes in groups of 32; Q5_0, Q5_1, Q5_K, Q8_0 -> 8-bit
 // codes in groups of 32; Q6_K, Q2_K, Q3_K -> 8-bit codes in groups of 16 (their scales cover
-// 16 values; Q2_K and Q3_K would fit 4 bits, but the 4-bit kernels take groups of 32 and more).
-// So a Q4_K matrix takes 5 bits per weight (its file 4.5), Q6_K 10 (6.56), Q8_0 10 (8.5).
+// 16 values; Q2_K and Q3_K would fit 4 bits, but the 4-bit kernels take groups of 32 and more);
+// MXFP4 -> 8-bit codes in groups of 32 (twice each E2M1 value, an integer, times 2^(e - 128):
+// E2M1 is not evenly spaced, so 4-bit affine codes cannot hold it; a 4-bit decode of E2M1
+// itself is the step after this). So a Q4_K matrix takes 5 bits per weight (its file 4.5),
+// Q6_K 10 (6.56), Q8_0 10 (8.5), MXFP4 10 (4.25).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +55,11 @@ inline size_t grouped_rows_bytes(int group, int64_t cols) { return size_t(cols) 
 // fp16 (at most 2^-12 of z s, shared by the block's 32 weights); returns false, leaving `out`
 // unspecified, when a scale is not exact in fp16 (a bf16 scale below fp16's normal range).
 bool grouped_row_to_q4_1(int group, const uint8_t* row, int64_t cols, uint8_t* out);
+
+// One row of ggml MXFP4 blocks as Q8_0 blocks (d = 2^(e - 128) as fp16, codes twice the E2M1
+// values), what the CPU's block kernels read: the same weights exactly. Returns false, leaving
+// `out` unspecified, when a block's scale is outside fp16's range (e outside 104..143).
+bool mxfp4_row_to_q8_0(const uint8_t* row, int64_t cols, uint8_t* out);
 
 // The layout a ggml type's blocks (or a grouped_rows_type's rows) convert to; nullopt for
 // F32/F16/BF16 and unknown types.

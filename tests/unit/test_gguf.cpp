@@ -880,6 +880,294 @@ TEST(GGUFModel, Qwen3MoeMetadataAndDamage) {
   std::filesystem::remove(path);
 }
 
+// GPT-OSS as llama.cpp's convert_hf_to_gguf.py writes it (arch gpt-oss): each layer's fused
+// MXFP4 gate_up_proj split into ffn_gate_exps (the even rows) and ffn_up_exps (the odd ones),
+// down_proj as ffn_down_exps, every block re-packed from the checkpoint's nibble order (values
+// 2k and 2k + 1 in byte k) to ggml's (values j and j + 16 in byte j) behind its E8M0 byte,
+// the biases split the same way, the router as ffn_gate_inp, the sinks as attn_sinks. Metadata
+// keys are the converter's.
+struct GptOssDims {
+  int layers, hidden, heads, kv_heads, head_dim, experts, top_k, expert_ffn, vocab, window;
+};
+void gptoss_metadata(Writer& w, const GptOssDims& d, bool harmony = false) {
+  const std::string a = "gpt-oss.";
+  w.key("general.architecture", GGUFType::String).str("gpt-oss");
+  w.key(a + "block_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.layers));
+  w.key(a + "context_length", GGUFType::Uint32).pod<uint32_t>(128);
+  w.key(a + "embedding_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.hidden));
+  w.key(a + "feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.expert_ffn));
+  w.key(a + "attention.head_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.heads));
+  w.key(a + "attention.head_count_kv", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.kv_heads));
+  w.key(a + "attention.key_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.head_dim));
+  w.key(a + "attention.value_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.head_dim));
+  w.key(a + "attention.layer_norm_rms_epsilon", GGUFType::Float32).pod<float>(1e-5f);
+  w.key(a + "rope.freq_base", GGUFType::Float32).pod<float>(150000.0f);
+  w.key(a + "expert_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.experts));
+  w.key(a + "expert_used_count", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.top_k));
+  w.key(a + "expert_feed_forward_length", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.expert_ffn));
+  w.key(a + "attention.sliding_window", GGUFType::Uint32).pod<uint32_t>(uint32_t(d.window));
+  w.key(a + "rope.scaling.type", GGUFType::String).str("yarn");
+  w.key(a + "rope.scaling.factor", GGUFType::Float32).pod<float>(4.0f);
+  w.key(a + "rope.scaling.original_context_length", GGUFType::Uint32).pod<uint32_t>(32);
+  std::vector<std::string> tokens;
+  for (int i = 0; i < d.vocab; ++i) tokens.push_back("t" + std::to_string(i));
+  if (harmony) tokens = {"t0", "<|end|>", "<|return|>", "<|call|>"};  // a file naming <|end|> its eos
+  w.strings("tokenizer.ggml.tokens", tokens);
+  w.key("tokenizer.ggml.bos_token_id", GGUFType::Uint32).pod<uint32_t>(harmony ? 0 : 1);
+  w.key("tokenizer.ggml.eos_token_id", GGUFType::Uint32).pod<uint32_t>(harmony ? 1 : 2);
+}
+constexpr uint64_t kGptOssKeys = 21;
+
+// Rows `rows` (every other one from `first` when `step` is 2) of expert tensors in the
+// checkpoint's MXFP4 layout (blocks [E][R][C/32][16], scales [E][R][C/32]) as ggml MXFP4
+// blocks, experts outermost.
+std::vector<uint8_t> ggml_mxfp4(std::span<const uint8_t> blocks, std::span<const uint8_t> scales, int64_t experts,
+                                int64_t rows, int64_t nb, int first, int step) {
+  std::vector<uint8_t> out;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t r = first; r < rows; r += step)
+      for (int64_t b = 0; b < nb; ++b) {
+        const size_t at = size_t((e * rows + r) * nb + b);
+        out.push_back(scales[at]);
+        const uint8_t* q = blocks.data() + at * 16;
+        auto code = [&](int i) { return uint8_t((q[i / 2] >> (4 * (i % 2))) & 0xF); };
+        for (int j = 0; j < 16; ++j) out.push_back(uint8_t(code(j) | (code(j + 16) << 4)));
+      }
+  return out;
+}
+
+// The golden tiny GPT-OSS with MXFP4 experts (tests/data/int4/mxfp4, whose experts equal their
+// bf16 twin's: Int4Checkpoint.Mxfp4ExpertsEqualTheirTwin) converted as above, beside a copy of
+// the safetensors model with llama.cpp's fixed swiglu_limit of 7 (the checkpoint's is 1.5).
+struct GptOssPair {
+  std::filesystem::path src = std::filesystem::path(KVLM_TEST_DATA) / "data" / "int4" / "mxfp4";
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(src / "config.json"));
+  GptOssDims d{cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+               cfg["head_dim"], cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+               cfg["vocab_size"], cfg["sliding_window"]};
+  std::filesystem::path gguf, hf;
+
+  GptOssPair() {
+    SafetensorsFile st(src / "model.safetensors");
+    auto values = [&](const std::string& name) {
+      const TensorInfo* t = st.find(name);
+      if (!t) throw Error("mxfp4 gpt-oss has no " + name);
+      std::vector<float> v(size_t(t->numel()));
+      convert_to_f32(t->dtype, st.view(*t).bytes, v);
+      return v;
+    };
+    auto bytes = [&](const std::string& name) { return st.view(*st.find(name)).bytes; };
+    auto ne = [](const std::vector<int64_t>& shape) { return std::vector<uint64_t>(shape.rbegin(), shape.rend()); };
+    std::vector<F32Tensor> ts;
+    auto plain = [&](const std::string& gg, const std::string& hf) { ts.push_back({gg, ne(st.find(hf)->shape), values(hf)}); };
+    plain("token_embd.weight", "model.embed_tokens.weight");
+    plain("output_norm.weight", "model.norm.weight");
+    plain("output.weight", "lm_head.weight");
+    const int64_t E = d.experts, I = d.expert_ffn, H = d.hidden;
+    for (int l = 0; l < d.layers; ++l) {
+      const std::string g = "blk." + std::to_string(l) + ".", f = "model.layers." + std::to_string(l) + ".";
+      for (const auto& [gg, hf] : {std::pair{"attn_norm.weight", "input_layernorm.weight"},
+                                   std::pair{"post_attention_norm.weight", "post_attention_layernorm.weight"},
+                                   std::pair{"attn_q.weight", "self_attn.q_proj.weight"}, std::pair{"attn_q.bias", "self_attn.q_proj.bias"},
+                                   std::pair{"attn_k.weight", "self_attn.k_proj.weight"}, std::pair{"attn_k.bias", "self_attn.k_proj.bias"},
+                                   std::pair{"attn_v.weight", "self_attn.v_proj.weight"}, std::pair{"attn_v.bias", "self_attn.v_proj.bias"},
+                                   std::pair{"attn_output.weight", "self_attn.o_proj.weight"},
+                                   std::pair{"attn_output.bias", "self_attn.o_proj.bias"},
+                                   std::pair{"attn_sinks.weight", "self_attn.sinks"},
+                                   std::pair{"ffn_gate_inp.weight", "mlp.router.weight"},
+                                   std::pair{"ffn_gate_inp.bias", "mlp.router.bias"}})
+        plain(g + gg, f + hf);
+      const std::string x = f + "mlp.experts.";
+      const auto gu_b = bytes(x + "gate_up_proj_blocks"), gu_s = bytes(x + "gate_up_proj_scales");
+      const auto dn_b = bytes(x + "down_proj_blocks"), dn_s = bytes(x + "down_proj_scales");
+      auto mx = [](const std::string& name, std::vector<uint64_t> shape, std::vector<uint8_t> raw) {
+        return F32Tensor{name, std::move(shape), {}, GGMLType::MXFP4, std::move(raw)};
+      };
+      const auto u = [](int64_t v) { return uint64_t(v); };
+      ts.push_back(mx(g + "ffn_gate_exps.weight", {u(H), u(I), u(E)}, ggml_mxfp4(gu_b, gu_s, E, 2 * I, H / 32, 0, 2)));
+      ts.push_back(mx(g + "ffn_up_exps.weight", {u(H), u(I), u(E)}, ggml_mxfp4(gu_b, gu_s, E, 2 * I, H / 32, 1, 2)));
+      ts.push_back(mx(g + "ffn_down_exps.weight", {u(I), u(H), u(E)}, ggml_mxfp4(dn_b, dn_s, E, H, I / 32, 0, 1)));
+      const auto gu_bias = values(x + "gate_up_proj_bias");  // [E][2I], gate and up alternating
+      std::vector<float> gate_bias, up_bias;
+      for (size_t i = 0; i < gu_bias.size(); ++i) (i % 2 ? up_bias : gate_bias).push_back(gu_bias[i]);
+      ts.push_back({g + "ffn_gate_exps.bias", {u(I), u(E)}, gate_bias});
+      ts.push_back({g + "ffn_up_exps.bias", {u(I), u(E)}, up_bias});
+      ts.push_back({g + "ffn_down_exps.bias", {u(H), u(E)}, values(x + "down_proj_bias")});
+    }
+    gguf = write_temp(model_file(kGptOssKeys, [&](Writer& w) { gptoss_metadata(w, d); }, ts), "gpt-oss");
+    hf = std::filesystem::temp_directory_path() / ("kvlm-gpt-oss-hf-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(hf);
+    nlohmann::json c7 = cfg;
+    c7["swiglu_limit"] = 7.0;
+    std::ofstream(hf / "config.json") << c7.dump();
+    std::filesystem::copy_file(src / "model.safetensors", hf / "model.safetensors",
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+  ~GptOssPair() {
+    std::filesystem::remove(gguf);
+    std::filesystem::remove_all(hf);
+  }
+  std::vector<TokenId> prompt() const {  // past the 8-token window
+    std::vector<TokenId> p;
+    for (int i = 0; i < 40; ++i) p.push_back(TokenId((i * 37 + 11) % d.vocab));
+    return p;
+  }
+  static std::unique_ptr<LoadedModel> load(const std::filesystem::path& p, std::optional<DType> dtype, Device device,
+                                           bool dequantize = false) {
+    ModelOptions o;
+    o.model_dir = p;
+    o.dtype = dtype;
+    o.device = device;
+    o.dequantize_weights = dequantize;
+    return LoadedModel::load(o);
+  }
+  static GenerateResult greedy(LoadedModel& m, const std::vector<TokenId>& prompt) {
+    GenerateRequest gr;
+    gr.prompt = prompt;
+    gr.max_tokens = 12;
+    gr.ignore_eos = true;
+    gr.sampling.temperature = 0;
+    gr.logprobs = 2;
+    return generate(m, gr);
+  }
+};
+
+// kvlm reads the GGUF file back as the Hugging Face model — the MXFP4 blocks to the same
+// weights, each expert's slice to its place in the fused layout, YaRN, the sinks and the
+// sliding window from the metadata — so, dequantized at load, its logits equal those it
+// computes from the safetensors bit for bit. Kept (as Q8_0 blocks of the same weights), the
+// fp32 path sums in another order (logits within 1e-4 of their range) and the int8
+// activations follow the greedy tokens up to a near tie.
+TEST(GGUFModel, GptOssIsTheHuggingFaceModel) {
+  const GptOssPair pair;
+  const auto& d = pair.d;
+  const int64_t I = d.expert_ffn, H = d.hidden;
+  ASSERT_EQ(pair.cfg["rope_scaling"]["factor"], 4.0);
+  ASSERT_EQ(pair.cfg["rope_scaling"]["original_max_position_embeddings"], 32);
+  {
+    const GGUFFile f(pair.gguf);
+    const GGUFModel m = map_gguf_model(f.header(), "g.gguf");
+    const ModelConfig c = parse_model_config(m.config, nullptr);
+    const ModelConfig want = parse_model_config(nlohmann::json::parse(std::ifstream(pair.hf / "config.json")), nullptr);
+    EXPECT_EQ(arch_name(c.arch), "GptOssForCausalLM");
+    ASSERT_TRUE(c.moe);
+    EXPECT_TRUE(c.moe->per_expert_tensors);
+    EXPECT_FALSE(want.moe->per_expert_tensors);
+    EXPECT_EQ(c.moe->num_experts, d.experts);
+    EXPECT_EQ(c.moe->top_k, d.top_k);
+    EXPECT_EQ(c.moe->expert_size, d.expert_ffn);
+    EXPECT_TRUE(c.moe->router_bias && c.moe->expert_bias && c.attention_sinks);
+    EXPECT_EQ(c.moe->swiglu_limit, 7.0f);
+    ASSERT_EQ(c.layers.size(), want.layers.size());
+    for (size_t i = 0; i < c.layers.size(); ++i) {
+      EXPECT_EQ(c.layers[i].kind, want.layers[i].kind) << i;
+      EXPECT_EQ(c.layers[i].window, want.layers[i].window) << i;
+    }
+    EXPECT_EQ(c.layers[0].kind, AttentionKind::Sliding);
+    EXPECT_EQ(c.rope.type, want.rope.type);
+    EXPECT_EQ(rope_inv_freq(c.rope, c.head_dim), rope_inv_freq(want.rope, want.head_dim));
+    EXPECT_EQ(c.rope.attention_factor, want.rope.attention_factor);
+    // An expert's MXFP4 rows dequantize to the checkpoint's: expert 3's down_proj [H][I].
+    const Checkpoint q = Checkpoint::open(pair.src);
+    const TensorView dv = q.view("model.layers.1.mlp.experts.down_proj");  // [E][I][H] floats
+    const auto* all = reinterpret_cast<const float*>(dv.bytes.data());
+    const std::vector<float> got = load_gguf_tensor(f, m.tensors.at("model.layers.1.mlp.experts.3.down_proj.weight"));
+    ASSERT_EQ(got.size(), size_t(H * I));
+    for (int64_t r = 0; r < H; ++r)
+      for (int64_t k = 0; k < I; ++k) ASSERT_EQ(got[size_t(r * I + k)], all[size_t((3 * I + k) * H + r)]) << r << "," << k;
+  }
+  const auto prompt = pair.prompt();
+  const auto dequantized = GptOssPair::load(pair.gguf, DType::F32, Device::Cpu, true);
+  const auto from_hf = GptOssPair::load(pair.hf, DType::F32, Device::Cpu);
+  const std::vector<float> want = all_logits(*from_hf, prompt, 7);
+  EXPECT_EQ(all_logits(*dequantized, prompt, 7), want);
+  const GenerateResult want_greedy = GptOssPair::greedy(*from_hf, prompt);
+  EXPECT_EQ(GptOssPair::greedy(*dequantized, prompt).tokens, want_greedy.tokens);
+  // Kept: the experts as Q8_0 blocks, 34 bytes per 32 weights where float32 takes 128.
+  const auto kept = GptOssPair::load(pair.gguf, DType::F32, Device::Cpu);
+  const size_t expert_weights = size_t(d.layers) * size_t(d.experts) * size_t(3 * I * H);
+  EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 4 - expert_weights / 32 * 34);
+  const std::vector<float> got = all_logits(*kept, prompt, 7);
+  ASSERT_EQ(got.size(), want.size());
+  float range = 0, worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    range = std::max(range, std::fabs(want[i]));
+    worst = std::max(worst, std::fabs(got[i] - want[i]));
+  }
+  EXPECT_LT(worst, 1e-4f * range) << "kept MXFP4 experts (fp32 path) against the safetensors";
+  EXPECT_EQ(GptOssPair::greedy(*kept, prompt).tokens, want_greedy.tokens);
+  const auto int8 = GptOssPair::load(pair.gguf, std::nullopt, Device::Cpu);
+  test::expect_greedy_until_near_tie(GptOssPair::greedy(*int8, prompt), want_greedy, 0.05, 0.5, "int8 activations");
+}
+
+// On a GPU too: the per-expert tensors (dequantized to bf16 as the safetensors' MXFP4 experts
+// are) hold the same bf16 weights as the fused layout, so the same kernels give the same logits.
+TEST(GGUFModel, CudaGptOssIsTheHuggingFaceModel) {
+  if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  const GptOssPair pair;
+  const auto prompt = pair.prompt();
+  const auto dequantized = GptOssPair::load(pair.gguf, DType::BF16, Device::Cuda, true);
+  const auto from_hf = GptOssPair::load(pair.hf, DType::BF16, Device::Cuda);
+  EXPECT_EQ(dequantized->model().weight_bytes(), from_hf->model().weight_bytes());
+  EXPECT_EQ(all_logits(*dequantized, prompt, 7), all_logits(*from_hf, prompt, 7));
+  const GenerateResult want = GptOssPair::greedy(*from_hf, prompt);
+  EXPECT_EQ(GptOssPair::greedy(*dequantized, prompt).tokens, want.tokens);
+  // Kept: the experts as 8-bit grouped codes (a byte per weight and a 4-byte word per 32)
+  // where bf16 takes two bytes, read by the MoE kernels' integer GEMV; the same weights, other
+  // kernels.
+  const auto kept = GptOssPair::load(pair.gguf, DType::BF16, Device::Cuda);
+  const auto& d = pair.d;
+  const size_t expert_weights = size_t(d.layers) * size_t(d.experts) * size_t(3 * d.expert_ffn * d.hidden);
+  EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 2 - expert_weights / 32 * 36);
+  test::expect_greedy_until_near_tie(GptOssPair::greedy(*kept, prompt), want, 0.1, 0.05, "MXFP4 as grouped codes");
+}
+
+// A gpt-oss file's expert tensors must hold expert_count experts, with their biases; gate and
+// up fused into one tensor (the converter's --fuse-gate-up-exps) are refused saying so.
+TEST(GGUFModel, GptOssDamageIsNamed) {
+  const GptOssDims d{1, 32, 2, 1, 16, 3, 2, 32, 4, 8};
+  auto tensors = [&](uint64_t experts, bool biases, bool fused) {
+    std::vector<F32Tensor> ts{{"token_embd.weight", {32, 4}, iota_values(128, 0.01f)},
+                              {"output_norm.weight", {32}, std::vector<float>(32, 1.0f)},
+                              {"blk.0.attn_norm.weight", {32}, std::vector<float>(32, 1.0f)},
+                              {"blk.0.post_attention_norm.weight", {32}, std::vector<float>(32, 1.0f)},
+                              {"blk.0.attn_q.weight", {32, 32}, iota_values(32 * 32, 1e-3f)},
+                              {"blk.0.attn_k.weight", {32, 16}, iota_values(16 * 32, 1e-3f)},
+                              {"blk.0.attn_v.weight", {32, 16}, iota_values(16 * 32, 1e-3f)},
+                              {"blk.0.attn_output.weight", {32, 32}, iota_values(32 * 32, 1e-3f)},
+                              {"blk.0.attn_sinks.weight", {2}, std::vector<float>(2, 0.5f)},
+                              {"blk.0.ffn_gate_inp.weight", {32, 3}, iota_values(96, 1e-2f)},
+                              {"blk.0.ffn_gate_inp.bias", {3}, std::vector<float>(3, 0.0f)}};
+    const std::vector<std::string> parts = fused ? std::vector<std::string>{"ffn_gate_up_exps", "ffn_down_exps"}
+                                                 : std::vector<std::string>{"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+    for (const std::string& p : parts) {
+      const uint64_t rows = p == "ffn_gate_up_exps" ? 64 : 32;
+      ts.push_back({"blk.0." + p + ".weight", {32, rows, experts}, iota_values(size_t(32 * rows * experts), 1e-4f)});
+      if (biases) ts.push_back({"blk.0." + p + ".bias", {rows, experts}, iota_values(size_t(rows * experts), 1e-3f)});
+    }
+    return ts;
+  };
+  auto error = [&](uint64_t experts, bool biases, bool fused) {
+    const auto path = write_temp(model_file(kGptOssKeys, [&](Writer& w) { gptoss_metadata(w, d); }, tensors(experts, biases, fused)),
+                                 "gpt-oss-bad");
+    const GGUFFile f(path);
+    std::string e = test::error_of([&] { map_gguf_model(f.header(), "g.gguf"); });
+    std::filesystem::remove(path);
+    return e;
+  };
+  EXPECT_EQ(error(3, true, false), "");
+  {  // harmony's replies end at <|return|> or <|call|>, never at <|end|>
+    const auto path = write_temp(model_file(kGptOssKeys, [&](Writer& w) { gptoss_metadata(w, d, true); }, tensors(3, true, false)),
+                                 "gpt-oss-eos");
+    const GGUFFile f(path);
+    EXPECT_EQ(map_gguf_model(f.header(), "g.gguf").config["eos_token_id"], nlohmann::json::array({2, 3}));
+    std::filesystem::remove(path);
+  }
+  EXPECT_NE(error(4, true, false).find("blk.0.ffn_gate_exps.weight is not 3 experts' [rows][cols]"), std::string::npos);
+  EXPECT_NE(error(3, false, false).find("has no blk.0.ffn_gate_exps.bias"), std::string::npos);
+  EXPECT_NE(error(3, true, true).find("--fuse-gate-up-exps"), std::string::npos);
+}
+
 // A Qwen3-MoE whose experts come in the blocks Q4_K_M files use (Q4_K gate/up and Q6_K down in
 // one layer; Q4_0 and Q8_0 in the other) and Q8_0 attention: each expert's slice of the
 // stacked tensors stays in its blocks, and what kvlm computes from them equals the

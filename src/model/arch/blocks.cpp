@@ -82,12 +82,14 @@ MlpWeights add_gated_mlp(WeightList& list, const ModelConfig& c, const std::stri
   return m;
 }
 
-MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const std::string& p) {
+MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const std::string& p,
+                                   const std::string& router) {
   const MoeConfig& m = *c.moe;
   const int64_t hd = c.hidden_size, inter = m.expert_size, E = m.num_experts;
   MoeLayerWeights w;
-  w.router = add_weight(list, {{p + "mlp.gate.weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
-  std::vector<WeightPiece> gate_up, down;
+  w.router = add_weight(list, {{p + router + ".weight", {E, hd}}}, WeightRole::Matrix, Shard::Replicated);
+  if (m.router_bias) w.router_bias = add_weight(list, {{p + router + ".bias", {E}}}, WeightRole::Bias, Shard::Replicated);
+  std::vector<WeightPiece> gate_up, down, gate_up_bias, down_bias;
   const int ep = m.expert_parallel ? int(E) : 0;  // Experts: the pieces' expert count and expert
   for (int64_t e = 0; e < E; ++e) {
     const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
@@ -95,11 +97,22 @@ MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const
     gate_up.push_back({.name = x + "gate_proj.weight", .shape = {inter, hd}, .shard_units = ep, .expert = id});
     gate_up.push_back({.name = x + "up_proj.weight", .shape = {inter, hd}, .shard_units = ep, .expert = id});
     down.push_back({.name = x + "down_proj.weight", .shape = {hd, inter}, .shard_units = ep, .expert = id});
+    // The biases as the fused layout holds them: [E][2I] (each expert's gate, then up) and [E][H].
+    gate_up_bias.push_back({.name = x + "gate_proj.bias", .shape = {inter}, .shard_units = ep, .expert = id});
+    gate_up_bias.push_back({.name = x + "up_proj.bias", .shape = {inter}, .shard_units = ep, .expert = id});
+    down_bias.push_back({.name = x + "down_proj.bias", .shape = {hd}, .shard_units = ep, .expert = id});
   }
   // Tensor parallel inside each expert: a rank holds its share of every expert's rows (gate,
-  // up) and columns (down); or with expert parallelism its experts whole.
+  // up) and columns (down); or with expert parallelism its experts whole. The down bias is
+  // added once, by rank 0, as a row-parallel layer's.
   w.gate_up = add_experts(list, std::move(gate_up), m.expert_parallel ? Shard::Experts : Shard::Rows);
   w.down = add_experts(list, std::move(down), m.expert_parallel ? Shard::Experts : Shard::Cols);
+  if (m.expert_bias) {
+    w.gate_up_bias =
+        add_weight(list, std::move(gate_up_bias), WeightRole::Bias, m.expert_parallel ? Shard::Experts : Shard::Rows);
+    w.down_bias =
+        add_weight(list, std::move(down_bias), WeightRole::Bias, m.expert_parallel ? Shard::Experts : Shard::RankZero);
+  }
   return w;
 }
 

@@ -68,7 +68,10 @@ struct MoeLayerWeights {
          down = kNoWeight, down_bias = kNoWeight;
   size_t shared_gate_up = kNoWeight, shared_down = kNoWeight, shared_gate = kNoWeight;
 };
-MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const std::string& prefix);
+// Per expert: the router `prefix``router`.weight (and .bias with c.moe->router_bias), each
+// expert's projections' .bias beside their weights with c.moe->expert_bias (GPT-OSS from GGUF).
+MoeLayerWeights add_moe_per_expert(WeightList& list, const ModelConfig& c, const std::string& prefix,
+                                   const std::string& router = "mlp.gate");
 MoeLayerWeights add_moe_fused(WeightList& list, const ModelConfig& c, const std::string& prefix);
 // Fused as transformers 5 holds Qwen-style experts (Qwen3.5-MoE's checkpoints):
 // `prefix`mlp.experts.gate_up_proj [E][2I][H] (each expert's gate rows, then its up rows) and

@@ -14,7 +14,8 @@
 // alternating column by column) and down_proj [E][I][hidden], with biases; the loader lays
 // them out as MoeWeights (PieceLayout). The released checkpoints hold these in MXFP4
 // (quantization_config quant_method mxfp4): the checkpoint shows them as these tensors
-// (io/int4_checkpoint.h).
+// (io/int4_checkpoint.h). A GGUF file (llama.cpp's gpt-oss) holds them per expert instead
+// (MoeConfig::per_expert_tensors; io/gguf_model.h), as Qwen3-MoE's are, with their biases.
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -33,8 +34,9 @@ namespace jg = json_get;
 constexpr std::string_view kWhere = "config.json";
 
 std::unique_ptr<ModelDefinition> make(const ModelConfig& c) {
-  return std::make_unique<PreNormDecoder>(
-      c, [&c](WeightList& list, const std::string& p, int, PreNormLayerWeights& L) { L.moe = add_moe_fused(list, c, p); });
+  return std::make_unique<PreNormDecoder>(c, [&c](WeightList& list, const std::string& p, int, PreNormLayerWeights& L) {
+    L.moe = c.moe->per_expert_tensors ? add_moe_per_expert(list, c, p, "mlp.router") : add_moe_fused(list, c, p);
+  });
 }
 
 void parse(const nlohmann::json& cfg, ModelConfig& m) {
@@ -61,6 +63,7 @@ void parse(const nlohmann::json& cfg, ModelConfig& m) {
   e.swiglu_alpha = float(jg::opt_number(cfg, "swiglu_alpha", kWhere).value_or(1.702));
   e.swiglu_limit = float(jg::opt_number(cfg, "swiglu_limit", kWhere).value_or(7.0));
   if (!(e.swiglu_limit > 0)) throw Error("config.json: swiglu_limit must be positive");
+  e.per_expert_tensors = jg::opt_bool(cfg, "per_expert_tensors", kWhere).value_or(false);
   m.moe = e;
   m.moe_layers.assign(size_t(m.num_layers), true);
 }

@@ -126,14 +126,14 @@ class HostWeightSink final : public WeightSink {
                  std::deque<std::vector<WeightBlocks>>& block_parts, bool keep_blocks, size_t& bytes)
       : storage_(storage), block_storage_(block_storage), block_parts_(block_parts), keep_blocks_(keep_blocks),
         bytes_(bytes) {}
-  // GGUF blocks the kernels read, and 4-bit checkpoints' grouped rows as Q4_1 blocks.
-  bool keeps_blocks(uint32_t type) const override {
-    return keep_blocks_ && (cpu::block_kernels_support(type) || is_grouped_rows_type(type));
-  }
+  // GGUF blocks the kernels read, 4-bit checkpoints' grouped rows as Q4_1 blocks, and MXFP4
+  // (GPT-OSS's experts) as Q8_0 blocks: the same weights, 8.5 bits each instead of fp32's 32.
+  bool keeps_blocks(uint32_t type) const override { return keep_blocks_ && cpu::held_block_type(type) != 0; }
   Weight store_blocks(const WeightSpec& s, std::span<const Checkpoint::Blocks> pieces) override {
-    const auto q4_1 = uint32_t(GGMLType::Q4_1);
+    const auto mxfp4 = uint32_t(GGMLType::MXFP4);
+    auto held_type = [&](const Checkpoint::Blocks& p) { return cpu::held_block_type(p.type); };
     auto held_bytes = [&](const Checkpoint::Blocks& p) {
-      return is_grouped_rows_type(p.type) ? cpu::block_row_bytes(q4_1, p.cols) : p.row_bytes;
+      return held_type(p) != p.type ? cpu::block_row_bytes(held_type(p), p.cols) : p.row_bytes;
     };
     size_t total = 0;
     for (const auto& p : pieces) total += size_t(p.rows) * held_bytes(p);
@@ -156,10 +156,21 @@ class HostWeightSink final : public WeightSink {
         if (!exact)
           throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the "
                       "CPU's 4-bit kernels need; run it with --dequantize-weights");
+      } else if (p.type == mxfp4) {
+        grouped.resize(size_t(p.rows) * p.row_bytes);
+        copy_block_rows(p, grouped.data());
+        bool exact = true;
+#pragma omp parallel for schedule(static) reduction(&& : exact)
+        for (int64_t r = 0; r < p.rows; ++r)
+          exact = mxfp4_row_to_q8_0(grouped.data() + size_t(r) * p.row_bytes, p.cols, bytes.data() + off + size_t(r) * rb) &&
+                  exact;
+        if (!exact)
+          throw Error("weight '" + s.pieces[0].name + "' has an MXFP4 scale outside float16's range, which the CPU's "
+                      "8-bit kernels need; run it with --dequantize-weights");
       } else {
         copy_block_rows(p, bytes.data() + off);
       }
-      parts.push_back(WeightBlocks{.row0 = row, .rows = p.rows, .type = is_grouped_rows_type(p.type) ? q4_1 : p.type,
+      parts.push_back(WeightBlocks{.row0 = row, .rows = p.rows, .type = held_type(p),
                                    .data = bytes.data() + off, .row_bytes = rb});
       off += size_t(p.rows) * rb;
       row += p.rows;

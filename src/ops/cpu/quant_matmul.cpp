@@ -34,6 +34,7 @@
 #include "io/ggml_dequant.h"
 #include "io/ggml_unpack.h"
 #include "io/gguf.h"
+#include "io/grouped_codes.h"
 
 #define KVLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -1030,6 +1031,13 @@ void split_rows(int64_t rows, double work, double min_work, F&& f) {
 }  // namespace
 
 bool block_kernels_support(uint32_t type) { return supported(type); }
+
+uint32_t held_block_type(uint32_t type) {
+  if (supported(type)) return type;
+  if (is_grouped_rows_type(type)) return uint32_t(GGMLType::Q4_1);
+  if (type == uint32_t(GGMLType::MXFP4)) return uint32_t(GGMLType::Q8_0);
+  return 0;
+}
 
 size_t block_row_bytes(uint32_t type, int64_t cols) {
   const Layout l = layout(type);

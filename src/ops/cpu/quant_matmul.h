@@ -37,6 +37,10 @@ struct BlockMatrix {
 
 // Whether `type` has kernels here (the ten types above).
 bool block_kernels_support(uint32_t type);
+// The type a checkpoint's blocks of `type` are held as for these kernels: itself when they
+// read it, Q4_1 for a 4-bit checkpoint's grouped rows (io/grouped_codes.h), Q8_0 for MXFP4
+// (the same weights exactly); 0 when they are dequantized instead.
+uint32_t held_block_type(uint32_t type);
 
 // Bytes of one row of `cols` elements; throws kvlm::Error for a type without kernels here or
 // when cols is not a multiple of the block.
