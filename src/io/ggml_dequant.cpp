@@ -170,11 +170,8 @@ void q6_k(const uint8_t* b, float* y) {
   }
 }
 
-// E2M1 codes (sign, 2-bit exponent, 1-bit mantissa) times an E8M0 exponent: 2^(e - 127) x
-// {0, 0.5, 1, 1.5, 2, 3, 4, 6}, exact in fp32 for every e.
+// E2M1 values times an E8M0 exponent 2^(e - 127), exact in fp32 for every e.
 void mxfp4(const uint8_t* b, float* y) {
-  static constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   const float d = std::ldexp(1.0f, int(b[0]) - 127);
   const uint8_t* qs = b + 1;
   for (int j = 0; j < QK / 2; ++j) {

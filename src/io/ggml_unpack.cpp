@@ -117,10 +117,9 @@ void ggml_unpack_q4_k(const uint8_t* b, GgmlUnpacked& u) { unpack_q45_k<false>(b
 void ggml_unpack_q5_k(const uint8_t* b, GgmlUnpacked& u) { unpack_q45_k<true>(b, u); }
 void ggml_unpack_q6_k(const uint8_t* b, GgmlUnpacked& u) { unpack_q6_k(b, u); }
 void ggml_unpack_mxfp4(const uint8_t* b, GgmlUnpacked& u) {
-  static constexpr int8_t kTwiceE2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
   for (int j = 0; j < 16; ++j) {
-    u.q[j] = kTwiceE2M1[b[1 + j] & 0x0F];
-    u.q[j + 16] = kTwiceE2M1[b[1 + j] >> 4];
+    u.q[j] = int8_t(2.0f * kE2M1[b[1 + j] & 0x0F]);
+    u.q[j + 16] = int8_t(2.0f * kE2M1[b[1 + j] >> 4]);
   }
   u.a[0] = u.a[1] = std::ldexp(1.0f, int(b[0]) - 128);
   u.b[0] = u.b[1] = 0.0f;

@@ -249,7 +249,7 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
   }
 
   const bool moe = *arch == "qwen3moe";
-  int64_t experts = 0;
+  int64_t experts = gpt_oss ? c["num_local_experts"].get<int64_t>() : 0;
   if (moe) {
     // llama.cpp's qwen3moe: softmax over every expert, the top expert_used_count of them, their
     // weights renormalized (build_moe_ffn's norm_w, fixed to true; a file may say otherwise
@@ -278,6 +278,17 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
     m.tensors[hf] = GGUFTensorSource{.gguf_name = gg, .unpermute_heads = unpermute,
                                      .minus_one = gemma && gg.ends_with("norm.weight"), .expert = expert};
   };
+  // A stacked tensor of `experts` experts' [rows][cols] (or a bias's [rows]) as one Hugging
+  // Face tensor per expert, each its slice; `missing` says why the tensor must be there.
+  auto add_experts = [&](const std::string& gg, const std::string& f, const std::string& hf, size_t dims,
+                         const std::string& missing) {
+    const GGUFTensorInfo* t = h.find_tensor(gg);
+    if (!t) throw Error(label + ": " + missing + " " + gg);
+    if (t->ne.size() != dims || t->ne.back() != experts)
+      throw Error(label + ": " + gg + " is not [" + std::to_string(experts) + " experts]" +
+                  (dims == 3 ? "[rows][cols]" : "[rows]") + " (expert_count says " + std::to_string(experts) + ")");
+    for (int64_t e = 0; e < experts; ++e) add(f + "mlp.experts." + std::to_string(e) + "." + hf, gg, 0, int(e));
+  };
   add("model.embed_tokens.weight", "token_embd.weight");
   add("model.norm.weight", "output_norm.weight");
   add("lm_head.weight", "output.weight");
@@ -297,34 +308,18 @@ GGUFModel map_gguf_model(const GGUFHeader& h, const std::string& label) {
       if (h.find_tensor(g + "ffn_gate_up_exps.weight"))
         throw Error(label + ": " + g + "ffn_gate_up_exps.weight (gate and up fused, convert_hf_to_gguf.py's "
                     "--fuse-gate-up-exps) is not supported yet; convert without it (separate ffn_gate_exps / ffn_up_exps)");
-      const int64_t experts_here = c["num_local_experts"].get<int64_t>();
       for (const auto& [gg, hf] : {std::pair{"ffn_gate_exps", "gate_proj"}, std::pair{"ffn_up_exps", "up_proj"},
-                                   std::pair{"ffn_down_exps", "down_proj"}}) {
-        for (const auto& [suffix, dims] : {std::pair{".weight", size_t(3)}, std::pair{".bias", size_t(2)}}) {
-          const GGUFTensorInfo* t = h.find_tensor(g + gg + suffix);
-          if (!t) throw Error(label + ": gpt-oss layer " + std::to_string(i) + " has no " + g + gg + suffix);
-          if (t->ne.size() != dims || t->ne.back() != experts_here)
-            throw Error(label + ": " + g + gg + suffix + " is not " + std::to_string(experts_here) + " experts' " +
-                        (dims == 3 ? "[rows][cols]" : "[rows]") + " (expert_count says " + std::to_string(experts_here) + ")");
-          for (int64_t e = 0; e < experts_here; ++e)
-            add(f + "mlp.experts." + std::to_string(e) + "." + hf + suffix, g + gg + suffix, 0, int(e));
-        }
-      }
+                                   std::pair{"ffn_down_exps", "down_proj"}})
+        for (const auto& [suffix, dims] : {std::pair{".weight", size_t(3)}, std::pair{".bias", size_t(2)}})
+          add_experts(g + gg + suffix, f, std::string(hf) + suffix, dims, "gpt-oss layer " + std::to_string(i) + " has no");
       continue;
     }
     if (!moe || !h.find_tensor(g + "ffn_gate_inp.weight")) continue;
     add(f + "mlp.gate.weight", g + "ffn_gate_inp.weight");
     for (const auto& [gg, hf] : {std::pair{"ffn_gate_exps.weight", "gate_proj.weight"},
                                  std::pair{"ffn_up_exps.weight", "up_proj.weight"},
-                                 std::pair{"ffn_down_exps.weight", "down_proj.weight"}}) {
-      const GGUFTensorInfo* t = h.find_tensor(g + gg);
-      if (!t) throw Error(label + ": layer " + std::to_string(i) + " has a router but no " + g + gg);
-      if (t->ne.size() != 3 || t->ne[2] != experts)
-        throw Error(label + ": " + g + gg + " is not [" + std::to_string(experts) +
-                    " experts][rows][cols] (expert_count says " + std::to_string(experts) + ")");
-      for (int64_t e = 0; e < experts; ++e)
-        add(f + "mlp.experts." + std::to_string(e) + "." + hf, g + gg, 0, int(e));
-    }
+                                 std::pair{"ffn_down_exps.weight", "down_proj.weight"}})
+      add_experts(g + gg, f, hf, 3, "layer " + std::to_string(i) + " has a router but no");
   }
   std::set<std::string_view> used;
   for (const auto& [hf, src] : m.tensors) used.insert(src.gguf_name);

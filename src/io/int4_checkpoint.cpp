@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
+#include "io/ggml_dequant.h"
 #include "io/grouped_codes.h"
 
 namespace kvlm {
@@ -155,8 +156,6 @@ namespace {
 
 // [E][out][in] MXFP4 blocks -> [E][in][out] floats.
 std::vector<float> dequantize_mxfp4(const Int4Module& m, const TensorView& blocks, const TensorView& scales) {
-  static constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   const int64_t E = m.experts, rows = m.rows, cols = m.cols, nb = cols / 32;
   std::vector<float> w(size_t(E * rows * cols));
   for (int64_t e = 0; e < E; ++e)

@@ -595,6 +595,17 @@ TEST(GGUFModel, Qwen2AndQwen3LoadAndRun) {
   }
 }
 
+// A model file or directory loaded with these options.
+std::unique_ptr<LoadedModel> load_model(const std::filesystem::path& p, std::optional<DType> dtype,
+                                        Device device = Device::Cpu, bool dequantize = false) {
+  ModelOptions o;
+  o.model_dir = p;
+  o.dtype = dtype;
+  o.device = device;
+  o.dequantize_weights = dequantize;
+  return LoadedModel::load(o);
+}
+
 // A Llama whose matrices are every block type (mixed inside the fused q/k/v and gate/up, as
 // Q4_K_M files mix them; a tied Q8_0 embedding), written to a temporary file.
 struct BlockLlama {
@@ -639,12 +650,7 @@ struct BlockLlama {
   }
   ~BlockLlama() { std::filesystem::remove(path); }
   std::unique_ptr<LoadedModel> load(bool dequantize, std::optional<DType> dtype, Device device = Device::Cpu) const {
-    ModelOptions o;
-    o.model_dir = path;
-    o.dequantize_weights = dequantize;
-    o.dtype = dtype;
-    o.device = device;
-    return LoadedModel::load(o);
+    return load_model(path, dtype, device, dequantize);
   }
   // Greedy tokens with the top-2 log-probabilities; `rows` prompt tokens (12: the CPU's batched
   // kernels; on a GPU 12 the grouped-code GEMV, 40 gemm_int, 80 the dequantize-and-GEMM path).
@@ -817,12 +823,7 @@ TEST(GGUFModel, Qwen3MoeIsTheHuggingFaceModel) {
     EXPECT_EQ(load_gguf_tensor(f, m.tensors.at("model.layers.2.mlp.experts.5.down_proj.weight")),
               values("model.layers.2.mlp.experts.5.down_proj.weight"));
   }
-  auto load = [](const std::filesystem::path& p) {
-    ModelOptions o;
-    o.model_dir = p;
-    o.dtype = DType::F32;
-    return LoadedModel::load(o);
-  };
+  auto load = [](const std::filesystem::path& p) { return load_model(p, DType::F32); };
   const nlohmann::json want = nlohmann::json::parse(std::ifstream(golden / "expected" / "qwen3-moe.json"));
   std::vector<TokenId> all = want["prompt_ids"].get<std::vector<TokenId>>();
   const auto greedy = want["greedy_ids"].get<std::vector<TokenId>>();
@@ -1012,15 +1013,6 @@ struct GptOssPair {
     for (int i = 0; i < 40; ++i) p.push_back(TokenId((i * 37 + 11) % d.vocab));
     return p;
   }
-  static std::unique_ptr<LoadedModel> load(const std::filesystem::path& p, std::optional<DType> dtype, Device device,
-                                           bool dequantize = false) {
-    ModelOptions o;
-    o.model_dir = p;
-    o.dtype = dtype;
-    o.device = device;
-    o.dequantize_weights = dequantize;
-    return LoadedModel::load(o);
-  }
   static GenerateResult greedy(LoadedModel& m, const std::vector<TokenId>& prompt) {
     GenerateRequest gr;
     gr.prompt = prompt;
@@ -1077,14 +1069,14 @@ TEST(GGUFModel, GptOssIsTheHuggingFaceModel) {
       for (int64_t k = 0; k < I; ++k) ASSERT_EQ(got[size_t(r * I + k)], all[size_t((3 * I + k) * H + r)]) << r << "," << k;
   }
   const auto prompt = pair.prompt();
-  const auto dequantized = GptOssPair::load(pair.gguf, DType::F32, Device::Cpu, true);
-  const auto from_hf = GptOssPair::load(pair.hf, DType::F32, Device::Cpu);
+  const auto dequantized = load_model(pair.gguf, DType::F32, Device::Cpu, true);
+  const auto from_hf = load_model(pair.hf, DType::F32, Device::Cpu);
   const std::vector<float> want = all_logits(*from_hf, prompt, 7);
   EXPECT_EQ(all_logits(*dequantized, prompt, 7), want);
   const GenerateResult want_greedy = GptOssPair::greedy(*from_hf, prompt);
   EXPECT_EQ(GptOssPair::greedy(*dequantized, prompt).tokens, want_greedy.tokens);
   // Kept: the experts as Q8_0 blocks, 34 bytes per 32 weights where float32 takes 128.
-  const auto kept = GptOssPair::load(pair.gguf, DType::F32, Device::Cpu);
+  const auto kept = load_model(pair.gguf, DType::F32, Device::Cpu);
   const size_t expert_weights = size_t(d.layers) * size_t(d.experts) * size_t(3 * I * H);
   EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 4 - expert_weights / 32 * 34);
   const std::vector<float> got = all_logits(*kept, prompt, 7);
@@ -1096,7 +1088,7 @@ TEST(GGUFModel, GptOssIsTheHuggingFaceModel) {
   }
   EXPECT_LT(worst, 1e-4f * range) << "kept MXFP4 experts (fp32 path) against the safetensors";
   EXPECT_EQ(GptOssPair::greedy(*kept, prompt).tokens, want_greedy.tokens);
-  const auto int8 = GptOssPair::load(pair.gguf, std::nullopt, Device::Cpu);
+  const auto int8 = load_model(pair.gguf, std::nullopt, Device::Cpu);
   test::expect_greedy_until_near_tie(GptOssPair::greedy(*int8, prompt), want_greedy, 0.05, 0.5, "int8 activations");
 }
 
@@ -1106,8 +1098,8 @@ TEST(GGUFModel, CudaGptOssIsTheHuggingFaceModel) {
   if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
   const GptOssPair pair;
   const auto prompt = pair.prompt();
-  const auto dequantized = GptOssPair::load(pair.gguf, DType::BF16, Device::Cuda, true);
-  const auto from_hf = GptOssPair::load(pair.hf, DType::BF16, Device::Cuda);
+  const auto dequantized = load_model(pair.gguf, DType::BF16, Device::Cuda, true);
+  const auto from_hf = load_model(pair.hf, DType::BF16, Device::Cuda);
   EXPECT_EQ(dequantized->model().weight_bytes(), from_hf->model().weight_bytes());
   EXPECT_EQ(all_logits(*dequantized, prompt, 7), all_logits(*from_hf, prompt, 7));
   const GenerateResult want = GptOssPair::greedy(*from_hf, prompt);
@@ -1115,7 +1107,7 @@ TEST(GGUFModel, CudaGptOssIsTheHuggingFaceModel) {
   // Kept: the experts as 8-bit grouped codes (a byte per weight and a 4-byte word per 32)
   // where bf16 takes two bytes, read by the MoE kernels' integer GEMV; the same weights, other
   // kernels.
-  const auto kept = GptOssPair::load(pair.gguf, DType::BF16, Device::Cuda);
+  const auto kept = load_model(pair.gguf, DType::BF16, Device::Cuda);
   const auto& d = pair.d;
   const size_t expert_weights = size_t(d.layers) * size_t(d.experts) * size_t(3 * d.expert_ffn * d.hidden);
   EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 2 - expert_weights / 32 * 36);
@@ -1163,7 +1155,7 @@ TEST(GGUFModel, GptOssDamageIsNamed) {
     EXPECT_EQ(map_gguf_model(f.header(), "g.gguf").config["eos_token_id"], nlohmann::json::array({2, 3}));
     std::filesystem::remove(path);
   }
-  EXPECT_NE(error(4, true, false).find("blk.0.ffn_gate_exps.weight is not 3 experts' [rows][cols]"), std::string::npos);
+  EXPECT_NE(error(4, true, false).find("blk.0.ffn_gate_exps.weight is not [3 experts][rows][cols]"), std::string::npos);
   EXPECT_NE(error(3, false, false).find("has no blk.0.ffn_gate_exps.bias"), std::string::npos);
   EXPECT_NE(error(3, true, true).find("--fuse-gate-up-exps"), std::string::npos);
 }
@@ -1220,12 +1212,7 @@ struct BlockQwen3Moe {
   }
   ~BlockQwen3Moe() { std::filesystem::remove(path); }
   std::unique_ptr<LoadedModel> load(bool dequantize, std::optional<DType> dtype, Device device = Device::Cpu) const {
-    ModelOptions o;
-    o.model_dir = path;
-    o.dequantize_weights = dequantize;
-    o.dtype = dtype;
-    o.device = device;
-    return LoadedModel::load(o);
+    return load_model(path, dtype, device, dequantize);
   }
 };
 

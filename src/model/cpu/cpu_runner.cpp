@@ -130,7 +130,6 @@ class HostWeightSink final : public WeightSink {
   // (GPT-OSS's experts) as Q8_0 blocks: the same weights, 8.5 bits each instead of fp32's 32.
   bool keeps_blocks(uint32_t type) const override { return keep_blocks_ && cpu::held_block_type(type) != 0; }
   Weight store_blocks(const WeightSpec& s, std::span<const Checkpoint::Blocks> pieces) override {
-    const auto mxfp4 = uint32_t(GGMLType::MXFP4);
     auto held_type = [&](const Checkpoint::Blocks& p) { return cpu::held_block_type(p.type); };
     auto held_bytes = [&](const Checkpoint::Blocks& p) {
       return held_type(p) != p.type ? cpu::block_row_bytes(held_type(p), p.cols) : p.row_bytes;
@@ -144,29 +143,21 @@ class HostWeightSink final : public WeightSink {
     std::vector<uint8_t> grouped;
     for (const auto& p : pieces) {
       const size_t rb = held_bytes(p);
-      if (is_grouped_rows_type(p.type)) {
+      if (held_type(p) != p.type) {  // converted row by row: grouped rows to Q4_1, MXFP4 to Q8_0
         grouped.resize(size_t(p.rows) * p.row_bytes);
         copy_block_rows(p, grouped.data());
-        const int group = grouped_layout_of_ggml(p.type)->group;
+        const bool rows = is_grouped_rows_type(p.type);
+        const int group = rows ? grouped_layout_of_ggml(p.type)->group : 0;
         bool exact = true;
 #pragma omp parallel for schedule(static) reduction(&& : exact)
-        for (int64_t r = 0; r < p.rows; ++r)
-          exact = grouped_row_to_q4_1(group, grouped.data() + size_t(r) * p.row_bytes, p.cols,
-                                      bytes.data() + off + size_t(r) * rb) && exact;
+        for (int64_t r = 0; r < p.rows; ++r) {
+          const uint8_t* in = grouped.data() + size_t(r) * p.row_bytes;
+          uint8_t* out = bytes.data() + off + size_t(r) * rb;
+          exact = (rows ? grouped_row_to_q4_1(group, in, p.cols, out) : mxfp4_row_to_q8_0(in, p.cols, out)) && exact;
+        }
         if (!exact)
-          throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the "
-                      "CPU's 4-bit kernels need; run it with --dequantize-weights");
-      } else if (p.type == mxfp4) {
-        grouped.resize(size_t(p.rows) * p.row_bytes);
-        copy_block_rows(p, grouped.data());
-        bool exact = true;
-#pragma omp parallel for schedule(static) reduction(&& : exact)
-        for (int64_t r = 0; r < p.rows; ++r)
-          exact = mxfp4_row_to_q8_0(grouped.data() + size_t(r) * p.row_bytes, p.cols, bytes.data() + off + size_t(r) * rb) &&
-                  exact;
-        if (!exact)
-          throw Error("weight '" + s.pieces[0].name + "' has an MXFP4 scale outside float16's range, which the CPU's "
-                      "8-bit kernels need; run it with --dequantize-weights");
+          throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the CPU's " +
+                      (rows ? "4-bit" : "8-bit") + " kernels need; run it with --dequantize-weights");
       } else {
         copy_block_rows(p, bytes.data() + off);
       }
