@@ -435,10 +435,12 @@ void gemv_lab(double bw, bool int_only) {
   std::vector<Shape> int_shapes(std::begin(shapes), std::end(shapes));
   int_shapes.push_back({"long k", 8192, 16384, false});  // 4x the rounds per warp of the 4096-column ones
   for (const Shape& sh : int_shapes)
-    for (const auto& lay : {std::tuple{4, 32, true}, std::tuple{4, 128, true}, std::tuple{4, 128, false},
-                            std::tuple{8, 32, true}, std::tuple{8, 16, true}}) {
-      // sam: bf16 4-bit codes in groups of 128 scale after the MMA; false: the per-weight decode
-      const auto [bits, group, sam] = lay;
+    for (const auto& lay : {std::tuple{4, 32, true, false}, std::tuple{4, 32, true, true}, std::tuple{4, 128, true, false},
+                            std::tuple{4, 128, false, false}, std::tuple{8, 32, true, false},
+                            std::tuple{8, 16, true, false}}) {
+      // sam: bf16 4-bit codes in groups of 128 scale after the MMA; false: the per-weight decode.
+      // e2m1: MXFP4's E2M1 codes (before them, MXFP4 took the 8-bit groups of 32)
+      const auto [bits, group, sam, e2m1] = lay;
       auto sw = cuda::kernel_switches();
       sw.int_scale_after_mma = sam;
       cuda::set_kernel_switches(sw);
@@ -449,7 +451,8 @@ void gemv_lab(double bw, bool int_only) {
         std::vector<uint8_t> host(bytes);
         std::mt19937 rng(9);
         for (size_t i = 0; i < cb; ++i) host[i] = uint8_t(rng());
-        const uint32_t p = uint32_t(num::f32_to_bf16(1e-3f)) | uint32_t(num::f32_to_bf16(-8e-3f)) << 16;
+        const uint32_t p = e2m1 ? grouped_param_e2m1(DType::BF16, 0x1p-7f)
+                                : uint32_t(num::f32_to_bf16(1e-3f)) | uint32_t(num::f32_to_bf16(-8e-3f)) << 16;
         for (size_t i = cb; i + 4 <= bytes; i += 4) std::memcpy(host.data() + i, &p, 4);
         for (auto& c : copies) {
           ck(cudaMalloc(&c, bytes), "cudaMalloc");
@@ -464,7 +467,7 @@ void gemv_lab(double bw, bool int_only) {
       auto wi = [&](int i) {
         const auto* base = static_cast<const uint8_t*>(copies[size_t(i) % copies.size()]);
         return cuda::IntWeight{.codes = base, .params = reinterpret_cast<const uint32_t*>(base + cb), .bits = bits,
-                               .group = group};
+                               .group = group, .e2m1 = e2m1};
       };
       const DType out = sh.f32 ? DType::F32 : DType::BF16;
       std::string cells;
@@ -476,8 +479,8 @@ void gemv_lab(double bw, bool int_only) {
         cells += buf;
       }
       const double dus = time_us([&](int i) { cuda::dequantize_int(DType::BF16, wi(i), deq, sh.n, sh.k, nullptr); });
-      std::printf("| %s | %d-bit, groups of %d%s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name, bits, group,
-                  sam ? "" : " (decode per weight)", sh.n, sh.k, double(bytes) / 1e6, cells.c_str(), dus,
+      std::printf("| %s | %s, groups of %d%s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name,
+                  e2m1 ? "E2M1 (MXFP4)" : bits == 4 ? "4-bit" : "8-bit", group, sam || e2m1 ? "" : " (decode per weight)", sh.n, sh.k, double(bytes) / 1e6, cells.c_str(), dus,
                   (double(bytes) + 2.0 * sh.n * sh.k) / (dus * 1e-6) / 1e9);
       std::fflush(stdout);
       for (auto c : copies) cudaFree(c);

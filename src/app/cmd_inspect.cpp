@@ -183,7 +183,7 @@ HeldWeights held_weights(const ModelConfig& cfg, const Checkpoint& ckpt, Device 
       size_t bytes = 0;
       if (b && device == Device::Cpu && keep_blocks && !sliced && p.layout == PieceLayout::Plain &&
           ops::cpu::held_block_type(b->type) != 0) {
-        // a 4-bit checkpoint's grouped rows become Q4_1 blocks, MXFP4 Q8_0 ones (cpu_runner.cpp)
+        // a 4-bit checkpoint's grouped rows become Q4_1 blocks (cpu_runner.cpp)
         const uint32_t held = ops::cpu::held_block_type(b->type);
         format = held != b->type ? block_type_name(b->type) + " as " + ggml_type_name(held) : ggml_type_name(b->type);
         bytes = size_t(b->rows) * (held != b->type ? ops::cpu::block_row_bytes(held, b->cols) : b->row_bytes);

@@ -26,7 +26,15 @@ Checkpoint::Checkpoint(Checkpoint&&) noexcept = default;
 Checkpoint& Checkpoint::operator=(Checkpoint&&) noexcept = default;
 
 ModelConfig Checkpoint::model_config(const std::filesystem::path& dir) const {
-  return gguf_config_ ? parse_model_config(*gguf_config_, gguf_gen_ ? &*gguf_gen_ : nullptr) : load_model_config(dir);
+  if (gguf_config_) return parse_model_config(*gguf_config_, gguf_gen_ ? &*gguf_gen_ : nullptr);
+  ModelConfig c = load_model_config(dir);
+  if (!slices_.empty()) {  // MXFP4 experts, shown one expert at a time (split_mxfp4_experts)
+    if (!c.moe)
+      throw Error("the checkpoint holds MXFP4 expert tensors, but its config describes " +
+                  std::string(arch_name(c.arch)) + ", which has no experts");
+    c.moe->per_expert_tensors = true;
+  }
+  return c;
 }
 
 Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
@@ -186,6 +194,60 @@ void Checkpoint::open_int4(const std::filesystem::path& dir) {
     tensors_.emplace(weight, std::make_pair(nullptr, &int4_infos_.back()));
   }
   log::info("opened " + std::to_string(bases->size()) + " " + int4_scheme_->describe() + " tensors");
+  if (int4_scheme_->kind == K::Mxfp4) split_mxfp4_experts();
+}
+
+void Checkpoint::split_mxfp4_experts() {
+  size_t count = 0;
+  for (const Int4Source& s : int4_sources_) count += size_t(s.module.experts) * 6;  // an upper bound
+  slice_infos_.reserve(count);  // stable addresses: tensors_ points at them
+  slices_.reserve(count);
+  auto add = [&](const std::string& name, ExpertSlice slice, std::vector<int64_t> shape) {
+    TensorInfo info{.name = name, .dtype = DType::F32, .shape = std::move(shape), .begin = 0};
+    info.end = size_t(info.numel()) * sizeof(float);
+    slice_infos_.push_back(std::move(info));
+    slices_.push_back(slice);
+    tensors_.emplace(name, std::make_pair(nullptr, &slice_infos_.back()));
+  };
+  for (size_t i = 0; i < int4_sources_.size(); ++i) {
+    const Int4Source& s = int4_sources_[i];
+    const Int4Module& m = s.module;
+    const bool gate_up = s.base.ends_with(".gate_up_proj");
+    if (!gate_up && !s.base.ends_with(".down_proj"))
+      throw Error("MXFP4 tensor '" + s.base + "_blocks': kvlm reads MXFP4 as GPT-OSS's experts "
+                  "(mlp.experts.gate_up_proj and down_proj), not in other modules");
+    const std::string prefix = s.base.substr(0, s.base.rfind('.') + 1);  // "model.layers.N.mlp.experts."
+    tensors_.erase(s.base);  // the fused virtual tensor: the experts stand in for it
+    // The fused bias [E][rows], if any, goes the same way.
+    const std::string bias_name = s.base + "_bias";
+    std::pair<const SafetensorsFile*, const TensorInfo*> bias{};
+    if (auto it = tensors_.find(bias_name); it != tensors_.end() && it->second.first) {
+      bias = it->second;
+      const TensorInfo& t = *bias.second;
+      if (t.shape != std::vector<int64_t>{m.experts, m.rows} ||
+          (t.dtype != DType::F32 && t.dtype != DType::F16 && t.dtype != DType::BF16))
+        throw Error("tensor '" + bias_name + "' has dtype " + std::string(dtype_name(t.dtype)) + " and shape " +
+                    shape_str(t.shape) + "; expected a floating-point [" + std::to_string(m.experts) + ", " +
+                    std::to_string(m.rows) + "] (one bias per expert and row of '" + s.base + "_blocks')");
+      tensors_.erase(it);
+    }
+    const std::pair<const char*, int> parts[2] = {gate_up ? std::pair{"gate_proj", 0} : std::pair{"down_proj", -1},
+                                                  {"up_proj", 1}};
+    for (int64_t e = 0; e < m.experts; ++e)
+      for (int pi = 0; pi < (gate_up ? 2 : 1); ++pi) {
+        const auto [part, parity] = parts[pi];
+        const std::string x = prefix + std::to_string(e) + "." + part;
+        const int64_t rows = mxfp4_expert_rows(m, parity);
+        add(x + ".weight", {.module = ptrdiff_t(i), .expert = e, .parity = parity}, {rows, m.cols});
+        if (bias.first) add(x + ".bias", {.bias = bias, .expert = e, .parity = parity}, {rows});
+      }
+  }
+  slice_data_.resize(slices_.size());
+}
+
+ptrdiff_t Checkpoint::slice_index(const TensorInfo* t) const {
+  if (slice_infos_.empty() || t < slice_infos_.data() || t >= slice_infos_.data() + slice_infos_.size()) return -1;
+  return t - slice_infos_.data();
 }
 
 Checkpoint::Int4Views::Int4Views(const Int4Source& s) {
@@ -211,6 +273,27 @@ const TensorInfo* Checkpoint::find(std::string_view name) const {
 TensorView Checkpoint::view(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) throw Error("the checkpoint is missing tensor '" + std::string(name) + "'");
+  if (const ptrdiff_t x = it->second.first ? -1 : slice_index(it->second.second); x >= 0) {  // an MXFP4 expert
+    const ExpertSlice& sl = slices_[size_t(x)];
+    std::lock_guard lock(*gguf_mu_);
+    auto& data = slice_data_[size_t(x)];
+    if (data.empty()) {
+      if (sl.module >= 0) {
+        const Int4Source& s = int4_sources_[size_t(sl.module)];
+        const Int4Views v(s);
+        data = dequantize_mxfp4_expert(s.module, v.qweight, v.scales, sl.expert, sl.parity);
+      } else {  // a bias: expert's row of [E][rows], every entry or every other one
+        const TensorView b = sl.bias.first->view(*sl.bias.second);
+        const int64_t all = sl.bias.second->shape[1];
+        std::vector<float> row(static_cast<size_t>(all));
+        const size_t es = dtype_size(b.info->dtype);
+        convert_to_f32(b.info->dtype, b.bytes.subspan(size_t(sl.expert * all) * es, size_t(all) * es), row);
+        for (int64_t r = 0; r < all; ++r)
+          if (sl.parity < 0 || r % 2 == sl.parity) data.push_back(row[size_t(r)]);
+      }
+    }
+    return {it->second.second, {reinterpret_cast<const uint8_t*>(data.data()), data.size() * sizeof(float)}};
+  }
   if (const ptrdiff_t q = it->second.first ? -1 : int4_index(it->second.second); q >= 0) {  // 4-bit modules
     const Int4Source& s = int4_sources_[size_t(q)];
     std::lock_guard lock(*gguf_mu_);
@@ -235,6 +318,17 @@ TensorView Checkpoint::view(std::string_view name) const {
 std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end() || it->second.first) return std::nullopt;
+  if (const ptrdiff_t x = slice_index(it->second.second); x >= 0) {  // an MXFP4 expert's weight as ggml MXFP4 rows
+    const ExpertSlice& sl = slices_[size_t(x)];
+    if (sl.module < 0) return std::nullopt;
+    const Int4Source& s = int4_sources_[size_t(sl.module)];
+    return Blocks{.type = uint32_t(GGMLType::MXFP4), .rows = mxfp4_expert_rows(s.module, sl.parity),
+                  .cols = s.module.cols, .row_bytes = size_t(s.module.cols / 32 * 17),
+                  .fill = [&s, sl](uint8_t* out) {
+                    const Int4Views v(s);
+                    mxfp4_expert_to_ggml(s.module, v.qweight, v.scales, sl.expert, sl.parity, out);
+                  }};
+  }
   if (const ptrdiff_t q = int4_index(it->second.second); q >= 0) {  // a 4-bit module as grouped rows, if it fits
     const Int4Source& s = int4_sources_[size_t(q)];
     if (!s.group) return std::nullopt;
@@ -257,7 +351,14 @@ std::optional<Checkpoint::Blocks> Checkpoint::blocks(std::string_view name) cons
 std::string Checkpoint::describe(std::string_view name) const {
   std::string s = "'" + std::string(name) + "'";
   auto it = tensors_.find(name);
-  if (it != tensors_.end() && !it->second.first && int4_index(it->second.second) >= 0)
+  if (const ptrdiff_t x = it != tensors_.end() && !it->second.first ? slice_index(it->second.second) : -1; x >= 0) {
+    const ExpertSlice& sl = slices_[size_t(x)];
+    const std::string rows = sl.parity < 0 ? "" : sl.parity == 0 ? "even rows of " : "odd rows of ";
+    s += " (expert " + std::to_string(sl.expert) + "'s " + rows +
+         (sl.module >= 0 ? "MXFP4 '" + int4_sources_[size_t(sl.module)].base + "_blocks'"
+                         : "'" + sl.bias.second->name + "'") +
+         ")";
+  } else if (it != tensors_.end() && !it->second.first && int4_index(it->second.second) >= 0)
     s += " (" + int4_scheme_->describe() + ", from '" + int4_sources_[size_t(int4_index(it->second.second))].base +
          int4_tensor_names(int4_scheme_->kind).sep + int4_tensor_names(int4_scheme_->kind).packed + "')";
   else if (it != tensors_.end() && !it->second.first)
@@ -271,6 +372,10 @@ void Checkpoint::release(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end() || it->second.first) return;
   std::lock_guard lock(*gguf_mu_);
+  if (const ptrdiff_t x = slice_index(it->second.second); x >= 0) {
+    std::vector<float>().swap(slice_data_[size_t(x)]);
+    return;
+  }
   if (const ptrdiff_t q = int4_index(it->second.second); q >= 0) {
     std::vector<float>().swap(int4_data_[size_t(q)]);
     return;

@@ -33,9 +33,9 @@ class Checkpoint {
   Checkpoint(Checkpoint&&) noexcept;
   Checkpoint& operator=(Checkpoint&&) noexcept;
 
-  // An AWQ, GPTQ or compressed-tensors W4A16 checkpoint's scheme (io/int4_checkpoint.h): its
-  // quantized modules appear as float32 `.weight` tensors, dequantized when viewed and held
-  // until release().
+  // An AWQ, GPTQ, compressed-tensors W4A16 or MXFP4 checkpoint's scheme (io/int4_checkpoint.h):
+  // its quantized modules appear as float32 `.weight` tensors (MXFP4's experts one expert at a
+  // time: split_mxfp4_experts), dequantized when viewed and held until release().
   const std::optional<Int4Scheme>& int4_scheme() const { return int4_scheme_; }
   size_t int4_modules() const { return int4_infos_.size(); }
 
@@ -55,7 +55,8 @@ class Checkpoint {
   // [rows][cols] with each row whole blocks. `unpermute_heads` > 0: the rows are Llama q/k rows
   // in GGUF's order (llama_head_source_row says where each Hugging Face row is). nullopt for a
   // safetensors tensor, a float GGUF tensor, or one whose values the loader changes (Gemma's
-  // norms). view() still dequantizes such a tensor.
+  // norms). view() still dequantizes such a tensor. A 4-bit checkpoint's modules come as blocks
+  // too: grouped rows where their groups fit, an MXFP4 expert as ggml MXFP4 rows.
   struct Blocks {
     uint32_t type = 0;  // ggml type (io/gguf.h), or io/grouped_codes.h's grouped_rows_type
     std::span<const uint8_t> bytes;
@@ -118,6 +119,21 @@ class Checkpoint {
   // The index of a virtual tensor in int4_infos_, or -1 (a GGUF one).
   ptrdiff_t int4_index(const TensorInfo* t) const;
   void open_int4(const std::filesystem::path& dir);
+  // MXFP4 experts (GPT-OSS) appear one expert at a time, as MoeConfig::per_expert_tensors reads
+  // them: mlp.experts.E.{gate,up,down}_proj.{weight,bias}, each weight a slice of a module's
+  // blocks that blocks() hands over as ggml MXFP4 rows (kept quantized where the device keeps
+  // them), each bias a slice of the fused bias tensor. Their virtual tensors (file nullptr).
+  struct ExpertSlice {
+    ptrdiff_t module = -1;  // a weight: its int4_sources_ index; else a bias, of `bias` [E][rows]
+    std::pair<const SafetensorsFile*, const TensorInfo*> bias{};
+    int64_t expert = 0;
+    int parity = -1;  // -1: every row; 0 / 1: the even / odd ones (gate / up of gate_up_proj)
+  };
+  std::vector<TensorInfo> slice_infos_;
+  std::vector<ExpertSlice> slices_;
+  mutable std::vector<std::vector<float>> slice_data_;
+  ptrdiff_t slice_index(const TensorInfo* t) const;
+  void split_mxfp4_experts();
 };
 
 // Per-tensor KV scales for one layer, under the names vLLM-compatible checkpoints use:

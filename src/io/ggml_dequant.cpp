@@ -175,8 +175,8 @@ void mxfp4(const uint8_t* b, float* y) {
   const float d = std::ldexp(1.0f, int(b[0]) - 127);
   const uint8_t* qs = b + 1;
   for (int j = 0; j < QK / 2; ++j) {
-    y[j] = kE2M1[qs[j] & 0x0F] * d;
-    y[j + QK / 2] = kE2M1[qs[j] >> 4] * d;
+    y[j] = kE2M1[qs[j] & 0x0F] * d + 0.0f;  // + 0: -0 becomes +0, as ggml's integer 0 gives
+    y[j + QK / 2] = kE2M1[qs[j] >> 4] * d + 0.0f;
   }
 }
 

@@ -14,7 +14,8 @@
 //   Q4_K {d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit q}, Q5_K (plus 32
 //        bytes of high bits): x = (d sc) q - (dmin m), eight sub-blocks of 32
 //   Q6_K {128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d}: x = (d sc) (q - 32)
-//   MXFP4 {E8M0 byte e, 16 bytes of E2M1 codes}: x = kE2M1[q] 2^(e - 127), exact
+//   MXFP4 {E8M0 byte e, 16 bytes of E2M1 codes}: x = kE2M1[q] 2^(e - 127), exact (code 8, -0,
+//        as +0: ggml multiplies the integer twice the value, 0)
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,7 @@
 namespace kvlm {
 
 // An E2M1 code (sign, 2-bit exponent, 1-bit mantissa; MXFP4's elements) as its value. Twice
-// each is an integer, which the 8-bit grouped codes and Q8_0 blocks that MXFP4 becomes hold.
+// each is an integer, which the CPU's block kernels multiply (ops/cpu/quant_matmul.cpp).
 inline constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 

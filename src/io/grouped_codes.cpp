@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
+#include "io/ggml_dequant.h"
 #include "io/ggml_unpack.h"
 #include "io/gguf.h"
 
@@ -20,8 +21,8 @@ std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type) {
     case GGMLType::Q5_0:
     case GGMLType::Q5_1:
     case GGMLType::Q5_K:
-    case GGMLType::Q8_0:
-    case GGMLType::MXFP4: return GroupedLayout{8, 32};  // twice the E2M1 value, scale 2^(e - 128)
+    case GGMLType::Q8_0: return GroupedLayout{8, 32};
+    case GGMLType::MXFP4: return GroupedLayout{.bits = 4, .group = 32, .e2m1 = true};
     case GGMLType::Q2_K:
     case GGMLType::Q3_K:
     case GGMLType::Q6_K: return GroupedLayout{8, 16};
@@ -45,6 +46,17 @@ void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uin
     for (int64_t g = 0; g < cols / group; ++g) {
       std::memcpy(&scales[g], blocks + cb + size_t(8 * g), 4);
       std::memcpy(&offsets[g], blocks + cb + size_t(8 * g + 4), 4);
+    }
+    return;
+  }
+  if (type == uint32_t(GGMLType::MXFP4)) {  // the E2M1 codes as they are, 2^(e - 127) per block
+    if (cols % 32 != 0) throw Error("a row of " + std::to_string(cols) + " values is not whole MXFP4 blocks");
+    for (int64_t blk = 0; blk < cols / 32; ++blk) {
+      const uint8_t* b = blocks + size_t(blk) * 17;  // e, then byte j: values j (low), j + 16 (high)
+      scales[blk] = std::ldexp(1.0f, int(b[0]) - 127);
+      offsets[blk] = 0.0f;
+      auto code = [&](int c) { return (b[1 + c % 16] >> (4 * (c / 16))) & 0x0F; };
+      for (int j = 0; j < 32; j += 2) codes[(32 * blk + j) / 2] = uint8_t(code(j) | code(j + 1) << 4);
     }
     return;
   }
@@ -95,20 +107,6 @@ bool grouped_row_to_q4_1(int group, const uint8_t* row, int64_t cols, uint8_t* o
   return true;
 }
 
-bool mxfp4_row_to_q8_0(const uint8_t* row, int64_t cols, uint8_t* out) {
-  KVLM_CHECK(cols % 32 == 0, "mxfp4_row_to_q8_0: a row that is not whole blocks");
-  GgmlUnpacked u;
-  for (int64_t blk = 0; blk < cols / 32; ++blk) {
-    ggml_unpack_mxfp4(row + size_t(blk) * 17, u);
-    const uint16_t d = num::f32_to_f16(u.a[0]);
-    if (num::f16_to_f32(d) != u.a[0]) return false;
-    uint8_t* b = out + size_t(blk) * 34;
-    std::memcpy(b, &d, 2);
-    std::memcpy(b + 2, u.q, 32);
-  }
-  return true;
-}
-
 uint32_t grouped_param(DType type, float scale, float offset) {
   auto to16 = [&](float v) -> uint32_t {
     if (type == DType::BF16) return num::f32_to_bf16(v);
@@ -132,10 +130,19 @@ uint32_t grouped_param_zero_point(DType type, float scale, int zero) {
   return grouped_param(type, scale, -(magic + float(zero)));  // exact in either type
 }
 
+uint32_t grouped_param_e2m1(DType type, float scale) {
+  const float m = scale * (type == DType::BF16 ? 0x1p126f : 0x1p14f);
+  if (!std::isfinite(m) || (type == DType::BF16 ? !std::isfinite(num::bf16_to_f32(num::f32_to_bf16(m)))
+                                                : !std::isfinite(num::f16_to_f32(num::f32_to_f16(m)))))
+    throw Error("an MXFP4 block scale of " + std::to_string(scale) +
+                " (above 2) is beyond what the 4-bit E2M1 decode holds in " + std::string(dtype_name(type)));
+  return grouped_param(type, m, 0.0f);
+}
+
 void grouped_dequantize_row(GroupedLayout l, DType param_type, const uint8_t* codes, const uint32_t* params,
                             int64_t cols, std::span<float> out) {
   KVLM_CHECK(out.size() == size_t(cols) && cols % l.group == 0 && (l.bits == 4 || l.bits == 8) &&
-                 (!l.zero_point || l.bits == 4),
+                 (!l.zero_point || l.bits == 4) && (!l.e2m1 || (l.bits == 4 && !l.zero_point)),
              "grouped_dequantize_row: bad shape");
   auto f = [&](uint32_t h) {
     return param_type == DType::BF16 ? num::bf16_to_f32(uint16_t(h)) : num::f16_to_f32(uint16_t(h));
@@ -144,8 +151,10 @@ void grouped_dequantize_row(GroupedLayout l, DType param_type, const uint8_t* co
   for (int64_t c = 0; c < cols; ++c) {
     const uint32_t p = params[c / l.group];
     const int code = l.bits == 4 ? (codes[c / 2] >> (4 * (c % 2))) & 0x0F : int(int8_t(codes[c]));
-    out[size_t(c)] = l.zero_point ? f(p & 0xFFFF) * (float(code) + magic + f(p >> 16))  // s (code - z)
-                                  : f(p & 0xFFFF) * float(code) + f(p >> 16);
+    const float unit = param_type == DType::BF16 ? 0x1p-126f : 0x1p-14f;  // grouped_param_e2m1's factor
+    out[size_t(c)] = l.e2m1         ? kE2M1[code] * (f(p & 0xFFFF) * unit)
+                     : l.zero_point ? f(p & 0xFFFF) * (float(code) + magic + f(p >> 16))  // s (code - z)
+                                    : f(p & 0xFFFF) * float(code) + f(p >> 16);
   }
 }
 

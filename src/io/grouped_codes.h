@@ -16,10 +16,10 @@
 // ggml types: Q4_0, Q4_1, Q4_K -> 4-bit codes in groups of 32; Q5_0, Q5_1, Q5_K, Q8_0 -> 8-bit
 // codes in groups of 32; Q6_K, Q2_K, Q3_K -> 8-bit codes in groups of 16 (their scales cover
 // 16 values; Q2_K and Q3_K would fit 4 bits, but the 4-bit kernels take groups of 32 and more);
-// MXFP4 -> 8-bit codes in groups of 32 (twice each E2M1 value, an integer, times 2^(e - 128):
-// E2M1 is not evenly spaced, so 4-bit affine codes cannot hold it; a 4-bit decode of E2M1
-// itself is the step after this). So a Q4_K matrix takes 5 bits per weight (its file 4.5),
-// Q6_K 10 (6.56), Q8_0 10 (8.5), MXFP4 10 (4.25).
+// MXFP4 -> the E2M1 variant of the 4-bit layout in groups of 32 (E2M1 is not evenly spaced, so
+// affine codes cannot hold it: the codes are E2M1's own, w = E2M1(code) * 2^(e - 127), and the
+// group's word a power-of-two multiplier: grouped_param_e2m1). So a Q4_K matrix takes 5 bits per
+// weight (its file 4.5), Q6_K 10 (6.56), Q8_0 10 (8.5), MXFP4 5 (4.25).
 #pragma once
 
 #include <cstdint>
@@ -37,6 +37,9 @@ struct GroupedLayout {
   // 4-bit only: each group holds a zero point z instead of an offset, w = s * (code - z), so
   // that the decode subtracts it exactly (AWQ / GPTQ / compressed-tensors; grouped_param_zero_point)
   bool zero_point = false;
+  // 4-bit only: the codes are E2M1 values (MXFP4: sign, 2-bit exponent, 1-bit mantissa), each
+  // group's scale a power of two and its offset 0 (grouped_param_e2m1)
+  bool e2m1 = false;
   bool operator==(const GroupedLayout&) const = default;
 };
 
@@ -56,11 +59,6 @@ inline size_t grouped_rows_bytes(int group, int64_t cols) { return size_t(cols) 
 // unspecified, when a scale is not exact in fp16 (a bf16 scale below fp16's normal range).
 bool grouped_row_to_q4_1(int group, const uint8_t* row, int64_t cols, uint8_t* out);
 
-// One row of ggml MXFP4 blocks as Q8_0 blocks (d = 2^(e - 128) as fp16, codes twice the E2M1
-// values), what the CPU's block kernels read: the same weights exactly. Returns false, leaving
-// `out` unspecified, when a block's scale is outside fp16's range (e outside 104..143).
-bool mxfp4_row_to_q8_0(const uint8_t* row, int64_t cols, uint8_t* out);
-
 // The layout a ggml type's blocks (or a grouped_rows_type's rows) convert to; nullopt for
 // F32/F16/BF16 and unknown types.
 std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type);
@@ -78,7 +76,8 @@ inline size_t grouped_row_bytes(GroupedLayout l, int64_t cols) {
 // One row of `cols` values of ggml type `type` (its blocks, row_bytes of them) as codes
 // (`grouped_code_bytes`: 4-bit codes two per byte, the lower column in the low nibble; 8-bit
 // codes one signed byte each) and the fp32 scale and offset of each group (`grouped_groups`
-// of each; for a zero-point layout, the zero point in place of the offset). Throws kvlm::Error for a type without a layout or cols not a whole number of blocks.
+// of each; for a zero-point layout, the zero point in place of the offset; for E2M1 codes the
+// scale 2^(e - 127) and offset 0). Throws kvlm::Error for a type without a layout or cols not a whole number of blocks.
 void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uint8_t* codes, float* scales,
                          float* offsets);
 
@@ -90,6 +89,14 @@ uint32_t grouped_param(DType type, float scale, float offset);
 // number (128 in bf16, 1024 in f16), which the decode's first fma adds to M + code: code - z
 // exactly, then times s, one rounding. z in 0..16 (GPTQ's stored z - 1 of 15 decodes as 16).
 uint32_t grouped_param_zero_point(DType type, float scale, int zero);
+
+// An E2M1 group's word: its scale 2^(e - 127) times 2^126 (bf16) or 2^14 (f16), the factor
+// that turns the code's bits, placed in the 16-bit type's exponent and mantissa, into the
+// weight (ops/cuda/int_decode.cuh e2m1x8_to_pairs), offset 0. Throws kvlm::Error when that
+// multiplier overflows the type (a block scale above 2: E8M0 e > 128, weights up to 24 and
+// more, which real MXFP4 checkpoints do not hold); one below f16's range rounds to 0 as the
+// weights themselves would in f16.
+uint32_t grouped_param_e2m1(DType type, float scale);
 
 // The reference the kernels are tested against: a row of grouped codes with its 32-bit
 // parameters (grouped_param) as fp32 values, s * code + b in fp32.

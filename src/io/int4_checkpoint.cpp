@@ -175,6 +175,58 @@ std::vector<float> dequantize_mxfp4(const Int4Module& m, const TensorView& block
 
 }  // namespace
 
+int64_t mxfp4_expert_rows(const Int4Module& m, int parity) {
+  if (parity < 0) return m.rows;
+  if (m.rows % 2 != 0)
+    throw Error("an MXFP4 expert tensor of " + std::to_string(m.rows) +
+                " rows cannot be split into alternating gate and up rows");
+  return m.rows / 2;
+}
+
+namespace {
+
+// Expert e's block b of its slice row r: the index of that block in [E][out][in / 32].
+size_t mxfp4_block(const Int4Module& m, int64_t expert, int parity, int64_t r, int64_t b) {
+  const int64_t src = parity < 0 ? r : 2 * r + parity;
+  return size_t((expert * m.rows + src) * (m.cols / 32) + b);
+}
+
+}  // namespace
+
+std::vector<float> dequantize_mxfp4_expert(const Int4Module& m, const TensorView& blocks, const TensorView& scales,
+                                           int64_t expert, int parity) {
+  const int64_t rows = mxfp4_expert_rows(m, parity), nb = m.cols / 32;
+  KVLM_CHECK(expert >= 0 && expert < m.experts, "dequantize_mxfp4_expert: no such expert");
+  std::vector<float> w(size_t(rows * m.cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const size_t blk = mxfp4_block(m, expert, parity, r, b);
+      const float scale = std::ldexp(1.0f, int(scales.bytes[blk]) - 127);
+      const uint8_t* q = blocks.bytes.data() + blk * 16;
+      float* out = w.data() + size_t(r * m.cols + 32 * b);
+      for (int j = 0; j < 16; ++j) {
+        out[2 * j] = kE2M1[q[j] & 0xF] * scale;
+        out[2 * j + 1] = kE2M1[q[j] >> 4] * scale;
+      }
+    }
+  return w;
+}
+
+void mxfp4_expert_to_ggml(const Int4Module& m, const TensorView& blocks, const TensorView& scales, int64_t expert,
+                          int parity, uint8_t* out) {
+  const int64_t rows = mxfp4_expert_rows(m, parity), nb = m.cols / 32;
+  KVLM_CHECK(expert >= 0 && expert < m.experts, "mxfp4_expert_to_ggml: no such expert");
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const size_t blk = mxfp4_block(m, expert, parity, r, b);
+      const uint8_t* q = blocks.bytes.data() + blk * 16;  // byte j: values 2 j (low), 2 j + 1 (high)
+      uint8_t* o = out + size_t(r * nb + b) * 17;
+      o[0] = scales.bytes[blk];
+      auto code = [&](int c) { return (q[c / 2] >> (4 * (c % 2))) & 0xF; };
+      for (int j = 0; j < 16; ++j) o[1 + j] = uint8_t(code(j) | code(j + 16) << 4);
+    }
+}
+
 namespace {
 
 // A module's codes (unsigned, [rows][cols]), its zero points (in the codes' units) and scales

@@ -79,6 +79,20 @@ Int4Module check_int4_module(const Int4Scheme& s, const std::string& base, const
 std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
                                    const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx);
 
+// MXFP4 experts one expert at a time, as kvlm holds GPT-OSS's experts (MoeConfig::
+// per_expert_tensors): expert `expert`'s rows of the module's [out][in] weight, every row
+// (parity -1) or every other one from `parity` (0 or 1: gate_up_proj's gate and up rows, which
+// alternate). mxfp4_expert_rows: how many rows that is (throws for an odd count split in two).
+int64_t mxfp4_expert_rows(const Int4Module& m, int parity);
+// Those rows [rows][in] in fp32, the E2M1 values times 2^(e - 127) exactly.
+std::vector<float> dequantize_mxfp4_expert(const Int4Module& m, const TensorView& blocks, const TensorView& scales,
+                                           int64_t expert, int parity);
+// Those rows as ggml MXFP4 blocks (io/gguf.h GGMLType::MXFP4: the E8M0 byte, then 16 bytes
+// holding values j and j + 16 of the block in byte j's low and high nibble), in / 32 * 17 bytes a
+// row: the same weights bit for bit, in the layout the block kernels and GGUF files share.
+void mxfp4_expert_to_ggml(const Int4Module& m, const TensorView& blocks, const TensorView& scales, int64_t expert,
+                          int parity, uint8_t* out);
+
 // The group a module keeps as grouped codes (io/grouped_codes.h grouped_rows_type): its
 // scheme's group, or the whole row for per-channel scales; 0 where it cannot: MXFP4 (E2M1
 // values are not affine in the code), an act-order g_idx (columns not in consecutive groups) or

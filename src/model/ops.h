@@ -55,6 +55,7 @@ struct WeightCodes {
   int64_t row0 = 0, rows = 0;
   int bits = 0, group = 0;
   bool zero_point = false;  // params hold (s, z) in the form grouped_param_zero_point writes
+  bool e2m1 = false;        // 4-bit E2M1 codes (MXFP4), params as grouped_param_e2m1 writes
   const uint8_t* codes = nullptr;
   const uint32_t* params = nullptr;
 };

@@ -1,7 +1,7 @@
 // Grouped integer codes on the GPU (ops/cuda/gemm.h IntWeight): gemv_int, dequantize_int and
 // embed_rows_int against their definition, over every ggml block type's layout (converted by
-// io/grouped_codes.h, as the runner converts them at load) and the zero-point layouts of
-// 4-bit checkpoints (groups of 64 and 128, whole rows).
+// io/grouped_codes.h, as the runner converts them at load: MXFP4's E2M1 codes among them) and
+// the zero-point layouts of 4-bit checkpoints (groups of 64 and 128, whole rows).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,7 +50,8 @@ Grouped from_ggml(DType ab, GGMLType type, int n, int k, std::mt19937& rng) {
   for (int r = 0; r < n; ++r) {
     ggml_row_to_grouped(uint32_t(type), blocks.data() + size_t(r) * row_bytes, k, g.codes.data() + size_t(r) * cb,
                         s.data(), b.data());
-    for (size_t i = 0; i < ng; ++i) g.params[size_t(r) * ng + i] = grouped_param(ab, s[i], b[i]);
+    for (size_t i = 0; i < ng; ++i)
+      g.params[size_t(r) * ng + i] = g.layout.e2m1 ? grouped_param_e2m1(ab, s[i]) : grouped_param(ab, s[i], b[i]);
   }
   return g;
 }
@@ -146,7 +147,7 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       {GGMLType::Q8_0, 0, 97, 4128},  {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q2_K, 0, 50, 512},
       {GGMLType::Q3_K, 0, 17, 1280},  {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
       {GGMLType::F32, 2048, 9000, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
-      {GGMLType::F16, 64, 33, 2112}};
+      {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96}};
   constexpr int kM = cuda::kGemvIntMaxM;
   size_t checked = 0;
   const auto saved = cuda::kernel_switches();
@@ -188,7 +189,7 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       Dev<uint16_t> dy16(size_t(kM) * ldy);
       Dev<float> dy32(size_t(kM) * ldy);
       const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
-                              .zero_point = g.layout.zero_point};
+                              .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
       ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
       for (int m = 1; m <= kM; ++m)
         for (int mode = 0; mode < 2; ++mode) {  // 0: 16-bit out + bias, 1: float32 out
@@ -274,7 +275,7 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
       {GGMLType::Q8_0, 0, 97, 4128},    {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q3_K, 0, 17, 1280},
       {GGMLType::Q4_1, 0, 530, 1056},   {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
       {GGMLType::F32, 2048, 600, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
-      {GGMLType::F16, 64, 33, 2112}};
+      {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96}};
   constexpr int kM = cuda::kGemmIntMaxM;
   const int ms[] = {17, 24, 32, 33, 47, 64};
   const int split_choices[] = {0, 1, 3, 8};
@@ -309,7 +310,7 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
       Dev<uint16_t> dy16(size_t(kM) * ldy);
       Dev<float> dy32(size_t(kM) * ldy);
       const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
-                              .zero_point = g.layout.zero_point};
+                              .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
       for (size_t mi = 0; mi < std::size(ms); ++mi)
         for (const int tile : {128, 256}) {
           if (tile == 256 && !big_tiles) continue;

@@ -13,7 +13,7 @@
 
 namespace kvlm::test {
 
-// Blocks of `type` (Q4_0 .. Q6_K) holding `n` values (a multiple of the type's block).
+// Blocks of `type` (Q4_0 .. Q6_K, MXFP4) holding `n` values (a multiple of the type's block).
 inline std::vector<uint8_t> random_ggml_blocks(GGMLType type, int64_t n, std::mt19937& rng) {
   const auto tr = ggml_type_traits(uint32_t(type));
   KVLM_CHECK(tr && tr->block > 1 && n % tr->block == 0, "random_ggml_blocks: a block type and whole blocks");
@@ -38,6 +38,11 @@ inline std::vector<uint8_t> random_ggml_blocks(GGMLType type, int64_t n, std::mt
     case GGMLType::Q4_K: s = {0, 2, 1e-4f}; break;
     case GGMLType::Q5_K: s = {0, 2, 5e-5f}; break;
     case GGMLType::Q6_K: s = {208, -1, 1.5e-5f}; break;
+    case GGMLType::MXFP4: {  // an E8M0 exponent per block: scales 2^-10 .. 2^-4 (values up to ~0.4)
+      std::uniform_int_distribution<int> e(117, 123);
+      for (size_t b = 0; b < out.size(); b += size_t(tr->block_bytes)) out[b] = uint8_t(e(rng));
+      return out;
+    }
     default: KVLM_CHECK(false, "random_ggml_blocks: not a block type");
   }
   std::uniform_real_distribution<float> factor(0.5f, 1.5f);

@@ -16,6 +16,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -1027,7 +1028,7 @@ struct GptOssPair {
 // kvlm reads the GGUF file back as the Hugging Face model — the MXFP4 blocks to the same
 // weights, each expert's slice to its place in the fused layout, YaRN, the sinks and the
 // sliding window from the metadata — so, dequantized at load, its logits equal those it
-// computes from the safetensors bit for bit. Kept (as Q8_0 blocks of the same weights), the
+// computes from the safetensors bit for bit. Kept (as the MXFP4 blocks themselves), the
 // fp32 path sums in another order (logits within 1e-4 of their range) and the int8
 // activations follow the greedy tokens up to a near tie.
 TEST(GGUFModel, GptOssIsTheHuggingFaceModel) {
@@ -1059,26 +1060,29 @@ TEST(GGUFModel, GptOssIsTheHuggingFaceModel) {
     EXPECT_EQ(c.rope.type, want.rope.type);
     EXPECT_EQ(rope_inv_freq(c.rope, c.head_dim), rope_inv_freq(want.rope, want.head_dim));
     EXPECT_EQ(c.rope.attention_factor, want.rope.attention_factor);
-    // An expert's MXFP4 rows dequantize to the checkpoint's: expert 3's down_proj [H][I].
+    // An expert's MXFP4 rows dequantize to the checkpoint's: expert 3's down_proj [H][I] and
+    // up_proj [I][H] (the odd rows of the checkpoint's gate_up_proj).
     const Checkpoint q = Checkpoint::open(pair.src);
-    const TensorView dv = q.view("model.layers.1.mlp.experts.down_proj");  // [E][I][H] floats
-    const auto* all = reinterpret_cast<const float*>(dv.bytes.data());
-    const std::vector<float> got = load_gguf_tensor(f, m.tensors.at("model.layers.1.mlp.experts.3.down_proj.weight"));
-    ASSERT_EQ(got.size(), size_t(H * I));
-    for (int64_t r = 0; r < H; ++r)
-      for (int64_t k = 0; k < I; ++k) ASSERT_EQ(got[size_t(r * I + k)], all[size_t((3 * I + k) * H + r)]) << r << "," << k;
+    for (const auto& [name, rows, cols] : {std::tuple{"model.layers.1.mlp.experts.3.down_proj.weight", H, I},
+                                           std::tuple{"model.layers.0.mlp.experts.2.up_proj.weight", I, H}}) {
+      const TensorView dv = q.view(name);
+      const auto* all = reinterpret_cast<const float*>(dv.bytes.data());
+      const std::vector<float> got = load_gguf_tensor(f, m.tensors.at(name));
+      ASSERT_EQ(got.size(), size_t(rows * cols));
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], all[i]) << name << " " << i;
+    }
   }
   const auto prompt = pair.prompt();
   const auto dequantized = load_model(pair.gguf, DType::F32, Device::Cpu, true);
-  const auto from_hf = load_model(pair.hf, DType::F32, Device::Cpu);
+  const auto from_hf = load_model(pair.hf, DType::F32, Device::Cpu, true);
   const std::vector<float> want = all_logits(*from_hf, prompt, 7);
   EXPECT_EQ(all_logits(*dequantized, prompt, 7), want);
   const GenerateResult want_greedy = GptOssPair::greedy(*from_hf, prompt);
   EXPECT_EQ(GptOssPair::greedy(*dequantized, prompt).tokens, want_greedy.tokens);
-  // Kept: the experts as Q8_0 blocks, 34 bytes per 32 weights where float32 takes 128.
+  // Kept: the experts as MXFP4 blocks, 17 bytes per 32 weights where float32 takes 128.
   const auto kept = load_model(pair.gguf, DType::F32, Device::Cpu);
   const size_t expert_weights = size_t(d.layers) * size_t(d.experts) * size_t(3 * I * H);
-  EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 4 - expert_weights / 32 * 34);
+  EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 4 - expert_weights / 32 * 17);
   const std::vector<float> got = all_logits(*kept, prompt, 7);
   ASSERT_EQ(got.size(), want.size());
   float range = 0, worst = 0;
@@ -1087,6 +1091,8 @@ TEST(GGUFModel, GptOssIsTheHuggingFaceModel) {
     worst = std::max(worst, std::fabs(got[i] - want[i]));
   }
   EXPECT_LT(worst, 1e-4f * range) << "kept MXFP4 experts (fp32 path) against the safetensors";
+  // The safetensors' experts kept are the same blocks in the same places: the same logits.
+  EXPECT_EQ(all_logits(*load_model(pair.hf, DType::F32, Device::Cpu), prompt, 7), got);
   EXPECT_EQ(GptOssPair::greedy(*kept, prompt).tokens, want_greedy.tokens);
   const auto int8 = load_model(pair.gguf, std::nullopt, Device::Cpu);
   test::expect_greedy_until_near_tie(GptOssPair::greedy(*int8, prompt), want_greedy, 0.05, 0.5, "int8 activations");
@@ -1099,19 +1105,21 @@ TEST(GGUFModel, CudaGptOssIsTheHuggingFaceModel) {
   const GptOssPair pair;
   const auto prompt = pair.prompt();
   const auto dequantized = load_model(pair.gguf, DType::BF16, Device::Cuda, true);
-  const auto from_hf = load_model(pair.hf, DType::BF16, Device::Cuda);
+  const auto from_hf = load_model(pair.hf, DType::BF16, Device::Cuda, true);
   EXPECT_EQ(dequantized->model().weight_bytes(), from_hf->model().weight_bytes());
   EXPECT_EQ(all_logits(*dequantized, prompt, 7), all_logits(*from_hf, prompt, 7));
   const GenerateResult want = GptOssPair::greedy(*from_hf, prompt);
   EXPECT_EQ(GptOssPair::greedy(*dequantized, prompt).tokens, want.tokens);
-  // Kept: the experts as 8-bit grouped codes (a byte per weight and a 4-byte word per 32)
+  // Kept: the experts as 4-bit E2M1 codes (half a byte per weight and a 4-byte word per 32)
   // where bf16 takes two bytes, read by the MoE kernels' integer GEMV; the same weights, other
   // kernels.
   const auto kept = load_model(pair.gguf, DType::BF16, Device::Cuda);
   const auto& d = pair.d;
   const size_t expert_weights = size_t(d.layers) * size_t(d.experts) * size_t(3 * d.expert_ffn * d.hidden);
-  EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 2 - expert_weights / 32 * 36);
-  test::expect_greedy_until_near_tie(GptOssPair::greedy(*kept, prompt), want, 0.1, 0.05, "MXFP4 as grouped codes");
+  EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 2 - expert_weights / 32 * 20);
+  test::expect_greedy_until_near_tie(GptOssPair::greedy(*kept, prompt), want, 0.1, 0.05, "MXFP4 as E2M1 codes");
+  // The safetensors' experts kept are the same codes in the same places: the same logits.
+  EXPECT_EQ(all_logits(*load_model(pair.hf, DType::BF16, Device::Cuda), prompt, 7), all_logits(*kept, prompt, 7));
 }
 
 // A gpt-oss file's expert tensors must hold expert_count experts, with their biases; gate and

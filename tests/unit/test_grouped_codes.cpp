@@ -57,6 +57,53 @@ TEST(GroupedCodes, EveryGgmlTypeConvertsToItsValues) {
   }
 }
 
+// MXFP4 keeps its E2M1 codes (the 4-bit layout's E2M1 variant) and each block's scale
+// 2^(e - 127): the values are ggml's exactly, and so are the 16-bit words the GPU multiplies
+// by, for every scale real checkpoints hold. The decode's bit placement (int_decode.cuh
+// e2m1x8_to_pairs: the code's exponent and mantissa at the bottom of the 16-bit type's
+// exponent, its sign at bit 15) reads every code as its value times 2^-126 (bf16) or 2^-14
+// (f16), which the word's factor undoes.
+TEST(GroupedCodes, Mxfp4KeepsItsE2M1Codes) {
+  const auto l = grouped_layout_of_ggml(uint32_t(GGMLType::MXFP4));
+  ASSERT_TRUE(l);
+  EXPECT_EQ(*l, (GroupedLayout{.bits = 4, .group = 32, .e2m1 = true}));
+  for (int code = 0; code < 16; ++code) {
+    const uint16_t bf = uint16_t((code & 7) << 6 | (code & 8) << 12), h = uint16_t((code & 7) << 9 | (code & 8) << 12);
+    EXPECT_EQ(num::bf16_to_f32(bf) * 0x1p126f, kE2M1[code]) << code;
+    EXPECT_EQ(num::f16_to_f32(h) * 0x1p14f, kE2M1[code]) << code;
+  }
+  std::mt19937 rng(11);
+  constexpr int64_t cols = 256;
+  std::vector<uint8_t> blocks = test::random_ggml_blocks(GGMLType::MXFP4, cols, rng);
+  const uint8_t es[8] = {0, 1, 104, 117, 127, 128, 120, 90};  // block scales 2^-127 .. 2
+  for (int i = 0; i < 8; ++i) blocks[size_t(17 * i)] = es[i];
+  std::vector<float> ref(cols);
+  dequantize_ggml(uint32_t(GGMLType::MXFP4), blocks, ref);
+  std::vector<uint8_t> codes(grouped_code_bytes(*l, cols));
+  std::vector<float> sc(8), off(8);
+  ggml_row_to_grouped(uint32_t(GGMLType::MXFP4), blocks.data(), cols, codes.data(), sc.data(), off.data());
+  for (int64_t c = 0; c < cols; ++c) {
+    const int code = (codes[size_t(c) / 2] >> (4 * (c % 2))) & 0x0F;
+    ASSERT_EQ(kE2M1[code] * sc[size_t(c / 32)], ref[size_t(c)]) << "column " << c;
+    ASSERT_EQ(off[size_t(c / 32)], 0.0f);
+  }
+  for (DType pt : {DType::BF16, DType::F16}) {
+    std::vector<uint32_t> params(8);
+    for (size_t g = 0; g < 8; ++g) params[g] = grouped_param_e2m1(pt, sc[g]);
+    std::vector<float> got(cols);
+    grouped_dequantize_row(*l, pt, codes.data(), params.data(), cols, got);
+    for (int64_t c = 0; c < cols; ++c) {
+      const int e = es[c / 32];
+      if (pt == DType::F16 && e < 104) continue;  // below f16's range: rounded as an f16 copy would be
+      ASSERT_EQ(got[size_t(c)], ref[size_t(c)]) << dtype_name(pt) << " column " << c;
+    }
+    // e = 90: the factor 2^(e - 1) in bf16, 2^(e - 113) in f16 (a subnormal)
+    EXPECT_EQ(params[7], pt == DType::BF16 ? num::f32_to_bf16(0x1p89f) : num::f32_to_f16(0x1p-23f));
+    // A block scale above 2 leaves the decode's range: refused, not rounded.
+    EXPECT_THROW(grouped_param_e2m1(pt, 4.0f), Error);
+  }
+}
+
 TEST(GroupedCodes, RefusesWhatHasNoLayout) {
   EXPECT_FALSE(grouped_layout_of_ggml(uint32_t(GGMLType::F16)));
   EXPECT_FALSE(grouped_layout_of_ggml(23));  // an IQ type

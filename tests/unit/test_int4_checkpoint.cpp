@@ -24,6 +24,8 @@
 #include "io/int4_checkpoint.h"
 #include "model/loaded_model.h"
 #include "model/weights.h"
+#include "io/ggml_dequant.h"
+#include "io/gguf.h"
 #include "io/grouped_codes.h"
 #include "offline/generate.h"
 #include "test_util.h"
@@ -122,25 +124,66 @@ TEST(Int4Checkpoint, CpuKeepsModulesAsQ4_1Blocks) {
 }
 
 // GPT-OSS's MXFP4 experts (tools/make_mxfp4_checkpoint.py on the golden GPT-OSS, laid out as
-// gpt-oss-20b is released): every expert tensor as kvlm reads it equals the twin's, transposed
-// back to [E][in][out], and so do tokens and log-probabilities.
+// gpt-oss-20b is released) appear one expert at a time (MoeConfig::per_expert_tensors): every
+// expert's gate, up and down weight and bias as kvlm reads it equals its slice of the twin's
+// fused [E][in][out] tensors (gate and up alternating), its blocks are ggml MXFP4 rows of the
+// same values, and the dequantized path gives the twin's tokens and log-probabilities.
 TEST(Int4Checkpoint, Mxfp4ExpertsEqualTheirTwin) {
   const Checkpoint q = Checkpoint::open(kData / "mxfp4"), t = Checkpoint::open(kData / "mxfp4_twin");
   ASSERT_TRUE(q.int4_scheme());
   EXPECT_EQ(q.int4_scheme()->kind, Int4Scheme::Kind::Mxfp4);
   EXPECT_EQ(q.int4_modules(), 8u);  // 4 layers x gate_up, down
-  EXPECT_EQ(q.find("model.layers.0.mlp.experts.gate_up_proj_blocks"), nullptr);
-  EXPECT_EQ(q.find("model.layers.0.mlp.experts.gate_up_proj_scales"), nullptr);
-  EXPECT_NE(q.describe("model.layers.1.mlp.experts.down_proj").find("from 'model.layers.1.mlp.experts.down_proj_blocks'"),
+  EXPECT_TRUE(q.model_config(kData / "mxfp4").moe->per_expert_tensors);
+  EXPECT_FALSE(t.model_config(kData / "mxfp4_twin").moe->per_expert_tensors);
+  for (const char* gone : {"model.layers.0.mlp.experts.gate_up_proj_blocks", "model.layers.0.mlp.experts.gate_up_proj_scales",
+                           "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj_bias"})
+    EXPECT_EQ(q.find(gone), nullptr) << gone;
+  EXPECT_NE(q.describe("model.layers.1.mlp.experts.2.up_proj.weight")
+                .find("expert 2's odd rows of MXFP4 'model.layers.1.mlp.experts.gate_up_proj_blocks'"),
             std::string::npos);
-  for (const std::string name : {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj"}) {
-    const TensorView a = q.view(name), b = t.view(name);
-    ASSERT_EQ(a.info->shape, b.info->shape) << name;
-    const std::vector<float> x = values(a), y = values(b);
-    size_t differ = 0, nonzero = 0;
-    for (size_t i = 0; i < x.size(); ++i) differ += x[i] != y[i], nonzero += x[i] != 0;
-    EXPECT_EQ(differ, 0u) << name << " differs from the twin's";
-    EXPECT_GT(nonzero, x.size() / 2) << name;
+  const TensorView tgu = t.view("model.layers.0.mlp.experts.gate_up_proj");  // [E][H][2I]
+  const int64_t E = tgu.info->shape[0], H = tgu.info->shape[1], I = tgu.info->shape[2] / 2;
+  for (const int layer : {0, 3}) {
+    const std::string x = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+    const std::vector<float> gu = values(t.view(x + "gate_up_proj")), dn = values(t.view(x + "down_proj"));
+    const std::vector<float> gub = values(t.view(x + "gate_up_proj_bias")), dnb = values(t.view(x + "down_proj_bias"));
+    size_t differ = 0, nonzero = 0, block_differ = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string n = x + std::to_string(e) + ".";
+      for (const int parity : {0, 1}) {
+        const std::string name = n + (parity ? "up_proj" : "gate_proj");
+        const TensorView w = q.view(name + ".weight");
+        ASSERT_EQ(w.info->shape, (std::vector<int64_t>{I, H}));
+        const std::vector<float> got = values(w), bias = values(q.view(name + ".bias"));
+        for (int64_t i = 0; i < I; ++i) {
+          for (int64_t h = 0; h < H; ++h) {
+            const float want = gu[size_t((e * H + h) * 2 * I + 2 * i + parity)];
+            differ += got[size_t(i * H + h)] != want, nonzero += want != 0;
+          }
+          differ += bias[size_t(i)] != gub[size_t(e * 2 * I + 2 * i + parity)];
+        }
+        // the blocks hold the same values
+        const auto b = q.blocks(name + ".weight");
+        ASSERT_TRUE(b);
+        EXPECT_EQ(b->type, uint32_t(GGMLType::MXFP4));
+        std::vector<uint8_t> rows(size_t(b->rows) * b->row_bytes);
+        copy_block_rows(*b, rows.data());
+        std::vector<float> deq(static_cast<size_t>(H));
+        for (int64_t i = 0; i < I; ++i) {
+          dequantize_ggml(b->type, {rows.data() + size_t(i) * b->row_bytes, b->row_bytes}, deq);
+          for (int64_t h = 0; h < H; ++h) block_differ += deq[size_t(h)] != got[size_t(i * H + h)];
+        }
+        q.release(name + ".weight");
+      }
+      const std::vector<float> got = values(q.view(n + "down_proj.weight")), bias = values(q.view(n + "down_proj.bias"));
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i = 0; i < I; ++i) differ += got[size_t(h * I + i)] != dn[size_t((e * I + i) * H + h)];
+        differ += bias[size_t(h)] != dnb[size_t(e * H + h)];
+      }
+    }
+    EXPECT_EQ(differ, 0u) << "layer " << layer << " differs from the twin's";
+    EXPECT_EQ(block_differ, 0u) << "layer " << layer << "'s blocks";
+    EXPECT_GT(nonzero, size_t(E * H * 2 * I) / 2);
   }
   const GenerateResult got = greedy(kData / "mxfp4"), want = greedy(kData / "mxfp4_twin");
   EXPECT_EQ(got.tokens, want.tokens);
@@ -148,17 +191,31 @@ TEST(Int4Checkpoint, Mxfp4ExpertsEqualTheirTwin) {
   for (size_t i = 0; i < got.logprobs.size(); ++i) EXPECT_EQ(got.logprobs[i].logprob, want.logprobs[i].logprob) << i;
 }
 
+// On the CPU the MXFP4 experts stay quantized (ggml MXFP4 blocks held as Q8_0: the same weights
+// exactly), so with fp32 activations the tokens follow the twin until a near tie and the
+// weights take a fraction of its memory; with int8 activations within the GGUF tests' bound.
+TEST(Int4Checkpoint, CpuKeepsMxfp4Experts) {
+  size_t kept_bytes = 0, twin_bytes = 0;
+  const GenerateResult want = greedy(kData / "mxfp4_twin", Device::Cpu, false, false, std::nullopt, &twin_bytes);
+  const GenerateResult exact = greedy(kData / "mxfp4", Device::Cpu, false, true, DType::F32, &kept_bytes);
+  EXPECT_LT(kept_bytes, twin_bytes * 3 / 4) << kept_bytes << " of " << twin_bytes;
+  test::expect_greedy_until_near_tie(exact, want, 0.1, 0.05, "MXFP4 experts kept, fp32 activations");
+  test::expect_greedy_until_near_tie(greedy(kData / "mxfp4", Device::Cpu, false, true), want, 0.1, 1.0,
+                                     "MXFP4 experts kept, int8 activations");
+}
+
 // Where a module's groups fit the 4-bit kernels (consecutive groups, a multiple of 32 wide),
 // the checkpoint hands it over as grouped rows of the zero-point layout (codes q, s and z): in
-// fp32, s (q - z) is the module's weight exactly. desc_act's shuffled groups and MXFP4 do not come as rows.
+// fp32, s (q - z) is the module's weight exactly. desc_act's shuffled groups do not come as rows
+// (MXFP4's experts come as MXFP4 blocks: Mxfp4ExpertsEqualTheirTwin).
 TEST(Int4Checkpoint, GroupedRowsAreTheWeights) {
-  for (const std::string v : {"awq", "gptq", "gptq_v2", "ct_w4a16", "ct_asym_actorder", "ct_channel", "mxfp4"}) {
+  for (const std::string v : {"awq", "gptq", "gptq_v2", "ct_w4a16", "ct_asym_actorder", "ct_channel"}) {
     SCOPED_TRACE(v);
     const Checkpoint q = Checkpoint::open(kData / v);
-    const std::string name = v == "mxfp4" ? "model.layers.1.mlp.experts.down_proj" : "model.layers.1.mlp.down_proj.weight";
+    const std::string name = "model.layers.1.mlp.down_proj.weight";
     const auto b = q.blocks(name);
-    if (v == "gptq" || v == "ct_asym_actorder" || v == "mxfp4") {
-      EXPECT_FALSE(b) << "shuffled groups or E2M1 codes as grouped rows";
+    if (v == "gptq" || v == "ct_asym_actorder") {
+      EXPECT_FALSE(b) << "shuffled groups as grouped rows";
       continue;
     }
     ASSERT_TRUE(b);
@@ -187,18 +244,18 @@ TEST(Int4Checkpoint, GroupedRowsAreTheWeights) {
   }
 }
 
-// On CUDA every layout runs: desc_act's and MXFP4 dequantized to bf16 (exact, both being exact
-// in bf16 or rounding alike), so their tokens and log-probabilities are the twin's to the last
-// bit; the others kept as 4-bit grouped codes of the zero-point layout (a quarter of the twin's
-// bytes), decoded as s (q - z) with z subtracted exactly; their fp16 scales are rounded to bf16
-// once per group where the twin rounds each weight, so they follow the twin until a near tie.
-// With --dequantize-weights all are exact.
+// On CUDA every layout runs: desc_act's dequantized to bf16 (exact, rounding as the twin does),
+// so its tokens and log-probabilities are the twin's to the last bit; the others kept as
+// grouped codes: 4-bit codes of the zero-point layout (a quarter of the twin's bytes), decoded
+// as s (q - z) with z subtracted exactly, their fp16 scales rounded to bf16 once per group where
+// the twin rounds each weight; MXFP4's experts as their exact values (io/grouped_codes.h). Those
+// follow the twin until a near tie. With --dequantize-weights all are exact.
 TEST(Int4Checkpoint, CudaRunsEveryLayout) {
   if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
   for (const std::string v : {"awq", "gptq", "gptq_v2", "ct_w4a16", "ct_asym_actorder", "ct_channel", "mxfp4"}) {
     SCOPED_TRACE(v);
     const GenerateResult want = greedy(kData / (v + "_twin"), Device::Cuda);
-    const bool codes = v != "gptq" && v != "ct_asym_actorder" && v != "mxfp4";
+    const bool codes = v != "gptq" && v != "ct_asym_actorder";
     for (const bool dequantize : {false, true}) {
       const GenerateResult got = greedy(kData / v, Device::Cuda, dequantize);
       if (codes && !dequantize) {

@@ -126,8 +126,8 @@ class HostWeightSink final : public WeightSink {
                  std::deque<std::vector<WeightBlocks>>& block_parts, bool keep_blocks, size_t& bytes)
       : storage_(storage), block_storage_(block_storage), block_parts_(block_parts), keep_blocks_(keep_blocks),
         bytes_(bytes) {}
-  // GGUF blocks the kernels read, 4-bit checkpoints' grouped rows as Q4_1 blocks, and MXFP4
-  // (GPT-OSS's experts) as Q8_0 blocks: the same weights, 8.5 bits each instead of fp32's 32.
+  // GGUF blocks the kernels read (MXFP4 too: GPT-OSS's experts, from a GGUF file or a Hugging
+  // Face checkpoint, 4.25 bits a weight), and 4-bit checkpoints' grouped rows as Q4_1 blocks.
   bool keeps_blocks(uint32_t type) const override { return keep_blocks_ && cpu::held_block_type(type) != 0; }
   Weight store_blocks(const WeightSpec& s, std::span<const Checkpoint::Blocks> pieces) override {
     auto held_type = [&](const Checkpoint::Blocks& p) { return cpu::held_block_type(p.type); };
@@ -143,21 +143,19 @@ class HostWeightSink final : public WeightSink {
     std::vector<uint8_t> grouped;
     for (const auto& p : pieces) {
       const size_t rb = held_bytes(p);
-      if (held_type(p) != p.type) {  // converted row by row: grouped rows to Q4_1, MXFP4 to Q8_0
+      if (held_type(p) != p.type) {  // converted row by row: grouped rows to Q4_1
         grouped.resize(size_t(p.rows) * p.row_bytes);
         copy_block_rows(p, grouped.data());
-        const bool rows = is_grouped_rows_type(p.type);
-        const int group = rows ? grouped_layout_of_ggml(p.type)->group : 0;
+        const int group = grouped_layout_of_ggml(p.type)->group;
         bool exact = true;
 #pragma omp parallel for schedule(static) reduction(&& : exact)
-        for (int64_t r = 0; r < p.rows; ++r) {
-          const uint8_t* in = grouped.data() + size_t(r) * p.row_bytes;
-          uint8_t* out = bytes.data() + off + size_t(r) * rb;
-          exact = (rows ? grouped_row_to_q4_1(group, in, p.cols, out) : mxfp4_row_to_q8_0(in, p.cols, out)) && exact;
-        }
+        for (int64_t r = 0; r < p.rows; ++r)
+          exact = grouped_row_to_q4_1(group, grouped.data() + size_t(r) * p.row_bytes, p.cols,
+                                      bytes.data() + off + size_t(r) * rb) &&
+                  exact;
         if (!exact)
-          throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the CPU's " +
-                      (rows ? "4-bit" : "8-bit") + " kernels need; run it with --dequantize-weights");
+          throw Error("weight '" + s.pieces[0].name + "' has a scale that float16 cannot hold exactly, which the CPU's "
+                      "4-bit kernels need; run it with --dequantize-weights");
       } else {
         copy_block_rows(p, bytes.data() + off);
       }

@@ -13,6 +13,15 @@
 
 namespace kvlm {
 
+namespace {
+
+cuda::IntWeight int_weight(const WeightCodes& c) {
+  return {.codes = c.codes, .params = c.params, .bits = c.bits, .group = c.group, .zero_point = c.zero_point,
+          .e2m1 = c.e2m1};
+}
+
+}  // namespace
+
 CudaOps::CudaOps(DType act, void* stream, cuda::Gemm& gemm, Communicator& comm, bool logits)
     : act_(act), stream_(stream), gemm_(gemm), comm_(comm), logits_(logits) {}
 
@@ -97,8 +106,7 @@ void CudaOps::embed(const Weight& table, float scale, Tensor x) {
   if (!table.codes.empty()) {
     KVLM_CHECK(table.codes.size() == 1, "an embedding table of grouped codes in one part");
     const WeightCodes& c = table.codes[0];
-    const cuda::IntWeight w{.codes = c.codes, .params = c.params, .bits = c.bits, .group = c.group,
-                            .zero_point = c.zero_point};
+    const cuda::IntWeight w = int_weight(c);
     cuda::embed_rows_int(act_, w, step_.tokens, int(x.rows), int(x.cols), static_cast<float*>(x.data), stream_, scale);
     return;
   }
@@ -242,8 +250,7 @@ void CudaOps::int_linear(const void* x, const Weight& w, const Weight& bias, voi
   const bool gemm_int = direct && m > cuda::kGemvIntMaxM && cuda::gemm_int_available(cuda::gemm_int_tile_rows(m, n));
   KVLM_CHECK(direct || fp8_scratch_ != nullptr, "a weight of grouped codes without the runner's dequantization buffer");
   for (const WeightCodes& p : w.codes) {
-    const cuda::IntWeight iw{.codes = p.codes, .params = p.params, .bits = p.bits, .group = p.group,
-                             .zero_point = p.zero_point};
+    const cuda::IntWeight iw = int_weight(p);
     if (direct) {
       // biases are in the compute dtype (gpu_weight_dtype)
       const void* b = bias ? static_cast<const uint8_t*>(bias.data) + size_t(p.row0) * dtype_size(act_) : nullptr;
@@ -352,18 +359,16 @@ void CudaOps::moe(Tensor x, const MoeConfig& c, const MoeWeights& w, Tensor y) {
   KVLM_CHECK(w.router.rows == E && w.down.rows == int64_t(held) * H && w.down.cols == I && y.cols == H,
              "moe: weight shapes");
   // Experts kept as grouped codes (4-bit checkpoints, GGUF blocks): one layout for all of them.
-  auto int_weight = [&](const Weight& m, const char* what) {
+  auto expert_codes = [&](const Weight& m, const char* what) {
     if (m.codes.size() != 1)
       throw Error(std::string("the experts' ") + what +
                   " weights are not grouped codes of one layout, which the CUDA MoE kernels need when the "
                   "experts are kept quantized; load with --dequantize-weights");
-    const WeightCodes& p = m.codes.front();
-    return cuda::IntWeight{.codes = p.codes, .params = p.params, .bits = p.bits, .group = p.group,
-                           .zero_point = p.zero_point};
+    return int_weight(m.codes.front());
   };
   const bool codes = !w.gate_up.codes.empty() || !w.down.codes.empty();
   cuda::IntWeight gu_codes, down_codes;
-  if (codes) gu_codes = int_weight(w.gate_up, "gate/up"), down_codes = int_weight(w.down, "down");
+  if (codes) gu_codes = expert_codes(w.gate_up, "gate/up"), down_codes = expert_codes(w.down, "down");
   // Carved whether or not it runs, so that measuring and running carve the same.
   auto* logits = static_cast<float*>(step_buffer(moe_logits_, size_t(T) * size_t(E) * sizeof(float)));
   void* ws = step_buffer(moe_ws_, cuda::moe_workspace_bytes(act_, T, H, I, E, c.top_k, codes));

@@ -219,10 +219,11 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
           for (size_t g = 0; g < ng; ++g) {
             try {
               params[size_t(row) * ng + g] = r.layout.zero_point ? grouped_param_zero_point(m_.act, sc[g], int(off[g]))
+                                             : r.layout.e2m1     ? grouped_param_e2m1(m_.act, sc[g])
                                                                  : grouped_param(m_.act, sc[g], off[g]);
             } catch (const Error& e) {
-              throw Error("tensor '" + s.pieces[pi].name + "': " + e.what() +
-                          "; run it with --dtype bfloat16 or --dequantize-weights");
+              throw Error("tensor '" + s.pieces[pi].name + "': " + e.what() + "; run it with " +
+                          (r.layout.e2m1 ? "" : "--dtype bfloat16 or ") + "--dequantize-weights");
             }
           }
         }
@@ -231,7 +232,7 @@ class CudaModelRunner::WeightUploader final : public WeightSink {
       KVLM_CUDA_CHECK(cudaMemcpy(at, codes.data(), codes.size(), cudaMemcpyHostToDevice));
       KVLM_CUDA_CHECK(cudaMemcpy(at + cbytes, params.data(), params.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
       parts.push_back(WeightCodes{.row0 = row0, .rows = r.rows, .bits = r.layout.bits, .group = r.layout.group,
-                                  .zero_point = r.layout.zero_point, .codes = at,
+                                  .zero_point = r.layout.zero_point, .e2m1 = r.layout.e2m1, .codes = at,
                                   .params = reinterpret_cast<const uint32_t*>(at + cbytes)});
       m_.weight_bytes += codes.size() + params.size() * sizeof(uint32_t);
       at += cbytes + param_bytes(r, cols);

@@ -50,7 +50,7 @@ constexpr int kMaxRows = kBlockInt8MaxRows;
 
 bool supported(uint32_t type) {
   switch (GGMLType(type)) {
-    case T::Q4_0: case T::Q4_1: case T::Q5_0: case T::Q5_1: case T::Q8_0:
+    case T::Q4_0: case T::Q4_1: case T::Q5_0: case T::Q5_1: case T::Q8_0: case T::MXFP4:
     case T::Q2_K: case T::Q3_K: case T::Q4_K: case T::Q5_K: case T::Q6_K:
       return true;
     default:
@@ -207,6 +207,7 @@ Int8Fn scalar_int8_kernel(uint32_t type) {
     case T::Q5_0: return int8_rows_scalar<ggml_unpack_q5_0, QK, 22>;
     case T::Q5_1: return int8_rows_scalar<ggml_unpack_q5_1, QK, 24>;
     case T::Q8_0: return int8_rows_scalar<ggml_unpack_q8_0, QK, 34>;
+    case T::MXFP4: return int8_rows_scalar<ggml_unpack_mxfp4, QK, 17>;
     case T::Q2_K: return int8_rows_scalar<ggml_unpack_q2_k, QK_K, 84>;
     case T::Q3_K: return int8_rows_scalar<ggml_unpack_q3_k, QK_K, 110>;
     case T::Q4_K: return int8_rows_scalar<ggml_unpack_q4_k, QK_K, 144>;
@@ -262,6 +263,14 @@ KVLM_AVX2 inline __m256i shift16(__m256i v) {
   else return v;
 }
 
+// MXFP4's scale 2^(e - 128) for 8 E8M0 bytes e (one per lane), exact for every e, 0 and 1 too
+// (subnormal): the product of 2^(e / 2 - 64) and 2^(e - e / 2 - 64), both normal.
+KVLM_AVX2 inline __m256 e8m0_half(__m256i e) {
+  const __m256i h = _mm256_srli_epi32(e, 1), l = _mm256_sub_epi32(e, h), b = _mm256_set1_epi32(63);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, b), 23)),
+                       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(l, b), 23)));
+}
+
 // The weight types of the register kernels. Each works on groups of 256 values (8 blocks of
 // 32, or one super-block) of kGroupBytes and gives:
 //   scales(g, a, b): w = a q + b for the group's 8 runs of 32 (a[0], b[0]), or with kPer16 for
@@ -270,18 +279,29 @@ KVLM_AVX2 inline __m256i shift16(__m256i v) {
 //   kBias, kMin: the dequantization's view, ggml's integer being code - kBias and ggml adding
 //                b only where kMin (elsewhere b = -kBias a is this file's algebra).
 // 32-value types also give the per-block forms for the blocks after the last whole group.
+// MXFP4 (one E8M0 byte, then E2M1 codes as Q4_0's nibbles) looks its codes up as twice the
+// E2M1 values, signed integers (-12..12) as Q8_0's codes, with scale 2^(e - 128): the weights
+// exactly, 4.25 bits each.
 template <GGMLType kT>
 struct W32 {
+  static constexpr bool kMx = kT == T::MXFP4;
   static constexpr int kBlock = QK;
-  static constexpr int kBytes = kT == T::Q4_0 ? 18 : kT == T::Q4_1 ? 20 : kT == T::Q5_0 ? 22 : kT == T::Q5_1 ? 24 : 34;
+  static constexpr int kBytes =
+      kT == T::Q4_0 ? 18 : kT == T::Q4_1 ? 20 : kT == T::Q5_0 ? 22 : kT == T::Q5_1 ? 24 : kMx ? 17 : 34;
   static constexpr int kGroupBytes = 8 * kBytes;
-  static constexpr bool kPer16 = false, kSigned = kT == T::Q8_0, kOffset = kT != T::Q8_0;
+  static constexpr bool kPer16 = false, kSigned = kT == T::Q8_0 || kMx, kOffset = !kSigned;
   static constexpr bool kMin = kT == T::Q4_1 || kT == T::Q5_1, kFive = kT == T::Q5_0 || kT == T::Q5_1;
   static constexpr int kBias = kT == T::Q4_0 ? 8 : kT == T::Q5_0 ? 16 : 0;
 
   KVLM_AVX2 static __m256i block_codes(const uint8_t* blk) {
     if constexpr (kT == T::Q8_0) {
       return load256(blk + 2);
+    } else if constexpr (kMx) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 1));
+      const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+      const __m256i twice_e2m1 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                                  0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+      return _mm256_shuffle_epi8(twice_e2m1, nib);
     } else {
       const uint8_t* p = blk + (kMin ? 4 : 2) + (kFive ? 4 : 0);
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -294,11 +314,17 @@ struct W32 {
     }
   }
   KVLM_AVX2 static void block_scales(const uint8_t* blk, float& a, float& b) {
-    a = h2f(blk);
+    a = kMx ? std::ldexp(1.0f, int(blk[0]) - 128) : h2f(blk);
     b = kMin ? h2f(blk + 2) : -float(kBias) * a;
   }
   // d (and m) of 8 blocks: each block's first 4 bytes (d, then m or codes) into one vector.
   KVLM_AVX2 static void scales(const uint8_t* g, __m256* a, __m256* b) {
+    if constexpr (kMx) {
+      a[0] = e8m0_half(_mm256_setr_epi32(g[0], g[kBytes], g[2 * kBytes], g[3 * kBytes], g[4 * kBytes], g[5 * kBytes],
+                                         g[6 * kBytes], g[7 * kBytes]));
+      b[0] = _mm256_mul_ps(a[0], _mm256_set1_ps(-0.0f));
+      return;
+    }
     __m128i lo = _mm_cvtsi32_si128(load32(g)), hi = _mm_cvtsi32_si128(load32(g + 4 * kBytes));
     lo = _mm_insert_epi32(lo, load32(g + kBytes), 1);
     hi = _mm_insert_epi32(hi, load32(g + 5 * kBytes), 1);
@@ -593,6 +619,7 @@ Int8Fn avx2_kernel(uint32_t type) {
     case T::Q5_0: return int8_rows_avx2<W32<T::Q5_0>>;
     case T::Q5_1: return int8_rows_avx2<W32<T::Q5_1>>;
     case T::Q8_0: return int8_rows_avx2<W32<T::Q8_0>>;
+    case T::MXFP4: return int8_rows_avx2<W32<T::MXFP4>>;
     case T::Q2_K: return int8_rows_avx2<WQ2K>;
     case T::Q3_K: return int8_rows_avx2<WQ3K>;
     case T::Q4_K: return int8_rows_avx2<WK45<false>>;
@@ -682,7 +709,7 @@ KVLM_AVX2 void dequant_avx2(const uint8_t* row, int64_t k, float* out) {
 // broadcasts of 4 codes of x against the tile's vectors sum q x_q per weight row in int32, and
 // the group ends with a conversion, a product and an fma per (x row, 16 weight rows):
 //     y += (a d) dot + b d sum(x_q)   (the second term only for types with a min).
-// Q8_0's signed codes enter as q + 128 (b = -128 a). Where b = -bias a (types without a min),
+// Signed codes (Q8_0's, MXFP4's) enter as q + 128 (b = -128 a). Where b = -bias a (types without a min),
 // the integer sum starts at -bias sum(x_q) instead, so the group costs no offset product.
 constexpr int kTileRows = 32;
 constexpr int kVnniRows = 6;
@@ -911,6 +938,7 @@ VnniKernel vnni_kernel(uint32_t type) {
     case T::Q5_0: return vnni_of<W32<T::Q5_0>>();
     case T::Q5_1: return vnni_of<W32<T::Q5_1>>();
     case T::Q8_0: return vnni_of<W32<T::Q8_0>>();
+    case T::MXFP4: return vnni_of<W32<T::MXFP4>>();
     case T::Q2_K: return vnni_of<WQ2K>();
     case T::Q3_K: return vnni_of<WQ3K>();
     case T::Q4_K: return vnni_of<WK45<false>>();
@@ -931,6 +959,7 @@ DequantFn avx2_dequant(uint32_t type) {
     case T::Q5_0: return dequant_avx2<W32<T::Q5_0>>;
     case T::Q5_1: return dequant_avx2<W32<T::Q5_1>>;
     case T::Q8_0: return dequant_avx2<W32<T::Q8_0>>;
+    case T::MXFP4: return dequant_avx2<W32<T::MXFP4>>;
     case T::Q2_K: return dequant_avx2<WQ2K>;
     case T::Q3_K: return dequant_avx2<WQ3K>;
     case T::Q4_K: return dequant_avx2<WK45<false>>;
@@ -1035,7 +1064,6 @@ bool block_kernels_support(uint32_t type) { return supported(type); }
 uint32_t held_block_type(uint32_t type) {
   if (supported(type)) return type;
   if (is_grouped_rows_type(type)) return uint32_t(GGMLType::Q4_1);
-  if (type == uint32_t(GGMLType::MXFP4)) return uint32_t(GGMLType::Q8_0);
   return 0;
 }
 

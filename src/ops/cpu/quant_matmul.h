@@ -14,7 +14,9 @@
 //          d (a sum(q x_q) + b sum(x_q)). The only error beyond fp32 rounding is x's
 //          quantization, at most d / 2 per value of x. Without VNNI, larger m takes Exact
 //          (there the AVX2 integer kernels lose to sgemm).
-// Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256).
+// Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 (blocks of 32), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256).
+// MXFP4's codes are E2M1 values, not integers, but twice each is one (-12..12) and its scale a
+// power of two, so it takes the integer kernels as Q8_0 does, from its 4-bit codes.
 // Kernels are chosen at run time (the build has no -march): AVX-512 VNNI ones for m >= 8 where
 // the CPU has AVX-512 F/BW/VL/VNNI (vpdpbusd on tiles of W unpacked once per product: ~3x the
 // Exact path's GFLOP/s at m = 128 on a Zen 4 core); AVX2 ones where it has AVX2, FMA and F16C;
@@ -35,11 +37,11 @@ struct BlockMatrix {
   int64_t rows = 0, cols = 0;
 };
 
-// Whether `type` has kernels here (the ten types above).
+// Whether `type` has kernels here (the eleven types above).
 bool block_kernels_support(uint32_t type);
 // The type a checkpoint's blocks of `type` are held as for these kernels: itself when they
-// read it, Q4_1 for a 4-bit checkpoint's grouped rows (io/grouped_codes.h), Q8_0 for MXFP4
-// (the same weights exactly); 0 when they are dequantized instead.
+// read it, Q4_1 for a 4-bit checkpoint's grouped rows (io/grouped_codes.h); 0 when they are
+// dequantized instead.
 uint32_t held_block_type(uint32_t type);
 
 // Bytes of one row of `cols` elements; throws kvlm::Error for a type without kernels here or

@@ -136,6 +136,9 @@ struct IntWeight {
   // 4-bit: the words hold (s, -(M + z)) (io/grouped_codes.h grouped_param_zero_point) and
   // w = s * (code - z), the zero point subtracted exactly
   bool zero_point = false;
+  // 4-bit: the codes are E2M1 values (MXFP4), the words' low halves a power-of-two multiplier
+  // (grouped_param_e2m1): w = E2M1(code) * 2^(e - 127), exact
+  bool e2m1 = false;
 };
 // Whether the kernels take grouped codes of `bits` in groups of `group` for rows of k: a
 // lane's 16 bytes of codes must lie in one group (4-bit: k and group multiples of 32; 8-bit:

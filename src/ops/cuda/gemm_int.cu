@@ -78,7 +78,7 @@ __device__ __forceinline__ int group_of(int x, int group, uint32_t magic) {
   return magic ? int((uint32_t(x) * magic) >> 16) : int(x >= group);
 }
 
-template <class V, int BITS, int RT, int NT, bool kF32Out, bool ZP>
+template <class V, int BITS, int RT, int NT, bool kF32Out, Int4Kind K4>
 __global__ void __launch_bounds__(kGemvThreads, GiCfg<BITS, RT, NT>::kMinBlocks)
     gemm_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
                     const uint16_t* bias, void* y, int ldy, int m, int n, int k, int chunks_per_split) {
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kGemvThreads, GiCfg<BITS, RT, NT>::kMinBlocks)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           cw[j][h] = *reinterpret_cast<const uint4*>(cs + lr[j][h] * CR + 16 * t);
-          int4_param_pairs<V::kBF16>(ps[lr[j][h] * PW + pi], ZP, a2[j][h], s2[j][h], b2[j][h]);
+          int4_params<V::kBF16, K4>(ps[lr[j][h] * PW + pi], a2[j][h], s2[j][h], b2[j][h]);
         }
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
@@ -201,8 +201,8 @@ __global__ void __launch_bounds__(kGemvThreads, GiCfg<BITS, RT, NT>::kMinBlocks)
           const uint32_t lw[4] = {cw[j][0].x, cw[j][0].y, cw[j][0].z, cw[j][0].w};
           const uint32_t hw[4] = {cw[j][1].x, cw[j][1].y, cw[j][1].z, cw[j][1].w};
           uint32_t pl[4], ph[4];
-          int4x8_to_pairs<V::kBF16>(lw[v], a2[j][0], s2[j][0], b2[j][0], pl);
-          int4x8_to_pairs<V::kBF16>(hw[v], a2[j][1], s2[j][1], b2[j][1], ph);
+          int4x8_decode<V::kBF16, K4>(lw[v], a2[j][0], s2[j][0], b2[j][0], pl);
+          int4x8_decode<V::kBF16, K4>(hw[v], a2[j][1], s2[j][1], b2[j][1], ph);
           a[j][0][0] = pl[0], a[j][0][1] = ph[0], a[j][0][2] = pl[1], a[j][0][3] = ph[1];
           a[j][1][0] = pl[2], a[j][1][1] = ph[2], a[j][1][2] = pl[3], a[j][1][3] = ph[3];
         }
@@ -322,11 +322,11 @@ int gi_splits(int blocks, int nchunks, int slots) {
   return best;
 }
 
-template <class V, int BITS, int RT, int NT, bool kF32Out, bool ZP>
+template <class V, int BITS, int RT, int NT, bool kF32Out, Int4Kind K4>
 void launch_gi(const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n, int k,
                cudaStream_t st, int splits) {
   using Cfg = GiCfg<BITS, RT, NT>;
-  constexpr auto kernel = gemm_int_kernel<V, BITS, RT, NT, kF32Out, ZP>;
+  constexpr auto kernel = gemm_int_kernel<V, BITS, RT, NT, kF32Out, K4>;
   const int slots = resident_ctas<kernel, Cfg::kSmem>();  // also opts the kernel in to its shared memory
   const int blocks = (n + Cfg::kRows - 1) / Cfg::kRows, nchunks = (k + kGiChunk - 1) / kGiChunk;
   if (splits <= 0) splits = gi_splits(blocks, nchunks, slots);
@@ -341,28 +341,29 @@ void launch_gi(const void* x, const IntWeight& w, const void* bias, void* y, int
 template <class V, int BITS>
 void launch_gi_any(bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
                    int k, cudaStream_t st, int rt, int splits) {
-  auto go = [&](auto rtc, auto ntc, auto zpc) {
+  auto go = [&](auto rtc, auto ntc, auto kind) {
     constexpr int RT = decltype(rtc)::value, NT = decltype(ntc)::value;
-    constexpr bool ZP = decltype(zpc)::value;
-    if (f32) launch_gi<V, BITS, RT, NT, true, ZP>(x, w, bias, y, ldy, m, n, k, st, splits);
-    else launch_gi<V, BITS, RT, NT, false, ZP>(x, w, bias, y, ldy, m, n, k, st, splits);
+    constexpr Int4Kind K4 = decltype(kind)::value;
+    if (f32) launch_gi<V, BITS, RT, NT, true, K4>(x, w, bias, y, ldy, m, n, k, st, splits);
+    else launch_gi<V, BITS, RT, NT, false, K4>(x, w, bias, y, ldy, m, n, k, st, splits);
   };
   // 256-row tiles take 64 rows of x only (they pay where x's loads from shared memory, which
   // they halve per MMA, are what limits: full 64-row batches).
-  auto by_nt = [&](auto rtc, auto zpc) {
+  auto by_nt = [&](auto rtc, auto kind) {
     if constexpr (decltype(rtc)::value == 1) {
-      if (m <= 32) return go(rtc, std::integral_constant<int, 4>{}, zpc);
+      if (m <= 32) return go(rtc, std::integral_constant<int, 4>{}, kind);
     }
-    go(rtc, std::integral_constant<int, 8>{}, zpc);
+    go(rtc, std::integral_constant<int, 8>{}, kind);
   };
-  auto by_rt = [&](auto zpc) {
-    if (rt == 2) by_nt(std::integral_constant<int, 2>{}, zpc);
-    else by_nt(std::integral_constant<int, 1>{}, zpc);
+  auto by_rt = [&](auto kind) {
+    if (rt == 2) by_nt(std::integral_constant<int, 2>{}, kind);
+    else by_nt(std::integral_constant<int, 1>{}, kind);
   };
   if constexpr (BITS == 4) {
-    if (w.zero_point) return by_rt(std::true_type{});
+    if (w.zero_point) return by_rt(std::integral_constant<Int4Kind, Int4Kind::ZeroPoint>{});
+    if (w.e2m1) return by_rt(std::integral_constant<Int4Kind, Int4Kind::E2M1>{});
   }
-  by_rt(std::false_type{});
+  by_rt(std::integral_constant<Int4Kind, Int4Kind::Affine>{});
 }
 
 }  // namespace

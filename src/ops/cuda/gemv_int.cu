@@ -75,18 +75,19 @@ __device__ __forceinline__ void int4x8_to_biased_pairs(uint32_t w, uint32_t (&p)
   for (int j = 0; j < 4; ++j) asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(p[j]) : "r"(w >> (4 * j)), "n"(0x000f000f), "r"(magic));
 }
 
-// ZP: a zero-point layout (IntWeight::zero_point), a template parameter because a runtime
-// choice costs the m = 9-16 variants 20 more bytes of spills and 12-25% of their time.
+// K4: the kind of 4-bit codes (affine, zero point, E2M1: int_decode.cuh), a template parameter
+// because a runtime choice costs the m = 9-16 variants 20 more bytes of spills and 12-25% of
+// their time.
 // Columns of k one warp covers per round: each of a row's 4 lanes loads 16 bytes of codes.
 template <int BITS>
 constexpr int kIntRound = 4 * (128 / BITS);
 
-template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
+template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, Int4Kind K4>
 __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
                     const uint16_t* bias, void* y, int ldy, int m, int n, int k, int g_step, int r_step,
                     IntExpertTiles ex) {
-  constexpr bool zp = ZP;
+  constexpr bool zp = K4 == Int4Kind::ZeroPoint;
   // Experts (ex.expert set): CTA z takes tile z of the routing's tiles, whose expert's n rows
   // follow the previous experts' in codes, params and bias; its m = count rows of x are
   // x_rows[first ...] (or first ...), its rows of y first .... Everything depends on the
@@ -264,13 +265,13 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
             acc[j][q][e] = fmaf(sc[e >> 1], raw[q][e], fmaf(off[e >> 1], sx[q][e], acc[j][q][e]));
       } else if constexpr (BITS == 4) {
         uint32_t al, sl, bl, ah, sh, bh;
-        int4_param_pairs<V::kBF16>(pr[j][0], zp, al, sl, bl);
-        int4_param_pairs<V::kBF16>(pr[j][1], zp, ah, sh, bh);
+        int4_params<V::kBF16, K4>(pr[j][0], al, sl, bl);
+        int4_params<V::kBF16, K4>(pr[j][1], ah, sh, bh);
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
           uint32_t pl[4], ph[4];
-          int4x8_to_pairs<V::kBF16>(lw[v], al, sl, bl, pl);
-          int4x8_to_pairs<V::kBF16>(hw[v], ah, sh, bh, ph);
+          int4x8_decode<V::kBF16, K4>(lw[v], al, sl, bl, pl);
+          int4x8_decode<V::kBF16, K4>(hw[v], ah, sh, bh, ph);
           const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
 #pragma unroll
           for (int q = 0; q < NT; ++q) {
@@ -339,11 +340,11 @@ int int_splits(int rows_per_cta, int n, int k, int round, int copies = 1) {
 }
 
 // ex: the experts' tiles (gemv_int_experts), grid z over its max_tiles; else a plain GEMV.
-template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, bool ZP>
+template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, Int4Kind K4>
 void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n, int k,
                 cudaStream_t st, const IntExpertTiles& ex) {
   using Cfg = IntCfg<RT>;
-  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM, ZP>;
+  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM, K4>;
   resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
   const int splits =
       std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, kIntRound<BITS>, ex.expert ? ex.routed : 1));
@@ -359,23 +360,26 @@ void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, in
 template <class V, int BITS>
 void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
                     int k, cudaStream_t st, const IntExpertTiles& ex) {
-  const bool sam = gemv_int_scales_after_mma(V::kBF16 ? DType::BF16 : DType::F16, BITS, w.group);
-  auto launch = [&](auto nt, auto rt, auto zp) {
+  const bool sam = !w.e2m1 && gemv_int_scales_after_mma(V::kBF16 ? DType::BF16 : DType::F16, BITS, w.group);
+  auto launch = [&](auto nt, auto rt, auto kind) {
     constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
-    constexpr bool ZP = decltype(zp)::value, kSam = BITS == 4 && V::kBF16;
+    constexpr Int4Kind K4 = decltype(kind)::value;
+    constexpr bool kSam = BITS == 4 && V::kBF16 && K4 != Int4Kind::E2M1;
     if (kSam && sam) {
-      if (f32) launch_int<V, BITS, NT, RT, true, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
-      else launch_int<V, BITS, NT, RT, false, kSam, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
+      if (f32) launch_int<V, BITS, NT, RT, true, kSam, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
+      else launch_int<V, BITS, NT, RT, false, kSam, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
       return;
     }
-    if (f32) launch_int<V, BITS, NT, RT, true, false, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
-    else launch_int<V, BITS, NT, RT, false, false, ZP>(x, w, bias, y, ldy, m, n, k, st, ex);
+    if (f32) launch_int<V, BITS, NT, RT, true, false, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
+    else launch_int<V, BITS, NT, RT, false, false, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
   };
+  using Affine = std::integral_constant<Int4Kind, Int4Kind::Affine>;
   auto go = [&](auto nt, auto rt) {
     if constexpr (BITS == 4) {
-      if (w.zero_point) return launch(nt, rt, std::true_type{});
+      if (w.zero_point) return launch(nt, rt, std::integral_constant<Int4Kind, Int4Kind::ZeroPoint>{});
+      if (w.e2m1) return launch(nt, rt, std::integral_constant<Int4Kind, Int4Kind::E2M1>{});
     }
-    launch(nt, rt, std::false_type{});
+    launch(nt, rt, Affine{});
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
@@ -390,9 +394,9 @@ void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bia
 
 // One thread per 16 bytes of codes (C16 values of one group): out = s * code + b, rounded to the
 // compute type as the GEMV's decode rounds it.
-template <class V, int BITS>
-__global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params, int group, int ng, bool zp,
-                                      uint4* out, int total, int vpr) {
+template <class V, int BITS, Int4Kind K4>
+__global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params, int group, int ng, uint4* out,
+                                      int total, int vpr) {
   constexpr int C16 = 128 / BITS;
   const int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
   if (i >= total) return;
@@ -403,11 +407,11 @@ __global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params
   uint32_t o[C16 / 2];
   if constexpr (BITS == 4) {
     uint32_t a2, s2, b2;
-    int4_param_pairs<V::kBF16>(p, zp, a2, s2, b2);
+    int4_params<V::kBF16, K4>(p, a2, s2, b2);
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       uint32_t pr[4];  // codes (0, 4), (1, 5), (2, 6), (3, 7) of the word
-      int4x8_to_pairs<V::kBF16>(cw[v], a2, s2, b2, pr);
+      int4x8_decode<V::kBF16, K4>(cw[v], a2, s2, b2, pr);
       // back to column order: (0, 1) (2, 3) (4, 5) (6, 7)
       o[4 * v] = __byte_perm(pr[0], pr[1], 0x5410);
       o[4 * v + 1] = __byte_perm(pr[2], pr[3], 0x5410);
@@ -431,7 +435,7 @@ __global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params
 
 template <class V>
 __global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, int bits, int group, bool zp,
-                                 const TokenId* tokens, int hidden, float* x, float scale) {
+                                 bool e2m1, const TokenId* tokens, int hidden, float* x, float scale) {
   const int r = blockIdx.x;
   const size_t tok = size_t(tokens[r]);
   const uint8_t* c = codes + tok * size_t(hidden) * size_t(bits) / 8;
@@ -441,8 +445,11 @@ __global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, i
     const int code = bits == 4 ? (c[i / 2] >> (4 * (i % 2))) & 0x0f : int(int8_t(c[i]));
     const uint32_t pg = p[i / group];
     const float magic = V::kBF16 ? 128.0f : 1024.0f;  // zero point: hi = -(magic + z)
-    dst[i] = (zp ? param_lo<V>(pg) * (float(code) + magic + param_hi<V>(pg))
-                 : param_lo<V>(pg) * float(code) + param_hi<V>(pg)) *
+    // E2M1: the code's value (e2m1x8_to_pairs) times the multiplier, times 2^-126 or 2^-14
+    const float e2m1_unit = V::kBF16 ? 0x1p-126f : 0x1p-14f;
+    dst[i] = (e2m1 ? e2m1_value(code) * (param_lo<V>(pg) * e2m1_unit)
+              : zp ? param_lo<V>(pg) * (float(code) + magic + param_hi<V>(pg))
+                   : param_lo<V>(pg) * float(code) + param_hi<V>(pg)) *
              scale;
   }
 }
@@ -515,11 +522,20 @@ void dequantize_int(DType to, const IntWeight& w, void* out, int n, int k, void*
   auto* o = static_cast<uint4*>(out);
   const int ng = k / w.group;
   auto go = [&](auto kernel) {
-    kernel<<<blocks, 256, 0, st>>>(c, w.params, w.group, ng, w.zero_point, o, int(vectors), vpr);
+    kernel<<<blocks, 256, 0, st>>>(c, w.params, w.group, ng, o, int(vectors), vpr);
     KVLM_CUDA_CHECK(cudaGetLastError());
   };
-  if (to == DType::BF16) w.bits == 4 ? go(dequantize_int_kernel<VecBF16, 4>) : go(dequantize_int_kernel<VecBF16, 8>);
-  else w.bits == 4 ? go(dequantize_int_kernel<VecF16, 4>) : go(dequantize_int_kernel<VecF16, 8>);
+  auto by_kind = [&](auto v) {
+    using V = decltype(v);
+    if (w.bits == 8) return go(dequantize_int_kernel<V, 8, Int4Kind::Affine>);
+    switch (int4_kind(w)) {
+      case Int4Kind::Affine: return go(dequantize_int_kernel<V, 4, Int4Kind::Affine>);
+      case Int4Kind::ZeroPoint: return go(dequantize_int_kernel<V, 4, Int4Kind::ZeroPoint>);
+      case Int4Kind::E2M1: return go(dequantize_int_kernel<V, 4, Int4Kind::E2M1>);
+    }
+  };
+  if (to == DType::BF16) by_kind(VecBF16{});
+  else by_kind(VecF16{});
 }
 
 void embed_rows_int(DType act, const IntWeight& w, const TokenId* tokens, int rows, int hidden, float* x,
@@ -528,11 +544,11 @@ void embed_rows_int(DType act, const IntWeight& w, const TokenId* tokens, int ro
   check_int("embed_rows_int", act, w, hidden);
   const auto st = static_cast<cudaStream_t>(stream);
   if (act == DType::BF16)
-    embed_int_kernel<VecBF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, w.zero_point, tokens,
-                                                               hidden, x, scale);
+    embed_int_kernel<VecBF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, w.zero_point,
+                                                               w.e2m1, tokens, hidden, x, scale);
   else
-    embed_int_kernel<VecF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, w.zero_point, tokens,
-                                                              hidden, x, scale);
+    embed_int_kernel<VecF16><<<unsigned(rows), 256, 0, st>>>(w.codes, w.params, w.bits, w.group, w.zero_point,
+                                                              w.e2m1, tokens, hidden, x, scale);
   KVLM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,5 +1,6 @@
 // The in-register decode of grouped integer codes (gemm.h IntWeight; io/grouped_codes.h) to
-// 16-bit pairs for the tensor cores, shared by gemv_int.cu (m <= 16) and gemm_int.cu (m <= 64).
+// 16-bit pairs for the tensor cores, shared by gemv_int.cu (m <= 16) and gemm_int.cu (m <= 64);
+// MXFP4's E2M1 codes too (e2m1x8_to_pairs).
 // gemv_int.cu's header comment says how each decode is exact up to the one rounding of
 // s * code + b, and how the pairs are ordered: 4-bit codes (j, j + 4) of a 32-bit word, 8-bit
 // codes (0, 2) and (1, 3); the kernels pair x's columns to match. Also the host's check of a
@@ -17,14 +18,16 @@ namespace {
 
 // Throws kvlm::Error, prefixed with `what`, for a weight of grouped codes the kernels cannot
 // read: a layout that does not fit rows of k, a compute type other than bf16 / f16, an 8-bit
-// zero-point layout, or misaligned codes or parameters.
+// zero-point or E2M1 layout, or misaligned codes or parameters.
 void check_int(const char* what, DType ab, const IntWeight& w, int k) {
   if (!int_layout_fits(k, w.bits, w.group))
     throw Error(std::string(what) + ": grouped codes of " + std::to_string(w.bits) + " bits in groups of " +
                 std::to_string(w.group) + " do not fit a row of " + std::to_string(k) +
                 " (4-bit: groups and rows multiples of 32; 8-bit: of 16)");
   if (ab != DType::BF16 && ab != DType::F16) throw Error(std::string(what) + ": the compute type must be bf16 or f16");
-  if (w.zero_point && w.bits != 4) throw Error(std::string(what) + ": zero-point layouts are 4-bit");
+  if ((w.zero_point || w.e2m1) && w.bits != 4)
+    throw Error(std::string(what) + ": zero-point and E2M1 layouts are 4-bit");
+  if (w.zero_point && w.e2m1) throw Error(std::string(what) + ": E2M1 codes have no zero point");
   if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || reinterpret_cast<uintptr_t>(w.params) % 4 != 0)
     throw Error(std::string(what) + ": the codes must be 16-byte aligned, the parameters 4-byte aligned");
 }
@@ -100,6 +103,63 @@ __device__ __forceinline__ void int8x4_to_pairs(uint32_t w, uint32_t s2, uint32_
       asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(*out[h]) : "r"(q), "r"(s2), "r"(b2));
     }
   }
+}
+
+// 8 E2M1 codes (MXFP4's; code j in bits 4j..4j+3: sign, 2-bit exponent, 1-bit mantissa) -> the
+// weights of codes (0, 4), (1, 5), (2, 6), (3, 7) as 16-bit pairs, value * 2^(e - 127) with s2
+// the word's multiplier in both halves. The code's exponent and mantissa bits placed at the
+// bottom of the 16-bit type's exponent (bf16: bits 6-8; f16: bits 9-11) and its sign at bit 15
+// read as the E2M1 value times 2^-126 (bf16) or 2^-14 (f16), exactly (exponent 0 and mantissa 1,
+// E2M1's 0.5, is the type's subnormal of the same ratio), so one multiply by the multiplier
+// 2^(e - 127 + 126) or 2^(e - 127 + 14) (io/grouped_codes.h grouped_param_e2m1) gives the weight,
+// exact (a power of two) unless the product leaves the type's range. Two shifts, two logic ops
+// and a multiply a pair.
+template <bool kBF16>
+__device__ __forceinline__ void e2m1x8_to_pairs(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
+  constexpr int kPos = kBF16 ? 6 : 9;
+  constexpr uint32_t kMag = 0x7u << kPos | 0x7u << (kPos + 16), kSign = 0x80008000u, kNegZero = 0x80008000u;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t mag = kPos >= 4 * j ? w << (kPos - 4 * j) : w >> (4 * j - kPos);  // code j's bits 0-2 at kPos
+    const uint32_t sign = (w << (12 - 4 * j)) & kSign;                                // its bit 3 at bit 15
+    uint32_t v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(mag), "n"(kMag), "r"(sign));  // (mag & kMag) | sign
+    if constexpr (kBF16) asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(v), "r"(s2), "r"(kNegZero));
+    else asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(p[j]) : "r"(v), "r"(s2), "r"(kNegZero));
+  }
+}
+
+// One E2M1 code's value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), for the scalar paths.
+__device__ __forceinline__ float e2m1_value(int code) {
+  const int e = (code >> 1) & 3, m = code & 1;
+  const float v = e == 0 ? 0.5f * float(m) : float(2 + m) * float(1 << e) * 0.25f;
+  return code & 8 ? -v : v;
+}
+
+// The three kinds of 4-bit codes (IntWeight): affine s * code + b, a zero point s * (code - z),
+// E2M1 values times a power of two (e2m1). A kernel's template parameter: a runtime choice costs
+// the GEMV's larger variants spills.
+enum class Int4Kind : int { Affine, ZeroPoint, E2M1 };
+inline Int4Kind int4_kind(const IntWeight& w) {
+  return w.e2m1 ? Int4Kind::E2M1 : w.zero_point ? Int4Kind::ZeroPoint : Int4Kind::Affine;
+}
+
+// A 4-bit group's word as the decode's pairs (int4_param_pairs; E2M1: s2 the multiplier).
+template <bool kBF16, Int4Kind K>
+__device__ __forceinline__ void int4_params(uint32_t p, uint32_t& a2, uint32_t& s2, uint32_t& b2) {
+  if constexpr (K == Int4Kind::E2M1) {
+    s2 = __byte_perm(p, 0, 0x1010);
+    a2 = b2 = 0;
+  } else {
+    int4_param_pairs<kBF16>(p, K == Int4Kind::ZeroPoint, a2, s2, b2);
+  }
+}
+
+// 8 4-bit codes of kind K as int4x8_to_pairs orders them.
+template <bool kBF16, Int4Kind K>
+__device__ __forceinline__ void int4x8_decode(uint32_t w, uint32_t a2, uint32_t s2, uint32_t b2, uint32_t (&p)[4]) {
+  if constexpr (K == Int4Kind::E2M1) e2m1x8_to_pairs<kBF16>(w, s2, p);
+  else int4x8_to_pairs<kBF16>(w, a2, s2, b2, p);
 }
 
 template <class V>
