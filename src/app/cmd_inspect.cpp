@@ -414,8 +414,12 @@ int run_inspect(const InspectFlags& f) {
     std::cout << "\n";
   } else if (const auto& s = ckpt.int4_scheme()) {
     const std::string held(device == Device::Cuda ? dtype_name(mp.dtype) : std::string_view("float32"));
+    const bool mx = s->kind == Int4Scheme::Kind::Mxfp4;
     std::cout << "weights    " << s->describe() << ": " << ckpt.int4_modules() << " modules, "
               << (f.model.dequantize_weights ? "dequantized to " + held + " at load (--dequantize-weights)\n"
+                  : mx ? std::string("each expert kept as its MXFP4 blocks (") +
+                             (device == Device::Cuda ? "4-bit E2M1 codes" : "the block kernels read them") +
+                             "; \"MXFP4\" below)\n"
                   : device == Device::Cuda
                       ? "kept as 4-bit grouped codes where their groups fit the kernels (\"4-bit gN codes\" below), "
                         "else dequantized to " + held + " at load\n"
