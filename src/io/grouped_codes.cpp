@@ -42,7 +42,7 @@ void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uin
     if (group <= 0 || cols % group != 0 || cols % 2 != 0)
       throw Error("a row of " + std::to_string(cols) + " values is not whole groups of " + std::to_string(group));
     const size_t cb = size_t(cols) / 2;
-    std::memcpy(codes, blocks, cb);
+    for (int64_t c = 0; c < cols; ++c) set_grouped_code(4, codes, c, blocks[c / 2] >> (4 * (c % 2)));  // column order in
     for (int64_t g = 0; g < cols / group; ++g) {
       std::memcpy(&scales[g], blocks + cb + size_t(8 * g), 4);
       std::memcpy(&offsets[g], blocks + cb + size_t(8 * g + 4), 4);
@@ -55,8 +55,7 @@ void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uin
       const uint8_t* b = blocks + size_t(blk) * 17;  // e, then byte j: values j (low), j + 16 (high)
       scales[blk] = std::ldexp(1.0f, int(b[0]) - 127);
       offsets[blk] = 0.0f;
-      auto code = [&](int c) { return (b[1 + c % 16] >> (4 * (c / 16))) & 0x0F; };
-      for (int j = 0; j < 32; j += 2) codes[(32 * blk + j) / 2] = uint8_t(code(j) | code(j + 1) << 4);
+      for (int c = 0; c < 32; ++c) set_grouped_code(4, codes, 32 * blk + c, b[1 + c % 16] >> (4 * (c / 16)));
     }
     return;
   }
@@ -79,11 +78,7 @@ void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uin
       offsets[blk * groups + g] = u.b[g * sub];
     }
     const int64_t c0 = blk * per;
-    if (layout->bits == 4) {
-      for (int j = 0; j < per; j += 2) codes[(c0 + j) / 2] = uint8_t((u.q[j] & 0x0F) | (u.q[j + 1] & 0x0F) << 4);
-    } else {
-      std::memcpy(codes + c0, u.q, size_t(per));
-    }
+    for (int j = 0; j < per; ++j) set_grouped_code(layout->bits, codes, c0 + j, u.q[j]);
   }
 }
 
@@ -150,7 +145,7 @@ void grouped_dequantize_row(GroupedLayout l, DType param_type, const uint8_t* co
   const float magic = param_type == DType::BF16 ? 128.0f : 1024.0f;
   for (int64_t c = 0; c < cols; ++c) {
     const uint32_t p = params[c / l.group];
-    const int code = l.bits == 4 ? (codes[c / 2] >> (4 * (c % 2))) & 0x0F : int(int8_t(codes[c]));
+    const int code = grouped_code(l.bits, codes, c);
     const float unit = param_type == DType::BF16 ? 0x1p-126f : 0x1p-14f;  // grouped_param_e2m1's factor
     out[size_t(c)] = l.e2m1         ? kE2M1[code] * (f(p & 0xFFFF) * unit)
                      : l.zero_point ? f(p & 0xFFFF) * (float(code) + magic + f(p >> 16))  // s (code - z)

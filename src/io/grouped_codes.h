@@ -28,6 +28,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "core/numeric.h"
 
 namespace kvlm {
 
@@ -65,6 +66,38 @@ std::optional<GroupedLayout> grouped_layout_of_ggml(uint32_t type);
 // A block type's name: ggml's ("Q4_K"), or "4-bit g128" for a grouped_rows_type.
 std::string block_type_name(uint32_t type);
 
+// The codes' order inside each 32-bit word of a row (little-endian), which the kernels decode
+// in pairs of adjacent columns so that x's 32-bit words (two adjacent columns) are their B
+// fragments as loaded, with no permutes (ops/cuda/int_decode.cuh): 4-bit, nibble j (bits 4j ..
+// 4j + 3) holds column 2j of the word's 8 for j < 4 and column 2(j - 4) + 1 for j >= 4, so that
+// nibbles j and j + 4 are columns 2j and 2j + 1; 8-bit, bytes 0-3 hold columns 0, 2, 1, 3.
+// grouped_code / set_grouped_code read and write column c of a row in that order (grouped_code
+// on the GPU too: the embedding lookup).
+KVLM_HD size_t grouped_code_byte(int bits, int64_t c, int& shift) {
+  const size_t word = size_t(c) / (32 / size_t(bits)) * 4;
+  if (bits == 4) {
+    const int p = int(c % 8), nib = (p % 2) * 4 + p / 2;
+    shift = 4 * (nib % 2);
+    return word + size_t(nib / 2);
+  }
+  shift = 0;
+  const int p = int(c % 4);
+  return word + size_t(p == 1 ? 2 : p == 2 ? 1 : p);
+}
+// Column c's code: 4-bit unsigned (0..15), 8-bit signed (-128..127).
+KVLM_HD int grouped_code(int bits, const uint8_t* codes, int64_t c) {
+  int shift;
+  const uint8_t b = codes[grouped_code_byte(bits, c, shift)];
+  return bits == 4 ? (b >> shift) & 0x0F : int(int8_t(b));
+}
+// Writes column c's code (the low 4 or 8 bits of q) into a row being filled.
+inline void set_grouped_code(int bits, uint8_t* codes, int64_t c, int q) {
+  int shift;
+  uint8_t& b = codes[grouped_code_byte(bits, c, shift)];
+  if (bits == 4) b = uint8_t((b & ~(0x0F << shift)) | (q & 0x0F) << shift);
+  else b = uint8_t(q);
+}
+
 // Bytes of one row's codes (cols * bits / 8) and its number of groups.
 inline size_t grouped_code_bytes(GroupedLayout l, int64_t cols) { return size_t(cols) * size_t(l.bits) / 8; }
 inline int64_t grouped_groups(GroupedLayout l, int64_t cols) { return cols / l.group; }
@@ -74,8 +107,8 @@ inline size_t grouped_row_bytes(GroupedLayout l, int64_t cols) {
 }
 
 // One row of `cols` values of ggml type `type` (its blocks, row_bytes of them) as codes
-// (`grouped_code_bytes`: 4-bit codes two per byte, the lower column in the low nibble; 8-bit
-// codes one signed byte each) and the fp32 scale and offset of each group (`grouped_groups`
+// (`grouped_code_bytes`: 4-bit codes two per byte, 8-bit codes one signed byte each, in the
+// kernels' order: grouped_code) and the fp32 scale and offset of each group (`grouped_groups`
 // of each; for a zero-point layout, the zero point in place of the offset; for E2M1 codes the
 // scale 2^(e - 127) and offset 0). Throws kvlm::Error for a type without a layout or cols not a whole number of blocks.
 void ggml_row_to_grouped(uint32_t type, const uint8_t* blocks, int64_t cols, uint8_t* codes, float* scales,

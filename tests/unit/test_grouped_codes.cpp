@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -34,7 +35,7 @@ TEST(GroupedCodes, EveryGgmlTypeConvertsToItsValues) {
     std::vector<float> s(size_t(grouped_groups(*l, cols))), b(s.size());
     ggml_row_to_grouped(uint32_t(type), blocks.data(), cols, codes.data(), s.data(), b.data());
     for (int64_t c = 0; c < cols; ++c) {
-      const int code = l->bits == 4 ? (codes[size_t(c) / 2] >> (4 * (c % 2))) & 0x0F : int(int8_t(codes[size_t(c)]));
+      const int code = grouped_code(l->bits, codes.data(), c);
       const size_t g = size_t(c / l->group);
       // ggml rounds (q - 8) d or d q - m in its own order; s q + b agrees to fp32 rounding.
       const double v = double(s[g]) * code + double(b[g]);
@@ -83,7 +84,7 @@ TEST(GroupedCodes, Mxfp4KeepsItsE2M1Codes) {
   std::vector<float> sc(8), off(8);
   ggml_row_to_grouped(uint32_t(GGMLType::MXFP4), blocks.data(), cols, codes.data(), sc.data(), off.data());
   for (int64_t c = 0; c < cols; ++c) {
-    const int code = (codes[size_t(c) / 2] >> (4 * (c % 2))) & 0x0F;
+    const int code = grouped_code(4, codes.data(), c);
     ASSERT_EQ(kE2M1[code] * sc[size_t(c / 32)], ref[size_t(c)]) << "column " << c;
     ASSERT_EQ(off[size_t(c / 32)], 0.0f);
   }
@@ -102,6 +103,25 @@ TEST(GroupedCodes, Mxfp4KeepsItsE2M1Codes) {
     // A block scale above 2 leaves the decode's range: refused, not rounded.
     EXPECT_THROW(grouped_param_e2m1(pt, 4.0f), Error);
   }
+}
+
+// The kernels' order inside a 32-bit word (int_decode.cuh decodes nibbles j and j + 4, or
+// bytes 0 and 2 and bytes 1 and 3, as one pair): those pairs are adjacent columns.
+TEST(GroupedCodes, DecodePairsAreAdjacentColumns) {
+  std::vector<uint8_t> four(4), eight(4);
+  for (int c = 0; c < 8; ++c) set_grouped_code(4, four.data(), c, c + 1);
+  for (int c = 0; c < 4; ++c) set_grouped_code(8, eight.data(), c, -(c + 1));
+  uint32_t w4, w8;
+  std::memcpy(&w4, four.data(), 4);
+  std::memcpy(&w8, eight.data(), 4);
+  for (int j = 0; j < 4; ++j) {
+    EXPECT_EQ(int((w4 >> (4 * j)) & 0xF), 2 * j + 1) << "nibble " << j;           // column 2j
+    EXPECT_EQ(int((w4 >> (4 * j + 16)) & 0xF), 2 * j + 2) << "nibble " << j + 4;  // column 2j + 1
+  }
+  const int byte_column[4] = {0, 2, 1, 3};  // pairs (byte 0, byte 2) and (byte 1, byte 3)
+  for (int b = 0; b < 4; ++b) EXPECT_EQ(int(int8_t(w8 >> (8 * b))), -(byte_column[b] + 1)) << "byte " << b;
+  for (int c = 0; c < 8; ++c) EXPECT_EQ(grouped_code(4, four.data(), c), c + 1);
+  for (int c = 0; c < 4; ++c) EXPECT_EQ(grouped_code(8, eight.data(), c), -(c + 1));
 }
 
 TEST(GroupedCodes, RefusesWhatHasNoLayout) {
@@ -130,7 +150,7 @@ namespace {
 TEST(GroupedCodes, ZeroPointLayoutSubtractsTheZeroExactly) {
   const GroupedLayout l{4, 32, true};
   std::vector<uint8_t> codes(16);
-  for (int c = 0; c < 32; c += 2) codes[size_t(c / 2)] = uint8_t((c / 2) | (15 - c / 2) << 4);
+  for (int c = 0; c < 32; ++c) set_grouped_code(4, codes.data(), c, c % 2 ? 15 - c / 2 : c / 2);
   for (DType t : {DType::BF16, DType::F16})
     for (int z = 0; z <= 16; ++z) {
       const float s = 0.0078125f;  // exact in both types

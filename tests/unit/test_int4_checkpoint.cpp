@@ -235,7 +235,7 @@ TEST(Int4Checkpoint, GroupedRowsAreTheWeights) {
     for (int64_t r = 0; r < b->rows; ++r) {
       ggml_row_to_grouped(b->type, rows.data() + size_t(r) * b->row_bytes, b->cols, codes.data(), sc.data(), off.data());
       for (int64_t c = 0; c < b->cols; ++c) {
-        const int code = (codes[size_t(c / 2)] >> (4 * (c % 2))) & 0xF;
+        const int code = grouped_code(4, codes.data(), c);
         const size_t g = size_t(c / layout->group);
         differ += sc[g] * (float(code) - off[g]) != want[size_t(r * b->cols + c)];  // s (q - z)
       }

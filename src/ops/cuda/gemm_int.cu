@@ -16,10 +16,11 @@
 //
 // A lane owns columns 32 t .. 32 t + 31 of each chunk (t = lane % 4), in four steps of 8: per
 // step and row of the weight, one code word (4-bit) or two (8-bit) give two A fragments, and
-// one 16-byte load of x per B tile gives their B fragments (pair_x8: the decode's pairs are
-// columns (j, j + 4) or (0, 2) (1, 3), not adjacent ones, so x is paired by byte permutes, not
-// ldmatrix). Per step and B tile that is a shared load and 4 permutes for 2 RT MMAs; the
-// decode (15 instructions a word) is shared by the NT B tiles.
+// one 16-byte load of x per B tile gives their B fragments as loaded (the codes are stored so
+// that the decode's pairs are adjacent columns: io/grouped_codes.h grouped_code). Per step and
+// B tile that is one shared load for 2 RT MMAs; the decode (15 instructions a word) is shared
+// by the NT B tiles. (Until the codes were stored in that order, x was paired by 4 byte
+// permutes per load: a third of a chunk's instructions.)
 //
 // Shared-memory layouts, each read without bank conflicts (8 lanes, rows g and g + 1, per
 // 16-byte phase): x's 16 16-byte units of a row sit at 2 t + ((row + step) & 1) + 8 (step >> 1)
@@ -208,8 +209,7 @@ __global__ void __launch_bounds__(kGemvThreads, GiCfg<BITS, RT, NT>::kMinBlocks)
         }
 #pragma unroll
         for (int q = 0; q < NT; ++q) {
-          uint32_t xw[4];
-          pair_x8<4>(xv[q], xw);
+          const uint32_t xw[4] = {xv[q].x, xv[q].y, xv[q].z, xv[q].w};  // adjacent columns: the decode's pairs
 #pragma unroll
           for (int j = 0; j < RT; ++j) {
             mma::mma16816<V::kBF16>(acc[j][q], a[j][0], xw[0], xw[1]);
@@ -251,8 +251,7 @@ __global__ void __launch_bounds__(kGemvThreads, GiCfg<BITS, RT, NT>::kMinBlocks)
         }
 #pragma unroll
         for (int q = 0; q < NT; ++q) {
-          uint32_t xw[4];
-          pair_x8<8>(xv[q], xw);
+          const uint32_t xw[4] = {xv[q].x, xv[q].y, xv[q].z, xv[q].w};  // adjacent columns: the decode's pairs
 #pragma unroll
           for (int j = 0; j < RT; ++j) {
             mma::mma16816<V::kBF16>(acc[j][q], a[j][0], xw[0], xw[1]);

@@ -18,17 +18,17 @@
 // Decoding, exact up to the one rounding of s * code + b to the compute type (as a 16-bit copy
 // of the dequantized weight would hold it), with the parameters broadcast to both halves of a
 // pair:
-//  - 4-bit: a 32-bit word holds codes 0-7 of 8 consecutive columns; (word >> 4j) & 0x000f000f
+//  - 4-bit: a 32-bit word holds the codes of 8 consecutive columns; (word >> 4j) & 0x000f000f
 //    puts codes j and j + 4 in the low bits of the two halves, OR-ed into the bits of 128.0
 //    (bf16) or 1024.0 (f16) that is 128 + code exactly; one fma subtracts 128 (exact), a second
 //    forms s * code + b in the compute type: 2 instructions per pair of weights, plus the
-//    shift-and-mask. A dot product is invariant under a permutation of k applied to both sides,
-//    so the pairs (0, 4), (1, 5) go to one MMA's k slots and (2, 6), (3, 7) to the next, with x
-//    paired to match by byte permutes of its 16-byte loads.
+//    shift-and-mask. Codes j and j + 4 are columns 2j and 2j + 1 (the order the codes are stored
+//    in, io/grouped_codes.h), so a pair is two adjacent columns and x's 32-bit words, as loaded,
+//    are the B fragments that meet it.
 //  - 8-bit: a byte permute puts bytes (0, 2) or (1, 3) of a word in the low bytes of a pair
-//    (paired as in gemv_fp8.cu), bit tricks of the same kind give the code exactly (int8x4_to_pairs
-//    says how for bf16, whose 8 significant bits no single magic number covers), and one fma
-//    forms s * code + b: 4-5 instructions per pair.
+//    (columns (0, 1) and (2, 3) in the stored order), bit tricks of the same kind give the code
+//    exactly (int8x4_to_pairs says how for bf16, whose 8 significant bits no single magic number
+//    covers), and one fma forms s * code + b: 4-5 instructions per pair.
 // Larger m: gemm_int.cu up to 64 rows (x staged in shared memory, the same decode), then
 // dequantize_int writes the weight in the compute type into a scratch buffer for the 16-bit
 // GEMM (as FP8 weights with block scales do). The decode helpers live in int_decode.cuh.
@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "io/grouped_codes.h"
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv_common.cuh"
@@ -156,10 +157,10 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     xr[q] = x + size_t(x_map ? x_map[xi] : y_first + xi) * size_t(k) + C16 * t;
   }
   // x at the lane's columns of round i as loaded (16-byte words), a round ahead of its use, with
-  // the (s, b) of the lane's rows; pair_x permutes them as the codes decode (the top of the
-  // file) only when the round runs: B fragment b of word v is xw[q][2 (MMA of the word) + b].
-  // (Permuting at load time made every round wait for its successor's x: a third of the stall
-  // samples under Nsight Compute.)
+  // the (s, b) of the lane's rows; its 32-bit words are the B fragments as they are (the codes'
+  // stored order makes the decode's pairs adjacent columns): B fragment b of word v is
+  // xw[q][2 (MMA of the word) + b]. (Until then they were paired by byte permutes when the round
+  // ran; permuting at load time had made every round wait for its successor's x.)
   constexpr int XU = XW / 4;
   auto load_x = [&](int i, uint4 (&xa)[NT][XU]) {
     const int k0 = (worker + i * workers) * kRound;
@@ -176,7 +177,9 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
 #pragma unroll
     for (int q = 0; q < NT; ++q)
 #pragma unroll
-      for (int u = 0; u < XU; ++u) pair_x8<BITS>(xa[q][u], &xw[q][4 * u]);
+      for (int u = 0; u < XU; ++u)
+        xw[q][4 * u] = xa[q][u].x, xw[q][4 * u + 1] = xa[q][u].y, xw[q][4 * u + 2] = xa[q][u].z,
+        xw[q][4 * u + 3] = xa[q][u].w;
   };
   // load_p is called for rounds 0, 1, 2, ... in order: the group of the lane's first column in
   // the next round it loads advances by a fixed quotient and remainder (an integer division by
@@ -410,23 +413,15 @@ __global__ void dequantize_int_kernel(const uint4* codes, const uint32_t* params
     int4_params<V::kBF16, K4>(p, a2, s2, b2);
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
-      uint32_t pr[4];  // codes (0, 4), (1, 5), (2, 6), (3, 7) of the word
+      uint32_t pr[4];  // columns (0, 1), (2, 3), (4, 5), (6, 7) of the word: column order
       int4x8_decode<V::kBF16, K4>(cw[v], a2, s2, b2, pr);
-      // back to column order: (0, 1) (2, 3) (4, 5) (6, 7)
-      o[4 * v] = __byte_perm(pr[0], pr[1], 0x5410);
-      o[4 * v + 1] = __byte_perm(pr[2], pr[3], 0x5410);
-      o[4 * v + 2] = __byte_perm(pr[0], pr[1], 0x7632);
-      o[4 * v + 3] = __byte_perm(pr[2], pr[3], 0x7632);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[4 * v + j] = pr[j];
     }
   } else {
     const uint32_t s2 = __byte_perm(p, 0, 0x1010), b2 = __byte_perm(p, 0, 0x3232);
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      uint32_t even, odd;  // codes (0, 2), (1, 3)
-      int8x4_to_pairs<V::kBF16>(cw[v], s2, b2, even, odd);
-      o[2 * v] = __byte_perm(even, odd, 0x5410);
-      o[2 * v + 1] = __byte_perm(even, odd, 0x7632);
-    }
+    for (int v = 0; v < 4; ++v) int8x4_to_pairs<V::kBF16>(cw[v], s2, b2, o[2 * v], o[2 * v + 1]);  // columns (0, 1), (2, 3)
   }
 #pragma unroll
   for (int u = 0; u < C16 / 8; ++u)
@@ -442,7 +437,7 @@ __global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, i
   const uint32_t* p = params + tok * size_t(hidden / group);
   float* dst = x + size_t(r) * size_t(hidden);
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    const int code = bits == 4 ? (c[i / 2] >> (4 * (i % 2))) & 0x0f : int(int8_t(c[i]));
+    const int code = grouped_code(bits, c, i);  // io/grouped_codes.h's order
     const uint32_t pg = p[i / group];
     const float magic = V::kBF16 ? 128.0f : 1024.0f;  // zero point: hi = -(magic + z)
     // E2M1: the code's value (e2m1x8_to_pairs) times the multiplier, times 2^-126 or 2^-14

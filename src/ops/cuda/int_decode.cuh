@@ -2,9 +2,10 @@
 // 16-bit pairs for the tensor cores, shared by gemv_int.cu (m <= 16) and gemm_int.cu (m <= 64);
 // MXFP4's E2M1 codes too (e2m1x8_to_pairs).
 // gemv_int.cu's header comment says how each decode is exact up to the one rounding of
-// s * code + b, and how the pairs are ordered: 4-bit codes (j, j + 4) of a 32-bit word, 8-bit
-// codes (0, 2) and (1, 3); the kernels pair x's columns to match. Also the host's check of a
-// weight both kernels take.
+// s * code + b. A decode's pairs are a 32-bit word's 4-bit codes (j, j + 4) or 8-bit codes
+// (0, 2) and (1, 3), which the codes' order (io/grouped_codes.h grouped_code) makes adjacent
+// columns: (0, 1), (2, 3), ... of the word, so that x's own 32-bit words are the B fragments
+// that meet them. Also the host's check of a weight both kernels take.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +49,7 @@ __device__ __forceinline__ void int4_param_pairs(uint32_t p, bool zp, uint32_t& 
 }
 
 // 8 4-bit codes (code j in bits 4j..4j+3) -> the weights of codes (0, 4), (1, 5), (2, 6), (3, 7)
-// as 16-bit pairs, (code + magic + a) s + b with a2, s2 and b2 from int4_param_pairs: s code + b,
+// (columns (0, 1) .. (6, 7) of the word) as 16-bit pairs, (code + magic + a) s + b with a2, s2 and b2 from int4_param_pairs: s code + b,
 // or s (code - z), each rounded once.
 template <bool kBF16>
 __device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t a2, uint32_t s2, uint32_t b2, uint32_t (&p)[4]) {
@@ -72,8 +73,8 @@ __device__ __forceinline__ void int4x8_to_pairs(uint32_t w, uint32_t a2, uint32_
   }
 }
 
-// 4 signed 8-bit codes (code 0 in the low byte) -> the weights of codes (0, 2) and (1, 3) as
-// 16-bit pairs, s * code + b with s2 = (s, s) and b2 = (b, b) in the compute type. A byte goes
+// 4 signed 8-bit codes (code 0 in the low byte) -> the weights of codes (0, 2) and (1, 3)
+// (columns (0, 1) and (2, 3)) as 16-bit pairs, s * code + b with s2 = (s, s) and b2 = (b, b) in the compute type. A byte goes
 // to the low byte of a 16-bit half (one PRMT per pair), then:
 //  - bf16 (8 significant bits: no magic number covers 256 codes): (half & 0x7f) | bits of
 //    128.0 is 128 + (code & 127), (half & 0x80) | bits of 128.0 is 128 or 256 (the sign bit),
@@ -106,7 +107,7 @@ __device__ __forceinline__ void int8x4_to_pairs(uint32_t w, uint32_t s2, uint32_
 }
 
 // 8 E2M1 codes (MXFP4's; code j in bits 4j..4j+3: sign, 2-bit exponent, 1-bit mantissa) -> the
-// weights of codes (0, 4), (1, 5), (2, 6), (3, 7) as 16-bit pairs, value * 2^(e - 127) with s2
+// weights of codes (0, 4), (1, 5), (2, 6), (3, 7) (columns (0, 1) .. (6, 7)) as 16-bit pairs, value * 2^(e - 127) with s2
 // the word's multiplier in both halves. The code's exponent and mantissa bits placed at the
 // bottom of the 16-bit type's exponent (bf16: bits 6-8; f16: bits 9-11) and its sign at bit 15
 // read as the E2M1 value times 2^-126 (bf16) or 2^-14 (f16), exactly (exponent 0 and mantissa 1,
@@ -169,21 +170,6 @@ __device__ __forceinline__ float param_lo(uint32_t p) {
 template <class V>
 __device__ __forceinline__ float param_hi(uint32_t p) {
   return V::load(uint16_t(p >> 16));
-}
-
-// 8 consecutive columns of x (one 16-byte load) as B-fragment pairs in the decode's order:
-// 4-bit (x0, x4) (x1, x5) (x2, x6) (x3, x7), the pairs of one code word; 8-bit (x0, x2)
-// (x1, x3) (x4, x6) (x5, x7), those of two words. w[0], w[1] are one MMA's B fragment, w[2],
-// w[3] the next's.
-template <int BITS>
-__device__ __forceinline__ void pair_x8(const uint4& a, uint32_t* w) {
-  if constexpr (BITS == 4) {
-    w[0] = __byte_perm(a.x, a.z, 0x5410), w[1] = __byte_perm(a.x, a.z, 0x7632);
-    w[2] = __byte_perm(a.y, a.w, 0x5410), w[3] = __byte_perm(a.y, a.w, 0x7632);
-  } else {
-    w[0] = __byte_perm(a.x, a.y, 0x5410), w[1] = __byte_perm(a.x, a.y, 0x7632);
-    w[2] = __byte_perm(a.z, a.w, 0x5410), w[3] = __byte_perm(a.z, a.w, 0x7632);
-  }
 }
 
 }  // namespace
