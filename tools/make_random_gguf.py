@@ -19,8 +19,10 @@ matrix and for attn_v and ffn_down (ffn_down_exps too) in the layers llama.cpp g
 (the first and last eighth, and every third layer between). Other mixes use one type for every matrix. Codes are
 random bytes; each block's fp16 scales are set so that values come out around 0.01-0.1, as a
 trained model's weights do (the same sizes as tests/support/ggml_blocks.h). Norms are 1; the
-router is normal with standard deviation 0.05, so tokens choose different experts. The
-tokenizer is a plain list of tokens (decode benchmarks need no text). Needs only numpy.
+router is normal with standard deviation 0.05, so tokens choose different experts. There is
+no vocabulary (tokenizer.ggml.model "none", llama.cpp's mark for it, beside a plain list of
+token names): benchmarks run on token ids, and llama.cpp's llama-bench loads the file too.
+Needs only numpy.
 """
 import argparse
 import struct
@@ -167,6 +169,7 @@ def main():
             kv_u32(f"{arch}.embedding_length", a.hidden), kv_u32(f"{arch}.feed_forward_length", a.ffn),
             kv_u32(f"{arch}.attention.head_count", a.heads), kv_u32(f"{arch}.attention.head_count_kv", a.kv_heads),
             kv_f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6), kv_f32(f"{arch}.rope.freq_base", 1e6),
+            kv_str("tokenizer.ggml.model", "none"),  # no vocabulary, as llama.cpp marks it (it requires the key)
             kv_str_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(a.vocab)]),
             kv_u32("tokenizer.ggml.bos_token_id", 1), kv_u32("tokenizer.ggml.eos_token_id", 2)]
     if a.head_dim:

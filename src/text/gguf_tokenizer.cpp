@@ -153,6 +153,9 @@ GGUFTokenizer load_gguf_tokenizer(const GGUFHeader& h, const std::string& label)
   };
   const auto type = h.get_string("tokenizer.ggml.model");
   if (!type) throw Error(label + ": the GGUF metadata has no tokenizer.ggml.model, so kvlm cannot build its tokenizer");
+  if (*type == "none" || *type == "no_vocab")  // llama.cpp's convention for a file without a vocabulary
+    throw Error(label + ": the GGUF file has no vocabulary (tokenizer.ggml.model '" + *type +
+                "'): give the prompt as token ids (--prompt-ids)");
   notes.push_back("tokenizer.ggml.model (" + *type + ")");
   const auto tokens_opt = h.get_strings("tokenizer.ggml.tokens");
   if (!tokens_opt || tokens_opt->empty()) throw Error(label + ": the GGUF metadata has no tokenizer.ggml.tokens");

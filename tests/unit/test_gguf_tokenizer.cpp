@@ -110,6 +110,8 @@ TEST(GGUFTokenizer, UnsupportedOrDamagedTokenizersAreClearErrors) {
   expect_error(tokenizer_file("bert", {"a"}), "'bert' is not supported");
   expect_error(test::gguf_metadata_file([](GGUFWriter& w) { w.key("general.architecture", GGUFType::String).str("llama"); }),
                "no tokenizer.ggml.model");
+  // llama.cpp's mark for a file without a vocabulary (tools/make_random_gguf.py writes it)
+  expect_error(tokenizer_file("none", {"t0", "t1"}), "has no vocabulary (tokenizer.ggml.model 'none'): give the prompt as token ids");
   expect_error(tokenizer_file("gpt2", {}), "no tokenizer.ggml.tokens");
   expect_error(tokenizer_file("gpt2", {"a", "b"}), "without tokenizer.ggml.merges");
   expect_error(tokenizer_file("llama", {"a", "b"}), "neither tokenizer.ggml.merges nor tokenizer.ggml.scores");
