@@ -19,10 +19,10 @@ matrix and for attn_v and ffn_down (ffn_down_exps too) in the layers llama.cpp g
 (the first and last eighth, and every third layer between). Other mixes use one type for every matrix. Codes are
 random bytes; each block's fp16 scales are set so that values come out around 0.01-0.1, as a
 trained model's weights do (the same sizes as tests/support/ggml_blocks.h). Norms are 1; the
-router is normal with standard deviation 0.05, so tokens choose different experts. There is
-no vocabulary (tokenizer.ggml.model "none", llama.cpp's mark for it, beside a plain list of
-token names): benchmarks run on token ids, and llama.cpp's llama-bench loads the file too.
-Needs only numpy.
+router is normal with standard deviation 0.05, so tokens choose different experts. The
+vocabulary is token names t0, t1, ... as a byte-level BPE without merges, which cannot spell
+text: benchmarks run on token ids (llama.cpp's llama-bench loads the files too). Needs only
+numpy.
 """
 import argparse
 import struct
@@ -169,8 +169,11 @@ def main():
             kv_u32(f"{arch}.embedding_length", a.hidden), kv_u32(f"{arch}.feed_forward_length", a.ffn),
             kv_u32(f"{arch}.attention.head_count", a.heads), kv_u32(f"{arch}.attention.head_count_kv", a.kv_heads),
             kv_f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6), kv_f32(f"{arch}.rope.freq_base", 1e6),
-            kv_str("tokenizer.ggml.model", "none"),  # no vocabulary, as llama.cpp marks it (it requires the key)
+            # a byte-level BPE vocabulary of names without merges: llama.cpp loads it (it needs a
+            # tokenizer model and, for BPE, a merges key), and nothing here tokenizes text
+            kv_str("tokenizer.ggml.model", "gpt2"), kv_str("tokenizer.ggml.pre", "default"),
             kv_str_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(a.vocab)]),
+            kv_str_array("tokenizer.ggml.merges", []),
             kv_u32("tokenizer.ggml.bos_token_id", 1), kv_u32("tokenizer.ggml.eos_token_id", 2)]
     if a.head_dim:
         meta += [kv_u32(f"{arch}.attention.key_length", hd), kv_u32(f"{arch}.attention.value_length", hd)]
