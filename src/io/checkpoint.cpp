@@ -7,6 +7,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "io/ggml_dequant.h"
 #include "io/gguf.h"
 #include "io/grouped_codes.h"
 #include "io/gguf_model.h"
@@ -278,10 +279,14 @@ TensorView Checkpoint::view(std::string_view name) const {
     std::lock_guard lock(*gguf_mu_);
     auto& data = slice_data_[size_t(x)];
     if (data.empty()) {
-      if (sl.module >= 0) {
+      if (sl.module >= 0) {  // through the ggml rows blocks() hands over: one conversion, the block kernels' values
         const Int4Source& s = int4_sources_[size_t(sl.module)];
         const Int4Views v(s);
-        data = dequantize_mxfp4_expert(s.module, v.qweight, v.scales, sl.expert, sl.parity);
+        const int64_t rows = mxfp4_expert_rows(s.module, sl.parity);
+        std::vector<uint8_t> blocks(size_t(rows * s.module.cols / 32 * 17));
+        mxfp4_expert_to_ggml(s.module, v.qweight, v.scales, sl.expert, sl.parity, blocks.data());
+        data.resize(size_t(rows * s.module.cols));
+        dequantize_ggml(uint32_t(GGMLType::MXFP4), blocks, data);
       } else {  // a bias: expert's row of [E][rows], every entry or every other one
         const TensorView b = sl.bias.first->view(*sl.bias.second);
         const int64_t all = sl.bias.second->shape[1];

@@ -143,10 +143,10 @@ void grouped_dequantize_row(GroupedLayout l, DType param_type, const uint8_t* co
     return param_type == DType::BF16 ? num::bf16_to_f32(uint16_t(h)) : num::f16_to_f32(uint16_t(h));
   };
   const float magic = param_type == DType::BF16 ? 128.0f : 1024.0f;
+  const float unit = param_type == DType::BF16 ? 0x1p-126f : 0x1p-14f;  // grouped_param_e2m1's factor, undone
   for (int64_t c = 0; c < cols; ++c) {
     const uint32_t p = params[c / l.group];
     const int code = grouped_code(l.bits, codes, c);
-    const float unit = param_type == DType::BF16 ? 0x1p-126f : 0x1p-14f;  // grouped_param_e2m1's factor
     out[size_t(c)] = l.e2m1         ? kE2M1[code] * (f(p & 0xFFFF) * unit)
                      : l.zero_point ? f(p & 0xFFFF) * (float(code) + magic + f(p >> 16))  // s (code - z)
                                     : f(p & 0xFFFF) * float(code) + f(p >> 16);

@@ -6,7 +6,6 @@
 
 #include "core/error.h"
 #include "core/numeric.h"
-#include "io/ggml_dequant.h"
 #include "io/grouped_codes.h"
 
 namespace kvlm {
@@ -152,29 +151,6 @@ Int4Module check_int4_module(const Int4Scheme& s, const std::string& base, const
   return m;
 }
 
-namespace {
-
-// [E][out][in] MXFP4 blocks -> [E][in][out] floats.
-std::vector<float> dequantize_mxfp4(const Int4Module& m, const TensorView& blocks, const TensorView& scales) {
-  const int64_t E = m.experts, rows = m.rows, cols = m.cols, nb = cols / 32;
-  std::vector<float> w(size_t(E * rows * cols));
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t o = 0; o < rows; ++o)
-      for (int64_t bi = 0; bi < nb; ++bi) {
-        const size_t blk = size_t((e * rows + o) * nb + bi);
-        const float scale = std::ldexp(1.0f, int(scales.bytes[blk]) - 127);
-        const uint8_t* q = blocks.bytes.data() + blk * 16;
-        float* out = w.data() + size_t(e * cols + bi * 32) * size_t(rows) + size_t(o);
-        for (int b = 0; b < 16; ++b) {
-          out[size_t(2 * b) * size_t(rows)] = kE2M1[q[b] & 0xF] * scale;
-          out[size_t(2 * b + 1) * size_t(rows)] = kE2M1[q[b] >> 4] * scale;
-        }
-      }
-  return w;
-}
-
-}  // namespace
-
 int64_t mxfp4_expert_rows(const Int4Module& m, int parity) {
   if (parity < 0) return m.rows;
   if (m.rows % 2 != 0)
@@ -183,42 +159,14 @@ int64_t mxfp4_expert_rows(const Int4Module& m, int parity) {
   return m.rows / 2;
 }
 
-namespace {
-
-// Expert e's block b of its slice row r: the index of that block in [E][out][in / 32].
-size_t mxfp4_block(const Int4Module& m, int64_t expert, int parity, int64_t r, int64_t b) {
-  const int64_t src = parity < 0 ? r : 2 * r + parity;
-  return size_t((expert * m.rows + src) * (m.cols / 32) + b);
-}
-
-}  // namespace
-
-std::vector<float> dequantize_mxfp4_expert(const Int4Module& m, const TensorView& blocks, const TensorView& scales,
-                                           int64_t expert, int parity) {
-  const int64_t rows = mxfp4_expert_rows(m, parity), nb = m.cols / 32;
-  KVLM_CHECK(expert >= 0 && expert < m.experts, "dequantize_mxfp4_expert: no such expert");
-  std::vector<float> w(size_t(rows * m.cols));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const size_t blk = mxfp4_block(m, expert, parity, r, b);
-      const float scale = std::ldexp(1.0f, int(scales.bytes[blk]) - 127);
-      const uint8_t* q = blocks.bytes.data() + blk * 16;
-      float* out = w.data() + size_t(r * m.cols + 32 * b);
-      for (int j = 0; j < 16; ++j) {
-        out[2 * j] = kE2M1[q[j] & 0xF] * scale;
-        out[2 * j + 1] = kE2M1[q[j] >> 4] * scale;
-      }
-    }
-  return w;
-}
-
 void mxfp4_expert_to_ggml(const Int4Module& m, const TensorView& blocks, const TensorView& scales, int64_t expert,
                           int parity, uint8_t* out) {
   const int64_t rows = mxfp4_expert_rows(m, parity), nb = m.cols / 32;
   KVLM_CHECK(expert >= 0 && expert < m.experts, "mxfp4_expert_to_ggml: no such expert");
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      const size_t blk = mxfp4_block(m, expert, parity, r, b);
+      const int64_t src = parity < 0 ? r : 2 * r + parity;  // the row in the expert's [out][in]
+      const size_t blk = size_t((expert * m.rows + src) * nb + b);
       const uint8_t* q = blocks.bytes.data() + blk * 16;  // byte j: values 2 j (low), 2 j + 1 (high)
       uint8_t* o = out + size_t(r * nb + b) * 17;
       o[0] = scales.bytes[blk];
@@ -319,7 +267,7 @@ Unpacked unpack_int4(const Int4Scheme& s, const Int4Module& m, const TensorView&
 
 std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
                                    const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx) {
-  if (s.kind == Int4Scheme::Kind::Mxfp4) return dequantize_mxfp4(m, qweight, scales);
+  KVLM_CHECK(s.kind != Int4Scheme::Kind::Mxfp4, "dequantize_int4: MXFP4 experts are read one expert at a time");
   const Unpacked u = unpack_int4(s, m, qweight, qzeros, scales, g_idx);
   const int64_t rows = m.rows, cols = m.cols;
   std::vector<float> w(size_t(rows * cols));

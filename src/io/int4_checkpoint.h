@@ -33,9 +33,9 @@
 //         t = the transpose of that [E][out][in], as transformers' convert_moe_packed_tensors lays it
 //
 // The checkpoint (io/checkpoint.h) shows each such module as a float32 `m.weight` of shape
-// [out][in] (MXFP4: `t` of shape [E][in][out]), dequantized when viewed, and hides the packed
-// tensors, so every architecture loads these checkpoints with no change (the GPU then holds
-// the values in its compute dtype).
+// [out][in] (MXFP4: each expert's gate, up and down weight, mxfp4_expert_to_ggml), dequantized
+// when viewed, and hides the packed tensors, so every architecture loads these checkpoints with
+// no change, or keeps them quantized where the device can.
 #pragma once
 
 #include <cstdint>
@@ -73,9 +73,8 @@ Int4Module check_int4_module(const Int4Scheme& s, const std::string& base, const
                              const TensorInfo* qzeros, const TensorInfo* scales, const TensorInfo* g_idx,
                              const TensorView* shape = nullptr);
 
-// The module's weight [rows][cols] in fp32: (q - z) s exactly (16-bit scales times integers;
-// MXFP4: [experts][cols][rows], E2M1 values times powers of two). `qzeros` may be null where
-// check_int4_module allowed it.
+// The module's weight [rows][cols] in fp32: (q - z) s exactly (16-bit scales times integers).
+// `qzeros` may be null where check_int4_module allowed it. Not for MXFP4 (mxfp4_expert_to_ggml).
 std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, const TensorView& qweight,
                                    const TensorView* qzeros, const TensorView& scales, const TensorView* g_idx);
 
@@ -84,12 +83,10 @@ std::vector<float> dequantize_int4(const Int4Scheme& s, const Int4Module& m, con
 // (parity -1) or every other one from `parity` (0 or 1: gate_up_proj's gate and up rows, which
 // alternate). mxfp4_expert_rows: how many rows that is (throws for an odd count split in two).
 int64_t mxfp4_expert_rows(const Int4Module& m, int parity);
-// Those rows [rows][in] in fp32, the E2M1 values times 2^(e - 127) exactly.
-std::vector<float> dequantize_mxfp4_expert(const Int4Module& m, const TensorView& blocks, const TensorView& scales,
-                                           int64_t expert, int parity);
 // Those rows as ggml MXFP4 blocks (io/gguf.h GGMLType::MXFP4: the E8M0 byte, then 16 bytes
 // holding values j and j + 16 of the block in byte j's low and high nibble), in / 32 * 17 bytes a
-// row: the same weights bit for bit, in the layout the block kernels and GGUF files share.
+// row: the same weights bit for bit, in the layout the block kernels and GGUF files share
+// (dequantize_ggml gives their fp32 values).
 void mxfp4_expert_to_ggml(const Int4Module& m, const TensorView& blocks, const TensorView& scales, int64_t expert,
                           int parity, uint8_t* out);
 

@@ -358,11 +358,8 @@ void launch_gi_any(bool f32, const void* x, const IntWeight& w, const void* bias
     if (rt == 2) by_nt(std::integral_constant<int, 2>{}, kind);
     else by_nt(std::integral_constant<int, 1>{}, kind);
   };
-  if constexpr (BITS == 4) {
-    if (w.zero_point) return by_rt(std::integral_constant<Int4Kind, Int4Kind::ZeroPoint>{});
-    if (w.e2m1) return by_rt(std::integral_constant<Int4Kind, Int4Kind::E2M1>{});
-  }
-  by_rt(std::integral_constant<Int4Kind, Int4Kind::Affine>{});
+  if constexpr (BITS == 4) with_int4_kind(w, by_rt);
+  else by_rt(std::integral_constant<Int4Kind, Int4Kind::Affine>{});
 }
 
 }  // namespace

@@ -376,13 +376,9 @@ void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bia
     if (f32) launch_int<V, BITS, NT, RT, true, false, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
     else launch_int<V, BITS, NT, RT, false, false, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
   };
-  using Affine = std::integral_constant<Int4Kind, Int4Kind::Affine>;
   auto go = [&](auto nt, auto rt) {
-    if constexpr (BITS == 4) {
-      if (w.zero_point) return launch(nt, rt, std::integral_constant<Int4Kind, Int4Kind::ZeroPoint>{});
-      if (w.e2m1) return launch(nt, rt, std::integral_constant<Int4Kind, Int4Kind::E2M1>{});
-    }
-    launch(nt, rt, Affine{});
+    if constexpr (BITS == 4) with_int4_kind(w, [&](auto kind) { launch(nt, rt, kind); });
+    else launch(nt, rt, std::integral_constant<Int4Kind, Int4Kind::Affine>{});
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
@@ -440,9 +436,7 @@ __global__ void embed_int_kernel(const uint8_t* codes, const uint32_t* params, i
     const int code = grouped_code(bits, c, i);  // io/grouped_codes.h's order
     const uint32_t pg = p[i / group];
     const float magic = V::kBF16 ? 128.0f : 1024.0f;  // zero point: hi = -(magic + z)
-    // E2M1: the code's value (e2m1x8_to_pairs) times the multiplier, times 2^-126 or 2^-14
-    const float e2m1_unit = V::kBF16 ? 0x1p-126f : 0x1p-14f;
-    dst[i] = (e2m1 ? e2m1_value(code) * (param_lo<V>(pg) * e2m1_unit)
+    dst[i] = (e2m1 ? V::load(e2m1_bits<V::kBF16>(code)) * param_lo<V>(pg)  // as e2m1x8_to_pairs decodes
               : zp ? param_lo<V>(pg) * (float(code) + magic + param_hi<V>(pg))
                    : param_lo<V>(pg) * float(code) + param_hi<V>(pg)) *
              scale;
@@ -523,11 +517,7 @@ void dequantize_int(DType to, const IntWeight& w, void* out, int n, int k, void*
   auto by_kind = [&](auto v) {
     using V = decltype(v);
     if (w.bits == 8) return go(dequantize_int_kernel<V, 8, Int4Kind::Affine>);
-    switch (int4_kind(w)) {
-      case Int4Kind::Affine: return go(dequantize_int_kernel<V, 4, Int4Kind::Affine>);
-      case Int4Kind::ZeroPoint: return go(dequantize_int_kernel<V, 4, Int4Kind::ZeroPoint>);
-      case Int4Kind::E2M1: return go(dequantize_int_kernel<V, 4, Int4Kind::E2M1>);
-    }
+    with_int4_kind(w, [&](auto kind) { go(dequantize_int_kernel<V, 4, decltype(kind)::value>); });
   };
   if (to == DType::BF16) by_kind(VecBF16{});
   else by_kind(VecF16{});

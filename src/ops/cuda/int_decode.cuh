@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/error.h"
 #include "ops/cuda/gemm.h"
@@ -130,19 +131,23 @@ __device__ __forceinline__ void e2m1x8_to_pairs(uint32_t w, uint32_t s2, uint32_
   }
 }
 
-// One E2M1 code's value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), for the scalar paths.
-__device__ __forceinline__ float e2m1_value(int code) {
-  const int e = (code >> 1) & 3, m = code & 1;
-  const float v = e == 0 ? 0.5f * float(m) : float(2 + m) * float(1 << e) * 0.25f;
-  return code & 8 ? -v : v;
+// One E2M1 code's bits as e2m1x8_to_pairs places them in the 16-bit type: the value times
+// 2^-126 (bf16) or 2^-14 (f16), which the group's multiplier undoes (the scalar paths).
+template <bool kBF16>
+__device__ __forceinline__ uint16_t e2m1_bits(int code) {
+  return uint16_t((code & 7) << (kBF16 ? 6 : 9) | (code & 8) << 12);
 }
 
 // The three kinds of 4-bit codes (IntWeight): affine s * code + b, a zero point s * (code - z),
 // E2M1 values times a power of two (e2m1). A kernel's template parameter: a runtime choice costs
 // the GEMV's larger variants spills.
 enum class Int4Kind : int { Affine, ZeroPoint, E2M1 };
-inline Int4Kind int4_kind(const IntWeight& w) {
-  return w.e2m1 ? Int4Kind::E2M1 : w.zero_point ? Int4Kind::ZeroPoint : Int4Kind::Affine;
+// Calls f with the weight's kind as a std::integral_constant (for a kernel's template argument).
+template <class F>
+decltype(auto) with_int4_kind(const IntWeight& w, F&& f) {
+  if (w.zero_point) return f(std::integral_constant<Int4Kind, Int4Kind::ZeroPoint>{});
+  if (w.e2m1) return f(std::integral_constant<Int4Kind, Int4Kind::E2M1>{});
+  return f(std::integral_constant<Int4Kind, Int4Kind::Affine>{});
 }
 
 // A 4-bit group's word as the decode's pairs (int4_param_pairs; E2M1: s2 the multiplier).
