@@ -6,7 +6,7 @@
 //                [--steps 32] [--gemv-lab] [--int-lab]
 //                [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
 //                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
-//                [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
+//                [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
@@ -429,8 +429,13 @@ void gemv_lab(double bw, bool int_only) {
               "dequantize_int µs and GB/s (read + write)\n| matrix | layout | n x k | MB |");
   const int int_ms[] = {1, 2, 4, 8, 16};
   for (int m : int_ms) std::printf(" m=%d µs | GB/s |", m);
+  // m = 1-4 run gemv_int_dp4a where it takes the layout; the same m on the tensor-core GEMV
+  // (KernelSwitches::int_dp4a_max_m = 0) beside them.
+  const int tc_ms[] = {1, 2, 4};
+  for (int m : tc_ms) std::printf(" m=%d tensor cores µs |", m);
   std::printf(" dequantize µs | GB/s |\n|---|---|---|---|");
   for (size_t i = 0; i < std::size(int_ms); ++i) std::printf("---|---|");
+  for (size_t i = 0; i < std::size(tc_ms); ++i) std::printf("---|");
   std::printf("---|---|\n");
   std::vector<Shape> int_shapes(std::begin(shapes), std::end(shapes));
   int_shapes.push_back({"long k", 8192, 16384, false});  // 4x the rounds per warp of the 4096-column ones
@@ -477,6 +482,20 @@ void gemv_lab(double bw, bool int_only) {
         char buf[64];
         std::snprintf(buf, sizeof buf, " | %.1f | %.0f", us, double(bytes) / (us * 1e-6) / 1e9);
         cells += buf;
+      }
+      {
+        auto tc = cuda::kernel_switches();
+        tc.int_dp4a_max_m = 0;
+        cuda::set_kernel_switches(tc);
+        for (int m : tc_ms) {
+          const double us =
+              time_us([&](int i) { cuda::gemv_int(DType::BF16, out, x, wi(i), nullptr, y, sh.n, m, sh.n, sh.k, nullptr); });
+          char buf[32];
+          std::snprintf(buf, sizeof buf, " | %.1f", us);
+          cells += buf;
+        }
+        tc.int_dp4a_max_m = sw.int_dp4a_max_m;
+        cuda::set_kernel_switches(tc);
       }
       const double dus = time_us([&](int i) { cuda::dequantize_int(DType::BF16, wi(i), deq, sh.n, sh.k, nullptr); });
       std::printf("| %s | %s, groups of %d%s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name,
@@ -816,6 +835,11 @@ int main(int argc, char** argv) {
       sw.fp8_norm_codes = false;
       cuda::set_kernel_switches(sw);
     }
+    else if (a == "--int-dp4a-max-m") {
+      auto sw = cuda::kernel_switches();
+      sw.int_dp4a_max_m = std::stoi(next());
+      cuda::set_kernel_switches(sw);
+    }
     else if (a == "--no-pdl") {
       auto sw = cuda::kernel_switches();
       sw.pdl = false;
@@ -824,7 +848,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--int-lab] [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
       return 2;
     }
   }

@@ -16,6 +16,7 @@
 #include "io/gguf.h"
 #include "io/grouped_codes.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/gemv_int_dp4a.h"
 #include "ops/cuda/kernel_switches.h"
 #include "../support/ggml_blocks.h"
 
@@ -129,7 +130,9 @@ TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
 // output, and a y row stride wider than n (a part of a fused weight): against the sum in double
 // of x times the kernels' weight values. The GPU sums fp32 and rounds once, so the bound is the
 // 16-bit rounding (none for float32) plus 1e-4 of sum |w x|; nothing outside y[m][0..n) is
-// written. Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
+// written. At m = 1-4 the layouts gemv_int_dp4a takes run there (x quantized to int8 per 16
+// bytes of codes), held to the unrounded weights with x's quantization error added to the bound
+// (sum |s q| dx / 2, dx = the block's max |x| / 127), and once more with it switched off. Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
 // held to the unrounded weights, and the same layouts run once more with the switch off. dequantize_int writes those weight values exactly; embed_rows_int gathers
 // s * code + b in fp32.
 TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
@@ -168,6 +171,37 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
       const auto b = random_act(ab, size_t(n), rng, 0.5f);
       std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
+      // gemv_int_dp4a's reference (rows 0..kGemvIntDp4aMaxM - 1): the unrounded weights, and the
+      // bound of x's int8 quantization, sum over columns of |s q| dx / 2.
+      constexpr int kQM = cuda::kGemvIntDp4aMaxM;
+      std::vector<double> qref(size_t(kQM) * n), qmag(size_t(kQM) * n), qerr(size_t(kQM) * n);
+      {
+        const int cpb = 128 / g.layout.bits;  // columns per block of x's codes
+        const size_t cb = grouped_code_bytes(g.layout, k), ng = size_t(k / g.layout.group);
+        std::vector<double> dx(size_t(kQM) * size_t(k / cpb));
+        for (int r = 0; r < kQM; ++r)
+          for (int bi = 0; bi < k / cpb; ++bi) {
+            double amax = 0;
+            for (int i = bi * cpb; i < (bi + 1) * cpb; ++i) amax = std::max(amax, std::fabs(double(xr[size_t(r) * k + i])));
+            dx[size_t(r) * size_t(k / cpb) + size_t(bi)] = amax / 127.0;
+          }
+        for (int j = 0; j < n; ++j)
+          for (int r = 0; r < kQM; ++r) {
+            double acc = 0, a = 0, e = 0;
+            for (int i = 0; i < k; ++i) {
+              const double p = double(g.exact[size_t(j) * k + i]) * xr[size_t(r) * k + i];
+              acc += p;
+              a += std::fabs(p);
+              const uint32_t word = g.params[size_t(j) * ng + size_t(i / g.layout.group)];
+              const double sq = double(act_value(ab, uint16_t(word & 0xffffu))) *
+                                grouped_code(g.layout.bits, g.codes.data() + size_t(j) * cb, i);
+              e += std::fabs(sq) * dx[size_t(r) * size_t(k / cpb) + size_t(i / cpb)] * 0.5;
+            }
+            qref[size_t(r) * n + j] = acc;
+            qmag[size_t(r) * n + j] = a;
+            qerr[size_t(r) * n + j] = e;
+          }
+      }
       // Scaling after the MMA, the GEMV computes with s * code + b unrounded.
       const std::vector<float>& wv =
           cuda::gemv_int_scales_after_mma(ab, g.layout.bits, g.layout.group) ? g.exact : g.values;
@@ -192,8 +226,13 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
                               .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
       ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
       for (int m = 1; m <= kM; ++m)
-        for (int mode = 0; mode < 2; ++mode) {  // 0: 16-bit out + bias, 1: float32 out
-          const bool f32 = mode == 1, bias = mode == 0;
+        for (int mode = 0; mode < 4; ++mode) {  // 0, 2: 16-bit out + bias, 1, 3: float32 out; 2, 3: no DP4A
+          const bool f32 = mode % 2 == 1, bias = !f32, no_dp4a = mode >= 2;
+          auto swm = sw;
+          if (no_dp4a) swm.int_dp4a_max_m = 0;
+          cuda::set_kernel_switches(swm);
+          const bool dp4a = cuda::gemv_int_dp4a_takes(ab, w, m, k);
+          if (no_dp4a && m > kQM) continue;  // the same kernel as modes 0 and 1
           dy16.poison();
           dy32.poison();
           cuda::gemv_int(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr,
@@ -216,13 +255,15 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
                 continue;
               }
               const size_t at = size_t(r) * n + j;
-              const double want = ref[at] + (bias ? double(b[size_t(j)]) : 0.0);
+              const double want = (dp4a ? qref[at] : ref[at]) + (bias ? double(b[size_t(j)]) : 0.0);
               const double e = std::isnan(v) ? 1e30 : std::fabs(v - want);
               worst = std::max(worst, e);
-              bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(want) + 1e-4 * (mag[at] + (bias ? std::fabs(b[size_t(j)]) : 0.0));
+              bad += e > (f32 ? 1e-6 : act_rel_tol(ab)) * std::fabs(want) +
+                             1e-4 * ((dp4a ? qmag[at] : mag[at]) + (bias ? std::fabs(b[size_t(j)]) : 0.0)) +
+                             (dp4a ? 1.01 * qerr[at] : 0.0);
               ++checked;
             }
-          EXPECT_EQ(bad, 0u) << "m=" << m << " mode " << mode << " max err " << worst;
+          EXPECT_EQ(bad, 0u) << "m=" << m << " mode " << mode << (dp4a ? " (DP4A)" : "") << " max err " << worst;
           EXPECT_EQ(outside, 0u) << "m=" << m << " mode " << mode << ": written outside y[m][n]";
         }
       // dequantize_int: the kernels' values, to one rounding (the host rounds s * code + b from
@@ -292,6 +333,37 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
       const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
       const auto b = random_act(ab, size_t(n), rng, 0.5f);
       std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
+      // gemv_int_dp4a's reference (rows 0..kGemvIntDp4aMaxM - 1): the unrounded weights, and the
+      // bound of x's int8 quantization, sum over columns of |s q| dx / 2.
+      constexpr int kQM = cuda::kGemvIntDp4aMaxM;
+      std::vector<double> qref(size_t(kQM) * n), qmag(size_t(kQM) * n), qerr(size_t(kQM) * n);
+      {
+        const int cpb = 128 / g.layout.bits;  // columns per block of x's codes
+        const size_t cb = grouped_code_bytes(g.layout, k), ng = size_t(k / g.layout.group);
+        std::vector<double> dx(size_t(kQM) * size_t(k / cpb));
+        for (int r = 0; r < kQM; ++r)
+          for (int bi = 0; bi < k / cpb; ++bi) {
+            double amax = 0;
+            for (int i = bi * cpb; i < (bi + 1) * cpb; ++i) amax = std::max(amax, std::fabs(double(xr[size_t(r) * k + i])));
+            dx[size_t(r) * size_t(k / cpb) + size_t(bi)] = amax / 127.0;
+          }
+        for (int j = 0; j < n; ++j)
+          for (int r = 0; r < kQM; ++r) {
+            double acc = 0, a = 0, e = 0;
+            for (int i = 0; i < k; ++i) {
+              const double p = double(g.exact[size_t(j) * k + i]) * xr[size_t(r) * k + i];
+              acc += p;
+              a += std::fabs(p);
+              const uint32_t word = g.params[size_t(j) * ng + size_t(i / g.layout.group)];
+              const double sq = double(act_value(ab, uint16_t(word & 0xffffu))) *
+                                grouped_code(g.layout.bits, g.codes.data() + size_t(j) * cb, i);
+              e += std::fabs(sq) * dx[size_t(r) * size_t(k / cpb) + size_t(i / cpb)] * 0.5;
+            }
+            qref[size_t(r) * n + j] = acc;
+            qmag[size_t(r) * n + j] = a;
+            qerr[size_t(r) * n + j] = e;
+          }
+      }
       for (int j = 0; j < n; ++j)
         for (int r = 0; r < kM; ++r) {
           double acc = 0, a = 0;

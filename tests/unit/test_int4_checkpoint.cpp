@@ -249,7 +249,12 @@ TEST(Int4Checkpoint, GroupedRowsAreTheWeights) {
 // grouped codes: 4-bit codes of the zero-point layout (a quarter of the twin's bytes), decoded
 // as s (q - z) with z subtracted exactly, their fp16 scales rounded to bf16 once per group where
 // the twin rounds each weight; MXFP4's experts as their exact values (io/grouped_codes.h). Those
-// follow the twin until a near tie. With --dequantize-weights all are exact.
+// follow the twin until a near tie: the prompt's 15 rows through the tensor-core GEMV, the decode
+// steps (one row) through gemv_int_dp4a, whose activations are quantized to int8 per 32 columns
+// as the CPU's block kernels quantize them, so they are held as the CPU's int8 path is (log-
+// probabilities within 1.0) and a changed token must be a near tie of 0.25 (0.14 measured on
+// these models; the exact decode's 0.1 and 0.05 held before int8 activations, and CudaIntWeights
+// holds the kernel to its bound). With --dequantize-weights all are exact.
 TEST(Int4Checkpoint, CudaRunsEveryLayout) {
   if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
   for (const std::string v : {"awq", "gptq", "gptq_v2", "ct_w4a16", "ct_asym_actorder", "ct_channel", "mxfp4"}) {
@@ -259,7 +264,7 @@ TEST(Int4Checkpoint, CudaRunsEveryLayout) {
     for (const bool dequantize : {false, true}) {
       const GenerateResult got = greedy(kData / v, Device::Cuda, dequantize);
       if (codes && !dequantize) {
-        test::expect_greedy_until_near_tie(got, want, 0.1, 0.05, v + " as grouped codes");
+        test::expect_greedy_until_near_tie(got, want, 0.25, 1.0, v + " as grouped codes");
         continue;
       }
       EXPECT_EQ(got.tokens, want.tokens);
@@ -276,11 +281,12 @@ TEST(Int4Checkpoint, CudaRunsEveryLayout) {
 // the CPU, grouped codes through the CUDA MoE kernels' integer GEMV (the prompt's 15 rows and
 // each decode step) — follow the twin until a near tie, in a fraction of its memory. On CUDA in
 // float16 (AWQ checkpoints' own dtype) the kept parameters are the fp16 scales exactly and the
-// per-weight decode rounds s (q - z) as the twin's fp16 copy does, so only summation order
-// differs (within 0.05, as the dense layouts). In bfloat16 each group's scale is rounded to bf16
-// (up to 2^-9 of it), which a dense model hardly notices but a router amplifies where two
-// experts' logits are near (a changed choice moves later tokens' log-probabilities by up to a
-// few tenths: 0.2 measured): held within 0.5, which a misread layout is far beyond. (Before,
+// per-weight decode rounds s (q - z) as the twin's fp16 copy does; in bfloat16 each group's scale
+// is rounded to bf16 (up to 2^-9 of it), which a dense model hardly notices but a router
+// amplifies where two experts' logits are near (a changed choice moves later tokens' log-
+// probabilities by up to a few tenths: 0.2 measured). The decode steps' dense layers run
+// gemv_int_dp4a (int8 activations, as the dense test above says): held within 1.0 and a near tie
+// of 0.25, as the CPU's int8 path, which a misread layout is far beyond. (Before,
 // the CPU stopped on an internal error and CUDA read the codes as bf16.)
 TEST(Int4Checkpoint, MoeExpertsStayFourBit) {
   const std::string v = "qwen3_moe_awq";
@@ -300,8 +306,8 @@ TEST(Int4Checkpoint, MoeExpertsStayFourBit) {
     SCOPED_TRACE(dtype_name(dt));
     size_t gpu_kept = 0, gpu_twin = 0;
     const GenerateResult gwant = greedy(kData / (v + "_twin"), Device::Cuda, false, false, dt, &gpu_twin);
-    test::expect_greedy_until_near_tie(greedy(kData / v, Device::Cuda, false, false, dt, &gpu_kept), gwant, 0.1,
-                                       dt == DType::F16 ? 0.05 : 0.5, "grouped codes on CUDA");
+    test::expect_greedy_until_near_tie(greedy(kData / v, Device::Cuda, false, false, dt, &gpu_kept), gwant, 0.25, 1.0,
+                                       "grouped codes on CUDA");
     EXPECT_LT(gpu_kept, gpu_twin / 2) << gpu_kept << " of " << gpu_twin;
     EXPECT_EQ(greedy(kData / v, Device::Cuda, true, false, dt).tokens, gwant.tokens);
   }

@@ -44,6 +44,7 @@
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/gemv_common.cuh"
+#include "ops/cuda/gemv_int_dp4a.h"
 #include "ops/cuda/int_decode.cuh"
 #include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/mma_sync.cuh"
@@ -478,6 +479,7 @@ void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int: x must be 16-byte aligned");
   if (out != ab && out != DType::F32) throw Error("gemv_int: output must be the input type or float32");
   if (ldy < n) throw Error("gemv_int: the output's row stride is shorter than its rows");
+  if (gemv_int_dp4a_takes(ab, w, m, k)) return gemv_int_dp4a(ab, out, x, w, bias, y, ldy, m, n, k, stream);
   launch_any(ab, out == DType::F32, x, w, bias, y, ldy, m, n, k, static_cast<cudaStream_t>(stream), {});
 }
 

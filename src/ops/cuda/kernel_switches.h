@@ -43,6 +43,10 @@ struct KernelSwitches {
   // gemv_int: bf16 4-bit codes in groups of 128 or more apply the scale after the MMA (one
   // instruction per pair of codes instead of three); off: the per-weight decode, for the lab.
   bool int_scale_after_mma = true;
+  // gemv_int at m <= int_dp4a_max_m (0-4): x quantized to int8 per 16 bytes of codes and the
+  // codes multiplied on the integer pipes (gemv_int_dp4a.h), where the layout allows; 0: the
+  // tensor-core GEMV at every m.
+  int int_dp4a_max_m = 4;
 };
 
 void set_kernel_switches(const KernelSwitches& s);

@@ -1,0 +1,318 @@
+// gemv_int at 1-4 rows of x on the integer pipes: x quantized to int8 per block of columns,
+// the codes multiplied as they are stored with DP4A (gemv_int_dp4a.h).
+//
+// Why: at m = 1 the tensor-core GEMV (gemv_int.cu) decodes every code to a 16-bit value for an
+// MMA whose other 7 columns are idle, and Nsight Compute puts it at 1.3-3.1 TB/s, bound by
+// instructions and their latency (docs/results/weights-4bit.md): a weight costs about 4.6
+// thread instructions, against the ~3.9 an H200 can issue per weight at full bandwidth (132 SMs
+// x 4 schedulers x 1.98 GHz x 32 lanes / 8.5e12 4.5-bit weights a second). Here a 32-bit word
+// of 4-bit codes is two masks and two DP4A for 8 weights, and a word of 8-bit codes one DP4A
+// for 4: with the loads and the per-block fp32 sums about 0.9 instructions a weight.
+//
+// The arithmetic. Each CTA quantizes x (the previous kernel's output) into shared memory first:
+// per block of C columns (C = 32 for 4-bit codes, 16 for 8-bit: the 16 bytes of codes a lane
+// loads, which lie in one group of the weight), dx = max |x| / 127 and xq = rint(x / dx), and
+// the block's sum of x in fp32. A weight row's dot with x is then, block by block,
+//     sum_c (s q_c + b) x_c  ~  s dx sum_c q_c xq_c  +  b sum_c x_c
+// with the integer sum exact (DP4A), so the only error is x's quantization: at most
+// |s q_c| dx / 2 per column (the weights' values s q + b are used unrounded, as the scale-after-
+// MMA path uses them). A zero-point layout's b is -s z. E2M1 codes are not evenly spaced and
+// take the tensor-core kernel.
+//
+// The codes are multiplied in their stored order (io/grouped_codes.h): a 4-bit word's low
+// nibbles (word & 0x0f0f0f0f) are columns 0, 4, 1, 5 of its 8 and the high ones 2, 6, 3, 7; an
+// 8-bit word's bytes columns 0, 2, 1, 3. x's int8 codes are written in the same order, so
+// neither side is permuted in the loop.
+//
+// Work: each warp takes R consecutive rows at a time (a task), its lanes striding along k one
+// 16-byte vector of each row per lane and step, U steps' loads issued before any is used
+// (R * U * 16 bytes in flight per lane); CTAs loop over tasks (as many CTAs as fit on the GPU,
+// so that x is quantized once per CTA, not once per row). A task's sums meet by warp shuffles.
+#include "ops/cuda/gemv_int_dp4a.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "ops/cuda/cuda_check.cuh"
+#include "ops/cuda/gemv_common.cuh"
+#include "ops/cuda/kernel_switches.h"
+#include "ops/cuda/pdl.cuh"
+#include "ops/cuda/per_device.cuh"
+
+namespace kvlm::cuda {
+
+namespace {
+
+constexpr int kDp4aWarps = kGemvThreads / 32;
+constexpr int kDp4aRows = 2;   // R: weight rows per warp and task
+constexpr int kDp4aSteps = 4;  // U: 16-byte vectors per row a lane loads before using them
+
+__device__ __forceinline__ uint32_t pack_i8(int a, int b, int c, int d) {
+  return uint32_t(a & 0xff) | uint32_t(b & 0xff) << 8 | uint32_t(c & 0xff) << 16 | uint32_t(d & 0xff) << 24;
+}
+
+// A group's 32-bit word (grouped_param / grouped_param_zero_point) as fp32 scale and offset.
+template <class V, bool ZP>
+__device__ __forceinline__ void group_scale_offset(uint32_t p, float& s, float& b) {
+  s = V::load(uint16_t(p & 0xffffu));
+  const float hi = V::load(uint16_t(p >> 16));
+  // zero point: hi = -(magic + z), so b = -s z = s (hi + magic), exact in fp32 up to one rounding
+  b = ZP ? s * (hi + (V::kBF16 ? 128.0f : 1024.0f)) : hi;
+}
+
+// BITS: 4 or 8; M: rows of x the variant holds (m <= M; rows past m are zeros, never stored);
+// ZP: a zero-point layout; bshift: log2(group / C).
+template <class V, int BITS, int M, bool ZP, bool kF32Out>
+__global__ void __launch_bounds__(kGemvThreads, 2)
+    gemv_int_dp4a_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int bshift,
+                         const uint16_t* bias, void* y, int ldy, int m, int n, int k) {
+  constexpr int C = 128 / BITS, R = kDp4aRows, U = M >= 4 ? kDp4aSteps / 2 : kDp4aSteps;  // M = 4 spilled at 4 steps
+  const int nb = k / C, ng = nb >> bshift;  // x blocks (16-byte vectors of codes) and groups per row
+  extern __shared__ uint4 dp4a_shared[];
+  // xq [M][k] int8 in the codes' order; 4-bit: the two 16-byte halves of block v at 16 v and
+  // k / 2 + 16 v, so that a warp's lanes read consecutive 16-byte words (no bank conflicts).
+  int8_t* const xq = reinterpret_cast<int8_t*>(dp4a_shared);
+  float2* const xs = reinterpret_cast<float2*>(xq + size_t(M) * size_t(k));  // [M][nb]: (dx, sum x)
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int tasks = (n + R - 1) / R, first = int(blockIdx.x) * kDp4aWarps + warp, stride = int(gridDim.x) * kDp4aWarps;
+  const size_t row_bytes = size_t(k) * BITS / 8;
+
+  // The weights are no kernel's output: the first task's lines start towards L2 while the
+  // previous kernel finishes.
+  if (first < tasks)
+    for (int j = 0; j < R; ++j) {
+      const int row = min(first * R + j, n - 1);
+      for (int v = lane; v < min(nb, 32 * U); v += 32)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(codes + size_t(row) * row_bytes + 16 * size_t(v)));
+    }
+  pdl_wait();
+
+  // x -> int8 codes per block of C columns, 8 columns per thread (C / 8 consecutive lanes a
+  // block), kBatch vectors of x loaded before any is used: one L2 round trip per batch, not one
+  // per vector (k = 12288 took six in a row).
+  {
+    constexpr int UB = C / 8, kBatch = 8;
+    const int per_row = k / 8, units = M * per_row;
+    for (int base = 0; base < units; base += kBatch * kGemvThreads) {
+      uint4 raw[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int u = base + i * kGemvThreads + int(threadIdx.x), r = u / per_row;
+        raw[i] = u < units && r < m ? __ldg(reinterpret_cast<const uint4*>(x + size_t(r) * size_t(k)) + (u - r * per_row))
+                                    : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (base + i * kGemvThreads >= units) break;  // uniform across the CTA
+        const int u = base + i * kGemvThreads + int(threadIdx.x);
+        const bool on = u < units;
+        const int r = on ? u / per_row : 0, c0 = on ? (u - r * per_row) * 8 : 0;
+        float f[8];
+        V::decode8(raw[i], f);
+        float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e])), sum += f[e];
+#pragma unroll
+        for (int o = 1; o < UB; o <<= 1) {
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int q[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[e] = __float2int_rn(f[e] * inv);
+        if (!on) continue;
+        int8_t* const row = xq + size_t(r) * size_t(k);
+        const int v = c0 / C;
+        if constexpr (BITS == 4) {
+          const int w = (c0 % C) / 8;  // the word of the block: half w / 2, 8 bytes at 8 (w % 2)
+          *reinterpret_cast<uint2*>(row + (w / 2) * (k / 2) + 16 * v + 8 * (w % 2)) =
+              make_uint2(pack_i8(q[0], q[4], q[1], q[5]), pack_i8(q[2], q[6], q[3], q[7]));
+        } else {
+          *reinterpret_cast<uint2*>(row + c0) =
+              make_uint2(pack_i8(q[0], q[2], q[1], q[3]), pack_i8(q[4], q[6], q[5], q[7]));
+        }
+        if (u % UB == 0) xs[r * nb + v] = make_float2(amax / 127.0f, sum);
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int task = first; task < tasks; task += stride) {
+    const uint4* crow[R];
+    const uint32_t* prow[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int row = min(task * R + j, n - 1);  // rows past n are read, never stored
+      crow[j] = reinterpret_cast<const uint4*>(codes + size_t(row) * row_bytes);
+      prow[j] = params + size_t(row) * size_t(ng);
+    }
+    float acc[R][M] = {};
+    // The next U steps' codes and parameters load while this step's are multiplied.
+    uint4 cn[R][U];
+    uint32_t pn[R][U];
+    auto load = [&](int v0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + 32 * u;
+        const bool ok = v < nb;
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          cn[j][u] = ok ? ld_stream(crow[j] + v) : make_uint4(0, 0, 0, 0);
+          pn[j][u] = ok ? __ldg(prow[j] + (v >> bshift)) : 0u;  // a missing vector: s = b = 0
+        }
+      }
+    };
+    load(lane);
+    for (int v0 = lane; v0 < nb; v0 += 32 * U) {
+      uint4 c[R][U];
+      uint32_t p[R][U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < R; ++j) c[j][u] = cn[j][u], p[j][u] = pn[j][u];
+      if (v0 + 32 * U < nb) load(v0 + 32 * U);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = min(v0 + 32 * u, nb - 1);
+        uint4 xa[M], xb[M];
+        float2 ds[M];
+#pragma unroll
+        for (int mm = 0; mm < M; ++mm) {
+          const int8_t* row = xq + size_t(mm) * size_t(k);
+          xa[mm] = *reinterpret_cast<const uint4*>(row + 16 * v);
+          if constexpr (BITS == 4) xb[mm] = *reinterpret_cast<const uint4*>(row + k / 2 + 16 * v);
+          ds[mm] = xs[mm * nb + v];
+        }
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          float s, b;
+          group_scale_offset<V, ZP>(p[j][u], s, b);
+          const uint32_t cw[4] = {c[j][u].x, c[j][u].y, c[j][u].z, c[j][u].w};
+#pragma unroll
+          for (int mm = 0; mm < M; ++mm) {
+            int dot = 0;
+            if constexpr (BITS == 4) {
+              const uint32_t xw[8] = {xa[mm].x, xa[mm].y, xa[mm].z, xa[mm].w, xb[mm].x, xb[mm].y, xb[mm].z, xb[mm].w};
+#pragma unroll
+              for (int w = 0; w < 4; ++w) {
+                dot = __dp4a(int(cw[w] & 0x0f0f0f0fu), int(xw[2 * w]), dot);
+                dot = __dp4a(int((cw[w] >> 4) & 0x0f0f0f0fu), int(xw[2 * w + 1]), dot);
+              }
+            } else {
+              dot = __dp4a(int(cw[0]), int(xa[mm].x), dot);
+              dot = __dp4a(int(cw[1]), int(xa[mm].y), dot);
+              dot = __dp4a(int(cw[2]), int(xa[mm].z), dot);
+              dot = __dp4a(int(cw[3]), int(xa[mm].w), dot);
+            }
+            acc[j][mm] = fmaf(s * ds[mm].x, float(dot), fmaf(b, ds[mm].y, acc[j][mm]));
+          }
+        }
+      }
+    }
+    // Every lane ends with the task's sums; lane j M + mm stores row j, x row mm.
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        float v = acc[j][mm];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        const int row = task * R + j;
+        if (lane == j * M + mm && row < n && mm < m) store_out<V, 1, kF32Out>(y, ldy, row, mm, v, bias);
+      }
+  }
+  allow_dependents();
+}
+
+// Shared memory a CTA needs: x's int8 codes and its (dx, sum) per block, for M rows.
+size_t dp4a_smem(int bits, int rows, int k) {
+  const int c = 128 / bits;
+  return size_t(rows) * (size_t(k) + size_t(k / c) * sizeof(float2));
+}
+
+int variant_rows(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : 4; }
+
+template <class V, int BITS, int M, bool ZP, bool kF32Out>
+void launch(const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m, int n, int k,
+            cudaStream_t st) {
+  constexpr auto kernel = gemv_int_dp4a_kernel<V, BITS, M, ZP, kF32Out>;
+  const size_t smem = dp4a_smem(BITS, M, k);
+  // Opt in to the most dynamic shared memory once; CTAs per SM from the registers (the
+  // occupancy of a CTA with no shared memory) and from this launch's shared memory.
+  struct Fit {
+    int regs_ctas = 1, smem_per_sm = 0;
+  };
+  static PerDevice<Fit> fit;
+  const Fit& f = fit.get([] {
+    Fit r;
+    int optin = 0;
+    KVLM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
+    KVLM_CUDA_CHECK(cudaDeviceGetAttribute(&r.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, current_device()));
+    KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r.regs_ctas, kernel, kGemvThreads, 0));
+    r.regs_ctas = std::max(1, r.regs_ctas);
+    return r;
+  });
+  const int per_sm = std::clamp(f.smem_per_sm / int(smem + 1024), 1, f.regs_ctas);
+  const int tasks = (n + kDp4aRows - 1) / kDp4aRows;
+  const int ctas = std::min((tasks + kDp4aWarps - 1) / kDp4aWarps, per_sm * sm_count());
+  KVLM_CUDA_CHECK(launch_pdl<kernel>(dim3(unsigned(ctas)), dim3(kGemvThreads), smem, st,
+                                     static_cast<const uint16_t*>(x), w.codes, w.params, bshift,
+                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k));
+}
+
+template <class V, int BITS>
+void launch_bits(bool f32, const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m,
+                 int n, int k, cudaStream_t st) {
+  auto go = [&](auto rows, auto zp) {
+    constexpr int M = decltype(rows)::value;
+    constexpr bool ZP = decltype(zp)::value && BITS == 4;
+    if (f32) launch<V, BITS, M, ZP, true>(x, w, bshift, bias, y, ldy, m, n, k, st);
+    else launch<V, BITS, M, ZP, false>(x, w, bshift, bias, y, ldy, m, n, k, st);
+  };
+  auto by_zp = [&](auto rows) {
+    if (BITS == 4 && w.zero_point) go(rows, std::true_type{});
+    else go(rows, std::false_type{});
+  };
+  switch (variant_rows(m)) {
+    case 1: by_zp(std::integral_constant<int, 1>{}); break;
+    case 2: by_zp(std::integral_constant<int, 2>{}); break;
+    default: by_zp(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+}  // namespace
+
+bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k) {
+  if (m < 1 || m > std::min(kGemvIntDp4aMaxM, kernel_switches().int_dp4a_max_m)) return false;
+  if (ab != DType::BF16 && ab != DType::F16) return false;
+  if (w.e2m1 || (w.bits != 4 && w.bits != 8) || (w.zero_point && w.bits != 4)) return false;
+  const int c = 128 / w.bits;
+  if (k <= 0 || k % c != 0 || w.group <= 0 || w.group % c != 0 || k % w.group != 0) return false;
+  const int blocks = w.group / c;
+  if ((blocks & (blocks - 1)) != 0) return false;  // the group index is a shift
+  if (compute_capability() < 61) return false;     // DP4A
+  return dp4a_smem(w.bits, variant_rows(m), k) <= kGemvIntDp4aMaxSmem;
+}
+
+void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
+                   int n, int k, void* stream) {
+  if (!gemv_int_dp4a_takes(ab, w, m, k)) throw Error("gemv_int_dp4a: called for a layout or m it does not take");
+  int bshift = 0;
+  while ((w.group / (128 / w.bits)) >> bshift > 1) ++bshift;
+  const auto st = static_cast<cudaStream_t>(stream);
+  const bool f32 = out == DType::F32;
+  if (ab == DType::BF16) {
+    if (w.bits == 4) launch_bits<VecBF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
+    else launch_bits<VecBF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
+  } else {
+    if (w.bits == 4) launch_bits<VecF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
+    else launch_bits<VecF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
+  }
+}
+
+}  // namespace kvlm::cuda

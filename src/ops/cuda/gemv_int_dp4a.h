@@ -1,0 +1,26 @@
+// gemv_int's variant for 1-4 rows of x on the integer pipes (gemv_int_dp4a.cu): x quantized
+// to int8 per block of the codes' 16 bytes, the 4- and 8-bit codes multiplied as stored with
+// DP4A, each block's sum scaled in fp32. gemv_int calls it where it takes the call
+// (KernelSwitches::int_dp4a_max_m); its values differ from the tensor-core GEMV's by x's
+// quantization, at most |s q| dx / 2 per weight (dx = a block's max |x| / 127).
+#pragma once
+
+#include "core/dtype.h"
+#include "ops/cuda/gemm.h"
+
+namespace kvlm::cuda {
+
+inline constexpr int kGemvIntDp4aMaxM = 4;
+// A CTA's shared memory for x's codes at most (so that two CTAs share an SM): k up to 81k
+// columns at m = 1, 20k at m = 3-4.
+inline constexpr size_t kGemvIntDp4aMaxSmem = 100 * 1024;
+
+// Whether gemv_int_dp4a takes this call: 1 <= m <= the switch's maximum, bf16 / f16, 4-bit
+// affine or zero-point codes or 8-bit codes (not E2M1), groups a power of two of 16-byte
+// vectors, x's codes within kGemvIntDp4aMaxSmem, DP4A (sm_61+).
+bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k);
+// gemv_int's contract (x, bias, y, ldy, out) for a call gemv_int_dp4a_takes; throws otherwise.
+void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
+                   int n, int k, void* stream);
+
+}  // namespace kvlm::cuda
