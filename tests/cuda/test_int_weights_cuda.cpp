@@ -192,9 +192,11 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
               const double p = double(g.exact[size_t(j) * k + i]) * xr[size_t(r) * k + i];
               acc += p;
               a += std::fabs(p);
+              // s q: E2M1 codes have no offset, so the weight itself
               const uint32_t word = g.params[size_t(j) * ng + size_t(i / g.layout.group)];
-              const double sq = double(act_value(ab, uint16_t(word & 0xffffu))) *
-                                grouped_code(g.layout.bits, g.codes.data() + size_t(j) * cb, i);
+              const double sq = g.layout.e2m1 ? double(g.exact[size_t(j) * k + i])
+                                              : double(act_value(ab, uint16_t(word & 0xffffu))) *
+                                                    grouped_code(g.layout.bits, g.codes.data() + size_t(j) * cb, i);
               e += std::fabs(sq) * dx[size_t(r) * size_t(k / cpb) + size_t(i / cpb)] * 0.5;
             }
             qref[size_t(r) * n + j] = acc;
@@ -333,37 +335,6 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
       const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
       const auto b = random_act(ab, size_t(n), rng, 0.5f);
       std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
-      // gemv_int_dp4a's reference (rows 0..kGemvIntDp4aMaxM - 1): the unrounded weights, and the
-      // bound of x's int8 quantization, sum over columns of |s q| dx / 2.
-      constexpr int kQM = cuda::kGemvIntDp4aMaxM;
-      std::vector<double> qref(size_t(kQM) * n), qmag(size_t(kQM) * n), qerr(size_t(kQM) * n);
-      {
-        const int cpb = 128 / g.layout.bits;  // columns per block of x's codes
-        const size_t cb = grouped_code_bytes(g.layout, k), ng = size_t(k / g.layout.group);
-        std::vector<double> dx(size_t(kQM) * size_t(k / cpb));
-        for (int r = 0; r < kQM; ++r)
-          for (int bi = 0; bi < k / cpb; ++bi) {
-            double amax = 0;
-            for (int i = bi * cpb; i < (bi + 1) * cpb; ++i) amax = std::max(amax, std::fabs(double(xr[size_t(r) * k + i])));
-            dx[size_t(r) * size_t(k / cpb) + size_t(bi)] = amax / 127.0;
-          }
-        for (int j = 0; j < n; ++j)
-          for (int r = 0; r < kQM; ++r) {
-            double acc = 0, a = 0, e = 0;
-            for (int i = 0; i < k; ++i) {
-              const double p = double(g.exact[size_t(j) * k + i]) * xr[size_t(r) * k + i];
-              acc += p;
-              a += std::fabs(p);
-              const uint32_t word = g.params[size_t(j) * ng + size_t(i / g.layout.group)];
-              const double sq = double(act_value(ab, uint16_t(word & 0xffffu))) *
-                                grouped_code(g.layout.bits, g.codes.data() + size_t(j) * cb, i);
-              e += std::fabs(sq) * dx[size_t(r) * size_t(k / cpb) + size_t(i / cpb)] * 0.5;
-            }
-            qref[size_t(r) * n + j] = acc;
-            qmag[size_t(r) * n + j] = a;
-            qerr[size_t(r) * n + j] = e;
-          }
-      }
       for (int j = 0; j < n; ++j)
         for (int r = 0; r < kM; ++r) {
           double acc = 0, a = 0;

@@ -30,6 +30,7 @@
 #include "act_test_util.h"
 #include "cuda_test_util.h"
 #include "io/grouped_codes.h"
+#include "ops/cuda/gemv_int_dp4a.h"
 #include "ops/cpu/ops.h"
 #include "ops/cuda/moe.h"
 
@@ -57,10 +58,12 @@ struct MoeCase {
 // Random grouped codes for [rows][cols] and their values as the kernels decode them (s * code + b,
 // or s (code - z), rounded to the compute type; the scale-after-MMA variant's unrounded values
 // differ by half a step of a weight, within the tolerance's one step of the terms).
+// exact and offset: the unrounded values and each weight's group offset b (zero point: -s z),
+// what gemv_int_dp4a computes with (dp4a_linear).
 struct Codes {
   std::vector<uint8_t> codes;
   std::vector<uint32_t> params;
-  std::vector<float> values;
+  std::vector<float> values, exact, offset;
 };
 Codes random_codes(DType act, GroupedLayout l, int64_t rows, int64_t cols, float scale, std::mt19937& rng) {
   Codes c;
@@ -81,8 +84,39 @@ Codes random_codes(DType act, GroupedLayout l, int64_t rows, int64_t cols, float
     grouped_dequantize_row(l, act, c.codes.data() + size_t(r) * cb, c.params.data() + size_t(r) * ng, cols,
                            std::span<float>(c.values).subspan(size_t(r * cols), size_t(cols)));
   }
+  c.exact = c.values;
+  c.offset.resize(c.values.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < cols; ++i) {
+      const uint32_t p = c.params[size_t(r) * ng + size_t(i / l.group)];
+      const float sc = act_value(act, uint16_t(p & 0xffffu)), hi = act_value(act, uint16_t(p >> 16));
+      c.offset[size_t(r * cols + i)] = l.zero_point ? sc * (hi + (act == DType::BF16 ? 128.0f : 1024.0f)) : hi;
+    }
   for (auto& v : c.values) v = act_round(act, v);
   return c;
+}
+
+// gemv_int_dp4a's arithmetic (decode batches of up to 4 rows): x quantized to int8 per block of
+// `block` columns as the kernel quantizes it (dx = max |x| / 127, q = x * (127 / max |x|)
+// rounded to nearest even, in fp32), each weight's s q (its exact value less its group's offset)
+// times dx q, and the offsets times x itself; y = x . w^T (+ bias), w [n][k].
+void dp4a_linear(std::span<const float> x, int k, const float* exact, const float* offset, int n,
+                 std::span<const float> bias, int block, std::span<float> y) {
+  std::vector<double> xq(static_cast<size_t>(k));
+  for (int b0 = 0; b0 < k; b0 += block) {
+    float amax = 0.0f;
+    for (int i = b0; i < b0 + block; ++i) amax = std::max(amax, std::fabs(x[size_t(i)]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, dx = amax / 127.0f;
+    for (int i = b0; i < b0 + block; ++i) xq[size_t(i)] = double(dx) * std::nearbyint(x[size_t(i)] * inv);
+  }
+  for (int j = 0; j < n; ++j) {
+    double acc = bias.empty() ? 0.0 : bias[size_t(j)];
+    for (int i = 0; i < k; ++i) {
+      const size_t at = size_t(j) * size_t(k) + size_t(i);
+      acc += (double(exact[at]) - offset[at]) * xq[size_t(i)] + double(offset[at]) * x[size_t(i)];
+    }
+    y[size_t(j)] = float(acc);
+  }
 }
 void run(DType act, const MoeCase& c, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -125,22 +159,40 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
   // way: one ulp of h, which moves an output by up to rel * mag.
   std::vector<double> mag(size_t(T) * H, 0.0);
   std::vector<float> gu(size_t(2 * I)), h(static_cast<size_t>(I)), out(static_cast<size_t>(H));
+  // Decode batches of grouped codes may run gemv_int_dp4a (int8 x): the reference then computes
+  // as it does.
+  auto dp4a_takes = [&](int k) {
+    return c.codes.bits > 0 && T <= 4 &&
+           cuda::gemv_int_dp4a_takes(act, {.bits = c.codes.bits, .group = c.codes.group, .zero_point = c.codes.zero_point},
+                                     T, k);
+  };
+  const bool gu_dp4a = dp4a_takes(H), dn_dp4a = dp4a_takes(I);
+  const int block = c.codes.bits ? 128 / c.codes.bits : 0;
   for (int t = 0; t < T; ++t) {
     std::vector<double> acc(static_cast<size_t>(H), 0.0);
     for (int k = 0; k < K; ++k) {
       const int e = ids[size_t(t) * K + size_t(k)];
       if (e < first || e >= first + held) continue;  // another rank's expert
-      ops::cpu::linear(std::span<const float>(x).subspan(size_t(t) * H, size_t(H)), 1, H,
-                       std::span<const float>(gate_up).subspan(size_t(e) * 2 * I * H, size_t(2 * I) * H), 2 * I,
-                       gu_bias.empty() ? std::span<const float>{} : std::span<const float>(gu_bias).subspan(size_t(e) * 2 * I, size_t(2 * I)),
-                       gu);
+      const auto gub =
+          gu_bias.empty() ? std::span<const float>{} : std::span<const float>(gu_bias).subspan(size_t(e) * 2 * I, size_t(2 * I));
+      if (gu_dp4a)
+        dp4a_linear(std::span<const float>(x).subspan(size_t(t) * H, size_t(H)), H,
+                    gu_codes->exact.data() + size_t(e) * 2 * I * H, gu_codes->offset.data() + size_t(e) * 2 * I * H,
+                    2 * I, gub, block, gu);
+      else
+        ops::cpu::linear(std::span<const float>(x).subspan(size_t(t) * H, size_t(H)), 1, H,
+                         std::span<const float>(gate_up).subspan(size_t(e) * 2 * I * H, size_t(2 * I) * H), 2 * I, gub, gu);
       for (auto& v : gu) v = act_round(act, v);
       ops::cpu::glu(c.act, std::span<const float>(gu).first(size_t(I)), std::span<const float>(gu).subspan(size_t(I)), h,
                     cfg.swiglu_alpha, cfg.swiglu_limit);
       for (auto& v : h) v = act_round(act, v);
-      ops::cpu::linear(h, 1, I, std::span<const float>(down).subspan(size_t(e) * H * I, size_t(H) * I), H,
-                       down_bias.empty() ? std::span<const float>{} : std::span<const float>(down_bias).subspan(size_t(e) * H, size_t(H)),
-                       out);
+      const auto db =
+          down_bias.empty() ? std::span<const float>{} : std::span<const float>(down_bias).subspan(size_t(e) * H, size_t(H));
+      if (dn_dp4a)
+        dp4a_linear(h, I, down_codes->exact.data() + size_t(e) * H * I, down_codes->offset.data() + size_t(e) * H * I, H,
+                    db, block, out);
+      else
+        ops::cpu::linear(h, 1, I, std::span<const float>(down).subspan(size_t(e) * H * I, size_t(H) * I), H, db, out);
       const double wk = wts[size_t(t) * K + size_t(k)];
       for (int j = 0; j < H; ++j) {
         acc[size_t(j)] += wk * act_round(act, out[size_t(j)]);

@@ -448,12 +448,14 @@ TEST(GGUFModel, CudaGptOssIsTheHuggingFaceModel) {
   EXPECT_EQ(GptOssPair::greedy(*dequantized, prompt).tokens, want.tokens);
   // Kept: the experts as 4-bit E2M1 codes (half a byte per weight and a 4-byte word per 32)
   // where bf16 takes two bytes, read by the MoE kernels' integer GEMV; the same weights, other
-  // kernels.
+  // kernels: the decode steps' (one row) through gemv_int_dp4a, whose activations are int8 per
+  // 32 columns, held as the CPU's int8 path is (log-probabilities within 1.0, a changed token a
+  // near tie of 0.25; test_int4_checkpoint.cpp says why).
   const auto kept = load_model(pair.gguf, DType::BF16, Device::Cuda);
   const auto& d = pair.d;
   const size_t expert_weights = size_t(d.layers) * size_t(d.experts) * size_t(3 * d.expert_ffn * d.hidden);
   EXPECT_EQ(dequantized->model().weight_bytes() - kept->model().weight_bytes(), expert_weights * 2 - expert_weights / 32 * 20);
-  test::expect_greedy_until_near_tie(GptOssPair::greedy(*kept, prompt), want, 0.1, 0.05, "MXFP4 as E2M1 codes");
+  test::expect_greedy_until_near_tie(GptOssPair::greedy(*kept, prompt), want, 0.25, 1.0, "MXFP4 as E2M1 codes");
   // The safetensors' experts kept are the same codes in the same places: the same logits.
   EXPECT_EQ(all_logits(*load_model(pair.hf, DType::BF16, Device::Cuda), prompt, 7), all_logits(*kept, prompt, 7));
 }

@@ -498,6 +498,7 @@ void gemv_int_experts(DType ab, const void* x, const IntWeight& w, const void* b
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int_experts: x must be 16-byte aligned");
   IntExpertTiles ex = tiles;
   ex.routed = std::clamp(ex.routed, 1, ex.max_tiles);
+  if (gemv_int_dp4a_takes(ab, w, max_m, k)) return gemv_int_dp4a(ab, ab, x, w, bias, y, n, max_m, n, k, stream, ex);
   launch_any(ab, false, x, w, bias, y, n, max_m, n, k, static_cast<cudaStream_t>(stream), ex);
 }
 

@@ -37,6 +37,7 @@
 
 #include "ops/cuda/cuda_check.cuh"
 #include "ops/cuda/gemv_common.cuh"
+#include "ops/cuda/int_decode.cuh"
 #include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/pdl.cuh"
 #include "ops/cuda/per_device.cuh"
@@ -53,21 +54,58 @@ __device__ __forceinline__ uint32_t pack_i8(int a, int b, int c, int d) {
   return uint32_t(a & 0xff) | uint32_t(b & 0xff) << 8 | uint32_t(c & 0xff) << 16 | uint32_t(d & 0xff) << 24;
 }
 
-// A group's 32-bit word (grouped_param / grouped_param_zero_point) as fp32 scale and offset.
-template <class V, bool ZP>
+// A group's 32-bit word (grouped_param, grouped_param_zero_point, grouped_param_e2m1) as fp32
+// scale and offset, for codes as the loop multiplies them (E2M1: twice their value).
+template <class V, Int4Kind K>
 __device__ __forceinline__ void group_scale_offset(uint32_t p, float& s, float& b) {
   s = V::load(uint16_t(p & 0xffffu));
+  if constexpr (K == Int4Kind::E2M1) {
+    // the word is 2^(e - 127) times 2^126 (bf16) or 2^14 (f16); the codes are 2 E2M1(code)
+    s *= V::kBF16 ? 0x1p-127f : 0x1p-15f;
+    b = 0.0f;
+    return;
+  }
   const float hi = V::load(uint16_t(p >> 16));
   // zero point: hi = -(magic + z), so b = -s z = s (hi + magic), exact in fp32 up to one rounding
-  b = ZP ? s * (hi + (V::kBF16 ? 128.0f : 1024.0f)) : hi;
+  b = K == Int4Kind::ZeroPoint ? s * (hi + (V::kBF16 ? 128.0f : 1024.0f)) : hi;
+}
+
+// Twice the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as the bytes of two words: a byte permute
+// with a code as its selector looks the magnitude up (selector bits 0-2), and gives 0 where the
+// code's sign bit (selector bit 3: replicate the selected byte's sign, which is 0) is set.
+constexpr uint32_t kE2m1Lo = 0x03020100u, kE2m1Hi = 0x0c080604u;
+// PTX's prmt in its generic form, with the selector's bit 3 (sign replication) as the hardware
+// reads it; __byte_perm is documented to use bits 0-2 only. The low 16 bits of sel select.
+__device__ __forceinline__ uint32_t e2m1_magnitudes(uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(kE2m1Lo), "r"(kE2m1Hi), "r"(sel));
+  return r;
 }
 
 // BITS: 4 or 8; M: rows of x the variant holds (m <= M; rows past m are zeros, never stored);
-// ZP: a zero-point layout; bshift: log2(group / C).
-template <class V, int BITS, int M, bool ZP, bool kF32Out>
+// K: the kind of 4-bit codes (affine, zero point, E2M1; int_decode.cuh); bshift: log2(group / C).
+template <class V, int BITS, int M, Int4Kind K, bool kF32Out>
 __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_int_dp4a_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int bshift,
-                         const uint16_t* bias, void* y, int ldy, int m, int n, int k) {
+                         const uint16_t* bias, void* y, int ldy, int m, int n, int k, IntExpertTiles ex) {
+  // Experts (ex.expert set), as gemv_int.cu's kernel takes them: CTA column z takes tile z, whose
+  // expert's n rows follow the previous experts' in codes, params and bias; its m = count rows
+  // of x are x_rows[first ...] (or first ...), its rows of y first .... All of it is the
+  // routing's output, so the wait comes first.
+  int y_first = 0;
+  const int32_t* x_map = nullptr;
+  if (ex.expert) {
+    pdl_wait();
+    const int tile = int(blockIdx.z);
+    if (tile >= *ex.tiles) return;
+    const int e = ex.expert[tile];
+    y_first = ex.first[tile];
+    m = ex.count[tile];
+    x_map = ex.x_rows ? ex.x_rows + y_first : nullptr;
+    codes += size_t(e) * size_t(n) * (size_t(k) * BITS / 8);
+    params += size_t(e) * size_t(n) * size_t((k / (128 / BITS)) >> bshift);
+    if (bias) bias += size_t(e) * size_t(n);
+  }
   constexpr int C = 128 / BITS, R = kDp4aRows, U = M >= 4 ? kDp4aSteps / 2 : kDp4aSteps;  // M = 4 spilled at 4 steps
   const int nb = k / C, ng = nb >> bshift;  // x blocks (16-byte vectors of codes) and groups per row
   extern __shared__ uint4 dp4a_shared[];
@@ -81,13 +119,13 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 
   // The weights are no kernel's output: the first task's lines start towards L2 while the
   // previous kernel finishes.
-  if (first < tasks)
+  if (!ex.expert && first < tasks)
     for (int j = 0; j < R; ++j) {
       const int row = min(first * R + j, n - 1);
       for (int v = lane; v < min(nb, 32 * U); v += 32)
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(codes + size_t(row) * row_bytes + 16 * size_t(v)));
     }
-  pdl_wait();
+  if (!ex.expert) pdl_wait();
 
   // x -> int8 codes per block of C columns, 8 columns per thread (C / 8 consecutive lanes a
   // block), kBatch vectors of x loaded before any is used: one L2 round trip per batch, not one
@@ -100,7 +138,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int u = base + i * kGemvThreads + int(threadIdx.x), r = u / per_row;
-        raw[i] = u < units && r < m ? __ldg(reinterpret_cast<const uint4*>(x + size_t(r) * size_t(k)) + (u - r * per_row))
+        const size_t xrow = r < m ? size_t(x_map ? x_map[r] : y_first + r) : 0;
+        raw[i] = u < units && r < m ? __ldg(reinterpret_cast<const uint4*>(x + xrow * size_t(k)) + (u - r * per_row))
                                     : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
@@ -128,8 +167,11 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
         const int v = c0 / C;
         if constexpr (BITS == 4) {
           const int w = (c0 % C) / 8;  // the word of the block: half w / 2, 8 bytes at 8 (w % 2)
+          // affine codes: low nibbles columns 0, 4, 1, 5, high ones 2, 6, 3, 7; E2M1's byte
+          // permutes: nibbles 0-3 (columns 0, 2, 4, 6), then 4-7 (1, 3, 5, 7)
           *reinterpret_cast<uint2*>(row + (w / 2) * (k / 2) + 16 * v + 8 * (w % 2)) =
-              make_uint2(pack_i8(q[0], q[4], q[1], q[5]), pack_i8(q[2], q[6], q[3], q[7]));
+              K == Int4Kind::E2M1 ? make_uint2(pack_i8(q[0], q[2], q[4], q[6]), pack_i8(q[1], q[3], q[5], q[7]))
+                                  : make_uint2(pack_i8(q[0], q[4], q[1], q[5]), pack_i8(q[2], q[6], q[3], q[7]));
         } else {
           *reinterpret_cast<uint2*>(row + c0) =
               make_uint2(pack_i8(q[0], q[2], q[1], q[3]), pack_i8(q[4], q[6], q[5], q[7]));
@@ -189,12 +231,27 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 #pragma unroll
         for (int j = 0; j < R; ++j) {
           float s, b;
-          group_scale_offset<V, ZP>(p[j][u], s, b);
+          group_scale_offset<V, K>(p[j][u], s, b);
           const uint32_t cw[4] = {c[j][u].x, c[j][u].y, c[j][u].z, c[j][u].w};
 #pragma unroll
           for (int mm = 0; mm < M; ++mm) {
             int dot = 0;
-            if constexpr (BITS == 4) {
+            if constexpr (K == Int4Kind::E2M1) {
+              // sum 2 E2M1(code) xq = (positive codes' magnitudes) . xq - (negative codes') . xq:
+              // a byte permute by the codes gives the first, by the codes with their sign bits
+              // flipped the second, zeros elsewhere in each
+              const uint32_t xw[8] = {xa[mm].x, xa[mm].y, xa[mm].z, xa[mm].w, xb[mm].x, xb[mm].y, xb[mm].z, xb[mm].w};
+              int neg = 0;
+#pragma unroll
+              for (int w = 0; w < 4; ++w) {
+                const uint32_t f = cw[w] ^ 0x88888888u;
+                dot = __dp4a(int(e2m1_magnitudes(cw[w])), int(xw[2 * w]), dot);
+                dot = __dp4a(int(e2m1_magnitudes(cw[w] >> 16)), int(xw[2 * w + 1]), dot);
+                neg = __dp4a(int(e2m1_magnitudes(f)), int(xw[2 * w]), neg);
+                neg = __dp4a(int(e2m1_magnitudes(f >> 16)), int(xw[2 * w + 1]), neg);
+              }
+              dot -= neg;
+            } else if constexpr (BITS == 4) {
               const uint32_t xw[8] = {xa[mm].x, xa[mm].y, xa[mm].z, xa[mm].w, xb[mm].x, xb[mm].y, xb[mm].z, xb[mm].w};
 #pragma unroll
               for (int w = 0; w < 4; ++w) {
@@ -221,7 +278,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         const int row = task * R + j;
-        if (lane == j * M + mm && row < n && mm < m) store_out<V, 1, kF32Out>(y, ldy, row, mm, v, bias);
+        if (lane == j * M + mm && row < n && mm < m) store_out<V, 1, kF32Out>(y, ldy, row, y_first + mm, v, bias);
       }
   }
   allow_dependents();
@@ -235,10 +292,10 @@ size_t dp4a_smem(int bits, int rows, int k) {
 
 int variant_rows(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : 4; }
 
-template <class V, int BITS, int M, bool ZP, bool kF32Out>
+template <class V, int BITS, int M, Int4Kind K, bool kF32Out>
 void launch(const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m, int n, int k,
-            cudaStream_t st) {
-  constexpr auto kernel = gemv_int_dp4a_kernel<V, BITS, M, ZP, kF32Out>;
+            cudaStream_t st, const IntExpertTiles& ex) {
+  constexpr auto kernel = gemv_int_dp4a_kernel<V, BITS, M, K, kF32Out>;
   const size_t smem = dp4a_smem(BITS, M, k);
   // Opt in to the most dynamic shared memory once; CTAs per SM from the registers (the
   // occupancy of a CTA with no shared memory) and from this launch's shared memory.
@@ -259,24 +316,26 @@ void launch(const void* x, const IntWeight& w, int bshift, const void* bias, voi
   });
   const int per_sm = std::clamp(f.smem_per_sm / int(smem + 1024), 1, f.regs_ctas);
   const int tasks = (n + kDp4aRows - 1) / kDp4aRows;
-  const int ctas = std::min((tasks + kDp4aWarps - 1) / kDp4aWarps, per_sm * sm_count());
-  KVLM_CUDA_CHECK(launch_pdl<kernel>(dim3(unsigned(ctas)), dim3(kGemvThreads), smem, st,
-                                     static_cast<const uint16_t*>(x), w.codes, w.params, bshift,
-                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k));
+  // Experts: the resident CTAs shared among about ex.routed tiles.
+  const int copies = ex.expert ? ex.routed : 1;
+  const int ctas = std::min((tasks + kDp4aWarps - 1) / kDp4aWarps, std::max(1, per_sm * sm_count() / copies));
+  KVLM_CUDA_CHECK(launch_pdl<kernel>(dim3(unsigned(ctas), 1, unsigned(ex.expert ? ex.max_tiles : 1)), dim3(kGemvThreads),
+                                     smem, st, static_cast<const uint16_t*>(x), w.codes, w.params, bshift,
+                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k, ex));
 }
 
 template <class V, int BITS>
 void launch_bits(bool f32, const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m,
-                 int n, int k, cudaStream_t st) {
-  auto go = [&](auto rows, auto zp) {
+                 int n, int k, cudaStream_t st, const IntExpertTiles& ex) {
+  auto go = [&](auto rows, auto kind) {
     constexpr int M = decltype(rows)::value;
-    constexpr bool ZP = decltype(zp)::value && BITS == 4;
-    if (f32) launch<V, BITS, M, ZP, true>(x, w, bshift, bias, y, ldy, m, n, k, st);
-    else launch<V, BITS, M, ZP, false>(x, w, bshift, bias, y, ldy, m, n, k, st);
+    constexpr Int4Kind K = decltype(kind)::value;
+    if (f32) launch<V, BITS, M, K, true>(x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    else launch<V, BITS, M, K, false>(x, w, bshift, bias, y, ldy, m, n, k, st, ex);
   };
   auto by_zp = [&](auto rows) {
-    if (BITS == 4 && w.zero_point) go(rows, std::true_type{});
-    else go(rows, std::false_type{});
+    if constexpr (BITS == 4) with_int4_kind(w, [&](auto kind) { go(rows, kind); });
+    else go(rows, std::integral_constant<Int4Kind, Int4Kind::Affine>{});
   };
   switch (variant_rows(m)) {
     case 1: by_zp(std::integral_constant<int, 1>{}); break;
@@ -290,7 +349,7 @@ void launch_bits(bool f32, const void* x, const IntWeight& w, int bshift, const 
 bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k) {
   if (m < 1 || m > std::min(kGemvIntDp4aMaxM, kernel_switches().int_dp4a_max_m)) return false;
   if (ab != DType::BF16 && ab != DType::F16) return false;
-  if (w.e2m1 || (w.bits != 4 && w.bits != 8) || (w.zero_point && w.bits != 4)) return false;
+  if ((w.bits != 4 && w.bits != 8) || ((w.zero_point || w.e2m1) && w.bits != 4) || (w.zero_point && w.e2m1)) return false;
   const int c = 128 / w.bits;
   if (k <= 0 || k % c != 0 || w.group <= 0 || w.group % c != 0 || k % w.group != 0) return false;
   const int blocks = w.group / c;
@@ -300,18 +359,19 @@ bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k) {
 }
 
 void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
-                   int n, int k, void* stream) {
+                   int n, int k, void* stream, const IntExpertTiles& ex) {
+  check_int("gemv_int_dp4a", ab, w, k);
   if (!gemv_int_dp4a_takes(ab, w, m, k)) throw Error("gemv_int_dp4a: called for a layout or m it does not take");
   int bshift = 0;
   while ((w.group / (128 / w.bits)) >> bshift > 1) ++bshift;
   const auto st = static_cast<cudaStream_t>(stream);
   const bool f32 = out == DType::F32;
   if (ab == DType::BF16) {
-    if (w.bits == 4) launch_bits<VecBF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
-    else launch_bits<VecBF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
+    if (w.bits == 4) launch_bits<VecBF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    else launch_bits<VecBF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
   } else {
-    if (w.bits == 4) launch_bits<VecF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
-    else launch_bits<VecF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st);
+    if (w.bits == 4) launch_bits<VecF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    else launch_bits<VecF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
   }
 }
 

@@ -20,7 +20,8 @@ inline constexpr size_t kGemvIntDp4aMaxSmem = 100 * 1024;
 // vectors, x's codes within kGemvIntDp4aMaxSmem, DP4A (sm_61+).
 bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k);
 // gemv_int's contract (x, bias, y, ldy, out) for a call gemv_int_dp4a_takes; throws otherwise.
+// With ex.expert set, gemv_int_experts' (m: the most rows a tile holds; y [*][ldy]).
 void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
-                   int n, int k, void* stream);
+                   int n, int k, void* stream, const IntExpertTiles& ex = {});
 
 }  // namespace kvlm::cuda
