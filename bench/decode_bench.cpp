@@ -429,13 +429,15 @@ void gemv_lab(double bw, bool int_only) {
               "dequantize_int µs and GB/s (read + write)\n| matrix | layout | n x k | MB |");
   const int int_ms[] = {1, 2, 4, 8, 16};
   for (int m : int_ms) std::printf(" m=%d µs | GB/s |", m);
-  // m = 1-4 run gemv_int_dp4a where it takes the layout; the same m on the tensor-core GEMV
-  // (KernelSwitches::int_dp4a_max_m = 0) beside them.
+  // m = 1-4 run gemv_int_dp4a where it takes the layout and pays (gemv_int_dp4a_pays); beside
+  // them the same m forced onto gemv_int_dp4a (KernelSwitches::int_dp4a_by_shape off) and onto
+  // the tensor-core GEMV (int_dp4a_max_m = 0).
   const int tc_ms[] = {1, 2, 4};
+  for (int m : tc_ms) std::printf(" m=%d DP4A µs |", m);
   for (int m : tc_ms) std::printf(" m=%d tensor cores µs |", m);
   std::printf(" dequantize µs | GB/s |\n|---|---|---|---|");
   for (size_t i = 0; i < std::size(int_ms); ++i) std::printf("---|---|");
-  for (size_t i = 0; i < std::size(tc_ms); ++i) std::printf("---|");
+  for (size_t i = 0; i < 2 * std::size(tc_ms); ++i) std::printf("---|");
   std::printf("---|---|\n");
   std::vector<Shape> int_shapes(std::begin(shapes), std::end(shapes));
   int_shapes.push_back({"long k", 8192, 16384, false});  // 4x the rounds per warp of the 4096-column ones
@@ -483,10 +485,12 @@ void gemv_lab(double bw, bool int_only) {
         std::snprintf(buf, sizeof buf, " | %.1f | %.0f", us, double(bytes) / (us * 1e-6) / 1e9);
         cells += buf;
       }
-      {
-        auto tc = cuda::kernel_switches();
-        tc.int_dp4a_max_m = 0;
-        cuda::set_kernel_switches(tc);
+      for (const bool dp4a : {true, false}) {
+        auto forced = cuda::kernel_switches();
+        const auto saved = forced;
+        if (dp4a) forced.int_dp4a_by_shape = false;
+        else forced.int_dp4a_max_m = 0;
+        cuda::set_kernel_switches(forced);
         for (int m : tc_ms) {
           const double us =
               time_us([&](int i) { cuda::gemv_int(DType::BF16, out, x, wi(i), nullptr, y, sh.n, m, sh.n, sh.k, nullptr); });
@@ -494,8 +498,7 @@ void gemv_lab(double bw, bool int_only) {
           std::snprintf(buf, sizeof buf, " | %.1f", us);
           cells += buf;
         }
-        tc.int_dp4a_max_m = sw.int_dp4a_max_m;
-        cuda::set_kernel_switches(tc);
+        cuda::set_kernel_switches(saved);
       }
       const double dus = time_us([&](int i) { cuda::dequantize_int(DType::BF16, wi(i), deq, sh.n, sh.k, nullptr); });
       std::printf("| %s | %s, groups of %d%s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name,

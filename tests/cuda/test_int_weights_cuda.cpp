@@ -228,13 +228,19 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
                               .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
       ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
       for (int m = 1; m <= kM; ++m)
-        for (int mode = 0; mode < 4; ++mode) {  // 0, 2: 16-bit out + bias, 1, 3: float32 out; 2, 3: no DP4A
-          const bool f32 = mode % 2 == 1, bias = !f32, no_dp4a = mode >= 2;
+        for (int mode = 0; mode < 4; ++mode) {  // 0, 2: 16-bit out + bias, 1, 3: float32 out
+          // 0, 1: the kernel gemv_int picks; 2, 3 (m <= 4): the other one, where both can run
+          const bool f32 = mode % 2 == 1, bias = !f32, other = mode >= 2;
+          const bool takes = cuda::gemv_int_dp4a_takes(ab, w, m, k);
+          bool dp4a = takes && cuda::gemv_int_dp4a_pays(m, n, k);
           auto swm = sw;
-          if (no_dp4a) swm.int_dp4a_max_m = 0;
+          if (other) {
+            if (!takes) continue;
+            if (dp4a) swm.int_dp4a_max_m = 0;
+            else swm.int_dp4a_by_shape = false;
+            dp4a = !dp4a;
+          }
           cuda::set_kernel_switches(swm);
-          const bool dp4a = cuda::gemv_int_dp4a_takes(ab, w, m, k);
-          if (no_dp4a && m > kQM) continue;  // the same kernel as modes 0 and 1
           dy16.poison();
           dy32.poison();
           cuda::gemv_int(ab, f32 ? DType::F32 : ab, dx.p, w, bias ? db.p : nullptr,

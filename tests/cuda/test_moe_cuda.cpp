@@ -161,12 +161,13 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
   std::vector<float> gu(size_t(2 * I)), h(static_cast<size_t>(I)), out(static_cast<size_t>(H));
   // Decode batches of grouped codes may run gemv_int_dp4a (int8 x): the reference then computes
   // as it does.
-  auto dp4a_takes = [&](int k) {
+  auto dp4a_takes = [&](int n, int k) {
     return c.codes.bits > 0 && T <= 4 &&
            cuda::gemv_int_dp4a_takes(act, {.bits = c.codes.bits, .group = c.codes.group, .zero_point = c.codes.zero_point},
-                                     T, k);
+                                     T, k) &&
+           cuda::gemv_int_dp4a_pays(T, n, k);
   };
-  const bool gu_dp4a = dp4a_takes(H), dn_dp4a = dp4a_takes(I);
+  const bool gu_dp4a = dp4a_takes(2 * I, H), dn_dp4a = dp4a_takes(H, I);
   const int block = c.codes.bits ? 128 / c.codes.bits : 0;
   for (int t = 0; t < T; ++t) {
     std::vector<double> acc(static_cast<size_t>(H), 0.0);

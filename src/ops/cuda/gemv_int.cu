@@ -479,7 +479,7 @@ void gemv_int(DType ab, DType out, const void* x, const IntWeight& w, const void
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int: x must be 16-byte aligned");
   if (out != ab && out != DType::F32) throw Error("gemv_int: output must be the input type or float32");
   if (ldy < n) throw Error("gemv_int: the output's row stride is shorter than its rows");
-  if (gemv_int_dp4a_takes(ab, w, m, k)) return gemv_int_dp4a(ab, out, x, w, bias, y, ldy, m, n, k, stream);
+  if (gemv_int_dp4a_takes(ab, w, m, k) && gemv_int_dp4a_pays(m, n, k)) return gemv_int_dp4a(ab, out, x, w, bias, y, ldy, m, n, k, stream);
   launch_any(ab, out == DType::F32, x, w, bias, y, ldy, m, n, k, static_cast<cudaStream_t>(stream), {});
 }
 
@@ -498,7 +498,8 @@ void gemv_int_experts(DType ab, const void* x, const IntWeight& w, const void* b
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw Error("gemv_int_experts: x must be 16-byte aligned");
   IntExpertTiles ex = tiles;
   ex.routed = std::clamp(ex.routed, 1, ex.max_tiles);
-  if (gemv_int_dp4a_takes(ab, w, max_m, k)) return gemv_int_dp4a(ab, ab, x, w, bias, y, n, max_m, n, k, stream, ex);
+  if (gemv_int_dp4a_takes(ab, w, max_m, k) && gemv_int_dp4a_pays(max_m, n, k))
+    return gemv_int_dp4a(ab, ab, x, w, bias, y, n, max_m, n, k, stream, ex);
   launch_any(ab, false, x, w, bias, y, n, max_m, n, k, static_cast<cudaStream_t>(stream), ex);
 }
 

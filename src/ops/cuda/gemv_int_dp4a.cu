@@ -358,6 +358,13 @@ bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k) {
   return dp4a_smem(w.bits, variant_rows(m), k) <= kGemvIntDp4aMaxSmem;
 }
 
+bool gemv_int_dp4a_pays(int m, int n, int k) {
+  if (!kernel_switches().int_dp4a_by_shape) return true;
+  if (m <= 1) return k <= 12288;
+  if (m == 2) return k <= 8192;
+  return int64_t(n) >= 4 * int64_t(k);
+}
+
 void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
                    int n, int k, void* stream, const IntExpertTiles& ex) {
   check_int("gemv_int_dp4a", ab, w, k);

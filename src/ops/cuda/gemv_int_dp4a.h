@@ -15,10 +15,17 @@ inline constexpr int kGemvIntDp4aMaxM = 4;
 // columns at m = 1, 20k at m = 3-4.
 inline constexpr size_t kGemvIntDp4aMaxSmem = 100 * 1024;
 
-// Whether gemv_int_dp4a takes this call: 1 <= m <= the switch's maximum, bf16 / f16, 4-bit
-// affine or zero-point codes or 8-bit codes (not E2M1), groups a power of two of 16-byte
-// vectors, x's codes within kGemvIntDp4aMaxSmem, DP4A (sm_61+).
+// Whether gemv_int_dp4a can take this call: 1 <= m <= the switch's maximum, bf16 / f16, 4-bit
+// codes (affine, zero point, E2M1) or 8-bit ones, groups a power of two of 16-byte vectors, x's
+// codes within kGemvIntDp4aMaxSmem, DP4A (sm_61+).
 bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k);
+// Whether it is the faster kernel for m rows of x and an n x k weight (what gemv_int and
+// gemv_int_experts run where it can take the call). Each CTA quantizes all of x, which long rows
+// at several rows of x pay for: on the H200's Qwen3-8B shapes it wins at m = 1 up to k = 12288
+// (1.1-1.5x; 8192 x 16384 0.92x), at m = 2 up to k = 8192, and at m = 3-4 only for wide
+// matrices (n >= 4k: gate_up, the LM head; qkv, o and down lose 15-60%). Always true with
+// KernelSwitches::int_dp4a_by_shape off.
+bool gemv_int_dp4a_pays(int m, int n, int k);
 // gemv_int's contract (x, bias, y, ldy, out) for a call gemv_int_dp4a_takes; throws otherwise.
 // With ex.expert set, gemv_int_experts' (m: the most rows a tile holds; y [*][ldy]).
 void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,

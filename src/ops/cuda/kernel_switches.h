@@ -47,6 +47,9 @@ struct KernelSwitches {
   // codes multiplied on the integer pipes (gemv_int_dp4a.h), where the layout allows; 0: the
   // tensor-core GEMV at every m.
   int int_dp4a_max_m = 4;
+  // ... only for the shapes where it measured faster (gemv_int_dp4a_pays); off: wherever the
+  // layout allows (tests, the lab).
+  bool int_dp4a_by_shape = true;
 };
 
 void set_kernel_switches(const KernelSwitches& s);
