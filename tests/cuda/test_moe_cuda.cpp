@@ -106,7 +106,7 @@ void dp4a_linear(std::span<const float> x, int k, const float* exact, const floa
   for (int b0 = 0; b0 < k; b0 += block) {
     float amax = 0.0f;
     for (int i = b0; i < b0 + block; ++i) amax = std::max(amax, std::fabs(x[size_t(i)]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, dx = amax / 127.0f;
+    const float inv = amax > 0x1p-100f ? 127.0f / amax : 0.0f, dx = inv > 0.0f ? amax / 127.0f : 0.0f;
     for (int i = b0; i < b0 + block; ++i) xq[size_t(i)] = double(dx) * std::nearbyint(x[size_t(i)] * inv);
   }
   for (int j = 0; j < n; ++j) {

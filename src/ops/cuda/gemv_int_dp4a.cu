@@ -158,7 +158,10 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
           amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
           sum += __shfl_xor_sync(0xffffffffu, sum, o);
         }
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        // A block whose largest |x| is below 2^-100 counts as zeros (127 / amax would overflow
+        // in the subnormals); NaN in x (which fmaxf skips) reaches the output through dx.
+        const float inv = amax > 0x1p-100f ? 127.0f / amax : 0.0f;
+        const float dx = sum != sum ? sum : inv > 0.0f ? amax / 127.0f : 0.0f;
         int q[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) q[e] = __float2int_rn(f[e] * inv);
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
           *reinterpret_cast<uint2*>(row + c0) =
               make_uint2(pack_i8(q[0], q[2], q[1], q[3]), pack_i8(q[4], q[6], q[5], q[7]));
         }
-        if (u % UB == 0) xs[r * nb + v] = make_float2(amax / 127.0f, sum);
+        if (u % UB == 0) xs[r * nb + v] = make_float2(dx, sum);
       }
     }
   }
