@@ -231,6 +231,9 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
         for (int mode = 0; mode < 4; ++mode) {  // 0, 2: 16-bit out + bias, 1, 3: float32 out
           // 0, 1: the kernel gemv_int picks; 2, 3 (m <= 4): the other one, where both can run
           const bool f32 = mode % 2 == 1, bias = !f32, other = mode >= 2;
+          // which kernel gemv_int picks under this case's switches (the previous mode may have
+          // forced the other one: takes and pays read the switches in force)
+          cuda::set_kernel_switches(sw);
           const bool takes = cuda::gemv_int_dp4a_takes(ab, w, m, k);
           bool dp4a = takes && cuda::gemv_int_dp4a_pays(m, n, k);
           auto swm = sw;

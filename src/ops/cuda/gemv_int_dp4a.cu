@@ -363,8 +363,7 @@ bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k) {
 
 bool gemv_int_dp4a_pays(int m, int n, int k) {
   if (!kernel_switches().int_dp4a_by_shape) return true;
-  if (m <= 1) return k <= 12288;
-  if (m == 2) return k <= 8192;
+  if (m <= 2) return k <= 12288;
   return int64_t(n) >= 4 * int64_t(k);
 }
 

@@ -22,8 +22,10 @@ bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k);
 // Whether it is the faster kernel for m rows of x and an n x k weight (what gemv_int and
 // gemv_int_experts run where it can take the call). Each CTA quantizes all of x, which long rows
 // at several rows of x pay for: on the H200's Qwen3-8B shapes it wins at m = 1 up to k = 12288
-// (1.1-1.5x; 8192 x 16384 0.92x), at m = 2 up to k = 8192, and at m = 3-4 only for wide
-// matrices (n >= 4k: gate_up, the LM head; qkv, o and down lose 15-60%). Always true with
+// (1.1-1.5x; 8192 x 16384 0.92x), and at m = 3-4 only for wide matrices (n >= 4k: gate_up, the
+// LM head; qkv, o and down lose 15-60%). m = 2 takes m = 1's rule: alone, down (k = 12288) was
+// 10% faster on the tensor cores, but the Q4_K_M Qwen3-8B step at batch 2 measured 2.95 ms with
+// DP4A there and 3.29 ms without (docs/results/weights-4bit.md). Always true with
 // KernelSwitches::int_dp4a_by_shape off.
 bool gemv_int_dp4a_pays(int m, int n, int k);
 // gemv_int's contract (x, bias, y, ldy, out) for a call gemv_int_dp4a_takes; throws otherwise.
