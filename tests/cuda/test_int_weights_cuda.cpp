@@ -132,7 +132,7 @@ TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
 // 16-bit rounding (none for float32) plus 1e-4 of sum |w x|; nothing outside y[m][0..n) is
 // written. At m = 1-4 the layouts gemv_int_dp4a takes run there (x quantized to int8 per 16
 // bytes of codes), held to the unrounded weights with x's quantization error added to the bound
-// (sum |s q| dx / 2, dx = the block's max |x| / 127), and once more with it switched off. Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
+// (sum |w| dx / 2, dx = the block's max |x| / 127), and once more with it switched off. Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
 // held to the unrounded weights, and the same layouts run once more with the switch off. dequantize_int writes those weight values exactly; embed_rows_int gathers
 // s * code + b in fp32.
 TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
@@ -172,12 +172,12 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       const auto b = random_act(ab, size_t(n), rng, 0.5f);
       std::vector<double> ref(size_t(kM) * n), mag(size_t(kM) * n);
       // gemv_int_dp4a's reference (rows 0..kGemvIntDp4aMaxM - 1): the unrounded weights, and the
-      // bound of x's int8 quantization, sum over columns of |s q| dx / 2.
+      // bound of x's int8 quantization, which every weight meets (the offsets through the codes'
+      // sum): sum over columns of |w| dx / 2.
       constexpr int kQM = cuda::kGemvIntDp4aMaxM;
       std::vector<double> qref(size_t(kQM) * n), qmag(size_t(kQM) * n), qerr(size_t(kQM) * n);
       {
         const int cpb = 128 / g.layout.bits;  // columns per block of x's codes
-        const size_t cb = grouped_code_bytes(g.layout, k), ng = size_t(k / g.layout.group);
         std::vector<double> dx(size_t(kQM) * size_t(k / cpb));
         for (int r = 0; r < kQM; ++r)
           for (int bi = 0; bi < k / cpb; ++bi) {
@@ -189,15 +189,10 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
           for (int r = 0; r < kQM; ++r) {
             double acc = 0, a = 0, e = 0;
             for (int i = 0; i < k; ++i) {
-              const double p = double(g.exact[size_t(j) * k + i]) * xr[size_t(r) * k + i];
+              const double w = g.exact[size_t(j) * k + i], p = w * xr[size_t(r) * k + i];
               acc += p;
               a += std::fabs(p);
-              // s q: E2M1 codes have no offset, so the weight itself
-              const uint32_t word = g.params[size_t(j) * ng + size_t(i / g.layout.group)];
-              const double sq = g.layout.e2m1 ? double(g.exact[size_t(j) * k + i])
-                                              : double(act_value(ab, uint16_t(word & 0xffffu))) *
-                                                    grouped_code(g.layout.bits, g.codes.data() + size_t(j) * cb, i);
-              e += std::fabs(sq) * dx[size_t(r) * size_t(k / cpb) + size_t(i / cpb)] * 0.5;
+              e += std::fabs(w) * dx[size_t(r) * size_t(k / cpb) + size_t(i / cpb)] * 0.5;
             }
             qref[size_t(r) * n + j] = acc;
             qmag[size_t(r) * n + j] = a;

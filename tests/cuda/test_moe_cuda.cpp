@@ -58,12 +58,11 @@ struct MoeCase {
 // Random grouped codes for [rows][cols] and their values as the kernels decode them (s * code + b,
 // or s (code - z), rounded to the compute type; the scale-after-MMA variant's unrounded values
 // differ by half a step of a weight, within the tolerance's one step of the terms).
-// exact and offset: the unrounded values and each weight's group offset b (zero point: -s z),
-// what gemv_int_dp4a computes with (dp4a_linear).
+// exact: the unrounded values, what gemv_int_dp4a computes with (dp4a_linear).
 struct Codes {
   std::vector<uint8_t> codes;
   std::vector<uint32_t> params;
-  std::vector<float> values, exact, offset;
+  std::vector<float> values, exact;
 };
 Codes random_codes(DType act, GroupedLayout l, int64_t rows, int64_t cols, float scale, std::mt19937& rng) {
   Codes c;
@@ -85,23 +84,16 @@ Codes random_codes(DType act, GroupedLayout l, int64_t rows, int64_t cols, float
                            std::span<float>(c.values).subspan(size_t(r * cols), size_t(cols)));
   }
   c.exact = c.values;
-  c.offset.resize(c.values.size());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < cols; ++i) {
-      const uint32_t p = c.params[size_t(r) * ng + size_t(i / l.group)];
-      const float sc = act_value(act, uint16_t(p & 0xffffu)), hi = act_value(act, uint16_t(p >> 16));
-      c.offset[size_t(r * cols + i)] = l.zero_point ? sc * (hi + (act == DType::BF16 ? 128.0f : 1024.0f)) : hi;
-    }
   for (auto& v : c.values) v = act_round(act, v);
   return c;
 }
 
 // gemv_int_dp4a's arithmetic (decode batches of up to 4 rows): x quantized to int8 per block of
 // `block` columns as the kernel quantizes it (dx = max |x| / 127, q = x * (127 / max |x|)
-// rounded to nearest even, in fp32), each weight's s q (its exact value less its group's offset)
-// times dx q, and the offsets times x itself; y = x . w^T (+ bias), w [n][k].
-void dp4a_linear(std::span<const float> x, int k, const float* exact, const float* offset, int n,
-                 std::span<const float> bias, int block, std::span<float> y) {
+// rounded to nearest even, in fp32), every weight's exact value (offset included) times dx q;
+// y = x . w^T (+ bias), w [n][k].
+void dp4a_linear(std::span<const float> x, int k, const float* exact, int n, std::span<const float> bias, int block,
+                 std::span<float> y) {
   std::vector<double> xq(static_cast<size_t>(k));
   for (int b0 = 0; b0 < k; b0 += block) {
     float amax = 0.0f;
@@ -113,7 +105,7 @@ void dp4a_linear(std::span<const float> x, int k, const float* exact, const floa
     double acc = bias.empty() ? 0.0 : bias[size_t(j)];
     for (int i = 0; i < k; ++i) {
       const size_t at = size_t(j) * size_t(k) + size_t(i);
-      acc += (double(exact[at]) - offset[at]) * xq[size_t(i)] + double(offset[at]) * x[size_t(i)];
+      acc += double(exact[at]) * xq[size_t(i)];
     }
     y[size_t(j)] = float(acc);
   }
@@ -178,8 +170,7 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
           gu_bias.empty() ? std::span<const float>{} : std::span<const float>(gu_bias).subspan(size_t(e) * 2 * I, size_t(2 * I));
       if (gu_dp4a)
         dp4a_linear(std::span<const float>(x).subspan(size_t(t) * H, size_t(H)), H,
-                    gu_codes->exact.data() + size_t(e) * 2 * I * H, gu_codes->offset.data() + size_t(e) * 2 * I * H,
-                    2 * I, gub, block, gu);
+                    gu_codes->exact.data() + size_t(e) * 2 * I * H, 2 * I, gub, block, gu);
       else
         ops::cpu::linear(std::span<const float>(x).subspan(size_t(t) * H, size_t(H)), 1, H,
                          std::span<const float>(gate_up).subspan(size_t(e) * 2 * I * H, size_t(2 * I) * H), 2 * I, gub, gu);
@@ -190,8 +181,7 @@ void run(DType act, const MoeCase& c, uint32_t seed) {
       const auto db =
           down_bias.empty() ? std::span<const float>{} : std::span<const float>(down_bias).subspan(size_t(e) * H, size_t(H));
       if (dn_dp4a)
-        dp4a_linear(h, I, down_codes->exact.data() + size_t(e) * H * I, down_codes->offset.data() + size_t(e) * H * I, H,
-                    db, block, out);
+        dp4a_linear(h, I, down_codes->exact.data() + size_t(e) * H * I, H, db, block, out);
       else
         ops::cpu::linear(h, 1, I, std::span<const float>(down).subspan(size_t(e) * H * I, size_t(H) * I), H, db, out);
       const double wk = wts[size_t(t) * K + size_t(k)];

@@ -12,12 +12,17 @@
 // The arithmetic. Each CTA quantizes x (the previous kernel's output) into shared memory first:
 // per block of C columns (C = 32 for 4-bit codes, 16 for 8-bit: the 16 bytes of codes a lane
 // loads, which lie in one group of the weight), dx = max |x| / 127 and xq = rint(x / dx), and
-// the block's sum of x in fp32. A weight row's dot with x is then, block by block,
-//     sum_c (s q_c + b) x_c  ~  s dx sum_c q_c xq_c  +  b sum_c x_c
-// with the integer sum exact (DP4A), so the only error is x's quantization: at most
-// |s q_c| dx / 2 per column (the weights' values s q + b are used unrounded, as the scale-after-
-// MMA path uses them). A zero-point layout's b is -s z. E2M1 codes are not evenly spaced and
-// take the tensor-core kernel.
+// the sum of the block's codes. A weight row's dot with x is then, block by block,
+//     sum_c (s q_c + b) x_c  ~  s dx sum_c q_c xq_c  +  b dx sum_c xq_c  =  sum_c (s q_c + b) dx xq_c
+// with the integer sums exact (DP4A), so the only error is x's quantization weighted by the
+// weights themselves: at most |s q_c + b| dx / 2 per column (the weights' values s q + b are
+// used unrounded, as the scale-after-MMA path uses them). A zero-point layout's b is -s z.
+// The offset meets the quantized x, not x itself, on purpose: the 4-bit layouts' codes are
+// unsigned (0..15) and b recentres them, so sum (s q + b)(x - dx xq) errs about half as much as
+// sum s q (x - dx xq) would. Measured on the CPU's int8 path (the same quantization of x, the
+// offset through the codes' sum as here) against the exact product, on the accuracy text:
+// SmolLM2 Q4_1 mean KLD 1.6e-3 against 7.6e-3 with b times the exact sum of x, Gemma 3 Q4_K_M
+// 2.0e-3 against 4.4e-3 (docs/results/weights-4bit.md).
 //
 // The codes are multiplied in their stored order (io/grouped_codes.h): a 4-bit word's low
 // nibbles (word & 0x0f0f0f0f) are columns 0, 4, 1, 5 of its 8 and the high ones 2, 6, 3, 7; an
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   // xq [M][k] int8 in the codes' order; 4-bit: the two 16-byte halves of block v at 16 v and
   // k / 2 + 16 v, so that a warp's lanes read consecutive 16-byte words (no bank conflicts).
   int8_t* const xq = reinterpret_cast<int8_t*>(dp4a_shared);
-  float2* const xs = reinterpret_cast<float2*>(xq + size_t(M) * size_t(k));  // [M][nb]: (dx, sum x)
+  float2* const xs = reinterpret_cast<float2*>(xq + size_t(M) * size_t(k));  // [M][nb]: (dx, dx times the sum of the codes)
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int tasks = (n + R - 1) / R, first = int(blockIdx.x) * kDp4aWarps + warp, stride = int(gridDim.x) * kDp4aWarps;
   const size_t row_bytes = size_t(k) * BITS / 8;
@@ -159,12 +164,15 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
           sum += __shfl_xor_sync(0xffffffffu, sum, o);
         }
         // A block whose largest |x| is below 2^-100 counts as zeros (127 / amax would overflow
-        // in the subnormals); NaN in x (which fmaxf skips) reaches the output through dx.
+        // in the subnormals); NaN in x (which fmaxf skips: the fp32 sum is what sees it) and
+        // infinities (which leave no scale) reach the output as NaN through dx.
         const float inv = amax > 0x1p-100f ? 127.0f / amax : 0.0f;
-        const float dx = sum != sum ? sum : inv > 0.0f ? amax / 127.0f : 0.0f;
-        int q[8];
+        const float dx = sum != sum || isinf(amax) ? __int_as_float(0x7fc00000) : inv > 0.0f ? amax / 127.0f : 0.0f;
+        int q[8], qsum = 0;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) q[e] = __float2int_rn(f[e] * inv);
+        for (int e = 0; e < 8; ++e) q[e] = __float2int_rn(f[e] * inv), qsum += q[e];
+#pragma unroll
+        for (int o = 1; o < UB; o <<= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
         if (!on) continue;
         int8_t* const row = xq + size_t(r) * size_t(k);
         const int v = c0 / C;
@@ -179,7 +187,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
           *reinterpret_cast<uint2*>(row + c0) =
               make_uint2(pack_i8(q[0], q[2], q[1], q[3]), pack_i8(q[4], q[6], q[5], q[7]));
         }
-        if (u % UB == 0) xs[r * nb + v] = make_float2(dx, sum);
+        // the offsets meet x as quantized, dx times the sum of its codes (see the header comment)
+        if (u % UB == 0) xs[r * nb + v] = make_float2(dx, dx * float(qsum));
       }
     }
   }
@@ -287,7 +296,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   allow_dependents();
 }
 
-// Shared memory a CTA needs: x's int8 codes and its (dx, sum) per block, for M rows.
+// Shared memory a CTA needs: x's int8 codes and its two floats per block, for M rows.
 size_t dp4a_smem(int bits, int rows, int k) {
   const int c = 128 / bits;
   return size_t(rows) * (size_t(k) + size_t(k / c) * sizeof(float2));

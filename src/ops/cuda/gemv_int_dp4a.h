@@ -2,7 +2,7 @@
 // to int8 per block of the codes' 16 bytes, the 4- and 8-bit codes multiplied as stored with
 // DP4A, each block's sum scaled in fp32. gemv_int calls it where it takes the call
 // (KernelSwitches::int_dp4a_max_m); its values differ from the tensor-core GEMV's by x's
-// quantization, at most |s q| dx / 2 per weight (dx = a block's max |x| / 127).
+// quantization, at most |w| dx / 2 per weight w (dx = a block's max |x| / 127).
 #pragma once
 
 #include "core/dtype.h"
