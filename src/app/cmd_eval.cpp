@@ -24,6 +24,10 @@ CLI::App* add_eval(CLI::App& app, EvalFlags& f) {
   ppl->add_option("--max-chunks", f.max_chunks, "score at most this many windows (0: all)")->capture_default_str();
   add_output_file(*ppl, "--save-logits", f.save_logits, "save this run's log-probabilities (the baseline for --kl-divergence-base)");
   ppl->add_option("--kl-divergence-base", f.kld_base, "compare with a run saved by --save-logits: KLD, same-top %, delta PPL");
+  ppl->add_flag("--decode-steps", f.decode_steps,
+                "score each token of a window's second half in a step of its own, as generation runs it (the "
+                "batch-1 kernels, e.g. CUDA's int8-activation GEMV over 4-bit weights, instead of the prefill "
+                "ones); slower, and comparable with a run saved either way");
   add_output_file(*ppl, "--json", f.json_out, "also write the results as JSON to this file");
   auto* task = eval->add_subcommand("task", "Exact-match accuracy on a JSONL task file, through the batching engine");
   f.model.add_to(*task);
@@ -87,6 +91,7 @@ int run_perplexity(const EvalFlags& f) {
   PerplexityOptions po;
   po.ctx = f.ctx;
   po.max_chunks = f.max_chunks;
+  po.decode_steps = f.decode_steps;
   if (!f.save_logits.empty()) po.save_logits = f.save_logits;
   if (!f.kld_base.empty()) po.kld_base = f.kld_base;
   std::unique_ptr<log::Progress> bar;
@@ -96,14 +101,15 @@ int run_perplexity(const EvalFlags& f) {
   });
   bar.reset();
   const size_t bpt = engine->plan().bytes_per_token();
-  std::printf("model      %s\nweights    %s\nkv cache   %s (%zu bytes/token)\ntext       %s: %zu tokens, %d windows of %d, %lld scored\n",
+  std::printf("model      %s\nweights    %s\nkv cache   %s (%zu bytes/token)\ntext       %s: %zu tokens, %d windows of %d, %lld scored%s\n",
               opts.model_dir.c_str(), weights_label(*engine).c_str(), kv_label(*engine).c_str(), bpt, file.c_str(), tokens.size(), r.chunks,
-              f.ctx, (long long)r.scored_tokens);
+              f.ctx, (long long)r.scored_tokens, f.decode_steps ? " one per step (--decode-steps)" : "");
   std::printf("PPL        %.4f +/- %.4f\n", r.ppl, r.ppl_err);
   nlohmann::ordered_json j{{"model", opts.model_dir.string()}, {"weights", weights_label(*engine)},
                            {"kv_cache_dtype", kv_label(*engine)},
                            {"kv_bytes_per_token", bpt}, {"ctx", f.ctx}, {"windows", r.chunks},
-                           {"scored_tokens", r.scored_tokens}, {"ppl", r.ppl}, {"ppl_err", r.ppl_err}};
+                           {"scored_tokens", r.scored_tokens}, {"decode_steps", f.decode_steps},
+                           {"ppl", r.ppl}, {"ppl_err", r.ppl_err}};
   if (r.has_base) {
     std::printf("base PPL   %.4f\ndelta PPL  %+.4f +/- %.4f (95%%)\n", r.base_ppl, r.delta_ppl, r.delta_ppl_ci95);
     std::printf("KLD        mean %.6f +/- %.6f, median %.6f, p99 %.6f, max %.6f\n", r.kld_mean, r.kld_mean_err,

@@ -103,6 +103,7 @@ struct EvalFlags {
   std::string text_file, token_ids_file, save_logits, kld_base, json_out;
   int ctx = 512;
   int max_chunks = 0;
+  bool decode_steps = false;
   // task
   std::string data, log_samples;
   int max_tokens = 256;

@@ -68,6 +68,11 @@ struct EngineRequest {
   // (prompt_logits) the first prompt row wanted; rows before it get no logits (no LM head):
   // num_prompt - 1 for last-token pooling, the first scored row for perplexity windows.
   int prompt_logits_from = 0;
+  // (prompt_logits) rows from prompt_logits_from on run at most this many a step (0: as the
+  // step's token budget allows). 1 runs every scored row as a step of one row, which is how
+  // decode runs a token: the kernels a batch-1 step uses (on CUDA the int8-activation GEMV)
+  // instead of the prefill ones, for `kvlm eval perplexity --decode-steps`.
+  int prompt_logits_step = 0;
   std::vector<std::pair<TokenId, float>> logit_bias;  // added to the logits before sampling
   // Structured outputs: the tokens drawn keep the output inside this grammar (masked before
   // sampling; EOS only where the text is complete), and the request stops with "stop" once

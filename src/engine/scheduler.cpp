@@ -415,6 +415,10 @@ std::vector<Sequence*> Scheduler::schedule() {
   auto take = [&](Sequence& s) {
     int n = std::min(s.num_pending(), budget);
     if (s.snapshot_at > s.num_computed) n = std::min(n, s.snapshot_at - s.num_computed);  // end the step there
+    if (s.req.prompt_logits && s.req.prompt_logits_step > 0) {  // scored rows a few at a time
+      const int from = s.req.prompt_logits_from;
+      n = s.num_computed >= from ? std::min(n, s.req.prompt_logits_step) : std::min(n, from - s.num_computed);
+    }
     const int uncomputed = int(s.tokens.size()) - s.num_computed;
     if (n < s.num_pending()) s.draft.resize(size_t(std::max(0, n - uncomputed)));
     return n;

@@ -157,7 +157,7 @@ PerplexityResult eval_perplexity(LoadedModel& engine, const std::vector<TokenId>
           save.write(reinterpret_cast<const char*>(lp.data()), std::streamsize(size_t(g) * vocab * sizeof(float)));
       }
     };
-    score_tokens(engine, win, step, score_rows, first - 1);
+    score_tokens(engine, win, step, score_rows, first - 1, opts.decode_steps ? 1 : 0);
     if (r.has_base) {
       double w = 0;
       for (size_t i = kld_before; i < kld.size(); ++i) w += kld[i];

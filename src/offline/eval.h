@@ -20,6 +20,11 @@ struct PerplexityOptions {
   int max_chunks = 0;     // 0 = all windows the text fills
   std::optional<std::filesystem::path> save_logits;  // write this run's log-probs
   std::optional<std::filesystem::path> kld_base;     // compare with a saved run
+  // Score each token of a window's second half in a step of its own, as decode runs it (the
+  // batch-1 kernels: on CUDA the int8-activation GEMV over 4-bit codes) instead of in prefill
+  // chunks; the context half still runs as a prefill. Its logits compare with either kind of
+  // saved run.
+  bool decode_steps = false;
 };
 
 struct PerplexityResult {

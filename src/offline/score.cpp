@@ -9,7 +9,7 @@
 namespace kvlm {
 
 void score_tokens(LoadedModel& model, std::span<const TokenId> tokens, int chunk, const LogitRows& rows,
-                  int from_row) {
+                  int from_row, int scored_step) {
   if (tokens.empty()) throw Error("nothing to score: the token sequence is empty");
   if (chunk < 1) throw Error("the scoring chunk must be at least 1 token");
   const int n = int(tokens.size()), bs = model.block_size();
@@ -27,8 +27,9 @@ void score_tokens(LoadedModel& model, std::span<const TokenId> tokens, int chunk
   std::string error;
   std::exception_ptr failure;
   int next = from_row;
+  if (scored_step < 0) throw Error("the scored rows' step must be 0 (the chunk) or more");
   EngineRequest req{.id = "score", .prompt = {tokens.begin(), tokens.end()}, .max_tokens = 0,
-                    .prompt_logits = bool(rows), .prompt_logits_from = from_row};
+                    .prompt_logits = bool(rows), .prompt_logits_from = from_row, .prompt_logits_step = scored_step};
   req.on_output = [&](const RequestOutput& out) {
     if (!out.prompt_logits.empty()) {
       KVLM_CHECK(out.prompt_logits_begin == next, "prompt logits arrived out of order");

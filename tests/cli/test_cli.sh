@@ -155,8 +155,13 @@ grep -q "kvlm generate --prompt-ids" "$tmp/err" && ok || bad "chat on a model wi
   && [ "$(json_get "$tmp/pos.json" "d['usage']['completion_tokens']")" = 4 ] && ok || bad "generate MODEL"
 "$KVLM" inspect "$chat" >"$tmp/pos.txt" 2>&1 && grep -q "tiny-chat" "$tmp/pos.txt" && ok || bad "inspect MODEL: $(cat "$tmp/pos.txt")"
 printf '/exit\n' | "$KVLM" chat "$chat" --max-tokens 2 >/dev/null 2>"$tmp/err" && ok || bad "chat MODEL: $(cat "$tmp/err")"
-"$KVLM" eval perplexity "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 1 >/dev/null 2>"$tmp/err" && ok \
+"$KVLM" eval perplexity "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 1 --json "$tmp/ppl.json" >/dev/null 2>"$tmp/err" && ok \
   || bad "eval perplexity MODEL: $(cat "$tmp/err")"
+# --decode-steps scores the same tokens one step each: the same perplexity up to fp32 order.
+"$KVLM" eval perplexity "$chat" --text "$here/../../README.md" --ctx 64 --max-chunks 1 --decode-steps \
+  --json "$tmp/ppl-decode.json" >"$tmp/ppl-decode.txt" 2>"$tmp/err" && grep -q "one per step" "$tmp/ppl-decode.txt" \
+  && python3 -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); sys.exit(not (b['decode_steps'] and abs(a['ppl']-b['ppl']) <= 1e-3*a['ppl']))" \
+     "$tmp/ppl.json" "$tmp/ppl-decode.json" && ok || bad "eval perplexity --decode-steps: $(cat "$tmp/err" "$tmp/ppl-decode.txt")"
 "$KVLM" bench throughput "$chat" --num-prompts 2 --input-len 8 --output-len 4 >/dev/null 2>"$tmp/err" && ok \
   || bad "bench throughput MODEL: $(cat "$tmp/err")"
 expect_error 1 "two models given" -- generate "$chat" --model "$golden/qwen3-mixed" --prompt-ids 1

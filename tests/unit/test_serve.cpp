@@ -668,6 +668,39 @@ TEST(Scheduler, PromptLogitsArriveOnceInOrder) {
   EXPECT_LT(worst, 1e-4);
 }
 
+// prompt_logits_step (eval perplexity --decode-steps): the rows before prompt_logits_from run
+// as chunks, every later one in a step of its own, and the logits are the chunked run's.
+TEST(Scheduler, ScoredRowsRunOneAStepWhenAsked) {
+  auto e = load(kStories, KVCacheDType::Auto, 8);
+  const size_t vocab = size_t(e->config().vocab_size);
+  std::mt19937 rng(9);
+  const auto prompt = random_prompt(rng, 40, int(vocab));
+  const std::vector<float> whole = all_logits(*e, prompt, 64);
+  constexpr int kFrom = 23;
+  std::vector<int> firsts, counts;
+  double worst = 0;
+  score_tokens(
+      *e, prompt, 16,
+      [&](int first, std::span<const float> rows) {
+        firsts.push_back(first);
+        counts.push_back(int(rows.size() / vocab));
+        for (size_t i = 0; i < rows.size(); ++i)
+          worst = std::max(worst, double(std::fabs(rows[i] - whole[size_t(first) * vocab + i])));
+      },
+      kFrom, 1);
+  ASSERT_EQ(firsts.size(), prompt.size() - size_t(kFrom));  // one delivery per scored row
+  for (size_t i = 0; i < firsts.size(); ++i) {
+    EXPECT_EQ(firsts[i], kFrom + int(i));
+    EXPECT_EQ(counts[i], 1);
+  }
+  EXPECT_LT(worst, 1e-4);
+  // The default runs the scored rows in chunks of the budget.
+  int deliveries = 0;
+  score_tokens(*e, prompt, 16, [&](int, std::span<const float>) { ++deliveries; }, kFrom);
+  EXPECT_LT(deliveries, 3);
+  EXPECT_THROW(score_tokens(*e, prompt, 16, [](int, std::span<const float>) {}, kFrom, -1), Error);
+}
+
 TEST(Scheduler, RejectsInvalidRequestsWithClearErrors) {
   auto e = load(kStories, KVCacheDType::Auto, 8);
   std::map<std::string, Collected> out;
