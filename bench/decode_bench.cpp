@@ -6,7 +6,7 @@
 //                [--steps 32] [--gemv-lab] [--int-lab]
 //                [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
 //                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
-//                [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
+//                [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-dp4a-norm] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
@@ -16,7 +16,10 @@
 // runs FP8 GEMMs of up to M rows on the FMA kernels instead, --no-fp8-gemm dequantizes FP8
 // weights for the 16-bit GEMM above m = 16 (weight-only), --no-fp8-small-gemm runs cuBLASLt's
 // FP8 GEMM instead of kvlm's at m = 17-64, --no-fp8-norm-codes has the FP8 GEMMs quantize their
-// input themselves instead of the RMSNorm before them (KernelSwitches; all for comparison).
+// input themselves instead of the RMSNorm before them, --int-dp4a-max-m M runs grouped codes at
+// up to M rows on gemv_int_dp4a (0: the tensor-core GEMV), --int-dp4a-norm computes the RMSNorm
+// before it inside it at 1-2 rows (gemv_int_dp4a_norm; off by default until measured)
+// (KernelSwitches; all for comparison).
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode);
 // then gemv_fp8's kernels (FMA rows / split at m = 1 and 4, tensor cores at m = 1-16, per-row
@@ -843,6 +846,11 @@ int main(int argc, char** argv) {
       sw.int_dp4a_max_m = std::stoi(next());
       cuda::set_kernel_switches(sw);
     }
+    else if (a == "--int-dp4a-norm") {
+      auto sw = cuda::kernel_switches();
+      sw.int_dp4a_norm = true;
+      cuda::set_kernel_switches(sw);
+    }
     else if (a == "--no-pdl") {
       auto sw = cuda::kernel_switches();
       sw.pdl = false;
@@ -851,7 +859,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--int-lab] [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-dp4a-norm] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
       return 2;
     }
   }

@@ -303,6 +303,120 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
   EXPECT_GT(checked, 1000000u);
 }
 
+// gemv_int_dp4a_norm: add_rmsnorm (x += delta, h = weight * x / rms(x)) computed inside the
+// DP4A GEMV. y against the unrounded weights times the exact h, within x's int8 bound (here of
+// weight * x per block, times 1 / rms); x after the launch exactly x + delta (fp32, as
+// add_rmsnorm writes it) or untouched without delta; launched three times on one counter (the
+// last CTA must leave it zero for the next), layouts of 4-bit (affine, zero point, E2M1) and
+// 8-bit codes, grids of one CTA and of many.
+TEST(CudaIntWeights, GemvWithTheNormBeforeItMatchesTheDefinition) {
+  if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (test::compute_capability() < 61) GTEST_SKIP() << "DP4A needs sm_61";
+  std::mt19937 rng(43);
+  struct Case {
+    GGMLType type;  // as GemvDequantizeAndEmbedMatchTheDefinition's
+    int group, n, k;
+  };
+  const Case cases[] = {{GGMLType::Q4_K, 0, 300, 768},    {GGMLType::Q8_0, 0, 97, 4128},
+                        {GGMLType::F16, 128, 300, 1024}, {GGMLType::F32, 64, 9000, 2048},
+                        {GGMLType::MXFP4, 0, 45, 96},    {GGMLType::Q6_K, 0, 2, 4352}};
+  const float eps = 1e-6f;
+  size_t checked = 0;
+  for (DType ab : kActs)
+    for (const Case& c : cases) {
+      const int n = c.n, k = c.k;
+      const bool zp_case = c.type == GGMLType::F32 || c.type == GGMLType::F16;
+      Grouped g = zp_case ? zero_point(ab, c.group, n, k, rng, c.type == GGMLType::F16)
+                          : from_ggml(ab, c.type, n, k, rng);
+      fill_values(ab, n, k, g);
+      Dev<uint8_t> dc(g.codes);
+      Dev<uint32_t> dp(g.params);
+      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
+                              .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
+      for (int m = 1; m <= cuda::kGemvIntDp4aNormMaxM; ++m)
+        for (const bool with_delta : {true, false}) {
+          SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" +
+                       std::to_string(k) + " m=" + std::to_string(m) + (with_delta ? " with delta" : " no delta"));
+          ASSERT_TRUE(cuda::gemv_int_dp4a_takes(ab, w, m, k));
+          std::vector<float> x(size_t(m) * size_t(k));
+          std::normal_distribution<float> nx(0.0f, 2.0f);
+          for (auto& v : x) v = nx(rng);
+          const std::vector<float> delta = random_act(ab, size_t(m) * k, rng, 0.5f);
+          std::vector<float> nw(static_cast<size_t>(k));
+          std::uniform_real_distribution<float> un(0.5f, 1.5f);
+          for (auto& v : nw) v = un(rng);
+          const auto b = random_act(ab, size_t(n), rng, 0.5f);
+          // the residual after the add, as add_rmsnorm forms it (fp32), and the norm in double
+          std::vector<float> s(x);
+          if (with_delta)
+            for (size_t i = 0; i < s.size(); ++i) s[i] = x[i] + delta[i];
+          std::vector<double> want(size_t(m) * n), bound(size_t(m) * n);
+          const int cpb = 128 / g.layout.bits;
+          for (int r = 0; r < m; ++r) {
+            double ss = 0;
+            for (int i = 0; i < k; ++i) ss += double(s[size_t(r) * k + i]) * s[size_t(r) * k + i];
+            const double inv = 1.0 / std::sqrt(ss / k + double(eps));
+            std::vector<double> t(static_cast<size_t>(k)), dx(size_t(k / cpb));
+            for (int i = 0; i < k; ++i) t[size_t(i)] = double(nw[size_t(i)]) * s[size_t(r) * k + i];
+            for (int bi = 0; bi < k / cpb; ++bi) {
+              double amax = 0;
+              for (int i = bi * cpb; i < (bi + 1) * cpb; ++i) amax = std::max(amax, std::fabs(t[size_t(i)]));
+              dx[size_t(bi)] = amax / 127.0;
+            }
+            for (int j = 0; j < n; ++j) {
+              double acc = 0, mag = 0, e = 0;
+              for (int i = 0; i < k; ++i) {
+                const double wv = g.exact[size_t(j) * k + i];
+                acc += wv * t[size_t(i)];
+                mag += std::fabs(wv * t[size_t(i)]);
+                e += std::fabs(wv) * dx[size_t(i / cpb)] * 0.5;
+              }
+              want[size_t(r) * n + j] = acc * inv + b[size_t(j)];
+              bound[size_t(r) * n + j] =
+                  act_rel_tol(ab) * std::fabs(want[size_t(r) * n + j]) + 1e-4 * (mag * inv + std::fabs(b[size_t(j)])) +
+                  1.01 * e * inv;
+            }
+          }
+          Dev<float> dxr(x), dnw(nw);
+          Dev<uint16_t> dd(codes(ab, delta)), db(codes(ab, b)), dy(size_t(m) * n);
+          Dev<unsigned> counter(std::vector<unsigned>{0u});
+          const cuda::Dp4aNorm norm{.x = dxr.p, .delta = with_delta ? dd.p : nullptr, .weight = dnw.p, .eps = eps,
+                                    .counter = counter.p};
+          for (int launch = 0; launch < 3; ++launch) {
+            dxr.upload(x);
+            dy.poison();
+            cuda::gemv_int_dp4a_norm(ab, norm, w, db.p, dy.p, m, n, k, nullptr);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            EXPECT_EQ(counter.download()[0], 0u) << "launch " << launch << " left the counter set";
+            const auto got_x = dxr.download();
+            size_t x_off = 0;
+            for (size_t i = 0; i < got_x.size(); ++i) x_off += got_x[i] != s[i];
+            EXPECT_EQ(x_off, 0u) << "launch " << launch << ": x is not x + delta";
+            const auto raw = dy.download();
+            size_t bad = 0;
+            double worst = 0;
+            for (size_t i = 0; i < raw.size(); ++i) {
+              const double v = act_value(ab, raw[i]), e = std::isnan(v) ? 1e30 : std::fabs(v - want[i]);
+              worst = std::max(worst, e / bound[i]);
+              bad += e > bound[i];
+              ++checked;
+            }
+            EXPECT_EQ(bad, 0u) << "launch " << launch << ": worst error " << worst << " of the bound";
+          }
+        }
+    }
+  EXPECT_GT(checked, 100000u);
+  // misuse: 3 rows, or delta without a counter
+  Dev<float> x1(size_t(3) * 256), nw1(256);
+  const cuda::IntWeight none{.codes = nullptr, .params = nullptr, .bits = 4, .group = 32};
+  EXPECT_THROW(cuda::gemv_int_dp4a_norm(DType::BF16, {.x = x1.p, .weight = nw1.p}, none, nullptr, nullptr, 3, 8, 256,
+                                        nullptr),
+               Error);
+  EXPECT_THROW(cuda::gemv_int_dp4a_norm(DType::BF16, {.x = x1.p, .delta = x1.p, .weight = nw1.p}, none, nullptr,
+                                        nullptr, 1, 8, 256, nullptr),
+               Error);
+}
+
 // gemm_int (decode batches of 17-64 rows) over the same layouts: m on both sides of its 32-row
 // and 64-row B tiles, both tiles (128 and 256 weight rows), cluster splits forced to 1, 3 and
 // 8 or left to the launcher, odd n, k not a multiple of its 128-column chunks (and shorter than

@@ -44,6 +44,7 @@
 #include "ops/cuda/gemv_common.cuh"
 #include "ops/cuda/int_decode.cuh"
 #include "ops/cuda/kernel_switches.h"
+#include "ops/cuda/kernel_util.cuh"
 #include "ops/cuda/pdl.cuh"
 #include "ops/cuda/per_device.cuh"
 
@@ -89,10 +90,12 @@ __device__ __forceinline__ uint32_t e2m1_magnitudes(uint32_t sel) {
 
 // BITS: 4 or 8; M: rows of x the variant holds (m <= M; rows past m are zeros, never stored);
 // K: the kind of 4-bit codes (affine, zero point, E2M1; int_decode.cuh); bshift: log2(group / C).
-template <class V, int BITS, int M, Int4Kind K, bool kF32Out>
+// kNorm: x is add_rmsnorm's output, computed here from `norm` (gemv_int_dp4a_norm); x is unused.
+template <class V, int BITS, int M, Int4Kind K, bool kF32Out, bool kNorm>
 __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_int_dp4a_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int bshift,
-                         const uint16_t* bias, void* y, int ldy, int m, int n, int k, IntExpertTiles ex) {
+                         const uint16_t* bias, void* y, int ldy, int m, int n, int k, IntExpertTiles ex,
+                         Dp4aNorm norm) {
   // Experts (ex.expert set), as gemv_int.cu's kernel takes them: CTA column z takes tile z, whose
   // expert's n rows follow the previous experts' in codes, params and bias; its m = count rows
   // of x are x_rows[first ...] (or first ...), its rows of y first .... All of it is the
@@ -135,17 +138,34 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   // x -> int8 codes per block of C columns, 8 columns per thread (C / 8 consecutive lanes a
   // block), kBatch vectors of x loaded before any is used: one L2 round trip per batch, not one
   // per vector (k = 12288 took six in a row).
+  // kNorm: each row's sum of squares of x + delta, this thread's part
+  float ss[M] = {};
   {
-    constexpr int UB = C / 8, kBatch = 8;
+    // (kNorm loads 40 bytes a unit, not 16: fewer units in flight)
+    constexpr int UB = C / 8, kBatch = kNorm ? 4 : 8;
     const int per_row = k / 8, units = M * per_row;
     for (int base = 0; base < units; base += kBatch * kGemvThreads) {
       uint4 raw[kBatch];
+      float4 xr[kNorm ? kBatch : 1][2], wr[kNorm ? kBatch : 1][2];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int u = base + i * kGemvThreads + int(threadIdx.x), r = u / per_row;
-        const size_t xrow = r < m ? size_t(x_map ? x_map[r] : y_first + r) : 0;
-        raw[i] = u < units && r < m ? __ldg(reinterpret_cast<const uint4*>(x + xrow * size_t(k)) + (u - r * per_row))
+        const bool in = u < units && r < m;
+        if constexpr (kNorm) {
+          // x (fp32 residual), delta and the norm's weight; the rows are the step's first m
+          const size_t at = size_t(r) * size_t(k) + size_t(u - r * per_row) * 8, c = at - size_t(r) * size_t(k);
+          const float4 z = make_float4(0, 0, 0, 0);
+          xr[i][0] = in ? __ldcg(reinterpret_cast<const float4*>(norm.x + at)) : z;
+          xr[i][1] = in ? __ldcg(reinterpret_cast<const float4*>(norm.x + at) + 1) : z;
+          raw[i] = in && norm.delta ? __ldcg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(norm.delta) + at))
                                     : make_uint4(0, 0, 0, 0);
+          wr[i][0] = in ? __ldg(reinterpret_cast<const float4*>(norm.weight + c)) : z;
+          wr[i][1] = in ? __ldg(reinterpret_cast<const float4*>(norm.weight + c) + 1) : z;
+        } else {
+          const size_t xrow = r < m ? size_t(x_map ? x_map[r] : y_first + r) : 0;
+          raw[i] = in ? __ldg(reinterpret_cast<const uint4*>(x + xrow * size_t(k)) + (u - r * per_row))
+                      : make_uint4(0, 0, 0, 0);
+        }
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
@@ -155,6 +175,23 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
         const int r = on ? u / per_row : 0, c0 = on ? (u - r * per_row) * 8 : 0;
         float f[8];
         V::decode8(raw[i], f);
+        if constexpr (kNorm) {
+          // s = x + delta (add_rmsnorm's residual), f = weight s: the norm's output times the
+          // row's rsqrt(mean s^2 + eps), which multiplies the row's sums at the end instead
+          const float xs8[8] = {xr[i][0].x, xr[i][0].y, xr[i][0].z, xr[i][0].w,
+                                xr[i][1].x, xr[i][1].y, xr[i][1].z, xr[i][1].w};
+          const float w8[8] = {wr[i][0].x, wr[i][0].y, wr[i][0].z, wr[i][0].w,
+                               wr[i][1].x, wr[i][1].y, wr[i][1].z, wr[i][1].w};
+          float sq = 0.0f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float sv = xs8[e] + f[e];
+            sq = fmaf(sv, sv, sq);
+            f[e] = w8[e] * sv;
+          }
+#pragma unroll
+          for (int mm = 0; mm < M; ++mm) ss[mm] += on && r == mm ? sq : 0.0f;
+        }
         float amax = 0.0f, sum = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e])), sum += f[e];
@@ -192,7 +229,43 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       }
     }
   }
-  __syncthreads();
+  // kNorm: each row's 1 / rms; the residual x += delta written once, by the CTA that finishes
+  // reading x last (every CTA reads all of x: one writing while others read would race)
+  float inv_rms[M];
+  if constexpr (kNorm) {
+    __shared__ float ss_part[kDp4aWarps][M];
+    __shared__ bool last;
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+      const float t = warp_sum(ss[mm]);
+      if (lane == 0) ss_part[warp][mm] = t;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      last = false;
+      if (norm.delta) {
+        __threadfence();
+        last = atomicAdd(norm.counter, 1u) == gridDim.x - 1;
+      }
+    }
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) {
+      float total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kDp4aWarps; ++w) total += ss_part[w][mm];
+      inv_rms[mm] = 1.0f / sqrtf(total / float(k) + norm.eps);
+    }
+    __syncthreads();
+    if (last) {
+      const uint16_t* d = static_cast<const uint16_t*>(norm.delta);
+      for (int i = int(threadIdx.x); i < m * k; i += kGemvThreads) norm.x[i] = __ldcg(norm.x + i) + V::load(d[i]);
+      if (threadIdx.x == 0) *norm.counter = 0u;  // for the next launch
+    }
+  } else {
+    __syncthreads();
+#pragma unroll
+    for (int mm = 0; mm < M; ++mm) inv_rms[mm] = 1.0f;
+  }
 
   for (int task = first; task < tasks; task += stride) {
     const uint4* crow[R];
@@ -289,6 +362,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
         float v = acc[j][mm];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if constexpr (kNorm) v *= inv_rms[mm];
         const int row = task * R + j;
         if (lane == j * M + mm && row < n && mm < m) store_out<V, 1, kF32Out>(y, ldy, row, y_first + mm, v, bias);
       }
@@ -304,10 +378,10 @@ size_t dp4a_smem(int bits, int rows, int k) {
 
 int variant_rows(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : 4; }
 
-template <class V, int BITS, int M, Int4Kind K, bool kF32Out>
+template <class V, int BITS, int M, Int4Kind K, bool kF32Out, bool kNorm>
 void launch(const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m, int n, int k,
-            cudaStream_t st, const IntExpertTiles& ex) {
-  constexpr auto kernel = gemv_int_dp4a_kernel<V, BITS, M, K, kF32Out>;
+            cudaStream_t st, const IntExpertTiles& ex, const Dp4aNorm& norm) {
+  constexpr auto kernel = gemv_int_dp4a_kernel<V, BITS, M, K, kF32Out, kNorm>;
   const size_t smem = dp4a_smem(BITS, M, k);
   // Opt in to the most dynamic shared memory once; CTAs per SM from the registers (the
   // occupancy of a CTA with no shared memory) and from this launch's shared memory.
@@ -320,7 +394,10 @@ void launch(const void* x, const IntWeight& w, int bshift, const void* bias, voi
     int optin = 0;
     KVLM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
     KVLM_CUDA_CHECK(cudaDeviceGetAttribute(&r.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, current_device()));
-    KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    cudaFuncAttributes fa{};  // kNorm's variants have a little static shared memory besides
+    KVLM_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         optin - int(fa.sharedSizeBytes)));
     KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
     KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r.regs_ctas, kernel, kGemvThreads, 0));
     r.regs_ctas = std::max(1, r.regs_ctas);
@@ -333,17 +410,20 @@ void launch(const void* x, const IntWeight& w, int bshift, const void* bias, voi
   const int ctas = std::min((tasks + kDp4aWarps - 1) / kDp4aWarps, std::max(1, per_sm * sm_count() / copies));
   KVLM_CUDA_CHECK(launch_pdl<kernel>(dim3(unsigned(ctas), 1, unsigned(ex.expert ? ex.max_tiles : 1)), dim3(kGemvThreads),
                                      smem, st, static_cast<const uint16_t*>(x), w.codes, w.params, bshift,
-                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k, ex));
+                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k, ex, norm));
 }
 
+// norm.weight set: the fused norm (16-bit output only).
 template <class V, int BITS>
 void launch_bits(bool f32, const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m,
-                 int n, int k, cudaStream_t st, const IntExpertTiles& ex) {
+                 int n, int k, cudaStream_t st, const IntExpertTiles& ex, const Dp4aNorm& norm = {}) {
   auto go = [&](auto rows, auto kind) {
     constexpr int M = decltype(rows)::value;
     constexpr Int4Kind K = decltype(kind)::value;
-    if (f32) launch<V, BITS, M, K, true>(x, w, bshift, bias, y, ldy, m, n, k, st, ex);
-    else launch<V, BITS, M, K, false>(x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    if (norm.weight) {
+      if constexpr (M <= kGemvIntDp4aNormMaxM) launch<V, BITS, M, K, false, true>(x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
+    } else if (f32) launch<V, BITS, M, K, true, false>(x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
+    else launch<V, BITS, M, K, false, false>(x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
   };
   auto by_zp = [&](auto rows) {
     if constexpr (BITS == 4) with_int4_kind(w, [&](auto kind) { go(rows, kind); });
@@ -376,21 +456,40 @@ bool gemv_int_dp4a_pays(int m, int n, int k) {
   return int64_t(n) >= 4 * int64_t(k);
 }
 
-void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
-                   int n, int k, void* stream, const IntExpertTiles& ex) {
-  check_int("gemv_int_dp4a", ab, w, k);
-  if (!gemv_int_dp4a_takes(ab, w, m, k)) throw Error("gemv_int_dp4a: called for a layout or m it does not take");
+namespace {
+
+void dispatch(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
+              int k, void* stream, const IntExpertTiles& ex, const Dp4aNorm& norm) {
   int bshift = 0;
   while ((w.group / (128 / w.bits)) >> bshift > 1) ++bshift;
   const auto st = static_cast<cudaStream_t>(stream);
   const bool f32 = out == DType::F32;
   if (ab == DType::BF16) {
-    if (w.bits == 4) launch_bits<VecBF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
-    else launch_bits<VecBF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    if (w.bits == 4) launch_bits<VecBF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
+    else launch_bits<VecBF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
   } else {
-    if (w.bits == 4) launch_bits<VecF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
-    else launch_bits<VecF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    if (w.bits == 4) launch_bits<VecF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
+    else launch_bits<VecF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
   }
+}
+
+}  // namespace
+
+void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
+                   int n, int k, void* stream, const IntExpertTiles& ex) {
+  check_int("gemv_int_dp4a", ab, w, k);
+  if (!gemv_int_dp4a_takes(ab, w, m, k)) throw Error("gemv_int_dp4a: called for a layout or m it does not take");
+  dispatch(ab, out, x, w, bias, y, ldy, m, n, k, stream, ex, {});
+}
+
+void gemv_int_dp4a_norm(DType ab, const Dp4aNorm& norm, const IntWeight& w, const void* bias, void* y, int m, int n,
+                        int k, void* stream) {
+  check_int("gemv_int_dp4a_norm", ab, w, k);
+  if (m > kGemvIntDp4aNormMaxM || !gemv_int_dp4a_takes(ab, w, m, k))
+    throw Error("gemv_int_dp4a_norm: called for a layout or m it does not take");
+  if (!norm.x || !norm.weight || (norm.delta && !norm.counter) || k % 8 != 0)
+    throw Error("gemv_int_dp4a_norm: needs x, the norm's weight, a counter beside delta, and k a multiple of 8");
+  dispatch(ab, ab, nullptr, w, bias, y, n, m, n, k, stream, {}, norm);
 }
 
 }  // namespace kvlm::cuda
