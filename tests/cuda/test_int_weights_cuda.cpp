@@ -92,6 +92,28 @@ void fill_values(DType ab, int n, int k, Grouped& g) {
   }
 }
 
+// A test case's weight: a ggml block type's layout (Q4_0 .. Q6_K, MXFP4), or with type F32 a
+// 4-bit zero point of `group` as offsets, F16 the exact zero-point layout.
+struct Case {
+  GGMLType type;
+  int group, n, k;
+  bool zero_point_case() const { return type == GGMLType::F32 || type == GGMLType::F16; }
+};
+
+// The case's codes with their values filled (fill_values).
+Grouped grouped_case(DType ab, const Case& c, std::mt19937& rng) {
+  Grouped g = c.zero_point_case() ? zero_point(ab, c.group, c.n, c.k, rng, c.type == GGMLType::F16)
+                                  : from_ggml(ab, c.type, c.n, c.k, rng);
+  fill_values(ab, c.n, c.k, g);
+  return g;
+}
+
+// The kernels' view of g's codes uploaded to dc and dp.
+cuda::IntWeight int_weight(const Grouped& g, const Dev<uint8_t>& dc, const Dev<uint32_t>& dp) {
+  return {.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
+          .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
+}
+
 }  // namespace
 
 // Misuse is an error, not a wrong answer.
@@ -139,11 +161,6 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::compute_capability() < 80) GTEST_SKIP() << "bf16 tensor cores need sm_80";
   std::mt19937 rng(41);
-  struct Case {
-    GGMLType type;  // Q4_0 .. Q6_K, or F32 for a zero-point layout of `group` (GGMLType::F16: the
-                    // exact zero-point layout)
-    int group, n, k;
-  };
   const Case cases[] = {
       {GGMLType::Q4_K, 0, 300, 768},  {GGMLType::Q6_K, 0, 129, 4352}, {GGMLType::Q4_0, 0, 7, 96},
       {GGMLType::Q4_1, 0, 1000, 1056}, {GGMLType::Q5_0, 0, 33, 160},   {GGMLType::Q5_1, 0, 61, 2080},
@@ -158,14 +175,11 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
   for (DType ab : kActs)
     for (const Case& c : cases) {
       const int n = c.n, k = c.k;
-      const bool zp_case = c.type == GGMLType::F32 || c.type == GGMLType::F16;
-      if (!sam && !(ab == DType::BF16 && zp_case && c.group % 128 == 0)) continue;
+      if (!sam && !(ab == DType::BF16 && c.zero_point_case() && c.group % 128 == 0)) continue;
       auto sw = saved;
       sw.int_scale_after_mma = sam;
       cuda::set_kernel_switches(sw);
-      Grouped g = zp_case ? zero_point(ab, c.group, n, k, rng, c.type == GGMLType::F16)
-                          : from_ggml(ab, c.type, n, k, rng);
-      fill_values(ab, n, k, g);
+      Grouped g = grouped_case(ab, c, rng);
       SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                    (sam ? "" : " (scale after the MMA off)"));
       const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
@@ -219,8 +233,7 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       const int ldy = n + 3;  // wider than n: only columns [0, n) of each row are written
       Dev<uint16_t> dy16(size_t(kM) * ldy);
       Dev<float> dy32(size_t(kM) * ldy);
-      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
-                              .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
+      const cuda::IntWeight w = int_weight(g, dc, dp);
       ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
       for (int m = 1; m <= kM; ++m)
         for (int mode = 0; mode < 4; ++mode) {  // 0, 2: 16-bit out + bias, 1, 3: float32 out
@@ -313,10 +326,6 @@ TEST(CudaIntWeights, GemvWithTheNormBeforeItMatchesTheDefinition) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (test::compute_capability() < 61) GTEST_SKIP() << "DP4A needs sm_61";
   std::mt19937 rng(43);
-  struct Case {
-    GGMLType type;  // as GemvDequantizeAndEmbedMatchTheDefinition's
-    int group, n, k;
-  };
   const Case cases[] = {{GGMLType::Q4_K, 0, 300, 768},    {GGMLType::Q8_0, 0, 97, 4128},
                         {GGMLType::F16, 128, 300, 1024}, {GGMLType::F32, 64, 9000, 2048},
                         {GGMLType::MXFP4, 0, 45, 96},    {GGMLType::Q6_K, 0, 2, 4352}};
@@ -325,14 +334,10 @@ TEST(CudaIntWeights, GemvWithTheNormBeforeItMatchesTheDefinition) {
   for (DType ab : kActs)
     for (const Case& c : cases) {
       const int n = c.n, k = c.k;
-      const bool zp_case = c.type == GGMLType::F32 || c.type == GGMLType::F16;
-      Grouped g = zp_case ? zero_point(ab, c.group, n, k, rng, c.type == GGMLType::F16)
-                          : from_ggml(ab, c.type, n, k, rng);
-      fill_values(ab, n, k, g);
+      Grouped g = grouped_case(ab, c, rng);
       Dev<uint8_t> dc(g.codes);
       Dev<uint32_t> dp(g.params);
-      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
-                              .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
+      const cuda::IntWeight w = int_weight(g, dc, dp);
       for (int m = 1; m <= cuda::kGemvIntDp4aNormMaxM; ++m)
         for (const bool with_delta : {true, false}) {
           SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" +
@@ -427,10 +432,6 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
   if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!cuda::gemm_int_available(128)) GTEST_SKIP() << "gemm_int needs sm_80 and its shared memory";
   std::mt19937 rng(43);
-  struct Case {
-    GGMLType type;  // as in GemvDequantizeAndEmbedMatchTheDefinition
-    int group, n, k;
-  };
   const Case cases[] = {
       {GGMLType::Q4_K, 0, 300, 768},    {GGMLType::Q6_K, 0, 129, 4352}, {GGMLType::Q4_0, 0, 7, 96},
       {GGMLType::Q8_0, 0, 97, 4128},    {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q3_K, 0, 17, 1280},
@@ -445,10 +446,7 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
   for (DType ab : kActs)
     for (const Case& c : cases) {
       const int n = c.n, k = c.k;
-      const bool zp_case = c.type == GGMLType::F32 || c.type == GGMLType::F16;
-      Grouped g = zp_case ? zero_point(ab, c.group, n, k, rng, c.type == GGMLType::F16)
-                          : from_ggml(ab, c.type, n, k, rng);
-      fill_values(ab, n, k, g);
+      Grouped g = grouped_case(ab, c, rng);
       SCOPED_TRACE(std::string(dtype_name(ab)) + " " + g.name + " n=" + std::to_string(n) + " k=" + std::to_string(k));
       const auto xr = random_act(ab, size_t(kM) * k, rng, 1.0f);
       const auto b = random_act(ab, size_t(n), rng, 0.5f);
@@ -470,8 +468,7 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
       const int ldy = n + 5;
       Dev<uint16_t> dy16(size_t(kM) * ldy);
       Dev<float> dy32(size_t(kM) * ldy);
-      const cuda::IntWeight w{.codes = dc.p, .params = dp.p, .bits = g.layout.bits, .group = g.layout.group,
-                              .zero_point = g.layout.zero_point, .e2m1 = g.layout.e2m1};
+      const cuda::IntWeight w = int_weight(g, dc, dp);
       for (size_t mi = 0; mi < std::size(ms); ++mi)
         for (const int tile : {128, 256}) {
           if (tile == 256 && !big_tiles) continue;
