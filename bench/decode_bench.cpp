@@ -3,10 +3,10 @@
 //
 //   decode_bench --model DIR [--kv bfloat16,fp8,int4_per_token_head/none,int4_per_token_head@4:64,k=int8_per_token_head;v=int4_per_token_head,plan:FILE]
 //                [--shapes 1x512,64x4096]
-//                [--steps 32] [--gemv-lab] [--int-lab]
+//                [--steps 32] [--gemv-lab] [--int-lab] [--kernels]
 //                [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
 //                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
-//                [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-dp4a-norm] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
+//                [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
@@ -17,15 +17,18 @@
 // weights for the 16-bit GEMM above m = 16 (weight-only), --no-fp8-small-gemm runs cuBLASLt's
 // FP8 GEMM instead of kvlm's at m = 17-64, --no-fp8-norm-codes has the FP8 GEMMs quantize their
 // input themselves instead of the RMSNorm before them, --int-dp4a-max-m M runs grouped codes at
-// up to M rows on gemv_int_dp4a (0: the tensor-core GEMV), --int-dp4a-norm computes the RMSNorm
-// before it inside it at 1-2 rows (gemv_int_dp4a_norm; off by default until measured)
-// (KernelSwitches; all for comparison).
+// up to M rows on gemv_int_dp4a (0: the tensor-core GEMV) (KernelSwitches; all for comparison).
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode);
 // then gemv_fp8's kernels (FMA rows / split at m = 1 and 4, tensor cores at m = 1-16, per-row
 // and 128-block scales) and dequantize_fp8, and the tensor-core kernel's CTA shapes; last the
 // W8A8 path of m = 32, 64 and 256 (per-token quantization, cuBLASLt's FP8 GEMM and kvlm's
 // gemm_fp8_small, alone and together).
+//
+// --kernels runs each shape's GPU-greedy graph run once more under CUPTI (kernel_timeline.h)
+// and prints the step's kernels: by name, then in order (the first kernels, one layer averaged
+// over the layers, the last ones), each with its time start to end and its exclusive time (what
+// it added to the step past the kernels before it). With --tp every GPU's kernels are mixed.
 //
 // For each KV dtype the model is loaded once; for each shape (batch x context) the pool is
 // sized for it and every sequence decodes `steps` tokens after 3 warm-up steps, starting at
@@ -80,8 +83,10 @@
 #include "io/grouped_codes.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernel_switches.h"
+#include "kernel_timeline.h"
 
 using namespace kvlm;
+using kvlm::bench::KernelTimeline;
 
 namespace {
 
@@ -131,7 +136,9 @@ struct Result {
 // Decodes `steps` tokens for `batch` sequences of `context` cached tokens; returns ms/step.
 // `r` is one GPU's runner or a tensor-parallel group (then GPU greedy goes through
 // forward_sampled at temperature 0: rank 0 samples on its GPU).
-Result run(ModelRunner& r, int batch, int context, int steps, bool host_logits, int bs, bool exact = false) {
+// `tl` (--kernels): each timed step is marked on it.
+Result run(ModelRunner& r, int batch, int context, int steps, bool host_logits, int bs, bool exact = false,
+           KernelTimeline* tl = nullptr) {
   const int warm = 3, V = r.config().vocab_size;
   const int per_seq = (context + warm + steps + 1 + bs - 1) / bs;
   std::vector<std::vector<BlockId>> tables(static_cast<size_t>(batch));
@@ -167,7 +174,10 @@ Result run(ModelRunner& r, int batch, int context, int steps, bool host_logits, 
   };
   for (int i = 0; i < warm; ++i) step(i);
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < steps; ++i) step(warm + i);
+  for (int i = 0; i < steps; ++i) {
+    if (tl) tl->mark();
+    step(warm + i);
+  }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
   return {ms, batch * 1000.0 / ms};
 }
@@ -786,7 +796,7 @@ int main(int argc, char** argv) {
   std::string model, kvs = "bfloat16,fp8", shapes = "1x512,64x4096", draft, quantization;
   int steps = 32, spec_tokens = 15, tp = 1;
   bool expert_parallel = false;
-  bool lab = false, int_lab = false, gemv = true, dequantize_weights = false;
+  bool lab = false, int_lab = false, gemv = true, dequantize_weights = false, kernels = false;
   DType state_dtype = DType::F32;  // --mamba-ssm-cache-dtype (hybrid models)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -800,6 +810,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps") steps = std::stoi(next());
     else if (a == "--gemv-lab") lab = true;
     else if (a == "--int-lab") int_lab = true;
+    else if (a == "--kernels") kernels = true;
     else if (a == "--draft") draft = next();
     else if (a == "--spec-tokens") spec_tokens = std::stoi(next());
     else if (a == "--no-gemv") gemv = false;
@@ -846,11 +857,6 @@ int main(int argc, char** argv) {
       sw.int_dp4a_max_m = std::stoi(next());
       cuda::set_kernel_switches(sw);
     }
-    else if (a == "--int-dp4a-norm") {
-      auto sw = cuda::kernel_switches();
-      sw.int_dp4a_norm = true;
-      cuda::set_kernel_switches(sw);
-    }
     else if (a == "--no-pdl") {
       auto sw = cuda::kernel_switches();
       sw.pdl = false;
@@ -858,10 +864,14 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
-                           "[--gemv-lab] [--int-lab] [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-dp4a-norm] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
+                           "[--gemv-lab] [--int-lab] [--kernels] [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
       return 2;
     }
+  }
+  if (kernels && !KernelTimeline::available()) {
+    std::fprintf(stderr, "decode_bench: --kernels needs CUPTI, and this build found no libcupti in the CUDA toolkit\n");
+    return 2;
   }
   if (model.empty() && !lab && !int_lab) {
     std::fprintf(stderr, "decode_bench: --model DIR is required (tools/make_random_model.py writes one)\n");
@@ -969,6 +979,18 @@ int main(int argc, char** argv) {
                         kv_read / 1e9, floor_ms, 100 * floor_ms / res.ms, bound_tok, 100 * res.tok_s / bound_tok);
             std::fflush(stdout);
             if (graphs) best.emplace_back(kv + (logits ? "" : " (gpu greedy)"), batch, context, res.tok_s);
+            if (graphs && !logits && kernels) {
+              // the same run again under CUPTI (its graphs captured anew with the tracing on)
+              KernelTimeline tl;
+              for (auto* rk : ranks) rk->set_cuda_graphs(true);
+              const Result traced = run(r, batch, context, steps, false, bs, exact, &tl);
+              char title[256];
+              std::snprintf(title, sizeof title, "%s, batch %d x %d, graphs, GPU greedy, %.3f ms a step (%.3f untraced)",
+                            kv.c_str(), batch, context, traced.ms, res.ms);
+              tl.report(stdout, title, c.num_layers);
+              std::printf("\n| kv cache | batch | context | graphs | sampling | ms/step | tokens/s | weights read GB | KV (+ state) read GB "
+                          "| floor ms | %% of floor | weights-read bound tok/s | %% of bound |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+            }
             if (graphs && !logits && tp > 1) {
               const double ar = allreduce_ms(dynamic_cast<TensorParallelRunner&>(r), batch, c.hidden_size, c.num_layers,
                                              e->dtype());

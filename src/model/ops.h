@@ -138,14 +138,6 @@ class Ops {
   virtual void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) = 0;
   // y = x . w^T (+ bias).
   virtual void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) = 0;
-  // add_rmsnorm(x, delta, norm, eps, h), then linear(h, w, bias, y), where nothing reads h
-  // afterwards: a device may fuse the two and leave h unwritten (CUDA: batches of 1-2 on
-  // 4- and 8-bit codes, gemv_int_dp4a_norm, behind KernelSwitches::int_dp4a_norm).
-  virtual void add_rmsnorm_linear(Tensor x, Tensor delta, const Weight& norm, float eps, Tensor h, const Weight& w,
-                                  const Weight& bias, Tensor y) {
-    add_rmsnorm(x, delta, norm, eps, h);
-    linear(h, w, bias, y);
-  }
   // y = (f(gate) * up) . w^T (+ bias), where gu = [gate | up] (the fused gate/up projection).
   virtual void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) = 0;
   // Layer `layer`'s prologue on the fused projection qkv = [q heads | k heads | v heads]: q

@@ -232,18 +232,19 @@ Tensor pre_norm_layer(Ops& ops, const ModelConfig& c, const DecoderActivations& 
                       float softmax_scale, int capture_layer) {
   auto W = [&](size_t i) { return weight_or_empty(w, i); };
   const float eps = float(c.rms_norm_eps);
-  ops.add_rmsnorm_linear(a.x, pending, w[L.in_norm], eps, a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
-  if (capture_layer >= 0) ops.capture(capture_layer, a.x);  // x after the add
+  ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
+  if (capture_layer >= 0) ops.capture(capture_layer, a.x);
+  ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
   ops.attention_prologue(kv_layer, a.qkv,
                          {.q_norm = W(L.attn.q_norm), .k_norm = W(L.attn.k_norm), .inv_freq = inv_freq, .eps = eps}, a.q);
   ops.attention(kv_layer, a.q, a.attn, softmax_scale, W(L.attn.sinks));
   ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
   ops.all_reduce_sum(a.delta);
+  ops.add_rmsnorm(a.x, a.delta, w[L.post_norm], eps, a.h);
   if (L.moe) {
-    ops.add_rmsnorm(a.x, a.delta, w[L.post_norm], eps, a.h);
     ops.moe(a.h, *c.moe, moe_weights(w, *L.moe), a.delta);
   } else {
-    ops.add_rmsnorm_linear(a.x, a.delta, w[L.post_norm], eps, a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
+    ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
     ops.mlp_down(c.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
   }
   ops.all_reduce_sum(a.delta);

@@ -60,8 +60,9 @@ class Gemma3 final : public ModelDefinition {
     Tensor pending;  // the last layer's normed MLP output, added by the next norm
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
-      ops.add_rmsnorm_linear(a.x, pending, w[L.in_norm], eps, a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
-      if (li > 0) ops.capture(int(li) - 1, a.x);  // x after the add
+      ops.add_rmsnorm(a.x, pending, w[L.in_norm], eps, a.h);
+      if (li > 0) ops.capture(int(li) - 1, a.x);
+      ops.linear(a.h, w[L.attn.qkv], W(L.attn.bqkv), a.qkv);
       ops.attention_prologue(int(li), a.qkv,
                              {.q_norm = w[L.attn.q_norm],
                               .k_norm = w[L.attn.k_norm],
@@ -72,7 +73,8 @@ class Gemma3 final : public ModelDefinition {
       ops.linear(a.attn, w[L.attn.o], W(L.attn.bo), a.delta);
       ops.all_reduce_sum(a.delta);
       ops.rmsnorm(a.delta, w[L.post_attn_norm], eps, a.delta);
-      ops.add_rmsnorm_linear(a.x, a.delta, w[L.pre_ff_norm], eps, a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
+      ops.add_rmsnorm(a.x, a.delta, w[L.pre_ff_norm], eps, a.h);
+      ops.linear(a.h, w[L.mlp.gate_up], W(L.mlp.b_gate_up), a.gu);
       ops.mlp_down(cfg_.hidden_act, a.gu, w[L.mlp.down], W(L.mlp.b_down), a.delta);
       ops.all_reduce_sum(a.delta);
       ops.rmsnorm(a.delta, w[L.post_ff_norm], eps, a.delta);

@@ -7,7 +7,6 @@
 #include "core/log.h"
 #include "ops/cuda/gated_deltanet.h"
 #include "ops/cuda/gemm.h"
-#include "ops/cuda/gemv_int_dp4a.h"
 #include "ops/cuda/kernel_switches.h"
 #include "ops/cuda/model_ops.h"
 #include "ops/cuda/moe.h"
@@ -281,30 +280,6 @@ void CudaOps::linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) {
   fp8_norm_codes_ = {};
   if (measure_) return;
   gemm_.linear(act_, y.dtype, x.data, w.data, bias.data, y.data, int(x.rows), int(w.rows), int(x.cols), stream_);
-}
-
-void CudaOps::add_rmsnorm_linear(Tensor x, Tensor delta, const Weight& norm, float eps, Tensor h, const Weight& w,
-                                 const Weight& bias, Tensor y) {
-  const int m = int(x.rows), n = int(w.rows), k = int(x.cols);
-  const bool fused = [&] {
-    if (w.codes.size() != 1 || !grid_counter_ || !cuda::kernel_switches().int_dp4a_norm) return false;
-    if (m < 1 || m > cuda::kGemvIntDp4aNormMaxM || y.dtype != act_ || x.dtype != DType::F32) return false;
-    if (delta && (delta.dtype != act_ || delta.rows != x.rows || delta.cols != x.cols)) return false;
-    const WeightCodes& p = w.codes.front();
-    if (p.row0 != 0 || p.rows != w.rows) return false;
-    return cuda::gemv_int_dp4a_takes(act_, int_weight(p), m, k) && cuda::gemv_int_dp4a_pays(m, n, k);
-  }();
-  if (!fused) {
-    add_rmsnorm(x, delta, norm, eps, h);
-    linear(h, w, bias, y);
-    return;
-  }
-  fp8_norm_codes_ = {};
-  if (measure_) return;
-  cuda::gemv_int_dp4a_norm(act_,
-                           {.x = static_cast<float*>(x.data), .delta = delta.data,
-                            .weight = static_cast<const float*>(norm.data), .eps = eps, .counter = grid_counter_},
-                           int_weight(w.codes.front()), bias.data, y.data, m, n, k, stream_);
 }
 
 void CudaOps::mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) {

@@ -113,12 +113,6 @@ class CudaOps final : public Ops {
   void rmsnorm(Tensor x, const Weight& w, float eps, Tensor out) override;
   void final_norm(Tensor x, Tensor delta, const Weight& w, float eps, Tensor out) override;
   void linear(Tensor x, const Weight& w, const Weight& bias, Tensor y) override;
-  // Fused (gemv_int_dp4a_norm, with KernelSwitches::int_dp4a_norm) where the weight is one part
-  // of 4- or 8-bit codes that
-  // gemv_int_dp4a takes and pays for at this step's rows (1-2), the norm adds a delta or none,
-  // and the runner gave a counter (set_grid_counter); else add_rmsnorm and linear.
-  void add_rmsnorm_linear(Tensor x, Tensor delta, const Weight& norm, float eps, Tensor h, const Weight& w,
-                          const Weight& bias, Tensor y) override;
   void mlp_down(GluActivation f, Tensor gu, const Weight& w, const Weight& bias, Tensor y) override;
   void attention_prologue(int layer, Tensor qkv, const PrologueWeights& w, Tensor q) override;
   void attention(int layer, Tensor q, Tensor out, float softmax_scale, const Weight& sinks) override;
@@ -142,10 +136,6 @@ class CudaOps final : public Ops {
     fp8_max_cols_ = max_cols;
     fp8_norm_group_ = act_group;
   }
-
-  // A zeroed device counter for kernels whose last CTA finishes a job (gemv_int_dp4a_norm's
-  // residual write); null: such fusions stay off.
-  void set_grid_counter(unsigned* c) { grid_counter_ = c; }
 
   // A drafter's features: slot_of[layer] >= 0 for the target layers it reads (empty: none).
   // features() is the step's [T][slots * hidden] Hidden tensor, carved at the first capture.
@@ -206,7 +196,6 @@ class CudaOps final : public Ops {
   bool measure_ = false;
   void* attn_ws_ = nullptr;
   void* fp8_scratch_ = nullptr;
-  unsigned* grid_counter_ = nullptr;
   int fp8_max_cols_ = 0;
   StepBuffer fp8_x_;         // the step's activations quantized per token, [T][fp8_max_cols_]
   StepBuffer fp8_x_scales_;  // their scales, [T]

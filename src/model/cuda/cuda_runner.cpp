@@ -418,9 +418,6 @@ CudaModelRunner::CudaModelRunner(ModelConfig config, const Checkpoint& ckpt, con
     m.fp8_scratch.allocate(m.fp8_scratch_elems * dtype_size(m.act), "the quantized weights' dequantization buffer");
     m.ops->set_fp8_scratch(m.fp8_scratch.data(), m.fp8_max_cols, m.fp8_act_group.value_or(-1));
   }
-  m.grid_counter.allocate(sizeof(unsigned), "a kernel counter");
-  KVLM_CUDA_CHECK(cudaMemset(m.grid_counter.data(), 0, sizeof(unsigned)));
-  m.ops->set_grid_counter(static_cast<unsigned*>(static_cast<void*>(m.grid_counter.data())));
   m.ops->set_kv(m.lkv, 0, 0);
   if (m.draft_def) m.ops->set_capture(std::move(slot_of), cfg_.hidden_size);
   m.graphs_on = opts.cuda_graphs;

@@ -175,7 +175,6 @@ struct CudaModelRunner::Impl {
   std::unique_ptr<CudaOps> ops;
   DeviceBuffer weights, draft_weights, kv_tensor_scales, gemm_ws, kv, kv_pools, exact_pools, pairs_dev, scratch, exact, states;
   DeviceBuffer page_staging;  // the host tier's packed pages in passing (cuda_runner_pages.cpp)
-  DeviceBuffer grid_counter;  // CudaOps::set_grid_counter's
   int staging_pages(size_t page_bytes);
   struct PageTable {
     const cuda::KVPagePools* layers;

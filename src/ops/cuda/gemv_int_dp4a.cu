@@ -33,6 +33,8 @@
 // 16-byte vector of each row per lane and step, U steps' loads issued before any is used
 // (R * U * 16 bytes in flight per lane); CTAs loop over tasks (as many CTAs as fit on the GPU,
 // so that x is quantized once per CTA, not once per row). A task's sums meet by warp shuffles.
+// The first task's first steps load before the wait for x (the weights are no kernel's output),
+// so that x's quantization overlaps them: 4-5% of a batch-1 step (docs/results/weights-4bit.md).
 #include "ops/cuda/gemv_int_dp4a.h"
 
 #include <cuda_bf16.h>
@@ -44,7 +46,6 @@
 #include "ops/cuda/gemv_common.cuh"
 #include "ops/cuda/int_decode.cuh"
 #include "ops/cuda/kernel_switches.h"
-#include "ops/cuda/kernel_util.cuh"
 #include "ops/cuda/pdl.cuh"
 #include "ops/cuda/per_device.cuh"
 
@@ -55,6 +56,7 @@ namespace {
 constexpr int kDp4aWarps = kGemvThreads / 32;
 constexpr int kDp4aRows = 2;   // R: weight rows per warp and task
 constexpr int kDp4aSteps = 4;  // U: 16-byte vectors per row a lane loads before using them
+constexpr int kPrefetchSteps = 2;  // further steps of U the first task prefetches to L2 before x is ready
 
 __device__ __forceinline__ uint32_t pack_i8(int a, int b, int c, int d) {
   return uint32_t(a & 0xff) | uint32_t(b & 0xff) << 8 | uint32_t(c & 0xff) << 16 | uint32_t(d & 0xff) << 24;
@@ -90,12 +92,10 @@ __device__ __forceinline__ uint32_t e2m1_magnitudes(uint32_t sel) {
 
 // BITS: 4 or 8; M: rows of x the variant holds (m <= M; rows past m are zeros, never stored);
 // K: the kind of 4-bit codes (affine, zero point, E2M1; int_decode.cuh); bshift: log2(group / C).
-// kNorm: x is add_rmsnorm's output, computed here from `norm` (gemv_int_dp4a_norm); x is unused.
-template <class V, int BITS, int M, Int4Kind K, bool kF32Out, bool kNorm>
+template <class V, int BITS, int M, Int4Kind K, bool kF32Out>
 __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_int_dp4a_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int bshift,
-                         const uint16_t* bias, void* y, int ldy, int m, int n, int k, IntExpertTiles ex,
-                         Dp4aNorm norm) {
+                         const uint16_t* bias, void* y, int ldy, int m, int n, int k, IntExpertTiles ex) {
   // Experts (ex.expert set), as gemv_int.cu's kernel takes them: CTA column z takes tile z, whose
   // expert's n rows follow the previous experts' in codes, params and bias; its m = count rows
   // of x are x_rows[first ...] (or first ...), its rows of y first .... All of it is the
@@ -125,47 +125,66 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   const int tasks = (n + R - 1) / R, first = int(blockIdx.x) * kDp4aWarps + warp, stride = int(gridDim.x) * kDp4aWarps;
   const size_t row_bytes = size_t(k) * BITS / 8;
 
-  // The weights are no kernel's output: the first task's lines start towards L2 while the
-  // previous kernel finishes.
-  if (!ex.expert && first < tasks)
+  // A task's rows and the loads of its codes and parameters: the next U steps' load while this
+  // step's are multiplied.
+  const uint4* crow[R];
+  const uint32_t* prow[R];
+  uint4 cn[R][U];
+  uint32_t pn[R][U];
+  auto rows_of = [&](int task) {
+#pragma unroll
     for (int j = 0; j < R; ++j) {
-      const int row = min(first * R + j, n - 1);
-      for (int v = lane; v < min(nb, 32 * U); v += 32)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(codes + size_t(row) * row_bytes + 16 * size_t(v)));
+      const int row = min(task * R + j, n - 1);  // rows past n are read, never stored
+      crow[j] = reinterpret_cast<const uint4*>(codes + size_t(row) * row_bytes);
+      prow[j] = params + size_t(row) * size_t(ng);
     }
+  };
+  auto load = [&](int v0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + 32 * u;
+      const bool ok = v < nb;
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        cn[j][u] = ok ? ld_stream(crow[j] + v) : make_uint4(0, 0, 0, 0);
+        pn[j][u] = ok ? __ldg(prow[j] + (v >> bshift)) : 0u;  // a missing vector: s = b = 0
+      }
+    }
+  };
+  // The weights are no kernel's output: the first task's first U steps load into registers
+  // before the wait for x and before x's quantization (which held every warp for an L2 round
+  // trip and its arithmetic with no code in flight), and its next kPrefetchSteps steps start
+  // towards L2 (a 12288-long row of 4-bit codes is 3 steps of U). E2M1 at 2-4 rows has no
+  // registers to spare for them during the quantization (128 bytes spilled): its first steps go
+  // to L2 too, and load after it.
+  constexpr bool kEarly = M == 1 || K != Int4Kind::E2M1;
+  if (first < tasks) {
+    if constexpr (kEarly) {
+      rows_of(first);
+      load(lane);
+    }
+    for (int j = 0; j < R; ++j) {
+      const uint4* row = reinterpret_cast<const uint4*>(codes + size_t(min(first * R + j, n - 1)) * row_bytes);
+      for (int v = lane + (kEarly ? 32 * U : 0); v < min(nb, 32 * U * (1 + kPrefetchSteps)); v += 32)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + v));
+    }
+  }
   if (!ex.expert) pdl_wait();
 
   // x -> int8 codes per block of C columns, 8 columns per thread (C / 8 consecutive lanes a
   // block), kBatch vectors of x loaded before any is used: one L2 round trip per batch, not one
   // per vector (k = 12288 took six in a row).
-  // kNorm: each row's sum of squares of x + delta, this thread's part
-  float ss[M] = {};
   {
-    // (kNorm loads 40 bytes a unit, not 16: fewer units in flight)
-    constexpr int UB = C / 8, kBatch = kNorm ? 4 : 8;
+    constexpr int UB = C / 8, kBatch = 8;
     const int per_row = k / 8, units = M * per_row;
     for (int base = 0; base < units; base += kBatch * kGemvThreads) {
       uint4 raw[kBatch];
-      float4 xr[kNorm ? kBatch : 1][2], wr[kNorm ? kBatch : 1][2];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int u = base + i * kGemvThreads + int(threadIdx.x), r = u / per_row;
-        const bool in = u < units && r < m;
-        if constexpr (kNorm) {
-          // x (fp32 residual), delta and the norm's weight; the rows are the step's first m
-          const size_t at = size_t(r) * size_t(k) + size_t(u - r * per_row) * 8, c = at - size_t(r) * size_t(k);
-          const float4 z = make_float4(0, 0, 0, 0);
-          xr[i][0] = in ? __ldcg(reinterpret_cast<const float4*>(norm.x + at)) : z;
-          xr[i][1] = in ? __ldcg(reinterpret_cast<const float4*>(norm.x + at) + 1) : z;
-          raw[i] = in && norm.delta ? __ldcg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(norm.delta) + at))
+        const size_t xrow = r < m ? size_t(x_map ? x_map[r] : y_first + r) : 0;
+        raw[i] = u < units && r < m ? __ldg(reinterpret_cast<const uint4*>(x + xrow * size_t(k)) + (u - r * per_row))
                                     : make_uint4(0, 0, 0, 0);
-          wr[i][0] = in ? __ldg(reinterpret_cast<const float4*>(norm.weight + c)) : z;
-          wr[i][1] = in ? __ldg(reinterpret_cast<const float4*>(norm.weight + c) + 1) : z;
-        } else {
-          const size_t xrow = r < m ? size_t(x_map ? x_map[r] : y_first + r) : 0;
-          raw[i] = in ? __ldg(reinterpret_cast<const uint4*>(x + xrow * size_t(k)) + (u - r * per_row))
-                      : make_uint4(0, 0, 0, 0);
-        }
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
@@ -175,23 +194,6 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
         const int r = on ? u / per_row : 0, c0 = on ? (u - r * per_row) * 8 : 0;
         float f[8];
         V::decode8(raw[i], f);
-        if constexpr (kNorm) {
-          // s = x + delta (add_rmsnorm's residual), f = weight s: the norm's output times the
-          // row's rsqrt(mean s^2 + eps), which multiplies the row's sums at the end instead
-          const float xs8[8] = {xr[i][0].x, xr[i][0].y, xr[i][0].z, xr[i][0].w,
-                                xr[i][1].x, xr[i][1].y, xr[i][1].z, xr[i][1].w};
-          const float w8[8] = {wr[i][0].x, wr[i][0].y, wr[i][0].z, wr[i][0].w,
-                               wr[i][1].x, wr[i][1].y, wr[i][1].z, wr[i][1].w};
-          float sq = 0.0f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float sv = xs8[e] + f[e];
-            sq = fmaf(sv, sv, sq);
-            f[e] = w8[e] * sv;
-          }
-#pragma unroll
-          for (int mm = 0; mm < M; ++mm) ss[mm] += on && r == mm ? sq : 0.0f;
-        }
         float amax = 0.0f, sum = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e])), sum += f[e];
@@ -229,70 +231,14 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       }
     }
   }
-  // kNorm: each row's 1 / rms; the residual x += delta written once, by the CTA that finishes
-  // reading x last (every CTA reads all of x: one writing while others read would race)
-  float inv_rms[M];
-  if constexpr (kNorm) {
-    __shared__ float ss_part[kDp4aWarps][M];
-    __shared__ bool last;
-#pragma unroll
-    for (int mm = 0; mm < M; ++mm) {
-      const float t = warp_sum(ss[mm]);
-      if (lane == 0) ss_part[warp][mm] = t;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      last = false;
-      if (norm.delta) {
-        __threadfence();
-        last = atomicAdd(norm.counter, 1u) == gridDim.x - 1;
-      }
-    }
-#pragma unroll
-    for (int mm = 0; mm < M; ++mm) {
-      float total = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kDp4aWarps; ++w) total += ss_part[w][mm];
-      inv_rms[mm] = 1.0f / sqrtf(total / float(k) + norm.eps);
-    }
-    __syncthreads();
-    if (last) {
-      const uint16_t* d = static_cast<const uint16_t*>(norm.delta);
-      for (int i = int(threadIdx.x); i < m * k; i += kGemvThreads) norm.x[i] = __ldcg(norm.x + i) + V::load(d[i]);
-      if (threadIdx.x == 0) *norm.counter = 0u;  // for the next launch
-    }
-  } else {
-    __syncthreads();
-#pragma unroll
-    for (int mm = 0; mm < M; ++mm) inv_rms[mm] = 1.0f;
-  }
+  __syncthreads();
 
   for (int task = first; task < tasks; task += stride) {
-    const uint4* crow[R];
-    const uint32_t* prow[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int row = min(task * R + j, n - 1);  // rows past n are read, never stored
-      crow[j] = reinterpret_cast<const uint4*>(codes + size_t(row) * row_bytes);
-      prow[j] = params + size_t(row) * size_t(ng);
-    }
     float acc[R][M] = {};
-    // The next U steps' codes and parameters load while this step's are multiplied.
-    uint4 cn[R][U];
-    uint32_t pn[R][U];
-    auto load = [&](int v0) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int v = v0 + 32 * u;
-        const bool ok = v < nb;
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-          cn[j][u] = ok ? ld_stream(crow[j] + v) : make_uint4(0, 0, 0, 0);
-          pn[j][u] = ok ? __ldg(prow[j] + (v >> bshift)) : 0u;  // a missing vector: s = b = 0
-        }
-      }
-    };
-    load(lane);
+    if (task != first || !kEarly) {
+      rows_of(task);
+      load(lane);
+    }
     for (int v0 = lane; v0 < nb; v0 += 32 * U) {
       uint4 c[R][U];
       uint32_t p[R][U];
@@ -362,7 +308,6 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
         float v = acc[j][mm];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if constexpr (kNorm) v *= inv_rms[mm];
         const int row = task * R + j;
         if (lane == j * M + mm && row < n && mm < m) store_out<V, 1, kF32Out>(y, ldy, row, y_first + mm, v, bias);
       }
@@ -378,10 +323,10 @@ size_t dp4a_smem(int bits, int rows, int k) {
 
 int variant_rows(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : 4; }
 
-template <class V, int BITS, int M, Int4Kind K, bool kF32Out, bool kNorm>
+template <class V, int BITS, int M, Int4Kind K, bool kF32Out>
 void launch(const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m, int n, int k,
-            cudaStream_t st, const IntExpertTiles& ex, const Dp4aNorm& norm) {
-  constexpr auto kernel = gemv_int_dp4a_kernel<V, BITS, M, K, kF32Out, kNorm>;
+            cudaStream_t st, const IntExpertTiles& ex) {
+  constexpr auto kernel = gemv_int_dp4a_kernel<V, BITS, M, K, kF32Out>;
   const size_t smem = dp4a_smem(BITS, M, k);
   // Opt in to the most dynamic shared memory once; CTAs per SM from the registers (the
   // occupancy of a CTA with no shared memory) and from this launch's shared memory.
@@ -394,10 +339,7 @@ void launch(const void* x, const IntWeight& w, int bshift, const void* bias, voi
     int optin = 0;
     KVLM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
     KVLM_CUDA_CHECK(cudaDeviceGetAttribute(&r.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, current_device()));
-    cudaFuncAttributes fa{};  // kNorm's variants have a little static shared memory besides
-    KVLM_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         optin - int(fa.sharedSizeBytes)));
+    KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
     KVLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
     KVLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r.regs_ctas, kernel, kGemvThreads, 0));
     r.regs_ctas = std::max(1, r.regs_ctas);
@@ -410,20 +352,17 @@ void launch(const void* x, const IntWeight& w, int bshift, const void* bias, voi
   const int ctas = std::min((tasks + kDp4aWarps - 1) / kDp4aWarps, std::max(1, per_sm * sm_count() / copies));
   KVLM_CUDA_CHECK(launch_pdl<kernel>(dim3(unsigned(ctas), 1, unsigned(ex.expert ? ex.max_tiles : 1)), dim3(kGemvThreads),
                                      smem, st, static_cast<const uint16_t*>(x), w.codes, w.params, bshift,
-                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k, ex, norm));
+                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k, ex));
 }
 
-// norm.weight set: the fused norm (16-bit output only).
 template <class V, int BITS>
 void launch_bits(bool f32, const void* x, const IntWeight& w, int bshift, const void* bias, void* y, int ldy, int m,
-                 int n, int k, cudaStream_t st, const IntExpertTiles& ex, const Dp4aNorm& norm = {}) {
+                 int n, int k, cudaStream_t st, const IntExpertTiles& ex) {
   auto go = [&](auto rows, auto kind) {
     constexpr int M = decltype(rows)::value;
     constexpr Int4Kind K = decltype(kind)::value;
-    if (norm.weight) {
-      if constexpr (M <= kGemvIntDp4aNormMaxM) launch<V, BITS, M, K, false, true>(x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
-    } else if (f32) launch<V, BITS, M, K, true, false>(x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
-    else launch<V, BITS, M, K, false, false>(x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
+    if (f32) launch<V, BITS, M, K, true>(x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    else launch<V, BITS, M, K, false>(x, w, bshift, bias, y, ldy, m, n, k, st, ex);
   };
   auto by_zp = [&](auto rows) {
     if constexpr (BITS == 4) with_int4_kind(w, [&](auto kind) { go(rows, kind); });
@@ -456,40 +395,21 @@ bool gemv_int_dp4a_pays(int m, int n, int k) {
   return int64_t(n) >= 4 * int64_t(k);
 }
 
-namespace {
-
-void dispatch(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
-              int k, void* stream, const IntExpertTiles& ex, const Dp4aNorm& norm) {
+void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
+                   int n, int k, void* stream, const IntExpertTiles& ex) {
+  check_int("gemv_int_dp4a", ab, w, k);
+  if (!gemv_int_dp4a_takes(ab, w, m, k)) throw Error("gemv_int_dp4a: called for a layout or m it does not take");
   int bshift = 0;
   while ((w.group / (128 / w.bits)) >> bshift > 1) ++bshift;
   const auto st = static_cast<cudaStream_t>(stream);
   const bool f32 = out == DType::F32;
   if (ab == DType::BF16) {
-    if (w.bits == 4) launch_bits<VecBF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
-    else launch_bits<VecBF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
+    if (w.bits == 4) launch_bits<VecBF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    else launch_bits<VecBF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
   } else {
-    if (w.bits == 4) launch_bits<VecF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
-    else launch_bits<VecF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex, norm);
+    if (w.bits == 4) launch_bits<VecF16, 4>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
+    else launch_bits<VecF16, 8>(f32, x, w, bshift, bias, y, ldy, m, n, k, st, ex);
   }
-}
-
-}  // namespace
-
-void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,
-                   int n, int k, void* stream, const IntExpertTiles& ex) {
-  check_int("gemv_int_dp4a", ab, w, k);
-  if (!gemv_int_dp4a_takes(ab, w, m, k)) throw Error("gemv_int_dp4a: called for a layout or m it does not take");
-  dispatch(ab, out, x, w, bias, y, ldy, m, n, k, stream, ex, {});
-}
-
-void gemv_int_dp4a_norm(DType ab, const Dp4aNorm& norm, const IntWeight& w, const void* bias, void* y, int m, int n,
-                        int k, void* stream) {
-  check_int("gemv_int_dp4a_norm", ab, w, k);
-  if (m > kGemvIntDp4aNormMaxM || !gemv_int_dp4a_takes(ab, w, m, k))
-    throw Error("gemv_int_dp4a_norm: called for a layout or m it does not take");
-  if (!norm.x || !norm.weight || (norm.delta && !norm.counter) || k % 8 != 0)
-    throw Error("gemv_int_dp4a_norm: needs x, the norm's weight, a counter beside delta, and k a multiple of 8");
-  dispatch(ab, ab, nullptr, w, bias, y, n, m, n, k, stream, {}, norm);
 }
 
 }  // namespace kvlm::cuda

@@ -25,29 +25,9 @@ bool gemv_int_dp4a_takes(DType ab, const IntWeight& w, int m, int k);
 // (1.1-1.5x; 8192 x 16384 0.92x), and at m = 3-4 only for wide matrices (n >= 4k: gate_up, the
 // LM head; qkv, o and down lose 15-60%). m = 2 takes m = 1's rule: alone, down (k = 12288) was
 // 10% faster on the tensor cores, but the Q4_K_M Qwen3-8B step at batch 2 measured 2.95 ms with
-// DP4A there and 3.29 ms without (later runs with it: 3.12 and 3.40 ms, against 3.57-3.59 on the
-// tensor cores alone; docs/results/weights-4bit.md). Always true with
+// DP4A there and 3.29 ms without (docs/results/weights-4bit.md). Always true with
 // KernelSwitches::int_dp4a_by_shape off.
 bool gemv_int_dp4a_pays(int m, int n, int k);
-// add_rmsnorm (model_ops.h) fused into gemv_int_dp4a's quantization of x, for m rows:
-//   x += delta (where delta is set);  y = (weight * x / rms(x)) . w^T (+ bias), y [m][n] in ab.
-// Each CTA computes the rows' norm itself while it quantizes them (weight * x per block; the
-// row's 1 / rms multiplies its sums at the end), so the norm's own launch and its output's round
-// trip go. The normed rows are never written. The CTA that reads x last writes x += delta (all
-// of them read all of x), counted through `counter`: zero before the launch, zero after, and one
-// launch at a time on it.
-// m <= kGemvIntDp4aNormMaxM (batches of 1-2, where a launch weighs most).
-inline constexpr int kGemvIntDp4aNormMaxM = 2;
-struct Dp4aNorm {
-  float* x = nullptr;              // the fp32 residual rows [m][k]
-  const void* delta = nullptr;     // ab [m][k], or null (x as it is)
-  const float* weight = nullptr;   // the norm's fp32 weight [k]
-  float eps = 1e-6f;
-  unsigned* counter = nullptr;     // device, zero; needed with delta
-};
-void gemv_int_dp4a_norm(DType ab, const Dp4aNorm& norm, const IntWeight& w, const void* bias, void* y, int m, int n,
-                        int k, void* stream);
-
 // gemv_int's contract (x, bias, y, ldy, out) for a call gemv_int_dp4a_takes; throws otherwise.
 // With ex.expert set, gemv_int_experts' (m: the most rows a tile holds; y [*][ldy]).
 void gemv_int_dp4a(DType ab, DType out, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m,

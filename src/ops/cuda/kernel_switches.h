@@ -50,10 +50,6 @@ struct KernelSwitches {
   // ... only for the shapes where it measured faster (gemv_int_dp4a_pays); off: wherever the
   // layout allows (tests, the lab).
   bool int_dp4a_by_shape = true;
-  // ... and at 1-2 rows the RMSNorm before it computed inside it (gemv_int_dp4a_norm: one launch
-  // less per norm). Off until its GPU tests have run and the step measures faster with it
-  // (written in session 60, whose GPU time ran out first; decode_bench --int-dp4a-norm).
-  bool int_dp4a_norm = false;
 };
 
 void set_kernel_switches(const KernelSwitches& s);
