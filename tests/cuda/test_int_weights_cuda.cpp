@@ -154,7 +154,8 @@ TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
 // 16-bit rounding (none for float32) plus 1e-4 of sum |w x|; nothing outside y[m][0..n) is
 // written. At m = 1-4 the layouts gemv_int_dp4a takes run there (x quantized to int8 per 16
 // bytes of codes), held to the unrounded weights with x's quantization error added to the bound
-// (sum |w| dx / 2, dx = the block's max |x| / 127), and once more with it switched off. Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
+// (sum |w| dx / 2, dx = the block's max |x| / 127), and once more with it switched off (at m = 1
+// also with KernelSwitches::int_dp4a_pipeline on). Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
 // held to the unrounded weights, and the same layouts run once more with the switch off. dequantize_int writes those weight values exactly; embed_rows_int gathers
 // s * code + b in fp32.
 TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
@@ -167,7 +168,8 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       {GGMLType::Q8_0, 0, 97, 4128},  {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q2_K, 0, 50, 512},
       {GGMLType::Q3_K, 0, 17, 1280},  {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
       {GGMLType::F32, 2048, 9000, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
-      {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96}};
+      {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96},
+      {GGMLType::Q4_K, 0, 12001, 256}};  // DP4A's warps take several tasks each (the pipeline across them)
   constexpr int kM = cuda::kGemvIntMaxM;
   size_t checked = 0;
   const auto saved = cuda::kernel_switches();
@@ -236,9 +238,10 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       const cuda::IntWeight w = int_weight(g, dc, dp);
       ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
       for (int m = 1; m <= kM; ++m)
-        for (int mode = 0; mode < 4; ++mode) {  // 0, 2: 16-bit out + bias, 1, 3: float32 out
-          // 0, 1: the kernel gemv_int picks; 2, 3 (m <= 4): the other one, where both can run
-          const bool f32 = mode % 2 == 1, bias = !f32, other = mode >= 2;
+        for (int mode = 0; mode < 5; ++mode) {  // 0, 2, 4: 16-bit out + bias, 1, 3: float32 out
+          // 0, 1: the kernel gemv_int picks; 2, 3 (m <= 4): the other one, where both can run;
+          // 4 (m = 1): DP4A with each warp's next task loaded during its current one
+          const bool f32 = mode % 2 == 1, bias = !f32, other = mode == 2 || mode == 3, pipe = mode == 4;
           // which kernel gemv_int picks under this case's switches (the previous mode may have
           // forced the other one: takes and pays read the switches in force)
           cuda::set_kernel_switches(sw);
@@ -250,6 +253,12 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
             if (dp4a) swm.int_dp4a_max_m = 0;
             else swm.int_dp4a_by_shape = false;
             dp4a = !dp4a;
+          }
+          if (pipe) {
+            if (!takes || m != 1) continue;
+            swm.int_dp4a_by_shape = false;
+            swm.int_dp4a_pipeline = true;
+            dp4a = true;
           }
           cuda::set_kernel_switches(swm);
           dy16.poison();
@@ -331,7 +340,8 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
       {GGMLType::Q8_0, 0, 97, 4128},    {GGMLType::Q5_K, 0, 70, 2304},  {GGMLType::Q3_K, 0, 17, 1280},
       {GGMLType::Q4_1, 0, 530, 1056},   {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
       {GGMLType::F32, 2048, 600, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
-      {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96}};
+      {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96},
+      {GGMLType::Q4_K, 0, 12001, 256}};  // DP4A's warps take several tasks each (the pipeline across them)
   constexpr int kM = cuda::kGemmIntMaxM;
   const int ms[] = {17, 24, 32, 33, 47, 64};
   const int split_choices[] = {0, 1, 3, 8};

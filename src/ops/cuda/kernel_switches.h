@@ -50,6 +50,9 @@ struct KernelSwitches {
   // ... only for the shapes where it measured faster (gemv_int_dp4a_pays); off: wherever the
   // layout allows (tests, the lab).
   bool int_dp4a_by_shape = true;
+  // ... with each warp's next task's first codes loaded during its current task's last step
+  // (gemv_int_dp4a.cu); off until measured on the GPU (decode_bench --int-dp4a-pipeline).
+  bool int_dp4a_pipeline = false;
 };
 
 void set_kernel_switches(const KernelSwitches& s);
