@@ -97,12 +97,14 @@ struct Pos {  // one position of the step's sequence, summed over the steps (and
   int n = 0;
 };
 
+// A kernel's name as a table cell: long template argument lists cut at 110 characters.
+std::string cell(const std::string& name) { return name.size() > 110 ? name.substr(0, 107) + "..." : name; }
+
 void print_rows(std::FILE* out, const std::vector<Pos>& rows, int first_index) {
   for (size_t i = 0; i < rows.size(); ++i) {
     const Pos& p = rows[i];
-    std::string shape = p.grid ? std::to_string(p.grid) + " x " + std::to_string(p.block) : "";
-    std::string name = p.name.size() > 110 ? p.name.substr(0, 107) + "..." : p.name;
-    std::fprintf(out, "| %d | %s | %s | %.2f | %.2f | %.2f |\n", first_index + int(i), name.c_str(), shape.c_str(),
+    const std::string shape = p.grid ? std::to_string(p.grid) + " x " + std::to_string(p.block) : "";
+    std::fprintf(out, "| %d | %s | %s | %.2f | %.2f | %.2f |\n", first_index + int(i), cell(p.name).c_str(), shape.c_str(),
                  p.dur / p.n / 1e3, p.excl / p.n / 1e3, p.gap / p.n / 1e3);
   }
 }
@@ -164,14 +166,14 @@ void KernelTimeline::report(std::FILE* out, const std::string& title, int layers
 }
 
 void print_timeline(std::FILE* out, const std::string& title, int layers, std::vector<KernelRecord> all,
-                    const std::vector<uint64_t>& marks_) {
+                    const std::vector<uint64_t>& marks) {
   std::sort(all.begin(), all.end(), [](const KernelRecord& a, const KernelRecord& b) { return a.start < b.start; });
-  if (marks_.empty()) return;
+  if (marks.empty()) return;
   // the steps' records, in start order
-  std::vector<std::vector<KernelRecord>> steps(marks_.size());
+  std::vector<std::vector<KernelRecord>> steps(marks.size());
   for (const KernelRecord& r : all) {
-    if (r.start < marks_[0]) continue;
-    const size_t s = size_t(std::upper_bound(marks_.begin(), marks_.end(), r.start) - marks_.begin()) - 1;
+    if (r.start < marks[0]) continue;
+    const size_t s = size_t(std::upper_bound(marks.begin(), marks.end(), r.start) - marks.begin()) - 1;
     steps[s].push_back(r);
   }
   double span = 0, busy = 0, lead = 0, count = 0;
@@ -195,7 +197,7 @@ void print_timeline(std::FILE* out, const std::string& title, int layers, std::v
       ++p.n;
     }
     span += double(last - st[0].start);
-    lead += double(st[0].start - marks_[s]);
+    lead += double(st[0].start - marks[s]);
     count += double(st.size());
   }
   const double ns = double(steps.size());
@@ -210,11 +212,9 @@ void print_timeline(std::FILE* out, const std::string& title, int layers, std::v
   for (auto& [k, p] : by_name) names.push_back(p);
   std::sort(names.begin(), names.end(), [](const Pos& a, const Pos& b) { return a.excl > b.excl; });
   std::fprintf(out, "| kernel | per step | us each, start to end | us exclusive a step | share of the span |\n|---|---:|---:|---:|---:|\n");
-  for (const Pos& p : names) {
-    std::string name = p.name.size() > 110 ? p.name.substr(0, 107) + "..." : p.name;
-    std::fprintf(out, "| %s | %.1f | %.2f | %.1f | %.1f%% |\n", name.c_str(), p.n / ns, p.dur / p.n / 1e3, p.excl / ns / 1e3,
+  for (const Pos& p : names)
+    std::fprintf(out, "| %s | %.1f | %.2f | %.1f | %.1f%% |\n", cell(p.name).c_str(), p.n / ns, p.dur / p.n / 1e3, p.excl / ns / 1e3,
                  100 * p.excl / span);
-  }
   // the sequence: every step must run the same kernels in the same order (graph replays do)
   const auto& s0 = steps[0];
   bool same = !s0.empty();

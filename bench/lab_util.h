@@ -1,5 +1,5 @@
-// What the kernel labs (moe_lab, gdn_lab) share: a CUDA call checked or the lab stopped, and the
-// median time of a captured graph.
+// What the kernel labs (moe_lab, gdn_lab, decode_bench) share: a CUDA call checked (the lab
+// stopped, or an Error thrown), and the median time of a captured graph.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,9 +7,17 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
+#include "core/error.h"
+
 namespace kvlm::lab {
+
+// A CUDA call checked, its failure thrown as an Error (decode_bench reports it and exits 1).
+inline void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
 
 #define CHECK(x)                                                                                     \
   do {                                                                                               \

@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       rows_of(first);
       load(lane);
     }
-    for (int j = 0; j < R; ++j) {
+    for (int j = 0; j < R; ++j) {  // (its own pointers: crow kept live here spilled E2M1 at 2 rows)
       const uint4* row = reinterpret_cast<const uint4*>(codes + size_t(min(first * R + j, n - 1)) * row_bytes);
       for (int v = lane + (kEarly ? 32 * U : 0); v < min(nb, 32 * U * (1 + kPrefetchSteps)); v += 32)
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + v));
