@@ -140,38 +140,56 @@ bool BlockManager::exact_restorable(BlockId id) const {
   return exact_of_[size_t(id)] >= 0 || (exact_tier_ && b.serial != 0 && !b.chain.empty() && exact_tier_->holds(b.chain));
 }
 
-bool BlockManager::restore_exact(BlockId id, std::span<const BlockId> keep) {
-  KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
-  Block& b = blocks_[size_t(id)];
-  if (!exact_tier_ || b.serial == 0 || b.chain.empty() || exact_of_[size_t(id)] >= 0) return false;
-  KVLM_CHECK(b.refs > 0, "restore_exact of an unreferenced page");
-  const auto tokens = std::span(tokens_).subspan(size_t(id) * size_t(block_size_), size_t(block_size_));
-  const int slot = exact_tier_->find(b.chain, tokens);  // pinned: the keep() below cannot replace it
-  if (slot < 0) return false;
-  if (exact_free_.empty()) {  // an idle exact page taken back, not one the caller's query reads
-    bool taken = false;
-    try {
-      taken = take_back_idle_exact(keep);  // its copy kept in the exact tier unless stale
-    } catch (...) {
-      exact_tier_->unpin(slot);
-      throw;
-    }
-    if (!taken) {
-      exact_tier_->unpin(slot);
+bool BlockManager::restore_exact(std::span<const BlockId> pages) {
+  if (!exact_tier_) return std::ranges::all_of(pages, [&](BlockId id) { return exact_of_[size_t(id)] >= 0; });
+  std::vector<std::pair<BlockId, int>> todo;  // page, its pinned entry in the exact tier
+  auto unpin_from = [&](size_t i) {
+    for (; i < todo.size(); ++i) exact_tier_->unpin(todo[i].second);
+  };
+  for (BlockId id : pages) {
+    KVLM_CHECK(id >= 0 && id < num_blocks_, "page id out of range");
+    if (exact_of_[size_t(id)] >= 0 || std::ranges::find(todo, id, &std::pair<BlockId, int>::first) != todo.end())
+      continue;
+    const Block& b = blocks_[size_t(id)];
+    KVLM_CHECK(b.refs > 0, "restore_exact of an unreferenced page");
+    const int slot = b.serial == 0 || b.chain.empty()
+                         ? -1
+                         : exact_tier_->find(b.chain, std::span(tokens_).subspan(size_t(id) * size_t(block_size_),
+                                                                                 size_t(block_size_)));
+    if (slot < 0) {
+      unpin_from(0);
       return false;
     }
+    todo.emplace_back(id, slot);
   }
-  const int32_t e = exact_free_.back();
-  exact_free_.pop_back();
-  exact_of_[size_t(id)] = e;
-  exact_owner_[size_t(e)] = id;
-  b.exact_idle = true;
-  b.exact_stale = false;
-  ++num_idle_exact_;
-  idle_exact_.push_back(id);
-  const BlockId dst = e;
-  exact_tier_->restore({&slot, 1}, {&dst, 1});
-  ++exact_restores_;
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const auto [id, slot] = todo[i];
+    if (exact_free_.empty()) {  // an idle exact page taken back, not one of `pages`
+      bool taken = false;
+      try {
+        taken = take_back_idle_exact(pages);  // its copy kept in the exact tier unless stale
+      } catch (...) {
+        unpin_from(i);
+        throw;
+      }
+      if (!taken) {
+        unpin_from(i);
+        return false;
+      }
+    }
+    Block& b = blocks_[size_t(id)];
+    const int32_t e = exact_free_.back();
+    exact_free_.pop_back();
+    exact_of_[size_t(id)] = e;
+    exact_owner_[size_t(e)] = id;
+    b.exact_idle = true;
+    b.exact_stale = false;
+    ++num_idle_exact_;
+    idle_exact_.push_back(id);
+    const BlockId dst = e;
+    exact_tier_->restore({&slot, 1}, {&dst, 1});
+    ++exact_restores_;
+  }
   return true;
 }
 

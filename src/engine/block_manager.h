@@ -142,12 +142,14 @@ class BlockManager {
   // copying out every such page would move several times the pages' bytes. No effect on a
   // held page, or one without an exact copy.
   void mark_exact_stale(BlockId id);
-  // Page `id` (cached, referenced, without an exact copy) gets its exact copy back from the
-  // exact tier, attached idle: copied in, in stream order, before the next step. The exact
-  // page is a free one, or an idle one taken back from a page not in `keep` (the pages the
-  // caller's query reads exact). Returns false (nothing changed) when the tier does not hold it
-  // or no exact page can be had.
-  bool restore_exact(BlockId id, std::span<const BlockId> keep);
+  // The pages `pages` (cached, referenced: the ones a query reads exact) that lack an exact copy
+  // get theirs back from the exact tier, attached idle: copied in, in stream order, before the
+  // next step. Their entries there are all found (and pinned) first, so that an idle exact page
+  // taken back to make room, whose copy the tier then keeps, cannot replace an entry a later page
+  // of the same call restores from. An exact page is a free one, or an idle one taken back from a
+  // page not in `pages`. Returns false when the tier lacks one of them (nothing changed) or no
+  // exact page can be had for one (those restored before it stay).
+  bool restore_exact(std::span<const BlockId> pages);
   // Whether page `id` has its exact copy, or the exact tier holds one for it.
   bool exact_restorable(BlockId id) const;
   int exact_holds(BlockId id) const { return blocks_[size_t(id)].exact_holds; }

@@ -197,8 +197,7 @@ void Scheduler::admit_prefix(Sequence& s) {
       // Every one has its copy or the exact tier holds one, before any is taken back: a copy
       // taken back for a hit that then ends short would be lost for nothing.
       bool ok = std::ranges::all_of(needed, [&](BlockId id) { return blocks_.exact_restorable(id); });
-      for (size_t j = 0; j < needed.size() && ok; ++j)
-        ok = blocks_.exact_of(needed[j]) >= 0 || blocks_.restore_exact(needed[j], needed);
+      ok = ok && blocks_.restore_exact(needed);
       if (ok || found == 0) return;
       drop_last();
     }

@@ -289,6 +289,47 @@ TEST(HostTier, ExactPagesComeBackFromTheTier) {
   check_exact_pages_come_back(*e);
 }
 
+// A hit that takes several exact copies back from a small exact tier while the exact pool is
+// full of idle copies: each idle copy taken back to make room is kept in the tier, and that keep
+// must not replace the entry of a page the same hit restores next. Pages A and B give their
+// exact copies up to C and D (the tier, of 2 entries, keeps them); then A and B are restored
+// together, which takes C's and D's back. Restoring A alone first, C's copy would have replaced
+// B's entry (the least recently used one not pinned) and B's restore would fail.
+TEST(HostTier, RestoringSeveralExactPagesKeepsTheirEntries) {
+  auto e = load(kStories, KVCacheDType::Int4PerTokenHead, kBs, 3, 11);
+  auto& runner = dynamic_cast<CpuModelRunner&>(e->model());
+  runner.allocate_kv(8, kBs, 2);
+  BlockManager bm(8, kBs, true, /*num_exact_pages=*/2);
+  HostKVTier pages(runner, kBs, 8);
+  HostKVTier exact(runner, kBs, 2, nullptr, PageKind::Exact);
+  bm.set_lower_tier(&pages, kv_root("test"), &exact);
+  std::vector<BlockId> ids;  // A, B, C, D: one page each, of four different chains
+  for (int p = 0; p < 4; ++p) {
+    const auto tokens = chain_tokens(1, 1000 * (p + 1));
+    const BlockId id = *bm.allocate();
+    bm.hold_exact(id, /*fresh=*/true);  // C and D take A's and B's exact pages back
+    reg(bm, id, 0, tokens, 0);
+    bm.drop_exact(id);
+    ids.push_back(id);
+  }
+  const BlockId a = ids[0], b = ids[1], c = ids[2], d = ids[3];
+  ASSERT_LT(bm.exact_of(a), 0);
+  ASSERT_LT(bm.exact_of(b), 0);
+  ASSERT_GE(bm.exact_of(c), 0);
+  ASSERT_GE(bm.exact_of(d), 0);
+  ASSERT_EQ(exact.size(), 2u) << "A's and B's exact copies are in the tier";
+  ASSERT_TRUE(bm.exact_restorable(a) && bm.exact_restorable(b));
+  const BlockId both[] = {a, b};
+  EXPECT_TRUE(bm.restore_exact(both));
+  EXPECT_GE(bm.exact_of(a), 0);
+  EXPECT_GE(bm.exact_of(b), 0);
+  EXPECT_LT(bm.exact_of(c), 0);
+  EXPECT_LT(bm.exact_of(d), 0);
+  EXPECT_EQ(bm.exact_restores(), 2u);
+  EXPECT_EQ(exact.pages_restored(), 2u);
+  for (BlockId id : ids) bm.release(id);
+}
+
 // A per-layer plan: K and V apart, rotations, formats that differ by layer.
 TEST(HostTier, GreedyTokensUnchangedWithAMixedPlan) {
   ModelOptions o;
