@@ -6,7 +6,7 @@
 //                [--steps 32] [--gemv-lab] [--int-lab] [--kernels]
 //                [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize]
 //                [--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm]
-//                [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-dp4a-pipeline] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
+//                [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-shared-x M] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel]
 //
 // --quantization fp8 loads the model with its linear weights quantized to FP8 at load (per
 // output channel), as `kvlm --quantization fp8` does; --fp8-weights keep holds them as FP8 on
@@ -17,9 +17,8 @@
 // weights for the 16-bit GEMM above m = 16 (weight-only), --no-fp8-small-gemm runs cuBLASLt's
 // FP8 GEMM instead of kvlm's at m = 17-64, --no-fp8-norm-codes has the FP8 GEMMs quantize their
 // input themselves instead of the RMSNorm before them, --int-dp4a-max-m M runs grouped codes at
-// up to M rows on gemv_int_dp4a (0: the tensor-core GEMV), --int-dp4a-pipeline has its warps load
-// their next task's codes during their current one (off by default until measured)
-// (KernelSwitches; all for comparison).
+// up to M rows on gemv_int_dp4a (0: the tensor-core GEMV), --int-shared-x M runs the tensor-core
+// GEMV whose CTA shares x from M rows of x where the shape suits it (default 9; 17: never) (KernelSwitches; all for comparison).
 // --gemv-lab first times the decode GEMM shapes alone (no model needed): each small-m kernel
 // and cuBLASLt at m = 1, 2, 4, 8 and 16, then cuBLASLt at m = 32, 64 and 256 (batched decode);
 // then gemv_fp8's kernels (FMA rows / split at m = 1 and 4, tensor cores at m = 1-16, per-row
@@ -404,9 +403,9 @@ int main(int argc, char** argv) {
       sw.int_dp4a_max_m = std::stoi(next());
       cuda::set_kernel_switches(sw);
     }
-    else if (a == "--int-dp4a-pipeline") {
+    else if (a == "--int-shared-x") {
       auto sw = cuda::kernel_switches();
-      sw.int_dp4a_pipeline = true;
+      sw.int_shared_x_min_m = std::stoi(next());
       cuda::set_kernel_switches(sw);
     }
     else if (a == "--no-pdl") {
@@ -417,7 +416,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: decode_bench --model DIR [--kv bfloat16,fp8] [--shapes 1x512,64x4096] [--steps 32] "
                            "[--gemv-lab] [--int-lab] [--kernels] [--no-gemv] [--dequantize-weights] [--no-pdl] [--quantization fp8] [--fp8-weights auto|keep|dequantize] "
-                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-dp4a-pipeline] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
+                           "[--fp8-tc-no-carveout] [--fp8-fma-max-m M] [--no-fp8-gemm] [--no-fp8-small-gemm] [--no-fp8-norm-codes] [--int-dp4a-max-m 0-4] [--int-shared-x M] [--draft DIR [--spec-tokens K]] [--tp N] [--enable-expert-parallel] [--mamba-ssm-cache-dtype float32|bfloat16]\n");
       return 2;
     }
   }

@@ -235,9 +235,13 @@ void gemv_lab(double bw, bool int_only) {
   const int tc_ms[] = {1, 2, 4};
   for (int m : tc_ms) std::printf(" m=%d DP4A µs |", m);
   for (int m : tc_ms) std::printf(" m=%d tensor cores µs |", m);
+  // m = 8 and 16 on each tensor-core GEMV: x loaded by each warp, and shared by the CTA
+  // (KernelSwitches::int_shared_x_min_m) with 128- and 256-row CTAs.
+  const int xs_ms[] = {8, 16};
+  for (int m : xs_ms) std::printf(" m=%d x per warp µs | m=%d x shared, 128 rows µs | m=%d x shared, 256 rows µs |", m, m, m);
   std::printf(" dequantize µs | GB/s |\n|---|---|---|---|");
   for (size_t i = 0; i < std::size(int_ms); ++i) std::printf("---|---|");
-  for (size_t i = 0; i < 2 * std::size(tc_ms); ++i) std::printf("---|");
+  for (size_t i = 0; i < 2 * std::size(tc_ms) + 3 * std::size(xs_ms); ++i) std::printf("---|");
   std::printf("---|---|\n");
   std::vector<Shape> int_shapes(std::begin(shapes), std::end(shapes));
   int_shapes.push_back({"long k", 8192, 16384, false});  // 4x the rounds per warp of the 4096-column ones
@@ -300,6 +304,21 @@ void gemv_lab(double bw, bool int_only) {
         }
         cuda::set_kernel_switches(saved);
       }
+      for (int m : xs_ms)
+        for (int tiles : {0, 1, 2}) {  // 0: x per warp
+          auto forced = cuda::kernel_switches();
+          const auto saved = forced;
+          forced.int_shared_x_min_m = tiles == 0 ? cuda::kGemvIntMaxM + 1 : 1;
+          forced.int_shared_x_by_shape = false;
+          forced.int_shared_x_tiles = tiles;
+          cuda::set_kernel_switches(forced);
+          const double us =
+              time_us([&](int i) { cuda::gemv_int(DType::BF16, out, x, wi(i), nullptr, y, sh.n, m, sh.n, sh.k, nullptr); });
+          char buf[32];
+          std::snprintf(buf, sizeof buf, " | %.1f", us);
+          cells += buf;
+          cuda::set_kernel_switches(saved);
+        }
       const double dus = time_us([&](int i) { cuda::dequantize_int(DType::BF16, wi(i), deq, sh.n, sh.k, nullptr); });
       std::printf("| %s | %s, groups of %d%s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name,
                   e2m1 ? "E2M1 (MXFP4)" : bits == 4 ? "4-bit" : "8-bit", group, sam || e2m1 ? "" : " (decode per weight)", sh.n, sh.k, double(bytes) / 1e6, cells.c_str(), dus,

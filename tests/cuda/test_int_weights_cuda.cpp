@@ -154,8 +154,8 @@ TEST(CudaIntWeights, RefusesLayoutsTheKernelsDoNotTake) {
 // 16-bit rounding (none for float32) plus 1e-4 of sum |w x|; nothing outside y[m][0..n) is
 // written. At m = 1-4 the layouts gemv_int_dp4a takes run there (x quantized to int8 per 16
 // bytes of codes), held to the unrounded weights with x's quantization error added to the bound
-// (sum |w| dx / 2, dx = the block's max |x| / 127), and once more with it switched off (at m = 1
-// also with KernelSwitches::int_dp4a_pipeline on). Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
+// (sum |w| dx / 2, dx = the block's max |x| / 127), and once more with it switched off; at every
+// m both tensor-core kernels run (x shared by the CTA, and loaded by each warp). Layouts that scale after the MMA (bf16, 4-bit, groups of 128 and 2048 here) are
 // held to the unrounded weights, and the same layouts run once more with the switch off. dequantize_int writes those weight values exactly; embed_rows_int gathers
 // s * code + b in fp32.
 TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
@@ -169,7 +169,7 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       {GGMLType::Q3_K, 0, 17, 1280},  {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
       {GGMLType::F32, 2048, 9000, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
       {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96},
-      {GGMLType::Q4_K, 0, 12001, 256}};  // DP4A's warps take several tasks each (the pipeline across them)
+      {GGMLType::Q4_K, 0, 12001, 256}};  // many rows of few columns: a warp (DP4A) or CTA takes several tasks
   constexpr int kM = cuda::kGemvIntMaxM;
   size_t checked = 0;
   const auto saved = cuda::kernel_switches();
@@ -238,10 +238,11 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
       const cuda::IntWeight w = int_weight(g, dc, dp);
       ASSERT_TRUE(cuda::int_layout_fits(k, w.bits, w.group));
       for (int m = 1; m <= kM; ++m)
-        for (int mode = 0; mode < 5; ++mode) {  // 0, 2, 4: 16-bit out + bias, 1, 3: float32 out
+        for (int mode = 0; mode < 6; ++mode) {  // 0, 2, 4: 16-bit out + bias, 1, 3, 5: float32 out
           // 0, 1: the kernel gemv_int picks; 2, 3 (m <= 4): the other one, where both can run;
-          // 4 (m = 1): DP4A with each warp's next task loaded during its current one
-          const bool f32 = mode % 2 == 1, bias = !f32, other = mode == 2 || mode == 3, pipe = mode == 4;
+          // 4, 5: the tensor-core GEMV it does not pick at this m (x shared by the CTA or
+          // loaded by each warp: KernelSwitches::int_shared_x_min_m), 128- or 256-row CTAs
+          const bool f32 = mode % 2 == 1, bias = !f32, other = mode == 2 || mode == 3, tc_other = mode >= 4;
           // which kernel gemv_int picks under this case's switches (the previous mode may have
           // forced the other one: takes and pays read the switches in force)
           cuda::set_kernel_switches(sw);
@@ -254,11 +255,12 @@ TEST(CudaIntWeights, GemvDequantizeAndEmbedMatchTheDefinition) {
             else swm.int_dp4a_by_shape = false;
             dp4a = !dp4a;
           }
-          if (pipe) {
-            if (!takes || m != 1) continue;
-            swm.int_dp4a_by_shape = false;
-            swm.int_dp4a_pipeline = true;
-            dp4a = true;
+          if (tc_other) {
+            swm.int_dp4a_max_m = 0;
+            dp4a = false;
+            swm.int_shared_x_min_m = cuda::gemv_int_shares_x(w, m, n, k) ? cuda::kGemvIntMaxM + 1 : 1;
+            swm.int_shared_x_by_shape = false;
+            swm.int_shared_x_tiles = 1 + m % 2;
           }
           cuda::set_kernel_switches(swm);
           dy16.poison();
@@ -341,7 +343,7 @@ TEST(CudaIntWeights, GemmMatchesTheDefinition) {
       {GGMLType::Q4_1, 0, 530, 1056},   {GGMLType::F32, 128, 257, 4096}, {GGMLType::F32, 64, 40, 1472},
       {GGMLType::F32, 2048, 600, 2048}, {GGMLType::F16, 128, 300, 1024}, {GGMLType::F16, 32, 70, 512},
       {GGMLType::F16, 64, 33, 2112}, {GGMLType::MXFP4, 0, 300, 2880}, {GGMLType::MXFP4, 0, 45, 96},
-      {GGMLType::Q4_K, 0, 12001, 256}};  // DP4A's warps take several tasks each (the pipeline across them)
+      {GGMLType::Q4_K, 0, 12001, 256}};  // many rows of few columns: a warp (DP4A) or CTA takes several tasks
   constexpr int kM = cuda::kGemmIntMaxM;
   const int ms[] = {17, 24, 32, 33, 47, 64};
   const int split_choices[] = {0, 1, 3, 8};

@@ -149,6 +149,10 @@ inline constexpr int kGemvIntMaxM = 16;  // gemv_int's rows of x
 // of a multiple of 128, unless KernelSwitches::int_scale_after_mma is off): its weight values
 // are then s * code + b exact, not rounded to the compute type.
 bool gemv_int_scales_after_mma(DType ab, int bits, int group);
+// Whether gemv_int's tensor-core GEMV of an m x k x n product runs the kernel whose CTA shares x
+// through shared memory (KernelSwitches::int_shared_x_min_m, int_shared_x_by_shape): at 9-16 rows
+// of x, 4-bit codes, k <= 4096 and n >= 6144, where it measured faster (weights-4bit.md).
+bool gemv_int_shares_x(const IntWeight& w, int m, int n, int k);
 // y[r][c] (row stride ldy >= n) = x[m][k] . w^T (+ bias[n]), 1 <= m <= kGemvIntMaxM
 // (gemv_int.cu: one pass over the codes, decoded in registers for the tensor cores). x, bias
 // and out as gemv_small_m's; the weight's values are s * code + b rounded to the compute type

@@ -84,12 +84,98 @@ __device__ __forceinline__ void int4x8_to_biased_pairs(uint32_t w, uint32_t (&p)
 template <int BITS>
 constexpr int kIntRound = 4 * (128 / BITS);
 
+// One round of a warp: its RT 16-row tiles of codes (the lane's 16 bytes of rows g and g + 8 of
+// tile j at slot + (2 j) * 512 and slot + (2 j + 1) * 512) times x's B fragments xw (word b of
+// the lane's columns of x row 8 q + g: xw[q][b]), the rows' (s, b) words pr, into acc.
+template <class V, int BITS, int NT, int RT, bool SAM, Int4Kind K4>
+__device__ __forceinline__ void int_round(const char* slot, const uint32_t (&xw)[NT][64 / BITS],
+                                          const uint32_t (&pr)[RT][2], float (&acc)[RT][NT][4]) {
+  constexpr bool zp = K4 == Int4Kind::ZeroPoint;
+  // Scale after the MMA: a round's 128 columns lie in one group of every row, so the MMA takes
+  // 128 + q as decoded (exact in bf16) and sum (128 + q) x becomes s (that - 128 sum x) + b sum x
+  // in fp32, per row; sum x over the round comes from one MMA of ones per B fragment.
+  float sx[NT][4];
+  if constexpr (SAM) {
+    constexpr uint32_t kOnes = 0x3f803f80u;
+    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+#pragma unroll
+    for (int q = 0; q < NT; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sx[q][e] = 0.0f;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        mma::mma16816<true>(sx[q], ones, xw[q][4 * v], xw[q][4 * v + 1]);
+        mma::mma16816<true>(sx[q], ones, xw[q][4 * v + 2], xw[q][4 * v + 3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < RT; ++j) {
+    const uint4 lo = *reinterpret_cast<const uint4*>(slot + (2 * j) * 512);
+    const uint4 hi = *reinterpret_cast<const uint4*>(slot + (2 * j + 1) * 512);
+    const uint32_t lw[4] = {lo.x, lo.y, lo.z, lo.w}, hw[4] = {hi.x, hi.y, hi.z, hi.w};
+    if constexpr (SAM) {
+      float raw[NT][4] = {};
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        uint32_t pl[4], ph[4];
+        int4x8_to_biased_pairs(lw[v], pl);
+        int4x8_to_biased_pairs(hw[v], ph);
+        const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          mma::mma16816<true>(raw[q], a0, xw[q][4 * v], xw[q][4 * v + 1]);
+          mma::mma16816<true>(raw[q], a1, xw[q][4 * v + 2], xw[q][4 * v + 3]);
+        }
+      }
+      float sc[2], off[2];  // rows g and g + 8: s, and b - 128 s (zero point: -(128 + z) s)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sc[h] = param_lo<V>(pr[j][h]);
+        const float hi = param_hi<V>(pr[j][h]);
+        off[h] = zp ? hi * sc[h] : fmaf(-128.0f, sc[h], hi);
+      }
+#pragma unroll
+      for (int q = 0; q < NT; ++q)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc[j][q][e] = fmaf(sc[e >> 1], raw[q][e], fmaf(off[e >> 1], sx[q][e], acc[j][q][e]));
+    } else if constexpr (BITS == 4) {
+      uint32_t al, sl, bl, ah, sh, bh;
+      int4_params<V::kBF16, K4>(pr[j][0], al, sl, bl);
+      int4_params<V::kBF16, K4>(pr[j][1], ah, sh, bh);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        uint32_t pl[4], ph[4];
+        int4x8_decode<V::kBF16, K4>(lw[v], al, sl, bl, pl);
+        int4x8_decode<V::kBF16, K4>(hw[v], ah, sh, bh, ph);
+        const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
+#pragma unroll
+        for (int q = 0; q < NT; ++q) {
+          mma::mma16816<V::kBF16>(acc[j][q], a0, xw[q][4 * v], xw[q][4 * v + 1]);
+          mma::mma16816<V::kBF16>(acc[j][q], a1, xw[q][4 * v + 2], xw[q][4 * v + 3]);
+        }
+      }
+    } else {
+      const uint32_t sl = __byte_perm(pr[j][0], 0, 0x1010), bl = __byte_perm(pr[j][0], 0, 0x3232);
+      const uint32_t sh = __byte_perm(pr[j][1], 0, 0x1010), bh = __byte_perm(pr[j][1], 0, 0x3232);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        uint32_t a[4];  // A fragment: row g (pair 0, 2), row g + 8, row g (pair 1, 3), row g + 8
+        int8x4_to_pairs<V::kBF16>(lw[v], sl, bl, a[0], a[2]);
+        int8x4_to_pairs<V::kBF16>(hw[v], sh, bh, a[1], a[3]);
+#pragma unroll
+        for (int q = 0; q < NT; ++q) mma::mma16816<V::kBF16>(acc[j][q], a, xw[q][2 * v], xw[q][2 * v + 1]);
+      }
+    }
+  }
+}
+
 template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, Int4Kind K4>
 __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     gemv_int_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
                     const uint16_t* bias, void* y, int ldy, int m, int n, int k, int g_step, int r_step,
                     IntExpertTiles ex) {
-  constexpr bool zp = K4 == Int4Kind::ZeroPoint;
   // Experts (ex.expert set): CTA z takes tile z of the routing's tiles, whose expert's n rows
   // follow the previous experts' in codes, params and bias; its m = count rows of x are
   // x_rows[first ...] (or first ...), its rows of y first .... Everything depends on the
@@ -218,84 +304,7 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     __syncwarp();
     issue(i + S - 1);  // refills the slot read in round i - 1
     const char* slot = ring + (i % S) * kStageBytes + lane * 16;
-    // Scale after the MMA: a round's 128 columns lie in one group of every row, so the MMA takes
-    // 128 + q as decoded (exact in bf16) and sum (128 + q) x becomes s (that - 128 sum x) + b sum x
-    // in fp32, per row; sum x over the round comes from one MMA of ones per B fragment.
-    float sx[NT][4];
-    if constexpr (SAM) {
-      constexpr uint32_t kOnes = 0x3f803f80u;
-      const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-#pragma unroll
-      for (int q = 0; q < NT; ++q) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sx[q][e] = 0.0f;
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          mma::mma16816<true>(sx[q], ones, xw[q][4 * v], xw[q][4 * v + 1]);
-          mma::mma16816<true>(sx[q], ones, xw[q][4 * v + 2], xw[q][4 * v + 3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < RT; ++j) {
-      const uint4 lo = *reinterpret_cast<const uint4*>(slot + (2 * j) * 512);
-      const uint4 hi = *reinterpret_cast<const uint4*>(slot + (2 * j + 1) * 512);
-      const uint32_t lw[4] = {lo.x, lo.y, lo.z, lo.w}, hw[4] = {hi.x, hi.y, hi.z, hi.w};
-      if constexpr (SAM) {
-        float raw[NT][4] = {};
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          uint32_t pl[4], ph[4];
-          int4x8_to_biased_pairs(lw[v], pl);
-          int4x8_to_biased_pairs(hw[v], ph);
-          const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
-#pragma unroll
-          for (int q = 0; q < NT; ++q) {
-            mma::mma16816<true>(raw[q], a0, xw[q][4 * v], xw[q][4 * v + 1]);
-            mma::mma16816<true>(raw[q], a1, xw[q][4 * v + 2], xw[q][4 * v + 3]);
-          }
-        }
-        float sc[2], off[2];  // rows g and g + 8: s, and b - 128 s (zero point: -(128 + z) s)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          sc[h] = param_lo<V>(pr[j][h]);
-          const float hi = param_hi<V>(pr[j][h]);
-          off[h] = zp ? hi * sc[h] : fmaf(-128.0f, sc[h], hi);
-        }
-#pragma unroll
-        for (int q = 0; q < NT; ++q)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc[j][q][e] = fmaf(sc[e >> 1], raw[q][e], fmaf(off[e >> 1], sx[q][e], acc[j][q][e]));
-      } else if constexpr (BITS == 4) {
-        uint32_t al, sl, bl, ah, sh, bh;
-        int4_params<V::kBF16, K4>(pr[j][0], al, sl, bl);
-        int4_params<V::kBF16, K4>(pr[j][1], ah, sh, bh);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          uint32_t pl[4], ph[4];
-          int4x8_decode<V::kBF16, K4>(lw[v], al, sl, bl, pl);
-          int4x8_decode<V::kBF16, K4>(hw[v], ah, sh, bh, ph);
-          const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]}, a1[4] = {pl[2], ph[2], pl[3], ph[3]};
-#pragma unroll
-          for (int q = 0; q < NT; ++q) {
-            mma::mma16816<V::kBF16>(acc[j][q], a0, xw[q][4 * v], xw[q][4 * v + 1]);
-            mma::mma16816<V::kBF16>(acc[j][q], a1, xw[q][4 * v + 2], xw[q][4 * v + 3]);
-          }
-        }
-      } else {
-        const uint32_t sl = __byte_perm(pr[j][0], 0, 0x1010), bl = __byte_perm(pr[j][0], 0, 0x3232);
-        const uint32_t sh = __byte_perm(pr[j][1], 0, 0x1010), bh = __byte_perm(pr[j][1], 0, 0x3232);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          uint32_t a[4];  // A fragment: row g (pair 0, 2), row g + 8, row g (pair 1, 3), row g + 8
-          int8x4_to_pairs<V::kBF16>(lw[v], sl, bl, a[0], a[2]);
-          int8x4_to_pairs<V::kBF16>(hw[v], sh, bh, a[1], a[3]);
-#pragma unroll
-          for (int q = 0; q < NT; ++q) mma::mma16816<V::kBF16>(acc[j][q], a, xw[q][2 * v], xw[q][2 * v + 1]);
-        }
-      }
-    }
+    int_round<V, BITS, NT, RT, SAM, K4>(slot, xw, pr, acc);
 #pragma unroll
     for (int j = 0; j < RT; ++j) pr[j][0] = pn[j][0], pr[j][1] = pn[j][1];
     __syncwarp();  // every lane has read this slot before it is refilled
@@ -334,6 +343,161 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
   if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
 }
 
+// x shared by the CTA (m = 9-16, plain GEMVs; KernelSwitches::int_shared_x_min_m). Above, a
+// CTA's warps split k, so each warp loads its own columns of x from L2, and a 32-row CTA reads
+// all of x for 32 rows of codes: at m = 16 two bytes of x for every byte of 4-bit codes. Here
+// the 8 warps own different rows (RT tiles each: 128 RT rows a CTA) and walk the same rounds of
+// k; a round's columns of x's 16 rows (4 KB for 4-bit codes) are copied into the CTA's ring once,
+// beside each warp's codes, and read from shared memory when the round runs: a quarter (RT = 2)
+// or half (RT = 1) a byte of x per byte of codes, and no x held a round ahead in registers.
+// CTAs of a cluster along y split k (their sums added through distributed shared memory), so
+// that short weights still fill the GPU.
+template <int BITS, int RT>
+struct IntXsCfg {
+  static constexpr int kStages = 4, kRows = kIntWarps * 16 * RT;
+  static constexpr int kXBytes = 16 * kIntRound<BITS> * 2;  // a round of x: 16 rows of 16-bit values
+  static constexpr int kWarpBytes = RT * 2 * 32 * 16;       // a warp's codes in a round
+  static constexpr int kStageBytes = kXBytes + kIntWarps * kWarpBytes;
+  static constexpr int kSmem = kStages * kStageBytes;
+};
+// Where the 16-byte chunk c of row r of a round's x lies in its row: chunks swizzled so that the
+// 8 lanes of a quarter warp (rows g, g + 1; t = 0..3) read 8 different bank groups.
+template <int BITS>
+__device__ __forceinline__ int xs_chunk(int r, int c) {
+  return BITS == 4 ? c ^ ((r & 1) | (((c >> 3) & 1) << 1)) : c ^ (r & 1);
+}
+
+template <class V, int BITS, int RT, bool kF32Out, bool SAM, Int4Kind K4>
+__global__ void __launch_bounds__(kGemvThreads, 2)
+    gemv_int_xs_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int group,
+                       const uint16_t* bias, void* y, int ldy, int m, int n, int k, int g_step, int r_step) {
+  using Cfg = IntXsCfg<BITS, RT>;
+  constexpr int NT = 2, S = Cfg::kStages, C = NT * 8, kRows = Cfg::kRows, kStageBytes = Cfg::kStageBytes;
+  constexpr int C16 = 128 / BITS, kRound = kIntRound<BITS>, XW = C16 / 2, XU = XW / 4;
+  constexpr int kXChunks = kRound * 2 / 16;  // 16-byte chunks of a row of x in a round
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row0 = int(blockIdx.x) * kRows, wrow0 = row0 + warp * 16 * RT;
+  const int splits = int(gridDim.y), split = int(blockIdx.y);
+  const int kr = (k + kRound - 1) / kRound;
+  const int rounds = split < kr ? (kr - split + splits - 1) / splits : 0;
+  const size_t row_bytes = size_t(k) * BITS / 8;
+  const int ng = k / group;
+  extern __shared__ uint4 gemv_int_smem[];
+  char* const ring = reinterpret_cast<char*>(gemv_int_smem);
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  int rows[RT][2];  // as gemv_int_kernel's: clamped to n - 1, read and never stored
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rows[j][h] = min(wrow0 + 16 * j + 8 * h + g, n - 1);
+  const uint8_t* src[RT][2];
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) src[j][h] = codes + size_t(rows[j][h]) * row_bytes + min(size_t(16 * t), row_bytes - 16);
+  const uint32_t code_dst = ring_s + Cfg::kXBytes + warp * Cfg::kWarpBytes + lane * 16;
+  auto issue_codes = [&](int i) {
+    if (i >= rounds) return;
+    const int k0 = (split + i * splits) * kRound;
+    const bool ok = k0 + C16 * t < k;  // k % C16 == 0: a lane's codes are all in or all out
+    const int off = ok ? k0 * BITS / 8 : 0;
+    const uint32_t dst = code_dst + (i % S) * kStageBytes;
+#pragma unroll
+    for (int j = 0; j < RT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) mma::cp_async16(dst + (2 * j + h) * 512, src[j][h] + off, ok ? 16 : 0);
+  };
+  // x: thread th copies chunk th % kXChunks (8 columns) of row th / kXChunks; rows past m, and
+  // columns past k, are zeros (read from nowhere).
+  const int xrow = int(threadIdx.x) / kXChunks, xc = int(threadIdx.x) % kXChunks;
+  const uint16_t* const xsrc = x + size_t(min(xrow, m - 1)) * size_t(k) + 8 * xc;
+  const uint32_t x_dst = ring_s + xrow * (kRound * 2) + xs_chunk<BITS>(xrow, xc) * 16;
+  auto issue_x = [&](int i) {
+    if (i >= rounds || xrow >= 16) return;
+    const int k0 = (split + i * splits) * kRound;
+    const bool ok = xrow < m && k0 + 8 * xc < k;  // k % 16 == 0: a chunk is all in or all out
+    mma::cp_async16(x_dst + (i % S) * kStageBytes, ok ? static_cast<const void*>(xsrc + k0) : x, ok ? 16 : 0);
+  };
+  auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
+  // (s, b) of the lane's rows, a round ahead, the group advancing as gemv_int_kernel's load_p.
+  const int lane_col = split * kRound + C16 * t;
+  int next_g = lane_col / group, next_r = lane_col % group;
+  uint32_t poff[RT][2];
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) poff[j][h] = uint32_t(rows[j][h]) * uint32_t(ng);
+  auto load_p = [&](int i, uint32_t (&pr)[RT][2]) {
+    const int k0 = (split + i * splits) * kRound;
+    const uint32_t gi = i < rounds && k0 + C16 * t < k ? uint32_t(next_g) : 0u;
+#pragma unroll
+    for (int j = 0; j < RT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) pr[j][h] = __ldg(params + (poff[j][h] + gi));
+    next_g += g_step, next_r += r_step;
+    if (next_r >= group) next_r -= group, ++next_g;
+  };
+  // The codes do not depend on the previous kernel, x does: the first stages' codes go first,
+  // each its own group, then their x as one group; round 0 waits for all of them, round i > 0
+  // for the group issued S - 1 rounds before it.
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue_codes(i), commit();
+  pdl_wait();
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue_x(i);
+  commit();
+  float acc[RT][NT][4] = {};
+  uint32_t pr[RT][2];
+  load_p(0, pr);
+  for (int i = 0; i < rounds; ++i) {
+    uint32_t pn[RT][2];
+    load_p(i + 1, pn);
+    if (i == 0) asm volatile("cp.async.wait_group 0;\n" ::);
+    else asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
+    __syncthreads();  // round i's copies, every thread's, have landed; round i - 1's slot is read
+    issue_codes(i + S - 1);
+    issue_x(i + S - 1);
+    commit();
+    const char* stage = ring + (i % S) * kStageBytes;
+    uint32_t xw[NT][XW];
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int u = 0; u < XU; ++u) {
+        const int r = 8 * q + g;
+        const uint4 v = *reinterpret_cast<const uint4*>(stage + r * (kRound * 2) + xs_chunk<BITS>(r, XU * t + u) * 16);
+        xw[q][4 * u] = v.x, xw[q][4 * u + 1] = v.y, xw[q][4 * u + 2] = v.z, xw[q][4 * u + 3] = v.w;
+      }
+    int_round<V, BITS, NT, RT, SAM, K4>(stage + Cfg::kXBytes + warp * Cfg::kWarpBytes + lane * 16, xw, pr, acc);
+#pragma unroll
+    for (int j = 0; j < RT; ++j) pr[j][0] = pn[j][0], pr[j][1] = pn[j][1];
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  allow_dependents();  // the codes are read
+  // acc[j][q][e]: weight row wrow0 + 16 j + g + 8 (e >> 1), x row 8 q + 2 t + (e & 1); the
+  // warps' rows differ, so the CTA's sums go straight to red [kRows][C] (over the ring).
+  __syncthreads();
+  float* const red = reinterpret_cast<float*>(gemv_int_smem);
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int q = 0; q < NT; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        red[(warp * 16 * RT + 16 * j + g + 8 * (e >> 1)) * C + 8 * q + 2 * t + (e & 1)] = acc[j][q][e];
+  cluster_sync(splits);  // every CTA's sums are in its shared memory (a CTA barrier at 1)
+  const int rank = cluster_rank(splits), per = (kRows + splits - 1) / splits;
+  for (int idx = int(threadIdx.x); idx < per * m; idx += kGemvThreads) {
+    const int rr = rank * per + idx / m, r = idx % m, row = row0 + rr;
+    if (rr >= kRows || row >= n) continue;
+    float v = red[rr * C + r];
+    for (int s = 0; s < splits; ++s)
+      if (s != rank) v += cluster_peer(red, s)[rr * C + r];
+    store_out<V, 1, kF32Out>(y, ldy, row, r, v, bias);
+  }
+  if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
+}
+
 // The cluster split (as gemv_fp8.cu's tc_splits, measured there): 2 where the grid has fewer
 // row blocks than SMs and each warp keeps at least 2 rounds, else 1.
 // copies: how many weights of n rows the launch multiplies (the experts a step routes to).
@@ -344,52 +508,81 @@ int int_splits(int rows_per_cta, int n, int k, int round, int copies = 1) {
 }
 
 // ex: the experts' tiles (gemv_int_experts), grid z over its max_tiles; else a plain GEMV.
-template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, Int4Kind K4>
+// XS: gemv_int_xs_kernel (NT = 2; plain GEMVs only).
+template <class V, int BITS, int NT, int RT, bool kF32Out, bool SAM, Int4Kind K4, bool XS>
 void launch_int(const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n, int k,
                 cudaStream_t st, const IntExpertTiles& ex) {
-  using Cfg = IntCfg<RT>;
-  constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM, K4>;
-  resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
-  const int splits =
-      std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, kIntRound<BITS>, ex.expert ? ex.routed : 1));
-  const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits),
-                  unsigned(ex.expert ? ex.max_tiles : 1));
-  const int stride = splits * kIntWarps * kIntRound<BITS>;  // columns a round of every warp covers
-  KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits,
-                                             static_cast<const uint16_t*>(x), w.codes, w.params, w.group,
-                                             static_cast<const uint16_t*>(bias), y, ldy, m, n, k,
-                                             stride / w.group, stride % w.group, ex));
+  if constexpr (XS) {
+    using Cfg = IntXsCfg<BITS, RT>;
+    constexpr auto kernel = gemv_int_xs_kernel<V, BITS, RT, kF32Out, SAM, K4>;
+    const int resident = resident_ctas<kernel, Cfg::kSmem>();
+    const int blocks = (n + Cfg::kRows - 1) / Cfg::kRows, kr = (k + kIntRound<BITS> - 1) / kIntRound<BITS>;
+    // A cluster's CTAs split k as long as the grid stays within one wave of resident CTAs and
+    // each CTA keeps two rounds or more.
+    const int splits = compute_capability() < 90
+                           ? 1
+                           : std::clamp(resident / blocks, 1, std::min(kIntMaxSplits, std::max(1, kr / 2)));
+    const int stride = splits * kIntRound<BITS>;  // columns a round of every CTA of a cluster covers
+    KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(dim3(unsigned(blocks), unsigned(splits)), dim3(kGemvThreads),
+                                               Cfg::kSmem, st, splits, static_cast<const uint16_t*>(x), w.codes,
+                                               w.params, w.group, static_cast<const uint16_t*>(bias), y, ldy, m,
+                                               n, k, stride / w.group, stride % w.group));
+  } else {
+    using Cfg = IntCfg<RT>;
+    constexpr auto kernel = gemv_int_kernel<V, BITS, NT, RT, kF32Out, SAM, K4>;
+    resident_ctas<kernel, Cfg::kSmem>();  // opts the kernel in to its shared memory
+    const int splits =
+        std::min(kIntMaxSplits, int_splits(Cfg::kRows, n, k, kIntRound<BITS>, ex.expert ? ex.routed : 1));
+    const dim3 grid(unsigned((n + Cfg::kRows - 1) / Cfg::kRows), unsigned(splits),
+                    unsigned(ex.expert ? ex.max_tiles : 1));
+    const int stride = splits * kIntWarps * kIntRound<BITS>;  // columns a round of every warp covers
+    KVLM_CUDA_CHECK(launch_pdl_cluster<kernel>(grid, dim3(kGemvThreads), Cfg::kSmem, st, splits,
+                                               static_cast<const uint16_t*>(x), w.codes, w.params, w.group,
+                                               static_cast<const uint16_t*>(bias), y, ldy, m, n, k,
+                                               stride / w.group, stride % w.group, ex));
+  }
 }
 
 template <class V, int BITS>
 void launch_int_any(bool f32, const void* x, const IntWeight& w, const void* bias, void* y, int ldy, int m, int n,
                     int k, cudaStream_t st, const IntExpertTiles& ex) {
   const bool sam = !w.e2m1 && gemv_int_scales_after_mma(V::kBF16 ? DType::BF16 : DType::F16, BITS, w.group);
-  auto launch = [&](auto nt, auto rt, auto kind) {
+  auto launch = [&](auto nt, auto rt, auto kind, auto xs) {
     constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
     constexpr Int4Kind K4 = decltype(kind)::value;
-    constexpr bool kSam = BITS == 4 && V::kBF16 && K4 != Int4Kind::E2M1;
+    constexpr bool kSam = BITS == 4 && V::kBF16 && K4 != Int4Kind::E2M1, XS = decltype(xs)::value;
     if (kSam && sam) {
-      if (f32) launch_int<V, BITS, NT, RT, true, kSam, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
-      else launch_int<V, BITS, NT, RT, false, kSam, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
+      if (f32) launch_int<V, BITS, NT, RT, true, kSam, K4, XS>(x, w, bias, y, ldy, m, n, k, st, ex);
+      else launch_int<V, BITS, NT, RT, false, kSam, K4, XS>(x, w, bias, y, ldy, m, n, k, st, ex);
       return;
     }
-    if (f32) launch_int<V, BITS, NT, RT, true, false, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
-    else launch_int<V, BITS, NT, RT, false, false, K4>(x, w, bias, y, ldy, m, n, k, st, ex);
+    if (f32) launch_int<V, BITS, NT, RT, true, false, K4, XS>(x, w, bias, y, ldy, m, n, k, st, ex);
+    else launch_int<V, BITS, NT, RT, false, false, K4, XS>(x, w, bias, y, ldy, m, n, k, st, ex);
   };
-  auto go = [&](auto nt, auto rt) {
-    if constexpr (BITS == 4) with_int4_kind(w, [&](auto kind) { launch(nt, rt, kind); });
-    else launch(nt, rt, std::integral_constant<Int4Kind, Int4Kind::Affine>{});
+  auto go = [&](auto nt, auto rt, auto xs) {
+    if constexpr (BITS == 4) with_int4_kind(w, [&](auto kind) { launch(nt, rt, kind, xs); });
+    else launch(nt, rt, std::integral_constant<Int4Kind, Int4Kind::Affine>{}, xs);
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
+  using XS = std::true_type;  // gemv_int_xs_kernel
+  using NX = std::false_type;
+  const KernelSwitches sw = kernel_switches();
+  if (!ex.expert && gemv_int_shares_x(w, m, n, k)) {
+    // 256-row CTAs up to 4 row blocks per SM (qkv: 13.2 against 18.5 µs at 128 rows), else
+    // 128-row ones (the LM head: 180 against 192 µs); weights-4bit.md.
+    const int tiles = sw.int_shared_x_tiles > 0 ? sw.int_shared_x_tiles : (n + 255) / 256 > 4 * sm_count() ? 1 : 2;
+    if (tiles == 1) go(I2{}, I1{}, XS{});
+    else go(I2{}, I2{}, XS{});
+    return;
+  }
   // As gemv_fp8.cu: 32-row CTAs where they give 1.4 CTAs per SM or more, else 64-row CTAs.
   const bool small = (n + 31) / 32 * (ex.expert ? ex.routed : 1) >= sm_count() * 7 / 5;
   // 4-bit codes at m > 8 (two B tiles of 32 columns of x per lane) spill at 64 rows.
-  if (m <= 8) small ? go(I1{}, I2{}) : go(I1{}, I4{});
-  else if constexpr (BITS == 4) go(I2{}, I2{});
-  else small ? go(I2{}, I2{}) : go(I2{}, I4{});
+  if (m <= 8) small ? go(I1{}, I2{}, NX{}) : go(I1{}, I4{}, NX{});
+  else if constexpr (BITS == 4) go(I2{}, I2{}, NX{});
+  else small ? go(I2{}, I2{}, NX{}) : go(I2{}, I4{}, NX{});
 }
 
 // One thread per 16 bytes of codes (C16 values of one group): out = s * code + b, rounded to the
@@ -460,6 +653,14 @@ void launch_any(DType ab, bool f32, const void* x, const IntWeight& w, const voi
 bool gemv_int_scales_after_mma(DType ab, int bits, int group) {
   // f16's magic number is 1024: the cancellation of 1024 sum x would cost more than it saves.
   return ab == DType::BF16 && bits == 4 && group % 128 == 0 && kernel_switches().int_scale_after_mma;
+}
+
+bool gemv_int_shares_x(const IntWeight& w, int m, int n, int k) {
+  const KernelSwitches sw = kernel_switches();
+  if (m < sw.int_shared_x_min_m || m > kGemvIntMaxM) return false;
+  // Measured at m = 16 (decode_bench --int-lab): faster on gate/up, qkv and the LM head at k =
+  // 4096 with 4-bit codes; slower on o (n = 4096), down (k = 12288) and most 8-bit shapes.
+  return !sw.int_shared_x_by_shape || (w.bits == 4 && k <= 4096 && n >= 6144);
 }
 
 bool int_layout_fits(int k, int bits, int group) {

@@ -95,8 +95,7 @@ __device__ __forceinline__ uint32_t e2m1_magnitudes(uint32_t sel) {
 template <class V, int BITS, int M, Int4Kind K, bool kF32Out>
 __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_int_dp4a_kernel(const uint16_t* x, const uint8_t* codes, const uint32_t* params, int bshift,
-                         const uint16_t* bias, void* y, int ldy, int m, int n, int k, IntExpertTiles ex,
-                         bool pipeline) {
+                         const uint16_t* bias, void* y, int ldy, int m, int n, int k, IntExpertTiles ex) {
   // Experts (ex.expert set), as gemv_int.cu's kernel takes them: CTA column z takes tile z, whose
   // expert's n rows follow the previous experts' in codes, params and bias; its m = count rows
   // of x are x_rows[first ...] (or first ...), its rows of y first .... All of it is the
@@ -234,19 +233,12 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   }
   __syncthreads();
 
-  // `pipeline`: a task's last step loads the lane's first codes of its next task, so that a
-  // warp with several tasks (gate/up at batch 1: ~6) keeps codes in flight across them; else
-  // each task's first load waits for nothing but starts only once the previous task is summed.
-  // One row of x only: at two the zero-point and E2M1 variants spill 38 bytes with it.
-  constexpr bool kPipeline = M == 1;
-  bool loaded = kEarly;  // this lane's first codes of its next task are in cn / pn
   for (int task = first; task < tasks; task += stride) {
     float acc[R][M] = {};
-    if (!loaded) {
+    if (task != first || !kEarly) {
       rows_of(task);
       load(lane);
     }
-    loaded = false;
     for (int v0 = lane; v0 < nb; v0 += 32 * U) {
       uint4 c[R][U];
       uint32_t p[R][U];
@@ -254,13 +246,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int j = 0; j < R; ++j) c[j][u] = cn[j][u], p[j][u] = pn[j][u];
-      if (v0 + 32 * U < nb) {
-        load(v0 + 32 * U);
-      } else if (kPipeline && pipeline && task + stride < tasks) {
-        rows_of(task + stride);  // c and p hold this step's codes; the sums below need only task
-        load(lane);
-        loaded = true;
-      }
+      if (v0 + 32 * U < nb) load(v0 + 32 * U);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int v = min(v0 + 32 * u, nb - 1);
@@ -366,8 +352,7 @@ void launch(const void* x, const IntWeight& w, int bshift, const void* bias, voi
   const int ctas = std::min((tasks + kDp4aWarps - 1) / kDp4aWarps, std::max(1, per_sm * sm_count() / copies));
   KVLM_CUDA_CHECK(launch_pdl<kernel>(dim3(unsigned(ctas), 1, unsigned(ex.expert ? ex.max_tiles : 1)), dim3(kGemvThreads),
                                      smem, st, static_cast<const uint16_t*>(x), w.codes, w.params, bshift,
-                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k, ex,
-                                     kernel_switches().int_dp4a_pipeline));
+                                     static_cast<const uint16_t*>(bias), y, ldy, m, n, k, ex));
 }
 
 template <class V, int BITS>

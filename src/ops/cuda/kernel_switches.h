@@ -50,9 +50,14 @@ struct KernelSwitches {
   // ... only for the shapes where it measured faster (gemv_int_dp4a_pays); off: wherever the
   // layout allows (tests, the lab).
   bool int_dp4a_by_shape = true;
-  // ... with each warp's next task's first codes loaded during its current task's last step
-  // (gemv_int_dp4a.cu); off until measured on the GPU (decode_bench --int-dp4a-pipeline).
-  bool int_dp4a_pipeline = false;
+  // gemv_int's tensor-core GEMV at m >= int_shared_x_min_m (plain GEMVs; experts keep the
+  // other): the kernel whose CTA shares each round of x through shared memory
+  // (gemv_int_xs_kernel) instead of each warp loading its own; 17: never.
+  int int_shared_x_min_m = 9;
+  // ... only for the shapes where it measured faster (gemv_int_shares_x); off: at every shape.
+  bool int_shared_x_by_shape = true;
+  // ... its 16-row tiles per warp (0: automatic, 1 or 2), for the lab.
+  int int_shared_x_tiles = 0;
 };
 
 void set_kernel_switches(const KernelSwitches& s);
