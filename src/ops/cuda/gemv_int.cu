@@ -29,6 +29,8 @@
 //    (columns (0, 1) and (2, 3) in the stored order), bit tricks of the same kind give the code
 //    exactly (int8x4_to_pairs says how for bf16, whose 8 significant bits no single magic number
 //    covers), and one fma forms s * code + b: 4-5 instructions per pair.
+// At 9-16 rows, 4-bit codes and k <= 4096, n >= 6144 (gemv_int_shares_x) a second kernel has
+// the CTA's warps own different rows and share each round of x through shared memory (below).
 // Larger m: gemm_int.cu up to 64 rows (x staged in shared memory, the same decode), then
 // dequantize_int writes the weight in the compute type into a scratch buffer for the 16-bit
 // GEMM (as FP8 weights with block scales do). The decode helpers live in int_decode.cuh.
