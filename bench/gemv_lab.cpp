@@ -289,36 +289,32 @@ void gemv_lab(double bw, bool int_only) {
         std::snprintf(buf, sizeof buf, " | %.1f | %.0f", us, double(bytes) / (us * 1e-6) / 1e9);
         cells += buf;
       }
-      for (const bool dp4a : {true, false}) {
-        auto forced = cuda::kernel_switches();
-        const auto saved = forced;
-        if (dp4a) forced.int_dp4a_by_shape = false;
-        else forced.int_dp4a_max_m = 0;
+      // One more cell: gemv_int at m rows under switches changed by `force`, restored after.
+      auto forced_cell = [&](int m, auto force) {
+        const auto saved = cuda::kernel_switches();
+        auto forced = saved;
+        force(forced);
         cuda::set_kernel_switches(forced);
-        for (int m : tc_ms) {
-          const double us =
-              time_us([&](int i) { cuda::gemv_int(DType::BF16, out, x, wi(i), nullptr, y, sh.n, m, sh.n, sh.k, nullptr); });
-          char buf[32];
-          std::snprintf(buf, sizeof buf, " | %.1f", us);
-          cells += buf;
-        }
+        const double us =
+            time_us([&](int i) { cuda::gemv_int(DType::BF16, out, x, wi(i), nullptr, y, sh.n, m, sh.n, sh.k, nullptr); });
+        char buf[32];
+        std::snprintf(buf, sizeof buf, " | %.1f", us);
+        cells += buf;
         cuda::set_kernel_switches(saved);
-      }
+      };
+      for (const bool dp4a : {true, false})
+        for (int m : tc_ms)
+          forced_cell(m, [&](cuda::KernelSwitches& f) {
+            if (dp4a) f.int_dp4a_by_shape = false;
+            else f.int_dp4a_max_m = 0;
+          });
       for (int m : xs_ms)
-        for (int tiles : {0, 1, 2}) {  // 0: x per warp
-          auto forced = cuda::kernel_switches();
-          const auto saved = forced;
-          forced.int_shared_x_min_m = tiles == 0 ? cuda::kGemvIntMaxM + 1 : 1;
-          forced.int_shared_x_by_shape = false;
-          forced.int_shared_x_tiles = tiles;
-          cuda::set_kernel_switches(forced);
-          const double us =
-              time_us([&](int i) { cuda::gemv_int(DType::BF16, out, x, wi(i), nullptr, y, sh.n, m, sh.n, sh.k, nullptr); });
-          char buf[32];
-          std::snprintf(buf, sizeof buf, " | %.1f", us);
-          cells += buf;
-          cuda::set_kernel_switches(saved);
-        }
+        for (int tiles : {0, 1, 2})  // 0: x per warp
+          forced_cell(m, [&](cuda::KernelSwitches& f) {
+            f.int_shared_x_min_m = tiles == 0 ? cuda::kGemvIntMaxM + 1 : 1;
+            f.int_shared_x_by_shape = false;
+            f.int_shared_x_tiles = tiles;
+          });
       const double dus = time_us([&](int i) { cuda::dequantize_int(DType::BF16, wi(i), deq, sh.n, sh.k, nullptr); });
       std::printf("| %s | %s, groups of %d%s | %d x %d | %.0f%s | %.1f | %.0f |\n", sh.name,
                   e2m1 ? "E2M1 (MXFP4)" : bits == 4 ? "4-bit" : "8-bit", group, sam || e2m1 ? "" : " (decode per weight)", sh.n, sh.k, double(bytes) / 1e6, cells.c_str(), dus,

@@ -86,6 +86,66 @@ __device__ __forceinline__ void int4x8_to_biased_pairs(uint32_t w, uint32_t (&p)
 template <int BITS>
 constexpr int kIntRound = 4 * (128 / BITS);
 
+// A lane's weight rows in RT 16-row tiles from `first` (rows g and g + 8 of each; clamped to
+// n - 1: rows past n are read, never stored), where its 16 bytes of codes start in each, and its
+// rows' (s, b) words round after round. load_p is called for rounds 0, 1, 2, ... in order: the
+// group of the lane's first column in the next round it loads advances by a fixed quotient and
+// remainder (an integer division by the runtime group every round was a tenth of the
+// instructions), and each row's parameters start at a 32-bit offset (n * ng < 2^32: gemv_int
+// checks). g_step, r_step: the quotient and remainder of (columns one round of every worker
+// covers) / group, from the launch; `col`: the lane's first column in round 0.
+template <int RT, int BITS>
+struct IntLaneRows {
+  const uint8_t* src[RT][2];
+  uint32_t poff[RT][2];
+  int next_g, next_r;
+  __device__ __forceinline__ IntLaneRows(int first, int g, int t, int n, int k, int group, int col,
+                                         const uint8_t* codes) {
+    const size_t row_bytes = size_t(k) * BITS / 8;
+    const int ng = k / group;
+#pragma unroll
+    for (int j = 0; j < RT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = min(first + 16 * j + 8 * h + g, n - 1);
+        src[j][h] = codes + size_t(row) * row_bytes + min(size_t(16 * t), row_bytes - 16);
+        poff[j][h] = uint32_t(row) * uint32_t(ng);
+      }
+    next_g = col / group;
+    next_r = col % group;
+  }
+  // `valid`: the round exists and the lane's columns lie within k (else group 0, read, unused).
+  __device__ __forceinline__ void load_p(const uint32_t* params, bool valid, int group, int g_step, int r_step,
+                                         uint32_t (&pr)[RT][2]) {
+    const uint32_t gi = valid ? uint32_t(next_g) : 0u;
+#pragma unroll
+    for (int j = 0; j < RT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) pr[j][h] = __ldg(params + (poff[j][h] + gi));
+    next_g += g_step, next_r += r_step;
+    if (next_r >= group) next_r -= group, ++next_g;
+  }
+};
+
+// The GEMVs' last step: the CTAs of a cluster (splits along y) add their sums red [kRows][C]
+// (rows row0 ..., columns the rows of x) through distributed shared memory, each CTA storing a
+// share of the rows into y's rows y_first ... (x's rows m).
+template <class V, bool kF32Out, int kRows, int C>
+__device__ __forceinline__ void store_cluster_sums(float* red, int splits, int row0, int n, int m, int y_first,
+                                                   void* y, int ldy, const uint16_t* bias) {
+  cluster_sync(splits);  // every CTA's sums are in its shared memory (a CTA barrier at 1)
+  const int rank = cluster_rank(splits), per = (kRows + splits - 1) / splits;
+  for (int idx = int(threadIdx.x); idx < per * m; idx += kGemvThreads) {
+    const int rr = rank * per + idx / m, r = idx % m, row = row0 + rr;
+    if (rr >= kRows || row >= n) continue;
+    float v = red[rr * C + r];
+    for (int s = 0; s < splits; ++s)
+      if (s != rank) v += cluster_peer(red, s)[rr * C + r];
+    store_out<V, 1, kF32Out>(y, ldy, row, y_first + r, v, bias);
+  }
+  if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
+}
+
 // One round of a warp: its RT 16-row tiles of codes (the lane's 16 bytes of rows g and g + 8 of
 // tile j at slot + (2 j) * 512 and slot + (2 j + 1) * 512) times x's B fragments xw (word b of
 // the lane's columns of x row 8 q + g: xw[q][b]), the rows' (s, b) words pr, into acc.
@@ -206,21 +266,10 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
   const int splits = int(gridDim.y), workers = splits * NW, worker = int(blockIdx.y) * NW + warp;
   const int kr = (k + kRound - 1) / kRound;
   const int rounds = worker < kr ? (kr - worker + workers - 1) / workers : 0;
-  const size_t row_bytes = size_t(k) * BITS / 8;
-  const int ng = k / group;
   extern __shared__ uint4 gemv_int_smem[];
   char* const ring = reinterpret_cast<char*>(gemv_int_smem) + warp * S * kStageBytes;
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
-  int rows[RT][2];  // the lane's weight rows (clamped to n - 1: rows past n are read, never stored)
-#pragma unroll
-  for (int j = 0; j < RT; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) rows[j][h] = min(row0 + 16 * j + 8 * h + g, n - 1);
-  const uint8_t* src[RT][2];
-#pragma unroll
-  for (int j = 0; j < RT; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) src[j][h] = codes + size_t(rows[j][h]) * row_bytes + min(size_t(16 * t), row_bytes - 16);
+  IntLaneRows<RT, BITS> lr(row0, g, t, n, k, group, worker * kRound + C16 * t, codes);
   auto issue = [&](int i) {
     if (i < rounds) {
       const int k0 = (worker + i * workers) * kRound;
@@ -230,7 +279,7 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
 #pragma unroll
       for (int j = 0; j < RT; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) mma::cp_async16(dst + (2 * j + h) * 512, src[j][h] + off, ok ? 16 : 0);
+        for (int h = 0; h < 2; ++h) mma::cp_async16(dst + (2 * j + h) * 512, lr.src[j][h] + off, ok ? 16 : 0);
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
@@ -270,27 +319,9 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
         xw[q][4 * u] = xa[q][u].x, xw[q][4 * u + 1] = xa[q][u].y, xw[q][4 * u + 2] = xa[q][u].z,
         xw[q][4 * u + 3] = xa[q][u].w;
   };
-  // load_p is called for rounds 0, 1, 2, ... in order: the group of the lane's first column in
-  // the next round it loads advances by a fixed quotient and remainder (an integer division by
-  // the runtime group every round was a tenth of the instructions), and each row's parameters
-  // start at a 32-bit offset (n * ng < 2^32: gemv_int checks). g_step, r_step: the quotient and
-  // remainder of (columns a round of all workers covers) / group, from the launch.
-  const int lane_col = worker * kRound + C16 * t;
-  int next_g = lane_col / group, next_r = lane_col % group;
-  uint32_t poff[RT][2];
-#pragma unroll
-  for (int j = 0; j < RT; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) poff[j][h] = uint32_t(rows[j][h]) * uint32_t(ng);
   auto load_p = [&](int i, uint32_t (&pr)[RT][2]) {
     const int k0 = (worker + i * workers) * kRound;
-    const uint32_t gi = i < rounds && k0 + C16 * t < k ? uint32_t(next_g) : 0u;
-#pragma unroll
-    for (int j = 0; j < RT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) pr[j][h] = __ldg(params + (poff[j][h] + gi));
-    next_g += g_step, next_r += r_step;
-    if (next_r >= group) next_r -= group, ++next_g;
+    lr.load_p(params, i < rounds && k0 + C16 * t < k, group, g_step, r_step, pr);
   };
   float acc[RT][NT][4] = {};
   uint4 xa[NT][XU];
@@ -332,17 +363,7 @@ __global__ void __launch_bounds__(kGemvThreads, int_min_blocks(RT, NT))
     for (int wi = 0; wi < NW; ++wi) v += part[wi * kRows * C + idx];
     red[idx] = v;
   }
-  cluster_sync(splits);  // every CTA's sums are in its shared memory
-  const int rank = cluster_rank(splits), per = kRows / splits;
-  for (int idx = int(threadIdx.x); idx < per * m; idx += kGemvThreads) {
-    const int rr = rank * per + idx / m, r = idx % m, row = row0 + rr;
-    if (row >= n) continue;
-    float v = red[rr * C + r];
-    for (int s = 0; s < splits; ++s)
-      if (s != rank) v += cluster_peer(red, s)[rr * C + r];
-    store_out<V, 1, kF32Out>(y, ldy, row, y_first + r, v, bias);
-  }
-  if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
+  store_cluster_sums<V, kF32Out, kRows, C>(red, splits, row0, n, m, y_first, y, ldy, bias);
 }
 
 // x shared by the CTA (m = 9-16, plain GEMVs; KernelSwitches::int_shared_x_min_m). Above, a
@@ -382,21 +403,10 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   const int splits = int(gridDim.y), split = int(blockIdx.y);
   const int kr = (k + kRound - 1) / kRound;
   const int rounds = split < kr ? (kr - split + splits - 1) / splits : 0;
-  const size_t row_bytes = size_t(k) * BITS / 8;
-  const int ng = k / group;
   extern __shared__ uint4 gemv_int_smem[];
   char* const ring = reinterpret_cast<char*>(gemv_int_smem);
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  int rows[RT][2];  // as gemv_int_kernel's: clamped to n - 1, read and never stored
-#pragma unroll
-  for (int j = 0; j < RT; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) rows[j][h] = min(wrow0 + 16 * j + 8 * h + g, n - 1);
-  const uint8_t* src[RT][2];
-#pragma unroll
-  for (int j = 0; j < RT; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) src[j][h] = codes + size_t(rows[j][h]) * row_bytes + min(size_t(16 * t), row_bytes - 16);
+  IntLaneRows<RT, BITS> lr(wrow0, g, t, n, k, group, split * kRound + C16 * t, codes);
   const uint32_t code_dst = ring_s + Cfg::kXBytes + warp * Cfg::kWarpBytes + lane * 16;
   auto issue_codes = [&](int i) {
     if (i >= rounds) return;
@@ -407,7 +417,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 #pragma unroll
     for (int j = 0; j < RT; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) mma::cp_async16(dst + (2 * j + h) * 512, src[j][h] + off, ok ? 16 : 0);
+      for (int h = 0; h < 2; ++h) mma::cp_async16(dst + (2 * j + h) * 512, lr.src[j][h] + off, ok ? 16 : 0);
   };
   // x: thread th copies chunk th % kXChunks (8 columns) of row th / kXChunks; rows past m, and
   // columns past k, are zeros (read from nowhere).
@@ -421,23 +431,9 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
     mma::cp_async16(x_dst + (i % S) * kStageBytes, ok ? static_cast<const void*>(xsrc + k0) : x, ok ? 16 : 0);
   };
   auto commit = [] { asm volatile("cp.async.commit_group;\n" ::); };
-  // (s, b) of the lane's rows, a round ahead, the group advancing as gemv_int_kernel's load_p.
-  const int lane_col = split * kRound + C16 * t;
-  int next_g = lane_col / group, next_r = lane_col % group;
-  uint32_t poff[RT][2];
-#pragma unroll
-  for (int j = 0; j < RT; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) poff[j][h] = uint32_t(rows[j][h]) * uint32_t(ng);
-  auto load_p = [&](int i, uint32_t (&pr)[RT][2]) {
+  auto load_p = [&](int i, uint32_t (&pr)[RT][2]) {  // (s, b) of the lane's rows, a round ahead
     const int k0 = (split + i * splits) * kRound;
-    const uint32_t gi = i < rounds && k0 + C16 * t < k ? uint32_t(next_g) : 0u;
-#pragma unroll
-    for (int j = 0; j < RT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) pr[j][h] = __ldg(params + (poff[j][h] + gi));
-    next_g += g_step, next_r += r_step;
-    if (next_r >= group) next_r -= group, ++next_g;
+    lr.load_p(params, i < rounds && k0 + C16 * t < k, group, g_step, r_step, pr);
   };
   // The codes do not depend on the previous kernel, x does: the first stages' codes go first,
   // each its own group, then their x as one group; round 0 waits for all of them, round i > 0
@@ -487,17 +483,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         red[(warp * 16 * RT + 16 * j + g + 8 * (e >> 1)) * C + 8 * q + 2 * t + (e & 1)] = acc[j][q][e];
-  cluster_sync(splits);  // every CTA's sums are in its shared memory (a CTA barrier at 1)
-  const int rank = cluster_rank(splits), per = (kRows + splits - 1) / splits;
-  for (int idx = int(threadIdx.x); idx < per * m; idx += kGemvThreads) {
-    const int rr = rank * per + idx / m, r = idx % m, row = row0 + rr;
-    if (rr >= kRows || row >= n) continue;
-    float v = red[rr * C + r];
-    for (int s = 0; s < splits; ++s)
-      if (s != rank) v += cluster_peer(red, s)[rr * C + r];
-    store_out<V, 1, kF32Out>(y, ldy, row, r, v, bias);
-  }
-  if (splits > 1) cluster_sync(splits);  // no CTA leaves while another reads its sums
+  store_cluster_sums<V, kF32Out, kRows, C>(red, splits, row0, n, m, 0, y, ldy, bias);
 }
 
 // The cluster split (as gemv_fp8.cu's tc_splits, measured there): 2 where the grid has fewer
